@@ -1,0 +1,1 @@
+"""autofuse: graph-level auto-fusion compiler for PyTorch on Cube/Vector NPUs."""

@@ -1,0 +1,1 @@
+"""Pattern library: one module per fusible family."""
