@@ -1,0 +1,196 @@
+"""Cube matmul: ``out[..., M, N] = a[..., M, K] @ b[..., K, N] (+ bias[N])``, batched, optional transposes.
+
+Schedule (one base tile ``m0 × n0`` of the output per core and step, cores in lockstep):
+
+    for each K chunk of k1 (double-buffered in L1):      MTE2  GM -> L1   (A chunk m0×k1, B chunk k1×n0)
+        for each k0 slice of the chunk (double-buffered): MTE1  L1 -> L0A, L1 -> L0B
+                                                           Cube  L0C += L0A @ L0B (fp32)
+    coupled: FixPipe L0C -> UB (cast), MTE3 UB -> GM;  split: FixPipe L0C -> GM (cast)
+
+L0C is double-buffered when it fits, so one tile's write-out overlaps the next tile's products. Work
+items (batch, row block, column block) go round-robin over cores, so cores working at the same time
+share A rows and B columns through L2. A bias is loaded once per tile and seeds the accumulator, as
+the bias table does.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+
+from autofuse.npu.dtypes import itemsize
+from autofuse.npu.run import kernel
+
+CUBE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def _round(a, b):
+    return _ceil(a, b) * b
+
+
+def tiling_fits(device, dtype: str, out_dtype: str, t: dict) -> bool:
+    """Whether tiling ``t`` (m0, n0, k0, k1) fits every buffer it uses on ``device``."""
+    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    buf = device.buffers
+    l0c_tiles = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
+    return (k1 % k0 == 0
+            and 2 * (m0 * k1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
+            and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * k0 * n0 * isz <= buf["L0B"]
+            and l0c_tiles * m0 * n0 * 4 <= buf["L0C"]
+            and (device.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"]))
+
+
+def default_tiling(device, M: int, N: int, K: int, batch: int, dtype: str, out_dtype: str) -> dict:
+    """A base tile that keeps the Cube fed: the fewest waves of work times the slower of Cube and MTE2.
+
+    K slices (k0) are the deepest that fit L0A/L0B double-buffered; L1 chunks are two slices deep, so the
+    first product starts soon after launch. The cost model searches tilings properly; this is the
+    kernel's own default when none is given.
+    """
+    isz = itemsize(dtype)
+    k0f = device.cube_k0[dtype]
+    best = None
+    for m0 in (256, 128, 64, 32, 16):
+        for n0 in (256, 128, 64, 32, 16):
+            m0e, n0e = min(m0, _round(M, 16)), min(n0, _round(N, 16))
+            if best is not None and (m0e, n0e) in best[2]:
+                continue
+            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= device.buffers["L0A"]
+                       and 2 * k * n0e * isz <= device.buffers["L0B"]), 16)
+            k0 = min(k0, _round(K, 16))
+            t = {"m0": m0e, "n0": n0e, "k0": k0, "k1": min(2 * k0, _round(K, k0))}
+            if not tiling_fits(device, dtype, out_dtype, t):
+                continue
+            waves = _ceil(batch * _ceil(M, m0e) * _ceil(N, n0e), device.cube_cores)
+            cube = (m0e // 16) * (n0e // 16) * _ceil(K, k0f)
+            mte2 = (m0e + n0e) * K * isz / device.rates["GM->L1"]
+            score = waves * max(cube, mte2)
+            seen = best[2] if best else set()
+            seen.add((m0e, n0e))
+            if best is None or score < best[0]:
+                best = (score, t, seen)
+    if best is None:
+        raise ValueError(f"no matmul tiling fits {device.name} for {dtype}")
+    return best[1]
+
+
+def _check(a, b, trans_a, trans_b):
+    for name, t in (("a", a), ("b", b)):
+        if t.data.ndim < 2:
+            raise ValueError(f"matmul: {name} must have at least 2 dims, got shape {list(t.shape)}")
+        if t.dtype not in CUBE_DTYPES:
+            raise TypeError(f"matmul: {name} is {t.dtype}; the Cube takes {', '.join(CUBE_DTYPES)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"matmul: a is {a.dtype} but b is {b.dtype}; cast one of them first")
+    K = a.shape[-2] if trans_a else a.shape[-1]
+    Kb = b.shape[-1] if trans_b else b.shape[-2]
+    if K != Kb:
+        raise ValueError(f"matmul: inner dims differ: a {list(a.shape)}{' (transposed)' if trans_a else ''} "
+                         f"and b {list(b.shape)}{' (transposed)' if trans_b else ''}")
+
+
+@kernel("matmul")
+def matmul(launch, a, b, bias=None, trans_a=False, trans_b=False, tiling=None, out_dtype=None):
+    """``a @ b`` on the Cube (see the module docstring). ``tiling``: dict m0, n0, k0, k1 (else chosen)."""
+    _check(a, b, trans_a, trans_b)
+    dev = launch.device
+    dtype = a.dtype
+    out_dtype = out_dtype or dtype
+    M = a.shape[-1] if trans_a else a.shape[-2]
+    K = a.shape[-2] if trans_a else a.shape[-1]
+    N = b.shape[-2] if trans_b else b.shape[-1]
+    batch_shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    # A batch of rows against one B is one taller GEMM: B tiles are then reused across the batch.
+    fold = b.data.ndim == 2 and a.data.ndim > 2 and not trans_a
+    if fold:
+        a = type(a)(a.data.reshape(-1, K), a.dtype, a.name)
+        M_rows = a.shape[0]
+        batches = [()]
+    else:
+        M_rows = M
+        batches = list(np.ndindex(*batch_shape)) if batch_shape else [()]
+    if bias is not None and bias.shape[-1] != N:
+        raise ValueError(f"matmul: bias has {bias.shape[-1]} elements, output has N={N} columns")
+    t = dict(tiling) if tiling else default_tiling(dev, M_rows, N, K, len(batches), dtype, out_dtype)
+    if not tiling_fits(dev, dtype, out_dtype, t):
+        raise ValueError(f"matmul tiling {t} does not fit the buffers of {dev.name}")
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    out_shape = (*batch_shape, M, N) if not fold else (*batch_shape, M, N)
+    out = launch.empty((M_rows, N) if fold else out_shape, out_dtype, "out")
+
+    def index(t_, bidx):
+        nb = t_.data.ndim - 2
+        bi = bidx[len(bidx) - nb:] if nb else ()
+        return tuple(0 if t_.shape[i] == 1 else bi[i] for i in range(nb))
+
+    items = [(bi, mi, ni) for bi in batches for mi in range(_ceil(M_rows, m0)) for ni in range(_ceil(N, n0))]
+    ncores = min(dev.cube_cores, len(items))
+    g = launch.group("core" if dev.arch == "coupled" else "aic", ncores)
+    a1 = [g.alloc("L1", (m0, k1), dtype, f"a1_{i}") for i in range(2)]
+    b1 = [g.alloc("L1", (k1, n0), dtype, f"b1_{i}") for i in range(2)]
+    bias1 = g.alloc("L1", (1, n0), "float32", "bias") if bias is not None else None
+    a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
+    b0 = [g.alloc("L0B", (k0, n0), dtype, f"b0_{i}") for i in range(2)]
+    nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+    c0 = [g.alloc("L0C", (m0, n0), "float32", f"c_{i}") for i in range(nc)]
+    ub = [g.alloc("UB", (m0, n0), out_dtype, f"ub_{i}") for i in range(2)] if dev.arch == "coupled" else None
+
+    isz = itemsize(dtype)
+    nk1 = _ceil(K, k1)
+    slot0 = slot1 = 0
+    for step in range(_ceil(len(items), ncores)):
+        mine = [items[step * ncores + c] if step * ncores + c < len(items) else None for c in range(ncores)]
+        active = np.array([it is not None for it in mine])
+        act = None if active.all() else active
+        m_ext = np.array([min(m0, M_rows - it[1] * m0) if it else 0 for it in mine])
+        n_ext = np.array([min(n0, N - it[2] * n0) if it else 0 for it in mine])
+        rows = [slice(it[1] * m0, it[1] * m0 + m_ext[c]) if it else None for c, it in enumerate(mine)]
+        cols = [slice(it[2] * n0, it[2] * n0 + n_ext[c]) if it else None for c, it in enumerate(mine)]
+        acc = c0[step % nc]
+        if bias1 is not None:
+            g.load(bias1, bias, [(slice(None),) * (bias.data.ndim - 1) + (cols[c],) if it else None
+                                 for c, it in enumerate(mine)],
+                   fn=lambda x: x.reshape(1, -1), name="load bias")
+        for kk in range(nk1):
+            ks = slice(kk * k1, min(K, (kk + 1) * k1))
+            A1, B1 = a1[kk % 2], b1[kk % 2]
+            a_reg = [None if it is None else
+                     index(a, it[0]) + ((ks, rows[c]) if trans_a else (rows[c], ks)) for c, it in enumerate(mine)]
+            b_reg = [None if it is None else
+                     index(b, it[0]) + ((cols[c], ks) if trans_b else (ks, cols[c])) for c, it in enumerate(mine)]
+            g.load(A1, a, a_reg, active=act, fn=np.transpose if trans_a else None, name="load A")
+            g.load(B1, b, b_reg, active=act, fn=np.transpose if trans_b else None, name="load B")
+            k_chunk = ks.stop - ks.start
+            for kq in range(_ceil(k_chunk, k0)):
+                kv = min(k0, k_chunk - kq * k0)
+                A0, B0 = a0[slot0 % 2], b0[slot0 % 2]
+                slot0 += 1
+                sl = slice(kq * k0, (kq + 1) * k0)
+                g.move(A0, A1, fn=lambda x, sl=sl: x[:, :, sl], nbytes=_round(m_ext, 16) * kv * isz, active=act)
+                g.move(B0, B1, fn=lambda x, sl=sl: x[:, sl, :], nbytes=kv * _round(n_ext, 16) * isz, active=act)
+                first = kk == 0 and kq == 0
+                g.mmad(acc, A0, B0, m_ext, kv, n_ext, accumulate=not first,
+                       init=bias1.data[:, :, :] if (first and bias1 is not None) else None, active=act)
+        out_reg = [None if it is None else
+                   ((rows[c], cols[c]) if fold else tuple(it[0]) + (rows[c], cols[c])) for c, it in enumerate(mine)]
+        if ub is not None:
+            U = ub[slot1 % 2]
+            slot1 += 1
+            g.move(U, acc, nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
+            g.store(U, out, out_reg, active=act, name="store out")
+        else:
+            g.store(acc, out, out_reg, active=act, name="store out")
+    if fold:
+        out = type(out)(out.data.reshape(out_shape), out.dtype, out.name)
+    return (out,)
+
+
+def flops(M, N, K, batch=1) -> int:
+    return 2 * M * N * K * batch
+
+
+__all__ = ["matmul", "default_tiling", "tiling_fits", "flops"]

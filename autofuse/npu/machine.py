@@ -1,0 +1,503 @@
+"""The simulated NPU: buffers, engines with timelines, a shared L2 in front of HBM, SPMD launches.
+
+How a kernel runs
+-----------------
+1. A kernel opens a :class:`Launch` on a device and asks for one or more :class:`Group` s of cores
+   (``"core"``: a coupled AI core with every unit; ``"aic"``: Cube side of a split core; ``"aiv"``:
+   a vector core). All cores of a group run the same program in lockstep: every buffer holds a numpy
+   array with a leading core axis, so one numpy call computes a tile on every core at once.
+2. The program allocates tiles in the core's buffers (:meth:`Group.alloc`): capacity and alignment
+   are enforced, an overflow raises :class:`CapacityError` naming the buffer and the bytes.
+3. Each instruction occupies one unit (``mte1 mte2 mte3 fixpipe cube vector``) for a number of cycles
+   given by the device's rates. It starts when its unit is free, when the Scalar unit has issued it,
+   and when the tiles it reads are written (RAW) and the tiles it writes are no longer read (WAR).
+   Units run in parallel, so double buffering shows up as overlap on the timelines.
+4. Transfers from and to global memory (GM) also pass the core's port to the shared L2/HBM: a read
+   that hits L2 costs L2 bandwidth, a miss costs HBM bandwidth, and the cores of one lockstep
+   instruction share the chip's bandwidth (see :meth:`Group._gm_access`). A core's port carries one
+   transfer at a time; while an engine waits for it, the engine counts as busy, as a hardware counter
+   counts an outstanding request.
+5. :meth:`Launch.finish` returns :class:`Stats`: kernel time = the slowest core (never less than the
+   launch's HBM bytes over the chip's bandwidth) + the launch overhead.
+
+Everything here counts what the program executed; nothing calls a cost formula.
+
+L2 policy: an LRU cache of the regions kernels touch (keyed by tensor and region). Reads allocate.
+Writes to ordinary tensors are written through to HBM (a kernel's output must reach HBM for the next
+kernel); writes to *scratch* tensors (workspace a kernel rewrites and re-reads) stay in L2 as dirty
+lines, written back when evicted or, at the latest, at the end of the kernel.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autofuse.npu.dtypes import itemsize, to_dtype
+from cost_model.devices import Device
+
+UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
+_GROUP_UNITS = {
+    "core": UNITS,
+    "aic": ("mte1", "mte2", "fixpipe", "cube", "scalar"),
+    "aiv": ("mte2", "mte3", "vector", "scalar"),
+}
+_GROUP_BUFFERS = {"core": ("L1", "L0A", "L0B", "L0C", "UB"), "aic": ("L1", "L0A", "L0B", "L0C"), "aiv": ("UB",)}
+# Which engine moves data along each path.
+_PATH_UNIT = {
+    "GM->L1": "mte2", "GM->L0A": "mte2", "GM->L0B": "mte2", "GM->UB": "mte2",
+    "L1->L0A": "mte1", "L1->L0B": "mte1", "L1->UB": "mte1",
+    "L0C->UB": "fixpipe", "L0C->GM": "fixpipe", "UB->GM": "mte3",
+}
+
+
+class CapacityError(MemoryError):
+    """A tile does not fit its buffer."""
+
+
+class SimulatorError(RuntimeError):
+    """A program asked the simulated hardware for something it cannot do."""
+
+
+def _extent(region) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in region)
+
+
+class GMTensor:
+    """A tensor in global memory (HBM), stored as float32 holding values of ``dtype``."""
+
+    _ids = itertools.count()
+
+    def __init__(self, data: np.ndarray, dtype: str, name: str, scratch: bool = False):
+        self.id = next(GMTensor._ids)
+        self.data = data
+        self.dtype = dtype
+        self.name = name
+        self.scratch = scratch
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+
+class Tile:
+    """A buffer allocation on every core of a group: ``data[core, ...]`` plus per-core event times."""
+
+    __slots__ = ("group", "buffer", "offset", "nbytes", "shape", "dtype", "data", "ready", "busy_until", "name")
+
+    def __init__(self, group, buffer, offset, nbytes, shape, dtype, name):
+        n = group.n
+        self.group, self.buffer, self.offset, self.nbytes = group, buffer, offset, nbytes
+        self.shape, self.dtype, self.name = tuple(shape), dtype, name
+        self.data = np.zeros((n, *shape), dtype=np.bool_ if dtype == "bool" else np.float32)
+        self.ready = np.zeros(n)          # when the last write to the tile completes
+        self.busy_until = np.zeros(n)     # when the last read of the tile completes
+
+
+class L2:
+    """Shared LRU cache of GM regions. Returns (hit_bytes, miss_bytes, writeback_bytes) per access."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self.lines: OrderedDict = OrderedDict()   # key -> [nbytes, dirty]
+
+    def _make_room(self, nbytes: int) -> int:
+        wb = 0
+        while self.used + nbytes > self.capacity and self.lines:
+            _, (size, dirty) = self.lines.popitem(last=False)
+            self.used -= size
+            wb += size if dirty else 0
+        return wb
+
+    def read(self, key, nbytes: int) -> tuple[int, int, int]:
+        line = self.lines.get(key)
+        if line is not None and line[0] >= nbytes:
+            self.lines.move_to_end(key)
+            return nbytes, 0, 0
+        if line is not None:
+            self.used -= line[0]
+            del self.lines[key]
+        wb = self._make_room(nbytes)
+        if nbytes <= self.capacity:
+            self.lines[key] = [nbytes, False]
+            self.used += nbytes
+        return 0, nbytes, wb
+
+    def write(self, key, nbytes: int, dirty: bool) -> int:
+        line = self.lines.pop(key, None)
+        if line is not None:
+            self.used -= line[0]
+        wb = self._make_room(nbytes)
+        if nbytes <= self.capacity:
+            self.lines[key] = [nbytes, dirty]
+            self.used += nbytes
+        elif dirty:
+            wb += nbytes
+        return wb
+
+    def dirty_bytes(self) -> int:
+        return sum(size for size, dirty in self.lines.values() if dirty)
+
+
+@dataclass
+class Stats:
+    """What a launch cost, as counted by the simulator.
+
+    ``busy[unit]`` is the unit's busy cycles on the core where that unit is busiest; ``util[unit]`` is that
+    over ``cycles``. ``busy_total[unit]`` sums all cores. ``bytes`` sums each data path over all cores.
+    """
+
+    cycles: int
+    seconds: float
+    bytes: dict
+    hbm_bytes: int
+    busy: dict
+    util: dict
+    busy_total: dict = field(default_factory=dict)
+    cores: dict = field(default_factory=dict)
+    launch_cycles: int = 0
+    instructions: int = 0
+
+    @property
+    def bound(self) -> str:
+        """The busiest unit (ties broken by unit order)."""
+        return max(UNITS, key=lambda u: self.util.get(u, 0.0))
+
+    def __str__(self) -> str:
+        top = ", ".join(f"{u} {self.util[u]:.0%}" for u in UNITS if self.util.get(u, 0) > 0.005)
+        return (f"{self.cycles:,} cycles ({self.seconds * 1e6:,.1f} µs), HBM {self.hbm_bytes:,} B, "
+                f"util: {top}")
+
+
+class Group:
+    """``n`` cores of one kind running one program in lockstep."""
+
+    def __init__(self, launch: "Launch", kind: str, n: int):
+        if kind not in _GROUP_UNITS:
+            raise ValueError(f"unknown core kind {kind!r}")
+        if n < 1:
+            raise ValueError(f"a group needs at least one core, got {n}")
+        self.launch, self.kind, self.n = launch, kind, n
+        dev = launch.device
+        self.units = _GROUP_UNITS[kind]
+        self.capacity = {b: dev.buffers[b] for b in _GROUP_BUFFERS[kind]}
+        self.used = {b: 0 for b in self.capacity}
+        self.free = {u: np.zeros(n) for u in self.units}
+        self.busy = {u: np.zeros(n) for u in self.units}
+        self.port_free = np.zeros(n)            # end of the last reservation of the core's GM port
+        self.port_gap = np.zeros((2, n))        # one idle interval before it that a later transfer may use
+        self.all = np.ones(n, dtype=bool)
+
+    # ---------------------------------------------------------------- allocation
+    def alloc(self, buffer: str, shape, dtype: str, name: str = "") -> Tile:
+        """Allocate ``shape`` of ``dtype`` in ``buffer`` on every core (aligned; overflow is an error)."""
+        if buffer not in self.capacity:
+            raise SimulatorError(f"{self.kind} cores have no {buffer} (they have {', '.join(self.capacity)})")
+        align = self.launch.device.align[buffer]
+        nbytes = math.prod(shape) * itemsize(dtype)
+        offset = -(-self.used[buffer] // align) * align
+        if offset + nbytes > self.capacity[buffer]:
+            free = max(0, self.capacity[buffer] - offset)
+            raise CapacityError(
+                f"{buffer} overflow on {self.launch.device.name} ({self.launch.name}): tile "
+                f"{name or '?'} {list(shape)} {dtype} needs {nbytes:,} B, {buffer} has {free:,} B free "
+                f"of {self.capacity[buffer]:,} B")
+        self.used[buffer] = offset + nbytes
+        return Tile(self, buffer, offset, nbytes, shape, dtype, name)
+
+    # ---------------------------------------------------------------- timing core
+    def _exec(self, unit, cycles, reads=(), writes=(), deps=(), active=None, name="", port=None):
+        """Occupy ``unit`` for ``cycles`` (per core) after the instruction's inputs are ready."""
+        if unit not in self.free:
+            raise SimulatorError(f"{self.kind} cores have no {unit} unit")
+        launch = self.launch
+        launch.instructions += 1
+        issue_cost = launch.device.scalar_issue_cycles
+        sfree = self.free["scalar"]
+        issue = sfree + issue_cost
+        start = np.maximum(self.free[unit], issue)
+        for t in reads:
+            np.maximum(start, t.ready, out=start)
+        for t in writes:
+            np.maximum(start, t.busy_until, out=start)
+            np.maximum(start, t.ready, out=start)
+        for d in deps:
+            np.maximum(start, d, out=start)
+        end = start + cycles
+        if port is not None:
+            port_end, gap = self._reserve_port(start, port)
+            np.maximum(end, port_end, out=end)
+        if active is None or active.all():
+            self.free["scalar"] = issue
+            self.busy["scalar"] += issue_cost
+            self.free[unit] = end
+            self.busy[unit] += end - start
+            if port is not None:
+                self.port_free, self.port_gap = gap
+            for t in reads:
+                np.maximum(t.busy_until, end, out=t.busy_until)
+            for t in writes:
+                t.ready = end.copy()
+            launch.events.append((self, unit, name, start, end, None))
+        else:
+            self.free["scalar"] = np.where(active, issue, sfree)
+            self.busy["scalar"] += np.where(active, issue_cost, 0)
+            self.free[unit] = np.where(active, end, self.free[unit])
+            self.busy[unit] += np.where(active, end - start, 0.0)
+            if port is not None:
+                self.port_free = np.where(active, gap[0], self.port_free)
+                self.port_gap = np.where(active, gap[1], self.port_gap)
+            for t in reads:
+                t.busy_until = np.where(active, np.maximum(t.busy_until, end), t.busy_until)
+            for t in writes:
+                t.ready = np.where(active, end, t.ready)
+            launch.events.append((self, unit, name, start, end, active.copy()))
+        return end
+
+    def _reserve_port(self, start, cycles):
+        """Book the core's GM port for ``cycles`` from ``start`` on, in time order, not issue order.
+
+        Units run ahead of each other, so a transfer issued later may run earlier than one already booked;
+        it then takes the idle interval before that booking if it fits there.
+        """
+        gs, ge = self.port_gap
+        g_begin = np.maximum(start, gs)
+        fits = g_begin + cycles <= ge
+        after = np.maximum(start, self.port_free)
+        end = np.where(fits, g_begin + cycles, after + cycles)
+        new_free = np.where(fits, self.port_free, end)
+        new_gap = np.where(fits, np.stack([end, ge]),
+                           np.where(start > self.port_free, np.stack([self.port_free, start]), self.port_gap))
+        return end, (new_free, new_gap)
+
+    def _active(self, regions, active):
+        if active is None and any(r is None for r in regions):
+            active = np.array([r is not None for r in regions])
+        return active
+
+    # ---------------------------------------------------------------- GM transfers
+    def load(self, dst: Tile, src: GMTensor, regions, active=None, deps=(), fn=None, name=None):
+        """MTE2: copy ``src[regions[c]]`` into ``dst`` on each core ``c`` (``None``: core idle).
+
+        The region lands in the top-left corner of the tile, the rest is zero-filled. ``fn`` transforms the
+        region on the way (e.g. a transpose, as the hardware's ND→NZ load does at no extra cost).
+        """
+        if len(regions) != self.n:
+            raise SimulatorError(f"load into {dst.name}: {len(regions)} regions for {self.n} cores")
+        active = self._active(regions, active)
+        path = f"GM->{dst.buffer}"
+        nbytes, port = self._gm_access(src, regions, write=False)
+        for c, region in enumerate(regions):
+            if region is None:
+                continue
+            block = src.data[region]
+            if fn is not None:
+                block = fn(block)
+            view = dst.data[c]
+            if block.shape != view.shape:
+                view.fill(0)
+                view[tuple(slice(0, e) for e in block.shape)] = block
+            else:
+                view[...] = block
+        self.launch.bytes[path] += int(nbytes.sum())
+        cycles = nbytes / self.launch.device.rates[path]
+        return self._exec(_PATH_UNIT[path], cycles, writes=(dst,), deps=deps, active=active,
+                          name=name or f"load {src.name}->{dst.name}", port=port)
+
+    def store(self, src: Tile, dst: GMTensor, regions, active=None, deps=(), fn=None, name=None):
+        """MTE3 (UB→GM) or FixPipe (L0C→GM): write the tile's top-left corner to ``dst[regions[c]]``.
+
+        Values are rounded to ``dst.dtype`` (FixPipe converts fp32 accumulators on the way out; the MTE3
+        path moves bytes only, so a UB tile must already hold ``dst.dtype``).
+        """
+        if len(regions) != self.n:
+            raise SimulatorError(f"store from {src.name}: {len(regions)} regions for {self.n} cores")
+        if src.buffer == "UB" and src.dtype != dst.dtype:
+            raise SimulatorError(f"UB->GM moves bytes only: tile {src.name} is {src.dtype}, "
+                                 f"{dst.name} is {dst.dtype}; cast on the Vector unit first")
+        active = self._active(regions, active)
+        path = f"{src.buffer}->GM"
+        if path not in _PATH_UNIT:
+            raise SimulatorError(f"no data path {path}")
+        nbytes, port = self._gm_access(dst, regions, write=True)
+        for c, region in enumerate(regions):
+            if region is None:
+                continue
+            block = src.data[c][tuple(slice(0, e) for e in _extent(region))] if fn is None else fn(src.data[c])
+            dst.data[region] = to_dtype(block, dst.dtype) if dst.dtype != src.dtype else block
+        self.launch.bytes[path] += int(nbytes.sum())
+        cycles = nbytes / self.launch.device.rates[path]
+        return self._exec(_PATH_UNIT[path], cycles, reads=(src,), deps=deps, active=active,
+                          name=name or f"store {src.name}->{dst.name}", port=port)
+
+    def _gm_access(self, t: GMTensor, regions, write: bool):
+        """Bytes per core, and per-core port cycles after the L2 lookup.
+
+        The cores of a lockstep instruction draw on the chip's L2 and HBM bandwidth together: the unique
+        bytes that miss (plus write-backs and write-throughs) take ``total / HBM bandwidth`` and every core
+        that needs one of them waits that long; hits take ``total hits / L2 bandwidth``. With every core
+        missing its own region this equals an even split of the bandwidth; when cores share a region, the
+        first reader's miss fills the line for all of them, as an L2 does.
+        """
+        launch = self.launch
+        isz = itemsize(t.dtype)
+        nbytes = np.zeros(self.n)
+        hits = np.zeros(self.n)
+        slow = np.zeros(self.n, dtype=bool)
+        l2 = launch.l2
+        missed, hbm_total = set(), 0
+        for c, region in enumerate(regions):
+            if region is None:
+                continue
+            b = math.prod(_extent(region)) * isz
+            key = (t.id, tuple((s.start, s.stop) for s in region))
+            nbytes[c] = b
+            if write:
+                wb = l2.write(key, b, dirty=t.scratch)
+                through = 0 if t.scratch else b
+                launch.hbm_write += wb + through
+                hbm_total += wb + through
+                slow[c] = (wb + through) > 0
+                hits[c] = b - through
+            else:
+                hit, miss, wb = l2.read(key, b)
+                launch.hbm_read += miss
+                launch.hbm_write += wb
+                hbm_total += miss + wb
+                if miss:
+                    missed.add(key)
+                slow[c] = miss > 0 or wb > 0 or key in missed
+                hits[c] = hit
+        t_hit = hits.sum() / launch.device.l2_bytes_per_cycle
+        t_hbm = hbm_total / launch.device.hbm_bytes_per_cycle
+        port = np.where(hits > 0, t_hit, 0.0) + np.where(slow, t_hbm, 0.0)
+        return nbytes, port
+
+    # ---------------------------------------------------------------- on-chip moves and compute
+    def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None):
+        """On-chip copy along ``src.buffer -> dst.buffer`` (MTE1, or FixPipe out of L0C).
+
+        ``fn(src_data) -> dst_data`` (batched over cores) selects/transposes the part moved; values are rounded
+        to ``dst.dtype`` (L0C→UB may convert fp32 to fp16/bf16). ``nbytes`` per core defaults to the data
+        moved.
+        """
+        path = f"{src.buffer}->{dst.buffer}"
+        if path not in _PATH_UNIT or path.startswith("GM") or path.endswith("GM"):
+            raise SimulatorError(f"no on-chip data path {path} (tiles {src.name} -> {dst.name})")
+        data = src.data if fn is None else fn(src.data)
+        if dst.dtype != src.dtype:
+            data = to_dtype(data, dst.dtype)
+        if data.shape == dst.data.shape:
+            dst.data[...] = data
+        else:
+            dst.data.fill(0)
+            dst.data[(slice(None), *(slice(0, e) for e in data.shape[1:]))] = data
+        if nbytes is None:
+            nbytes = math.prod(data.shape[1:]) * itemsize(src.dtype)
+        total = nbytes * (self.n if np.isscalar(nbytes) else 1)
+        self.launch.bytes[path] += int(np.sum(total) if active is None else np.sum(np.where(active, nbytes, 0)))
+        cycles = np.asarray(nbytes, dtype=float) / self.launch.device.rates[path]
+        return self._exec(_PATH_UNIT[path], cycles, reads=(src,), writes=(dst,), deps=deps, active=active,
+                          name=name or f"{path} {dst.name}")
+
+    def mmad(self, c: Tile, a: Tile, b: Tile, m, k, n, accumulate: bool, init=None, active=None, deps=(),
+             name="mmad"):
+        """Cube: ``c[:, :m, :n] (+)= a[:, :m, :k] @ b[:, :k, :n]`` in fp32; fp16/bf16/fp32 operands.
+
+        Cycles = ceil(m/16)·ceil(k/k0)·ceil(n/16): one 16×k0×16 fractal per cycle. ``m, k, n`` may be
+        per-core arrays (edge tiles). Tiles are zero-padded, so the product over whole tiles is exact.
+        ``init`` (broadcastable to ``c``) seeds the accumulator, as a bias table does.
+        """
+        if (a.buffer, b.buffer, c.buffer) != ("L0A", "L0B", "L0C"):
+            raise SimulatorError(f"mmad reads L0A x L0B into L0C, got {a.buffer} x {b.buffer} -> {c.buffer}")
+        if a.dtype != b.dtype:
+            raise SimulatorError(f"mmad operands differ in dtype: {a.dtype} vs {b.dtype}")
+        dev = self.launch.device
+        k0 = dev.cube_k0[a.dtype]
+        prod = np.matmul(a.data, b.data)
+        if accumulate:
+            c.data += prod
+        elif init is not None:
+            np.add(prod, init, out=c.data)
+        else:
+            c.data[...] = prod
+        cycles = (-(-np.asarray(m) // 16)) * (-(-np.asarray(k) // k0)) * (-(-np.asarray(n) // 16))
+        return self._exec("cube", cycles.astype(float), reads=(a, b, c) if accumulate else (a, b),
+                          writes=(c,), deps=deps, active=active, name=name)
+
+    def vector(self, name: str, writes, reads, repeats, compute=None, active=None, deps=()):
+        """Vector: ``repeats`` passes of 256 B (per core, scalar or array); ``compute()`` does the numerics."""
+        if compute is not None:
+            compute()
+        cycles = np.asarray(repeats, dtype=float)
+        return self._exec("vector", cycles, reads=reads, writes=writes, deps=deps, active=active, name=name)
+
+    def repeats(self, elements, dtype: str):
+        """Vector repeats to sweep ``elements`` contiguous values of ``dtype`` once."""
+        per = self.launch.device.vector_bytes_per_cycle // itemsize(dtype)
+        return -(-np.asarray(elements) // per)
+
+    def row_repeats(self, rows, cols, dtype: str):
+        """Vector repeats for a per-row operation on ``rows`` rows of ``cols`` values (a reduction)."""
+        return np.asarray(rows) * self.repeats(cols, dtype)
+
+    def end_time(self) -> np.ndarray:
+        return np.max(np.stack([self.free[u] for u in self.units]), axis=0)
+
+
+class Launch:
+    """One kernel launch on one device: its L2, its groups of cores, its counters."""
+
+    def __init__(self, device: Device, name: str):
+        self.device = device
+        self.name = name
+        self.groups: list[Group] = []
+        self.l2 = L2(device.l2_bytes)
+        self.bytes = defaultdict(int)
+        self.hbm_read = 0
+        self.hbm_write = 0
+        self.instructions = 0
+        self.events: list = []
+
+    def group(self, kind: str, n: int) -> Group:
+        """``n`` cores of ``kind`` ("core" coupled, "aic"/"aiv" split; "aiv" also means vector-only cores)."""
+        limit = {"core": self.device.cube_cores if self.device.arch == "coupled" else 0,
+                 "aic": self.device.cube_cores if self.device.arch == "split" else 0,
+                 "aiv": self.device.vector_cores}[kind]
+        if n > limit:
+            raise SimulatorError(f"{self.device.name} has {limit} cores of kind {kind!r}, asked for {n}")
+        g = Group(self, kind, n)
+        self.groups.append(g)
+        return g
+
+    def tensor(self, data: np.ndarray, dtype: str, name: str, scratch: bool = False) -> GMTensor:
+        return GMTensor(to_dtype(np.asarray(data, dtype=np.float32), dtype) if dtype != "bool"
+                        else np.asarray(data, dtype=bool), dtype, name, scratch)
+
+    def empty(self, shape, dtype: str, name: str, scratch: bool = False) -> GMTensor:
+        return GMTensor(np.zeros(shape, dtype=np.float32), dtype, name, scratch)
+
+    def finish(self) -> Stats:
+        dev = self.device
+        wb = self.l2.dirty_bytes()           # workspace still dirty in L2 is written back at the end
+        self.hbm_write += wb
+        hbm = self.hbm_read + self.hbm_write
+        core_end = max((float(g.end_time().max()) for g in self.groups), default=0.0)
+        body = max(core_end, hbm / dev.hbm_bytes_per_cycle)
+        cycles = int(math.ceil(body)) + dev.launch_cycles
+        busy, busy_total, cores = {}, {}, {}
+        for g in self.groups:
+            cores[g.kind] = g.n
+            for u in g.units:
+                busy[u] = max(busy.get(u, 0.0), float(g.busy[u].max()))
+                busy_total[u] = busy_total.get(u, 0.0) + float(g.busy[u].sum())
+        busy = {u: int(round(busy.get(u, 0.0))) for u in UNITS}
+        busy_total = {u: int(round(busy_total.get(u, 0.0))) for u in UNITS}
+        util = {u: busy[u] / cycles for u in UNITS}
+        return Stats(cycles=cycles, seconds=cycles / dev.clock_hz, bytes=dict(self.bytes), hbm_bytes=int(hbm),
+                     busy=busy, util=util, busy_total=busy_total, cores=cores, launch_cycles=dev.launch_cycles,
+                     instructions=self.instructions)
