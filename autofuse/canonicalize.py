@@ -1,0 +1,599 @@
+"""Canonicalize: one spelling per operation, so patterns are written once.
+
+A pass is a table of rules ``(targets, fn)``; ``fn(node)`` returns a node that computes the same
+value (built with :func:`autofuse.graph.call` at the insert point just before ``node``) or None.
+One driver, :func:`canonicalize`, applies the table to a fixpoint:
+
+1. copy the GraphModule (new graph, parameters shared), so the input is never mutated;
+2. merge duplicate pure nodes (CSE), so ``exp(x) / exp(x).sum()`` sees one ``exp``;
+3. visit nodes in order; the first rule whose target matches and whose ``fn`` returns a node wins;
+   the replacement is accepted only if its FakeTensor has the same shape and dtype as the original
+   (a cheap guard against a wrong rule); uses are redirected, dead nodes removed;
+4. repeat until nothing changes (at most ``max_iters`` sweeps), then lint and recompile.
+
+Canonical spellings (what patterns may assume):
+
+* matmul family -> ``aten.matmul`` (bmm, mm, two-operand einsum, baddbmm = matmul·alpha + bias·beta)
+* scalar scaling -> ``aten.mul.Tensor(x, c)`` with Python ``c``; divisions become multiplications,
+  chained scalars fold, and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
+  moves to the matmul output
+* softmax -> ``aten.softmax.int(x, dim<0)`` (function/method/module, ``_softmax``, ``_safe_softmax``,
+  ``exp(x - max) / sum``, ``exp(x - logsumexp)``); a ``dtype=`` argument becomes an explicit cast
+* casts -> ``aten._to_copy(x, dtype=d)``; casts to the same dtype, clones, detach, eval-mode
+  dropout and same-shape views/expands disappear; every view spelling becomes ``aten.reshape``
+* a swap of the last two dims -> ``aten.transpose.int(x, -2, -1)``; any other permutation ->
+  ``aten.permute`` (chains composed; a permutation that ends in a last-two swap is split into
+  ``transpose(permute(x))``; a reshape of leading dims is moved inside a last-two transpose)
+* GQA ``unsqueeze -> expand -> reshape`` (transformers' ``repeat_kv``) -> ``aten.repeat_interleave``
+* masks -> ``aten.where.ScalarOther(keep, x, fill)`` where True = keep (from ``masked_fill``,
+  ``where`` with the fill on either side or as a 0-d constant tensor); additive masks stay ``add``
+* ``F.scaled_dot_product_attention`` variants -> ``aten.scaled_dot_product_attention``
+
+Limits: ``_safe_softmax`` becomes ``softmax``; they differ only on rows that are entirely ``-inf``
+(0 vs NaN). Post-dispatch matmul expansions (``expand -> clone -> _unsafe_view -> bmm``) are not
+folded back into one matmul: both capture routes keep ``aten.matmul`` whole.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import string
+
+import torch
+import torch.fx as fx
+
+from autofuse.graph import arg, call, copy_graph_module, get_attr_value, is_call, is_number, shape, val
+
+aten = torch.ops.aten
+log = logging.getLogger(__name__)
+
+INT_MAX = 2**63 - 1
+STRICT = False  # tests set True: a rule that raises is a bug, not a skipped node
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _rank(n):
+    return len(shape(n))
+
+
+def _swap_last(r):
+    return tuple(range(r - 2)) + (r - 1, r - 2)
+
+
+def _cast(x, d):
+    return x if val(x).dtype == d else call(x.graph, aten._to_copy.default, x, dtype=d)
+
+
+def _permute(x, perm):
+    perm = tuple(p % len(perm) for p in perm)
+    if perm == tuple(range(len(perm))):
+        return x
+    return call(x.graph, aten.permute.default, x, list(perm))
+
+
+def _perm_of(n):
+    """The permutation a transpose/permute node applies, or None."""
+    if is_call(n, aten.permute.default):
+        return tuple(p % _rank(n) for p in n.args[1])
+    if is_call(n, aten.transpose.int):
+        r, p = _rank(n), list(range(_rank(n)))
+        a, b = n.args[1] % r, n.args[2] % r
+        p[a], p[b] = p[b], p[a]
+        return tuple(p)
+    return None
+
+
+def const_value(n):
+    """The Python number a 0-d constant node holds (full([], v), scalar_tensor(v), real 0-d attr), or None."""
+    if is_number(n):
+        return n
+    if is_call(n, aten.full.default) and list(n.args[0]) == []:
+        return n.args[1]
+    if is_call(n, aten.scalar_tensor.default):
+        return n.args[0]
+    if is_call(n, aten.full_like.default) or is_call(n, aten.lift_fresh_copy.default):
+        return const_value(n.args[1]) if is_call(n, aten.full_like.default) else const_value(n.args[0])
+    if isinstance(n, fx.Node) and n.op == "get_attr":
+        t = get_attr_value(n.graph.owning_module, n.target)
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.device.type != "meta":
+            return t.item()
+    return None
+
+
+# ----------------------------------------------------------------------------------------- identities
+
+def _identity(n):
+    return n.args[0]
+
+
+def _drop_clone(n):
+    return n.args[0]
+
+
+def _eval_dropout(n):
+    p, train = arg(n, 1, "p"), arg(n, 2, "train")
+    return n.args[0] if (not train or p == 0) else None
+
+
+def _eval_native_dropout(n):
+    src = n.args[0]
+    if n.target is operator.getitem and n.args[1] == 0 and is_call(src, aten.native_dropout.default):
+        p, train = arg(src, 1, "p"), arg(src, 2, "train")
+        return src.args[0] if (not train or p == 0) else None
+    return None
+
+
+def _to_copy(n):
+    extra = {k: v for k, v in n.kwargs.items() if k != "dtype"}
+    if extra or len(n.args) > 1:
+        return None
+    d = n.kwargs.get("dtype")
+    return n.args[0] if d is None or d == val(n.args[0]).dtype else None
+
+
+def _to_dtype(n):
+    return _cast(n.args[0], n.args[1])
+
+
+def _type_as(n):
+    return _cast(n.args[0], val(n.args[1]).dtype)
+
+
+def _view_to_reshape(n):
+    x, s = n.args[0], n.args[1]
+    if shape(x) == shape(n):
+        return x
+    if is_call(x, *VIEWS):
+        x = x.args[0]
+    return call(n.graph, aten.reshape.default, x, list(shape(n)))
+
+
+def _reshape(n):
+    x = n.args[0]
+    if shape(x) == shape(n):
+        return x
+    if is_call(x, aten.reshape.default):
+        return call(n.graph, aten.reshape.default, x.args[0], list(shape(n)))
+    return None
+
+
+def _expand(n):
+    return n.args[0] if shape(n.args[0]) == shape(n) else None
+
+
+def _slice(n):
+    x, dim = n.args[0], arg(n, 1, "dim", 0)
+    start, end, step = arg(n, 2, "start", None), arg(n, 3, "end", None), arg(n, 4, "step", 1)
+    full = (start in (None, 0)) and (end is None or end >= shape(x)[dim]) and step == 1
+    return x if full else None
+
+
+# --------------------------------------------------------------------------------------- matmul family
+
+def _bmm(n):
+    return call(n.graph, aten.matmul.default, n.args[0], n.args[1])
+
+
+def _baddbmm(n):
+    bias, a, b = n.args[:3]
+    beta, alpha = n.kwargs.get("beta", 1), n.kwargs.get("alpha", 1)
+    out = call(n.graph, aten.matmul.default, a, b)
+    if alpha != 1:
+        out = call(n.graph, aten.mul.Tensor, out, alpha)
+    if beta == 0:
+        return out
+    if beta != 1:
+        bias = call(n.graph, aten.mul.Tensor, bias, beta)
+    return call(n.graph, aten.add.Tensor, out, bias)
+
+
+def _einsum(n):
+    """Two-operand einsum with one contracted, one free index per operand, rest batch -> matmul."""
+    eq, ops = n.args[0].replace(" ", ""), n.args[1]
+    if len(ops) != 2 or "->" not in eq:
+        return None
+    ins, out = eq.split("->")
+    sa, sb = ins.split(",")
+    a, b = ops
+    spare = [c for c in string.ascii_uppercase if c not in eq]
+    subs = []
+    for s, x in ((sa, a), (sb, b)):
+        if "..." in s:
+            k = _rank(x) - (len(s) - 3)
+            subs.append(k)
+    if subs and len(set(subs)) != 1:
+        return None
+    ell = "".join(spare[: subs[0]]) if subs else ""
+    sa, sb, out = (s.replace("...", ell) for s in (sa, sb, out))
+    if any(len(set(s)) != len(s) for s in (sa, sb, out)):
+        return None
+    batch = [c for c in out if c in sa and c in sb]
+    contr = [c for c in sa if c in sb and c not in out]
+    fa, fb = [c for c in sa if c not in sb], [c for c in sb if c not in sa]
+    if len(contr) != 1 or len(fa) != 1 or len(fb) != 1 or set(out) != set(batch + fa + fb):
+        return None
+    if any(shape(a)[sa.index(c)] != shape(b)[sb.index(c)] for c in batch):
+        return None
+    A = _permute(a, [sa.index(c) for c in batch + fa + contr])
+    B = _permute(b, [sb.index(c) for c in batch + contr + fb])
+    mm = call(n.graph, aten.matmul.default, A, B)
+    res = batch + fa + fb
+    return _permute(mm, [res.index(c) for c in out])
+
+
+# ----------------------------------------------------------------------------------------------- scale
+
+def _div_scalar(n):
+    x, c = n.args[0], n.args[1]
+    if is_number(c) and c != 0 and val(x).is_floating_point() and not n.kwargs:
+        return call(n.graph, aten.mul.Tensor, x, 1.0 / c)
+    return None
+
+
+def _mul(n):
+    x, c = n.args[0], n.args[1]
+    if is_number(x) and isinstance(c, fx.Node):
+        return call(n.graph, aten.mul.Tensor, c, x)
+    if not is_number(c) or not val(x).is_floating_point():
+        return None
+    if c == 1:
+        return x
+    if is_call(x, aten.mul.Tensor) and is_number(x.args[1]):
+        return call(n.graph, aten.mul.Tensor, x.args[0], x.args[1] * c)
+    return None
+
+
+def _scalar_of(x):
+    """(inner, c) if x = mul(inner, c) with Python scalar c, else None."""
+    if is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and val(x.args[0]).is_floating_point():
+        return x.args[0], x.args[1]
+    return None
+
+
+def _matmul_scale(n):
+    a, b = n.args[0], n.args[1]
+    for i, x in enumerate((a, b)):
+        sc = _scalar_of(x)
+        if sc:
+            new = [a, b]
+            new[i] = sc[0]
+            return call(n.graph, aten.mul.Tensor, call(n.graph, aten.matmul.default, *new), sc[1])
+    return None
+
+
+def _view_scale(n):
+    sc = _scalar_of(n.args[0])
+    if not sc:
+        return None
+    moved = call(n.graph, n.target, sc[0], *n.args[1:], **n.kwargs)
+    return call(n.graph, aten.mul.Tensor, moved, sc[1])
+
+
+# --------------------------------------------------------------------------------------------- softmax
+
+def _softmax_int(n):
+    x, dim, dt = n.args[0], n.args[1], arg(n, 2, "dtype")
+    if dt is not None:
+        return call(n.graph, aten.softmax.int, _cast(x, dt), dim if dim < 0 else dim - _rank(x))
+    if dim >= 0 or len(n.args) > 2 or n.kwargs:
+        return call(n.graph, aten.softmax.int, x, dim if dim < 0 else dim - _rank(x))
+    return None
+
+
+def _softmax_private(n):
+    x, dim, third = n.args[0], n.args[1], arg(n, 2, "half_to_float" if n.target == aten._softmax.default else "dtype")
+    dt = (torch.float32 if third else None) if n.target == aten._softmax.default else third
+    if dt is not None:
+        x = _cast(x, dt)
+    return call(n.graph, aten.softmax.int, x, dim if dim < 0 else dim - _rank(x))
+
+
+def _reduce_dim(n, *targets):
+    """(x, dim<0) if n = reduction(x, [dim], keepdim=True) of one of targets, else None."""
+    if not is_call(n, *targets):
+        return None
+    dims, keep = arg(n, 1, "dim"), arg(n, 2, "keepdim", False)
+    if isinstance(dims, (list, tuple)):
+        if len(dims) != 1:
+            return None
+        dims = dims[0]
+    if not keep or arg(n, 3, "dtype") is not None:
+        return None
+    return n.args[0], dims if dims < 0 else dims - _rank(n.args[0])
+
+
+def _row_max(m):
+    if m.target is operator.getitem and m.args[1] == 0 and is_call(m.args[0], aten.max.dim):
+        mx = m.args[0]
+        return (mx.args[0], mx.args[1] if mx.args[1] < 0 else mx.args[1] - _rank(mx.args[0])) if arg(mx, 2, "keepdim") else None
+    return _reduce_dim(m, aten.amax.default)
+
+
+def _exp_arg(e):
+    """(x, dim or None) for e = exp(x - rowmax(x, dim)) or exp(x)."""
+    if not is_call(e, aten.exp.default):
+        return None
+    y = e.args[0]
+    if is_call(y, aten.sub.Tensor) and not y.kwargs and isinstance(y.args[1], fx.Node):
+        xm = _row_max(y.args[1])
+        if xm and xm[0] is y.args[0]:
+            return xm
+    return y, None
+
+
+def _softmax_decomposed(n):
+    e, s = n.args[0], n.args[1]
+    if n.target == aten.mul.Tensor:
+        if not is_call(s, aten.reciprocal.default):
+            return None
+        s = s.args[0]
+    ex = _exp_arg(e)
+    sd = _reduce_dim(s, aten.sum.dim_IntList) if isinstance(s, fx.Node) else None
+    if not ex or not sd or sd[0] is not e or (ex[1] is not None and ex[1] != sd[1]):
+        return None
+    return call(n.graph, aten.softmax.int, ex[0], sd[1])
+
+
+def _softmax_from_logsumexp(n):
+    y = n.args[0]
+    if not (is_call(y, aten.sub.Tensor) and isinstance(y.args[1], fx.Node)):
+        return None
+    lse = y.args[1]
+    if is_call(lse, aten.logsumexp.default) and lse.args[0] is y.args[0] and arg(lse, 2, "keepdim"):
+        dims = lse.args[1]
+        if len(dims) == 1:
+            d = dims[0] if dims[0] < 0 else dims[0] - _rank(y)
+            return call(n.graph, aten.softmax.int, y.args[0], d)
+    return None
+
+
+# ------------------------------------------------------------------------------------------ transposes
+
+def _transpose(n):
+    r = _rank(n)
+    p = _perm_of(n)
+    if p == _swap_last(r) and tuple(n.args[1:]) != (-2, -1):
+        return call(n.graph, aten.transpose.int, n.args[0], -2, -1)
+    if p != _swap_last(r):
+        return _permute(n.args[0], p)
+    inner = _perm_of(n.args[0])
+    if inner is not None:
+        q = tuple(inner[j] for j in p)
+        if q[-2] != r - 1:  # else transpose(permute) is the canonical split form already
+            return _permute(n.args[0].args[0], q)
+    return None
+
+
+def _permute_rule(n):
+    r, p = _rank(n), _perm_of(n)
+    if p == tuple(range(r)):
+        return n.args[0]
+    if p == _swap_last(r):
+        return call(n.graph, aten.transpose.int, n.args[0], -2, -1)
+    inner = _perm_of(n.args[0])
+    if inner is not None:
+        return _permute(n.args[0].args[0], [inner[j] for j in p])
+    if r >= 2 and p[-2] == r - 1:  # ends in a last-two swap: make it visible as transpose(permute)
+        q = p[:-2] + (p[-1], p[-2])
+        return call(n.graph, aten.transpose.int, _permute(n.args[0], q), -2, -1)
+    return None
+
+
+def _t(n):
+    return call(n.graph, aten.transpose.int, n.args[0], -2, -1) if _rank(n) == 2 else None
+
+
+def _reshape_through_transpose(n):
+    """reshape(transpose_last(x)) that only regroups leading dims -> transpose_last(reshape(x))."""
+    t, s = n.args[0], shape(n)
+    if not (is_call(t, aten.transpose.int) and _perm_of(t) == _swap_last(_rank(t))):
+        return None
+    x = t.args[0]
+    xs = shape(x)
+    if len(s) < 2 or tuple(s[-2:]) != (xs[-1], xs[-2]):
+        return None
+    inner = call(n.graph, aten.reshape.default, x, list(s[:-2]) + [xs[-2], xs[-1]])
+    return call(n.graph, aten.transpose.int, inner, -2, -1)
+
+
+# ------------------------------------------------------------------------------------------------- GQA
+
+def _repeat_kv(n):
+    """reshape(expand(unsqueeze(x, j))) merging the expanded dim j into j-1 -> repeat_interleave(x, r, j-1)."""
+    e = n.args[0]
+    if not is_call(e, aten.expand.default) or not is_call(e.args[0], aten.unsqueeze.default):
+        return None
+    u = e.args[0]
+    x, j = u.args[0], u.args[1] % _rank(u)
+    su, se, sx = shape(u), shape(e), shape(x)
+    if j == 0 or any(a != b for i, (a, b) in enumerate(zip(su, se)) if i != j):
+        return None
+    r = se[j]
+    want = list(sx)
+    want[j - 1] *= r
+    if list(shape(n)) != want:
+        return None
+    return call(n.graph, aten.repeat_interleave.self_int, x, r, (j - 1) - len(sx))
+
+
+def _repeat_interleave(n):
+    x, r, dim = n.args[0], n.args[1], arg(n, 2, "dim")
+    if dim is None or r == 1:
+        return x if r == 1 else None
+    if dim >= 0 or len(n.args) > 3 or n.kwargs:
+        return call(n.graph, aten.repeat_interleave.self_int, x, r, dim if dim < 0 else dim - _rank(x))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- masks
+
+def _not(c):
+    if is_call(c, aten.logical_not.default):
+        return c.args[0]
+    return call(c.graph, aten.logical_not.default, c)
+
+
+def _masked_fill(n):
+    x, m, v = n.args[0], n.args[1], const_value(n.args[2])
+    if v is None or not val(x).is_floating_point() or val(m).dtype != torch.bool:
+        return None
+    return call(n.graph, aten.where.ScalarOther, _not(m), x, v)
+
+
+def _where_self(n):
+    c, x, y = n.args
+    if val(c).dtype != torch.bool:
+        return None
+    if const_value(y) is not None and isinstance(x, fx.Node) and val(x).is_floating_point():
+        return call(n.graph, aten.where.ScalarOther, c, x, const_value(y))
+    if const_value(x) is not None and isinstance(y, fx.Node) and val(y).is_floating_point():
+        return call(n.graph, aten.where.ScalarOther, _not(c), y, const_value(x))
+    return None
+
+
+def _where_scalar_self(n):
+    c, v, x = n.args
+    return call(n.graph, aten.where.ScalarOther, _not(c), x, v) if val(c).dtype == torch.bool else None
+
+
+def _logical_not(n):
+    x = n.args[0]
+    if is_call(x, aten.logical_not.default):
+        return x.args[0]
+    flip = {aten.eq.Scalar: aten.ne.Scalar, aten.ne.Scalar: aten.eq.Scalar,
+            aten.eq.Tensor: aten.ne.Tensor, aten.ne.Tensor: aten.eq.Tensor}
+    if is_call(x, *flip):
+        return call(n.graph, flip[x.target], *x.args)
+    return None
+
+
+def _bitwise_not(n):
+    return call(n.graph, aten.logical_not.default, n.args[0]) if val(n.args[0]).dtype == torch.bool else None
+
+
+# ------------------------------------------------------------------------------------------------ SDPA
+
+_SDPA_VARIANTS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_attention_math.default,
+}
+
+
+def _sdpa_variant(n):
+    v = n.args[0]
+    if n.target is not operator.getitem or n.args[1] != 0 or not is_call(v, *_SDPA_VARIANTS):
+        return None
+    q, k, vv = v.args[:3]
+    if v.target == aten._scaled_dot_product_attention_math.default:
+        if arg(v, 6, "dropout_mask") is not None:
+            return None
+        kw = dict(attn_mask=arg(v, 3, "attn_mask"), dropout_p=arg(v, 4, "dropout_p", 0.0),
+                  is_causal=arg(v, 5, "is_causal", False), enable_gqa=v.kwargs.get("enable_gqa", False))
+    else:  # _scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask, scale)
+        kw = dict(attn_mask=v.kwargs.get("attn_mask"), dropout_p=arg(v, 3, "dropout_p", 0.0),
+                  is_causal=arg(v, 4, "is_causal", False))
+    kw["scale"] = v.kwargs.get("scale")
+    return call(n.graph, aten.scaled_dot_product_attention.default, q, k, vv, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ table
+
+RULES = [
+    # value-preserving no-ops hide the op behind them
+    ({aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default}, _drop_clone),
+    ({aten.dropout.default, aten.feature_dropout.default}, _eval_dropout),  # eval dropout is identity
+    ({operator.getitem}, _eval_native_dropout),  # same for native_dropout(train=False)
+    ({operator.getitem}, _sdpa_variant),  # backend-specific SDPA -> the one public op
+    ({aten._to_copy.default}, _to_copy),  # a cast to the same dtype is a no-op
+    ({aten.to.dtype}, _to_dtype),  # one cast spelling
+    ({aten.type_as.default}, _type_as),  # one cast spelling
+    ({aten.view.default, aten._unsafe_view.default}, _view_to_reshape),  # reshape stays valid once clones go
+    ({aten.reshape.default}, _reshape),  # chained / same-shape reshapes collapse
+    ({aten.reshape.default}, _repeat_kv),  # transformers' repeat_kv is repeat_interleave over heads
+    ({aten.reshape.default}, _reshape_through_transpose),  # keep k^T visible through head merges
+    ({aten.expand.default}, _expand),  # same-shape expand is a no-op
+    ({aten.slice.Tensor}, _slice),  # a full slice is a no-op
+    ({aten.bmm.default, aten.mm.default}, _bmm),  # one matmul spelling
+    ({aten.baddbmm.default}, _baddbmm),  # baddbmm = scaled matmul + bias (MHA's masked scores)
+    ({aten.einsum.default}, _einsum),  # einsum contractions are matmuls with permutes
+    ({aten.div.Tensor, aten.div.Scalar}, _div_scalar),  # x / c == x * (1/c)
+    ({aten.mul.Tensor}, _mul),  # scalars on the right; chained scalars fold; * 1 disappears
+    ({aten.mul.Tensor, aten.div.Tensor}, _softmax_decomposed),  # exp(x - max) / sum is softmax
+    ({aten.matmul.default}, _matmul_scale),  # pre-scaled q or k: scale the matmul output instead
+    ({aten.transpose.int, aten.permute.default, aten.reshape.default, aten.expand.default,
+      aten.unsqueeze.default, aten.squeeze.dim, aten.repeat_interleave.self_int}, _view_scale),  # scalars sink through views
+    ({aten.softmax.int}, _softmax_int),  # dtype= is a cast; dims counted from the end
+    ({aten._softmax.default, aten._safe_softmax.default}, _softmax_private),  # one softmax spelling
+    ({aten.exp.default}, _softmax_from_logsumexp),  # exp(x - logsumexp(x)) is softmax
+    ({aten.transpose.int}, _transpose),  # a last-two swap is transpose(-2, -1), others permute
+    ({aten.permute.default}, _permute_rule),  # compose permutes; expose a trailing last-two swap
+    ({aten.t.default}, _t),  # 2-D t() is transpose(-2, -1)
+    ({aten.repeat_interleave.self_int}, _repeat_interleave),  # dims counted from the end
+    ({aten.masked_fill.Scalar, aten.masked_fill.Tensor}, _masked_fill),  # masks say True = keep
+    ({aten.where.self}, _where_self),  # scalar fill goes last, keep-mask first
+    ({aten.where.ScalarSelf}, _where_scalar_self),  # same
+    ({aten.logical_not.default}, _logical_not),  # double negation, not(eq) = ne
+    ({aten.bitwise_not.default}, _bitwise_not),  # ~bool is logical_not
+]
+
+
+def _cse(graph: fx.Graph) -> bool:
+    seen, changed = {}, False
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if isinstance(t, torch._ops.OpOverload) and (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags):
+            continue
+        key = (t, repr(n.args), repr(n.kwargs))
+        if key in seen:
+            n.replace_all_uses_with(seen[key])
+            changed = True
+        else:
+            seen[key] = n
+    return changed
+
+
+def _same(a, b) -> bool:
+    va, vb = val(a), val(b)
+    if va is None or vb is None:
+        return va is None and vb is None
+    return tuple(va.shape) == tuple(vb.shape) and va.dtype == vb.dtype
+
+
+def canonicalize(gm: fx.GraphModule, rules=None, max_iters: int = 30) -> fx.GraphModule:
+    """Return a new GraphModule in canonical form (see module docstring); ``gm`` is not modified."""
+    rules = RULES if rules is None else rules
+    gm = copy_graph_module(gm)
+    graph = gm.graph
+    for _ in range(max_iters):
+        changed = _cse(graph)
+        for node in list(graph.nodes):
+            if node.op != "call_function" or not node.users:
+                continue
+            for targets, fn in rules:
+                if node.target not in targets:
+                    continue
+                try:
+                    with graph.inserting_before(node):
+                        new = fn(node)
+                except Exception as e:  # noqa: BLE001 - one odd node must not stop compilation
+                    log.warning("canonicalize: rule %s failed at node %s (%s): %s",
+                                fn.__name__, node.name, node.target, e)
+                    if STRICT:
+                        raise
+                    continue
+                if new is None or new is node:
+                    continue
+                if not _same(new, node):
+                    log.debug("rule %s rejected at %s: shape/dtype changed", fn.__name__, node.name)
+                    continue
+                node.replace_all_uses_with(new)
+                changed = True
+                break
+        graph.eliminate_dead_code()
+        if not changed:
+            break
+    graph.lint()
+    gm.recompile()
+    return gm

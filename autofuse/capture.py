@@ -1,0 +1,252 @@
+"""Capture: an ``nn.Module`` plus example inputs -> one aten-level ``torch.fx.GraphModule``.
+
+Two routes produce the same graph form:
+
+* ``"export"`` (default): ``torch.export.export(model, args, kwargs, strict=False)`` followed by
+  ``run_decompositions({})``. This captures current transformers models whole. The empty decomposition
+  table keeps composite ops such as ``aten.matmul``, ``aten.linear``, ``aten.softmax`` and
+  ``aten.scaled_dot_product_attention`` intact, functionalises the graph and turns eval-mode dropout
+  into a ``clone``.
+* ``"symbolic_trace"``: ``torch.fx.symbolic_trace`` for plain modules (its leaf-module and
+  ``fx.wrap`` rules apply), then lowered to the same functional aten level and FakeTensor meta by the
+  same non-strict export tracer (``make_fx(pre_dispatch=True)`` + functionalization). A hand-rolled
+  ``make_fx(functionalize(f), pre_dispatch=True)`` drops parameters as constants in torch 2.13, so
+  the lowering is shared rather than duplicated.
+* ``"auto"``: export, falling back to symbolic_trace; if both fail the error names both.
+
+The shared form (what :class:`Captured` holds):
+
+1. ``graph_module`` has one placeholder per pytree leaf of ``(example_args, example_kwargs)``, in
+   ``torch.utils._pytree.tree_leaves`` order (non-tensor leaves such as ``use_cache=False`` included,
+   they are simply unused), and returns a flat tuple of output leaves.
+2. Parameters and buffers are ``get_attr`` nodes whose targets are the model's own dotted names;
+   the attributes are the *same tensor objects* as in the user's model (no copies).
+3. Every node except ``output`` carries ``node.meta["val"]``: a FakeTensor (shape, dtype, device)
+   or, for non-tensor placeholders, the Python value.
+
+Call it either through ``Captured(*args, **kwargs)`` (flattens inputs with ``in_spec`` and rebuilds
+the user's output structure with ``out_spec``) or directly as ``graph_module(*leaves)``.
+
+Capture runs with eval-mode semantics (dropout = identity): every submodule's ``training`` flag is
+switched to ``False`` for the trace and restored afterwards, so the user's model is left as it was.
+Example inputs may live on the ``meta`` device (a model built under ``torch.device("meta")``): no
+real data is touched, so very large configurations can be analysed.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+ROUTES = ("auto", "export", "symbolic_trace")
+
+# Side-effect-only checks inserted by export; they pin dtypes and add fake users to nodes.
+_DROPPED_TARGETS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+}
+
+
+class CaptureError(RuntimeError):
+    """A model could not be captured. The message names the route(s), the failing construct and a hint."""
+
+    def __init__(self, route: str, message: str):
+        super().__init__(message)
+        self.route = route
+
+
+@dataclass
+class Captured:
+    """Result of :func:`capture`; see the module docstring for the graph form."""
+
+    graph_module: fx.GraphModule
+    route: str
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+
+    def flatten_inputs(self, *args, **kwargs) -> list:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise TypeError(f"inputs do not match the captured structure:\n got {spec}\n want {self.in_spec}")
+        return leaves
+
+    def unflatten_outputs(self, flat) -> Any:
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+    def __call__(self, *args, **kwargs):
+        return self.unflatten_outputs(self.graph_module(*self.flatten_inputs(*args, **kwargs)))
+
+
+def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route: str = "auto") -> Captured:
+    """Capture ``model(*example_args, **example_kwargs)`` as an aten-level GraphModule (see module doc)."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    example_kwargs = dict(example_kwargs or {})
+    routes = ("export", "symbolic_trace") if route == "auto" else (route,)
+    failures = []
+    for r in routes:
+        try:
+            with _eval_mode(model):
+                fn = _capture_export if r == "export" else _capture_symbolic_trace
+                gm, in_spec, out_spec = fn(model, example_args, example_kwargs)
+            _cleanup(gm)
+            return Captured(gm, r, in_spec, out_spec)
+        except CaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
+            failures.append((r, e))
+    raise CaptureError(route, _explain(model, failures))
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+def _capture_export(model, args, kwargs):
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    ep = ep.run_decompositions({})
+    sig = ep.graph_signature
+    attr_of = {}  # placeholder name -> (dotted attribute name, tensor)
+    for spec in sig.input_specs:
+        kind, name, target = spec.kind.name, spec.arg.name, spec.target
+        if kind == "PARAMETER":
+            attr_of[name] = (target, model.get_parameter(target))
+        elif kind == "BUFFER":
+            attr_of[name] = (target, model.get_buffer(target))
+        elif kind == "CONSTANT_TENSOR":
+            attr_of[name] = ("_autofuse_constants." + target.replace(".", "_"), ep.constants[target])
+        elif kind != "USER_INPUT":
+            raise CaptureError("export", f"capture failed on route 'export': unsupported graph input "
+                                         f"{name!r} of kind {kind}")
+    mutated = [s.target for s in sig.output_specs if s.kind.name not in ("USER_OUTPUT",)]
+    if mutated:
+        raise CaptureError("export", f"capture failed on route 'export': the forward mutates state "
+                                     f"{mutated} (e.g. a buffer update); autofuse captures pure forwards. "
+                                     f"hint: put the model in eval mode or remove the in-place update.")
+    user_out = [i for i, s in enumerate(sig.output_specs) if s.kind.name == "USER_OUTPUT"]
+    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out)
+    return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
+
+
+def _capture_symbolic_trace(model, args, kwargs):
+    # fx.symbolic_trace gives the torch-level graph (its leaf-module and fx.wrap rules apply); the
+    # lowering to functional aten + FakeTensor meta reuses export's non-strict tracer, so both routes
+    # share one graph form by construction. The traced module holds the model's own tensors.
+    traced = fx.symbolic_trace(model)
+    return _capture_export(traced, args, kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _lift_to_attrs(source: fx.GraphModule, attr_of: dict, keep_outputs: list[int] | None) -> fx.GraphModule:
+    """Copy ``source.graph``; placeholders named in ``attr_of`` become get_attr nodes on a fresh root
+    that holds the very tensors given (shared with the user's model). get_attr nodes of ``source``
+    (constants made by the tracer) keep their tensors too."""
+    graph = source.graph
+    root = torch.nn.Module()
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name in attr_of:
+            target, tensor = attr_of[node.name]
+            _set_nested(root, target, tensor)
+            env[node] = new.get_attr(target)
+            env[node].meta = dict(node.meta)
+        elif node.op == "get_attr":
+            _set_nested(root, node.target, _get_nested(source, node.target))
+            env[node] = new.node_copy(node, lambda n: env[n])
+        elif node.op == "output":
+            outs = node.args[0]
+            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+            if keep_outputs is not None:
+                outs = tuple(outs[i] for i in keep_outputs)
+            new.output(tuple(fx.map_arg(o, lambda n: env[n]) for o in outs))
+        else:
+            env[node] = new.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(root, new)
+
+
+def _get_nested(mod, dotted: str):
+    for p in dotted.split("."):
+        mod = getattr(mod, p)
+    return mod
+
+
+def _set_nested(root: torch.nn.Module, dotted: str, tensor):
+    *path, field = dotted.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    if isinstance(tensor, torch.nn.Parameter):
+        mod.register_parameter(field, tensor)
+    elif isinstance(tensor, torch.Tensor):
+        mod.register_buffer(field, tensor)
+    else:
+        setattr(mod, field, tensor)
+
+
+def _cleanup(gm: fx.GraphModule):
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _DROPPED_TARGETS and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
+    if missing:
+        raise CaptureError("capture", f"internal: nodes without meta['val'] after capture: {missing[:5]}")
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield
+    finally:
+        for m, was in flags:
+            m.training = was
+
+
+_HINTS = [
+    ("DynamicCache", "the model returns a KV cache object; pass use_cache=False in example_kwargs"),
+    ("data-dependent", "the model branches on or reads tensor *values* (if x.sum() > 0, .item(), .tolist(), "
+                       "nonzero); use torch.where / torch.cond, or make the value a Python constant"),
+    ("control flow", "the model branches on tensor values, which symbolic_trace cannot follow; "
+                     "use route='export' or rewrite with torch.where / torch.cond"),
+    ("Proxy", "symbolic_trace cannot follow this Python construct; use route='export'"),
+]
+
+
+def _explain(model, failures) -> str:
+    lines = [f"could not capture {type(model).__name__}:"]
+    for route, e in failures:
+        text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        lines.append(f"  route '{route}' failed with {text}")
+        where = _user_frame(e)
+        if where:
+            lines.append(f"    at {where}")
+        hint = next((h for key, h in _HINTS if key in str(e) or key in type(e).__name__), None)
+        if hint:
+            lines.append(f"    hint: {hint}")
+    lines.append("  hint: the failing construct is named above; route='export' handles most models, "
+                 "route='symbolic_trace' only plain modules without value-dependent Python control flow.")
+    return "\n".join(lines)
+
+
+def _user_frame(e: BaseException) -> str | None:
+    """The innermost traceback frame outside torch: the user's construct that failed."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)
+              and not f.filename.endswith("capture.py")]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"

@@ -1,0 +1,110 @@
+"""Graph view: a ``networkx.DiGraph`` over an fx graph, plus small node helpers shared by passes.
+
+The view has one networkx node per fx node, keyed by the fx node name, with attributes
+``op`` (placeholder/get_attr/call_function/output), ``target`` (string such as
+``"aten.matmul.default"``), ``shape`` (tuple of ints, or None for non-tensors), ``dtype``
+(string such as ``"torch.float32"``, or None). An edge ``u -> v`` means v reads u.
+The view is a snapshot: it is not updated when the fx graph changes.
+"""
+from __future__ import annotations
+
+import numbers
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def target_name(node: fx.Node) -> str:
+    """A stable string name for the node's target: ``aten.bmm.default``, ``getitem``, ``output``."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._opname}.{t._overloadname}"
+    return getattr(t, "__name__", str(t))
+
+
+def val(node) -> torch.Tensor | None:
+    """The node's example value (FakeTensor) if it is a tensor, else None."""
+    v = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node) -> tuple[int, ...] | None:
+    v = val(node)
+    return tuple(int(s) for s in v.shape) if v is not None else None
+
+
+def dtype(node) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if v is not None else None
+
+
+def is_call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_number(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    """Positional-or-keyword argument ``i``/``name`` of a call node."""
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def to_networkx(gm: fx.GraphModule | fx.Graph) -> nx.DiGraph:
+    """Snapshot ``gm``'s graph as a DiGraph (see module docstring for the attributes)."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    g = nx.DiGraph()
+    for n in graph.nodes:
+        s, d = shape(n), dtype(n)
+        g.add_node(n.name, op=n.op, target=target_name(n), shape=s, dtype=str(d) if d is not None else None)
+    for n in graph.nodes:
+        for inp in n.all_input_nodes:
+            g.add_edge(inp.name, n.name)
+    return g
+
+
+def infer_val(node: fx.Node):
+    """Recompute ``node.meta['val']`` by running its target on its inputs' FakeTensors."""
+    from torch._guards import detect_fake_mode
+
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    flat = [v for v in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    fake_mode = detect_fake_mode(flat)
+    if fake_mode is None:
+        out = node.target(*args, **kwargs)
+    else:
+        with fake_mode:
+            out = node.target(*args, **kwargs)
+    node.meta["val"] = out
+    return out
+
+
+def call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    """Insert ``target(*args, **kwargs)`` at the graph's current insert point, with meta['val']."""
+    n = graph.call_function(target, args, kwargs)
+    infer_val(n)
+    return n
+
+
+def get_attr_value(gm: fx.GraphModule, target: str):
+    obj = gm
+    for p in target.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm.graph`` (node meta copied); attributes (parameters,
+    buffers, constants) are the same objects as in ``gm``, never copies."""
+    g = fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return fx.GraphModule(gm, g)
