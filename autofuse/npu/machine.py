@@ -63,7 +63,12 @@ class SimulatorError(RuntimeError):
 
 
 def _extent(region) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in region)
+    """Shape of ``data[region]`` for a region of slices (with explicit bounds) and integer indices."""
+    return tuple(s.stop - s.start for s in region if isinstance(s, slice))
+
+
+def _key(region) -> tuple:
+    return tuple((s.start, s.stop) if isinstance(s, slice) else s for s in region)
 
 
 class GMTensor:
@@ -354,7 +359,7 @@ class Group:
             if region is None:
                 continue
             b = math.prod(_extent(region)) * isz
-            key = (t.id, tuple((s.start, s.stop) for s in region))
+            key = (t.id, _key(region))
             nbytes[c] = b
             if write:
                 wb = l2.write(key, b, dirty=t.scratch)
