@@ -18,7 +18,11 @@ Canonical spellings (what patterns may assume):
   chained scalars fold, and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
   moves to the matmul output
 * softmax -> ``aten.softmax.int(x, dim<0)`` (function/method/module, ``_softmax``, ``_safe_softmax``,
-  ``exp(x - max) / sum``, ``exp(x - logsumexp)``); a ``dtype=`` argument becomes an explicit cast
+  ``exp(x - max) / sum``, ``exp(x - logsumexp)``, ``exp(log_softmax)``); a ``dtype=`` argument
+  becomes an explicit cast
+* one-element constants (``torch.sqrt(torch.tensor(d))``, real 0-d buffers) become Python scalars
+* batch-dim reshapes around a matmul (heads folded into the batch for ``bmm``) move to its operands,
+  so a matmul is always at the highest batch rank available
 * casts -> ``aten._to_copy(x, dtype=d)``; casts to the same dtype, clones, detach, eval-mode
   dropout and same-shape views/expands disappear; every view spelling becomes ``aten.reshape``
 * a swap of the last two dims -> ``aten.transpose.int(x, -2, -1)``; any other permutation ->
@@ -36,6 +40,7 @@ folded back into one matmul: both capture routes keep ``aten.matmul`` whole.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import string
 
@@ -98,6 +103,64 @@ def const_value(n):
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.device.type != "meta":
             return t.item()
     return None
+
+
+def constant_scalar(n):
+    """A Python number for a one-element tensor computed only from constants (e.g. ``torch.sqrt(
+    torch.tensor(64.))``, a real 0-d buffer), or the number itself; else None. Evaluated on CPU."""
+    if is_number(n):
+        return n
+    v = val(n)
+    if v is None or v.numel() != 1 or v.dim() != 0:
+        return None
+    direct = const_value(n)
+    if direct is not None:
+        return direct
+    t = evaluate_constant(n, max_nodes=20)
+    return t.item() if t is not None else None
+
+
+def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24):
+    """Evaluate ``m`` on CPU if it depends only on constants (factory ops, real attributes); else None.
+
+    ``device=`` arguments are redirected to CPU, so constants built on the meta device (a model
+    captured on meta) still evaluate; a meta *attribute* has no data and makes ``m`` non-constant."""
+    order, seen, stack = [], set(), [m]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        v = val(n)
+        if n.op == "placeholder" or len(seen) > max_nodes or (v is not None and v.numel() > max_numel):
+            return None
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
+                n.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags):
+            return None
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    pos = {n: i for i, n in enumerate(m.graph.nodes)}
+    env = {}
+    try:
+        for n in sorted(order, key=pos.__getitem__):
+            if n.op == "get_attr":
+                t = get_attr_value(n.graph.owning_module, n.target)
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    return None
+                env[n] = t
+            elif n.op == "call_function":
+                args, kwargs = fx.map_arg((n.args, n.kwargs), lambda x: env[x])
+                if "device" in kwargs:
+                    kwargs = dict(kwargs, device="cpu")
+                env[n] = n.target(*args, **kwargs)
+            else:
+                return None
+    except Exception:  # noqa: BLE001 - anything we cannot evaluate is simply not a constant
+        return None
+    out = env[m]
+    if isinstance(out, torch.Tensor) and out.device.type == "meta":
+        return None
+    return out
 
 
 # ----------------------------------------------------------------------------------------- identities
@@ -221,10 +284,65 @@ def _einsum(n):
     return _permute(mm, [res.index(c) for c in out])
 
 
+def _regroups_batch(src, dst) -> bool:
+    """dst is src with only its leading (batch) dims regrouped; the last two dims unchanged."""
+    return (len(src) >= 2 and len(dst) >= 2 and tuple(src[-2:]) == tuple(dst[-2:])
+            and math.prod(src[:-2]) == math.prod(dst[:-2]))
+
+
+def _split_matmul(n):
+    """reshape(matmul(a, b)) that splits batch dims -> matmul(reshape(a), reshape(b))."""
+    mm, s = n.args[0], shape(n)
+    if not (is_call(mm, aten.matmul.default) and len(mm.users) == 1 and len(s) > _rank(mm)):
+        return None
+    a, b = mm.args
+    if not (_rank(a) == _rank(b) == _rank(mm) and shape(a)[:-2] == shape(b)[:-2] and _regroups_batch(shape(mm), s)):
+        return None
+    ra = call(n.graph, aten.reshape.default, a, [*s[:-2], *shape(a)[-2:]])
+    rb = call(n.graph, aten.reshape.default, b, [*s[:-2], *shape(b)[-2:]])
+    return call(n.graph, aten.matmul.default, ra, rb)
+
+
+def _lift_matmul(n):
+    """matmul(reshape(x), b) where the reshape merged batch dims of x -> reshape(matmul(x, reshape(b)))."""
+    a, b = n.args
+    if not (_rank(a) == _rank(b) >= 3 and shape(a)[:-2] == shape(b)[:-2]):
+        return None
+    for i, x in enumerate((a, b)):
+        if (is_call(x, aten.reshape.default) and not is_call(x.args[0], aten.expand.default)  # expand: repeat_kv
+                and _rank(x.args[0]) > _rank(x) and _regroups_batch(shape(x.args[0]), shape(x))):
+            hi = shape(x.args[0])[:-2]
+            other = (b, a)[i]
+            other = call(n.graph, aten.reshape.default, other, [*hi, *shape(other)[-2:]])
+            ops = (x.args[0], other) if i == 0 else (other, x.args[0])
+            return call(n.graph, aten.reshape.default, call(n.graph, aten.matmul.default, *ops), list(shape(n)))
+    return None
+
+
+def _split_add(n):
+    """reshape(add(a, b)) regrouping batch dims, a and b of the full shape -> add(reshape(a), reshape(b))."""
+    ad, s = n.args[0], shape(n)
+    if not (is_call(ad, aten.add.Tensor) and not ad.kwargs and len(ad.users) == 1 and len(s) > _rank(ad)
+            and all(isinstance(t, fx.Node) and shape(t) == shape(ad) for t in ad.args)
+            and _regroups_batch(shape(ad), s)):
+        return None
+    a, b = (call(n.graph, aten.reshape.default, t, list(s)) for t in ad.args)
+    return call(n.graph, aten.add.Tensor, a, b)
+
+
+def _add_zero(n):
+    """x + zeros (a constant that broadcasts into x's shape) is x."""
+    for x, z in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        if (isinstance(z, fx.Node) and isinstance(x, fx.Node) and not n.kwargs
+                and is_call(z, aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)):
+            return x
+    return None
+
+
 # ----------------------------------------------------------------------------------------------- scale
 
 def _div_scalar(n):
-    x, c = n.args[0], n.args[1]
+    x, c = n.args[0], constant_scalar(n.args[1])
     if is_number(c) and c != 0 and val(x).is_floating_point() and not n.kwargs:
         return call(n.graph, aten.mul.Tensor, x, 1.0 / c)
     return None
@@ -234,6 +352,10 @@ def _mul(n):
     x, c = n.args[0], n.args[1]
     if is_number(x) and isinstance(c, fx.Node):
         return call(n.graph, aten.mul.Tensor, c, x)
+    if isinstance(c, fx.Node) and constant_scalar(c) is not None:
+        return call(n.graph, aten.mul.Tensor, x, constant_scalar(c))
+    if isinstance(x, fx.Node) and isinstance(c, fx.Node) and constant_scalar(x) is not None:
+        return call(n.graph, aten.mul.Tensor, c, constant_scalar(x))
     if not is_number(c) or not val(x).is_floating_point():
         return None
     if c == 1:
@@ -347,6 +469,32 @@ def _softmax_from_logsumexp(n):
     return None
 
 
+def _exp_log_softmax(n):
+    y = n.args[0]
+    if is_call(y, aten._log_softmax.default) and not arg(y, 2, "half_to_float"):
+        return call(n.graph, aten.softmax.int, y.args[0], y.args[1] if y.args[1] < 0 else y.args[1] - _rank(y))
+    if is_call(y, aten.log_softmax.int) and arg(y, 2, "dtype") is None:
+        return call(n.graph, aten.softmax.int, y.args[0], y.args[1] if y.args[1] < 0 else y.args[1] - _rank(y))
+    return None
+
+
+def _keepdim(n):
+    """unsqueeze(reduce(x, d, keepdim=False), d) -> reduce(x, d, keepdim=True)."""
+    r, d = n.args[0], n.args[1]
+    if r.target is operator.getitem and r.args[1] == 0 and is_call(r.args[0], aten.max.dim):
+        mx = r.args[0]
+        if not arg(mx, 2, "keepdim", False) and (mx.args[1] % _rank(mx.args[0])) == d % _rank(n):
+            new = call(n.graph, aten.max.dim, mx.args[0], mx.args[1], True)
+            return call(n.graph, operator.getitem, new, 0)
+        return None
+    if not is_call(r, aten.amax.default, aten.sum.dim_IntList) or arg(r, 2, "keepdim", False):
+        return None
+    dims = arg(r, 1, "dim")
+    if len(dims) != 1 or dims[0] % _rank(r.args[0]) != d % _rank(n) or (len(r.args) > 3 or r.kwargs):
+        return None
+    return call(n.graph, r.target, r.args[0], list(dims), True)
+
+
 # ------------------------------------------------------------------------------------------ transposes
 
 def _transpose(n):
@@ -414,6 +562,17 @@ def _repeat_kv(n):
     if list(shape(n)) != want:
         return None
     return call(n.graph, aten.repeat_interleave.self_int, x, r, (j - 1) - len(sx))
+
+
+def _repeat_through_transpose(n):
+    """repeat_interleave(transpose_last(x), r, dim) with dim not in the last two -> swap the order."""
+    t, r, dim = n.args[0], n.args[1], arg(n, 2, "dim")
+    if dim is None or not (is_call(t, aten.transpose.int) and tuple(t.args[1:]) == (-2, -1)):
+        return None
+    if dim % _rank(n) >= _rank(n) - 2 or len(n.args) > 3 or n.kwargs:
+        return None
+    inner = call(n.graph, aten.repeat_interleave.self_int, t.args[0], r, dim if dim < 0 else dim - _rank(n))
+    return call(n.graph, aten.transpose.int, inner, -2, -1)
 
 
 def _repeat_interleave(n):
@@ -514,6 +673,10 @@ RULES = [
     ({aten.expand.default}, _expand),  # same-shape expand is a no-op
     ({aten.slice.Tensor}, _slice),  # a full slice is a no-op
     ({aten.bmm.default, aten.mm.default}, _bmm),  # one matmul spelling
+    ({aten.reshape.default}, _split_matmul),  # heads folded into batch (bmm) become a batch dim again
+    ({aten.matmul.default}, _lift_matmul),  # same, when only one operand was folded
+    ({aten.reshape.default}, _split_add),  # same for a bias added to folded scores (baddbmm)
+    ({aten.add.Tensor}, _add_zero),  # + zeros is a no-op (the shape/dtype guard rejects broadcasting up)
     ({aten.baddbmm.default}, _baddbmm),  # baddbmm = scaled matmul + bias (MHA's masked scores)
     ({aten.einsum.default}, _einsum),  # einsum contractions are matmuls with permutes
     ({aten.div.Tensor, aten.div.Scalar}, _div_scalar),  # x / c == x * (1/c)
@@ -525,10 +688,13 @@ RULES = [
     ({aten.softmax.int}, _softmax_int),  # dtype= is a cast; dims counted from the end
     ({aten._softmax.default, aten._safe_softmax.default}, _softmax_private),  # one softmax spelling
     ({aten.exp.default}, _softmax_from_logsumexp),  # exp(x - logsumexp(x)) is softmax
+    ({aten.exp.default}, _exp_log_softmax),  # exp(log_softmax(x)) is softmax
+    ({aten.unsqueeze.default}, _keepdim),  # reduce-then-unsqueeze is reduce(keepdim=True)
     ({aten.transpose.int}, _transpose),  # a last-two swap is transpose(-2, -1), others permute
     ({aten.permute.default}, _permute_rule),  # compose permutes; expose a trailing last-two swap
     ({aten.t.default}, _t),  # 2-D t() is transpose(-2, -1)
     ({aten.repeat_interleave.self_int}, _repeat_interleave),  # dims counted from the end
+    ({aten.repeat_interleave.self_int}, _repeat_through_transpose),  # keep k^T next to the matmul
     ({aten.masked_fill.Scalar, aten.masked_fill.Tensor}, _masked_fill),  # masks say True = keep
     ({aten.where.self}, _where_self),  # scalar fill goes last, keep-mask first
     ({aten.where.ScalarSelf}, _where_scalar_self),  # same

@@ -1,0 +1,371 @@
+"""The attention family: softmax(scale · Q·Kᵀ + mask) · V, recognised by meaning.
+
+Target kernel: ``flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False)``
+with q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (N % Nkv == 0, head n reads kv head n // (N/Nkv)),
+mask broadcastable to [B, N, Sq, Skv].
+
+**Mask convention** (``params["mask_kind"]``): ``None`` = no mask; ``"bool"`` = True means *attend*
+(keep), exactly as ``F.scaled_dot_product_attention``; ``"additive"`` = a float tensor added to the
+scaled scores. ``causal=True`` means top-left aligned ``tril(ones(Sq, Skv))`` keep-mask (SDPA's
+``is_causal``). A mask is replaced by ``causal=True`` (or dropped) only when it is *proven*: it
+depends on no graph input and no meta tensor, so it is evaluated for the captured shapes and
+compared entry by entry.
+
+One description, many spellings. The family is the table below plus one walker; the spellings
+(div vs mul, pre-scaled q/k, einsum/bmm/matmul, transpose/permute/mT, masked_fill/where/additive,
+softmax forms, eval dropout, repeat_kv/repeat_interleave) are removed by canonicalization first,
+so the walker sees, from the softmax input upwards::
+
+    softmax(-1) <- [cast | mul(scalar) | add(mask) | where(keep, ·, fill<=-1e4)]* <- matmul(q, transpose(k, -2, -1))
+
+and from the softmax output downwards ``[cast]* -> matmul(P, v)``. ``k``/``v`` may each be
+``repeat_interleave(x, r, dim=-3)`` (GQA). ``aten.scaled_dot_product_attention`` is matched directly.
+
+Rejected (each a near-miss test): softmax over any dim but the last; kᵀ that is not a transpose of
+k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale; anything between softmax and
+P·V other than casts (in-place edits of the probabilities are functionalised into such ops);
+a scores/probability node consumed outside the block, except the probabilities themselves
+(``probs_used``); training-mode dropout (it is random; ``dropout_p`` is always 0.0 in a match,
+SDPA with ``dropout_p > 0`` is not matched either); matmul operands that broadcast batch dims.
+``AttentionVariant`` / :func:`build_variant` generate the eager spellings from the same
+description, for tests and examples.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autofuse.canonicalize import evaluate_constant
+from autofuse.graph import arg, is_call, is_number, shape, val
+from autofuse.match import Match, register
+
+aten = torch.ops.aten
+
+NEG_FILL = -1e4  # a fill at or below this is "masked": exp(fill - rowmax) underflows to 0 in fp32
+MAX_PROOF_NUMEL = 1 << 24  # largest constant mask evaluated to prove causality
+
+# Ops allowed between the QK matmul and softmax, and what each contributes.
+SCORE_OPS = {
+    aten._to_copy.default: "cast",
+    aten.mul.Tensor: "scale",
+    aten.add.Tensor: "additive",
+    aten.where.ScalarOther: "bool",
+}
+PROB_OPS = {aten._to_copy.default: "cast"}  # allowed between softmax and P·V
+KV_VIEWS = {aten.repeat_interleave.self_int: "gqa"}  # looked through on k and v
+
+
+@dataclass
+class _Scores:
+    qk: fx.Node
+    scale: float
+    masks: list  # (node, kind, factor at softmax input)
+    nodes: list
+
+
+def _is_cast(n):
+    return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and len(n.args) == 1
+
+
+def _walk_scores(x, after: float) -> _Scores | None:
+    """Walk from the softmax input up to the QK matmul; ``after`` = product of scalar muls below x."""
+    nodes, masks, scale = [], [], 1.0
+    while True:
+        if is_call(x, aten.matmul.default):
+            return _Scores(x, scale, masks, nodes)
+        if _is_cast(x):
+            nodes.append(x)
+            x = x.args[0]
+        elif is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and not x.kwargs:
+            nodes.append(x)
+            scale *= x.args[1]
+            after *= x.args[1]
+            x = x.args[0]
+        elif is_call(x, aten.where.ScalarOther):
+            keep, y, fill = x.args
+            if not (after > 0 and fill * after <= NEG_FILL) or val(keep).dtype != torch.bool:
+                return None
+            nodes.append(x)
+            masks.append((keep, "bool", after))
+            x = y
+        elif is_call(x, aten.add.Tensor) and not x.kwargs and all(isinstance(a, fx.Node) for a in x.args):
+            for chain, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+                if not val(m).is_floating_point() or shape(x) != shape(chain):
+                    continue
+                rest = _walk_scores(chain, after)
+                if rest is not None:
+                    return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", after)] + rest.masks,
+                                   nodes + [x] + rest.nodes)
+            return None
+        else:
+            return None
+
+
+def _exclusive(n: fx.Node, inside: set) -> bool:
+    return all(u in inside for u in n.users)
+
+
+def _kv_source(k, v, rank):
+    """Look through matching repeat_interleave(·, r, -3) on k and v (GQA); returns (k, v, rep, views)."""
+    if rank == 4 and all(is_call(t, *KV_VIEWS) and t.args[2] == -3 for t in (k, v)) and k.args[1] == v.args[1]:
+        return k.args[0], v.args[0], k.args[1], [k, v]
+    return k, v, 1, []
+
+
+def _layout(rank):
+    return {4: "BNSD", 3: "(BN)SD", 2: "SD"}.get(rank)
+
+
+def _match_softmax(sm: fx.Node) -> Match | None:
+    if sm.args[1] != -1 or len(sm.args) > 2:
+        return None
+    rank = len(shape(sm))
+    if _layout(rank) is None:
+        return None
+    # downstream: [cast]* -> matmul(P, v)
+    pchain, cur, pv = [sm], sm, None
+    while pv is None:
+        mms = [u for u in cur.users if is_call(u, aten.matmul.default) and u.args[0] is cur]
+        casts = [u for u in cur.users if u.target in PROB_OPS and _is_cast(u)]
+        if len(mms) == 1:
+            pv = mms[0]
+        elif not mms and len(casts) == 1:
+            cur = casts[0]
+            pchain.append(cur)
+        else:
+            return None
+    sc = _walk_scores(sm.args[0], 1.0)
+    if sc is None:
+        return None
+    a, b = sc.qk.args
+    if not (is_call(b, aten.transpose.int) and tuple(b.args[1:]) == (-2, -1)):
+        return None  # kᵀ must be a transpose of k's last two dims
+    q, k_rep, v_rep = a, b.args[0], pv.args[1]
+    if v_rep in pchain or any(len(shape(t)) != rank for t in (q, k_rep, v_rep, pv)):
+        return None
+    k, v, rep, kv_views = _kv_source(k_rep, v_rep, rank)
+    qs, ks, vs = shape(q), shape(k), shape(v)
+    if not (qs[:-3] == ks[:-3] == vs[:-3] and ks[-2] == vs[-2] and qs[-1] == ks[-1]):
+        return None
+    if rank >= 3 and not (qs[-3] == ks[-3] * rep == vs[-3] * rep):
+        return None
+    core = set(sc.nodes) | set(pchain) | {sc.qk, pv}
+    probs = [n for n in pchain if not _exclusive(n, core)]
+    if len(probs) > 1 or any(not _exclusive(n, core) for n in sc.nodes + [sc.qk]):
+        return None  # scores consumed outside the block, or probabilities at two points
+    optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
+    inputs = {"q": q.name, "k": k.name, "v": v.name}
+    return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
+                   probs[0] if probs else None)
+
+
+def _match_sdpa(n: fx.Node) -> Match | None:
+    q, k, v = n.args[:3]
+    mask, dropout_p = arg(n, 3, "attn_mask"), arg(n, 4, "dropout_p", 0.0)
+    causal, scale, gqa = arg(n, 5, "is_causal", False), n.kwargs.get("scale"), n.kwargs.get("enable_gqa", False)
+    rank = len(shape(q))
+    if dropout_p or _layout(rank) is None or any(len(shape(t)) != rank for t in (k, v)):
+        return None  # SDPA applies dropout_p regardless of training mode: not fusible as eval attention
+    rep = shape(q)[-3] // shape(k)[-3] if (gqa and rank == 4) else 1
+    views = []
+    if rep == 1:
+        k, v, rep, views = _kv_source(k, v, rank)
+    scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else scale
+    masks = []
+    if mask is not None:
+        masks.append((mask, "bool" if val(mask).dtype == torch.bool else "additive", 1.0))
+    core = {n} | {x for x in views if _exclusive(x, {n} | set(views))}
+    return _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None)
+
+
+def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs) -> Match:
+    terms = []
+    qs, ks = shape(q), shape(k)
+    for m, kind, factor in masks:
+        proven = prove_mask(m, kind, factor, qs[-2], ks[-2])
+        if proven == "causal":
+            causal = True
+        elif proven != "none":
+            terms.append((m, kind, factor))
+    for i, (m, kind, factor) in enumerate(terms):
+        inputs["mask" if i == 0 else f"mask_{i}"] = m.name
+    kinds = {kind for _, kind, _ in terms}
+    mask_kind = None if not kinds else ("bool" if kinds == {"bool"} else "additive")
+    rank = len(qs)
+    heads = qs[-3] if rank == 4 else 1
+    order = [x.name for x in anchor.graph.nodes if x in core]
+    params = dict(
+        scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
+        mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f) in enumerate(terms)),
+        num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank), dropout_p=0.0,
+        probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
+        dtype=val(q).dtype, q_shape=qs, k_shape=ks, v_shape=shape(v), out_shape=shape(anchor),
+    )
+    return Match("attention", tuple(order), anchor.name, inputs, params)
+
+
+def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int) -> str | None:
+    """"causal" / "none" if the constant mask equals SDPA's causal mask / masks nothing, else None.
+
+    The mask's ancestors must be graph constants (factory ops, real buffers): they are evaluated on
+    CPU for the captured shapes. Anything depending on an input or a meta tensor is not provable."""
+    try:
+        t = evaluate_constant(m, max_numel=MAX_PROOF_NUMEL)
+    except Exception:  # noqa: BLE001 - "not provable" is the answer for anything we cannot evaluate
+        return None
+    if t is None:
+        return None
+    t = t.broadcast_to(*t.shape[:-2], sq, skv) if t.dim() >= 2 else t.broadcast_to(sq, skv)
+    tril = torch.ones(sq, skv, dtype=torch.bool).tril()
+    keep = t if kind == "bool" else None
+    if kind == "additive":
+        s = t.double() * factor
+        if not torch.all((s == 0) | (s <= NEG_FILL)):
+            return None
+        keep = s == 0
+    if torch.all(keep):
+        return "none"
+    if torch.equal(keep, tril.expand_as(keep)):
+        return "causal"
+    return None
+
+
+@register("attention")
+def find_attention(gm: fx.GraphModule) -> list[Match]:
+    """Every non-overlapping attention block in ``gm`` (expects the canonical form)."""
+    out, taken = [], set()
+    for n in gm.graph.nodes:
+        m = None
+        if is_call(n, aten.softmax.int):
+            m = _match_softmax(n)
+        elif is_call(n, aten.scaled_dot_product_attention.default):
+            m = _match_sdpa(n)
+        if m is not None and taken.isdisjoint(m.nodes):
+            out.append(m)
+            taken.update(m.nodes)
+    return out
+
+
+# ------------------------------------------------------------------------------- variant generator
+
+AXES = {
+    "scale": ("mul", "div", "pre_q", "pre_qk", "one"),
+    "qk": ("matmul", "einsum", "bmm3d", "baddbmm3d"),
+    "kt": ("transpose(-2,-1)", "transpose(2,3)", "permute(0,1,3,2)", "mT", "bsnd_permute(0,2,3,1)"),
+    "mask": (None, "additive", "masked_fill", "where", "causal_tril", "causal_triu", "causal_arange"),
+    "softmax": ("function", "method", "module", "decomposed", "_softmax", "fp32_dtype"),
+    "dropout": (False, True),
+    "gqa": (None, "repeat_kv", "repeat_interleave"),
+    "sdpa": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """One spelling of eager attention; every field ranges over ``AXES[field]``."""
+
+    scale: str = "mul"
+    qk: str = "matmul"
+    kt: str = "transpose(-2,-1)"
+    mask: str | None = None
+    softmax: str = "function"
+    dropout: bool = False
+    gqa: str | None = None
+    sdpa: bool = False
+
+    def __post_init__(self):
+        for k, allowed in AXES.items():
+            if getattr(self, k) not in allowed:
+                raise ValueError(f"AttentionVariant.{k}={getattr(self, k)!r} not in {allowed}")
+
+
+def build_variant(var: AttentionVariant, heads: int = 4, kv_heads: int | None = None) -> torch.nn.Module:
+    """An eager module ``forward(q, k, v, mask=None)`` computing attention in the spelling ``var``.
+
+    q: [B, heads, S, D]; k, v: [B, kv_heads, S, D];
+    mask: float [B, 1, S, S] added to scores (``"additive"``) or bool [B, 1, S, S] True = keep
+    (``"masked_fill"``/``"where"``). Returns [B, S, heads·D]."""
+    import torch.nn.functional as F
+
+    kv_heads = kv_heads or heads
+
+    class _Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.softmax = torch.nn.Softmax(dim=-1)
+            self.drop = torch.nn.Dropout(0.25)
+
+        def forward(self, q, k, v, mask=None):
+            B, N, S, D = q.shape
+            rep = N // kv_heads
+            if var.gqa == "repeat_kv" and rep > 1:
+                k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+            elif var.gqa == "repeat_interleave" and rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), torch.repeat_interleave(v, rep, dim=1)
+            c = D ** -0.5
+            if var.sdpa:
+                am, causal = None, False
+                if var.mask == "additive":
+                    am = mask
+                elif var.mask in ("masked_fill", "where"):
+                    am = mask
+                elif var.mask is not None:
+                    causal = True
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=am, is_causal=causal,
+                                                   scale=None if var.scale != "one" else 1.0)
+                return o.transpose(1, 2).reshape(B, S, N * D)
+            if var.scale == "pre_q":
+                q = q * c
+            elif var.scale == "pre_qk":
+                q, k = q * c ** 0.5, k * c ** 0.5
+            kt = {"transpose(-2,-1)": lambda t: t.transpose(-2, -1), "transpose(2,3)": lambda t: t.transpose(2, 3),
+                  "permute(0,1,3,2)": lambda t: t.permute(0, 1, 3, 2), "mT": lambda t: t.mT,
+                  # k stored as [B, S, N, D] (a projection's output), kᵀ taken straight from it
+                  "bsnd_permute(0,2,3,1)": lambda t: t.transpose(1, 2).contiguous().permute(0, 2, 3, 1)}[var.kt](k)
+            if var.qk == "matmul":
+                s = torch.matmul(q, kt)
+            elif var.qk == "einsum":
+                s = torch.einsum("bhqd,bhdk->bhqk", q, kt)
+            else:
+                q3, kt3 = q.reshape(B * N, S, D), kt.reshape(B * N, D, -1)
+                s3 = torch.bmm(q3, kt3) if var.qk == "bmm3d" else torch.baddbmm(
+                    torch.zeros(B * N, S, kt.shape[-1], dtype=q.dtype, device=q.device), q3, kt3)
+                s = s3.view(B, N, S, -1)
+            if var.scale == "mul":
+                s = s * c
+            elif var.scale == "div":
+                s = s / math.sqrt(D)
+            if var.mask == "additive":
+                s = s + mask
+            elif var.mask == "masked_fill":
+                s = s.masked_fill(~mask, float("-inf"))
+            elif var.mask == "where":
+                s = torch.where(mask, s, torch.finfo(s.dtype).min)
+            elif var.mask == "causal_tril":
+                t = torch.tril(torch.ones(S, S, device=q.device))
+                s = s.masked_fill(t == 0, float("-inf"))
+            elif var.mask == "causal_triu":
+                t = torch.triu(torch.ones(S, S, dtype=torch.bool, device=q.device), diagonal=1)
+                s = s.masked_fill(t, torch.finfo(s.dtype).min)
+            elif var.mask == "causal_arange":
+                i = torch.arange(S, device=q.device)
+                s = torch.where(i[:, None] >= i[None, :], s, float("-inf"))
+            p = {"function": lambda x: F.softmax(x, dim=-1), "method": lambda x: x.softmax(-1),
+                 "module": self.softmax, "_softmax": lambda x: torch._softmax(x, -1, False),
+                 "fp32_dtype": lambda x: F.softmax(x, dim=-1, dtype=torch.float32).to(q.dtype),
+                 "decomposed": lambda x: (x - x.amax(-1, keepdim=True)).exp() / (x - x.amax(-1, keepdim=True)).exp().sum(-1, keepdim=True),
+                 }[var.softmax](s)
+            if var.dropout:
+                p = self.drop(p)
+            o = p @ v
+            return o.transpose(1, 2).reshape(B, S, N * D)
+
+    return _Attention()
+
+
+def _repeat_kv(x, n_rep):
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
