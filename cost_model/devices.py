@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 # Bytes per element of the dtypes the hardware handles.
-ITEMSIZE = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4, "int8": 1, "int32": 4, "bool": 1})
+ITEMSIZE = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+                             "int16": 2, "int32": 4, "int64": 8, "bool": 1})
 
 KB = 1024
 MB = 1024 * KB

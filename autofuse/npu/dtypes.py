@@ -10,8 +10,9 @@ import numpy as np
 
 from cost_model.devices import ITEMSIZE
 
-STORAGE = {"float16": np.float16, "bfloat16": np.float32, "float32": np.float32, "int8": np.int8,
-           "int32": np.int32, "bool": np.bool_}
+STORAGE = {"float16": np.float32, "bfloat16": np.float32, "float32": np.float32, "float64": np.float64,
+           "int8": np.int8, "uint8": np.uint8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+           "bool": np.bool_}
 FLOATS = ("float16", "bfloat16", "float32")
 
 
@@ -29,9 +30,11 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
-    """``x`` rounded to ``dtype`` and held in its storage dtype."""
+    """``x`` rounded to ``dtype``; floating types are held as float32 (exactly representable values)."""
     if dtype == "bfloat16":
         return round_bf16(x)
+    if dtype == "float16":
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
     return np.asarray(x).astype(STORAGE[dtype], copy=False)
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autofuse.npu.dtypes import itemsize, to_dtype
+from autofuse.npu.dtypes import STORAGE, itemsize, to_dtype
 from cost_model.devices import Device
 
 UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
@@ -480,8 +480,11 @@ class Launch:
         return g
 
     def tensor(self, data: np.ndarray, dtype: str, name: str, scratch: bool = False) -> GMTensor:
-        return GMTensor(to_dtype(np.asarray(data, dtype=np.float32), dtype) if dtype != "bool"
-                        else np.asarray(data, dtype=bool), dtype, name, scratch)
+        if dtype in ("float16", "bfloat16", "float32"):
+            data = to_dtype(np.asarray(data, dtype=np.float32), dtype)
+        else:                                  # integers and bools keep their exact values
+            data = np.asarray(data, dtype=STORAGE[dtype])
+        return GMTensor(data, dtype, name, scratch)
 
     def empty(self, shape, dtype: str, name: str, scratch: bool = False) -> GMTensor:
         return GMTensor(np.zeros(shape, dtype=np.float32), dtype, name, scratch)

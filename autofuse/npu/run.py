@@ -96,4 +96,5 @@ def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
 
 
 # Register the kernels.
+from autofuse.npu.kernels import generic as _generic  # noqa: E402,F401
 from autofuse.npu.kernels import matmul as _matmul  # noqa: E402,F401
