@@ -319,6 +319,41 @@ def _lift_matmul(n):
     return None
 
 
+def _merged(x):
+    """The higher-rank source of a reshape that merged batch dims (last two dims kept), else None."""
+    if (is_call(x, aten.reshape.default) and not is_call(x.args[0], aten.expand.default)
+            and _rank(x.args[0]) > _rank(x) and _regroups_batch(shape(x.args[0]), shape(x))):
+        return x.args[0]
+    return None
+
+
+def _sink_merge(n):
+    """op(reshape_merge(x)) -> reshape_merge(op(x)) for ops that act per row of the last dim, so
+    scores that were folded to 3-D for a bmm are scaled, masked and normalised at full rank."""
+    x = n.args[0] if n.target != aten.where.ScalarOther else n.args[1]
+    hi = _merged(x) if isinstance(x, fx.Node) else None
+    if hi is None:
+        return None
+    hs = list(shape(hi))
+    if n.target == aten.softmax.int and n.args[1] == -1 and len(n.args) == 2:
+        new = call(n.graph, aten.softmax.int, hi, -1)
+    elif n.target == aten.mul.Tensor and is_number(n.args[1]):
+        new = call(n.graph, aten.mul.Tensor, hi, n.args[1])
+    elif n.target == aten._to_copy.default and set(n.kwargs) == {"dtype"} and len(n.args) == 1:
+        new = call(n.graph, aten._to_copy.default, hi, dtype=n.kwargs["dtype"])
+    elif n.target in (aten.add.Tensor, aten.where.ScalarOther) and not n.kwargs:
+        other = n.args[1] if n.target == aten.add.Tensor else n.args[0]
+        if not isinstance(other, fx.Node) or len(shape(other)) > 2 and shape(other) != shape(n):
+            return None
+        if shape(other) == shape(n) and len(shape(other)) > 2:
+            other = call(n.graph, aten.reshape.default, other, hs)
+        new = (call(n.graph, aten.add.Tensor, hi, other) if n.target == aten.add.Tensor
+               else call(n.graph, aten.where.ScalarOther, other, hi, n.args[2]))
+    else:
+        return None
+    return call(n.graph, aten.reshape.default, new, list(shape(n)))
+
+
 def _split_add(n):
     """reshape(add(a, b)) regrouping batch dims, a and b of the full shape -> add(reshape(a), reshape(b))."""
     ad, s = n.args[0], shape(n)
@@ -365,8 +400,18 @@ def _mul(n):
     return None
 
 
+def inplace_edit(n) -> bool:
+    """True if the user wrote this op in place (``p.mul_(2)``); export functionalises it, and
+    ``meta["torch_fn"]`` still names the in-place method. Such values are not reassociated."""
+    fn = n.meta.get("torch_fn") if isinstance(n, fx.Node) else None
+    name = fn[1].rsplit(".", 1)[-1] if fn else ""
+    return name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__imul__")
+
+
 def _scalar_of(x):
     """(inner, c) if x = mul(inner, c) with Python scalar c, else None."""
+    if inplace_edit(x):
+        return None
     if is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and val(x.args[0]).is_floating_point():
         return x.args[0], x.args[1]
     return None
@@ -385,8 +430,8 @@ def _matmul_scale(n):
 
 def _view_scale(n):
     sc = _scalar_of(n.args[0])
-    if not sc:
-        return None
+    if not sc or (n.target == aten.reshape.default and _merged(n) is not None):
+        return None  # batch merges sink below scalars instead (_sink_merge)
     moved = call(n.graph, n.target, sc[0], *n.args[1:], **n.kwargs)
     return call(n.graph, aten.mul.Tensor, moved, sc[1])
 
@@ -676,6 +721,8 @@ RULES = [
     ({aten.reshape.default}, _split_matmul),  # heads folded into batch (bmm) become a batch dim again
     ({aten.matmul.default}, _lift_matmul),  # same, when only one operand was folded
     ({aten.reshape.default}, _split_add),  # same for a bias added to folded scores (baddbmm)
+    ({aten.softmax.int, aten.mul.Tensor, aten._to_copy.default, aten.add.Tensor,
+      aten.where.ScalarOther}, _sink_merge),  # same when the scores were folded for a bmm
     ({aten.add.Tensor}, _add_zero),  # + zeros is a no-op (the shape/dtype guard rejects broadcasting up)
     ({aten.baddbmm.default}, _baddbmm),  # baddbmm = scaled matmul + bias (MHA's masked scores)
     ({aten.einsum.default}, _einsum),  # einsum contractions are matmuls with permutes

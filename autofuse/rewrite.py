@@ -31,10 +31,10 @@ def rewrite(gm: fx.GraphModule, matches: list[Match], op) -> fx.GraphModule:
     """A new GraphModule in which every match is one call of ``op``; ``gm`` is left untouched."""
     new = copy_graph_module(gm)
     g = new.graph
+    nodes = {n.name: n for n in g.nodes}  # by original name; a replaced node maps to its replacement
     for m in matches:
         if m.pattern != "attention":
             raise ValueError(f"rewrite: no rewrite for pattern {m.pattern!r}")
-        nodes = {n.name: n for n in g.nodes}
         _rewrite_attention(g, nodes, m, op)
     g.eliminate_dead_code()
     new = legalize_graph(new)
@@ -96,11 +96,13 @@ def _rewrite_attention(g: fx.Graph, nodes: dict, m: Match, op):
             _set_val(probs, pn, 4)
             probs = _adapt(g, probs, pn)
     anchor.replace_all_uses_with(out)
+    nodes[m.anchor] = out
     if probs is not None:
         pn.replace_all_uses_with(probs)
+        nodes[p["probs_node"]] = probs
     for name in reversed(m.nodes):
         n = nodes[name]
-        if not n.users:
+        if n.graph is g and not n.users and n.op == "call_function":
             g.erase_node(n)
 
 

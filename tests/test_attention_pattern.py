@@ -1,0 +1,297 @@
+"""The attention family: every spelling the variant generator knows is matched once and the rewrite
+equals eager; near-misses are rejected, each in its own test."""
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuse.canonicalize as canonicalize_mod
+from autofuse.canonicalize import canonicalize
+from autofuse.capture import capture
+from autofuse.match import Match, find_matches
+from autofuse.rewrite import rewrite
+from patterns.attention import AXES, AttentionVariant, build_variant, find_attention
+
+B, N, S, D = 2, 4, 8, 16
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    monkeypatch.setattr(canonicalize_mod, "STRICT", True)
+
+
+def _args(var: AttentionVariant, kv_heads=N, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, N, S, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, kv_heads, S, D, generator=g, dtype=dtype) for _ in range(2))
+    if var.mask == "additive":
+        return q, k, v, torch.randn(B, 1, S, S, generator=g, dtype=dtype)
+    if var.mask in ("masked_fill", "where"):
+        keep = torch.rand(B, 1, S, S, generator=g) > 0.3
+        keep[..., 0] = True  # no fully masked row: eager and the kernel then agree exactly
+        return q, k, v, keep
+    return q, k, v
+
+
+def _fuse(module, args, ref_op, kwargs=None):
+    cap = capture(module, args, kwargs)
+    gm = canonicalize(cap.graph_module)
+    matches = find_attention(gm)
+    return cap, gm, matches, rewrite(gm, matches, ref_op)
+
+
+def _assert_fused_equal(module, args, ref_op, n=1, atol=1e-5, rtol=1e-4):
+    module.eval()
+    cap, gm, matches, fused = _fuse(module, args, ref_op)
+    assert len(matches) == n, f"expected {n} attention match(es), got {len(matches)}:\n{gm.code}"
+    want = module(*args)
+    got = cap.unflatten_outputs(fused(*cap.flatten_inputs(*args)))
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    return matches
+
+
+def _variants():
+    """Each axis value against the default, plus a fixed random sample of combinations."""
+    base = AttentionVariant()
+    out = {dataclasses.replace(base, **{axis: v}) for axis, vals in AXES.items() for v in vals}
+    rng = random.Random(0)
+    for _ in range(40):
+        out.add(AttentionVariant(**{axis: rng.choice(vals) for axis, vals in AXES.items()}))
+    return sorted(out, key=repr)
+
+
+@pytest.mark.parametrize("var", _variants(), ids=repr)
+def test_variant_matched_once_and_equal(var, ref_op):
+    kv_heads = 2 if var.gqa else N
+    m = _assert_fused_equal(build_variant(var, N, kv_heads), _args(var, kv_heads), ref_op)[0]
+    p = m.params
+    assert p["scale"] == pytest.approx(1.0 if var.scale == "one" else D ** -0.5)
+    assert p["num_heads"] == (1 if var.qk in () else N) and p["num_kv_heads"] == kv_heads
+    assert p["causal"] == (var.mask is not None and var.mask.startswith("causal"))
+    want_kind = {"additive": "additive", "masked_fill": "bool", "where": "bool"}.get(var.mask)
+    assert p["mask_kind"] == want_kind and (("mask" in m.inputs) == (want_kind is not None))
+    assert p["dropout_p"] == 0.0 and p["probs_used"] is False and p["layout"] == "BNSD"
+
+
+def test_variant_generator_rejects_unknown_spelling():
+    with pytest.raises(ValueError, match="scale"):
+        AttentionVariant(scale="sqrt")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_low_precision_with_fp32_softmax(dtype, tol, ref_op):
+    var = AttentionVariant(softmax="fp32_dtype", mask="additive", gqa="repeat_kv")
+    m = _assert_fused_equal(build_variant(var, N, 2), _args(var, 2, dtype), ref_op, atol=tol, rtol=tol)[0]
+    assert m.params["dtype"] == dtype
+
+
+# --------------------------------------------------------------------------- hand-written modules
+
+class ThreeDHeads(nn.Module):
+    """MHA-style: heads folded into the batch, bmm on 3-D tensors, pre-scaled q."""
+
+    def forward(self, q, k, v):
+        q3, k3, v3 = (t.reshape(B * N, S, D) for t in (q, k, v))
+        p = torch.softmax(torch.bmm(q3 / math.sqrt(D), k3.transpose(1, 2)), dim=2)
+        return torch.bmm(p, v3)
+
+
+def test_three_d_heads_recovers_head_dim(ref_op):
+    # the 3-D tensors are reshapes of 4-D ones: canonicalization lifts the block back to BNSD
+    q, k, v = _args(AttentionVariant())
+    m = _assert_fused_equal(ThreeDHeads(), (q, k, v), ref_op)[0]
+    assert m.params["layout"] == "BNSD" and m.params["q_shape"] == (B, N, S, D)
+
+
+def test_three_d_heads_only(ref_op):
+    q, k, v = (t.reshape(B * N, S, D) for t in _args(AttentionVariant()))
+
+    class M(nn.Module):
+        def forward(self, q3, k3, v3):
+            return torch.bmm(torch.softmax(torch.bmm(q3, k3.transpose(1, 2)) * 0.25, dim=-1), v3)
+
+    m = _assert_fused_equal(M(), (q, k, v), ref_op)[0]
+    assert m.params["layout"] == "(BN)SD" and m.params["q_shape"] == (B * N, S, D)
+
+
+def test_multihead_attention_module_with_weights(ref_op):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, S, 32)
+    mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)  # True = not allowed (MHA convention)
+    cap, gm, matches, fused = _fuse(mha, (x, x, x), ref_op, {"attn_mask": mask})
+    assert len(matches) == 1 and matches[0].params["probs_used"]  # need_weights=True averages the probs
+    # the mask is a graph input, so it is not provably causal: MHA turns it into an additive -inf mask
+    assert not matches[0].params["causal"] and matches[0].params["mask_kind"] == "additive"
+    want = mha(x, x, x, attn_mask=mask)
+    got = cap.unflatten_outputs(fused(*cap.flatten_inputs(x, x, x, attn_mask=mask)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_multihead_attention_module_sdpa_path(ref_op):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, S, 32)
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[1, -2:] = True
+    cap, gm, matches, fused = _fuse(mha, (x, x, x), ref_op, {"key_padding_mask": pad, "need_weights": False})
+    assert len(matches) == 1 and matches[0].params["mask_kind"] is not None
+    want = mha(x, x, x, key_padding_mask=pad, need_weights=False)
+    got = cap.unflatten_outputs(fused(*cap.flatten_inputs(x, x, x, key_padding_mask=pad, need_weights=False)))
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-4)
+
+
+class ProbsReturned(nn.Module):
+    def forward(self, q, k, v):
+        p = (q @ k.transpose(-1, -2) * D ** -0.5).softmax(-1)
+        return p @ v, p.mean(1)
+
+
+def test_probs_used_outside_block(ref_op):
+    m = _assert_fused_equal(ProbsReturned(), _args(AttentionVariant()), ref_op)[0]
+    assert m.params["probs_used"] and m.params["probs_node"] == "softmax" and "softmax" in m.nodes
+
+
+class TwoLayers(nn.Module):
+    def forward(self, q, k, v):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.softmax(torch.einsum("bhid,bhjd->bhij", o, k) / 4.0, -1) @ v
+
+
+def test_two_blocks_and_generic_driver(ref_op):
+    args = _args(AttentionVariant())
+    _assert_fused_equal(TwoLayers(), args, ref_op, n=2)
+    gm = canonicalize(capture(TwoLayers(), args).graph_module)
+    assert [m.pattern for m in find_matches(gm)] == ["attention", "attention"]
+
+
+class TensorConstantScale(nn.Module):
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(2, 3)) / torch.sqrt(torch.tensor(float(D)))
+        return F.softmax(s, -1) @ v
+
+
+def test_zero_dim_constant_scale(ref_op):
+    m = _assert_fused_equal(TensorConstantScale(), _args(AttentionVariant()), ref_op)[0]
+    assert m.params["scale"] == pytest.approx(D ** -0.5)
+
+
+def test_match_is_frozen_and_names_nodes(ref_op):
+    cap, gm, matches, _ = _fuse(build_variant(AttentionVariant()).eval(), _args(AttentionVariant()), ref_op)
+    (m,) = matches
+    assert isinstance(m, Match) and m.pattern == "attention"
+    names = {n.name for n in gm.graph.nodes}
+    assert set(m.nodes) <= names and m.anchor in m.nodes and set(m.inputs.values()) <= names
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.anchor = "x"
+
+
+def test_rewrite_leaves_input_untouched_and_shares_parameters(ref_op):
+    class WithProj(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(D, 3 * D)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unsqueeze(1).chunk(3, -1)
+            return F.softmax(q @ k.mT * 0.25, -1) @ v
+
+    model = WithProj().eval()
+    x = torch.randn(B, S, D)
+    cap = capture(model, (x,))
+    gm = canonicalize(cap.graph_module)
+    before = gm.code
+    fused = rewrite(gm, find_attention(gm), ref_op)
+    assert gm.code == before
+    assert fused.get_parameter("qkv.weight") is model.qkv.weight
+    torch.testing.assert_close(fused(x)[0], model(x), atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------ near-miss negatives
+
+def _count(module, args):
+    return len(find_attention(canonicalize(capture(module.eval(), args).graph_module)))
+
+
+def test_near_miss_softmax_over_other_dim():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-2) @ v
+    assert _count(M(), _args(AttentionVariant())) == 0
+
+
+def test_near_miss_permute_is_not_a_transpose():
+    # k.permute(0, 2, 1, 3) swaps heads and sequence, not the last two dims; with S == N == D the
+    # shapes line up, which is how Inductor mis-fused it.
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.permute(0, 2, 1, 3) * 0.25, dim=-1) @ v
+    q = torch.randn(1, 4, 4, 4)
+    assert _count(M(), (q, q.clone(), q.clone())) == 0
+
+
+def test_near_miss_scale_is_not_scalar():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.rand(S))  # one factor per key: not a per-head scale
+
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1) * self.w, dim=-1) @ v
+    assert _count(M(), _args(AttentionVariant())) == 0
+
+
+def test_near_miss_probabilities_mutated_in_place():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+            p.mul_(2.0)
+            return p @ v
+    assert _count(M(), _args(AttentionVariant())) == 0
+
+
+def test_near_miss_scores_used_elsewhere():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.transpose(-2, -1) * 0.25
+            return torch.softmax(s, dim=-1) @ v, s.amax(-1)
+    assert _count(M(), _args(AttentionVariant())) == 0
+
+
+def test_near_miss_training_dropout():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            p = F.dropout(torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1), p=0.5, training=True)
+            return p @ v
+    assert _count(M(), _args(AttentionVariant())) == 0
+
+
+def test_near_miss_sdpa_with_dropout():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    assert _count(M(), _args(AttentionVariant())) == 0
+
+
+def test_near_miss_tiled_kv_is_not_gqa():
+    # k.repeat(1, 2, 1, 1) tiles heads (head n reads kv head n % Nkv), GQA groups them (n // rep):
+    # still attention, but k/v must stay the repeated tensors, not the grouped source.
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            k, v = k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1)
+            return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+    q, k, v = _args(AttentionVariant(), kv_heads=2)
+    (m,) = find_attention(canonicalize(capture(M(), (q, k, v)).graph_module))
+    assert m.params["num_kv_heads"] == N
+
+
+def test_near_miss_mask_fill_is_not_negative_enough():
+    class M(nn.Module):
+        def forward(self, q, k, v, keep):
+            return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, 0.0), -1) @ v
+    assert _count(M(), _args(AttentionVariant(mask="masked_fill"))) == 0
