@@ -1,0 +1,134 @@
+"""Capture: both routes give one aten-level form with FakeTensor meta; the user's model is untouched."""
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autofuse.capture import CaptureError, Captured, capture
+from autofuse.graph import to_networkx
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 48)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("bias", torch.zeros(16))
+
+    def forward(self, x, scale=1.0):
+        q, k, v = self.proj(x).chunk(3, -1)
+        p = self.drop(torch.softmax(q @ k.transpose(-2, -1) * scale, -1))
+        return {"out": p @ v + self.bias, "probs": p}
+
+
+@pytest.mark.parametrize("route", ["export", "symbolic_trace", "auto"])
+def test_routes_share_one_form_and_run(route):
+    model = Block().train()  # capture must use eval semantics and restore the flag
+    x = torch.randn(2, 8, 16)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    cap = capture(model, (x,), route=route)
+    assert isinstance(cap, Captured) and cap.route == ("export" if route == "auto" else route)
+    assert model.training and model.drop.training
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    gm = cap.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.name for n in placeholders] == ["x"]
+    for n in gm.graph.nodes:  # every value has FakeTensor meta (multi-output ops: a list of them)
+        if n.op != "output":
+            v = n.meta["val"]
+            assert all(isinstance(t, torch.Tensor) for t in (v if isinstance(v, (list, tuple)) else [v])), n
+    assert all(str(n.target).startswith(("aten.", "<built-in function getitem")) for n in gm.graph.nodes
+               if n.op == "call_function")
+    assert {n.target for n in gm.graph.nodes if n.op == "get_attr"} == {"proj.weight", "proj.bias", "bias"}
+    model.eval()
+    want = model(x)
+    got = cap(x)
+    assert set(got) == {"out", "probs"}
+    torch.testing.assert_close(got["out"], want["out"])
+    torch.testing.assert_close(gm(x)[0], want["out"])  # direct call: flat leaves in, flat tuple out
+
+
+def test_parameters_are_shared_not_copied():
+    model = Block()
+    cap = capture(model, (torch.randn(2, 8, 16),))
+    gm = cap.graph_module
+    assert gm.get_parameter("proj.weight") is model.proj.weight
+    assert gm.get_parameter("proj.weight").data_ptr() == model.proj.weight.data_ptr()
+    assert gm.get_buffer("bias").data_ptr() == model.bias.data_ptr()
+    with torch.no_grad():
+        model.proj.weight.add_(1.0)  # an update of the user's model is seen by the captured module
+    x = torch.randn(2, 8, 16)
+    torch.testing.assert_close(cap(x)["out"], model.eval()(x)["out"])
+
+
+def test_kwargs_and_non_tensor_leaves():
+    model = Block().eval()
+    x = torch.randn(2, 8, 16)
+    cap = capture(model, (x,), {"scale": 0.5})
+    assert len([n for n in cap.graph_module.graph.nodes if n.op == "placeholder"]) == 2
+    torch.testing.assert_close(cap(x, scale=0.5)["out"], model(x, scale=0.5)["out"])
+    with pytest.raises(TypeError, match="captured structure"):
+        cap(x)
+
+
+def test_meta_model_capture_has_shapes():
+    with torch.device("meta"):
+        model = Block()
+    x = torch.empty(2, 8, 16, device="meta")
+    cap = capture(model, (x,))
+    g = to_networkx(cap.graph_module)
+    sm = [d for _, d in g.nodes(data=True) if d["target"] == "aten.softmax.int"]
+    assert sm and sm[0]["shape"] == (2, 8, 8) and sm[0]["dtype"] == "torch.float32"
+    assert all(d["op"] and d["target"] for _, d in g.nodes(data=True))
+    assert g.number_of_nodes() == len(cap.graph_module.graph.nodes)
+
+
+def test_gpt2_on_meta_is_fast():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=768, n_head=12)
+    with torch.device("meta"):
+        model = transformers.GPT2Model(cfg)
+    ids = torch.zeros(1, 128, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    cap = capture(model, (ids,), {"use_cache": False})
+    elapsed = time.perf_counter() - t0
+    out = [n for n in cap.graph_module.graph.nodes if n.op == "output"][0]
+    assert tuple(out.args[0][0].meta["val"].shape) == (1, 128, 768)
+    assert elapsed < 20, elapsed
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # value-dependent Python control flow
+            return x + 1
+        return x - 1
+
+
+def test_untraceable_model_names_route_and_construct():
+    with pytest.raises(CaptureError) as info:
+        capture(DataDependent(), (torch.randn(4),))
+    msg = str(info.value)
+    assert "route 'export'" in msg and "route 'symbolic_trace'" in msg
+    assert "if x.sum() > 0" in msg and "hint" in msg
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_single_route_error_names_only_that_route():
+    with pytest.raises(CaptureError) as info:
+        capture(DataDependent(), (torch.randn(4),), route="symbolic_trace")
+    assert "route 'symbolic_trace'" in str(info.value) and "route 'export'" not in str(info.value)
+
+
+def test_kv_cache_output_hint():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaModel(cfg)
+    with pytest.raises(CaptureError, match="use_cache=False"):
+        capture(model, (torch.zeros(1, 4, dtype=torch.long),), route="export")
+
+
+def test_unknown_route():
+    with pytest.raises(ValueError, match="route"):
+        capture(Block(), (torch.randn(2, 8, 16),), route="dynamo")
