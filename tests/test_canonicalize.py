@@ -1,0 +1,167 @@
+"""Canonicalize: each spelling family ends in one canonical op, the module computes the same values,
+and the input GraphModule is not modified."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuse.canonicalize as canonicalize_mod
+from autofuse.canonicalize import canonicalize
+from autofuse.capture import capture
+from autofuse.graph import to_networkx
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    monkeypatch.setattr(canonicalize_mod, "STRICT", True)
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _canon(fn, *args):
+    """Capture fn, canonicalize, check equal values and an untouched input; return the op targets."""
+    cap = capture(Fn(fn).eval(), args)
+    before = cap.graph_module.code
+    gm = canonicalize(cap.graph_module)
+    assert cap.graph_module.code == before
+    want = fn(*args)
+    got = gm(*args)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+x4 = torch.randn(2, 3, 5, 4)
+y4 = torch.randn(2, 3, 6, 4)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: torch.matmul(a, b.transpose(-2, -1)),
+    lambda a, b: torch.einsum("bhid,bhjd->bhij", a, b),
+    lambda a, b: torch.einsum("...id,...jd->...ij", a, b),
+    lambda a, b: torch.bmm(a.reshape(6, 5, 4), b.reshape(6, 6, 4).transpose(1, 2)).view(2, 3, 5, 6),
+    lambda a, b: torch.baddbmm(torch.zeros(6, 5, 6), a.reshape(6, 5, 4), b.reshape(6, 6, 4).mT).view(2, 3, 5, 6),
+    lambda a, b: a @ b.permute(0, 1, 3, 2),
+    lambda a, b: a @ b.transpose(1, 2).contiguous().permute(0, 2, 3, 1),
+], ids=["matmul", "einsum", "einsum_ellipsis", "bmm3d", "baddbmm3d", "permute", "bsnd_permute"])
+def test_qk_spellings_become_matmul_of_transpose(fn):
+    targets = _canon(fn, x4, y4)
+    assert targets.count(aten.matmul.default) == 1
+    assert not {aten.bmm.default, aten.einsum.default, aten.baddbmm.default} & set(targets)
+    assert aten.transpose.int in targets
+
+
+def test_einsum_output_permutation():
+    targets = _canon(lambda p, v: torch.einsum("bhij,bhjd->bihd", p, v), torch.randn(2, 3, 5, 6), y4)
+    assert targets == [aten.matmul.default, aten.permute.default]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s: s / math.sqrt(4.0),
+    lambda s: s * (1 / 2.0),
+    lambda s: (s * 0.25) * 2.0,
+    lambda s: s / torch.sqrt(torch.tensor(4.0)),
+], ids=["div", "mul", "chained", "tensor_constant"])
+def test_scalar_scale_is_one_mul(fn):
+    targets = _canon(fn, x4)
+    assert targets == [aten.mul.Tensor]
+
+
+def test_prescaled_q_and_k_scale_moves_to_the_matmul_output():
+    targets = _canon(lambda q, k: (q * 0.5) @ (k * 0.5).transpose(-2, -1), x4, y4)
+    assert targets == [aten.transpose.int, aten.matmul.default, aten.mul.Tensor]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s: F.softmax(s, dim=-1),
+    lambda s: s.softmax(3),
+    lambda s: nn.Softmax(dim=-1)(s),
+    lambda s: torch._softmax(s, -1, False),
+    lambda s: torch.exp(s - s.amax(-1, keepdim=True)) / torch.exp(s - s.amax(-1, keepdim=True)).sum(-1, keepdim=True),
+    lambda s: (s - s.max(-1, keepdim=True)[0]).exp() / (s - s.max(-1, keepdim=True)[0]).exp().sum(-1).unsqueeze(-1),
+    lambda s: s.exp() / s.exp().sum(dim=-1, keepdim=True),
+    lambda s: torch.exp(s - torch.logsumexp(s, -1, keepdim=True)),
+    lambda s: F.log_softmax(s, -1).exp(),
+], ids=["function", "method_dim3", "module", "_softmax", "decomposed_amax", "decomposed_max", "no_max",
+        "logsumexp", "log_softmax"])
+def test_softmax_spellings(fn):
+    targets = _canon(fn, x4)
+    assert targets == [aten.softmax.int]
+
+
+def test_softmax_dtype_is_an_explicit_cast():
+    targets = _canon(lambda s: F.softmax(s, -1, dtype=torch.float64), x4)
+    assert targets == [aten._to_copy.default, aten.softmax.int]
+
+
+def test_softmax_other_dim_stays_other_dim():
+    cap = capture(Fn(lambda s: s.softmax(1)), (x4,))
+    (sm,) = [n for n in canonicalize(cap.graph_module).graph.nodes if n.target == aten.softmax.int]
+    assert sm.args[1] == -3
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s, m: s.masked_fill(~m, float("-inf")),
+    lambda s, m: s.masked_fill(m == 0, float("-inf")),
+    lambda s, m: torch.where(m, s, float("-inf")),
+    lambda s, m: torch.where(~m, torch.tensor(float("-inf")), s),
+    lambda s, m: torch.where(m, s, torch.full([], -1e9)),
+], ids=["masked_fill_not", "masked_fill_eq0", "where", "where_swapped_tensor_fill", "where_full"])
+def test_bool_masks_become_where_keep(fn):
+    m = torch.rand(2, 1, 5, 5) > 0.5
+    targets = _canon(fn, torch.randn(2, 3, 5, 5), m)
+    assert targets[-1] == aten.where.ScalarOther
+    assert aten.masked_fill.Scalar not in targets and aten.where.self not in targets
+
+
+def test_repeat_kv_becomes_repeat_interleave():
+    def repeat_kv(k):
+        b, h, s, d = k.shape
+        return k[:, :, None, :, :].expand(b, h, 2, s, d).reshape(b, h * 2, s, d)
+    assert _canon(repeat_kv, x4) == [aten.repeat_interleave.self_int]
+    assert _canon(lambda k: k.unsqueeze(2).expand(-1, -1, 3, -1, -1).flatten(1, 2), x4) == [
+        aten.repeat_interleave.self_int]
+
+
+def test_tiling_repeat_is_not_repeat_interleave():
+    assert aten.repeat_interleave.self_int not in _canon(lambda k: k.repeat(1, 2, 1, 1), x4)
+
+
+def test_eval_dropout_clone_and_same_dtype_cast_vanish():
+    drop = nn.Dropout(0.3).eval()
+    targets = _canon(lambda s: drop(s).contiguous().clone().to(torch.float32).type_as(s) * 2, x4)
+    assert targets == [aten.mul.Tensor]
+
+
+def test_transpose_chains_compose():
+    assert _canon(lambda a: a.transpose(1, 2).transpose(1, 2), x4) == []
+    assert _canon(lambda a: a.transpose(2, 3), x4) == [aten.transpose.int]
+    assert _canon(lambda a: a.permute(0, 2, 1, 3).permute(0, 2, 1, 3).mT, x4) == [aten.transpose.int]
+
+
+def test_sdpa_stays_one_op():
+    targets = _canon(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), x4, x4, x4)
+    assert targets == [aten.scaled_dot_product_attention.default]
+
+
+def test_networkx_view_has_one_node_per_fx_node():
+    cap = capture(Fn(lambda a, b: torch.softmax(a @ b.mT / 2, -1)), (x4, y4))
+    gm = canonicalize(cap.graph_module)
+    g = to_networkx(gm)
+    assert set(g.nodes) == {n.name for n in gm.graph.nodes}
+    sm = [n for n, d in g.nodes(data=True) if d["target"] == "aten.softmax.int"][0]
+    assert g.nodes[sm]["shape"] == (2, 3, 5, 6) and g.nodes[sm]["dtype"] == "torch.float32"
+    (pred,) = g.predecessors(sm)
+    assert g.nodes[pred]["target"] == "aten.mul.Tensor"
