@@ -60,7 +60,7 @@ def _variants():
     base = AttentionVariant()
     out = {dataclasses.replace(base, **{axis: v}) for axis, vals in AXES.items() for v in vals}
     rng = random.Random(0)
-    for _ in range(40):
+    for _ in range(20):
         out.add(AttentionVariant(**{axis: rng.choice(vals) for axis, vals in AXES.items()}))
     return sorted(out, key=repr)
 

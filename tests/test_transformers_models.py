@@ -72,9 +72,12 @@ def _check(model, ids, kw, ref_op, expect_causal, impl=None):
     return matches
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("padded", [False, True])
+CASES = [pytest.param(name, impl, padded, id=f"{name}-{impl}-{'padded' if padded else 'nomask'}",
+                      marks=[pytest.mark.slow] if padded and name in ("gpt2", "qwen2") else [])
+         for name in MODELS for impl in ("eager", "sdpa") for padded in (False, True)]
+
+
+@pytest.mark.parametrize("name,impl,padded", CASES)
 def test_every_attention_layer_matched_and_equal(name, impl, padded, ref_op):
     ids, kw = _inputs(padded)
     causal = None if padded else (name != "bert")
