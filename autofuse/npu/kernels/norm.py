@@ -218,6 +218,10 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
         b.sum_end[k] = g.store(sb, sv, b.regions(k), active=b.act, name="store x_sum")
         return sb
 
+    def brcb(b, t):
+        """Spread each row's reduced value over one 32 B block, the layout per-row operands are read in."""
+        g.vector("brcb", (t,), (t,), ceil_div(b.re, 8), active=b.act)
+
     def stats(b, k, i):
         """Pass 1 work on chunk k: accumulate the statistics; after the last chunk, rstd (and normalise
         at once when the row is one chunk)."""
@@ -232,6 +236,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             tgt = st[0] if k == 0 else st[3]
             g.vector("reduce sum", (tgt,), (T,), row, active=act,
                      compute=lambda: np.copyto(stat(tgt), T.data[v].sum(axis=2, keepdims=True)))
+            brcb(b, tgt)
             if k:
                 g.vector("add acc", (st[0],), (st[0], st[3]), small, active=act,
                          compute=lambda: np.add(stat(st[0]), stat(st[3]), out=stat(st[0])))
@@ -241,6 +246,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             m2 = st[1] if k == 0 else st[4]
             g.vector("reduce sum", (mt,), (w,), row, active=act,
                      compute=lambda: np.copyto(stat(mt), w.data[v].sum(axis=2, keepdims=True)))
+            brcb(b, mt)
             g.vector(f"muls 1/{cv}", (mt,), (mt,), small, active=act,
                      compute=lambda: np.multiply(stat(mt), np.float32(1.0 / cv), out=stat(mt)))
             g.vector("sub mean", (T,), (w, mt), row, active=act,
@@ -250,6 +256,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             g.vector("mul d*d", (sq,), (T,), ew, active=act, compute=lambda: np.multiply(T.data, T.data, out=sq.data))
             g.vector("reduce sum", (m2,), (sq,), row, active=act,
                      compute=lambda: np.copyto(stat(m2), sq.data[v].sum(axis=2, keepdims=True)))
+            brcb(b, m2)
             if k:
                 na, nb = np.float32(k * cc), np.float32(cv)
 

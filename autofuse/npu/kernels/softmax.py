@@ -168,9 +168,12 @@ def softmax(launch, x, dim=-1, tiling=None):
         return W
 
     def reduce(it, name, dst, w, cv, fn):
+        """A row (lane) reduction into a statistics tile; rows: Brcb spreads each row's value over a block."""
         v = sl(cv)
         g.vector(name, (dst,), (w,), it.counts(cv)[1], active=it.act,
                  compute=lambda: np.copyto(stat(dst), fn(w.data[v], axis=axis, keepdims=True)))
+        if rowwise:
+            g.vector("brcb", (dst,), (dst,), ceil_div(it.ke, 8), active=it.act)
 
     def sub_exp(it, w, cv):
         """x -= m (broadcast per row / lane), x = exp(x)."""

@@ -28,7 +28,8 @@ Algorithm:
 Numerics: the op is evaluated in float32 on the inputs' values and rounded once to the compute dtype and
 once to the output dtype, which is what torch does on CPU (fp16/bf16 ops compute in fp32 there too).
 
-``reduce`` — sum / mean / max / min (``amax``/``amin`` alias) over one or more dims, fp32 accumulation::
+``reduce`` — sum / mean / max / min over one or more dims, fp32 accumulation (max/min give values only,
+like ``amax``/``amin``, which are accepted as aliases)::
 
     npu.run("reduce", x, op="sum", dim=(-1,), keepdim=True)
 
@@ -232,6 +233,12 @@ def elementwise(launch, *inputs, op=None, scalar=None, out_dtype=None, tiling=No
     ts = [t for t in inputs if t is not None]
     if len(ts) != len(inputs):
         raise ValueError(f"elementwise {op}: an input is None")
+    if isinstance(scalar, GMTensor):          # a one-element tensor given as the scalar: read its value
+        if scalar.data.size != 1:
+            raise ValueError(f"elementwise {op}: scalar= is a tensor of shape {list(scalar.shape)}; "
+                             f"pass tensors as inputs")
+        v = scalar.data.reshape(-1)[0]
+        scalar = bool(v) if scalar.dtype == "bool" else int(v) if scalar.dtype in _INTS else float(v)
     has_scalar = scalar is not None
     if has_scalar and spec.scalar == "none":
         raise TypeError(f"elementwise {op}: takes no scalar")
