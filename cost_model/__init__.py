@@ -1,4 +1,15 @@
-"""Analytic cost model of a Cube/Vector NPU (numpy only)."""
-from cost_model.devices import DEVICES, Device, devices, get_device
+"""Analytic cost model of a Cube/Vector NPU (numpy only).
 
-__all__ = ["DEVICES", "Device", "devices", "get_device"]
+    import cost_model
+    e = cost_model.estimate("matmul", [((2048, 2048), "float16")] * 2, device="ascend910")
+    e.cycles, e.hbm_bytes, e.bytes, e.busy, e.bound, e.tiling
+    cost_model.roofline("matmul", [((2048, 2048), "float16")] * 2, device="ascend910")   # cycles
+
+One model per simulator kernel (closed-form schedule of the kernel's tiled pipeline, see each module),
+a tiling search per kernel, a roofline bound, and a generic price for ops without a kernel.
+"""
+from cost_model.devices import DEVICES, Device, devices, get_device
+from cost_model.estimate import MODELS, Estimate, estimate, roofline
+from cost_model import matmul as _matmul  # noqa: F401  (registers the model)
+
+__all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "get_device", "roofline"]

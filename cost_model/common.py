@@ -1,0 +1,46 @@
+"""Small helpers shared by the kernel models: rounding, buffer packing, the GM port of a lockstep wave."""
+from __future__ import annotations
+
+import math
+
+from cost_model.devices import ITEMSIZE
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def round_up(a, b):
+    return -(-a // b) * b
+
+
+def itemsize(dtype: str) -> int:
+    return ITEMSIZE[dtype]
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def pack(dev, allocs) -> bool:
+    """Whether tiles ``[(buffer, nbytes), ...]``, allocated in order with the buffer's alignment, all fit.
+
+    Mirrors the simulator's bump allocator: each tile starts at the next aligned offset.
+    """
+    used = {}
+    for buf, nbytes in allocs:
+        a = dev.align[buf]
+        off = round_up(used.get(buf, 0), a)
+        if off + nbytes > dev.buffers[buf]:
+            return False
+        used[buf] = off + nbytes
+    return True
+
+
+def port_cycles(dev, hit_bytes: float, miss_bytes: float) -> float:
+    """GM-port cycles of one lockstep transfer for a core that both hits and waits on a miss.
+
+    The simulator charges every core that hits the chip's total hit bytes over the L2 bandwidth and every
+    core that needs a missed line the instruction's total HBM bytes over the HBM bandwidth.
+    """
+    return hit_bytes / dev.l2_bytes_per_cycle + miss_bytes / dev.hbm_bytes_per_cycle

@@ -1,0 +1,146 @@
+"""The cost model's front door: ``estimate`` and ``roofline`` for every simulator kernel.
+
+Each kernel module registers a *model*: a pure function of (input specs, device, parameters) that returns an
+:class:`Estimate`. Input specs are ``(shape, dtype)`` pairs; tensor-valued parameters (``mask=``, ``bias=``)
+may be given as a spec, ``None``, or anything with ``.shape`` and ``.dtype`` (only those two are read).
+Results are cached by their arguments (``functools.lru_cache``): the compiler prices the same shapes many
+times.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+from cost_model.devices import ITEMSIZE, Device, get_device
+
+UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
+
+MODELS: dict = {}
+ROOFLINES: dict = {}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a kernel launch is predicted to cost (the simulator's ``Stats``, predicted).
+
+    ``cycles`` includes the launch overhead and the HBM cap, as the simulator's do. ``bytes`` is per data
+    path summed over cores; ``busy`` is per unit on the busiest core; ``bound`` is the busiest unit;
+    ``tiling`` is the tiling the prediction assumes (hand it to the kernel as ``tiling=``); ``roofline``
+    is the physical lower bound in cycles (no launch overhead); ``flops`` counts multiply-adds as 2.
+    """
+
+    kernel: str
+    device: str
+    cycles: int
+    hbm_bytes: int
+    bytes: dict
+    busy: dict
+    bound: str
+    tiling: dict | None
+    roofline: float = 0.0
+    flops: float = 0.0
+    notes: tuple = field(default=())
+
+    @property
+    def seconds(self) -> float:
+        return self.cycles / get_device(self.device).clock_hz
+
+    @property
+    def util(self) -> dict:
+        return {u: b / self.cycles for u, b in self.busy.items()}
+
+
+def register(name: str, roofline_fn=None):
+    """Register ``fn(dev, specs, **params) -> Estimate`` as the model of kernel ``name``."""
+    def deco(fn):
+        MODELS[name] = fn
+        if roofline_fn is not None:
+            ROOFLINES[name] = roofline_fn
+        return fn
+    return deco
+
+
+def spec(x) -> tuple | None:
+    """``(shape tuple, dtype str)`` of a spec pair, an array-like, or ``None``."""
+    if x is None:
+        return None
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        dt = str(x.dtype).replace("torch.", "")
+        return tuple(int(d) for d in x.shape), dt
+    shape, dtype = x
+    dtype = str(dtype).replace("torch.", "")
+    if dtype not in ITEMSIZE:
+        raise TypeError(f"unsupported dtype {dtype!r}: the cost model knows {', '.join(ITEMSIZE)}")
+    return tuple(int(d) for d in shape), dtype
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return ("__dict__", tuple(sorted((k, _freeze(x)) for k, x in v.items())))
+    if hasattr(v, "shape") and hasattr(v, "dtype") and not isinstance(v, (int, float, bool)):
+        return ("__spec__", spec(v))
+    if isinstance(v, (list, tuple)):
+        if len(v) == 2 and isinstance(v[1], str) and isinstance(v[0], (list, tuple)):
+            return ("__spec__", spec(v))
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def _thaw(v):
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "__dict__":
+        return {k: _thaw(x) for k, x in v[1]}
+    if isinstance(v, tuple) and len(v) == 2 and v[0] == "__spec__":
+        return v[1]
+    return v
+
+
+@functools.lru_cache(maxsize=65536)
+def _estimate(kernel: str, specs: tuple, device: str, params: tuple) -> Estimate:
+    dev = get_device(device)
+    return MODELS[kernel](dev, specs, **{k: _thaw(v) for k, v in params})
+
+
+def estimate(kernel: str, inputs, device="ascend910", **params) -> Estimate:
+    """Predicted cost of ``npu.run(kernel, *inputs, device=device, **params)`` without running it.
+
+    ``inputs``: a list of ``(shape, dtype)`` (or arrays/tensors, of which only shape and dtype are read;
+    ``None`` for an absent optional input). Unknown kernels fall back to :func:`cost_model.generic.generic_op`
+    only when called through that function; here they are an error naming the known kernels.
+    """
+    if kernel not in MODELS:
+        raise ValueError(f"cost model has no kernel {kernel!r}: known are {', '.join(sorted(MODELS))}")
+    dev = get_device(device)
+    specs = tuple(spec(x) for x in inputs)
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
+    e = _estimate(kernel, specs, dev.name, frozen)
+    # a copy, so that a caller mutating the dicts does not poison the cache
+    return replace(e, bytes=dict(e.bytes), busy=dict(e.busy), tiling=None if e.tiling is None else dict(e.tiling))
+
+
+def roofline(kernel: str, inputs, device="ascend910", **params) -> float:
+    """Physical lower bound in cycles: max(FLOPs / peak of the unit, minimum HBM bytes / HBM bandwidth).
+
+    The minimum HBM bytes are the inputs read once and the outputs written once; the peak is the Cube's for
+    Cube kernels and the Vector unit's (all vector cores) for vector kernels. No launch overhead.
+    """
+    if kernel not in ROOFLINES:
+        raise ValueError(f"cost model has no roofline for {kernel!r}: known are {', '.join(sorted(ROOFLINES))}")
+    dev = get_device(device)
+    specs = tuple(spec(x) for x in inputs)
+    return float(ROOFLINES[kernel](dev, specs, **params))
+
+
+def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy: dict, tiling, roof: float,
+         flops: float = 0.0, notes=()) -> Estimate:
+    """Assemble an :class:`Estimate`: HBM cap and launch overhead added as the simulator adds them."""
+    body = max(cycles, hbm / dev.hbm_bytes_per_cycle)
+    total = int(-(-body // 1)) + dev.launch_cycles
+    busy = {u: int(round(busy.get(u, 0.0))) for u in UNITS}
+    bound = max(UNITS, key=lambda u: busy[u])
+    return Estimate(kernel=kernel, device=dev.name, cycles=total, hbm_bytes=int(round(hbm)),
+                    bytes={k: int(round(v)) for k, v in bytes_.items() if v}, busy=busy, bound=bound,
+                    tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes))
+
+
+__all__ = ["Estimate", "MODELS", "UNITS", "estimate", "make", "register", "roofline", "spec"]
+

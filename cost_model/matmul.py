@@ -1,0 +1,359 @@
+"""Cube matmul (``autofuse/npu/kernels/matmul.py``): closed-form schedule, L2 reuse, tiling search.
+
+The kernel hands base tiles ``m0 × n0`` of the output round-robin to the cores in lockstep; each step
+streams K in chunks of ``k1`` (GM→L1, double-buffered) and slices of ``k0`` (L1→L0A/L0B, double-buffered)
+into the Cube, then writes the tile out (coupled: FixPipe L0C→UB, MTE3 UB→GM; split: FixPipe L0C→GM).
+
+The model, per *step* (one lockstep wave of tiles over the cores), on the busiest core:
+
+* MTE2 and the GM port: every load of a wave costs the wave's L2-hit bytes over the L2 bandwidth plus its
+  missed bytes over the HBM bandwidth (how the simulator shares the chip's bandwidth among the cores of
+  one lockstep instruction), and at least the bytes over the MTE2 rate. Whether a block of A (a row block)
+  or of B (a column block) hits is decided by its LRU stack distance: a block re-read ``Δ`` steps after its
+  last read is still in L2 when the distinct bytes of those ``Δ`` steps (A and B blocks, and the output
+  tiles, which are written through L2) fit the L2; re-reads within the same step always hit.
+* Cube: ``ceil(m/16)·ceil(k/k0)·ceil(n/16)`` fractals; MTE1: bytes over the L1→L0A/L0B rates; FixPipe and
+  MTE3 for the write-out, whose HBM write-through also occupies the port.
+* A step lasts as long as its busiest unit (the units overlap through double buffering); the launch adds a
+  fill (the first K chunk's loads and first L0 moves) and a drain (the last tile's write-out).
+
+The steps are evaluated as numpy arrays over the work items (no loop over instructions).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from cost_model.devices import get_device
+from cost_model.common import ceil_div, itemsize, pack, round_up
+from cost_model.estimate import make, register
+
+CUBE_DTYPES = ("float16", "bfloat16", "float32")
+_DEBUG: dict = {}  # the last model's per-step arrays, for development
+
+
+# ------------------------------------------------------------------------------------------ shapes
+def _dims(a, b, trans_a, trans_b):
+    (sa, dta), (sb, dtb) = a, b
+    if len(sa) < 2 or len(sb) < 2:
+        raise ValueError(f"matmul: operands need 2+ dims, got {list(sa)} and {list(sb)}")
+    if dta != dtb or dta not in CUBE_DTYPES:
+        raise TypeError(f"matmul: operands {dta} and {dtb}; the Cube takes two equal of {CUBE_DTYPES}")
+    M = sa[-1] if trans_a else sa[-2]
+    K = sa[-2] if trans_a else sa[-1]
+    Kb = sb[-1] if trans_b else sb[-2]
+    N = sb[-2] if trans_b else sb[-1]
+    if K != Kb:
+        raise ValueError(f"matmul: inner dims differ: {list(sa)} and {list(sb)}")
+    batch = tuple(np.broadcast_shapes(tuple(sa[:-2]), tuple(sb[:-2])))
+    fold = len(sb) == 2 and len(sa) > 2 and not trans_a
+    if fold:
+        return M * math.prod(sa[:-2]), N, K, 1, True, True, batch, M
+    nb = math.prod(batch)
+    return M, N, K, nb, math.prod(sa[:-2]) > 1, math.prod(sb[:-2]) > 1, batch, M
+
+
+# ------------------------------------------------------------------------------------------ tiling
+def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False) -> bool:
+    """Whether tiling ``t`` (m0, n0, k0, k1) passes the kernel's check and its aligned allocations."""
+    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    buf = dev.buffers
+    if min(m0, n0, k0, k1) < 1 or k1 % k0:
+        return False
+    nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
+    if not (2 * (m0 * k1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
+            and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * k0 * n0 * isz <= buf["L0B"]
+            and nc * m0 * n0 * 4 <= buf["L0C"]
+            and (dev.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"])):
+        return False
+    allocs = [("L1", m0 * k1 * isz)] * 2 + [("L1", k1 * n0 * isz)] * 2
+    allocs += [("L1", n0 * 4)] if bias else []
+    allocs += [("L0A", m0 * k0 * isz)] * 2 + [("L0B", k0 * n0 * isz)] * 2 + [("L0C", m0 * n0 * 4)] * nc
+    if dev.arch == "coupled":
+        allocs += [("UB", m0 * n0 * osz)] * 2
+    return pack(dev, allocs)
+
+
+def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
+    """Tilings to search: power-of-two tiles and tiles that cover M or N in 1–4 even blocks."""
+    def sizes(X):
+        s = {min(v, round_up(X, 16)) for v in (16, 32, 64, 128, 256)}
+        s |= {round_up(ceil_div(X, j), 16) for j in (1, 2, 3, 4) if round_up(ceil_div(X, j), 16) <= 256}
+        return sorted(s)
+    isz = itemsize(dtype)
+    out = []
+    for m0 in sizes(Mr):
+        for n0 in sizes(N):
+            k0 = next((k for k in (256, 128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
+                       and 2 * k * n0 * isz <= dev.buffers["L0B"]), 16)
+            k0 = min(k0, round_up(K, 16))
+            for mult in (2, 4):
+                t = {"m0": m0, "n0": n0, "k0": k0, "k1": min(mult * k0, round_up(K, k0))}
+                if t not in out and fits(dev, dtype, out_dtype, t, bias):
+                    out.append(t)
+    return out
+
+
+def _quick_score(dev, Mr, N, K, nbatch, dtype, t):
+    """Cheap ranking of a tiling: waves × the slower of Cube and GM traffic per wave."""
+    isz = itemsize(dtype)
+    m0, n0 = t["m0"], t["n0"]
+    nm, nn = ceil_div(Mr, m0), ceil_div(N, n0)
+    items = nbatch * nm * nn
+    P = min(dev.cube_cores, items)
+    waves = ceil_div(items, P)
+    cube = ceil_div(m0, 16) * ceil_div(n0, 16) * ceil_div(K, dev.cube_k0[dtype])
+    per_core = (m0 + n0) * K * isz
+    # roughly: unique bytes of a wave come from HBM, the rest from L2
+    uniq = (min(P, nn) * n0 + ceil_div(P, nn) * m0) * K * isz
+    port = max(per_core / dev.rates["GM->L1"], (P * per_core - uniq) / dev.l2_bytes_per_cycle
+               + uniq / dev.hbm_bytes_per_cycle)
+    return waves * max(cube, port) + (m0 + n0) * t["k1"] * isz / dev.rates["GM->L1"]
+
+
+# ------------------------------------------------------------------------------------------ the model
+def _footprint(steps, P, I, nn, nm, nbatch, a_batched, b_batched, Ablk, Bblk, Cblk):
+    """Distinct bytes (A row blocks, B column blocks, output tiles) touched by ``steps`` waves."""
+    w = np.minimum(steps * P, I)
+    da = np.minimum(ceil_div(w - 1, nn) + 1, nbatch * nm if a_batched else nm)
+    spanned = np.minimum(ceil_div(w - 1, nm * nn) + 1, nbatch)
+    db = np.minimum(w, nn * (spanned if b_batched else 1))
+    return da * Ablk + db * Bblk + w * Cblk
+
+
+def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_prev):
+    """Cube stall at the start of each step while the previous step's store holds the GM port.
+
+    ``chunks``: per K chunk (load fraction, cube fraction, slices). Time 0 is the end of the previous
+    step's last product. The store holds the port over ``[t0, t1]``; chunk ``j``'s loads start once the L1
+    buffer they reuse is released (the last L0 move of the chunk that used it before) and take the port
+    before the store if they fit there, else after it; the Cube is late by however late they arrive.
+    """
+    nk1 = len(chunks)
+    fix_prev = np.concatenate([[0.0], fix[:-1]])
+    t0 = fix_prev if coupled else np.zeros_like(cube)     # coupled: MTE3 stores after the L0C->UB copy
+    t1 = t0 + pw_prev
+    base = fix_prev if nc == 1 else 0.0                   # one L0C tile: the Cube waits for the copy
+    C = [cube * cf for _, cf, _ in chunks]
+    start_prev, acc = [None] * nk1, 0.0
+    for kk in range(nk1 - 1, -1, -1):
+        acc = acc + C[kk]
+        start_prev[kk] = -acc
+    t_prev = -np.inf
+    late = np.zeros_like(cube)
+    nominal = base
+    for j in range(min(nk1, 3)):
+        if j >= 2:
+            x, sx = j - 2, base + sum(C[:j - 2]) if j > 2 else base
+        else:
+            same = [kk for kk in range(nk1) if kk % 2 == j % 2]
+            x = same[-1] if same else None
+            sx = start_prev[x] if same else None
+        free = -np.inf if x is None else sx + (chunks[x][2] - 2) * c + m
+        lf = chunks[j][0]
+        for dur, p in ((la * lf, pa * lf), (lb * lf, pb * lf)):
+            st = np.maximum(t_prev, free)
+            clear = (st + p <= t0) | (st >= t1)
+            port_end = np.where(clear, st + p, np.maximum(st, t1) + p)
+            t_prev = np.maximum(st + dur, port_end)
+        late = np.maximum(late, t_prev + m - nominal)
+        nominal = nominal + C[j]
+    late[0] = 0.0
+    return np.maximum(late, 0.0)
+
+
+def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz):
+    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    coupled = dev.arch == "coupled"
+    nm, nn = ceil_div(Mr, m0), ceil_div(N, n0)
+    I = nbatch * nm * nn
+    P = min(dev.cube_cores, I)
+    S = ceil_div(I, P)
+    C = dev.l2_bytes
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+
+    i = np.arange(I)
+    s = i // P
+    bi = i // (nm * nn)
+    mi = (i // nn) % nm
+    ni = i % nn
+    m_ext = np.minimum(m0, Mr - mi * m0)
+    n_ext = np.minimum(n0, N - ni * n0)
+
+    Ablk, Bblk, Cblk = m0 * K * isz, K * n0 * isz, m0 * n0 * osz
+
+    def hits(prev):
+        """Per item: 1 if its read hits L2 (re-read in the same wave, or still resident), else 0."""
+        has = prev >= 0
+        ds = s - np.where(has, prev, 0) // P
+        resident = _footprint(ds, P, I, nn, nm, nbatch, a_batched, b_batched, Ablk, Bblk, Cblk) <= C
+        return has & ((ds == 0) | resident)
+
+    # the previous item reading the same A row block / B column block
+    prev_a = np.where(ni > 0, i - 1, -1)
+    if not a_batched and nbatch > 1:
+        prev_a = np.where((ni == 0) & (bi > 0), i - nm * nn, prev_a)
+    prev_b = np.where(mi > 0, i - nn, -1)
+    if not b_batched and nbatch > 1:
+        prev_b = np.where((mi == 0) & (bi > 0), i - nm * nn, prev_b)
+    ha, hb = hits(prev_a), hits(prev_b)
+
+    a_bytes = m_ext * K * isz
+    b_bytes = n_ext * K * isz
+    w_bytes = m_ext * n_ext * osz
+    A_hit = np.bincount(s, a_bytes * ha, S)
+    A_miss = np.bincount(s, a_bytes * ~ha, S)
+    B_hit = np.bincount(s, b_bytes * hb, S)
+    B_miss = np.bincount(s, b_bytes * ~hb, S)
+    W = np.bincount(s, w_bytes, S)
+    starts = np.arange(S) * P
+    m_s = np.maximum.reduceat(m_ext, starts).astype(float)
+    n_s = np.maximum.reduceat(n_ext, starts).astype(float)
+    if bias_isz:
+        bias_hit = np.bincount(s, n_ext * bias_isz * (mi > 0), S)
+        bias_miss = np.bincount(s, n_ext * bias_isz * (mi == 0), S)
+    else:
+        bias_hit = bias_miss = np.zeros(S)
+
+    # K split into chunks of k1 and slices of k0
+    widths = [min(k0, min(k1, K - c) - q) for c in range(0, K, k1) for q in range(0, min(k1, K - c), k0)]
+    nk1 = ceil_div(K, k1)
+    kfr = sum(ceil_div(w, dev.cube_k0[dtype]) for w in widths)
+    rates = dev.rates
+
+    def port(hit, miss):
+        return np.where(hit > 0, hit / L2bw, 0.0) + np.where(miss > 0, miss / HBMbw, 0.0)
+
+    PA, PB = port(A_hit, A_miss), port(B_hit, B_miss)
+    PW = W / HBMbw
+    Pbias = port(bias_hit, bias_miss)
+    LA = np.maximum(m_s * K * isz / rates["GM->L1"], PA)
+    LB = np.maximum(n_s * K * isz / rates["GM->L1"], PB)
+    Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
+    mte2 = LA + LB + Lbias
+    cube = np.ceil(m_s / 16) * np.ceil(n_s / 16) * kfr
+    mte1 = K * isz * (round_up(m_s, 16) / rates["L1->L0A"] + round_up(n_s, 16) / rates["L1->L0B"])
+    if coupled:
+        fix = m_s * n_s * 4 / rates["L0C->UB"]
+        mte3 = np.maximum(m_s * n_s * osz / rates["UB->GM"], PW)
+    else:
+        fix = np.maximum(m_s * n_s * osz / rates["L0C->GM"], PW)
+        mte3 = np.zeros(S)
+    gm_port = PA + PB + PW + Pbias
+    n_instr = 2 * nk1 + 3 * len(widths) + (2 if coupled else 1) + (1 if bias_isz else 0)
+    scalar = np.full(S, float(n_instr * dev.scalar_issue_cycles))
+
+    # Write-out of a tile: FixPipe (+ MTE3 on coupled cores). With a single L0C tile the next step's
+    # first product waits until the accumulator has been read out (write-after-read on L0C).
+    nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+    blocks_cube = fix if nc == 1 else np.zeros(S)
+    cube_chain = cube + np.concatenate([[0.0], blocks_cube[:-1]])
+    # The write-out of the previous step's tiles holds the GM port while this step's first K chunks load.
+    # Replay that boundary in closed form (per step, vectorised): time 0 is the end of the previous step's
+    # last product; the store holds the port over [t0, t1]; chunk j's loads may start once the L1 buffer
+    # they reuse is released (chunk j-2's last L0 move) and take the port before the store if they fit
+    # there, else after it; the Cube stalls by however late the last of them arrives.
+    pw_prev = np.concatenate([[0.0], PW[:-1]])
+    per_chunk = min(k1, K) / K
+    q = ceil_div(min(k1, K), k0)
+    move1 = (round_up(m_s, 16) * widths[0] * isz / rates["L1->L0A"]
+             + widths[0] * round_up(n_s, 16) * isz / rates["L1->L0B"])
+    chunks = []
+    for c0 in range(0, K, k1):
+        w = min(k1, K - c0)
+        sl = [min(k0, w - x) for x in range(0, w, k0)]
+        chunks.append((w / K, sum(ceil_div(v, dev.cube_k0[dtype]) for v in sl) / kfr, len(sl)))
+    c_slice = cube * chunks[0][1] / chunks[0][2]
+    stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, pw_prev)
+    # only where the Cube leads; where loads lead, the store's port time is in the port sum below
+    stall = np.where(mte2 < cube_chain, stall, 0.0)
+    main = np.maximum.reduce([mte2, PA + PB + Pbias + pw_prev, cube_chain + stall, mte1, scalar])
+    first_k = min(k1, K) / K
+    loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
+    # Fill and drain: the Cube waits for the first K chunk when it leads; when loads lead, the last chunk's
+    # products come after the last load.
+    fill = (LA[0] + LB[0] + (Lbias[0] if bias_isz else 0.0)) * first_k + move1[0]
+    lead = fill if loads[0] <= cube_chain[0] + stall[0] else 0.0
+    # loads lead: after the load of chunk x ends, the Cube still has chunks x.. to do
+    tail_c = max(sum(cf for _, cf, _ in chunks[x:]) * cube[-1] - sum(lf for lf, _, _ in chunks[x + 1:]) * loads[-1]
+                 for x in range(max(0, nk1 - 3), nk1))
+    tail = move1[-1] + tail_c if loads[-1] > cube_chain[-1] + stall[-1] else 0.0
+    # chains of dependent work; the launch lasts as long as the longest
+    chain_main = lead + main.sum() + tail + fix[-1] + mte3[-1]
+    chain_out = fill + main[0] + fix[0] + (mte3.sum() if coupled else fix[1:].sum()) + (fix[-1] if coupled else 0)
+    chain_port = gm_port.sum()
+    core = max(chain_main, chain_out, chain_port)
+    _DEBUG.update(mte2=mte2, pw_prev=pw_prev, cube_chain=cube_chain, stall=stall, mte1=mte1, main=main, fill=fill,
+                  chains=(chain_main, chain_out, chain_port), PA=PA, PB=PB, PW=PW)
+
+    hbm = (A_miss.sum() + B_miss.sum() + W.sum() + bias_miss.sum())
+    busy = {"mte2": mte2.sum(), "mte1": mte1.sum(), "cube": cube.sum(), "fixpipe": fix.sum(),
+            "mte3": mte3.sum(), "scalar": scalar.sum()}
+    nbytes = {"GM->L1": (a_bytes.sum() + b_bytes.sum()) + (n_ext.sum() * bias_isz),
+              "L1->L0A": float(round_up(m_ext, 16).sum() * K * isz),
+              "L1->L0B": float(round_up(n_ext, 16).sum() * K * isz)}
+    if coupled:
+        nbytes["L0C->UB"] = float((m_ext * n_ext).sum() * 4)
+        nbytes["UB->GM"] = float(W.sum())
+    else:
+        nbytes["L0C->GM"] = float(W.sum())
+    return core, float(hbm), nbytes, busy
+
+
+def flops(M, N, K, batch=1) -> float:
+    return 2.0 * M * N * K * batch
+
+
+def _roofline(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=None, out_dtype=None):
+    a, b = specs[0], specs[1]
+    Mr, N, K, nbatch, _, _, batch, M = _dims(a, b, trans_a, trans_b)
+    dtype = a[1]
+    osz = itemsize(out_dtype or dtype)
+    fl = flops(Mr, N, K, nbatch)
+    peak = 2.0 * dev.cube_macs[dtype] * dev.cube_cores
+    io = math.prod(a[0]) * itemsize(dtype) + math.prod(b[0]) * itemsize(dtype) + Mr * N * nbatch * osz
+    if bias is not None:
+        io += math.prod(bias[0]) * itemsize(bias[1])
+    return max(fl / peak, io / dev.hbm_bytes_per_cycle)
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_tiling(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, bias_isz) -> dict:
+    """The cheapest tiling that fits: all candidates ranked by a quick score, the best few priced in full."""
+    dev = get_device(device)
+    cands = _candidates(dev, Mr, N, K, dtype, out_dtype, bool(bias_isz))
+    if not cands:
+        raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
+    cands.sort(key=lambda t: _quick_score(dev, Mr, N, K, nbatch, dtype, t))
+    best = None
+    for t in cands[:4]:
+        c = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
+        cost = max(c[0], c[1] / dev.hbm_bytes_per_cycle)
+        if best is None or cost < best[0]:
+            best = (cost, t)
+    return best[1]
+
+
+@register("matmul", _roofline)
+def estimate_matmul(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=None, out_dtype=None):
+    a, b = specs[0], specs[1]
+    Mr, N, K, nbatch, a_b, b_b, batch, M = _dims(a, b, trans_a, trans_b)
+    dtype = a[1]
+    out_dtype = out_dtype or dtype
+    bias_isz = itemsize(bias[1]) if bias is not None else 0
+    if tiling is None:
+        t = choose_tiling(dev.name, Mr, N, K, nbatch, a_b, b_b, dtype, out_dtype, bias_isz)
+    else:
+        t = {k: int(tiling[k]) for k in ("m0", "n0", "k0", "k1")}
+        if not fits(dev, dtype, out_dtype, t, bool(bias_isz)):
+            raise ValueError(f"matmul tiling {t} does not fit the buffers of {dev.name}")
+    core, hbm, nbytes, busy = _model(dev, Mr, N, K, nbatch, a_b, b_b, dtype, out_dtype, t, bias_isz)
+    return make("matmul", dev, core, hbm, nbytes, busy, dict(t),
+                _roofline(dev, specs, bias, trans_a, trans_b), flops(Mr, N, K, nbatch))
+
+
+__all__ = ["choose_tiling", "estimate_matmul", "fits", "flops"]
