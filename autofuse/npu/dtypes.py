@@ -22,7 +22,8 @@ def itemsize(dtype: str) -> int:
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """Round float32 values to the nearest bfloat16 (ties to even); returns float32."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    shape = np.shape(x)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(shape)     # (ascontiguousarray makes 0-d 1-d)
     bits = x.view(np.uint32)
     rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
     out = rounded.view(np.float32)

@@ -232,3 +232,27 @@ def test_reduce_timing_is_memory_bound():
     s = npu.run("reduce", torch.randn(2048, 1024), op="sum", dim=-1).stats
     assert s.bound == "mte2"
     assert s.cycles < 1.1 * s.hbm_bytes / get_device("ascend910").hbm_bytes_per_cycle + s.launch_cycles
+
+
+def test_round_fp16_matches_numpy_float16():
+    """The fast fp16 rounding (tiles.round_fp16) equals numpy's conversion, subnormals and overflow included."""
+    from autofuse.npu.kernels.tiles import round_fp16
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(200_000) * 10.0 ** rng.integers(-10, 6, 200_000)).astype(np.float32)
+    special = [0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, -65520, 2 ** -25, -2 ** -25, 2 ** -24 * 1.5,
+               2 ** -24 * 2.5, 2 ** -14 - 2 ** -26, 1e-45, 3e38]
+    x = np.concatenate([x, np.array(special, np.float32)])
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).astype(np.float32)
+    got = round_fp16(x)
+    assert np.array_equal(got, ref) and np.array_equal(np.signbit(got), np.signbit(ref))
+    assert np.isnan(round_fp16(np.array([np.nan], np.float32))).all()
+    assert round_fp16(np.float32(1.0)).shape == ()
+
+
+def test_zero_dim_tensors():
+    a, b = torch.tensor(1.5).bfloat16(), torch.tensor(2.25).bfloat16()
+    r = ew(a, b, op="add")
+    assert r.outputs[0].shape == () and float(r.outputs[0]) == 3.75
+    y = torch.randn(4, 5)
+    _close(ew(torch.tensor(2.0), y, op="mul").outputs[0], 2.0 * y, exact=True)

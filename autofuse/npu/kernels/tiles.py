@@ -162,8 +162,9 @@ def round_fp16(x: np.ndarray) -> np.ndarray:
     conversion takes a slow path for the many values that land in fp16's subnormal range (softmax
     outputs), about 30x slower than these few vector passes.
     """
-    x = np.asarray(x, dtype=np.float32)
-    e = (np.ascontiguousarray(x).view(np.uint32) >> 23) & np.uint32(0xFF)
+    shape = np.shape(x)
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)        # 1-d: in-place ops need arrays
+    e = (x.view(np.uint32) >> 23) & np.uint32(0xFF)
     np.clip(e, 127 - 14, 127 + 15, out=e)
     e += np.uint32(13)
     e <<= np.uint32(23)
@@ -175,7 +176,7 @@ def round_fp16(x: np.ndarray) -> np.ndarray:
     big = np.abs(r) > np.float32(65504)
     if big.any():
         r[big] = np.copysign(np.float32(np.inf), x[big])
-    return r
+    return r.reshape(shape)
 
 
 def rnd(x: np.ndarray, dtype: str) -> np.ndarray:

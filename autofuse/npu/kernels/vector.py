@@ -53,19 +53,15 @@ from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
 
 # ------------------------------------------------------------------------------------------- op table
-_SQRT2 = np.float32(math.sqrt(2.0))
 _C_TANH = math.sqrt(2.0 / math.pi)
 
 
-def _erf(x):
-    """erf in float64 without scipy (Abramowitz-Stegun 7.1.26 is too coarse; use math.erf vectorised)."""
-    return np.vectorize(math.erf, otypes=[np.float64])(x)
-
-
-try:                                            # scipy's erf is a fast ufunc; fall back to math.erf
-    from scipy.special import erf as _erf       # noqa: F811
+try:                                            # scipy's erf is a fast ufunc (scipy is optional)
+    from scipy.special import erf as _erf
 except ImportError:                             # pragma: no cover
-    pass
+    def _erf(x):
+        """erf in float64 via math.erf (slow, exact to float64)."""
+        return np.vectorize(math.erf, otypes=[np.float64])(x)
 
 # Ascend C's Erf is a rational approximation: clip, z = x*x, P(z) and Q(z) of degree 4 by Horner (a Mul by
 # z and an Adds per coefficient), x * P / Q.
@@ -320,7 +316,6 @@ def elementwise(launch, *inputs, op=None, scalar=None, out_dtype=None, tiling=No
     in_dt = [t.dtype for t in ts]
     # an input feeding the passes in another dtype is cast first (conditions are turned into masks instead)
     cast_in = [(k in data_idx) and in_dt[k] != cd for k in range(len(ts))]
-    composite = len(passes) > 1 and kind not in ("select",)
     temps = spec.temps
     need_res = out_dt != cd
     all_dts = set(in_dt) | {cd, out_dt}
