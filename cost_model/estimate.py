@@ -17,6 +17,7 @@ UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
 
 MODELS: dict = {}
 ROOFLINES: dict = {}
+CACHES: list = []          # functools caches of the models (tiling searches), cleared by clear_caches()
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,22 @@ def _estimate(kernel: str, specs: tuple, device: str, params: tuple) -> Estimate
     return MODELS[kernel](dev, specs, **{k: _thaw(v) for k, v in params})
 
 
+CACHES.append(_estimate)
+
+
+def cached(fn):
+    """``functools.lru_cache`` registered with :func:`clear_caches`."""
+    c = functools.lru_cache(maxsize=4096)(fn)
+    CACHES.append(c)
+    return c
+
+
+def clear_caches() -> None:
+    """Forget every cached estimate and tiling search (for timing the model cold)."""
+    for c in CACHES:
+        c.cache_clear()
+
+
 def estimate(kernel: str, inputs, device="ascend910", **params) -> Estimate:
     """Predicted cost of ``npu.run(kernel, *inputs, device=device, **params)`` without running it.
 
@@ -142,5 +159,5 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
                     tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes))
 
 
-__all__ = ["Estimate", "MODELS", "UNITS", "estimate", "make", "register", "roofline", "spec"]
+__all__ = ["Estimate", "MODELS", "UNITS", "cached", "clear_caches", "estimate", "make", "register", "roofline", "spec"]
 

@@ -21,14 +21,13 @@ The steps are evaluated as numpy arrays over the work items (no loop over instru
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 
 from cost_model.devices import get_device
 from cost_model.common import ceil_div, itemsize, pack, round_up
-from cost_model.estimate import make, register
+from cost_model.estimate import cached, make, register
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
 _DEBUG: dict = {}  # the last model's per-step arrays, for development
@@ -321,7 +320,7 @@ def _roofline(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=None, 
     return max(fl / peak, io / dev.hbm_bytes_per_cycle)
 
 
-@functools.lru_cache(maxsize=4096)
+@cached
 def choose_tiling(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, bias_isz) -> dict:
     """The cheapest tiling that fits: all candidates ranked by a quick score, the best few priced in full."""
     dev = get_device(device)

@@ -1,0 +1,234 @@
+"""How well the analytic cost model agrees with the simulator.
+
+Sweeps (kernel, shape, dtype, device) cases — odd sizes, tiny and huge, all devices — prices each with
+``cost_model.estimate``, runs it on the simulator with the tiling the model chose, and prints the error
+distribution of cycles and HBM bytes (per kernel and overall), the cases ranked by error, the agreement
+on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
+
+    python benchmarks/cost_model_accuracy.py            # the full sweep (several minutes)
+    python benchmarks/cost_model_accuracy.py --quick    # the small sweep the tests pin
+    python benchmarks/cost_model_accuracy.py --kernel matmul --top 30
+
+Acceptance (issue): median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
+agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import cost_model
+
+DEVICES = ("ascend910", "ascend910b", "ascend310p")
+
+
+@dataclass
+class Case:
+    kernel: str
+    inputs: list                   # [(shape, dtype) | None]
+    device: str
+    params: dict = field(default_factory=dict)
+    tensor_params: dict = field(default_factory=dict)   # name -> (shape, dtype): passed as arrays to npu.run
+
+    def label(self) -> str:
+        ins = " ".join("-" if x is None else f"{list(x[0])}{x[1][:1]}{x[1][-2:]}" for x in self.inputs)
+        ps = ",".join(f"{k}={v}" for k, v in self.params.items())
+        tp = ",".join(f"{k}={list(v[0])}{v[1]}" for k, v in self.tensor_params.items())
+        return f"{self.kernel:16s} {self.device:10s} {ins} {ps} {tp}".rstrip()
+
+
+def _array(shape, dtype, rng, high=None):
+    if dtype == "bfloat16":
+        import torch
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    if dtype == "bool":
+        return rng.random(shape) < 0.3
+    if dtype in ("int32", "int8") and high is not None:
+        return rng.integers(0, high, size=shape).astype(dtype)
+    return np.zeros(shape, dtype=dtype)
+
+
+def simulate(case: Case, tiling=None):
+    """Run a case on the simulator (values do not affect timing: zeros, except indices and masks)."""
+    from autofuse import npu
+    rng = np.random.default_rng(0)
+    high = case.inputs[0][0][0] if case.kernel == "gather" else None
+    xs = [None if x is None else _array(x[0], x[1], rng, high) for x in case.inputs]
+    params = dict(case.params)
+    for k, (shape, dtype) in case.tensor_params.items():
+        params[k] = _array(shape, dtype, rng)
+    if tiling is not None:
+        params["tiling"] = tiling
+    return npu.run(case.kernel, *xs, device=case.device, **params).stats
+
+
+def predict(case: Case):
+    params = dict(case.params)
+    params.update(case.tensor_params)
+    return cost_model.estimate(case.kernel, case.inputs, device=case.device, **params)
+
+
+# ------------------------------------------------------------------------------------------ the sweep
+def _matmul_cases(quick: bool):
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    big = [] if quick else [
+        ((4096, 4096, 4096), f16, "ascend310p"), ((4096, 8192, 1024), f16, "ascend910"),
+        ((2048, 2048, 2048), f16, "ascend910b"), ((2048, 2048, 2048), bf16, "ascend910"),
+        ((128, 8192, 8192), f16, "ascend910b"), ((8192, 1024, 4096), f16, "ascend310p"),
+    ]
+    shapes = [(1, 1, 1), (37, 50, 29), (64, 64, 64), (300, 17, 130), (256, 256, 256), (96, 2000, 96),
+              (512, 1024, 512), (1000, 777, 1500), (33, 333, 3333), (1024, 64, 1024)]
+    if not quick:
+        shapes += [(17, 4096, 11008), (128, 4096, 4096), (2048, 128, 2048), (4000, 4000, 100),
+                   (100, 4000, 4000), (1536, 1536, 1536), (768, 3072, 768), (2047, 511, 1023)]
+    out = []
+    for i, (M, K, N) in enumerate(shapes):
+        for d in DEVICES:
+            dt = (f16, bf16, f32)[(i + DEVICES.index(d)) % 3] if not quick else (f16, f32)[i % 2]
+            out.append(Case("matmul", [((M, K), dt), ((K, N), dt)], d))
+    for (M, K, N), dt, d in big:
+        out.append(Case("matmul", [((M, K), dt), ((K, N), dt)], d))
+    # batched, transposed, bias
+    extra = [
+        Case("matmul", [((8, 128, 64), f16), ((8, 64, 128), f16)], "ascend910"),
+        Case("matmul", [((4, 100, 300), f16), ((300, 200), f16)], "ascend910b"),
+        Case("matmul", [((12, 256, 64), f16), ((12, 256, 64), f16)], "ascend310p", {"trans_b": True}),
+        Case("matmul", [((64, 256), f32), ((512, 256), f32)], "ascend910", {"trans_b": True}),
+        Case("matmul", [((256, 96), bf16), ((256, 160), bf16)], "ascend910b", {"trans_a": True}),
+        Case("matmul", [((200, 300), f16), ((300, 400), f16)], "ascend910", {},
+             {"bias": ((400,), "float32")}),
+    ]
+    if not quick:
+        extra += [
+            Case("matmul", [((32, 512, 128), f16), ((32, 128, 512), f16)], "ascend910b"),
+            Case("matmul", [((16, 1024, 64), f16), ((16, 64, 1024), f16)], "ascend910"),
+            Case("matmul", [((2, 8, 333, 64), bf16), ((2, 8, 64, 333), bf16)], "ascend310p"),
+            Case("matmul", [((1024, 4096), f16), ((11008, 4096), f16)], "ascend910", {"trans_b": True}),
+        ]
+    return out + extra
+
+
+def cases(quick: bool = False, kernels=None) -> list:
+    builders = {"matmul": _matmul_cases}
+    out = []
+    for name, build in builders.items():
+        if kernels and name not in kernels:
+            continue
+        out += build(quick)
+    return out
+
+
+def pairs(quick: bool = False) -> list:
+    """(label, unfused cases, fused case) triples: attention and others, once their kernels exist."""
+    return []
+
+
+# ------------------------------------------------------------------------------------------ running
+@dataclass
+class Record:
+    case: Case
+    pred_cycles: int
+    sim_cycles: int
+    pred_hbm: int
+    sim_hbm: int
+    pred_bound: str
+    sim_bound: str
+    tiling: dict | None
+    wall: float
+
+    @property
+    def err_cycles(self) -> float:
+        return abs(self.pred_cycles - self.sim_cycles) / self.sim_cycles
+
+    @property
+    def err_hbm(self) -> float:
+        return abs(self.pred_hbm - self.sim_hbm) / max(self.sim_hbm, 1)
+
+
+def run(cs, verbose=False) -> list:
+    out = []
+    for c in cs:
+        e = predict(c)
+        t = time.time()
+        s = simulate(c, e.tiling)
+        r = Record(c, e.cycles, s.cycles, e.hbm_bytes, s.hbm_bytes, e.bound, s.bound, e.tiling, time.time() - t)
+        out.append(r)
+        if verbose:
+            print(f"  {r.err_cycles:6.1%} {r.err_hbm:6.1%}  {r.wall:5.1f}s  {c.label()}", flush=True)
+    return out
+
+
+def pair_agreement(ps) -> tuple[int, int, list]:
+    agree, rows = 0, []
+    for label, unfused, fused in ps:
+        pu = sum(predict(c).cycles for c in unfused)
+        pf = predict(fused).cycles
+        su = sum(simulate(c, predict(c).tiling).cycles for c in unfused)
+        sf = simulate(fused, predict(fused).tiling).cycles
+        ok = (pf < pu) == (sf < su)
+        agree += ok
+        rows.append((label, pu, pf, su, sf, ok))
+    return agree, len(ps), rows
+
+
+def timing(cs, repeat: int = 3) -> float:
+    """Mean seconds per estimate() over the cases, with the model's caches cleared first."""
+    from cost_model.estimate import clear_caches
+    clear_caches()
+    t = time.perf_counter()
+    for c in cs:
+        predict(c)
+    cold = (time.perf_counter() - t) / len(cs)
+    return cold
+
+
+def summary(records) -> dict:
+    def stats(xs):
+        xs = np.asarray(xs)
+        return {"n": len(xs), "median": float(np.median(xs)), "p90": float(np.percentile(xs, 90)),
+                "max": float(xs.max())}
+    out = {"all": (stats([r.err_cycles for r in records]), stats([r.err_hbm for r in records]))}
+    for k in sorted({r.case.kernel for r in records}):
+        rs = [r for r in records if r.case.kernel == k]
+        out[k] = (stats([r.err_cycles for r in rs]), stats([r.err_hbm for r in rs]))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the small sweep the tests use")
+    ap.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
+    ap.add_argument("--top", type=int, default=25, help="how many worst cases to list")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    cs = cases(a.quick, a.kernel)
+    t0 = time.time()
+    recs = run(cs, a.verbose)
+    print(f"{len(recs)} cases, {time.time() - t0:.0f} s of simulation\n")
+    print(f"{'kernel':16s} {'n':>4s}  {'cycles: median':>15s} {'p90':>6s} {'max':>6s}   "
+          f"{'HBM: median':>12s} {'p90':>6s} {'max':>6s}")
+    for k, (c, h) in summary(recs).items():
+        print(f"{k:16s} {c['n']:4d}  {c['median']:15.1%} {c['p90']:6.1%} {c['max']:6.1%}   "
+              f"{h['median']:12.1%} {h['p90']:6.1%} {h['max']:6.1%}")
+    print(f"\nworst {a.top} cases by cycle error (pred / sim cycles, HBM error, bound pred/sim, tiling):")
+    for r in sorted(recs, key=lambda r: -max(r.err_cycles, r.err_hbm))[:a.top]:
+        print(f"  {r.err_cycles:6.1%} {r.err_hbm:6.1%}  {r.pred_cycles:>10,} / {r.sim_cycles:<10,} "
+              f"{r.pred_bound:>7s}/{r.sim_bound:<7s} {r.case.label()}  {r.tiling}")
+    ps = pairs(a.quick)
+    if ps:
+        ok, n, rows = pair_agreement(ps)
+        print(f"\nunfused vs fused pairs: model and simulator agree on the faster in {ok}/{n} "
+              f"({ok / n:.1%})")
+        for label, pu, pf, su, sf, good in rows:
+            if not good or a.verbose:
+                print(f"  {'ok ' if good else 'BAD'} {label}: model {pu:,} vs {pf:,}, sim {su:,} vs {sf:,}")
+    per = timing(cs)
+    print(f"\nestimate(): {per * 1e3:.3f} ms per call on average (cold caches, {len(cs)} cases)")
+
+
+if __name__ == "__main__":
+    main()
