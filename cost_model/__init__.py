@@ -10,6 +10,7 @@ a tiling search per kernel, a roofline bound, and a generic price for ops withou
 """
 from cost_model.devices import DEVICES, Device, devices, get_device
 from cost_model.estimate import MODELS, Estimate, estimate, roofline
-from cost_model import matmul as _matmul  # noqa: F401  (registers the model)
+from cost_model import matmul as _matmul  # noqa: F401,E402  (each import registers a model)
+from cost_model import softmax as _softmax  # noqa: F401,E402
 
 __all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "get_device", "roofline"]

@@ -1,0 +1,42 @@
+"""UB packing and the tile-size helpers the Vector kernels use to choose their tiles (mirrored here)."""
+from __future__ import annotations
+
+import math
+
+from cost_model.common import itemsize, round_up
+
+BLOCK = 32                       # UB alignment: one 32 B block
+
+
+def block_elems(dtype: str) -> int:
+    return BLOCK // itemsize(dtype)
+
+
+def pad(n, dtype: str):
+    """``n`` elements rounded up to whole 32 B blocks (a UB row pitch)."""
+    return round_up(n, block_elems(dtype))
+
+
+def ub_need(dev, specs) -> int:
+    align = dev.align["UB"]
+    used = 0
+    for shape, dtype in specs:
+        used = round_up(used, align) + math.prod(shape) * itemsize(dtype)
+    return used
+
+
+def fits(dev, specs) -> bool:
+    return ub_need(dev, specs) <= dev.buffers["UB"]
+
+
+def largest(ok, lo: int, hi: int) -> int:
+    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)`` (monotone), ``lo - 1`` if none."""
+    if hi < lo or not ok(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
