@@ -321,20 +321,30 @@ def _roofline(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=None, 
 
 
 @cached
-def choose_tiling(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, bias_isz) -> dict:
-    """The cheapest tiling that fits: all candidates ranked by a quick score, the best few priced in full."""
+def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, bias_isz):
+    """The cheapest tiling that fits: all candidates ranked by a quick score, the best three priced in full.
+
+    Returns ``(tiling, model result)``.
+    """
     dev = get_device(device)
     cands = _candidates(dev, Mr, N, K, dtype, out_dtype, bool(bias_isz))
     if not cands:
         raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
     cands.sort(key=lambda t: _quick_score(dev, Mr, N, K, nbatch, dtype, t))
     best = None
-    for t in cands[:4]:
-        c = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
-        cost = max(c[0], c[1] / dev.hbm_bytes_per_cycle)
+    for t in cands[:3]:
+        res = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
+        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
         if best is None or cost < best[0]:
-            best = (cost, t)
-    return best[1]
+            best = (cost, t, res)
+    return best[1], best[2]
+
+
+def choose_tiling(device, a, b, trans_a=False, trans_b=False, out_dtype=None, bias=None) -> dict:
+    """The tiling ``estimate`` picks for ``a @ b`` (specs), to hand to the kernel as ``tiling=``."""
+    Mr, N, K, nbatch, a_b, b_b, _, _ = _dims(a, b, trans_a, trans_b)
+    bias_isz = itemsize(bias[1]) if bias is not None else 0
+    return dict(_search(get_device(device).name, Mr, N, K, nbatch, a_b, b_b, a[1], out_dtype or a[1], bias_isz)[0])
 
 
 @register("matmul", _roofline)
@@ -345,12 +355,12 @@ def estimate_matmul(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=
     out_dtype = out_dtype or dtype
     bias_isz = itemsize(bias[1]) if bias is not None else 0
     if tiling is None:
-        t = choose_tiling(dev.name, Mr, N, K, nbatch, a_b, b_b, dtype, out_dtype, bias_isz)
+        t, (core, hbm, nbytes, busy) = _search(dev.name, Mr, N, K, nbatch, a_b, b_b, dtype, out_dtype, bias_isz)
     else:
         t = {k: int(tiling[k]) for k in ("m0", "n0", "k0", "k1")}
         if not fits(dev, dtype, out_dtype, t, bool(bias_isz)):
             raise ValueError(f"matmul tiling {t} does not fit the buffers of {dev.name}")
-    core, hbm, nbytes, busy = _model(dev, Mr, N, K, nbatch, a_b, b_b, dtype, out_dtype, t, bias_isz)
+        core, hbm, nbytes, busy = _model(dev, Mr, N, K, nbatch, a_b, b_b, dtype, out_dtype, t, bias_isz)
     return make("matmul", dev, core, hbm, nbytes, busy, dict(t),
                 _roofline(dev, specs, bias, trans_a, trans_b), flops(Mr, N, K, nbatch))
 
