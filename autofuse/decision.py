@@ -1,0 +1,142 @@
+"""What the planner decided, as values: :class:`FusionDecision` per candidate, :class:`FusionReport` per plan.
+
+Reports, the CLI and the pictures read these objects, never log text. Reason codes are stable strings:
+
+=========================  ==============================================================================
+``fused``                  applied: cheaper fused, verified equal to the unfused subgraph
+``disabled_by_opt_level``  the optimization level does not fuse this (O0 fuses nothing)
+``below_level_margin``     O1 fuses only clear wins (predicted speed-up >= 1.5x)
+``extra_outputs_at_O1``    O1 does not fuse blocks whose probabilities are used elsewhere
+``not_profitable``         the cost model prices the fused kernel no cheaper than the unfused ops
+``conflict``               overlaps a candidate that saves more; the global choice took that one
+``memory_budget``          the fused kernel's working set (inputs, outputs, workspace) exceeds the budget
+``unsupported``            the kernel cannot run this instance (dtype, training-mode dropout, ...)
+``verification_failed``    the fused kernel's result differed from the unfused subgraph
+=========================  ==============================================================================
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+REASON_CODES = ("fused", "disabled_by_opt_level", "below_level_margin", "extra_outputs_at_O1", "not_profitable",
+                "conflict", "memory_budget", "unsupported", "verification_failed")
+
+
+@dataclass(frozen=True)
+class FusionDecision:
+    """One candidate's fate, with the numbers behind it (cycles on the target device, bytes of HBM)."""
+
+    pattern: str
+    nodes: tuple
+    anchor: str
+    applied: bool
+    reason_code: str
+    reason: str
+    cycles_unfused: int
+    cycles_fused: int
+    hbm_bytes_unfused: int
+    hbm_bytes_fused: int
+    kernel: str = ""
+    bound_fused: str = ""
+    params: dict = field(default_factory=dict, hash=False, compare=False)
+    tiling: dict = field(default_factory=dict, hash=False, compare=False)
+    unfused_kernels: tuple = ()
+    verify_error: float | None = None
+    verify_tolerance: float | None = None
+
+    @property
+    def hbm_bytes_saved(self) -> int:
+        return self.hbm_bytes_unfused - self.hbm_bytes_fused
+
+    @property
+    def speedup(self) -> float:
+        return self.cycles_unfused / self.cycles_fused if self.cycles_fused else float("inf")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["nodes"] = list(self.nodes)
+        d["unfused_kernels"] = list(self.unfused_kernels)
+        d["hbm_bytes_saved"] = self.hbm_bytes_saved
+        d["speedup"] = round(self.speedup, 4)
+        d["params"] = {k: v for k, v in self.params.items() if isinstance(v, (int, float, str, bool, type(None),
+                                                                              list, tuple))}
+        return d
+
+
+@dataclass
+class FusionReport:
+    """Every candidate of one plan: ``applied`` and ``rejected`` decisions, plus plan-wide figures."""
+
+    device: str
+    optimization_level: str
+    memory_budget: int | None
+    decisions: list = field(default_factory=list)
+    peak_memory_unfused: int = 0
+    peak_memory_fused: int = 0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    capture_route: str = ""
+    warnings: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def applied(self) -> list:
+        return [d for d in self.decisions if d.applied]
+
+    @property
+    def rejected(self) -> list:
+        return [d for d in self.decisions if not d.applied]
+
+    @property
+    def cycles_saved(self) -> int:
+        return sum(d.cycles_unfused - d.cycles_fused for d in self.applied)
+
+    def summary(self) -> str:
+        a, r = self.applied, self.rejected
+        lines = [f"autofuse plan for {self.device} at {self.optimization_level}: {len(a)} fused, {len(r)} not fused "
+                 f"({self.nodes_before} -> {self.nodes_after} graph nodes)"]
+        if a:
+            before = sum(d.cycles_unfused for d in a)
+            after = sum(d.cycles_fused for d in a)
+            lines.append(f"  fused blocks: {before:,} -> {after:,} cycles ({before / max(after, 1):.2f}x), "
+                         f"HBM saved {sum(d.hbm_bytes_saved for d in a):,} B")
+        for d in self.decisions:
+            mark = "FUSED " if d.applied else "kept  "
+            lines.append(f"  {mark}{d.pattern:<10} at {d.anchor:<24} {d.reason_code:<22} "
+                         f"{d.cycles_unfused:>12,} -> {d.cycles_fused:>12,} cycles  {d.reason}")
+        if self.memory_budget is not None:
+            lines.append(f"  peak activation memory: {self.peak_memory_unfused:,} B unfused, "
+                         f"{self.peak_memory_fused:,} B fused; budget {self.memory_budget:,} B")
+        lines.extend(f"  warning: {w}" for w in self.warnings)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device, "optimization_level": self.optimization_level,
+            "memory_budget": self.memory_budget, "capture_route": self.capture_route,
+            "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+            "peak_memory_unfused": self.peak_memory_unfused, "peak_memory_fused": self.peak_memory_fused,
+            "applied": [d.to_dict() for d in self.applied], "rejected": [d.to_dict() for d in self.rejected],
+            "warnings": list(self.warnings), "timings": dict(self.timings),
+        }
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
+
+    def to_markdown(self) -> str:
+        out = [f"# autofuse report: {self.device}, {self.optimization_level}", "",
+               f"{len(self.applied)} fused, {len(self.rejected)} not fused; graph {self.nodes_before} -> "
+               f"{self.nodes_after} nodes.", "",
+               "| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) |",
+               "|---|---|---|---|---:|---:|---:|---:|"]
+        for d in self.decisions:
+            out.append(f"| {'fused' if d.applied else 'kept'} | {d.pattern} | `{d.anchor}` | {d.reason_code}: "
+                       f"{d.reason} | {d.cycles_unfused:,} | {d.cycles_fused:,} | {d.speedup:.2f}x | "
+                       f"{d.hbm_bytes_saved:,} |")
+        if self.memory_budget is not None or self.peak_memory_unfused:
+            out += ["", f"Peak activation memory: {self.peak_memory_unfused:,} B unfused, "
+                        f"{self.peak_memory_fused:,} B fused"
+                        + (f" (budget {self.memory_budget:,} B)." if self.memory_budget is not None else ".")]
+        out += [f"- warning: {w}" for w in self.warnings]
+        return "\n".join(out) + "\n"

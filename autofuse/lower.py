@@ -1,0 +1,305 @@
+"""Lowering: which simulator kernels execute one aten node.
+
+The simulator (``autofuse.simulate``) runs these kernels and the planner (``autofuse.plan``) prices them
+with the cost model, so both read one table and can never disagree about what an op costs to launch.
+
+``lower(node)`` returns a :class:`Program`: a short list of :class:`Step` s, each a kernel call whose
+inputs are the node's tensor arguments (``Arg(i)``) or earlier steps' outputs (``Out(j)``). The node's
+value is the last step's first output. Views (reshape of a contiguous tensor, transpose, expand, slicing,
+``getitem``...) lower to no step: they only re-describe memory. An op with no dedicated kernel lowers to
+``generic``: one Vector pass that reads its inputs from GM and writes its outputs back.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Arg:
+    """The ``i``-th tensor input of the node (in :func:`tensor_inputs` order)."""
+    i: int
+
+
+@dataclass(frozen=True)
+class Out:
+    """The first output of step ``j``."""
+    j: int
+
+
+@dataclass(frozen=True)
+class Const:
+    """A constant tensor the lowering needs (``"tril"``: a bool lower-triangular mask of ``shape``)."""
+    kind: str
+    shape: tuple
+
+    def spec(self):
+        return tuple(self.shape), "bool"
+
+    def make(self):
+        return torch.ones(self.shape, dtype=torch.bool).tril()
+
+
+@dataclass
+class Step:
+    kernel: str
+    inputs: tuple
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class Program:
+    steps: list
+    inputs: list          # the fx nodes feeding Arg(i)
+
+    @property
+    def free(self) -> bool:
+        return not self.steps
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued fx inputs, in argument order, without repeats."""
+    seen = []
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and a not in seen:
+            seen.append(a)
+    return seen
+
+
+def _meta(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _dt(n) -> str:
+    return str(_meta(n).dtype).replace("torch.", "")
+
+
+def _scalar(x):
+    return isinstance(x, (int, float, bool)) and not isinstance(x, torch.Tensor)
+
+
+_VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default, aten.t.default,
+    aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
+    aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.lift_fresh_copy.default,
+    aten.unflatten.int, aten.flatten.using_ints, aten.narrow.default, aten.chunk.default, operator.getitem,
+    aten.dropout.default, aten.sym_size.int,
+}
+# Ops that make small constant tensors (iota, fills): a launch that writes its output once.
+_FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+                aten.zeros.default, aten.ones.default, aten.new_ones.default, aten.new_zeros.default,
+                aten.new_full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.zeros_like.default,
+                aten.ones_like.default, aten.full_like.default}
+
+_UNARY = {
+    aten.neg.default: "neg", aten.abs.default: "abs", aten.exp.default: "exp", aten.log.default: "log",
+    aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.reciprocal.default: "reciprocal",
+    aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
+    aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos",
+}
+_BINARY = {
+    aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+    aten.maximum.default: "maximum", aten.minimum.default: "minimum", aten.pow.Tensor_Tensor: "pow",
+    aten.add.Scalar: "add", aten.sub.Scalar: "sub", aten.mul.Scalar: "mul", aten.div.Scalar: "div",
+    aten.pow.Tensor_Scalar: "pow", aten.rsub.Scalar: "rsub",
+}
+_COMPARE = {aten.eq.Tensor: "eq", aten.ne.Tensor: "ne", aten.lt.Tensor: "lt", aten.le.Tensor: "le",
+            aten.gt.Tensor: "gt", aten.ge.Tensor: "ge", aten.eq.Scalar: "eq", aten.ne.Scalar: "ne",
+            aten.lt.Scalar: "lt", aten.le.Scalar: "le", aten.gt.Scalar: "gt", aten.ge.Scalar: "ge"}
+_LOGIC = {aten.logical_and.default: "logical_and", aten.logical_or.default: "logical_or",
+          aten.__and__.Tensor: "logical_and", aten.__or__.Tensor: "logical_or", aten.bitwise_and.Tensor: "logical_and",
+          aten.bitwise_or.Tensor: "logical_or", aten.logical_not.default: "logical_not",
+          aten.bitwise_not.default: "logical_not"}
+_REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max",
+           aten.amin.default: "min", aten.sum.default: "sum", aten.mean.default: "mean"}
+
+
+def _is_view_reshape(node) -> bool:
+    src = _meta(node.args[0])
+    return src is not None and src.is_contiguous()
+
+
+def _matmul_operand(n: fx.Node):
+    """(source node, transposed?) — a transpose of the last two dims of a contiguous tensor is free."""
+    if (n.op == "call_function" and n.target in (aten.transpose.int, aten.t.default)
+            and _meta(n.args[0]) is not None and _meta(n.args[0]).is_contiguous()):
+        r = _meta(n).dim()
+        dims = [0, 1] if n.target == aten.t.default else [d % r for d in n.args[1:3]]
+        if sorted(dims) == [r - 2, r - 1]:
+            return n.args[0], True
+    return n, False
+
+
+def _lower_matmul(node, a, b, bias=None, trans_b=False):
+    (sa, ta), (sb, tb) = _matmul_operand(a), _matmul_operand(b)
+    tb = tb != trans_b
+    inputs, steps, refs = [], [], []
+    for src in (sa, sb):
+        m = _meta(src)
+        if m.dim() >= 2 and not m.is_contiguous():
+            inputs.append(src)
+            steps.append(Step("copy", (Arg(len(inputs) - 1),)))
+            refs.append(Out(len(steps) - 1))
+        else:
+            inputs.append(src)
+            refs.append(Arg(len(inputs) - 1))
+    params = {"trans_a": ta, "trans_b": tb}
+    args = [refs[0], refs[1]]
+    if bias is not None:
+        inputs.append(bias)
+        params["bias"] = Arg(len(inputs) - 1)
+    if _meta(sa).dim() == 1 or _meta(sb).dim() == 1:
+        return Program([Step("generic", tuple(Arg(i) for i in range(len(inputs))))], inputs)
+    steps.append(Step("matmul", tuple(args), params))
+    return Program(steps, inputs)
+
+
+def _lower_sdpa(node):
+    """Unfused SDPA = what eager runs op by op: Q·Kᵀ, scale, mask, softmax, ·V."""
+    q, k, v = node.args[:3]
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+    inputs = [q, k, v]
+    d = _meta(q).shape[-1]
+    scale = scale if scale is not None else d ** -0.5
+    steps = [Step("matmul", (Arg(0), Arg(1)), {"trans_b": True}),
+             Step("elementwise", (Out(0),), {"op": "mul", "scalar": float(scale)})]
+    if mask is not None:
+        inputs.append(mask)
+        if _meta(mask).dtype == torch.bool:
+            steps.append(Step("elementwise", (Arg(3), Out(1)), {"op": "where", "scalar": float("-inf")}))
+        else:
+            steps.append(Step("elementwise", (Out(1), Arg(3)), {"op": "add"}))
+    if causal:
+        sq, skv = _meta(q).shape[-2], _meta(k).shape[-2]
+        steps.append(Step("elementwise", (Const("tril", (sq, skv)), Out(len(steps) - 1)),
+                          {"op": "where", "scalar": float("-inf")}))
+    steps.append(Step("softmax", (Out(len(steps) - 1),), {"dim": -1}))
+    steps.append(Step("matmul", (Out(len(steps) - 1), Arg(2))))
+    return Program(steps, inputs)
+
+
+def lower(node: fx.Node) -> Program:
+    """The kernels that execute ``node`` (see the module docstring)."""
+    t = node.target
+    if node.op != "call_function":
+        return Program([], [])
+    ins = tensor_inputs(node)
+    if t in _VIEW_OPS:
+        return Program([], ins)
+    if t in (aten.reshape.default,):
+        return Program([] if _is_view_reshape(node) else [Step("copy", (Arg(0),))], ins[:1])
+    if t in (aten.clone.default, aten.contiguous.default, aten.copy.default):
+        return Program([Step("copy", (Arg(0),))], ins[:1])
+    if t in (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout):
+        return Program([Step("elementwise", (Arg(0),), {"op": "cast", "out_dtype": _dt(node)})], ins[:1])
+    if t in (aten.matmul.default, aten.mm.default, aten.bmm.default):
+        return _lower_matmul(node, node.args[0], node.args[1])
+    if t == aten.linear.default:
+        return _lower_matmul(node, node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else None,
+                             trans_b=True)
+    if t == aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        return _lower_matmul(node, node.args[1], node.args[2], node.args[0])
+    if t in (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default):
+        return Program([Step("softmax", (Arg(0),), {"dim": node.args[1]})], ins[:1])
+    if t == aten.scaled_dot_product_attention.default:
+        return _lower_sdpa(node)
+    if t in _UNARY:
+        return Program([Step("elementwise", (Arg(0),), {"op": _UNARY[t]})], ins[:1])
+    if t == aten.gelu.default:
+        approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return Program([Step("elementwise", (Arg(0),), {"op": "gelu_tanh" if approx == "tanh" else "gelu"})], ins)
+    if t in _BINARY:
+        a, b = node.args[0], node.args[1] if len(node.args) > 1 else None
+        op = _BINARY[t]
+        if isinstance(a, fx.Node) and isinstance(b, fx.Node) and _meta(b) is not None and _meta(b).dim() > 0:
+            return Program([Step("elementwise", (Arg(0), Arg(1 if b is not a else 0)), {"op": op})], ins)
+        scalar = b if not isinstance(b, fx.Node) else None
+        if scalar is not None and _scalar(scalar):
+            return Program([Step("elementwise", (Arg(0),), {"op": op, "scalar": float(scalar)})], ins[:1])
+    if t in _COMPARE:
+        b = node.args[1]
+        if isinstance(b, fx.Node):
+            return Program([Step("elementwise", (Arg(0), Arg(ins.index(b))), {"op": _COMPARE[t]})], ins)
+        if _scalar(b):
+            return Program([Step("elementwise", (Arg(0),), {"op": _COMPARE[t], "scalar": float(b)})], ins[:1])
+    if t in _LOGIC and all(isinstance(a, fx.Node) for a in node.args):
+        return Program([Step("elementwise", tuple(Arg(ins.index(a)) for a in node.args), {"op": _LOGIC[t]})], ins)
+    if t == aten.where.ScalarOther and _scalar(node.args[2]):
+        return Program([Step("elementwise", (Arg(0), Arg(ins.index(node.args[1]))),
+                             {"op": "where", "scalar": float(node.args[2])})], ins)
+    if t == aten.where.self and len(ins) == 3:
+        return Program([Step("elementwise", (Arg(0), Arg(1), Arg(2)), {"op": "where"})], ins)
+    if t == aten.masked_fill.Scalar and _scalar(node.args[2]):
+        return Program([Step("elementwise", (Arg(0), Arg(ins.index(node.args[1]))),
+                             {"op": "masked_fill", "scalar": float(node.args[2])})], ins)
+    if t == aten.layer_norm.default:
+        x, _, w, b = (list(node.args) + [None] * 4)[:4]
+        eps = node.args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
+        params = {"eps": float(eps)}
+        for key, ref in (("weight", w), ("bias", b)):
+            if isinstance(ref, fx.Node):
+                params[key] = Arg(ins.index(ref))
+        return Program([Step("layer_norm", (Arg(0),), params)], ins)
+    if t in _REDUCE:
+        dims = node.args[1] if len(node.args) > 1 else None
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        return Program([Step("reduce", (Arg(0),), {"op": _REDUCE[t], "dim": tuple(dims) if dims else None,
+                                                    "keepdim": bool(keep)})], ins[:1])
+    if t == aten.embedding.default:
+        return Program([Step("gather", (Arg(0), Arg(1)))], ins)
+    if t == aten.cat.default:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        return Program([Step("cat", tuple(Arg(ins.index(a)) for a in node.args[0]), {"dim": dim})], ins)
+    if t in _FACTORY_OPS and not ins:
+        return Program([Step("generic", ())], [])
+    return Program([Step("generic", tuple(Arg(i) for i in range(len(ins))))], ins)
+
+
+def _broadcast(*shapes):
+    return tuple(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+
+
+def step_specs(program: Program, node: fx.Node) -> list[tuple[list, tuple]]:
+    """Per step: its input specs ``[(shape, dtype), ...]`` and its output spec, from the nodes' metadata."""
+    out = []
+    spec_of = {}
+
+    def spec(ref):
+        if isinstance(ref, Const):
+            return ref.spec()
+        if isinstance(ref, Arg):
+            m = _meta(program.inputs[ref.i])
+            return tuple(m.shape), str(m.dtype).replace("torch.", "")
+        return spec_of[ref.j]
+
+    node_meta = _meta(node)
+    for j, st in enumerate(program.steps):
+        ins = [spec(r) for r in st.inputs]
+        if j == len(program.steps) - 1 and isinstance(node_meta, torch.Tensor):
+            o = (tuple(node_meta.shape), str(node_meta.dtype).replace("torch.", ""))
+        elif isinstance(node_meta, (tuple, list)) and j == len(program.steps) - 1 and node_meta:
+            first = node_meta[0]
+            o = (tuple(first.shape), str(first.dtype).replace("torch.", ""))
+        elif st.kernel == "matmul":
+            (sa, da), (sb, _) = ins[0], ins[1]
+            ta, tb = st.params.get("trans_a"), st.params.get("trans_b")
+            m_ = sa[-1] if ta else sa[-2]
+            n_ = sb[-2] if tb else sb[-1]
+            o = (_broadcast(sa[:-2], sb[:-2]) + (m_, n_), da)
+        elif st.kernel == "elementwise":
+            shapes = [s for s, _ in ins]
+            o = (_broadcast(*shapes), st.params.get("out_dtype") or ins[-1][1])
+        else:
+            o = ins[0] if ins else ((), "float32")
+        spec_of[j] = o
+        out.append((ins, o))
+    return out

@@ -1,0 +1,79 @@
+"""Fused operators as ``torch.library`` custom ops: ``torch.ops.autofuse.<kernel>``.
+
+Each op's CPU implementation runs the fused kernel on the NPU simulator (``autofuse.npu``) with the
+tiling the planner chose; each has a fake (meta) implementation, so graphs that call them can be traced,
+exported and shape-propagated again without data.
+
+    out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale=None, causal=False)
+    out = autofuse.ops.flash_attention(q, k, v)            # the same, returning ``out`` only
+
+``device`` names the simulated target; ``tiling`` is a JSON object (``""`` = the kernel's default).
+Every call's simulator statistics are appended to the active :func:`recording` list, if any.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Optional
+
+import numpy as np
+import torch
+
+from autofuse import npu
+
+_recorders: list[list] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect ``(kernel, Stats)`` of every fused-op call made inside the block."""
+    log: list = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _record(name, stats):
+    for log in _recorders:
+        log.append((name, stats))
+
+
+def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+@torch.library.custom_op("autofuse::flash_attention", mutates_args=())
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                     scale: Optional[float] = None, causal: bool = False, return_probs: bool = False,
+                     device: str = "ascend910", tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    r = npu.run("flash_attention", q, k, v, mask=mask, scale=scale, causal=causal, return_probs=return_probs,
+                device=device, tiling=json.loads(tiling) if tiling else None)
+    _record("flash_attention", r.stats)
+    out = _to_torch(r.outputs[0], q.dtype)
+    probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
+    return out, probs
+
+
+@_flash_attention.register_fake
+def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling=""):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
+    return out, probs
+
+
+def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
+                    tiling=None):
+    """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
+
+    ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
+    sees keys j <= i. Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be a 4-D tensor [B, N, S, D], got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale, causal, return_probs, device,
+                                                     json.dumps(tiling) if tiling else "")
+    return (out, probs) if return_probs else out

@@ -1,0 +1,280 @@
+"""Plan: price every candidate, choose a conflict-free set globally, respect the level and the budget.
+
+Algorithm
+---------
+1. **Price.** For a candidate (a :class:`~autofuse.match.Match`), the unfused price is the sum, over
+   the nodes it covers, of the cost model's estimate of each kernel those nodes lower to
+   (:mod:`autofuse.lower`, the same table the simulator runs); the fused price is the estimate of the
+   fused kernel with the candidate's parameters. Prices are cycles on the target device, plus HBM bytes.
+2. **Filter by level** (see :data:`LEVELS`) and by profitability; a fused kernel whose own working set
+   (inputs, outputs, workspace) exceeds the memory budget is rejected.
+3. **Choose globally.** Candidates that share nodes conflict. In each connected component of the
+   conflict graph the planner takes the independent set with the largest total saving (exactly, by
+   branch and bound, for components up to 20 candidates; greedily by saving beyond), never simply
+   the first match found.
+4. **Verify** (``verify`` callback, see :mod:`autofuse.verify`): a chosen candidate whose fused kernel
+   disagrees with the unfused subgraph is rejected with ``verification_failed``.
+
+Every candidate ends as a :class:`~autofuse.decision.FusionDecision`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+import cost_model
+from autofuse.decision import FusionDecision
+from autofuse.lower import lower, step_specs
+
+#: Optimization levels. Each is observably different on the same model.
+LEVELS = {
+    "O0": "capture and report only: nothing is fused (every candidate is listed as disabled)",
+    "O1": "conservative: fuse only clear wins (predicted speed-up >= 1.5x) whose block has no extra outputs; "
+          "kernels use their default tiling",
+    "O2": "fuse every candidate the cost model prices cheaper fused; kernels use their default tiling",
+    "O3": "as O2, and each fused kernel gets the tiling the cost model's search finds cheapest",
+}
+O1_MARGIN = 1.5
+
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "k": 2 ** 10, "m": 2 ** 20,
+          "g": 2 ** 30, "t": 2 ** 40}
+
+
+def parse_level(level) -> str:
+    lv = str(level).upper()
+    if lv in ("0", "1", "2", "3"):
+        lv = "O" + lv
+    if lv not in LEVELS:
+        raise ValueError(f"optimization_level={level!r}: choose one of {', '.join(LEVELS)} "
+                         f"({'; '.join(f'{k}: {v}' for k, v in LEVELS.items())})")
+    return lv
+
+
+def parse_memory_budget(budget) -> int | None:
+    """Bytes from ``None``, an int, or a string such as ``"16GB"``, ``"512MiB"``, ``"1.5 GB"``.
+
+    ``GB``/``MB`` follow the device makers' binary convention (``16GB`` of HBM = 16 GiB); ``GiB`` is binary
+    too; write plain bytes for anything else.
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"memory_budget={budget!r}: give bytes (int) or a string like '16GB'")
+    if isinstance(budget, (int, float)):
+        if budget <= 0:
+            raise ValueError(f"memory_budget={budget!r} must be positive")
+        return int(budget)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+    if not m or m.group(2).lower() not in _UNITS and m.group(2) != "":
+        raise ValueError(f"memory_budget={budget!r}: write a number and a unit, e.g. '16GB', '512MB', '1.5GiB'")
+    unit = m.group(2).lower()
+    # "16GB" on a device sheet means 16 GiB; decimal units are not what memory sizes are quoted in.
+    scale = {"kb": 2 ** 10, "mb": 2 ** 20, "gb": 2 ** 30, "tb": 2 ** 40}.get(unit, _UNITS.get(unit, 1))
+    value = float(m.group(1)) * scale
+    if value <= 0:
+        raise ValueError(f"memory_budget={budget!r} must be positive")
+    return int(value)
+
+
+def _spec(n: fx.Node):
+    v = n.meta.get("val")
+    return tuple(v.shape), str(v.dtype).replace("torch.", "")
+
+
+def _nbytes(spec) -> int:
+    shape, dtype = spec
+    return math.prod(shape) * (torch.finfo(getattr(torch, dtype)).bits // 8 if dtype != "bool" else 1)
+
+
+@dataclass
+class Price:
+    cycles: int = 0
+    hbm_bytes: int = 0
+    kernels: list = field(default_factory=list)
+    bound: str = ""
+    tiling: dict = field(default_factory=dict)
+    workspace: int = 0
+
+
+def _estimate(kernel, specs, device, params):
+    try:
+        return cost_model.estimate(kernel, specs, device=device, **params)
+    except (KeyError, NotImplementedError, ValueError, TypeError) as e:
+        # no model for this kernel/parameter combination: price it as a generic Vector op
+        generic = cost_model.estimate("generic", specs, device=device)
+        generic.note = f"priced as generic ({e})"
+        return generic
+
+
+def price_node(node: fx.Node, device: str) -> Price:
+    """The cost model's price of the kernels ``node`` lowers to (zero for views)."""
+    prog = lower(node)
+    price = Price()
+    if prog.free:
+        return price
+    for st, (ins, out) in zip(prog.steps, step_specs(prog, node)):
+        params = {k: (_spec(prog.inputs[v.i]) if hasattr(v, "i") else v) for k, v in st.params.items()}
+        if st.kernel == "generic":
+            params = {"outputs": [out]}
+        e = _estimate(st.kernel, ins, device, params)
+        price.cycles += int(e.cycles)
+        price.hbm_bytes += int(e.hbm_bytes)
+        price.kernels.append(st.kernel)
+    return price
+
+
+def price_fused(gm: fx.GraphModule, match, device: str, search_tiling: bool) -> Price:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    p = match.params
+    specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
+    specs = [(_as_bnsd(s), d) for s, d in specs]
+    params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
+    if "mask" in match.inputs:
+        params["mask"] = _spec(nodes[match.inputs["mask"]])
+    elif p.get("mask_terms"):
+        params["mask"] = _spec(nodes[match.inputs[p["mask_terms"][0][0]]])
+    if not search_tiling:
+        params["tiling"] = "default"
+    e = cost_model.estimate("flash_attention", specs, device=device, **params)
+    return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
+                 int(getattr(e, "workspace_bytes", 0) or 0))
+
+
+def _as_bnsd(shape):
+    shape = tuple(shape)
+    return shape if len(shape) == 4 else (1,) * (4 - len(shape)) + shape
+
+
+@dataclass
+class Candidate:
+    match: object
+    unfused: Price
+    fused: Price
+    working_set: int
+
+    @property
+    def saving(self) -> int:
+        return self.unfused.cycles - self.fused.cycles
+
+
+def price_candidate(gm, match, device, search_tiling) -> Candidate:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    unfused = Price()
+    for name in match.nodes:
+        pr = price_node(nodes[name], device)
+        unfused.cycles += pr.cycles
+        unfused.hbm_bytes += pr.hbm_bytes
+        unfused.kernels += pr.kernels
+    fused = price_fused(gm, match, device, search_tiling)
+    ins = [nodes[v] for v in match.inputs.values()]
+    ws = sum(_nbytes(_spec(n)) for n in ins) + _nbytes(_spec(nodes[match.anchor])) + fused.workspace
+    if match.params.get("probs_used"):
+        q, k = _spec(nodes[match.inputs["q"]]), _spec(nodes[match.inputs["k"]])
+        ws += _nbytes(((*_as_bnsd(q[0])[:-1], k[0][-2]), q[1]))
+    return Candidate(match, unfused, fused, ws)
+
+
+def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
+    """Max-saving conflict-free subset: exact branch and bound per component (≤ 20), else greedy."""
+    chosen = set()
+    for comp in nx.connected_components(conflicts):
+        comp = sorted(comp, key=lambda i: -cands[i].saving)
+        if len(comp) <= 20:
+            best = [0, ()]
+
+            def search(i, taken, total, remaining):
+                if total + remaining <= best[0] and best[1]:
+                    return
+                if i == len(comp):
+                    if total > best[0] or not best[1]:
+                        best[0], best[1] = total, tuple(taken)
+                    return
+                c = comp[i]
+                gain = max(cands[c].saving, 0)
+                if all(not conflicts.has_edge(c, t) for t in taken):
+                    search(i + 1, taken + [c], total + gain, remaining - gain)
+                search(i + 1, taken, total, remaining - gain)
+
+            search(0, [], 0, sum(max(cands[i].saving, 0) for i in comp))
+            chosen.update(best[1])
+        else:
+            for c in comp:
+                if all(not conflicts.has_edge(c, t) for t in chosen):
+                    chosen.add(c)
+    return chosen
+
+
+def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int | None, verify=None):
+    """Decide every candidate. Returns ``(applied matches, decisions, candidates by match)``.
+
+    ``verify(match, candidate) -> (ok, error, tolerance)`` is called on each chosen candidate.
+    """
+    level = parse_level(level)
+    cands = [price_candidate(gm, m, device, search_tiling=(level == "O3")) for m in matches]
+    decisions: dict[int, FusionDecision] = {}
+
+    def decide(i, applied, code, reason, **extra):
+        c = cands[i]
+        decisions[i] = FusionDecision(
+            pattern=c.match.pattern, nodes=tuple(c.match.nodes), anchor=c.match.anchor, applied=applied,
+            reason_code=code, reason=reason, cycles_unfused=c.unfused.cycles, cycles_fused=c.fused.cycles,
+            hbm_bytes_unfused=c.unfused.hbm_bytes, hbm_bytes_fused=c.fused.hbm_bytes, kernel="flash_attention",
+            bound_fused=c.fused.bound, params=dict(c.match.params), tiling=dict(c.fused.tiling),
+            unfused_kernels=tuple(c.unfused.kernels), **extra)
+
+    eligible = []
+    for i, c in enumerate(cands):
+        sp = c.unfused.cycles / max(c.fused.cycles, 1)
+        if level == "O0":
+            decide(i, False, "disabled_by_opt_level", "O0 fuses nothing")
+        elif c.match.params.get("unsupported"):
+            decide(i, False, "unsupported", c.match.params["unsupported"])
+        elif c.fused.cycles >= c.unfused.cycles:
+            decide(i, False, "not_profitable", f"fused kernel {c.fused.cycles:,} cycles >= unfused "
+                                               f"{c.unfused.cycles:,} cycles on {device}")
+        elif level == "O1" and c.match.params.get("probs_used"):
+            decide(i, False, "extra_outputs_at_O1", "the probabilities are used outside the block; O2+ fuses "
+                                                    "it with return_probs")
+        elif level == "O1" and sp < O1_MARGIN:
+            decide(i, False, "below_level_margin", f"predicted {sp:.2f}x < {O1_MARGIN}x required at O1")
+        elif budget is not None and c.working_set > budget:
+            decide(i, False, "memory_budget", f"fused kernel needs {c.working_set:,} B (inputs, outputs, "
+                                              f"workspace) > budget {budget:,} B")
+        else:
+            eligible.append(i)
+
+    conflicts = nx.Graph()
+    conflicts.add_nodes_from(eligible)
+    for a in eligible:
+        for b in eligible:
+            if a < b and not set(cands[a].match.nodes).isdisjoint(cands[b].match.nodes):
+                conflicts.add_edge(a, b)
+    chosen = _best_independent_set(cands, conflicts)
+    for i in eligible:
+        if i not in chosen:
+            winner = next(j for j in chosen if conflicts.has_edge(i, j))
+            decide(i, False, "conflict", f"overlaps the block at {cands[winner].match.anchor}, which saves more "
+                                         f"({cands[winner].saving:,} vs {cands[i].saving:,} cycles)")
+    applied = []
+    for i in sorted(chosen):
+        c = cands[i]
+        sp = c.unfused.cycles / max(c.fused.cycles, 1)
+        err = tol = None
+        if verify is not None:
+            ok, err, tol = verify(c.match, c)
+            if not ok:
+                decide(i, False, "verification_failed",
+                       f"fused result differs from the unfused subgraph: error {err:.3g} > tolerance {tol:.3g}",
+                       verify_error=err, verify_tolerance=tol)
+                continue
+        decide(i, True, "fused", f"predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B of HBM "
+                                 f"traffic; fused kernel bound by {c.fused.bound or '?'}",
+               verify_error=err, verify_tolerance=tol)
+        applied.append(c.match)
+    return applied, [decisions[i] for i in range(len(cands))], cands

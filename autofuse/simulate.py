@@ -1,0 +1,207 @@
+"""Whole-graph simulation: every node's kernels run on the NPU simulator, one launch after another.
+
+``simulate_graph(gm, inputs, device)`` walks the graph in order. A node lowers to simulator kernels
+(:mod:`autofuse.lower`: matmul, softmax, elementwise, ..., or the fused ``flash_attention``); each runs
+on the simulator with the node's real input data and its statistics are added up. Views cost nothing.
+The graph's values are computed by torch for unfused nodes (the kernels' own outputs are checked
+against torch in the kernel tests; pass ``check=True`` to compare them here too) and by the simulator
+for fused ops, whose only implementation is the simulated kernel.
+
+Kernel launches are independent: each starts with a cold L2 and ends with its outputs in HBM, so two
+launches of the same kernel on inputs of the same shapes, dtypes and parameters cost the same cycles.
+The simulator therefore runs each distinct launch once and reuses its statistics for repeats (a
+12-layer model simulates its layer once); ``memo=False`` runs every launch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autofuse import memory, npu
+from autofuse import ops as fused_ops
+from autofuse.lower import Arg, Const, lower, step_specs
+from cost_model.devices import get_device
+
+
+@dataclass
+class NodeCost:
+    node: str
+    target: str
+    kernels: tuple
+    cycles: int
+    hbm_bytes: int
+    bound: str
+    fused: bool = False
+    reused: bool = False
+    max_error: float | None = None
+
+
+@dataclass
+class SimulationResult:
+    """Totals and the per-node breakdown of one simulated forward pass."""
+
+    device: str
+    cycles: int
+    seconds: float
+    hbm_bytes: int
+    peak_memory: int
+    nodes: list = field(default_factory=list)
+    outputs: object = None
+    launches: int = 0
+    distinct_launches: int = 0
+    wall_seconds: float = 0.0
+
+    def by_kernel(self) -> dict:
+        out: dict = {}
+        for n in self.nodes:
+            for k in n.kernels:
+                out[k] = out.get(k, 0) + n.cycles / max(len(n.kernels), 1)
+        return {k: int(v) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+    def cycles_of(self, names) -> int:
+        names = set(names)
+        return sum(n.cycles for n in self.nodes if n.node in names)
+
+    def summary(self, top: int = 10) -> str:
+        lines = [f"simulated on {self.device}: {self.cycles:,} cycles ({self.seconds * 1e3:.3f} ms), "
+                 f"{self.launches} kernel launches ({self.distinct_launches} distinct), HBM {self.hbm_bytes:,} B, "
+                 f"peak activation memory {self.peak_memory:,} B"]
+        for n in sorted(self.nodes, key=lambda n: -n.cycles)[:top]:
+            lines.append(f"  {n.node:<28} {'/'.join(n.kernels):<28} {n.cycles:>12,} cycles  bound {n.bound}"
+                         + ("  [fused]" if n.fused else ""))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "cycles": self.cycles, "seconds": self.seconds, "hbm_bytes": self.hbm_bytes,
+                "peak_memory": self.peak_memory, "launches": self.launches,
+                "nodes": [n.__dict__ for n in self.nodes]}
+
+
+def _sig(kernel, arrays, params):
+    parts = [kernel]
+    for a in arrays:
+        parts.append(None if a is None else (tuple(a.shape), str(a.dtype)))
+    parts.append(repr(sorted((k, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else v)
+                             for k, v in params.items())))
+    return tuple(parts)
+
+
+class _Sim(fx.Interpreter):
+    def __init__(self, gm, device, memo, check):
+        # values are freed after their last use *including* uses by lowerings (a matmul reads the source of a
+        # transpose it folds), so the interpreter's own bookkeeping is replaced
+        super().__init__(gm, garbage_collect_values=False)
+        self.device, self.memo, self.check = device, memo, check
+        self.cache: dict = {}
+        self.records: list[NodeCost] = []
+        self.launches = 0
+        self.fused_launches = 0
+        self.programs = {}
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        last = {}
+        for n in gm.graph.nodes:
+            prog = lower(n) if n.op == "call_function" else None
+            self.programs[n] = prog
+            for a in list(n.all_input_nodes) + (list(prog.inputs) if prog is not None else []):
+                last[a] = max(last.get(a, 0), order[n])
+        self.frees = {}
+        for a, i in last.items():
+            self.frees.setdefault(i, []).append(a)
+        self.order = order
+
+    def run_node(self, n):
+        value = self._run(n)
+        for a in self.frees.get(self.order[n], ()):
+            if a is not n and a.op != "output":
+                self.env.pop(a, None)
+        return value
+
+    def _launch(self, kernel, arrays, params):
+        self.launches += 1
+        key = _sig(kernel, arrays, params)
+        if self.memo and key in self.cache:
+            return self.cache[key], True
+        if kernel not in npu.KERNELS:
+            raise KeyError(kernel)
+        r = npu.run(kernel, *arrays, device=self.device, **params)
+        self.cache[key] = r
+        return r, False
+
+    def _run(self, n):
+        if n.op != "call_function":
+            return super().run_node(n)
+        if n.target is torch.ops.autofuse.flash_attention.default:
+            with fused_ops.recording() as log:
+                value = super().run_node(n)
+            self.launches += len(log)
+            self.fused_launches += len(log)
+            cyc = sum(s.cycles for _, s in log)
+            hbm = sum(s.hbm_bytes for _, s in log)
+            self.records.append(NodeCost(n.name, "autofuse.flash_attention", ("flash_attention",), cyc, hbm,
+                                         log[0][1].bound if log else "", fused=True))
+            return value
+        value = super().run_node(n)
+        prog = self.programs[n]
+        if prog.free:
+            return value
+        args_env = [self.env[a] for a in prog.inputs]
+        outs: list = []
+        cycles = hbm = 0
+        bound, kernels, reused_all, err = "", [], True, None
+        specs = step_specs(prog, n)
+        for st, (ins_spec, out_spec) in zip(prog.steps, specs):
+            arrays = [args_env[r.i] if isinstance(r, Arg) else r.make() if isinstance(r, Const) else outs[r.j]
+                      for r in st.inputs]
+            if st.kernel == "gather":      # the NPU gathers with int32 indices
+                arrays = [a.int() if a.dtype == torch.int64 else a for a in arrays]
+            params = {k: (args_env[v.i] if isinstance(v, Arg) else v) for k, v in st.params.items()}
+            kernel = st.kernel
+            if kernel == "generic":
+                params = {"outputs": [out_spec]}
+            try:
+                r, reused = self._launch(kernel, arrays, params)
+            except (KeyError, TypeError, ValueError, NotImplementedError):
+                # the kernel is missing or cannot take this instance: price what it moves as a generic op
+                kernel = "generic"
+                r, reused = self._launch("generic", arrays, {"outputs": [out_spec]})
+            outs.append(torch.from_numpy(np.ascontiguousarray(r.outputs[0])) if r.outputs else None)
+            cycles += r.stats.cycles
+            hbm += r.stats.hbm_bytes
+            bound = r.stats.bound
+            kernels.append(kernel)
+            reused_all = reused_all and reused
+        if self.check and isinstance(value, torch.Tensor) and outs and outs[-1] is not None \
+                and kernels[-1] != "generic" and outs[-1].shape == value.shape:
+            err = (outs[-1].double() - value.double()).abs().max().item()
+        self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
+                                     max_error=err))
+        return value
+
+
+def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False) -> SimulationResult:
+    """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order)."""
+    dev = get_device(device)
+    t0 = time.perf_counter()
+    sim = _Sim(gm, dev.name, memo, check)
+    with torch.no_grad():
+        out = sim.run(*inputs)
+    cycles = sum(r.cycles for r in sim.records)
+    return SimulationResult(device=dev.name, cycles=cycles, seconds=cycles / dev.clock_hz,
+                            hbm_bytes=sum(r.hbm_bytes for r in sim.records), peak_memory=memory.peak_bytes(gm),
+                            nodes=sim.records, outputs=out, launches=sim.launches,
+                            distinct_launches=len(sim.cache) + sim.fused_launches, wall_seconds=time.perf_counter() - t0)
+
+
+def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto") -> SimulationResult:
+    """Simulate ``model`` unfused: captured and canonicalized like ``fuse()`` does, then run op by op."""
+    from autofuse.canonicalize import canonicalize
+    from autofuse.capture import capture
+    from autofuse.engine import _normalise_inputs
+    args, kwargs = _normalise_inputs(example_inputs)
+    captured = capture(model, args, kwargs, route=route)
+    gm = canonicalize(captured.graph_module)
+    return simulate_graph(gm, captured.flatten_inputs(*args, **kwargs), device, memo=memo, check=check)

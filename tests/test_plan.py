@@ -1,0 +1,65 @@
+"""Planner pieces that need no kernels: levels, budgets, the global conflict choice, reports."""
+import json
+
+import networkx as nx
+import pytest
+
+from autofuse.decision import REASON_CODES, FusionDecision, FusionReport
+from autofuse.plan import LEVELS, Candidate, Price, _best_independent_set, parse_level, parse_memory_budget
+
+
+@pytest.mark.parametrize("text,expected", [("16GB", 16 * 2 ** 30), ("512MB", 512 * 2 ** 20), ("1.5GiB", int(1.5 * 2 ** 30)),
+                                           (" 64 kb ", 64 * 1024), (4096, 4096), (None, None), ("100", 100)])
+def test_memory_budget_parsing(text, expected):
+    assert parse_memory_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "16 parsecs", "-1GB", 0, -5, [1]])
+def test_memory_budget_errors_name_the_argument(bad):
+    with pytest.raises((ValueError, TypeError), match="memory_budget"):
+        parse_memory_budget(bad)
+
+
+def test_levels():
+    assert parse_level("o2") == "O2" and parse_level(3) == "O3"
+    assert set(LEVELS) == {"O0", "O1", "O2", "O3"}
+    with pytest.raises(ValueError, match="optimization_level='O7'.*O0"):
+        parse_level("O7")
+
+
+class _M:
+    def __init__(self, name, nodes):
+        self.anchor, self.nodes, self.pattern, self.params = name, tuple(nodes), "attention", {}
+
+
+def _cand(name, nodes, saving):
+    return Candidate(_M(name, nodes), Price(cycles=1000 + saving), Price(cycles=1000), 0)
+
+
+def test_global_choice_beats_first_match_greedy():
+    # a overlaps b and c; b and c do not overlap. Greedy by order (or by the single largest saving) takes a;
+    # the best conflict-free set is {b, c}.
+    cands = [_cand("a", "xyz", 100), _cand("b", "xq", 70), _cand("c", "zr", 60)]
+    g = nx.Graph()
+    g.add_nodes_from(range(3))
+    g.add_edges_from([(0, 1), (0, 2)])
+    assert _best_independent_set(cands, g) == {1, 2}
+
+
+def test_independent_components_are_chosen_separately():
+    cands = [_cand(str(i), [f"n{i}"], 10 * (i + 1)) for i in range(5)]
+    g = nx.Graph()
+    g.add_nodes_from(range(5))
+    assert _best_independent_set(cands, g) == set(range(5))
+
+
+def test_report_round_trips_and_reason_codes_are_stable():
+    d = FusionDecision("attention", ("a", "b"), "b", True, "fused", "predicted 3.00x", 300, 100, 5000, 1000,
+                       kernel="flash_attention", params={"scale": 0.125, "q_shape": (1, 2, 3, 4)})
+    r = FusionReport("ascend910", "O3", None, [d, FusionDecision("attention", ("c",), "c", False, "not_profitable",
+                                                                  "no", 10, 20, 5, 5)])
+    assert r.applied == [d] and len(r.rejected) == 1
+    doc = json.loads(r.to_json())
+    assert doc["applied"][0]["hbm_bytes_saved"] == 4000 and doc["applied"][0]["speedup"] == 3.0
+    assert "fused" in r.summary() and "| fused | attention |" in r.to_markdown()
+    assert {"fused", "not_profitable", "conflict", "verification_failed", "memory_budget"} <= set(REASON_CODES)
