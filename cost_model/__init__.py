@@ -13,5 +13,6 @@ from cost_model.estimate import MODELS, Estimate, estimate, roofline
 from cost_model import matmul as _matmul  # noqa: F401,E402  (each import registers a model)
 from cost_model import softmax as _softmax  # noqa: F401,E402
 from cost_model import norm as _norm  # noqa: F401,E402
+from cost_model import vector as _vector  # noqa: F401,E402
 
 __all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "get_device", "roofline"]
