@@ -40,6 +40,7 @@ from autofuse.npu.dtypes import STORAGE, itemsize, to_dtype
 from cost_model.devices import Device
 
 UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
+PORT_GAPS = 4          # idle intervals of a core's GM port remembered for transfers that run out of issue order
 _GROUP_UNITS = {
     "core": UNITS,
     "aic": ("mte1", "mte2", "fixpipe", "cube", "scalar"),
@@ -64,11 +65,23 @@ class SimulatorError(RuntimeError):
 
 def _extent(region) -> tuple[int, ...]:
     """Shape of ``data[region]`` for a region of slices (with explicit bounds) and integer indices."""
-    return tuple(s.stop - s.start for s in region if isinstance(s, slice))
+    return tuple([s.stop - s.start for s in region if s.__class__ is slice])
 
 
 def _key(region) -> tuple:
-    return tuple((s.start, s.stop) if isinstance(s, slice) else s for s in region)
+    return tuple([(s.start, s.stop) if s.__class__ is slice else s for s in region])
+
+
+def _key_bytes(region, isz: int):
+    """``(_key(region), bytes of the region)`` in one pass (the hot path of every GM transfer)."""
+    key, n = [], isz
+    for s in region:
+        if s.__class__ is slice:
+            key.append((s.start, s.stop))
+            n *= s.stop - s.start
+        else:
+            key.append(s)
+    return tuple(key), n
 
 
 class GMTensor:
@@ -194,7 +207,8 @@ class Group:
         self.free = {u: np.zeros(n) for u in self.units}
         self.busy = {u: np.zeros(n) for u in self.units}
         self.port_free = np.zeros(n)            # end of the last reservation of the core's GM port
-        self.port_gap = np.zeros((2, n))        # one idle interval before it that a later transfer may use
+        # idle intervals before it that a later-issued but earlier-running transfer may use: [start|end, k, core]
+        self.port_gap = np.zeros((2, PORT_GAPS, n))
         self.all = np.ones(n, dtype=bool)
 
     # ---------------------------------------------------------------- allocation
@@ -266,18 +280,33 @@ class Group:
     def _reserve_port(self, start, cycles):
         """Book the core's GM port for ``cycles`` from ``start`` on, in time order, not issue order.
 
-        Units run ahead of each other, so a transfer issued later may run earlier than one already booked;
-        it then takes the idle interval before that booking if it fits there.
+        Units run ahead of each other, so a transfer issued later may run earlier than ones already booked;
+        it then takes the earliest of the remembered idle intervals (the ``PORT_GAPS`` most recent ones)
+        that it fits in, else it queues after the last booking.
         """
         gs, ge = self.port_gap
+        n = self.n
+        idx = np.arange(n)
         g_begin = np.maximum(start, gs)
-        fits = g_begin + cycles <= ge
+        cand = np.where(g_begin + cycles <= ge, g_begin + cycles, np.inf)
+        k = np.argmin(cand, axis=0)
+        best = cand[k, idx]
+        in_gap = np.isfinite(best)
         after = np.maximum(start, self.port_free)
-        end = np.where(fits, g_begin + cycles, after + cycles)
-        new_free = np.where(fits, self.port_free, end)
-        new_gap = np.where(fits, np.stack([end, ge]),
-                           np.where(start > self.port_free, np.stack([self.port_free, start]), self.port_gap))
-        return end, (new_free, new_gap)
+        end = np.where(in_gap, best, after + cycles)
+        new_free = np.where(in_gap, self.port_free, end)
+        gs2, ge2 = gs.copy(), ge.copy()
+        # a transfer inside gap k leaves its right part there and its left part [gap start, begin) as a new
+        # interval; one queued after the last booking leaves [last booking end, start) if it waited for data
+        gs2[k, idx] = np.where(in_gap, best, gs[k, idx])
+        new_s = np.where(in_gap, gs[k, idx], self.port_free)
+        new_e = np.where(in_gap, g_begin[k, idx], start)
+        others = np.where((np.arange(PORT_GAPS)[:, None] == k[None, :]) & in_gap[None, :], np.inf, ge2)
+        j = np.argmin(others, axis=0)                   # the earliest other interval gives way
+        rep = (new_e > new_s) & (new_e > ge2[j, idx])
+        gs2[j, idx] = np.where(rep, new_s, gs2[j, idx])
+        ge2[j, idx] = np.where(rep, new_e, ge2[j, idx])
+        return end, (new_free, np.stack([gs2, ge2]))
 
     def _active(self, regions, active):
         if active is None and any(r is None for r in regions):
@@ -358,8 +387,8 @@ class Group:
         for c, region in enumerate(regions):
             if region is None:
                 continue
-            b = math.prod(_extent(region)) * isz
-            key = (t.id, _key(region))
+            rkey, b = _key_bytes(region, isz)
+            key = (t.id, rkey)
             nbytes[c] = b
             if write:
                 wb = l2.write(key, b, dirty=t.scratch)
@@ -423,13 +452,12 @@ class Group:
             raise SimulatorError(f"mmad operands differ in dtype: {a.dtype} vs {b.dtype}")
         dev = self.launch.device
         k0 = dev.cube_k0[a.dtype]
-        prod = np.matmul(a.data, b.data)
         if accumulate:
-            c.data += prod
+            c.data += np.matmul(a.data, b.data)
         elif init is not None:
-            np.add(prod, init, out=c.data)
+            np.add(np.matmul(a.data, b.data), init, out=c.data)
         else:
-            c.data[...] = prod
+            np.matmul(a.data, b.data, out=c.data)
         cycles = (-(-np.asarray(m) // 16)) * (-(-np.asarray(k) // k0)) * (-(-np.asarray(n) // 16))
         return self._exec("cube", cycles.astype(float), reads=(a, b, c) if accumulate else (a, b),
                           writes=(c,), deps=deps, active=active, name=name)
@@ -480,7 +508,9 @@ class Launch:
         return g
 
     def tensor(self, data: np.ndarray, dtype: str, name: str, scratch: bool = False) -> GMTensor:
-        if dtype in ("float16", "bfloat16", "float32"):
+        if dtype == "float16" and getattr(data, "dtype", None) == np.float16:
+            data = data.astype(np.float32)     # already fp16 values: exact in float32, no re-rounding
+        elif dtype in ("float16", "bfloat16", "float32"):
             data = to_dtype(np.asarray(data, dtype=np.float32), dtype)
         else:                                  # integers and bools keep their exact values
             data = np.asarray(data, dtype=STORAGE[dtype])
