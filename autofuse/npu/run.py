@@ -101,4 +101,5 @@ from autofuse.npu.kernels import matmul as _matmul  # noqa: E402,F401
 from autofuse.npu.kernels import softmax as _softmax  # noqa: E402,F401
 from autofuse.npu.kernels import vector as _vector  # noqa: E402,F401
 from autofuse.npu.kernels import norm as _norm  # noqa: E402,F401
+from autofuse.npu.kernels import flash_attention as _flash_attention  # noqa: E402,F401
 from autofuse.npu.kernels import movement as _movement  # noqa: E402,F401

@@ -1,0 +1,907 @@
+"""FlashAttention: ``out = softmax(scale · Q·Kᵀ + mask) · V``, tile by tile, never writing the scores out.
+
+Layout BNSD: q ``[B, N, Sq, D]``, k ``[B, Nkv, Skv, D]``, v ``[B, Nkv, Skv, Dv]``; query head h reads kv head
+``h // (N / Nkv)`` (GQA). ``mask`` broadcasts to ``[B, N, Sq, Skv]``: bool (True = attend, as torch SDPA)
+or additive float. ``causal`` is top-left aligned (query i sees keys j <= i); with a mask both apply.
+
+The algorithm (one *work item* = batch, head, block of ``q`` query rows; items spread over the cores):
+
+    for each KV tile j of ``kv`` keys:
+        Cube    S = Q · K_jᵀ                               fp32 in L0C
+        Vector  S *= scale; mask; m_new = max(m, rowmax S)   one pass each, fp32 (64 lanes a repeat)
+                P = exp(S - m_new); l = l·α + rowsum P       α = exp(m - m_new)
+                P -> operand dtype (cast pass)
+        Cube    O_j = P · V_j                              fp32 in L0C
+        Vector  O = O·α + O_j
+    Vector  out = O / l (cast) -> GM
+
+Running statistics m, l are fp32. A row with no key to attend gives 0 (as torch 2.13's SDPA).
+
+Data paths. *Coupled* cores (910, 310P) move S from L0C to UB by FixPipe; UB has no path to L1, so P
+goes UB -> GM (MTE3, a per-core scratch workspace that stays in L2) -> L1 (MTE2) -> L0A. *Split* cores
+(910B): the AIC computes S in 128-column base blocks and FixPipe writes them to a workspace in GM; the two
+AIVs paired with it (AIC i: AIV 2i, 2i+1) each load half the rows, do the softmax and write P back; the
+AIC loads P, computes P·V in 128-deep slices and writes the partial O to a workspace, which the AIVs load
+and accumulate (CANN's design). Cross-group waits are explicit: the producer's end times are the
+consumer's ``deps`` (AIC -> AIV by ``np.repeat``, AIV -> AIC by the max over the pair). Every workspace
+is double-buffered (slot = step % 2), so the AIC runs a step ahead.
+
+Software pipeline: step s issues ``A(s+1)`` (Q·Kᵀ, softmax, P out) before ``B(s)`` (P·V, accumulate), so the
+Cube computes S of tile s+1 while the Vector works on tile s, and every queue (MTE2 above all) gets its
+prefetches ahead of the loads that wait on the Vector. The running statistics are kept in two slots (step
+parity) so the pipeline also runs across item boundaries.
+
+Scheduling: the cores walk flat lists of (item, KV tile) steps in lockstep; items are dealt out head by
+head, so cores working at the same time share K/V tiles through L2. With ``causal`` the KV tiles above
+the diagonal are skipped and query blocks i and nq-1-i are paired on one core, which evens out the work.
+
+``return_probs`` adds a second sweep once each row's max and sum are final (stored to GM at the end of
+the first sweep, as CANN's softmax_max / softmax_sum outputs): S is recomputed, ``exp(S - m) / l`` cast
+to q's dtype and stored. Rows with no key give 0 probabilities.
+
+Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
+skip the cast), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
+diagonal tiles (an index compare and a select); per tile the O update costs two passes over
+``[rows, Dv]``.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from autofuse.npu.dtypes import itemsize, to_dtype
+from autofuse.npu.machine import GMTensor
+from autofuse.npu.run import kernel
+
+OPERAND_DTYPES = ("float16", "bfloat16", "float32")
+MASK_DTYPES = ("bool", "float16", "bfloat16", "float32")
+_NEG_INF = np.float32(-np.inf)
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def _r16(x):
+    return _ceil(x, 16) * 16
+
+
+# ------------------------------------------------------------------------------------------ numerics
+_SPLITTER = {"float16": np.float32(2 ** 13 + 1), "bfloat16": np.float32(2 ** 16 + 1)}
+_FP16_TINY = np.float32(2.0 ** -14)          # smallest normal fp16
+_FP16_MAX = np.float32(65504.0)
+_HALF = np.float32(0.5)
+
+
+def round_to(x: np.ndarray, dtype: str, out: np.ndarray, tmp: np.ndarray, nonneg: bool = False) -> None:
+    """``out = x`` rounded to ``dtype`` (nearest, ties to even) for finite float32 ``x`` with ``|x| < 1e30``.
+
+    Veltkamp's split: ``c = x·(2^s + 1); hi = c - (c - x)`` is ``x`` rounded to ``24 - s`` significant bits,
+    in three float32 passes (s = 13 for fp16's 11 bits, 16 for bf16's 8), where numpy's float16 cast takes
+    a slow path. fp16 subnormals (``|x| < 2^-14``) have the fixed quantum ``2^-24 = ulp(0.5)``, so
+    ``(|x| + 0.5) - 0.5`` rounds them, and fp16 overflows to inf; those fix-ups run only when such values
+    occur (``nonneg``: x ≥ 0, e.g. probabilities, saves the sign handling). The test suite checks the
+    result bit for bit against numpy's float16 cast and ``round_bf16``.
+    """
+    if dtype == "float32":
+        np.copyto(out, x)
+        return
+    if not nonneg:
+        amax = np.abs(x).max() if x.size else 0.0
+        if not amax < 1e30:                       # inf, nan or near float32 overflow: the slow exact path
+            np.copyto(out, to_dtype(x, dtype))
+            return
+    np.multiply(x, _SPLITTER[dtype], out=tmp)
+    np.subtract(tmp, x, out=out)
+    np.subtract(tmp, out, out=out)
+    if dtype != "float16":
+        return
+    mag = x if nonneg else np.abs(x)
+    if mag.min() < _FP16_TINY:
+        small = mag < _FP16_TINY
+        np.add(mag, _HALF, out=tmp, where=small)
+        np.subtract(tmp, _HALF, out=tmp, where=small)
+        if not nonneg:
+            np.copysign(tmp, x, out=tmp, where=small)
+        np.copyto(out, tmp, where=small)
+    if not nonneg and mag.max() > _FP16_MAX:
+        np.copyto(out, np.copysign(np.float32(np.inf), x), where=np.abs(out) > _FP16_MAX)
+
+
+# ------------------------------------------------------------------------------------------ tiling
+def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec):
+    """Buffer requests ``(side, buffer, name, shape, dtype, min_count, max_count)`` in allocation order.
+
+    ``side`` is "cube" (coupled core, or AIC) or "vec" (coupled core, or AIV). Counts above the minimum are
+    granted, in list order, while they fit (double buffers). ``mask_spec``: ``(dtype, rows, cols)`` of
+    the mask tile or None.
+    """
+    q, kv, vq = t["q"], t["kv"], t["vq"]
+    split = device.arch == "split"
+    rows = q // 2 if split else q              # query rows one vector core owns
+    f32 = "float32"
+    req = [("vec", "UB", "s", (vq, kv), f32, 1, 2), ("vec", "UB", "p", (rows, kv), dtype, 1, 1)]
+    if mask_spec is not None:
+        mdt, mr, mc = mask_spec
+        req.append(("vec", "UB", "mask", (vq if mr else 1, kv if mc else 1), mdt, 1, 2))
+    req += [("vec", "UB", "pv", (rows, Dv), f32, 1, 1), ("vec", "UB", "o", (rows, Dv), f32, 1, 1),
+            ("vec", "UB", "out", (vq, Dv), dtype, 1, 2)]
+    req += [("vec", "UB", st, (rows,), f32, 2, 2) for st in ("m", "l", "alpha")]
+    # Q sits in L0A for a whole item: one tile (coupled), or one per row block (split: S leaves per block)
+    q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
+        [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
+    req += [("cube", "L1", "q1", (q, D), dtype, 1, 1), ("cube", "L1", "kt1", (D, kv), dtype, 1, 2),
+            ("cube", "L1", "v1", (kv, Dv), dtype, 2, 2)]
+    req += q0 + [("cube", "L0A", "p0", (rows, kv), dtype, 1, 2)]
+    kt0, v0 = (D, kv), (kv, Dv)
+    if kt0 == v0:
+        req.append(("cube", "L0B", "b0", kt0, dtype, 1, 2))
+    else:
+        req += [("cube", "L0B", "kt0", kt0, dtype, 1, 2), ("cube", "L0B", "v0", v0, dtype, 1, 2)]
+    s0, o0 = ((vq, kv) if split else (q, kv)), (rows, Dv)
+    if s0 == o0:
+        req.append(("cube", "L0C", "c0", s0, f32, 2, 4))
+    else:
+        req += [("cube", "L0C", "s0", s0, f32, 1, 2), ("cube", "L0C", "o0", o0, f32, 1, 2)]
+    return req
+
+
+def _buffer_use(device, req, counts):
+    used = {}
+    for side, buf, name, shape, dt, _, _ in req:
+        key = (side if device.arch == "split" else "core", buf)
+        size = math.prod(shape) * itemsize(dt)
+        for _ in range(counts[name]):
+            off = -(-used.get(key, 0) // device.align[buf]) * device.align[buf]
+            used[key] = off + size
+    return used
+
+
+def _counts(device, req):
+    """Tile counts per request (double buffers where they fit), or None if even single buffers overflow."""
+    counts = {r[2]: r[5] for r in req}
+
+    def fits():
+        return all(v <= device.buffers[buf] for (_, buf), v in _buffer_use(device, req, counts).items())
+
+    if not fits():
+        return None
+    for r in req:
+        while counts[r[2]] < r[6]:
+            counts[r[2]] += 1
+            if not fits():
+                counts[r[2]] -= 1
+                break
+    return counts
+
+
+def _check_tiling(device, t: dict) -> str | None:
+    q, kv, vq = t.get("q"), t.get("kv"), t.get("vq")
+    if not all(isinstance(x, (int, np.integer)) and x > 0 for x in (q, kv, vq)):
+        return f"tiling needs positive integers q, kv, vq, got {t}"
+    if q % 16 or kv % 16:
+        return f"q and kv must be multiples of 16 (the Cube fractal), got q={q}, kv={kv}"
+    rows = q // 2 if device.arch == "split" else q
+    if rows % vq:
+        return f"vq={vq} must divide the {rows} query rows a vector core owns"
+    return None
+
+
+def tiling_fits(device, D: int, dtype: str, t: dict, mask_spec=None, Dv: int | None = None) -> bool:
+    """Whether tiling ``t`` (q, kv, vq) is valid and fits every buffer it uses on ``device``."""
+    if _check_tiling(device, t):
+        return False
+    return _counts(device, _requests(device, D, Dv or D, dtype, t, mask_spec)) is not None
+
+
+_TILINGS: dict = {}
+
+
+def default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None) -> dict:
+    """The kernel's own tiling for these shapes (see :func:`_default_tiling`); cached per device and shape."""
+    key = (device.name, device.arch, tuple(device.buffers.items()), tuple(device.align.items()),
+           _r16(Sq), _r16(Skv), D, Dv or D, dtype, mask_spec)
+    if key not in _TILINGS:
+        _TILINGS[key] = _default_tiling(device, Sq, Skv, D, dtype, mask_spec, Dv)
+    return dict(_TILINGS[key])
+
+
+def _default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None) -> dict:
+    """The largest tile (q rows × kv keys) that fits, preferring a double-buffered S tile in UB.
+
+    Blocks are clamped to the (16-rounded) sequence lengths so short sequences do not pay for padding.
+    Among fitting tiles: the largest ``q·kv`` (fewer K/V reloads and O updates per score), then the
+    largest vector sub-block ``vq`` whose S tile is double-buffered, else the largest that fits.
+    """
+    Dv = Dv or D
+    qmax, kvmax = _r16(Sq), _r16(Skv)
+    qs = sorted({min(q, qmax) for q in (128, 64, 32, 16)}, reverse=True)
+    kvs = sorted({min(kv, kvmax) for kv in (512, 256, 128, 64, 32, 16)}, reverse=True)
+    split = device.arch == "split"
+    best = None
+    for q in qs:
+        for kv in kvs:
+            rows = q // 2 if split else q
+            vqs = [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]
+            pick = None
+            for vq in vqs:
+                t = {"q": q, "kv": kv, "vq": vq}
+                c = _counts(device, _requests(device, D, Dv, dtype, t, mask_spec))
+                if c is None:
+                    continue
+                if c["s"] == 2:
+                    pick = t
+                    break
+                pick = pick or t
+            if pick is not None:
+                key = (q * kv, q)
+                if best is None or key > best[0]:
+                    best = (key, pick)
+    if best is None:
+        raise ValueError(f"flash_attention: no tiling fits {device.name} for D={D}, Dv={Dv}, {dtype}")
+    return best[1]
+
+
+def flops(B: int, N: int, Sq: int, Skv: int, D: int, causal: bool = False, Dv: int | None = None) -> int:
+    """Useful FLOPs: 2·D per score for Q·Kᵀ plus 2·Dv for P·V, over the scores a query attends.
+
+    Causal counts only the attended (i, j ≤ i) pairs — about half of Sq·Skv for square attention.
+    """
+    Dv = Dv or D
+    pairs = Sq * Skv
+    if causal:
+        i = np.arange(Sq)
+        pairs = int(np.minimum(i + 1, Skv).sum())
+    return 2 * B * N * pairs * (D + Dv)
+
+
+def min_hbm_bytes(q_shape, k_shape, v_shape, dtype: str, mask=None, return_probs=False) -> int:
+    """Bytes of reading q, k, v (and a mask) once and writing the output (and probabilities) once."""
+    isz = itemsize(dtype)
+    B, N, Sq, _ = q_shape
+    n = math.prod(q_shape) + math.prod(k_shape) + math.prod(v_shape) + B * N * Sq * v_shape[-1]
+    if return_probs:
+        n += B * N * Sq * k_shape[-2]
+    extra = 0 if mask is None else mask.size * (1 if mask.dtype == bool else mask.dtype.itemsize)
+    return n * isz + extra
+
+
+# ------------------------------------------------------------------------------------------ schedule
+class _Steps:
+    """Per-core step lists as ``[T, n]`` arrays: step s of core c works on item (b, h, qi) and KV tile j."""
+
+    FIELDS = ("valid", "b", "h", "qi", "j", "first", "last", "skip")
+
+    def __init__(self, per_core, qb, kvb, Sq, Skv, group_size, causal):
+        n = len(per_core)
+        T = max(len(p) for p in per_core)
+        arr = np.zeros((len(self.FIELDS), T, n), dtype=np.int64)
+        for c, steps in enumerate(per_core):
+            if steps:
+                arr[1:, :len(steps), c] = np.array(steps, dtype=np.int64).T
+                arr[0, :len(steps), c] = 1
+        for i, f in enumerate(self.FIELDS):
+            setattr(self, f, arr[i].astype(bool) if f in ("valid", "first", "last", "skip") else arr[i])
+        self.T, self.n = T, n
+        self.hk = self.h // group_size
+        self.q0 = self.qi * qb
+        self.qext = np.where(self.valid, np.minimum(qb, Sq - self.q0), 0)
+        self.k0 = self.j * kvb
+        self.kext = np.where(self.valid, np.minimum(kvb, Skv - self.k0), 0)
+        # a causal tile that crosses the diagonal needs the triangle mask
+        self.partial = causal & self.valid & ~self.skip & (self.k0 + self.kext - 1 > self.q0)
+        self.work = self.valid & ~self.skip
+        self.lists = {f: getattr(self, f).tolist() for f in ("b", "h", "hk", "q0", "qext", "k0", "kext")}
+
+
+def _units(B, N, nq, causal):
+    """Work units in head-major order; causal pairs query blocks i and nq-1-i."""
+    units = []
+    for b in range(B):
+        for h in range(N):
+            if causal:
+                units += [[(b, h, i), (b, h, nq - 1 - i)] for i in range(nq // 2)]
+                if nq % 2:
+                    units.append([(b, h, nq // 2)])
+            else:
+                units += [[(b, h, i)] for i in range(nq)]
+    return units
+
+
+def _schedule(units, ncores, tiles_of):
+    """Deal units to the least-loaded core (round-robin when equal): per-core step lists."""
+    n = min(ncores, len(units))
+    heap = [(0, c) for c in range(n)]
+    per_core = [[] for _ in range(n)]
+    for unit in units:
+        load, c = heapq.heappop(heap)
+        cost = 0
+        for (b, h, qi) in unit:
+            tiles = tiles_of(qi)
+            for idx, (j, skip) in enumerate(tiles):
+                per_core[c].append((b, h, qi, j, idx == 0, idx == len(tiles) - 1, skip))
+            cost += sum(1 if not skip else 0.1 for _, skip in tiles)
+        heapq.heappush(heap, (load + cost, c))
+    return per_core
+
+
+# ------------------------------------------------------------------------------------------ kernel
+def _as_f32(t: GMTensor, name: str) -> GMTensor:
+    """The tensor with float32 storage (values unchanged), so tile loads copy without conversion."""
+    if t.data.dtype == np.float32:
+        return t
+    return GMTensor(np.asarray(t.data, dtype=np.float32), t.dtype, name, t.scratch)
+
+
+def _mask_view(mask: GMTensor, B, N, Sq, Skv):
+    """The mask as a 4-D GM tensor and its broadcast flags; errors name the shapes."""
+    if mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"flash_attention: mask is {mask.dtype}; it must be bool (True = attend) or an "
+                        f"additive float ({', '.join(MASK_DTYPES[1:])})")
+    shape = tuple(mask.shape)
+    if len(shape) > 4:
+        raise ValueError(f"flash_attention: mask has {len(shape)} dims {list(shape)}; at most 4")
+    shape4 = (1,) * (4 - len(shape)) + shape
+    for got, want, what in zip(shape4, (B, N, Sq, Skv), ("B", "N", "Sq", "Skv")):
+        if got not in (1, want):
+            raise ValueError(f"flash_attention: mask shape {list(shape)} does not broadcast to "
+                             f"[B, N, Sq, Skv] = {[B, N, Sq, Skv]} (dim {what}: {got} vs {want})")
+    data = mask.data.reshape(shape4)
+    if mask.dtype != "bool" and data.dtype != np.float32:
+        data = data.astype(np.float32)
+    return GMTensor(data, mask.dtype, mask.name, False), shape4
+
+
+@kernel("flash_attention")
+def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None):
+    """Fused attention (see the module docstring). Returns ``(out,)`` or ``(out, probs)`` in q's dtype.
+
+    ``tiling``: ``{"q": query rows per item, "kv": keys per tile, "vq": rows per Vector sub-block}``
+    (None: :func:`default_tiling`).
+    """
+    dev = launch.device
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.data.ndim != 4:
+            raise ValueError(f"flash_attention: {name} must be [B, N, S, D] (BNSD), got shape {list(t.shape)}")
+        if t.dtype not in OPERAND_DTYPES:
+            raise TypeError(f"flash_attention: {name} is {t.dtype}; the Cube takes {', '.join(OPERAND_DTYPES)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    B, N, Sq, D = q.shape
+    Bk, Nkv, Skv, Dk = k.shape
+    if (Bk, Nkv, Skv) != tuple(v.shape[:3]) or Bk != B or Dk != D:
+        raise ValueError(f"flash_attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                         f"do not agree (need k [B, Nkv, Skv, D], v [B, Nkv, Skv, Dv])")
+    if Nkv < 1 or N % Nkv:
+        raise ValueError(f"flash_attention: {N} query heads are not a multiple of {Nkv} kv heads")
+    Dv = v.shape[3]
+    dtype = q.dtype
+    scale = float(D ** -0.5 if scale is None else scale)
+    mask_spec = None
+    if mask is not None:
+        mask, mshape = _mask_view(mask, B, N, Sq, Skv)
+        mask_spec = (mask.dtype, mshape[2] != 1, mshape[3] != 1)
+    if tiling is None:
+        t = default_tiling(dev, Sq, Skv, D, dtype, mask_spec, Dv)
+    else:
+        t = dict(tiling)
+        bad = _check_tiling(dev, t)
+        if bad:
+            raise ValueError(f"flash_attention: {bad}")
+    req = _requests(dev, D, Dv, dtype, t, mask_spec)
+    counts = _counts(dev, req)
+    if counts is None:
+        use = _buffer_use(dev, req, {r[2]: r[5] for r in req})
+        over = ", ".join(f"{buf} needs {u:,} B of {dev.buffers[buf]:,} B" for (_, buf), u in use.items()
+                         if u > dev.buffers[buf])
+        raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}: {over}")
+    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv)
+    return prog.run()
+
+
+class _Plan:
+    """What depends only on shapes: the step lists and, filled in as the program runs, its region lists."""
+
+    def __init__(self, steps, steps2):
+        self.steps, self.steps2, self.regions = steps, steps2, {}
+
+
+_PLANS: dict = {}                # shape key -> _Plan, least recently used first
+_PLAN_CACHE = 8
+
+
+class _Program:
+    """One launch of the kernel: allocations, schedule, and the two pipeline stages.
+
+    Row blocks: an item's ``q`` rows are cut into ``q / vq`` blocks of ``vq`` rows, the unit every GM
+    hand-off uses (P on all devices; S and O_j on split cores), written and read as the same region so
+    the re-read hits L2. On split cores AIV ``2c + h`` owns the blocks of half ``h`` of AIC c's rows.
+    """
+
+    def __init__(self, launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv):
+        dev = launch.device
+        self.launch, self.dev = launch, dev
+        self.split = dev.arch == "split"
+        self.q, self.k, self.v = _as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v")
+        self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
+        self.dtype = q.dtype
+        self.isz = itemsize(q.dtype)
+        B, N, Sq, D = q.shape
+        _, Nkv, Skv, _ = k.shape
+        self.B, self.N, self.Sq, self.Skv, self.D, self.Dv = B, N, Sq, Skv, D, Dv
+        self.qb, self.kvb, self.vq = t["q"], t["kv"], t["vq"]
+        self.nh = 2 if self.split else 1              # vector cores per cube core
+        self.rows = self.qb // self.nh                # rows one vector core owns
+        self.nsub = self.rows // self.vq              # row blocks per vector core
+        self.nb = self.qb // self.vq                  # row blocks per item
+        nq, nkv = _ceil(Sq, self.qb), _ceil(Skv, self.kvb)
+        qb, kvb = self.qb, self.kvb
+
+        def tiles_main(qi):
+            if not causal:
+                return [(j, False) for j in range(nkv)]
+            last_row = min((qi + 1) * qb, Sq) - 1
+            return [(j, False) for j in range(_ceil(min(last_row + 1, Skv), kvb))]
+
+        def tiles_probs(qi):
+            last_row = min((qi + 1) * qb, Sq) - 1
+            return [(j, causal and j * kvb > last_row) for j in range(nkv)]
+
+        key = (dev.name, dev.arch, dev.cube_cores, B, N, Nkv, Sq, Skv, D, Dv, qb, kvb, self.vq, causal,
+               return_probs, None if mask is None else (mask.dtype, mask.shape))
+        plan = _PLANS.pop(key, None)
+        if plan is None:
+            units = _units(B, N, nq, causal)
+            group = N // Nkv
+            plan = _Plan(_Steps(_schedule(units, dev.cube_cores, tiles_main), qb, kvb, Sq, Skv, group, causal),
+                         _Steps(_schedule(units, dev.cube_cores, tiles_probs), qb, kvb, Sq, Skv, group, causal)
+                         if return_probs else None)
+        _PLANS[key] = plan                       # most recent last
+        while len(_PLANS) > _PLAN_CACHE:
+            _PLANS.pop(next(iter(_PLANS)))
+        self.plan, self.steps, self.steps2 = plan, plan.steps, plan.steps2
+        n = self.n = self.steps.n
+        if self.split:
+            self.cg = launch.group("aic", n)
+            self.vg = launch.group("aiv", 2 * n)
+        else:
+            self.cg = self.vg = launch.group("core", n)
+        self.nv = self.vg.n
+        self.tl = {}
+        for side, buf, name, shape, dt, _, _ in req:        # the plan tiling_fits checked
+            g = self.cg if side == "cube" else self.vg
+            self.tl[name] = [g.alloc(buf, shape, dt, f"{name}{i}") for i in range(counts[name])]
+        if "b0" in self.tl:
+            self.tl["kt0"] = self.tl["v0"] = self.tl["b0"]
+        if "c0" in self.tl:
+            self.tl["s0"] = self.tl["o0"] = self.tl["c0"]
+        self.ring = {}
+        f32 = "float32"
+        self.ws_p = launch.empty((n, 2, qb, kvb), self.dtype, "ws_p", scratch=True)
+        if self.split:
+            self.ws_s = launch.empty((n, 2, qb, kvb), f32, "ws_s", scratch=True)
+            self.ws_o = launch.empty((n, 2, qb, Dv), f32, "ws_o", scratch=True)
+        self.out = launch.empty((B, N, Sq, Dv), self.dtype, "out")
+        self.probs = launch.empty((B, N, Sq, Skv), self.dtype, "probs") if return_probs else None
+        if return_probs:
+            self.m_gm = launch.empty((B, N, Sq), f32, "softmax_max")
+            self.l_gm = launch.empty((B, N, Sq), f32, "softmax_sum")
+        # numpy scratch for the cast's rounding (not a machine buffer: the hardware casts in place)
+        self.tmp = np.empty((self.nv, self.vq, kvb), dtype=np.float32)
+        self.col = np.arange(kvb)
+        self.rowi = np.arange(self.vq)
+        self.half = np.arange(self.nv) % 2 if self.split else np.zeros(n, dtype=np.int64)
+        self.cube_of = np.arange(self.nv) // self.nh    # the cube core whose workspace a vector core uses
+        self.base = 0
+        self.deferred = []            # P stores of stage A, issued after stage B's loads (see run)
+        self.ends = {}                # (what, step, row block) -> cube-core end times, for explicit waits
+        self.stats_end = np.zeros(self.nv)
+
+    # ---------------------------------------------------------------- helpers
+    def _regs(self, key, build):
+        """The region list ``key`` of this program, built once per shape and reused by later launches."""
+        regs = self.plan.regions.get(key)
+        if regs is None:
+            regs = self.plan.regions[key] = build()
+        return regs
+
+    def _next(self, ring):
+        tiles = self.tl[ring]
+        i = self.ring.get(ring, 0)
+        self.ring[ring] = i + 1
+        return tiles[i % len(tiles)]
+
+    def _vec(self, a):
+        """Per cube core -> per vector core."""
+        return np.repeat(a, self.nh) if self.split else a
+
+    def _vdeps(self, kind, ks, r):
+        """Vector-core end times of the cube-side events (kind, ks, block of sub-block r), as deps."""
+        arrs = [self.ends.get((kind, ks, h * self.nsub + r)) for h in range(self.nh)]
+        if any(a is None for a in arrs):
+            return ()
+        return (np.stack(arrs, 1).reshape(-1) if self.split else arrs[0],)
+
+    def _put_v(self, kind, ks, r, end):
+        """Record vector-core end times under the cube-side keys of their row blocks."""
+        for h in range(self.nh):
+            self.ends[(kind, ks, h * self.nsub + r)] = end[h::2] if self.split else end
+
+    def _vdeps_h(self, kind, ks):
+        """Vector-core end times of per-half cube-side events (kind, ks, half), as deps."""
+        arrs = [self.ends.get((kind, ks, h)) for h in range(self.nh)]
+        if any(a is None for a in arrs):
+            return ()
+        return (np.stack(arrs, 1).reshape(-1) if self.split else arrs[0],)
+
+    def _put_vh(self, kind, ks, end):
+        for h in range(self.nh):
+            self.ends[(kind, ks, h)] = end[h::2] if self.split else end
+
+    def _cdeps(self, kind, ks, g):
+        e = self.ends.get((kind, ks, g))
+        return () if e is None else (e,)
+
+    @staticmethod
+    def _masked(end, act):
+        return end if act is None else np.where(act, end, 0.0)
+
+    @staticmethod
+    def _act(mask):
+        return None if mask.all() else mask
+
+    # ---------------------------------------------------------------- stage A: S, softmax, P out
+    def stage_a(self, st, s, probs_pass=False):
+        """Cube S = Q·K_sᵀ; Vector softmax of tile s row block by row block; P (or the probabilities) out."""
+        cg, L = self.cg, st.lists
+        n, D, vq, isz = self.n, self.D, self.vq, self.isz
+        ks = s + self.base                 # step key: slots and waits continue across the two sweeps
+        slot = ks % 2
+        work = st.work[s]
+        if not work.any() and not (probs_pass and st.valid[s].any()):
+            return
+        first = st.first[s] & st.valid[s]
+        qext, kext = st.qext[s], st.kext[s]
+        b, h, hk, q0, k0 = L["b"][s], L["h"][s], L["hk"][s], L["q0"][s], L["k0"][s]
+        qe, ke = L["qext"][s], L["kext"][s]
+        wact = self._act(work)
+        if first.any():
+            q1 = self.tl["q1"][0]
+            cg.load(q1, self.q, self._regs(("Q", ks), lambda: [(b[c], h[c], slice(q0[c], q0[c] + qe[c]), slice(0, D)) if first[c] else None
+                                 for c in range(n)]), name="load Q")
+            fact = self._act(first)
+            if self.split:
+                for g, q0t in enumerate(self.tl["q0"]):
+                    rg = np.clip(qext - g * vq, 0, vq)
+                    cg.move(q0t, q1, fn=lambda x, g=g: x[:, g * vq:(g + 1) * vq], nbytes=_r16(rg) * D * isz,
+                            active=fact, name="Q->L0A")
+            else:
+                cg.move(self.tl["q0"][0], q1, nbytes=_r16(qext) * D * isz, active=fact, name="Q->L0A")
+        s0 = None
+        if work.any():
+            kt1 = self._next("kt1")
+            cg.load(kt1, self.k, self._regs(("K", ks), lambda: [(b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, D)) if work[c] else None
+                                  for c in range(n)]), fn=np.transpose, name="load K")
+            if not probs_pass:
+                v1 = self.tl["v1"][ks % 2]
+                cg.load(v1, self.v, self._regs(("V", ks), lambda: [(b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, self.Dv)) if work[c]
+                                     else None for c in range(n)]), name="load V")
+            kt0 = self._next("kt0")
+            cg.move(kt0, kt1, nbytes=D * _r16(kext) * isz, active=wact, name="K->L0B")
+            if self.split:                 # one S block per row block, written out by FixPipe
+                for g, q0t in enumerate(self.tl["q0"]):
+                    rg = np.clip(qext - g * vq, 0, vq)
+                    gact = work & (rg > 0)
+                    if not gact.any():
+                        continue
+                    ga = self._act(gact)
+                    s0 = self._next("s0")
+                    cg.mmad(s0, q0t, kt0, rg, D, kext, accumulate=False, active=ga, name="S=QK")
+                    rl = rg.tolist()
+                    e = cg.store(s0, self.ws_s, self._regs(("S>", ks, g), lambda: [(c, slot, slice(g * vq, g * vq + rl[c]), slice(0, ke[c]))
+                                                 if gact[c] else None for c in range(n)]),
+                                 deps=self._cdeps("s_read", ks - 2, g), name="FixPipe S->GM")
+                    self.ends[("s_written", ks, g)] = self._masked(e, ga)
+            else:
+                s0 = self._next("s0")
+                cg.mmad(s0, self.tl["q0"][0], kt0, qext, D, kext, accumulate=False, active=wact, name="S=QK")
+        # vector side: row block by row block into P, then P leaves in one piece per vector core
+        vg, nv = self.vg, self.nv
+        v = self._vview(st, s)
+        P = self._next("p")
+        for r in range(self.nsub):
+            ro = (self.half * self.nsub + r) * vq             # first row of the block within the item
+            rows = np.clip(v["qext"] - ro, 0, vq)
+            ract = v["work"] & (rows > 0)
+            if not ract.any():
+                continue
+            a_ = self._act(ract)
+            S = self._next("s")
+            if self.split:
+                rl, ol, kl, cv = rows.tolist(), ro.tolist(), v["kl"], self.cube_of
+                e = vg.load(S, self.ws_s, self._regs(("S<", ks, r), lambda: [(int(cv[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, kl[c]))
+                                           if ract[c] else None for c in range(nv)]),
+                            deps=self._vdeps("s_written", ks, r), name="load S")
+                self._put_v("s_read", ks, r, self._masked(e, a_))
+            else:
+                vg.move(S, s0, fn=(lambda x, r=r: x[:, r * vq:(r + 1) * vq]) if self.nsub > 1 else None,
+                        nbytes=rows * v["kext"] * 4, active=a_, name="FixPipe S->UB")
+            self._softmax(S, P, s, r, rows, ro, ract, v, probs_pass)
+        vrows = np.clip(v["qext"] - self.half * self.rows, 0, self.rows)
+        rl, ol, kl = vrows.tolist(), (self.half * self.rows).tolist(), v["kl"]
+        if probs_pass:
+            zact = v["skip"] & (vrows > 0)                     # a fully masked (skipped) tile: zeros
+            if zact.any():
+                vg.vector("dup 0", [P], [], vg.row_repeats(vrows, v["kext"], self.dtype) * zact,
+                          compute=lambda: P.data.__setitem__(zact, 0.0), active=self._act(zact))
+            oact = (v["work"] | zact) & (vrows > 0)
+            bl, hl, ql, kl0 = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist()
+            vg.store(P, self.probs, self._regs(("probs", ks), lambda: [(bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]),
+                                      slice(kl0[c], kl0[c] + kl[c])) if oact[c] else None
+                                     for c in range(nv)]), name="store probs")
+        else:
+            pact = v["work"] & (vrows > 0)
+            regs = self._regs(("P>", ks), lambda: [
+                (int(self.cube_of[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, kl[c])) if pact[c] else None
+                for c in range(nv)])
+            a_ = self._act(pact)
+            self.deferred.append(lambda: self._put_vh("p_written", ks, self._masked(
+                vg.store(P, self.ws_p, regs, deps=self._vdeps_h("p_read", ks - 2), name="store P"), a_)))
+
+    def _vview(self, st, s):
+        """Step ``s`` as seen by the vector cores."""
+        key = ("v", s + self.base)
+        v = self.plan.regions.get(key)
+        if v is None:
+            v = self.plan.regions[key] = self._vview_build(st, s)
+        return v
+
+    def _vview_build(self, st, s):
+        vec = self._vec
+        kext = vec(st.kext[s])
+        return {"work": vec(st.work[s]), "first": vec(st.first[s] & st.valid[s]), "last": vec(st.last[s]),
+                "skip": vec(st.skip[s] & st.valid[s]), "qext": vec(st.qext[s]), "kext": kext, "kl": kext.tolist(),
+                "q0": vec(st.q0[s]), "k0": vec(st.k0[s]), "b": vec(st.b[s]), "h": vec(st.h[s]),
+                "partial": vec(st.partial[s])}
+
+    def _softmax(self, S, P, s, r, rows, ro, ract, v, probs_pass):
+        """The Vector passes over one S row block (fp32), ending in rows ``ro`` of P (operand dtype).
+
+        The passes run back to back on the Vector unit, so they are issued as one instruction whose repeats
+        are their sum: scale, [mask], [causal compare + select], max, sub, exp, sum, [cast] (first sweep);
+        scale, [mask], [causal], sub, exp, mul 1/l, [cast] (probabilities sweep).
+        """
+        vg, kvb, vq = self.vg, self.kvb, self.vq
+        a_ = self._act(ract)
+        sd = S.data
+        cur, prev = s % 2, (s - 1) % 2
+        sl = slice(r * vq, (r + 1) * vq)
+        M, Lt, A = self.tl["m"], self.tl["l"], self.tl["alpha"]
+        rr = vg.row_repeats(rows, v["kext"], "float32") * ract
+        stat = vg.repeats(rows, "float32") * ract
+        padcols = bool((v["kext"][ract] < kvb).any())
+        passes = 4 if probs_pass else 5                     # scale, (max,) sub, exp, sum or mul
+        if self.dtype != "float32":
+            passes += 1                                     # cast
+        reads, writes = [S], [S, P]
+        mt = None
+        if self.mask is not None:
+            mt = self._next("mask")
+            mB, mN, mr, mc = self.mask.shape
+            bl, hl, ql, kl0, kl = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist(), v["kl"]
+            rl, ol = rows.tolist(), ro.tolist()
+            vg.load(mt, self.mask, self._regs(("mask", ks, r), lambda: [
+                (bl[c] if mB != 1 else 0, hl[c] if mN != 1 else 0,
+                 slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]) if mr != 1 else slice(0, 1),
+                 slice(kl0[c], kl0[c] + kl[c]) if mc != 1 else slice(0, 1)) if ract[c] else None
+                for c in range(self.nv)]), name="load mask")
+            passes += 1 if self.mask.dtype in ("bool", "float32") else 2     # select / (cast and) add
+            reads.append(mt)
+        part = v["partial"] & ract
+        repeats = rr * passes + rr * part * 2 + stat * (3 if probs_pass else 5)
+        vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
+        dst = P.data[:, sl]
+
+        def scale_and_mask():
+            np.multiply(sd, self.scale, out=sd)
+            if padcols:                   # key columns past the end of K (zero-padded tile)
+                np.copyto(sd, _NEG_INF, where=self.col[None, None, :] >= kext[:, None, None])
+            if mt is not None:
+                if self.mask.dtype == "bool":
+                    np.copyto(sd, _NEG_INF, where=~mt.data)
+                else:
+                    np.add(sd, mt.data, out=sd)
+            if part.any():
+                rg = (vq0 + ro)[:, None, None] + self.rowi[None, :, None]
+                cg_ = vk0[:, None, None] + self.col[None, None, :]
+                np.copyto(sd, _NEG_INF, where=cg_ > rg)
+
+        def cast():
+            if self.dtype == "float32":
+                np.copyto(dst, sd)
+            else:
+                round_to(sd, self.dtype, dst, self.tmp, nonneg=True)
+
+        if probs_pass:
+            Mt, Lf = M[0], Lt[0]
+
+            def probs():
+                scale_and_mask()
+                m = Mt.data[:, sl]
+                np.subtract(sd, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=sd)
+                np.exp(sd, out=sd)
+                lv = Lf.data[:, sl]
+                inv = np.where(lv > 0, np.float32(1) / np.where(lv > 0, lv, np.float32(1)), np.float32(0))
+                np.multiply(sd, inv[:, :, None], out=sd)
+                if self.dtype == "float32":
+                    np.copyto(dst, sd)
+                else:
+                    round_to(sd, self.dtype, dst, self.tmp, nonneg=True)
+
+            vg.vector("probs: scale mask sub exp mul cast", writes, reads + [Mt, Lf], repeats, compute=probs,
+                      active=a_)
+            return
+
+        def softmax():
+            scale_and_mask()
+            mprev = np.where(first[:, None], _NEG_INF, M[prev].data[:, sl])
+            mnew = np.maximum(mprev, sd.max(axis=-1))
+            muse = np.where(mnew == _NEG_INF, np.float32(0), mnew)   # a row with nothing attended yet
+            alpha = np.exp(mprev - muse)
+            A[cur].data[:, sl] = alpha
+            M[cur].data[:, sl] = mnew
+            np.subtract(sd, muse[:, :, None], out=sd)
+            np.exp(sd, out=sd)
+            lprev = np.where(first[:, None], np.float32(0), Lt[prev].data[:, sl])
+            Lt[cur].data[:, sl] = alpha * lprev + sd.sum(axis=-1)
+            cast()
+
+        vg.vector("softmax: scale mask max sub exp sum cast", writes + [M[cur], Lt[cur], A[cur]],
+                  reads + [M[prev], Lt[prev]], repeats, compute=softmax, active=a_)
+
+    # ---------------------------------------------------------------- stage B: P·V, accumulate
+    def stage_b(self, st, s):
+        """Cube O_j = P·V_s per vector core's rows; Vector O = O·α + O_j; last tile of an item: out = O / l."""
+        cg, L = self.cg, st.lists
+        n, Dv, isz, R = self.n, self.Dv, self.isz, self.rows
+        ks = s + self.base
+        slot = ks % 2
+        work = st.work[s]
+        if not work.any():
+            return
+        wact = self._act(work)
+        qext, kext = st.qext[s], st.kext[s]
+        ke = L["kext"][s]
+        v0 = self._next("v0")
+        cg.move(v0, self.tl["v1"][ks % 2], nbytes=_r16(kext) * Dv * isz, active=wact, name="V->L0B")
+        o_tiles = []
+        for hh in range(self.nh):
+            rh = np.clip(qext - hh * R, 0, R)
+            hact = work & (rh > 0)
+            if not hact.any():
+                continue
+            ha = self._act(hact)
+            rl = rh.tolist()
+            # the kernel writes its own workspace, so P can be laid out as L0A fractals: straight to L0A
+            p0 = self._next("p0")
+            e = cg.load(p0, self.ws_p, self._regs(("P<", ks, hh), lambda: [(c, slot, slice(hh * R, hh * R + rl[c]), slice(0, ke[c])) if hact[c]
+                                        else None for c in range(n)]),
+                        deps=self._cdeps("p_written", ks, hh), name="load P->L0A")
+            self.ends[("p_read", ks, hh)] = self._masked(e, ha)
+            o0 = self._next("o0")
+            cg.mmad(o0, p0, v0, rh, kext, Dv, accumulate=False, active=ha, name="O_j=PV")
+            if self.split:
+                e = cg.store(o0, self.ws_o, self._regs(("O>", ks, hh), lambda: [(c, slot, slice(hh * R, hh * R + rl[c]), slice(0, Dv)) if hact[c]
+                                             else None for c in range(n)]),
+                             deps=self._cdeps("o_read", ks - 2, hh), name="FixPipe O_j->GM")
+                self.ends[("o_written", ks, hh)] = self._masked(e, ha)
+            o_tiles.append(o0)
+        vg, nv = self.vg, self.nv
+        v = self._vview(st, s)
+        rows = np.clip(v["qext"] - self.half * R, 0, R)
+        ract = v["work"] & (rows > 0)
+        if not ract.any():
+            return
+        a_ = self._act(ract)
+        PV, O, A = self.tl["pv"][0], self.tl["o"][0], self.tl["alpha"][s % 2]
+        if self.split:
+            rl, ol, cv = rows.tolist(), (self.half * R).tolist(), self.cube_of
+            e = vg.load(PV, self.ws_o, self._regs(("O<", ks), lambda: [(int(cv[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, Dv))
+                                        if ract[c] else None for c in range(nv)]),
+                        deps=self._vdeps_h("o_written", ks), name="load O_j")
+            self._put_vh("o_read", ks, self._masked(e, a_))
+        else:
+            vg.move(PV, o_tiles[0], nbytes=rows * Dv * 4, active=a_, name="FixPipe O_j->UB")
+        first = v["first"]
+
+        def update():
+            np.multiply(O.data, A.data[:, :, None], out=O.data)
+            np.add(O.data, PV.data, out=O.data)
+            if first.any():                       # a new item starts from O_j (nothing stale carried)
+                O.data[first] = PV.data[first]
+
+        vg.vector("O=O*alpha+O_j", [O], [O, PV, A], 2 * vg.row_repeats(rows, Dv, "float32") * ract,
+                  compute=update, active=a_)
+        fin = v["last"] & ract
+        if fin.any():
+            for r in range(self.nsub):
+                ro = (self.half * self.nsub + r) * self.vq
+                rr = np.clip(v["qext"] - ro, 0, self.vq)
+                f = fin & (rr > 0)
+                if f.any():
+                    self._finish(s, v, r, f, rr, ro)
+            if self.return_probs:
+                self._store_stats(s, v, fin)
+
+    def _finish(self, s, v, r, fin, rows, ro):
+        """Last tile of an item: out = O / l for one row block, cast to the output dtype, store."""
+        vg, Dv = self.vg, self.Dv
+        O, Lt = self.tl["o"][0], self.tl["l"][s % 2]
+        OUT = self._next("out")
+        sl = slice(r * self.vq, (r + 1) * self.vq)
+
+        def norm():
+            lv = Lt.data[:, sl]
+            inv = np.where(lv > 0, np.float32(1) / np.where(lv > 0, lv, np.float32(1)), np.float32(0))
+            o = O.data[:, sl] * inv[:, :, None]
+            round_to(o, self.dtype, OUT.data, np.empty_like(o))
+
+        passes = 2 if self.dtype != "float32" else 1
+        vg.vector("out=O/l, cast", [OUT], [O, Lt], vg.row_repeats(rows, Dv, "float32") * fin * passes,
+                  compute=norm, active=self._act(fin))
+        bl, hl, ql = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist()
+        rl, ol = rows.tolist(), ro.tolist()
+        vg.store(OUT, self.out, self._regs(("out", s + self.base, r), lambda: [(bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]), slice(0, Dv))
+                                 if fin[c] else None for c in range(self.nv)]), name="store out")
+
+    def _stat_regions(self, v, act, key):
+        rows = np.clip(v["qext"] - self.half * self.rows, 0, self.rows)
+        act = act & (rows > 0)
+        bl, hl, ql = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist()
+        rl, ol = rows.tolist(), (self.half * self.rows).tolist()
+        return act, self._regs(key, lambda: [(bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]))
+                                             if act[c] else None for c in range(self.nv)])
+
+    def _store_stats(self, s, v, fin):
+        """The final row max and sum of an item, for the probabilities sweep (CANN's softmax_max/_sum)."""
+        fin, regs = self._stat_regions(v, fin, ("stats>", s))
+        if fin.any():
+            e1 = self.vg.store(self.tl["m"][s % 2], self.m_gm, regs, name="store max")
+            e2 = self.vg.store(self.tl["l"][s % 2], self.l_gm, regs, name="store sum")
+            self.stats_end = np.maximum(self.stats_end, self._masked(np.maximum(e1, e2), fin))
+
+    def probs_sweep(self):
+        st = self.steps2
+        for s in range(st.T):
+            v = self._vview(st, s)
+            fact, regs = self._stat_regions(v, v["first"], ("stats<", s))
+            if fact.any():
+                self.vg.load(self.tl["m"][0], self.m_gm, regs, deps=(self.stats_end,), name="load max")
+                self.vg.load(self.tl["l"][0], self.l_gm, regs, deps=(self.stats_end,), name="load sum")
+            self.stage_a(st, s, probs_pass=True)
+
+    def _flush(self):
+        for issue in self.deferred:
+            issue()
+        self.deferred = []
+
+    def run(self):
+        # P stores of A(s+1) are issued after the loads of B(s): they happen later in time, and the GM
+        # port books transfers in issue order (a later-issued, earlier-running transfer would queue).
+        st = self.steps
+        self.stage_a(st, 0)
+        self._flush()
+        for s in range(st.T):
+            if s + 1 < st.T:
+                self.stage_a(st, s + 1)
+            self.stage_b(st, s)
+            self._flush()
+        if self.return_probs:
+            self.base = st.T
+            self.probs_sweep()
+        return (self.out, self.probs) if self.return_probs else (self.out,)
+
+
+__all__ = ["flash_attention", "default_tiling", "tiling_fits", "flops", "min_hbm_bytes", "round_to"]
