@@ -14,5 +14,6 @@ from cost_model import matmul as _matmul  # noqa: F401,E402  (each import regist
 from cost_model import softmax as _softmax  # noqa: F401,E402
 from cost_model import norm as _norm  # noqa: F401,E402
 from cost_model import vector as _vector  # noqa: F401,E402
+from cost_model import flash_attention as _flash_attention  # noqa: F401,E402
 
 __all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "get_device", "roofline"]

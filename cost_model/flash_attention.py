@@ -1,0 +1,324 @@
+"""FlashAttention (``autofuse/npu/kernels/flash_attention.py``): per lockstep step, the busiest unit.
+
+The kernel deals work units (batch, head, block of ``q`` query rows; causal pairs blocks i and nq-1-i) to
+the least-loaded core; each core walks its (item, KV tile) steps. A step is S = Q·K_jᵀ on the Cube, the
+softmax row block by row block on the Vector unit (scale, [mask], [causal compare+select], max, sub,
+exp, sum, [cast] — per-row repeats), P out to a workspace that stays in L2 and back into L0A, O_j = P·V_j,
+and the O update (two passes over [rows, Dv]); the last tile of an item adds out = O / l and its store.
+Split cores (910B) also send S and O_j through L2 workspaces between the AIC and its two AIVs.
+
+The software pipeline overlaps stage A of step s+1 with stage B of step s, so a step lasts as long as its
+busiest unit (Cube, MTE1, MTE2 of either side, FixPipe, Vector, MTE3) or the GM port it shares; the
+launch adds the first step's Q/K loads and S (fill) and the last step's P·V, update and store (drain).
+K/V tiles are read by every core working on the same head at the same step: one HBM miss, L2 hits for
+the rest, and re-reads by later rounds hit while the heads in flight fit L2. HBM also receives the
+workspaces still dirty in L2 when the kernel ends (written back then, as the simulator does).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.devices import get_device
+from cost_model.estimate import cached, make, register
+
+F32 = "float32"
+
+
+def _r16(x):
+    return round_up(x, 16)
+
+
+# ------------------------------------------------------------------------------------------ tiling
+def _requests(dev, D, Dv, dtype, t, mask_spec):
+    q, kv, vq = t["q"], t["kv"], t["vq"]
+    split = dev.arch == "split"
+    rows = q // 2 if split else q
+    req = [("vec", "UB", "s", (vq, kv), F32, 1, 2), ("vec", "UB", "p", (rows, kv), dtype, 1, 1)]
+    if mask_spec is not None:
+        mdt, mr, mc = mask_spec
+        req.append(("vec", "UB", "mask", (vq if mr else 1, kv if mc else 1), mdt, 1, 2))
+    req += [("vec", "UB", "pv", (rows, Dv), F32, 1, 1), ("vec", "UB", "o", (rows, Dv), F32, 1, 1),
+            ("vec", "UB", "out", (vq, Dv), dtype, 1, 2)]
+    req += [("vec", "UB", st, (rows,), F32, 2, 2) for st in ("m", "l", "alpha")]
+    q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
+        [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
+    req += [("cube", "L1", "q1", (q, D), dtype, 1, 1), ("cube", "L1", "kt1", (D, kv), dtype, 1, 2),
+            ("cube", "L1", "v1", (kv, Dv), dtype, 2, 2)]
+    req += q0 + [("cube", "L0A", "p0", (rows, kv), dtype, 1, 2)]
+    if (D, kv) == (kv, Dv):
+        req.append(("cube", "L0B", "b0", (D, kv), dtype, 1, 2))
+    else:
+        req += [("cube", "L0B", "kt0", (D, kv), dtype, 1, 2), ("cube", "L0B", "v0", (kv, Dv), dtype, 1, 2)]
+    s0, o0 = ((vq, kv) if split else (q, kv)), (rows, Dv)
+    if s0 == o0:
+        req.append(("cube", "L0C", "c0", s0, F32, 2, 4))
+    else:
+        req += [("cube", "L0C", "s0", s0, F32, 1, 2), ("cube", "L0C", "o0", o0, F32, 1, 2)]
+    return req
+
+
+def _counts(dev, req):
+    counts = {r[2]: r[5] for r in req}
+
+    def fits():
+        used = {}
+        for side, buf, name, shape, dt, _, _ in req:
+            key = (side if dev.arch == "split" else "core", buf)
+            size = math.prod(shape) * itemsize(dt)
+            for _ in range(counts[name]):
+                off = round_up(used.get(key, 0), dev.align[buf])
+                used[key] = off + size
+        return all(v <= dev.buffers[b] for (_, b), v in used.items())
+
+    if not fits():
+        return None
+    for r in req:
+        while counts[r[2]] < r[6]:
+            counts[r[2]] += 1
+            if not fits():
+                counts[r[2]] -= 1
+                break
+    return counts
+
+
+def _valid(dev, t):
+    q, kv, vq = t["q"], t["kv"], t["vq"]
+    rows = q // 2 if dev.arch == "split" else q
+    return q % 16 == 0 and kv % 16 == 0 and vq >= 1 and rows % vq == 0
+
+
+def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
+    qmax, kvmax = _r16(Sq), _r16(Skv)
+    out = []
+    for q in sorted({min(x, qmax) for x in (128, 64, 32, 16)}, reverse=True):
+        for kv in sorted({min(x, kvmax) for x in (512, 256, 128, 64, 32, 16)}, reverse=True):
+            rows = q // 2 if dev.arch == "split" else q
+            for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
+                t = {"q": q, "kv": kv, "vq": vq}
+                c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec))
+                if c is not None:
+                    out.append((t, c))
+                    break
+    return out
+
+
+# ------------------------------------------------------------------------------------------ schedule
+def _tiles_per_core(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
+    """Per core: [(qi, ntiles)] in order, as the kernel's greedy dealer hands them out."""
+    units = []
+    for _ in range(B * N):
+        if causal:
+            units += [[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else [])
+        else:
+            units += [[i] for i in range(nq)]
+
+    def tiles(qi):
+        if not causal:
+            return nkv
+        return ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
+
+    n = min(ncores, len(units))
+    heap = [(0, c) for c in range(n)]
+    per = [[] for _ in range(n)]
+    for unit in units:
+        load, c = heapq.heappop(heap)
+        cost = 0
+        for qi in unit:
+            nt = tiles(qi)
+            per[c].append((qi, nt))
+            cost += nt
+        heapq.heappush(heap, (load + cost, c))
+    return per
+
+
+def _model(dev, specs, mask, causal, t, counts, return_probs):
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    _, Nkv, Skv, _ = ks
+    Dv = vs[3]
+    isz = itemsize(dtype)
+    split = dev.arch == "split"
+    qb, kvb, vq = t["q"], t["kv"], t["vq"]
+    nh = 2 if split else 1
+    rows = qb // nh
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    per = _tiles_per_core(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
+    n = len(per)
+    T = max(sum(nt for _, nt in p) for p in per)
+    items = max(len(p) for p in per)
+    k0f = dev.cube_k0[dtype]
+    rate = dev.rates
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+
+    # average extents of a tile (edges included)
+    qe = min(qb, Sq) if nq == 1 else (Sq / nq)
+    ke = Skv / nkv
+    if causal:
+        ke = min(ke, kvb)
+    q_rows = min(qb, Sq)
+    # work of one step (the busiest core: full query blocks)
+    qe = q_rows
+    rv = qe / nh                                      # rows per vector core
+    nsub = max(1, ceil_div(int(rv), vq))
+    passes = 5 + (1 if dtype != F32 else 0)
+    msz = 0
+    if mask is not None:
+        mdt = mask[1]
+        passes += 1 if mdt in ("bool", F32) else 2
+        msz = itemsize(mdt)
+    rr = rv * math.ceil(ke / 64)
+    stat = nsub * math.ceil(vq / 64)
+    part = 0.0
+    if causal:                                        # diagonal tiles: ~ one per item row block pair
+        part = min(1.0, (qb / kvb + 1) / max(1.0, T / max(1, items)))
+    vec = rr * passes + rr * part * 2 + stat * 5 + 2 * rv * math.ceil(Dv / 64)
+    vec_last = rv * math.ceil(Dv / 64) * (2 if dtype != F32 else 1)
+
+    cube = (ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
+            + nh * ceil_div(int(rv), 16) * ceil_div(int(math.ceil(ke)), k0f) * ceil_div(Dv, 16))
+    mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(ke) * Dv * isz / rate["L1->L0B"]
+    q_move = _r16(qe) * D * isz / rate["L1->L0A"]
+
+    # K/V: cores on the same head at the same step share a tile (one miss, the rest hit)
+    group = N // Nkv
+    same_head = max(1, min(n, nq * group))
+    uniq = ceil_div(n, same_head)
+    kvt = ke * (D + Dv) * isz
+    heads_in_flight = uniq
+    kv_res = heads_in_flight * Skv * (D + Dv) * isz + n * 2 * qb * kvb * isz * (3 if split else 1) <= dev.l2_bytes
+    kv_unique = B * Nkv * Skv * (D + Dv) * isz
+    kv_reads = kv_unique if kv_res else kv_unique * max(1, ceil_div(nq, max(1, n // max(1, uniq))))
+    miss_per_step = kv_reads / T
+    hit_per_step = max(0.0, n * kvt - miss_per_step)
+    port_kv = hit_per_step / L2bw + miss_per_step / HBMbw
+    mte2_kv = max(kvt / rate["GM->L1"], port_kv)
+    # P round trip through the L2 workspace
+    p_b = qe * ke * isz
+    port_p = 2 * n * p_b / L2bw
+    mte2_p = max(p_b / rate["GM->L0A"], n * p_b / L2bw)
+    mte3_p = max(rv * ke * isz / rate["UB->GM"], nh * n * rv * ke * isz / L2bw)
+    mask_b = rv * ke * msz
+    mask_miss = 0.0
+    if mask is not None:
+        mshape = (1,) * (4 - len(mask[0])) + tuple(mask[0])
+        mask_unique = math.prod(mshape) * msz
+        reps = B * N / max(1, (mshape[0] if mshape[0] > 1 else 1) * (mshape[1] if mshape[1] > 1 else 1))
+        mask_miss = mask_unique * (1 if mask_unique <= dev.l2_bytes // 2 else reps) / T
+    port_mask = max(0.0, n * nh * mask_b - mask_miss) / L2bw + mask_miss / HBMbw if mask is not None else 0.0
+    mte2_mask = max(mask_b / rate["GM->UB"], port_mask) if mask is not None else 0.0
+    if split:
+        s_b = qe * ke * 4
+        fix = max(s_b / rate["L0C->GM"], n * s_b / L2bw) + max(qe * Dv * 4 / rate["L0C->GM"], n * qe * Dv * 4 / L2bw)
+        vec_mte2 = (max(rv * ke * 4 / rate["GM->UB"], 2 * n * rv * ke * 4 / L2bw)
+                    + max(rv * Dv * 4 / rate["GM->UB"], 2 * n * rv * Dv * 4 / L2bw) + mte2_mask)
+        cube_mte2 = mte2_kv + mte2_p
+        cube_port = port_kv + n * p_b / L2bw + n * (s_b + qe * Dv * 4) / L2bw
+        vec_port = port_mask + 2 * n * rv * (ke + Dv) * 4 / L2bw + nh * n * rv * ke * isz / L2bw
+        mte3 = mte3_p
+    else:
+        fix = qe * ke * 4 / rate["L0C->UB"] + qe * Dv * 4 / rate["L0C->UB"]
+        cube_mte2 = mte2_kv + mte2_p + mte2_mask
+        cube_port = port_kv + port_p + port_mask
+        vec_mte2 = 0.0
+        vec_port = 0.0
+        mte3 = mte3_p
+    # P has a single UB tile: the next softmax waits until MTE3 has stored P, so on the vector side a step
+    # is the softmax, the O update and the P store in series.
+    upd = 2 * rv * math.ceil(Dv / 64)
+    vec_chain = (vec - upd) + max(upd, mte3)
+    q_load = max(qe * D * isz / rate["GM->L1"], n * qe * D * isz / HBMbw)
+    cube_mte2 += q_load * items / T                   # Q of each item, on the same MTE2 queue
+    cube_port += n * qe * D * isz / HBMbw * items / T
+    step = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain)
+    # per item: the Q load ahead of its first S, and after its last tile out = O / l and the output store
+    out_b = rv * Dv * isz
+    port_out = n * nh * out_b / HBMbw
+    out_store = nsub * max(out_b / nsub / rate["UB->GM"], port_out / nsub)
+    per_item = vec_last + out_store
+    fill = q_load + q_move + mte2_kv + mte1 + cube + fix
+    drain = 0.0
+    core = fill + T * step + items * per_item + drain
+
+    # HBM: q, K/V (unique, re-read when evicted), mask, out, dirty workspaces at the end
+    hbm = B * N * Sq * D * isz + kv_reads + B * N * Sq * Dv * isz
+    if mask is not None:
+        hbm += mask_miss * T
+    ws = n * 2 * qb * min(kvb, _r16(Skv)) * isz
+    if split:
+        ws += n * 2 * qb * min(kvb, _r16(Skv)) * 4 + n * 2 * qb * Dv * 4
+    hbm += ws * (1.0 if Skv % kvb == 0 or nkv == 1 else 1.5)
+    busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
+            "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}
+    nbytes = {"GM->L1": B * N * Sq * D * isz + T * n * kvt}
+    return core, float(hbm), nbytes, busy
+
+
+def flops(B, N, Sq, Skv, D, Dv, causal):
+    pairs = Sq * Skv
+    if causal:
+        i = np.arange(Sq)
+        pairs = int(np.minimum(i + 1, Skv).sum())
+    return 2.0 * B * N * pairs * (D + Dv)
+
+
+def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None):
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    Skv, Dv = ks[2], vs[3]
+    isz = itemsize(dtype)
+    fl = flops(B, N, Sq, Skv, D, Dv, causal)
+    io = (math.prod(qs) + math.prod(ks) + math.prod(vs) + B * N * Sq * Dv) * isz
+    if return_probs:
+        io += B * N * Sq * Skv * isz
+    if mask is not None:
+        io += math.prod(mask[0]) * itemsize(mask[1])
+    return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
+
+
+@cached
+def _search(device, specs, mask, causal, return_probs):
+    dev = get_device(device)
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    mask_spec = None
+    if mask is not None:
+        m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
+        mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
+    best = None
+    for t, counts in _candidates(dev, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec):
+        res = _model(dev, specs, mask, causal, t, counts, return_probs)
+        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        if best is None or cost < best[0]:
+            best = (cost, t, res)
+    if best is None:
+        raise ValueError(f"flash_attention: no tiling fits {dev.name}")
+    return best[1], best[2]
+
+
+@register("flash_attention", _roofline)
+def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None):
+    specs = tuple(specs[:3])
+    if len(specs) > 3 and mask is None:
+        mask = specs[3]
+    if return_probs:
+        raise NotImplementedError("flash_attention cost model: return_probs=True is not modelled yet")
+    if tiling is None:
+        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs))
+    else:
+        t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
+        m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
+        mask_spec = None if mask is None else (mask[1], m4[2] != 1, m4[3] != 1)
+        counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec))
+        if counts is None or not _valid(dev, t):
+            raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
+        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs))
+    core, hbm, nbytes, busy = res
+    (qs, _), (ks, _), (vs, _) = specs
+    return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, mask, causal=causal),
+                flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal))
+
+
+__all__ = ["estimate_flash_attention"]
