@@ -92,6 +92,8 @@ def _thaw(v):
         return {k: _thaw(x) for k, x in v[1]}
     if isinstance(v, tuple) and len(v) == 2 and v[0] == "__spec__":
         return v[1]
+    if isinstance(v, tuple):
+        return tuple(_thaw(x) for x in v)
     return v
 
 
