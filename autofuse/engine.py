@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from autofuse import memory
 from autofuse import ops as _ops  # noqa: F401  (registers torch.ops.autofuse.*)
 from autofuse import verify as _verify
-from autofuse.canonicalize import canonicalize
+from autofuse.canonicalize import canonicalize, evaluate_constant
 from autofuse.capture import capture
 from autofuse.decision import FusionReport
 from autofuse.match import families
@@ -108,6 +108,7 @@ def _op_kwargs(device: str, cand, level: str) -> dict:
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True) -> Plan:
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring)."""
+    _check_input_dtypes(args, kwargs, device)
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route)
     t1 = time.perf_counter()
@@ -135,17 +136,32 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
 
 
 class _Verifier:
-    """``verify(match, candidate)`` for the planner: see :mod:`autofuse.verify`. Identical blocks run once."""
+    """``verify(match, candidate)`` for the planner (see :mod:`autofuse.verify`).
+
+    Identical blocks are verified once: blocks with the same structure (ops, arguments, shapes, dtypes,
+    constants), the same kernel parameters and tiling run the same kernel code on the same shapes, so the
+    first one's verdict holds for the rest. With real example inputs that first block is checked on its
+    real input values (computed by one eager run of the graph, only when a block needs them); on meta
+    inputs, on random values of the recorded shapes.
+    """
 
     def __init__(self, gm, cands, leaves, device, level):
         self.gm, self.cands, self.leaves, self.device, self.level = gm, cands, leaves, device, level
+        self.meta = _is_meta(leaves)
         self.values = None
         self.done = {}
 
     def _inputs(self, external):
-        if _is_meta(self.leaves):
+        if self.meta:
+            # random values, except for inputs that are constants of the graph (a causal mask built from
+            # arange/ones): the match may rely on their values (a mask proven causal is dropped), so they
+            # are evaluated, as the matcher evaluated them
             gen = torch.Generator().manual_seed(0)
-            return [_verify.random_like(n, gen) for n in external]
+            out = []
+            for n in external:
+                c = evaluate_constant(n)
+                out.append(c if isinstance(c, torch.Tensor) else _verify.random_like(n, gen))
+            return out
         if self.values is None:
             wanted = set()
             for c in self.cands:
@@ -159,16 +175,12 @@ class _Verifier:
     def __call__(self, match, cand):
         outs = [match.anchor] + ([match.params["probs_node"]] if match.params.get("probs_used") else [])
         sub, external = _verify.extract(self.gm, list(match.nodes), outs)
-        # identical blocks (same code, same input shapes/dtypes) on random data are verified once
-        key = (sub.code, tuple((tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in external),
-               repr(sorted(cand.fused.tiling.items())) if cand.fused.tiling else "")
-        if _is_meta(self.leaves) and key in self.done:
-            return self.done[key]
-        fused_sub = _set_op_kwargs(rewrite(sub, [match], FUSED_OP),
-                                   {match.anchor: _op_kwargs(self.device, cand, self.level)})
-        result = _verify.check(sub, fused_sub, self._inputs(external))
-        self.done[key] = result
-        return result
+        kwargs = _op_kwargs(self.device, cand, self.level)
+        key = (_verify.structure_key(sub), tuple(sorted(kwargs.items())))
+        if key not in self.done:
+            fused_sub = _set_op_kwargs(rewrite(sub, [match], FUSED_OP), {match.anchor: kwargs})
+            self.done[key] = _verify.check(sub, fused_sub, self._inputs(external))
+        return self.done[key]
 
 
 class FusedModule(torch.nn.Module):
@@ -241,11 +253,48 @@ class AutoFusionEngine:
         or a string such as ``"16GB"``.
         """
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}")
-        device = get_device(target_device).name
+            raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}; wrap a function "
+                            f"in a module (class M(nn.Module): def forward(self, ...): return fn(...)) or use "
+                            f"torch.compile(fn, backend='autofuse')")
+        try:
+            device = get_device(target_device).name
+        except ValueError as e:
+            raise ValueError(f"fuse: target_device={target_device!r} is not a known device: "
+                             f"{str(e).split(': ', 1)[-1]}") from None
         level = parse_level(optimization_level)
         budget = parse_memory_budget(memory_budget)
+        _check_parameter_dtypes(model, device)
         return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify)
+
+
+#: Element types the NPU computes in (the Cube takes fp16/bf16/fp32 operands; there is no float64 unit).
+COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dtype_error(what: str, dtype, device: str) -> TypeError:
+    return TypeError(f"fuse: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
+                     f"float16, bfloat16 and float32: cast the model and its inputs first (model.float() and "
+                     f"x.float(), or .half() / .to(torch.bfloat16))")
+
+
+def _bad_dtype(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.dtype not in COMPUTE_DTYPES
+
+
+def _check_parameter_dtypes(model: torch.nn.Module, device: str):
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            if _bad_dtype(t):
+                raise _dtype_error(f"{kind} {name!r} of {type(model).__name__}", t.dtype, device)
+
+
+def _check_input_dtypes(args, kwargs, device: str):
+    named = [(f"example input {i}", a) for i, a in enumerate(args)] + \
+            [(f"example input {k!r}", v) for k, v in kwargs.items()]
+    for what, value in named:
+        for leaf in pytree.tree_leaves(value):
+            if _bad_dtype(leaf):
+                raise _dtype_error(what, leaf.dtype, device)
 
 
 def _normalise_inputs(example_inputs):
@@ -260,8 +309,8 @@ def _normalise_inputs(example_inputs):
                 example_inputs[1], dict):
             return tuple(example_inputs[0]), dict(example_inputs[1])
         return tuple(example_inputs), {}
-    raise TypeError(f"fuse: example_inputs must be a tensor, a tuple of inputs or (args, kwargs); got "
-                    f"{type(example_inputs).__name__}")
+    raise TypeError(f"fuse: example_inputs must be a tensor, a tuple of positional inputs, a dict of keyword "
+                    f"inputs or (args, kwargs); got {type(example_inputs).__name__}")
 
 
 __all__ = ["AutoFusionEngine", "FusedModule", "compile_plan"]

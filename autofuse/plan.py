@@ -19,6 +19,7 @@ Every candidate ends as a :class:`~autofuse.decision.FusionDecision`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ import torch.fx as fx
 import cost_model
 from autofuse.decision import FusionDecision
 from autofuse.lower import lower, step_specs
+from cost_model.devices import get_device
 
 #: Optimization levels. Each is observably different on the same model.
 LEVELS = {
@@ -107,9 +109,9 @@ def _estimate(kernel, specs, device, params):
         return cost_model.estimate(kernel, specs, device=device, **params)
     except (KeyError, NotImplementedError, ValueError, TypeError) as e:
         # no model for this kernel/parameter combination: price it as a generic Vector op
-        generic = cost_model.estimate("generic", specs, device=device)
-        generic.note = f"priced as generic ({e})"
-        return generic
+        generic = cost_model.estimate("generic", specs, device=device, outputs=[params["outputs"][0]]
+                                      if "outputs" in params else [])
+        return dataclasses.replace(generic, notes=tuple(generic.notes) + (f"priced as generic ({e})",))
 
 
 def price_node(node: fx.Node, device: str) -> Price:
@@ -129,18 +131,37 @@ def price_node(node: fx.Node, device: str) -> Price:
     return price
 
 
-def price_fused(gm: fx.GraphModule, match, device: str, search_tiling: bool) -> Price:
-    nodes = {n.name: n for n in gm.graph.nodes}
+def fused_params(gm_nodes: dict, match) -> tuple[list, dict]:
+    """The fused kernel's input specs (q, k, v as [B, N, S, D]) and parameters, as the rewrite will call it."""
     p = match.params
-    specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
+    specs = [_spec(gm_nodes[match.inputs[r]]) for r in ("q", "k", "v")]
     specs = [(_as_bnsd(s), d) for s, d in specs]
     params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
     if "mask" in match.inputs:
-        params["mask"] = _spec(nodes[match.inputs["mask"]])
+        params["mask"] = _spec(gm_nodes[match.inputs["mask"]])
     elif p.get("mask_terms"):
-        params["mask"] = _spec(nodes[match.inputs[p["mask_terms"][0][0]]])
+        params["mask"] = _spec(gm_nodes[match.inputs[p["mask_terms"][0][0]]])
+    return specs, params
+
+
+def kernel_default_tiling(device: str, specs, mask) -> dict:
+    """The tiling the flash_attention kernel picks by itself for these shapes (what it runs with ``tiling=None``)."""
+    from autofuse.npu.kernels.flash_attention import default_tiling
+    (qs, dtype), (ks, _), (vs, _) = specs
+    mask_spec = None
+    if mask is not None:
+        m4 = _as_bnsd(mask[0])
+        mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
+    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3])
+
+
+def price_fused(gm: fx.GraphModule, match, device: str, search_tiling: bool, nodes: dict | None = None) -> Price:
+    """The cost model's price of the fused kernel: with the tiling its search finds cheapest
+    (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2)."""
+    nodes = nodes if nodes is not None else {n.name: n for n in gm.graph.nodes}
+    specs, params = fused_params(nodes, match)
     if not search_tiling:
-        params["tiling"] = "default"
+        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"))
     e = cost_model.estimate("flash_attention", specs, device=device, **params)
     return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
                  int(getattr(e, "workspace_bytes", 0) or 0))
@@ -163,15 +184,20 @@ class Candidate:
         return self.unfused.cycles - self.fused.cycles
 
 
-def price_candidate(gm, match, device, search_tiling) -> Candidate:
-    nodes = {n.name: n for n in gm.graph.nodes}
+def price_candidate(gm, match, device, search_tiling, nodes: dict | None = None) -> Candidate:
+    """Unfused and fused prices of one match. A fused kernel the cost model cannot price (or that cannot run
+    this instance) leaves ``fused.cycles`` at -1 and the reason in ``fused.bound``."""
+    nodes = nodes if nodes is not None else {n.name: n for n in gm.graph.nodes}
     unfused = Price()
     for name in match.nodes:
         pr = price_node(nodes[name], device)
         unfused.cycles += pr.cycles
         unfused.hbm_bytes += pr.hbm_bytes
         unfused.kernels += pr.kernels
-    fused = price_fused(gm, match, device, search_tiling)
+    try:
+        fused = price_fused(gm, match, device, search_tiling, nodes)
+    except (NotImplementedError, ValueError, TypeError, KeyError) as e:
+        fused = Price(cycles=-1, bound=f"{type(e).__name__}: {e}")
     ins = [nodes[v] for v in match.inputs.values()]
     ws = sum(_nbytes(_spec(n)) for n in ins) + _nbytes(_spec(nodes[match.anchor])) + fused.workspace
     if match.params.get("probs_used"):
@@ -216,7 +242,8 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
     ``verify(match, candidate) -> (ok, error, tolerance)`` is called on each chosen candidate.
     """
     level = parse_level(level)
-    cands = [price_candidate(gm, m, device, search_tiling=(level == "O3")) for m in matches]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    cands = [price_candidate(gm, m, device, search_tiling=(level == "O3"), nodes=nodes) for m in matches]
     decisions: dict[int, FusionDecision] = {}
 
     def decide(i, applied, code, reason, **extra):
@@ -235,12 +262,14 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
             decide(i, False, "disabled_by_opt_level", "O0 fuses nothing")
         elif c.match.params.get("unsupported"):
             decide(i, False, "unsupported", c.match.params["unsupported"])
-        elif c.fused.cycles >= c.unfused.cycles:
-            decide(i, False, "not_profitable", f"fused kernel {c.fused.cycles:,} cycles >= unfused "
-                                               f"{c.unfused.cycles:,} cycles on {device}")
         elif level == "O1" and c.match.params.get("probs_used"):
             decide(i, False, "extra_outputs_at_O1", "the probabilities are used outside the block; O2+ fuses "
                                                     "it with return_probs")
+        elif c.fused.cycles < 0:
+            decide(i, False, "unsupported", f"the fused kernel cannot be priced for this block: {c.fused.bound}")
+        elif c.fused.cycles >= c.unfused.cycles:
+            decide(i, False, "not_profitable", f"fused kernel {c.fused.cycles:,} cycles >= unfused "
+                                               f"{c.unfused.cycles:,} cycles on {device}")
         elif level == "O1" and sp < O1_MARGIN:
             decide(i, False, "below_level_margin", f"predicted {sp:.2f}x < {O1_MARGIN}x required at O1")
         elif budget is not None and c.working_set > budget:

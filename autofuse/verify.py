@@ -17,6 +17,9 @@ Identical blocks (same shapes, dtypes, parameters, structure) are verified once.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+
 import torch
 import torch.fx as fx
 
@@ -46,6 +49,34 @@ def extract(gm: fx.GraphModule, names, outputs) -> tuple[fx.GraphModule, list[fx
     g.output(tuple(env[nodes[o]] for o in outputs))
     sub = fx.GraphModule(gm, g)
     return sub, external
+
+
+def _constant_key(t) -> tuple:
+    if not isinstance(t, torch.Tensor):
+        return ("value", repr(t))
+    if t.device.type == "meta" or t.numel() > (1 << 22):
+        return ("tensor", tuple(t.shape), t.dtype, id(t))
+    data = t.detach().contiguous().reshape(-1)
+    return ("tensor", tuple(t.shape), t.dtype, hashlib.sha1(data.view(torch.uint8).numpy().tobytes()).hexdigest())
+
+
+def structure_key(sub: fx.GraphModule) -> tuple:
+    """A key equal for two blocks exactly when they compute the same function of same-shaped inputs:
+    the ops in order, their arguments (nodes by position, not by name), every value's shape and dtype,
+    and the contents of the constants the block reads. Node names, which differ from layer to layer,
+    are left out."""
+    index, parts = {}, []
+    for i, n in enumerate(sub.graph.nodes):
+        index[n] = i
+        v = n.meta.get("val")
+        vkey = (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+        if n.op == "get_attr":
+            target = _constant_key(functools.reduce(getattr, n.target.split("."), sub))
+        else:
+            target = n.target if n.op != "placeholder" else None
+        args = fx.map_arg((n.args, n.kwargs), lambda a: ("%node", index[a]))
+        parts.append((n.op, str(target), repr(args), vkey))
+    return tuple(parts)
 
 
 def random_like(node: fx.Node, gen: torch.Generator) -> torch.Tensor:

@@ -1,0 +1,308 @@
+"""The engine end to end: every attention block of real architectures fused through the real cost model and
+verification; the user's model untouched; planning per input signature; levels, budget, verification
+failures; errors that name the argument; the torch.compile backend."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autofuse
+from autofuse import AutoFusionEngine, FusedModule
+from autofuse.capture import CaptureError
+from autofuse.models import build
+from patterns.attention import AttentionVariant, build_variant
+
+FUSED_OP = torch.ops.autofuse.flash_attention.default
+LAYERS = 2
+
+
+def _main(out):
+    """The tensor a model's output is judged by: logits, last hidden state, or the tensor itself."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _fused_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is FUSED_OP]
+
+
+# --------------------------------------------------------------------------- 1. every block fused
+
+ZOO = [pytest.param(name, attn, id=f"{name}-{attn}") for name in ("gpt2", "llama", "qwen2", "bert")
+       for attn in ("eager", "sdpa")]
+
+
+@pytest.mark.parametrize("name,attn", ZOO)
+def test_every_attention_block_of_transformers_models_is_fused(name, attn):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, (args, kwargs) = build(name, layers=LAYERS, hidden=32, heads=4, seq=8, batch=2, attn=attn)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    r = fused.report
+    assert len(r.applied) == LAYERS, r.summary()
+    assert all(d.reason_code == "fused" and d.cycles_fused < d.cycles_unfused for d in r.applied), r.summary()
+    assert all(d.verify_error is not None and d.verify_error <= d.verify_tolerance for d in r.applied)
+    assert len(_fused_calls(fused.graph_module)) == LAYERS
+    if name == "llama":        # grouped-query attention reaches the kernel with fewer kv heads
+        assert all(d.params["num_kv_heads"] < d.params["num_heads"] for d in r.applied)
+    with torch.no_grad():
+        torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model(*args, **kwargs)),
+                                   atol=1e-5, rtol=1e-4)
+
+
+HAND_WRITTEN = [
+    AttentionVariant(scale="mul", mask="masked_fill"),
+    AttentionVariant(scale="div", qk="einsum", kt="permute(0,1,3,2)", mask="additive", softmax="method"),
+    AttentionVariant(scale="pre_q", qk="bmm3d", mask="causal_tril", softmax="decomposed"),
+    AttentionVariant(mask="causal_arange", gqa="repeat_kv", softmax="fp32_dtype"),
+    AttentionVariant(sdpa=True, mask="causal_triu", gqa="repeat_interleave"),
+]
+
+
+@pytest.mark.parametrize("var", HAND_WRITTEN, ids=lambda v: "-".join(str(x) for x in v.__dict__.values()))
+def test_hand_written_attention_variants_are_fused(var):
+    torch.manual_seed(0)
+    kv_heads = 2 if var.gqa else 4
+    model = build_variant(var, heads=4, kv_heads=kv_heads).eval()
+    B, S, D = 2, 16, 8
+    q = torch.randn(B, 4, S, D)
+    k, v = torch.randn(B, kv_heads, S, D), torch.randn(B, kv_heads, S, D)
+    mask = None
+    if var.mask == "additive":
+        mask = torch.randn(B, 1, S, S)
+    elif var.mask in ("masked_fill", "where"):
+        mask = torch.rand(B, 1, S, S) < 0.7
+        mask[..., 0] = True
+    args = (q, k, v) if mask is None else (q, k, v, mask)
+    fused = AutoFusionEngine.fuse(model, args)
+    assert len(fused.report.applied) == 1, fused.report.summary()
+    torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+
+
+def test_multihead_attention_module_is_fused():
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("mha", hidden=32, heads=4, seq=16, batch=2)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert len(fused.report.applied) == 1, fused.report.summary()
+    assert fused.report.applied[0].params["causal"]   # the -inf triu float mask is proven causal
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- 3. the model is not modified
+
+def test_user_model_is_unchanged_and_parameters_are_shared():
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=LAYERS, hidden=32, heads=4, seq=8)
+    model.train()                                  # capture uses eval semantics, then restores the flags
+    flags = {name: m.training for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        before = _main(model(*args, **kwargs)).clone()
+    model.train()
+
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert {name: m.training for name, m in model.named_modules()} == flags
+    with torch.no_grad():
+        got = _main(fused(*args, **kwargs))
+    assert {name: m.training for name, m in model.named_modules()} == flags
+    assert all(torch.equal(v, state[k]) and v.data_ptr() == ptrs[k] for k, v in model.state_dict().items())
+    model.eval()
+    with torch.no_grad():
+        after = _main(model(*args, **kwargs))
+    assert torch.equal(before, after)
+    torch.testing.assert_close(got, before, atol=1e-5, rtol=1e-4)
+    # shared, not copied: every tensor the fused graph reads is the model's own object
+    own = dict(model.named_parameters())
+    gm = fused.graph_module
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target in own:
+            t = gm.get_parameter(n.target)
+            assert t is own[n.target] and t.data_ptr() == own[n.target].data_ptr()
+    assert {p.data_ptr() for p in fused.parameters()} <= {p.data_ptr() for p in model.parameters()}
+    with torch.no_grad():        # an edit of the user's weights is seen by the fused module
+        model.lm_head.weight.mul_(2.0)
+        torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model.eval()(*args, **kwargs)),
+                                   atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- 4. planning per signature
+
+def test_without_example_inputs_plans_at_first_call_and_per_signature():
+    torch.manual_seed(0)
+    model, _ = build("llama", layers=LAYERS, hidden=32, heads=4, seq=16)
+    fused = AutoFusionEngine.fuse(model)
+    assert isinstance(fused, FusedModule) and not fused.plans
+    with pytest.raises(RuntimeError, match="not been planned yet"):
+        fused.report
+    outs = {}
+    for seq in (8, 12, 8):
+        ids = torch.randint(1, 128, (2, seq))
+        with torch.no_grad():
+            got = _main(fused(ids, use_cache=False))
+            want = _main(model(ids, use_cache=False))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert len(fused.report.applied) == LAYERS
+        outs[seq] = fused.report
+        assert fused.report.applied[0].params["q_shape"][-2] == seq
+    assert len(fused.plans) == 2                      # seq 8 again reuses its plan
+    assert outs[8] is not outs[12]
+
+
+# --------------------------------------------------------------------------- 5. levels, budget, verification
+
+def _probs_model():
+    """Attention whose probabilities are also returned (used outside the block)."""
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            p = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1)
+            return p @ v, p.sum(1)
+    return M().eval()
+
+
+def _qkv(S=16, D=16, dtype=torch.float32):
+    torch.manual_seed(0)
+    return tuple(torch.randn(2, 2, S, D, dtype=dtype) for _ in range(3))
+
+
+def test_levels_are_observably_different():
+    model, (args, kwargs) = build("gpt2", layers=LAYERS, hidden=32, heads=4, seq=8)
+    reports, calls = {}, {}
+    for level in ("O0", "O1", "O2", "O3"):
+        fused = AutoFusionEngine.fuse(model, (args, kwargs), optimization_level=level)
+        reports[level] = fused.report
+        calls[level] = _fused_calls(fused.graph_module)
+        with torch.no_grad():
+            torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model(*args, **kwargs)),
+                                       atol=1e-5, rtol=1e-4)
+    assert not reports["O0"].applied and not calls["O0"]
+    assert {d.reason_code for d in reports["O0"].rejected} == {"disabled_by_opt_level"}
+    assert len(calls["O2"]) == len(calls["O3"]) == LAYERS
+    # O3 hands the cost model's searched tiling to the kernel; O2 leaves the kernel its default
+    assert all(n.kwargs["tiling"] for n in calls["O3"])
+    assert all(n.kwargs["tiling"] == "" for n in calls["O2"])
+    assert all(d.tiling for d in reports["O3"].applied)
+    for level in ("O1", "O2", "O3"):
+        assert all(n.kwargs["device"] == "ascend910" for n in calls[level])
+
+    # O1 keeps blocks whose probabilities are used elsewhere; O2 fuses them with return_probs
+    q, k, v = _qkv()
+    pm = _probs_model()
+    o1 = AutoFusionEngine.fuse(pm, (q, k, v), optimization_level="O1")
+    assert [d.reason_code for d in o1.report.rejected] == ["extra_outputs_at_O1"]
+    o2 = AutoFusionEngine.fuse(pm, (q, k, v), optimization_level="O2")
+    assert len(o2.report.applied) == 1 and _fused_calls(o2.graph_module)[0].kwargs["return_probs"]
+    for f in (o1, o2):
+        for got, want in zip(f(q, k, v), pm(q, k, v)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_memory_budget_rejects_a_block_that_does_not_fit():
+    q, k, v = _qkv()
+    model = build_variant(AttentionVariant()).eval()
+    fused = AutoFusionEngine.fuse(model, (q, k, v), memory_budget=1024)
+    assert not fused.report.applied
+    (d,) = fused.report.rejected
+    assert d.reason_code == "memory_budget" and "1,024 B" in d.reason
+    assert "budget" in fused.report.summary()
+    roomy = AutoFusionEngine.fuse(model, (q, k, v), memory_budget="1GB")
+    assert len(roomy.report.applied) == 1
+    torch.testing.assert_close(fused(q, k, v), model(q, k, v))
+
+
+def test_a_wrong_kernel_is_rejected_by_verification(monkeypatch):
+    q, k, v = _qkv()
+    model = build_variant(AttentionVariant(mask="causal_tril")).eval()
+    real = autofuse.ops.run_kernel
+
+    def off_by_a_bit(*a, **kw):
+        r = real(*a, **kw)
+        r.outputs = (r.outputs[0] * 1.01 + 1e-3,) + tuple(r.outputs[1:])
+        return r
+    monkeypatch.setattr(autofuse.ops, "run_kernel", off_by_a_bit)
+    fused = AutoFusionEngine.fuse(model, (q, k, v))
+    assert not fused.report.applied and not _fused_calls(fused.graph_module)
+    (d,) = fused.report.rejected
+    assert d.reason_code == "verification_failed" and d.verify_error > d.verify_tolerance
+    torch.testing.assert_close(fused(q, k, v), model(q, k, v))
+
+
+def test_planning_on_meta_verifies_identical_blocks_once():
+    model, (args, kwargs) = build("gpt2", layers=3, hidden=32, heads=4, seq=8, meta=True)
+    with autofuse.ops.recording() as log:
+        fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert len(fused.report.applied) == 3
+    assert len(log) == 1, "three identical blocks on random data must be verified by one kernel run"
+
+
+# --------------------------------------------------------------------------- 6. errors for people
+
+def test_bad_target_device_names_the_argument():
+    with pytest.raises(ValueError, match=r"target_device='tpu'.*choose one of.*ascend910"):
+        AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), target_device="tpu")
+
+
+def test_bad_optimization_level_names_the_argument():
+    with pytest.raises(ValueError, match=r"optimization_level='O9'.*choose one of O0, O1, O2, O3"):
+        AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), optimization_level="O9")
+
+
+@pytest.mark.parametrize("bad", ["lots", -3, "12 parsecs"])
+def test_bad_memory_budget_names_the_argument(bad):
+    with pytest.raises((ValueError, TypeError), match=r"memory_budget=.*(write|give|must be)"):
+        AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), memory_budget=bad)
+
+
+def test_not_a_module_says_what_to_do():
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got function.*wrap"):
+        AutoFusionEngine.fuse(lambda x: x + 1, (torch.randn(2),))
+
+
+def test_untraceable_model_names_the_routes():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:           # data-dependent Python control flow
+                return x * 2
+            return x - 1
+    with pytest.raises(CaptureError, match=r"(?s)route 'export'.*route 'symbolic_trace'.*hint"):
+        AutoFusionEngine.fuse(Branchy(), (torch.randn(3),))
+
+
+def test_unsupported_dtype_names_the_input_and_says_what_to_do():
+    q, k, v = (t.double() for t in _qkv())
+    with pytest.raises(TypeError, match=r"example input 0 .*float64.*(float16|bfloat16|float32).*\.float\(\)"):
+        AutoFusionEngine.fuse(build_variant(AttentionVariant()).eval(), (q, k, v))
+    model = nn.Linear(4, 4).double()
+    with pytest.raises(TypeError, match=r"parameter 'weight' .*float64"):
+        AutoFusionEngine.fuse(model, (torch.randn(2, 4),))
+
+
+def test_bad_example_inputs_name_the_argument():
+    with pytest.raises(TypeError, match="example_inputs"):
+        AutoFusionEngine.fuse(nn.Linear(2, 2), example_inputs=42)
+
+
+# --------------------------------------------------------------------------- 8. torch.compile
+
+def test_torch_compile_backend_fuses_and_matches():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("mha", hidden=32, heads=4, seq=16, batch=2)
+    compiled = torch.compile(model, backend="autofuse")
+    with torch.no_grad():
+        got = compiled(*args)
+        want = model(*args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    be = autofuse.backend(optimization_level="O3")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(copy.deepcopy(model), backend=be)(*args), want,
+                                   atol=1e-5, rtol=1e-4)
+    assert be.fused_modules and sum(len(f.report.applied) for f in be.fused_modules) == 1
+    torch._dynamo.reset()
