@@ -296,12 +296,13 @@ class _Steps:
         self.lists = {f: getattr(self, f).tolist() for f in ("b", "h", "hk", "q0", "qext", "k0", "kext")}
 
 
-def _units(B, N, nq, causal):
-    """Work units in head-major order; causal pairs query blocks i and nq-1-i."""
+def _units(B, N, nq, paired):
+    """Work units in head-major order (cores busy at the same time share K/V); ``paired`` puts query
+    blocks i and nq-1-i in one unit, which evens out causal work."""
     units = []
     for b in range(B):
         for h in range(N):
-            if causal:
+            if paired:
                 units += [[(b, h, i), (b, h, nq - 1 - i)] for i in range(nq // 2)]
                 if nq % 2:
                     units.append([(b, h, nq // 2)])
@@ -310,21 +311,32 @@ def _units(B, N, nq, causal):
     return units
 
 
-def _schedule(units, ncores, tiles_of):
-    """Deal units to the least-loaded core (round-robin when equal): per-core step lists."""
+def _deal(units, ncores, tiles_of):
+    """Units to the least-loaded core in order (round-robin when equal): per-core steps, makespan."""
     n = min(ncores, len(units))
-    heap = [(0, c) for c in range(n)]
+    heap = [(0.0, c) for c in range(n)]
     per_core = [[] for _ in range(n)]
     for unit in units:
         load, c = heapq.heappop(heap)
-        cost = 0
+        cost = 0.0
         for (b, h, qi) in unit:
             tiles = tiles_of(qi)
             for idx, (j, skip) in enumerate(tiles):
                 per_core[c].append((b, h, qi, j, idx == 0, idx == len(tiles) - 1, skip))
-            cost += sum(1 if not skip else 0.1 for _, skip in tiles)
+            cost += sum(1.0 if not skip else 0.1 for _, skip in tiles)
         heapq.heappush(heap, (load + cost, c))
-    return per_core
+    return per_core, max(load for load, _ in heap)
+
+
+def _schedule(B, N, nq, causal, ncores, tiles_of):
+    """Per-core step lists. Causal: pairs of query blocks, unless too few pairs leave cores idle and
+    single blocks finish sooner (the longest item then sets the time)."""
+    best = _deal(_units(B, N, nq, False), ncores, tiles_of)
+    if causal:
+        paired = _deal(_units(B, N, nq, True), ncores, tiles_of)
+        if paired[1] <= best[1]:
+            best = paired
+    return best[0]
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -453,10 +465,10 @@ class _Program:
                return_probs, None if mask is None else (mask.dtype, mask.shape))
         plan = _PLANS.pop(key, None)
         if plan is None:
-            units = _units(B, N, nq, causal)
             group = N // Nkv
-            plan = _Plan(_Steps(_schedule(units, dev.cube_cores, tiles_main), qb, kvb, Sq, Skv, group, causal),
-                         _Steps(_schedule(units, dev.cube_cores, tiles_probs), qb, kvb, Sq, Skv, group, causal)
+            cores = dev.cube_cores
+            plan = _Plan(_Steps(_schedule(B, N, nq, causal, cores, tiles_main), qb, kvb, Sq, Skv, group, causal),
+                         _Steps(_schedule(B, N, nq, causal, cores, tiles_probs), qb, kvb, Sq, Skv, group, causal)
                          if return_probs else None)
         _PLANS[key] = plan                       # most recent last
         while len(_PLANS) > _PLAN_CACHE:
@@ -692,7 +704,7 @@ class _Program:
             mB, mN, mr, mc = self.mask.shape
             bl, hl, ql, kl0, kl = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist(), v["kl"]
             rl, ol = rows.tolist(), ro.tolist()
-            vg.load(mt, self.mask, self._regs(("mask", ks, r), lambda: [
+            vg.load(mt, self.mask, self._regs(("mask", s + self.base, r), lambda: [
                 (bl[c] if mB != 1 else 0, hl[c] if mN != 1 else 0,
                  slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]) if mr != 1 else slice(0, 1),
                  slice(kl0[c], kl0[c] + kl[c]) if mc != 1 else slice(0, 1)) if ract[c] else None
@@ -798,6 +810,7 @@ class _Program:
                              deps=self._cdeps("o_read", ks - 2, hh), name="FixPipe O_j->GM")
                 self.ends[("o_written", ks, hh)] = self._masked(e, ha)
             o_tiles.append(o0)
+        self._flush()                     # A(s+1)'s P stores: after B(s)'s loads, before the output stores
         vg, nv = self.vg, self.nv
         v = self._vview(st, s)
         rows = np.clip(v["qext"] - self.half * R, 0, R)
