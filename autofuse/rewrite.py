@@ -95,13 +95,14 @@ def _rewrite_attention(g: fx.Graph, nodes: dict, m: Match, op):
             probs = g.call_function(operator.getitem, (fused, 1))
             _set_val(probs, pn, 4)
             probs = _adapt(g, probs, pn)
+    block = [nodes[name] for name in m.nodes]      # before the anchor's entry points at its replacement
     anchor.replace_all_uses_with(out)
     nodes[m.anchor] = out
     if probs is not None:
         pn.replace_all_uses_with(probs)
         nodes[p["probs_node"]] = probs
-    for name in reversed(m.nodes):
-        n = nodes[name]
+    # erased here, not left to dead-code elimination, which keeps ops tagged nondeterministic (SDPA)
+    for n in reversed(block):
         if n.graph is g and not n.users and n.op == "call_function":
             g.erase_node(n)
 

@@ -47,6 +47,9 @@ def test_every_attention_block_of_transformers_models_is_fused(name, attn):
     assert all(d.reason_code == "fused" and d.cycles_fused < d.cycles_unfused for d in r.applied), r.summary()
     assert all(d.verify_error is not None and d.verify_error <= d.verify_tolerance for d in r.applied)
     assert len(_fused_calls(fused.graph_module)) == LAYERS
+    leftover = {torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,
+                torch.ops.aten.scaled_dot_product_attention.default}
+    assert not [n.name for n in fused.graph_module.graph.nodes if n.target in leftover]
     if name == "llama":        # grouped-query attention reaches the kernel with fewer kv heads
         assert all(d.params["num_kv_heads"] < d.params["num_heads"] for d in r.applied)
     with torch.no_grad():
