@@ -10,7 +10,8 @@ for fused ops, whose only implementation is the simulated kernel.
 Kernel launches are independent: each starts with a cold L2 and ends with its outputs in HBM, so two
 launches of the same kernel on inputs of the same shapes, dtypes and parameters cost the same cycles.
 The simulator therefore runs each distinct launch once and reuses its statistics for repeats (a
-12-layer model simulates its layer once); ``memo=False`` runs every launch.
+12-layer model simulates its layer once); ``memo=False`` runs every launch, and so does ``check=True``
+(a reused launch's outputs are those of the first launch's data, so they cannot be compared).
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ class _Sim(fx.Interpreter):
     def _launch(self, kernel, arrays, params):
         self.launches += 1
         key = _sig(kernel, arrays, params)
-        if self.memo and key in self.cache:
+        # a reused launch's outputs belong to the first launch's data: checking values needs every launch run
+        if self.memo and not self.check and key in self.cache:
             return self.cache[key], True
         if kernel not in npu.KERNELS:
             raise KeyError(kernel)
@@ -185,6 +187,10 @@ class _Sim(fx.Interpreter):
 def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False) -> SimulationResult:
     """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order)."""
     dev = get_device(device)
+    meta = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.device.type == "meta"]
+    if meta:
+        raise ValueError(f"simulate: input {meta[0]} is a meta tensor; the simulator needs data: build the model and "
+                         f"its inputs on the CPU (use AutoFusionEngine.fuse on meta inputs to plan without data)")
     t0 = time.perf_counter()
     sim = _Sim(gm, dev.name, memo, check)
     with torch.no_grad():
