@@ -1,6 +1,6 @@
 """A small GPT-style model (pre-norm blocks, causal self-attention, GELU MLP) fused end to end.
 
-Run:  python examples/gpt_small.py [--device ascend910] [--layers 4] [--seq 256]
+Run:  python examples/gpt_small.py [--device ascend910] [--layers 4] [--seq 256] [--dim 256] [--heads 8]
 """
 import argparse
 
@@ -59,15 +59,17 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="ascend910")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
-    a = ap.parse_args()
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
-    model = GPT(layers=a.layers).eval()
+    model = GPT(dim=a.dim, heads=a.heads, layers=a.layers).eval()
     idx = torch.randint(0, 1024, (a.batch, a.seq))
     fused = autofuse.AutoFusionEngine.fuse(model, (idx,), target_device=a.device, optimization_level="O3")
     print(fused.report.summary())
@@ -78,6 +80,7 @@ def main():
     print(f"simulated whole model on {a.device}: {before.cycles:,} -> {after.cycles:,} cycles "
           f"({before.cycles / after.cycles:.2f}x)")
     print(after.summary(top=6))
+    return fused, before, after
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """A multi-head attention layer that calls a flash-attention style helper; autofuse finds the attention
 inside the helper (whatever its spelling) and replaces it with one fused NPU kernel.
 
-Run:  python examples/mha_layer.py
+Run:  python examples/mha_layer.py [--seq 256] [--dim 256] [--heads 8] [--device ascend910b]
 """
+import argparse
 import math
 
 import torch
@@ -36,17 +37,24 @@ class MultiHeadAttention(nn.Module):
         return self.out(y.reshape(B, S, C))
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--device", default="ascend910b")
+    a = ap.parse_args(argv)
     torch.manual_seed(0)
-    layer = MultiHeadAttention().eval()
-    x = torch.randn(2, 256, 256)
-    fused = autofuse.AutoFusionEngine.fuse(layer, (x,), target_device="ascend910b", optimization_level="O3")
+    layer = MultiHeadAttention(a.dim, a.heads).eval()
+    x = torch.randn(2, a.seq, a.dim)
+    fused = autofuse.AutoFusionEngine.fuse(layer, (x,), target_device=a.device, optimization_level="O3")
     print(fused.report.summary())
     with torch.no_grad():
         err = (fused(x) - layer(x)).abs().max().item()
     print(f"max |fused - eager| = {err:.2e}")
-    before, after = autofuse.simulate(layer, (x,), device="ascend910b"), fused.simulate(x)
-    print(f"simulated on ascend910b: {before.cycles:,} -> {after.cycles:,} cycles ({before.cycles / after.cycles:.2f}x)")
+    before, after = autofuse.simulate(layer, (x,), device=a.device), fused.simulate(x)
+    print(f"simulated on {a.device}: {before.cycles:,} -> {after.cycles:,} cycles ({before.cycles / after.cycles:.2f}x)")
+    return fused, before, after
 
 
 if __name__ == "__main__":
