@@ -112,19 +112,110 @@ def _matmul_cases(quick: bool):
     return out + extra
 
 
-def cases(quick: bool = False, kernels=None) -> list:
-    builders = {"matmul": _matmul_cases}
+def _vector_cases(quick: bool):
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
     out = []
-    for name, build in builders.items():
-        if kernels and name not in kernels:
-            continue
-        out += build(quick)
+    sm = [((4096, 4096), -1, f16), ((333, 777), -1, f32), ((8, 50000), -1, f16), ((7,), -1, f32),
+          ((64, 128, 96), 1, f16), ((2, 300, 33), 0, bf16), ((1, 16, 512, 512), -1, f16)]
+    if not quick:
+        sm += [((1, 16, 2048, 2048), -1, f16), ((128, 70000), -1, f32), ((4, 32, 128, 128), -1, bf16),
+               ((1000, 10), -1, f32), ((32, 1024, 8), 1, f16)]
+    for i, (shape, dim, dt) in enumerate(sm):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("softmax", [(shape, dt)], d, {"dim": dim}))
+    norms = [((4096, 4096), f16), ((333, 777), f32), ((8, 50000), bf16), ((7,), f32), ((2, 512, 4096), f16)]
+    if not quick:
+        norms += [((1, 2048, 8192), bf16), ((100, 64), f16)]
+    for i, (shape, dt) in enumerate(norms):
+        H = shape[-1]
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("rms_norm", [(shape, dt), ((H,), dt)], d))
+            out.append(Case("layer_norm", [(shape, dt), ((H,), dt), ((H,), dt)], d))
+            if not quick:
+                out.append(Case("add_rms_norm", [(shape, dt), (shape, dt), ((H,), dt)], d))
+    ew = [([((4096, 4096), f16), ((4096, 4096), f16)], {"op": "add"}),
+          ([((2, 512, 4096), bf16)], {"op": "gelu"}),
+          ([((333, 777), f32)], {"op": "mul", "scalar": 0.5}),
+          ([((8, 1, 4096), f16), ((4096,), f16)], {"op": "mul"}),
+          ([((1, 16, 512, 512), f16), ((1, 1, 512, 512), "bool")], {"op": "masked_fill", "scalar": -1e4}),
+          ([((100,), f32)], {"op": "exp"}),
+          ([((3, 5000), f16)], {"op": "cast", "out_dtype": f32}),
+          ([((64, 300), f32), ((64, 1), f32)], {"op": "div"})]
+    if not quick:
+        ew += [([((2048, 11008), f16), ((2048, 11008), f16)], {"op": "mul"}),
+               ([((4, 32, 128, 128), f16)], {"op": "mul", "scalar": 0.125}),
+               ([((1000, 1000), "bool"), ((1000, 1000), f16), ((1000, 1000), f16)], {"op": "where"}),
+               ([((4096, 11008), bf16)], {"op": "silu"}),
+               ([((17, 4097), f32)], {"op": "sigmoid"})]
+    for i, (ins, p) in enumerate(ew):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("elementwise", ins, d, p))
+    red = [((4096, 4096), f16, "sum", -1), ((64, 1000, 96), f32, "mean", 1), ((333, 777), bf16, "max", 0),
+           ((8, 50000), f16, "sum", -1)]
+    for i, (shape, dt, op, dim) in enumerate(red):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("reduce", [(shape, dt)], d, {"op": op, "dim": dim}))
+    gen = [([((4096, 4096), f16)], [((4096, 4096), f16)], 1), ([((333, 777), f32), ((777,), f32)], [((333, 777), f32)], 3),
+           ([((10,), f16)], [((10,), f16)], 1), ([((1000, 1000), f32)], [((1000, 1000), f32)], 40)]
+    for i, (ins, outs, passes) in enumerate(gen):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("generic", ins, d, {"outputs": outs, "passes": passes}))
     return out
 
 
+def _fa_shapes(quick: bool):
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    shapes = [((1, 16, 1024, 128), True, f16), ((1, 8, 512, 64), False, f16), ((2, 4, 300, 64), False, bf16),
+              ((1, 2, 77, 64), False, f32), ((4, 16, 256, 128), False, f16)]
+    if not quick:
+        shapes += [((1, 32, 2048, 128), True, f16), ((2, 8, 1024, 64), True, bf16), ((1, 4, 4096, 128), True, f16),
+                   ((8, 8, 128, 64), False, f16), ((1, 16, 640, 128), False, f16)]
+    return shapes
+
+
+def _fa_cases(quick: bool):
+    out = []
+    for i, (shape, causal, dt) in enumerate(_fa_shapes(quick)):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": causal}))
+    return out
+
+
+BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "flash_attention": _fa_cases}
+
+
+def cases(quick: bool = False, kernels=None) -> list:
+    out = []
+    for build in BUILDERS.values():
+        out += build(quick)
+    if kernels:
+        out = [c for c in out if c.kernel in kernels]
+    return out
+
+
+def attention_pair(shape, causal, dtype, device):
+    """Attention unfused (Q·Kᵀ, scale, [causal mask], softmax, P·V) and fused (flash_attention)."""
+    B, N, S, D = shape
+    unfused = [Case("matmul", [(shape, dtype), (shape, dtype)], device, {"trans_b": True}),
+               Case("elementwise", [((B, N, S, S), dtype)], device, {"op": "mul", "scalar": D ** -0.5})]
+    if causal:
+        unfused.append(Case("elementwise", [((B, N, S, S), dtype), ((S, S), "bool")], device,
+                            {"op": "masked_fill", "scalar": -1e4}))
+    unfused += [Case("softmax", [((B, N, S, S), dtype)], device, {"dim": -1}),
+                Case("matmul", [((B, N, S, S), dtype), (shape, dtype)], device)]
+    fused = Case("flash_attention", [(shape, dtype)] * 3, device, {"causal": causal})
+    return (f"attention {list(shape)} {dtype} causal={causal} on {device}", unfused, fused)
+
+
 def pairs(quick: bool = False) -> list:
-    """(label, unfused cases, fused case) triples: attention and others, once their kernels exist."""
-    return []
+    """(label, unfused cases, fused case): attention as unfused kernels vs flash_attention."""
+    out = []
+    for i, (shape, causal, dt) in enumerate(_fa_shapes(quick)):
+        if shape[2] > 2048:
+            continue
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(attention_pair(shape, causal, dt, d))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ running

@@ -1,0 +1,84 @@
+"""The cost model's contract: devices, estimate/roofline, tiling hand-off, generic price, numpy only."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cost_model
+from autofuse import npu
+from cost_model.estimate import UNITS
+
+
+def test_devices_match_the_simulator():
+    assert cost_model.devices() == npu.devices()
+
+
+def test_issue_contract_flash_attention():
+    e = cost_model.estimate("flash_attention", [((1, 16, 2048, 128), "float16")] * 3, device="ascend910",
+                            causal=True)
+    assert e.cycles > 0 and e.hbm_bytes > 0
+    assert isinstance(e.bytes, dict) and e.bytes
+    assert set(e.busy) == set(UNITS) and e.bound in UNITS
+    assert set(e.tiling) == {"q", "kv", "vq"}
+    # the prediction can never beat the physical bound
+    assert e.cycles >= e.roofline
+
+
+def test_roofline_matmul_by_hand():
+    r = cost_model.roofline("matmul", [((2048, 2048), "float16"), ((2048, 2048), "float16")], device="ascend910")
+    flops = 2 * 2048 ** 3
+    peak = 2 * 16 * 16 * 16 * 32                     # fp16 FLOP per cycle, 32 cores
+    io = 3 * 2048 * 2048 * 2 / 1200.0                # A, B, C once over 1.2 TB/s at 1 GHz
+    assert r == pytest.approx(max(flops / peak, io))
+
+
+@pytest.mark.parametrize("kernel,inputs,params", [
+    ("matmul", [((512, 512), "float16")] * 2, {}),
+    ("softmax", [((64, 1024), "float16")], {"dim": -1}),
+    ("elementwise", [((64, 1024), "float16")] * 2, {"op": "add"}),
+    ("rms_norm", [((64, 1024), "float16"), ((1024,), "float16")], {}),
+])
+def test_estimate_never_beats_roofline(kernel, inputs, params):
+    for dev in cost_model.devices():
+        e = cost_model.estimate(kernel, inputs, device=dev, **params)
+        assert e.cycles - cost_model.get_device(dev).launch_cycles >= e.roofline * 0.999
+
+
+def test_estimates_are_copies():
+    e = cost_model.estimate("matmul", [((256, 256), "float16")] * 2, device="ascend910b")
+    e.busy["cube"] = -1
+    e.tiling["m0"] = 3
+    again = cost_model.estimate("matmul", [((256, 256), "float16")] * 2, device="ascend910b")
+    assert again.busy["cube"] > 0 and again.tiling["m0"] != 3
+
+
+def test_unknown_kernel_names_the_known_ones():
+    with pytest.raises(ValueError, match="matmul"):
+        cost_model.estimate("nope", [((4,), "float16")])
+
+
+def test_numpy_only():
+    code = "import sys, cost_model; cost_model.estimate('matmul', [((64, 64), 'float16')] * 2); " \
+           "bad = [m for m in ('torch', 'autofuse') if m in sys.modules]; assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("device", ["ascend910", "ascend910b", "ascend310p"])
+@pytest.mark.parametrize("mkn", [(200, 300, 400), (64, 1000, 96), (1000, 64, 512)])
+def test_chosen_matmul_tiling_is_accepted_and_no_slower_than_default(device, mkn):
+    M, K, N = mkn
+    a, b = np.zeros((M, K), np.float16), np.zeros((K, N), np.float16)
+    e = cost_model.estimate("matmul", [((M, K), "float16"), ((K, N), "float16")], device=device)
+    chosen = npu.run("matmul", a, b, device=device, tiling=e.tiling).stats.cycles
+    default = npu.run("matmul", a, b, device=device).stats.cycles
+    assert chosen <= default
+
+
+def test_generic_op_prices_a_kernel_less_op():
+    e = cost_model.generic_op([((512, 1024), "float16")], [((512, 1024), "float32")], passes=2,
+                              device="ascend910b")
+    s = npu.run("generic", np.zeros((512, 1024), np.float16), device="ascend910b",
+                outputs=[((512, 1024), "float32")], passes=2, tiling=e.tiling).stats
+    assert abs(e.cycles - s.cycles) / s.cycles < 0.05
+    assert e.hbm_bytes == s.hbm_bytes
