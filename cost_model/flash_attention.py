@@ -91,11 +91,17 @@ def _valid(dev, t):
     return q % 16 == 0 and kv % 16 == 0 and vq >= 1 and rows % vq == 0
 
 
+@cached
+def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec):
+    return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec)
+
+
 def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
     qmax, kvmax = _r16(Sq), _r16(Skv)
     out = []
-    for q in sorted({min(x, qmax) for x in (128, 64, 32, 16)}, reverse=True):
-        for kv in sorted({min(x, kvmax) for x in (512, 256, 128, 64, 32, 16)}, reverse=True):
+    # the larger tiles (fewer K/V reloads and O updates per score) are the ones worth pricing
+    for q in sorted({min(x, qmax) for x in (128, 64, 32, 16)}, reverse=True)[:2]:
+        for kv in sorted({min(x, kvmax) for x in (512, 256, 128, 64, 32, 16)}, reverse=True)[:3]:
             rows = q // 2 if dev.arch == "split" else q
             for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
                 t = {"q": q, "kv": kv, "vq": vq}
@@ -107,32 +113,39 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
 
 
 # ------------------------------------------------------------------------------------------ schedule
-def _tiles_per_core(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
-    """Per core: [(qi, ntiles)] in order, as the kernel's greedy dealer hands them out."""
-    units = []
-    for _ in range(B * N):
-        if causal:
-            units += [[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else [])
-        else:
-            units += [[i] for i in range(nq)]
+@cached
+def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
+    """(cores used, tile steps of the busiest core, items of the busiest core) of the kernel's dealer.
 
+    The kernel deals units (one query block, or a causal pair i / nq-1-i) to the least-loaded core. With
+    many units per core that balances to the average within one unit; with few, replay the dealer.
+    """
     def tiles(qi):
         if not causal:
             return nkv
         return ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
 
-    n = min(ncores, len(units))
-    heap = [(0, c) for c in range(n)]
-    per = [[] for _ in range(n)]
-    for unit in units:
-        load, c = heapq.heappop(heap)
-        cost = 0
-        for qi in unit:
-            nt = tiles(qi)
-            per[c].append((qi, nt))
-            cost += nt
-        heapq.heappush(heap, (load + cost, c))
-    return per
+    per_head = ([[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else [])) if causal \
+        else [[i] for i in range(nq)]
+    nunits = B * N * len(per_head)
+    n = min(ncores, nunits)
+    if nunits > 8 * n:
+        costs = [sum(tiles(qi) for qi in u) for u in per_head]
+        total = B * N * sum(costs)
+        T = ceil_div(total, n) + (max(costs) - min(costs))
+        items = ceil_div(B * N * nq, n)
+        return n, T, items
+    heap = [(0, 0, c) for c in range(n)]
+    loads = [(0, 0)] * n
+    for _ in range(B * N):
+        for unit in per_head:
+            load, its, c = heapq.heappop(heap)
+            cost = sum(tiles(qi) for qi in unit)
+            heapq.heappush(heap, (load + cost, its + len(unit), c))
+    T = max(h[0] for h in heap)
+    items = max(h[1] for h in heap)
+    _ = loads
+    return n, T, items
 
 
 def _model(dev, specs, mask, causal, t, counts, return_probs):
@@ -146,10 +159,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     nh = 2 if split else 1
     rows = qb // nh
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    per = _tiles_per_core(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
-    n = len(per)
-    T = max(sum(nt for _, nt in p) for p in per)
-    items = max(len(p) for p in per)
+    n, T, items = _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
     k0f = dev.cube_k0[dtype]
     rate = dev.rates
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
@@ -288,7 +298,7 @@ def _search(device, specs, mask, causal, return_probs):
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
     best = None
-    for t, counts in _candidates(dev, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec):
+    for t, counts in _candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec):
         res = _model(dev, specs, mask, causal, t, counts, return_probs)
         cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
         if best is None or cost < best[0]:

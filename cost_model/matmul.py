@@ -322,7 +322,7 @@ def _roofline(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=None, 
 
 @cached
 def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, bias_isz):
-    """The cheapest tiling that fits: all candidates ranked by a quick score, the best three priced in full.
+    """The cheapest tiling that fits: all candidates ranked by a quick score, the best two priced in full.
 
     Returns ``(tiling, model result)``.
     """
@@ -332,7 +332,7 @@ def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtyp
         raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
     cands.sort(key=lambda t: _quick_score(dev, Mr, N, K, nbatch, dtype, t))
     best = None
-    for t in cands[:3]:
+    for t in cands[:2]:
         res = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
         cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
         if best is None or cost < best[0]:

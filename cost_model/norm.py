@@ -144,7 +144,7 @@ def _candidates(dev, spec_fn, H, per_core):
     out = []
     for cc in ccs:
         rmax = largest(lambda r: fits(dev, spec_fn(r, cc)), 1, per_core)
-        for j in (1, 2, 3, 4, 6, 8, 16):
+        for j in (1, 2, 4):
             r = max(1, min(rmax, ceil_div(per_core, j)))
             if {"rows": r, "chunk": cc} not in out:
                 out.append({"rows": r, "chunk": cc})

@@ -149,7 +149,7 @@ def _candidates(dev, dtype, outer, C, inner):
             bmax = largest(lambda b: fits(dev, _specs(dtype, True, b, chunk)), 1, per_core)
             if bmax < 1:
                 continue
-            for j in (1, 2, 3, 4, 6, 8, 16):
+            for j in (1, 2, 4):
                 b = min(bmax, ceil_div(per_core, j))
                 if {"block": b, "chunk": chunk} not in out:
                     out.append({"block": b, "chunk": chunk})

@@ -248,25 +248,37 @@ def _ew_model(dev, specs, p, r, c):
 
 def _rows_cut(total, n, r, period, align=1):
     """``tiles.split_blocks``: even shares (in units of ``align``) cut into blocks of ``r`` that never cross a
-    multiple of ``period``. Per lockstep step: (worst extent, total extent, active cores)."""
+    multiple of ``period``. Per lockstep step: (worst extent, total extent, active cores). Vectorised over
+    the cores' segments and blocks."""
     units = ceil_div(total, align)
     base, rem = divmod(units, n)
-    per, u = [], 0
-    for ci in range(n):
-        q = base + (ci < rem)
-        b, e = u * align, min(total, (u + q) * align)
-        u += q
-        ext = []
-        while b < e:
-            stop = min(e, b + r, (b // period + 1) * period)
-            ext.append(stop - b)
-            b = stop
-        per.append(ext)
-    S = max(len(x) for x in per)
-    a = np.zeros((n, S))
-    for ci, x in enumerate(per):
-        a[ci, :len(x)] = x
-    return a.max(axis=0), a.sum(axis=0), (a > 0).sum(axis=0)
+    q = base + (np.arange(n) < rem)
+    ends_u = np.cumsum(q)
+    s = (ends_u - q) * align
+    e = np.minimum(total, ends_u * align)
+    live = e > s
+    s, e, core = s[live], e[live], np.arange(n)[live]
+    p0, p1 = s // period, (e - 1) // period
+    nseg = p1 - p0 + 1
+    seg_core = np.repeat(np.arange(len(s)), nseg)
+    seg_k = np.arange(nseg.sum()) - np.repeat(np.cumsum(nseg) - nseg, nseg)
+    seg_p = p0[seg_core] + seg_k
+    seg_s = np.maximum(s[seg_core], seg_p * period)
+    seg_e = np.minimum(e[seg_core], (seg_p + 1) * period)
+    nblk = -(-(seg_e - seg_s) // r)
+    blk_seg = np.repeat(np.arange(len(seg_s)), nblk)
+    blk_k = np.arange(nblk.sum()) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+    ext = np.minimum(r, seg_e[blk_seg] - seg_s[blk_seg] - blk_k * r).astype(float)
+    blk_core = seg_core[blk_seg]
+    per_core = np.bincount(blk_core, minlength=len(s))
+    step = np.arange(len(ext)) - np.repeat(np.cumsum(per_core) - per_core, per_core)
+    S = int(per_core.max())
+    worst = np.zeros(S)
+    np.maximum.at(worst, step, ext)
+    tot = np.bincount(step, ext, S)
+    act = np.bincount(step, None, S).astype(float)
+    _ = core
+    return worst, tot, act
 
 
 def _ew_specs(specs, p, r, c):
@@ -312,7 +324,7 @@ def _ew_search(device, specs, op, scalar, out_dtype):
         if c < 1:
             raise ValueError(f"elementwise {op}: no tile fits UB on {dev.name}")
         rmax = largest(lambda x: fits(dev, _ew_specs(specs, p, x, c)), 1, min(Dr, ceil_div(rowspace, n)))
-        for j in (1, 2, 3, 4, 6, 8, 16):
+        for j in (1, 2, 4):
             rr = max(1, min(rmax, ceil_div(ceil_div(rowspace, n), j)))
             if Dr % rr and rr > 1 and rr > Dr:
                 continue
@@ -321,7 +333,7 @@ def _ew_search(device, specs, op, scalar, out_dtype):
         n = min(dev.vector_cores, rowspace * ceil_div(Dc, cblk))
         cmax = cblk * largest(lambda k: fits(dev, _ew_specs(specs, p, 1, k * cblk)), 1, ceil_div(Dc, cblk))
         per_core = ceil_div(total, n)
-        for j in (1, 2, 4, 8):
+        for j in (1, 2, 4):
             cc = max(cblk, min(cmax, round_up(ceil_div(per_core, j), cblk)))
             cands.append({"rows": 1, "cols": min(cc, Dc)})
     best = None
@@ -453,7 +465,7 @@ def _red_search(device, dtype, out_dt, op, rowmode, SA, SR, P, RO):
         ok1 = lambda ch: fits(dev, _red_specs(dtype, out_dt, True, 1, ch))   # noqa: E731
         chunk = SR if ok1(SR) else 64 * largest(lambda k: ok1(k * 64), 1, ceil_div(SR, 64))
         bmax = largest(lambda b: fits(dev, _red_specs(dtype, out_dt, True, b, chunk)), 1, min(SA, per_lanes))
-        for j in (1, 2, 3, 4, 8):
+        for j in (1, 2, 4):
             cands.append({"block": max(1, min(bmax, ceil_div(per_lanes, j))), "chunk": chunk})
     else:
         for b in (1024, 512, 256, 128, 64):
