@@ -248,7 +248,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     out_b = rv * Dv * isz
     port_out = n * nh * out_b / HBMbw
     out_store = nsub * max(out_b / nsub / rate["UB->GM"], port_out / nsub)
-    per_item = vec_last + out_store
+    # item end: out = O / l block by block, each block's store before the next block's cast (the last
+    # store overlaps the next item); the next item's Q load then holds the GM port ahead of its S
+    per_item = vec_last + out_store * (nsub - 1) / nsub + q_load
     fill = q_load + q_move + mte2_kv + mte1 + cube + fix
     drain = 0.0
     core = fill + T * step + items * per_item + drain
@@ -257,10 +259,15 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     hbm = B * N * Sq * D * isz + kv_reads + B * N * Sq * Dv * isz
     if mask is not None:
         hbm += mask_miss * T
-    ws = n * 2 * qb * min(kvb, _r16(Skv)) * isz
+    # dirty workspace lines at the end: per core, the regions of its last two steps (edge tiles are
+    # regions of their own)
+    slots = min(2, T)
+    ke_last = [min(kvb, Skv - j * kvb) for j in range(nkv)][-slots:] if not causal else [min(kvb, Skv)] * slots
+    ws_p = n * sum(min(qb, Sq) * k_ * isz for k_ in ke_last)
+    ws = ws_p
     if split:
-        ws += n * 2 * qb * min(kvb, _r16(Skv)) * 4 + n * 2 * qb * Dv * 4
-    hbm += ws * (1.0 if Skv % kvb == 0 or nkv == 1 else 1.5)
+        ws += n * sum(min(qb, Sq) * k_ * 4 for k_ in ke_last) + n * slots * min(qb, Sq) * Dv * 4
+    hbm += ws
     busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
             "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}
     nbytes = {"GM->L1": B * N * Sq * D * isz + T * n * kvt}
