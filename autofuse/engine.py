@@ -162,10 +162,15 @@ class _Verifier:
                 c = evaluate_constant(n)
                 out.append(c if isinstance(c, torch.Tensor) else _verify.random_like(n, gen))
             return out
-        if self.values is None:
-            wanted = set()
+        if self.values is None or any(n.name not in self.values for n in external):
+            # keep only the inputs of the first block of each structure: the others reuse its verdict
+            wanted, seen = {n.name for n in external}, set()
             for c in self.cands:
-                wanted.update(n.name for n in _verify.extract(self.gm, list(c.nodes), [c.anchor])[1])
+                sub, ext = _verify.extract(self.gm, list(c.nodes), [c.anchor])
+                key = _verify.structure_key(sub)
+                if key not in seen:
+                    seen.add(key)
+                    wanted.update(n.name for n in ext)
             interp = _Values(self.gm, wanted)
             with torch.no_grad():
                 interp.run(*self.leaves)
