@@ -31,6 +31,8 @@ from cost_model.estimate import cached, make, register
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
 _DEBUG: dict = {}  # the last model's per-step arrays, for development
+# the model's typical error on small matmuls: a searched tiling must beat the kernel default by more
+DEFAULT_MARGIN = 0.05
 
 
 # ------------------------------------------------------------------------------------------ shapes
@@ -94,6 +96,30 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
                 if t not in out and fits(dev, dtype, out_dtype, t, bias):
                     out.append(t)
     return out
+
+
+def kernel_default(dev, M, N, K, batch, dtype, out_dtype):
+    """The kernel's own default tiling (``default_tiling`` in the kernel, mirrored): always priced too."""
+    isz = itemsize(dtype)
+    k0f = dev.cube_k0[dtype]
+    best, seen = None, set()
+    for m0 in (256, 128, 64, 32, 16):
+        for n0 in (256, 128, 64, 32, 16):
+            m0e, n0e = min(m0, round_up(M, 16)), min(n0, round_up(N, 16))
+            if (m0e, n0e) in seen:
+                continue
+            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= dev.buffers["L0A"]
+                       and 2 * k * n0e * isz <= dev.buffers["L0B"]), 16)
+            k0 = min(k0, round_up(K, 16))
+            t = {"m0": m0e, "n0": n0e, "k0": k0, "k1": min(2 * k0, round_up(K, k0))}
+            if not fits(dev, dtype, out_dtype, t):
+                continue
+            seen.add((m0e, n0e))
+            waves = ceil_div(batch * ceil_div(M, m0e) * ceil_div(N, n0e), dev.cube_cores)
+            score = waves * max((m0e // 16) * (n0e // 16) * ceil_div(K, k0f), (m0e + n0e) * K * isz / dev.rates["GM->L1"])
+            if best is None or score < best[0]:
+                best = (score, t)
+    return None if best is None else best[1]
 
 
 def _quick_score(dev, Mr, N, K, nbatch, dtype, t):
@@ -322,7 +348,8 @@ def _roofline(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=None, 
 
 @cached
 def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, bias_isz):
-    """The cheapest tiling that fits: all candidates ranked by a quick score, the best two priced in full.
+    """The cheapest tiling that fits: candidates ranked by a quick score; the best two and the kernel's
+    default are priced in full.
 
     Returns ``(tiling, model result)``.
     """
@@ -332,9 +359,14 @@ def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtyp
         raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
     cands.sort(key=lambda t: _quick_score(dev, Mr, N, K, nbatch, dtype, t))
     best = None
-    for t in cands[:2]:
+    default = kernel_default(dev, Mr, N, K, nbatch, dtype, out_dtype)
+    shortlist = cands[:2] + ([default] if default is not None and default not in cands[:2] else [])
+    for t in shortlist:
         res = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
         cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        # a tiling replaces the kernel's default only if it wins by more than the model's typical error
+        if t == default:
+            cost *= 1 - DEFAULT_MARGIN
         if best is None or cost < best[0]:
             best = (cost, t, res)
     return best[1], best[2]
