@@ -58,8 +58,12 @@ def all_candidates(gm: fx.GraphModule) -> list:
     return out
 
 
+class _AllKept(Exception):
+    pass
+
+
 class _Values(fx.Interpreter):
-    """Runs the graph once and keeps the values of the nodes asked for."""
+    """Runs the graph and keeps the values of the nodes asked for; stops as soon as it has them all."""
 
     def __init__(self, gm, wanted):
         super().__init__(gm)
@@ -69,7 +73,17 @@ class _Values(fx.Interpreter):
         r = super().run_node(n)
         if n.name in self.wanted:
             self.kept[n.name] = r
+            if len(self.kept) == len(self.wanted):
+                raise _AllKept
         return r
+
+    def values(self, *args) -> dict:
+        try:
+            with torch.no_grad():
+                self.run(*args)
+        except _AllKept:
+            pass
+        return self.kept
 
 
 class Plan:
@@ -171,10 +185,7 @@ class _Verifier:
                 if key not in seen:
                     seen.add(key)
                     wanted.update(n.name for n in ext)
-            interp = _Values(self.gm, wanted)
-            with torch.no_grad():
-                interp.run(*self.leaves)
-            self.values = interp.kept
+            self.values = _Values(self.gm, wanted).values(*self.leaves)
         return [self.values[n.name] for n in external]
 
     def __call__(self, match, cand):

@@ -60,8 +60,12 @@ def to_dot(gm: fx.GraphModule, report=None, title="") -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_svg(gm: fx.GraphModule, report=None, title="") -> str:
+def to_svg(gm: fx.GraphModule, report=None, title="", show_params=False) -> str:
+    """The graph as SVG, one row per topological generation. Parameters and buffers (``get_attr``) are left
+    out unless ``show_params``: they all sit in the first generation and only add long edges."""
     g = to_networkx(gm)
+    if not show_params:
+        g.remove_nodes_from([n.name for n in gm.graph.nodes if n.op == "get_attr"])
     col = colours(gm, report)
     nodes = {n.name: n for n in gm.graph.nodes}
     pos, width = {}, 0

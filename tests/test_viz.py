@@ -55,7 +55,10 @@ def test_svg_is_well_formed_and_draws_every_node(plan):
     root = ET.fromstring(svg)
     ns = "{http://www.w3.org/2000/svg}"
     rects = root.findall(f"{ns}rect")
-    assert len(rects) == len(p.canonical.graph.nodes)
+    params = [n for n in p.canonical.graph.nodes if n.op == "get_attr"]
+    assert params and len(rects) == len(p.canonical.graph.nodes) - len(params)
+    full = ET.fromstring(viz.to_svg(p.canonical, p.report, show_params=True))
+    assert len(full.findall(f"{ns}rect")) == len(p.canonical.graph.nodes)
     assert {r.get("fill") for r in rects} >= {viz.APPLIED, viz.VIEW, viz.PLAIN}
     assert "gpt2 &lt;before&gt; &amp; after" in svg
     assert int(root.get("width")) > 0 and int(root.get("height")) > 0
