@@ -196,7 +196,7 @@ def test_default_tiling_fits(device, D, dtype):
 
 
 def test_default_tilings_per_device():
-    assert default_tiling(get_device("ascend910"), 2048, 2048, 128, "float16") == {"q": 128, "kv": 128, "vq": 64}
+    assert default_tiling(get_device("ascend910"), 2048, 2048, 128, "float16") == {"q": 128, "kv": 128, "vq": 128}
     assert default_tiling(get_device("ascend910b"), 2048, 2048, 128, "float16") == {"q": 128, "kv": 128, "vq": 64}
     assert default_tiling(get_device("ascend910"), 7, 33, 64, "float16") == {"q": 16, "kv": 48, "vq": 16}
 

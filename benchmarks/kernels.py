@@ -1,0 +1,208 @@
+"""Simulated kernels: cycles, bottleneck, HBM traffic against the minimum, and simulator speed against torch.
+
+Per kernel and shape: simulated cycles and µs, the busiest unit and its utilisation, HBM bytes over the
+least possible (inputs read once, outputs written once), and the wall time of the simulator call next to
+torch's CPU wall time for the same computation in fp32 (same process; warm-up, then best of ``--repeat``).
+
+    matmul           2048³ fp16 on every device
+    softmax          4096 x 4096 fp16, last dim (skipped if the kernel is not registered)
+    flash_attention  B=1, N=16, S=2048, D=128 fp16 on the 910 (the acceptance shape, with its checks),
+                     and the 910B sweep S = 2048, 4096, 8192 (N = 8) in TFLOP/s next to published figures
+
+FlashAttention FLOPs: 4·B·N·Sq·Skv·D (Q·Kᵀ and P·V; causal would count attended scores only).
+
+    python benchmarks/kernels.py            # everything, ~2-4 min on 2 cores
+    python benchmarks/kernels.py --quick    # matmul, softmax, the acceptance shape, the sweep's S=2048
+
+BLAS threads. The simulator's Cube products are numpy batched matmuls: one small GEMM per simulated core.
+Multithreaded OpenBLAS hands each of them to its worker threads; when other processes keep the CPUs busy,
+every hand-off waits for a scheduler time slice and a 4 ms product can take 700 ms (measured here at load
+average 7 on 2 CPUs). So the simulator runs with numpy's OpenBLAS on one thread (``--blas-threads``),
+switched at run time through OpenBLAS's own ``set_num_threads``; the acceptance shape is also timed with
+OpenBLAS's default threads, and both are printed. torch keeps its own threads throughout.
+"""
+import argparse
+import ctypes
+import glob
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from autofuse import npu
+from autofuse.npu.kernels.flash_attention import flops as fa_flops
+from autofuse.npu.kernels.flash_attention import min_hbm_bytes
+
+
+
+def _openblas():
+    """numpy's bundled OpenBLAS (set, get) thread-count functions, or None."""
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "*openblas*.so*"))
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"), ("openblas", "")):
+            set_, get = f"{prefix}_set_num_threads{suffix}", f"{prefix}_get_num_threads{suffix}"
+            if hasattr(lib, set_) and hasattr(lib, get):
+                return getattr(lib, set_), getattr(lib, get)
+    return None
+
+
+BLAS = _openblas()
+BLAS_DEFAULT = BLAS[1]() if BLAS else None
+
+
+def set_blas_threads(n):
+    """``n`` threads for numpy's OpenBLAS ("default": as it started); returns the count now in use."""
+    if BLAS is None:
+        return None
+    BLAS[0](BLAS_DEFAULT if n == "default" else int(n))
+    return BLAS[1]()
+
+
+# Published FlashAttention throughput on a 910B2, D=128, normalised to 24 cores (shared/npu-facts.md)
+PUBLISHED_910B = (85.0, 190.0)
+
+
+def best(fn, repeat):
+    """Warm up once, then the best wall time of ``repeat`` calls (and the last result)."""
+    out = fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), out
+
+
+def row(kernel, shape, device, r, least, t_sim, t_torch, extra=""):
+    st = r.stats
+    b = st.bound
+    ratio = t_sim / t_torch if t_torch else float("nan")
+    print(f"{kernel:16s} {shape:22s} {device:11s} {st.cycles:>11,} {st.seconds * 1e6:>9.1f} "
+          f"{b:>7s} {st.util[b]:>5.0%} {st.hbm_bytes / 2**20:>8.1f} {st.hbm_bytes / least:>6.2f}x "
+          f"{t_sim:>8.3f} {t_torch:>8.3f} {ratio:>6.1f}x  {extra}")
+
+
+def header():
+    print(f"{'kernel':16s} {'shape':22s} {'device':11s} {'cycles':>11s} {'µs':>9s} {'busiest':>7s} {'util':>5s} "
+          f"{'HBM MiB':>8s} {'/min':>7s} {'sim s':>8s} {'torch s':>8s} {'ratio':>7s}")
+
+
+def bench_matmul(repeat):
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(2048, 2048, generator=g).half() for _ in range(2))
+    t_torch, _ = best(lambda: a.float() @ b.float(), repeat)
+    least = 3 * 2048 * 2048 * 2
+    for dev in npu.devices():
+        t_sim, r = best(lambda: npu.run("matmul", a, b, device=dev), repeat)
+        row("matmul", "2048x2048x2048 fp16", dev, r, least, t_sim, t_torch)
+
+
+def bench_softmax(repeat):
+    if "softmax" not in npu.KERNELS:
+        print("softmax          (kernel not registered yet: skipped)")
+        return
+    x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(1)).half()
+    xf = x.float()
+    t_torch, _ = best(lambda: torch.softmax(xf, -1), repeat)
+    least = 2 * x.numel() * 2
+    for dev in npu.devices():
+        t_sim, r = best(lambda: npu.run("softmax", x, dim=-1, device=dev), repeat)
+        row("softmax", "4096x4096 fp16", dev, r, least, t_sim, t_torch)
+
+
+def _qkv(B, N, S, D, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, N, S, D, generator=g).half() for _ in range(3)]
+
+
+def _side_by_side(q, k, v, qf, kf, vf, repeat):
+    """Best wall times of torch SDPA and the simulator, alternated so both see the same machine load."""
+    t_torch, t_sim = [], []
+    ref = F.scaled_dot_product_attention(qf, kf, vf)
+    r = npu.run("flash_attention", q, k, v, device="ascend910")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        ref = F.scaled_dot_product_attention(qf, kf, vf)
+        t_torch.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        r = npu.run("flash_attention", q, k, v, device="ascend910")
+        t_sim.append(time.perf_counter() - t)
+    return min(t_torch), min(t_sim), ref, r
+
+
+def bench_fa_acceptance(repeat, blas):
+    B, N, S, D = 1, 16, 2048, 128
+    q, k, v = _qkv(B, N, S, D)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    timings = {}
+    for setting in dict.fromkeys([blas, "default"]):
+        used = set_blas_threads(setting)
+        timings[setting] = (used, os.getloadavg()[0]) + _side_by_side(q, k, v, qf, kf, vf, repeat)
+    set_blas_threads(blas)
+    _, _, t_torch, t_sim, ref, r = timings[blas]
+    least = min_hbm_bytes(q.shape, k.shape, v.shape, "float16")
+    st = r.stats
+    tflops = fa_flops(B, N, S, S, D) / st.seconds / 1e12
+    row("flash_attention", f"1x16x2048x128 fp16", "ascend910", r, least, t_sim, t_torch, f"{tflops:.0f} TFLOP/s")
+    err = float(np.abs(r.outputs[0].astype(np.float32) - ref.numpy()).max())
+    checks = [("max |out - torch fp32 SDPA|", f"{err:.2e}", "<= 2e-3", err <= 2e-3),
+              (f"busiest unit ({st.bound}) utilisation", f"{st.util[st.bound]:.3f}", ">= 0.80",
+               st.util[st.bound] >= 0.80),
+              ("HBM bytes / minimum", f"{st.hbm_bytes / least:.3f}", "<= 1.5", st.hbm_bytes <= 1.5 * least)]
+    for setting, (used, load, tt, ts, _, _) in timings.items():
+        checks.append((f"sim / torch wall, BLAS threads {used}", f"{ts / tt:.2f} ({ts:.3f} s / {tt:.3f} s)",
+                       f"<= 3; load avg {load:.1f}", ts <= 3 * tt))
+    print(f"\n  acceptance on ascend910 ({os.cpu_count()} CPUs):")
+    for name, got, want, ok in checks:
+        print(f"    {'PASS' if ok else 'FAIL'}  {name:36s} {got:32s} (want {want})")
+    print(f"    {st}\n")
+    return st
+
+
+def bench_fa_sweep(sizes, N=8):
+    lo, hi = PUBLISHED_910B
+    print(f"  910B fidelity (B=1, N={N}, D=128 fp16; FLOPs = 4·B·N·S²·D; published {lo:.0f}-{hi:.0f} TFLOP/s):")
+    rows = []
+    for S in sizes:
+        q, k, v = _qkv(1, N, S, 128, seed=3)
+        t = time.perf_counter()
+        r = npu.run("flash_attention", q, k, v, device="ascend910b")
+        t_sim = time.perf_counter() - t
+        qf, kf, vf = q.float(), k.float(), v.float()
+        t = time.perf_counter()
+        F.scaled_dot_product_attention(qf, kf, vf)
+        t_torch = time.perf_counter() - t
+        least = min_hbm_bytes(q.shape, k.shape, v.shape, "float16")
+        tf = fa_flops(1, N, S, S, 128) / r.stats.seconds / 1e12
+        off = tf / hi if tf > hi else (lo / tf if tf < lo else 1.0)
+        note = "within" if off == 1.0 else f"{'above' if tf > hi else 'below'} by {off:.2f}x"
+        row("flash_attention", f"1x{N}x{S}x128 fp16", "ascend910b", r, least, t_sim, t_torch,
+            f"{tf:.0f} TFLOP/s ({note}; 1 run)")
+        rows.append((S, tf))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a fast subset")
+    ap.add_argument("--repeat", type=int, default=3, help="timed calls after one warm-up (best is kept)")
+    ap.add_argument("--blas-threads", default="1", help="numpy's OpenBLAS threads: a number or 'default'")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    used = set_blas_threads(a.blas_threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; numpy {np.__version__}, OpenBLAS "
+          f"threads {used if BLAS else 'unknown (not settable)'} (its default {BLAS_DEFAULT}); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    header()
+    bench_matmul(a.repeat)
+    bench_softmax(a.repeat)
+    bench_fa_acceptance(a.repeat, a.blas_threads)
+    bench_fa_sweep([2048] if a.quick else [2048, 4096, 8192])
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
