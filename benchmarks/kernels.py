@@ -42,10 +42,11 @@ def _openblas():
     libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "*openblas*.so*"))
     for path in libs:
         lib = ctypes.CDLL(path)
-        for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"), ("openblas", "")):
-            set_, get = f"{prefix}_set_num_threads{suffix}", f"{prefix}_get_num_threads{suffix}"
-            if hasattr(lib, set_) and hasattr(lib, get):
-                return getattr(lib, set_), getattr(lib, get)
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                set_, get = f"{prefix}_set_num_threads{suffix}", f"{prefix}_get_num_threads{suffix}"
+                if hasattr(lib, set_) and hasattr(lib, get):
+                    return getattr(lib, set_), getattr(lib, get)
     return None
 
 

@@ -17,14 +17,18 @@ The algorithm (one *work item* = batch, head, block of ``q`` query rows; items s
 
 Running statistics m, l are fp32. A row with no key to attend gives 0 (as torch 2.13's SDPA).
 
-Data paths. *Coupled* cores (910, 310P) move S from L0C to UB by FixPipe; UB has no path to L1, so P
-goes UB -> GM (MTE3, a per-core scratch workspace that stays in L2) -> L1 (MTE2) -> L0A. *Split* cores
-(910B): the AIC computes S in 128-column base blocks and FixPipe writes them to a workspace in GM; the two
-AIVs paired with it (AIC i: AIV 2i, 2i+1) each load half the rows, do the softmax and write P back; the
-AIC loads P, computes P·V in 128-deep slices and writes the partial O to a workspace, which the AIVs load
-and accumulate (CANN's design). Cross-group waits are explicit: the producer's end times are the
-consumer's ``deps`` (AIC -> AIV by ``np.repeat``, AIV -> AIC by the max over the pair). Every workspace
-is double-buffered (slot = step % 2), so the AIC runs a step ahead.
+Data paths. *Coupled* cores (910, 310P) move S from L0C to UB by FixPipe; UB has no path to L1 on these
+chips (CANN's DataCopy lists GM->A1/B1, CO1->CO2, CO2->GM, GM->VECIN, VECIN->VECOUT, VECOUT->GM for
+them; a UB->L1 channel appears only on the 950), so P goes UB -> GM (MTE3, a per-core scratch workspace
+that stays in L2) -> L0A (MTE2; the kernel writes its own workspace in the fractal layout, so P needs no
+ND->NZ pass through L1, unlike K and V, which are staged in L1). *Split* cores (910B): the AIC computes S
+per row block and FixPipe writes it to a workspace in GM; the two AIVs paired with it (AIC i: AIV 2i,
+2i+1) each load their half of the rows, do the softmax and write P back; the AIC loads each half's P,
+computes its P·V and writes the partial O_j to a workspace, which the AIVs load and accumulate (CANN's
+design). Every GM hand-off is written and read as the same region (the L2 model matches regions), and
+double-buffered (slot = step % 2) so the producer runs a step ahead. Cross-group waits are explicit: the
+producer's end times are the consumer's ``deps`` (AIC -> AIV by ``np.repeat``, AIV -> AIC by the max
+over the pair).
 
 Software pipeline: step s issues ``A(s+1)`` (Q·Kᵀ, softmax, P out) before ``B(s)`` (P·V, accumulate), so the
 Cube computes S of tile s+1 while the Vector works on tile s, and every queue (MTE2 above all) gets its
@@ -33,7 +37,13 @@ parity) so the pipeline also runs across item boundaries.
 
 Scheduling: the cores walk flat lists of (item, KV tile) steps in lockstep; items are dealt out head by
 head, so cores working at the same time share K/V tiles through L2. With ``causal`` the KV tiles above
-the diagonal are skipped and query blocks i and nq-1-i are paired on one core, which evens out the work.
+the diagonal are skipped and query blocks i and nq-1-i are paired on one core, which evens out the work
+(single blocks when there are too few pairs to keep every core busy). Schedules, tilings and region lists
+depend on shapes only and are cached across launches.
+
+Tilings (``default_tiling``; fp16, D=128): 910 and 310P q=128, kv=128, vq=128 (UB: S fp32 64 KB, P 32 KB,
+O_j and O fp32 64 KB each; L0B holds K and V tiles of 32 KB); 910B q=128, kv=128, vq=64 (one row block
+per AIV).
 
 ``return_probs`` adds a second sweep once each row's max and sum are final (stored to GM at the end of
 the first sweep, as CANN's softmax_max / softmax_sum outputs): S is recomputed, ``exp(S - m) / l`` cast
@@ -585,8 +595,9 @@ class _Program:
         wact = self._act(work)
         if first.any():
             q1 = self.tl["q1"][0]
-            cg.load(q1, self.q, self._regs(("Q", ks), lambda: [(b[c], h[c], slice(q0[c], q0[c] + qe[c]), slice(0, D)) if first[c] else None
-                                 for c in range(n)]), name="load Q")
+            regs = self._regs(("Q", ks), lambda: [
+                (b[c], h[c], slice(q0[c], q0[c] + qe[c]), slice(0, D)) if first[c] else None for c in range(n)])
+            cg.load(q1, self.q, regs, name="load Q")
             fact = self._act(first)
             if self.split:
                 for g, q0t in enumerate(self.tl["q0"]):
@@ -598,12 +609,15 @@ class _Program:
         s0 = None
         if work.any():
             kt1 = self._next("kt1")
-            cg.load(kt1, self.k, self._regs(("K", ks), lambda: [(b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, D)) if work[c] else None
-                                  for c in range(n)]), fn=np.transpose, name="load K")
+            regs = self._regs(("K", ks), lambda: [
+                (b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, D)) if work[c] else None for c in range(n)])
+            cg.load(kt1, self.k, regs, fn=np.transpose, name="load K")
             if not probs_pass:
                 v1 = self.tl["v1"][ks % 2]
-                cg.load(v1, self.v, self._regs(("V", ks), lambda: [(b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, self.Dv)) if work[c]
-                                     else None for c in range(n)]), name="load V")
+                regs = self._regs(("V", ks), lambda: [
+                    (b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, self.Dv)) if work[c] else None
+                    for c in range(n)])
+                cg.load(v1, self.v, regs, name="load V")
             kt0 = self._next("kt0")
             cg.move(kt0, kt1, nbytes=D * _r16(kext) * isz, active=wact, name="K->L0B")
             if self.split:                 # one S block per row block, written out by FixPipe
@@ -616,9 +630,10 @@ class _Program:
                     s0 = self._next("s0")
                     cg.mmad(s0, q0t, kt0, rg, D, kext, accumulate=False, active=ga, name="S=QK")
                     rl = rg.tolist()
-                    e = cg.store(s0, self.ws_s, self._regs(("S>", ks, g), lambda: [(c, slot, slice(g * vq, g * vq + rl[c]), slice(0, ke[c]))
-                                                 if gact[c] else None for c in range(n)]),
-                                 deps=self._cdeps("s_read", ks - 2, g), name="FixPipe S->GM")
+                    regs = self._regs(("S>", ks, g), lambda: [
+                        (c, slot, slice(g * vq, g * vq + rl[c]), slice(0, ke[c])) if gact[c] else None
+                        for c in range(n)])
+                    e = cg.store(s0, self.ws_s, regs, deps=self._cdeps("s_read", ks - 2, g), name="FixPipe S->GM")
                     self.ends[("s_written", ks, g)] = self._masked(e, ga)
             else:
                 s0 = self._next("s0")
@@ -637,9 +652,10 @@ class _Program:
             S = self._next("s")
             if self.split:
                 rl, ol, kl, cv = rows.tolist(), ro.tolist(), v["kl"], self.cube_of
-                e = vg.load(S, self.ws_s, self._regs(("S<", ks, r), lambda: [(int(cv[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, kl[c]))
-                                           if ract[c] else None for c in range(nv)]),
-                            deps=self._vdeps("s_written", ks, r), name="load S")
+                regs = self._regs(("S<", ks, r), lambda: [
+                    (int(cv[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, kl[c])) if ract[c] else None
+                    for c in range(nv)])
+                e = vg.load(S, self.ws_s, regs, deps=self._vdeps("s_written", ks, r), name="load S")
                 self._put_v("s_read", ks, r, self._masked(e, a_))
             else:
                 vg.move(S, s0, fn=(lambda x, r=r: x[:, r * vq:(r + 1) * vq]) if self.nsub > 1 else None,
@@ -654,9 +670,10 @@ class _Program:
                           compute=lambda: P.data.__setitem__(zact, 0.0), active=self._act(zact))
             oact = (v["work"] | zact) & (vrows > 0)
             bl, hl, ql, kl0 = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist()
-            vg.store(P, self.probs, self._regs(("probs", ks), lambda: [(bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]),
-                                      slice(kl0[c], kl0[c] + kl[c])) if oact[c] else None
-                                     for c in range(nv)]), name="store probs")
+            regs = self._regs(("probs", ks), lambda: [
+                (bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]), slice(kl0[c], kl0[c] + kl[c]))
+                if oact[c] else None for c in range(nv)])
+            vg.store(P, self.probs, regs, name="store probs")
         else:
             pact = v["work"] & (vrows > 0)
             regs = self._regs(("P>", ks), lambda: [
@@ -803,16 +820,16 @@ class _Program:
             rl = rh.tolist()
             # the kernel writes its own workspace, so P can be laid out as L0A fractals: straight to L0A
             p0 = self._next("p0")
-            e = cg.load(p0, self.ws_p, self._regs(("P<", ks, hh), lambda: [(c, slot, slice(hh * R, hh * R + rl[c]), slice(0, ke[c])) if hact[c]
-                                        else None for c in range(n)]),
-                        deps=self._cdeps("p_written", ks, hh), name="load P->L0A")
+            regs = self._regs(("P<", ks, hh), lambda: [
+                (c, slot, slice(hh * R, hh * R + rl[c]), slice(0, ke[c])) if hact[c] else None for c in range(n)])
+            e = cg.load(p0, self.ws_p, regs, deps=self._cdeps("p_written", ks, hh), name="load P->L0A")
             self.ends[("p_read", ks, hh)] = self._masked(e, ha)
             o0 = self._next("o0")
             cg.mmad(o0, p0, v0, rh, kext, Dv, accumulate=False, active=ha, name="O_j=PV")
             if self.split:
-                e = cg.store(o0, self.ws_o, self._regs(("O>", ks, hh), lambda: [(c, slot, slice(hh * R, hh * R + rl[c]), slice(0, Dv)) if hact[c]
-                                             else None for c in range(n)]),
-                             deps=self._cdeps("o_read", ks - 2, hh), name="FixPipe O_j->GM")
+                regs = self._regs(("O>", ks, hh), lambda: [
+                    (c, slot, slice(hh * R, hh * R + rl[c]), slice(0, Dv)) if hact[c] else None for c in range(n)])
+                e = cg.store(o0, self.ws_o, regs, deps=self._cdeps("o_read", ks - 2, hh), name="FixPipe O_j->GM")
                 self.ends[("o_written", ks, hh)] = self._masked(e, ha)
             o_tiles.append(o0)
         self._flush()                     # A(s+1)'s P stores: after B(s)'s loads, before the output stores
@@ -826,9 +843,10 @@ class _Program:
         PV, O, A = self.tl["pv"][0], self.tl["o"][0], self.tl["alpha"][s % 2]
         if self.split:
             rl, ol, cv = rows.tolist(), (self.half * R).tolist(), self.cube_of
-            e = vg.load(PV, self.ws_o, self._regs(("O<", ks), lambda: [(int(cv[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, Dv))
-                                        if ract[c] else None for c in range(nv)]),
-                        deps=self._vdeps_h("o_written", ks), name="load O_j")
+            regs = self._regs(("O<", ks), lambda: [
+                (int(cv[c]), slot, slice(ol[c], ol[c] + rl[c]), slice(0, Dv)) if ract[c] else None
+                for c in range(nv)])
+            e = vg.load(PV, self.ws_o, regs, deps=self._vdeps_h("o_written", ks), name="load O_j")
             self._put_vh("o_read", ks, self._masked(e, a_))
         else:
             vg.move(PV, o_tiles[0], nbytes=rows * Dv * 4, active=a_, name="FixPipe O_j->UB")
@@ -872,8 +890,10 @@ class _Program:
                   compute=norm, active=self._act(fin))
         bl, hl, ql = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist()
         rl, ol = rows.tolist(), ro.tolist()
-        vg.store(OUT, self.out, self._regs(("out", s + self.base, r), lambda: [(bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]), slice(0, Dv))
-                                 if fin[c] else None for c in range(self.nv)]), name="store out")
+        regs = self._regs(("out", s + self.base, r), lambda: [
+            (bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]), slice(0, Dv)) if fin[c] else None
+            for c in range(self.nv)])
+        vg.store(OUT, self.out, regs, name="store out")
 
     def _stat_regions(self, v, act, key):
         rows = np.clip(v["qext"] - self.half * self.rows, 0, self.rows)
