@@ -148,6 +148,52 @@ def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
     return n, T, items
 
 
+def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
+    """Bytes of the workspaces still dirty in L2 at the end (written back then).
+
+    Every distinct region written is its own L2 line: per core, the (slot, query rows, key columns) combos of
+    its steps — two slots (step parity), full and edge query blocks, full and edge KV tiles. Split cores
+    also keep S per row block (fp32) and O_j per half (fp32).
+    """
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    kes = [min(kvb, Skv - j * kvb) for j in range(nkv)]
+    nh = 2 if split else 1
+    R = qb // nh
+
+    def region_bytes(qe, slot_ke):
+        total = 0.0
+        for slot, k_ in slot_ke:
+            for h in range(nh):
+                rl = min(max(qe - h * R, 0), R)
+                total += rl * k_ * isz                                   # P
+            if split:
+                for g in range(ceil_div(qb, vq)):
+                    total += min(max(qe - g * vq, 0), vq) * k_ * 4       # S, per row block
+        if split:
+            slots = {sl for sl, _ in slot_ke}
+            total += len(slots) * sum(min(max(qe - h * R, 0), R) for h in range(nh)) * Dv * 4   # O_j
+        return total
+
+    units = B * N * nq
+    if not causal and units <= 4096:
+        # round-robin dealing (equal units): core c gets units c, c + n, ...; item k starts at step k·nkv
+        total = 0.0
+        for c in range(n):
+            keys = {}
+            for k, u in enumerate(range(c, units, n)):
+                qe = min(qb, Sq - (u % nq) * qb)
+                for j, k_ in enumerate(kes):
+                    keys.setdefault(qe, set()).add(((k * nkv + j) % 2, k_))
+            total += sum(region_bytes(qe, sk) for qe, sk in keys.items())
+        return total
+    combos = {(p, k_) for p in ((0, 1) if T > 1 else (0,)) for k_ in (kes if not causal else kes[:1] + kes[-1:])}
+    q_full, q_edge = min(qb, Sq), Sq - (nq - 1) * qb
+    edge_cores = min(n, B * N) if (q_edge != q_full and nq > 1) else 0
+    full = region_bytes(q_full, combos)
+    both = full + (region_bytes(q_edge, combos) if edge_cores else 0.0)
+    return (n - edge_cores) * full + edge_cores * both
+
+
 def _model(dev, specs, mask, causal, t, counts, return_probs):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
@@ -259,14 +305,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     hbm = B * N * Sq * D * isz + kv_reads + B * N * Sq * Dv * isz
     if mask is not None:
         hbm += mask_miss * T
-    # dirty workspace lines at the end: per core, the regions of its last two steps (edge tiles are
-    # regions of their own)
-    slots = min(2, T)
-    ke_last = [min(kvb, Skv - j * kvb) for j in range(nkv)][-slots:] if not causal else [min(kvb, Skv)] * slots
-    ws_p = n * sum(min(qb, Sq) * k_ * isz for k_ in ke_last)
-    ws = ws_p
-    if split:
-        ws += n * sum(min(qb, Sq) * k_ * 4 for k_ in ke_last) + n * slots * min(qb, Sq) * Dv * 4
+    hbm_ws = _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal)
+    ws = hbm_ws
     hbm += ws
     busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
             "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}

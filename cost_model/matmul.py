@@ -304,12 +304,18 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     fill = (LA[0] + LB[0] + (Lbias[0] if bias_isz else 0.0)) * first_k + move1[0]
     lead = fill if loads[0] <= cube_chain[0] + stall[0] else 0.0
     # loads lead: after the load of chunk x ends, the Cube still has chunks x.. to do
-    tail_c = max(sum(cf for _, cf, _ in chunks[x:]) * cube[-1] - sum(lf for lf, _, _ in chunks[x + 1:]) * loads[-1]
-                 for x in range(max(0, nk1 - 3), nk1))
-    tail = move1[-1] + tail_c if loads[-1] > cube_chain[-1] + stall[-1] else 0.0
+    def after_loads(i):
+        if loads[i] <= cube_chain[i] + stall[i]:
+            return 0.0
+        return move1[i] + max(sum(cf for _, cf, _ in chunks[x:]) * cube[i]
+                              - sum(lf for lf, _, _ in chunks[x + 1:]) * loads[i]
+                              for x in range(max(0, nk1 - 3), nk1))
+    tail = after_loads(-1)
     # chains of dependent work; the launch lasts as long as the longest
     chain_main = lead + main.sum() + tail + fix[-1] + mte3[-1]
-    chain_out = fill + main[0] + fix[0] + (mte3.sum() if coupled else fix[1:].sum()) + (fix[-1] if coupled else 0)
+    # the write-outs, back to back once the first tile is done
+    first_done = lead + main[0] + after_loads(0)
+    chain_out = first_done + (fix[0] + mte3.sum() if coupled else fix.sum())
     chain_port = gm_port.sum()
     core = max(chain_main, chain_out, chain_port)
     _DEBUG.update(mte2=mte2, pw_prev=pw_prev, cube_chain=cube_chain, stall=stall, mte1=mte1, main=main, fill=fill,
