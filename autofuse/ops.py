@@ -61,6 +61,27 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     return out, probs
 
 
+def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, **_):
+    """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
+    P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype; a row
+    with no key to attend gives zeros. Used where only the values are needed (repeated launches in
+    :func:`autofuse.simulate`); the fused op itself always runs the simulated kernel."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    empty = torch.isneginf(m)
+    e = torch.exp(s - torch.where(empty, 0.0, m))
+    p = torch.where(empty, 0.0, e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    out = (p.to(q.dtype).float() @ v.float()).to(q.dtype)
+    return out, (p.to(q.dtype) if return_probs else q.new_empty((0,)))
+
+
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling=""):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))

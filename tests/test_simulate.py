@@ -6,6 +6,7 @@ import torch
 
 import autofuse
 from autofuse import AutoFusionEngine, SimulationResult
+from autofuse.simulate import simulate_graph
 from autofuse.models import build
 from patterns.attention import AttentionVariant, build_variant
 
@@ -86,3 +87,38 @@ def test_simulate_needs_data():
     model, (args, kwargs) = build("mha", hidden=32, heads=2, seq=16, meta=True)
     with pytest.raises(ValueError, match="meta.*needs data"):
         autofuse.simulate(model, (args, kwargs))
+
+
+def test_repeated_fused_launches_reuse_statistics_and_keep_values():
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=16)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    memo = fused.simulate(*args, **kwargs)
+    every = simulate_graph(fused.graph_module, list(fused.plans.values())[0].captured.flatten_inputs(
+        *args, **kwargs), memo=False)
+    fa_memo = [n for n in memo.nodes if n.fused]
+    fa_every = [n for n in every.nodes if n.fused]
+    assert [n.reused for n in fa_memo] == [False, True] and not any(n.reused for n in fa_every)
+    assert [n.cycles for n in fa_memo] == [n.cycles for n in fa_every] and memo.cycles == every.cycles
+    with torch.no_grad():
+        want = fused(*args, **kwargs).logits
+    torch.testing.assert_close(memo.outputs[0], want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(every.outputs[0], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", [None, "bool", "additive", "causal"])
+def test_reference_twin_follows_the_kernel(dtype, mask):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 40, 16).to(dtype), torch.randn(1, 2, 40, 16).to(dtype), torch.randn(1, 2, 40, 16).to(dtype)
+    m = None
+    if mask == "bool":
+        m = torch.rand(1, 1, 40, 40) < 0.6
+        m[..., 3, :] = False                                      # a row with no key gives zeros
+    elif mask == "additive":
+        m = torch.randn(1, 4, 40, 40).to(dtype)
+    kernel = autofuse.ops.flash_attention(q, k, v, m, causal=mask == "causal", return_probs=True)
+    twin = autofuse.ops.reference_flash_attention(q, k, v, m, causal=mask == "causal", return_probs=True)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for a, b in zip(kernel, twin):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
