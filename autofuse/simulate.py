@@ -83,6 +83,11 @@ class SimulationResult:
                 "nodes": [n.__dict__ for n in self.nodes]}
 
 
+_aten = torch.ops.aten
+_GEMMS = {_aten.linear.default, _aten.matmul.default, _aten.mm.default, _aten.bmm.default, _aten.addmm.default,
+          _aten.baddbmm.default}
+
+
 def _sig(kernel, arrays, params):
     parts = [kernel]
     for a in arrays:
@@ -122,6 +127,17 @@ class _Sim(fx.Interpreter):
                 self.env.pop(a, None)
         return value
 
+    def _value(self, n):
+        """The node's value by torch. A float16 GEMM is computed as the Cube computes it, fp32 accumulation
+        of the fp16 operands and one rounding of the result (CPU float16 GEMMs are several times slower)."""
+        v = n.meta.get("val")
+        if n.target in _GEMMS and isinstance(v, torch.Tensor) and v.dtype == torch.float16:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t  # noqa: E731
+            args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
+            return n.target(*args, **kwargs).to(torch.float16)
+        return super().run_node(n)
+
     def _launch(self, kernel, arrays, params):
         self.launches += 1
         key = _sig(kernel, arrays, params)
@@ -154,7 +170,7 @@ class _Sim(fx.Interpreter):
             self.records.append(NodeCost(n.name, "autofuse.flash_attention", ("flash_attention",), cyc, hbm,
                                          log[0][1].bound if log else "", fused=True, reused=reused))
             return value
-        value = super().run_node(n)
+        value = self._value(n)
         prog = self.programs[n]
         if prog.free:
             return value
