@@ -168,6 +168,25 @@ def _vector_cases(quick: bool):
     return out
 
 
+def _movement_cases(quick: bool):
+    f16, f32 = "float16", "float32"
+    mv = [("copy", [((333, 777), f32)], {}), ("copy", [((10,), "int32")], {}),
+          ("cat", [((64, 300), f16), ((64, 500), f16)], {"dim": 1}),
+          ("permute", [((2, 128, 16, 64), f16)], {"dims": (0, 2, 1, 3)}),
+          ("permute", [((8, 100, 130), f32)], {"dims": (0, 2, 1)}),
+          ("gather", [((1000, 64), f32), ((4, 77), "int32")], {})]
+    if not quick:
+        mv += [("copy", [((4096, 4096), f16)], {}), ("cat", [((1000, 64), f32), ((24, 64), f32)], {"dim": 0}),
+               ("permute", [((2, 512, 16, 64), f16)], {"dims": (0, 2, 1, 3)}),
+               ("permute", [((1024, 768), f16)], {"dims": (1, 0)}),
+               ("gather", [((32000, 4096), f16), ((1, 512), "int32")], {})]
+    out = []
+    for i, (k, ins, p) in enumerate(mv):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case(k, ins, d, p))
+    return out
+
+
 def _fa_shapes(quick: bool):
     f16, bf16, f32 = "float16", "bfloat16", "float32"
     shapes = [((1, 4, 512, 128), True, f16), ((1, 8, 256, 64), False, f16), ((2, 4, 300, 64), False, bf16),
@@ -179,15 +198,27 @@ def _fa_shapes(quick: bool):
     return shapes
 
 
+def _fa_masks(quick: bool):
+    f16 = "float16"
+    ms = [((1, 8, 512, 64), ((1, 1, 512, 512), "bool"), f16)]
+    if not quick:
+        ms += [((2, 4, 256, 64), ((256, 256), f16), f16), ((1, 16, 1024, 128), ((1, 1, 1024, 1024), "bool"), f16)]
+    return ms
+
+
 def _fa_cases(quick: bool):
     out = []
     for i, (shape, causal, dt) in enumerate(_fa_shapes(quick)):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": causal}))
+    for i, (shape, mask, dt) in enumerate(_fa_masks(quick)):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(shape, dt)] * 3, d, {}, {"mask": mask}))
     return out
 
 
-BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "flash_attention": _fa_cases}
+BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
+            "flash_attention": _fa_cases}
 
 
 def cases(quick: bool = False, kernels=None) -> list:
@@ -199,18 +230,25 @@ def cases(quick: bool = False, kernels=None) -> list:
     return out
 
 
-def attention_pair(shape, causal, dtype, device):
-    """Attention unfused (Q·Kᵀ, scale, [causal mask], softmax, P·V) and fused (flash_attention)."""
+def attention_pair(shape, causal, dtype, device, mask=None):
+    """Attention unfused (Q·Kᵀ, scale, [mask], softmax, P·V) and fused (flash_attention).
+
+    The causal mask is a [S, S] bool tensor for the unfused graph (as the traced model materialises it)
+    and ``causal=True`` for the fused kernel; an explicit mask goes to both.
+    """
     B, N, S, D = shape
     unfused = [Case("matmul", [(shape, dtype), (shape, dtype)], device, {"trans_b": True}),
                Case("elementwise", [((B, N, S, S), dtype)], device, {"op": "mul", "scalar": D ** -0.5})]
-    if causal:
-        unfused.append(Case("elementwise", [((B, N, S, S), dtype), ((S, S), "bool")], device,
-                            {"op": "masked_fill", "scalar": -1e4}))
+    if causal or mask is not None:
+        m = ((S, S), "bool") if mask is None else mask
+        op = ({"op": "masked_fill", "scalar": -1e4} if m[1] == "bool" else {"op": "add"})
+        unfused.append(Case("elementwise", [((B, N, S, S), dtype), m], device, op))
     unfused += [Case("softmax", [((B, N, S, S), dtype)], device, {"dim": -1}),
                 Case("matmul", [((B, N, S, S), dtype), (shape, dtype)], device)]
-    fused = Case("flash_attention", [(shape, dtype)] * 3, device, {"causal": causal})
-    return (f"attention {list(shape)} {dtype} causal={causal} on {device}", unfused, fused)
+    fused = Case("flash_attention", [(shape, dtype)] * 3, device, {"causal": causal} if mask is None else {},
+                 {} if mask is None else {"mask": mask})
+    what = f"causal={causal}" if mask is None else f"mask={list(mask[0])}{mask[1]}"
+    return (f"attention {list(shape)} {dtype} {what} on {device}", unfused, fused)
 
 
 def pairs(quick: bool = False) -> list:
@@ -221,6 +259,11 @@ def pairs(quick: bool = False) -> list:
             continue
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(attention_pair(shape, causal, dt, d))
+    for i, (shape, mask, dt) in enumerate(_fa_masks(quick)):
+        if shape[2] > 2048:
+            continue
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(attention_pair(shape, False, dt, d, mask))
     return out
 
 

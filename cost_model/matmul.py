@@ -30,7 +30,6 @@ from cost_model.common import ceil_div, itemsize, pack, round_up
 from cost_model.estimate import cached, make, register
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
-_DEBUG: dict = {}  # the last model's per-step arrays, for development
 # the model's typical error on small matmuls: a searched tiling must beat the kernel default by more
 DEFAULT_MARGIN = 0.05
 
@@ -318,8 +317,6 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     chain_out = first_done + (fix[0] + mte3.sum() if coupled else fix.sum())
     chain_port = gm_port.sum()
     core = max(chain_main, chain_out, chain_port)
-    _DEBUG.update(mte2=mte2, pw_prev=pw_prev, cube_chain=cube_chain, stall=stall, mte1=mte1, main=main, fill=fill,
-                  chains=(chain_main, chain_out, chain_port), PA=PA, PB=PB, PW=PW)
 
     hbm = (A_miss.sum() + B_miss.sum() + W.sum() + bias_miss.sum())
     busy = {"mte2": mte2.sum(), "mte1": mte1.sum(), "cube": cube.sum(), "fixpipe": fix.sum(),
