@@ -69,6 +69,8 @@ def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False) -> bool:
             and nc * m0 * n0 * 4 <= buf["L0C"]
             and (dev.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"])):
         return False
+    if m0 % 16 == 0 and n0 % 16 == 0 and k0 % 16 == 0:
+        return True          # every tile is then a whole number of aligned blocks: the sums above decide
     allocs = [("L1", m0 * k1 * isz)] * 2 + [("L1", k1 * n0 * isz)] * 2
     allocs += [("L1", n0 * 4)] if bias else []
     allocs += [("L0A", m0 * k0 * isz)] * 2 + [("L0B", k0 * n0 * isz)] * 2 + [("L0C", m0 * n0 * 4)] * nc
