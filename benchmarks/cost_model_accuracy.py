@@ -251,9 +251,25 @@ def attention_pair(shape, causal, dtype, device, mask=None):
     return (f"attention {list(shape)} {dtype} {what} on {device}", unfused, fused)
 
 
+def add_rms_pair(shape, dtype, device):
+    """x + residual then RMSNorm (two kernels) vs add_rms_norm (one): a fusion with a small margin."""
+    H = shape[-1]
+    unfused = [Case("elementwise", [(shape, dtype), (shape, dtype)], device, {"op": "add"}),
+               Case("rms_norm", [(shape, dtype), ((H,), dtype)], device)]
+    fused = Case("add_rms_norm", [(shape, dtype), (shape, dtype), ((H,), dtype)], device)
+    return (f"add+rms_norm {list(shape)} {dtype} on {device}", unfused, fused)
+
+
 def pairs(quick: bool = False) -> list:
-    """(label, unfused cases, fused case): attention as unfused kernels vs flash_attention."""
+    """(label, unfused cases, fused case): attention vs flash_attention, add + rms_norm vs add_rms_norm."""
     out = []
+    norms = [((333, 777), "float32"), ((1024, 2048), "float16")]
+    if not quick:
+        norms += [((8, 50000), "bfloat16"), ((7,), "float32"), ((2, 512, 4096), "float16"), ((64, 128), "float16"),
+                  ((1, 2048, 8192), "bfloat16")]
+    for i, (shape, dt) in enumerate(norms):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(add_rms_pair(shape, dt, d))
     for i, (shape, causal, dt) in enumerate(_fa_shapes(quick)):
         if shape[2] > 2048:
             continue
