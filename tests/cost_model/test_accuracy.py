@@ -2,7 +2,7 @@
 
 Pins the issue's acceptance on that sweep: median |pred - sim| / sim <= 5 % and worst <= 15 % for cycles
 and for HBM bytes; the model and the simulator agree on which of "unfused attention" and
-"flash_attention" is faster; estimate() averages under 1 ms.
+"flash_attention" (and "add + rms_norm" and "add_rms_norm") is faster; estimate() averages under 1 ms.
 """
 import pathlib
 import sys
@@ -40,14 +40,17 @@ def test_error_distribution(records, what):
     _check([r for r in records if r.case.kernel != "flash_attention"], what)
 
 
-@pytest.mark.xfail(reason="known gap: the flash_attention model is a per-step busiest-unit approximation; "
-                          "its worst cases (short KV loops, 310P's narrow HBM) miss by up to ~20 %")
-@pytest.mark.parametrize("what", ["cycles", "hbm"])
-def test_error_distribution_flash_attention(records, what):
-    _check([r for r in records if r.case.kernel == "flash_attention"], what)
+def test_error_distribution_flash_attention_hbm(records):
+    _check([r for r in records if r.case.kernel == "flash_attention"], "hbm")
 
 
-def test_attention_pairs_agree():
+@pytest.mark.xfail(reason="known gap: the flash_attention cycle model is a per-step busiest-unit approximation; "
+                          "its worst cases (short KV loops; split cores' GM port) miss by up to ~17 %")
+def test_error_distribution_flash_attention_cycles(records):
+    _check([r for r in records if r.case.kernel == "flash_attention"], "cycles")
+
+
+def test_fusion_pairs_agree():
     ok, n, rows = bench.pair_agreement(bench.pairs(quick=True))
     bad = [r for r in rows if not r[-1]]
     assert ok == n, bad
