@@ -175,7 +175,7 @@ def _qkv(S=16, D=16, dtype=torch.float32):
 
 
 def test_levels_are_observably_different():
-    model, (args, kwargs) = build("gpt2", layers=LAYERS, hidden=32, heads=4, seq=8)
+    model, (args, kwargs) = build("mha", hidden=32, heads=4, seq=16, batch=2)
     reports, calls = {}, {}
     for level in ("O0", "O1", "O2", "O3"):
         fused = AutoFusionEngine.fuse(model, (args, kwargs), optimization_level=level)
@@ -186,7 +186,7 @@ def test_levels_are_observably_different():
                                        atol=1e-5, rtol=1e-4)
     assert not reports["O0"].applied and not calls["O0"]
     assert {d.reason_code for d in reports["O0"].rejected} == {"disabled_by_opt_level"}
-    assert len(calls["O2"]) == len(calls["O3"]) == LAYERS
+    assert len(calls["O1"]) == len(calls["O2"]) == len(calls["O3"]) == 1
     # O3 hands the cost model's searched tiling to the kernel; O2 leaves the kernel its default
     assert all(n.kwargs["tiling"] for n in calls["O3"])
     assert all(n.kwargs["tiling"] == "" for n in calls["O2"])
@@ -237,11 +237,11 @@ def test_a_wrong_kernel_is_rejected_by_verification(monkeypatch):
 
 
 def test_planning_on_meta_verifies_identical_blocks_once():
-    model, (args, kwargs) = build("gpt2", layers=3, hidden=32, heads=4, seq=8, meta=True)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=8, meta=True)
     with autofuse.ops.recording() as log:
         fused = AutoFusionEngine.fuse(model, (args, kwargs))
-    assert len(fused.report.applied) == 3
-    assert len(log) == 1, "three identical blocks on random data must be verified by one kernel run"
+    assert len(fused.report.applied) == 2
+    assert len(log) == 1, "identical blocks on random data must be verified by one kernel run"
 
 
 # --------------------------------------------------------------------------- 6. errors for people

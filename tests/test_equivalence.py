@@ -56,7 +56,7 @@ MODELS = [("gpt2", "eager"), ("llama", "sdpa"), ("mha", "eager")]
 def test_whole_models(name, attn, dtype):
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model, (args, kwargs) = build(name, layers=2, hidden=64, heads=4, seq=24, batch=2, attn=attn, dtype=dtype)
+    model, (args, kwargs) = build(name, layers=2, hidden=32, heads=4, seq=16, batch=2, attn=attn, dtype=dtype)
     _check(f"{name}-{attn}", dtype, *_errors(model, args, kwargs, 1 if name == "mha" else 2))
 
 
