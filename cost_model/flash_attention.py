@@ -113,39 +113,44 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
 
 
 # ------------------------------------------------------------------------------------------ schedule
+def _deal(per_head, BN, ncores):
+    """The kernel's dealer: units (lists of per-item tile counts) to the least-loaded core, in order.
+
+    Returns (cores, makespan in tiles, items of the busiest core). With many units per core the greedy
+    dealer balances to the average within one unit, so that is used instead of replaying it.
+    """
+    nunits = BN * len(per_head)
+    n = min(ncores, nunits)
+    costs = [sum(u) for u in per_head]
+    if nunits > 8 * n:
+        total = BN * sum(costs)
+        T = ceil_div(total, n) + (max(costs) - min(costs))
+        return n, T, ceil_div(BN * sum(len(u) for u in per_head), n)
+    heap = [(0, 0, c) for c in range(n)]
+    for _ in range(BN):
+        for unit in per_head:
+            load, its, c = heapq.heappop(heap)
+            heapq.heappush(heap, (load + sum(unit), its + len(unit), c))
+    T = max(h[0] for h in heap)
+    return n, T, max(h[1] for h in heap if h[0] == T)
+
+
 @cached
 def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
-    """(cores used, tile steps of the busiest core, items of the busiest core) of the kernel's dealer.
-
-    The kernel deals units (one query block, or a causal pair i / nq-1-i) to the least-loaded core. With
-    many units per core that balances to the average within one unit; with few, replay the dealer.
-    """
+    """(cores used, tile steps of the busiest core, its items), as the kernel schedules: one query block
+    per unit, or (causal) blocks i and nq-1-i paired when that finishes no later."""
     def tiles(qi):
         if not causal:
             return nkv
         return ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
 
-    per_head = ([[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else [])) if causal \
-        else [[i] for i in range(nq)]
-    nunits = B * N * len(per_head)
-    n = min(ncores, nunits)
-    if nunits > 8 * n:
-        costs = [sum(tiles(qi) for qi in u) for u in per_head]
-        total = B * N * sum(costs)
-        T = ceil_div(total, n) + (max(costs) - min(costs))
-        items = ceil_div(B * N * nq, n)
-        return n, T, items
-    heap = [(0, 0, c) for c in range(n)]
-    loads = [(0, 0)] * n
-    for _ in range(B * N):
-        for unit in per_head:
-            load, its, c = heapq.heappop(heap)
-            cost = sum(tiles(qi) for qi in unit)
-            heapq.heappush(heap, (load + cost, its + len(unit), c))
-    T = max(h[0] for h in heap)
-    items = max(h[1] for h in heap)
-    _ = loads
-    return n, T, items
+    best = _deal([[tiles(i)] for i in range(nq)], B * N, ncores)
+    if causal:
+        pairs = [[tiles(i), tiles(nq - 1 - i)] for i in range(nq // 2)] + ([[tiles(nq // 2)]] if nq % 2 else [])
+        paired = _deal(pairs, B * N, ncores)
+        if paired[1] <= best[1]:
+            best = paired
+    return best
 
 
 def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
@@ -296,7 +301,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     out_store = nsub * max(out_b / nsub / rate["UB->GM"], port_out / nsub)
     # item end: out = O / l block by block, each block's store before the next block's cast (the last
     # store overlaps the next item); the next item's Q load then holds the GM port ahead of its S
-    per_item = vec_last + out_store * (nsub - 1) / nsub + q_load
+    # (on split cores, when the AIC's GM traffic sets the step, the Q loads are already in its share)
+    q_exposed = 0.0 if split and max(cube_mte2, cube_port) >= step else q_load
+    per_item = vec_last + out_store * (nsub - 1) / nsub + q_exposed
     fill = q_load + q_move + mte2_kv + mte1 + cube + fix
     drain = 0.0
     core = fill + T * step + items * per_item + drain
