@@ -18,8 +18,7 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.devices import get_device
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import make, register
 from cost_model.stream import port, stream
 from cost_model.vecutil import block_elems, fits, largest
 from cost_model.vector import _rows_cut
@@ -136,8 +135,6 @@ def _transpose_model(dev, s, q, dtype, tiling):
     items = others * na * nl
     n = min(dev.vector_cores, items)
     steps = ceil_div(items, n)
-    # item sizes: full, edge in a, edge in l, both
-    ea, el = SA - (na - 1) * a, SL - (nl - 1) * l_
     avg = SA * SL / (na * nl)                                # mean elements of an item
     full = a * l_
     passes = 1 if isz == 2 else 2
@@ -147,7 +144,6 @@ def _transpose_model(dev, s, q, dtype, tiling):
     tot = act * avg * isz
     core, busy = stream(dev, worst, port(dev, 0 * tot, tot), np.full(steps, float(vec)), worst,
                         tot / dev.hbm_bytes_per_cycle, np.full(steps, 3.0))
-    _ = (ea, el)
     N = math.prod(s)
     return core, 2.0 * N * isz, {"GM->UB": N * isz, "UB->GM": N * isz}, busy, {"a": a, "l": l_}
 

@@ -111,7 +111,6 @@ def _model(dev, dtype, outer, C, inner, block, chunk):
             tasks.append((worst * cv * isz, np.where(resident, b, 0.0), np.where(resident, 0.0, b), vec,
                           worst * cv * isz, b, instr))
     # interleave: step-major, task-minor
-    T = len(tasks)
     cols = [np.stack([np.broadcast_to(np.asarray(t[i], float), (S,)) for t in tasks], axis=1).reshape(-1)
             for i in range(7)]
     load_b, hit, miss, vec, store_b, store_tot, instr = cols
@@ -119,7 +118,6 @@ def _model(dev, dtype, outer, C, inner, block, chunk):
                         instr)
     hbm = float(miss.sum() + store_tot.sum())
     nbytes = {"GM->UB": float((hit + miss).sum()), "UB->GM": float(store_tot.sum())}
-    _ = T
     return core, hbm, nbytes, busy
 
 

@@ -137,7 +137,6 @@ def _plan(specs, op, scalar, out_dtype):
 def _ew_model(dev, specs, p, r, c):
     shapes = [s for s, _ in specs]
     in_dt, cd, out_dt = p["in_dt"], p["cd"], p["out_dt"]
-    total = math.prod(p["out_shape"])
     dims, flags = _coalesce(p["out_shape"], shapes)
     lead, Dr, Dc = dims[:-2], dims[-2], dims[-1]
     nlead = math.prod(lead)
@@ -242,7 +241,6 @@ def _ew_model(dev, specs, p, r, c):
     instr += 1
     core, busy = stream(dev, lb, port(dev, hit, miss), vec, sb, stot / dev.hbm_bytes_per_cycle, instr)
     hbm = miss.sum() + stot.sum()
-    _ = total
     return core, float(hbm), {"GM->UB": float((hit + miss).sum()), "UB->GM": float(stot.sum())}, busy
 
 
@@ -257,7 +255,7 @@ def _rows_cut(total, n, r, period, align=1):
     s = (ends_u - q) * align
     e = np.minimum(total, ends_u * align)
     live = e > s
-    s, e, core = s[live], e[live], np.arange(n)[live]
+    s, e = s[live], e[live]
     p0, p1 = s // period, (e - 1) // period
     nseg = p1 - p0 + 1
     seg_core = np.repeat(np.arange(len(s)), nseg)
@@ -277,7 +275,6 @@ def _rows_cut(total, n, r, period, align=1):
     np.maximum.at(worst, step, ext)
     tot = np.bincount(step, ext, S)
     act = np.bincount(step, None, S).astype(float)
-    _ = core
     return worst, tot, act
 
 
