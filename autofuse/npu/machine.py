@@ -29,9 +29,14 @@ lines, written back when evicted or, at the latest, at the end of the kernel.
 """
 from __future__ import annotations
 
+import ctypes
+import glob
 import itertools
 import math
+import os
+import threading
 from collections import OrderedDict, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,16 +77,313 @@ def _key(region) -> tuple:
     return tuple([(s.start, s.stop) if s.__class__ is slice else s for s in region])
 
 
-def _key_bytes(region, isz: int):
-    """``(_key(region), bytes of the region)`` in one pass (the hot path of every GM transfer)."""
-    key, n = [], isz
-    for s in region:
-        if s.__class__ is slice:
-            key.append((s.start, s.stop))
-            n *= s.stop - s.start
-        else:
-            key.append(s)
-    return tuple(key), n
+class _Regions:
+    """The bookkeeping of one per-core region list, done once: L2 keys, elements, which cores take part and,
+    when every core has a region of one extent, the row indices that copy all of them in one numpy call.
+
+    A kernel that passes the same *tuple* of regions again (a cached schedule) gets this object back from
+    :func:`_regions` instead of a per-core pass over the slices. Lists are rebuilt every time (they may change).
+    """
+
+    __slots__ = ("regions", "keys", "elems", "cores", "present", "idle", "extent", "_rows")
+
+    def __init__(self, regions):
+        keys, elems, cores = [], [], []
+        extent = None
+        uniform = True
+        for c, region in enumerate(regions):
+            if region is None:
+                keys.append(None)
+                elems.append(0)
+                continue
+            key, n, ext = [], 1, []
+            for s in region:
+                if s.__class__ is slice:
+                    key.append((s.start, s.stop))
+                    e = s.stop - s.start
+                    n *= e
+                    ext.append(e)
+                else:
+                    key.append(s)
+            keys.append(tuple(key))
+            elems.append(n)
+            cores.append(c)
+            if uniform:
+                ext = tuple(ext)
+                if extent is None:
+                    extent = ext
+                elif ext != extent:
+                    uniform = False
+        self.regions, self.keys, self.elems, self.cores = regions, keys, elems, cores
+        self.idle = len(cores) < len(regions)
+        self.present = None
+        if self.idle:
+            self.present = np.array([r is not None for r in regions])
+            self.present.flags.writeable = False
+        # one copy for all cores: only when every core takes part with a region of the same extent
+        self.extent = extent if uniform and not self.idle and cores else None
+        self._rows = {}
+
+    def rows(self, data: np.ndarray):
+        """``(W, rows)``: with ``data`` viewed as ``[-1, W]`` rows (W = the regions' last extent), core c's
+        region is ``view[rows[c]]`` (shape ``[n, *extent]``); None when the regions do not allow it (a region
+        not covering every dim, out of bounds, with a step, or not starting on a W boundary)."""
+        key = data.shape
+        got = self._rows.get(key, 0)
+        if got == 0:
+            got = self._rows[key] = self._build_rows(data.shape)
+        return got
+
+    def _build_rows(self, shape):
+        ext = self.extent
+        nd = len(shape)
+        if ext is None or not ext or min(ext) <= 0:
+            return None
+        W = ext[-1]
+        if shape[-1] % W:
+            return None
+        strides = [1] * nd
+        for d in range(nd - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        offs, slice_dims = [], None
+        for region in self.regions:
+            if len(region) != nd or region[-1].__class__ is not slice:
+                return None
+            off, sd = 0, []
+            for d, s in enumerate(region):
+                if s.__class__ is slice:
+                    if s.step is not None or not (0 <= s.start <= s.stop <= shape[d]):
+                        return None
+                    off += s.start * strides[d]
+                    sd.append(d)
+                else:
+                    if not 0 <= s < shape[d]:
+                        return None
+                    off += int(s) * strides[d]
+            if region[-1].start % W:
+                return None
+            if slice_dims is None:
+                slice_dims = sd
+            elif sd != slice_dims:
+                return None
+            offs.append(off)
+        rel = np.zeros((), dtype=np.intp)
+        for d, e in zip(slice_dims[:-1], ext[:-1]):
+            rel = rel[..., None] + np.arange(e, dtype=np.intp) * strides[d]
+        off = np.array(offs, dtype=np.intp).reshape((-1,) + (1,) * rel.ndim)
+        rows = (off + rel) // W
+        return W, rows, bool(np.unique(rows).size == rows.size)
+
+
+_REGIONS: dict = {}             # id(tuple of regions) -> _Regions (holding the tuple, so the id stays its own)
+_REGIONS_MAX = 1 << 15
+
+
+def _regions(regions) -> _Regions:
+    if regions.__class__ is tuple:
+        info = _REGIONS.get(id(regions))
+        if info is not None and info.regions is regions:
+            return info
+        info = _Regions(regions)
+        if len(_REGIONS) >= _REGIONS_MAX:
+            _REGIONS.clear()
+        _REGIONS[id(regions)] = info
+        return info
+    return _Regions(regions)
+
+
+def _contiguous(a: np.ndarray) -> bool:
+    return a.flags.c_contiguous
+
+
+# ------------------------------------------------------------------------------ host threads
+# The simulator's own speed (never its figures): a lockstep instruction computes every core's tile in one
+# numpy call, and the big ones (the Cube's batched GEMMs, kernels' Vector passes) are split by cores over
+# the host's CPUs. Each core's values are computed by the same numpy/BLAS call on the same data whether or
+# not the batch is split, so outputs are bit for bit the same with any number of threads.
+
+def _host_threads() -> int:
+    """Host threads for the simulator: ``AUTOFUSE_NPU_THREADS`` if set, else the CPUs this process may use
+    (at most 4: the batches are small)."""
+    env = os.environ.get("AUTOFUSE_NPU_THREADS", "").strip()
+    if env:
+        return max(1, int(env))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 4))
+
+
+class _Job:
+    """Parts of one split computation; whoever is free takes the next part (the caller too)."""
+
+    def __init__(self, fn, parts):
+        self.fn, self.parts = fn, parts
+        self.next = 0
+        self.left = len(parts)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.error = None
+
+    def work(self):
+        parts, fn, lock = self.parts, self.fn, self.lock
+        while True:
+            with lock:
+                i = self.next
+                if i >= len(parts):
+                    return
+                self.next = i + 1
+            try:
+                fn(parts[i])
+            except BaseException as e:         # re-raised in the caller
+                if self.error is None:
+                    self.error = e
+            with lock:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+
+
+class _Pool:
+    """Sleeping helper threads that take parts of a split computation alongside the calling thread.
+
+    The caller works through the parts too and only waits for parts a helper has already started, so a
+    helper the OS has not scheduled yet (a loaded machine) delays nothing: the caller does its share.
+    Helpers sleep on a condition variable between jobs (no spinning). One job at a time: a call made while
+    another thread's job runs computes its parts itself.
+    """
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.job = None
+        self.gen = 0
+        self.threads: list = []
+        self.pid = os.getpid()
+        self.busy = threading.Lock()
+
+    def _loop(self):
+        seen = 0
+        while True:
+            with self.cv:
+                while self.gen == seen:
+                    self.cv.wait()
+                seen, job = self.gen, self.job
+            if job is not None:
+                job.work()
+
+    def map(self, fn, parts) -> None:
+        """``fn(part)`` for every part, the parts spread over this thread and the helpers."""
+        helpers = _host_threads() - 1
+        if helpers <= 0 or len(parts) < 2 or not self.busy.acquire(blocking=False):
+            for part in parts:
+                fn(part)
+            return
+        try:
+            if os.getpid() != self.pid:          # a forked child has none of the parent's threads
+                self.threads, self.pid = [], os.getpid()
+            while len(self.threads) < helpers:
+                t = threading.Thread(target=self._loop, name="npu-sim", daemon=True)
+                t.start()
+                self.threads.append(t)
+            job = _Job(fn, parts)
+            with self.cv:
+                self.job = job
+                self.gen += 1
+                self.cv.notify_all()
+            job.work()
+            job.done.wait()
+            with self.cv:
+                self.job = None
+        finally:
+            self.busy.release()
+        if job.error is not None:
+            raise job.error
+
+
+_POOL = _Pool()
+
+
+SPLIT_MIN = 1 << 16               # elements (or GEMM MACs per core) below which a split does not pay
+
+
+def core_parts(n: int, size: int, parts: int = 4):
+    """Slices of ``range(n)`` (the core axis) to split a computation of ``size`` elements over host threads;
+    a single slice when it is smaller than ``SPLIT_MIN`` (or one host thread is configured)."""
+    if n < 2 or size < SPLIT_MIN or _host_threads() < 2:
+        return [slice(0, n)]
+    k = min(n, parts)
+    return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def split_cores(fn, n: int, size: int) -> None:
+    """``fn(cores)`` over slices of the core axis, on the host threads (see :func:`core_parts`)."""
+    _POOL.map(fn, core_parts(n, size))
+
+
+def _find_openblas():
+    """numpy's OpenBLAS ``(set_num_threads, get_num_threads)``, or None (another BLAS, or not found)."""
+    dirs = [os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs"),
+            os.path.join(os.path.dirname(np.__file__), ".libs")]
+    try:
+        import scipy_openblas64
+        dirs.append(os.path.join(os.path.dirname(scipy_openblas64.__file__), "lib"))
+    except ImportError:
+        pass
+    for d in dirs:
+        for path in sorted(glob.glob(os.path.join(d, "*openblas*.so*"))):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for prefix in ("scipy_openblas", "openblas"):
+                for suffix in ("64_", ""):
+                    set_, get = f"{prefix}_set_num_threads{suffix}", f"{prefix}_get_num_threads{suffix}"
+                    if hasattr(lib, set_) and hasattr(lib, get):
+                        fset, fget = getattr(lib, set_), getattr(lib, get)
+                        fset.argtypes, fset.restype, fget.restype = [ctypes.c_int], None, ctypes.c_int
+                        return fset, fget
+    return None
+
+
+_BLAS = None
+_BLAS_LOCK = threading.Lock()
+_BLAS_STATE = {"depth": 0, "saved": None}
+_blas_split = False              # whether mmad may split its GEMMs over host threads (BLAS is single-threaded)
+
+
+@contextmanager
+def host_blas():
+    """While a kernel runs: numpy's OpenBLAS on one thread, the Cube's batched GEMMs split by cores over the
+    simulator's own host threads instead; the previous OpenBLAS thread count is restored afterwards.
+
+    Why: one simulated instruction is one small GEMM per core (e.g. 32 of 128³). OpenBLAS threads hand each
+    of them to workers that spin while waiting; on a loaded machine every hand-off waits for a time slice
+    (a 4 ms batch measured at 700 ms). The simulator's helpers sleep between jobs and the calling thread
+    does the parts no helper has started. This is process-wide (OpenBLAS has one setting): other threads'
+    numpy GEMMs run single-threaded while a kernel is being simulated. Without a settable OpenBLAS (another
+    BLAS), GEMMs are not split and BLAS keeps its own threading.
+    """
+    global _BLAS, _blas_split
+    with _BLAS_LOCK:
+        if _BLAS is None:
+            _BLAS = _find_openblas() or False
+        st = _BLAS_STATE
+        if st["depth"] == 0 and _BLAS:
+            st["saved"] = _BLAS[1]()
+            if st["saved"] != 1:
+                _BLAS[0](1)
+            _blas_split = True
+        st["depth"] += 1
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            st["depth"] -= 1
+            if st["depth"] == 0 and _BLAS:
+                _blas_split = False
+                if st["saved"] != 1:
+                    _BLAS[0](st["saved"])
 
 
 class GMTensor:
@@ -308,67 +610,125 @@ class Group:
         ge2[j, idx] = np.where(rep, new_e, ge2[j, idx])
         return end, (new_free, np.stack([gs2, ge2]))
 
-    def _active(self, regions, active):
-        if active is None and any(r is None for r in regions):
-            active = np.array([r is not None for r in regions])
-        return active
-
     # ---------------------------------------------------------------- GM transfers
     def load(self, dst: Tile, src: GMTensor, regions, active=None, deps=(), fn=None, name=None):
         """MTE2: copy ``src[regions[c]]`` into ``dst`` on each core ``c`` (``None``: core idle).
 
         The region lands in the top-left corner of the tile, the rest is zero-filled. ``fn`` transforms the
         region on the way (e.g. a transpose, as the hardware's ND→NZ load does at no extra cost).
+        ``regions``: a list, or a tuple that the kernel passes again on later calls (its bookkeeping is then
+        reused; it must not change).
         """
         if len(regions) != self.n:
             raise SimulatorError(f"load into {dst.name}: {len(regions)} regions for {self.n} cores")
-        active = self._active(regions, active)
+        info = _regions(regions)
+        if active is None and info.idle:
+            active = info.present
         path = f"GM->{dst.buffer}"
-        nbytes, port = self._gm_access(src, regions, write=False)
-        for c, region in enumerate(regions):
-            if region is None:
-                continue
-            block = src.data[region]
-            if fn is not None:
-                block = fn(block)
-            view = dst.data[c]
-            if block.shape != view.shape:
-                view.fill(0)
-                view[tuple(slice(0, e) for e in block.shape)] = block
-            else:
-                view[...] = block
-        self.launch.bytes[path] += int(nbytes.sum())
+        isz = itemsize(src.dtype)
+        nbytes, port = self._gm_access(src, info, isz, write=False)
+        if not self._load_all(dst, src, info, fn):
+            for c, region in enumerate(regions):
+                if region is None:
+                    continue
+                block = src.data[region]
+                if fn is not None:
+                    block = fn(block)
+                view = dst.data[c]
+                if block.shape != view.shape:
+                    view.fill(0)
+                    view[tuple(slice(0, e) for e in block.shape)] = block
+                else:
+                    view[...] = block
+        self.launch.bytes[path] += sum(info.elems) * isz
         cycles = nbytes / self.launch.device.rates[path]
         return self._exec(_PATH_UNIT[path], cycles, writes=(dst,), deps=deps, active=active,
                           name=name or f"load {src.name}->{dst.name}", port=port)
+
+    @staticmethod
+    def _load_all(dst: Tile, src: GMTensor, info: _Regions, fn) -> bool:
+        """Every core's region in one gather (what the per-core loop does, when the regions allow it)."""
+        if info.extent is None or (fn is not None and fn is not np.transpose) or \
+                src.data.dtype != dst.data.dtype or not _contiguous(src.data):
+            return False
+        got = info.rows(src.data)
+        if got is None:
+            return False
+        W, rows, _ = got
+        ext = info.extent
+        if fn is None:
+            shape = ext
+        elif len(ext) == 2:
+            shape = ext[::-1]
+        else:
+            return False
+        if len(shape) != len(dst.shape) or any(e > t for e, t in zip(shape, dst.shape)):
+            return False
+        flat = src.data.reshape(-1, W)
+        if fn is None and shape == dst.shape:
+            np.take(flat, rows, axis=0, out=dst.data, mode="clip")      # rows are in bounds (checked)
+            return True
+        block = np.take(flat, rows, axis=0, mode="clip")
+        if fn is not None:
+            block = block.transpose(0, 2, 1)
+        if shape == dst.shape:
+            np.copyto(dst.data, block)
+        else:
+            dst.data.fill(0)
+            dst.data[(slice(None), *(slice(0, e) for e in shape))] = block
+        return True
 
     def store(self, src: Tile, dst: GMTensor, regions, active=None, deps=(), fn=None, name=None):
         """MTE3 (UB→GM) or FixPipe (L0C→GM): write the tile's top-left corner to ``dst[regions[c]]``.
 
         Values are rounded to ``dst.dtype`` (FixPipe converts fp32 accumulators on the way out; the MTE3
-        path moves bytes only, so a UB tile must already hold ``dst.dtype``).
+        path moves bytes only, so a UB tile must already hold ``dst.dtype``). ``regions`` as for :meth:`load`.
         """
         if len(regions) != self.n:
             raise SimulatorError(f"store from {src.name}: {len(regions)} regions for {self.n} cores")
         if src.buffer == "UB" and src.dtype != dst.dtype:
             raise SimulatorError(f"UB->GM moves bytes only: tile {src.name} is {src.dtype}, "
                                  f"{dst.name} is {dst.dtype}; cast on the Vector unit first")
-        active = self._active(regions, active)
+        info = _regions(regions)
+        if active is None and info.idle:
+            active = info.present
         path = f"{src.buffer}->GM"
         if path not in _PATH_UNIT:
             raise SimulatorError(f"no data path {path}")
-        nbytes, port = self._gm_access(dst, regions, write=True)
-        for c, region in enumerate(regions):
-            if region is None:
-                continue
-            block = src.data[c][tuple(slice(0, e) for e in _extent(region))] if fn is None else fn(src.data[c])
-            dst.data[region] = to_dtype(block, dst.dtype) if dst.dtype != src.dtype else block
-        self.launch.bytes[path] += int(nbytes.sum())
+        isz = itemsize(dst.dtype)
+        nbytes, port = self._gm_access(dst, info, isz, write=True)
+        if not self._store_all(src, dst, info, fn):
+            for c, region in enumerate(regions):
+                if region is None:
+                    continue
+                block = src.data[c][tuple(slice(0, e) for e in _extent(region))] if fn is None else fn(src.data[c])
+                dst.data[region] = to_dtype(block, dst.dtype) if dst.dtype != src.dtype else block
+        self.launch.bytes[path] += sum(info.elems) * isz
         cycles = nbytes / self.launch.device.rates[path]
         return self._exec(_PATH_UNIT[path], cycles, reads=(src,), deps=deps, active=active,
                           name=name or f"store {src.name}->{dst.name}", port=port)
 
-    def _gm_access(self, t: GMTensor, regions, write: bool):
+    @staticmethod
+    def _store_all(src: Tile, dst: GMTensor, info: _Regions, fn) -> bool:
+        """Every core's region in one scatter (regions that do not overlap; else the per-core loop)."""
+        if info.extent is None or fn is not None or not _contiguous(dst.data):
+            return False
+        ext = info.extent
+        if len(ext) != len(src.shape) or any(e > t for e, t in zip(ext, src.shape)):
+            return False
+        got = info.rows(dst.data)
+        if got is None or not got[2]:
+            return False
+        W, rows, _ = got
+        block = src.data if ext == src.shape else src.data[(slice(None), *(slice(0, e) for e in ext))]
+        if dst.dtype != src.dtype:
+            block = to_dtype(block, dst.dtype)
+        if block.dtype != dst.data.dtype:
+            return False
+        dst.data.reshape(-1, W)[rows] = block
+        return True
+
+    def _gm_access(self, t: GMTensor, info: _Regions, isz: int, write: bool):
         """Bytes per core, and per-core port cycles after the L2 lookup.
 
         The cores of a lockstep instruction draw on the chip's L2 and HBM bandwidth together: the unique
@@ -378,26 +738,38 @@ class Group:
         first reader's miss fills the line for all of them, as an L2 does.
         """
         launch = self.launch
-        isz = itemsize(t.dtype)
-        nbytes = np.zeros(self.n)
-        hits = np.zeros(self.n)
-        slow = np.zeros(self.n, dtype=bool)
+        n = self.n
+        nbytes = [0] * n
+        hits = [0] * n
+        slow = [False] * n
         l2 = launch.l2
-        missed, hbm_total = set(), 0
-        for c, region in enumerate(regions):
-            if region is None:
-                continue
-            rkey, b = _key_bytes(region, isz)
-            key = (t.id, rkey)
-            nbytes[c] = b
-            if write:
-                wb = l2.write(key, b, dirty=t.scratch)
-                through = 0 if t.scratch else b
+        lines = l2.lines
+        keys, elems = info.keys, info.elems
+        tid = t.id
+        hbm_total = 0
+        if write:
+            scratch = t.scratch
+            for c in info.cores:
+                b = elems[c] * isz
+                nbytes[c] = b
+                wb = l2.write((tid, keys[c]), b, dirty=scratch)
+                through = 0 if scratch else b
                 launch.hbm_write += wb + through
                 hbm_total += wb + through
                 slow[c] = (wb + through) > 0
                 hits[c] = b - through
-            else:
+        else:
+            missed = set()
+            for c in info.cores:
+                b = elems[c] * isz
+                nbytes[c] = b
+                key = (tid, keys[c])
+                line = lines.get(key)
+                if line is not None and line[0] >= b:       # a hit (L2.read's first case)
+                    lines.move_to_end(key)
+                    hits[c] = b
+                    slow[c] = key in missed
+                    continue
                 hit, miss, wb = l2.read(key, b)
                 launch.hbm_read += miss
                 launch.hbm_write += wb
@@ -406,10 +778,11 @@ class Group:
                     missed.add(key)
                 slow[c] = miss > 0 or wb > 0 or key in missed
                 hits[c] = hit
+        hits = np.array(hits, dtype=float)
         t_hit = hits.sum() / launch.device.l2_bytes_per_cycle
         t_hbm = hbm_total / launch.device.hbm_bytes_per_cycle
         port = np.where(hits > 0, t_hit, 0.0) + np.where(slow, t_hbm, 0.0)
-        return nbytes, port
+        return np.array(nbytes, dtype=float), port
 
     # ---------------------------------------------------------------- on-chip moves and compute
     def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None):
@@ -452,12 +825,22 @@ class Group:
             raise SimulatorError(f"mmad operands differ in dtype: {a.dtype} vs {b.dtype}")
         dev = self.launch.device
         k0 = dev.cube_k0[a.dtype]
-        if accumulate:
-            c.data += np.matmul(a.data, b.data)
-        elif init is not None:
-            np.add(np.matmul(a.data, b.data), init, out=c.data)
+        ad, bd, cd = a.data, b.data, c.data
+        if init is not None and not accumulate:
+            init = np.broadcast_to(init, cd.shape)
+
+        def product(cs):
+            if accumulate:
+                cd[cs] += np.matmul(ad[cs], bd[cs])
+            elif init is not None:
+                np.add(np.matmul(ad[cs], bd[cs]), init[cs], out=cd[cs])
+            else:
+                np.matmul(ad[cs], bd[cs], out=cd[cs])
+
+        if _blas_split:
+            _POOL.map(product, core_parts(self.n, ad[0].size * bd.shape[-1] if ad.ndim == 3 else 0))
         else:
-            np.matmul(a.data, b.data, out=c.data)
+            product(slice(None))
         cycles = (-(-np.asarray(m) // 16)) * (-(-np.asarray(k) // k0)) * (-(-np.asarray(n) // 16))
         return self._exec("cube", cycles.astype(float), reads=(a, b, c) if accumulate else (a, b),
                           writes=(c,), deps=deps, active=active, name=name)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autofuse.npu.dtypes import FLOATS, name_of
-from autofuse.npu.machine import GMTensor, Launch, Stats
+from autofuse.npu.machine import GMTensor, Launch, Stats, host_blas
 from autofuse.npu.trace import Trace
 from cost_model.devices import devices as _device_names
 from cost_model.devices import get_device
@@ -88,7 +88,8 @@ def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
         if hasattr(v, "shape") and not np.isscalar(v):
             arr, dt = _to_numpy(v, f"{k} of {kernel_name}")
             params[k] = launch.tensor(arr, dt, k)
-    outs = fn(launch, *gm_inputs, **params)
+    with host_blas():                  # OpenBLAS on one thread, GEMMs split over the simulator's threads
+        outs = fn(launch, *gm_inputs, **params)
     stats = launch.finish()
     trace = Trace(kernel_name, dev, launch.events, launch.groups)
     return Result(outputs=tuple(_from_storage(o) for o in outs), stats=stats, trace=trace,

@@ -62,7 +62,7 @@ import math
 import numpy as np
 
 from autofuse.npu.dtypes import itemsize, to_dtype
-from autofuse.npu.machine import GMTensor
+from autofuse.npu.machine import GMTensor, split_cores
 from autofuse.npu.run import kernel
 
 OPERAND_DTYPES = ("float16", "bfloat16", "float32")
@@ -527,10 +527,11 @@ class _Program:
 
     # ---------------------------------------------------------------- helpers
     def _regs(self, key, build):
-        """The region list ``key`` of this program, built once per shape and reused by later launches."""
+        """The region list ``key`` of this program, built once per shape and reused by later launches (a
+        tuple: the machine then keeps its bookkeeping of the list too)."""
         regs = self.plan.regions.get(key)
         if regs is None:
-            regs = self.plan.regions[key] = build()
+            regs = self.plan.regions[key] = tuple(build())
         return regs
 
     def _next(self, ring):
@@ -735,65 +736,72 @@ class _Program:
         part = v["partial"] & ract
         repeats = rr * passes + rr * part * 2 + stat * (3 if probs_pass else 5)
         vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
-        dst = P.data[:, sl]
+        pd, tmp, f32 = P.data, self.tmp, self.dtype == "float32"
+        partial = bool(part.any())
+        # every pass is per core (per row, even), so the closures take a slice of the cores and the host
+        # threads split the work between them (machine.split_cores); values are the same however split
+        size = sd.size
 
-        def scale_and_mask():
-            np.multiply(sd, self.scale, out=sd)
+        def scale_and_mask(cs):
+            x = sd[cs]
+            np.multiply(x, self.scale, out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile)
-                np.copyto(sd, _NEG_INF, where=self.col[None, None, :] >= kext[:, None, None])
+                np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
             if mt is not None:
                 if self.mask.dtype == "bool":
-                    np.copyto(sd, _NEG_INF, where=~mt.data)
+                    np.copyto(x, _NEG_INF, where=~mt.data[cs])
                 else:
-                    np.add(sd, mt.data, out=sd)
-            if part.any():
-                rg = (vq0 + ro)[:, None, None] + self.rowi[None, :, None]
-                cg_ = vk0[:, None, None] + self.col[None, None, :]
-                np.copyto(sd, _NEG_INF, where=cg_ > rg)
+                    np.add(x, mt.data[cs], out=x)
+            if partial:
+                rg = (vq0 + ro)[cs, None, None] + self.rowi[None, :, None]
+                cg_ = vk0[cs, None, None] + self.col[None, None, :]
+                np.copyto(x, _NEG_INF, where=cg_ > rg)
+            return x
 
-        def cast():
-            if self.dtype == "float32":
-                np.copyto(dst, sd)
+        def cast(x, cs):
+            if f32:
+                np.copyto(pd[cs, sl], x)
             else:
-                round_to(sd, self.dtype, dst, self.tmp, nonneg=True)
+                round_to(x, self.dtype, pd[cs, sl], tmp[cs], nonneg=True)
 
         if probs_pass:
             Mt, Lf = M[0], Lt[0]
 
-            def probs():
-                scale_and_mask()
-                m = Mt.data[:, sl]
-                np.subtract(sd, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=sd)
-                np.exp(sd, out=sd)
-                lv = Lf.data[:, sl]
+            def probs(cs):
+                x = scale_and_mask(cs)
+                m = Mt.data[cs, sl]
+                np.subtract(x, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=x)
+                np.exp(x, out=x)
+                lv = Lf.data[cs, sl]
                 inv = np.where(lv > 0, np.float32(1) / np.where(lv > 0, lv, np.float32(1)), np.float32(0))
-                np.multiply(sd, inv[:, :, None], out=sd)
-                if self.dtype == "float32":
-                    np.copyto(dst, sd)
-                else:
-                    round_to(sd, self.dtype, dst, self.tmp, nonneg=True)
+                np.multiply(x, inv[:, :, None], out=x)
+                cast(x, cs)
 
-            vg.vector("probs: scale mask sub exp mul cast", writes, reads + [Mt, Lf], repeats, compute=probs,
-                      active=a_)
+            vg.vector("probs: scale mask sub exp mul cast", writes, reads + [Mt, Lf], repeats,
+                      compute=lambda: split_cores(probs, self.nv, size), active=a_)
             return
 
-        def softmax():
-            scale_and_mask()
-            mprev = np.where(first[:, None], _NEG_INF, M[prev].data[:, sl])
-            mnew = np.maximum(mprev, sd.max(axis=-1))
+        Mp, Lp, Mc, Lc, Ac = M[prev].data, Lt[prev].data, M[cur].data, Lt[cur].data, A[cur].data
+
+        def softmax(cs):
+            x = scale_and_mask(cs)
+            fc = first[cs, None]
+            mprev = np.where(fc, _NEG_INF, Mp[cs, sl])
+            mnew = np.maximum(mprev, x.max(axis=-1))
             muse = np.where(mnew == _NEG_INF, np.float32(0), mnew)   # a row with nothing attended yet
             alpha = np.exp(mprev - muse)
-            A[cur].data[:, sl] = alpha
-            M[cur].data[:, sl] = mnew
-            np.subtract(sd, muse[:, :, None], out=sd)
-            np.exp(sd, out=sd)
-            lprev = np.where(first[:, None], np.float32(0), Lt[prev].data[:, sl])
+            Ac[cs, sl] = alpha
+            Mc[cs, sl] = mnew
+            np.subtract(x, muse[:, :, None], out=x)
+            np.exp(x, out=x)
+            lprev = np.where(fc, np.float32(0), Lp[cs, sl])
             # row sums as a product with ones: numpy's own reduction over short rows is 3x slower
-            Lt[cur].data[:, sl] = alpha * lprev + np.matmul(sd, self.ones)
-            cast()
+            Lc[cs, sl] = alpha * lprev + np.matmul(x, self.ones)
+            cast(x, cs)
 
         vg.vector("softmax: scale mask max sub exp sum cast", writes + [M[cur], Lt[cur], A[cur]],
-                  reads + [M[prev], Lt[prev]], repeats, compute=softmax, active=a_)
+                  reads + [M[prev], Lt[prev]], repeats, compute=lambda: split_cores(softmax, self.nv, size),
+                  active=a_)
 
     # ---------------------------------------------------------------- stage B: P·V, accumulate
     def stage_b(self, st, s):
@@ -852,14 +860,18 @@ class _Program:
             vg.move(PV, o_tiles[0], nbytes=rows * Dv * 4, active=a_, name="FixPipe O_j->UB")
         first = v["first"]
 
-        def update():
-            np.multiply(O.data, A.data[:, :, None], out=O.data)
-            np.add(O.data, PV.data, out=O.data)
-            if first.any():                       # a new item starts from O_j (nothing stale carried)
-                O.data[first] = PV.data[first]
+        od, pvd, ad = O.data, PV.data, A.data
+
+        def update(cs):
+            o = od[cs]
+            np.multiply(o, ad[cs, :, None], out=o)
+            np.add(o, pvd[cs], out=o)
+            f = first[cs]
+            if f.any():                           # a new item starts from O_j (nothing stale carried)
+                o[f] = pvd[cs][f]
 
         vg.vector("O=O*alpha+O_j", [O], [O, PV, A], 2 * vg.row_repeats(rows, Dv, "float32") * ract,
-                  compute=update, active=a_)
+                  compute=lambda: split_cores(update, nv, od.size), active=a_)
         fin = v["last"] & ract
         if fin.any():
             orows = _out_rows(self.vq)
@@ -879,15 +891,15 @@ class _Program:
         OUT = self._next("out")
         sl = slice(r * orows, (r + 1) * orows)
 
-        def norm():
-            lv = Lt.data[:, sl]
+        def norm(cs):
+            lv = Lt.data[cs, sl]
             inv = np.where(lv > 0, np.float32(1) / np.where(lv > 0, lv, np.float32(1)), np.float32(0))
-            o = O.data[:, sl] * inv[:, :, None]
-            round_to(o, self.dtype, OUT.data, np.empty_like(o))
+            o = O.data[cs, sl] * inv[:, :, None]
+            round_to(o, self.dtype, OUT.data[cs], np.empty_like(o))
 
         passes = 2 if self.dtype != "float32" else 1
         vg.vector("out=O/l, cast", [OUT], [O, Lt], vg.row_repeats(rows, Dv, "float32") * fin * passes,
-                  compute=norm, active=self._act(fin))
+                  compute=lambda: split_cores(norm, self.nv, OUT.data.size), active=self._act(fin))
         bl, hl, ql = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist()
         rl, ol = rows.tolist(), ro.tolist()
         regs = self._regs(("out", s + self.base, r), lambda: [
