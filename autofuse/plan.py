@@ -278,32 +278,47 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
         else:
             eligible.append(i)
 
+    # candidates that share a node conflict; edges found through a node -> candidates index (no pair scan)
     conflicts = nx.Graph()
     conflicts.add_nodes_from(eligible)
-    for a in eligible:
-        for b in eligible:
-            if a < b and not set(cands[a].match.nodes).isdisjoint(cands[b].match.nodes):
-                conflicts.add_edge(a, b)
-    chosen = _best_independent_set(cands, conflicts)
+    by_node: dict = {}
     for i in eligible:
-        if i not in chosen:
-            winner = next(j for j in chosen if conflicts.has_edge(i, j))
-            decide(i, False, "conflict", f"overlaps the block at {cands[winner].match.anchor}, which saves more "
-                                         f"({cands[winner].saving:,} vs {cands[i].saving:,} cycles)")
+        for name in cands[i].match.nodes:
+            by_node.setdefault(name, []).append(i)
+    for group in by_node.values():
+        conflicts.add_edges_from((a, b) for x, a in enumerate(group) for b in group[x + 1:])
+
+    # choose, verify the chosen; a candidate that fails verification leaves the pool and the choice is made
+    # again, so a block that lost a conflict to it can still be fused
+    verdicts: dict = {}
+    while True:
+        pool = conflicts.subgraph([i for i in eligible if verdicts.get(i, (True,))[0]])
+        chosen = _best_independent_set(cands, pool)
+        failed = False
+        for i in sorted(chosen):
+            if verify is not None and i not in verdicts:
+                verdicts[i] = verify(cands[i].match, cands[i])
+                failed = failed or not verdicts[i][0]
+        if not failed:
+            break
+
     applied = []
-    for i in sorted(chosen):
+    for i in eligible:
         c = cands[i]
-        sp = c.unfused.cycles / max(c.fused.cycles, 1)
-        err = tol = None
-        if verify is not None:
-            ok, err, tol = verify(c.match, c)
-            if not ok:
-                decide(i, False, "verification_failed",
-                       f"fused result differs from the unfused subgraph: error {err:.3g} > tolerance {tol:.3g}",
-                       verify_error=err, verify_tolerance=tol)
-                continue
-        decide(i, True, "fused", f"predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B of HBM "
-                                 f"traffic; fused kernel bound by {c.fused.bound or '?'}",
-               verify_error=err, verify_tolerance=tol)
-        applied.append(c.match)
+        err, tol = (verdicts[i][1], verdicts[i][2]) if i in verdicts else (None, None)
+        if i in verdicts and not verdicts[i][0]:
+            decide(i, False, "verification_failed",
+                   f"fused result differs from the unfused subgraph: error {err:.3g} > tolerance {tol:.3g}",
+                   verify_error=err, verify_tolerance=tol)
+        elif i not in chosen:
+            winner = next((j for j in chosen if conflicts.has_edge(i, j)), None)
+            decide(i, False, "conflict", "overlaps blocks that together save more" if winner is None else
+                   f"overlaps the block at {cands[winner].match.anchor}, which saves more "
+                   f"({cands[winner].saving:,} vs {c.saving:,} cycles)")
+        else:
+            sp = c.unfused.cycles / max(c.fused.cycles, 1)
+            decide(i, True, "fused", f"predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B of "
+                                     f"HBM traffic; fused kernel bound by {c.fused.bound or '?'}",
+                   verify_error=err, verify_tolerance=tol)
+            applied.append(c.match)
     return applied, [decisions[i] for i in range(len(cands))], cands

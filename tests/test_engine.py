@@ -309,3 +309,28 @@ def test_torch_compile_backend_fuses_and_matches():
                                    atol=1e-5, rtol=1e-4)
     assert be.fused_modules and sum(len(f.report.applied) for f in be.fused_modules) == 1
     torch._dynamo.reset()
+
+
+def test_a_block_that_lost_a_conflict_is_fused_when_the_winner_fails_verification(monkeypatch):
+    """Planner: choose globally, verify the chosen, choose again without the ones that failed."""
+    import autofuse.plan as plan_mod
+    from autofuse.match import Match
+    from autofuse.plan import Candidate, Price
+
+    savings = {"a": 100, "b": 70, "c": 60, "d": 10}            # a overlaps b and c; d overlaps nothing
+    nodes = {"a": ("x", "y", "z"), "b": ("x", "q"), "c": ("z", "r"), "d": ("s",)}
+    matches = [Match("attention", nodes[k], k) for k in "abcd"]
+    monkeypatch.setattr(plan_mod, "price_candidate", lambda gm, m, device, search_tiling, nodes=None: Candidate(
+        m, Price(cycles=1000 + savings[m.anchor]), Price(cycles=1000), 0))
+    verified = []
+
+    def verify(match, cand):
+        verified.append(match.anchor)
+        return (match.anchor != "b", 0.5 if match.anchor == "b" else 0.0, 0.1)
+    applied, decisions, _ = plan_mod.plan(torch.fx.GraphModule(nn.Module(), torch.fx.Graph()), matches,
+                                          "ascend910", "O3", None, verify)
+    codes = {d.anchor: d.reason_code for d in decisions}
+    # first choice {b, c, d} (130 + 10 > 100 + 10); b fails; the second choice takes a over c
+    assert codes == {"a": "fused", "b": "verification_failed", "c": "conflict", "d": "fused"}
+    assert sorted(m.anchor for m in applied) == ["a", "d"]
+    assert sorted(verified) == ["a", "b", "c", "d"]               # each verified at most once
