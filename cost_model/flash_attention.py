@@ -294,7 +294,18 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     q_load = max(qe * D * isz / rate["GM->L1"], n * qe * D * isz / HBMbw)
     cube_mte2 += q_load * items / T                   # Q of each item, on the same MTE2 queue
     cube_port += n * qe * D * isz / HBMbw * items / T
-    step = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain)
+    # The software pipeline's feedback loop spans two steps: softmax(s) -> P out -> P into L0A -> P·V(s),
+    # and the in-order Cube computes S(s+2) only after P·V(s) -> S(s+2) to the vector side -> softmax(s+2).
+    cube_s = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
+    cube_pv = cube - cube_s
+    sm = vec - upd
+    if split:
+        s_hand = max(vq * ke * 4 / rate["L0C->GM"], n * vq * ke * 4 / L2bw) \
+            + max(vq * ke * 4 / rate["GM->UB"], 2 * n * vq * ke * 4 / L2bw)
+    else:
+        s_hand = vq * ke * 4 / rate["L0C->UB"]
+    loop = sm + mte3 + mte2_p + cube_pv + cube_s + s_hand + mte2_mask * (1 if split else 0)
+    step = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain, loop / 2)
     # per item: the Q load ahead of its first S, and after its last tile out = O / l and the output store
     out_b = rv * Dv * isz
     port_out = n * nh * out_b / HBMbw
