@@ -9,6 +9,10 @@
 Without example inputs the engine plans at the first call, and again for each new input signature
 (shapes, dtypes and non-tensor arguments). The user's model is never modified: capture leaves it as it
 was, and the fused module's graph reads the model's own parameter tensors (shared, not copied).
+
+The fused module computes forward passes only (the fused op has no backward) with eval-mode semantics
+(capture switches dropout off). Models and inputs must be float16, bfloat16 or float32 (integer inputs
+such as token ids are fine): the NPU has no float64 unit, and ``fuse`` says so naming the tensor.
 """
 from __future__ import annotations
 
