@@ -91,9 +91,31 @@ def _valid(dev, t):
     return q % 16 == 0 and kv % 16 == 0 and vq >= 1 and rows % vq == 0
 
 
+# a searched tiling must beat the kernel's default by more than the model's typical error to replace it
+DEFAULT_MARGIN = 0.05
+
+
 @cached
 def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec):
     return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec)
+
+
+@cached
+def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec):
+    """The kernel's own default (``_default_tiling``, mirrored): the fitting tile with the largest q·kv,
+    then q, with its largest fitting Vector row block."""
+    dev = get_device(device)
+    qmax, kvmax = _r16(Sq), _r16(Skv)
+    qs = sorted({min(x, qmax) for x in (128, 64, 32, 16)}, reverse=True)
+    kvs = sorted({min(x, kvmax) for x in (512, 256, 128, 64, 32, 16)}, reverse=True)
+    for q, kv in sorted(((q, kv) for q in qs for kv in kvs), key=lambda p: (p[0] * p[1], p[0]), reverse=True):
+        rows = q // 2 if dev.arch == "split" else q
+        for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
+            t = {"q": q, "kv": kv, "vq": vq}
+            c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec))
+            if c is not None:
+                return t, c
+    return None
 
 
 def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
@@ -234,8 +256,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     rr = rv * math.ceil(ke / 64)
     stat = nsub * math.ceil(vq / 64)
     part = 0.0
-    if causal:                                        # diagonal tiles: ~ one per item row block pair
-        part = min(1.0, (qb / kvb + 1) / max(1.0, T / max(1, items)))
+    if causal:                                        # tiles crossing the diagonal: ceil(q/kv) per item
+        part = min(1.0, ceil_div(qb, kvb) / max(1.0, T / max(1, items)))
     vec = rr * passes + rr * part * 2 + stat * 5 + 2 * rv * math.ceil(Dv / 64)
     vec_last = rv * math.ceil(Dv / 64) * (2 if dtype != F32 else 1)
 
@@ -363,9 +385,15 @@ def _search(device, specs, mask, causal, return_probs):
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
     best = None
-    for t, counts in _candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec):
+    cands = list(_candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec))
+    default = kernel_default(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec)
+    if default is not None and default[0] not in [t for t, _ in cands]:
+        cands.append(default)
+    for t, counts in cands:
         res = _model(dev, specs, mask, causal, t, counts, return_probs)
         cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        if default is not None and t == default[0]:
+            cost *= 1 - DEFAULT_MARGIN
         if best is None or cost < best[0]:
             best = (cost, t, res)
     if best is None:
