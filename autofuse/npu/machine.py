@@ -60,6 +60,14 @@ _PATH_UNIT = {
 }
 
 
+def _live(tiles, what: str) -> None:
+    """Refuse to read (or partly write) a tile whose values a ``move(..., consume=True)`` handed on."""
+    for t in tiles:
+        if t.consumed:
+            raise SimulatorError(f"{what} uses tile {t.name} ({t.buffer}) after a move(consume=True) took its "
+                                 f"values; rewrite it whole (load, move, mmad) first")
+
+
 class CapacityError(MemoryError):
     """A tile does not fit its buffer."""
 
@@ -202,17 +210,32 @@ def _contiguous(a: np.ndarray) -> bool:
 # the host's CPUs. Each core's values are computed by the same numpy/BLAS call on the same data whether or
 # not the batch is split, so outputs are bit for bit the same with any number of threads.
 
+_THREADS = None
+
+
 def _host_threads() -> int:
-    """Host threads for the simulator: ``AUTOFUSE_NPU_THREADS`` if set, else the CPUs this process may use
-    (at most 4: the batches are small)."""
-    env = os.environ.get("AUTOFUSE_NPU_THREADS", "").strip()
-    if env:
-        return max(1, int(env))
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, 4))
+    """Host threads for the simulator: ``AUTOFUSE_NPU_THREADS`` if set (read once), else the CPUs this
+    process may use (at most 4: the batches are small). :func:`set_host_threads` changes it."""
+    global _THREADS
+    if _THREADS is None:
+        env = os.environ.get("AUTOFUSE_NPU_THREADS", "").strip()
+        if env:
+            _THREADS = max(1, int(env))
+        else:
+            try:
+                cpus = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                cpus = os.cpu_count() or 1
+            _THREADS = max(1, min(cpus, 4))
+    return _THREADS
+
+
+def set_host_threads(n: int | None) -> int:
+    """Use ``n`` host threads (1: no splitting; None: as the environment says); returns the previous count."""
+    global _THREADS
+    prev = _host_threads()
+    _THREADS = None if n is None else max(1, int(n))
+    return prev
 
 
 class _Job:
@@ -406,7 +429,8 @@ class GMTensor:
 class Tile:
     """A buffer allocation on every core of a group: ``data[core, ...]`` plus per-core event times."""
 
-    __slots__ = ("group", "buffer", "offset", "nbytes", "shape", "dtype", "data", "ready", "busy_until", "name")
+    __slots__ = ("group", "buffer", "offset", "nbytes", "shape", "dtype", "data", "ready", "busy_until", "name",
+                 "consumed")
 
     def __init__(self, group, buffer, offset, nbytes, shape, dtype, name):
         n = group.n
@@ -415,6 +439,7 @@ class Tile:
         self.data = np.zeros((n, *shape), dtype=np.bool_ if dtype == "bool" else np.float32)
         self.ready = np.zeros(n)          # when the last write to the tile completes
         self.busy_until = np.zeros(n)     # when the last read of the tile completes
+        self.consumed = False             # values handed on by move(consume=True): unreadable until rewritten
 
 
 class L2:
@@ -512,6 +537,7 @@ class Group:
         # idle intervals before it that a later-issued but earlier-running transfer may use: [start|end, k, core]
         self.port_gap = np.zeros((2, PORT_GAPS, n))
         self.all = np.ones(n, dtype=bool)
+        self._idx = np.arange(n)
 
     # ---------------------------------------------------------------- allocation
     def alloc(self, buffer: str, shape, dtype: str, name: str = "") -> Tile:
@@ -588,27 +614,34 @@ class Group:
         """
         gs, ge = self.port_gap
         n = self.n
-        idx = np.arange(n)
+        pf = self.port_free
         g_begin = np.maximum(start, gs)
-        cand = np.where(g_begin + cycles <= ge, g_begin + cycles, np.inf)
+        fin = g_begin + cycles
+        cand = np.where(fin <= ge, fin, np.inf)
         k = np.argmin(cand, axis=0)
-        best = cand[k, idx]
-        in_gap = np.isfinite(best)
-        after = np.maximum(start, self.port_free)
+        fk = k * n + self._idx                           # flat index of (k[c], c)
+        best = cand.ravel()[fk]
+        in_gap = best < np.inf
+        after = np.maximum(start, pf)
         end = np.where(in_gap, best, after + cycles)
-        new_free = np.where(in_gap, self.port_free, end)
-        gs2, ge2 = gs.copy(), ge.copy()
+        new_free = np.where(in_gap, pf, end)
+        gap = self.port_gap.copy()
+        gsf, gef = gap[0].ravel(), gap[1].ravel()        # views of the copy
+        gk = gsf[fk]
         # a transfer inside gap k leaves its right part there and its left part [gap start, begin) as a new
         # interval; one queued after the last booking leaves [last booking end, start) if it waited for data
-        gs2[k, idx] = np.where(in_gap, best, gs[k, idx])
-        new_s = np.where(in_gap, gs[k, idx], self.port_free)
-        new_e = np.where(in_gap, g_begin[k, idx], start)
-        others = np.where((np.arange(PORT_GAPS)[:, None] == k[None, :]) & in_gap[None, :], np.inf, ge2)
-        j = np.argmin(others, axis=0)                   # the earliest other interval gives way
-        rep = (new_e > new_s) & (new_e > ge2[j, idx])
-        gs2[j, idx] = np.where(rep, new_s, gs2[j, idx])
-        ge2[j, idx] = np.where(rep, new_e, ge2[j, idx])
-        return end, (new_free, np.stack([gs2, ge2]))
+        gsf[fk] = np.where(in_gap, best, gk)
+        new_s = np.where(in_gap, gk, pf)
+        new_e = np.where(in_gap, g_begin.ravel()[fk], start)
+        others = gap[1].copy()
+        others.ravel()[fk[in_gap]] = np.inf              # the gap just used is not the one to give way
+        j = np.argmin(others, axis=0)                    # the earliest other interval gives way
+        fj = j * n + self._idx
+        gej = gef[fj]
+        rep = (new_e > new_s) & (new_e > gej)
+        gsf[fj] = np.where(rep, new_s, gsf[fj])
+        gef[fj] = np.where(rep, new_e, gej)
+        return end, (new_free, gap)
 
     # ---------------------------------------------------------------- GM transfers
     def load(self, dst: Tile, src: GMTensor, regions, active=None, deps=(), fn=None, name=None):
@@ -624,6 +657,7 @@ class Group:
         info = _regions(regions)
         if active is None and info.idle:
             active = info.present
+        dst.consumed = False                  # written whole (zero-filled around the region)
         path = f"GM->{dst.buffer}"
         isz = itemsize(src.dtype)
         nbytes, port = self._gm_access(src, info, isz, write=False)
@@ -666,7 +700,9 @@ class Group:
             return False
         flat = src.data.reshape(-1, W)
         if fn is None and shape == dst.shape:
-            np.take(flat, rows, axis=0, out=dst.data, mode="clip")      # rows are in bounds (checked)
+            dd = dst.data
+            # rows are in bounds (checked), hence mode="clip": no bounds pass, no buffered copy
+            split_cores(lambda cs: np.take(flat, rows[cs], axis=0, out=dd[cs], mode="clip"), len(dd), dd.size)
             return True
         block = np.take(flat, rows, axis=0, mode="clip")
         if fn is not None:
@@ -689,6 +725,8 @@ class Group:
         if src.buffer == "UB" and src.dtype != dst.dtype:
             raise SimulatorError(f"UB->GM moves bytes only: tile {src.name} is {src.dtype}, "
                                  f"{dst.name} is {dst.dtype}; cast on the Vector unit first")
+        if src.consumed:
+            _live((src,), f"store {src.name}")
         info = _regions(regions)
         if active is None and info.idle:
             active = info.present
@@ -725,7 +763,12 @@ class Group:
             block = to_dtype(block, dst.dtype)
         if block.dtype != dst.data.dtype:
             return False
-        dst.data.reshape(-1, W)[rows] = block
+        flat = dst.data.reshape(-1, W)
+
+        def scatter(cs):
+            flat[rows[cs]] = block[cs]
+
+        split_cores(scatter, len(rows), block.size)
         return True
 
     def _gm_access(self, t: GMTensor, info: _Regions, isz: int, write: bool):
@@ -785,31 +828,48 @@ class Group:
         return np.array(nbytes, dtype=float), port
 
     # ---------------------------------------------------------------- on-chip moves and compute
-    def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None):
+    def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None, consume=False):
         """On-chip copy along ``src.buffer -> dst.buffer`` (MTE1, or FixPipe out of L0C).
 
         ``fn(src_data) -> dst_data`` (batched over cores) selects/transposes the part moved; values are rounded
         to ``dst.dtype`` (L0C→UB may convert fp32 to fp16/bf16). ``nbytes`` per core defaults to the data
         moved.
+
+        ``consume=True``: the program will not read ``src`` again before rewriting it whole (the next load,
+        move or mmad into it). The simulator may then hand ``src``'s array to ``dst`` instead of copying it
+        (same shape and type, no ``fn``); timing and counts are those of the copy. Reading ``src`` before
+        rewriting it raises :class:`SimulatorError`.
         """
         path = f"{src.buffer}->{dst.buffer}"
         if path not in _PATH_UNIT or path.startswith("GM") or path.endswith("GM"):
             raise SimulatorError(f"no on-chip data path {path} (tiles {src.name} -> {dst.name})")
-        data = src.data if fn is None else fn(src.data)
-        if dst.dtype != src.dtype:
-            data = to_dtype(data, dst.dtype)
-        if data.shape == dst.data.shape:
-            dst.data[...] = data
+        if src.consumed:
+            _live((src,), f"move {path}")
+        sd = src.data
+        if consume and fn is None and dst.dtype == src.dtype and sd.shape == dst.data.shape and \
+                sd.dtype == dst.data.dtype and src is not dst:
+            data = sd
+            src.data, dst.data = dst.data, sd
         else:
-            dst.data.fill(0)
-            dst.data[(slice(None), *(slice(0, e) for e in data.shape[1:]))] = data
+            data = sd if fn is None else fn(sd)
+            if dst.dtype != src.dtype:
+                data = to_dtype(data, dst.dtype)
+            if data.shape == dst.data.shape:
+                dst.data[...] = data
+            else:
+                dst.data.fill(0)
+                dst.data[(slice(None), *(slice(0, e) for e in data.shape[1:]))] = data
+        dst.consumed = False
         if nbytes is None:
             nbytes = math.prod(data.shape[1:]) * itemsize(src.dtype)
         total = nbytes * (self.n if np.isscalar(nbytes) else 1)
         self.launch.bytes[path] += int(np.sum(total) if active is None else np.sum(np.where(active, nbytes, 0)))
         cycles = np.asarray(nbytes, dtype=float) / self.launch.device.rates[path]
-        return self._exec(_PATH_UNIT[path], cycles, reads=(src,), writes=(dst,), deps=deps, active=active,
-                          name=name or f"{path} {dst.name}")
+        end = self._exec(_PATH_UNIT[path], cycles, reads=(src,), writes=(dst,), deps=deps, active=active,
+                         name=name or f"{path} {dst.name}")
+        if consume:
+            src.consumed = True
+        return end
 
     def mmad(self, c: Tile, a: Tile, b: Tile, m, k, n, accumulate: bool, init=None, active=None, deps=(),
              name="mmad"):
@@ -823,6 +883,9 @@ class Group:
             raise SimulatorError(f"mmad reads L0A x L0B into L0C, got {a.buffer} x {b.buffer} -> {c.buffer}")
         if a.dtype != b.dtype:
             raise SimulatorError(f"mmad operands differ in dtype: {a.dtype} vs {b.dtype}")
+        if a.consumed or b.consumed or (accumulate and c.consumed):
+            _live((a, b, c) if accumulate else (a, b), name)
+        c.consumed = False                    # written whole (tiles are zero-padded)
         dev = self.launch.device
         k0 = dev.cube_k0[a.dtype]
         ad, bd, cd = a.data, b.data, c.data
@@ -847,6 +910,8 @@ class Group:
 
     def vector(self, name: str, writes, reads, repeats, compute=None, active=None, deps=()):
         """Vector: ``repeats`` passes of 256 B (per core, scalar or array); ``compute()`` does the numerics."""
+        _live(reads, f"vector {name}")
+        _live(writes, f"vector {name}")
         if compute is not None:
             compute()
         cycles = np.asarray(repeats, dtype=float)

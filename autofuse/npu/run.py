@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,13 @@ def _to_numpy(x, what: str):
 
 def _from_storage(t: GMTensor) -> np.ndarray:
     if t.dtype == "float16":
-        return t.data.astype(np.float16)
+        torch = sys.modules.get("torch")
+        data = t.data
+        if torch is not None and data.dtype == np.float32 and data.size >= 1 << 16 and not np.isnan(data).any():
+            # torch's float32 -> float16 cast is vectorised (numpy's is ~40x slower here); both round to
+            # nearest even, bit for bit (they differ only in the quiet bit of signalling NaNs, hence the check)
+            return torch.from_numpy(np.ascontiguousarray(data)).to(torch.float16).numpy()
+        return data.astype(np.float16)
     if t.dtype in FLOATS:
         return t.data.astype(np.float32, copy=False)
     return t.data

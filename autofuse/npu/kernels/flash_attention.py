@@ -450,6 +450,10 @@ class _Program:
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
         self.q, self.k, self.v = _as_f32(q, "q"), _as_f32(k, "k"), _as_f32(v, "v")
+        # K's values also kept transposed on the host ([B, Nkv, D, Skv]), so that the transposing K load
+        # (ND -> NZ, free on the hardware) is a plain row gather for the simulator. Its tile regions are the
+        # transposed ones of K's, one for one: the L2 sees the same distinct regions of the same sizes.
+        self.kt = GMTensor(np.ascontiguousarray(np.swapaxes(self.k.data, 2, 3)), k.dtype, "k", False)
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
         self.dtype = q.dtype
         self.isz = itemsize(q.dtype)
@@ -611,8 +615,8 @@ class _Program:
         if work.any():
             kt1 = self._next("kt1")
             regs = self._regs(("K", ks), lambda: [
-                (b[c], hk[c], slice(k0[c], k0[c] + ke[c]), slice(0, D)) if work[c] else None for c in range(n)])
-            cg.load(kt1, self.k, regs, fn=np.transpose, name="load K")
+                (b[c], hk[c], slice(0, D), slice(k0[c], k0[c] + ke[c])) if work[c] else None for c in range(n)])
+            cg.load(kt1, self.kt, regs, name="load K")             # = K's region, transposed
             if not probs_pass:
                 v1 = self.tl["v1"][ks % 2]
                 regs = self._regs(("V", ks), lambda: [
@@ -620,7 +624,8 @@ class _Program:
                     for c in range(n)])
                 cg.load(v1, self.v, regs, name="load V")
             kt0 = self._next("kt0")
-            cg.move(kt0, kt1, nbytes=D * _r16(kext) * isz, active=wact, name="K->L0B")
+            # consume: the L1 tile is not read again before the next load into it (no host copy needed)
+            cg.move(kt0, kt1, nbytes=D * _r16(kext) * isz, active=wact, name="K->L0B", consume=True)
             if self.split:                 # one S block per row block, written out by FixPipe
                 for g, q0t in enumerate(self.tl["q0"]):
                     rg = np.clip(qext - g * vq, 0, vq)
@@ -660,7 +665,7 @@ class _Program:
                 self._put_v("s_read", ks, r, self._masked(e, a_))
             else:
                 vg.move(S, s0, fn=(lambda x, r=r: x[:, r * vq:(r + 1) * vq]) if self.nsub > 1 else None,
-                        nbytes=rows * v["kext"] * 4, active=a_, name="FixPipe S->UB")
+                        nbytes=rows * v["kext"] * 4, active=a_, name="FixPipe S->UB", consume=self.nsub == 1)
             self._softmax(S, P, s, r, rows, ro, ract, v, probs_pass)
         vrows = np.clip(v["qext"] - self.half * self.rows, 0, self.rows)
         rl, ol, kl = vrows.tolist(), (self.half * self.rows).tolist(), v["kl"]
@@ -817,7 +822,7 @@ class _Program:
         qext, kext = st.qext[s], st.kext[s]
         ke = L["kext"][s]
         v0 = self._next("v0")
-        cg.move(v0, self.tl["v1"][ks % 2], nbytes=_r16(kext) * Dv * isz, active=wact, name="V->L0B")
+        cg.move(v0, self.tl["v1"][ks % 2], nbytes=_r16(kext) * Dv * isz, active=wact, name="V->L0B", consume=True)
         o_tiles = []
         for hh in range(self.nh):
             rh = np.clip(qext - hh * R, 0, R)
@@ -857,7 +862,7 @@ class _Program:
             e = vg.load(PV, self.ws_o, regs, deps=self._vdeps_h("o_written", ks), name="load O_j")
             self._put_vh("o_read", ks, self._masked(e, a_))
         else:
-            vg.move(PV, o_tiles[0], nbytes=rows * Dv * 4, active=a_, name="FixPipe O_j->UB")
+            vg.move(PV, o_tiles[0], nbytes=rows * Dv * 4, active=a_, name="FixPipe O_j->UB", consume=True)
         first = v["first"]
 
         od, pvd, ad = O.data, PV.data, A.data
