@@ -83,3 +83,16 @@ def test_attention_alone(var, S, dtype):
         keep[..., 0] = True
         args.append(keep)
     _check(f"attention {var.mask} S={S}", dtype, *_errors(model, tuple(args), {}, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_padded_batch_sends_the_mask_to_the_kernel(dtype):
+    """Right padding: the additive padding mask (finfo(dtype).min entries) reaches the kernel in the model's dtype."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("llama", layers=2, hidden=32, heads=4, seq=12, batch=2, attn="eager", dtype=dtype)
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[1, 7:] = 0
+    kwargs = dict(kwargs, attention_mask=am)
+    fused_err, eager_err = _errors(model, args, kwargs, 2)
+    _check("llama-eager padded", dtype, fused_err, eager_err)
