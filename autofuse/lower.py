@@ -137,13 +137,22 @@ def _matmul_operand(n: fx.Node):
     return n, False
 
 
+def _dma_loadable(m) -> bool:
+    """Whether the Cube kernel can load each matrix of ``m`` straight from its layout: one of the last two dims
+    is unit-stride, so every tile is a 2-D strided block of contiguous rows (or columns, loaded transposed).
+    Batch dims may have any strides (each batch matrix is its own region). Otherwise a copy lays it out."""
+    if m.is_contiguous():
+        return True
+    return m.stride(-1) == 1 or m.stride(-2) == 1 or m.shape[-1] == 1 or m.shape[-2] == 1
+
+
 def _lower_matmul(node, a, b, bias=None, trans_b=False):
     (sa, ta), (sb, tb) = _matmul_operand(a), _matmul_operand(b)
     tb = tb != trans_b
     inputs, steps, refs = [], [], []
     for src in (sa, sb):
         m = _meta(src)
-        if m.dim() >= 2 and not m.is_contiguous():
+        if m.dim() >= 2 and not _dma_loadable(m):
             inputs.append(src)
             steps.append(Step("copy", (Arg(len(inputs) - 1),)))
             refs.append(Out(len(steps) - 1))
