@@ -206,8 +206,28 @@ def _fa_masks(quick: bool):
     return ms
 
 
+def _fa_probs(quick: bool):
+    """return_probs cases (the second sweep that writes the normalised probabilities): coupled and split
+    devices, with and without causal or a mask, odd sizes. (shape, dtype, params, tensor params, devices)"""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    m = {"mask": ((1, 1, 256, 256), "bool")}
+    cs = [((1, 2, 128, 64), f16, {}, {}, ("ascend910", "ascend910b")),
+          ((1, 4, 256, 64), f16, {"causal": True}, {}, ("ascend910b", "ascend310p")),
+          ((2, 2, 77, 64), f32, {}, {}, ("ascend910",)),
+          ((1, 4, 300, 64), bf16, {"causal": True}, {}, ("ascend910b",)),
+          ((1, 4, 256, 64), f16, {}, m, ("ascend910",))]
+    if not quick:
+        cs = [(s_, dt, p, tp, DEVICES) for s_, dt, p, tp, _ in cs]
+        cs += [((1, 8, 512, 128), f16, {}, {}, DEVICES), ((1, 16, 1024, 128), f16, {"causal": True}, {}, DEVICES),
+               ((2, 8, 1000, 64), bf16, {}, {}, ("ascend910", "ascend910b"))]
+    return cs
+
+
 def _fa_cases(quick: bool):
     out = []
+    for shape, dt, p, tp, devs in _fa_probs(quick):
+        for d in devs:
+            out.append(Case("flash_attention", [(shape, dt)] * 3, d, {**p, "return_probs": True}, dict(tp)))
     for i, (shape, causal, dt) in enumerate(_fa_shapes(quick)):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": causal}))

@@ -13,6 +13,9 @@ launch adds the first step's Q/K loads and S (fill) and the last step's P·V, up
 K/V tiles are read by every core working on the same head at the same step: one HBM miss, L2 hits for
 the rest, and re-reads by later rounds hit while the heads in flight fit L2. HBM also receives the
 workspaces still dirty in L2 when the kernel ends (written back then, as the simulator does).
+
+``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
+probabilities stored to HBM tile by tile (every KV tile, causal ones above the diagonal as zeros).
 """
 from __future__ import annotations
 
@@ -221,6 +224,78 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
     return (n - edge_cores) * full + edge_cores * both
 
 
+def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs):
+    """Per core, the kernel's (query extent, KV extent, works) steps, dealt exactly as its ``_schedule``
+    does (units in head-major order to the least-loaded core; causal: paired blocks when no slower).
+    ``probs``: the probabilities sweep, which walks every KV tile (those above the diagonal skipped)."""
+    def tiles(qi):
+        last = min((qi + 1) * qb, Sq)
+        if probs:
+            return [(min(kvb, Skv - j * kvb), not (causal and j * kvb > last - 1)) for j in range(nkv)]
+        return [(min(kvb, Skv - j * kvb), True) for j in range(ceil_div(min(last, Skv), kvb) if causal else nkv)]
+
+    tl = [tiles(i) for i in range(nq)]
+    qes = [min(qb, Sq - i * qb) for i in range(nq)]
+
+    def deal(units):
+        n = min(ncores, B * N * len(units))
+        heap = [(0.0, c) for c in range(n)]
+        per = [[] for _ in range(n)]
+        for _ in range(B * N):
+            for unit in units:
+                load, c = heapq.heappop(heap)
+                for qi in unit:
+                    per[c] += [(qes[qi], k_, w) for k_, w in tl[qi]]
+                    load += sum(1.0 if w else 0.1 for _, w in tl[qi])
+                heapq.heappush(heap, (load, c))
+        return per, max(h[0] for h in heap)
+
+    best = deal([[i] for i in range(nq)])
+    if causal:
+        paired = deal([[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else []))
+        if paired[1] <= best[1]:
+            best = paired
+    return best[0]
+
+
+@cached
+def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, return_probs):
+    """Bytes of the workspaces dirty at the end, from the kernel's own steps: every distinct region key
+    (core, slot, rows, KV extent) of P, and on split cores of S (per row block) and O_j (per half). The
+    probabilities sweep continues the slot parity and writes S again on split cores."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    nh = 2 if split else 1
+    R = qb // nh
+    main = _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False)
+    T = max(len(p) for p in main)
+    sweeps = [(main, 0, True)]
+    if return_probs and split:
+        sweeps.append((_kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, True), T, False))
+    total = 0
+    for c in range(len(main)):
+        keys = {}
+        for per, base, with_p in sweeps:
+            if c >= len(per):
+                continue
+            for i, (qe, ke, w) in enumerate(per[c]):
+                if not w:
+                    continue
+                slot = (base + i) % 2
+                for h in range(nh):
+                    rl = min(max(qe - h * R, 0), R)
+                    if rl and with_p:
+                        keys[("P", slot, h, rl, ke)] = rl * ke * isz
+                        if split:
+                            keys[("O", slot, h, rl)] = rl * Dv * 4
+                if split:
+                    for g in range(qb // vq):
+                        rg = min(max(qe - g * vq, 0), vq)
+                        if rg:
+                            keys[("S", slot, g, rg, ke)] = rg * ke * 4
+        total += sum(keys.values())
+    return total
+
+
 def _model(dev, specs, mask, causal, t, counts, return_probs):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
@@ -340,18 +415,111 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     fill = q_load + q_move + mte2_kv + mte1 + cube + fix
     drain = 0.0
     core = fill + T * step + items * per_item + drain
+    if return_probs:
+        pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group)
+        core += pc
 
     # HBM: q, K/V (unique, re-read when evicted), mask, out, dirty workspaces at the end
     hbm = B * N * Sq * D * isz + kv_reads + B * N * Sq * Dv * isz
     if mask is not None:
         hbm += mask_miss * T
-    hbm_ws = _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal)
+    if causal and B * N * nq * nkv <= 512:               # few steps: replay the deal (cheap enough)
+        hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
+                              bool(return_probs))
+    else:
+        hbm_ws = _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal)
     ws = hbm_ws
     hbm += ws
+    if return_probs:
+        hbm += ph
     busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
             "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}
     nbytes = {"GM->L1": B * N * Sq * D * isz + T * n * kvt}
+    if return_probs:
+        for u, c in pbusy.items():
+            busy[u] += c
     return core, float(hbm), nbytes, busy
+
+
+def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group):
+    """The return_probs sweep (``probs_sweep`` in the kernel): once every row's max and sum are final (stored
+    at the end of the first sweep), each (item, KV tile) step recomputes S = Q·K_jᵀ, runs scale, [mask],
+    [causal], sub, exp, mul 1/l, [cast] over it and stores the normalised P tile to GM (every KV tile of an
+    item: tiles above a causal diagonal are a ``dup 0`` and the same store). No V, no P·V, no O update.
+
+    A step lasts as long as its busiest unit; the P tile is single-buffered in UB, so on the vector side a
+    step is the vector passes then the MTE3 store in series. The stores go through to HBM: with many cores
+    they are bound by the chip's HBM bandwidth. Returns (cycles, HBM bytes, busy cycles per unit).
+    """
+    isz = itemsize(dtype)
+    split = dev.arch == "split"
+    qb, kvb, vq = t["q"], t["kv"], t["vq"]
+    nh = 2 if split else 1
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    rate = dev.rates
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+    k0f = dev.cube_k0[dtype]
+    # every item walks all nkv tiles (skipped ones included); items are dealt round-robin
+    n2, T2, items2 = _deal([[nkv]] * nq, B * N, dev.cube_cores)
+    work_frac = 1.0
+    if causal:
+        tiles = sum(ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq))
+        work_frac = tiles / (nq * nkv)
+    qe = min(qb, Sq)
+    rv = qe / nh
+    ke = Skv / nkv
+    nsub = max(1, ceil_div(int(rv), vq))
+    passes = 4 + (1 if dtype != F32 else 0)
+    msz = 0
+    if mask is not None:
+        passes += 1 if mask[1] in ("bool", F32) else 2
+        msz = itemsize(mask[1])
+    rr = rv * math.ceil(ke / 64)
+    stat = nsub * math.ceil(vq / 64)
+    part = min(1.0, ceil_div(qb, kvb) / max(1.0, nkv * work_frac)) if causal else 0.0
+    vec_work = rr * passes + rr * part * 2 + stat * 3
+    vec_skip = rv * math.ceil(ke * isz / 256)                 # dup 0 over the tile, operand dtype
+    vec = work_frac * vec_work + (1 - work_frac) * vec_skip
+    cube = work_frac * ceil_div(qe, 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
+    mte1 = work_frac * D * _r16(ke) * isz / rate["L1->L0B"]
+    kt_b = ke * D * isz
+    # K: shared by the cores on the same head (one read, the rest L2 hits); re-read from HBM when the
+    # first sweep's traffic and the probabilities written so far pushed it out of L2
+    probs_b = B * N * Sq * Skv * isz
+    resident = kv_unique + probs_b + B * N * Sq * D * isz <= dev.l2_bytes
+    k_unique = B * Nkv * Skv * D * isz
+    q_bytes = B * N * Sq * D * isz
+    same_head = max(1, min(n2, nq * group))
+    k_miss = 0.0 if resident else k_unique * max(1, ceil_div(nq, max(1, n2 // max(1, ceil_div(n2, same_head)))))
+    q_miss = 0.0 if resident else q_bytes
+    port_k = work_frac * (max(0.0, n2 * kt_b - k_miss / T2) / L2bw) + k_miss / T2 / HBMbw
+    mte2 = max(work_frac * kt_b / rate["GM->L1"], port_k)
+    q_load = max(qe * D * isz / rate["GM->L1"], n2 * qe * D * isz / (L2bw if resident else HBMbw))
+    mte2 += q_load * items2 / T2
+    # the probabilities tile: UB -> GM, written through to HBM
+    p_b = rv * ke * isz
+    store = max(p_b / rate["UB->GM"], n2 * nh * p_b / HBMbw)
+    mask_b = rv * ke * msz
+    mte2_mask = work_frac * max(mask_b / rate["GM->UB"], n2 * nh * mask_b / L2bw) if mask is not None else 0.0
+    if split:
+        s_b = qe * ke * 4
+        fix = work_frac * max(s_b / rate["L0C->GM"], n2 * s_b / L2bw)
+        vmte2 = work_frac * max(rv * ke * 4 / rate["GM->UB"], 2 * n2 * rv * ke * 4 / L2bw) + mte2_mask
+        s_hand = max(vq * ke * 4 / rate["L0C->GM"], n2 * vq * ke * 4 / L2bw) \
+            + max(vq * ke * 4 / rate["GM->UB"], 2 * n2 * vq * ke * 4 / L2bw)
+    else:
+        fix = work_frac * qe * ke * 4 / rate["L0C->UB"]
+        vmte2 = 0.0
+        mte2 += mte2_mask
+        s_hand = vq * ke * 4 / rate["L0C->UB"]
+    vec_chain = vec + store
+    step = max(cube, mte1, mte2, vmte2, fix, vec_chain)
+    fill = q_load + kt_b / rate["GM->L1"] + cube + s_hand
+    core = fill + T2 * step
+    hbm = probs_b + k_miss + q_miss + 2 * B * N * Sq * 4        # P, re-reads, row max and sum stored
+    busy = {"cube": T2 * cube, "mte1": T2 * mte1, "mte2": T2 * max(mte2, vmte2), "fixpipe": T2 * fix,
+            "vector": T2 * vec, "mte3": T2 * p_b / rate["UB->GM"]}
+    return core, float(hbm), busy
 
 
 def flops(B, N, Sq, Skv, D, Dv, causal):
@@ -406,8 +574,6 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
-    if return_probs:
-        raise NotImplementedError("flash_attention cost model: return_probs=True is not modelled yet")
     if tiling is None:
         t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs))
     else:
@@ -420,7 +586,8 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
         res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs))
     core, hbm, nbytes, busy = res
     (qs, _), (ks, _), (vs, _) = specs
-    return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, mask, causal=causal),
+    return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),
+                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs),
                 flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal))
 
 

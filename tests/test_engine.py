@@ -205,18 +205,6 @@ def test_o1_keeps_blocks_whose_probabilities_are_used():
         torch.testing.assert_close(got, want)
 
 
-def _return_probs_priced() -> bool:
-    import cost_model
-    spec = ((1, 2, 16, 16), "float32")
-    try:
-        cost_model.estimate("flash_attention", [spec] * 3, return_probs=True)
-        return True
-    except NotImplementedError:
-        return False
-
-
-@pytest.mark.xfail(not _return_probs_priced(), raises=AssertionError, strict=True,
-                   reason="cost_model flash_attention does not price return_probs=True yet")
 def test_o2_fuses_blocks_whose_probabilities_are_used():
     q, k, v = _qkv()
     pm = _probs_model()

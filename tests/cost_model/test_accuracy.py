@@ -50,6 +50,14 @@ def test_error_distribution_flash_attention_cycles(records):
     _check([r for r in records if r.case.kernel == "flash_attention"], "cycles")
 
 
+@pytest.mark.parametrize("what", ["cycles", "hbm"])
+def test_error_flash_attention_return_probs(records, what):
+    """The probabilities sweep is priced on its own cases (coupled and split, causal, mask, odd sizes)."""
+    rs = [r for r in records if r.case.kernel == "flash_attention" and r.case.params.get("return_probs")]
+    assert len(rs) >= 6 and {r.case.device for r in rs} >= {"ascend910", "ascend910b"}
+    _check(rs, what)
+
+
 def test_fusion_pairs_agree():
     ok, n, rows = bench.pair_agreement(bench.pairs(quick=True))
     bad = [r for r in rows if not r[-1]]

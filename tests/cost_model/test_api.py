@@ -25,6 +25,17 @@ def test_issue_contract_flash_attention():
     assert e.cycles >= e.roofline
 
 
+@pytest.mark.parametrize("device", ["ascend910", "ascend910b"])
+def test_flash_attention_return_probs_priced(device):
+    spec = [((1, 4, 300, 64), "float16")] * 3
+    base = cost_model.estimate("flash_attention", spec, device=device, causal=True)
+    e = cost_model.estimate("flash_attention", spec, device=device, causal=True, return_probs=True)
+    probs = 1 * 4 * 300 * 300 * 2
+    # the probabilities reach HBM once, on top of what the first sweep moves; the second sweep takes time
+    assert e.hbm_bytes >= base.hbm_bytes + probs
+    assert e.cycles > base.cycles and e.cycles >= e.roofline
+
+
 def test_roofline_matmul_by_hand():
     r = cost_model.roofline("matmul", [((2048, 2048), "float16"), ((2048, 2048), "float16")], device="ascend910")
     flops = 2 * 2048 ** 3
