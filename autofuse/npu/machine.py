@@ -330,12 +330,14 @@ _POOL = _Pool()
 SPLIT_MIN = 1 << 16               # elements (or GEMM MACs per core) below which a split does not pay
 
 
-def core_parts(n: int, size: int, parts: int = 4):
-    """Slices of ``range(n)`` (the core axis) to split a computation of ``size`` elements over host threads;
-    a single slice when it is smaller than ``SPLIT_MIN`` (or one host thread is configured)."""
-    if n < 2 or size < SPLIT_MIN or _host_threads() < 2:
+def core_parts(n: int, size: int, parts: int | None = None):
+    """Slices of ``range(n)`` (the core axis) to split a computation of ``size`` elements over host threads
+    (one slice per thread by default: fewer hand-offs beat finer balance here); a single slice when it is
+    smaller than ``SPLIT_MIN`` (or one host thread is configured)."""
+    threads = _host_threads()
+    if n < 2 or size < SPLIT_MIN or threads < 2:
         return [slice(0, n)]
-    k = min(n, parts)
+    k = min(n, parts or threads)
     return [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
@@ -957,7 +959,11 @@ class Launch:
 
     def tensor(self, data: np.ndarray, dtype: str, name: str, scratch: bool = False) -> GMTensor:
         if dtype == "float16" and getattr(data, "dtype", None) == np.float16:
-            data = data.astype(np.float32)     # already fp16 values: exact in float32, no re-rounding
+            # already fp16 values: exact in float32, no re-rounding (cast in pieces on the host threads)
+            src = np.ascontiguousarray(data).reshape(-1)
+            flat = np.empty(src.size, dtype=np.float32)
+            _POOL.map(lambda p: np.copyto(flat[p], src[p]), core_parts(src.size, src.size, parts=8))
+            data = flat.reshape(np.shape(data))
         elif dtype in ("float16", "bfloat16", "float32"):
             data = to_dtype(np.asarray(data, dtype=np.float32), dtype)
         else:                                  # integers and bools keep their exact values
