@@ -5,7 +5,6 @@ import re
 import runpy
 import sys
 
-import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
