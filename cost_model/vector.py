@@ -65,6 +65,10 @@ OPS = {
 
 
 def _promote(dtypes, float_scalar):
+    for d in dtypes:
+        if d not in FLOATS and d not in INTS and d != "bool":
+            raise TypeError(f"elementwise: {d} is not supported by the Vector unit (float16, bfloat16, "
+                            f"float32, int32, int8, bool); cast the tensor first")
     floats = {d for d in dtypes if d in FLOATS}
     if floats:
         return floats.pop() if len(floats) == 1 else "float32"

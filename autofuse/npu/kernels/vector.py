@@ -178,6 +178,10 @@ _INTS = ("int32", "int8")
 
 def _promote(dtypes, has_float_scalar: bool) -> str:
     """torch's type promotion among tensor dtypes (a Python float scalar lifts integers to float32)."""
+    for d in dtypes:
+        if d not in FLOATS and d not in _INTS and d != "bool":
+            raise TypeError(f"elementwise: {d} is not supported by the Vector unit (float16, bfloat16, "
+                            f"float32, int32, int8, bool); cast the tensor first")
     floats = {d for d in dtypes if d in FLOATS}
     if floats:
         return floats.pop() if len(floats) == 1 else "float32"
