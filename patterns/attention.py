@@ -212,6 +212,16 @@ def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int) -> str |
 
     The mask's ancestors must be graph constants (factory ops, real buffers): they are evaluated on
     CPU for the captured shapes. Anything depending on an input or a meta tensor is not provable."""
+    key = (m, kind, factor, sq, skv)
+    if key not in _PROOFS:         # layers share one mask node: evaluate it once per search
+        _PROOFS[key] = _prove(m, kind, factor, sq, skv)
+    return _PROOFS[key]
+
+
+_PROOFS: dict = {}
+
+
+def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int) -> str | None:
     try:
         t = evaluate_constant(m, max_numel=MAX_PROOF_NUMEL)
     except Exception:  # noqa: BLE001 - "not provable" is the answer for anything we cannot evaluate
@@ -237,15 +247,18 @@ def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int) -> str |
 def find_attention(gm: fx.GraphModule) -> list[Match]:
     """Every non-overlapping attention block in ``gm`` (expects the canonical form)."""
     out, taken = [], set()
-    for n in gm.graph.nodes:
-        m = None
-        if is_call(n, aten.softmax.int):
-            m = _match_softmax(n)
-        elif is_call(n, aten.scaled_dot_product_attention.default):
-            m = _match_sdpa(n)
-        if m is not None and taken.isdisjoint(m.nodes):
-            out.append(m)
-            taken.update(m.nodes)
+    try:
+        for n in gm.graph.nodes:
+            m = None
+            if is_call(n, aten.softmax.int):
+                m = _match_softmax(n)
+            elif is_call(n, aten.scaled_dot_product_attention.default):
+                m = _match_sdpa(n)
+            if m is not None and taken.isdisjoint(m.nodes):
+                out.append(m)
+                taken.update(m.nodes)
+    finally:
+        _PROOFS.clear()
     return out
 
 
