@@ -60,6 +60,19 @@ _PATH_UNIT = {
 }
 
 
+def _argmin0(a: np.ndarray):
+    """``(a.argmin(axis=0), a.min(axis=0))`` of a few rows (the first minimum, as argmin). numpy's argmin
+    lets go of the interpreter lock even for a few values, and while value streams run (Launch.defer)
+    getting it back can take a thread switch interval (5 ms): the bookkeeping thread avoids it."""
+    k = np.zeros(a.shape[1], dtype=np.intp)
+    best = a[0].copy()
+    for g in range(1, a.shape[0]):
+        better = a[g] < best
+        k[better] = g
+        best[better] = a[g][better]
+    return k, best
+
+
 def _live(tiles, what: str) -> None:
     """Refuse to read (or partly write) a tile whose values a ``move(..., consume=True)`` handed on."""
     for t in tiles:
@@ -346,6 +359,109 @@ def split_cores(fn, n: int, size: int) -> None:
     _POOL.map(fn, core_parts(n, size))
 
 
+def _slice_of(i: int, k: int, n: int, base: int) -> slice:
+    """Stream ``i`` of ``k``'s share of a group of ``n`` cores, in a launch whose smallest group has ``base``
+    cores: whole multiples of ``n / base`` when ``base`` divides ``n``, so that AIC c and the AIVs paired
+    with it (2c, 2c+1) fall in one stream."""
+    if base and n % base == 0:
+        r = n // base
+        return slice(i * base // k * r, (i + 1) * base // k * r)
+    return slice(i * n // k, (i + 1) * n // k)
+
+
+_LOCAL = threading.local()        # per thread: .arrays, a value stream's tile -> array map
+_EVERY = object()                 # a stream item every stream runs (not a share of the cores)
+
+
+class _Streams:
+    """The values of a deferred launch (:meth:`Launch.defer`), computed behind its timeline by ``k`` threads.
+
+    The calling thread runs the program: it books every instruction (units, GM port, L2: nothing there
+    depends on values) and queues the instruction's data work. Stream ``i`` runs the whole queue in issue
+    order for its share of the cores (:func:`_slice_of`), which is exact because in lockstep every value a
+    core computes comes from its own tiles and from GM regions it (or a core of its share) wrote earlier.
+    Work that is not per core (``whole``) runs on one stream between two barriers. A failure is raised by
+    :meth:`sync`.
+    """
+
+    def __init__(self, k: int, base: int):
+        self.k, self.base = k, base
+        self.cv = threading.Condition()
+        self.queue: list = []
+        self.closed = False
+        self.error = None
+        self.barrier = threading.Barrier(k) if k > 1 else None
+        # moves that hand arrays over (consume=True) do so on each stream's own map, tile -> array: a stream
+        # that is ahead uses an array in its new role on its cores while another still uses it in the old
+        # role on its own cores. Every stream makes the same exchanges, so the maps agree at the end.
+        self.arrays: list[dict] = [{} for _ in range(k)]
+        self.threads = [threading.Thread(target=self._run, args=(i,), name=f"npu-sim-values-{i}", daemon=True)
+                        for i in range(k)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, item) -> None:
+        with self.cv:
+            self.queue.append(item)
+            self.cv.notify_all()
+
+    def _run(self, i: int) -> None:
+        try:
+            self._stream(i)
+        except BaseException as e:           # never end silently: sync() raises it
+            self.error = e
+            if self.barrier is not None:
+                self.barrier.abort()         # the other streams must not wait for this one
+
+    def _stream(self, i: int) -> None:
+        k, cv, queue = self.k, self.cv, self.queue
+        _LOCAL.arrays = self.arrays[i]
+        pos = 0
+        while True:
+            with cv:
+                while pos >= len(queue) and not self.closed:
+                    cv.wait()
+                if pos >= len(queue):
+                    return
+                end = len(queue)
+            while pos < end:                  # the items issued meanwhile, without taking the lock again
+                n, fn = queue[pos]
+                pos += 1
+                try:
+                    if n is _EVERY:           # bookkeeping every stream does
+                        fn(None)
+                    elif n is not None:       # per core: this stream's share
+                        if self.error is None:
+                            cs = _slice_of(i, k, n, self.base)
+                            if cs.start < cs.stop:
+                                fn(cs)
+                    else:                     # whole: one stream, the others wait
+                        if self.barrier is not None:
+                            self.barrier.wait()
+                        if i == 0 and self.error is None:
+                            fn()
+                        if self.barrier is not None:
+                            self.barrier.wait()
+                except BaseException as e:    # raised by sync() in the calling thread
+                    if self.error is None:
+                        self.error = e
+
+    def sync(self) -> None:
+        """Wait for every queued item; the streams end (a launch syncs once, at the end)."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        for t in self.threads:
+            t.join()
+        for tile, array in self.arrays[0].items():
+            tile._data = array
+        if self.error is None and any(m != self.arrays[0] for m in self.arrays[1:]):
+            self.error = SimulatorError("value streams disagree on the arrays their moves exchanged")
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
+
+
 def _find_openblas():
     """numpy's OpenBLAS ``(set_num_threads, get_num_threads)``, or None (another BLAS, or not found)."""
     dirs = [os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs"),
@@ -431,17 +547,30 @@ class GMTensor:
 class Tile:
     """A buffer allocation on every core of a group: ``data[core, ...]`` plus per-core event times."""
 
-    __slots__ = ("group", "buffer", "offset", "nbytes", "shape", "dtype", "data", "ready", "busy_until", "name",
+    __slots__ = ("group", "buffer", "offset", "nbytes", "shape", "dtype", "_data", "ready", "busy_until", "name",
                  "consumed")
 
     def __init__(self, group, buffer, offset, nbytes, shape, dtype, name):
         n = group.n
         self.group, self.buffer, self.offset, self.nbytes = group, buffer, offset, nbytes
         self.shape, self.dtype, self.name = tuple(shape), dtype, name
-        self.data = np.zeros((n, *shape), dtype=np.bool_ if dtype == "bool" else np.float32)
+        self._data = np.zeros((n, *shape), dtype=np.bool_ if dtype == "bool" else np.float32)
         self.ready = np.zeros(n)          # when the last write to the tile completes
         self.busy_until = np.zeros(n)     # when the last read of the tile completes
         self.consumed = False             # values handed on by move(consume=True): unreadable until rewritten
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tile's values ``[core, *shape]`` (float32, or bool). On a value stream of a deferred launch,
+        the array this stream's moves have handed to the tile (see :class:`_Streams`)."""
+        arrays = getattr(_LOCAL, "arrays", None)
+        if arrays is None:
+            return self._data
+        return arrays.get(self, self._data)
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value
 
 
 class L2:
@@ -620,9 +749,8 @@ class Group:
         g_begin = np.maximum(start, gs)
         fin = g_begin + cycles
         cand = np.where(fin <= ge, fin, np.inf)
-        k = np.argmin(cand, axis=0)
+        k, best = _argmin0(cand)
         fk = k * n + self._idx                           # flat index of (k[c], c)
-        best = cand.ravel()[fk]
         in_gap = best < np.inf
         after = np.maximum(start, pf)
         end = np.where(in_gap, best, after + cycles)
@@ -637,7 +765,7 @@ class Group:
         new_e = np.where(in_gap, g_begin.ravel()[fk], start)
         others = gap[1].copy()
         others.ravel()[fk[in_gap]] = np.inf              # the gap just used is not the one to give way
-        j = np.argmin(others, axis=0)                    # the earliest other interval gives way
+        j, _ = _argmin0(others)                          # the earliest other interval gives way
         fj = j * n + self._idx
         gej = gef[fj]
         rep = (new_e > new_s) & (new_e > gej)
@@ -663,33 +791,41 @@ class Group:
         path = f"GM->{dst.buffer}"
         isz = itemsize(src.dtype)
         nbytes, port = self._gm_access(src, info, isz, write=False)
-        if not self._load_all(dst, src, info, fn):
-            for c, region in enumerate(regions):
-                if region is None:
-                    continue
-                block = src.data[region]
-                if fn is not None:
-                    block = fn(block)
-                view = dst.data[c]
-                if block.shape != view.shape:
-                    view.fill(0)
-                    view[tuple(slice(0, e) for e in block.shape)] = block
-                else:
-                    view[...] = block
+        gather = self._gather(dst, src, info, fn)
+        if gather is not None:
+            self.launch._data(self.n, gather, math.prod(dst.shape) * self.n)
+        else:
+            def per_core(cs):
+                for c in range(cs.start, cs.stop):
+                    region = regions[c]
+                    if region is None:
+                        continue
+                    block = src.data[region]
+                    if fn is not None:
+                        block = fn(block)
+                    view = dst.data[c]
+                    if block.shape != view.shape:
+                        view.fill(0)
+                        view[tuple(slice(0, e) for e in block.shape)] = block
+                    else:
+                        view[...] = block
+
+            self.launch._data(self.n, per_core)
         self.launch.bytes[path] += sum(info.elems) * isz
         cycles = nbytes / self.launch.device.rates[path]
         return self._exec(_PATH_UNIT[path], cycles, writes=(dst,), deps=deps, active=active,
                           name=name or f"load {src.name}->{dst.name}", port=port)
 
     @staticmethod
-    def _load_all(dst: Tile, src: GMTensor, info: _Regions, fn) -> bool:
-        """Every core's region in one gather (what the per-core loop does, when the regions allow it)."""
+    def _gather(dst: Tile, src: GMTensor, info: _Regions, fn):
+        """``part(cores)`` copying those cores' regions in one gather (what the per-core loop does), or None
+        when the regions do not allow it."""
         if info.extent is None or (fn is not None and fn is not np.transpose) or \
-                src.data.dtype != dst.data.dtype or not _contiguous(src.data):
-            return False
+                src.data.dtype != (np.bool_ if dst.dtype == "bool" else np.float32) or not _contiguous(src.data):
+            return None
         got = info.rows(src.data)
         if got is None:
-            return False
+            return None
         W, rows, _ = got
         ext = info.extent
         if fn is None:
@@ -697,24 +833,29 @@ class Group:
         elif len(ext) == 2:
             shape = ext[::-1]
         else:
-            return False
+            return None
         if len(shape) != len(dst.shape) or any(e > t for e, t in zip(shape, dst.shape)):
-            return False
+            return None
         flat = src.data.reshape(-1, W)
-        if fn is None and shape == dst.shape:
-            dd = dst.data
-            # rows are in bounds (checked), hence mode="clip": no bounds pass, no buffered copy
-            split_cores(lambda cs: np.take(flat, rows[cs], axis=0, out=dd[cs], mode="clip"), len(dd), dd.size)
-            return True
-        block = np.take(flat, rows, axis=0, mode="clip")
-        if fn is not None:
-            block = block.transpose(0, 2, 1)
-        if shape == dst.shape:
-            np.copyto(dst.data, block)
-        else:
-            dst.data.fill(0)
-            dst.data[(slice(None), *(slice(0, e) for e in shape))] = block
-        return True
+        whole = fn is None and shape == dst.shape
+        corner = (slice(None), *(slice(0, e) for e in shape))
+
+        def part(cs):
+            dd = dst.data[cs]
+            if whole:
+                # rows are in bounds (checked), hence mode="clip": no bounds pass, no buffered copy
+                np.take(flat, rows[cs], axis=0, out=dd, mode="clip")
+                return
+            block = np.take(flat, rows[cs], axis=0, mode="clip")
+            if fn is not None:
+                block = block.transpose(0, 2, 1)
+            if shape == dst.shape:
+                np.copyto(dd, block)
+            else:
+                dd.fill(0)
+                dd[corner] = block
+
+        return part
 
     def store(self, src: Tile, dst: GMTensor, regions, active=None, deps=(), fn=None, name=None):
         """MTE3 (UB→GM) or FixPipe (L0C→GM): write the tile's top-left corner to ``dst[regions[c]]``.
@@ -737,41 +878,54 @@ class Group:
             raise SimulatorError(f"no data path {path}")
         isz = itemsize(dst.dtype)
         nbytes, port = self._gm_access(dst, info, isz, write=True)
-        if not self._store_all(src, dst, info, fn):
-            for c, region in enumerate(regions):
-                if region is None:
-                    continue
-                block = src.data[c][tuple(slice(0, e) for e in _extent(region))] if fn is None else fn(src.data[c])
-                dst.data[region] = to_dtype(block, dst.dtype) if dst.dtype != src.dtype else block
+        scatter = self._scatter(src, dst, info, fn)
+        if scatter is not None:
+            self.launch._data(self.n, scatter, math.prod(src.shape) * self.n)
+        else:
+            def in_order():                   # regions may overlap: the later core's write stays
+                for c, region in enumerate(regions):
+                    if region is None:
+                        continue
+                    block = src.data[c][tuple(slice(0, e) for e in _extent(region))] if fn is None \
+                        else fn(src.data[c])
+                    dst.data[region] = to_dtype(block, dst.dtype) if dst.dtype != src.dtype else block
+
+            self.launch._data(self.n, whole=in_order)
         self.launch.bytes[path] += sum(info.elems) * isz
         cycles = nbytes / self.launch.device.rates[path]
         return self._exec(_PATH_UNIT[path], cycles, reads=(src,), deps=deps, active=active,
                           name=name or f"store {src.name}->{dst.name}", port=port)
 
     @staticmethod
-    def _store_all(src: Tile, dst: GMTensor, info: _Regions, fn) -> bool:
-        """Every core's region in one scatter (regions that do not overlap; else the per-core loop)."""
+    def _scatter(src: Tile, dst: GMTensor, info: _Regions, fn):
+        """``part(cores)`` writing those cores' regions in one scatter, or None (regions that overlap or do
+        not allow it: the per-core loop)."""
         if info.extent is None or fn is not None or not _contiguous(dst.data):
-            return False
+            return None
         ext = info.extent
         if len(ext) != len(src.shape) or any(e > t for e, t in zip(ext, src.shape)):
-            return False
+            return None
         got = info.rows(dst.data)
         if got is None or not got[2]:
-            return False
+            return None
         W, rows, _ = got
-        block = src.data if ext == src.shape else src.data[(slice(None), *(slice(0, e) for e in ext))]
-        if dst.dtype != src.dtype:
-            block = to_dtype(block, dst.dtype)
-        if block.dtype != dst.data.dtype:
-            return False
+        convert = dst.dtype != src.dtype
+        out_type = to_dtype(np.zeros(1, np.bool_ if src.dtype == "bool" else np.float32), dst.dtype).dtype \
+            if convert else (np.bool_ if src.dtype == "bool" else np.float32)
+        if out_type != dst.data.dtype:
+            return None
         flat = dst.data.reshape(-1, W)
+        corner = (slice(None), *(slice(0, e) for e in ext))
 
-        def scatter(cs):
-            flat[rows[cs]] = block[cs]
+        def part(cs):
+            block = src.data[cs]
+            if ext != src.shape:
+                block = block[corner]
+            if convert:
+                block = to_dtype(block, dst.dtype)
+            flat[rows[cs]] = block
 
-        split_cores(scatter, len(rows), block.size)
-        return True
+        return part
 
     def _gm_access(self, t: GMTensor, info: _Regions, isz: int, write: bool):
         """Bytes per core, and per-core port cycles after the L2 lookup.
@@ -833,7 +987,8 @@ class Group:
     def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None, consume=False):
         """On-chip copy along ``src.buffer -> dst.buffer`` (MTE1, or FixPipe out of L0C).
 
-        ``fn(src_data) -> dst_data`` (batched over cores) selects/transposes the part moved; values are rounded
+        ``fn(src_data) -> dst_data`` (batched over cores, each core's slice on its own: it may be given a
+        slice of the cores) selects/transposes the part moved; values are rounded
         to ``dst.dtype`` (L0C→UB may convert fp32 to fp16/bf16). ``nbytes`` per core defaults to the data
         moved.
 
@@ -847,23 +1002,37 @@ class Group:
             raise SimulatorError(f"no on-chip data path {path} (tiles {src.name} -> {dst.name})")
         if src.consumed:
             _live((src,), f"move {path}")
-        sd = src.data
-        if consume and fn is None and dst.dtype == src.dtype and sd.shape == dst.data.shape and \
-                sd.dtype == dst.data.dtype and src is not dst:
-            data = sd
-            src.data, dst.data = dst.data, sd
-        else:
-            data = sd if fn is None else fn(sd)
-            if dst.dtype != src.dtype:
-                data = to_dtype(data, dst.dtype)
-            if data.shape == dst.data.shape:
-                dst.data[...] = data
+        if consume and fn is None and src is not dst and dst.dtype == src.dtype and dst.shape == src.shape:
+            # tiles keep arrays of their own shape and storage type: exchange them
+            streams = self.launch.streams
+            if streams is None:
+                src.data, dst.data = dst.data, src.data
             else:
-                dst.data.fill(0)
-                dst.data[(slice(None), *(slice(0, e) for e in data.shape[1:]))] = data
+                def swap(cs):                 # on this stream's map (every stream does it, whatever its cores)
+                    arrays = _LOCAL.arrays
+                    a, b = arrays.get(src, src._data), arrays.get(dst, dst._data)
+                    arrays[src], arrays[dst] = b, a
+
+                streams.submit((_EVERY, swap))
+        else:
+            def copy(cs):
+                data = src.data[cs]
+                if fn is not None:
+                    data = fn(data)
+                if dst.dtype != src.dtype:
+                    data = to_dtype(data, dst.dtype)
+                dd = dst.data[cs]
+                if data.shape == dd.shape:
+                    dd[...] = data
+                else:
+                    dd.fill(0)
+                    dd[(slice(None), *(slice(0, e) for e in data.shape[1:]))] = data
+
+            self.launch._data(self.n, copy, math.prod(dst.shape) * self.n)
         dst.consumed = False
         if nbytes is None:
-            nbytes = math.prod(data.shape[1:]) * itemsize(src.dtype)
+            shape = src.data.shape if fn is None else fn(src.data).shape     # shapes only: values may be pending
+            nbytes = math.prod(shape[1:]) * itemsize(src.dtype)
         total = nbytes * (self.n if np.isscalar(nbytes) else 1)
         self.launch.bytes[path] += int(np.sum(total) if active is None else np.sum(np.where(active, nbytes, 0)))
         cycles = np.asarray(nbytes, dtype=float) / self.launch.device.rates[path]
@@ -890,32 +1059,38 @@ class Group:
         c.consumed = False                    # written whole (tiles are zero-padded)
         dev = self.launch.device
         k0 = dev.cube_k0[a.dtype]
-        ad, bd, cd = a.data, b.data, c.data
         if init is not None and not accumulate:
-            init = np.broadcast_to(init, cd.shape)
+            init = np.broadcast_to(init, c.data.shape)
+        macs = math.prod(a.shape) * b.shape[-1] if len(a.shape) == 2 else 0      # per core
 
         def product(cs):
+            ad, bd, cd = a.data[cs], b.data[cs], c.data[cs]
             if accumulate:
-                cd[cs] += np.matmul(ad[cs], bd[cs])
+                cd += np.matmul(ad, bd)
             elif init is not None:
-                np.add(np.matmul(ad[cs], bd[cs]), init[cs], out=cd[cs])
+                np.add(np.matmul(ad, bd), init[cs], out=cd)
             else:
-                np.matmul(ad[cs], bd[cs], out=cd[cs])
+                np.matmul(ad, bd, out=cd)
 
-        if _blas_split:
-            _POOL.map(product, core_parts(self.n, ad[0].size * bd.shape[-1] if ad.ndim == 3 else 0))
-        else:
-            product(slice(None))
+        # GEMMs split over host threads only while BLAS runs single-threaded (host_blas)
+        self.launch._data(self.n, product, macs * self.n if _blas_split else 0)
         cycles = (-(-np.asarray(m) // 16)) * (-(-np.asarray(k) // k0)) * (-(-np.asarray(n) // 16))
         return self._exec("cube", cycles.astype(float), reads=(a, b, c) if accumulate else (a, b),
                           writes=(c,), deps=deps, active=active, name=name)
 
-    def vector(self, name: str, writes, reads, repeats, compute=None, active=None, deps=()):
-        """Vector: ``repeats`` passes of 256 B (per core, scalar or array); ``compute()`` does the numerics."""
+    def vector(self, name: str, writes, reads, repeats, compute=None, active=None, deps=(), per_core=False):
+        """Vector: ``repeats`` passes of 256 B (per core, scalar or array); ``compute()`` does the numerics.
+
+        ``per_core=True``: ``compute(cores)`` computes the slice ``cores`` of the core axis alone (the
+        simulator may split the cores over host threads, and a deferred launch runs it per stream).
+        """
         _live(reads, f"vector {name}")
         _live(writes, f"vector {name}")
         if compute is not None:
-            compute()
+            if per_core:
+                self.launch._data(self.n, compute, sum(math.prod(t.shape) for t in writes) * self.n)
+            else:
+                self.launch._data(self.n, whole=compute)
         cycles = np.asarray(repeats, dtype=float)
         return self._exec("vector", cycles, reads=reads, writes=writes, deps=deps, active=active, name=name)
 
@@ -945,6 +1120,49 @@ class Launch:
         self.hbm_write = 0
         self.instructions = 0
         self.events: list = []
+        self.streams: _Streams | None = None
+
+    # ---------------------------------------------------------------- deferred values
+    def defer(self) -> None:
+        """Compute the values of the instructions issued from now on behind the timeline, on host threads
+        (see :class:`_Streams`); :meth:`sync` (and :meth:`finish`) waits for them.
+
+        For a program whose data flows stay within each core (and from AIC c to AIVs 2c, 2c+1 and back)
+        except across :meth:`barrier`, whose host code reads tile and GM values only inside instruction
+        callbacks, which look tile arrays up when they run (``tile.data``), and whose ``move`` ``fn`` and
+        per-core ``compute`` act on each core's slice alone.
+        """
+        if self.streams is None:
+            self.streams = _Streams(_host_threads(), min((g.n for g in self.groups), default=0))
+
+    def barrier(self) -> None:
+        """Values issued after this point may depend on values any core computed before it."""
+        if self.streams is not None:
+            self.streams.submit((None, lambda: None))
+
+    def _data(self, n: int, part=None, size: int = 0, whole=None) -> None:
+        """The data work of an instruction: ``part(cores)`` for a slice of the ``n`` cores (split over host
+        threads when ``size`` elements make it pay), or ``whole()``; now, or queued (deferred launch)."""
+        streams = self.streams
+        if streams is None:
+            if whole is not None:
+                whole()
+            elif size >= SPLIT_MIN:
+                split_cores(part, n, size)
+            else:
+                part(slice(0, n))
+        elif whole is not None:
+            streams.submit((None, whole))
+        else:
+            streams.submit((n, part))
+
+    def sync(self) -> None:
+        """Wait for every deferred value (no-op unless deferred); raises what failed there."""
+        streams, self.streams = self.streams, None
+        if streams is not None:
+            streams.sync()
+
+    close = sync
 
     def group(self, kind: str, n: int) -> Group:
         """``n`` cores of ``kind`` ("core" coupled, "aic"/"aiv" split; "aiv" also means vector-only cores)."""
@@ -974,6 +1192,7 @@ class Launch:
         return GMTensor(np.zeros(shape, dtype=np.float32), dtype, name, scratch)
 
     def finish(self) -> Stats:
+        self.sync()
         dev = self.device
         wb = self.l2.dirty_bytes()           # workspace still dirty in L2 is written back at the end
         self.hbm_write += wb

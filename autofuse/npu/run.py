@@ -96,7 +96,15 @@ def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
             arr, dt = _to_numpy(v, f"{k} of {kernel_name}")
             params[k] = launch.tensor(arr, dt, k)
     with host_blas():                  # OpenBLAS on one thread, GEMMs split over the simulator's threads
-        outs = fn(launch, *gm_inputs, **params)
+        try:
+            outs = fn(launch, *gm_inputs, **params)
+            launch.sync()              # values a kernel computes behind its timeline (Launch.defer)
+        except BaseException:
+            try:
+                launch.close()
+            except BaseException:      # the first failure is the one to report
+                pass
+            raise
     stats = launch.finish()
     trace = Trace(kernel_name, dev, launch.events, launch.groups)
     return Result(outputs=tuple(_from_storage(o) for o in outs), stats=stats, trace=trace,

@@ -1,7 +1,8 @@
 """The simulator's speed-ups change nothing it reports: the same launches with the plain code paths (one
-thread, a per-core copy loop for every GM transfer, copying moves) and with the fast ones (work split over
-host threads even for small batches, one-call gathers and scatters, moves that hand over arrays) give
-bit-identical stats, trace events and outputs."""
+thread, values computed as instructions issue, a per-core copy loop for every GM transfer, copying moves)
+and with the fast ones (values behind the timeline on three streams, work split over host threads even for
+small batches, one-call gathers and scatters, moves that hand over arrays) give bit-identical stats, trace
+events and outputs."""
 import numpy as np
 import pytest
 import torch
@@ -55,8 +56,9 @@ def test_fast_paths_change_no_figure_and_no_value(monkeypatch):
     finally:
         machine.set_host_threads(prev)
     monkeypatch.setattr(machine, "SPLIT_MIN", 1 << 62)
-    monkeypatch.setattr(machine.Group, "_load_all", staticmethod(lambda *a: False))
-    monkeypatch.setattr(machine.Group, "_store_all", staticmethod(lambda *a: False))
+    monkeypatch.setattr(machine.Group, "_gather", staticmethod(lambda *a: None))
+    monkeypatch.setattr(machine.Group, "_scatter", staticmethod(lambda *a: None))
+    monkeypatch.setattr(machine.Launch, "defer", lambda self: None)
     move = machine.Group.move
     monkeypatch.setattr(machine.Group, "move", lambda self, *a, consume=False, **k: move(self, *a, **k))
     prev = machine.set_host_threads(1)
@@ -96,3 +98,49 @@ def test_blas_threads_restored():
             assert blas[1]() == 1
         assert blas[1]() == 1
     assert blas[1]() == before
+
+
+def test_deferred_values_failure_is_raised_at_sync():
+    launch = Launch(get_device("ascend910"), "t")
+    g = launch.group("core", 4)
+    t = g.alloc("UB", (8, 8), "float32", "t")
+    launch.defer()
+
+    def bad(cs):
+        raise ValueError("boom")
+
+    g.vector("bad", [t], [], 1, compute=bad, per_core=True)
+    g.vector("fill", [t], [t], 1, compute=lambda cs: t.data[cs].fill(2.0), per_core=True)
+    with pytest.raises(ValueError, match="boom"):
+        launch.finish()
+
+
+def test_deferred_moves_hand_over_arrays_per_stream():
+    """Stream maps: after a deferred run with consuming moves, tiles hold what a plain run gives them."""
+    results = []
+    for deferred in (False, True):
+        launch = Launch(get_device("ascend910"), "t")
+        g = launch.group("core", 6)
+        x = launch.tensor(np.arange(6 * 16 * 16, dtype=np.float32).reshape(6, 16, 16), "float32", "x")
+        a, b = g.alloc("L1", (16, 16), "float32", "a"), g.alloc("L0A", (16, 16), "float32", "b")
+        regions = tuple((c, slice(0, 16), slice(0, 16)) for c in range(6))
+        if deferred:
+            launch.defer()
+        for i in range(3):
+            g.load(a, x, regions)
+            g.vector("scale", [a], [a], 1, compute=lambda cs, i=i: np.multiply(a.data[cs], i + 2, out=a.data[cs]),
+                     per_core=True)
+            g.move(b, a, consume=True)
+        launch.finish()
+        results.append(b.data.copy())
+    assert np.array_equal(results[0], results[1])
+    assert np.array_equal(results[0], np.arange(6 * 16 * 16, dtype=np.float32).reshape(6, 16, 16) * 4)
+
+
+def test_argmin0_is_argmin():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        a = rng.integers(0, 4, size=(4, 9)).astype(float)
+        a[rng.random(a.shape) < 0.3] = np.inf
+        k, best = machine._argmin0(a)
+        assert np.array_equal(k, a.argmin(axis=0)) and np.array_equal(best, a.min(axis=0))

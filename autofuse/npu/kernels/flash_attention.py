@@ -677,7 +677,8 @@ class _Program:
             zact = v["skip"] & (vrows > 0)                     # a fully masked (skipped) tile: zeros
             if zact.any():
                 vg.vector("dup 0", [P], [], vg.row_repeats(vrows, v["kext"], self.dtype) * zact,
-                          compute=lambda: P.data.__setitem__(zact, 0.0), active=self._act(zact))
+                          compute=lambda cs: P.data[cs].__setitem__(zact[cs], 0.0), per_core=True,
+                          active=self._act(zact))
             oact = (v["work"] | zact) & (vrows > 0)
             bl, hl, ql, kl0 = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist()
             regs = self._regs(("probs", ks), lambda: [
@@ -718,7 +719,6 @@ class _Program:
         """
         vg, kvb, vq = self.vg, self.kvb, self.vq
         a_ = self._act(ract)
-        sd = S.data
         cur, prev = s % 2, (s - 1) % 2
         sl = slice(r * vq, (r + 1) * vq)
         M, Lt, A = self.tl["m"], self.tl["l"], self.tl["alpha"]
@@ -745,14 +745,14 @@ class _Program:
         part = v["partial"] & ract
         repeats = rr * passes + rr * part * 2 + stat * (3 if probs_pass else 5)
         vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
-        pd, tmp, f32 = P.data, self.tmp, self.dtype == "float32"
+        tmp, f32 = self.tmp, self.dtype == "float32"
         partial = bool(part.any())
-        # every pass is per core (per row, even), so the closures take a slice of the cores and the host
-        # threads split the work between them (machine.split_cores); values are the same however split
-        size = sd.size
+        # every pass is per core (per row, even), so the closures take a slice of the cores (vector(...,
+        # per_core=True)): host threads may split the cores between them; values are the same however split.
+        # The closures look tile arrays up when they run (the launch computes values behind its timeline).
 
         def scale_and_mask(cs):
-            x = sd[cs]
+            x = S.data[cs]
             np.multiply(x, self.scale, out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile)
                 np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
@@ -769,9 +769,9 @@ class _Program:
 
         def cast(x, cs):
             if f32:
-                np.copyto(pd[cs, sl], x)
+                np.copyto(P.data[cs, sl], x)
             else:
-                round_to(x, self.dtype, pd[cs, sl], tmp[cs], nonneg=True)
+                round_to(x, self.dtype, P.data[cs, sl], tmp[cs], nonneg=True)
 
         if probs_pass:
             Mt, Lf = M[0], Lt[0]
@@ -787,12 +787,11 @@ class _Program:
                 cast(x, cs)
 
             vg.vector("probs: scale mask sub exp mul cast", writes, reads + [Mt, Lf], repeats,
-                      compute=lambda: split_cores(probs, self.nv, size), active=a_)
+                      compute=probs, per_core=True, active=a_)
             return
 
-        Mp, Lp, Mc, Lc, Ac = M[prev].data, Lt[prev].data, M[cur].data, Lt[cur].data, A[cur].data
-
         def softmax(cs):
+            Mp, Lp, Mc, Lc, Ac = M[prev].data, Lt[prev].data, M[cur].data, Lt[cur].data, A[cur].data
             x = scale_and_mask(cs)
             fc = first[cs, None]
             mprev = np.where(fc, _NEG_INF, Mp[cs, sl])
@@ -809,7 +808,7 @@ class _Program:
             cast(x, cs)
 
         vg.vector("softmax: scale mask max sub exp sum cast", writes + [M[cur], Lt[cur], A[cur]],
-                  reads + [M[prev], Lt[prev]], repeats, compute=lambda: split_cores(softmax, self.nv, size),
+                  reads + [M[prev], Lt[prev]], repeats, compute=softmax, per_core=True,
                   active=a_)
 
     # ---------------------------------------------------------------- stage B: P·V, accumulate
@@ -869,9 +868,8 @@ class _Program:
             vg.move(PV, o_tiles[0], nbytes=rows * Dv * 4, active=a_, name="FixPipe O_j->UB", consume=True)
         first = v["first"]
 
-        od, pvd, ad = O.data, PV.data, A.data
-
         def update(cs):
+            od, pvd, ad = O.data, PV.data, A.data
             o = od[cs]
             np.multiply(o, ad[cs, :, None], out=o)
             np.add(o, pvd[cs], out=o)
@@ -880,7 +878,7 @@ class _Program:
                 o[f] = pvd[cs][f]
 
         vg.vector("O=O*alpha+O_j", [O], [O, PV, A], 2 * vg.row_repeats(rows, Dv, "float32") * ract,
-                  compute=lambda: split_cores(update, nv, od.size), active=a_)
+                  compute=update, per_core=True, active=a_)
         fin = v["last"] & ract
         if fin.any():
             orows = _out_rows(self.vq)
@@ -908,7 +906,7 @@ class _Program:
 
         passes = 2 if self.dtype != "float32" else 1
         vg.vector("out=O/l, cast", [OUT], [O, Lt], vg.row_repeats(rows, Dv, "float32") * fin * passes,
-                  compute=lambda: split_cores(norm, self.nv, OUT.data.size), active=self._act(fin))
+                  compute=norm, per_core=True, active=self._act(fin))
         bl, hl, ql = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist()
         rl, ol = rows.tolist(), ro.tolist()
         regs = self._regs(("out", s + self.base, r), lambda: [
@@ -950,6 +948,10 @@ class _Program:
     def run(self):
         # P stores of A(s+1) are issued after the loads of B(s): they happen later in time, and the GM
         # port books transfers in issue order (a later-issued, earlier-running transfer would queue).
+        # values behind the timeline (Launch.defer): the data stays within each core (and AIC c <-> AIVs 2c,
+        # 2c+1) except for the statistics of the probabilities sweep, read back behind a barrier; every
+        # closure reads tile arrays when it runs
+        self.launch.defer()
         st = self.steps
         self.stage_a(st, 0)
         self._flush()
@@ -960,6 +962,7 @@ class _Program:
             self._flush()
         if self.return_probs:
             self.base = st.T
+            self.launch.barrier()          # the sweep's items may sit on other cores than the first's
             self.probs_sweep()
         return (self.out, self.probs) if self.return_probs else (self.out,)
 
