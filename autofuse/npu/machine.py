@@ -26,6 +26,16 @@ L2 policy: an LRU cache of the regions kernels touch (keyed by tensor and region
 Writes to ordinary tensors are written through to HBM (a kernel's output must reach HBM for the next
 kernel); writes to *scratch* tensors (workspace a kernel rewrites and re-reads) stay in L2 as dirty
 lines, written back when evicted or, at the latest, at the end of the kernel.
+
+Host speed (never the figures). Timing bookkeeping is separate from values: an instruction books its
+unit, port and L2 at issue and hands its data work (copies, GEMMs, ``compute``) to :meth:`Launch._data`.
+That work runs at once, split by cores over host threads when large (:func:`split_cores`; GEMMs only while
+:func:`host_blas` holds OpenBLAS at one thread), or, after :meth:`Launch.defer`, behind the timeline on one
+value stream per host thread, each for its share of the cores (:class:`_Streams`). Region lists passed
+again as the same tuple reuse their bookkeeping (:func:`_regions`); uniform per-core regions are copied in
+one gather/scatter. Each core's values come from the same numpy calls on the same data in every mode, so
+stats, traces and outputs are bit for bit those of the plain path (tests/npu/test_determinism.py).
+``AUTOFUSE_NPU_THREADS`` (or :func:`set_host_threads`) sets the host threads; 1 turns splitting off.
 """
 from __future__ import annotations
 

@@ -41,6 +41,12 @@ the diagonal are skipped and query blocks i and nq-1-i are paired on one core, w
 (single blocks when there are too few pairs to keep every core busy). Schedules, tilings and region lists
 depend on shapes only and are cached across launches.
 
+Simulator speed (values and figures unchanged): the launch is deferred (``Launch.defer``: values are
+computed behind the timeline, per share of the cores, on the host threads), the Vector closures take a
+slice of the cores (``vector(..., per_core=True)``), the L1 -> L0 and L0C -> UB moves hand their arrays
+over (``consume=True``), K is also kept transposed on the host so its transposing load is a row gather,
+and region lists are tuples the machine keeps its bookkeeping for.
+
 Tilings (``default_tiling``; fp16, D=128): 910 and 310P q=128, kv=128, vq=128 (UB: S fp32 64 KB, P 32 KB,
 O_j and O fp32 64 KB each; L0B holds K and V tiles of 32 KB); 910B q=128, kv=128, vq=64 (one row block
 per AIV).
