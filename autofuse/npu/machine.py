@@ -70,19 +70,6 @@ _PATH_UNIT = {
 }
 
 
-def _argmin0(a: np.ndarray):
-    """``(a.argmin(axis=0), a.min(axis=0))`` of a few rows (the first minimum, as argmin). numpy's argmin
-    lets go of the interpreter lock even for a few values, and while value streams run (Launch.defer)
-    getting it back can take a thread switch interval (5 ms): the bookkeeping thread avoids it."""
-    k = np.zeros(a.shape[1], dtype=np.intp)
-    best = a[0].copy()
-    for g in range(1, a.shape[0]):
-        better = a[g] < best
-        k[better] = g
-        best[better] = a[g][better]
-    return k, best
-
-
 def _live(tiles, what: str) -> None:
     """Refuse to read (or partly write) a tile whose values a ``move(..., consume=True)`` handed on."""
     for t in tiles:
@@ -749,38 +736,47 @@ class Group:
     def _reserve_port(self, start, cycles):
         """Book the core's GM port for ``cycles`` from ``start`` on, in time order, not issue order.
 
-        Units run ahead of each other, so a transfer issued later may run earlier than ones already booked;
-        it then takes the earliest of the remembered idle intervals (the ``PORT_GAPS`` most recent ones)
-        that it fits in, else it queues after the last booking.
+        Units run ahead of each other, so a transfer issued later may be ready earlier than ones already
+        booked. It fills the remembered idle intervals of the port (the ``PORT_GAPS`` latest, kept in time
+        order) from ``start`` on, in time order and in as many pieces as it takes, and queues what is left
+        after the last booking: the port never idles while a transfer is waiting for it (a DMA engine
+        interleaves its bursts with other transfers), and it carries one transfer at a time.
         """
         gs, ge = self.port_gap
-        n = self.n
+        K = gs.shape[0]
         pf = self.port_free
-        g_begin = np.maximum(start, gs)
-        fin = g_begin + cycles
-        cand = np.where(fin <= ge, fin, np.inf)
-        k, best = _argmin0(cand)
-        fk = k * n + self._idx                           # flat index of (k[c], c)
-        in_gap = best < np.inf
+        rem = np.asarray(cycles, dtype=float) + np.zeros_like(pf)
+        end = np.array(start, dtype=float) + np.zeros_like(pf)
+        # what is left of each interval: its part before the transfer and its part after
+        cs = np.empty((2 * K + 1, self.n))
+        ce = np.empty((2 * K + 1, self.n))
+        for k in range(K):
+            b = np.maximum(start, gs[k])
+            take = np.minimum(np.maximum(ge[k] - b, 0.0), rem)
+            used = take > 0
+            rem = rem - take
+            np.copyto(end, b + take, where=used)
+            cs[2 * k] = gs[k]
+            ce[2 * k] = np.where(used, b, ge[k])
+            cs[2 * k + 1] = np.where(used, b + take, 0.0)
+            ce[2 * k + 1] = np.where(used, ge[k], 0.0)
+        tail = rem > 0
         after = np.maximum(start, pf)
-        end = np.where(in_gap, best, after + cycles)
-        new_free = np.where(in_gap, pf, end)
-        gap = self.port_gap.copy()
-        gsf, gef = gap[0].ravel(), gap[1].ravel()        # views of the copy
-        gk = gsf[fk]
-        # a transfer inside gap k leaves its right part there and its left part [gap start, begin) as a new
-        # interval; one queued after the last booking leaves [last booking end, start) if it waited for data
-        gsf[fk] = np.where(in_gap, best, gk)
-        new_s = np.where(in_gap, gk, pf)
-        new_e = np.where(in_gap, g_begin.ravel()[fk], start)
-        others = gap[1].copy()
-        others.ravel()[fk[in_gap]] = np.inf              # the gap just used is not the one to give way
-        j, _ = _argmin0(others)                          # the earliest other interval gives way
-        fj = j * n + self._idx
-        gej = gef[fj]
-        rep = (new_e > new_s) & (new_e > gej)
-        gsf[fj] = np.where(rep, new_s, gsf[fj])
-        gef[fj] = np.where(rep, new_e, gej)
+        end = np.where(tail, after + rem, end)
+        new_free = np.where(tail, end, pf)
+        # a transfer queued after the last booking because it waited for its data leaves [last end, start)
+        cs[2 * K] = pf
+        ce[2 * K] = np.where(tail, np.maximum(start, pf), pf)
+        # keep the K latest non-empty intervals, in time order (the candidates already are)
+        gap = np.zeros((2, K, self.n))
+        slot = np.full(self.n, K - 1)
+        idx = self._idx
+        for c in range(2 * K, -1, -1):
+            keep = (ce[c] > cs[c]) & (slot >= 0)
+            if keep.any():
+                gap[0, slot[keep], idx[keep]] = cs[c][keep]
+                gap[1, slot[keep], idx[keep]] = ce[c][keep]
+                slot = slot - keep
         return end, (new_free, gap)
 
     # ---------------------------------------------------------------- GM transfers

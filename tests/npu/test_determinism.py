@@ -137,10 +137,41 @@ def test_deferred_moves_hand_over_arrays_per_stream():
     assert np.array_equal(results[0], np.arange(6 * 16 * 16, dtype=np.float32).reshape(6, 16, 16) * 4)
 
 
-def test_argmin0_is_argmin():
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        a = rng.integers(0, 4, size=(4, 9)).astype(float)
-        a[rng.random(a.shape) < 0.3] = np.inf
-        k, best = machine._argmin0(a)
-        assert np.array_equal(k, a.argmin(axis=0)) and np.array_equal(best, a.min(axis=0))
+def _port_group(n=1):
+    return Launch(get_device("ascend910b"), "port").group("aiv", n)
+
+
+def _book(g, start, cycles):
+    end, (free, gap) = g._reserve_port(np.full(g.n, float(start)), np.full(g.n, float(cycles)))
+    g.port_free, g.port_gap = free, gap
+    return float(end[0])
+
+
+def test_port_fills_idle_intervals_in_pieces():
+    g = _port_group()
+    assert _book(g, 100, 100) == 200          # [100, 200); [0, 100) stays idle
+    assert _book(g, 50, 80) == 230            # [50, 100) then [200, 230): no idle port while it waits
+    assert _book(g, 0, 30) == 30              # the idle [0, 50) still takes a short transfer
+    assert _book(g, 0, 40) == 250             # [30, 50), then the other 20 after the last booking: [230, 250)
+    assert _book(g, 10, 0) == 10              # an empty transfer books nothing
+
+
+def test_port_carries_one_transfer_at_a_time():
+    """Random bookings: the busy time adds up and no transfer ends before it could (start + cycles)."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        g = _port_group(3)
+        total = 0.0
+        for _ in range(30):
+            start = rng.integers(0, 2000, size=3).astype(float)
+            cyc = rng.integers(0, 200, size=3).astype(float)
+            end, (free, gap) = g._reserve_port(start, cyc)
+            assert np.all(end >= start + cyc)
+            # a transfer never needs longer than waiting for every booking so far
+            assert np.all(end <= np.maximum(start, g.port_free) + cyc)
+            g.port_free, g.port_gap = free, gap
+            total += cyc
+            gs, ge = gap
+            assert np.all(ge[1:] >= ge[:-1]) and np.all(ge <= free)      # intervals in time order, in the past
+        # idle time remembered + busy time never exceeds the port's span
+        assert np.all((gap[1] - gap[0]).sum(axis=0) + total <= g.port_free + 1e-9)
