@@ -24,23 +24,33 @@ STAT = 8
 F32 = "float32"
 
 
-def _specs(kind, dtype, wdt, has_w, has_b, R, cc, H):
+def _specs(kind, dtype, wdt, has_w, has_b, R, cc, H, tight=False):
+    """The kernel's UB tiles (its ``_specs``): ``tight`` whole rows write the outputs over dead inputs."""
     cp = pad(cc, "float16")
     tile = (R, cp)
     sp = [(tile, dtype)] * 2
     if kind == "add_rms":
-        sp += [(tile, dtype)] * 4
+        sp += [(tile, dtype)] * (2 if tight else 4)
     if dtype != F32:
         sp.append((tile, F32))
     sp.append((tile, F32))
     nbuf = 1 if cc >= H else 2
-    for present, dt in ((has_w, wdt[0]), (has_b, wdt[1])):
+    shared = tight and has_w and has_b and wdt[0] == wdt[1]
+    for j, (present, dt) in enumerate(((has_w, wdt[0]), (has_b, wdt[1]))):
         if present:
             sp += [((1, cp), F32)] * nbuf
-            if dt != F32:
+            if dt != F32 and not (shared and j == 1):
                 sp += [((1, cp), dt)] * nbuf
-    sp += [(tile, dtype)] * 2
+    if not tight:
+        sp += [(tile, dtype)] * 2
     return sp + [((R, STAT), F32)] * 10
+
+
+def _layout(dev, kind, dtype, wdt, has_w, has_b, H):
+    """The kernel's ``layout``: whole rows use the tight tiles when they fit UB only that way."""
+    tight = not fits(dev, _specs(kind, dtype, wdt, has_w, has_b, 1, H, H)) and \
+        fits(dev, _specs(kind, dtype, wdt, has_w, has_b, 1, H, H, True))
+    return (lambda r, c: _specs(kind, dtype, wdt, has_w, has_b, r, c, H, tight and c >= H)), tight
 
 
 def _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, R, cc):
@@ -155,7 +165,7 @@ def _candidates(dev, spec_fn, H, per_core):
 def _search(device, kind, dtype, rows, H, wdt, has_w, has_b, return_stats):
     dev = get_device(device)
     n = min(dev.vector_cores, rows)
-    spec_fn = lambda r, c: _specs(kind, dtype, wdt, has_w, has_b, r, c, H)   # noqa: E731
+    spec_fn, _ = _layout(dev, kind, dtype, wdt, has_w, has_b, H)
     best = None
     for t in _candidates(dev, spec_fn, H, ceil_div(rows, n)):
         res = _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, t["rows"], t["chunk"])

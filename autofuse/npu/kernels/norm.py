@@ -9,7 +9,9 @@ them. ``add_rms_norm`` normalises the sum rounded to x's dtype, which is what th
 then RMSNorm) computes, and writes that sum out as its third output.
 
 Schedule: rows split evenly over the vector cores, ``rows`` rows per tile, double-buffered; weight and
-bias are loaded and cast to fp32 once per core. Per tile, Vector (fp16/bf16 input; fp32 skips the casts):
+bias are loaded and cast to fp32 once per core. When a whole row fits UB only that way, the outputs reuse
+dead inputs' tiles (the sum is written over x, y over the residual or x; see :func:`_specs`): rows of 8192
+bf16 values then stay whole on a 192 KB UB instead of being chunked. Per tile, Vector (fp16/bf16 input; fp32 skips the casts):
 
     rms_norm    cast x->fp32 | mul x*x | reduce sum | (small: muls 1/H, adds eps, rsqrt) |
                 mul x*rstd | mul *gamma | cast y
@@ -38,23 +40,40 @@ STAT = 8
 F32 = "float32"
 
 
-def _specs(kind, dtype, wdt, has_w, has_b, R, cc, H):
+def _specs(kind, dtype, wdt, has_w, has_b, R, cc, H, tight=False):
+    """UB tiles, in allocation order.
+
+    ``tight`` (only for whole rows that do not fit otherwise): the outputs reuse dead inputs' tiles (the
+    sum of add_rms is written over x, y over the residual or x) and weight and bias share one staging tile.
+    Otherwise the sum and y have double-buffered tiles of their own, so a store never holds up the next
+    load into the same tile.
+    """
     cp = pad(cc, "float16")
     tile = (R, cp)
     sp = [(tile, dtype)] * 2                                        # x
     if kind == "add_rms":
-        sp += [(tile, dtype)] * 4                                   # residual, x + residual (double-buffered)
+        sp += [(tile, dtype)] * (2 if tight else 4)                 # residual, x + residual (double-buffered)
     if dtype != F32:
         sp.append((tile, F32))                                      # w: x in fp32
     sp.append((tile, F32))                                          # t: work
     nbuf = 1 if cc >= H else 2                                      # chunked: weight chunks double-buffered
-    for present, dt in ((has_w, wdt[0]), (has_b, wdt[1])):
+    shared = tight and has_w and has_b and wdt[0] == wdt[1]
+    for j, (present, dt) in enumerate(((has_w, wdt[0]), (has_b, wdt[1]))):
         if present:
             sp += [((1, cp), F32)] * nbuf
-            if dt != F32:
+            if dt != F32 and not (shared and j == 1):
                 sp += [((1, cp), dt)] * nbuf                        # staging for the cast to fp32
-    sp += [(tile, dtype)] * 2                                       # y
+    if not tight:
+        sp += [(tile, dtype)] * 2                                   # y
     return sp + [((R, STAT), F32)] * 10                             # statistics, two sets
+
+
+def layout(dev, kind, dtype, wdt, has_w, has_b, H):
+    """``(spec_fn, tight)``: ``spec_fn(rows, chunk)`` gives the UB tiles; whole rows (chunk = H) use the
+    tight layout when ``tight``, which is when they fit UB only that way (see :func:`_specs`)."""
+    tight = not fits(dev, _specs(kind, dtype, wdt, has_w, has_b, 1, H, H)) and \
+        fits(dev, _specs(kind, dtype, wdt, has_w, has_b, 1, H, H, True))
+    return (lambda r, c: _specs(kind, dtype, wdt, has_w, has_b, r, c, H, tight and c >= H)), tight
 
 
 def _default(dev, spec_fn, H, per_core):
@@ -102,7 +121,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
         return outs
     has_w, has_b = weight is not None, bias is not None
     wdt = (weight.dtype if has_w else F32, bias.dtype if has_b else F32)
-    spec_fn = lambda r, c: _specs(kind, dtype, wdt, has_w, has_b, r, c, H)   # noqa: E731
+    spec_fn, tight = layout(dev, kind, dtype, wdt, has_w, has_b, H)
     n = min(dev.vector_cores, rows)
     per_core = ceil_div(rows, n)
     if tiling:
@@ -114,21 +133,23 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
     nch = ceil_div(H, cc)
     cp = pad(cc, "float16")
     lowp = dtype != F32
+    tight = tight and cc >= H
 
     g = launch.group("aiv", n)
     X = [g.alloc("UB", (R, cp), dtype, f"x{i}") for i in range(2)]
-    if kind == "add_rms":
-        Rs = [g.alloc("UB", (R, cp), dtype, f"res{i}") for i in range(2)]
-        S = [g.alloc("UB", (R, cp), dtype, f"sum{i}") for i in range(2)]
+    Rs = [g.alloc("UB", (R, cp), dtype, f"res{i}") for i in range(2)] if kind == "add_rms" else None
+    S = [g.alloc("UB", (R, cp), dtype, f"sum{i}") for i in range(2)] if kind == "add_rms" and not tight else X
     W = g.alloc("UB", (R, cp), F32, "w") if lowp else None
     T = g.alloc("UB", (R, cp), F32, "t")
     par = {}                 # name -> (GM view, fp32 tiles, staging tiles); two of each when H is chunked
     nbuf = 1 if nch == 1 else 2
+    shared = tight and has_w and has_b and wdt[0] == wdt[1]
     for nm, t, present, dt in (("gamma", weight, has_w, wdt[0]), ("beta", bias, has_b, wdt[1])):
         if present:
-            par[nm] = (view(t, (1, H)), [g.alloc("UB", (1, cp), F32, f"{nm}{i}") for i in range(nbuf)],
-                       [g.alloc("UB", (1, cp), dt, f"{nm}_in{i}") if dt != F32 else None for i in range(nbuf)])
-    Y = [g.alloc("UB", (R, cp), dtype, f"y{i}") for i in range(2)]
+            stages = par["gamma"][2] if (shared and nm == "beta") else \
+                [g.alloc("UB", (1, cp), dt, f"{nm}_in{i}") if dt != F32 else None for i in range(nbuf)]
+            par[nm] = (view(t, (1, H)), [g.alloc("UB", (1, cp), F32, f"{nm}{i}") for i in range(nbuf)], stages)
+    Y = None if tight else [g.alloc("UB", (R, cp), dtype, f"y{i}") for i in range(2)]
     # two sets of statistics: the rstd/mean stores of one row block overlap the next block's statistics
     st_sets = [[g.alloc("UB", (R, STAT), F32, f"stat{j}_{i}") for i in range(5)] for j in range(2)]
     xv = view(x, (rows, H))
@@ -200,10 +221,14 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
         return W
 
     def add_residual(b, k, i):
-        """add_rms: s = x + residual in x's dtype, stored as the third output; returns the sum tile."""
+        """add_rms: s = x + residual in x's dtype, written over x and stored as the third output; returns
+        the sum tile."""
         xb, rb = X[i], Rs[i]
-        sb = S[ctr["s"] % 2]
-        ctr["s"] += 1
+        if tight:
+            sb = xb
+        else:
+            sb = S[ctr["s"] % 2]
+            ctr["s"] += 1
         ew = b.counts(k)[0]
         if dtype != "bfloat16":
             g.vector("add x+residual", (sb,), (xb, rb), g.repeats(b.re * pad(col(k).stop - col(k).start,
@@ -281,7 +306,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
         g.vector("rsqrt", (rstd,), (rstd,), small, active=act,
                  compute=lambda: np.divide(np.float32(1), np.sqrt(stat(rstd)), out=stat(rstd)))
         if nch == 1:
-            normalise(b, 0, (w, params0))
+            normalise(b, 0, (w, params0, Rs[i] if kind == "add_rms" else X[i]))
 
     def load2(b, k):
         """Pass 2 loads (H chunked): chunk k of x, or of the sum written in pass 1; weight chunks."""
@@ -292,18 +317,19 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             g.load(src, sv, b.regions(k), active=b.act, deps=(b.sum_end[k],), name="load x_sum")
         else:
             g.load(src, xv, b.regions(k), active=b.act, name="load x")
-        return src, load_params(k, b.act)
+        return src, load_params(k, b.act), src
 
     def normalise(b, k, h):
         """Pass 2 work on chunk k: (x - mean) * rstd * gamma + beta, cast, store; stats after the last."""
-        w, params = h
+        w, params, yb = h           # yb (tight): a tile whose input is dead by the time y is cast into it
+        if not tight:
+            yb = Y[ctr["y"] % 2]
+            ctr["y"] += 1
         st, act = b.st, b.act
         ew, row, cv = b.counts(k)
         if nch > 1:
             w = to_f32(b, k, w)
         rstd, mean = b.rstd, st[0]
-        yb = Y[ctr["y"] % 2]
-        ctr["y"] += 1
         if kind == "layer":
             if nch > 1:
                 g.vector("sub mean", (T,), (w, mean), row, active=act,
