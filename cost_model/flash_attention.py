@@ -169,13 +169,23 @@ def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
             return nkv
         return ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
 
-    best = _deal([[tiles(i)] for i in range(nq)], B * N, ncores)
+    units = [[tiles(i)] for i in range(nq)]
+    best = _deal(units, B * N, ncores)
+    is_paired = False
     if causal:
         pairs = [[tiles(i), tiles(nq - 1 - i)] for i in range(nq // 2)] + ([[tiles(nq // 2)]] if nq % 2 else [])
         paired = _deal(pairs, B * N, ncores)
         if paired[1] <= best[1]:
-            best = paired
-    return best
+            best, units, is_paired = paired, pairs, True
+    # How many cores load their next Q in the same step. Causal items differ in length, so cores whose
+    # items differ start their next items at different steps (one wave per distinct length); a pair's
+    # second item starts in such a wave, but pairs (about equally long) start together.
+    n = best[0]
+    q_cores = float(n)
+    if causal:
+        staggered = ceil_div(n, min(n, len({u[0] for u in units})))
+        q_cores = (n + staggered) / 2 if is_paired else float(staggered)
+    return best + (q_cores,)
 
 
 def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
@@ -307,7 +317,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     nh = 2 if split else 1
     rows = qb // nh
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    n, T, items = _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
+    n, T, items, q_cores = _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
     k0f = dev.cube_k0[dtype]
     rate = dev.rates
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
@@ -388,9 +398,12 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     # is the softmax, the O update and the P store in series.
     upd = 2 * rv * math.ceil(Dv / 64)
     vec_chain = (vec - upd) + max(upd, mte3)
+    # Q of each item, on the same MTE2 queue; the first items' Q (the fill) come from every core at once,
+    # later ones from the ``q_cores`` cores starting an item in the same step
     q_load = max(qe * D * isz / rate["GM->L1"], n * qe * D * isz / HBMbw)
-    cube_mte2 += q_load * items / T                   # Q of each item, on the same MTE2 queue
-    cube_port += n * qe * D * isz / HBMbw * items / T
+    q_next = max(qe * D * isz / rate["GM->L1"], q_cores * qe * D * isz / HBMbw)
+    cube_mte2 += q_next * items / T
+    cube_port += q_cores * qe * D * isz / HBMbw * items / T
     # The software pipeline's feedback loop spans two steps: softmax(s) -> P out -> P into L0A -> P·V(s),
     # and the in-order Cube computes S(s+2) only after P·V(s) -> S(s+2) to the vector side -> softmax(s+2).
     cube_s = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
@@ -410,7 +423,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     # item end: out = O / l block by block, each block's store before the next block's cast (the last
     # store overlaps the next item); the next item's Q load then holds the GM port ahead of its S
     # (on split cores, when the AIC's GM traffic sets the step, the Q loads are already in its share)
-    q_exposed = 0.0 if split and max(cube_mte2, cube_port) >= step else q_load
+    q_exposed = 0.0 if split and max(cube_mte2, cube_port) >= step else q_next
     per_item = vec_last + out_store * (nsub - 1) / nsub + q_exposed
     fill = q_load + q_move + mte2_kv + mte1 + cube + fix
     drain = 0.0
