@@ -125,7 +125,8 @@ def _vector_cases(quick: bool):
             out.append(Case("softmax", [(shape, dt)], d, {"dim": dim}))
     norms = [((1024, 2048), f16), ((333, 777), f32), ((8, 50000), bf16), ((7,), f32)]
     if not quick:
-        norms += [((4096, 4096), f16), ((2, 512, 4096), f16), ((1, 2048, 8192), bf16), ((100, 64), f16)]
+        norms += [((4096, 4096), f16), ((2, 512, 4096), f16), ((1, 2048, 8192), bf16), ((100, 64), f16),
+                  ((480, 12288), bf16), ((64, 16384), f16)]
     for i, (shape, dt) in enumerate(norms):
         H = shape[-1]
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):

@@ -1,5 +1,9 @@
 """Data movement (``autofuse/npu/kernels/movement.py``): copy, cat, permute, gather, as task streams.
 
+Tilings are searched (the kernel's default among the candidates, ties kept): row tiles of about 1, 2, 4
+or 8 per core (none under 8 KB) or the largest that fits; transpose tiles of 64..256 a side; gather index
+blocks of 64 or 256.
+
 *copy / cat / permute keeping the last dim*: row tiles ``rows x cols`` streamed GM -> UB -> GM on all
 vector cores (flat along the columns when there are fewer rows than cores); jobs (the tensors of a cat)
 run one after another. No Vector work: a task is one load and one store, double-buffered.
@@ -18,27 +22,43 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.estimate import make, register
+from cost_model.devices import get_device
+from cost_model.estimate import cached, make, register
 from cost_model.stream import port, stream
 from cost_model.vecutil import block_elems, fits, largest
 from cost_model.vector import _rows_cut
 
 
-def _rows_plan(dev, jobs, dtype, tiling):
+GATHER_RING = 4                # row buffers the gather kernel cycles through
+MIN_TILE_BYTES = 8192          # the kernels' smallest default transfer: below it DMA setup would dominate
+
+
+def _rows_tile(dev, dtype, maxc, target):
+    """The largest ``rows x cols`` tile of about ``target`` elements that fits UB double-buffered."""
     cblk = block_elems(dtype)
     spec = lambda r, c: [((r, round_up(c, cblk)), dtype)] * 2            # noqa: E731
+    c = maxc if fits(dev, spec(1, maxc)) else \
+        cblk * largest(lambda k: fits(dev, spec(1, k * cblk)), 1, ceil_div(maxc, cblk))
+    c = max(cblk, min(c, round_up(target, cblk)))
+    r = max(1, min(largest(lambda x: fits(dev, spec(x, c)), 1, 1 << 20), target // c))
+    return r, c
+
+
+def _rows_geometry(dev, jobs, dtype):
+    cblk = block_elems(dtype)
     units = max(NR if NR >= dev.vector_cores else NR * ceil_div(Dc, cblk) for NR, _, Dc in jobs)
     n = max(1, min(dev.vector_cores, units))
     maxc = max(Dc for _, _, Dc in jobs)
     total = sum(NR * Dc for NR, _, Dc in jobs)
+    return n, maxc, total
+
+
+def _rows_plan(dev, jobs, dtype, tiling):
+    n, maxc, total = _rows_geometry(dev, jobs, dtype)
     if tiling:
         r, c = int(tiling.get("rows", 1)), int(tiling.get("cols", maxc))
-    else:
-        target = max(ceil_div(total, n * 4), 8192 // itemsize(dtype))
-        c = maxc if fits(dev, spec(1, maxc)) else \
-            cblk * largest(lambda k: fits(dev, spec(1, k * cblk)), 1, ceil_div(maxc, cblk))
-        c = max(cblk, min(c, round_up(target, cblk)))
-        r = max(1, min(largest(lambda x: fits(dev, spec(x, c)), 1, 1 << 20), target // c))
+    else:       # the kernel's default: about four tiles per core, at least 8 KB
+        r, c = _rows_tile(dev, dtype, maxc, max(ceil_div(total, n * 4), MIN_TILE_BYTES // itemsize(dtype)))
     return n, r, c
 
 
@@ -65,9 +85,36 @@ def _rows_model(dev, jobs, dtype, tiling):
     return core, hbm, {"GM->UB": float(tot.sum()), "UB->GM": float(tot.sum())}, busy, {"rows": r, "cols": c}
 
 
+@cached
+def _rows_search(device, jobs, dtype):
+    """Tiles of 1, 2, 4, 8 per core (none under 8 KB) and the largest that fits: the cheapest, ties to the
+    kernel's default."""
+    dev = get_device(device)
+    n, maxc, total = _rows_geometry(dev, jobs, dtype)
+    floor = MIN_TILE_BYTES // itemsize(dtype)
+    best = _rows_model(dev, jobs, dtype, None)
+    tried = {(best[4]["rows"], best[4]["cols"])}
+    for target in [max(ceil_div(total, n * k), floor) for k in (1, 2, 8)] + [1 << 30]:
+        r, c = _rows_tile(dev, dtype, maxc, target)
+        if (r, c) in tried:
+            continue
+        tried.add((r, c))
+        res = _rows_model(dev, jobs, dtype, {"rows": r, "cols": c})
+        if _cost(dev, res) < _cost(dev, best):
+            best = res
+    return best
+
+
+def _cost(dev, res):
+    return max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+
+
 def _row_estimate(kernel, dev, jobs, dtype, tiling, roof):
-    core, hbm, nbytes, busy, t = _rows_model(dev, jobs, dtype, tiling)
-    return make(kernel, dev, core, hbm, nbytes, busy, t, roof, 0.0)
+    if tiling is None:
+        core, hbm, nbytes, busy, t = _rows_search(dev.name, tuple(jobs), dtype)
+    else:
+        core, hbm, nbytes, busy, t = _rows_model(dev, jobs, dtype, tiling)
+    return make(kernel, dev, core, hbm, nbytes, busy, dict(t), roof, 0.0)
 
 
 def _io_roof(dev, nbytes):
@@ -112,6 +159,36 @@ def _coalesce_perm(shape, perm):
     return in_sizes, [pos[i] for i in range(len(groups))]
 
 
+def _transpose_default(dev, SA, SL, spec):
+    """The kernel's default tile: 128 x 128, a short side letting the other grow."""
+    a, l_ = min(SA, 128), min(SL, 128)
+    if a < 128:
+        l_ = min(SL, largest(lambda v: fits(dev, spec(a, v)), 1, 1 << 16))
+    elif l_ < 128:
+        a = min(SA, largest(lambda v: fits(dev, spec(v, l_)), 1, 1 << 16))
+    return a, l_
+
+
+@cached
+def _transpose_search(device, s, q, dtype):
+    """The default tile and the square and oblong tiles of 32..256 that fit UB: the cheapest."""
+    dev = get_device(device)
+    best = _transpose_model(dev, s, q, dtype, None)
+    cblk = block_elems(dtype)
+    SA, SL = s[q[-1]], s[len(s) - 1]
+    tried = {(best[4]["a"], best[4]["l"])}
+    for a, l_ in ((64, 64), (256, 128), (128, 256), (256, 256), (64, 256), (256, 64)):
+        a, l_ = min(a, SA), min(l_, SL)
+        spec = [((a, round_up(l_, cblk)), dtype)] * 2 + [((l_, round_up(a, cblk)), dtype)] * 2
+        if (a, l_) in tried or not fits(dev, spec):
+            continue
+        tried.add((a, l_))
+        res = _transpose_model(dev, s, q, dtype, {"a": a, "l": l_})
+        if _cost(dev, res) < _cost(dev, best):
+            best = res
+    return best
+
+
 def _transpose_model(dev, s, q, dtype, tiling):
     isz = itemsize(dtype)
     m = len(s)
@@ -125,11 +202,7 @@ def _transpose_model(dev, s, q, dtype, tiling):
     if tiling:
         a, l_ = int(tiling.get("a", 128)), int(tiling.get("l", 128))
     else:
-        a, l_ = min(SA, 128), min(SL, 128)
-        if a < 128:
-            l_ = min(SL, largest(lambda v: fits(dev, spec(a, v)), 1, 1 << 16))
-        elif l_ < 128:
-            a = min(SA, largest(lambda v: fits(dev, spec(v, l_)), 1, 1 << 16))
+        a, l_ = _transpose_default(dev, SA, SL, spec)
     others = math.prod(s[d] for d in range(m) if d not in (A, L))
     na, nl = ceil_div(SA, a), ceil_div(SL, l_)
     items = others * na * nl
@@ -163,8 +236,11 @@ def estimate_permute(dev, specs, dims=None, tiling=None):
         lead = math.prod(s[d] for d in q[:-2])
         D, Dc = s[q[-2]], s[m - 1]
         return _row_estimate("permute", dev, [(lead * D, D, Dc)], dtype, tiling, roof)
-    core, hbm, nbytes, busy, t = _transpose_model(dev, s, q, dtype, tiling)
-    return make("permute", dev, core, hbm, nbytes, busy, t, roof, 0.0)
+    if tiling is None:
+        core, hbm, nbytes, busy, t = _transpose_search(dev.name, tuple(s), tuple(q), dtype)
+    else:
+        core, hbm, nbytes, busy, t = _transpose_model(dev, s, q, dtype, tiling)
+    return make("permute", dev, core, hbm, nbytes, busy, dict(t), roof, 0.0)
 
 
 def _gather_roof(dev, specs, tiling=None):
@@ -176,17 +252,42 @@ def _gather_roof(dev, specs, tiling=None):
 @register("gather", _gather_roof)
 def estimate_gather(dev, specs, tiling=None):
     (tshape, dtype), (ishape, idt) = specs[0], specs[1]
+    if tiling is None:
+        res = _gather_search(dev.name, tuple(tshape), dtype, tuple(ishape), idt)
+    else:
+        t = {"rows": int(tiling.get("rows", 64)), "cols": min(int(tiling.get("cols", tshape[1])), tshape[1])}
+        res = _gather_model(dev, tshape, dtype, ishape, idt, t["rows"], t["cols"])
+    core, hbm, nbytes, busy, t = res
+    return make("gather", dev, core, hbm, nbytes, busy, dict(t), _gather_roof(dev, specs), 0.0)
+
+
+def _gather_spec(dtype, k, hc):
+    return [((k,), "int32")] * 2 + [((1, round_up(hc, block_elems(dtype))), dtype)] * GATHER_RING
+
+
+@cached
+def _gather_search(device, tshape, dtype, ishape, idt):
+    """Index blocks of 64 (the kernel's default) or 256, rows whole or in the widest chunks that fit (rows
+    are not cut further: the simulator charges no DMA setup, so narrower copies would only look cheaper)."""
+    dev = get_device(device)
+    H = tshape[1]
+    cblk = block_elems(dtype)
+    best = None
+    for k in (64, 256):
+        top = H if fits(dev, _gather_spec(dtype, k, H)) else \
+            cblk * largest(lambda v: fits(dev, _gather_spec(dtype, k, v * cblk)), 1, ceil_div(H, cblk))
+        if top < 1:
+            continue
+        res = _gather_model(dev, tshape, dtype, ishape, idt, k, min(top, H))
+        if best is None or _cost(dev, res) < _cost(dev, best):
+            best = res
+    return best
+
+
+def _gather_model(dev, tshape, dtype, ishape, idt, k, hc):
     V, H = tshape
     isz = itemsize(dtype)
     T = math.prod(ishape)
-    cblk = block_elems(dtype)
-    ring = 4
-    if tiling:
-        k, hc = int(tiling.get("rows", 64)), min(int(tiling.get("cols", H)), H)
-    else:
-        k = 64
-        spec = lambda h: [((k,), "int32")] * 2 + [((1, round_up(h, cblk)), dtype)] * ring   # noqa: E731
-        hc = H if fits(dev, spec(H)) else cblk * largest(lambda v: fits(dev, spec(v * cblk)), 1, ceil_div(H, cblk))
     n = min(dev.vector_cores, T)
     per_core = ceil_div(T, n)
     nch = ceil_div(H, hc)
@@ -203,11 +304,11 @@ def estimate_gather(dev, specs, tiling=None):
     rows = per_core * nch
     nblocks = ceil_div(per_core, k)
     idx_load = max(k * 4 / dev.rates["GM->UB"], n * k * 4 / dev.hbm_bytes_per_cycle)
-    core = rows * per_row + load + store + idx_load * (1 + 0.0 * nblocks)
+    core = rows * per_row + load + store + idx_load
     hbm = uniq * H * isz + T * H * isz + T * itemsize(idt)
     busy = {"mte2": rows * load + nblocks * idx_load, "mte3": rows * store, "scalar": 2 * rows}
     nbytes = {"GM->UB": T * H * isz + T * 4, "UB->GM": T * H * isz}
-    return make("gather", dev, core, hbm, nbytes, busy, {"rows": k, "cols": hc}, _gather_roof(dev, specs), 0.0)
+    return core, hbm, nbytes, busy, {"rows": k, "cols": hc}
 
 
 __all__ = ["estimate_cat", "estimate_copy", "estimate_gather", "estimate_permute"]

@@ -44,8 +44,6 @@ def test_error_distribution_flash_attention_hbm(records):
     _check([r for r in records if r.case.kernel == "flash_attention"], "hbm")
 
 
-@pytest.mark.xfail(reason="known gap: the flash_attention cycle model is a per-step busiest-unit approximation; "
-                          "its worst cases (short KV loops; split cores' GM port) miss by up to ~17 %")
 def test_error_distribution_flash_attention_cycles(records):
     _check([r for r in records if r.case.kernel == "flash_attention"], "cycles")
 
