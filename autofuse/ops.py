@@ -9,6 +9,9 @@ exported and shape-propagated again without data.
 
 ``device`` names the simulated target; ``tiling`` is a JSON object (``""`` = the kernel's default).
 Every call's simulator statistics are appended to the active :func:`recording` list, if any.
+
+The op is differentiable: its backward recomputes attention in fp32 on the host and differentiates that
+(as FlashAttention's backward recomputes the scores); the backward is not run on the simulator.
 """
 from __future__ import annotations
 
@@ -87,6 +90,40 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     return out, probs
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal, return_probs = inputs[:7]
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.scale, ctx.causal, ctx.return_probs = scale, causal, return_probs
+
+
+def _backward(ctx, grad_out, grad_probs):
+    """Gradients of attention, recomputed on the host in fp32 (the FlashAttention backward's recompute;
+    it is not simulated: there is no backward kernel on the NPU simulator). ``mask`` gets a gradient when
+    it is an additive float mask that requires one."""
+    q, k, v, mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
+        m = mask
+        if mask is not None and mask.is_floating_point():
+            m = mask.detach().float().requires_grad_(bool(need[3]))
+        out, probs = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
+                                               return_probs=ctx.return_probs)
+        outs, grads = [out], [grad_out.float()]
+        if ctx.return_probs and grad_probs is not None and grad_probs.numel():
+            outs.append(probs)
+            grads.append(grad_probs.float())
+        wrt = [t for t in leaves + [m] if isinstance(t, torch.Tensor) and t.requires_grad]
+        got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True)) if wrt else iter(())
+    res = [next(got).to(orig.dtype) if leaf.requires_grad else None for orig, leaf in zip((q, k, v), leaves)]
+    gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
+    res.append(None if gm is None else gm.to(mask.dtype))
+    return tuple(res) + (None,) * 5
+
+
+_flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",

@@ -1,0 +1,115 @@
+"""Backward through the fused attention op: gradients equal eager attention's (the op recomputes attention
+in fp32 on the host for its backward), for q, k, v, additive masks and probabilities, GQA and causal, and
+through whole fused models into their parameters."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+from autofuse.models import build
+from autofuse.ops import flash_attention
+
+
+def _inputs(B, N, Nkv, S, D, dtype, mask):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, S, D, generator=g).to(dtype).requires_grad_() for n in (N, Nkv, Nkv))
+    m = None
+    if mask == "float":
+        m = torch.randn(1, 1, S, S, generator=g).to(dtype).requires_grad_()
+    elif mask == "bool":
+        m = torch.rand(B, 1, S, S, generator=g) > 0.3
+        m[..., 0] = True                                    # every query sees a key
+    return q, k, v, m
+
+
+def _grads(fn, leaves, go):
+    for t in leaves:
+        t.grad = None
+    fn().backward(go)
+    return [t.grad.clone() for t in leaves]
+
+
+def _sdpa(q, k, v, m, causal, dtype=torch.float64):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    mm = None if m is None else (m.to(dtype) if m.is_floating_point() else m)
+    if causal and mm is not None:           # SDPA takes a mask or is_causal, not both
+        tril = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        mm = mm.masked_fill(~tril, float("-inf")) if mm.is_floating_point() else mm & tril
+        causal = False
+    return F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mm, is_causal=causal)
+
+
+CASES = [((1, 4, 4, 16, 8), None, False), ((2, 4, 2, 24, 16), None, True), ((1, 2, 2, 16, 8), "float", False),
+         ((2, 2, 1, 20, 8), "bool", False), ((1, 2, 2, 33, 8), "float", True)]
+
+
+@pytest.mark.parametrize("shape,mask,causal", CASES)
+def test_fp32_gradients_match_float64_attention(shape, mask, causal):
+    q, k, v, m = _inputs(*shape, torch.float32, mask)
+    leaves = [q, k, v] + ([m] if mask == "float" else [])
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1))
+    fused = _grads(lambda: flash_attention(q, k, v, mask=m, causal=causal), leaves, go)
+    ref = _grads(lambda: _sdpa(q, k, v, m, causal), leaves, go.double())
+    for name, a, b in zip("qkvm", fused, ref):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,mask,causal", CASES[:2] + CASES[3:4])
+def test_low_precision_gradients_no_worse_than_eager(dtype, shape, mask, causal):
+    """|fused - ref64| <= 2 |eager - ref64| + 1e-3 per gradient, eager being SDPA's backward in the same dtype."""
+    q, k, v, m = _inputs(*shape, dtype, mask)
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1)).to(dtype)
+    fused = _grads(lambda: flash_attention(q, k, v, mask=m, causal=causal), [q, k, v], go)
+    eager = _grads(lambda: _sdpa(q, k, v, m, causal, dtype), [q, k, v], go)
+    ref = _grads(lambda: _sdpa(q, k, v, m, causal), [q, k, v], go.double())
+    for name, a, e, r in zip("qkv", fused, eager, ref):
+        assert a.dtype == dtype, name
+        err_f = (a.double() - r.double()).abs().max().item()
+        err_e = (e.double() - r.double()).abs().max().item()
+        assert err_f <= 2 * err_e + 1e-3, f"{name}: fused {err_f:.2e}, eager {err_e:.2e}"
+
+
+def test_probability_gradients_flow():
+    q, k, v, _ = _inputs(1, 2, 2, 16, 8, torch.float32, None)
+    g = torch.Generator().manual_seed(2)
+    wo, wp = torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, 16, generator=g)
+
+    def loss(fn):
+        for t in (q, k, v):
+            t.grad = None
+        out, probs = fn()
+        ((out * wo).sum() + (probs * wp).sum()).backward()
+        return [t.grad.clone() for t in (q, k, v)]
+
+    fused = loss(lambda: flash_attention(q, k, v, return_probs=True))
+
+    def eager():
+        s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
+        p = s.softmax(-1)
+        return p @ v.double(), p
+
+    for a, b in zip(fused, loss(eager)):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4)
+
+
+def test_fused_model_trains_like_the_eager_model():
+    """Parameter gradients of a fused GPT-2 (2 layers) equal the eager model's."""
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=16, batch=2)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert len(fused.report.applied) == 2, fused.report.summary()
+
+    def grads(m):
+        model.zero_grad(set_to_none=True)
+        out = m(*args, **kwargs)
+        logits = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, tuple) else out.logits)
+        logits.float().pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager, got = grads(model), grads(fused)
+    assert got.keys() == eager.keys() and len(got) > 10
+    for n in eager:
+        torch.testing.assert_close(got[n], eager[n], atol=1e-5, rtol=1e-3, msg=n)
