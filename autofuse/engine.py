@@ -141,8 +141,15 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     by_anchor = {c.match.anchor: _op_kwargs(device, c, level) for c in priced}
     fused = _set_op_kwargs(rewrite(gm, applied, FUSED_OP), by_anchor)
     t5 = time.perf_counter()
+    workspace = {c.match.anchor: c.fused.workspace for c in priced}
+
+    def kernel_workspace(n):
+        match = n.meta.get("autofuse_match") if n.op == "call_function" and n.target is FUSED_OP else None
+        return workspace.get(match.anchor, 0) if match is not None else 0
+
     report = FusionReport(device=device, optimization_level=level, memory_budget=budget, decisions=decisions,
-                          peak_memory_unfused=memory.peak_bytes(gm), peak_memory_fused=memory.peak_bytes(fused),
+                          peak_memory_unfused=memory.peak_bytes(gm),
+                          peak_memory_fused=memory.peak_bytes(fused, kernel_workspace),
                           nodes_before=len(gm.graph.nodes), nodes_after=len(fused.graph.nodes),
                           capture_route=captured.route,
                           timings={"capture_s": t1 - t0, "canonicalize_s": t2 - t1, "match_s": t3 - t2,

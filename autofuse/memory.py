@@ -3,7 +3,8 @@
 A tensor is live from the node that makes it to its last user; a view (reshape of a contiguous tensor,
 transpose, slicing, getitem, ...) shares its base's storage and extends the base's life instead of adding
 bytes. Parameters, buffers and graph inputs are not activations and are not counted. The peak is taken
-over the program points of the graph's order.
+over the program points of the graph's order; a node's transient memory (a fused kernel's workspace)
+counts at that node only.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def _bytes(v) -> int:
     return 0
 
 
-def peak_bytes(gm: fx.GraphModule) -> int:
+def peak_bytes(gm: fx.GraphModule, transient=None) -> int:
+    """Peak bytes live at once. ``transient(node) -> bytes``: memory a node holds only while it runs (a
+    fused kernel's GM workspace), counted on top of what is live at that node."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     base = {}
@@ -47,6 +50,6 @@ def peak_bytes(gm: fx.GraphModule) -> int:
     live = peak = 0
     for i, n in enumerate(nodes):
         live += size.get(n, 0)
-        peak = max(peak, live)
+        peak = max(peak, live + (transient(n) if transient is not None else 0))
         live -= sum(frees.get(i, ()))
     return peak

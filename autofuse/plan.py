@@ -164,7 +164,7 @@ def price_fused(gm: fx.GraphModule, match, device: str, search_tiling: bool, nod
         params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"))
     e = cost_model.estimate("flash_attention", specs, device=device, **params)
     return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
-                 int(getattr(e, "workspace_bytes", 0) or 0))
+                 e.workspace_bytes)
 
 
 def _as_bnsd(shape):

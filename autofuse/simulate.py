@@ -40,6 +40,7 @@ class NodeCost:
     fused: bool = False
     reused: bool = False
     max_error: float | None = None
+    workspace: int = 0              # GM its kernels allocate besides their outputs, while they run
 
 
 @dataclass
@@ -168,7 +169,8 @@ class _Sim(fx.Interpreter):
             cyc = sum(s.cycles for _, s in log)
             hbm = sum(s.hbm_bytes for _, s in log)
             self.records.append(NodeCost(n.name, "autofuse.flash_attention", ("flash_attention",), cyc, hbm,
-                                         log[0][1].bound if log else "", fused=True, reused=reused))
+                                         log[0][1].bound if log else "", fused=True, reused=reused,
+                                         workspace=max((s.workspace_bytes for _, s in log), default=0)))
             return value
         value = self._value(n)
         prog = self.programs[n]
@@ -177,7 +179,7 @@ class _Sim(fx.Interpreter):
         args_env = [self.env[a] for a in prog.inputs]
         outs: list = []
         cycles = hbm = 0
-        bound, kernels, reused_all, err = "", [], True, None
+        bound, kernels, reused_all, err, ws = "", [], True, None, 0
         specs = step_specs(prog, n)
         for st, (ins_spec, out_spec) in zip(prog.steps, specs):
             arrays = [args_env[r.i] if isinstance(r, Arg) else r.make() if isinstance(r, Const) else outs[r.j]
@@ -198,13 +200,14 @@ class _Sim(fx.Interpreter):
             cycles += r.stats.cycles
             hbm += r.stats.hbm_bytes
             bound = r.stats.bound
+            ws = max(ws, r.stats.workspace_bytes)
             kernels.append(kernel)
             reused_all = reused_all and reused
         if self.check and isinstance(value, torch.Tensor) and outs and outs[-1] is not None \
                 and kernels[-1] != "generic" and outs[-1].shape == value.shape:
             err = (outs[-1].double() - value.double()).abs().max().item()
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
-                                     max_error=err))
+                                     max_error=err, workspace=ws))
         return value
 
 
@@ -220,8 +223,10 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
     with torch.no_grad():
         out = sim.run(*inputs)
     cycles = sum(r.cycles for r in sim.records)
+    workspace = {r.node: r.workspace for r in sim.records if r.workspace}
+    peak = memory.peak_bytes(gm, lambda n: workspace.get(n.name, 0))
     return SimulationResult(device=dev.name, cycles=cycles, seconds=cycles / dev.clock_hz,
-                            hbm_bytes=sum(r.hbm_bytes for r in sim.records), peak_memory=memory.peak_bytes(gm),
+                            hbm_bytes=sum(r.hbm_bytes for r in sim.records), peak_memory=peak,
                             nodes=sim.records, outputs=out, launches=sim.launches,
                             distinct_launches=len(sim.cache) + sum(len(v) for v in sim.fused_cache.values()), wall_seconds=time.perf_counter() - t0)
 

@@ -27,7 +27,8 @@ class Estimate:
     ``cycles`` includes the launch overhead and the HBM cap, as the simulator's do. ``bytes`` is per data
     path summed over cores; ``busy`` is per unit on the busiest core; ``bound`` is the busiest unit;
     ``tiling`` is the tiling the prediction assumes (hand it to the kernel as ``tiling=``); ``roofline``
-    is the physical lower bound in cycles (no launch overhead); ``flops`` counts multiply-adds as 2.
+    is the physical lower bound in cycles (no launch overhead); ``flops`` counts multiply-adds as 2;
+    ``workspace_bytes`` is the GM the kernel allocates besides its outputs.
     """
 
     kernel: str
@@ -41,6 +42,7 @@ class Estimate:
     roofline: float = 0.0
     flops: float = 0.0
     notes: tuple = field(default=())
+    workspace_bytes: int = 0       # GM the kernel allocates besides its outputs (the simulator's Stats field)
 
     @property
     def seconds(self) -> float:
@@ -150,7 +152,7 @@ def roofline(kernel: str, inputs, device="ascend910", **params) -> float:
 
 
 def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy: dict, tiling, roof: float,
-         flops: float = 0.0, notes=()) -> Estimate:
+         flops: float = 0.0, notes=(), workspace: float = 0) -> Estimate:
     """Assemble an :class:`Estimate`: HBM cap and launch overhead added as the simulator adds them."""
     body = max(cycles, hbm / dev.hbm_bytes_per_cycle)
     total = int(-(-body // 1)) + dev.launch_cycles
@@ -158,7 +160,8 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
     bound = max(UNITS, key=lambda u: busy[u])
     return Estimate(kernel=kernel, device=dev.name, cycles=total, hbm_bytes=int(round(hbm)),
                     bytes={k: int(round(v)) for k, v in bytes_.items() if v}, busy=busy, bound=bound,
-                    tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes))
+                    tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes),
+                    workspace_bytes=int(workspace))
 
 
 __all__ = ["Estimate", "MODELS", "UNITS", "cached", "clear_caches", "estimate", "make", "register", "roofline", "spec"]

@@ -445,13 +445,17 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     hbm += ws
     if return_probs:
         hbm += ph
+    # GM workspace: two P slots per core (split cores: also S and O_j, fp32); with return_probs the row
+    # max and sum of the first sweep
+    ws_bytes = n * 2 * qb * kvb * isz + (n * 2 * qb * (kvb + Dv) * 4 if split else 0) \
+        + (2 * B * N * Sq * 4 if return_probs else 0)
     busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
             "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}
     nbytes = {"GM->L1": B * N * Sq * D * isz + T * n * kvt}
     if return_probs:
         for u, c in pbusy.items():
             busy[u] += c
-    return core, float(hbm), nbytes, busy
+    return core, float(hbm), nbytes, busy, ws_bytes
 
 
 def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group):
@@ -597,11 +601,11 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
         res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs))
-    core, hbm, nbytes, busy = res
+    core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),
                 _roofline(dev, specs, mask, causal=causal, return_probs=return_probs),
-                flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal))
+                flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal), workspace=ws_bytes)
 
 
 __all__ = ["estimate_flash_attention"]

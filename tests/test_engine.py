@@ -228,6 +228,27 @@ def test_memory_budget_rejects_a_block_that_does_not_fit():
     torch.testing.assert_close(fused(q, k, v), model(q, k, v))
 
 
+def test_memory_budget_counts_the_kernels_gm_workspace():
+    """The working set includes flash_attention's GM workspace (two P slots per core), as the simulator
+    allocates it: a budget that holds inputs and outputs but not the workspace rejects the block."""
+    import cost_model
+    from autofuse import npu
+    q, k, v = _qkv()
+    model = build_variant(AttentionVariant()).eval()
+    roomy = AutoFusionEngine.fuse(model, (q, k, v), memory_budget="1GB")
+    (d,) = roomy.report.applied
+    spec = [(tuple(q.shape), "float32")] * 3
+    e = cost_model.estimate("flash_attention", spec, device="ascend910", tiling=d.tiling)
+    sim = npu.run("flash_attention", q, k, v, device="ascend910", tiling=d.tiling).stats
+    assert e.workspace_bytes == sim.workspace_bytes > 0
+    io = 4 * q.numel() * q.element_size()                 # q, k, v and the output
+    assert roomy.report.peak_memory_fused >= io // 4 + e.workspace_bytes
+    tight = AutoFusionEngine.fuse(model, (q, k, v), memory_budget=io + e.workspace_bytes // 2)
+    assert not tight.report.applied
+    (r,) = tight.report.rejected
+    assert r.reason_code == "memory_budget"
+
+
 def test_a_wrong_kernel_is_rejected_by_verification(monkeypatch):
     q, k, v = _qkv()
     model = build_variant(AttentionVariant(mask="causal_tril")).eval()

@@ -634,6 +634,7 @@ class Stats:
     cores: dict = field(default_factory=dict)
     launch_cycles: int = 0
     instructions: int = 0
+    workspace_bytes: int = 0          # GM the kernel allocated besides its outputs (scratch, internal tensors)
 
     @property
     def bound(self) -> str:
@@ -1125,6 +1126,7 @@ class Launch:
         self.hbm_read = 0
         self.hbm_write = 0
         self.instructions = 0
+        self.allocated = []                # (GM tensor, bytes) of every launch.empty
         self.events: list = []
         self.streams: _Streams | None = None
 
@@ -1195,7 +1197,9 @@ class Launch:
         return GMTensor(data, dtype, name, scratch)
 
     def empty(self, shape, dtype: str, name: str, scratch: bool = False) -> GMTensor:
-        return GMTensor(np.zeros(shape, dtype=np.float32), dtype, name, scratch)
+        t = GMTensor(np.zeros(shape, dtype=np.float32), dtype, name, scratch)
+        self.allocated.append((t, math.prod(t.shape) * itemsize(dtype)))
+        return t
 
     def finish(self) -> Stats:
         self.sync()

@@ -106,6 +106,8 @@ def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
                 pass
             raise
     stats = launch.finish()
+    returned = {id(o) for o in outs}
+    stats.workspace_bytes = sum(b for t, b in launch.allocated if id(t) not in returned)
     trace = Trace(kernel_name, dev, launch.events, launch.groups)
     return Result(outputs=tuple(_from_storage(o) for o in outs), stats=stats, trace=trace,
                   dtypes=tuple(o.dtype for o in outs))
