@@ -151,10 +151,19 @@ def roofline(kernel: str, inputs, device="ascend910", **params) -> float:
     return float(ROOFLINES[kernel](dev, specs, **params))
 
 
+def kernel_cycles(dev: Device, core: float, hbm: float, bytes_: dict) -> float:
+    """Kernel time before the launch overhead, as the simulator's ``Launch.finish`` takes it: the slowest
+    core, never less than the HBM bytes over the HBM bandwidth nor the GM traffic (every ``bytes`` path to
+    or from GM: it all passes through L2) over the L2 bandwidth."""
+    l2 = sum(v for k, v in bytes_.items() if "GM" in k)
+    return max(core, hbm / dev.hbm_bytes_per_cycle, l2 / dev.l2_bytes_per_cycle)
+
+
 def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy: dict, tiling, roof: float,
          flops: float = 0.0, notes=(), workspace: float = 0) -> Estimate:
-    """Assemble an :class:`Estimate`: HBM cap and launch overhead added as the simulator adds them."""
-    body = max(cycles, hbm / dev.hbm_bytes_per_cycle)
+    """Assemble an :class:`Estimate`: the HBM and L2 caps (:func:`kernel_cycles`) and the launch overhead
+    added as the simulator adds them."""
+    body = kernel_cycles(dev, cycles, hbm, bytes_)
     total = int(-(-body // 1)) + dev.launch_cycles
     busy = {u: int(round(busy.get(u, 0.0))) for u in UNITS}
     bound = max(UNITS, key=lambda u: busy[u])
@@ -164,5 +173,5 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
                     workspace_bytes=int(workspace))
 
 
-__all__ = ["Estimate", "MODELS", "UNITS", "cached", "clear_caches", "estimate", "make", "register", "roofline", "spec"]
+__all__ = ["Estimate", "MODELS", "UNITS", "cached", "clear_caches", "estimate", "kernel_cycles", "make", "register", "roofline", "spec"]
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import cached, kernel_cycles, make, register
 
 F32 = "float32"
 
@@ -306,6 +306,42 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
     return total
 
 
+@cached
+def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, return_probs):
+    """GM traffic per path over the whole launch (all cores), as the kernel moves it: Q once per item, K/V
+    per step, P out and back into L0A, the output; split cores also S and O_j through GM (fp32) and back
+    to the AIVs; the mask per step (``mask_rc``: whether its rows / columns vary; a broadcast row is
+    read once per core side); ``return_probs``: the sweep's Q and K reloads, S again (split), the row
+    max and sum out and back, every probabilities tile out."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    qe = np.minimum(qb, Sq - np.arange(nq) * qb)
+    ke = np.minimum(kvb, Skv - np.arange(nkv) * kvb)
+    cum = np.concatenate([[0], np.cumsum(ke)])                  # key columns of the first j tiles
+    last = np.minimum((np.arange(nq) + 1) * qb, Sq)
+    nt = np.minimum(-(-np.minimum(last, Skv) // kvb), nkv) if causal else np.full(nq, nkv)
+    qk = float((qe * cum[nt]).sum())                            # score elements
+    q_ = float((qe * nt).sum())                                 # query rows over steps
+    k_ = float(cum[nt].sum())                                   # key columns over steps
+    H = B * N
+    mk = 0.0
+    if mask_rc is not None:
+        mr, mc = mask_rc
+        rows = qe if mr else np.full(nq, 2 if split else 1)
+        mk = float((rows * (cum[nt] if mc else nt)).sum())
+    b = {"GM->L1": H * (Sq * D + k_ * (D + Dv)) * isz, "GM->L0A": H * qk * isz,
+         "UB->GM": H * (qk * isz + Sq * Dv * isz), "GM->UB": H * mk * msz}
+    if split:
+        b["L0C->GM"] = H * (qk + q_ * Dv) * 4
+        b["GM->UB"] += H * (qk + q_ * Dv) * 4
+    if return_probs:
+        b["GM->L1"] += H * (Sq * D + k_ * D) * isz
+        b["UB->GM"] += H * (Sq * Skv * isz + 2 * Sq * 4)
+        b["GM->UB"] += H * (2 * Sq * 4 + (qk * 4 if split else 0) + mk * msz)
+        if split:
+            b["L0C->GM"] += H * qk * 4
+    return {k: float(v) for k, v in b.items() if v}
+
+
 def _model(dev, specs, mask, causal, t, counts, return_probs):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
@@ -451,7 +487,12 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
         + (2 * B * N * Sq * 4 if return_probs else 0)
     busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
             "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}
-    nbytes = {"GM->L1": B * N * Sq * D * isz + T * n * kvt}
+    mask_rc = None
+    if mask is not None:
+        m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
+        mask_rc = (m4[2] != 1, m4[3] != 1)
+    nbytes = dict(gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, bool(causal), split, mask_rc, msz,
+                           bool(return_probs)))
     if return_probs:
         for u, c in pbusy.items():
             busy[u] += c
@@ -576,7 +617,7 @@ def _search(device, specs, mask, causal, return_probs):
         cands.append(default)
     for t, counts in cands:
         res = _model(dev, specs, mask, causal, t, counts, return_probs)
-        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        cost = kernel_cycles(dev, *res[:3])
         if default is not None and t == default[0]:
             cost *= 1 - DEFAULT_MARGIN
         if best is None or cost < best[0]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
-from cost_model.estimate import cached, estimate, make, register
+from cost_model.estimate import cached, estimate, kernel_cycles, make, register
 from cost_model.stream import port, stream
 
 
@@ -45,7 +45,7 @@ def _search(device, ins, outs, passes):
         if chunk >= top:
             continue
         res = _model(dev, ins, outs, passes, {"chunk": chunk})
-        if max(res[0], res[1] / dev.hbm_bytes_per_cycle) < max(best[0], best[1] / dev.hbm_bytes_per_cycle):
+        if kernel_cycles(dev, *res[:3]) < kernel_cycles(dev, *best[:3]):
             best = res
     return best
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from cost_model.devices import get_device
 from cost_model.common import ceil_div, itemsize, pack, round_up
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import cached, kernel_cycles, make, register
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
 # the model's typical error on small matmuls: a searched tiling must beat the kernel default by more
@@ -368,7 +368,7 @@ def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtyp
     shortlist = cands[:2] + ([default] if default is not None and default not in cands[:2] else [])
     for t in shortlist:
         res = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
-        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        cost = kernel_cycles(dev, *res[:3])
         # a tiling replaces the kernel's default only if it wins by more than the model's typical error
         if t == default:
             cost *= 1 - DEFAULT_MARGIN

@@ -23,7 +23,7 @@ import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import port, stream
 from cost_model.vecutil import block_elems, fits, largest
 from cost_model.vector import _rows_cut
@@ -106,7 +106,7 @@ def _rows_search(device, jobs, dtype):
 
 
 def _cost(dev, res):
-    return max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+    return kernel_cycles(dev, *res[:3])
 
 
 def _row_estimate(kernel, dev, jobs, dtype, tiling, roof):

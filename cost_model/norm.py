@@ -16,7 +16,7 @@ import numpy as np
 
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import fits, largest, pad
 
@@ -169,7 +169,7 @@ def _search(device, kind, dtype, rows, H, wdt, has_w, has_b, return_stats):
     best = None
     for t in _candidates(dev, spec_fn, H, ceil_div(rows, n)):
         res = _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, t["rows"], t["chunk"])
-        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)
     return best[1], best[2]

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.devices import get_device
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import fits, largest, pad
@@ -167,7 +167,7 @@ def _search(device, dtype, outer, C, inner):
     best = None
     for t in _candidates(dev, dtype, outer, C, inner):
         res = _model(dev, dtype, outer, C, inner, t["block"], t["chunk"])
-        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)
     return best[1], best[2]

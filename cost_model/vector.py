@@ -20,7 +20,7 @@ import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
-from cost_model.estimate import cached, make, register
+from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import block_elems, fits, largest, pad
 
@@ -340,7 +340,7 @@ def _ew_search(device, specs, op, scalar, out_dtype):
     best = None
     for t in cands:
         res = _ew_model(dev, specs, p, t["rows"], t["cols"])
-        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)
     return best[1], best[2]
@@ -479,7 +479,7 @@ def _red_search(device, dtype, out_dt, op, rowmode, SA, SR, P, RO):
     best = None
     for t in cands:
         res = _red_model(dev, dtype, out_dt, op, rowmode, SA, SR, P, RO, t["block"], t["chunk"])
-        cost = max(res[0], res[1] / dev.hbm_bytes_per_cycle)
+        cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)
     return best[1], best[2]

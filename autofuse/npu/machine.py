@@ -18,7 +18,8 @@ How a kernel runs
    transfer at a time; while an engine waits for it, the engine counts as busy, as a hardware counter
    counts an outstanding request.
 5. :meth:`Launch.finish` returns :class:`Stats`: kernel time = the slowest core (never less than the
-   launch's HBM bytes over the chip's bandwidth) + the launch overhead.
+   launch's HBM bytes over the chip's HBM bandwidth, nor its GM traffic over the chip's L2 bandwidth)
+   + the launch overhead.
 
 Everything here counts what the program executed; nothing calls a cost formula.
 
@@ -1208,7 +1209,10 @@ class Launch:
         self.hbm_write += wb
         hbm = self.hbm_read + self.hbm_write
         core_end = max((float(g.end_time().max()) for g in self.groups), default=0.0)
-        body = max(core_end, hbm / dev.hbm_bytes_per_cycle)
+        # every GM transfer passes through L2: the chip cannot move more than its L2 bandwidth, whatever
+        # the overlap of the cores' instructions (each instruction shares it only among its own cores)
+        l2 = sum(b for path, b in self.bytes.items() if "GM" in path)
+        body = max(core_end, hbm / dev.hbm_bytes_per_cycle, l2 / dev.l2_bytes_per_cycle)
         cycles = int(math.ceil(body)) + dev.launch_cycles
         busy, busy_total, cores = {}, {}, {}
         for g in self.groups:

@@ -953,7 +953,8 @@ class _Program:
 
     def run(self):
         # P stores of A(s+1) are issued after the loads of B(s): they happen later in time, and the GM
-        # port books transfers in issue order (a later-issued, earlier-running transfer would queue).
+        # port books transfers in issue order (a later-issued, earlier-running transfer only gets the
+        # idle intervals left before the bookings already made).
         # values behind the timeline (Launch.defer): the data stays within each core (and AIC c <-> AIVs 2c,
         # 2c+1) except for the statistics of the probabilities sweep, read back behind a barrier; every
         # closure reads tile arrays when it runs
