@@ -131,3 +131,23 @@ def test_generic_search_beats_one_wave(device):
     default = npu.run("generic", x, w, device=device, outputs=outs, passes=3).stats
     assert chosen.cycles <= default.cycles
     assert abs(e.cycles - chosen.cycles) / chosen.cycles < 0.05
+
+
+@pytest.mark.parametrize("device,shape,params", [
+    ("ascend910b", (1, 4, 300, 64), {}),
+    ("ascend910b", (2, 8, 256, 128), {"causal": True}),
+    ("ascend910", (1, 4, 300, 64), {"causal": True, "return_probs": True}),
+    ("ascend910b", (2, 2, 128, 64), {"mask": (2, 1, 1, 128)}),
+    ("ascend310p", (1, 2, 128, 64), {"mask": (1, 1, 128, 128), "return_probs": True}),
+])
+def test_flash_attention_gm_traffic_per_path_is_the_simulators(device, shape, params):
+    """The L2 cap rests on the GM traffic: the model's per-path bytes equal what the kernel moves."""
+    x = np.zeros(shape, np.float16)
+    p = dict(params)
+    spec_p = dict(params)
+    if "mask" in p:
+        p["mask"] = np.ones(params["mask"], bool)
+        spec_p["mask"] = (params["mask"], "bool")
+    e = cost_model.estimate("flash_attention", [(shape, "float16")] * 3, device=device, **spec_p)
+    s = npu.run("flash_attention", x, x, x, device=device, tiling=e.tiling, **p).stats
+    assert e.bytes == {k: v for k, v in s.bytes.items() if "GM" in k}
