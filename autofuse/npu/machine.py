@@ -749,6 +749,29 @@ class Group:
         pf = self.port_free
         rem = np.asarray(cycles, dtype=float) + np.zeros_like(pf)
         end = np.array(start, dtype=float) + np.zeros_like(pf)
+        if not (ge > np.maximum(start, gs)).any():
+            # the common case, no idle interval after ``start``: queue after the last booking; a wait for
+            # the data leaves [last end, start) as the newest interval (the oldest gives way)
+            tail = rem > 0
+            after = np.maximum(end, pf)
+            end = np.where(tail, after + rem, end)
+            new = tail & (after > pf)
+            gap = self.port_gap
+            if new.any():
+                gap = gap.copy()
+                gap[:, :-1, new] = gap[:, 1:, new]
+                gap[0, -1, new] = pf[new]
+                gap[1, -1, new] = after[new]
+            return end, (np.where(tail, end, pf), gap)
+        return self._reserve_port_pieces(start, rem, end)
+
+    def _reserve_port_pieces(self, start, rem, end):
+        """:meth:`_reserve_port` in general: fill the idle intervals in time order, then queue the rest."""
+        gs, ge = self.port_gap
+        K = gs.shape[0]
+        pf = self.port_free
+        rem = rem.copy()
+        end = end.copy()
         # what is left of each interval: its part before the transfer and its part after
         cs = np.empty((2 * K + 1, self.n))
         ce = np.empty((2 * K + 1, self.n))

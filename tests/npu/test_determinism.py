@@ -175,3 +175,18 @@ def test_port_carries_one_transfer_at_a_time():
             assert np.all(ge[1:] >= ge[:-1]) and np.all(ge <= free)      # intervals in time order, in the past
         # idle time remembered + busy time never exceeds the port's span
         assert np.all((gap[1] - gap[0]).sum(axis=0) + total <= g.port_free + 1e-9)
+
+
+def test_port_fast_path_books_as_the_general_one():
+    """The no-idle-interval shortcut of _reserve_port gives the same end times and intervals."""
+    rng = np.random.default_rng(3)
+    for _ in range(10):
+        a, b = _port_group(4), _port_group(4)
+        for _ in range(60):
+            start = rng.integers(0, 3000, size=4).astype(float)
+            cyc = rng.integers(0, 150, size=4).astype(float)
+            e1, (f1, g1) = a._reserve_port(start, cyc)
+            e2, (f2, g2) = b._reserve_port_pieces(start, cyc + 0 * start, start.copy())
+            assert np.array_equal(e1, e2) and np.array_equal(f1, f2) and np.array_equal(g1, g2)
+            a.port_free, a.port_gap = f1, g1
+            b.port_free, b.port_gap = f2, g2
