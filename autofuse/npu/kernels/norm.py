@@ -9,9 +9,10 @@ them. ``add_rms_norm`` normalises the sum rounded to x's dtype, which is what th
 then RMSNorm) computes, and writes that sum out as its third output.
 
 Schedule: rows split evenly over the vector cores, ``rows`` rows per tile, double-buffered; weight and
-bias are loaded and cast to fp32 once per core. When a whole row fits UB only that way, the outputs reuse
-dead inputs' tiles (the sum is written over x, y over the residual or x; see :func:`_specs`): rows of 8192
-bf16 values then stay whole on a 192 KB UB instead of being chunked. Per tile, Vector (fp16/bf16 input; fp32 skips the casts):
+bias are loaded and cast to fp32 once per core. When a whole row fits UB only that way, the outputs
+reuse dead inputs' tiles (the sum is written over x, y over the residual or x; see :func:`_specs`): rows
+of 8192 bf16 values then stay whole on a 192 KB UB instead of being chunked.
+Per tile, Vector (fp16/bf16 input; fp32 skips the casts):
 
     rms_norm    cast x->fp32 | mul x*x | reduce sum | (small: muls 1/H, adds eps, rsqrt) |
                 mul x*rstd | mul *gamma | cast y
@@ -57,7 +58,7 @@ def _specs(kind, dtype, wdt, has_w, has_b, R, cc, H, tight=False):
         sp.append((tile, F32))                                      # w: x in fp32
     sp.append((tile, F32))                                          # t: work
     nbuf = 1 if cc >= H else 2                                      # chunked: weight chunks double-buffered
-    shared = tight and has_w and has_b and wdt[0] == wdt[1]
+    shared = _shared_stage(tight, wdt, has_w, has_b)
     for j, (present, dt) in enumerate(((has_w, wdt[0]), (has_b, wdt[1]))):
         if present:
             sp += [((1, cp), F32)] * nbuf
@@ -66,6 +67,11 @@ def _specs(kind, dtype, wdt, has_w, has_b, R, cc, H, tight=False):
     if not tight:
         sp += [(tile, dtype)] * 2                                   # y
     return sp + [((R, STAT), F32)] * 10                             # statistics, two sets
+
+
+def _shared_stage(tight, wdt, has_w, has_b):
+    """Weight and bias share one staging tile (tight layout, both present, same dtype)."""
+    return tight and has_w and has_b and wdt[0] == wdt[1]
 
 
 def layout(dev, kind, dtype, wdt, has_w, has_b, H):
@@ -138,12 +144,12 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
     g = launch.group("aiv", n)
     X = [g.alloc("UB", (R, cp), dtype, f"x{i}") for i in range(2)]
     Rs = [g.alloc("UB", (R, cp), dtype, f"res{i}") for i in range(2)] if kind == "add_rms" else None
-    S = [g.alloc("UB", (R, cp), dtype, f"sum{i}") for i in range(2)] if kind == "add_rms" and not tight else X
+    S = [g.alloc("UB", (R, cp), dtype, f"sum{i}") for i in range(2)] if kind == "add_rms" and not tight else None
     W = g.alloc("UB", (R, cp), F32, "w") if lowp else None
     T = g.alloc("UB", (R, cp), F32, "t")
     par = {}                 # name -> (GM view, fp32 tiles, staging tiles); two of each when H is chunked
     nbuf = 1 if nch == 1 else 2
-    shared = tight and has_w and has_b and wdt[0] == wdt[1]
+    shared = _shared_stage(tight, wdt, has_w, has_b)
     for nm, t, present, dt in (("gamma", weight, has_w, wdt[0]), ("beta", bias, has_b, wdt[1])):
         if present:
             stages = par["gamma"][2] if (shared and nm == "beta") else \
@@ -221,8 +227,8 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
         return W
 
     def add_residual(b, k, i):
-        """add_rms: s = x + residual in x's dtype, written over x and stored as the third output; returns
-        the sum tile."""
+        """add_rms: s = x + residual in x's dtype (written over x in the tight layout), stored as the third
+        output; returns the sum tile."""
         xb, rb = X[i], Rs[i]
         if tight:
             sb = xb
@@ -317,7 +323,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             g.load(src, sv, b.regions(k), active=b.act, deps=(b.sum_end[k],), name="load x_sum")
         else:
             g.load(src, xv, b.regions(k), active=b.act, name="load x")
-        return src, load_params(k, b.act), src
+        return src, load_params(k, b.act), None        # chunked rows never use the tight layout
 
     def normalise(b, k, h):
         """Pass 2 work on chunk k: (x - mean) * rstd * gamma + beta, cast, store; stats after the last."""
