@@ -117,10 +117,11 @@ def round_to(x: np.ndarray, dtype: str, out: np.ndarray, tmp: np.ndarray, nonneg
     mag = x if nonneg else np.abs(x)
     if mag.min() < _FP16_TINY:
         small = mag < _FP16_TINY
-        np.add(mag, _HALF, out=tmp, where=small)
-        np.subtract(tmp, _HALF, out=tmp, where=small)
+        # whole-array passes: numpy's masked (where=) arithmetic costs several times a plain pass
+        np.add(mag, _HALF, out=tmp)
+        np.subtract(tmp, _HALF, out=tmp)
         if not nonneg:
-            np.copysign(tmp, x, out=tmp, where=small)
+            np.copysign(tmp, x, out=tmp)
         np.copyto(out, tmp, where=small)
     if not nonneg and mag.max() > _FP16_MAX:
         np.copyto(out, np.copysign(np.float32(np.inf), x), where=np.abs(out) > _FP16_MAX)
