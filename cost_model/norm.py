@@ -1,12 +1,12 @@
 """Row norms (``autofuse/npu/kernels/norm.py``): layer_norm, rms_norm, add_rms_norm.
 
 Rows are split evenly over the vector cores, ``rows`` rows per task; rows longer than UB are chunked
-(``chunk`` < H) into a statistics pass and a normalising pass whose reloads hit L2 while the step's rows
-fit. Per task the Vector passes are the kernel's (see its docstring): casts, ``x*x`` or the mean and
-squared deviations with their reductions and Brcb, the small rstd passes, the normalisation, weight and
-bias, the cast out; MTE3 stores y, the fp32 statistics and (add_rms) the sum. Weight and bias are loaded
-once per core (every core reads the same region: one miss, the rest L2 hits) or, chunked, per chunk.
-The tasks run through :func:`cost_model.stream.stream`.
+(``chunk`` < H) into a statistics pass and a normalising pass, backwards: the last chunk is still in UB,
+the other reloads hit L2 while the step's rows fit. Per task the Vector passes are the kernel's (see its
+docstring): casts, ``x*x`` or the mean and squared deviations with their reductions and Brcb, the small
+rstd passes, the normalisation, weight and bias, the cast out; MTE3 stores y, the fp32 statistics and
+(add_rms) the sum. Weight and bias are loaded once per core (every core reads the same region: one miss,
+the rest L2 hits) or, chunked, per chunk. The tasks run through :func:`cost_model.stream.stream`.
 """
 from __future__ import annotations
 
@@ -108,12 +108,13 @@ def _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, R, cc):
             instr += 1 + stat_outs
         add(lb, 0.0, miss, vec, sb, stot, instr + loads)
     if nch > 1:
-        for k in range(nch):                                # pass 2: reload (L2), weights per chunk
+        for k in reversed(range(nch)):                      # pass 2, backwards: reload (L2), weights per chunk
             cv = min(cc, H - k * cc)
             ew = np.ceil(re * pad(cv, "float16") / 64)
             row = re * ceil_div(cv, 64)
             resident = step_bytes * (2 if kind == "add_rms" else 1) + tot * k * cc * isz <= dev.l2_bytes
-            b = tot * cv * isz
+            kept = k == nch - 1                             # the last chunk of pass 1, still in UB
+            b = 0.0 if kept else tot * cv * isz
             # weight chunks: every core reads the same region; the first pass over a chunk misses
             p_b = sum(pbytes) * cv
             first = 1.0 if S == 1 else np.where(np.arange(S) == 0, 1.0, 0.0)
@@ -125,8 +126,9 @@ def _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, R, cc):
                 + pcasts * ceil_div(pad(cv, "float16"), 64)
             instr = (1 if lowp else 0) + (1 if kind == "layer" else 0) + 2 + nparams + pcasts
             sb = re * cv * isz + (stat_outs * re * 4 if k == nch - 1 else 0)
-            stot = b + (stat_outs * tot * 4 if k == nch - 1 else 0)
-            add(re * cv * isz + p_b, hit, miss, vec, sb, stot, instr + 2 + nparams + (stat_outs if k == nch - 1 else 0))
+            stot = tot * cv * isz + (stat_outs * tot * 4 if k == nch - 1 else 0)
+            add((0 if kept else re * cv * isz) + p_b, hit, miss, vec, sb, stot,
+                instr + (1 if kept else 2) + nparams + (stat_outs if k == nch - 1 else 0))
     arr = {k: np.stack(v, axis=1).reshape(-1) for k, v in cols.items()}
     core, busy = stream(dev, arr["lb"], port(dev, arr["hit"], arr["miss"]), arr["vec"], arr["sb"],
                         arr["stot"] / HBM, arr["instr"])

@@ -11,7 +11,8 @@ and MTE3 stores task i-1. Per task (numpy arrays over tasks, the busiest core's 
 
 The stream lasts ``load[0] + sum_i max(vec_i, load_{i+1}, store_{i-1}, port_{i+1} + port_{i-1}) +
 store[-1]``: the first load and the last store are exposed, in between the busiest of the overlapping
-units sets the pace, and loads and stores share each core's single GM port.
+units sets the pace, and loads and stores share each core's single GM port — never less than the port
+time of all the stream's transfers, which that port carries one at a time.
 """
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def stream(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, load
     prv_p = np.concatenate([[0.0], np.asarray(store_port, float)[:-1]])
     body = np.maximum.reduce([vec, nxt, prv, nxt_p + prv_p, instr])
     total = load[0] + body.sum() + store[-1]
+    # the port carries one transfer at a time: the stream lasts at least all its port time
+    total = max(total, float(np.sum(load_port) + np.sum(store_port)))
     busy = {"mte2": load.sum(), "vector": vec.sum(), "mte3": store.sum(), "scalar": instr.sum()}
     return float(total), busy
 

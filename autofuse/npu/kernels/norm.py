@@ -22,7 +22,8 @@ Per tile, Vector (fp16/bf16 input; fp32 skips the casts):
 
 A row longer than UB is chunked (``chunk`` < H): pass 1 walks the chunks accumulating the statistics
 (layer_norm merges per-chunk mean and squared deviations with Chan's formula, so no E[x²]-E[x]²
-cancellation), pass 2 walks them again (reloads hit L2; weight chunks are reloaded with them).
+cancellation), pass 2 walks them again backwards: the last chunk is still in UB, the others are
+reloaded (L2 hits while the rows in flight fit L2), weight chunks with them.
 
 ``tiling``: ``{"rows": rows per tile, "chunk": elements of H per tile}``; ``None`` picks the largest
 tile that fits UB, capped so each core has at least four tiles.
@@ -258,6 +259,8 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
         at once when the row is one chunk)."""
         st, act, small = b.st, b.act, b.small
         src = add_residual(b, k, i) if kind == "add_rms" else X[i]
+        if k == nch - 1:
+            b.last = src              # pass 2 starts with this chunk, still in UB
         w = to_f32(b, k, src)
         ew, row, cv = b.counts(k)
         v = (slice(None), slice(None), slice(0, cv))
@@ -315,7 +318,10 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             normalise(b, 0, (w, params0, Rs[i] if kind == "add_rms" else X[i]))
 
     def load2(b, k):
-        """Pass 2 loads (H chunked): chunk k of x, or of the sum written in pass 1; weight chunks."""
+        """Pass 2 loads (H chunked): chunk k of x, or of the sum written in pass 1 (the last chunk, which
+        pass 2 takes first, is still in UB); weight chunks."""
+        if k == nch - 1:              # normalise finds it in b.last (pass 1 has not issued it yet)
+            return None, load_params(k, b.act), None
         i = ctr["x"] % 2
         ctr["x"] += 1
         src = X[i]
@@ -328,6 +334,7 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
     def normalise(b, k, h):
         """Pass 2 work on chunk k: (x - mean) * rstd * gamma + beta, cast, store; stats after the last."""
         w, params, yb = h           # yb (tight): a tile whose input is dead by the time y is cast into it
+        w = b.last if w is None else w
         if not tight:
             yb = Y[ctr["y"] % 2]
             ctr["y"] += 1
@@ -366,8 +373,8 @@ def _norm(launch, kind, x, residual, weight, bias, eps, tiling, return_stats):
             b = Block(blk, items)
             for k in range(nch):
                 yield (lambda b=b, k=k: load1(b, k)), (lambda h, b=b, k=k: stats(b, k, h))
-            if nch > 1:
-                for k in range(nch):
+            if nch > 1:               # backwards: the last chunk of pass 1 is the first of pass 2
+                for k in reversed(range(nch)):
                     yield (lambda b=b, k=k: load2(b, k)), (lambda h, b=b, k=k: normalise(b, k, h))
 
     with np.errstate(all="ignore"):
