@@ -1,7 +1,7 @@
 """More real architectures from transformers (random weights from configs, no download), end to end
 through AutoFusionEngine: every attention block fused, verified and equal to eager. Covers GQA and MQA,
-RoPE variants, a relative position bias added to the scores (T5), encoder-only vision (ViT), and both
-attention implementations."""
+RoPE variants, a relative position bias added to the scores (T5), encoder-decoders with cross-attention
+(T5, BART), encoder-only vision and audio (ViT, Whisper's encoder), and both attention implementations."""
 import pytest
 import torch
 
@@ -42,6 +42,26 @@ def _vit(impl):
     return tf.ViTModel(cfg), (torch.randn(2, 3, 32, 32),), {}
 
 
+def _seq2seq(cfg_cls, model_cls, **kw):       # encoder self, decoder causal self and cross attention (Sq != Skv)
+    def build(impl):
+        cfg = cfg_cls(vocab_size=128, pad_token_id=0, decoder_start_token_id=0, **kw)
+        cfg._attn_implementation = impl
+        ids, dec = torch.randint(1, 128, (2, 12)), torch.randint(1, 128, (2, 8))
+        return model_cls(cfg), (ids,), {"decoder_input_ids": dec, "use_cache": False}
+    return build
+
+
+def _whisper_encoder(impl):
+    cfg = tf.WhisperConfig(vocab_size=128, encoder_layers=LAYERS, decoder_layers=LAYERS, d_model=64,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                           decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32, max_target_positions=32,
+                           pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+    cfg._attn_implementation = impl
+    return tf.WhisperModel(cfg).get_encoder(), (torch.randn(2, 16, 64),), {}
+
+
+BLOCKS = {"t5": 3 * LAYERS, "bart": 3 * LAYERS}     # the others: one block per layer
+
 MODELS = {
     "mistral": _lm(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2, sliding_window=None),
     "gemma": _lm(tf.GemmaConfig, tf.GemmaForCausalLM, num_key_value_heads=1, head_dim=16),      # MQA
@@ -51,6 +71,13 @@ MODELS = {
     "opt": _opt,
     "t5_encoder": _t5_encoder,
     "vit": _vit,
+    "whisper_encoder": _whisper_encoder,
+    "t5": _seq2seq(tf.T5Config, tf.T5ForConditionalGeneration, num_layers=LAYERS, num_decoder_layers=LAYERS,
+                   d_model=64, d_ff=128, num_heads=4, d_kv=16),
+    "bart": _seq2seq(tf.BartConfig, tf.BartForConditionalGeneration, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                     d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4,
+                     decoder_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                     forced_eos_token_id=None),
 }
 
 
@@ -70,10 +97,11 @@ def test_every_attention_block_is_fused(name, impl):
     model.eval()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
     report = fused.report
-    assert len(report.applied) == LAYERS and not report.rejected, report.summary()
+    blocks = BLOCKS.get(name, LAYERS)
+    assert len(report.applied) == blocks and not report.rejected, report.summary()
     assert all(d.verify_error is not None and d.verify_error <= d.verify_tolerance for d in report.applied)
     targets = [n.target for n in fused.graph_module.graph.nodes if n.op == "call_function"]
-    assert targets.count(FUSED_OP) == LAYERS
+    assert targets.count(FUSED_OP) == blocks
     leftover = {torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,
                 torch.ops.aten.scaled_dot_product_attention.default}
     assert not leftover & set(targets)
