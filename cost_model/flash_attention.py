@@ -161,6 +161,20 @@ def _deal(per_head, BN, ncores):
 
 
 @cached
+def _busiest_rows(units_per_qblock, Sq, qb, n):
+    """Mean query rows per item of the busiest core when equal units are dealt round-robin (head-major,
+    query block fastest), as the kernel deals non-causal work: the core with the most items, and of those
+    the most rows."""
+    nq = ceil_div(Sq, qb)
+    u = np.arange(units_per_qblock * nq)
+    ext = np.minimum(qb, Sq - (u % nq) * qb)
+    items = np.bincount(u % n, minlength=n)
+    rows = np.bincount(u % n, weights=ext, minlength=n)
+    top = items == items.max()
+    return float(rows[top].max() / items.max())
+
+
+@cached
 def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
     """(cores used, tile steps of the busiest core, its items), as the kernel schedules: one query block
     per unit, or (causal) blocks i and nq-1-i paired when that finishes no later."""
@@ -363,9 +377,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     ke = Skv / nkv
     if causal:
         ke = min(ke, kvb)
-    q_rows = min(qb, Sq)
-    # work of one step (the busiest core: full query blocks)
-    qe = q_rows
+    # work of one step: the busiest core's query blocks (causal: full ones; otherwise as dealt, edge
+    # blocks included)
+    qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
     rv = qe / nh                                      # rows per vector core
     nsub = max(1, ceil_div(int(rv), vq))
     passes = 5 + (1 if dtype != F32 else 0)
