@@ -44,6 +44,8 @@ class FusionDecision:
     unfused_kernels: tuple = ()
     verify_error: float | None = None
     verify_tolerance: float | None = None
+    working_set_bytes: int = 0        # the fused kernel's inputs, outputs and GM workspace (the budget's measure)
+    workspace_bytes: int = 0          # of which the kernel's GM workspace
 
     @property
     def hbm_bytes_saved(self) -> int:
@@ -128,12 +130,13 @@ class FusionReport:
         out = [f"# autofuse report: {self.device}, {self.optimization_level}", "",
                f"{len(self.applied)} fused, {len(self.rejected)} not fused; graph {self.nodes_before} -> "
                f"{self.nodes_after} nodes.", "",
-               "| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) |",
-               "|---|---|---|---|---:|---:|---:|---:|"]
+               "| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "
+               "| working set (B) | of it workspace (B) |",
+               "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for d in self.decisions:
             out.append(f"| {'fused' if d.applied else 'kept'} | {d.pattern} | `{d.anchor}` | {d.reason_code}: "
                        f"{d.reason} | {d.cycles_unfused:,} | {d.cycles_fused:,} | {d.speedup:.2f}x | "
-                       f"{d.hbm_bytes_saved:,} |")
+                       f"{d.hbm_bytes_saved:,} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
         if self.memory_budget is not None or self.peak_memory_unfused:
             out += ["", f"Peak activation memory: {self.peak_memory_unfused:,} B unfused, "
                         f"{self.peak_memory_fused:,} B fused"

@@ -253,7 +253,8 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
             reason_code=code, reason=reason, cycles_unfused=c.unfused.cycles, cycles_fused=c.fused.cycles,
             hbm_bytes_unfused=c.unfused.hbm_bytes, hbm_bytes_fused=c.fused.hbm_bytes, kernel="flash_attention",
             bound_fused=c.fused.bound, params=dict(c.match.params), tiling=dict(c.fused.tiling),
-            unfused_kernels=tuple(c.unfused.kernels), **extra)
+            unfused_kernels=tuple(c.unfused.kernels), working_set_bytes=c.working_set,
+            workspace_bytes=c.fused.workspace, **extra)
 
     eligible = []
     for i, c in enumerate(cands):

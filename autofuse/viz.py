@@ -96,7 +96,8 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, simulatio
     rows = "".join(
         f"<tr><td>{'fused' if d.applied else 'kept'}</td><td>{d.pattern}</td><td>{html.escape(d.anchor)}</td>"
         f"<td>{d.reason_code}</td><td>{html.escape(d.reason)}</td><td>{d.cycles_unfused:,}</td>"
-        f"<td>{d.cycles_fused:,}</td><td>{d.speedup:.2f}x</td><td>{d.hbm_bytes_saved:,}</td></tr>"
+        f"<td>{d.cycles_fused:,}</td><td>{d.speedup:.2f}x</td><td>{d.hbm_bytes_saved:,}</td>"
+        f"<td>{d.working_set_bytes:,}</td><td>{d.workspace_bytes:,}</td></tr>"
         for d in report.decisions)
     sim = f"<pre>{html.escape(simulation.summary())}</pre>" if simulation is not None else ""
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>autofuse report</title>"
@@ -105,6 +106,7 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, simulatio
             f"<h1>autofuse: {report.device}, {report.optimization_level}</h1>"
             f"<pre>{html.escape(report.summary())}</pre>"
             f"<table><tr><th></th><th>pattern</th><th>anchor</th><th>code</th><th>reason</th><th>unfused cycles</th>"
-            f"<th>fused cycles</th><th>speed-up</th><th>HBM saved (B)</th></tr>{rows}</table>{sim}"
+            f"<th>fused cycles</th><th>speed-up</th><th>HBM saved (B)</th><th>working set (B)</th>"
+            f"<th>of it workspace (B)</th></tr>{rows}</table>{sim}"
             f"<h2>Before</h2>{to_svg(before, report, 'before')}<h2>After</h2>{to_svg(after, None, 'after')}"
             f"</body></html>\n")

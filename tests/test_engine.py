@@ -242,6 +242,8 @@ def test_memory_budget_counts_the_kernels_gm_workspace():
     sim = npu.run("flash_attention", q, k, v, device="ascend910", tiling=d.tiling).stats
     assert e.workspace_bytes == sim.workspace_bytes > 0
     io = 4 * q.numel() * q.element_size()                 # q, k, v and the output
+    assert d.workspace_bytes == e.workspace_bytes and d.working_set_bytes == io + e.workspace_bytes
+    assert f"{d.working_set_bytes:,}" in roomy.report.to_markdown()
     assert roomy.report.peak_memory_fused >= io // 4 + e.workspace_bytes
     tight = AutoFusionEngine.fuse(model, (q, k, v), memory_budget=io + e.workspace_bytes // 2)
     assert not tight.report.applied
