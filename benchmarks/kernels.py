@@ -17,9 +17,11 @@ FlashAttention FLOPs: 4·B·N·Sq·Skv·D (Q·Kᵀ and P·V; causal would count 
 BLAS threads. The simulator's Cube products are numpy batched matmuls: one small GEMM per simulated core.
 Multithreaded OpenBLAS hands each of them to its worker threads; when other processes keep the CPUs busy,
 every hand-off waits for a scheduler time slice and a 4 ms product can take 700 ms (measured here at load
-average 7 on 2 CPUs). So the simulator runs with numpy's OpenBLAS on one thread (``--blas-threads``),
-switched at run time through OpenBLAS's own ``set_num_threads``; the acceptance shape is also timed with
-OpenBLAS's default threads, and both are printed. torch keeps its own threads throughout.
+average 7 on 2 CPUs). The simulator therefore holds numpy's OpenBLAS at one thread inside a kernel
+(``autofuse.npu.machine.host_blas``) and splits the cores over its own host threads instead. This script's
+``--blas-threads`` sets numpy's OpenBLAS threads outside the simulator (through OpenBLAS's own
+``set_num_threads``); the acceptance shape is timed both with one thread and with OpenBLAS's default, and
+both ratios are printed. torch keeps its own threads throughout.
 """
 import argparse
 import ctypes
