@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+import cost_model
 from autofuse import memory, npu
 from autofuse import ops as fused_ops
 from autofuse.lower import Arg, Const, lower, step_specs
@@ -139,6 +140,17 @@ class _Sim(fx.Interpreter):
             return n.target(*args, **kwargs).to(torch.float16)
         return super().run_node(n)
 
+    def _tiling(self, kernel, ins_spec, params):
+        """The tiling the cost model's search picks for this launch, as the planner priced it: unfused kernels
+        run tuned too, so a fusion's speed-up is measured against tuned kernels (None: the kernel's own)."""
+        spec = {k: ((tuple(v.shape), str(v.dtype).replace("torch.", "")) if isinstance(v, torch.Tensor) else v)
+                for k, v in params.items()}
+        try:
+            e = cost_model.estimate(kernel, ins_spec, device=self.device, **spec)
+        except (KeyError, NotImplementedError, ValueError, TypeError):
+            return None
+        return dict(e.tiling) if e.tiling else None
+
     def _launch(self, kernel, arrays, params):
         self.launches += 1
         key = _sig(kernel, arrays, params)
@@ -190,8 +202,9 @@ class _Sim(fx.Interpreter):
             kernel = st.kernel
             if kernel == "generic":
                 params = {"outputs": [out_spec]}
+            tiling = self._tiling(kernel, ins_spec, params)
             try:
-                r, reused = self._launch(kernel, arrays, params)
+                r, reused = self._launch(kernel, arrays, {**params, "tiling": tiling} if tiling else params)
             except (KeyError, TypeError, ValueError, NotImplementedError):
                 # the kernel is missing or cannot take this instance: price what it moves as a generic op
                 kernel = "generic"
