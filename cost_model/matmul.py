@@ -156,7 +156,8 @@ def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_pre
     ``chunks``: per K chunk (load fraction, cube fraction, slices). Time 0 is the end of the previous
     step's last product. The store holds the port over ``[t0, t1]``; chunk ``j``'s loads start once the L1
     buffer they reuse is released (the last L0 move of the chunk that used it before) and take the port
-    before the store if they fit there, else after it; the Cube is late by however late they arrive.
+    before the store as far as they fit there, the rest after it (the simulator's port never idles while a
+    transfer waits); the Cube is late by however late they arrive.
     """
     nk1 = len(chunks)
     fix_prev = np.concatenate([[0.0], fix[:-1]])
@@ -183,7 +184,8 @@ def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_pre
         for dur, p in ((la * lf, pa * lf), (lb * lf, pb * lf)):
             st = np.maximum(t_prev, free)
             clear = (st + p <= t0) | (st >= t1)
-            port_end = np.where(clear, st + p, np.maximum(st, t1) + p)
+            # a transfer that starts before the store fills the port up to it and finishes after it
+            port_end = np.where(clear, st + p, np.where(st < t0, t1 + p - (t0 - st), np.maximum(st, t1) + p))
             t_prev = np.maximum(st + dur, port_end)
         late = np.maximum(late, t_prev + m - nominal)
         nominal = nominal + C[j]
@@ -281,11 +283,9 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # The write-out of the previous step's tiles holds the GM port while this step's first K chunks load.
     # Replay that boundary in closed form (per step, vectorised): time 0 is the end of the previous step's
     # last product; the store holds the port over [t0, t1]; chunk j's loads may start once the L1 buffer
-    # they reuse is released (chunk j-2's last L0 move) and take the port before the store if they fit
-    # there, else after it; the Cube stalls by however late the last of them arrives.
+    # they reuse is released (chunk j-2's last L0 move) and take the port before the store as far as they
+    # fit there, the rest after it; the Cube stalls by however late the last of them arrives.
     pw_prev = np.concatenate([[0.0], PW[:-1]])
-    per_chunk = min(k1, K) / K
-    q = ceil_div(min(k1, K), k0)
     move1 = (round_up(m_s, 16) * widths[0] * isz / rates["L1->L0A"]
              + widths[0] * round_up(n_s, 16) * isz / rates["L1->L0B"])
     chunks = []
