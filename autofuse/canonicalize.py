@@ -203,7 +203,7 @@ def _type_as(n):
 
 
 def _view_to_reshape(n):
-    x, s = n.args[0], n.args[1]
+    x = n.args[0]
     if shape(x) == shape(n):
         return x
     if is_call(x, *VIEWS):

@@ -365,7 +365,6 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     split = dev.arch == "split"
     qb, kvb, vq = t["q"], t["kv"], t["vq"]
     nh = 2 if split else 1
-    rows = qb // nh
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     n, T, items, q_cores = _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
     k0f = dev.cube_k0[dtype]

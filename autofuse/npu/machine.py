@@ -745,7 +745,6 @@ class Group:
         interleaves its bursts with other transfers), and it carries one transfer at a time.
         """
         gs, ge = self.port_gap
-        K = gs.shape[0]
         pf = self.port_free
         rem = np.asarray(cycles, dtype=float) + np.zeros_like(pf)
         end = np.array(start, dtype=float) + np.zeros_like(pf)

@@ -575,7 +575,6 @@ def reduce(launch, x, op="sum", dim=None, keepdim=False, out_dtype=None, tiling=
     Y = [g.alloc("UB", sp[-1][0], out_dt, f"y{i}") for i in range(2)]
     kind, ufunc = _RED[op]
     npred = {"sum": np.sum, "max": np.max, "min": np.min}[kind]
-    axis = 2 if rowmode else 1
     f32 = "float32"
     outer_r = list(np.ndindex(*[sizes[i] for i in outerR])) if outerR else [()]
     nch = ceil_div(SR, chunk)
