@@ -12,18 +12,10 @@ from autofuse import AutoFusionEngine, FusedModule
 from autofuse.capture import CaptureError
 from autofuse.models import build
 from patterns.attention import AttentionVariant, build_variant
+from conftest import main_output
 
 FUSED_OP = torch.ops.autofuse.flash_attention.default
 LAYERS = 2
-
-
-def _main(out):
-    """The tensor a model's output is judged by: logits, last hidden state, or the tensor itself."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
 def _fused_calls(gm):
@@ -53,7 +45,7 @@ def test_every_attention_block_of_transformers_models_is_fused(name, attn):
     if name == "llama":        # grouped-query attention reaches the kernel with fewer kv heads
         assert all(d.params["num_kv_heads"] < d.params["num_heads"] for d in r.applied)
     with torch.no_grad():
-        torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model(*args, **kwargs)),
+        torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
                                    atol=1e-5, rtol=1e-4)
 
 
@@ -107,18 +99,18 @@ def test_user_model_is_unchanged_and_parameters_are_shared():
     ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
     model.eval()
     with torch.no_grad():
-        before = _main(model(*args, **kwargs)).clone()
+        before = main_output(model(*args, **kwargs)).clone()
     model.train()
 
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
     assert {name: m.training for name, m in model.named_modules()} == flags
     with torch.no_grad():
-        got = _main(fused(*args, **kwargs))
+        got = main_output(fused(*args, **kwargs))
     assert {name: m.training for name, m in model.named_modules()} == flags
     assert all(torch.equal(v, state[k]) and v.data_ptr() == ptrs[k] for k, v in model.state_dict().items())
     model.eval()
     with torch.no_grad():
-        after = _main(model(*args, **kwargs))
+        after = main_output(model(*args, **kwargs))
     assert torch.equal(before, after)
     torch.testing.assert_close(got, before, atol=1e-5, rtol=1e-4)
     # shared, not copied: every tensor the fused graph reads is the model's own object
@@ -131,7 +123,7 @@ def test_user_model_is_unchanged_and_parameters_are_shared():
     assert {p.data_ptr() for p in fused.parameters()} <= {p.data_ptr() for p in model.parameters()}
     with torch.no_grad():        # an edit of the user's weights is seen by the fused module
         model.lm_head.weight.mul_(2.0)
-        torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model.eval()(*args, **kwargs)),
+        torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model.eval()(*args, **kwargs)),
                                    atol=1e-5, rtol=1e-4)
 
 
@@ -148,8 +140,8 @@ def test_without_example_inputs_plans_at_first_call_and_per_signature():
     for seq in (8, 12, 8):
         ids = torch.randint(1, 128, (2, seq))
         with torch.no_grad():
-            got = _main(fused(ids, use_cache=False))
-            want = _main(model(ids, use_cache=False))
+            got = main_output(fused(ids, use_cache=False))
+            want = main_output(model(ids, use_cache=False))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
         assert len(fused.report.applied) == LAYERS
         outs[seq] = fused.report
@@ -182,7 +174,7 @@ def test_levels_are_observably_different():
         reports[level] = fused.report
         calls[level] = _fused_calls(fused.graph_module)
         with torch.no_grad():
-            torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model(*args, **kwargs)),
+            torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
                                        atol=1e-5, rtol=1e-4)
     assert not reports["O0"].applied and not calls["O0"]
     assert {d.reason_code for d in reports["O0"].rejected} == {"disabled_by_opt_level"}
@@ -193,7 +185,6 @@ def test_levels_are_observably_different():
     assert all(d.tiling for d in reports["O3"].applied)
     for level in ("O1", "O2", "O3"):
         assert all(n.kwargs["device"] == "ascend910" for n in calls[level])
-
 
 
 def test_o1_keeps_blocks_whose_probabilities_are_used():

@@ -16,14 +16,9 @@ import torch
 from autofuse import AutoFusionEngine
 from autofuse.models import build
 from patterns.attention import AttentionVariant, build_variant
+from conftest import main_output
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _main(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
 def _f64(x):
@@ -33,12 +28,12 @@ def _f64(x):
 def _errors(model, args, kwargs, blocks):
     ref_model = copy.deepcopy(model).double()
     with torch.no_grad():
-        ref = _main(ref_model(*[_f64(a) for a in args], **kwargs)).double()
-        eager = _main(model(*args, **kwargs)).double()
+        ref = main_output(ref_model(*[_f64(a) for a in args], **kwargs)).double()
+        eager = main_output(model(*args, **kwargs)).double()
         fused = AutoFusionEngine.fuse(model, (args, kwargs))
         assert len(fused.report.applied) == blocks, fused.report.summary()
-        got = _main(fused(*args, **kwargs))
-    assert got.dtype == _main(model(*args, **kwargs)).dtype
+        got = main_output(fused(*args, **kwargs))
+    assert got.dtype == main_output(model(*args, **kwargs)).dtype
     return (got.double() - ref).abs().max().item(), (eager - ref).abs().max().item()
 
 

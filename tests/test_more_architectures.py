@@ -8,6 +8,7 @@ import torch
 tf = pytest.importorskip("transformers")
 
 from autofuse import AutoFusionEngine  # noqa: E402
+from conftest import main_output  # noqa: E402
 
 LAYERS = 2
 FUSED_OP = torch.ops.autofuse.flash_attention.default
@@ -81,14 +82,6 @@ MODELS = {
 }
 
 
-def _main(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
-
-
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_attention_block_is_fused(name, impl):
@@ -108,4 +101,4 @@ def test_every_attention_block_is_fused(name, impl):
     if name in ("mistral", "gemma", "qwen3"):     # grouped/multi-query attention reaches the kernel as is
         assert all(d.params["num_kv_heads"] < d.params["num_heads"] for d in report.applied)
     with torch.no_grad():
-        torch.testing.assert_close(_main(fused(*args, **kwargs)), _main(model(*args, **kwargs)), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)), atol=1e-5, rtol=1e-4)
