@@ -143,10 +143,8 @@ class _Sim(fx.Interpreter):
     def _tiling(self, kernel, ins_spec, params):
         """The tiling the cost model's search picks for this launch, as the planner priced it: unfused kernels
         run tuned too, so a fusion's speed-up is measured against tuned kernels (None: the kernel's own)."""
-        spec = {k: ((tuple(v.shape), str(v.dtype).replace("torch.", "")) if isinstance(v, torch.Tensor) else v)
-                for k, v in params.items()}
-        try:
-            e = cost_model.estimate(kernel, ins_spec, device=self.device, **spec)
+        try:     # tensor parameters (a mask, a weight) are read for their shape and dtype only
+            e = cost_model.estimate(kernel, ins_spec, device=self.device, **params)
         except (KeyError, NotImplementedError, ValueError, TypeError):
             return None
         return dict(e.tiling) if e.tiling else None

@@ -6,6 +6,11 @@ import math
 from cost_model.devices import ITEMSIZE
 
 
+# The smallest transfer the Vector kernels' default tilings make; tiling searches go no lower, since the
+# simulator charges no DMA setup and smaller transfers would only look cheaper.
+MIN_TILE_BYTES = 8192
+
+
 def ceil_div(a, b):
     return -(-a // b)
 

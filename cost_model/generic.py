@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, estimate, kernel_cycles, make, register
 from cost_model.stream import port, stream
@@ -39,7 +39,7 @@ def _search(device, ins, outs, passes):
     biggest = max(sizes)
     widest = (list(ins) + list(outs))[sizes.index(biggest)][1]
     top = best[4]["chunk"]
-    floor = 8192 // itemsize(widest)
+    floor = MIN_TILE_BYTES // itemsize(widest)
     for waves in (2, 4):
         chunk = max(floor, round_up(ceil_div(biggest, dev.vector_cores * waves), 32))
         if chunk >= top:

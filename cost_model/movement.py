@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import port, stream
@@ -30,7 +30,6 @@ from cost_model.vector import _rows_cut
 
 
 GATHER_RING = 4                # row buffers the gather kernel cycles through
-MIN_TILE_BYTES = 8192          # the kernels' smallest default transfer: below it DMA setup would dominate
 
 
 def _rows_tile(dev, dtype, maxc, target):
@@ -100,13 +99,9 @@ def _rows_search(device, jobs, dtype):
             continue
         tried.add((r, c))
         res = _rows_model(dev, jobs, dtype, {"rows": r, "cols": c})
-        if _cost(dev, res) < _cost(dev, best):
+        if kernel_cycles(dev, *res[:3]) < kernel_cycles(dev, *best[:3]):
             best = res
     return best
-
-
-def _cost(dev, res):
-    return kernel_cycles(dev, *res[:3])
 
 
 def _row_estimate(kernel, dev, jobs, dtype, tiling, roof):
@@ -184,7 +179,7 @@ def _transpose_search(device, s, q, dtype):
             continue
         tried.add((a, l_))
         res = _transpose_model(dev, s, q, dtype, {"a": a, "l": l_})
-        if _cost(dev, res) < _cost(dev, best):
+        if kernel_cycles(dev, *res[:3]) < kernel_cycles(dev, *best[:3]):
             best = res
     return best
 
@@ -279,7 +274,7 @@ def _gather_search(device, tshape, dtype, ishape, idt):
         if top < 1:
             continue
         res = _gather_model(dev, tshape, dtype, ishape, idt, k, min(top, H))
-        if best is None or _cost(dev, res) < _cost(dev, best):
+        if best is None or kernel_cycles(dev, *res[:3]) < kernel_cycles(dev, *best[:3]):
             best = res
     return best
 
