@@ -26,6 +26,10 @@ from autofuse import npu
 
 _recorders: list[list] = []
 
+#: op name -> its torch twin with the kernel's numerics, ``fn(*op_args, **op_kwargs)`` returning the op's outputs
+#: (whole-graph simulation takes a repeated launch's values from it; the statistics of the first are reused)
+REFERENCES: dict = {}
+
 
 @contextlib.contextmanager
 def recording():
@@ -55,88 +59,140 @@ def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 @torch.library.custom_op("autofuse::flash_attention", mutates_args=())
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
                      scale: Optional[float] = None, causal: bool = False, return_probs: bool = False,
-                     device: str = "ascend910", tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    r = run_kernel("flash_attention", q, k, v, mask=mask, scale=scale, causal=causal, return_probs=return_probs,
-                device=device, tiling=json.loads(tiling) if tiling else None)
+                     device: str = "ascend910", tiling: str = "", fill: Optional[float] = None,
+                     empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
+                     out_order: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # fill=None is -inf (a schema default cannot spell infinity)
+    r = run_kernel("flash_attention", q, k, v, mask=mask, scale=_effective_scale(q, scale, scale_tensor),
+                   causal=causal, return_probs=return_probs, device=device,
+                   tiling=json.loads(tiling) if tiling else None, fill=_fill(fill), empty_rows=empty_rows)
     _record("flash_attention", r.stats)
-    out = _to_torch(r.outputs[0], q.dtype)
+    out = _in_order(_to_torch(r.outputs[0], q.dtype), out_order)
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
     return out, probs
 
 
-def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, **_):
+def _in_order(t: torch.Tensor, order) -> torch.Tensor:
+    """``t`` with its memory laid out in dim order ``order`` (outermost first; BSND = [0, 2, 1, 3]), as the
+    captured graph's own attention output was: later views of it rely on that layout. The kernel stores
+    each output tile to its place in that layout (CANN's FlashAttention writes BSND/BSH outputs directly);
+    the simulator charges a store by its bytes, so the layout does not change its cost."""
+    if not order or list(order) == list(range(t.dim())):
+        return t
+    inverse = [list(order).index(d) for d in range(t.dim())]
+    return t.permute(*order).contiguous().permute(*inverse)
+
+
+def _empty_in_order(like: torch.Tensor, shape, order) -> torch.Tensor:
+    if not order or list(order) == list(range(len(shape))):
+        return like.new_empty(shape)
+    inverse = [list(order).index(d) for d in range(len(shape))]
+    return like.new_empty([shape[d] for d in order]).permute(*inverse)
+
+
+def _fill(fill):
+    return float("-inf") if fill is None else float(fill)
+
+
+def _effective_scale(q, scale, scale_tensor):
+    """The score scale as a Python float: ``scale`` (default 1/sqrt(D)) times a 0-d ``scale_tensor`` read now,
+    at call time (a learnable temperature, a scale buffer: never baked into the plan)."""
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    return s if scale_tensor is None else s * float(scale_tensor)
+
+
+def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
+                              empty_rows="zero", scale_tensor=None, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
-    P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype; a row
-    with no key to attend gives zeros. Used where only the values are needed (repeated launches in
-    :func:`autofuse.simulate`); the fused op itself always runs the simulated kernel."""
+    P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
+    bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
+    NaN; NaN inputs propagate. Used where only the values are needed (repeated launches in
+    :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
+    ``scale_tensor`` may require grad (its gradient is the temperature's)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if scale_tensor is not None:
+        s = s * scale_tensor.float()
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+        s = s.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else s + mask.float()
     if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     m = s.amax(-1, keepdim=True)
     empty = torch.isneginf(m)
     e = torch.exp(s - torch.where(empty, 0.0, m))
-    p = torch.where(empty, 0.0, e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    total = e.sum(-1, keepdim=True)
+    p = e / torch.where(total == 0, 1.0, total)
+    p = torch.where(total == 0, 0.0 if empty_rows == "zero" else float("nan"), p)
     out = (p.to(q.dtype).float() @ v.float()).to(q.dtype)
     return out, (p.to(q.dtype) if return_probs else q.new_empty((0,)))
 
 
+REFERENCES["flash_attention"] = reference_flash_attention
+
+
 @_flash_attention.register_fake
-def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling=""):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
+      fill=None, empty_rows="zero", scale_tensor=None, out_order=None):
+    out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     return out, probs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, return_probs = inputs[:7]
-    ctx.save_for_backward(q, k, v, mask)
-    ctx.scale, ctx.causal, ctx.return_probs = scale, causal, return_probs
+    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _ = inputs
+    ctx.save_for_backward(q, k, v, mask, scale_tensor)
+    ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
 
 
 def _backward(ctx, grad_out, grad_probs):
     """Gradients of attention, recomputed on the host in fp32 (the FlashAttention backward's recompute;
     it is not simulated: there is no backward kernel on the NPU simulator). ``mask`` gets a gradient when
-    it is an additive float mask that requires one."""
-    q, k, v, mask = ctx.saved_tensors
+    it is an additive float mask that requires one; ``scale_tensor`` (a learnable temperature) gets one
+    too."""
+    q, k, v, mask, scale_t = ctx.saved_tensors
     need = ctx.needs_input_grad
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
         if mask is not None and mask.is_floating_point():
             m = mask.detach().float().requires_grad_(bool(need[3]))
+        st = None if scale_t is None else scale_t.detach().float().requires_grad_(bool(need[11]))
         out, probs = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
-                                               return_probs=ctx.return_probs)
+                                               return_probs=ctx.return_probs, fill=ctx.fill,
+                                               empty_rows=ctx.empty_rows, scale_tensor=st)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
             grads.append(grad_probs.float())
-        wrt = [t for t in leaves + [m] if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrt = [t for t in leaves + [m, st] if isinstance(t, torch.Tensor) and t.requires_grad]
         got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True)) if wrt else iter(())
     res = [next(got).to(orig.dtype) if leaf.requires_grad else None for orig, leaf in zip((q, k, v), leaves)]
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
-    return tuple(res) + (None,) * 5
+    gs = next(got) if (st is not None and st.requires_grad) else None
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None)
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
-                    tiling=None):
+                    tiling=None, fill=None, empty_rows="zero", scale_tensor=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
-    sees keys j <= i. Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    sees keys j <= i. ``fill``: the score a bool-masked entry takes (``None`` = ``-inf``, or finite as
+    eager's ``masked_fill(~keep, finfo.min)``). ``empty_rows``: a row with no key to attend gives ``"zero"`` (SDPA) or
+    ``"nan"`` (softmax). ``scale_tensor``: a 0-d tensor multiplying the scale, read at call time and
+    differentiated. Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"flash_attention: {name} must be a 4-D tensor [B, N, S, D], got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
     out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale, causal, return_probs, device,
-                                                     json.dumps(tiling) if tiling else "")
+                                                     json.dumps(tiling) if tiling else "", fill=fill,
+                                                     empty_rows=empty_rows, scale_tensor=scale_tensor)
     return (out, probs) if return_probs else out

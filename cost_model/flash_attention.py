@@ -601,7 +601,7 @@ def flops(B, N, Sq, Skv, D, Dv, causal):
     return 2.0 * B * N * pairs * (D + Dv)
 
 
-def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None):
+def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None, **_semantics):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     Skv, Dv = ks[2], vs[3]
@@ -641,7 +641,10 @@ def _search(device, specs, mask, causal, return_probs):
 
 
 @register("flash_attention", _roofline)
-def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None):
+def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
+                             fill=float("-inf"), empty_rows="zero"):
+    """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
+    ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes."""
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]

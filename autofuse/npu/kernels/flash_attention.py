@@ -3,6 +3,10 @@
 Layout BNSD: q ``[B, N, Sq, D]``, k ``[B, Nkv, Skv, D]``, v ``[B, Nkv, Skv, Dv]``; query head h reads kv head
 ``h // (N / Nkv)`` (GQA). ``mask`` broadcasts to ``[B, N, Sq, Skv]``: bool (True = attend, as torch SDPA)
 or additive float. ``causal`` is top-left aligned (query i sees keys j <= i); with a mask both apply.
+``fill`` is the score a bool-masked entry takes at the softmax input (``-inf`` by default; a finite fill
+such as ``finfo.min`` or ``-1e4`` is reproduced exactly, so a query row with every key masked averages V
+as eager softmax does). ``empty_rows`` says what a row with no key to attend gives: ``"zero"`` (torch's
+SDPA and ``_safe_softmax``) or ``"nan"`` (plain ``softmax``). NaN in the inputs propagates as in eager.
 
 The algorithm (one *work item* = batch, head, block of ``q`` query rows; items spread over the cores):
 
@@ -15,7 +19,8 @@ The algorithm (one *work item* = batch, head, block of ``q`` query rows; items s
         Vector  O = O·α + O_j
     Vector  out = O / l (cast) -> GM
 
-Running statistics m, l are fp32. A row with no key to attend gives 0 (as torch 2.13's SDPA).
+Running statistics m, l are fp32. A row with no key to attend gives 0 (as torch 2.13's SDPA) or NaN
+(``empty_rows="nan"``, as ``softmax`` over a row of ``-inf``).
 
 Data paths. *Coupled* cores (910, 310P) move S from L0C to UB by FixPipe; UB has no path to L1 on these
 chips (CANN's DataCopy lists GM->A1/B1, CO1->CO2, CO2->GM, GM->VECIN, VECIN->VECOUT, VECOUT->GM for
@@ -53,7 +58,7 @@ per AIV).
 
 ``return_probs`` adds a second sweep once each row's max and sum are final (stored to GM at the end of
 the first sweep, as CANN's softmax_max / softmax_sum outputs): S is recomputed, ``exp(S - m) / l`` cast
-to q's dtype and stored. Rows with no key give 0 probabilities.
+to q's dtype and stored. Rows with no key give 0 probabilities (NaN with ``empty_rows="nan"``).
 
 Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
 skip the cast), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
@@ -387,7 +392,8 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 
 
 @kernel("flash_attention")
-def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None):
+def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
+                    fill=float("-inf"), empty_rows="zero"):
     """Fused attention (see the module docstring). Returns ``(out,)`` or ``(out, probs)`` in q's dtype.
 
     ``tiling``: ``{"q": query rows per item, "kv": keys per tile, "vq": rows per Vector sub-block}``
@@ -411,6 +417,11 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     Dv = v.shape[3]
     dtype = q.dtype
     scale = float(D ** -0.5 if scale is None else scale)
+    if empty_rows not in ("zero", "nan"):
+        raise ValueError(f"flash_attention: empty_rows={empty_rows!r}; use 'zero' (SDPA) or 'nan' (softmax)")
+    fill = float(fill)
+    if math.isnan(fill) or fill == math.inf:
+        raise ValueError(f"flash_attention: fill={fill}; a masked score must be -inf or a finite value")
     mask_spec = None
     if mask is not None:
         mask, mshape = _mask_view(mask, B, N, Sq, Skv)
@@ -430,6 +441,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
                          if u > dev.buffers[buf])
         raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}: {over}")
     prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv)
+    prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     return prog.run()
 
 
@@ -590,6 +602,11 @@ class _Program:
     def _masked(end, act):
         return end if act is None else np.where(act, end, 0.0)
 
+    def _inverse(self, lv):
+        """1 / l per row; a row with nothing attended (l = 0) gives ``empty`` (0 or NaN); NaN stays NaN."""
+        zero = lv == 0
+        return np.where(zero, self.empty, np.float32(1) / np.where(zero, np.float32(1), lv)).astype(np.float32)
+
     @staticmethod
     def _act(mask):
         return None if mask.all() else mask
@@ -683,9 +700,14 @@ class _Program:
         if probs_pass:
             zact = v["skip"] & (vrows > 0)                     # a fully masked (skipped) tile: zeros
             if zact.any():
-                vg.vector("dup 0", [P], [], vg.row_repeats(vrows, v["kext"], self.dtype) * zact,
-                          compute=lambda cs: P.data[cs].__setitem__(zact[cs], 0.0), per_core=True,
-                          active=self._act(zact))
+                Lf = self.tl["l"][0]
+
+                def dup(cs):             # 0, or NaN on rows with nothing attended under empty_rows="nan"
+                    z = zact[cs]
+                    P.data[cs][z] = np.where(Lf.data[cs][z] == 0, self.empty, np.float32(0))[:, :, None]
+
+                vg.vector("dup 0", [P], [Lf], vg.row_repeats(vrows, v["kext"], self.dtype) * zact,
+                          compute=dup, per_core=True, active=self._act(zact))
             oact = (v["work"] | zact) & (vrows > 0)
             bl, hl, ql, kl0 = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist()
             regs = self._regs(("probs", ks), lambda: [
@@ -761,13 +783,13 @@ class _Program:
         def scale_and_mask(cs):
             x = S.data[cs]
             np.multiply(x, self.scale, out=x)
-            if padcols:                   # key columns past the end of K (zero-padded tile)
-                np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
             if mt is not None:
                 if self.mask.dtype == "bool":
-                    np.copyto(x, _NEG_INF, where=~mt.data[cs])
+                    np.copyto(x, self.fill, where=~mt.data[cs])
                 else:
                     np.add(x, mt.data[cs], out=x)
+            if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
+                np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])  # which may fill
             if partial:
                 rg = (vq0 + ro)[cs, None, None] + self.rowi[None, :, None]
                 cg_ = vk0[cs, None, None] + self.col[None, None, :]
@@ -788,9 +810,7 @@ class _Program:
                 m = Mt.data[cs, sl]
                 np.subtract(x, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=x)
                 np.exp(x, out=x)
-                lv = Lf.data[cs, sl]
-                inv = np.where(lv > 0, np.float32(1) / np.where(lv > 0, lv, np.float32(1)), np.float32(0))
-                np.multiply(x, inv[:, :, None], out=x)
+                np.multiply(x, self._inverse(Lf.data[cs, sl])[:, :, None], out=x)
                 cast(x, cs)
 
             vg.vector("probs: scale mask sub exp mul cast", writes, reads + [Mt, Lf], repeats,
@@ -906,9 +926,7 @@ class _Program:
         sl = slice(r * orows, (r + 1) * orows)
 
         def norm(cs):
-            lv = Lt.data[cs, sl]
-            inv = np.where(lv > 0, np.float32(1) / np.where(lv > 0, lv, np.float32(1)), np.float32(0))
-            o = O.data[cs, sl] * inv[:, :, None]
+            o = O.data[cs, sl] * self._inverse(Lt.data[cs, sl])[:, :, None]
             round_to(o, self.dtype, OUT.data[cs], np.empty_like(o))
 
         passes = 2 if self.dtype != "float32" else 1
