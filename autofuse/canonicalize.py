@@ -33,8 +33,13 @@ Canonical spellings (what patterns may assume):
   ``where`` with the fill on either side or as a 0-d constant tensor); additive masks stay ``add``
 * ``F.scaled_dot_product_attention`` variants -> ``aten.scaled_dot_product_attention``
 
-Limits: ``_safe_softmax`` becomes ``softmax``; they differ only on rows that are entirely ``-inf``
-(0 vs NaN). Post-dispatch matmul expansions (``expand -> clone -> _unsafe_view -> bmm``) are not
+The canonical graph is a view for matching, never executed. Every canonical node that computes the
+value of a captured node records that node's name in ``meta["autofuse_origin"]`` (copied nodes their
+own; a rule's replacement inherits the origin of the node it replaces), so a match found here can be
+mapped back onto the captured graph (:mod:`autofuse.rewrite`). Values the user owns (parameters and
+buffers, ``meta["autofuse_state"]``) are never folded into constants: a 0-d parameter stays a tensor
+operand. ``_safe_softmax`` becomes ``softmax`` with ``meta["autofuse_safe_softmax"] = True`` (the two
+differ on rows that are entirely ``-inf``: 0 vs NaN). Post-dispatch matmul expansions (``expand -> clone -> _unsafe_view -> bmm``) are not
 folded back into one matmul: both capture routes keep ``aten.matmul`` whole.
 """
 from __future__ import annotations
@@ -98,11 +103,16 @@ def const_value(n):
         return n.args[0]
     if is_call(n, aten.full_like.default) or is_call(n, aten.lift_fresh_copy.default):
         return const_value(n.args[1]) if is_call(n, aten.full_like.default) else const_value(n.args[0])
-    if isinstance(n, fx.Node) and n.op == "get_attr":
+    if isinstance(n, fx.Node) and n.op == "get_attr" and not is_state(n):
         t = get_attr_value(n.graph.owning_module, n.target)
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.device.type != "meta":
             return t.item()
     return None
+
+
+def is_state(n) -> bool:
+    """A parameter or buffer of the user's model: its value may change after planning."""
+    return isinstance(n, fx.Node) and n.op == "get_attr" and "autofuse_state" in n.meta
 
 
 def constant_scalar(n):
@@ -120,11 +130,13 @@ def constant_scalar(n):
     return t.item() if t is not None else None
 
 
-def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24):
+def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24, state: list | None = None):
     """Evaluate ``m`` on CPU if it depends only on constants (factory ops, real attributes); else None.
 
     ``device=`` arguments are redirected to CPU, so constants built on the meta device (a model
-    captured on meta) still evaluate; a meta *attribute* has no data and makes ``m`` non-constant."""
+    captured on meta) still evaluate; a meta *attribute* has no data and makes ``m`` non-constant.
+    A parameter or buffer makes ``m`` non-constant, unless ``state`` is a list: then its current value is
+    used and its dotted name appended to ``state``, so the caller can guard what it concluded."""
     order, seen, stack = [], set(), [m]
     while stack:
         n = stack.pop()
@@ -140,10 +152,14 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
         order.append(n)
         stack.extend(n.all_input_nodes)
     pos = {n: i for i, n in enumerate(m.graph.nodes)}
-    env = {}
+    env, reads = {}, []
     try:
         for n in sorted(order, key=pos.__getitem__):
             if n.op == "get_attr":
+                if is_state(n):
+                    if state is None:
+                        return None
+                    reads.append(n.meta["autofuse_state"])
                 t = get_attr_value(n.graph.owning_module, n.target)
                 if isinstance(t, torch.Tensor) and t.device.type == "meta":
                     return None
@@ -160,6 +176,8 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
     out = env[m]
     if isinstance(out, torch.Tensor) and out.device.type == "meta":
         return None
+    if state is not None:
+        state.extend(r for r in reads if r not in state)
     return out
 
 
@@ -380,6 +398,10 @@ def _div_scalar(n):
     x, c = n.args[0], constant_scalar(n.args[1])
     if is_number(c) and c != 0 and val(x).is_floating_point() and not n.kwargs:
         return call(n.graph, aten.mul.Tensor, x, 1.0 / c)
+    t = n.args[1]
+    if (c is None and n.target == aten.div.Tensor and isinstance(t, fx.Node) and not n.kwargs and val(t) is not None
+            and val(t).dim() == 0 and val(t).is_floating_point() and val(x).is_floating_point()):
+        return call(n.graph, aten.mul.Tensor, x, call(n.graph, aten.reciprocal.default, t))  # a live 0-d divisor
     return None
 
 
@@ -452,7 +474,10 @@ def _softmax_private(n):
     dt = (torch.float32 if third else None) if n.target == aten._softmax.default else third
     if dt is not None:
         x = _cast(x, dt)
-    return call(n.graph, aten.softmax.int, x, dim if dim < 0 else dim - _rank(x))
+    new = call(n.graph, aten.softmax.int, x, dim if dim < 0 else dim - _rank(x))
+    if n.target == aten._safe_softmax.default:
+        new.meta["autofuse_safe_softmax"] = True       # a row of -inf gives 0, not NaN
+    return new
 
 
 def _reduce_dim(n, *targets):
@@ -758,13 +783,30 @@ def _cse(graph: fx.Graph) -> bool:
         t = n.target
         if isinstance(t, torch._ops.OpOverload) and (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags):
             continue
-        key = (t, repr(n.args), repr(n.kwargs))
+        key = (t, repr(n.args), repr(n.kwargs), n.meta.get("autofuse_safe_softmax"))
         if key in seen:
+            _same_value(seen[key], n)
             n.replace_all_uses_with(seen[key])
             changed = True
         else:
             seen[key] = n
     return changed
+
+
+def _same_value(keep: fx.Node, gone: fx.Node):
+    """``gone`` is replaced by ``keep``, which computes the same value: ``keep`` inherits ``gone``'s origin if it
+    has none, and lists it (with the nodes ``gone`` stood for) in ``meta["autofuse_equals"]`` otherwise, so
+    a match can be carried over to the captured node a block really reads (layers that each rebuild the same
+    mask share one canonical node)."""
+    o = gone.meta.get("autofuse_origin")
+    others = [o] + list(gone.meta.get("autofuse_equals", ())) if o is not None else list(gone.meta.get(
+        "autofuse_equals", ()))
+    if keep.meta.get("autofuse_origin") is None and o is not None:
+        keep.meta["autofuse_origin"] = o
+        others = others[1:]
+    if others:
+        eq = keep.meta.setdefault("autofuse_equals", [])
+        eq.extend(x for x in others if x not in eq and x != keep.meta.get("autofuse_origin"))
 
 
 def _same(a, b) -> bool:
@@ -779,6 +821,8 @@ def canonicalize(gm: fx.GraphModule, rules=None, max_iters: int = 30) -> fx.Grap
     rules = RULES if rules is None else rules
     gm = copy_graph_module(gm)
     graph = gm.graph
+    for n in graph.nodes:
+        n.meta.setdefault("autofuse_origin", n.name)
     for _ in range(max_iters):
         changed = _cse(graph)
         for node in list(graph.nodes):
@@ -801,6 +845,10 @@ def canonicalize(gm: fx.GraphModule, rules=None, max_iters: int = 30) -> fx.Grap
                 if not _same(new, node):
                     log.debug("rule %s rejected at %s: shape/dtype changed", fn.__name__, node.name)
                     continue
+                _same_value(new, node)
+                for k in ("autofuse_safe_softmax",):
+                    if k in node.meta:
+                        new.meta.setdefault(k, node.meta[k])
                 node.replace_all_uses_with(new)
                 changed = True
                 break

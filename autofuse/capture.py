@@ -27,8 +27,14 @@ The shared form (what :class:`Captured` holds):
 Call it either through ``Captured(*args, **kwargs)`` (flattens inputs with ``in_spec`` and rebuilds
 the user's output structure with ``out_spec``) or directly as ``graph_module(*leaves)``.
 
-Capture runs with eval-mode semantics (dropout = identity): every submodule's ``training`` flag is
-switched to ``False`` for the trace and restored afterwards, so the user's model is left as it was.
+4. Parameter and buffer ``get_attr`` nodes carry ``node.meta["autofuse_state"]`` (the dotted name in the
+   user's model): their values belong to the user, who may change them at any time, so nothing may be
+   folded from them (a plan that depends on one keeps a guard). Constants the tracer lifted (tensors
+   created inside ``forward``) carry no such mark.
+
+Capture keeps the model's own mode: a model in ``train()`` is captured with its training semantics
+(dropout stays, as ``native_dropout``), one in ``eval()`` with eval semantics. ``Captured.training``
+records which. The user's model is left as it was.
 Example inputs may live on the ``meta`` device (a model built under ``torch.device("meta")``): no
 real data is touched, so very large configurations can be analysed.
 """
@@ -37,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +75,7 @@ class Captured:
     route: str
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
+    training: bool = False
 
     def flatten_inputs(self, *args, **kwargs) -> list:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -93,11 +101,11 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     failures = []
     for r in routes:
         try:
-            with _eval_mode(model):
+            with _quiet():
                 fn = _capture_export if r == "export" else _capture_symbolic_trace
                 gm, in_spec, out_spec = fn(model, example_args, example_kwargs)
             _cleanup(gm)
-            return Captured(gm, r, in_spec, out_spec)
+            return Captured(gm, r, in_spec, out_spec, training=model.training)
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
@@ -157,6 +165,8 @@ def _lift_to_attrs(source: fx.GraphModule, attr_of: dict, keep_outputs: list[int
             _set_nested(root, target, tensor)
             env[node] = new.get_attr(target)
             env[node].meta = dict(node.meta)
+            if not target.startswith("_autofuse_constants."):
+                env[node].meta["autofuse_state"] = target
         elif node.op == "get_attr":
             _set_nested(root, node.target, _get_nested(source, node.target))
             env[node] = new.node_copy(node, lambda n: env[n])
@@ -205,14 +215,12 @@ def _cleanup(gm: fx.GraphModule):
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module):
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
+def _quiet():
+    """torch.export's pytree code warns (``LeafSpec`` is deprecated) about torch's own internals: nothing a
+    user can act on, so it does not reach them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         yield
-    finally:
-        for m, was in flags:
-            m.training = was
 
 
 _HINTS = [

@@ -91,7 +91,7 @@ def cmd_report(a):
     elif a.format == "html":
         from autofuse.viz import report_html
         p = fused.plans[next(iter(fused.plans))]
-        text = report_html(r, p.canonical, p.graph_module)
+        text = report_html(r, p.captured.graph_module, p.graph_module)
     else:
         text = r.summary() + "\n"
     _write(text, a.output)
@@ -102,11 +102,11 @@ def cmd_viz(a):
     _, _, fused = _fuse(a)
     p = fused.plans[next(iter(fused.plans))]
     os.makedirs(a.output, exist_ok=True)
-    for name, gm, rep in (("before", p.canonical, p.report), ("after", p.graph_module, None)):
+    for name, gm, rep in (("before", p.captured.graph_module, p.report), ("after", p.graph_module, None)):
         _write(to_dot(gm, rep, name), os.path.join(a.output, f"{name}.dot"))
         _write(to_svg(gm, rep, f"{a.model} {name} ({p.report.device}, {p.report.optimization_level})"),
                os.path.join(a.output, f"{name}.svg"))
-    _write(report_html(p.report, p.canonical, p.graph_module), os.path.join(a.output, "report.html"))
+    _write(report_html(p.report, p.captured.graph_module, p.graph_module), os.path.join(a.output, "report.html"))
 
 
 def cmd_simulate(a):

@@ -10,8 +10,11 @@ Reports, the CLI and the pictures read these objects, never log text. Reason cod
 ``not_profitable``         the cost model prices the fused kernel no cheaper than the unfused ops
 ``conflict``               overlaps a candidate that saves more; the global choice took that one
 ``memory_budget``          the fused kernel's working set (inputs, outputs, workspace) exceeds the budget
-``unsupported``            the kernel cannot run this instance (dtype, training-mode dropout, ...)
-``verification_failed``    the fused kernel's result differed from the unfused subgraph
+``disabled_by_switch``     the user switched the family off (``fusion_switches``, ``--disable``)
+``training_dropout``       training-mode dropout on the probabilities: random, so the block runs as captured
+``unsupported``            the kernel cannot run this instance (dtype, mask combination, no counterpart in
+                           the captured graph, ...)
+``verification_failed``    the fused kernel's result differed from the captured subgraph
 =========================  ==============================================================================
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 REASON_CODES = ("fused", "disabled_by_opt_level", "below_level_margin", "extra_outputs_at_O1", "not_profitable",
-                "conflict", "memory_budget", "unsupported", "verification_failed")
+                "conflict", "memory_budget", "disabled_by_switch", "training_dropout", "unsupported",
+                "verification_failed")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,9 @@ class FusionReport:
     capture_route: str = ""
     warnings: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    training: bool = False             # planned for the model's training mode
+    guards: list = field(default_factory=list)   # the values the plan relied on (re-planned if they change)
+    replanned_because: str = ""        # the guard that fired, when this plan replaced an earlier one
 
     @property
     def applied(self) -> list:
@@ -110,6 +117,12 @@ class FusionReport:
         if self.memory_budget is not None:
             lines.append(f"  peak activation memory: {self.peak_memory_unfused:,} B unfused, "
                          f"{self.peak_memory_fused:,} B fused; budget {self.memory_budget:,} B")
+        if self.training:
+            lines.append("  planned for training mode (dropout kept)")
+        if self.guards:
+            lines.append(f"  re-planned if these change: {'; '.join(self.guards)}")
+        if self.replanned_because:
+            lines.append(f"  re-planned because {self.replanned_because}")
         lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
@@ -120,7 +133,8 @@ class FusionReport:
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
             "peak_memory_unfused": self.peak_memory_unfused, "peak_memory_fused": self.peak_memory_fused,
             "applied": [d.to_dict() for d in self.applied], "rejected": [d.to_dict() for d in self.rejected],
-            "warnings": list(self.warnings), "timings": dict(self.timings),
+            "warnings": list(self.warnings), "timings": dict(self.timings), "training": self.training,
+            "guards": list(self.guards), "replanned_because": self.replanned_because,
         }
 
     def to_json(self, **kw) -> str:

@@ -2,21 +2,32 @@
 
     fused = AutoFusionEngine.fuse(model, example_inputs, target_device="ascend910", optimization_level="O3",
                                   memory_budget="16GB")
-    y = fused(*inputs)              # fused attention blocks run on the NPU simulator, the rest in torch
+    y = fused(*inputs)              # fused blocks run on the NPU simulator, the rest as captured, in torch
     print(fused.report.summary())   # what was fused, what was not and why, with the numbers
     fused.simulate(*inputs)         # the whole graph on the simulator: cycles per node, peak memory
 
-Without example inputs the engine plans at the first call, and again for each new input signature
-(shapes, dtypes and non-tensor arguments). The user's model is never modified: capture leaves it as it
-was, and the fused module's graph reads the model's own parameter tensors (shared, not copied).
+**The fused model is the user's model.** What runs is the captured graph with each applied fusion's nodes
+replaced by its fused call; every other node is the captured node, unchanged (the canonical form serves
+matching only), so at O0 the output is bit-identical to the captured graph's. Parameters and buffers are
+read from the user's model at every call (``model.get_parameter`` by name: in-place edits,
+``load_state_dict``, reassigned buffers, ``.to()``/``.half()`` are all seen) and get their gradients. A
+plan is kept per *key*: the input signature (shapes, dtypes, non-tensor arguments) and the training flags
+of the model's modules; ``model.train()``/``.eval()`` after ``fuse()`` switch to that mode's plan (in
+training mode dropout stays: a block whose probabilities go through dropout is left unfused, reason
+``training_dropout``). A plan is valid while its *guards* hold: the dtype, shape and device of every
+parameter and buffer the graph reads, and the identity and version counter of any buffer whose value the
+plan relied on (a mask proven causal or empty). A failed guard re-plans; the new report says which guard
+fired (``report.replanned_because``).
 
-The fused module computes forward passes only (the fused op has no backward) with eval-mode semantics
-(capture switches dropout off). Models and inputs must be float16, bfloat16 or float32 (integer inputs
-such as token ids are fine): the NPU has no float64 unit, and ``fuse`` says so naming the tensor.
+Without example inputs the engine plans at the first call, and again for each new key. The user's model is
+never modified by ``fuse``: the fused module holds it as its submodule ``model`` (so ``parameters()``,
+``state_dict()``, ``train()``, ``.to()`` reach the shared tensors).
+
+Models and inputs must be float16, bfloat16 or float32 (integer inputs such as token ids are fine): the NPU
+has no float64 unit, and ``fuse`` says so naming the tensor.
 """
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -24,14 +35,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autofuse import memory
-from autofuse import ops as _ops  # noqa: F401  (registers torch.ops.autofuse.*)
 from autofuse import verify as _verify
 from autofuse.canonicalize import canonicalize, evaluate_constant
 from autofuse.capture import capture
 from autofuse.decision import FusionReport
+from autofuse.fused import family, fused_ops
 from autofuse.match import families
 from autofuse.plan import parse_level, parse_memory_budget, plan
-from autofuse.rewrite import rewrite
+from autofuse.rewrite import _source as source
+from autofuse.rewrite import fused_block, rewrite
 from cost_model.devices import get_device
 
 
@@ -83,21 +95,98 @@ class _Values(fx.Interpreter):
 
     def values(self, *args) -> dict:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng():    # a captured dropout must not move the user's RNG
                 self.run(*args)
         except _AllKept:
             pass
         return self.kept
 
 
-class Plan:
-    """One input signature's compiled graph, with its report."""
+# ------------------------------------------------------------------------------------ state and guards
 
-    def __init__(self, captured, graph_module, report, canonical):
+def _lookup(model: torch.nn.Module, fqn: str):
+    mod, _, name = fqn.rpartition(".")
+    owner = model.get_submodule(mod) if mod else model
+    return getattr(owner, name)
+
+
+def _state_nodes(gm: fx.GraphModule) -> dict:
+    return {n.target: n.meta["autofuse_state"] for n in gm.graph.nodes
+            if n.op == "get_attr" and "autofuse_state" in n.meta}
+
+
+def _live_getattr(self, name):
+    try:
+        return torch.nn.Module.__getattr__(self, name)
+    except AttributeError:
+        model = self.__dict__.get("_autofuse_model")
+        if model is None:
+            raise
+        return getattr(model, name)
+
+
+def _make_live(gm: fx.GraphModule, model: torch.nn.Module) -> fx.GraphModule:
+    """Make ``gm``'s parameter and buffer reads go to ``model`` at every call: the copies of the model's
+    tensors that building a GraphModule makes are dropped, and attribute lookups the graph does not
+    own fall through to the model (``self.layer.weight`` is ``model.layer.weight``, as it is now)."""
+    for target in _state_nodes(gm):
+        top = target.split(".")[0]
+        for store in (gm._modules, gm._parameters, gm._buffers):
+            store.pop(top, None)
+    gm.__dict__["_autofuse_model"] = model
+    type(gm).__getattr__ = _live_getattr       # fx gives every GraphModule its own class
+    return gm
+
+
+class Guard:
+    """What a plan assumed about one of the model's tensors; ``check(model)`` says what changed, or None."""
+
+    def __init__(self, fqn: str, tensor: torch.Tensor, value: bool):
+        self.fqn, self.value = fqn, value
+        self.tensor = tensor if value else None
+        self.version = tensor._version if value else None
+        self.spec = (tensor.dtype, tuple(tensor.shape), tensor.device.type)
+
+    def check(self, model) -> str | None:
+        try:
+            t = _lookup(model, self.fqn)
+        except AttributeError:
+            return f"{self.fqn} is gone from the model"
+        spec = (t.dtype, tuple(t.shape), t.device.type)
+        if spec != self.spec:
+            return f"{self.fqn} changed from {self._fmt(self.spec)} to {self._fmt(spec)}"
+        if self.value and t is not self.tensor:
+            return f"{self.fqn} was replaced by another tensor (the plan relied on its value)"
+        if self.value and t._version != self.version:
+            return f"{self.fqn} was modified in place (the plan relied on its value)"
+        return None
+
+    @staticmethod
+    def _fmt(spec):
+        dt, shape, dev = spec
+        return f"{str(dt).replace('torch.', '')}{list(shape)} on {dev}"
+
+    def describe(self) -> str:
+        what = "identity and version" if self.value else "dtype, shape and device"
+        return f"{self.fqn}: {what}"
+
+
+class Plan:
+    """One key's compiled graph, with its report and guards."""
+
+    def __init__(self, captured, graph_module, report, canonical, guards):
         self.captured = captured
         self.graph_module = graph_module
         self.report = report
         self.canonical = canonical
+        self.guards = guards
+
+    def failed_guard(self, model) -> str | None:
+        for g in self.guards:
+            why = g.check(model)
+            if why is not None:
+                return why
+        return None
 
     def __call__(self, *args, **kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
@@ -105,133 +194,139 @@ class Plan:
         return self.captured.unflatten_outputs(out if isinstance(out, (tuple, list)) else (out,))
 
 
-FUSED_OP = torch.ops.autofuse.flash_attention.default
-
-
-def _set_op_kwargs(gm: fx.GraphModule, kwargs_by_anchor: dict) -> fx.GraphModule:
-    """Give each fused-op call its target device and tiling (rewrite tags each call with its Match)."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is FUSED_OP:
-            match = n.meta.get("autofuse_match")
-            extra = kwargs_by_anchor.get(match.anchor if match is not None else None, {})
-            n.kwargs = {**n.kwargs, **extra}
-    gm.recompile()
-    return gm
-
-
-def _op_kwargs(device: str, cand, level: str) -> dict:
-    tiling = cand.fused.tiling if level == "O3" else {}
-    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else ""}
-
-
-def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True) -> Plan:
+def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None) -> Plan:
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring)."""
     _check_input_dtypes(args, kwargs, device)
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route)
+    cap_gm = captured.graph_module
     t1 = time.perf_counter()
-    gm = canonicalize(captured.graph_module)
+    gm = canonicalize(cap_gm)
     t2 = time.perf_counter()
-    cands = all_candidates(gm)
+    matches = all_candidates(gm)
     t3 = time.perf_counter()
     leaves = pytree.tree_leaves((args, kwargs))
-    checker = _Verifier(gm, cands, leaves, device, level)
-    applied, decisions, priced = plan(gm, cands, device, level, budget, checker if verify else None)
+    checker = _Verifier(cap_gm, leaves, device, level) if verify else None
+    applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches)
     t4 = time.perf_counter()
-    by_anchor = {c.match.anchor: _op_kwargs(device, c, level) for c in priced}
-    fused = _set_op_kwargs(rewrite(gm, applied, FUSED_OP), by_anchor)
+    by_lift = {id(c.lifted): c for c in applied}
+
+    def kwargs_for(lifted):
+        c = by_lift[id(lifted)]
+        return family(c.match.pattern).op_kwargs(device, c.fused, level)
+
+    fused = rewrite(cap_gm, [c.lifted for c in applied], lambda m: family(m.pattern).emit, kwargs_for)
     t5 = time.perf_counter()
-    workspace = {c.match.anchor: c.fused.workspace for c in priced}
+    workspace = {c.match.anchor: c.fused.workspace for c in applied}
+    ops_ = fused_ops()
 
     def kernel_workspace(n):
-        match = n.meta.get("autofuse_match") if n.op == "call_function" and n.target is FUSED_OP else None
+        match = n.meta.get("autofuse_match") if n.op == "call_function" and n.target in ops_ else None
         return workspace.get(match.anchor, 0) if match is not None else 0
 
+    guards = [Guard(fqn, _lookup(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]
+    relied = sorted({g for c in applied for g in c.match.params.get("guards", ())})
+    guards += [Guard(fqn, _lookup(model, fqn), True) for fqn in relied]
     report = FusionReport(device=device, optimization_level=level, memory_budget=budget, decisions=decisions,
-                          peak_memory_unfused=memory.peak_bytes(gm),
+                          peak_memory_unfused=memory.peak_bytes(cap_gm),
                           peak_memory_fused=memory.peak_bytes(fused, kernel_workspace),
-                          nodes_before=len(gm.graph.nodes), nodes_after=len(fused.graph.nodes),
-                          capture_route=captured.route,
+                          nodes_before=len(cap_gm.graph.nodes), nodes_after=len(fused.graph.nodes),
+                          capture_route=captured.route, training=captured.training,
+                          guards=[g.describe() for g in guards if g.value],
                           timings={"capture_s": t1 - t0, "canonicalize_s": t2 - t1, "match_s": t3 - t2,
                                    "plan_s": t4 - t3, "rewrite_s": t5 - t4})
     if budget is not None and report.peak_memory_fused > budget:
         report.warnings.append(f"the fused graph's peak activation memory {report.peak_memory_fused:,} B exceeds "
                                f"the budget {budget:,} B; no remaining candidate lowers it")
-    return Plan(captured, fused, report, gm)
+    return Plan(captured, _make_live(fused, model), report, gm, guards)
 
 
 class _Verifier:
-    """``verify(match, candidate)`` for the planner (see :mod:`autofuse.verify`).
+    """``verify(candidate)`` for the planner (see :mod:`autofuse.verify`).
 
-    Identical blocks are verified once: blocks with the same structure (ops, arguments, shapes, dtypes,
-    constants), the same kernel parameters and tiling run the same kernel code on the same shapes, so the
-    first one's verdict holds for the rest. With real example inputs that first block is checked on its
-    real input values (computed by one eager run of the graph, only when a block needs them); on meta
-    inputs, on random values of the recorded shapes.
+    The fused call is checked against the captured block it replaces, on the example inputs' values at the
+    block's inputs (one eager run of the captured graph, only when a block needs them) and on adversarial
+    inputs derived from the match. Identical blocks (same captured structure, same fused call) are
+    verified once. On meta inputs, the values are random tensors of the recorded shapes (constants of
+    the graph, such as a causal mask built from ``arange``, are evaluated).
     """
 
-    def __init__(self, gm, cands, leaves, device, level):
-        self.gm, self.cands, self.leaves, self.device, self.level = gm, cands, leaves, device, level
+    def __init__(self, captured, leaves, device, level):
+        self.cap, self.leaves, self.device, self.level = captured, leaves, device, level
         self.meta = _is_meta(leaves)
-        self.values = None
         self.done = {}
 
     def _inputs(self, external):
         if self.meta:
-            # random values, except for inputs that are constants of the graph (a causal mask built from
-            # arange/ones): the match may rely on their values (a mask proven causal is dropped), so they
-            # are evaluated, as the matcher evaluated them
             gen = torch.Generator().manual_seed(0)
             out = []
             for n in external:
-                c = evaluate_constant(n)
+                c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
                 out.append(c if isinstance(c, torch.Tensor) else _verify.random_like(n, gen))
             return out
-        if self.values is None or any(n.name not in self.values for n in external):
-            # keep only the inputs of the first block of each structure: the others reuse its verdict
-            wanted, seen = {n.name for n in external}, set()
-            for c in self.cands:
-                sub, ext = _verify.extract(self.gm, list(c.nodes), [c.anchor])
-                key = _verify.structure_key(sub)
-                if key not in seen:
-                    seen.add(key)
-                    wanted.update(n.name for n in ext)
-            self.values = _Values(self.gm, wanted).values(*self.leaves)
-        return [self.values[n.name] for n in external]
+        values = _Values(self.cap, {n.name for n in external}).values(*self.leaves)
+        return [values[n.name] for n in external]
 
-    def __call__(self, match, cand):
-        outs = [match.anchor] + ([match.params["probs_node"]] if match.params.get("probs_used") else [])
-        sub, external = _verify.extract(self.gm, list(match.nodes), outs)
-        kwargs = _op_kwargs(self.device, cand, self.level)
-        key = (_verify.structure_key(sub), tuple(sorted(kwargs.items())))
+    @staticmethod
+    def _roles(lifted, external) -> dict:
+        pos = {n.name: i for i, n in enumerate(external)}
+        roles = {}
+        for role, src in lifted.sources.items():
+            if isinstance(src, str):
+                continue
+            names, stack, seen = [], [src], set()
+            while stack:
+                c = stack.pop()
+                if c in seen:
+                    continue
+                seen.add(c)
+                o = source(c, pos, lifted.reads)
+                if o is not None:
+                    names.append(pos[o])
+                else:
+                    stack.extend(c.all_input_nodes)
+            roles[role] = names
+        return roles
+
+    def __call__(self, cand):
+        fam = family(cand.match.pattern)
+        kwargs = fam.op_kwargs(self.device, cand.fused, self.level)
+        sub, fused_sub, external = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
+        key = (_verify.structure_key(sub), _verify.structure_key(fused_sub))
         if key not in self.done:
-            fused_sub = _set_op_kwargs(rewrite(sub, [match], FUSED_OP), {match.anchor: kwargs})
-            self.done[key] = _verify.check(sub, fused_sub, self._inputs(external))
+            with torch.random.fork_rng():
+                self.done[key] = _verify.verify_block(sub, fused_sub, self._inputs(external),
+                                                      self._roles(cand.lifted, external))
         return self.done[key]
 
 
 class FusedModule(torch.nn.Module):
     """The user's model with its fusible blocks replaced by fused NPU kernels (see :mod:`autofuse.engine`)."""
 
-    def __init__(self, model, example_inputs, device, level, budget, route, verify):
+    def __init__(self, model, example_inputs, device, level, budget, route, verify, switches=None):
         super().__init__()
-        object.__setattr__(self, "_model", model)      # not a submodule: parameters are shared via the graph
+        self.model = model          # shared, not copied: parameters, buffers and modes are the user's
         self._device, self._level, self._budget, self._route, self._verify = device, level, budget, route, verify
+        self._switches = dict(switches or {})
         self._plans: dict = {}
         self._last = None
         if example_inputs is not None:
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
 
+    def _key(self, args, kwargs):
+        return _signature(args, kwargs), tuple(m.training for m in self.model.modules())
+
     def _plan_for(self, args, kwargs) -> Plan:
-        sig = _signature(args, kwargs)
-        p = self._plans.get(sig)
-        if p is None:
-            p = compile_plan(self._model, args, kwargs, self._device, self._level, self._budget, self._route,
-                             self._verify)
-            self._plans[sig] = p
-            # the graph module becomes a child so .parameters() and state_dict see the (shared) tensors
-            self.add_module(f"plan{len(self._plans) - 1}", p.graph_module)
+        key = self._key(args, kwargs)
+        p = self._plans.get(key)
+        why = p.failed_guard(self.model) if p is not None else None
+        if p is None or why is not None:
+            p = compile_plan(self.model, args, kwargs, self._device, self._level, self._budget, self._route,
+                             self._verify, self._switches)
+            if why is not None:
+                p.report.replanned_because = why
+            self._plans[key] = p
         self._last = p
         return p
 
@@ -272,12 +367,13 @@ class AutoFusionEngine:
 
     @staticmethod
     def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
-             *, route="auto", verify=True) -> FusedModule:
+             *, route="auto", verify=True, fusion_switches=None) -> FusedModule:
         """Fuse ``model`` for ``target_device``; see the module docstring.
 
         ``example_inputs``: a tuple of positional inputs, a single tensor, or ``(args, kwargs)`` with a dict as
         second element; tensors may be on the meta device (planning without data). ``memory_budget``: bytes
-        or a string such as ``"16GB"``.
+        or a string such as ``"16GB"``. ``fusion_switches``: pattern family -> ``"on"``, ``"off"`` or
+        ``"force"`` (fuse whenever the kernel can run, profitable or not), like CANN's fusion switch file.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}; wrap a function "
@@ -291,7 +387,8 @@ class AutoFusionEngine:
         level = parse_level(optimization_level)
         budget = parse_memory_budget(memory_budget)
         _check_parameter_dtypes(model, device)
-        return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify)
+        switches = _check_switches(fusion_switches)
+        return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches)
 
 
 #: Element types the NPU computes in (the Cube takes fp16/bf16/fp32 operands; there is no float64 unit).
@@ -322,6 +419,25 @@ def _check_input_dtypes(args, kwargs, device: str):
         for leaf in pytree.tree_leaves(value):
             if _bad_dtype(leaf):
                 raise _dtype_error(what, leaf.dtype, device)
+
+
+SWITCH_VALUES = ("on", "off", "force")
+
+
+def _check_switches(switches) -> dict:
+    if switches is None:
+        return {}
+    if not isinstance(switches, dict):
+        raise TypeError(f"fuse: fusion_switches must be a dict such as {{'attention': 'off'}}, got "
+                        f"{type(switches).__name__}")
+    known = set(families())
+    for name, value in switches.items():
+        if name not in known:
+            raise ValueError(f"fuse: fusion_switches names {name!r}, which is not a pattern family; the families "
+                             f"are {', '.join(sorted(known))}")
+        if value not in SWITCH_VALUES:
+            raise ValueError(f"fuse: fusion_switches[{name!r}] = {value!r}; use one of {', '.join(SWITCH_VALUES)}")
+    return dict(switches)
 
 
 def _normalise_inputs(example_inputs):

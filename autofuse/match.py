@@ -26,8 +26,14 @@ class Match:
     pattern: family name ("attention").
     nodes:   fx node names the rewrite erases (the anchor included).
     anchor:  name of the node whose uses are replaced by the fused op's first output.
-    inputs:  role -> fx node name of the values fed to the fused op (e.g. "q", "k", "v", "mask").
+    inputs:  role -> fx node name of the values fed to the fused op (e.g. "q", "k", "v", "mask"), or a
+             constant the rewrite builds (``"const:tril:Sq:Skv"``: a causal keep-mask).
     params:  kernel parameters and facts for planning (shapes, dtype, ...); family-specific.
+    outputs: role -> fx node name whose value the fused op's output of that role replaces (the first is
+             the anchor); default ``{"out": anchor}``.
+
+    Names refer to the graph that was searched (the canonical view); :mod:`autofuse.rewrite` maps them
+    onto the captured graph through each canonical node's ``meta["autofuse_origin"]``.
     """
 
     pattern: str
@@ -35,6 +41,11 @@ class Match:
     anchor: str
     inputs: dict = field(default_factory=dict, hash=False)
     params: dict = field(default_factory=dict, hash=False)
+    outputs: dict = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        if not self.outputs:
+            object.__setattr__(self, "outputs", {"out": self.anchor})
 
 
 def register(name: str):

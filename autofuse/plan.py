@@ -13,7 +13,10 @@ Algorithm
    branch and bound, for components up to 20 candidates; greedily by saving beyond), never simply
    the first match found.
 4. **Verify** (``verify`` callback, see :mod:`autofuse.verify`): a chosen candidate whose fused kernel
-   disagrees with the unfused subgraph is rejected with ``verification_failed``.
+   disagrees with the captured subgraph it replaces is rejected with ``verification_failed``.
+
+The unfused price is taken on the captured graph: the nodes the fusion would remove (its footprint,
+:func:`autofuse.rewrite.lift`), exactly as eager runs them op by op.
 
 Every candidate ends as a :class:`~autofuse.decision.FusionDecision`.
 """
@@ -30,8 +33,9 @@ import torch.fx as fx
 
 import cost_model
 from autofuse.decision import FusionDecision
+from autofuse.fused import Price, family
 from autofuse.lower import lower, step_specs
-from cost_model.devices import get_device
+from autofuse.rewrite import NotLiftable, lift
 
 #: Optimization levels. Each is observably different on the same model.
 LEVELS = {
@@ -94,16 +98,6 @@ def _nbytes(spec) -> int:
     return math.prod(shape) * (torch.finfo(getattr(torch, dtype)).bits // 8 if dtype != "bool" else 1)
 
 
-@dataclass
-class Price:
-    cycles: int = 0
-    hbm_bytes: int = 0
-    kernels: list = field(default_factory=list)
-    bound: str = ""
-    tiling: dict = field(default_factory=dict)
-    workspace: int = 0
-
-
 def _estimate(kernel, specs, device, params):
     try:
         return cost_model.estimate(kernel, specs, device=device, **params)
@@ -131,79 +125,60 @@ def price_node(node: fx.Node, device: str) -> Price:
     return price
 
 
-def fused_params(gm_nodes: dict, match) -> tuple[list, dict]:
-    """The fused kernel's input specs (q, k, v as [B, N, S, D]) and parameters, as the rewrite will call it."""
-    p = match.params
-    specs = [_spec(gm_nodes[match.inputs[r]]) for r in ("q", "k", "v")]
-    specs = [(_as_bnsd(s), d) for s, d in specs]
-    params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
-    if "mask" in match.inputs:
-        params["mask"] = _spec(gm_nodes[match.inputs["mask"]])
-    elif p.get("mask_terms"):
-        params["mask"] = _spec(gm_nodes[match.inputs[p["mask_terms"][0][0]]])
-    return specs, params
-
-
-def kernel_default_tiling(device: str, specs, mask) -> dict:
-    """The tiling the flash_attention kernel picks by itself for these shapes (what it runs with ``tiling=None``)."""
-    from autofuse.npu.kernels.flash_attention import default_tiling
-    (qs, dtype), (ks, _), (vs, _) = specs
-    mask_spec = None
-    if mask is not None:
-        m4 = _as_bnsd(mask[0])
-        mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
-    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3])
-
-
-def price_fused(gm: fx.GraphModule, match, device: str, search_tiling: bool, nodes: dict | None = None) -> Price:
-    """The cost model's price of the fused kernel: with the tiling its search finds cheapest
-    (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2)."""
-    nodes = nodes if nodes is not None else {n.name: n for n in gm.graph.nodes}
-    specs, params = fused_params(nodes, match)
-    if not search_tiling:
-        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"))
-    e = cost_model.estimate("flash_attention", specs, device=device, **params)
-    return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
-                 e.workspace_bytes)
-
-
-def _as_bnsd(shape):
-    shape = tuple(shape)
-    return shape if len(shape) == 4 else (1,) * (4 - len(shape)) + shape
+def price_nodes(nodes, device: str) -> Price:
+    total = Price()
+    for n in nodes:
+        total = total.add(price_node(n, device))
+    return total
 
 
 @dataclass
 class Candidate:
+    """One match: carried over to the captured graph (``lifted``, or None with ``why`` it cannot be), priced
+    unfused (the captured ops it removes, as eager runs them) and fused (the call, its preamble and views)."""
+
     match: object
     unfused: Price
     fused: Price
     working_set: int
+    lifted: object = None
+    why: str = ""
 
     @property
     def saving(self) -> int:
         return self.unfused.cycles - self.fused.cycles
 
+    @property
+    def nodes(self) -> tuple:
+        return self.lifted.footprint if self.lifted is not None else tuple(self.match.nodes)
 
-def price_candidate(gm, match, device, search_tiling, nodes: dict | None = None) -> Candidate:
-    """Unfused and fused prices of one match. A fused kernel the cost model cannot price (or that cannot run
-    this instance) leaves ``fused.cycles`` at -1 and the reason in ``fused.bound``."""
-    nodes = nodes if nodes is not None else {n.name: n for n in gm.graph.nodes}
-    unfused = Price()
-    for name in match.nodes:
-        pr = price_node(nodes[name], device)
-        unfused.cycles += pr.cycles
-        unfused.hbm_bytes += pr.hbm_bytes
-        unfused.kernels += pr.kernels
+    @property
+    def anchor(self) -> str:
+        return self.lifted.anchor if self.lifted is not None else self.match.anchor
+
+
+def price_candidate(match, canonical: dict, captured: dict, order: dict, device: str, search_tiling: bool
+                    ) -> Candidate:
+    """Unfused and fused prices of one match. A match that cannot be carried over to the captured graph, or a
+    fused kernel the cost model cannot price (or that cannot run this instance), leaves ``fused.cycles`` at
+    -1 and the reason in ``why`` / ``fused.bound``."""
+    fam = family(match.pattern)
     try:
-        fused = price_fused(gm, match, device, search_tiling, nodes)
+        lifted = lift(match, canonical, captured, order)
+    except NotLiftable as e:
+        return Candidate(match, Price(), Price(cycles=-1), 0, None, f"cannot be carried over to the captured "
+                                                                    f"graph: {e}")
+    unfused = price_nodes([captured[n] for n in lifted.footprint], device)
+    try:
+        fused = fam.price(match, canonical, device, search_tiling)
+        extra = list(lifted.preamble) + [v for _, views in lifted.targets.values() for v in views]
+        fused = fused.add(price_nodes(extra, device)) if extra else fused
     except (NotImplementedError, ValueError, TypeError, KeyError) as e:
         fused = Price(cycles=-1, bound=f"{type(e).__name__}: {e}")
-    ins = [nodes[v] for v in match.inputs.values()]
-    ws = sum(_nbytes(_spec(n)) for n in ins) + _nbytes(_spec(nodes[match.anchor])) + fused.workspace
-    if match.params.get("probs_used"):
-        q, k = _spec(nodes[match.inputs["q"]]), _spec(nodes[match.inputs["k"]])
-        ws += _nbytes(((*_as_bnsd(q[0])[:-1], k[0][-2]), q[1]))
-    return Candidate(match, unfused, fused, ws)
+    ins = [canonical[v] for v in match.inputs.values() if not (isinstance(v, str) and v.startswith("const:"))]
+    outs = [canonical[v] for v in match.outputs.values()]
+    ws = sum(_nbytes(_spec(n)) for n in ins + outs) + max(fused.workspace, 0)
+    return Candidate(match, unfused, fused, ws, lifted)
 
 
 def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
@@ -236,42 +211,60 @@ def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
     return chosen
 
 
-def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int | None, verify=None):
-    """Decide every candidate. Returns ``(applied matches, decisions, candidates by match)``.
+def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, device: str, level: str,
+         budget: int | None, verify=None, switches=None):
+    """Decide every candidate. Returns ``(applied candidates, decisions, candidates)``.
 
-    ``verify(match, candidate) -> (ok, error, tolerance)`` is called on each chosen candidate.
+    ``matches`` were found on ``canonical``; each is carried over to ``captured`` (:func:`autofuse.rewrite.lift`)
+    and priced there. ``verify(candidate) -> (ok, error, tolerance)`` is called on each chosen candidate.
+    ``switches``: family name -> ``"on"`` / ``"off"`` / ``"force"`` (force fuses a family's candidates
+    whenever they can run, profitable or not).
     """
     level = parse_level(level)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    cands = [price_candidate(gm, m, device, search_tiling=(level == "O3"), nodes=nodes) for m in matches]
+    switches = dict(switches or {})
+    can = {n.name: n for n in canonical.graph.nodes}
+    cap = {n.name: n for n in captured.graph.nodes}
+    order = {n.name: i for i, n in enumerate(captured.graph.nodes)}
+    cands = [price_candidate(m, can, cap, order, device, search_tiling=(level == "O3")) for m in matches]
     decisions: dict[int, FusionDecision] = {}
 
     def decide(i, applied, code, reason, **extra):
         c = cands[i]
+        params = {k: v for k, v in c.match.params.items() if not k.endswith("_like")}
         decisions[i] = FusionDecision(
-            pattern=c.match.pattern, nodes=tuple(c.match.nodes), anchor=c.match.anchor, applied=applied,
+            pattern=c.match.pattern, nodes=tuple(c.nodes), anchor=c.anchor, applied=applied,
             reason_code=code, reason=reason, cycles_unfused=c.unfused.cycles, cycles_fused=c.fused.cycles,
-            hbm_bytes_unfused=c.unfused.hbm_bytes, hbm_bytes_fused=c.fused.hbm_bytes, kernel="flash_attention",
-            bound_fused=c.fused.bound, params=dict(c.match.params), tiling=dict(c.fused.tiling),
-            unfused_kernels=tuple(c.unfused.kernels), working_set_bytes=c.working_set,
+            hbm_bytes_unfused=c.unfused.hbm_bytes, hbm_bytes_fused=c.fused.hbm_bytes,
+            kernel=family(c.match.pattern).kernel, bound_fused=c.fused.bound, params=params,
+            tiling=dict(c.fused.tiling), unfused_kernels=tuple(c.unfused.kernels), working_set_bytes=c.working_set,
             workspace_bytes=c.fused.workspace, **extra)
 
     eligible = []
     for i, c in enumerate(cands):
         sp = c.unfused.cycles / max(c.fused.cycles, 1)
+        switch = switches.get(c.match.pattern, "on")
+        force = switch == "force"
+        p = c.match.params
         if level == "O0":
             decide(i, False, "disabled_by_opt_level", "O0 fuses nothing")
-        elif c.match.params.get("unsupported"):
-            decide(i, False, "unsupported", c.match.params["unsupported"])
-        elif level == "O1" and c.match.params.get("probs_used"):
+        elif switch == "off":
+            decide(i, False, "disabled_by_switch", f"the {c.match.pattern} family is switched off")
+        elif p.get("unsupported"):
+            decide(i, False, "unsupported", p["unsupported"])
+        elif c.lifted is None:
+            decide(i, False, "unsupported", c.why)
+        elif p.get("dropout_p"):
+            decide(i, False, "training_dropout", f"dropout p={p['dropout_p']:g} on the probabilities is random and "
+                                                 f"the fused kernel has no dropout: the block runs as captured")
+        elif level == "O1" and p.get("probs_used") and not force:
             decide(i, False, "extra_outputs_at_O1", "the probabilities are used outside the block; O2+ fuses "
                                                     "it with return_probs")
         elif c.fused.cycles < 0:
             decide(i, False, "unsupported", f"the fused kernel cannot be priced for this block: {c.fused.bound}")
-        elif c.fused.cycles >= c.unfused.cycles:
+        elif c.fused.cycles >= c.unfused.cycles and not force:
             decide(i, False, "not_profitable", f"fused kernel {c.fused.cycles:,} cycles >= unfused "
                                                f"{c.unfused.cycles:,} cycles on {device}")
-        elif level == "O1" and sp < O1_MARGIN:
+        elif level == "O1" and sp < O1_MARGIN and not force:
             decide(i, False, "below_level_margin", f"predicted {sp:.2f}x < {O1_MARGIN}x required at O1")
         elif budget is not None and c.working_set > budget:
             decide(i, False, "memory_budget", f"fused kernel needs {c.working_set:,} B (inputs, outputs, "
@@ -279,12 +272,12 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
         else:
             eligible.append(i)
 
-    # candidates that share a node conflict; edges found through a node -> candidates index (no pair scan)
+    # candidates that share a node (of the canonical view or of the captured graph) conflict
     conflicts = nx.Graph()
     conflicts.add_nodes_from(eligible)
     by_node: dict = {}
     for i in eligible:
-        for name in cands[i].match.nodes:
+        for name in set(cands[i].match.nodes) | {"captured:" + n for n in cands[i].nodes}:
             by_node.setdefault(name, []).append(i)
     for group in by_node.values():
         conflicts.add_edges_from((a, b) for x, a in enumerate(group) for b in group[x + 1:])
@@ -298,7 +291,7 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
         failed = False
         for i in sorted(chosen):
             if verify is not None and i not in verdicts:
-                verdicts[i] = verify(cands[i].match, cands[i])
+                verdicts[i] = verify(cands[i])
                 failed = failed or not verdicts[i][0]
         if not failed:
             break
@@ -307,19 +300,21 @@ def plan(gm: fx.GraphModule, matches: list, device: str, level: str, budget: int
     for i in eligible:
         c = cands[i]
         err, tol = (verdicts[i][1], verdicts[i][2]) if i in verdicts else (None, None)
+        detail = verdicts[i][3] if i in verdicts and len(verdicts[i]) > 3 else ""
         if i in verdicts and not verdicts[i][0]:
             decide(i, False, "verification_failed",
-                   f"fused result differs from the unfused subgraph: error {err:.3g} > tolerance {tol:.3g}",
-                   verify_error=err, verify_tolerance=tol)
+                   f"fused result differs from the captured subgraph{' on ' + detail if detail else ''}: "
+                   f"error {err:.3g} > tolerance {tol:.3g}", verify_error=err, verify_tolerance=tol)
         elif i not in chosen:
             winner = next((j for j in chosen if conflicts.has_edge(i, j)), None)
             decide(i, False, "conflict", "overlaps blocks that together save more" if winner is None else
-                   f"overlaps the block at {cands[winner].match.anchor}, which saves more "
+                   f"overlaps the block at {cands[winner].anchor}, which saves more "
                    f"({cands[winner].saving:,} vs {c.saving:,} cycles)")
         else:
             sp = c.unfused.cycles / max(c.fused.cycles, 1)
-            decide(i, True, "fused", f"predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B of "
-                                     f"HBM traffic; fused kernel bound by {c.fused.bound or '?'}",
+            why = "forced by switch; " if switches.get(c.match.pattern) == "force" else ""
+            decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
+                                     f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}",
                    verify_error=err, verify_tolerance=tol)
-            applied.append(c.match)
+            applied.append(c)
     return applied, [decisions[i] for i in range(len(cands))], cands

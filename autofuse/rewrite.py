@@ -1,115 +1,298 @@
-"""Rewrite: replace each matched block by one call of a fused op.
+"""Rewrite: the captured graph, with each applied match replaced by one fused call, and nothing else changed.
 
-:func:`rewrite` works on a copy of the graph (parameters stay shared) and, per attention Match:
+Matches are found on the canonical view (:mod:`autofuse.canonicalize`); what runs is the captured graph.
+Every canonical node that computes a captured node's value names it in ``meta["autofuse_origin"]``, and
+that is how a match is carried over (:func:`lift`):
 
-1. brings q, k, v to [B, N, S, D] (3-D "(BN)SD" inputs get a unit head dim, 2-D "SD" two unit dims);
-2. builds the one mask the kernel takes from the match's mask terms: bool terms are AND-ed
-   (True = attend); additive terms are scaled by the factor recorded at the softmax input and summed;
-   with both kinds, the bool terms become ``-inf`` entries of the additive mask;
-3. inserts ``op(q, k, v, mask, scale=..., causal=..., return_probs=...)`` (``op`` returns
-   ``(out, probs)``, e.g. ``torch.ops.autofuse.flash_attention``), reshapes/casts ``out`` to the
-   anchor's shape and dtype and redirects the anchor's uses; the same for ``probs`` if the
-   probabilities are consumed outside the block;
-4. re-sorts the graph topologically (a probabilities consumer may precede the anchor), removes dead
-   code, lints and recompiles.
+1. **Outputs.** Each output role of the match (``Match.outputs``) is mapped to the captured node whose
+   value it computes: the canonical node's origin, or, for a node the canonical form introduced (a matmul
+   moved inside a reshape), the first node with an origin down a chain of views; those views are
+   re-emitted after the fused call.
+2. **Inputs.** Each input role is the captured node of the same value, or, when the canonical form made
+   that value (a ``logical_not`` of a mask, a ``reciprocal`` of a 0-d divisor, a reshape), it is rebuilt
+   from captured nodes: the fused call's *preamble*, a few cheap ops, priced with the fused call.
+3. **Footprint.** The captured nodes that only fed the replaced outputs (and are not inputs of the fused
+   call) become dead when the outputs are redirected: those are the nodes the fusion removes, what the
+   unfused side is priced on, and what verification compares the fused call against.
+
+:func:`rewrite` then copies the captured graph, inserts each fused call (built by its family's emitter,
+:mod:`autofuse.fused`), redirects the outputs' uses, erases the footprints, re-sorts topologically, lints
+and recompiles. Every node outside the footprints is the captured node, unchanged.
 """
 from __future__ import annotations
 
-import operator
+import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.fx.passes.tools_common import legalize_graph
 
-from autofuse.graph import call, copy_graph_module, shape, val
+from autofuse.graph import copy_graph_module
 from autofuse.match import Match
 
 aten = torch.ops.aten
 
+#: Canonical-only ops that may be rebuilt in front of a fused call (cheap, pure, no reduction over data).
+PREAMBLE_OPS = {
+    aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.expand.default, aten.logical_not.default, aten.logical_and.default,
+    aten.reciprocal.default, aten.mul.Tensor, aten._to_copy.default, aten.repeat_interleave.self_int,
+    aten.eq.Scalar, aten.ne.Scalar, aten.eq.Tensor, aten.ne.Tensor, aten.slice.Tensor, aten.select.int,
+}
+PREAMBLE_LIMIT = 16
+#: Views that may follow a fused output before the node whose value the captured graph holds.
+OUTPUT_VIEWS = {aten.reshape.default, aten.view.default, aten.permute.default, aten.transpose.int,
+                aten.unsqueeze.default, aten.squeeze.dim, aten._to_copy.default}
 
-def rewrite(gm: fx.GraphModule, matches: list[Match], op) -> fx.GraphModule:
-    """A new GraphModule in which every match is one call of ``op``; ``gm`` is left untouched."""
-    new = copy_graph_module(gm)
+
+class NotLiftable(ValueError):
+    """A match whose inputs or outputs have no counterpart in the captured graph (the reason names it)."""
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """A match carried over to the captured graph (see the module docstring)."""
+
+    match: Match
+    sources: dict            # input role -> canonical node, or a constant's spec ("const:...")
+    targets: dict            # output role -> (captured node name, canonical view nodes to re-emit)
+    preamble: tuple          # canonical nodes rebuilt in front of the fused call, in graph order
+    reads: tuple             # captured node names the fused call reads (inputs and preamble leaves)
+    footprint: tuple         # captured node names the fusion removes, in graph order (targets included)
+
+    @property
+    def anchor(self) -> str:
+        return next(iter(self.targets.values()))[0]
+
+
+def origin(c: fx.Node) -> str | None:
+    return c.meta.get("autofuse_origin") if isinstance(c, fx.Node) else None
+
+
+def lift(match: Match, canonical: dict, captured: dict, order: dict) -> Lifted:
+    """Map ``match`` (node names of the canonical graph, ``canonical`` = name -> node) onto the captured graph
+    (``captured`` = name -> node, ``order`` = name -> position). Raises :class:`NotLiftable`."""
+    targets = {}
+    for role, name in match.outputs.items():
+        targets[role] = _target(canonical[name], captured, role)
+    preamble, reads = [], []
+    upstream = _ancestors(captured, [t for t, _ in targets.values()])
+
+    def visit(c):
+        o = _source(c, captured, upstream, order)
+        if o is not None:
+            if o not in reads:
+                reads.append(o)
+            return
+        if c in preamble:
+            return
+        if c.op != "call_function" or c.target not in PREAMBLE_OPS:
+            raise NotLiftable(f"input node {c.name} ({c.target}) has no counterpart in the captured graph")
+        for a in c.all_input_nodes:
+            visit(a)
+        preamble.append(c)
+        if len(preamble) > PREAMBLE_LIMIT:
+            raise NotLiftable(f"rebuilding the inputs needs more than {PREAMBLE_LIMIT} ops")
+
+    sources = {}
+    for role, name in match.inputs.items():
+        if isinstance(name, str) and name.startswith("const:"):
+            sources[role] = name
+            continue
+        sources[role] = canonical[name]
+        visit(canonical[name])
+    out_names = {t for t, _ in targets.values()}
+    if out_names & set(reads):
+        raise NotLiftable("a fused output is also one of its inputs")
+    fp = footprint(captured, order, out_names, set(reads), upstream)
+    pos = {n: i for i, n in enumerate(canonical.values())}
+    return Lifted(match, sources, targets, tuple(sorted(preamble, key=pos.__getitem__)), tuple(reads), fp)
+
+
+def _source(c: fx.Node, captured: dict, upstream, order: dict | None = None) -> str | None:
+    """The captured node holding ``c``'s value: among its origin and the nodes merged into it
+    (``meta["autofuse_equals"]``), the latest one upstream of the replaced block (the copy the block itself
+    reads: layers that each rebuild the same mask read their own), else the origin."""
+    names = [n for n in [origin(c)] + list(c.meta.get("autofuse_equals", ())) if n is not None and n in captured]
+    near = [n for n in names if n in upstream]
+    if near and order is not None:
+        return max(near, key=order.__getitem__)
+    return near[0] if near else (names[0] if names else None)
+
+
+def _ancestors(captured: dict, names) -> set:
+    seen, stack = set(), [captured[n] for n in names]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a.name not in seen:
+                seen.add(a.name)
+                stack.append(a)
+    return seen
+
+
+def _target(c: fx.Node, captured: dict, role: str):
+    views = []
+    for _ in range(6):
+        o = origin(c)
+        if o is not None and o in captured:
+            return o, tuple(views)
+        users = list(c.users)
+        if len(users) != 1 or users[0].op != "call_function" or users[0].target not in OUTPUT_VIEWS \
+                or users[0].args[0] is not c:
+            break
+        c = users[0]
+        views.append(c)
+    raise NotLiftable(f"output {role!r} ({c.name}) has no counterpart in the captured graph")
+
+
+def footprint(captured: dict, order: dict, targets: set, keep: set, anc: set | None = None) -> tuple:
+    """Captured nodes that die when the ``targets`` are replaced and the ``keep`` nodes stay read: the
+    targets, and every ancestor (``anc``, computed if not given) all of whose users die (pure calls only)."""
+    anc = _ancestors(captured, targets) if anc is None else anc
+    dead = set(targets)
+    for name in sorted(anc - dead, key=order.__getitem__, reverse=True):
+        n = captured[name]
+        if name in keep or n.op != "call_function" or _impure(n):
+            continue
+        if n.users and all(u.name in dead for u in n.users):
+            dead.add(name)
+    return tuple(sorted(dead, key=order.__getitem__))
+
+
+def _impure(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+# ------------------------------------------------------------------------------------------- emission
+
+def build(g: fx.Graph, lifted: Lifted, env: dict, emit, kwargs: dict) -> dict:
+    """Insert ``lifted``'s fused call into ``g``; ``env`` maps captured names to nodes of ``g``. Returns
+    output role -> node of ``g`` holding the value of that role's captured target."""
+    m = lifted.match
+    memo: dict = {}
+
+    def get(c):
+        o = _source(c, env, lifted.reads)
+        if o is not None:
+            return env[o]
+        if c not in memo:
+            args, kw = fx.map_arg((c.args, c.kwargs), get)
+            memo[c] = g.call_function(c.target, args, kw)
+            memo[c].meta["val"] = c.meta.get("val")
+        return memo[c]
+
+    fake = detect_fake_mode([src.meta.get("val") for src in lifted.sources.values() if not isinstance(src, str)])
+    ins = {role: _constant(g, src, fake) if isinstance(src, str) else get(src) for role, src in lifted.sources.items()}
+    outs = emit(g, ins, m, kwargs)
+    result = {}
+    for role, (target, views) in lifted.targets.items():
+        x = outs[role]
+        for view in views:
+            args = (x,) + tuple(fx.map_arg(view.args[1:], get))
+            x = g.call_function(view.target, args, dict(view.kwargs))
+            x.meta["val"] = view.meta.get("val")
+        result[role] = x
+    return result
+
+
+def _constant(g: fx.Graph, spec: str, fake_mode) -> fx.Node:
+    kind, *dims = spec.split(":")[1:]
+    if kind != "tril":
+        raise NotLiftable(f"unknown constant {spec!r}")
+    sq, skv = (int(d) for d in dims)
+    ones = g.call_function(aten.ones.default, ([sq, skv],), {"dtype": torch.bool})
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        v = torch.empty(sq, skv, dtype=torch.bool)
+    ones.meta["val"] = v
+    tril = g.call_function(aten.tril.default, (ones,))
+    tril.meta["val"] = v
+    return tril
+
+
+def rewrite(captured: fx.GraphModule, lifts: list, emit_for, kwargs_for=lambda lifted: {}) -> fx.GraphModule:
+    """A new GraphModule: ``captured`` with every lift's fused call in place of its footprint.
+
+    ``emit_for(match) -> emit(g, inputs, match, kwargs) -> {role: node}`` builds a family's fused call;
+    ``kwargs_for(lifted)`` gives the op's extra keywords (device, tiling). ``captured`` is left untouched;
+    parameters and buffers stay the model's own."""
+    new = copy_graph_module(captured)
     g = new.graph
-    nodes = {n.name: n for n in g.nodes}  # by original name; a replaced node maps to its replacement
-    for m in matches:
-        if m.pattern != "attention":
-            raise ValueError(f"rewrite: no rewrite for pattern {m.pattern!r}")
-        _rewrite_attention(g, nodes, m, op)
-    g.eliminate_dead_code()
+    env = {n.name: n for n in g.nodes}
+    for lifted in lifts:
+        first = min((env[t] for t, _ in lifted.targets.values()), key=_position(g))
+        with g.inserting_before(first):
+            outs = build(g, lifted, env, emit_for(lifted.match), kwargs_for(lifted))
+        replaced = {}
+        for role, (target, _) in lifted.targets.items():
+            env[target].replace_all_uses_with(outs[role])
+            replaced[target] = outs[role]
+        # erased here, not left to dead-code elimination, which keeps ops tagged nondeterministic (SDPA)
+        for name in reversed(lifted.footprint):
+            n = env[name]
+            if not n.users:
+                g.erase_node(n)
+        env.update(replaced)            # a later block reading a replaced value reads the fused output
     new = legalize_graph(new)
     new.graph.lint()
     new.recompile()
     return new
 
 
-def _to_4d(x: fx.Node) -> fx.Node:
-    r = len(shape(x))
-    if r == 3:
-        return call(x.graph, aten.unsqueeze.default, x, 1)
-    if r == 2:
-        return call(x.graph, aten.reshape.default, x, [1, 1, *shape(x)])
-    return x
+def _position(g):
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    return pos.__getitem__
 
 
-def _mask(g, nodes, m: Match, rank: int):
-    keep, add = None, None
-    for role, kind, factor in m.params["mask_terms"]:
-        t = nodes[m.inputs[role]]
-        if rank == 3 and len(shape(t)) == 3:
-            t = call(g, aten.unsqueeze.default, t, 1)
-        if kind == "bool":
-            keep = t if keep is None else call(g, aten.logical_and.default, keep, t)
-        else:
-            if factor != 1.0:
-                t = call(g, aten.mul.Tensor, t, factor)
-            add = t if add is None else call(g, aten.add.Tensor, add, t)
-    if keep is not None and add is not None:
-        return call(g, aten.where.ScalarOther, keep, add, float("-inf"))
-    return keep if keep is not None else add
+# ------------------------------------------------------------------------------------- verification
+
+def extract(gm: fx.GraphModule, names, outputs, inputs=()) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A GraphModule computing ``outputs`` from the nodes ``names`` of ``gm``; its placeholders are the
+    values flowing in, parameters and buffers included (``inputs`` first, in that order, then the others
+    as met). Returns it and the outside nodes, in placeholder order."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    inside = {nodes[n] for n in names}
+    g = fx.Graph()
+    env, external = {}, []
+
+    def bring(a):
+        if a not in env:
+            env[a] = g.placeholder(a.name)
+            env[a].meta = dict(a.meta)
+            external.append(a)
+
+    for name in inputs:
+        if nodes[name] not in inside:
+            bring(nodes[name])
+    for n in gm.graph.nodes:
+        if n not in inside:
+            continue
+        for a in n.all_input_nodes:
+            if a not in inside:
+                bring(a)
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[nodes[o]] for o in outputs))
+    return fx.GraphModule(gm, g), external
 
 
-def _adapt(g, x: fx.Node, like: fx.Node) -> fx.Node:
-    if shape(x) != shape(like):
-        x = call(g, aten.reshape.default, x, list(shape(like)))
-    if val(x).dtype != val(like).dtype:
-        x = call(g, aten._to_copy.default, x, dtype=val(like).dtype)
-    return x
+def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict):
+    """``(eager, fused, inputs)``: the block as captured (its footprint) and its fused replacement, two
+    GraphModules over the same placeholders (the captured nodes flowing in, listed in ``inputs``)."""
+    outs = [t for t, _ in lifted.targets.values()]
+    sub, external = extract(captured, lifted.footprint, outs, lifted.reads)
+    g = fx.Graph()
+    env = {}
+    for a in external:
+        env[a.name] = g.placeholder(a.name)
+        env[a.name].meta = dict(a.meta)
+    result = build(g, lifted, env, emit, kwargs)
+    g.output(tuple(result[role] for role in lifted.targets))
+    fused = fx.GraphModule(captured, g)
+    fused.graph.lint()
+    return sub, fused, external
 
 
-def _rewrite_attention(g: fx.Graph, nodes: dict, m: Match, op):
-    anchor, p = nodes[m.anchor], m.params
-    rank = len(p["q_shape"])
-    with g.inserting_before(anchor):
-        q, k, v = (_to_4d(nodes[m.inputs[r]]) for r in ("q", "k", "v"))
-        mask = _mask(g, nodes, m, rank)
-        fused = g.call_function(op, (q, k, v, mask),
-                                dict(scale=p["scale"], causal=p["causal"], return_probs=p["probs_used"]))
-        fused.meta["autofuse_match"] = m
-        out = g.call_function(operator.getitem, (fused, 0))
-        _set_val(out, anchor, 4)
-        out = _adapt(g, out, anchor)
-        probs = None
-        if p["probs_used"]:
-            pn = nodes[p["probs_node"]]
-            probs = g.call_function(operator.getitem, (fused, 1))
-            _set_val(probs, pn, 4)
-            probs = _adapt(g, probs, pn)
-    block = [nodes[name] for name in m.nodes]      # before the anchor's entry points at its replacement
-    anchor.replace_all_uses_with(out)
-    nodes[m.anchor] = out
-    if probs is not None:
-        pn.replace_all_uses_with(probs)
-        nodes[p["probs_node"]] = probs
-    # erased here, not left to dead-code elimination, which keeps ops tagged nondeterministic (SDPA)
-    for n in reversed(block):
-        if n.graph is g and not n.users and n.op == "call_function":
-            g.erase_node(n)
-
-
-def _set_val(node: fx.Node, like: fx.Node, rank: int):
-    """meta['val'] for the fused op's outputs: like's value viewed as rank-4 (the op's own layout)."""
-    v = val(like)
-    s = tuple(v.shape)
-    s = (s[0], 1, *s[1:]) if len(s) == 3 else ((1, 1, *s) if len(s) == 2 else s)
-    node.meta["val"] = v.new_empty(s)
+__all__ = ["Lifted", "NotLiftable", "build", "extract", "footprint", "fused_block", "lift", "origin", "rewrite"]

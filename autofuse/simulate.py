@@ -6,7 +6,7 @@ on the simulator with the node's real input data and its statistics are added up
 The graph's values are computed by torch for unfused nodes (the kernels' own outputs are checked
 against torch in the kernel tests; pass ``check=True`` to compare them here too) and by the simulator
 for fused ops (a repeated fused launch, whose statistics are reused, gets its values from the kernel's
-torch twin :func:`autofuse.ops.reference_flash_attention`).
+torch twin, ``autofuse.ops.REFERENCES[name]``, e.g. :func:`autofuse.ops.reference_flash_attention`).
 
 Kernel launches are independent: each starts with a cold L2 and ends with its outputs in HBM, so two
 launches of the same kernel on inputs of the same shapes, dtypes and parameters cost the same cycles.
@@ -164,13 +164,15 @@ class _Sim(fx.Interpreter):
     def _run(self, n):
         if n.op != "call_function":
             return super().run_node(n)
-        if n.target is torch.ops.autofuse.flash_attention.default:
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "autofuse":
+            name = n.target._opname
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            key = _sig("flash_attention", args, kwargs)
-            reused = self.memo and not self.check and key in self.fused_cache
+            key = _sig(name, args, kwargs)
+            twin = fused_ops.REFERENCES.get(name)
+            reused = self.memo and not self.check and key in self.fused_cache and twin is not None
             if reused:     # a repeat: the first launch's statistics, the values from the kernel's torch twin
                 log = self.fused_cache[key]
-                value = fused_ops.reference_flash_attention(*args, **kwargs)
+                value = twin(*args, **kwargs)
             else:
                 with fused_ops.recording() as log:
                     value = super().run_node(n)
@@ -178,7 +180,7 @@ class _Sim(fx.Interpreter):
             self.launches += len(log)
             cyc = sum(s.cycles for _, s in log)
             hbm = sum(s.hbm_bytes for _, s in log)
-            self.records.append(NodeCost(n.name, "autofuse.flash_attention", ("flash_attention",), cyc, hbm,
+            self.records.append(NodeCost(n.name, f"autofuse.{name}", tuple(k for k, _ in log) or (name,), cyc, hbm,
                                          log[0][1].bound if log else "", fused=True, reused=reused,
                                          workspace=max((s.workspace_bytes for _, s in log), default=0)))
             return value
@@ -243,11 +245,10 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
 
 
 def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto") -> SimulationResult:
-    """Simulate ``model`` unfused: captured and canonicalized like ``fuse()`` does, then run op by op."""
-    from autofuse.canonicalize import canonicalize
+    """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it."""
     from autofuse.capture import capture
     from autofuse.engine import _normalise_inputs
     args, kwargs = _normalise_inputs(example_inputs)
     captured = capture(model, args, kwargs, route=route)
-    gm = canonicalize(captured.graph_module)
-    return simulate_graph(gm, captured.flatten_inputs(*args, **kwargs), device, memo=memo, check=check)
+    return simulate_graph(captured.graph_module, captured.flatten_inputs(*args, **kwargs), device, memo=memo,
+                          check=check)

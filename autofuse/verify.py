@@ -1,19 +1,26 @@
-"""Verify a fusion before applying it: the fused kernel must reproduce the unfused subgraph.
+"""Verify a fusion before applying it: the fused call must reproduce the captured subgraph it replaces.
 
-For a candidate the verifier
+For a candidate the verifier (driven by :class:`autofuse.engine` through :func:`verify_block`)
 
-1. cuts the matched nodes out of the graph into a small GraphModule whose placeholders are the values
-   flowing in (q, k, v, masks, and anything else the block reads);
-2. obtains those values: from the example inputs, by running the full graph once in an interpreter, or,
-   when the model was captured on meta tensors, as random tensors of the recorded shapes (bool masks
-   random with every row keeping its first key, so no row is empty);
-3. runs the block eagerly in its own dtype and in float64 (casts inside the block are kept at float64),
-   and runs the rewritten block (the fused op) on the same values;
-4. accepts when ``|fused − ref64| ≤ 2·|eager − ref64| + floor(dtype)`` elementwise-max, i.e. the fused
-   kernel is at most twice as far from the exact answer as eager PyTorch is (plus one rounding of the
-   output dtype as a floor, so an exact eager result does not demand an exact fused one).
+1. takes the block as captured — its footprint (:func:`autofuse.rewrite.fused_block`), never the canonical
+   view — and its fused replacement, two GraphModules over the same inputs;
+2. gets input values: the example inputs' own values at those nodes (one run of the captured graph), or,
+   for a model planned on meta tensors, random values of the recorded shapes;
+3. derives adversarial inputs from the match's roles (:func:`adversarial`): a query row with every key
+   masked (bool masks all-False and all-True, additive masks of ``-inf`` and of the dtype's lowest
+   finite value), all-equal scores, magnitudes near the dtype's limit, NaN in one query row;
+4. runs the block eagerly in its own dtype and in float64 (casts inside the block kept at float64), and
+   the fused block, on each input set, and accepts when every output element passes :func:`compare`.
 
-Identical blocks (same shapes, dtypes, parameters, structure) are verified once.
+The bound (:func:`compare`): where eager's result is NaN or infinite, the fused result must be the same
+(NaN where eager has NaN, the same infinity), or, where the float64 reference is finite, finite and as
+close to it as allowed below (the fused kernel did not overflow where eager did). Where eager is finite,
+the fused result must be finite and ``|fused − ref64| ≤ 2·max|eager − ref64| + floor``: at most twice
+eager's own error on the same inputs, plus ``floor = ε(dtype)·max(1, max|ref64|)`` (one rounding of the
+output, ``ε`` the dtype's machine epsilon; 8ε for float32, whose kernel accumulates in float32 where eager
+may use a different summation order). No tolerance depends on one machine's figures.
+
+Identical blocks (same structure, shapes, dtypes, constants, kernel parameters) are verified once.
 """
 from __future__ import annotations
 
@@ -25,30 +32,12 @@ import torch.fx as fx
 
 from autofuse.graph import val
 
-FLOOR = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-12}
 
-
-def extract(gm: fx.GraphModule, names, outputs) -> tuple[fx.GraphModule, list[fx.Node]]:
-    """A GraphModule computing ``outputs`` from the nodes ``names``; returns it and the outside inputs."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    inside = {nodes[n] for n in names}
-    g = fx.Graph()
-    env, external = {}, []
-    for n in gm.graph.nodes:
-        if n not in inside:
-            continue
-        for a in n.all_input_nodes:
-            if a not in inside and a not in env:
-                if a.op == "get_attr":
-                    env[a] = g.get_attr(a.target)
-                else:
-                    env[a] = g.placeholder(a.name)
-                    env[a].meta = dict(a.meta)
-                    external.append(a)
-        env[n] = g.node_copy(n, lambda x: env[x])
-    g.output(tuple(env[nodes[o]] for o in outputs))
-    sub = fx.GraphModule(gm, g)
-    return sub, external
+def floor(dtype: torch.dtype) -> float:
+    """One rounding of an output of ``dtype`` near 1 (machine epsilon); 8 epsilons for float32, whose sums of
+    up to a few thousand terms in a different order differ from eager's by a few roundings."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return 8 * eps if dtype == torch.float32 else eps
 
 
 def _constant_key(t) -> tuple:
@@ -91,35 +80,147 @@ def random_like(node: fx.Node, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 2, v.shape, generator=gen).to(v.dtype)
 
 
-class _F64(fx.Interpreter):
-    """Runs a block in float64: float inputs promoted, float casts inside the block kept at float64."""
+_LOW = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _OnCPU(fx.Interpreter):
+    """Runs a block on the CPU: factory ops inside it (a causal mask built from ``arange``) that name another
+    device (``meta``, for a model planned without data) make their tensors on the CPU."""
 
     def call_function(self, target, args, kwargs):
-        if target is torch.ops.aten._to_copy.default and kwargs.get("dtype") in (torch.float16, torch.bfloat16,
-                                                                                 torch.float32):
-            kwargs = {**kwargs, "dtype": torch.float64}
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "cpu":
+            kwargs = {**kwargs, "device": torch.device("cpu")}
         return super().call_function(target, args, kwargs)
+
+
+class _F64(_OnCPU):
+    """Runs a block in float64: float inputs and constants promoted, every float dtype argument inside the block
+    (a cast, ``softmax(..., dtype=float32)``, a factory's dtype) made float64."""
+
+    def call_function(self, target, args, kwargs):
+        args, kwargs = torch.utils._pytree.tree_map(lambda a: torch.float64 if a in _LOW else a, (args, kwargs))
+        return super().call_function(target, args, kwargs)
+
+    def get_attr(self, target, args, kwargs):
+        return _f64(super().get_attr(target, args, kwargs))
 
 
 def _f64(x):
     return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
+def _kind(x: torch.Tensor) -> torch.Tensor:
+    """0 finite, 1 NaN, 2 +inf, 3 -inf."""
+    k = torch.zeros(x.shape, dtype=torch.int8)
+    k[torch.isnan(x)] = 1
+    k[torch.isposinf(x)] = 2
+    k[torch.isneginf(x)] = 3
+    return k
+
+
+def compare(eager: torch.Tensor, ref: torch.Tensor, fused: torch.Tensor) -> tuple[bool, float, float]:
+    """``(ok, worst error, tolerance)`` of one output (see the module docstring for the bound)."""
+    e, r, f = eager.double(), ref.double(), fused.double()
+    ke, kr, kf = _kind(e), _kind(r), _kind(f)
+    e_fin, r_fin = ke == 0, kr == 0
+    both = e_fin & r_fin
+    err_e = (e - r)[both].abs().max().item() if both.any() else 0.0
+    scale = r[r_fin].abs().max().item() if r_fin.any() else 1.0
+    tol = 2 * err_e + floor(eager.dtype) * max(1.0, scale)
+    same_special = (~e_fin) & (kf == ke)
+    closer = (~e_fin) & r_fin & (kf == 0)                # eager overflowed, the fused kernel did not
+    finite_ok = e_fin & (kf == 0)
+    check = finite_ok | closer
+    diff = torch.where(check & r_fin, (f - r).abs(), torch.zeros_like(f))
+    err = diff.max().item() if diff.numel() else 0.0
+    # eager finite but the reference not (eager rounded an overflow away): as close to eager is what we ask
+    odd = e_fin & ~r_fin & (kf == 0)
+    if odd.any():
+        err = max(err, (f - e)[odd].abs().max().item())
+    if not bool(torch.all(same_special | check)):
+        return False, float("inf"), tol
+    return err <= tol, err, tol
+
+
 def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list) -> tuple[bool, float, float]:
     """(ok, error, tolerance) of the fused block against eager and float64 on ``inputs``."""
     with torch.no_grad():
-        eager = sub(*inputs)
+        eager = _OnCPU(sub).run(*inputs)
         ref = _F64(sub).run(*[_f64(x) for x in inputs])
-        fused = fused_sub(*inputs)
+        fused = _OnCPU(fused_sub).run(*inputs)
     worst_err, worst_tol, ok = 0.0, 0.0, True
     for e, r, f in zip(eager, ref, fused):
-        r = r.double()
-        finite = torch.isfinite(r)
-        if not torch.equal(finite, torch.isfinite(f.double())):
-            return False, float("inf"), 0.0
-        err_f = (f.double() - r)[finite].abs().max().item() if finite.any() else 0.0
-        err_e = (e.double() - r)[finite].abs().max().item() if finite.any() else 0.0
-        tol = 2 * err_e + FLOOR.get(e.dtype, 1e-6) * max(1.0, r[finite].abs().max().item() if finite.any() else 1)
-        ok = ok and err_f <= tol
-        worst_err, worst_tol = max(worst_err, err_f), max(worst_tol, tol)
+        o, err, tol = compare(e, r, f)
+        ok = ok and o
+        worst_err, worst_tol = max(worst_err, err), max(worst_tol, tol)
     return ok, worst_err, worst_tol
+
+
+# ---------------------------------------------------------------------------------------- adversarial
+
+def _row(t: torch.Tensor, index=0):
+    """The second-to-last-dim slice ``index`` (a query row of q or of a mask, a key of k) as an index tuple."""
+    return (..., index, slice(None)) if t.dim() >= 2 else (slice(None),)
+
+
+def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
+    """Input sets derived from ``inputs`` by role (``roles``: role -> positions in ``inputs`` of the values
+    that role is computed from): ``[(label, inputs), ...]``."""
+    out = []
+
+    def variant(label, pos, fn):
+        xs = list(inputs)
+        t = xs[pos]
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return
+        t = t.clone()
+        fn(t)
+        xs[pos] = t
+        out.append((label, xs))
+
+    masks = [p for r, ps in roles.items() if r.startswith("mask") for p in ps]
+    for p in masks:
+        t = inputs[p]
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype == torch.bool:
+            variant("a query row with every key masked (mask row all False)", p, lambda x: x[_row(x)].fill_(False))
+            variant("a query row with every key masked (mask row all True)", p, lambda x: x[_row(x)].fill_(True))
+        elif t.is_floating_point():
+            low = torch.finfo(t.dtype).min
+            variant("a query row masked with -inf", p, lambda x: x[_row(x)].fill_(float("-inf")))
+            variant(f"a query row masked with {low:g}", p, lambda x, low=low: x[_row(x)].fill_(low))
+    for p in roles.get("q", ()):
+        t = inputs[p]
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            continue
+        big = torch.finfo(t.dtype).max ** 0.5 / 4
+        variant("all-equal scores (q = 0)", p, lambda x: x.zero_())
+        variant(f"magnitudes near the dtype's limit (q, k ~ {big:.3g})", p, lambda x, b=big: x.mul_(b))
+        variant("NaN in one query row", p, lambda x: x[_row(x)].fill_(float("nan")))
+    for p in roles.get("k", ()):
+        t = inputs[p]
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            big = torch.finfo(t.dtype).max ** 0.5 / 4
+            variant("magnitudes near the dtype's limit (k)", p, lambda x, b=big: x.mul_(b))
+    # no NaN in a key or a value: eager spreads it to every row through masked entries (NaN + mask, 0 * NaN)
+    # or not (a masked_fill removes it), by spelling; a kernel that skips masked tiles cannot follow both
+    return out
+
+
+def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict
+                 ) -> tuple[bool, float, float, str]:
+    """Check on the given inputs, then on each adversarial set; the first failure ends it.
+    Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
+    ok, err, tol = check(sub, fused_sub, inputs)
+    if not ok:
+        return ok, err, tol, "the example inputs"
+    for label, xs in adversarial(inputs, roles):
+        o, e, t = check(sub, fused_sub, xs)
+        if not o:
+            return o, e, t, label
+        err, tol = max(err, e), max(tol, t)
+    return True, err, tol, ""
+
+
+__all__ = ["adversarial", "check", "compare", "floor", "random_like", "structure_key", "verify_block"]

@@ -33,6 +33,7 @@ description, for tests and examples.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,8 @@ from autofuse.match import Match, register
 
 aten = torch.ops.aten
 
-NEG_FILL = -1e4  # a fill at or below this is "masked": exp(fill - rowmax) underflows to 0 in fp32
+NEG_FILL = -1e4  # a finite fill at or below this is "masked": exp(fill - rowmax) underflows to 0 in fp32
+ABSORBING_FILL = -1e30  # a fill this low absorbs any finite fp32 score added to it: s + fill == fill
 MAX_PROOF_NUMEL = 1 << 24  # largest constant mask evaluated to prove causality
 
 # Ops allowed between the QK matmul and softmax, and what each contributes.
@@ -62,43 +64,89 @@ KV_VIEWS = {aten.repeat_interleave.self_int: "gqa"}  # looked through on k and v
 class _Scores:
     qk: fx.Node
     scale: float
-    masks: list  # (node, kind, factor at softmax input)
+    masks: list  # (node, kind, factor at softmax input, fill at softmax input or None)
     nodes: list
+    scale_tensor: fx.Node | None = None
+
+
+class _Below:
+    """The ops met so far between a point of the score chain and the softmax (walking up): a fill written
+    at that point reaches the softmax through them, so its value there is computed by applying them."""
+
+    def __init__(self):
+        self.ops, self.factor, self.additive, self.tensor_scale = [], 1.0, False, False
+
+    def copy(self):
+        b = _Below()
+        b.ops, b.factor, b.additive, b.tensor_scale = list(self.ops), self.factor, self.additive, self.tensor_scale
+        return b
+
+    def fill_at_softmax(self, fill: float, dtype: torch.dtype) -> float:
+        """``fill`` as the softmax sees it: scaled and cast as eager would (a float32 ``finfo.min`` cast to
+        float16 is ``-inf``)."""
+        t = torch.tensor(fill, dtype=dtype)
+        for kind, arg_ in reversed(self.ops):
+            t = t * arg_ if kind == "scale" else t.to(arg_)
+        return float(t)
 
 
 def _is_cast(n):
     return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and len(n.args) == 1
 
 
-def _walk_scores(x, after: float) -> _Scores | None:
-    """Walk from the softmax input up to the QK matmul; ``after`` = product of scalar muls below x."""
-    nodes, masks, scale = [], [], 1.0
+def _zero_dim_factor(x):
+    """The one-element tensor operand of ``mul(scores, t)`` (a learnable temperature, a scale buffer), or None."""
+    t = x.args[1]
+    if not isinstance(t, fx.Node) or val(t) is None or not val(t).is_floating_point() or val(t).numel() != 1:
+        return None
+    return t if shape(x) == shape(x.args[0]) else None
+
+
+def _walk_scores(x, below: _Below) -> _Scores | None:
+    """Walk from the softmax input up to the QK matmul; ``below`` holds the ops between x and the softmax."""
+    nodes, masks, scale, st = [], [], 1.0, None
     while True:
         if is_call(x, aten.matmul.default):
-            return _Scores(x, scale, masks, nodes)
+            return _Scores(x, scale, masks, nodes, st)
         if _is_cast(x):
             nodes.append(x)
+            below.ops.append(("cast", x.kwargs.get("dtype")))
             x = x.args[0]
         elif is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and not x.kwargs:
             nodes.append(x)
             scale *= x.args[1]
-            after *= x.args[1]
+            below.factor *= x.args[1]
+            below.ops.append(("scale", x.args[1]))
+            x = x.args[0]
+        elif is_call(x, aten.mul.Tensor) and not x.kwargs and _zero_dim_factor(x) is not None and st is None:
+            st = x.args[1]              # a live 0-d factor: read by the fused op at call time
+            nodes.append(x)
+            below.tensor_scale = True
             x = x.args[0]
         elif is_call(x, aten.where.ScalarOther):
             keep, y, fill = x.args
-            if not (after > 0 and fill * after <= NEG_FILL) or val(keep).dtype != torch.bool:
-                return None
+            if val(keep).dtype != torch.bool or below.tensor_scale or not is_number(fill):
+                return None             # a mask scaled by a runtime factor has no fixed meaning here
+            f = below.fill_at_softmax(fill, val(x).dtype)
+            if not (f == -math.inf or f <= NEG_FILL) or math.isnan(f):
+                return None             # a fill that does not mask is not a mask
+            if f != -math.inf and below.additive:
+                return None             # fill + an additive mask below it: no single fill describes it
             nodes.append(x)
-            masks.append((keep, "bool", after))
+            masks.append((keep, "bool", below.factor, f))
             x = y
         elif is_call(x, aten.add.Tensor) and not x.kwargs and all(isinstance(a, fx.Node) for a in x.args):
+            if below.tensor_scale:
+                return None
             for chain, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
                 if not val(m).is_floating_point() or shape(x) != shape(chain):
                     continue
-                rest = _walk_scores(chain, after)
+                b = below.copy()
+                b.additive = True
+                rest = _walk_scores(chain, b)
                 if rest is not None:
-                    return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", after)] + rest.masks,
-                                   nodes + [x] + rest.nodes)
+                    return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
+                                   + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor)
             return None
         else:
             return None
@@ -125,19 +173,24 @@ def _match_softmax(sm: fx.Node) -> Match | None:
     rank = len(shape(sm))
     if _layout(rank) is None:
         return None
-    # downstream: [cast]* -> matmul(P, v)
-    pchain, cur, pv = [sm], sm, None
+    # downstream: [cast | dropout]* -> matmul(P, v)
+    pchain, cur, pv, dropout_p = [sm], sm, None, 0.0
     while pv is None:
         mms = [u for u in cur.users if is_call(u, aten.matmul.default) and u.args[0] is cur]
         casts = [u for u in cur.users if u.target in PROB_OPS and _is_cast(u)]
+        drop = _dropout_after(cur)
         if len(mms) == 1:
             pv = mms[0]
         elif not mms and len(casts) == 1:
             cur = casts[0]
             pchain.append(cur)
+        elif not mms and not casts and drop is not None:   # training-mode dropout: the planner decides
+            p, nodes = drop
+            dropout_p, cur = max(dropout_p, p), nodes[-1]
+            pchain += nodes
         else:
             return None
-    sc = _walk_scores(sm.args[0], 1.0)
+    sc = _walk_scores(sm.args[0], _Below())
     if sc is None:
         return None
     a, b = sc.qk.args
@@ -158,8 +211,26 @@ def _match_softmax(sm: fx.Node) -> Match | None:
         return None  # scores consumed outside the block, or probabilities at two points
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
     inputs = {"q": q.name, "k": k.name, "v": v.name}
+    if sc.scale_tensor is not None:
+        inputs["scale_tensor"] = sc.scale_tensor.name
+    empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None)
+                   probs[0] if probs else None, empty, dropout_p)
+
+
+def _dropout_after(x):
+    """``(p, nodes)`` if x's only use is a training-mode dropout (``native_dropout(x, p, True)[0]`` or
+    ``dropout(x, p, True)``); ``nodes`` ends with the dropped-out value. Else None."""
+    if len(x.users) != 1:
+        return None
+    (d,) = x.users
+    if is_call(d, aten.native_dropout.default) and arg(d, 2, "train"):
+        outs = [u for u in d.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(outs) == 1 and all(u.args[1] in (0, 1) for u in d.users):
+            return float(arg(d, 1, "p")), [d, outs[0]]
+    if is_call(d, aten.dropout.default) and arg(d, 2, "train"):
+        return float(arg(d, 1, "p")), [d]
+    return None
 
 
 def _match_sdpa(n: fx.Node) -> Match | None:
@@ -167,8 +238,8 @@ def _match_sdpa(n: fx.Node) -> Match | None:
     mask, dropout_p = arg(n, 3, "attn_mask"), arg(n, 4, "dropout_p", 0.0)
     causal, scale, gqa = arg(n, 5, "is_causal", False), n.kwargs.get("scale"), n.kwargs.get("enable_gqa", False)
     rank = len(shape(q))
-    if dropout_p or _layout(rank) is None or any(len(shape(t)) != rank for t in (k, v)):
-        return None  # SDPA applies dropout_p regardless of training mode: not fusible as eval attention
+    if _layout(rank) is None or any(len(shape(t)) != rank for t in (k, v)):
+        return None
     rep = shape(q)[-3] // shape(k)[-3] if (gqa and rank == 4) else 1
     views = []
     if rep == 1:
@@ -176,71 +247,119 @@ def _match_sdpa(n: fx.Node) -> Match | None:
     scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else scale
     masks = []
     if mask is not None:
-        masks.append((mask, "bool" if val(mask).dtype == torch.bool else "additive", 1.0))
+        is_bool = val(mask).dtype == torch.bool
+        masks.append((mask, "bool" if is_bool else "additive", 1.0, -math.inf if is_bool else None))
     core = {n} | {x for x in views if _exclusive(x, {n} | set(views))}
-    return _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None)
+    # SDPA applies dropout_p whatever the module's mode: a nonzero p is random in eval too
+    return _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None,
+                   "zero", float(dropout_p or 0.0))
 
 
-def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs) -> Match:
-    terms = []
+def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p) -> Match:
     qs, ks = shape(q), shape(k)
-    for m, kind, factor in masks:
-        proven = prove_mask(m, kind, factor, qs[-2], ks[-2])
+    guards, terms, causal_fill = [], [], -math.inf
+    for m, kind, factor, fill in masks:
+        proven, value = prove_mask(m, kind, factor, qs[-2], ks[-2], guards)
         if proven == "causal":
-            causal = True
+            causal, causal_fill = True, fill if kind == "bool" else value
         elif proven != "none":
-            terms.append((m, kind, factor))
-    for i, (m, kind, factor) in enumerate(terms):
-        inputs["mask" if i == 0 else f"mask_{i}"] = m.name
-    kinds = {kind for _, kind, _ in terms}
+            terms.append((m, kind, factor, fill))
+    fills = {f for _, kind, _, f in terms if kind == "bool"}
+    if causal and causal_fill != -math.inf:
+        fills.add(causal_fill)
+    if len(fills) > 1:
+        return _unsupported(inputs, core, anchor, q, "masks with different fill values")
+    fill = fills.pop() if fills else -math.inf
+    kinds = {kind for _, kind, _, _ in terms}
+    if fill != -math.inf and kinds == {"bool", "additive"}:
+        return _unsupported(inputs, core, anchor, q, "a finite-fill bool mask combined with an additive mask")
+    if causal and fill != -math.inf and (terms or fill > ABSORBING_FILL):
+        # the kernel skips tiles above the diagonal; with a finite fill that is exact only when every row keeps
+        # a key and the fill absorbs what is added to it: otherwise the causal mask stays an explicit mask
+        causal = False
+        tril = _constant_causal(anchor, qs[-2], ks[-2])
+        terms.append((tril, "bool", 1.0, fill))
+    for i, (m, kind, factor, _) in enumerate(terms):
+        inputs["mask" if i == 0 else f"mask_{i}"] = m.name if isinstance(m, fx.Node) else m
+    kinds = {kind for _, kind, _, _ in terms}
     mask_kind = None if not kinds else ("bool" if kinds == {"bool"} else "additive")
     rank = len(qs)
     heads = qs[-3] if rank == 4 else 1
     order = [x.name for x in anchor.graph.nodes if x in core]
     params = dict(
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
-        mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f) in enumerate(terms)),
-        num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank), dropout_p=0.0,
+        mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
+        fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
+        num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
         dtype=val(q).dtype, q_shape=qs, k_shape=ks, v_shape=shape(v), out_shape=shape(anchor),
+        guards=tuple(guards), out_like=val(anchor), probs_like=val(probs) if probs is not None else None,
     )
-    return Match("attention", tuple(order), anchor.name, inputs, params)
+    outputs = {"out": anchor.name}
+    if probs is not None:
+        outputs["probs"] = probs.name
+    return Match("attention", tuple(order), anchor.name, inputs, params, outputs)
 
 
-def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int) -> str | None:
-    """"causal" / "none" if the constant mask equals SDPA's causal mask / masks nothing, else None.
+def _unsupported(inputs, core, anchor, q, why) -> Match:
+    order = [x.name for x in anchor.graph.nodes if x in core]
+    return Match("attention", tuple(order), anchor.name, dict(inputs),
+                 dict(unsupported=why, dtype=val(q).dtype, q_shape=shape(q), guards=()), {"out": anchor.name})
 
-    The mask's ancestors must be graph constants (factory ops, real buffers): they are evaluated on
-    CPU for the captured shapes. Anything depending on an input or a meta tensor is not provable."""
+
+def _constant_causal(anchor, sq, skv) -> str:
+    """A causal keep-mask as a constant the rewrite builds (``Match.inputs`` value ``"const:tril:Sq:Skv"``)."""
+    return f"const:tril:{sq}:{skv}"
+
+
+def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int, guards: list) -> tuple:
+    """``("causal", masked value)`` / ``("none", None)`` if the constant mask equals SDPA's causal mask /
+    masks nothing, else ``(None, None)``. For an additive mask the masked value is the one value every
+    masked entry takes, times ``factor``; it proves causality only when it is ``-inf`` or absorbs any
+    finite score added to it (``<= ABSORBING_FILL``), so the kernel's causal skip is exact.
+
+    The mask's ancestors must be graph constants (factory ops) or the user's buffers, read now: they are
+    evaluated on CPU for the captured shapes; each buffer read is appended to ``guards`` (the plan is valid
+    while it keeps its identity and version). Anything depending on an input or a meta tensor is not
+    provable."""
     key = (m, kind, factor, sq, skv)
     if key not in _PROOFS:         # layers share one mask node: evaluate it once per search
-        _PROOFS[key] = _prove(m, kind, factor, sq, skv)
-    return _PROOFS[key]
+        reads: list = []
+        _PROOFS[key] = (_prove(m, kind, factor, sq, skv, reads), tuple(reads))
+    result, reads = _PROOFS[key]
+    if result[0] is not None:
+        guards.extend(r for r in reads if r not in guards)
+    return result
 
 
 _PROOFS: dict = {}
 
 
-def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int) -> str | None:
+def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list) -> tuple:
     try:
-        t = evaluate_constant(m, max_numel=MAX_PROOF_NUMEL)
+        with torch.no_grad():
+            t = evaluate_constant(m, max_numel=MAX_PROOF_NUMEL, state=reads)
     except Exception:  # noqa: BLE001 - "not provable" is the answer for anything we cannot evaluate
-        return None
+        return None, None
     if t is None:
-        return None
+        return None, None
     t = t.broadcast_to(*t.shape[:-2], sq, skv) if t.dim() >= 2 else t.broadcast_to(sq, skv)
     tril = torch.ones(sq, skv, dtype=torch.bool).tril()
-    keep = t if kind == "bool" else None
+    keep, value = t, None
     if kind == "additive":
         s = t.double() * factor
-        if not torch.all((s == 0) | (s <= NEG_FILL)):
-            return None
+        if torch.all(s == 0):
+            return "none", None
+        masked = s[s != 0]
+        value = float(masked.flatten()[0])
+        if not (torch.all(masked == value) and (value == -math.inf or value <= ABSORBING_FILL)):
+            return None, None
         keep = s == 0
     if torch.all(keep):
-        return "none"
+        return "none", None
     if torch.equal(keep, tril.expand_as(keep)):
-        return "causal"
-    return None
+        return "causal", value
+    return None, None
 
 
 @register("attention")

@@ -11,27 +11,50 @@ import torch
 
 @torch.library.custom_op("autofuse_test::attention_ref", mutates_args=())
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                  scale: float | None = None, causal: bool = False,
-                  return_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float | None = None, causal: bool = False, return_probs: bool = False,
+                  fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
+                  out_order: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if scale_tensor is not None:
+        s = s * float(scale_tensor)
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+        s = s.masked_fill(~mask, float("-inf") if fill is None else fill) if mask.dtype == torch.bool \
+            else s + mask.float()
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     p = torch.softmax(s, -1)
-    p = torch.where(torch.isinf(s).all(-1, keepdim=True) & (s < 0).all(-1, keepdim=True), 0.0, p)
-    out = p.to(v.dtype) @ v
-    return out.to(q.dtype), (p.to(q.dtype) if return_probs else q.new_empty(0))
+    if empty_rows == "zero":
+        p = torch.where(torch.isneginf(s).all(-1, keepdim=True), 0.0, p)
+    out = (p.to(v.dtype) @ v).to(q.dtype)
+    if out_order:
+        out = out.permute(*out_order).contiguous().permute(*[list(out_order).index(d) for d in range(4)])
+    return out, (p.to(q.dtype) if return_probs else q.new_empty(0))
 
 
 @attention_ref.register_fake
-def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False):
+def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
+      scale_tensor=None, out_order=None):
+    from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)
-    return q.new_empty(b, n, sq, v.shape[-1]), probs
+    return _empty_in_order(q, (b, n, sq, v.shape[-1]), out_order), probs
+
+
+def rewrite_with(captured, canonical, matches, op):
+    """``captured`` with each attention match replaced by a call of ``op`` (the engine's rewrite without the
+    planner)."""
+    import functools
+
+    from autofuse.fused import emit_attention
+    from autofuse.rewrite import lift, rewrite
+    can = {n.name: n for n in canonical.graph.nodes}
+    cap = {n.name: n for n in captured.graph.nodes}
+    order = {n.name: i for i, n in enumerate(captured.graph.nodes)}
+    lifts = [lift(m, can, cap, order) for m in matches]
+    return rewrite(captured, lifts, lambda m: functools.partial(emit_attention, op=op))
 
 
 def main_output(out):

@@ -24,7 +24,7 @@ class Block(nn.Module):
 
 @pytest.mark.parametrize("route", ["export", "symbolic_trace", "auto"])
 def test_routes_share_one_form_and_run(route):
-    model = Block().train()  # capture must use eval semantics and restore the flag
+    model = Block().train()  # capture keeps the model's mode (dropout stays) and leaves its flags as they were
     x = torch.randn(2, 8, 16)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     cap = capture(model, (x,), route=route)
@@ -41,16 +41,23 @@ def test_routes_share_one_form_and_run(route):
     assert all(str(n.target).startswith(("aten.", "<built-in function getitem")) for n in gm.graph.nodes
                if n.op == "call_function")
     assert {n.target for n in gm.graph.nodes if n.op == "get_attr"} == {"proj.weight", "proj.bias", "bias"}
-    model.eval()
+    assert cap.training and any(n.target == torch.ops.aten.native_dropout.default for n in gm.graph.nodes)
+    torch.manual_seed(0)
     want = model(x)
-    got = cap(x)
+    torch.manual_seed(0)
+    got = cap(x)             # the same dropout draws as eager: same seed, same values
     assert set(got) == {"out", "probs"}
     torch.testing.assert_close(got["out"], want["out"])
+    torch.manual_seed(0)
     torch.testing.assert_close(gm(x)[0], want["out"])  # direct call: flat leaves in, flat tuple out
+    model.eval()
+    ev = capture(model, (x,), route=route)
+    assert not ev.training and not any(n.target == torch.ops.aten.native_dropout.default for n in ev.graph_module.graph.nodes)
+    torch.testing.assert_close(ev(x)["out"], model(x)["out"])
 
 
 def test_parameters_are_shared_not_copied():
-    model = Block()
+    model = Block().eval()
     cap = capture(model, (torch.randn(2, 8, 16),))
     gm = cap.graph_module
     assert gm.get_parameter("proj.weight") is model.proj.weight

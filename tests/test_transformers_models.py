@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from autofuse.canonicalize import canonicalize  # noqa: E402
 from autofuse.capture import capture  # noqa: E402
-from autofuse.rewrite import rewrite  # noqa: E402
+from conftest import rewrite_with  # noqa: E402
 from patterns.attention import find_attention  # noqa: E402
 
 LAYERS = 2
@@ -64,7 +64,7 @@ def _check(model, ids, kw, ref_op, expect_causal, impl=None):
     assert len(matches) == LAYERS, [m.params for m in matches]
     if expect_causal is not None:
         assert all(m.params["causal"] == expect_causal for m in matches), [m.params for m in matches]
-    fused = rewrite(gm, matches, ref_op)
+    fused = rewrite_with(cap.graph_module, gm, matches, ref_op)
     assert not [n for n in fused.graph.nodes if n.target == torch.ops.aten.softmax.int]
     want = model(ids, **{**kw}).last_hidden_state
     got = cap.unflatten_outputs(fused(*cap.flatten_inputs(ids, **kw))).last_hidden_state
@@ -98,7 +98,7 @@ def test_output_attentions_reuses_probs(ref_op):
     gm = canonicalize(cap.graph_module)
     matches = find_attention(gm)
     assert len(matches) == LAYERS and all(m.params["probs_used"] for m in matches)
-    fused = rewrite(gm, matches, ref_op)
+    fused = rewrite_with(cap.graph_module, gm, matches, ref_op)
     want = model(ids, **kw)
     got = cap.unflatten_outputs(fused(*cap.flatten_inputs(ids, **kw)))
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-5, rtol=1e-4)

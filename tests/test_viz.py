@@ -22,7 +22,7 @@ def plan():
 def test_colours_follow_the_report(plan):
     fused, p, _, _ = plan
     (d,) = fused.report.applied
-    before = viz.colours(p.canonical, p.report)
+    before = viz.colours(p.captured.graph_module, p.report)
     assert all(before[n] == viz.APPLIED for n in d.nodes)
     after = viz.colours(p.graph_module)
     fused_nodes = [n for n, c in after.items() if c == viz.FUSED_OP]
@@ -35,7 +35,7 @@ def test_rejected_blocks_are_orange():
     model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=2, seq=8)
     fused = autofuse.AutoFusionEngine.fuse(model, (args, kwargs), optimization_level="O0")
     p = next(iter(fused.plans.values()))
-    col = viz.colours(p.canonical, p.report)
+    col = viz.colours(p.captured.graph_module, p.report)
     assert all(col[n] == viz.REJECTED for n in fused.report.rejected[0].nodes)
 
 

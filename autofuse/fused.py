@@ -1,0 +1,203 @@
+"""Fused calls: for each pattern family, the op it becomes, how that call is emitted and what it costs.
+
+A :class:`Family` ties a family's matches (``patterns/``) to its fused op (``torch.ops.autofuse.*``,
+:mod:`autofuse.ops`): ``emit(g, inputs, match, kwargs)`` inserts the call into an fx graph and returns its
+outputs by role, each with the value (shape, dtype) of the canonical node it replaces; ``price(match, nodes,
+device, search_tiling)`` is the cost model's price of that call (:class:`Price`). The rewrite
+(:mod:`autofuse.rewrite`) and the planner (:mod:`autofuse.plan`) read nothing else about a family.
+"""
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+import cost_model
+from autofuse import ops as _ops  # noqa: F401  (registers torch.ops.autofuse.*)
+from autofuse.graph import call, shape, val
+from cost_model.devices import get_device
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Price:
+    cycles: int = 0
+    hbm_bytes: int = 0
+    kernels: list = field(default_factory=list)
+    bound: str = ""
+    tiling: dict = field(default_factory=dict)
+    workspace: int = 0
+
+    def add(self, other: "Price") -> "Price":
+        return Price(self.cycles + other.cycles, self.hbm_bytes + other.hbm_bytes, self.kernels + other.kernels,
+                     self.bound or other.bound, self.tiling or other.tiling, max(self.workspace, other.workspace))
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    op: object                 # the OpOverload the family's call uses
+    kernel: str                # the simulator/cost-model kernel it runs
+    emit: Callable
+    price: Callable
+    op_kwargs: Callable        # (device, price, level) -> extra keywords of the call (device, tiling)
+
+
+def _spec(n: fx.Node):
+    v = n.meta.get("val")
+    return tuple(v.shape), str(v.dtype).replace("torch.", "")
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+def _as_bnsd(shape_):
+    shape_ = tuple(shape_)
+    return shape_ if len(shape_) == 4 else (1,) * (4 - len(shape_)) + shape_
+
+
+def attention_specs(nodes: dict, match) -> tuple[list, dict]:
+    """The fused kernel's input specs (q, k, v as [B, N, S, D]) and parameters, as the rewrite calls it."""
+    p = match.params
+    specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
+    specs = [(_as_bnsd(s), d) for s, d in specs]
+    params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
+    terms = p.get("mask_terms") or ()
+    if terms:
+        role = terms[0][0]
+        src = match.inputs[role]
+        if isinstance(src, str) and src.startswith("const:"):
+            sq, skv = (int(x) for x in src.split(":")[2:])
+            params["mask"] = ((sq, skv), "bool")
+        else:
+            s, d = _spec(nodes[src])
+            params["mask"] = (s, "bool" if p.get("mask_kind") == "bool" else d)
+    return specs, params
+
+
+def kernel_default_tiling(device: str, specs, mask) -> dict:
+    """The tiling the flash_attention kernel picks by itself for these shapes (what it runs with ``tiling=None``)."""
+    from autofuse.npu.kernels.flash_attention import default_tiling
+    (qs, dtype), (ks, _), (vs, _) = specs
+    mask_spec = None
+    if mask is not None:
+        m4 = _as_bnsd(mask[0])
+        mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
+    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3])
+
+
+def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    """The cost model's price of the fused kernel: with the tiling its search finds cheapest
+    (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2)."""
+    specs, params = attention_specs(nodes, match)
+    if not search_tiling:
+        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"))
+    e = cost_model.estimate("flash_attention", specs, device=device, **params)
+    return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
+                 e.workspace_bytes)
+
+
+def attention_kwargs(device: str, price: Price, level: str) -> dict:
+    tiling = price.tiling if level == "O3" else {}
+    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else ""}
+
+
+def _to_4d(x: fx.Node) -> fx.Node:
+    r = len(shape(x))
+    if r == 3:
+        return call(x.graph, aten.unsqueeze.default, x, 1)
+    if r == 2:
+        return call(x.graph, aten.reshape.default, x, [1, 1, *shape(x)])
+    return x
+
+
+def _mask(g, ins, m, rank: int):
+    """The one mask the kernel takes: bool terms AND-ed (True = attend); additive terms scaled by the factor
+    recorded at the softmax input and summed; with both kinds (fill -inf only) bool terms become ``-inf``."""
+    keep, add = None, None
+    for role, kind, factor in m.params["mask_terms"]:
+        t = ins[role]
+        if rank == 3 and len(shape(t)) == 3:
+            t = call(g, aten.unsqueeze.default, t, 1)
+        if kind == "bool":
+            keep = t if keep is None else call(g, aten.logical_and.default, keep, t)
+        else:
+            if factor != 1.0:
+                t = call(g, aten.mul.Tensor, t, factor)
+            add = t if add is None else call(g, aten.add.Tensor, add, t)
+    if keep is not None and add is not None:
+        return call(g, aten.where.ScalarOther, keep, add, float("-inf"))
+    return keep if keep is not None else add
+
+
+def _adapt(g, x: fx.Node, like) -> fx.Node:
+    if tuple(val(x).shape) != tuple(like.shape):
+        x = call(g, aten.reshape.default, x, list(like.shape))
+    if val(x).dtype != like.dtype:
+        x = call(g, aten._to_copy.default, x, dtype=like.dtype)
+    return x
+
+
+def _as_rank4(like):
+    s = tuple(like.shape)
+    s = (s[0], 1, *s[1:]) if len(s) == 3 else ((1, 1, *s) if len(s) == 2 else s)
+    return like.new_empty(s)
+
+
+def _physical_order(t) -> list:
+    """The dims of ``t`` from outermost to innermost in memory (largest stride first)."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
+    """``flash_attention(q, k, v, mask, ...)`` on [B, N, S, D] views of the inputs; outputs reshaped and cast
+    back to the values they replace (``m.params["out_like"]`` / ``"probs_like"``)."""
+    p = m.params
+    rank = len(p["q_shape"])
+    q, k, v = (_to_4d(ins[r]) for r in ("q", "k", "v"))
+    mask = _mask(g, ins, m, rank)
+    kw = dict(scale=p["scale"], causal=p["causal"], return_probs=p["probs_used"], **kwargs)
+    if p.get("fill") is not None:
+        kw["fill"] = p["fill"]
+    if p.get("empty_rows", "zero") != "zero":
+        kw["empty_rows"] = p["empty_rows"]
+    if "scale_tensor" in ins:
+        kw["scale_tensor"] = ins["scale_tensor"]
+    like = p["out_like"]
+    if like.dim() == 4 and not like.is_contiguous():
+        kw["out_order"] = _physical_order(like)
+    fused = g.call_function(op or torch.ops.autofuse.flash_attention.default, (q, k, v, mask), kw)
+    fused.meta["autofuse_match"] = m
+    out = g.call_function(operator.getitem, (fused, 0))
+    out.meta["val"] = like if like.dim() == 4 else _as_rank4(like)
+    outs = {"out": _adapt(g, out, p["out_like"])}
+    if p["probs_used"]:
+        probs = g.call_function(operator.getitem, (fused, 1))
+        probs.meta["val"] = _as_rank4(p["probs_like"])
+        outs["probs"] = _adapt(g, probs, p["probs_like"])
+    return outs
+
+
+ATTENTION = Family("attention", torch.ops.autofuse.flash_attention.default, "flash_attention", emit_attention,
+                   price_attention, attention_kwargs)
+
+FAMILIES = {"attention": ATTENTION}
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"no fused call for pattern family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def fused_ops() -> set:
+    """Every OpOverload a fused graph may call."""
+    return {f.op for f in FAMILIES.values()}
+
+
+__all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "fused_ops",
+           "kernel_default_tiling", "price_attention"]
