@@ -347,13 +347,6 @@ class _Grouped:
         slot = s % 2
         n, nb = self.n, self.nb
         wait = self.ends.get(("read", s - 2))
-        cregs = [None if it is None else (c, slot, 0, slice(0, it[2]), slice(0, it[4])) for c, it in enumerate(mine)]
-        end = np.zeros(n)
-        for h in range(nb):
-            e = g.store(acc[h], self.ws, [None if r is None else r[:2] + (h,) + r[3:] for r in cregs], active=act,
-                        deps=() if wait is None else (wait,), name="FixPipe product->GM")
-            end = np.maximum(end, e)
-        vg = self.vg
         half = ceil_div(self.t["m0"], 2)
         vmine, vregs, vws = [], [], []
         for c, it in enumerate(mine):
@@ -368,6 +361,18 @@ class _Grouped:
                 vmine.append((it[0], it[1] + r0, re, it[3], it[4]))
                 vregs.append((slice(it[1] + r0, it[1] + r0 + re), slice(it[3], it[3] + it[4])))
                 vws.append((c, slot, None, slice(r0, r0 + re), slice(0, it[4])))
+        # each half of the rows is written as the region its AIV reads (the L2 matches regions)
+        end = np.zeros(n)
+        for h in range(nb):
+            for hh in range(2):
+                regs = [None if r is None else r[:2] + (h,) + r[3:] for r in vws[hh::2]]
+                if all(r is None for r in regs):
+                    continue
+                e = g.store(acc[h], self.ws, regs, active=np.array([r is not None for r in regs]),
+                            deps=() if wait is None else (wait,), fn=_Rows(regs, hh * half),
+                            name="FixPipe product->GM")
+                end = np.maximum(end, np.where([r is not None for r in regs], e, 0.0))
+        vg = self.vg
         vactive = np.array([v is not None for v in vmine])
         vact = None if vactive.all() else vactive
         rend = np.zeros(2 * n)
@@ -391,6 +396,10 @@ class _Grouped:
         fn = _act_fn(self.act)
 
         def compute():
+            with np.errstate(over="ignore"):       # exp of the padding's large negatives: inf, harmless
+                epilogue()
+
+        def epilogue():
             if self.nb == 2:
                 r = fn(p32[0].data, p32[1].data)
             else:
@@ -403,6 +412,18 @@ class _Grouped:
         vg.vector(f"{self.act} epilogue", (tmp,), tuple(p32), rep * passes, active=act)
         vg.vector(f"cast->{od}", (U,), (tmp,), rep if od != "float32" else 0 * rep, active=act, compute=compute)
         vg.store(U, self.out, regs, active=act, name="store out")
+
+
+class _Rows:
+    """``fn`` for ``Group.store``: each present region takes the tile's rows from ``r0`` on (its extent);
+    called once per present region, in core order (the store's in-order path)."""
+
+    def __init__(self, regions, r0):
+        self.regions, self.r0 = iter([r for r in regions if r is not None]), r0
+
+    def __call__(self, block):
+        ext = [s.stop - s.start for s in next(self.regions) if isinstance(s, slice)]
+        return block[self.r0:self.r0 + ext[0], :ext[1]]
 
 
 # ------------------------------------------------------------------------------------------ per group
