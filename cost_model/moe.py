@@ -326,14 +326,15 @@ def estimate_moe_finalize_routing(dev, specs, skip=None, tiling=None):
 def estimate_index_add(dev, specs, alpha=1.0, tiling=None):
     xs, dtype = specs[0]
     N = math.prod(specs[1][0])
+    ib = itemsize(specs[1][1])
     V = xs[0]
     H = math.prod(xs[1:])
     isz = itemsize(dtype)
     if V * H == 0:
         return make("index_add", dev, 0.0, 0.0, {}, {}, None, 0.0)
     block = int((tiling or {}).get("block", 0)) or 64
-    hc = min(int((tiling or {}).get("cols", 0)) or _row_chunks(dev, H, dtype, [((pad(block, "int32"),), "int32")] * 2),
-             H)
+    hc = min(int((tiling or {}).get("cols", 0)) or
+             _row_chunks(dev, H, dtype, [((pad(block, specs[1][1]),), specs[1][1])] * 2), H)
     n = min(dev.vector_cores, max(V, N))
     nch = ceil_div(H, hc)
     core = 0.0
@@ -348,10 +349,10 @@ def estimate_index_add(dev, specs, alpha=1.0, tiling=None):
         busy["mte2"] += l1 + l2
         busy["mte3"] += s1 + s2
     if N:
-        core += ceil_div(ceil_div(N, n), block) * max(block * 4 / dev.rates["GM->UB"],
-                                                      min(n, N) * block * 4 / dev.hbm_bytes_per_cycle)
-    hbm = 2 * V * H * isz + 2 * N * H * isz + N * 4
-    nbytes = {"GM->UB": V * H * isz + N * H * isz + N * 4, "UB->GM": V * H * isz + N * H * isz}
+        core += ceil_div(ceil_div(N, n), block) * max(block * ib / dev.rates["GM->UB"],
+                                                      min(n, N) * block * ib / dev.hbm_bytes_per_cycle)
+    hbm = 2 * V * H * isz + 2 * N * H * isz + N * ib
+    nbytes = {"GM->UB": V * H * isz + N * H * isz + N * ib, "UB->GM": V * H * isz + N * H * isz}
     return make("index_add", dev, core, hbm, nbytes, busy, {"block": block, "cols": hc},
                 (2 * V * H + 2 * N * H) * isz / dev.hbm_bytes_per_cycle)
 

@@ -65,8 +65,8 @@ def row_cols(device, H, dtype, fixed_specs, rows=RING):
     return cblk * top
 
 
-def _check_index(what, t):
-    if t.dtype not in _INDEX:
+def _check_index(what, t, allowed=_INDEX):
+    if t.dtype not in allowed:
         raise TypeError(f"{what} is {t.dtype}; the kernel takes int32 indices (convert int64 with .int())")
 
 
@@ -342,7 +342,7 @@ class _AtomicAdd:
 def index_add(launch, x, index, src, alpha=1.0, tiling=None):
     """``x.index_add(0, index, src, alpha=alpha)``: rows of src added to the rows of x that index names."""
     check_dtype("index_add", "x", x)
-    _check_index("index_add: index", index)
+    _check_index("index_add: index", index, ("int32", "int64"))
     if src.dtype != x.dtype:
         raise TypeError(f"index_add: src is {src.dtype}, x is {x.dtype}; cast src first")
     if x.data.ndim < 1 or src.shape[1:] != x.shape[1:] or index.data.size != (src.shape[0] if src.data.ndim else 1):
@@ -364,11 +364,11 @@ def index_add(launch, x, index, src, alpha=1.0, tiling=None):
     sv = view(src, (N, H))
     block = int((tiling or {}).get("block", 0)) or 64
     hc = min(int((tiling or {}).get("cols", 0)) or
-             row_cols(dev, H, dtype, [((pad(block, "int32"),), "int32")] * 2), H)
+             row_cols(dev, H, dtype, [((pad(block, index.dtype),), index.dtype)] * 2), H)
     n = min(dev.vector_cores, max(V, N))
     g = launch.group("aiv", n)
     cblk = block_elems(dtype)
-    Idx = [g.alloc("UB", (pad(block, "int32"),), "int32", f"idx{i}") for i in range(2)]
+    Idx = [g.alloc("UB", (pad(block, index.dtype),), index.dtype, f"idx{i}") for i in range(2)]
     Rows = [g.alloc("UB", (1, round_up(hc, cblk)), dtype, f"row{i}") for i in range(RING)]
     # phase 1: out = x, rows streamed through the ring
     r = 0
