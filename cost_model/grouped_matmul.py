@@ -148,7 +148,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     B_miss = np.bincount(step, b_b * ~b_hit, S)
     pa = np.where(A_hit[step] > 0, A_hit[step] / L2bw, 0) + np.where(~a_hit, A_miss[step] / HBMbw, 0)
     pb = np.where(B_hit[step] > 0, B_hit[step] / L2bw, 0) + np.where(~b_hit | (B_miss[step] > 0) & b_hit
-                                                                     & _same_step_miss(its, step, S), B_miss[step] / HBMbw, 0)
+                                                                     & _same_step_miss(g, mi, ni, step), B_miss[step] / HBMbw, 0)
     bias_b = nb * n * 4 if bias else 0.0
     mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)
     mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
@@ -166,7 +166,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
         aiv = np.zeros_like(m)
     else:
         rows = np.ceil(m / 2) if split else m
-        rep = np.ceil(rows * np.vectorize(lambda v: _pad(int(v), "float32"))(n) / 64)
+        rep = np.ceil(rows * (np.ceil(n / 8) * 8) / 64)            # fp32 rows padded to 32 B
         vec = rep * (passes + (1 if out_dtype != "float32" else 0))
         if split:
             ws_b = nb * m * n * 4
@@ -218,13 +218,12 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     return core_t, hbm, nbytes, busy, P
 
 
-def _same_step_miss(its, step, S):
-    """Whether a B-hit item shares its step with the item that misses its block (it then waits for it)."""
-    first = {}
-    for i, it in enumerate(its):
-        if it[5] == 0:
-            first[(it[0], it[6])] = step[i]
-    return np.array([first.get((it[0], it[6]), -1) == step[i] for i, it in enumerate(its)])
+def _same_step_miss(g, mi, ni, step):
+    """Whether an item shares its step with the item that misses its B block (it then waits for it)."""
+    key = g * (int(ni.max()) + 1) + ni
+    first = np.full(int(key.max()) + 1, -1)
+    first[key[mi == 0]] = step[mi == 0]
+    return first[key] == step
 
 
 def _dims(x, w, trans_w, activation):
@@ -242,10 +241,10 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes):
     dev = get_device(device)
     nb = 2 if activation == "swiglu" else 1
     default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias)
-    cands = [default]
-    for m0 in (128, 64, 32, 16):
-        for n0 in (256, 128, 64):
-            for k0 in (128, 64):
+    cands = [default]             # and row blocks for short groups, column blocks for narrow outputs
+    for m0 in (64, 16):
+        for n0 in (256, 64):
+            for k0 in (128,):
                 t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
                 t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
                 if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias):
