@@ -324,6 +324,9 @@ def gather(launch, table, indices, tiling=None):
     trailing dims), int32 ``indices`` of any shape."""
     if table.data.ndim < 2:
         raise ValueError(f"gather: table must be [V, ...] with at least 2 dims, got shape {list(table.shape)}")
+    if indices.dtype not in _INDEX:
+        raise TypeError(f"gather: indices are {indices.dtype}; the kernel takes int32 indices "
+                        f"(convert int64 token ids with .int())")
     row_shape = tuple(table.shape[1:])
     table = view(table, (table.shape[0], math.prod(row_shape)))      # rows of the trailing dims, contiguous
     V, H = table.shape
