@@ -268,9 +268,50 @@ def lower(node: fx.Node) -> Program:
     if t == aten.cat.default:
         dim = node.args[1] if len(node.args) > 1 else 0
         return Program([Step("cat", tuple(Arg(ins.index(a)) for a in node.args[0]), {"dim": dim})], ins)
+    moe = _lower_moe(node, t, ins)
+    if moe is not None:
+        return moe
     if t in _FACTORY_OPS and not ins:
         return Program([Step("generic", ())], [])
     return Program([Step("generic", tuple(Arg(i) for i in range(len(ins))))], ins)
+
+
+def _grouped_mm_fallback():
+    """``torch.ops.transformers.grouped_mm_fallback`` when transformers has registered it, else None."""
+    ns = getattr(torch.ops, "transformers", None)
+    try:
+        return ns.grouped_mm_fallback.default if ns is not None else None
+    except AttributeError:
+        return None
+
+
+def _lower_moe(node, t, ins):
+    """Ops of eager MoE blocks that have kernels of their own: topk (last dim), row gathers (index_select /
+    index on dim 0), row scatter-adds (index_add on dim 0) and transformers' grouped_mm_fallback (one matmul
+    launch per expert, as it runs without a grouped GEMM). None: not one of them."""
+    a = node.args
+    if t == aten.topk.default:
+        x = _meta(a[0])
+        dim = a[2] if len(a) > 2 else node.kwargs.get("dim", -1)
+        largest = a[3] if len(a) > 3 else node.kwargs.get("largest", True)
+        if x is not None and x.dim() >= 1 and dim % x.dim() == x.dim() - 1:
+            return Program([Step("topk", (Arg(0),), {"k": int(a[1]), "largest": bool(largest)})], ins[:1])
+    if t == aten.index_select.default and a[1] % max(_meta(a[0]).dim(), 1) == 0 and _meta(a[0]).dim() >= 2:
+        return Program([Step("gather", (Arg(0), Arg(1)))], [a[0], a[2]])
+    if t == aten.index.Tensor and len(a[1]) == 1 and isinstance(a[1][0], fx.Node) and _meta(a[0]).dim() >= 2 \
+            and _meta(a[1][0]).dtype in (torch.int64, torch.int32):
+        return Program([Step("gather", (Arg(0), Arg(1)))], [a[0], a[1][0]])
+    if t == aten.index_add.default and a[1] % max(_meta(a[0]).dim(), 1) == 0:
+        alpha = node.kwargs.get("alpha", a[4] if len(a) > 4 else 1)
+        return Program([Step("index_add", (Arg(0), Arg(1), Arg(2)), {"alpha": float(alpha)})], [a[0], a[2], a[3]])
+    if t is not None and t == _grouped_mm_fallback():
+        w, trans = a[1], False
+        if (w.op == "call_function" and w.target == aten.transpose.int and _meta(w.args[0]).is_contiguous()
+                and sorted(d % 3 for d in w.args[1:3]) == [1, 2]):
+            w, trans = w.args[0], True
+        return Program([Step("matmul_per_group", (Arg(0), Arg(1), Arg(2)),
+                             {"trans_w": trans, "group_list_type": "cumsum"})], [a[0], w, a[2]])
+    return None
 
 
 def _broadcast(*shapes):

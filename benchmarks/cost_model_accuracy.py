@@ -33,6 +33,7 @@ class Case:
     device: str
     params: dict = field(default_factory=dict)
     tensor_params: dict = field(default_factory=dict)   # name -> (shape, dtype): passed as arrays to npu.run
+    values: dict = field(default_factory=dict)          # input position -> the array to simulate with
 
     def label(self) -> str:
         ins = " ".join("-" if x is None else f"{list(x[0])}{x[1][:1]}{x[1][-2:]}" for x in self.inputs)
@@ -57,8 +58,9 @@ def simulate(case: Case, tiling=None):
     from autofuse import npu
     rng = np.random.default_rng(0)
     high = case.inputs[0][0][0] if case.kernel == "gather" else None
-    xs = [None if x is None else _array(x[0], x[1], rng, high) for x in case.inputs]
-    params = dict(case.params)
+    xs = [None if x is None else case.values[i] if i in case.values else _array(x[0], x[1], rng, high)
+          for i, x in enumerate(case.inputs)]
+    params = {k: v for k, v in case.params.items() if k != "group_sizes"}     # the kernel reads the group list
     for k, (shape, dtype) in case.tensor_params.items():
         params[k] = _array(shape, dtype, rng)
     if tiling is not None:
@@ -238,8 +240,82 @@ def _fa_cases(quick: bool):
     return out
 
 
+def _distinct_logits(T, E, dtype, rng):
+    """Router logits without ties (every row a permutation of E exactly representable values): the model
+    prices the tie-free kernel; tied rows cost Scalar cycles only the data decides."""
+    import torch
+    x = np.argsort(rng.random((T, E)), axis=1).astype(np.float32) * (4.0 / E) - 2.0
+    return torch.from_numpy(x).to(getattr(torch, dtype))
+
+
+def _moe_cases(quick: bool):
+    """MoE kernels: router top-k (Mixtral, Qwen, DeepSeek-V3 groups), routing, finalize, grouped GEMM with
+    even, skewed and empty experts, decode- and prefill-sized loads, and their unfused counterparts."""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    rng = np.random.default_rng(1)
+    out = []
+    gate = [((4096, 8), f32, {"k": 2, "renorm": True, "eps": 0.0}),
+            ((37, 60), bf16, {"k": 4, "out_dtype": bf16}),
+            ((1, 8), f16, {"k": 2, "renorm": True}),
+            ((500, 256), f32, {"k": 8, "norm": "sigmoid", "renorm": True, "n_group": 8, "topk_group": 4,
+                               "group_score": "top2", "routed_scaling_factor": 2.5}, ((256,), f32))]
+    if not quick:
+        gate += [((1000, 128), f16, {"k": 8, "renorm": True}), ((5000, 16), bf16, {"k": 4, "norm": "sigmoid"}),
+                 ((64, 64), f32, {"k": 6, "n_group": 8, "topk_group": 3, "group_score": "max"})]
+    for i, g in enumerate(gate):
+        (T, E), dt, p = g[:3]
+        bias = g[3] if len(g) > 3 else None
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            ins = [((T, E), dt)] + ([bias] if bias else [])
+            out.append(Case("moe_gating_topk", ins, d, p, values={0: _distinct_logits(T, E, dt, rng)}))
+    tk = [((333, 77), f16, {"k": 5}), ((64, 500), f32, {"k": 20, "largest": False})]
+    for i, ((T, E), dt, p) in enumerate(tk):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("topk", [((T, E), dt)], d, p, values={0: _distinct_logits(T, E, dt, rng)}))
+    route = [(4096, 4096, 8, 2, f16), (1, 4096, 8, 2, bf16), (333, 1000, 60, 4, f32)]
+    if not quick:
+        route += [(64, 7168, 256, 8, bf16), (2048, 2048, 64, 6, f16)]
+    for i, (T, H, E, k, dt) in enumerate(route):
+        if quick and T * H > 1 << 21:
+            continue
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            ids = rng.integers(0, max(1, E // (4 if i % 2 else 1)), size=(T, k)).astype(np.int32)   # skewed
+            out.append(Case("moe_init_routing", [((T, H), dt), ((T, k), "int32")], d, {"num_experts": E},
+                            values={1: ids}))
+            perm = rng.permutation(T * k).astype(np.int32)
+            out.append(Case("moe_finalize_routing", [((T * k, H), dt), ((T, k), f32), ((T * k,), "int32")]
+                            + ([((T, H), dt)] if i % 2 == 0 else []), d, values={2: perm}))
+    ia = [((500, 300), f32, 900), ((4096, 1024), f16, 8192)] if not quick else [((500, 300), f32, 900)]
+    for i, (shape, dt, N) in enumerate(ia):
+        for d in (DEVICES if not quick else DEVICES):
+            idx = rng.integers(0, shape[0], size=(N,)).astype(np.int64)
+            out.append(Case("index_add", [(shape, dt), ((N,), "int64"), ((N,) + shape[1:], dt)], d, {},
+                            values={1: idx}))
+    gm = [(64, 512, 1024, 8, (8,) * 8, None, False),                      # decode: 8 rows per expert
+          (64, 512, 1024, 8, (8,) * 8, "swiglu", False),
+          (300, 256, 384, 4, (200, 0, 37, 63), None, True),               # skewed, an empty expert, bias
+          (300, 256, 384, 4, (200, 0, 37, 63), "gelu", False),
+          (1024, 1024, 1024, 8, (128,) * 8, "swiglu", False)]              # prefill-sized
+    if not quick:
+        gm += [(4096, 1024, 2048, 8, (1024, 0, 512, 512, 1536, 256, 256, 0), "swiglu", False),
+               (200, 2048, 768, 16, (40, 0, 0, 8, 64, 0, 0, 0, 88, 0, 0, 0, 0, 0, 0, 0), "silu", True)]
+    for i, (M, K, N, E, sizes, act, bias) in enumerate(gm):
+        for d in DEVICES if (not quick or i < 3) else DEVICES[i % 3:i % 3 + 1]:
+            for trans in ((True,) if quick else (True, False)):
+                w = ((E, N, K) if trans else (E, K, N), f16 if i % 2 == 0 else bf16)
+                dt = w[1]
+                ins = [((M, K), dt), w, ((E,), "int32")] + ([((E, N), f32)] if bias else [])
+                out.append(Case("grouped_matmul", ins, d, {"trans_w": trans, "activation": act, "group_sizes": sizes},
+                                values={2: np.array(sizes, dtype=np.int32)}))
+                if act is None and not bias:
+                    out.append(Case("matmul_per_group", [((M, K), dt), w, ((E,), "int32")], d,
+                                    {"trans_w": trans, "group_sizes": sizes},
+                                    values={2: np.cumsum(sizes).astype(np.int32)}))
+    return out
+
+
 BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
-            "flash_attention": _fa_cases}
+            "flash_attention": _fa_cases, "moe": _moe_cases}
 
 
 def cases(quick: bool = False, kernels=None) -> list:
@@ -281,6 +357,30 @@ def add_rms_pair(shape, dtype, device):
     return (f"add+rms_norm {list(shape)} {dtype} on {device}", unfused, fused)
 
 
+def gating_pair(T, E, k, dtype, device):
+    """Mixtral's router op by op (softmax, topk, sum, div) vs moe_gating_topk."""
+    rng = np.random.default_rng(2)
+    x = _distinct_logits(T, E, dtype, rng)
+    unfused = [Case("softmax", [((T, E), "float32")], device, {"dim": -1}),
+               Case("topk", [((T, E), "float32")], device, {"k": k}, values={0: x.float()}),
+               Case("reduce", [((T, k), "float32")], device, {"op": "sum", "dim": -1, "keepdim": True}),
+               Case("elementwise", [((T, k), "float32"), ((T, 1), "float32")], device, {"op": "div"})]
+    fused = Case("moe_gating_topk", [((T, E), dtype)], device, {"k": k, "renorm": True, "eps": 0.0},
+                 values={0: x})
+    return (f"moe gating [{T}, {E}] k={k} {dtype} on {device}", unfused, fused)
+
+
+def experts_pair(M, K, N, E, dtype, device):
+    """One matmul launch per expert (grouped_mm_fallback) vs grouped_matmul, even loads."""
+    sizes = tuple(M // E + (g < M % E) for g in range(E))
+    w = ((E, N, K), dtype)
+    unfused = [Case("matmul_per_group", [((M, K), dtype), w, ((E,), "int32")], device,
+                    {"trans_w": True, "group_sizes": sizes}, values={2: np.cumsum(sizes).astype(np.int32)})]
+    fused = Case("grouped_matmul", [((M, K), dtype), w, ((E,), "int32")], device,
+                 {"trans_w": True, "group_sizes": sizes}, values={2: np.array(sizes, dtype=np.int32)})
+    return (f"experts GEMM [{M}, {K}] x {E}x[{K}, {N}] {dtype} on {device}", unfused, fused)
+
+
 def pairs(quick: bool = False) -> list:
     """(label, unfused cases, fused case): attention vs flash_attention, add + rms_norm vs add_rms_norm."""
     out = []
@@ -301,6 +401,14 @@ def pairs(quick: bool = False) -> list:
             continue
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(attention_pair(shape, False, dt, d, mask))
+    gates = [(1024, 8, 2, "float32"), (37, 60, 4, "bfloat16")] + ([] if quick else [(4096, 128, 8, "float16")])
+    for i, (T, E, k, dt) in enumerate(gates):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(gating_pair(T, E, k, dt, d))
+    gemms = [(64, 512, 1024, 8, "float16")] + ([] if quick else [(1024, 1024, 2048, 8, "bfloat16")])
+    for i, (M, K, N, E, dt) in enumerate(gemms):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(experts_pair(M, K, N, E, dt, d))
     return out
 
 

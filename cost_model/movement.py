@@ -241,12 +241,13 @@ def estimate_permute(dev, specs, dims=None, tiling=None):
 def _gather_roof(dev, specs, tiling=None):
     (ts, dt), (ids, idt) = specs[0], specs[1]
     T = math.prod(ids)
-    return (2 * T * ts[1] * itemsize(dt) + T * itemsize(idt)) / dev.hbm_bytes_per_cycle
+    return (2 * T * math.prod(ts[1:]) * itemsize(dt) + T * itemsize(idt)) / dev.hbm_bytes_per_cycle
 
 
 @register("gather", _gather_roof)
 def estimate_gather(dev, specs, tiling=None):
     (tshape, dtype), (ishape, idt) = specs[0], specs[1]
+    tshape = (tshape[0], math.prod(tshape[1:]))           # rows of the trailing dims
     if tiling is None:
         res = _gather_search(dev.name, tuple(tshape), dtype, tuple(ishape), idt)
     else:

@@ -2,7 +2,8 @@
 
 Pins the issue's acceptance on that sweep: median |pred - sim| / sim <= 5 % and worst <= 15 % for cycles
 and for HBM bytes; the model and the simulator agree on which of "unfused attention" and
-"flash_attention" (and "add + rms_norm" and "add_rms_norm") is faster; estimate() averages under 1 ms.
+"flash_attention" (and "add + rms_norm" and "add_rms_norm", the router op by op and moe_gating_topk, one
+matmul per expert and grouped_matmul) is faster; estimate() averages under 1 ms.
 """
 import pathlib
 import sys
@@ -33,6 +34,19 @@ def _check(records, what):
     detail = "; ".join(f"{getattr(r, f'err_{what}'):.1%} {r.case.label()}" for r in worst)
     assert np.median(errs) <= 0.05, detail
     assert errs.max() <= 0.15, detail
+
+
+MOE = ("moe_gating_topk", "topk", "moe_init_routing", "moe_finalize_routing", "index_add", "grouped_matmul",
+       "matmul_per_group")
+
+
+@pytest.mark.parametrize("what", ["cycles", "hbm"])
+def test_error_distribution_moe(records, what):
+    """The MoE kernels on their own (router top-k with groups and bias, routing, finalize, index_add, grouped
+    GEMM with even, skewed and empty experts at decode and prefill loads, one matmul per expert)."""
+    rs = [r for r in records if r.case.kernel in MOE]
+    assert {r.case.kernel for r in rs} == set(MOE) and {r.case.device for r in rs} == set(bench.DEVICES)
+    _check(rs, what)
 
 
 @pytest.mark.parametrize("what", ["cycles", "hbm"])

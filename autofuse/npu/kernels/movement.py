@@ -320,16 +320,19 @@ def _permute_transpose(launch, x, out, xv, ov, s, q, tiling):
 
 @kernel("gather")
 def gather(launch, table, indices, tiling=None):
-    """``table[indices]`` (embedding lookup): table ``[V, H]``, int32 ``indices`` of any shape."""
-    if table.data.ndim != 2:
-        raise ValueError(f"gather: table must be 2-d [V, H], got shape {list(table.shape)}")
+    """``table[indices]`` (embedding lookup, ``index_select`` on dim 0): table ``[V, ...]`` (rows of its
+    trailing dims), int32 ``indices`` of any shape."""
+    if table.data.ndim < 2:
+        raise ValueError(f"gather: table must be [V, ...] with at least 2 dims, got shape {list(table.shape)}")
     if indices.dtype not in _INDEX:
         raise TypeError(f"gather: indices are {indices.dtype}; the kernel takes int32 indices "
                         f"(convert int64 token ids with .int())")
+    row_shape = tuple(table.shape[1:])
+    table = view(table, (table.shape[0], math.prod(row_shape)))      # rows of the trailing dims, contiguous
     V, H = table.shape
     idx = np.asarray(indices.data).astype(np.int64).reshape(-1)
     T = idx.size
-    out = _empty(launch, tuple(indices.shape) + (H,), table.dtype, "out")
+    out = _empty(launch, tuple(indices.shape) + row_shape, table.dtype, "out")
     if T == 0 or H == 0:
         return (out,)
     bad = (idx < 0) | (idx >= V)

@@ -1,0 +1,330 @@
+"""Fused MoE operators as ``torch.library`` custom ops, running the simulator's MoE kernels.
+
+    w, idx = torch.ops.autofuse.moe_gating_topk(logits, bias, k, "softmax", renorm, eps, scale, n_group,
+                                                topk_group, "max", "float32", device, tiling)
+    xs, row_idx, counts = torch.ops.autofuse.moe_init_routing(x, idx, num_experts, "count", device, tiling)
+    y = torch.ops.autofuse.grouped_matmul(xs, w, counts, bias, trans_w, "count", "swiglu", "gate_up", device, tiling)
+    out = torch.ops.autofuse.moe_finalize_routing(y, w, row_idx, skip, device, tiling)
+
+(``autofuse.ops_moe.moe_gating_topk(...)`` etc. are the keyword-friendly wrappers.) Each op runs its kernel
+on the NPU simulator (``device`` names the target, ``tiling`` is a JSON object or ``""``), records the
+launch for whole-graph simulation, has a fake implementation, a backward that recomputes the op in fp32 on
+the host with its pure-torch twin ``reference_<op>`` and differentiates that (as flash_attention's backward
+does; not simulated), and that twin gives the kernel's values where only values are needed.
+
+Index outputs are int64 (torch's convention); the kernels work in int32. Gradients: the gating weights
+differentiate w.r.t. the logits through the chosen experts (indices and the selection bias get none);
+routing and finalize differentiate through their gathers and scatters; grouped_matmul gives dx, dw, dbias.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from autofuse.ops import _record, _to_torch, run_kernel
+
+_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _tiling(tiling: str):
+    return json.loads(tiling) if tiling else None
+
+
+def _host_backward(reference, ctx, grads, n_inputs):
+    """Gradients of ``reference(*inputs)`` (fp32 on the host) for the inputs that need them."""
+    saved = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_(bool(need[i])) if isinstance(t, torch.Tensor)
+                  and t.is_floating_point() else t for i, t in enumerate(saved)]
+        outs = reference(*leaves, **ctx.params, upcast=True)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g.float()) for o, g in zip(outs, grads)
+                 if g is not None and o.is_floating_point() and o.requires_grad]
+        wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                   if wrt and pairs else [None] * len(wrt))
+    res = []
+    for orig, leaf in zip(saved, leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            gr = next(got)
+            res.append(None if gr is None else gr.to(orig.dtype))
+        else:
+            res.append(None)
+    return tuple(res) + (None,) * (n_inputs - len(res))
+
+
+# ------------------------------------------------------------------------------------------ gating
+@torch.library.custom_op("autofuse::moe_gating_topk", mutates_args=())
+def _moe_gating_topk(x: torch.Tensor, bias: Optional[torch.Tensor] = None, k: int = 1, norm: str = "softmax",
+                     renorm: bool = False, eps: float = 1e-20, routed_scaling_factor: float = 1.0, n_group: int = 1,
+                     topk_group: int = 1, group_score: str = "max", out_dtype: str = "float32",
+                     device: str = "ascend910", tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    od = out_dtype or str(x.dtype).replace("torch.", "")
+    lead = x.shape[:-1]
+    r = run_kernel("moe_gating_topk", x.reshape(-1, x.shape[-1]), bias, k=k, norm=norm, renorm=renorm, eps=eps,
+                   routed_scaling_factor=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
+                   group_score=group_score, out_dtype=od, device=device, tiling=_tiling(tiling))
+    _record("moe_gating_topk", r.stats)
+    return (_to_torch(r.outputs[0], _DT[od]).reshape(*lead, k),
+            torch.from_numpy(r.outputs[1].astype("int64")).reshape(*lead, k))
+
+
+@_moe_gating_topk.register_fake
+def _(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0, n_group=1,
+      topk_group=1, group_score="max", out_dtype="float32", device="ascend910", tiling=""):
+    dt = _DT[out_dtype] if out_dtype else x.dtype
+    return x.new_empty((*x.shape[:-1], k), dtype=dt), x.new_empty((*x.shape[:-1], k), dtype=torch.int64)
+
+
+def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
+                              n_group=1, topk_group=1, group_score="max", out_dtype="float32", upcast=False,
+                              indices=None, **_):
+    """The kernel's computation in torch: fp32 normalisation, selection on ``scores + bias`` (group limit by
+    ``torch.topk`` over the group scores), ``torch.topk`` over the choices (so ties fall as torch orders
+    them, which the kernel reproduces), the unbiased scores gathered, renormalised, scaled, cast.
+    ``indices``: differentiate with these experts fixed (the backward)."""
+    s = x.float()
+    if norm == "softmax":
+        s = torch.softmax(s, -1)
+    elif norm == "sigmoid":
+        s = torch.sigmoid(s)
+    if indices is None:
+        with torch.no_grad():
+            choice = s.detach() + (bias.detach().float() if bias is not None else 0.0)
+            E = choice.shape[-1]
+            if n_group > 1:
+                g = choice.reshape(*choice.shape[:-1], n_group, E // n_group)
+                gs = g.amax(-1) if group_score == "max" else g.topk(2, dim=-1).values.sum(-1)
+                keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(-1, torch.topk(gs, topk_group, -1,
+                                                                                      sorted=False).indices, True)
+                choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1), float("-inf"))
+            indices = torch.topk(choice, k, dim=-1).indices
+    y = s.gather(-1, indices)
+    if renorm:
+        y = y / (y.sum(-1, keepdim=True) + eps) if eps else y / y.sum(-1, keepdim=True)
+    y = y * routed_scaling_factor
+    if not upcast:
+        y = y.to(_DT[out_dtype] if out_dtype else x.dtype)
+    return y, indices
+
+
+def _gating_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    names = ("k", "norm", "renorm", "eps", "routed_scaling_factor", "n_group", "topk_group", "group_score",
+             "out_dtype")
+    ctx.params = dict(zip(names, inputs[2:11]))
+
+
+def _gating_backward(ctx, grad_w, grad_idx):
+    x, idx = ctx.saved_tensors
+    p = dict(ctx.params)
+    with torch.enable_grad():
+        xl = x.detach().float().requires_grad_(True)
+        y, _ = reference_moe_gating_topk(xl, None, **p, upcast=True, indices=idx)
+        gx, = torch.autograd.grad(y, xl, grad_w.float())
+    return (gx.to(x.dtype),) + (None,) * 12
+
+
+_moe_gating_topk.register_autograd(_gating_backward, setup_context=_gating_setup)
+
+
+def moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
+                    n_group=1, topk_group=1, group_score="max", out_dtype="float32", device="ascend910", tiling=None):
+    """MoE router top-k (CANN MoeGatingTopK): ``(weights [..., k], indices [..., k] int64)`` from logits
+    ``x [..., E]``.
+
+    ``norm``: "softmax" | "sigmoid" | "none" (fp32); ``bias [E]``: added for the selection only;
+    ``n_group``/``topk_group``/``group_score`` ("max" | "top2"): keep the best ``topk_group`` of ``n_group``
+    expert groups; ``renorm``: ``y / (sum(y) + eps)`` (``eps=0``: ``y / sum(y)``); then
+    ``* routed_scaling_factor``. Indices are those of ``torch.topk`` (sorted, largest first; ties as torch
+    orders them on the CPU). ``out_dtype``: "float32" or ``None`` (the logits' dtype).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"moe_gating_topk: x must be a tensor [..., E], got {getattr(x, 'shape', type(x))}")
+    return torch.ops.autofuse.moe_gating_topk(x, bias, int(k), norm, bool(renorm), float(eps),
+                                              float(routed_scaling_factor), int(n_group), int(topk_group),
+                                              group_score, out_dtype or "", device,
+                                              json.dumps(tiling) if tiling else "")
+
+
+# ------------------------------------------------------------------------------------------ init routing
+@torch.library.custom_op("autofuse::moe_init_routing", mutates_args=())
+def _moe_init_routing(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, group_list_type: str = "count",
+                      device: str = "ascend910", tiling: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r = run_kernel("moe_init_routing", x, expert_idx.int(), num_experts=num_experts, group_list_type=group_list_type,
+                   device=device, tiling=_tiling(tiling))
+    _record("moe_init_routing", r.stats)
+    return (_to_torch(r.outputs[0], x.dtype), torch.from_numpy(r.outputs[1].astype("int64")),
+            torch.from_numpy(r.outputs[2].astype("int64")))
+
+
+@_moe_init_routing.register_fake
+def _(x, expert_idx, num_experts, group_list_type="count", device="ascend910", tiling=""):
+    n = expert_idx.numel()
+    return (x.new_empty((n, x.shape[-1])), x.new_empty((n,), dtype=torch.int64),
+            x.new_empty((num_experts,), dtype=torch.int64))
+
+
+def reference_moe_init_routing(x, expert_idx, num_experts, group_list_type="count", **_):
+    """Stable sort of the flattened expert ids; ``expanded_x = x[perm // k]``, the inverse permutation, and
+    the tokens per expert (or their running sum)."""
+    k = expert_idx.shape[-1]
+    flat = expert_idx.reshape(-1).long()
+    perm = torch.sort(flat, stable=True).indices
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    counts = torch.bincount(flat, minlength=num_experts)
+    return x[perm // k], inv, counts.cumsum(0) if group_list_type == "cumsum" else counts
+
+
+def _init_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.shape, ctx.k = inputs[0].shape, inputs[1].shape[-1]
+
+
+def _init_backward(ctx, grad_x, grad_row, grad_counts):
+    row_idx, = ctx.saved_tensors
+    T, H = ctx.shape
+    gx = grad_x.float()[row_idx].reshape(T, ctx.k, H).sum(1)
+    return gx.to(grad_x.dtype), None, None, None, None, None
+
+
+_moe_init_routing.register_autograd(_init_backward, setup_context=_init_setup)
+
+
+def moe_init_routing(x, expert_idx, num_experts, group_list_type="count", device="ascend910", tiling=None):
+    """Tokens sorted by expert (CANN MoeInitRouting, dropless): ``x [T, H]``, ``expert_idx [T, k]`` →
+    ``(expanded_x [T·k, H], expanded_row_idx [T·k], group_list [E])``.
+
+    ``expanded_x[p] = x[perm[p] // k]`` with ``perm = torch.sort(expert_idx.flatten(), stable=True).indices``;
+    ``expanded_row_idx[i]`` is the row entry ``i = t·k + j`` went to; ``group_list``: tokens per expert
+    (``"count"``) or their running sum (``"cumsum"``).
+    """
+    return torch.ops.autofuse.moe_init_routing(x, expert_idx, int(num_experts), group_list_type, device,
+                                               json.dumps(tiling) if tiling else "")
+
+
+# ------------------------------------------------------------------------------------------ grouped matmul
+@torch.library.custom_op("autofuse::grouped_matmul", mutates_args=())
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor,
+                    bias: Optional[torch.Tensor] = None, trans_w: bool = False, group_list_type: str = "count",
+                    activation: str = "", swiglu_order: str = "gate_up", device: str = "ascend910",
+                    tiling: str = "") -> torch.Tensor:
+    r = run_kernel("grouped_matmul", x, weight, group_list.int(), bias, trans_w=trans_w,
+                   group_list_type=group_list_type, activation=activation or None, swiglu_order=swiglu_order,
+                   device=device, tiling=_tiling(tiling))
+    _record("grouped_matmul", r.stats)
+    return _to_torch(r.outputs[0], x.dtype)
+
+
+@_grouped_matmul.register_fake
+def _(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation="",
+      swiglu_order="gate_up", device="ascend910", tiling=""):
+    N = weight.shape[1] if trans_w else weight.shape[2]
+    return x.new_empty((x.shape[0], N // 2 if activation == "swiglu" else N))
+
+
+_ACT = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+        "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+
+
+def reference_grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
+                             activation="", swiglu_order="gate_up", upcast=False, **_):
+    """Per group: ``x_g @ w_g`` in fp32 from the operands' values, + bias, the epilogue in fp32, one cast to
+    x's dtype; rows past the last group are 0."""
+    gl = group_list.long()
+    counts = torch.diff(gl, prepend=gl.new_zeros(1)) if group_list_type == "cumsum" else gl
+    N = weight.shape[1] if trans_w else weight.shape[2]
+    nout = N // 2 if activation == "swiglu" else N
+    parts, start = [], 0
+    for g, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        w = weight[g].float()
+        y = x[start:start + c].float() @ (w.t() if trans_w else w)
+        if bias is not None:
+            y = y + bias[g].float()
+        if activation == "swiglu":
+            a, u = y.chunk(2, -1)
+            y = torch.nn.functional.silu(a) * u if swiglu_order == "gate_up" else torch.nn.functional.silu(u) * a
+        elif activation:
+            y = _ACT[activation](y)
+        parts.append(y)
+        start += c
+    parts.append(x.new_zeros((x.shape[0] - start, nout), dtype=torch.float32))
+    out = torch.cat(parts, 0)
+    return out if upcast else out.to(x.dtype)
+
+
+def _gmm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
+    ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[4:8]))
+
+
+_grouped_matmul.register_autograd(lambda ctx, g: _host_backward(reference_grouped_matmul, ctx, (g,), 10),
+                                  setup_context=_gmm_setup)
+
+
+def grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation=None,
+                   swiglu_order="gate_up", device="ascend910", tiling=None):
+    """Grouped GEMM (CANN GroupedMatmul): rows of ``x [M, K]`` in groups (``group_list``: counts, or
+    ``"cumsum"`` offsets as transformers' ``offs``) times ``weight [E, K, N]`` (``[E, N, K]`` with
+    ``trans_w``, transformers' storage), ``+ bias [E, N]``, then ``activation``: None, "relu", "gelu",
+    "gelu_tanh", "silu" or "swiglu" (``silu(gate) · up`` on the halves of N; ``swiglu_order`` "gate_up" is
+    transformers' ``chunk(2)`` order, "up_gate" the other). One launch for all groups."""
+    return torch.ops.autofuse.grouped_matmul(x, weight, group_list, bias, bool(trans_w), group_list_type,
+                                             activation or "", swiglu_order, device,
+                                             json.dumps(tiling) if tiling else "")
+
+
+# ------------------------------------------------------------------------------------------ finalize
+@torch.library.custom_op("autofuse::moe_finalize_routing", mutates_args=())
+def _moe_finalize_routing(expanded: torch.Tensor, scales: torch.Tensor, expanded_row_idx: torch.Tensor,
+                          skip: Optional[torch.Tensor] = None, device: str = "ascend910",
+                          tiling: str = "") -> torch.Tensor:
+    r = run_kernel("moe_finalize_routing", expanded, scales, expanded_row_idx.int(), skip, device=device,
+                   tiling=_tiling(tiling))
+    _record("moe_finalize_routing", r.stats)
+    return _to_torch(r.outputs[0], expanded.dtype)
+
+
+@_moe_finalize_routing.register_fake
+def _(expanded, scales, expanded_row_idx, skip=None, device="ascend910", tiling=""):
+    return expanded.new_empty((scales.shape[0], expanded.shape[-1]))
+
+
+def reference_moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, upcast=False, **_):
+    """``skip + Σ_j scales[:, j] · expanded[expanded_row_idx[t·k + j]]`` accumulated in fp32 in the kernel's
+    order (skip first, then j = 0..k-1), one cast to expanded's dtype."""
+    T, k = scales.shape
+    rows = expanded.float()[expanded_row_idx.long()].reshape(T, k, -1)
+    acc = skip.float() if skip is not None else None
+    for j in range(k):
+        term = rows[:, j] * scales[:, j:j + 1].float()
+        acc = term if acc is None else acc + term
+    return acc if upcast else acc.to(expanded.dtype)
+
+
+def _fin_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
+    ctx.params = {}
+
+
+_moe_finalize_routing.register_autograd(
+    lambda ctx, g: _host_backward(reference_moe_finalize_routing, ctx, (g,), 6), setup_context=_fin_setup)
+
+
+def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="ascend910", tiling=None):
+    """Combine the expert outputs (CANN MoeFinalizeRouting): ``out [T, H] = skip + Σ_j scales[:, j] ·
+    expanded[expanded_row_idx[t·k + j]]`` with fp32 accumulation; ``skip`` (a shared expert's output or a
+    residual) is optional."""
+    return torch.ops.autofuse.moe_finalize_routing(expanded, scales, expanded_row_idx, skip, device,
+                                                   json.dumps(tiling) if tiling else "")
+
+
+__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "moe_finalize_routing",
+           "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
+           "reference_moe_finalize_routing"]

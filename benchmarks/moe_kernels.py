@@ -1,0 +1,138 @@
+"""MoE kernels on the simulator: fused vs the unfused chain eager launches, kernel by kernel.
+
+    python benchmarks/moe_kernels.py            # 7B-class MoE shapes (Mixtral-8x7B: H 4096, I 14336, 8 experts,
+                                                # top-2, 4096 tokens) on ascend910
+    python benchmarks/moe_kernels.py --quick    # smaller shapes
+    python benchmarks/moe_kernels.py --device ascend910b
+
+Every figure is simulated cycles (``npu.run``), each kernel with the tiling the cost model's search picks, on
+both sides. The unfused chains are what eager runs, priced with the competent kernels of the same
+simulator (``topk``, ``gather``, ``matmul_per_group``, ...; ops without a kernel of their own — sort,
+histc, cumsum, the inverse permutation's index_put — as ``generic`` Vector passes):
+
+* gating: bf16 logits → cast to fp32, softmax, topk, sum, div (Mixtral's router after its linear) vs
+  ``moe_gating_topk``;
+* experts GEMMs: ``grouped_mm_fallback`` (one matmul launch per expert) for gate_up, silu(gate) · up as two
+  elementwise launches, the down projection per expert, vs ``grouped_matmul`` with the SwiGLU epilogue and
+  ``grouped_matmul`` for down; at a decode load (64 tokens per expert) and a prefill load;
+* routing + finalize: sort of the expert ids, ``perm // k``, the token gather, the weights' gather, histc,
+  cumsum (transformers' grouped_mm path) and, after the experts, the weighting, the inverse permutation, its
+  gather and the sum over k vs ``moe_init_routing`` + ``moe_finalize_routing``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+import cost_model
+from autofuse import npu
+
+
+def run(kernel, arrays, device, **params):
+    specs = [None if a is None else (tuple(a.shape), str(a.dtype).replace("torch.", "")) for a in arrays]
+    est = {k: v for k, v in params.items()}
+    e = cost_model.estimate(kernel, specs, device=device, **est)
+    p = {k: v for k, v in params.items() if k != "group_sizes"}
+    if e.tiling:
+        p["tiling"] = e.tiling
+    return npu.run(kernel, *arrays, device=device, **p).stats.cycles
+
+
+def generic(ins, outs, device):
+    return npu.run("generic", *ins, device=device, outputs=[(tuple(s), d) for s, d in outs]).stats.cycles
+
+
+def gating(T, E, k, device):
+    torch.manual_seed(0)
+    logits = torch.randn(T, E).to(torch.bfloat16)
+    f = logits.float()
+    unfused = [run("elementwise", [logits], device, op="cast", out_dtype="float32"),
+               run("softmax", [f], device, dim=-1),
+               run("topk", [torch.softmax(f, -1)], device, k=k),
+               run("reduce", [torch.zeros(T, k)], device, op="sum", dim=-1, keepdim=True),
+               run("elementwise", [torch.zeros(T, k), torch.ones(T, 1)], device, op="div")]
+    fused = run("moe_gating_topk", [logits], device, k=k, renorm=True, eps=0.0)
+    return sum(unfused), fused, len(unfused)
+
+
+def experts(T, H, I, E, k, device, dtype=torch.bfloat16):
+    """gate_up + SwiGLU + down for T tokens, top-k of E experts, even loads."""
+    M = T * k
+    sizes = tuple(M // E + (g < M % E) for g in range(E))
+    x = torch.zeros(M, H, dtype=dtype)
+    gate_up = torch.zeros(E, 2 * I, H, dtype=dtype)
+    down = torch.zeros(E, H, I, dtype=dtype)
+    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32)
+    counts = torch.tensor(sizes, dtype=torch.int32)
+    h2 = torch.zeros(M, 2 * I, dtype=dtype)
+    h = torch.zeros(M, I, dtype=dtype)
+    unfused = [run("matmul_per_group", [x, gate_up, offs], device, trans_w=True, group_sizes=sizes),
+               run("elementwise", [h], device, op="silu"),
+               run("elementwise", [h, h], device, op="mul"),
+               run("matmul_per_group", [h, down, offs], device, trans_w=True, group_sizes=sizes)]
+    del h2
+    fused = [run("grouped_matmul", [x, gate_up, counts], device, trans_w=True, activation="swiglu",
+                 group_sizes=sizes),
+             run("grouped_matmul", [h, down, counts], device, trans_w=True, group_sizes=sizes)]
+    return sum(unfused), sum(fused), len(unfused), unfused, fused
+
+
+def routing(T, H, E, k, device, dtype=torch.bfloat16):
+    torch.manual_seed(1)
+    n = T * k
+    x = torch.zeros(T, H, dtype=dtype)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    perm = torch.sort(ids.flatten().long(), stable=True).indices
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(n)
+    y = torch.zeros(n, H, dtype=dtype)
+    w = torch.rand(T, k)
+    i64 = "int64"
+    unfused = [generic([ids.long().flatten()], [((n,), i64), ((n,), i64)], device),          # sort
+               run("elementwise", [perm.int()], device, op="div", scalar=float(k)),            # perm // k
+               run("gather", [x, (perm // k).int()], device),                                 # x[perm // k]
+               generic([w.flatten(), perm], [((n,), "float32")], device),                      # weights[perm]
+               generic([perm.float()], [((E,), "float32")], device),                           # histc
+               generic([torch.zeros(E)], [((E,), "int32")], device),                           # cumsum
+               # after the experts:
+               run("elementwise", [y, torch.zeros(n, 1)], device, op="mul"),                   # * weights (fp32)
+               generic([perm], [((n,), i64)], device),                                         # inv_perm (index_put)
+               run("gather", [torch.zeros(n, H), inv.int()], device),                          # [inv_perm]
+               run("reduce", [torch.zeros(T, k, H)], device, op="sum", dim=1),                 # sum over k
+               run("elementwise", [torch.zeros(T, H)], device, op="cast", out_dtype="bfloat16")]
+    fused = [run("moe_init_routing", [x, ids], device, num_experts=E),
+             run("moe_finalize_routing", [y, w, inv.int()], device)]
+    return sum(unfused), sum(fused), len(unfused)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller shapes")
+    ap.add_argument("--device", default="ascend910")
+    a = ap.parse_args(argv)
+    dev = a.device
+    if a.quick:
+        T, H, I, E, k, decode_T = 512, 1024, 2048, 8, 2, 256
+    else:
+        T, H, I, E, k, decode_T = 4096, 4096, 14336, 8, 2, 256
+    rows = []
+    t0 = time.time()
+    u, f, n = gating(T, E, k, dev)
+    rows.append((f"gating [{T}, {E}] top-{k} (bf16 logits)", u, f, n, 1, "3x"))
+    u, f, n, _, _ = experts(decode_T, H, I, E, k, dev)
+    rows.append((f"experts, decode: {decode_T * k // E} tokens/expert, H {H}, I {I}", u, f, n, 2, "1.5x"))
+    u, f, n, _, _ = experts(T, H, I, E, k, dev)
+    rows.append((f"experts, prefill: {T * k // E} tokens/expert, H {H}, I {I}", u, f, n, 2, ">= 1x"))
+    u, f, n = routing(T, H, E, k, dev)
+    rows.append((f"routing + finalize [{T}, {H}] top-{k}", u, f, n, 2, "-"))
+    print(f"MoE kernels on {dev} (simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
+    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s} {'target':>7s}")
+    for name, u, f, nu, nf, target in rows:
+        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x {target:>7s}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Grouped GEMM (``autofuse/npu/kernels/grouped_matmul.py``): ``grouped_matmul`` and ``matmul_per_group``.
+
+Group sizes: the model needs the rows of each group. ``group_sizes=(m_0, ..., m_{E-1})`` gives them (the
+simulator reads them from the group list); without it the rows are taken as spread evenly over the E
+groups, which is all a plan made from shapes knows.
+
+*grouped_matmul*: the kernel's items (group, column block, row block; row blocks innermost) and its deal
+by load are replayed. Per item, on its core: MTE2 loads A (``m·K``) and B (``nb·n·K``, nb = 2 with SwiGLU)
+through the GM port; MTE1 moves them to L0A/L0B; the Cube does ``ceil(m/16)·ceil(nb·n/16)·ceil(K/k0)``
+fractals; the tile leaves by FixPipe (+ the Vector epilogue and MTE3). A block read before hits L2 (B by
+the previous row block at once; A of a row block when the group's other A blocks, two B blocks and the
+output tiles in between fit the L2), else it comes from HBM; the cores of one lockstep step share the
+bandwidth as the simulator shares it (the step's hit bytes over the L2 bandwidth, its missed bytes over
+the HBM bandwidth). An item lasts as long as its busiest unit; a core's time is the sum of its items plus
+the first chunk's load (fill) and the last tile's write-out (drain). On split cores the epilogue runs on
+the AIV pair (the fp32 tile through an L2 workspace), overlapped with the next tile's products.
+
+*matmul_per_group*: the ``matmul`` model (its tiling search) for each non-empty group's rows, one launch
+each, summed; the tiling per row count goes to the kernel as ``{"by_rows": {rows: tiling}}``.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.devices import get_device
+from cost_model.estimate import cached, estimate, kernel_cycles, make, register
+from cost_model.matmul import choose_tiling
+
+# fp32 Vector passes per element of each epilogue (the elementwise kernel's op passes: silu 4, gelu 25,
+# gelu_tanh 8, relu 1; swiglu = silu + the product)
+EPILOGUE_PASSES = {None: 0, "relu": 1, "silu": 4, "gelu": 25, "gelu_tanh": 8, "swiglu": 5}
+
+
+def _sizes(E, M, group_sizes):
+    if group_sizes is not None:
+        gs = [int(v) for v in group_sizes]
+        if len(gs) != E or sum(gs) > M or min(gs, default=0) < 0:
+            raise ValueError(f"grouped_matmul: group_sizes {gs[:16]} do not fit {E} groups of {M} rows")
+        return gs
+    return [M // E + (1 if g < M % E else 0) for g in range(E)]
+
+
+def _pad(n, dtype):
+    b = 32 // itemsize(dtype)
+    return round_up(n, b)
+
+
+def ub_bytes(dev, m0, n0, out_dtype, activation):
+    split = dev.arch == "split"
+    if activation is None:
+        return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
+    rows = ceil_div(m0, 2) if split else m0
+    nb = 2 if activation == "swiglu" else 1
+    return (nb + 1) * rows * _pad(n0, "float32") * 4 + 2 * rows * _pad(n0, out_dtype) * itemsize(out_dtype) + 96
+
+
+def fits(dev, dtype, out_dtype, t, activation=None, bias=False):
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
+        return False
+    isz = itemsize(dtype)
+    nb = 2 if activation == "swiglu" else 1
+    buf = dev.buffers
+    l0c = nb * m0 * n0 * 4
+    nc = 2 if 2 * l0c <= buf["L0C"] else 1
+    return (2 * (m0 * k1 + nb * k1 * n0) * isz + nb * n0 * 4 * bool(bias) <= buf["L1"] - 64
+            and 2 * m0 * k0 * isz <= buf["L0A"] and nb * 2 * k0 * n0 * isz <= buf["L0B"]
+            and nc * l0c <= buf["L0C"] and ub_bytes(dev, m0, n0, out_dtype, activation) <= buf["UB"])
+
+
+def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False):
+    for m0 in (128, 64, 32, 16):
+        for n0 in (256, 128, 64, 32, 16):
+            n0e = min(n0, round_up(N_out, 16))
+            for k0 in (128, 64, 32, 16):
+                k0e = min(k0, round_up(K, 16))
+                t = {"m0": m0, "n0": n0e, "k0": k0e, "k1": min(2 * k0e, round_up(K, k0e))}
+                if fits(dev, dtype, out_dtype, t, activation, bias):
+                    return t
+    raise ValueError(f"grouped_matmul: no tiling fits {dev.name} for {dtype}")
+
+
+def _items(sizes, N_out, m0, n0):
+    out = []
+    start = 0
+    for g, c in enumerate(sizes):
+        if c > 0:
+            for c0 in range(0, N_out, n0):
+                for r0 in range(0, c, m0):
+                    out.append((g, start + r0, min(m0, c - r0), c0, min(n0, N_out - c0), r0 // m0, c0 // n0))
+        start += c
+    return out
+
+
+def _deal(loads, ncores):
+    n = min(ncores, len(loads))
+    heap = [(0.0, c) for c in range(n)]
+    core = np.zeros(len(loads), dtype=np.int64)
+    for i, ld in enumerate(loads):
+        load, c = heapq.heappop(heap)
+        core[i] = c
+        heapq.heappush(heap, (load + ld, c))
+    return n, core
+
+
+def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
+    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    nb = 2 if activation == "swiglu" else 1
+    N_out = N // nb
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    split = dev.arch == "split"
+    rates = dev.rates
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+    its = _items(sizes, N_out, m0, n0)
+    sc = dev.scalar_issue_cycles
+    pro = E * 4 / rates["GM->L1"] + E * sc
+    if not its:
+        return pro, float(E * 4), {"GM->L1": float(E * 4)}, {"scalar": E * sc}, 1
+    arr = np.array(its, dtype=np.int64)
+    g, m, n, mi, ni = arr[:, 0], arr[:, 2].astype(float), arr[:, 4].astype(float), arr[:, 5], arr[:, 6]
+    k0f = dev.cube_k0[dtype]
+    cube = np.ceil(m / 16) * nb * np.ceil(n / 16) * ceil_div(K, k0f)
+    loads = np.maximum(cube, (m + nb * n) * K * isz / rates["GM->L1"])
+    P, core = _deal(loads.tolist(), dev.cube_cores)
+    # the lockstep step of each item: its position in its core's list
+    step = np.zeros(len(its), dtype=np.int64)
+    seen = np.zeros(P, dtype=np.int64)
+    for i, c in enumerate(core.tolist()):
+        step[i] = seen[c]
+        seen[c] += 1
+    S = int(seen.max())
+    a_b = m * K * isz
+    b_b = nb * n * K * isz
+    # L2: B hits for every row block after the first; A hits after the first column block when the
+    # group's A blocks, two B blocks and the output tiles in between fit the L2
+    nm = np.array([ceil_div(sizes[x], m0) for x in g.tolist()])
+    foot = nm * (m0 * K * isz + m0 * n0 * osz) + 2 * nb * n0 * K * isz
+    a_hit = (ni > 0) & (foot <= dev.l2_bytes)
+    b_hit = mi > 0
+    # a B block read first by one core is read in the same step by the cores holding its other row blocks
+    A_hit = np.bincount(step, a_b * a_hit, S)
+    A_miss = np.bincount(step, a_b * ~a_hit, S)
+    B_hit = np.bincount(step, b_b * b_hit, S)
+    B_miss = np.bincount(step, b_b * ~b_hit, S)
+    pa = np.where(A_hit[step] > 0, A_hit[step] / L2bw, 0) + np.where(~a_hit, A_miss[step] / HBMbw, 0)
+    pb = np.where(B_hit[step] > 0, B_hit[step] / L2bw, 0) + np.where(~b_hit | (B_miss[step] > 0) & b_hit
+                                                                     & _same_step_miss(g, mi, ni, step), B_miss[step] / HBMbw, 0)
+    bias_b = nb * n * 4 if bias else 0.0
+    mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)
+    mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
+    out_b = m * n * osz
+    passes = EPILOGUE_PASSES[activation]
+    W = np.bincount(step, out_b, S)
+    if activation is None:
+        if split:
+            fix = np.maximum(out_b / rates["L0C->GM"], W[step] / HBMbw)
+            mte3 = np.zeros_like(m)
+        else:
+            fix = m * n * 4 / rates["L0C->UB"]
+            mte3 = np.maximum(out_b / rates["UB->GM"], W[step] / HBMbw)
+        vec = np.zeros_like(m)
+        aiv = np.zeros_like(m)
+    else:
+        rows = np.ceil(m / 2) if split else m
+        rep = np.ceil(rows * (np.ceil(n / 8) * 8) / 64)            # fp32 rows padded to 32 B
+        vec = rep * (passes + (1 if out_dtype != "float32" else 0))
+        if split:
+            ws_b = nb * m * n * 4
+            fix = ws_b / rates["L0C->GM"]
+            WS = np.bincount(step, ws_b, S)
+            fix = np.maximum(fix, WS[step] / L2bw)
+            ld = np.maximum(nb * rows * n * 4 / rates["GM->UB"], WS[step] / L2bw)
+            st = np.maximum(rows * n * osz / rates["UB->GM"], W[step] / HBMbw)
+            aiv = np.maximum.reduce([ld + st, vec])
+            mte3 = np.zeros_like(m)
+        else:
+            fix = nb * m * n * 4 / rates["L0C->UB"]
+            mte3 = np.maximum(out_b / rates["UB->GM"], W[step] / HBMbw)
+            aiv = np.zeros_like(m)
+    nk1 = ceil_div(K, k1)
+    nsl = sum(ceil_div(min(k1, K - c) , k0) for c in range(0, K, k1))
+    instr = (2 + nb) * nk1 + (1 + 2 * nb) * nsl + 3 + (nb if bias else 0)
+    port = pa + pb + (0 if split and activation is not None else W[step] / HBMbw)
+    unit = np.maximum.reduce([mte2, cube, mte1, fix + (vec if not split else 0), mte3, aiv, port,
+                              np.full(len(its), float(instr * sc))])
+    per_core = np.bincount(core, unit, P)
+    first_chunk = min(k1, K) / K
+    fill = (a_b[0] + b_b[0]) * first_chunk / rates["GM->L1"] + (m[0] + nb * n[0]) * min(k0, K) * isz / 256
+    last = [np.nonzero(core == c)[0][-1] for c in range(P)]
+    drain = np.array([fix[i] + (vec[i] if not split else aiv[i]) + mte3[i] for i in last])
+    core_t = float(np.max(per_core + drain)) + fill + pro
+    hbm = float(A_miss.sum() + B_miss.sum() + W.sum()) + E * 4 + (float(np.sum(nb * n * 4 * (mi == 0))) if bias else 0)
+    if split and activation is not None:
+        # the fp32 workspace stays dirty in L2 and is written back at the end: one line per distinct region
+        slots = {(int(c), int(st) % 2, int(a), int(b)) for c, st, a, b in zip(core, step, m, n)}
+        hbm += sum(nb * a * b * 4 for _, _, a, b in slots)
+    nbytes = {"GM->L1": float(a_b.sum() + b_b.sum() + (bias_b * 1.0 if not bias else np.sum(nb * n * 4))) + E * 4 * P,
+              "L1->L0A": float((np.ceil(m / 16) * 16 * K * isz).sum()),
+              "L1->L0B": float((nb * np.ceil(n / 16) * 16 * K * isz).sum())}
+    if activation is None:
+        nbytes["L0C->GM" if split else "UB->GM"] = float(out_b.sum())
+        if not split:
+            nbytes["L0C->UB"] = float((m * n * 4).sum())
+    elif split:
+        nbytes["L0C->GM"] = float((nb * m * n * 4).sum())
+        nbytes["GM->UB"] = float((nb * m * n * 4).sum())
+        nbytes["UB->GM"] = float(out_b.sum())
+    else:
+        nbytes["L0C->UB"] = float((nb * m * n * 4).sum())
+        nbytes["UB->GM"] = float(out_b.sum())
+    busy = {"mte2": float(np.max(np.bincount(core, mte2, P))), "cube": float(np.max(np.bincount(core, cube, P))),
+            "mte1": float(np.max(np.bincount(core, mte1, P))), "fixpipe": float(np.max(np.bincount(core, fix, P))),
+            "vector": float(np.max(np.bincount(core, vec, P))), "mte3": float(np.max(np.bincount(core, mte3, P)))}
+    return core_t, hbm, nbytes, busy, P
+
+
+def _same_step_miss(g, mi, ni, step):
+    """Whether an item shares its step with the item that misses its B block (it then waits for it)."""
+    key = g * (int(ni.max()) + 1) + ni
+    first = np.full(int(key.max()) + 1, -1)
+    first[key[mi == 0]] = step[mi == 0]
+    return first[key] == step
+
+
+def _dims(x, w, trans_w, activation):
+    (M, K), dtype = x
+    (E, a, b), _ = w
+    N = a if trans_w else b
+    Kw = b if trans_w else a
+    if Kw != K:
+        raise ValueError(f"grouped_matmul: x has K={K}, weight {[E, a, b]} has K={Kw}")
+    return M, K, N, E, dtype
+
+
+@cached
+def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes):
+    dev = get_device(device)
+    nb = 2 if activation == "swiglu" else 1
+    default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias)
+    cands = [default]             # and row blocks for short groups, column blocks for narrow outputs
+    for m0 in (64, 16):
+        for n0 in (256, 64):
+            for k0 in (128,):
+                t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
+                t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
+                if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias):
+                    cands.append(t)
+    best = None
+    for t in cands:
+        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t)
+        cost = kernel_cycles(dev, *res[:3])
+        if best is None or cost < best[0] * (0.97 if t is default else 1.0):
+            best = (cost, t, res)
+    return best[1], best[2]
+
+
+def _roofline(dev, specs, bias=None, trans_w=False, activation=None, out_dtype=None, **_):
+    M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, activation)
+    nb = 2 if activation == "swiglu" else 1
+    io = (M * K + E * K * N) * itemsize(dtype) + M * N // nb * itemsize(out_dtype or dtype)
+    return max(2.0 * M * N * K / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
+
+
+@register("grouped_matmul", _roofline)
+def estimate_grouped_matmul(dev, specs, bias=None, trans_w=False, group_list_type="count", activation=None,
+                            swiglu_order="gate_up", out_dtype=None, group_sizes=None, tiling=None):
+    M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, activation)
+    bias = specs[3] if len(specs) > 3 and specs[3] is not None else bias
+    out_dtype = out_dtype or dtype
+    sizes = tuple(_sizes(E, M, group_sizes))
+    if tiling:
+        t = {k: int(tiling[k]) for k in ("m0", "n0", "k0", "k1")}
+        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias is not None, list(sizes), t)
+    else:
+        t, res = _search(dev.name, M, K, N, E, dtype, out_dtype, activation, bias is not None, sizes)
+    core, hbm, nbytes, busy, _ = res
+    return make("grouped_matmul", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, trans_w=trans_w,
+                activation=activation, out_dtype=out_dtype), 2.0 * sum(sizes) * N * K)
+
+
+@register("matmul_per_group", _roofline)
+def estimate_matmul_per_group(dev, specs, trans_w=False, group_list_type="cumsum", group_sizes=None, tiling=None):
+    M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, None)
+    sizes = _sizes(E, M, group_sizes)
+    body = hbm = 0.0
+    nbytes, busy, by_rows = {}, {}, {}
+    for c in sizes:
+        if c == 0:
+            continue
+        a, b = ((c, K), dtype), (((N, K) if trans_w else (K, N)), dtype)
+        tl = (tiling or {}).get("by_rows", {}).get(c) if tiling else None
+        e = estimate("matmul", [a, b], device=dev.name, trans_b=trans_w, tiling=tl)
+        by_rows[c] = e.tiling if tl is None else tl
+        body += e.cycles
+        hbm += e.hbm_bytes
+        for k, v in e.bytes.items():
+            nbytes[k] = nbytes.get(k, 0) + v
+        for k, v in e.busy.items():
+            busy[k] = busy.get(k, 0) + v
+    # make() adds one launch overhead; every launch's own is in its cycles
+    return make("matmul_per_group", dev, max(0.0, body - dev.launch_cycles), hbm, nbytes, busy,
+                {"by_rows": by_rows}, _roofline(dev, specs, trans_w=trans_w), 2.0 * sum(sizes) * N * K)
+
+
+__all__ = ["estimate_grouped_matmul", "estimate_matmul_per_group", "EPILOGUE_PASSES", "choose_tiling"]

@@ -1,0 +1,115 @@
+"""grouped_matmul and matmul_per_group kernels vs float64 torch, skewed and empty experts, epilogues."""
+import numpy as np
+import pytest
+import torch
+
+from autofuse import npu
+
+DEVICES = ["ascend910", "ascend910b", "ascend310p"]
+
+
+def _ref(x, w, counts, trans_w, bias=None, act=None, order="gate_up"):
+    out, s = [], 0
+    N = w.shape[1] if trans_w else w.shape[2]
+    for g, c in enumerate(counts):
+        wg = w[g].double()
+        y = x[s:s + c].double() @ (wg.T if trans_w else wg)
+        if bias is not None:
+            y = y + bias[g].double()
+        if act == "swiglu":
+            a, u = y.chunk(2, -1)
+            y = torch.nn.functional.silu(a) * u if order == "gate_up" else torch.nn.functional.silu(u) * a
+        elif act == "gelu":
+            y = torch.nn.functional.gelu(y)
+        elif act == "relu":
+            y = torch.relu(y)
+        out.append(y)
+        s += c
+    out.append(torch.zeros(x.shape[0] - s, N // 2 if act == "swiglu" else N, dtype=torch.float64))
+    return torch.cat(out)
+
+
+def _eager(x, w, counts, trans_w, bias=None, act=None, order="gate_up"):
+    """What the models compute in x's dtype (float32 for bf16/fp16 inputs on the CPU, rounded)."""
+    return _ref(x.float(), w.float(), counts, trans_w, bias, act, order).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", [None, "swiglu", "gelu", "relu"])
+def test_grouped_matmul(device, dtype, act):
+    torch.manual_seed(0)
+    E, K, N = 4, 96, 80
+    counts = [30, 0, 70, 5]                                       # skewed, one empty expert
+    M = sum(counts) + 3                                           # rows past the last group: zeros
+    x = torch.randn(M, K).to(dtype)
+    w = (torch.randn(E, N, K) * 0.1).to(dtype)
+    b = torch.randn(E, N) if act in (None, "swiglu") else None
+    r = npu.run("grouped_matmul", x, w, torch.tensor(counts, dtype=torch.int32), b, trans_w=True, activation=act,
+                device=device)
+    ref = _ref(x, w, counts, True, b, act)
+    eager = _eager(x, w, counts, True, b, act)
+    got = r.torch_outputs()[0].double()
+    # fp32 accumulation, one rounding to the dtype: within 2x eager's error (+ the fp32 accumulation's own)
+    assert (got - ref).abs().max() <= 2 * (eager.double() - ref).abs().max() + 1e-4
+    assert got[sum(counts):].abs().max() == 0
+
+
+@pytest.mark.parametrize("order", ["gate_up", "up_gate"])
+def test_swiglu_order_and_storage(order):
+    torch.manual_seed(1)
+    E, K, N = 3, 64, 96
+    counts = [10, 20, 5]
+    x = torch.randn(35, K)
+    w = torch.randn(E, K, N) * 0.1                               # [E, K, N] storage
+    r = npu.run("grouped_matmul", x, w, torch.tensor(counts, dtype=torch.int32), activation="swiglu",
+                swiglu_order=order, device="ascend910b")
+    ref = _ref(x, w, counts, False, act="swiglu", order=order)
+    other = _ref(x, w, counts, False, act="swiglu", order="up_gate" if order == "gate_up" else "gate_up")
+    got = torch.from_numpy(r.outputs[0]).double()
+    assert (got - ref).abs().max() < 1e-4                        # fp32 operands and accumulation
+    assert (got - other).abs().max() > 1e-2                      # near miss: the other half order differs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_per_group_is_grouped_mm_fallback(device):
+    torch.manual_seed(2)
+    E, K, N = 5, 48, 40
+    counts = torch.tensor([3, 0, 17, 9, 0])
+    x = torch.randn(int(counts.sum()), K).half()
+    w = torch.randn(E, K, N).half()
+    offs = counts.cumsum(0).int()
+    r = npu.run("matmul_per_group", x, w, offs, device=device)
+    ref = _ref(x, w, counts.tolist(), False)
+    assert (torch.from_numpy(r.outputs[0]).double() - ref).abs().max() <= \
+        2 * (_eager(x, w, counts.tolist(), False).double() - ref).abs().max() + 1e-4
+    # one launch per non-empty expert: three launch overheads
+    g = npu.run("grouped_matmul", x, w, counts.int(), device=device)
+    assert r.stats.cycles > g.stats.cycles
+
+
+def test_empty_groups_cost_only_bookkeeping():
+    x = torch.randn(64, 128).half()
+    w = torch.randn(64, 128, 128).half()
+    few = torch.zeros(64, dtype=torch.int32)
+    few[5] = 64
+    one = npu.run("grouped_matmul", x, w[5:6], torch.tensor([64], dtype=torch.int32))
+    many = npu.run("grouped_matmul", x, w, few)
+    assert np.array_equal(one.outputs[0], many.outputs[0])
+    # 63 empty experts: the group list read and one Scalar cycle each, no GEMM work
+    assert many.stats.busy["cube"] == one.stats.busy["cube"]
+    assert many.stats.cycles - one.stats.cycles < 200
+
+
+def test_errors():
+    x, w = torch.randn(8, 16), torch.randn(2, 16, 8)
+    with pytest.raises(ValueError, match="covers 9 rows"):
+        npu.run("grouped_matmul", x, w, torch.tensor([4, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="K=16"):
+        npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32), trans_w=True)
+    with pytest.raises(ValueError, match="even N"):
+        npu.run("grouped_matmul", x, torch.randn(2, 16, 7), torch.tensor([4, 4], dtype=torch.int32),
+                activation="swiglu")
+    with pytest.raises(ValueError, match="does not fit"):
+        npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32),
+                tiling={"m0": 512, "n0": 512, "k0": 256, "k1": 512})

@@ -1,0 +1,136 @@
+"""moe_gating_topk and topk kernels vs torch: values within rounding, indices equal torch.topk's (ties too)."""
+import numpy as np
+import pytest
+import torch
+
+from autofuse import npu
+from autofuse.npu.kernels.stl_select import torch_topk
+from autofuse.npu.machine import CapacityError
+
+DEVICES = ["ascend910", "ascend910b", "ascend310p"]
+
+
+def _ref(x, bias=None, k=2, norm="softmax", renorm=False, eps=1e-20, scale=1.0, n_group=1, topk_group=1,
+         group_score="max"):
+    """The router spelled as the models spell it, in float64."""
+    s = x.double()
+    s = torch.softmax(s, -1) if norm == "softmax" else torch.sigmoid(s) if norm == "sigmoid" else s
+    choice = s + (bias.double() if bias is not None else 0)
+    E = x.shape[-1]
+    if n_group > 1:
+        g = choice.view(-1, n_group, E // n_group)
+        gs = g.amax(-1) if group_score == "max" else g.topk(2, -1).values.sum(-1)
+        keep = torch.zeros_like(gs).scatter_(1, torch.topk(gs, topk_group, -1, sorted=False).indices, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1), float("-inf"))
+    idx = torch.topk(choice, k, -1).indices
+    y = s.gather(-1, idx)
+    if renorm:
+        y = y / (y.sum(-1, keepdim=True) + eps)
+    return y * scale, idx
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_softmax_topk_renorm(device, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(300, 8).to(dtype)
+    r = npu.run("moe_gating_topk", x, k=2, renorm=True, eps=0.0, device=device)
+    y, idx = _ref(x.float(), k=2, renorm=True, eps=0.0)
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    # fp32 softmax of the same logits: a few float32 ulps of a value <= 1
+    assert np.abs(r.outputs[0] - y.numpy()).max() < 1e-6
+
+
+@pytest.mark.parametrize("device", ["ascend910", "ascend910b"])
+def test_deepseek_v3_groups_bias_scale(device):
+    torch.manual_seed(1)
+    E = 64
+    x, b = torch.randn(77, E), torch.randn(E) * 0.1
+    p = dict(k=6, norm="sigmoid", renorm=True, eps=1e-20, n_group=8, topk_group=3, group_score="top2")
+    r = npu.run("moe_gating_topk", x, b, routed_scaling_factor=2.5, device=device, **p)
+    y, idx = _ref(x, b, scale=2.5, **p)
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    assert np.abs(r.outputs[0] - y.numpy()).max() < 1e-5         # fp32 sigmoid, sum and divide: ~1e-7 relative
+    # group_score="max" is a different selection
+    r2 = npu.run("moe_gating_topk", x, b, device=device, **{**p, "group_score": "max"})
+    _, idx2 = _ref(x, b, **{**p, "group_score": "max"})
+    assert np.array_equal(r2.outputs[1], idx2.numpy())
+
+
+def test_weights_in_logits_dtype():
+    x = torch.randn(40, 60).to(torch.bfloat16)
+    r = npu.run("moe_gating_topk", x, k=4, out_dtype="bfloat16")
+    y, idx = _ref(x.float(), k=4)
+    assert r.dtypes[0] == "bfloat16"
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    assert np.abs(r.outputs[0] - y.numpy()).max() <= 2.0 ** -8       # one bf16 rounding of a value < 1
+
+
+def test_torch_topk_tie_rule_is_not_lowest_index_first():
+    """torch.topk on the CPU orders equal values as libstdc++'s nth_element / partial_sort leaves them."""
+    x = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0, 0.0])
+    assert torch.topk(x, 2).indices.tolist() == [2, 4]
+    assert torch_topk(x.tolist(), 2)[0] == [2, 4]
+    gen = torch.Generator().manual_seed(3)
+    for n, k, largest, srt in [(8, 2, True, True), (60, 4, True, True), (256, 8, True, False), (300, 3, False, True),
+                               (17, 17, True, True), (1000, 10, True, True)]:
+        for _ in range(20):
+            v = torch.randint(0, 3, (n,), generator=gen).float()
+            assert torch_topk(v.tolist(), k, largest, srt)[0] == torch.topk(v, k, largest=largest, sorted=srt).indices.tolist()
+
+
+@pytest.mark.parametrize("device", ["ascend910", "ascend910b"])
+def test_ties_follow_torch(device):
+    torch.manual_seed(2)
+    x = torch.randint(0, 3, (200, 16)).float()
+    r = npu.run("topk", x, k=5, device=device)
+    v, i = torch.topk(x, 5)
+    assert np.array_equal(r.outputs[1], i.numpy()) and np.array_equal(r.outputs[0], v.numpy())
+    r = npu.run("topk", x.half(), k=3, largest=False, device=device)
+    assert np.array_equal(r.outputs[1], torch.topk(x.half(), 3, largest=False).indices.numpy())
+    assert r.stats.busy["scalar"] > 0                                # the tied rows were re-selected
+
+
+def test_zero_router_ties_in_groups():
+    """A zero-initialised router (every score equal): groups and experts chosen as torch chooses them."""
+    x = torch.zeros(20, 64)
+    p = dict(k=6, norm="sigmoid", renorm=True, n_group=8, topk_group=3, group_score="top2")
+    r = npu.run("moe_gating_topk", x, torch.zeros(64), **p)
+    _, idx = _ref(x, torch.zeros(64), **p)
+    assert np.array_equal(r.outputs[1], idx.numpy())
+
+
+def test_topk_smallest_is_not_largest():
+    """Near miss: largest=False must give the k smallest, not the k largest."""
+    x = torch.randn(50, 33)
+    small = npu.run("topk", x, k=3, largest=False).outputs[1]
+    assert np.array_equal(small, torch.topk(x, 3, largest=False).indices.numpy())
+    assert not np.array_equal(small, torch.topk(x, 3).indices.numpy())
+
+
+def test_errors_name_the_argument():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="k=9"):
+        npu.run("moe_gating_topk", x, k=9)
+    with pytest.raises(ValueError, match="n_group=3"):
+        npu.run("moe_gating_topk", x, k=2, n_group=3)
+    with pytest.raises(ValueError, match="norm="):
+        npu.run("moe_gating_topk", x, k=2, norm="relu")
+    with pytest.raises(ValueError, match="bias"):
+        npu.run("moe_gating_topk", x, torch.zeros(7), k=2)
+
+
+def test_capacity():
+    """Rows too long for UB: the kernel says so (the planner then prices the op as generic)."""
+    with pytest.raises((ValueError, CapacityError), match="UB"):
+        npu.run("topk", torch.randn(2, 4000), k=2, device="ascend910b")
+
+
+def test_lanes_tiling_and_decode():
+    x = torch.randn(1, 8)
+    r = npu.run("moe_gating_topk", x, k=2)
+    assert np.array_equal(r.outputs[1], _ref(x)[1].numpy())
+    x = torch.randn(100, 8)
+    a = npu.run("moe_gating_topk", x, k=2, tiling={"lanes": 8})
+    b = npu.run("moe_gating_topk", x, k=2, tiling={"lanes": 64})
+    assert np.array_equal(a.outputs[1], b.outputs[1]) and np.array_equal(a.outputs[0], b.outputs[0])

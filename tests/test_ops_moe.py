@@ -1,0 +1,187 @@
+"""The fused MoE ops against the eager spellings of transformers 5.24's routers and experts.
+
+Mixtral (softmax, top-k, y / sum(y)), Qwen2-MoE / Qwen3-MoE (softmax, top-k, optional renorm, cast to the
+logits' dtype) and DeepSeek-V3 (sigmoid, selection bias, group top-2, y / (sum(y) + 1e-20), scaling), and
+the experts (gate_up_proj [E, 2I, H], chunk(2) -> silu(gate) * up, down_proj [E, H, I], weighted index_add),
+written here as those models' forward methods spell them. Errors are measured against float64 and must
+stay within twice eager's own; indices must equal eager's.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autofuse import ops_moe as M
+
+
+def mixtral_router(logits, k, acc=torch.float32):
+    """``acc``: the type the model computes in (float32; float64 for the reference)."""
+    p = F.softmax(logits.to(acc), dim=-1)
+    v, i = torch.topk(p, k, dim=-1)
+    v /= v.sum(dim=-1, keepdim=True)
+    return v, i
+
+
+def qwen_router(logits, k, norm_topk_prob, acc=torch.float32):
+    p = F.softmax(logits, dtype=acc, dim=-1)
+    v, i = torch.topk(p, k, dim=-1)
+    if norm_topk_prob:
+        v /= v.sum(dim=-1, keepdim=True)
+    return v.to(logits.dtype), i
+
+
+def deepseek_router(logits, bias, k, n_group, topk_group, scale, acc=torch.float32):
+    scores = logits.to(acc).sigmoid()
+    choice = scores + bias
+    E = logits.shape[-1]
+    gs = choice.view(-1, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    gi = torch.topk(gs, k=topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(gs).scatter_(1, gi, 1).unsqueeze(-1).expand(-1, n_group, E // n_group).reshape(-1, E)
+    choice = choice.masked_fill(~mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
+def experts_eager(x, idx, w, gate_up, down):
+    """MixtralExperts.forward (the eager loop): per expert, gather, gate_up, silu(gate)*up, down, weight,
+    index_add."""
+    out = torch.zeros_like(x)
+    E = gate_up.shape[0]
+    mask = F.one_hot(idx, num_classes=E).permute(2, 1, 0)
+    for e in range(E):
+        pos, tok = torch.where(mask[e])
+        if tok.numel() == 0:
+            continue
+        gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down[e]) * w[tok, pos, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+def experts_fused(x, idx, w, gate_up, down, device="ascend910"):
+    E = gate_up.shape[0]
+    xs, row, counts = M.moe_init_routing(x, idx, E, device=device)
+    h = M.grouped_matmul(xs, gate_up, counts, trans_w=True, activation="swiglu", device=device)
+    y = M.grouped_matmul(h, down, counts, trans_w=True, device=device)
+    return M.moe_finalize_routing(y, w, row, device=device)
+
+
+def _err(a, ref):
+    return (a.double() - ref.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixtral_router(dtype):
+    torch.manual_seed(0)
+    logits = torch.randn(64, 8).to(dtype)
+    v, i = mixtral_router(logits, 2)
+    w, j = M.moe_gating_topk(logits, k=2, renorm=True, eps=0.0)
+    assert torch.equal(i, j) and w.dtype == torch.float32
+    ref, _ = mixtral_router(logits, 2, torch.float64)
+    assert _err(w, ref) <= 2 * _err(v, ref) + 1e-7       # 1e-7: eager may round exactly where the kernel does not
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qwen_router(norm):
+    torch.manual_seed(1)
+    logits = torch.randn(33, 60).to(torch.bfloat16)
+    v, i = qwen_router(logits, 4, norm)
+    w, j = M.moe_gating_topk(logits, k=4, renorm=norm, eps=0.0, out_dtype=None)
+    assert torch.equal(i, j) and w.dtype == torch.bfloat16
+    ref, _ = qwen_router(logits, 4, norm, torch.float64)
+    assert _err(w, ref) <= 2 * _err(v, ref) + 1e-7
+
+
+def test_deepseek_v3_router():
+    torch.manual_seed(2)
+    logits, bias = torch.randn(40, 64), torch.randn(64) * 0.05
+    v, i = deepseek_router(logits, bias, 6, 8, 3, 2.5)
+    w, j = M.moe_gating_topk(logits, bias, k=6, norm="sigmoid", renorm=True, eps=1e-20, routed_scaling_factor=2.5,
+                             n_group=8, topk_group=3, group_score="top2")
+    # eager asks for sorted=False (order unspecified); the kernel returns the same experts, largest first
+    assert torch.equal(i.sort(-1).values, j.sort(-1).values)
+    order = i.argsort(-1)
+    ref, _ = deepseek_router(logits, bias.double(), 6, 8, 3, 2.5, torch.float64)
+    assert _err(w.gather(1, j.argsort(-1)), ref.gather(1, order)) <= 2 * _err(v, ref) + 1e-6
+
+
+def test_router_near_misses():
+    """Not what the kernel computes: largest=False, sigmoid for softmax, no renormalisation."""
+    torch.manual_seed(3)
+    logits = torch.randn(16, 8)
+    w, j = M.moe_gating_topk(logits, k=2, renorm=True, eps=0.0)
+    assert not torch.equal(j, torch.topk(torch.softmax(logits, -1), 2, largest=False).indices)
+    v, _ = qwen_router(logits, 2, False)
+    assert _err(w, v) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_block(dtype):
+    torch.manual_seed(4)
+    T, H, I, E, k = 24, 32, 48, 4, 2
+    x = torch.randn(T, H).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.2).to(dtype)
+    down = (torch.randn(E, H, I) * 0.2).to(dtype)
+    w, idx = mixtral_router(torch.randn(T, E), k)
+    eager = experts_eager(x, idx, w, gate_up, down)
+    fused = experts_fused(x, idx, w, gate_up, down)
+    ref = experts_eager(x.double(), idx, w.double(), gate_up.double(), down.double())
+    assert _err(fused, ref) <= 2 * _err(eager, ref) + 1e-6
+
+
+def test_gradients_match_eager():
+    torch.manual_seed(5)
+    T, H, I, E, k = 12, 16, 8, 3, 2
+    x = torch.randn(T, H, requires_grad=True)
+    gate_up = (torch.randn(E, 2 * I, H) * 0.3).requires_grad_(True)
+    down = (torch.randn(E, H, I) * 0.3).requires_grad_(True)
+    logits = torch.randn(T, E, requires_grad=True)
+    g = torch.randn(T, H)
+
+    def run(fused):
+        w, idx = M.moe_gating_topk(logits, k=2, renorm=True, eps=0.0) if fused else mixtral_router(logits, k)
+        out = experts_fused(x, idx, w, gate_up, down) if fused else experts_eager(x, idx, w, gate_up, down)
+        return torch.autograd.grad((out * g).sum(), (x, gate_up, down, logits))
+
+    for a, b in zip(run(True), run(False)):
+        assert (a - b).abs().max() < 1e-4                    # fp32 on both sides, different summation orders
+
+
+def test_grouped_matmul_bias_gradient():
+    torch.manual_seed(6)
+    x = torch.randn(10, 8, requires_grad=True)
+    w = torch.randn(2, 8, 6, requires_grad=True)
+    b = torch.randn(2, 6, requires_grad=True)
+    counts = torch.tensor([4, 6])
+    M.grouped_matmul(x, w, counts, b).pow(2).sum().backward()
+    xe, we, be = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    torch.cat([xe[:4] @ we[0] + be[0], xe[4:] @ we[1] + be[1]]).pow(2).sum().backward()
+    for a, e in ((x, xe), (w, we), (b, be)):
+        assert (a.grad - e.grad).abs().max() < 1e-4
+
+
+def test_fake_and_schema():
+    torch.manual_seed(7)
+    x, idx = torch.randn(6, 8), torch.randint(0, 3, (6, 2))
+    torch.library.opcheck(torch.ops.autofuse.moe_init_routing.default, (x, idx, 3))
+    torch.library.opcheck(torch.ops.autofuse.moe_gating_topk.default, (torch.randn(6, 8), None, 2))
+    w = torch.randn(3, 8, 4)
+    torch.library.opcheck(torch.ops.autofuse.grouped_matmul.default, (torch.randn(12, 8), w, torch.tensor([4, 0, 8])))
+    with torch.device("meta"):
+        y = torch.ops.autofuse.grouped_matmul(torch.empty(12, 8), torch.empty(3, 10, 8), torch.empty(3, dtype=torch.int64),
+                                              None, True, "count", "swiglu")
+    assert y.shape == (12, 5)
+
+
+def test_reference_twins_match_the_kernels():
+    torch.manual_seed(8)
+    logits = torch.randn(20, 16)
+    assert all(torch.allclose(a.float(), b.float(), atol=1e-6) for a, b in
+               zip(M.moe_gating_topk(logits, k=3, renorm=True), M.reference_moe_gating_topk(logits, k=3, renorm=True)))
+    x, idx = torch.randn(20, 8).half(), torch.randint(0, 4, (20, 2))
+    got, ref = M.moe_init_routing(x, idx, 4), M.reference_moe_init_routing(x, idx, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    y = torch.randn(40, 8).half()
+    sc = torch.rand(20, 2)
+    assert torch.equal(M.moe_finalize_routing(y, sc, got[1]), M.reference_moe_finalize_routing(y, sc, got[1]))
