@@ -222,9 +222,15 @@ def rewrite(captured: fx.GraphModule, lifts: list, emit_for, kwargs_for=lambda l
     new = copy_graph_module(captured)
     g = new.graph
     env = {n.name: n for n in g.nodes}
+    reorder = False
     for lifted in lifts:
-        first = min((env[t] for t, _ in lifted.targets.values()), key=_position(g))
-        with g.inserting_before(first):
+        pos = _position(g)
+        first = min((env[t] for t, _ in lifted.targets.values()), key=pos)
+        last_read = max((env[r] for r in lifted.reads), key=pos, default=None)
+        # right before the first replaced node, unless an input comes later (then sort the graph afterwards)
+        where = first if last_read is None or pos(last_read) < pos(first) else last_read.next
+        reorder = reorder or where is not first
+        with g.inserting_before(where):
             outs = build(g, lifted, env, emit_for(lifted.match), kwargs_for(lifted))
         replaced = {}
         for role, (target, _) in lifted.targets.items():
@@ -236,7 +242,8 @@ def rewrite(captured: fx.GraphModule, lifts: list, emit_for, kwargs_for=lambda l
             if not n.users:
                 g.erase_node(n)
         env.update(replaced)            # a later block reading a replaced value reads the fused output
-    new = legalize_graph(new)
+    if reorder:
+        new = legalize_graph(new)
     new.graph.lint()
     new.recompile()
     return new

@@ -128,8 +128,8 @@ def _walk_scores(x, below: _Below) -> _Scores | None:
             if val(keep).dtype != torch.bool or below.tensor_scale or not is_number(fill):
                 return None             # a mask scaled by a runtime factor has no fixed meaning here
             f = below.fill_at_softmax(fill, val(x).dtype)
-            if not (f == -math.inf or f <= NEG_FILL) or math.isnan(f):
-                return None             # a fill that does not mask is not a mask
+            if not (f == -math.inf or f <= below.fill_at_softmax(NEG_FILL, val(x).dtype)) or math.isnan(f):
+                return None             # a fill that does not mask is not a mask (-1e4 as the dtype rounds it)
             if f != -math.inf and below.additive:
                 return None             # fill + an additive mask below it: no single fill describes it
             nodes.append(x)

@@ -70,3 +70,15 @@ def main_output(out):
 @pytest.fixture
 def ref_op():
     return torch.ops.autofuse_test.attention_ref.default
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The property tests' counts (cases drawn, fused, rejected, wrong), when they ran."""
+    import sys
+    mod = sys.modules.get("test_properties")
+    counts = getattr(mod, "COUNTS", None)
+    if counts:
+        terminalreporter.write_line(
+            f"property tests: {counts['cases']} spellings ({counts['fused']} fused, {counts['rejected']} not "
+            f"fused), {counts['near_miss_cases']} near misses ({counts['near_miss_rejected']} not fused, "
+            f"{counts['near_miss_fused']} fused); wrong results: {counts['wrong']}")

@@ -1,5 +1,4 @@
 """Capture: both routes give one aten-level form with FakeTensor meta; the user's model is untouched."""
-import time
 
 import pytest
 import torch
@@ -91,18 +90,15 @@ def test_meta_model_capture_has_shapes():
     assert g.number_of_nodes() == len(cap.graph_module.graph.nodes)
 
 
-def test_gpt2_on_meta_is_fast():
+def test_gpt2_captures_on_meta_without_data():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=768, n_head=12)
     with torch.device("meta"):
         model = transformers.GPT2Model(cfg)
     ids = torch.zeros(1, 128, dtype=torch.long, device="meta")
-    t0 = time.perf_counter()
     cap = capture(model, (ids,), {"use_cache": False})
-    elapsed = time.perf_counter() - t0
     out = [n for n in cap.graph_module.graph.nodes if n.op == "output"][0]
     assert tuple(out.args[0][0].meta["val"].shape) == (1, 128, 768)
-    assert elapsed < 20, elapsed
 
 
 class DataDependent(nn.Module):

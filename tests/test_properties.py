@@ -1,0 +1,314 @@
+"""Property tests (hypothesis): random attention spellings must fuse and equal eager; random near misses must
+not fuse and must still equal eager; parameters, buffers and the train/eval mode may change after fuse().
+
+The default run draws a small number of cases; ``python -m pytest -m slow tests/test_properties.py -s``
+draws 2,000 spellings and 600 near misses. Counts (cases, fused, rejected, wrong) are printed at the end of
+the run. "Equal eager" is the verifier's bound (:func:`autofuse.verify.compare`): NaN and infinities where
+eager has them, elsewhere at most twice eager's own error against float64 plus one rounding.
+"""
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from autofuse import AutoFusionEngine  # noqa: E402
+from autofuse.verify import compare  # noqa: E402
+
+FUSED_OP = torch.ops.autofuse.flash_attention.default
+COUNTS: Counter = Counter()          # read by conftest's terminal summary
+
+FAST = settings(max_examples=12, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SLOW = settings(max_examples=2000, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SLOW_NEAR = settings(max_examples=600, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@dataclass(frozen=True)
+class Spelling:
+    dtype: torch.dtype
+    B: int
+    N: int
+    kv: int                 # kv heads (divides N)
+    Sq: int
+    Skv: int
+    D: int
+    scale: str              # where and how the scores are scaled
+    mask: str               # none | additive | masked_fill | where | causal_tril | causal_triu | causal_arange
+    fill: float | str       # a bool mask's fill: -inf, "finfo.min", -1e4, -1e9
+    empty_row: bool         # one query row sees no key
+    gqa: str                # none | repeat_kv | repeat_interleave
+    softmax: str            # function | method | fp32 | decomposed
+    sdpa: bool
+    dropout: bool           # an nn.Dropout on the probabilities (active in training mode only)
+
+
+_SCALES = ("mul", "div", "pre_q", "pre_qk", "temperature", "buffer", "sqrt_tensor")
+
+
+@st.composite
+def spellings(draw):
+    N = draw(st.sampled_from([1, 2, 4]))
+    kv = draw(st.sampled_from([d for d in (1, 2, 4) if N % d == 0]))
+    causal_ok = True
+    Sq = draw(st.integers(1, 40))
+    sdpa = draw(st.booleans())
+    mask = draw(st.sampled_from(["none", "additive", "masked_fill", "where", "causal_tril", "causal_triu",
+                                 "causal_arange"]))
+    Skv = Sq if mask.startswith("causal") else draw(st.integers(1, 40))
+    if sdpa and mask in ("masked_fill", "where"):
+        mask = "bool_sdpa"
+    return Spelling(
+        dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+        B=draw(st.integers(1, 2)), N=N, kv=kv, Sq=Sq, Skv=Skv, D=draw(st.sampled_from([4, 8, 16, 24])),
+        scale=draw(st.sampled_from(("mul",) if sdpa else _SCALES)), mask=mask,
+        fill=draw(st.sampled_from([float("-inf"), "finfo.min", -1e4, -1e9])),
+        empty_row=draw(st.booleans()) and causal_ok and mask in ("additive", "masked_fill", "where", "bool_sdpa"),
+        gqa=draw(st.sampled_from(["none", "repeat_kv", "repeat_interleave"])) if kv < N else "none",
+        softmax=draw(st.sampled_from(["function", "method", "fp32", "decomposed"])), sdpa=sdpa,
+        dropout=draw(st.booleans()) and not sdpa)
+
+
+def _fill(sp: Spelling, dtype):
+    f = torch.finfo(dtype).min if sp.fill == "finfo.min" else sp.fill
+    if sp.fill == -1e9 and dtype == torch.float16:
+        f = float("-inf")               # eager refuses to masked_fill a value float16 cannot hold
+    return f
+
+
+class Attention(nn.Module):
+    """``forward(q, k, v[, mask])`` in the spelling ``sp``; q [B, N, Sq, D], k/v [B, kv, Skv, D]."""
+
+    def __init__(self, sp: Spelling):
+        super().__init__()
+        self.sp = sp
+        self.temp = nn.Parameter(torch.tensor(sp.D ** -0.5))
+        self.register_buffer("inv_scale", torch.tensor(sp.D ** 0.5))
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, q, k, v, mask=None):
+        sp = self.sp
+        rep = sp.N // sp.kv
+        if rep > 1:
+            if sp.gqa == "repeat_kv":
+                b, h, s, d = k.shape
+                k = k[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+                v = v[:, :, None].expand(b, h, rep, s, d).reshape(b, h * rep, s, d)
+            else:
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        c = sp.D ** -0.5
+        if sp.sdpa:
+            am = mask if sp.mask in ("additive", "bool_sdpa") else None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=am, is_causal=sp.mask.startswith("causal"))
+        if sp.scale == "pre_q":
+            q = q * c
+        elif sp.scale == "pre_qk":
+            q, k = q * c ** 0.5, k * c ** 0.5
+        s = q @ k.transpose(-2, -1)
+        if sp.scale == "mul":
+            s = s * c
+        elif sp.scale == "div":
+            s = s / math.sqrt(sp.D)
+        elif sp.scale == "temperature":
+            s = s * self.temp
+        elif sp.scale == "buffer":
+            s = s / self.inv_scale
+        elif sp.scale == "sqrt_tensor":
+            s = s / torch.sqrt(torch.tensor(float(sp.D)))
+        fill = _fill(sp, s.dtype)
+        if sp.mask == "additive":
+            s = s + mask
+        elif sp.mask == "masked_fill":
+            s = s.masked_fill(~mask, fill)
+        elif sp.mask == "where":
+            s = torch.where(mask, s, fill)
+        elif sp.mask == "causal_tril":
+            s = s.masked_fill(torch.tril(torch.ones(sp.Sq, sp.Skv, device=s.device)) == 0, fill)
+        elif sp.mask == "causal_triu":
+            s = s.masked_fill(torch.triu(torch.ones(sp.Sq, sp.Skv, dtype=torch.bool, device=s.device), 1), fill)
+        elif sp.mask == "causal_arange":
+            i = torch.arange(sp.Sq, device=s.device)
+            s = torch.where(i[:, None] >= i[None, :], s, fill)
+        if sp.softmax == "function":
+            p = F.softmax(s, dim=-1)
+        elif sp.softmax == "method":
+            p = s.softmax(-1)
+        elif sp.softmax == "fp32":
+            p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            e = (s - s.amax(-1, keepdim=True)).exp()
+            p = e / e.sum(-1, keepdim=True)
+        if sp.dropout:
+            p = self.drop(p)
+        return p @ v
+
+
+def _inputs(sp: Spelling, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sp.B, sp.N, sp.Sq, sp.D, generator=g).to(sp.dtype)
+    k, v = (torch.randn(sp.B, sp.kv, sp.Skv, sp.D, generator=g).to(sp.dtype) for _ in range(2))
+    if sp.mask == "additive":
+        m = (torch.randn(sp.B, 1, sp.Sq, sp.Skv, generator=g)).to(sp.dtype)
+        if sp.empty_row:
+            m[:, :, 0] = _fill(sp, sp.dtype)
+        return q, k, v, m
+    if sp.mask in ("masked_fill", "where", "bool_sdpa"):
+        m = torch.rand(sp.B, 1, sp.Sq, sp.Skv, generator=g) > 0.3
+        if sp.empty_row:
+            m[:, :, 0] = False
+        return q, k, v, m
+    return q, k, v
+
+
+def _equal_eager(model, args, got):
+    want = model(*args)
+    model64 = Attention(model.sp).double()
+    model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ref = model64.eval() if not model.training else model64
+    with torch.no_grad():
+        ref = ref(*[a.double() if a.is_floating_point() else a for a in args])
+    ok, err, tol = compare(want, ref, got)
+    return ok, f"error {err:.3g} > bound {tol:.3g}"
+
+
+def _fused_calls(fused):
+    return [n for n in fused.graph_module.graph.nodes if n.op == "call_function" and n.target is FUSED_OP]
+
+
+def _check_spelling(sp: Spelling, seed: int):
+    COUNTS["cases"] += 1
+    model = Attention(sp).eval()
+    args = _inputs(sp, seed)
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, args)
+        calls = _fused_calls(fused)
+        if len(calls) != 1:
+            COUNTS["rejected"] += 1
+            COUNTS["wrong"] += 1
+            pytest.fail(f"{sp} was not fused:\n{fused.report.summary()}")
+        COUNTS["fused"] += 1
+        ok, why = _equal_eager(model, args, fused(*args))
+        if not ok:
+            COUNTS["wrong"] += 1
+            pytest.fail(f"{sp}: fused != eager: {why}")
+        # the user's state changes after fuse(): the fused module follows
+        with torch.no_grad():
+            model.temp.mul_(1.5)
+            model.inv_scale.mul_(0.5)
+        ok, why = _equal_eager(model, args, fused(*args))
+        if not ok:
+            COUNTS["wrong"] += 1
+            pytest.fail(f"{sp}: after a parameter/buffer edit: {why}")
+    if sp.dropout:                   # training mode keeps dropout: the same seed draws the same masks
+        model.train()
+        torch.manual_seed(seed)
+        want = model(*args)
+        torch.manual_seed(seed)
+        got = fused(*args)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.allclose(
+            got.nan_to_num(), want.nan_to_num()), sp
+        model.eval()
+        with torch.no_grad():
+            ok, why = _equal_eager(model, args, fused(*args))
+        assert ok, f"{sp}: back in eval mode: {why}"
+
+
+@FAST
+@given(spellings(), st.integers(0, 2 ** 16))
+def test_random_spellings_fuse_and_equal_eager(sp, seed):
+    _check_spelling(sp, seed)
+
+
+@pytest.mark.slow
+@SLOW
+@given(spellings(), st.integers(0, 2 ** 16))
+def test_random_spellings_fuse_and_equal_eager_2000(sp, seed):
+    _check_spelling(sp, seed)
+
+
+# --------------------------------------------------------------------------------------------- near misses
+
+NEAR_MISSES = ("softmax_other_dim", "mask_after_softmax", "per_key_scale", "edited_probs", "swapped_key_heads",
+               "probs_plus", "scores_used_elsewhere", "positive_fill")
+
+
+class NearMiss(nn.Module):
+    def __init__(self, kind, S):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.rand(S) + 0.5)
+
+    def forward(self, q, k, v, keep):
+        c = q.shape[-1] ** -0.5
+        if self.kind == "swapped_key_heads":       # heads and sequence swapped, not the last two dims
+            s = q @ k.permute(0, 2, 1, 3) * c
+        else:
+            s = q @ k.transpose(-2, -1) * c
+        if self.kind == "per_key_scale":
+            s = s * self.w
+        if self.kind == "positive_fill":
+            s = s.masked_fill(~keep, 0.5)
+        p = torch.softmax(s, dim=-2 if self.kind == "softmax_other_dim" else -1)
+        if self.kind == "mask_after_softmax":
+            p = p.masked_fill(~keep, 0.0)
+        if self.kind == "edited_probs":
+            p = p * 2.0 - 0.1
+        if self.kind == "probs_plus":
+            p = p + 0.01
+        out = p @ v
+        if self.kind == "scores_used_elsewhere":
+            return out, s.amax(-1)
+        return out
+
+
+def _check_near_miss(kind, S, D, dtype, seed):
+    COUNTS["near_miss_cases"] += 1
+    g = torch.Generator().manual_seed(seed)
+    N = S                                  # square heads x sequence so the swapped permute type-checks
+    q, k, v = (torch.randn(1, N, S, D, generator=g).to(dtype) for _ in range(3))
+    if kind == "swapped_key_heads":
+        D = S
+        q, k, v = (torch.randn(1, N, S, S, generator=g).to(dtype) for _ in range(3))
+    keep = torch.rand(1, 1, S, S, generator=g) > 0.3
+    model = NearMiss(kind, S).to(dtype).eval()
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, (q, k, v, keep))
+        if _fused_calls(fused):
+            COUNTS["near_miss_fused"] += 1
+            COUNTS["wrong"] += 1
+            pytest.fail(f"near miss {kind} was fused:\n{fused.report.summary()}")
+        got, want = fused(q, k, v, keep), model(q, k, v, keep)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for a, b in zip(got, want):
+        if not torch.equal(a, b):          # nothing fused: the captured graph runs, bit for bit
+            COUNTS["wrong"] += 1
+            pytest.fail(f"near miss {kind}: the unfused graph differs from eager")
+    COUNTS["near_miss_rejected"] += 1
+
+
+@st.composite
+def near_misses(draw):
+    return (draw(st.sampled_from(NEAR_MISSES)), draw(st.integers(2, 12)), draw(st.sampled_from([4, 8, 16])),
+            draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])), draw(st.integers(0, 2 ** 16)))
+
+
+@FAST
+@given(near_misses())
+def test_random_near_misses_do_not_fuse(case):
+    _check_near_miss(*case)
+
+
+@pytest.mark.slow
+@SLOW_NEAR
+@given(near_misses())
+def test_random_near_misses_do_not_fuse_600(case):
+    _check_near_miss(*case)

@@ -1,0 +1,312 @@
+"""The fused model is the user's model: what runs is the captured graph plus fused calls; parameters and
+buffers are read at call time and get their gradients; finite mask fills, fully masked rows, training
+mode and guarded assumptions behave as eager does."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+from autofuse.capture import capture
+from autofuse.models import build
+from autofuse.verify import compare
+from conftest import main_output
+
+B, N, S, D = 2, 4, 16, 16
+FUSED_OP = torch.ops.autofuse.flash_attention.default
+
+
+def _fused_calls(fused):
+    return [n for n in fused.graph_module.graph.nodes if n.op == "call_function" and n.target is FUSED_OP]
+
+
+def _qkv(dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(B, N, S, D, generator=g) * scale).to(dtype) for _ in range(3))
+
+
+def _assert_as_eager(model, args, got):
+    """Within the verifier's bound: at most twice eager's own error against float64, same NaN/inf pattern."""
+    want = model(*args)
+    ref = model.double()(*[a.double() if a.is_floating_point() else a for a in args])
+    model.to(args[0].dtype)
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
+# ------------------------------------------------------------------ the captured graph runs, not the canonical
+
+
+class PreScaledQuery(nn.Module):
+    """nn.MultiheadAttention, BART and Whisper scale q before q·kᵀ; in fp16 the unscaled scores overflow."""
+
+    def forward(self, q, k, v):
+        return torch.softmax((q * 0.125) @ k.transpose(-2, -1), -1) @ v
+
+
+def test_prescaled_fp16_query_runs_as_captured_at_o0():
+    args = _qkv(torch.float16, scale=40.0)          # |q·k| reaches ~1e5 > 65504; (q/8)·k stays finite
+    model = PreScaledQuery()
+    want = model(*args)
+    assert torch.isfinite(want).all()
+    fused = AutoFusionEngine.fuse(model, args, optimization_level="O0")
+    captured = capture(model, args)
+    got = fused(*args)
+    assert torch.equal(got, want) and torch.equal(got, captured(*args))     # bit for bit
+
+
+def test_prescaled_fp16_query_fuses_and_stays_finite():
+    args = _qkv(torch.float16, scale=40.0)
+    model = PreScaledQuery()
+    fused = AutoFusionEngine.fuse(model, args, optimization_level="O2")
+    assert [d.reason_code for d in fused.report.decisions] == ["fused"], fused.report.summary()
+    got = fused(*args)
+    assert torch.isfinite(got).all()
+    _assert_as_eager(model, args, got)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "mha"])
+def test_o0_is_bit_identical_to_the_captured_graph(name):
+    torch.manual_seed(0)
+    model, (args, kwargs) = build(name, layers=2, hidden=32, heads=4, seq=8)
+    model.eval()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs), optimization_level="O0")
+    cap = capture(model, args, kwargs)
+    with torch.no_grad():
+        got, want = main_output(fused(*args, **kwargs)), main_output(cap(*args, **kwargs))
+    assert torch.equal(got, want)
+    # every node of the executed graph is a captured node, unchanged
+    fmt = lambda gm: [(n.op, str(n.target), str(n.args), str(n.kwargs)) for n in gm.graph.nodes]  # noqa: E731
+    assert fmt(fused.graph_module) == fmt(cap.graph_module)
+
+
+def test_nodes_outside_a_fusion_are_the_captured_nodes():
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=8)
+    fused = AutoFusionEngine.fuse(model.eval(), (args, kwargs))
+    cap = capture(model, args, kwargs)
+    gone = {n for d in fused.report.applied for n in d.nodes}
+
+    def form(n):                # a node's op and arguments; a read of a replaced value reads the fused output
+        args = torch.fx.map_arg((n.args, n.kwargs), lambda a: "<fused>" if a.name in gone or
+                                a.op == "call_function" and a.target is not None and "autofuse" in str(a.args)
+                                else a.name)
+        return n.op, str(n.target), str(args)
+
+    captured = {n.name: form(n) for n in cap.graph_module.graph.nodes}
+    executed = {n.name: n for n in fused.graph_module.graph.nodes}
+    kept = {name for name in captured if name not in gone}
+    assert kept <= set(executed)
+    for name in kept:
+        op, target, args = form(executed[name])
+        assert (op, target) == captured[name][:2], name
+        assert args == captured[name][2] or "<fused>" in captured[name][2] or "getitem" in args, name
+
+
+# ---------------------------------------------------------------------------------- values are never baked in
+
+
+class Temperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * self.temp, -1) @ v
+
+
+def test_learnable_temperature_is_read_at_call_time_and_gets_its_gradient():
+    model = Temperature()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    assert len(_fused_calls(fused)) == 1, fused.report.summary()
+    with torch.no_grad():
+        model.temp.fill_(2.0)
+    torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+    model(*args).square().sum().backward()
+    want = model.temp.grad.clone()
+    model.zero_grad()
+    fused(*args).square().sum().backward()
+    assert model.temp.grad is not None
+    torch.testing.assert_close(model.temp.grad, want, atol=1e-4, rtol=1e-4)
+
+
+class ScaleBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_scale", torch.tensor(4.0))
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) / self.inv_scale, -1) @ v
+
+
+def test_scale_buffer_follows_state_dict():
+    model = ScaleBuffer()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    assert len(_fused_calls(fused)) == 1, fused.report.summary()
+    model.load_state_dict({"inv_scale": torch.tensor(0.5)})
+    torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+
+
+class ZeroBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.zeros(1, 1, S, S))
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5 + self.bias, -1) @ v
+
+
+def test_zero_bias_buffer_is_guarded_and_replanned_after_load_state_dict():
+    model = ZeroBias()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    (d,) = fused.report.applied
+    assert d.params["mask_kind"] is None and "bias" in fused.report.guards[0]     # proven empty, guarded
+    model.load_state_dict({"bias": torch.randn(1, 1, S, S)})
+    torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+    assert "bias" in fused.report.replanned_because and "in place" in fused.report.replanned_because
+    (d,) = fused.report.applied
+    assert d.params["mask_kind"] == "additive"
+
+
+def test_a_replaced_buffer_fires_its_guard():
+    model = ZeroBias()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    model.bias = torch.ones(1, 1, S, S)               # a new tensor object under the same name
+    torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+    assert "replaced" in fused.report.replanned_because
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16"])
+def test_dtype_conversion_after_fuse_replans(convert):
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=4, seq=8)
+    model.eval()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    model.half() if convert == "half" else model.to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs))
+    assert got.dtype == want.dtype
+    assert "changed from float32" in fused.report.replanned_because
+    # the fused kernel computes in fp32 where eager rounds each op: within a few 16-bit roundings of the logits
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.05)
+
+
+# --------------------------------------------------------------------------- finite fills, fully masked rows
+
+
+class Masked(nn.Module):
+    def __init__(self, fill, spelling):
+        super().__init__()
+        self.fill, self.spelling = fill, spelling
+
+    def forward(self, q, k, v, keep):
+        s = q @ k.transpose(-2, -1) * D ** -0.5
+        fill = torch.finfo(s.dtype).min if self.fill == "finfo.min" else self.fill
+        if self.spelling == "masked_fill":
+            s = s.masked_fill(~keep, fill)
+        else:
+            s = torch.where(keep, s, fill)
+        return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fill", ["finfo.min", -1e4, -1e9, float("-inf")])
+@pytest.mark.parametrize("spelling", ["masked_fill", "where"])
+def test_fully_masked_rows_as_eager(dtype, fill, spelling):
+    if spelling == "masked_fill" and fill == -1e9 and dtype == torch.float16:
+        pytest.skip("eager refuses it: masked_fill of -1e9 overflows float16")
+    model = Masked(fill, spelling)
+    q, k, v = _qkv(dtype)
+    keep = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(1)) > 0.4
+    keep[:, :, 3] = False                           # query row 3 sees no key
+    args = (q, k, v, keep)
+    fused = AutoFusionEngine.fuse(model, args)
+    assert len(_fused_calls(fused)) == 1, fused.report.summary()
+    got = fused(*args)
+    want = model(*args)
+    # a finite fill averages V over every key; -inf (or a fill that overflows the dtype) gives NaN, as eager
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    if fill == "finfo.min" or (fill == -1e4 and dtype != torch.float16) or (fill == -1e9 and dtype != torch.float16):
+        torch.testing.assert_close(got[:, :, 3].float(), v.float().mean(-2).to(dtype).float(),
+                                   atol=4 * torch.finfo(dtype).eps, rtol=4 * torch.finfo(dtype).eps)
+    _assert_as_eager(model, args, got)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_fully_masked_rows_through_sdpa_give_zeros(kind):
+    class M(nn.Module):
+        def forward(self, q, k, v, m):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    q, k, v = _qkv()
+    m = torch.ones(B, 1, S, S, dtype=torch.bool)
+    m[:, :, 5] = False
+    if kind == "additive":
+        m = torch.zeros(B, 1, S, S).masked_fill(~m, float("-inf"))
+    fused = AutoFusionEngine.fuse(M(), (q, k, v, m))
+    assert len(_fused_calls(fused)) == 1
+    got = fused(q, k, v, m)
+    assert torch.equal(got[:, :, 5], torch.zeros_like(got[:, :, 5]))
+    torch.testing.assert_close(got, M()(q, k, v, m), atol=1e-5, rtol=1e-4)
+
+
+def test_nan_in_a_query_row_propagates_as_in_eager():
+    model = Masked("finfo.min", "masked_fill")
+    q, k, v = _qkv()
+    keep = torch.ones(B, 1, S, S, dtype=torch.bool)
+    fused = AutoFusionEngine.fuse(model, (q, k, v, keep))
+    q = q.clone()
+    q[0, 1, 7] = float("nan")
+    got, want = fused(q, k, v, keep), model(q, k, v, keep)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got).any()
+
+
+# ------------------------------------------------------------------------------------------- training mode
+
+
+class DropoutAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, q, k, v):
+        return self.drop(torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, -1)) @ v
+
+
+def test_training_mode_keeps_dropout_and_eval_fuses():
+    model = DropoutAttention().train()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    (d,) = fused.report.decisions
+    assert d.reason_code == "training_dropout" and "p=0.25" in d.reason
+    torch.manual_seed(3)
+    want = model(*args)
+    torch.manual_seed(3)
+    assert torch.equal(fused(*args), want)
+    model.eval()
+    got = fused(*args)
+    assert fused.report.applied and not fused.report.training
+    torch.testing.assert_close(got, model(*args), atol=1e-5, rtol=1e-4)
+
+
+def test_training_mode_without_dropout_fuses_and_trains():
+    model = Temperature().train()
+    args = tuple(t.requires_grad_() for t in _qkv())
+    fused = AutoFusionEngine.fuse(model, args)
+    assert fused.report.training and len(fused.report.applied) == 1
+    out = fused(*args)
+    out.sum().backward()
+    assert all(t.grad is not None for t in args) and model.temp.grad is not None
+
+
+def test_user_model_mode_is_not_changed_by_fuse():
+    model = DropoutAttention().train()
+    AutoFusionEngine.fuse(model, _qkv())
+    assert model.training and model.drop.training
+    model.eval()
+    AutoFusionEngine.fuse(model, _qkv())
+    assert not model.training and not model.drop.training
