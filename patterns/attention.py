@@ -42,6 +42,7 @@ import torch.fx as fx
 from autofuse.canonicalize import evaluate_constant
 from autofuse.graph import arg, is_call, is_number, shape, val
 from autofuse.match import Match, register
+from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
 
@@ -102,8 +103,9 @@ def _zero_dim_factor(x):
     return t if shape(x) == shape(x.args[0]) else None
 
 
-def _walk_scores(x, below: _Below) -> _Scores | None:
-    """Walk from the softmax input up to the QK matmul; ``below`` holds the ops between x and the softmax."""
+def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
+    """Walk from the softmax input up to the QK matmul; ``below`` holds the ops between x and the softmax.
+    ``chain``: the score nodes the template matched (an ``add`` continues through the one among its inputs)."""
     nodes, masks, scale, st = [], [], 1.0, None
     while True:
         if is_call(x, aten.matmul.default):
@@ -138,12 +140,14 @@ def _walk_scores(x, below: _Below) -> _Scores | None:
         elif is_call(x, aten.add.Tensor) and not x.kwargs and all(isinstance(a, fx.Node) for a in x.args):
             if below.tensor_scale:
                 return None
-            for chain, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
-                if not val(m).is_floating_point() or shape(x) != shape(chain):
+            for up, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+                if not val(m).is_floating_point() or shape(x) != shape(up):
+                    continue
+                if chain is not None and up not in chain:
                     continue
                 b = below.copy()
                 b.additive = True
-                rest = _walk_scores(chain, b)
+                rest = _walk_scores(up, b, chain)
                 if rest is not None:
                     return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
                                    + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor)
@@ -167,39 +171,78 @@ def _layout(rank):
     return {4: "BNSD", 3: "(BN)SD", 2: "SD"}.get(rank)
 
 
-def _match_softmax(sm: fx.Node) -> Match | None:
-    if sm.args[1] != -1 or len(sm.args) > 2:
-        return None
+def _score_op(n: fx.Node) -> bool:
+    """A cast, a scale (a Python number or a one-element tensor), an additive mask or a ``where`` fill."""
+    if _is_cast(n) or is_call(n, aten.where.ScalarOther):
+        return True
+    if is_call(n, aten.mul.Tensor):
+        return is_number(n.args[1]) or _zero_dim_factor(n) is not None
+    return is_call(n, aten.add.Tensor) and not n.kwargs and val(n).is_floating_point()
+
+
+def _prob_op(n: fx.Node) -> bool:
+    """A cast, or a dropout (``native_dropout`` and its output, or ``dropout``) in training mode."""
+    if _is_cast(n):
+        return True
+    if is_call(n, aten.native_dropout.default, aten.dropout.default):
+        return bool(arg(n, 2, "train"))
+    return n.target is operator.getitem and n.args[1] == 0 and is_call(n.args[0], aten.native_dropout.default)
+
+
+def _last_two(n):
+    return tuple(n.args[1:]) == (-2, -1)
+
+
+def _last_dim(n):
+    return n.args[1] == -1 and len(n.args) == 2
+
+
+def _heads_dim(n):
+    return len(n.args) >= 3 and n.args[2] == -3
+
+
+_ATTENTION = (Template("attention", anchor="softmax")
+              .node("qk", aten.matmul.default)
+              .node("kt", aten.transpose.int, where=_last_two)            # kᵀ: a transpose of k's last two dims
+              .node("krep", aten.repeat_interleave.self_int, where=_heads_dim, optional=True)   # GQA on k
+              .node("softmax", aten.softmax.int, where=_last_dim)
+              .node("pv", aten.matmul.default)
+              .node("vrep", aten.repeat_interleave.self_int, where=_heads_dim, optional=True)   # GQA on v
+              .edge("krep", "kt", arg=0).edge("kt", "qk", arg=1)
+              .chain("score", SCORE_OPS, "qk", "softmax", max_len=6, where=_score_op, arg=0)
+              .chain("prob", set(PROB_OPS) | {aten.native_dropout.default, aten.dropout.default, operator.getitem},
+                     "softmax", "pv", max_len=3, where=_prob_op, arg=0)
+              .edge("vrep", "pv", arg=1))
+
+_SDPA = (Template("attention", anchor="sdpa")
+         .node("sdpa", aten.scaled_dot_product_attention.default)
+         .node("krep", aten.repeat_interleave.self_int, where=_heads_dim, optional=True)
+         .node("vrep", aten.repeat_interleave.self_int, where=_heads_dim, optional=True)
+         .edge("krep", "sdpa", arg=1).edge("vrep", "sdpa", arg=2))
+
+TEMPLATES = (_ATTENTION, _SDPA)
+
+
+def _decide_softmax(m: dict) -> Match | None:
+    """The constraints of a matched softmax block: scores and probabilities semantics, shapes, GQA, uses."""
+    sm, qk, pv, b = m["softmax"], m["qk"], m["pv"], m["kt"]
     rank = len(shape(sm))
     if _layout(rank) is None:
         return None
-    # downstream: [cast | dropout]* -> matmul(P, v)
-    pchain, cur, pv, dropout_p = [sm], sm, None, 0.0
-    while pv is None:
-        mms = [u for u in cur.users if is_call(u, aten.matmul.default) and u.args[0] is cur]
-        casts = [u for u in cur.users if u.target in PROB_OPS and _is_cast(u)]
-        drop = _dropout_after(cur)
-        if len(mms) == 1:
-            pv = mms[0]
-        elif not mms and len(casts) == 1:
-            cur = casts[0]
-            pchain.append(cur)
-        elif not mms and not casts and drop is not None:   # training-mode dropout: the planner decides
-            p, nodes = drop
-            dropout_p, cur = max(dropout_p, p), nodes[-1]
-            pchain += nodes
-        else:
-            return None
-    sc = _walk_scores(sm.args[0], _Below())
-    if sc is None:
+    probs_chain = [m[k] for k in sorted(k for k in m if k.startswith("prob"))]
+    pchain = [sm] + probs_chain
+    dropout_p = max((float(arg(n, 1, "p")) for n in probs_chain
+                     if is_call(n, aten.native_dropout.default, aten.dropout.default)), default=0.0)
+    score = {m[k] for k in m if k.startswith("score")}
+    sc = _walk_scores(sm.args[0], _Below(), score | {qk})
+    if sc is None or sc.qk is not qk or set(sc.nodes) != score:
         return None
-    a, b = sc.qk.args
-    if not (is_call(b, aten.transpose.int) and tuple(b.args[1:]) == (-2, -1)):
-        return None  # kᵀ must be a transpose of k's last two dims
-    q, k_rep, v_rep = a, b.args[0], pv.args[1]
+    q, k_rep, v_rep = qk.args[0], b.args[0], pv.args[1]
     if v_rep in pchain or any(len(shape(t)) != rank for t in (q, k_rep, v_rep, pv)):
         return None
     k, v, rep, kv_views = _kv_source(k_rep, v_rep, rank)
+    if kv_views and not ("krep" in m and "vrep" in m):
+        return None                 # the largest variant takes the GQA views; a smaller one must not
     qs, ks, vs = shape(q), shape(k), shape(v)
     if not (qs[:-3] == ks[:-3] == vs[:-3] and ks[-2] == vs[-2] and qs[-1] == ks[-1]):
         return None
@@ -209,6 +252,8 @@ def _match_softmax(sm: fx.Node) -> Match | None:
     probs = [n for n in pchain if not _exclusive(n, core)]
     if len(probs) > 1 or any(not _exclusive(n, core) for n in sc.nodes + [sc.qk]):
         return None  # scores consumed outside the block, or probabilities at two points
+    if any(u is not pv and is_call(u, aten.matmul.default) for n in pchain for u in n.users):
+        return None  # the probabilities feed another matmul too
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
     inputs = {"q": q.name, "k": k.name, "v": v.name}
     if sc.scale_tensor is not None:
@@ -233,8 +278,11 @@ def _dropout_after(x):
     return None
 
 
-def _match_sdpa(n: fx.Node) -> Match | None:
+def _decide_sdpa(m: dict) -> Match | None:
+    n = m["sdpa"]
     q, k, v = n.args[:3]
+    if ("krep" in m) != ("vrep" in m):
+        return None
     mask, dropout_p = arg(n, 3, "attn_mask"), arg(n, 4, "dropout_p", 0.0)
     causal, scale, gqa = arg(n, 5, "is_causal", False), n.kwargs.get("scale"), n.kwargs.get("enable_gqa", False)
     rank = len(shape(q))
@@ -364,20 +412,20 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
 
 @register("attention")
 def find_attention(gm: fx.GraphModule) -> list[Match]:
-    """Every non-overlapping attention block in ``gm`` (expects the canonical form)."""
-    out, taken = [], set()
+    """Every non-overlapping attention block in ``gm`` (expects the canonical form): the two templates matched
+    on the graph's networkx view, their constraints deciding; blocks taken in graph order."""
+    view = graph_view(gm)
+    found = []
     try:
-        for n in gm.graph.nodes:
-            m = None
-            if is_call(n, aten.softmax.int):
-                m = _match_softmax(n)
-            elif is_call(n, aten.scaled_dot_product_attention.default):
-                m = _match_sdpa(n)
-            if m is not None and taken.isdisjoint(m.nodes):
-                out.append(m)
-                taken.update(m.nodes)
+        found += _ATTENTION.match(view, _decide_softmax)
+        found += _SDPA.match(view, _decide_sdpa)
     finally:
         _PROOFS.clear()
+    out, taken = [], set()
+    for m in sorted(found, key=lambda m: view.order[m.anchor]):
+        if taken.isdisjoint(m.nodes):
+            out.append(m)
+            taken.update(m.nodes)
     return out
 
 
