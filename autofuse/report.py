@@ -7,7 +7,8 @@ The page opens with the verdict and then explains it:
    (the NPU simulator counted every launch) or *predicted* by the cost model otherwise;
 2. **memory**: peak activation memory unfused and fused, against the budget;
 3. **what was fused and what was not, and why**: counts per reason code with the code's meaning;
-4. **per-family tables**: every candidate with its numbers;
+4. **per-family tables**: every candidate with its numbers (candidates with equal figures, a layer's
+   block repeated, share a row that lists their anchors);
 5. **roofline** of the kernels (matplotlib, inline SVG): FLOPs per HBM byte against attained FLOP/s, under
    the device's Cube, Vector and HBM ceilings;
 6. **per-layer time**: cycles grouped by the model's module hierarchy (:mod:`autofuse.hierarchy`), identical
@@ -396,13 +397,30 @@ def _memory_html(report) -> str:
     return "<h2 id='memory'>Memory</h2>" + _table(["peak activation memory", "bytes#", ""], cells, "") + warn
 
 
-def _decision_cells(d) -> list:
-    return ["fused" if d.applied else "not fused", f"<code>{_e(d.anchor)}</code>", _e(d.reason_code), _e(d.reason),
-            f"{d.cycles_unfused:,}", f"{d.cycles_fused:,}", f"{d.speedup:.2f}x", f"{d.hbm_bytes_saved:,}",
-            f"{d.working_set_bytes:,}", f"{d.workspace_bytes:,}", _e(d.bound_fused)]
+def _same(d) -> tuple:
+    """What a row of the decision table shows besides the anchor: decisions that agree share one row."""
+    return (d.applied, d.reason_code, d.reason, d.cycles_unfused, d.cycles_fused, d.hbm_bytes_saved,
+            d.working_set_bytes, d.workspace_bytes, d.bound_fused)
 
 
-_DECISION_HEAD = ["", "anchor", "reason code", "reason", "unfused cycles#", "fused cycles#", "speed-up#",
+def _decision_rows(ds) -> list:
+    groups: dict = {}
+    for d in ds:
+        groups.setdefault(_same(d), []).append(d)
+    rows = []
+    for same in groups.values():
+        d = same[0]
+        anchors = " ".join(f"<code>{_e(x.anchor)}</code>" for x in same)
+        if len(same) > 1:
+            anchors = f"<details><summary>&times;{len(same)} identical</summary>{anchors}</details>"
+        rows.append(("applied" if d.applied else "rejected", [
+            "fused" if d.applied else "not fused", anchors, _e(d.reason_code), _e(d.reason), f"{d.cycles_unfused:,}",
+            f"{d.cycles_fused:,}", f"{d.speedup:.2f}x", f"{d.hbm_bytes_saved:,}", f"{d.working_set_bytes:,}",
+            f"{d.workspace_bytes:,}", _e(d.bound_fused)]))
+    return rows
+
+
+_DECISION_HEAD = ["", "anchor (candidates with equal figures share a row)", "reason code", "reason", "unfused cycles#", "fused cycles#", "speed-up#",
                   "HBM saved (B)#", "working set (B)#", "of it workspace (B)#", "fused bound"]
 
 
@@ -418,7 +436,7 @@ def _fusions_html(report) -> str:
         applied = sum(d.applied for d in ds)
         out.append(f"<h3><span class='swatch' style='background:{family_colour(fam)}'></span>{_e(fam)}: "
                    f"{applied} fused, {len(ds) - applied} not fused</h3>")
-        out.append(_table(_DECISION_HEAD, [("applied" if d.applied else "rejected", _decision_cells(d)) for d in ds]))
+        out.append(_table(_DECISION_HEAD, _decision_rows(ds)))
     return "".join(out)
 
 

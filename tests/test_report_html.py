@@ -119,6 +119,11 @@ def test_layers_fold_identical_consecutive_layers_and_add_up():
     parts = {name: (u, f) for name, u, f in layers.children}
     assert parts["self_attn"][1] < parts["self_attn"][0]
     assert all(u == f for name, (u, f) in parts.items() if name != "self_attn")
+    # the three identical decisions share one table row that names all three anchors
+    page = R.report_html(p.report, p.canonical, p.graph_module)
+    fusions = page[page.index("id='fusions'"):page.index("id='roofline'")]
+    assert fusions.count("<tr class='applied'>") == 1 and "&times;3 identical" in fusions
+    assert all(f"<code>{d.anchor}</code>" in fusions for d in p.report.decisions)
 
 
 def test_summary_and_markdown_still_render_from_the_report(mixed):
