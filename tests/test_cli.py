@@ -89,6 +89,17 @@ def test_viz_writes_pictures_report_and_model_explorer_files(tmp_path, capsys):
     assert (tmp_path / "report.html").read_text().count("<svg") >= 3
 
 
+def test_viz_without_graphviz_keeps_the_dot_files_and_says_so(tmp_path, capsys, monkeypatch):
+    from autofuse import viz
+    monkeypatch.setattr(viz.shutil, "which", lambda name: None)
+    main(["viz", *TINY, "-o", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "Graphviz `dot` is not installed" in err and "apt-get install graphviz" in err
+    assert "subgraph cluster_" in (tmp_path / "before.dot").read_text()
+    svg = ET.parse(tmp_path / "before.svg").getroot()          # the built-in layout, one rect per drawn node
+    assert svg.findall("{http://www.w3.org/2000/svg}rect")
+
+
 def test_viz_folds_identical_layers_unless_expand_all(tmp_path, capsys):
     args = ["viz", "--model", "llama", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq", "8"]
     main([*args, "-o", str(tmp_path / "folded")])
