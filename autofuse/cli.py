@@ -135,7 +135,10 @@ def stage_timing(progress: Progress):
                     depth[0] -= 1
                 dt = time.perf_counter() - t0
                 times[name] = times.get(name, 0.0) + dt
-                extra = detail(result)
+                try:
+                    extra = detail(result)
+                except Exception:  # noqa: BLE001 - a stage that changed its result shape: time it without detail
+                    extra = ""
                 if name == "plan" and "verify" in times:
                     extra += f"{'; ' if extra else ''}of which verify {times['verify']:.2f} s"
                 progress.stage(name, dt, extra)
@@ -311,6 +314,10 @@ def _fuse(a, progress: Progress):
         model, inputs = _build(a)
     except ModelSpecError as e:
         raise UsageError(str(e)) from None
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's builder or transformers failed: the model's failure
+        raise ModelFailed(f"could not build {a.model}: {type(e).__name__}: {e}") from e
     progress.stage("build model", time.perf_counter() - t0, type(model).__name__ + (" on meta" if a.meta else ""))
     # torch.export prints the partial graph of a failed trace to stderr; without -v the reason autofuse gives
     # is what the user reads

@@ -211,6 +211,13 @@ def test_a_model_that_cannot_be_captured_exits_1_with_its_reason_and_no_tracebac
     assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
 
 
+def test_a_builder_that_raises_exits_1_with_its_error(tmp_path, capsys):
+    src = tmp_path / "raising.py"
+    src.write_text("def make():\n    raise RuntimeError('no weights here')\n")
+    code, err = _exit(["report", "--model", f"{src}:make"], capsys)
+    assert code == 1 and err == f"autofuse report: could not build {src}:make: RuntimeError: no weights here\n"
+
+
 def test_usage_error_in_a_subprocess_exits_2_before_building_anything():
     r = _run("report", "--model", "gpt2", "--device", "npu9000")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
