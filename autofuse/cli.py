@@ -2,7 +2,8 @@
 
     autofuse devices
     autofuse patterns
-    autofuse report   --model SPEC [MODEL] [ENGINE] [--format text|md|json|html] [--simulate] [-o FILE] [-v]
+    autofuse report   --model SPEC [MODEL] [ENGINE] [--format text|md|json|html] [--simulate] [--no-graphs]
+                      [-o FILE] [-v]
     autofuse viz      --model SPEC [MODEL] [ENGINE] [-o DIR] [--expand-all] [--show-params] [--simulate]
                       [--model-explorer FILE.json] [-v]
     autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [-v]
@@ -216,10 +217,10 @@ def _model_args(p):
     e.add_argument("--device", default="ascend910", help="target device (see `autofuse devices`)")
     e.add_argument("--level", default="O3", help="optimization level O0..O3")
     e.add_argument("--budget", default=None, help="memory budget, e.g. 16GB")
-    for flag, what in (("--disable", "never fuse"), ("--enable", "fuse when it pays (the default)"),
-                       ("--force", "fuse even when the cost model says it does not pay")):
+    for flag, what in (("--disable", "never fuse FAMILY"), ("--enable", "fuse FAMILY where it pays (the default)"),
+                       ("--force", "fuse FAMILY even where the cost model says it does not pay")):
         e.add_argument(flag, action="append", default=[], metavar="FAMILY",
-                       help=f"{what} this pattern family (repeatable; see `autofuse patterns`)")
+                       help=f"{what}; repeatable, comma lists too (`autofuse patterns` lists the families)")
     p.add_argument("-v", "--verbose", action="store_true", help="stage timings and library warnings")
 
 
@@ -478,8 +479,8 @@ def cmd_simulate(a, progress):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="autofuse", description=__doc__.split("\n\n")[0],
-                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    ap = _Parser(prog="autofuse", description="autofuse: fusion reports, pictures, simulation, devices, patterns.",
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     sub.add_parser("devices", help="list the device profiles").set_defaults(fn=cmd_devices)
     sub.add_parser("patterns", help="list the pattern families").set_defaults(fn=cmd_patterns)
