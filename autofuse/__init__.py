@@ -3,7 +3,7 @@
     import autofuse
     fused = autofuse.AutoFusionEngine.fuse(model, (x,), target_device="ascend910", optimization_level="O3")
     fused(x); print(fused.report.summary()); fused.simulate(x)
-    torch.compile(model, backend="autofuse")
+    compiled = torch.compile(model, backend="autofuse"); compiled(x); autofuse.reports(compiled)
 
 Submodules: ``capture``, ``canonicalize``, ``match``, ``plan``, ``rewrite``, ``engine`` (the pipeline),
 ``ops`` (fused ``torch.ops.autofuse.*``), ``npu`` (the simulator), ``simulate``, ``report``/``viz``, ``cli``.
@@ -12,8 +12,8 @@ from autofuse.decision import FusionDecision, FusionReport
 from autofuse.engine import AutoFusionEngine, FusedModule
 from autofuse.simulate import SimulationResult, simulate
 from autofuse import ops  # noqa: E402  (registers torch.ops.autofuse.*)
-from autofuse.backend import backend  # noqa: E402  (registers torch.compile(backend="autofuse"))
+from autofuse.backend import backend, reports  # noqa: E402  (registers torch.compile(backend="autofuse"))
 
 __version__ = "0.1.0"
 __all__ = ["AutoFusionEngine", "FusedModule", "FusionDecision", "FusionReport", "SimulationResult", "backend",
-           "ops", "simulate"]
+           "ops", "reports", "simulate"]

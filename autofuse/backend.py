@@ -1,30 +1,159 @@
-"""``torch.compile(model, backend="autofuse")``: Dynamo hands us each captured graph; we fuse it.
+"""``torch.compile(model, backend="autofuse")``: Dynamo hands over each graph it captures; autofuse fuses it.
 
-Dynamo's graph is a torch-level ``fx.GraphModule`` with example inputs; the engine captures it again
-to aten (``torch.export``), plans on those inputs and returns the fused module's forward. Settings other
-than the defaults: ``torch.compile(model, backend=autofuse.backend(target_device="ascend910b"))``.
+    compiled = torch.compile(model, backend="autofuse")     # works without `import autofuse` (entry point)
+    y = compiled(x)
+    for r in autofuse.reports(compiled):                     # one FusionReport per graph Dynamo captured
+        print(r.summary())
+
+    be = autofuse.backend(target_device="ascend910b", optimization_level="O2")   # other settings
+    compiled = torch.compile(model, backend=be)
+    compiled(x)
+    be.reports                                               # what this backend compiled, in order
+
+**Discovery.** ``pyproject.toml`` declares ``autofuse = "autofuse.backend:autofuse_backend"`` in the
+``torch_dynamo_backends`` entry-point group. torch 2.13 resolves a backend name it does not know by reading
+that group with ``importlib.metadata.entry_points`` (``torch._dynamo.backends.registry``,
+``_discover_entrypoint_backends``) and loads the entry point on first use, so an installed autofuse needs no
+import. ``import autofuse`` also registers the name (a source checkout on ``PYTHONPATH`` has no entry point).
+
+**Graph breaks.** Dynamo splits a forward where it cannot trace (``print``, ``.item()``, data-dependent
+Python control flow) and calls the backend once per captured graph, and again when a guard fails (new
+shapes). Each graph is fused on its own: its own capture, plan, verification and report; what runs between
+graphs is plain Python and torch.
+
+**Reports.** Each call records a :class:`CompiledGraph` (Dynamo's graph, the :class:`~autofuse.FusedModule`
+built from it, its reports) on the backend object and against the callable ``torch.compile`` wrapped: the
+model of an ``OptimizedModule`` or the compiled function. :func:`reports` and :func:`graphs` accept
+``torch.compile``'s result, the original model or function, a backend, or a ``FusedModule``. The callable is
+found by walking the Python stack at compile time for Dynamo's entry frame (an ``OptimizedModule`` call, or
+``torch._dynamo.eval_frame``'s ``compile_wrapper`` for functions): these are torch internals, checked by
+``tests/test_backend.py``; when they are not found the graphs are still on the backend object.
+
+Library warnings torch raises against itself during capture are silenced at the call
+(:mod:`autofuse.quiet`); everything else reaches the user.
 """
 from __future__ import annotations
 
+import sys
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 
+from autofuse.quiet import torch_internal_warnings
 
-def backend(target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True):
-    """A Dynamo backend with the given engine settings; see :func:`autofuse.AutoFusionEngine.fuse`."""
-    def compile_fn(gm: torch.fx.GraphModule, example_inputs):
+
+@dataclass
+class CompiledGraph:
+    """One graph Dynamo captured and autofuse fused."""
+
+    index: int                           # the order in which this backend compiled it
+    graph_module: torch.fx.GraphModule   # Dynamo's graph (torch level), as handed to the backend
+    fused: object                        # the FusedModule that runs it
+    owner: str = ""                      # what it belongs to: the model's class or the function's name
+    notes: list = field(default_factory=list)
+
+    @property
+    def reports(self) -> list:
+        """One report per input signature this graph was planned for (usually one)."""
+        return [p.report for p in self.fused.plans.values()]
+
+
+_BY_CALLABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _compiled_callable():
+    """The model or function whose ``torch.compile`` wrapper is compiling right now (see module docstring)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    f = sys._getframe(2)
+    while f is not None:
+        owner = f.f_locals.get("self")
+        if isinstance(owner, OptimizedModule):
+            return owner._orig_mod
+        if f.f_code.co_name == "compile_wrapper" and f.f_code.co_filename.endswith("eval_frame.py"):
+            fn = f.f_locals.get("fn")
+            if isinstance(getattr(fn, "__self__", None), torch.nn.Module):    # a module's bound __call__
+                return fn.__self__
+            if callable(fn) and not getattr(fn, "__module__", "").startswith("torch."):   # the user's function
+                return fn
+        f = f.f_back
+    return None
+
+
+class Backend:
+    """A Dynamo backend with fixed engine settings (see :func:`autofuse.AutoFusionEngine.fuse`)."""
+
+    def __init__(self, target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True,
+                 **engine_options):
+        self.settings = dict(target_device=target_device, optimization_level=optimization_level,
+                             memory_budget=memory_budget, verify=verify, **engine_options)
+        self.graphs: list[CompiledGraph] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from autofuse.engine import AutoFusionEngine
-        fused = AutoFusionEngine.fuse(gm, tuple(example_inputs), target_device=target_device,
-                                      optimization_level=optimization_level, memory_budget=memory_budget,
-                                      verify=verify)
-        compile_fn.fused_modules.append(fused)
+        owner = _compiled_callable()
+        with torch_internal_warnings():
+            fused = AutoFusionEngine.fuse(gm, tuple(example_inputs), **self.settings)
+        name = type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__name__", "")
+        record = CompiledGraph(len(self.graphs), gm, fused, name)
+        self.graphs.append(record)
+        if owner is not None:
+            try:
+                _BY_CALLABLE.setdefault(owner, []).append(record)
+            except TypeError:       # not weak-referenceable (a builtin): the backend object still has it
+                pass
 
         def run(*args):
-            out = fused(*args)
-            return out
+            with torch_internal_warnings():      # a new input signature captures again
+                return fused(*args)
         return run
 
-    compile_fn.fused_modules = []
-    return compile_fn
+    @property
+    def fused_modules(self) -> list:
+        return [g.fused for g in self.graphs]
+
+    @property
+    def reports(self) -> list:
+        return [r for g in self.graphs for r in g.reports]
+
+    def __repr__(self):
+        return f"autofuse.backend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
+
+
+def backend(target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True,
+            **engine_options) -> Backend:
+    """A Dynamo backend with the given engine settings: ``torch.compile(model, backend=autofuse.backend(...))``."""
+    return Backend(target_device, optimization_level, memory_budget, verify, **engine_options)
+
+
+#: What ``backend="autofuse"`` resolves to (the entry point and ``import autofuse`` register this object).
+autofuse_backend = Backend()
+
+
+def graphs(obj) -> list[CompiledGraph]:
+    """Every graph compiled for ``obj``: ``torch.compile``'s result, the model or function it wrapped, or a
+    :class:`Backend`, in compile order."""
+    if isinstance(obj, Backend):
+        return list(obj.graphs)
+    target = obj
+    for attr in ("_orig_mod", "_torchdynamo_orig_callable"):     # an OptimizedModule, a compiled function
+        inner = getattr(obj, attr, None)
+        if inner is not None:
+            target = inner
+            break
+    try:
+        return list(_BY_CALLABLE.get(target, ()))
+    except TypeError:
+        return []
+
+
+def reports(obj) -> list:
+    """Every :class:`~autofuse.FusionReport` for ``obj`` (see :func:`graphs`; a ``FusedModule`` gives its own
+    plans' reports). Empty until the compiled object has run once: Dynamo compiles at the first call."""
+    from autofuse.engine import FusedModule
+    if isinstance(obj, FusedModule):
+        return [p.report for p in obj.plans.values()]
+    return [r for g in graphs(obj) for r in g.reports]
 
 
 def _register():
@@ -33,8 +162,10 @@ def _register():
         from torch._dynamo.backends.registry import _BACKENDS
     except ImportError:          # pragma: no cover - torch without Dynamo
         return
+    # When Dynamo found the entry point first, it registers the loaded object itself (registering here too
+    # would be a duplicate); otherwise (a source checkout, or autofuse imported before any lookup) register.
     if "autofuse" not in _BACKENDS:
-        register_backend(name="autofuse")(backend())
+        register_backend(name="autofuse")(autofuse_backend)
 
 
 _register()

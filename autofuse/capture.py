@@ -40,16 +40,16 @@ real data is touched, so very large configurations can be analysed.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
 
@@ -101,7 +101,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     failures = []
     for r in routes:
         try:
-            with _quiet():
+            with torch_internal_warnings():   # torch's own deprecation, nothing to act on
                 fn = _capture_export if r == "export" else _capture_symbolic_trace
                 gm, in_spec, out_spec = fn(model, example_args, example_kwargs)
             _cleanup(gm)
@@ -212,15 +212,6 @@ def _cleanup(gm: fx.GraphModule):
     missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
     if missing:
         raise CaptureError("capture", f"internal: nodes without meta['val'] after capture: {missing[:5]}")
-
-
-@contextlib.contextmanager
-def _quiet():
-    """torch.export's pytree code warns (``LeafSpec`` is deprecated) about torch's own internals: nothing a
-    user can act on, so it does not reach them."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        yield
 
 
 _HINTS = [

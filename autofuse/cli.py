@@ -2,55 +2,332 @@
 
     autofuse devices
     autofuse patterns
-    autofuse report   --model gpt2 --layers 2 --device ascend910 --level O3 [--format text|md|json|html] [-o FILE]
-    autofuse viz      --model llama -o out/            (before.dot/.svg, after.dot/.svg, report.html)
-    autofuse simulate --model gpt2 --seq 128 [--trace out/trace.json]
+    autofuse report   --model SPEC [MODEL] [ENGINE] [--format text|md|json|html] [--simulate] [--no-graphs]
+                      [-o FILE] [-v]
+    autofuse viz      --model SPEC [MODEL] [ENGINE] [-o DIR] [--expand-all] [--show-params] [--simulate]
+                      [--model-explorer FILE.json] [-v]
+    autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [-v]
 
-``--model`` is a zoo name (see ``autofuse report --help``) or ``path/to/file.py:function`` /
-``package.module:function`` returning ``(model, example_inputs)``.
+    MODEL:  --layers N --hidden N --heads N --kv-heads N (zoo models) --seq N --batch N --dtype D
+            --attn eager|sdpa --meta
+    ENGINE: --device NAME --level O0..O3 --budget 16GB --disable FAMILY --enable FAMILY --force FAMILY
+
+``--model`` is a zoo name (``gpt2``, ``llama``, ``qwen2``, ``bert``, ``mha``),
+``transformers:ConfigClass?key=value&...`` (any transformers configuration, e.g.
+``transformers:LlamaConfig?num_hidden_layers=2&hidden_size=256``; no keys = the class's defaults),
+``path/to/file.py:function`` or ``package.module:function`` returning ``(model, example_inputs)``.
+
+Exit status: 0 done; 2 the command line is wrong (one line on stderr says what to change); 1 the model
+could not be captured or fused (its reason on stderr; ``-v`` adds the traceback). ``-v`` prints each
+stage's wall time as it finishes (capture, canonicalize, match, plan, verify, rewrite, simulate) and lets
+library warnings through; without it they are silenced. On a terminal, simulation shows a progress bar.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import inspect
+import io
 import json
 import os
 import sys
+import time
+import traceback
+import warnings
 
-import torch
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+          "bf16": "bfloat16"}
+ZOO_SIZES = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": None}
+SPEC_KEYS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+             "kv_heads": "num_key_value_heads"}
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
+class UsageError(Exception):
+    """The command line is wrong; the message says what to change (exit status 2)."""
+
+
+class _ParseError(UsageError):
+    def __init__(self, prog, message):
+        super().__init__(f"{message} (see `{prog} --help`)")
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``autofuse report: argument --seq: invalid int value: 'x' (see
+    `autofuse report --help`)``, instead of the usage block."""
+
+    def error(self, message):
+        raise _ParseError(self.prog, message)
+
+
+# ---------------------------------------------------------------------------------------------- progress
+
+class Progress:
+    """Stage lines (``-v``) and a progress bar for long loops (stderr, only on a terminal)."""
+
+    def __init__(self, verbose: bool, stream=None):
+        self.verbose = verbose
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._status = False
+
+    def stage(self, name: str, seconds: float, detail: str = ""):
+        if self.verbose:
+            self.clear()
+            self.stream.write(f"autofuse: {name:<13} {seconds:8.2f} s{('  ' + detail) if detail else ''}\n")
+            self.stream.flush()
+
+    def status(self, text: str):
+        """A transient line on a terminal (overwritten by the next, cleared at the end)."""
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{text}")
+            self.stream.flush()
+            self._status = True
+
+    def bar(self, label: str, done: int, total: int):
+        if self.tty and total:
+            width = 30
+            fill = int(width * done / total)
+            self.status(f"{label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+
+    def clear(self):
+        if self._status:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._status = False
+
+
+@contextlib.contextmanager
+def _patched(obj, name, wrap):
+    old = getattr(obj, name, None)
+    if old is None:                     # the function moved: no live line for this stage
+        yield
+        return
+    setattr(obj, name, wrap(old))
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def stage_timing(progress: Progress):
+    """Times the engine's stages as they run, by wrapping the stage functions ``autofuse.engine`` calls
+    (``capture``, ``canonicalize``, ``all_candidates``, ``plan``, ``rewrite``) and ``autofuse.verify.check``;
+    a stage called inside another (the verifier rewrites each block it checks) counts toward the outer one,
+    except verify, which is reported within plan. Yields a dict of stage -> seconds."""
+    from autofuse import engine
+    from autofuse import verify as verify_mod
+    times: dict = {}
+    depth = [0]
+
+    def timed(name, detail=lambda r: ""):
+        def wrap(fn):
+            def inner(*args, **kwargs):
+                if depth[0]:
+                    return fn(*args, **kwargs)
+                progress.status(f"autofuse: {name}…")
+                depth[0] += 1
+                t0 = time.perf_counter()
+                try:
+                    result = fn(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
+                dt = time.perf_counter() - t0
+                times[name] = times.get(name, 0.0) + dt
+                try:
+                    extra = detail(result)
+                except Exception:  # noqa: BLE001 - a stage that changed its result shape: time it without detail
+                    extra = ""
+                if name == "plan" and "verify" in times:
+                    extra += f"{'; ' if extra else ''}of which verify {times['verify']:.2f} s"
+                progress.stage(name, dt, extra)
+                return result
+            return inner
+        return wrap
+
+    def timed_verify(fn):
+        def inner(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times["verify"] = times.get("verify", 0.0) + time.perf_counter() - t0
+        return inner
+
+    nodes = lambda gm: f"{len(gm.graph.nodes)} nodes"  # noqa: E731
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(engine, "capture", timed(
+            "capture", lambda c: f"{nodes(c.graph_module)}, route {c.route}")))
+        stack.enter_context(_patched(engine, "canonicalize", timed("canonicalize", nodes)))
+        stack.enter_context(_patched(engine, "all_candidates", timed("match", lambda c: f"{len(c)} candidates")))
+        stack.enter_context(_patched(engine, "plan", timed("plan", lambda r: f"{len(r[0])} applied")))
+        stack.enter_context(_patched(engine, "rewrite", timed("rewrite", nodes)))
+        stack.enter_context(_patched(verify_mod, "check", timed_verify))
+        yield times
+    progress.clear()
+
+
+@contextlib.contextmanager
+def simulation_progress(progress: Progress, label: str):
+    """A progress bar over the graph's nodes while :func:`autofuse.simulate.simulate_graph` runs (it walks the
+    graph with ``autofuse.simulate._Sim``, an ``fx.Interpreter``; its ``run_node`` is wrapped)."""
+    import importlib
+    sim_mod = importlib.import_module("autofuse.simulate")     # `autofuse.simulate` the attribute is the function
+    sim_cls = getattr(sim_mod, "_Sim", None)
+    if sim_cls is None or not progress.tty:
+        yield
+        return
+    state = {"done": 0, "shown": 0.0}
+    original = sim_cls.run_node
+
+    def run_node(self, n):
+        out = original(self, n)
+        state["done"] += 1
+        now = time.perf_counter()
+        if now - state["shown"] > 0.1:
+            state["shown"] = now
+            progress.bar(label, state["done"], len(self.module.graph.nodes))
+        return out
+    sim_cls.run_node = run_node
+    try:
+        yield
+    finally:
+        sim_cls.run_node = original
+        progress.clear()
+
+
+# ---------------------------------------------------------------------------------------------- arguments
 
 def _model_args(p):
-    from autofuse.models import ZOO
-    p.add_argument("--model", required=True,
-                   help="zoo name (" + ", ".join(ZOO) + ") or file.py:function returning (model, example_inputs)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--attn", default="eager", choices=["eager", "sdpa"], help="transformers attention implementation")
-    p.add_argument("--meta", action="store_true", help="plan on meta tensors (no data; verification on random data)")
-    p.add_argument("--device", default="ascend910")
-    p.add_argument("--level", default="O3", choices=["O0", "O1", "O2", "O3"])
-    p.add_argument("--budget", default=None, help="memory budget, e.g. 16GB")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True, help="zoo name (gpt2, llama, qwen2, bert, mha), "
+                   "transformers:ConfigClass?key=value&..., file.py:function or module:function")
+    g.add_argument("--layers", type=int, default=None, help="zoo models: layers (default 2)")
+    g.add_argument("--hidden", type=int, default=None, help="zoo models: hidden size (default 64)")
+    g.add_argument("--heads", type=int, default=None, help="zoo models: attention heads (default 4)")
+    g.add_argument("--kv-heads", type=int, default=None, help="zoo models: key/value heads (default heads/2)")
+    g.add_argument("--seq", type=int, default=None, help="sequence length of the example inputs (default 32)")
+    g.add_argument("--batch", type=int, default=None, help="batch of the example inputs (default 2)")
+    g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default float32")
+    g.add_argument("--attn", default=None, choices=["eager", "sdpa"], help="transformers attention (default eager)")
+    g.add_argument("--meta", action="store_true", help="plan on meta tensors (no data; verification on random data)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--device", default="ascend910", help="target device (see `autofuse devices`)")
+    e.add_argument("--level", default="O3", help="optimization level O0..O3")
+    e.add_argument("--budget", default=None, help="memory budget, e.g. 16GB")
+    for flag, what in (("--disable", "never fuse FAMILY"), ("--enable", "fuse FAMILY where it pays (the default)"),
+                       ("--force", "fuse FAMILY even where the cost model says it does not pay")):
+        e.add_argument(flag, action="append", default=[], metavar="FAMILY",
+                       help=f"{what}; repeatable, comma lists too (`autofuse patterns` lists the families)")
+    p.add_argument("-v", "--verbose", action="store_true", help="stage timings and library warnings")
+
+
+def _check_engine_args(a) -> dict:
+    """Validate device, level, budget and fusion switches before any model is built; returns fuse() keywords."""
+    from autofuse.match import families
+    from autofuse.plan import parse_level, parse_memory_budget
+    from cost_model.devices import DEVICES
+    if a.device not in DEVICES:
+        raise UsageError(f"--device {a.device!r} is not a device: choose one of {', '.join(DEVICES)} "
+                         f"(`autofuse devices` lists their figures)")
+    try:
+        level = parse_level(a.level)
+    except ValueError:
+        raise UsageError(f"--level {a.level!r}: choose one of O0, O1, O2, O3 (O0 reports only, O3 fuses "
+                         f"and tunes tilings)") from None
+    try:
+        budget = parse_memory_budget(a.budget)
+    except (ValueError, TypeError):
+        raise UsageError(f"--budget {a.budget!r}: write a number and a unit, e.g. 16GB, 512MB or 1.5GiB") from None
+    kw = {"target_device": a.device, "optimization_level": level, "memory_budget": budget}
+    switches = {}
+    known = list(families())
+    for flag, value in (("disable", "off"), ("enable", "on"), ("force", "force")):
+        for item in getattr(a, flag):
+            for name in filter(None, item.split(",")):
+                if name not in known:
+                    near = difflib.get_close_matches(name, known, n=1)
+                    raise UsageError(f"--{flag} {name!r} is not a pattern family"
+                                     + (f" (did you mean {near[0]!r}?)" if near else "")
+                                     + f": choose from {', '.join(known)}")
+                if switches.get(name, value) != value:
+                    raise UsageError(f"pattern family {name!r} is switched both {switches[name]!r} and {value!r}: "
+                                     f"give one of --disable/--enable/--force for it")
+                switches[name] = value
+    if switches:
+        from autofuse import AutoFusionEngine
+        if "fusion_switches" not in inspect.signature(AutoFusionEngine.fuse).parameters:
+            raise UsageError("fusion switches need engine support: this AutoFusionEngine.fuse has no "
+                             "fusion_switches keyword yet; drop --disable/--enable/--force")
+        kw["fusion_switches"] = switches
+    return kw
 
 
 def _build(a):
-    from autofuse.models import build
-    return build(a.model, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads, seq=a.seq,
-                 batch=a.batch, dtype=DTYPES[a.dtype], meta=a.meta, attn=a.attn)
+    """The model and its inputs; sizing flags that do not apply to the spec are errors, not silently ignored."""
+    import torch
+
+    from autofuse.models import TRANSFORMERS_PREFIX, build
+    dtype = getattr(torch, DTYPES[a.dtype or "float32"])
+    given = {k: getattr(a, k) for k in ZOO_SIZES if getattr(a, k) is not None}
+    if a.model.startswith(TRANSFORMERS_PREFIX) and given:
+        k = next(iter(given))
+        raise UsageError(f"--{k.replace('_', '-')} sizes zoo models; a transformers spec carries its sizes as keys: "
+                         f"transformers:...?{SPEC_KEYS[k]}={given[k]} (the key names are the config's)")
+    if ":" in a.model and not a.model.startswith(TRANSFORMERS_PREFIX):
+        shaping = [f for f in ("layers", "hidden", "heads", "kv_heads", "seq", "batch", "dtype", "attn")
+                   if getattr(a, f) is not None] + (["meta"] if a.meta else [])
+        if shaping:
+            raise UsageError(f"--{shaping[0].replace('_', '-')} does not apply to {a.model}: the function builds "
+                             f"the model and its inputs itself")
+        return build(a.model)
+    if a.model.startswith(TRANSFORMERS_PREFIX):
+        _quiet_transformers(a.verbose)
+        return build(a.model, seq=a.seq or 32, batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager")
+    sizes = {k: (given[k] if k in given else v) for k, v in ZOO_SIZES.items()}
+    if a.model != "mha":
+        _quiet_transformers(a.verbose)
+    return build(a.model, seq=a.seq or 32, batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+                 **sizes)
 
 
-def _fuse(a):
+def _quiet_transformers(verbose: bool):
+    if not verbose:
+        import transformers
+        transformers.logging.set_verbosity_error()
+
+
+class ModelFailed(Exception):
+    """The model could not be captured, fused or simulated (exit status 1)."""
+
+
+def _fuse(a, progress: Progress):
     from autofuse import AutoFusionEngine
-    model, inputs = _build(a)
-    fused = AutoFusionEngine.fuse(model, inputs, target_device=a.device, optimization_level=a.level,
-                                  memory_budget=a.budget)
+    from autofuse.models import ModelSpecError
+    kw = _check_engine_args(a)
+    if a.meta and (a.cmd == "simulate" or getattr(a, "simulate", False)):
+        raise UsageError("simulation needs data: drop --meta (`autofuse report --meta` plans without data)")
+    t0 = time.perf_counter()
+    progress.status("autofuse: building the model…")
+    try:
+        model, inputs = _build(a)
+    except ModelSpecError as e:
+        raise UsageError(str(e)) from None
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's builder or transformers failed: the model's failure
+        raise ModelFailed(f"could not build {a.model}: {type(e).__name__}: {e}") from e
+    progress.stage("build model", time.perf_counter() - t0, type(model).__name__ + (" on meta" if a.meta else ""))
+    # torch.export prints the partial graph of a failed trace to stderr; without -v the reason autofuse gives
+    # is what the user reads
+    quiet = contextlib.redirect_stderr(io.StringIO()) if not a.verbose else contextlib.nullcontext()
+    try:
+        with stage_timing(progress), quiet:
+            fused = AutoFusionEngine.fuse(model, inputs, **kw)
+    except Exception as e:  # noqa: BLE001 - whatever the pipeline raised is the model's failure, explained
+        raise ModelFailed(f"could not fuse {a.model}: {e}") from e
     return model, inputs, fused
 
 
@@ -64,7 +341,46 @@ def _write(text: str, path):
         print(f"wrote {path}")
 
 
-def cmd_devices(a):
+def _plan(fused):
+    return fused.plans[next(iter(fused.plans))]
+
+
+def _simulations(a, fused, inputs, progress: Progress) -> dict:
+    """``{"fused": ..., "eager op by op": ...}``: both graphs of the plan on the simulator."""
+    from autofuse.report import BASELINE
+    from autofuse.simulate import simulate_graph
+    p = _plan(fused)
+    args, kwargs = inputs
+    leaves = p.captured.flatten_inputs(*args, **kwargs)
+    out = {}
+    for name, gm in ((BASELINE, p.captured.graph_module), ("fused", p.graph_module)):
+        t0 = time.perf_counter()
+        try:
+            with simulation_progress(progress, f"simulate {name}"):
+                out[name] = simulate_graph(gm, leaves, a.device)
+        except Exception as e:  # noqa: BLE001
+            raise ModelFailed(f"could not simulate {a.model} ({name}): {e}") from e
+        progress.stage("simulate", time.perf_counter() - t0, f"{name}: {out[name].cycles:,} cycles")
+    return out
+
+
+def _costs(fused, sims):
+    from autofuse.report import BASELINE, node_costs
+    p = _plan(fused)
+    before = node_costs(p.captured.graph_module, p.report.device, p.report, sims.get(BASELINE))
+    return before, node_costs(p.graph_module, p.report.device, p.report, sims.get("fused"), before=before)
+
+
+def _html(a, fused, sims, graphs=None) -> str:
+    from autofuse.report import report_html
+    p = _plan(fused)
+    return report_html(p.report, p.captured.graph_module, p.graph_module, title=f"autofuse: {a.model}", simulations=sims,
+                       graphs=graphs)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+def cmd_devices(a, progress):
     from cost_model.devices import DEVICES
     print(f"{'device':<12}{'arch':<9}{'cube cores':>11}{'vec cores':>10}{'GHz':>6}{'fp16 TFLOPS':>13}"
           f"{'HBM GB/s':>10}{'L2 MB':>7}{'UB KB':>7}{'L1 KB':>7}")
@@ -74,48 +390,87 @@ def cmd_devices(a):
               f"{d.l2_bytes >> 20:>7}{d.buffers['UB'] >> 10:>7}{d.buffers['L1'] >> 10:>7}")
 
 
-def cmd_patterns(a):
+def cmd_patterns(a, progress):
     from autofuse.match import families
     for name, fn in families().items():
         doc = (sys.modules[fn.__module__].__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else ''}")
 
 
-def cmd_report(a):
-    _, _, fused = _fuse(a)
+def cmd_report(a, progress):
+    _, inputs, fused = _fuse(a, progress)
     r = fused.report
+    sims = _simulations(a, fused, inputs, progress) if a.simulate else {}
     if a.format == "json":
-        text = r.to_json() + "\n"
+        doc = r.to_dict()
+        if sims:
+            doc["simulated"] = {k: {"cycles": s.cycles, "hbm_bytes": s.hbm_bytes} for k, s in sims.items()}
+        text = json.dumps(doc, indent=2) + "\n"
     elif a.format == "md":
         text = r.to_markdown()
     elif a.format == "html":
-        from autofuse.viz import report_html
-        p = fused.plans[next(iter(fused.plans))]
-        text = report_html(r, p.captured.graph_module, p.graph_module)
+        text = _html(a, fused, sims, _graphs(a, fused, sims, progress) if a.graphs else None)
     else:
         text = r.summary() + "\n"
+        if sims:
+            from autofuse.report import BASELINE
+            text += (f"simulated on {a.device}: {sims[BASELINE].cycles:,} -> {sims['fused'].cycles:,} cycles, "
+                     f"{sims[BASELINE].cycles / max(sims['fused'].cycles, 1):.2f}x against {BASELINE}\n")
     _write(text, a.output)
 
 
-def cmd_viz(a):
-    from autofuse.viz import report_html, to_dot, to_svg
-    _, _, fused = _fuse(a)
-    p = fused.plans[next(iter(fused.plans))]
+def _graphs(a, fused, sims, progress, expand_all=False, show_params=False) -> dict:
+    """Caption -> inline SVG of both graphs (Graphviz when present, the built-in layout otherwise); the DOT
+    texts are returned under ``"dot:before"``/``"dot:after"``."""
+    from autofuse import hierarchy, viz
+    p = _plan(fused)
+    before_costs, after_costs = _costs(fused, sims)
+    source = f"simulated on {a.device}" if sims else "predicted by the cost model"
+    out = {}
+    t0 = time.perf_counter()
+    for key, gm, rep, costs, kw in (
+            ("before", p.captured.graph_module, p.report, before_costs, {}),
+            ("after", p.graph_module, None, after_costs, {"before_paths": hierarchy.module_paths(p.captured.graph_module)})):
+        title = f"{a.model} {key} fusion ({p.report.device}, {p.report.optimization_level})"
+        dot, svg = viz.picture(gm, rep, costs, title, expand_all=expand_all, show_params=show_params,
+                               cost_source=source, **kw)
+        out[f"dot:{key}"] = dot
+        out[f"Graph {key} fusion"] = viz.svg_inline(svg)
+    progress.stage("draw", time.perf_counter() - t0, "Graphviz" if viz.have_graphviz() else "built-in layout")
+    return out
+
+
+def cmd_viz(a, progress):
+    from autofuse import viz
+    _, inputs, fused = _fuse(a, progress)
+    sims = _simulations(a, fused, inputs, progress) if a.simulate else {}
+    graphs = _graphs(a, fused, sims, progress, a.expand_all, a.show_params)
     os.makedirs(a.output, exist_ok=True)
-    for name, gm, rep in (("before", p.captured.graph_module, p.report), ("after", p.graph_module, None)):
-        _write(to_dot(gm, rep, name), os.path.join(a.output, f"{name}.dot"))
-        _write(to_svg(gm, rep, f"{a.model} {name} ({p.report.device}, {p.report.optimization_level})"),
-               os.path.join(a.output, f"{name}.svg"))
-    _write(report_html(p.report, p.captured.graph_module, p.graph_module), os.path.join(a.output, "report.html"))
+    for key in ("before", "after"):
+        _write(graphs[f"dot:{key}"], os.path.join(a.output, f"{key}.dot"))
+        _write(graphs[f"Graph {key} fusion"] + "\n", os.path.join(a.output, f"{key}.svg"))
+    if not viz.have_graphviz():
+        print("Graphviz `dot` is not installed: the SVGs use the built-in layout (no module clusters); render the "
+              "DOT files with `dot -Tsvg before.dot` after installing graphviz (apt-get install graphviz)",
+              file=sys.stderr)
+    pictures = {k: v for k, v in graphs.items() if not k.startswith("dot:")}
+    _write(_html(a, fused, sims, pictures), os.path.join(a.output, "report.html"))
+    if a.model_explorer:
+        p = _plan(fused)
+        before_costs, after_costs = _costs(fused, sims)
+        doc = viz.model_explorer(p.captured.graph_module, p.graph_module, p.report, before_costs, after_costs, label=a.model)
+        _write(json.dumps(doc) + "\n", a.model_explorer)
+        stem = a.model_explorer[:-5] if a.model_explorer.endswith(".json") else a.model_explorer
+        for name, data in viz.model_explorer_node_data(p.captured.graph_module, p.graph_module, p.report, before_costs,
+                                                       after_costs).items():
+            _write(json.dumps(data) + "\n", f"{stem}.{name}.json")
 
 
-def cmd_simulate(a):
-    from autofuse import simulate
-    if a.meta:
-        raise SystemExit("simulate needs data: drop --meta (use `autofuse report --meta` to plan without data)")
-    model, (args, kwargs), fused = _fuse(a)
-    before = simulate(model, (args, kwargs), device=a.device)
-    after = fused.simulate(*args, **kwargs)
+def cmd_simulate(a, progress):
+    from autofuse.report import BASELINE
+    _, inputs, fused = _fuse(a, progress)
+    sims = _simulations(a, fused, inputs, progress)
+    before, after = sims[BASELINE], sims["fused"]
     print(f"unfused: {before.summary(top=a.top)}\n\nfused:   {after.summary(top=a.top)}\n")
     print(f"speed-up (simulated, {a.device}): {before.cycles / max(after.cycles, 1):.2f}x")
     if a.json:
@@ -123,30 +478,84 @@ def cmd_simulate(a):
                a.json)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="autofuse", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="autofuse", description="autofuse: fusion reports, pictures, simulation, devices, patterns.",
+                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     sub.add_parser("devices", help="list the device profiles").set_defaults(fn=cmd_devices)
     sub.add_parser("patterns", help="list the pattern families").set_defaults(fn=cmd_patterns)
     p = sub.add_parser("report", help="fuse a model and print what was fused, what was not and why")
     _model_args(p)
     p.add_argument("--format", default="text", choices=["text", "md", "json", "html"])
-    p.add_argument("-o", "--output", default=None)
+    p.add_argument("--simulate", action="store_true", help="measure the verdict on the simulator (needs data)")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false", help="html: leave the graph pictures out")
+    p.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     p.set_defaults(fn=cmd_report)
-    p = sub.add_parser("viz", help="write the graph before and after fusion (DOT, SVG) and an HTML report")
+    p = sub.add_parser("viz", help="write the graphs before and after fusion (DOT, SVG) and an HTML report")
     _model_args(p)
-    p.add_argument("-o", "--output", default="autofuse-viz")
+    p.add_argument("-o", "--output", default="autofuse-viz", help="directory to write (default autofuse-viz)")
+    p.add_argument("--expand-all", action="store_true", help="draw every repeated layer, not one of each kind")
+    p.add_argument("--show-params", action="store_true", help="draw parameters and buffers too")
+    p.add_argument("--simulate", action="store_true", help="annotate with simulated figures (needs data)")
+    p.add_argument("--model-explorer", default=None, metavar="FILE.json",
+                   help="also write Google Model Explorer graphs here, and node data next to it (FILE.cycles.json, ...)")
     p.set_defaults(fn=cmd_viz)
     p = sub.add_parser("simulate", help="simulate the model unfused and fused, op by op")
     _model_args(p)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--json", default=None, help="also write both simulations as JSON here")
     p.set_defaults(fn=cmd_simulate)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    """Run the command line; exits with status 2 on a usage error and 1 when the model fails."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        a.fn(a)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise SystemExit(f"autofuse {a.cmd}: {e}")
+        a = parser().parse_args(argv)
+    except _ParseError as e:
+        _fail(2, f"{e.prog}: {e}")
+    verbose = getattr(a, "verbose", False)
+    progress = Progress(verbose)
+    from autofuse.quiet import torch_internal_warnings
+    with warnings.catch_warnings(), _library_logs(verbose):
+        warnings.simplefilter("default" if verbose else "ignore")
+        with torch_internal_warnings():     # after the line above, so that it holds with -v too
+            try:
+                a.fn(a, progress)
+            except UsageError as e:
+                progress.clear()
+                _fail(2, f"autofuse {a.cmd}: {e}")
+            except ModelFailed as e:
+                progress.clear()
+                if verbose:
+                    traceback.print_exception(e.__cause__ or e)
+                _fail(1, f"autofuse {a.cmd}: {e}", one_line=False)
+            except KeyboardInterrupt:
+                progress.clear()
+                _fail(130, f"autofuse {a.cmd}: interrupted")
+
+
+@contextlib.contextmanager
+def _library_logs(verbose: bool):
+    """Without ``-v``, torch's and transformers' log records below ERROR are dropped (torch logs graph dumps
+    and guard diagnostics at WARNING while a capture route fails; autofuse explains the failure itself)."""
+    import logging
+    loggers = [logging.getLogger(name) for name in ("torch", "transformers")]
+    levels = [lg.level for lg in loggers]
+    if not verbose:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _fail(code: int, message: str, one_line: bool = True):
+    print(" ".join(message.split("\n")) if one_line else message, file=sys.stderr)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

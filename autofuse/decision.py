@@ -102,29 +102,9 @@ class FusionReport:
         return sum(d.cycles_unfused - d.cycles_fused for d in self.applied)
 
     def summary(self) -> str:
-        a, r = self.applied, self.rejected
-        lines = [f"autofuse plan for {self.device} at {self.optimization_level}: {len(a)} fused, {len(r)} not fused "
-                 f"({self.nodes_before} -> {self.nodes_after} graph nodes)"]
-        if a:
-            before = sum(d.cycles_unfused for d in a)
-            after = sum(d.cycles_fused for d in a)
-            lines.append(f"  fused blocks: {before:,} -> {after:,} cycles ({before / max(after, 1):.2f}x), "
-                         f"HBM saved {sum(d.hbm_bytes_saved for d in a):,} B")
-        for d in self.decisions:
-            mark = "FUSED " if d.applied else "kept  "
-            lines.append(f"  {mark}{d.pattern:<10} at {d.anchor:<24} {d.reason_code:<22} "
-                         f"{d.cycles_unfused:>12,} -> {d.cycles_fused:>12,} cycles  {d.reason}")
-        if self.memory_budget is not None:
-            lines.append(f"  peak activation memory: {self.peak_memory_unfused:,} B unfused, "
-                         f"{self.peak_memory_fused:,} B fused; budget {self.memory_budget:,} B")
-        if self.training:
-            lines.append("  planned for training mode (dropout kept)")
-        if self.guards:
-            lines.append(f"  re-planned if these change: {'; '.join(self.guards)}")
-        if self.replanned_because:
-            lines.append(f"  re-planned because {self.replanned_because}")
-        lines.extend(f"  warning: {w}" for w in self.warnings)
-        return "\n".join(lines)
+        """A few lines of text: counts, then one line per candidate (rendered by :mod:`autofuse.report`)."""
+        from autofuse.report import text_summary
+        return text_summary(self)
 
     def to_dict(self) -> dict:
         return {
@@ -141,19 +121,5 @@ class FusionReport:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
 
     def to_markdown(self) -> str:
-        out = [f"# autofuse report: {self.device}, {self.optimization_level}", "",
-               f"{len(self.applied)} fused, {len(self.rejected)} not fused; graph {self.nodes_before} -> "
-               f"{self.nodes_after} nodes.", "",
-               "| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "
-               "| working set (B) | of it workspace (B) |",
-               "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-        for d in self.decisions:
-            out.append(f"| {'fused' if d.applied else 'kept'} | {d.pattern} | `{d.anchor}` | {d.reason_code}: "
-                       f"{d.reason} | {d.cycles_unfused:,} | {d.cycles_fused:,} | {d.speedup:.2f}x | "
-                       f"{d.hbm_bytes_saved:,} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
-        if self.memory_budget is not None or self.peak_memory_unfused:
-            out += ["", f"Peak activation memory: {self.peak_memory_unfused:,} B unfused, "
-                        f"{self.peak_memory_fused:,} B fused"
-                        + (f" (budget {self.memory_budget:,} B)." if self.memory_budget is not None else ".")]
-        out += [f"- warning: {w}" for w in self.warnings]
-        return "\n".join(out) + "\n"
+        from autofuse.report import markdown
+        return markdown(self)

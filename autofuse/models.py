@@ -1,13 +1,29 @@
-"""Ready-made models for the CLI, the benchmarks and the tests: transformers architectures built from
-configs with random weights (no download), and a plain ``nn.MultiheadAttention`` block.
+"""Ready-made models for the CLI, the benchmarks and the tests, and the ``--model`` spec parser.
 
-``build(name, ...) -> (model, (args, kwargs))``. With ``meta=True`` the model and its inputs live on the
-meta device: nothing is allocated, so a GPT-2-small or larger configuration can be planned on any machine.
+``build(spec, ...) -> (model, (args, kwargs))``. A spec is one of
+
+* a zoo name (:data:`ZOO`): transformers architectures built from small configs with random weights (no
+  download), and a plain ``nn.MultiheadAttention`` block; ``layers``/``hidden``/``heads`` size them;
+* ``transformers:ConfigClass?key=value&...``: any transformers configuration class by name, with keyword
+  overrides (values read as int, float, bool, None or string), e.g.
+  ``transformers:LlamaConfig?num_hidden_layers=2&hidden_size=256``. Without keys the class's own defaults
+  apply (``LlamaConfig`` is Llama-7B). The model class is chosen from the configuration (see
+  :func:`auto_class`); ``use_cache`` is off; ``seq``/``batch`` shape the example inputs;
+* ``path/to/file.py:function`` or ``package.module:function``: the function returns ``(model,
+  example_inputs)``.
+
+With ``meta=True`` the model and its inputs live on the meta device: nothing is allocated, so a 7B
+configuration can be planned on any machine. A wrong spec raises :class:`ModelSpecError` naming the fix.
 """
 from __future__ import annotations
 
+import difflib
+import importlib
 import importlib.util
+import inspect
+import os
 import runpy
+from urllib.parse import parse_qsl
 
 import torch
 
@@ -18,13 +34,29 @@ ZOO = {
     "bert": "BERT (transformers BertModel); bidirectional attention with a padding mask",
     "mha": "torch.nn.MultiheadAttention self-attention block with a causal mask",
 }
+TRANSFORMERS_PREFIX = "transformers:"
 
 
-def _transformers_model(name, layers, hidden, heads, kv_heads, seq, vocab, attn):
+class ModelSpecError(ValueError):
+    """The ``--model`` spec cannot be turned into a model: the message names the part and the fix."""
+
+
+def _closest(word, choices) -> str:
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _transformers():
     try:
-        import transformers as tf
+        import transformers
     except ImportError as e:
-        raise RuntimeError(f"model {name!r} needs the transformers package: pip install transformers==5.24.0") from e
+        raise ModelSpecError("transformers models need the transformers package: pip install transformers==5.24.0") \
+            from e
+    return transformers
+
+
+def _zoo_model(name, layers, hidden, heads, kv_heads, seq, vocab, attn):
+    tf = _transformers()
     common = dict(vocab_size=vocab)
     if name == "gpt2":
         cfg = tf.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=max(seq, 16), bos_token_id=0,
@@ -61,18 +93,21 @@ class MHABlock(torch.nn.Module):
 
 def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=2, vocab=128, dtype=torch.float32,
           meta=False, attn="eager"):
-    """``(model, (args, kwargs))`` for a zoo name, or a ``file.py:function`` / ``module:function`` spec whose
-    function returns ``(model, example_inputs)``."""
+    """``(model, (args, kwargs))`` for a spec (see the module docstring). ``layers``, ``hidden``, ``heads``,
+    ``kv_heads`` and ``vocab`` size zoo models only; a ``transformers:`` spec carries its sizes as keys."""
+    if name.startswith(TRANSFORMERS_PREFIX):
+        return build_transformers(name, seq=seq, batch=batch, dtype=dtype, meta=meta, attn=attn)
     if ":" in name:
         return _from_spec(name)
     if name not in ZOO:
-        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(ZOO)} or give 'file.py:function'")
+        raise ModelSpecError(f"unknown model {name!r}{_closest(name, ZOO)}: choose one of {', '.join(ZOO)}, "
+                             f"'transformers:ConfigClass?key=value', 'file.py:function' or 'module:function'")
     ctx = torch.device("meta") if meta else torch.device("cpu")
     with ctx:
         if name == "mha":
             model = MHABlock(hidden, heads)
         else:
-            model = _transformers_model(name, layers, hidden, heads, kv_heads, seq, vocab, attn)
+            model = _zoo_model(name, layers, hidden, heads, kv_heads, seq, vocab, attn)
     model = model.to(dtype).eval()
     if name == "mha":
         x = torch.randn(batch, seq, hidden, dtype=dtype, device=ctx)
@@ -83,17 +118,180 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
     return model, ((ids,), kwargs)
 
 
+# ------------------------------------------------------------------------------ transformers:ConfigClass?k=v
+
+def parse_value(text: str):
+    """A query-string value as Python: ``2`` -> int, ``1e-5`` -> float, ``true``/``False`` -> bool,
+    ``None``/``null`` -> None, anything else stays a string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_transformers_spec(spec: str) -> tuple[str, dict]:
+    """``"transformers:LlamaConfig?num_hidden_layers=2"`` -> ``("LlamaConfig", {"num_hidden_layers": 2})``."""
+    body = spec[len(TRANSFORMERS_PREFIX):]
+    name, _, query = body.partition("?")
+    if not name:
+        raise ModelSpecError(f"model spec {spec!r} names no configuration class: write e.g. "
+                             f"'transformers:LlamaConfig?num_hidden_layers=2'")
+    keys = {}
+    for item in filter(None, query.split("&")):
+        if "=" not in item:
+            raise ModelSpecError(f"model spec {spec!r}: {item!r} has no value; write key=value pairs joined by '&'")
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        keys[key] = parse_value(value)
+    return name, keys
+
+
+def config_keys(cfg_cls) -> set:
+    """The keys a configuration class understands: its defaults, its constructor's parameters and aliases."""
+    try:
+        keys = set(cfg_cls().to_dict())
+    except Exception:  # noqa: BLE001 - a class whose defaults do not construct: its signature still lists keys
+        keys = set()
+    keys |= {p for p in inspect.signature(cfg_cls.__init__).parameters if p not in ("self", "kwargs")}
+    keys |= set(getattr(cfg_cls, "attribute_map", {}) or {})
+    return keys
+
+
+def make_config(spec: str):
+    """The configuration object a ``transformers:`` spec describes (unknown classes and keys are errors)."""
+    tf = _transformers()
+    name, keys = parse_transformers_spec(spec)
+    cfg_cls = getattr(tf, name, None) if name.endswith("Config") else None
+    if cfg_cls is None or not (inspect.isclass(cfg_cls) and issubclass(cfg_cls, tf.PretrainedConfig)):
+        known = [n for n in dir(tf) if n.endswith("Config") and n[0].isupper()]
+        raise ModelSpecError(f"transformers has no configuration class {name!r}{_closest(name, known)} "
+                             f"(any *Config class of transformers works, e.g. LlamaConfig, GPT2Config, BertConfig)")
+    allowed = config_keys(cfg_cls)
+    for key in keys:
+        if key not in allowed:
+            hint = _closest(key, allowed) or f" (its keys: {', '.join(sorted(k for k in allowed if k[0] != '_'))})"
+            raise ModelSpecError(f"{name} has no key {key!r}{hint}")
+    try:
+        cfg = cfg_cls(**keys)
+    except (TypeError, ValueError) as e:
+        raise ModelSpecError(f"{name}({', '.join(f'{k}={v!r}' for k, v in keys.items())}) is not a valid "
+                             f"configuration: {e}") from None
+    cfg.use_cache = False
+    return cfg
+
+
+def auto_class(cfg):
+    """The transformers Auto class for a configuration: encoder-decoders get their sequence-to-sequence LM,
+    encoders (configurations with a masked-LM head that are not decoders, such as BERT) their base model,
+    decoders their causal LM, anything else (vision, audio encoders) its base model."""
+    tf = _transformers()
+    from transformers.models.auto import modeling_auto as ma
+    cls = type(cfg)
+    if getattr(cfg, "is_encoder_decoder", False) and cls in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+        return tf.AutoModelForSeq2SeqLM
+    if cls in ma.MODEL_FOR_MASKED_LM_MAPPING and not getattr(cfg, "is_decoder", False):
+        return tf.AutoModel
+    if cls in ma.MODEL_FOR_CAUSAL_LM_MAPPING:
+        return tf.AutoModelForCausalLM
+    if cls in ma.MODEL_MAPPING:
+        return tf.AutoModel
+    raise ModelSpecError(f"transformers has no model class for {cls.__name__}: give 'file.py:function' that "
+                         f"builds the model")
+
+
+def example_inputs(model, cfg, seq, batch, dtype, device):
+    """Example inputs for ``model.main_input_name`` (token ids, pixel values or audio features) plus
+    ``decoder_input_ids`` for encoder-decoders and ``use_cache=False`` where the forward takes it."""
+    main = getattr(model, "main_input_name", "input_ids")
+    vocab = getattr(cfg, "vocab_size", None) or 128
+    meta = device == torch.device("meta")
+
+    def ids():
+        if meta:
+            return torch.empty((batch, seq), dtype=torch.long, device=device)
+        return torch.randint(1, max(vocab, 2), (batch, seq), device=device)
+
+    if main == "input_ids":
+        kwargs = {"input_ids": ids()}
+    elif main == "pixel_values":
+        size = getattr(cfg, "image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        kwargs = {"pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), size, size, dtype=dtype,
+                                              device=device)}
+    elif main == "input_features":
+        frames = 2 * getattr(cfg, "max_source_positions", seq)
+        kwargs = {"input_features": torch.randn(batch, cfg.num_mel_bins, frames, dtype=dtype, device=device)}
+    else:
+        raise ModelSpecError(f"{type(model).__name__} takes {main!r} as its main input, which the CLI cannot "
+                             f"make up: give 'file.py:function' returning the model and its inputs")
+    params = inspect.signature(model.forward).parameters
+    if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        kwargs["decoder_input_ids"] = ids()
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (), kwargs
+
+
+def build_transformers(spec: str, seq=16, batch=2, dtype=torch.float32, meta=False, attn="eager"):
+    """``(model, (args, kwargs))`` for a ``transformers:ConfigClass?key=value`` spec."""
+    cfg = make_config(spec)
+    device = torch.device("meta") if meta else torch.device("cpu")
+    auto = auto_class(cfg)
+    with device:
+        try:
+            model = auto.from_config(cfg, attn_implementation=attn)
+        except ValueError as e:                 # e.g. an architecture without an sdpa implementation
+            raise ModelSpecError(f"{type(cfg).__name__} with attention {attn!r}: {e}") from None
+    model = model.to(dtype).eval()
+    return model, example_inputs(model, cfg, seq, batch, dtype, device)
+
+
+# ------------------------------------------------------------------------------ file.py:function, module:function
+
 def _from_spec(spec: str):
     path, _, fn = spec.rpartition(":")
-    if path.endswith(".py"):
+    if not path or not fn:
+        raise ModelSpecError(f"model spec {spec!r}: write 'path/to/file.py:function' or 'package.module:function'")
+    if path.endswith(".py") or os.sep in path or "/" in path:
+        if not os.path.isfile(path):
+            raise ModelSpecError(f"model file {path!r} does not exist (spec {spec!r}): give the path of a .py file")
         ns = runpy.run_path(path)
-        if fn not in ns:
-            raise ValueError(f"{path} has no function {fn!r}")
-        built = ns[fn]()
+        where = path
     else:
-        if importlib.util.find_spec(path) is None:
-            raise ValueError(f"cannot import module {path!r} for model spec {spec!r}")
-        built = getattr(importlib.import_module(path), fn)()
+        try:
+            found = importlib.util.find_spec(path)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ModelSpecError(f"cannot import module {path!r} (spec {spec!r}): put it on PYTHONPATH or give "
+                                 f"'path/to/file.py:{fn}'")
+        ns = vars(importlib.import_module(path))
+        where = f"module {path}"
+    if not callable(ns.get(fn)):
+        funcs = [k for k, v in ns.items() if inspect.isfunction(v) and not k.startswith("_")
+                 and v.__module__ == ns.get("__name__")]
+        raise ModelSpecError(f"{where} has no function {fn!r}{_closest(fn, funcs)} "
+                             f"(functions defined there: {', '.join(funcs) or 'none'})")
+    try:
+        inspect.signature(ns[fn]).bind()
+    except TypeError:
+        raise ModelSpecError(f"{where}:{fn} must be callable without arguments and return (model, example_inputs)") \
+            from None
+    except ValueError:          # no signature (a builtin): call it and see
+        pass
+    built = ns[fn]()
+    if not (isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
+        raise ModelSpecError(f"{where}:{fn}() must return (model, example_inputs) with model an nn.Module; it "
+                             f"returned {type(built).__name__}")
     model, inputs = built
     from autofuse.engine import _normalise_inputs
-    return model, _normalise_inputs(inputs)
+    try:
+        return model, _normalise_inputs(inputs)
+    except TypeError as e:
+        raise ModelSpecError(f"{where}:{fn}() returned example inputs autofuse cannot use: {e}") from None

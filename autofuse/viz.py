@@ -1,37 +1,75 @@
-"""Pictures of graphs before and after fusion: Graphviz DOT text and a self-contained SVG.
+"""Pictures of a graph before and after fusion: Graphviz DOT (rendered by ``dot``), a built-in SVG when
+Graphviz is missing, and Google Model Explorer's graph JSON with node-data overlays.
 
-The SVG needs no external tool: nodes are laid out in layers (networkx topological generations, one
-row per generation), edges are straight lines. Colours: nodes covered by an applied fusion are green in
-the "before" picture, nodes of a rejected candidate orange; fused-op calls are green in "after".
-Views (ops that cost nothing) are drawn small and grey, so the kernels stand out.
+**DOT** (:func:`graph_dot`). Nodes are grouped in nested clusters by the model's module hierarchy
+(:func:`autofuse.hierarchy.module_paths`); a module with a single drawn node gets no cluster of its own (its
+name goes on the node). Identical sibling layers (``layers.1`` ... ``layers.31`` like ``layers.0``) are drawn
+once expanded and once as a folded box "×31 identical" (``expand_all`` draws every layer). In the graph
+before fusion each candidate is a cluster: filled in its family's colour when applied, dashed orange when
+not, labelled with the numbers or the reason code; in the graph after, a fused op is one node in its family's
+colour. Each kernel node carries its shape and dtype, cycles, HBM bytes and bound unit (from a simulation,
+or the cost model's prices: :func:`autofuse.report.node_costs`); views (no kernel) are small and grey;
+parameters are left out unless ``show_params``. A legend explains the colours.
+
+**Model Explorer** (:func:`model_explorer`). One ``GraphCollection`` (``{"label", "graphs"}``, the format
+its JSON loader reads, schema in ``model_explorer.graph_builder``) with the fused and the original graph;
+each node has the module path as its namespace (``model/layers.0/self_attn``; a candidate's nodes sit in a
+``attention (fused)`` / ``attention (not fused: reason)`` group below it), attributes (operation, arguments,
+cycles, HBM bytes, bound, fusion), its incoming edges and its output shape as ``tensor_shape``.
+:func:`model_explorer_node_data` gives the overlays (``ModelNodeData``: graph id -> results per node id):
+cycles, HBM bytes, bound unit, fused or not.
 """
 from __future__ import annotations
 
 import html
+import re
+import shutil
+import subprocess
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
-from autofuse.graph import to_networkx
+from autofuse import hierarchy
+from autofuse.graph import target_name, to_networkx
 from autofuse.lower import lower
+from autofuse.report import family_colour
 
 APPLIED, REJECTED, FUSED_OP, VIEW, PLAIN = "#7fd17f", "#f5b86b", "#2e9e4f", "#e4e4e4", "#cfe0f7"
+REJECTED_EDGE = "#e07b00"
 
 
-def _label(n: fx.Node) -> str:
+def _short(n: fx.Node) -> str:
+    t = target_name(n)
+    return t.split(".")[1] if t.count(".") >= 2 else t
+
+
+_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32"}
+
+
+def _shape(n: fx.Node) -> str:
     v = n.meta.get("val")
-    shape = "x".join(map(str, v.shape)) if hasattr(v, "shape") else ""
-    target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-    return f"{n.name}\n{str(target).replace('aten.', '')}\n{shape}"
+    if v is None and n.users:                       # a multi-output call: its first getitem knows
+        v = next(iter(n.users)).meta.get("val")
+    if isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor):
+        v = v[0]
+    if isinstance(v, torch.Tensor):
+        dtype = str(v.dtype).replace("torch.", "")
+        return "×".join(map(str, v.shape)) + " " + _DTYPES.get(dtype, dtype)
+    return ""
+
+
+def _is_view(n: fx.Node) -> bool:
+    return n.op == "call_function" and hierarchy.fused_match(n) is None and lower(n).free
 
 
 def colours(gm: fx.GraphModule, report=None) -> dict:
-    """Node name -> fill colour, from a :class:`~autofuse.decision.FusionReport` (or none)."""
+    """Node name -> fill colour of the built-in SVG, from a :class:`~autofuse.decision.FusionReport` (or none)."""
     col = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and str(n.target).startswith("autofuse."):
+        if hierarchy.fused_match(n) is not None or (n.op == "call_function" and str(n.target).startswith("autofuse.")):
             col[n.name] = FUSED_OP
-        elif n.op == "call_function" and lower(n).free:
+        elif _is_view(n):
             col[n.name] = VIEW
         else:
             col[n.name] = PLAIN
@@ -47,11 +85,254 @@ def colours(gm: fx.GraphModule, report=None) -> dict:
     return col
 
 
+def _tint(colour: str, white: float) -> str:
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(c + (255 - c) * white):02x}" for c in (r, g, b))
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _cost_line(c) -> str:
+    return f"{c.cycles:,} cyc · {_fmt_bytes(c.hbm_bytes)} · {c.bound}" if c is not None else ""
+
+
+# ---------------------------------------------------------------------------------------------- DOT
+
+class _Cluster:
+    def __init__(self, key, label="", attrs=""):
+        self.key, self.label, self.attrs = key, label, attrs
+        self.children: dict = {}
+        self.nodes: list = []
+
+    def count(self) -> int:
+        return len(self.nodes) + sum(c.count() for c in self.children.values())
+
+
+def _q(s: str) -> str:
+    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _html_label(lines, bold_first=True, size=None) -> str:
+    parts = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        text = html.escape(line)
+        if i == 0 and bold_first:
+            text = f"<B>{text}</B>"
+        elif i > 0:
+            text = f'<FONT POINT-SIZE="{(size or 10) - 1}">{text}</FONT>'
+        parts.append(text)
+    return "<" + "<BR/>".join(parts) + ">"
+
+
+_CAND = "\0candidate"       # cluster key marker: no module is called that
+
+
+def candidate_of(report) -> dict:
+    """Node name -> the decision whose cluster it is drawn in (an applied one wins over rejected overlaps)."""
+    out = {}
+    if report is None:
+        return out
+    for d in sorted(report.decisions, key=lambda d: not d.applied):
+        for name in d.nodes:
+            out.setdefault(name, d)
+    return out
+
+
+def graph_dot(gm: fx.GraphModule, report=None, costs: dict | None = None, title: str = "", *,
+              before_paths: dict | None = None, expand_all: bool = False, show_params: bool = False,
+              cost_source: str = "") -> str:
+    """The graph as Graphviz DOT (see the module docstring). ``report`` draws the candidates of the graph
+    before fusion; ``costs``: node name -> :class:`~autofuse.report.Cost`; ``before_paths``: the module paths
+    of the graph before the rewrite (places fused ops of the graph after)."""
+    costs = costs or {}
+    paths = hierarchy.module_paths(gm, before=before_paths)
+    classes = hierarchy.module_classes(gm)
+    cand = candidate_of(report)
+    status = {n: ("applied " if d.applied else "rejected ") + d.pattern for n, d in cand.items()}
+    folded: dict = {}                       # node name -> id of the box its layer is folded into
+    boxes = {}
+    if not expand_all:
+        for g in hierarchy.repeated_layers(gm, paths, status):     # outermost first: inner ones may be inside
+            box = "fold_" + "_".join(g.hidden[0])
+            hidden = set(g.hidden)
+            for name, p in paths.items():
+                if name not in folded and any(p[:len(h)] == h for h in hidden):
+                    folded[name] = box
+            if any(v == box for v in folded.values()):
+                boxes[box] = g
+    drawn = [n for n in gm.graph.nodes if n.name not in folded and not (n.op == "get_attr" and not show_params)
+             and not (n.op == "placeholder" and not n.users)]
+    root = _Cluster(())
+
+    def cluster_for(path, decision=None):
+        c = root
+        for i in range(1, len(path) + 1):
+            key = path[:i]
+            if key not in c.children:
+                c.children[key] = _Cluster(key)
+            c = c.children[key]
+        if decision is not None:
+            key = (_CAND, decision.anchor)
+            if key not in c.children:
+                c.children[key] = _Cluster(key, attrs=decision)
+            c = c.children[key]
+        return c
+
+    decision_path = {}
+    for d in {id(d): d for d in cand.values()}.values():
+        decision_path[d.anchor] = hierarchy.common_prefix(paths[x] for x in d.nodes if x in paths)
+    for n in drawn:
+        d = cand.get(n.name)
+        cluster_for(decision_path[d.anchor] if d is not None else paths.get(n.name, ()), d).nodes.append(n)
+    for box, g in boxes.items():
+        cluster_for(g.parent).nodes.append(box)
+
+    lines = [f"digraph {_q(title or 'graph')} {{",
+             '  graph [rankdir=TB, fontname="Helvetica", fontsize=11, nodesep=0.25, ranksep=0.35, newrank=true, '
+             'labelloc=t, labeljust=l];',
+             '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10, fillcolor="#dbe7f5", '
+             'color="#7a8ca5", margin="0.08,0.03"];',
+             '  edge [color="#8a8a8a", arrowsize=0.6];']
+    if title:
+        sub = f"cycles · HBM bytes · bound unit: {cost_source}" if cost_source else ""
+        lines.append(f"  label={_html_label([title, sub])};")
+
+    def node_line(n, prefix="") -> str:
+        if isinstance(n, str):          # a folded box
+            g = boxes[n]
+            members = [x for x, b in folded.items() if b == n]
+            cyc = sum(costs[x].cycles for x in members if x in costs)
+            per = cyc // max(len(g.hidden), 1)
+            shown = ".".join(g.shown[-2:])
+            lab = [g.label(), f"×{len(g.hidden)} identical to {shown}",
+                   f"{len(g.hidden)} × {per:,} cyc = {cyc:,} cyc" if cyc else ""]
+            return (f"  {_q(n)} [shape=box3d, style=filled, fillcolor=\"#f4f4f4\", color=\"#555555\", "
+                    f"label={_html_label(lab)}];")
+        c = costs.get(n.name)
+        match = hierarchy.fused_match(n)
+        if match is not None:
+            fill = family_colour(match.pattern)
+            lab = [f"{_short(n)} · fused {match.pattern}", _shape(n), _cost_line(c)]
+            return (f"  {_q(n.name)} [label={_html_label(lab)}, fillcolor=\"{fill}\", fontcolor=white, "
+                    f"color=\"#222222\", penwidth=1.5, tooltip={_q(n.name)}];")
+        if n.op in ("placeholder", "output"):
+            lab = [n.name if n.op == "placeholder" else "output", _shape(n)]
+            return f"  {_q(n.name)} [shape=ellipse, style=filled, fillcolor=white, label={_html_label(lab)}];"
+        if n.op == "get_attr":
+            return (f"  {_q(n.name)} [shape=note, fillcolor=\"#f7f7f7\", fontsize=8, "
+                    f"label={_html_label([str(n.target), _shape(n)], size=8)}];")
+        if _is_view(n):
+            return (f"  {_q(n.name)} [fontsize=8, fillcolor=\"{VIEW}\", color=\"#bbbbbb\", height=0.2, "
+                    f"label={_html_label([n.name, _shape(n)], bold_first=False, size=8)}, tooltip={_q(n.name)}];")
+        d = cand.get(n.name)
+        fill = _tint(family_colour(d.pattern), 0.6) if d is not None and d.applied else "#dbe7f5"
+        name = f"{prefix}: {n.name}" if prefix and not prefix.isdigit() else n.name   # its module has no box
+        lab = [name, _shape(n), _cost_line(c)]
+        return f"  {_q(n.name)} [label={_html_label(lab)}, fillcolor=\"{fill}\", tooltip={_q(target_name(n))}];"
+
+    ids = iter(range(1, 1 << 30))
+
+    def emit(c: _Cluster, depth: int):
+        own_cluster = bool(c.key) and (c.key[0] == _CAND or c.count() > 1)
+        ind = "  " * (depth + 1)
+        if own_cluster:
+            lines.append(f"{ind}subgraph cluster_{next(ids)} {{")
+            if c.key[0] == _CAND:
+                d = c.attrs
+                if d.applied:
+                    lab = [f"{d.pattern} · fused", f"{d.cycles_unfused:,} → {d.cycles_fused:,} cyc ({d.speedup:.2f}×)"]
+                    lines.append(f'{ind}  style="rounded,filled"; fillcolor="{_tint(family_colour(d.pattern), 0.82)}"; '
+                                 f'color="{family_colour(d.pattern)}"; penwidth=2; label={_html_label(lab)};')
+                else:
+                    lab = [f"{d.pattern} · not fused", d.reason_code]
+                    lines.append(f'{ind}  style="rounded,dashed"; color="{REJECTED_EDGE}"; penwidth=2; '
+                                 f'fontcolor="{REJECTED_EDGE}"; label={_html_label(lab)};')
+            else:
+                name = c.key[-1] if not c.key[-1].isdigit() or len(c.key) < 2 else f"{c.key[-2]}.{c.key[-1]}"
+                cls = classes.get(c.key, "")
+                lines.append(f'{ind}  style="rounded"; color="#b0b0b0"; '
+                             f'label={_html_label([name + (" · " + cls if cls else "")])};')
+        prefix = c.key[-1] if c.key and not own_cluster and c.key[0] != _CAND else ""
+        for n in c.nodes:
+            lines.append(ind + node_line(n, prefix).lstrip())
+        for child in c.children.values():
+            emit(child, depth + 1 if own_cluster else depth)
+        if own_cluster:
+            lines.append(f"{ind}}}")
+
+    emit(root, 0)
+    drawn_ids = {n.name for n in drawn if not isinstance(n, str)}
+    seen = set()
+    for n in gm.graph.nodes:
+        dst = folded.get(n.name, n.name)
+        if dst not in drawn_ids and dst not in boxes:
+            continue
+        for a in n.all_input_nodes:
+            src = folded.get(a.name, a.name)
+            if src == dst or (src not in drawn_ids and src not in boxes) or (src, dst) in seen:
+                continue
+            seen.add((src, dst))
+            lines.append(f"  {_q(src)} -> {_q(dst)};")
+    lines += _legend(gm, report)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _legend(gm, report) -> list:
+    fams = sorted({d.pattern for d in (report.decisions if report is not None else ())}
+                  | {m.pattern for n in gm.graph.nodes if (m := hierarchy.fused_match(n)) is not None})
+    items = [("legend_op", "kernel (unfused op)", 'fillcolor="#dbe7f5"'),
+             ("legend_view", "view: no kernel", f'fillcolor="{VIEW}", fontsize=8, color="#bbbbbb"')]
+    for f in fams:
+        items.append((f"legend_{f}", f"fused {f}", f'fillcolor="{family_colour(f)}", fontcolor=white'))
+        if report is not None:
+            items.append((f"legend_{f}_region", f"{f} block, fused",
+                          f'fillcolor="{_tint(family_colour(f), 0.82)}", color="{family_colour(f)}", penwidth=2'))
+    if report is not None and report.rejected:
+        items.append(("legend_rejected", "candidate not fused (reason)",
+                      f'style="rounded,dashed", fillcolor=white, color="{REJECTED_EDGE}", penwidth=2'))
+    out = ['  subgraph cluster_legend {', '    label=<<B>legend</B>>; style="rounded"; color="#cccccc"; fontsize=10;']
+    for key, text, attrs in items:
+        out.append(f'    {_q(key)} [label={_q(text)}, {attrs}];')
+    out.append("    { rank=same; " + "; ".join(_q(k) for k, _, _ in items) + "; }")
+    out.append("  }")
+    return out
+
+
+def have_graphviz() -> bool:
+    return shutil.which("dot") is not None
+
+
+def render(dot_text: str, fmt: str = "svg", timeout: float = 600) -> bytes | None:
+    """Graphviz ``dot -T<fmt>`` of the DOT text, or None when Graphviz is not installed."""
+    exe = shutil.which("dot")
+    if exe is None:
+        return None
+    r = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"Graphviz dot failed: {r.stderr.decode(errors='replace').strip()[:500]}")
+    return r.stdout
+
+
+def svg_inline(svg: bytes | str) -> str:
+    """An SVG document as an element to put inside HTML (no XML prolog or DOCTYPE)."""
+    text = svg.decode() if isinstance(svg, bytes) else svg
+    return text[text.index("<svg"):]
+
+
 def to_dot(gm: fx.GraphModule, report=None, title="") -> str:
+    """Every node and edge of ``gm`` as plain DOT (no clusters, folding or costs): for tools that read DOT."""
     col = colours(gm, report)
     lines = [f'digraph "{title or "graph"}" {{', "  rankdir=TB; node [shape=box, style=filled, fontsize=10];"]
     for n in gm.graph.nodes:
-        label = _label(n).replace('"', "'").replace("\n", "\\n")
+        label = f"{n.name}\\n{_short(n)}\\n{_shape(n)}".replace('"', "'")
         lines.append(f'  "{n.name}" [label="{label}", fillcolor="{col.get(n.name, PLAIN)}"];')
     for n in gm.graph.nodes:
         for a in n.all_input_nodes:
@@ -61,17 +342,18 @@ def to_dot(gm: fx.GraphModule, report=None, title="") -> str:
 
 
 def to_svg(gm: fx.GraphModule, report=None, title="", show_params=False) -> str:
-    """The graph as SVG, one row per topological generation. Parameters and buffers (``get_attr``) are left
-    out unless ``show_params``: they all sit in the first generation and only add long edges."""
+    """The graph as SVG without Graphviz: one row per topological generation, straight edges. Parameters
+    (``get_attr``) are left out unless ``show_params``: they all sit in the first generation."""
     g = to_networkx(gm)
     if not show_params:
         g.remove_nodes_from([n.name for n in gm.graph.nodes if n.op == "get_attr"])
     col = colours(gm, report)
     nodes = {n.name: n for n in gm.graph.nodes}
+    order = {name: i for i, name in enumerate(nodes)}
     pos, width = {}, 0
     w, h, gap_x, gap_y = 150, 44, 14, 30
     for row, layer in enumerate(nx.topological_generations(g)):
-        for i, name in enumerate(sorted(layer, key=lambda x: list(nodes).index(x) if x in nodes else 0)):
+        for i, name in enumerate(sorted(layer, key=lambda x: order.get(x, 0))):
             pos[name] = (20 + i * (w + gap_x), 40 + row * (h + gap_y))
             width = max(width, pos[name][0] + w + 20)
     height = max((y for _, y in pos.values()), default=0) + h + 40
@@ -82,31 +364,128 @@ def to_svg(gm: fx.GraphModule, report=None, title="", show_params=False) -> str:
             (x1, y1), (x2, y2) = pos[a], pos[b]
             out.append(f'<line x1="{x1 + w / 2}" y1="{y1 + h}" x2="{x2 + w / 2}" y2="{y2}" stroke="#999"/>')
     for name, (x, y) in pos.items():
-        n = nodes.get(name)
-        fill = col.get(name, PLAIN)
-        out.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="{fill}" stroke="#555"/>')
-        for i, line in enumerate((_label(n) if n is not None else name).split("\n")):
+        n = nodes[name]
+        out.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="4" fill="{col.get(name, PLAIN)}" '
+                   f'stroke="#555"/>')
+        for i, line in enumerate((n.name, _short(n), _shape(n))):
             out.append(f'<text x="{x + 4}" y="{y + 12 + 11 * i}">{html.escape(line[:26])}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-def report_html(report, before: fx.GraphModule, after: fx.GraphModule, simulation=None) -> str:
-    """One page: the decision table, the simulated totals if given, and both graphs."""
-    rows = "".join(
-        f"<tr><td>{'fused' if d.applied else 'kept'}</td><td>{d.pattern}</td><td>{html.escape(d.anchor)}</td>"
-        f"<td>{d.reason_code}</td><td>{html.escape(d.reason)}</td><td>{d.cycles_unfused:,}</td>"
-        f"<td>{d.cycles_fused:,}</td><td>{d.speedup:.2f}x</td><td>{d.hbm_bytes_saved:,}</td>"
-        f"<td>{d.working_set_bytes:,}</td><td>{d.workspace_bytes:,}</td></tr>"
-        for d in report.decisions)
-    sim = f"<pre>{html.escape(simulation.summary())}</pre>" if simulation is not None else ""
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>autofuse report</title>"
-            f"<style>body{{font-family:sans-serif}} td,th{{border:1px solid #ccc;padding:3px 6px}}"
-            f"table{{border-collapse:collapse}}</style></head><body>"
-            f"<h1>autofuse: {report.device}, {report.optimization_level}</h1>"
-            f"<pre>{html.escape(report.summary())}</pre>"
-            f"<table><tr><th></th><th>pattern</th><th>anchor</th><th>code</th><th>reason</th><th>unfused cycles</th>"
-            f"<th>fused cycles</th><th>speed-up</th><th>HBM saved (B)</th><th>working set (B)</th>"
-            f"<th>of it workspace (B)</th></tr>{rows}</table>{sim}"
-            f"<h2>Before</h2>{to_svg(before, report, 'before')}<h2>After</h2>{to_svg(after, None, 'after')}"
-            f"</body></html>\n")
+def picture(gm, report=None, costs=None, title="", **kw) -> tuple[str, str]:
+    """``(dot_text, svg_text)``: the DOT of :func:`graph_dot` rendered by Graphviz, or the built-in SVG when
+    Graphviz is missing."""
+    dot = graph_dot(gm, report, costs, title, **kw)
+    svg = render(dot)
+    return dot, svg.decode() if svg is not None else to_svg(gm, report, title)
+
+
+# ---------------------------------------------------------------------------------------------- Model Explorer
+
+def _namespace(path: tuple) -> str:
+    parts = []
+    for p in path:
+        if p.isdigit() and parts:
+            parts[-1] = f"{parts[-1]}.{p}"
+        else:
+            parts.append(p)
+    return "/".join(parts)
+
+
+def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_paths=None) -> dict:
+    paths = hierarchy.module_paths(gm, before=before_paths)
+    classes = hierarchy.module_classes(gm)
+    cand = candidate_of(report)
+    nodes, groups = [], {}
+    for n in gm.graph.nodes:
+        ns = _namespace(paths.get(n.name, ()))
+        d = cand.get(n.name)
+        if d is not None:
+            group = f"{d.pattern} (fused)" if d.applied else f"{d.pattern} (not fused: {d.reason_code})"
+            ns = f"{ns}/{group}" if ns else group
+            groups[ns] = {"anchor": d.anchor, "reason": d.reason, "cycles unfused": f"{d.cycles_unfused:,}",
+                          "cycles fused": f"{d.cycles_fused:,}", "speed-up": f"{d.speedup:.2f}x"}
+        if n.op == "placeholder":
+            ns = "inputs"
+        attrs = [{"key": "op", "value": target_name(n)}, {"key": "node", "value": n.name}]
+        for i, a in enumerate(n.args):
+            if not isinstance(a, fx.Node):
+                attrs.append({"key": f"arg{i}", "value": str(fx.map_arg(a, lambda x: x.name))[:200]})
+        for k, a in n.kwargs.items():
+            attrs.append({"key": k, "value": str(fx.map_arg(a, lambda x: x.name))[:200]})
+        c = costs.get(n.name)
+        if c is not None:
+            attrs += [{"key": "cycles", "value": f"{c.cycles:,} ({c.source})"},
+                      {"key": "HBM bytes", "value": f"{c.hbm_bytes:,}"}, {"key": "bound", "value": c.bound},
+                      {"key": "kernels", "value": ", ".join(c.kernels)}]
+        match = hierarchy.fused_match(n)
+        if match is not None:
+            attrs.append({"key": "fused", "value": f"{match.pattern}: replaces {', '.join(match.nodes)}"})
+        outs = []
+        v = n.meta.get("val")
+        vals = list(v) if isinstance(v, (tuple, list)) else [v]
+        for i, x in enumerate(vals):
+            if isinstance(x, torch.Tensor):
+                outs.append({"id": str(i), "attrs": [
+                    {"key": "tensor_shape", "value": str(x.dtype).replace("torch.", "") + str(list(x.shape))},
+                    {"key": "__tensor_tag", "value": n.name if len(vals) == 1 else f"{n.name}[{i}]"}]})
+        edges = [{"sourceNodeId": a.name, "sourceNodeOutputId": "0", "targetNodeInputId": str(i)}
+                 for i, a in enumerate(n.all_input_nodes)]
+        ins = [{"id": str(i), "attrs": [{"key": "__tensor_tag", "value": a.name}]}
+               for i, a in enumerate(n.all_input_nodes)]
+        nodes.append({"id": n.name, "label": "output" if n.op == "output" else n.name if n.op in (
+            "placeholder", "get_attr") else _short(n), "namespace": ns, "attrs": attrs, "incomingEdges": edges,
+                      "outputsMetadata": outs, "inputsMetadata": ins})
+    group_attrs = {"": {"graph": graph_id, "device": report.device if report is not None else "",
+                        "nodes": str(len(nodes))}}
+    for path, cls in classes.items():
+        group_attrs.setdefault(_namespace(path), {})["class"] = cls
+    group_attrs.update(groups)
+    configs = []
+    for fam in sorted({d.pattern for d in cand.values()}):
+        configs.append({"namespaceRegex": f".*{re.escape(fam)} \\(fused\\)$",
+                        "backgroundColor": _tint(family_colour(fam), 0.75), "borderColor": family_colour(fam)})
+        configs.append({"namespaceRegex": f".*{re.escape(fam)} \\(not fused.*\\)$",
+                        "backgroundColor": "#fff3e0", "borderColor": REJECTED_EDGE})
+    graph = {"id": graph_id, "nodes": nodes, "groupNodeAttributes": group_attrs}
+    if configs:
+        graph["groupNodeConfigs"] = configs
+    return graph
+
+
+def model_explorer(before: fx.GraphModule, after: fx.GraphModule, report, before_costs: dict, after_costs: dict,
+                   label: str = "autofuse") -> dict:
+    """The fused graph (id ``"fused"``) and the original (``"original"``) as a Model Explorer
+    ``GraphCollection`` (see the module docstring); ``json.dump`` it to a ``.json`` file."""
+    paths = hierarchy.module_paths(before)
+    return {"label": label, "graphs": [_me_graph(after, "fused", None, after_costs, paths),
+                                       _me_graph(before, "original", report, before_costs)]}
+
+
+def model_explorer_node_data(before: fx.GraphModule, after: fx.GraphModule, report, before_costs: dict,
+                             after_costs: dict) -> dict:
+    """Overlay name -> Model Explorer ``ModelNodeData`` (``{graph id: {"results": {node id: {"value": v}},
+    ...}}``) for ``cycles``, ``hbm_bytes``, ``bound`` and ``fused``."""
+    gradient = [{"stop": 0, "bgColor": "#ffffff"}, {"stop": 1, "bgColor": "#d32f2f"}]
+    cand = candidate_of(report)
+    out = {"cycles": {}, "hbm_bytes": {}, "bound": {}, "fused": {}}
+    for gid, gm, costs in (("fused", after, after_costs), ("original", before, before_costs)):
+        out["cycles"][gid] = {"name": "cycles", "results": {k: {"value": c.cycles} for k, c in costs.items()},
+                              "gradient": gradient}
+        out["hbm_bytes"][gid] = {"name": "HBM bytes", "results": {k: {"value": c.hbm_bytes} for k, c in costs.items()},
+                                 "gradient": gradient}
+        out["bound"][gid] = {"name": "bound unit", "results": {k: {"value": c.bound} for k, c in costs.items()}}
+        fused = {}
+        for n in gm.graph.nodes:
+            m = hierarchy.fused_match(n)
+            d = cand.get(n.name) if gid == "original" else None
+            if m is not None:
+                fused[n.name] = {"value": f"fused {m.pattern}", "bgColor": family_colour(m.pattern)}
+            elif d is not None:
+                fused[n.name] = ({"value": f"fused {d.pattern}", "bgColor": _tint(family_colour(d.pattern), 0.5)}
+                                 if d.applied else {"value": f"not fused: {d.reason_code}", "bgColor": REJECTED})
+            elif n.name in costs:
+                fused[n.name] = {"value": "not a candidate"}
+        out["fused"][gid] = {"name": "fusion", "results": fused}
+    return out

@@ -1,12 +1,36 @@
-"""The ``autofuse`` command line, called in-process through ``autofuse.cli.main([...])``."""
+"""The ``autofuse`` command line: in-process through ``autofuse.cli.main([...])``, and in a subprocess where
+exit codes and what reaches the terminal are the point."""
+import inspect
+import io
 import json
+import os
+import pathlib
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 
+from autofuse import cli
 from autofuse.cli import main
+from autofuse.models import build
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8"]
+TINY_LLAMA = "transformers:LlamaConfig?num_hidden_layers=1&hidden_size=32&intermediate_size=64&num_attention_heads=2" \
+             "&num_key_value_heads=1&vocab_size=64"
+
+
+def _exit(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+def _run(*argv, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "autofuse.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
 
 
 def test_devices(capsys):
@@ -22,44 +46,67 @@ def test_patterns(capsys):
     assert capsys.readouterr().out.startswith("attention: ")
 
 
-def test_report_text(capsys):
+def test_report_text_json_markdown(capsys):
     main(["report", *TINY])
-    out = capsys.readouterr().out
-    assert "autofuse plan for ascend910 at O3: 1 fused, 0 not fused" in out and "FUSED" in out
-
-
-def test_report_json(capsys):
+    assert "autofuse plan for ascend910 at O3: 1 fused, 0 not fused" in capsys.readouterr().out
     main(["report", *TINY, "--format", "json"])
     doc = json.loads(capsys.readouterr().out)
-    assert doc["device"] == "ascend910" and doc["optimization_level"] == "O3"
     (d,) = doc["applied"]
-    assert d["reason_code"] == "fused" and d["cycles_fused"] < d["cycles_unfused"] and d["tiling"]
-    assert doc["rejected"] == []
-
-
-def test_report_markdown_and_level(capsys):
+    assert d["reason_code"] == "fused" and d["cycles_fused"] < d["cycles_unfused"] and doc["rejected"] == []
     main(["report", *TINY, "--format", "md", "--level", "O0"])
     out = capsys.readouterr().out
-    assert out.startswith("# autofuse report: ascend910, O0") and "| kept | attention |" in out
-    assert "disabled_by_opt_level" in out
+    assert out.startswith("# autofuse report: ascend910, O0") and "disabled_by_opt_level" in out
 
 
-def test_report_html_to_file(tmp_path):
+def test_report_html_with_simulation(tmp_path, capsys):
     path = tmp_path / "r.html"
-    main(["report", *TINY, "--format", "html", "-o", str(path), "--device", "ascend910b"])
-    text = path.read_text()
-    assert text.startswith("<!doctype html>") and "ascend910b" in text and text.count("<svg") == 2
+    main(["report", *TINY, "--format", "html", "--simulate", "-o", str(path), "--device", "ascend910b"])
+    page = path.read_text()
+    assert page.startswith("<!doctype html>") and "ascend910b" in page
+    assert "simulated: the NPU simulator ran every kernel" in page
+    assert page.count("<svg") >= 3                          # roofline and both graphs
 
 
-def test_viz_writes_graphs_and_report(tmp_path):
-    main(["viz", *TINY, "-o", str(tmp_path)])
+def test_report_simulate_text_quotes_the_simulated_speedup(capsys):
+    main(["report", *TINY, "--simulate"])
+    out = capsys.readouterr().out
+    assert "simulated on ascend910: " in out and "x against eager op by op" in out
+
+
+def test_viz_writes_pictures_report_and_model_explorer_files(tmp_path, capsys):
+    me = tmp_path / "me" / "graphs.json"
+    main(["viz", *TINY, "-o", str(tmp_path), "--model-explorer", str(me)])
     names = {p.name for p in tmp_path.iterdir()}
-    assert names == {"before.dot", "before.svg", "after.dot", "after.svg", "report.html"}
+    assert names == {"before.dot", "before.svg", "after.dot", "after.svg", "report.html", "me"}
     for name in ("before.svg", "after.svg"):
         ET.parse(tmp_path / name)                       # well-formed XML
     before, after = (tmp_path / "before.dot").read_text(), (tmp_path / "after.dot").read_text()
     assert before.startswith("digraph") and "softmax" in before and "softmax" not in after
-    assert "flash_attention" in after
+    assert "flash_attention" in after and "attention · fused" in before
+    assert json.loads(me.read_text())["graphs"][0]["id"] == "fused"
+    assert sorted(p.name for p in me.parent.iterdir()) == [
+        "graphs.bound.json", "graphs.cycles.json", "graphs.fused.json", "graphs.hbm_bytes.json", "graphs.json"]
+    assert (tmp_path / "report.html").read_text().count("<svg") >= 3
+
+
+def test_viz_without_graphviz_keeps_the_dot_files_and_says_so(tmp_path, capsys, monkeypatch):
+    from autofuse import viz
+    monkeypatch.setattr(viz.shutil, "which", lambda name: None)
+    main(["viz", *TINY, "-o", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "Graphviz `dot` is not installed" in err and "apt-get install graphviz" in err
+    assert "subgraph cluster_" in (tmp_path / "before.dot").read_text()
+    svg = ET.parse(tmp_path / "before.svg").getroot()          # the built-in layout, one rect per drawn node
+    assert svg.findall("{http://www.w3.org/2000/svg}rect")
+
+
+def test_viz_folds_identical_layers_unless_expand_all(tmp_path, capsys):
+    args = ["viz", "--model", "llama", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq", "8"]
+    main([*args, "-o", str(tmp_path / "folded")])
+    main([*args, "-o", str(tmp_path / "all"), "--expand-all"])
+    folded, full = ((tmp_path / d / "before.dot").read_text() for d in ("folded", "all"))
+    assert "×2 identical to layers.0" in folded and "identical" not in full
+    assert folded.count("attention · fused") == 1 and full.count("attention · fused") == 3
 
 
 def test_simulate(capsys, tmp_path):
@@ -69,28 +116,170 @@ def test_simulate(capsys, tmp_path):
     assert "unfused: simulated on ascend910" in out and "[fused]" in out
     speedup = float(out.split("speed-up (simulated, ascend910): ")[1].split("x")[0])
     doc = json.loads(path.read_text())
-    assert speedup == pytest.approx(doc["unfused"]["cycles"] / doc["fused"]["cycles"], rel=1e-2)
+    assert speedup == pytest.approx(doc["unfused"]["cycles"] / doc["fused"]["cycles"], rel=1e-2)  # printed to 2 d.p.
     assert doc["fused"]["cycles"] < doc["unfused"]["cycles"]
 
 
+# ------------------------------------------------------------------------------ model specs
+
 def test_model_from_a_file(tmp_path, capsys):
     src = tmp_path / "mymodel.py"
-    src.write_text(
-        "import torch\n"
-        "from autofuse.models import MHABlock\n"
-        "def make():\n"
-        "    return MHABlock(32, 4).eval(), (torch.randn(1, 16, 32),)\n")
+    src.write_text("import torch\nfrom autofuse.models import MHABlock\n"
+                   "def make():\n    return MHABlock(32, 4).eval(), (torch.randn(1, 16, 32),)\n")
     main(["report", "--model", f"{src}:make", "--format", "json"])
     assert len(json.loads(capsys.readouterr().out)["applied"]) == 1
 
 
+def test_model_from_a_module(tmp_path, capsys, monkeypatch):
+    (tmp_path / "zoo_of_mine.py").write_text(
+        "import torch\nfrom autofuse.models import MHABlock\n"
+        "def block():\n    return MHABlock(32, 4).eval(), (torch.randn(1, 16, 32),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main(["report", "--model", "zoo_of_mine:block", "--format", "json"])
+    assert len(json.loads(capsys.readouterr().out)["applied"]) == 1
+
+
+def test_model_from_a_transformers_config(capsys):
+    main(["report", "--model", TINY_LLAMA, "--seq", "8", "--batch", "1", "--format", "json"])
+    assert len(json.loads(capsys.readouterr().out)["applied"]) == 1
+
+
+def test_transformers_spec_values_and_defaults():
+    from autofuse.models import parse_transformers_spec
+    assert parse_transformers_spec("transformers:X?a=2&b=1e-5&c=true&d=None&e=gelu&f=False") == (
+        "X", {"a": 2, "b": 1e-5, "c": True, "d": None, "e": "gelu", "f": False})
+    model, (args, kwargs) = build("transformers:LlamaConfig", meta=True, seq=4, batch=1)
+    cfg = model.config
+    # no keys: LlamaConfig's own defaults (Llama-7B), on meta tensors
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.use_cache) == (32, 4096, False)
+    assert type(model).__name__ == "LlamaForCausalLM" and next(model.parameters()).is_meta
+    assert kwargs["input_ids"].shape == (1, 4) and kwargs["use_cache"] is False
+    enc, (_, kw) = build("transformers:BertConfig?num_hidden_layers=1&hidden_size=32&num_attention_heads=2"
+                         "&intermediate_size=64", meta=True)
+    assert type(enc).__name__ == "BertModel"
+    s2s, (_, kw) = build("transformers:T5Config?num_layers=1&d_model=32&d_ff=64&num_heads=2&d_kv=16", meta=True)
+    assert type(s2s).__name__ == "T5ForConditionalGeneration" and "decoder_input_ids" in kw
+
+
+# ------------------------------------------------------------------------------ errors: one line, exit 2 or 1
+
 @pytest.mark.parametrize("argv,needle", [
-    (["report", "--model", "gpt5"], "unknown model 'gpt5'"),
-    (["report", *TINY, "--device", "tpu"], "target_device='tpu'"),
-    (["report", *TINY, "--budget", "lots"], "memory_budget='lots'"),
-    (["simulate", *TINY, "--meta"], "simulate needs data"),
+    (["report", "--model", "gpt5"], "unknown model 'gpt5' (did you mean 'gpt2'?)"),
+    (["report", "--model", "transformers:LlamaConfg"], "no configuration class 'LlamaConfg' (did you mean "
+                                                        "'LlamaConfig'?)"),
+    (["report", "--model", "transformers:LlamaConfig?num_layers=2"], "LlamaConfig has no key 'num_layers' "
+                                                                      "(did you mean 'num_hidden_layers'?)"),
+    (["report", "--model", "transformers:LlamaConfig", "--layers", "2"], "?num_hidden_layers=2"),
+    (["report", "--model", "missing/model.py:make"], "model file 'missing/model.py' does not exist"),
+    (["report", "--model", "autofuse.models:nope"], "has no function 'nope'"),
+    (["report", "--model", "autofuse.models:parse_value"], "must be callable without arguments"),
+    (["report", "--model", "autofuse.models:MHABlock"], "must be callable without arguments"),
+    (["report", *TINY, "--device", "tpu"], "--device 'tpu' is not a device: choose one of"),
+    (["report", *TINY, "--budget", "lots"], "--budget 'lots': write a number and a unit"),
+    (["report", *TINY, "--level", "O5"], "--level 'O5': choose one of O0, O1, O2, O3"),
+    (["report", *TINY, "--disable", "attn"], "--disable 'attn' is not a pattern family"),
+    (["report", *TINY, "--seq", "many"], "argument --seq: invalid int value: 'many'"),
+    (["simulate", *TINY, "--meta"], "simulation needs data: drop --meta"),
+    (["report"], "the following arguments are required: --model"),
 ])
-def test_errors_exit_with_a_message(argv, needle):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert needle in str(e.value)
+def test_usage_errors_print_one_line_and_exit_2(argv, needle, capsys):
+    code, err = _exit(argv, capsys)
+    assert code == 2 and needle in err
+    assert err.count("\n") == 1 and err.startswith("autofuse")
+
+
+def test_a_function_returning_something_else_is_a_usage_error(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text("def make():\n    return 42\n")
+    code, err = _exit(["report", "--model", f"{src}:make"], capsys)
+    assert code == 2 and "must return (model, example_inputs)" in err and "returned int" in err
+
+
+BRANCHY = ("import torch\nclass Branchy(torch.nn.Module):\n    def forward(self, x):\n"
+           "        return x * 2 if x.sum() > 0 else x - 1\n"
+           "def make():\n    return Branchy(), (torch.randn(3),)\n")
+
+
+def test_a_model_that_cannot_be_captured_exits_1_with_its_reason_and_no_traceback(tmp_path):
+    src = tmp_path / "branchy.py"
+    src.write_text(BRANCHY)
+    r = _run("report", "--model", f"{src}:make")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith(f"autofuse report: could not fuse {src}:make: could not capture Branchy:")
+    assert "hint:" in r.stderr and "Traceback" not in r.stderr and "def forward" not in r.stderr
+    verbose = _run("report", "--model", f"{src}:make", "-v")
+    assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+
+
+def test_a_builder_that_raises_exits_1_with_its_error(tmp_path, capsys):
+    src = tmp_path / "raising.py"
+    src.write_text("def make():\n    raise RuntimeError('no weights here')\n")
+    code, err = _exit(["report", "--model", f"{src}:make"], capsys)
+    assert code == 1 and err == f"autofuse report: could not build {src}:make: RuntimeError: no weights here\n"
+
+
+def test_usage_error_in_a_subprocess_exits_2_before_building_anything():
+    r = _run("report", "--model", "gpt2", "--device", "npu9000")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+
+
+def test_a_normal_run_prints_no_library_warnings_and_v_shows_every_stage():
+    quiet = _run("report", *TINY)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    loud = _run("report", *TINY, "-v", "--simulate")
+    assert loud.returncode == 0
+    stages = [ln.split()[1] for ln in loud.stderr.splitlines() if ln.startswith("autofuse: ")]
+    assert stages == ["build", "capture", "canonicalize", "match", "plan", "rewrite", "simulate", "simulate"]
+    assert "of which verify" in loud.stderr and "LeafSpec" not in loud.stderr
+
+
+# ------------------------------------------------------------------------------ progress on a terminal
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_simulation_shows_a_progress_bar_on_a_terminal_only():
+    from autofuse.simulate import simulate_graph
+    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=2, seq=8)
+    import autofuse
+    p = next(iter(autofuse.AutoFusionEngine.fuse(model, (args, kwargs)).plans.values()))
+    leaves = p.captured.flatten_inputs(*args, **kwargs)
+    for stream, shown in ((_Terminal(), True), (io.StringIO(), False)):
+        progress = cli.Progress(False, stream)
+        with cli.simulation_progress(progress, "simulate"):
+            simulate_graph(p.graph_module, leaves)
+        text = stream.getvalue()
+        assert ("\r" in text and f"/{len(p.graph_module.graph.nodes)}" in text) == shown
+        assert text.endswith("\r\x1b[K") == shown            # the bar is cleared at the end
+
+
+# ------------------------------------------------------------------------------ fusion switches
+
+def test_fusion_switches_need_engine_support(capsys, monkeypatch):
+    import autofuse
+    if "fusion_switches" in inspect.signature(autofuse.AutoFusionEngine.fuse).parameters:
+        pytest.skip("the engine takes fusion_switches: see test_fusion_switches_reach_the_engine")
+    code, err = _exit(["report", *TINY, "--disable", "attention"], capsys)
+    assert code == 2 and "fusion switches need engine support" in err
+
+
+def test_fusion_switches_reach_the_engine(capsys, monkeypatch):
+    import autofuse
+    seen = {}
+    real = autofuse.AutoFusionEngine.fuse
+
+    def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
+             *, fusion_switches=None, **kw):
+        seen.update(fusion_switches)
+        return real(model, example_inputs, target_device, optimization_level, memory_budget, **kw)
+
+    monkeypatch.setattr(autofuse.AutoFusionEngine, "fuse", staticmethod(fuse))
+    main(["report", *TINY, "--disable", "attention"])
+    assert seen == {"attention": "off"}
+    seen.clear()
+    main(["report", *TINY, "--force", "attention"])
+    assert seen == {"attention": "force"}
+    code, err = _exit(["report", *TINY, "--disable", "attention", "--force", "attention"], capsys)
+    assert code == 2 and "switched both 'off' and 'force'" in err

@@ -1,73 +1,273 @@
-"""Pictures: DOT and SVG of the graph before and after fusion, colours from the report, the HTML page."""
+"""Pictures: module paths and identical layers, Graphviz DOT with clusters, folded layers and costs, the
+built-in SVG, and Model Explorer graphs checked by Model Explorer's own parser and web app."""
+import json
 import re
+import subprocess
+import sys
+import time
+import urllib.request
 import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 
 import autofuse
-from autofuse import viz
+from autofuse import hierarchy, viz
+from autofuse import report as R
 from autofuse.models import build
+
+from browser import CHROMIUM, Browser, free_port
+
+needs_dot = pytest.mark.skipif(not viz.have_graphviz(), reason="Graphviz `dot` is not installed "
+                               "(apt-get install graphviz; .ci/run does): the DOT text is still tested")
+
+
+def _plan(name="llama", layers=3, level="O3"):
+    torch.manual_seed(0)
+    model, (args, kwargs) = build(name, layers=layers, hidden=32, heads=2, seq=8)
+    fused = autofuse.AutoFusionEngine.fuse(model, (args, kwargs), optimization_level=level)
+    p = next(iter(fused.plans.values()))
+    before = R.node_costs(p.captured.graph_module, p.report.device, p.report)
+    after = R.node_costs(p.graph_module, p.report.device, p.report, before=before)
+    return p, before, after
 
 
 @pytest.fixture(scope="module")
-def plan():
-    torch.manual_seed(0)
-    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=2, seq=8)
-    fused = autofuse.AutoFusionEngine.fuse(model, (args, kwargs))
-    p = next(iter(fused.plans.values()))
-    return fused, p, args, kwargs
+def llama():
+    return _plan()
 
 
-def test_colours_follow_the_report(plan):
-    fused, p, _, _ = plan
-    (d,) = fused.report.applied
-    before = viz.colours(p.captured.graph_module, p.report)
-    assert all(before[n] == viz.APPLIED for n in d.nodes)
-    after = viz.colours(p.graph_module)
-    fused_nodes = [n for n, c in after.items() if c == viz.FUSED_OP]
-    assert len(fused_nodes) == 1 and fused_nodes[0].startswith("flash_attention")
-    assert all(after[n.name] == viz.VIEW for n in p.graph_module.graph.nodes
-               if n.op == "call_function" and n.target == torch.ops.aten.view.default)
+@pytest.fixture(scope="module")
+def gpt2_o0():
+    return _plan("gpt2", layers=1, level="O0")
 
 
-def test_rejected_blocks_are_orange():
-    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=2, seq=8)
-    fused = autofuse.AutoFusionEngine.fuse(model, (args, kwargs), optimization_level="O0")
-    p = next(iter(fused.plans.values()))
-    col = viz.colours(p.captured.graph_module, p.report)
-    assert all(col[n] == viz.REJECTED for n in fused.report.rejected[0].nodes)
+# ------------------------------------------------------------------------------ module paths, identical layers
+
+def test_every_node_has_a_module_path_and_fused_ops_sit_where_their_nodes_were(llama):
+    p, _, _ = llama
+    before = hierarchy.module_paths(p.captured.graph_module)
+    assert set(before) == {n.name for n in p.captured.graph_module.graph.nodes}
+    after = hierarchy.module_paths(p.graph_module, before=before)
+    fused = [n for n in p.graph_module.graph.nodes if hierarchy.fused_match(n) is not None]
+    assert len(fused) == 3
+    for i, n in enumerate(fused):
+        assert after[n.name] == ("model", "layers", str(i), "self_attn")
+    # canonicalization's reshapes between a projection and the attention serve the attention
+    for n in p.captured.graph_module.graph.nodes:
+        if n.name.startswith(("reshape_default", "permute_default")) and "nn_module_stack" not in n.meta:
+            assert before[n.name][-1] in ("self_attn", "o_proj"), (n.name, before[n.name])
+    # a value every layer reads (RoPE cos/sin, traced once in the first layer) belongs to no single layer
+    shared = [n for n in p.captured.graph_module.graph.nodes if len({hierarchy.layer_of(before[u.name]) for u in n.users}) > 1
+              and n.op == "call_function"]
+    assert shared and all(len(before[n.name]) <= 2 for n in shared)
 
 
-def test_dot_has_every_node_and_edge(plan):
-    _, p, _, _ = plan
+def test_identical_layers_are_grouped_and_a_status_difference_splits_them(llama):
+    p, _, _ = llama
+    paths = hierarchy.module_paths(p.captured.graph_module)
+    (group,) = hierarchy.repeated_layers(p.captured.graph_module, paths)
+    assert group.members == [("model", "layers", str(i)) for i in range(3)]
+    assert group.label() == "layers.1 … layers.2"
+    d = p.report.decisions[1]                      # layer 1's attention, as if it had been rejected
+    status = {name: "rejected" for name in d.nodes}
+    (group,) = hierarchy.repeated_layers(p.captured.graph_module, paths, status)
+    assert group.members == [("model", "layers", "0"), ("model", "layers", "2")]
+    assert group.label() == "layers.2"
+
+
+# ------------------------------------------------------------------------------ DOT
+
+def _dot_nodes_and_edges(dot):
+    declared = set(re.findall(r'^\s*"([^"]+)" \[', dot, re.M))
+    edges = re.findall(r'^\s*"([^"]+)" -> "([^"]+)";', dot, re.M)
+    return declared, edges
+
+
+def test_before_picture_clusters_modules_folds_layers_and_draws_candidates(llama):
+    p, before, _ = llama
+    dot = viz.graph_dot(p.captured.graph_module, p.report, before, "llama before", cost_source="predicted")
+    declared, edges = _dot_nodes_and_edges(dot)
+    assert all(a in declared and b in declared for a, b in edges)
+    assert "×2 identical to layers.0" in dot and "layers.1 … layers.2" in dot
+    # layer 0 drawn, layers 1 and 2 folded: none of their nodes is declared
+    paths = hierarchy.module_paths(p.captured.graph_module)
+    for name, path in paths.items():
+        if path[:3] in (("model", "layers", "1"), ("model", "layers", "2")):
+            assert name not in declared
+    d0 = p.report.decisions[0]
+    assert all(n in declared for n in d0.nodes if not n.startswith(("model_", "lm_head")))
+    assert dot.count("attention · fused") == 1          # one candidate cluster drawn; the others are folded
+    assert "LlamaDecoderLayer" in dot and "self_attn · LlamaAttention" in dot
+    assert re.search(r"[\d,]+ cyc · [\d.]+ [KMG]?B · \w+", dot)                 # cost lines on kernel nodes
+    assert "legend" in dot
+
+
+def test_expand_all_draws_every_layer(llama):
+    p, before, _ = llama
+    dot = viz.graph_dot(p.captured.graph_module, p.report, before, expand_all=True)
+    declared, _ = _dot_nodes_and_edges(dot)
+    kept = {n.name for n in p.captured.graph_module.graph.nodes if n.op != "get_attr" and not (n.op == "placeholder" and
+                                                                                 not n.users)}
+    assert kept <= declared and "identical" not in dot and dot.count("attention · fused") == 3
+
+
+def test_after_picture_draws_the_fused_op_in_its_family_colour(llama):
+    p, before, after = llama
+    dot = viz.graph_dot(p.graph_module, None, after, before_paths=hierarchy.module_paths(p.captured.graph_module),
+                        expand_all=True)
+    lines = [ln for ln in dot.splitlines() if "fused attention" in ln and "label=<" in ln]
+    assert len(lines) == 3 and all(R.family_colour("attention") in ln for ln in lines)
+    c = next(iter(v for v in after.values() if v.fused))
+    assert f"{c.cycles:,} cyc" in lines[0]
+
+
+def test_rejected_candidates_are_dashed_with_their_reason(gpt2_o0):
+    p, before, _ = gpt2_o0
+    dot = viz.graph_dot(p.captured.graph_module, p.report, before)
+    assert "attention · not fused" in dot and "disabled_by_opt_level" in dot and "dashed" in dot
+
+
+@needs_dot
+def test_graphviz_renders_both_pictures(llama, tmp_path):
+    p, before, after = llama
+    for gm, rep, costs, kw in ((p.captured.graph_module, p.report, before, {}),
+                               (p.graph_module, None, after, {"before_paths": hierarchy.module_paths(p.captured.graph_module)})):
+        dot, svg = viz.picture(gm, rep, costs, "llama", **kw)
+        root = ET.fromstring(svg.encode())
+        titles = {t.text for t in root.iter("{http://www.w3.org/2000/svg}title")}
+        declared, _ = _dot_nodes_and_edges(dot)
+        assert declared <= titles                   # every declared node became an SVG group titled by its id
+
+
+def test_plain_dot_has_every_node_and_edge(llama):
+    p, _, _ = llama
     gm = p.graph_module
     dot = viz.to_dot(gm, None, "after")
     assert dot.startswith('digraph "after" {') and dot.rstrip().endswith("}")
     assert len(re.findall(r"^  \"[^\"]+\" \[label=", dot, re.M)) == len(gm.graph.nodes)
-    edges = sum(len(n.all_input_nodes) for n in gm.graph.nodes)
-    assert len(re.findall(r" -> ", dot)) == edges
+    assert len(re.findall(r" -> ", dot)) == sum(len(n.all_input_nodes) for n in gm.graph.nodes)
 
 
-def test_svg_is_well_formed_and_draws_every_node(plan):
-    fused, p, _, _ = plan
-    svg = viz.to_svg(p.canonical, p.report, "gpt2 <before> & after")
+def test_builtin_svg_is_well_formed_and_coloured_by_the_report(gpt2_o0):
+    p, _, _ = gpt2_o0
+    svg = viz.to_svg(p.captured.graph_module, p.report, "gpt2 <before> & after")
     root = ET.fromstring(svg)
-    ns = "{http://www.w3.org/2000/svg}"
-    rects = root.findall(f"{ns}rect")
-    params = [n for n in p.canonical.graph.nodes if n.op == "get_attr"]
-    assert params and len(rects) == len(p.canonical.graph.nodes) - len(params)
-    full = ET.fromstring(viz.to_svg(p.canonical, p.report, show_params=True))
-    assert len(full.findall(f"{ns}rect")) == len(p.canonical.graph.nodes)
-    assert {r.get("fill") for r in rects} >= {viz.APPLIED, viz.VIEW, viz.PLAIN}
+    rects = root.findall("{http://www.w3.org/2000/svg}rect")
+    params = [n for n in p.captured.graph_module.graph.nodes if n.op == "get_attr"]
+    assert params and len(rects) == len(p.captured.graph_module.graph.nodes) - len(params)
+    assert {r.get("fill") for r in rects} >= {viz.REJECTED, viz.VIEW, viz.PLAIN}
     assert "gpt2 &lt;before&gt; &amp; after" in svg
-    assert int(root.get("width")) > 0 and int(root.get("height")) > 0
 
 
-def test_report_html_with_simulation(plan):
-    fused, p, args, kwargs = plan
-    sim = fused.simulate(*args, **kwargs)
-    page = viz.report_html(p.report, p.canonical, p.graph_module, simulation=sim)
-    assert page.startswith("<!doctype html>") and page.count("<svg") == 2
-    assert "simulated on ascend910" in page and "<td>fused</td>" in page
-    assert f"{fused.report.applied[0].cycles_unfused:,}" in page
+def test_colours_follow_the_report(llama):
+    p, _, _ = llama
+    before = viz.colours(p.captured.graph_module, p.report)
+    assert all(before[n] == viz.APPLIED for d in p.report.applied for n in d.nodes)
+    after = viz.colours(p.graph_module)
+    assert sorted(n for n, c in after.items() if c == viz.FUSED_OP) == sorted(
+        n.name for n in p.graph_module.graph.nodes if hierarchy.fused_match(n) is not None)
+
+
+# ------------------------------------------------------------------------------ Model Explorer
+
+def _model_explorer(p, before, after):
+    return (viz.model_explorer(p.captured.graph_module, p.graph_module, p.report, before, after, label="llama"),
+            viz.model_explorer_node_data(p.captured.graph_module, p.graph_module, p.report, before, after))
+
+
+def test_model_explorer_graphs_carry_namespaces_shapes_and_costs(llama):
+    p, before, after = llama
+    doc, data = _model_explorer(p, before, after)
+    assert doc["label"] == "llama" and [g["id"] for g in doc["graphs"]] == ["fused", "original"]
+    fused, original = doc["graphs"]
+    assert len(fused["nodes"]) == len(p.graph_module.graph.nodes)
+    assert len(original["nodes"]) == len(p.captured.graph_module.graph.nodes)
+    nodes = {n["id"]: n for n in fused["nodes"]}
+    fa = [n for n in fused["nodes"] if n["label"] == "flash_attention"]
+    assert [n["namespace"] for n in fa] == [f"model/layers.{i}/self_attn" for i in range(3)]
+    attrs = {a["key"]: a["value"] for a in fa[0]["attrs"]}
+    assert attrs["cycles"].startswith(f"{after[fa[0]['id']].cycles:,}") and attrs["bound"]
+    for n in fused["nodes"]:
+        for e in n["incomingEdges"]:
+            assert e["sourceNodeId"] in nodes
+    lin = next(n for n in original["nodes"] if n["id"] == "linear")
+    assert lin["outputsMetadata"][0]["attrs"][0] == {"key": "tensor_shape", "value": "float32[2, 8, 32]"}
+    assert any(n["namespace"].endswith("self_attn/attention (fused)") for n in original["nodes"])
+    assert data["fused"]["fused"]["results"][fa[0]["id"]]["value"] == "fused attention"
+    assert data["cycles"]["original"]["results"]["linear"]["value"] == before["linear"].cycles
+
+
+def test_model_explorer_python_parser_accepts_the_graphs_and_node_data(llama):
+    """The package's own parsing: its node-data-provider runner builds ``graph_builder.Graph`` from graph JSON
+    with dacite (``NdpRunner.run_ndp``); node data load into ``node_data_builder.ModelNodeData``."""
+    pytest.importorskip("model_explorer", reason="ai-edge-model-explorer is not installed (pip install '.[test]')")
+    import dacite
+    from model_explorer import graph_builder, node_data_builder
+    from model_explorer.extension_metadata import ExtensionMetadata
+    from model_explorer.ndp_runner import NdpRunner
+    from model_explorer.registered_extension import RegisteredExtension
+    p, before, after = llama
+    doc, data = _model_explorer(p, before, after)
+    doc = json.loads(json.dumps(doc))                               # what the file holds
+    strict = dacite.Config(strict=True)
+    collection = dacite.from_dict(graph_builder.GraphCollection, doc, config=strict)
+    assert [len(g.nodes) for g in collection.graphs] == [len(p.graph_module.graph.nodes),
+                                                         len(p.captured.graph_module.graph.nodes)]
+    received = []
+
+    class Provider:
+        def run(self, provider_id, model_path, graph_id, config_values, graph):
+            received.append(graph)
+            return node_data_builder.GraphNodeData(results={})
+
+    ext = RegisteredExtension(metadata=ExtensionMetadata(id="probe", name="probe", description=""),
+                              type="node_data_provider", ext_class=Provider)
+    for g in doc["graphs"]:
+        NdpRunner().run_ndp(ext, {"cmdId": "run", "modelPath": "x", "graphId": g["id"], "configValues": {},
+                                  "graph": g})
+    assert [len(g.nodes) for g in received] == [len(g["nodes"]) for g in doc["graphs"]]
+    for name in ("cycles", "hbm_bytes"):
+        node_data_builder.ModelNodeData(graphsData={k: dacite.from_dict(node_data_builder.GraphNodeData, v, strict)
+                                                    for k, v in data[name].items()})
+    # bound and fusion carry strings, which the app shows as labels; the Python dataclass annotates numbers only
+    for name in ("bound", "fused"):
+        for gd in data[name].values():
+            assert set(gd) <= {"name", "results"} and all(isinstance(r["value"], str) for r in gd["results"].values())
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium; .ci/run does)")
+def test_model_explorer_web_app_loads_the_file_and_its_node_data(llama, tmp_path):
+    """Model Explorer's server and web app (its JSON adapter is in the app) load the graphs and an overlay."""
+    pytest.importorskip("model_explorer", reason="ai-edge-model-explorer is not installed (pip install '.[test]')")
+    from model_explorer.config import ModelExplorerConfig
+    p, before, after = llama
+    doc, data = _model_explorer(p, before, after)
+    graphs, overlay = tmp_path / "llama.json", tmp_path / "llama.fused.json"
+    graphs.write_text(json.dumps(doc))
+    overlay.write_text(json.dumps(data["fused"]))
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "model_explorer", str(graphs), "--node_data_paths", str(overlay),
+                               "--no_open_in_browser", "--skip_health_check", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/check_health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        config = ModelExplorerConfig().add_model_from_path(str(graphs)).add_node_data_from_path(str(overlay))
+        with Browser(timeout=120) as b:
+            b.open(f"http://127.0.0.1:{port}/?data={config.to_url_param_value()}")
+            b.wait("document.body.innerText.includes('GRAPH INFO') || /error/i.test(document.body.innerText)")
+            text = b.eval("document.body.innerText")
+            assert "GRAPH INFO" in text and not re.search(r"error", text, re.I), text[:2000]
+            assert f"{len(p.captured.graph_module.graph.nodes)} nodes" in text or f"{len(p.captured.graph_module.graph.nodes)}" in text
+            b.wait("document.body.innerText.includes('not a candidate')")      # the overlay's values, per node
+            assert "fusion" in b.eval("document.body.innerText")
+            # the app asks Google for its fonts; offline that fails, and says nothing about the file
+            assert [e for e in b.errors() if not re.search(r"net::ERR_\w+ \(https://fonts\.", e)] == []
+    finally:
+        server.terminate()
+        server.wait(10)
