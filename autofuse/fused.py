@@ -185,7 +185,103 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
 ATTENTION = Family("attention", torch.ops.autofuse.flash_attention.default, "flash_attention", emit_attention,
                    price_attention, attention_kwargs)
 
-FAMILIES = {"attention": ATTENTION}
+
+# ------------------------------------------------------------------------------------------- MoE
+
+
+def _device_only(device: str, price: Price, level: str) -> dict:
+    return {"device": device}
+
+
+def _estimate(kernel, specs, device, **params) -> Price:
+    e = cost_model.estimate(kernel, specs, device=device, **params)
+    return Price(int(e.cycles), int(e.hbm_bytes), [kernel], e.bound, dict(e.tiling or {}), e.workspace_bytes)
+
+
+def _out_dtype(like, x) -> str:
+    return "" if like.dtype == val(x).dtype else str(like.dtype).replace("torch.", "")
+
+
+def _gating_params(p: dict) -> dict:
+    return dict(k=p["k"], norm=p["norm"], renorm=p["renorm"], eps=p["eps"],
+                routed_scaling_factor=p["routed_scaling_factor"], n_group=p["n_group"], topk_group=p["topk_group"],
+                group_score=p["group_score"])
+
+
+def price_gating(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    p = match.params
+    bias = _spec(nodes[match.inputs["bias"]]) if "bias" in match.inputs else None
+    return _estimate("moe_gating_topk", [_spec(nodes[match.inputs["x"]])], device, bias=bias, **_gating_params(p))
+
+
+def emit_gating(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    """``moe_gating_topk(x, bias, ...)``; the weights reshaped and cast to the value they replace."""
+    p = m.params
+    x = ins["x"]
+    call_ = call(g, torch.ops.autofuse.moe_gating_topk.default, x, ins.get("bias"), **_gating_params(p),
+                 out_dtype="float32" if p["weights_like"].dtype == torch.float32 else _out_dtype(p["weights_like"], x),
+                 **kwargs)
+    call_.meta["autofuse_match"] = m
+    w = call(g, operator.getitem, call_, 0)
+    i = call(g, operator.getitem, call_, 1)
+    return {"weights": _adapt(g, w, p["weights_like"]), "indices": _adapt(g, i, p["indices_like"])}
+
+
+def _experts_specs(match, nodes):
+    p = match.params
+    x, w1, w2 = (_spec(nodes[match.inputs[r]]) for r in ("x", "w1", "w2"))
+    T, k, E, H, I = p["tokens"], p["k"], p["num_experts"], p["hidden"], p["intermediate"]
+    S = T * k
+    return x, w1, w2, S, E, H, I, (T, k)
+
+
+def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    """Routing, the two grouped GEMMs (the first with its SwiGLU epilogue), the combine. The group sizes are not
+    known from shapes: the grouped GEMM model spreads the rows evenly over the experts."""
+    x, w1, w2, S, E, H, I, tk = _experts_specs(match, nodes)
+    dt = x[1]
+    total = _estimate("moe_init_routing", [x, (tk, "int64")], device, num_experts=E)
+    total = total.add(_estimate("grouped_matmul", [((S, H), dt), w1, ((E,), "int64")], device, trans_w=True,
+                                activation="swiglu"))
+    total = total.add(_estimate("grouped_matmul", [((S, I), dt), w2, ((E,), "int64")], device, trans_w=True))
+    total = total.add(_estimate("moe_finalize_routing", [((S, H), dt), (tk, "float32"), ((S,), "int64")], device))
+    if match.params.get("weights_scale", 1.0) != 1.0:
+        total = total.add(_estimate("elementwise", [(tk, "float32")], device, op="mul",
+                                    scalar=match.params["weights_scale"]))
+    return total
+
+
+def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    """``moe_init_routing`` → ``grouped_matmul`` (SwiGLU) → ``grouped_matmul`` → ``moe_finalize_routing``."""
+    p = m.params
+    ops = torch.ops.autofuse
+    T, k = p["tokens"], p["k"]
+    routed = call(g, ops.moe_init_routing.default, ins["x"], ins["ids"], p["num_experts"], **kwargs)
+    routed.meta["autofuse_match"] = m
+    xs, rows, counts = (call(g, operator.getitem, routed, i) for i in range(3))
+    h = call(g, ops.grouped_matmul.default, xs, ins["w1"], counts, trans_w=True, activation="swiglu",
+             swiglu_order=p["swiglu_order"], **kwargs)
+    y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, trans_w=True, **kwargs)
+    w = ins["weights"]
+    if tuple(val(w).shape) != (T, k):
+        w = call(g, aten.reshape.default, w, [T, k])
+    if p.get("weights_scale", 1.0) != 1.0:
+        w = call(g, aten.mul.Tensor, w, p["weights_scale"])
+    out = call(g, ops.moe_finalize_routing.default, y, w, rows, **kwargs)
+    return {"out": _adapt(g, out, p["out_like"])}
+
+
+def _moe_ops():
+    from autofuse import ops_moe  # noqa: F401  (registers torch.ops.autofuse.moe_* / grouped_matmul)
+    return torch.ops.autofuse
+
+
+MOE_GATING = Family("moe_gating", _moe_ops().moe_gating_topk.default, "moe_gating_topk", emit_gating,
+                    price_gating, _device_only)
+MOE_EXPERTS = Family("moe_experts", _moe_ops().grouped_matmul.default, "grouped_matmul", emit_experts,
+                     price_experts, _device_only)
+
+FAMILIES = {"attention": ATTENTION, "moe_gating": MOE_GATING, "moe_experts": MOE_EXPERTS}
 
 
 def family(name: str) -> Family:
@@ -195,8 +291,10 @@ def family(name: str) -> Family:
 
 
 def fused_ops() -> set:
-    """Every OpOverload a fused graph may call."""
-    return {f.op for f in FAMILIES.values()}
+    """Every OpOverload a fused graph may call (the ``autofuse`` namespace)."""
+    ops = torch.ops.autofuse
+    return {getattr(ops, name).default for name in ("flash_attention", "moe_gating_topk", "moe_init_routing",
+                                                     "grouped_matmul", "moe_finalize_routing")}
 
 
 __all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "fused_ops",

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from autofuse.ops import _record, _to_torch, run_kernel
+from autofuse.ops import REFERENCES, _record, _to_torch, run_kernel
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -328,3 +328,6 @@ def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="
 __all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "moe_finalize_routing",
            "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
            "reference_moe_finalize_routing"]
+
+REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=reference_moe_init_routing,
+                  grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing)

@@ -95,7 +95,7 @@ def _spec(n: fx.Node):
 
 def _nbytes(spec) -> int:
     shape, dtype = spec
-    return math.prod(shape) * (torch.finfo(getattr(torch, dtype)).bits // 8 if dtype != "bool" else 1)
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def _estimate(kernel, specs, device, params):
@@ -272,12 +272,14 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         else:
             eligible.append(i)
 
-    # candidates that share a node (of the canonical view or of the captured graph) conflict
+    # candidates that share a node (of the canonical view or of the captured graph) conflict; a constant the
+    # canonical form shares between blocks (CSE of an arange) is no conflict
     conflicts = nx.Graph()
     conflicts.add_nodes_from(eligible)
     by_node: dict = {}
     for i in eligible:
-        for name in set(cands[i].match.nodes) | {"captured:" + n for n in cands[i].nodes}:
+        shared = {n for n in cands[i].match.nodes if can[n].all_input_nodes}
+        for name in shared | {"captured:" + n for n in cands[i].nodes}:
             by_node.setdefault(name, []).append(i)
     for group in by_node.values():
         conflicts.add_edges_from((a, b) for x, a in enumerate(group) for b in group[x + 1:])

@@ -41,7 +41,7 @@ class Pred:
     name: str
     targets: frozenset = frozenset()
     where: Callable | None = None
-    optional: bool = False
+    optional: bool | str = False      # True, or the name of an optional group kept or left out together
     chain: str | None = None          # the chain this node belongs to (its position is in ``name``)
 
     def accepts(self, n: fx.Node) -> bool:
@@ -64,7 +64,9 @@ class Template:
     _variants: list | None = None
 
     # ----------------------------------------------------------------------------------- declaration
-    def node(self, name: str, *targets, where: Callable | None = None, optional: bool = False) -> "Template":
+    def node(self, name: str, *targets, where: Callable | None = None, optional: bool | str = False) -> "Template":
+        """``optional``: True (this node alone may be left out) or a group name (the nodes of a group are kept or
+        left out together: an optional sub-block)."""
         self.nodes[name] = Pred(name, frozenset(targets), where, optional)
         self._variants = None
         return self
@@ -106,12 +108,15 @@ class Template:
         for n in order:
             full.add_node(n, pred=self.nodes[n])
         full.add_edges_from(edges.edges(data=True))
-        optional = [n for n, p in self.nodes.items() if p.optional and p.chain is None]
+        units: dict = {}              # an optional node alone, or an optional group: kept or left out as one
+        for n, p in self.nodes.items():
+            if p.optional and p.chain is None:
+                units.setdefault(n if p.optional is True else p.optional, []).append(n)
         lengths = [range(len(m) + 1) for m, _, _, _ in self.chains.values()]
         out = []
-        for keep in itertools.product((True, False), repeat=len(optional)):
+        for keep in itertools.product((True, False), repeat=len(units)):
             for ks in itertools.product(*lengths):
-                drop = [n for n, k in zip(optional, keep) if not k]
+                drop = [n for unit, k in zip(units.values(), keep) if not k for n in unit]
                 for (members, _, _, _), k in zip(self.chains.values(), ks):
                     drop += list(reversed(members[k:]))
                 out.append(_without(full, drop))

@@ -1,0 +1,357 @@
+"""Mixture-of-experts families: router gating (softmax or sigmoid → top-k → renormalise → scale) and the
+experts block (routing → grouped GEMMs with a gated activation → weighted combine).
+
+Targets (CANN semantics, ``autofuse.ops_moe``):
+
+* ``moe_gating`` → ``moe_gating_topk(x, bias, k, norm, renorm, eps, routed_scaling_factor, n_group,
+  topk_group, group_score)``: ``(weights [T, k], indices [T, k])``. Two templates: weights taken from the
+  top-k values (Mixtral, Qwen2-MoE, Qwen3-MoE, plain ``topk(softmax(x))``), and weights gathered from the
+  unbiased scores at the selected indices (DeepSeek-V3: sigmoid, a selection bias, group-limited top-k by
+  the sum of each group's top two).
+* ``moe_experts`` → ``moe_init_routing`` + ``grouped_matmul`` (SwiGLU epilogue on the fused gate_up
+  projection) + ``grouped_matmul`` + ``moe_finalize_routing``. Two templates, one per transformers experts
+  implementation that exports: ``grouped_mm`` (sort, histc, ``transformers.grouped_mm_fallback``, an
+  inverse-permutation gather) and ``batched_mm`` (weights gathered per token, batched matmuls). The third,
+  ``eager``, loops over the experts a token hit (``nonzero``): its routing is data-dependent, so
+  ``torch.export`` cannot capture it (the capture error says so; ``torch.compile(backend="autofuse")``
+  runs it with graph breaks).
+
+Rejected by the constraints (each a near-miss test): top-k over another dim or ``largest=False``; softmax over
+the tokens instead of the experts; a renormalisation by anything but the sum of the selected weights (plus
+a scalar eps); a bias added after the selection; an activation other than SiLU on the gate half; halves
+taken in another order than the weights were split.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autofuse.graph import arg, is_call, is_number, shape, val
+from autofuse.match import Match, register
+from patterns.template import Template, graph_view
+
+aten = torch.ops.aten
+
+
+def _item(i):
+    def check(n):
+        return n.args[1] == i
+    check.__name__ = f"output_{i}"
+    return check
+
+
+def _cast(n):
+    return set(n.kwargs) <= {"dtype"} and len(n.args) == 1
+
+
+def _last_dim(n, d):
+    return d in (-1, len(shape(n.args[0])) - 1)
+
+
+def _topk_last_largest(n):
+    """top-k over the last dim, largest first."""
+    return _last_dim(n, arg(n, 2, "dim", -1)) and arg(n, 3, "largest", True)
+
+
+def _softmax_last(n):
+    return n.target != aten.softmax.int or (_last_dim(n, n.args[1]) and len(n.args) == 2)
+
+
+def _sum_last_keepdim(n):
+    return list(arg(n, 1, "dim")) in ([-1], [len(shape(n.args[0])) - 1]) and bool(arg(n, 2, "keepdim", False))
+
+
+def _scalar_operand(n):
+    return is_number(n.args[1]) and not n.kwargs
+
+
+NORM = (aten.softmax.int, aten.sigmoid.default)
+
+
+def _flatten(n):
+    return len(shape(n)) == 1
+
+
+def _renorm_and_scale(t: Template, after: str) -> Template:
+    """The optional tail shared by the gating templates: ``y / (sum(y) [+ eps])``, a flattening view (the
+    canonical form moves a scale below views), ``* scale``, a cast."""
+    return (t.node("rsum", aten.sum.dim_IntList, where=_sum_last_keepdim, optional="renorm")
+             .node("reps", aten.add.Tensor, where=_scalar_operand, optional=True)
+             .node("rdiv", aten.div.Tensor, optional="renorm")
+             .node("flat", aten.reshape.default, where=_flatten, optional=True)
+             .node("scale", aten.mul.Tensor, where=_scalar_operand, optional=True)
+             .node("cast", aten._to_copy.default, where=_cast, optional=True)
+             .edge(after, "rsum", 0).edge("rsum", "reps", 0).edge("reps", "rdiv", 1).edge(after, "rdiv", 0)
+             .edge("rdiv", "flat", 0).edge("flat", "scale", 0).edge("scale", "cast", 0))
+
+
+_GATING = _renorm_and_scale(
+    Template("moe_gating", anchor="topk")
+    .node("norm", *NORM, where=_softmax_last)
+    .chain("pre", {aten._to_copy.default}, "norm", "topk", max_len=2, where=_cast, arg=0)
+    .node("topk", aten.topk.default, where=_topk_last_largest)
+    .node("w", operator.getitem, where=_item(0)).node("idx", operator.getitem, where=_item(1))
+    .edge("topk", "w", 0).edge("topk", "idx", 0), after="w")
+
+_GATING_GATHER = _renorm_and_scale(
+    Template("moe_gating", anchor="topk")
+    .node("norm", *NORM, where=_softmax_last)
+    .node("bias", aten.add.Tensor, optional=True).edge("norm", "bias")
+    # group-limited top-k: score each group by the sum of its two best, keep topk_group groups
+    .node("g_view", aten.reshape.default, optional="groups").edge("bias", "g_view", 0)
+    .node("g_top2", aten.topk.default, where=_topk_last_largest, optional="groups").edge("g_view", "g_top2", 0)
+    .node("g_vals", operator.getitem, where=_item(0), optional="groups").edge("g_top2", "g_vals", 0)
+    .node("g_score", aten.sum.dim_IntList, optional="groups").edge("g_vals", "g_score", 0)
+    .node("g_sel", aten.topk.default, where=_topk_last_largest, optional="groups").edge("g_score", "g_sel", 0)
+    .node("g_idx", operator.getitem, where=_item(1), optional="groups").edge("g_sel", "g_idx", 0)
+    .node("g_zero", aten.zeros_like.default, optional="groups").edge("g_score", "g_zero", 0)
+    .node("g_mask", aten.scatter.value, optional="groups").edge("g_zero", "g_mask", 0).edge("g_idx", "g_mask", 2)
+    .node("g_expand", aten.repeat_interleave.self_int, optional="groups").edge("g_mask", "g_expand", 0)
+    .node("g_bool", aten._to_copy.default, where=_cast, optional="groups").edge("g_expand", "g_bool", 0)
+    .node("g_where", aten.where.ScalarOther, optional="groups").edge("g_bool", "g_where", 0)
+    .edge("bias", "g_where", 1)
+    .node("topk", aten.topk.default, where=_topk_last_largest).edge("g_where", "topk", 0)
+    .node("idx", operator.getitem, where=_item(1)).edge("topk", "idx", 0)
+    .node("w", aten.gather.default).edge("norm", "w", 0).edge("idx", "w", 2), after="w")
+
+
+def _chain_end(m: dict, start: str) -> fx.Node:
+    """The last node of the weights tail present in the mapping."""
+    for name in ("cast", "scale", "flat", "rdiv"):
+        if name in m:
+            return m[name]
+    return m[start]
+
+
+def _decide_gating(m: dict) -> Match | None:
+    """Constraints of a router: norm over the experts, top-k of the (biased) scores, weights as CANN computes
+    them, renormalisation by exactly their own sum, no intermediate used elsewhere."""
+    norm, topk, idx = m["norm"], m["topk"], m["idx"]
+    x = norm.args[0]
+    if len(shape(x)) < 1 or val(x) is None or not val(x).is_floating_point():
+        return None
+    E = shape(x)[-1]
+    k = int(topk.args[1])
+    gather = m["w"].target == aten.gather.default
+    bias = None
+    if "bias" in m:
+        add = m["bias"]
+        bias = add.args[1] if add.args[0] is norm else add.args[0]
+        if not isinstance(bias, fx.Node) or shape(bias) not in ((E,),) or not gather:
+            return None            # a selection bias must leave the weights unbiased: only the gather form
+    if gather:
+        w = m["w"]
+        if not (_last_dim(w, w.args[1]) and w.args[0] is norm and w.args[2] is idx):
+            return None
+        if topk.args[0] is not (m["g_where"] if "g_where" in m else m["bias"] if "bias" in m else norm):
+            return None
+    n_group, topk_group = 1, 1
+    if "g_view" in m:
+        gv, gw = m["g_view"], m["g_where"]
+        n_group = shape(gv)[-2]
+        if shape(gv)[-1] * n_group != E or int(m["g_top2"].args[1]) != 2 or int(m["g_sel"].args[1]) < 1:
+            return None
+        if list(arg(m["g_score"], 1, "dim")) not in ([-1], [len(shape(m["g_vals"])) - 1]):
+            return None
+        if m["g_mask"].args[1] != 1 or m["g_mask"].args[3] != 1 or m["g_expand"].args[1] != E // n_group:
+            return None
+        if gw.args[2] != float("-inf") or val(m["g_bool"]).dtype != torch.bool:
+            return None
+        topk_group = int(m["g_sel"].args[1])
+    renorm, eps, scale = "rdiv" in m, 0.0, 1.0
+    if "reps" in m and not renorm:
+        return None                # "+ eps" without the division is no renormalisation
+    if "flat" in m and "scale" not in m:
+        return None                # a bare view ends the block before it
+    if renorm:
+        w0, rs, rd = m["w"], m["rsum"], m["rdiv"]
+        denom = m["reps"] if "reps" in m else rs
+        if rs.args[0] is not w0 or rd.args[0] is not w0 or rd.args[1] is not denom:
+            return None            # another denominator: not the selected weights' own sum
+        eps = float(m["reps"].args[1]) if "reps" in m else 0.0
+    if "scale" in m:
+        scale = float(m["scale"].args[1])
+    weights = _chain_end(m, "w")
+    block = [n for name, n in m.items() if name not in ("weights",)]
+    inside = set(block)
+    for n in block:                # intermediates consumed outside the block cannot be fused away
+        if n not in (weights, idx) and n.all_input_nodes and any(u not in inside for u in n.users):
+            return None
+    order = [n.name for n in norm.graph.nodes if n in inside]
+    inputs = {"x": x.name}
+    if bias is not None:
+        inputs["bias"] = bias.name
+    params = dict(k=k, norm="softmax" if norm.target == aten.softmax.int else "sigmoid", renorm=renorm, eps=eps,
+                  routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group, group_score="top2",
+                  num_experts=E, tokens=int(val(x).numel() // E), weights_like=val(weights), indices_like=val(idx),
+                  x_shape=shape(x), dtype=val(x).dtype, sorted=bool(arg(topk, 4, "sorted", True)))
+    return Match("moe_gating", tuple(order), weights.name, inputs, params,
+                 {"weights": weights.name, "indices": idx.name})
+
+
+@register("moe_gating")
+def find_moe_gating(gm: fx.GraphModule) -> list[Match]:
+    view = graph_view(gm)
+    found = _GATING_GATHER.match(view, _decide_gating) + _GATING.match(view, _decide_gating)
+    out, taken = [], set()
+    for m in sorted(found, key=lambda m: view.order[m.anchor]):
+        if taken.isdisjoint(m.nodes):
+            out.append(m)
+            taken.update(m.nodes)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ experts
+
+def _grouped_mm(n):
+    """transformers' ``grouped_mm_fallback`` (a custom op registered when transformers is imported)."""
+    t = n.target
+    return n.op == "call_function" and getattr(t, "namespace", None) == "transformers" and \
+        getattr(t, "_opname", None) == "grouped_mm_fallback"
+
+
+def _glu(t: Template, up: str) -> Template:
+    """``split`` of the gate_up projection's output into halves, ``silu(gate) * up``."""
+    return (t.node("split", aten.split.Tensor).edge(up, "split", 0)
+             .node("gate", operator.getitem, where=_item(0)).node("up", operator.getitem, where=_item(1))
+             .edge("split", "gate", 0).edge("split", "up", 0)
+             .node("act", aten.silu.default).edge("gate", "act", 0)
+             .node("glu", aten.mul.Tensor).edge("act", "glu").edge("up", "glu"))
+
+
+_EXPERTS_GROUPED = _glu(
+    Template("moe_experts", anchor="gmm1")
+    .node("ids_flat", aten.reshape.default)
+    .node("sort", aten.sort.default).edge("ids_flat", "sort", 0)
+    .node("sorted", operator.getitem, where=_item(0)).node("perm", operator.getitem, where=_item(1))
+    .edge("sort", "sorted", 0).edge("sort", "perm", 0)
+    .node("token", aten.floor_divide.default).edge("perm", "token", 0)
+    .node("xs", aten.index.Tensor).edge("token", "xs", 1)
+    .node("fsorted", aten._to_copy.default).edge("sorted", "fsorted", 0)
+    .node("hist", aten.histc.default).edge("fsorted", "hist", 0)
+    .node("offs", aten.cumsum.default).edge("hist", "offs", 0)
+    .node("w1t", aten.transpose.int)
+    .node("gmm1", where=_grouped_mm).edge("xs", "gmm1", 0).edge("w1t", "gmm1", 1).edge("offs", "gmm1", 2),
+    up="gmm1")
+(_EXPERTS_GROUPED
+ .node("w2t", aten.transpose.int)
+ .node("gmm2", where=_grouped_mm).edge("glu", "gmm2", 0).edge("w2t", "gmm2", 1).edge("offs", "gmm2", 2)
+ .node("wflat", aten.reshape.default, optional=True)
+ .node("ws", aten.index.Tensor).edge("wflat", "ws", 0).edge("perm", "ws", 1)
+ .node("wcol", aten.unsqueeze.default).edge("ws", "wcol", 0)
+ .node("wscale", aten.mul.Tensor, where=_scalar_operand, optional=True).edge("wcol", "wscale", 0)
+ .node("wmul", aten.mul.Tensor).edge("gmm2", "wmul").edge("wscale", "wmul")
+ .node("empty", aten.empty_like.default).edge("perm", "empty", 0)
+ .node("iota", aten.arange.default)
+ .node("inv", aten.index_put.default).edge("empty", "inv", 0).edge("perm", "inv", 1).edge("iota", "inv", 2)
+ .node("back", aten.index.Tensor).edge("wmul", "back", 0).edge("inv", "back", 1)
+ .node("tkh", aten.reshape.default).edge("back", "tkh", 0)
+ .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
+
+_EXPERTS_BATCHED = _glu(
+    Template("moe_experts", anchor="bmm1")
+    .node("xrep", aten.repeat_interleave.self_int)
+    .node("ids_flat", aten.reshape.default)
+    .node("w1s", aten.index.Tensor).edge("ids_flat", "w1s", 1)
+    .node("xcol", aten.unsqueeze.default).edge("xrep", "xcol", 0)
+    .node("bmm1", aten.matmul.default).edge("w1s", "bmm1", 0).edge("xcol", "bmm1", 1)
+    .node("sq1", aten.squeeze.dim).edge("bmm1", "sq1", 0), up="sq1")
+(_EXPERTS_BATCHED
+ .node("w2s", aten.index.Tensor).edge("ids_flat", "w2s", 1)
+ .node("hcol", aten.unsqueeze.default).edge("glu", "hcol", 0)
+ .node("bmm2", aten.matmul.default).edge("w2s", "bmm2", 0).edge("hcol", "bmm2", 1)
+ .node("sq2", aten.squeeze.dim).edge("bmm2", "sq2", 0)
+ .node("wflat", aten.reshape.default, optional=True)
+ .node("wcol", aten.unsqueeze.default).edge("wflat", "wcol", 0)
+ .node("wscale", aten.mul.Tensor, where=_scalar_operand, optional=True).edge("wcol", "wscale", 0)
+ .node("wmul", aten.mul.Tensor).edge("sq2", "wmul").edge("wscale", "wmul")
+ .node("tkh", aten.reshape.default).edge("wmul", "tkh", 0)
+ .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
+
+
+def _is_last(n) -> bool:
+    """An unsqueeze/squeeze at the last dim of its result (unsqueeze) or input (squeeze), counted either way."""
+    d = n.args[1]
+    r = len(shape(n)) if n.target == aten.unsqueeze.default else len(shape(n.args[0]))
+    return d in (-1, r - 1)
+
+
+def _param(n) -> fx.Node | None:
+    """The [E, N, K] weight a transpose or an index reads (a parameter of the experts module)."""
+    return n if isinstance(n, fx.Node) and n.op == "get_attr" else None
+
+
+def _decide_experts(m: dict) -> Match | None:
+    """Constraints of an experts block: one routing (ids, perm, group list) shared by both GEMMs, SwiGLU on the
+    halves in the split's order, weights combined by the routing weights at the same permutation."""
+    batched = "bmm1" in m
+    ids = m["ids_flat"].args[0]
+    if shape(ids) is None or len(shape(ids)) != 2:
+        return None
+    T, k = shape(ids)
+    S = T * k
+    # the routing weights [T, k], or already flat [S] (the canonical form moves a scale below the view)
+    weights = m["wflat"].args[0] if "wflat" in m else (m["wcol"] if batched else m["ws"]).args[0]
+    if shape(weights) not in ((T, k), (S,)) or shape(m["ids_flat"]) != (S,):
+        return None
+    if batched:
+        x = m["xrep"].args[0]
+        if m["xrep"].args[1] != k or arg(m["xrep"], 2, "dim") not in (0, -2):
+            return None
+        w1, w2 = _param(m["w1s"].args[0]), _param(m["w2s"].args[0])
+        if m["w1s"].args[1][0] is not m["ids_flat"] or m["w2s"].args[1][0] is not m["ids_flat"]:
+            return None
+        if not all(_is_last(m[n]) for n in ("xcol", "sq1", "hcol", "sq2")):
+            return None
+    else:
+        x = m["xs"].args[0]
+        if m["token"].args[1] != k or m["xs"].args[1][0] is not m["token"] or m["ws"].args[1][0] is not m["perm"]:
+            return None
+        if "wflat" not in m and m["ws"].args[0] is not weights:
+            return None
+        w1 = _param(m["w1t"].args[0]) if tuple(m["w1t"].args[1:]) == (-2, -1) else None
+        w2 = _param(m["w2t"].args[0]) if tuple(m["w2t"].args[1:]) == (-2, -1) else None
+        E = shape(w1)[0] if w1 is not None else 0
+        hist = m["hist"]
+        if tuple(hist.args[1:4]) != (E, 0, E - 1) or m["back"].args[1][0] is not m["inv"]:
+            return None
+        if m["inv"].args[1][0] is not m["perm"] or m["gmm2"].args[2] is not m["offs"]:
+            return None
+    if w1 is None or w2 is None or len(shape(w1)) != 3 or len(shape(w2)) != 3:
+        return None
+    E, two_i, H = shape(w1)
+    if shape(w2) != (E, H, two_i // 2) or shape(x) != (T, H):
+        return None
+    if m["split"].args[1] != two_i // 2 or arg(m["split"], 2, "dim") not in (-1, 1):
+        return None
+    if not _is_last(m["wcol"]) or shape(m["tkh"]) != (T, k, H) or list(arg(m["combine"], 1, "dim")) not in ([1], [-2]) \
+            or arg(m["combine"], 2, "keepdim", False):
+        return None
+    glu = m["glu"]
+    if {glu.args[0], glu.args[1]} != {m["act"], m["up"]}:
+        return None
+    inside = set(m.values())
+    out = m["combine"]
+    for n in m.values():            # the block's intermediates are its own (a constant it shares may be read on)
+        if n is not out and n.all_input_nodes and any(u not in inside for u in n.users):
+            return None
+    order = [n.name for n in out.graph.nodes if n in inside]
+    inputs = {"x": x.name, "ids": ids.name, "weights": weights.name, "w1": w1.name, "w2": w2.name}
+    scale = float(m["wscale"].args[1]) if "wscale" in m else 1.0    # a routing scale the canonical form sank here
+    params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=two_i // 2, activation="swiglu",
+                  weights_scale=scale,
+                  swiglu_order="gate_up", implementation="batched_mm" if batched else "grouped_mm",
+                  out_like=val(out), dtype=val(x).dtype)
+    return Match("moe_experts", tuple(order), out.name, inputs, params)
+
+
+@register("moe_experts")
+def find_moe_experts(gm: fx.GraphModule) -> list[Match]:
+    view = graph_view(gm)
+    found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_GROUPED.match(view, _decide_experts)
+    return sorted(found, key=lambda m: view.order[m.anchor])
+
+
+TEMPLATES = (_GATING, _GATING_GATHER, _EXPERTS_GROUPED, _EXPERTS_BATCHED)

@@ -1,0 +1,219 @@
+"""The MoE families end to end: every router and every experts block of Mixtral, Qwen2-MoE, Qwen3-MoE and
+DeepSeek-V3 (transformers configs, random weights) fused, in both exported experts implementations; outputs
+within the verifier's bound of float64; routers' top-k indices equal eager's; near misses left alone."""
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+tf = pytest.importorskip("transformers")
+
+from autofuse import AutoFusionEngine  # noqa: E402
+from autofuse.capture import CaptureError  # noqa: E402
+from autofuse.verify import compare  # noqa: E402
+
+LAYERS = 2
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=32)
+
+
+def _mixtral():
+    return tf.MixtralForCausalLM(tf.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4,
+                                                  num_experts_per_tok=2))
+
+
+def _qwen2_moe():
+    return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
+                                                    shared_expert_intermediate_size=24, num_experts=4,
+                                                    num_experts_per_tok=2, decoder_sparse_step=1,
+                                                    norm_topk_prob=False))
+
+
+def _qwen3_moe():
+    return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
+                                                    num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                                                    norm_topk_prob=True, head_dim=8))
+
+
+def _deepseek_v3():
+    cfg = dict(COMMON, num_key_value_heads=4)
+    m = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+        **cfg, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5))
+    with torch.no_grad():               # the router's weights start at zero (every score ties): give it some
+        for layer in m.model.layers:
+            layer.mlp.gate.weight.normal_()
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    return m
+
+
+MODELS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
+CASES = [pytest.param(n, impl, attn, id=f"{n}-{impl}-{attn}") for n in MODELS for impl in ("grouped_mm", "batched_mm")
+         for attn in ("eager", "sdpa") if attn == "eager" or impl == "grouped_mm"]
+
+
+def _build(name, impl, attn, seed=0):
+    torch.manual_seed(seed)
+    m = MODELS[name]().eval()
+    m.set_experts_implementation(impl)
+    m.config._attn_implementation = attn
+    return m, torch.randint(0, 64, (2, 8))
+
+
+@pytest.mark.parametrize("name,impl,attn", CASES)
+def test_every_router_and_experts_block_is_fused(name, impl, attn):
+    model, ids = _build(name, impl, attn)
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.decisions)
+    assert codes == {("attention", "fused"): LAYERS, ("moe_gating", "fused"): LAYERS,
+                     ("moe_experts", "fused"): LAYERS}, fused.report.summary()
+    targets = {str(n.target) for n in fused.graph_module.graph.nodes if n.op == "call_function"}
+    assert not targets & {"transformers.grouped_mm_fallback.default", "aten.topk.default", "aten.sort.default"}
+    ref_model = copy.deepcopy(model).double()
+    ref_model.set_experts_implementation("batched_mm")      # the same math; grouped_mm has no float64 kernel
+    with torch.no_grad():
+        got = fused(ids, use_cache=False).logits
+        want = model(ids, use_cache=False).logits
+        ref = ref_model(ids, use_cache=False).logits
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
+def test_the_eager_experts_loop_is_named_in_the_capture_error():
+    model, ids = _build("mixtral", "eager", "eager")
+    with pytest.raises(CaptureError, match="data-dependent"):
+        AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+
+
+# --------------------------------------------------------------------------------------- routers alone
+
+
+def _routers():
+    out = {}
+    for name in MODELS:
+        model, _ = _build(name, "grouped_mm", "eager")
+        out[name] = model.model.layers[0].mlp.gate
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_weights_and_indices_equal_eager(name, dtype):
+    router = _routers()[name].to(dtype)
+    x = torch.randn(3, 5, 32, dtype=dtype)
+    fused = AutoFusionEngine.fuse(router, (x,))
+    assert [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"] == ["fused"], \
+        fused.report.summary()
+    got, want = fused(x), router(x)
+    ref = copy.deepcopy(router).double()(x.double())
+    w_got, w_want = got[-2], want[-2]
+    assert torch.equal(got[-1], want[-1])                       # indices: exactly torch.topk's
+    ok, err, tol = compare(w_want, ref[-2], w_got)
+    assert ok, (err, tol)
+
+
+# ----------------------------------------------------------------------------------------- near misses
+
+class Router(nn.Module):
+    def __init__(self, kind, E=8, k=2):
+        super().__init__()
+        self.kind, self.k = kind, k
+        self.w = nn.Parameter(torch.randn(E, 16))
+        self.b = nn.Parameter(torch.randn(E) * 0.1)
+
+    def forward(self, x):
+        logits = F.linear(x, self.w)
+        if self.kind == "softmax_over_tokens":
+            p = logits.softmax(0)
+        elif self.kind == "biased_weights":            # selection bias also in the weights: not MoeGatingTopK's
+            p = logits.sigmoid() + self.b
+        elif self.kind == "bias_on_selected":
+            p = logits.sigmoid()
+        else:
+            p = logits.softmax(-1)
+        if self.kind == "topk_wrong_dim":
+            v, i = torch.topk(p, self.k, dim=0)
+        elif self.kind == "smallest":
+            v, i = torch.topk(p, self.k, dim=-1, largest=False)
+        else:
+            v, i = torch.topk(p, self.k, dim=-1)
+        if self.kind == "other_denominator":
+            v = v / p.sum(-1, keepdim=True).clamp_min(0.5)
+        elif self.kind == "bias_on_selected":
+            v = v + self.b[i]
+        elif self.kind == "biased_weights":
+            pass
+        else:
+            v = v / v.sum(-1, keepdim=True)
+        return v, i
+
+
+@pytest.mark.parametrize("kind", ["plain", "topk_wrong_dim", "smallest", "softmax_over_tokens", "other_denominator",
+                                  "biased_weights", "bias_on_selected"])
+def test_router_near_misses_are_not_fused(kind):
+    torch.manual_seed(0)
+    router = Router(kind)
+    x = torch.randn(10, 16)
+    fused = AutoFusionEngine.fuse(router, (x,))
+    gating = [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    got, want = fused(x), router(x)
+    if kind == "plain":                     # the control: the same module spelled right is fused
+        assert [d.reason_code for d in gating] == ["fused"]
+        assert torch.equal(got[1], want[1])
+    elif kind == "bias_on_selected":        # topk(sigmoid) is a router without bias; the add stays as captured
+        (d,) = gating
+        assert d.reason_code == "fused" and d.params["renorm"] is False and "bias" not in d.nodes
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    else:
+        assert not gating, fused.report.summary()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+class Experts(nn.Module):
+    """transformers' grouped_mm experts spelled by hand, with a configurable gate activation and half order."""
+
+    def __init__(self, act="silu", order="gate_up", E=4, H=16, inter=8):
+        super().__init__()
+        self.act, self.order, self.E = act, order, E
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * inter, H) * 0.2)
+        self.down = nn.Parameter(torch.randn(E, H, inter) * 0.2)
+
+    def forward(self, x, idx, w):
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.sort(flat)
+        perm = order.indices
+        xs = x[perm // k]
+        w_sorted = w.reshape(-1)[perm]
+        offs = torch.histc(order.values.float(), self.E, 0, self.E - 1).cumsum(0, dtype=torch.int32)
+        h = torch.ops.transformers.grouped_mm_fallback(xs, self.gate_up.transpose(-2, -1), offs)
+        a, b = h.split(h.shape[-1] // 2, -1)
+        gate, up = (a, b) if self.order == "gate_up" else (b, a)
+        h = (F.silu(gate) if self.act == "silu" else F.gelu(gate)) * up
+        y = torch.ops.transformers.grouped_mm_fallback(h, self.down.transpose(-2, -1), offs) * w_sorted[:, None]
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(T * k)
+        return y[inv].reshape(T, k, -1).sum(1)
+
+
+@pytest.mark.parametrize("act,order,fuses", [("silu", "gate_up", True), ("gelu", "gate_up", False),
+                                             ("silu", "up_gate", False)])
+def test_experts_near_misses(act, order, fuses):
+    import transformers.integrations.moe  # noqa: F401  (registers transformers.grouped_mm_fallback)
+    torch.manual_seed(0)
+    m = Experts(act, order)
+    x, idx = torch.randn(6, 16), torch.randint(0, 4, (6, 2))
+    w = torch.rand(6, 2)
+    fused = AutoFusionEngine.fuse(m, (x, idx, w))
+    experts = [d.reason_code for d in fused.report.decisions if d.pattern == "moe_experts"]
+    assert experts == (["fused"] if fuses else []), fused.report.summary()
+    got, want = fused(x, idx, w), m(x, idx, w)
+    if fuses:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    else:
+        assert torch.equal(got, want)
