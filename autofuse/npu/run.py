@@ -122,3 +122,4 @@ from autofuse.npu.kernels import norm as _norm  # noqa: E402,F401
 from autofuse.npu.kernels import flash_attention as _flash_attention  # noqa: E402,F401
 from autofuse.npu.kernels import movement as _movement  # noqa: E402,F401
 from autofuse.npu.kernels import collectives as _collectives  # noqa: E402,F401
+from autofuse.npu.kernels import mc2 as _mc2  # noqa: E402,F401

@@ -37,6 +37,7 @@ from autofuse.npu.run import kernel
 from cost_model.links import check, default_algorithm
 
 SLICE_BYTES = 1 << 20          # pipelining grain of a piece (bytes)
+MIN_SLICE = 64 << 10           # pieces are cut in up to 4 slices no smaller than this
 TILE_BYTES = 16 << 10          # largest UB tile per core and operand
 
 
@@ -96,22 +97,25 @@ class Collective:
             end = max(end, float(np.max(np.where(act, e, 0.0))))
         return end
 
-    def add(self, dst, dlo, a, alo, b, blo, length, deps=()):
-        """``dst[dlo:+length] = a[alo:+length] + b[blo:+length]`` (flat GM tensors) on the Vector cores."""
+    def add(self, dst, dlo, a, alo, bs, length, deps=()):
+        """``dst[dlo:+length] = a[alo:+length] + sum(b[blo:+length] for b, blo in bs)`` (flat GM tensors) on the
+        Vector cores: the partial is loaded once, each received slice loaded and added in turn (double-buffered),
+        the sum stored once."""
         g, dt = self.g, self.dtype
         wide = "float32" if dt == "bfloat16" else dt
         passes = 3 if dt == "bfloat16" else 1
 
         def body(items, act, A, B):
-            ra = [None if it is None else (slice(alo + it[0], alo + it[0] + it[1]),) for it in items]
-            rb = [None if it is None else (slice(blo + it[0], blo + it[0] + it[1]),) for it in items]
-            rd = [None if it is None else (slice(dlo + it[0], dlo + it[0] + it[1]),) for it in items]
+            def reg(lo):
+                return [None if it is None else (slice(lo + it[0], lo + it[0] + it[1]),) for it in items]
             ext = np.array([0 if it is None else it[1] for it in items])
-            g.load(A, a, ra, active=act, deps=deps, name="load partial")
-            g.load(B, b, rb, active=act, deps=deps, name="load received")
-            g.vector("add", (A,), (A, B), passes * g.repeats(ext, wide), active=act,
-                     compute=lambda: np.copyto(A.data, rnd(A.data + B.data, dt)))
-            return g.store(A, dst, rd, active=act, name="store partial")
+            g.load(A, a, reg(alo), active=act, deps=deps, name="load partial")
+            for i, (b, blo) in enumerate(bs):
+                Bi = self.B[i % 2]
+                g.load(Bi, b, reg(blo), active=act, deps=deps, name="load received")
+                g.vector("add", (A,), (A, Bi), passes * g.repeats(ext, wide), active=act,
+                         compute=lambda Bi=Bi: np.copyto(A.data, rnd(A.data + Bi.data, dt)))
+            return g.store(A, dst, reg(dlo), active=act, name="store partial")
 
         end = self._vector_pass(length, deps, body)
         self.last = max(self.last, end)
@@ -141,8 +145,10 @@ class Collective:
 
     # ------------------------------------------------------------------ slicing
     def _nslices(self, pieces):
+        """Slices per piece: at most ``slice_bytes`` each, and at least 4 of at least ``MIN_SLICE`` bytes when
+        the piece allows (a pipeline needs a few stages)."""
         biggest = max((b - a for a, b in pieces), default=0) * self.isz
-        return max(1, ceil_div(biggest, self.slice_bytes))
+        return max(1, ceil_div(biggest, self.slice_bytes), min(4, biggest // MIN_SLICE))
 
     @staticmethod
     def _slice(piece, k, S):
@@ -178,7 +184,7 @@ class Collective:
                     (data, arr), = self.links.exchange([m], [(prv, (rhi - rlo,), (rhi - rlo) * self.isz)])
                     off = (s % 2) * span + (rlo - pieces[cr][0])
                     self._land(buf, off, data, arr)
-                    ready[cr][k] = self.add(acc, rlo, source[cr], rlo, buf, off, rhi - rlo, deps=(arr,))
+                    ready[cr][k] = self.add(acc, rlo, source[cr], rlo, [(buf, off)], rhi - rlo, deps=(arr,))
                 source[cr] = acc
         elif algorithm == "mesh":
             span = max(b - a for a, b in pieces)
@@ -191,12 +197,13 @@ class Collective:
                     sends.append(self._send(ranks[j], src, lo, hi, ready[j][k], "reduce-scatter"))
                 mlo, mhi = self._slice(pieces[me], k, S)
                 got = self.links.exchange(sends, [(ranks[j], (mhi - mlo,), (mhi - mlo) * self.isz) for j in peers])
-                a = src
+                bs, last = [], ready[me][k]
                 for x, (data, arr) in enumerate(got):
                     off = x * span + (mlo - pieces[me][0])
                     self._land(buf, off, data, arr)
-                    ready[me][k] = self.add(acc, mlo, a, mlo, buf, off, mhi - mlo, deps=(arr, ready[me][k]))
-                    a = acc
+                    bs.append((buf, off))
+                    last = max(last, arr)
+                ready[me][k] = self.add(acc, mlo, src, mlo, bs, mhi - mlo, deps=(last,))
         else:
             raise ValueError(f"reduce_scatter: no {algorithm!r} phase")
 
