@@ -619,6 +619,12 @@ class L2:
             wb += nbytes
         return wb
 
+    def invalidate(self, tensor_id: int) -> None:
+        """Drop every line of a tensor that another agent (a peer's DMA over the link) has overwritten in HBM."""
+        for key in [k for k in self.lines if k[0] == tensor_id]:
+            size, _ = self.lines.pop(key)
+            self.used -= size
+
     def dirty_bytes(self) -> int:
         return sum(size for size, dirty in self.lines.values() if dirty)
 

@@ -160,8 +160,9 @@ class Collective:
         return self.links.send(peer, src.data[lo:hi], (hi - lo) * self.isz, ready, what)
 
     def _land(self, dst, lo, data, arrival):
-        """A peer's data landing in ``dst[lo:]`` (its DMA writes this chip's HBM)."""
+        """A peer's data landing in ``dst[lo:]`` (its DMA writes this chip's HBM: L2 copies are stale)."""
         dst.data[lo:lo + data.size] = data
+        self.launch.l2.invalidate(dst.id)
         self.last = max(self.last, arrival)
 
     # ------------------------------------------------------------------ algorithms

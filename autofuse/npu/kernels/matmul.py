@@ -114,7 +114,7 @@ class Program:
         self.slot0 = self.slot1 = self.step = 0
 
     def run(self, a, b, bias, out, items, M_rows, N, K, trans_a=False, trans_b=False, fold=True, deps=()):
-        """Output tiles ``items`` ((batch index, row block, column block)) of ``out = a @ b``, written to
+        """Output tiles ``items`` ((batch index, row block or (first row, rows), column block)) of ``out = a @ b``, written to
         ``out``; the A and B loads wait for ``deps`` too. Returns the time the last tile is stored."""
         g, dtype, out_dtype = self.g, self.dtype, self.out_dtype
         a1, b1, bias1, a0, b0, c0, ub = self.a1, self.b1, self.bias1, self.a0, self.b0, self.c0, self.ub
@@ -136,9 +136,12 @@ class Program:
             mine = [items[step * ncores + c] if step * ncores + c < len(items) else None for c in range(ncores)]
             active = np.array([it is not None for it in mine])
             act = None if active.all() else active
-            m_ext = np.array([min(m0, M_rows - it[1] * m0) if it else 0 for it in mine])
+            # a row block is its index, or (first row, rows) when a caller places blocks itself
+            r0s = [None if it is None else (it[1] * m0 if it[1].__class__ is int else it[1][0]) for it in mine]
+            m_ext = np.array([0 if it is None else (min(m0, M_rows - r0s[c]) if it[1].__class__ is int else it[1][1])
+                              for c, it in enumerate(mine)])
             n_ext = np.array([min(n0, N - it[2] * n0) if it else 0 for it in mine])
-            rows = [slice(it[1] * m0, it[1] * m0 + m_ext[c]) if it else None for c, it in enumerate(mine)]
+            rows = [slice(r0s[c], r0s[c] + m_ext[c]) if it else None for c, it in enumerate(mine)]
             cols = [slice(it[2] * n0, it[2] * n0 + n_ext[c]) if it else None for c, it in enumerate(mine)]
             acc = c0[self.step % nc]
             self.step += 1

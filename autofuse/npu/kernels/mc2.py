@@ -90,13 +90,13 @@ class _Fused:
             check(op, self.algorithm, self.comm.world, self.col.links.profile)
         self.ranks = list(range(self.comm.world))
 
-    def matmul_rows(self, a, out, r0, r1, deps=()):
-        """Rows [r0, r1) of ``out = a @ w`` on the Cube; returns when they are stored."""
+    def matmul_rows(self, a, out, spans, deps=()):
+        """Rows ``spans`` ([(r0, r1), ...]) of ``out = a @ w`` on the Cube, all in one lockstep sweep (their
+        blocks spread over every core); returns when they are stored."""
         m0, n0 = self.t["m0"], self.t["n0"]
-        rows = r1 - r0
-        items = [((), mi, ni) for mi in range(_ceil(rows, m0)) for ni in range(_ceil(self.N, n0))]
-        return self.prog.run(_view(a, r0, r1), self.w, None, _view(out, r0, r1), items, rows, self.N, self.K,
-                             deps=deps)
+        items = [((), (b, min(m0, r1 - b)), ni) for r0, r1 in spans for b in range(r0, r1, m0)
+                 for ni in range(_ceil(self.N, n0))]
+        return self.prog.run(a, self.w, None, out, items, a.shape[0], self.N, self.K, deps=deps)
 
 
 @kernel("matmul_all_reduce")
@@ -108,7 +108,7 @@ def matmul_all_reduce(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
     out = launch.empty((M, N), f.dtype, "out")
     pending = None
     for r0, r1 in row_tiles(M, f.t["m0"], tiles):
-        done = f.matmul_rows(f.x, out, r0, r1)
+        done = f.matmul_rows(f.x, out, [(r0, r1)])
         if pending is not None:
             f.col.all_reduce(flat(out), flat(out), pending[0] * N, pending[1] * N, f.ranks, pending[2], f.algorithm)
         pending = (r0, r1, done)
@@ -139,8 +139,7 @@ def matmul_reduce_scatter(launch, x, w, comm=None, world=None, rank=0, tiles=4, 
                              f.algorithm)
 
     for r0, r1 in row_tiles(share, f.t["m0"], tiles):
-        done = max(f.matmul_rows(_view(f.x, j * share, (j + 1) * share), _view(partial, j * share, (j + 1) * share),
-                                 r0, r1) for j in range(p))
+        done = f.matmul_rows(f.x, partial, [(j * share + r0, j * share + r1) for j in range(p)])
         f.col.last = max(f.col.last, done)
         if pending is not None:
             scatter(*pending)
@@ -172,13 +171,9 @@ def all_gather_matmul(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
             rd = [[own] * S for _ in range(p)]
             f.col.all_gather(flat(gathered), pieces, f.ranks, rd, f.algorithm)
             arrivals.append(max(max(r) for j, r in enumerate(rd) if j != me))
-    f.matmul_rows(f.x, _view(out, me * m, (me + 1) * m), 0, m)
-    if p > 1:
-        for (r0, r1), arr in zip(ranges, arrivals):
-            for j in range(p):
-                if j != me:
-                    f.matmul_rows(_view(gathered, j * m, (j + 1) * m), _view(out, j * m, (j + 1) * m), r0, r1,
-                                  deps=(arr,))
+    f.matmul_rows(f.x, _view(out, me * m, (me + 1) * m), [(0, m)])
+    for (r0, r1), arr in zip(ranges, arrivals):
+        f.matmul_rows(gathered, out, [(j * m + r0, j * m + r1) for j in range(p) if j != me], deps=(arr,))
     f.col.finish()
     lead = (p * x.shape[0], *x.shape[1:-1]) if x.data.ndim > 1 else (p * m,)
     return (type(out)(out.data.reshape(*lead, N), out.dtype, out.name),
