@@ -144,9 +144,13 @@ def _replay(kind, dev, M, K, N, dtype, world, tiles, algorithm):
             S = nslices(max(pieces) * isz)
             rep.reduce_scatter(pieces, ranks, [[ready] * S for _ in range(p)], algorithm)
 
-    for r0, r1 in row_tiles(share, t["m0"], tiles):
+    ranges = row_tiles(share, t["m0"], tiles)
+    for r0, r1 in ranges:
         start = max(clock, rep.vec_free) if coupled and pending is not None else clock
-        done = mm(r1 - r0, start, p if kind == "matmul_reduce_scatter" else 1)
+        if kind == "matmul_reduce_scatter" and len(ranges) > 1:
+            done = mm(r1 - r0, start, p)             # tile t of every rank's share
+        else:
+            done = mm(M if kind == "matmul_reduce_scatter" else r1 - r0, start)
         clock = done
         if pending is not None:
             communicate(*pending)

@@ -138,8 +138,11 @@ def matmul_reduce_scatter(launch, x, w, comm=None, world=None, rank=0, tiles=4, 
         f.col.reduce_scatter(flat(partial), flat(partial), pieces, f.ranks, [[ready] * S for _ in range(p)],
                              f.algorithm)
 
-    for r0, r1 in row_tiles(share, f.t["m0"], tiles):
-        done = f.matmul_rows(f.x, partial, [(j * share + r0, j * share + r1) for j in range(p)])
+    ranges = row_tiles(share, f.t["m0"], tiles)
+    for r0, r1 in ranges:
+        # one tile: every row at once (rank shares need not be whole row blocks); else tile t of every share
+        spans = [(0, M)] if len(ranges) == 1 else [(j * share + r0, j * share + r1) for j in range(p)]
+        done = f.matmul_rows(f.x, partial, spans)
         f.col.last = max(f.col.last, done)
         if pending is not None:
             scatter(*pending)
