@@ -95,6 +95,7 @@ class RankResult:
     decisions: list
     max_abs_diff: float            # fused graph's outputs vs the unfused graph's (both on this rank)
     outputs: object = None
+    outputs_unfused: object = None
 
     @property
     def speedup(self) -> float:
@@ -314,7 +315,8 @@ def rank_pipeline(model, args, device="ascend910b", tiles=None) -> RankResult:
     leaves_f = [o for o in torch.utils._pytree.tree_leaves(out_f) if isinstance(o, torch.Tensor)]
     diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(leaves_u, leaves_f)), default=0.0)
     rank = torch.distributed.get_rank()
-    return RankResult(rank, device, run_f, run_u, decisions, diff, captured.unflatten_outputs(out_f))
+    return RankResult(rank, device, run_f, run_u, decisions, diff, captured.unflatten_outputs(out_f),
+                      captured.unflatten_outputs(out_u))
 
 
 def _free_port() -> int:

@@ -125,9 +125,12 @@ def _replay(kind, dev, M, K, N, dtype, world, tiles, algorithm):
                 rd = [[own] * S for _ in range(p)]
                 rep.all_gather(pieces, ranks, rd, algorithm)
                 arrivals.append(max(max(r) for j, r in enumerate(rd) if j != 0))
-        clock = mm(M, own if coupled else 0.0)
-        for (r0, r1), arr in zip(ranges, arrivals):
-            clock = mm(r1 - r0, max(clock, arr), p - 1)
+        if len(ranges) == 1 and p > 1:
+            clock = mm(p * M, max(arrivals + [own]))
+        else:
+            clock = mm(M, own if coupled else 0.0)
+            for (r0, r1), arr in zip(ranges, arrivals):
+                clock = mm(r1 - r0, max(clock, arr), p - 1)
         end = max(clock, rep.last)
         return end, hbm + rep.hbm, rep.link_busy(), cube, t
 

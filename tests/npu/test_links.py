@@ -6,7 +6,7 @@ from autofuse import npu
 from autofuse.npu.dtypes import to_dtype
 from cost_model.links import LINKS, bytes_per_rank, get_links, ring_bottleneck, ring_time, steps
 
-from worlds import world_run
+from npu.worlds import world_run
 
 DEVICES = ("ascend910b", "ascend910", "ascend310p")
 

@@ -5,7 +5,7 @@ import pytest
 from autofuse import npu
 from autofuse.npu.dtypes import to_dtype
 
-from worlds import world_run
+from npu.worlds import world_run
 
 
 def _ops(p, M, K, N, dtype, rng, shared_w=False):

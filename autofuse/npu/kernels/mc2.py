@@ -12,7 +12,8 @@ order is a two-stage software pipeline:
 * ``matmul_reduce_scatter``  the same, tile t being rows t of every rank's share; reduce-scatter of tile t-1
   under the products of tile t. Rank r's output is its share of the reduced partial.
 * ``all_gather_matmul``  gather(x[M/p, K]) @ w[K, N/p]: the link starts on every tile at once; the Cube
-  first multiplies this rank's own rows (nothing to wait for), then each tile's gathered rows as they land.
+  first multiplies this rank's own rows (nothing to wait for), then each tile's gathered rows as they land
+  (with one tile: every row in one sweep once all have landed).
   Also returns the gathered x (what the backward needs).
 
 On coupled chips the adds share the AI cores' UB with the matmul, so the matmul is tiled for half the UB
@@ -174,9 +175,14 @@ def all_gather_matmul(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
             rd = [[own] * S for _ in range(p)]
             f.col.all_gather(flat(gathered), pieces, f.ranks, rd, f.algorithm)
             arrivals.append(max(max(r) for j, r in enumerate(rd) if j != me))
-    f.matmul_rows(f.x, _view(out, me * m, (me + 1) * m), [(0, m)])
-    for (r0, r1), arr in zip(ranges, arrivals):
-        f.matmul_rows(gathered, out, [(j * m + r0, j * m + r1) for j in range(p) if j != me], deps=(arr,))
+    if len(ranges) == 1 and p > 1:
+        # nothing to pipeline: one sweep over every gathered row once they have landed (a sweep of this
+        # rank's rows first would cost a wave of its own)
+        f.matmul_rows(gathered, out, [(0, p * m)], deps=(max(arrivals + [own]),))
+    else:
+        f.matmul_rows(f.x, _view(out, me * m, (me + 1) * m), [(0, m)])
+        for (r0, r1), arr in zip(ranges, arrivals):
+            f.matmul_rows(gathered, out, [(j * m + r0, j * m + r1) for j in range(p) if j != me], deps=(arr,))
     f.col.finish()
     lead = (p * x.shape[0], *x.shape[1:-1]) if x.data.ndim > 1 else (p * m,)
     return (type(out)(out.data.reshape(*lead, N), out.dtype, out.name),
