@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass, field
@@ -332,20 +333,24 @@ def _worker(rank, world, port, build, device, tiles, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model, args = build(rank, world)
-        queue.put((rank, rank_pipeline(model, args, device, tiles), None))
+        # pickled here, by value: tensors handed over as shared memory vanish when this process ends
+        queue.put((rank, pickle.dumps(rank_pipeline(model, args, device, tiles)), None))
     except BaseException:           # the parent re-raises it with the rank named
         queue.put((rank, None, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
-def simulate_world(build, world_size: int, device: str = "ascend910b", tiles: int | None = None,
+def simulate_world(build=None, world_size: int = 2, device: str = "ascend910b", tiles: int | None = None,
                    timeout: float = 1800.0) -> WorldResult:
     """Run :func:`rank_pipeline` on ``world_size`` gloo ranks (processes on this machine, loopback).
 
     ``build(rank, world_size) -> (module, example_args)`` must be picklable (a module-level function); it
-    builds the rank's shard. Returns every rank's result; the system's figures are the slowest rank's.
+    builds the rank's shard (default: :func:`autofuse.tp_models.build`, a Megatron-split GPT-2 block).
+    Returns every rank's result; the system's figures are the slowest rank's.
     """
+    if build is None:
+        from autofuse.tp_models import build
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -359,7 +364,7 @@ def simulate_world(build, world_size: int, device: str = "ascend910b", tiles: in
         rank, res, err = queue.get()
         if err:
             errors.append(f"rank {rank}:\n{err}")
-        results[rank] = res
+        results[rank] = None if res is None else pickle.loads(res)
     for p in procs:
         p.join(timeout)
     if errors:

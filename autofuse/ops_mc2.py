@@ -15,6 +15,8 @@ Backward (recomputed on the host in fp32 from the saved inputs, not simulated), 
 
 * ``matmul_all_reduce``: y = Σ_ranks x_r W_rᵀ is replicated, so dy is the same on every rank and the
   all-reduce's backward is the identity (Megatron's "g"): dx = dy W, dW = dyᵀ x — no communication.
+  (torch's own ``_functional_collectives.all_reduce`` differentiates differently in torch 2.13: it
+  all-reduces the gradient, which for a replicated dy gives p times this; measured, not assumed.)
 * ``matmul_reduce_scatter``: y = rows r of Σ x Wᵀ; its backward all-gathers dy: dx = AG(dy) W,
   dW = AG(dy)ᵀ x.
 * ``all_gather_matmul``: y = AG(x) Wᵀ; dW = dyᵀ AG(x) (AG(x) is the op's second output, saved), and

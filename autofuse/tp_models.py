@@ -25,7 +25,7 @@ def attention(x, qkv_w, qkv_b, heads):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int = 64, heads: int = 4, dtype=torch.float32):
+    def __init__(self, hidden: int = 64, heads: int = 8, dtype=torch.float32):
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = nn.LayerNorm(hidden, dtype=dtype), nn.LayerNorm(hidden, dtype=dtype)
@@ -75,7 +75,7 @@ class TPBlock(nn.Module):
         return x + self.row_parallel(F.gelu(F.linear(self.ln2(x), self.fc1_w, self.fc1_b)), self.fc2_w, self.fc2_b)
 
 
-def make_block(hidden=64, heads=4, dtype=torch.float32, seed=0) -> Block:
+def make_block(hidden=64, heads=8, dtype=torch.float32, seed=0) -> Block:
     torch.manual_seed(seed)
     b = Block(hidden, heads, dtype)
     with torch.no_grad():       # non-trivial norms and biases
@@ -89,7 +89,7 @@ def example_input(batch=2, seq=16, hidden=64, dtype=torch.float32, seed=1):
     return torch.randn(batch, seq, hidden, generator=g).to(dtype)
 
 
-def build(rank: int, world: int, hidden=64, heads=4, batch=2, seq=16, dtype=torch.float32):
+def build(rank: int, world: int, hidden=64, heads=8, batch=2, seq=16, dtype=torch.float32):
     """``(TPBlock shard, (x,))`` for ``simulate_world``."""
     return TPBlock(make_block(hidden, heads, dtype), rank, world).eval(), (example_input(batch, seq, hidden, dtype),)
 

@@ -30,7 +30,7 @@ def worlds(sizes):
 
     from autofuse.distributed import simulate_world
     from autofuse.tp_models import build, example_input, make_block
-    print("\n## Tensor-parallel GPT-2 block (hidden 64, 4 heads, batch 2, seq 16, fp32), ascend910b")
+    print("\n## Tensor-parallel GPT-2 block (hidden 64, 8 heads, batch 2, seq 16, fp32), ascend910b")
     print(f"{'TP':>3} {'fused cyc':>10} {'unfused cyc':>11} {'speed-up':>8} {'err fused':>10} {'err unfused TP':>14} "
           f"{'wall':>6}  decisions")
     ref = copy.deepcopy(make_block()).double()(example_input().double())
