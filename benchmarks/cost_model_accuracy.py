@@ -314,8 +314,40 @@ def _moe_cases(quick: bool):
     return out
 
 
+def _link_cases(quick: bool):
+    """Collectives and MC2 kernels, one rank of a rank-symmetric world (``world=``: no gloo needed)."""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    cs = [("all_reduce", [((37, 50), f32)], "ascend910b", {"world": 4}),
+          ("all_reduce", [((1024, 4096), bf16)], "ascend910", {"world": 8}),
+          ("all_reduce", [((256, 1000), f16)], "ascend310p", {"world": 4}),
+          ("reduce_scatter", [((1024, 1024), f16)], "ascend910", {"world": 4, "algorithm": "ring"}),
+          ("all_gather", [((128, 4096), f16)], "ascend910b", {"world": 8}),
+          ("all_to_all", [((512, 1024), f16)], "ascend910b", {"world": 16}),
+          ("matmul_all_reduce", [((16, 512), f16), ((512, 4096), f16)], "ascend910b", {"world": 8, "tiles": 1}),
+          ("matmul_all_reduce", [((512, 512), f16), ((512, 2048), f16)], "ascend910", {"world": 8, "tiles": 4}),
+          ("matmul_all_reduce", [((300, 200), f32), ((200, 256), f32)], "ascend310p", {"world": 4, "tiles": 2}),
+          ("matmul_reduce_scatter", [((512, 256), f16), ((256, 512), f16)], "ascend910", {"world": 4, "tiles": 2}),
+          ("all_gather_matmul", [((64, 512), f16), ((512, 768), f16)], "ascend910", {"world": 4, "tiles": 2})]
+    if not quick:
+        cs += [("all_reduce", [((4096, 4096), f16)], "ascend910b", {"world": 8}),
+               ("all_reduce", [((1024, 4096), f16)], "ascend910", {"world": 8, "algorithm": "ring"}),
+               ("all_reduce", [((512, 4096), f16)], "ascend910b", {"world": 16}),
+               ("all_reduce", [((2048, 4096), f16)], "ascend910b", {"world": 64}),
+               ("reduce_scatter", [((1024, 1024), f16)], "ascend910b", {"world": 8}),
+               ("all_gather", [((128, 4096), bf16)], "ascend310p", {"world": 4}),
+               ("all_to_all", [((512, 1024), f16)], "ascend910b", {"world": 8}),
+               ("matmul_all_reduce", [((1024, 512), f16), ((512, 4096), f16)], "ascend910b", {"world": 8, "tiles": 4}),
+               ("matmul_all_reduce", [((1024, 1376), bf16), ((1376, 4096), bf16)], "ascend910b",
+                {"world": 8, "tiles": 8}),
+               ("matmul_all_reduce", [((512, 512), f16), ((512, 1024), f16)], "ascend910b", {"world": 16, "tiles": 4}),
+               ("matmul_reduce_scatter", [((1024, 512), f16), ((512, 1024), f16)], "ascend910b",
+                {"world": 8, "tiles": 4}),
+               ("all_gather_matmul", [((128, 1024), f16), ((1024, 1024), f16)], "ascend910b", {"world": 8, "tiles": 4})]
+    return [Case(k, ins, d, p) for k, ins, d, p in cs]
+
+
 BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
-            "flash_attention": _fa_cases, "moe": _moe_cases}
+            "flash_attention": _fa_cases, "moe": _moe_cases, "links": _link_cases}
 
 
 def cases(quick: bool = False, kernels=None) -> list:

@@ -186,3 +186,7 @@ def get_device(device) -> Device:
     if key not in DEVICES:
         raise ValueError(f"unknown target device {device!r}: choose one of {', '.join(devices())}")
     return DEVICES[key]
+
+
+# How the NPUs of each profile are wired to each other (ports, topology, sources): cost_model/links.py.
+from cost_model.links import LinkProfile, get_links  # noqa: E402,F401

@@ -56,13 +56,19 @@ from autofuse.npu.dtypes import STORAGE, itemsize, to_dtype
 from cost_model.devices import Device
 
 UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
+# The chip's ports to other NPUs (autofuse/npu/link.py): one lane per port, reported only by launches that
+# communicate, so that every other kernel's statistics keep the units above.
+LINK_UNIT = "link"
+ALL_UNITS = UNITS + (LINK_UNIT,)
 PORT_GAPS = 4          # idle intervals of a core's GM port remembered for transfers that run out of issue order
 _GROUP_UNITS = {
     "core": UNITS,
     "aic": ("mte1", "mte2", "fixpipe", "cube", "scalar"),
     "aiv": ("mte2", "mte3", "vector", "scalar"),
+    "link": (LINK_UNIT, "scalar"),
 }
-_GROUP_BUFFERS = {"core": ("L1", "L0A", "L0B", "L0C", "UB"), "aic": ("L1", "L0A", "L0B", "L0C"), "aiv": ("UB",)}
+_GROUP_BUFFERS = {"core": ("L1", "L0A", "L0B", "L0C", "UB"), "aic": ("L1", "L0A", "L0B", "L0C"), "aiv": ("UB",),
+                  "link": ()}
 # Which engine moves data along each path.
 _PATH_UNIT = {
     "GM->L1": "mte2", "GM->L0A": "mte2", "GM->L0B": "mte2", "GM->UB": "mte2",
@@ -613,6 +619,12 @@ class L2:
             wb += nbytes
         return wb
 
+    def invalidate(self, tensor_id: int) -> None:
+        """Drop every line of a tensor that another agent (a peer's DMA over the link) has overwritten in HBM."""
+        for key in [k for k in self.lines if k[0] == tensor_id]:
+            size, _ = self.lines.pop(key)
+            self.used -= size
+
     def dirty_bytes(self) -> int:
         return sum(size for size, dirty in self.lines.values() if dirty)
 
@@ -640,10 +652,10 @@ class Stats:
     @property
     def bound(self) -> str:
         """The busiest unit (ties broken by unit order)."""
-        return max(UNITS, key=lambda u: self.util.get(u, 0.0))
+        return max(ALL_UNITS, key=lambda u: self.util.get(u, 0.0))
 
     def __str__(self) -> str:
-        top = ", ".join(f"{u} {self.util[u]:.0%}" for u in UNITS if self.util.get(u, 0) > 0.005)
+        top = ", ".join(f"{u} {self.util[u]:.0%}" for u in ALL_UNITS if self.util.get(u, 0) > 0.005)
         return (f"{self.cycles:,} cycles ({self.seconds * 1e6:,.1f} µs), HBM {self.hbm_bytes:,} B, "
                 f"util: {top}")
 
@@ -1196,10 +1208,15 @@ class Launch:
     close = sync
 
     def group(self, kind: str, n: int) -> Group:
-        """``n`` cores of ``kind`` ("core" coupled, "aic"/"aiv" split; "aiv" also means vector-only cores)."""
-        limit = {"core": self.device.cube_cores if self.device.arch == "coupled" else 0,
-                 "aic": self.device.cube_cores if self.device.arch == "split" else 0,
-                 "aiv": self.device.vector_cores}[kind]
+        """``n`` cores of ``kind`` ("core" coupled, "aic"/"aiv" split; "aiv" also means vector-only cores;
+        "link": lanes of the link unit, one per port, see :mod:`autofuse.npu.link`)."""
+        if kind == "link":
+            from cost_model.devices import get_links
+            limit = get_links(self.device).lanes
+        else:
+            limit = {"core": self.device.cube_cores if self.device.arch == "coupled" else 0,
+                     "aic": self.device.cube_cores if self.device.arch == "split" else 0,
+                     "aiv": self.device.vector_cores}[kind]
         if n > limit:
             raise SimulatorError(f"{self.device.name} has {limit} cores of kind {kind!r}, asked for {n}")
         g = Group(self, kind, n)
@@ -1242,9 +1259,10 @@ class Launch:
             for u in g.units:
                 busy[u] = max(busy.get(u, 0.0), float(g.busy[u].max()))
                 busy_total[u] = busy_total.get(u, 0.0) + float(g.busy[u].sum())
-        busy = {u: int(round(busy.get(u, 0.0))) for u in UNITS}
-        busy_total = {u: int(round(busy_total.get(u, 0.0))) for u in UNITS}
-        util = {u: busy[u] / cycles for u in UNITS}
+        units = ALL_UNITS if LINK_UNIT in busy else UNITS
+        busy = {u: int(round(busy.get(u, 0.0))) for u in units}
+        busy_total = {u: int(round(busy_total.get(u, 0.0))) for u in units}
+        util = {u: busy[u] / cycles for u in units}
         return Stats(cycles=cycles, seconds=cycles / dev.clock_hz, bytes=dict(self.bytes), hbm_bytes=int(hbm),
                      busy=busy, util=util, busy_total=busy_total, cores=cores, launch_cycles=dev.launch_cycles,
                      instructions=self.instructions)

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from autofuse.npu.machine import UNITS
+from autofuse.npu.machine import ALL_UNITS as UNITS
 
 
 class Trace:

@@ -93,6 +93,96 @@ def _check(a, b, trans_a, trans_b):
                          f"and b {list(b.shape)}{' (transposed)' if trans_b else ''}")
 
 
+class Program:
+    """The matmul schedule on one group of cores and its buffers, which outlive one call of :meth:`run`:
+    fused kernels (MC2) run it tile by tile in one launch, each call continuing the same timelines."""
+
+    def __init__(self, launch, dtype, out_dtype, t, ncores, bias=False):
+        dev = launch.device
+        self.launch, self.dtype, self.out_dtype, self.t = launch, dtype, out_dtype, dict(t)
+        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+        g = self.g = launch.group("core" if dev.arch == "coupled" else "aic", ncores)
+        self.a1 = [g.alloc("L1", (m0, k1), dtype, f"a1_{i}") for i in range(2)]
+        self.b1 = [g.alloc("L1", (k1, n0), dtype, f"b1_{i}") for i in range(2)]
+        self.bias1 = g.alloc("L1", (1, n0), "float32", "bias") if bias else None
+        self.a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
+        self.b0 = [g.alloc("L0B", (k0, n0), dtype, f"b0_{i}") for i in range(2)]
+        nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+        self.c0 = [g.alloc("L0C", (m0, n0), "float32", f"c_{i}") for i in range(nc)]
+        self.ub = [g.alloc("UB", (m0, n0), out_dtype, f"ub_{i}") for i in range(2)] \
+            if dev.arch == "coupled" else None
+        self.slot0 = self.slot1 = self.step = 0
+
+    def run(self, a, b, bias, out, items, M_rows, N, K, trans_a=False, trans_b=False, fold=True, deps=()):
+        """Output tiles ``items`` ((batch index, row block or (first row, rows), column block)) of ``out = a @ b``, written to
+        ``out``; the A and B loads wait for ``deps`` too. Returns the time the last tile is stored."""
+        g, dtype, out_dtype = self.g, self.dtype, self.out_dtype
+        a1, b1, bias1, a0, b0, c0, ub = self.a1, self.b1, self.bias1, self.a0, self.b0, self.c0, self.ub
+        nc = len(c0)
+        ncores = g.n
+        t = self.t
+
+        def index(t_, bidx):
+            nb = t_.data.ndim - 2
+            bi = bidx[len(bidx) - nb:] if nb else ()
+            return tuple(0 if t_.shape[i] == 1 else bi[i] for i in range(nb))
+
+        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+        isz = itemsize(dtype)
+        nk1 = _ceil(K, k1)
+        slot0, slot1 = self.slot0, self.slot1
+        done = 0.0
+        for step in range(_ceil(len(items), ncores)):
+            mine = [items[step * ncores + c] if step * ncores + c < len(items) else None for c in range(ncores)]
+            active = np.array([it is not None for it in mine])
+            act = None if active.all() else active
+            # a row block is its index, or (first row, rows) when a caller places blocks itself
+            r0s = [None if it is None else (it[1] * m0 if it[1].__class__ is int else it[1][0]) for it in mine]
+            m_ext = np.array([0 if it is None else (min(m0, M_rows - r0s[c]) if it[1].__class__ is int else it[1][1])
+                              for c, it in enumerate(mine)])
+            n_ext = np.array([min(n0, N - it[2] * n0) if it else 0 for it in mine])
+            rows = [slice(r0s[c], r0s[c] + m_ext[c]) if it else None for c, it in enumerate(mine)]
+            cols = [slice(it[2] * n0, it[2] * n0 + n_ext[c]) if it else None for c, it in enumerate(mine)]
+            acc = c0[self.step % nc]
+            self.step += 1
+            if bias1 is not None:
+                g.load(bias1, bias, [(slice(None),) * (bias.data.ndim - 1) + (cols[c],) if it else None
+                                     for c, it in enumerate(mine)],
+                       fn=lambda x: x.reshape(1, -1), name="load bias")
+            for kk in range(nk1):
+                ks = slice(kk * k1, min(K, (kk + 1) * k1))
+                A1, B1 = a1[kk % 2], b1[kk % 2]
+                a_reg = [None if it is None else
+                         index(a, it[0]) + ((ks, rows[c]) if trans_a else (rows[c], ks)) for c, it in enumerate(mine)]
+                b_reg = [None if it is None else
+                         index(b, it[0]) + ((cols[c], ks) if trans_b else (ks, cols[c])) for c, it in enumerate(mine)]
+                g.load(A1, a, a_reg, active=act, deps=deps, fn=np.transpose if trans_a else None, name="load A")
+                g.load(B1, b, b_reg, active=act, deps=deps, fn=np.transpose if trans_b else None, name="load B")
+                k_chunk = ks.stop - ks.start
+                for kq in range(_ceil(k_chunk, k0)):
+                    kv = min(k0, k_chunk - kq * k0)
+                    A0, B0 = a0[slot0 % 2], b0[slot0 % 2]
+                    slot0 += 1
+                    sl = slice(kq * k0, (kq + 1) * k0)
+                    g.move(A0, A1, fn=lambda x, sl=sl: x[:, :, sl], nbytes=_round(m_ext, 16) * kv * isz, active=act)
+                    g.move(B0, B1, fn=lambda x, sl=sl: x[:, sl, :], nbytes=kv * _round(n_ext, 16) * isz, active=act)
+                    first = kk == 0 and kq == 0
+                    g.mmad(acc, A0, B0, m_ext, kv, n_ext, accumulate=not first,
+                           init=bias1.data[:, :, :] if (first and bias1 is not None) else None, active=act)
+            out_reg = [None if it is None else
+                       ((rows[c], cols[c]) if fold else tuple(it[0]) + (rows[c], cols[c])) for c, it in enumerate(mine)]
+            if ub is not None:
+                U = ub[slot1 % 2]
+                slot1 += 1
+                g.move(U, acc, nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
+                end = g.store(U, out, out_reg, active=act, name="store out")
+            else:
+                end = g.store(acc, out, out_reg, active=act, name="store out")
+            done = max(done, float(np.max(end if act is None else np.where(act, end, 0.0))))
+        self.slot0, self.slot1 = slot0, slot1
+        return done
+
+
 @kernel("matmul")
 def matmul(launch, a, b, bias=None, trans_a=False, trans_b=False, tiling=None, out_dtype=None):
     """``a @ b`` on the Cube (see the module docstring). ``tiling``: dict m0, n0, k0, k1 (else chosen)."""
@@ -118,72 +208,11 @@ def matmul(launch, a, b, bias=None, trans_a=False, trans_b=False, tiling=None, o
     t = dict(tiling) if tiling else default_tiling(dev, M_rows, N, K, len(batches), dtype, out_dtype)
     if not tiling_fits(dev, dtype, out_dtype, t):
         raise ValueError(f"matmul tiling {t} does not fit the buffers of {dev.name}")
-    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     out_shape = (*batch_shape, M, N) if not fold else (*batch_shape, M, N)
     out = launch.empty((M_rows, N) if fold else out_shape, out_dtype, "out")
-
-    def index(t_, bidx):
-        nb = t_.data.ndim - 2
-        bi = bidx[len(bidx) - nb:] if nb else ()
-        return tuple(0 if t_.shape[i] == 1 else bi[i] for i in range(nb))
-
-    items = [(bi, mi, ni) for bi in batches for mi in range(_ceil(M_rows, m0)) for ni in range(_ceil(N, n0))]
-    ncores = min(dev.cube_cores, len(items))
-    g = launch.group("core" if dev.arch == "coupled" else "aic", ncores)
-    a1 = [g.alloc("L1", (m0, k1), dtype, f"a1_{i}") for i in range(2)]
-    b1 = [g.alloc("L1", (k1, n0), dtype, f"b1_{i}") for i in range(2)]
-    bias1 = g.alloc("L1", (1, n0), "float32", "bias") if bias is not None else None
-    a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
-    b0 = [g.alloc("L0B", (k0, n0), dtype, f"b0_{i}") for i in range(2)]
-    nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
-    c0 = [g.alloc("L0C", (m0, n0), "float32", f"c_{i}") for i in range(nc)]
-    ub = [g.alloc("UB", (m0, n0), out_dtype, f"ub_{i}") for i in range(2)] if dev.arch == "coupled" else None
-
-    isz = itemsize(dtype)
-    nk1 = _ceil(K, k1)
-    slot0 = slot1 = 0
-    for step in range(_ceil(len(items), ncores)):
-        mine = [items[step * ncores + c] if step * ncores + c < len(items) else None for c in range(ncores)]
-        active = np.array([it is not None for it in mine])
-        act = None if active.all() else active
-        m_ext = np.array([min(m0, M_rows - it[1] * m0) if it else 0 for it in mine])
-        n_ext = np.array([min(n0, N - it[2] * n0) if it else 0 for it in mine])
-        rows = [slice(it[1] * m0, it[1] * m0 + m_ext[c]) if it else None for c, it in enumerate(mine)]
-        cols = [slice(it[2] * n0, it[2] * n0 + n_ext[c]) if it else None for c, it in enumerate(mine)]
-        acc = c0[step % nc]
-        if bias1 is not None:
-            g.load(bias1, bias, [(slice(None),) * (bias.data.ndim - 1) + (cols[c],) if it else None
-                                 for c, it in enumerate(mine)],
-                   fn=lambda x: x.reshape(1, -1), name="load bias")
-        for kk in range(nk1):
-            ks = slice(kk * k1, min(K, (kk + 1) * k1))
-            A1, B1 = a1[kk % 2], b1[kk % 2]
-            a_reg = [None if it is None else
-                     index(a, it[0]) + ((ks, rows[c]) if trans_a else (rows[c], ks)) for c, it in enumerate(mine)]
-            b_reg = [None if it is None else
-                     index(b, it[0]) + ((cols[c], ks) if trans_b else (ks, cols[c])) for c, it in enumerate(mine)]
-            g.load(A1, a, a_reg, active=act, fn=np.transpose if trans_a else None, name="load A")
-            g.load(B1, b, b_reg, active=act, fn=np.transpose if trans_b else None, name="load B")
-            k_chunk = ks.stop - ks.start
-            for kq in range(_ceil(k_chunk, k0)):
-                kv = min(k0, k_chunk - kq * k0)
-                A0, B0 = a0[slot0 % 2], b0[slot0 % 2]
-                slot0 += 1
-                sl = slice(kq * k0, (kq + 1) * k0)
-                g.move(A0, A1, fn=lambda x, sl=sl: x[:, :, sl], nbytes=_round(m_ext, 16) * kv * isz, active=act)
-                g.move(B0, B1, fn=lambda x, sl=sl: x[:, sl, :], nbytes=kv * _round(n_ext, 16) * isz, active=act)
-                first = kk == 0 and kq == 0
-                g.mmad(acc, A0, B0, m_ext, kv, n_ext, accumulate=not first,
-                       init=bias1.data[:, :, :] if (first and bias1 is not None) else None, active=act)
-        out_reg = [None if it is None else
-                   ((rows[c], cols[c]) if fold else tuple(it[0]) + (rows[c], cols[c])) for c, it in enumerate(mine)]
-        if ub is not None:
-            U = ub[slot1 % 2]
-            slot1 += 1
-            g.move(U, acc, nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
-            g.store(U, out, out_reg, active=act, name="store out")
-        else:
-            g.store(acc, out, out_reg, active=act, name="store out")
+    items = [(bi, mi, ni) for bi in batches for mi in range(_ceil(M_rows, t["m0"])) for ni in range(_ceil(N, t["n0"]))]
+    prog = Program(launch, dtype, out_dtype, t, min(dev.cube_cores, len(items)), bias is not None)
+    prog.run(a, b, bias, out, items, M_rows, N, K, trans_a, trans_b, fold)
     if fold:
         out = type(out)(out.data.reshape(out_shape), out.dtype, out.name)
     return (out,)
@@ -193,4 +222,4 @@ def flops(M, N, K, batch=1) -> int:
     return 2 * M * N * K * batch
 
 
-__all__ = ["matmul", "default_tiling", "tiling_fits", "flops"]
+__all__ = ["Program", "matmul", "default_tiling", "tiling_fits", "flops"]
