@@ -39,7 +39,7 @@ from autofuse import verify as _verify
 from autofuse.canonicalize import canonicalize, evaluate_constant
 from autofuse.capture import capture
 from autofuse.decision import FusionReport
-from autofuse.fused import family, fused_ops
+from autofuse.fused import family, is_fused_call
 from autofuse.match import families
 from autofuse.plan import parse_level, parse_memory_budget, plan
 from autofuse.rewrite import _source as source
@@ -218,10 +218,9 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     fused = rewrite(cap_gm, [c.lifted for c in applied], lambda m: family(m.pattern).emit, kwargs_for)
     t5 = time.perf_counter()
     workspace = {c.match.anchor: c.fused.workspace for c in applied}
-    ops_ = fused_ops()
 
     def kernel_workspace(n):
-        match = n.meta.get("autofuse_match") if n.op == "call_function" and n.target in ops_ else None
+        match = n.meta.get("autofuse_match") if is_fused_call(n) else None
         return workspace.get(match.anchor, 0) if match is not None else 0
 
     guards = [Guard(fqn, _lookup(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]

@@ -284,18 +284,23 @@ MOE_EXPERTS = Family("moe_experts", _moe_ops().grouped_matmul.default, "grouped_
 FAMILIES = {"attention": ATTENTION, "moe_gating": MOE_GATING, "moe_experts": MOE_EXPERTS}
 
 
+def register_family(fam: Family) -> Family:
+    """Add a family's fused call (its matches come from a ``patterns`` module registered with
+    :func:`autofuse.match.register` under the same name)."""
+    FAMILIES[fam.name] = fam
+    return fam
+
+
 def family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"no fused call for pattern family {name!r}; known: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 
-def fused_ops() -> set:
-    """Every OpOverload a fused graph may call (the ``autofuse`` namespace)."""
-    ops = torch.ops.autofuse
-    return {getattr(ops, name).default for name in ("flash_attention", "moe_gating_topk", "moe_init_routing",
-                                                     "grouped_matmul", "moe_finalize_routing")}
+def is_fused_call(n: fx.Node) -> bool:
+    """A call of a fused op (the ``autofuse`` namespace of ``torch.ops``)."""
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "autofuse"
 
 
-__all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "fused_ops",
-           "kernel_default_tiling", "price_attention"]
+__all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family",
+           "is_fused_call", "kernel_default_tiling", "price_attention", "register_family"]
