@@ -278,7 +278,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
     conflicts.add_nodes_from(eligible)
     by_node: dict = {}
     for i in eligible:
-        shared = {n for n in cands[i].match.nodes if can[n].all_input_nodes}
+        shared = {n for n in cands[i].match.nodes if n not in can or can[n].all_input_nodes}
         for name in shared | {"captured:" + n for n in cands[i].nodes}:
             by_node.setdefault(name, []).append(i)
     for group in by_node.values():
