@@ -48,6 +48,7 @@ class FusionDecision:
     unfused_kernels: tuple = ()
     verify_error: float | None = None
     verify_tolerance: float | None = None
+    verify_note: str = ""             # how it was verified when not at its own size (reduced shapes)
     working_set_bytes: int = 0        # the fused kernel's inputs, outputs and GM workspace (the budget's measure)
     workspace_bytes: int = 0          # of which the kernel's GM workspace
 

@@ -255,16 +255,19 @@ class _Verifier:
         self.meta = _is_meta(leaves)
         self.done = {}
 
-    def _inputs(self, external):
+    def _inputs(self, external, sizes=None):
+        """Values of the block's inputs (narrowed to the reduced sizes, when given)."""
+        sizes = sizes or {}
         if self.meta:
             gen = torch.Generator().manual_seed(0)
             out = []
             for n in external:
                 c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
-                out.append(c if isinstance(c, torch.Tensor) else _verify.random_like(n, gen))
+                out.append(_verify.shrink_value(c, sizes) if isinstance(c, torch.Tensor)
+                           else _verify.random_like(n, gen, sizes))
             return out
         values = _Values(self.cap, {n.name for n in external}).values(*self.leaves)
-        return [values[n.name] for n in external]
+        return [_verify.shrink_value(values[n.name], sizes) for n in external]
 
     @staticmethod
     def _roles(lifted, external) -> dict:
@@ -293,10 +296,34 @@ class _Verifier:
         sub, fused_sub, external = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
         key = (_verify.structure_key(sub), _verify.structure_key(fused_sub))
         if key not in self.done:
+            roles = self._roles(cand.lifted, external)
             with torch.random.fork_rng():
-                self.done[key] = _verify.verify_block(sub, fused_sub, self._inputs(external),
-                                                      self._roles(cand.lifted, external))
+                self.done[key] = self._reduced(fam, cand, sub, external, roles) or _verify.verify_block(
+                    sub, fused_sub, self._inputs(external), roles) + ("",)
         return self.done[key]
+
+    def _reduced(self, fam, cand, sub, external, roles):
+        """A block too large to check at its size (its float64 reference would allocate more than
+        ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
+        token dims (the family says which) shrunk in every shape argument and input, its fused call built for
+        those shapes with the kernel's default tiling. None when the block is small enough, or when the
+        reduction does not give a runnable block (then it is checked at its own size)."""
+        if fam.shrink is None or _verify.largest_value_bytes(sub) <= _verify.LARGEST_CHECKED:
+            return None
+        sizes = fam.shrink(cand.match)
+        if not sizes:
+            return None
+        kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
+        _, fused_sub, _ = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
+        small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
+        try:
+            ok, err, tol, label = _verify.verify_block(small, small_fused, self._inputs(external, sizes), roles)
+        except Exception:  # noqa: BLE001 - a reduction that does not run: check the block at its own size
+            return None
+        what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
+        note = f"verified on reduced shapes ({what}): the block at its size needs " \
+               f"{_verify.largest_value_bytes(sub) / 2 ** 20:,.0f} MiB for one float64 value"
+        return ok, err, tol, label or "", note
 
 
 class FusedModule(torch.nn.Module):

@@ -46,6 +46,7 @@ class Family:
     emit: Callable
     price: Callable
     op_kwargs: Callable        # (device, price, level) -> extra keywords of the call (device, tiling)
+    shrink: Callable | None = None   # match -> {dim size: reduced size} for verifying a block too large to run
 
 
 def _spec(n: fx.Node):
@@ -182,8 +183,17 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     return outs
 
 
+REDUCED = 80       # a reduced sequence or token count: not a tile multiple, so edge tiles are exercised
+
+
+def shrink_attention(match) -> dict:
+    """The sequence lengths, reduced to ``REDUCED`` (query and key lengths separately)."""
+    p = match.params
+    return {n: REDUCED for n in {p["q_shape"][-2], p["k_shape"][-2]} if n > REDUCED}
+
+
 ATTENTION = Family("attention", torch.ops.autofuse.flash_attention.default, "flash_attention", emit_attention,
-                   price_attention, attention_kwargs)
+                   price_attention, attention_kwargs, shrink_attention)
 
 
 # ------------------------------------------------------------------------------------------- MoE
@@ -276,10 +286,25 @@ def _moe_ops():
     return torch.ops.autofuse
 
 
+def shrink_gating(match) -> dict:
+    t = match.params["tokens"]
+    return {t: REDUCED} if t > REDUCED else {}
+
+
+def shrink_experts(match) -> dict:
+    """Tokens (and token-expert pairs), the hidden size and the expert width: the weights shrink with them, so a
+    7B-class experts block verifies in megabytes."""
+    p = match.params
+    T, k, H, I = p["tokens"], p["k"], p["hidden"], p["intermediate"]
+    want = {T: 24, T * k: 24 * k, H: 64, I: 48, 2 * I: 96}
+    sizes = {a: b for a, b in want.items() if a > b}
+    return sizes if len(sizes) == len({a for a in want if a > want[a]}) else {}
+
+
 MOE_GATING = Family("moe_gating", _moe_ops().moe_gating_topk.default, "moe_gating_topk", emit_gating,
-                    price_gating, _device_only)
+                    price_gating, _device_only, shrink_gating)
 MOE_EXPERTS = Family("moe_experts", _moe_ops().grouped_matmul.default, "grouped_matmul", emit_experts,
-                     price_experts, _device_only)
+                     price_experts, _device_only, shrink_experts)
 
 FAMILIES = {"attention": ATTENTION, "moe_gating": MOE_GATING, "moe_experts": MOE_EXPERTS}
 

@@ -303,10 +303,12 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         c = cands[i]
         err, tol = (verdicts[i][1], verdicts[i][2]) if i in verdicts else (None, None)
         detail = verdicts[i][3] if i in verdicts and len(verdicts[i]) > 3 else ""
+        note = verdicts[i][4] if i in verdicts and len(verdicts[i]) > 4 else ""
         if i in verdicts and not verdicts[i][0]:
             decide(i, False, "verification_failed",
                    f"fused result differs from the captured subgraph{' on ' + detail if detail else ''}: "
-                   f"error {err:.3g} > tolerance {tol:.3g}", verify_error=err, verify_tolerance=tol)
+                   f"error {err:.3g} > tolerance {tol:.3g}" + (f" ({note})" if note else ""),
+                   verify_error=err, verify_tolerance=tol, verify_note=note)
         elif i not in chosen:
             winner = next((j for j in chosen if conflicts.has_edge(i, j)), None)
             decide(i, False, "conflict", "overlaps blocks that together save more" if winner is None else
@@ -316,7 +318,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             sp = c.unfused.cycles / max(c.fused.cycles, 1)
             why = "forced by switch; " if switches.get(c.match.pattern) == "force" else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
-                                     f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}",
-                   verify_error=err, verify_tolerance=tol)
+                                     f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
+                                     + (f"; {note}" if note else ""),
+                   verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)
     return applied, [decisions[i] for i in range(len(cands))], cands

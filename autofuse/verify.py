@@ -71,8 +71,12 @@ def structure_key(sub: fx.GraphModule) -> tuple:
     return tuple(parts)
 
 
-def random_like(node: fx.Node, gen: torch.Generator) -> torch.Tensor:
+def random_like(node: fx.Node, gen: torch.Generator, sizes: dict | None = None) -> torch.Tensor:
+    """Random values of the node's shape (dims whose size is a key of ``sizes`` reduced) and dtype: bool masks
+    keep each row's first entry, integers are 0 or 1."""
     v = val(node)
+    shape_ = tuple((sizes or {}).get(d, d) for d in v.shape)
+    v = torch.empty(shape_, dtype=v.dtype, device="meta")
     if v.dtype == torch.bool:
         t = torch.rand(v.shape, generator=gen) < 0.7
         if t.dim() >= 1 and t.shape[-1] > 0:
@@ -221,7 +225,7 @@ def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
 
 
 def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict
-                 ) -> tuple[bool, float, float, str]:
+                 ) -> tuple:
     """Check on the given inputs, then on each adversarial set; the first failure ends it.
     Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
     ok, err, tol = check(sub, fused_sub, inputs)
@@ -235,4 +239,50 @@ def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, r
     return True, err, tol, ""
 
 
-__all__ = ["adversarial", "check", "compare", "floor", "random_like", "structure_key", "verify_block"]
+# ------------------------------------------------------------------------------------------ reduced shapes
+
+#: A block whose largest float64 intermediate is above this is verified on reduced shapes (bytes).
+LARGEST_CHECKED = 32 << 20
+
+
+def largest_value_bytes(sub: fx.GraphModule) -> int:
+    """Bytes of the block's largest value in float64 (what the reference run allocates at its peak)."""
+    return max((v.numel() * 8 for n in sub.graph.nodes for v in [n.meta.get("val")]
+                if isinstance(v, torch.Tensor)), default=0)
+
+
+def _shrink_arg(a, sizes: dict):
+    if isinstance(a, bool) or not isinstance(a, (int, list, tuple)):
+        return a
+    if isinstance(a, int):
+        return sizes.get(a, a)
+    return type(a)(_shrink_arg(x, sizes) for x in a)
+
+
+def shrink(gm: fx.GraphModule, sizes: dict) -> fx.GraphModule:
+    """A copy of the block with every integer argument equal to a key of ``sizes`` (a dimension size: the
+    sequence length, the number of tokens) replaced by its value: the same computation on smaller tensors.
+    Keyword ``dim`` arguments are left alone. Shape metadata is not updated (the runs recompute it)."""
+    g = fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:
+        new = g.node_copy(n, lambda x: env[x])
+        if n.op == "call_function":
+            new.args = tuple(_shrink_arg(a, sizes) for a in new.args)
+            new.kwargs = {k: (v if k == "dim" else _shrink_arg(v, sizes)) for k, v in new.kwargs.items()}
+        env[n] = new
+    return fx.GraphModule(gm, g)
+
+
+def shrink_value(t, sizes: dict):
+    """``t`` narrowed to the reduced size along every dim whose size is a key of ``sizes`` (leading entries)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    for d, n in enumerate(t.shape):
+        if n in sizes:
+            t = t.narrow(d, 0, sizes[n])
+    return t.contiguous()
+
+
+__all__ = ["LARGEST_CHECKED", "adversarial", "check", "compare", "floor", "largest_value_bytes", "random_like",
+           "shrink", "shrink_value", "structure_key", "verify_block"]
