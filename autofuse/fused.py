@@ -166,6 +166,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["fill"] = p["fill"]
     if p.get("empty_rows", "zero") != "zero":
         kw["empty_rows"] = p["empty_rows"]
+    if p.get("mask_keeps_nan"):
+        kw["mask_keeps_nan"] = True
     if "scale_tensor" in ins:
         kw["scale_tensor"] = ins["scale_tensor"]
     like = p["out_like"]

@@ -61,11 +61,13 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      scale: Optional[float] = None, causal: bool = False, return_probs: bool = False,
                      device: str = "ascend910", tiling: str = "", fill: Optional[float] = None,
                      empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
-                     out_order: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     r = run_kernel("flash_attention", q, k, v, mask=mask, scale=_effective_scale(q, scale, scale_tensor),
                    causal=causal, return_probs=return_probs, device=device,
-                   tiling=json.loads(tiling) if tiling else None, fill=_fill(fill), empty_rows=empty_rows)
+                   tiling=json.loads(tiling) if tiling else None, fill=_fill(fill), empty_rows=empty_rows,
+                   mask_keeps_nan=mask_keeps_nan)
     _record("flash_attention", r.stats)
     out = _in_order(_to_torch(r.outputs[0], q.dtype), out_order)
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
@@ -102,7 +104,7 @@ def _effective_scale(q, scale, scale_tensor):
 
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
-                              empty_rows="zero", scale_tensor=None, **_):
+                              empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
@@ -116,7 +118,10 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     if scale_tensor is not None:
         s = s * scale_tensor.float()
     if mask is not None:
-        s = s.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else s + mask.float()
+        if mask.dtype != torch.bool:
+            s = s + mask.float()
+        else:
+            s = s.masked_fill(~mask & ~s.isnan() if mask_keeps_nan else ~mask, _fill(fill))
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     m = s.amax(-1, keepdim=True)
@@ -134,14 +139,14 @@ REFERENCES["flash_attention"] = reference_flash_attention
 
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
-      fill=None, empty_rows="zero", scale_tensor=None, out_order=None):
+      fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     return out, probs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _ = inputs
+    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _, _ = inputs
     ctx.save_for_backward(q, k, v, mask, scale_tensor)
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
 
@@ -172,7 +177,7 @@ def _backward(ctx, grad_out, grad_probs):
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
     gs = next(got) if (st is not None and st.requires_grad) else None
-    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None)
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None, None)
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)

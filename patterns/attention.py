@@ -299,8 +299,10 @@ def _decide_sdpa(m: dict) -> Match | None:
         masks.append((mask, "bool" if is_bool else "additive", 1.0, -math.inf if is_bool else None))
     core = {n} | {x for x in views if _exclusive(x, {n} | set(views))}
     # SDPA applies dropout_p whatever the module's mode: a nonzero p is random in eval too
-    return _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None,
-                   "zero", float(dropout_p or 0.0))
+    m = _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None,
+                "zero", float(dropout_p or 0.0))
+    m.params["mask_keeps_nan"] = True              # SDPA adds -inf for a False entry: NaN scores stay NaN
+    return m
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p) -> Match:

@@ -13,7 +13,8 @@ import torch
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                   scale: float | None = None, causal: bool = False, return_probs: bool = False,
                   fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
-                  out_order: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out_order: list[int] | None = None, mask_keeps_nan: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -21,8 +22,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if scale_tensor is not None:
         s = s * float(scale_tensor)
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf") if fill is None else fill) if mask.dtype == torch.bool \
-            else s + mask.float()
+        s = s.masked_fill(~mask & ~(s.isnan() & mask_keeps_nan), float("-inf") if fill is None else fill) \
+            if mask.dtype == torch.bool else s + mask.float()
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     p = torch.softmax(s, -1)
@@ -36,7 +37,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 @attention_ref.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
-      scale_tensor=None, out_order=None):
+      scale_tensor=None, out_order=None, mask_keeps_nan=False):
     from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)

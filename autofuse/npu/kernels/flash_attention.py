@@ -6,7 +6,9 @@ or additive float. ``causal`` is top-left aligned (query i sees keys j <= i); wi
 ``fill`` is the score a bool-masked entry takes at the softmax input (``-inf`` by default; a finite fill
 such as ``finfo.min`` or ``-1e4`` is reproduced exactly, so a query row with every key masked averages V
 as eager softmax does). ``empty_rows`` says what a row with no key to attend gives: ``"zero"`` (torch's
-SDPA and ``_safe_softmax``) or ``"nan"`` (plain ``softmax``). NaN in the inputs propagates as in eager.
+SDPA and ``_safe_softmax``) or ``"nan"`` (plain ``softmax``). NaN in the inputs propagates as in eager:
+``mask_keeps_nan`` applies a bool mask as SDPA does (adding ``-inf``: a NaN score stays NaN) instead of as
+``masked_fill`` does (the fill replaces it); the Vector unit does either in one select/add pass.
 
 The algorithm (one *work item* = batch, head, block of ``q`` query rows; items spread over the cores):
 
@@ -393,7 +395,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
-                    fill=float("-inf"), empty_rows="zero"):
+                    fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False):
     """Fused attention (see the module docstring). Returns ``(out,)`` or ``(out, probs)`` in q's dtype.
 
     ``tiling``: ``{"q": query rows per item, "kv": keys per tile, "vq": rows per Vector sub-block}``
@@ -442,6 +444,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
         raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}: {over}")
     prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv)
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
+    prog.keep_nan = bool(mask_keeps_nan)
     return prog.run()
 
 
@@ -784,8 +787,9 @@ class _Program:
             x = S.data[cs]
             np.multiply(x, self.scale, out=x)
             if mt is not None:
-                if self.mask.dtype == "bool":
-                    np.copyto(x, self.fill, where=~mt.data[cs])
+                if self.mask.dtype == "bool":        # SDPA adds -inf for a False: a NaN score stays NaN
+                    drop = ~mt.data[cs] & ~np.isnan(x) if self.keep_nan else ~mt.data[cs]
+                    np.copyto(x, self.fill, where=drop)
                 else:
                     np.add(x, mt.data[cs], out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
