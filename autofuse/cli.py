@@ -392,9 +392,33 @@ def cmd_devices(a, progress):
 
 def cmd_patterns(a, progress):
     from autofuse.match import families
-    for name, fn in families().items():
-        doc = (sys.modules[fn.__module__].__doc__ or "").strip().splitlines()
-        print(f"{name}: {doc[0] if doc else ''}")
+    fams = families()
+    if a.show is None:
+        for name, fn in fams.items():
+            doc = (sys.modules[fn.__module__].__doc__ or "").strip().splitlines()
+            print(f"{name}: {doc[0] if doc else ''}")
+        return
+    if a.show not in fams:
+        near = difflib.get_close_matches(a.show, list(fams), n=1)
+        raise UsageError(f"--show {a.show!r} is not a pattern family" + (f" (did you mean {near[0]!r}?)" if near else "")
+                         + f": choose from {', '.join(fams)}")
+    templates = [t for t in getattr(sys.modules[fams[a.show].__module__], "TEMPLATES", ()) if t.name == a.show]
+    dots = [t.to_dot() for t in templates]
+    text = "\n".join(dots) + "\n"
+    if a.output and a.output.endswith((".svg", ".png")):
+        from autofuse import viz
+        if not viz.have_graphviz():
+            raise UsageError("drawing SVG/PNG needs Graphviz `dot` (apt-get install graphviz); write .dot instead")
+        import subprocess
+        fmt = a.output.rsplit(".", 1)[1]
+        outs = []
+        for i, dot in enumerate(dots):
+            path = a.output if len(dots) == 1 else a.output.replace(f".{fmt}", f"-{i}.{fmt}")
+            subprocess.run(["dot", f"-T{fmt}", "-o", path], input=dot.encode(), check=True)
+            outs.append(path)
+        print("\n".join(outs))
+    else:
+        _write(text, a.output)
 
 
 def cmd_report(a, progress):
@@ -483,7 +507,11 @@ def parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     sub.add_parser("devices", help="list the device profiles").set_defaults(fn=cmd_devices)
-    sub.add_parser("patterns", help="list the pattern families").set_defaults(fn=cmd_patterns)
+    p = sub.add_parser("patterns", help="list the pattern families, or draw one's templates (--show NAME)")
+    p.add_argument("--show", default=None, metavar="NAME", help="draw the family's templates (Graphviz DOT; "
+                   "an -o FILE.svg or .png renders them with dot)")
+    p.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    p.set_defaults(fn=cmd_patterns)
     p = sub.add_parser("report", help="fuse a model and print what was fused, what was not and why")
     _model_args(p)
     p.add_argument("--format", default="text", choices=["text", "md", "json", "html"])

@@ -104,7 +104,7 @@ def _effective_scale(q, scale, scale_tensor):
 
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
-                              empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, **_):
+                              empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
@@ -130,7 +130,7 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     total = e.sum(-1, keepdim=True)
     p = e / torch.where(total == 0, 1.0, total)
     p = torch.where(total == 0, 0.0 if empty_rows == "zero" else float("nan"), p)
-    out = (p.to(q.dtype).float() @ v.float()).to(q.dtype)
+    out = _in_order((p.to(q.dtype).float() @ v.float()).to(q.dtype), out_order)
     return out, (p.to(q.dtype) if return_probs else q.new_empty((0,)))
 
 

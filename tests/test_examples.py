@@ -60,3 +60,12 @@ def test_tensor_parallel_under_torchrun():
     assert out.count("fused  matmul_all_reduce") == 2, out
     m = re.search(r"fused (\S+), unfused tensor-parallel (\S+)", out)
     assert float(m.group(1)) <= 2 * float(m.group(2)) + 1e-6
+
+
+def test_moe(monkeypatch, capsys):
+    out = _run("moe.py", ["--layers", "1", "--hidden", "32", "--intermediate", "48", "--tokens", "16"], monkeypatch,
+               capsys)
+    assert "3 fused, 0 not fused" in out, out          # attention, the router, the experts block
+    assert float(re.search(r"max \|fused - eager\| logits = (\S+)", out).group(1)) < 1e-4
+    m = re.search(r"simulated MoE blocks on ascend910: ([\d,]+) -> ([\d,]+) cycles", out)
+    assert int(m.group(2).replace(",", "")) < int(m.group(1).replace(",", ""))
