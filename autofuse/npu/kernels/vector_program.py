@@ -1,0 +1,368 @@
+"""``vector_program``: one generated Vector kernel for any :class:`cost_model.program.Program`.
+
+    npu.run("vector_program", x, w, program=prog)            # prog: a Program, its JSON or its dict
+    npu.run("vector_program", x, w, program=prog, tiling={"rows": 8})                # whole rows
+    npu.run("vector_program", x, w, program=prog, tiling={"rows": 4, "chunk": 2048})  # columns in chunks
+
+The program is lowered (:func:`cost_model.program.lower`) to a tile schedule: which input columns each
+tile loads, the Vector operations per tile, the UB registers they use. This kernel executes that schedule
+on the simulated chip and counts what it costs; the passes each elementwise op takes are the elementwise
+kernel's (``autofuse.npu.kernels.vector.OPS``).
+
+Schedule:
+
+1. The lead dims are coalesced (:func:`cost_model.program.geometry`); rows are cut into blocks of ``R``
+   within the innermost group. Tasks (block, outer index) are dealt in even contiguous shares to the vector
+   cores, which run in lockstep; RoPE-like inputs broadcast over an outer dim (cos over the heads) make
+   the walk block-major, so a core keeps their tile across the outer dim.
+2. Per task (double-buffered: MTE2 loads task i+1 while the Vector unit works on task i and MTE3 stores
+   task i-1): each input view whose region changed is loaded (a weight or scalar once per core, RoPE's cos
+   once per block); narrow (fp16/bf16) values are cast to fp32 once; one Vector instruction per program op
+   (its passes as the elementwise kernel counts them; a pass sweeps the tile, or goes row by row when an
+   operand is broadcast along the columns or is a column block of a wider register); values depending only
+   on inputs that were not reloaded are not recomputed; a reduction is a per-row reduce and a Brcb; each
+   output is cast into a double-buffered output tile (or written there by the op computing it) and stored.
+3. A row that does not fit UB is walked in column chunks (``tiling["chunk"]``): one pass over the chunks
+   per reduction level, the last pass storing the outputs; pass 1 accumulates the reductions chunk by
+   chunk (the first chunk into the accumulator, the others through a partial and a merge), the per-row
+   values after them are computed once, pass 2 walks the chunks backwards (the chunk pass 1 ended on is
+   still in UB) recomputing what it needs from the reloaded inputs.
+
+Numerics: as :mod:`cost_model.program` specifies (fp32 arithmetic, rounding at casts and outputs).
+
+``tiling``: ``{"rows": R, "chunk": C}``; ``None`` picks the largest whole-row tile that fits UB, capped so
+each core has about four tiles, or, when no whole row fits, chunks of the most columns that fit.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autofuse.npu.dtypes import STORAGE
+from autofuse.npu.kernels.tiles import (active_mask, ceil_div, extents, largest, lockstep, pipeline, rnd,
+                                        split_blocks, ub_need)
+from autofuse.npu.kernels.vector import OPS
+from autofuse.npu.machine import CapacityError, GMTensor, SimulatorError
+from autofuse.npu.run import kernel
+from cost_model.program import F32, STAT, ProgramError, as_program, geometry, lower, sweep
+
+F32_LANES = 64                       # fp32 values per repeat; the chunk width is a multiple of it
+_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
+           "minimum": np.minimum, "pow": np.power, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
+           "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_and": np.logical_and,
+           "logical_or": np.logical_or}
+_REDUCE = {"sum": np.sum, "mean": np.sum, "max": np.max, "min": np.min}
+_MERGE = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def temps(op: str) -> int:
+    """fp32 work registers elementwise op ``op`` needs (the elementwise kernel's figure)."""
+    return OPS[op].temps if op in OPS else 0
+
+
+def passes(op) -> tuple:
+    """The Vector passes of a lowered op, by name."""
+    k = op.kind
+    if k == "ew":
+        return OPS[op.op].passes(op.scalar, op.scalar is not None)
+    if k == "reduce":
+        return (f"reduce {op.op}",)
+    if k == "merge":
+        return (f"{op.op} acc",)
+    if k == "mean":
+        return ("muls 1/count",)
+    if k == "gather":
+        return (f"gather {op.op}",)
+    if k == "copy":
+        return ("copy cat part",)
+    if k == "out":
+        return (f"{op.op} out",)
+    return (k,)
+
+
+def check_inputs(prog, inputs):
+    """The tensors match the program's inputs (shapes and dtypes)."""
+    if len(inputs) != len(prog.inputs):
+        raise ProgramError(f"vector_program: {len(inputs)} tensors for a program of {len(prog.inputs)} inputs")
+    for k, (t, spec) in enumerate(zip(inputs, prog.inputs)):
+        if t is None or tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
+            got = "None" if t is None else f"{list(t.shape)} {t.dtype}"
+            raise ProgramError(f"vector_program: input {k} is {got}; the program declares "
+                               f"{list(spec.shape)} {spec.dtype}")
+
+
+def default_tiling(dev, prog, per_core_rows: int) -> dict:
+    """Whole rows when one fits UB: the most rows that fit, capped so each core has about four tiles of at
+    least 4096 values; else column chunks of the most columns (a multiple of 64) that fit one row."""
+    whole = lower(prog, False, temps)
+    W = whole.width
+    fits = lambda low, r, c=None: ub_need(dev, low.ub_specs(r, c)) <= dev.buffers["UB"]   # noqa: E731
+    inner = geometry(prog).inner
+    if fits(whole, 1):
+        rmax = largest(lambda r: fits(whole, r), 1, min(inner, max(per_core_rows, 1)))
+        target = max(per_core_rows * W // 4, 4096)
+        return {"rows": int(max(1, min(rmax, target // max(W, 1))))}
+    chunked = lower(prog, True, temps)
+    k = largest(lambda k: fits(chunked, 1, k * F32_LANES), 1, ceil_div(W, F32_LANES))
+    if k < 1:
+        raise CapacityError(f"vector_program: not even one row chunk of {F32_LANES} columns fits UB "
+                            f"({dev.buffers['UB']:,} B) on {dev.name}")
+    C = k * F32_LANES
+    rmax = largest(lambda r: fits(chunked, r, C), 1, min(inner, max(per_core_rows, 1)))
+    return {"rows": int(rmax), "chunk": int(C)}
+
+
+def _gm_view(t: GMTensor, shape, name):
+    """A GM tensor viewed with the coalesced shape (a copy when its strides do not allow a view)."""
+    shape = tuple(int(s) for s in shape)
+    if tuple(t.shape) == shape:
+        return t
+    v = GMTensor(t.data.reshape(shape), t.dtype, name, t.scratch)
+    return v
+
+
+@kernel("vector_program")
+def vector_program(launch, *inputs, program=None, tiling=None):
+    """Run ``program`` over ``inputs``; returns one tensor per program output (see the module docstring)."""
+    prog = as_program(program)
+    check_inputs(prog, inputs)
+    dev = launch.device
+    outs = []
+    for j, (o, shape) in enumerate(zip(prog.outputs, prog.output_shapes())):
+        outs.append(launch.empty(shape, o.dtype, f"out{j}") if o.dtype != "bool"
+                    else GMTensor(np.zeros(shape, dtype=STORAGE["bool"]), "bool", f"out{j}"))
+    if prog.rows == 0 or any(math.prod(s) == 0 for s in prog.output_shapes()):
+        return tuple(outs)
+    geo = geometry(prog)
+    tasks1 = geo.tasks(1)
+    n0 = min(dev.vector_cores, tasks1)
+    t = dict(tiling) if tiling else default_tiling(dev, prog, ceil_div(prog.rows, n0))
+    R = max(1, min(int(t.get("rows", 1)), geo.inner))
+    whole = lower(prog, False, temps)
+    C = t.get("chunk")
+    chunked = C is not None and int(C) < whole.width
+    low = lower(prog, True, temps) if chunked else whole
+    C = int(C) if chunked else None
+    _Run(launch, prog, low, geo, inputs, outs, R, C).run()
+    return tuple(outs)
+
+
+class _Run:
+    """One launch of a lowered program: tiles, regions, the task stream."""
+
+    def __init__(self, launch, prog, low, geo, inputs, outs, R, C):
+        self.launch, self.prog, self.low, self.geo, self.R, self.C = launch, prog, low, geo, R, C
+        dev = launch.device
+        T = geo.tasks(R)
+        self.n = n = min(dev.vector_cores, T)
+        g = self.g = launch.group("aiv", n)
+        specs = low.ub_specs(R, C)
+        self.tiles = [g.alloc("UB", shape, dt, f"r{i}") for i, (shape, dt) in enumerate(specs)]
+        groups = geo.groups
+        self.gin = []
+        for k, w in enumerate(low.views):
+            var = geo.var[w.input]
+            shape = [gs if v else 1 for gs, v in zip(groups, var)] + [inputs[w.input].shape[-1] if
+                                                                       prog.inputs[w.input].shape else 1]
+            self.gin.append(_gm_view(inputs[w.input], shape, f"in{w.input}"))
+        self.gout = [_gm_view(o, list(groups) + [o.shape[-1]], o.name) for o in outs]
+        self.W = low.width
+        self.chunks = [(c0, min(C, self.W - c0)) for c0 in range(0, self.W, C)] if C else [(0, self.W)]
+        self.held = [[None] * n for _ in low.views]
+        self.slot = [0] * len(low.views)
+        self.out_slot = [0] * len(prog.outputs)
+        # contiguous even shares of the task list, one per core
+        self.per_core = [list(range(s, s + e)) for blocks in split_blocks(T, n, max(T, 1)) for s, e in blocks]
+        self.outer_shape = groups[:-1]
+
+    # ------------------------------------------------------------------ regions
+    def _item(self, t):
+        if t is None:
+            return None
+        j, o = self.geo.task(t, self.R)
+        r0 = j * self.R
+        oi = tuple(int(i) for i in np.unravel_index(o, self.outer_shape)) if self.outer_shape else ()
+        return (oi, r0, min(self.R, self.geo.inner - r0))
+
+    def _region(self, k, it, chunk):
+        w = self.low.views[k]
+        var = self.geo.var[w.input]
+        oi, r0, rr = it
+        c0, cw = chunk
+        idx = tuple(oi[g] if var[g] else 0 for g in range(len(oi)))
+        rows = slice(r0, r0 + rr) if var[-1] else slice(0, 1)
+        cols = slice(w.offset + c0, w.offset + c0 + cw) if w.width > 1 else slice(0, 1)
+        return idx + (rows, cols)
+
+    def _out_region(self, j, it, chunk, width):
+        oi, r0, rr = it
+        c0, cw = chunk
+        return tuple(oi) + (slice(r0, r0 + rr), slice(c0, c0 + cw) if width > 1 else slice(0, 1))
+
+    # ------------------------------------------------------------------ the task stream
+    def run(self):
+        low = self.low
+        seq = []
+        for step in lockstep(self.per_core):
+            items = [self._item(t) for t in step]
+            for q, ps in enumerate(low.passes):
+                order = range(len(self.chunks)) if q % 2 == 0 else reversed(range(len(self.chunks)))
+                order = list(order)
+                for i, c in enumerate(order):
+                    seq.append((items, ps, c, i == 0, i == len(order) - 1))
+        with np.errstate(all="ignore"):
+            pipeline(((lambda s=s: self.load(*s)), self.work) for s in seq)
+
+    def load(self, items, ps, c, first, last):
+        """MTE2: every view of this pass whose region changed on some core; returns the work's context."""
+        g = self.g
+        act = active_mask(items)
+        chunk = self.chunks[c]
+        fresh, cur = set(), {}
+        for k in ps.loads:
+            regs = [None if it is None else self._region(k, it, chunk) for it in items]
+            if any(r is not None and r != h for r, h in zip(regs, self.held[k])):
+                a, b = self.low.in_regs[k]
+                if a != b:
+                    self.slot[k] ^= 1
+                g.load(self.tiles[self.low.in_regs[k][self.slot[k]]], self.gin[k], regs, active=act,
+                       name=f"load v{k}")
+                self.held[k] = [h if r is None else r for r, h in zip(regs, self.held[k])]
+                fresh.add(k)
+            cur[k] = self.tiles[self.low.in_regs[k][self.slot[k]]]
+        return items, act, ps, c, first, last, fresh, cur
+
+    def work(self, h):
+        items, act, ps, c, first, last, fresh, cur = h
+        g = self.g
+        re = extents(items, lambda it: it[2])
+        cw = self.chunks[c][1]
+        for op in ps.ops:
+            if op.slow and not fresh.intersection(op.views):
+                continue
+            if op.kind == "merge" and first:
+                continue
+            self._op(op, re, cw, act, cur, first)
+        for st in ps.stores:
+            self._store(st, items, act, c)
+        if last:
+            for op in ps.end:
+                self._op(op, re, cw, act, cur, first)
+            for st in ps.end_stores:
+                self._store(st, items, act, c)
+
+    def _store(self, st, items, act, c):
+        j = st.output
+        tile = self.tiles[self.low.out_regs[j][self.out_slot[j]]]
+        self.out_slot[j] ^= 1
+        regs = [None if it is None else self._out_region(j, it, self.chunks[c], st.width) for it in items]
+        self.g.store(tile, self.gout[j], regs, active=act, name=f"store out{j}")
+
+    # ------------------------------------------------------------------ one Vector op
+    def _tile(self, reg, cur):
+        if isinstance(reg, tuple):
+            if reg[0] == "in":
+                return cur[reg[1]]
+            return self.tiles[self.low.out_regs[reg[1]][self.out_slot[reg[1]]]]
+        return self.tiles[reg]
+
+    def _op(self, op, re, cw, act, cur, first):
+        g = self.g
+        dst_reg = op.aux if op.kind in ("reduce", "brcb") and op.aux is not None and not first else op.dst
+        dst = self._tile(dst_reg, cur)
+        srcs = [None if s.imm is not None else self._tile(s.reg, cur) for s in op.srcs]
+        if op.kind == "brcb" and op.aux is not None and not first:
+            srcs = [dst]
+        temps_ = [self.tiles[t] for t in op.temps]
+        geom = sweep(op, re, cw if self.C else None)
+        if geom[0] == "brcb":
+            reps = ceil_div(geom[1], 8)
+        elif geom[0] == "flat":
+            reps = g.repeats(geom[1], op.lanes)
+        else:
+            reps = g.row_repeats(geom[1], geom[2], op.lanes)
+        width = op.width if (self.C is None or op.width == 1) else cw
+        compute = self._compute(op, dst, srcs, width, cw)
+        names = passes(op)
+        reads = tuple(t for t in srcs if t is not None) + tuple(temps_)
+        for i, name in enumerate(names):
+            lastp = i == len(names) - 1
+            g.vector(name, (dst,) if lastp or not temps_ else (temps_[0],), reads, reps, active=act,
+                     compute=compute if lastp else None)
+
+    def _compute(self, op, dst, srcs, width, cw):
+        """The numerics of ``op`` (fp32, as the program specifies), run when its last pass issues."""
+        kind = op.kind
+
+        def arr(i):
+            s, t = op.srcs[i], srcs[i]
+            if s.imm is not None:
+                return np.float32(s.imm)
+            d = t.data
+            if s.width == 1:
+                return d[:, :, :1]
+            return d[:, :, s.col:s.col + (s.width if self.C is None else cw)]
+
+        def put(x, col=0, w=None):
+            w = width if w is None else w
+            dd = dst.data
+            if dst.shape[-1] == STAT and op.width == 1:
+                view = dd
+                x = np.asarray(x)[..., :1] if np.ndim(x) == 3 else x
+            else:
+                view = dd[:, :, col:col + w]
+            if dd.dtype == np.bool_:
+                np.copyto(view, np.broadcast_to(np.asarray(x) != 0, view.shape))
+            else:
+                np.copyto(view, np.broadcast_to(x, view.shape), casting="unsafe")
+
+        if kind in ("cast_in", "brcb"):
+            return lambda: put(np.asarray(arr(0), dtype=np.float32))
+        if kind == "cast":
+            return lambda: put(_convert(arr(0), op.dtype))
+        if kind == "out":
+            return lambda: put(_convert(arr(0), op.dtype))
+        if kind == "reduce":
+            fn = _REDUCE[op.op]
+            return lambda: put(fn(arr(0), axis=2, keepdims=True).astype(np.float32))
+        if kind == "merge":
+            fn = _MERGE[op.op]
+            return lambda: put(fn(arr(0), arr(1)))
+        if kind == "mean":
+            return lambda: put(arr(0) * np.float32(1.0 / op.count))
+        if kind == "copy":
+            return lambda: put(arr(0), op.col, op.width)
+        if kind == "gather":
+            if op.op == "slice":
+                start, step = op.aux
+                return lambda: put(arr(0)[:, :, start::step][:, :, :op.width])
+
+            def interleave():
+                a, b = arr(0), arr(1)
+                out = np.empty(a.shape[:2] + (op.width,), dtype=np.float32)
+                out[:, :, 0::2], out[:, :, 1::2] = a, b
+                put(out)
+            return interleave
+        ins = self.prog.instrs[op.value - len(self.prog.inputs)]
+        return lambda: put(_evaluate(ins.op, [arr(i) for i in range(len(op.srcs))]))
+
+
+def _convert(x, dtype):
+    if dtype == "bool":
+        return np.asarray(x) != 0
+    return rnd(np.asarray(x, dtype=np.float32), dtype)
+
+
+def _evaluate(op, args):
+    """One program instruction on fp32 (and bool) operands."""
+    if op == "where":
+        return np.where(args[0], args[1], args[2]).astype(np.float32)
+    if op in _BINARY:
+        return _BINARY[op](*args)
+    if op == "logical_not":
+        return np.logical_not(args[0])
+    return OPS[op].fn(args[0])
+
+
+__all__ = ["vector_program", "default_tiling", "passes", "temps"]
