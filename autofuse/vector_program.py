@@ -92,9 +92,7 @@ def _eval(ins: Instr, args):
         return torch.logical_not(args[0])
     if op in _UNARY_TORCH:
         return _UNARY_TORCH[op](_f32(args[0]))
-    a, b = (_f32(x) for x in args)
-    if not isinstance(a, torch.Tensor):                      # an immediate on the left
-        a = torch.tensor(a, dtype=torch.float32)
+    a, b = (_f32(x) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32) for x in args)
     return _BINARY_TORCH[op](a, b)
 
 

@@ -414,6 +414,28 @@ class Geometry:
     def tasks(self, R: int) -> int:
         return self.blocks(R) * self.outer
 
+    def shares(self, R: int, cores: int) -> list:
+        """Each core's contiguous share of the task list, ``[(first task, count)]`` (cores with none left out).
+
+        Even shares; block-major walks keep a whole block's outer sweep on one core (shares in multiples of
+        ``outer``) when that costs at most 1/8 more tasks on the busiest core, so that every core starts a
+        new block in the same step and reloads the block's inputs together.
+        """
+        T = self.tasks(R)
+        n = min(cores, T)
+        align = 1
+        if self.block_major and n > 1 and -(-self.blocks(R) // n) * self.outer * 8 <= -(-T // n) * 9:
+            align = self.outer
+        units = -(-T // align)
+        n = min(n, units)
+        base, rem = divmod(units, n)
+        out, start = [], 0
+        for c in range(n):
+            size = min(T - start, (base + (c < rem)) * align)
+            out.append((start, size))
+            start += size
+        return [s for s in out if s[1] > 0]
+
     def task(self, t, R: int):
         """(block j, outer index o) of task number(s) ``t``."""
         if self.block_major:
@@ -639,9 +661,10 @@ class _Lowering:
         self.vals = p.values
         self.nin = len(p.inputs)
         self.geo = geometry(p)
+        self.args_of = [[] for _ in p.inputs] + [[a for a in ins.args if _is_ref(a)] for ins in p.instrs]
 
     def _args(self, v):
-        return [a for a in self.p.instrs[v - self.nin].args if _is_ref(a)] if v >= self.nin else []
+        return self.args_of[v]
 
     def _ins(self, v):
         return self.p.instrs[v - self.nin] if v >= self.nin else None
@@ -656,7 +679,10 @@ class _Lowering:
             if v not in need:
                 need.add(v)
                 stack += self._args(v)
-        users = {v: [u for u in sorted(need) if v in self._args(u)] for v in need}
+        users = {v: [] for v in need}
+        for u in sorted(need):
+            for a in dict.fromkeys(self._args(u)):
+                users[a].append(u)
         self.need = need
         self.out_of = {}
         for j, o in enumerate(p.outputs):
@@ -1045,3 +1071,79 @@ def _ew_name(ins: Instr, srcs):
     if op in COMPARE:
         return _FLIP[op], s
     return {"sub": "rsub", "div": "rdiv", "pow": "pow"}[op], (s if op != "pow" else None)
+
+
+# ------------------------------------------------------------------------------------------ random programs
+def random_program(seed: int, lead=(64,), width: int = 256, dtype: str = "float16", n_ops: int = 8,
+                   reductions: int = 1, extras=("weight", "row", "scalar", "mask", "second"),
+                   shuffles: bool = False) -> Program:
+    """A random, numerically tame program (for property tests and the cost-model sweep).
+
+    Inputs: ``x`` (full, ``dtype``) and, from ``extras``, a per-col weight, a per-row value, a scalar, a bool
+    mask and a second full input. Ops that could overflow or leave their domain are guarded (``exp(tanh
+    x)``, ``log(|x| + 1)``, ``a / (|b| + 1)``), so values stay within a few units whatever the inputs.
+    ``reductions`` reductions (random kinds) are broadcast back; ``shuffles`` adds a half rotation
+    (slice, neg, cat) or an interleave. Outputs: the last value, and a per-row value when there is one.
+    """
+    import random
+    rnd = random.Random(seed)
+    b = Builder(lead)
+    x = b.input(dtype, tuple(lead) + (width,))
+    full = [x]
+    rowv, colv = [], []
+    if "weight" in extras:
+        colv.append(b.input(rnd.choice(["float16", "float32", dtype]), (width,)))
+    if "row" in extras:
+        rowv.append(b.input(rnd.choice(["float32", dtype]), tuple(lead) + (1,)))
+    if "scalar" in extras:
+        rowv.append(b.input("float32", (1,)))
+    mask = b.input("bool", tuple(lead) + (width,)) if "mask" in extras else None
+    if "second" in extras:
+        full.append(b.input(rnd.choice(["float16", "bfloat16", "float32"]), tuple(lead) + (width,)))
+    unary = ["neg", "abs", "relu", "tanh", "sigmoid", "sin", "cos", "silu", "gelu", "gelu_tanh", "square"]
+    binary = ["add", "sub", "mul", "maximum", "minimum"]
+    red_at = sorted(rnd.sample(range(1, n_ops + 1), min(reductions, n_ops)))
+    cur = x
+    for i in range(n_ops):
+        if i + 1 in red_at:
+            r = b.reduce(cur, kind=rnd.choice(["sum", "mean", "max", "min"]))
+            r = b.tanh(b.mul(r, 1.0 / width))                  # a tame per-row value
+            rowv.append(r)
+            cur = b.op(rnd.choice(["mul", "sub", "add"]), cur, r)
+            continue
+        k = rnd.random()
+        if k < 0.3:
+            op = rnd.choice(unary)
+            cur = b.op(op, cur)
+            if op == "square":
+                cur = b.tanh(cur)
+        elif k < 0.6:
+            other = rnd.choice(full + colv + rowv + [1.5, -0.25])
+            cur = b.op(rnd.choice(binary), cur, other)
+        elif k < 0.7:
+            cur = b.exp(b.tanh(cur))
+        elif k < 0.75:
+            cur = b.div(cur, b.add(b.abs(rnd.choice(full + colv)), 1.0))
+        elif k < 0.8:
+            cur = b.log(b.add(b.abs(cur), 1.0))
+        elif k < 0.85:
+            cur = b.rsqrt(b.add(b.abs(cur), 0.5))
+        elif k < 0.9 and mask is not None:
+            cur = b.where(mask, cur, rnd.choice([0.0, b.neg(cur)]))
+        elif k < 0.95:
+            cur = b.where(b.gt(cur, rnd.choice(full + [0.1])), cur, b.mul(cur, 0.5))
+        else:
+            cur = b.cast(b.cast(cur, dtype=rnd.choice(["float16", "bfloat16"])), dtype="float32")
+        full.append(cur)
+    if shuffles and width % 2 == 0:
+        h = width // 2
+        if rnd.random() < 0.5:
+            rot = b.cat(b.neg(b.slice(cur, start=h, stop=width)), b.slice(cur, start=0, stop=h))
+        else:
+            rot = b.interleave(b.neg(b.slice(cur, start=1, stop=width, step=2)),
+                               b.slice(cur, start=0, stop=width, step=2))
+        cur = b.add(cur, b.mul(rot, 0.5))
+    b.output(cur, rnd.choice(["float16", "bfloat16", "float32"]))
+    if rowv and reductions:
+        b.output(rowv[-1], "float32")
+    return b.build()

@@ -41,7 +41,7 @@ import numpy as np
 
 from autofuse.npu.dtypes import STORAGE
 from autofuse.npu.kernels.tiles import (active_mask, ceil_div, extents, largest, lockstep, pipeline, rnd,
-                                        split_blocks, ub_need)
+                                        ub_need)
 from autofuse.npu.kernels.vector import OPS
 from autofuse.npu.machine import CapacityError, GMTensor, SimulatorError
 from autofuse.npu.run import kernel
@@ -94,7 +94,8 @@ def check_inputs(prog, inputs):
 
 def default_tiling(dev, prog, per_core_rows: int) -> dict:
     """Whole rows when one fits UB: the most rows that fit, capped so each core has about four tiles of at
-    least 4096 values; else column chunks of the most columns (a multiple of 64) that fit one row."""
+    least 4096 values; else the fewest even column chunks (multiples of 64) of which one row fits, and the
+    most rows that fit with them."""
     whole = lower(prog, False, temps)
     W = whole.width
     fits = lambda low, r, c=None: ub_need(dev, low.ub_specs(r, c)) <= dev.buffers["UB"]   # noqa: E731
@@ -108,9 +109,15 @@ def default_tiling(dev, prog, per_core_rows: int) -> dict:
     if k < 1:
         raise CapacityError(f"vector_program: not even one row chunk of {F32_LANES} columns fits UB "
                             f"({dev.buffers['UB']:,} B) on {dev.name}")
-    C = k * F32_LANES
+    C = balanced_chunk(W, k * F32_LANES)
     rmax = largest(lambda r: fits(chunked, r, C), 1, min(inner, max(per_core_rows, 1)))
     return {"rows": int(rmax), "chunk": int(C)}
+
+
+def balanced_chunk(width: int, most: int) -> int:
+    """Chunks of at most ``most`` columns, as even as multiples of 64 allow (no sliver of a last chunk)."""
+    n = ceil_div(width, most)
+    return min(most, ceil_div(ceil_div(width, n), F32_LANES) * F32_LANES)
 
 
 def _gm_view(t: GMTensor, shape, name):
@@ -154,8 +161,8 @@ class _Run:
     def __init__(self, launch, prog, low, geo, inputs, outs, R, C):
         self.launch, self.prog, self.low, self.geo, self.R, self.C = launch, prog, low, geo, R, C
         dev = launch.device
-        T = geo.tasks(R)
-        self.n = n = min(dev.vector_cores, T)
+        shares = geo.shares(R, dev.vector_cores)
+        self.n = n = len(shares)
         g = self.g = launch.group("aiv", n)
         specs = low.ub_specs(R, C)
         self.tiles = [g.alloc("UB", shape, dt, f"r{i}") for i, (shape, dt) in enumerate(specs)]
@@ -172,8 +179,7 @@ class _Run:
         self.held = [[None] * n for _ in low.views]
         self.slot = [0] * len(low.views)
         self.out_slot = [0] * len(prog.outputs)
-        # contiguous even shares of the task list, one per core
-        self.per_core = [list(range(s, s + e)) for blocks in split_blocks(T, n, max(T, 1)) for s, e in blocks]
+        self.per_core = [list(range(s, s + e)) for s, e in shares]
         self.outer_shape = groups[:-1]
 
     # ------------------------------------------------------------------ regions
