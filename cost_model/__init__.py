@@ -17,6 +17,7 @@ from cost_model import vector as _vector  # noqa: F401,E402
 from cost_model import flash_attention as _flash_attention  # noqa: F401,E402
 from cost_model import movement as _movement  # noqa: F401,E402
 from cost_model import vector_program as _vector_program  # noqa: F401,E402
+from cost_model import matmul_epilogue as _matmul_epilogue  # noqa: F401,E402
 from cost_model.generic import generic_op  # noqa: E402
 
 __all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "generic_op", "get_device", "roofline"]

@@ -64,6 +64,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 FLOATS = ("float16", "bfloat16", "float32")
 DTYPES = FLOATS + ("bool",)
 F32 = "float32"
@@ -130,7 +132,7 @@ def _is_ref(a) -> bool:
     return isinstance(a, int) and not isinstance(a, bool)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Program:
     """A Vector program (see the module docstring). Construct with :class:`Builder` or :meth:`from_json`."""
 
@@ -143,6 +145,12 @@ class Program:
     def __post_init__(self):
         object.__setattr__(self, "lead", tuple(int(d) for d in self.lead))
         object.__setattr__(self, "_values", tuple(_infer(self)))
+
+    def __repr__(self):
+        ops = ",".join(i.op + (f":{i.kind}" if i.kind else "") for i in self.instrs)
+        if len(ops) > 48:
+            ops = ops[:45] + "..."
+        return f"Program(lead={list(self.lead)}, {len(self.instrs)} ops: {ops})"
 
     # ------------------------------------------------------------------ facts
     @property
@@ -472,7 +480,7 @@ def pitch(width: int, dtype: str = F32) -> int:
     """The row pitch of a UB register of ``width`` values: whole 32 B blocks, and at least 16 values per
     block row for the float types (the pitch the elementwise and norm kernels give their fp16/fp32 tiles)."""
     e = 32 if dtype == "bool" else 16
-    return -(-max(width, 1) // e) * e
+    return -(-np.maximum(width, 1) // e) * e
 
 
 @dataclass(frozen=True)
@@ -620,16 +628,16 @@ def pad(n, dtype) -> int:
 
 
 def sweep(op: VecOp, R, C=None):
-    """What one pass of ``op`` covers on a block of ``R`` rows (chunks of ``C`` columns): ``("flat",
-    elements)`` swept contiguously, ``("rows", rows, columns)`` row by row, or ``("brcb", rows)``."""
-    w = op.width if C is None or op.width == 1 else min(op.width, C)
+    """What one pass of ``op`` covers on a block of ``R`` rows (chunks of ``C`` columns; either may be a
+    per-core array): ``("flat", elements)`` swept contiguously, ``("rows", rows, columns)`` row by row, or
+    ``("brcb", rows)``."""
     rows = R if op.rows else 1
     if op.kind == "brcb":
         return ("brcb", rows)
-    if op.kind == "cast_in" and w == 1 and op.rows:
-        return ("flat", rows)                         # a per-row input: R contiguous values
-    if w == 1:
-        return ("flat", rows * STAT)                  # per-row registers, [rows, STAT]
+    if op.width == 1:
+        # a per-row input before its Brcb: R contiguous values; other per-row values: [rows, STAT]
+        return ("flat", rows if op.kind == "cast_in" and op.rows else rows * STAT)
+    w = op.width if C is None else np.minimum(op.width, C)
     if op.kind in ("reduce", "gather", "copy") or not op.dense:
         return ("rows", rows, w)
     return ("flat", rows * pitch(w, op.lanes if op.lanes == "bool" else F32))
@@ -1071,6 +1079,61 @@ def _ew_name(ins: Instr, srcs):
     if op in COMPARE:
         return _FLIP[op], s
     return {"sub": "rsub", "div": "rdiv", "pow": "pow"}[op], (s if op != "pow" else None)
+
+
+# ------------------------------------------------------------------------------------------ matmul epilogues
+def epilogue_plan(prog, M, N, dtype, temps=lambda op: 0):
+    """What the kernel needs to know of an epilogue program: its whole-row lowering, the offsets of the
+    column blocks (pieces) of the product it reads, its width, and whether tiles must span whole rows (a
+    reduction or a column shuffle)."""
+    p0 = prog.inputs[0] if prog.inputs else None
+    if p0 is None or p0.dtype not in ("float32", dtype) or tuple(p0.shape)[-1:] != (N,) or prog.rows != M:
+        raise ProgramError(f"matmul_epilogue: the program's input 0 must be the product, [{M} rows, {N}] of "
+                           f"float32 or {dtype}; it declares "
+                           f"{None if p0 is None else (list(p0.shape), p0.dtype)}")
+    low = lower(prog, False, temps)
+    geo = low.geometry
+    if len(geo.groups) != 1:
+        raise ProgramError("matmul_epilogue: every input must be full, per-row, per-col or scalar along the rows "
+                           "(no broadcast over some leading dims only)")
+    W = low.width
+    pieces = [w.offset for w in low.views if w.input == 0]
+    if any(w.width != W for w in low.views if w.input == 0) or not pieces:
+        raise ProgramError("matmul_epilogue: the program must read the product whole, or as column blocks as "
+                           "wide as its output")
+    ops = [op for ps in low.passes for op in ps.ops]
+    whole = any(op.kind in ("reduce", "gather", "copy") for op in ops) or \
+        any(s.col for op in ops for s in op.srcs)
+    return low, pieces, W, whole
+
+
+def epilogue_ub_specs(dev, prog, low, P, t) -> list:
+    """UB tiles: (coupled) the staging tiles of the product, then the program's registers for ``sub`` rows."""
+    n0 = min(t["n0"], low.width)
+    rows = -(-t["m0"] // t["sub"]) * t["sub"]          # whole sub-blocks
+    stage = [((rows, n0), prog.inputs[0].dtype)] * P if dev.arch == "coupled" else []
+    return stage + low.ub_specs(t["sub"], n0)
+
+
+def epilogue_fits(dev, prog, M, N, dtype, t, temps=lambda op: 0) -> bool:
+    """Whether tiling ``t`` of ``matmul_epilogue`` fits every buffer of ``dev``."""
+    low, pieces, W, whole = epilogue_plan(prog, M, N, dtype, temps)
+    P = len(pieces)
+    isz = _ITEMSIZE[dtype]
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    buf = dev.buffers
+    return (k1 % k0 == 0 and min(m0, n0, k0, k1, t["sub"]) > 0
+            and 2 * (m0 * k1 + P * k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
+            and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * P * k0 * n0 * isz <= buf["L0B"]
+            and P * m0 * n0 * 4 <= buf["L0C"] and (not whole or n0 >= W)
+            and _ub_need(dev, epilogue_ub_specs(dev, prog, low, P, t)) <= buf["UB"])
+
+
+def _ub_need(dev, specs) -> int:
+    used = 0
+    for shape, dt in specs:
+        used = -(-used // dev.align["UB"]) * dev.align["UB"] + math.prod(shape) * _ITEMSIZE[dt]
+    return used
 
 
 # ------------------------------------------------------------------------------------------ random programs

@@ -122,3 +122,4 @@ from autofuse.npu.kernels import norm as _norm  # noqa: E402,F401
 from autofuse.npu.kernels import flash_attention as _flash_attention  # noqa: E402,F401
 from autofuse.npu.kernels import movement as _movement  # noqa: E402,F401
 from autofuse.npu.kernels import vector_program as _vector_program  # noqa: E402,F401
+from autofuse.npu.kernels import matmul_epilogue as _matmul_epilogue  # noqa: E402,F401

@@ -151,129 +151,121 @@ def vector_program(launch, *inputs, program=None, tiling=None):
     chunked = C is not None and int(C) < whole.width
     low = lower(prog, True, temps) if chunked else whole
     C = int(C) if chunked else None
-    _Run(launch, prog, low, geo, inputs, outs, R, C).run()
+    shares = geo.shares(R, dev.vector_cores)
+    g = launch.group("aiv", len(shares))
+    gin = []
+    for w in low.views:
+        var = geo.var[w.input]
+        shape = [gs if v else 1 for gs, v in zip(geo.groups, var)] + [inputs[w.input].shape[-1]
+                                                                        if prog.inputs[w.input].shape else 1]
+        gin.append(_gm_view(inputs[w.input], shape, f"in{w.input}"))
+    gout = [_gm_view(o, list(geo.groups) + [o.shape[-1]], o.name) for o in outs]
+    tp = TileProgram(g, prog, low, gin, gout, R, C)
+    W = low.width
+    chunks = [(c0, min(C, W - c0)) for c0 in range(0, W, C)] if C else [(0, W)]
+    outer = geo.groups[:-1]
+
+    def item(t, chunk):
+        if t is None:
+            return None
+        j, o = geo.task(t, R)
+        r0 = j * R
+        oi = tuple(int(i) for i in np.unravel_index(o, outer)) if outer else ()
+        return (oi, r0, min(R, geo.inner - r0)) + chunk
+
+    seq = []
+    for step in lockstep([list(range(s, s + e)) for s, e in shares]):
+        for q, ps in enumerate(low.passes):
+            order = list(range(len(chunks))) if q % 2 == 0 else list(reversed(range(len(chunks))))
+            for i, c in enumerate(order):    # pass 2 backwards: the chunk pass 1 ended on is still in UB
+                seq.append(([item(t, chunks[c]) for t in step], ps, i == 0, i == len(order) - 1))
+    with np.errstate(all="ignore"):
+        pipeline(((lambda s=s: tp.load(*s)), tp.work) for s in seq)
     return tuple(outs)
 
 
-class _Run:
-    """One launch of a lowered program: tiles, regions, the task stream."""
+class TileProgram:
+    """A lowered program executed tile by tile on a group of cores (the ``vector_program`` kernel's tasks,
+    and the epilogue of ``matmul_epilogue``).
 
-    def __init__(self, launch, prog, low, geo, inputs, outs, R, C):
-        self.launch, self.prog, self.low, self.geo, self.R, self.C = launch, prog, low, geo, R, C
-        dev = launch.device
-        shares = geo.shares(R, dev.vector_cores)
-        self.n = n = len(shares)
-        g = self.g = launch.group("aiv", n)
-        specs = low.ub_specs(R, C)
-        self.tiles = [g.alloc("UB", shape, dt, f"r{i}") for i, (shape, dt) in enumerate(specs)]
-        groups = geo.groups
-        self.gin = []
-        for k, w in enumerate(low.views):
-            var = geo.var[w.input]
-            shape = [gs if v else 1 for gs, v in zip(groups, var)] + [inputs[w.input].shape[-1] if
-                                                                       prog.inputs[w.input].shape else 1]
-            self.gin.append(_gm_view(inputs[w.input], shape, f"in{w.input}"))
-        self.gout = [_gm_view(o, list(groups) + [o.shape[-1]], o.name) for o in outs]
-        self.W = low.width
-        self.chunks = [(c0, min(C, self.W - c0)) for c0 in range(0, self.W, C)] if C else [(0, self.W)]
-        self.held = [[None] * n for _ in low.views]
+    A tile is described per core by ``(outer index, first row, rows, first column, columns)`` in the GM views
+    ``gin`` (one per load view, coalesced as the geometry says) and ``gout``. ``provide`` maps a view number
+    to ``fn(tile, items, act) -> (tile, row)`` that puts the view's values in place itself, instead of a load
+    from GM: into the view's own tile (a matmul's product loaded from a workspace), or anywhere in UB (a
+    matmul tile staged whole; ``row``: where this block's rows start in it).
+    """
+
+    def __init__(self, g, prog, low, gin, gout, R, C, provide=None):
+        self.g, self.prog, self.low, self.gin, self.gout, self.R, self.C = g, prog, low, gin, gout, R, C
+        self.provide = provide or {}
+        self.tiles = [g.alloc("UB", shape, dt, f"r{i}") for i, (shape, dt) in enumerate(low.ub_specs(R, C))]
+        self.held = [[None] * g.n for _ in low.views]
         self.slot = [0] * len(low.views)
         self.out_slot = [0] * len(prog.outputs)
-        self.per_core = [list(range(s, s + e)) for s, e in shares]
-        self.outer_shape = groups[:-1]
 
-    # ------------------------------------------------------------------ regions
-    def _item(self, t):
-        if t is None:
-            return None
-        j, o = self.geo.task(t, self.R)
-        r0 = j * self.R
-        oi = tuple(int(i) for i in np.unravel_index(o, self.outer_shape)) if self.outer_shape else ()
-        return (oi, r0, min(self.R, self.geo.inner - r0))
-
-    def _region(self, k, it, chunk):
+    def _region(self, k, it):
         w = self.low.views[k]
-        var = self.geo.var[w.input]
-        oi, r0, rr = it
-        c0, cw = chunk
+        var = self.low.geometry.var[w.input]
+        oi, r0, rr, c0, cw = it
         idx = tuple(oi[g] if var[g] else 0 for g in range(len(oi)))
         rows = slice(r0, r0 + rr) if var[-1] else slice(0, 1)
         cols = slice(w.offset + c0, w.offset + c0 + cw) if w.width > 1 else slice(0, 1)
         return idx + (rows, cols)
 
-    def _out_region(self, j, it, chunk, width):
-        oi, r0, rr = it
-        c0, cw = chunk
-        return tuple(oi) + (slice(r0, r0 + rr), slice(c0, c0 + cw) if width > 1 else slice(0, 1))
-
-    # ------------------------------------------------------------------ the task stream
-    def run(self):
-        low = self.low
-        seq = []
-        for step in lockstep(self.per_core):
-            items = [self._item(t) for t in step]
-            for q, ps in enumerate(low.passes):
-                order = range(len(self.chunks)) if q % 2 == 0 else reversed(range(len(self.chunks)))
-                order = list(order)
-                for i, c in enumerate(order):
-                    seq.append((items, ps, c, i == 0, i == len(order) - 1))
-        with np.errstate(all="ignore"):
-            pipeline(((lambda s=s: self.load(*s)), self.work) for s in seq)
-
-    def load(self, items, ps, c, first, last):
-        """MTE2: every view of this pass whose region changed on some core; returns the work's context."""
-        g = self.g
+    def load(self, items, ps, first, last):
+        """MTE2: every view of this pass whose region changed on some core (a provided view: always);
+        returns the work's context."""
         act = active_mask(items)
-        chunk = self.chunks[c]
         fresh, cur = set(), {}
         for k in ps.loads:
-            regs = [None if it is None else self._region(k, it, chunk) for it in items]
+            if k in self.provide:            # (tile, first row of this tile's block in it)
+                cur[k] = self.provide[k](self.tiles[self.low.in_regs[k][self.slot[k]]], items, act)
+                fresh.add(k)
+                continue
+            regs = [None if it is None else self._region(k, it) for it in items]
             if any(r is not None and r != h for r, h in zip(regs, self.held[k])):
                 a, b = self.low.in_regs[k]
                 if a != b:
                     self.slot[k] ^= 1
-                g.load(self.tiles[self.low.in_regs[k][self.slot[k]]], self.gin[k], regs, active=act,
-                       name=f"load v{k}")
+                tile = self.tiles[self.low.in_regs[k][self.slot[k]]]
+                self.g.load(tile, self.gin[k], regs, active=act, name=f"load v{k}")
                 self.held[k] = [h if r is None else r for r, h in zip(regs, self.held[k])]
                 fresh.add(k)
-            cur[k] = self.tiles[self.low.in_regs[k][self.slot[k]]]
-        return items, act, ps, c, first, last, fresh, cur
+            cur[k] = (self.tiles[self.low.in_regs[k][self.slot[k]]], 0)
+        return items, act, ps, first, last, fresh, cur
 
     def work(self, h):
-        items, act, ps, c, first, last, fresh, cur = h
-        g = self.g
+        """The Vector ops of a tile and its stores (and, after a block's last chunk, the end ops)."""
+        items, act, ps, first, last, fresh, cur = h
         re = extents(items, lambda it: it[2])
-        cw = self.chunks[c][1]
-        for op in ps.ops:
+        cw = extents(items, lambda it: it[4])
+        cw_max = int(cw.max())
+        for op in ps.ops + (ps.end if last else ()):
             if op.slow and not fresh.intersection(op.views):
                 continue
             if op.kind == "merge" and first:
                 continue
-            self._op(op, re, cw, act, cur, first)
-        for st in ps.stores:
-            self._store(st, items, act, c)
-        if last:
-            for op in ps.end:
-                self._op(op, re, cw, act, cur, first)
-            for st in ps.end_stores:
-                self._store(st, items, act, c)
+            self._op(op, re, cw, cw_max, act, cur, first)
+        for st in ps.stores + (ps.end_stores if last else ()):
+            self._store(st, items, act)
 
-    def _store(self, st, items, act, c):
+    def _store(self, st, items, act):
         j = st.output
         tile = self.tiles[self.low.out_regs[j][self.out_slot[j]]]
         self.out_slot[j] ^= 1
-        regs = [None if it is None else self._out_region(j, it, self.chunks[c], st.width) for it in items]
+        regs = [None if it is None else tuple(it[0]) + (slice(it[1], it[1] + it[2]), slice(it[3], it[3] + it[4])
+                                                        if st.width > 1 else slice(0, 1)) for it in items]
         self.g.store(tile, self.gout[j], regs, active=act, name=f"store out{j}")
 
     # ------------------------------------------------------------------ one Vector op
     def _tile(self, reg, cur):
         if isinstance(reg, tuple):
             if reg[0] == "in":
-                return cur[reg[1]]
+                return cur[reg[1]][0]
             return self.tiles[self.low.out_regs[reg[1]][self.out_slot[reg[1]]]]
         return self.tiles[reg]
 
-    def _op(self, op, re, cw, act, cur, first):
+    def _op(self, op, re, cw, cw_max, act, cur, first):
         g = self.g
         dst_reg = op.aux if op.kind in ("reduce", "brcb") and op.aux is not None and not first else op.dst
         dst = self._tile(dst_reg, cur)
@@ -288,8 +280,9 @@ class _Run:
             reps = g.repeats(geom[1], op.lanes)
         else:
             reps = g.row_repeats(geom[1], geom[2], op.lanes)
-        width = op.width if (self.C is None or op.width == 1) else cw
-        compute = self._compute(op, dst, srcs, width, cw)
+        width = op.width if (self.C is None or op.width == 1) else cw_max
+        offs = [cur[s.reg[1]][1] if isinstance(s.reg, tuple) and s.reg[0] == "in" else 0 for s in op.srcs]
+        compute = self._compute(op, dst, srcs, width, cw_max, offs, int(re.max(initial=1)))
         names = passes(op)
         reads = tuple(t for t in srcs if t is not None) + tuple(temps_)
         for i, name in enumerate(names):
@@ -297,8 +290,9 @@ class _Run:
             g.vector(name, (dst,) if lastp or not temps_ else (temps_[0],), reads, reps, active=act,
                      compute=compute if lastp else None)
 
-    def _compute(self, op, dst, srcs, width, cw):
-        """The numerics of ``op`` (fp32, as the program specifies), run when its last pass issues."""
+    def _compute(self, op, dst, srcs, width, cw, offs, rows):
+        """The numerics of ``op`` (fp32, as the program specifies), run when its last pass issues. ``offs``:
+        per operand, the first row of this block in its tile (a provided view may hold a whole matmul tile)."""
         kind = op.kind
 
         def arr(i):
@@ -306,6 +300,8 @@ class _Run:
             if s.imm is not None:
                 return np.float32(s.imm)
             d = t.data
+            if offs[i] or (s.rows and d.shape[1] > self.R):
+                d = d[:, offs[i]:offs[i] + self.R]
             if s.width == 1:
                 return d[:, :, :1]
             return d[:, :, s.col:s.col + (s.width if self.C is None else cw)]
@@ -371,4 +367,4 @@ def _evaluate(op, args):
     return OPS[op].fn(args[0])
 
 
-__all__ = ["vector_program", "default_tiling", "passes", "temps"]
+__all__ = ["TileProgram", "vector_program", "default_tiling", "passes", "temps"]
