@@ -277,8 +277,48 @@ def _vector_program_cases(quick: bool):
     return out
 
 
+def epilogue(kind, M, N, dtype="float16", product="float16"):
+    """An epilogue program and its extra input specs: ``gelu``, ``swiglu`` (N = 2F), ``residual`` (scale by a
+    per-col fp32 vector, add a full fp16 residual), ``bias_silu_cast`` (bias, silu, fp32 out)."""
+    from cost_model.program import Builder
+    b = Builder((M,))
+    acc = b.input(product, (M, N))
+    if kind == "gelu":
+        b.output(b.gelu(acc), dtype)
+    elif kind == "swiglu":
+        F = N // 2
+        b.output(b.mul(b.silu(b.slice(acc, start=0, stop=F)), b.slice(acc, start=F, stop=N)), dtype)
+    elif kind == "residual":
+        r, s_ = b.input(dtype, (M, N)), b.input("float32", (N,))
+        b.output(b.add(b.mul(acc, s_), r), dtype)
+    else:
+        bias = b.input(dtype, (N,))
+        b.output(b.silu(b.add(acc, bias)), "float32")
+    p = b.build()
+    return p, [(tuple(x.shape), x.dtype) for x in p.inputs[1:]]
+
+
+def _epilogue_cases(quick: bool):
+    """matmul_epilogue: GELU, SwiGLU on a fused gate_up, residual add, bias+SiLU; fp16 and fp32 products."""
+    shapes = [(300, 128, 200, "gelu", "float16"), (513, 256, 768, "swiglu", "float16"),
+              (777, 64, 333, "residual", "float32")]
+    if not quick:
+        shapes += [(1024, 512, 1024, "gelu", "float16"), (2048, 1024, 2816, "swiglu", "float16"),
+                   (100, 4096, 4096, "residual", "float16"), (4096, 4096, 11008, "gelu", "float16"),
+                   (1000, 333, 777, "bias_silu_cast", "float32"), (17, 4096, 2 * 11008, "swiglu", "float16"),
+                   (2048, 2048, 2048, "gelu", "float32")]
+    out = []
+    for i, (M, K, N, kind, pdt) in enumerate(shapes):
+        p, extra = epilogue(kind, M, N, product=pdt)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("matmul_epilogue", [((M, K), "float16"), ((K, N), "float16")] + extra, d,
+                            {"program": p}))
+    return out
+
+
 BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
-            "flash_attention": _fa_cases, "vector_program": _vector_program_cases}
+            "flash_attention": _fa_cases, "vector_program": _vector_program_cases,
+            "matmul_epilogue": _epilogue_cases}
 
 
 def cases(quick: bool = False, kernels=None) -> list:

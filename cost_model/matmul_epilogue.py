@@ -29,6 +29,7 @@ from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.program import as_program, epilogue_fits, epilogue_plan
 from cost_model.vector_program import n_passes, repeats, temps
+from cost_model.vecutil import largest
 
 
 def _dims(specs, prog, trans_b):
@@ -127,38 +128,37 @@ def _epi(dev, prog, low, pieces, t):
     return hook
 
 
-def _price(dev, prog, M, N, K, dtype, bias_isz, t):
-    low, pieces, W, whole = epilogue_plan(prog, M, N, dtype, temps)
+def _price(dev, prog, M, N, K, dtype, bias_isz, t, plan=None):
+    low, pieces, W, whole = plan or epilogue_plan(prog, M, N, dtype, temps)
     P = len(pieces)
     tm = {"m0": t["m0"], "n0": t["n0"] * P, "k0": t["k0"], "k1": t["k1"]}
     return mm._model(dev, M, W * P, K, 1, False, False, dtype, prog.inputs[0].dtype, tm, bias_isz,
                      epi=_epi(dev, prog, low, pieces, t))
 
 
-def _adapt(dev, prog, M, N, K, dtype, t, P, W, whole):
+def _adapt(dev, prog, M, N, K, dtype, t, plan):
     """A plain matmul tile of the product as the epilogue needs it: n0 per piece (the whole row for a
     whole-row program), m0 halved while UB cannot stage it, the most sub-block rows that fit (<= 64)."""
+    low, pieces, W, whole = plan
+    P = len(pieces)
     t = {"m0": t["m0"], "n0": max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16,
          "k0": t["k0"], "k1": t["k1"], "sub": 1}
     while True:
         rows = t["m0"] if dev.arch == "coupled" else max(1, ceil_div(t["m0"], 2))
-        best = 0
-        for r in range(min(rows, 64), 0, -1):
-            if epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps):
-                best = r
-                break
-        if best:
+        ok = lambda r: epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan)   # noqa: E731
+        best = largest(ok, 1, min(rows, 64))
+        if best >= 1:
             return {**t, "sub": best}
         if t["m0"] <= 16:
             return None
         t["m0"] //= 2
-        t["k1"] = max(t["k0"], t["k1"])
 
 
 @cached
 def _search(device, prog, M, N, K, dtype, bias_isz):
     dev = get_device(device)
-    low, pieces, W, whole = epilogue_plan(prog, M, N, dtype, temps)
+    plan = epilogue_plan(prog, M, N, dtype, temps)
+    low, pieces, W, whole = plan
     P = len(pieces)
     pdt = prog.inputs[0].dtype
     plain = [mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
@@ -167,10 +167,10 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
     for t0 in plain:
         if t0 is None:
             continue
-        t = _adapt(dev, prog, M, N, K, dtype, t0, P, W, whole)
+        t = _adapt(dev, prog, M, N, K, dtype, t0, plan)
         if t is None:
             continue
-        res = _price(dev, prog, M, N, K, dtype, bias_isz, t)
+        res = _price(dev, prog, M, N, K, dtype, bias_isz, t, plan)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)

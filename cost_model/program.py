@@ -1115,9 +1115,10 @@ def epilogue_ub_specs(dev, prog, low, P, t) -> list:
     return stage + low.ub_specs(t["sub"], n0)
 
 
-def epilogue_fits(dev, prog, M, N, dtype, t, temps=lambda op: 0) -> bool:
-    """Whether tiling ``t`` of ``matmul_epilogue`` fits every buffer of ``dev``."""
-    low, pieces, W, whole = epilogue_plan(prog, M, N, dtype, temps)
+def epilogue_fits(dev, prog, M, N, dtype, t, temps=lambda op: 0, plan=None) -> bool:
+    """Whether tiling ``t`` of ``matmul_epilogue`` fits every buffer of ``dev`` (``plan``: the program's
+    :func:`epilogue_plan`, if already made)."""
+    low, pieces, W, whole = plan or epilogue_plan(prog, M, N, dtype, temps)
     P = len(pieces)
     isz = _ITEMSIZE[dtype]
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]

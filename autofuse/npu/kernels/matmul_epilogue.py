@@ -53,7 +53,8 @@ def default_tiling(dev, prog, M, N, K, dtype) -> dict:
     """The plain matmul's default tile for the columns the epilogue reads (``pieces`` blocks of ``n0``), as
     wide as the row for whole-row programs, made smaller while UB cannot stage it; the most sub-block rows
     that fit UB."""
-    low, pieces, W, whole = epilogue_plan(prog, M, N, dtype, temps)
+    plan = epilogue_plan(prog, M, N, dtype, temps)
+    low, pieces, W, whole = plan
     P = len(pieces)
     isz = itemsize(dtype)
     t = dict(mm_default_tiling(dev, M, W * P, K, 1, dtype, dtype))
@@ -65,8 +66,8 @@ def default_tiling(dev, prog, M, N, K, dtype) -> dict:
                         and 2 * P * k * n0 * isz <= dev.buffers["L0B"]), 16)
         t["k1"] = min(2 * t["k0"], -(-K // t["k0"]) * t["k0"])
         rows = m0 if dev.arch == "coupled" else max(1, -(-m0 // 2))
-        t["sub"] = max(1, largest(lambda r: fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps), 1, min(rows, 64)))
-        if fits(dev, prog, M, N, dtype, t, temps) or t["m0"] <= 16:
+        t["sub"] = max(1, largest(lambda r: fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan), 1, min(rows, 64)))
+        if fits(dev, prog, M, N, dtype, t, temps, plan) or t["m0"] <= 16:
             return t
         t["m0"] = max(16, t["m0"] // 2)
 
