@@ -19,5 +19,7 @@ from cost_model import movement as _movement  # noqa: F401,E402
 from cost_model import vector_program as _vector_program  # noqa: F401,E402
 from cost_model import matmul_epilogue as _matmul_epilogue  # noqa: F401,E402
 from cost_model.generic import generic_op  # noqa: E402
+from cost_model.alternatives import alternatives, epilogue_alternatives  # noqa: E402
 
-__all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "generic_op", "get_device", "roofline"]
+__all__ = ["DEVICES", "Device", "Estimate", "MODELS", "alternatives", "devices", "epilogue_alternatives", "estimate",
+           "generic_op", "get_device", "roofline"]
