@@ -194,8 +194,9 @@ class _Build:
     # the input side: a region node all of whose tensor inputs are outside, and that is a view, is an input
     def run(self) -> BuiltProgram:
         self.inputs: list = []
-        self.val: dict = {}                 # node -> V (or (V, squeezed) handled by self.squeezed)
-        self.squeezed: set = set()
+        self.val: dict = {}                 # node -> V
+        self.squeezed: set = set()          # reductions without keepdim
+        self.stacked: dict = {}             # stack(a, b, -1) nodes -> [a, b], until flattened
         ext = []
         for n in self.nodes:
             for a in n.all_input_nodes:
@@ -332,6 +333,12 @@ class _Build:
             return self.getitem(n)
         if t in (aten.split.Tensor, aten.split_with_sizes.default):
             return None                         # its getitems become slices
+        if t == aten.stack.default:            # stack(a, b, dim=-1) then flatten(-2): an interleave
+            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+            if len(n.args[0]) != 2 or dim % m.dim() != m.dim() - 1:
+                self.fail(n, "a stack other than of two values along a new last dim (then flattened)")
+            self.stacked[n] = [self.arg(n, a) for a in n.args[0]]
+            return None
         if t == aten.cat.default:
             dim = n.args[1] if len(n.args) > 1 else 0
             if dim % m.dim() != m.dim() - 1:
@@ -343,8 +350,12 @@ class _Build:
         """A view is the same value when it keeps the last dim and the rows (or only adds/drops size-1 dims
         of a broadcast value): the program's values are already broadcast over (*lead, width)."""
         src = n.args[0]
-        v = self.arg(n, src) if src not in self.squeezed else self.val[src]
         si, so = _meta(src), _meta(n)
+        if src in self.stacked:                # [..., w, 2] -> [..., 2w]: pairs
+            if tuple(so.shape) != tuple(si.shape[:-2]) + (2 * si.shape[-2],):
+                self.fail(n, "a view of a stack other than flattening its last two dims")
+            return self.b.interleave(*self.stacked[src])
+        v = self.arg(n, src) if src not in self.squeezed else self.val[src]
         if n.target in (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
                         aten.lift_fresh_copy.default):
             if src in self.squeezed:

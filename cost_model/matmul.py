@@ -199,7 +199,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     ``epi``: a tile epilogue replacing the plain write-out (``cost_model.matmul_epilogue``): called as
     ``epi(m_ext, n_ext, s, S, m_s, n_s)`` with the items' extents and steps, it returns the write-out's
     per-step arrays (``fix``, ``mte3``, ``PW`` its GM-port time, ``W`` its HBM bytes, ``vec`` the Vector
-    time of the step's epilogue, which overlaps the next step, ``drain`` of the last one) and ``bytes``.
+    time of the step's epilogue, which overlaps the next step, ``drain`` what follows the last product) and
+    ``bytes``.
     """
     isz, osz = itemsize(dtype), itemsize(out_dtype)
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
@@ -326,7 +327,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
                               for x in range(max(0, nk1 - 3), nk1))
     tail = after_loads(-1)
     # chains of dependent work; the launch lasts as long as the longest
-    chain_main = lead + main.sum() + tail + fix[-1] + (mte3[-1] if ep is None else ep["drain"])
+    chain_main = lead + main.sum() + tail + (fix[-1] + mte3[-1] if ep is None else ep["drain"])
     # the write-outs, back to back once the first tile is done
     first_done = lead + main[0] + after_loads(0)
     if ep is None:

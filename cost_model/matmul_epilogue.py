@@ -13,9 +13,9 @@ and multiplied as one wider tile would be). Its write-out is replaced by the epi
   half the tile's rows from it (L2 hits), runs the program and stores; the AIVs' stream for a tile
   overlaps the AIC's next tile. The workspace's last contents are written back to HBM at the end.
 
-Tilings are searched among the plain matmul's best and default tiles for that product, as the epilogue
-needs them (UB staging on coupled cores, whole rows for reductions and shuffles), and the most
-sub-block rows that fit UB.
+The tiling is the plain matmul's searched tile for that product (its default if the searched one cannot
+serve), as the epilogue needs it (UB staging on coupled cores, whole rows for reductions and shuffles),
+with the most sub-block rows that fit UB.
 """
 from __future__ import annotations
 
@@ -113,19 +113,36 @@ def _epi(dev, prog, low, pieces, t):
             # the AIVs: product in from L2, the program, outputs out
             ld = np.maximum(m_s / 2 * n_s * psz / rates["GM->UB"], ws / L2 + x_wave / HBM)
             step = np.maximum.reduce([v_s, ld + store])
-            cores = min(dev.cube_cores, len(s))
-            ws_back = float(min(S, 2) * cores * t["m0"] * t["n0"] * P * psz)
+            ws_back = _dirty_workspace(m_ext, cols, s, t, P, psz, min(dev.cube_cores, len(s)))
             nbytes = {"L0C->GM": float(prod_bytes.sum()), "GM->UB": float(prod_bytes.sum() + x_item.sum()),
                       "UB->GM": float(o_item.sum())}
         W = o_wave + x_wave
         W[-1] += ws_back
-        # the last tile's epilogue after its FixPipe: its Vector work, then its last sub-block's store
+        # after the last product: (coupled) the first piece's FixPipe, the epilogue's Vector work, its last
+        # sub-block's store; (split) the FixPipe to the workspace and the AIVs' stream
         last_rows = min(sub, int(rows_core.max()))
-        drain = v_s[-1] + float(out_bytes(last_rows, cols.max())) / rates["UB->GM"] if coupled else step[-1]
+        drain = fix[-1] / P + v_s[-1] + float(out_bytes(last_rows, cols.max())) / rates["UB->GM"] if coupled \
+            else fix[-1] + step[-1]
         return {"fix": fix, "mte3": store, "PW": PW, "W": W, "vec": step, "drain": drain,
                 "busy": {"vector": float(v_s.sum()), "mte3": float(store.sum())}, "bytes": nbytes}
 
     return hook
+
+
+def _dirty_workspace(m_ext, cols, s, t, P, psz, cores) -> float:
+    """Workspace bytes still dirty in L2 at the end, written back then: one copy of every distinct region the
+    AIC wrote (core, slot, sub-block of a half, piece; a region written again replaces its line)."""
+    half, sub = ceil_div(t["m0"], 2), t["sub"]
+    nb = ceil_div(half, sub)
+    blk = np.arange(2 * nb)
+    r0 = (blk // nb) * half + (blk % nb) * sub                            # [blocks]
+    lim = np.minimum(m_ext[:, None], (blk // nb + 1)[None, :] * half)       # [items, blocks]
+    rr = np.clip(lim - r0[None, :], 0, sub)
+    item = np.arange(len(m_ext))
+    keys = np.stack(np.broadcast_arrays((item % cores)[:, None], (s % 2)[:, None], blk[None, :], rr,
+                                        cols[:, None]), -1).reshape(-1, 5)
+    keys = np.unique(keys[keys[:, 3] > 0], axis=0)
+    return float((keys[:, 3] * keys[:, 4]).sum() * P * psz)
 
 
 def _price(dev, prog, M, N, K, dtype, bias_isz, t, plan=None):
@@ -161,12 +178,16 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
     low, pieces, W, whole = plan
     P = len(pieces)
     pdt = prog.inputs[0].dtype
-    plain = [mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
-             mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)]
+    def plain():                                 # the plain search's tile, or the default if it cannot serve
+        yield mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0]
+        yield mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)
+
     best = None
-    for t0 in plain:
+    for t0 in plain():
         if t0 is None:
             continue
+        if best is not None:
+            break
         t = _adapt(dev, prog, M, N, K, dtype, t0, plan)
         if t is None:
             continue

@@ -1109,10 +1109,9 @@ def epilogue_plan(prog, M, N, dtype, temps=lambda op: 0):
 
 def epilogue_ub_specs(dev, prog, low, P, t) -> list:
     """UB tiles: (coupled) the staging tiles of the product, then the program's registers for ``sub`` rows."""
-    n0 = min(t["n0"], low.width)
-    rows = -(-t["m0"] // t["sub"]) * t["sub"]          # whole sub-blocks
-    stage = [((rows, n0), prog.inputs[0].dtype)] * P if dev.arch == "coupled" else []
-    return stage + low.ub_specs(t["sub"], n0)
+    rows = -(-t["m0"] // t["sub"]) * t["sub"]          # whole sub-blocks of the L0C tile
+    stage = [((rows, t["n0"]), prog.inputs[0].dtype)] * P if dev.arch == "coupled" else []
+    return stage + low.ub_specs(t["sub"], min(t["n0"], low.width))
 
 
 def epilogue_fits(dev, prog, M, N, dtype, t, temps=lambda op: 0, plan=None) -> bool:

@@ -132,6 +132,38 @@ def _shared(keys, live, load, seen):
     return hit.reshape(S, n).T, miss.reshape(S, n).T, slow.reshape(S, n).T
 
 
+def _spread(a):
+    """Half of each task's amount moved to the task before it (the first task keeps its own): the same total."""
+    out = a.astype(float).copy()
+    out[:, 1:] *= 0.5
+    out[:, :-1] += a[:, 1:] * 0.5
+    return out
+
+
+def _op_repeats(ps, first, last, urows, cw, memo):
+    """Vector repeats of a pass position's ops per row count: (ops run every task, their instruction count,
+    {views: (repeats, instructions)} of the hoisted ones). Memoised: chunks of a pass share their ops."""
+    key = (id(ps), first, last, cw)
+    got = memo.get(key)
+    if got is None:
+        every = np.zeros(len(urows))
+        n_every = 0
+        groups = {}
+        for op in ps.ops + (ps.end if last else ()):
+            if op.kind == "merge" and first:
+                continue
+            k_ = n_passes(op) * np.broadcast_to(repeats(op, urows, cw), urows.shape)
+            if op.slow:
+                g = groups.setdefault(op.views, [np.zeros(len(urows)), 0])
+                g[0] = g[0] + k_
+                g[1] += n_passes(op)
+            else:
+                every = every + k_
+                n_every += n_passes(op)
+        got = memo[key] = (every, n_every, {v: (a, b) for v, (a, b) in groups.items()})
+    return got
+
+
 # ------------------------------------------------------------------------------------------ the model
 def _model(dev, prog, low, R, C):
     geo = low.geometry
@@ -167,6 +199,7 @@ def _model(dev, prog, low, R, C):
     sb, sport = np.zeros(shape), np.zeros(shape)
     hit_all = miss_all = 0.0
     seen = [set() for _ in views]
+    memo = {}
     for pi, (qi, ps, c, first, last) in enumerate(seq):
         cw = chunks[c][1]
         fresh = {}
@@ -190,6 +223,18 @@ def _model(dev, prog, low, R, C):
                 hit = load & (again and resident)
                 miss = load & ~hit
                 slow = miss
+            elif not w.rows and not any(geo.var[w.input]):
+                # one region per chunk for every core: its first load misses (core 0; the others wait for it)
+                tag = c if wide else nch
+                loaded = np.nonzero(f)[0]
+                miss = np.zeros((n, S), dtype=bool)
+                slow = np.zeros((n, S), dtype=bool)
+                if tag not in seen[k] and loaded.size:
+                    s0 = loaded[0]
+                    miss[0, s0] = True
+                    slow[:, s0] = live[:, s0]
+                    seen[k].add(tag)
+                hit = load & ~miss
             else:
                 code = keys[k] * (nch + 1) + (c if wide else nch)
                 hit, miss, slow = _shared(code, live, load, seen[k])
@@ -202,24 +247,17 @@ def _model(dev, prog, low, R, C):
             instr[:, :, pi] += load
             hit_all += float(hb.sum())
             miss_all += float(mb.sum())
-        cwid = cw if C else None
-        every = np.zeros(len(urows))                  # repeats of the ops that run every task, per row count
-        for op in ps.ops + (ps.end if last else ()):
-            if op.kind == "merge" and first:
-                continue
-            k_ = n_passes(op) * np.broadcast_to(repeats(op, urows, cwid), urows.shape)
-            if not op.slow:
-                every += k_
-                instr[:, :, pi] += live * n_passes(op)
-                continue
+        every, n_every, groups = _op_repeats(ps, first, last, urows, cw if C else None, memo)
+        vec[:, :, pi] += np.where(live, every[rix], 0.0)
+        instr[:, :, pi] += live * n_every
+        for views_, (k_, n_) in groups.items():     # hoisted ops: where one of their views was reloaded
             f = np.zeros(S, dtype=bool)
-            for k in op.views:
+            for k in views_:
                 if k in fresh:
                     f |= fresh[k]
             run = live & f[None, :]
             vec[:, :, pi] += np.where(run, k_[rix], 0.0)
-            instr[:, :, pi] += run * n_passes(op)
-        vec[:, :, pi] += np.where(live, every[rix], 0.0)
+            instr[:, :, pi] += run * n_
         for st in ps.stores + (ps.end_stores if last else ()):
             osz = itemsize(prog.outputs[st.output].dtype)
             b = rows * (1 if st.width == 1 else (cw if C else st.width)) * osz
@@ -227,6 +265,10 @@ def _model(dev, prog, low, R, C):
             sport[:, :, pi] += np.where(live, (b.sum(axis=0) / dev.hbm_bytes_per_cycle)[None, :], 0.0)
             instr[:, :, pi] += live
     flat = lambda a: a.reshape(n, S * P)               # noqa: E731
+    if P > 1:
+        # a step's transfers are uneven over its passes and chunks; the machine's port takes a transfer as
+        # soon as its buffer is free, not only in the next task's window: spread each over two tasks
+        lb, lport, sb, sport = (_spread(flat(a)) for a in (lb, lport, sb, sport))
     core, busy = stream(dev, flat(lb), flat(lport), flat(vec), flat(sb), flat(sport), flat(instr))
     stored = float(sb.sum())
     hbm = miss_all + stored
@@ -281,7 +323,7 @@ def kernel_default(dev, prog) -> dict:
 
 
 def candidates(dev, prog) -> list:
-    """Tilings to price: the kernel's default, and the most rows that fit cut to 1/2 .. 1/16 of a core's
+    """Tilings to price: the kernel's default, and the most rows that fit cut to 1/2 and 1/8 of a core's
     rows (never a main tile under MIN_TILE_BYTES, which would only look cheaper: DMA setup is not modelled)."""
     geo = geometry(prog)
     d = kernel_default(dev, prog)
@@ -291,7 +333,7 @@ def candidates(dev, prog) -> list:
     C = d.get("chunk")
     low = lowered(prog, C is not None)
     rmax = max(1, _max_rows(dev, low, min(geo.inner, max(per_core, 1)), C))
-    for div in (2, 4, 8):
+    for div in (2, 8):
         r = max(1, min(rmax, ceil_div(per_core, div)))
         t = {"rows": int(r)} if C is None else {"rows": int(r), "chunk": C}
         if t not in out and (_main_bytes(low, r, C) >= MIN_TILE_BYTES or r == rmax):

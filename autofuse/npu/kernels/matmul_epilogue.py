@@ -133,7 +133,7 @@ class _Epilogue:
         pdt = prog.inputs[0].dtype
         if not self.split:           # the finished tile, staged in UB in the product's dtype
             rows = ceil_div(m0, t["sub"]) * t["sub"]
-            self.stage = [self.vg.alloc("UB", (rows, min(n0, W)), pdt, f"stage_{p}") for p in range(len(pieces))]
+            self.stage = [self.vg.alloc("UB", (rows, n0), pdt, f"stage_{p}") for p in range(len(pieces))]
         # GM views of the extra inputs and the outputs, [rows or 1, width] (the geometry has one row group)
         var = low.geometry.var
         gin = [None if w.input == 0 else
