@@ -171,7 +171,8 @@ def _is_scalar(x) -> bool:
 
 
 class _Build:
-    def __init__(self, nodes, outputs, rounding):
+    def __init__(self, nodes, outputs, rounding, first=None):
+        self.first = first
         if rounding not in ("fp32", "eager"):
             raise ValueError(f"rounding must be 'fp32' or 'eager', got {rounding!r}")
         self.rounding = rounding
@@ -206,6 +207,11 @@ class _Build:
         self.as_input = [n for n in self.nodes if n.target in _VIEWS and all(a not in self.region
                                                                              for a in n.all_input_nodes)]
         ext = [a for a in ext if any(u in self.region and u not in self.as_input for u in a.users)]
+        if self.first is not None:
+            if self.first not in ext:
+                raise NotExpressible(f"{self.first.name} is not an input of the region")
+            ext.remove(self.first)
+            ext.insert(0, self.first)
         b = self.b = Builder(self.lead)
         for a in ext + self.as_input:
             m = _meta(a)
@@ -415,7 +421,7 @@ class _Build:
         return y if n.target == aten.layer_norm.default else (y, mean, rstd)
 
 
-def program_from_nodes(nodes, outputs=None, rounding: str = "fp32") -> BuiltProgram:
+def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) -> BuiltProgram:
     """A :class:`~cost_model.program.Program` computing a connected region of aten nodes.
 
     ``nodes``: the region (fx nodes of one graph, in any order); ``outputs``: the nodes whose values leave it
@@ -434,8 +440,12 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32") -> BuiltProg
     ``rounding``: ``"fp32"`` (the program's default numerics: intermediates stay fp32, which is more
     accurate than eager fp16/bf16) or ``"eager"`` (a cast after every fp16/bf16 op, as eager rounds: the
     result matches eager's rounding, at the price of a cast pass or two per op).
+
+    ``first``: an input node to number 0 — for a matmul epilogue, the matmul node (its region is the Vector
+    chain after it; ``torch.ops.autofuse.matmul_epilogue`` takes the product as the program's input 0, in the
+    matmul node's dtype, i.e. rounded as eager rounds it).
     """
-    return _Build(list(nodes), outputs, rounding).run()
+    return _Build(list(nodes), outputs, rounding, first).run()
 
 
 def program_from_function(fn, example_inputs, rounding: str = "fp32") -> tuple[BuiltProgram, fx.GraphModule]:

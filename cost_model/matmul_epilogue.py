@@ -139,10 +139,12 @@ def _dirty_workspace(m_ext, cols, s, t, P, psz, cores) -> float:
     lim = np.minimum(m_ext[:, None], (blk // nb + 1)[None, :] * half)       # [items, blocks]
     rr = np.clip(lim - r0[None, :], 0, sub)
     item = np.arange(len(m_ext))
-    keys = np.stack(np.broadcast_arrays((item % cores)[:, None], (s % 2)[:, None], blk[None, :], rr,
-                                        cols[:, None]), -1).reshape(-1, 5)
-    keys = np.unique(keys[keys[:, 3] > 0], axis=0)
-    return float((keys[:, 3] * keys[:, 4]).sum() * P * psz)
+    c_, s_, b_, r_, w_ = (a.ravel() for a in np.broadcast_arrays(
+        (item % cores)[:, None], (s % 2)[:, None], blk[None, :], rr, cols[:, None]))
+    live = r_ > 0
+    code = (((c_ * 2 + s_) * len(blk) + b_) * (sub + 1) + r_) * (int(cols.max()) + 1) + w_
+    _, first = np.unique(code[live], return_index=True)
+    return float((r_[live][first] * w_[live][first]).sum() * P * psz)
 
 
 def _price(dev, prog, M, N, K, dtype, bias_isz, t, plan=None):
@@ -175,26 +177,20 @@ def _adapt(dev, prog, M, N, K, dtype, t, plan):
 def _search(device, prog, M, N, K, dtype, bias_isz):
     dev = get_device(device)
     plan = epilogue_plan(prog, M, N, dtype, temps)
-    low, pieces, W, whole = plan
+    _, pieces, W, _ = plan
     P = len(pieces)
     pdt = prog.inputs[0].dtype
-    def plain():                                 # the plain search's tile, or the default if it cannot serve
-        yield mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0]
-        yield mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)
-
     best = None
-    for t0 in plain():
-        if t0 is None:
-            continue
-        if best is not None:
-            break
-        t = _adapt(dev, prog, M, N, K, dtype, t0, plan)
+    # the plain search's tile, or the kernel default's if the searched one cannot serve
+    for plain in (lambda: mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
+                  lambda: mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)):
+        t0 = plain()
+        t = None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
         if t is None:
             continue
         res = _price(dev, prog, M, N, K, dtype, bias_isz, t, plan)
-        cost = kernel_cycles(dev, *res[:3])
-        if best is None or cost < best[0]:
-            best = (cost, t, res)
+        best = (kernel_cycles(dev, *res[:3]), t, res)
+        break
     if best is None:
         raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program")
     return best[1], best[2]

@@ -145,6 +145,11 @@ class Program:
     def __post_init__(self):
         object.__setattr__(self, "lead", tuple(int(d) for d in self.lead))
         object.__setattr__(self, "_values", tuple(_infer(self)))
+        # programs key the cost model's caches: hash once
+        object.__setattr__(self, "_hash", hash((self.lead, self.inputs, self.instrs, self.outputs)))
+
+    def __hash__(self):
+        return self._hash
 
     def __repr__(self):
         ops = ",".join(i.op + (f":{i.kind}" if i.kind else "") for i in self.instrs)
@@ -453,6 +458,14 @@ class Geometry:
 
 def geometry(p: Program) -> Geometry:
     """Coalesce ``p``'s lead dims by its inputs' broadcast flags and choose the walk order (:class:`Geometry`)."""
+    got = p.__dict__.get("_geometry")
+    if got is None:
+        got = _geometry(p)
+        object.__setattr__(p, "_geometry", got)
+    return got
+
+
+def _geometry(p: Program) -> Geometry:
     vals = p.values
     nin = len(p.inputs)
     dims, flags = [], []
@@ -480,6 +493,8 @@ def pitch(width: int, dtype: str = F32) -> int:
     """The row pitch of a UB register of ``width`` values: whole 32 B blocks, and at least 16 values per
     block row for the float types (the pitch the elementwise and norm kernels give their fp16/fp32 tiles)."""
     e = 32 if dtype == "bool" else 16
+    if isinstance(width, int):
+        return -(-max(width, 1) // e) * e
     return -(-np.maximum(width, 1) // e) * e
 
 
@@ -1026,7 +1041,7 @@ class _Lowering:
             passes.append(Pass(loads, tuple(out_ops), tuple(out_end), stores, end_stores))
         p = self.p
         out_regs = []
-        for j, o in enumerate(p.outputs):
+        for o in p.outputs:
             w = self.vals[o.value].width
             cls = "row" if w == 1 else "full"
             out_regs.append((new(cls, o.dtype, True, w), new(cls, o.dtype, True, w)))

@@ -29,7 +29,7 @@ import numpy as np
 from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.program import F32, STAT, Program, ProgramError, as_program, geometry, lower, pitch, sweep
+from cost_model.program import Program, ProgramError, as_program, geometry, lower, sweep
 from cost_model.stream import stream
 from cost_model.vecutil import fits, largest
 from cost_model.vector import OPS as EW_OPS
@@ -57,12 +57,13 @@ def _lanes(dtype):
 
 
 def repeats(op, rows, C=None):
-    """Vector repeats of one pass of ``op`` on ``rows`` rows (array) with chunks of ``C`` columns."""
+    """Vector repeats of one pass of ``op`` on ``rows`` rows (a number or an array) with chunks of ``C``
+    columns."""
     g = sweep(op, rows, C)
     if g[0] == "brcb":
-        return np.ceil(g[1] / 8)
+        return ceil_div(g[1], 8)
     if g[0] == "flat":
-        return np.ceil(g[1] / _lanes(op.lanes))
+        return ceil_div(g[1], _lanes(op.lanes))
     return g[1] * ceil_div(g[2], _lanes(op.lanes))
 
 
@@ -146,21 +147,23 @@ def _op_repeats(ps, first, last, urows, cw, memo):
     key = (id(ps), first, last, cw)
     got = memo.get(key)
     if got is None:
-        every = np.zeros(len(urows))
+        us = [int(u) for u in urows]
+        every = [0.0] * len(us)
         n_every = 0
         groups = {}
         for op in ps.ops + (ps.end if last else ()):
             if op.kind == "merge" and first:
                 continue
-            k_ = n_passes(op) * np.broadcast_to(repeats(op, urows, cw), urows.shape)
+            np_ = n_passes(op)
+            reps = [np_ * float(repeats(op, u, cw)) for u in us]
             if op.slow:
-                g = groups.setdefault(op.views, [np.zeros(len(urows)), 0])
-                g[0] = g[0] + k_
-                g[1] += n_passes(op)
+                g = groups.setdefault(op.views, [[0.0] * len(us), 0])
+                g[0] = [a + b for a, b in zip(g[0], reps)]
+                g[1] += np_
             else:
-                every = every + k_
-                n_every += n_passes(op)
-        got = memo[key] = (every, n_every, {v: (a, b) for v, (a, b) in groups.items()})
+                every = [a + b for a, b in zip(every, reps)]
+                n_every += np_
+        got = memo[key] = (np.array(every), n_every, {v: (np.array(a), b) for v, (a, b) in groups.items()})
     return got
 
 

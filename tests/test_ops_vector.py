@@ -114,3 +114,27 @@ def test_matmul_epilogue_op_and_gradients(kind, product):
     for leaf, w in zip([a, b] + extra, want):
         # fp32 recompute of an fp16-rounded product (straight-through), gradients rounded to fp16
         assert (leaf.grad.double() - w).abs().max() <= 2 ** -8 * w.abs().max() + 1e-4
+
+
+def test_epilogue_program_from_aten_nodes():
+    """The region after a matmul node, built with the matmul as input 0, runs as matmul_epilogue and equals
+    eager (fp16 product, as eager's matmul rounds it)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from autofuse.vector_program import program_from_nodes
+
+    def mlp(x, w_gate_up, r):
+        gu = x @ w_gate_up
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up + r
+
+    g = torch.Generator().manual_seed(4)
+    x, w, r = (torch.randn(32, 64, generator=g) / 4).half(), (torch.randn(64, 96, generator=g) / 4).half(), \
+        torch.randn(32, 48, generator=g).half()
+    gm = make_fx(mlp)(x, w, r)
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target))
+    region = [n for n in gm.graph.nodes if n.op == "call_function" and n is not mm]
+    b = program_from_nodes(region, first=mm)
+    assert b.inputs[0] is mm and len(b.program.inputs) == 2
+    (out,) = ov.matmul_epilogue(x, w, b.program, [r], device="ascend910")
+    torch.testing.assert_close(out.float(), mlp(x.float(), w.float(), r.float()).half().float(),
+                               rtol=2 ** -8, atol=2 ** -8)   # eager fp16 rounds between its ops

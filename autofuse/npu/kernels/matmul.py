@@ -177,7 +177,7 @@ def matmul(launch, a, b, bias=None, trans_a=False, trans_b=False, tiling=None, o
     t = dict(tiling) if tiling else default_tiling(dev, M_rows, N, K, len(batches), dtype, out_dtype)
     if not tiling_fits(dev, dtype, out_dtype, t):
         raise ValueError(f"matmul tiling {t} does not fit the buffers of {dev.name}")
-    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    m0, n0 = t["m0"], t["n0"]
     out_shape = (*batch_shape, M, N) if not fold else (*batch_shape, M, N)
     out = launch.empty((M_rows, N) if fold else out_shape, out_dtype, "out")
 

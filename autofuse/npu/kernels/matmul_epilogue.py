@@ -46,7 +46,7 @@ from autofuse.npu.kernels.vector_program import TileProgram, _gm_view, temps
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
 from cost_model.program import ProgramError, as_program
-from cost_model.program import epilogue_fits as fits, epilogue_plan, epilogue_ub_specs as ub_specs
+from cost_model.program import epilogue_fits as fits, epilogue_plan
 
 
 def default_tiling(dev, prog, M, N, K, dtype) -> dict:

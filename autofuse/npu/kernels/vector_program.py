@@ -43,9 +43,9 @@ from autofuse.npu.dtypes import STORAGE
 from autofuse.npu.kernels.tiles import (active_mask, ceil_div, extents, largest, lockstep, pipeline, rnd,
                                         ub_need)
 from autofuse.npu.kernels.vector import OPS
-from autofuse.npu.machine import CapacityError, GMTensor, SimulatorError
+from autofuse.npu.machine import CapacityError, GMTensor
 from autofuse.npu.run import kernel
-from cost_model.program import F32, STAT, ProgramError, as_program, geometry, lower, sweep
+from cost_model.program import STAT, ProgramError, as_program, geometry, lower, sweep
 
 F32_LANES = 64                       # fp32 values per repeat; the chunk width is a multiple of it
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
