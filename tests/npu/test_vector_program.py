@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from autofuse import npu
 from autofuse.npu.machine import CapacityError
@@ -50,8 +50,12 @@ def check_against_interpreter(p, xs, device="ascend910", tiling=None):
     r = npu.run("vector_program", *xs, program=p, device=device, tiling=tiling)
     ref = run_program_torch(p, xs)
     # fp32 steps: numpy and torch differ by a few ulps per transcendental op and in reduction order; 64 ulps
-    # of the largest intermediate per op bounds that on any CPU, and is far below a wrong op's error
-    slack = 64 * max(len(p.instrs), 1) * EPS32 * magnitude(p, xs)
+    # of the largest intermediate per op bounds that on any CPU, and is far below a wrong op's error.
+    # An intermediate cast to fp16/bf16 may round two such values to neighbouring narrow values: one narrow
+    # ulp of the intermediate, carried on by the later ops (which scale by at most the values' magnitude)
+    M = magnitude(p, xs)
+    narrow = sum(ULP[i.dtype] for i in p.instrs if i.op == "cast" and i.dtype in ("float16", "bfloat16"))
+    slack = 64 * max(len(p.instrs), 1) * EPS32 * M + narrow * M * max(1.0, M)
     for got, want, o in zip(r.outputs, ref, p.outputs):
         got = torch.from_numpy(np.asarray(got))
         assert tuple(got.shape) == tuple(want.shape)
@@ -77,6 +81,7 @@ def test_random_programs_match_the_interpreter(seed):
 @given(seed=st.integers(0, 10 ** 6), rows=st.integers(1, 40), width=st.integers(1, 200),
        dt=st.sampled_from(["float16", "bfloat16", "float32"]), red=st.integers(0, 2),
        dev=st.sampled_from(DEVICES))
+@example(seed=1212, rows=6, width=121, dt="bfloat16", red=1, dev="ascend910")     # a bf16 round trip mid-chain
 def test_property_random_programs(seed, rows, width, dt, red, dev):
     p = random_program(seed, (rows,), width, dt, n_ops=1 + seed % 10, reductions=red,
                        shuffles=width % 2 == 0 and seed % 3 == 0)
