@@ -129,13 +129,15 @@ class NotExpressible(ValueError):
 @dataclass
 class BuiltProgram:
     """A program built from aten nodes: the program, the fx nodes feeding its inputs (in order), the nodes
-    whose values it outputs (in order) and each output node's own shape (the op's output has shape
-    ``(*lead, width)``; a reduction without keepdim is ``lead`` alone: reshape to it)."""
+    whose values it outputs (in order), each output node's own shape (the op's output has shape
+    ``(*lead, width)``; a reduction without keepdim is ``lead`` alone: reshape to it), and the shape each
+    input is to be viewed as (its own, or ``(*lead, width)`` for full rows grouped in other leading dims)."""
 
     program: Program
     inputs: list
     outputs: list
     output_shapes: list
+    input_shapes: list
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
@@ -184,8 +186,12 @@ class _Build:
         self.out_nodes = list(outputs)
         if not self.out_nodes:
             raise NotExpressible("the region has no output (no node is used outside it)")
-        first = _meta(self.out_nodes[0])
-        self.lead = tuple(first.shape[:-1]) if first.dim() else ()
+        first = self.out_nodes[0]
+        m = _meta(first)
+        # the rows: the first output's leading dims (all its dims for a reduction without keepdim)
+        keep = first.target not in _REDUCE_ATEN or \
+            (first.args[2] if len(first.args) > 2 else first.kwargs.get("keepdim", False))
+        self.lead = tuple(m.shape[:-1]) if keep and m.dim() else tuple(m.shape)
 
     def fail(self, n, why):
         m = _meta(n)
@@ -213,13 +219,20 @@ class _Build:
             ext.remove(self.first)
             ext.insert(0, self.first)
         b = self.b = Builder(self.lead)
+        self.input_shapes = []
+        rows = math.prod(self.lead)
         for a in ext + self.as_input:
             m = _meta(a)
+            shape = tuple(m.shape)
+            if m.dim() and math.prod(shape[:-1]) == rows and len(shape) - 1 != len(self.lead) and \
+                    shape[:-1] != self.lead[len(self.lead) - len(shape) + 1:]:
+                shape = self.lead + shape[-1:]      # full rows grouped otherwise: viewed with the lead dims
             try:
-                self.val[a] = b.input(dtype_name(m.dtype), tuple(m.shape))
+                self.val[a] = b.input(dtype_name(m.dtype), shape)
             except ProgramError as e:
                 self.fail(a, str(e))
             self.inputs.append(a)
+            self.input_shapes.append(shape)
         for n in self.nodes:
             if n in self.val:
                 continue
@@ -237,7 +250,7 @@ class _Build:
         for n, shape, ps in zip(self.out_nodes, shapes, prog.output_shapes()):
             if math.prod(shape) != math.prod(ps) or (n not in self.squeezed and tuple(shape[-1:]) != ps[-1:]):
                 self.fail(n, f"its shape is not the program's {list(ps)} (lead {list(self.lead)})")
-        return BuiltProgram(prog, self.inputs, self.out_nodes, shapes)
+        return BuiltProgram(prog, self.inputs, self.out_nodes, shapes, self.input_shapes)
 
     def arg(self, n, x):
         """A node argument as a value handle or immediate."""

@@ -83,7 +83,7 @@ def input_values(built, gm, args):
     """The program's inputs for the graph's placeholder values ``args`` (views of inputs computed here)."""
     interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
     interp.run(*args)
-    return [interp.env[n] for n in built.inputs]
+    return [interp.env[n].reshape(s) for n, s in zip(built.inputs, built.input_shapes)]
 
 
 # ------------------------------------------------------------------------------------------ running

@@ -119,17 +119,3 @@ def test_estimate_takes_the_program_as_json():
     assert a.cycles == b.cycles and a.tiling == b.tiling
     with pytest.raises(ProgramError, match="declares"):
         cost_model.estimate("vector_program", [((64, 255), "float16"), specs[1]], program=p)
-
-
-def test_alternatives_are_priced_and_sorted():
-    alts = cost_model.alternatives(rms((4096,), 4096))
-    names = [n for n, _ in alts]
-    assert "vector_program" in names and "vector_program/one pass" in names
-    assert any(n.startswith("vector_program/chunked") for n in names)
-    assert [e.cycles for _, e in alts] == sorted(e.cycles for _, e in alts)
-    b = Builder((4096,))
-    x, c = b.input("float16", (4096, 128)), b.input("float16", (4096, 128))
-    rot = b.cat(b.neg(b.slice(x, start=64, stop=128)), b.slice(x, start=0, stop=64))
-    b.output(b.add(b.mul(x, c), b.mul(rot, c)), "float16")
-    names = {n for n, _ in cost_model.alternatives(b.build(), "ascend910b")}
-    assert {"vector_program", "rope on Cube", "rope on Cube, fused"} <= names
