@@ -14,7 +14,10 @@ module prices that schedule as a double-buffered task stream (:func:`cost_model.
 * the Vector time of the busiest core (its rows): per op, its passes (the elementwise op table's count)
   times the repeats of its sweep (:func:`cost_model.program.sweep`), ops on hoisted values only when
   one of their inputs was reloaded, merges from the second chunk on, the end ops after the last chunk;
-* stores write through to HBM.
+* stores write through to HBM;
+* a step whose passes and chunks move very uneven amounts (chunked rows) has each transfer spread over
+  two stream tasks: the port takes a transfer as soon as its buffer is free, not only in the next task's
+  window (``_spread``).
 
 Alternatives (:func:`alternatives`): a program priced as generated here, whole-row vs chunked tilings,
 RoPE's rotation on the Cube (a matmul by a rotation matrix fused with the rest as an epilogue) and a
