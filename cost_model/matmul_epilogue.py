@@ -27,7 +27,8 @@ from cost_model import matmul as mm
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.program import as_program, epilogue_fits, epilogue_plan
+from cost_model.lowering import epilogue_fits, epilogue_plan
+from cost_model.program import as_program
 from cost_model.vector_program import n_passes, repeats, temps
 from cost_model.vecutil import largest
 

@@ -1,6 +1,6 @@
 """``vector_program`` (``autofuse/npu/kernels/vector_program.py``): a generated Vector kernel, in closed form.
 
-The program's tile schedule comes from :func:`cost_model.program.lower` (shared with the kernel: which
+The program's tile schedule comes from :func:`cost_model.lowering.lower` (shared with the kernel: which
 views each tile loads, which Vector operations run, which UB registers they use; no cost in it). This
 module prices that schedule as a double-buffered task stream (:func:`cost_model.stream.stream`):
 
@@ -12,7 +12,7 @@ module prices that schedule as a double-buffered task stream (:func:`cost_model.
   region first touched misses L2 (HBM), later touches hit (every core sharing a missed region waits for
   it, as the simulator charges a lockstep load); chunked reloads of pass 2 hit while a step's rows fit L2;
 * the Vector time of the busiest core (its rows): per op, its passes (the elementwise op table's count)
-  times the repeats of its sweep (:func:`cost_model.program.sweep`), ops on hoisted values only when
+  times the repeats of its sweep (:func:`cost_model.lowering.sweep`), ops on hoisted values only when
   one of their inputs was reloaded, merges from the second chunk on, the end ops after the last chunk;
 * stores write through to HBM;
 * a step whose passes and chunks move very uneven amounts (chunked rows) has each transfer spread over
@@ -32,7 +32,8 @@ import numpy as np
 from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.program import Program, ProgramError, as_program, geometry, lower, sweep
+from cost_model.lowering import geometry, lower, sweep
+from cost_model.program import Program, ProgramError, as_program
 from cost_model.stream import stream
 from cost_model.vecutil import fits, largest
 from cost_model.vector import OPS as EW_OPS

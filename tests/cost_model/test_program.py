@@ -2,8 +2,8 @@
 import pytest
 
 import cost_model
-from cost_model.program import (Builder, Input, Instr, Output, Program, ProgramError, as_program, geometry, lower,
-                                random_program)
+from cost_model.lowering import geometry, lower
+from cost_model.program import Builder, Input, Instr, Output, Program, ProgramError, as_program, random_program
 
 
 def rms(lead=(64,), H=256, dt="float16"):

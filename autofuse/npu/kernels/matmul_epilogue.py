@@ -45,8 +45,8 @@ from autofuse.npu.kernels.tiles import active_mask, ceil_div, largest
 from autofuse.npu.kernels.vector_program import TileProgram, _gm_view, temps
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
+from cost_model.lowering import epilogue_fits as fits, epilogue_plan
 from cost_model.program import ProgramError, as_program
-from cost_model.program import epilogue_fits as fits, epilogue_plan
 
 
 def default_tiling(dev, prog, M, N, K, dtype) -> dict:

@@ -4,14 +4,14 @@
     npu.run("vector_program", x, w, program=prog, tiling={"rows": 8})                # whole rows
     npu.run("vector_program", x, w, program=prog, tiling={"rows": 4, "chunk": 2048})  # columns in chunks
 
-The program is lowered (:func:`cost_model.program.lower`) to a tile schedule: which input columns each
+The program is lowered (:func:`cost_model.lowering.lower`) to a tile schedule: which input columns each
 tile loads, the Vector operations per tile, the UB registers they use. This kernel executes that schedule
 on the simulated chip and counts what it costs; the passes each elementwise op takes are the elementwise
 kernel's (``autofuse.npu.kernels.vector.OPS``).
 
 Schedule:
 
-1. The lead dims are coalesced (:func:`cost_model.program.geometry`); rows are cut into blocks of ``R``
+1. The lead dims are coalesced (:func:`cost_model.lowering.geometry`); rows are cut into blocks of ``R``
    within the innermost group. Tasks (block, outer index) are dealt in even contiguous shares to the vector
    cores, which run in lockstep; RoPE-like inputs broadcast over an outer dim (cos over the heads) make
    the walk block-major, so a core keeps their tile across the outer dim.
@@ -45,7 +45,8 @@ from autofuse.npu.kernels.tiles import (active_mask, ceil_div, extents, largest,
 from autofuse.npu.kernels.vector import OPS
 from autofuse.npu.machine import CapacityError, GMTensor
 from autofuse.npu.run import kernel
-from cost_model.program import STAT, ProgramError, as_program, geometry, lower, sweep
+from cost_model.lowering import geometry, lower, sweep
+from cost_model.program import STAT, ProgramError, as_program
 
 F32_LANES = 64                       # fp32 values per repeat; the chunk width is a multiple of it
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
