@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +25,7 @@ import numpy as np
 
 import cost_model
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # vector_chains, beside this script
 DEVICES = ("ascend910", "ascend910b", "ascend310p")
 
 
@@ -346,8 +349,83 @@ def _link_cases(quick: bool):
     return [Case(k, ins, d, p) for k, ins, d, p in cs]
 
 
+def _vector_program_cases(quick: bool):
+    """Generated kernels: random programs (tiny to 50,000 rows, odd widths, rows that need column chunks,
+    RoPE-like broadcasts over an outer dim, shuffles) on every device, and (full sweep) the 7B chains."""
+    from cost_model.program import random_program
+    shapes = [((1,), 64, "float16", 6, 1), ((7,), 130, "float32", 9, 2), ((2, 4, 33), 512, "bfloat16", 8, 1),
+              ((1000,), 20000, "float32", 5, 1)]
+    if not quick:
+        shapes += [((3, 100), 33, "bfloat16", 12, 0), ((64,), 96, "float16", 14, 2), ((1,), 1, "float32", 4, 0), ((5000,), 128, "float16", 10, 1), ((2, 2000), 4096, "bfloat16", 8, 2),
+                   ((50000,), 64, "float16", 6, 1), ((16, 300), 257, "float32", 16, 1), ((3,), 65536, "float16", 6, 2),
+                   ((8, 128), 1000, "bfloat16", 20, 0), ((1, 32, 500), 128, "float16", 9, 1),
+                   ((100,), 12288, "bfloat16", 7, 1), ((4096,), 4096, "float16", 12, 0)]
+    out = []
+    for i, (lead, width, dt, ops, red) in enumerate(shapes):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            p = random_program(17 * i + DEVICES.index(d), lead, width, dt, n_ops=ops, reductions=red,
+                               shuffles=i % 3 == 2 and width % 2 == 0 and width <= 4096)
+            out.append(Case("vector_program", [(tuple(x.shape), x.dtype) for x in p.inputs], d, {"program": p}))
+    # an input broadcast over an outer dim (RoPE's cos over the heads): block-major walks
+    from cost_model.program import Builder
+    b = Builder((2, 8, 300))
+    q, c = b.input("float16", (2, 8, 300, 64)), b.input("float32", (2, 1, 300, 64))
+    rot = b.cat(b.neg(b.slice(q, start=32, stop=64)), b.slice(q, start=0, stop=32))
+    b.output(b.add(b.mul(q, c), b.mul(rot, c)), "float16")
+    p = b.build()
+    for d in (DEVICES if not quick else DEVICES[1:2]):
+        out.append(Case("vector_program", [(tuple(x.shape), x.dtype) for x in p.inputs], d, {"program": p}))
+    if not quick:
+        import vector_chains as vc
+        for name, fn, shapes_ in vc.chains():
+            built, _ = vc.build(fn, shapes_)
+            p = built.program
+            for d in DEVICES:
+                out.append(Case("vector_program", [(tuple(x.shape), x.dtype) for x in p.inputs], d, {"program": p}))
+    return out
+
+
+def epilogue(kind, M, N, dtype="float16", product="float16"):
+    """An epilogue program and its extra input specs: ``gelu``, ``swiglu`` (N = 2F), ``residual`` (scale by a
+    per-col fp32 vector, add a full fp16 residual), ``bias_silu_cast`` (bias, silu, fp32 out)."""
+    from cost_model.program import Builder
+    b = Builder((M,))
+    acc = b.input(product, (M, N))
+    if kind == "gelu":
+        b.output(b.gelu(acc), dtype)
+    elif kind == "swiglu":
+        F = N // 2
+        b.output(b.mul(b.silu(b.slice(acc, start=0, stop=F)), b.slice(acc, start=F, stop=N)), dtype)
+    elif kind == "residual":
+        r, s_ = b.input(dtype, (M, N)), b.input("float32", (N,))
+        b.output(b.add(b.mul(acc, s_), r), dtype)
+    else:
+        bias = b.input(dtype, (N,))
+        b.output(b.silu(b.add(acc, bias)), "float32")
+    p = b.build()
+    return p, [(tuple(x.shape), x.dtype) for x in p.inputs[1:]]
+
+
+def _epilogue_cases(quick: bool):
+    """matmul_epilogue: GELU, SwiGLU on a fused gate_up, residual add, bias+SiLU; fp16 and fp32 products."""
+    shapes = [(513, 256, 768, "swiglu", "float16"), (777, 64, 333, "residual", "float32")]
+    if not quick:
+        shapes += [(300, 128, 200, "gelu", "float16"), (1024, 512, 1024, "gelu", "float16"), (2048, 1024, 2816, "swiglu", "float16"),
+                   (100, 4096, 4096, "residual", "float16"), (4096, 4096, 11008, "gelu", "float16"),
+                   (1000, 333, 777, "bias_silu_cast", "float32"), (17, 4096, 2 * 11008, "swiglu", "float16"),
+                   (2048, 2048, 2048, "gelu", "float32")]
+    out = []
+    for i, (M, K, N, kind, pdt) in enumerate(shapes):
+        p, extra = epilogue(kind, M, N, product=pdt)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("matmul_epilogue", [((M, K), "float16"), ((K, N), "float16")] + extra, d,
+                            {"program": p}))
+    return out
+
+
 BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
-            "flash_attention": _fa_cases, "moe": _moe_cases, "links": _link_cases}
+            "flash_attention": _fa_cases, "moe": _moe_cases, "links": _link_cases,
+            "vector_program": _vector_program_cases, "matmul_epilogue": _epilogue_cases}
 
 
 def cases(quick: bool = False, kernels=None) -> list:

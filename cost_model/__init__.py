@@ -20,6 +20,10 @@ from cost_model import moe as _moe  # noqa: F401,E402
 from cost_model import grouped_matmul as _grouped_matmul  # noqa: F401,E402
 from cost_model import collectives as _collectives  # noqa: F401,E402
 from cost_model import mc2 as _mc2  # noqa: F401,E402
+from cost_model import vector_program as _vector_program  # noqa: F401,E402
+from cost_model import matmul_epilogue as _matmul_epilogue  # noqa: F401,E402
 from cost_model.generic import generic_op  # noqa: E402
+from cost_model.alternatives import alternatives, epilogue_alternatives  # noqa: E402
 
-__all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "generic_op", "get_device", "roofline"]
+__all__ = ["DEVICES", "Device", "Estimate", "MODELS", "alternatives", "devices", "epilogue_alternatives", "estimate",
+           "generic_op", "get_device", "roofline"]

@@ -193,7 +193,15 @@ def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_pre
     return np.maximum(late, 0.0)
 
 
-def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz):
+def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz, epi=None):
+    """The launch's (core cycles, HBM bytes, bytes per path, busy per unit).
+
+    ``epi``: a tile epilogue replacing the plain write-out (``cost_model.matmul_epilogue``): called as
+    ``epi(m_ext, n_ext, s, S, m_s, n_s)`` with the items' extents and steps, it returns the write-out's
+    per-step arrays (``fix``, ``mte3``, ``PW`` its GM-port time, ``W`` its HBM bytes, ``vec`` the Vector
+    time of the step's epilogue, which overlaps the next step, ``drain`` what follows the last product) and
+    ``bytes``.
+    """
     isz, osz = itemsize(dtype), itemsize(out_dtype)
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     coupled = dev.arch == "coupled"
@@ -271,6 +279,10 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     else:
         fix = np.maximum(m_s * n_s * osz / rates["L0C->GM"], PW)
         mte3 = np.zeros(S)
+    ep = None
+    if epi is not None:
+        ep = epi(m_ext, n_ext, s, S, m_s, n_s)
+        fix, mte3, PW, W = ep["fix"], ep["mte3"], ep["PW"], ep["W"]
     gm_port = PA + PB + PW + Pbias
     n_instr = 2 * nk1 + 3 * len(widths) + (2 if coupled else 1) + (1 if bias_isz else 0)
     scalar = np.full(S, float(n_instr * dev.scalar_issue_cycles))
@@ -298,6 +310,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # only where the Cube leads; where loads lead, the store's port time is in the port sum below
     stall = np.where(mte2 < cube_chain, stall, 0.0)
     main = np.maximum.reduce([mte2, PA + PB + Pbias + pw_prev, cube_chain + stall, mte1, scalar])
+    if ep is not None:            # the previous tile's epilogue runs during this step
+        main = np.maximum(main, np.concatenate([[0.0], ep["vec"][:-1]]))
     first_k = min(k1, K) / K
     loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
     # Fill and drain: the Cube waits for the first K chunk when it leads; when loads lead, the last chunk's
@@ -313,20 +327,27 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
                               for x in range(max(0, nk1 - 3), nk1))
     tail = after_loads(-1)
     # chains of dependent work; the launch lasts as long as the longest
-    chain_main = lead + main.sum() + tail + fix[-1] + mte3[-1]
+    chain_main = lead + main.sum() + tail + (fix[-1] + mte3[-1] if ep is None else ep["drain"])
     # the write-outs, back to back once the first tile is done
     first_done = lead + main[0] + after_loads(0)
-    chain_out = first_done + (fix[0] + mte3.sum() if coupled else fix.sum())
+    if ep is None:
+        chain_out = first_done + (fix[0] + mte3.sum() if coupled else fix.sum())
+    else:
+        chain_out = first_done + fix[0] + np.maximum(ep["vec"], mte3).sum()
     chain_port = gm_port.sum()
     core = max(chain_main, chain_out, chain_port)
 
     hbm = (A_miss.sum() + B_miss.sum() + W.sum() + bias_miss.sum())
     busy = {"mte2": mte2.sum(), "mte1": mte1.sum(), "cube": cube.sum(), "fixpipe": fix.sum(),
             "mte3": mte3.sum(), "scalar": scalar.sum()}
+    if ep is not None:
+        busy.update(ep["busy"])
     nbytes = {"GM->L1": (a_bytes.sum() + b_bytes.sum()) + (n_ext.sum() * bias_isz),
               "L1->L0A": float(round_up(m_ext, 16).sum() * K * isz),
               "L1->L0B": float(round_up(n_ext, 16).sum() * K * isz)}
-    if coupled:
+    if ep is not None:
+        nbytes.update(ep["bytes"])
+    elif coupled:
         nbytes["L0C->UB"] = float((m_ext * n_ext).sum() * 4)
         nbytes["UB->GM"] = float(W.sum())
     else:

@@ -61,23 +61,31 @@ def port(dev, hit_bytes, miss_bytes):
 
 
 def stream(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, load_rate=None, store_rate=None):
-    """Cycles of the double-buffered task stream and the busy cycles per unit (see the module docstring)."""
+    """Cycles of the double-buffered task stream and the busy cycles per unit (see the module docstring).
+
+    1-D arrays: one stream (the busiest core's). 2-D arrays ``[cores, tasks]``: one stream per core; the
+    launch lasts as long as the slowest, and each unit's busy cycles are its busiest core's (as the
+    simulator reports them).
+    """
     lr = load_rate or dev.rates["GM->UB"]
     sr = store_rate or dev.rates["UB->GM"]
-    load = np.maximum(np.asarray(load_bytes, float) / lr, load_port)
-    store = np.maximum(np.asarray(store_bytes, float) / sr, store_port)
+    lp = np.asarray(load_port, dtype=float)
+    sp = np.asarray(store_port, dtype=float)
+    load = np.maximum(np.asarray(load_bytes, float) / lr, lp)
+    store = np.maximum(np.asarray(store_bytes, float) / sr, sp)
     vec = np.asarray(vec, dtype=float)
     instr = np.asarray(instr, dtype=float) * dev.scalar_issue_cycles
-    nxt = np.concatenate([load[1:], [0.0]])
-    nxt_p = np.concatenate([np.asarray(load_port, float)[1:], [0.0]])
-    prv = np.concatenate([[0.0], store[:-1]])
-    prv_p = np.concatenate([[0.0], np.asarray(store_port, float)[:-1]])
+    lp, sp, vec, instr = (np.broadcast_to(a, load.shape) for a in (lp, sp, vec, instr))
+    nxt, nxt_p, prv, prv_p = (np.zeros(load.shape) for _ in range(4))
+    nxt[..., :-1], nxt_p[..., :-1] = load[..., 1:], lp[..., 1:]
+    prv[..., 1:], prv_p[..., 1:] = store[..., :-1], sp[..., :-1]
     body = np.maximum.reduce([vec, nxt, prv, nxt_p + prv_p, instr])
-    total = load[0] + body.sum() + store[-1]
+    total = load[..., 0] + body.sum(axis=-1) + store[..., -1]
     # the port carries one transfer at a time: the stream lasts at least all its port time
-    total = max(total, float(np.sum(load_port) + np.sum(store_port)))
-    busy = {"mte2": load.sum(), "vector": vec.sum(), "mte3": store.sum(), "scalar": instr.sum()}
-    return float(total), busy
+    total = np.maximum(total, lp.sum(axis=-1) + sp.sum(axis=-1))
+    busy = {"mte2": load.sum(axis=-1).max(), "vector": vec.sum(axis=-1).max(), "mte3": store.sum(axis=-1).max(),
+            "scalar": instr.sum(axis=-1).max()}
+    return float(total.max()), {k: float(v) for k, v in busy.items()}
 
 
 __all__ = ["block_steps", "port", "shares", "stream"]

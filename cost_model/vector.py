@@ -27,6 +27,7 @@ from cost_model.vecutil import block_elems, fits, largest, pad
 FLOATS = ("float16", "bfloat16", "float32")
 INTS = ("int32", "int8")
 _ERF = 2 + 1 + 16 + 2
+_SIN = 7 + 1 + 8 + 1 + 7          # range reduction, z = r*r, degree-9 Horner, r*P, sign (the kernel's _SIN)
 
 # op -> (kind, native16, temps, scalar rule, passes(has_scalar, scalar))
 _fixed = lambda k: (lambda has, s: k)    # noqa: E731
@@ -53,6 +54,7 @@ OPS = {
     "sigmoid": ("float", False, 0, "none", _fixed(4)), "tanh": ("float", False, 0, "none", _fixed(6)),
     "silu": ("float", False, 1, "none", _fixed(4)), "gelu": ("float", False, 3, "none", _fixed(1 + _ERF + 3)),
     "gelu_tanh": ("float", False, 1, "none", _fixed(8)), "cast": ("cast", True, 0, "none", _fixed(1)),
+    "sin": ("float", False, 2, "none", _fixed(_SIN)), "cos": ("float", False, 2, "none", _fixed(1 + _SIN)),
     "logical_not": ("logic", True, 0, "none", _fixed(1)), "pow": ("float", False, 0, "optional", _pow_passes),
     "add": ("arith", True, 0, "optional", _fixed(1)), "sub": ("arith", True, 0, "optional", _fixed(1)),
     "mul": ("arith", True, 0, "optional", _fixed(1)), "div": ("float", True, 0, "optional", _fixed(1)),

@@ -904,6 +904,8 @@ class Group:
 
         Values are rounded to ``dst.dtype`` (FixPipe converts fp32 accumulators on the way out; the MTE3
         path moves bytes only, so a UB tile must already hold ``dst.dtype``). ``regions`` as for :meth:`load`.
+        ``fn`` selects from each core's tile (e.g. a block of rows); the top-left corner of what it returns
+        is written.
         """
         if len(regions) != self.n:
             raise SimulatorError(f"store from {src.name}: {len(regions)} regions for {self.n} cores")
@@ -928,8 +930,8 @@ class Group:
                 for c, region in enumerate(regions):
                     if region is None:
                         continue
-                    block = src.data[c][tuple(slice(0, e) for e in _extent(region))] if fn is None \
-                        else fn(src.data[c])
+                    block = src.data[c] if fn is None else fn(src.data[c])
+                    block = block[tuple(slice(0, e) for e in _extent(region))]
                     dst.data[region] = to_dtype(block, dst.dtype) if dst.dtype != src.dtype else block
 
             self.launch._data(self.n, whole=in_order)

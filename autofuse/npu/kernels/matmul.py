@@ -93,44 +93,93 @@ def _check(a, b, trans_a, trans_b):
                          f"and b {list(b.shape)}{' (transposed)' if trans_b else ''}")
 
 
+class Cube:
+    """The Cube side of a matmul: L1 and L0 tiles and the K loop that fills L0C accumulators.
+
+    ``pieces`` column blocks of B (each ``n0`` wide, e.g. the gate and up halves of a fused projection) are
+    multiplied by the same A rows into accumulators of their own (``acc[slot][piece]``), each K slice of A
+    moved to L0A once for all of them. L0C holds two sets of accumulators when they fit (``nc``).
+    """
+
+    def __init__(self, g, dtype, t, bias=False, pieces=1):
+        dev = g.launch.device
+        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+        self.g, self.dtype, self.k0, self.k1, self.pieces = g, dtype, k0, k1, pieces
+        self.a1 = [g.alloc("L1", (m0, k1), dtype, f"a1_{i}") for i in range(2)]
+        self.b1 = [[g.alloc("L1", (k1, n0), dtype, f"b1_{p}_{i}") for i in range(2)] for p in range(pieces)]
+        self.bias1 = g.alloc("L1", (1, n0), "float32", "bias") if bias else None
+        self.a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
+        self.b0 = [[g.alloc("L0B", (k0, n0), dtype, f"b0_{p}_{i}") for i in range(2)] for p in range(pieces)]
+        self.nc = 2 if 2 * pieces * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+        self.acc = [[g.alloc("L0C", (m0, n0), "float32", f"c_{i}_{p}") for p in range(pieces)]
+                    for i in range(self.nc)]
+        self.slot0 = 0
+
+    def accumulate(self, a, b, a_idx, b_idx, rows, cols, m_ext, n_ext, K, act, acc, bias=None,
+                   trans_a=False, trans_b=False, deps=()):
+        """``acc[p] = a[rows] @ b[:, cols[p]] (+ bias)``, K chunk by chunk (yields after each chunk's work
+        is issued, so a caller may interleave other work). ``a_idx``/``b_idx``: per core, the batch index
+        of the operands; ``rows``/``cols[p]``: per core, slices; the A and B loads also wait for ``deps``."""
+        g, k0, k1 = self.g, self.k0, self.k1
+        isz = itemsize(self.dtype)
+        if self.bias1 is not None:
+            g.load(self.bias1, bias, [(slice(None),) * (bias.data.ndim - 1) + (cols[0][c],) if r is not None else None
+                                      for c, r in enumerate(rows)],
+                   fn=lambda x: x.reshape(1, -1), name="load bias")
+        for kk in range(_ceil(K, k1)):
+            ks = slice(kk * k1, min(K, (kk + 1) * k1))
+            A1 = self.a1[kk % 2]
+            a_reg = [None if r is None else a_idx[c] + ((ks, r) if trans_a else (r, ks)) for c, r in enumerate(rows)]
+            g.load(A1, a, a_reg, active=act, deps=deps, fn=np.transpose if trans_a else None, name="load A")
+            for p in range(self.pieces):
+                b_reg = [None if r is None else b_idx[c] + ((cols[p][c], ks) if trans_b else (ks, cols[p][c]))
+                         for c, r in enumerate(rows)]
+                g.load(self.b1[p][kk % 2], b, b_reg, active=act, deps=deps, fn=np.transpose if trans_b else None,
+                       name="load B")
+            k_chunk = ks.stop - ks.start
+            for kq in range(_ceil(k_chunk, k0)):
+                kv = min(k0, k_chunk - kq * k0)
+                A0 = self.a0[self.slot0 % 2]
+                sl = slice(kq * k0, (kq + 1) * k0)
+                g.move(A0, A1, fn=lambda x, sl=sl: x[:, :, sl], nbytes=_round(m_ext, 16) * kv * isz, active=act)
+                first = kk == 0 and kq == 0
+                for p in range(self.pieces):
+                    B0 = self.b0[p][self.slot0 % 2]
+                    g.move(B0, self.b1[p][kk % 2], fn=lambda x, sl=sl: x[:, sl, :], nbytes=kv * _round(n_ext, 16) * isz,
+                           active=act)
+                    g.mmad(acc[p], A0, B0, m_ext, kv, n_ext, accumulate=not first,
+                           init=self.bias1.data[:, :, :] if (first and self.bias1 is not None) else None, active=act)
+                self.slot0 += 1
+            yield kk
+
+
 class Program:
     """The matmul schedule on one group of cores and its buffers, which outlive one call of :meth:`run`:
-    fused kernels (MC2) run it tile by tile in one launch, each call continuing the same timelines."""
+    fused kernels (MC2) run it tile by tile in one launch, each call continuing the same timelines. The K
+    loop of each output tile is the :class:`Cube`'s."""
 
     def __init__(self, launch, dtype, out_dtype, t, ncores, bias=False):
         dev = launch.device
         self.launch, self.dtype, self.out_dtype, self.t = launch, dtype, out_dtype, dict(t)
-        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+        m0, n0 = t["m0"], t["n0"]
         g = self.g = launch.group("core" if dev.arch == "coupled" else "aic", ncores)
-        self.a1 = [g.alloc("L1", (m0, k1), dtype, f"a1_{i}") for i in range(2)]
-        self.b1 = [g.alloc("L1", (k1, n0), dtype, f"b1_{i}") for i in range(2)]
-        self.bias1 = g.alloc("L1", (1, n0), "float32", "bias") if bias else None
-        self.a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
-        self.b0 = [g.alloc("L0B", (k0, n0), dtype, f"b0_{i}") for i in range(2)]
-        nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
-        self.c0 = [g.alloc("L0C", (m0, n0), "float32", f"c_{i}") for i in range(nc)]
+        self.cube = Cube(g, dtype, t, bias=bias)
         self.ub = [g.alloc("UB", (m0, n0), out_dtype, f"ub_{i}") for i in range(2)] \
             if dev.arch == "coupled" else None
-        self.slot0 = self.slot1 = self.step = 0
+        self.slot1 = self.step = 0
 
     def run(self, a, b, bias, out, items, M_rows, N, K, trans_a=False, trans_b=False, fold=True, deps=()):
-        """Output tiles ``items`` ((batch index, row block or (first row, rows), column block)) of ``out = a @ b``, written to
-        ``out``; the A and B loads wait for ``deps`` too. Returns the time the last tile is stored."""
-        g, dtype, out_dtype = self.g, self.dtype, self.out_dtype
-        a1, b1, bias1, a0, b0, c0, ub = self.a1, self.b1, self.bias1, self.a0, self.b0, self.c0, self.ub
-        nc = len(c0)
+        """Output tiles ``items`` ((batch index, row block or (first row, rows), column block)) of ``out = a @ b``,
+        written to ``out``; the A and B loads wait for ``deps`` too. Returns the time the last tile is stored."""
+        g, cube, ub = self.g, self.cube, self.ub
         ncores = g.n
-        t = self.t
+        m0, n0 = self.t["m0"], self.t["n0"]
 
         def index(t_, bidx):
             nb = t_.data.ndim - 2
             bi = bidx[len(bidx) - nb:] if nb else ()
             return tuple(0 if t_.shape[i] == 1 else bi[i] for i in range(nb))
 
-        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
-        isz = itemsize(dtype)
-        nk1 = _ceil(K, k1)
-        slot0, slot1 = self.slot0, self.slot1
         done = 0.0
         for step in range(_ceil(len(items), ncores)):
             mine = [items[step * ncores + c] if step * ncores + c < len(items) else None for c in range(ncores)]
@@ -143,43 +192,23 @@ class Program:
             n_ext = np.array([min(n0, N - it[2] * n0) if it else 0 for it in mine])
             rows = [slice(r0s[c], r0s[c] + m_ext[c]) if it else None for c, it in enumerate(mine)]
             cols = [slice(it[2] * n0, it[2] * n0 + n_ext[c]) if it else None for c, it in enumerate(mine)]
-            acc = c0[self.step % nc]
+            acc = cube.acc[self.step % cube.nc]
             self.step += 1
-            if bias1 is not None:
-                g.load(bias1, bias, [(slice(None),) * (bias.data.ndim - 1) + (cols[c],) if it else None
-                                     for c, it in enumerate(mine)],
-                       fn=lambda x: x.reshape(1, -1), name="load bias")
-            for kk in range(nk1):
-                ks = slice(kk * k1, min(K, (kk + 1) * k1))
-                A1, B1 = a1[kk % 2], b1[kk % 2]
-                a_reg = [None if it is None else
-                         index(a, it[0]) + ((ks, rows[c]) if trans_a else (rows[c], ks)) for c, it in enumerate(mine)]
-                b_reg = [None if it is None else
-                         index(b, it[0]) + ((cols[c], ks) if trans_b else (ks, cols[c])) for c, it in enumerate(mine)]
-                g.load(A1, a, a_reg, active=act, deps=deps, fn=np.transpose if trans_a else None, name="load A")
-                g.load(B1, b, b_reg, active=act, deps=deps, fn=np.transpose if trans_b else None, name="load B")
-                k_chunk = ks.stop - ks.start
-                for kq in range(_ceil(k_chunk, k0)):
-                    kv = min(k0, k_chunk - kq * k0)
-                    A0, B0 = a0[slot0 % 2], b0[slot0 % 2]
-                    slot0 += 1
-                    sl = slice(kq * k0, (kq + 1) * k0)
-                    g.move(A0, A1, fn=lambda x, sl=sl: x[:, :, sl], nbytes=_round(m_ext, 16) * kv * isz, active=act)
-                    g.move(B0, B1, fn=lambda x, sl=sl: x[:, sl, :], nbytes=kv * _round(n_ext, 16) * isz, active=act)
-                    first = kk == 0 and kq == 0
-                    g.mmad(acc, A0, B0, m_ext, kv, n_ext, accumulate=not first,
-                           init=bias1.data[:, :, :] if (first and bias1 is not None) else None, active=act)
+            for _ in cube.accumulate(a, b, [index(a, it[0]) if it else None for it in mine],
+                                     [index(b, it[0]) if it else None for it in mine], rows, [cols], m_ext, n_ext,
+                                     K, act, acc, bias, trans_a, trans_b, deps):
+                pass
+            acc = acc[0]
             out_reg = [None if it is None else
                        ((rows[c], cols[c]) if fold else tuple(it[0]) + (rows[c], cols[c])) for c, it in enumerate(mine)]
             if ub is not None:
-                U = ub[slot1 % 2]
-                slot1 += 1
+                U = ub[self.slot1 % 2]
+                self.slot1 += 1
                 g.move(U, acc, nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
                 end = g.store(U, out, out_reg, active=act, name="store out")
             else:
                 end = g.store(acc, out, out_reg, active=act, name="store out")
             done = max(done, float(np.max(end if act is None else np.where(act, end, 0.0))))
-        self.slot0, self.slot1 = slot0, slot1
         return done
 
 
@@ -222,4 +251,4 @@ def flops(M, N, K, batch=1) -> int:
     return 2 * M * N * K * batch
 
 
-__all__ = ["Program", "matmul", "default_tiling", "tiling_fits", "flops"]
+__all__ = ["Cube", "Program", "matmul", "default_tiling", "tiling_fits", "flops"]

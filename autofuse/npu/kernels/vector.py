@@ -69,6 +69,15 @@ _ERF = ("mins clip", "maxs clip", "mul z=x*x", *("mul P*z", "adds p_i") * 4, *("
         "mul x*P", "div P/Q")
 
 
+# Sin: Cody-Waite range reduction to [-pi/2, pi/2] (k = round(x/pi), two-constant x - k*pi), an odd
+# polynomial of degree 9 in r by Horner on z = r*r, and the sign (-1)^k from k's parity. Cos is
+# sin(x + pi/2). No pass count of Ascend C's Sin/Cos is published; this is our reading of such an
+# implementation (an assumption, like the Erf passes' degree).
+_SIN = ("muls 1/pi", "cast round k", "cast k->f32", "mul k*pi_hi", "sub x-k*pi_hi", "mul k*pi_lo",
+        "sub r-k*pi_lo", "mul z=r*r", *("mul P*z", "adds p_i") * 4, "mul r*P",
+        "muls 0.5", "cast floor k/2", "muls 2", "sub parity", "muls -2", "adds 1", "mul sign")
+
+
 @dataclass(frozen=True)
 class Op:
     """An elementwise op: how many tensors it takes, its numerics, its Vector passes.
@@ -145,6 +154,8 @@ OPS = {
     "gelu_tanh": Op((1,), lambda x: 0.5 * x * (1 + np.tanh(np.float32(_C_TANH) * (x + np.float32(0.044715) * x ** 3))),
                     _fixed("mul x*x", "muls 0.044715", "adds 1", "mul *x", "muls -2sqrt(2/pi)", "exp", "adds 1",
                            "div x/(1+e)"), kind="float", native16=False, temps=1, scalar="none"),
+    "sin": Op((1,), np.sin, _fixed(*_SIN), kind="float", native16=False, temps=2, scalar="none"),
+    "cos": Op((1,), np.cos, _fixed("adds pi/2", *_SIN), kind="float", native16=False, temps=2, scalar="none"),
     "cast": Op((1,), lambda x: x, _fixed("cast"), kind="cast", scalar="none"),
     "logical_not": Op((1,), np.logical_not, _fixed("not"), kind="logic", scalar="none"),
     # pow: tensor ** scalar (scalar=) or tensor ** tensor

@@ -1,0 +1,163 @@
+"""Generated Vector kernels as fused torch ops: ``torch.ops.autofuse.vector_program`` and ``matmul_epilogue``.
+
+    outs = torch.ops.autofuse.vector_program(inputs, program_json, "ascend910", "")
+    outs = torch.ops.autofuse.matmul_epilogue(a, b, bias, extra, program_json, False, "ascend910", "")
+    outs = autofuse.ops_vector.vector_program(inputs, program)          # Program or JSON; tiling as a dict
+
+``program`` is a :class:`cost_model.program.Program` as JSON (``Program.to_json()``); ``tiling`` a JSON object
+(``""`` = the kernel's default). Each op's CPU implementation runs its simulator kernel and records the
+launch (``autofuse.ops.recording``); its fake implementation gives the program's output shapes and dtypes;
+its backward recomputes the program in fp32 with the torch interpreter (``run_program_torch``) on the host
+and differentiates that (not simulated, as for flash_attention). ``reference_vector_program`` and
+``reference_matmul_epilogue`` are the torch twins with the kernels' numerics, for repeated launches.
+
+matmul_epilogue: the program's input 0 is the product ``a @ b`` (``b`` transposed with ``trans_b``) plus
+``bias``, in the dtype the program declares for it (float32: the accumulator; a's dtype: rounded as a
+matmul's output is); ``extra`` are its inputs 1.. .
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from autofuse.ops import _record, _to_torch, run_kernel
+from autofuse.vector_program import as_program, run_program_torch, torch_dtype
+
+
+def _tiling(tiling: str):
+    return json.loads(tiling) if tiling else None
+
+
+def _outputs(prog, like):
+    return [like.new_empty(shape, dtype=torch_dtype(o.dtype)) for o, shape in zip(prog.outputs, prog.output_shapes())]
+
+
+def _grads(outs, grad_outs, leaves):
+    """d(outs)/d(leaves) against the incoming gradients (outputs without one, or bool ones, are skipped)."""
+    pairs = [(o, g) for o, g in zip(outs, grad_outs) if g is not None and o.is_floating_point() and o.requires_grad]
+    wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not pairs or not wrt:
+        return iter([None] * len(wrt))
+    got = torch.autograd.grad([o for o, _ in pairs], wrt, [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+    return iter(got)
+
+
+def _leaf(t, need):
+    if t is None or not t.is_floating_point():
+        return t
+    return t.detach().float().requires_grad_(need)
+
+
+# ------------------------------------------------------------------------------------------ vector_program
+@torch.library.custom_op("autofuse::vector_program", mutates_args=())
+def _vector_program(inputs: list[torch.Tensor], program: str, device: str = "ascend910",
+                    tiling: str = "") -> list[torch.Tensor]:
+    prog = as_program(program)
+    r = run_kernel("vector_program", *inputs, program=prog, device=device, tiling=_tiling(tiling))
+    _record("vector_program", r.stats)
+    return [_to_torch(o, torch_dtype(spec.dtype)) for o, spec in zip(r.outputs, prog.outputs)]
+
+
+@_vector_program.register_fake
+def _(inputs, program, device="ascend910", tiling=""):
+    return _outputs(as_program(program), inputs[0])
+
+
+def reference_vector_program(inputs, program, **_):
+    """What the kernel computes, in torch (the program's numerics: fp32 steps, rounding at casts and outputs)."""
+    return run_program_torch(program, inputs)
+
+
+def _vp_setup(ctx, inputs, output):
+    ins, program = inputs[0], inputs[1]
+    ctx.save_for_backward(*ins)
+    ctx.program = program
+
+
+def _vp_backward(ctx, grad_outs):
+    ins = ctx.saved_tensors
+    with torch.enable_grad():
+        leaves = [_leaf(t, t.is_floating_point()) for t in ins]
+        outs = run_program_torch(ctx.program, leaves)
+        got = _grads(outs, grad_outs, leaves)
+    grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, ins)]
+    # one entry per argument autograd saw (trailing arguments left at their defaults are not among them)
+    return (grads,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+_vector_program.register_autograd(_vp_backward, setup_context=_vp_setup)
+
+
+def vector_program(inputs, program, device="ascend910", tiling=None) -> list[torch.Tensor]:
+    """Run a :class:`~cost_model.program.Program` (or its JSON) over ``inputs`` as one fused op."""
+    p = program if isinstance(program, str) else as_program(program).to_json()
+    return torch.ops.autofuse.vector_program(list(inputs), p, device, json.dumps(tiling) if tiling else "")
+
+
+# ------------------------------------------------------------------------------------------ matmul_epilogue
+@torch.library.custom_op("autofuse::matmul_epilogue", mutates_args=())
+def _matmul_epilogue(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], extra: list[torch.Tensor],
+                     program: str, trans_b: bool = False, device: str = "ascend910",
+                     tiling: str = "") -> list[torch.Tensor]:
+    prog = as_program(program)
+    r = run_kernel("matmul_epilogue", a, b, *extra, program=prog, bias=bias, trans_b=trans_b, device=device,
+                   tiling=_tiling(tiling))
+    _record("matmul_epilogue", r.stats)
+    return [_to_torch(o, torch_dtype(spec.dtype)) for o, spec in zip(r.outputs, prog.outputs)]
+
+
+@_matmul_epilogue.register_fake
+def _(a, b, bias, extra, program, trans_b=False, device="ascend910", tiling=""):
+    return _outputs(as_program(program), a)
+
+
+def reference_matmul_epilogue(a, b, bias, extra, program, trans_b=False, **_):
+    """What the kernel computes, in torch: the product accumulated in fp32 (+ bias), in the dtype the program
+    declares for it, then the program."""
+    prog = as_program(program)
+    w = b.transpose(-1, -2) if trans_b else b
+    acc = a.float() @ w.float()
+    if bias is not None:
+        acc = acc + bias.float()
+    acc = acc.reshape(prog.inputs[0].shape).to(torch_dtype(prog.inputs[0].dtype))
+    return run_program_torch(prog, [acc] + list(extra))
+
+
+def _me_setup(ctx, inputs, output):
+    a, b, bias, extra, program, trans_b = inputs[:6]
+    ctx.save_for_backward(a, b, bias, *extra)
+    ctx.program, ctx.trans_b = program, trans_b
+
+
+def _me_backward(ctx, grad_outs):
+    saved = ctx.saved_tensors
+    a, b, bias, extra = saved[0], saved[1], saved[2], list(saved[3:])
+    need = ctx.needs_input_grad
+    with torch.enable_grad():
+        la, lb = _leaf(a, bool(need[0])), _leaf(b, bool(need[1]))
+        lbias = _leaf(bias, bool(need[2])) if bias is not None else None
+        lextra = [_leaf(t, t.is_floating_point()) for t in extra]
+        outs = reference_matmul_epilogue(la, lb, lbias, lextra, ctx.program, ctx.trans_b)
+        leaves = [la, lb, lbias] + lextra
+        got = _grads(outs, grad_outs, leaves)
+    grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+    orig = [a, b, bias] + extra
+    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, orig)]
+    return (grads[0], grads[1], grads[2], grads[3:]) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+_matmul_epilogue.register_autograd(_me_backward, setup_context=_me_setup)
+
+
+def matmul_epilogue(a, b, program, extra=(), bias=None, trans_b=False, device="ascend910",
+                    tiling=None) -> list[torch.Tensor]:
+    """``program(a @ b (+ bias), *extra)`` as one fused op (see the module docstring)."""
+    p = program if isinstance(program, str) else as_program(program).to_json()
+    return torch.ops.autofuse.matmul_epilogue(a, b, bias, list(extra), p, trans_b, device,
+                                              json.dumps(tiling) if tiling else "")
+
+
+__all__ = ["matmul_epilogue", "reference_matmul_epilogue", "reference_vector_program", "vector_program"]

@@ -1,0 +1,481 @@
+"""Vector programs on the torch side: the interpreter (the kernel's reference twin) and the aten mapping.
+
+The program IR itself (:class:`Program`, :class:`Builder`, semantics) lives in :mod:`cost_model.program`,
+pure data that the simulator kernel and the cost model read too; it is re-exported here.
+
+* :func:`run_program_torch` computes exactly what a program specifies (fp32 arithmetic, rounding at casts
+  and outputs), in torch: the fused op's reference twin and, in fp32 on leaves that require grad, its
+  backward.
+* :func:`program_from_nodes` turns a connected region of aten nodes (elementwise, broadcast, reductions
+  along the last dim, casts, last-dim slices and concatenations, softmax / layer_norm along the last dim)
+  into a program; see its docstring for the mapping.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from cost_model.program import (COMPARE, FLOATS, Builder, Input, Instr, Output, Program, ProgramError, V,
+                                as_program)
+
+aten = torch.ops.aten
+_TORCH_DTYPE = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "bool": torch.bool}
+
+_UNARY_TORCH = {
+    "neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "square": torch.square, "exp": torch.exp,
+    "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": F.silu, "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sin": torch.sin, "cos": torch.cos,
+}
+_BINARY_TORCH = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
+    "minimum": torch.minimum, "pow": torch.pow, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+    "gt": torch.gt, "ge": torch.ge, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPE[name]
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+# ------------------------------------------------------------------------------------------ interpreter
+def _f32(x):
+    if isinstance(x, torch.Tensor):
+        return x if x.dtype == torch.float32 or x.dtype == torch.bool else x.float()
+    return x
+
+
+def _bcast(ts):
+    """Broadcast tensors on every dim but the last (for cat / interleave)."""
+    lead = torch.broadcast_shapes(*[t.shape[:-1] for t in ts])
+    return [t.expand(*lead, t.shape[-1]) for t in ts]
+
+
+def _eval(ins: Instr, args):
+    op = ins.op
+    if op == "cast":
+        x = args[0]
+        if ins.dtype == "bool":
+            return x != 0
+        return x.to(_TORCH_DTYPE[ins.dtype])
+    if op == "reduce":
+        x = _f32(args[0])
+        if ins.kind in ("sum", "mean"):
+            s = x.sum(-1, keepdim=True)
+            return s * (1.0 / x.shape[-1]) if ins.kind == "mean" else s
+        return x.amax(-1, keepdim=True) if ins.kind == "max" else x.amin(-1, keepdim=True)
+    if op == "slice":
+        x = _f32(args[0])
+        return x[..., ins.start:ins.stop:ins.step]
+    if op == "cat":
+        return torch.cat(_bcast([_f32(a) for a in args]), -1)
+    if op == "interleave":
+        a, b = _bcast([_f32(a) for a in args])
+        return torch.stack([a, b], -1).flatten(-2)
+    if op == "where":
+        c, a, b = args
+        a, b = _f32(a), _f32(b)
+        if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            a = torch.tensor(a, dtype=torch.float32)
+        return torch.where(c, a, b).float()
+    if op == "logical_not":
+        return torch.logical_not(args[0])
+    if op in _UNARY_TORCH:
+        return _UNARY_TORCH[op](_f32(args[0]))
+    a, b = (_f32(x) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32) for x in args)
+    return _BINARY_TORCH[op](a, b)
+
+
+def run_program_torch(program, inputs) -> list[torch.Tensor]:
+    """What ``program`` computes on ``inputs`` (tensors shaped as the program declares), in torch, with the
+    program's numerics: every arithmetic step in float32, rounding only at ``cast`` and at the outputs.
+
+    Differentiable: called on float32 leaves that require grad it is the backward of the fused op (casts
+    pass gradients through, as torch's own ``.to()`` does).
+    """
+    p = as_program(program)
+    if len(inputs) != len(p.inputs):
+        raise ProgramError(f"run_program_torch: {len(inputs)} tensors for a program of {len(p.inputs)} inputs")
+    nl = len(p.lead)
+    vals = []
+    for spec, t in zip(p.inputs, inputs):
+        shape = tuple(spec.shape) or (1,)
+        vals.append(t.reshape((1,) * (nl + 1 - len(shape)) + shape))
+    for ins in p.instrs:
+        vals.append(_eval(ins, [vals[a] if isinstance(a, int) else a for a in ins.args]))
+    outs = []
+    for o, shape in zip(p.outputs, p.output_shapes()):
+        v = vals[o.value]
+        v = (v != 0 if v.dtype != torch.bool else v) if o.dtype == "bool" else v.to(_TORCH_DTYPE[o.dtype])
+        outs.append(v.expand(shape).contiguous())
+    return outs
+
+
+# ------------------------------------------------------------------------------------------ aten -> program
+class NotExpressible(ValueError):
+    """A node a Vector program cannot express (the message names the node and why)."""
+
+
+@dataclass
+class BuiltProgram:
+    """A program built from aten nodes: the program, the fx nodes feeding its inputs (in order), the nodes
+    whose values it outputs (in order), each output node's own shape (the op's output has shape
+    ``(*lead, width)``; a reduction without keepdim is ``lead`` alone: reshape to it), and the shape each
+    input is to be viewed as (its own, or ``(*lead, width)`` for full rows grouped in other leading dims)."""
+
+    program: Program
+    inputs: list
+    outputs: list
+    output_shapes: list
+    input_shapes: list
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
+          aten.clone.default, aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default}
+_UNARY_ATEN = {aten.neg.default: "neg", aten.abs.default: "abs", aten.exp.default: "exp", aten.log.default: "log",
+               aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.reciprocal.default: "reciprocal",
+               aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
+               aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos",
+               aten.square.default: "square", aten.logical_not.default: "logical_not",
+               aten.bitwise_not.default: "logical_not"}
+_BINARY_ATEN = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
+                aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
+                aten.maximum.default: "maximum", aten.minimum.default: "minimum", aten.pow.Tensor_Scalar: "pow",
+                aten.pow.Tensor_Tensor: "pow", aten.logical_and.default: "logical_and",
+                aten.logical_or.default: "logical_or", aten.bitwise_and.Tensor: "logical_and",
+                aten.bitwise_or.Tensor: "logical_or", aten.__and__.Tensor: "logical_and",
+                aten.__or__.Tensor: "logical_or"}
+for _c in COMPARE:
+    _BINARY_ATEN[getattr(aten, _c).Tensor] = _c
+    _BINARY_ATEN[getattr(aten, _c).Scalar] = _c
+_REDUCE_ATEN = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max",
+                aten.amin.default: "min"}
+_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
+
+
+def _meta(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _is_scalar(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class _Build:
+    def __init__(self, nodes, outputs, rounding, first=None):
+        self.first = first
+        if rounding not in ("fp32", "eager"):
+            raise ValueError(f"rounding must be 'fp32' or 'eager', got {rounding!r}")
+        self.rounding = rounding
+        order = {n: i for i, n in enumerate(next(iter(nodes)).graph.nodes)} if nodes else {}
+        self.nodes = sorted(set(nodes), key=order.get)
+        self.region = set(self.nodes)
+        if outputs is None:
+            outputs = [n for n in self.nodes if any(u not in self.region for u in n.users)]
+        self.out_nodes = list(outputs)
+        if not self.out_nodes:
+            raise NotExpressible("the region has no output (no node is used outside it)")
+        first = self.out_nodes[0]
+        m = _meta(first)
+        # the rows: the first output's leading dims (all its dims for a reduction without keepdim)
+        keep = first.target not in _REDUCE_ATEN or \
+            (first.args[2] if len(first.args) > 2 else first.kwargs.get("keepdim", False))
+        self.lead = tuple(m.shape[:-1]) if keep and m.dim() else tuple(m.shape)
+
+    def fail(self, n, why):
+        m = _meta(n)
+        shape = list(m.shape) if isinstance(m, torch.Tensor) else "?"
+        raise NotExpressible(f"node {n.name} ({n.target}, shape {shape}): {why}")
+
+    # the input side: a region node all of whose tensor inputs are outside, and that is a view, is an input
+    def run(self) -> BuiltProgram:
+        self.inputs: list = []
+        self.val: dict = {}                 # node -> V
+        self.squeezed: set = set()          # reductions without keepdim
+        self.stacked: dict = {}             # stack(a, b, -1) nodes -> [a, b], until flattened
+        ext = []
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a not in self.region and isinstance(_meta(a), torch.Tensor) and a not in ext:
+                    ext.append(a)
+        # views of external tensors stay outside the op: their results are the op's inputs
+        self.as_input = [n for n in self.nodes if n.target in _VIEWS and all(a not in self.region
+                                                                             for a in n.all_input_nodes)]
+        ext = [a for a in ext if any(u in self.region and u not in self.as_input for u in a.users)]
+        if self.first is not None:
+            if self.first not in ext:
+                raise NotExpressible(f"{self.first.name} is not an input of the region")
+            ext.remove(self.first)
+            ext.insert(0, self.first)
+        b = self.b = Builder(self.lead)
+        self.input_shapes = []
+        rows = math.prod(self.lead)
+        for a in ext + self.as_input:
+            m = _meta(a)
+            shape = tuple(m.shape)
+            if m.dim() and math.prod(shape[:-1]) == rows and len(shape) - 1 != len(self.lead) and \
+                    shape[:-1] != self.lead[len(self.lead) - len(shape) + 1:]:
+                shape = self.lead + shape[-1:]      # full rows grouped otherwise: viewed with the lead dims
+            try:
+                self.val[a] = b.input(dtype_name(m.dtype), shape)
+            except ProgramError as e:
+                self.fail(a, str(e))
+            self.inputs.append(a)
+            self.input_shapes.append(shape)
+        for n in self.nodes:
+            if n in self.val:
+                continue
+            self.val[n] = self.node(n)
+        shapes = []
+        for n in self.out_nodes:
+            m = _meta(n)
+            v = self.val[n]
+            b.output(v, dtype_name(m.dtype))
+            shapes.append(tuple(m.shape))
+        try:
+            prog = b.build()
+        except ProgramError as e:
+            raise NotExpressible(f"region ending in {self.out_nodes[0].name}: {e}") from None
+        for n, shape, ps in zip(self.out_nodes, shapes, prog.output_shapes()):
+            if math.prod(shape) != math.prod(ps) or (n not in self.squeezed and tuple(shape[-1:]) != ps[-1:]):
+                self.fail(n, f"its shape is not the program's {list(ps)} (lead {list(self.lead)})")
+        return BuiltProgram(prog, self.inputs, self.out_nodes, shapes, self.input_shapes)
+
+    def arg(self, n, x):
+        """A node argument as a value handle or immediate."""
+        if isinstance(x, fx.Node):
+            if x not in self.val:
+                self.fail(n, f"input {x.name} is not available (not a tensor?)")
+            if x in self.squeezed:
+                self.fail(n, f"{x.name} is a reduction without keepdim; unsqueeze it first")
+            return self.val[x]
+        if _is_scalar(x):
+            return float(x)
+        self.fail(n, f"argument {x!r} is neither a tensor nor a number")
+
+    def round(self, n, v):
+        """In eager rounding, the op's result rounded to the node's dtype, as eager stores it."""
+        m = _meta(n)
+        if self.rounding == "eager" and m.dtype in (torch.float16, torch.bfloat16):
+            return self.b.cast(v, dtype=dtype_name(m.dtype))
+        return v
+
+    def last_dim(self, n, dim):
+        m = _meta(n.args[0])
+        if dim is None or (isinstance(dim, (list, tuple)) and len(dim) != 1):
+            self.fail(n, "reduces over more than the last dim")
+        d = dim[0] if isinstance(dim, (list, tuple)) else dim
+        if d % m.dim() != m.dim() - 1:
+            self.fail(n, f"works along dim {d}, not the last dim")
+
+    def node(self, n):
+        b, t = self.b, n.target
+        if n.op != "call_function":
+            self.fail(n, "not a call_function node")
+        m = _meta(n)
+        if t in _VIEWS:
+            return self.view(n)
+        if t in _UNARY_ATEN:
+            return self.round(n, b.op(_UNARY_ATEN[t], self.arg(n, n.args[0])))
+        if t == aten.gelu.default:
+            approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
+            return self.round(n, b.op("gelu_tanh" if approx == "tanh" else "gelu", self.arg(n, n.args[0])))
+        if t in _BINARY_ATEN:
+            x, y = self.arg(n, n.args[0]), self.arg(n, n.args[1])
+            alpha = n.kwargs.get("alpha", 1)
+            if alpha != 1:
+                y = b.mul(y, float(alpha)) if isinstance(y, V) else y * alpha
+            if not isinstance(x, V) and not isinstance(y, V):
+                self.fail(n, "no tensor operand")
+            return self.round(n, b.op(_BINARY_ATEN[t], x, y))
+        if t == aten.rsub.Scalar:
+            return self.round(n, b.sub(self.arg(n, n.args[1]), self.arg(n, n.args[0])))
+        if t in (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default):
+            v = self.arg(n, n.args[0])
+            lo = n.args[1] if t != aten.clamp_max.default else None
+            hi = n.args[2] if t == aten.clamp.default and len(n.args) > 2 else \
+                (n.args[1] if t == aten.clamp_max.default else None)
+            if lo is not None:
+                v = b.maximum(v, self.arg(n, lo))
+            if hi is not None:
+                v = b.minimum(v, self.arg(n, hi))
+            return self.round(n, v)
+        if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+            return self.round(n, b.where(*[self.arg(n, a) for a in n.args[:3]]))
+        if t == aten.masked_fill.Scalar:
+            return self.round(n, b.where(self.arg(n, n.args[1]), self.arg(n, n.args[2]), self.arg(n, n.args[0])))
+        if t in (aten._to_copy.default, aten.to.dtype):
+            dt = n.kwargs.get("dtype", n.args[1] if t == aten.to.dtype else None)
+            if dt is None or dt not in _TORCH_DTYPE.values():
+                self.fail(n, f"a copy to {dt}: only casts between float16/bfloat16/float32/bool")
+            return b.cast(self.arg(n, n.args[0]), dtype=dtype_name(dt))
+        if t in _REDUCE_ATEN:
+            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+            self.last_dim(n, dim)
+            keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+            if n.kwargs.get("dtype") is not None:
+                self.fail(n, "a reduction with a dtype argument")
+            v = self.round(n, b.reduce(self.arg(n, n.args[0]), kind=_REDUCE_ATEN[t]))
+            if not keep:
+                self.squeezed.add(n)
+            return v
+        if t in _SOFTMAX:
+            self.last_dim(n, n.args[1])
+            x = self.arg(n, n.args[0])
+            e = b.exp(b.sub(x, b.reduce(x, kind="max")))
+            return self.round(n, b.div(e, b.reduce(e, kind="sum")))
+        if t in (aten.layer_norm.default, aten.native_layer_norm.default):
+            return self.layer_norm(n)
+        if t == aten.slice.Tensor:
+            dim = n.args[1] if len(n.args) > 1 else 0
+            src = _meta(n.args[0])
+            if dim % src.dim() != src.dim() - 1:
+                self.fail(n, "slices a dim other than the last")
+            w = src.shape[-1]
+            start = n.args[2] if len(n.args) > 2 else 0
+            stop = n.args[3] if len(n.args) > 3 else w
+            step = n.args[4] if len(n.args) > 4 else 1
+            start, stop, _ = slice(start, stop, step).indices(w)
+            return b.slice(self.arg(n, n.args[0]), start=start, stop=stop, step=step)
+        if t == operator.getitem:
+            return self.getitem(n)
+        if t in (aten.split.Tensor, aten.split_with_sizes.default):
+            return None                         # its getitems become slices
+        if t == aten.stack.default:            # stack(a, b, dim=-1) then flatten(-2): an interleave
+            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+            if len(n.args[0]) != 2 or dim % m.dim() != m.dim() - 1:
+                self.fail(n, "a stack other than of two values along a new last dim (then flattened)")
+            self.stacked[n] = [self.arg(n, a) for a in n.args[0]]
+            return None
+        if t == aten.cat.default:
+            dim = n.args[1] if len(n.args) > 1 else 0
+            if dim % m.dim() != m.dim() - 1:
+                self.fail(n, "concatenates along a dim other than the last")
+            return b.cat(*[self.arg(n, a) for a in n.args[0]])
+        self.fail(n, "no Vector-program instruction for this op")
+
+    def view(self, n):
+        """A view is the same value when it keeps the last dim and the rows (or only adds/drops size-1 dims
+        of a broadcast value): the program's values are already broadcast over (*lead, width)."""
+        src = n.args[0]
+        si, so = _meta(src), _meta(n)
+        if src in self.stacked:                # [..., w, 2] -> [..., 2w]: pairs
+            if tuple(so.shape) != tuple(si.shape[:-2]) + (2 * si.shape[-2],):
+                self.fail(n, "a view of a stack other than flattening its last two dims")
+            return self.b.interleave(*self.stacked[src])
+        v = self.arg(n, src) if src not in self.squeezed else self.val[src]
+        if n.target in (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+                        aten.lift_fresh_copy.default):
+            if src in self.squeezed:
+                self.squeezed.add(n)
+            return v
+        if src in self.squeezed:                # (*lead) -> (*lead, 1): a keepdim reduction again
+            if tuple(so.shape) == tuple(si.shape) + (1,):
+                return v
+            self.fail(n, "reshapes a reduction without keepdim other than by unsqueeze(-1)")
+        strip = lambda s: tuple(s)[next((i for i, d in enumerate(s) if d != 1), len(s)):]   # noqa: E731
+        if so.dim() and si.dim() and so.shape[-1] == si.shape[-1]:
+            if strip(so.shape[:-1]) == strip(si.shape[:-1]):
+                return v                        # leading size-1 dims added or dropped
+            if n.target == aten.expand.default and all(a in (b_, 1) for a, b_ in
+                                                       zip((1,) * (so.dim() - si.dim()) + tuple(si.shape), so.shape)):
+                return v                        # a broadcast, which the program does anyway
+            if math.prod(si.shape[:-1]) == math.prod(self.lead) and strip(so.shape[:-1]) == strip(self.lead):
+                return v                        # full rows regrouped into the program's lead dims
+        self.fail(n, f"a view {list(si.shape)} -> {list(so.shape)} that changes the rows or the last dim")
+
+    def getitem(self, n):
+        src, i = n.args
+        if src.target == aten.native_layer_norm.default:       # (y, mean, rstd)
+            return self.val[src][i]
+        if src.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+            self.fail(n, "getitem of something other than a split")
+        x = src.args[0]
+        m = _meta(x)
+        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
+        if dim % m.dim() != m.dim() - 1:
+            self.fail(n, "a split along a dim other than the last")
+        w = m.shape[-1]
+        sizes = src.args[1]
+        if isinstance(sizes, int):
+            sizes = [min(sizes, w - s) for s in range(0, w, sizes)]
+        start = sum(sizes[:i])
+        return self.b.slice(self.arg(n, x), start=start, stop=start + sizes[i])
+
+    def layer_norm(self, n):
+        b = self.b
+        x = self.arg(n, n.args[0])
+        shape = n.args[1]
+        if len(shape) != 1:
+            self.fail(n, "normalises over more than the last dim")
+        w = n.args[2] if len(n.args) > 2 else None
+        bias = n.args[3] if len(n.args) > 3 else None
+        eps = n.args[4] if len(n.args) > 4 else 1e-5
+        mean = b.reduce(x, kind="mean")
+        d = b.sub(x, mean)
+        rstd = b.rsqrt(b.add(b.reduce(b.mul(d, d), kind="mean"), float(eps)))
+        y = b.mul(d, rstd)
+        if w is not None:
+            y = b.mul(y, self.arg(n, w))
+        if bias is not None:
+            y = b.add(y, self.arg(n, bias))
+        y = self.round(n, y) if n.target == aten.layer_norm.default else y
+        return y if n.target == aten.layer_norm.default else (y, mean, rstd)
+
+
+def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) -> BuiltProgram:
+    """A :class:`~cost_model.program.Program` computing a connected region of aten nodes.
+
+    ``nodes``: the region (fx nodes of one graph, in any order); ``outputs``: the nodes whose values leave it
+    (default: those with a user outside the region). The iteration space is the first output's shape:
+    ``lead`` = its leading dims, and every value must broadcast to ``(*lead, width)``.
+
+    The mapping: unary ops (neg abs exp log sqrt rsqrt reciprocal relu sigmoid tanh silu sin cos square,
+    gelu with either approximation) -> the op; add/sub (with alpha) mul div maximum minimum pow (tensor or
+    scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
+    -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin
+    over the last dim -> reduce; softmax and layer_norm over the last dim -> their reduce-then-use chains;
+    slice / split+getitem / cat along the last dim -> slice / cat; views that keep the rows and the last dim
+    -> nothing (a view of a region input stays outside: its result is the op's input). Anything else
+    raises :class:`NotExpressible` naming the node.
+
+    ``rounding``: ``"fp32"`` (the program's default numerics: intermediates stay fp32, which is more
+    accurate than eager fp16/bf16) or ``"eager"`` (a cast after every fp16/bf16 op, as eager rounds: the
+    result matches eager's rounding, at the price of a cast pass or two per op).
+
+    ``first``: an input node to number 0 — for a matmul epilogue, the matmul node (its region is the Vector
+    chain after it; ``torch.ops.autofuse.matmul_epilogue`` takes the product as the program's input 0, in the
+    matmul node's dtype, i.e. rounded as eager rounds it).
+    """
+    return _Build(list(nodes), outputs, rounding, first).run()
+
+
+def program_from_function(fn, example_inputs, rounding: str = "fp32") -> tuple[BuiltProgram, fx.GraphModule]:
+    """Trace ``fn(*example_inputs)`` to aten (``make_fx``) and build the program of all its ops; the graph's
+    placeholders are the inputs, its returned tensors the outputs. For tests and benchmarks."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(fn)(*example_inputs)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    res = out.args[0]
+    outputs = list(res) if isinstance(res, (tuple, list)) else [res]
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            n.meta.setdefault("val", None)
+    return program_from_nodes(nodes, outputs, rounding), gm
+
+
+__all__ = ["BuiltProgram", "Builder", "FLOATS", "Input", "Instr", "NotExpressible", "Output", "Program",
+           "ProgramError", "V", "as_program", "dtype_name", "program_from_function", "program_from_nodes",
+           "run_program_torch", "torch_dtype"]

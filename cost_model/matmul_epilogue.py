@@ -1,0 +1,226 @@
+"""``matmul_epilogue`` (``autofuse/npu/kernels/matmul_epilogue.py``): a matmul whose tiles run a Vector program.
+
+The Cube side is the matmul model (:func:`cost_model.matmul._model`) of the product the epilogue reads:
+``M x (W * pieces) x K`` with tiles ``m0 x (n0 * pieces)`` (the gate and up blocks of SwiGLU are loaded
+and multiplied as one wider tile would be). Its write-out is replaced by the epilogue's (the ``epi`` hook):
+
+* coupled: FixPipe L0C -> UB (the plain formula), then the program over the staged tile in sub-blocks on
+  the same core's Vector unit, overlapping the next tile's K loop; the step lasts at least the previous
+  tile's epilogue. Its Vector time per tile is the program's ops (passes x repeats, as the
+  ``vector_program`` model counts them) over the sub-blocks; its loads (a residual, a weight) and the
+  output stores take the GM port in the next step; the launch ends with the last tile's epilogue.
+* split: FixPipe writes the product to an L2 workspace (port time at the L2 bandwidth); each AIV loads
+  half the tile's rows from it (L2 hits), runs the program and stores; the AIVs' stream for a tile
+  overlaps the AIC's next tile. The workspace's last contents are written back to HBM at the end.
+
+The tiling is the plain matmul's searched tile for that product (its default if the searched one cannot
+serve), as the epilogue needs it (UB staging on coupled cores, whole rows for reductions and shuffles),
+with the most sub-block rows that fit UB.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cost_model import matmul as mm
+from cost_model.common import ceil_div, itemsize
+from cost_model.devices import get_device
+from cost_model.estimate import cached, kernel_cycles, make, register
+from cost_model.lowering import epilogue_fits, epilogue_plan
+from cost_model.program import as_program
+from cost_model.vector_program import n_passes, repeats, temps
+from cost_model.vecutil import largest
+
+
+def _dims(specs, prog, trans_b):
+    (sa, dt), (sb, dtb) = specs[0], specs[1]
+    if dt != dtb or dt not in mm.CUBE_DTYPES:
+        raise TypeError(f"matmul_epilogue: operands {dt} and {dtb}; the Cube takes two equal of {mm.CUBE_DTYPES}")
+    K = sa[-1]
+    N = sb[0] if trans_b else sb[1]
+    return math.prod(sa[:-1]), N, K, dt
+
+
+def _tile_vec(low, sub, rows, cols):
+    """Vector cycles of the program over one tile of ``rows`` x ``cols`` in sub-blocks of ``sub`` rows; ops on
+    hoisted values (a weight's cast) once per tile."""
+    ops = low.passes[0].ops
+    full, rem = divmod(int(rows), sub)
+    total = 0.0
+    for r, count in ((sub, full), (rem, 1 if rem else 0)):
+        if not count:
+            continue
+        for op in ops:
+            cyc = n_passes(op) * float(np.asarray(repeats(op, np.array([r]), cols)).max())
+            total += cyc * (1 if op.slow else count)
+    return total
+
+
+def _epi(dev, prog, low, pieces, t):
+    """The ``epi`` hook of :func:`cost_model.matmul._model` for this program and tiling."""
+    P = len(pieces)
+    coupled = dev.arch == "coupled"
+    sub = t["sub"]
+    pdt = prog.inputs[0].dtype
+    psz = itemsize(pdt)
+    HBM, L2 = dev.hbm_bytes_per_cycle, dev.l2_bytes_per_cycle
+    rates = dev.rates
+    out_row = [(itemsize(o.dtype), low.program.values[o.value].width > 1) for o in prog.outputs]
+    views = [w for w in low.views if w.input != 0]
+    cache = {}
+
+    def vec(rows, cols):
+        key = (int(rows), int(cols))
+        if key not in cache:
+            cache[key] = _tile_vec(low, sub, rows, cols) if rows > 0 else 0.0
+        return cache[key]
+
+    def out_bytes(rows, cols):
+        return sum(rows * (cols if wide else 1) * sz for sz, wide in out_row) + 0 * rows
+
+    def load_bytes(rows, cols):
+        return sum((rows if w.rows else 1) * (cols if w.width > 1 else 1) * itemsize(w.dtype) for w in views) \
+            + 0 * rows
+
+    def hook(m_ext, n_ext, s, S, m_s, n_s):
+        cols = n_ext // P
+        if coupled:
+            rows_core = m_ext
+        else:                                   # the busier AIV of the pair: the first half of the rows
+            rows_core = np.minimum(m_ext, ceil_div(t["m0"], 2))
+        v_item = np.array([vec(r, c) for r, c in zip(rows_core, cols)])
+        o_item = out_bytes(m_ext, cols).astype(float)
+        x_item = load_bytes(m_ext, cols).astype(float)
+        o_wave = np.bincount(s, o_item, S)
+        x_wave = np.bincount(s, x_item, S)
+        o_core = np.zeros(S)                   # the busiest core's output bytes per step
+        np.maximum.at(o_core, s, out_bytes(rows_core, cols).astype(float))
+        v_s = np.zeros(S)
+        np.maximum.at(v_s, s, v_item)
+        store = np.maximum(o_core / rates["UB->GM"], o_wave / HBM)
+        prod_bytes = m_ext * n_ext * psz
+        if coupled:
+            fix = m_s * n_s * 4 / rates["L0C->UB"]
+            PW = (o_wave + x_wave) / HBM
+            step = np.maximum(v_s, store)
+            ws_back = 0.0
+            nbytes = {"L0C->UB": float((m_ext * n_ext).sum() * 4), "UB->GM": float(o_item.sum()),
+                      "GM->UB": float(x_item.sum())}
+        else:
+            ws = np.bincount(s, prod_bytes, S)
+            fix = np.maximum(m_s * n_s * psz / rates["L0C->GM"], ws / L2)
+            PW = np.zeros(S)
+            # the AIVs: product in from L2, the program, outputs out
+            ld = np.maximum(m_s / 2 * n_s * psz / rates["GM->UB"], ws / L2 + x_wave / HBM)
+            step = np.maximum.reduce([v_s, ld + store])
+            ws_back = _dirty_workspace(m_ext, cols, s, t, P, psz, min(dev.cube_cores, len(s)))
+            nbytes = {"L0C->GM": float(prod_bytes.sum()), "GM->UB": float(prod_bytes.sum() + x_item.sum()),
+                      "UB->GM": float(o_item.sum())}
+        W = o_wave + x_wave
+        W[-1] += ws_back
+        # after the last product: (coupled) the first piece's FixPipe, the epilogue's Vector work, its last
+        # sub-block's store; (split) the FixPipe to the workspace and the AIVs' stream
+        last_rows = min(sub, int(rows_core.max()))
+        drain = fix[-1] / P + v_s[-1] + float(out_bytes(last_rows, cols.max())) / rates["UB->GM"] if coupled \
+            else fix[-1] + step[-1]
+        return {"fix": fix, "mte3": store, "PW": PW, "W": W, "vec": step, "drain": drain,
+                "busy": {"vector": float(v_s.sum()), "mte3": float(store.sum())}, "bytes": nbytes}
+
+    return hook
+
+
+def _dirty_workspace(m_ext, cols, s, t, P, psz, cores) -> float:
+    """Workspace bytes still dirty in L2 at the end, written back then: one copy of every distinct region the
+    AIC wrote (core, slot, sub-block of a half, piece; a region written again replaces its line)."""
+    half, sub = ceil_div(t["m0"], 2), t["sub"]
+    nb = ceil_div(half, sub)
+    blk = np.arange(2 * nb)
+    r0 = (blk // nb) * half + (blk % nb) * sub                            # [blocks]
+    lim = np.minimum(m_ext[:, None], (blk // nb + 1)[None, :] * half)       # [items, blocks]
+    rr = np.clip(lim - r0[None, :], 0, sub)
+    item = np.arange(len(m_ext))
+    c_, s_, b_, r_, w_ = (a.ravel() for a in np.broadcast_arrays(
+        (item % cores)[:, None], (s % 2)[:, None], blk[None, :], rr, cols[:, None]))
+    live = r_ > 0
+    code = (((c_ * 2 + s_) * len(blk) + b_) * (sub + 1) + r_) * (int(cols.max()) + 1) + w_
+    _, first = np.unique(code[live], return_index=True)
+    return float((r_[live][first] * w_[live][first]).sum() * P * psz)
+
+
+def _price(dev, prog, M, N, K, dtype, bias_isz, t, plan=None):
+    low, pieces, W, whole = plan or epilogue_plan(prog, M, N, dtype, temps)
+    P = len(pieces)
+    tm = {"m0": t["m0"], "n0": t["n0"] * P, "k0": t["k0"], "k1": t["k1"]}
+    return mm._model(dev, M, W * P, K, 1, False, False, dtype, prog.inputs[0].dtype, tm, bias_isz,
+                     epi=_epi(dev, prog, low, pieces, t))
+
+
+def _adapt(dev, prog, M, N, K, dtype, t, plan):
+    """A plain matmul tile of the product as the epilogue needs it: n0 per piece (the whole row for a
+    whole-row program), m0 halved while UB cannot stage it, the most sub-block rows that fit (<= 64)."""
+    low, pieces, W, whole = plan
+    P = len(pieces)
+    t = {"m0": t["m0"], "n0": max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16,
+         "k0": t["k0"], "k1": t["k1"], "sub": 1}
+    while True:
+        rows = t["m0"] if dev.arch == "coupled" else max(1, ceil_div(t["m0"], 2))
+        ok = lambda r: epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan)   # noqa: E731
+        best = largest(ok, 1, min(rows, 64))
+        if best >= 1:
+            return {**t, "sub": best}
+        if t["m0"] <= 16:
+            return None
+        t["m0"] //= 2
+
+
+@cached
+def _search(device, prog, M, N, K, dtype, bias_isz):
+    dev = get_device(device)
+    plan = epilogue_plan(prog, M, N, dtype, temps)
+    _, pieces, W, _ = plan
+    P = len(pieces)
+    pdt = prog.inputs[0].dtype
+    best = None
+    # the plain search's tile, or the kernel default's if the searched one cannot serve
+    for plain in (lambda: mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
+                  lambda: mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)):
+        t0 = plain()
+        t = None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
+        if t is None:
+            continue
+        res = _price(dev, prog, M, N, K, dtype, bias_isz, t, plan)
+        best = (kernel_cycles(dev, *res[:3]), t, res)
+        break
+    if best is None:
+        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program")
+    return best[1], best[2]
+
+
+def _roofline(dev, specs, program=None, bias=None, trans_b=False, tiling=None):
+    prog = as_program(program)
+    M, N, K, dt = _dims(specs, prog, trans_b)
+    fl = 2.0 * M * N * K
+    io = sum(math.prod(s) * itemsize(d) for s, d in specs) + \
+        sum(math.prod(s) * itemsize(o.dtype) for o, s in zip(prog.outputs, prog.output_shapes()))
+    return max(fl / (2.0 * dev.cube_macs[dt] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
+
+
+@register("matmul_epilogue", _roofline)
+def estimate_matmul_epilogue(dev, specs, program=None, bias=None, trans_b=False, tiling=None):
+    prog = as_program(program)
+    M, N, K, dt = _dims(specs, prog, trans_b)
+    bias_isz = itemsize(bias[1]) if bias is not None else 0
+    if tiling is None:
+        t, res = _search(dev.name, prog, M, N, K, dt, bias_isz)
+    else:
+        t = {k: int(v) for k, v in dict(tiling).items()}
+        if not epilogue_fits(dev, prog, M, N, dt, t, temps):
+            raise ValueError(f"matmul_epilogue tiling {t} does not fit the buffers of {dev.name}")
+        res = _price(dev, prog, M, N, K, dt, bias_isz, t)
+    core, hbm, nbytes, busy = res
+    return make("matmul_epilogue", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, prog),
+                2.0 * M * N * K)
+
+
+__all__ = ["estimate_matmul_epilogue"]

@@ -1,0 +1,92 @@
+"""The aten -> Vector program builder and the torch interpreter: the mapping, near misses it must refuse,
+views, rounding modes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autofuse.vector_program import NotExpressible, program_from_function, run_program_torch
+
+
+def meta(*shapes, dtype=torch.float16):
+    return [torch.empty(s, dtype=dtype, device="meta") for s in shapes]
+
+
+def ops(fn, *shapes, **kw):
+    b, _ = program_from_function(fn, meta(*shapes), **kw)
+    return [i.op + (f":{i.kind}" if i.kind else "") for i in b.program.instrs], b
+
+
+def test_mapping_of_common_ops():
+    names, b = ops(lambda x, w: torch.clamp(F.gelu(x, approximate="tanh") * w + 1.0, min=-2.0).rsqrt(), (8, 32), (32,))
+    assert names == ["gelu_tanh", "mul", "add", "maximum", "rsqrt"]
+    names, _ = ops(lambda x: torch.softmax(x, -1), (4, 16))
+    assert names == ["reduce:max", "sub", "exp", "reduce:sum", "div"]
+    names, _ = ops(lambda x: (x > 0).logical_and(x < 1).to(torch.float16) - x.sin(), (4, 16))
+    assert names == ["gt", "lt", "logical_and", "cast", "sin", "sub"]
+
+
+def test_output_shapes_and_inputs():
+    _, b = ops(lambda x, w: (x * w).sum(-1), (3, 5, 64), (64,))
+    assert b.output_shapes == [(3, 5)] and b.program.output_shapes() == [(3, 5, 1)]
+    _, b = ops(lambda x, r: (x + r, (x + r).mean(-1, keepdim=True)), (6, 40), (6, 40))
+    assert [n.name for n in b.inputs] == ["x_1", "r_1"] and len(b.program.outputs) == 2
+
+
+@pytest.mark.parametrize("fn, shapes, why", [
+    (lambda x: x.sum(0), [(4, 16)], "not the last dim"),
+    (lambda x: torch.softmax(x, 0), [(4, 16)], "not the last dim"),
+    (lambda x: x.sum((0, 1)), [(4, 16)], "more than the last dim"),
+    (lambda x: x.transpose(0, 1).exp(), [(4, 16)], "no Vector-program instruction"),
+    (lambda x: x[:2].exp(), [(4, 16)], "other than the last"),
+    (lambda x: x.reshape(4, 8, 2).exp().reshape(4, 16), [(4, 16)], "changes the rows or the last dim"),
+    (lambda x: x.cumsum(-1), [(4, 16)], "no Vector-program instruction"),
+    (lambda x: x.to(torch.int32), [(4, 16)], "only casts"),
+])
+def test_near_misses_are_refused(fn, shapes, why):
+    with pytest.raises(NotExpressible, match=why):
+        program_from_function(fn, meta(*shapes))
+
+
+def test_views_and_broadcasts():
+    def fn(x, cos):
+        return x * cos.unsqueeze(1) + x.view(6, 32).view(2, 3, 32)
+    _, b = ops(fn, (2, 3, 32), (2, 32))
+    names = [n.name for n in b.inputs]
+    assert "unsqueeze" in names                                 # a view of an input stays outside the op
+    assert b.program.inputs[names.index("unsqueeze")].shape == (2, 1, 32)
+    i = names.index("view")                                     # rows grouped as [6, 32]: viewed [2, 3, 32]
+    assert b.input_shapes[i] == (2, 3, 32)
+    with pytest.raises(NotExpressible, match="changes the rows or the last dim"):
+        program_from_function(lambda x: x.exp().view(2, 3, 4, 8).view(2, 3, 32), meta((2, 3, 32)))
+
+
+def test_rounding_modes_and_interpreter():
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(8, 64, generator=g).half() for _ in range(2))
+
+    def fn(x, y):
+        return (x * y + y).exp() * 0.25
+
+    fp32, _ = program_from_function(fn, (x, y))
+    eager, _ = program_from_function(fn, (x, y), rounding="eager")
+    assert sum(i.op == "cast" for i in eager.program.instrs) == 4 and \
+        not any(i.op == "cast" for i in fp32.program.instrs)
+    ref = fn(x.double(), y.double())
+    e = fn(x, y)
+    (a,) = run_program_torch(fp32.program, [x, y])
+    (b,) = run_program_torch(eager.program, [x, y])
+    assert torch.equal(b, e)                                    # eager's rounding, step by step
+    assert (a.double() - ref).abs().max() <= (e.double() - ref).abs().max()   # fewer roundings: closer
+
+
+def test_first_input_and_missing_one():
+    def fn(x, w, r):
+        return F.silu(x @ w) + r
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from autofuse.vector_program import program_from_nodes
+    gm = make_fx(fn)(*[torch.randn(s) for s in ((8, 16), (16, 32), (8, 32))])
+    mm = next(n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target))
+    region = [n for n in gm.graph.nodes if n.op == "call_function" and n is not mm]
+    assert program_from_nodes(region, first=mm).inputs[0] is mm
+    with pytest.raises(NotExpressible, match="not an input"):
+        program_from_nodes(region[1:], first=mm)
