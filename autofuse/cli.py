@@ -345,15 +345,25 @@ def _plan(fused):
     return fused.plans[next(iter(fused.plans))]
 
 
+GENERIC = "generic fusion alone"
+
+
 def _simulations(a, fused, inputs, progress: Progress) -> dict:
-    """``{"fused": ..., "eager op by op": ...}``: both graphs of the plan on the simulator."""
+    """``{"fused": ..., "eager op by op": ..., "generic fusion alone": ...}``: the plan, the captured graph and the
+    plan with every pattern family switched off (automatic discovery alone), on the simulator."""
+    from autofuse import AutoFusionEngine
+    from autofuse.engine import generic_only
     from autofuse.report import BASELINE
     from autofuse.simulate import simulate_graph
     p = _plan(fused)
     args, kwargs = inputs
     leaves = p.captured.flatten_inputs(*args, **kwargs)
+    kw = _check_engine_args(a)
+    kw["fusion_switches"] = {**kw.get("fusion_switches", {}), **generic_only()}
+    generic = AutoFusionEngine.fuse(fused.model, inputs, **kw)
     out = {}
-    for name, gm in ((BASELINE, p.captured.graph_module), ("fused", p.graph_module)):
+    for name, gm in ((BASELINE, p.captured.graph_module), (GENERIC, _plan(generic).graph_module),
+                     ("fused", p.graph_module)):
         t0 = time.perf_counter()
         try:
             with simulation_progress(progress, f"simulate {name}"):
@@ -374,8 +384,9 @@ def _costs(fused, sims):
 def _html(a, fused, sims, graphs=None) -> str:
     from autofuse.report import report_html
     p = _plan(fused)
+    extra = {} if sims else {GENERIC: p.report.baselines.get(GENERIC)} if p.report.baselines.get(GENERIC) else {}
     return report_html(p.report, p.captured.graph_module, p.graph_module, title=f"autofuse: {a.model}", simulations=sims,
-                       graphs=graphs)
+                       graphs=graphs, extra_baselines=extra)
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -494,12 +505,14 @@ def cmd_simulate(a, progress):
     from autofuse.report import BASELINE
     _, inputs, fused = _fuse(a, progress)
     sims = _simulations(a, fused, inputs, progress)
-    before, after = sims[BASELINE], sims["fused"]
+    before, generic, after = sims[BASELINE], sims[GENERIC], sims["fused"]
     print(f"unfused: {before.summary(top=a.top)}\n\nfused:   {after.summary(top=a.top)}\n")
-    print(f"speed-up (simulated, {a.device}): {before.cycles / max(after.cycles, 1):.2f}x")
+    print(f"speed-up (simulated, {a.device}): {before.cycles / max(after.cycles, 1):.2f}x against {BASELINE} "
+          f"({before.cycles:,} cycles), {generic.cycles / max(after.cycles, 1):.2f}x against {GENERIC} "
+          f"({generic.cycles:,} cycles)")
     if a.json:
-        _write(json.dumps({"unfused": before.to_dict(), "fused": after.to_dict()}, indent=2, default=str) + "\n",
-               a.json)
+        _write(json.dumps({"unfused": before.to_dict(), "generic": generic.to_dict(), "fused": after.to_dict()},
+                          indent=2, default=str) + "\n", a.json)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -89,6 +89,13 @@ class FusionReport:
     training: bool = False             # planned for the model's training mode
     guards: list = field(default_factory=list)   # the values the plan relied on (re-planned if they change)
     replanned_because: str = ""        # the guard that fired, when this plan replaced an earlier one
+    predicted_cycles: int = 0          # the whole graph fused, priced by the cost model
+    baselines: dict = field(default_factory=dict)   # name -> predicted cycles ("eager op by op", "generic fusion
+    #                                                 alone": automatic discovery without the pattern families)
+
+    def speedups(self) -> dict:
+        """Predicted whole-graph speed-up against each baseline."""
+        return {k: v / max(self.predicted_cycles, 1) for k, v in self.baselines.items()}
 
     @property
     def applied(self) -> list:
@@ -116,6 +123,7 @@ class FusionReport:
             "applied": [d.to_dict() for d in self.applied], "rejected": [d.to_dict() for d in self.rejected],
             "warnings": list(self.warnings), "timings": dict(self.timings), "training": self.training,
             "guards": list(self.guards), "replanned_because": self.replanned_because,
+            "predicted_cycles": self.predicted_cycles, "baselines": dict(self.baselines),
         }
 
     def to_json(self, **kw) -> str:

@@ -28,6 +28,7 @@ has no float64 unit, and ``fuse`` says so naming the tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -39,9 +40,9 @@ from autofuse import verify as _verify
 from autofuse.canonicalize import canonicalize, evaluate_constant
 from autofuse.capture import capture
 from autofuse.decision import FusionReport
-from autofuse.fused import family, is_fused_call
+from autofuse.fused import family_of, is_fused_call
 from autofuse.match import families
-from autofuse.plan import parse_level, parse_memory_budget, plan
+from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan
 from autofuse.rewrite import _source as source
 from autofuse.rewrite import fused_block, rewrite
 from cost_model.devices import get_device
@@ -208,14 +209,15 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     leaves = pytree.tree_leaves((args, kwargs))
     checker = _Verifier(cap_gm, leaves, device, level) if verify else None
     applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches)
+    predicted = baselines(cap_gm, gm, cands, decisions, device)
     t4 = time.perf_counter()
     by_lift = {id(c.lifted): c for c in applied}
 
     def kwargs_for(lifted):
         c = by_lift[id(lifted)]
-        return family(c.match.pattern).op_kwargs(device, c.fused, level)
+        return family_of(c.match).op_kwargs(device, c.fused, level)
 
-    fused = rewrite(cap_gm, [c.lifted for c in applied], lambda m: family(m.pattern).emit, kwargs_for)
+    fused = rewrite(cap_gm, [c.lifted for c in applied], lambda m: family_of(m).emit, kwargs_for)
     t5 = time.perf_counter()
     workspace = {c.match.anchor: c.fused.workspace for c in applied}
 
@@ -231,6 +233,7 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                           peak_memory_fused=memory.peak_bytes(fused, kernel_workspace),
                           nodes_before=len(cap_gm.graph.nodes), nodes_after=len(fused.graph.nodes),
                           capture_route=captured.route, training=captured.training,
+                          predicted_cycles=predicted.pop("fused"), baselines=predicted,
                           guards=[g.describe() for g in guards if g.value],
                           timings={"capture_s": t1 - t0, "canonicalize_s": t2 - t1, "match_s": t3 - t2,
                                    "plan_s": t4 - t3, "rewrite_s": t5 - t4})
@@ -291,7 +294,7 @@ class _Verifier:
         return roles
 
     def __call__(self, cand):
-        fam = family(cand.match.pattern)
+        fam = family_of(cand.match)
         kwargs = fam.op_kwargs(self.device, cand.fused, self.level)
         sub, fused_sub, external = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
         key = (_verify.structure_key(sub), _verify.structure_key(fused_sub))
@@ -314,7 +317,10 @@ class _Verifier:
         if not sizes:
             return None
         kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
-        _, fused_sub, _ = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
+        lifted = cand.lifted
+        if fam.resize is not None:                                          # shapes held in the match itself
+            lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
+        _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs)
         small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
         try:
             ok, err, tol, label = _verify.verify_block(small, small_fused, self._inputs(external, sizes), roles)
@@ -384,6 +390,12 @@ class FusedModule(torch.nn.Module):
         return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device)
 
 
+def generic_only() -> dict:
+    """Fusion switches that turn every pattern family off: what automatic discovery alone does (the second
+    baseline, "generic fusion alone")."""
+    return {name: "off" for name in families() if name not in GENERIC}
+
+
 class AutoFusionEngine:
     """Entry point: ``AutoFusionEngine.fuse(model, ...)`` (also usable as an instance with fixed settings)."""
 
@@ -448,6 +460,8 @@ def _check_input_dtypes(args, kwargs, device: str):
 
 
 SWITCH_VALUES = ("on", "off", "force")
+#: Names of discovered regions a switch may name too (the family that finds them is ``vector_chain``).
+NAMES = ("rms_norm", "add_rms_norm", "layer_norm", "rope", "swiglu", "geglu")
 
 
 def _check_switches(switches) -> dict:
@@ -456,7 +470,7 @@ def _check_switches(switches) -> dict:
     if not isinstance(switches, dict):
         raise TypeError(f"fuse: fusion_switches must be a dict such as {{'attention': 'off'}}, got "
                         f"{type(switches).__name__}")
-    known = set(families())
+    known = set(families()) | set(NAMES)
     for name, value in switches.items():
         if name not in known:
             raise ValueError(f"fuse: fusion_switches names {name!r}, which is not a pattern family; the families "
@@ -482,4 +496,4 @@ def _normalise_inputs(example_inputs):
                     f"inputs or (args, kwargs); got {type(example_inputs).__name__}")
 
 
-__all__ = ["AutoFusionEngine", "FusedModule", "compile_plan"]
+__all__ = ["AutoFusionEngine", "FusedModule", "compile_plan", "generic_only"]

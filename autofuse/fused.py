@@ -32,10 +32,12 @@ class Price:
     bound: str = ""
     tiling: dict = field(default_factory=dict)
     workspace: int = 0
+    alternatives: dict = field(default_factory=dict)   # device -> [(implementation, cycles, runnable)]
 
     def add(self, other: "Price") -> "Price":
         return Price(self.cycles + other.cycles, self.hbm_bytes + other.hbm_bytes, self.kernels + other.kernels,
-                     self.bound or other.bound, self.tiling or other.tiling, max(self.workspace, other.workspace))
+                     self.bound or other.bound, self.tiling or other.tiling, max(self.workspace, other.workspace),
+                     self.alternatives or other.alternatives)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Family:
     price: Callable
     op_kwargs: Callable        # (device, price, level) -> extra keywords of the call (device, tiling)
     shrink: Callable | None = None   # match -> {dim size: reduced size} for verifying a block too large to run
+    resize: Callable | None = None   # (match, sizes) -> the match for those reduced shapes (when params hold shapes)
 
 
 def _spec(n: fx.Node):
@@ -324,10 +327,18 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def family_of(match) -> Family:
+    """A match's family: its pattern, or, for discovered regions named after what they compute
+    (``rms_norm``, ``matmul+swiglu``), the family that found them (``params["family"]``)."""
+    return family(match.params.get("family", match.pattern))
+
+
 def is_fused_call(n: fx.Node) -> bool:
     """A call of a fused op (the ``autofuse`` namespace of ``torch.ops``)."""
     return n.op == "call_function" and getattr(n.target, "namespace", None) == "autofuse"
 
 
-__all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family",
+__all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "family_of",
            "is_fused_call", "kernel_default_tiling", "price_attention", "register_family"]
+
+from autofuse import fused_vector as _fused_vector  # noqa: E402,F401  (registers vector_chain, matmul_epilogue)

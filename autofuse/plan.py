@@ -33,7 +33,7 @@ import torch.fx as fx
 
 import cost_model
 from autofuse.decision import FusionDecision
-from autofuse.fused import Price, family
+from autofuse.fused import Price, family_of
 from autofuse.lower import lower, step_specs
 from autofuse.rewrite import NotLiftable, lift
 
@@ -162,7 +162,7 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     """Unfused and fused prices of one match. A match that cannot be carried over to the captured graph, or a
     fused kernel the cost model cannot price (or that cannot run this instance), leaves ``fused.cycles`` at
     -1 and the reason in ``why`` / ``fused.bound``."""
-    fam = family(match.pattern)
+    fam = family_of(match)
     try:
         lifted = lift(match, canonical, captured, order)
     except NotLiftable as e:
@@ -179,6 +179,50 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     outs = [canonical[v] for v in match.outputs.values()]
     ws = sum(_nbytes(_spec(n)) for n in ins + outs) + max(fused.workspace, 0)
     return Candidate(match, unfused, fused, ws, lifted)
+
+
+def conflict_graph(cands: list, indices, can: dict) -> nx.Graph:
+    """Candidates that share a node (of the canonical view or of the captured graph) conflict; a constant the
+    canonical form shares between blocks (CSE of an arange) is no conflict."""
+    conflicts = nx.Graph()
+    conflicts.add_nodes_from(indices)
+    by_node: dict = {}
+    for i in indices:
+        shared = {n for n in cands[i].match.nodes if n not in can or can[n].all_input_nodes}
+        for name in shared | {"captured:" + n for n in cands[i].nodes}:
+            by_node.setdefault(name, []).append(i)
+    for group in by_node.values():
+        conflicts.add_edges_from((a, b) for x, a in enumerate(group) for b in group[x + 1:])
+    return conflicts
+
+
+#: The families of automatic discovery: generic fusion alone is the plan with only these (the second baseline).
+GENERIC = ("vector_chain", "matmul_epilogue")
+
+
+def baselines(captured: fx.GraphModule, canonical: fx.GraphModule, cands: list, decisions: list, device: str
+              ) -> dict:
+    """Predicted whole-graph cycles: ``eager op by op`` (every captured node priced as its own kernels),
+    ``generic fusion alone`` (the same minus the best conflict-free set of the generic candidates that could be
+    fused: automatic discovery without the pattern families) and ``fused`` (minus the applied savings)."""
+    eager = sum(price_node(n, device).cycles for n in captured.graph.nodes if n.op == "call_function")
+    can = {n.name: n for n in canonical.graph.nodes}
+    ok = [i for i, (c, d) in enumerate(zip(cands, decisions))
+          if c.match.params.get("family", c.match.pattern) in GENERIC and d.reason_code in ("fused", "conflict")
+          and c.saving > 0]
+    chosen = _best_independent_set(cands, conflict_graph(cands, ok, can))
+    generic = eager - sum(cands[i].saving for i in chosen)
+    fused = eager - sum(d.cycles_unfused - d.cycles_fused for d in decisions if d.applied)
+    return {"eager op by op": eager, "generic fusion alone": generic, "fused": fused}
+
+
+def _switch(switches: dict, match) -> str:
+    """The switch of a match: its family's (``vector_chain``), or one of its names' (``rms_norm``)."""
+    keys = [match.params.get("family", match.pattern)] + match.pattern.split("+")
+    for k in keys:
+        if k in switches:
+            return switches[k]
+    return "on"
 
 
 def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
@@ -230,19 +274,21 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
 
     def decide(i, applied, code, reason, **extra):
         c = cands[i]
-        params = {k: v for k, v in c.match.params.items() if not k.endswith("_like")}
+        params = {k: v for k, v in c.match.params.items() if not k.endswith(("_like", "_likes"))}
+        if c.fused.alternatives:
+            params["alternatives"] = c.fused.alternatives
         decisions[i] = FusionDecision(
             pattern=c.match.pattern, nodes=tuple(c.nodes), anchor=c.anchor, applied=applied,
             reason_code=code, reason=reason, cycles_unfused=c.unfused.cycles, cycles_fused=c.fused.cycles,
             hbm_bytes_unfused=c.unfused.hbm_bytes, hbm_bytes_fused=c.fused.hbm_bytes,
-            kernel=family(c.match.pattern).kernel, bound_fused=c.fused.bound, params=params,
+            kernel=family_of(c.match).kernel, bound_fused=c.fused.bound, params=params,
             tiling=dict(c.fused.tiling), unfused_kernels=tuple(c.unfused.kernels), working_set_bytes=c.working_set,
             workspace_bytes=c.fused.workspace, **extra)
 
     eligible = []
     for i, c in enumerate(cands):
         sp = c.unfused.cycles / max(c.fused.cycles, 1)
-        switch = switches.get(c.match.pattern, "on")
+        switch = _switch(switches, c.match)
         force = switch == "force"
         p = c.match.params
         if level == "O0":
@@ -272,17 +318,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         else:
             eligible.append(i)
 
-    # candidates that share a node (of the canonical view or of the captured graph) conflict; a constant the
-    # canonical form shares between blocks (CSE of an arange) is no conflict
-    conflicts = nx.Graph()
-    conflicts.add_nodes_from(eligible)
-    by_node: dict = {}
-    for i in eligible:
-        shared = {n for n in cands[i].match.nodes if n not in can or can[n].all_input_nodes}
-        for name in shared | {"captured:" + n for n in cands[i].nodes}:
-            by_node.setdefault(name, []).append(i)
-    for group in by_node.values():
-        conflicts.add_edges_from((a, b) for x, a in enumerate(group) for b in group[x + 1:])
+    conflicts = conflict_graph(cands, eligible, can)
 
     # choose, verify the chosen; a candidate that fails verification leaves the pool and the choice is made
     # again, so a block that lost a conflict to it can still be fused
@@ -312,11 +348,11 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         elif i not in chosen:
             winner = next((j for j in chosen if conflicts.has_edge(i, j)), None)
             decide(i, False, "conflict", "overlaps blocks that together save more" if winner is None else
-                   f"overlaps the block at {cands[winner].anchor}, which saves more "
+                   f"overlaps the {cands[winner].match.pattern} block at {cands[winner].anchor}, which saves more "
                    f"({cands[winner].saving:,} vs {c.saving:,} cycles)")
         else:
             sp = c.unfused.cycles / max(c.fused.cycles, 1)
-            why = "forced by switch; " if switches.get(c.match.pattern) == "force" else ""
+            why = "forced by switch; " if _switch(switches, c.match) == "force" else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
                                      f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
                                      + (f"; {note}" if note else ""),

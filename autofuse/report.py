@@ -210,6 +210,10 @@ def text_summary(report) -> str:
         after = sum(d.cycles_fused for d in a)
         lines.append(f"  fused blocks: {before:,} -> {after:,} cycles ({before / max(after, 1):.2f}x), "
                      f"HBM saved {sum(d.hbm_bytes_saved for d in a):,} B")
+    if report.baselines:
+        sp = report.speedups()
+        lines.append(f"  whole graph (predicted): {report.predicted_cycles:,} cycles; "
+                     + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})" for k, v in report.baselines.items()))
     for d in report.decisions:
         mark = "FUSED " if d.applied else "kept  "
         lines.append(f"  {mark}{d.pattern:<10} at {d.anchor:<24} {d.reason_code:<22} "

@@ -211,7 +211,9 @@ class _Build:
                     ext.append(a)
         # views of external tensors stay outside the op: their results are the op's inputs
         self.as_input = [n for n in self.nodes if n.target in _VIEWS and all(a not in self.region
-                                                                             for a in n.all_input_nodes)]
+                                                                             for a in n.all_input_nodes)
+                         and not (self.first is not None and n.args[0] is self.first)]   # an epilogue reads
+        # the matmul's product itself, through the view that regroups its rows
         ext = [a for a in ext if any(u in self.region and u not in self.as_input for u in a.users)]
         if self.first is not None:
             if self.first not in ext:
@@ -391,8 +393,8 @@ class _Build:
             if n.target == aten.expand.default and all(a in (b_, 1) for a, b_ in
                                                        zip((1,) * (so.dim() - si.dim()) + tuple(si.shape), so.shape)):
                 return v                        # a broadcast, which the program does anyway
-            if math.prod(si.shape[:-1]) == math.prod(self.lead) and strip(so.shape[:-1]) == strip(self.lead):
-                return v                        # full rows regrouped into the program's lead dims
+            if math.prod(si.shape[:-1]) == math.prod(self.lead) == math.prod(so.shape[:-1]):
+                return v                        # full rows regrouped (into the program's lead dims, or out)
         self.fail(n, f"a view {list(si.shape)} -> {list(so.shape)} that changes the rows or the last dim")
 
     def getitem(self, n):

@@ -1,0 +1,148 @@
+"""Fused calls of the discovered families: a Vector region as ``torch.ops.autofuse.vector_program`` and a matmul
+with its epilogue as ``torch.ops.autofuse.matmul_epilogue`` (see :mod:`patterns.vector_chain`).
+
+The price of a region is the cost model's price of its program on the target device, with the tiling its
+search finds at O3; the *alternatives* (one pass or chunked rows, RoPE on the Cube, a matmul with or without
+its epilogue) are priced on every device, and the report shows which one each device would run and what
+the others cost. Only alternatives this kernel can run are chosen; one it cannot (RoPE as a Cube matmul) is
+shown with its price.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+
+import torch
+import torch.fx as fx
+
+import cost_model
+from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
+from autofuse.fused import REDUCED, Family, Price, _adapt, register_family
+from autofuse.graph import call
+from cost_model.program import Input, as_program
+
+aten = torch.ops.aten
+DEVICES = ("ascend910", "ascend910b", "ascend310p")
+
+
+def _family(match) -> str:
+    return match.params["family"]
+
+
+def _dtype(n) -> str:
+    return str(n.meta["val"].dtype).replace("torch.", "")
+
+
+def _alternatives(kind: str, args: tuple, kwargs: dict) -> dict:
+    """device -> [(implementation, cycles, runnable)], cheapest first, from cost_model's alternatives."""
+    out = {}
+    for d in DEVICES:
+        try:
+            alts = cost_model.alternatives(*args, device=d, **kwargs) if kind == "vector" else \
+                cost_model.epilogue_alternatives(*args, device=d, **kwargs)
+        except (ValueError, TypeError, KeyError):
+            continue
+        out[d] = [(name, int(e.cycles), _runnable(name)) for name, e in alts]
+    return out
+
+
+def _runnable(name: str) -> bool:
+    return name.startswith("vector_program") or name == "matmul_epilogue"
+
+
+def _price(kernel, specs, device, search, alts, **params) -> Price:
+    if not search:
+        params["tiling"] = None
+    e = cost_model.estimate(kernel, specs, device=device, **params)
+    p = Price(int(e.cycles), int(e.hbm_bytes), [kernel], e.bound, dict(e.tiling or {}), e.workspace_bytes)
+    p.alternatives = alts
+    return p
+
+
+def _vector_specs(match, nodes):
+    p = match.params
+    return [(tuple(s), _dtype(nodes[match.inputs[f"in{i}"]])) for i, s in enumerate(p["input_shapes"])]
+
+
+def price_vector(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    prog = match.params["program"]
+    specs = _vector_specs(match, nodes)
+    alts = _alternatives("vector", (prog,), {})
+    return _price("vector_program", specs, device, search_tiling, alts, program=prog)
+
+
+def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    p = match.params
+    prog = p["program"]
+    a, b = (nodes[match.inputs[r]] for r in ("a", "b"))
+    specs = [(tuple(a.meta["val"].shape), _dtype(a)), (tuple(b.meta["val"].shape), _dtype(b))]
+    extra = [(tuple(s), _dtype(nodes[match.inputs[f"in{i}"]])) for i, s in enumerate(p["extra_shapes"])]
+    bias = nodes[match.inputs["bias"]] if "bias" in match.inputs else None
+    bspec = None if bias is None else (tuple(bias.meta["val"].shape), _dtype(bias))
+    alts = _alternatives("epilogue", (specs[0], specs[1], prog), {"bias": bspec, "trans_b": p["trans_b"]})
+    return _price("matmul_epilogue", specs + extra, device, search_tiling, alts, program=prog, bias=bspec,
+                  trans_b=p["trans_b"])
+
+
+def _kwargs(device: str, price: Price, level: str) -> dict:
+    tiling = price.tiling if level == "O3" else {}
+    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else ""}
+
+
+def _view(g, x: fx.Node, shape_) -> fx.Node:
+    return x if tuple(x.meta["val"].shape) == tuple(shape_) else call(g, aten.reshape.default, x, list(shape_))
+
+
+def _outputs(g, results: fx.Node, m) -> dict:
+    p = m.params
+    outs = {}
+    for i, like in enumerate(p["out_likes"]):
+        o = call(g, operator.getitem, results, i)
+        outs[f"out{i}"] = _adapt(g, o, like)
+    return outs
+
+
+def emit_vector(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    p = m.params
+    xs = [_view(g, ins[f"in{i}"], s) for i, s in enumerate(p["input_shapes"])]
+    r = call(g, torch.ops.autofuse.vector_program.default, xs, p["program"].to_json(), **kwargs)
+    r.meta["autofuse_match"] = m
+    return _outputs(g, r, m)
+
+
+def emit_epilogue(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    p = m.params
+    extra = [_view(g, ins[f"in{i}"], s) for i, s in enumerate(p["extra_shapes"])]
+    r = call(g, torch.ops.autofuse.matmul_epilogue.default, ins["a"], ins["b"], ins.get("bias"), extra,
+             p["program"].to_json(), p["trans_b"], **kwargs)
+    r.meta["autofuse_match"] = m
+    return _outputs(g, r, m)
+
+
+def shrink_rows(match) -> dict:
+    """Leading (row) dims of the program above 256, reduced to ``REDUCED``: the columns, and the weights that
+    span them, keep their size, so the program's column work is checked as it will run."""
+    return {d: REDUCED for d in set(match.params["program"].lead) if d > 256}
+
+
+def resize(match, sizes: dict):
+    """The same match for shapes reduced by ``sizes`` (the program's rows and its inputs' leading dims)."""
+    p = match.params
+    prog = p["program"]
+    sub = lambda s: tuple(sizes.get(d, d) for d in s)  # noqa: E731
+    new_prog = as_program(dataclasses.replace(prog, lead=sub(prog.lead),
+                                              inputs=tuple(Input(i.dtype, sub(i.shape)) for i in prog.inputs)))
+    params = dict(p, program=new_prog, input_shapes=tuple(sub(s) for s in p["input_shapes"]),
+                  output_shapes=tuple(sub(s) for s in p["output_shapes"]),
+                  out_likes=tuple(x.new_empty(sub(x.shape)) for x in p["out_likes"]))
+    if "extra_shapes" in p:
+        params["extra_shapes"] = tuple(sub(s) for s in p["extra_shapes"])
+    return dataclasses.replace(match, params=params)
+
+
+VECTOR_CHAIN = register_family(Family("vector_chain", torch.ops.autofuse.vector_program.default, "vector_program",
+                                      emit_vector, price_vector, _kwargs, shrink_rows, resize))
+MATMUL_EPILOGUE = register_family(Family("matmul_epilogue", torch.ops.autofuse.matmul_epilogue.default,
+                                         "matmul_epilogue", emit_epilogue, price_epilogue, _kwargs, shrink_rows,
+                                         resize))

@@ -1,0 +1,397 @@
+"""Automatic discovery: connected regions of Vector ops become one generated kernel; a region after a matmul
+becomes its epilogue; regions that compute a known fused op are named after it.
+
+**Regions** (``find_vector_chains``). The canonical graph's nodes are classed as in TVM's FuseOps: *Vector*
+ops — elementwise, broadcast, casts, reductions along the last dim, last-dim slices and concatenations,
+``layer_norm`` — which one generated kernel can run in one pass over UB tiles
+(:func:`autofuse.vector_program.program_from_nodes` says exactly which), views that keep the rows and the
+last dim, and *opaque* ops (matmuls, softmax, attention, gathers...). Walking the graph in order, a Vector
+node joins the regions of its Vector producers when that creates no cycle: a region may absorb a node only
+if none of the node's other inputs depends on the region through nodes outside it (each node carries the
+set of regions it depends on). A view of a value outside a region stays outside (it is an input). A region
+whose program cannot be built (a reduction over another dim, shapes that do not share one iteration space)
+is split at the node the builder names, and the parts are tried again. Regions of fewer than two compute
+ops are dropped: a single op gains nothing from fusion.
+
+**Epilogues** (``find_matmul_epilogues``). A region that reads the output of a matmul (``linear``,
+``matmul``, ``addmm``) used nowhere else is also offered as that matmul plus its epilogue
+(``torch.ops.autofuse.matmul_epilogue``: the product goes from L0C to UB and through the program before one
+store). The planner chooses between the region alone and the matmul with it (they conflict) by price.
+
+**Names** (the report speaks the user's vocabulary). Named families are small templates (``TEMPLATES``)
+matched inside a region: ``rms_norm`` (``x · rsqrt(mean(x²) + eps) [· w]``), ``add_rms_norm`` (the same of a
+residual sum that leaves the region too), ``layer_norm``, ``rope`` (half rotation ``x·cos + cat(−x₂, x₁)·sin``,
+interleaved, or partial), ``swiglu`` (``silu(a) · b``), ``geglu`` (``gelu(a) · b``). A region's
+``FusionDecision.pattern`` is its names joined with ``+`` in graph order (``matmul+swiglu``,
+``add_rms_norm``), ``matmul_epilogue`` for a matmul with an unnamed epilogue, ``vector_chain`` otherwise.
+Near misses (eps outside the square root, a rotation with the wrong sign) are not named; they are still
+fused, and computed exactly as written.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from autofuse.graph import is_number, shape, val
+from autofuse.match import Match, register
+from autofuse.vector_program import (_BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS, NotExpressible,
+                                     program_from_nodes)
+from patterns.template import Template, graph_view
+
+aten = torch.ops.aten
+
+_COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | {
+    aten.gelu.default, aten.rsub.Scalar, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar, aten._to_copy.default,
+    aten.layer_norm.default, aten.slice.Tensor, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.stack.default}
+_MOVES = {aten.slice.Tensor, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default, aten.stack.default,
+          operator.getitem}
+MATMULS = {aten.linear.default, aten.matmul.default, aten.addmm.default}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.bool)
+
+
+def _vector(n: fx.Node) -> bool:
+    """An op one generated Vector kernel may run (the program builder decides the details)."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, fx.Node) and src.target in (aten.split.Tensor, aten.split_with_sizes.default)
+    if n.target not in _COMPUTE and n.target not in _VIEWS:
+        return False
+    v = val(n)
+    ins = [val(a) for a in n.all_input_nodes]
+    if any(t is not None and t.dtype not in _DTYPES for t in ins):
+        return False                  # integer inputs (positions, ids): not Vector-program data
+    if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        return True
+    return isinstance(v, torch.Tensor) and v.dtype in _DTYPES and v.dim() >= 1
+
+
+def _rows(n: fx.Node) -> int:
+    """The rows a node's value spans (its leading dims; a split's input's): a region has one row count, the
+    iteration space of its program, so values over other rows (RoPE's cos over tokens, read by the queries'
+    rotation over heads and tokens) are computed apart and read as broadcast inputs."""
+    if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        n = n.args[0]
+    v = val(n)
+    return math.prod(v.shape[:-1]) if isinstance(v, torch.Tensor) and v.dim() else 1
+
+
+def _compute(n: fx.Node) -> bool:
+    return n.target not in _VIEWS and n.target not in _MOVES
+
+
+class _Regions:
+    """Union-find over nodes with, per node, the regions it depends on (see the module docstring)."""
+
+    def __init__(self):
+        self.parent: dict = {}
+        self.rows: dict = {}          # region root -> the rows of its iteration space
+        self.deps: dict = {}          # node -> set of region roots among its ancestors (stale roots resolved late)
+
+    def find(self, n):
+        p = self.parent[n]
+        while p is not self.parent[p]:
+            self.parent[p] = self.parent[self.parent[p]]
+            p = self.parent[p]
+        return p
+
+    def depends(self, n) -> set:
+        return {self.find(r) for r in self.deps.get(n, ())}
+
+    def add(self, n: fx.Node):
+        ins = [a for a in n.all_input_nodes]
+        deps = set()
+        for a in ins:
+            deps |= self.deps.get(a, set())
+            if a in self.parent:
+                deps.add(self.find(a))
+        self.deps[n] = {self.find(r) for r in deps}
+        if not _vector(n):
+            return
+        producers = []
+        rows = _rows(n)
+        for a in ins:
+            if a in self.parent and self.find(a) not in producers and self.rows[self.find(a)] == rows:
+                producers.append(self.find(a))
+        if n.target in _VIEWS and not producers:
+            return                    # a view of an outside value is an input of a region, not part of one
+        chosen = []
+        for r in producers:
+            # n may join r if no input of n outside r depends on r, and r depends on no region chosen before
+            ok = all((a in self.parent and self.find(a) == r) or r not in self.depends(a) for a in ins)
+            ok = ok and all(c not in self._region_deps(r) and r not in self._region_deps(c) for c in chosen)
+            if ok:
+                chosen.append(r)
+        self.parent[n] = n
+        self.rows[n] = rows
+        for r in chosen:
+            self.parent[r] = n
+        self.deps[n] = {self.find(r) for r in self.deps[n]} - {n}
+
+    def _region_deps(self, root) -> set:
+        return {self.find(r) for r in self.deps.get(root, ())} - {self.find(root)}
+
+    def groups(self) -> list:
+        out: dict = {}
+        for n in self.parent:
+            out.setdefault(self.find(n), []).append(n)
+        return list(out.values())
+
+
+def regions(gm: fx.GraphModule) -> list:
+    """The Vector regions of ``gm`` (lists of nodes in graph order), before programs are built."""
+    rg = _Regions()
+    for n in gm.graph.nodes:
+        rg.add(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return [sorted(g, key=order.__getitem__) for g in rg.groups()]
+
+
+def _split(nodes: list, bad: fx.Node) -> list:
+    """The connected parts of ``nodes`` without ``bad`` (edges between members, either direction)."""
+    rest = [n for n in nodes if n is not bad]
+    left, parts = set(rest), []
+    for n in rest:
+        if n not in left:
+            continue
+        part, stack = [], [n]
+        left.discard(n)
+        while stack:
+            x = stack.pop()
+            part.append(x)
+            for y in list(x.all_input_nodes) + list(x.users):
+                if y in left:
+                    left.discard(y)
+                    stack.append(y)
+        parts.append(part)
+    return parts
+
+
+def build(nodes: list, first=None, depth: int = 0):
+    """``[(nodes, BuiltProgram)]`` for a region: its program, or its parts' after splitting at the node the
+    builder refuses. Regions of one compute op are kept (a matmul's epilogue may be one GELU)."""
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    nodes = sorted(nodes, key=order.__getitem__)
+    if sum(_compute(n) for n in nodes) < 1 or depth > 12:
+        return []
+    try:
+        return [(nodes, program_from_nodes(nodes, first=first))]
+    except NotExpressible as e:
+        bad = next((n for n in nodes if f"node {n.name} (" in str(e)), None)
+        if bad is None:
+            return []
+        return [r for part in _split(nodes, bad) for r in build(part, first, depth + 1)]
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+def _is_square(n):
+    return (n.target == aten.pow.Tensor_Scalar and n.args[1] == 2) or \
+        (n.target == aten.mul.Tensor and n.args[0] is n.args[1])
+
+
+def _mean_last_keepdim(n):
+    return list(n.args[1]) in ([-1], [len(shape(n.args[0])) - 1]) and (len(n.args) > 2 and n.args[2])
+
+
+def _add_scalar(n):
+    return is_number(n.args[1]) and n.args[1] > 0
+
+
+RMS = (Template("rms_norm", anchor="rsqrt")
+       .node("sq", aten.pow.Tensor_Scalar, aten.mul.Tensor, where=_is_square)
+       .node("mean", aten.mean.dim, where=_mean_last_keepdim).edge("sq", "mean", 0)
+       .node("eps", aten.add.Tensor, where=_add_scalar)
+       .node("rsqrt", aten.rsqrt.default)
+       .node("norm", aten.mul.Tensor)
+       .edge("mean", "eps", 0).edge("eps", "rsqrt", 0).edge("rsqrt", "norm"))
+
+
+def _rms(m) -> bool:
+    """x · rsqrt(mean(x²) + eps): the x multiplied is the x squared (through casts)."""
+    def base(x):
+        while x.target == aten._to_copy.default:
+            x = x.args[0]
+        return x
+    x = m["sq"].args[0]
+    other = next(a for a in m["norm"].args if a is not m["rsqrt"])
+    return base(other) is base(x)
+
+
+ROPE = (Template("rope", anchor="add")
+        .node("cos_mul", aten.mul.Tensor).node("sin_mul", aten.mul.Tensor)
+        .node("rot", aten.cat.default)
+        .node("neg", aten.neg.default)
+        .node("hi", aten.slice.Tensor).node("lo", aten.slice.Tensor)
+        .node("add", aten.add.Tensor)
+        .edge("hi", "neg", 0).edge("neg", "rot", 0).edge("lo", "rot", 1).edge("rot", "sin_mul")
+        .edge("cos_mul", "add").edge("sin_mul", "add"))
+
+
+def _rope(m) -> bool:
+    """x·cos + cat(−x[..., h:], x[..., :h])·sin with the slices of the same x, at half its last dim, x also
+    the factor of cos."""
+    hi, lo = m["hi"], m["lo"]
+    x = hi.args[0]
+    if lo.args[0] is not x or x not in m["cos_mul"].args:
+        return False
+    w = shape(x)[-1]
+    h = w // 2
+    last = lambda s: s.args[1] % len(shape(x)) == len(shape(x)) - 1  # noqa: E731
+    return last(hi) and last(lo) and w % 2 == 0 and tuple(lo.args[2:4]) == (0, h) and hi.args[2] == h
+
+
+GLU = (Template("swiglu", anchor="mul").node("act", aten.silu.default, aten.gelu.default)
+       .node("mul", aten.mul.Tensor).edge("act", "mul"))
+
+TEMPLATES = (RMS, ROPE, GLU)
+
+
+def names(nodes: list) -> list:
+    """The known fused ops a region computes, in graph order (see the module docstring)."""
+    if not nodes:
+        return []
+    gm = nodes[0].graph.owning_module
+    view = graph_view(gm)
+    inside = set(nodes)
+    found = []                                       # (position, name)
+    order = view.order
+
+    def within(m):
+        return all(v in inside for v in m.values())
+
+    for m in RMS.match(view, lambda m: m if within(m) and _rms(m) else None,
+                       seeds=[n.name for n in nodes if n.target == aten.rsqrt.default]):
+        x = m["sq"].args[0]
+        while x.target == aten._to_copy.default:
+            x = x.args[0]
+        residual = x.target == aten.add.Tensor and x in inside and any(u not in inside for u in x.users) \
+            and all(isinstance(a, fx.Node) and val(a).shape == val(x).shape for a in x.args)
+        found.append((order[m["rsqrt"].name], "add_rms_norm" if residual else "rms_norm"))
+    for n in nodes:
+        if n.target == aten.layer_norm.default:
+            found.append((order[n.name], "layer_norm"))
+    for m in ROPE.match(view, lambda m: m if within(m) and _rope(m) else None,
+                        seeds=[n.name for n in nodes if n.target == aten.add.Tensor]):
+        found.append((order[m["add"].name], "rope"))
+    for n in nodes:
+        if n.target == aten.stack.default and _interleaved_rope(n, inside):
+            found.append((order[n.name], "rope"))
+    for m in GLU.match(view, lambda m: m if within(m) else None,
+                       seeds=[n.name for n in nodes if n.target == aten.mul.Tensor]):
+        found.append((order[m["mul"].name], "swiglu" if m["act"].target == aten.silu.default else "geglu"))
+    out = []
+    for _, name in sorted(found):
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _interleaved_rope(stack: fx.Node, inside: set) -> bool:
+    """stack((−x[..., 1::2], x[..., ::2]), −1) (then flattened): GPT-J's ``rotate_every_two``."""
+    parts = stack.args[0]
+    if len(parts) != 2 or parts[0].target != aten.neg.default:
+        return False
+    odd, even = parts[0].args[0], parts[1]
+    if not (odd.target == aten.slice.Tensor and even.target == aten.slice.Tensor and odd.args[0] is even.args[0]):
+        return False
+    step = lambda s: s.args[4] if len(s.args) > 4 else 1  # noqa: E731
+    return odd.args[2] == 1 and step(odd) == 2 and (even.args[2] or 0) == 0 and step(even) == 2
+
+
+def region_name(nodes: list, matmul: bool = False) -> str:
+    ns = names(nodes)
+    if matmul:
+        return "+".join(["matmul"] + ns) if ns else "matmul_epilogue"
+    return "+".join(ns) if ns else "vector_chain"
+
+
+# ------------------------------------------------------------------------------------------- matches
+
+def _match(family: str, nodes: list, built, matmul=None) -> Match:
+    outs = {f"out{i}": n.name for i, n in enumerate(built.outputs)}
+    inputs = {f"in{i}": n.name for i, n in enumerate(built.inputs)}
+    body = nodes if matmul is None else [matmul] + nodes
+    params = dict(family=family, program=built.program, input_shapes=tuple(built.input_shapes),
+                  output_shapes=tuple(built.output_shapes), out_likes=tuple(val(n) for n in built.outputs),
+                  name=region_name(nodes, matmul is not None))
+    if matmul is not None:
+        a, w, bias, trans_b = _matmul_operands(matmul)
+        inputs = {"a": a.name, "b": w.name, **({"bias": bias.name} if bias is not None else {}),
+                  **{f"in{i}": n.name for i, n in enumerate(built.inputs[1:])}}
+        params.update(trans_b=trans_b, extra_shapes=tuple(built.input_shapes[1:]))
+    order = [n.name for n in body]
+    anchor = built.outputs[0].name
+    return Match(params["name"], tuple(order), anchor, inputs, params, outs)
+
+
+def _matmul_operands(m: fx.Node):
+    """(a, b, bias, trans_b) of a linear / matmul / addmm node, b as stored."""
+    if m.target == aten.linear.default:
+        return m.args[0], m.args[1], (m.args[2] if len(m.args) > 2 else None), True
+    if m.target == aten.addmm.default:
+        return m.args[1], m.args[2], m.args[0], False
+    return m.args[0], m.args[1], None, False
+
+
+def _epilogue_ok(m: fx.Node) -> bool:
+    """A 2-D weight (a projection), operands of one float dtype, no batch on the weight side."""
+    if m.op != "call_function" or m.target not in MATMULS or (m.target == aten.addmm.default and m.kwargs):
+        return False
+    a, b, bias, _ = _matmul_operands(m)
+    if not all(isinstance(t, fx.Node) for t in (a, b)) or len(shape(b)) != 2 or len(shape(a)) < 2:
+        return False
+    if bias is not None and (not isinstance(bias, fx.Node) or len(shape(bias)) != 1):
+        return False
+    return val(a).dtype == val(b).dtype and val(a).dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _candidates(gm: fx.GraphModule) -> list:
+    """``(nodes, built)`` of every region that builds (cached on the graph module: both families read them)."""
+    cache = gm.__dict__.get("_autofuse_regions")
+    if cache is None or cache[0] != len(gm.graph.nodes):
+        found = [r for nodes in regions(gm) for r in build(nodes)]
+        cache = (len(gm.graph.nodes), found)
+        gm.__dict__["_autofuse_regions"] = cache
+    return cache[1]
+
+
+@register("vector_chain")
+def find_vector_chains(gm: fx.GraphModule) -> list[Match]:
+    """Every Vector region of ``gm`` that one generated kernel can run (see the module docstring); a region of a
+    single op gains nothing and is not offered (as a matmul's epilogue it may be)."""
+    return [_match("vector_chain", nodes, built) for nodes, built in _candidates(gm)
+            if sum(_compute(n) for n in nodes) >= 2]
+
+
+@register("matmul_epilogue")
+def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
+    """Each region after a matmul whose output only that region reads, as the matmul's epilogue."""
+    out = []
+    for nodes, _ in _candidates(gm):
+        inside = set(nodes)
+        feeds = []                     # (matmul, the views between it and the region)
+        for n in nodes:
+            for a in n.all_input_nodes:
+                views = []
+                while a not in inside and a.target in _VIEWS and a.all_input_nodes and \
+                        all(u in inside or u in views for u in a.users):
+                    views.append(a)    # a matmul whose rows the model regroups (GPT-2's addmm on [B*S, H])
+                    a = a.args[0]
+                if a not in inside and _epilogue_ok(a) and len(a.users) == 1 and \
+                        all(u in inside or u in views for u in a.users) and a not in [f for f, _ in feeds]:
+                    feeds.append((a, views))
+        for mm, views in feeds:
+            try:
+                built = program_from_nodes(nodes + views, outputs=[n for n in nodes if any(
+                    u not in inside for u in n.users)], first=mm)
+            except NotExpressible:
+                continue
+            out.append(_match("matmul_epilogue", nodes + views, built, matmul=mm))
+    return out

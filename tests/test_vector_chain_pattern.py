@@ -1,0 +1,200 @@
+"""Automatic discovery: Vector regions become generated kernels, regions after a matmul its epilogue, and
+regions that compute a known fused op are named after it; near misses are named correctly or not at all,
+and always computed as written."""
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+from autofuse.verify import compare
+
+tf = pytest.importorskip("transformers")
+
+LAYERS = 2
+
+
+def _names(report, applied=True):
+    """Every name in the applied (or all) decisions, split at '+'."""
+    ds = report.applied if applied else report.decisions
+    return collections.Counter(n for d in ds for n in d.pattern.split("+"))
+
+
+def _within_bound(model, args, kwargs, got_fn):
+    with torch.no_grad():
+        want = model(*args, **kwargs)
+        ref = copy.deepcopy(model).double()(*[a.double() if a.is_floating_point() else a for a in args], **kwargs)
+        got = got_fn()
+    pick = lambda o: o.logits if hasattr(o, "logits") else (o if isinstance(o, tuple) else (o,))  # noqa: E731
+    for w, r, g in zip(*(pick(o) if isinstance(pick(o), tuple) else (pick(o),) for o in (want, ref, got))):
+        ok, err, tol = compare(w, r, g)
+        assert ok, (err, tol)
+
+
+def _lm(cfg_cls, model_cls, **kw):
+    def build(impl):
+        cfg = cfg_cls(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+        cfg._attn_implementation = impl
+        return model_cls(cfg).eval()
+    return build
+
+
+ARCHS = {
+    "llama": (_lm(tf.LlamaConfig, tf.LlamaForCausalLM), "swiglu"),
+    "mistral": (_lm(tf.MistralConfig, tf.MistralForCausalLM), "swiglu"),
+    "qwen2": (_lm(tf.Qwen2Config, tf.Qwen2ForCausalLM), "swiglu"),
+    "gemma": (_lm(tf.GemmaConfig, tf.GemmaForCausalLM, head_dim=16, hidden_activation="gelu_pytorch_tanh"), "geglu"),
+}
+
+
+@pytest.mark.parametrize("arch,impl", [(a, i) for a in ARCHS for i in ("eager", "sdpa")])
+def test_every_norm_rope_and_glu_site_is_fused_and_named(arch, impl):
+    torch.manual_seed(0)
+    build, glu = ARCHS[arch]
+    model = build(impl)
+    ids = torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    names = _names(fused.report)
+    # per layer: two norms (the second of a residual sum), the rotations of q and k, one gated MLP; a final norm
+    assert names["rms_norm"] + names["add_rms_norm"] == 2 * LAYERS + 1, fused.report.summary()
+    assert names["rope"] == 2 * LAYERS, fused.report.summary()
+    assert names[glu] == LAYERS, fused.report.summary()
+    assert names["attention"] == LAYERS
+    _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
+
+
+# ----------------------------------------------------------------------------------------- near misses
+
+class Norm(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x, r):
+        h = x + r
+        if self.kind == "rms":
+            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        else:                                      # eps outside the square root: not RMSNorm
+            y = h / (torch.sqrt(h.pow(2).mean(-1, keepdim=True)) + 1e-6)
+        return torch.relu(y * self.w) @ x.new_ones(32, 8), h
+
+
+@pytest.mark.parametrize("kind,name", [("rms", "add_rms_norm"), ("eps_outside", None)])
+def test_norm_named_only_when_it_is_one(kind, name):
+    torch.manual_seed(0)
+    m = Norm(kind).eval()
+    x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    names = _names(fused.report)
+    assert (names[name] >= 1) if name else not (names["rms_norm"] or names["add_rms_norm"]), fused.report.summary()
+    assert fused.report.applied, "the region is fused either way"
+    _within_bound(m, (x, r), {}, lambda: fused(x, r))
+
+
+class Rope(nn.Module):
+    def __init__(self, sign):
+        super().__init__()
+        self.sign = sign
+
+    def forward(self, q, cos, sin):
+        h = q.shape[-1] // 2
+        x1, x2 = q[..., :h], q[..., h:]
+        rot = torch.cat((-x2, x1), -1) if self.sign == "right" else torch.cat((x2, -x1), -1)
+        return (q * cos + rot * sin) @ q.new_ones(q.shape[-1], 4)
+
+
+@pytest.mark.parametrize("sign,named", [("right", True), ("wrong", False)])
+def test_rope_named_only_with_the_right_sign(sign, named):
+    torch.manual_seed(0)
+    m = Rope(sign).eval()
+    q, cos, sin = torch.randn(2, 4, 8, 16), torch.randn(2, 1, 8, 16), torch.randn(2, 1, 8, 16)
+    fused = AutoFusionEngine.fuse(m, (q, cos, sin))
+    assert (_names(fused.report)["rope"] == 1) == named, fused.report.summary()
+    assert fused.report.applied
+    _within_bound(m, (q, cos, sin), {}, lambda: fused(q, cos, sin))
+
+
+class FusedGateUp(nn.Module):
+    """A fused gate_up projection split in halves; ``order`` says which half goes through SiLU."""
+
+    def __init__(self, order, act="silu"):
+        super().__init__()
+        self.order, self.act = order, act
+        self.gate_up = nn.Linear(32, 2 * 48, bias=False)
+        self.down = nn.Linear(48, 32, bias=False)
+
+    def forward(self, x):
+        a, b = self.gate_up(x).chunk(2, -1)
+        g, u = (a, b) if self.order == "gate_up" else (b, a)
+        act = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
+        return self.down(act * u)
+
+
+@pytest.mark.parametrize("order,act,name", [("gate_up", "silu", "swiglu"), ("up_gate", "silu", "swiglu"),
+                                            ("gate_up", "gelu", "geglu")])
+def test_gated_projection_fuses_as_matmul_epilogue(order, act, name):
+    # silu(b) * a is still a gated unit: the half under the activation is the gate, whatever its position
+    torch.manual_seed(0)
+    m = FusedGateUp(order, act).eval()
+    x = torch.randn(3, 10, 32)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    ps = [d.pattern for d in fused.report.applied]
+    assert f"matmul+{name}" in ps, fused.report.summary()
+    _within_bound(m, (x,), {}, lambda: fused(x))
+
+
+class Chain(nn.Module):
+    def forward(self, x, y):
+        return torch.tanh(x * 2.0 + y).sigmoid() @ x.new_ones(x.shape[-1], 3)
+
+
+def test_an_unnamed_chain_is_a_vector_chain():
+    m = Chain()
+    x, y = torch.randn(5, 7, 12), torch.randn(5, 7, 12)
+    fused = AutoFusionEngine.fuse(m, (x, y))
+    assert [d.pattern for d in fused.report.applied] == ["vector_chain"], fused.report.summary()
+    _within_bound(m, (x, y), {}, lambda: fused(x, y))
+
+
+def test_a_single_op_is_not_a_region():
+    class One(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) @ torch.ones(12, 3)
+    fused = AutoFusionEngine.fuse(One(), (torch.randn(5, 12),))
+    assert not [d for d in fused.report.decisions if d.params.get("family") == "vector_chain"]
+
+
+class Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, x):
+        return F.gelu(self.fc(x)) @ x.new_ones(64, 4)
+
+
+def test_matmul_gelu_epilogue_and_its_alternatives_on_every_device():
+    torch.manual_seed(0)
+    m = Linear().eval()
+    x = torch.randn(4, 9, 32)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    (d,) = [d for d in fused.report.applied if d.params.get("family") == "matmul_epilogue"]
+    assert d.pattern == "matmul_epilogue"
+    alts = d.params["alternatives"]
+    assert set(alts) == {"ascend910", "ascend910b", "ascend310p"}
+    assert all({"matmul_epilogue", "matmul + vector_program"} == {a[0] for a in v} for v in alts.values())
+    _within_bound(m, (x,), {}, lambda: fused(x))
+
+
+def test_switching_a_name_off_leaves_it_unfused():
+    torch.manual_seed(0)
+    m = Norm("rms").eval()
+    x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
+    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"add_rms_norm": "off"})
+    assert not [d for d in fused.report.applied if "add_rms_norm" in d.pattern]
+    assert any(d.reason_code == "disabled_by_switch" for d in fused.report.decisions)
