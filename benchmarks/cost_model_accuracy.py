@@ -135,7 +135,10 @@ def _softmax_family(quick: bool):
                ((64, 70000), -1, f32, {"log": True}, ((64, 1), f32)),
                ((4, 1000, 96), 1, f16, {"scale": 0.5}, ((4, 1, 96), f16)),
                ((32, 1024, 8), 0, f32, {"log": True}, ((1, 1024, 8), b)),
-               ((8, 16, 77, 77), -1, f16, {"scale": 0.3, "out_dtype": f32}, ((8, 1, 77, 77), b))]
+               ((8, 16, 77, 77), -1, f16, {"scale": 0.3, "out_dtype": f32}, ((8, 1, 77, 77), b)),
+               ((3, 5, 100, 100), -1, f32, {}, ((100, 100), f32)),          # core shares across mask runs
+               ((4, 8, 256, 256), -1, f16, {}, ((8, 256, 256), f32)),       # per-head mask, reused per batch
+               ((64, 1024, 1024), -1, f16, {}, ((1024, 1024), f32))]        # re-read after L2 evicted it
     return cs
 
 

@@ -78,26 +78,22 @@ def _map(idx, dims, strides):
 
 
 def _blocks(kept, n, block, period):
-    """Per-core (start, extent) arrays [n, steps] (extent 0: idle), as ``tiles.split_blocks`` cuts them."""
-    base, rem = divmod(kept, n)
-    per, u = [], 0
-    for c in range(n):
-        q = base + (c < rem)
-        s, e = u, u + q
-        u += q
-        b, out = s, []
-        while b < e:
-            stop = min(e, b + block)
-            if period:
-                stop = min(stop, (b // period + 1) * period)
-            out.append((b, stop - b))
-            b = stop
-        per.append(out)
-    S = max(len(p) for p in per)
-    start, ext = np.zeros((n, S), dtype=np.int64), np.zeros((n, S), dtype=np.int64)
-    for c, p in enumerate(per):
-        if p:
-            start[c, :len(p)], ext[c, :len(p)] = zip(*p)
+    """Per-core (start, extent) arrays [n, steps] (extent 0: idle), as ``tiles.split_blocks`` cuts them: even
+    contiguous shares, each cut into blocks of ``block`` that restart at every multiple of ``period``."""
+    sizes = kept // n + (np.arange(n) < kept % n)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    cuts = np.arange(0, kept, period) if period else np.zeros(1, dtype=np.int64)
+    seg = np.unique(np.concatenate([bounds[:-1], cuts]))               # segment starts
+    seg_end = np.concatenate([seg[1:], [kept]])
+    nblk = -(-(seg_end - seg) // block)
+    first = np.repeat(np.cumsum(nblk) - nblk, nblk)
+    bstart = np.repeat(seg, nblk) + block * (np.arange(int(nblk.sum())) - first)
+    bext = np.minimum(bstart + block, np.repeat(seg_end, nblk)) - bstart
+    core = np.searchsorted(bounds, bstart, side="right") - 1
+    step = np.arange(len(core)) - np.searchsorted(core, core, side="left")
+    start = np.zeros((n, int(step.max()) + 1), dtype=np.int64)
+    ext = np.zeros_like(start)
+    start[core, step], ext[core, step] = bstart, bext
     return start, ext
 
 
@@ -243,37 +239,39 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
 def _mask_stream(L, tasks, keys, ke_m, w_m, other, chunk, L2):
     """Per (step, task): the busiest core's mask bytes and the wave's L2-hit and HBM-miss bytes.
 
-    A region's key is its block key and its chunk (every chunk the same when the mask broadcasts along C).
-    Walking the tasks in program order, a region read earlier hits while the bytes brought into L2 since
-    (``other``: x misses and y written; and mask misses) leave room for it; cores of one wave that read the
-    same region share its miss."""
+    A region is named by its block key and its chunk (every chunk the same when the mask broadcasts along C).
+    The cores of one load that read the same region share one miss. A region read by an earlier task hits
+    while the bytes brought into L2 since — ``other`` (x misses, y written through) and the distinct mask
+    regions read (an upper bound: a hit brings nothing) — leave room for it (LRU)."""
     mdt, along_block, along_c = L.mask
-    msz = L.msz
     S, T = other.shape
-    m_w, m_hit, m_miss = np.zeros((S, T)), np.zeros((S, T)), np.zeros((S, T))
-    last: dict = {}
-    pos = 0.0
-    for s in range(S):
-        ks, es = keys[:, s], ke_m[:, s]
-        live = ks >= 0
-        uk, first = np.unique(ks[live], return_index=True)
-        ue = es[live][first]
-        for j, (k, cv, _, _, _, _) in enumerate(tasks):
-            cm = cv if along_c else 1
-            tag = k if along_c else -1
-            total = float(es[live].sum()) * cm * msz
-            miss = 0.0
-            for key, e in zip(uk.tolist(), ue.tolist()):
-                b = e * cm * msz
-                seen = last.get((key, tag))
-                if seen is None or pos - seen + b > L2:
-                    miss += b
-            pos += other[s, j] + miss
-            for key in uk.tolist():
-                last[(key, tag)] = pos
-            m_w[s, j] = w_m[s] * cm * msz
-            m_hit[s, j], m_miss[s, j] = total - miss, miss
-    return m_w, m_hit, m_miss
+    n = keys.shape[0]
+    cm = np.array([cv if along_c else 1 for _, cv, *_ in tasks], dtype=float)
+    tag = np.array([k if along_c else -1 for k, *_ in tasks])
+    K = np.broadcast_to(keys.T[:, None, :], (S, T, n))
+    live = K >= 0
+    nbytes = ke_m.T[:, None, :] * cm[None, :, None] * L.msz
+    total = np.where(live, nbytes, 0.0).sum(axis=2)
+    m_w = np.asarray(w_m, float)[:, None] * cm[None, :] * L.msz
+    tt = np.broadcast_to(np.arange(S * T).reshape(S, T, 1), (S, T, n))[live]
+    kk, gg = K[live], np.broadcast_to(tag[None, :, None], (S, T, n))[live]
+    bb = np.broadcast_to(nbytes, (S, T, n))[live]
+    o = np.lexsort((gg, kk, tt))                       # distinct regions per task, in time order
+    tt, kk, gg, bb = tt[o], kk[o], gg[o], bb[o]
+    first = np.ones(len(tt), dtype=bool)
+    first[1:] = (tt[1:] != tt[:-1]) | (kk[1:] != kk[:-1]) | (gg[1:] != gg[:-1])
+    tt, kk, gg, bb = tt[first], kk[first], gg[first], bb[first]
+    inserted = other.reshape(-1) + np.bincount(tt, weights=bb, minlength=S * T)
+    after = np.cumsum(inserted)
+    before = after - inserted
+    o = np.lexsort((tt, gg, kk))                       # each region's reads in time order
+    tt, kk, gg, bb = tt[o], kk[o], gg[o], bb[o]
+    again = np.zeros(len(tt), dtype=bool)
+    again[1:] = (kk[1:] == kk[:-1]) & (gg[1:] == gg[:-1])
+    prev = np.concatenate([[0], tt[:-1]])
+    miss = ~again | (before[tt] - after[prev] + bb > L2)
+    m_miss = np.bincount(tt[miss], weights=bb[miss], minlength=S * T).reshape(S, T)
+    return m_w, total - m_miss, m_miss
 
 
 def _candidates(dev, dtype, L, out, log):
