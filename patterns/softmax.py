@@ -1,5 +1,4 @@
-"""The softmax family: a softmax (or log-softmax) with the scale, mask and casts around it, recognised by
-meaning, fused into one Vector kernel.
+"""The softmax family: softmax or log-softmax with its scale, mask and casts, as one Vector kernel.
 
 Target: ``scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, out_dtype)`` (CANN
 ScaledMaskedSoftmax, plus the log form): ``z = scale · x``, then a bool keep-mask (a masked score becomes
@@ -226,12 +225,8 @@ def _decide(m: dict) -> Match | None:
 
 @register("softmax")
 def find_softmax(gm: fx.GraphModule) -> list[Match]:
-    """Every softmax block of ``gm`` (canonical form), in graph order; blocks do not overlap."""
+    """Every softmax block of ``gm`` (canonical form), in graph order (a node of one block is never another's:
+    the chain ends at x and only the block's output leaves it)."""
     view = graph_view(gm)
     found = _SOFTMAX.match(view, _decide) + _LSE.match(view, _decide)
-    out, taken = [], set()
-    for mt in sorted(found, key=lambda mt: view.order[mt.anchor]):
-        if taken.isdisjoint(mt.nodes):
-            out.append(mt)
-            taken.update(mt.nodes)
-    return out
+    return sorted(found, key=lambda mt: view.order[mt.anchor])
