@@ -444,6 +444,19 @@ def experts_pair(M, K, N, E, dtype, device):
     return (f"experts GEMM [{M}, {K}] x {E}x[{K}, {N}] {dtype} on {device}", unfused, fused)
 
 
+def softmax_pair(shape, dtype, device, mask):
+    """A scaled, masked softmax computed in fp32 as eager launches it (cast up, mul, where, softmax, cast down)
+    vs the softmax family's one kernel."""
+    f32 = "float32"
+    unfused = [Case("elementwise", [(shape, dtype)], device, {"op": "cast", "out_dtype": f32}),
+               Case("elementwise", [(shape, f32)], device, {"op": "mul", "scalar": 0.125}),
+               Case("elementwise", [mask, (shape, f32)], device, {"op": "where", "scalar": -1e4}),
+               Case("softmax", [(shape, f32)], device, {"dim": -1}),
+               Case("elementwise", [(shape, f32)], device, {"op": "cast", "out_dtype": dtype})]
+    fused = Case("softmax", [(shape, dtype)], device, {"dim": -1, "scale": 0.125, "fill": -1e4}, {"mask": mask})
+    return (f"scaled masked softmax {list(shape)} {dtype} mask={list(mask[0])} on {device}", unfused, fused)
+
+
 def pairs(quick: bool = False) -> list:
     """(label, unfused cases, fused case): attention vs flash_attention, add + rms_norm vs add_rms_norm."""
     out = []
@@ -468,6 +481,12 @@ def pairs(quick: bool = False) -> list:
     for i, (T, E, k, dt) in enumerate(gates):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(gating_pair(T, E, k, dt, d))
+    sms = [((4, 256, 256), "float16", ((4, 1, 256), "bool")), ((2, 4, 64, 64), "bfloat16", ((64, 64), "bool"))]
+    if not quick:
+        sms += [((16, 1024, 1024), "float16", ((16, 1, 1024), "bool")), ((1, 8, 512, 512), "float32", ((512, 512), "bool"))]
+    for i, (shape, dt, mask) in enumerate(sms):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(softmax_pair(shape, dt, d, mask))
     gemms = [(64, 512, 1024, 8, "float16")] + ([] if quick else [(1024, 1024, 2048, 8, "bfloat16")])
     for i, (M, K, N, E, dt) in enumerate(gemms):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
