@@ -341,4 +341,5 @@ def is_fused_call(n: fx.Node) -> bool:
 __all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "family_of",
            "is_fused_call", "kernel_default_tiling", "price_attention", "register_family"]
 
+from autofuse import fused_softmax as _fused_softmax  # noqa: E402,F401  (registers the softmax family)
 from autofuse import fused_vector as _fused_vector  # noqa: E402,F401  (registers vector_chain, matmul_epilogue)

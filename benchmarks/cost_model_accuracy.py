@@ -117,6 +117,34 @@ def _matmul_cases(quick: bool):
     return out + extra
 
 
+def _softmax_family(quick: bool):
+    """Softmax with its scale, mask (bool keep-masks and additive ones, broadcast as padding, causal and
+    per-head masks are), log form, output dtype and empty-row mode: (shape, dim, dtype, params, mask)."""
+    f16, bf16, f32, b = "float16", "bfloat16", "float32", "bool"
+    cs = [((2, 4, 128, 128), -1, f16, {"scale": 0.125}, ((2, 1, 1, 128), b)),
+          ((2, 4, 128, 128), -1, bf16, {"fill": -1e4}, ((128, 128), b)),
+          ((4, 300), -1, f32, {"log": True}, ((4, 300), f32)),
+          ((1, 8, 256, 256), -1, f16, {"out_dtype": f32}, ((1, 1, 256, 256), f16)),
+          ((8, 50000), -1, f16, {"log": True, "scale": 0.5}, ((1, 50000), b)),
+          ((6, 37, 19), 1, bf16, {"scale": 2.0}, ((6, 1, 19), b)),
+          ((3, 5, 7), -1, f32, {"empty_rows": "zero"}, ((3, 1, 7), b)),
+          ((333, 777), -1, f32, {"log": True, "out_dtype": bf16}, None)]
+    if not quick:
+        cs += [((16, 1024, 1024), -1, f16, {"scale": 0.125}, ((16, 1, 1024), b)),
+               ((1, 16, 2048, 2048), -1, f16, {"scale": 0.088}, ((2048, 2048), b)),
+               ((2, 8, 512, 512), -1, bf16, {"fill": -3.0e38}, ((2, 1, 512, 512), b)),
+               ((4096, 4096), -1, f16, {"log": True, "scale": 0.5}, ((4096, 4096), f16)),
+               ((2, 512, 4096), -1, f32, {"out_dtype": bf16, "empty_rows": "zero"}, ((2, 512, 1), b)),
+               ((64, 70000), -1, f32, {"log": True}, ((64, 1), f32)),
+               ((4, 1000, 96), 1, f16, {"scale": 0.5}, ((4, 1, 96), f16)),
+               ((32, 1024, 8), 0, f32, {"log": True}, ((1, 1024, 8), b)),
+               ((8, 16, 77, 77), -1, f16, {"scale": 0.3, "out_dtype": f32}, ((8, 1, 77, 77), b)),
+               ((3, 5, 100, 100), -1, f32, {}, ((100, 100), f32)),          # core shares across mask runs
+               ((4, 8, 256, 256), -1, f16, {}, ((8, 256, 256), f32)),       # per-head mask, reused per batch
+               ((64, 1024, 1024), -1, f16, {}, ((1024, 1024), f32))]        # re-read after L2 evicted it
+    return cs
+
+
 def _vector_cases(quick: bool):
     f16, bf16, f32 = "float16", "bfloat16", "float32"
     out = []
@@ -128,6 +156,9 @@ def _vector_cases(quick: bool):
     for i, (shape, dim, dt) in enumerate(sm):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("softmax", [(shape, dt)], d, {"dim": dim}))
+    for i, (shape, dim, dt, p, mask) in enumerate(_softmax_family(quick)):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("softmax", [(shape, dt)], d, {"dim": dim, **p}, {"mask": mask} if mask else {}))
     norms = [((1024, 2048), f16), ((333, 777), f32), ((8, 50000), bf16), ((7,), f32)]
     if not quick:
         norms += [((4096, 4096), f16), ((2, 512, 4096), f16), ((1, 2048, 8192), bf16), ((100, 64), f16),
@@ -491,6 +522,19 @@ def experts_pair(M, K, N, E, dtype, device):
     return (f"experts GEMM [{M}, {K}] x {E}x[{K}, {N}] {dtype} on {device}", unfused, fused)
 
 
+def softmax_pair(shape, dtype, device, mask):
+    """A scaled, masked softmax computed in fp32 as eager launches it (cast up, mul, where, softmax, cast down)
+    vs the softmax family's one kernel."""
+    f32 = "float32"
+    unfused = [Case("elementwise", [(shape, dtype)], device, {"op": "cast", "out_dtype": f32}),
+               Case("elementwise", [(shape, f32)], device, {"op": "mul", "scalar": 0.125}),
+               Case("elementwise", [mask, (shape, f32)], device, {"op": "where", "scalar": -1e4}),
+               Case("softmax", [(shape, f32)], device, {"dim": -1}),
+               Case("elementwise", [(shape, f32)], device, {"op": "cast", "out_dtype": dtype})]
+    fused = Case("softmax", [(shape, dtype)], device, {"dim": -1, "scale": 0.125, "fill": -1e4}, {"mask": mask})
+    return (f"scaled masked softmax {list(shape)} {dtype} mask={list(mask[0])} on {device}", unfused, fused)
+
+
 def pairs(quick: bool = False) -> list:
     """(label, unfused cases, fused case): attention vs flash_attention, add + rms_norm vs add_rms_norm."""
     out = []
@@ -515,6 +559,12 @@ def pairs(quick: bool = False) -> list:
     for i, (T, E, k, dt) in enumerate(gates):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(gating_pair(T, E, k, dt, d))
+    sms = [((4, 256, 256), "float16", ((4, 1, 256), "bool")), ((2, 4, 64, 64), "bfloat16", ((64, 64), "bool"))]
+    if not quick:
+        sms += [((16, 1024, 1024), "float16", ((16, 1, 1024), "bool")), ((1, 8, 512, 512), "float32", ((512, 512), "bool"))]
+    for i, (shape, dt, mask) in enumerate(sms):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(softmax_pair(shape, dt, d, mask))
     gemms = [(64, 512, 1024, 8, "float16")] + ([] if quick else [(1024, 1024, 2048, 8, "bfloat16")])
     for i, (M, K, N, E, dt) in enumerate(gemms):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):

@@ -2,15 +2,25 @@
 
 Per task, the Vector passes of the kernel (fp32 statistics; fp16/bf16 cast in and out):
 
-* one pass (``chunk >= C``): cast, max + brcb, sub, exp, sum + brcb, div, cast — 3 elementwise passes
-  (1 in fp32) and 4 per-row passes;
-* online (``chunk < C``): pass 1 per chunk (cast, max, correction of the running statistics, sub, exp,
-  sum), pass 2 per chunk (cast, sub, exp, div, cast, store). Pass 2 reloads the chunks; they hit L2 when
-  the step's rows (and the outputs written meanwhile) fit in it.
+* prologue: cast in (fp16/bf16 x), ``mul`` by the scale, the mask (a cast of an fp16/bf16 additive mask
+  over the mask tile, then one select or add: elementwise when the mask tile is the work tile's shape,
+  per row when it broadcasts);
+* one pass (``chunk >= C``): prologue, max + brcb, sub, exp, sum + brcb, div (log: log of the sum, sub),
+  cast out — plus two selects on the statistics for ``empty_rows="zero"``;
+* online (``chunk < C``): pass 1 per chunk (prologue, max, the max in use, correction of the running
+  statistics, sub, exp, sum), pass 2 per chunk (prologue, sub, exp, div or sub, cast, store). Pass 2
+  reloads the chunks; they hit L2 when the step's rows (and the outputs written meanwhile) fit in it.
 
 Repeat counts follow ``Group.repeats``/``row_repeats``: an elementwise pass over ``rows x pad(cols)``
 costs ``ceil(rows·pad(cols)/64)`` fp32 repeats, a per-row pass ``rows·ceil(cols/64)``. The tasks run
 through :func:`cost_model.stream.stream`; the tiling search tries the row blocks that fit UB.
+
+**The mask stream.** Blocks never cross a run of the mask (:func:`_axis_map`), so each core's tile reads
+one strided block of it per chunk: its GM→UB bytes are exact. Which of those loads reach HBM is decided
+region by region as the simulator's L2 does: the cores of one lockstep load that read the same region
+share one miss; a region read by an earlier task hits while the bytes the kernel brought into L2 since
+(x and mask misses, y written through) leave room for it. A ``[B, 1, 1, S]`` padding mask thus costs its
+size in HBM once, a ``[S, S]`` causal mask under ``[B, N, S, S]`` scores once per group of cores in step.
 """
 from __future__ import annotations
 
@@ -19,64 +29,128 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.devices import get_device
+from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import fits, largest, pad
 
 STAT = 8
+F32 = "float32"
 
 
-def _specs(dtype, rowwise, block, chunk):
+def _specs(dtype, rowwise, block, chunk, out=None, mask=None, log=False, one_pass=True):
+    out = out or dtype
     shape = (block, pad(chunk, dtype)) if rowwise else (chunk, pad(block, dtype))
     stat = (block, STAT) if rowwise else (1, pad(block, dtype))
     specs = [(shape, dtype)] * 2
-    if dtype != "float32":
-        specs += [(shape, "float32")] + [(shape, dtype)] * 2
-    return specs + [(stat, "float32")] * 3
+    if dtype != F32:
+        specs += [(shape, F32)] * (1 if out != F32 else 2)
+    if out != F32:
+        specs += [(shape, out)] * 2
+    if log and one_pass:
+        specs += [(shape, F32)]
+    if mask is not None:
+        mdt, along_block, along_c = mask
+        rows, cols = (block if along_block else 1), (chunk if along_c else 1)
+        ms = (rows, pad(cols, mdt)) if rowwise else (cols, pad(rows, mdt))
+        specs += [(ms, mdt)] * 2 + ([(ms, F32)] if mdt not in ("bool", F32) else [])
+    return specs + [(stat, F32)] * 4
 
 
-def _split_lanes(kept, n, block, period):
-    """Per core: the extents of its blocks (``tiles.split_blocks``: even shares, cut at period boundaries)."""
-    base, rem = divmod(kept, n)
-    out, u = [], 0
-    for c in range(n):
-        q = base + (c < rem)
-        s, e = u, u + q
-        u += q
-        ext = []
-        b = s
-        while b < e:
-            stop = min(e, b + block)
-            if period:
-                stop = min(stop, (b // period + 1) * period)
-            ext.append(stop - b)
-            b = stop
-        out.append(ext)
-    return out
+def _axis_map(dims, mdims):
+    """(run length, step 0|1, mask strides) of flat indices over ``dims`` into the mask's ``mdims``: within a
+    run of consecutive indices the mask index is constant (step 0) or advances by one (step 1)."""
+    run, step = 1, None
+    for d, md in zip(reversed(dims), reversed(mdims)):
+        if d > 1:
+            s = int(md != 1)
+            if step is not None and s != step:
+                break
+            step, run = s, run * d
+    strides = [int(math.prod(mdims[i + 1:])) if mdims[i] != 1 else 0 for i in range(len(mdims))]
+    return run, 1 if step is None else step, strides
 
 
-def _steps(kept, n, block, rowwise, inner):
-    """(worst extent, total extent, active cores) per lockstep step."""
-    if rowwise or (inner % block == 0 and (kept // n) % inner == 0 and kept % n == 0):
-        return block_steps(kept, n, block)
-    per = _split_lanes(kept, n, block, inner)
-    S = max(len(p) for p in per)
-    ext = np.zeros((n, S))
-    for c, p in enumerate(per):
-        ext[c, :len(p)] = p
-    return ext.max(axis=0), ext.sum(axis=0), (ext > 0).sum(axis=0)
+def _map(idx, dims, strides):
+    if not dims:
+        return np.zeros_like(idx)
+    return sum(k * s for k, s in zip(np.unravel_index(idx, dims), strides))
 
 
-def _model(dev, dtype, outer, C, inner, block, chunk):
-    isz = itemsize(dtype)
-    rowwise = inner == 1
-    kept = outer * inner
+def _blocks(kept, n, block, period):
+    """Per-core (start, extent) arrays [n, steps] (extent 0: idle), as ``tiles.split_blocks`` cuts them: even
+    contiguous shares, each cut into blocks of ``block`` that restart at every multiple of ``period``."""
+    sizes = kept // n + (np.arange(n) < kept % n)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    cuts = np.arange(0, kept, period) if period else np.zeros(1, dtype=np.int64)
+    seg = np.unique(np.concatenate([bounds[:-1], cuts]))               # segment starts
+    seg_end = np.concatenate([seg[1:], [kept]])
+    nblk = -(-(seg_end - seg) // block)
+    first = np.repeat(np.cumsum(nblk) - nblk, nblk)
+    bstart = np.repeat(seg, nblk) + block * (np.arange(int(nblk.sum())) - first)
+    bext = np.minimum(bstart + block, np.repeat(seg_end, nblk)) - bstart
+    core = np.searchsorted(bounds, bstart, side="right") - 1
+    step = np.arange(len(core)) - np.searchsorted(core, core, side="left")
+    start = np.zeros((n, int(step.max()) + 1), dtype=np.int64)
+    ext = np.zeros_like(start)
+    start[core, step], ext[core, step] = bstart, bext
+    return start, ext
+
+
+class _Layout:
+    """The tensor viewed [outer, C, inner] and, with a mask, where each core's tile reads it."""
+
+    def __init__(self, shape, dim, mshape, mdtype):
+        nd = len(shape)
+        if nd == 0:
+            raise ValueError("softmax: x is a 0-d tensor")
+        dim %= nd
+        self.outer, self.C, self.inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+        self.rowwise = self.inner == 1
+        self.mask = None
+        self.period = None
+        if mshape is not None:
+            full = (1,) * (nd - len(mshape)) + tuple(mshape)
+            if len(full) != nd or any(m not in (1, d) for m, d in zip(full, shape)):
+                raise ValueError(f"softmax: mask {list(mshape)} does not broadcast to x {list(shape)}")
+            self.odims, self.idims = tuple(shape[:dim]), tuple(shape[dim + 1:])
+            self.ostr = _axis_map(self.odims, full[:dim])[2]
+            run, step, self.istr = _axis_map(self.idims, full[dim + 1:])
+            if self.rowwise:
+                run, step, _ = _axis_map(self.odims, full[:dim])
+            self.period = run
+            self.mask = (mdtype, step == 1, full[dim] != 1)
+            self.msz = itemsize(mdtype)
+
+
+def _mask_keys(L, start, ext, ke_m):
+    """Per (core, step): an integer naming the mask region the tile reads (chunks aside), -1 when idle."""
+    if L.rowwise:
+        row = _map(start, L.odims, L.ostr)
+        key = row * (L.outer + 1) + ke_m
+    else:
+        o, lane = np.divmod(start, L.inner)
+        key = (_map(o, L.odims, L.ostr) * (L.inner + 1) + _map(lane, L.idims, L.istr)) * (L.inner + 1) + ke_m
+    return np.where(ext > 0, key, -1)
+
+
+def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
+    isz, osz = itemsize(dtype), itemsize(out)
+    rowwise, C, inner = L.rowwise, L.C, L.inner
+    kept = L.outer * inner
     n = min(dev.vector_cores, kept)
-    lowp = dtype != "float32"
-    worst, tot, act = _steps(kept, n, block, rowwise, inner)
+    lowp_in, lowp_out = dtype != F32, out != F32
+    period = L.period if rowwise else min(L.period or inner, inner)
+    if L.mask is None and (rowwise or (inner % block == 0 and (kept // n) % inner == 0 and kept % n == 0)):
+        worst, tot, act = block_steps(kept, n, block)
+        start = ext = None
+    else:
+        start, ext = _blocks(kept, n, block, None if (rowwise and L.mask is None) else period)
+        worst, tot, act = ext.max(axis=0).astype(float), ext.sum(axis=0).astype(float), (ext > 0).sum(axis=0)
     S = len(worst)
     nchunks = ceil_div(C, chunk)
+    one = nchunks == 1
+    mk = L.mask
 
     def counts(ke, cv):
         if rowwise:
@@ -85,112 +159,211 @@ def _model(dev, dtype, outer, C, inner, block, chunk):
         pk = round_up(ke, 32 // isz)
         return np.ceil(cv * pk / 64), cv * np.ceil(pk / 64), np.ceil(pk / 64), np.zeros_like(ke)
 
-    L2 = dev.l2_bytes
-    tasks = []        # per task kind: arrays over steps (load_b, load_hit, load_miss, vec, store_b, instr)
-    step_bytes = tot * C * isz
     nb = 1 if rowwise else 0          # brcb instructions per reduction
-    if nchunks == 1:
+    if mk is not None:
+        mdt, along_block, along_c = mk
+        ke_m = ext if along_block else np.minimum(ext, 1)
+        keys = _mask_keys(L, start, ext, ke_m)
+        w_m = worst if along_block else np.minimum(worst, 1)
+
+    def prologue(ke, cv):
+        """(vector repeats, instructions) of cast in, scale, mask."""
+        ew, row, _, _ = counts(ke, cv)
+        vec, ins = lowp_in * ew + scaled * ew, lowp_in + scaled
+        if mk is not None:
+            cm = cv if along_c else 1
+            if mdt not in ("bool", F32):
+                rm = w_m if rowwise else (ke if along_block else np.minimum(ke, 1))
+                vec = vec + (np.ceil(rm * pad(cm, mdt) / 64) if rowwise else np.ceil(cm * pad(rm, mdt) / 64))
+                ins += 1
+            vec = vec + (ew if (along_block and along_c) else row)
+            ins += 1
+        return vec, ins
+
+    tasks = []        # per task: (chunk k, cv, pass, vec, instr, stores)
+    if one:
         ew, row, small, br = counts(worst, C)
-        vec = (3 if lowp else 1) * ew + 4 * row + 2 * br
-        instr = (2 if lowp else 0) + 5 + 2 * nb + 2
-        tasks.append((worst * C * isz, 0 * tot, tot * C * isz, vec, worst * C * isz, tot * C * isz, instr))
+        pv, pi = prologue(worst, C)
+        vec = pv + ew * (1 + lowp_out) + 4 * row + 2 * br + small * (2 * zero + log)
+        instr = pi + lowp_out + 5 + 2 * nb + 2 * zero + log + 2
+        tasks.append((0, C, 0, vec, instr, True))
     else:
         for k in range(nchunks):                           # pass 1
             cv = min(chunk, C - k * chunk)
             ew, row, small, br = counts(worst, cv)
-            vec = (1 if lowp else 0) * ew + ew + 3 * row + 2 * br + (5 * small if k else 0)
-            instr = (1 if lowp else 0) + 4 + 2 * nb + (5 if k else 0) + 1
-            tasks.append((worst * cv * isz, 0 * tot, tot * cv * isz, vec, 0 * tot, 0 * tot, instr))
+            pv, pi = prologue(worst, cv)
+            last = k == nchunks - 1
+            extra = (5 if k else 0) + 1 + last * (zero + 2 * log)
+            vec = pv + ew + 3 * row + 2 * br + extra * small
+            instr = pi + 4 + 2 * nb + extra + 1
+            tasks.append((k, cv, 1, vec, instr, False))
         for k in range(nchunks):                           # pass 2: reloads
             cv = min(chunk, C - k * chunk)
             ew, row, small, br = counts(worst, cv)
-            vec = (2 if lowp else 0) * ew + ew + 2 * row
-            instr = (2 if lowp else 0) + 3 + 2
+            pv, pi = prologue(worst, cv)
+            vec = pv + ew * ((not log) + lowp_out) + row * (1 + (not log))
+            instr = pi + lowp_out + 1 + 2 * (not log) + 2
+            tasks.append((k, cv, 2, vec, instr, True))
+    T = len(tasks)
+    L2, L2bw, HBMbw, rate = dev.l2_bytes, dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle, dev.rates["GM->UB"]
+    step_bytes = tot * C * isz
+    # per (step, task) arrays, step-major
+    xb_w = np.zeros((S, T))
+    x_hit, x_miss, vec, instr = (np.zeros((S, T)) for _ in range(4))
+    st_w, st_tot = np.zeros((S, T)), np.zeros((S, T))
+    for j, (k, cv, ps, v, ins, stores) in enumerate(tasks):
+        b = tot * cv * isz
+        xb_w[:, j] = worst * cv * isz
+        if ps == 2:                                          # a reload: a hit while the step's rows stay
             resident = step_bytes + tot * k * chunk * isz <= L2
-            b = tot * cv * isz
-            tasks.append((worst * cv * isz, np.where(resident, b, 0.0), np.where(resident, 0.0, b), vec,
-                          worst * cv * isz, b, instr))
-    # interleave: step-major, task-minor
-    cols = [np.stack([np.broadcast_to(np.asarray(t[i], float), (S,)) for t in tasks], axis=1).reshape(-1)
-            for i in range(7)]
-    load_b, hit, miss, vec, store_b, store_tot, instr = cols
-    core, busy = stream(dev, load_b, port(dev, hit, miss), vec, store_b, store_tot / dev.hbm_bytes_per_cycle,
-                        instr)
-    hbm = float(miss.sum() + store_tot.sum())
-    nbytes = {"GM->UB": float((hit + miss).sum()), "UB->GM": float(store_tot.sum())}
+            x_hit[:, j], x_miss[:, j] = np.where(resident, b, 0.0), np.where(resident, 0.0, b)
+        else:
+            x_miss[:, j] = b
+        vec[:, j], instr[:, j] = v, ins
+        if stores:
+            st_w[:, j], st_tot[:, j] = worst * cv * osz, tot * cv * osz
+    m_w, m_hit, m_miss = np.zeros((S, T)), np.zeros((S, T)), np.zeros((S, T))
+    if mk is not None:
+        m_w, m_hit, m_miss = _mask_stream(L, tasks, keys, ke_m, w_m, x_miss + st_tot, chunk, L2)
+    instr = instr + (mk is not None)
+    load_port = port(dev, x_hit, x_miss) + port(dev, m_hit, m_miss)
+    load_cyc = np.maximum(xb_w / rate, port(dev, x_hit, x_miss)) + np.maximum(m_w / rate, port(dev, m_hit, m_miss))
+    flat = lambda a: np.asarray(a, float).reshape(-1)        # noqa: E731
+    core, busy = stream(dev, flat(load_cyc * rate), flat(load_port), flat(vec), flat(st_w),
+                        flat(st_tot / HBMbw), flat(instr))
+    hbm = float(x_miss.sum() + m_miss.sum() + st_tot.sum())
+    nbytes = {"GM->UB": float((x_hit + x_miss + m_hit + m_miss).sum()), "UB->GM": float(st_tot.sum())}
     return core, hbm, nbytes, busy
 
 
-def _dims(x, dim):
-    shape, dtype = x
-    nd = len(shape)
-    if nd == 0:
-        raise ValueError("softmax: x is a 0-d tensor")
-    dim %= nd
-    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]), dtype
+def _mask_stream(L, tasks, keys, ke_m, w_m, other, chunk, L2):
+    """Per (step, task): the busiest core's mask bytes and the wave's L2-hit and HBM-miss bytes.
+
+    A region is named by its block key and its chunk (every chunk the same when the mask broadcasts along C).
+    The cores of one load that read the same region share one miss. A region read by an earlier task hits
+    while the bytes brought into L2 since — ``other`` (x misses, y written through) and the distinct mask
+    regions read (an upper bound: a hit brings nothing) — leave room for it (LRU)."""
+    mdt, along_block, along_c = L.mask
+    S, T = other.shape
+    n = keys.shape[0]
+    cm = np.array([cv if along_c else 1 for _, cv, *_ in tasks], dtype=float)
+    tag = np.array([k if along_c else -1 for k, *_ in tasks])
+    K = np.broadcast_to(keys.T[:, None, :], (S, T, n))
+    live = K >= 0
+    nbytes = ke_m.T[:, None, :] * cm[None, :, None] * L.msz
+    total = np.where(live, nbytes, 0.0).sum(axis=2)
+    m_w = np.asarray(w_m, float)[:, None] * cm[None, :] * L.msz
+    tt = np.broadcast_to(np.arange(S * T).reshape(S, T, 1), (S, T, n))[live]
+    kk, gg = K[live], np.broadcast_to(tag[None, :, None], (S, T, n))[live]
+    bb = np.broadcast_to(nbytes, (S, T, n))[live]
+    o = np.lexsort((gg, kk, tt))                       # distinct regions per task, in time order
+    tt, kk, gg, bb = tt[o], kk[o], gg[o], bb[o]
+    first = np.ones(len(tt), dtype=bool)
+    first[1:] = (tt[1:] != tt[:-1]) | (kk[1:] != kk[:-1]) | (gg[1:] != gg[:-1])
+    tt, kk, gg, bb = tt[first], kk[first], gg[first], bb[first]
+    inserted = other.reshape(-1) + np.bincount(tt, weights=bb, minlength=S * T)
+    after = np.cumsum(inserted)
+    before = after - inserted
+    o = np.lexsort((tt, gg, kk))                       # each region's reads in time order
+    tt, kk, gg, bb = tt[o], kk[o], gg[o], bb[o]
+    again = np.zeros(len(tt), dtype=bool)
+    again[1:] = (kk[1:] == kk[:-1]) & (gg[1:] == gg[:-1])
+    prev = np.concatenate([[0], tt[:-1]])
+    miss = ~again | (before[tt] - after[prev] + bb > L2)
+    m_miss = np.bincount(tt[miss], weights=bb[miss], minlength=S * T).reshape(S, T)
+    return m_w, total - m_miss, m_miss
 
 
-def _candidates(dev, dtype, outer, C, inner):
-    rowwise = inner == 1
-    kept = outer * inner
+def _candidates(dev, dtype, L, out, log):
+    rowwise = L.rowwise
+    kept = L.outer * L.inner
     n = min(dev.vector_cores, kept)
     per_core = ceil_div(kept, n)
     step = 64
-    out = []
+    C, mask, period = L.C, L.mask, L.period
+    res = []
+
+    def ok(b, k, one):
+        return fits(dev, _specs(dtype, rowwise, b, k, out, mask, log, one))
+
     if rowwise:
-        if fits(dev, _specs(dtype, True, 1, C)):
+        if ok(1, C, True):
             chunks = [C]
         else:
-            top = step * largest(lambda k: fits(dev, _specs(dtype, True, 1, k * step)), 1, ceil_div(C, step))
+            top = step * largest(lambda k: ok(1, k * step, False), 1, ceil_div(C, step))
             chunks = [top] + ([top // 2 // step * step] if top // 2 >= step else [])
         for chunk in chunks:
-            bmax = largest(lambda b: fits(dev, _specs(dtype, True, b, chunk)), 1, per_core)
+            one = chunk >= C
+            bmax = min(largest(lambda b: ok(b, chunk, one), 1, per_core), period or per_core)
             if bmax < 1:
                 continue
             for j in (1, 2, 4):
                 b = min(bmax, ceil_div(per_core, j))
-                if {"block": b, "chunk": chunk} not in out:
-                    out.append({"block": b, "chunk": chunk})
+                if {"block": b, "chunk": chunk} not in res:
+                    res.append({"block": b, "chunk": chunk})
     else:
-        for block in sorted({min(inner, per_core, b) for b in (256, 128, 64, 32, 16, 8)}, reverse=True):
-            chunk = largest(lambda k: fits(dev, _specs(dtype, False, block, k)), 1, C)
+        cap = min(L.inner, per_core, period or L.inner)
+        for block in sorted({min(cap, b) for b in (256, 128, 64, 32, 16, 8)}, reverse=True):
+            chunk = largest(lambda k: ok(block, k, k >= C), 1, C)
             if chunk >= 1:
-                out.append({"block": block, "chunk": chunk})
-    if not out:
+                res.append({"block": block, "chunk": chunk})
+    if not res:
         raise ValueError(f"softmax: no tile of {dtype} fits UB on {dev.name}")
-    return out
+    return res
 
 
 @cached
-def _search(device, dtype, outer, C, inner):
+def _search(device, dtype, shape, dim, mask, out, log, zero, scaled):
     dev = get_device(device)
+    L = _Layout(shape, dim, *(mask or (None, None)))
     best = None
-    for t in _candidates(dev, dtype, outer, C, inner):
-        res = _model(dev, dtype, outer, C, inner, t["block"], t["chunk"])
+    for t in _candidates(dev, dtype, L, out, log):
+        res = _model(dev, dtype, L, t["block"], t["chunk"], out, log, zero, scaled)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)
     return best[1], best[2]
 
 
-def _roofline(dev, specs, dim=-1, tiling=None):
+def _passes(specs, mask, scale, log, out_dtype):
+    """fp32 Vector passes per element (roofline): max, sub, exp, sum, div, + scale, mask, casts."""
+    (shape, dtype) = specs[0]
+    out = out_dtype or dtype
+    return 5 + (dtype != F32) + (out != F32) + (scale not in (None, 1.0)) + (mask is not None)
+
+
+def _roofline(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None, log=False, empty_rows="nan",
+              out_dtype=None):
     (shape, dtype) = specs[0]
     N = math.prod(shape)
-    vec = N * 5 / (dev.vector_bytes_per_cycle / 4) / dev.vector_cores      # five fp32 passes per element
-    return max(vec, 2 * N * itemsize(dtype) / dev.hbm_bytes_per_cycle)
+    out = str(out_dtype).replace("torch.", "") if out_dtype else dtype
+    vec = N * _passes(specs, mask, scale, log, out) / (dev.vector_bytes_per_cycle / 4) / dev.vector_cores
+    mbytes = math.prod(mask[0]) * itemsize(mask[1]) if mask is not None else 0
+    return max(vec, (N * (itemsize(dtype) + itemsize(out)) + mbytes) / dev.hbm_bytes_per_cycle)
 
 
 @register("softmax", _roofline)
-def estimate_softmax(dev, specs, dim=-1, tiling=None):
-    outer, C, inner, dtype = _dims(specs[0], dim)
+def estimate_softmax(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None, log=False,
+                     empty_rows="nan", out_dtype=None):
+    """Predicted cost of ``npu.run("softmax", x, dim=..., mask=..., scale=..., log=..., out_dtype=...)``;
+    ``mask`` as a spec ``(shape, dtype)``; ``fill`` does not change the cost."""
+    (shape, dtype) = specs[0]
+    shape = tuple(shape)
+    out = str(out_dtype).replace("torch.", "") if out_dtype else dtype
+    mkey = (tuple(mask[0]), mask[1]) if mask is not None else None
+    scaled = scale is not None and float(scale) != 1.0
+    zero = empty_rows == "zero"
     if tiling is None:
-        t, res = _search(dev.name, dtype, outer, C, inner)
+        t, res = _search(dev.name, dtype, shape, dim, mkey, out, bool(log), zero, scaled)
     else:
-        t = {"block": int(tiling.get("block", tiling.get("rows", 0))), "chunk": min(int(tiling.get("chunk", C)), C)}
-        res = _model(dev, dtype, outer, C, inner, t["block"], t["chunk"])
+        L = _Layout(shape, dim, *(mkey or (None, None)))
+        t = {"block": int(tiling.get("block", tiling.get("rows", 0))),
+             "chunk": min(int(tiling.get("chunk", L.C)), L.C)}
+        res = _model(dev, dtype, L, t["block"], t["chunk"], out, bool(log), zero, scaled)
     core, hbm, nbytes, busy = res
-    N = outer * C * inner
-    return make("softmax", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, dim), 5.0 * N)
+    N = math.prod(shape)
+    roof = _roofline(dev, specs, dim, mask=mask, scale=scale, log=log, out_dtype=out)
+    return make("softmax", dev, core, hbm, nbytes, busy, dict(t), roof, _passes(specs, mask, scale, log, out) * N)
 
 
 __all__ = ["estimate_softmax"]

@@ -265,7 +265,7 @@ def test_near_miss_scores_used_elsewhere():
 
 def _only_decision(module, args):
     from autofuse import AutoFusionEngine
-    (d,) = AutoFusionEngine.fuse(module, args).report.decisions
+    (d,) = [d for d in AutoFusionEngine.fuse(module, args).report.decisions if d.pattern == "attention"]
     return d
 
 

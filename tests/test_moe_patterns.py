@@ -68,9 +68,11 @@ def _build(name, impl, attn, seed=0):
 def test_every_router_and_experts_block_is_fused(name, impl, attn):
     model, ids = _build(name, impl, attn)
     fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
-    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.decisions)
+    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.decisions if d.pattern != "softmax")
     assert codes == {("attention", "fused"): LAYERS, ("moe_gating", "fused"): LAYERS,
                      ("moe_experts", "fused"): LAYERS}, fused.report.summary()
+    # the attention's softmax is a softmax-family candidate too: it loses the conflict (attention saves more)
+    assert not [d for d in fused.report.applied if d.pattern == "softmax"], fused.report.summary()
     targets = {str(n.target) for n in fused.graph_module.graph.nodes if n.op == "call_function"}
     assert not targets & {"transformers.grouped_mm_fallback.default", "aten.topk.default", "aten.sort.default"}
     ref_model = copy.deepcopy(model).double()

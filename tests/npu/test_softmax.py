@@ -127,3 +127,201 @@ def test_acceptance_4096_square_fp16_on_910():
     torch.manual_seed(0)
     r = _check(torch.randn(4096, 4096).half(), -1)
     assert max(r.stats.util.values()) >= 0.85
+
+
+# --------------------------------------------------------------------------- scale, mask, log, dtypes, empty rows
+
+EPS32 = 2.0 ** -24                     # unit roundoff of fp32
+UNIT = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+SUB = {torch.float32: 2.0 ** -150, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}   # half a subnormal step
+
+
+def _reference(x, mask, dim, scale, fill, log, empty_rows):
+    """Exact (float64) result of the kernel's definition on the same input values; the fill as fp32 holds it."""
+    z = x.double() * (1.0 if scale is None else scale)
+    if mask is not None:
+        z = z.masked_fill(~mask, float(np.float32(fill))) if mask.dtype == torch.bool else z + mask.double()
+    y = torch.log_softmax(z, dim) if log else torch.softmax(z, dim)
+    if empty_rows == "zero":
+        y = y.masked_fill(torch.isneginf(z).all(dim, keepdim=True), 0.0)
+    return y, z
+
+
+def _run_family(x, mask=None, dim=-1, scale=None, fill=float("-inf"), log=False, empty_rows="nan", out=None,
+                **kw):
+    """Run the kernel and check it against float64 with a bound from the arithmetic.
+
+    The kernel's fp32 steps each round once: the scale (|z| ε), the mask add, ``z - m`` (|z| + |m|, so 2 max|z|
+    with the scale's error carried), ``exp`` (numpy's float32 exp: within 2 ulps), the row sum (at most
+    C/64 + 64 roundings, accumulated per Vector lane and then across lanes), the division or ``log``; the
+    error of ``z - m`` enters exp as an absolute one, hence a relative one of the probability. With
+    ε = 2^-24: ``rel = ε (4 max|z| + C/64 + 72)``. Output rounding: half an ulp of ``out`` (relative), or half
+    the subnormal step below its normal range. Log-probabilities carry ``rel`` as an absolute error.
+    """
+    out = out or x.dtype
+    r = npu.run("softmax", x, dim=dim, mask=mask, scale=scale, fill=fill, log=log, empty_rows=empty_rows,
+                out_dtype=str(out).replace("torch.", ""), **kw)
+    assert r.dtypes == (str(out).replace("torch.", ""),)
+    got = torch.from_numpy(r.outputs[0].astype(np.float64))
+    ref, z = _reference(x, mask, dim, scale, fill, log, empty_rows)
+    assert got.shape == ref.shape
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN where eager has NaN, nowhere else"
+    # -inf where the exact result is -inf or overflows the output dtype (a log-probability near finfo.min)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref.to(out)))
+    fin = torch.isfinite(ref.to(out))
+    zmax = z[torch.isfinite(z)].abs().max().item() if torch.isfinite(z).any() else 0.0
+    C = x.shape[dim]
+    rel = EPS32 * (4 * zmax + C / 64 + 72)
+    if log:
+        tol = rel + UNIT[out] * ref.abs() * (1 + rel)
+    else:
+        tol = ref * (rel + UNIT[out]) * (1 + rel) + SUB[out]
+    bad = ((got - ref).abs() > tol) & fin
+    assert not bad.any(), f"{int(bad.sum())} outside the bound, worst {(got - ref)[fin].abs().max().item():.3g}"
+    return r
+
+
+MASKS = [(2, 1, 1, 40), (24, 40), (2, 1, 24, 40), (2, 3, 24, 40), (1, 3, 1, 40), (2, 3, 24, 1), (40,)]
+MASK_IDS = ["padding", "causal", "per-batch", "full", "per-head", "per-row", "row"]
+
+
+def _mask(shape, kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(shape, generator=g) > 0.35
+    if kind == "bool":
+        return keep
+    return torch.where(keep, torch.randn(shape, generator=g), float("-inf") if kind == "-inf" else -1e4).to(
+        {"add32": torch.float32, "add16": torch.float16, "-inf": torch.float32}[kind])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mshape", MASKS, ids=MASK_IDS)
+def test_scale_and_mask_broadcasts(dtype, mshape):
+    """Every broadcast of a bool keep-mask and of an additive mask (fp32, fp16, or with -inf: each in turn),
+    with a scale."""
+    torch.manual_seed(4)
+    x = (torch.randn(2, 3, 24, 40) * 3).to(dtype)
+    additive = ("add32", "add16", "-inf")[(MASKS.index(mshape) + DTYPES.index(dtype)) % 3]
+    for i, kind in enumerate(("bool", additive)):
+        _run_family(x, _mask(mshape, kind, i), scale=0.37)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), float(torch.finfo(torch.float32).min), -1e4])
+def test_fills_and_fully_masked_rows(fill):
+    """A masked score takes the fill after the scale; a fully masked row is NaN with -inf (eager softmax)
+    and uniform with a finite fill (every score equal), as eager gives."""
+    torch.manual_seed(5)
+    x = torch.randn(4, 5, 64).half()
+    keep = torch.rand(4, 1, 64) > 0.5
+    keep[1] = False
+    r = _run_family(x, keep, scale=3.0, fill=fill)
+    row = r.outputs[0][1].astype(np.float64)
+    if fill == float("-inf"):
+        assert np.isnan(row).all()
+    else:
+        assert np.allclose(row, 1 / 64, rtol=2.0 ** -10)
+    _run_family(x, keep, fill=fill, log=True)
+
+
+@pytest.mark.parametrize("tiling", [None, {"block": 2, "chunk": 16}], ids=["one-pass", "chunked"])
+def test_empty_rows_nan_or_zero(tiling):
+    """All -inf rows: NaN (softmax) or 0 (_safe_softmax); a leading chunk of -inf in an otherwise live row
+    must not poison the running sum (the max in use is 0 until a finite score is seen)."""
+    torch.manual_seed(6)
+    x = torch.randn(6, 48)
+    keep = torch.rand(6, 48) > 0.3
+    keep[2] = False
+    keep[3, :40] = False                          # live only in the last chunk
+    r = _run_family(x, keep, tiling=tiling)
+    assert np.isnan(r.outputs[0][2]).all() and not np.isnan(r.outputs[0][3]).any()
+    z = _run_family(x, keep, empty_rows="zero", tiling=tiling)
+    assert (z.outputs[0][2] == 0).all()
+    x2 = x.clone()
+    x2[4, :20] = float("-inf")                    # -inf in the input itself, no mask
+    _run_family(x2, None, tiling=tiling)
+    _run_family(x2, keep, log=True, tiling=tiling)
+
+
+@pytest.mark.parametrize("dtype,out", [(torch.float16, torch.float32), (torch.float32, torch.bfloat16),
+                                       (torch.bfloat16, torch.float16), (torch.float32, torch.float16)])
+def test_output_dtype(dtype, out):
+    torch.manual_seed(7)
+    x = (torch.randn(3, 7, 130) * 4).to(dtype)
+    _run_family(x, _mask((3, 1, 130), "add16"), scale=0.5, out=out)
+    _run_family(x, _mask((7, 130), "bool"), log=True, out=out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim,mshape", [(1, (4, 1, 5, 30)), (1, (1, 6, 1, 1)), (2, (4, 6, 5, 1)), (0, (6, 1, 30)),
+                                        (2, (1, 6, 1, 30)), (-2, (5, 30))])
+def test_other_dims_with_masks(dtype, dim, mshape):
+    """Softmax over any dim; the mask broadcast along the softmax dim, the lanes or the outer dims."""
+    torch.manual_seed(8)
+    x = (torch.randn(4, 6, 5, 30) * 3).to(dtype)
+    _run_family(x, _mask(mshape, "bool"), dim=dim, scale=1.7)
+    _run_family(x, _mask(mshape, "add32"), dim=dim, log=True)
+    _run_family(x, _mask(mshape, "bool", 1), dim=dim, fill=-1e4, tiling={"block": 3, "chunk": 2})
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_long_rows_with_a_mask_are_chunked(log):
+    """Rows longer than UB: two passes over the chunks, the mask read in both (the second time from L2)."""
+    torch.manual_seed(9)
+    C = 70_000
+    x = torch.randn(3, C) * 4
+    keep = torch.rand(1, C) > 0.2
+    keep[0, :20_000] = False                      # the first chunks fully masked
+    r = _run_family(x, keep, scale=0.5, log=log)
+    nx = 3 * C * 4
+    assert r.stats.hbm_bytes == 2 * nx + C        # x and y once, the mask row once (bool)
+    assert r.stats.bytes["GM->UB"] == 2 * nx + 2 * 3 * C   # x twice; each row's mask row twice
+
+
+def test_a_broadcast_mask_is_read_by_the_tile_not_materialised():
+    """A [B, 1, 1, S] padding mask is read one mask row per tile, a [S, S] causal mask one row per tile row:
+    GM->UB carries what the tiles read, HBM each mask byte once (the launch fits L2), never B·N·S·S."""
+    from autofuse.npu.kernels.softmax import default_tiling as dt, mask_geometry
+    from autofuse.npu.kernels.tiles import split_blocks
+    torch.manual_seed(10)
+    B, N, S = 2, 4, 64
+    x = torch.randn(B, N, S, S).half()
+    dev = get_device("ascend910")
+    for mshape in ((B, 1, 1, S), (S, S)):
+        keep = torch.rand(mshape) > 0.3
+        r = _run_family(x, keep, scale=0.125)
+        period, along_block, _ = mask_geometry(x.shape, 3, mshape)
+        t = dt(dev, "float16", B * N * S, S, 1, "float16", ("bool", along_block, True), False, period)
+        blocks = [b for core in split_blocks(B * N * S, 32, t["block"], period=period) for b in core]
+        read = sum(e if along_block else 1 for _, e in blocks) * S
+        assert r.stats.bytes["GM->UB"] == x.numel() * 2 + read
+        assert r.stats.hbm_bytes == 2 * x.numel() * 2 + keep.numel()
+        # the padding mask: one mask row per tile; the causal one: each score row reads its mask row (from L2)
+        assert read < x.numel() // 2 if not along_block else read == x.numel()
+
+
+def test_masked_tilings_fit_every_device_and_capacity_is_checked():
+    for name in npu.devices():
+        dev = get_device(name)
+        for dtype, out, mask, log in (("float16", "float32", ("bfloat16", True, True), True),
+                                      ("float32", "bfloat16", ("bool", False, True), False),
+                                      ("bfloat16", "bfloat16", ("float16", True, False), True)):
+            for outer, C, inner in ((4096, 4096, 1), (8, 100_000, 1), (2, 5000, 300)):
+                t = default_tiling(dev, dtype, outer, C, inner, out, mask, log, 64)
+                assert 1 <= t["block"] <= 64 and 1 <= t["chunk"] <= C
+    with pytest.raises(CapacityError, match="UB overflow"):
+        npu.run("softmax", np.ones((64, 4096), np.float16), mask=np.ones((64, 4096), np.float16), log=True,
+                device="ascend910b", tiling={"block": 8, "chunk": 4096})
+
+
+def test_family_errors_name_the_problem():
+    x = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"mask shape \[3, 8\] does not broadcast to x \[4, 8\]"):
+        npu.run("softmax", x, mask=np.ones((3, 8), bool))
+    with pytest.raises(TypeError, match="mask is int32"):
+        npu.run("softmax", x, mask=np.ones((4, 8), np.int32))
+    with pytest.raises(ValueError, match="no safe form"):
+        npu.run("softmax", x, log=True, empty_rows="zero")
+    with pytest.raises(ValueError, match="fill=nan"):
+        npu.run("softmax", x, mask=np.ones((4, 8), bool), fill=float("nan"))
+    with pytest.raises(TypeError, match="out_dtype int32"):
+        npu.run("softmax", x, out_dtype="int32")

@@ -1,0 +1,109 @@
+"""The softmax family's fused call: ``scaled_masked_softmax`` (:mod:`autofuse.ops_softmax`) for a match of
+:mod:`patterns.softmax`, how it is emitted and what it costs.
+
+Emit: the kernel's one mask is built from the match's mask terms as the attention family builds its own
+(:func:`autofuse.fused._mask`: bool terms AND-ed, additive ones scaled by the factor met at the softmax
+input and summed, a bool term with an additive one turned into ``-inf`` where it masks); the output is
+reshaped/cast to the value it replaces (:func:`autofuse.fused._adapt`, a no-op when the match's output
+dtype is the kernel's ``out_dtype``). Price: the cost model's ``softmax`` estimate with the mask's shape
+and dtype, plus the elementwise launches that combine several mask terms into one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import cost_model
+from autofuse import ops_softmax  # noqa: F401  (registers torch.ops.autofuse.scaled_masked_softmax)
+from autofuse.fused import Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family
+from autofuse.graph import call
+from cost_model.devices import get_device
+
+OP = torch.ops.autofuse.scaled_masked_softmax.default
+
+
+def _dt(d) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _combined_mask(match, nodes: dict):
+    """The spec of the one mask the kernel reads and the elementwise launches that build it from the terms
+    (what :func:`autofuse.fused._mask` emits): ``(spec or None, [(inputs, params), ...])``."""
+    keep = add = None
+    launches = []
+    for role, kind, factor in match.params["mask_terms"]:
+        shape, dtype = _spec(nodes[match.inputs[role]])
+        if kind == "bool":
+            if keep is not None:
+                launches.append(([keep, (shape, "bool")], {"op": "logical_and"}))
+                shape = tuple(torch.broadcast_shapes(keep[0], shape))
+            keep = (shape, "bool")
+            continue
+        if factor != 1.0:
+            launches.append(([(shape, dtype)], {"op": "mul", "scalar": factor}))
+        if add is not None:
+            launches.append(([add, (shape, dtype)], {"op": "add"}))
+            shape = tuple(torch.broadcast_shapes(add[0], shape))
+            dtype = _dt(torch.promote_types(getattr(torch, add[1]), getattr(torch, dtype)))
+        add = (shape, dtype)
+    if keep is not None and add is not None:
+        launches.append(([keep, add], {"op": "where", "scalar": -math.inf}))
+        return (tuple(torch.broadcast_shapes(keep[0], add[0])), add[1]), launches
+    return keep or add, launches
+
+
+def softmax_params(match, nodes: dict) -> tuple[list, dict]:
+    """The kernel's input spec and parameters, as the emitted call runs it (``mask`` as a spec)."""
+    p = match.params
+    mask, _ = _combined_mask(match, nodes)
+    params = dict(dim=p["dim"], scale=p["scale"], log=p["log"], empty_rows=p["empty_rows"],
+                  out_dtype=_dt(p["out_dtype"]), mask=mask)
+    return [_spec(nodes[match.inputs["x"]])], params
+
+
+def kernel_default_tiling(device: str, spec, params) -> dict:
+    """The tiling the softmax kernel picks by itself for this launch (what it runs with ``tiling=None``)."""
+    from autofuse.npu.kernels.softmax import default_tiling, mask_geometry
+    shape, dtype = spec
+    dim = params["dim"] % len(shape)
+    outer, C, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:])
+    mask, mspec, period = params.get("mask"), None, None
+    if mask is not None:
+        period, along_block, along_c = mask_geometry(shape, dim, mask[0])
+        mspec = (mask[1], along_block, along_c)
+    return default_tiling(get_device(device), dtype, outer, C, inner, params["out_dtype"], mspec, params["log"],
+                          period)
+
+
+def price_softmax(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    """The fused kernel (with the tiling the cost model's search finds cheapest at O3, the kernel's own
+    otherwise), plus the launches that combine several mask terms."""
+    specs, params = softmax_params(match, nodes)
+    if not search_tiling:
+        params["tiling"] = kernel_default_tiling(device, specs[0], params)
+    e = cost_model.estimate("softmax", specs, device=device, **params)
+    total = Price(int(e.cycles), int(e.hbm_bytes), ["softmax"], e.bound, dict(e.tiling or {}), e.workspace_bytes)
+    for ins, op in _combined_mask(match, nodes)[1]:
+        c = cost_model.estimate("elementwise", ins, device=device, **op)
+        total = total.add(Price(int(c.cycles), int(c.hbm_bytes), ["elementwise"]))
+    return total
+
+
+def emit_softmax(g, ins: dict, m, kwargs: dict) -> dict:
+    """``scaled_masked_softmax(x, mask, ...)``; its output adapted to the value it replaces."""
+    p = m.params
+    mask = _mask(g, ins, m, 0) if p["mask_terms"] else None
+    kw = dict(dim=p["dim"], log=p["log"], empty_rows=p["empty_rows"], out_dtype=_dt(p["out_dtype"]), **kwargs)
+    if p["scale"] is not None:
+        kw["scale"] = p["scale"]
+    if p["fill"] is not None:
+        kw["fill"] = p["fill"]
+    fused = call(g, OP, ins["x"], mask, **kw)
+    fused.meta["autofuse_match"] = m
+    return {"out": _adapt(g, fused, p["out_like"])}
+
+
+SOFTMAX = register_family(Family("softmax", OP, "softmax", emit_softmax, price_softmax, attention_kwargs))
+
+__all__ = ["SOFTMAX", "emit_softmax", "kernel_default_tiling", "price_softmax", "softmax_params"]

@@ -1,0 +1,127 @@
+"""The softmax family's fused op: ``torch.ops.autofuse.scaled_masked_softmax`` (CANN ScaledMaskedSoftmax,
+with LogSoftmax's form and the casts around it).
+
+    y = torch.ops.autofuse.scaled_masked_softmax(x, mask, dim=-1, scale=None, fill=None, log=False,
+                                                 empty_rows="nan", out_dtype="", device="ascend910", tiling="")
+    y = autofuse.ops_softmax.scaled_masked_softmax(x, mask, scale=0.125)   # keyword-friendly wrapper
+
+computes ``z = scale · x`` (fp32), then the mask — bool, True = keep, a masked score becomes ``fill``
+(``None`` = ``-inf``; a finite fill such as ``finfo.min`` or ``-1e4`` is reproduced exactly), or an
+additive float tensor — broadcast to x; then ``softmax(z, dim)`` (``log=True``: ``log_softmax``), with fp32
+statistics, written in ``out_dtype`` (``""``: x's dtype). ``empty_rows``: a row whose scores are all
+``-inf`` gives ``"nan"`` (``softmax``) or ``"zero"`` (``_safe_softmax``). The op runs the simulator's
+``softmax`` kernel (``autofuse/npu/kernels/softmax.py``) and records the launch for whole-graph simulation;
+it has a fake implementation, a torch twin with the kernel's numerics (:func:`reference_scaled_masked_softmax`,
+``autofuse.ops.REFERENCES["scaled_masked_softmax"]``) and a backward that recomputes the op in fp32 on the host
+with that twin and differentiates it (not simulated), for x and for an additive mask that requires grad.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from autofuse import ops as _ops
+from autofuse.ops import REFERENCES, _fill, _record, _to_torch
+
+_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _out_dtype(x: torch.Tensor, out_dtype: str) -> torch.dtype:
+    if out_dtype and out_dtype not in _DT:
+        raise ValueError(f"scaled_masked_softmax: out_dtype={out_dtype!r}; use one of {', '.join(_DT)} or '' "
+                         f"(x's dtype)")
+    return _DT[out_dtype] if out_dtype else x.dtype
+
+
+@torch.library.custom_op("autofuse::scaled_masked_softmax", mutates_args=())
+def _scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None, dim: int = -1,
+                           scale: Optional[float] = None, fill: Optional[float] = None, log: bool = False,
+                           empty_rows: str = "nan", out_dtype: str = "", device: str = "ascend910",
+                           tiling: str = "") -> torch.Tensor:
+    od = _out_dtype(x, out_dtype)
+    # through the module attribute: tests replace autofuse.ops.run_kernel to inject a faulty kernel
+    r = _ops.run_kernel("softmax", x, dim=dim, mask=mask, scale=scale, fill=_fill(fill), log=log,
+                        empty_rows=empty_rows, out_dtype=str(od).replace("torch.", ""), device=device,
+                        tiling=json.loads(tiling) if tiling else None)
+    _record("softmax", r.stats)
+    return _to_torch(r.outputs[0], od)
+
+
+@_scaled_masked_softmax.register_fake
+def _(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", out_dtype="", device="ascend910",
+      tiling=""):
+    return x.new_empty(x.shape, dtype=_out_dtype(x, out_dtype))
+
+
+def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan",
+                                    out_dtype="", upcast=False, **_):
+    """What the kernel computes, in torch with its numerics: fp32 throughout (scale, mask, statistics), one
+    rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward)."""
+    z = x.float()
+    if scale is not None:
+        z = z * scale
+    if mask is not None:
+        z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else z + mask.float()
+    y = torch.log_softmax(z, dim) if log else torch.softmax(z, dim)
+    if empty_rows == "zero":
+        y = y.masked_fill(torch.isneginf(z).all(dim, keepdim=True), 0.0)
+    return y if upcast else y.to(_out_dtype(x, out_dtype))
+
+
+REFERENCES["scaled_masked_softmax"] = reference_scaled_masked_softmax
+
+
+def _setup_context(ctx, inputs, output):
+    x, mask, dim, scale, fill, log, empty_rows, out_dtype, _, _ = inputs
+    ctx.save_for_backward(x, mask)
+    ctx.params = dict(dim=dim, scale=scale, fill=fill, log=log, empty_rows=empty_rows)
+
+
+def _backward(ctx, grad):
+    """Gradients recomputed on the host in fp32 (not simulated): for x, and for an additive mask."""
+    x, mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    with torch.enable_grad():
+        xl = x.detach().float().requires_grad_(bool(need[0]))
+        ml = mask
+        if mask is not None and mask.is_floating_point():
+            ml = mask.detach().float().requires_grad_(bool(need[1]))
+        y = reference_scaled_masked_softmax(xl, ml, **ctx.params, upcast=True)
+        wrt = [t for t in (xl, ml) if isinstance(t, torch.Tensor) and t.requires_grad]
+        got = iter(torch.autograd.grad(y, wrt, grad.float(), allow_unused=True)) if wrt else iter(())
+    gx = next(got).to(x.dtype) if xl.requires_grad else None
+    gm = None
+    if ml is not None and ml is not mask and ml.requires_grad:
+        gm = next(got)
+        gm = gm.sum_to_size(mask.shape).to(mask.dtype) if gm is not None else None
+    return (gx, gm) + (None,) * 8
+
+
+_scaled_masked_softmax.register_autograd(_backward, setup_context=_setup_context)
+
+
+def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", out_dtype=None,
+                          device="ascend910", tiling=None):
+    """Fused ``softmax(scale · x masked, dim)`` (or ``log_softmax``) on the simulated NPU; see the module
+    docstring. ``mask``: bool keep-mask or additive float, broadcastable to x. ``out_dtype``: a torch dtype,
+    its name, or None (x's dtype). ``tiling``: ``{"block": ..., "chunk": ...}`` or None (the kernel's own)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"scaled_masked_softmax: x must be a float tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if mask is not None:
+        try:
+            torch.broadcast_shapes(mask.shape, x.shape)
+        except RuntimeError:
+            raise ValueError(f"scaled_masked_softmax: mask {list(mask.shape)} does not broadcast to x "
+                             f"{list(x.shape)}") from None
+        if torch.broadcast_shapes(mask.shape, x.shape) != x.shape:
+            raise ValueError(f"scaled_masked_softmax: mask {list(mask.shape)} would broadcast x {list(x.shape)} "
+                             f"up; the mask must broadcast to x")
+    od = "" if out_dtype is None else str(out_dtype).replace("torch.", "")
+    return torch.ops.autofuse.scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, od, device,
+                                                    json.dumps(tiling) if tiling else "")
+
+
+__all__ = ["reference_scaled_masked_softmax", "scaled_masked_softmax"]

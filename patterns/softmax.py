@@ -1,0 +1,232 @@
+"""The softmax family: softmax or log-softmax with its scale, mask and casts, as one Vector kernel.
+
+Target: ``scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, out_dtype)`` (CANN
+ScaledMaskedSoftmax, plus the log form): ``z = scale · x``, then a bool keep-mask (a masked score becomes
+``fill``) or an additive float mask, broadcast to x; ``softmax(z, dim)`` or ``log_softmax(z, dim)`` in fp32;
+one rounding to ``out_dtype``.
+
+The template (canonical form, :mod:`autofuse.canonicalize`), from the kernel's input x down::
+
+    x -> [cast | mul(number) | add(float tensor) | where(keep, ·, fill)]{0..6} -> softmax(dim)
+      -> [log] -> [cast]
+
+with the anchor also ``log_softmax`` / ``_log_softmax`` (which the canonical form leaves as they are; a
+``dtype=`` or ``half_to_float`` is the output dtype, the kernel computing in fp32 anyway), and a second
+template for ``z - logsumexp(z, dim, keepdim=True)``. ``log(softmax(z))`` is fused as ``log_softmax``:
+what eager computes up to its underflow (eager gives ``-inf`` where a probability underflows, the kernel
+the finite log-probability; verification accepts that only because the float64 reference agrees with
+the kernel). ``_safe_softmax`` (``meta["autofuse_safe_softmax"]``) sets ``empty_rows="zero"``.
+
+Constraints (named functions below): the chain is walked from the softmax up to x, as attention walks its
+score chain, with :class:`patterns.attention._Below` computing the fill as it reaches the softmax through
+the later scales and casts; a ``where`` must mask (fill ``-inf``, or at or below ``-1e4`` as it reaches
+the softmax) and its keep-mask be bool; an additive mask is a float tensor that does not broadcast the
+chain up (an ``add`` whose other operand has the full shape is read as x, the smaller one as the mask);
+an additive mask after a finite-fill ``where``, bool masks with different fills, or a finite fill with
+an additive mask anywhere are rejected (no single fill describes them); every node but the output is
+used only inside the block; a captured softmax alone, with nothing around it, is no candidate (its fused
+call would be the same kernel; a softmax the canonical form assembled from several ops is one).
+
+Rejected (each a near-miss test): a scale that is a tensor (``mul`` by a per-element tensor ends the
+chain); a fill that does not mask (``0.5``); a mask after the softmax; masks that would broadcast x itself
+(both operands of an ``add`` smaller than its result, a keep-mask larger than the scores: the kernel
+reads x as it is and broadcasts the mask only). A softmax inside an attention block or a MoE router is
+also matched here; the planner keeps the attention / gating candidate, which saves more.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from autofuse.graph import arg, is_call, is_number, shape, val
+from autofuse.match import Match, register
+from patterns.attention import NEG_FILL, _Below, _is_cast
+from patterns.template import Template, graph_view
+
+aten = torch.ops.aten
+
+PRE_OPS = {aten._to_copy.default, aten.mul.Tensor, aten.add.Tensor, aten.where.ScalarOther}
+LOG_SOFTMAX = (aten.log_softmax.int, aten._log_softmax.default)
+MAX_CHAIN = 6
+
+
+def _tensor(n: fx.Node) -> bool:
+    v = val(n)
+    return v is not None and v.is_floating_point()
+
+
+def _pre_op(n: fx.Node) -> bool:
+    """A cast, a scale by a Python number, an add of two float tensors, a ``where`` with a number fill."""
+    if _is_cast(n):
+        return True
+    if is_call(n, aten.mul.Tensor):
+        return is_number(n.args[1]) and not n.kwargs
+    if is_call(n, aten.add.Tensor):
+        return not n.kwargs and all(isinstance(a, fx.Node) for a in n.args) and _tensor(n)
+    return is_call(n, aten.where.ScalarOther) and is_number(n.args[2])
+
+
+def _lse_of_input(n: fx.Node) -> bool:
+    """``z - logsumexp(z, [d], keepdim=True)``."""
+    if not is_call(n, aten.sub.Tensor) or n.kwargs or len(n.args) != 2:
+        return False
+    z, lse = n.args
+    return (is_call(lse, aten.logsumexp.default) and lse.args[0] is z and len(lse.args[1]) == 1
+            and bool(arg(lse, 2, "keepdim", False)))
+
+
+def _template(anchor_targets, anchor_where=None, lse=False) -> Template:
+    """x -> [pre ops] -> anchor -> [log] -> [cast]; with ``lse`` the anchor is ``sub(z, logsumexp(z))``."""
+    t = (Template("softmax", anchor="softmax")
+         .node("x", where=_tensor)
+         .node("softmax", *anchor_targets, where=anchor_where)
+         .chain("pre", PRE_OPS, "x", "softmax", max_len=MAX_CHAIN, where=_pre_op, arg=0))
+    if lse:
+        t.node("lse", aten.logsumexp.default).edge("lse", "softmax", 1)
+    return (t.node("log", aten.log.default, optional=True).edge("softmax", "log", 0)
+             .node("cast", aten._to_copy.default, where=_is_cast, optional=True).edge("log", "cast", 0))
+
+
+_SOFTMAX = _template((aten.softmax.int,) + LOG_SOFTMAX)
+_LSE = _template((aten.sub.Tensor,), _lse_of_input, lse=True)
+TEMPLATES = (_SOFTMAX, _LSE)
+
+
+def _walk(z: fx.Node, x: fx.Node, members: set):
+    """From the softmax input ``z`` up to ``x`` through ``members``: ``(scale, masks, visited)`` with masks as
+    ``(node, kind, factor at the softmax input, fill at the softmax input)``; None if a step is not allowed."""
+    below, masks, scale, visited = _Below(), [], 1.0, []
+    node = z
+    while node is not x:
+        if node not in members:
+            return None
+        visited.append(node)
+        if _is_cast(node):
+            below.ops.append(("cast", node.kwargs.get("dtype")))
+            node = node.args[0]
+        elif is_call(node, aten.mul.Tensor):
+            c = node.args[1]
+            scale *= c
+            below.factor *= c
+            below.ops.append(("scale", c))
+            node = node.args[0]
+        elif is_call(node, aten.where.ScalarOther):
+            keep, y, fill = node.args
+            f = _masking_fill(node, keep, y, fill, below)
+            if f is None:
+                return None
+            masks.append((keep, "bool", below.factor, f))
+            node = y
+        else:                                   # add: the operand of the full shape is the scores
+            up = _scores_operand(node, members | {x})
+            if up is None:
+                return None
+            m = node.args[1] if up is node.args[0] else node.args[0]
+            masks.append((m, "additive", below.factor, None))
+            below.additive = True
+            node = up
+    return scale, masks, visited
+
+
+def _masking_fill(node, keep, y, fill, below: _Below) -> float | None:
+    """The fill as it reaches the softmax when this ``where`` masks (a bool keep-mask no larger than the scores,
+    a fill at or below -1e4 there, or -inf), else None."""
+    if val(keep) is None or val(keep).dtype != torch.bool or shape(node) != shape(y):
+        return None
+    dt = val(node).dtype
+    f = below.fill_at_softmax(fill, dt)
+    if math.isnan(f) or not (f == -math.inf or f <= below.fill_at_softmax(NEG_FILL, dt)):
+        return None                     # a fill that does not mask is not a mask (-1e4 as the dtype rounds it)
+    if f != -math.inf and below.additive:
+        return None                     # fill + an additive mask below it: no single fill describes it
+    return f
+
+
+def _scores_operand(add: fx.Node, allowed: set) -> fx.Node | None:
+    """The operand of ``add`` that carries the scores: of the add's own shape and on the chain (or x); the
+    other, a float tensor, is the mask. Both of the full shape: the first that is on the chain."""
+    for up, m in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
+        if up in allowed and shape(up) == shape(add) and _tensor(m) and m not in allowed - {add}:
+            return up
+    return None
+
+
+def _outputs(m: dict, sm: fx.Node, log_anchor: bool):
+    """The block's output and whether the log comes after the softmax; None when an intermediate value is
+    used outside (the shorter variant without it is tried instead)."""
+    out, log = sm, log_anchor
+    if "log" in m:
+        if log_anchor or sm.meta.get("autofuse_safe_softmax") or list(sm.users) != [m["log"]]:
+            return None
+        out, log = m["log"], True
+    if "cast" in m:
+        if list(out.users) != [m["cast"]]:
+            return None
+        out = m["cast"]
+    return out, log
+
+
+def _dim(sm: fx.Node) -> int:
+    if is_call(sm, aten.sub.Tensor):
+        d = sm.args[1].args[1][0]
+    else:
+        d = sm.args[1]
+    return d - len(shape(sm)) if d >= 0 else d
+
+
+def _decide(m: dict) -> Match | None:
+    """The constraints of a matched softmax block (see the module docstring)."""
+    sm, x = m["softmax"], m["x"]
+    lse = "lse" in m
+    log_anchor = lse or is_call(sm, *LOG_SOFTMAX)
+    if not _tensor(x) or val(x).dtype not in (torch.float16, torch.bfloat16, torch.float32) or not shape(sm):
+        return None
+    if x.meta.get("autofuse_origin") is None:
+        return None                     # a value the canonical form made (a matmul moved above a scale): the
+        #                                 captured graph has no such tensor for the fused call to read
+    got = _outputs(m, sm, log_anchor)
+    if got is None:
+        return None
+    out, log = got
+    members = {m[k] for k in m if k.startswith("pre")}
+    walked = _walk(sm.args[0], x, members)
+    if walked is None:
+        return None
+    scale, masks, visited = walked
+    if set(visited) != members:
+        return None
+    inner = members | {sm} | ({m["lse"]} if lse else set()) | {m[k] for k in ("log", "cast") if k in m}
+    if any(u not in inner for n in inner - {out} for u in n.users):
+        return None                     # an intermediate is used outside: it cannot be fused away
+    if len(inner) == 1 and val(out).dtype == val(x).dtype and sm.meta.get("autofuse_origin") == sm.name:
+        return None                     # one captured softmax as it is: the fused call would be the same kernel
+    fills = {f for _, kind, _, f in masks if kind == "bool"}
+    kinds = {kind for _, kind, _, _ in masks}
+    if len(fills) > 1 or (fills and fills != {-math.inf} and kinds == {"bool", "additive"}):
+        return None                     # no single fill describes the masks
+    fill = fills.pop() if fills else -math.inf
+    empty = "zero" if sm.meta.get("autofuse_safe_softmax") and not log else "nan"
+    inputs = {"x": x.name}
+    terms = []
+    for i, (mk, kind, factor, _) in enumerate(masks):
+        role = "mask" if i == 0 else f"mask_{i}"
+        inputs[role] = mk.name
+        terms.append((role, kind, float(factor)))
+    order = [n.name for n in sm.graph.nodes if n in inner]
+    params = dict(dim=_dim(sm), scale=None if scale == 1.0 else float(scale), log=log,
+                  fill=None if fill == -math.inf else float(fill), empty_rows=empty,
+                  mask_kind=None if not kinds else ("bool" if kinds == {"bool"} else "additive"),
+                  mask_terms=tuple(terms), x_shape=shape(x), dtype=val(x).dtype, out_dtype=val(out).dtype,
+                  out_like=val(out), guards=())
+    return Match("softmax", tuple(order), out.name, inputs, params)
+
+
+@register("softmax")
+def find_softmax(gm: fx.GraphModule) -> list[Match]:
+    """Every softmax block of ``gm`` (canonical form), in graph order (a node of one block is never another's:
+    the chain ends at x and only the block's output leaves it)."""
+    view = graph_view(gm)
+    found = _SOFTMAX.match(view, _decide) + _LSE.match(view, _decide)
+    return sorted(found, key=lambda mt: view.order[mt.anchor])

@@ -1,0 +1,284 @@
+"""The softmax family end to end: softmax / log-softmax spellings with their scale, mask and casts fused through
+``AutoFusionEngine.fuse`` into one ``scaled_masked_softmax`` and equal to eager within the verifier's bound
+(``autofuse.verify.compare``: at most twice eager's own error against float64, plus one rounding); near misses
+left as captured, bit for bit; the softmax of an attention block or of a MoE router still claimed by its own
+family; the op's fake, autograd and torch twin."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autofuse
+from autofuse import AutoFusionEngine
+from autofuse.canonicalize import canonicalize
+from autofuse.capture import capture
+from autofuse.ops_softmax import reference_scaled_masked_softmax, scaled_masked_softmax
+from autofuse.verify import _F64, _f64, compare
+from patterns.attention import AttentionVariant, build_variant
+from patterns.softmax import find_softmax
+
+OP = torch.ops.autofuse.scaled_masked_softmax.default
+INF = float("inf")
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is OP]
+
+
+def _data(dtype=torch.float16, shape=(2, 4, 16, 32), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    keep = torch.rand(shape[0], 1, 1, shape[-1], generator=g) > 0.3
+    keep[1, ..., :] = False                          # batch 1 fully masked: NaN rows (softmax) or 0 (safe)
+    add = torch.where(torch.rand(shape[-1], generator=g) > 0.3, torch.randn(shape[-1], generator=g), -INF)
+    return x, keep, add
+
+
+def _fused_once(fn, *args, **params):
+    """Fuse ``fn``; exactly one softmax block applied, with these params; the fused call equals eager within
+    the verifier's bound against the float64 run of the captured graph."""
+    model = Fn(fn).eval()
+    fused = AutoFusionEngine.fuse(model, args)
+    applied = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert len(applied) == 1 and len(_calls(fused.graph_module)) == 1, fused.report.summary()
+    for k, v in params.items():
+        assert applied[0].params[k] == v, (k, applied[0].params[k])
+    with torch.no_grad():
+        got, want = fused(*args), model(*args)
+        ref = _F64(fused.plans[next(iter(fused.plans))].captured.graph_module).run(*[_f64(a) for a in args])[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+    return fused, applied[0]
+
+
+# ------------------------------------------------------------------------------------------ spellings
+
+def test_scaled():
+    x, _, _ = _data()
+    _fused_once(lambda x: torch.softmax(x * 0.125, -1), x, scale=0.125, mask_kind=None)
+    _fused_once(lambda x: F.softmax(x / 8.0, dim=-1), x, scale=0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_masked_fill_minus_inf(dtype):
+    x, keep, _ = _data(dtype)
+    _fused_once(lambda x, k: x.masked_fill(~k, -INF).softmax(-1), x, keep, mask_kind="bool", fill=None)
+
+
+@pytest.mark.parametrize("fill", ["finfo.min", -1e4])
+def test_where_with_a_finite_fill(fill):
+    x, keep, _ = _data(torch.bfloat16 if fill == "finfo.min" else torch.float16)
+    f = torch.finfo(x.dtype).min if fill == "finfo.min" else fill
+
+    def fn(x, k):
+        return torch.softmax(torch.where(k, x * 0.5, f), dim=-1)
+    _, d = _fused_once(fn, x, keep, mask_kind="bool", scale=0.5)
+    assert d.params["fill"] == float(torch.tensor(f, dtype=x.dtype))
+
+
+def test_fill_through_a_later_scale_and_cast():
+    """where(keep, x, -1e4) in fp16, then * 0.5 and an upcast: the fill the softmax sees is -5000."""
+    x, keep, _ = _data()
+    _fused_once(lambda x, k: (torch.where(k, x, -1e4) * 0.5).float().softmax(-1), x, keep, fill=-5000.0,
+                scale=0.5, out_dtype=torch.float32)
+
+
+def test_additive_mask_and_mask_before_the_scale():
+    x, _, add = _data(torch.float32)
+    _fused_once(lambda x, a: torch.softmax(x * 0.3 + a, -1), x, add, mask_kind="additive", scale=0.3)
+    # (x + a) * 0.3: the mask is scaled too (factor 0.3 at the softmax input)
+    _, d = _fused_once(lambda x, a: torch.softmax((x + a) * 0.3, -1), x, add, mask_kind="additive")
+    assert d.params["mask_terms"] == (("mask", "additive", 0.3),)
+
+
+def test_two_masks_combine():
+    x, keep, add = _data(torch.float32)
+    _fused_once(lambda x, k, a: torch.softmax((x + a).masked_fill(~k, -INF), -1), x, keep, add,
+                mask_kind="additive")
+
+
+def test_dtype_float32_upcast_and_downcast():
+    x, _, _ = _data()
+    _fused_once(lambda x: F.softmax(x, -1, dtype=torch.float32).to(torch.float16), x, out_dtype=torch.float16,
+                scale=None, mask_kind=None)
+
+
+def test_log_softmax():
+    x, keep, add = _data(torch.float32)
+    _fused_once(lambda x, a: F.log_softmax(x * 0.5 + a, -1), x, add, log=True)
+    xh, _, _ = _data()
+    _fused_once(lambda x, k: torch.log_softmax(x.float().masked_fill(~k, -INF), 3), xh, keep, log=True, dim=-1,
+                out_dtype=torch.float32)
+
+
+def test_log_forms_of_softmax():
+    x, _, _ = _data(torch.float32)
+    _fused_once(lambda x: torch.log(torch.softmax(x * 0.3, -1)), x, log=True)
+    _fused_once(lambda x: x - torch.logsumexp(x, -1, keepdim=True), x, log=True, scale=None)
+
+
+def test_decomposed_softmax():
+    x, keep, _ = _data(torch.float32)
+
+    def fn(x, k):
+        s = x.masked_fill(~k, -INF)
+        e = (s - s.amax(-1, keepdim=True)).exp()
+        return e / e.sum(-1, keepdim=True)
+    _fused_once(fn, x, keep, mask_kind="bool")
+
+
+def test_safe_softmax_gives_zero_rows():
+    x, keep, _ = _data(torch.float32)
+    fused, d = _fused_once(lambda x, k: torch.ops.aten._safe_softmax(x.masked_fill(~k, -INF), -1), x, keep,
+                           empty_rows="zero")
+    assert (fused(x, keep)[1] == 0).all()
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_other_dims(dim):
+    x, _, _ = _data(torch.float32, shape=(4, 6, 8, 5), seed=dim)
+    keep = torch.rand(4, 6, 1, 5) > 0.2
+    _fused_once(lambda x, k: torch.softmax(x.masked_fill(~k, -1e30) * 2.0, dim), x, keep, dim=dim - 4)
+
+
+# ------------------------------------------------------------------------------------------ near misses
+
+def _not_fused(fn, *args, absent=()):
+    """No softmax block applied; no softmax candidate takes the nodes named (the near miss); the output is
+    the captured graph's, bit for bit."""
+    model = Fn(fn).eval()
+    fused = AutoFusionEngine.fuse(model, args)
+    assert not fused.report.applied and not _calls(fused.graph_module), fused.report.summary()
+    taken = {n for d in fused.report.decisions if d.pattern == "softmax" for n in d.nodes}
+    assert not taken & set(absent), fused.report.summary()
+    with torch.no_grad():
+        assert torch.equal(fused(*args), model(*args))
+    return fused
+
+
+def test_near_miss_per_element_scale():
+    x, _, _ = _data(torch.float32)
+    t = torch.rand_like(x)
+    _not_fused(lambda x, t: torch.softmax(x * t, -1), x, t, absent=("mul",))
+
+
+def test_near_miss_mask_after_the_softmax():
+    x, keep, _ = _data(torch.float32)
+    _not_fused(lambda x, k: torch.softmax(x, -1).masked_fill(~k, 0.0), x, keep, absent=("masked_fill",))
+
+
+def test_near_miss_a_fill_that_does_not_mask():
+    x, keep, _ = _data(torch.float32)
+    _not_fused(lambda x, k: x.masked_fill(~k, 0.5).softmax(-1), x, keep, absent=("masked_fill",))
+
+
+def test_near_miss_masks_that_would_broadcast_the_scores():
+    """The kernel reads x as it is and broadcasts the mask: a sum of two broadcast operands, or a keep-mask
+    larger than the scores, would need x broadcast."""
+    a, b = torch.randn(2, 1, 32), torch.randn(1, 4, 32)
+    _not_fused(lambda a, b: torch.softmax(a + b, -1), a, b, absent=("add",))
+    x, big = torch.randn(2, 1, 16, 32), torch.rand(2, 4, 16, 32) > 0.3
+    _not_fused(lambda x, k: torch.where(k, x, -INF).softmax(-1), x, big, absent=("where",))
+
+
+def test_near_miss_candidates_are_not_found():
+    """The same near misses at the matcher: the chain stops before the op that does not qualify."""
+    x, keep, _ = _data(torch.float32)
+    for fn, args in ((lambda x, t: torch.softmax(x * t, -1), (x, torch.rand_like(x))),
+                     (lambda x, k: x.masked_fill(~k, 0.5).softmax(-1), (x, keep))):
+        gm = canonicalize(capture(Fn(fn).eval(), args).graph_module)
+        assert find_softmax(gm) == []
+
+
+# ------------------------------------------------------------------------------------------ other families
+
+def test_attention_softmax_is_claimed_by_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    keep = torch.rand(2, 1, 16, 16) > 0.2
+    model = build_variant(AttentionVariant(mask="masked_fill")).eval()
+    fused = AutoFusionEngine.fuse(model, (q, k, v, keep))
+    assert [d.pattern for d in fused.report.applied] == ["attention"], fused.report.summary()
+    (s,) = [d for d in fused.report.decisions if d.pattern == "softmax"]
+    assert s.reason_code == "conflict" and "saves more" in s.reason
+
+
+class _Router(nn.Module):
+    """Mixtral's router: softmax in fp32 of bf16 logits, top-2, renormalised, back to bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        p = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(p, 2, dim=-1)
+        return (w / w.sum(-1, keepdim=True)).to(x.dtype), idx
+
+
+def test_router_softmax_is_claimed_by_moe_gating():
+    torch.manual_seed(0)
+    router = _Router().to(torch.bfloat16).eval()
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16)
+    fused = AutoFusionEngine.fuse(router, (x,))
+    assert [d.pattern for d in fused.report.applied] == ["moe_gating"], fused.report.summary()
+    assert [d.reason_code for d in fused.report.decisions if d.pattern == "softmax"] == ["conflict"]
+
+
+def test_training_attention_runs_its_softmax_fused_and_keeps_dropout():
+    """In training mode the attention block keeps its dropout (not fused); its scale, mask and softmax are
+    fused by this family, and gradients flow through the fused op (recomputed on the host)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(2, 1, 16, 16) > 0.2
+    model = build_variant(AttentionVariant(mask="masked_fill", dropout=True)).train()
+    fused = AutoFusionEngine.fuse(model, (q, k, v, keep))
+    codes = {d.pattern: d.reason_code for d in fused.report.decisions}
+    assert codes == {"attention": "training_dropout", "softmax": "fused"}, fused.report.summary()
+    torch.manual_seed(1)
+    want = model(q, k, v, keep)
+    gw = torch.autograd.grad(want.sum(), (q, k, v))
+    torch.manual_seed(1)                        # the same dropout masks: only the softmax's rounding differs
+    got = fused(q, k, v, keep)
+    gg = torch.autograd.grad(got.sum(), (q, k, v))
+    # fp32 both sides: a few ulps of each probability (rtol 1e-5), carried through the dropout and P·V
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ the op
+
+def test_op_fake_autograd_and_twin():
+    x, keep, add = _data(torch.float32, shape=(2, 3, 5, 32))
+    args = (x, keep)
+    kw = {"scale": 0.5, "fill": -1e4, "out_dtype": "float16"}
+    torch.library.opcheck(OP, args, kw)
+    y = scaled_masked_softmax(x, keep, scale=0.5, fill=-1e4, out_dtype=torch.float16)
+    twin = reference_scaled_masked_softmax(x, keep, scale=0.5, fill=-1e4, out_dtype="float16")
+    assert y.dtype == torch.float16
+    # both fp32 then one rounding to fp16: equal but where an fp32 ulp apart straddles an fp16 rounding boundary
+    torch.testing.assert_close(y, twin, rtol=2.0 ** -10, atol=2.0 ** -24)
+    xg, ag = x.clone().requires_grad_(), add.clone().requires_grad_()
+    scaled_masked_softmax(xg, ag, log=True).sum().backward()
+    xr, ar = x.clone().requires_grad_(), add.clone().requires_grad_()
+    torch.log_softmax(xr + ar, -1).sum().backward()
+    finite = torch.isfinite(ar.grad)
+    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ag.grad[finite], ar.grad[finite], rtol=1e-5, atol=1e-5)
+    assert autofuse.ops.REFERENCES["scaled_masked_softmax"] is reference_scaled_masked_softmax
+    with pytest.raises(ValueError, match="would broadcast x"):
+        scaled_masked_softmax(x[:, :1], keep.expand(2, 3, 5, 32))
+    assert math.isnan(float(scaled_masked_softmax(x, torch.zeros(32, dtype=torch.bool))[0, 0, 0, 0]))
