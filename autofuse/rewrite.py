@@ -262,6 +262,7 @@ def extract(gm: fx.GraphModule, names, outputs, inputs=()) -> tuple[fx.GraphModu
     as met). Returns it and the outside nodes, in placeholder order."""
     nodes = {n.name: n for n in gm.graph.nodes}
     inside = {nodes[n] for n in names}
+    inside |= _interior(gm, inside)
     g = fx.Graph()
     env, external = {}, []
 
@@ -283,6 +284,25 @@ def extract(gm: fx.GraphModule, names, outputs, inputs=()) -> tuple[fx.GraphModu
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[nodes[o]] for o in outputs))
     return fx.GraphModule(gm, g), external
+
+
+def _interior(gm: fx.GraphModule, block: set) -> set:
+    """Nodes outside ``block`` that lie between its nodes (computed from one, read by another): the copy of a
+    residual stream a block reads again (``clone(add)`` feeding a norm of the same block) is kept in the graph,
+    but the extracted block recomputes it, so the block's inputs stay independent values."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last = max(order[n] for n in block)
+    down, stack = set(), list(block)
+    while stack:
+        for u in stack.pop().users:
+            if u not in block and u not in down and u.op == "call_function" and order[u] < last:
+                down.add(u)
+                stack.append(u)
+    interior = set()
+    for n in sorted(down, key=order.__getitem__, reverse=True):
+        if any(u in block or u in interior for u in n.users):
+            interior.add(n)
+    return interior
 
 
 def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict):
