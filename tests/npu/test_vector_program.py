@@ -124,6 +124,15 @@ def masked(x, m):
     return torch.where(m, x, torch.zeros_like(x)).amax(-1, keepdim=True) + x.amin(-1, keepdim=True)
 
 
+def norm_and_rope_of_a_split(x, w, cos, sin):
+    """DeepSeek's latent projection: RMSNorm of the first columns, interleaved RoPE of the rest, two outputs
+    of different widths read through two slices of one input."""
+    a, r = x[..., :w.shape[0]], x[..., w.shape[0]:]
+    n = w * (a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6))
+    e, o = r[..., 0::2], r[..., 1::2]
+    return n, torch.cat((e * cos - o * sin, o * cos + e * sin), -1)
+
+
 CHAINS = [
     (vc.rms_norm, [(6, 40, 256), (256,)]),
     (vc.add_rms_norm, [(50, 96), (50, 96), (96,)]),
@@ -133,7 +142,46 @@ CHAINS = [
     (softmax, [(3, 11, 100)]),
     (layer_norm, [(70, 77), (77,), (77,)]),
     (bias_gelu_scale, [(30, 200), (200,), (30, 1)]),
+    (norm_and_rope_of_a_split, [(2, 1, 9, 48), (32,), (1, 1, 9, 8), (1, 1, 9, 8)]),
 ]
+
+# DeepSeek's latent split as the discovery pass builds it (captured from a DeepSeek-V3 config): slices of one
+# input and outputs narrower than the program's widest value, the narrow one first
+SPLIT = ('{"lead":[2,1,8],"inputs":[["float32",[2,1,8,24]],["float32",[16]],["float32",[1,1,8,4]],'
+         '["float32",[1,1,8,4]]],"instrs":[{"op":"slice","args":[0],"stop":16},{"op":"slice","args":[0],"stop":24,'
+         '"start":16},{"op":"pow","args":[4,2.0]},{"op":"reduce","args":[6],"kind":"mean"},{"op":"add","args":'
+         '[7,1e-06]},{"op":"rsqrt","args":[8]},{"op":"mul","args":[4,9]},{"op":"mul","args":[1,10]},{"op":"slice",'
+         '"args":[5],"stop":8,"step":2},{"op":"slice","args":[5],"stop":8,"start":1,"step":2},{"op":"mul","args":'
+         '[12,2]},{"op":"mul","args":[13,3]},{"op":"sub","args":[14,15]},{"op":"mul","args":[13,2]},{"op":"mul",'
+         '"args":[12,3]},{"op":"add","args":[17,18]},{"op":"cat","args":[16,19]}],"outputs":[[11,"float32"],'
+         '[20,"float32"]]}')
+ROPE_AFTER_PASS = ('{"lead":[2,4,8],"inputs":[["float32",[2,4,8,16]],["float32",[1,1,8,4]],["float32",[1,1,8,4]]],'
+                   '"instrs":[{"op":"slice","args":[0],"stop":8},{"op":"slice","args":[0],"stop":16,"start":8},'
+                   '{"op":"slice","args":[4],"stop":8,"step":2},{"op":"slice","args":[4],"stop":8,"start":1,"step":2},'
+                   '{"op":"mul","args":[5,1]},{"op":"mul","args":[6,2]},{"op":"sub","args":[7,8]},{"op":"mul","args":'
+                   '[6,1]},{"op":"mul","args":[5,2]},{"op":"add","args":[10,11]},{"op":"cat","args":[9,12]},'
+                   '{"op":"cat","args":[3,13]}],"outputs":[[14,"float32"]]}')
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("prog", ["split", "rope_after_pass"])
+def test_views_and_outputs_narrower_than_the_widest_value(prog, rows):
+    """Each slice of an input loads its own columns and each output stores its own, whatever the widest value."""
+    g = torch.Generator().manual_seed(0)
+    if prog == "split":
+        x, w, c, s = (torch.randn(sh, generator=g) for sh in [(2, 1, 8, 24), (16,), (1, 1, 8, 4), (1, 1, 8, 4)])
+        want = norm_and_rope_of_a_split(x, w, c, s)
+        r = npu.run("vector_program", x.numpy(), w.numpy(), c.numpy(), s.numpy(), program=SPLIT,
+                    device="ascend910", tiling={"rows": rows})
+    else:
+        x, c, s = (torch.randn(sh, generator=g) for sh in [(2, 4, 8, 16), (1, 1, 8, 4), (1, 1, 8, 4)])
+        e, o = x[..., 8::2], x[..., 9::2]
+        want = (torch.cat((x[..., :8], e * c - o * s, o * c + e * s), -1),)
+        r = npu.run("vector_program", x.numpy(), c.numpy(), s.numpy(), program=ROPE_AFTER_PASS,
+                    device="ascend910", tiling={"rows": rows})
+    for got, ref in zip(r.outputs, want):
+        # fp32 on both sides: the norm's mean is summed in another order (a few ulp of its rsqrt)
+        torch.testing.assert_close(torch.from_numpy(np.asarray(got)), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -210,7 +210,8 @@ class TileProgram:
         oi, r0, rr, c0, cw = it
         idx = tuple(oi[g] if var[g] else 0 for g in range(len(oi)))
         rows = slice(r0, r0 + rr) if var[-1] else slice(0, 1)
-        cols = slice(w.offset + c0, w.offset + c0 + cw) if w.width > 1 else slice(0, 1)
+        # a view narrower than the tile's columns (one of two slices of an input) loads only its own
+        cols = slice(w.offset + c0, w.offset + min(c0 + cw, w.width)) if w.width > 1 else slice(0, 1)
         return idx + (rows, cols)
 
     def load(self, items, ps, first, last):
@@ -254,7 +255,9 @@ class TileProgram:
         j = st.output
         tile = self.tiles[self.low.out_regs[j][self.out_slot[j]]]
         self.out_slot[j] ^= 1
-        regs = [None if it is None else tuple(it[0]) + (slice(it[1], it[1] + it[2]), slice(it[3], it[3] + it[4])
+        # an output narrower than the tile's columns (a rotated slice beside a full-width norm) stores its own
+        regs = [None if it is None else tuple(it[0]) + (slice(it[1], it[1] + it[2]),
+                                                        slice(it[3], min(it[3] + it[4], st.width))
                                                         if st.width > 1 else slice(0, 1)) for it in items]
         self.g.store(tile, self.gout[j], regs, active=act, name=f"store out{j}")
 
