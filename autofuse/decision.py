@@ -105,6 +105,10 @@ class FusionReport:
     def rejected(self) -> list:
         return [d for d in self.decisions if not d.applied]
 
+    def of(self, *patterns: str) -> list:
+        """The decisions on candidates of the named patterns (``report.of("attention")``), in plan order."""
+        return [d for d in self.decisions if d.pattern in patterns]
+
     @property
     def cycles_saved(self) -> int:
         return sum(d.cycles_unfused - d.cycles_fused for d in self.applied)

@@ -229,7 +229,7 @@ def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
     """Max-saving conflict-free subset: exact branch and bound per component (≤ 20), else greedy."""
     chosen = set()
     for comp in nx.connected_components(conflicts):
-        comp = sorted(comp, key=lambda i: -cands[i].saving)
+        comp = sorted(comp, key=lambda i: (-cands[i].saving, i))     # ties: the earlier candidate, in every layer
         if len(comp) <= 20:
             best = [0, ()]
 
@@ -347,9 +347,11 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                    verify_error=err, verify_tolerance=tol, verify_note=note)
         elif i not in chosen:
             winner = next((j for j in chosen if conflicts.has_edge(i, j)), None)
-            decide(i, False, "conflict", "overlaps blocks that together save more" if winner is None else
-                   f"overlaps the {cands[winner].match.pattern} block at {cands[winner].anchor}, which saves more "
-                   f"({cands[winner].saving:,} vs {c.saving:,} cycles)")
+            w = cands[winner] if winner is not None else None
+            decide(i, False, "conflict", "overlaps blocks that together save more" if w is None else
+                   f"overlaps the {w.match.pattern} block at {w.anchor}, which saves "
+                   + (f"more ({w.saving:,} vs {c.saving:,} cycles)" if w.saving > c.saving else
+                      f"as much ({w.saving:,} cycles) and comes first"))
         else:
             sp = c.unfused.cycles / max(c.fused.cycles, 1)
             why = "forced by switch; " if _switch(switches, c.match) == "force" else ""

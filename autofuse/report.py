@@ -214,10 +214,12 @@ def text_summary(report) -> str:
         sp = report.speedups()
         lines.append(f"  whole graph (predicted): {report.predicted_cycles:,} cycles; "
                      + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})" for k, v in report.baselines.items()))
+    width = max([10] + [len(d.pattern) for d in report.decisions])
     for d in report.decisions:
         mark = "FUSED " if d.applied else "kept  "
-        lines.append(f"  {mark}{d.pattern:<10} at {d.anchor:<24} {d.reason_code:<22} "
-                     f"{d.cycles_unfused:>12,} -> {d.cycles_fused:>12,} cycles  {d.reason}")
+        fused = f"{d.cycles_fused:>12,}" if d.cycles_fused >= 0 else f"{'n/a':>12}"     # -1: no price
+        lines.append(f"  {mark}{d.pattern:<{width}} at {d.anchor:<24} {d.reason_code:<22} "
+                     f"{d.cycles_unfused:>12,} -> {fused} cycles  {d.reason}")
     if report.memory_budget is not None:
         lines.append(f"  peak activation memory: {report.peak_memory_unfused:,} B unfused, "
                      f"{report.peak_memory_fused:,} B fused; budget {report.memory_budget:,} B")
@@ -231,6 +233,30 @@ def text_summary(report) -> str:
     return "\n".join(lines)
 
 
+def implementation_rows(report) -> list:
+    """``(region, anchor, device, chosen implementation, its cycles, the others as text)`` for every applied
+    decision that priced alternatives (``params["alternatives"]``: device -> [(implementation, cycles, runnable)],
+    cheapest first); identical regions (same name and alternatives) are listed once, with their first anchor."""
+    rows, seen = [], set()
+    for d in report.applied:
+        alts = d.params.get("alternatives")
+        if not alts:
+            continue
+        key = (d.pattern, repr(alts))
+        if key in seen:
+            continue
+        seen.add(key)
+        for device, options in alts.items():
+            runnable = [o for o in options if o[2]]
+            if not runnable:
+                continue
+            chosen = runnable[0]
+            others = ", ".join(f"{o[0]} {o[1]:,}" + ("" if o[2] else " (priced only)")
+                               for o in options if o is not chosen)
+            rows.append((d.pattern, d.anchor, device, chosen[0], chosen[1], others or "-"))
+    return rows
+
+
 def markdown(report) -> str:
     out = [f"# autofuse report: {report.device}, {report.optimization_level}", "",
            f"{len(report.applied)} fused, {len(report.rejected)} not fused; graph {report.nodes_before} -> "
@@ -242,6 +268,16 @@ def markdown(report) -> str:
         out.append(f"| {'fused' if d.applied else 'kept'} | {d.pattern} | `{d.anchor}` | {d.reason_code}: "
                    f"{d.reason} | {d.cycles_unfused:,} | {d.cycles_fused:,} | {d.speedup:.2f}x | "
                    f"{d.hbm_bytes_saved:,} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
+    choices = implementation_rows(report)
+    if choices:
+        out += ["", "## Implementation choices per device", "",
+                "Each fused region's implementations priced on every device profile; the chosen one is the "
+                "cheapest this kernel can run (the others marked priced only have no kernel here: they show what "
+                "the choice is worth).", "",
+                "| region | anchor | device | chosen | cycles | other implementations (cycles) |",
+                "|---|---|---|---|---:|---|"]
+        for name, anchor, device, chosen, cycles, others in choices:
+            out.append(f"| {name} | `{anchor}` | {device} | {chosen} | {cycles:,} | {others} |")
     if report.memory_budget is not None or report.peak_memory_unfused:
         out += ["", f"Peak activation memory: {report.peak_memory_unfused:,} B unfused, "
                     f"{report.peak_memory_fused:,} B fused"
@@ -450,6 +486,19 @@ def _fusions_html(report) -> str:
     return "".join(out)
 
 
+def _choices_html(report) -> str:
+    rows = implementation_rows(report)
+    if not rows:
+        return ""
+    body = [("", [_e(name), f"<code>{_e(anchor)}</code>", _e(dev), _e(chosen), f"{cycles:,}", _e(others)])
+            for name, anchor, dev, chosen, cycles, others in rows]
+    return ("<h2 id='choices'>Implementation choices per device</h2><p class='meta'>Each fused region's "
+            "implementations priced on every device profile; the chosen one is the cheapest this kernel can run "
+            "(the others marked priced only have no kernel here: they show what the choice is worth)."
+            "</p>" + _table(["region", "anchor", "device", "chosen", "cycles#", "other implementations (cycles)"],
+                            body))
+
+
 def _layers_html(rows: list, source: str) -> str:
     if not rows:
         return ""
@@ -492,7 +541,8 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title:
              f"{_e(report.capture_route or '?')}; graph {report.nodes_before:,} &rarr; {report.nodes_after:,} nodes"
              + (f"; memory budget {_bytes(report.memory_budget)}" if report.memory_budget is not None else "")
              + "</p>",
-             _verdict_html(v, report), _memory_html(report), _fusions_html(report)]
+             _verdict_html(v, report), _memory_html(report), _fusions_html(report),
+             _choices_html(report)]
     roof = roofline_svg(device, _main_dtype(before), before_costs, after_costs)
     if roof:
         parts.append(f"<h2 id='roofline'>Roofline</h2><p class='meta'>{source} cycles; FLOPs counted from the "

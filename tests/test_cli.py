@@ -48,13 +48,17 @@ def test_patterns(capsys):
 
 def test_report_text_json_markdown(capsys):
     main(["report", *TINY])
-    assert "autofuse plan for ascend910 at O3: 1 fused, " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("autofuse plan for ascend910 at O3: ") and "vs eager op by op" in out \
+        and "vs generic fusion alone" in out
     main(["report", *TINY, "--format", "json"])
     doc = json.loads(capsys.readouterr().out)
-    (d,) = doc["applied"]
+    (d,) = [d for d in doc["applied"] if d["pattern"] == "attention"]
     assert d["reason_code"] == "fused" and d["cycles_fused"] < d["cycles_unfused"]
-    # not fused: only the attention's softmax as a softmax-family candidate, which loses the conflict
-    assert all((r["pattern"], r["reason_code"]) == ("softmax", "conflict") for r in doc["rejected"])
+    assert all(d["cycles_fused"] < d["cycles_unfused"] for d in doc["applied"])
+    # not fused: candidates that overlap a block saving more (the attention's softmax, a layer norm inside a
+    # matmul epilogue), never one that failed verification
+    assert {r["reason_code"] for r in doc["rejected"]} <= {"conflict", "not_profitable", "unsupported"}
     main(["report", *TINY, "--format", "md", "--level", "O0"])
     out = capsys.readouterr().out
     assert out.startswith("# autofuse report: ascend910, O0") and "disabled_by_opt_level" in out
@@ -103,12 +107,13 @@ def test_viz_without_graphviz_keeps_the_dot_files_and_says_so(tmp_path, capsys, 
 
 
 def test_viz_folds_identical_layers_unless_expand_all(tmp_path, capsys):
-    args = ["viz", "--model", "llama", "--layers", "3", "--hidden", "32", "--heads", "2", "--seq", "8"]
+    # five layers: the first and the last differ from the middle ones (regions fused across layer boundaries)
+    args = ["viz", "--model", "llama", "--layers", "5", "--hidden", "32", "--heads", "2", "--seq", "8"]
     main([*args, "-o", str(tmp_path / "folded")])
     main([*args, "-o", str(tmp_path / "all"), "--expand-all"])
     folded, full = ((tmp_path / d / "before.dot").read_text() for d in ("folded", "all"))
-    assert "×2 identical to layers.0" in folded and "identical" not in full
-    assert folded.count("attention · fused") == 1 and full.count("attention · fused") == 3
+    assert "×2 identical to layers.1" in folded and "identical" not in full
+    assert folded.count("attention · fused") == 3 and full.count("attention · fused") == 5
 
 
 def test_simulate(capsys, tmp_path):
@@ -143,7 +148,9 @@ def test_model_from_a_module(tmp_path, capsys, monkeypatch):
 
 def test_model_from_a_transformers_config(capsys):
     main(["report", "--model", TINY_LLAMA, "--seq", "8", "--batch", "1", "--format", "json"])
-    assert len(json.loads(capsys.readouterr().out)["applied"]) == 1
+    applied = json.loads(capsys.readouterr().out)["applied"]
+    assert [d["pattern"] for d in applied].count("attention") == 1
+    assert {"rope", "matmul+swiglu"} <= {d["pattern"] for d in applied}
 
 
 def test_transformers_spec_values_and_defaults():
@@ -231,7 +238,9 @@ def test_a_normal_run_prints_no_library_warnings_and_v_shows_every_stage():
     loud = _run("report", *TINY, "-v", "--simulate")
     assert loud.returncode == 0
     stages = [ln.split()[1] for ln in loud.stderr.splitlines() if ln.startswith("autofuse: ")]
-    assert stages == ["build", "capture", "canonicalize", "match", "plan", "rewrite", "simulate", "simulate"]
+    # --simulate: eager op by op, generic fusion alone, fused
+    assert stages == ["build", "capture", "canonicalize", "match", "plan", "rewrite", "simulate", "simulate",
+                      "simulate"]
     assert "of which verify" in loud.stderr and "LeafSpec" not in loud.stderr
 
 

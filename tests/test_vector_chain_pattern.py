@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autofuse import AutoFusionEngine
+from autofuse.models import build
 from autofuse.verify import compare
 
 tf = pytest.importorskip("transformers")
@@ -198,3 +199,32 @@ def test_switching_a_name_off_leaves_it_unfused():
     fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"add_rms_norm": "off"})
     assert not [d for d in fused.report.applied if "add_rms_norm" in d.pattern]
     assert any(d.reason_code == "disabled_by_switch" for d in fused.report.decisions)
+
+
+def test_a_norm_reading_a_copy_of_its_own_add_verifies_on_meta_planning():
+    """GPT-2's embedding sum feeds its first LayerNorm through a copy (eval dropout): the region (add, norm) is
+    checked with that copy recomputed inside the block, so random inputs on a meta plan stay consistent."""
+    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=4, seq=8, meta=True)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert not [d for d in fused.report.decisions if d.reason_code == "verification_failed"], fused.report.summary()
+    (d,) = [d for d in fused.report.decisions if d.anchor == "add_1"]
+    assert d.applied and d.pattern == "layer_norm"
+
+
+def test_report_shows_each_regions_implementation_on_every_device():
+    """A 2-layer LLaMA: every fused Vector region and epilogue is named, and the Markdown report lists its chosen
+    implementation and price on each of the three device profiles."""
+    from autofuse.report import implementation_rows, markdown
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("llama", layers=2, hidden=32, heads=4, seq=8)
+    report = AutoFusionEngine.fuse(model, (args, kwargs)).report
+    names = {d.pattern for d in report.applied}
+    assert {"rope", "matmul+swiglu"} <= names and any("rms_norm" in n for n in names), report.summary()
+    rows = implementation_rows(report)
+    regions = {(r[0], r[1]) for r in rows}
+    assert regions and all({r[2] for r in rows if (r[0], r[1]) == k} == {"ascend910", "ascend910b", "ascend310p"}
+                           for k in regions)
+    md = markdown(report)
+    assert "## Implementation choices per device" in md
+    for name, anchor, device, chosen, cycles, _ in rows:
+        assert f"| {name} | `{anchor}` | {device} | {chosen} | {cycles:,} |" in md
