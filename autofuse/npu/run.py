@@ -114,8 +114,9 @@ def _placeholder(launch, x, what: str, name: str):
     raise TypeError(f"{what} is a {type(x).__name__}; give a torch tensor or a numpy array")
 
 
-def _input_names(fn, names, n):
-    """The parameter name each of ``n`` positional inputs binds to (``*inputs`` binds them all)."""
+def input_names(fn, n: int) -> list:
+    """The parameter name each of ``n`` positional inputs of kernel function ``fn`` binds to (``*inputs``
+    binds them all)."""
     params = [p for p in inspect.signature(fn).parameters.values() if p.name != "launch"]
     out = []
     for i in range(n):
@@ -142,7 +143,7 @@ def run(kernel_name: str, *inputs, device="ascend910", timing_only=False, **para
     values = not timing_only or steer == ALL
     launch = Launch(dev, kernel_name, values=values)
     gm_inputs = []
-    bound = _input_names(fn, names, len(inputs))
+    bound = input_names(fn, len(inputs))
     for i, x in enumerate(inputs):
         what, name = f"input {i} of {kernel_name}", names[i] if i < len(names) else f"in{i}"
         if not values and bound[i] not in steer:
