@@ -12,6 +12,13 @@ Since an unfused node's values come from torch, its kernels run *timing-only*
 inputs not copied; only the inputs that steer a kernel's program, such as gather indices, are read).
 ``check=True`` runs them in full, to compare their values.
 
+``values=False`` simulates timing only, for the whole graph: torch computes just the values some launch
+needs, i.e. the values steering a kernel (gather indices, token routing, group sizes) and the inputs of a
+fused op's first launch (its kernel runs in full), with everything they depend on; every other node gets its
+shape from the graph's metadata (a meta tensor) and its kernels run timing-only on it. The statistics are
+those of ``values=True`` (the same launches on the same steering values; tests/test_simulate.py compares
+them); there are no outputs. A repeated fused launch then needs no values at all.
+
 Kernel launches are independent: each starts with a cold L2 and ends with its outputs in HBM, so two
 launches of the same kernel on inputs of the same shapes, dtypes, parameters and steering values cost the
 same cycles.
@@ -190,7 +197,7 @@ def _steering(kernel, arrays, params) -> list:
 
 
 class _Sim(fx.Interpreter):
-    def __init__(self, gm, device, memo, check):
+    def __init__(self, gm, device, memo, check, values=True):
         # values are freed after their last use *including* uses by lowerings (a matmul reads the source of a
         # transpose it folds), so the interpreter's own bookkeeping is replaced
         super().__init__(gm, garbage_collect_values=False)
@@ -211,9 +218,18 @@ class _Sim(fx.Interpreter):
         for a, i in last.items():
             self.frees.setdefault(i, []).append(a)
         self.order = order
+        # values=False: the nodes whose values some launch needs, with what they depend on (None: all)
+        self.needed = None if values else _needed(gm, self.programs, memo)
 
     def run_node(self, n):
-        value = self._run(n)
+        if self.needed is not None and n not in self.needed and n.op == "call_function" and not \
+                (self.memo and _fused_name(n) is not None):
+            value = _meta_value(n.meta.get("val"))        # no launch needs it: its shape is enough
+            prog = self.programs[n]
+            if prog is not None and not prog.free:
+                self._kernels(n, prog, value)
+        else:
+            value = self._run(n)
         for a in self.frees.get(self.order[n], ()):
             if a is not n and a.op != "output":
                 self.env.pop(a, None)
@@ -268,13 +284,16 @@ class _Sim(fx.Interpreter):
     def _run(self, n):
         if n.op != "call_function":
             return super().run_node(n)
-        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "autofuse":
-            name = n.target._opname
+        name = _fused_name(n)
+        if name is not None:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             key = _sig(name, args, kwargs)
             twin = fused_ops.REFERENCES.get(name)
             reused = self.memo and not self.check and key in self.fused_cache and twin is not None
-            if reused:     # a repeat: the first launch's statistics, the values from the kernel's torch twin
+            if reused and self.needed is not None and n not in self.needed:    # timing only: shapes suffice
+                log = self.fused_cache[key]
+                value = _meta_value(n.meta.get("val"))
+            elif reused:   # a repeat: the first launch's statistics, the values from the kernel's torch twin
                 log = self.fused_cache[key]
                 value = _twin_value(name, twin, args, kwargs)
             else:
@@ -290,8 +309,12 @@ class _Sim(fx.Interpreter):
             return value
         value = self._value(n)
         prog = self.programs[n]
-        if prog.free:
-            return value
+        if not prog.free:
+            self._kernels(n, prog, value)
+        return value
+
+    def _kernels(self, n, prog, value):
+        """Run the kernels of ``n``'s lowering and record what they cost."""
         args_env = [self.env[a] for a in prog.inputs]
         outs: list = []
         cycles = hbm = 0
@@ -329,7 +352,68 @@ class _Sim(fx.Interpreter):
             err = (outs[-1].double() - value.double()).abs().max().item()
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
                                      max_error=err, workspace=ws))
-        return value
+
+
+def _fused_name(n):
+    """The fused op's name if ``n`` calls ``torch.ops.autofuse.*``, else None."""
+    t = n.target
+    return t._opname if isinstance(t, torch._ops.OpOverload) and t.namespace == "autofuse" else None
+
+
+def _meta_value(v):
+    """A stand-in with the shape, dtype and strides of the graph's value ``v`` and no data (meta device)."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_meta_value(x) for x in v)
+    return v
+
+
+def _steering_args(prog) -> set:
+    """Positions (into ``prog.inputs``) of the node inputs some step of ``prog`` reads as steering values."""
+    out = set()
+    for st in prog.steps:
+        steer = STEER.get(st.kernel, ())
+        if not steer or st.kernel not in npu.KERNELS:
+            continue
+        names = input_names(npu.KERNELS[st.kernel], len(st.inputs))
+        refs = [r for nm, r in zip(names, st.inputs) if steer == ALL or nm in steer]
+        refs += [v for k, v in st.params.items() if steer == ALL or k in steer]
+        out.update(r.i for r in refs if isinstance(r, Arg))
+    return out
+
+
+def _needed(gm, programs, memo) -> set:
+    """The nodes whose values a timing-only simulation must compute: every input that steers an unfused kernel
+    (a whole program when an earlier step's output steers a later one), every input of a fused op's first
+    launch (its kernel runs in full; every launch of it without the memo or without a torch twin, as with
+    values), and what those depend on."""
+    roots, seen = [], set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = _fused_name(n)
+        if name is not None:
+            key = _sig(name, *torch.utils._pytree.tree_map(
+                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs)))
+            if not memo or name not in fused_ops.REFERENCES or key not in seen:
+                seen.add(key)
+                roots.append(n)
+            continue
+        prog = programs[n]
+        if prog is None or prog.free:
+            continue
+        if _steered_by_outputs(prog):
+            roots.append(n)
+        else:
+            roots += [prog.inputs[i] for i in _steering_args(prog)]
+    needed = set()
+    while roots:
+        n = roots.pop()
+        if n not in needed:
+            needed.add(n)
+            roots += n.all_input_nodes
+    return needed
 
 
 def _steered_by_outputs(prog) -> bool:
@@ -347,17 +431,23 @@ def _steered_by_outputs(prog) -> bool:
     return False
 
 
-def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False) -> SimulationResult:
-    """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order)."""
+def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False,
+                   values=True) -> SimulationResult:
+    """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order). ``values=False``:
+    timing only (module docstring); the result has no outputs."""
+    if check and not values:
+        raise ValueError("simulate: check=True compares kernel values with torch's; it needs values=True")
     dev = get_device(device)
     meta = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.device.type == "meta"]
     if meta:
         raise ValueError(f"simulate: input {meta[0]} is a meta tensor; the simulator needs data: build the model and "
                          f"its inputs on the CPU (use AutoFusionEngine.fuse on meta inputs to plan without data)")
     t0 = time.perf_counter()
-    sim = _Sim(gm, dev.name, memo, check)
+    sim = _Sim(gm, dev.name, memo, check, values)
     with torch.no_grad():
         out = sim.run(*inputs)
+    if not values:
+        out = None
     cycles = sum(r.cycles for r in sim.records)
     workspace = {r.node: r.workspace for r in sim.records if r.workspace}
     peak = memory.peak_bytes(gm, lambda n: workspace.get(n.name, 0))
@@ -367,11 +457,13 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
                             distinct_launches=len(sim.cache) + sum(len(v) for v in sim.fused_cache.values()), wall_seconds=time.perf_counter() - t0)
 
 
-def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto") -> SimulationResult:
-    """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it."""
+def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto",
+             values=True) -> SimulationResult:
+    """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it
+    (``values=False``: timing only, see :func:`simulate_graph`)."""
     from autofuse.capture import capture
     from autofuse.engine import _normalise_inputs
     args, kwargs = _normalise_inputs(example_inputs)
     captured = capture(model, args, kwargs, route=route)
     return simulate_graph(captured.graph_module, captured.flatten_inputs(*args, **kwargs), device, memo=memo,
-                          check=check)
+                          check=check, values=values)

@@ -3,9 +3,14 @@
 Goals (issue 4): GPT-2-small shapes at batch 8, sequence 1024: whole model >= 1.3x;
 attention blocks alone >= 3x at sequence 2048.
 
-    python benchmarks/model_speedup.py [--quick] [--device ascend910]
+    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--timing-only] [--first]
+
+Each side's simulation prints its wall time, CPU time and peak resident memory (the process's high-water mark,
+reset before the side where Linux allows it, else since the start). ``--timing-only`` simulates without values
+(``values=False``: the same figures, no outputs).
 """
 import argparse
+import resource
 import time
 
 import torch
@@ -15,15 +20,48 @@ from autofuse import AutoFusionEngine
 from autofuse.models import build
 
 
-def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257):
+def _reset_peak() -> bool:
+    """Reset the process's peak resident memory (Linux: VmHWM); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak() -> int:
+    """The process's peak resident memory in bytes (VmHWM where readable, else ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _measured(label, fn):
+    reset = _reset_peak()
+    t, c = time.perf_counter(), time.process_time()
+    result = fn()
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    print(f"  simulate {label:<8}: {wall:6.1f} s wall, {cpu:6.1f} s CPU, peak {_peak() / 1e9:5.2f} GB"
+          f"{'' if reset else ' (since the start)'}", flush=True)
+    return result, wall
+
+
+def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, values=True):
     model, (args, kwargs) = build(name, layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch,
                                   vocab=vocab, dtype=dtype)
     t0 = time.perf_counter()
     fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, optimization_level="O3")
     t1 = time.perf_counter()
-    before = autofuse.simulate(model, (args, kwargs), device=device)
-    after = fused.simulate(*args, **kwargs)
-    t2 = time.perf_counter()
+    print(f"{name} L={layers} B={batch} S={seq}: fuse {t1 - t0:.1f} s wall, peak {_peak() / 1e9:.2f} GB"
+          f"{'' if values else '; simulating timing only (values=False)'}", flush=True)
+    before, w1 = _measured("unfused", lambda: autofuse.simulate(model, (args, kwargs), device=device, values=values))
+    after, w2 = _measured("fused", lambda: fused.simulate(*args, values=values, **kwargs))
     r = fused.report
     attn_nodes = [n for d in r.applied for n in d.nodes]
     attn_before = before.cycles_of(attn_nodes)
@@ -33,7 +71,7 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257):
     print(f"  whole model: {before.cycles:>14,} -> {after.cycles:>14,} cycles   speed-up {before.cycles / after.cycles:5.2f}x")
     print(f"  attention  : {attn_before:>14,} -> {attn_after:>14,} cycles   speed-up "
           f"{attn_before / max(attn_after, 1):5.2f}x")
-    print(f"  (fuse {t1 - t0:.1f} s, simulate both {t2 - t1:.1f} s wall)")
+    print(f"  (fuse {t1 - t0:.1f} s, simulate both {w1 + w2:.1f} s wall)")
     return before, after
 
 
@@ -41,13 +79,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="ascend910")
     ap.add_argument("--quick", action="store_true", help="small shapes only")
+    ap.add_argument("--first", action="store_true", help="the first case only (GPT-2-small shapes, B8 S1024)")
+    ap.add_argument("--timing-only", action="store_true", help="simulate without values (the same figures)")
     a = ap.parse_args()
     torch.manual_seed(0)
+    values = not a.timing_only
     if a.quick:
-        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000)
+        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=values)
         return
-    run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device)
-    run("gpt2", 1, 768, 12, 2048, 1, torch.float16, a.device)
+    run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=values)
+    if not a.first:
+        run("gpt2", 1, 768, 12, 2048, 1, torch.float16, a.device, values=values)
 
 
 if __name__ == "__main__":

@@ -181,3 +181,37 @@ def test_launches_steered_by_values_are_not_reused_across_values():
     gathers = [n for n in memo.nodes if n.kernels == ("gather",)]
     assert len(gathers) == 2 and gathers[0].cycles != gathers[1].cycles and not any(n.reused for n in gathers)
     assert [n.cycles for n in memo.nodes] == [n.cycles for n in every.nodes]
+
+
+def _figures(r):
+    return ([(n.node, n.kernels, n.cycles, n.hbm_bytes, n.workspace, n.reused) for n in r.nodes], r.cycles,
+            r.hbm_bytes, r.peak_memory, r.launches, r.distinct_launches)
+
+
+@pytest.mark.parametrize("memo", [True, False])
+@pytest.mark.parametrize("name", ["gpt2", "mixtral"])
+def test_timing_only_simulation_counts_what_the_simulation_with_values_counts(name, memo):
+    """values=False computes only the values a launch needs (the router and routing of an MoE layer steer its
+    experts' kernels; a fused op's first launch runs its kernel); every figure is that of values=True."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model, (args, kwargs) = build("gpt2", layers=2, hidden=64, heads=4, seq=64, batch=2, dtype=torch.float16)
+    else:
+        pytest.importorskip("transformers")
+        from test_moe_patterns import _build
+        model, ids = _build("mixtral", "grouped_mm", "eager")
+        args, kwargs = (ids,), {"use_cache": False}
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    leaves = list(fused.plans.values())[0].captured.flatten_inputs(*args, **kwargs)
+    with_values = [autofuse.simulate(model, (args, kwargs), memo=memo),
+                   simulate_graph(fused.graph_module, leaves, memo=memo)]
+    timing = [autofuse.simulate(model, (args, kwargs), memo=memo, values=False),
+              simulate_graph(fused.graph_module, leaves, memo=memo, values=False)]
+    if memo:     # the fused module's own entry point passes values through
+        assert _figures(fused.simulate(*args, values=False, **kwargs)) == _figures(with_values[1])
+    assert any(n.fused for n in with_values[1].nodes)
+    for v, t in zip(with_values, timing):
+        assert _figures(t) == _figures(v)
+        assert t.outputs is None and v.outputs is not None
+    with pytest.raises(ValueError, match="check=True"):
+        autofuse.simulate(model, (args, kwargs), check=True, values=False)
