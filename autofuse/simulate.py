@@ -297,6 +297,10 @@ class _Sim(fx.Interpreter):
                 log = self.fused_cache[key]
                 value = _twin_value(name, twin, args, kwargs)
             else:
+                if self.needed is not None and n not in self.needed:
+                    raise RuntimeError(f"simulate: fused call {n.name} ({name}) has no values and no earlier launch "
+                                       f"of its signature to reuse; its signature from the graph's metadata differs "
+                                       f"from the one at run time: simulate with values=True")
                 with fused_ops.recording() as log:
                     value = super().run_node(n)
                 self.fused_cache[key] = log
