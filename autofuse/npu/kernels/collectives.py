@@ -33,7 +33,7 @@ import numpy as np
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.tiles import VEC_FLOATS, ceil_div, check_dtype, lockstep, rnd, split_blocks
 from autofuse.npu.link import Links, make_comm
-from autofuse.npu.run import kernel
+from autofuse.npu.run import ALL, kernel
 from cost_model.links import check, default_algorithm
 
 SLICE_BYTES = 1 << 20          # pipelining grain of a piece (bytes)
@@ -310,7 +310,7 @@ def _setup(launch, x, comm, world, rank, op, algorithm, slice_bytes, group=None)
     return c, col, algorithm
 
 
-@kernel("all_reduce")
+@kernel("all_reduce", steer=ALL)
 def all_reduce(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None):
     """Sum of ``x`` over the ranks (every rank gets it). ``comm``: see :func:`autofuse.npu.link.make_comm`
     (``world``/``rank``: a rank-symmetric stand-in, timing only)."""
@@ -321,7 +321,7 @@ def all_reduce(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_b
     return (out,)
 
 
-@kernel("reduce_scatter")
+@kernel("reduce_scatter", steer=ALL)
 def reduce_scatter(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None):
     """Sum of ``x`` [p·m, ...] over the ranks, rank r keeping rows [r·m, (r+1)·m) (``reduce_scatter_tensor``)."""
     c, col, algorithm = _setup(launch, x, comm, world, rank, "reduce_scatter", algorithm, slice_bytes)
@@ -346,7 +346,7 @@ def reduce_scatter(launch, x, comm=None, world=None, rank=0, algorithm=None, sli
     return (out,)
 
 
-@kernel("all_gather")
+@kernel("all_gather", steer=ALL)
 def all_gather(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None):
     """``x`` of every rank stacked along dim 0 (``all_gather_into_tensor``)."""
     c, col, algorithm = _setup(launch, x, comm, world, rank, "all_gather", algorithm, slice_bytes)
@@ -363,7 +363,7 @@ def all_gather(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_b
     return (out,)
 
 
-@kernel("all_to_all")
+@kernel("all_to_all", steer=ALL)
 def all_to_all(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None, output_split_sizes=None,
                input_split_sizes=None):
     """``all_to_all_single``: rows of ``x`` split by ``input_split_sizes`` (default even) go to the ranks in

@@ -30,7 +30,7 @@ import numpy as np
 from autofuse.npu.kernels.collectives import Collective, flat
 from autofuse.npu.kernels.matmul import CUBE_DTYPES, Program, _ceil, default_tiling, tiling_fits
 from autofuse.npu.link import make_comm
-from autofuse.npu.run import kernel
+from autofuse.npu.run import ALL, kernel
 from cost_model.links import check, default_algorithm
 
 
@@ -100,7 +100,7 @@ class _Fused:
         return self.prog.run(a, self.w, None, out, items, a.shape[0], self.N, self.K, deps=deps)
 
 
-@kernel("matmul_all_reduce")
+@kernel("matmul_all_reduce", steer=ALL)
 def matmul_all_reduce(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                       slice_bytes=None):
     """``all_reduce(x @ w)`` (sum), ``tiles`` row tiles pipelined (see the module docstring)."""
@@ -118,7 +118,7 @@ def matmul_all_reduce(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
     return (type(out)(out.data.reshape(*f.lead, N), out.dtype, out.name),)
 
 
-@kernel("matmul_reduce_scatter")
+@kernel("matmul_reduce_scatter", steer=ALL)
 def matmul_reduce_scatter(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                           slice_bytes=None):
     """``reduce_scatter(x @ w)`` along rows: rank r keeps rows [r·M/p, (r+1)·M/p) of the sum."""
@@ -154,7 +154,7 @@ def matmul_reduce_scatter(launch, x, w, comm=None, world=None, rank=0, tiles=4, 
     return (out,)
 
 
-@kernel("all_gather_matmul")
+@kernel("all_gather_matmul", steer=ALL)
 def all_gather_matmul(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                       slice_bytes=None):
     """``(all_gather(x) @ w, all_gather(x))``: x [m, K] of every rank stacked along rows, times w [K, N]."""
