@@ -296,6 +296,8 @@ class _Verifier:
             with torch.random.fork_rng():
                 self.done[key] = _verify.verify_block(sub, fused_sub, self._inputs(external),
                                                       self._roles(cand.lifted, external))
+            if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
+                self.done[key] = fam.agree(self.done[key], cand.match)
         return self.done[key]
 
 

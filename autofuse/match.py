@@ -16,7 +16,7 @@ from typing import Callable
 import torch.fx as fx
 
 _FAMILIES: dict[str, Callable[[fx.GraphModule], list["Match"]]] = {}
-_BUILTIN = ("patterns.attention", "patterns.moe")
+_BUILTIN = ("patterns.attention", "patterns.moe", "patterns.mc2")
 
 
 @dataclass(frozen=True)

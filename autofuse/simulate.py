@@ -42,6 +42,8 @@ class NodeCost:
     reused: bool = False
     max_error: float | None = None
     workspace: int = 0              # GM its kernels allocate besides their outputs, while they run
+    link_bytes: int = 0             # sent on the chip's links (collectives and MC2 kernels)
+    link_cycles: int = 0            # the busiest link lane's occupancy
 
 
 @dataclass
@@ -182,7 +184,8 @@ class _Sim(fx.Interpreter):
             hbm = sum(s.hbm_bytes for _, s in log)
             self.records.append(NodeCost(n.name, f"autofuse.{name}", tuple(k for k, _ in log) or (name,), cyc, hbm,
                                          log[0][1].bound if log else "", fused=True, reused=reused,
-                                         workspace=max((s.workspace_bytes for _, s in log), default=0)))
+                                         workspace=max((s.workspace_bytes for _, s in log), default=0),
+                                         **_link([s for _, s in log])))
             return value
         value = self._value(n)
         prog = self.programs[n]
@@ -192,6 +195,7 @@ class _Sim(fx.Interpreter):
         outs: list = []
         cycles = hbm = 0
         bound, kernels, reused_all, err, ws = "", [], True, None, 0
+        launched = []
         specs = step_specs(prog, n)
         for st, (ins_spec, out_spec) in zip(prog.steps, specs):
             arrays = [args_env[r.i] if isinstance(r, Arg) else r.make() if isinstance(r, Const) else outs[r.j]
@@ -214,14 +218,21 @@ class _Sim(fx.Interpreter):
             hbm += r.stats.hbm_bytes
             bound = r.stats.bound
             ws = max(ws, r.stats.workspace_bytes)
+            launched.append(r.stats)
             kernels.append(kernel)
             reused_all = reused_all and reused
         if self.check and isinstance(value, torch.Tensor) and outs and outs[-1] is not None \
                 and kernels[-1] != "generic" and outs[-1].shape == value.shape:
             err = (outs[-1].double() - value.double()).abs().max().item()
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
-                                     max_error=err, workspace=ws))
+                                     max_error=err, workspace=ws, **_link(launched)))
         return value
+
+
+def _link(stats) -> dict:
+    """Link figures of a node's launches (kernels that communicate: collectives, MC2)."""
+    return {"link_bytes": int(sum(s.bytes.get("HBM->link", 0) for s in stats)),
+            "link_cycles": int(max((s.busy.get("link", 0) for s in stats), default=0))}
 
 
 def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False) -> SimulationResult:

@@ -20,7 +20,7 @@ the reason when no tile count beats the unfused pair.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from cost_model.collectives import LinkReplay, nslices, _algorithm
@@ -72,13 +72,18 @@ class Plan:
     """What the cost model decides for one matmul + collective pair."""
 
     tiles: int                 # 0: keep unfused
-    fused_cycles: int
+    fused_cycles: int          # at the best tile count (also when that does not pay)
     unfused_cycles: int
     matmul_cycles: int
     collective_cycles: int
     link_cycles: int
     overlap_cycles: int
     reason: str
+    best_tiles: int = 1        # the fastest tile count, paying or not
+    hbm_bytes: int = 0         # of the fused launch
+    tiling: dict = field(default_factory=dict)     # the fused launch's matmul tiling
+    bound: str = ""            # the fused launch's busiest unit
+    workspace: int = 0         # GM the fused launch allocates besides its outputs
 
     @property
     def speedup(self) -> float:
@@ -201,16 +206,19 @@ def unfused(kind, x, w, device, world, algorithm=None) -> tuple[int, int]:
     return mm.cycles, coll.cycles
 
 
-def choose_tiles(kind: str, x, w, device, world: int, algorithm=None, counts=TILE_COUNTS) -> Plan:
+def choose_tiles(kind: str, x, w, device, world: int, algorithm=None, counts=TILE_COUNTS, baseline=None,
+                 search_tiling: bool = True) -> Plan:
     """The tile count that makes the fused kernel fastest, or ``tiles=0`` (keep unfused) with the reason.
 
     ``x``, ``w``: ``(shape, dtype)`` of the matmul operands as the fused op takes them (x [..., K], w [K, N]).
+    ``baseline``: the unfused pair's cycles if the caller priced it (the planner prices the captured nodes);
+    else the matmul with its searched tiling, then the collective: two launches.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown MC2 kernel {kind!r}: choose one of {', '.join(KINDS)}")
     dev = get_device(device)
     mm, coll = unfused(kind, x, w, dev.name, world, algorithm)
-    base = mm + coll
+    base = int(baseline) if baseline is not None else mm + coll
     best = None
     for T in counts:
         e = estimate(kind, [x, w], device=dev.name, world=world, tiles=T, algorithm=algorithm)
@@ -219,12 +227,14 @@ def choose_tiles(kind: str, x, w, device, world: int, algorithm=None, counts=TIL
     T, e = best
     link = int(e.busy.get("link", 0))
     overlap = max(0, mm + coll - dev.launch_cycles - e.cycles)
+    common = dict(best_tiles=T, hbm_bytes=e.hbm_bytes, tiling=dict(e.tiling or {}), bound=e.bound,
+                  workspace=e.workspace_bytes)
     if e.cycles >= base:
         return Plan(0, e.cycles, base, mm, coll, link, overlap,
-                    f"fused {e.cycles:,} cycles (best at {T} tiles) is no faster than matmul {mm:,} + "
-                    f"{KINDS[kind]} {coll:,}")
+                    f"fused {e.cycles:,} cycles (best at {T} tiles) is no faster than the unfused pair's {base:,} "
+                    f"(matmul {mm:,} + {KINDS[kind]} {coll:,})", **common)
     return Plan(T, e.cycles, base, mm, coll, link, overlap,
-                f"fused at {T} tiles: {e.cycles:,} cycles vs {base:,} unfused ({base / e.cycles:.2f}x)")
+                f"fused at {T} tiles: {e.cycles:,} cycles vs {base:,} unfused ({base / e.cycles:.2f}x)", **common)
 
 
 __all__ = ["KINDS", "Plan", "choose_tiles", "mc2_tiling", "row_tiles", "shared_ub_device", "unfused"]
