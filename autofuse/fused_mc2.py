@@ -3,7 +3,7 @@
 ==========================  =====================================================================
 family                      fused call (``autofuse/ops_mc2.py``)
 ==========================  =====================================================================
-``matmul_all_reduce``       ``matmul_all_reduce(x, W, "sum", group, tiles=T, device=..., tiling=...)``
+``matmul_all_reduce``       ``matmul_all_reduce(x, W, "sum", group, tiles=T, device=..., tiling=..., algorithm=...)``
 ``matmul_reduce_scatter``   ``matmul_reduce_scatter(x, W, "sum", group, p, tiles=T, ...)``
 ``all_gather_matmul``       ``all_gather_matmul(x, W, group, p, tiles=T, ...)`` → (out, gathered x)
 ==========================  =====================================================================
@@ -11,8 +11,8 @@ family                      fused call (``autofuse/ops_mc2.py``)
 **Price.** The unfused side is what the planner prices for every candidate: the captured matmul and the
 collective launch (``autofuse.lower`` lowers ``_c10d_functional`` collectives to the collective kernels with
 the group's size). The fused side is :func:`cost_model.mc2.choose_tiles`: the fused kernel at its fastest tile
-count, with the matmul tiling the kernel picks by itself (O1, O2) or the one the cost model's search finds
-for that tile count (O3). When no tile count beats the unfused pair the price is still the best fused one,
+count (and the tiles' collective algorithm), with the matmul tiling the kernel picks by itself (O1, O2) or the
+one the cost model's search finds for that tile count (O3). When no tile count beats the unfused pair the price is still the best fused one,
 so the planner keeps the pair with ``not_profitable`` and both figures; the decision's ``tiling`` names the
 tile count that was tried best.
 
@@ -58,7 +58,7 @@ def price_mc2(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     x, w = operand_specs(match, nodes)
     baseline = price_nodes([nodes[n] for n in match.nodes], device).cycles
     plan = choose_tiles(p["kind"], x, w, device, int(p["world_size"]), baseline=baseline, search_tiling=search_tiling)
-    tiling = {"tiles": plan.best_tiles}
+    tiling = {"tiles": plan.best_tiles, "algorithm": plan.algorithm}
     if search_tiling:
         tiling["matmul"] = plan.tiling
     bound = f"{plan.bound} ({plan.best_tiles} tiles, link busy {plan.link_cycles:,} cycles)"
@@ -67,6 +67,8 @@ def price_mc2(match, nodes: dict, device: str, search_tiling: bool) -> Price:
 
 def mc2_kwargs(device: str, price: Price, level: str) -> dict:
     kw = {"tiles": int(price.tiling.get("tiles", DEFAULT_TILES)), "device": device}
+    if price.tiling.get("algorithm"):
+        kw["algorithm"] = price.tiling["algorithm"]
     if level == "O3" and price.tiling.get("matmul"):
         kw["tiling"] = json.dumps(price.tiling["matmul"], sort_keys=True)
     return kw

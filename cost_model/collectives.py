@@ -173,6 +173,10 @@ class LinkReplay:
         p = len(ranks)
         if p == 1:
             return self.copy(n, ready)
+        if algorithm == "oneshot":             # the mesh reduce-scatter with every piece the whole buffer
+            rd = [[ready] * nslices(n * self.isz) for _ in range(p)]
+            self.reduce_scatter([n] * p, ranks, rd, "mesh")
+            return max(rd[ranks.index(self.rank)])
         if algorithm == "hierarchical":
             L = self.links.mesh
             me = ranks.index(self.rank)
@@ -210,9 +214,9 @@ class LinkReplay:
         return max(self.busy)
 
 
-def _algorithm(dev, op, world, algorithm):
+def _algorithm(dev, op, world, algorithm, nbytes=None):
     links = get_links(dev)
-    algorithm = algorithm or default_algorithm(links, op, world)
+    algorithm = algorithm or default_algorithm(links, op, world, nbytes)
     if world > 1:
         check(op, algorithm, world, links)
     return algorithm
@@ -241,7 +245,7 @@ def estimate_all_reduce(dev, specs, world=None, algorithm=None, rank=0, comm=Non
     shape, dtype, n = _spec(specs)
     p = _world(world)
     rep = LinkReplay(dev, p, dtype)
-    end = rep.all_reduce(n, list(range(p)), 0.0, _algorithm(dev, "all_reduce", p, algorithm))
+    end = rep.all_reduce(n, list(range(p)), 0.0, _algorithm(dev, "all_reduce", p, algorithm, n * itemsize(dtype)))
     b = n * itemsize(dtype)
     return _finish("all_reduce", dev, rep, end)
 

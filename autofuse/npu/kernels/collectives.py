@@ -10,8 +10,11 @@ Algorithms (``algorithm=``, default as HCCL-style libraries pick, ``cost_model.l
   sends piece ``i-1-s`` to ``i+1`` and adds the piece ``i-2-s`` it receives from ``i-1`` into its partial
   (after ``p-1`` steps it holds piece ``i`` reduced). All-gather: step ``s`` forwards piece ``i-s`` and
   receives piece ``i-s-1``. All-reduce is the two in turn.
-* **mesh** (one-shot, a full mesh): reduce-scatter sends piece ``j`` to rank ``j`` on every port at once and
-  adds the ``p-1`` pieces it receives; all-gather sends its piece to every peer at once.
+* **mesh** (one step per phase, a full mesh): reduce-scatter sends piece ``j`` to rank ``j`` on every port at
+  once and adds the ``p-1`` pieces it receives; all-gather sends its piece to every peer at once; all-reduce
+  is the two (two-shot).
+* **oneshot** all-reduce (a full mesh, small buffers): the mesh reduce-scatter with every piece the whole
+  buffer: every rank sends all of it to every peer at once and adds the ``p-1`` buffers it receives.
 * **hierarchical** all-reduce: mesh reduce-scatter inside the domain, ring all-reduce of the rank's piece
   among the ranks of the same position in the other domains, mesh all-gather inside the domain.
 * **pairwise** all-to-all: piece ``j`` goes to rank ``j``; on a full mesh all at once, else one peer per step.
@@ -244,6 +247,11 @@ class Collective:
         p = len(ranks)
         if p == 1:
             return self.copy(acc, lo, src, lo, hi - lo, deps=(ready,)) if acc is not src else ready
+        if algorithm == "oneshot":
+            pieces = [(lo, hi)] * p
+            rd = [[ready] * self._nslices(pieces) for _ in range(p)]
+            self.reduce_scatter(acc, src, pieces, ranks, rd, "mesh")
+            return max(rd[ranks.index(self.comm.rank)])
         if algorithm == "hierarchical":
             L = self.links.profile.mesh
             me = ranks.index(self.comm.rank)
@@ -304,7 +312,7 @@ def _setup(launch, x, comm, world, rank, op, algorithm, slice_bytes, group=None)
     check_dtype(op, "x", x, VEC_FLOATS)
     c = make_comm(comm, world, rank)
     col = Collective(launch, c, x.dtype, group=group, slice_bytes=slice_bytes)
-    algorithm = algorithm or default_algorithm(col.links.profile, op, c.world)
+    algorithm = algorithm or default_algorithm(col.links.profile, op, c.world, x.data.size * col.isz)
     if c.world > 1:
         check(op, algorithm, c.world, col.links.profile)
     return c, col, algorithm

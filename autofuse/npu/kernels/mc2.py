@@ -1,20 +1,37 @@
-"""MC2 kernels: a matmul fused with its collective, the matmul cut into ``tiles`` row tiles whose
-communication overlaps the next tile's compute (CANN's MatmulAllReduce, AllGatherMatmul,
-MatmulReduceScatter).
+"""MC2 kernels: a matmul fused with its collective, cut into tiles whose communication overlaps the later tiles'
+products (CANN's MatmulAllReduce, MatmulReduceScatter, AllGatherMatmul).
 
 One launch holds the Cube program (:class:`autofuse.npu.kernels.matmul.Program`, the plain matmul's schedule,
-run tile by tile on one group of cores whose timelines carry on from tile to tile), the link unit and the
-Vector cores that add received partials (:class:`~autofuse.npu.kernels.collectives.Collective`). Program
-order is a two-stage software pipeline:
+its timelines carrying on from tile to tile), the link unit and the Vector cores that add received partials
+(:class:`~autofuse.npu.kernels.collectives.Collective`).
 
-* ``matmul_all_reduce``  x[M, K/p] @ w[K/p, N] summed over ranks:  compute tile t, then all-reduce tile t-1
-  (its rows of the output, in place), so the links and adds of tile t-1 run under tile t's products.
-* ``matmul_reduce_scatter``  the same, tile t being rows t of every rank's share; reduce-scatter of tile t-1
-  under the products of tile t. Rank r's output is its share of the reduced partial.
-* ``all_gather_matmul``  gather(x[M/p, K]) @ w[K, N/p]: the link starts on every tile at once; the Cube
-  first multiplies this rank's own rows (nothing to wait for), then each tile's gathered rows as they land
-  (with one tile: every row in one sweep once all have landed).
-  Also returns the gathered x (what the backward needs).
+Tiles (:func:`tile_plan`):
+
+* **row tiles** when the rows hold at least ``tiles`` base blocks (``m0`` rows): tile t is a range of whole
+  row blocks (of every rank's share, for the reduce-scatter);
+* **column tiles** otherwise (decode: a few rows), when there are more column blocks: tile t is a range of
+  whole ``n0`` column blocks of every row. Each tile streams its share of the weight, so the first tiles'
+  collectives run while later columns of the weight are still being read (when a tile's blocks fill the
+  cores: the tiling is chosen per tile count). A column tile of M rows is a
+  strided block of the output; its collective runs on a tile-major buffer (each tile's M × w block
+  contiguous), and the collective's last writes of the tile (the stores of the reduced values and the peers'
+  landings) go to the tile's columns of the output, a 2-D strided DMA of the same bytes: the simulator keeps
+  the tile-major buffer as the output's storage and lays its values out as [M, N] when the launch ends.
+
+Schedules (program order is a two-stage software pipeline):
+
+* ``matmul_all_reduce``  x[M, K/p] @ w[K/p, N] summed over ranks: compute tile t, then all-reduce tile t-1,
+  so the links and adds of tile t-1 run under tile t's products.
+* ``matmul_reduce_scatter``  the same, rank r keeping rows [r·M/p, (r+1)·M/p) of the sum.
+* ``all_gather_matmul``  gather(x[m, K]) @ w[K, N/p]: the link starts on every tile at once; the Cube
+  multiplies this rank's own rows first (nothing to wait for), then each block of gathered rows as soon as
+  that peer's rows of that tile have landed (with one tile: every gathered row in one sweep once all have
+  landed, so that the weight is read once). Also returns the gathered x (what the backward needs).
+
+The Cube's blocks (``m0 × n0`` output tiles) are issued in lockstep waves over the Cube cores in tile order, a
+wave filling up with the next tile's blocks when a tile's do not fill the cores; each block waits only for
+its own operands. Each tile's collective uses the algorithm a collective library picks
+for its size (``cost_model.links.default_algorithm``: one-shot all-reduce for small tiles on a full mesh).
 
 On coupled chips the adds share the AI cores' UB with the matmul, so the matmul is tiled for half the UB
 (``tiling`` otherwise as the plain matmul's default); on split chips the adds run on the AIV cores.
@@ -27,7 +44,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from autofuse.npu.kernels.collectives import Collective, flat
+from autofuse.npu.kernels.collectives import Collective, flat, pieces_of
 from autofuse.npu.kernels.matmul import CUBE_DTYPES, Program, _ceil, default_tiling, tiling_fits
 from autofuse.npu.link import make_comm
 from autofuse.npu.run import kernel
@@ -59,8 +76,71 @@ def row_tiles(rows: int, m0: int, tiles: int) -> list:
     return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
 
 
+def tile_plan(rows: int, N: int, m0: int, n0: int, tiles: int) -> tuple[str, list]:
+    """``("rows", ranges of rows)`` in whole ``m0`` blocks when the rows hold ``tiles`` of them (or at least as
+    many tiles as the columns give), else ``("cols", ranges of columns)``: equal ranges of whole ``n0`` blocks
+    (as many as divide the column blocks evenly, up to ``tiles``; see the module docstring)."""
+    nr = _ceil(rows, m0)
+    nc = N // n0 if N % n0 == 0 else 1
+    tc = max(d for d in range(1, min(tiles, nc) + 1) if nc % d == 0)
+    if nr >= tiles or nr >= tc:
+        return "rows", row_tiles(rows, m0, tiles)
+    return "cols", [(i * N // tc, (i + 1) * N // tc) for i in range(tc)]
+
+
+def tile_algorithm(algorithm: str | None, last: bool) -> str | None:
+    """A tile's collective algorithm from the kernel's ``algorithm``: one name for every tile, or ``"A|B"``:
+    ``B`` for the last tile (whose collective no later product hides: a one-shot's single latency), ``A`` for
+    the others (whose bytes the links must keep up with: the two-shot mesh). None: the size-based default."""
+    if not algorithm:
+        return None
+    parts = algorithm.split("|")
+    return parts[-1] if last else parts[0]
+
+
 def _view(t, r0, r1):
     return type(t)(t.data[r0:r1], t.dtype, t.name)
+
+
+def _blocks(r0: int, r1: int, m0: int, ncols: int, batch=()) -> list:
+    return [(batch, (b, min(m0, r1 - b)), ni) for b in range(r0, r1, m0) for ni in range(ncols)]
+
+
+class _Cube:
+    """The matmul of an MC2 kernel: blocks issued in lockstep waves over every Cube core in the order they are
+    added, a wave filling up with the next tile's blocks when a tile's do not fill the cores (see the module
+    docstring); each block's loads wait for its own ``ready`` time. ``done[tag]``: when the waves holding a
+    tile's blocks are stored."""
+
+    def __init__(self, prog: Program, K: int):
+        self.prog, self.K, self.n = prog, K, prog.g.n
+        self.wave, self.ops, self.done = [], None, {}
+
+    def add(self, a, b, out, blocks, ready=0.0, tag=None):
+        """Blocks ``(batch index, (first row, rows), column block)`` of ``out = a @ b``."""
+        if self.ops is not None and tuple(map(id, self.ops)) != (id(a), id(b), id(out)):
+            self.flush()
+        self.ops = (a, b, out)
+        ready = ready if isinstance(ready, list) else [ready] * len(blocks)
+        for blk, r in zip(blocks, ready):
+            self.wave.append((blk, r, tag))
+            if len(self.wave) == self.n:
+                self.flush()
+
+    def pending(self, tag) -> bool:
+        return any(t == tag for _, _, t in self.wave)
+
+    def flush(self):
+        if not self.wave:
+            return
+        a, b, out = self.ops
+        items = [blk for blk, _, _ in self.wave] + [None] * (self.n - len(self.wave))
+        deps = np.array([r for _, r, _ in self.wave] + [0.0] * (self.n - len(self.wave)))
+        fold = out.data.ndim == 2
+        end = self.prog.run(a, b, None, out, items, a.shape[-2], b.shape[-1], self.K, fold=fold, deps=(deps,))
+        for _, _, tag in self.wave:
+            self.done[tag] = max(self.done.get(tag, 0.0), end)
+        self.wave = []
 
 
 class _Fused:
@@ -84,74 +164,139 @@ class _Fused:
         M = rows_of_x if rows_of_x is not None else self.x.shape[0]
         self.t = mc2_tiling(dev, M, self.N, self.K, self.dtype, self.dtype, tiling)
         self.prog = Program(launch, self.dtype, self.dtype, self.t, dev.cube_cores, False)
+        self.cube = _Cube(self.prog, self.K)
         self.col = Collective(launch, self.comm, self.dtype, group=self.prog.g if dev.arch == "coupled" else None,
                               slice_bytes=slice_bytes)
-        self.algorithm = algorithm or default_algorithm(self.col.links.profile, op, self.comm.world)
-        if self.comm.world > 1:
-            check(op, self.algorithm, self.comm.world, self.col.links.profile)
+        self.algorithm = algorithm
         self.ranks = list(range(self.comm.world))
 
-    def matmul_rows(self, a, out, spans, deps=()):
-        """Rows ``spans`` ([(r0, r1), ...]) of ``out = a @ w`` on the Cube, all in one lockstep sweep (their
-        blocks spread over every core); returns when they are stored."""
-        m0, n0 = self.t["m0"], self.t["n0"]
-        items = [((), (b, min(m0, r1 - b)), ni) for r0, r1 in spans for b in range(r0, r1, m0)
-                 for ni in range(_ceil(self.N, n0))]
-        return self.prog.run(a, self.w, None, out, items, a.shape[0], self.N, self.K, deps=deps)
+    def algorithm_for(self, nbytes: int, last: bool = False) -> str:
+        """The algorithm of one tile's collective: the caller's (``"A|B"``: B for the last tile, A for the
+        others), else the library's pick for the tile's size."""
+        a = tile_algorithm(self.algorithm, last) or default_algorithm(self.col.links.profile, self.op,
+                                                                       self.comm.world, nbytes)
+        if self.comm.world > 1:
+            check(self.op, a, self.comm.world, self.col.links.profile)
+        return a
+
+    def tiles(self, rows: int, tiles: int, M: int, name: str):
+        """The output storage (``M`` × N, flat) and the tiles of its first ``rows`` rows' products:
+        ``(split, store, b, out, [(lo, hi, blocks)])`` — the weight as the blocks read it, the output as they
+        write it, each tile's range of the flat storage and its blocks. Column tiles lay the storage out
+        tile-major (``out`` [T, M, w], ``b`` the weight's columns as [T, K, w]; see the module docstring)."""
+        N, K, m0, n0 = self.N, self.K, self.t["m0"], self.t["n0"]
+        split, ranges = tile_plan(rows, N, m0, n0, tiles)
+        store = self.launch.empty((M * N,), self.dtype, name)
+        if split == "rows":
+            out = type(store)(store.data.reshape(M, N), store.dtype, name)
+            return split, store, self.w, out, [(r0 * N, r1 * N, _blocks(r0, r1, m0, _ceil(N, n0))) for r0, r1 in ranges]
+        T, w_ = len(ranges), N // len(ranges)
+        b = type(self.w)(self.w.data.reshape(K, T, w_).transpose(1, 0, 2), self.w.dtype, self.w.name)
+        out = type(store)(store.data.reshape(T, M, w_), store.dtype, name)
+        return split, store, b, out, [(t * M * w_, (t + 1) * M * w_, _blocks(0, M, m0, _ceil(w_, n0), (t,)))
+                                      for t in range(T)]
+
+    def pipeline(self, parts, b, out, communicate, blocks_of=lambda blocks: blocks):
+        """Tile t's products, then the collective of every earlier tile whose blocks are all issued (the
+        two-stage pipeline of the module docstring); the rest after the last tile. ``communicate`` may return a
+        second phase (an all-reduce's all-gather), issued after the next tile's first phase, so that a lane's
+        queue never holds a tile's second phase, waiting for its adds, in front of the next tile's sends."""
+        sent, later = 0, None
+
+        def send(i):
+            nonlocal later
+            phase2 = communicate(*parts[i][:2], self.cube.done[i], i == len(parts) - 1)
+            if later is not None:
+                later()
+            later = phase2
+
+        for t, (lo, hi, blocks) in enumerate(parts):
+            self.cube.add(self.x, b, out, blocks_of(blocks), tag=t)
+            while sent < t and not self.cube.pending(sent):
+                send(sent)
+                sent += 1
+        self.cube.flush()
+        for i in range(sent, len(parts)):
+            send(i)
+        if later is not None:
+            later()
+
+
+def _tile_major_to_rows(data, M, T):
+    """[T, M, w] storage as [M, T·w]."""
+    return data.reshape(T, M, -1).transpose(1, 0, 2).reshape(M, -1)
 
 
 @kernel("matmul_all_reduce")
 def matmul_all_reduce(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                       slice_bytes=None):
-    """``all_reduce(x @ w)`` (sum), ``tiles`` row tiles pipelined (see the module docstring)."""
+    """``all_reduce(x @ w)`` (sum), ``tiles`` tiles pipelined (see the module docstring)."""
     f = _Fused(launch, x, w, comm, world, rank, "all_reduce", algorithm, tiling, slice_bytes)
     M, N = f.x.shape[0], f.N
-    out = launch.empty((M, N), f.dtype, "out")
-    pending = None
-    for r0, r1 in row_tiles(M, f.t["m0"], tiles):
-        done = f.matmul_rows(f.x, out, [(r0, r1)])
-        if pending is not None:
-            f.col.all_reduce(flat(out), flat(out), pending[0] * N, pending[1] * N, f.ranks, pending[2], f.algorithm)
-        pending = (r0, r1, done)
-    f.col.all_reduce(flat(out), flat(out), pending[0] * N, pending[1] * N, f.ranks, pending[2], f.algorithm)
+    split, store, b, out, parts = f.tiles(M, tiles, M, "out")
+    s = flat(store)
+
+    def communicate(lo, hi, ready, last):
+        alg = f.algorithm_for((hi - lo) * f.col.isz, last)
+        if alg not in ("mesh", "ring") or f.comm.world == 1:
+            f.col.all_reduce(s, s, lo, hi, f.ranks, ready, alg)
+            return None
+        # two phases, as Collective.all_reduce runs them; the all-gather is issued after the next tile's
+        # reduce-scatter (see _Fused.pipeline)
+        pieces = pieces_of(lo, hi, f.comm.world)
+        rd = [[ready] * f.col._nslices(pieces) for _ in pieces]
+        f.col.reduce_scatter(s, s, pieces, f.ranks, rd, alg)
+        return lambda: f.col.all_gather(s, pieces, f.ranks, rd, alg)
+
+    f.pipeline(parts, b, out, communicate)
     f.col.finish()
-    return (type(out)(out.data.reshape(*f.lead, N), out.dtype, out.name),)
+    rows = store.data if split == "rows" else _tile_major_to_rows(store.data, M, len(parts))
+    store.data = np.ascontiguousarray(rows).reshape(*f.lead, N)
+    return (store,)
 
 
 @kernel("matmul_reduce_scatter")
 def matmul_reduce_scatter(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                           slice_bytes=None):
-    """``reduce_scatter(x @ w)`` along rows: rank r keeps rows [r·M/p, (r+1)·M/p) of the sum."""
+    """``reduce_scatter(x @ w)`` along dim 0: rank r keeps rows [r·M/p, (r+1)·M/p) of the sum."""
     f = _Fused(launch, x, w, comm, world, rank, "reduce_scatter", algorithm, tiling, slice_bytes)
     p, me = f.comm.world, f.comm.rank
     M, N = f.x.shape[0], f.N
-    if M % p:
-        raise ValueError(f"matmul_reduce_scatter: {M} rows do not split over {p} ranks")
+    if M % p or (len(f.lead) > 1 and f.lead[0] % p):
+        raise ValueError(f"matmul_reduce_scatter: dim 0 of x {list(x.shape)} does not split over {p} ranks")
     share = M // p
-    partial = launch.empty((M, N), f.dtype, "partial", scratch=True)
-    pending = None
+    m0, nn = f.t["m0"], _ceil(N, f.t["n0"])
+    # the partial sums are scratch; tiles are ranges of each rank's share (row tiles: tile t of every share)
+    split, partial, b, out, parts = f.tiles(share, tiles, M, "partial")
+    partial.scratch = True
+    s = flat(partial)
 
-    def scatter(r0, r1, ready):
-        pieces = [((j * share + r0) * N, (j * share + r1) * N) for j in range(p)]
+    def blocks_of(blocks):
+        if split != "rows":
+            return blocks
+        if len(parts) == 1:            # one tile: every row at once (rank shares need not be whole row blocks)
+            return _blocks(0, M, m0, nn)
+        r0, r1 = blocks[0][1][0], blocks[-1][1][0] + blocks[-1][1][1]
+        return [blk for j in range(p) for blk in _blocks(j * share + r0, j * share + r1, m0, nn)]
+
+    def communicate(lo, hi, ready, last):
         if p == 1:
             return
+        if split == "rows":
+            pieces = [(lo + j * share * N, hi + j * share * N) for j in range(p)]
+        else:
+            w_ = (hi - lo) // M
+            pieces = [(lo + j * share * w_, lo + (j + 1) * share * w_) for j in range(p)]
         S = f.col._nslices(pieces)
-        f.col.reduce_scatter(flat(partial), flat(partial), pieces, f.ranks, [[ready] * S for _ in range(p)],
-                             f.algorithm)
+        f.col.reduce_scatter(s, s, pieces, f.ranks, [[ready] * S for _ in range(p)], f.algorithm_for(0, last))
 
-    ranges = row_tiles(share, f.t["m0"], tiles)
-    for r0, r1 in ranges:
-        # one tile: every row at once (rank shares need not be whole row blocks); else tile t of every share
-        spans = [(0, M)] if len(ranges) == 1 else [(j * share + r0, j * share + r1) for j in range(p)]
-        done = f.matmul_rows(f.x, partial, spans)
-        f.col.last = max(f.col.last, done)
-        if pending is not None:
-            scatter(*pending)
-        pending = (r0, r1, done)
-    scatter(*pending)
+    f.pipeline(parts, b, out, communicate, blocks_of)
     f.col.finish()
-    out = type(partial)(partial.data[me * share:(me + 1) * share].reshape(share, *f.lead[1:], N), f.dtype, "out")
-    return (out,)
+    rows = partial.data.reshape(M, N) if split == "rows" else _tile_major_to_rows(partial.data, M, len(parts))
+    lead = (f.lead[0] // p, *f.lead[1:]) if len(f.lead) > 1 else (share,)
+    result = launch.empty((share, N), f.dtype, "out")
+    result.data = np.ascontiguousarray(rows[me * share:(me + 1) * share]).reshape(*lead, N)
+    return (result,)
 
 
 @kernel("all_gather_matmul")
@@ -163,26 +308,29 @@ def all_gather_matmul(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
     m = int(np.prod(x.shape[:-1]))
     f = _Fused(launch, x, w, c, world, rank, "all_gather", algorithm, tiling, slice_bytes, rows_of_x=p * m)
     K, N = f.K, f.N
+    m0, nn = f.t["m0"], _ceil(N, f.t["n0"])
     gathered = launch.empty((p * m, K), f.dtype, "gathered")
     out = launch.empty((p * m, N), f.dtype, "out")
     own = f.col.copy(flat(gathered), me * m * K, flat(f.x), 0, m * K)
-    ranges = row_tiles(m, f.t["m0"], tiles)
-    arrivals = []
+    ranges = row_tiles(m, m0, tiles)
+    arrivals = []                          # per tile: when each peer's rows of it have landed
     for r0, r1 in ranges:
         pieces = [((j * m + r0) * K, (j * m + r1) * K) for j in range(p)]
         if p > 1:
             S = f.col._nslices(pieces)
             rd = [[own] * S for _ in range(p)]
-            f.col.all_gather(flat(gathered), pieces, f.ranks, rd, f.algorithm)
-            arrivals.append(max(max(r) for j, r in enumerate(rd) if j != me))
-    if len(ranges) == 1 and p > 1:
-        # nothing to pipeline: one sweep over every gathered row once they have landed (a sweep of this
-        # rank's rows first would cost a wave of its own)
-        f.matmul_rows(gathered, out, [(0, p * m)], deps=(max(arrivals + [own]),))
+            f.col.all_gather(flat(gathered), pieces, f.ranks, rd, f.algorithm_for(0))
+            arrivals.append([max(r) for r in rd])
+    if len(ranges) == 1 or p == 1:
+        # nothing to pipeline: one sweep over every gathered row once they have landed (the weight read once)
+        f.cube.add(gathered, f.w, out, _blocks(0, p * m, m0, nn), max([own] + [max(a) for a in arrivals]))
     else:
-        f.matmul_rows(f.x, _view(out, me * m, (me + 1) * m), [(0, m)])
+        f.cube.add(f.x, f.w, _view(out, me * m, (me + 1) * m), _blocks(0, m, m0, nn))
         for (r0, r1), arr in zip(ranges, arrivals):
-            f.matmul_rows(gathered, out, [(j * m + r0, j * m + r1) for j in range(p) if j != me], deps=(arr,))
+            for j in (j for j in range(p) if j != me):
+                bj = _blocks(j * m + r0, j * m + r1, m0, nn)
+                f.cube.add(gathered, f.w, out, bj, [arr[j]] * len(bj))
+    f.cube.flush()
     f.col.finish()
     lead = (p * x.shape[0], *x.shape[1:-1]) if x.data.ndim > 1 else (p * m,)
     return (type(out)(out.data.reshape(*lead, N), out.dtype, out.name),
@@ -190,4 +338,4 @@ def all_gather_matmul(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
 
 
 __all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter", "mc2_tiling", "row_tiles",
-           "shared_ub_device"]
+           "shared_ub_device", "tile_algorithm", "tile_plan"]
