@@ -20,6 +20,7 @@ from cost_model import moe as _moe  # noqa: F401,E402
 from cost_model import grouped_matmul as _grouped_matmul  # noqa: F401,E402
 from cost_model import collectives as _collectives  # noqa: F401,E402
 from cost_model import mc2 as _mc2  # noqa: F401,E402
+from cost_model import moe_ep as _moe_ep  # noqa: F401,E402
 from cost_model.generic import generic_op  # noqa: E402
 
 __all__ = ["DEVICES", "Device", "Estimate", "MODELS", "devices", "estimate", "generic_op", "get_device", "roofline"]

@@ -197,10 +197,13 @@ class LinkReplay:
         self.all_gather(pieces, ranks, rd, algorithm)
         return max(max(r) for r in rd)
 
-    def all_to_all(self, src, out, ranks, ready, full_mesh):
+    def all_to_all(self, src, out, ranks, ready, full_mesh) -> list:
+        """Returns, per rank, when its piece has landed (this rank's: when its copy is done)."""
         p, me = len(ranks), ranks.index(self.rank)
         S = max(nslices(max(src) * self.isz), nslices(max(out) * self.isz))
-        self.copy(src[me], ready)
+        arrived = [float(ready)] * p
+        if src[me]:
+            arrived[me] = self.copy(src[me], ready)
         rounds = [[(me + s) % p for s in range(1, p)]] if full_mesh else [[(me + s) % p] for s in range(1, p)]
         for to in rounds:
             frm = [(2 * me - j) % p for j in to]
@@ -208,7 +211,9 @@ class LinkReplay:
                 for j in to:
                     self.send(ranks[j], (src[j] * (k + 1) // S - src[j] * k // S) * self.isz, ready)
                 for j in frm:
-                    self.recv(ranks[j], (out[j] * (k + 1) // S - out[j] * k // S) * self.isz, ready)
+                    arr = self.recv(ranks[j], (out[j] * (k + 1) // S - out[j] * k // S) * self.isz, ready)
+                    arrived[j] = max(arrived[j], arr)
+        return arrived
 
     def link_busy(self) -> float:
         return max(self.busy)

@@ -115,8 +115,11 @@ class Plan:
 class _Cube:
     """The kernel's Cube schedule, replayed: blocks in lockstep waves over the cores (see the module docstring)."""
 
-    def __init__(self, dev, rows_all, N, K, dtype, t):
-        self.per_wave, self.hbm, self.cube_busy = _waves(dev.name, rows_all, N, K, dtype, tuple(sorted(t.items())))
+    def __init__(self, dev, rows_all, N, K, dtype, t, batch=1):
+        """``batch``: blocks of that many matmuls of ``rows_all`` rows each, each with its own weight (the
+        segments of a grouped GEMM)."""
+        self.per_wave, self.hbm, self.cube_busy = _waves(dev.name, rows_all, N, K, dtype, tuple(sorted(t.items())),
+                                                         batch)
         self.height = round_up(min(rows_all, t["m0"]), 16)
         self.n = dev.cube_cores
         self.free = [0.0] * self.n
@@ -156,11 +159,11 @@ class _Cube:
 
 
 @cached
-def _waves(device, rows_all, N, K, dtype, t):
-    """(cycles per wave, HBM bytes, Cube busy) of the whole matmul with tiling ``t``."""
+def _waves(device, rows_all, N, K, dtype, t, batch=1):
+    """(cycles per wave, HBM bytes, Cube busy) of the whole matmul (``batch`` of them) with tiling ``t``."""
     dev, t = get_device(device), dict(t)
-    core, hbm, nbytes, busy = _model(dev, rows_all, N, K, 1, False, False, dtype, dtype, t, 0)
-    waves = ceil_div(ceil_div(rows_all, t["m0"]) * ceil_div(N, t["n0"]), dev.cube_cores)
+    core, hbm, nbytes, busy = _model(dev, rows_all, N, K, batch, batch > 1, batch > 1, dtype, dtype, t, 0)
+    waves = ceil_div(batch * ceil_div(rows_all, t["m0"]) * ceil_div(N, t["n0"]), dev.cube_cores)
     return kernel_cycles(dev, core, hbm, nbytes) / waves, hbm, busy.get("cube", 0.0)
 
 

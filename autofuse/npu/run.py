@@ -126,3 +126,4 @@ from autofuse.npu.kernels import moe_routing as _moe_routing  # noqa: E402,F401
 from autofuse.npu.kernels import grouped_matmul as _grouped_matmul  # noqa: E402,F401
 from autofuse.npu.kernels import collectives as _collectives  # noqa: E402,F401
 from autofuse.npu.kernels import mc2 as _mc2  # noqa: E402,F401
+from autofuse.npu.kernels import moe_ep as _moe_ep  # noqa: E402,F401

@@ -97,3 +97,19 @@ def test_more_ranks_move_fewer_bytes_each_but_take_more_steps():
     assert e8.cycles < e16.cycles < e64.cycles          # RoCE across servers is 2.2x slower than 7 HCCS ports
     with pytest.raises(ValueError, match="world"):
         cost_model.estimate("all_reduce", [((8, 8), "float16")], device="ascend910b")
+
+
+@pytest.mark.parametrize("p,E_l,S,K,N,chunks", [(8, 4, 1024, 1024, 512, 4), (8, 4, 256, 4096, 1536, 2),
+                                                (4, 2, 256, 512, 256, 2), (8, 2, 4096, 2048, 1024, 4)])
+def test_expert_parallel_model_tracks_the_simulator(p, E_l, S, K, N, chunks):
+    """moe_dispatch_combine with even routing (the model's symmetric world), decode- and prefill-sized: cycles and
+    HBM bytes within the sweep's 15 %."""
+    import numpy as np
+    ids = np.repeat(np.arange(p * E_l), S // (p * E_l)).astype(np.int32)
+    s = npu.run("moe_dispatch_combine", np.zeros((S, K), np.float16), ids, np.zeros((E_l, K, N), np.float16),
+                device="ascend910b", world=p, chunks=chunks).stats
+    e = cost_model.estimate("moe_dispatch_combine", [((S, K), "float16"), ((S,), "int32"), ((E_l, K, N), "float16")],
+                            device="ascend910b", world=p, chunks=chunks)
+    assert abs(e.cycles - s.cycles) <= 0.15 * s.cycles, (e.cycles, s.cycles)
+    assert abs(e.hbm_bytes - s.hbm_bytes) <= 0.15 * s.hbm_bytes
+    assert e.busy["link"] == pytest.approx(s.busy["link"], rel=0.01)

@@ -273,12 +273,15 @@ class Collective:
         self.all_gather(acc, pieces, ranks, rd, algorithm)
         return max(max(r) for r in rd)
 
-    def all_to_all(self, out, out_pieces, src, src_pieces, ranks, ready, full_mesh):
-        """Piece j of ``src`` to rank j, landing in piece ``me`` of its ``out``; this rank's own piece is copied."""
+    def all_to_all(self, out, out_pieces, src, src_pieces, ranks, ready, full_mesh) -> list:
+        """Piece j of ``src`` to rank j, landing in piece ``me`` of its ``out``; this rank's own piece is copied.
+        Returns, per rank j, when piece j of ``out`` is in place (rank ``me``: the copy's end)."""
         p, me = len(ranks), ranks.index(self.comm.rank)
         S = max(self._nslices(src_pieces), self._nslices(out_pieces))
         a, b = src_pieces[me]
-        self.copy(out, out_pieces[me][0], src, a, b - a, deps=(ready,))
+        arrived = [float(ready)] * p
+        if b > a:
+            arrived[me] = self.copy(out, out_pieces[me][0], src, a, b - a, deps=(ready,))
         rounds = [[(me + s) % p for s in range(1, p)]] if full_mesh else [[(me + s) % p] for s in range(1, p)]
         for peers_to in rounds:
             peers_from = [(2 * me - j) % p for j in peers_to]
@@ -294,6 +297,8 @@ class Collective:
                 for j, (data, arr) in zip(peers_from, self.links.exchange(sends, recvs)):
                     lo, _ = self._slice(out_pieces[j], k, S)
                     self._land(out, lo, data, arr)
+                    arrived[j] = max(arrived[j], arr)
+        return arrived
 
     def finish(self):
         """The link unit waits for the last data to land (kernel time covers it); returns that time."""
