@@ -98,6 +98,14 @@ class WorldResult:
     def speedup(self) -> float:
         return self.cycles_unfused / self.cycles if self.cycles else 0.0
 
+    def to_dict(self) -> dict:
+        return {"world_size": self.world_size, "device": self.device, "cycles": self.cycles,
+                "cycles_unfused": self.cycles_unfused, "speedup": round(self.speedup, 4),
+                "ranks": [{"rank": r.rank, "cycles": r.fused.cycles, "cycles_unfused": r.unfused.cycles,
+                           "max_abs_diff": r.max_abs_diff, "decisions": [d.to_dict() for d in r.decisions],
+                           "collectives": [c.__dict__ for c in r.fused.collectives],
+                           "collectives_unfused": [c.__dict__ for c in r.unfused.collectives]} for r in self.ranks]}
+
     def summary(self) -> str:
         from cost_model.devices import get_device
         clock = get_device(self.device).clock_hz
@@ -115,8 +123,8 @@ class WorldResult:
                          f"[{d.reason_code}] {d.reason}")
         lines.append("  launches on the links (rank 0, fused graph):")
         for c in self.ranks[0].fused.collectives:
-            ov = (f"overlapped with {c.overlapped_with}, hid {c.hidden_cycles:,} cycles" if c.overlapped_with
-                  else "on its own")
+            ov = (f"overlapped with {c.overlapped_with}; {c.hidden_cycles:,} cycles less than the pair's two "
+                  f"launches" if c.overlapped_with else "a launch of its own")
             lines.append(f"    {c.kind:22s} {c.node}: {c.bytes:,} B sent, link busy {c.link_cycles:,} of "
                          f"{c.cycles:,} cycles; {ov}")
         return "\n".join(lines)
@@ -179,13 +187,38 @@ def rank_pipeline(model, args, device: str = "ascend910b", level: str = "O3", **
                       plan.captured.unflatten_outputs(tuple(unfused_sim.outputs)))
 
 
+def rank_builder(spec: str, hidden=None, heads=None, seq=None, batch=None, dtype="float32"):
+    """A picklable ``build(rank, world_size) -> (module, example_args)`` for :func:`simulate_world`: ``"tp-block"``
+    (:func:`autofuse.tp_models.build`, sized by the keywords given), or ``module:function`` /
+    ``file.py:function`` naming such a function."""
+    import functools
+    if spec == "tp-block":
+        from autofuse.tp_models import build
+        sizes = {k: v for k, v in dict(hidden=hidden, heads=heads, seq=seq, batch=batch).items() if v is not None}
+        return functools.partial(build, dtype=getattr(torch, dtype), **sizes)
+    if ":" not in spec:
+        raise ValueError(f"--world-size needs --model tp-block or module:function / file.py:function taking (rank, "
+                         f"world_size); got {spec!r}")
+    return functools.partial(_spec_build, spec)
+
+
+def _spec_build(spec: str, rank: int, world: int):
+    import importlib
+    import runpy
+    path, _, fn = spec.rpartition(":")
+    ns = runpy.run_path(path) if path.endswith(".py") else vars(importlib.import_module(path))
+    if not callable(ns.get(fn)):
+        raise ValueError(f"{path} has no function {fn!r} (a function (rank, world_size) -> (module, example_args))")
+    return ns[fn](rank, world)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, build, device, level, queue):
+def _worker(rank, world, port, build, device, level, fuse_kwargs, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOFUSE_NPU_THREADS="1")
     torch.set_num_threads(1)           # several ranks share the host's cores
     import torch.distributed as dist
@@ -193,7 +226,7 @@ def _worker(rank, world, port, build, device, level, queue):
     try:
         model, args = build(rank, world)
         # pickled here, by value: tensors handed over as shared memory vanish when this process ends
-        queue.put((rank, pickle.dumps(rank_pipeline(model, args, device, level)), None))
+        queue.put((rank, pickle.dumps(rank_pipeline(model, args, device, level, **fuse_kwargs)), None))
     except BaseException:           # the parent re-raises it with the rank named
         queue.put((rank, None, traceback.format_exc()))
     finally:
@@ -201,11 +234,12 @@ def _worker(rank, world, port, build, device, level, queue):
 
 
 def simulate_world(build=None, world_size: int = 2, device: str = "ascend910b", level: str = "O3",
-                   timeout: float = 1800.0) -> WorldResult:
+                   timeout: float = 1800.0, **fuse_kwargs) -> WorldResult:
     """Run :func:`rank_pipeline` on ``world_size`` gloo ranks (processes on this machine, loopback).
 
     ``build(rank, world_size) -> (module, example_args)`` must be picklable (a module-level function); it
     builds the rank's shard (default: :func:`autofuse.tp_models.build`, a Megatron-split GPT-2 block).
+    ``fuse_kwargs`` go to every rank's ``AutoFusionEngine.fuse`` (``memory_budget``, ``fusion_switches``).
     Returns every rank's result; the system's figures are the slowest rank's.
     """
     if build is None:
@@ -214,7 +248,7 @@ def simulate_world(build=None, world_size: int = 2, device: str = "ascend910b", 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, build, device, level, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, build, device, level, fuse_kwargs, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -231,4 +265,5 @@ def simulate_world(build=None, world_size: int = 2, device: str = "ascend910b", 
     return WorldResult(world_size, device, [results[r] for r in range(world_size)])
 
 
-__all__ = ["CollectiveCost", "GraphRun", "RankResult", "WorldResult", "rank_pipeline", "simulate_world"]
+__all__ = ["CollectiveCost", "GraphRun", "RankResult", "WorldResult", "rank_builder", "rank_pipeline",
+           "simulate_world"]

@@ -14,6 +14,8 @@
 3. The link model against the ring formula: an all-reduce of 256 MB across 8 simulated first-generation 910s.
 4. How the all-reduce and the fused MLP-down projection scale to 16 and 64 ranks (servers of 8 over RoCE,
    hierarchical all-reduce).
+5. Expert parallelism at EP 8: all-to-all dispatch, grouped GEMM and combine in one launch
+   (``moe_dispatch_combine``) against the eight launches of the unfused path.
 """
 from __future__ import annotations
 
@@ -133,6 +135,38 @@ def scaling(tokens):
               f"{_how('matmul_all_reduce', tokens, 4096, p, plan):>18} {u / f:>7.2f}x", flush=True)
 
 
+def _simulate_steps(steps, device):
+    total = 0
+    for kernel, specs, params, values in steps:
+        xs = [values.get(i, np.zeros(shape, np.float16 if dt == "float16" else getattr(np, dt)))
+              for i, (shape, dt) in enumerate(specs)]
+        total += npu.run(kernel, *xs, device=device, **params).stats.cycles
+    return total
+
+
+def expert_parallel(prefill_tokens):
+    """EP 8 on the 910B2: 32 experts (4 per rank), hidden 4096 -> expert width 1536, top-8 routing spread
+    evenly; the unfused path's eight launches against one fused launch at the chunk count the model picks."""
+    from cost_model.moe_ep import choose_chunks, unfused_steps
+    dev, p, E_l, K, N, k = "ascend910b", 8, 4, 4096, 1536, 8
+    print(f"\n## Expert parallelism at EP {p} on {dev} ({p * E_l} experts, {E_l} per rank, hidden {K}, expert "
+          f"width {N}, top-{k}, even routing), fp16: simulated cycles")
+    print(f"{'tokens/rank':>11} {'rows':>6} {'unfused (8 launches)':>20} {'fused':>9} {'chunks':>6} {'speed-up':>8} "
+          f"{'dispatch all-to-all':>20} {'its bandwidth':>14}")
+    for tokens in (16, prefill_tokens):
+        S = tokens * k
+        ids = np.repeat(np.arange(p * E_l), S // (p * E_l)).astype(np.int32)
+        unfused = _simulate_steps(unfused_steps(S, K, N, E_l, p), dev)
+        chunks, _ = choose_chunks(S, K, N, E_l, p, dev)
+        fused = npu.run("moe_dispatch_combine", _zeros((S, K)), ids, _zeros((E_l, K, N)), device=dev, world=p,
+                        chunks=chunks).stats.cycles
+        a2a = npu.run("all_to_all", _zeros((S, K)), device=dev, world=p).stats
+        # bytes each rank sends over the launch's time, as all-to-all benchmarks quote a "bottleneck bandwidth"
+        bw = a2a.bytes["HBM->link"] / a2a.seconds / 1e9
+        print(f"{tokens:>11} {S:>6} {unfused:>20,} {fused:>9,} {chunks:>6} {unfused / fused:>7.2f}x "
+              f"{a2a.seconds * 1e6:>17.1f} µs {bw:>10.0f} GB/s", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -143,6 +177,7 @@ def main(argv=None):
     layer(1024 if a.quick else 4096)
     ring_check((32 if a.quick else 256) << 20)
     scaling(1024 if a.quick else 4096)
+    expert_parallel(128 if a.quick else 512)
 
 
 if __name__ == "__main__":

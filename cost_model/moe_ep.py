@@ -103,4 +103,28 @@ def estimate_moe_dispatch_combine(dev, specs, world=None, chunks=4, tiling=None,
                 2.0 * R * K * N, notes=(f"{chunks} chunks",), workspace=workspace)
 
 
-__all__ = ["estimate_moe_dispatch_combine", "even_counts"]
+def unfused_steps(S: int, K: int, N: int, local: int, world: int, dtype: str = "float16") -> list:
+    """The launches of expert parallelism without the fused kernel, for ``S`` rows per rank spread evenly:
+    ``[(kernel, input specs, params, {input index: values})]`` — the counts' all-to-all, a gather into send
+    order, the dispatch all-to-all, a gather of the received rows by expert, the grouped GEMM, the gather back,
+    the combine all-to-all, the gather back to token order."""
+    rows, idx = ((S, K), dtype), ((S,), "int32")
+    out = ((S, N), dtype)
+    a2a = {"world": world}
+    groups = {2: np.full(local, S // local, dtype=np.int64)}
+    return [("all_to_all", [((world, local), "float32")], a2a, {}), ("gather", [rows, idx], {}, {}),
+            ("all_to_all", [rows], a2a, {}), ("gather", [rows, idx], {}, {}),
+            ("grouped_matmul", [rows, ((local, K, N), dtype), ((local,), "int64")], {}, groups),
+            ("gather", [out, idx], {}, {}), ("all_to_all", [out], a2a, {}), ("gather", [out, idx], {}, {})]
+
+
+def choose_chunks(S, K, N, local, world, device, dtype="float16", counts=(1, 2, 4, 8)) -> tuple[int, int]:
+    """``(chunks, cycles)``: the chunk count the model prices fastest for even routing."""
+    from cost_model.estimate import estimate
+    specs = [((S, K), dtype), ((S,), "int32"), ((local, K, N), dtype)]
+    best = min((estimate("moe_dispatch_combine", specs, device=device, world=world, chunks=c).cycles, c)
+               for c in counts)
+    return best[1], best[0]
+
+
+__all__ = ["choose_chunks", "estimate_moe_dispatch_combine", "even_counts", "unfused_steps"]

@@ -6,6 +6,7 @@ import pytest
 from autofuse import npu
 from autofuse.npu.dtypes import to_dtype
 from autofuse.npu.kernels.moe_ep import expert_spans, send_plan
+from cost_model.moe_ep import unfused_steps
 
 from npu.worlds import world_run
 
@@ -56,18 +57,13 @@ def test_near_misses_are_refused():
 
 
 def _unfused(S, K, N, E_l, p, device):
-    """Eight launches: counts' all-to-all, gather into send order, dispatch, gather by expert, grouped GEMM,
-    gather back, combine, gather back to token order."""
-    z = np.zeros
-    idx = np.arange(S, dtype=np.int32)
-    steps = [("all_to_all", (z((p, E_l), np.float32),)), ("gather", (z((S, K), np.float16), idx)),
-             ("all_to_all", (z((S, K), np.float16),)), ("gather", (z((S, K), np.float16), idx)),
-             ("grouped_matmul", (z((S, K), np.float16), z((E_l, K, N), np.float16),
-                                 np.full(E_l, S // E_l, np.int64))),
-             ("gather", (z((S, N), np.float16), idx)), ("all_to_all", (z((S, N), np.float16),)),
-             ("gather", (z((S, N), np.float16), idx))]
-    world = {"world": p}
-    return sum(npu.run(k, *a, device=device, **(world if k == "all_to_all" else {})).stats.cycles for k, a in steps)
+    """The eight launches of the unfused path (cost_model.moe_ep.unfused_steps), simulated on zeros."""
+    total = 0
+    for kernel, specs, params, values in unfused_steps(S, K, N, E_l, p):
+        xs = [values.get(i, np.zeros(s, np.float16 if d == "float16" else getattr(np, d))) for i, (s, d) in
+              enumerate(specs)]
+        total += npu.run(kernel, *xs, device=device, **params).stats.cycles
+    return total
 
 
 def test_chunks_overlap_the_all_to_alls_with_the_grouped_gemm():
