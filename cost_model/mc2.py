@@ -9,7 +9,8 @@ The model replays the kernel's schedule:
   next tile's blocks; a block occupies its core for one wave of the whole matmul as ``cost_model.matmul``
   prices it with the same tiling (its cycles over its waves), scaled by the block's rows; it starts when its
   core is free and its operands are there (all_gather_matmul: that peer's rows of that tile have landed). A
-  tile is done when the waves holding its blocks are;
+  tile is done when the waves holding its blocks are. Column tiles of rows that fit one block keep x in L1
+  (the kernel's ``_Resident``): a block then streams only its weight columns (:func:`_resident`);
 * communication: a tile's collective starts when the tile is done (after the next tile's blocks are issued:
   the two-stage pipeline) and is replayed on the rank's link lanes and Vector cores
   (:class:`cost_model.collectives.LinkReplay`), which carry over from tile to tile, with the algorithm the
@@ -115,14 +116,14 @@ class Plan:
 class _Cube:
     """The kernel's Cube schedule, replayed: blocks in lockstep waves over the cores (see the module docstring)."""
 
-    def __init__(self, dev, rows_all, N, K, dtype, t, batch=1):
+    def __init__(self, dev, rows_all, N, K, dtype, t, batch=1, resident=False):
         """``batch``: blocks of that many matmuls of ``rows_all`` rows each, each with its own weight (the
-        segments of a grouped GEMM)."""
-        self.per_wave, self.hbm, self.cube_busy = _waves(dev.name, rows_all, N, K, dtype, tuple(sorted(t.items())),
-                                                         batch)
+        segments of a grouped GEMM). ``resident``: x kept in L1 (:func:`_resident`)."""
+        key = (dev.name, rows_all, N, K, dtype, tuple(sorted(t.items())))
+        self.per_wave, self.hbm, self.cube_busy, start = _resident(*key) if resident else _waves(*key, batch) + (0.0,)
         self.height = round_up(min(rows_all, t["m0"]), 16)
         self.n = dev.cube_cores
-        self.free = [0.0] * self.n
+        self.free = [start] * self.n
         self.wave, self.key, self.done = [], None, {}
 
     def add(self, key, rows, ready=0.0, tag=None):
@@ -165,6 +166,29 @@ def _waves(device, rows_all, N, K, dtype, t, batch=1):
     core, hbm, nbytes, busy = _model(dev, rows_all, N, K, batch, batch > 1, batch > 1, dtype, dtype, t, 0)
     waves = ceil_div(batch * ceil_div(rows_all, t["m0"]) * ceil_div(N, t["n0"]), dev.cube_cores)
     return kernel_cycles(dev, core, hbm, nbytes) / waves, hbm, busy.get("cube", 0.0)
+
+
+@cached
+def _resident(device, M, N, K, dtype, t):
+    """(cycles per wave, HBM bytes, Cube busy, fill) of the kernel's schedule with x resident in L1 (M rows, one
+    block): per block its weight columns ``K × n0`` stream GM→L1 (every core's at once sharing the HBM
+    bandwidth, at least the MTE2 rate), the Cube's fractals and the L1→L0 moves of x and the weight overlap
+    (double-buffered); the fill is x's load into every core (one miss, the rest L2 hits) and the first chunk."""
+    dev, t = get_device(device), dict(t)
+    isz = itemsize(dtype)
+    m0, n0, k1 = t["m0"], t["n0"], t["k1"]
+    n = min(dev.cube_cores, ceil_div(N, n0))
+    b = K * n0 * isz
+    rates = dev.rates
+    port = max(b / rates["GM->L1"], n * b / dev.hbm_bytes_per_cycle)
+    cube = ceil_div(M, 16) * ceil_div(K, dev.cube_k0[dtype]) * ceil_div(n0, 16)
+    mte1 = K * isz * (round_up(M, 16) / rates["L1->L0A"] + round_up(n0, 16) / rates["L1->L0B"])
+    out = M * n0 * isz / (rates["UB->GM"] if dev.arch == "coupled" else rates["L0C->GM"])
+    per_wave = max(port, cube, mte1, out)
+    a = M * K * isz
+    fill = max(a / rates["GM->L1"], n * a / dev.l2_bytes_per_cycle) + k1 * n0 * isz / rates["GM->L1"]
+    blocks = ceil_div(N, n0)
+    return per_wave, float(a + K * N * isz + M * N * isz), float(cube * ceil_div(blocks, dev.cube_cores)), fill
 
 
 def _block_rows(r0, r1, m0, ncols):
@@ -211,8 +235,11 @@ def _replay(kind, dev, M, K, N, dtype, world, tiles, algorithm, t):
     rep = LinkReplay(dev, p, dtype, ub_shared=shared)
     coupled = dev.arch == "coupled"
     ranks = list(range(p))
-    cube = _Cube(dev, rows_all, N, K, dtype, t)
     m0, nn = t["m0"], ceil_div(N, t["n0"])
+    tiled = M // p if kind == "matmul_reduce_scatter" else M
+    resident = (kind != "all_gather_matmul" and M <= m0 and tile_plan(tiled, N, m0, t["n0"], tiles)[0] == "cols"
+                and (m0 * round_up(K, t["k0"]) + 2 * t["k1"] * t["n0"]) * isz <= dev.buffers["L1"] - 64)
+    cube = _Cube(dev, rows_all, N, K, dtype, t, resident=resident)
 
     if kind == "all_gather_matmul":
         own = rep.copy(M * K, 0.0)

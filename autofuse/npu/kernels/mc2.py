@@ -30,7 +30,9 @@ Schedules (program order is a two-stage software pipeline):
 
 The Cube's blocks (``m0 × n0`` output tiles) are issued in lockstep waves over the Cube cores in tile order, a
 wave filling up with the next tile's blocks when a tile's do not fill the cores; each block waits only for
-its own operands. Each tile's collective uses the algorithm a collective library picks
+its own operands. Column tiles of rows that fit one block keep x in each Cube core's L1 for the whole launch
+(:class:`_Resident`): a tile narrow enough to fill the cores then streams only its weight columns, instead of
+reloading x for every narrow block. Each tile's collective uses the algorithm a collective library picks
 for its size (``cost_model.links.default_algorithm``: one-shot all-reduce for small tiles on a full mesh).
 
 On coupled chips the adds share the AI cores' UB with the matmul, so the matmul is tiled for half the UB
@@ -143,10 +145,78 @@ class _Cube:
         self.wave = []
 
 
+class _Resident:
+    """The matmul's schedule when every row of x fits one ``m0`` block (column tiles): x is loaded into each
+    Cube core's L1 once, whole, and stays; a block streams only its weight columns through L1 (double-buffered
+    ``k1`` chunks) and the L0 buffers. Same interface as :class:`~autofuse.npu.kernels.matmul.Program`'s
+    ``run`` for blocks of all the rows."""
+
+    def __init__(self, launch, dtype, t, ncores, x):
+        dev = launch.device
+        self.launch, self.dtype, self.t, self.x = launch, dtype, dict(t), x
+        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+        self.K = x.shape[1]
+        g = self.g = launch.group("core" if dev.arch == "coupled" else "aic", ncores)
+        self.a1 = g.alloc("L1", (m0, _ceil(self.K, k0) * k0), dtype, "x resident")
+        self.b1 = [g.alloc("L1", (k1, n0), dtype, f"b1_{i}") for i in range(2)]
+        self.a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
+        self.b0 = [g.alloc("L0B", (k0, n0), dtype, f"b0_{i}") for i in range(2)]
+        nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+        self.c0 = [g.alloc("L0C", (m0, n0), "float32", f"c_{i}") for i in range(nc)]
+        self.ub = [g.alloc("UB", (m0, n0), dtype, f"ub_{i}") for i in range(2)] if dev.arch == "coupled" else None
+        rows = (slice(0, x.shape[0]), slice(0, self.K))
+        g.load(self.a1, x, [rows] * g.n, name="load x (resident)")
+        self.slot = self.step = 0
+
+    @staticmethod
+    def fits(dev, dtype, t, K) -> bool:
+        m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+        isz = 4 if dtype == "float32" else 2
+        return (m0 * _ceil(K, k0) * k0 + 2 * k1 * n0) * isz <= dev.buffers["L1"] - 64
+
+    def run(self, a, b, bias, out, items, M_rows, N, K, fold=True, deps=()):
+        g, t, isz = self.g, self.t, 4 if self.dtype == "float32" else 2
+        k0, k1, n0 = t["k0"], t["k1"], t["n0"]
+        active = np.array([it is not None for it in items])
+        act = None if active.all() else active
+        m = np.array([it[1][1] if it else 0 for it in items])
+        n_ext = np.array([min(n0, (b.shape[-1]) - it[2] * n0) if it else 0 for it in items])
+        cols = [slice(it[2] * n0, it[2] * n0 + n_ext[c]) if it else None for c, it in enumerate(items)]
+        acc = self.c0[self.step % len(self.c0)]
+        self.step += 1
+        for kk in range(_ceil(K, k1)):
+            ks = slice(kk * k1, min(K, (kk + 1) * k1))
+            B1 = self.b1[kk % 2]
+            g.load(B1, b, [None if it is None else tuple(it[0]) + (ks, cols[c]) for c, it in enumerate(items)],
+                   active=act, deps=deps, name="load B")
+            for kq in range(_ceil(ks.stop - ks.start, k0)):
+                kv = min(k0, ks.stop - ks.start - kq * k0)
+                A0, B0 = self.a0[self.slot % 2], self.b0[self.slot % 2]
+                self.slot += 1
+                ka, sl = slice(ks.start + kq * k0, ks.start + (kq + 1) * k0), slice(kq * k0, (kq + 1) * k0)
+                g.move(A0, self.a1, fn=lambda x, ka=ka: x[:, :, ka], nbytes=_round16(m) * kv * isz, active=act)
+                g.move(B0, B1, fn=lambda x, sl=sl: x[:, sl, :], nbytes=kv * _round16(n_ext) * isz, active=act)
+                g.mmad(acc, A0, B0, m, kv, n_ext, accumulate=not (kk == 0 and kq == 0), active=act)
+        regs = [None if it is None else tuple(it[0]) + (slice(it[1][0], it[1][0] + it[1][1]), cols[c])
+                for c, it in enumerate(items)]
+        if self.ub is not None:
+            U = self.ub[self.step % 2]
+            g.move(U, acc, nbytes=m * n_ext * 4, active=act, name="L0C->UB")
+            end = g.store(U, out, regs, active=act, name="store out")
+        else:
+            end = g.store(acc, out, regs, active=act, name="store out")
+        return float(np.max(end if act is None else np.where(act, end, 0.0)))
+
+
+def _round16(v):
+    return -(-np.asarray(v) // 16) * 16
+
+
 class _Fused:
     """The parts every MC2 kernel shares: operands as 2-D, the matmul program, the collective."""
 
-    def __init__(self, launch, x, w, comm, world, rank, op, algorithm, tiling, slice_bytes, rows_of_x=None):
+    def __init__(self, launch, x, w, comm, world, rank, op, algorithm, tiling, slice_bytes, rows_of_x=None,
+                 tiled_rows=None, tiles=1):
         for name, t in (("x", x), ("w", w)):
             if t.dtype not in CUBE_DTYPES:
                 raise TypeError(f"{op}: {name} is {t.dtype}; the Cube takes {', '.join(CUBE_DTYPES)}")
@@ -163,7 +233,11 @@ class _Fused:
         self.comm = make_comm(comm, world, rank)
         M = rows_of_x if rows_of_x is not None else self.x.shape[0]
         self.t = mc2_tiling(dev, M, self.N, self.K, self.dtype, self.dtype, tiling)
-        self.prog = Program(launch, self.dtype, self.dtype, self.t, dev.cube_cores, False)
+        # column tiles of rows that fit one block: x stays in L1 (``tiled_rows``: the rows the tiles cut)
+        split = tile_plan(tiled_rows, self.N, self.t["m0"], self.t["n0"], tiles)[0] if tiled_rows else "rows"
+        self.resident = split == "cols" and M <= self.t["m0"] and _Resident.fits(dev, self.dtype, self.t, self.K)
+        self.prog = (_Resident(launch, self.dtype, self.t, dev.cube_cores, self.x) if self.resident else
+                     Program(launch, self.dtype, self.dtype, self.t, dev.cube_cores, False))
         self.cube = _Cube(self.prog, self.K)
         self.col = Collective(launch, self.comm, self.dtype, group=self.prog.g if dev.arch == "coupled" else None,
                               slice_bytes=slice_bytes)
@@ -231,7 +305,9 @@ def _tile_major_to_rows(data, M, T):
 def matmul_all_reduce(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                       slice_bytes=None):
     """``all_reduce(x @ w)`` (sum), ``tiles`` tiles pipelined (see the module docstring)."""
-    f = _Fused(launch, x, w, comm, world, rank, "all_reduce", algorithm, tiling, slice_bytes)
+    rows = int(np.prod(x.shape[:-1]))
+    f = _Fused(launch, x, w, comm, world, rank, "all_reduce", algorithm, tiling, slice_bytes, tiled_rows=rows,
+               tiles=tiles)
     M, N = f.x.shape[0], f.N
     split, store, b, out, parts = f.tiles(M, tiles, M, "out")
     s = flat(store)
@@ -259,7 +335,9 @@ def matmul_all_reduce(launch, x, w, comm=None, world=None, rank=0, tiles=4, algo
 def matmul_reduce_scatter(launch, x, w, comm=None, world=None, rank=0, tiles=4, algorithm=None, tiling=None,
                           slice_bytes=None):
     """``reduce_scatter(x @ w)`` along dim 0: rank r keeps rows [r·M/p, (r+1)·M/p) of the sum."""
-    f = _Fused(launch, x, w, comm, world, rank, "reduce_scatter", algorithm, tiling, slice_bytes)
+    c = make_comm(comm, world, rank)
+    f = _Fused(launch, x, w, c, world, rank, "reduce_scatter", algorithm, tiling, slice_bytes,
+               tiled_rows=max(int(np.prod(x.shape[:-1])) // c.world, 1), tiles=tiles)
     p, me = f.comm.world, f.comm.rank
     M, N = f.x.shape[0], f.N
     if M % p or (len(f.lead) > 1 and f.lead[0] % p):
