@@ -129,3 +129,24 @@ def test_four_ranks_float16():
 @pytest.mark.slow
 def test_eight_ranks():
     _world_equals_single_device(run_world("tp_block_only", 8), 8)
+
+
+def test_cli_world_size_needs_a_rank_builder(capsys):
+    from autofuse import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["simulate", "--world-size", "2", "--model", "gpt2", "--device", "ascend910b"])
+    assert e.value.code == 2 and "tp-block" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_simulates_a_world(capsys, tmp_path):
+    from autofuse import cli
+    out = tmp_path / "world.json"
+    cli.main(["simulate", "--world-size", "2", "--model", "tp-block", "--device", "ascend910b", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "2 ranks on ascend910b" in text and "matmul_all_reduce" in text
+    import json
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 2 and doc["cycles"] < doc["cycles_unfused"]
+    assert {d["reason_code"] for r in doc["ranks"] for d in r["decisions"] if d["pattern"] == "matmul_all_reduce"} \
+        == {"fused"}
