@@ -42,6 +42,17 @@ class Pairs(torch.nn.Module):
         return good, kn, mm, mx, biased, twice, batched, rs, ag
 
 
+class BigPair(torch.nn.Module):
+    """A row-parallel linear too large for the 310P's fused kernel (its matmul gets half the UB)."""
+
+    def __init__(self, k=8192, n=4096):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(n, k, dtype=torch.float16))
+
+    def forward(self, x):
+        return fc.all_reduce(F.linear(x, self.w), "sum", dist.group.WORLD)
+
+
 def _decisions(fused):
     fams = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
     return [(d.pattern, d.anchor, d.applied, d.reason_code, d.reason, d.params.get("tiles"), dict(d.tiling))
@@ -71,6 +82,12 @@ def checks(rank, world):
         w64 = copy.deepcopy(model).double()(x.double())
         out["pairs_err_eager"] = _err(want, w64)
         out["pairs_err_fused"] = _err(got, w64)
+    # a pair the cost model keeps unfused, planned on meta tensors (no data: pricing needs shapes only)
+    with torch.device("meta"):
+        big = BigPair()
+    kept = AutoFusionEngine.fuse(big, (torch.empty(2048, 8192, dtype=torch.float16, device="meta"),),
+                                 target_device="ascend310p")
+    out["kept"] = _decisions(kept)
     # the whole pipeline on the Megatron block, through the engine
     block, args = build(rank, world)
     res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)

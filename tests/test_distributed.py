@@ -2,6 +2,7 @@
 the engine's decisions on matmul + collective pairs, the fused world against the single-device model, and the
 fused op's gradients."""
 import os
+import re
 import socket
 
 import pytest
@@ -73,6 +74,13 @@ def test_engine_fuses_every_pair_or_says_why(two):
         assert any("'max'" in w for w in why) and any("bias" in w for w in why)
         assert any("also read" in w for w in why) and any("not 2-D" in w for w in why)
     assert two[0]["pairs"] == two[1]["pairs"]          # every rank decides alike
+
+
+def test_a_pair_that_does_not_pay_is_kept_with_both_prices(two):
+    (pattern, _, applied, code, reason, _, tiling), = two[0]["kept"]
+    assert (pattern, applied, code) == ("matmul_all_reduce", False, "not_profitable")
+    fused, unfused = (int(v.replace(",", "")) for v in re.findall(r"([\d,]+) cycles", reason))
+    assert fused >= unfused and tiling["tiles"] >= 1          # the best tile count tried, named
 
 
 def test_fused_pairs_compute_what_eager_does(two):
