@@ -303,6 +303,8 @@ class _Verifier:
             with torch.random.fork_rng():
                 self.done[key] = self._reduced(fam, cand, sub, external, roles) or _verify.verify_block(
                     sub, fused_sub, self._inputs(external), roles) + ("",)
+            if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
+                self.done[key] = fam.agree(self.done[key], cand.match)
         return self.done[key]
 
     def _reduced(self, fam, cand, sub, external, roles):

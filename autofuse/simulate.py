@@ -56,6 +56,8 @@ class NodeCost:
     reused: bool = False
     max_error: float | None = None
     workspace: int = 0              # GM its kernels allocate besides their outputs, while they run
+    link_bytes: int = 0             # sent on the chip's links (collectives and MC2 kernels)
+    link_cycles: int = 0            # the busiest link lane's occupancy
 
 
 @dataclass
@@ -309,7 +311,8 @@ class _Sim(fx.Interpreter):
             hbm = sum(s.hbm_bytes for _, s in log)
             self.records.append(NodeCost(n.name, f"autofuse.{name}", tuple(k for k, _ in log) or (name,), cyc, hbm,
                                          log[0][1].bound if log else "", fused=True, reused=reused,
-                                         workspace=max((s.workspace_bytes for _, s in log), default=0)))
+                                         workspace=max((s.workspace_bytes for _, s in log), default=0),
+                                         **_link([s for _, s in log])))
             return value
         value = self._value(n)
         prog = self.programs[n]
@@ -323,6 +326,7 @@ class _Sim(fx.Interpreter):
         outs: list = []
         cycles = hbm = 0
         bound, kernels, reused_all, err, ws = "", [], True, None, 0
+        launched = []
         specs = step_specs(prog, n)
         # torch gave the node's value: the kernels only need timing, unless values are checked or a later
         # step's steering input is an earlier step's output
@@ -349,13 +353,20 @@ class _Sim(fx.Interpreter):
             hbm += stats.hbm_bytes
             bound = stats.bound
             ws = max(ws, stats.workspace_bytes)
+            launched.append(stats)
             kernels.append(kernel)
             reused_all = reused_all and reused
         if self.check and isinstance(value, torch.Tensor) and outs and isinstance(outs[-1], torch.Tensor) \
                 and kernels[-1] != "generic" and outs[-1].shape == value.shape:
             err = (outs[-1].double() - value.double()).abs().max().item()
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
-                                     max_error=err, workspace=ws))
+                                     max_error=err, workspace=ws, **_link(launched)))
+
+
+def _link(stats) -> dict:
+    """Link figures of a node's launches (kernels that communicate: collectives, MC2)."""
+    return {"link_bytes": int(sum(s.bytes.get("HBM->link", 0) for s in stats)),
+            "link_cycles": int(max((s.busy.get("link", 0) for s in stats), default=0))}
 
 
 def _fused_name(n):

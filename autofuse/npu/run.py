@@ -195,3 +195,4 @@ from autofuse.npu.kernels import collectives as _collectives  # noqa: E402,F401
 from autofuse.npu.kernels import mc2 as _mc2  # noqa: E402,F401
 from autofuse.npu.kernels import vector_program as _vector_program  # noqa: E402,F401
 from autofuse.npu.kernels import matmul_epilogue as _matmul_epilogue  # noqa: E402,F401
+from autofuse.npu.kernels import moe_ep as _moe_ep  # noqa: E402,F401
