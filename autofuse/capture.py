@@ -2,11 +2,17 @@
 
 Two routes produce the same graph form:
 
-* ``"export"`` (default): ``torch.export.export(model, args, kwargs, strict=False)`` followed by
-  ``run_decompositions({})``. This captures current transformers models whole. The empty decomposition
-  table keeps composite ops such as ``aten.matmul``, ``aten.linear``, ``aten.softmax`` and
+* ``"export"`` (default): the graph of ``torch.export.export(model, args, kwargs, strict=False)``
+  followed by ``run_decompositions({})``. This captures current transformers models whole. The empty
+  decomposition table keeps composite ops such as ``aten.matmul``, ``aten.linear``, ``aten.softmax`` and
   ``aten.scaled_dot_product_attention`` intact, functionalises the graph and turns eval-mode dropout
-  into a ``clone``.
+  into a ``clone``. That pair traces the model twice (a pre-dispatch trace, then a re-trace of its graph
+  to functional aten); :func:`_export_functional` traces it once, straight to functional aten, with the
+  composite ops preserved exactly as ``run_decompositions({})`` preserves them (the same context around
+  the same tracer). The two give the same graph (code, ``val`` shapes, dtypes and strides, module
+  stacks; tests/test_capture.py compares them on many models); a parameter shared under several names
+  (tied embeddings) is read, as the re-trace reads it, through its last name. Only the re-trace's
+  provenance metadata (``from_node``, ``seq_nr``, ``original_aten``) is absent.
 * ``"symbolic_trace"``: ``torch.fx.symbolic_trace`` for plain modules (its leaf-module and
   ``fx.wrap`` rules apply), then lowered to the same functional aten level and FakeTensor meta by the
   same non-strict export tracer (``make_fx(pre_dispatch=True)`` + functionalization). A hand-rolled
@@ -115,9 +121,29 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
 
 # ---------------------------------------------------------------------------------------------- routes
 
-def _capture_export(model, args, kwargs):
-    ep = torch.export.export(model, args, kwargs, strict=False)
-    ep = ep.run_decompositions({})
+def _export_retrace(model, args, kwargs):
+    """``torch.export.export`` then ``run_decompositions({})``: two traces (the reference for
+    :func:`_export_functional`)."""
+    return torch.export.export(model, args, kwargs, strict=False).run_decompositions({})
+
+
+def _export_functional(model, args, kwargs):
+    """One non-strict trace straight to functional aten, composite ops preserved as ``run_decompositions({})``
+    preserves them: torch's own aot-dispatch export (``pre_dispatch=False``) inside the context that
+    ``run_decompositions`` puts around its re-trace. Falls back to two traces if torch lacks these internals."""
+    try:
+        from torch.export._trace import _export
+        from torch.export.exported_program import (_override_composite_implicit_decomp,
+                                                   _split_decomp_table_to_cia_and_python_decomp)
+    except ImportError:                       # another torch: the public two-trace path
+        return _export_retrace(model, args, kwargs)
+    preserve, _ = _split_decomp_table_to_cia_and_python_decomp({})
+    with _override_composite_implicit_decomp(preserve):
+        return _export(model, args, kwargs, strict=False, pre_dispatch=False)
+
+
+def _capture_export(model, args, kwargs, export=None):
+    ep = (export or _export_functional)(model, args, kwargs)
     sig = ep.graph_signature
     attr_of = {}  # placeholder name -> (dotted attribute name, tensor)
     for spec in sig.input_specs:
@@ -137,7 +163,13 @@ def _capture_export(model, args, kwargs):
                                      f"{mutated} (e.g. a buffer update); autofuse captures pure forwards. "
                                      f"hint: put the model in eval mode or remove the in-place update.")
     user_out = [i for i, s in enumerate(sig.output_specs) if s.kind.name == "USER_OUTPUT"]
-    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out)
+    # one tensor under several names (tied weights): every use reads it through its last name, as the
+    # re-trace of run_decompositions does (its fake tensor is tracked by the last placeholder made for it)
+    last = {}
+    for name, (_, tensor) in attr_of.items():
+        last[id(tensor)] = name
+    alias = {name: last[id(tensor)] for name, (_, tensor) in attr_of.items()}
+    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out, alias)
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
 
 
@@ -151,14 +183,23 @@ def _capture_symbolic_trace(model, args, kwargs):
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-def _lift_to_attrs(source: fx.GraphModule, attr_of: dict, keep_outputs: list[int] | None) -> fx.GraphModule:
+def _lift_to_attrs(source: fx.GraphModule, attr_of: dict, keep_outputs: list[int] | None,
+                   alias: dict | None = None) -> fx.GraphModule:
     """Copy ``source.graph``; placeholders named in ``attr_of`` become get_attr nodes on a fresh root
     that holds the very tensors given (shared with the user's model). get_attr nodes of ``source``
-    (constants made by the tracer) keep their tensors too."""
+    (constants made by the tracer) keep their tensors too. ``alias``: placeholder name -> the placeholder
+    whose get_attr its uses read instead."""
     graph = source.graph
     root = torch.nn.Module()
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+
+    def arg(n):
+        if alias and n.op == "placeholder" and alias.get(n.name, n.name) != n.name:
+            n = placeholders[alias[n.name]]
+        return env[n]
+
     for node in graph.nodes:
         if node.op == "placeholder" and node.name in attr_of:
             target, tensor = attr_of[node.name]
@@ -169,15 +210,15 @@ def _lift_to_attrs(source: fx.GraphModule, attr_of: dict, keep_outputs: list[int
                 env[node].meta["autofuse_state"] = target
         elif node.op == "get_attr":
             _set_nested(root, node.target, _get_nested(source, node.target))
-            env[node] = new.node_copy(node, lambda n: env[n])
+            env[node] = new.node_copy(node, arg)
         elif node.op == "output":
             outs = node.args[0]
             outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
             if keep_outputs is not None:
                 outs = tuple(outs[i] for i in keep_outputs)
-            new.output(tuple(fx.map_arg(o, lambda n: env[n]) for o in outs))
+            new.output(tuple(fx.map_arg(o, arg) for o in outs))
         else:
-            env[node] = new.node_copy(node, lambda n: env[n])
+            env[node] = new.node_copy(node, arg)
     return fx.GraphModule(root, new)
 
 

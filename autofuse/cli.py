@@ -6,7 +6,7 @@
                       [-o FILE] [-v]
     autofuse viz      --model SPEC [MODEL] [ENGINE] [-o DIR] [--expand-all] [--show-params] [--simulate]
                       [--model-explorer FILE.json] [-v]
-    autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [-v]
+    autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [--world-size N] [-v]
 
     MODEL:  --layers N --hidden N --heads N --kv-heads N (zoo models) --seq N --batch N --dtype D
             --attn eager|sdpa --meta
@@ -502,6 +502,8 @@ def cmd_viz(a, progress):
 
 
 def cmd_simulate(a, progress):
+    if a.world_size > 1:
+        return _simulate_world(a, progress)
     from autofuse.report import BASELINE
     _, inputs, fused = _fuse(a, progress)
     sims = _simulations(a, fused, inputs, progress)
@@ -513,6 +515,29 @@ def cmd_simulate(a, progress):
     if a.json:
         _write(json.dumps({"unfused": before.to_dict(), "generic": generic.to_dict(), "fused": after.to_dict()},
                           indent=2, default=str) + "\n", a.json)
+
+
+def _simulate_world(a, progress):
+    """``simulate --world-size N``: every rank a gloo process fusing and simulating its shard
+    (:func:`autofuse.distributed.simulate_world`)."""
+    from autofuse.distributed import rank_builder, simulate_world
+    kw = _check_engine_args(a)
+    if a.meta:
+        raise UsageError("simulation needs data: drop --meta")
+    try:
+        build = rank_builder(a.model, hidden=a.hidden, heads=a.heads, seq=a.seq, batch=a.batch,
+                             dtype=DTYPES[a.dtype or "float32"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    t0 = time.perf_counter()
+    try:
+        world = simulate_world(build, a.world_size, kw.pop("target_device"), kw.pop("optimization_level"), **kw)
+    except RuntimeError as e:
+        raise ModelFailed(f"could not simulate {a.model} on {a.world_size} ranks: {e}") from e
+    progress.stage("simulate", time.perf_counter() - t0, f"{a.world_size} ranks")
+    print(world.summary())
+    if a.json:
+        _write(json.dumps(world.to_dict(), indent=2, default=str) + "\n", a.json)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -545,6 +570,11 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--json", default=None, help="also write both simulations as JSON here")
+    p.add_argument("--world-size", type=int, default=1, metavar="N",
+                   help="simulate N ranks under torch.distributed (gloo processes on this machine), each fusing and "
+                        "simulating its shard: --model tp-block (a Megatron-split GPT-2 block sized by --hidden "
+                        "--heads --seq --batch --dtype) or module:function / file.py:function taking (rank, "
+                        "world_size) and returning (module, example_args)")
     p.set_defaults(fn=cmd_simulate)
     return ap
 

@@ -303,6 +303,8 @@ class _Verifier:
             with torch.random.fork_rng():
                 self.done[key] = self._reduced(fam, cand, sub, external, roles) or _verify.verify_block(
                     sub, fused_sub, self._inputs(external), roles) + ("",)
+            if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
+                self.done[key] = fam.agree(self.done[key], cand.match)
         return self.done[key]
 
     def _reduced(self, fam, cand, sub, external, roles):
@@ -383,11 +385,13 @@ class FusedModule(torch.nn.Module):
     def plans(self) -> dict:
         return dict(self._plans)
 
-    def simulate(self, *args, **kwargs):
-        """Run the fused graph on the simulator (fused and unfused ops alike); see :func:`autofuse.simulate`."""
+    def simulate(self, *args, values: bool = True, **kwargs):
+        """Run the fused graph on the simulator (fused and unfused ops alike); see :func:`autofuse.simulate`
+        (``values=False``: timing only, the same statistics without outputs)."""
         from autofuse.simulate import simulate_graph
         p = self._plan_for(args, kwargs)
-        return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device)
+        return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device,
+                              values=values)
 
 
 def generic_only() -> dict:

@@ -50,6 +50,9 @@ class Family:
     op_kwargs: Callable        # (device, price, level) -> extra keywords of the call (device, tiling)
     shrink: Callable | None = None   # match -> {dim size: reduced size} for verifying a block too large to run
     resize: Callable | None = None   # (match, sizes) -> the match for those reduced shapes (when params hold shapes)
+    # (verdict, match) -> the verdict every process planning this graph agrees on (families whose call
+    # communicates: each rank verifies on its own data, and all must apply the same fusions); None: local
+    agree: Callable | None = None
 
 
 def _spec(n: fx.Node):
@@ -337,6 +340,8 @@ def is_fused_call(n: fx.Node) -> bool:
     """A call of a fused op (the ``autofuse`` namespace of ``torch.ops``)."""
     return n.op == "call_function" and getattr(n.target, "namespace", None) == "autofuse"
 
+
+from autofuse import fused_mc2  # noqa: E402,F401  (registers the MC2 families' fused calls)
 
 __all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "family_of",
            "is_fused_call", "kernel_default_tiling", "price_attention", "register_family"]

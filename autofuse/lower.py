@@ -271,6 +271,9 @@ def lower(node: fx.Node) -> Program:
     moe = _lower_moe(node, t, ins)
     if moe is not None:
         return moe
+    coll = _lower_collective(node, t, ins)
+    if coll is not None:
+        return coll
     if t in _FACTORY_OPS and not ins:
         return Program([Step("generic", ())], [])
     return Program([Step("generic", tuple(Arg(i) for i in range(len(ins))))], ins)
@@ -312,6 +315,30 @@ def _lower_moe(node, t, ins):
         return Program([Step("matmul_per_group", (Arg(0), Arg(1), Arg(2)),
                              {"trans_w": trans, "group_list_type": "cumsum"})], [a[0], w, a[2]])
     return None
+
+
+def _lower_collective(node, t, ins):
+    """``_c10d_functional`` collectives: the collective kernel over the group's ranks (``world``; ``comm``, the
+    group's name, lets a simulation exchange with the real ranks); ``wait_tensor`` is free. None: not one, or
+    its group cannot be resolved in this process (then it is priced as generic)."""
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is None or not isinstance(t, torch._ops.OpOverload) or t.namespace != "_c10d_functional":
+        return None
+    if t == c10d.wait_tensor.default:
+        return Program([], ins[:1])
+    kinds = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
+             c10d.reduce_scatter_tensor.default: "reduce_scatter", c10d.all_to_all_single.default: "all_to_all"}
+    if t not in kinds:
+        return None
+    from autofuse.npu.link import group_size
+    name = node.args[-1]
+    world = group_size(name)
+    if world is None:
+        return None
+    params = {"world": world, "comm": name}
+    if t == c10d.all_to_all_single.default:
+        params.update(output_split_sizes=node.args[1], input_split_sizes=node.args[2])
+    return Program([Step(kinds[t], (Arg(0),), params)], ins[:1])
 
 
 def _broadcast(*shapes):

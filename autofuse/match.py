@@ -16,7 +16,7 @@ from typing import Callable
 import torch.fx as fx
 
 _FAMILIES: dict[str, Callable[[fx.GraphModule], list["Match"]]] = {}
-_BUILTIN = ("patterns.attention", "patterns.moe", "patterns.softmax", "patterns.vector_chain")
+_BUILTIN = ("patterns.attention", "patterns.moe", "patterns.mc2", "patterns.softmax", "patterns.vector_chain")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@
 ``[K, N]`` (weights are laid out once, as the Cube's NZ format is). ``group_name`` names the process group as
 the functional collectives (``torch.distributed._functional_collectives``) do; the op runs the MC2 kernel on
 this rank's simulated NPU, exchanging real data with the other ranks through that group (gloo), and records
-the launch for whole-graph simulation. ``tiles``: the row tiles the kernel pipelines (the cost model's
-:func:`cost_model.mc2.choose_tiles` picks them). Only ``"sum"`` reductions.
+the launch for whole-graph simulation. ``tiles``: the tiles the kernel pipelines (row or column tiles, see
+``autofuse/npu/kernels/mc2.py``); ``tiling``: the matmul's tiling as JSON (``""``: the kernel's own);
+``algorithm``: the tiles' collective algorithm (``""``: the one a collective library picks for each tile's
+size). The cost model's :func:`cost_model.mc2.choose_tiles` picks all three. Only ``"sum"`` reductions.
 
 Backward (recomputed on the host in fp32 from the saved inputs, not simulated), with dy the output gradient:
 
@@ -24,6 +26,8 @@ Backward (recomputed on the host in fp32 from the saved inputs, not simulated), 
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from autofuse.ops import _record, _to_torch, run_kernel
@@ -37,6 +41,10 @@ def _comm(group_name: str):
     return GlooComm(_resolve_process_group(group_name))
 
 
+def _tiling(tiling: str):
+    return json.loads(tiling) if tiling else None
+
+
 def _check(name, x, weight, reduce_op=None):
     if reduce_op is not None and reduce_op not in _REDUCE_OPS:
         raise ValueError(f"{name}: reduce_op {reduce_op!r} is not supported (only 'sum')")
@@ -46,46 +54,49 @@ def _check(name, x, weight, reduce_op=None):
 
 @torch.library.custom_op("autofuse::matmul_all_reduce", mutates_args=())
 def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, reduce_op: str, group_name: str, tiles: int = 4,
-                      device: str = "ascend910b") -> torch.Tensor:
+                      device: str = "ascend910b", tiling: str = "",
+                      algorithm: str = "") -> torch.Tensor:
     _check("matmul_all_reduce", x, weight, reduce_op)
     r = run_kernel("matmul_all_reduce", x, weight.detach().t().contiguous(), comm=_comm(group_name), tiles=tiles,
-                   device=device)
+                   device=device, tiling=_tiling(tiling), algorithm=algorithm or None)
     _record("matmul_all_reduce", r.stats)
     return _to_torch(r.outputs[0], x.dtype)
 
 
 @matmul_all_reduce.register_fake
-def _(x, weight, reduce_op, group_name, tiles=4, device="ascend910b"):
+def _(x, weight, reduce_op, group_name, tiles=4, device="ascend910b", tiling="", algorithm=""):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("autofuse::matmul_reduce_scatter", mutates_args=())
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, reduce_op: str, group_name: str,
-                          world_size: int, tiles: int = 4, device: str = "ascend910b") -> torch.Tensor:
+                          world_size: int, tiles: int = 4, device: str = "ascend910b", tiling: str = "",
+                          algorithm: str = "") -> torch.Tensor:
     _check("matmul_reduce_scatter", x, weight, reduce_op)
     r = run_kernel("matmul_reduce_scatter", x, weight.detach().t().contiguous(), comm=_comm(group_name),
-                   tiles=tiles, device=device)
+                   tiles=tiles, device=device, tiling=_tiling(tiling), algorithm=algorithm or None)
     _record("matmul_reduce_scatter", r.stats)
     return _to_torch(r.outputs[0], x.dtype)
 
 
 @matmul_reduce_scatter.register_fake
-def _(x, weight, reduce_op, group_name, world_size, tiles=4, device="ascend910b"):
+def _(x, weight, reduce_op, group_name, world_size, tiles=4, device="ascend910b", tiling="", algorithm=""):
     return x.new_empty((x.shape[0] // world_size, *x.shape[1:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("autofuse::all_gather_matmul", mutates_args=())
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group_name: str, world_size: int, tiles: int = 4,
-                      device: str = "ascend910b") -> tuple[torch.Tensor, torch.Tensor]:
+                      device: str = "ascend910b", tiling: str = "",
+                      algorithm: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     _check("all_gather_matmul", x, weight)
     r = run_kernel("all_gather_matmul", x, weight.detach().t().contiguous(), comm=_comm(group_name), tiles=tiles,
-                   device=device)
+                   device=device, tiling=_tiling(tiling), algorithm=algorithm or None)
     _record("all_gather_matmul", r.stats)
     return _to_torch(r.outputs[0], x.dtype), _to_torch(r.outputs[1], x.dtype)
 
 
 @all_gather_matmul.register_fake
-def _(x, weight, group_name, world_size, tiles=4, device="ascend910b"):
+def _(x, weight, group_name, world_size, tiles=4, device="ascend910b", tiling="", algorithm=""):
     lead = (x.shape[0] * world_size, *x.shape[1:-1])
     return x.new_empty((*lead, weight.shape[0])), x.new_empty((*lead, x.shape[-1]))
 
@@ -113,14 +124,14 @@ def _save(ctx, inputs, output):
 
 def _backward_mar(ctx, dy):
     dx, dw = _grads(ctx, dy, ctx.saved_tensors[0])
-    return dx, dw, None, None, None, None
+    return dx, dw, None, None, None, None, None, None
 
 
 def _backward_mrs(ctx, dy):
     fc = _fc()
     full = fc.wait_tensor(fc.all_gather_tensor(dy.contiguous(), 0, ctx.group_name))
     dx, dw = _grads(ctx, full, ctx.saved_tensors[0])
-    return dx, dw, None, None, None, None, None
+    return dx, dw, None, None, None, None, None, None, None
 
 
 def _save_agm(ctx, inputs, output):
@@ -142,7 +153,7 @@ def _backward_agm(ctx, dy, dgathered):
             dfull = dfull + dgathered.float()
         dx = fc.wait_tensor(fc.reduce_scatter_tensor(dfull.contiguous(), "sum", 0, ctx.group_name))
         dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
-    return dx, dw, None, None, None, None
+    return dx, dw, None, None, None, None, None, None
 
 
 matmul_all_reduce.register_autograd(_backward_mar, setup_context=_save)

@@ -7,15 +7,28 @@ The graph's values are computed by torch for unfused nodes (the kernels' own out
 against torch in the kernel tests; pass ``check=True`` to compare them here too) and by the simulator
 for fused ops (a repeated fused launch, whose statistics are reused, gets its values from the kernel's
 torch twin, ``autofuse.ops.REFERENCES[name]``, e.g. :func:`autofuse.ops.reference_flash_attention`).
+Since an unfused node's values come from torch, its kernels run *timing-only*
+(``npu.run(..., timing_only=True)``: the same instructions, timelines and statistics, no values computed,
+inputs not copied; only the inputs that steer a kernel's program, such as gather indices, are read).
+``check=True`` runs them in full, to compare their values.
+
+``values=False`` simulates timing only, for the whole graph: torch computes just the values some launch
+needs, i.e. the values steering a kernel (gather indices, token routing, group sizes) and the inputs of a
+fused op's first launch (its kernel runs in full), with everything they depend on; every other node gets its
+shape from the graph's metadata (a meta tensor) and its kernels run timing-only on it. The statistics are
+those of ``values=True`` (the same launches on the same steering values; tests/test_simulate.py compares
+them); there are no outputs. A repeated fused launch then needs no values at all.
 
 Kernel launches are independent: each starts with a cold L2 and ends with its outputs in HBM, so two
-launches of the same kernel on inputs of the same shapes, dtypes and parameters cost the same cycles.
+launches of the same kernel on inputs of the same shapes, dtypes, parameters and steering values cost the
+same cycles.
 The simulator therefore runs each distinct launch once and reuses its statistics for repeats (a
 12-layer model simulates its layer once); ``memo=False`` runs every launch, and so does ``check=True``
 (a reused launch's outputs are those of the first launch's data, so they cannot be compared).
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +38,9 @@ import torch.fx as fx
 
 import cost_model
 from autofuse import memory, npu
+from autofuse.npu.run import ALL, STEER, input_names
 from autofuse import ops as fused_ops
-from autofuse.lower import Arg, Const, lower, step_specs
+from autofuse.lower import Arg, Const, Out, lower, step_specs
 from cost_model.devices import get_device
 
 
@@ -42,6 +56,8 @@ class NodeCost:
     reused: bool = False
     max_error: float | None = None
     workspace: int = 0              # GM its kernels allocate besides their outputs, while they run
+    link_bytes: int = 0             # sent on the chip's links (collectives and MC2 kernels)
+    link_cycles: int = 0            # the busiest link lane's occupancy
 
 
 @dataclass
@@ -90,17 +106,100 @@ _GEMMS = {_aten.linear.default, _aten.matmul.default, _aten.mm.default, _aten.bm
           _aten.baddbmm.default}
 
 
-def _sig(kernel, arrays, params):
+BLOCK_BYTES = 256 << 20        # the largest fp32 intermediate of a value computed in blocks
+
+
+def _row_blocks(target, args, out):
+    """``(argument positions to slice, rows per block)`` to compute a GEMM's value in blocks of its output's
+    dim 0 when its fp32 result would exceed ``BLOCK_BYTES``, or None. Only forms whose output rows come from
+    the sliced operands' rows alone: ``linear``/``mm``/``addmm`` (rows of the activation) and ``matmul``/``bmm``
+    over a shared leading (batch) dim. Blocks are whole multiples of 256 rows (or of one leading index), so
+    BLAS sees the same row blocking it uses for the whole product."""
+    if out.dim() < 2 or out.numel() * 4 <= BLOCK_BYTES:
+        return None
+    a = {_aten.linear.default: 0, _aten.mm.default: 0, _aten.addmm.default: 1}.get(target)
+    if a is not None:
+        split = {a}
+        if target is _aten.linear.default and args[0].dim() < 2:
+            return None
+        if target is _aten.addmm.default and args[0].dim() == 2 and args[0].shape[0] == out.shape[0] > 1:
+            split.add(0)                   # a full [M, N] input is added row by row too
+    elif target in (_aten.matmul.default, _aten.bmm.default):
+        x, w = args[0], args[1]
+        if x.dim() < 3 or x.shape[0] != out.shape[0]:
+            return None
+        if w.dim() <= 2:
+            split = {0}
+        elif w.dim() == x.dim() and w.shape[0] == x.shape[0]:
+            split = {0, 1}
+        else:
+            return None
+    else:
+        return None
+    per_row = out.numel() // out.shape[0] * 4
+    step = max(1, BLOCK_BYTES // per_row)
+    if out.dim() == 2:
+        step = max(256, step // 256 * 256)
+    return (split, step) if step < out.shape[0] else None
+
+
+def _twin_value(name, twin, args, kwargs):
+    """A fused op's values from its torch twin; attention by batch index when its fp32 scores would exceed
+    ``BLOCK_BYTES`` (each batch index's outputs come from its own q, k, v and mask rows alone)."""
+    q, k = args[0], args[1]
+    if name != "flash_attention" or q.shape[0] < 2 or q.numel() // q.shape[-1] * k.shape[-2] * 4 <= BLOCK_BYTES:
+        return twin(*args, **kwargs)
+    B = q.shape[0]
+    mask = args[3] if len(args) > 3 else kwargs.get("mask")
+    split_mask = isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == B
+
+    def part(b):
+        a = [t[b:b + 1] if i < 3 or (i == 3 and split_mask) else t for i, t in enumerate(args)]
+        kw = dict(kwargs)
+        if "mask" in kw and split_mask:
+            kw["mask"] = mask[b:b + 1]
+        return twin(*a, **kw)
+
+    parts = [part(b) for b in range(B)]
+    return tuple(torch.cat([p[i] for p in parts]) if parts[0][i].dim() and parts[0][i].numel() else parts[0][i]
+                 for i in range(len(parts[0])))
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return tuple(a.shape), str(a.dtype)
+    if isinstance(a, npu.Absent):
+        return tuple(a.shape), a.element or str(a.dtype)
+    return a
+
+
+def _sig(kernel, arrays, params, steering=()):
+    """What a launch's cost depends on: kernel, shapes, dtypes, parameters and the values of ``steering``
+    tensors (a digest)."""
     parts = [kernel]
     for a in arrays:
-        parts.append((tuple(a.shape), str(a.dtype)) if isinstance(a, torch.Tensor) else a)
-    parts.append(repr(sorted((k, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else v)
-                             for k, v in params.items())))
+        parts.append(_spec(a))
+    parts.append(repr(sorted((k, _spec(v)) for k, v in params.items())))
+    for t in steering:
+        t = t.detach().contiguous()
+        parts.append(hashlib.sha1(t.view(torch.uint8).numpy() if t.numel() else b"").hexdigest())
     return tuple(parts)
 
 
+def _steering(kernel, arrays, params) -> list:
+    """The tensors among a launch's inputs whose values steer the kernel's program (``npu.run.STEER``)."""
+    steer = STEER.get(kernel, ())
+    if not steer:
+        return []
+    if steer == ALL:
+        return [a for a in list(arrays) + list(params.values()) if isinstance(a, torch.Tensor)]
+    names = input_names(npu.KERNELS[kernel], len(arrays))
+    return [a for n, a in zip(names, arrays) if n in steer and isinstance(a, torch.Tensor)] + \
+        [v for k, v in params.items() if k in steer and isinstance(v, torch.Tensor)]
+
+
 class _Sim(fx.Interpreter):
-    def __init__(self, gm, device, memo, check):
+    def __init__(self, gm, device, memo, check, values=True):
         # values are freed after their last use *including* uses by lowerings (a matmul reads the source of a
         # transpose it folds), so the interpreter's own bookkeeping is replaced
         super().__init__(gm, garbage_collect_values=False)
@@ -121,9 +220,18 @@ class _Sim(fx.Interpreter):
         for a, i in last.items():
             self.frees.setdefault(i, []).append(a)
         self.order = order
+        # values=False: the nodes whose values some launch needs, with what they depend on (None: all)
+        self.needed = None if values else _needed(gm, self.programs, memo)
 
     def run_node(self, n):
-        value = self._run(n)
+        if self.needed is not None and n not in self.needed and n.op == "call_function" and not \
+                (self.memo and _fused_name(n) is not None):
+            value = _meta_value(n.meta.get("val"))        # no launch needs it: its shape is enough
+            prog = self.programs[n]
+            if prog is not None and not prog.free:
+                self._kernels(n, prog, value)
+        else:
+            value = self._run(n)
         for a in self.frees.get(self.order[n], ()):
             if a is not n and a.op != "output":
                 self.env.pop(a, None)
@@ -131,13 +239,23 @@ class _Sim(fx.Interpreter):
 
     def _value(self, n):
         """The node's value by torch. A float16 GEMM is computed as the Cube computes it, fp32 accumulation
-        of the fp16 operands and one rounding of the result (CPU float16 GEMMs are several times slower)."""
+        of the fp16 operands and one rounding of the result (CPU float16 GEMMs are several times slower); a
+        large one in blocks of output rows (:func:`_row_blocks`), so its fp32 result never exists whole."""
         v = n.meta.get("val")
         if n.target in _GEMMS and isinstance(v, torch.Tensor) and v.dtype == torch.float16:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t  # noqa: E731
-            args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
-            return n.target(*args, **kwargs).to(torch.float16)
+            blocks = _row_blocks(n.target, args, v)
+            if blocks is None:
+                args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
+                return n.target(*args, **kwargs).to(torch.float16)
+            split, step = blocks
+            out = torch.empty(v.shape, dtype=torch.float16)
+            for r in range(0, v.shape[0], step):
+                part = [a[r:r + step] if i in split else a for i, a in enumerate(args)]
+                part, kw = torch.utils._pytree.tree_map(up, (part, kwargs))
+                out[r:r + step] = n.target(*part, **kw)
+            return out
         return super().run_node(n)
 
     def _tiling(self, kernel, ins_spec, params):
@@ -149,31 +267,42 @@ class _Sim(fx.Interpreter):
             return None
         return dict(e.tiling) if e.tiling else None
 
-    def _launch(self, kernel, arrays, params):
+    def _launch(self, kernel, arrays, params, timing_only):
+        """``(stats, outputs, reused)`` of one launch; outputs are Absent (shapes) when ``timing_only``."""
         self.launches += 1
-        key = _sig(kernel, arrays, params)
-        # a reused launch's outputs belong to the first launch's data: checking values needs every launch run
-        if self.memo and not self.check and key in self.cache:
-            return self.cache[key], True
         if kernel not in npu.KERNELS:
             raise KeyError(kernel)
-        r = npu.run(kernel, *arrays, device=self.device, **params)
-        self.cache[key] = r
-        return r, False
+        steering = _steering(kernel, arrays, params)
+        key = _sig(kernel, arrays, params, steering)
+        # a repeat reuses the statistics and the outputs' shapes; a launch whose values are used (checked, or
+        # steering a later step) runs every time: a reused launch's values would be the first launch's
+        if self.memo and timing_only and key in self.cache:
+            return (*self.cache[key], True)
+        r = npu.run(kernel, *arrays, device=self.device, timing_only=timing_only, **params)
+        shapes = tuple(npu.Absent(o.shape, np.float32, dt) for o, dt in zip(r.outputs, r.dtypes))
+        self.cache[key] = (r.stats, shapes)        # never values
+        return r.stats, (shapes if timing_only else tuple(r.torch_outputs())), False
 
     def _run(self, n):
         if n.op != "call_function":
             return super().run_node(n)
-        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "autofuse":
-            name = n.target._opname
+        name = _fused_name(n)
+        if name is not None:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             key = _sig(name, args, kwargs)
             twin = fused_ops.REFERENCES.get(name)
             reused = self.memo and not self.check and key in self.fused_cache and twin is not None
-            if reused:     # a repeat: the first launch's statistics, the values from the kernel's torch twin
+            if reused and self.needed is not None and n not in self.needed:    # timing only: shapes suffice
                 log = self.fused_cache[key]
-                value = twin(*args, **kwargs)
+                value = _meta_value(n.meta.get("val"))
+            elif reused:   # a repeat: the first launch's statistics, the values from the kernel's torch twin
+                log = self.fused_cache[key]
+                value = _twin_value(name, twin, args, kwargs)
             else:
+                if self.needed is not None and n not in self.needed:
+                    raise RuntimeError(f"simulate: fused call {n.name} ({name}) has no values and no earlier launch "
+                                       f"of its signature to reuse; its signature from the graph's metadata differs "
+                                       f"from the one at run time: simulate with values=True")
                 with fused_ops.recording() as log:
                     value = super().run_node(n)
                 self.fused_cache[key] = log
@@ -182,17 +311,26 @@ class _Sim(fx.Interpreter):
             hbm = sum(s.hbm_bytes for _, s in log)
             self.records.append(NodeCost(n.name, f"autofuse.{name}", tuple(k for k, _ in log) or (name,), cyc, hbm,
                                          log[0][1].bound if log else "", fused=True, reused=reused,
-                                         workspace=max((s.workspace_bytes for _, s in log), default=0)))
+                                         workspace=max((s.workspace_bytes for _, s in log), default=0),
+                                         **_link([s for _, s in log])))
             return value
         value = self._value(n)
         prog = self.programs[n]
-        if prog.free:
-            return value
+        if not prog.free:
+            self._kernels(n, prog, value)
+        return value
+
+    def _kernels(self, n, prog, value):
+        """Run the kernels of ``n``'s lowering and record what they cost."""
         args_env = [self.env[a] for a in prog.inputs]
         outs: list = []
         cycles = hbm = 0
         bound, kernels, reused_all, err, ws = "", [], True, None, 0
+        launched = []
         specs = step_specs(prog, n)
+        # torch gave the node's value: the kernels only need timing, unless values are checked or a later
+        # step's steering input is an earlier step's output
+        timing_only = not self.check and not _steered_by_outputs(prog)
         for st, (ins_spec, out_spec) in zip(prog.steps, specs):
             arrays = [args_env[r.i] if isinstance(r, Arg) else r.make() if isinstance(r, Const) else outs[r.j]
                       for r in st.inputs]
@@ -204,37 +342,127 @@ class _Sim(fx.Interpreter):
                 params = {"outputs": [out_spec]}
             tiling = self._tiling(kernel, ins_spec, params)
             try:
-                r, reused = self._launch(kernel, arrays, {**params, "tiling": tiling} if tiling else params)
+                stats, o, reused = self._launch(kernel, arrays, {**params, "tiling": tiling} if tiling else params,
+                                                timing_only)
             except (KeyError, TypeError, ValueError, NotImplementedError):
                 # the kernel is missing or cannot take this instance: price what it moves as a generic op
                 kernel = "generic"
-                r, reused = self._launch("generic", arrays, {"outputs": [out_spec]})
-            outs.append(torch.from_numpy(np.ascontiguousarray(r.outputs[0])) if r.outputs else None)
-            cycles += r.stats.cycles
-            hbm += r.stats.hbm_bytes
-            bound = r.stats.bound
-            ws = max(ws, r.stats.workspace_bytes)
+                stats, o, reused = self._launch("generic", arrays, {"outputs": [out_spec]}, timing_only)
+            outs.append(o[0] if o else None)
+            cycles += stats.cycles
+            hbm += stats.hbm_bytes
+            bound = stats.bound
+            ws = max(ws, stats.workspace_bytes)
+            launched.append(stats)
             kernels.append(kernel)
             reused_all = reused_all and reused
-        if self.check and isinstance(value, torch.Tensor) and outs and outs[-1] is not None \
+        if self.check and isinstance(value, torch.Tensor) and outs and isinstance(outs[-1], torch.Tensor) \
                 and kernels[-1] != "generic" and outs[-1].shape == value.shape:
             err = (outs[-1].double() - value.double()).abs().max().item()
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
-                                     max_error=err, workspace=ws))
-        return value
+                                     max_error=err, workspace=ws, **_link(launched)))
 
 
-def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False) -> SimulationResult:
-    """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order)."""
+def _link(stats) -> dict:
+    """Link figures of a node's launches (kernels that communicate: collectives, MC2)."""
+    return {"link_bytes": int(sum(s.bytes.get("HBM->link", 0) for s in stats)),
+            "link_cycles": int(max((s.busy.get("link", 0) for s in stats), default=0))}
+
+
+def _fused_name(n):
+    """The fused op's name if ``n`` calls ``torch.ops.autofuse.*``, else None."""
+    t = n.target
+    return t._opname if isinstance(t, torch._ops.OpOverload) and t.namespace == "autofuse" else None
+
+
+def _meta_value(v):
+    """A stand-in with the shape, dtype and strides of the graph's value ``v`` and no data (meta device)."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+    if isinstance(v, (list, tuple)):
+        return type(v)(_meta_value(x) for x in v)
+    return v
+
+
+def _steering_args(prog) -> set:
+    """Positions (into ``prog.inputs``) of the node inputs some step of ``prog`` reads as steering values."""
+    out = set()
+    for st in prog.steps:
+        steer = STEER.get(st.kernel, ())
+        if not steer or st.kernel not in npu.KERNELS:
+            continue
+        names = input_names(npu.KERNELS[st.kernel], len(st.inputs))
+        refs = [r for nm, r in zip(names, st.inputs) if steer == ALL or nm in steer]
+        refs += [v for k, v in st.params.items() if steer == ALL or k in steer]
+        out.update(r.i for r in refs if isinstance(r, Arg))
+    return out
+
+
+def _needed(gm, programs, memo) -> set:
+    """The nodes whose values a timing-only simulation must compute: every input that steers an unfused kernel
+    (a whole program when an earlier step's output steers a later one), every input of a fused op's first
+    launch (its kernel runs in full; every launch of it without the memo or without a torch twin, as with
+    values), and what those depend on."""
+    roots, seen = [], set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = _fused_name(n)
+        if name is not None:
+            key = _sig(name, *torch.utils._pytree.tree_map(
+                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs)))
+            if not memo or name not in fused_ops.REFERENCES or key not in seen:
+                seen.add(key)
+                roots.append(n)
+            continue
+        prog = programs[n]
+        if prog is None or prog.free:
+            continue
+        if _steered_by_outputs(prog):
+            roots.append(n)
+        else:
+            roots += [prog.inputs[i] for i in _steering_args(prog)]
+    needed = set()
+    while roots:
+        n = roots.pop()
+        if n not in needed:
+            needed.add(n)
+            roots += n.all_input_nodes
+    return needed
+
+
+def _steered_by_outputs(prog) -> bool:
+    """Whether a step's steering input is an earlier step's output (its values are needed to time it)."""
+    for st in prog.steps:
+        steer = STEER.get(st.kernel, ())
+        if steer == ALL:
+            bound = [True] * len(st.inputs)
+        elif steer and st.kernel in npu.KERNELS:
+            bound = [n in steer for n in input_names(npu.KERNELS[st.kernel], len(st.inputs))]
+        else:
+            continue
+        if any(b and isinstance(r, Out) for b, r in zip(bound, st.inputs)):
+            return True
+    return False
+
+
+def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False,
+                   values=True) -> SimulationResult:
+    """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order). ``values=False``:
+    timing only (module docstring); the result has no outputs."""
+    if check and not values:
+        raise ValueError("simulate: check=True compares kernel values with torch's; it needs values=True")
     dev = get_device(device)
     meta = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.device.type == "meta"]
     if meta:
         raise ValueError(f"simulate: input {meta[0]} is a meta tensor; the simulator needs data: build the model and "
                          f"its inputs on the CPU (use AutoFusionEngine.fuse on meta inputs to plan without data)")
     t0 = time.perf_counter()
-    sim = _Sim(gm, dev.name, memo, check)
+    sim = _Sim(gm, dev.name, memo, check, values)
     with torch.no_grad():
         out = sim.run(*inputs)
+    if not values:
+        out = None
     cycles = sum(r.cycles for r in sim.records)
     workspace = {r.node: r.workspace for r in sim.records if r.workspace}
     peak = memory.peak_bytes(gm, lambda n: workspace.get(n.name, 0))
@@ -244,11 +472,13 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
                             distinct_launches=len(sim.cache) + sum(len(v) for v in sim.fused_cache.values()), wall_seconds=time.perf_counter() - t0)
 
 
-def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto") -> SimulationResult:
-    """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it."""
+def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto",
+             values=True) -> SimulationResult:
+    """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it
+    (``values=False``: timing only, see :func:`simulate_graph`)."""
     from autofuse.capture import capture
     from autofuse.engine import _normalise_inputs
     args, kwargs = _normalise_inputs(example_inputs)
     captured = capture(model, args, kwargs, route=route)
     return simulate_graph(captured.graph_module, captured.flatten_inputs(*args, **kwargs), device, memo=memo,
-                          check=check)
+                          check=check, values=values)

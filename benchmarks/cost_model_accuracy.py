@@ -361,7 +361,11 @@ def _link_cases(quick: bool):
           ("matmul_all_reduce", [((512, 512), f16), ((512, 2048), f16)], "ascend910", {"world": 8, "tiles": 4}),
           ("matmul_all_reduce", [((300, 200), f32), ((200, 256), f32)], "ascend310p", {"world": 4, "tiles": 2}),
           ("matmul_reduce_scatter", [((512, 256), f16), ((256, 512), f16)], "ascend910", {"world": 4, "tiles": 2}),
-          ("all_gather_matmul", [((64, 512), f16), ((512, 768), f16)], "ascend910", {"world": 4, "tiles": 2})]
+          ("all_gather_matmul", [((64, 512), f16), ((512, 768), f16)], "ascend910", {"world": 4, "tiles": 2}),
+          ("matmul_all_reduce", [((16, 512), f16), ((512, 2048), f16)], "ascend910b",
+           {"world": 8, "tiles": 8, "tiling": {"m0": 16, "n0": 16, "k0": 256, "k1": 512}}),
+          ("matmul_all_reduce", [((64, 1376), f16), ((1376, 4096), f16)], "ascend910b",
+           {"world": 8, "tiles": 4, "algorithm": "mesh|oneshot"})]
     if not quick:
         cs += [("all_reduce", [((4096, 4096), f16)], "ascend910b", {"world": 8}),
                ("all_reduce", [((1024, 4096), f16)], "ascend910", {"world": 8, "algorithm": "ring"}),

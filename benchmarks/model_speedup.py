@@ -4,7 +4,12 @@ Baselines: *eager op by op* (the captured graph, every op its own competently ti
 fusion alone* (the plan with every pattern family switched off: automatic discovery of Vector regions and
 matmul epilogues only). A pattern's value is its figure against the second. Also the attention blocks alone.
 
-    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama]
+    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama] [--values]
+
+Every figure printed is a simulation statistic, so the three graphs simulate timing only (``values=False``:
+the same statistics as with values, no outputs; tests/test_simulate.py compares them); ``--values`` simulates
+with values. Each simulation prints its wall time, CPU time and peak resident memory (the process's high-water
+mark, reset before it where Linux allows, else since the start).
 
 Goals: GPT-2-small shapes at batch 8, sequence 1024, whole model >= 2x against eager op by op; a LLaMA-style
 decoder layer's figures printed against both baselines.
@@ -21,30 +26,57 @@ from autofuse.engine import generic_only
 from autofuse.models import build
 
 
-def _peak_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+def _reset_peak() -> bool:
+    """Reset the process's peak resident memory (Linux: VmHWM); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
-def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None):
+def _peak() -> int:
+    """The process's peak resident memory in bytes (VmHWM where readable, else ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _measured(label, fn):
+    reset = _reset_peak()
+    t, c = time.perf_counter(), time.process_time()
+    result = fn()
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    print(f"  {label:<28}: {wall:6.1f} s wall, {cpu:6.1f} s CPU, peak {_peak() / 1e9:5.2f} GB"
+          f"{'' if reset else ' (since the start)'}", flush=True)
+    return result, wall
+
+
+def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False):
     model, (args, kwargs) = build(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq=seq,
                                   batch=batch, vocab=vocab, dtype=dtype)
     model.eval()
-    t0 = time.perf_counter()
-    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, optimization_level="O3")
-    t1 = time.perf_counter()
-    generic = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, optimization_level="O3",
-                                    fusion_switches=generic_only())
-    t2 = time.perf_counter()
-    eager = autofuse.simulate(model, (args, kwargs), device=device)
-    gen = generic.simulate(*args, **kwargs)
-    after = fused.simulate(*args, **kwargs)
-    t3 = time.perf_counter()
+    print(f"{name} L={layers} H={hidden} heads={heads} B={batch} S={seq} {str(dtype).replace('torch.', '')} on "
+          f"{device}{'' if values else ', simulated timing only'}:", flush=True)
+    fused, _ = _measured("fuse", lambda: AutoFusionEngine.fuse(model, (args, kwargs), target_device=device,
+                                                                optimization_level="O3"))
+    generic, _ = _measured("plan generic fusion alone", lambda: AutoFusionEngine.fuse(
+        model, (args, kwargs), target_device=device, optimization_level="O3", fusion_switches=generic_only()))
+    eager, w1 = _measured("simulate eager op by op",
+                          lambda: autofuse.simulate(model, (args, kwargs), device=device, values=values))
+    gen, w2 = _measured("simulate generic alone", lambda: generic.simulate(*args, values=values, **kwargs))
+    after, w3 = _measured("simulate fused", lambda: fused.simulate(*args, values=values, **kwargs))
     r = fused.report
     attn = [d for d in r.applied if d.pattern == "attention"]
     attn_before = eager.cycles_of([n for d in attn for n in d.nodes])
     attn_after = sum(n.cycles for n in after.nodes if n.fused and n.target == "autofuse.flash_attention")
-    print(f"{name} L={layers} H={hidden} heads={heads} B={batch} S={seq} {str(dtype).replace('torch.', '')} on "
-          f"{device}: {len(r.applied)} fused ({', '.join(sorted({d.pattern for d in r.applied}))})")
+    print(f"  {len(r.applied)} fused: {', '.join(sorted({d.pattern for d in r.applied}))}")
     print(f"  eager op by op      : {eager.cycles:>14,} cycles   fused {eager.cycles / after.cycles:5.2f}x")
     print(f"  generic fusion alone: {gen.cycles:>14,} cycles   fused {gen.cycles / after.cycles:5.2f}x   "
           f"(generic alone vs eager {eager.cycles / gen.cycles:5.2f}x)")
@@ -52,8 +84,7 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
     if attn:
         print(f"  attention blocks    : {attn_before:>14,} -> {attn_after:>14,} cycles   "
               f"{attn_before / max(attn_after, 1):5.2f}x")
-    print(f"  (fuse {t1 - t0:.1f} s, generic plan {t2 - t1:.1f} s, simulate three graphs {t3 - t2:.1f} s wall; "
-          f"peak memory {_peak_gb():.1f} GB)")
+    print(f"  (eager and fused simulated in {w1 + w3:.1f} s wall; all three in {w1 + w2 + w3:.1f} s)", flush=True)
     return eager, gen, after
 
 
@@ -62,19 +93,21 @@ def main():
     ap.add_argument("--device", default="ascend910")
     ap.add_argument("--quick", action="store_true", help="small shapes only")
     ap.add_argument("--only", choices=["gpt2", "llama"], default=None)
+    ap.add_argument("--values", action="store_true",
+                    help="simulate with values (slower; the same figures as the default timing-only simulation)")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.quick:
-        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000)
-        run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2)
+        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values)
+        run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values)
         return
     if a.only in (None, "gpt2"):
-        run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device)
+        run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=a.values)
     if a.only in (None, "llama"):
         # one LLaMA-7B-shaped decoder layer (hidden 4096, 32 heads, 8 kv heads as in Llama-3; the zoo's
         # intermediate size is 4 x hidden), 2048 tokens; a small vocabulary, so the layer, not the LM head, is
         # what is measured
-        run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8)
+        run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values)
 
 
 if __name__ == "__main__":

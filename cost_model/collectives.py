@@ -173,6 +173,10 @@ class LinkReplay:
         p = len(ranks)
         if p == 1:
             return self.copy(n, ready)
+        if algorithm == "oneshot":             # the mesh reduce-scatter with every piece the whole buffer
+            rd = [[ready] * nslices(n * self.isz) for _ in range(p)]
+            self.reduce_scatter([n] * p, ranks, rd, "mesh")
+            return max(rd[ranks.index(self.rank)])
         if algorithm == "hierarchical":
             L = self.links.mesh
             me = ranks.index(self.rank)
@@ -193,10 +197,13 @@ class LinkReplay:
         self.all_gather(pieces, ranks, rd, algorithm)
         return max(max(r) for r in rd)
 
-    def all_to_all(self, src, out, ranks, ready, full_mesh):
+    def all_to_all(self, src, out, ranks, ready, full_mesh) -> list:
+        """Returns, per rank, when its piece has landed (this rank's: when its copy is done)."""
         p, me = len(ranks), ranks.index(self.rank)
         S = max(nslices(max(src) * self.isz), nslices(max(out) * self.isz))
-        self.copy(src[me], ready)
+        arrived = [float(ready)] * p
+        if src[me]:
+            arrived[me] = self.copy(src[me], ready)
         rounds = [[(me + s) % p for s in range(1, p)]] if full_mesh else [[(me + s) % p] for s in range(1, p)]
         for to in rounds:
             frm = [(2 * me - j) % p for j in to]
@@ -204,15 +211,17 @@ class LinkReplay:
                 for j in to:
                     self.send(ranks[j], (src[j] * (k + 1) // S - src[j] * k // S) * self.isz, ready)
                 for j in frm:
-                    self.recv(ranks[j], (out[j] * (k + 1) // S - out[j] * k // S) * self.isz, ready)
+                    arr = self.recv(ranks[j], (out[j] * (k + 1) // S - out[j] * k // S) * self.isz, ready)
+                    arrived[j] = max(arrived[j], arr)
+        return arrived
 
     def link_busy(self) -> float:
         return max(self.busy)
 
 
-def _algorithm(dev, op, world, algorithm):
+def _algorithm(dev, op, world, algorithm, nbytes=None):
     links = get_links(dev)
-    algorithm = algorithm or default_algorithm(links, op, world)
+    algorithm = algorithm or default_algorithm(links, op, world, nbytes)
     if world > 1:
         check(op, algorithm, world, links)
     return algorithm
@@ -241,7 +250,7 @@ def estimate_all_reduce(dev, specs, world=None, algorithm=None, rank=0, comm=Non
     shape, dtype, n = _spec(specs)
     p = _world(world)
     rep = LinkReplay(dev, p, dtype)
-    end = rep.all_reduce(n, list(range(p)), 0.0, _algorithm(dev, "all_reduce", p, algorithm))
+    end = rep.all_reduce(n, list(range(p)), 0.0, _algorithm(dev, "all_reduce", p, algorithm, n * itemsize(dtype)))
     b = n * itemsize(dtype)
     return _finish("all_reduce", dev, rep, end)
 

@@ -51,6 +51,8 @@ ring                all_gather             p-1                                 (
 mesh (one-shot)     reduce_scatter         1 (p-1 ports at once)               (p-1)/p · n, n/p per port
 mesh                all_gather             1                                   (p-1)/p · n, n/p per port
 mesh                all_reduce             2 (reduce-scatter + all-gather)     2(p-1)/p · n
+oneshot             all_reduce             1 (every port at once; each rank    (p-1) · n, n per port
+                                           adds the p-1 buffers it receives)
 pairwise            all_to_all             p-1 (one peer per step), or 1 on    (p-1)/p · n
                                            a full mesh (every port at once)
 hierarchical        all_reduce             mesh RS in the node, ring AR        2(L-1)/L · n in the node, then
@@ -60,6 +62,14 @@ hierarchical        all_reduce             mesh RS in the node, ring AR        2
 
 Each reducing step adds what it received into the rank's partial on the Vector unit (the simulator runs
 that; the closed forms below count only the links).
+
+Small all-reduces inside a full mesh go one-shot: HCCL's all-reduce selector for the 910B mesh
+(``AllReduceOperator::SelectAlgfor910B`` in CANN's open-source HCCL, ``all_reduce_operator.cc``) switches to
+its small-count executor at 256 KB and below, whose non-deterministic template (``AllReduceReduceBcast``)
+has every rank reduce the whole buffer from every peer in one step. We switch where the one-shot's single
+latency beats the two-shot's two on this profile's links: one-shot sends ``n`` per port against ``2n/p``, so
+it is faster while ``n·(p-2)/p / bandwidth < latency`` (below 149 KB per rank on the 910B2's HCCS at 8
+ranks [D: 2 µs [A] × 56 GB/s × 8/6]; always at 2 ranks).
 """
 from __future__ import annotations
 
@@ -150,17 +160,29 @@ def get_links(device) -> LinkProfile:
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-ALGORITHMS = ("ring", "mesh", "pairwise", "hierarchical")
+ALGORITHMS = ("ring", "mesh", "oneshot", "pairwise", "hierarchical")
 
 
-def default_algorithm(links: LinkProfile, op: str, world: int) -> str:
-    """What HCCL-style libraries pick: one-shot mesh inside a full-mesh domain, ring on a shared bus,
-    hierarchical all-reduce across domains, ring for the other collectives across domains; all_to_all is
-    always pairwise."""
+def oneshot_limit(links: LinkProfile, world: int) -> float:
+    """Bytes per rank below which a one-shot all-reduce beats the two-shot mesh on these links (see the module
+    docstring); 0 where one-shot does not apply (a shared bus, or ranks beyond one mesh domain)."""
+    if not links.full_mesh or world > links.mesh or world < 2:
+        return 0.0
+    if world == 2:
+        return float("inf")
+    return links.intra.latency_s * links.intra.bytes_per_s * world / (world - 2)
+
+
+def default_algorithm(links: LinkProfile, op: str, world: int, nbytes: float | None = None) -> str:
+    """What HCCL-style libraries pick: inside a full-mesh domain a one-shot all-reduce for small buffers
+    (``nbytes`` per rank below :func:`oneshot_limit`), else the mesh; ring on a shared bus, hierarchical
+    all-reduce across domains, ring for the other collectives across domains; all_to_all is always pairwise."""
     if op not in COLLECTIVES:
         raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(COLLECTIVES)}")
     if op == "all_to_all":
         return "pairwise"
+    if op == "all_reduce" and nbytes is not None and nbytes < oneshot_limit(links, world):
+        return "oneshot"
     if world <= links.mesh:
         return "mesh" if links.full_mesh else "ring"
     if op == "all_reduce" and world % links.mesh == 0:
@@ -179,6 +201,9 @@ def check(op: str, algorithm: str, world: int, links: LinkProfile) -> None:
     if algorithm == "hierarchical" and (op != "all_reduce" or world % links.mesh or world <= links.mesh):
         raise ValueError(f"hierarchical {op} needs all_reduce over whole {links.mesh}-NPU domains, more than one "
                          f"(world {world}); use ring")
+    if algorithm == "oneshot" and (op != "all_reduce" or not links.full_mesh or world > links.mesh):
+        raise ValueError(f"oneshot {op} needs an all_reduce inside one full-mesh {links.mesh}-NPU domain (world "
+                         f"{world}); use mesh or ring")
     if algorithm == "mesh" and world > links.mesh:
         raise ValueError(f"mesh {op} needs every rank in one {links.mesh}-NPU domain (world {world}); use ring "
                          f"or hierarchical")
@@ -197,6 +222,8 @@ def steps(op: str, algorithm: str, world: int, links: LinkProfile | None = None)
         return 2 * (p - 1) if op == "all_reduce" else p - 1
     if algorithm == "mesh":
         return 2 if op == "all_reduce" else 1
+    if algorithm == "oneshot":
+        return 1
     if algorithm == "pairwise":
         return 1 if links is not None and p <= links.mesh and links.full_mesh else p - 1
     L = links.mesh
@@ -214,6 +241,8 @@ def bytes_per_rank(op: str, algorithm: str, world: int, nbytes: float, links: Li
         L = links.mesh
         N = p // L
         return 2 * (L - 1) / L * nbytes + 2 * (N - 1) / N * nbytes / L
+    if algorithm == "oneshot":
+        return (p - 1) * nbytes
     factor = 2 if op == "all_reduce" else 1
     return factor * (p - 1) / p * nbytes
 
@@ -231,4 +260,4 @@ def ring_bottleneck(links: LinkProfile, world: int) -> Port:
 
 
 __all__ = ["ALGORITHMS", "COLLECTIVES", "LINKS", "LinkProfile", "Port", "bytes_per_rank", "check",
-           "default_algorithm", "get_links", "ring_bottleneck", "ring_neighbours", "ring_time", "steps"]
+           "default_algorithm", "get_links", "oneshot_limit", "ring_bottleneck", "ring_neighbours", "ring_time", "steps"]

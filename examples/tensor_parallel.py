@@ -1,10 +1,12 @@
 """A GPT-2-style block split Megatron-style over tensor-parallel ranks, its matmul + all-reduce pairs fused
-into MC2 kernels, every rank simulating its own NPU.
+into MC2 kernels by AutoFusionEngine.fuse on every rank, every rank simulating its own NPU.
 
     torchrun --nproc-per-node 4 examples/tensor_parallel.py [--device ascend910b] [--dtype float16]
 
-Each rank captures its shard, prices and fuses the row-parallel linears with their all-reduce, runs the fused
-graph (data through gloo) and simulates it. Rank 0 prints the decisions, each collective's link figures, the
+Each rank fuses its shard (``autofuse.distributed.rank_pipeline``: ``AutoFusionEngine.fuse`` finds the
+row-parallel linears with their all-reduce, prices them with the tile count the cost model picks and verifies
+them against the captured pair, all ranks together), then simulates the captured and the fused graph (data
+through gloo). Rank 0 prints the decisions with their reason codes, each collective's link figures, the
 system time (the slowest rank) fused and unfused, and how far the fused output is from the single-device
 block's (against a float64 reference, next to the unfused tensor-parallel graph's own error).
 """

@@ -1,116 +1,150 @@
-"""MC2 pairs: a matmul and the collective it feeds or is fed by, in a captured aten graph.
+"""MC2 families: a matmul and the collective it feeds or is fed by (tensor parallelism), as three templates.
 
-Three shapes, each read as a short chain of fx nodes (``_c10d_functional`` collectives are asynchronous:
-their result is used through ``wait_tensor``):
+``_c10d_functional`` collectives are asynchronous: their result is read through ``wait_tensor``. In the
+canonical view a linear layer is ``aten.linear(x, W)`` or ``aten.matmul(x, transpose(W, -2, -1))`` (``x @ W.T``,
+``mm(x, W.t())``), or ``aten.matmul(x, W)`` with the weight stored ``[K, N]``:
 
 ==========================  =============================================================================
-``matmul_all_reduce``       ``y = linear(x, W)`` → ``all_reduce(y, "sum", group)`` → ``wait_tensor``
-``matmul_reduce_scatter``   ``y = linear(x, W)`` → ``reduce_scatter_tensor(y, "sum", p, group)`` → ``wait``
-``all_gather_matmul``       ``all_gather_into_tensor(x, p, group)`` → ``wait`` → ``linear(·, W)``
+``matmul_all_reduce``       ``y = x @ W`` → ``all_reduce(y, "sum", group)`` → ``wait_tensor``   (row-parallel)
+``matmul_reduce_scatter``   ``y = x @ W`` → ``reduce_scatter_tensor(y, "sum", p, group)`` → ``wait_tensor``
+``all_gather_matmul``       ``all_gather_into_tensor(x, p, group)`` → ``wait_tensor`` → ``· @ W``  (sequence-parallel)
 ==========================  =============================================================================
 
-``linear(x, W)`` is ``aten.linear(x, W)`` or ``aten.mm/matmul(x, aten.t(W))`` with a 2-D weight. A pair is
-*found* when the chain is there; its ``params["unsupported"]`` names what keeps it from fusing (a reduction
-other than sum, a bias added before the reduction, a matmul output used elsewhere, an all-gather along
-another dim, a weight that is not 2-D) so the planner can reject it with that reason.
+One builder (:func:`_template`) declares the three: a matmul node, a collective node and its wait, in the
+order the data flows. The constraints (:func:`_decide`) read the matmul's operands and the collective's
+arguments. A pair is *found* whenever the chain is there; ``params["unsupported"]`` names what keeps it from
+fusing, so the planner rejects it with that reason (code ``unsupported``): a reduction other than sum, a bias
+added before the reduction, the matmul's output read outside the pair, a weight that is not 2-D, operands
+that are not float16/bfloat16/float32 of one dtype, rows that do not split over the ranks, a process group
+that cannot be resolved. A gather along another dim is no match (torch spells it as ``all_gather_into_tensor``
+along dim 0 followed by ``split``/``cat``, so no matmul reads the wait).
 
-:func:`find_mc2` returns :class:`autofuse.match.Match` es: ``nodes`` the covered nodes, ``anchor`` the node
-whose uses the fused op's output takes, ``inputs`` ``{"x", "weight"}``, ``params`` the kernel kind, group,
-world size, shapes and dtype.
+Match: ``nodes`` the matmul, the collective and its wait; ``inputs`` ``{"x", "weight"}``; ``outputs``
+``{"out": ...}`` (plus ``"gathered"``, the gathered x, when an all-gather's result is read elsewhere too);
+``params`` the kind, the group's name and size, the shapes, dtype and weight layout (``"nk"``: a linear's
+``[N, K]``; ``"kn"``: ``[K, N]``).
+
+The canonical view merges identical pure nodes (CSE), and ``_c10d_functional`` collectives are pure to torch:
+two all-reduces of one tensor over one group are one node of the view. The captured graph keeps both; a
+match is carried over to the captured pair through its wait's origin, and the other stays unfused.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, is_call, shape, val
-from autofuse.match import Match
+from autofuse.graph import is_call, shape, val
+from autofuse.match import Match, register
+from autofuse.npu.link import group_size
+from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
-_LINEAR = (aten.linear.default,)
-_MM = (aten.mm.default, aten.matmul.default)
+MATMULS = (aten.linear.default, aten.matmul.default, aten.mm.default)
+COLLECTIVE = {"matmul_all_reduce": c10d.all_reduce.default,
+              "matmul_reduce_scatter": c10d.reduce_scatter_tensor.default,
+              "all_gather_matmul": c10d.all_gather_into_tensor.default}
+KINDS = tuple(COLLECTIVE)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _linear(n: fx.Node):
-    """``(x, weight, bias)`` if ``n`` computes ``x @ weight.T (+ bias)`` with a 2-D weight, else None."""
-    if is_call(n, *_LINEAR):
-        w = n.args[1]
-        return n.args[0], w, arg(n, 2, "bias")
-    if is_call(n, *_MM) and is_call(n.args[1], aten.t.default, aten.transpose.int):
-        t = n.args[1]
-        if is_call(t, aten.transpose.int) and sorted(d % 2 for d in t.args[1:3]) != [0, 1]:
-            return None
-        return n.args[0], t.args[0], None
-    return None
+def _template(kind: str) -> Template:
+    """``mm → coll → wait`` (the reductions) or ``coll → wait → mm`` (the gather), anchored at the collective."""
+    t = (Template(kind, anchor="coll").node("coll", COLLECTIVE[kind]).node("wait", WAIT)
+         .node("mm", *MATMULS).edge("coll", "wait", 0))
+    return t.edge("wait", "mm", 0) if kind == "all_gather_matmul" else t.edge("mm", "coll", 0)
 
 
-def _wait_of(n: fx.Node):
-    users = list(n.users)
-    return users[0] if len(users) == 1 and is_call(users[0], WAIT) else None
+TEMPLATES = {kind: _template(kind) for kind in KINDS}
 
 
-def _why_not(x, w, bias, y_users, reduce_op=None):
+def linear_operands(mm: fx.Node):
+    """``(x, weight, layout, bias, why)`` of a matmul node: ``layout`` "nk" (a linear's ``[N, K]`` weight, read
+    transposed) or "kn"; ``why`` says why it is not a linear with a 2-D weight (else "")."""
+    x, b = mm.args[0], mm.args[1]
+    bias = mm.args[2] if mm.target == aten.linear.default and len(mm.args) > 2 else None
+    if mm.target == aten.linear.default:
+        w, layout = b, "nk"
+    elif is_call(b, aten.transpose.int) and len(shape(b) or ()) == 2 and sorted(d % 2 for d in b.args[1:3]) == [0, 1]:
+        w, layout = b.args[0], "nk"
+    else:
+        w, layout = b, "kn"
+    ws = shape(w)
+    if ws is None or len(ws) != 2:
+        return x, w, layout, bias, f"weight of shape {list(ws) if ws else ws} is not 2-D (a batched matmul)"
+    return x, w, layout, bias, ""
+
+
+def _why_not(kind, x, w, bias, mm, coll, world, reduce_op) -> str:
     if reduce_op is not None and reduce_op != "sum":
         return f"reduction {reduce_op!r}: the MC2 kernels sum"
     if bias is not None:
-        return "bias added before the reduction (fuse the linear without bias and add it after the collective)"
-    if y_users is not None and y_users > 1:
-        return "the matmul's output is also used outside the collective"
-    ws = shape(w)
-    if ws is None or len(ws) != 2:
-        return f"weight of shape {ws} is not 2-D"
-    if val(x) is None or val(x).dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return "operands are not float16, bfloat16 or float32"
-    return None
+        return "bias added before the reduction: the MC2 kernels reduce x @ W alone (add the bias after it)"
+    if kind != "all_gather_matmul" and len(mm.users) > 1:
+        return "the matmul's output is also read outside the collective"
+    vx, vw = val(x), val(w)
+    if vx is None or vw is None or vx.dtype not in FLOATS or vx.dtype != vw.dtype:
+        return "operands are not float16, bfloat16 or float32 of one dtype"
+    if vx.dim() < 2:
+        return f"x of shape {list(vx.shape)} has no rows"
+    if world is None:
+        return (f"process group {coll.args[-1]!r} cannot be resolved: plan on every rank with torch.distributed "
+                f"initialised")
+    if kind == "matmul_reduce_scatter" and vx.shape[0] % world:
+        return f"dim 0 of x {list(vx.shape)} does not split over {world} ranks"
+    return ""
 
 
-def _params(kind, x, w, group, world, unsupported):
-    return {"kind": kind, "group_name": group, "world_size": world, "x_shape": shape(x), "w_shape": shape(w),
-            "dtype": str(val(x).dtype).replace("torch.", "") if val(x) is not None else None,
-            "unsupported": unsupported}
+def _decide(kind: str):
+    def decide(m: dict) -> Match | None:
+        mm, coll, wait = m["mm"], m["coll"], m["wait"]
+        if list(coll.users) != [wait]:
+            return None                    # the collective's result is read without (or besides) its wait
+        x, w, layout, bias, why = linear_operands(mm)
+        gather = kind == "all_gather_matmul"
+        if gather:
+            if mm.args[0] is not wait:
+                return None
+            x, world, reduce_op = coll.args[0], int(coll.args[1]), None
+        else:
+            if coll.args[0] is not mm:
+                return None
+            reduce_op = coll.args[1]
+            world = int(coll.args[2]) if kind == "matmul_reduce_scatter" else group_size(coll.args[2])
+        why = why or _why_not(kind, x, w, bias, mm, coll, world, reduce_op)
+        out = mm if gather else wait
+        outputs = {"out": out.name}
+        if gather and any(u is not mm for u in wait.users):
+            outputs["gathered"] = wait.name
+        vx = val(x)
+        params = {"kind": kind, "group_name": coll.args[-1], "world_size": world, "x_shape": shape(x),
+                  "w_shape": shape(w), "weight_layout": layout,
+                  "dtype": str(vx.dtype).replace("torch.", "") if vx is not None else None, "unsupported": why,
+                  "out_like": val(out), "gathered_like": val(wait) if gather else None}
+        nodes = tuple(n.name for n in (coll, wait, mm)) if gather else tuple(n.name for n in (mm, coll, wait))
+        return Match(kind, nodes, out.name, {"x": x.name, "weight": w.name}, params, outputs)
+    decide.__name__ = f"decide_{kind}"
+    return decide
+
+
+def _finder(kind: str):
+    def find(gm: fx.GraphModule) -> list[Match]:
+        return TEMPLATES[kind].match(graph_view(gm), _decide(kind))
+    find.__name__ = f"find_{kind}"
+    find.__doc__ = f"Every ``{kind}`` pair of ``gm`` (see the module docstring)."
+    return find
+
+
+for _kind in KINDS:
+    register(_kind)(_finder(_kind))
 
 
 def find_mc2(gm: fx.GraphModule) -> list[Match]:
-    """Every matmul + collective pair of ``gm`` (see the module docstring), in graph order."""
-    out = []
-    for n in gm.graph.nodes:
-        if is_call(n, c10d.all_reduce.default, c10d.reduce_scatter_tensor.default):
-            wait = _wait_of(n)
-            lin = _linear(n.args[0]) if isinstance(n.args[0], fx.Node) else None
-            if wait is None or lin is None:
-                continue
-            mm = n.args[0]
-            x, w, bias = lin
-            ar = n.target == c10d.all_reduce.default
-            reduce_op = n.args[1]
-            world = None if ar else n.args[2]
-            group = n.args[2] if ar else n.args[3]
-            why = _why_not(x, w, bias, len(mm.users), reduce_op)
-            nodes = [mm.name, n.name, wait.name]
-            if is_call(mm, *_MM):
-                nodes.insert(0, mm.args[1].name)
-            kind = "matmul_all_reduce" if ar else "matmul_reduce_scatter"
-            out.append(Match(kind, tuple(nodes), wait.name, {"x": x.name, "weight": w.name},
-                             _params(kind, x, w, group, world, why)))
-        elif is_call(n, c10d.all_gather_into_tensor.default):
-            wait = _wait_of(n)
-            if wait is None:
-                continue
-            for user in list(wait.users):
-                lin = _linear(user)
-                if lin is None or lin[0] is not wait:
-                    continue
-                x, w, bias = n.args[0], lin[1], lin[2]
-                why = _why_not(x, w, bias, None)
-                nodes = [n.name, wait.name, user.name]
-                if is_call(user, *_MM):
-                    nodes.append(user.args[1].name)
-                out.append(Match("all_gather_matmul", tuple(nodes), user.name, {"x": x.name, "weight": w.name},
-                                 _params("all_gather_matmul", x, w, n.args[2], n.args[1], why)))
-                break
-    return out
+    """Every matmul + collective pair of ``gm``, in graph order (the three families together)."""
+    view = graph_view(gm)
+    found = [m for kind in KINDS for m in _finder(kind)(gm)]
+    return sorted(found, key=lambda m: view.order[m.anchor])
 
 
-__all__ = ["find_mc2"]
+__all__ = ["KINDS", "TEMPLATES", "find_mc2", "group_size", "linear_operands"]

@@ -11,47 +11,95 @@ from autofuse.tp_models import TPBlock, build, example_input, make_block
 
 
 class Pairs(torch.nn.Module):
-    """Near misses around the fusible pairs: a max all-reduce, a biased linear before the reduction, a matmul
-    output used twice, and one good pair of each kind."""
+    """One fusible pair of each kind and of each weight spelling, and near misses: a max all-reduce, a biased
+    linear before the reduction, a matmul output read twice, a batched (3-D) weight. Every pair has its own
+    weight, so that the canonical view's CSE does not merge pairs."""
 
     def __init__(self, k=32, n=48):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.w = torch.nn.Parameter(torch.randn(n, k, generator=g) / k ** 0.5)
+
+        def w(*shape):
+            return torch.nn.Parameter(torch.randn(*shape, generator=g) / shape[-1] ** 0.5)
+
+        self.w_ar, self.w_max, self.w_bias, self.w_twice, self.w_rs, self.w_ag = (w(n, k) for _ in range(6))
+        self.w_kn, self.w_t = w(k, n), w(n, k)
         self.b = torch.nn.Parameter(torch.randn(n, generator=g))
-        self.w2 = torch.nn.Parameter(torch.randn(k, n, generator=g) / n ** 0.5)
+        self.w3 = w(2, k, n)
 
     def forward(self, x):
         grp = dist.group.WORLD
-        good = fc.all_reduce(F.linear(x, self.w), "sum", grp)
-        mx = fc.all_reduce(F.linear(x, self.w), "max", grp)
-        biased = fc.all_reduce(F.linear(x, self.w, self.b), "sum", grp)
-        y = F.linear(x, self.w)
+        good = fc.all_reduce(F.linear(x, self.w_ar), "sum", grp)
+        kn = fc.all_reduce(x @ self.w_kn, "sum", grp)                         # weight stored [K, N]
+        mm = fc.all_reduce(torch.mm(x, self.w_t.t()), "sum", grp)            # x @ W.T spelled with mm
+        mx = fc.all_reduce(F.linear(x, self.w_max), "max", grp)
+        biased = fc.all_reduce(F.linear(x, self.w_bias, self.b), "sum", grp)
+        y = F.linear(x, self.w_twice)
         twice = fc.all_reduce(y, "sum", grp) + y
-        rs = fc.reduce_scatter_tensor(F.linear(x, self.w), "sum", 0, grp)
-        ag = F.linear(fc.all_gather_tensor(x, 0, grp), self.w)
-        return good, mx, biased, twice, rs, F.linear(ag, self.w2)
+        batched = fc.all_reduce(torch.matmul(x, self.w3), "sum", grp)
+        rs = fc.reduce_scatter_tensor(F.linear(x, self.w_rs), "sum", 0, grp)
+        ag = F.linear(fc.all_gather_tensor(x, 0, grp), self.w_ag)
+        return good, kn, mm, mx, biased, twice, batched, rs, ag
+
+
+class BigPair(torch.nn.Module):
+    """A row-parallel linear too large for the 310P's fused kernel (its matmul gets half the UB)."""
+
+    def __init__(self, k=8192, n=4096):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(n, k, dtype=torch.float16))
+
+    def forward(self, x):
+        return fc.all_reduce(F.linear(x, self.w), "sum", dist.group.WORLD)
+
+
+def _decisions(fused):
+    fams = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
+    return [(d.pattern, d.anchor, d.applied, d.reason_code, d.reason, d.params.get("tiles"), dict(d.tiling))
+            for d in fused.report.decisions if d.pattern in fams]
+
+
+def _err(a, b):
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
 def checks(rank, world):
-    """What one rank sees: capture targets, find_mc2 verdicts, the world pipeline, the op's gradients."""
+    """What one rank sees: capture targets, the engine's decisions on pairs and near misses, the whole
+    pipeline on the Megatron block, the op's gradients."""
+    from autofuse import AutoFusionEngine
     from autofuse.distributed import rank_pipeline
-    from patterns.mc2 import find_mc2
     out = {}
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
-    c = capture(Pairs(), (x,), route="export")
-    out["targets"] = sorted({str(n.target) for n in c.graph_module.graph.nodes if "c10d" in str(n.target)})
-    out["matches"] = [(m.pattern, m.params["unsupported"]) for m in find_mc2(c.graph_module)]
-    # the whole pipeline on the Megatron block
+    model = Pairs().eval()
+    fused = AutoFusionEngine.fuse(model, (x,), target_device="ascend910b")
+    captured = fused._require_plan().captured.graph_module
+    out["targets"] = sorted({str(n.target) for n in captured.graph.nodes if "c10d" in str(n.target)})
+    out["pairs"] = _decisions(fused)
+    with torch.no_grad():
+        want, got = model(x), fused(x)
+        out["pairs_err"] = _err(want, got)
+        # float32 eager against float64 on the same inputs: the bound the fused results are held to
+        w64 = copy.deepcopy(model).double()(x.double())
+        out["pairs_err_eager"] = _err(want, w64)
+        out["pairs_err_fused"] = _err(got, w64)
+    # a pair the cost model keeps unfused, planned on meta tensors (no data: pricing needs shapes only)
+    with torch.device("meta"):
+        big = BigPair()
+    kept = AutoFusionEngine.fuse(big, (torch.empty(2048, 8192, dtype=torch.float16, device="meta"),),
+                                 target_device="ascend310p")
+    out["kept"] = _decisions(kept)
+    # the whole pipeline on the Megatron block, through the engine
     block, args = build(rank, world)
-    res = rank_pipeline(block, args, device="ascend910b")
+    res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)
     ref64 = copy.deepcopy(make_block()).double()(example_input().double())
     with torch.no_grad():
         out["err_fused"] = (res.outputs.double() - ref64).abs().max().item()
         out["err_unfused"] = (block(*args).double() - ref64).abs().max().item()
-    out["decisions"] = [(d.kind, d.applied, d.reason) for d in res.decisions]
+    out["decisions"] = [(d.pattern, d.applied, d.reason_code) for d in res.pairs]
     out["cycles"] = (res.fused.cycles, res.unfused.cycles)
-    out["collectives"] = [(cc.kind, cc.bytes, cc.link_cycles, cc.overlapped_with) for cc in res.fused.collectives]
+    out["collectives"] = [(cc.kind, cc.bytes, cc.link_cycles, cc.overlapped_with, cc.hidden_cycles)
+                          for cc in res.fused.collectives]
+    out["unfused_collectives"] = [(cc.kind, cc.bytes, cc.overlapped_with) for cc in res.unfused.collectives]
     out["fused_vs_unfused"] = res.max_abs_diff
     # gradients of the fused op against the eager row-parallel linear (functional all-reduce)
     import autofuse.ops_mc2  # noqa: F401
@@ -65,13 +113,6 @@ def checks(rank, world):
     dy = 2 * yb                    # the replicated output's gradient; the all-reduce's backward is the identity
     out["grad"] = max((xa.grad - dy @ w.detach()).abs().max().item(),
                       (w.grad - dy.t() @ xa.detach()).abs().max().item(), (y - yb).abs().max().item())
-    # torch's own functional all_reduce, differentiated: how its backward treats the replicated gradient
-    xb = xa.detach().clone().requires_grad_()
-    try:
-        fc.wait_tensor(fc.all_reduce(F.linear(xb, w.detach()), "sum", name)).pow(2).sum().backward()
-        out["torch_grad_ratio"] = (xb.grad.norm() / xa.grad.norm()).item()
-    except RuntimeError as e:
-        out["torch_grad_ratio"] = str(e).splitlines()[0]
     # torch.distributed.tensor.parallel: what export makes of it in this torch
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -85,15 +126,25 @@ def checks(rank, world):
     return out
 
 
-def tp_block_only(rank, world):
-    block, args = build(rank, world)
+# the tests are about the matmul + collective pairs: the attention family (its own tests) is switched off
+MC2_ONLY = {"attention": "off"}
+
+
+def tp_block_only(rank, world, dtype=torch.float32):
+    """The Megatron block through the engine on this rank, against the float64 single-device block."""
     from autofuse.distributed import rank_pipeline
-    res = rank_pipeline(block, args, device="ascend910b")
-    ref64 = copy.deepcopy(make_block()).double()(example_input().double())
+    block, args = build(rank, world, dtype=dtype)
+    res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)
+    ref64 = copy.deepcopy(make_block(dtype=dtype)).double()(example_input(dtype=dtype).double())
     with torch.no_grad():
         return {"err_fused": (res.outputs.double() - ref64).abs().max().item(),
                 "err_unfused": (block(*args).double() - ref64).abs().max().item(),
-                "applied": [d.applied for d in res.decisions], "cycles": (res.fused.cycles, res.unfused.cycles)}
+                "decisions": [(d.pattern, d.applied, d.reason_code) for d in res.pairs],
+                "cycles": (res.fused.cycles, res.unfused.cycles)}
 
 
-__all__ = ["TPBlock", "checks", "tp_block_only"]
+def tp_block_fp16(rank, world):
+    return tp_block_only(rank, world, torch.float16)
+
+
+__all__ = ["Pairs", "TPBlock", "checks", "tp_block_fp16", "tp_block_only"]

@@ -135,3 +135,82 @@ def test_kv_cache_output_hint():
 def test_unknown_route():
     with pytest.raises(ValueError, match="route"):
         capture(Block(), (torch.randn(2, 8, 16),), route="dynamo")
+
+
+# ------------------------------------------------------------------------------------------ one trace
+def _same_graph(a, b):
+    """Code, every value's shape/dtype/stride, module stacks and state marks equal; the same tensors attached."""
+    ga, gb = a.graph_module, b.graph_module
+    assert ga.code == gb.code
+    assert a.in_spec == b.in_spec and a.out_spec == b.out_spec and a.training == b.training
+    for x, y in zip(ga.graph.nodes, gb.graph.nodes):
+        vx, vy = x.meta.get("val"), y.meta.get("val")
+        flat = lambda v: v if isinstance(v, (list, tuple)) else [v]  # noqa: E731
+        for tx, ty in zip(flat(vx), flat(vy)):
+            if isinstance(tx, torch.Tensor):
+                assert (tx.shape, tx.dtype, tx.stride(), tx.device) == (ty.shape, ty.dtype, ty.stride(), ty.device), x
+            else:
+                assert tx == ty, x
+        # (not stack traces: they may name another line of a multi-line expression; nothing reads them)
+        for key in ("nn_module_stack", "autofuse_state"):
+            assert x.meta.get(key) == y.meta.get(key), (x, key)
+        if x.op == "get_attr":
+            assert _get(ga, x.target) is _get(gb, y.target)
+
+
+def _get(mod, dotted):
+    for p in dotted.split("."):
+        mod = getattr(mod, p)
+    return mod
+
+
+def _both(model, args, kwargs=None, route="export"):
+    """The capture by one trace and by export + run_decompositions({}) (the form's definition)."""
+    from autofuse import capture as cap_mod
+    one = capture(model, args, kwargs, route=route)
+    original = cap_mod._export_functional
+    try:
+        cap_mod._export_functional = cap_mod._export_retrace
+        two = capture(model, args, kwargs, route=route)
+    finally:
+        cap_mod._export_functional = original
+    return one, two
+
+
+def _transformers_cases():
+    pytest.importorskip("transformers")
+    from autofuse.models import build
+    cases = {"gpt2 (tied embeddings)": lambda: build("gpt2", layers=2, hidden=32, heads=4, seq=16),
+             "llama on meta": lambda: build("llama", layers=2, hidden=64, heads=4, kv_heads=2, seq=16, meta=True),
+             "bert sdpa": lambda: build("bert", layers=2, hidden=32, heads=4, seq=16, attn="sdpa")}
+    return cases
+
+
+@pytest.mark.parametrize("route", ["export", "symbolic_trace"])
+@pytest.mark.parametrize("train", [False, True])
+def test_one_trace_gives_the_graph_of_export_and_run_decompositions(route, train):
+    model = Block().train(train)
+    _same_graph(*_both(model, (torch.randn(2, 8, 16),), route=route))
+
+
+@pytest.mark.parametrize("name", ["gpt2 (tied embeddings)", "llama on meta", "bert sdpa"])
+def test_one_trace_gives_the_graph_of_export_and_run_decompositions_on_transformers(name):
+    cases = _transformers_cases()
+    model, (args, kwargs) = cases[name]()
+    _same_graph(*_both(model, args, kwargs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_one_trace_matches_on_more_architectures(impl):
+    pytest.importorskip("transformers")
+    from test_moe_patterns import _build
+    from test_more_architectures import MODELS
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        model, args, kwargs = make(impl)
+        _same_graph(*_both(model.eval(), args, kwargs))
+    for name in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
+        for experts in ("grouped_mm", "batched_mm"):
+            model, ids = _build(name, experts, impl)
+            _same_graph(*_both(model, (ids,), {"use_cache": False}))

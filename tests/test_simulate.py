@@ -1,5 +1,6 @@
 """Whole-graph simulation: totals that add up, a per-node breakdown, peak memory, fused faster than unfused."""
 import json
+import sys
 
 import pytest
 import torch
@@ -122,3 +123,95 @@ def test_reference_twin_follows_the_kernel(dtype, mask):
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     for a, b in zip(kernel, twin):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def test_unfused_kernels_run_timing_only_and_count_what_full_launches_count():
+    """Unfused nodes take their values from torch, so their kernels run timing-only; with check=True they run in
+    full (their values are compared): the per-node cycles, bytes and workspace are the same."""
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=4, seq=16, dtype=torch.float16)
+    timed = autofuse.simulate(model, (args, kwargs), memo=False)
+    full = autofuse.simulate(model, (args, kwargs), memo=False, check=True)
+    assert [(n.node, n.kernels, n.cycles, n.hbm_bytes, n.workspace) for n in timed.nodes] == \
+        [(n.node, n.kernels, n.cycles, n.hbm_bytes, n.workspace) for n in full.nodes]
+    assert any(n.max_error is not None for n in full.nodes) and all(n.max_error is None for n in timed.nodes)
+
+
+def test_large_values_are_computed_in_blocks(monkeypatch):
+    """A float16 GEMM whose fp32 result exceeds BLOCK_BYTES is computed in blocks of rows, and repeated
+    attention's twin by batch index: the same figures, and the same values up to the order BLAS sums in."""
+    sim = sys.modules["autofuse.simulate"]
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=64, heads=4, seq=64, batch=4, vocab=300,
+                                  dtype=torch.float16)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    whole = [autofuse.simulate(model, (args, kwargs)), fused.simulate(*args, **kwargs)]
+    monkeypatch.setattr(sim, "BLOCK_BYTES", 4096)
+    twin = autofuse.ops.REFERENCES["flash_attention"]
+    calls = []
+    monkeypatch.setitem(autofuse.ops.REFERENCES, "flash_attention", lambda q, *a, **k: calls.append(q.shape[0])
+                        or twin(q, *a, **k))
+    blocked = [autofuse.simulate(model, (args, kwargs)), fused.simulate(*args, **kwargs)]
+    assert calls == [1, 1, 1, 1]                           # the second layer's attention, one batch index a call
+    assert sim._row_blocks(torch.ops.aten.linear.default, [torch.zeros(4, 64, 64), None],
+                           torch.zeros(4, 64, 300)) == ({0}, 1)
+    for w, b in zip(whole, blocked):
+        assert [(n.node, n.cycles) for n in w.nodes] == [(n.node, n.cycles) for n in b.nodes]
+        # a BLAS may block a product of fewer rows differently: the fp32 sums then differ in their last bits, which
+        # moves an fp16 result by at most one ulp (2**-10 relative), and the next layers' ops by about as much
+        # again: two ulps (subnormals: the smallest normal as absolute bound); this machine's BLAS gives equal bits
+        torch.testing.assert_close(w.outputs[0], b.outputs[0], atol=2 ** -14, rtol=2 ** -9)
+
+
+def test_launches_steered_by_values_are_not_reused_across_values():
+    """Two gathers of the same shapes from different rows cost differently (L2 hits on repeated rows): the memo
+    keys them by their indices' values too."""
+    class TwoLookups(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(4096, 256)
+
+        def forward(self, a, b):
+            return self.emb(a) + self.emb(b)
+
+    spread = torch.arange(0, 4096, 64)[None]
+    repeated = torch.zeros(1, 64, dtype=torch.long)
+    memo = autofuse.simulate(TwoLookups(), (spread, repeated))
+    every = autofuse.simulate(TwoLookups(), (spread, repeated), memo=False)
+    gathers = [n for n in memo.nodes if n.kernels == ("gather",)]
+    assert len(gathers) == 2 and gathers[0].cycles != gathers[1].cycles and not any(n.reused for n in gathers)
+    assert [n.cycles for n in memo.nodes] == [n.cycles for n in every.nodes]
+
+
+def _figures(r):
+    return ([(n.node, n.kernels, n.cycles, n.hbm_bytes, n.workspace, n.reused) for n in r.nodes], r.cycles,
+            r.hbm_bytes, r.peak_memory, r.launches, r.distinct_launches)
+
+
+@pytest.mark.parametrize("memo", [True, False])
+@pytest.mark.parametrize("name", ["gpt2", "mixtral"])
+def test_timing_only_simulation_counts_what_the_simulation_with_values_counts(name, memo):
+    """values=False computes only the values a launch needs (the router and routing of an MoE layer steer its
+    experts' kernels; a fused op's first launch runs its kernel); every figure is that of values=True."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model, (args, kwargs) = build("gpt2", layers=2, hidden=64, heads=4, seq=64, batch=2, dtype=torch.float16)
+    else:
+        pytest.importorskip("transformers")
+        from test_moe_patterns import _build
+        model, ids = _build("mixtral", "grouped_mm", "eager")
+        args, kwargs = (ids,), {"use_cache": False}
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    leaves = list(fused.plans.values())[0].captured.flatten_inputs(*args, **kwargs)
+    with_values = [autofuse.simulate(model, (args, kwargs), memo=memo),
+                   simulate_graph(fused.graph_module, leaves, memo=memo)]
+    timing = [autofuse.simulate(model, (args, kwargs), memo=memo, values=False),
+              simulate_graph(fused.graph_module, leaves, memo=memo, values=False)]
+    if memo:     # the fused module's own entry point passes values through
+        assert _figures(fused.simulate(*args, values=False, **kwargs)) == _figures(with_values[1])
+    assert any(n.fused for n in with_values[1].nodes)
+    for v, t in zip(with_values, timing):
+        assert _figures(t) == _figures(v)
+        assert t.outputs is None and v.outputs is not None
+    with pytest.raises(ValueError, match="check=True"):
+        autofuse.simulate(model, (args, kwargs), check=True, values=False)

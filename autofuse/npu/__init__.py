@@ -8,7 +8,7 @@
 Kernels are SPMD programs (``autofuse/npu/kernels``) that move tiles through the core's buffers and
 occupy its units; :mod:`autofuse.npu.machine` counts what they do.
 """
-from autofuse.npu.machine import CapacityError, Launch, SimulatorError, Stats
+from autofuse.npu.machine import Absent, CapacityError, Launch, SimulatorError, Stats
 from autofuse.npu.run import KERNELS, Result, devices, run
 
-__all__ = ["CapacityError", "KERNELS", "Launch", "Result", "SimulatorError", "Stats", "devices", "run"]
+__all__ = ["Absent", "CapacityError", "KERNELS", "Launch", "Result", "SimulatorError", "Stats", "devices", "run"]

@@ -222,16 +222,45 @@ class GlooComm(Comm):
         return [(d.numpy(), float(t.item())) for d, t in bufs]
 
 
+def resolve_group(name):
+    """The torch.distributed process group a functional collective names (its ``group_name`` argument), or None
+    when it cannot be resolved in this process (torch.distributed not initialised, or an unknown name)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    try:
+        return _resolve_process_group(name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def group_size(name) -> int | None:
+    """The number of ranks of the process group ``name`` (see :func:`resolve_group`), or None."""
+    group = resolve_group(name)
+    if group is None:
+        return None
+    import torch.distributed as dist
+    return dist.get_world_size(group)
+
+
 def make_comm(comm=None, world: int | None = None, rank: int = 0) -> Comm:
-    """A Comm from what a caller has: a Comm as is; ``"gloo"`` (or a process group) for the real ranks;
-    otherwise a :class:`SymmetricComm` of ``world`` ranks (default 1)."""
+    """A Comm from what a caller has: a Comm as is; ``"gloo"`` (the default group), a process group or a
+    group's name for the real ranks; otherwise a :class:`SymmetricComm` of ``world`` ranks (default 1)."""
     if isinstance(comm, Comm):
         return comm
     if comm == "gloo":
         return GlooComm()
+    if isinstance(comm, str):
+        group = resolve_group(comm)
+        if group is None:
+            raise ValueError(f"process group {comm!r} cannot be resolved in this process: initialise "
+                             f"torch.distributed on every rank, or pass world= for a rank-symmetric stand-in")
+        return GlooComm(group)
     if comm is not None:
         return GlooComm(comm)
     return SymmetricComm(world or 1, rank)
 
 
-__all__ = ["Comm", "GlooComm", "Links", "SymmetricComm", "ThreadComm", "ThreadWorld", "Transfer", "make_comm"]
+__all__ = ["Comm", "GlooComm", "Links", "SymmetricComm", "ThreadComm", "ThreadWorld", "Transfer", "group_size",
+           "make_comm", "resolve_group"]

@@ -531,6 +531,78 @@ def host_blas():
                     _BLAS[0](st["saved"])
 
 
+class Absent:
+    """The values of a tensor or tile in a timing-only launch (:class:`Launch` with ``values=False``): its shape
+    and storage type, no values and no memory.
+
+    Indexing, ``reshape``, ``transpose`` and ``astype`` give the Absent of the result's shape, so host code that
+    only looks at shapes runs unchanged. Anything that would read or write values (``np.asarray``, arithmetic,
+    assignment) raises :class:`SimulatorError`: a kernel whose program depends on values must get them as real
+    inputs (its ``steer`` inputs, see :func:`autofuse.npu.run.kernel`), so a timing-only launch can never
+    silently branch on zeros.
+    """
+
+    __slots__ = ("shape", "dtype", "element")
+
+    def __init__(self, shape, dtype=np.float32, element: str | None = None):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.element = element          # the element type's name when it differs from the storage's (float16)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _like(self):
+        """A zero-stride array of this shape (no memory): numpy computes the shapes of views of it."""
+        return np.lib.stride_tricks.as_strided(np.zeros(1, self.dtype), self.shape, (0,) * len(self.shape))
+
+    def __getitem__(self, index) -> "Absent":
+        if isinstance(index, Absent) or (isinstance(index, tuple) and any(isinstance(i, Absent) for i in index)):
+            raise SimulatorError("a timing-only launch cannot index by absent values")
+        return Absent(self._like()[index].shape, self.dtype, self.element)
+
+    def reshape(self, *shape) -> "Absent":
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = [int(d) for d in shape]
+        if -1 in shape:
+            rest = math.prod(d for d in shape if d != -1)
+            shape[shape.index(-1)] = self.size // rest if rest else 0
+        if math.prod(shape) != self.size:
+            raise ValueError(f"cannot reshape an absent array of shape {self.shape} into {tuple(shape)}")
+        return Absent(shape, self.dtype, self.element)
+
+    def transpose(self, *axes) -> "Absent":
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
+        axes = axes or tuple(range(self.ndim))[::-1]
+        return Absent([self.shape[a] for a in axes], self.dtype, self.element)
+
+    @property
+    def T(self) -> "Absent":
+        return self.transpose()
+
+    def astype(self, dtype, copy=True) -> "Absent":
+        return Absent(self.shape, dtype)
+
+    def _no_values(self, *args, **kwargs):
+        raise SimulatorError(f"values of an absent array {list(self.shape)} were used in a timing-only launch: "
+                             f"the kernel reads values outside its instructions' data work; declare the input "
+                             f"it depends on as a steering input (run.kernel(steer=...)) or give the kernel "
+                             f"values=True")
+
+    __array__ = __setitem__ = __iter__ = __float__ = __int__ = __bool__ = fill = _no_values
+
+    def __repr__(self) -> str:
+        return f"Absent({list(self.shape)}, {self.dtype})"
+
+
 class GMTensor:
     """A tensor in global memory (HBM), stored as float32 holding values of ``dtype``."""
 
@@ -558,7 +630,8 @@ class Tile:
         n = group.n
         self.group, self.buffer, self.offset, self.nbytes = group, buffer, offset, nbytes
         self.shape, self.dtype, self.name = tuple(shape), dtype, name
-        self._data = np.zeros((n, *shape), dtype=np.bool_ if dtype == "bool" else np.float32)
+        storage = np.bool_ if dtype == "bool" else np.float32
+        self._data = np.zeros((n, *shape), dtype=storage) if group.launch.values else Absent((n, *shape), storage)
         self.ready = np.zeros(n)          # when the last write to the tile completes
         self.busy_until = np.zeros(n)     # when the last read of the tile completes
         self.consumed = False             # values handed on by move(consume=True): unreadable until rewritten
@@ -833,8 +906,9 @@ class Group:
         path = f"GM->{dst.buffer}"
         isz = itemsize(src.dtype)
         nbytes, port = self._gm_access(src, info, isz, write=False)
-        gather = self._gather(dst, src, info, fn)
-        if gather is not None:
+        if not self.launch.values:            # timing only: no data work
+            pass
+        elif (gather := self._gather(dst, src, info, fn)) is not None:
             self.launch._data(self.n, gather, math.prod(dst.shape) * self.n)
         else:
             def per_core(cs):
@@ -922,8 +996,9 @@ class Group:
             raise SimulatorError(f"no data path {path}")
         isz = itemsize(dst.dtype)
         nbytes, port = self._gm_access(dst, info, isz, write=True)
-        scatter = self._scatter(src, dst, info, fn)
-        if scatter is not None:
+        if not self.launch.values:            # timing only: no data work
+            pass
+        elif (scatter := self._scatter(src, dst, info, fn)) is not None:
             self.launch._data(self.n, scatter, math.prod(src.shape) * self.n)
         else:
             def in_order():                   # regions may overlap: the later core's write stays
@@ -1103,7 +1178,7 @@ class Group:
         c.consumed = False                    # written whole (tiles are zero-padded)
         dev = self.launch.device
         k0 = dev.cube_k0[a.dtype]
-        if init is not None and not accumulate:
+        if init is not None and not accumulate and self.launch.values:
             init = np.broadcast_to(init, c.data.shape)
         macs = math.prod(a.shape) * b.shape[-1] if len(a.shape) == 2 else 0      # per core
 
@@ -1152,11 +1227,19 @@ class Group:
 
 
 class Launch:
-    """One kernel launch on one device: its L2, its groups of cores, its counters."""
+    """One kernel launch on one device: its L2, its groups of cores, its counters.
 
-    def __init__(self, device: Device, name: str):
+    ``values=False`` makes a *timing-only* launch: every instruction is issued, booked and counted exactly as
+    in a full launch (units, GM port, L2 lookups, bytes per path, busy cycles, trace events), but its data work
+    (:meth:`_data`: copies, GEMMs, Vector ``compute``) is not run, and tiles, outputs and inputs the caller
+    makes with :meth:`placeholder` hold :class:`Absent` values (a shape, no memory). Inputs whose values steer
+    the program (group sizes, token routing, gather indices) are made with :meth:`tensor` as usual.
+    """
+
+    def __init__(self, device: Device, name: str, values: bool = True):
         self.device = device
         self.name = name
+        self.values = values
         self.groups: list[Group] = []
         self.l2 = L2(device.l2_bytes)
         self.bytes = defaultdict(int)
@@ -1177,7 +1260,7 @@ class Launch:
         callbacks, which look tile arrays up when they run (``tile.data``), and whose ``move`` ``fn`` and
         per-core ``compute`` act on each core's slice alone.
         """
-        if self.streams is None:
+        if self.streams is None and self.values:
             self.streams = _Streams(_host_threads(), min((g.n for g in self.groups), default=0))
 
     def barrier(self) -> None:
@@ -1187,7 +1270,10 @@ class Launch:
 
     def _data(self, n: int, part=None, size: int = 0, whole=None) -> None:
         """The data work of an instruction: ``part(cores)`` for a slice of the ``n`` cores (split over host
-        threads when ``size`` elements make it pay), or ``whole()``; now, or queued (deferred launch)."""
+        threads when ``size`` elements make it pay), or ``whole()``; now, or queued (deferred launch); never
+        in a timing-only launch."""
+        if not self.values:
+            return
         streams = self.streams
         if streams is None:
             if whole is not None:
@@ -1238,8 +1324,18 @@ class Launch:
             data = np.asarray(data, dtype=STORAGE[dtype])
         return GMTensor(data, dtype, name, scratch)
 
+    def placeholder(self, shape, dtype: str, name: str) -> GMTensor:
+        """An input of a timing-only launch whose values the program never reads: its shape and type only."""
+        return GMTensor(Absent(shape, STORAGE[dtype]), dtype, name)
+
+    def zeros(self, shape, storage=np.float32):
+        """Zero-filled storage of ``shape`` for a GM tensor the kernel writes; :class:`Absent` in a timing-only
+        launch."""
+        return np.zeros(shape, dtype=storage) if self.values else Absent(shape, storage)
+
     def empty(self, shape, dtype: str, name: str, scratch: bool = False) -> GMTensor:
-        t = GMTensor(np.zeros(shape, dtype=np.float32), dtype, name, scratch)
+        """A float GM tensor the kernel writes (an output or a workspace), counted as allocated."""
+        t = GMTensor(self.zeros(tuple(shape)), dtype, name, scratch)
         self.allocated.append((t, math.prod(t.shape) * itemsize(dtype)))
         return t
 

@@ -1,4 +1,12 @@
-"""``npu.run``: convert inputs, launch a kernel on a fresh simulated chip, collect outputs and stats."""
+"""``npu.run``: convert inputs, launch a kernel on a fresh simulated chip, collect outputs and stats.
+
+``npu.run(..., timing_only=True)`` runs the same tile program on the same timelines without computing a
+value (see :class:`autofuse.npu.machine.Launch`, ``values=False``): its :class:`Stats` and trace are those of
+the full launch, its outputs are :class:`~autofuse.npu.machine.Absent` (shapes only). Inputs are not
+converted or copied, except the kernel's *steering* inputs (``@kernel(name, steer=(...))``), whose values
+decide the program itself (which GM regions are read, group sizes, token routing); kernels whose timing
+depends on values they compute themselves (``steer=ALL``) run a full launch.
+"""
 from __future__ import annotations
 
 import inspect
@@ -8,18 +16,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from autofuse.npu.dtypes import FLOATS, name_of
-from autofuse.npu.machine import GMTensor, Launch, Stats, host_blas
+from autofuse.npu.machine import Absent, GMTensor, Launch, Stats, host_blas
 from autofuse.npu.trace import Trace
 from cost_model.devices import devices as _device_names
 from cost_model.devices import get_device
 
 KERNELS: dict = {}
+#: kernel name -> the names of its parameters whose values steer its program, or ALL
+STEER: dict = {}
+ALL = "all"
 
 
-def kernel(name: str):
-    """Register ``fn(launch, *inputs: GMTensor, **params) -> tuple[GMTensor, ...]`` as kernel ``name``."""
+def kernel(name: str, steer=()):
+    """Register ``fn(launch, *inputs: GMTensor, **params) -> tuple[GMTensor, ...]`` as kernel ``name``.
+
+    ``steer``: the parameters (inputs or keyword tensors, by name) whose *values* the program reads to decide
+    what it issues, e.g. a gather's indices (which rows are loaded) or a grouped GEMM's group list; a
+    timing-only launch gets their values and nothing else's. ``steer=ALL``: the timing depends on values the
+    kernel computes (e.g. ties re-selected on the Scalar unit), so a timing-only launch runs in full.
+    """
     def register(fn):
         KERNELS[name] = fn
+        STEER[name] = steer if steer == ALL else tuple(steer)
         return fn
     return register
 
@@ -37,9 +55,12 @@ class Result:
     stats: Stats
     trace: Trace
     dtypes: tuple = ()
+    timing_only: bool = False         # outputs are Absent (shapes only)
 
     def torch_outputs(self):
         """The outputs as torch tensors of the kernel's element types (bf16 included)."""
+        if self.timing_only:
+            raise ValueError("a timing-only launch has no output values; run it with timing_only=False")
         import torch
         return tuple(torch.from_numpy(np.ascontiguousarray(o)).to(getattr(torch, dt))
                      for o, dt in zip(self.outputs, self.dtypes))
@@ -48,6 +69,9 @@ class Result:
 def _to_numpy(x, what: str):
     if x is None:
         return None, None
+    if isinstance(x, Absent):
+        raise ValueError(f"{what} has no values (a timing-only launch's output); run the launch that made it "
+                         f"with timing_only=False")
     if hasattr(x, "detach"):          # a torch tensor
         if x.device.type == "meta":
             raise ValueError(f"{what} is a meta tensor: the simulator needs data (use cost_model for shapes only)")
@@ -58,6 +82,11 @@ def _to_numpy(x, what: str):
         return t.numpy(), dt
     arr = np.asarray(x)
     return arr, name_of(arr)
+
+
+def _absent(t: GMTensor) -> Absent:
+    """A timing-only output: its shape and element type."""
+    return Absent(t.shape, np.float16 if t.dtype == "float16" else t.data.dtype, t.dtype)
 
 
 def _from_storage(t: GMTensor) -> np.ndarray:
@@ -74,8 +103,33 @@ def _from_storage(t: GMTensor) -> np.ndarray:
     return t.data
 
 
-def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
-    """Run ``kernel_name`` on ``inputs`` (numpy arrays or torch tensors; ``None`` for an absent optional)."""
+def _placeholder(launch, x, what: str, name: str):
+    """A timing-only launch's input without its values (torch, meta or numpy tensor, or an Absent output)."""
+    if x is None:
+        return None
+    if isinstance(x, Absent):
+        return launch.placeholder(x.shape, x.element or name_of(x), name)
+    if hasattr(x, "detach") or isinstance(x, np.ndarray):
+        return launch.placeholder(tuple(x.shape), name_of(x), name)
+    raise TypeError(f"{what} is a {type(x).__name__}; give a torch tensor or a numpy array")
+
+
+def input_names(fn, n: int) -> list:
+    """The parameter name each of ``n`` positional inputs of kernel function ``fn`` binds to (``*inputs``
+    binds them all)."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "launch"]
+    out = []
+    for i in range(n):
+        p = params[min(i, len(params) - 1)] if params else None
+        out.append(p.name if p is not None and (i < len(params) or p.kind == p.VAR_POSITIONAL) else f"in{i}")
+    return out
+
+
+def run(kernel_name: str, *inputs, device="ascend910", timing_only=False, **params) -> Result:
+    """Run ``kernel_name`` on ``inputs`` (numpy arrays or torch tensors; ``None`` for an absent optional).
+
+    ``timing_only=True``: the same statistics and trace without computing values (module docstring); inputs
+    other than the kernel's steering ones may then be meta tensors or earlier timing-only outputs."""
     if kernel_name not in KERNELS:
         raise ValueError(f"unknown kernel {kernel_name!r}: available are {', '.join(sorted(KERNELS))}")
     fn = KERNELS[kernel_name]
@@ -85,14 +139,24 @@ def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
     for k in params:
         if k not in accepted:
             raise TypeError(f"kernel {kernel_name!r} takes no parameter {k!r}; it takes {', '.join(names)}")
-    launch = Launch(dev, kernel_name)
+    steer = STEER.get(kernel_name, ())
+    values = not timing_only or steer == ALL
+    launch = Launch(dev, kernel_name, values=values)
     gm_inputs = []
+    bound = input_names(fn, len(inputs))
     for i, x in enumerate(inputs):
-        arr, dt = _to_numpy(x, f"input {i} of {kernel_name}")
-        gm_inputs.append(None if arr is None else launch.tensor(arr, dt, names[i] if i < len(names) else f"in{i}"))
+        what, name = f"input {i} of {kernel_name}", names[i] if i < len(names) else f"in{i}"
+        if not values and bound[i] not in steer:
+            gm_inputs.append(_placeholder(launch, x, what, name))
+            continue
+        arr, dt = _to_numpy(x, what)
+        gm_inputs.append(None if arr is None else launch.tensor(arr, dt, name))
     # keyword tensors (e.g. mask=...) become GM tensors too
     for k, v in list(params.items()):
-        if hasattr(v, "shape") and not np.isscalar(v):
+        if isinstance(v, Absent) or (hasattr(v, "shape") and not np.isscalar(v)):
+            if not values and k not in steer:
+                params[k] = _placeholder(launch, v, f"{k} of {kernel_name}", k)
+                continue
             arr, dt = _to_numpy(v, f"{k} of {kernel_name}")
             params[k] = launch.tensor(arr, dt, k)
     with host_blas():                  # OpenBLAS on one thread, GEMMs split over the simulator's threads
@@ -109,8 +173,11 @@ def run(kernel_name: str, *inputs, device="ascend910", **params) -> Result:
     returned = {id(o) for o in outs}
     stats.workspace_bytes = sum(b for t, b in launch.allocated if id(t) not in returned)
     trace = Trace(kernel_name, dev, launch.events, launch.groups)
+    if not values:
+        return Result(outputs=tuple(_absent(o) for o in outs), stats=stats, trace=trace,
+                      dtypes=tuple(o.dtype for o in outs), timing_only=True)
     return Result(outputs=tuple(_from_storage(o) for o in outs), stats=stats, trace=trace,
-                  dtypes=tuple(o.dtype for o in outs))
+                  dtypes=tuple(o.dtype for o in outs), timing_only=timing_only)
 
 
 # Register the kernels.
@@ -128,3 +195,4 @@ from autofuse.npu.kernels import collectives as _collectives  # noqa: E402,F401
 from autofuse.npu.kernels import mc2 as _mc2  # noqa: E402,F401
 from autofuse.npu.kernels import vector_program as _vector_program  # noqa: E402,F401
 from autofuse.npu.kernels import matmul_epilogue as _matmul_epilogue  # noqa: E402,F401
+from autofuse.npu.kernels import moe_ep as _moe_ep  # noqa: E402,F401

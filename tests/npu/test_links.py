@@ -4,7 +4,8 @@ import pytest
 
 from autofuse import npu
 from autofuse.npu.dtypes import to_dtype
-from cost_model.links import LINKS, bytes_per_rank, get_links, ring_bottleneck, ring_time, steps
+from cost_model.links import (LINKS, bytes_per_rank, default_algorithm, get_links, oneshot_limit, ring_bottleneck,
+                               ring_time, steps)
 
 from npu.worlds import world_run
 
@@ -130,3 +131,37 @@ def test_kernels_without_links_keep_their_units_and_cycles():
         assert "link" not in s.busy
         got.append(s.cycles)
     assert got == before
+
+
+def test_small_all_reduce_goes_one_shot():
+    """Inside a full mesh a small all-reduce goes one-shot (one latency, p-1 whole buffers sent), a large one
+    two-shot (the mesh reduce-scatter and all-gather): the switch is where the one-shot's single latency stops
+    paying for its extra bytes on the profile's links, and the simulator agrees on both sides of it."""
+    b = get_links("ascend910b")
+    limit = oneshot_limit(b, 8)
+    assert limit == pytest.approx(2e-6 * 56e9 * 8 / 6)
+    assert default_algorithm(b, "all_reduce", 8, limit * 0.9) == "oneshot"
+    assert default_algorithm(b, "all_reduce", 8, limit * 1.1) == "mesh"
+    assert default_algorithm(b, "all_reduce", 2, 1 << 30) == "oneshot"          # two ranks: always one step
+    assert default_algorithm(b, "all_reduce", 16, 1024) == "hierarchical"       # beyond one mesh domain
+    assert default_algorithm(get_links("ascend310p"), "all_reduce", 4, 1024) == "ring"     # a shared bus
+    assert steps("all_reduce", "oneshot", 8) == 1 and bytes_per_rank("all_reduce", "oneshot", 8, 100) == 700
+
+    def cycles(n, alg):
+        return npu.run("all_reduce", np.zeros(n // 2, np.float16), device="ascend910b", world=8,
+                       algorithm=alg).stats.cycles
+    assert cycles(16 << 10, "oneshot") < cycles(16 << 10, "mesh")
+    assert cycles(1 << 20, "mesh") < cycles(1 << 20, "oneshot")
+    with pytest.raises(ValueError, match="oneshot"):
+        npu.run("all_reduce", np.zeros(64, np.float16), device="ascend910b", world=16, algorithm="oneshot")
+    with pytest.raises(ValueError, match="oneshot"):
+        npu.run("reduce_scatter", np.zeros((8, 8), np.float16), device="ascend910b", world=4, algorithm="oneshot")
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot", "mesh"])
+def test_one_and_two_shot_compute_the_sum(algorithm):
+    rng = np.random.default_rng(7)
+    xs = _inputs(4, (33, 40), "float16", rng)
+    ref = sum(x.astype(np.float64) for x in xs)
+    for r in world_run("all_reduce", [(x,) for x in xs], "ascend910b", algorithm=algorithm):
+        assert np.abs(r.outputs[0] - ref).max() <= TOL["float16"](4)

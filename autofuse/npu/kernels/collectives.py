@@ -10,8 +10,11 @@ Algorithms (``algorithm=``, default as HCCL-style libraries pick, ``cost_model.l
   sends piece ``i-1-s`` to ``i+1`` and adds the piece ``i-2-s`` it receives from ``i-1`` into its partial
   (after ``p-1`` steps it holds piece ``i`` reduced). All-gather: step ``s`` forwards piece ``i-s`` and
   receives piece ``i-s-1``. All-reduce is the two in turn.
-* **mesh** (one-shot, a full mesh): reduce-scatter sends piece ``j`` to rank ``j`` on every port at once and
-  adds the ``p-1`` pieces it receives; all-gather sends its piece to every peer at once.
+* **mesh** (one step per phase, a full mesh): reduce-scatter sends piece ``j`` to rank ``j`` on every port at
+  once and adds the ``p-1`` pieces it receives; all-gather sends its piece to every peer at once; all-reduce
+  is the two (two-shot).
+* **oneshot** all-reduce (a full mesh, small buffers): the mesh reduce-scatter with every piece the whole
+  buffer: every rank sends all of it to every peer at once and adds the ``p-1`` buffers it receives.
 * **hierarchical** all-reduce: mesh reduce-scatter inside the domain, ring all-reduce of the rank's piece
   among the ranks of the same position in the other domains, mesh all-gather inside the domain.
 * **pairwise** all-to-all: piece ``j`` goes to rank ``j``; on a full mesh all at once, else one peer per step.
@@ -33,7 +36,7 @@ import numpy as np
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.tiles import VEC_FLOATS, ceil_div, check_dtype, lockstep, rnd, split_blocks
 from autofuse.npu.link import Links, make_comm
-from autofuse.npu.run import kernel
+from autofuse.npu.run import ALL, kernel
 from cost_model.links import check, default_algorithm
 
 SLICE_BYTES = 1 << 20          # pipelining grain of a piece (bytes)
@@ -244,6 +247,11 @@ class Collective:
         p = len(ranks)
         if p == 1:
             return self.copy(acc, lo, src, lo, hi - lo, deps=(ready,)) if acc is not src else ready
+        if algorithm == "oneshot":
+            pieces = [(lo, hi)] * p
+            rd = [[ready] * self._nslices(pieces) for _ in range(p)]
+            self.reduce_scatter(acc, src, pieces, ranks, rd, "mesh")
+            return max(rd[ranks.index(self.comm.rank)])
         if algorithm == "hierarchical":
             L = self.links.profile.mesh
             me = ranks.index(self.comm.rank)
@@ -265,12 +273,15 @@ class Collective:
         self.all_gather(acc, pieces, ranks, rd, algorithm)
         return max(max(r) for r in rd)
 
-    def all_to_all(self, out, out_pieces, src, src_pieces, ranks, ready, full_mesh):
-        """Piece j of ``src`` to rank j, landing in piece ``me`` of its ``out``; this rank's own piece is copied."""
+    def all_to_all(self, out, out_pieces, src, src_pieces, ranks, ready, full_mesh) -> list:
+        """Piece j of ``src`` to rank j, landing in piece ``me`` of its ``out``; this rank's own piece is copied.
+        Returns, per rank j, when piece j of ``out`` is in place (rank ``me``: the copy's end)."""
         p, me = len(ranks), ranks.index(self.comm.rank)
         S = max(self._nslices(src_pieces), self._nslices(out_pieces))
         a, b = src_pieces[me]
-        self.copy(out, out_pieces[me][0], src, a, b - a, deps=(ready,))
+        arrived = [float(ready)] * p
+        if b > a:
+            arrived[me] = self.copy(out, out_pieces[me][0], src, a, b - a, deps=(ready,))
         rounds = [[(me + s) % p for s in range(1, p)]] if full_mesh else [[(me + s) % p] for s in range(1, p)]
         for peers_to in rounds:
             peers_from = [(2 * me - j) % p for j in peers_to]
@@ -286,6 +297,8 @@ class Collective:
                 for j, (data, arr) in zip(peers_from, self.links.exchange(sends, recvs)):
                     lo, _ = self._slice(out_pieces[j], k, S)
                     self._land(out, lo, data, arr)
+                    arrived[j] = max(arrived[j], arr)
+        return arrived
 
     def finish(self):
         """The link unit waits for the last data to land (kernel time covers it); returns that time."""
@@ -304,13 +317,13 @@ def _setup(launch, x, comm, world, rank, op, algorithm, slice_bytes, group=None)
     check_dtype(op, "x", x, VEC_FLOATS)
     c = make_comm(comm, world, rank)
     col = Collective(launch, c, x.dtype, group=group, slice_bytes=slice_bytes)
-    algorithm = algorithm or default_algorithm(col.links.profile, op, c.world)
+    algorithm = algorithm or default_algorithm(col.links.profile, op, c.world, x.data.size * col.isz)
     if c.world > 1:
         check(op, algorithm, c.world, col.links.profile)
     return c, col, algorithm
 
 
-@kernel("all_reduce")
+@kernel("all_reduce", steer=ALL)
 def all_reduce(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None):
     """Sum of ``x`` over the ranks (every rank gets it). ``comm``: see :func:`autofuse.npu.link.make_comm`
     (``world``/``rank``: a rank-symmetric stand-in, timing only)."""
@@ -321,7 +334,7 @@ def all_reduce(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_b
     return (out,)
 
 
-@kernel("reduce_scatter")
+@kernel("reduce_scatter", steer=ALL)
 def reduce_scatter(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None):
     """Sum of ``x`` [p·m, ...] over the ranks, rank r keeping rows [r·m, (r+1)·m) (``reduce_scatter_tensor``)."""
     c, col, algorithm = _setup(launch, x, comm, world, rank, "reduce_scatter", algorithm, slice_bytes)
@@ -346,7 +359,7 @@ def reduce_scatter(launch, x, comm=None, world=None, rank=0, algorithm=None, sli
     return (out,)
 
 
-@kernel("all_gather")
+@kernel("all_gather", steer=ALL)
 def all_gather(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None):
     """``x`` of every rank stacked along dim 0 (``all_gather_into_tensor``)."""
     c, col, algorithm = _setup(launch, x, comm, world, rank, "all_gather", algorithm, slice_bytes)
@@ -363,7 +376,7 @@ def all_gather(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_b
     return (out,)
 
 
-@kernel("all_to_all")
+@kernel("all_to_all", steer=ALL)
 def all_to_all(launch, x, comm=None, world=None, rank=0, algorithm=None, slice_bytes=None, output_split_sizes=None,
                input_split_sizes=None):
     """``all_to_all_single``: rows of ``x`` split by ``input_split_sizes`` (default even) go to the ranks in

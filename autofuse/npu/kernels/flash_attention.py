@@ -476,9 +476,12 @@ class _Program:
         # (ND -> NZ, free on the hardware) is a plain row gather for the simulator. Its tile regions are the
         # transposed ones of K's, one for one: the L2 sees the same distinct regions of the same sizes.
         kd = self.k.data
-        kt = np.empty(kd.shape[:2] + kd.shape[:1:-1], dtype=kd.dtype)
-        k3, kt3 = kd.reshape(-1, *kd.shape[2:]), kt.reshape(-1, *kt.shape[2:])
-        split_cores(lambda cs: np.copyto(kt3[cs], k3[cs].transpose(0, 2, 1)), len(k3), kd.size)
+        if launch.values:
+            kt = np.empty(kd.shape[:2] + kd.shape[:1:-1], dtype=kd.dtype)
+            k3, kt3 = kd.reshape(-1, *kd.shape[2:]), kt.reshape(-1, *kt.shape[2:])
+            split_cores(lambda cs: np.copyto(kt3[cs], k3[cs].transpose(0, 2, 1)), len(k3), kd.size)
+        else:
+            kt = kd.transpose(0, 1, 3, 2)
         self.kt = GMTensor(kt, k.dtype, "k", False)
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
         self.dtype = q.dtype

@@ -44,7 +44,7 @@ from autofuse.npu.kernels.stl_select import torch_topk
 from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check_dtype, extents, fits, largest,
                                         lockstep, pad, pipeline, rnd, round_up, split_blocks, view)
 from autofuse.npu.machine import GMTensor
-from autofuse.npu.run import kernel
+from autofuse.npu.run import ALL, kernel
 
 NORMS = ("softmax", "sigmoid", "none")
 GROUP_SCORES = ("max", "top2")
@@ -109,7 +109,7 @@ def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_
         raise ValueError(f"{kernel_name}: out_dtype={out_dtype!r}; choose one of {', '.join(VEC_FLOATS)}")
 
 
-@kernel("moe_gating_topk")
+@kernel("moe_gating_topk", steer=ALL)          # ties re-selected on the Scalar unit: timing follows values
 def moe_gating_topk(launch, x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
                     n_group=1, topk_group=1, group_score="max", out_dtype="float32", tiling=None):
     """Router top-k (see the module docstring): ``x [T, E]`` → ``(weights [T, k], indices [T, k] int32)``."""
@@ -122,7 +122,7 @@ def moe_gating_topk(launch, x, bias=None, k=1, norm="softmax", renorm=False, eps
                     int(n_group), int(topk_group), group_score, out_dtype, True, tiling).run()
 
 
-@kernel("topk")
+@kernel("topk", steer=ALL)
 def topk(launch, x, k=1, largest=True, tiling=None):
     """``torch.topk(x, k, dim=-1, largest, sorted=True)``: ``(values in x's dtype, indices int32)``."""
     check_dtype("topk", "x", x)

@@ -47,7 +47,7 @@ _INDEX = ("int32",)
 
 
 def _int_tensor(launch, shape, name):
-    t = GMTensor(np.zeros(shape, dtype=np.int32), "int32", name)
+    t = GMTensor(launch.zeros(shape, np.int32), "int32", name)
     launch.allocated.append((t, math.prod(shape) * 4))
     return t
 
@@ -77,7 +77,7 @@ def init_specs(E, n, block):
         [((n, pad(E, "int32")), "int32")]
 
 
-@kernel("moe_init_routing")
+@kernel("moe_init_routing", steer=("expert_idx",))       # the ids decide where each token is copied
 def moe_init_routing(launch, x, expert_idx, num_experts=None, group_list_type="count", tiling=None):
     """Tokens permuted by expert (see the module docstring): ``(expanded_x, expanded_row_idx, group_list)``."""
     check_dtype("moe_init_routing", "x", x)
@@ -117,7 +117,7 @@ def moe_init_routing(launch, x, expert_idx, num_experts=None, group_list_type="c
     All = g.alloc("UB", (n, pad(E, "int32")), "int32", "all counts")
     Rows = [g.alloc("UB", (1, round_up(hc, block_elems(x.dtype))), x.dtype, f"row{i}") for i in range(RING)]
     ws = launch.empty((n, E), "int32", "counts workspace", scratch=True)
-    ws.data = np.zeros((n, E), dtype=np.int32)
+    ws.data = launch.zeros((n, E), np.int32)
     flat = view(expert_idx, (T * k,))
     # per core: its entries [e0, e0 + ne) cut into index blocks
     spans = [None if r is None else (r[0] * k, r[1] * k) for r in runs]
@@ -135,30 +135,32 @@ def moe_init_routing(launch, x, expert_idx, num_experts=None, group_list_type="c
     for i, items in enumerate(lockstep(blocks)):
         t, _ = load_ids(items, i)
         ne = extents(items, lambda it: it[1])
-        for c, it in enumerate(items):
+        for c, it in enumerate(items):       # the ids the tile holds (read from GM: also in timing-only launches)
             if it is not None:
-                local[c] += np.bincount(t.data[c, :it[1]].astype(np.int64), minlength=E)
+                local[c] += np.bincount(ids[it[0]:it[0] + it[1]].astype(np.int64), minlength=E)
         g._exec("scalar", ne.astype(float) * scalar, reads=(t,), writes=(Cnt,), active=active_mask(items),
                 name="count ids (scalar)")
-    Cnt.data[:, :E] = local
+    if launch.values:
+        Cnt.data[:, :E] = local
     done = g.store(Cnt, ws, [(c, slice(0, E)) for c in range(n)], name="store counts")
     barrier = (np.full(n, float(done.max())),)
     # phase 2: bases, rows, copies
     g.load(All, ws, [(slice(0, n), slice(0, E))] * n, deps=barrier, name="load all counts")
     total = local.sum(axis=0)
     before = np.concatenate([[0], np.cumsum(total)[:-1]])
+    bases = before[None] + np.cumsum(local, axis=0) - local
     g.vector("column sums (bases)", (Base,), (All,), 2 * max(n - 1, 1) * ceil_div(E, 64),
-             compute=lambda: Base.data.__setitem__((slice(None), slice(0, E)),
-                                                   before[None] + np.cumsum(local, axis=0) - local))
+             compute=lambda: Base.data.__setitem__((slice(None), slice(0, E)), bases))
     g._exec("scalar", np.full(n, float(E * scalar)), reads=(Base,), writes=(Base,), name="prefix over experts")
     if group_list_type == "cumsum":
         gl = np.cumsum(total)
     else:
         gl = total
-    Cnt.data[0, :E] = gl
+    if launch.values:
+        Cnt.data[0, :E] = gl
     g.store(Cnt, glist, [(slice(0, E),)] + [None] * (n - 1), name="store group_list")
     pos = np.zeros(T * k, dtype=np.int64)
-    running = Base.data[:, :E].astype(np.int64).copy()
+    running = bases.astype(np.int64)
     rctr = 0
     for i, items in enumerate(lockstep(blocks)):
         act = active_mask(items)
@@ -167,7 +169,7 @@ def moe_init_routing(launch, x, expert_idx, num_experts=None, group_list_type="c
         for c, it in enumerate(items):                    # the Scalar unit's walk: each id takes the next row
             if it is None:
                 continue
-            e = t.data[c, :it[1]].astype(np.int64)
+            e = ids[it[0]:it[0] + it[1]].astype(np.int64)
             order = np.argsort(e, kind="stable")
             ranks = np.empty(it[1], dtype=np.int64)
             se = e[order]
@@ -175,7 +177,8 @@ def moe_init_routing(launch, x, expert_idx, num_experts=None, group_list_type="c
             ranks[order] = np.arange(it[1]) - starts
             p = running[c, e] + ranks
             running[c] += np.bincount(e, minlength=E)
-            t.data[c, :it[1]] = p
+            if launch.values:
+                t.data[c, :it[1]] = p
             pos[it[0]:it[0] + it[1]] = p
         walk = g._exec("scalar", ne.astype(float) * scalar, reads=(t,), writes=(t,), active=act,
                        name="rows of ids (scalar)")
@@ -224,7 +227,7 @@ def finalize_cols(device, H, k, block, dtype, skip_dtype):
     return cblk * top
 
 
-@kernel("moe_finalize_routing")
+@kernel("moe_finalize_routing", steer=("expanded_row_idx",))      # which rows are loaded
 def moe_finalize_routing(launch, expanded, scales, expanded_row_idx, skip=None, tiling=None):
     """``out [T, H] = skip + Σ_j scales[:, j] · expanded[expanded_row_idx[t·k + j]]`` (fp32 accumulation)."""
     check_dtype("moe_finalize_routing", "expanded", expanded)
@@ -303,10 +306,11 @@ def moe_finalize_routing(launch, expanded, scales, expanded_row_idx, skip=None, 
                         row = Row32
                     else:
                         row = buf
-                    sv = np.array([float(Sc[b].data[c, j, q]) if a_j[c] else 0.0 for c in range(n)], dtype=np.float32)
                     first = q == 0 and Skip is None
 
-                    def axpy(row=row, sv=sv, first=first):
+                    def axpy(row=row, first=first, b=b, a_j=a_j, j=j, q=q):
+                        sv = np.array([float(Sc[b].data[c, j, q]) if a_j[c] else 0.0 for c in range(n)],
+                                      dtype=np.float32)
                         contrib = row.data[:, :, :he] * sv[:, None, None]
                         if first:
                             Acc.data[:, :, :he] = contrib
@@ -338,7 +342,7 @@ class _AtomicAdd:
         return rnd(cur.astype(np.float32) + add, self.dst.dtype)
 
 
-@kernel("index_add")
+@kernel("index_add", steer=("index",))            # which rows are added to
 def index_add(launch, x, index, src, alpha=1.0, tiling=None):
     """``x.index_add(0, index, src, alpha=alpha)``: rows of src added to the rows of x that index names."""
     check_dtype("index_add", "x", x)

@@ -42,7 +42,7 @@ _INDEX = ("int32", "int8")
 def _empty(launch, shape, dtype, name):
     if dtype in ("float16", "bfloat16", "float32"):
         return launch.empty(shape, dtype, name)
-    return GMTensor(np.zeros(shape, dtype=STORAGE[dtype]), dtype, name)
+    return GMTensor(launch.zeros(shape, STORAGE[dtype]), dtype, name)
 
 
 def _rows_plan(dev, jobs, dtype, tiling):
@@ -318,7 +318,7 @@ def _permute_transpose(launch, x, out, xv, ov, s, q, tiling):
     return out
 
 
-@kernel("gather")
+@kernel("gather", steer=("indices",))
 def gather(launch, table, indices, tiling=None):
     """``table[indices]`` (embedding lookup, ``index_select`` on dim 0): table ``[V, ...]`` (rows of its
     trailing dims), int32 ``indices`` of any shape."""

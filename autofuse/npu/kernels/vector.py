@@ -228,14 +228,14 @@ def _empty(launch, shape, dtype, name):
     """An output tensor; integer and bool outputs keep their own numpy storage."""
     if dtype in FLOATS:
         return launch.empty(shape, dtype, name)
-    return GMTensor(np.zeros(shape, dtype=STORAGE[dtype]), dtype, name)
+    return GMTensor(launch.zeros(shape, STORAGE[dtype]), dtype, name)
 
 
 def _wider(a: str, b: str) -> str:
     return a if itemsize(a) >= itemsize(b) else b
 
 
-@kernel("elementwise")
+@kernel("elementwise", steer=("scalar",))                # a tensor scalar: pow's exponent picks the passes
 def elementwise(launch, *inputs, op=None, scalar=None, out_dtype=None, tiling=None):
     """Elementwise ``op`` over ``inputs`` with broadcasting (see the module docstring and ``OPS``)."""
     if op not in OPS:
@@ -540,7 +540,8 @@ def reduce(launch, x, op="sum", dim=None, keepdim=False, out_dtype=None, tiling=
     if count == 0:
         if _RED[op][0] != "sum":
             raise ValueError(f"reduce {op}: reducing an empty dim has no identity")
-        out.data[...] = np.nan if op == "mean" else 0.0
+        if launch.values:
+            out.data[...] = np.nan if op == "mean" else 0.0
         return (out,)
 
     # groups of coalesced dims: [size, reduced?]

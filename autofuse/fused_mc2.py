@@ -1,0 +1,120 @@
+"""Fused calls of the MC2 families (``patterns/mc2.py``): a matmul and its collective as one MC2 op.
+
+==========================  =====================================================================
+family                      fused call (``autofuse/ops_mc2.py``)
+==========================  =====================================================================
+``matmul_all_reduce``       ``matmul_all_reduce(x, W, "sum", group, tiles=T, device=..., tiling=..., algorithm=...)``
+``matmul_reduce_scatter``   ``matmul_reduce_scatter(x, W, "sum", group, p, tiles=T, ...)``
+``all_gather_matmul``       ``all_gather_matmul(x, W, group, p, tiles=T, ...)`` → (out, gathered x)
+==========================  =====================================================================
+
+**Price.** The unfused side is what the planner prices for every candidate: the captured matmul and the
+collective launch (``autofuse.lower`` lowers ``_c10d_functional`` collectives to the collective kernels with
+the group's size). The fused side is :func:`cost_model.mc2.choose_tiles`: the fused kernel at its fastest tile
+count (and the tiles' collective algorithm), with the matmul tiling the kernel picks by itself (O1, O2) or the
+one the cost model's search finds for that tile count (O3). When no tile count beats the unfused pair the price is still the best fused one,
+so the planner keeps the pair with ``not_profitable`` and both figures; the decision's ``tiling`` names the
+tile count that was tried best.
+
+**Verification** runs on every rank at plan time (``fuse()`` runs on each rank): the captured pair and the
+fused op each communicate through the pair's process group, and every rank verifies the same candidates in
+the same order (the ranks plan the same graph), so their collectives pair up. A verdict, though, depends on
+the rank's own data: :func:`agree` makes it the group's (failed if it failed on any rank, the largest error),
+so that every rank applies the same fusions and the fused graphs' collectives still pair up.
+"""
+from __future__ import annotations
+
+import json
+import operator
+
+import torch
+import torch.fx as fx
+
+from autofuse import ops_mc2  # noqa: F401  (registers torch.ops.autofuse.matmul_all_reduce, ...)
+from autofuse.fused import Family, Price, _adapt, register_family
+from autofuse.graph import call, val
+from cost_model.mc2 import choose_tiles
+
+aten = torch.ops.aten
+DEFAULT_TILES = 4          # the ops' own default tile count (what O1/O2 would run without a plan)
+
+
+def operand_specs(match, nodes: dict) -> tuple:
+    """``(x, w)`` as the fused kernel takes them: ``((shape, dtype), ((K, N), dtype))``."""
+    p = match.params
+    x, w = val(nodes[match.inputs["x"]]), val(nodes[match.inputs["weight"]])
+    dt = str(x.dtype).replace("torch.", "")
+    ws = tuple(w.shape) if p["weight_layout"] == "kn" else (w.shape[1], w.shape[0])
+    return (tuple(x.shape), dt), (ws, dt)
+
+
+def price_mc2(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    """The fused kernel at its best tile count (see the module docstring). The unfused baseline is the planner's
+    own price of the pair's nodes, so the two sides of the decision are priced alike."""
+    from autofuse.plan import price_nodes
+    p = match.params
+    if p["unsupported"]:
+        raise NotImplementedError(p["unsupported"])
+    x, w = operand_specs(match, nodes)
+    baseline = price_nodes([nodes[n] for n in match.nodes], device).cycles
+    plan = choose_tiles(p["kind"], x, w, device, int(p["world_size"]), baseline=baseline, search_tiling=search_tiling)
+    tiling = {"tiles": plan.best_tiles, "algorithm": plan.algorithm}
+    if search_tiling:
+        tiling["matmul"] = plan.tiling
+    bound = f"{plan.bound} ({plan.best_tiles} tiles, link busy {plan.link_cycles:,} cycles)"
+    return Price(plan.fused_cycles, plan.hbm_bytes, [p["kind"]], bound, tiling, plan.workspace)
+
+
+def mc2_kwargs(device: str, price: Price, level: str) -> dict:
+    kw = {"tiles": int(price.tiling.get("tiles", DEFAULT_TILES)), "device": device}
+    if price.tiling.get("algorithm"):
+        kw["algorithm"] = price.tiling["algorithm"]
+    if level == "O3" and price.tiling.get("matmul"):
+        kw["tiling"] = json.dumps(price.tiling["matmul"], sort_keys=True)
+    return kw
+
+
+def emit_mc2(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    """The MC2 op on the pair's x and weight (a ``[K, N]`` weight is handed over as its ``[N, K]`` view)."""
+    p = m.params
+    ops = torch.ops.autofuse
+    x, w = ins["x"], ins["weight"]
+    if p["weight_layout"] == "kn":
+        w = call(g, aten.t.default, w)
+    kind, group = p["kind"], p["group_name"]
+    if kind == "matmul_all_reduce":
+        fused = call(g, ops.matmul_all_reduce.default, x, w, "sum", group, **kwargs)
+    elif kind == "matmul_reduce_scatter":
+        fused = call(g, ops.matmul_reduce_scatter.default, x, w, "sum", group, int(p["world_size"]), **kwargs)
+    else:
+        fused = call(g, ops.all_gather_matmul.default, x, w, group, int(p["world_size"]), **kwargs)
+    fused.meta["autofuse_match"] = m
+    if kind != "all_gather_matmul":
+        return {"out": _adapt(g, fused, p["out_like"])}
+    out = call(g, operator.getitem, fused, 0)
+    outs = {"out": _adapt(g, out, p["out_like"])}
+    if "gathered" in m.outputs:
+        outs["gathered"] = _adapt(g, call(g, operator.getitem, fused, 1), p["gathered_like"])
+    return outs
+
+
+def agree(verdict: tuple, match) -> tuple:
+    """The group's verdict from each rank's ``(ok, error, tolerance, label)``: failed on any rank fails on all,
+    with the largest error (one MAX all-reduce over the pair's process group)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    ok, err, tol = verdict[:3]
+    label = verdict[3] if len(verdict) > 3 else ""
+    t = torch.tensor([0.0 if ok else 1.0, float(err)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_resolve_process_group(match.params["group_name"]))
+    failed = bool(t[0].item() > 0)
+    if failed and ok:
+        label = "another rank's inputs"
+    return (not failed, float(t[1].item()), tol, label)
+
+
+FAMILIES = {kind: register_family(Family(kind, getattr(torch.ops.autofuse, kind).default, kind, emit_mc2, price_mc2,
+                                         mc2_kwargs, agree))
+            for kind in ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")}
+
+__all__ = ["FAMILIES", "agree", "emit_mc2", "mc2_kwargs", "operand_specs", "price_mc2"]
