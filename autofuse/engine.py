@@ -259,9 +259,11 @@ class _Verifier:
         self.done = {}
 
     def _inputs(self, external, sizes=None):
-        """Values of the block's inputs (narrowed to the reduced sizes, when given)."""
+        """Values of the block's inputs. At reduced sizes (a block too large to check at its own), as on meta
+        inputs: random values of the reduced shapes and the graph's constants evaluated (a causal mask), so
+        that no block needs a run of the whole captured graph up to it."""
         sizes = sizes or {}
-        if self.meta:
+        if self.meta or sizes:
             gen = torch.Generator().manual_seed(0)
             out = []
             for n in external:
@@ -318,13 +320,14 @@ class _Verifier:
         sizes = fam.shrink(cand.match)
         if not sizes:
             return None
+        sizes = _verify.consistent_sizes(sub, sizes)
         kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
         lifted = cand.lifted
         if fam.resize is not None:                                          # shapes held in the match itself
             lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
-        _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs)
-        small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
         try:
+            _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
+            small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
             ok, err, tol, label = _verify.verify_block(small, small_fused, self._inputs(external, sizes), roles)
         except Exception:  # noqa: BLE001 - a reduction that does not run: check the block at its own size
             return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import operator
 
 import torch
@@ -123,7 +124,12 @@ def emit_epilogue(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
 def shrink_rows(match) -> dict:
     """Leading (row) dims of the program above 256, reduced to ``REDUCED``: the columns, and the weights that
     span them, keep their size, so the program's column work is checked as it will run."""
-    return {d: REDUCED for d in set(match.params["program"].lead) if d > 256}
+    lead = match.params["program"].lead
+    sizes = {d: REDUCED for d in set(lead) if d > 256}
+    whole, reduced = math.prod(lead), math.prod(sizes.get(d, d) for d in lead)
+    if sizes and whole not in sizes and whole not in lead:
+        sizes[whole] = reduced      # the rows flattened into one dim (a matmul's [B*S, K] operand)
+    return sizes
 
 
 def resize(match, sizes: dict):

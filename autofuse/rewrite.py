@@ -305,9 +305,11 @@ def _interior(gm: fx.GraphModule, block: set) -> set:
     return interior
 
 
-def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict):
+def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict, sizes: dict | None = None):
     """``(eager, fused, inputs)``: the block as captured (its footprint) and its fused replacement, two
-    GraphModules over the same placeholders (the captured nodes flowing in, listed in ``inputs``)."""
+    GraphModules over the same placeholders (the captured nodes flowing in, listed in ``inputs``). ``sizes``
+    (dim size -> reduced size): the fused call is emitted for inputs of the reduced shapes (a family whose match
+    holds shapes was resized to them)."""
     outs = [t for t, _ in lifted.targets.values()]
     sub, external = extract(captured, lifted.footprint, outs, lifted.reads)
     g = fx.Graph()
@@ -315,6 +317,9 @@ def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict):
     for a in external:
         env[a.name] = g.placeholder(a.name)
         env[a.name].meta = dict(a.meta)
+        v = a.meta.get("val")
+        if sizes and isinstance(v, torch.Tensor):
+            env[a.name].meta["val"] = torch.empty([sizes.get(d, d) for d in v.shape], dtype=v.dtype, device="meta")
     result = build(g, lifted, env, emit, kwargs)
     g.output(tuple(result[role] for role in lifted.targets))
     fused = fx.GraphModule(captured, g)

@@ -274,6 +274,23 @@ def shrink(gm: fx.GraphModule, sizes: dict) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
+def consistent_sizes(sub: fx.GraphModule, sizes: dict) -> dict:
+    """``sizes`` extended so that every view in ``sub`` stays consistent: a reduced flat row count ``d``
+    that some value splits as ``[..., a, b]`` with ``a * b == d`` (a matmul over ``[B*S, K]`` viewed as
+    ``[B, S, N]``) reduces ``b`` and maps ``d`` to ``a`` times that."""
+    out = dict(sizes)
+    for d, r in sizes.items():
+        for n in sub.graph.nodes:
+            v = n.meta.get("val")
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+            for i in range(len(shape) - 1):
+                a, b = shape[i], shape[i + 1]
+                if a * b == d and b > r and b not in out:
+                    out[b] = r
+                    out[d] = a * r
+    return out
+
+
 def shrink_value(t, sizes: dict):
     """``t`` narrowed to the reduced size along every dim whose size is a key of ``sizes`` (leading entries)."""
     if not isinstance(t, torch.Tensor):
@@ -284,5 +301,5 @@ def shrink_value(t, sizes: dict):
     return t.contiguous()
 
 
-__all__ = ["LARGEST_CHECKED", "adversarial", "check", "compare", "floor", "largest_value_bytes", "random_like",
+__all__ = ["LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor", "largest_value_bytes", "random_like",
            "shrink", "shrink_value", "structure_key", "verify_block"]

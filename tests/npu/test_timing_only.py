@@ -114,6 +114,23 @@ def _cases():
                                                                                                  "tiles": 2}),
           ("matmul_reduce_scatter", (xs, xs[:40].T.copy()), {"world": 2}),
           ("all_gather_matmul", (xs[:24].astype(np.float16), xs[:32].T.copy().astype(np.float16)), {"world": 2})]
+    # generated Vector kernels: a norm beside an interleaved RoPE of one split input; matmul epilogues
+    from cost_model.program import Builder
+    from .test_vector_program import SPLIT
+    c += [("vector_program", (_rand(2, 1, 8, 24, dtype=f32), _rand(16, dtype=f32, seed=1),
+                              _rand(1, 1, 8, 4, dtype=f32, seed=2), _rand(1, 1, 8, 4, dtype=f32, seed=3)),
+           {"program": SPLIT, "tiling": {"rows": 2}})]
+    bld = Builder((70,))
+    acc = bld.input("float32", (70, 96))
+    bld.output(bld.relu(acc), "float16")
+    relu = bld.build()
+    c += [("matmul_epilogue", (_rand(70, 130), _rand(96, 130, seed=1)), {"program": relu, "trans_b": True,
+                                                                        "bias": _rand(96, dtype=f32, seed=2)})]
+    # expert parallelism in one launch (a rank-symmetric world)
+    ids = np.repeat(np.arange(4), 6).astype(np.int32)
+    c += [("moe_dispatch_combine", (xs[:24, :32].astype(np.float16), ids,
+                                    np.random.default_rng(1).standard_normal((2, 32, 16)).astype(np.float16)),
+           {"world": 2, "chunks": 2})]
     return c
 
 

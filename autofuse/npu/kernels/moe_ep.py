@@ -41,7 +41,7 @@ from autofuse.npu.kernels.collectives import Collective
 from autofuse.npu.kernels.matmul import CUBE_DTYPES, Program, _ceil
 from autofuse.npu.kernels.mc2 import _Cube, mc2_tiling
 from autofuse.npu.link import make_comm
-from autofuse.npu.run import kernel
+from autofuse.npu.run import ALL, kernel
 from cost_model.links import get_links
 
 
@@ -74,7 +74,7 @@ def expert_spans(counts_e, a: int, b: int):
     return out
 
 
-@kernel("moe_dispatch_combine")
+@kernel("moe_dispatch_combine", steer=ALL)      # routing and the exchange follow the values, as in MC2
 def moe_dispatch_combine(launch, x, expert_ids, weight, comm=None, world=None, rank=0, chunks=4, tiling=None,
                          slice_bytes=None):
     """``y[i] = x[i] @ W[expert_ids[i]]`` across ranks (see the module docstring)."""
