@@ -30,6 +30,10 @@ _recorders: list[list] = []
 #: (whole-graph simulation takes a repeated launch's values from it; the statistics of the first are reused)
 REFERENCES: dict = {}
 
+#: op name -> ``fn(*op_args, **op_kwargs)`` returning ``[(kernel, Stats)]``: the op's launches run timing only
+#: (inputs may be meta tensors), for a simulation that needs the op's cost and not its values
+TIMING: dict = {}
+
 
 @contextlib.contextmanager
 def recording():

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from autofuse import ops as _ops      # run_kernel through the module, so tests can inject a fault
-from autofuse.ops import REFERENCES, _record, _to_torch
+from autofuse import npu
+from autofuse.ops import REFERENCES, TIMING, _record, _to_torch
 from autofuse.vector_program import as_program, run_program_torch, torch_dtype
 
 
@@ -161,7 +162,21 @@ def matmul_epilogue(a, b, program, extra=(), bias=None, trans_b=False, device="a
                                               json.dumps(tiling) if tiling else "")
 
 
-# the torch twins: a repeated launch in a simulation takes its statistics from the first and its values here
+def _timing_vector_program(inputs, program, device="ascend910", tiling=""):
+    r = npu.run("vector_program", *inputs, program=as_program(program), device=device, tiling=_tiling(tiling),
+                timing_only=True)
+    return [("vector_program", r.stats)]
+
+
+def _timing_matmul_epilogue(a, b, bias, extra, program, trans_b=False, device="ascend910", tiling=""):
+    r = npu.run("matmul_epilogue", a, b, *extra, program=as_program(program), bias=bias, trans_b=trans_b,
+                device=device, tiling=_tiling(tiling), timing_only=True)
+    return [("matmul_epilogue", r.stats)]
+
+
+# the torch twins: a repeated launch in a simulation takes its statistics from the first and its values here;
+# a simulation without values times the launches on shapes alone (no input steers these kernels)
 REFERENCES.update(vector_program=reference_vector_program, matmul_epilogue=reference_matmul_epilogue)
+TIMING.update(vector_program=_timing_vector_program, matmul_epilogue=_timing_matmul_epilogue)
 
 __all__ = ["matmul_epilogue", "reference_matmul_epilogue", "reference_vector_program", "vector_program"]

@@ -224,8 +224,8 @@ class _Sim(fx.Interpreter):
         self.needed = None if values else _needed(gm, self.programs, memo)
 
     def run_node(self, n):
-        if self.needed is not None and n not in self.needed and n.op == "call_function" and not \
-                (self.memo and _fused_name(n) is not None):
+        if self.needed is not None and n not in self.needed and n.op == "call_function" and \
+                _fused_name(n) is None:
             value = _meta_value(n.meta.get("val"))        # no launch needs it: its shape is enough
             prog = self.programs[n]
             if prog is not None and not prog.free:
@@ -298,6 +298,10 @@ class _Sim(fx.Interpreter):
             elif reused:   # a repeat: the first launch's statistics, the values from the kernel's torch twin
                 log = self.fused_cache[key]
                 value = _twin_value(name, twin, args, kwargs)
+            elif self.needed is not None and n not in self.needed and name in fused_ops.TIMING:
+                log = fused_ops.TIMING[name](*args, **kwargs)       # its launches on shapes alone
+                value = _meta_value(n.meta.get("val"))
+                self.fused_cache[key] = log
             else:
                 if self.needed is not None and n not in self.needed:
                     raise RuntimeError(f"simulate: fused call {n.name} ({name}) has no values and no earlier launch "
@@ -411,6 +415,8 @@ def _needed(gm, programs, memo) -> set:
         if name is not None:
             key = _sig(name, *torch.utils._pytree.tree_map(
                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs)))
+            if name in fused_ops.TIMING:      # timed on shapes alone: no values needed
+                continue
             if not memo or name not in fused_ops.REFERENCES or key not in seen:
                 seen.add(key)
                 roots.append(n)
