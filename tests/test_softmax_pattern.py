@@ -18,18 +18,10 @@ from autofuse.ops_softmax import reference_scaled_masked_softmax, scaled_masked_
 from autofuse.verify import _F64, _f64, compare
 from patterns.attention import AttentionVariant, build_variant
 from patterns.softmax import find_softmax
+from test_canonicalize import Fn      # a module around a function
 
 OP = torch.ops.autofuse.scaled_masked_softmax.default
 INF = float("inf")
-
-
-class Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def _calls(gm):
