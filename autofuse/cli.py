@@ -401,13 +401,19 @@ def cmd_devices(a, progress):
               f"{d.l2_bytes >> 20:>7}{d.buffers['UB'] >> 10:>7}{d.buffers['L1'] >> 10:>7}")
 
 
+def _first_sentence(doc: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    para = " ".join(doc.strip().split("\n\n")[0].split())
+    end = para.find(". ")
+    return para if end < 0 else para[:end + 1]
+
+
 def cmd_patterns(a, progress):
     from autofuse.match import families
     fams = families()
     if a.show is None:
         for name, fn in fams.items():
-            doc = (sys.modules[fn.__module__].__doc__ or "").strip().splitlines()
-            print(f"{name}: {doc[0] if doc else ''}")
+            print(f"{name}: {_first_sentence(sys.modules[fn.__module__].__doc__ or '')}")
         return
     if a.show not in fams:
         near = difflib.get_close_matches(a.show, list(fams), n=1)
