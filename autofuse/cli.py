@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import inspect
 import io
 import json
 import os
@@ -243,13 +242,14 @@ def _check_engine_args(a) -> dict:
         raise UsageError(f"--budget {a.budget!r}: write a number and a unit, e.g. 16GB, 512MB or 1.5GiB") from None
     kw = {"target_device": a.device, "optimization_level": level, "memory_budget": budget}
     switches = {}
-    known = list(families())
+    from autofuse.engine import NAMES
+    known = list(families()) + list(NAMES)      # families, and the names discovery gives its regions
     for flag, value in (("disable", "off"), ("enable", "on"), ("force", "force")):
         for item in getattr(a, flag):
             for name in filter(None, item.split(",")):
                 if name not in known:
                     near = difflib.get_close_matches(name, known, n=1)
-                    raise UsageError(f"--{flag} {name!r} is not a pattern family"
+                    raise UsageError(f"--{flag} {name!r} is not a pattern family or region name"
                                      + (f" (did you mean {near[0]!r}?)" if near else "")
                                      + f": choose from {', '.join(known)}")
                 if switches.get(name, value) != value:
@@ -257,10 +257,6 @@ def _check_engine_args(a) -> dict:
                                      f"give one of --disable/--enable/--force for it")
                 switches[name] = value
     if switches:
-        from autofuse import AutoFusionEngine
-        if "fusion_switches" not in inspect.signature(AutoFusionEngine.fuse).parameters:
-            raise UsageError("fusion switches need engine support: this AutoFusionEngine.fuse has no "
-                             "fusion_switches keyword yet; drop --disable/--enable/--force")
         kw["fusion_switches"] = switches
     return kw
 

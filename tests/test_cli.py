@@ -1,6 +1,5 @@
 """The ``autofuse`` command line: in-process through ``autofuse.cli.main([...])``, and in a subprocess where
 exit codes and what reaches the terminal are the point."""
-import inspect
 import io
 import json
 import os
@@ -267,14 +266,6 @@ def test_simulation_shows_a_progress_bar_on_a_terminal_only():
 
 
 # ------------------------------------------------------------------------------ fusion switches
-
-def test_fusion_switches_need_engine_support(capsys, monkeypatch):
-    import autofuse
-    if "fusion_switches" in inspect.signature(autofuse.AutoFusionEngine.fuse).parameters:
-        pytest.skip("the engine takes fusion_switches: see test_fusion_switches_reach_the_engine")
-    code, err = _exit(["report", *TINY, "--disable", "attention"], capsys)
-    assert code == 2 and "fusion switches need engine support" in err
-
 
 def test_fusion_switches_reach_the_engine(capsys, monkeypatch):
     import autofuse
