@@ -23,13 +23,26 @@ from typing import Optional
 import torch
 
 from autofuse import ops as _ops      # run_kernel through the module, so tests can inject a fault
-from autofuse import npu
 from autofuse.ops import REFERENCES, TIMING, _record, _to_torch
 from autofuse.vector_program import as_program, run_program_torch, torch_dtype
 
 
 def _tiling(tiling: str):
     return json.loads(tiling) if tiling else None
+
+
+def _launch_vector_program(inputs, program, device, tiling, **kw):
+    """``(program, Result)`` of one vector_program launch from the op's arguments (``timing_only=True``: shapes
+    suffice)."""
+    prog = as_program(program)
+    return prog, _ops.run_kernel("vector_program", *inputs, program=prog, device=device, tiling=_tiling(tiling), **kw)
+
+
+def _launch_matmul_epilogue(a, b, bias, extra, program, trans_b, device, tiling, **kw):
+    """``(program, Result)`` of one matmul_epilogue launch from the op's arguments."""
+    prog = as_program(program)
+    return prog, _ops.run_kernel("matmul_epilogue", a, b, *extra, program=prog, bias=bias, trans_b=trans_b,
+                                 device=device, tiling=_tiling(tiling), **kw)
 
 
 def _outputs(prog, like):
@@ -56,8 +69,7 @@ def _leaf(t, need):
 @torch.library.custom_op("autofuse::vector_program", mutates_args=())
 def _vector_program(inputs: list[torch.Tensor], program: str, device: str = "ascend910",
                     tiling: str = "") -> list[torch.Tensor]:
-    prog = as_program(program)
-    r = _ops.run_kernel("vector_program", *inputs, program=prog, device=device, tiling=_tiling(tiling))
+    prog, r = _launch_vector_program(inputs, program, device, tiling)
     _record("vector_program", r.stats)
     return [_to_torch(o, torch_dtype(spec.dtype)) for o, spec in zip(r.outputs, prog.outputs)]
 
@@ -104,9 +116,7 @@ def vector_program(inputs, program, device="ascend910", tiling=None) -> list[tor
 def _matmul_epilogue(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], extra: list[torch.Tensor],
                      program: str, trans_b: bool = False, device: str = "ascend910",
                      tiling: str = "") -> list[torch.Tensor]:
-    prog = as_program(program)
-    r = _ops.run_kernel("matmul_epilogue", a, b, *extra, program=prog, bias=bias, trans_b=trans_b, device=device,
-                   tiling=_tiling(tiling))
+    prog, r = _launch_matmul_epilogue(a, b, bias, extra, program, trans_b, device, tiling)
     _record("matmul_epilogue", r.stats)
     return [_to_torch(o, torch_dtype(spec.dtype)) for o, spec in zip(r.outputs, prog.outputs)]
 
@@ -163,14 +173,11 @@ def matmul_epilogue(a, b, program, extra=(), bias=None, trans_b=False, device="a
 
 
 def _timing_vector_program(inputs, program, device="ascend910", tiling=""):
-    r = npu.run("vector_program", *inputs, program=as_program(program), device=device, tiling=_tiling(tiling),
-                timing_only=True)
-    return [("vector_program", r.stats)]
+    return [("vector_program", _launch_vector_program(inputs, program, device, tiling, timing_only=True)[1].stats)]
 
 
 def _timing_matmul_epilogue(a, b, bias, extra, program, trans_b=False, device="ascend910", tiling=""):
-    r = npu.run("matmul_epilogue", a, b, *extra, program=as_program(program), bias=bias, trans_b=trans_b,
-                device=device, tiling=_tiling(tiling), timing_only=True)
+    _, r = _launch_matmul_epilogue(a, b, bias, extra, program, trans_b, device, tiling, timing_only=True)
     return [("matmul_epilogue", r.stats)]
 
 

@@ -406,17 +406,17 @@ def _needed(gm, programs, memo) -> set:
     """The nodes whose values a timing-only simulation must compute: every input that steers an unfused kernel
     (a whole program when an earlier step's output steers a later one), every input of a fused op's first
     launch (its kernel runs in full; every launch of it without the memo or without a torch twin, as with
-    values), and what those depend on."""
+    values) unless the op is timed on shapes alone (``ops.TIMING``), and what those depend on."""
     roots, seen = [], set()
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         name = _fused_name(n)
         if name is not None:
-            key = _sig(name, *torch.utils._pytree.tree_map(
-                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs)))
             if name in fused_ops.TIMING:      # timed on shapes alone: no values needed
                 continue
+            key = _sig(name, *torch.utils._pytree.tree_map(
+                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs)))
             if not memo or name not in fused_ops.REFERENCES or key not in seen:
                 seen.add(key)
                 roots.append(n)
