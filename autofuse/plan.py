@@ -208,7 +208,7 @@ def baselines(captured: fx.GraphModule, canonical: fx.GraphModule, cands: list, 
     eager = sum(price_node(n, device).cycles for n in captured.graph.nodes if n.op == "call_function")
     can = {n.name: n for n in canonical.graph.nodes}
     ok = [i for i, (c, d) in enumerate(zip(cands, decisions))
-          if c.match.params.get("family", c.match.pattern) in GENERIC and d.reason_code in ("fused", "conflict")
+          if family_of(c.match).name in GENERIC and d.reason_code in ("fused", "conflict")
           and c.saving > 0]
     chosen = _best_independent_set(cands, conflict_graph(cands, ok, can))
     generic = eager - sum(cands[i].saving for i in chosen)
@@ -218,7 +218,7 @@ def baselines(captured: fx.GraphModule, canonical: fx.GraphModule, cands: list, 
 
 def _switch(switches: dict, match) -> str:
     """The switch of a match: its family's (``vector_chain``), or one of its names' (``rms_norm``)."""
-    keys = [match.params.get("family", match.pattern)] + match.pattern.split("+")
+    keys = [family_of(match).name] + match.pattern.split("+")
     for k in keys:
         if k in switches:
             return switches[k]
