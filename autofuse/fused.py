@@ -33,11 +33,12 @@ class Price:
     tiling: dict = field(default_factory=dict)
     workspace: int = 0
     alternatives: dict = field(default_factory=dict)   # device -> [(implementation, cycles, runnable)]
+    options: dict = field(default_factory=dict)        # the chosen implementation's op keywords (besides tiling)
 
     def add(self, other: "Price") -> "Price":
         return Price(self.cycles + other.cycles, self.hbm_bytes + other.hbm_bytes, self.kernels + other.kernels,
                      self.bound or other.bound, self.tiling or other.tiling, max(self.workspace, other.workspace),
-                     self.alternatives or other.alternatives)
+                     self.alternatives or other.alternatives, {**other.options, **self.options})
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,17 @@ def _as_bnsd(shape_):
     return shape_ if len(shape_) == 4 else (1,) * (4 - len(shape_)) + shape_
 
 
-def attention_specs(nodes: dict, match) -> tuple[list, dict]:
-    """The fused kernel's input specs (q, k, v as [B, N, S, D]) and parameters, as the rewrite calls it."""
+def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]:
+    """The fused kernel's input specs (q, k, v as [B, N, S, D]) and parameters, as the rewrite calls it;
+    ``skip``: as it runs when a proven causal mask with a finite value is skipped (causal, the mask not read)."""
     p = match.params
     specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
     specs = [(_as_bnsd(s), d) for s, d in specs]
     params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
     terms = p.get("mask_terms") or ()
-    if terms:
+    if skip:
+        params["causal"] = True
+    elif terms:
         role = terms[0][0]
         src = match.inputs[role]
         if isinstance(src, str) and src.startswith("const:"):
@@ -100,17 +104,46 @@ def kernel_default_tiling(device: str, specs, mask) -> dict:
 def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     """The cost model's price of the fused kernel: with the tiling its search finds cheapest
     (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2)."""
-    specs, params = attention_specs(nodes, match)
+    read = _attention_price(match, nodes, device, search_tiling, False)
+    if match.params.get("causal_value") is None:
+        return read
+    # a proven causal mask with a finite value: skipping the tiles above the diagonal (after the run-time score
+    # bound that proves it exact) or reading the mask, whichever the cost model finds cheaper, per device
+    alts = {}
+    for d in DEVICES:
+        try:
+            both = [(_attention_price(match, nodes, d, search_tiling, skip), skip) for skip in (True, False)]
+        except (ValueError, TypeError, KeyError):
+            continue
+        alts[d] = sorted([(SKIP if skip else READ, p.cycles, True) for p, skip in both], key=lambda a: a[1])
+    skip = _attention_price(match, nodes, device, search_tiling, True)
+    chosen = skip if skip.cycles < read.cycles else read
+    chosen.alternatives = alts
+    chosen.options = {"causal_skip": chosen is skip}
+    return chosen
+
+
+DEVICES = ("ascend910", "ascend910b", "ascend310p")
+SKIP = "causal skip under a score bound"
+READ = "mask read"
+
+
+def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
+    specs, params = attention_specs(nodes, match, skip)
     if not search_tiling:
         params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"))
     e = cost_model.estimate("flash_attention", specs, device=device, **params)
-    return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
-                 e.workspace_bytes)
+    if not skip:
+        return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
+                     e.workspace_bytes)
+    b = cost_model.estimate("score_bound", specs[:2], device=device)      # the run-time bound, launched first
+    return Price(int(e.cycles + b.cycles), int(e.hbm_bytes + b.hbm_bytes), ["score_bound", "flash_attention"],
+                 e.bound, dict(e.tiling or {}), e.workspace_bytes)
 
 
 def attention_kwargs(device: str, price: Price, level: str) -> dict:
     tiling = price.tiling if level == "O3" else {}
-    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else ""}
+    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else "", **price.options}
 
 
 def _to_4d(x: fx.Node) -> fx.Node:
@@ -167,9 +200,13 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     rank = len(p["q_shape"])
     q, k, v = (_to_4d(ins[r]) for r in ("q", "k", "v"))
     mask = _mask(g, ins, m, rank)
+    kwargs = dict(kwargs)
+    skip = kwargs.pop("causal_skip", True)     # the price's choice; without one (reduced-shape checks) the skip
     kw = dict(scale=p["scale"], causal=p["causal"], return_probs=p["probs_used"], **kwargs)
     if p.get("fill") is not None:
         kw["fill"] = p["fill"]
+    if p.get("causal_value") is not None and skip:
+        kw["causal_value"] = p["causal_value"]
     if p.get("empty_rows", "zero") != "zero":
         kw["empty_rows"] = p["empty_rows"]
     if p.get("mask_keeps_nan"):

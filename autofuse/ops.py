@@ -10,6 +10,10 @@ exported and shape-propagated again without data.
 ``device`` names the simulated target; ``tiling`` is a JSON object (``""`` = the kernel's default).
 Every call's simulator statistics are appended to the active :func:`recording` list, if any.
 
+With ``causal_value`` (a proven causal mask whose masked entries take a finite value) the op launches two
+kernels: ``score_bound`` (the largest row norms of q and k) and then flash_attention, causal without the mask
+where the bound proves the skipped weights are exactly 0, with the mask otherwise.
+
 The op is differentiable: its backward recomputes attention in fp32 on the host and differentiates that
 (as FlashAttention's backward recomputes the scores); the backward is not run on the simulator.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from typing import Optional
 
 import numpy as np
@@ -65,13 +70,23 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      scale: Optional[float] = None, causal: bool = False, return_probs: bool = False,
                      device: str = "ascend910", tiling: str = "", fill: Optional[float] = None,
                      empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
-                     out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
+                     causal_value: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
-    r = run_kernel("flash_attention", q, k, v, mask=mask, scale=_effective_scale(q, scale, scale_tensor),
-                   causal=causal, return_probs=return_probs, device=device,
-                   tiling=json.loads(tiling) if tiling else None, fill=_fill(fill), empty_rows=empty_rows,
-                   mask_keeps_nan=mask_keeps_nan)
+    scale_ = _effective_scale(q, scale, scale_tensor)
+    tiling_ = json.loads(tiling) if tiling else None
+    kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
+              mask_keeps_nan=mask_keeps_nan)
+    if causal_value is not None and mask is not None:
+        # the mask is a proven causal mask whose masked entries take the finite value ``causal_value`` (bool:
+        # the fill; float: added): skip the tiles above the diagonal where the scores' bound proves it exact
+        b = run_kernel("score_bound", q, k, device=device)
+        _record("score_bound", b.stats)
+        if causal_skip_is_exact(b.outputs[0], scale_, causal_value, additive=mask.dtype != torch.bool):
+            mask, kw["causal"] = None, True
+        else:
+            tiling_ = None                # the plan's tiling is the causal kernel's; the mask's may differ
+    r = run_kernel("flash_attention", q, k, v, mask=mask, scale=scale_, tiling=tiling_, **kw)
     _record("flash_attention", r.stats)
     out = _in_order(_to_torch(r.outputs[0], q.dtype), out_order)
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
@@ -94,6 +109,23 @@ def _empty_in_order(like: torch.Tensor, shape, order) -> torch.Tensor:
         return like.new_empty(shape)
     inverse = [list(order).index(d) for d in range(len(shape))]
     return like.new_empty([shape[d] for d in order]).permute(*inverse)
+
+
+#: fp32 ``exp(x)`` is exactly 0 below ln(2**-150) = -103.97; a skipped weight's exponent must be this far below
+#: its row's max (the margin covers the fp32 rounding of the scores and of the bound itself, both far smaller)
+SKIP_MARGIN = 110.0
+
+
+def causal_skip_is_exact(partials, scale: float, value: float, additive: bool) -> bool:
+    """Whether skipping the keys above the diagonal equals computing them: every skipped score
+    ``x = value`` (a bool mask's fill) or ``x = value + scale·q_i·k_j`` (an additive mask) has
+    ``exp(x - m_i) == 0`` in fp32, where ``m_i >= scale·q_i·k_i`` (each causal row keeps its diagonal key).
+    With ``A = |scale|·max|q|·max|k| >= |scale·q·k|`` (Cauchy-Schwarz; ``partials``: the ``score_bound``
+    kernel's per-core squared norms) that holds when ``value + A`` (bool) or ``value + 2A`` (additive) is
+    at most ``-SKIP_MARGIN``. A NaN or inf anywhere in q or k makes the bound fail: the mask is then read."""
+    mq, mk = np.asarray(partials, dtype=np.float64)[:, :, 0].max(axis=0)
+    a = abs(float(scale)) * math.sqrt(mq) * math.sqrt(mk) * (1 + 1e-3) if mq >= 0 and mk >= 0 else math.nan
+    return bool(value + (2 * a if additive else a) <= -SKIP_MARGIN)
 
 
 def _fill(fill):
@@ -143,14 +175,14 @@ REFERENCES["flash_attention"] = reference_flash_attention
 
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
-      fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False):
+      fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     return out, probs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _, _ = inputs
+    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _, _, _ = inputs
     ctx.save_for_backward(q, k, v, mask, scale_tensor)
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
 
@@ -181,21 +213,25 @@ def _backward(ctx, grad_out, grad_probs):
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
     gs = next(got) if (st is not None and st.requires_grad) else None
-    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None, None)
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None, None, None)
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
-                    tiling=None, fill=None, empty_rows="zero", scale_tensor=None):
+                    tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
     sees keys j <= i. ``fill``: the score a bool-masked entry takes (``None`` = ``-inf``, or finite as
     eager's ``masked_fill(~keep, finfo.min)``). ``empty_rows``: a row with no key to attend gives ``"zero"`` (SDPA) or
     ``"nan"`` (softmax). ``scale_tensor``: a 0-d tensor multiplying the scale, read at call time and
-    differentiated. Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    differentiated. ``causal_value``: ``mask`` is a causal mask whose masked entries take this finite value
+    (a bool mask's ``fill``, or the value an additive mask adds); the kernel then skips the keys above the
+    diagonal when a bound on the scores, computed first (kernel ``score_bound``), proves their weights are
+    exactly 0, and reads the mask otherwise (:func:`causal_skip_is_exact`). Returns ``out`` or, with
+    ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -203,5 +239,6 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                              f"{getattr(t, 'shape', type(t).__name__)}")
     out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale, causal, return_probs, device,
                                                      json.dumps(tiling) if tiling else "", fill=fill,
-                                                     empty_rows=empty_rows, scale_tensor=scale_tensor)
+                                                     empty_rows=empty_rows, scale_tensor=scale_tensor,
+                                                     causal_value=causal_value)
     return (out, probs) if return_probs else out

@@ -271,6 +271,14 @@ def _fa_cases(quick: bool):
     for i, (shape, mask, dt) in enumerate(_fa_masks(quick)):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {}, {"mask": mask}))
+    # the score bound launched before a causal skip over a finite-valued mask (q and k; GQA: fewer k rows)
+    bounds = [((8, 12, 1024, 64), (8, 12, 1024, 64), "float16"), ((1, 2, 77, 64), (1, 1, 80, 64), "float32")]
+    if not quick:
+        bounds += [((1, 32, 2048, 128), (1, 8, 2048, 128), "bfloat16"), ((4, 4, 129, 80), (4, 4, 129, 80), "float16"),
+                   ((1, 32, 1, 128), (1, 8, 4000, 128), "float16")]
+    for i, (qs, ks, dt) in enumerate(bounds):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("score_bound", [(qs, dt), (ks, dt)], d))
     return out
 
 

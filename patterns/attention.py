@@ -9,7 +9,10 @@ mask broadcastable to [B, N, Sq, Skv].
 scaled scores. ``causal=True`` means top-left aligned ``tril(ones(Sq, Skv))`` keep-mask (SDPA's
 ``is_causal``). A mask is replaced by ``causal=True`` (or dropped) only when it is *proven*: it
 depends on no graph input and no meta tensor, so it is evaluated for the captured shapes and
-compared entry by entry.
+compared entry by entry. A causal mask whose masked entries take a *finite* value (``masked_fill(~tril,
+finfo(float16).min)``, GPT-2's additive ``finfo.min`` mask) stays the explicit mask it is, and
+``params["causal_value"]`` records that value: the fused op skips the tiles above the diagonal only when
+a bound on the scores, computed at run time, proves every skipped weight ``exp(value + s - max)`` is 0.
 
 One description, many spellings. The family is the table below plus one walker; the spellings
 (div vs mul, pre-scaled q/k, einsum/bmm/matmul, transpose/permute/mT, masked_fill/where/additive,
@@ -307,10 +310,15 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p) -> Match:
     qs, ks = shape(q), shape(k)
-    guards, terms, causal_fill = [], [], -math.inf
+    guards, terms, causal_fill, guarded = [], [], -math.inf, None
     for m, kind, factor, fill in masks:
         proven, value = prove_mask(m, kind, factor, qs[-2], ks[-2], guards)
-        if proven == "causal":
+        if proven == "causal" and kind == "additive" and value > ABSORBING_FILL:
+            # a causal mask adding a finite value (GPT-2 in fp16 adds finfo(float16).min): kept as the user's
+            # additive mask, exactly; the kernel may still skip above the diagonal where a bound proves it exact
+            terms.append((m, kind, factor, fill))
+            guarded = value
+        elif proven == "causal":
             causal, causal_fill = True, fill if kind == "bool" else value
         elif proven != "none":
             terms.append((m, kind, factor, fill))
@@ -323,10 +331,13 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     kinds = {kind for _, kind, _, _ in terms}
     if fill != -math.inf and kinds == {"bool", "additive"}:
         return _unsupported(inputs, core, anchor, q, "a finite-fill bool mask combined with an additive mask")
+    guarded = guarded if len(terms) == 1 and not causal else None
     if causal and fill != -math.inf and (terms or fill > ABSORBING_FILL):
         # the kernel skips tiles above the diagonal; with a finite fill that is exact only when every row keeps
-        # a key and the fill absorbs what is added to it: otherwise the causal mask stays an explicit mask
+        # a key and the fill absorbs what is added to it: otherwise the causal mask stays an explicit mask,
+        # which the kernel may still skip where a bound on the scores proves the skipped weights vanish
         causal = False
+        guarded = fill if not terms else None
         tril = _constant_causal(anchor, qs[-2], ks[-2])
         terms.append((tril, "bool", 1.0, fill))
     for i, (m, kind, factor, _) in enumerate(terms):
@@ -340,6 +351,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
+        causal_value=None if guarded is None else float(guarded),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
         dtype=val(q).dtype, q_shape=qs, k_shape=ks, v_shape=shape(v), out_shape=shape(anchor),
@@ -365,8 +377,10 @@ def _constant_causal(anchor, sq, skv) -> str:
 def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int, guards: list) -> tuple:
     """``("causal", masked value)`` / ``("none", None)`` if the constant mask equals SDPA's causal mask /
     masks nothing, else ``(None, None)``. For an additive mask the masked value is the one value every
-    masked entry takes, times ``factor``; it proves causality only when it is ``-inf`` or absorbs any
-    finite score added to it (``<= ABSORBING_FILL``), so the kernel's causal skip is exact.
+    masked entry takes, times ``factor``: ``-inf`` or at most ``NEG_FILL``. The caller decides what the proof
+    buys: a value that absorbs any finite score added to it (``<= ABSORBING_FILL``) makes the kernel's causal
+    skip exact; a finite one above it keeps the mask and lets the kernel skip under a runtime bound
+    (``params["causal_value"]``).
 
     The mask's ancestors must be graph constants (factory ops) or the user's buffers, read now: they are
     evaluated on CPU for the captured shapes; each buffer read is appended to ``guards`` (the plan is valid
@@ -402,7 +416,7 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
             return "none", None
         masked = s[s != 0]
         value = float(masked.flatten()[0])
-        if not (torch.all(masked == value) and (value == -math.inf or value <= ABSORBING_FILL)):
+        if not (torch.all(masked == value) and (value == -math.inf or value <= NEG_FILL)):
             return None, None
         keep = s == 0
     if torch.all(keep):

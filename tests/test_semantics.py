@@ -1,6 +1,8 @@
 """The fused model is the user's model: what runs is the captured graph plus fused calls; parameters and
 buffers are read at call time and get their gradients; finite mask fills, fully masked rows, training
 mode and guarded assumptions behave as eager does."""
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -314,3 +316,113 @@ def test_user_model_mode_is_not_changed_by_fuse():
     model.eval()
     AutoFusionEngine.fuse(model, _qkv())
     assert not model.training and not model.drop.training
+
+
+# ------------------------------------------------------ causal masks with a finite value: skipped under a bound
+
+SB, SN, SS, SD = 2, 8, 512, 64      # large enough that skipping beats reading the mask on the 910
+
+
+class FiniteCausal(nn.Module):
+    """GPT-2's spelling (a causal buffer, ``finfo.min`` added) and the masked_fill / where spellings."""
+
+    def __init__(self, spelling, s=SS, value="finfo.min"):
+        super().__init__()
+        self.spelling, self.value = spelling, value
+        self.register_buffer("bias", torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s), persistent=False)
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        n = s.shape[-1]
+        value = torch.finfo(s.dtype).min if self.value == "finfo.min" else self.value
+        keep = self.bias[:, :, :n, :n]
+        if self.spelling == "additive":
+            s = s + torch.zeros(n, n, dtype=s.dtype).masked_fill(~keep[0, 0], value)
+        else:
+            s = torch.where(keep, s, torch.full([], value, dtype=s.dtype))
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+def _big_qkv(dtype=torch.float16, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(SB, SN, SS, SD, generator=g) * (scale if i < 2 else 1.0)).to(dtype) for i in range(3))
+
+
+@pytest.fixture(scope="module", params=["additive", "where"])
+def finite_causal(request):
+    model = FiniteCausal(request.param)
+    args = _big_qkv()
+    return model, args, AutoFusionEngine.fuse(model, args)
+
+
+def test_finite_causal_mask_is_skipped_where_the_bound_proves_it_exact(finite_causal):
+    from autofuse.ops import recording
+    model, args, fused = finite_causal
+    (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
+    choices = {name for name, _, _ in d.params["alternatives"]["ascend910"]}
+    assert choices == {"causal skip under a score bound", "mask read"}
+    assert d.params["alternatives"]["ascend910"][0][0] == "causal skip under a score bound"
+    (call,) = _fused_calls(fused)
+    assert call.kwargs["causal_value"] == float(torch.finfo(torch.float16).min)
+    with recording() as log:
+        got = fused(*args)
+    assert [k for k, _ in log] == ["score_bound", "flash_attention"]
+    _assert_as_eager(model, args, got)
+    # a query row and a key row of norm 1000, orthogonal: no score is large, but the bound |q||k|/8 passes
+    # 65504 - margin, so it proves nothing and the kernel reads the mask; the result is still eager's
+    big = tuple(t.clone() for t in args)
+    big[0][:, :, 0], big[1][:, :, -1] = 0.0, 0.0
+    big[0][:, :, 0, 0], big[1][:, :, -1, 1] = 1000.0, 1000.0
+    with recording() as log2:
+        got = fused(*big)
+    assert [k for k, _ in log2] == ["score_bound", "flash_attention"]
+    mask_bytes = SS * SS * (2 if model.spelling == "additive" else 1)
+    assert log2[1][1].hbm_bytes >= log[1][1].hbm_bytes + mask_bytes     # the mask was read
+    _assert_as_eager(model, big, got)
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+@pytest.mark.parametrize("return_probs", [False, True])
+def test_skipping_is_bit_for_bit_the_mask_read(kind, return_probs):
+    """Where the bound holds every skipped weight is exactly 0 in fp32: the skip equals the full computation."""
+    from autofuse.fused import kernel_default_tiling
+    q, k, v = (t[:1, :4, :300] for t in _big_qkv(seed=2))
+    fmin = float(torch.finfo(torch.float16).min)
+    keep = torch.ones(300, 300, dtype=torch.bool).tril()
+    mask = keep if kind == "bool" else torch.zeros(300, 300, dtype=torch.float16).masked_fill(~keep, fmin)
+    spec = [(tuple(t.shape), "float16") for t in (q, k, v)]
+    tiling = json.dumps(kernel_default_tiling("ascend910", spec, ((300, 300), "bool" if kind == "bool" else "float16")))
+    op = torch.ops.autofuse.flash_attention
+    kw = dict(return_probs=return_probs, tiling=tiling, fill=fmin if kind == "bool" else None)
+    skipped = op(q, k, v, mask, **kw, causal_value=fmin)
+    read = op(q, k, v, mask, **kw)
+    assert torch.equal(skipped[0], read[0]) and torch.equal(skipped[1], read[1])
+
+
+@pytest.mark.parametrize("value,spelling,why", [
+    (-5.0, "additive", "a soft bias, not a mask: not proven causal"),
+    ("triu", "where", "the keys above the diagonal kept: not causal"),
+    (-1e4, "pad", "a causal mask and a second mask: the skip would drop the second's effect on skipped keys"),
+])
+def test_finite_masks_that_are_not_skipped(value, spelling, why):
+    class Pad(FiniteCausal):
+        def forward(self, q, k, v, pad):
+            s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+            fill = torch.full([], -1e4, dtype=s.dtype)
+            s = torch.where(pad, torch.where(self.bias, s, fill), fill)
+            return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+    n = 96
+    q, k, v = (t[:1, :2, :n] for t in _big_qkv(seed=3))
+    if spelling == "pad":
+        pad = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        pad[..., -7:] = False
+        model, args = Pad("where", s=n), (q, k, v, pad)
+    else:
+        model, args = FiniteCausal(spelling, s=n, value=value if value != "triu" else -1e4), (q, k, v)
+        if value == "triu":
+            model.bias = model.bias.logical_not().logical_or(torch.eye(n, dtype=torch.bool))
+    fused = AutoFusionEngine.fuse(model, args)
+    (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
+    assert d.params.get("causal_value") is None and not d.params["causal"], why
+    _assert_as_eager(model, args, fused(*args))

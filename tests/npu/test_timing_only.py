@@ -78,7 +78,8 @@ def _cases():
           ("flash_attention", (q, k, v), {"causal": True, "mask": mask}),
           ("flash_attention", (q, k, v), {"return_probs": True, "mask": _rand(1, 1, 96, 160, seed=3)}),
           ("flash_attention", (_rand(1, 2, 130, 32, dtype=f32), _rand(1, 2, 130, 32, dtype=f32, seed=1),
-                               _rand(1, 2, 130, 32, dtype=f32, seed=2)), {"causal": True})]
+                               _rand(1, 2, 130, 32, dtype=f32, seed=2)), {"causal": True}),
+          ("score_bound", (q, k), {}), ("score_bound", (_rand(3, 70, dtype=bf16), _rand(1, 5, 70, dtype=bf16)), {})]
     # MoE
     logits = _rand(50, 16, dtype=f32)
     c += [("moe_gating_topk", (logits,), {"k": 2, "renorm": True}),

@@ -1,0 +1,141 @@
+"""The largest squared row norm of q and of k: a bound on every attention score, ``|q_i·k_j| <= |q_i| |k_j|``.
+
+    npu.run("score_bound", q, k)      -> (partials,)   fp32 [cores, 2, 8]: per core, max |q_i|² and max |k_j|²
+                                                       (each repeated over one 32 B block)
+
+FlashAttention's causal kernel skips the key tiles above the diagonal. With a ``-inf`` mask that is exact;
+with a finite one (GPT-2 in fp16 adds ``finfo(float16).min``) a skipped entry still weighs
+``exp(fill + s - max)``, which is 0 in fp32 only while the scores cannot offset the fill. This kernel
+gives the bound that decides it, at the cost of one read of q and k: the fused attention op
+(:mod:`autofuse.ops`) launches it first and skips only when the bound proves every skipped weight
+underflows to exactly 0, so the skip is bit-for-bit the full computation.
+
+Schedule: the rows of q, then of k, split evenly over the vector cores, ``rows`` rows per tile,
+double-buffered. Per tile (fp16/bf16; fp32 skips the cast): cast -> fp32 | mul x*x | reduce sum per row |
+max into a running per-row maximum (one small pass); after each tensor's last tile, one reduce max of
+the running maximum and a 32 B store of the core's value. The final maximum over the cores' values (one
+per core) is the caller's; on the chip it is an atomic-max store to one GM word (Ascend C
+``SetAtomicMax``), which moves the same 32 B per core.
+
+``tiling``: ``{"rows": rows per tile}``; ``None`` picks the largest tile that fits UB, capped so each
+core has at least four tiles of each tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check_dtype, extents, fits, largest,
+                                        lockstep, pad, pipeline, split_blocks, view)
+from autofuse.npu.run import kernel
+
+F32 = "float32"
+BLOCK = 8                      # fp32 values in one 32 B block: the unit of the per-core store
+
+
+def specs(dtype: str, R: int, D: int) -> list:
+    """UB tiles, in allocation order: x (two), x in fp32 (fp16/bf16), x², per-row sums, running max, out."""
+    dp = pad(D, "float16")
+    sp = [((R, dp), dtype)] * 2
+    if dtype != F32:
+        sp.append(((R, dp), F32))
+    rp = pad(R, F32)
+    return sp + [((R, dp), F32), ((rp,), F32), ((rp,), F32), ((BLOCK,), F32)]
+
+
+def default_rows(dev, dtype: str, D: int, per_core: int) -> int:
+    r = largest(lambda r: fits(dev, specs(dtype, r, D)), 1, max(1, per_core))
+    if r < 1:
+        raise ValueError(f"score_bound: not one row of {D} {dtype} values fits UB on {dev.name}")
+    return max(1, min(r, ceil_div(per_core, 4)))
+
+
+@kernel("score_bound")
+def score_bound(launch, q, k, tiling=None):
+    """Per core, the largest squared row norm (over the last dim) of ``q`` and of ``k``; see the module
+    docstring. NaN or inf in a row makes its core's value NaN or inf (the bound then proves nothing)."""
+    for nm, t in (("q", q), ("k", k)):
+        check_dtype("score_bound", nm, t, VEC_FLOATS)
+        if t.data.ndim < 1:
+            raise ValueError(f"score_bound: {nm} is 0-d; it needs a last dim of head features")
+    D = q.shape[-1]
+    if k.shape[-1] != D or k.dtype != q.dtype:
+        raise ValueError(f"score_bound: q is [..., {D}] {q.dtype}, k is [..., {k.shape[-1]}] {k.dtype}; "
+                         f"they must share the last dim and dtype")
+    dev, dtype = launch.device, q.dtype
+    tensors = [view(t, (math.prod(t.shape[:-1]), D)) for t in (q, k)]
+    rows = max(t.shape[0] for t in tensors)
+    n = max(1, min(dev.vector_cores, rows))
+    out = launch.empty((n, 2, BLOCK), F32, "partials")
+    if launch.values:
+        out.data[...] = 0.0
+    if rows == 0 or D == 0:
+        return (out,)
+    if tiling:
+        R = int(tiling.get("rows", 1))
+        if R < 1:
+            raise ValueError(f"score_bound: tiling rows={R} must be positive")
+    else:
+        R = default_rows(dev, dtype, D, ceil_div(rows, n))
+    lowp = dtype != F32
+    g = launch.group("aiv", n)
+    dp = pad(D, "float16")
+    X = [g.alloc("UB", (R, dp), dtype, f"x{i}") for i in range(2)]
+    W = g.alloc("UB", (R, dp), F32, "w") if lowp else None
+    T = g.alloc("UB", (R, dp), F32, "sq")
+    rp = pad(R, F32)
+    S = g.alloc("UB", (rp,), F32, "rowsum")
+    M = g.alloc("UB", (rp,), F32, "runmax")
+    O = g.alloc("UB", (BLOCK,), F32, "out")
+    ctr = {"x": 0}
+
+    def load(xv, items):
+        xb = X[ctr["x"] % 2]
+        ctr["x"] += 1
+        g.load(xb, xv, [None if it is None else (slice(it[0], it[0] + it[1]), slice(0, D)) for it in items],
+               active=active_mask(items), name="load x")
+        return xb
+
+    def work(col, items, first, last, xb):
+        act = active_mask(items)
+        re = extents(items, lambda it: it[1])
+        ew = g.repeats(re * dp, F32)
+        src = xb
+        if lowp:
+            g.vector("cast x->fp32", (W,), (xb,), ew, active=act, compute=lambda: np.copyto(W.data, xb.data))
+            src = W
+        g.vector("mul x*x", (T,), (src,), ew, active=act,
+                 compute=lambda: np.multiply(src.data, src.data, out=T.data))
+
+        def rowsum():
+            s = T.data[:, :, :D].sum(axis=2)
+            s[np.arange(R)[None, :] >= re[:, None]] = 0.0        # rows past a core's extent: stale tile data
+            S.data[:, :R] = s
+        g.vector("reduce sum", (S,), (T,), g.row_repeats(re, D, F32), active=act, compute=rowsum)
+        if first:
+            g.vector("copy", (M,), (S,), g.repeats(re, F32), active=act,
+                     compute=lambda: np.copyto(M.data[:, :R], S.data[:, :R]))
+        else:
+            # vmax propagates NaN, as numpy's maximum does: a NaN row keeps the bound NaN
+            g.vector("max acc", (M,), (M, S), g.repeats(re, F32), active=act,
+                     compute=lambda: np.maximum(M.data[:, :R], S.data[:, :R], out=M.data[:, :R]))
+        if last:
+            g.vector("reduce max", (O,), (M,), g.row_repeats(1, R, F32),
+                     compute=lambda: np.copyto(O.data, np.max(M.data[:, :R], axis=1)[:, None]))
+            g.store(O, out, [(c, col, slice(0, BLOCK)) for c in range(n)], name="store max")
+
+    def tasks():
+        for col, xv in enumerate(tensors):
+            blocks = split_blocks(xv.shape[0], n, R)
+            steps = list(lockstep(blocks))
+            for s, items in enumerate(steps):
+                yield ((lambda xv=xv, items=items: load(xv, items)),
+                       (lambda xb, col=col, items=items, s=s, ns=len(steps): work(col, items, s == 0, s == ns - 1, xb)))
+
+    with np.errstate(all="ignore"):
+        pipeline(tasks())
+    return (out,)
+
+
+__all__ = ["default_rows", "score_bound", "specs"]
