@@ -430,7 +430,8 @@ def _vector_program_cases(quick: bool):
 
 def epilogue(kind, M, N, dtype="float16", product="float16"):
     """An epilogue program and its extra input specs: ``gelu``, ``swiglu`` (N = 2F), ``residual`` (scale by a
-    per-col fp32 vector, add a full fp16 residual), ``bias_silu_cast`` (bias, silu, fp32 out)."""
+    per-col fp32 vector, add a full fp16 residual), ``layer_norm`` (a residual add, then a LayerNorm of the
+    whole row: K slices shrink so a row-wide B tile fits L0B), ``bias_silu_cast`` (bias, silu, fp32 out)."""
     from cost_model.program import Builder
     b = Builder((M,))
     acc = b.input(product, (M, N))
@@ -442,6 +443,12 @@ def epilogue(kind, M, N, dtype="float16", product="float16"):
     elif kind == "residual":
         r, s_ = b.input(dtype, (M, N)), b.input("float32", (N,))
         b.output(b.add(b.mul(acc, s_), r), dtype)
+    elif kind == "layer_norm":                      # residual add, then LayerNorm over the whole row
+        r, w = b.input(dtype, (M, N)), b.input(dtype, (N,))
+        x = b.add(b.cast(acc, dtype="float32"), b.cast(r, dtype="float32"))
+        d = b.sub(x, b.reduce(x, kind="mean"))
+        y = b.mul(d, b.rsqrt(b.add(b.reduce(b.mul(d, d), kind="mean"), 1e-5)))
+        b.output(b.mul(b.cast(y, dtype=dtype), w), dtype)
     else:
         bias = b.input(dtype, (N,))
         b.output(b.silu(b.add(acc, bias)), "float32")
@@ -451,7 +458,8 @@ def epilogue(kind, M, N, dtype="float16", product="float16"):
 
 def _epilogue_cases(quick: bool):
     """matmul_epilogue: GELU, SwiGLU on a fused gate_up, residual add, bias+SiLU; fp16 and fp32 products."""
-    shapes = [(513, 256, 768, "swiglu", "float16"), (777, 64, 333, "residual", "float32")]
+    shapes = [(513, 256, 768, "swiglu", "float16"), (777, 64, 333, "residual", "float32"),
+              (1024, 768, 768, "layer_norm", "float16")]
     if not quick:
         shapes += [(300, 128, 200, "gelu", "float16"), (1024, 512, 1024, "gelu", "float16"), (2048, 1024, 2816, "swiglu", "float16"),
                    (100, 4096, 4096, "residual", "float16"), (4096, 4096, 11008, "gelu", "float16"),

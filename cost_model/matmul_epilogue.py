@@ -27,10 +27,10 @@ from cost_model import matmul as mm
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.lowering import epilogue_fits, epilogue_plan
+from cost_model.lowering import epilogue_fits, epilogue_plan, epilogue_ub_specs
 from cost_model.program import as_program
 from cost_model.vector_program import n_passes, repeats, temps
-from cost_model.vecutil import largest
+from cost_model.vecutil import largest, ub_need
 
 
 def _dims(specs, prog, trans_b):
@@ -161,9 +161,20 @@ def _adapt(dev, prog, M, N, K, dtype, t, plan):
     whole-row program), m0 halved while UB cannot stage it, the most sub-block rows that fit (<= 64)."""
     low, pieces, W, whole = plan
     P = len(pieces)
+    k0_, k1_ = t["k0"], t["k1"]
     t = {"m0": t["m0"], "n0": max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16,
-         "k0": t["k0"], "k1": t["k1"], "sub": 1}
+         "k0": k0_, "k1": k1_, "sub": 1}
+    isz, buf = itemsize(dtype), dev.buffers
     while True:
+        # a tile as wide as a whole row may not leave L0B (or L1) room for the plain tile's K depth: the
+        # K slices shrink until A and B fit, as the kernel's default tiling does
+        m0, n0 = t["m0"], t["n0"]
+        t["k0"] = next((k for k in (k0_, 64, 32, 16) if k <= k0_ and 2 * m0 * k * isz <= buf["L0A"]
+                        and 2 * P * k * n0 * isz <= buf["L0B"]), 16)
+        k1 = max(t["k0"], k1_ // t["k0"] * t["k0"])
+        while k1 > t["k0"] and 2 * (m0 * k1 + P * k1 * n0) * isz + n0 * 4 > buf["L1"] - 64:
+            k1 -= t["k0"]
+        t["k1"] = k1
         rows = t["m0"] if dev.arch == "coupled" else max(1, ceil_div(t["m0"], 2))
         ok = lambda r: epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan)   # noqa: E731
         best = largest(ok, 1, min(rows, 64))
@@ -193,8 +204,17 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
         best = (kernel_cycles(dev, *res[:3]), t, res)
         break
     if best is None:
-        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program")
+        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program: {_why_not(dev, prog, plan)}")
     return best[1], best[2]
+
+
+def _why_not(dev, prog, plan) -> str:
+    """What the smallest tile (16 rows, one 16-deep K slice, one row per sub-block) asks of UB."""
+    low, pieces, W, whole = plan
+    n0 = -(-W // 16) * 16 if whole else 16
+    need = ub_need(dev, epilogue_ub_specs(dev, prog, low, len(pieces), {"m0": 16, "n0": n0, "sub": 1}))
+    rows = f"whole rows of {W} columns" if whole else f"tiles of {n0} columns"
+    return f"{rows} in 16-row tiles need {need:,} B of UB, {dev.buffers['UB']:,} B available"
 
 
 def _roofline(dev, specs, program=None, bias=None, trans_b=False, tiling=None):

@@ -228,3 +228,35 @@ def test_report_shows_each_regions_implementation_on_every_device():
     assert "## Implementation choices per device" in md
     for name, anchor, device, chosen, cycles, _ in rows:
         assert f"| {name} | `{anchor}` | {device} | {chosen} | {cycles:,} |" in md
+
+
+class ResidualNorm(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(h, h), nn.LayerNorm(h)
+
+    def forward(self, x, r):
+        return self.norm(self.fc(x) + r)
+
+
+def test_a_whole_row_epilogue_of_a_wide_projection_is_priced_and_runs():
+    # LayerNorm after a 768-wide projection needs whole rows per tile: the K slices shrink so the row-wide B
+    # tile fits L0B. The cost model prices it (and, here, prefers the norm alone); forced, it runs as eager
+    torch.manual_seed(0)
+    m = ResidualNorm(768).half().eval()
+    x, r = torch.randn(2, 40, 768).half(), torch.randn(2, 40, 768).half()
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    (d,) = [d for d in fused.report.decisions if d.pattern == "matmul+layer_norm"]
+    assert d.reason_code in ("conflict", "not_profitable") and d.cycles_fused > 0, d.reason
+    forced = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "off", "matmul_epilogue": "force"})
+    assert [d.pattern for d in forced.report.applied] == ["matmul+layer_norm"], forced.report.summary()
+    _within_bound(m, (x, r), {}, lambda: forced(x, r))
+
+
+def test_an_epilogue_whose_rows_cannot_fit_ub_says_what_it_needs():
+    m = ResidualNorm(4096).half().eval()
+    x, r = torch.randn(1, 8, 4096).half(), torch.randn(1, 8, 4096).half()
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    (d,) = [d for d in fused.report.decisions if d.pattern == "matmul+layer_norm"]
+    assert d.reason_code == "unsupported"
+    assert "whole rows of 4096 columns" in d.reason and "B of UB, 262,144 B available" in d.reason
