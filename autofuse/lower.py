@@ -330,7 +330,7 @@ def _lower_collective(node, t, ins):
              c10d.reduce_scatter_tensor.default: "reduce_scatter", c10d.all_to_all_single.default: "all_to_all"}
     if t not in kinds:
         return None
-    from autofuse.npu.link import group_size
+    from autofuse.groups import group_size
     name = node.args[-1]
     world = group_size(name)
     if world is None:

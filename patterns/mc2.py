@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from autofuse.graph import is_call, shape, val
 from autofuse.match import Match, register
-from autofuse.npu.link import group_size
+from autofuse.groups import group_size
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
@@ -147,4 +147,4 @@ def find_mc2(gm: fx.GraphModule) -> list[Match]:
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
-__all__ = ["KINDS", "TEMPLATES", "find_mc2", "group_size", "linear_operands"]
+__all__ = ["KINDS", "TEMPLATES", "find_mc2", "linear_operands"]

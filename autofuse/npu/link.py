@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autofuse.groups import resolve_group
 from cost_model.devices import get_links
 
 
@@ -222,28 +223,6 @@ class GlooComm(Comm):
         return [(d.numpy(), float(t.item())) for d, t in bufs]
 
 
-def resolve_group(name):
-    """The torch.distributed process group a functional collective names (its ``group_name`` argument), or None
-    when it cannot be resolved in this process (torch.distributed not initialised, or an unknown name)."""
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    try:
-        return _resolve_process_group(name)
-    except (ValueError, RuntimeError, KeyError):
-        return None
-
-
-def group_size(name) -> int | None:
-    """The number of ranks of the process group ``name`` (see :func:`resolve_group`), or None."""
-    group = resolve_group(name)
-    if group is None:
-        return None
-    import torch.distributed as dist
-    return dist.get_world_size(group)
-
-
 def make_comm(comm=None, world: int | None = None, rank: int = 0) -> Comm:
     """A Comm from what a caller has: a Comm as is; ``"gloo"`` (the default group), a process group or a
     group's name for the real ranks; otherwise a :class:`SymmetricComm` of ``world`` ranks (default 1)."""
@@ -262,5 +241,4 @@ def make_comm(comm=None, world: int | None = None, rank: int = 0) -> Comm:
     return SymmetricComm(world or 1, rank)
 
 
-__all__ = ["Comm", "GlooComm", "Links", "SymmetricComm", "ThreadComm", "ThreadWorld", "Transfer", "group_size",
-           "make_comm", "resolve_group"]
+__all__ = ["Comm", "GlooComm", "Links", "SymmetricComm", "ThreadComm", "ThreadWorld", "Transfer", "make_comm"]
