@@ -3,6 +3,7 @@ buffers are read at call time and get their gradients; finite mask fills, fully 
 mode and guarded assumptions behave as eager does."""
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -426,3 +427,53 @@ def test_finite_masks_that_are_not_skipped(value, spelling, why):
     (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
     assert d.params.get("causal_value") is None and not d.params["causal"], why
     _assert_as_eager(model, args, fused(*args))
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_the_skip_is_exact_at_the_edge_of_the_bound(kind):
+    """The worst case of the bound: query row 0 keeps one key at score -A and has every masked key at +A
+    (q = c·e0, k0 = -c·e0, the other keys +c·e0). At the largest fp16 c the bound still accepts, the skip equals
+    the mask read bit for bit; at the next c the op reads the mask. Row 0 then averages its one key: v[0]."""
+    from autofuse.fused import kernel_default_tiling
+    from autofuse.ops import causal_skip_is_exact
+    S, D = 64, 64
+    scale = D ** -0.5
+    value = float(torch.finfo(torch.float16).min)
+    keep = torch.ones(S, S, dtype=torch.bool).tril()
+    mask = keep if kind == "bool" else torch.zeros(S, S, dtype=torch.float16).masked_fill(~keep, value)
+
+    def inputs(c):
+        q, k = torch.zeros(1, 1, S, D, dtype=torch.float16), torch.zeros(1, 1, S, D, dtype=torch.float16)
+        q[..., 0] = c
+        k[..., 0] = c
+        k[..., 0, 0] = -c
+        return q, k
+
+    def accepts(c):
+        n2 = float(torch.tensor(c, dtype=torch.float16)) ** 2
+        part = np.array([[[n2] * 8, [n2] * 8]], dtype=np.float32)
+        return causal_skip_is_exact(part, scale, value, additive=kind == "additive")
+
+    cs = torch.arange(0x3C00, 0x7800, dtype=torch.int16).view(torch.float16)       # every fp16 in [1, 32768)
+    ok = [float(c) for c in cs if accepts(float(c))]
+    edge = max(ok)
+    after = float(cs[cs > edge][0])
+    assert not accepts(after)
+    v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    spec = [((1, 1, S, D), "float16")] * 3
+    tiling = json.dumps(kernel_default_tiling("ascend910", spec, ((S, S), "bool" if kind == "bool" else "float16")))
+    op = torch.ops.autofuse.flash_attention
+    kw = dict(scale=scale, tiling=tiling, fill=value if kind == "bool" else None)
+    from autofuse.ops import recording
+    for c in (edge, after):
+        q, k = inputs(c)
+        with recording() as log:
+            skipped, _ = op(q, k, v, mask, **kw, causal_value=value)
+        read, _ = op(q, k, v, mask, **kw)
+        assert torch.equal(skipped, read), c
+        hbm = log[1][1].hbm_bytes
+        if c == edge:
+            assert torch.equal(skipped[0, 0, 0], v[0, 0, 0])          # row 0: one key kept, weight exactly 1
+            skip_hbm = hbm
+        else:
+            assert hbm > skip_hbm                                       # past the edge: the mask is read
