@@ -23,6 +23,7 @@ BLOCK = 8
 
 
 def _specs(dtype, R, D):
+    """The kernel's UB tiles, restated (the cost model imports no simulator code; tests/npu pin the two)."""
     dp = pad(D, "float16")
     sp = [((R, dp), dtype)] * 2
     if dtype != F32:
