@@ -23,6 +23,9 @@ from cost_model.devices import get_device
 
 aten = torch.ops.aten
 
+#: the device profiles every region's implementations are priced on (the report's "Implementation choices")
+DEVICES = ("ascend910", "ascend910b", "ascend310p")
+
 
 @dataclass
 class Price:
@@ -123,7 +126,6 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
     return chosen
 
 
-DEVICES = ("ascend910", "ascend910b", "ascend310p")
 SKIP = "causal skip under a score bound"
 READ = "mask read"
 
@@ -380,7 +382,7 @@ def is_fused_call(n: fx.Node) -> bool:
 
 from autofuse import fused_mc2  # noqa: E402,F401  (registers the MC2 families' fused calls)
 
-__all__ = ["ATTENTION", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "family_of",
+__all__ = ["ATTENTION", "DEVICES", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "family_of",
            "is_fused_call", "kernel_default_tiling", "price_attention", "register_family"]
 
 from autofuse import fused_softmax as _fused_softmax  # noqa: E402,F401  (registers the softmax family)

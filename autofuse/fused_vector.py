@@ -19,12 +19,11 @@ import torch.fx as fx
 
 import cost_model
 from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
-from autofuse.fused import REDUCED, Family, Price, _adapt, register_family
+from autofuse.fused import DEVICES, REDUCED, Family, Price, _adapt, register_family
 from autofuse.graph import call
 from cost_model.program import Input, as_program
 
 aten = torch.ops.aten
-DEVICES = ("ascend910", "ascend910b", "ascend310p")
 
 
 def _family(match) -> str:

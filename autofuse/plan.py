@@ -33,7 +33,7 @@ import torch.fx as fx
 
 import cost_model
 from autofuse.decision import FusionDecision
-from autofuse.fused import Price, family_of
+from autofuse.fused import DEVICES, Price, family_of
 from autofuse.lower import lower, step_specs
 from autofuse.rewrite import NotLiftable, lift
 
@@ -181,6 +181,21 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     return Candidate(match, unfused, fused, ws, lifted)
 
 
+def device_prices(match, canonical: dict, search_tiling: bool) -> dict:
+    """device -> ``[(implementation, cycles, True)]`` for a region whose family prices one implementation: its
+    kernels and tiling on every device profile (the report's "Implementation choices per device")."""
+    fam = family_of(match)
+    out = {}
+    for d in DEVICES:
+        try:
+            p = fam.price(match, canonical, d, search_tiling)
+        except (NotImplementedError, ValueError, TypeError, KeyError):
+            continue
+        tiling = ", ".join(f"{k} {v}" for k, v in p.tiling.items()) if len(p.kernels) == 1 else ""
+        out[d] = [(" + ".join(p.kernels) + (f" ({tiling})" if tiling else ""), int(p.cycles), True)]
+    return out
+
+
 def conflict_graph(cands: list, indices, can: dict) -> nx.Graph:
     """Candidates that share a node (of the canonical view or of the captured graph) conflict; a constant the
     canonical form shares between blocks (CSE of an arange) is no conflict."""
@@ -277,6 +292,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         params = {k: v for k, v in c.match.params.items() if not k.endswith(("_like", "_likes"))}
         if c.fused.alternatives:
             params["alternatives"] = c.fused.alternatives
+        elif applied:
+            params["alternatives"] = device_prices(c.match, can, level == "O3")
         decisions[i] = FusionDecision(
             pattern=c.match.pattern, nodes=tuple(c.nodes), anchor=c.anchor, applied=applied,
             reason_code=code, reason=reason, cycles_unfused=c.unfused.cycles, cycles_fused=c.fused.cycles,

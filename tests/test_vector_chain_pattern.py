@@ -212,8 +212,8 @@ def test_a_norm_reading_a_copy_of_its_own_add_verifies_on_meta_planning():
 
 
 def test_report_shows_each_regions_implementation_on_every_device():
-    """A 2-layer LLaMA: every fused Vector region and epilogue is named, and the Markdown report lists its chosen
-    implementation and price on each of the three device profiles."""
+    """A 2-layer LLaMA: every fused Vector region and epilogue is named, and the Markdown report lists every fused
+    region's (attention's too) chosen implementation and price on each of the three device profiles."""
     from autofuse.report import implementation_rows, markdown
     torch.manual_seed(0)
     model, (args, kwargs) = build("llama", layers=2, hidden=32, heads=4, seq=8)
@@ -222,6 +222,8 @@ def test_report_shows_each_regions_implementation_on_every_device():
     assert {"rope", "matmul+swiglu"} <= names and any("rms_norm" in n for n in names), report.summary()
     rows = implementation_rows(report)
     regions = {(r[0], r[1]) for r in rows}
+    assert {r[0] for r in rows} == names
+    assert any(r[0] == "attention" and r[3].startswith("flash_attention (q ") for r in rows)
     assert regions and all({r[2] for r in rows if (r[0], r[1]) == k} == {"ascend910", "ascend910b", "ascend310p"}
                            for k in regions)
     md = markdown(report)
