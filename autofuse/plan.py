@@ -181,6 +181,15 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     return Candidate(match, unfused, fused, ws, lifted)
 
 
+def _choice(price: Price, device: str) -> str:
+    """``"; <chosen implementation> (<other> N cycles)"`` when the price chose between implementations that change
+    the fused call (``price.options``), else ``""``."""
+    options = [o for o in price.alternatives.get(device, ()) if o[2]]
+    if not price.options or len(options) < 2:
+        return ""
+    return f"; {options[0][0]} (" + ", ".join(f"{o[0]} {o[1]:,} cycles" for o in options[1:]) + ")"
+
+
 def device_prices(match, canonical: dict, search_tiling: bool) -> dict:
     """device -> ``[(implementation, cycles, True)]`` for a region whose family prices one implementation: its
     kernels and tiling on every device profile (the report's "Implementation choices per device")."""
@@ -374,7 +383,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             why = "forced by switch; " if _switch(switches, c.match) == "force" else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
                                      f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
-                                     + (f"; {note}" if note else ""),
+                                     + _choice(c.fused, device) + (f"; {note}" if note else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)
     return applied, [decisions[i] for i in range(len(cands))], cands

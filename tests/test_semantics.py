@@ -363,6 +363,7 @@ def test_finite_causal_mask_is_skipped_where_the_bound_proves_it_exact(finite_ca
     choices = {name for name, _, _ in d.params["alternatives"]["ascend910"]}
     assert choices == {"causal skip under a score bound", "mask read"}
     assert d.params["alternatives"]["ascend910"][0][0] == "causal skip under a score bound"
+    assert "; causal skip under a score bound (mask read " in d.reason
     (call,) = _fused_calls(fused)
     assert call.kwargs["causal_value"] == float(torch.finfo(torch.float16).min)
     with recording() as log:
