@@ -27,6 +27,18 @@ aten = torch.ops.aten
 DEVICES = ("ascend910", "ascend910b", "ascend310p")
 
 
+def per_device(price_on) -> dict:
+    """``{device: price_on(device)}`` over :data:`DEVICES`, leaving out a device where it cannot be priced (no
+    tiling fits, an unsupported instance)."""
+    out = {}
+    for d in DEVICES:
+        try:
+            out[d] = price_on(d)
+        except (NotImplementedError, ValueError, TypeError, KeyError):
+            continue
+    return out
+
+
 @dataclass
 class Price:
     cycles: int = 0
@@ -107,27 +119,23 @@ def kernel_default_tiling(device: str, specs, mask) -> dict:
 def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     """The cost model's price of the fused kernel: with the tiling its search finds cheapest
     (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2)."""
-    read = _attention_price(match, nodes, device, search_tiling, False)
     if match.params.get("causal_value") is None:
-        return read
+        return _attention_price(match, nodes, device, search_tiling, False)
     # a proven causal mask with a finite value: skipping the tiles above the diagonal (after the run-time score
     # bound that proves it exact) or reading the mask, whichever the cost model finds cheaper, per device
-    alts = {}
-    for d in DEVICES:
-        try:
-            both = [(_attention_price(match, nodes, d, search_tiling, skip), skip) for skip in (True, False)]
-        except (ValueError, TypeError, KeyError):
-            continue
-        alts[d] = sorted([(SKIP if skip else READ, p.cycles, True) for p, skip in both], key=lambda a: a[1])
-    skip = _attention_price(match, nodes, device, search_tiling, True)
-    chosen = skip if skip.cycles < read.cycles else read
-    chosen.alternatives = alts
-    chosen.options = {"causal_skip": chosen is skip}
+    def both(d):
+        return {skip: _attention_price(match, nodes, d, search_tiling, skip) for skip in (True, False)}
+    prices = per_device(both)
+    here = prices[device] if device in prices else both(device)     # the target's error, if it cannot be priced
+    skip = here[True].cycles < here[False].cycles
+    chosen = here[skip]
+    chosen.alternatives = {d: sorted([(IMPLEMENTATIONS[s], p.cycles, True) for s, p in ps.items()], key=lambda a: a[1])
+                           for d, ps in prices.items()}
+    chosen.options = {"causal_skip": skip}
     return chosen
 
 
-SKIP = "causal skip under a score bound"
-READ = "mask read"
+IMPLEMENTATIONS = {True: "causal skip under a score bound", False: "mask read"}
 
 
 def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
@@ -203,7 +211,7 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     q, k, v = (_to_4d(ins[r]) for r in ("q", "k", "v"))
     mask = _mask(g, ins, m, rank)
     kwargs = dict(kwargs)
-    skip = kwargs.pop("causal_skip", True)     # the price's choice; without one (reduced-shape checks) the skip
+    skip = kwargs.pop("causal_skip", True)     # the price's choice; without a price (reduced-shape checks): skip
     kw = dict(scale=p["scale"], causal=p["causal"], return_probs=p["probs_used"], **kwargs)
     if p.get("fill") is not None:
         kw["fill"] = p["fill"]
@@ -382,7 +390,7 @@ def is_fused_call(n: fx.Node) -> bool:
 
 from autofuse import fused_mc2  # noqa: E402,F401  (registers the MC2 families' fused calls)
 
-__all__ = ["ATTENTION", "DEVICES", "FAMILIES", "Family", "Price", "attention_specs", "emit_attention", "family", "family_of",
+__all__ = ["ATTENTION", "DEVICES", "FAMILIES", "Family", "Price", "per_device", "attention_specs", "emit_attention", "family", "family_of",
            "is_fused_call", "kernel_default_tiling", "price_attention", "register_family"]
 
 from autofuse import fused_softmax as _fused_softmax  # noqa: E402,F401  (registers the softmax family)

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 import cost_model
 from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
-from autofuse.fused import DEVICES, REDUCED, Family, Price, _adapt, register_family
+from autofuse.fused import REDUCED, Family, Price, _adapt, per_device, register_family
 from autofuse.graph import call
 from cost_model.program import Input, as_program
 
@@ -36,15 +36,8 @@ def _dtype(n) -> str:
 
 def _alternatives(kind: str, args: tuple, kwargs: dict) -> dict:
     """device -> [(implementation, cycles, runnable)], cheapest first, from cost_model's alternatives."""
-    out = {}
-    for d in DEVICES:
-        try:
-            alts = cost_model.alternatives(*args, device=d, **kwargs) if kind == "vector" else \
-                cost_model.epilogue_alternatives(*args, device=d, **kwargs)
-        except (ValueError, TypeError, KeyError):
-            continue
-        out[d] = [(name, int(e.cycles), _runnable(name)) for name, e in alts]
-    return out
+    price = cost_model.alternatives if kind == "vector" else cost_model.epilogue_alternatives
+    return per_device(lambda d: [(name, int(e.cycles), _runnable(name)) for name, e in price(*args, device=d, **kwargs)])
 
 
 def _runnable(name: str) -> bool:

@@ -124,7 +124,7 @@ def causal_skip_is_exact(partials, scale: float, value: float, additive: bool) -
     kernel's per-core squared norms) that holds when ``value + A`` (bool) or ``value + 2A`` (additive) is
     at most ``-SKIP_MARGIN``. A NaN or inf anywhere in q or k makes the bound fail: the mask is then read."""
     mq, mk = np.asarray(partials, dtype=np.float64)[:, :, 0].max(axis=0)
-    a = abs(float(scale)) * math.sqrt(mq) * math.sqrt(mk) * (1 + 1e-3) if mq >= 0 and mk >= 0 else math.nan
+    a = abs(float(scale)) * math.sqrt(mq) * math.sqrt(mk) * (1 + 1e-3)       # NaN or inf stays: the test fails
     return bool(value + (2 * a if additive else a) <= -SKIP_MARGIN)
 
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 import cost_model
 from autofuse.decision import FusionDecision
-from autofuse.fused import DEVICES, Price, family_of
+from autofuse.fused import Price, family_of, per_device
 from autofuse.lower import lower, step_specs
 from autofuse.rewrite import NotLiftable, lift
 
@@ -194,15 +194,12 @@ def device_prices(match, canonical: dict, search_tiling: bool) -> dict:
     """device -> ``[(implementation, cycles, True)]`` for a region whose family prices one implementation: its
     kernels and tiling on every device profile (the report's "Implementation choices per device")."""
     fam = family_of(match)
-    out = {}
-    for d in DEVICES:
-        try:
-            p = fam.price(match, canonical, d, search_tiling)
-        except (NotImplementedError, ValueError, TypeError, KeyError):
-            continue
+
+    def priced(d):
+        p = fam.price(match, canonical, d, search_tiling)
         tiling = ", ".join(f"{k} {v}" for k, v in p.tiling.items()) if len(p.kernels) == 1 else ""
-        out[d] = [(" + ".join(p.kernels) + (f" ({tiling})" if tiling else ""), int(p.cycles), True)]
-    return out
+        return [(" + ".join(p.kernels) + (f" ({tiling})" if tiling else ""), int(p.cycles), True)]
+    return per_device(priced)
 
 
 def conflict_graph(cands: list, indices, can: dict) -> nx.Graph:
