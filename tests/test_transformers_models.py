@@ -1,6 +1,5 @@
 """Real transformers architectures (random weights from configs, no download): every attention
 layer is matched, and the rewritten graph with the reference op equals eager."""
-import time
 
 import pytest
 import torch
@@ -118,15 +117,12 @@ def test_gpt2_capture_on_meta_matches_every_layer():
 
 
 @pytest.mark.slow
-def test_gpt2_small_12_layers_on_meta_timing():
+def test_gpt2_small_12_layers_on_meta():
+    # how long this takes is benchmarks/compile_time.py's figure, not a test's
     cfg = transformers.GPT2Config()  # 12 layers, 768 hidden, 12 heads
     with torch.device("meta"):
         model = transformers.GPT2Model(cfg).eval()
     ids = torch.zeros(1, 1024, dtype=torch.long, device="meta")
-    t0 = time.perf_counter()
     cap = capture(model, (ids,), {"use_cache": False})
-    t1 = time.perf_counter()
     matches = find_attention(canonicalize(cap.graph_module))
-    t2 = time.perf_counter()
-    print(f"GPT-2 small on meta: capture {t1 - t0:.2f} s, canonicalize+match {t2 - t1:.2f} s")
     assert len(matches) == 12
