@@ -66,6 +66,9 @@ def simulate(case: Case, tiling=None):
     params = {k: v for k, v in case.params.items() if k != "group_sizes"}     # the kernel reads the group list
     for k, (shape, dtype) in case.tensor_params.items():
         params[k] = _array(shape, dtype, rng)
+    if case.kernel == "dropout_gen_mask":          # the host's draws, which the kernel writes as its bits
+        from autofuse.npu.kernels.dropout import HostDraws
+        params["draws"] = HostDraws(rng.random(case.params["shape"]) < case.params["keep_prob"])
     if tiling is not None:
         params["tiling"] = tiling
     return npu.run(case.kernel, *xs, device=case.device, **params).stats
@@ -271,6 +274,17 @@ def _fa_cases(quick: bool):
     for i, (shape, mask, dt) in enumerate(_fa_masks(quick)):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {}, {"mask": mask}))
+    # dropout on the probabilities (a keep bit per score, FlashAttentionScore's drop_mask), and its generator
+    drops = [((2, 4, 256, 64), True, "float16"), ((1, 2, 100, 64), False, "float32")]
+    if not quick:
+        drops += [((8, 12, 1024, 64), True, "float16"), ((4, 4, 129, 80), False, "bfloat16"),
+                  ((1, 16, 2048, 128), True, "float16")]
+    for i, (shape, causal, dt) in enumerate(drops):
+        bits = ((*shape[:3], -(-shape[2] // 8)), "uint8")
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": causal, "keep_prob": 0.9},
+                            {"drop_mask": bits}))
+            out.append(Case("dropout_gen_mask", [], d, {"shape": (*shape[:3], shape[2]), "keep_prob": 0.9}))
     # the score bound launched before a causal skip over a finite-valued mask (q and k; GQA: fewer k rows)
     bounds = [((8, 12, 1024, 64), (8, 12, 1024, 64), "float16"), ((1, 2, 77, 64), (1, 1, 80, 64), "float32")]
     if not quick:

@@ -16,6 +16,7 @@ from cost_model import norm as _norm  # noqa: F401,E402
 from cost_model import vector as _vector  # noqa: F401,E402
 from cost_model import flash_attention as _flash_attention  # noqa: F401,E402
 from cost_model import score_bound as _score_bound  # noqa: F401,E402
+from cost_model import dropout as _dropout  # noqa: F401,E402
 from cost_model import movement as _movement  # noqa: F401,E402
 from cost_model import moe as _moe  # noqa: F401,E402
 from cost_model import grouped_matmul as _grouped_matmul  # noqa: F401,E402

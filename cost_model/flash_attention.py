@@ -36,7 +36,7 @@ def _r16(x):
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def _requests(dev, D, Dv, dtype, t, mask_spec):
+def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False):
     q, kv, vq = t["q"], t["kv"], t["vq"]
     split = dev.arch == "split"
     rows = q // 2 if split else q
@@ -44,8 +44,10 @@ def _requests(dev, D, Dv, dtype, t, mask_spec):
     if mask_spec is not None:
         mdt, mr, mc = mask_spec
         req.append(("vec", "UB", "mask", (vq if mr else 1, kv if mc else 1), mdt, 1, 2))
+    if drop:
+        req.append(("vec", "UB", "drop", (vq, kv // 8), "uint8", 1, 2))
     req += [("vec", "UB", "pv", (rows, Dv), F32, 1, 1), ("vec", "UB", "o", (rows, Dv), F32, 1, 1),
-            ("vec", "UB", "out", (vq, Dv), dtype, 1, 2)]
+            ("vec", "UB", "out", (_out_rows(vq), Dv), dtype, 1, 2)]
     req += [("vec", "UB", st, (rows,), F32, 2, 2) for st in ("m", "l", "alpha")]
     q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
         [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
@@ -62,6 +64,11 @@ def _requests(dev, D, Dv, dtype, t, mask_spec):
     else:
         req += [("cube", "L0C", "s0", s0, F32, 1, 2), ("cube", "L0C", "o0", o0, F32, 1, 2)]
     return req
+
+
+def _out_rows(vq):
+    """Rows of the kernel's output tile: the largest divisor of ``vq`` up to 64 (restated from the kernel)."""
+    return next(d for d in range(min(vq, 64), 0, -1) if vq % d == 0)
 
 
 def _counts(dev, req):
@@ -99,12 +106,12 @@ DEFAULT_MARGIN = 0.05
 
 
 @cached
-def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec):
-    return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec)
+def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
+    return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec, drop)
 
 
 @cached
-def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec):
+def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
     """The kernel's own default (``_default_tiling``, mirrored): the fitting tile with the largest q·kv,
     then q, with its largest fitting Vector row block."""
     dev = get_device(device)
@@ -115,13 +122,13 @@ def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec):
         rows = q // 2 if dev.arch == "split" else q
         for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
             t = {"q": q, "kv": kv, "vq": vq}
-            c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec))
+            c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec, drop))
             if c is not None:
                 return t, c
     return None
 
 
-def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
+def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
     qmax, kvmax = _r16(Sq), _r16(Skv)
     out = []
     # the larger tiles (fewer K/V reloads and O updates per score) are the ones worth pricing
@@ -130,7 +137,7 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec):
             rows = q // 2 if dev.arch == "split" else q
             for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
                 t = {"q": q, "kv": kv, "vq": vq}
-                c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec))
+                c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec, drop))
                 if c is not None:
                     out.append((t, c))
                     break
@@ -321,11 +328,11 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
 
 
 @cached
-def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, return_probs):
+def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, return_probs, drop=False):
     """GM traffic per path over the whole launch (all cores), as the kernel moves it: Q once per item, K/V
     per step, P out and back into L0A, the output; split cores also S and O_j through GM (fp32) and back
     to the AIVs; the mask per step (``mask_rc``: whether its rows / columns vary; a broadcast row is
-    read once per core side); ``return_probs``: the sweep's Q and K reloads, S again (split), the row
+    read once per core side); ``drop``: the dropout keep bits of every attended tile; ``return_probs``: the sweep's Q and K reloads, S again (split), the row
     max and sum out and back, every probabilities tile out."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     qe = np.minimum(qb, Sq - np.arange(nq) * qb)
@@ -344,6 +351,8 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
         mk = float((rows * (cum[nt] if mc else nt)).sum())
     b = {"GM->L1": H * (Sq * D + k_ * (D + Dv)) * isz, "GM->L0A": H * qk * isz,
          "UB->GM": H * (qk * isz + Sq * Dv * isz), "GM->UB": H * mk * msz}
+    if drop:
+        b["GM->UB"] += H * drop_bytes(Sq, Skv, qb, kvb, causal)
     if split:
         b["L0C->GM"] = H * (qk + q_ * Dv) * 4
         b["GM->UB"] += H * (qk + q_ * Dv) * 4
@@ -356,7 +365,18 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     return {k: float(v) for k, v in b.items() if v}
 
 
-def _model(dev, specs, mask, causal, t, counts, return_probs):
+def drop_bytes(Sq, Skv, qb, kvb, causal):
+    """Dropout keep-mask bytes one head's attended tiles read: ``ceil(kext / 8)`` a row per tile."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    qe = np.minimum(qb, Sq - np.arange(nq) * qb)
+    ke8 = -(-np.minimum(kvb, Skv - np.arange(nkv) * kvb) // 8)
+    cum8 = np.concatenate([[0], np.cumsum(ke8)])
+    last = np.minimum((np.arange(nq) + 1) * qb, Sq)
+    nt = np.minimum(-(-np.minimum(last, Skv) // kvb), nkv) if causal else np.full(nq, nkv)
+    return float((qe * cum8[nt]).sum())
+
+
+def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -387,6 +407,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
         mdt = mask[1]
         passes += 1 if mdt in ("bool", F32) else 2
         msz = itemsize(mdt)
+    if drop:
+        passes += 1                                   # select by the keep bits
     rr = rv * math.ceil(ke / 64)
     stat = nsub * math.ceil(vq / 64)
     part = 0.0
@@ -427,6 +449,11 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
         mask_miss = mask_unique * (1 if mask_unique <= dev.l2_bytes // 2 else reps) / T
     port_mask = max(0.0, n * nh * mask_b - mask_miss) / L2bw + mask_miss / HBMbw if mask is not None else 0.0
     mte2_mask = max(mask_b / rate["GM->UB"], port_mask) if mask is not None else 0.0
+    if drop:                                          # keep bits: read once each, from HBM
+        drop_b = rv * math.ceil(ke / 8)
+        port_drop = n * nh * drop_b / HBMbw
+        port_mask += port_drop
+        mte2_mask += max(drop_b / rate["GM->UB"], port_drop)
     if split:
         s_b = qe * ke * 4
         fix = max(s_b / rate["L0C->GM"], n * s_b / L2bw) + max(qe * Dv * 4 / rate["L0C->GM"], n * qe * Dv * 4 / L2bw)
@@ -485,6 +512,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
     hbm = B * N * Sq * D * isz + kv_reads + B * N * Sq * Dv * isz
     if mask is not None:
         hbm += mask_miss * T
+    if drop:
+        hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal))
     if causal and B * N * nq * nkv <= 512:               # few steps: replay the deal (cheap enough)
         hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
                               bool(return_probs))
@@ -505,7 +534,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs):
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_rc = (m4[2] != 1, m4[3] != 1)
     nbytes = dict(gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, bool(causal), split, mask_rc, msz,
-                           bool(return_probs)))
+                           bool(return_probs), bool(drop)))
     if return_probs:
         for u, c in pbusy.items():
             busy[u] += c
@@ -601,7 +630,8 @@ def flops(B, N, Sq, Skv, D, Dv, causal):
     return 2.0 * B * N * pairs * (D + Dv)
 
 
-def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None, **_semantics):
+def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None, drop=False,
+              **_semantics):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     Skv, Dv = ks[2], vs[3]
@@ -612,11 +642,13 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
         io += B * N * Sq * Skv * isz
     if mask is not None:
         io += math.prod(mask[0]) * itemsize(mask[1])
+    if drop:
+        io += B * N * Sq * ceil_div(Skv, 8)
     return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 
 
 @cached
-def _search(device, specs, mask, causal, return_probs):
+def _search(device, specs, mask, causal, return_probs, drop=False):
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     mask_spec = None
@@ -624,12 +656,12 @@ def _search(device, specs, mask, causal, return_probs):
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
     best = None
-    cands = list(_candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec))
-    default = kernel_default(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec)
+    cands = list(_candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop))
+    default = kernel_default(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop)
     if default is not None and default[0] not in [t for t, _ in cands]:
         cands.append(default)
     for t, counts in cands:
-        res = _model(dev, specs, mask, causal, t, counts, return_probs)
+        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop)
         cost = kernel_cycles(dev, *res[:3])
         if default is not None and t == default[0]:
             cost *= 1 - DEFAULT_MARGIN
@@ -642,26 +674,29 @@ def _search(device, specs, mask, causal, return_probs):
 
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
-                             fill=float("-inf"), empty_rows="zero"):
+                             fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
-    ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes."""
+    ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
+    dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
+    scales values)."""
+    drop = drop_mask is not None
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
     if tiling is None:
-        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs))
+        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop))
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
         m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_spec = None if mask is None else (mask[1], m4[2] != 1, m4[3] != 1)
-        counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec))
+        counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec, bool(drop)))
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
-        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs))
+        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop))
     core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),
-                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs),
+                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs, drop=drop),
                 flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal), workspace=ws_bytes)
 
 

@@ -630,7 +630,7 @@ class Tile:
         n = group.n
         self.group, self.buffer, self.offset, self.nbytes = group, buffer, offset, nbytes
         self.shape, self.dtype, self.name = tuple(shape), dtype, name
-        storage = np.bool_ if dtype == "bool" else np.float32
+        storage = np.bool_ if dtype == "bool" else (np.uint8 if dtype == "uint8" else np.float32)
         self._data = np.zeros((n, *shape), dtype=storage) if group.launch.values else Absent((n, *shape), storage)
         self.ready = np.zeros(n)          # when the last write to the tile completes
         self.busy_until = np.zeros(n)     # when the last read of the tile completes
@@ -638,7 +638,7 @@ class Tile:
 
     @property
     def data(self) -> np.ndarray:
-        """The tile's values ``[core, *shape]`` (float32, or bool). On a value stream of a deferred launch,
+        """The tile's values ``[core, *shape]`` (float32; bool and uint8 tiles hold their own type). On a value stream of a deferred launch,
         the array this stream's moves have handed to the tile (see :class:`_Streams`)."""
         arrays = getattr(_LOCAL, "arrays", None)
         if arrays is None:

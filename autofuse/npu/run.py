@@ -188,6 +188,7 @@ from autofuse.npu.kernels import vector as _vector  # noqa: E402,F401
 from autofuse.npu.kernels import norm as _norm  # noqa: E402,F401
 from autofuse.npu.kernels import flash_attention as _flash_attention  # noqa: E402,F401
 from autofuse.npu.kernels import score_bound as _score_bound  # noqa: E402,F401
+from autofuse.npu.kernels import dropout as _dropout  # noqa: E402,F401
 from autofuse.npu.kernels import movement as _movement  # noqa: E402,F401
 from autofuse.npu.kernels import moe_gating as _moe_gating  # noqa: E402,F401
 from autofuse.npu.kernels import moe_routing as _moe_routing  # noqa: E402,F401

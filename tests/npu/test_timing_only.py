@@ -14,6 +14,8 @@ from autofuse import npu
 from autofuse.npu import machine
 from autofuse.npu.machine import Absent, SimulatorError
 from autofuse.npu.run import ALL, STEER
+from autofuse.npu.kernels.dropout import HostDraws
+from autofuse.npu.kernels.flash_attention import pack_keep
 
 DEVICES = npu.devices()
 
@@ -80,6 +82,10 @@ def _cases():
           ("flash_attention", (_rand(1, 2, 130, 32, dtype=f32), _rand(1, 2, 130, 32, dtype=f32, seed=1),
                                _rand(1, 2, 130, 32, dtype=f32, seed=2)), {"causal": True}),
           ("score_bound", (q, k), {}), ("score_bound", (_rand(3, 70, dtype=bf16), _rand(1, 5, 70, dtype=bf16)), {})]
+    # dropout: the keep-mask generator (the host's draws as its bits) and attention reading the bits
+    keep = np.random.default_rng(5).random((2, 4, 96, 160)) < 0.9
+    c += [("dropout_gen_mask", (), {"shape": (2, 4, 96, 160), "keep_prob": 0.9, "draws": HostDraws(keep)}),
+          ("flash_attention", (q, k, v), {"causal": True, "drop_mask": pack_keep(keep), "keep_prob": 0.9})]
     # MoE
     logits = _rand(50, 16, dtype=f32)
     c += [("moe_gating_topk", (logits,), {"k": 2, "renorm": True}),

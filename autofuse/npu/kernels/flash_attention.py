@@ -64,8 +64,13 @@ to q's dtype and stored. Rows with no key give 0 probabilities (NaN with ``empty
 
 Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
 skip the cast), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
-diagonal tiles (an index compare and a select); per tile the O update costs two passes over
-``[rows, Dv]``.
+diagonal tiles (an index compare and a select), one for dropout (a select by the keep bits); per tile the O
+update costs two passes over ``[rows, Dv]``.
+
+Dropout (``drop_mask``, FlashAttentionScore's ``drop_mask`` input with ``keep_prob``): the keep bits of each
+row block are loaded with its S (``rows x kv / 8`` bytes), and after the row sum (the softmax denominator is
+the sum before dropout) P is zeroed where a bit is 0; the ``1 / keep_prob`` factor is folded into the final
+``1 / l``. The mask is an input: it comes from ``dropout_gen_mask``, as CANN's comes from DropOutGenMask.
 """
 from __future__ import annotations
 
@@ -135,12 +140,12 @@ def round_to(x: np.ndarray, dtype: str, out: np.ndarray, tmp: np.ndarray, nonneg
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec):
+def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec, drop: bool = False):
     """Buffer requests ``(side, buffer, name, shape, dtype, min_count, max_count)`` in allocation order.
 
     ``side`` is "cube" (coupled core, or AIC) or "vec" (coupled core, or AIV). Counts above the minimum are
     granted, in list order, while they fit (double buffers). ``mask_spec``: ``(dtype, rows, cols)`` of
-    the mask tile or None.
+    the mask tile or None. ``drop``: a dropout keep-mask tile (one bit per score) per row block.
     """
     q, kv, vq = t["q"], t["kv"], t["vq"]
     split = device.arch == "split"
@@ -150,6 +155,8 @@ def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec):
     if mask_spec is not None:
         mdt, mr, mc = mask_spec
         req.append(("vec", "UB", "mask", (vq if mr else 1, kv if mc else 1), mdt, 1, 2))
+    if drop:
+        req.append(("vec", "UB", "drop", (vq, kv // 8), "uint8", 1, 2))
     req += [("vec", "UB", "pv", (rows, Dv), f32, 1, 1), ("vec", "UB", "o", (rows, Dv), f32, 1, 1),
             ("vec", "UB", "out", (_out_rows(vq), Dv), dtype, 1, 2)]
     req += [("vec", "UB", st, (rows,), f32, 2, 2) for st in ("m", "l", "alpha")]
@@ -219,26 +226,28 @@ def _check_tiling(device, t: dict) -> str | None:
     return None
 
 
-def tiling_fits(device, D: int, dtype: str, t: dict, mask_spec=None, Dv: int | None = None) -> bool:
+def tiling_fits(device, D: int, dtype: str, t: dict, mask_spec=None, Dv: int | None = None, drop: bool = False) -> bool:
     """Whether tiling ``t`` (q, kv, vq) is valid and fits every buffer it uses on ``device``."""
     if _check_tiling(device, t):
         return False
-    return _counts(device, _requests(device, D, Dv or D, dtype, t, mask_spec)) is not None
+    return _counts(device, _requests(device, D, Dv or D, dtype, t, mask_spec, drop)) is not None
 
 
 _TILINGS: dict = {}
 
 
-def default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None) -> dict:
+def default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None,
+                   drop: bool = False) -> dict:
     """The kernel's own tiling for these shapes (see :func:`_default_tiling`); cached per device and shape."""
     key = (device.name, device.arch, tuple(device.buffers.items()), tuple(device.align.items()),
-           _r16(Sq), _r16(Skv), D, Dv or D, dtype, mask_spec)
+           _r16(Sq), _r16(Skv), D, Dv or D, dtype, mask_spec, bool(drop))
     if key not in _TILINGS:
-        _TILINGS[key] = _default_tiling(device, Sq, Skv, D, dtype, mask_spec, Dv)
+        _TILINGS[key] = _default_tiling(device, Sq, Skv, D, dtype, mask_spec, Dv, bool(drop))
     return dict(_TILINGS[key])
 
 
-def _default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None) -> dict:
+def _default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None,
+                    drop: bool = False) -> dict:
     """The largest tile (q rows × kv keys) that fits, then the largest Vector row block ``vq``.
 
     Blocks are clamped to the (16-rounded) sequence lengths so short sequences do not pay for padding.
@@ -259,7 +268,7 @@ def _default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=Non
             pick = None
             for vq in vqs:
                 t = {"q": q, "kv": kv, "vq": vq}
-                if _counts(device, _requests(device, D, Dv, dtype, t, mask_spec)) is not None:
+                if _counts(device, _requests(device, D, Dv, dtype, t, mask_spec, drop)) is not None:
                     pick = t
                     break
             if pick is not None:
@@ -395,11 +404,13 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
-                    fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False):
+                    fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0):
     """Fused attention (see the module docstring). Returns ``(out,)`` or ``(out, probs)`` in q's dtype.
 
     ``tiling``: ``{"q": query rows per item, "kv": keys per tile, "vq": rows per Vector sub-block}``
-    (None: :func:`default_tiling`).
+    (None: :func:`default_tiling`). ``drop_mask``: dropout on the probabilities, a uint8 keep-mask
+    ``[B, N, Sq, ceil(Skv / 8)]`` with one bit per score (bit ``j % 8`` of byte ``j // 8``, 1 = keep, as
+    :func:`pack_keep` packs it); kept probabilities are scaled by ``1 / keep_prob``.
     """
     dev = launch.device
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -428,14 +439,17 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     if mask is not None:
         mask, mshape = _mask_view(mask, B, N, Sq, Skv)
         mask_spec = (mask.dtype, mshape[2] != 1, mshape[3] != 1)
+    drop = drop_mask is not None
+    if drop:
+        _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), return_probs)
     if tiling is None:
-        t = default_tiling(dev, Sq, Skv, D, dtype, mask_spec, Dv)
+        t = default_tiling(dev, Sq, Skv, D, dtype, mask_spec, Dv, drop)
     else:
         t = dict(tiling)
         bad = _check_tiling(dev, t)
         if bad:
             raise ValueError(f"flash_attention: {bad}")
-    req = _requests(dev, D, Dv, dtype, t, mask_spec)
+    req = _requests(dev, D, Dv, dtype, t, mask_spec, drop)
     counts = _counts(dev, req)
     if counts is None:
         use = _buffer_use(dev, req, {r[2]: r[5] for r in req})
@@ -445,7 +459,27 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv)
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
+    prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
     return prog.run()
+
+
+def pack_keep(keep: np.ndarray) -> np.ndarray:
+    """A boolean keep-mask ``[..., S]`` as the kernel reads it: uint8 ``[..., ceil(S / 8)]``, bit ``j % 8``
+    of byte ``j // 8`` (little-endian bit order, the layout of numpy's ``packbits(bitorder="little")``)."""
+    return np.packbits(np.asarray(keep, dtype=bool), axis=-1, bitorder="little")
+
+
+def _check_drop(drop_mask, keep_prob, shape, return_probs):
+    B, N, Sq, Skv = shape
+    want = [B, N, Sq, _ceil(Skv, 8)]
+    if drop_mask.dtype != "uint8" or list(drop_mask.shape) != want:
+        raise ValueError(f"flash_attention: drop_mask is {drop_mask.dtype} {list(drop_mask.shape)}; it must be "
+                         f"uint8 {want} (one keep bit per score, pack_keep)")
+    if not 0.0 < float(keep_prob) <= 1.0:
+        raise ValueError(f"flash_attention: keep_prob={keep_prob}; it must be in (0, 1] (1 - dropout p)")
+    if return_probs:
+        raise ValueError("flash_attention: return_probs with a drop_mask is not supported (the probabilities "
+                         "a caller reads are the ones before dropout or after it: ask for neither)")
 
 
 class _Plan:
@@ -508,7 +542,7 @@ class _Program:
             return [(j, causal and j * kvb > last_row) for j in range(nkv)]
 
         key = (dev.name, dev.arch, dev.cube_cores, B, N, Nkv, Sq, Skv, D, Dv, qb, kvb, self.vq, causal,
-               return_probs, None if mask is None else (mask.dtype, mask.shape))
+               return_probs, None if mask is None else (mask.dtype, mask.shape), "drop" in counts)
         plan = _PLANS.pop(key, None)
         if plan is None:
             group = N // Nkv
@@ -557,6 +591,7 @@ class _Program:
         self.deferred = []            # P stores of stage A, issued after stage B's loads (see run)
         self.ends = {}                # (what, step, row block) -> cube-core end times, for explicit waits
         self.stats_end = np.zeros(self.nv)
+        self.drop, self.inv_keep = None, np.float32(1.0)       # dropout keep-mask, set by the caller
 
     # ---------------------------------------------------------------- helpers
     def _regs(self, key, build):
@@ -689,6 +724,8 @@ class _Program:
             if not ract.any():
                 continue
             a_ = self._act(ract)
+            # the keep bits first: they depend on nothing, so their load runs ahead of S's, which waits for the tile
+            dt_ = self._load_drop(v, s, r, rows, ro, ract) if self.drop is not None and not probs_pass else None
             S = self._next("s")
             if self.split:
                 rl, ol, kl, cv = rows.tolist(), ro.tolist(), v["kl"], self.cube_of
@@ -700,7 +737,7 @@ class _Program:
             else:
                 vg.move(S, s0, fn=(lambda x, r=r: x[:, r * vq:(r + 1) * vq]) if self.nsub > 1 else None,
                         nbytes=rows * v["kext"] * 4, active=a_, name="FixPipe S->UB", consume=self.nsub == 1)
-            self._softmax(S, P, s, r, rows, ro, ract, v, probs_pass)
+            self._softmax(S, P, s, r, rows, ro, ract, v, probs_pass, dt_)
         vrows = np.clip(v["qext"] - self.half * self.rows, 0, self.rows)
         rl, ol, kl = vrows.tolist(), (self.half * self.rows).tolist(), v["kl"]
         if probs_pass:
@@ -745,7 +782,18 @@ class _Program:
                 "q0": vec(st.q0[s]), "k0": vec(st.k0[s]), "b": vec(st.b[s]), "h": vec(st.h[s]),
                 "partial": vec(st.partial[s])}
 
-    def _softmax(self, S, P, s, r, rows, ro, ract, v, probs_pass):
+    def _load_drop(self, v, s, r, rows, ro, ract):
+        """The dropout keep bits of one row block's scores: ``rows x ceil(kext / 8)`` bytes into a UB tile."""
+        dt_ = self._next("drop")
+        bl, hl, ql, kl0, kl = v["b"].tolist(), v["h"].tolist(), v["q0"].tolist(), v["k0"].tolist(), v["kl"]
+        rl, ol = rows.tolist(), ro.tolist()
+        self.vg.load(dt_, self.drop, self._regs(("drop", s + self.base, r), lambda: [
+            (bl[c], hl[c], slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]),
+             slice(kl0[c] // 8, (kl0[c] + kl[c] + 7) // 8)) if ract[c] else None
+            for c in range(self.nv)]), name="load dropout mask")
+        return dt_
+
+    def _softmax(self, S, P, s, r, rows, ro, ract, v, probs_pass, dt_=None):
         """The Vector passes over one S row block (fp32), ending in rows ``ro`` of P (operand dtype).
 
         The passes run back to back on the Vector unit, so they are issued as one instruction whose repeats
@@ -777,6 +825,9 @@ class _Program:
                 for c in range(self.nv)]), name="load mask")
             passes += 1 if self.mask.dtype in ("bool", "float32") else 2     # select / (cast and) add
             reads.append(mt)
+        if dt_ is not None:
+            passes += 1                                     # select by the keep bits
+            reads.append(dt_)
         part = v["partial"] & ract
         repeats = rr * passes + rr * part * 2 + stat * (3 if probs_pass else 5)
         vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
@@ -839,6 +890,8 @@ class _Program:
             lprev = np.where(fc, np.float32(0), Lp[cs, sl])
             # row sums as a product with ones: numpy's own reduction over short rows is 3x slower
             Lc[cs, sl] = alpha * lprev + np.matmul(x, self.ones)
+            if dt_ is not None:          # dropout after the row sum: the softmax's denominator is the full one
+                np.multiply(x, np.unpackbits(dt_.data[cs], axis=-1, bitorder="little"), out=x)
             cast(x, cs)
 
         vg.vector("softmax: scale mask max sub exp sum cast", writes + [M[cur], Lt[cur], A[cur]],
@@ -933,7 +986,10 @@ class _Program:
         sl = slice(r * orows, (r + 1) * orows)
 
         def norm(cs):
-            o = O.data[cs, sl] * self._inverse(Lt.data[cs, sl])[:, :, None]
+            inv = self._inverse(Lt.data[cs, sl])
+            if self.drop is not None:
+                inv = inv * self.inv_keep                  # dropout's 1 / keep_prob, folded into 1 / l
+            o = O.data[cs, sl] * inv[:, :, None]
             round_to(o, self.dtype, OUT.data[cs], np.empty_like(o))
 
         passes = 2 if self.dtype != "float32" else 1
@@ -1000,4 +1056,4 @@ class _Program:
         return (self.out, self.probs) if self.return_probs else (self.out,)
 
 
-__all__ = ["flash_attention", "default_tiling", "tiling_fits", "flops", "min_hbm_bytes", "round_to"]
+__all__ = ["flash_attention", "default_tiling", "tiling_fits", "flops", "min_hbm_bytes", "pack_keep", "round_to"]
