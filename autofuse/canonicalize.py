@@ -199,8 +199,8 @@ def _eval_dropout(n):
 def _eval_native_dropout(n):
     src = n.args[0]
     if n.target is operator.getitem and n.args[1] == 0 and is_call(src, aten.native_dropout.default):
-        p, train = arg(src, 1, "p"), arg(src, 2, "train")
-        return src.args[0] if (not train or p == 0) else None
+        # in training, native_dropout draws its mask even at p = 0: it stays, so a fusion keeps the draw
+        return src.args[0] if not arg(src, 2, "train") else None
     return None
 
 

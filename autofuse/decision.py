@@ -11,7 +11,7 @@ Reports, the CLI and the pictures read these objects, never log text. Reason cod
 ``conflict``               overlaps a candidate that saves more; the global choice took that one
 ``memory_budget``          the fused kernel's working set (inputs, outputs, workspace) exceeds the budget
 ``disabled_by_switch``     the user switched the family off (``fusion_switches``, ``--disable``)
-``training_dropout``       training-mode dropout on the probabilities: random, so the block runs as captured
+``training_dropout``       a training-mode dropout the fused kernel cannot take (probabilities read outside, p = 1)
 ``unsupported``            the kernel cannot run this instance (dtype, mask combination, no counterpart in
                            the captured graph, ...)
 ``verification_failed``    the fused kernel's result differed from the captured subgraph

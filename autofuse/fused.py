@@ -102,10 +102,14 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
         else:
             s, d = _spec(nodes[src])
             params["mask"] = (s, "bool" if p.get("mask_kind") == "bool" else d)
+    if p.get("dropout_draw") is not None:
+        (qs, _), (ks, _) = specs[:2]
+        params["drop_mask"] = ((*qs[:3], -(-ks[2] // 8)), "uint8")
+        params["keep_prob"] = 1.0 - p["dropout_p"]
     return specs, params
 
 
-def kernel_default_tiling(device: str, specs, mask) -> dict:
+def kernel_default_tiling(device: str, specs, mask, drop: bool = False) -> dict:
     """The tiling the flash_attention kernel picks by itself for these shapes (what it runs with ``tiling=None``)."""
     from autofuse.npu.kernels.flash_attention import default_tiling
     (qs, dtype), (ks, _), (vs, _) = specs
@@ -113,7 +117,7 @@ def kernel_default_tiling(device: str, specs, mask) -> dict:
     if mask is not None:
         m4 = _as_bnsd(mask[0])
         mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
-    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3])
+    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3], drop)
 
 
 def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Price:
@@ -141,14 +145,18 @@ IMPLEMENTATIONS = {True: "causal skip under a score bound", False: "mask read"}
 def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
     specs, params = attention_specs(nodes, match, skip)
     if not search_tiling:
-        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"))
+        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"), "drop_mask" in params)
     e = cost_model.estimate("flash_attention", specs, device=device, **params)
-    if not skip:
-        return Price(int(e.cycles), int(e.hbm_bytes), ["flash_attention"], e.bound, dict(e.tiling or {}),
-                     e.workspace_bytes)
-    b = cost_model.estimate("score_bound", specs[:2], device=device)      # the run-time bound, launched first
-    return Price(int(e.cycles + b.cycles), int(e.hbm_bytes + b.hbm_bytes), ["score_bound", "flash_attention"],
-                 e.bound, dict(e.tiling or {}), e.workspace_bytes)
+    first = []                          # launches ahead of the attention kernel: (kernel, estimate)
+    draw = match.params.get("dropout_draw")
+    if draw is not None:                # the keep-mask, generated first (DropOutGenMask, then FlashAttentionScore)
+        first.append(("dropout_gen_mask", cost_model.estimate("dropout_gen_mask", [], device=device,
+                                                               shape=list(draw[0]),
+                                                               keep_prob=1.0 - match.params["dropout_p"])))
+    if skip:                            # the run-time score bound
+        first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
+    return Price(int(e.cycles + sum(x.cycles for _, x in first)), int(e.hbm_bytes + sum(x.hbm_bytes for _, x in first)),
+                 [k for k, _ in first] + ["flash_attention"], e.bound, dict(e.tiling or {}), e.workspace_bytes)
 
 
 def attention_kwargs(device: str, price: Price, level: str) -> dict:
@@ -223,6 +231,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["mask_keeps_nan"] = True
     if "scale_tensor" in ins:
         kw["scale_tensor"] = ins["scale_tensor"]
+    if p.get("dropout_draw") is not None:
+        kw["drop_mask"], kw["dropout_p"] = _keep_mask(g, ins, m, kwargs.get("device", "ascend910"), q), p["dropout_p"]
     like = p["out_like"]
     if like.dim() == 4 and not like.is_contiguous():
         kw["out_order"] = _physical_order(like)
@@ -236,6 +246,20 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         probs.meta["val"] = _as_rank4(p["probs_like"])
         outs["probs"] = _adapt(g, probs, p["probs_like"])
     return outs
+
+
+def _keep_mask(g, ins, m, device: str, q4: fx.Node) -> fx.Node:
+    """The dropout keep-mask eager draws for the block's probabilities, drawn here by ``dropout_gen_mask`` over
+    the same shape and dtype (the same elements of the generator's stream), as [B, N, Sq, ceil(Skv / 8)]."""
+    p = m.params
+    dims = [*shape(ins["q"])[:-1], shape(ins["k"])[-2]]            # the probabilities (reduced shapes included)
+    gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (dims, p["dropout_p"], p["dropout_draw"][1]),
+                          {"device": device})
+    gen.meta["val"] = p["out_like"].new_empty([*dims[:-1], -(-dims[-1] // 8)], dtype=torch.uint8)
+    want = [*shape(q4)[:-1], -(-dims[-1] // 8)]
+    if list(shape(gen)) != want:
+        gen = call(g, aten.reshape.default, gen, want)
+    return gen
 
 
 REDUCED = 80       # a reduced sequence or token count: not a tile multiple, so edge tiles are exercised

@@ -34,14 +34,18 @@ class Out:
 
 @dataclass(frozen=True)
 class Const:
-    """A constant tensor the lowering needs (``"tril"``: a bool lower-triangular mask of ``shape``)."""
+    """A constant tensor the lowering needs: ``"tril"``, a bool lower-triangular mask of ``shape``;
+    ``"keep_bits"``, a dropout keep-mask's bytes (uint8, one bit per element: its values never matter,
+    the kernel reading it is priced by its bytes)."""
     kind: str
     shape: tuple
 
     def spec(self):
-        return tuple(self.shape), "bool"
+        return tuple(self.shape), ("uint8" if self.kind == "keep_bits" else "bool")
 
     def make(self):
+        if self.kind == "keep_bits":
+            return torch.zeros(self.shape, dtype=torch.uint8)
         return torch.ones(self.shape, dtype=torch.bool).tril()
 
 
@@ -90,7 +94,7 @@ _VIEW_OPS = {
     aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
     aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.lift_fresh_copy.default,
     aten.unflatten.int, aten.flatten.using_ints, aten.narrow.default, aten.chunk.default, operator.getitem,
-    aten.dropout.default, aten.sym_size.int,
+    aten.sym_size.int,
 }
 # Ops that make small constant tensors (iota, fills): a launch that writes its output once.
 _FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
@@ -170,6 +174,25 @@ def _lower_matmul(node, a, b, bias=None, trans_b=False):
     return Program(steps, inputs)
 
 
+def _dropout_steps(shape, p: float, src) -> list:
+    """Eager dropout on the NPU (torch_npu's ``native_dropout``): DropOutGenMask writes the keep bits, then
+    DropOutDoMask reads the input and the bits and writes the output (a generic pass over both)."""
+    bits = (*shape[:-1], -(-shape[-1] // 8))
+    return [Step("dropout_gen_mask", (), {"shape": list(shape), "keep_prob": 1.0 - p}),
+            Step("generic", (src, Const("keep_bits", bits)))]
+
+
+def _lower_dropout(node, t, ins):
+    """Training-mode dropout (``native_dropout``, which draws even at p = 0; ``dropout`` for 0 < p < 1), or
+    None (eval-mode or p = 0 ``dropout``: the input itself)."""
+    p, train = float(node.args[1]) if len(node.args) > 1 else 0.5, node.args[2] if len(node.args) > 2 else True
+    if t == aten.dropout.default and (not train or not 0.0 < p < 1.0):
+        return Program([], ins)
+    if t == aten.native_dropout.default and train is False:
+        return Program([], ins)
+    return Program(_dropout_steps(tuple(_meta(node.args[0]).shape), p, Arg(0)), ins[:1])
+
+
 def _lower_sdpa(node):
     """Unfused SDPA = what eager runs op by op: Q·Kᵀ, scale, mask, softmax, ·V."""
     q, k, v = node.args[:3]
@@ -192,6 +215,10 @@ def _lower_sdpa(node):
         steps.append(Step("elementwise", (Const("tril", (sq, skv)), Out(len(steps) - 1)),
                           {"op": "where", "scalar": float("-inf")}))
     steps.append(Step("softmax", (Out(len(steps) - 1),), {"dim": -1}))
+    p = float(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) or 0.0)
+    if 0.0 < p < 1.0:           # dropout on the weights [..., Sq, Skv]
+        w = (*_meta(q).shape[:-1], _meta(k).shape[-2])
+        steps += _dropout_steps(w, p, Out(len(steps) - 1))
     steps.append(Step("matmul", (Out(len(steps) - 1), Arg(2))))
     return Program(steps, inputs)
 
@@ -204,6 +231,8 @@ def lower(node: fx.Node) -> Program:
     ins = tensor_inputs(node)
     if t in _VIEW_OPS:
         return Program([], ins)
+    if t in (aten.native_dropout.default, aten.dropout.default):
+        return _lower_dropout(node, t, ins)
     if t in (aten.reshape.default,):
         return Program([] if _is_view_reshape(node) else [Step("copy", (Arg(0),))], ins[:1])
     if t in (aten.clone.default, aten.contiguous.default, aten.copy.default):
@@ -372,6 +401,9 @@ def step_specs(program: Program, node: fx.Node) -> list[tuple[list, tuple]]:
             m_ = sa[-1] if ta else sa[-2]
             n_ = sb[-2] if tb else sb[-1]
             o = (_broadcast(sa[:-2], sb[:-2]) + (m_, n_), da)
+        elif st.kernel == "dropout_gen_mask":
+            sh = st.params["shape"]
+            o = ((*sh[:-1], -(-sh[-1] // 8)), "uint8")
         elif st.kernel == "elementwise":
             shapes = [s for s, _ in ins]
             o = (_broadcast(*shapes), st.params.get("out_dtype") or ins[-1][1])

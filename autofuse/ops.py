@@ -14,8 +14,16 @@ With ``causal_value`` (a proven causal mask whose masked entries take a finite v
 kernels: ``score_bound`` (the largest row norms of q and k) and then flash_attention, causal without the mask
 where the bound proves the skipped weights are exactly 0, with the mask otherwise.
 
+With ``drop_mask`` (training-mode dropout on the probabilities) the op reads a keep-mask made by
+``torch.ops.autofuse.dropout_gen_mask``, which draws it with torch's generator exactly as eager's dropout
+does (same seed, same elements dropped) and runs the NPU's mask generator for its cost:
+
+    bits = torch.ops.autofuse.dropout_gen_mask([B, N, Sq, Skv], 0.1, torch.float16)
+    out, _ = torch.ops.autofuse.flash_attention(q, k, v, drop_mask=bits, dropout_p=0.1)
+
 The op is differentiable: its backward recomputes attention in fp32 on the host and differentiates that
-(as FlashAttention's backward recomputes the scores); the backward is not run on the simulator.
+(as FlashAttention's backward recomputes the scores, with the same keep-mask); the backward is not run on
+the simulator.
 """
 from __future__ import annotations
 
@@ -71,12 +79,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      device: str = "ascend910", tiling: str = "", fill: Optional[float] = None,
                      empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
                      out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
-                     causal_value: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     causal_value: Optional[float] = None, drop_mask: Optional[torch.Tensor] = None,
+                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
               mask_keeps_nan=mask_keeps_nan)
+    if drop_mask is not None:
+        kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask is not None:
         # the mask is a proven causal mask whose masked entries take the finite value ``causal_value`` (bool:
         # the fill; float: added): skip the tiles above the diagonal where the scores' bound proves it exact
@@ -140,11 +151,13 @@ def _effective_scale(q, scale, scale_tensor):
 
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
-                              empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None, **_):
+                              empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
+                              drop_mask=None, dropout_p=0.0, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
-    NaN; NaN inputs propagate. Used where only the values are needed (repeated launches in
+    NaN; NaN inputs propagate; ``drop_mask`` zeroes the dropped probabilities and scales the kept ones by
+    ``1 / (1 - dropout_p)``. Used where only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` may require grad (its gradient is the temperature's)."""
     rep = q.shape[1] // k.shape[1]
@@ -166,7 +179,10 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     total = e.sum(-1, keepdim=True)
     p = e / torch.where(total == 0, 1.0, total)
     p = torch.where(total == 0, 0.0 if empty_rows == "zero" else float("nan"), p)
-    out = _in_order((p.to(q.dtype).float() @ v.float()).to(q.dtype), out_order)
+    pv = p.to(q.dtype).float()
+    if drop_mask is not None:
+        pv = pv * unpack_keep(drop_mask, s.shape[-1]).to(pv.device) / (1.0 - dropout_p)
+    out = _in_order((pv @ v.float()).to(q.dtype), out_order)
     return out, (p.to(q.dtype) if return_probs else q.new_empty((0,)))
 
 
@@ -175,16 +191,18 @@ REFERENCES["flash_attention"] = reference_flash_attention
 
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
-      fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None):
+      fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
+      drop_mask=None, dropout_p=0.0):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     return out, probs
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _, _, _ = inputs
-    ctx.save_for_backward(q, k, v, mask, scale_tensor)
+    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _, _, _, drop, dp = inputs
+    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop)
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
+    ctx.dropout_p = dp
 
 
 def _backward(ctx, grad_out, grad_probs):
@@ -192,7 +210,7 @@ def _backward(ctx, grad_out, grad_probs):
     it is not simulated: there is no backward kernel on the NPU simulator). ``mask`` gets a gradient when
     it is an additive float mask that requires one; ``scale_tensor`` (a learnable temperature) gets one
     too."""
-    q, k, v, mask, scale_t = ctx.saved_tensors
+    q, k, v, mask, scale_t, drop = ctx.saved_tensors
     need = ctx.needs_input_grad
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
@@ -202,7 +220,8 @@ def _backward(ctx, grad_out, grad_probs):
         st = None if scale_t is None else scale_t.detach().float().requires_grad_(bool(need[11]))
         out, probs = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
                                                return_probs=ctx.return_probs, fill=ctx.fill,
-                                               empty_rows=ctx.empty_rows, scale_tensor=st)
+                                               empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
+                                               dropout_p=ctx.dropout_p)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
@@ -213,14 +232,15 @@ def _backward(ctx, grad_out, grad_probs):
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
     gs = next(got) if (st is not None and st.requires_grad) else None
-    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None, None, None)
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None, None, None, None, None)
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
-                    tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None):
+                    tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
+                    dropout_p=0.0):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -230,7 +250,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     differentiated. ``causal_value``: ``mask`` is a causal mask whose masked entries take this finite value
     (a bool mask's ``fill``, or the value an additive mask adds); the kernel then skips the keys above the
     diagonal when a bound on the scores, computed first (kernel ``score_bound``), proves their weights are
-    exactly 0, and reads the mask otherwise (:func:`causal_skip_is_exact`). Returns ``out`` or, with
+    exactly 0, and reads the mask otherwise (:func:`causal_skip_is_exact`). ``drop_mask`` / ``dropout_p``:
+    dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. Returns ``out`` or, with
     ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -240,5 +261,58 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale, causal, return_probs, device,
                                                      json.dumps(tiling) if tiling else "", fill=fill,
                                                      empty_rows=empty_rows, scale_tensor=scale_tensor,
-                                                     causal_value=causal_value)
+                                                     causal_value=causal_value, drop_mask=drop_mask,
+                                                     dropout_p=float(dropout_p))
     return (out, probs) if return_probs else out
+
+
+# ------------------------------------------------------------------------------------------- dropout masks
+
+def draw_keep(shape, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """The keep-mask eager's dropout draws for an input of ``shape`` and ``dtype``: ``native_dropout`` (and
+    ``F.dropout`` on the CPU) fill ``empty_like(input).bernoulli_(1 - p)``; the same call on the same
+    generator state gives the same elements, and moves the generator as far."""
+    return torch.empty(list(shape), dtype=dtype).bernoulli_(1.0 - p).bool()
+
+
+def pack_keep(keep: torch.Tensor) -> torch.Tensor:
+    """A bool keep-mask ``[..., S]`` as uint8 ``[..., ceil(S / 8)]``, bit ``j % 8`` of byte ``j // 8``."""
+    return torch.from_numpy(np.packbits(keep.numpy(), axis=-1, bitorder="little"))
+
+
+def unpack_keep(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """The bool keep-mask ``[..., n]`` of packed ``bits`` (:func:`pack_keep`)."""
+    return torch.from_numpy(np.unpackbits(bits.cpu().numpy(), axis=-1, count=n, bitorder="little").astype(bool))
+
+
+@torch.library.custom_op("autofuse::dropout_gen_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _dropout_gen_mask(shape: list[int], p: float, dtype: torch.dtype, device: str = "ascend910") -> torch.Tensor:
+    from autofuse.npu.kernels.dropout import HostDraws
+    keep = draw_keep(shape, p, dtype)
+    r = run_kernel("dropout_gen_mask", shape=list(shape), keep_prob=1.0 - p, draws=HostDraws(keep.numpy()),
+                   device=device)
+    _record("dropout_gen_mask", r.stats)
+    return torch.from_numpy(np.ascontiguousarray(r.outputs[0]))
+
+
+@_dropout_gen_mask.register_fake
+def _(shape, p, dtype, device="ascend910"):
+    return torch.empty([*shape[:-1], -(-shape[-1] // 8)], dtype=torch.uint8)
+
+
+def reference_dropout_gen_mask(shape, p, dtype, device="ascend910"):
+    """The op's values without the simulator: the same draw, packed (a repeated launch's values)."""
+    return pack_keep(draw_keep(shape, p, dtype))
+
+
+REFERENCES["dropout_gen_mask"] = reference_dropout_gen_mask
+
+
+def dropout_gen_mask(shape, p: float, dtype: torch.dtype = torch.float32, device: str = "ascend910") -> torch.Tensor:
+    """The dropout keep-mask of ``shape`` (uint8, one bit per element, rows packed separately), drawn as eager's
+    dropout of an input of that shape and ``dtype`` draws it; the NPU's mask generator is simulated for its
+    cost. ``p``: the drop probability, in [0, 1)."""
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"dropout_gen_mask: p={p}; a drop probability in [0, 1) is needed")
+    return torch.ops.autofuse.dropout_gen_mask(list(shape), float(p), dtype, device)
+

@@ -35,7 +35,7 @@ import cost_model
 from autofuse.decision import FusionDecision
 from autofuse.fused import Price, family_of, per_device
 from autofuse.lower import lower, step_specs
-from autofuse.rewrite import NotLiftable, lift
+from autofuse.rewrite import NotLiftable, lift, moved_draw
 
 #: Optimization levels. Each is observably different on the same model.
 LEVELS = {
@@ -168,6 +168,12 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     except NotLiftable as e:
         return Candidate(match, Price(), Price(cycles=-1), 0, None, f"cannot be carried over to the captured "
                                                                     f"graph: {e}")
+    if match.params.get("dropout_draw") is not None:
+        other = moved_draw(lifted, captured, order)
+        if other is not None:
+            return Candidate(match, Price(), Price(cycles=-1), 0, None,
+                             f"its dropout draw would move past the random op {other} (the generator would give "
+                             f"each of them other numbers than eager's)")
     unfused = price_nodes([captured[n] for n in lifted.footprint], device)
     try:
         fused = fam.price(match, canonical, device, search_tiling)
@@ -322,9 +328,10 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             decide(i, False, "unsupported", p["unsupported"])
         elif c.lifted is None:
             decide(i, False, "unsupported", c.why)
-        elif p.get("dropout_p"):
-            decide(i, False, "training_dropout", f"dropout p={p['dropout_p']:g} on the probabilities is random and "
-                                                 f"the fused kernel has no dropout: the block runs as captured")
+        elif p.get("dropout_p") and (p.get("probs_used") or p["dropout_p"] >= 1.0):
+            decide(i, False, "training_dropout", f"dropout p={p['dropout_p']:g} on the probabilities "
+                   + ("whose values are also read outside the block" if p.get("probs_used") else "drops every weight")
+                   + ": the block runs as captured")
         elif level == "O1" and p.get("probs_used") and not force:
             decide(i, False, "extra_outputs_at_O1", "the probabilities are used outside the block; O2+ fuses "
                                                     "it with return_probs")

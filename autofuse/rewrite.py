@@ -162,6 +162,29 @@ def footprint(captured: dict, order: dict, targets: set, keep: set, anc: set | N
     return tuple(sorted(dead, key=order.__getitem__))
 
 
+def _random(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def moved_draw(lifted: Lifted, captured: dict, order: dict) -> str | None:
+    """A block whose fused call draws random numbers (dropout) draws them where the call is inserted (before
+    its first replaced node, or after its last input), not where the captured block drew them: the name of
+    a random node outside the block that its draws would move past (changing which numbers each gets from
+    the generator), or None."""
+    drawn = [order[n] for n in lifted.footprint if _random(captured[n])]
+    if not drawn:
+        return None
+    first = min(order[t] for t, _ in lifted.targets.values())
+    last_read = max((order[r] for r in lifted.reads), default=-1)
+    where = first if last_read < first else last_read + 1
+    inside = set(lifted.footprint)
+    for name, pos in order.items():
+        if min(drawn) < pos < where and name not in inside and _random(captured[name]):
+            return name
+    return None
+
+
 def _impure(n: fx.Node) -> bool:
     t = n.target
     return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
@@ -327,4 +350,5 @@ def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict, si
     return sub, fused, external
 
 
-__all__ = ["Lifted", "NotLiftable", "build", "extract", "footprint", "fused_block", "lift", "origin", "rewrite"]
+__all__ = ["Lifted", "NotLiftable", "build", "extract", "footprint", "fused_block", "lift", "moved_draw", "origin",
+           "rewrite"]

@@ -345,9 +345,11 @@ class _Sim(fx.Interpreter):
             if kernel == "generic":
                 params = {"outputs": [out_spec]}
             tiling = self._tiling(kernel, ins_spec, params)
+            # an unfused dropout's keep bits: its values are torch's (the node's value); the generator is timed
+            step_timing = timing_only or kernel == "dropout_gen_mask"
             try:
                 stats, o, reused = self._launch(kernel, arrays, {**params, "tiling": tiling} if tiling else params,
-                                                timing_only)
+                                                step_timing)
             except (KeyError, TypeError, ValueError, NotImplementedError):
                 # the kernel is missing or cannot take this instance: price what it moves as a generic op
                 kernel = "generic"

@@ -10,7 +10,8 @@ For a candidate the verifier (driven by :class:`autofuse.engine` through :func:`
    masked (bool masks all-False and all-True, additive masks of ``-inf`` and of the dtype's lowest
    finite value), all-equal scores, magnitudes near the dtype's limit, NaN in one query row;
 4. runs the block eagerly in its own dtype and in float64 (casts inside the block kept at float64), and
-   the fused block, on each input set, and accepts when every output element passes :func:`compare`.
+   the fused block, on each input set, each run from the same seeded generator state (a dropout inside the
+   block draws the same keep-mask in all three), and accepts when every output element passes :func:`compare`.
 
 The bound (:func:`compare`): where eager's result is NaN or infinite, the fused result must be the same
 (NaN where eager has NaN, the same infinity), or, where the float64 reference is finite, finite and as
@@ -157,13 +158,23 @@ def compare(eager: torch.Tensor, ref: torch.Tensor, fused: torch.Tensor, nan_ok:
     return err <= tol, err, tol
 
 
+SEED = 0
+
+
+def _seeded(run):
+    """``run()`` from the generator state ``SEED``; the caller's state is restored afterwards."""
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        return run()
+
+
 def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, nan_ok: bool = False
           ) -> tuple[bool, float, float]:
     """(ok, error, tolerance) of the fused block against eager and float64 on ``inputs``."""
-    with torch.no_grad():
-        eager = _OnCPU(sub).run(*inputs)
-        ref = _F64(sub).run(*[_f64(x) for x in inputs])
-        fused = _OnCPU(fused_sub).run(*inputs)
+    with torch.no_grad():      # each run from the same generator state: a block with dropout draws the same masks
+        eager = _seeded(lambda: _OnCPU(sub).run(*inputs))
+        ref = _seeded(lambda: _F64(sub).run(*[_f64(x) for x in inputs]))
+        fused = _seeded(lambda: _OnCPU(fused_sub).run(*inputs))
     worst_err, worst_tol, ok = 0.0, 0.0, True
     for e, r, f in zip(eager, ref, fused):
         o, err, tol = compare(e, r, f, nan_ok)

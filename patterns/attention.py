@@ -28,8 +28,13 @@ Rejected (each a near-miss test): softmax over any dim but the last; kᵀ that i
 k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale; anything between softmax and
 P·V other than casts (in-place edits of the probabilities are functionalised into such ops);
 a scores/probability node consumed outside the block, except the probabilities themselves
-(``probs_used``); training-mode dropout (it is random; ``dropout_p`` is always 0.0 in a match,
-SDPA with ``dropout_p > 0`` is not matched either); matmul operands that broadcast batch dims.
+(``probs_used``); two dropouts on the probabilities; matmul operands that broadcast batch dims.
+
+**Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
+``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
+dtype)`` of the tensor eager draws its keep-mask for, or None when eager draws nothing (``dropout`` with
+p = 0). The fused block draws the same mask with torch's generator (``autofuse::dropout_gen_mask``), at
+the block's place in the graph, so a seeded run drops the same elements as eager.
 ``AttentionVariant`` / :func:`build_variant` generate the eager spellings from the same
 description, for tests and examples.
 """
@@ -234,8 +239,14 @@ def _decide_softmax(m: dict) -> Match | None:
         return None
     probs_chain = [m[k] for k in sorted(k for k in m if k.startswith("prob"))]
     pchain = [sm] + probs_chain
-    dropout_p = max((float(arg(n, 1, "p")) for n in probs_chain
-                     if is_call(n, aten.native_dropout.default, aten.dropout.default)), default=0.0)
+    drops = [n for n in probs_chain if is_call(n, aten.native_dropout.default, aten.dropout.default)]
+    if len(drops) > 1:
+        return None                 # dropout of a dropout: not one FlashAttention dropout
+    dropout_p = float(arg(drops[0], 1, "p")) if drops else 0.0
+    draw = None
+    if drops and (is_call(drops[0], aten.native_dropout.default) or 0.0 < dropout_p < 1.0):
+        x = val(drops[0].args[0])           # native_dropout draws even at p = 0; dropout only for 0 < p < 1
+        draw = (tuple(x.shape), x.dtype)
     score = {m[k] for k in m if k.startswith("score")}
     sc = _walk_scores(sm.args[0], _Below(), score | {qk})
     if sc is None or sc.qk is not qk or set(sc.nodes) != score:
@@ -263,7 +274,7 @@ def _decide_softmax(m: dict) -> Match | None:
         inputs["scale_tensor"] = sc.scale_tensor.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None, empty, dropout_p)
+                   probs[0] if probs else None, empty, dropout_p, draw)
 
 
 def _dropout_after(x):
@@ -301,14 +312,18 @@ def _decide_sdpa(m: dict) -> Match | None:
         is_bool = val(mask).dtype == torch.bool
         masks.append((mask, "bool" if is_bool else "additive", 1.0, -math.inf if is_bool else None))
     core = {n} | {x for x in views if _exclusive(x, {n} | set(views))}
-    # SDPA applies dropout_p whatever the module's mode: a nonzero p is random in eval too
+    # SDPA applies dropout_p whatever the module's mode (a nonzero p is random in eval too); on the CPU it
+    # draws its keep-mask for the [..., Sq, Skv] weights as dropout does, for 0 < p < 1
+    dropout_p = float(dropout_p or 0.0)
+    draw = ((*shape(q)[:-1], shape(k)[-2]), val(q).dtype) if 0.0 < dropout_p < 1.0 else None
     m = _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None,
-                "zero", float(dropout_p or 0.0))
+                "zero", dropout_p, draw)
     m.params["mask_keeps_nan"] = True              # SDPA adds -inf for a False entry: NaN scores stay NaN
     return m
 
 
-def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p) -> Match:
+def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
+            draw=None) -> Match:
     qs, ks = shape(q), shape(k)
     guards, terms, causal_fill, guarded = [], [], -math.inf, None
     for m, kind, factor, fill in masks:
@@ -351,6 +366,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
+        dropout_draw=draw,
         causal_value=None if guarded is None else float(guarded),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,

@@ -269,25 +269,36 @@ def _only_decision(module, args):
     return d
 
 
-def test_training_dropout_is_found_and_left_unfused():
-    # dropout on the probabilities is random: the block is recognised, and kept as captured with its reason
+def test_dropout_on_the_probabilities_is_part_of_the_match():
+    # the block with its dropout (tests/test_dropout_attention.py: fused, drawing eager's keep-mask)
     class M(nn.Module):
         def forward(self, q, k, v):
             p = F.dropout(torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1), p=0.5, training=True)
             return p @ v
     args = _args(AttentionVariant())
     (m,) = find_attention(canonicalize(capture(M().eval(), args).graph_module))
-    assert m.params["dropout_p"] == 0.5
-    d = _only_decision(M().eval(), args)
-    assert not d.applied and d.reason_code == "training_dropout"
+    assert m.params["dropout_p"] == 0.5 and m.params["dropout_draw"] == ((*args[0].shape[:-1], args[1].shape[-2]),
+                                                                         args[0].dtype)
+    assert _only_decision(M().eval(), args).applied
 
 
-def test_sdpa_with_dropout_is_left_unfused():
+def test_sdpa_with_dropout_is_matched_with_its_draw():
     class M(nn.Module):
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-    d = _only_decision(M().eval(), _args(AttentionVariant()))
-    assert not d.applied and d.reason_code == "training_dropout"
+    args = _args(AttentionVariant())
+    (m,) = find_attention(canonicalize(capture(M().eval(), args).graph_module))
+    assert m.params["dropout_p"] == 0.1 and m.params["dropout_draw"] is not None
+    assert _only_decision(M().eval(), args).applied
+
+
+def test_two_dropouts_on_the_probabilities_are_not_one_attention_dropout():
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            p = torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+            return F.dropout(F.dropout(p, 0.1, training=True), 0.2, training=True) @ v
+    args = _args(AttentionVariant())
+    assert find_attention(canonicalize(capture(M().eval(), args).graph_module)) == []
 
 
 def test_near_miss_tiled_kv_is_not_gqa():

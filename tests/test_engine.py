@@ -126,24 +126,24 @@ def test_user_model_is_unchanged_and_parameters_are_shared():
                                    atol=1e-5, rtol=1e-4)
 
 
-def test_training_mode_keeps_dropout_and_follows_train_eval_switches():
+def test_training_mode_fuses_dropout_attention_and_follows_train_eval_switches():
     torch.manual_seed(0)
     model, (args, kwargs) = build("gpt2", layers=LAYERS, hidden=32, heads=4, seq=8)
     model.train()                      # GPT-2's configs drop out 10 % of attention probabilities
-    # the softmax family off: with it, the scores' scale, mask and softmax would run fused (see
-    # tests/test_softmax_pattern.py), and the output would no longer be the captured graph's bit for bit
-    # (likewise the generic Vector chains and matmul epilogues: layer norms and GELUs)
     fused = AutoFusionEngine.fuse(model, (args, kwargs), fusion_switches={"softmax": "off", "vector_chain": "off",
                                                                           "matmul_epilogue": "off"})
     assert fused.report.training and model.training
-    assert {d.reason_code for d in fused.report.decisions if d.pattern == "attention"} == {"training_dropout"}, \
-        fused.report.summary()
-    # the captured graph draws its dropout masks as eager does: the same seed gives the same output, bit for bit
+    assert [d.applied for d in fused.report.of("attention")] == [True] * LAYERS, fused.report.summary()
+    # the fused blocks draw their attention dropout masks as eager does, between the embedding and residual
+    # dropouts the captured graph keeps: the same seed drops the same elements and leaves the generator where
+    # eager leaves it
     torch.manual_seed(1)
     want = main_output(model(*args, **kwargs))
+    after_eager = torch.rand(4)
     torch.manual_seed(1)
     got = main_output(fused(*args, **kwargs))
-    assert torch.equal(got, want)
+    assert torch.equal(torch.rand(4), after_eager)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)      # fp32 both sides: a few roundings apart
     torch.manual_seed(2)
     assert not torch.equal(main_output(fused(*args, **kwargs)), got)        # and it is random
     fused.eval()                       # the user's model follows (shared); the eval plan fuses every block

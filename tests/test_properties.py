@@ -173,11 +173,15 @@ def _inputs(sp: Spelling, seed: int):
     return q, k, v
 
 
-def _equal_eager(model, args, got):
-    want = model(*args)
+def _float64(model):
     model64 = Attention(model.sp).double()
     model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    ref = model64.eval() if not model.training else model64
+    return model64.train(model.training)
+
+
+def _equal_eager(model, args, got):
+    want = model(*args)
+    ref = _float64(model)
     with torch.no_grad():
         ref = ref(*[a.double() if a.is_floating_point() else a for a in args])
     ok, err, tol = compare(want, ref, got)
@@ -214,14 +218,20 @@ def _check_spelling(sp: Spelling, seed: int):
         if not ok:
             COUNTS["wrong"] += 1
             pytest.fail(f"{sp}: after a parameter/buffer edit: {why}")
-    if sp.dropout:                   # training mode keeps dropout: the same seed draws the same masks
+    if sp.dropout:                   # training mode fuses the dropout too: the same seed draws the same masks
         model.train()
-        torch.manual_seed(seed)
-        want = model(*args)
-        torch.manual_seed(seed)
-        got = fused(*args)
-        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.allclose(
-            got.nan_to_num(), want.nan_to_num()), sp
+        runs = []
+        for fn in (fused, model, _float64(model)):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                out = fn(*[a.double() if fn is not fused and fn is not model and a.is_floating_point() else a
+                           for a in args])
+            runs.append((out, torch.rand(2)))      # the output, and where the run left the generator
+        (got, g_after), (want, e_after), (ref, _) = runs
+        assert len(_fused_calls(fused)) == 1, f"{sp}: not fused in training mode:\n{fused.report.summary()}"
+        assert torch.equal(g_after, e_after), f"{sp}: the fused model moved the generator differently"
+        ok, err, tol = compare(want, ref, got)
+        assert ok, f"{sp}: training mode: error {err:.3g} > bound {tol:.3g}"
         model.eval()
         with torch.no_grad():
             ok, why = _equal_eager(model, args, fused(*args))

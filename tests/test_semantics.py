@@ -282,18 +282,16 @@ class DropoutAttention(nn.Module):
         return self.drop(torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, -1)) @ v
 
 
-def test_training_mode_keeps_dropout_and_eval_fuses():
+def test_training_mode_fuses_dropout_and_eval_fuses():
     model = DropoutAttention().train()
     args = _qkv()
-    # the softmax family off: it would run the scores' scale and softmax fused, and the output would no longer
-    # be the captured graph's bit for bit (tests/test_softmax_pattern.py covers that case)
-    fused = AutoFusionEngine.fuse(model, args, fusion_switches={"softmax": "off"})
+    fused = AutoFusionEngine.fuse(model, args)
     (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
-    assert d.reason_code == "training_dropout" and "p=0.25" in d.reason
+    assert d.applied and d.params["dropout_p"] == 0.25 and "dropout_gen_mask" in fused.graph_module.code
     torch.manual_seed(3)
     want = model(*args)
-    torch.manual_seed(3)
-    assert torch.equal(fused(*args), want)
+    torch.manual_seed(3)                   # the same keep-mask (tests/test_dropout_attention.py: exactly)
+    torch.testing.assert_close(fused(*args), want, atol=1e-5, rtol=1e-4)
     model.eval()
     got = fused(*args)
     assert fused.report.applied and not fused.report.training

@@ -230,16 +230,16 @@ def test_router_softmax_is_claimed_by_moe_gating():
 
 
 def test_training_attention_runs_its_softmax_fused_and_keeps_dropout():
-    """In training mode the attention block keeps its dropout (not fused); its scale, mask and softmax are
-    fused by this family, and gradients flow through the fused op (recomputed on the host)."""
+    """With the attention family off, a training-mode attention block keeps its dropout; its scale, mask and
+    softmax are fused by this family, and gradients flow through the fused op (recomputed on the host)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
     keep = torch.rand(2, 1, 16, 16) > 0.2
     model = build_variant(AttentionVariant(mask="masked_fill", dropout=True)).train()
-    fused = AutoFusionEngine.fuse(model, (q, k, v, keep))
+    fused = AutoFusionEngine.fuse(model, (q, k, v, keep), fusion_switches={"attention": "off"})
     codes = {d.pattern: d.reason_code for d in fused.report.decisions}
     # the generic vector chain (fill + softmax) is a candidate too and loses to the softmax family
-    assert codes == {"attention": "training_dropout", "softmax": "fused", "vector_chain": "conflict"}, \
+    assert codes == {"attention": "disabled_by_switch", "softmax": "fused", "vector_chain": "conflict"}, \
         fused.report.summary()
     torch.manual_seed(1)
     want = model(q, k, v, keep)
