@@ -212,6 +212,7 @@ def _model_args(p):
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default float32")
     g.add_argument("--attn", default=None, choices=["eager", "sdpa"], help="transformers attention (default eager)")
     g.add_argument("--meta", action="store_true", help="plan on meta tensors (no data; verification on random data)")
+    g.add_argument("--train", action="store_true", help="the model in training mode (dropout active: the training plan)")
     e = p.add_argument_group("engine")
     e.add_argument("--device", default="ascend910", help="target device (see `autofuse devices`)")
     e.add_argument("--level", default="O3", help="optimization level O0..O3")
@@ -315,7 +316,10 @@ def _fuse(a, progress: Progress):
         raise
     except Exception as e:  # noqa: BLE001 - the user's builder or transformers failed: the model's failure
         raise ModelFailed(f"could not build {a.model}: {type(e).__name__}: {e}") from e
-    progress.stage("build model", time.perf_counter() - t0, type(model).__name__ + (" on meta" if a.meta else ""))
+    if a.train:
+        model.train()
+    progress.stage("build model", time.perf_counter() - t0, type(model).__name__ + (" on meta" if a.meta else "")
+                   + (", training mode" if a.train else ""))
     # torch.export prints the partial graph of a failed trace to stderr; without -v the reason autofuse gives
     # is what the user reads
     quiet = contextlib.redirect_stderr(io.StringIO()) if not a.verbose else contextlib.nullcontext()

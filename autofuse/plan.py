@@ -187,6 +187,14 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     return Candidate(match, unfused, fused, ws, lifted)
 
 
+def _dropout(match) -> str:
+    """``"; dropout p=..."`` for a fused block that draws a dropout keep-mask."""
+    p = match.params
+    if p.get("dropout_draw") is None:
+        return ""
+    return f"; dropout p={p['dropout_p']:g} on the probabilities, eager's keep-mask drawn by dropout_gen_mask"
+
+
 def _choice(price: Price, device: str) -> str:
     """``"; <chosen implementation> (<other> N cycles)"`` when the price chose between implementations that change
     the fused call (``price.options``), else ``""``."""
@@ -387,7 +395,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             why = "forced by switch; " if _switch(switches, c.match) == "force" else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
                                      f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
-                                     + _choice(c.fused, device) + (f"; {note}" if note else ""),
+                                     + _choice(c.fused, device) + _dropout(c.match) + (f"; {note}" if note else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)
     return applied, [decisions[i] for i in range(len(cands))], cands

@@ -224,7 +224,7 @@ def text_summary(report) -> str:
         lines.append(f"  peak activation memory: {report.peak_memory_unfused:,} B unfused, "
                      f"{report.peak_memory_fused:,} B fused; budget {report.memory_budget:,} B")
     if report.training:
-        lines.append("  planned for training mode (dropout kept)")
+        lines.append("  planned for training mode (dropout active: each draws eager's keep-mask, fused or not)")
     if report.guards:
         lines.append(f"  re-planned if these change: {'; '.join(report.guards)}")
     if report.replanned_because:

@@ -115,3 +115,27 @@ def test_fused_model_trains_like_the_eager_model():
     assert got.keys() == eager.keys() and len(got) > 10
     for n in eager:
         torch.testing.assert_close(got[n], eager[n], atol=1e-5, rtol=1e-3, msg=n)
+
+
+def test_fused_model_trains_with_dropout_like_the_eager_model():
+    """Training mode, GPT-2's attention dropout fused: from the same seed, the parameter gradients are eager's
+    (the fused blocks drop the same elements, and their backward uses the same keep-mask)."""
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=16, batch=2)
+    model.train()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert [d.applied for d in fused.report.of("attention")] == [True, True], fused.report.summary()
+    assert all(d.params["dropout_p"] > 0 for d in fused.report.of("attention"))
+
+    def grads(m):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        out = m(*args, **kwargs)
+        logits = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, tuple) else out.logits)
+        logits.float().pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager, got = grads(model), grads(fused)
+    assert got.keys() == eager.keys() and len(got) > 10
+    for n in eager:
+        torch.testing.assert_close(got[n], eager[n], atol=1e-5, rtol=1e-3, msg=n)

@@ -285,3 +285,13 @@ def test_fusion_switches_reach_the_engine(capsys, monkeypatch):
     assert seen == {"attention": "force"}
     code, err = _exit(["report", *TINY, "--disable", "attention", "--force", "attention"], capsys)
     assert code == 2 and "switched both 'off' and 'force'" in err
+
+
+def test_train_plans_the_training_graph_and_says_so(capsys):
+    main(["report", *TINY, "--train"])
+    out = capsys.readouterr().out
+    assert "planned for training mode" in out
+    (line,) = [x for x in out.splitlines() if "FUSED attention" in x]
+    assert "dropout p=0.1 on the probabilities, eager's keep-mask drawn by dropout_gen_mask" in line
+    main(["report", *TINY])
+    assert "training mode" not in capsys.readouterr().out

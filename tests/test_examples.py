@@ -81,3 +81,12 @@ def test_moe(monkeypatch, capsys):
     assert float(re.search(r"max \|fused - eager\| logits = (\S+)", out).group(1)) < 1e-4
     m = re.search(r"simulated MoE blocks on ascend910: ([\d,]+) -> ([\d,]+) cycles", out)
     assert int(m.group(2).replace(",", "")) < int(m.group(1).replace(",", ""))
+
+
+def test_train_gpt_small(monkeypatch, capsys):
+    """Training with attention dropout: both attention blocks fused with their dropout; the losses follow eager's."""
+    out = _run("train_gpt_small.py", ["--steps", "3", "--seq", "32", "--dim", "64"], monkeypatch, capsys)
+    _fused_blocks(out, attention=2)
+    assert len(re.findall(r"FUSED attention .*dropout p=0\.1 on the probabilities", out)) == 2, out
+    worst = float(re.search(r"max \|loss difference\| = (\S+),", out).group(1))
+    assert worst < 1e-4            # fp32 both sides, the same keep-masks: a few roundings of each loss
