@@ -72,24 +72,28 @@ def _out_rows(vq):
 
 
 def _counts(dev, req):
+    """Tile counts per request, as the kernel grants them (double buffers in list order while they fit), or
+    None. A buffer's tiles are placed one after another, each at the buffer's alignment: its use is every
+    tile's aligned size but the last one's, plus the last one's size."""
     counts = {r[2]: r[5] for r in req}
+    key = [((side if dev.arch == "split" else "core"), buf) for side, buf, *_ in req]
+    size = [math.prod(shape) * itemsize(dt) for _, _, _, shape, dt, _, _ in req]
 
-    def fits():
-        used = {}
-        for side, buf, name, shape, dt, _, _ in req:
-            key = (side if dev.arch == "split" else "core", buf)
-            size = math.prod(shape) * itemsize(dt)
-            for _ in range(counts[name]):
-                off = round_up(used.get(key, 0), dev.align[buf])
-                used[key] = off + size
-        return all(v <= dev.buffers[b] for (_, b), v in used.items())
+    def used(k):
+        total, last = 0, 0
+        for i, r in enumerate(req):
+            c = counts[r[2]]
+            if key[i] == k and c:
+                total += c * round_up(size[i], dev.align[k[1]])
+                last = round_up(size[i], dev.align[k[1]]) - size[i]
+        return total - last
 
-    if not fits():
+    if any(used(k) > dev.buffers[k[1]] for k in set(key)):
         return None
-    for r in req:
+    for i, r in enumerate(req):
         while counts[r[2]] < r[6]:
             counts[r[2]] += 1
-            if not fits():
+            if used(key[i]) > dev.buffers[key[i][1]]:
                 counts[r[2]] -= 1
                 break
     return counts

@@ -105,3 +105,33 @@ def test_every_attention_block_is_fused(name, impl):
         assert all(d.params["num_kv_heads"] < d.params["num_heads"] for d in attention)
     with torch.no_grad():
         torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)), atol=1e-5, rtol=1e-4)
+
+
+DROPOUT_ATTRS = ("attention_dropout", "attention_probs_dropout_prob", "dropout_rate")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_mode_fuses_attention_dropout_with_eagers_draws(name, impl):
+    """Training mode with a 10 % attention dropout: every block fused with its dropout, drawing the keep-masks
+    eager draws (same seed: the same output, and the generator left where eager leaves it)."""
+    torch.manual_seed(0)
+    model, args, kwargs = MODELS[name](impl)
+    cfg = model.config
+    for attr in DROPOUT_ATTRS:
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, 0.1)
+    model = type(model)(cfg) if name != "whisper_encoder" else tf.WhisperModel(cfg).get_encoder()
+    model.train()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    attention = fused.report.of("attention")
+    assert len(attention) == BLOCKS.get(name, LAYERS) and all(d.applied for d in attention), fused.report.summary()
+    assert all(d.params["dropout_p"] == 0.1 for d in attention)
+    runs = []
+    for m in (model, fused):
+        torch.manual_seed(3)
+        out = main_output(m(*args, **kwargs))
+        runs.append((out, torch.rand(3)))
+    (want, after_eager), (got, after_fused) = runs
+    assert torch.equal(after_fused, after_eager)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)     # fp32 both sides, the same keep-masks

@@ -255,3 +255,22 @@ def test_causal_skips_masked_tiles_and_balances_cores():
     assert causal.cycles - launch < 0.7 * (full.cycles - launch)
     busy = causal.busy_total["vector"] / causal.cores["core"]
     assert busy >= 0.9 * causal.busy["vector"]                 # cores carry about equal work
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cost_model_grants_the_kernels_tile_counts(device):
+    """The cost model restates the kernel's UB/L1/L0 requests and double-buffer grants (it imports no simulator
+    code): the same counts for every tiling, mask and dropout combination the searches consider."""
+    import itertools
+    from autofuse.npu.kernels import flash_attention as kern
+    from cost_model import flash_attention as model
+    dev = get_device(device)
+    for D, dt, q, kv, drop, ms in itertools.product((16, 80, 128, 256), ("float16", "float32"), (16, 64, 128),
+                                                    (16, 128, 512), (False, True),
+                                                    (None, ("bool", True, True), ("float16", True, False))):
+        rows = q // 2 if dev.arch == "split" else q
+        for vq in (rows, rows // 2):
+            t = {"q": q, "kv": kv, "vq": vq}
+            if vq >= 1:
+                assert model._counts(dev, model._requests(dev, D, D, dt, t, ms, drop)) == \
+                    kern._counts(dev, kern._requests(dev, D, D, dt, t, ms, drop)), (t, D, dt, drop, ms)
