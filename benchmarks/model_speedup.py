@@ -4,12 +4,14 @@ Baselines: *eager op by op* (the captured graph, every op its own competently ti
 fusion alone* (the plan with every pattern family switched off: automatic discovery of Vector regions and
 matmul epilogues only). A pattern's value is its figure against the second. Also the attention blocks alone.
 
-    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama] [--values]
+    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama] [--values] [--train]
 
 Every figure printed is a simulation statistic, so the three graphs simulate timing only (``values=False``:
 the same statistics as with values, no outputs; tests/test_simulate.py compares them); ``--values`` simulates
 with values. Each simulation prints its wall time, CPU time and peak resident memory (the process's high-water
-mark, reset before it where Linux allows, else since the start).
+mark, reset before it where Linux allows, else since the start). ``--train`` runs the models' forward in
+training mode: GPT-2's attention, residual and embedding dropouts (p = 0.1) draw their keep-masks, eager as
+DropOutGenMask + DropOutDoMask, fused as the keep-mask generator + FlashAttention reading the bits.
 
 Goals: GPT-2-small shapes at batch 8, sequence 1024, whole model >= 2x against eager op by op; a LLaMA-style
 decoder layer's figures printed against both baselines.
@@ -58,12 +60,13 @@ def _measured(label, fn):
     return result, wall
 
 
-def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False):
+def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False,
+        train=False):
     model, (args, kwargs) = build(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq=seq,
                                   batch=batch, vocab=vocab, dtype=dtype)
-    model.eval()
+    model.train(train)
     print(f"{name} L={layers} H={hidden} heads={heads} B={batch} S={seq} {str(dtype).replace('torch.', '')} on "
-          f"{device}{'' if values else ', simulated timing only'}:", flush=True)
+          f"{device}{'' if values else ', simulated timing only'}{', training mode' if train else ''}:", flush=True)
     fused, _ = _measured("fuse", lambda: AutoFusionEngine.fuse(model, (args, kwargs), target_device=device,
                                                                 optimization_level="O3"))
     generic, _ = _measured("plan generic fusion alone", lambda: AutoFusionEngine.fuse(
@@ -75,7 +78,9 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
     r = fused.report
     attn = [d for d in r.applied if d.pattern == "attention"]
     attn_before = eager.cycles_of([n for d in attn for n in d.nodes])
-    attn_after = sum(n.cycles for n in after.nodes if n.fused and n.target == "autofuse.flash_attention")
+    # the fused attention's launches: its keep-mask generator (training), score bound and kernel
+    attn_after = sum(n.cycles for n in after.nodes if n.fused and n.target in ("autofuse.flash_attention",
+                                                                                 "autofuse.dropout_gen_mask"))
     print(f"  {len(r.applied)} fused: {', '.join(sorted({d.pattern for d in r.applied}))}")
     print(f"  eager op by op      : {eager.cycles:>14,} cycles   fused {eager.cycles / after.cycles:5.2f}x")
     print(f"  generic fusion alone: {gen.cycles:>14,} cycles   fused {gen.cycles / after.cycles:5.2f}x   "
@@ -84,6 +89,13 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
     if attn:
         print(f"  attention blocks    : {attn_before:>14,} -> {attn_after:>14,} cycles   "
               f"{attn_before / max(attn_after, 1):5.2f}x")
+    gen = sum(n.cycles for n in after.nodes if n.fused and n.target == "autofuse.dropout_gen_mask")
+    if gen:
+        # eager's dropout on the same probabilities launches the same generator (same shapes, same kernel, the
+        # same cycles): the blocks' figure without it is what fusion changes
+        print(f"  keep-mask generator : {gen:>14,} cycles on both sides (attention dropouts); without it the "
+              f"attention blocks are {attn_before - gen:,} -> {attn_after - gen:,} cycles   "
+              f"{(attn_before - gen) / max(attn_after - gen, 1):5.2f}x")
     print(f"  (eager and fused simulated in {w1 + w3:.1f} s wall; all three in {w1 + w2 + w3:.1f} s)", flush=True)
     return eager, gen, after
 
@@ -95,19 +107,20 @@ def main():
     ap.add_argument("--only", choices=["gpt2", "llama"], default=None)
     ap.add_argument("--values", action="store_true",
                     help="simulate with values (slower; the same figures as the default timing-only simulation)")
+    ap.add_argument("--train", action="store_true", help="the forward in training mode (dropout active)")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.quick:
-        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values)
-        run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values)
+        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values, train=a.train)
+        run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values, train=a.train)
         return
     if a.only in (None, "gpt2"):
-        run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=a.values)
+        run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=a.values, train=a.train)
     if a.only in (None, "llama"):
         # one LLaMA-7B-shaped decoder layer (hidden 4096, 32 heads, 8 kv heads as in Llama-3; the zoo's
         # intermediate size is 4 x hidden), 2048 tokens; a small vocabulary, so the layer, not the LM head, is
         # what is measured
-        run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values)
+        run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values, train=a.train)
 
 
 if __name__ == "__main__":
