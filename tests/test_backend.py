@@ -164,3 +164,34 @@ def test_compile_path_raises_no_leafspec_warning():
         warnings.simplefilter("always")
         torch.export.export(MHABlock(32, 4).eval(), (x,), strict=False).run_decompositions({})
     assert [w for w in seen if re.search(LEAFSPEC_MESSAGE, str(w.message))]
+
+
+def test_training_mode_dropout_through_torch_compile_draws_eagers_masks():
+    """``torch.compile(backend="autofuse")`` on a training-mode block: its attention dropout fused, the dropout
+    after it kept; from the same seed the output is eager's and the generator ends where eager's does."""
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop, self.lin = torch.nn.Dropout(0.2), torch.nn.Linear(32, 32)
+
+        def forward(self, q, k, v):
+            p = self.drop(torch.softmax(self.lin(q) @ k.transpose(-2, -1) * 32 ** -0.5, -1))
+            return F.dropout(p @ v, 0.1, self.training)
+
+    torch._dynamo.reset()
+    model = Block().train()
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 4, 64, 32, generator=g) for _ in range(3)]
+    compiled = torch.compile(model, backend="autofuse")
+    runs = []
+    for fn in (compiled, model):
+        torch.manual_seed(3)
+        runs.append((fn(*args), torch.rand(2)))
+    (got, after_compiled), (want, after_eager) = runs
+    (rep,) = reports(compiled)
+    (d,) = rep.of("attention")
+    assert d.applied and d.params["dropout_p"] == 0.2 and rep.training
+    assert torch.equal(after_compiled, after_eager)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
