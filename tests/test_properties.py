@@ -49,7 +49,7 @@ class Spelling:
     gqa: str                # none | repeat_kv | repeat_interleave
     softmax: str            # function | method | fp32 | decomposed
     sdpa: bool
-    dropout: bool           # an nn.Dropout on the probabilities (active in training mode only)
+    dropout: bool           # an nn.Dropout on the probabilities, or SDPA's dropout_p (training mode only)
 
 
 _SCALES = ("mul", "div", "pre_q", "pre_qk", "temperature", "buffer", "sqrt_tensor")
@@ -79,7 +79,7 @@ def spellings(draw):
         empty_row=draw(st.booleans()) and causal_ok and mask in ("additive", "masked_fill", "where", "bool_sdpa"),
         gqa=draw(st.sampled_from(["none", "repeat_kv", "repeat_interleave"])) if kv < N else "none",
         softmax=draw(st.sampled_from(["function", "method", "fp32", "decomposed"])), sdpa=sdpa,
-        dropout=draw(st.booleans()) and not sdpa)
+        dropout=draw(st.booleans()))
 
 
 def _fill(sp: Spelling, dtype):
@@ -112,7 +112,8 @@ class Attention(nn.Module):
         c = sp.D ** -0.5
         if sp.sdpa:
             am = mask if sp.mask in ("additive", "bool_sdpa") else None
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=am, is_causal=sp.mask.startswith("causal"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=am, is_causal=sp.mask.startswith("causal"),
+                                                  dropout_p=0.2 if sp.dropout and self.training else 0.0)
         if sp.scale == "pre_q":
             q = q * c
         elif sp.scale == "pre_qk":
