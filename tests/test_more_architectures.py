@@ -110,11 +110,12 @@ def test_every_attention_block_is_fused(name, impl):
 DROPOUT_ATTRS = ("attention_dropout", "attention_probs_dropout_prob", "dropout_rate")
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name,impl", [(n, "sdpa") for n in MODELS] + [("t5", "eager"), ("bart", "eager")])
 def test_training_mode_fuses_attention_dropout_with_eagers_draws(name, impl):
     """Training mode with a 10 % attention dropout: every block fused with its dropout, drawing the keep-masks
-    eager draws (same seed: the same output, and the generator left where eager leaves it)."""
+    eager draws (same seed: the same output, and the generator left where eager leaves it). SDPA's dropout_p
+    for every architecture (transformers' default); the explicit nn.Dropout spelling in the encoder-decoders
+    (self, causal and cross attention), GPT-2's in tests/test_engine.py and tests/test_autograd.py."""
     torch.manual_seed(0)
     model, args, kwargs = MODELS[name](impl)
     cfg = model.config
