@@ -336,7 +336,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             decide(i, False, "unsupported", p["unsupported"])
         elif c.lifted is None:
             decide(i, False, "unsupported", c.why)
-        elif p.get("dropout_p") and (p.get("probs_used") or p["dropout_p"] >= 1.0):
+        elif (p.get("dropout_p") or p.get("dropout_draw") is not None) and (p.get("probs_used")
+                                                                          or p["dropout_p"] >= 1.0):
             decide(i, False, "training_dropout", f"dropout p={p['dropout_p']:g} on the probabilities "
                    + ("whose values are also read outside the block" if p.get("probs_used") else "drops every weight")
                    + ": the block runs as captured")

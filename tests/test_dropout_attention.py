@@ -188,3 +188,23 @@ def test_eval_mode_has_no_dropout():
     model = Explicit().eval()
     fused = AutoFusionEngine.fuse(model, _qkv())
     assert _attention(fused)[0].applied and "dropout_gen_mask" not in fused.graph_module.code
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_edge_probabilities_keep_eagers_semantics(p):
+    """native_dropout draws its mask even at p = 0 (the fused block draws it too: the generator ends where eager's
+    does); at p = 1 every weight is dropped, which the kernel does not take: the block runs as captured."""
+    class Native(nn.Module):
+        def forward(self, q, k, v):
+            w = torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, -1)
+            return torch.ops.aten.native_dropout(w, p, True)[0] @ v
+
+    model = Native()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches={"softmax": "off"})
+    (d,) = _attention(fused)
+    assert d.applied == (p == 0.0) and (p == 0.0 or d.reason_code == "training_dropout"), d.reason
+    got, after_fused = _run_seeded(lambda: fused(*args))
+    want, after_eager = _run_seeded(lambda: model(*args))
+    assert torch.equal(after_fused, after_eager)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
