@@ -211,8 +211,12 @@ def device_prices(match, canonical: dict, search_tiling: bool) -> dict:
 
     def priced(d):
         p = fam.price(match, canonical, d, search_tiling)
-        tiling = ", ".join(f"{k} {v}" for k, v in p.tiling.items()) if len(p.kernels) == 1 else ""
-        return [(" + ".join(p.kernels) + (f" ({tiling})" if tiling else ""), int(p.cycles), True)]
+        kernels = list(p.kernels)
+        # the tiling is the family's kernel's: after it when it runs alone or last, behind launches that prepare
+        # its inputs (attention's keep-mask generator and score bound)
+        if p.tiling and kernels and (len(kernels) == 1 or kernels[-1] == fam.kernel):
+            kernels[-1] += " (" + ", ".join(f"{k} {v}" for k, v in p.tiling.items()) + ")"
+        return [(" + ".join(kernels), int(p.cycles), True)]
     return per_device(priced)
 
 
