@@ -1,6 +1,7 @@
-"""The attention family: softmax(scale · Q·Kᵀ + mask) · V, recognised by meaning.
+"""The attention family: dropout(softmax(scale · Q·Kᵀ + mask)) · V, recognised by meaning.
 
-Target kernel: ``flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False)``
+Target kernel: ``flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, drop_mask=None,
+dropout_p=0.0)``
 with q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (N % Nkv == 0, head n reads kv head n // (N/Nkv)),
 mask broadcastable to [B, N, Sq, Skv].
 
