@@ -183,8 +183,8 @@ def _dropout_steps(shape, p: float, src) -> list:
 
 
 def _lower_dropout(node, t, ins):
-    """Training-mode dropout (``native_dropout``, which draws even at p = 0; ``dropout`` for 0 < p < 1), or
-    None (eval-mode or p = 0 ``dropout``: the input itself)."""
+    """Training-mode dropout (``native_dropout``, which draws even at p = 0; ``dropout`` for 0 < p < 1); an
+    eval-mode one, or ``dropout`` outside 0 < p < 1 (eager draws nothing), lowers to no launch."""
     p, train = float(node.args[1]) if len(node.args) > 1 else 0.5, node.args[2] if len(node.args) > 2 else True
     if t == aten.dropout.default and (not train or not 0.0 < p < 1.0):
         return Program([], ins)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from autofuse import npu
+from autofuse.npu.kernels import dropout as _bits
 
 _recorders: list[list] = []
 
@@ -276,20 +277,19 @@ def draw_keep(shape, p: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pack_keep(keep: torch.Tensor) -> torch.Tensor:
-    """A bool keep-mask ``[..., S]`` as uint8 ``[..., ceil(S / 8)]``, bit ``j % 8`` of byte ``j // 8``."""
-    return torch.from_numpy(np.packbits(keep.numpy(), axis=-1, bitorder="little"))
+    """A bool keep-mask ``[..., S]`` as the kernels' uint8 ``[..., ceil(S / 8)]`` (:mod:`autofuse.npu.kernels.dropout`)."""
+    return torch.from_numpy(_bits.pack_keep(keep.numpy()))
 
 
 def unpack_keep(bits: torch.Tensor, n: int) -> torch.Tensor:
     """The bool keep-mask ``[..., n]`` of packed ``bits`` (:func:`pack_keep`)."""
-    return torch.from_numpy(np.unpackbits(bits.cpu().numpy(), axis=-1, count=n, bitorder="little").astype(bool))
+    return torch.from_numpy(_bits.unpack_keep(bits.cpu().numpy(), n).astype(bool))
 
 
 @torch.library.custom_op("autofuse::dropout_gen_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _dropout_gen_mask(shape: list[int], p: float, dtype: torch.dtype, device: str = "ascend910") -> torch.Tensor:
-    from autofuse.npu.kernels.dropout import HostDraws
     keep = draw_keep(shape, p, dtype)
-    r = run_kernel("dropout_gen_mask", shape=list(shape), keep_prob=1.0 - p, draws=HostDraws(keep.numpy()),
+    r = run_kernel("dropout_gen_mask", shape=list(shape), keep_prob=1.0 - p, draws=_bits.HostDraws(keep.numpy()),
                    device=device)
     _record("dropout_gen_mask", r.stats)
     return torch.from_numpy(np.ascontiguousarray(r.outputs[0]))

@@ -336,14 +336,10 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     """GM traffic per path over the whole launch (all cores), as the kernel moves it: Q once per item, K/V
     per step, P out and back into L0A, the output; split cores also S and O_j through GM (fp32) and back
     to the AIVs; the mask per step (``mask_rc``: whether its rows / columns vary; a broadcast row is
-    read once per core side); ``drop``: the dropout keep bits of every attended tile; ``return_probs``: the sweep's Q and K reloads, S again (split), the row
-    max and sum out and back, every probabilities tile out."""
-    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    qe = np.minimum(qb, Sq - np.arange(nq) * qb)
-    ke = np.minimum(kvb, Skv - np.arange(nkv) * kvb)
+    read once per core side); ``drop``: the dropout keep bits of every attended tile; ``return_probs``: the
+    sweep's Q and K reloads, S again (split), the row max and sum out and back, every probabilities tile out."""
+    qe, ke, nt = _attended(Sq, Skv, qb, kvb, causal)
     cum = np.concatenate([[0], np.cumsum(ke)])                  # key columns of the first j tiles
-    last = np.minimum((np.arange(nq) + 1) * qb, Sq)
-    nt = np.minimum(-(-np.minimum(last, Skv) // kvb), nkv) if causal else np.full(nq, nkv)
     qk = float((qe * cum[nt]).sum())                            # score elements
     q_ = float((qe * nt).sum())                                 # query rows over steps
     k_ = float(cum[nt].sum())                                   # key columns over steps
@@ -351,7 +347,7 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     mk = 0.0
     if mask_rc is not None:
         mr, mc = mask_rc
-        rows = qe if mr else np.full(nq, 2 if split else 1)
+        rows = qe if mr else np.full(len(qe), 2 if split else 1)
         mk = float((rows * (cum[nt] if mc else nt)).sum())
     b = {"GM->L1": H * (Sq * D + k_ * (D + Dv)) * isz, "GM->L0A": H * qk * isz,
          "UB->GM": H * (qk * isz + Sq * Dv * isz), "GM->UB": H * mk * msz}
@@ -369,14 +365,21 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     return {k: float(v) for k, v in b.items() if v}
 
 
-def drop_bytes(Sq, Skv, qb, kvb, causal):
-    """Dropout keep-mask bytes one head's attended tiles read: ``ceil(kext / 8)`` a row per tile."""
+def _attended(Sq, Skv, qb, kvb, causal):
+    """Per query block its rows, per KV tile its keys, and per query block how many KV tiles it attends
+    (causal: those up to its last row's diagonal)."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     qe = np.minimum(qb, Sq - np.arange(nq) * qb)
-    ke8 = -(-np.minimum(kvb, Skv - np.arange(nkv) * kvb) // 8)
-    cum8 = np.concatenate([[0], np.cumsum(ke8)])
+    ke = np.minimum(kvb, Skv - np.arange(nkv) * kvb)
     last = np.minimum((np.arange(nq) + 1) * qb, Sq)
     nt = np.minimum(-(-np.minimum(last, Skv) // kvb), nkv) if causal else np.full(nq, nkv)
+    return qe, ke, nt
+
+
+def drop_bytes(Sq, Skv, qb, kvb, causal):
+    """Dropout keep-mask bytes one head's attended tiles read: ``ceil(kext / 8)`` a row per tile."""
+    qe, ke, nt = _attended(Sq, Skv, qb, kvb, causal)
+    cum8 = np.concatenate([[0], np.cumsum(-(-ke // 8))])
     return float((qe * cum8[nt]).sum())
 
 

@@ -7,8 +7,7 @@ import torch
 import cost_model
 from autofuse import npu
 from autofuse.npu.kernels import dropout as kernel
-from autofuse.npu.kernels.dropout import HostDraws
-from autofuse.npu.kernels.flash_attention import pack_keep
+from autofuse.npu.kernels.dropout import HostDraws, pack_keep
 from cost_model import dropout as model
 
 DEVICES = npu.devices()

@@ -14,8 +14,7 @@ from autofuse import npu
 from autofuse.npu import machine
 from autofuse.npu.machine import Absent, SimulatorError
 from autofuse.npu.run import ALL, STEER
-from autofuse.npu.kernels.dropout import HostDraws
-from autofuse.npu.kernels.flash_attention import pack_keep
+from autofuse.npu.kernels.dropout import HostDraws, pack_keep
 
 DEVICES = npu.devices()
 

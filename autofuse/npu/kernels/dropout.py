@@ -51,6 +51,17 @@ class HostDraws:
     keep: np.ndarray
 
 
+def pack_keep(keep: np.ndarray) -> np.ndarray:
+    """A boolean keep-mask ``[..., S]`` as the kernels store and read it: uint8 ``[..., ceil(S / 8)]``, bit
+    ``j % 8`` of byte ``j // 8`` (little-endian bit order, numpy's ``packbits(bitorder="little")``)."""
+    return np.packbits(np.asarray(keep, dtype=bool), axis=-1, bitorder="little")
+
+
+def unpack_keep(bits: np.ndarray, n: int | None = None) -> np.ndarray:
+    """The 0/1 keep-mask (uint8) ``[..., n]`` of packed ``bits`` (every bit when ``n`` is None)."""
+    return np.unpackbits(bits, axis=-1, count=n, bitorder="little")
+
+
 def specs(R: int, cols: int) -> list:
     """UB tiles, in allocation order: the Philox state words (int32), the bit tile (two)."""
     return [((R, pad(cols, "int32")), "int32")] * STATE_WORDS + [((R, pad(ceil_div(cols, 8), "uint8")), "uint8")] * 2
@@ -105,15 +116,15 @@ def dropout_gen_mask(launch, shape=(), keep_prob=1.0, draws=None, tiling=None):
     def work(items, bt):
         act = active_mask(items)
         re = extents(items, lambda it: it[1])
-        g.vector("philox4x32-10", W, W, g.repeats(re * cp, "int32") * PHILOX_PASSES - g.repeats(re * cp, "int32"),
-                 active=act)
+        per_pass = g.repeats(re * cp, "int32")
+        g.vector("philox4x32-10", W, W, per_pass * (PHILOX_PASSES - 1), active=act)
 
         def bits():
             for c, it in enumerate(items):
                 if it is not None:
                     s, e = it
-                    bt.data[c, :e, :cb] = np.packbits(keep[s:s + e], axis=-1, bitorder="little")
-        g.vector("compare -> bits", (bt,), W, g.repeats(re * cp, "int32"), active=act,
+                    bt.data[c, :e, :cb] = pack_keep(keep[s:s + e])
+        g.vector("compare -> bits", (bt,), W, per_pass, active=act,
                  compute=bits if launch.values else None)
         g.store(bt, flat, [None if it is None else (slice(it[0], it[0] + it[1]), slice(0, cb)) for it in items],
                 active=act, name="store mask")
@@ -126,4 +137,4 @@ def dropout_gen_mask(launch, shape=(), keep_prob=1.0, draws=None, tiling=None):
     return (out,)
 
 
-__all__ = ["HostDraws", "PHILOX_PASSES", "default_rows", "dropout_gen_mask", "specs"]
+__all__ = ["HostDraws", "PHILOX_PASSES", "default_rows", "dropout_gen_mask", "pack_keep", "specs", "unpack_keep"]

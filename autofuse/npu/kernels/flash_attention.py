@@ -80,6 +80,7 @@ import math
 import numpy as np
 
 from autofuse.npu.dtypes import itemsize, to_dtype
+from autofuse.npu.kernels.dropout import pack_keep, unpack_keep
 from autofuse.npu.machine import GMTensor, split_cores
 from autofuse.npu.run import kernel
 
@@ -461,12 +462,6 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
     return prog.run()
-
-
-def pack_keep(keep: np.ndarray) -> np.ndarray:
-    """A boolean keep-mask ``[..., S]`` as the kernel reads it: uint8 ``[..., ceil(S / 8)]``, bit ``j % 8``
-    of byte ``j // 8`` (little-endian bit order, the layout of numpy's ``packbits(bitorder="little")``)."""
-    return np.packbits(np.asarray(keep, dtype=bool), axis=-1, bitorder="little")
 
 
 def _check_drop(drop_mask, keep_prob, shape, return_probs):
@@ -891,7 +886,7 @@ class _Program:
             # row sums as a product with ones: numpy's own reduction over short rows is 3x slower
             Lc[cs, sl] = alpha * lprev + np.matmul(x, self.ones)
             if dt_ is not None:          # dropout after the row sum: the softmax's denominator is the full one
-                np.multiply(x, np.unpackbits(dt_.data[cs], axis=-1, bitorder="little"), out=x)
+                np.multiply(x, unpack_keep(dt_.data[cs]), out=x)
             cast(x, cs)
 
         vg.vector("softmax: scale mask max sub exp sum cast", writes + [M[cur], Lt[cur], A[cur]],
