@@ -55,6 +55,18 @@ def test_epilogues_match_torch(device, kind, M, K, N, product):
         close(got, want, o.dtype)
 
 
+@pytest.mark.parametrize("m0, sub", [(48, 16), (32, 8), (64, 24)])
+def test_split_cores_several_sub_blocks_per_half(m0, sub):
+    """On split cores each AIV loads its half of the tile's product sub-block by sub-block: with several
+    sub-blocks per half, each one's load goes to the other buffer while the previous one is worked on."""
+    p, _ = epilogue("residual", 96, 200, product="float32")
+    a, b = operands(96, 32, 200)
+    ex = extras(p)
+    r = npu.run("matmul_epilogue", a, b, *ex, program=p, device="ascend910b",
+                tiling={"m0": m0, "n0": 64, "k0": 32, "k1": 32, "sub": sub})
+    close(r.outputs[0], reference_matmul_epilogue(a, b, None, ex, p)[0], "float16")
+
+
 def test_eager_matmul_then_gelu_and_swiglu():
     """Eager: an fp16 matmul (fp32 accumulation, rounded) then the op; the kernel with an fp16 product."""
     a, b = operands(64, 128, 96)

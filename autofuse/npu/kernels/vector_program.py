@@ -221,6 +221,10 @@ class TileProgram:
         fresh, cur = set(), {}
         for k in ps.loads:
             if k in self.provide:            # (tile, first row of this tile's block in it)
+                # double-buffered like a load: the work of the previous tile may still read the other buffer
+                a, b = self.low.in_regs[k]
+                if a != b:
+                    self.slot[k] ^= 1
                 cur[k] = self.provide[k](self.tiles[self.low.in_regs[k][self.slot[k]]], items, act)
                 fresh.add(k)
                 continue
