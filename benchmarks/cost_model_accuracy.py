@@ -46,6 +46,8 @@ class Case:
 
 
 def _array(shape, dtype, rng, high=None):
+    if dtype == "uint8":                           # a packed keep-mask: random bits
+        return rng.integers(0, 256, size=shape, dtype=np.uint8)
     if dtype == "bfloat16":
         import torch
         return torch.zeros(shape, dtype=torch.bfloat16)
@@ -422,7 +424,7 @@ def _vector_program_cases(quick: bool):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             p = random_program(17 * i + DEVICES.index(d), lead, width, dt, n_ops=ops, reductions=red,
                                shuffles=i % 3 == 2 and width % 2 == 0 and width <= 4096)
-            out.append(Case("vector_program", [(tuple(x.shape), x.dtype) for x in p.inputs], d, {"program": p}))
+            out.append(Case("vector_program", specs_of(p), d, {"program": p}))
     # an input broadcast over an outer dim (RoPE's cos over the heads): block-major walks
     from cost_model.program import Builder
     b = Builder((2, 8, 300))
@@ -431,21 +433,69 @@ def _vector_program_cases(quick: bool):
     b.output(b.add(b.mul(q, c), b.mul(rot, c)), "float16")
     p = b.build()
     for d in (DEVICES if not quick else DEVICES[1:2]):
-        out.append(Case("vector_program", [(tuple(x.shape), x.dtype) for x in p.inputs], d, {"program": p}))
+        out.append(Case("vector_program", specs_of(p), d, {"program": p}))
+    # dropouts over packed keep-masks (bit inputs): alone, with a residual add, with a LayerNorm after it
+    # (two reductions); rows too wide for UB (column chunks); a mask broadcast over an outer dim
+    drops = [("residual", (333,), 1000, "float16", None), ("layer_norm", (96,), 4096, "float32", None)]
+    if not quick:
+        drops += [("dropout", (4096,), 1024, "float16", None), ("dropout", (1000,), 100, "float32", None),
+                  ("residual", (2, 512), 4096, "bfloat16", None), ("layer_norm", (2048,), 1024, "float16", None),
+                  ("layer_norm", (8, 100), 768, "bfloat16", None), ("residual", (16,), 16384, "float32", None),
+                  ("layer_norm", (24,), 32768, "float32", None), ("dropout", (4, 256), 200, "float16", (256, 200))]
+    for i, (kind, lead, W, dt, ks) in enumerate(drops):
+        p = dropout_program(kind, lead, W, dt, ks)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("vector_program", specs_of(p), d, {"program": p}))
     if not quick:
         import vector_chains as vc
         for name, fn, shapes_ in vc.chains():
             built, _ = vc.build(fn, shapes_)
             p = built.program
             for d in DEVICES:
-                out.append(Case("vector_program", [(tuple(x.shape), x.dtype) for x in p.inputs], d, {"program": p}))
+                out.append(Case("vector_program", specs_of(p), d, {"program": p}))
     return out
+
+
+def specs_of(p):
+    """The (shape, dtype) of the tensors that hold a program's inputs (a bit input: its packed uint8 bytes)."""
+    from cost_model.program import BIT, stored_shape
+    return [(tuple(stored_shape(x)), "uint8") if x.dtype == BIT else (tuple(x.shape), x.dtype) for x in p.inputs]
+
+
+def dropout_program(kind, lead, W, dtype, keep_shape=None, p=0.1):
+    """A dropout over a packed keep-mask (a ``bit`` input, one bit per element), as a Vector program:
+    ``dropout`` (``where(keep, x / (1 - p), 0)``), ``residual`` (then a residual add), ``layer_norm`` (then
+    a residual add and a LayerNorm with weight and bias: outputs the sum and the normalised row).
+    ``keep_shape``: the mask's shape (default: full, ``(*lead, W)``; else broadcast like any input)."""
+    from cost_model.program import Builder
+    lead = tuple(lead)
+    b = Builder(lead)
+    x = b.input(dtype, lead + (W,))
+    keep = b.input("bit", tuple(keep_shape) if keep_shape else lead + (W,))
+    r = b.input(dtype, lead + (W,)) if kind != "dropout" else None
+    if kind == "layer_norm":
+        w, bias = b.input(dtype, (W,)), b.input(dtype, (W,))
+    y = b.where(keep, b.mul(x, 1.0 / (1.0 - p)), 0.0)
+    if kind == "dropout":
+        b.output(y, dtype)
+        return b.build()
+    y = b.add(y, r)
+    if kind == "residual":
+        b.output(y, dtype)
+        return b.build()
+    h = b.cast(b.cast(y, dtype=dtype), dtype="float32")          # the sum as stored, normalised
+    d = b.sub(h, b.reduce(h, kind="mean"))
+    n = b.mul(d, b.rsqrt(b.add(b.reduce(b.mul(d, d), kind="mean"), 1e-5)))
+    b.output(h, dtype)
+    b.output(b.add(b.mul(n, w), bias), dtype)
+    return b.build()
 
 
 def epilogue(kind, M, N, dtype="float16", product="float16"):
     """An epilogue program and its extra input specs: ``gelu``, ``swiglu`` (N = 2F), ``residual`` (scale by a
     per-col fp32 vector, add a full fp16 residual), ``layer_norm`` (a residual add, then a LayerNorm of the
-    whole row: K slices shrink so a row-wide B tile fits L0B), ``bias_silu_cast`` (bias, silu, fp32 out)."""
+    whole row: K slices shrink so a row-wide B tile fits L0B), ``bias_silu_cast`` (bias, silu, fp32 out),
+    ``bias_dropout_residual`` (bias, a dropout over a packed keep-mask, a residual add)."""
     from cost_model.program import Builder
     b = Builder((M,))
     acc = b.input(product, (M, N))
@@ -457,6 +507,10 @@ def epilogue(kind, M, N, dtype="float16", product="float16"):
     elif kind == "residual":
         r, s_ = b.input(dtype, (M, N)), b.input("float32", (N,))
         b.output(b.add(b.mul(acc, s_), r), dtype)
+    elif kind == "bias_dropout_residual":           # bias, dropout (keep bits, p = 0.1), residual add
+        bias, keep, r = b.input(dtype, (N,)), b.input("bit", (M, N)), b.input(dtype, (M, N))
+        y = b.where(keep, b.mul(b.add(acc, bias), 1.0 / 0.9), 0.0)
+        b.output(b.add(y, r), dtype)
     elif kind == "layer_norm":                      # residual add, then LayerNorm over the whole row
         r, w = b.input(dtype, (M, N)), b.input(dtype, (N,))
         x = b.add(b.cast(acc, dtype="float32"), b.cast(r, dtype="float32"))
@@ -467,7 +521,7 @@ def epilogue(kind, M, N, dtype="float16", product="float16"):
         bias = b.input(dtype, (N,))
         b.output(b.silu(b.add(acc, bias)), "float32")
     p = b.build()
-    return p, [(tuple(x.shape), x.dtype) for x in p.inputs[1:]]
+    return p, specs_of(p)[1:]
 
 
 def _epilogue_cases(quick: bool):
@@ -478,7 +532,9 @@ def _epilogue_cases(quick: bool):
         shapes += [(300, 128, 200, "gelu", "float16"), (1024, 512, 1024, "gelu", "float16"), (2048, 1024, 2816, "swiglu", "float16"),
                    (100, 4096, 4096, "residual", "float16"), (4096, 4096, 11008, "gelu", "float16"),
                    (1000, 333, 777, "bias_silu_cast", "float32"), (17, 4096, 2 * 11008, "swiglu", "float16"),
-                   (2048, 2048, 2048, "gelu", "float32")]
+                   (2048, 2048, 2048, "gelu", "float32"), (1000, 256, 1000, "bias_dropout_residual", "float32"),
+                   (2048, 1024, 4096, "bias_dropout_residual", "float16")]
+    shapes += [(333, 128, 200, "bias_dropout_residual", "float16")]
     out = []
     for i, (M, K, N, kind, pdt) in enumerate(shapes):
         p, extra = epilogue(kind, M, N, product=pdt)

@@ -2,6 +2,11 @@
 run in which pass, which UB registers they use (:func:`lower`); how its rows are walked (:func:`geometry`);
 what one Vector pass covers (:func:`sweep`); what a matmul epilogue needs of a program (:func:`epilogue_plan`).
 
+A bit input (a packed bool mask, see :mod:`cost_model.program`) is loaded as the bytes of its columns
+(:func:`col_bytes`) into a uint8 register and read as it was loaded by the ``where`` it conditions, an
+elementwise op of its own (``select_bits``: one Select, no compare to make the mask). A tile's columns must
+then start on a byte: chunks and epilogue tiles are multiples of 8 columns (:func:`bits_aligned`).
+
 Pure data, like :mod:`cost_model.program`: the simulator's ``vector_program`` and ``matmul_epilogue`` kernels
 execute this schedule and count what it costs; the cost model prices the same schedule. Nothing here is a
 cost: pass counts come from each side's elementwise op table, cycles and bytes from each side's own rules.
@@ -13,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_model.program import (_COMMUTATIVE, _FLIP, COMPARE, F32, LOGIC, SHUFFLE, STAT, UNARY, Instr, Program,
-                                ProgramError, _is_ref)
+from cost_model.program import (_COMMUTATIVE, _FLIP, BIT, COMPARE, F32, LOGIC, SHUFFLE, STAT, UNARY, Instr,
+                                Program, ProgramError, _is_ref)
 
 
 # ------------------------------------------------------------------------------------------ geometry
@@ -123,7 +128,8 @@ def pitch(width: int, dtype: str = F32) -> int:
 class View:
     """A load: columns ``[offset, offset + width)`` of input ``input`` (width 1: broadcast along columns).
     ``rows``: varies along the innermost lead group (a tile holds R rows of it, else one row); ``fast``:
-    varies along every lead group (a new region every task)."""
+    varies along every lead group (a new region every task). A ``bit`` view (a packed bool mask) loads the
+    bytes of its columns, :func:`col_bytes` of them per row, into a uint8 tile, and is read as it was loaded."""
 
     input: int
     offset: int
@@ -236,8 +242,8 @@ class Lowered:
 
     def ub_specs(self, R: int, C: int | None = None) -> list:
         """UB tiles ``[(shape, dtype)]`` in allocation order, for blocks of ``R`` rows and chunks of ``C``
-        columns (``None``: whole rows)."""
-        return [(reg_shape(r, R, C), r.dtype) for r in self.regs]
+        columns (``None``: whole rows). A bit register is a uint8 tile of its bytes."""
+        return [(reg_shape(r, R, C), "uint8" if r.dtype == BIT else r.dtype) for r in self.regs]
 
     @property
     def reductions(self) -> bool:
@@ -245,6 +251,7 @@ class Lowered:
 
 
 def reg_shape(r: Reg, R: int, C: int | None = None) -> tuple:
+    """The UB shape of register ``r`` (a bit register: in bytes)."""
     rows = R if r.rows else 1
     if r.cls == "row":
         return (rows, STAT)
@@ -254,13 +261,29 @@ def reg_shape(r: Reg, R: int, C: int | None = None) -> tuple:
     return (rows, pitch(w, r.dtype))
 
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "bool": 1, "int32": 4}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1, "int8": 1, "uint8": 1, "int16": 2,
+             "int32": 4, "int64": 8}
+
+
+def col_bytes(cols, dtype: str):
+    """Bytes of ``cols`` consecutive columns of a row of ``dtype``, starting on a byte (a ``bit`` row packs
+    eight columns a byte: ``ceil(cols / 8)``). ``cols`` may be an array."""
+    if dtype == BIT:
+        return -(-cols // 8)
+    return cols * _ITEMSIZE[dtype]
 
 
 def pad(n, dtype) -> int:
-    """``n`` elements rounded up to whole 32 B blocks."""
+    """``n`` elements rounded up to whole 32 B blocks (``bit``: the bytes of ``n`` columns, in bytes)."""
+    if dtype == BIT:
+        return -(-col_bytes(n, BIT) // 32) * 32
     e = 32 // _ITEMSIZE[dtype]
     return -(-n // e) * e
+
+
+def bits_aligned(low: "Lowered", C) -> bool:
+    """Whether tiles of ``C`` columns (``None``: whole rows) start every bit view on a byte."""
+    return C is None or C % 8 == 0 or not any(w.dtype == BIT for w in low.views)
 
 
 def sweep(op: VecOp, R, C=None):
@@ -346,6 +369,10 @@ class _Lowering:
                     stop = v.width if ins.stop is None else ins.stop
                     views.append(View(k, ins.start, stop - ins.start, v.dtype, var[-1], all(var)))
                     alias[u] = len(views) - 1
+        for w in views:
+            if w.dtype == BIT and w.width == 1:
+                raise ProgramError(f"input {w.input}: a bit input of width 1 (a per-row or scalar condition) is not "
+                                   f"supported; give it as a bool input")
         self.views, self.view_of = tuple(views), alias
         if self.chunked:
             for v in sorted(need):
@@ -570,7 +597,7 @@ class _Lowering:
             self._set(v, Src(dst, 0, val.width, rows))
             return
         srcs = tuple(Src(imm=a) if not _is_ref(a) else self._src(a, target) for a in ins.args)
-        name, scalar = _ew_name(ins, srcs)
+        name, scalar = _ew_name(ins, srcs, op == "where" and vals[ins.args[0]].dtype == BIT)
         dt = "bool" if val.dtype == "bool" else F32
         dst = self._dst(v, dt)
         dense = all(s.scalar_like or (s.rows == rows and s.width == val.width and s.col == 0) for s in srcs)
@@ -699,13 +726,14 @@ class _Lowering:
                      op.dtype, tuple(r(t) for t in op.temps), op.col, op.count, aux, op.views, op.value)
 
 
-def _ew_name(ins: Instr, srcs):
+def _ew_name(ins: Instr, srcs, bits: bool = False):
     """The elementwise op-table name of an ``ew`` instruction and the scalar selecting its tensor-scalar form
-    (an immediate, or NaN for a one-element input read by the Scalar unit)."""
+    (an immediate, or NaN for a one-element input read by the Scalar unit). ``bits``: a ``where`` whose
+    condition is a bit input, ``select_bits`` (the Select reads the loaded bits, no compare makes them)."""
     op = ins.op
     scal = [i for i, s in enumerate(srcs) if s.scalar_like]
     if op == "where":
-        return "where", None
+        return ("select_bits" if bits else "where"), None
     if op in UNARY or op in LOGIC or not scal or len(scal) == len(srcs):
         return op, None
     i = scal[0]
@@ -761,7 +789,7 @@ def epilogue_fits(dev, prog, M, N, dtype, t, temps=lambda op: 0, plan=None) -> b
     return (k1 % k0 == 0 and min(m0, n0, k0, k1, t["sub"]) > 0
             and 2 * (m0 * k1 + P * k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
             and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * P * k0 * n0 * isz <= buf["L0B"]
-            and P * m0 * n0 * 4 <= buf["L0C"] and (not whole or n0 >= W)
+            and P * m0 * n0 * 4 <= buf["L0C"] and (not whole or n0 >= W) and bits_aligned(low, n0)
             and _ub_need(dev, epilogue_ub_specs(dev, prog, low, P, t)) <= buf["UB"])
 
 

@@ -27,7 +27,7 @@ from cost_model import matmul as mm
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.lowering import epilogue_fits, epilogue_plan, epilogue_ub_specs
+from cost_model.lowering import col_bytes, epilogue_fits, epilogue_plan, epilogue_ub_specs
 from cost_model.program import as_program
 from cost_model.vector_program import n_passes, repeats, temps
 from cost_model.vecutil import largest, ub_need
@@ -80,7 +80,7 @@ def _epi(dev, prog, low, pieces, t):
         return sum(rows * (cols if wide else 1) * sz for sz, wide in out_row) + 0 * rows
 
     def load_bytes(rows, cols):
-        return sum((rows if w.rows else 1) * (cols if w.width > 1 else 1) * itemsize(w.dtype) for w in views) \
+        return sum((rows if w.rows else 1) * col_bytes(cols if w.width > 1 else 1, w.dtype) for w in views) \
             + 0 * rows
 
     def hook(m_ext, n_ext, s, S, m_s, n_s):
@@ -221,7 +221,7 @@ def _roofline(dev, specs, program=None, bias=None, trans_b=False, tiling=None):
     prog = as_program(program)
     M, N, K, dt = _dims(specs, prog, trans_b)
     fl = 2.0 * M * N * K
-    io = sum(math.prod(s) * itemsize(d) for s, d in specs) + \
+    io = sum(math.prod(s[:-1]) * col_bytes((tuple(s) or (1,))[-1], d) for s, d in specs) + \
         sum(math.prod(s) * itemsize(o.dtype) for o, s in zip(prog.outputs, prog.output_shapes()))
     return max(fl / (2.0 * dev.cube_macs[dt] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 

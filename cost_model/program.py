@@ -41,6 +41,15 @@ Instructions (``Instr.op``)
   ``interleave(neg(slice(x, 1, D, 2)), slice(x, 0, D, 2))``; SwiGLU on a fused gate_up output ``g`` of
   width 2F is ``mul(silu(slice(g, 0, F)), slice(g, F, 2F))``.
 
+Bit inputs
+----------
+An input of dtype ``bit`` is a bool mask stored one bit per element along the last dim, as
+``dropout_gen_mask`` writes a dropout keep-mask (and as the Vector unit's ``Select`` reads its condition):
+element ``c`` of a row is bit ``c % 8`` (least significant first) of byte ``c // 8``. Its declared shape is
+the mask's logical shape; the tensor given for it is uint8 of shape :func:`stored_shape` (the last dim
+``ceil(width / 8)``). A bit value may only be the condition of a ``where`` of its own width (``where(keep,
+x * s, 0.0)`` is a dropout): it is never widened to a bool register, the select reads it as it was loaded.
+
 Outputs (:class:`Output`): a value and a dtype; the output tensor has shape ``(*lead, width)``.
 
 Numerics (what ``run_program_torch`` and the kernel compute)
@@ -67,6 +76,8 @@ from dataclasses import dataclass, field
 
 FLOATS = ("float16", "bfloat16", "float32")
 DTYPES = FLOATS + ("bool",)
+BIT = "bit"                # an input only: a bool mask packed one bit per element (see "Bit inputs")
+INPUT_DTYPES = DTYPES + (BIT,)
 F32 = "float32"
 STAT = 8                   # a per-row value in UB: one 32 B block of fp32 per row (the Brcb layout)
 
@@ -92,6 +103,13 @@ class Input:
 
     dtype: str
     shape: tuple
+
+
+def stored_shape(inp: Input) -> tuple:
+    """The shape of the tensor that holds input ``inp``: its own, or for a ``bit`` input the last dim packed
+    eight elements a byte."""
+    shape = tuple(inp.shape) or (1,)
+    return shape[:-1] + (-(-shape[-1] // 8),) if inp.dtype == BIT else tuple(inp.shape)
 
 
 @dataclass(frozen=True)
@@ -242,8 +260,8 @@ def _infer(p: Program) -> list[Value]:
     for k, inp in enumerate(p.inputs):
         if not isinstance(inp, Input):
             raise ProgramError(f"input {k}: {inp!r} is not an Input")
-        if inp.dtype not in DTYPES:
-            raise ProgramError(f"input {k}: dtype {inp.dtype} is not one of {', '.join(DTYPES)}")
+        if inp.dtype not in INPUT_DTYPES:
+            raise ProgramError(f"input {k}: dtype {inp.dtype} is not one of {', '.join(INPUT_DTYPES)}")
         shape = tuple(inp.shape) or (1,)
         if len(shape) - 1 > nl:
             raise ProgramError(f"input {k}: shape {list(inp.shape)} has more leading dims than lead {list(p.lead)}")
@@ -270,6 +288,9 @@ def _infer(p: Program) -> list[Value]:
             raise ProgramError(f"output {j}: value {o.value!r} does not exist")
         if o.dtype not in DTYPES:
             raise ProgramError(f"output {j}: dtype {o.dtype} is not one of {', '.join(DTYPES)}")
+        if vals[o.value].dtype == BIT:
+            raise ProgramError(f"output {j}: value {o.value} is a bit input; a bit value may only be the "
+                               f"condition of a where")
     return vals
 
 
@@ -297,6 +318,10 @@ def _infer_one(i, ins, vals, nl) -> Value:
         for v in vs:
             if v.dtype == "bool":
                 raise _err(i, ins, "a bool operand; cast it to a float first")
+
+    c = ins.args[0] if op == "where" else None
+    if any(vals[a].dtype == BIT for a in ins.args if _is_ref(a) and a != c):
+        raise _err(i, ins, "a bit input may only be the condition of a where")
 
     if op in SHUFFLE:
         floats(refs)
@@ -329,10 +354,13 @@ def _infer_one(i, ins, vals, nl) -> Value:
         return Value("bool", width, rowvar, level)
     if op == "where":
         c = ins.args[0]
-        if not _is_ref(c) or vals[c].dtype != "bool":
-            raise _err(i, ins, "the condition (first argument) must be a bool value")
+        if not _is_ref(c) or vals[c].dtype not in ("bool", BIT):
+            raise _err(i, ins, "the condition (first argument) must be a bool value or a bit input")
         branches = [vals[a] for a in ins.args[1:] if _is_ref(a)]
         floats(branches)
+        if vals[c].dtype == BIT and vals[c].width != width:
+            raise _err(i, ins, f"a bit condition of width {vals[c].width} selects over width {width}: it "
+                               f"must have the where's own width")
         return Value(F32, width, rowvar, level)
     floats(refs)
     if op in COMPARE:

@@ -63,6 +63,8 @@ OPS = {
     **{c: ("compare", True, 0, "optional", _fixed(1)) for c in ("eq", "ne", "lt", "le", "gt", "ge")},
     "logical_and": ("logic", True, 0, "none", _fixed(1)), "logical_or": ("logic", True, 0, "none", _fixed(1)),
     "where": ("select", True, 0, "optional", _fixed(2)), "masked_fill": ("select", True, 0, "required", _fixed(2)),
+    # a Vector program's where on a packed bit mask: the Select alone (not an elementwise kernel op)
+    "select_bits": ("select_bits", True, 0, "optional", _fixed(1)),
 }
 
 
@@ -107,7 +109,7 @@ def _wider(a, b):
 
 def _plan(specs, op, scalar, out_dtype):
     """Everything the kernel derives from shapes and dtypes (see ``elementwise``)."""
-    if op not in OPS:
+    if op not in OPS or OPS[op][0] == "select_bits":
         raise ValueError(f"elementwise: unknown op {op!r}")
     kind, native16, temps, _, passes_fn = OPS[op]
     has_scalar = scalar is not None

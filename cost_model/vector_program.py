@@ -15,6 +15,8 @@ module prices that schedule as a double-buffered task stream (:func:`cost_model.
   times the repeats of its sweep (:func:`cost_model.lowering.sweep`), ops on hoisted values only when
   one of their inputs was reloaded, merges from the second chunk on, the end ops after the last chunk;
 * stores write through to HBM;
+* bytes per row of a view: :func:`cost_model.lowering.col_bytes` of its columns (a bit view, a packed
+  keep-mask: ``ceil(cols / 8)``; its ``where`` is one Select pass, ``select_bits`` in the op table);
 * a step whose passes and chunks move very uneven amounts (chunked rows) has each transfer spread over
   two stream tasks: the port takes a transfer as soon as its buffer is free, not only in the next task's
   window (``_spread``).
@@ -32,8 +34,8 @@ import numpy as np
 from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.lowering import geometry, lower, sweep
-from cost_model.program import Program, ProgramError, as_program
+from cost_model.lowering import col_bytes, geometry, lower, sweep
+from cost_model.program import BIT, Program, ProgramError, as_program, stored_shape
 from cost_model.stream import stream
 from cost_model.vecutil import fits, largest
 from cost_model.vector import OPS as EW_OPS
@@ -74,10 +76,19 @@ def repeats(op, rows, C=None):
 def _check(prog, specs):
     if len(specs) != len(prog.inputs):
         raise ProgramError(f"vector_program: {len(specs)} inputs for a program of {len(prog.inputs)}")
-    for k, ((shape, dt), inp) in enumerate(zip(specs, prog.inputs)):
-        if tuple(shape) != tuple(inp.shape) or dt != inp.dtype:
-            raise ProgramError(f"vector_program: input {k} is {list(shape)} {dt}; the program declares "
-                               f"{list(inp.shape)} {inp.dtype}")
+    for k, (spec, inp) in enumerate(zip(specs, prog.inputs)):
+        check_spec("vector_program: input", k, spec, inp)
+
+
+def check_spec(what, k, spec, inp):
+    """``spec`` (shape, dtype) describes program input ``inp``: its own, or for a ``bit`` input the uint8
+    tensor that holds it (:func:`cost_model.program.stored_shape`)."""
+    shape, dt = spec
+    want = (tuple(stored_shape(inp)), "uint8") if inp.dtype == BIT else (tuple(inp.shape), inp.dtype)
+    if (tuple(shape), dt) != want:
+        raise ProgramError(f"{what} {k} is {list(shape)} {dt}; the program declares {list(inp.shape)} "
+                           f"{inp.dtype}" + (f", given as uint8 {list(stored_shape(inp))} (one bit per element "
+                                             f"along the last dim)" if inp.dtype == BIT else ""))
 
 
 # ------------------------------------------------------------------------------------------ tasks
@@ -195,9 +206,8 @@ def _model(dev, prog, low, R, C):
         ch[:, 1:] = key[:, 1:] != key[:, :-1]
         keys.append(key)
         changed.append(ch & live)
-    isz = [itemsize(w.dtype) for w in views]
     rate = dev.rates["GM->UB"]
-    step_bytes = rows.sum(axis=0).max() * sum(w.width * s_ for w, s_ in zip(views, isz) if w.rows) * len(low.passes)
+    step_bytes = rows.sum(axis=0).max() * sum(col_bytes(w.width, w.dtype) for w in views if w.rows) * len(low.passes)
     resident = step_bytes <= dev.l2_bytes            # a chunked step's rows stay in L2: pass-2 reloads hit
     urows, rix = np.unique(rows, return_inverse=True)    # the few row counts tasks have
     rix = rix.reshape(rows.shape)
@@ -224,7 +234,7 @@ def _model(dev, prog, low, R, C):
                 f[0] = True
             fresh[k] = f                                  # lockstep: every live core loads when any needs it
             load = live & f[None, :]
-            b = (rows if w.rows else live.astype(int)) * cols * isz[k]
+            b = (rows if w.rows else live.astype(int)) * col_bytes(cols, w.dtype)
             if w.fast and (wide or not C):
                 again = any(chunk_of[p] == c for p in L[:i])
                 hit = load & (again and resident)
@@ -303,10 +313,10 @@ def _max_rows(dev, low, hi, C=None) -> int:
 
 
 def _main_bytes(low, R, C=None):
-    w = max(low.views, key=lambda v: v.width * itemsize(v.dtype) * (R if v.rows else 1), default=None)
+    w = max(low.views, key=lambda v: col_bytes(v.width, v.dtype) * (R if v.rows else 1), default=None)
     if w is None:
         return 0
-    return (R if w.rows else 1) * (min(w.width, C) if C else w.width) * itemsize(w.dtype)
+    return (R if w.rows else 1) * col_bytes(min(w.width, C) if C else w.width, w.dtype)
 
 
 def kernel_default(dev, prog) -> dict:
@@ -370,7 +380,7 @@ def _search(device, prog):
 
 
 def _io(prog):
-    ins = sum(math.prod(i.shape or (1,)) * itemsize(i.dtype) for i in prog.inputs)
+    ins = sum(math.prod(i.shape[:-1]) * col_bytes((i.shape or (1,))[-1], i.dtype) for i in prog.inputs)
     outs = sum(math.prod(s) * itemsize(o.dtype) for o, s in zip(prog.outputs, prog.output_shapes()))
     return ins + outs
 
@@ -401,4 +411,4 @@ def estimate_vector_program(dev, specs, program=None, tiling=None):
     return make("vector_program", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, prog), _flops(prog))
 
 
-__all__ = ["candidates", "estimate_vector_program", "kernel_default", "lowered", "n_passes", "repeats"]
+__all__ = ["candidates", "check_spec", "estimate_vector_program", "kernel_default", "lowered", "n_passes", "repeats"]

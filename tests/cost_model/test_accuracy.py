@@ -74,3 +74,13 @@ def test_fusion_pairs_agree():
     ok, n, rows = bench.pair_agreement(bench.pairs(quick=True))
     bad = [r for r in rows if not r[-1]]
     assert ok == n, bad
+
+
+@pytest.mark.parametrize("what", ["cycles", "hbm"])
+def test_error_bit_inputs(records, what):
+    """Dropouts over packed keep-masks (bit inputs): Vector programs (one in column chunks) and a matmul
+    epilogue."""
+    rs = [r for r in records if r.case.kernel in ("vector_program", "matmul_epilogue")
+          and any(i.dtype == "bit" for i in r.case.params["program"].inputs)]
+    assert len(rs) >= 3 and {r.case.kernel for r in rs} == {"vector_program", "matmul_epilogue"}
+    _check(rs, what)

@@ -12,7 +12,9 @@ L0A once), and writes ``F`` columns, never the ``2F`` of the projection. Any set
 blocks of the product works the same way (its *pieces*).
 
 The product input may be float32 (the accumulator itself) or the operands' dtype (the product rounded to
-fp16/bf16, which is what eager's matmul hands to the next op).
+fp16/bf16, which is what eager's matmul hands to the next op). An extra input may be a ``bit`` input (a
+dropout keep-mask, uint8 of :func:`cost_model.program.stored_shape`: bias -> dropout -> residual add): tiles
+then have a multiple of 8 columns, so that each tile's bits start on a byte.
 
 Schedule (:class:`autofuse.npu.kernels.matmul.Cube` for the Cube side; the Vector side is the program's
 tile schedule, :class:`autofuse.npu.kernels.vector_program.TileProgram`):
@@ -42,7 +44,7 @@ import numpy as np
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.matmul import CUBE_DTYPES, Cube, default_tiling as mm_default_tiling
 from autofuse.npu.kernels.tiles import active_mask, ceil_div, largest
-from autofuse.npu.kernels.vector_program import TileProgram, _gm_view, temps
+from autofuse.npu.kernels.vector_program import TileProgram, _gm_view, check_input, temps
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
 from cost_model.lowering import epilogue_fits as fits, epilogue_plan
@@ -99,9 +101,7 @@ def matmul_epilogue(launch, a, b, *extra, program=None, bias=None, trans_b=False
     if len(extra) != len(prog.inputs) - 1:
         raise ProgramError(f"matmul_epilogue: {len(extra)} extra tensors for a program of {len(prog.inputs) - 1}")
     for k, (t_, spec) in enumerate(zip(extra, prog.inputs[1:])):
-        if tuple(t_.shape) != tuple(spec.shape) or t_.dtype != spec.dtype:
-            raise ProgramError(f"matmul_epilogue: extra input {k} is {list(t_.shape)} {t_.dtype}; the program "
-                               f"declares {list(spec.shape)} {spec.dtype}")
+        check_input("matmul_epilogue: extra input", k, t_, spec)
     outs = [launch.empty(shape, o.dtype, f"out{j}") for j, (o, shape) in
             enumerate(zip(prog.outputs, prog.output_shapes()))]
     if M == 0 or W == 0:
@@ -110,7 +110,7 @@ def matmul_epilogue(launch, a, b, *extra, program=None, bias=None, trans_b=False
     if not fits(dev, prog, M, N, a.dtype, t, temps):
         raise ValueError(f"matmul_epilogue tiling {t} does not fit the buffers of {dev.name} (L0C: {P} "
                          f"accumulator(s) of m0 x n0; UB: the staged tile and the program's registers for "
-                         f"{t.get('sub')} rows)")
+                         f"{t.get('sub')} rows; a bit input: n0 a multiple of 8)")
     _Epilogue(launch, prog, low, pieces, W, a, b, extra, outs, bias, trans_b, t).run()
     return tuple(outs)
 

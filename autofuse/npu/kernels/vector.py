@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autofuse.npu.dtypes import FLOATS, STORAGE, itemsize
+from autofuse.npu.kernels.dropout import unpack_keep
 from autofuse.npu.kernels.tiles import (active_mask, block_elems, ceil_div, check_dtype, dtype_name, extents,
                                         fits, lanes, largest, lockstep, pad, pipeline, rnd, round_up, split_blocks, view)
 from autofuse.npu.machine import GMTensor
@@ -84,7 +85,8 @@ class Op:
 
     ``passes(scalar, has_scalar)`` lists the instructions per tile in the compute dtype. ``kind``:
     ``"arith"`` (result = promoted input dtype), ``"float"`` (integers promote to fp32), ``"compare"``
-    (bool result), ``"logic"`` (bool in, bool out), ``"select"`` (where/masked_fill), ``"cast"``.
+    (bool result), ``"logic"`` (bool in, bool out), ``"select"`` (where/masked_fill), ``"cast"``,
+    ``"select_bits"`` (a where on a packed bit mask; the Vector program kernel's only).
     ``native16``: fp16 runs natively, without a cast to fp32. ``temps``: extra fp32 tiles the passes
     need beside the operands and the result.
     """
@@ -124,6 +126,14 @@ def _pow_passes(p, has):
 
 def _where(c, a, b):
     return np.where(c, a, b)
+
+
+def _select_bits(bits, a, b, width=None):
+    """where(keep, a, b) with ``keep`` a packed bit mask (uint8 ``[..., bytes]``, bit ``c % 8`` of byte ``c // 8``
+    is column ``c``, as :func:`autofuse.npu.kernels.dropout.pack_keep` packs it) over ``width`` columns (every
+    bit when None)."""
+    keep = unpack_keep(np.asarray(bits, dtype=np.uint8), width).astype(bool)
+    return np.where(keep, a, b)
 
 
 OPS = {
@@ -179,6 +189,10 @@ OPS = {
     "logical_or": Op((2,), np.logical_or, _fixed("or"), kind="logic", scalar="none"),
     # where(cond, a, b) / where(cond, a, scalar): Select reads a bit mask made from cond by a Compare
     "where": Op((2, 3), _where, _fixed("compare cond->bitmask", "select"), kind="select"),
+    # where(keep, a, b) over a packed bit mask (a Vector program's bit input, a dropout keep-mask): the Select
+    # reads its condition as bits, so the mask loaded as it is stored needs no compare. Not an elementwise
+    # kernel op (its condition does not broadcast like a tensor): the vector_program kernel's.
+    "select_bits": Op((3,), _select_bits, _fixed("select"), kind="select_bits"),
     # masked_fill(x, mask, scalar) = where(mask, scalar, x)
     "masked_fill": Op((2,), lambda x, m, s: np.where(m, s, x), _fixed("compare mask->bitmask", "select"),
                       kind="select", scalar="required"),
@@ -238,8 +252,11 @@ def _wider(a: str, b: str) -> str:
 @kernel("elementwise", steer=("scalar",))                # a tensor scalar: pow's exponent picks the passes
 def elementwise(launch, *inputs, op=None, scalar=None, out_dtype=None, tiling=None):
     """Elementwise ``op`` over ``inputs`` with broadcasting (see the module docstring and ``OPS``)."""
-    if op not in OPS:
-        raise ValueError(f"elementwise: unknown op {op!r}; ops are {', '.join(sorted(OPS))}")
+    if op not in OPS or OPS[op].kind == "select_bits":
+        ops = sorted(k for k, v in OPS.items() if v.kind != "select_bits")
+        raise ValueError(f"elementwise: unknown op {op!r}; ops are {', '.join(ops)}"
+                         + (" (select_bits is a Vector program's where on a bit input: run it as a program)"
+                            if op == "select_bits" else ""))
     spec = OPS[op]
     ts = [t for t in inputs if t is not None]
     if len(ts) != len(inputs):

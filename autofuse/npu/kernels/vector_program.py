@@ -28,6 +28,13 @@ Schedule:
    values after them are computed once, pass 2 walks the chunks backwards (the chunk pass 1 ended on is
    still in UB) recomputing what it needs from the reloaded inputs.
 
+Bit inputs (a program input of dtype ``bit``, a dropout keep-mask): given as uint8 of
+:func:`cost_model.program.stored_shape`, one bit per element along the last dim in
+:func:`autofuse.npu.kernels.dropout.pack_keep`'s format. A tile loads the bytes of its columns (``c0 // 8``
+to ``ceil((c0 + cols) / 8)``; chunks are multiples of 8 columns, so each starts on a byte) into a uint8 tile,
+and the ``where`` the mask conditions is one Select (``select_bits``) reading those bytes as they were
+loaded: no widening, no compare.
+
 Numerics: as :mod:`cost_model.program` specifies (fp32 arithmetic, rounding at casts and outputs).
 
 ``tiling``: ``{"rows": R, "chunk": C}``; ``None`` picks the largest whole-row tile that fits UB, capped so
@@ -45,8 +52,8 @@ from autofuse.npu.kernels.tiles import (active_mask, ceil_div, extents, largest,
 from autofuse.npu.kernels.vector import OPS
 from autofuse.npu.machine import CapacityError, GMTensor
 from autofuse.npu.run import kernel
-from cost_model.lowering import geometry, lower, sweep
-from cost_model.program import STAT, ProgramError, as_program
+from cost_model.lowering import bits_aligned, geometry, lower, sweep
+from cost_model.program import BIT, STAT, ProgramError, as_program, stored_shape
 
 F32_LANES = 64                       # fp32 values per repeat; the chunk width is a multiple of it
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
@@ -87,10 +94,19 @@ def check_inputs(prog, inputs):
     if len(inputs) != len(prog.inputs):
         raise ProgramError(f"vector_program: {len(inputs)} tensors for a program of {len(prog.inputs)} inputs")
     for k, (t, spec) in enumerate(zip(inputs, prog.inputs)):
-        if t is None or tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
-            got = "None" if t is None else f"{list(t.shape)} {t.dtype}"
-            raise ProgramError(f"vector_program: input {k} is {got}; the program declares "
-                               f"{list(spec.shape)} {spec.dtype}")
+        check_input("vector_program: input", k, t, spec)
+
+
+def check_input(what, k, t, spec):
+    """Tensor ``t`` holds program input ``spec``: its shape and dtype, or for a ``bit`` input uint8 of
+    :func:`cost_model.program.stored_shape` (the mask packed eight columns a byte)."""
+    bit = spec.dtype == BIT
+    shape, dtype = (stored_shape(spec), "uint8") if bit else (tuple(spec.shape), spec.dtype)
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        got = "None" if t is None else f"{list(t.shape)} {t.dtype}"
+        raise ProgramError(f"{what} {k} is {got}; the program declares {list(spec.shape)} {spec.dtype}"
+                           + (f", given as uint8 {list(shape)} (one bit per element along the last dim)"
+                              if bit else ""))
 
 
 def default_tiling(dev, prog, per_core_rows: int) -> dict:
@@ -152,6 +168,9 @@ def vector_program(launch, *inputs, program=None, tiling=None):
     chunked = C is not None and int(C) < whole.width
     low = lower(prog, True, temps) if chunked else whole
     C = int(C) if chunked else None
+    if not bits_aligned(low, C):
+        raise ProgramError(f"vector_program: chunks of {C} columns: a bit input needs chunks of a multiple of 8 "
+                           f"columns (each chunk's bits start on a byte)")
     shares = geo.shares(R, dev.vector_cores)
     g = launch.group("aiv", len(shares))
     gin = []
@@ -212,6 +231,8 @@ class TileProgram:
         rows = slice(r0, r0 + rr) if var[-1] else slice(0, 1)
         # a view narrower than the tile's columns (one of two slices of an input) loads only its own
         cols = slice(w.offset + c0, w.offset + min(c0 + cw, w.width)) if w.width > 1 else slice(0, 1)
+        if w.dtype == BIT:                   # the bytes of those columns (c0 is a multiple of 8)
+            cols = slice(cols.start // 8, ceil_div(cols.stop, 8))
         return idx + (rows, cols)
 
     def load(self, items, ps, first, last):
@@ -354,6 +375,14 @@ class TileProgram:
                 out[:, :, 0::2], out[:, :, 1::2] = a, b
                 put(out)
             return interleave
+        if kind == "ew" and op.op == "select_bits":
+            # the loaded bytes of this tile's columns (the first is column 0 of the tile), unpacked to the op's width
+            def bits():
+                d = srcs[0].data
+                if offs[0] or (op.srcs[0].rows and d.shape[1] > self.R):
+                    d = d[:, offs[0]:offs[0] + self.R]
+                return d
+            return lambda: put(np.asarray(OPS["select_bits"].fn(bits(), arr(1), arr(2), width), dtype=np.float32))
         ins = self.prog.instrs[op.value - len(self.prog.inputs)]
         return lambda: put(_evaluate(ins.op, [arr(i) for i in range(len(op.srcs))]))
 
@@ -375,4 +404,4 @@ def _evaluate(op, args):
     return OPS[op].fn(args[0])
 
 
-__all__ = ["TileProgram", "vector_program", "default_tiling", "passes", "temps"]
+__all__ = ["TileProgram", "check_input", "vector_program", "default_tiling", "passes", "temps"]
