@@ -21,7 +21,7 @@ import cost_model
 from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
 from autofuse.fused import REDUCED, Family, Price, _adapt, per_device, register_family
 from autofuse.graph import call
-from cost_model.program import Input, as_program
+from cost_model.program import BIT, Input, as_program, stored_shape
 
 aten = torch.ops.aten
 
@@ -53,16 +53,31 @@ def _price(kernel, specs, device, search, alts, **params) -> Price:
     return p
 
 
-def _vector_specs(match, nodes):
-    p = match.params
-    return [(tuple(s), _dtype(nodes[match.inputs[f"in{i}"]])) for i, s in enumerate(p["input_shapes"])]
+def _specs(match, nodes, shapes) -> list:
+    """The kernel's input specs: a node's shape and dtype, or a drawn keep-mask's packed bits (uint8)."""
+    drawn = {i for i, _, _ in match.params.get("draws", ())}
+    return [(stored_shape(Input(BIT, tuple(s))), "uint8") if i in drawn else (tuple(s), _dtype(nodes[match.inputs[f"in{i}"]]))
+            for i, s in enumerate(shapes)]
+
+
+def _with_draws(price: Price, match, shapes, device: str) -> Price:
+    """``price`` with the keep-mask generators the fused call launches first (DropOutGenMask, as eager's
+    dropouts launch it: the same launches on both sides)."""
+    gens = [cost_model.estimate("dropout_gen_mask", [], device=device, shape=list(shapes[i]), keep_prob=1.0 - p)
+            for i, p, _ in match.params.get("draws", ())]
+    if not gens:
+        return price
+    return dataclasses.replace(price, cycles=price.cycles + sum(int(e.cycles) for e in gens),
+                               hbm_bytes=price.hbm_bytes + sum(int(e.hbm_bytes) for e in gens),
+                               kernels=["dropout_gen_mask"] * len(gens) + list(price.kernels))
 
 
 def price_vector(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     prog = match.params["program"]
-    specs = _vector_specs(match, nodes)
+    specs = _specs(match, nodes, match.params["input_shapes"])
     alts = _alternatives("vector", (prog,), {})
-    return _price("vector_program", specs, device, search_tiling, alts, program=prog)
+    price = _price("vector_program", specs, device, search_tiling, alts, program=prog)
+    return _with_draws(price, match, match.params["input_shapes"], device)
 
 
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
@@ -70,12 +85,13 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
     prog = p["program"]
     a, b = (nodes[match.inputs[r]] for r in ("a", "b"))
     specs = [(tuple(a.meta["val"].shape), _dtype(a)), (tuple(b.meta["val"].shape), _dtype(b))]
-    extra = [(tuple(s), _dtype(nodes[match.inputs[f"in{i}"]])) for i, s in enumerate(p["extra_shapes"])]
+    extra = _specs(match, nodes, p["extra_shapes"])
     bias = nodes[match.inputs["bias"]] if "bias" in match.inputs else None
     bspec = None if bias is None else (tuple(bias.meta["val"].shape), _dtype(bias))
     alts = _alternatives("epilogue", (specs[0], specs[1], prog), {"bias": bspec, "trans_b": p["trans_b"]})
-    return _price("matmul_epilogue", specs + extra, device, search_tiling, alts, program=prog, bias=bspec,
-                  trans_b=p["trans_b"])
+    price = _price("matmul_epilogue", specs + extra, device, search_tiling, alts, program=prog, bias=bspec,
+                   trans_b=p["trans_b"])
+    return _with_draws(price, match, p["extra_shapes"], device)
 
 
 def _kwargs(device: str, price: Price, level: str) -> dict:
@@ -96,9 +112,27 @@ def _outputs(g, results: fx.Node, m) -> dict:
     return outs
 
 
+def _inputs(g, ins: dict, m, shapes, device: str) -> list:
+    """The call's input tensors: the region's, viewed as the program declares them, and for each dropout the
+    keep-mask its fused call draws here, in graph order (``dropout_gen_mask`` on the dropout's shape and
+    dtype: the same draws as eager's, when no other random op lies between; the planner checks that)."""
+    drawn = {i: (p, dt) for i, p, dt in m.params.get("draws", ())}
+    xs = []
+    for i, s in enumerate(shapes):
+        if i not in drawn:
+            xs.append(_view(g, ins[f"in{i}"], s))
+            continue
+        p, dt = drawn[i]
+        gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (list(s), p, getattr(torch, dt)),
+                              {"device": device})
+        gen.meta["val"] = torch.empty(stored_shape(Input(BIT, tuple(s))), dtype=torch.uint8, device="meta")
+        xs.append(gen)
+    return xs
+
+
 def emit_vector(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     p = m.params
-    xs = [_view(g, ins[f"in{i}"], s) for i, s in enumerate(p["input_shapes"])]
+    xs = _inputs(g, ins, m, p["input_shapes"], kwargs.get("device", "ascend910"))
     r = call(g, torch.ops.autofuse.vector_program.default, xs, p["program"].to_json(), **kwargs)
     r.meta["autofuse_match"] = m
     return _outputs(g, r, m)
@@ -106,7 +140,7 @@ def emit_vector(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
 
 def emit_epilogue(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     p = m.params
-    extra = [_view(g, ins[f"in{i}"], s) for i, s in enumerate(p["extra_shapes"])]
+    extra = _inputs(g, ins, m, p["extra_shapes"], kwargs.get("device", "ascend910"))
     r = call(g, torch.ops.autofuse.matmul_epilogue.default, ins["a"], ins["b"], ins.get("bias"), extra,
              p["program"].to_json(), p["trans_b"], **kwargs)
     r.meta["autofuse_match"] = m

@@ -168,7 +168,7 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
     except NotLiftable as e:
         return Candidate(match, Price(), Price(cycles=-1), 0, None, f"cannot be carried over to the captured "
                                                                     f"graph: {e}")
-    if match.params.get("dropout_draw") is not None:
+    if match.params.get("dropout_draw") is not None or match.params.get("draws"):
         other = moved_draw(lifted, captured, order)
         if other is not None:
             return Candidate(match, Price(), Price(cycles=-1), 0, None,
@@ -190,6 +190,9 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
 def _dropout(match) -> str:
     """``"; dropout p=..."`` for a fused block that draws a dropout keep-mask."""
     p = match.params
+    if p.get("draws"):
+        ps = ", ".join(f"p={d[1]:g}" for d in p["draws"])
+        return f"; dropout {ps} inside, eager's keep-mask{'s' if len(p['draws']) > 1 else ''} drawn by dropout_gen_mask"
     if p.get("dropout_draw") is None:
         return ""
     return f"; dropout p={p['dropout_p']:g} on the probabilities, eager's keep-mask drawn by dropout_gen_mask"

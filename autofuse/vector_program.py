@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from cost_model.program import (COMPARE, FLOATS, Builder, Input, Instr, Output, Program, ProgramError, V,
+from cost_model.program import (BIT, COMPARE, FLOATS, Builder, Input, Instr, Output, Program, ProgramError, V,
                                 as_program)
 
 aten = torch.ops.aten
@@ -96,6 +96,16 @@ def _eval(ins: Instr, args):
     return _BINARY_TORCH[op](a, b)
 
 
+def unpack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """The bool mask ``[..., width]`` of a ``bit`` input given as uint8 ``[..., ceil(width / 8)]`` (element ``c``
+    is bit ``c % 8`` of byte ``c // 8``: the format :mod:`autofuse.npu.kernels.dropout` owns)."""
+    if bits.dtype != torch.uint8 or bits.shape[-1] != -(-width // 8):
+        raise ProgramError(f"a bit input of width {width} is uint8 [..., {-(-width // 8)}]; got "
+                           f"{list(bits.shape)} {bits.dtype}")
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :width].bool()
+
+
 def run_program_torch(program, inputs) -> list[torch.Tensor]:
     """What ``program`` computes on ``inputs`` (tensors shaped as the program declares), in torch, with the
     program's numerics: every arithmetic step in float32, rounding only at ``cast`` and at the outputs.
@@ -110,6 +120,8 @@ def run_program_torch(program, inputs) -> list[torch.Tensor]:
     vals = []
     for spec, t in zip(p.inputs, inputs):
         shape = tuple(spec.shape) or (1,)
+        if spec.dtype == BIT:
+            t = unpack_bits(t, shape[-1])
         vals.append(t.reshape((1,) * (nl + 1 - len(shape)) + shape))
     for ins in p.instrs:
         vals.append(_eval(ins, [vals[a] if isinstance(a, int) else a for a in ins.args]))
@@ -138,6 +150,28 @@ class BuiltProgram:
     outputs: list
     output_shapes: list
     input_shapes: list
+    draws: dict = None          # input number -> (dropout node, p): a keep-mask the fused call draws itself
+
+
+def draws_keep_mask(n) -> bool:
+    """A training-mode dropout that draws its keep-mask from torch's generator: ``native_dropout(x, p, True)``
+    (any p: eager draws even at 0 and 1) whose mask nobody reads, or ``dropout(x, p, True)`` with 0 < p < 1
+    (outside that range eager draws nothing). A Vector program runs it as ``where(keep, x · 1/(1 − p), 0)``
+    over a ``bit`` input, the mask its fused call draws with ``autofuse::dropout_gen_mask`` (the same call on
+    the same shape and dtype as eager's, so the same elements are dropped)."""
+    if not isinstance(n, fx.Node) or n.op != "call_function":
+        return False
+    p, train = _dropout_args(n)
+    if n.target == aten.native_dropout.default:
+        return train is True and all(u.target is operator.getitem and u.args[1] == 0 for u in n.users)
+    return n.target == aten.dropout.default and train is True and 0.0 < p < 1.0
+
+
+def _dropout_args(n):
+    args = list(n.args) + [None] * 3
+    p = n.kwargs.get("p", args[1])
+    train = n.kwargs.get("train", args[2])
+    return (float(p) if _is_scalar(p) else -1.0), train
 
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
@@ -222,19 +256,20 @@ class _Build:
             ext.insert(0, self.first)
         b = self.b = Builder(self.lead)
         self.input_shapes = []
-        rows = math.prod(self.lead)
+        self.draws = {}
         for a in ext + self.as_input:
-            m = _meta(a)
-            shape = tuple(m.shape)
-            if m.dim() and math.prod(shape[:-1]) == rows and len(shape) - 1 != len(self.lead) and \
-                    shape[:-1] != self.lead[len(self.lead) - len(shape) + 1:]:
-                shape = self.lead + shape[-1:]      # full rows grouped otherwise: viewed with the lead dims
-            try:
-                self.val[a] = b.input(dtype_name(m.dtype), shape)
-            except ProgramError as e:
-                self.fail(a, str(e))
+            self.val[a] = self.declare(a, _meta(a), dtype_name(_meta(a).dtype))
             self.inputs.append(a)
-            self.input_shapes.append(shape)
+        self.keep = {}                      # dropout node -> its keep-mask's bit input
+        for n in self.nodes:
+            if n.target in (aten.native_dropout.default, aten.dropout.default):
+                if not draws_keep_mask(n):
+                    self.fail(n, "a dropout that draws no keep-mask, or whose mask is read")
+                if _meta(n.args[0]).dim() == 0 or _meta(n.args[0]).shape[-1] < 2:
+                    self.fail(n, "a dropout of per-row values (its keep bits would be one per row)")
+                self.draws[len(self.inputs)] = (n, _dropout_args(n)[0])
+                self.keep[n] = self.declare(n, _meta(n.args[0]), BIT)
+                self.inputs.append(None)
         for n in self.nodes:
             if n in self.val:
                 continue
@@ -252,7 +287,21 @@ class _Build:
         for n, shape, ps in zip(self.out_nodes, shapes, prog.output_shapes()):
             if math.prod(shape) != math.prod(ps) or (n not in self.squeezed and tuple(shape[-1:]) != ps[-1:]):
                 self.fail(n, f"its shape is not the program's {list(ps)} (lead {list(self.lead)})")
-        return BuiltProgram(prog, self.inputs, self.out_nodes, shapes, self.input_shapes)
+        return BuiltProgram(prog, self.inputs, self.out_nodes, shapes, self.input_shapes, self.draws)
+
+    def declare(self, a, m, dtype):
+        """A program input for node ``a`` of value ``m`` (full rows grouped otherwise than the lead dims are
+        viewed with them)."""
+        shape = tuple(m.shape)
+        if m.dim() and math.prod(shape[:-1]) == math.prod(self.lead) and len(shape) - 1 != len(self.lead) and \
+                shape[:-1] != self.lead[len(self.lead) - len(shape) + 1:]:
+            shape = self.lead + shape[-1:]
+        try:
+            v = self.b.input(dtype, shape)
+        except ProgramError as e:
+            self.fail(a, str(e))
+        self.input_shapes.append(shape)
+        return v
 
     def arg(self, n, x):
         """A node argument as a value handle or immediate."""
@@ -269,6 +318,7 @@ class _Build:
     def round(self, n, v):
         """In eager rounding, the op's result rounded to the node's dtype, as eager stores it."""
         m = _meta(n)
+        m = m[0] if isinstance(m, (tuple, list)) else m          # native_dropout: (output, mask)
         if self.rounding == "eager" and m.dtype in (torch.float16, torch.bfloat16):
             return self.b.cast(v, dtype=dtype_name(m.dtype))
         return v
@@ -339,6 +389,10 @@ class _Build:
             return self.round(n, b.div(e, b.reduce(e, kind="sum")))
         if t in (aten.layer_norm.default, aten.native_layer_norm.default):
             return self.layer_norm(n)
+        if t in (aten.native_dropout.default, aten.dropout.default):
+            p = _dropout_args(n)[0]
+            scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+            return self.round(n, b.where(self.keep[n], b.mul(self.arg(n, n.args[0]), scale), 0.0))
         if t == aten.slice.Tensor:
             dim = n.args[1] if len(n.args) > 1 else 0
             src = _meta(n.args[0])
@@ -401,6 +455,8 @@ class _Build:
         src, i = n.args
         if src.target == aten.native_layer_norm.default:       # (y, mean, rstd)
             return self.val[src][i]
+        if src.target == aten.native_dropout.default and i == 0:   # (output, mask)
+            return self.val[src]
         if src.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             self.fail(n, "getitem of something other than a split")
         x = src.args[0]

@@ -13,6 +13,12 @@ whose program cannot be built (a reduction over another dim, shapes that do not 
 is split at the node the builder names, and the parts are tried again. Regions of fewer than two compute
 ops are dropped: a single op gains nothing from fusion.
 
+A training-mode dropout is a Vector op too (``where(keep, x · 1/(1 − p), 0)`` over a ``bit`` input): the fused
+call draws its keep-mask with ``dropout_gen_mask`` exactly as eager draws it (see
+:func:`autofuse.vector_program.draws_keep_mask`), so a residual dropout joins the add and the norm after it,
+and a projection's bias, dropout, residual add and norm become one epilogue. The match lists those draws
+(``params["draws"]``); the planner refuses a region whose draws would move past another random op.
+
 **Epilogues** (``find_matmul_epilogues``). A region that reads the output of a matmul (``linear``,
 ``matmul``, ``addmm``) used nowhere else is also offered as that matmul plus its epilogue
 (``torch.ops.autofuse.matmul_epilogue``: the product goes from L0C to UB and through the program before one
@@ -38,7 +44,7 @@ import torch.fx as fx
 from autofuse.graph import is_number, shape, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS, NotExpressible,
-                                     program_from_nodes)
+                                     draws_keep_mask, program_from_nodes)
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
@@ -51,6 +57,7 @@ _COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | {
 _MOVES = {aten.slice.Tensor, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default, aten.stack.default,
           operator.getitem}
 MATMULS = {aten.linear.default, aten.matmul.default, aten.addmm.default}
+_DROPOUTS = (aten.native_dropout.default, aten.dropout.default)     # training mode: see draws_keep_mask
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.bool)
 
 
@@ -58,8 +65,12 @@ def _vector(n: fx.Node) -> bool:
     """An op one generated Vector kernel may run (the program builder decides the details)."""
     if n.op != "call_function":
         return False
+    if n.target in _DROPOUTS:
+        return draws_keep_mask(n) and val(n.args[0]).dtype in _DTYPES[:3]
     if n.target is operator.getitem:
         src = n.args[0]
+        if isinstance(src, fx.Node) and src.target == aten.native_dropout.default:
+            return n.args[1] == 0 and _vector(src)
         return isinstance(src, fx.Node) and src.target in (aten.split.Tensor, aten.split_with_sizes.default)
     if n.target not in _COMPUTE and n.target not in _VIEWS:
         return False
@@ -76,7 +87,7 @@ def _rows(n: fx.Node) -> int:
     """The rows a node's value spans (its leading dims; a split's input's): a region has one row count, the
     iteration space of its program, so values over other rows (RoPE's cos over tokens, read by the queries'
     rotation over heads and tokens) are computed apart and read as broadcast inputs."""
-    if n.target in (aten.split.Tensor, aten.split_with_sizes.default):
+    if n.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.native_dropout.default):
         n = n.args[0]
     v = val(n)
     return math.prod(v.shape[:-1]) if isinstance(v, torch.Tensor) and v.dim() else 1
@@ -315,16 +326,21 @@ def region_name(nodes: list, matmul: bool = False) -> str:
 # ------------------------------------------------------------------------------------------- matches
 
 def _match(family: str, nodes: list, built, matmul=None) -> Match:
+    """The match of a region. Its inputs ``in{i}`` are numbered as the program's (the epilogue's from its
+    input 1); a keep-mask the fused call draws has no node: ``params["draws"]`` lists those numbers with the
+    dropout's p and the dtype eager draws in, ``((i, p, dtype), ...)``."""
     outs = {f"out{i}": n.name for i, n in enumerate(built.outputs)}
-    inputs = {f"in{i}": n.name for i, n in enumerate(built.inputs)}
+    skip = 0 if matmul is None else 1
+    inputs = {f"in{i - skip}": n.name for i, n in enumerate(built.inputs) if i >= skip and n is not None}
+    draws = tuple((i - skip, p, str(val(d.args[0]).dtype).replace("torch.", ""))
+                  for i, (d, p) in sorted((built.draws or {}).items()))
     body = nodes if matmul is None else [matmul] + nodes
     params = dict(family=family, program=built.program, input_shapes=tuple(built.input_shapes),
                   output_shapes=tuple(built.output_shapes), out_likes=tuple(val(n) for n in built.outputs),
-                  name=region_name(nodes, matmul is not None))
+                  name=region_name(nodes, matmul is not None), draws=draws)
     if matmul is not None:
         a, w, bias, trans_b = _matmul_operands(matmul)
-        inputs = {"a": a.name, "b": w.name, **({"bias": bias.name} if bias is not None else {}),
-                  **{f"in{i}": n.name for i, n in enumerate(built.inputs[1:])}}
+        inputs = {"a": a.name, "b": w.name, **({"bias": bias.name} if bias is not None else {}), **inputs}
         params.update(trans_b=trans_b, extra_shapes=tuple(built.input_shapes[1:]))
     order = [n.name for n in body]
     anchor = built.outputs[0].name

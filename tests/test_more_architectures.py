@@ -112,7 +112,8 @@ DROPOUT_ATTRS = ("attention_dropout", "attention_probs_dropout_prob", "dropout_r
 
 @pytest.mark.parametrize("name,impl", [(n, "sdpa") for n in MODELS] + [("t5", "eager"), ("bart", "eager")])
 def test_training_mode_fuses_attention_dropout_with_eagers_draws(name, impl):
-    """Training mode with a 10 % attention dropout: every block fused with its dropout, drawing the keep-masks
+    """Training mode with a 10 % attention dropout: every block fused with its dropout, and every other dropout
+    with the Vector region or epilogue around it, drawing the keep-masks
     eager draws (same seed: the same output, and the generator left where eager leaves it). SDPA's dropout_p
     for every architecture (transformers' default); the explicit nn.Dropout spelling in the encoder-decoders
     (self, causal and cross attention), GPT-2's in tests/test_engine.py and tests/test_autograd.py."""
@@ -128,6 +129,9 @@ def test_training_mode_fuses_attention_dropout_with_eagers_draws(name, impl):
     attention = fused.report.of("attention")
     assert len(attention) == BLOCKS.get(name, LAYERS) and all(d.applied for d in attention), fused.report.summary()
     assert all(d.params["dropout_p"] == 0.1 for d in attention)
+    # every other dropout (residual, embedding, MLP) fused into the Vector region or epilogue around it
+    code = fused.graph_module.code
+    assert "native_dropout" not in code and "aten.dropout" not in code, code
     runs = []
     for m in (model, fused):
         torch.manual_seed(3)

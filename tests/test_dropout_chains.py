@@ -1,0 +1,206 @@
+"""Training-mode dropouts outside attention (residual, embedding, MLP), fused into the generated Vector kernels
+and matmul epilogues around them: the fused call draws eager's keep-mask (``dropout_gen_mask``, same seed, same
+elements dropped, the generator left where eager leaves it) and applies it from a ``bit`` input in the same
+pass as the residual add and the norm; gradients follow the same mask; a dropout whose draw would move past
+another random op, or whose mask is read, is left as captured."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+from autofuse.verify import compare
+
+H = 64
+
+
+class ResidualNorm(nn.Module):
+    """GPT-2's block tail: ``ln(x + dropout(proj(x)))``."""
+
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.proj, self.drop, self.ln = nn.Linear(H, H), nn.Dropout(p), nn.LayerNorm(H)
+
+    def forward(self, x):
+        return self.ln(x + self.drop(self.proj(x)))
+
+
+class Embedding(nn.Module):
+    """GPT-2's embedding: ``dropout(tokens + positions)``, then a norm reading it."""
+
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.pos, self.drop, self.ln = nn.Parameter(torch.randn(16, H)), nn.Dropout(p), nn.LayerNorm(H)
+
+    def forward(self, x):
+        h = self.drop(x + self.pos)
+        return h, self.ln(h)
+
+
+class TwoDropouts(nn.Module):
+    """Two dropouts of other p in one region: drawn in graph order."""
+
+    def __init__(self):
+        super().__init__()
+        self.d1, self.d2 = nn.Dropout(0.3), nn.Dropout(0.1)
+
+    def forward(self, a, b):
+        return F.gelu(self.d1(a) * 2.0 + self.d2(b))
+
+
+class Functional(nn.Module):
+    """``F.dropout`` written in forward, with an odd width (the bits of a row end inside a byte)."""
+
+    def forward(self, x):
+        return torch.tanh(F.dropout(x * 0.5, 0.2, training=self.training)) + 1.0
+
+
+def _run_seeded(fn, seed=7):
+    torch.manual_seed(seed)
+    out = fn()
+    return out, torch.rand(4)          # what the generator gives next: where each run left it
+
+
+def _float64(model, args):
+    m64 = type(model)().double()
+    m64.load_state_dict(model.state_dict())
+    m64.train(model.training)
+    return _run_seeded(lambda: m64(*[a.detach().double() for a in args]))[0]
+
+
+def _args(model, dtype, grad=False):
+    g = torch.Generator().manual_seed(0)
+    width = 100 if isinstance(model, Functional) else H
+    n = 2 if isinstance(model, TwoDropouts) else 1
+    return tuple(torch.randn(2, 16, width, generator=g).to(dtype).requires_grad_(grad) for _ in range(n))
+
+
+def _drawing(fused):
+    return [d for d in fused.report.decisions if d.params.get("draws")]
+
+
+MODELS = [ResidualNorm, Embedding, TwoDropouts, Functional]
+
+
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_dropout_draws_what_eager_draws(cls, dtype):
+    torch.manual_seed(0)
+    model = cls().to(dtype).train()
+    args = _args(model, dtype)
+    fused = AutoFusionEngine.fuse(model, args)
+    ds = [d for d in _drawing(fused) if d.applied]       # (a region and its epilogue form conflict: one is)
+    assert ds, [(d.pattern, d.reason) for d in fused.report.decisions]
+    assert all("keep-mask" in d.reason and "dropout p=" in d.reason for d in ds)
+    code = fused.graph_module.code
+    assert "dropout_gen_mask" in code and "native_dropout" not in code and "aten.dropout" not in code
+    got, after_fused = _run_seeded(lambda: fused(*args))
+    want, after_eager = _run_seeded(lambda: model(*args))
+    assert torch.equal(after_fused, after_eager)           # the generator moved exactly as far
+    ref = _float64(model, args)
+    for g_, w_, r_ in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want, ref))):
+        assert torch.equal(g_ == 0, w_ == 0) or isinstance(model, (ResidualNorm, TwoDropouts))
+        ok, err, tol = compare(w_, r_, g_)
+        assert ok, (err, tol)
+
+
+def test_the_dropped_elements_are_eagers():
+    """No op after the dropout but a residual add of zeros: the output is zero exactly where eager's is."""
+    class Drop(nn.Module):
+        def forward(self, x, z):
+            return F.dropout(x, 0.5, training=True) + z
+
+    x, z = torch.randn(3, 8, 200) + 5.0, torch.zeros(3, 8, 200)
+    fused = AutoFusionEngine.fuse(Drop(), (x, z))
+    assert _drawing(fused)[0].applied
+    got, _ = _run_seeded(lambda: fused(x, z), seed=11)
+    want, _ = _run_seeded(lambda: Drop()(x, z), seed=11)
+    assert torch.equal(got, want) and 0.4 < (want == 0).float().mean() < 0.6
+
+
+@pytest.mark.parametrize("cls", [ResidualNorm, TwoDropouts], ids=lambda c: c.__name__)
+def test_gradients_follow_the_same_mask(cls):
+    torch.manual_seed(0)
+    model = cls().train()
+    args = _args(model, torch.float32, grad=True)
+    fused = AutoFusionEngine.fuse(model, args)
+    assert any(d.applied for d in _drawing(fused)) and "native_dropout" not in fused.graph_module.code
+    grads = []
+    for fn in (fused, model):
+        for a in args:
+            a.grad = None
+        model.zero_grad()
+        out, _ = _run_seeded(lambda fn=fn: fn(*args))
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append([a.grad.clone() for a in args] + [p.grad.clone() for p in model.parameters()])
+    for gf, ge in zip(*grads):
+        # fp32 both sides, the same mask: the backward recomputes the chain in fp32 (a few roundings a term)
+        torch.testing.assert_close(gf, ge, rtol=1e-4, atol=1e-5)
+
+
+def test_a_draw_that_would_move_past_another_random_op_stays_as_captured():
+    class Between(nn.Module):
+        def forward(self, x):
+            h = F.dropout(x, 0.1, training=True)
+            r = torch.rand_like(x)            # drawn after the dropout; the region reads it
+            return F.layer_norm(h + r, (H,))
+
+    x = torch.randn(2, 16, H)
+    fused = AutoFusionEngine.fuse(Between(), (x,))
+    ds = _drawing(fused)
+    assert ds and not any(d.applied for d in ds)
+    assert any("would move past the random op" in d.reason for d in ds), [d.reason for d in ds]
+    got, after_fused = _run_seeded(lambda: fused(x))
+    want, after_eager = _run_seeded(lambda: Between()(x))
+    assert torch.equal(after_fused, after_eager) and torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_dropout_whose_mask_is_read_is_not_absorbed():
+    class ReadsMask(nn.Module):
+        def forward(self, x):
+            y, keep = torch.ops.aten.native_dropout(x, 0.2, True)
+            return F.layer_norm(y + 1.0, (H,)), keep
+
+    x = torch.randn(2, 16, H)
+    fused = AutoFusionEngine.fuse(ReadsMask(), (x,))
+    assert not _drawing(fused) and "native_dropout" in fused.graph_module.code
+    (got, gk), after_fused = _run_seeded(lambda: fused(x))
+    (want, wk), after_eager = _run_seeded(lambda: ReadsMask()(x))
+    assert torch.equal(gk, wk) and torch.equal(after_fused, after_eager)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_mode_draws_nothing():
+    model = ResidualNorm().eval()
+    (x,) = _args(model, torch.float32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert not _drawing(fused) and "dropout_gen_mask" not in fused.graph_module.code
+    assert any(d.applied for d in fused.report.decisions)
+
+
+@pytest.mark.parametrize("width", [13, 64, 100])
+def test_the_torch_twin_reads_the_kernels_bit_format(width):
+    """run_program_torch unpacks a bit input as the simulator's kernel does (pack_keep's format), so the op's
+    reference twin and backward see the mask the kernel applied: the two agree exactly in fp32."""
+    import numpy as np
+
+    from autofuse.npu.kernels.dropout import pack_keep
+    from autofuse.ops_vector import vector_program
+    from autofuse.vector_program import Builder, run_program_torch, unpack_bits
+
+    g = torch.Generator().manual_seed(width)
+    keep = torch.rand(3, 5, width, generator=g) < 0.7
+    bits = torch.from_numpy(pack_keep(keep.numpy()))
+    assert bits.dtype == torch.uint8 and bits.shape[-1] == -(-width // 8)
+    assert torch.equal(unpack_bits(bits, width), keep)
+    b = Builder((3, 5))
+    x, r, k = b.input("float32", (3, 5, width)), b.input("float32", (3, 5, width)), b.input("bit", (3, 5, width))
+    b.output(b.add(b.where(k, b.mul(x, 1.0 / 0.7), 0.0), r), "float32")
+    prog = b.build()
+    xs = [torch.randn(3, 5, width, generator=g) for _ in range(2)]
+    (want,) = run_program_torch(prog, xs + [bits])
+    (got,) = vector_program(xs + [bits], prog)
+    assert torch.equal(got, want)
+    assert torch.equal(want, torch.where(keep, xs[0] * np.float32(1.0 / 0.7), 0.0) + xs[1])
+    with pytest.raises(Exception, match="bit input of width"):
+        run_program_torch(prog, xs + [bits[..., :-1].contiguous()])
