@@ -76,19 +76,25 @@ def _counts(dev, req):
     None. A buffer's tiles are placed one after another, each at the buffer's alignment: its use is every
     tile's aligned size but the last one's, plus the last one's size."""
     counts = {r[2]: r[5] for r in req}
-    key = [((side if dev.arch == "split" else "core"), buf) for side, buf, *_ in req]
+    split = dev.arch == "split"
+    key = [((side if split else "core"), buf) for side, buf, *_ in req]
     size = [math.prod(shape) * itemsize(dt) for _, _, _, shape, dt, _, _ in req]
+    aligned = [round_up(n, dev.align[k[1]]) for n, k in zip(size, key)]
+    names = [r[2] for r in req]
+    members = {}                                  # per buffer, its requests in list order
+    for i, k in enumerate(key):
+        members.setdefault(k, []).append(i)
 
     def used(k):
         total, last = 0, 0
-        for i, r in enumerate(req):
-            c = counts[r[2]]
-            if key[i] == k and c:
-                total += c * round_up(size[i], dev.align[k[1]])
-                last = round_up(size[i], dev.align[k[1]]) - size[i]
+        for i in members[k]:
+            c = counts[names[i]]
+            if c:
+                total += c * aligned[i]
+                last = aligned[i] - size[i]
         return total - last
 
-    if any(used(k) > dev.buffers[k[1]] for k in set(key)):
+    if any(used(k) > dev.buffers[k[1]] for k in members):
         return None
     for i, r in enumerate(req):
         while counts[r[2]] < r[6]:
@@ -97,6 +103,20 @@ def _counts(dev, req):
                 counts[r[2]] -= 1
                 break
     return counts
+
+
+@cached
+def _tile_counts(device, D, Dv, dtype, q, kv, vq, mask_spec, drop):
+    """:func:`_counts` of tile ``(q, kv, vq)``: the default and the candidates of every shape with these head
+    dims try the same tiles (a fresh dict per call, so callers may keep it)."""
+    dev = get_device(device)
+    c = _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv, "vq": vq}, mask_spec, drop))
+    return None if c is None else tuple(c.items())
+
+
+def _granted(dev, D, Dv, dtype, t, mask_spec, drop):
+    c = _tile_counts(dev.name, D, Dv, dtype, t["q"], t["kv"], t["vq"], mask_spec, bool(drop))
+    return None if c is None else dict(c)
 
 
 def _valid(dev, t):
@@ -126,7 +146,7 @@ def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
         rows = q // 2 if dev.arch == "split" else q
         for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
             t = {"q": q, "kv": kv, "vq": vq}
-            c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec, drop))
+            c = _granted(dev, D, Dv, dtype, t, mask_spec, drop)
             if c is not None:
                 return t, c
     return None
@@ -141,7 +161,7 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
             rows = q // 2 if dev.arch == "split" else q
             for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
                 t = {"q": q, "kv": kv, "vq": vq}
-                c = _counts(dev, _requests(dev, D, Dv, dtype, t, mask_spec, drop))
+                c = _granted(dev, D, Dv, dtype, t, mask_spec, drop)
                 if c is not None:
                     out.append((t, c))
                     break
@@ -162,6 +182,10 @@ def _deal(per_head, BN, ncores):
         total = BN * sum(costs)
         T = ceil_div(total, n) + (max(costs) - min(costs))
         return n, T, ceil_div(BN * sum(len(u) for u in per_head), n)
+    if all(u == per_head[0] for u in per_head):
+        # equal units go round-robin: the busiest cores get ceil(units / cores) of them
+        k = ceil_div(nunits, n)
+        return n, k * costs[0], k * len(per_head[0])
     heap = [(0, 0, c) for c in range(n)]
     for _ in range(BN):
         for unit in per_head:
@@ -241,15 +265,29 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
 
     units = B * N * nq
     if not causal and units <= 4096:
-        # round-robin dealing (equal units): core c gets units c, c + n, ...; item k starts at step k·nkv
+        # round-robin dealing (equal units): core c gets units c, c + n, ...; item k starts at step k·nkv, so
+        # its tile j is in slot (k·nkv + j) % 2: which slots an item's tiles use depends only on k·nkv % 2
+        tiles = [{((p + j) % 2, k_) for j, k_ in enumerate(kes)} for p in (0, 1)]
+        extents = {min(qb, Sq - b * qb) for b in range(nq)}
+        kinds = len(extents) * (2 if nkv % 2 else 1)          # (rows, parity) kinds an item can be
+        memo = {}
         total = 0.0
         for c in range(n):
-            keys = {}
+            seen = {}                                         # query rows -> parities of its items
+            found = 0
             for k, u in enumerate(range(c, units, n)):
                 qe = min(qb, Sq - (u % nq) * qb)
-                for j, k_ in enumerate(kes):
-                    keys.setdefault(qe, set()).add(((k * nkv + j) % 2, k_))
-            total += sum(region_bytes(qe, sk) for qe, sk in keys.items())
+                ps = seen.setdefault(qe, set())
+                if k * nkv % 2 not in ps:
+                    ps.add(k * nkv % 2)
+                    found += 1
+                    if found == kinds:                        # later items add no new region
+                        break
+            for qe, ps in seen.items():
+                got = memo.get((qe, frozenset(ps)))
+                if got is None:
+                    got = memo[(qe, frozenset(ps))] = region_bytes(qe, set().union(*(tiles[p] for p in ps)))
+                total += got
         return total
     combos = {(p, k_) for p in ((0, 1) if T > 1 else (0,)) for k_ in (kes if not causal else kes[:1] + kes[-1:])}
     q_full, q_edge = min(qb, Sq), Sq - (nq - 1) * qb
