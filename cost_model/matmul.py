@@ -86,16 +86,21 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
         s |= {round_up(ceil_div(X, j), 16) for j in (1, 2, 3, 4) if round_up(ceil_div(X, j), 16) <= 256}
         return sorted(s)
     isz = itemsize(dtype)
-    out = []
+    out, seen = [], set()
+    ns = sizes(N)
     for m0 in sizes(Mr):
-        for n0 in sizes(N):
+        for n0 in ns:
             k0 = next((k for k in (256, 128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
                        and 2 * k * n0 * isz <= dev.buffers["L0B"]), 16)
             k0 = min(k0, round_up(K, 16))
             for mult in (2, 4):
-                t = {"m0": m0, "n0": n0, "k0": k0, "k1": min(mult * k0, round_up(K, k0))}
-                if t not in out and fits(dev, dtype, out_dtype, t, bias):
+                k1 = min(mult * k0, round_up(K, k0))
+                if (m0, n0, k0, k1) in seen:
+                    continue
+                t = {"m0": m0, "n0": n0, "k0": k0, "k1": k1}
+                if fits(dev, dtype, out_dtype, t, bias):
                     out.append(t)
+                    seen.add((m0, n0, k0, k1))
     return out
 
 
@@ -164,21 +169,29 @@ def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_pre
     t0 = fix_prev if coupled else np.zeros_like(cube)     # coupled: MTE3 stores after the L0C->UB copy
     t1 = t0 + pw_prev
     base = fix_prev if nc == 1 else 0.0                   # one L0C tile: the Cube waits for the copy
-    C = [cube * cf for _, cf, _ in chunks]
-    start_prev, acc = [None] * nk1, 0.0
-    for kk in range(nk1 - 1, -1, -1):
-        acc = acc + C[kk]
+    C = {}                                                # the Cube time of chunk kk (those used below)
+
+    def cube_of(kk):
+        if kk not in C:
+            C[kk] = cube * chunks[kk][1]
+        return C[kk]
+
+    # start of the previous step's chunks, back from its end; only the last two are reused below (by the
+    # first two chunks of this step)
+    start_prev, acc = {}, 0.0
+    for kk in range(nk1 - 1, max(nk1 - 3, -1), -1):
+        acc = acc + cube_of(kk)
         start_prev[kk] = -acc
     t_prev = -np.inf
     late = np.zeros_like(cube)
     nominal = base
     for j in range(min(nk1, 3)):
         if j >= 2:
-            x, sx = j - 2, base + sum(C[:j - 2]) if j > 2 else base
+            x, sx = j - 2, base + sum(cube_of(kk) for kk in range(j - 2)) if j > 2 else base
         else:
-            same = [kk for kk in range(nk1) if kk % 2 == j % 2]
-            x = same[-1] if same else None
-            sx = start_prev[x] if same else None
+            # the last chunk of the previous step that used this chunk's L1 buffer (same parity)
+            x = next((kk for kk in (nk1 - 1, nk1 - 2) if kk >= 0 and kk % 2 == j % 2), None)
+            sx = None if x is None else start_prev[x]
         free = -np.inf if x is None else sx + (chunks[x][2] - 2) * c + m
         lf = chunks[j][0]
         for dur, p in ((la * lf, pa * lf), (lb * lf, pb * lf)):
@@ -188,7 +201,7 @@ def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_pre
             port_end = np.where(clear, st + p, np.where(st < t0, t1 + p - (t0 - st), np.maximum(st, t1) + p))
             t_prev = np.maximum(st + dur, port_end)
         late = np.maximum(late, t_prev + m - nominal)
-        nominal = nominal + C[j]
+        nominal = nominal + cube_of(j)
     late[0] = 0.0
     return np.maximum(late, 0.0)
 
@@ -255,10 +268,13 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     else:
         bias_hit = bias_miss = np.zeros(S)
 
-    # K split into chunks of k1 and slices of k0
-    widths = [min(k0, min(k1, K - c) - q) for c in range(0, K, k1) for q in range(0, min(k1, K - c), k0)]
+    # K split into chunks of k1 and slices of k0: every chunk but the last is a full one
     nk1 = ceil_div(K, k1)
-    kfr = sum(ceil_div(w, dev.cube_k0[dtype]) for w in widths)
+    k0f = dev.cube_k0[dtype]
+    chunk_w = [k1, K - (nk1 - 1) * k1]                    # a full chunk, the last one
+    chunk_sl = [[min(k0, w - x) for x in range(0, w, k0)] for w in chunk_w]
+    widths = chunk_sl[0] * (nk1 - 1) + chunk_sl[1]
+    kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
     rates = dev.rates
 
     def port(hit, miss):
@@ -300,11 +316,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     pw_prev = np.concatenate([[0.0], PW[:-1]])
     move1 = (round_up(m_s, 16) * widths[0] * isz / rates["L1->L0A"]
              + widths[0] * round_up(n_s, 16) * isz / rates["L1->L0B"])
-    chunks = []
-    for c0 in range(0, K, k1):
-        w = min(k1, K - c0)
-        sl = [min(k0, w - x) for x in range(0, w, k0)]
-        chunks.append((w / K, sum(ceil_div(v, dev.cube_k0[dtype]) for v in sl) / kfr, len(sl)))
+    full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
+    chunks = [full] * (nk1 - 1) + [last]
     c_slice = cube * chunks[0][1] / chunks[0][2]
     stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, pw_prev)
     # only where the Cube leads; where loads lead, the store's port time is in the port sum below

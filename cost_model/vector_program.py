@@ -298,18 +298,21 @@ def _fits(dev, low, R, C=None):
 
 
 def _max_rows(dev, low, hi, C=None) -> int:
-    """The most rows (<= hi) whose tiles fit UB (0 if none): the kernel's binary search, for every R at once."""
+    """The most rows (<= hi) whose tiles fit UB (0 if none): the kernel's binary search (UB use only grows
+    with R)."""
     if hi < 1:
         return 0
-    R = np.arange(1, hi + 1)
-    used = np.zeros(hi, dtype=np.int64)
     align = dev.align["UB"]
     # every tile is [R or 1, cols]: its rows scale with R when it has 2 rows at R = 2
-    for (s1, dt), reg in zip(low.ub_specs(1, C), low.regs):
-        nbytes = math.prod(s1) * itemsize(dt) * (R if reg.rows else 1)
-        used = -(-used // align) * align + nbytes
-    ok = np.nonzero(used <= dev.buffers["UB"])[0]
-    return int(ok[-1] + 1) if ok.size else 0
+    tiles = [(math.prod(s1) * itemsize(dt), reg.rows) for (s1, dt), reg in zip(low.ub_specs(1, C), low.regs)]
+
+    def ok(R):
+        used = 0
+        for nbytes, rows in tiles:
+            used = -(-used // align) * align + nbytes * (R if rows else 1)
+        return used <= dev.buffers["UB"]
+
+    return max(0, largest(ok, 1, hi))
 
 
 def _main_bytes(low, R, C=None):
