@@ -70,8 +70,9 @@ def _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, R, cc):
     cols = {k: [] for k in ("lb", "hit", "miss", "vec", "sb", "stot", "instr")}
 
     def add(lb, hit, miss, vec, sb, stot, instr):
+        """One task per step: each figure a number or an array over the steps."""
         for k, v in zip(cols, (lb, hit, miss, vec, sb, stot, instr)):
-            cols[k].append(np.broadcast_to(np.asarray(v, float), (S,)))
+            cols[k].append(v)
 
     step_bytes = tot * H * isz
     for k in range(nch):                                    # pass 1 (the only pass when nch == 1)
@@ -129,7 +130,12 @@ def _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, R, cc):
             stot = tot * cv * isz + (stat_outs * tot * 4 if k == nch - 1 else 0)
             add((0 if kept else re * cv * isz) + p_b, hit, miss, vec, sb, stot,
                 instr + (1 if kept else 2) + nparams + (stat_outs if k == nch - 1 else 0))
-    arr = {k: np.stack(v, axis=1).reshape(-1) for k, v in cols.items()}
+    arr = {}
+    for k, v in cols.items():                               # [steps, tasks], step-major
+        a = np.empty((S, len(v)))
+        for j, x in enumerate(v):
+            a[:, j] = x
+        arr[k] = a.reshape(-1)
     core, busy = stream(dev, arr["lb"], port(dev, arr["hit"], arr["miss"]), arr["vec"], arr["sb"],
                         arr["stot"] / HBM, arr["instr"])
     hbm = arr["miss"].sum() + arr["stot"].sum()

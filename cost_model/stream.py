@@ -75,7 +75,7 @@ def stream(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, load
     store = np.maximum(np.asarray(store_bytes, float) / sr, sp)
     vec = np.asarray(vec, dtype=float)
     instr = np.asarray(instr, dtype=float) * dev.scalar_issue_cycles
-    lp, sp, vec, instr = (np.broadcast_to(a, load.shape) for a in (lp, sp, vec, instr))
+    lp, sp, vec, instr = (a if a.shape == load.shape else np.broadcast_to(a, load.shape) for a in (lp, sp, vec, instr))
     nxt, nxt_p, prv, prv_p = (np.zeros(load.shape) for _ in range(4))
     nxt[..., :-1], nxt_p[..., :-1] = load[..., 1:], lp[..., 1:]
     prv[..., 1:], prv_p[..., 1:] = store[..., :-1], sp[..., :-1]

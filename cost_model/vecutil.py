@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from cost_model.common import itemsize, round_up
+from cost_model.devices import ITEMSIZE
 
 BLOCK = 32                       # UB alignment: one 32 B block
 
@@ -18,10 +19,12 @@ def pad(n, dtype: str):
 
 
 def ub_need(dev, specs) -> int:
+    """UB bytes of tiles ``[(shape, dtype)]`` allocated in order, each at the UB alignment (the tile-size
+    searches call this thousands of times: the rounding and item sizes are inlined)."""
     align = dev.align["UB"]
     used = 0
     for shape, dtype in specs:
-        used = round_up(used, align) + math.prod(shape) * itemsize(dtype)
+        used = -(-used // align) * align + math.prod(shape) * ITEMSIZE[dtype]
     return used
 
 
