@@ -85,26 +85,30 @@ def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False)
 
 
 def _items(sizes, N_out, m0, n0):
-    out = []
-    start = 0
+    """The work items, one row each of an int64 array: (group, first row, rows, first col, cols, row block,
+    col block), in the kernel's order: group by group, column block by column block, row block by row block."""
+    nn = ceil_div(N_out, n0)
+    parts, start = [], 0
     for g, c in enumerate(sizes):
         if c > 0:
-            for c0 in range(0, N_out, n0):
-                for r0 in range(0, c, m0):
-                    out.append((g, start + r0, min(m0, c - r0), c0, min(n0, N_out - c0), r0 // m0, c0 // n0))
+            nm = ceil_div(c, m0)
+            mi, ni = np.tile(np.arange(nm), nn), np.repeat(np.arange(nn), nm)
+            parts.append(np.stack([np.full(nm * nn, g), start + mi * m0, np.minimum(m0, c - mi * m0), ni * n0,
+                                   np.minimum(n0, N_out - ni * n0), mi, ni], axis=1))
         start += c
-    return out
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 7), dtype=np.int64)
 
 
 def _deal(loads, ncores):
+    """Items to the least-loaded core, in order (the kernel's dealer): (cores used, core of each item)."""
     n = min(ncores, len(loads))
     heap = [(0.0, c) for c in range(n)]
-    core = np.zeros(len(loads), dtype=np.int64)
-    for i, ld in enumerate(loads):
-        load, c = heapq.heappop(heap)
-        core[i] = c
-        heapq.heappush(heap, (load + ld, c))
-    return n, core
+    core = []
+    for ld in loads:
+        load, c = heap[0]                 # the least-loaded core (loads and cores are unique pairs)
+        core.append(c)
+        heapq.heapreplace(heap, (load + ld, c))
+    return n, np.array(core, dtype=np.int64)
 
 
 def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
@@ -115,29 +119,28 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     split = dev.arch == "split"
     rates = dev.rates
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
-    its = _items(sizes, N_out, m0, n0)
+    arr = _items(sizes, N_out, m0, n0)
     sc = dev.scalar_issue_cycles
     pro = E * 4 / rates["GM->L1"] + E * sc
-    if not its:
+    if not len(arr):
         return pro, float(E * 4), {"GM->L1": float(E * 4)}, {"scalar": E * sc}, 1
-    arr = np.array(its, dtype=np.int64)
     g, m, n, mi, ni = arr[:, 0], arr[:, 2].astype(float), arr[:, 4].astype(float), arr[:, 5], arr[:, 6]
     k0f = dev.cube_k0[dtype]
     cube = np.ceil(m / 16) * nb * np.ceil(n / 16) * ceil_div(K, k0f)
     loads = np.maximum(cube, (m + nb * n) * K * isz / rates["GM->L1"])
     P, core = _deal(loads.tolist(), dev.cube_cores)
     # the lockstep step of each item: its position in its core's list
-    step = np.zeros(len(its), dtype=np.int64)
-    seen = np.zeros(P, dtype=np.int64)
-    for i, c in enumerate(core.tolist()):
-        step[i] = seen[c]
-        seen[c] += 1
-    S = int(seen.max())
+    by_core = np.argsort(core, kind="stable")              # each core's items, in order
+    per = np.bincount(core, minlength=P)
+    first = np.cumsum(per) - per
+    step = np.empty(len(arr), dtype=np.int64)
+    step[by_core] = np.arange(len(arr)) - np.repeat(first, per)
+    S = int(per.max())
     a_b = m * K * isz
     b_b = nb * n * K * isz
     # L2: B hits for every row block after the first; A hits after the first column block when the
     # group's A blocks, two B blocks and the output tiles in between fit the L2
-    nm = np.array([ceil_div(sizes[x], m0) for x in g.tolist()])
+    nm = np.array([ceil_div(c, m0) for c in sizes], dtype=np.int64)[g]
     foot = nm * (m0 * K * isz + m0 * n0 * osz) + 2 * nb * n0 * K * isz
     a_hit = (ni > 0) & (foot <= dev.l2_bytes)
     b_hit = mi > 0
@@ -186,18 +189,18 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     instr = (2 + nb) * nk1 + (1 + 2 * nb) * nsl + 3 + (nb if bias else 0)
     port = pa + pb + (0 if split and activation is not None else W[step] / HBMbw)
     unit = np.maximum.reduce([mte2, cube, mte1, fix + (vec if not split else 0), mte3, aiv, port,
-                              np.full(len(its), float(instr * sc))])
+                              np.full(len(arr), float(instr * sc))])
     per_core = np.bincount(core, unit, P)
     first_chunk = min(k1, K) / K
     fill = (a_b[0] + b_b[0]) * first_chunk / rates["GM->L1"] + (m[0] + nb * n[0]) * min(k0, K) * isz / 256
-    last = [np.nonzero(core == c)[0][-1] for c in range(P)]
-    drain = np.array([fix[i] + (vec[i] if not split else aiv[i]) + mte3[i] for i in last])
+    last = by_core[first + per - 1]                         # each core's last item
+    drain = fix[last] + (vec[last] if not split else aiv[last]) + mte3[last]
     core_t = float(np.max(per_core + drain)) + fill + pro
     hbm = float(A_miss.sum() + B_miss.sum() + W.sum()) + E * 4 + (float(np.sum(nb * n * 4 * (mi == 0))) if bias else 0)
     if split and activation is not None:
         # the fp32 workspace stays dirty in L2 and is written back at the end: one line per distinct region
-        slots = {(int(c), int(st) % 2, int(a), int(b)) for c, st, a, b in zip(core, step, m, n)}
-        hbm += sum(nb * a * b * 4 for _, _, a, b in slots)
+        slots = np.unique(np.stack([core, step % 2, m.astype(np.int64), n.astype(np.int64)], axis=1), axis=0)
+        hbm += int((nb * slots[:, 2] * slots[:, 3] * 4).sum())
     nbytes = {"GM->L1": float(a_b.sum() + b_b.sum() + (bias_b * 1.0 if not bias else np.sum(nb * n * 4))) + E * 4 * P,
               "L1->L0A": float((np.ceil(m / 16) * 16 * K * isz).sum()),
               "L1->L0B": float((nb * np.ceil(n / 16) * 16 * K * isz).sum())}
