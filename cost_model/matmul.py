@@ -318,10 +318,14 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
              + widths[0] * round_up(n_s, 16) * isz / rates["L1->L0B"])
     full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
     chunks = [full] * (nk1 - 1) + [last]
-    c_slice = cube * chunks[0][1] / chunks[0][2]
-    stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, pw_prev)
     # only where the Cube leads; where loads lead, the store's port time is in the port sum below
-    stall = np.where(mte2 < cube_chain, stall, 0.0)
+    cube_leads = mte2 < cube_chain
+    if cube_leads.any():
+        c_slice = cube * chunks[0][1] / chunks[0][2]
+        stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, pw_prev)
+        stall = np.where(cube_leads, stall, 0.0)
+    else:
+        stall = np.zeros(S)
     main = np.maximum.reduce([mte2, PA + PB + Pbias + pw_prev, cube_chain + stall, mte1, scalar])
     if ep is not None:            # the previous tile's epilogue runs during this step
         main = np.maximum(main, np.concatenate([[0.0], ep["vec"][:-1]]))

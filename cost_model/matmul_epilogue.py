@@ -89,7 +89,10 @@ def _epi(dev, prog, low, pieces, t):
             rows_core = m_ext
         else:                                   # the busier AIV of the pair: the first half of the rows
             rows_core = np.minimum(m_ext, ceil_div(t["m0"], 2))
-        v_item = np.array([vec(r, c) for r, c in zip(rows_core, cols)])
+        # the Vector time of each item, computed once per distinct (rows, cols) extent
+        code = rows_core * (int(cols.max()) + 1) + cols
+        _, first, inv = np.unique(code, return_index=True, return_inverse=True)
+        v_item = np.array([vec(rows_core[i], cols[i]) for i in first])[inv.reshape(-1)]
         o_item = out_bytes(m_ext, cols).astype(float)
         x_item = load_bytes(m_ext, cols).astype(float)
         o_wave = np.bincount(s, o_item, S)
@@ -148,8 +151,14 @@ def _dirty_workspace(m_ext, cols, s, t, P, psz, cores) -> float:
     return float((r_[live][first] * w_[live][first]).sum() * P * psz)
 
 
+@cached
+def _plan(prog, M, N, dtype):
+    """The program's :func:`epilogue_plan` (its lowering: the same on every device it is priced for)."""
+    return epilogue_plan(prog, M, N, dtype, temps)
+
+
 def _price(dev, prog, M, N, K, dtype, bias_isz, t, plan=None):
-    low, pieces, W, whole = plan or epilogue_plan(prog, M, N, dtype, temps)
+    low, pieces, W, whole = plan or _plan(prog, M, N, dtype)
     P = len(pieces)
     tm = {"m0": t["m0"], "n0": t["n0"] * P, "k0": t["k0"], "k1": t["k1"]}
     return mm._model(dev, M, W * P, K, 1, False, False, dtype, prog.inputs[0].dtype, tm, bias_isz,
@@ -188,7 +197,7 @@ def _adapt(dev, prog, M, N, K, dtype, t, plan):
 @cached
 def _search(device, prog, M, N, K, dtype, bias_isz):
     dev = get_device(device)
-    plan = epilogue_plan(prog, M, N, dtype, temps)
+    plan = _plan(prog, M, N, dtype)
     _, pieces, W, _ = plan
     P = len(pieces)
     pdt = prog.inputs[0].dtype
@@ -235,7 +244,7 @@ def estimate_matmul_epilogue(dev, specs, program=None, bias=None, trans_b=False,
         t, res = _search(dev.name, prog, M, N, K, dt, bias_isz)
     else:
         t = {k: int(v) for k, v in dict(tiling).items()}
-        if not epilogue_fits(dev, prog, M, N, dt, t, temps):
+        if not epilogue_fits(dev, prog, M, N, dt, t, temps, _plan(prog, M, N, dt)):
             raise ValueError(f"matmul_epilogue tiling {t} does not fit the buffers of {dev.name}")
         res = _price(dev, prog, M, N, K, dt, bias_isz, t)
     core, hbm, nbytes, busy = res
