@@ -268,26 +268,19 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
         # round-robin dealing (equal units): core c gets units c, c + n, ...; item k starts at step k·nkv, so
         # its tile j is in slot (k·nkv + j) % 2: which slots an item's tiles use depends only on k·nkv % 2
         tiles = [{((p + j) % 2, k_) for j, k_ in enumerate(kes)} for p in (0, 1)]
-        extents = {min(qb, Sq - b * qb) for b in range(nq)}
-        kinds = len(extents) * (2 if nkv % 2 else 1)          # (rows, parity) kinds an item can be
+        u = np.arange(units)
+        code = np.unique(((u % n) * (qb + 1) + np.minimum(qb, Sq - (u % nq) * qb)) * 2 + (u // n) * nkv % 2)
+        seen = {}                                             # (core, query rows) -> parities of its items
+        for x in code.tolist():
+            rest, p = divmod(x, 2)
+            seen.setdefault(divmod(rest, qb + 1), set()).add(p)
         memo = {}
-        total = 0.0
-        for c in range(n):
-            seen = {}                                         # query rows -> parities of its items
-            found = 0
-            for k, u in enumerate(range(c, units, n)):
-                qe = min(qb, Sq - (u % nq) * qb)
-                ps = seen.setdefault(qe, set())
-                if k * nkv % 2 not in ps:
-                    ps.add(k * nkv % 2)
-                    found += 1
-                    if found == kinds:                        # later items add no new region
-                        break
-            for qe, ps in seen.items():
-                got = memo.get((qe, frozenset(ps)))
-                if got is None:
-                    got = memo[(qe, frozenset(ps))] = region_bytes(qe, set().union(*(tiles[p] for p in ps)))
-                total += got
+        total = 0.0                                           # whole bytes: exact in any order
+        for (_, qe), ps in seen.items():
+            key = (qe, frozenset(ps))
+            if key not in memo:
+                memo[key] = region_bytes(qe, set().union(*(tiles[p] for p in ps)))
+            total += memo[key]
         return total
     combos = {(p, k_) for p in ((0, 1) if T > 1 else (0,)) for k_ in (kes if not causal else kes[:1] + kes[-1:])}
     q_full, q_edge = min(qb, Sq), Sq - (nq - 1) * qb
