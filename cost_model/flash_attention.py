@@ -237,6 +237,7 @@ def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
     return best + (q_cores,)
 
 
+@cached
 def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
     """Bytes of the workspaces still dirty in L2 at the end (written back then).
 

@@ -333,14 +333,16 @@ def _ew_search(device, specs, op, scalar, out_dtype):
             rr = max(1, min(rmax, ceil_div(ceil_div(rowspace, n), j)))
             if Dr % rr and rr > 1 and rr > Dr:
                 continue
-            cands.append({"rows": rr, "cols": c})
+            if {"rows": rr, "cols": c} not in cands:        # a repeat prices the same: it cannot win
+                cands.append({"rows": rr, "cols": c})
     else:
         n = min(dev.vector_cores, rowspace * ceil_div(Dc, cblk))
         cmax = cblk * largest(lambda k: fits(dev, _ew_specs(specs, p, 1, k * cblk)), 1, ceil_div(Dc, cblk))
         per_core = ceil_div(total, n)
         for j in (1, 2, 4):
             cc = max(cblk, min(cmax, round_up(ceil_div(per_core, j), cblk)))
-            cands.append({"rows": 1, "cols": min(cc, Dc)})
+            if {"rows": 1, "cols": min(cc, Dc)} not in cands:   # a repeat prices the same: it cannot win
+                cands.append({"rows": 1, "cols": min(cc, Dc)})
     best = None
     for t in cands:
         res = _ew_model(dev, specs, p, t["rows"], t["cols"])
@@ -471,7 +473,9 @@ def _red_search(device, dtype, out_dt, op, rowmode, SA, SR, P, RO):
         chunk = SR if ok1(SR) else 64 * largest(lambda k: ok1(k * 64), 1, ceil_div(SR, 64))
         bmax = largest(lambda b: fits(dev, _red_specs(dtype, out_dt, True, b, chunk)), 1, min(SA, per_lanes))
         for j in (1, 2, 4):
-            cands.append({"block": max(1, min(bmax, ceil_div(per_lanes, j))), "chunk": chunk})
+            t = {"block": max(1, min(bmax, ceil_div(per_lanes, j))), "chunk": chunk}
+            if t not in cands:                              # a repeat prices the same: it cannot win
+                cands.append(t)
     else:
         for b in (1024, 512, 256, 128, 64):
             block = min(SA, per_lanes, b)
