@@ -107,14 +107,15 @@ def _counts(dev, req):
 
 @cached
 def _tile_counts(device, D, Dv, dtype, q, kv, vq, mask_spec, drop):
-    """:func:`_counts` of tile ``(q, kv, vq)``: the default and the candidates of every shape with these head
-    dims try the same tiles (a fresh dict per call, so callers may keep it)."""
+    """:func:`_counts` of tile ``(q, kv, vq)`` as (name, count) pairs, or None: the default and the candidates
+    of every shape with these head dims try the same tiles, so they are counted once."""
     dev = get_device(device)
     c = _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv, "vq": vq}, mask_spec, drop))
     return None if c is None else tuple(c.items())
 
 
 def _granted(dev, D, Dv, dtype, t, mask_spec, drop):
+    """:func:`_counts` of tiling ``t`` (from :func:`_tile_counts`), a fresh dict the caller may keep."""
     c = _tile_counts(dev.name, D, Dv, dtype, t["q"], t["kv"], t["vq"], mask_spec, bool(drop))
     return None if c is None else dict(c)
 
