@@ -211,7 +211,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
 
     ``epi``: a tile epilogue replacing the plain write-out (``cost_model.matmul_epilogue``): called as
     ``epi(m_ext, n_ext, s, S, m_s, n_s)`` with the items' extents and steps, it returns the write-out's
-    per-step arrays (``fix``, ``mte3``, ``PW`` its GM-port time, ``W`` its HBM bytes, ``vec`` the Vector
+    per-step arrays (``fix``, ``mte3``, ``PW`` its GM-port time, ``PW_edge`` the part of it at the step boundary,
+    ``W`` its HBM bytes, ``vec`` the Vector
     time of the step's epilogue, which overlaps the next step, ``drain`` what follows the last product) and
     ``bytes``.
     """
@@ -314,6 +315,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # they reuse is released (chunk j-2's last L0 move) and take the port before the store as far as they
     # fit there, the rest after it; the Cube stalls by however late the last of them arrives.
     pw_prev = np.concatenate([[0.0], PW[:-1]])
+    # an epilogue holds the port at the boundary only for what it issues there (``PW_edge``)
+    edge_prev = pw_prev if ep is None or "PW_edge" not in ep else np.concatenate([[0.0], ep["PW_edge"][:-1]])
     move1 = (round_up(m_s, 16) * widths[0] * isz / rates["L1->L0A"]
              + widths[0] * round_up(n_s, 16) * isz / rates["L1->L0B"])
     full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
@@ -322,7 +325,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     cube_leads = mte2 < cube_chain
     if cube_leads.any():
         c_slice = cube * chunks[0][1] / chunks[0][2]
-        stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, pw_prev)
+        stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, edge_prev)
         stall = np.where(cube_leads, stall, 0.0)
     else:
         stall = np.zeros(S)

@@ -106,6 +106,10 @@ def _epi(dev, prog, low, pieces, t):
         if coupled:
             fix = m_s * n_s * 4 / rates["L0C->UB"]
             PW = (o_wave + x_wave) / HBM
+            # at the step boundary the port holds one sub-block's transfers: the others are issued between
+            # the next tile's K chunks (the kernel's schedule), so they queue among its loads, not ahead
+            frac = np.minimum(1.0, sub / np.maximum(m_ext, 1))
+            edge = np.bincount(s, (o_item + x_item) * frac, S) / HBM
             step = np.maximum(v_s, store)
             ws_back = 0.0
             nbytes = {"L0C->UB": float((m_ext * n_ext).sum() * 4), "UB->GM": float(o_item.sum()),
@@ -114,6 +118,7 @@ def _epi(dev, prog, low, pieces, t):
             ws = np.bincount(s, prod_bytes, S)
             fix = np.maximum(m_s * n_s * psz / rates["L0C->GM"], ws / L2)
             PW = np.zeros(S)
+            edge = PW
             # the AIVs: product in from L2, the program, outputs out
             ld = np.maximum(m_s / 2 * n_s * psz / rates["GM->UB"], ws / L2 + x_wave / HBM)
             step = np.maximum.reduce([v_s, ld + store])
@@ -127,7 +132,7 @@ def _epi(dev, prog, low, pieces, t):
         last_rows = min(sub, int(rows_core.max()))
         drain = fix[-1] / P + v_s[-1] + float(out_bytes(last_rows, cols.max())) / rates["UB->GM"] if coupled \
             else fix[-1] + step[-1]
-        return {"fix": fix, "mte3": store, "PW": PW, "W": W, "vec": step, "drain": drain,
+        return {"fix": fix, "mte3": store, "PW": PW, "PW_edge": edge, "W": W, "vec": step, "drain": drain,
                 "busy": {"vector": float(v_s.sum()), "mte3": float(store.sum())}, "bytes": nbytes}
 
     return hook
