@@ -13,11 +13,11 @@ read from the user's model at every call (``model.get_parameter`` by name: in-pl
 ``load_state_dict``, reassigned buffers, ``.to()``/``.half()`` are all seen) and get their gradients. A
 plan is kept per *key*: the input signature (shapes, dtypes, non-tensor arguments) and the training flags
 of the model's modules; ``model.train()``/``.eval()`` after ``fuse()`` switch to that mode's plan (in
-training mode dropout stays: a block whose probabilities go through dropout is left unfused, reason
-``training_dropout``). A plan is valid while its *guards* hold: the dtype, shape and device of every
-parameter and buffer the graph reads, and the identity and version counter of any buffer whose value the
-plan relied on (a mask proven causal or empty). A failed guard re-plans; the new report says which guard
-fired (``report.replanned_because``).
+training mode every dropout draws eager's keep-mask, fused or not). A plan is valid while its *guards* hold: the dtype, shape and device of every
+parameter and buffer the graph reads, the identity and version counter of any buffer whose value the
+plan relied on (a mask proven causal or empty), and the identity of every module with the value of its plain
+attributes (a dropout's ``p``, a norm's ``eps``: capture bakes them in as constants). A failed guard re-plans;
+the new report says which guard fired (``report.replanned_because``).
 
 Without example inputs the engine plans at the first call, and again for each new key. The user's model is
 never modified by ``fuse``: the fused module holds it as its submodule ``model`` (so ``parameters()``,
@@ -172,6 +172,46 @@ class Guard:
         return f"{self.fqn}: {what}"
 
 
+_SCALARS = (bool, int, float, str, type(None))
+_MISSING = object()
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, _SCALARS) or (isinstance(v, tuple) and all(isinstance(x, _SCALARS) for x in v))
+
+
+class ModuleGuard:
+    """What a plan assumed about the model's modules: which module sits at each name, and the value of every
+    plain attribute of each (numbers, strings, flags and tuples of them: a dropout's ``p``, a norm's ``eps``,
+    an attention's ``scaling``). Capture bakes such values into the graph as constants, so a changed one (or
+    a module swapped for another) re-plans rather than run the old value. Private attributes (``_name``) and
+    ``training`` (part of the plan's key) are left out; values are taken once the plan is built, so what the
+    model's own forward sets while it is captured and verified is not mistaken for a change."""
+
+    value = False
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = dict(model.named_modules())
+        self.attrs = [(name, k, v) for name, m in self.modules.items() for k, v in vars(m).items()
+                      if not k.startswith("_") and k != "training" and _scalar(v)]
+
+    def check(self, model) -> str | None:
+        now = dict(model.named_modules())
+        for name, m in self.modules.items():
+            if now.get(name) is not m:
+                return f"module {name or '(the model)'} was replaced or removed (the plan captured the old one)"
+        for name, k, v in self.attrs:
+            cur = getattr(self.modules[name], k, _MISSING)
+            if cur is _MISSING:
+                return f"{name + '.' if name else ''}{k} is gone from the model"
+            if type(cur) is not type(v) or (cur != v and not (cur != cur and v != v)):     # NaN equals NaN
+                return f"{name + '.' if name else ''}{k} changed from {v!r} to {cur!r} (captured as a constant)"
+        return None
+
+    def describe(self) -> str:
+        return f"{len(self.modules)} modules and {len(self.attrs)} plain attributes: identity and value"
+
+
 class Plan:
     """One key's compiled graph, with its report and guards."""
 
@@ -228,13 +268,14 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     guards = [Guard(fqn, _lookup(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]
     relied = sorted({g for c in applied for g in c.match.params.get("guards", ())})
     guards += [Guard(fqn, _lookup(model, fqn), True) for fqn in relied]
+    guards.insert(0, ModuleGuard(model))            # checked first: a swapped module explains the rest
     report = FusionReport(device=device, optimization_level=level, memory_budget=budget, decisions=decisions,
                           peak_memory_unfused=memory.peak_bytes(cap_gm),
                           peak_memory_fused=memory.peak_bytes(fused, kernel_workspace),
                           nodes_before=len(cap_gm.graph.nodes), nodes_after=len(fused.graph.nodes),
                           capture_route=captured.route, training=captured.training,
                           predicted_cycles=predicted.pop("fused"), baselines=predicted,
-                          guards=[g.describe() for g in guards if g.value],
+                          guards=[g.describe() for g in guards if g.value] + [guards[0].describe()],
                           timings={"capture_s": t1 - t0, "canonicalize_s": t2 - t1, "match_s": t3 - t2,
                                    "plan_s": t4 - t3, "rewrite_s": t5 - t4})
     if budget is not None and report.peak_memory_fused > budget:

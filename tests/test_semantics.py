@@ -476,3 +476,55 @@ def test_the_skip_is_exact_at_the_edge_of_the_bound(kind):
             skip_hbm = hbm
         else:
             assert hbm > skip_hbm                                       # past the edge: the mask is read
+
+
+class Block(nn.Module):
+    """A residual dropout and a LayerNorm: two plain attributes (p, eps) that capture bakes in as constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.drop, self.ln = nn.Linear(32, 32), nn.Dropout(0.1), nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.ln(x + self.drop(self.proj(x)))
+
+
+def _seeded(fn, seed=5):
+    torch.manual_seed(seed)
+    return fn(), torch.rand(3)
+
+
+def test_a_changed_dropout_p_replans_with_the_new_value():
+    model = Block().train()
+    x = torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    model.drop.p = 0.5
+    (got, after_f), (want, after_e) = _seeded(lambda: fused(x)), _seeded(lambda: model(x))
+    assert "drop.p changed from 0.1 to 0.5" in fused.report.replanned_because
+    assert torch.equal(after_f, after_e)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert any(d.applied and [dr[1] for dr in d.params.get("draws", ())] == [0.5] for d in fused.report.decisions)
+
+
+def test_a_changed_eps_replans_and_an_unchanged_model_does_not():
+    model = Block().eval()
+    x = torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    report = fused.report
+    fused(x), model(x), fused(x)                      # eager runs in between change nothing the plan read
+    assert fused.report is report and not report.replanned_because
+    assert any("plain attributes" in g for g in report.guards)
+    model.ln.eps = 0.5
+    torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
+    assert "ln.eps changed from 1e-05 to 0.5" in fused.report.replanned_because
+
+
+def test_a_swapped_module_replans():
+    model = Block().eval()
+    x = torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    model.drop = nn.Identity()
+    model.ln = nn.RMSNorm(32)
+    model.eval()                                      # the same training flags: the same plan key
+    torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
+    assert "module drop was replaced" in fused.report.replanned_because
