@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from cost_model.devices import ITEMSIZE, Device, get_device
+from cost_model.lowering import geometry as _geometry_cache
 
 UNITS = ("mte1", "mte2", "mte3", "fixpipe", "cube", "vector", "scalar")
 
@@ -106,6 +107,7 @@ def _estimate(kernel: str, specs: tuple, device: str, params: tuple) -> Estimate
 
 
 CACHES.append(_estimate)
+CACHES.append(_geometry_cache)      # the Vector programs' row geometry (cost_model.lowering, shared data)
 
 
 def cached(fn):

@@ -13,6 +13,7 @@ cost: pass counts come from each side's elementwise op table, cycles and bytes f
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -82,13 +83,11 @@ class Geometry:
         return t % self.blocks(R), t // self.blocks(R)
 
 
+@functools.lru_cache(maxsize=4096)
 def geometry(p: Program) -> Geometry:
-    """Coalesce ``p``'s lead dims by its inputs' broadcast flags and choose the walk order (:class:`Geometry`)."""
-    got = p.__dict__.get("_geometry")
-    if got is None:
-        got = _geometry(p)
-        object.__setattr__(p, "_geometry", got)
-    return got
+    """Coalesce ``p``'s lead dims by its inputs' broadcast flags and choose the walk order (:class:`Geometry`).
+    Cached by program (``cost_model.estimate.clear_caches`` clears it with the model's own caches)."""
+    return _geometry(p)
 
 
 def _geometry(p: Program) -> Geometry:
