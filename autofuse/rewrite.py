@@ -7,7 +7,9 @@ that is how a match is carried over (:func:`lift`):
 1. **Outputs.** Each output role of the match (``Match.outputs``) is mapped to the captured node whose
    value it computes: the canonical node's origin, or, for a node the canonical form introduced (a matmul
    moved inside a reshape), the first node with an origin down a chain of views; those views are
-   re-emitted after the fused call.
+   re-emitted after the fused call. A captured output that is only read by a ``clone`` (an inactive
+   dropout, a ``.contiguous()`` of a contiguous value) is replaced together with its copy: the fused call's
+   fresh result takes the copy's place.
 2. **Inputs.** Each input role is the captured node of the same value, or, when the canonical form made
    that value (a ``logical_not`` of a mask, a ``reciprocal`` of a 0-d divisor, a reshape), it is rebuilt
    from captured nodes: the fused call's *preamble*, a few cheap ops, priced with the fused call.
@@ -61,10 +63,11 @@ class Lifted:
     preamble: tuple          # canonical nodes rebuilt in front of the fused call, in graph order
     reads: tuple             # captured node names the fused call reads (inputs and preamble leaves)
     footprint: tuple         # captured node names the fusion removes, in graph order (targets included)
+    computes: str = ""       # the captured node the first output computes (its target, or what it copies)
 
     @property
     def anchor(self) -> str:
-        return next(iter(self.targets.values()))[0]
+        return self.computes or next(iter(self.targets.values()))[0]
 
 
 def origin(c: fx.Node) -> str | None:
@@ -74,9 +77,11 @@ def origin(c: fx.Node) -> str | None:
 def lift(match: Match, canonical: dict, captured: dict, order: dict) -> Lifted:
     """Map ``match`` (node names of the canonical graph, ``canonical`` = name -> node) onto the captured graph
     (``captured`` = name -> node, ``order`` = name -> position). Raises :class:`NotLiftable`."""
-    targets = {}
+    targets, computes = {}, ""
     for role, name in match.outputs.items():
-        targets[role] = _target(canonical[name], captured, role)
+        o, views = _target(canonical[name], captured, role)
+        targets[role] = (o if views else _through_copies(o, captured), views)
+        computes = computes or o
     preamble, reads = [], []
     upstream = _ancestors(captured, [t for t, _ in targets.values()])
 
@@ -108,7 +113,24 @@ def lift(match: Match, canonical: dict, captured: dict, order: dict) -> Lifted:
         raise NotLiftable("a fused output is also one of its inputs")
     fp = footprint(captured, order, out_names, set(reads), upstream)
     pos = {n: i for i, n in enumerate(canonical.values())}
-    return Lifted(match, sources, targets, tuple(sorted(preamble, key=pos.__getitem__)), tuple(reads), fp)
+    return Lifted(match, sources, targets, tuple(sorted(preamble, key=pos.__getitem__)), tuple(reads), fp, computes)
+
+
+_COPY_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
+
+
+def _through_copies(name: str, captured: dict) -> str:
+    """The captured node a fused output replaces, past copies that are its only reader (``clone``: an inactive
+    dropout, a ``.contiguous()`` the canonical form dropped): the fused call writes its fresh, contiguous
+    result where the copy would, and the copied value, which nothing else reads, dies with the block."""
+    n = captured[name]
+    while len(n.users) == 1:
+        u = next(iter(n.users))
+        if not (u.op == "call_function" and u.target == aten.clone.default and u.args[0] is n
+                and u.kwargs.get("memory_format") in _COPY_FORMATS):
+            break
+        n = u
+    return n.name
 
 
 def _source(c: fx.Node, captured: dict, upstream, order: dict | None = None) -> str | None:

@@ -1,4 +1,4 @@
-"""A small GPT-style model (pre-norm blocks, causal self-attention, GELU MLP) fused end to end.
+"""A small GPT-style model (pre-norm blocks, causal self-attention, GELU MLP, nanoGPT's dropouts) fused end to end.
 
 Run:  python examples/gpt_small.py [--device ascend910] [--layers 4] [--seq 256] [--dim 256] [--heads 8]
 """
@@ -17,7 +17,7 @@ class CausalSelfAttention(nn.Module):
         self.heads = heads
         self.c_attn = nn.Linear(dim, 3 * dim)
         self.c_proj = nn.Linear(dim, dim)
-        self.dropout = nn.Dropout(0.1)
+        self.dropout, self.resid_dropout = nn.Dropout(0.1), nn.Dropout(0.1)
 
     def forward(self, x):
         B, S, C = x.shape
@@ -28,7 +28,7 @@ class CausalSelfAttention(nn.Module):
         att = att.masked_fill(~mask, float("-inf"))
         att = self.dropout(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(B, S, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class Block(nn.Module):
@@ -36,7 +36,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = CausalSelfAttention(dim, heads)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim),
+                                 nn.Dropout(0.1))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -47,13 +48,14 @@ class GPT(nn.Module):
     def __init__(self, vocab=1024, dim=256, heads=8, layers=4, max_seq=1024):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(max_seq, dim)
+        self.drop = nn.Dropout(0.1)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))

@@ -1,7 +1,9 @@
-"""Training the small GPT of gpt_small.py with attention dropout active, fused, next to the same model in eager.
+"""Training the small GPT of gpt_small.py with its dropouts active, fused, next to the same model in eager.
 
 Both copies start from the same weights and see the same batches; each step seeds the generator the same way,
-so the fused attention blocks draw the keep-masks eager's dropout draws (the same elements dropped). The losses
+so the fused calls draw the keep-masks eager's dropouts draw (the same elements dropped): the attention
+dropout inside the attention kernel, the residual and embedding dropouts inside the epilogues and Vector
+kernels around them. The losses
 and the weights then follow eager's step by step, to float32 rounding.
 
 Run:  python examples/train_gpt_small.py [--steps 5] [--layers 2] [--seq 64] [--dim 128] [--heads 4]

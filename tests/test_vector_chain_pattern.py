@@ -209,6 +209,9 @@ def test_a_norm_reading_a_copy_of_its_own_add_verifies_on_meta_planning():
     assert not [d for d in fused.report.decisions if d.reason_code == "verification_failed"], fused.report.summary()
     (d,) = [d for d in fused.report.decisions if d.anchor == "add_1"]
     assert d.applied and d.pattern == "layer_norm"
+    # the copy (eval dropout's clone) is only read by the block's consumers: the fused call's fresh result
+    # takes its place, so the copy goes with the block instead of running after it
+    assert "clone" in d.nodes and "clone" not in {n.name for n in fused.graph_module.graph.nodes}
 
 
 def test_report_shows_each_regions_implementation_on_every_device():
