@@ -150,9 +150,7 @@ def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
     first = []                          # launches ahead of the attention kernel: (kernel, estimate)
     draw = match.params.get("dropout_draw")
     if draw is not None:                # the keep-mask, generated first (DropOutGenMask, then FlashAttentionScore)
-        first.append(("dropout_gen_mask", cost_model.estimate("dropout_gen_mask", [], device=device,
-                                                               shape=list(draw[0]),
-                                                               keep_prob=1.0 - match.params["dropout_p"])))
+        first.append(("dropout_gen_mask", keep_mask_price(draw[0], match.params["dropout_p"], device)))
     if skip:                            # the run-time score bound
         first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
     return Price(int(e.cycles + sum(x.cycles for _, x in first)), int(e.hbm_bytes + sum(x.hbm_bytes for _, x in first)),
@@ -248,14 +246,26 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     return outs
 
 
+def keep_mask_call(g: fx.Graph, dims, p: float, dtype: torch.dtype, device: str, like: torch.Tensor) -> fx.Node:
+    """A ``dropout_gen_mask`` call drawing the keep-mask eager's dropout of ``p`` draws for a ``dims`` tensor of
+    ``dtype`` (the same generator call): uint8 ``[*dims[:-1], ceil(dims[-1] / 8)]``, its value's metadata made
+    like ``like``'s (the graph's fake mode)."""
+    gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (list(dims), p, dtype), {"device": device})
+    gen.meta["val"] = like.new_empty([*dims[:-1], -(-dims[-1] // 8)], dtype=torch.uint8)
+    return gen
+
+
+def keep_mask_price(dims, p: float, device: str):
+    """The cost model's estimate of that call (DropOutGenMask): the same launch eager's dropout makes."""
+    return cost_model.estimate("dropout_gen_mask", [], device=device, shape=list(dims), keep_prob=1.0 - p)
+
+
 def _keep_mask(g, ins, m, device: str, q4: fx.Node) -> fx.Node:
     """The dropout keep-mask eager draws for the block's probabilities, drawn here by ``dropout_gen_mask`` over
     the same shape and dtype (the same elements of the generator's stream), as [B, N, Sq, ceil(Skv / 8)]."""
     p = m.params
     dims = [*shape(ins["q"])[:-1], shape(ins["k"])[-2]]            # the probabilities (reduced shapes included)
-    gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (dims, p["dropout_p"], p["dropout_draw"][1]),
-                          {"device": device})
-    gen.meta["val"] = p["out_like"].new_empty([*dims[:-1], -(-dims[-1] // 8)], dtype=torch.uint8)
+    gen = keep_mask_call(g, dims, p["dropout_p"], p["dropout_draw"][1], device, p["out_like"])
     want = [*shape(q4)[:-1], -(-dims[-1] // 8)]
     if list(shape(gen)) != want:
         gen = call(g, aten.reshape.default, gen, want)

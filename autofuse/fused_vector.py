@@ -19,7 +19,8 @@ import torch.fx as fx
 
 import cost_model
 from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
-from autofuse.fused import REDUCED, Family, Price, _adapt, per_device, register_family
+from autofuse.fused import (REDUCED, Family, Price, _adapt, keep_mask_call, keep_mask_price, per_device,
+                            register_family)
 from autofuse.graph import call
 from cost_model.program import BIT, Input, as_program, stored_shape
 
@@ -63,8 +64,7 @@ def _specs(match, nodes, shapes) -> list:
 def _with_draws(price: Price, match, shapes, device: str) -> Price:
     """``price`` with the keep-mask generators the fused call launches first (DropOutGenMask, as eager's
     dropouts launch it: the same launches on both sides)."""
-    gens = [cost_model.estimate("dropout_gen_mask", [], device=device, shape=list(shapes[i]), keep_prob=1.0 - p)
-            for i, p, _ in match.params.get("draws", ())]
+    gens = [keep_mask_price(shapes[i], p, device) for i, p, _ in match.params.get("draws", ())]
     if not gens:
         return price
     return dataclasses.replace(price, cycles=price.cycles + sum(int(e.cycles) for e in gens),
@@ -123,10 +123,7 @@ def _inputs(g, ins: dict, m, shapes, device: str) -> list:
             xs.append(_view(g, ins[f"in{i}"], s))
             continue
         p, dt = drawn[i]
-        gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (list(s), p, getattr(torch, dt)),
-                              {"device": device})
-        gen.meta["val"] = torch.empty(stored_shape(Input(BIT, tuple(s))), dtype=torch.uint8, device="meta")
-        xs.append(gen)
+        xs.append(keep_mask_call(g, s, p, getattr(torch, dt), device, m.params["out_likes"][0]))
     return xs
 
 

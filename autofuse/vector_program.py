@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -99,11 +99,11 @@ def _eval(ins: Instr, args):
 def unpack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
     """The bool mask ``[..., width]`` of a ``bit`` input given as uint8 ``[..., ceil(width / 8)]`` (element ``c``
     is bit ``c % 8`` of byte ``c // 8``: the format :mod:`autofuse.npu.kernels.dropout` owns)."""
+    from autofuse.ops import unpack_keep          # the format's torch side (the simulator holds its owner)
     if bits.dtype != torch.uint8 or bits.shape[-1] != -(-width // 8):
         raise ProgramError(f"a bit input of width {width} is uint8 [..., {-(-width // 8)}]; got "
                            f"{list(bits.shape)} {bits.dtype}")
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :width].bool()
+    return unpack_keep(bits, width).to(bits.device)
 
 
 def run_program_torch(program, inputs) -> list[torch.Tensor]:
@@ -150,7 +150,7 @@ class BuiltProgram:
     outputs: list
     output_shapes: list
     input_shapes: list
-    draws: dict = None          # input number -> (dropout node, p): a keep-mask the fused call draws itself
+    draws: dict = field(default_factory=dict)   # input number -> (dropout node, p): a keep-mask the call draws
 
 
 def draws_keep_mask(n) -> bool:

@@ -112,6 +112,19 @@ def stored_shape(inp: Input) -> tuple:
     return shape[:-1] + (-(-shape[-1] // 8),) if inp.dtype == BIT else tuple(inp.shape)
 
 
+def check_given(what: str, k: int, got, inp: Input) -> None:
+    """Raise :class:`ProgramError` unless ``got`` (``(shape, dtype)``, or None for a missing tensor) is how input
+    ``inp`` is given: its own shape and dtype, or for a ``bit`` input uint8 of :func:`stored_shape`. ``what``
+    and ``k`` name the input in the message (``"vector_program: input", 2``)."""
+    bit = inp.dtype == BIT
+    want = (stored_shape(inp), "uint8") if bit else (tuple(inp.shape), inp.dtype)
+    if got is None or (tuple(got[0]), got[1]) != want:
+        shown = "None" if got is None else f"{list(got[0])} {got[1]}"
+        raise ProgramError(f"{what} {k} is {shown}; the program declares {list(inp.shape)} {inp.dtype}"
+                           + (f", given as uint8 {list(want[0])} (one bit per element along the last dim)"
+                              if bit else ""))
+
+
 @dataclass(frozen=True)
 class Instr:
     """One instruction: ``op`` over ``args`` (value numbers or float immediates); ``dtype`` for ``cast``,

@@ -35,7 +35,7 @@ from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.lowering import col_bytes, geometry, lower, sweep
-from cost_model.program import BIT, Program, ProgramError, as_program, stored_shape
+from cost_model.program import Program, ProgramError, as_program, check_given
 from cost_model.stream import stream
 from cost_model.vecutil import fits, largest
 from cost_model.vector import OPS as EW_OPS
@@ -77,18 +77,9 @@ def _check(prog, specs):
     if len(specs) != len(prog.inputs):
         raise ProgramError(f"vector_program: {len(specs)} inputs for a program of {len(prog.inputs)}")
     for k, (spec, inp) in enumerate(zip(specs, prog.inputs)):
-        check_spec("vector_program: input", k, spec, inp)
+        check_given("vector_program: input", k, spec, inp)
 
 
-def check_spec(what, k, spec, inp):
-    """``spec`` (shape, dtype) describes program input ``inp``: its own, or for a ``bit`` input the uint8
-    tensor that holds it (:func:`cost_model.program.stored_shape`)."""
-    shape, dt = spec
-    want = (tuple(stored_shape(inp)), "uint8") if inp.dtype == BIT else (tuple(inp.shape), inp.dtype)
-    if (tuple(shape), dt) != want:
-        raise ProgramError(f"{what} {k} is {list(shape)} {dt}; the program declares {list(inp.shape)} "
-                           f"{inp.dtype}" + (f", given as uint8 {list(stored_shape(inp))} (one bit per element "
-                                             f"along the last dim)" if inp.dtype == BIT else ""))
 
 
 # ------------------------------------------------------------------------------------------ tasks
@@ -414,4 +405,4 @@ def estimate_vector_program(dev, specs, program=None, tiling=None):
     return make("vector_program", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, prog), _flops(prog))
 
 
-__all__ = ["candidates", "check_spec", "estimate_vector_program", "kernel_default", "lowered", "n_passes", "repeats"]
+__all__ = ["candidates", "estimate_vector_program", "kernel_default", "lowered", "n_passes", "repeats"]

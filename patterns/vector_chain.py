@@ -333,7 +333,7 @@ def _match(family: str, nodes: list, built, matmul=None) -> Match:
     skip = 0 if matmul is None else 1
     inputs = {f"in{i - skip}": n.name for i, n in enumerate(built.inputs) if i >= skip and n is not None}
     draws = tuple((i - skip, p, str(val(d.args[0]).dtype).replace("torch.", ""))
-                  for i, (d, p) in sorted((built.draws or {}).items()))
+                  for i, (d, p) in sorted(built.draws.items()))
     body = nodes if matmul is None else [matmul] + nodes
     params = dict(family=family, program=built.program, input_shapes=tuple(built.input_shapes),
                   output_shapes=tuple(built.output_shapes), out_likes=tuple(val(n) for n in built.outputs),

@@ -53,7 +53,7 @@ from autofuse.npu.kernels.vector import OPS
 from autofuse.npu.machine import CapacityError, GMTensor
 from autofuse.npu.run import kernel
 from cost_model.lowering import bits_aligned, geometry, lower, sweep
-from cost_model.program import BIT, STAT, ProgramError, as_program, stored_shape
+from cost_model.program import BIT, STAT, ProgramError, as_program, check_given
 
 F32_LANES = 64                       # fp32 values per repeat; the chunk width is a multiple of it
 _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "maximum": np.maximum,
@@ -98,15 +98,8 @@ def check_inputs(prog, inputs):
 
 
 def check_input(what, k, t, spec):
-    """Tensor ``t`` holds program input ``spec``: its shape and dtype, or for a ``bit`` input uint8 of
-    :func:`cost_model.program.stored_shape` (the mask packed eight columns a byte)."""
-    bit = spec.dtype == BIT
-    shape, dtype = (stored_shape(spec), "uint8") if bit else (tuple(spec.shape), spec.dtype)
-    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        got = "None" if t is None else f"{list(t.shape)} {t.dtype}"
-        raise ProgramError(f"{what} {k} is {got}; the program declares {list(spec.shape)} {spec.dtype}"
-                           + (f", given as uint8 {list(shape)} (one bit per element along the last dim)"
-                              if bit else ""))
+    """Tensor ``t`` holds program input ``spec`` (:func:`cost_model.program.check_given`)."""
+    check_given(what, k, None if t is None else (tuple(t.shape), t.dtype), spec)
 
 
 def default_tiling(dev, prog, per_core_rows: int) -> dict:
