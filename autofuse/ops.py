@@ -282,8 +282,11 @@ def pack_keep(keep: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_keep(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """The bool keep-mask ``[..., n]`` of packed ``bits`` (:func:`pack_keep`)."""
-    return torch.from_numpy(_bits.unpack_keep(bits.cpu().numpy(), n).astype(bool))
+    """The bool keep-mask ``[..., n]`` of packed ``bits`` (:func:`pack_keep`): bit ``c % 8`` (least significant
+    first) of byte ``c // 8``. Torch ops only, so a backward that reads a mask traces (``make_fx``, fake tensors)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    unpacked = bits.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(1).bool()
+    return unpacked.reshape(*bits.shape[:-1], bits.shape[-1] * 8)[..., :n]
 
 
 @torch.library.custom_op("autofuse::dropout_gen_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
