@@ -6,10 +6,10 @@
                       [-o FILE] [-v]
     autofuse viz      --model SPEC [MODEL] [ENGINE] [-o DIR] [--expand-all] [--show-params] [--simulate]
                       [--model-explorer FILE.json] [-v]
-    autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [--world-size N] [-v]
+    autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [--backward] [--world-size N] [-v]
 
     MODEL:  --layers N --hidden N --heads N --kv-heads N (zoo models) --seq N --batch N --dtype D
-            --attn eager|sdpa --meta
+            --attn eager|sdpa --meta --train
     ENGINE: --device NAME --level O0..O3 --budget 16GB --disable FAMILY --enable FAMILY --force FAMILY
 
 ``--model`` is a zoo name (``gpt2``, ``llama``, ``qwen2``, ``bert``, ``mha``),
@@ -21,6 +21,8 @@ Exit status: 0 done; 2 the command line is wrong (one line on stderr says what t
 could not be captured or fused (its reason on stderr; ``-v`` adds the traceback). ``-v`` prints each
 stage's wall time as it finishes (capture, canonicalize, match, plan, verify, rewrite, simulate) and lets
 library warnings through; without it they are silenced. On a terminal, simulation shows a progress bar.
+``simulate --backward`` simulates a training step (forward and backward, each phase's figures printed);
+add ``--train`` for the training-mode forward (dropout active).
 """
 from __future__ import annotations
 
@@ -367,7 +369,7 @@ def _simulations(a, fused, inputs, progress: Progress) -> dict:
         t0 = time.perf_counter()
         try:
             with simulation_progress(progress, f"simulate {name}"):
-                out[name] = simulate_graph(gm, leaves, a.device)
+                out[name] = simulate_graph(gm, leaves, a.device, backward=getattr(a, "backward", False))
         except Exception as e:  # noqa: BLE001
             raise ModelFailed(f"could not simulate {a.model} ({name}): {e}") from e
         progress.stage("simulate", time.perf_counter() - t0, f"{name}: {out[name].cycles:,} cycles")
@@ -515,9 +517,15 @@ def cmd_simulate(a, progress):
     sims = _simulations(a, fused, inputs, progress)
     before, generic, after = sims[BASELINE], sims[GENERIC], sims["fused"]
     print(f"unfused: {before.summary(top=a.top)}\n\nfused:   {after.summary(top=a.top)}\n")
-    print(f"speed-up (simulated, {a.device}): {before.cycles / max(after.cycles, 1):.2f}x against {BASELINE} "
+    print(f"speed-up (simulated, {a.device}{', training step' if a.backward else ''}): "
+          f"{before.cycles / max(after.cycles, 1):.2f}x against {BASELINE} "
           f"({before.cycles:,} cycles), {generic.cycles / max(after.cycles, 1):.2f}x against {GENERIC} "
           f"({generic.cycles:,} cycles)")
+    if a.backward:
+        for phase in ("forward", "backward"):
+            b, g, f = (s.phases[phase] for s in (before, generic, after))
+            print(f"  {phase:<8}: {b:>14,} / {g:>14,} / {f:>14,} cycles ({BASELINE} / {GENERIC} / fused): "
+                  f"{b / max(f, 1):.2f}x / {g / max(f, 1):.2f}x")
     if a.json:
         _write(json.dumps({"unfused": before.to_dict(), "generic": generic.to_dict(), "fused": after.to_dict()},
                           indent=2, default=str) + "\n", a.json)
@@ -576,6 +584,9 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--json", default=None, help="also write both simulations as JSON here")
+    p.add_argument("--backward", action="store_true",
+                   help="simulate a training step: the forward and the backward of every trainable parameter "
+                        "(with --train, dropout active too)")
     p.add_argument("--world-size", type=int, default=1, metavar="N",
                    help="simulate N ranks under torch.distributed (gloo processes on this machine), each fusing and "
                         "simulating its shard: --model tp-block (a Megatron-split GPT-2 block sized by --hidden "

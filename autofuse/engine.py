@@ -433,13 +433,14 @@ class FusedModule(torch.nn.Module):
     def plans(self) -> dict:
         return dict(self._plans)
 
-    def simulate(self, *args, values: bool = True, **kwargs):
+    def simulate(self, *args, values: bool = True, backward: bool = False, **kwargs):
         """Run the fused graph on the simulator (fused and unfused ops alike); see :func:`autofuse.simulate`
-        (``values=False``: timing only, the same statistics without outputs)."""
+        (``values=False``: timing only, the same statistics without outputs; ``backward=True``: a training
+        step, the forward and the backward the fused ops register, ``result.phases`` splits the cycles)."""
         from autofuse.simulate import simulate_graph
         p = self._plan_for(args, kwargs)
         return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device,
-                              values=values)
+                              values=values, backward=backward)
 
 
 def generic_only() -> dict:

@@ -150,6 +150,39 @@ def _dma_loadable(m) -> bool:
     return m.stride(-1) == 1 or m.stride(-2) == 1 or m.shape[-1] == 1 or m.shape[-2] == 1
 
 
+_BATCH_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+_BATCHED_GEMMS = {aten.bmm.default, aten.matmul.default, aten.baddbmm.default}
+
+
+def _lays_out_batched_operand(node: fx.Node) -> bool:
+    """Whether ``clone(x)`` only lays out a batched GEMM's operand that the Cube could load from ``x`` as it
+    is: ``aten.matmul`` on 3-D and 4-D operands decomposes (under autograd, or in a traced training step) into
+    ``expand`` → ``clone`` → ``_unsafe_view`` → ``bmm``, copying a transposed or head-split operand to merge
+    its batch dims. The GEMM kernel reads each batch matrix as its own strided region
+    (:func:`_dma_loadable`), so the copy is free when every use reaches a batched GEMM through views that
+    keep the last two dims (or swap them: a transpose the GEMM folds), and ``x`` is loadable: the same price
+    as the undecomposed ``matmul``."""
+    src = node.args[0] if node.args else None
+    m = _meta(node)
+    if not isinstance(src, fx.Node) or m is None or m.dim() < 3 or not _dma_loadable(_meta(src)):
+        return False
+    todo, seen_gemm = list(node.users), False
+    while todo:
+        u = todo.pop()
+        um = _meta(u)
+        if u.target in _BATCHED_GEMMS and um is not None:
+            seen_gemm = True
+            continue
+        swap = u.target in (aten.transpose.int, aten.t.default) and um is not None and \
+            sorted(d % um.dim() for d in (u.args[1:3] if u.target == aten.transpose.int else (0, 1))) == \
+            [um.dim() - 2, um.dim() - 1]       # a transpose the GEMM folds (a saved operand, in a backward)
+        if not (u.target in _BATCH_VIEWS or swap) or um is None or \
+                sorted(um.shape[-2:]) != sorted(m.shape[-2:]):
+            return False
+        todo += list(u.users)
+    return seen_gemm
+
+
 def _lower_matmul(node, a, b, bias=None, trans_b=False):
     (sa, ta), (sb, tb) = _matmul_operand(a), _matmul_operand(b)
     tb = tb != trans_b
@@ -236,6 +269,8 @@ def lower(node: fx.Node) -> Program:
     if t in (aten.reshape.default,):
         return Program([] if _is_view_reshape(node) else [Step("copy", (Arg(0),))], ins[:1])
     if t in (aten.clone.default, aten.contiguous.default, aten.copy.default):
+        if t == aten.clone.default and _lays_out_batched_operand(node):
+            return Program([], ins[:1])
         return Program([Step("copy", (Arg(0),))], ins[:1])
     if t in (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout):
         return Program([Step("elementwise", (Arg(0),), {"op": "cast", "out_dtype": _dt(node)})], ins[:1])
@@ -279,7 +314,9 @@ def lower(node: fx.Node) -> Program:
     if t == aten.masked_fill.Scalar and _scalar(node.args[2]):
         return Program([Step("elementwise", (Arg(0), Arg(ins.index(node.args[1]))),
                              {"op": "masked_fill", "scalar": float(node.args[2])})], ins)
-    if t == aten.layer_norm.default:
+    if t in (aten.layer_norm.default, aten.native_layer_norm.default):
+        # native_layer_norm (what layer_norm dispatches to under autograd) also returns the rows' mean and
+        # rstd for its backward: fp32 per row, 8 bytes a row next to the row's 2·D or 4·D, not counted
         x, _, w, b = (list(node.args) + [None] * 4)[:4]
         eps = node.args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
         params = {"eps": float(eps)}
@@ -303,6 +340,9 @@ def lower(node: fx.Node) -> Program:
     coll = _lower_collective(node, t, ins)
     if coll is not None:
         return coll
+    if t == aten.scalar_tensor.default:
+        # a 0-d constant (``where(c, x, 0.0)`` as autograd dispatches it): the op reading it takes an immediate
+        return Program([], ins)
     if t in _FACTORY_OPS and not ins:
         return Program([Step("generic", ())], [])
     return Program([Step("generic", tuple(Arg(i) for i in range(len(ins))))], ins)

@@ -58,6 +58,7 @@ class NodeCost:
     workspace: int = 0              # GM its kernels allocate besides their outputs, while they run
     link_bytes: int = 0             # sent on the chip's links (collectives and MC2 kernels)
     link_cycles: int = 0            # the busiest link lane's occupancy
+    phase: str = ""                 # in a training step (autofuse.training): "forward" or "backward"
 
 
 @dataclass
@@ -74,6 +75,16 @@ class SimulationResult:
     launches: int = 0
     distinct_launches: int = 0
     wall_seconds: float = 0.0
+    joint: object = None            # a training step's JointGraph (autofuse.training), else None
+
+    @property
+    def phases(self) -> dict:
+        """Cycles per phase of a training step (``{"forward": ..., "backward": ...}``); a forward pass alone
+        is all ``"forward"``."""
+        out = {"forward": 0, "backward": 0}
+        for n in self.nodes:
+            out[n.phase or "forward"] += n.cycles
+        return out
 
     def by_kernel(self) -> dict:
         out: dict = {}
@@ -90,6 +101,9 @@ class SimulationResult:
         lines = [f"simulated on {self.device}: {self.cycles:,} cycles ({self.seconds * 1e3:.3f} ms), "
                  f"{self.launches} kernel launches ({self.distinct_launches} distinct), HBM {self.hbm_bytes:,} B, "
                  f"peak activation memory {self.peak_memory:,} B"]
+        if self.joint is not None:
+            ph = self.phases
+            lines.append(f"  training step: forward {ph['forward']:,} cycles, backward {ph['backward']:,} cycles")
         for n in sorted(self.nodes, key=lambda n: -n.cycles)[:top]:
             lines.append(f"  {n.node:<28} {'/'.join(n.kernels):<28} {n.cycles:>12,} cycles  bound {n.bound}"
                          + ("  [fused]" if n.fused else ""))
@@ -146,8 +160,10 @@ def _row_blocks(target, args, out):
 def _twin_value(name, twin, args, kwargs):
     """A fused op's values from its torch twin; attention by batch index when its fp32 scores would exceed
     ``BLOCK_BYTES`` (each batch index's outputs come from its own q, k, v and mask rows alone)."""
+    if name != "flash_attention":
+        return twin(*args, **kwargs)
     q, k = args[0], args[1]
-    if name != "flash_attention" or q.shape[0] < 2 or q.numel() // q.shape[-1] * k.shape[-2] * 4 <= BLOCK_BYTES:
+    if q.shape[0] < 2 or q.numel() // q.shape[-1] * k.shape[-2] * 4 <= BLOCK_BYTES:
         return twin(*args, **kwargs)
     B = q.shape[0]
     mask = args[3] if len(args) > 3 else kwargs.get("mask")
@@ -181,7 +197,7 @@ def _sig(kernel, arrays, params, steering=()):
         parts.append(_spec(a))
     parts.append(repr(sorted((k, _spec(v)) for k, v in params.items())))
     for t in steering:
-        t = t.detach().contiguous()
+        t = t.detach().contiguous().reshape(-1)       # 0-d tensors too
         parts.append(hashlib.sha1(t.view(torch.uint8).numpy() if t.numel() else b"").hexdigest())
     return tuple(parts)
 
@@ -288,7 +304,7 @@ class _Sim(fx.Interpreter):
             return super().run_node(n)
         name = _fused_name(n)
         if name is not None:
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args, kwargs = _required_positional(n.target, *self.fetch_args_kwargs_from_env(n))
             key = _sig(name, args, kwargs)
             twin = fused_ops.REFERENCES.get(name)
             reused = self.memo and not self.check and key in self.fused_cache and twin is not None
@@ -316,7 +332,7 @@ class _Sim(fx.Interpreter):
             self.records.append(NodeCost(n.name, f"autofuse.{name}", tuple(k for k, _ in log) or (name,), cyc, hbm,
                                          log[0][1].bound if log else "", fused=True, reused=reused,
                                          workspace=max((s.workspace_bytes for _, s in log), default=0),
-                                         **_link([s for _, s in log])))
+                                         phase=n.meta.get("autofuse_phase", ""), **_link([s for _, s in log])))
             return value
         value = self._value(n)
         prog = self.programs[n]
@@ -366,13 +382,24 @@ class _Sim(fx.Interpreter):
                 and kernels[-1] != "generic" and outs[-1].shape == value.shape:
             err = (outs[-1].double() - value.double()).abs().max().item()
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
-                                     max_error=err, workspace=ws, **_link(launched)))
+                                     max_error=err, workspace=ws, phase=n.meta.get("autofuse_phase", ""),
+                                     **_link(launched)))
 
 
 def _link(stats) -> dict:
     """Link figures of a node's launches (kernels that communicate: collectives, MC2)."""
     return {"link_bytes": int(sum(s.bytes.get("HBM->link", 0) for s in stats)),
             "link_cycles": int(max((s.busy.get("link", 0) for s in stats), default=0))}
+
+
+def _required_positional(op, args, kwargs):
+    """``(args, kwargs)`` of a call of ``op`` with its required arguments positional and the others by name, as
+    the torch twins take them (a graph traced by make_fx passes every argument positionally)."""
+    schema = op._schema.arguments
+    required = sum(1 for a in schema if not a.has_default_value() and not a.kwarg_only)
+    if len(args) <= required:
+        return args, kwargs
+    return tuple(args[:required]), {**{a.name: v for a, v in zip(schema[required:], args[required:])}, **kwargs}
 
 
 def _fused_name(n):
@@ -455,9 +482,17 @@ def _steered_by_outputs(prog) -> bool:
 
 
 def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False,
-                   values=True) -> SimulationResult:
+                   values=True, backward=False) -> SimulationResult:
     """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order). ``values=False``:
-    timing only (module docstring); the result has no outputs."""
+    timing only (module docstring); the result has no outputs. ``backward=True``: one training step, the
+    forward and the backward of every trainable parameter (:mod:`autofuse.training`); ``result.phases``
+    splits the cycles, the outputs are the forward's followed by the gradients."""
+    if backward:
+        from autofuse.training import joint_graph
+        joint = joint_graph(gm, inputs)
+        res = simulate_graph(joint.graph_module, joint.arguments(inputs), device, memo, check, values)
+        res.joint = joint
+        return res
     if check and not values:
         raise ValueError("simulate: check=True compares kernel values with torch's; it needs values=True")
     dev = get_device(device)
@@ -481,12 +516,13 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
 
 
 def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto",
-             values=True) -> SimulationResult:
+             values=True, backward=False) -> SimulationResult:
     """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it
-    (``values=False``: timing only, see :func:`simulate_graph`)."""
+    (``values=False``: timing only; ``backward=True``: a training step, forward and backward; see
+    :func:`simulate_graph`)."""
     from autofuse.capture import capture
     from autofuse.engine import _normalise_inputs
     args, kwargs = _normalise_inputs(example_inputs)
     captured = capture(model, args, kwargs, route=route)
     return simulate_graph(captured.graph_module, captured.flatten_inputs(*args, **kwargs), device, memo=memo,
-                          check=check, values=values)
+                          check=check, values=values, backward=backward)
