@@ -11,6 +11,7 @@ value is the last step's first output. Views (reshape of a contiguous tensor, tr
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -150,6 +151,28 @@ def _dma_loadable(m) -> bool:
     return m.stride(-1) == 1 or m.stride(-2) == 1 or m.shape[-1] == 1 or m.shape[-2] == 1
 
 
+def _clone_is_free(node: fx.Node) -> bool:
+    """Whether eager makes no copy for this ``clone``.
+
+    In a captured graph, ``torch.export`` writes an inactive dropout (eval mode: eager returns its input) as a
+    ``clone`` of a contiguous tensor without a memory format, exactly as it writes an explicit ``x.clone()``;
+    the recorded source line tells them apart (``.clone(`` there: the user's copy, priced). A ``clone`` with
+    ``memory_format`` (``.contiguous()`` of a strided tensor, ``reshape`` that cannot view) is a copy in eager
+    too. In a training step's graph (:mod:`autofuse.training`) a clone traced from a captured clone is priced
+    as that one; a clone autograd's decompositions add (``matmul`` into ``bmm`` on copied operands, and the
+    copies its derivative makes) is free when it only lays out a batched GEMM operand
+    (:func:`_lays_out_batched_operand`): the same price as the captured ``matmul``."""
+    src = node.meta.get("autofuse_source")
+    if src is not None and src.target == aten.clone.default:
+        return _clone_is_free(src)
+    if "autofuse_phase" in node.meta:
+        return _lays_out_batched_operand(node)
+    x = _meta(node.args[0]) if node.args else None
+    if x is None or node.kwargs.get("memory_format") not in (None, torch.preserve_format) or not x.is_contiguous():
+        return False
+    return ".clone(" not in (node.meta.get("stack_trace") or "")
+
+
 _BATCH_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 _BATCHED_GEMMS = {aten.bmm.default, aten.matmul.default, aten.baddbmm.default}
 
@@ -269,7 +292,7 @@ def lower(node: fx.Node) -> Program:
     if t in (aten.reshape.default,):
         return Program([] if _is_view_reshape(node) else [Step("copy", (Arg(0),))], ins[:1])
     if t in (aten.clone.default, aten.contiguous.default, aten.copy.default):
-        if t == aten.clone.default and _lays_out_batched_operand(node):
+        if t == aten.clone.default and _clone_is_free(node):
             return Program([], ins[:1])
         return Program([Step("copy", (Arg(0),))], ins[:1])
     if t in (aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout):
@@ -334,6 +357,9 @@ def lower(node: fx.Node) -> Program:
     if t == aten.cat.default:
         dim = node.args[1] if len(node.args) > 1 else 0
         return Program([Step("cat", tuple(Arg(ins.index(a)) for a in node.args[0]), {"dim": dim})], ins)
+    bwd = _lower_backward(node, t, ins)
+    if bwd is not None:
+        return bwd
     moe = _lower_moe(node, t, ins)
     if moe is not None:
         return moe
@@ -452,3 +478,118 @@ def step_specs(program: Program, node: fx.Node) -> list[tuple[list, tuple]]:
         spec_of[j] = o
         out.append((ins, o))
     return out
+
+
+# ------------------------------------------------------------------------------ backward ops (training steps)
+# Autograd's derivative ops, as a training step's backward dispatches them (autofuse.training). Eager on an
+# NPU runs each as one dedicated kernel (CANN's GeluGrad, SoftmaxGrad, LayerNormGrad, ...): a row-wise chain
+# of Vector work over its inputs, which is what a generated Vector kernel (``vector_program``) runs. Each is
+# written here as its formula in torch ops, traced on meta tensors into a Vector program; the node's value
+# still comes from torch (the simulator prices the launch).
+
+def _gelu_grad(g, x, approximate="none"):
+    if approximate == "tanh":
+        k = 0.7978845608028654
+        inner = k * (x + 0.044715 * x * x * x)
+        t = torch.tanh(inner)
+        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * 0.044715 * x * x))
+    # erf is not a Vector op; the Vector unit's gelu gives Phi(x) = gelu(x) / x (0.5 at 0)
+    phi = torch.where(x == 0, 0.5, torch.nn.functional.gelu(x) / x)
+    return g * (phi + x * torch.exp(-0.5 * x * x) * 0.3989422804014327)
+
+
+def _softmax_grad(g, y, dim, input_dtype):
+    return (y * (g - (g * y).sum(-1, keepdim=True))).to(input_dtype)
+
+
+def _log_softmax_grad(g, y, dim, input_dtype):
+    return (g - torch.exp(y) * g.sum(-1, keepdim=True)).to(input_dtype)
+
+
+def _layer_norm_dx(g, x, mean, rstd, w=None):
+    xhat = (x - mean) * rstd
+    gw = g * w if w is not None else g
+    return rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+
+
+_ROW_GRADS = {
+    aten.threshold_backward.default: lambda g, y, threshold: g.masked_fill(y <= threshold, 0.0),
+    aten.gelu_backward.default: _gelu_grad,
+    aten.silu_backward.default: lambda g, x: g * torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))),
+    aten.sigmoid_backward.default: lambda g, y: g * y * (1 - y),
+    aten.tanh_backward.default: lambda g, y: g * (1 - y * y),
+    aten._softmax_backward_data.default: _softmax_grad,
+    aten._log_softmax_backward_data.default: _log_softmax_grad,
+}
+
+
+def _row_grad_program(fn, metas, consts):
+    """The Vector program of ``fn(*tensors, *consts)`` traced on meta tensors shaped as ``metas``, and the
+    tensors' positions it reads, in its input order; None when a Vector program cannot express it."""
+    return _row_grad_cached(fn, tuple((tuple(m.shape), m.dtype) for m in metas), tuple(consts))
+
+
+@functools.lru_cache(maxsize=512)
+def _row_grad_cached(fn, specs, consts):
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from autofuse.vector_program import NotExpressible, ProgramError, program_from_nodes
+    fakes = [torch.empty(shape, dtype=dt, device="meta") for shape, dt in specs]
+    try:
+        gm = make_fx(lambda *ts: fn(*ts, *consts), tracing_mode="fake")(*fakes)
+        out = gm.graph.output_node().args[0]
+        built = program_from_nodes([n for n in gm.graph.nodes if n.op == "call_function"],
+                                   [out[0] if isinstance(out, (tuple, list)) else out])
+    except (NotExpressible, ProgramError, RuntimeError, TypeError):
+        return None
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(i not in phs for i in built.inputs):
+        return None
+    return built.program, [phs.index(i) for i in built.inputs]
+
+
+def _lower_backward(node, t, ins):
+    """A derivative op as one generated Vector kernel (with column reductions for a norm's weight and bias
+    gradients); None when ``node`` is not one or its shapes are not a row-wise chain."""
+    a = list(node.args)
+    tensors = [x for x in a if isinstance(x, fx.Node)]
+    if t in _ROW_GRADS:
+        if t in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
+            y = _meta(a[1])
+            if y is None or a[2] % y.dim() != y.dim() - 1:
+                return None                       # a softmax over another dim: not row-wise
+        metas = [_meta(x) for x in tensors]
+        consts = [x for x in a[len(tensors):]]
+        if any(isinstance(x, fx.Node) for x in consts) or any(m is None for m in metas):
+            return None
+        if t == aten.gelu_backward.default:
+            consts = [node.kwargs.get("approximate", a[2] if len(a) > 2 else "none")]
+        built = _row_grad_program(_ROW_GRADS[t], metas, consts)
+        if built is None:
+            return None
+        prog, order = built
+        return Program([Step("vector_program", tuple(Arg(ins.index(tensors[i])) for i in order),
+                             {"program": prog})], ins)
+    if t == aten.native_layer_norm_backward.default:
+        g, x, shape, mean, rstd, w, b, mask = (a + [None] * 8)[:8]
+        if len(shape) != 1:
+            return None
+        parts = [g, x, mean, rstd] + ([w] if isinstance(w, fx.Node) else [])
+        built = _row_grad_program(_layer_norm_dx, [_meta(p) for p in parts], [])
+        if built is None:
+            return None
+        prog, order = built
+        steps = [Step("vector_program", tuple(Arg(ins.index(parts[i])) for i in order), {"program": prog})]
+        mask = list(mask) if mask is not None else [True, True, True]
+        rows = tuple(range(_meta(g).dim() - 1))
+        # the weight's and bias's gradients sum over the rows (g·x̂ and g): a reduction launch each over a
+        # [rows, D] tensor in the gradient's dtype (LayerNormGrad accumulates per-core partial sums instead:
+        # this is an upper bound by a read of the gradient each)
+        for want in mask[1:]:
+            if want:
+                steps.append(Step("reduce", (Arg(ins.index(g)),), {"op": "sum", "dim": rows, "keepdim": False}))
+        return Program(steps, ins)
+    if t == aten.native_dropout_backward.default:
+        # DropOutDoMask on the gradient: the gradient and the keep bits read, the result written
+        shape = tuple(_meta(a[0]).shape)
+        return Program([Step("generic", (Arg(0), Const("keep_bits", (*shape[:-1], -(-shape[-1] // 8)))))], ins[:1])
+    return None

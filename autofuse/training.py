@@ -30,6 +30,7 @@ the forward pass alone costs.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,7 @@ def joint_graph(gm: fx.GraphModule, inputs) -> JointGraph:
     def step(*args):
         params, rest = args[:n_params], args[n_params:]
         consts, xs, gouts = rest[:n_frozen], rest[n_frozen:n_frozen + len(inputs)], rest[n_frozen + len(inputs):]
-        outs = lifted(*params, *consts, *xs)
+        outs = _Sourced(lifted, get_proxy_mode().tracer.graph).run(*params, *consts, *xs)
         flat = pytree.tree_leaves(outs)
         boundary["nodes"] = len(get_proxy_mode().tracer.graph.nodes)
         pairs = [(o, g) for o, g in zip([o for o, v in zip(flat, _floating(flat)) if v], gouts)
@@ -150,6 +151,23 @@ def joint_graph(gm: fx.GraphModule, inputs) -> JointGraph:
     for i, n in enumerate(traced.graph.nodes):
         n.meta["autofuse_phase"] = FORWARD if i < boundary["nodes"] else BACKWARD
     return JointGraph(traced, order, frozen, len(inputs), grad_shapes)
+
+
+class _Sourced(fx.Interpreter):
+    """Runs the forward graph node by node while it is traced, and marks each traced node with
+    ``meta["autofuse_source"]``: the forward graph's node it was traced from (a ``clone`` is priced as the
+    captured clone it came from, :func:`autofuse.lower._clone_is_free`)."""
+
+    def __init__(self, gm, traced):
+        super().__init__(gm)
+        self.traced = traced
+
+    def run_node(self, n):
+        before = len(self.traced.nodes)
+        out = super().run_node(n)
+        for t in itertools.islice(reversed(self.traced.nodes), len(self.traced.nodes) - before):
+            t.meta["autofuse_source"] = n
+        return out
 
 
 def _as_fake(ts):

@@ -148,3 +148,52 @@ def test_cli_simulate_backward(capsys):
         eager, generic, fused = (int(v.replace(",", "")) for v in line.split(":")[1].split("cycles")[0].split("/"))
         assert min(eager, generic, fused) > 0
     assert "training step: forward" in out
+
+
+class _Activations(torch.nn.Module):
+    """Every activation whose derivative op lowers to a generated Vector kernel, and a LayerNorm."""
+
+    def __init__(self, d=24):
+        super().__init__()
+        self.lins = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(7))
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        f = torch.nn.functional
+        acts = [torch.relu, f.gelu, lambda t: f.gelu(t, approximate="tanh"), f.silu, torch.sigmoid, torch.tanh,
+                lambda t: torch.softmax(t, -1)]
+        for lin, act in zip(self.lins, acts):
+            x = act(lin(x))
+        return torch.log_softmax(self.norm(x), -1)
+
+
+def test_derivative_ops_run_as_generated_kernels_that_compute_them():
+    torch.manual_seed(0)
+    model = _Activations()
+    x = torch.randn(3, 5, 24)
+    fused = AutoFusionEngine.fuse(model, (x,), fusion_switches=generic_only())
+    p = fused.plans[next(iter(fused.plans))]
+    res = simulate_graph(p.captured.graph_module, [x], backward=True, check=True, memo=False)
+    lowered = {n.target: n for n in res.nodes if n.phase == BACKWARD and n.kernels[:1] == ("vector_program",)}
+    want = {"threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward",
+            "_softmax_backward_data", "_log_softmax_backward_data", "native_layer_norm_backward"}
+    assert {t.split(".")[1] for t in lowered} == want
+    for target, n in lowered.items():
+        if n.max_error is not None:       # the kernel's values against torch's (fp32 programs: last-ulp sized)
+            assert n.max_error <= 1e-5, target
+    assert sum(n.max_error is not None for n in lowered.values()) == len(want) - 1   # LayerNorm's is a tuple
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_gradient_program(affine):
+    from autofuse.lower import _layer_norm_dx, _row_grad_program
+    from autofuse.vector_program import run_program_torch
+    torch.manual_seed(1)
+    x, g = torch.randn(4, 6, 40), torch.randn(4, 6, 40)
+    w = torch.randn(40) if affine else None
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [40], w, None, 1e-5)
+    want = torch.ops.aten.native_layer_norm_backward(g, x, [40], mean, rstd, w, None, [True, False, False])[0]
+    parts = [g, x, mean, rstd] + ([w] if affine else [])
+    prog, order = _row_grad_program(_layer_norm_dx, parts, [])
+    got = run_program_torch(prog, [parts[i] for i in order])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)   # fp32 both, different summation order
