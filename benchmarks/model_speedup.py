@@ -5,6 +5,7 @@ fusion alone* (the plan with every pattern family switched off: automatic discov
 matmul epilogues only). A pattern's value is its figure against the second. Also the attention blocks alone.
 
     python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama] [--values] [--train]
+                                       [--backward]
 
 Every figure printed is a simulation statistic, so the three graphs simulate timing only (``values=False``:
 the same statistics as with values, no outputs; tests/test_simulate.py compares them); ``--values`` simulates
@@ -13,7 +14,10 @@ mark, reset before it where Linux allows, else since the start). ``--train`` run
 training mode: GPT-2's attention, residual and embedding dropouts (p = 0.1) draw their keep-masks, eager as
 DropOutGenMask + DropOutDoMask, fused as the keep-mask generator + the kernel reading the bits (FlashAttention
 for the attention dropout, the generated Vector kernel or matmul epilogue for the residual and embedding ones;
-generic fusion alone reads them in its Vector kernels and epilogues too).
+generic fusion alone reads them in its Vector kernels and epilogues too). ``--backward`` simulates a whole
+training step (``simulate(..., backward=True)``, :mod:`autofuse.training`): the forward and the backward of
+every parameter, eager's backward as autograd dispatches its derivative ops, the fused model's as its fused
+ops' backwards; figures per phase.
 
 Goals: GPT-2-small shapes at batch 8, sequence 1024, whole model >= 2x against eager op by op; a LLaMA-style
 decoder layer's figures printed against both baselines.
@@ -74,21 +78,35 @@ def _generators_of(gm, op: str) -> set:
     return out
 
 
+def _backward_breakdown(eager, fused, top=6):
+    """The backward's largest kernels on each side (cycles summed over the launches of each kernel)."""
+    for label, r in (("eager", eager), ("fused", fused)):
+        by: dict = {}
+        for n in r.nodes:
+            if n.phase == "backward":
+                key = n.target.replace("aten.", "").replace(".default", "")
+                by[key] = by.get(key, 0) + n.cycles
+        parts = sorted(by.items(), key=lambda kv: -kv[1])[:top]
+        print(f"  backward, {label:<5}  : " + ", ".join(f"{k} {v / max(r.phases['backward'], 1):.0%}" for k, v in parts))
+
+
 def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False,
-        train=False):
+        train=False, backward=False):
     model, (args, kwargs) = build(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq=seq,
                                   batch=batch, vocab=vocab, dtype=dtype)
     model.train(train)
     print(f"{name} L={layers} H={hidden} heads={heads} B={batch} S={seq} {str(dtype).replace('torch.', '')} on "
-          f"{device}{'' if values else ', simulated timing only'}{', training mode' if train else ''}:", flush=True)
+          f"{device}{'' if values else ', simulated timing only'}{', training mode' if train else ''}"
+          f"{', forward and backward' if backward else ''}:", flush=True)
     fused, _ = _measured("fuse", lambda: AutoFusionEngine.fuse(model, (args, kwargs), target_device=device,
                                                                 optimization_level="O3"))
     generic, _ = _measured("plan generic fusion alone", lambda: AutoFusionEngine.fuse(
         model, (args, kwargs), target_device=device, optimization_level="O3", fusion_switches=generic_only()))
-    eager, w1 = _measured("simulate eager op by op",
-                          lambda: autofuse.simulate(model, (args, kwargs), device=device, values=values))
-    gen, w2 = _measured("simulate generic alone", lambda: generic.simulate(*args, values=values, **kwargs))
-    after, w3 = _measured("simulate fused", lambda: fused.simulate(*args, values=values, **kwargs))
+    eager, w1 = _measured("simulate eager op by op", lambda: autofuse.simulate(
+        model, (args, kwargs), device=device, values=values, backward=backward))
+    gen, w2 = _measured("simulate generic alone",
+                        lambda: generic.simulate(*args, values=values, backward=backward, **kwargs))
+    after, w3 = _measured("simulate fused", lambda: fused.simulate(*args, values=values, backward=backward, **kwargs))
     r = fused.report
     attn = [d for d in r.applied if d.pattern == "attention"]
     attn_before = eager.cycles_of([n for d in attn for n in d.nodes])
@@ -102,6 +120,12 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
     print(f"  generic fusion alone: {gen.cycles:>14,} cycles   fused {gen.cycles / after.cycles:5.2f}x   "
           f"(generic alone vs eager {eager.cycles / gen.cycles:5.2f}x)")
     print(f"  fused               : {after.cycles:>14,} cycles")
+    if backward:
+        for phase in ("forward", "backward"):
+            e, g, f = (r.phases[phase] for r in (eager, gen, after))
+            print(f"  {phase + ' phase':<20}: {e:>14,} / {g:>14,} / {f:>14,} cycles (eager / generic / fused)   "
+                  f"fused {e / max(f, 1):5.2f}x / {g / max(f, 1):5.2f}x")
+        _backward_breakdown(eager, after)
     if attn:
         print(f"  attention blocks    : {attn_before:>14,} -> {attn_after:>14,} cycles   "
               f"{attn_before / max(attn_after, 1):5.2f}x")
@@ -127,19 +151,20 @@ def main():
     ap.add_argument("--values", action="store_true",
                     help="simulate with values (slower; the same figures as the default timing-only simulation)")
     ap.add_argument("--train", action="store_true", help="the forward in training mode (dropout active)")
+    ap.add_argument("--backward", action="store_true", help="a whole training step: forward and backward")
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.quick:
-        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values, train=a.train)
-        run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values, train=a.train)
+        run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values, train=a.train, backward=a.backward)
+        run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values, train=a.train, backward=a.backward)
         return
     if a.only in (None, "gpt2"):
-        run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=a.values, train=a.train)
+        run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=a.values, train=a.train, backward=a.backward)
     if a.only in (None, "llama"):
         # one LLaMA-7B-shaped decoder layer (hidden 4096, 32 heads, 8 kv heads as in Llama-3; the zoo's
         # intermediate size is 4 x hidden), 2048 tokens; a small vocabulary, so the layer, not the LM head, is
         # what is measured
-        run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values, train=a.train)
+        run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values, train=a.train, backward=a.backward)
 
 
 if __name__ == "__main__":
