@@ -7,8 +7,13 @@
 ``program`` is a :class:`cost_model.program.Program` as JSON (``Program.to_json()``); ``tiling`` a JSON object
 (``""`` = the kernel's default). Each op's CPU implementation runs its simulator kernel and records the
 launch (``autofuse.ops.recording``); its fake implementation gives the program's output shapes and dtypes;
-its backward recomputes the program in fp32 with the torch interpreter (``run_program_torch``) on the host
-and differentiates that (not simulated, as for flash_attention). ``reference_vector_program`` and
+its backward is a generated Vector kernel too: :func:`cost_model.program_grad.backward_program` derives the
+backward program (it recomputes the forward values it needs from the saved inputs and accumulates the
+adjoints in fp32), run as one more ``vector_program`` launch, plus a torch ``sum`` per input broadcast along
+lead dims (a norm weight's gradient is the sum of every row's contribution: a separate reduction). A program
+whose backward cannot be a Vector program (``NotDifferentiable``, or no tiling of it fits the device) falls
+back to recomputing it in fp32 with the torch interpreter (``run_program_torch``) on the host and
+differentiating that (not simulated, as for flash_attention). ``reference_vector_program`` and
 ``reference_matmul_epilogue`` are the torch twins with the kernels' numerics, for repeated launches.
 
 matmul_epilogue: the program's input 0 is the product ``a @ b`` (``b`` transposed with ``trans_b``) plus
@@ -17,11 +22,15 @@ matmul's output is); ``extra`` are its inputs 1.. .
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Optional
 
 import torch
 
+import cost_model
+from cost_model.program import BIT, ProgramError, stored_shape
+from cost_model.program_grad import NotDifferentiable, backward_program
 from autofuse import ops as _ops      # run_kernel through the module, so tests can inject a fault
 from autofuse.ops import REFERENCES, TIMING, _record, _to_torch
 from autofuse.vector_program import as_program, run_program_torch, torch_dtype
@@ -88,18 +97,72 @@ def _vp_setup(ctx, inputs, output):
     ins, program = inputs[0], inputs[1]
     ctx.save_for_backward(*ins)
     ctx.program = program
+    ctx.device = inputs[2] if len(inputs) > 2 else "ascend910"
+
+
+@functools.lru_cache(maxsize=256)
+def _grad_launch(program: str, wrt: tuple, device: str):
+    """``(GradProgram, tiling JSON)`` of the backward of ``program`` for inputs ``wrt``, the tiling the cost
+    model's search picks for it on ``device``; None when the backward is no Vector program that fits (an
+    instruction without a derivable gradient, or shuffles in rows too wide for UB)."""
+    try:
+        gp = backward_program(program, wrt)
+        if gp.program is None:
+            return gp, ""
+        specs = [(stored_shape(i), "uint8") if i.dtype == BIT else (tuple(i.shape), i.dtype) for i in gp.program.inputs]
+        e = cost_model.estimate("vector_program", specs, device=device, program=gp.program)
+    except (NotDifferentiable, ProgramError):
+        return None
+    return gp, json.dumps(e.tiling, sort_keys=True) if e.tiling else ""
+
+
+def run_grad_program(gp, tiling, ins, grad_outs, device) -> list:
+    """The gradients of the inputs ``gp.grads`` names (zeros where the program computes none), from one
+    ``vector_program`` launch of ``gp.program`` over the forward's inputs ``ins`` and its outputs' gradients
+    ``grad_outs`` (None: zero), then a torch ``sum`` over the lead dims an input is broadcast along."""
+    outs = []
+    if gp.program is not None:
+        nin = len(ins)
+        gs = []
+        for k, j in enumerate(gp.grad_of):
+            spec = gp.program.inputs[nin + k]
+            g = grad_outs[j]
+            g = torch.zeros(spec.shape, dtype=torch_dtype(spec.dtype), device=ins[0].device) if g is None else \
+                g.to(torch_dtype(spec.dtype)).reshape(spec.shape).contiguous()
+            gs.append(g)
+        outs = torch.ops.autofuse.vector_program(list(ins) + gs, gp.program.to_json(), device, tiling)
+    res = []
+    for go in gp.grads:
+        if go.output is None:
+            res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype), device=ins[0].device))
+            continue
+        g = outs[go.output]
+        if go.sum_dims:        # an input broadcast along lead dims: every row's contribution, summed in fp32
+            g = g.sum(go.sum_dims, keepdim=True)
+        res.append(g.reshape(go.shape).to(torch_dtype(go.dtype)))
+    return res
 
 
 def _vp_backward(ctx, grad_outs):
     ins = ctx.saved_tensors
+    need = ctx.needs_input_grad[0]
+    wrt = tuple(k for k, t in enumerate(ins) if t.is_floating_point() and need[k])
+    # one entry per argument autograd saw (trailing arguments left at their defaults are not among them)
+    rest = (None,) * (len(ctx.needs_input_grad) - 1)
+    if not wrt:
+        return ([None] * len(ins),) + rest
+    launch = _grad_launch(ctx.program, wrt, ctx.device)
+    if launch is not None:
+        got = iter(run_grad_program(*launch, ins, grad_outs, ctx.device))
+        return ([next(got) if k in wrt else None for k in range(len(ins))],) + rest
+    # no derived backward (see _grad_launch): recompute on the host and differentiate with torch autograd
+    # (host work, not a simulated launch)
     with torch.enable_grad():
-        leaves = [_leaf(t, t.is_floating_point()) for t in ins]
+        leaves = [_leaf(t, k in wrt) for k, t in enumerate(ins)]
         outs = run_program_torch(ctx.program, leaves)
         got = _grads(outs, grad_outs, leaves)
     grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
-    grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, ins)]
-    # one entry per argument autograd saw (trailing arguments left at their defaults are not among them)
-    return (grads,) + (None,) * (len(ctx.needs_input_grad) - 1)
+    return ([None if g is None else g.to(t.dtype) for g, t in zip(grads, ins)],) + rest
 
 
 _vector_program.register_autograd(_vp_backward, setup_context=_vp_setup)

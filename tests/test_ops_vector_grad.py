@@ -1,0 +1,113 @@
+"""The backward of torch.ops.autofuse.vector_program as a derived Vector program (cost_model.program_grad):
+gradients equal the host recompute's (torch autograd of run_program_torch in fp32), the backward is one more
+``vector_program`` launch (traced with make_fx in fake mode, as whole-graph training simulation traces it),
+and a program whose backward is no Vector program falls back to the host recompute."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import autofuse.ops_vector as ov
+from autofuse.vector_program import run_program_torch
+from cost_model.program import Builder
+from tests.cost_model.test_program_grad import layernorm, make_inputs, rmsnorm, rope, swiglu
+
+ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+# the simulator's exp/tanh/rsqrt and torch's differ in the last fp32 ulps; the derived formulas reorder fp32
+# sums over <= 64 columns: a few fp32 ulps of the largest gradient
+TOL = 3e-5
+
+
+def dropout_chain():
+    b = Builder((4, 6))
+    x, res, keep = b.input("float16", (4, 6, 64)), b.input("float16", (4, 6, 64)), b.input("bit", (4, 6, 64))
+    b.output(b.add(b.where(keep, b.mul(b.gelu(x), 1.0 / 0.9), 0.0), res), "float16")
+    return b.build()
+
+
+def host_grads(prog, xs, gouts, wrt):
+    """The host recompute: torch autograd of run_program_torch on fp32 leaves."""
+    leaves = [x.detach().float().requires_grad_(k in wrt) if x.is_floating_point() else x for k, x in enumerate(xs)]
+    outs = run_program_torch(prog, leaves)
+    got = torch.autograd.grad(outs, [leaves[k] for k in wrt], [g.to(o.dtype) for o, g in zip(outs, gouts)])
+    return [g.to(xs[k].dtype) for k, g in zip(wrt, got)]
+
+
+def leaves_of(prog, seed=0):
+    xs = make_inputs(prog, seed)
+    return [x.requires_grad_() if x.is_floating_point() else x for x in xs]
+
+
+CASES = {"rmsnorm": lambda: rmsnorm(dtype="float16"), "layernorm": layernorm, "rope": lambda: rope(False),
+         "rope_interleaved": lambda: rope(True), "swiglu": swiglu, "dropout": dropout_chain}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_equal_host_recompute(name):
+    prog = CASES[name]()
+    xs = leaves_of(prog)
+    wrt = [k for k, x in enumerate(xs) if x.requires_grad]
+    gen = torch.Generator().manual_seed(3)
+    gouts = [torch.randn(s, generator=gen).to(getattr(torch, o.dtype))
+             for o, s in zip(prog.outputs, prog.output_shapes())]
+    torch.autograd.backward(ov.vector_program(xs, prog), gouts)
+    want = host_grads(prog, xs, gouts, wrt)
+    for k, w in zip(wrt, want):
+        got = xs[k].grad
+        assert got.shape == w.shape and got.dtype == w.dtype
+        # both rounded to the input's dtype once: at most one ulp of it apart, plus fp32 differences
+        bound = 2 * ULP[w.dtype] * w.double().abs() + TOL * w.double().abs().max()
+        assert bool(((got.double() - w.double()).abs() <= bound).all()), (name, k)
+
+
+def _count(gm, op):
+    return sum(n.op == "call_function" and n.target == op for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "rope", "dropout"])
+def test_backward_is_one_vector_program_launch(name):
+    prog = CASES[name]()
+    xs = leaves_of(prog)
+    wrt = [x for x in xs if x.requires_grad]
+
+    def step(*xs):
+        outs = ov.vector_program(list(xs), prog)
+        loss = sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs))
+        return torch.autograd.grad(loss, [x for x in xs if x.requires_grad])
+
+    gm = make_fx(step, tracing_mode="fake")(*xs)
+    assert _count(gm, torch.ops.autofuse.vector_program.default) == 2, gm.graph   # forward + backward
+    # a weight broadcast along lead dims gets its rows summed by a torch sum (a separate reduction)
+    sums = {"rmsnorm": 1, "rope": 2, "dropout": 0}[name]
+    assert _count(gm, torch.ops.aten.sum.dim_IntList) == sums, gm.graph
+    outs = gm(*xs)
+    assert [tuple(o.shape) for o in outs] == [tuple(x.shape) for x in wrt]
+
+
+def test_launch_recorded_by_the_simulator():
+    from autofuse.ops import recording
+    prog = rmsnorm(dtype="float16")
+    xs = leaves_of(prog)
+    out = ov.vector_program(xs, prog)[0]
+    with recording() as launches:
+        out.float().sum().backward()
+    assert [name for name, _ in launches] == ["vector_program"]
+
+
+def test_not_differentiable_falls_back_to_host():
+    """A step-3 slice has no derived gradient: the host recompute gives it, with no launch in the backward."""
+    b = Builder((4,))
+    x = b.input("float32", (4, 30))
+    b.output(b.tanh(b.slice(x, start=0, stop=30, step=3)), "float32")
+    prog = b.build()
+    xs = leaves_of(prog)
+
+    def step(x):
+        (o,) = ov.vector_program([x], prog)
+        return torch.autograd.grad(o.sum(), [x])
+
+    gm = make_fx(step, tracing_mode="fake")(*xs)
+    assert _count(gm, torch.ops.autofuse.vector_program.default) == 1
+    (g,) = step(*xs)
+    want = torch.zeros(4, 30)
+    want[:, ::3] = 1 - torch.tanh(xs[0].detach()[:, ::3]) ** 2
+    torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)   # fp32 tanh', a few ulps
