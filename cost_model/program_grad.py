@@ -161,13 +161,15 @@ def _wrt(wrt, n: int) -> tuple:
     return tuple(sorted(set(wrt)))
 
 
-def backward_program(program, wrt) -> GradProgram:
+def backward_program(program, wrt, outputs=None) -> GradProgram:
     """The backward of ``program`` for the inputs ``wrt`` (one bool per input, or input numbers) as a
-    :class:`GradProgram`; see the module docstring. Raises :class:`NotDifferentiable` for an instruction
-    whose gradient cannot be a Vector program, :class:`ProgramError` for a requested input that is not a
-    float."""
+    :class:`GradProgram`; see the module docstring. ``outputs``: the forward outputs that receive a gradient
+    (default: every float output; an output nobody reads gets none, and costs the backward no load). Raises
+    :class:`NotDifferentiable` for an instruction whose gradient cannot be a Vector program,
+    :class:`ProgramError` for a requested input that is not a float."""
     p = as_program(program)
     wrt = _wrt(wrt, len(p.inputs))
+    outputs = range(len(p.outputs)) if outputs is None else set(outputs)
     vals, nin = p.values, len(p.inputs)
     for k in wrt:
         if p.inputs[k].dtype not in FLOATS:
@@ -177,7 +179,8 @@ def backward_program(program, wrt) -> GradProgram:
     for ins in p.instrs:
         carries = ins.op not in COMPARE + LOGIC and not (ins.op == "cast" and ins.dtype == "bool")
         reach.append(carries and any(reach[a] for a in _diff_args(ins)))
-    grad_of = tuple(j for j, o in enumerate(p.outputs) if o.dtype in FLOATS and vals[o.value].dtype != "bool")
+    grad_of = tuple(j for j, o in enumerate(p.outputs)
+                    if j in outputs and o.dtype in FLOATS and vals[o.value].dtype != "bool")
     e = _Emit(p.lead, list(p.inputs) + [Input(p.outputs[j].dtype, tuple(p.lead) + (vals[p.outputs[j].value].width,))
                                         for j in grad_of])
     fwd = list(range(nin))
@@ -212,6 +215,12 @@ def backward_program(program, wrt) -> GradProgram:
         outs.append((e.widen(adj[k], k), F32 if sum_dims else inp.dtype))
         grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))
     return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads))
+
+
+def reads_input(program: Program, k: int) -> bool:
+    """Whether ``program`` reads its input ``k`` (an instruction argument or an output)."""
+    return any(_is_ref(a) and a == k for ins in program.instrs for a in ins.args) or \
+        any(o.value == k for o in program.outputs)
 
 
 def _diff_args(ins: Instr) -> list:
@@ -388,4 +397,4 @@ _UNARY_DERIV = {
 }
 
 
-__all__ = ["GradOutput", "GradProgram", "NotDifferentiable", "backward_program"]
+__all__ = ["GradOutput", "GradProgram", "NotDifferentiable", "backward_program", "reads_input"]

@@ -4,9 +4,11 @@ gradients equal the host recompute's (torch autograd of run_program_torch in fp3
 and a program whose backward is no Vector program falls back to the host recompute."""
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autofuse.ops_vector as ov
+from autofuse.ops import recording
 from autofuse.vector_program import run_program_torch
 from cost_model.program import Builder
 from tests.cost_model.test_program_grad import layernorm, make_inputs, rmsnorm, rope, swiglu
@@ -59,6 +61,12 @@ def test_gradients_equal_host_recompute(name):
         assert bool(((got.double() - w.double()).abs() <= bound).all()), (name, k)
 
 
+def grads64(fn, args, g_out):
+    leaves = [a.detach().double().requires_grad_() for a in args]
+    torch.autograd.backward([fn(*leaves)], [g.double() for g in g_out])
+    return [x.grad for x in leaves]
+
+
 def _count(gm, op):
     return sum(n.op == "call_function" and n.target == op for n in gm.graph.nodes)
 
@@ -84,7 +92,6 @@ def test_backward_is_one_vector_program_launch(name):
 
 
 def test_launch_recorded_by_the_simulator():
-    from autofuse.ops import recording
     prog = rmsnorm(dtype="float16")
     xs = leaves_of(prog)
     out = ov.vector_program(xs, prog)[0]
@@ -111,3 +118,98 @@ def test_not_differentiable_falls_back_to_host():
     want = torch.zeros(4, 30)
     want[:, ::3] = 1 - torch.tanh(xs[0].detach()[:, ::3]) ** 2
     torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)   # fp32 tanh', a few ulps
+
+
+# ------------------------------------------------------------------------------------------ matmul_epilogue
+def gelu_bias_epilogue(M, N, product="float32"):
+    """gelu_tanh(a @ w + bias) in fp16: the program of an MLP's first linear."""
+    b = Builder((M,))
+    p = b.input(product, (M, N))
+    b.output(b.gelu_tanh(b.cast(p, dtype="float32")), "float16")
+    return b.build()
+
+
+def swiglu_epilogue(M, F_):
+    b = Builder((M,))
+    p = b.input("float16", (M, 2 * F_))
+    b.output(b.mul(b.silu(b.slice(p, start=0, stop=F_)), b.slice(p, start=F_, stop=2 * F_)), "float16")
+    return b.build()
+
+
+def test_with_product_only_when_the_backward_reads_it():
+    from autofuse.fused_vector import with_product
+    prog = gelu_bias_epilogue(8, 16)
+    trained = with_product(prog)
+    assert trained.outputs[-1].value == 0 and trained.outputs[-1].dtype == "float32"
+    assert ov.product_output(trained) == 1 and ov.product_output(prog) is None
+    b = Builder((8,))                             # a residual add: d(product) is the output's gradient alone
+    p, r = b.input("float32", (8, 16)), b.input("float16", (8, 16))
+    b.output(b.add(p, r), "float16")
+    assert with_product(b.build()) is None
+
+
+@pytest.mark.parametrize("trans_b, bias", [(False, False), (True, True)])
+@pytest.mark.parametrize("save", [True, False])
+def test_epilogue_gradients(trans_b, bias, save):
+    """Gradients of a, b, bias through matmul_epilogue with the product saved (the training plan's program) or
+    recomputed, against eager float64."""
+    from autofuse.fused_vector import with_product
+    M, K, N = 24, 32, 48
+    g = torch.Generator().manual_seed(4)
+    prog = gelu_bias_epilogue(M, N)
+    prog = with_product(prog) if save else prog
+    a = (torch.randn(M, K, generator=g) / 4).half().requires_grad_()
+    w = (torch.randn(N, K, generator=g) / 4 if trans_b else torch.randn(K, N, generator=g) / 4).half().requires_grad_()
+    bb = (torch.randn(N, generator=g) / 4).half().requires_grad_() if bias else None
+    outs = ov.matmul_epilogue(a, w, prog, bias=bb, trans_b=trans_b)
+    assert len(outs) == (2 if save else 1)
+    gout = torch.randn(M, N, generator=g).half()
+    with recording() as log:
+        outs[0].backward(gout)
+    assert [k for k, _ in log] == ["vector_program"]
+
+    def eager(a_, w_, *b_):
+        prod = a_ @ (w_.T if trans_b else w_) + (b_[0] if b_ else 0)
+        return F.gelu(prod, approximate="tanh")
+    leaves = [a, w] + ([bb] if bias else [])
+    want = grads64(eager, leaves, [gout])
+    for leaf, ww in zip(leaves, want):
+        # d(product) rounded to the product's dtype, then fp16 matmuls (as eager's fp16 linear backward):
+        # a few fp16 ulps of the largest gradient
+        assert (leaf.grad.double() - ww).abs().max() <= 2 ** -8 * ww.abs().max() + 1e-4
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_epilogue_backward_traced(save):
+    """Traced in fake mode: the backward is one vector_program launch (d(product)) and the matmuls of dA and dB;
+    without the saved product a third matmul recomputes it."""
+    from autofuse.fused_vector import with_product
+    M, K, N = 16, 32, 24
+    prog = swiglu_epilogue(M, N // 2)
+    prog = with_product(prog) if save else prog
+    a = torch.randn(M, K).half().requires_grad_()
+    w = torch.randn(K, N).half().requires_grad_()
+
+    def step(a, w):
+        (o, *_) = ov.matmul_epilogue(a, w, prog)
+        return torch.autograd.grad(o.float().sum(), [a, w])
+
+    gm = make_fx(step, tracing_mode="fake")(a, w)
+    assert _count(gm, torch.ops.autofuse.matmul_epilogue.default) == 1
+    assert _count(gm, torch.ops.autofuse.vector_program.default) == 1
+    mms = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default)
+              for n in gm.graph.nodes)
+    assert mms == (2 if save else 3), gm.graph
+
+
+def test_training_graph_flag():
+    from autofuse.fused_vector import training_graph
+
+    def f(x):
+        return torch.ops.aten.native_dropout.default(x, 0.1, True)[0] * 2
+    gm = make_fx(f)(torch.randn(4, 8))
+    assert training_graph(gm.graph)
+    gm = make_fx(lambda x: x * 2)(torch.randn(4, 8))
+    assert not training_graph(gm.graph)
+    gm.meta["autofuse_training"] = True          # capture's own record, when it gives one
+    assert training_graph(gm.graph)
