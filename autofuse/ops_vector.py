@@ -143,7 +143,7 @@ def run_grad_program(gp, tiling, ins, grad_outs, device) -> list:
             res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype), device=ins[0].device))
             continue
         g = outs[go.output]
-        if go.sum_dims:        # an input broadcast along lead dims: every row's contribution, summed in fp32
+        if go.sum_dims:        # an input broadcast along lead dims: the sum of every row's contribution
             g = g.sum(go.sum_dims, keepdim=True)
         res.append(g.reshape(go.shape).to(torch_dtype(go.dtype)))
     return res

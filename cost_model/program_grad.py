@@ -16,8 +16,9 @@ Broadcasting. An operand of width 1 read over wider columns gets a column ``redu
 An input broadcast along *lead* dims (a norm weight ``[cols]``, RoPE's ``cos [S, D]``) cannot be reduced
 inside a row-wise program: every backward rule is linear in the adjoint with coefficients that are constant
 along the dims a value does not vary along, so the program computes each row's contribution at full
-``(*lead, width)`` and :attr:`GradOutput.sum_dims` names the lead dims the caller sums (in fp32: such an
-output is written as float32, :attr:`GradOutput.dtype` says what to round the sum to).
+``(*lead, width)`` and :attr:`GradOutput.sum_dims` names the lead dims the caller sums. Those per-row
+contributions are written in the input's dtype, as eager autograd rounds them (``(grad * normed).sum(0)``
+computes the product in fp16 for an fp16 weight); the caller's sum accumulates them in fp32.
 
 Rules (``g`` the adjoint of the result ``y``; torch's autograd formulas, which ``run_program_torch`` uses):
 unary ops by their derivatives (``gelu``'s ``Φ(x)`` is ``gelu(x) / x``, ``1/2`` at 0, since erf is no op);
@@ -212,7 +213,7 @@ def backward_program(program, wrt, outputs=None) -> GradProgram:
         if k not in adj:
             grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype))
             continue
-        outs.append((e.widen(adj[k], k), F32 if sum_dims else inp.dtype))
+        outs.append((e.widen(adj[k], k), inp.dtype))
         grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))
     return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads))
 
@@ -335,8 +336,7 @@ def _binary(e: _Emit, op: str, g: int, a, b, y: int, refuse) -> tuple:
     ga = gb = None
     if _is_ref(a):
         if not _is_ref(b):
-            ga = None if b == 0.0 else g if b == 1.0 else \
-                e.mul(g, e.mul(a, 2.0) if b == 2.0 else e.mul(e.op("pow", a, b - 1.0), b))
+            ga = None if b == 0.0 else g if b == 1.0 else e.mul(g, e.mul(_power(e, a, b - 1.0), b))
         else:
             d = e.op("mul", b, e.op("pow", a, e.op("sub", b, 1.0)))
             ga = e.op("where", e.op("eq", b, 0.0), 0.0, e.op("mul", g, d))
@@ -350,6 +350,20 @@ def _binary(e: _Emit, op: str, g: int, a, b, y: int, refuse) -> tuple:
             zero = e.op("logical_and", e.op("eq", a, 0.0), e.op("ge", b, 0.0))
             gb = e.op("where", zero, 0.0, e.op("mul", g, e.op("mul", y, e.op("log", a))))
     return ga, gb
+
+
+def _power(e: _Emit, a: int, k: float) -> int:
+    """``a ** k``, by a cheaper op where one computes it (pow is a composite exp(k log a) on the Vector unit)."""
+    if k == 1.0:
+        return a
+    if k == 2.0:
+        return e.op("mul", a, a)
+    if k in _POW_AS:
+        return e.op(_POW_AS[k], a)
+    return e.op("pow", a, k)
+
+
+_POW_AS = {0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal"}
 
 
 def _gelu_tanh(e: _Emit, x: int) -> int:

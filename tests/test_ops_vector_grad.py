@@ -11,7 +11,7 @@ import autofuse.ops_vector as ov
 from autofuse.ops import recording
 from autofuse.vector_program import run_program_torch
 from cost_model.program import Builder
-from tests.cost_model.test_program_grad import layernorm, make_inputs, rmsnorm, rope, swiglu
+from tests.cost_model.test_program_grad import derived_grads, layernorm, make_inputs, rmsnorm, rope, swiglu
 
 ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 # the simulator's exp/tanh/rsqrt and torch's differ in the last fp32 ulps; the derived formulas reorder fp32
@@ -53,11 +53,13 @@ def test_gradients_equal_host_recompute(name):
              for o, s in zip(prog.outputs, prog.output_shapes())]
     torch.autograd.backward(ov.vector_program(xs, prog), gouts)
     want = host_grads(prog, xs, gouts, wrt)
-    for k, w in zip(wrt, want):
+    # a lead-broadcast input's gradient sums rows rounded to its dtype: one ulp of each row's contribution more
+    _, _, slack = derived_grads(prog, [x.detach() for x in xs], dict(enumerate(gouts)), wrt)
+    for k, w, sl in zip(wrt, want, slack):
         got = xs[k].grad
         assert got.shape == w.shape and got.dtype == w.dtype
         # both rounded to the input's dtype once: at most one ulp of it apart, plus fp32 differences
-        bound = 2 * ULP[w.dtype] * w.double().abs() + TOL * w.double().abs().max()
+        bound = 2 * ULP[w.dtype] * w.double().abs() + TOL * w.double().abs().max() + sl
         assert bool(((got.double() - w.double()).abs() <= bound).all()), (name, k)
 
 
