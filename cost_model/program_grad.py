@@ -186,8 +186,12 @@ def backward_program(program, wrt, outputs=None) -> GradProgram:
                                         for j in grad_of])
     fwd = list(range(nin))
     for ins in p.instrs:
-        fwd.append(e.op(ins.op, *[fwd[a] if _is_ref(a) else a for a in ins.args], dtype=ins.dtype, kind=ins.kind,
-                        start=ins.start, stop=ins.stop, step=ins.step))
+        args = [fwd[a] if _is_ref(a) else a for a in ins.args]
+        if ins.op == "pow" and _is_ref(args[0]) and not _is_ref(args[1]):
+            fwd.append(_power(e, args[0], args[1]))     # the same value to an ulp, without the composite
+            continue
+        fwd.append(e.op(ins.op, *args, dtype=ins.dtype, kind=ins.kind, start=ins.start, stop=ins.stop,
+                        step=ins.step))
     adj: dict = {}
 
     def acc(v, contrib):
@@ -248,6 +252,8 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         return acc(args[0], e.op("neg", g))
     if op in _UNARY_DERIV:
         return acc(args[0], _UNARY_DERIV[op](e, g, x, y))
+    if op == "mul" and args[0] == args[1] and _is_ref(args[0]) and _is_ref(args[1]):   # a square: 2 a g once
+        return acc(args[0], _twice(e, g, x))
     if op in ("add", "sub", "mul", "div", "maximum", "minimum", "pow"):
         a, b = X
         ga, gb = _binary(e, op, g, a, b, y, refuse)
@@ -356,8 +362,11 @@ def _power(e: _Emit, a: int, k: float) -> int:
     """``a ** k``, by a cheaper op where one computes it (pow is a composite exp(k log a) on the Vector unit)."""
     if k == 1.0:
         return a
-    if k == 2.0:
-        return e.op("mul", a, a)
+    if k == 0.0:
+        return e.op("where", e.op("lt", a, a), 1.0, 1.0)      # 1 everywhere, NaN and inf included (as torch)
+    if k in (2.0, 3.0):
+        sq = e.op("mul", a, a)
+        return sq if k == 2.0 else e.op("mul", sq, a)
     if k in _POW_AS:
         return e.op(_POW_AS[k], a)
     return e.op("pow", a, k)
@@ -382,6 +391,13 @@ def _gelu(e: _Emit, x: int, y: int) -> int:
     return e.op("add", cdf, e.op("mul", x, pdf))
 
 
+def _twice(e: _Emit, g: int, x: int) -> int:
+    """``2 x g``, the 2 applied to the narrower of the two (a per-row adjoint: one op per row, not per element)."""
+    if e.width[g] < e.width[x]:
+        return e.op("mul", e.mul(g, 2.0), x)
+    return e.op("mul", g, e.mul(x, 2.0))
+
+
 def _abs(e, g, x, y):
     return e.op("where", e.op("gt", x, 0.0), g, e.op("where", e.op("lt", x, 0.0), e.op("neg", g), 0.0))
 
@@ -395,7 +411,7 @@ def _silu(e, g, x, y):
 _UNARY_DERIV = {
     "abs": _abs,
     "relu": lambda e, g, x, y: e.op("where", e.op("gt", x, 0.0), g, 0.0),
-    "square": lambda e, g, x, y: e.op("mul", g, e.mul(x, 2.0)),
+    "square": lambda e, g, x, y: _twice(e, g, x),
     "exp": lambda e, g, x, y: e.op("mul", g, y),
     "log": lambda e, g, x, y: e.op("div", g, x),
     "sqrt": lambda e, g, x, y: e.op("div", g, e.mul(y, 2.0)),
