@@ -27,7 +27,8 @@ add sub mul div, ``pow`` with an immediate exponent, an immediate positive base,
 routes ``g`` to the branch its condition picks; compares, logic and casts to bool carry no gradient; a cast
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
 too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
-among the elements equal to the result (torch's ``amax`` backward); ``slice`` pads ``g`` with zeros (a cat,
+among the elements equal to the result (torch's ``amax`` backward); a softmax or log-softmax (max, shift,
+exp, sum, div or log) whose intermediates nothing else reads takes torch's closed form; ``slice`` pads ``g`` with zeros (a cat,
 or for step 2 an interleave), ``cat`` slices it, ``interleave`` takes its strided halves.
 
 Refused (:class:`NotDifferentiable`, naming the instruction): a slice with a step above 2, ``pow`` of an
@@ -204,9 +205,13 @@ def backward_program(program, wrt, outputs=None) -> GradProgram:
 
     for j, g_in in zip(grad_of, range(nin, nin + len(grad_of))):
         acc(p.outputs[j].value, g_in)
+    softmaxes = _softmaxes(p)
     for i in reversed(range(len(p.instrs))):
         v = nin + i
-        if v in adj:
+        if v in adj and v in softmaxes:
+            z, log = softmaxes[v]
+            acc(z, _softmax_grad(e, adj[v], fwd[v], log))
+        elif v in adj:
             _rule(e, i, p.instrs[i], v, adj[v], fwd, vals, reach, acc)
     outs, grads = [], []
     for k in wrt:
@@ -220,6 +225,66 @@ def backward_program(program, wrt, outputs=None) -> GradProgram:
         outs.append((e.widen(adj[k], k), inp.dtype))
         grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))
     return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads))
+
+
+def _softmaxes(p: Program) -> dict:
+    """``{y: (z, log)}`` for each softmax ``y = exp(z − max z) / Σ exp(z − max z)`` (``log``: ``y = (z − max z) −
+    log Σ exp(z − max z)``) whose intermediates nothing else reads. Their gradient is the closed form (torch's
+    softmax backward): the chain rule through the max would add a term that is zero but for rounding (the
+    result does not depend on the shift), at two reductions and five passes more."""
+    nin = len(p.inputs)
+    users = {}
+    for j, ins in enumerate(p.instrs):
+        for a in dict.fromkeys(a for a in ins.args if _is_ref(a)):
+            users.setdefault(a, []).append(nin + j)
+    outs = {o.value for o in p.outputs}
+
+    def ins(v, op, kind=None):
+        i = p.instrs[v - nin] if _is_ref(v) and v >= nin else None
+        return i if i is not None and i.op == op and i.kind == kind else None
+
+    def only(v, *readers):
+        return v not in outs and sorted(users.get(v, ())) == sorted(readers)
+
+    found = {}
+    for j, y_ins in enumerate(p.instrs):
+        y = nin + j
+        if y_ins.op == "div":                              # exp(d) / sum(exp(d))
+            e, s = y_ins.args
+            log, ls = False, None
+        elif y_ins.op == "sub" and ins(y_ins.args[1], "log"):   # d - log(sum(exp(d)))
+            ls = y_ins.args[1]
+            s = ins(ls, "log").args[0]
+            log, e = True, None
+        else:
+            continue
+        s_ins = ins(s, "reduce", "sum")
+        if s_ins is None:
+            continue
+        e = s_ins.args[0] if log else e
+        if e != s_ins.args[0] or ins(e, "exp") is None:
+            continue
+        d = ins(e, "exp").args[0]
+        d_ins = ins(d, "sub")
+        if d_ins is None or (log and d != y_ins.args[0]):
+            continue
+        z, m = d_ins.args
+        m_ins = ins(m, "reduce", "max")
+        if not _is_ref(z) or m_ins is None or m_ins.args[0] != z:
+            continue
+        readers = (only(d, e, y) and only(e, s) and only(s, ls) and only(ls, y)) if log else \
+            (only(d, e) and only(e, s, y) and only(s, y))
+        # the max may be read by compares too (an empty row's test): they carry no gradient
+        if readers and m not in outs and all(u == d or p.instrs[u - nin].op in COMPARE for u in users[m]):
+            found[y] = (z, log)
+    return found
+
+
+def _softmax_grad(e: _Emit, g: int, y: int, log: bool) -> int:
+    """torch's softmax backward ``y (g − Σ g y)``; log-softmax's ``g − exp(y) Σ g``."""
+    if log:
+        return e.op("sub", g, e.op("mul", e.op("exp", y), e.op("reduce", g, kind="sum")))
+    return e.op("mul", y, e.op("sub", g, e.op("reduce", e.op("mul", g, y), kind="sum")))
 
 
 def reads_input(program: Program, k: int) -> bool:

@@ -417,3 +417,27 @@ def test_random_programs(seed):
     prog = random_program(seed, lead=(4, 3), width=32, dtype=["float16", "float32", "bfloat16"][seed % 3],
                           n_ops=8, reductions=1 + seed % 2, shuffles=seed % 2 == 0)
     check(prog, seed=seed)
+
+
+def log_softmax(dtype="float32", extra_output=False):
+    b = Builder((3, 4))
+    x = b.input(dtype, (3, 4, 40))
+    d = b.sub(x, b.reduce(x, kind="max"))
+    s = b.reduce(b.exp(d), kind="sum")
+    b.output(b.sub(d, b.log(s)), dtype)
+    if extra_output:                  # the row's sum read outside: no closed form, the chain rule throughout
+        b.output(s, "float32")
+    return b.build()
+
+
+@pytest.mark.parametrize("make, reductions", [(softmax, 3), (log_softmax, 3)])
+def test_softmax_closed_form(make, reductions):
+    """Softmax's gradient is torch's closed form: the recompute's max and sum, and one sum of its own (no
+    gradient through the max, which is zero but for rounding)."""
+    gp = check(make())
+    assert sum(i.op == "reduce" for i in gp.program.instrs) == reductions
+
+
+def test_softmax_read_inside_takes_the_chain_rule():
+    gp = check(log_softmax(extra_output=True))
+    assert sum(i.op == "reduce" for i in gp.program.instrs) > 3
