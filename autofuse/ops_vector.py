@@ -107,15 +107,20 @@ def _grad_launch(program: str, wrt: tuple, outputs: tuple, device: str):
     ``outputs``, the tiling the cost model's search picks for it on ``device``; None when the backward is no
     Vector program that fits (an instruction without a derivable gradient, or shuffles in rows too wide for
     UB)."""
-    try:
-        gp = backward_program(program, wrt, outputs)
-        if gp.program is None:
-            return gp, ""
-        specs = [(stored_shape(i), "uint8") if i.dtype == BIT else (tuple(i.shape), i.dtype) for i in gp.program.inputs]
-        e = cost_model.estimate("vector_program", specs, device=device, program=gp.program)
-    except (NotDifferentiable, ProgramError):
-        return None
-    return gp, json.dumps(e.tiling, sort_keys=True) if e.tiling else ""
+    for split in (False, True):      # slice gradients as separate outputs when their cat needs too wide rows
+        try:
+            gp = backward_program(program, wrt, outputs, split=split)
+            if gp.program is None:
+                return gp, ""
+            specs = [(stored_shape(i), "uint8") if i.dtype == BIT else (tuple(i.shape), i.dtype)
+                     for i in gp.program.inputs]
+            e = cost_model.estimate("vector_program", specs, device=device, program=gp.program)
+        except NotDifferentiable:
+            return None
+        except ProgramError:
+            continue
+        return gp, json.dumps(e.tiling, sort_keys=True) if e.tiling else ""
+    return None
 
 
 def _given(grad_outs) -> tuple:
@@ -123,9 +128,9 @@ def _given(grad_outs) -> tuple:
 
 
 def run_grad_program(gp, tiling, ins, grad_outs, device) -> list:
-    """The gradients of the inputs ``gp.grads`` names (zeros where the program computes none), from one
-    ``vector_program`` launch of ``gp.program`` over the forward's inputs ``ins`` and its outputs' gradients
-    ``grad_outs`` (None: zero), then a torch ``sum`` over the lead dims an input is broadcast along."""
+    """The gradients of the inputs ``gp.grads`` names, from one ``vector_program`` launch of ``gp.program`` over
+    the forward's inputs ``ins`` and its outputs' gradients ``grad_outs`` (None: zero), assembled by
+    :func:`gradients_from`."""
     outs = []
     if gp.program is not None:
         nin = len(ins)
@@ -137,15 +142,33 @@ def run_grad_program(gp, tiling, ins, grad_outs, device) -> list:
                 g.to(torch_dtype(spec.dtype)).reshape(spec.shape).contiguous()
             gs.append(g)
         outs = torch.ops.autofuse.vector_program(list(ins) + gs, gp.program.to_json(), device, tiling)
+    return gradients_from(gp, outs, ins[0].device)
+
+
+def gradients_from(gp, outs, device) -> list:
+    """Each requested input's gradient from the backward program's outputs ``outs``: summed over the lead dims
+    the input is broadcast along (torch ``sum``: a reduction launch), slices' parts concatenated with zeros
+    between (``torch.cat``: a copy), zeros where the program computes none."""
     res = []
     for go in gp.grads:
-        if go.output is None:
-            res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype), device=ins[0].device))
-            continue
-        g = outs[go.output]
-        if go.sum_dims:        # an input broadcast along lead dims: the sum of every row's contribution
-            g = g.sum(go.sum_dims, keepdim=True)
-        res.append(g.reshape(go.shape).to(torch_dtype(go.dtype)))
+        def summed(g, go=go):      # an input broadcast along lead dims: the sum of every row's contribution
+            return g.sum(go.sum_dims, keepdim=True) if go.sum_dims else g
+        if go.parts:
+            pieces, col = [], 0
+            for j, start, stop in go.parts:
+                g = summed(outs[j])
+                if start > col:
+                    pieces.append(g.new_zeros(*g.shape[:-1], start - col))
+                pieces.append(g)
+                col = stop
+            width = (tuple(go.shape) or (1,))[-1]
+            if width > col:
+                pieces.append(pieces[-1].new_zeros(*pieces[-1].shape[:-1], width - col))
+            res.append(torch.cat(pieces, -1).reshape(go.shape).to(torch_dtype(go.dtype)))
+        elif go.output is None:
+            res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype), device=device))
+        else:
+            res.append(summed(outs[go.output]).reshape(go.shape).to(torch_dtype(go.dtype)))
     return res
 
 

@@ -55,14 +55,17 @@ class NotDifferentiable(ProgramError):
 @dataclass(frozen=True)
 class GradOutput:
     """The gradient of forward input ``input``: backward-program output ``output`` (None: the gradient is
-    zero, the program computes nothing for it), of shape ``(*lead, width)``; the caller sums it over
-    ``sum_dims`` (keeping them), views it as ``shape`` and rounds it to ``dtype``."""
+    zero, the program computes nothing for it, or it comes in ``parts``), of shape ``(*lead, width)``; the
+    caller sums it over ``sum_dims`` (keeping them), views it as ``shape`` and rounds it to ``dtype``. With
+    ``parts`` (:func:`backward_program`'s ``split``) the gradient is those outputs at their columns (each
+    summed over ``sum_dims`` too) and zeros at the others: the caller concatenates them."""
 
     input: int
     output: int | None
     sum_dims: tuple
     shape: tuple
     dtype: str
+    parts: tuple = ()          # split: ((output, start, stop), ...), the columns of each; zeros elsewhere
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,14 @@ def _wrt(wrt, n: int) -> tuple:
     return tuple(sorted(set(wrt)))
 
 
-def backward_program(program, wrt, outputs=None) -> GradProgram:
+def backward_program(program, wrt, outputs=None, split: bool = False) -> GradProgram:
     """The backward of ``program`` for the inputs ``wrt`` (one bool per input, or input numbers) as a
     :class:`GradProgram`; see the module docstring. ``outputs``: the forward outputs that receive a gradient
-    (default: every float output; an output nobody reads gets none, and costs the backward no load). Raises
+    (default: every float output; an output nobody reads gets none, and costs the backward no load).
+    ``split``: an input read only through disjoint step-1 slices (SwiGLU's fused gate and up halves) gets the
+    gradient of each slice as an output of its own (:attr:`GradOutput.parts`) instead of their ``cat`` with
+    zeros, a column shuffle that needs whole rows in UB: the backward of rows too wide for UB can then be
+    walked in column chunks, and the caller concatenates the parts (a copy). Raises
     :class:`NotDifferentiable` for an instruction whose gradient cannot be a Vector program,
     :class:`ProgramError` for a requested input that is not a float."""
     p = as_program(program)
@@ -206,9 +213,13 @@ def backward_program(program, wrt, outputs=None) -> GradProgram:
     for j, g_in in zip(grad_of, range(nin, nin + len(grad_of))):
         acc(p.outputs[j].value, g_in)
     softmaxes = _softmaxes(p)
+    parts = {k: [] for k in (_sliced_inputs(p, wrt) if split else ())}
     for i in reversed(range(len(p.instrs))):
         v = nin + i
-        if v in adj and v in softmaxes:
+        ins = p.instrs[i]
+        if v in adj and ins.op == "slice" and ins.args[0] in parts:
+            parts[ins.args[0]].append((ins.start, vals[v].width, e.widen(adj[v], fwd[v])))
+        elif v in adj and v in softmaxes:
             z, log = softmaxes[v]
             acc(z, _softmax_grad(e, adj[v], fwd[v], log))
         elif v in adj:
@@ -219,12 +230,35 @@ def backward_program(program, wrt, outputs=None) -> GradProgram:
         shape = tuple(inp.shape) or (1,)
         lead_part = (1,) * (len(p.lead) - len(shape) + 1) + shape[:-1]
         sum_dims = tuple(d for d, (a, b) in enumerate(zip(lead_part, p.lead)) if a == 1 and b != 1)
+        if parts.get(k):
+            got = []
+            for start, width, g in sorted(parts[k]):
+                outs.append((g, inp.dtype))
+                got.append((len(outs) - 1, start, start + width))
+            grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype, tuple(got)))
+            continue
         if k not in adj:
             grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype))
             continue
         outs.append((e.widen(adj[k], k), inp.dtype))
         grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))
     return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads))
+
+
+def _sliced_inputs(p: Program, wrt) -> set:
+    """The inputs of ``wrt`` that ``p`` reads only through step-1 slices of disjoint columns."""
+    nin = len(p.inputs)
+    seen = {k: [] for k in wrt}
+    for ins in p.instrs:
+        for a in ins.args:
+            if _is_ref(a) and a in seen and seen[a] is not None:
+                ok = ins.op == "slice" and ins.step == 1
+                seen[a] = seen[a] + [(ins.start, p.values[a].width if ins.stop is None else ins.stop)] if ok else None
+    for o in p.outputs:
+        if o.value in seen:
+            seen[o.value] = None
+    disjoint = lambda r: all(a[1] <= b[0] for a, b in zip(sorted(r), sorted(r)[1:]))   # noqa: E731
+    return {k for k, r in seen.items() if r and k < nin and disjoint(r)}
 
 
 def _softmaxes(p: Program) -> dict:

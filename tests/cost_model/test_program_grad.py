@@ -17,6 +17,7 @@ import torch
 from cost_model.program import Builder, ProgramError, random_program, stored_shape
 from cost_model.program_grad import NotDifferentiable, backward_program
 import autofuse.vector_program as vp
+from autofuse.ops_vector import gradients_from
 from autofuse.vector_program import run_program_torch, torch_dtype
 
 TOL = 3e-5          # fp32 (2^-23 = 1.2e-7) ulps of the largest gradient, for reordered sums over <= 256 columns
@@ -70,27 +71,19 @@ def reference_grads(prog, xs, gouts, wrt, torch_casts=False):
     return [torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(wrt, got)]
 
 
-def derived_grads(prog, xs, gouts, wrt):
-    gp = backward_program(prog, wrt)
+def derived_grads(prog, xs, gouts, wrt, split=False):
+    """The derived gradients (run with the torch interpreter, assembled as the fused op does), and for each the
+    slack its lead-dim sum adds: every row's contribution is rounded to the input's dtype first, up to one
+    ulp of each."""
+    gp = backward_program(prog, wrt, split=split)
     outs = run_program_torch(gp.program, list(xs) + [gouts[j] for j in gp.grad_of]) if gp.program else []
-    res, slack = [], []
-    for go in gp.grads:
-        if go.output is None:
-            res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype)))
-            slack.append(0.0)
-            continue
-        g = outs[go.output]
-        if go.sum_dims:
-            # each row's contribution is rounded to the input's dtype before the sum: up to one ulp of each
-            slack.append(ULP[go.dtype] * g.double().abs().sum(go.sum_dims, keepdim=True).reshape(go.shape))
-            g = g.sum(go.sum_dims, keepdim=True)
-        else:
-            slack.append(0.0)
-        res.append(g.reshape(go.shape).to(torch_dtype(go.dtype)))
+    res = gradients_from(gp, outs, "cpu")
+    sizes = gradients_from(gp, [o.double().abs() for o in outs], "cpu")
+    slack = [ULP[go.dtype] * s.double() if go.sum_dims else 0.0 for go, s in zip(gp.grads, sizes)]
     return gp, res, slack
 
 
-def check(prog, seed=0, inner=None, ties=False, wrt=None):
+def check(prog, seed=0, inner=None, ties=False, wrt=None, split=False):
     """Derived vs autograd gradients of every float input. The reference passes gradients through casts in
     fp32, as the derived program does; ``inner`` (the narrowest dtype the program rounds to inside): compare
     with torch's own casts, which round the gradient there too, within 4 ulps of that dtype (no reduction
@@ -102,7 +95,7 @@ def check(prog, seed=0, inner=None, ties=False, wrt=None):
     gouts = {j: torch.randn(s, generator=gen).to(torch_dtype(o.dtype))
              for j, (o, s) in enumerate(zip(prog.outputs, prog.output_shapes())) if o.dtype in ULP}
     ref = reference_grads(prog, xs, gouts, wrt, torch_casts=inner is not None)
-    gp, got, slack = derived_grads(prog, xs, gouts, wrt)
+    gp, got, slack = derived_grads(prog, xs, gouts, wrt, split)
     for k, r, g, sl in zip(wrt, ref, got, slack):
         assert g.shape == xs[k].shape and g.dtype == xs[k].dtype, (k, g.shape, g.dtype)
         scale = r.abs().max().item() + 1e-30
@@ -441,3 +434,21 @@ def test_softmax_closed_form(make, reductions):
 def test_softmax_read_inside_takes_the_chain_rule():
     gp = check(log_softmax(extra_output=True))
     assert sum(i.op == "reduce" for i in gp.program.instrs) > 3
+
+
+def test_split_slices_into_parts():
+    """split: an input read through disjoint step-1 slices gets one output per slice, no cat; columns no slice
+    reads get zeros. Overlapping slices are not split."""
+    gp = check(swiglu(), split=True)
+    assert gp.grads[0].parts == ((0, 0, 48), (1, 48, 96)) and gp.grads[0].output is None
+    assert not any(i.op == "cat" for i in gp.program.instrs)
+    b = Builder((2, 3))
+    x, w = b.input("float16", (2, 3, 32)), b.input("float32", (1, 3, 32))
+    b.output(b.mul(b.exp(b.slice(x, start=2, stop=10)), b.slice(w, start=12, stop=20)), "float16")
+    gp = check(b.build(), split=True)
+    assert [g.parts for g in gp.grads] == [((0, 2, 10),), ((1, 12, 20),)] and gp.grads[1].sum_dims == (0,)
+    b = Builder((4,))
+    x = b.input("float32", (4, 32))
+    b.output(b.mul(b.slice(x, start=0, stop=16), b.slice(x, start=8, stop=24)), "float32")
+    gp = check(b.build(), split=True)
+    assert gp.grads[0].parts == () and any(i.op == "cat" for i in gp.program.instrs)
