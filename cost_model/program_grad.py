@@ -28,8 +28,10 @@ routes ``g`` to the branch its condition picks; compares, logic and casts to boo
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
 too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
 among the elements equal to the result (torch's ``amax`` backward); a softmax or log-softmax (max, shift,
-exp, sum, div or log) whose intermediates nothing else reads takes torch's closed form; ``slice`` pads ``g`` with zeros (a cat,
-or for step 2 an interleave), ``cat`` slices it, ``interleave`` takes its strided halves.
+exp, sum, div or log) whose intermediates nothing else reads takes torch's closed form; ``slice`` pads ``g``
+with zeros (a cat, or for step 2 an interleave; with ``split``, a part of its own), ``cat`` slices it,
+``interleave`` takes its strided halves. The recompute takes ``pow`` by an immediate 2, 3, 0.5, -0.5 or -1 as
+muls, sqrt, rsqrt or reciprocal (equal to an ulp; pow is a composite on the Vector unit).
 
 Refused (:class:`NotDifferentiable`, naming the instruction): a slice with a step above 2, ``pow`` of an
 immediate base <= 0 (torch's gradient there is 0, inf or NaN by cases this IR does not test cheaply).
