@@ -278,7 +278,10 @@ def _me_backward(ctx, grad_outs):
         d = got[0].reshape(*a.shape[:-1], w.shape[-1]).to(a.dtype)       # as eager's linear backward: in a's dtype
         if need[0]:
             ga = d @ w.transpose(-1, -2).to(a.dtype)
-        if need[1]:
+        if need[1] and b.dim() == 2:          # as eager's linear / addmm backward: the rows flattened, one mm
+            a2, d2 = a.reshape(-1, a.shape[-1]), d.reshape(-1, d.shape[-1])
+            gb = (d2.transpose(0, 1) @ a2 if ctx.trans_b else a2.transpose(0, 1) @ d2).to(b.dtype)
+        elif need[1]:
             gw = (a.transpose(-1, -2) @ d).sum_to_size(w.shape)
             gb = (gw.transpose(-1, -2) if ctx.trans_b else gw).to(b.dtype)
         if need[2] and bias is not None:

@@ -165,9 +165,9 @@ def test_with_product_only_when_the_backward_reads_it():
     assert with_product(b.build()) is None
 
 
-@pytest.mark.parametrize("trans_b, bias", [(False, False), (True, True)])
+@pytest.mark.parametrize("trans_b, bias, batched", [(False, False, False), (True, True, False), (True, False, True)])
 @pytest.mark.parametrize("save", [True, False])
-def test_epilogue_gradients(trans_b, bias, save):
+def test_epilogue_gradients(trans_b, bias, batched, save):
     """Gradients of a, b, bias through matmul_epilogue with the product saved (the training plan's program) or
     recomputed, against eager float64."""
     from autofuse.fused_vector import with_product
@@ -175,7 +175,7 @@ def test_epilogue_gradients(trans_b, bias, save):
     g = torch.Generator().manual_seed(4)
     prog = gelu_bias_epilogue(M, N)
     prog = with_product(prog) if save else prog
-    a = (torch.randn(M, K, generator=g) / 4).half().requires_grad_()
+    a = (torch.randn(*((2, M // 2) if batched else (M,)), K, generator=g) / 4).half().requires_grad_()
     w = (torch.randn(N, K, generator=g) / 4 if trans_b else torch.randn(K, N, generator=g) / 4).half().requires_grad_()
     bb = (torch.randn(N, generator=g) / 4).half().requires_grad_() if bias else None
     outs = ov.matmul_epilogue(a, w, prog, bias=bb, trans_b=trans_b)
@@ -187,7 +187,7 @@ def test_epilogue_gradients(trans_b, bias, save):
 
     def eager(a_, w_, *b_):
         prod = a_ @ (w_.T if trans_b else w_) + (b_[0] if b_ else 0)
-        return F.gelu(prod, approximate="tanh")
+        return F.gelu(prod, approximate="tanh").reshape(M, N)     # the program's rows (batched: [B*S, N])
     leaves = [a, w] + ([bb] if bias else [])
     want = grads64(eager, leaves, [gout])
     for leaf, ww in zip(leaves, want):
@@ -230,3 +230,24 @@ def test_training_graph_flag():
     assert not training_graph(gm.graph)
     gm.meta["autofuse_training"] = True          # capture's own record, when it gives one
     assert training_graph(gm.graph)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_backward_programs_on_the_simulator(seed):
+    """The simulator's kernel runs every form the derivation emits (zeros and broadcasts by selects, padded
+    slices, interleaves with zeros, amax tie counts) as the torch twin computes it."""
+    from cost_model.program import random_program
+    from cost_model.program_grad import backward_program
+    prog = random_program(seed, lead=(4, 3), width=32, dtype=["float16", "float32", "bfloat16"][seed % 3],
+                          n_ops=8, reductions=1 + seed % 2, shuffles=seed % 2 == 0)
+    wrt = [k for k, i in enumerate(prog.inputs) if i.dtype in ("float16", "bfloat16", "float32")]
+    gp = backward_program(prog, wrt)
+    gen = torch.Generator().manual_seed(seed)
+    gouts = [torch.randn(gp.program.inputs[k].shape, generator=gen).to(getattr(torch, gp.program.inputs[k].dtype))
+             for k in range(len(prog.inputs), len(gp.program.inputs))]
+    ins = make_inputs(prog, seed) + gouts
+    for got, want in zip(ov.vector_program(ins, gp.program), run_program_torch(gp.program, ins)):
+        # the simulator's exp/tanh/erf and torch's differ in the last fp32 ulps, carried through a few dozen
+        # steps; then one rounding to the output's dtype (a tie may round either way: one ulp of it)
+        bound = ULP[want.dtype] * want.double().abs() + TOL * want.double().abs().max()
+        assert bool(((got.double() - want.double()).abs() <= bound).all())
