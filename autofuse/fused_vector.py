@@ -1,6 +1,11 @@
 """Fused calls of the discovered families: a Vector region as ``torch.ops.autofuse.vector_program`` and a matmul
 with its epilogue as ``torch.ops.autofuse.matmul_epilogue`` (see :mod:`patterns.vector_chain`).
 
+In a graph captured for training (:func:`training_graph`), a matmul epilogue whose backward reads the product
+(the pre-activation: GELU's, SwiGLU's) also writes it out (:func:`with_product`: one more program output, so
+one more store the cost model and the simulator price as part of the program); the forward graph ignores
+that output, the op's autograd saves it for the backward.
+
 The price of a region is the cost model's price of its program on the target device, with the tiling its
 search finds at O3; the *alternatives* (one pass or chunked rows, RoPE on the Cube, a matmul with or without
 its epilogue) are priced on every device, and the report shows which one each device would run and what
@@ -22,7 +27,8 @@ from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops
 from autofuse.fused import (REDUCED, Family, Price, _adapt, keep_mask_call, keep_mask_price, per_device,
                             register_family)
 from autofuse.graph import call
-from cost_model.program import BIT, Input, as_program, stored_shape
+from cost_model.program import BIT, Input, Output, as_program, stored_shape
+from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
 
 aten = torch.ops.aten
 
@@ -80,9 +86,48 @@ def price_vector(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     return _with_draws(price, match, match.params["input_shapes"], device)
 
 
+# ops whose ``training`` argument (position, keyword) says the graph was captured in training mode
+_TRAIN_ARG = {aten.native_dropout.default: (2, "train"), aten.dropout.default: (2, "train"),
+              aten.batch_norm.default: (5, "training"), aten._native_batch_norm_legit_functional.default: (5, "training"),
+              aten._native_batch_norm_legit.default: (5, "training")}
+
+
+def training_graph(graph: fx.Graph) -> bool:
+    """Whether ``graph`` was captured for training: its module's ``meta["autofuse_training"]`` when capture
+    records it, else whether an op of it runs in training mode (a dropout that drops, a batch norm on batch
+    statistics). A model without such an op in ``train()`` reads as eval here: its epilogues then write no
+    product, and their backward recomputes it (a matmul more, still correct)."""
+    flag = getattr(graph.owning_module, "meta", {}).get("autofuse_training")
+    if flag is not None:
+        return bool(flag)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _TRAIN_ARG:
+            i, name = _TRAIN_ARG[n.target]
+            if (n.args[i] if len(n.args) > i else n.kwargs.get(name)) is True:
+                return True
+    return False
+
+
+def with_product(prog):
+    """``prog`` (an epilogue's program) that also outputs its input 0, the product, when its backward reads
+    the product and no output is it already; None otherwise (the backward needs no product: a residual add,
+    a bias; or it is no Vector program)."""
+    if any(o.value == 0 for o in prog.outputs):
+        return None
+    try:
+        gp = backward_program(prog, [0])
+    except NotDifferentiable:
+        return None
+    if gp.program is None or not reads_input(gp.program, 0):
+        return None
+    return dataclasses.replace(prog, outputs=prog.outputs + (Output(0, prog.inputs[0].dtype),))
+
+
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     p = match.params
     prog = p["program"]
+    trained = with_product(prog) if training_graph(nodes[match.inputs["a"]].graph) else None
+    prog = trained or prog
     a, b = (nodes[match.inputs[r]] for r in ("a", "b"))
     specs = [(tuple(a.meta["val"].shape), _dtype(a)), (tuple(b.meta["val"].shape), _dtype(b))]
     extra = _specs(match, nodes, p["extra_shapes"])
@@ -91,12 +136,14 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
     alts = _alternatives("epilogue", (specs[0], specs[1], prog), {"bias": bspec, "trans_b": p["trans_b"]})
     price = _price("matmul_epilogue", specs + extra, device, search_tiling, alts, program=prog, bias=bspec,
                    trans_b=p["trans_b"])
+    if trained is not None:
+        price.options = {"program": trained.to_json()}     # emit_epilogue calls the op with this program
     return _with_draws(price, match, p["extra_shapes"], device)
 
 
 def _kwargs(device: str, price: Price, level: str) -> dict:
     tiling = price.tiling if level == "O3" else {}
-    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else ""}
+    return {"device": device, "tiling": json.dumps(tiling, sort_keys=True) if tiling else "", **price.options}
 
 
 def _view(g, x: fx.Node, shape_) -> fx.Node:
@@ -136,10 +183,13 @@ def emit_vector(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
 
 
 def emit_epilogue(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    """The fused call; its outputs past the match's (a training plan's product) are left for autograd."""
     p = m.params
+    kwargs = dict(kwargs)
+    program = kwargs.pop("program", None) or p["program"].to_json()
     extra = _inputs(g, ins, m, p["extra_shapes"], kwargs.get("device", "ascend910"))
     r = call(g, torch.ops.autofuse.matmul_epilogue.default, ins["a"], ins["b"], ins.get("bias"), extra,
-             p["program"].to_json(), p["trans_b"], **kwargs)
+             program, p["trans_b"], **kwargs)
     r.meta["autofuse_match"] = m
     return _outputs(g, r, m)
 

@@ -12,8 +12,11 @@ statistics, written in ``out_dtype`` (``""``: x's dtype). ``empty_rows``: a row 
 ``-inf`` gives ``"nan"`` (``softmax``) or ``"zero"`` (``_safe_softmax``). The op runs the simulator's
 ``softmax`` kernel (``autofuse/npu/kernels/softmax.py``) and records the launch for whole-graph simulation;
 it has a fake implementation, a torch twin with the kernel's numerics (:func:`reference_scaled_masked_softmax`,
-``autofuse.ops.REFERENCES["scaled_masked_softmax"]``) and a backward that recomputes the op in fp32 on the host
-with that twin and differentiates it (not simulated), for x and for an additive mask that requires grad.
+``autofuse.ops.REFERENCES["scaled_masked_softmax"]``) and a backward for x and for an additive mask that
+requires grad: the op as a Vector program (:func:`softmax_program`) differentiated by
+:mod:`cost_model.program_grad`, one ``vector_program`` launch (plus a torch ``sum`` for a mask broadcast along
+leading dims); softmax along another dim than the last recomputes the op in fp32 on the host with the twin
+and differentiates it (not simulated).
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from typing import Optional
 import torch
 
 from autofuse import ops as _ops
+from autofuse import ops_vector as _ops_vector
 from autofuse.ops import REFERENCES, _fill, _record, _to_torch
+from cost_model.program import Builder, Program
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -74,14 +79,64 @@ REFERENCES["scaled_masked_softmax"] = reference_scaled_masked_softmax
 
 
 def _setup_context(ctx, inputs, output):
-    x, mask, dim, scale, fill, log, empty_rows, out_dtype, _, _ = inputs
+    x, mask, dim, scale, fill, log, empty_rows, out_dtype, device, _ = inputs
     ctx.save_for_backward(x, mask)
     ctx.params = dict(dim=dim, scale=scale, fill=fill, log=log, empty_rows=empty_rows)
+    ctx.out_dtype, ctx.device = str(output.dtype).replace("torch.", ""), device
+
+
+def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=None, log=False,
+                    empty_rows="nan", out_dtype="float32") -> Optional[Program]:
+    """The op as a Vector program over ``x`` (and the mask, ``(shape, dtype)`` or None), computing as the
+    kernel does: ``z = scale · x`` (masked: a bool mask selects ``fill``, a float one adds), ``y = exp(z − m) /
+    Σ exp(z − m)`` with ``m`` the row's max (``log``: ``z − m − log Σ``), an all-``-inf`` row zero with
+    ``empty_rows="zero"``. None when the op is no row program: softmax along another dim than the last, or a
+    mask with more dims than x."""
+    nd = len(x_shape)
+    if dim % nd != nd - 1 or (mask_spec is not None and len(mask_spec[0]) > nd):
+        return None
+    b = Builder(tuple(x_shape[:-1]))
+    z = b.input(x_dtype, x_shape)
+    m_in = b.input(mask_spec[1], mask_spec[0]) if mask_spec is not None else None
+    if scale is not None:
+        z = b.mul(z, float(scale))
+    if m_in is not None:
+        z = b.where(m_in, z, _fill(fill)) if mask_spec[1] == "bool" else b.add(z, m_in)
+    top = b.reduce(z, kind="max")
+    d = b.sub(z, top)
+    e = b.exp(d)
+    total = b.reduce(e, kind="sum")
+    y = b.sub(d, b.log(total)) if log else b.div(e, total)
+    if empty_rows == "zero":
+        y = b.where(b.eq(top, float("-inf")), 0.0, y)
+    b.output(y, out_dtype)
+    return b.build()
 
 
 def _backward(ctx, grad):
-    """Gradients recomputed on the host in fp32 (not simulated): for x, and for an additive mask."""
+    """The gradients of x and of an additive mask: the op's program differentiated
+    (:mod:`cost_model.program_grad`) and run as one ``vector_program`` launch; recomputed on the host in fp32
+    and differentiated with torch autograd (not simulated) when the op is no row program."""
     x, mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    float_mask = mask is not None and mask.is_floating_point()
+    wrt = ((0,) if need[0] else ()) + ((1,) if float_mask and need[1] else ())
+    rest = (None,) * 8
+    launch = None
+    if wrt and grad is not None and all(type(d) is int for d in x.shape + (() if mask is None else mask.shape)):
+        spec = None if mask is None else (tuple(mask.shape), str(mask.dtype).replace("torch.", ""))
+        prog = softmax_program(tuple(x.shape), str(x.dtype).replace("torch.", ""), spec, **ctx.params,
+                               out_dtype=ctx.out_dtype)
+        launch = prog and _ops_vector._grad_launch(prog.to_json(), wrt, (0,), ctx.device)
+    if launch:
+        got = dict(zip(wrt, _ops_vector.run_grad_program(*launch, [x] + ([mask] if mask is not None else []),
+                                                        [grad], ctx.device)))
+        return (got.get(0), got.get(1)) + rest
+    return _backward_host(ctx, grad, x, mask) + rest
+
+
+def _backward_host(ctx, grad, x, mask) -> tuple:
+    """Gradients recomputed on the host in fp32 (not simulated): for x, and for an additive mask."""
     need = ctx.needs_input_grad
     with torch.enable_grad():
         xl = x.detach().float().requires_grad_(bool(need[0]))
@@ -96,7 +151,7 @@ def _backward(ctx, grad):
     if ml is not None and ml is not mask and ml.requires_grad:
         gm = next(got)
         gm = gm.sum_to_size(mask.shape).to(mask.dtype) if gm is not None else None
-    return (gx, gm) + (None,) * 8
+    return gx, gm
 
 
 _scaled_masked_softmax.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,531 @@
+"""Reverse-mode autodiff over Vector programs: the backward of a generated Vector kernel is a Vector program.
+
+:func:`backward_program` derives, from a forward :class:`~cost_model.program.Program` and the inputs that need
+gradients, a program that one ``vector_program`` launch runs:
+
+* **inputs**: the forward's inputs (same dtypes and shapes; an input the backward does not read is never
+  loaded), then one gradient per *float* forward output (``grad_of`` lists them; a bool output has none), in
+  the output's dtype and shape ``(*lead, width)``;
+* **body**: the forward values the gradients need, recomputed from the inputs (a fused backward recomputes
+  in registers rather than reading saved intermediates), then the adjoints, accumulated in fp32 in reverse
+  program order. Instructions are hash-consed (an instruction identical to an earlier one is that value:
+  the backward reuses forward values instead of recomputing them) and dead code is dropped;
+* **outputs**: one gradient per requested input (:class:`GradOutput`), rounded to the input's dtype.
+
+Broadcasting. An operand of width 1 read over wider columns gets a column ``reduce sum`` of its adjoint.
+An input broadcast along *lead* dims (a norm weight ``[cols]``, RoPE's ``cos [S, D]``) cannot be reduced
+inside a row-wise program: every backward rule is linear in the adjoint with coefficients that are constant
+along the dims a value does not vary along, so the program computes each row's contribution at full
+``(*lead, width)`` and :attr:`GradOutput.sum_dims` names the lead dims the caller sums. Those per-row
+contributions are written in the input's dtype, as eager autograd rounds them (``(grad * normed).sum(0)``
+computes the product in fp16 for an fp16 weight); the caller's sum accumulates them in fp32.
+
+Rules (``g`` the adjoint of the result ``y``; torch's autograd formulas, which ``run_program_torch`` uses):
+unary ops by their derivatives (``gelu``'s ``Φ(x)`` is ``gelu(x) / x``, ``1/2`` at 0, since erf is no op);
+add sub mul div, ``pow`` with an immediate exponent, an immediate positive base, or a value exponent;
+``maximum``/``minimum`` send ``g`` to the larger/smaller operand and split it evenly on ties; ``where``
+routes ``g`` to the branch its condition picks; compares, logic and casts to bool carry no gradient; a cast
+to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
+too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
+among the elements equal to the result (torch's ``amax`` backward); a softmax or log-softmax (max, shift,
+exp, sum, div or log) whose intermediates nothing else reads takes torch's closed form; ``slice`` pads ``g``
+with zeros (a cat, or for step 2 an interleave; with ``split``, a part of its own), ``cat`` slices it,
+``interleave`` takes its strided halves. The recompute takes ``pow`` by an immediate 2, 3, 0.5, -0.5 or -1 as
+muls, sqrt, rsqrt or reciprocal (equal to an ulp; pow is a composite on the Vector unit).
+
+Refused (:class:`NotDifferentiable`, naming the instruction): a slice with a step above 2, ``pow`` of an
+immediate base <= 0 (torch's gradient there is 0, inf or NaN by cases this IR does not test cheaply).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cost_model.program import (COMPARE, F32, FLOATS, LOGIC, Input, Instr, Output, Program, ProgramError,
+                                _is_ref, as_program)
+
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)        # gelu_tanh's inner scale
+_GELU_C = 0.044715                            # gelu_tanh's cubic coefficient
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)   # the standard normal density at 0
+
+
+class NotDifferentiable(ProgramError):
+    """A program instruction whose gradient this module cannot express as a Vector program (the message
+    names the instruction and why); the caller differentiates the program another way."""
+
+
+@dataclass(frozen=True)
+class GradOutput:
+    """The gradient of forward input ``input``: backward-program output ``output`` (None: the gradient is
+    zero, the program computes nothing for it, or it comes in ``parts``), of shape ``(*lead, width)``; the
+    caller sums it over ``sum_dims`` (keeping them), views it as ``shape`` and rounds it to ``dtype``. With
+    ``parts`` (:func:`backward_program`'s ``split``) the gradient is those outputs at their columns (each
+    summed over ``sum_dims`` too) and zeros at the others: the caller concatenates them."""
+
+    input: int
+    output: int | None
+    sum_dims: tuple
+    shape: tuple
+    dtype: str
+    parts: tuple = ()          # split: ((output, start, stop), ...), the columns of each; zeros elsewhere
+
+
+@dataclass(frozen=True)
+class GradProgram:
+    """What :func:`backward_program` derives: ``program`` (None when every requested gradient is zero) takes
+    the forward's inputs then the gradients of forward outputs ``grad_of``; ``grads``: one per requested
+    input."""
+
+    program: Program | None
+    grad_of: tuple
+    grads: tuple
+
+
+class _Emit:
+    """A program under construction with hash-consing: an instruction equal to an earlier one is that value."""
+
+    def __init__(self, lead, inputs):
+        self.lead = tuple(lead)
+        self.inputs = list(inputs)
+        self.instrs: list[Instr] = []
+        self.width = [int((tuple(i.shape) or (1,))[-1]) for i in inputs]
+        self.memo: dict = {}
+
+    def op(self, name, *args, **attrs) -> int:
+        ins = Instr(name, tuple(a if _is_ref(a) else float(a) for a in args), **attrs)
+        # value 0 and immediate 0.0 are equal in Python: the key tells them apart
+        key = (ins, tuple(_is_ref(a) for a in ins.args))
+        v = self.memo.get(key)
+        if v is None:
+            self.instrs.append(ins)
+            v = self.memo[key] = len(self.inputs) + len(self.instrs) - 1
+            self.width.append(_width(ins, self.width))
+        return v
+
+    # the arithmetic the rules use, folding the trivial immediates
+    def mul(self, a, b):
+        if not _is_ref(b):
+            if b == 1.0:
+                return a
+            if b == -1.0:
+                return self.op("neg", a)
+        return self.op("mul", a, b)
+
+    def add(self, a, b):
+        return a if b is None else self.op("add", a, b)
+
+    def zeros(self, width: int, src: int) -> int:
+        """Zeros of ``width`` columns, shaped from float value ``src`` (at least that wide): ``where(lt(s, s),
+        0, 0)`` is 0 whatever ``s`` holds (inf and NaN too, unlike ``s * 0``)."""
+        s = src if self.width[src] == width else self.op("slice", src, start=0, stop=width)
+        return self.op("where", self.op("lt", s, s), 0.0, 0.0)
+
+    def widen(self, a: int, like: int) -> int:
+        """Adjoint ``a`` (width 1 or ``like``'s) broadcast over float value ``like``'s columns."""
+        if self.width[a] == self.width[like]:
+            return a
+        return self.op("where", self.op("lt", like, like), a, a)
+
+    def build(self, outputs) -> Program:
+        """The program of ``outputs`` (``(value, dtype)``), its dead instructions dropped."""
+        nin = len(self.inputs)
+        live = set()
+        stack = [v for v, _ in outputs]
+        while stack:
+            v = stack.pop()
+            if v in live:
+                continue
+            live.add(v)
+            if v >= nin:
+                stack += [a for a in self.instrs[v - nin].args if _is_ref(a)]
+        new = {k: k for k in range(nin)}
+        instrs = []
+        for j, ins in enumerate(self.instrs):
+            if nin + j in live:
+                new[nin + j] = nin + len(instrs)
+                instrs.append(Instr(ins.op, tuple(new[a] if _is_ref(a) else a for a in ins.args), ins.dtype,
+                                    ins.kind, ins.start, ins.stop, ins.step))
+        return Program(self.lead, tuple(self.inputs), tuple(instrs), tuple(Output(new[v], dt) for v, dt in outputs))
+
+
+def _width(ins: Instr, width: list) -> int:
+    ws = [width[a] for a in ins.args if _is_ref(a)]
+    if ins.op == "reduce":
+        return 1
+    if ins.op == "slice":
+        return len(range(ins.start, ws[0] if ins.stop is None else ins.stop, ins.step))
+    if ins.op in ("cat", "interleave"):
+        return sum(ws)
+    return max(ws)
+
+
+def _wrt(wrt, n: int) -> tuple:
+    wrt = list(wrt)
+    if len(wrt) == n and all(isinstance(w, bool) for w in wrt):
+        return tuple(k for k, w in enumerate(wrt) if w)
+    if any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n for k in wrt):
+        raise ProgramError(f"wrt: give {n} bools or input numbers in 0..{n - 1}; got {wrt}")
+    return tuple(sorted(set(wrt)))
+
+
+def backward_program(program, wrt, outputs=None, split: bool = False) -> GradProgram:
+    """The backward of ``program`` for the inputs ``wrt`` (one bool per input, or input numbers) as a
+    :class:`GradProgram`; see the module docstring. ``outputs``: the forward outputs that receive a gradient
+    (default: every float output; an output nobody reads gets none, and costs the backward no load).
+    ``split``: an input read only through disjoint step-1 slices (SwiGLU's fused gate and up halves) gets the
+    gradient of each slice as an output of its own (:attr:`GradOutput.parts`) instead of their ``cat`` with
+    zeros, a column shuffle that needs whole rows in UB: the backward of rows too wide for UB can then be
+    walked in column chunks, and the caller concatenates the parts (a copy). Raises
+    :class:`NotDifferentiable` for an instruction whose gradient cannot be a Vector program,
+    :class:`ProgramError` for a requested input that is not a float."""
+    p = as_program(program)
+    wrt = _wrt(wrt, len(p.inputs))
+    outputs = range(len(p.outputs)) if outputs is None else set(outputs)
+    vals, nin = p.values, len(p.inputs)
+    for k in wrt:
+        if p.inputs[k].dtype not in FLOATS:
+            raise ProgramError(f"input {k} is {p.inputs[k].dtype}: only a float input has a gradient")
+    # values through which a requested input reaches an instruction by a differentiable path
+    reach = [k in wrt for k in range(nin)]
+    for ins in p.instrs:
+        carries = ins.op not in COMPARE + LOGIC and not (ins.op == "cast" and ins.dtype == "bool")
+        reach.append(carries and any(reach[a] for a in _diff_args(ins)))
+    grad_of = tuple(j for j, o in enumerate(p.outputs)
+                    if j in outputs and o.dtype in FLOATS and vals[o.value].dtype != "bool")
+    e = _Emit(p.lead, list(p.inputs) + [Input(p.outputs[j].dtype, tuple(p.lead) + (vals[p.outputs[j].value].width,))
+                                        for j in grad_of])
+    fwd = list(range(nin))
+    for ins in p.instrs:
+        args = [fwd[a] if _is_ref(a) else a for a in ins.args]
+        if ins.op == "pow" and _is_ref(args[0]) and not _is_ref(args[1]):
+            fwd.append(_power(e, args[0], args[1]))     # the same value to an ulp, without the composite
+            continue
+        fwd.append(e.op(ins.op, *args, dtype=ins.dtype, kind=ins.kind, start=ins.start, stop=ins.stop,
+                        step=ins.step))
+    adj: dict = {}
+
+    def acc(v, contrib):
+        """Add ``contrib`` to the adjoint of forward value ``v`` (a column sum when ``v`` is one column)."""
+        if contrib is None or not reach[v]:
+            return
+        if vals[v].width == 1 and e.width[contrib] > 1:
+            contrib = e.op("reduce", contrib, kind="sum")
+        adj[v] = e.add(contrib, adj.get(v))
+
+    for j, g_in in zip(grad_of, range(nin, nin + len(grad_of))):
+        acc(p.outputs[j].value, g_in)
+    softmaxes = _softmaxes(p)
+    parts = {k: [] for k in (_sliced_inputs(p, wrt) if split else ())}
+    for i in reversed(range(len(p.instrs))):
+        v = nin + i
+        ins = p.instrs[i]
+        if v in adj and ins.op == "slice" and ins.args[0] in parts:
+            parts[ins.args[0]].append((ins.start, vals[v].width, e.widen(adj[v], fwd[v])))
+        elif v in adj and v in softmaxes:
+            z, log = softmaxes[v]
+            acc(z, _softmax_grad(e, adj[v], fwd[v], log))
+        elif v in adj:
+            _rule(e, i, p.instrs[i], v, adj[v], fwd, vals, reach, acc)
+    outs, grads = [], []
+    for k in wrt:
+        inp = p.inputs[k]
+        shape = tuple(inp.shape) or (1,)
+        lead_part = (1,) * (len(p.lead) - len(shape) + 1) + shape[:-1]
+        sum_dims = tuple(d for d, (a, b) in enumerate(zip(lead_part, p.lead)) if a == 1 and b != 1)
+        if parts.get(k):
+            got = []
+            for start, width, g in sorted(parts[k]):
+                outs.append((g, inp.dtype))
+                got.append((len(outs) - 1, start, start + width))
+            grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype, tuple(got)))
+            continue
+        if k not in adj:
+            grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype))
+            continue
+        outs.append((e.widen(adj[k], k), inp.dtype))
+        grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))
+    return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads))
+
+
+def _sliced_inputs(p: Program, wrt) -> set:
+    """The inputs of ``wrt`` that ``p`` reads only through step-1 slices of disjoint columns."""
+    nin = len(p.inputs)
+    seen = {k: [] for k in wrt}
+    for ins in p.instrs:
+        for a in ins.args:
+            if _is_ref(a) and a in seen and seen[a] is not None:
+                ok = ins.op == "slice" and ins.step == 1
+                seen[a] = seen[a] + [(ins.start, p.values[a].width if ins.stop is None else ins.stop)] if ok else None
+    for o in p.outputs:
+        if o.value in seen:
+            seen[o.value] = None
+    disjoint = lambda r: all(a[1] <= b[0] for a, b in zip(sorted(r), sorted(r)[1:]))   # noqa: E731
+    return {k for k, r in seen.items() if r and k < nin and disjoint(r)}
+
+
+def _softmaxes(p: Program) -> dict:
+    """``{y: (z, log)}`` for each softmax ``y = exp(z − max z) / Σ exp(z − max z)`` (``log``: ``y = (z − max z) −
+    log Σ exp(z − max z)``) whose intermediates nothing else reads. Their gradient is the closed form (torch's
+    softmax backward): the chain rule through the max would add a term that is zero but for rounding (the
+    result does not depend on the shift), at two reductions and five passes more."""
+    nin = len(p.inputs)
+    users = {}
+    for j, ins in enumerate(p.instrs):
+        for a in dict.fromkeys(a for a in ins.args if _is_ref(a)):
+            users.setdefault(a, []).append(nin + j)
+    outs = {o.value for o in p.outputs}
+
+    def ins(v, op, kind=None):
+        i = p.instrs[v - nin] if _is_ref(v) and v >= nin else None
+        return i if i is not None and i.op == op and i.kind == kind else None
+
+    def only(v, *readers):
+        return v not in outs and sorted(users.get(v, ())) == sorted(readers)
+
+    found = {}
+    for j, y_ins in enumerate(p.instrs):
+        y = nin + j
+        if y_ins.op == "div":                              # exp(d) / sum(exp(d))
+            e, s = y_ins.args
+            log, ls = False, None
+        elif y_ins.op == "sub" and ins(y_ins.args[1], "log"):   # d - log(sum(exp(d)))
+            ls = y_ins.args[1]
+            s = ins(ls, "log").args[0]
+            log, e = True, None
+        else:
+            continue
+        s_ins = ins(s, "reduce", "sum")
+        if s_ins is None:
+            continue
+        e = s_ins.args[0] if log else e
+        if e != s_ins.args[0] or ins(e, "exp") is None:
+            continue
+        d = ins(e, "exp").args[0]
+        d_ins = ins(d, "sub")
+        if d_ins is None or (log and d != y_ins.args[0]):
+            continue
+        z, m = d_ins.args
+        m_ins = ins(m, "reduce", "max")
+        if not _is_ref(z) or m_ins is None or m_ins.args[0] != z:
+            continue
+        readers = (only(d, e, y) and only(e, s) and only(s, ls) and only(ls, y)) if log else \
+            (only(d, e) and only(e, s, y) and only(s, y))
+        # the max may be read by compares too (an empty row's test): they carry no gradient
+        if readers and m not in outs and all(u == d or p.instrs[u - nin].op in COMPARE for u in users[m]):
+            found[y] = (z, log)
+    return found
+
+
+def _softmax_grad(e: _Emit, g: int, y: int, log: bool) -> int:
+    """torch's softmax backward ``y (g − Σ g y)``; log-softmax's ``g − exp(y) Σ g``."""
+    if log:
+        return e.op("sub", g, e.op("mul", e.op("exp", y), e.op("reduce", g, kind="sum")))
+    return e.op("mul", y, e.op("sub", g, e.op("reduce", e.op("mul", g, y), kind="sum")))
+
+
+def reads_input(program: Program, k: int) -> bool:
+    """Whether ``program`` reads its input ``k`` (an instruction argument or an output)."""
+    return any(_is_ref(a) and a == k for ins in program.instrs for a in ins.args) or \
+        any(o.value == k for o in program.outputs)
+
+
+def _diff_args(ins: Instr) -> list:
+    """The value arguments a gradient can flow to (a where's condition cannot)."""
+    args = ins.args[1:] if ins.op == "where" else ins.args
+    return [a for a in args if _is_ref(a)]
+
+
+def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, acc) -> None:
+    """Send adjoint ``g`` of forward value ``v`` (instruction ``i``) to its operands through ``acc``."""
+    op, args = ins.op, ins.args
+    y = fwd[v]
+    X = [fwd[a] if _is_ref(a) else a for a in args]          # operands in the backward program
+    x = X[0]
+
+    def refuse(why):
+        raise NotDifferentiable(f"instruction {i} ({op}{' ' + ins.kind if ins.kind else ''}): {why}")
+
+    if op in COMPARE + LOGIC or (op == "cast" and ins.dtype == "bool"):
+        return
+    if op == "cast":
+        return acc(args[0], g) if vals[args[0]].dtype in FLOATS else None
+    if op == "neg":
+        return acc(args[0], e.op("neg", g))
+    if op in _UNARY_DERIV:
+        return acc(args[0], _UNARY_DERIV[op](e, g, x, y))
+    if op == "mul" and args[0] == args[1] and _is_ref(args[0]) and _is_ref(args[1]):   # a square: 2 a g once
+        return acc(args[0], _twice(e, g, x))
+    if op in ("add", "sub", "mul", "div", "maximum", "minimum", "pow"):
+        a, b = X
+        ga, gb = _binary(e, op, g, a, b, y, refuse)
+        if _is_ref(args[0]):
+            acc(args[0], ga)
+        if _is_ref(args[1]):
+            acc(args[1], gb)
+        return None
+    if op == "where":
+        c = X[0]
+        for arg, pick in ((args[1], (g, 0.0)), (args[2], (0.0, g))):
+            if _is_ref(arg):
+                acc(arg, e.op("where", c, *pick))
+        return None
+    if op == "reduce":
+        if ins.kind == "sum":
+            return acc(args[0], g)
+        if ins.kind == "mean":
+            return acc(args[0], e.mul(g, 1.0 / vals[args[0]].width))
+        # torch's amax/amin backward: g / count at every element equal to the result
+        m = e.op("eq", x, y)
+        count = e.op("reduce", e.op("cast", m, dtype=F32), kind="sum")
+        return acc(args[0], e.op("where", m, e.op("div", g, count), 0.0))
+    if op == "slice":
+        return acc(args[0], _unslice(e, ins, e.widen(g, y), x, refuse))
+    if op == "cat":
+        g = e.widen(g, y)
+        off = 0
+        for a in args:
+            w = vals[a].width
+            if reach[a]:
+                acc(a, g if w == e.width[g] else e.op("slice", g, start=off, stop=off + w))
+            off += w
+        return None
+    if op == "interleave":
+        g = e.widen(g, y)
+        w = e.width[g]
+        for a, start in zip(args, (0, 1)):
+            if reach[a]:
+                acc(a, e.op("slice", g, start=start, stop=w, step=2))
+        return None
+    refuse("no gradient rule for this op")
+
+
+def _unslice(e: _Emit, ins: Instr, g: int, x: int, refuse) -> int:
+    """The adjoint of ``x`` from that of its slice ``g``: ``g`` at the sliced columns, zeros elsewhere."""
+    w = e.width[x]
+    start, n = ins.start, e.width[g]
+    if ins.step == 1:
+        block = g
+    elif ins.step == 2:
+        block = e.op("interleave", g, e.zeros(n, x))          # columns start, start + 2, ... then their gaps
+        if start + 2 * n > w:
+            block = e.op("slice", block, start=0, stop=w - start)
+    else:
+        refuse(f"a slice with step {ins.step}: its gradient scatters every {ins.step}th column, which no "
+               f"shuffle of this IR expresses (step 2 is an interleave with zeros)")
+    parts = [e.zeros(start, x)] if start else []
+    parts.append(block)
+    rest = w - start - e.width[block]
+    if rest:
+        parts.append(e.zeros(rest, x))
+    return parts[0] if len(parts) == 1 else e.op("cat", *parts)
+
+
+def _binary(e: _Emit, op: str, g: int, a, b, y: int, refuse) -> tuple:
+    """The adjoints of a binary op's operands (either may be an immediate; its entry is then unused)."""
+    if op == "add":
+        return g, g
+    if op == "sub":
+        return g, e.op("neg", g)
+    if op == "mul":
+        return (e.mul(g, b) if _is_ref(b) or b != 0.0 else None), (e.mul(g, a) if _is_ref(a) or a != 0.0 else None)
+    if op == "div":
+        ga = e.op("div", g, b)
+        gb = e.op("neg", e.op("mul", g, e.op("div", y, b))) if _is_ref(b) else None   # torch: -g * (a / b) / b
+        return ga, gb
+    if op in ("maximum", "minimum"):
+        # torch: g to the winner, g / 2 to each on a tie
+        h = e.op("where", e.op("eq", a, b), e.mul(g, 0.5), g)
+        lose_a, lose_b = ("lt", "gt") if op == "maximum" else ("gt", "lt")
+        ga = e.op("where", e.op(lose_a, a, b), 0.0, h) if _is_ref(a) else None
+        gb = e.op("where", e.op(lose_b, a, b), 0.0, h) if _is_ref(b) else None
+        return ga, gb
+    # pow: torch's pow_backward_self / pow_backward_exponent
+    ga = gb = None
+    if _is_ref(a):
+        if not _is_ref(b):
+            ga = None if b == 0.0 else g if b == 1.0 else e.mul(g, e.mul(_power(e, a, b - 1.0), b))
+        else:
+            d = e.op("mul", b, e.op("pow", a, e.op("sub", b, 1.0)))
+            ga = e.op("where", e.op("eq", b, 0.0), 0.0, e.op("mul", g, d))
+    if _is_ref(b):
+        if not _is_ref(a):
+            if a <= 0.0:
+                refuse(f"pow of the immediate base {a:g}: torch's gradient for the exponent is 0, inf or NaN "
+                       f"by the exponent's sign; only a positive base is derived")
+            gb = e.mul(g, e.mul(y, math.log(a)))
+        else:
+            zero = e.op("logical_and", e.op("eq", a, 0.0), e.op("ge", b, 0.0))
+            gb = e.op("where", zero, 0.0, e.op("mul", g, e.op("mul", y, e.op("log", a))))
+    return ga, gb
+
+
+def _power(e: _Emit, a: int, k: float) -> int:
+    """``a ** k``, by a cheaper op where one computes it (pow is a composite exp(k log a) on the Vector unit)."""
+    if k == 1.0:
+        return a
+    if k == 0.0:
+        return e.op("where", e.op("lt", a, a), 1.0, 1.0)      # 1 everywhere, NaN and inf included (as torch)
+    if k in (2.0, 3.0):
+        sq = e.op("mul", a, a)
+        return sq if k == 2.0 else e.op("mul", sq, a)
+    if k in _POW_AS:
+        return e.op(_POW_AS[k], a)
+    return e.op("pow", a, k)
+
+
+_POW_AS = {0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal"}
+
+
+def _gelu_tanh(e: _Emit, x: int) -> int:
+    """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + c x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) u'."""
+    x2 = e.op("mul", x, x)
+    t = e.op("tanh", e.mul(e.op("mul", x, e.op("add", e.mul(x2, _GELU_C), 1.0)), _SQRT_2_PI))
+    du = e.mul(e.op("add", e.mul(x2, 3.0 * _GELU_C), 1.0), _SQRT_2_PI)
+    right = e.op("mul", e.op("mul", e.mul(x, 0.5), e.op("sub", 1.0, e.op("mul", t, t))), du)
+    return e.op("add", e.mul(e.op("add", t, 1.0), 0.5), right)
+
+
+def _gelu(e: _Emit, x: int, y: int) -> int:
+    """d/dx of x Phi(x): Phi(x) + x phi(x); Phi(x) = gelu(x) / x (erf is no op; 1/2 at x = 0)."""
+    cdf = e.op("where", e.op("eq", x, 0.0), 0.5, e.op("div", y, x))
+    pdf = e.mul(e.op("exp", e.mul(e.op("mul", x, x), -0.5)), _INV_SQRT_2PI)
+    return e.op("add", cdf, e.op("mul", x, pdf))
+
+
+def _twice(e: _Emit, g: int, x: int) -> int:
+    """``2 x g``, the 2 applied to the narrower of the two (a per-row adjoint: one op per row, not per element)."""
+    if e.width[g] < e.width[x]:
+        return e.op("mul", e.mul(g, 2.0), x)
+    return e.op("mul", g, e.mul(x, 2.0))
+
+
+def _abs(e, g, x, y):
+    return e.op("where", e.op("gt", x, 0.0), g, e.op("where", e.op("lt", x, 0.0), e.op("neg", g), 0.0))
+
+
+def _silu(e, g, x, y):
+    s = e.op("sigmoid", x)                                  # torch: g s (1 + x (1 - s))
+    return e.op("mul", g, e.op("mul", s, e.op("add", e.op("mul", x, e.op("sub", 1.0, s)), 1.0)))
+
+
+# unary op -> (emit, g, x, y) -> the adjoint of x (torch's formulas)
+_UNARY_DERIV = {
+    "abs": _abs,
+    "relu": lambda e, g, x, y: e.op("where", e.op("gt", x, 0.0), g, 0.0),
+    "square": lambda e, g, x, y: _twice(e, g, x),
+    "exp": lambda e, g, x, y: e.op("mul", g, y),
+    "log": lambda e, g, x, y: e.op("div", g, x),
+    "sqrt": lambda e, g, x, y: e.op("div", g, e.mul(y, 2.0)),
+    "rsqrt": lambda e, g, x, y: e.op("mul", g, e.mul(e.op("mul", e.op("mul", y, y), y), -0.5)),
+    "reciprocal": lambda e, g, x, y: e.op("neg", e.op("mul", g, e.op("mul", y, y))),
+    "sigmoid": lambda e, g, x, y: e.op("mul", g, e.op("mul", y, e.op("sub", 1.0, y))),
+    "tanh": lambda e, g, x, y: e.op("mul", g, e.op("sub", 1.0, e.op("mul", y, y))),
+    "silu": _silu,
+    "gelu": lambda e, g, x, y: e.op("mul", g, _gelu(e, x, y)),
+    "gelu_tanh": lambda e, g, x, y: e.op("mul", g, _gelu_tanh(e, x)),
+    "sin": lambda e, g, x, y: e.op("mul", g, e.op("cos", x)),
+    "cos": lambda e, g, x, y: e.op("neg", e.op("mul", g, e.op("sin", x))),
+}
+
+
+__all__ = ["GradOutput", "GradProgram", "NotDifferentiable", "backward_program", "reads_input"]
