@@ -111,6 +111,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                 fn = _capture_export if r == "export" else _capture_symbolic_trace
                 gm, in_spec, out_spec = fn(model, example_args, example_kwargs)
             _cleanup(gm)
+            gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             return Captured(gm, r, in_spec, out_spec, training=model.training)
         except CaptureError:
             raise

@@ -107,4 +107,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     g = fx.Graph()
     out = g.graph_copy(gm.graph, {})
     g.output(out)
-    return fx.GraphModule(gm, g)
+    new = fx.GraphModule(gm, g)
+    new.meta.update(gm.meta)
+    return new
