@@ -111,8 +111,12 @@ def training_graph(graph: fx.Graph) -> bool:
 def with_product(prog):
     """``prog`` (an epilogue's program) that also outputs its input 0, the product, when its backward reads
     the product and no output is it already; None otherwise (the backward needs no product: a residual add,
-    a bias; or it is no Vector program)."""
+    a bias; or it is no Vector program). An epilogue whose outputs are narrower than the product (SwiGLU on
+    a fused gate_up projection: the kernel walks the output's columns, each tile reading both halves) stores
+    no product: its backward recomputes it with a matmul."""
     if any(o.value == 0 for o in prog.outputs):
+        return None
+    if any(prog.values[o.value].width != prog.values[0].width for o in prog.outputs):
         return None
     try:
         gp = backward_program(prog, [0])

@@ -163,6 +163,9 @@ def test_with_product_only_when_the_backward_reads_it():
     p, r = b.input("float32", (8, 16)), b.input("float16", (8, 16))
     b.output(b.add(p, r), "float16")
     assert with_product(b.build()) is None
+    # SwiGLU on a fused gate_up: outputs half the product's width; the kernel walks the output's columns, so
+    # it stores no product and the backward recomputes it
+    assert with_product(swiglu_epilogue(8, 16)) is None
 
 
 @pytest.mark.parametrize("trans_b, bias, batched", [(False, False, False), (True, True, False), (True, False, True)])
@@ -202,7 +205,7 @@ def test_epilogue_backward_traced(save):
     without the saved product a third matmul recomputes it."""
     from autofuse.fused_vector import with_product
     M, K, N = 16, 32, 24
-    prog = swiglu_epilogue(M, N // 2)
+    prog = gelu_bias_epilogue(M, N, product="float16")
     prog = with_product(prog) if save else prog
     a = torch.randn(M, K).half().requires_grad_()
     w = torch.randn(K, N).half().requires_grad_()
