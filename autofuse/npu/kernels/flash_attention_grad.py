@@ -4,30 +4,34 @@ Inputs as the forward (:mod:`autofuse.npu.kernels.flash_attention`), BNSD with G
 ``[B, Nkv, Skv, D]``, v ``[B, Nkv, Skv, Dv]``, the forward's ``out`` ``[B, N, Sq, Dv]``, its gradient ``dout``,
 an optional ``mask`` (bool: True = attend, a False takes ``fill``; or additive float; broadcast to
 ``[B, N, Sq, Skv]``), an optional ``drop_mask`` (the forward's packed keep bits, with ``keep_prob``) and
-optional saved statistics ``lse`` ``[B, N, Sq]`` fp32, the log-sum-exp of each row's scaled, masked scores.
+optional saved statistics ``softmax_max`` and ``softmax_sum`` ``[B, N, Sq]`` fp32 (each row's max of its scaled,
+masked scores and its sum of ``exp(score - max)``, CANN's names; the forward kernel stores exactly these).
 Outputs: dq in q's dtype, dk and dv in k's (for GQA summed over the query heads sharing a kv head).
 
 The algorithm (FlashAttention-2's backward; every quantity fp32 except the Cube operands):
 
     phase 0 (Vector)  Dr = rowsum(dO ∘ O) per query row -> GM;  the fp32 dq workspace := 0
-    phase 1 (only without ``lse``): the forward's first sweep again, per (b, h, query block) over its KV
-        tiles: Cube S = Q·K_jᵀ, Vector online max m and sum l;  lse = m + log l -> GM
+    phase 1 (only without saved statistics): the forward's first sweep again, per (b, h, query block)
+        over its KV tiles: Cube S = Q·K_jᵀ, Vector online max m and sum l -> GM
         (the forward op does not output its statistics today; a forward that saves them skips this)
     phase 2, one work unit = (b, kv head, KV block j): K_j, V_j loaded once; for every query head h of the
         kv head and every query block i that sees block j (causal: i at or below the diagonal):
         Cube    S = Q_i·K_jᵀ, dP = dO_i·V_jᵀ                          fp32 in L0C
-        Vector  P = exp(scale·S (+mask) - lse_i)                      causal / padding: -inf first
+        Vector  P = exp(scale·S (+mask) - m_i) / l_i                  causal / padding: -inf first
                 Pd = P ∘ keep / keep_prob  (dropout)                   -> operand dtype
                 dS = scale · P ∘ (dP ∘ keep / keep_prob - Dr_i)        -> operand dtype
+                     (0 where a bool mask holds a finite fill: that score does not depend on q, k)
         Cube    dV_j += Pdᵀ·dO_i,  dK_j += dSᵀ·Q_i                     accumulated in L0C over the unit
                 dQ_i  = dS·K_j  -> atomic add into the fp32 dq workspace in GM (as CANN accumulates dq)
         last step of a unit: dK_j, dV_j cast and stored
     phase 3 (Vector, fp16/bf16 q): dq = cast(workspace) (fp32 q: the workspace is dq)
 
 Phases are separated by a core-wide synchronisation (each waits for every core's end of the previous
-one, as CANN's SyncAll). A row with no key to attend (every key masked with ``fill=-inf``) has ``lse =
-+inf``, hence ``P = 0`` and zero gradients, as the reference's ``_safe_softmax`` (``empty_rows="nan"``:
-``lse = NaN``, NaN gradients, as differentiating plain ``softmax``). ``mask_keeps_nan`` is not taken.
+one, as CANN's SyncAll). A row with no key to attend (every key masked with ``fill=-inf``) has ``l = 0``:
+``P = 0`` and zero gradients, as the reference's ``_safe_softmax`` (``empty_rows="nan"``: NaN gradients, as
+differentiating plain ``softmax``). The statistics are kept as max and sum, not as one log-sum-exp:
+``exp(x - lse)`` would carry lse's fp32 rounding (``u·|lse|`` in the exponent, 0.4 % for a row whose
+finite fill is -65504), ``exp(x - m) / l`` only one rounding per operation. ``mask_keeps_nan`` is not taken.
 
 Data paths. *Coupled* cores (910, 310P): S and dP leave L0C by FixPipe to UB; Pd and dS (operand dtype)
 go UB -> GM workspace (MTE3, per core, double-buffered by step parity, stays in L2) -> L1 (MTE2) and from
@@ -47,8 +51,9 @@ nkv-1-j are paired in one unit (the forward's dealing, :func:`flash_attention._s
 out the triangle. Phases 0 and 3 deal row blocks round-robin over the vector cores; phase 1 deals query
 blocks as the forward does.
 
-Vector passes per score (fp32, 64 lanes a repeat, per-row repeats): scale, sub lse, exp, sub Dr, mul P,
-mul scale (6), + mask (bool select, fp32 add: 1; fp16/bf16 additive: cast and add, 2), + causal diagonal
+Vector passes per score (fp32, 64 lanes a repeat, per-row repeats): scale, sub m, exp, mul 1/l, sub Dr,
+mul P, mul scale (7), + mask (bool select, fp32 add: 1; fp16/bf16 additive: cast and add, 2; a bool mask
+with a finite fill: 1 more, the select that zeroes dS), + causal diagonal
 tiles (compare, select: 2), + dropout (select and scale on P and on dP: 4), + casts of Pd and dS (2,
 fp16/bf16). Phase 1 as the forward's first sweep: scale, [mask], [causal], max, sub, exp, sum.
 
@@ -105,9 +110,10 @@ def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
         req.append(("vec", "UB", "mask", (rows if mr else 1, kv if mc else 1), mdt, 1, 2))
     if drop:
         req.append(("vec", "UB", "drop", (rows, kv // 8), "uint8", 1, 2))
-    req += [("vec", "UB", "lse", (rows,), F32, 1, 2), ("vec", "UB", "dr", (rows,), F32, 1, 2)]
+    req += [("vec", "UB", "m", (rows,), F32, 1, 2), ("vec", "UB", "l", (rows,), F32, 1, 2),
+            ("vec", "UB", "dr", (rows,), F32, 1, 2)]
     if stats:
-        req += [("vec", "UB", "m", (rows,), F32, 1, 1), ("vec", "UB", "l", (rows,), F32, 1, 1)]
+        req += [("vec", "UB", "rm", (rows,), F32, 1, 1), ("vec", "UB", "rl", (rows,), F32, 1, 1)]
     # phases 0 and 3: dO and O rows, their Dr, the zero / dq rows (fp32) and the cast dq rows
     req += [("vec", "UB", "pre_do", (vr, Dv), dtype, 1, 2), ("vec", "UB", "pre_o", (vr, Dv), dtype, 1, 2),
             ("vec", "UB", "pre_d", (vr,), F32, 1, 2), ("vec", "UB", "dq32", (vr, D), F32, 1, 2)]
@@ -220,10 +226,10 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores):
 
 # ------------------------------------------------------------------------------------------ kernel
 @kernel("flash_attention_grad")
-def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, lse=None, scale=None,
-                         causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None):
-    """dq, dk, dv of fused attention (module docstring). ``lse``: saved row log-sum-exp ``[B, N, Sq]`` fp32
-    (None: recomputed in phase 1). ``tiling``: ``{"q", "kv", "vr"}`` (None: :func:`default_tiling`)."""
+def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
+                         scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None):
+    """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
+    ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv", "vr"}`` (None: :func:`default_tiling`)."""
     dev = launch.device
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         if t.data.ndim != 4:
@@ -242,9 +248,13 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     for name, t in (("out", out), ("dout", dout)):
         if tuple(t.shape) != (B, N, Sq, Dv):
             raise ValueError(f"flash_attention_grad: {name} is {list(t.shape)}, expected {[B, N, Sq, Dv]}")
-    if lse is not None and (tuple(lse.shape) != (B, N, Sq) or lse.dtype != F32):
-        raise ValueError(f"flash_attention_grad: lse is {lse.dtype} {list(lse.shape)}; it must be float32 "
-                         f"{[B, N, Sq]} (each row's log-sum-exp of its scaled, masked scores)")
+    if (softmax_max is None) != (softmax_sum is None):
+        raise ValueError("flash_attention_grad: give softmax_max and softmax_sum together (or neither: the "
+                         "kernel recomputes them)")
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if t is not None and (tuple(t.shape) != (B, N, Sq) or t.dtype != F32):
+            raise ValueError(f"flash_attention_grad: {name} is {t.dtype} {list(t.shape)}; it must be float32 "
+                             f"{[B, N, Sq]} (each row's statistic of its scaled, masked scores)")
     if empty_rows not in ("zero", "nan"):
         raise ValueError(f"flash_attention_grad: empty_rows={empty_rows!r}; use 'zero' (SDPA) or 'nan' (softmax)")
     fill = float(fill)
@@ -257,7 +267,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     drop = drop_mask is not None
     if drop:
         _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), False)
-    stats = lse is None
+    stats = softmax_max is None
     if tiling is None:
         t = default_tiling(dev, Sq, Skv, D, Dv, q.dtype, mask_spec, drop, stats)
     else:
@@ -272,10 +282,10 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
         over = ", ".join(f"{buf} needs {u:,} B of {dev.buffers[buf]:,} B" for (_, buf), u in use.items()
                          if u > dev.buffers[buf])
         raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}: {over}")
-    prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, lse, t, req, counts)
+    prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, (softmax_max, softmax_sum), t, req, counts)
     prog.scale = np.float32(D ** -0.5 if scale is None else scale)
     prog.causal, prog.fill = bool(causal), np.float32(fill)
-    prog.empty_lse = np.float32(np.inf if empty_rows == "zero" else np.nan)
+    prog.empty = np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.inv_keep = np.float32(1.0 / keep_prob)
     return prog.run()
 
@@ -283,7 +293,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
 class _Program:
     """One launch: allocations, the schedules and the four phases."""
 
-    def __init__(self, launch, q, k, v, out, dout, mask, drop_mask, lse, t, req, counts):
+    def __init__(self, launch, q, k, v, out, dout, mask, drop_mask, saved, t, req, counts):
         dev = launch.device
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
@@ -315,9 +325,11 @@ class _Program:
             g = self.cg if side == "cube" else self.vg
             self.tl[name] = [g.alloc(buf, shape, dt, f"{name}#{i}") for i in range(counts[name])]
         self.ring = {}
-        self.lse_in = lse
         f32 = F32
-        self.lse = lse if lse is not None else launch.empty((B, N, Sq), f32, "lse", scratch=True)
+        self.recompute = saved[0] is None
+        self.m_gm, self.l_gm = saved if not self.recompute else \
+            (launch.empty((B, N, Sq), f32, "softmax_max", scratch=True),
+             launch.empty((B, N, Sq), f32, "softmax_sum", scratch=True))
         self.dr = launch.empty((B, N, Sq), f32, "rowsum_dO_O", scratch=True)
         self.dq_ws = launch.empty((B, N, Sq, D), f32, "dq_workspace", scratch=True)
         self.dk = launch.empty((B, Nkv, Skv, D), k.dtype, "dk")
@@ -504,7 +516,7 @@ class _Program:
         first, last = self._vec(st.first[s]) & ract, self._vec(st.last[s]) & ract
         partial = self.causal & ract & (vk0 + vke - 1 > vq0)
         mt = self._load_mask(b, h, vq0, rows, vk0, vke, ract) if self.mask is not None else None
-        M, L = self.tl["m"][0], self.tl["l"][0]
+        M, L = self.tl["rm"][0], self.tl["rl"][0]
         causal_any = bool(partial.any())
 
         def stats(cs):
@@ -523,18 +535,10 @@ class _Program:
         vg.vector("stats: scale mask max sub exp sum", [M, L], [S] + ([mt] if mt is not None else []), reps,
                   compute=stats, per_core=True, active=self._act(ract))
         if last.any():
-            lt = self._next("lse")
-
-            def finish(cs):
-                m, l_ = M.data[cs], L.data[cs]
-                with np.errstate(divide="ignore"):
-                    v = m + np.log(l_)
-                lt.data[cs] = np.where(l_ == 0, self.empty_lse, v)
-
-            vg.vector("lse=m+log l", [lt], [M, L], vg.repeats(rows, F32) * last * 2, compute=finish,
-                      per_core=True, active=self._act(last))
-            vg.store(lt, self.lse, [(b[c], h[c], slice(vq0[c], vq0[c] + rows[c])) if last[c] else None
-                                    for c in range(self.nv)], active=self._act(last), name="store lse")
+            la = self._act(last)
+            regs = [(b[c], h[c], slice(vq0[c], vq0[c] + rows[c])) if last[c] else None for c in range(self.nv)]
+            vg.store(M, self.m_gm, regs, active=la, name="store max")
+            vg.store(L, self.l_gm, regs, active=la, name="store sum")
 
     # ---------------------------------------------------------------- phase 2: the gradients
     def stage_a(self, st, s, deps):
@@ -598,8 +602,9 @@ class _Program:
         vq0, vk0, vke = self._vec(q0) + ro, self._vec(k0), self._vec(kext)
         partial = self.causal & ract & (vk0 + vke - 1 > vq0)
         lregs = [(b[c], h[c], slice(vq0[c], vq0[c] + rows[c])) if ract[c] else None for c in range(nv)]
-        lt, dt = self._next("lse"), self._next("dr")
-        vg.load(lt, self.lse, lregs, active=a_, deps=(vdeps,), name="load lse")
+        mt_, lt, dt = self._next("m"), self._next("l"), self._next("dr")
+        vg.load(mt_, self.m_gm, lregs, active=a_, deps=(vdeps,), name="load max")
+        vg.load(lt, self.l_gm, lregs, active=a_, deps=(vdeps,), name="load sum")
         vg.load(dt, self.dr, lregs, active=a_, deps=(vdeps,), name="load Dr")
         mt = self._load_mask(b, h, vq0, rows, vk0, vke, ract) if self.mask is not None else None
         kt = None
@@ -611,12 +616,18 @@ class _Program:
         P, DS = self._next("p"), self._next("ds")
         causal_any = bool(partial.any())
         f32 = self.dtype == F32
+        zero_fill = int(mt is not None and self.mask.dtype == "bool" and np.isfinite(self.fill))
 
         def grads(cs):
             x = S.data[cs]
             self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any)
-            np.subtract(x, lt.data[cs][:, :, None], out=x)
+            m = mt_.data[cs]
+            np.subtract(x, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=x)
             np.exp(x, out=x)
+            lv = lt.data[cs]
+            zero = lv == 0                       # a row with no key to attend: 0 (or NaN, empty_rows="nan")
+            np.multiply(x, np.where(zero, self.empty, np.float32(1) / np.where(zero, np.float32(1), lv))[:, :, None],
+                        out=x)
             np.copyto(x, np.float32(0), where=self.rowi[None, :, None] >= rows[cs, None, None])   # padding rows
             dp = dP.data[cs]
             if kt is not None:
@@ -625,6 +636,8 @@ class _Program:
             np.subtract(dp, dt.data[cs][:, :, None], out=dp)
             np.multiply(dp, x, out=dp)
             np.multiply(dp, self.scale, out=dp)
+            if zero_fill:                        # a filled score is a constant: no gradient flows through it
+                np.copyto(dp, np.float32(0), where=~mt.data[cs])
             if kt is not None:
                 np.multiply(x, keep, out=x)
             if f32:
@@ -634,9 +647,9 @@ class _Program:
                 round_to(x, self.dtype, P.data[cs], np.empty_like(x))
                 round_to(dp, self.dtype, DS.data[cs], np.empty_like(dp))
 
-        base = 6 + (0 if f32 else 2) + (4 if kt is not None else 0)
-        reads = [S, dP, lt, dt] + ([mt] if mt is not None else []) + ([kt] if kt is not None else [])
-        vg.vector("P=exp(scale S-lse), dS=P(dP-Dr)scale, cast", [P, DS, S, dP], reads,
+        base = 7 + (0 if f32 else 2) + (4 if kt is not None else 0) + zero_fill
+        reads = [S, dP, mt_, lt, dt] + ([mt] if mt is not None else []) + ([kt] if kt is not None else [])
+        vg.vector("P=exp(scale S-m)/l, dS=P(dP-Dr)scale, cast", [P, DS, S, dP], reads,
                   self._vector_passes(rows, vke, partial, ract, base), compute=grads, per_core=True, active=a_)
         slot = s % 2
         cube_of = self.cube_of
@@ -742,7 +755,7 @@ class _Program:
     def run(self):
         self.phase_pre()
         deps = self._sync()
-        if self.lse_in is None:
+        if self.recompute:
             self.phase_stats(deps)
             deps = self._sync()
         st = _main_steps(self.B, self.Nkv, self.N // self.Nkv, self.nq, self.nkv, self.qb, self.kvb, self.Sq,
