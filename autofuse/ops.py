@@ -224,8 +224,8 @@ def _backward(ctx, grad_out, grad_probs):
     if not host:
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
         dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
-            q, k, v, out.contiguous(), go, mask, drop, None, ctx.scale, ctx.causal, float(ctx.dropout_p), ctx.fill,
-            ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
+            q, k, v, out.contiguous(), go, mask, drop, None, None, ctx.scale, ctx.causal, float(ctx.dropout_p),
+            ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         return tuple(res) + (None,) * 14
     with torch.enable_grad():
