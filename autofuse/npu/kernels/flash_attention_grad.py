@@ -124,13 +124,13 @@ def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
                 ("vec", "UB", "dvs", (kv, Dv), dtype, 1, 1)]
     req += [("cube", "L1", "k1", (kv, D), dtype, 1, 2), ("cube", "L1", "v1", (kv, Dv), dtype, 1, 1),
             ("cube", "L1", "q1", (q, D), dtype, 2, 2), ("cube", "L1", "do1", (q, Dv), dtype, 2, 2),
-            ("cube", "L1", "p1", (q, kv), dtype, 1, 2), ("cube", "L1", "ds1", (q, kv), dtype, 1, 2)]
+            ("cube", "L1", "p1", (rows, kv), dtype, 1, 2), ("cube", "L1", "ds1", (rows, kv), dtype, 1, 2)]
     req += [("cube", "L0C", "dk0", (kv, D), F32, 1, 1), ("cube", "L0C", "dv0", (kv, Dv), F32, 1, 1),
-            ("cube", "L0C", "sdp0", (q, kv), F32, 2, 4), ("cube", "L0C", "dq0", (q, D), F32, 1, 2)]
+            ("cube", "L0C", "sdp0", (q, kv), F32, 2, 4), ("cube", "L0C", "dq0", (rows, D), F32, 1, 2)]
     # K for dQ = dS·K_j, moved to L0B before the next step's loads may replace K_j in L1
     req.append(("cube", "L0B", "kb0", (kv, D), dtype, 1, 1))
-    req += _rings("cube", "L0A", [(q, D), (q, Dv), (kv, q), (q, kv)], dtype)
-    req += _rings("cube", "L0B", [(D, kv), (Dv, kv), (q, Dv), (q, D), (kv, D)], dtype)
+    req += _rings("cube", "L0A", [(q, D), (q, Dv), (kv, rows), (rows, kv)], dtype)
+    req += _rings("cube", "L0B", [(D, kv), (Dv, kv), (rows, Dv), (rows, D), (kv, D)], dtype)
     return req
 
 
@@ -187,8 +187,8 @@ def flops(B, N, Sq, Skv, D, Dv, causal=False) -> int:
 class _Steps:
     """Per-core step lists as ``[T, n]`` arrays (``valid``, ``first``/``last`` of a unit and the indices)."""
 
-    def __init__(self, per_core, names):
-        n, T = len(per_core), max(len(p) for p in per_core)
+    def __init__(self, per_core, names, n=None):
+        n, T = n or len(per_core), max(len(p) for p in per_core)
         arr = np.zeros((len(names) + 1, T, n), dtype=np.int64)
         for c, steps in enumerate(per_core):
             if steps:
@@ -200,20 +200,20 @@ class _Steps:
         self.T, self.n = T, n
 
 
-def _main_steps(B, Nkv, group, nq, nkv, qb, kvb, Sq, causal, ncores):
+def _main_steps(B, Nkv, group, nq, nkv, qb, kvb, Sq, causal, ncores, n=None):
     """Phase 2: units (b, kv head, KV block j), each a list of (query head in group, query block) steps."""
     def inner(j):
         i0 = min(j * kvb, Sq) // qb if causal else 0   # the first query block with a row that sees block j
         return [(hh * nq + i, False) for hh in range(group) for i in range(i0, nq)]
 
     per_core = _schedule(B, Nkv, nkv, causal, ncores, inner)
-    st = _Steps(per_core, ("b", "hk", "j", "x", "first", "last", "skip"))
+    st = _Steps(per_core, ("b", "hk", "j", "x", "first", "last", "skip"), n)
     st.h = st.hk * group + st.x // nq
     st.i = st.x % nq
     return st
 
 
-def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores):
+def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None):
     """Phase 1: items (b, h, query block i), each over its KV tiles (causal: up to the diagonal)."""
     def tiles(i):
         if not causal:
@@ -221,7 +221,7 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores):
         last_row = min((i + 1) * qb, Sq) - 1
         return [(j, False) for j in range(_ceil(min(last_row + 1, Skv), kvb))]
 
-    return _Steps(_schedule(B, N, nq, causal, ncores, tiles), ("b", "h", "i", "j", "first", "last", "skip"))
+    return _Steps(_schedule(B, N, nq, causal, ncores, tiles), ("b", "h", "i", "j", "first", "last", "skip"), n)
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -282,9 +282,10 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
         over = ", ".join(f"{buf} needs {u:,} B of {dev.buffers[buf]:,} B" for (_, buf), u in use.items()
                          if u > dev.buffers[buf])
         raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}: {over}")
-    prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, (softmax_max, softmax_sum), t, req, counts)
+    prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, (softmax_max, softmax_sum), t, req, counts,
+                    bool(causal))
     prog.scale = np.float32(D ** -0.5 if scale is None else scale)
-    prog.causal, prog.fill = bool(causal), np.float32(fill)
+    prog.fill = np.float32(fill)
     prog.empty = np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.inv_keep = np.float32(1.0 / keep_prob)
     return prog.run()
@@ -293,7 +294,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
 class _Program:
     """One launch: allocations, the schedules and the four phases."""
 
-    def __init__(self, launch, q, k, v, out, dout, mask, drop_mask, saved, t, req, counts):
+    def __init__(self, launch, q, k, v, out, dout, mask, drop_mask, saved, t, req, counts, causal):
         dev = launch.device
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
@@ -310,9 +311,17 @@ class _Program:
         self.R = self.qb // self.nh                 # query rows one vector core owns
         nq, nkv = _ceil(Sq, self.qb), _ceil(Skv, self.kvb)
         self.nq, self.nkv = nq, nkv
-        self.causal = False                          # set by the caller before run()
-        cores = dev.cube_cores
-        n = min(cores, B * Nkv * nkv)
+        self.causal = causal
+        # the schedules (the cores a phase uses: its units, dealt; the groups have the larger count)
+        self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, causal, dev.cube_cores)
+        self.recompute = saved[0] is None
+        self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores) \
+            if self.recompute else None
+        n = max(self.st_main.n, self.st_stats.n if self.recompute else 0)
+        if self.st_main.n < n:
+            self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, causal, dev.cube_cores, n)
+        if self.recompute and self.st_stats.n < n:
+            self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores, n)
         self.n = n
         if self.split:
             self.cg = launch.group("aic", n)
@@ -326,7 +335,6 @@ class _Program:
             self.tl[name] = [g.alloc(buf, shape, dt, f"{name}#{i}") for i in range(counts[name])]
         self.ring = {}
         f32 = F32
-        self.recompute = saved[0] is None
         self.m_gm, self.l_gm = saved if not self.recompute else \
             (launch.empty((B, N, Sq), f32, "softmax_max", scratch=True),
              launch.empty((B, N, Sq), f32, "softmax_sum", scratch=True))
@@ -412,8 +420,7 @@ class _Program:
 
     # ---------------------------------------------------------------- phase 1: the row statistics
     def phase_stats(self, deps):
-        st = _stats_steps(self.B, self.N, self.nq, self.nkv, self.qb, self.kvb, self.Sq, self.Skv, self.causal,
-                          self.n)
+        st = self.st_stats
         cg, vg, D = self.cg, self.vg, self.D
         group = self.N // self.Nkv
         cdeps, vdeps = deps
@@ -463,11 +470,20 @@ class _Program:
         n = self.n
         wact = self._act(work)
         rd = self.ends.get((ub + "_read", s - 2))
-        e = self.cg.store(c0, ws, [(c, slot, slice(0, qext[c]), slice(0, kext[c])) if work[c] else None
-                                   for c in range(n)], active=wact, deps=() if rd is None else (rd,),
-                          name=f"FixPipe {ub}->GM")
+        ends = np.zeros(n)
+        for hh in range(self.nh):               # per AIV's half: the region it loads (an L2 hit)
+            rh = np.clip(qext - hh * self.R, 0, self.R)
+            hw = work & (rh > 0)
+            if not hw.any():
+                continue
+            e = self.cg.store(c0, ws, [(c, slot, slice(hh * self.R, hh * self.R + rh[c]), slice(0, kext[c]))
+                                       if hw[c] else None for c in range(n)], active=self._act(hw),
+                              deps=() if rd is None else (rd,), fn=lambda x, hh=hh: x[hh * self.R:(hh + 1) * self.R],
+                              name=f"FixPipe {ub}->GM")
+            ends = np.maximum(ends, np.where(hw, e, 0.0))
+        e = ends
         kv_v = self._vec(kext)
-        deps = (np.repeat(np.where(work, e, 0.0), 2),) + ((vdeps,) if vdeps is not None else ())
+        deps = (np.repeat(e, 2),) + ((vdeps,) if vdeps is not None else ())
         e2 = self.vg.load(X, ws, [(int(self.cube_of[c]), slot, slice(ro[c], ro[c] + rows[c]), slice(0, kv_v[c]))
                                   if ract[c] else None for c in range(self.nv)], active=self._act(ract), deps=deps,
                           name=f"load {ub}")
@@ -654,7 +670,8 @@ class _Program:
         slot = s % 2
         cube_of = self.cube_of
         for tile, ws, key in ((P, self.ws_p, "p"), (DS, self.ws_ds, "ds")):
-            rd = self.ends.get((key + "_read", s - 2))
+            rd = [self.ends[k_] for k_ in ((key + "_read", s - 2, hh) for hh in range(self.nh)) if k_ in self.ends]
+            rd = np.max(rd, axis=0) if rd else None
             e = vg.store(tile, ws, [(int(cube_of[c]), slot, slice(ro[c], ro[c] + rows[c]), slice(0, vke[c]))
                                     if ract[c] else None for c in range(nv)], active=a_,
                          deps=() if rd is None else (self._vec(rd),), name=f"store {key}")
@@ -677,40 +694,51 @@ class _Program:
         b, hk, h, j = st.b[s], st.hk[s], st.h[s], st.j[s]
         k0 = j * self.kvb
         first, last = st.first[s] & work, st.last[s] & work
-        p1, ds1 = self._next("p1"), self._next("ds1")
-        for tile, ws, key in ((p1, self.ws_p, "p"), (ds1, self.ws_ds, "ds")):
-            e = cg.load(tile, ws, [(c, slot, slice(0, qext[c]), slice(0, kext[c])) if work[c] else None
-                                   for c in range(n)], active=wact, deps=(self.ends[(key + "_written", s)],),
-                        name=f"load {key}")
-            self.ends[(key + "_read", s)] = np.where(work, e, 0.0)
-        mk, mq = _r16(kext), _r16(qext)
+        mk = _r16(kext)
         tr = (lambda x: x.transpose(0, 2, 1))
         dk0, dv0 = self.tl["dk0"][0], self.tl["dv0"][0]
-        # dV_j += Pdᵀ·dO_i
-        a_pt = self._ring("L0A", (self.kvb, self.qb))
-        cg.move(a_pt, p1, fn=tr, nbytes=mk * mq * isz, active=wact, name="Pd^T->L0A")
-        b_do = self._ring("L0B", (self.qb, Dv))
-        cg.move(b_do, do1, nbytes=mq * Dv * isz, active=wact, name="dO->L0B")
-        self._acc(dv0, a_pt, b_do, kext, qext, Dv, first, work, "dV+=Pd^T dO")
-        # dK_j += dSᵀ·Q_i
-        a_dst = self._ring("L0A", (self.kvb, self.qb))
-        cg.move(a_dst, ds1, fn=tr, nbytes=mk * mq * isz, active=wact, name="dS^T->L0A")
-        b_q = self._ring("L0B", (self.qb, D))
-        cg.move(b_q, q1, nbytes=mq * D * isz, active=wact, name="Q->L0B")
-        self._acc(dk0, a_dst, b_q, kext, qext, D, first, work, "dK+=dS^T Q")
-        # dQ_i = dS·K_j, added into the fp32 workspace
-        a_ds = self._ring("L0A", (self.qb, self.kvb))
-        cg.move(a_ds, ds1, nbytes=mq * mk * isz, active=wact, name="dS->L0A")
-        b_k = self.tl["kb0"][0]
-        dq0 = self._next("dq0")
-        cg.mmad(dq0, a_ds, b_k, qext, kext, D, accumulate=False, active=wact, name="dQ=dS K")
-        regs = [(b[c], h[c], slice(q0[c], q0[c] + qext[c]), slice(0, D)) if work[c] else None for c in range(n)]
-        src = dq0
-        if not self.split:
-            src = self._next("dqs")
-            cg.move(src, dq0, nbytes=qext * D * 4, active=wact, name="FixPipe dQ->UB")
-        cg.store(src, self.dq_ws, regs, active=wact, fn=_AtomicAdd(self.dq_ws, regs) if self.launch.values else None,
-                 name="atomic add dQ")
+        R = self.R
+        for hh in range(self.nh):
+            # per half of the block on split cores (each AIV's rows: the region it stored, so the load hits L2)
+            rh = np.clip(qext - hh * R, 0, R)
+            hw = work & (rh > 0)
+            if not hw.any():
+                continue
+            ha = self._act(hw)
+            mr = _r16(rh)
+            rows_of = (lambda x, hh=hh: x[:, hh * R:(hh + 1) * R]) if self.split else None
+            p1, ds1 = self._next("p1"), self._next("ds1")
+            for tile, ws, key in ((p1, self.ws_p, "p"), (ds1, self.ws_ds, "ds")):
+                e = cg.load(tile, ws, [(c, slot, slice(hh * R, hh * R + rh[c]), slice(0, kext[c])) if hw[c] else None
+                                       for c in range(n)], active=ha, deps=(self.ends[(key + "_written", s)],),
+                            name=f"load {key}")
+                self.ends[(key + "_read", s, hh)] = np.where(hw, e, 0.0)
+            f = first & (hh == 0)              # the unit's first product into each accumulator starts it
+            # dV_j += Pdᵀ·dO_i
+            a_pt = self._ring("L0A", (self.kvb, R))
+            cg.move(a_pt, p1, fn=tr, nbytes=mk * mr * isz, active=ha, name="Pd^T->L0A")
+            b_do = self._ring("L0B", (R, Dv))
+            cg.move(b_do, do1, fn=rows_of, nbytes=mr * Dv * isz, active=ha, name="dO->L0B")
+            self._acc(dv0, a_pt, b_do, kext, rh, Dv, f, hw, "dV+=Pd^T dO")
+            # dK_j += dSᵀ·Q_i
+            a_dst = self._ring("L0A", (self.kvb, R))
+            cg.move(a_dst, ds1, fn=tr, nbytes=mk * mr * isz, active=ha, name="dS^T->L0A")
+            b_q = self._ring("L0B", (R, D))
+            cg.move(b_q, q1, fn=rows_of, nbytes=mr * D * isz, active=ha, name="Q->L0B")
+            self._acc(dk0, a_dst, b_q, kext, rh, D, f, hw, "dK+=dS^T Q")
+            # dQ_i = dS·K_j, added into the fp32 workspace
+            a_ds = self._ring("L0A", (R, self.kvb))
+            cg.move(a_ds, ds1, nbytes=mr * mk * isz, active=ha, name="dS->L0A")
+            dq0 = self._next("dq0")
+            cg.mmad(dq0, a_ds, self.tl["kb0"][0], rh, kext, D, accumulate=False, active=ha, name="dQ=dS K")
+            regs = [(b[c], h[c], slice(q0[c] + hh * R, q0[c] + hh * R + rh[c]), slice(0, D)) if hw[c] else None
+                    for c in range(n)]
+            src = dq0
+            if not self.split:
+                src = self._next("dqs")
+                cg.move(src, dq0, nbytes=rh * D * 4, active=ha, name="FixPipe dQ->UB")
+            cg.store(src, self.dq_ws, regs, active=ha,
+                     fn=_AtomicAdd(self.dq_ws, regs) if self.launch.values else None, name="atomic add dQ")
         if last.any():
             la = self._act(last)
             kv_regs = [(b[c], hk[c], slice(k0[c], k0[c] + kext[c])) if last[c] else None for c in range(n)]
@@ -758,8 +786,7 @@ class _Program:
         if self.recompute:
             self.phase_stats(deps)
             deps = self._sync()
-        st = _main_steps(self.B, self.Nkv, self.N // self.Nkv, self.nq, self.nkv, self.qb, self.kvb, self.Sq,
-                         self.causal, self.n)
+        st = self.st_main
         self.stage_a(st, 0, deps)
         a_prev = self.cur_a
         for s in range(st.T):
