@@ -362,8 +362,74 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     hbm += st_b * (3 if stats else 1)                             # Dr (and the recomputed max, sum)
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     hbm += min(ws, n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0)))
-    nbytes = {}
+    nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+def _pairs(Sq, Skv, qb, kvb, causal):
+    """Sums over the (query block, KV block) pairs a causal or full sweep visits: count, Σqe, Σke, Σqe·ke."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    qe = [min(qb, Sq - i * qb) for i in range(nq)]
+    ke = [min(kvb, Skv - j * kvb) for j in range(nkv)]
+    cnt = sq = sk = sqk = 0
+    for i in range(nq):
+        last = min((i + 1) * qb, Sq) - 1
+        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
+        kj = sum(ke[:nj])
+        cnt, sq, sk, sqk = cnt + nj, sq + nj * qe[i], sk + kj, sqk + qe[i] * kj
+    return cnt, sq, sk, sqk
+
+
+def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32):
+    """Bytes per GM path, counted as the kernel moves them (every pair of every head; K, V per unit)."""
+    BN, BNS = B * N, B * N * Sq
+    _, sq, sk, sqk = _pairs(Sq, Skv, qb, kvb, causal)
+    kv_unit = B * Nkv * Skv * (D + Dv) * isz                     # K, V (and dK, dV) once per unit
+    mrows = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[2] != 1
+    mcols = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[3] != 1
+    mask_pair = 0.0 if mask is None else msz * (sqk if mrows and mcols else (sq if mrows else (sk if mcols else 0)))
+    b = {"GM->UB": 2 * BNS * Dv * isz + BN * (3 * sq * 4 + mask_pair + (sq * 0 if not drop else 0)),
+         "UB->GM": BNS * 4 + BNS * D * 4 + BN * 2 * sqk * isz,
+         "GM->L1": kv_unit + BN * (sq * (D + Dv) * isz + 2 * sqk * isz)}
+    if mask is not None and mask_pair == 0.0:
+        b["GM->UB"] += BN * msz * _pairs(Sq, Skv, qb, kvb, causal)[0]
+    if drop:
+        b["GM->UB"] += BN * sum_drop(Sq, Skv, qb, kvb, causal)
+    if stats:
+        nq = ceil_div(Sq, qb)
+        qrows = BN * Sq                                           # each item's Q once
+        b["GM->L1"] += qrows * D * isz + BN * sk * D * isz * (nq and 1) * 0 + BN * _k_per_item(Sq, Skv, qb, kvb, causal) * D * isz
+        b["GM->UB"] += BN * mask_pair
+        b["UB->GM"] += 2 * BNS * 4
+        if split:
+            b["L0C->GM"] = b.get("L0C->GM", 0) + BN * sqk * 4
+            b["GM->UB"] += BN * sqk * 4
+    if split:
+        b["L0C->GM"] = b.get("L0C->GM", 0) + BN * (2 * sqk * 4 + sq * D * 4) + kv_unit
+        b["GM->UB"] += BN * 2 * sqk * 4
+    else:
+        b["UB->GM"] += BN * sq * D * 4 + kv_unit
+    if not f32:
+        b["GM->UB"] += BNS * D * 4
+        b["UB->GM"] += BNS * D * isz
+    return b
+
+
+def _k_per_item(Sq, Skv, qb, kvb, causal):
+    """Σ over query blocks of the keys their statistics sweep loads (K rows per item)."""
+    return _pairs(Sq, Skv, qb, kvb, causal)[2]
+
+
+def sum_drop(Sq, Skv, qb, kvb, causal):
+    """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    total = 0
+    for i in range(nq):
+        qe = min(qb, Sq - i * qb)
+        last = min((i + 1) * qb, Sq) - 1
+        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
+        total += qe * sum(ceil_div(min(kvb, Skv - j * kvb), 8) for j in range(nj))
+    return total
 
 
 def flops(B, N, Sq, Skv, D, Dv, causal):
