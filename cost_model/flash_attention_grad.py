@@ -46,7 +46,7 @@ def _rings(buf, shapes, dtype):
 
 def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
     """The kernel's buffer requests (restated from it: the model imports nothing from the simulator)."""
-    q, kv, vr = t["q"], t["kv"], t["vr"]
+    q, kv = t["q"], t["kv"]
     split = dev.arch == "split"
     rows = q // 2 if split else q
     v = [("s", (rows, kv), F32, 1, 2), ("dp", (rows, kv), F32, 1, 2), ("p", (rows, kv), dtype, 1, 2),
@@ -59,10 +59,10 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
     v += [(x, (rows,), F32, 1, 2) for x in ("m", "l", "dr")]
     if stats:
         v += [(x, (rows,), F32, 1, 1) for x in ("rm", "rl")]
-    v += [("pre_do", (vr, Dv), dtype, 1, 2), ("pre_o", (vr, Dv), dtype, 1, 2), ("pre_d", (vr,), F32, 1, 2),
-          ("dq32", (vr, D), F32, 1, 2)]
+    v += [("pre_do", (q, Dv), dtype, 1, 2), ("pre_o", (q, Dv), dtype, 1, 2), ("pre_d", (q,), F32, 1, 2),
+          ("dq32", (rows, D), F32, 1, 2)]
     if dtype != F32:
-        v.append(("dqc", (vr, D), dtype, 1, 2))
+        v.append(("dqc", (rows, D), dtype, 1, 2))
     if not split:
         v += [("dqs", (q, D), F32, 1, 2), ("dks", (kv, D), dtype, 1, 1), ("dvs", (kv, Dv), dtype, 1, 1)]
     req = [("vec", "UB", name, sh, dt, lo, hi) for name, sh, dt, lo, hi in v]
@@ -78,24 +78,20 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
 
 
 @cached
-def _fits(device, D, Dv, dtype, q, kv, vr, mask_spec, drop, stats):
+def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
     dev = get_device(device)
-    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv, "vr": vr}, mask_spec, drop, stats)) \
+    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats)) \
         is not None
 
 
 @cached
 def _candidates(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats):
-    """Fitting tilings: every (q, kv) block of the kernel's sizes, clamped to the sequences, with the
-    largest ``vr`` that fits."""
+    """Fitting tilings: every (q, kv) block of the kernel's sizes, clamped to the sequences."""
     out = []
     for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True):
         for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True):
-            for vr in (64, 32, 16):
-                vr = min(vr, _r16(Sq))
-                if _fits(device, D, Dv, dtype, q, kv, vr, mask_spec, drop, stats):
-                    out.append({"q": q, "kv": kv, "vr": vr})
-                    break
+            if _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+                out.append({"q": q, "kv": kv})
     return out
 
 
@@ -175,7 +171,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     isz = itemsize(dtype)
     split = dev.arch == "split"
     nh = 2 if split else 1
-    qb, kvb, vr = t["q"], t["kv"], t["vr"]
+    qb, kvb = t["q"], t["kv"]
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     group = N // Nkv
     k0f = dev.cube_k0[dtype]
@@ -196,30 +192,34 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     q_b, do_b = BNS * D * isz, BNS * Dv * isz
     kv_b = B * Nkv * Skv * (D + Dv) * isz
     dq_b, st_b = BNS * D * 4, BNS * 4
-    same_keys = min(vr, Sq) == min(qb, Sq)        # the zeroed dq rows and the atomic adds hit the same lines
     W0 = 2 * do_b + dq_b + st_b
     W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b) if stats else 0.0
     W2 = q_b + do_b + kv_b + dq_b + 3 * st_b
     W3 = dq_b + BNS * D * isz
-    miss_q = _missed(W1, 0.0, W2, l2) if stats else 1.0          # q read again (phase 1 -> 2)
+    miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0          # q read again (phase 1 -> 2)
     miss_do = _missed(W0, W1, W2, l2)                             # dO read again (phase 0 -> 2)
-    miss_k = _missed(W1, 0.0, W2, l2) if stats else 1.0
+    miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
     zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
-    miss_dq = _missed(W2, 0.0, W3, l2) if same_keys else _missed(W0, W1 + W2, W3, l2)
+    miss_dq = _missed(W2, 0.0, W3, l2)
     hit_q = 1 - (miss_q * q_b + miss_do * do_b) / (q_b + do_b) / nkv
     hit_kv = 1 - miss_k if stats else 0.0
 
-    # ---- phase 0: Dr = rowsum(dO∘O), dq workspace := 0 (row blocks of vr, round-robin on nv vector cores)
-    items0 = B * N * ceil_div(Sq, vr)
-    T0 = ceil_div(items0, nv)
-    act0 = min(nv, items0)
-    r0 = min(vr, Sq)
+    # ---- phase 0: dq workspace := 0 (the halves phase 2 adds to), Dr = rowsum(dO∘O) (query blocks), both
+    # round-robin over the vector cores
+    Rr = qb // nh
+    itemsz = B * N * ceil_div(Sq, Rr)
+    Tz, actz, rz = ceil_div(itemsz, nv), min(nv, itemsz), min(Rr, Sq)
+    items0 = B * N * nq
+    T0, act0, r0 = ceil_div(items0, nv), min(nv, items0), qe_avg
     p0 = _Port(dev, act0)
     p0.add("mte2", "GM->UB", 2 * r0 * Dv * isz, act0, hit=0.0)
-    p0.add("mte3", "UB->GM", r0 * 4 + r0 * D * 4, act0)
+    p0.add("mte3", "UB->GM", r0 * 4, act0)
     vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
+    pz = _Port(dev, actz)
+    pz.add("mte3", "UB->GM", rz * D * 4, actz)
     step0 = max(p0.unit["mte2"], p0.port, vec0, p0.unit["mte3"])
-    ph0 = T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0 + _vec_rep(vr, D)
+    ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
+              Tz * pz.port + T0 * p0.port)
     busy["vector"] += T0 * vec0
     busy["mte2"] += T0 * p0.unit["mte2"]
     busy["mte3"] += T0 * p0.unit["mte3"]
@@ -334,15 +334,15 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     # ---- phase 3: dq = cast(workspace)
     ph3 = 0.0
     if not f32:
-        p3 = _Port(dev, act0)
-        p3.add("mte2", "GM->UB", r0 * D * 4, act0, hit=1 - miss_dq)
-        p3.add("mte3", "UB->GM", r0 * D * isz, act0, hit=0.0)
-        vec3 = _vec_rep(r0, D)
+        p3 = _Port(dev, actz)
+        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - miss_dq)
+        p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
+        vec3 = _vec_rep(rz, D)
         step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
-        ph3 = T0 * step3 + r0 * D * 4 / rate["GM->UB"] + vec3
-        busy["vector"] += T0 * vec3
-        busy["mte2"] += T0 * p3.unit["mte2"]
-        busy["mte3"] += T0 * p3.unit["mte3"]
+        ph3 = Tz * step3 + rz * D * 4 / rate["GM->UB"] + vec3
+        busy["vector"] += Tz * vec3
+        busy["mte2"] += Tz * p3.unit["mte2"]
+        busy["mte3"] += Tz * p3.unit["mte3"]
     core = ph0 + ph1 + ph2 + ph3
     _LAST[:] = [ph0, ph1, ph2, ph3, T0, (T1 if stats else 0), T2, step2, cube2, mte1, mte2, vmte2, port, vport, p2.unit['fixpipe'], vec2, mte3, loop/2, step1 if stats else 0]
 
@@ -358,10 +358,13 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         hbm += BNS * ceil_div(Skv, 8)
     if not f32:
         hbm += BNS * D * isz + miss_dq * dq_b                     # dq out; the workspace read back
-    hbm += dq_b * (1 + (zero_out if same_keys else 1))            # the dq workspace's lines
-    hbm += st_b * (3 if stats else 1)                             # Dr (and the recomputed max, sum)
+    hbm += dq_b * (1 + zero_out)                                  # the dq workspace's lines (evicted zeros)
+    hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
-    hbm += min(ws, n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0)))
+    # hand-off lines still dirty: per core and slot, one line per block extent it has written
+    combos = _extents(Sq, Skv, qb, kvb, causal)
+    per_slot = min(ceil_div(T2, 2), len(combos))
+    hbm += n2 * min(2, T2) * per_slot * sum(a * b for a, b in combos) / len(combos) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
 
@@ -378,6 +381,18 @@ def _pairs(Sq, Skv, qb, kvb, causal):
         kj = sum(ke[:nj])
         cnt, sq, sk, sqk = cnt + nj, sq + nj * qe[i], sk + kj, sqk + qe[i] * kj
     return cnt, sq, sk, sqk
+
+
+def _extents(Sq, Skv, qb, kvb, causal):
+    """The distinct (rows, keys) extents of the blocks a sweep visits."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    out = set()
+    for i in (0, nq - 1):
+        last = min((i + 1) * qb, Sq) - 1
+        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
+        for j in {0, nj - 1}:
+            out.add((min(qb, Sq - i * qb), min(kvb, Skv - j * kvb)))
+    return sorted(out)
 
 
 def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32):
@@ -486,9 +501,9 @@ def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax
     if tiling is None:
         t, res = _search(dev.name, specs, mask, bool(causal), drop, stats)
     else:
-        t = {k: int(tiling[k]) for k in ("q", "kv", "vr")}
+        t = {k: int(tiling[k]) for k in ("q", "kv")}
         (qs, dtype), _, (vs, _) = specs[:3]
-        if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], t["vr"], _mask_spec(mask), drop, stats):
+        if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats):
             raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}")
         res = _model(dev, specs, mask, bool(causal), t, drop, stats)
     core, hbm, nbytes, busy, ws = res

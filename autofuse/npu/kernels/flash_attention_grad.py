@@ -58,7 +58,9 @@ tiles (compare, select: 2), + dropout (select and scale on P and on dP: 4), + ca
 fp16/bf16). Phase 1 as the forward's first sweep: scale, [mask], [causal], max, sub, exp, sum.
 
 Tiling (``default_tiling``): query rows ``q`` and KV rows ``kv`` per block, the largest ``q·kv`` that fits
-every buffer (then the larger kv, fewer Q/dO reloads), and ``vr`` rows per Vector block of phases 0 and 3.
+every buffer (then the larger kv, fewer Q/dO reloads). Phases 0 and 3 work on the same row blocks as phase 2
+(a query block for dO and O, a vector core's half of it for Dr and the dq workspace on split cores), so each
+GM region is read and written with the same extent in every phase and later phases hit L2.
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
     """Buffer requests ``(side, buffer, name, shape, dtype, min_count, max_count)`` in allocation order (the
     forward's format: :func:`flash_attention._counts` grants double buffers while they fit). ``stats``: the
     phase-1 sweep runs (its running max and sum)."""
-    q, kv, vr = t["q"], t["kv"], t["vr"]
+    q, kv = t["q"], t["kv"]
     split = device.arch == "split"
     rows = q // 2 if split else q
     req = [("vec", "UB", "s", (rows, kv), F32, 1, 2), ("vec", "UB", "dp", (rows, kv), F32, 1, 2),
@@ -115,10 +117,10 @@ def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
     if stats:
         req += [("vec", "UB", "rm", (rows,), F32, 1, 1), ("vec", "UB", "rl", (rows,), F32, 1, 1)]
     # phases 0 and 3: dO and O rows, their Dr, the zero / dq rows (fp32) and the cast dq rows
-    req += [("vec", "UB", "pre_do", (vr, Dv), dtype, 1, 2), ("vec", "UB", "pre_o", (vr, Dv), dtype, 1, 2),
-            ("vec", "UB", "pre_d", (vr,), F32, 1, 2), ("vec", "UB", "dq32", (vr, D), F32, 1, 2)]
+    req += [("vec", "UB", "pre_do", (q, Dv), dtype, 1, 2), ("vec", "UB", "pre_o", (q, Dv), dtype, 1, 2),
+            ("vec", "UB", "pre_d", (q,), F32, 1, 2), ("vec", "UB", "dq32", (rows, D), F32, 1, 2)]
     if dtype != F32:
-        req.append(("vec", "UB", "dqc", (vr, D), dtype, 1, 2))
+        req.append(("vec", "UB", "dqc", (rows, D), dtype, 1, 2))
     if not split:              # coupled: dQ partials and the dK, dV results pass through UB
         req += [("vec", "UB", "dqs", (q, D), F32, 1, 2), ("vec", "UB", "dks", (kv, D), dtype, 1, 1),
                 ("vec", "UB", "dvs", (kv, Dv), dtype, 1, 1)]
@@ -135,16 +137,16 @@ def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
 
 
 def _check_tiling(t) -> str | None:
-    q, kv, vr = t.get("q"), t.get("kv"), t.get("vr")
-    if not all(isinstance(x, (int, np.integer)) and x > 0 for x in (q, kv, vr)):
-        return f"tiling needs positive integers q, kv, vr, got {t}"
+    q, kv = t.get("q"), t.get("kv")
+    if not all(isinstance(x, (int, np.integer)) and x > 0 for x in (q, kv)):
+        return f"tiling needs positive integers q, kv, got {t}"
     if q % 16 or kv % 16:
         return f"q and kv must be multiples of 16 (the Cube fractal), got q={q}, kv={kv}"
     return None
 
 
 def tiling_fits(device, D, Dv, dtype, t, mask_spec=None, drop=False, stats=True) -> bool:
-    """Whether tiling ``t`` (q, kv, vr) is valid and fits every buffer it uses on ``device``."""
+    """Whether tiling ``t`` (q, kv) is valid and fits every buffer it uses on ``device``."""
     return _check_tiling(t) is None and \
         _counts(device, _requests(device, D, Dv, dtype, t, mask_spec, drop, stats)) is not None
 
@@ -154,20 +156,17 @@ _TILINGS: dict = {}
 
 def default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True) -> dict:
     """The largest block ``q × kv`` that fits (ties: the larger kv, fewer reloads of Q and dO per score),
-    clamped to the 16-rounded sequence lengths; ``vr`` (phases 0 and 3) the largest of 64, 32, 16 that then
-    still fits. Cached per device and shape."""
+    clamped to the 16-rounded sequence lengths. Cached per device and shape."""
     key = (device.name, device.arch, tuple(device.buffers.items()), _r16(Sq), _r16(Skv), D, Dv, dtype,
            mask_spec, bool(drop), bool(stats))
     if key not in _TILINGS:
         best = None
         for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True):
             for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True):
-                for vr in (64, 32, 16):
-                    t = {"q": q, "kv": kv, "vr": min(vr, _r16(Sq))}
-                    if tiling_fits(device, D, Dv, dtype, t, mask_spec, drop, stats):
-                        if best is None or (q * kv, kv) > best[0]:
-                            best = ((q * kv, kv), t)
-                        break
+                t = {"q": q, "kv": kv}
+                if tiling_fits(device, D, Dv, dtype, t, mask_spec, drop, stats):
+                    if best is None or (q * kv, kv) > best[0]:
+                        best = ((q * kv, kv), t)
         if best is None:
             raise ValueError(f"flash_attention_grad: no tiling fits {device.name} for D={D}, Dv={Dv}, {dtype}")
         _TILINGS[key] = best[1]
@@ -229,7 +228,7 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None):
 def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                          scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None):
     """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
-    ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv", "vr"}`` (None: :func:`default_tiling`)."""
+    ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`)."""
     dev = launch.device
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         if t.data.ndim != 4:
@@ -306,7 +305,7 @@ class _Program:
         _, Nkv, Skv, _ = k.shape
         Dv = v.shape[3]
         self.B, self.N, self.Nkv, self.Sq, self.Skv, self.D, self.Dv = B, N, Nkv, Sq, Skv, D, Dv
-        self.qb, self.kvb, self.vr = t["q"], t["kv"], t["vr"]
+        self.qb, self.kvb = t["q"], t["kv"]
         self.nh = 2 if self.split else 1
         self.R = self.qb // self.nh                 # query rows one vector core owns
         nq, nkv = _ceil(Sq, self.qb), _ceil(Skv, self.kvb)
@@ -383,25 +382,31 @@ class _Program:
         return (np.full(self.cg.n, t), np.full(self.nv, t))
 
     # ---------------------------------------------------------------- phase 0: Dr = rowsum(dO∘O), dq := 0
-    def _row_blocks(self):
-        """(b, h, first row, rows) blocks of ``vr`` rows, round-robin over the vector cores: per lockstep step
-        a list with one entry (or None) per vector core."""
-        vr, nv = self.vr, self.nv
-        items = [(b, h, r0, min(vr, self.Sq - r0)) for b in range(self.B) for h in range(self.N)
-                 for r0 in range(0, self.Sq, vr)]
+    def _row_blocks(self, halves):
+        """(b, h, first row, rows) blocks, round-robin over the vector cores, per lockstep step a list with one
+        entry (or None) per vector core: query blocks, or (``halves``) the rows each vector core of a split
+        core owns in phase 2 (the same regions as there)."""
+        nv, R = self.nv, (self.R if halves else self.qb)
+        items = [(b, h, r0, min(R, self.Sq - r0)) for b in range(self.B) for h in range(self.N)
+                 for r0 in range(0, self.Sq, R)]
         return [[items[s * nv + c] if s * nv + c < len(items) else None for c in range(nv)]
                 for s in range(_ceil(len(items), nv))]
 
+    @staticmethod
+    def _present(items):
+        return np.array([it is not None for it in items]), np.array([it[3] if it else 0 for it in items])
+
     def phase_pre(self):
-        vg, Dv, D = self.vg, self.Dv, self.D
-        zero = self.tl["dq32"]
-        for z in zero:
-            vg.vector("dup 0", [z], [], vg.repeats(self.vr * D, F32),
-                      compute=lambda z=z: z.data.fill(0))
-        for items in self._row_blocks():
-            present = np.array([it is not None for it in items])
+        vg, Dv, D, R = self.vg, self.Dv, self.D, self.R
+        zero = self.tl["dq32"][0]
+        vg.vector("dup 0", [zero], [], vg.repeats(R * D, F32), compute=lambda: zero.data.fill(0))
+        for items in self._row_blocks(True):
+            present, _ = self._present(items)
+            vg.store(zero, self.dq_ws, [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, D)) if it else None
+                                        for it in items], active=self._act(present), name="zero dq")
+        for items in self._row_blocks(False):
+            present, rows = self._present(items)
             act = self._act(present)
-            rows = np.array([it[3] if it else 0 for it in items])
             regs = [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, Dv)) if it else None for it in items]
             a, b, d = self._next("pre_do"), self._next("pre_o"), self._next("pre_d")
             vg.load(a, self.do, regs, active=act, name="load dO")
@@ -413,10 +418,13 @@ class _Program:
 
             vg.vector("Dr=rowsum(dO*O)", [d], [a, b], vg.row_repeats(rows, Dv, F32) * (passes + 1),
                       compute=rowsum, active=act)
-            vg.store(d, self.dr, [(it[0], it[1], slice(it[2], it[2] + it[3])) if it else None for it in items],
-                     active=act, name="store Dr")
-            vg.store(zero[0], self.dq_ws, [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, D)) if it else None
-                                           for it in items], active=act, name="zero dq")
+            for hh in range(self.nh):                        # by halves on split cores: as phase 2 reads it
+                rh = np.clip(rows - hh * R, 0, R)
+                hp = present & (rh > 0)
+                if hp.any():
+                    vg.store(d, self.dr, [(it[0], it[1], slice(it[2] + hh * R, it[2] + hh * R + rh[c]))
+                                          if hp[c] else None for c, it in enumerate(items)], active=self._act(hp),
+                             fn=(lambda x, hh=hh: x[hh * R:(hh + 1) * R]) if self.split else None, name="store Dr")
 
     # ---------------------------------------------------------------- phase 1: the row statistics
     def phase_stats(self, deps):
@@ -766,10 +774,9 @@ class _Program:
     # ---------------------------------------------------------------- phase 3: dq = cast(workspace)
     def phase_post(self, deps):
         vg, D = self.vg, self.D
-        for items in self._row_blocks():
-            present = np.array([it is not None for it in items])
+        for items in self._row_blocks(True):
+            present, rows = self._present(items)
             act = self._act(present)
-            rows = np.array([it[3] if it else 0 for it in items])
             regs = [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, D)) if it else None for it in items]
             a, c = self._next("dq32"), self._next("dqc")
             vg.load(a, self.dq_ws, regs, active=act, deps=(deps,), name="load dq")
