@@ -217,9 +217,12 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
     pz = _Port(dev, actz)
     pz.add("mte3", "UB->GM", rz * D * 4, actz)
-    step0 = max(p0.unit["mte2"], p0.port, vec0, p0.unit["mte3"])
+    step0 = max(p0.unit["mte2"], vec0)
+    # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
+    # them written back
+    wb0 = max(0.0, W0 - l2) * dq_b / W0
     ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
-              Tz * pz.port + T0 * p0.port)
+              Tz * pz.port + T0 * p0.port, (2 * do_b + wb0) / HBMbw)
     busy["vector"] += T0 * vec0
     busy["mte2"] += T0 * p0.unit["mte2"]
     busy["mte3"] += T0 * p0.unit["mte3"]
@@ -321,7 +324,16 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     hand = (2 * qe * ke * 4 / rate["L0C->GM"] + 2 * rows * ke * 4 / rate["GM->UB"]) if split \
         else 2 * qe * ke * 4 / rate["L0C->UB"]
     loop = cube2 + mte1 * LOOP_MTE1 + hand + vec2 + pds / nh / rate["UB->GM"] + mte2
-    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2)
+    chain = 0.0
+    if not split:
+        # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
+        # which step s+1's products wait for (in that order on one queue): one step's chain
+        cube_b = (ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
+                  + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
+        dq_out = qe * D * 4
+        chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
+                 + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_))
+    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain)
     fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
     ph2 = T2 * step2 + fill2
     busy["cube"] += T2 * cube2
@@ -339,7 +351,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
         vec3 = _vec_rep(rz, D)
         step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
-        ph3 = Tz * step3 + rz * D * 4 / rate["GM->UB"] + vec3
+        ph3 = max(Tz * step3, (miss_dq * dq_b + BNS * D * isz) / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
         busy["vector"] += Tz * vec3
         busy["mte2"] += Tz * p3.unit["mte2"]
         busy["mte3"] += Tz * p3.unit["mte3"]

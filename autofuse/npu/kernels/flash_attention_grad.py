@@ -400,11 +400,18 @@ class _Program:
         vg, Dv, D, R = self.vg, self.Dv, self.D, self.R
         zero = self.tl["dq32"][0]
         vg.vector("dup 0", [zero], [], vg.repeats(R * D, F32), compute=lambda: zero.data.fill(0))
-        for items in self._row_blocks(True):
-            present, _ = self._present(items)
-            vg.store(zero, self.dq_ws, [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, D)) if it else None
-                                        for it in items], active=self._act(present), name="zero dq")
-        for items in self._row_blocks(False):
+        zeros, blocks = self._row_blocks(True), self._row_blocks(False)
+
+        def zero_steps(lo, hi):
+            for items in zeros[lo:hi]:
+                present, _ = self._present(items)
+                vg.store(zero, self.dq_ws, [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, D)) if it else None
+                                            for it in items], active=self._act(present), name="zero dq")
+
+        # the zero stores interleaved with the Dr steps (the GM port books transfers in issue order: stores all
+        # issued first would hold it ahead of every load)
+        for k, items in enumerate(blocks):
+            zero_steps(k * len(zeros) // len(blocks), (k + 1) * len(zeros) // len(blocks))
             present, rows = self._present(items)
             act = self._act(present)
             regs = [(it[0], it[1], slice(it[2], it[2] + it[3]), slice(0, Dv)) if it else None for it in items]
