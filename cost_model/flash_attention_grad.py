@@ -26,7 +26,8 @@ from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.flash_attention import _counts
 
 F32 = "float32"
-_LAST = []
+# the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
+# L0A/L0B rings are double-buffered)
 LOOP_MTE1 = 0.5
 
 
@@ -327,13 +328,13 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     chain = 0.0
     if not split:
         # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
-        # which step s+1's products wait for (in that order on one queue): one step's chain
+        # which step s+2's products wait for (in that order on one queue): a chain over two steps
         cube_b = (ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
                   + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
         dq_out = qe * D * 4
         chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
                  + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_))
-    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain)
+    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2)
     fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
     ph2 = T2 * step2 + fill2
     busy["cube"] += T2 * cube2
@@ -356,14 +357,11 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         busy["mte2"] += Tz * p3.unit["mte2"]
         busy["mte3"] += Tz * p3.unit["mte3"]
     core = ph0 + ph1 + ph2 + ph3
-    _LAST[:] = [ph0, ph1, ph2, ph3, T0, (T1 if stats else 0), T2, step2, cube2, mte1, mte2, vmte2, port, vport, p2.unit['fixpipe'], vec2, mte3, loop/2, step1 if stats else 0]
 
     # ---- HBM: inputs once (again where evicted between phases), outputs through, dirty workspaces written back
     hbm = q_b + 2 * do_b + kv_b                                   # q, out, dout, k, v
     hbm += kv_b                                                   # dk, dv
     hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
-    if stats:
-        hbm += B * Nkv * Skv * Dv * isz * 0                       # v first read in phase 2 (counted above)
     if mask is not None:
         hbm += math.prod(mask[0]) * msz * (2 if stats and math.prod(mask[0]) * msz > l2 // 2 else 1)
     if drop:
@@ -415,17 +413,15 @@ def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz,
     mrows = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[2] != 1
     mcols = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[3] != 1
     mask_pair = 0.0 if mask is None else msz * (sqk if mrows and mcols else (sq if mrows else (sk if mcols else 0)))
-    b = {"GM->UB": 2 * BNS * Dv * isz + BN * (3 * sq * 4 + mask_pair + (sq * 0 if not drop else 0)),
+    b = {"GM->UB": 2 * BNS * Dv * isz + BN * (3 * sq * 4 + mask_pair),
          "UB->GM": BNS * 4 + BNS * D * 4 + BN * 2 * sqk * isz,
          "GM->L1": kv_unit + BN * (sq * (D + Dv) * isz + 2 * sqk * isz)}
     if mask is not None and mask_pair == 0.0:
         b["GM->UB"] += BN * msz * _pairs(Sq, Skv, qb, kvb, causal)[0]
     if drop:
-        b["GM->UB"] += BN * sum_drop(Sq, Skv, qb, kvb, causal)
+        b["GM->UB"] += BN * _sum_drop(Sq, Skv, qb, kvb, causal)
     if stats:
-        nq = ceil_div(Sq, qb)
-        qrows = BN * Sq                                           # each item's Q once
-        b["GM->L1"] += qrows * D * isz + BN * sk * D * isz * (nq and 1) * 0 + BN * _k_per_item(Sq, Skv, qb, kvb, causal) * D * isz
+        b["GM->L1"] += BNS * D * isz + BN * sk * D * isz          # each item's Q once, K per (item, tile)
         b["GM->UB"] += BN * mask_pair
         b["UB->GM"] += 2 * BNS * 4
         if split:
@@ -442,12 +438,7 @@ def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz,
     return b
 
 
-def _k_per_item(Sq, Skv, qb, kvb, causal):
-    """Σ over query blocks of the keys their statistics sweep loads (K rows per item)."""
-    return _pairs(Sq, Skv, qb, kvb, causal)[2]
-
-
-def sum_drop(Sq, Skv, qb, kvb, causal):
+def _sum_drop(Sq, Skv, qb, kvb, causal):
     """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     total = 0

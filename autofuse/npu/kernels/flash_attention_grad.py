@@ -602,26 +602,25 @@ class _Program:
                 name="load Q")
         cg.load(do1, self.do, [r + (slice(0, Dv),) if r else None for r in qregs], active=wact, deps=(cdeps,),
                 name="load dO")
-        # S = Q·K_jᵀ and dP = dO·V_jᵀ
-        mq = _r16(qext)
-        a_q = self._ring("L0A", (self.qb, D))
-        cg.move(a_q, q1, nbytes=mq * D * isz, active=wact, name="Q->L0A")
-        b_kt = self._ring("L0B", (D, self.kvb))
-        cg.move(b_kt, self.k1_cur, fn=lambda x: x.transpose(0, 2, 1), nbytes=D * _r16(kext) * isz, active=wact,
-                name="K^T->L0B")
-        s0 = self._next("sdp0")
-        cg.mmad(s0, a_q, b_kt, qext, D, kext, accumulate=False, active=wact, name="S=QK")
-        a_do = self._ring("L0A", (self.qb, Dv))
-        cg.move(a_do, do1, nbytes=mq * Dv * isz, active=wact, name="dO->L0A")
-        b_vt = self._ring("L0B", (Dv, self.kvb))
-        cg.move(b_vt, self.v1_cur, fn=lambda x: x.transpose(0, 2, 1), nbytes=Dv * _r16(kext) * isz, active=wact,
-                name="V^T->L0B")
-        dp0 = self._next("sdp0")
-        cg.mmad(dp0, a_do, b_vt, qext, Dv, kext, accumulate=False, active=wact, name="dP=dO V")
+        s0 = self._scores(q1, self.k1_cur, D, qext, kext, wact, ("Q", "K", "S=QK"))
+        dp0 = self._scores(do1, self.v1_cur, Dv, qext, kext, wact, ("dO", "V", "dP=dO V"))
         S = self._s_to_vector(s0, "s", st, s, qext, kext, work, None, vdeps)
         dP = self._s_to_vector(dp0, "dp", st, s, qext, kext, work, None, vdeps)
         self._grad_vector(S, dP, st, s, qext, kext, work, q0, k0, vdeps)
         self.cur_a = (q1, do1, qext, kext, q0, work)
+
+    def _scores(self, rows1, keys1, width, qext, kext, act, names):
+        """``rows · keysᵀ`` (S = Q·K_jᵀ, dP = dO·V_jᵀ) from their L1 tiles into an fp32 L0C tile (the keys move
+        to L0B transposed, as the L1 -> L0B load does)."""
+        cg, isz = self.cg, self.isz
+        a = self._ring("L0A", (self.qb, width))
+        cg.move(a, rows1, nbytes=_r16(qext) * width * isz, active=act, name=f"{names[0]}->L0A")
+        b = self._ring("L0B", (width, self.kvb))
+        cg.move(b, keys1, fn=lambda x: x.transpose(0, 2, 1), nbytes=width * _r16(kext) * isz, active=act,
+                name=f"{names[1]}^T->L0B")
+        c = self._next("sdp0")
+        cg.mmad(c, a, b, qext, width, kext, accumulate=False, active=act, name=names[2])
+        return c
 
     def _grad_vector(self, S, dP, st, s, qext, kext, work, q0, k0, vdeps):
         vg, nv = self.vg, self.nv
