@@ -287,7 +287,8 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     p2 = _Port(dev, n2)
     # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
     p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
-    p2.add("mte2", "GM->L1", ke * (D + Dv) * isz, n2, hit=hit_kv, every=per_unit)
+    p2.add("mte2", "GM->L1", ke * D * isz, n2, hit=hit_kv, every=per_unit)        # K (read in phase 1)
+    p2.add("mte2", "GM->L1", ke * Dv * isz, n2, hit=0.0, every=per_unit)          # V: its first read
     p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
     p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
     if mask is not None:
@@ -332,9 +333,17 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         cube_b = (ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
                   + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
         dq_out = qe * D * 4
+        # a unit's end (dK, dV out through UB on the same queues) and the next one's K, V loads sit in it too
+        edge = ke * (D + Dv) * (isz / rate["UB->GM"] + 4 / rate["L0C->UB"] + isz / rate["GM->L1"])
         chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
-                 + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_))
+                 + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_)
+                 + 2 * per_unit * edge)
     step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2)
+    # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
+    # the next S waits for the load, the chip's cores reading their units' K, V at once
+    kv_core = ke * (D + Dv) * isz
+    bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
+    step2 += per_unit * bubble
     fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
     ph2 = T2 * step2 + fill2
     busy["cube"] += T2 * cube2
