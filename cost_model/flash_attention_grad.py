@@ -205,6 +205,27 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     hit_q = 1 - (miss_q * q_b + miss_do * do_b) / (q_b + do_b) / nkv
     hit_kv = 1 - miss_k if stats else 0.0
 
+    # HBM traffic of each phase: its misses and write-throughs, and the dirty lines it evicts (LRU by volume:
+    # what a phase allocates beyond L2 pushes out the oldest lines, dirty ones in proportion)
+    l2s = {"res": 0.0, "dirty": 0.0}
+
+    def phase_hbm(alloc, dirty, direct):
+        res, drt = l2s["res"], l2s["dirty"]
+        out = max(0.0, res + alloc - l2)
+        wb = out * (drt + dirty) / (res + alloc) if res + alloc else 0.0
+        l2s["res"] = min(l2, res + alloc)
+        l2s["dirty"] = min(l2s["res"], drt + dirty - wb)
+        return direct + wb
+
+    kv_k = B * Nkv * Skv * D * isz
+    hbm_ph0 = phase_hbm(2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
+    hbm_ph1 = phase_hbm(q_b + kv_k + 2 * st_b, 2 * st_b, q_b + kv_k) if stats else 0.0
+    ws_lines = n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0))
+    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k
+    hbm_ph2 = phase_hbm(re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b + ws_lines,
+                        zero_out * dq_b + ws_lines, re_read + kv_b - (kv_k if stats else 0) + kv_b)
+    hbm_ph3 = phase_hbm(miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz) if not f32 else 0.0
+
     # ---- phase 0: dq workspace := 0 (the halves phase 2 adds to), Dr = rowsum(dO∘O) (query blocks), both
     # round-robin over the vector cores
     Rr = qb // nh
@@ -221,9 +242,8 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     step0 = max(p0.unit["mte2"], vec0)
     # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
     # them written back
-    wb0 = max(0.0, W0 - l2) * dq_b / W0
     ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
-              Tz * pz.port + T0 * p0.port, (2 * do_b + wb0) / HBMbw)
+              Tz * pz.port + T0 * p0.port, hbm_ph0 / HBMbw)
     busy["vector"] += T0 * vec0
     busy["mte2"] += T0 * p0.unit["mte2"]
     busy["mte3"] += T0 * p0.unit["mte3"]
@@ -258,7 +278,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
-        ph1 = T1 * step1 + qe * D * isz / rate["GM->L1"] + cube1 + vec1 + p1.unit["fixpipe"]
+        ph1 = max(T1 * step1, hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] + cube1 + vec1 + p1.unit["fixpipe"]
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
         busy["mte2"] += T1 * mte2
@@ -325,7 +345,10 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     pds = 2 * qe * ke * isz
     hand = (2 * qe * ke * 4 / rate["L0C->GM"] + 2 * rows * ke * 4 / rate["GM->UB"]) if split \
         else 2 * qe * ke * 4 / rate["L0C->UB"]
-    loop = cube2 + mte1 * LOOP_MTE1 + hand + vec2 + pds / nh / rate["UB->GM"] + mte2
+    # (coupled: the one MTE2 queue also carries the Vector's loads, all of it is in the loop; split: the AIC's
+    # Q and dO loads run ahead, only Pd and dS back are)
+    loop = cube2 + mte1 * LOOP_MTE1 + hand + vec2 + pds / nh / rate["UB->GM"] + \
+        (pds / rate["GM->L1"] if split else mte2)
     chain = 0.0
     if not split:
         # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
@@ -345,7 +368,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
     step2 += per_unit * bubble
     fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
-    ph2 = T2 * step2 + fill2
+    ph2 = max(T2 * step2, hbm_ph2 / HBMbw) + fill2
     busy["cube"] += T2 * cube2
     busy["vector"] += T2 * vec2
     busy["mte1"] += T2 * mte1
@@ -361,7 +384,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
         vec3 = _vec_rep(rz, D)
         step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
-        ph3 = max(Tz * step3, (miss_dq * dq_b + BNS * D * isz) / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
+        ph3 = max(Tz * step3, hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
         busy["vector"] += Tz * vec3
         busy["mte2"] += Tz * p3.unit["mte2"]
         busy["mte3"] += Tz * p3.unit["mte3"]
