@@ -21,9 +21,10 @@ does (same seed, same elements dropped) and runs the NPU's mask generator for it
     bits = torch.ops.autofuse.dropout_gen_mask([B, N, Sq, Skv], 0.1, torch.float16)
     out, _ = torch.ops.autofuse.flash_attention(q, k, v, drop_mask=bits, dropout_p=0.1)
 
-The op is differentiable: its backward recomputes attention in fp32 on the host and differentiates that
-(as FlashAttention's backward recomputes the scores, with the same keep-mask); the backward is not run on
-the simulator.
+The op is differentiable: its backward runs ``torch.ops.autofuse.flash_attention_grad`` (the simulated
+FlashAttentionScoreGrad kernel, :mod:`autofuse.ops_attention_grad`) for dq, dk, dv, with the same keep-mask;
+gradients the kernel does not compute (a learnable scale, an additive mask's, a gradient of the returned
+probabilities) are recomputed in fp32 on the host (see ``_backward``).
 """
 from __future__ import annotations
 
@@ -200,19 +201,33 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, return_probs, _, _, fill, empty_rows, scale_tensor, _, _, _, drop, dp = inputs
-    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop)
+    q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp = \
+        inputs
+    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0])
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
-    ctx.dropout_p = dp
+    ctx.dropout_p, ctx.device, ctx.keeps_nan = dp, device, keeps_nan
 
 
 def _backward(ctx, grad_out, grad_probs):
-    """Gradients of attention, recomputed on the host in fp32 (the FlashAttention backward's recompute;
-    it is not simulated: there is no backward kernel on the NPU simulator). ``mask`` gets a gradient when
-    it is an additive float mask that requires one; ``scale_tensor`` (a learnable temperature) gets one
-    too."""
-    q, k, v, mask, scale_t, drop = ctx.saved_tensors
+    """Gradients of attention. dq, dk, dv come from the fused backward kernel on the simulator
+    (``torch.ops.autofuse.flash_attention_grad``, FlashAttentionScoreGrad: it recomputes the row statistics,
+    the forward op does not save them). The host recompute in fp32 (differentiating
+    :func:`reference_flash_attention`) remains for what that kernel does not compute: the gradient of a
+    learnable ``scale_tensor``, of an additive float ``mask`` that requires grad, and a gradient flowing into
+    the probabilities (``return_probs``: it changes dS), and ``mask_keeps_nan`` (its NaN handling is the
+    forward kernel's only); the whole backward then runs there, so its dq/dk/dv stay consistent."""
+    q, k, v, mask, scale_t, drop, out = ctx.saved_tensors
     need = ctx.needs_input_grad
+    host = (ctx.keeps_nan or (scale_t is not None and need[11])
+            or (mask is not None and mask.is_floating_point() and need[3])
+            or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
+    if not host:
+        go = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
+        dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
+            q, k, v, out.contiguous(), go, mask, drop, None, None, ctx.scale, ctx.causal, float(ctx.dropout_p),
+            ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
+        res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
+        return tuple(res) + (None,) * 14
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -319,3 +334,6 @@ def dropout_gen_mask(shape, p: float, dtype: torch.dtype = torch.float32, device
         raise ValueError(f"dropout_gen_mask: p={p}; a drop probability in [0, 1) is needed")
     return torch.ops.autofuse.dropout_gen_mask(list(shape), float(p), dtype, device)
 
+
+# the backward's op (imported last: it builds on this module's names)
+from autofuse import ops_attention_grad as _ops_attention_grad  # noqa: E402,F401

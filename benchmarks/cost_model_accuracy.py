@@ -298,6 +298,43 @@ def _fa_cases(quick: bool):
     return out
 
 
+def _fag_cases(quick: bool):
+    """The attention backward (flash_attention_grad): q, k, v, out, dout; short launches, odd sizes, GQA,
+    Dv != D, masks (bool per batch, additive broadcast), causal, dropout, saved statistics, every device."""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    # (B, N, Nkv, Sq, Skv, D, Dv), dtype, params, tensor-param kinds
+    cs = [((1, 1, 1, 16, 16, 64, 64), f16, {}, ()), ((1, 2, 1, 77, 50, 64, 64), f32, {}, ()),
+          ((2, 4, 2, 256, 256, 64, 64), f16, {"causal": True}, ()), ((1, 4, 4, 200, 333, 128, 128), bf16, {}, ()),
+          ((2, 4, 4, 256, 256, 64, 64), f16, {}, ("mask",)), ((1, 4, 2, 256, 256, 64, 64), f16, {"causal": True},
+                                                               ("drop",)),
+          ((2, 4, 4, 128, 128, 64, 64), f16, {}, ("stats",)), ((1, 8, 8, 130, 130, 80, 64), f16, {"causal": True}, ())]
+    if not quick:
+        cs += [((8, 12, 12, 1024, 1024, 64, 64), f16, {"causal": True}, ()),
+               ((1, 16, 16, 1024, 1024, 128, 128), f16, {"causal": True}, ()),
+               ((1, 32, 8, 2048, 2048, 128, 128), bf16, {"causal": True}, ("stats",)),
+               ((4, 16, 16, 256, 256, 128, 128), f16, {}, ()), ((2, 8, 8, 1000, 1000, 64, 64), bf16, {}, ("mask",)),
+               ((2, 8, 8, 512, 512, 64, 64), f16, {"causal": True}, ("drop",)),
+               ((1, 4, 4, 4096, 4096, 128, 128), f16, {"causal": True}, ()), ((8, 8, 8, 128, 128, 64, 64), f32, {}, ()),
+               ((2, 4, 4, 256, 256, 64, 64), f16, {}, ("addmask",))]
+    out = []
+    for i, ((B, N, Nkv, Sq, Skv, D, Dv), dt, p, kinds) in enumerate(cs):
+        ins = [((B, N, Sq, D), dt), ((B, Nkv, Skv, D), dt), ((B, Nkv, Skv, Dv), dt), ((B, N, Sq, Dv), dt),
+               ((B, N, Sq, Dv), dt)]
+        tp, p = {}, dict(p)
+        if "mask" in kinds:
+            tp["mask"] = ((B, 1, Sq, Skv), "bool")
+        if "addmask" in kinds:
+            tp["mask"] = ((Sq, Skv), dt)
+        if "drop" in kinds:
+            tp["drop_mask"] = ((B, N, Sq, -(-Skv // 8)), "uint8")
+            p["keep_prob"] = 0.9
+        if "stats" in kinds:
+            tp["softmax_max"] = tp["softmax_sum"] = ((B, N, Sq), f32)
+        for d in (DEVICES if not quick or i < 2 else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention_grad", ins, d, p, dict(tp)))
+    return out
+
+
 def _distinct_logits(T, E, dtype, rng):
     """Router logits without ties (every row a permutation of E exactly representable values): the model
     prices the tie-free kernel; tied rows cost Scalar cycles only the data decides."""
@@ -545,7 +582,7 @@ def _epilogue_cases(quick: bool):
 
 
 BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
-            "flash_attention": _fa_cases, "moe": _moe_cases, "links": _link_cases,
+            "flash_attention": _fa_cases, "flash_attention_grad": _fag_cases, "moe": _moe_cases, "links": _link_cases,
             "vector_program": _vector_program_cases, "matmul_epilogue": _epilogue_cases}
 
 

@@ -25,6 +25,7 @@ from cost_model import mc2 as _mc2  # noqa: F401,E402
 from cost_model import vector_program as _vector_program  # noqa: F401,E402
 from cost_model import matmul_epilogue as _matmul_epilogue  # noqa: F401,E402
 from cost_model import moe_ep as _moe_ep  # noqa: F401,E402
+from cost_model import flash_attention_grad as _flash_attention_grad  # noqa: F401,E402
 from cost_model.generic import generic_op  # noqa: E402
 from cost_model.alternatives import alternatives, epilogue_alternatives  # noqa: E402
 

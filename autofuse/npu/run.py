@@ -198,3 +198,4 @@ from autofuse.npu.kernels import mc2 as _mc2  # noqa: E402,F401
 from autofuse.npu.kernels import vector_program as _vector_program  # noqa: E402,F401
 from autofuse.npu.kernels import matmul_epilogue as _matmul_epilogue  # noqa: E402,F401
 from autofuse.npu.kernels import moe_ep as _moe_ep  # noqa: E402,F401
+from autofuse.npu.kernels import flash_attention_grad as _flash_attention_grad  # noqa: E402,F401

@@ -24,7 +24,7 @@ def records():
 def test_sweep_is_broad(records):
     kernels = {r.case.kernel for r in records}
     assert {"matmul", "softmax", "elementwise", "reduce", "layer_norm", "rms_norm", "generic", "copy", "cat",
-            "permute", "gather", "flash_attention"} <= kernels
+            "permute", "gather", "flash_attention", "flash_attention_grad"} <= kernels
     assert {r.case.device for r in records} == set(bench.DEVICES)
 
 

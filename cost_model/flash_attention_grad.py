@@ -1,0 +1,551 @@
+"""FlashAttention backward (``autofuse/npu/kernels/flash_attention_grad.py``): phase by phase, per lockstep step,
+the busiest unit or GM port.
+
+The kernel runs four phases one after another (each waits for every core): Dr = rowsum(dO∘O) and the zeroing
+of the fp32 dq workspace (vector cores, row blocks round-robin); without saved statistics the row max and
+sum recomputed (the forward's first sweep: S = Q·K_jᵀ on the Cube, online max/sum on the Vector); the main
+phase, one unit per (batch, kv head, KV block) dealt to the least-loaded core (causal: blocks j and nkv-1-j
+paired), each step S and dP on the Cube, P and dS on the Vector, Pd/dS through an L2 workspace back to the
+Cube, dV, dK accumulated in L0C, dQ atomically added into the workspace; and the cast of dq (fp16/bf16).
+
+A step lasts as long as its busiest unit (Cube, MTE1, MTE2, FixPipe, Vector, MTE3) or the core's GM port,
+which every transfer of the core shares: a lockstep transfer of ``n`` cores takes ``n·bytes / L2 bandwidth``
+on hits and ``n·bytes / HBM bandwidth`` on misses. A phase adds the latency of its first step (fill). HBM
+bytes: every input read once, the outputs written through, the Q/dO re-reads that miss when the phase's
+working set exceeds L2, and the workspaces still dirty in L2 at the end (written back then, as the
+simulator does).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.devices import get_device
+from cost_model.estimate import cached, kernel_cycles, make, register
+from cost_model.flash_attention import _counts
+
+F32 = "float32"
+# the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
+# L0A/L0B rings are double-buffered)
+LOOP_MTE1 = 0.5
+
+
+def _r16(x):
+    return round_up(x, 16)
+
+
+# ------------------------------------------------------------------------------------------ tiling
+def _rings(buf, shapes, dtype):
+    out, seen = [], set()
+    for sh in shapes:
+        if sh not in seen:
+            seen.add(sh)
+            out.append(("cube", buf, f"{buf}:{sh[0]}x{sh[1]}", sh, dtype, 1, 2))
+    return out
+
+
+def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
+    """The kernel's buffer requests (restated from it: the model imports nothing from the simulator)."""
+    q, kv = t["q"], t["kv"]
+    split = dev.arch == "split"
+    rows = q // 2 if split else q
+    v = [("s", (rows, kv), F32, 1, 2), ("dp", (rows, kv), F32, 1, 2), ("p", (rows, kv), dtype, 1, 2),
+         ("ds", (rows, kv), dtype, 1, 2)]
+    if mask_spec is not None:
+        mdt, mr, mc = mask_spec
+        v.append(("mask", (rows if mr else 1, kv if mc else 1), mdt, 1, 2))
+    if drop:
+        v.append(("drop", (rows, kv // 8), "uint8", 1, 2))
+    v += [(x, (rows,), F32, 1, 2) for x in ("m", "l", "dr")]
+    if stats:
+        v += [(x, (rows,), F32, 1, 1) for x in ("rm", "rl")]
+    v += [("pre_do", (q, Dv), dtype, 1, 2), ("pre_o", (q, Dv), dtype, 1, 2), ("pre_d", (q,), F32, 1, 2),
+          ("dq32", (rows, D), F32, 1, 2)]
+    if dtype != F32:
+        v.append(("dqc", (rows, D), dtype, 1, 2))
+    if not split:
+        v += [("dqs", (q, D), F32, 1, 2), ("dks", (kv, D), dtype, 1, 1), ("dvs", (kv, Dv), dtype, 1, 1)]
+    req = [("vec", "UB", name, sh, dt, lo, hi) for name, sh, dt, lo, hi in v]
+    req += [("cube", "L1", "k1", (kv, D), dtype, 1, 2), ("cube", "L1", "v1", (kv, Dv), dtype, 1, 1),
+            ("cube", "L1", "q1", (q, D), dtype, 2, 2), ("cube", "L1", "do1", (q, Dv), dtype, 2, 2),
+            ("cube", "L1", "p1", (rows, kv), dtype, 1, 2), ("cube", "L1", "ds1", (rows, kv), dtype, 1, 2)]
+    req += [("cube", "L0C", "dk0", (kv, D), F32, 1, 1), ("cube", "L0C", "dv0", (kv, Dv), F32, 1, 1),
+            ("cube", "L0C", "sdp0", (q, kv), F32, 2, 4), ("cube", "L0C", "dq0", (rows, D), F32, 1, 2),
+            ("cube", "L0B", "kb0", (kv, D), dtype, 1, 1)]
+    req += _rings("L0A", [(q, D), (q, Dv), (kv, rows), (rows, kv)], dtype)
+    req += _rings("L0B", [(D, kv), (Dv, kv), (rows, Dv), (rows, D), (kv, D)], dtype)
+    return req
+
+
+@cached
+def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+    dev = get_device(device)
+    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats)) \
+        is not None
+
+
+@cached
+def _candidates(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats):
+    """Fitting tilings: every (q, kv) block of the kernel's sizes, clamped to the sequences."""
+    out = []
+    for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True):
+        for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True):
+            if _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+                out.append({"q": q, "kv": kv})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ schedule
+def _deal(units, ncores):
+    """The kernel's dealer (least-loaded core, in order): per-core step counts and unit starts."""
+    n = min(ncores, len(units))
+    heap = [(0, 0, c) for c in range(n)]
+    for u in units:
+        load, k, c = heapq.heappop(heap)
+        heapq.heappush(heap, (load + sum(u), k + len(u), c))
+    return n, max(h[0] for h in heap), max(h[1] for h in heap)
+
+
+@cached
+def _schedule(BN, per_block, causal, ncores):
+    """(cores, lockstep steps, items on the busiest core) of units ``per_block`` (steps per block, one unit per
+    block, or paired i and nb-1-i under ``causal`` when that finishes sooner), repeated for ``BN`` heads."""
+    nb = len(per_block)
+    single = [[c] for c in per_block] * BN
+    best = _deal(single, ncores)
+    if causal:
+        pairs = [[per_block[i], per_block[nb - 1 - i]] for i in range(nb // 2)]
+        if nb % 2:
+            pairs.append([per_block[nb // 2]])
+        paired = _deal(pairs * BN, ncores)
+        if paired[1] <= best[1]:
+            best = paired
+    return best
+
+
+# ------------------------------------------------------------------------------------------ model
+class _Port:
+    """Per-core GM transfers of one lockstep step: unit cycles per engine and the shared port's cycles."""
+
+    def __init__(self, dev, n):
+        self.dev, self.n = dev, n
+        self.unit = {"mte2": 0.0, "mte3": 0.0, "fixpipe": 0.0, "vmte2": 0.0}
+        self.port = 0.0
+        self.vport = 0.0
+
+    def add(self, unit, path, nbytes, cores, hit=1.0, vec=False, every=1.0):
+        """``nbytes`` per core over ``path`` on ``cores`` cores at once, ``every`` times per step on average;
+        ``hit``: the fraction that hits L2. The engine is busy until its cycles and its port share are done;
+        the port carries the share only."""
+        dev = self.dev
+        share = cores * nbytes * (hit / dev.l2_bytes_per_cycle + (1 - hit) / dev.hbm_bytes_per_cycle)
+        self.unit[unit] += every * max(nbytes / dev.rates[path], share)
+        if vec:
+            self.vport += every * share
+        else:
+            self.port += every * share
+
+
+def _missed(first, between, second, l2):
+    """Fraction of a tensor's second reads that miss: heads are visited in the same order by both phases, so
+    head x (0..1) finds ``first·(1-x) + between + second·x`` bytes touched since its first use; LRU has
+    evicted it when that exceeds L2."""
+    lo, hi = first + between, second + between
+    if max(lo, hi) <= l2:
+        return 0.0
+    if min(lo, hi) >= l2:
+        return 1.0
+    x = (l2 - lo) / (hi - lo)
+    return 1.0 - x if hi > lo else x
+
+
+def _vec_rep(rows, cols, f=4):
+    return rows * math.ceil(cols / (256 / f))
+
+
+def _model(dev, specs, mask, causal, t, drop, stats):
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    _, Nkv, Skv, _ = ks
+    Dv = vs[3]
+    isz = itemsize(dtype)
+    split = dev.arch == "split"
+    nh = 2 if split else 1
+    qb, kvb = t["q"], t["kv"]
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    group = N // Nkv
+    k0f = dev.cube_k0[dtype]
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+    rate = dev.rates
+    f32 = dtype == F32
+    msz = 0 if mask is None else itemsize(mask[1])
+    mpass = 0 if mask is None else (1 if mask[1] in ("bool", F32) else 2)
+    busy = {u: 0.0 for u in ("cube", "mte1", "mte2", "fixpipe", "vector", "mte3")}
+    n_main = min(dev.cube_cores, B * Nkv * nkv)
+    nv = n_main * nh if split else n_main
+    qe_avg = Sq / nq                      # rows of an average query block (edges included)
+    ke_avg = Skv / nkv
+
+    # ---- L2: bytes each phase touches (heads in the same order in every phase), and what misses again
+    BNS = B * N * Sq
+    l2 = dev.l2_bytes
+    q_b, do_b = BNS * D * isz, BNS * Dv * isz
+    kv_b = B * Nkv * Skv * (D + Dv) * isz
+    dq_b, st_b = BNS * D * 4, BNS * 4
+    W0 = 2 * do_b + dq_b + st_b
+    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b) if stats else 0.0
+    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b
+    W3 = dq_b + BNS * D * isz
+    miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0          # q read again (phase 1 -> 2)
+    miss_do = _missed(W0, W1, W2, l2)                             # dO read again (phase 0 -> 2)
+    miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
+    zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
+    miss_dq = _missed(W2, 0.0, W3, l2)
+    hit_q = 1 - (miss_q * q_b + miss_do * do_b) / (q_b + do_b) / nkv
+    hit_kv = 1 - miss_k if stats else 0.0
+
+    # HBM traffic of each phase: its misses and write-throughs, and the dirty lines it evicts (LRU by volume:
+    # what a phase allocates beyond L2 pushes out the oldest lines, dirty ones in proportion)
+    l2s = {"res": 0.0, "dirty": 0.0}
+
+    def phase_hbm(alloc, dirty, direct):
+        res, drt = l2s["res"], l2s["dirty"]
+        out = max(0.0, res + alloc - l2)
+        wb = out * (drt + dirty) / (res + alloc) if res + alloc else 0.0
+        l2s["res"] = min(l2, res + alloc)
+        l2s["dirty"] = min(l2s["res"], drt + dirty - wb)
+        return direct + wb
+
+    kv_k = B * Nkv * Skv * D * isz
+    hbm_ph0 = phase_hbm(2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
+    hbm_ph1 = phase_hbm(q_b + kv_k + 2 * st_b, 2 * st_b, q_b + kv_k) if stats else 0.0
+    ws_lines = n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0))
+    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k
+    hbm_ph2 = phase_hbm(re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b + ws_lines,
+                        zero_out * dq_b + ws_lines, re_read + kv_b - (kv_k if stats else 0) + kv_b)
+    hbm_ph3 = phase_hbm(miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz) if not f32 else 0.0
+
+    # ---- phase 0: dq workspace := 0 (the halves phase 2 adds to), Dr = rowsum(dO∘O) (query blocks), both
+    # round-robin over the vector cores
+    Rr = qb // nh
+    itemsz = B * N * ceil_div(Sq, Rr)
+    Tz, actz, rz = ceil_div(itemsz, nv), min(nv, itemsz), min(Rr, Sq)
+    items0 = B * N * nq
+    T0, act0, r0 = ceil_div(items0, nv), min(nv, items0), qe_avg
+    p0 = _Port(dev, act0)
+    p0.add("mte2", "GM->UB", 2 * r0 * Dv * isz, act0, hit=0.0)
+    p0.add("mte3", "UB->GM", r0 * 4, act0)
+    vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
+    pz = _Port(dev, actz)
+    pz.add("mte3", "UB->GM", rz * D * 4, actz)
+    step0 = max(p0.unit["mte2"], vec0)
+    # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
+    # them written back
+    ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
+              Tz * pz.port + T0 * p0.port, hbm_ph0 / HBMbw)
+    busy["vector"] += T0 * vec0
+    busy["mte2"] += T0 * p0.unit["mte2"]
+    busy["mte3"] += T0 * p0.unit["mte3"]
+
+    # ---- phase 1: the row statistics (items (b, h, query block) over their KV tiles)
+    ph1 = 0.0
+    if stats:
+        if causal:
+            per_q = [ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq)]
+        else:
+            per_q = [nkv] * nq
+        n1, T1, items1 = _schedule(B * N, tuple(per_q), bool(causal), dev.cube_cores)
+        qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
+        rows = qe / nh
+        p1 = _Port(dev, n1)
+        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=True)
+        p1.add("mte2", "GM->L1", qe * D * isz, n1, hit=0.0, every=items1 / T1)
+        cube1 = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
+        mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
+        part = 0.0
+        if causal:
+            part = min(1.0, ceil_div(qb, kvb) * items1 / T1)
+        vec1 = _vec_rep(rows, ke) * (5 + mpass) + _vec_rep(rows, ke) * part * 2 + math.ceil(rows / 64) * 5
+        if mask is not None:
+            p1.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=True, vec=True)
+        if split:
+            p1.add("fixpipe", "L0C->GM", qe * ke * 4, n1)
+            p1.add("vmte2", "GM->UB", rows * ke * 4, 2 * n1, vec=True)
+        else:
+            p1.unit["fixpipe"] += qe * ke * 4 / rate["L0C->UB"]
+        p1.add("mte3", "UB->GM", 2 * rows * 4, nv, vec=True, every=items1 / T1)
+        mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
+        step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
+                    p1.vport if split else 0, p1.unit["fixpipe"], vec1)
+        ph1 = max(T1 * step1, hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] + cube1 + vec1 + p1.unit["fixpipe"]
+        busy["cube"] += T1 * cube1
+        busy["vector"] += T1 * vec1
+        busy["mte2"] += T1 * mte2
+        busy["mte1"] += T1 * mte1
+        busy["fixpipe"] += T1 * p1.unit["fixpipe"]
+
+    # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
+    per_kv = []
+    for j in range(nkv):
+        i0 = min(j * kvb, Sq) // qb if causal else 0
+        per_kv.append(group * (nq - i0))
+    n2, T2, units2 = _schedule(B * Nkv, tuple(per_kv), bool(causal), dev.cube_cores)
+    qe, ke = qe_avg, ke_avg
+    if causal:
+        qe = min(qb, Sq)
+    rows = qe / nh
+    qi, ki = int(math.ceil(qe)), int(math.ceil(ke))
+    cube2 = (ceil_div(qi, 16) * ceil_div(ki, 16) * (ceil_div(D, k0f) + ceil_div(Dv, k0f))
+             + ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
+             + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
+    a, b_ = rate["L1->L0A"], rate["L1->L0B"]
+    q16, k16 = _r16(qe), _r16(ke)
+    mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * q16 * isz / a
+            + q16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
+    per_unit = units2 / T2
+    p2 = _Port(dev, n2)
+    # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
+    p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
+    p2.add("mte2", "GM->L1", ke * D * isz, n2, hit=hit_kv, every=per_unit)        # K (read in phase 1)
+    p2.add("mte2", "GM->L1", ke * Dv * isz, n2, hit=0.0, every=per_unit)          # V: its first read
+    p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
+    p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
+    if mask is not None:
+        p2.add("vmte2", "GM->UB", rows * ke * msz, nv, vec=True)
+    if drop:
+        p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
+    p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
+    part = 0.0
+    if causal:
+        part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
+    zero_fill = 0
+    base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill
+    vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
+    if split:
+        p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
+        p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True)         # S, dP in
+        p2.add("fixpipe", "L0C->GM", qe * D * 4, n2)                      # dQ atomic add
+        p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, n2, hit=0.0, every=per_unit)
+        mte3 = p2.unit["mte3"]
+        mte2 = p2.unit["mte2"]
+        vmte2 = p2.unit["vmte2"]
+        port, vport = p2.port, p2.vport
+    else:
+        p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
+            + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
+        p2.add("mte3", "UB->GM", qe * D * 4, n2)                          # dQ atomic add
+        p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, n2, hit=0.0, every=per_unit)
+        mte3 = p2.unit["mte3"]
+        mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
+        vmte2 = 0.0
+        port, vport = p2.port + p2.vport, 0.0
+    # the software pipeline's loop spans two steps: S, dP(s) -> to the Vector -> P, dS(s) -> out to the
+    # workspace -> back into L1 -> the products of step s, and the in-order Cube starts S(s+2) after them
+    pds = 2 * qe * ke * isz
+    hand = (2 * qe * ke * 4 / rate["L0C->GM"] + 2 * rows * ke * 4 / rate["GM->UB"]) if split \
+        else 2 * qe * ke * 4 / rate["L0C->UB"]
+    # (coupled: the one MTE2 queue also carries the Vector's loads, all of it is in the loop; split: the AIC's
+    # Q and dO loads run ahead, only Pd and dS back are)
+    loop = cube2 + mte1 * LOOP_MTE1 + hand + vec2 + pds / nh / rate["UB->GM"] + \
+        (pds / rate["GM->L1"] if split else mte2)
+    chain = 0.0
+    if not split:
+        # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
+        # which step s+2's products wait for (in that order on one queue): a chain over two steps
+        cube_b = (ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
+                  + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
+        dq_out = qe * D * 4
+        # a unit's end (dK, dV out through UB on the same queues) and the next one's K, V loads sit in it too
+        edge = ke * (D + Dv) * (isz / rate["UB->GM"] + 4 / rate["L0C->UB"] + isz / rate["GM->L1"])
+        chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
+                 + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_)
+                 + 2 * per_unit * edge)
+    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2)
+    # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
+    # the next S waits for the load, the chip's cores reading their units' K, V at once
+    kv_core = ke * (D + Dv) * isz
+    bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
+    step2 += per_unit * bubble
+    fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
+    ph2 = max(T2 * step2, hbm_ph2 / HBMbw) + fill2
+    busy["cube"] += T2 * cube2
+    busy["vector"] += T2 * vec2
+    busy["mte1"] += T2 * mte1
+    busy["mte2"] += T2 * max(mte2, vmte2)
+    busy["mte3"] += T2 * mte3
+    busy["fixpipe"] += T2 * p2.unit["fixpipe"]
+
+    # ---- phase 3: dq = cast(workspace)
+    ph3 = 0.0
+    if not f32:
+        p3 = _Port(dev, actz)
+        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - miss_dq)
+        p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
+        vec3 = _vec_rep(rz, D)
+        step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
+        ph3 = max(Tz * step3, hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
+        busy["vector"] += Tz * vec3
+        busy["mte2"] += Tz * p3.unit["mte2"]
+        busy["mte3"] += Tz * p3.unit["mte3"]
+    core = ph0 + ph1 + ph2 + ph3
+
+    # ---- HBM: inputs once (again where evicted between phases), outputs through, dirty workspaces written back
+    hbm = q_b + 2 * do_b + kv_b                                   # q, out, dout, k, v
+    hbm += kv_b                                                   # dk, dv
+    hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
+    if mask is not None:
+        hbm += math.prod(mask[0]) * msz * (2 if stats and math.prod(mask[0]) * msz > l2 // 2 else 1)
+    if drop:
+        hbm += BNS * ceil_div(Skv, 8)
+    if not f32:
+        hbm += BNS * D * isz + miss_dq * dq_b                     # dq out; the workspace read back
+    hbm += dq_b * (1 + zero_out)                                  # the dq workspace's lines (evicted zeros)
+    hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
+    ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
+    # hand-off lines still dirty: per core and slot, one line per block extent it has written
+    combos = _extents(Sq, Skv, qb, kvb, causal)
+    per_slot = min(ceil_div(T2, 2), len(combos))
+    hbm += n2 * min(2, T2) * per_slot * sum(a * b for a, b in combos) / len(combos) * (isz * 2 + (8 if split else 0))
+    nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32)
+    return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+def _pairs(Sq, Skv, qb, kvb, causal):
+    """Sums over the (query block, KV block) pairs a causal or full sweep visits: count, Σqe, Σke, Σqe·ke."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    qe = [min(qb, Sq - i * qb) for i in range(nq)]
+    ke = [min(kvb, Skv - j * kvb) for j in range(nkv)]
+    cnt = sq = sk = sqk = 0
+    for i in range(nq):
+        last = min((i + 1) * qb, Sq) - 1
+        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
+        kj = sum(ke[:nj])
+        cnt, sq, sk, sqk = cnt + nj, sq + nj * qe[i], sk + kj, sqk + qe[i] * kj
+    return cnt, sq, sk, sqk
+
+
+def _extents(Sq, Skv, qb, kvb, causal):
+    """The distinct (rows, keys) extents of the blocks a sweep visits."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    out = set()
+    for i in (0, nq - 1):
+        last = min((i + 1) * qb, Sq) - 1
+        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
+        for j in {0, nj - 1}:
+            out.add((min(qb, Sq - i * qb), min(kvb, Skv - j * kvb)))
+    return sorted(out)
+
+
+def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32):
+    """Bytes per GM path, counted as the kernel moves them (every pair of every head; K, V per unit)."""
+    BN, BNS = B * N, B * N * Sq
+    _, sq, sk, sqk = _pairs(Sq, Skv, qb, kvb, causal)
+    kv_unit = B * Nkv * Skv * (D + Dv) * isz                     # K, V (and dK, dV) once per unit
+    mrows = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[2] != 1
+    mcols = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[3] != 1
+    mask_pair = 0.0 if mask is None else msz * (sqk if mrows and mcols else (sq if mrows else (sk if mcols else 0)))
+    b = {"GM->UB": 2 * BNS * Dv * isz + BN * (3 * sq * 4 + mask_pair),
+         "UB->GM": BNS * 4 + BNS * D * 4 + BN * 2 * sqk * isz,
+         "GM->L1": kv_unit + BN * (sq * (D + Dv) * isz + 2 * sqk * isz)}
+    if mask is not None and mask_pair == 0.0:
+        b["GM->UB"] += BN * msz * _pairs(Sq, Skv, qb, kvb, causal)[0]
+    if drop:
+        b["GM->UB"] += BN * _sum_drop(Sq, Skv, qb, kvb, causal)
+    if stats:
+        b["GM->L1"] += BNS * D * isz + BN * sk * D * isz          # each item's Q once, K per (item, tile)
+        b["GM->UB"] += BN * mask_pair
+        b["UB->GM"] += 2 * BNS * 4
+        if split:
+            b["L0C->GM"] = b.get("L0C->GM", 0) + BN * sqk * 4
+            b["GM->UB"] += BN * sqk * 4
+    if split:
+        b["L0C->GM"] = b.get("L0C->GM", 0) + BN * (2 * sqk * 4 + sq * D * 4) + kv_unit
+        b["GM->UB"] += BN * 2 * sqk * 4
+    else:
+        b["UB->GM"] += BN * sq * D * 4 + kv_unit
+    if not f32:
+        b["GM->UB"] += BNS * D * 4
+        b["UB->GM"] += BNS * D * isz
+    return b
+
+
+def _sum_drop(Sq, Skv, qb, kvb, causal):
+    """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    total = 0
+    for i in range(nq):
+        qe = min(qb, Sq - i * qb)
+        last = min((i + 1) * qb, Sq) - 1
+        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
+        total += qe * sum(ceil_div(min(kvb, Skv - j * kvb), 8) for j in range(nj))
+    return total
+
+
+def flops(B, N, Sq, Skv, D, Dv, causal):
+    pairs = Sq * Skv
+    if causal:
+        pairs = sum(min(i + 1, Skv) for i in range(Sq))
+    return 2.0 * B * N * pairs * (3 * D + 2 * Dv)
+
+
+def _mask_spec(mask):
+    if mask is None:
+        return None
+    m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
+    return (mask[1], m4[2] != 1, m4[3] != 1)
+
+
+def _roofline(dev, specs, mask=None, causal=False, drop=False, **_):
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    Skv, Dv = ks[2], vs[3]
+    isz = itemsize(dtype)
+    io = (2 * math.prod(qs[:3]) * (D + 2 * Dv) + 2 * (math.prod(ks) + math.prod(vs))) * isz
+    if mask is not None:
+        io += math.prod(mask[0]) * itemsize(mask[1])
+    fl = flops(B, N, Sq, Skv, D, Dv, causal)
+    return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
+
+
+@cached
+def _search(device, specs, mask, causal, drop, stats):
+    dev = get_device(device)
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    best = None
+    for t in _candidates(device, qs[2], ks[2], qs[3], vs[3], dtype, _mask_spec(mask), drop, stats):
+        res = _model(dev, specs, mask, causal, t, drop, stats)
+        cost = kernel_cycles(dev, *res[:3])
+        if best is None or cost < best[0]:
+            best = (cost, t, res)
+    if best is None:
+        raise ValueError(f"flash_attention_grad: no tiling fits {dev.name}")
+    return best[1], best[2]
+
+
+@register("flash_attention_grad", _roofline)
+def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
+                                  scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero",
+                                  tiling=None):
+    """``specs``: q, k, v, out, dout. ``mask``/``drop_mask``: their specs; ``softmax_max`` given: no statistics
+    sweep. ``fill``/``empty_rows``/``scale``/``keep_prob`` change values, not the work (a finite bool fill
+    adds the select that zeroes dS)."""
+    specs = tuple(specs[:5])
+    drop = drop_mask is not None
+    stats = softmax_max is None
+    if tiling is None:
+        t, res = _search(dev.name, specs, mask, bool(causal), drop, stats)
+    else:
+        t = {k: int(tiling[k]) for k in ("q", "kv")}
+        (qs, dtype), _, (vs, _) = specs[:3]
+        if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats):
+            raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}")
+        res = _model(dev, specs, mask, bool(causal), t, drop, stats)
+    core, hbm, nbytes, busy, ws = res
+    (qs, _), (ks, _), (vs, _) = specs[:3]
+    return make("flash_attention_grad", dev, core, hbm, nbytes, busy, dict(t),
+                _roofline(dev, specs, mask, causal, drop), flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal),
+                workspace=ws)
+
+
+__all__ = ["estimate_flash_attention_grad"]

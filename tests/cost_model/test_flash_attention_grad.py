@@ -1,0 +1,76 @@
+"""Cost model of the attention backward (flash_attention_grad) against the simulator: its tiling rule agrees
+with the kernel's capacity checks, its predictions track the simulator on small cases of every device, and it
+orders the kernel's variants (saved statistics, causal) as the simulator does."""
+import pytest
+import torch
+
+import cost_model
+from autofuse import npu
+from autofuse.npu.kernels.flash_attention_grad import tiling_fits
+from cost_model.devices import get_device
+from cost_model.flash_attention_grad import _fits
+
+DEVICES = ["ascend910", "ascend910b", "ascend310p"]
+
+
+def _specs(B, N, Nkv, Sq, Skv, D, Dv, dt="float16"):
+    return [((B, N, Sq, D), dt), ((B, Nkv, Skv, D), dt), ((B, Nkv, Skv, Dv), dt), ((B, N, Sq, Dv), dt),
+            ((B, N, Sq, Dv), dt)]
+
+
+def _sim(specs, device, tiling, **kw):
+    ts = [torch.empty(s, dtype=getattr(torch, d), device="meta") for s, d in specs]
+    return npu.run("flash_attention_grad", *ts, device=device, tiling=tiling, timing_only=True, **kw).stats
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_tiling_rule_matches_the_kernel(device, dtype):
+    """The model's restated buffer plan admits exactly the tilings the kernel admits (masks, dropout, with and
+    without the statistics sweep)."""
+    dev = get_device(device)
+    for D, Dv in ((64, 64), (128, 128), (80, 64)):
+        for q in (16, 32, 64, 128, 256):
+            for kv in (16, 64, 128, 256):
+                for mask_spec, drop, stats in ((None, False, True), (("bool", True, True), True, False)):
+                    t = {"q": q, "kv": kv}
+                    assert tiling_fits(dev, D, Dv, dtype, t, mask_spec, drop, stats) == \
+                        _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats), (D, Dv, t, mask_spec, drop)
+
+
+CASES = [((1, 2, 1, 100, 60, 64, 64), {}), ((2, 4, 4, 192, 192, 64, 64), {"causal": True}),
+         ((1, 4, 2, 128, 256, 128, 128), {})]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,params", CASES)
+def test_prediction_tracks_the_simulator(device, shape, params):
+    specs = _specs(*shape)
+    e = cost_model.estimate("flash_attention_grad", specs, device=device, **params)
+    s = _sim(specs, device, e.tiling, **params)
+    # the acceptance bound of the accuracy sweep (benchmarks/cost_model_accuracy.py): worst case 15 %
+    assert abs(e.cycles - s.cycles) <= 0.15 * s.cycles, (e.cycles, s.cycles)
+    assert abs(e.hbm_bytes - s.hbm_bytes) <= 0.15 * s.hbm_bytes, (e.hbm_bytes, s.hbm_bytes)
+    assert {k: v for k, v in e.bytes.items() if "GM" in k} == {k: v for k, v in s.bytes.items() if "GM" in k}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_variants_ordered_as_the_simulator(device):
+    """Saved statistics skip a sweep and causal skips half the blocks: both cheaper, in the model and the
+    simulator alike."""
+    specs = _specs(2, 4, 4, 256, 256, 64, 64)
+    stats = {"softmax_max": ((2, 4, 256), "float32"), "softmax_sum": ((2, 4, 256), "float32")}
+    full = cost_model.estimate("flash_attention_grad", specs, device=device)
+    saved = cost_model.estimate("flash_attention_grad", specs, device=device, **stats)
+    causal = cost_model.estimate("flash_attention_grad", specs, device=device, causal=True)
+    assert saved.cycles < full.cycles and causal.cycles < full.cycles
+    t = full.tiling
+    meta = {k: torch.empty(v[0], device="meta") for k, v in stats.items()}
+    assert _sim(specs, device, t, **meta).cycles < _sim(specs, device, t).cycles
+    assert _sim(specs, device, t, causal=True).cycles < _sim(specs, device, t).cycles
+
+
+def test_bad_tiling_is_an_error():
+    with pytest.raises(ValueError, match="does not fit"):
+        cost_model.estimate("flash_attention_grad", _specs(1, 1, 1, 256, 256, 128, 128), device="ascend910b",
+                            tiling={"q": 256, "kv": 256})

@@ -1,0 +1,213 @@
+"""FlashAttention backward kernel (flash_attention_grad) against float64 torch autograd of attention: shapes
+(GQA, Sq != Skv, odd sizes, Dv != D), dtypes, devices, causal, bool / additive masks, fully masked rows,
+dropout with a known keep-mask, the saved-statistics path; its errors (capacity names the buffer)."""
+import numpy as np
+import pytest
+import torch
+
+from autofuse import npu
+from autofuse.npu.kernels.flash_attention_grad import default_tiling, tiling_fits
+from autofuse.ops import pack_keep, reference_flash_attention
+from cost_model.devices import get_device
+
+DEVICES = ["ascend910", "ascend910b", "ascend310p"]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _inputs(B, N, Nkv, Sq, Skv, D, Dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((B, N, Sq, D), (B, Nkv, Skv, D), (B, Nkv, Skv, Dv), (B, N, Sq, Dv))
+    q, k, v, do = (torch.randn(*s, generator=g).to(dtype) for s in shapes)
+    return q, k, v, do
+
+
+def _attention(q, k, v, mask, causal, drop, p, fill=None):
+    """Attention in the inputs' dtype, every op in torch (eager), differentiable."""
+    return reference_flash_attention(q, k, v, mask=mask, causal=causal, drop_mask=drop, dropout_p=p, fill=fill)[0]
+
+
+def _eager(q, k, v, mask, causal, drop=None, p=0.0, fill=None):
+    """Eager attention in the operand dtype (scores, softmax, products all in it) and its autograd."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = leaves[1].repeat_interleave(rep, 1), leaves[2].repeat_interleave(rep, 1)
+    s = (leaves[0] @ kk.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        s = s + mask.to(s.dtype) if mask.is_floating_point() else s.masked_fill(~mask, float("-inf") if fill is None
+                                                                                else fill)
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    pr = torch.softmax(s, -1)
+    if drop is not None:
+        from autofuse.ops import unpack_keep
+        pr = pr * unpack_keep(drop, s.shape[-1]).to(pr.dtype) / (1 - p)
+    out = pr @ vv
+    return out, leaves
+
+
+def _ref64(q, k, v, do, mask=None, causal=False, drop=None, p=0.0, fill=None):
+    """float64 autograd of the same attention (the kernel's inputs, upcast): out, (dq, dk, dv)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    m = mask.double() if mask is not None and mask.is_floating_point() else mask
+    out = _attention(*leaves, m, causal, drop, p, fill)
+    return out, torch.autograd.grad(out, leaves, do.double())
+
+
+def _run(device, q, k, v, out, do, **kw):
+    r = npu.run("flash_attention_grad", q, k, v, out.to(q.dtype), do, device=device, **kw)
+    got = [torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in r.outputs]
+    assert [a.shape for a in got] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    want = {torch.float16: np.float16, torch.bfloat16: np.float32, torch.float32: np.float32}[q.dtype]
+    assert [a.dtype for a in r.outputs] == [want] * 3
+    return got, r
+
+
+def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0, fill=None):
+    """|kernel - ref64| <= 2 |eager - ref64| + floor per gradient, eager's autograd in the same dtype being the
+    yardstick. The floor: u·max|ref| (u the dtype's unit roundoff: a gradient eager happens to get exactly
+    right on a tiny case; the kernel rounds dS and Pd to the operand dtype once), plus the one error source
+    FlashAttention's backward has and eager's has not: Dr = rowsum(dO∘O) replaces rowsum(P∘dP), a sum of Dv
+    fp32 products, off by at most δ = Dv·u32·Σ|dO∘O| per row; dS = scale·P∘(dP - Dr) carries it into
+    dq by at most scale·δ·max|K| (a row of P sums to 1) and into dk by scale·δ·max|Q|·max_j Σ_i P_ij."""
+    _, ref = _ref64(q, k, v, do, mask, causal, drop, p, fill)
+    out_e, leaves = _eager(q, k, v, mask, causal, drop, p, fill)
+    eager = torch.autograd.grad(out_e, leaves, do)
+    u = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[q.dtype]
+    m = mask.double() if mask is not None and mask.is_floating_point() else mask
+    out, probs = reference_flash_attention(q.double(), k.double(), v.double(), mask=m, causal=causal, fill=fill,
+                                           return_probs=True)
+    scale = q.shape[-1] ** -0.5
+    delta = v.shape[-1] * 2.0 ** -24 * (do.double() * out.double()).abs().sum(-1).max().item() / (1 - p)
+    fa = [scale * delta * k.double().abs().max().item(),
+          scale * delta * q.double().abs().max().item() * probs.sum(-2).max().item() / (1 - p) * q.shape[1], 0.0]
+    for name, a, e, r, f in zip(("dq", "dk", "dv"), got, eager, ref, fa):
+        err_k = (a - r).abs().max().item()
+        err_e = (e.double() - r).abs().max().item()
+        assert err_k <= 2 * err_e + u * r.abs().max().item() + f, f"{name}: kernel {err_k:.3e}, eager {err_e:.3e}"
+
+
+CASES = [  # B, N, Nkv, Sq, Skv, D, Dv, causal
+    (1, 2, 1, 40, 72, 32, 32, False),       # GQA, Sq != Skv
+    (2, 2, 2, 33, 17, 16, 24, False),       # odd sizes, Dv != D
+    (1, 4, 2, 70, 70, 64, 64, True),        # causal over several blocks, GQA
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_no_worse_than_eager(device, dtype, case):
+    *shape, causal = case
+    q, k, v, do = _inputs(*shape, dtype)
+    out, _ = _ref64(q, k, v, do, causal=causal)
+    got, _ = _run(device, q, k, v, out, do, causal=causal)
+    _check_vs_eager(got, q, k, v, do, causal=causal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_mask_with_fully_masked_rows_gives_zero_gradients(device):
+    q, k, v, do = _inputs(2, 2, 1, 24, 40, 16, 16, torch.float16)
+    mask = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[:, :, 5] = False                                     # row 5 attends nothing: SDPA gives 0, grads 0
+    out, ref = _ref64(q, k, v, do, mask)
+    got, _ = _run(device, q, k, v, out, do, mask=mask)
+    assert torch.all(got[0][:, :, 5] == 0)
+    live = torch.ones(24, dtype=torch.bool)
+    live[5] = False
+    _check_vs_eager([got[0][:, :, live], got[1], got[2]], q[:, :, live], k, v, do[:, :, live], mask[:, :, live])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_additive_mask_and_finite_fill(device):
+    q, k, v, do = _inputs(1, 2, 2, 20, 36, 32, 32, torch.float16)
+    g = torch.Generator().manual_seed(4)
+    add = (torch.randn(1, 1, 20, 36, generator=g) * 2).to(torch.float16)     # broadcast over B and N
+    out, _ = _ref64(q, k, v, do, add, causal=True)
+    got, _ = _run(device, q, k, v, out, do, mask=add, causal=True)
+    _check_vs_eager(got, q, k, v, do, add, causal=True)
+    # a finite fill: a fully masked row averages V, as eager's masked_fill(finfo.min) softmax does
+    mask = torch.rand(1, 2, 20, 36, generator=g) > 0.5
+    mask[..., 3, :] = False
+    fill = float(torch.finfo(torch.float16).min)
+    out, ref = _ref64(q, k, v, do, mask, fill=fill)
+    got, _ = _run(device, q, k, v, out, do, mask=mask, fill=fill)
+    _check_vs_eager(got, q, k, v, do, mask, fill=fill)
+    assert got[0][:, :, 3].abs().max() > 0 or ref[0][:, :, 3].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dropout_with_known_keep_mask(device, dtype):
+    q, k, v, do = _inputs(1, 2, 1, 33, 48, 32, 32, dtype)
+    p = 0.25
+    keep = torch.rand(1, 2, 33, 48, generator=torch.Generator().manual_seed(5)) >= p
+    bits = pack_keep(keep)
+    out, _ = _ref64(q, k, v, do, drop=bits, p=p, causal=True)
+    got, _ = _run(device, q, k, v, out, do, drop_mask=bits, keep_prob=1 - p, causal=True)
+    _check_vs_eager(got, q, k, v, do, causal=True, drop=bits, p=p)
+    # near miss: the kernel reads the mask (another keep-mask gives other gradients)
+    other, _ = _run(device, q, k, v, out, do, drop_mask=pack_keep(~keep), keep_prob=1 - p, causal=True)
+    assert (other[2] - got[2]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saved_statistics_skip_the_sweep(device):
+    """Given each row's log-sum-exp the kernel skips its statistics sweep: the same gradients, fewer cycles."""
+    q, k, v, do = _inputs(1, 2, 1, 48, 64, 32, 32, torch.float16)
+    mask = torch.rand(1, 1, 48, 64, generator=torch.Generator().manual_seed(6)) > 0.3
+    mask[..., 0] = True
+    out, _ = _ref64(q, k, v, do, mask)
+    s = ((q.double() @ k.double().transpose(-2, -1)) * 32 ** -0.5).masked_fill(~mask, float("-inf"))
+    mx = s.amax(-1)
+    sm = torch.exp(s - mx[..., None]).sum(-1)
+    a, ra = _run(device, q, k, v, out, do, mask=mask)
+    b, rb = _run(device, q, k, v, out, do, mask=mask, softmax_max=mx.float(), softmax_sum=sm.float())
+    _check_vs_eager(b, q, k, v, do, mask)
+    for x, y in zip(a, b):
+        # the recomputed statistics differ from the float64 ones by a few fp32 ulps: P by ~1e-6 relative, far
+        # below one fp16 rounding of dS and P (2^-11); what remains are flips of one rounding step of those
+        assert (x - y).abs().max().item() <= 2.0 ** -9 * max(1.0, y.abs().max().item())
+    assert rb.stats.cycles < ra.stats.cycles
+    # wrong statistics change the result (the kernel reads them)
+    c, _ = _run(device, q, k, v, out, do, mask=mask, softmax_max=mx.float(), softmax_sum=2 * sm.float())
+    assert (c[2] - b[2]).abs().max() > 1e-2
+
+
+def test_empty_rows_nan():
+    q, k, v, do = _inputs(1, 1, 1, 16, 16, 16, 16, torch.float32)
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    mask[2] = False
+    out, _ = _ref64(q, k, v, do, mask)
+    got, _ = _run("ascend910", q, k, v, out, do, mask=mask, empty_rows="nan")
+    assert torch.isnan(got[0][0, 0, 2]).all() and not torch.isnan(got[0][0, 0, 3]).any()
+
+
+def test_timing_only_matches_values_run():
+    q, k, v, do = _inputs(1, 2, 2, 40, 40, 32, 32, torch.float16)
+    out, _ = _ref64(q, k, v, do, causal=True)
+    _, r = _run("ascend910b", q, k, v, out, do, causal=True)
+    t = npu.run("flash_attention_grad", *(x.to("meta") for x in (q, k, v, out.to(q.dtype), do)), causal=True,
+                device="ascend910b", timing_only=True)
+    assert t.stats.cycles == r.stats.cycles and t.stats.hbm_bytes == r.stats.hbm_bytes
+
+
+def test_tilings_fit_and_errors_name_the_buffer():
+    for name in DEVICES:
+        dev = get_device(name)
+        for D in (64, 128):
+            t = default_tiling(dev, 1024, 1024, D, D, "float16")
+            assert tiling_fits(dev, D, D, "float16", t)
+    q, k, v, do = _inputs(1, 1, 1, 256, 256, 128, 128, torch.float16)
+    with pytest.raises(ValueError, match="L0C needs"):
+        npu.run("flash_attention_grad", q, k, v, do, do, tiling={"q": 256, "kv": 256}, device="ascend910b")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        npu.run("flash_attention_grad", q, k, v, do, do, tiling={"q": 24, "kv": 16})
+    with pytest.raises(TypeError, match="dtypes differ"):
+        npu.run("flash_attention_grad", q, k.float(), v, do, do)
+    with pytest.raises(ValueError, match="softmax_max is float32"):
+        npu.run("flash_attention_grad", q, k, v, do, do, softmax_max=torch.zeros(1, 1, 255),
+                softmax_sum=torch.zeros(1, 1, 255))
+    with pytest.raises(ValueError, match="together"):
+        npu.run("flash_attention_grad", q, k, v, do, do, softmax_max=torch.zeros(1, 1, 256))
+    with pytest.raises(ValueError, match="dout"):
+        npu.run("flash_attention_grad", q, k, v, do, do[:, :, :8])
