@@ -85,6 +85,12 @@ def _cases():
     keep = np.random.default_rng(5).random((2, 4, 96, 160)) < 0.9
     c += [("dropout_gen_mask", (), {"shape": (2, 4, 96, 160), "keep_prob": 0.9, "draws": HostDraws(keep)}),
           ("flash_attention", (q, k, v), {"causal": True, "drop_mask": pack_keep(keep), "keep_prob": 0.9})]
+    # the attention's backward (out and dout: any values of their shapes; the statistics recomputed or given)
+    o, do = _rand(2, 4, 96, 64, seed=4), _rand(2, 4, 96, 64, seed=5)
+    stats = {"softmax_max": _rand(2, 4, 96, dtype=f32, seed=6), "softmax_sum": _rand(2, 4, 96, dtype=f32, seed=7).abs() + 1}
+    c += [("flash_attention_grad", (q, k, v, o, do), {"causal": True}),
+          ("flash_attention_grad", (q, k, v, o, do), {"mask": mask, "drop_mask": pack_keep(keep), "keep_prob": 0.9}),
+          ("flash_attention_grad", (q, k, v, o, do), stats)]
     # MoE
     logits = _rand(50, 16, dtype=f32)
     c += [("moe_gating_topk", (logits,), {"k": 2, "renorm": True}),
