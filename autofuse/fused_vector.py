@@ -27,7 +27,7 @@ from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops
 from autofuse.fused import (REDUCED, Family, Price, _adapt, keep_mask_call, keep_mask_price, per_device,
                             register_family)
 from autofuse.graph import call
-from cost_model.program import BIT, Input, Output, as_program, stored_shape
+from cost_model.program import BIT, FLOATS, Input, Output, as_program, stored_shape
 from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
 
 aten = torch.ops.aten
@@ -108,6 +108,18 @@ def training_graph(graph: fx.Graph) -> bool:
     return False
 
 
+def reads_product(prog) -> bool:
+    """Whether the backward of an epilogue's program (the product's gradient and every float extra input's)
+    reads the product (its input 0): a GELU does, SwiGLU does (the gate's gradient reads the up projection and
+    the other way round), a residual add or a bias does not."""
+    wrt = [0] + [k for k, inp in enumerate(prog.inputs) if k and inp.dtype in FLOATS]
+    try:
+        gp = backward_program(prog, wrt)
+    except NotDifferentiable:
+        return False
+    return gp.program is not None and reads_input(gp.program, 0)
+
+
 def with_product(prog):
     """``prog`` (an epilogue's program) that also outputs its input 0, the product, when its backward reads
     the product and no output is it already; None otherwise (the backward needs no product: a residual add,
@@ -116,13 +128,7 @@ def with_product(prog):
     no product: its backward recomputes it with a matmul."""
     if any(o.value == 0 for o in prog.outputs):
         return None
-    if any(prog.values[o.value].width != prog.values[0].width for o in prog.outputs):
-        return None
-    try:
-        gp = backward_program(prog, [0])
-    except NotDifferentiable:
-        return None
-    if gp.program is None or not reads_input(gp.program, 0):
+    if any(prog.values[o.value].width != prog.values[0].width for o in prog.outputs) or not reads_product(prog):
         return None
     return dataclasses.replace(prog, outputs=prog.outputs + (Output(0, prog.inputs[0].dtype),))
 
@@ -130,7 +136,9 @@ def with_product(prog):
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     p = match.params
     prog = p["program"]
-    trained = with_product(prog) if training_graph(nodes[match.inputs["a"]].graph) else None
+    training = training_graph(nodes[match.inputs["a"]].graph)
+    trained = with_product(prog) if training else None
+    recompute = training and trained is None and reads_product(prog)
     prog = trained or prog
     a, b = (nodes[match.inputs[r]] for r in ("a", "b"))
     specs = [(tuple(a.meta["val"].shape), _dtype(a)), (tuple(b.meta["val"].shape), _dtype(b))]
@@ -142,6 +150,13 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
                    trans_b=p["trans_b"])
     if trained is not None:
         price.options = {"program": trained.to_json()}     # emit_epilogue calls the op with this program
+    if recompute:
+        # a training plan whose epilogue cannot store its product (outputs narrower than it): the backward
+        # recomputes the product with a matmul, eager's backward reads it; the plan weighs that matmul too, so
+        # the Vector chain alone (its product written by the matmul) wins where the epilogue saves less
+        redo = _price("matmul", specs, device, search_tiling, {}, trans_b=p["trans_b"])
+        price = dataclasses.replace(price, cycles=price.cycles + redo.cycles, hbm_bytes=price.hbm_bytes + redo.hbm_bytes,
+                                    kernels=list(price.kernels) + ["matmul (the backward's product recompute)"])
     return _with_draws(price, match, p["extra_shapes"], device)
 
 
