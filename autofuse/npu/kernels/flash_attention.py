@@ -414,13 +414,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     :func:`pack_keep` packs it); kept probabilities are scaled by ``1 / keep_prob``.
     """
     dev = launch.device
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.data.ndim != 4:
-            raise ValueError(f"flash_attention: {name} must be [B, N, S, D] (BNSD), got shape {list(t.shape)}")
-        if t.dtype not in OPERAND_DTYPES:
-            raise TypeError(f"flash_attention: {name} is {t.dtype}; the Cube takes {', '.join(OPERAND_DTYPES)}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
     B, N, Sq, D = q.shape
     Bk, Nkv, Skv, Dk = k.shape
     if (Bk, Nkv, Skv) != tuple(v.shape[:3]) or Bk != B or Dk != D:
@@ -431,15 +425,8 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     Dv = v.shape[3]
     dtype = q.dtype
     scale = float(D ** -0.5 if scale is None else scale)
-    if empty_rows not in ("zero", "nan"):
-        raise ValueError(f"flash_attention: empty_rows={empty_rows!r}; use 'zero' (SDPA) or 'nan' (softmax)")
-    fill = float(fill)
-    if math.isnan(fill) or fill == math.inf:
-        raise ValueError(f"flash_attention: fill={fill}; a masked score must be -inf or a finite value")
-    mask_spec = None
-    if mask is not None:
-        mask, mshape = _mask_view(mask, B, N, Sq, Skv)
-        mask_spec = (mask.dtype, mshape[2] != 1, mshape[3] != 1)
+    fill = check_fill("flash_attention", empty_rows, fill)
+    mask, mask_spec = mask_with_spec(mask, B, N, Sq, Skv)
     drop = drop_mask is not None
     if drop:
         _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), return_probs)
@@ -451,17 +438,53 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
         if bad:
             raise ValueError(f"flash_attention: {bad}")
     req = _requests(dev, D, Dv, dtype, t, mask_spec, drop)
-    counts = _counts(dev, req)
-    if counts is None:
-        use = _buffer_use(dev, req, {r[2]: r[5] for r in req})
-        over = ", ".join(f"{buf} needs {u:,} B of {dev.buffers[buf]:,} B" for (_, buf), u in use.items()
-                         if u > dev.buffers[buf])
-        raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}: {over}")
+    counts = fitted_counts("flash_attention", dev, req, t)
     prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv)
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
     return prog.run()
+
+
+def check_operands(kernel: str, named) -> None:
+    """Every ``(name, tensor)`` is BNSD (4-D) in a Cube operand dtype, all of one dtype."""
+    for name, t in named:
+        if t.data.ndim != 4:
+            raise ValueError(f"{kernel}: {name} must be [B, N, S, D] (BNSD), got shape {list(t.shape)}")
+        if t.dtype not in OPERAND_DTYPES:
+            raise TypeError(f"{kernel}: {name} is {t.dtype}; the Cube takes {', '.join(OPERAND_DTYPES)}")
+    if len({t.dtype for _, t in named}) > 1:
+        names = ", ".join(n for n, _ in named)
+        raise TypeError(f"{kernel}: {names} dtypes differ ({', '.join(str(t.dtype) for _, t in named)})")
+
+
+def check_fill(kernel: str, empty_rows: str, fill) -> float:
+    """``fill`` as a float, once ``empty_rows`` and ``fill`` are checked."""
+    if empty_rows not in ("zero", "nan"):
+        raise ValueError(f"{kernel}: empty_rows={empty_rows!r}; use 'zero' (SDPA) or 'nan' (softmax)")
+    fill = float(fill)
+    if math.isnan(fill) or fill == math.inf:
+        raise ValueError(f"{kernel}: fill={fill}; a masked score must be -inf or a finite value")
+    return fill
+
+
+def mask_with_spec(mask, B, N, Sq, Skv):
+    """``(mask viewed as [B, N, Sq, Skv], (dtype, varies along queries, varies along keys))``, or ``(None, None)``."""
+    if mask is None:
+        return None, None
+    mask, mshape = _mask_view(mask, B, N, Sq, Skv)
+    return mask, (mask.dtype, mshape[2] != 1, mshape[3] != 1)
+
+
+def fitted_counts(kernel: str, dev, req, t) -> dict:
+    """The buffer counts of the tiling's requests, or a capacity error naming each buffer that overflows."""
+    counts = _counts(dev, req)
+    if counts is None:
+        use = _buffer_use(dev, req, {r[2]: r[5] for r in req})
+        over = ", ".join(f"{buf} needs {u:,} B of {dev.buffers[buf]:,} B" for (_, buf), u in use.items()
+                         if u > dev.buffers[buf])
+        raise ValueError(f"{kernel} tiling {t} does not fit {dev.name}: {over}")
+    return counts
 
 
 def _check_drop(drop_mask, keep_prob, shape, return_probs):

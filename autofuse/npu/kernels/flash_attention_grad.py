@@ -64,14 +64,13 @@ GM region is read and written with the same extent in every phase and later phas
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
-from autofuse.npu.kernels.flash_attention import (OPERAND_DTYPES, _as_f32, _buffer_use, _check_drop, _counts,
-                                                  _mask_view, _schedule, round_to)
+from autofuse.npu.kernels.flash_attention import (_as_f32, _check_drop, _counts, _schedule,
+                                                  check_fill, check_operands, fitted_counts, mask_with_spec,
+                                                  round_to)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
 
@@ -230,14 +229,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
     ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`)."""
     dev = launch.device
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
-        if t.data.ndim != 4:
-            raise ValueError(f"flash_attention_grad: {name} must be [B, N, S, D] (BNSD), got shape {list(t.shape)}")
-        if t.dtype not in OPERAND_DTYPES:
-            raise TypeError(f"flash_attention_grad: {name} is {t.dtype}; the Cube takes {', '.join(OPERAND_DTYPES)}")
-    if not q.dtype == k.dtype == v.dtype == out.dtype == dout.dtype:
-        raise TypeError(f"flash_attention_grad: q, k, v, out, dout dtypes differ "
-                        f"({q.dtype}, {k.dtype}, {v.dtype}, {out.dtype}, {dout.dtype})")
+    check_operands("flash_attention_grad", (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
     B, N, Sq, D = q.shape
     Bk, Nkv, Skv, Dk = k.shape
     Dv = v.shape[3]
@@ -254,15 +246,8 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
         if t is not None and (tuple(t.shape) != (B, N, Sq) or t.dtype != F32):
             raise ValueError(f"flash_attention_grad: {name} is {t.dtype} {list(t.shape)}; it must be float32 "
                              f"{[B, N, Sq]} (each row's statistic of its scaled, masked scores)")
-    if empty_rows not in ("zero", "nan"):
-        raise ValueError(f"flash_attention_grad: empty_rows={empty_rows!r}; use 'zero' (SDPA) or 'nan' (softmax)")
-    fill = float(fill)
-    if math.isnan(fill) or fill == math.inf:
-        raise ValueError(f"flash_attention_grad: fill={fill}; a masked score must be -inf or a finite value")
-    mask_spec = None
-    if mask is not None:
-        mask, mshape = _mask_view(mask, B, N, Sq, Skv)
-        mask_spec = (mask.dtype, mshape[2] != 1, mshape[3] != 1)
+    fill = check_fill("flash_attention_grad", empty_rows, fill)
+    mask, mask_spec = mask_with_spec(mask, B, N, Sq, Skv)
     drop = drop_mask is not None
     if drop:
         _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), False)
@@ -275,12 +260,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
         if bad:
             raise ValueError(f"flash_attention_grad: {bad}")
     req = _requests(dev, D, Dv, q.dtype, t, mask_spec, drop, stats)
-    counts = _counts(dev, req)
-    if counts is None:
-        use = _buffer_use(dev, req, {r[2]: r[5] for r in req})
-        over = ", ".join(f"{buf} needs {u:,} B of {dev.buffers[buf]:,} B" for (_, buf), u in use.items()
-                         if u > dev.buffers[buf])
-        raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}: {over}")
+    counts = fitted_counts("flash_attention_grad", dev, req, t)
     prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, (softmax_max, softmax_sum), t, req, counts,
                     bool(causal))
     prog.scale = np.float32(D ** -0.5 if scale is None else scale)
