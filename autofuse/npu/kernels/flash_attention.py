@@ -487,6 +487,20 @@ def fitted_counts(kernel: str, dev, req, t) -> dict:
     return counts
 
 
+def core_groups(launch, n: int, split: bool, req, counts, sep: str = ""):
+    """``(cube group, vector group, tiles)``: n AI cores (split chips: n AICs and their 2n AIVs) and each
+    request's tiles (``counts[name]`` of them) on its side."""
+    if split:
+        cg, vg = launch.group("aic", n), launch.group("aiv", 2 * n)
+    else:
+        cg = vg = launch.group("core", n)
+    tiles = {}
+    for side, buf, name, shape, dt, _, _ in req:
+        g = cg if side == "cube" else vg
+        tiles[name] = [g.alloc(buf, shape, dt, f"{name}{sep}{i}") for i in range(counts[name])]
+    return cg, vg, tiles
+
+
 def _check_drop(drop_mask, keep_prob, shape, return_probs):
     B, N, Sq, Skv = shape
     want = [B, N, Sq, _ceil(Skv, 8)]
@@ -573,16 +587,8 @@ class _Program:
             _PLANS.pop(next(iter(_PLANS)))
         self.plan, self.steps, self.steps2 = plan, plan.steps, plan.steps2
         n = self.n = self.steps.n
-        if self.split:
-            self.cg = launch.group("aic", n)
-            self.vg = launch.group("aiv", 2 * n)
-        else:
-            self.cg = self.vg = launch.group("core", n)
+        self.cg, self.vg, self.tl = core_groups(launch, n, self.split, req, counts)   # the plan tiling_fits checked
         self.nv = self.vg.n
-        self.tl = {}
-        for side, buf, name, shape, dt, _, _ in req:        # the plan tiling_fits checked
-            g = self.cg if side == "cube" else self.vg
-            self.tl[name] = [g.alloc(buf, shape, dt, f"{name}{i}") for i in range(counts[name])]
         if "b0" in self.tl:
             self.tl["kt0"] = self.tl["v0"] = self.tl["b0"]
         if "c0" in self.tl:

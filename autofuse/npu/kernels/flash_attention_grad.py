@@ -69,7 +69,7 @@ import numpy as np
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
 from autofuse.npu.kernels.flash_attention import (_as_f32, _check_drop, _counts, _schedule,
-                                                  check_fill, check_operands, fitted_counts, mask_with_spec,
+                                                  check_fill, check_operands, core_groups, fitted_counts, mask_with_spec,
                                                   round_to)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
@@ -302,16 +302,8 @@ class _Program:
         if self.recompute and self.st_stats.n < n:
             self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores, n)
         self.n = n
-        if self.split:
-            self.cg = launch.group("aic", n)
-            self.vg = launch.group("aiv", 2 * n)
-        else:
-            self.cg = self.vg = launch.group("core", n)
+        self.cg, self.vg, self.tl = core_groups(launch, n, self.split, req, counts, sep="#")
         self.nv = self.vg.n
-        self.tl = {}
-        for side, buf, name, shape, dt, _, _ in req:
-            g = self.cg if side == "cube" else self.vg
-            self.tl[name] = [g.alloc(buf, shape, dt, f"{name}#{i}") for i in range(counts[name])]
         self.ring = {}
         f32 = F32
         self.m_gm, self.l_gm = saved if not self.recompute else \
