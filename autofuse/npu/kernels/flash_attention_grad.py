@@ -68,8 +68,8 @@ import numpy as np
 
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
-from autofuse.npu.kernels.flash_attention import (_as_f32, _check_drop, _counts, _schedule,
-                                                  check_fill, check_operands, core_groups, fitted_counts, mask_with_spec,
+from autofuse.npu.kernels.flash_attention import (_as_f32, _check_drop, _counts, _schedule, check_fill,
+                                                  check_operands, core_groups, fitted_counts, mask_with_spec,
                                                   round_to)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
