@@ -8,6 +8,8 @@ torch's CPU wall time for the same computation in fp32 (same process; warm-up, t
     softmax          4096 x 4096 fp16, last dim (skipped if the kernel is not registered)
     flash_attention  B=1, N=16, S=2048, D=128 fp16 on the 910 (the acceptance shape, with its checks),
                      and the 910B sweep S = 2048, 4096, 8192 (N = 8) in TFLOP/s next to published figures
+    flash_attention_grad  its backward (FlashAttentionScoreGrad) on a GPT-2 layer's causal attention,
+                     B=8, N=12, S=1024, D=64 fp16, every device, next to the forward: timing only
 
 FlashAttention FLOPs: 4·B·N·Sq·Skv·D (Q·Kᵀ and P·V; causal would count attended scores only).
 
@@ -188,6 +190,24 @@ def bench_fa_sweep(sizes, N=8):
     return rows
 
 
+def bench_fa_backward(B=8, N=12, S=1024, D=64):
+    """The attention backward next to its forward (timing only: the same statistics as a full launch,
+    tests/npu/test_timing_only.py), with the row statistics recomputed (what the fused op's backward runs
+    today: the forward does not output them) and given (CANN's softmax_max / softmax_sum)."""
+    print(f"  attention backward, B={B} N={N} S={S} D={D} fp16 causal (cycles; timing only):")
+    q, k, v = _qkv(B, N, S, D, seed=4)
+    o, do = _qkv(B, N, S, D, seed=5)[:2]
+    stats = {"softmax_max": torch.zeros(B, N, S), "softmax_sum": torch.ones(B, N, S)}
+    for dev in npu.devices():
+        fwd = npu.run("flash_attention", q, k, v, causal=True, device=dev, timing_only=True).stats
+        bwd = npu.run("flash_attention_grad", q, k, v, o, do, causal=True, device=dev, timing_only=True).stats
+        saved = npu.run("flash_attention_grad", q, k, v, o, do, causal=True, device=dev, timing_only=True,
+                        **stats).stats
+        print(f"    {dev:<11} forward {fwd.cycles:>10,}   backward {bwd.cycles:>10,} ({bwd.cycles / fwd.cycles:.2f}x the "
+              f"forward, bound {bwd.bound})   with saved statistics {saved.cycles:>10,} "
+              f"({saved.cycles / fwd.cycles:.2f}x)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a fast subset")
@@ -204,6 +224,8 @@ def main():
     bench_softmax(a.repeat)
     bench_fa_acceptance(a.repeat, a.blas_threads)
     bench_fa_sweep([2048] if a.quick else [2048, 4096, 8192])
+    print()
+    bench_fa_backward()
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 
