@@ -90,3 +90,10 @@ def test_train_gpt_small(monkeypatch, capsys):
     assert len(re.findall(r"FUSED attention .*dropout p=0\.1 on the probabilities", out)) == 2, out
     worst = float(re.search(r"max \|loss difference\| = (\S+),", out).group(1))
     assert worst < 1e-4            # fp32 both sides, the same keep-masks: a few roundings of each loss
+    # the simulated training step: both sides, each with a forward and a backward phase
+    steps = re.findall(r"(eager op by op|fused) +([\d,]+) cycles \(forward ([\d,]+), backward ([\d,]+)\)", out)
+    assert [s[0] for s in steps] == ["eager op by op", "fused"], out
+    for _, total, fwd, bwd in steps:
+        total, fwd, bwd = (int(x.replace(",", "")) for x in (total, fwd, bwd))
+        assert fwd > 0 and bwd > 0 and total == fwd + bwd
+    assert re.search(r"speed-up of the training step: [\d.]+x", out)
