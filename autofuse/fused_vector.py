@@ -155,7 +155,8 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
         # recomputes the product with a matmul, eager's backward reads it; the plan weighs that matmul too, so
         # the Vector chain alone (its product written by the matmul) wins where the epilogue saves less
         redo = _price("matmul", specs, device, search_tiling, {}, trans_b=p["trans_b"])
-        price = dataclasses.replace(price, cycles=price.cycles + redo.cycles, hbm_bytes=price.hbm_bytes + redo.hbm_bytes,
+        price = dataclasses.replace(price, cycles=price.cycles + redo.cycles,
+                                    hbm_bytes=price.hbm_bytes + redo.hbm_bytes,
                                     kernels=list(price.kernels) + ["matmul (the backward's product recompute)"])
     return _with_draws(price, match, p["extra_shapes"], device)
 

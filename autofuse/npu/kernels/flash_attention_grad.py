@@ -1,4 +1,5 @@
-"""FlashAttention's backward (CANN's FlashAttentionScoreGrad): dq, dk, dv of ``out = softmax(scale·Q·Kᵀ + mask)·V``.
+"""FlashAttention's backward (CANN's FlashAttentionScoreGrad): dq, dk, dv of
+``out = softmax(scale·Q·Kᵀ + mask)·V``.
 
 Inputs as the forward (:mod:`autofuse.npu.kernels.flash_attention`), BNSD with GQA: q ``[B, N, Sq, D]``, k
 ``[B, Nkv, Skv, D]``, v ``[B, Nkv, Skv, Dv]``, the forward's ``out`` ``[B, N, Sq, Dv]``, its gradient ``dout``,
@@ -670,7 +671,8 @@ class _Program:
                      active=self._act(work), name="K->L0B")
 
     def stage_b(self, st, s, a_state):
-        """Pd and dS back on the Cube: dV += Pdᵀ·dO, dK += dSᵀ·Q, dQ_i = dS·K_j (atomic add); unit end: dK, dV out."""
+        """Pd and dS back on the Cube: dV += Pdᵀ·dO, dK += dSᵀ·Q, dQ_i = dS·K_j (atomic add); at the unit's end
+        dK and dV go out."""
         cg, n, D, Dv, isz = self.cg, self.n, self.D, self.Dv, self.isz
         q1, do1, qext, kext, q0, work = a_state
         if not work.any():
