@@ -135,7 +135,7 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
     chosen = here[skip]
     chosen.alternatives = {d: sorted([(IMPLEMENTATIONS[s], p.cycles, True) for s, p in ps.items()], key=lambda a: a[1])
                            for d, ps in prices.items()}
-    chosen.options = {"causal_skip": skip}
+    chosen.options = {**chosen.options, "causal_skip": skip}
     return chosen
 
 
@@ -143,7 +143,13 @@ IMPLEMENTATIONS = {True: "causal skip under a score bound", False: "mask read"}
 
 
 def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
+    """A training plan's kernel also writes each row's softmax max and sum (``return_stats``, priced with it), so
+    the backward reads them instead of recomputing them (the emitted call gets the option)."""
+    from autofuse.fused_vector import training_graph        # fused_vector builds on this module
     specs, params = attention_specs(nodes, match, skip)
+    training = training_graph(nodes[match.inputs["q"]].graph)
+    if training:
+        params["return_stats"] = True
     if not search_tiling:
         params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"), "drop_mask" in params)
     e = cost_model.estimate("flash_attention", specs, device=device, **params)
@@ -153,8 +159,11 @@ def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
         first.append(("dropout_gen_mask", keep_mask_price(draw[0], match.params["dropout_p"], device)))
     if skip:                            # the run-time score bound
         first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
-    return Price(int(e.cycles + sum(x.cycles for _, x in first)), int(e.hbm_bytes + sum(x.hbm_bytes for _, x in first)),
-                 [k for k, _ in first] + ["flash_attention"], e.bound, dict(e.tiling or {}), e.workspace_bytes)
+    price = Price(int(e.cycles + sum(x.cycles for _, x in first)), int(e.hbm_bytes + sum(x.hbm_bytes for _, x in first)),
+                  [k for k, _ in first] + ["flash_attention"], e.bound, dict(e.tiling or {}), e.workspace_bytes)
+    if training:
+        price.options = {"return_stats": True}
+    return price
 
 
 def attention_kwargs(device: str, price: Price, level: str) -> dict:

@@ -4,8 +4,12 @@ Each op's CPU implementation runs the fused kernel on the NPU simulator (``autof
 tiling the planner chose; each has a fake (meta) implementation, so graphs that call them can be traced,
 exported and shape-propagated again without data.
 
-    out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale=None, causal=False)
+    out, probs, stats = torch.ops.autofuse.flash_attention(q, k, v, mask, scale=None, causal=False)
     out = autofuse.ops.flash_attention(q, k, v)            # the same, returning ``out`` only
+
+``probs`` is empty unless ``return_probs``; ``stats`` is empty unless ``return_stats``: then ``[2, B, N, Sq]``
+fp32, each row's softmax max and sum (CANN's softmax_max / softmax_sum), which the backward hands to
+``flash_attention_grad`` so that it skips recomputing them.
 
 ``device`` names the simulated target; ``tiling`` is a JSON object (``""`` = the kernel's default).
 Every call's simulator statistics are appended to the active :func:`recording` list, if any.
@@ -19,12 +23,13 @@ With ``drop_mask`` (training-mode dropout on the probabilities) the op reads a k
 does (same seed, same elements dropped) and runs the NPU's mask generator for its cost:
 
     bits = torch.ops.autofuse.dropout_gen_mask([B, N, Sq, Skv], 0.1, torch.float16)
-    out, _ = torch.ops.autofuse.flash_attention(q, k, v, drop_mask=bits, dropout_p=0.1)
+    out, _, _ = torch.ops.autofuse.flash_attention(q, k, v, drop_mask=bits, dropout_p=0.1)
 
 The op is differentiable: its backward runs ``torch.ops.autofuse.flash_attention_grad`` (the simulated
-FlashAttentionScoreGrad kernel, :mod:`autofuse.ops_attention_grad`) for dq, dk, dv, with the same keep-mask;
-gradients the kernel does not compute (a learnable scale, an additive mask's, a gradient of the returned
-probabilities) are recomputed in fp32 on the host (see ``_backward``).
+FlashAttentionScoreGrad kernel, :mod:`autofuse.ops_attention_grad`) for dq, dk, dv, with the same keep-mask
+and, when the forward saved them (``return_stats``), its row statistics; gradients the kernel does not compute
+(a learnable scale, an additive mask's, a gradient of the returned probabilities) are recomputed in fp32 on
+the host (see ``_backward``).
 """
 from __future__ import annotations
 
@@ -82,12 +87,13 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
                      out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
                      causal_value: Optional[float] = None, drop_mask: Optional[torch.Tensor] = None,
-                     dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     dropout_p: float = 0.0, return_stats: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
-              mask_keeps_nan=mask_keeps_nan)
+              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats)
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask is not None:
@@ -103,7 +109,12 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     _record("flash_attention", r.stats)
     out = _in_order(_to_torch(r.outputs[0], q.dtype), out_order)
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
-    return out, probs
+    stats = _to_torch(np.stack(r.outputs[-2:]), torch.float32) if return_stats else _no_stats(q)
+    return out, probs, stats
+
+
+def _no_stats(q):
+    return q.new_empty((0,), dtype=torch.float32)
 
 
 def _in_order(t: torch.Tensor, order) -> torch.Tensor:
@@ -154,12 +165,13 @@ def _effective_scale(q, scale, scale_tensor):
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
-                              drop_mask=None, dropout_p=0.0, **_):
+                              drop_mask=None, dropout_p=0.0, return_stats=False, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
     NaN; NaN inputs propagate; ``drop_mask`` zeroes the dropped probabilities and scales the kept ones by
-    ``1 / (1 - dropout_p)``. Used where only the values are needed (repeated launches in
+    ``1 / (1 - dropout_p)``; ``return_stats``: the rows' fp32 max and sum of ``exp(score - max)`` (before
+    dropout; ``-inf`` and 0 for a row with no key to attend), stacked ``[2, B, N, Sq]``. Used where only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` may require grad (its gradient is the temperature's)."""
     rep = q.shape[1] // k.shape[1]
@@ -185,7 +197,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     if drop_mask is not None:
         pv = pv * unpack_keep(drop_mask, s.shape[-1]).to(pv.device) / (1.0 - dropout_p)
     out = _in_order((pv @ v.float()).to(q.dtype), out_order)
-    return out, (p.to(q.dtype) if return_probs else q.new_empty((0,)))
+    stats = torch.stack([m.squeeze(-1), total.squeeze(-1)]).detach() if return_stats else _no_stats(q)
+    return out, (p.to(q.dtype) if return_probs else q.new_empty((0,))), stats
 
 
 REFERENCES["flash_attention"] = reference_flash_attention
@@ -194,47 +207,53 @@ REFERENCES["flash_attention"] = reference_flash_attention
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
-      drop_mask=None, dropout_p=0.0):
+      drop_mask=None, dropout_p=0.0, return_stats=False):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
-    return out, probs
+    stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
+    return out, probs, stats
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp = \
-        inputs
-    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0])
+    q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
+        _ = inputs
+    # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
+    # kernel then skips its recompute sweep
+    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2])
+    ctx.mark_non_differentiable(output[2])
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
     ctx.dropout_p, ctx.device, ctx.keeps_nan = dp, device, keeps_nan
 
 
-def _backward(ctx, grad_out, grad_probs):
+def _backward(ctx, grad_out, grad_probs, grad_stats):
     """Gradients of attention. dq, dk, dv come from the fused backward kernel on the simulator
-    (``torch.ops.autofuse.flash_attention_grad``, FlashAttentionScoreGrad: it recomputes the row statistics,
-    the forward op does not save them). The host recompute in fp32 (differentiating
+    (``torch.ops.autofuse.flash_attention_grad``, FlashAttentionScoreGrad), given the forward's row statistics
+    when it saved them (``return_stats``), otherwise recomputing them. The statistics are not differentiated
+    (``grad_stats`` is ignored: they are the backward's input, not a value a loss reads). The host recompute in fp32 (differentiating
     :func:`reference_flash_attention`) remains for what that kernel does not compute: the gradient of a
     learnable ``scale_tensor``, of an additive float ``mask`` that requires grad, and a gradient flowing into
     the probabilities (``return_probs``: it changes dS), and ``mask_keeps_nan`` (its NaN handling is the
     forward kernel's only); the whole backward then runs there, so its dq/dk/dv stay consistent."""
-    q, k, v, mask, scale_t, drop, out = ctx.saved_tensors
+    q, k, v, mask, scale_t, drop, out, stats = ctx.saved_tensors
     need = ctx.needs_input_grad
     host = (ctx.keeps_nan or (scale_t is not None and need[11])
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
     if not host:
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
+        m, lsum = (stats[0], stats[1]) if stats.numel() else (None, None)
         dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
-            q, k, v, out.contiguous(), go, mask, drop, None, None, ctx.scale, ctx.causal, float(ctx.dropout_p),
+            q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
             ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
-        return tuple(res) + (None,) * 14
+        return tuple(res) + (None,) * 15
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
         if mask is not None and mask.is_floating_point():
             m = mask.detach().float().requires_grad_(bool(need[3]))
         st = None if scale_t is None else scale_t.detach().float().requires_grad_(bool(need[11]))
-        out, probs = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
+        out, probs, _ = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
                                                return_probs=ctx.return_probs, fill=ctx.fill,
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
                                                dropout_p=ctx.dropout_p)
@@ -248,7 +267,7 @@ def _backward(ctx, grad_out, grad_probs):
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
     gs = next(got) if (st is not None and st.requires_grad) else None
-    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype), None, None, None, None, None)
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 6
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -256,7 +275,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
-                    dropout_p=0.0):
+                    dropout_p=0.0, return_stats=False):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -267,18 +286,19 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     (a bool mask's ``fill``, or the value an additive mask adds); the kernel then skips the keys above the
     diagonal when a bound on the scores, computed first (kernel ``score_bound``), proves their weights are
     exactly 0, and reads the mask otherwise (:func:`causal_skip_is_exact`). ``drop_mask`` / ``dropout_p``:
-    dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. Returns ``out`` or, with
-    ``return_probs``, ``(out, probs)``.
+    dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. ``return_stats``: the forward
+    also writes each row's softmax max and sum, and its backward reads them instead of recomputing them.
+    Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"flash_attention: {name} must be a 4-D tensor [B, N, S, D], got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
-    out, probs = torch.ops.autofuse.flash_attention(q, k, v, mask, scale, causal, return_probs, device,
-                                                     json.dumps(tiling) if tiling else "", fill=fill,
-                                                     empty_rows=empty_rows, scale_tensor=scale_tensor,
-                                                     causal_value=causal_value, drop_mask=drop_mask,
-                                                     dropout_p=float(dropout_p))
+    out, probs, _ = torch.ops.autofuse.flash_attention(q, k, v, mask, scale, causal, return_probs, device,
+                                                        json.dumps(tiling) if tiling else "", fill=fill,
+                                                        empty_rows=empty_rows, scale_tensor=scale_tensor,
+                                                        causal_value=causal_value, drop_mask=drop_mask,
+                                                        dropout_p=float(dropout_p), return_stats=return_stats)
     return (out, probs) if return_probs else out
 
 

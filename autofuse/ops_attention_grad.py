@@ -11,9 +11,8 @@ takes the forward's inputs (BNSD, GQA), its output ``out`` and the output's grad
 gradients of q, k and v, computed by the simulator's ``flash_attention_grad`` kernel
 (``autofuse/npu/kernels/flash_attention_grad.py``), whose launch is recorded for whole-graph simulation.
 ``softmax_max``, ``softmax_sum`` (optional, ``[B, N, Sq]`` fp32): each row's max of its scaled, masked scores and
-its sum of ``exp(score - max)``, as a forward that saves its softmax statistics would hand over (CANN's names);
-without them the kernel recomputes them (the fused forward op does not output them today). ``scale_tensor`` (a 0-d tensor multiplying ``scale``) is read when the op
-runs. The op has a fake implementation (traceable by ``make_fx``), a torch twin with the kernel's numerics
+its sum of ``exp(score - max)``, as the forward op hands them over with ``return_stats`` (CANN's names); without
+them the kernel recomputes them. ``scale_tensor`` (a 0-d tensor multiplying ``scale``) is read when the op runs. The op has a fake implementation (traceable by ``make_fx``), a torch twin with the kernel's numerics
 (:func:`reference_flash_attention_grad`, in ``autofuse.ops.REFERENCES``) and a shapes-only timing function
 (``autofuse.ops.TIMING``). ``autofuse.ops.flash_attention``'s backward calls it.
 """

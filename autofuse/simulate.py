@@ -177,8 +177,9 @@ def _twin_value(name, twin, args, kwargs):
         return twin(*a, **kw)
 
     parts = [part(b) for b in range(B)]
-    return tuple(torch.cat([p[i] for p in parts]) if parts[0][i].dim() and parts[0][i].numel() else parts[0][i]
-                 for i in range(len(parts[0])))
+    batch_dim = (0, 0, 1)          # out, probs: batch first; the row statistics: [2, B, N, Sq]
+    return tuple(torch.cat([p[i] for p in parts], batch_dim[i]) if parts[0][i].dim() and parts[0][i].numel()
+                 else parts[0][i] for i in range(len(parts[0])))
 
 
 def _spec(a):

@@ -265,8 +265,31 @@ def _fa_probs(quick: bool):
     return cs
 
 
+def _fa_stats(quick: bool):
+    """return_stats cases (each row's max and sum written out for the backward): causal, masks, GQA, dropout, odd
+    sizes. (q shape, kv heads, dtype, params, tensor params, devices)"""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    cs = [((2, 4, 256, 64), 4, f16, {"causal": True}, {}, ("ascend910",)),
+          ((1, 4, 300, 64), 2, bf16, {}, {"drop_mask": ((1, 4, 300, 38), "uint8"), "keep_prob": 0.9}, ("ascend910b",)),
+          ((1, 8, 512, 64), 8, f16, {}, {"mask": ((1, 1, 512, 512), "bool")}, ("ascend310p",)),
+          ((2, 2, 77, 64), 2, f32, {"causal": True}, {}, ("ascend910b",))]
+    if not quick:
+        cs = [(s_, nk, dt, p, tp, DEVICES) for s_, nk, dt, p, tp, _ in cs]
+        cs += [((8, 12, 1024, 64), 12, f16, {"causal": True}, {}, DEVICES),
+               ((1, 32, 2048, 128), 8, f16, {"causal": True}, {}, DEVICES)]
+    return cs
+
+
 def _fa_cases(quick: bool):
     out = []
+    for qs, nkv, dt, p, tp, devs in _fa_stats(quick):
+        kv = ((qs[0], nkv, *qs[2:]), dt)
+        tp = dict(tp)
+        p = {**p, "return_stats": True}
+        if "keep_prob" in tp:
+            p["keep_prob"] = tp.pop("keep_prob")
+        for d in devs:
+            out.append(Case("flash_attention", [(qs, dt), kv, kv], d, p, tp))
     for shape, dt, p, tp, devs in _fa_probs(quick):
         for d in devs:
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {**p, "return_probs": True}, dict(tp)))

@@ -16,6 +16,10 @@ workspaces still dirty in L2 when the kernel ends (written back then, as the sim
 
 ``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
 probabilities stored to HBM tile by tile (every KV tile, causal ones above the diagonal as zeros).
+``return_stats`` (and ``return_probs``, whose sweep reads them) adds each item's row max and sum, two MTE3
+stores of ``rows x 4`` bytes issued after its last softmax, ahead of the next tile's P store and of its own
+output stores: they fill the MTE3 queue's idle time (no step and no drain is longer); their bytes go to GM
+and, as outputs, to HBM, and they count in MTE3's busy time.
 """
 from __future__ import annotations
 
@@ -365,12 +369,14 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
 
 
 @cached
-def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, return_probs, drop=False):
+def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, return_probs, drop=False,
+             return_stats=False):
     """GM traffic per path over the whole launch (all cores), as the kernel moves it: Q once per item, K/V
     per step, P out and back into L0A, the output; split cores also S and O_j through GM (fp32) and back
     to the AIVs; the mask per step (``mask_rc``: whether its rows / columns vary; a broadcast row is
     read once per core side); ``drop``: the dropout keep bits of every attended tile; ``return_probs``: the
-    sweep's Q and K reloads, S again (split), the row max and sum out and back, every probabilities tile out."""
+    sweep's Q and K reloads, S again (split), the row max and sum out and back, every probabilities tile out;
+    ``return_stats``: the row max and sum out."""
     qe, ke, nt = _attended(Sq, Skv, qb, kvb, causal)
     cum = np.concatenate([[0], np.cumsum(ke)])                  # key columns of the first j tiles
     qk = float((qe * cum[nt]).sum())                            # score elements
@@ -389,9 +395,11 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     if split:
         b["L0C->GM"] = H * (qk + q_ * Dv) * 4
         b["GM->UB"] += H * (qk + q_ * Dv) * 4
+    if return_probs or return_stats:
+        b["UB->GM"] += H * 2 * Sq * 4
     if return_probs:
         b["GM->L1"] += H * (Sq * D + k_ * D) * isz
-        b["UB->GM"] += H * (Sq * Skv * isz + 2 * Sq * 4)
+        b["UB->GM"] += H * Sq * Skv * isz
         b["GM->UB"] += H * (2 * Sq * 4 + (qk * 4 if split else 0) + mk * msz)
         if split:
             b["L0C->GM"] += H * qk * 4
@@ -416,7 +424,7 @@ def drop_bytes(Sq, Skv, qb, kvb, causal):
     return float((qe * cum8[nt]).sum())
 
 
-def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False):
+def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -543,6 +551,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False):
     per_item = vec_last + out_store * (nsub - 1) / nsub + q_exposed
     fill = q_load + q_move + mte2_kv + mte1 + cube + fix
     drain = 0.0
+    stats_b = rv * 4                                  # one vector core's rows of max (and of sum)
+    stats = return_probs or return_stats
     core = fill + T * step + items * per_item + drain
     if return_probs:
         pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group)
@@ -563,18 +573,20 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False):
     hbm += ws
     if return_probs:
         hbm += ph
+    elif return_stats:
+        hbm += 2 * B * N * Sq * 4
     # GM workspace: two P slots per core (split cores: also S and O_j, fp32); with return_probs the row
     # max and sum of the first sweep
     ws_bytes = n * 2 * qb * kvb * isz + (n * 2 * qb * (kvb + Dv) * 4 if split else 0) \
         + (2 * B * N * Sq * 4 if return_probs else 0)
     busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
-            "vector": T * vec, "mte3": T * mte3 + items * out_b / rate["UB->GM"]}
+            "vector": T * vec, "mte3": T * mte3 + items * (out_b + (2 * stats_b if stats else 0)) / rate["UB->GM"]}
     mask_rc = None
     if mask is not None:
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_rc = (m4[2] != 1, m4[3] != 1)
     nbytes = dict(gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, bool(causal), split, mask_rc, msz,
-                           bool(return_probs), bool(drop)))
+                           bool(return_probs), bool(drop), bool(return_stats)))
     if return_probs:
         for u, c in pbusy.items():
             busy[u] += c
@@ -671,7 +683,7 @@ def flops(B, N, Sq, Skv, D, Dv, causal):
 
 
 def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None, drop=False,
-              **_semantics):
+              return_stats=False, **_semantics):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     Skv, Dv = ks[2], vs[3]
@@ -680,6 +692,8 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
     io = (math.prod(qs) + math.prod(ks) + math.prod(vs) + B * N * Sq * Dv) * isz
     if return_probs:
         io += B * N * Sq * Skv * isz
+    if return_stats:
+        io += 2 * B * N * Sq * 4
     if mask is not None:
         io += math.prod(mask[0]) * itemsize(mask[1])
     if drop:
@@ -688,7 +702,7 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
 
 
 @cached
-def _search(device, specs, mask, causal, return_probs, drop=False):
+def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False):
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     mask_spec = None
@@ -701,7 +715,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False):
     if default is not None and default[0] not in [t for t, _ in cands]:
         cands.append(default)
     for t, counts in cands:
-        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop)
+        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats)
         cost = kernel_cycles(dev, *res[:3])
         if default is not None and t == default[0]:
             cost *= 1 - DEFAULT_MARGIN
@@ -714,17 +728,17 @@ def _search(device, specs, mask, causal, return_probs, drop=False):
 
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
-                             fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0):
+                             fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
-    scales values)."""
+    scales values). ``return_stats``: the row max and sum written out (see the module docstring)."""
     drop = drop_mask is not None
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
     if tiling is None:
-        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop))
+        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats))
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
         m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
@@ -732,11 +746,11 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
         counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec, bool(drop)))
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
-        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop))
+        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop), bool(return_stats))
     core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),
-                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs, drop=drop),
+                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs, drop=drop, return_stats=return_stats),
                 flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal), workspace=ws_bytes)
 
 

@@ -88,3 +88,60 @@ def test_learnable_scale_keeps_the_host_recompute():
         flash_attention(q, k, v, scale_tensor=t).sum().backward()
     assert [name for name, _ in log] == ["flash_attention"] and t.grad is not None and q.grad is not None
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_saved_stats_reach_the_backward_kernel(dtype):
+    """With return_stats the forward's row statistics ([2, B, N, Sq]: the twin's, as the kernel's) go to the
+    backward kernel, which skips its recompute sweep: the same gradients in fewer cycles."""
+    q, k, v = _qkv(2, 4, 2, 40, 32, dtype)
+    go = torch.randn(2, 4, 40, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    cycles, grads = {}, {}
+    for rs in (False, True):
+        with recording() as log:
+            out, _, stats = torch.ops.autofuse.flash_attention(q, k, v, None, None, True, return_stats=rs)
+            grads[rs] = torch.autograd.grad(out, (q, k, v), go)
+        cycles[rs] = dict((name, s.cycles) for name, s in log)
+        assert stats.shape == ((2, 2, 4, 40) if rs else (0,)) and stats.dtype == torch.float32
+        assert not stats.requires_grad
+    twin = REFERENCES["flash_attention"](q, k, v, causal=True, return_stats=True)[2]
+    # the same fp32 max and sum of the same fp32 scores, up to the scores' summation order (D terms)
+    torch.testing.assert_close(stats, twin, rtol=1e-6 * q.shape[-1], atol=0.0)
+    # the backward's own statistics and the forward's differ by fp32 rounding: the gradients within the bound
+    # test_flash_attention_stats derives for the kernels
+    from tests.npu.test_flash_attention_stats import _grad_bounds
+    bounds, u_op = _grad_bounds(q.detach(), k.detach(), v.detach(), out.detach(), go, None, True, None, 1.0)
+    for a, b, bound in zip(grads[False], grads[True], bounds):
+        a, b = a.double(), b.double()
+        assert torch.all((a - b).abs() <= bound + 2 * u_op * a.abs())
+    assert cycles[True]["flash_attention_grad"] < cycles[False]["flash_attention_grad"]
+    assert cycles[True]["flash_attention"] >= cycles[False]["flash_attention"]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_training_plan_saves_stats_for_the_traced_backward(train):
+    """A fused model captured in training mode asks its attention for the statistics; its joint graph (the
+    forward and backward traced by make_fx in fake mode) hands them to flash_attention_grad. In eval mode
+    neither: the backward recomputes them."""
+    from tests.test_training_step import _graphs, _model
+    from autofuse.training import joint_graph
+    model, args, kwargs = _model("gpt2", train)
+    graphs, leaves = _graphs(model, args, kwargs)
+    g = joint_graph(graphs["fused"], leaves).graph_module.graph
+    fwd = [n for n in g.nodes if n.target == torch.ops.autofuse.flash_attention.default]
+    bwd = [n for n in g.nodes if n.target == torch.ops.autofuse.flash_attention_grad.default]
+    assert fwd and len(bwd) == len(fwd)
+    schema = [a.name for a in torch.ops.autofuse.flash_attention.default._schema.arguments]
+    for f in fwd:
+        given = f.kwargs.get("return_stats", f.args[schema.index("return_stats")]
+                             if len(f.args) > schema.index("return_stats") else False)
+        assert given is train
+    for b in bwd:
+        stats = b.args[7:9]
+        if not train:
+            assert stats == (None, None)
+            continue
+        for i, s in enumerate(stats):         # stats[i] of the forward's third output
+            assert s.target == torch.ops.aten.select.int and s.args[1:] == (0, i)
+            src = s.args[0]
+            assert src.target.__name__ == "getitem" and src.args[1] == 2 and src.args[0] in fwd

@@ -218,3 +218,23 @@ def test_timing_only_simulation_counts_what_the_simulation_with_values_counts(na
         assert t.outputs is None and v.outputs is not None
     with pytest.raises(ValueError, match="check=True"):
         autofuse.simulate(model, (args, kwargs), check=True, values=False)
+
+
+def test_attention_twin_split_by_batch_keeps_every_output(monkeypatch):
+    """Attention's twin computed batch index by batch index (scores over BLOCK_BYTES) gives what it gives in
+    one piece: the output and probabilities joined along the batch, the row statistics [2, B, N, Sq] along
+    their second dim."""
+    from autofuse.ops import reference_flash_attention
+    sim = sys.modules["autofuse.simulate"]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 24, 16, generator=g) for _ in range(3))
+    mask = torch.rand(3, 1, 24, 24, generator=g) < 0.7
+    kw = dict(causal=True, return_probs=True, return_stats=True)
+    whole = reference_flash_attention(q, k, v, mask, **kw)
+    monkeypatch.setattr(sim, "BLOCK_BYTES", 1024)
+    split = sim._twin_value("flash_attention", reference_flash_attention, (q, k, v, mask), kw)
+    assert whole[2].shape == (2, 3, 2, 24)
+    for a, b in zip(whole, split):
+        assert a.shape == b.shape
+        # the same fp32 operations on each batch's rows, up to BLAS's summation order of D = 16 products
+        torch.testing.assert_close(a, b, rtol=16 * 2.0 ** -24, atol=1e-6)

@@ -74,7 +74,7 @@ def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0,
     eager = torch.autograd.grad(out_e, leaves, do)
     u = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[q.dtype]
     m = mask.double() if mask is not None and mask.is_floating_point() else mask
-    out, probs = reference_flash_attention(q.double(), k.double(), v.double(), mask=m, causal=causal, fill=fill,
+    out, probs, _ = reference_flash_attention(q.double(), k.double(), v.double(), mask=m, causal=causal, fill=fill,
                                            return_probs=True)
     scale = q.shape[-1] ** -0.5
     delta = v.shape[-1] * 2.0 ** -24 * (do.double() * out.double()).abs().sum(-1).max().item() / (1 - p)

@@ -84,7 +84,9 @@ def _cases():
     # dropout: the keep-mask generator (the host's draws as its bits) and attention reading the bits
     keep = np.random.default_rng(5).random((2, 4, 96, 160)) < 0.9
     c += [("dropout_gen_mask", (), {"shape": (2, 4, 96, 160), "keep_prob": 0.9, "draws": HostDraws(keep)}),
-          ("flash_attention", (q, k, v), {"causal": True, "drop_mask": pack_keep(keep), "keep_prob": 0.9})]
+          ("flash_attention", (q, k, v), {"causal": True, "drop_mask": pack_keep(keep), "keep_prob": 0.9}),
+          ("flash_attention", (q, k, v), {"causal": True, "mask": mask, "drop_mask": pack_keep(keep), "keep_prob": 0.9,
+                                          "return_stats": True})]
     # the attention's backward (out and dout: any values of their shapes; the statistics recomputed or given)
     o, do = _rand(2, 4, 96, 64, seed=4), _rand(2, 4, 96, 64, seed=5)
     stats = {"softmax_max": _rand(2, 4, 96, dtype=f32, seed=6), "softmax_sum": _rand(2, 4, 96, dtype=f32, seed=7).abs() + 1}

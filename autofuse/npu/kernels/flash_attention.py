@@ -58,9 +58,18 @@ Tilings (``default_tiling``; fp16, D=128): 910 and 310P q=128, kv=128, vq=128 (U
 O_j and O fp32 64 KB each; L0B holds K and V tiles of 32 KB); 910B q=128, kv=128, vq=64 (one row block
 per AIV).
 
+``return_stats`` outputs each row's final max and sum (CANN's softmax_max / softmax_sum, fp32 ``[B, N, Sq]``,
+the convention :mod:`flash_attention_grad` reads): ``m`` is the row's max of its scaled, masked scores (``-inf``
+for a row with no key to attend, ``fill`` for a row whose keys all take a finite fill), ``l`` the sum of
+``exp(score - m)`` (``exp(score)`` when ``m = -inf``: 0), taken before dropout. Both are already in UB (two
+slots by step parity, no new buffer); once an item's last softmax has run, two MTE3 stores of ``rows x 4``
+bytes each write them, issued with stage B of that tile ahead of the next tile's P store: the MTE3 queue
+runs them while it would wait for that softmax, so they add no time (a store issued after the output
+stores would wait behind the next P store and book the GM port late, holding up later K/V loads).
+
 ``return_probs`` adds a second sweep once each row's max and sum are final (stored to GM at the end of
-the first sweep, as CANN's softmax_max / softmax_sum outputs): S is recomputed, ``exp(S - m) / l`` cast
-to q's dtype and stored. Rows with no key give 0 probabilities (NaN with ``empty_rows="nan"``).
+the first sweep, the same stores): S is recomputed, ``exp(S - m) / l`` cast to q's dtype and stored. Rows
+with no key give 0 probabilities (NaN with ``empty_rows="nan"``).
 
 Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
 skip the cast), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
@@ -405,8 +414,10 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
-                    fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0):
-    """Fused attention (see the module docstring). Returns ``(out,)`` or ``(out, probs)`` in q's dtype.
+                    fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
+                    return_stats=False):
+    """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
+    with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
     ``tiling``: ``{"q": query rows per item, "kv": keys per tile, "vq": rows per Vector sub-block}``
     (None: :func:`default_tiling`). ``drop_mask``: dropout on the probabilities, a uint8 keep-mask
@@ -439,7 +450,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
             raise ValueError(f"flash_attention: {bad}")
     req = _requests(dev, D, Dv, dtype, t, mask_spec, drop)
     counts = fitted_counts("flash_attention", dev, req, t)
-    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv)
+    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, bool(return_stats))
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
@@ -533,7 +544,7 @@ class _Program:
     the re-read hits L2. On split cores AIV ``2c + h`` owns the blocks of half ``h`` of AIC c's rows.
     """
 
-    def __init__(self, launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv):
+    def __init__(self, launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, return_stats=False):
         dev = launch.device
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
@@ -601,7 +612,7 @@ class _Program:
             self.ws_o = launch.empty((n, 2, qb, Dv), f32, "ws_o", scratch=True)
         self.out = launch.empty((B, N, Sq, Dv), self.dtype, "out")
         self.probs = launch.empty((B, N, Sq, Skv), self.dtype, "probs") if return_probs else None
-        if return_probs:
+        if return_probs or return_stats:   # an output with return_stats, the probabilities sweep's input
             self.m_gm = launch.empty((B, N, Sq), f32, "softmax_max")
             self.l_gm = launch.empty((B, N, Sq), f32, "softmax_sum")
         # numpy scratch for the cast's rounding (not a machine buffer: the hardware casts in place)
@@ -616,6 +627,7 @@ class _Program:
         self.ends = {}                # (what, step, row block) -> cube-core end times, for explicit waits
         self.stats_end = np.zeros(self.nv)
         self.drop, self.inv_keep = None, np.float32(1.0)       # dropout keep-mask, set by the caller
+        self.return_stats = return_stats
 
     # ---------------------------------------------------------------- helpers
     def _regs(self, key, build):
@@ -959,6 +971,11 @@ class _Program:
                 e = cg.store(o0, self.ws_o, regs, deps=self._cdeps("o_read", ks - 2, hh), name="FixPipe O_j->GM")
                 self.ends[("o_written", ks, hh)] = self._masked(e, ha)
             o_tiles.append(o0)
+        if self.return_probs or self.return_stats:
+            # the item's max and sum are final since A(s): on the MTE3 queue ahead of A(s+1)'s P store, which
+            # waits for the next softmax (and so would this store, and the GM port bookings after it)
+            v = self._vview(st, s)
+            self._store_stats(s, v, v["last"] & v["work"])
         self._flush()                     # A(s+1)'s P stores: after B(s)'s loads, before the output stores
         vg, nv = self.vg, self.nv
         v = self._vview(st, s)
@@ -999,8 +1016,6 @@ class _Program:
                 f = fin & (rr > 0)
                 if f.any():
                     self._finish(s, v, r, f, rr, ro, orows)
-            if self.return_probs:
-                self._store_stats(s, v, fin)
 
     def _finish(self, s, v, r, fin, rows, ro, orows):
         """Last tile of an item: out = O / l for ``orows`` rows, cast to the output dtype, store."""
@@ -1035,7 +1050,8 @@ class _Program:
                                              if act[c] else None for c in range(self.nv)])
 
     def _store_stats(self, s, v, fin):
-        """The final row max and sum of an item, for the probabilities sweep (CANN's softmax_max/_sum)."""
+        """The final row max and sum of an item (CANN's softmax_max/_sum): an output, or the probabilities
+        sweep's input."""
         fin, regs = self._stat_regions(v, fin, ("stats>", s))
         if fin.any():
             e1 = self.vg.store(self.tl["m"][s % 2], self.m_gm, regs, name="store max")
@@ -1077,7 +1093,8 @@ class _Program:
             self.base = st.T
             self.launch.barrier()          # the sweep's items may sit on other cores than the first's
             self.probs_sweep()
-        return (self.out, self.probs) if self.return_probs else (self.out,)
+        outs = (self.out, self.probs) if self.return_probs else (self.out,)
+        return outs + (self.m_gm, self.l_gm) if self.return_stats else outs
 
 
 __all__ = ["flash_attention", "default_tiling", "tiling_fits", "flops", "min_hbm_bytes", "pack_keep", "round_to"]
