@@ -10,10 +10,15 @@ Cube, dV, dK accumulated in L0C, dQ atomically added into the workspace; and the
 
 A step lasts as long as its busiest unit (Cube, MTE1, MTE2, FixPipe, Vector, MTE3) or the core's GM port,
 which every transfer of the core shares: a lockstep transfer of ``n`` cores takes ``n·bytes / L2 bandwidth``
-on hits and ``n·bytes / HBM bandwidth`` on misses. A phase adds the latency of its first step (fill). HBM
-bytes: every input read once, the outputs written through, the Q/dO re-reads that miss when the phase's
-working set exceeds L2, and the workspaces still dirty in L2 at the end (written back then, as the
-simulator does).
+on hits and ``n·bytes / HBM bandwidth`` on misses. A transfer holds the port for its hits and then for all
+the HBM bytes of that transfer (the first reader's miss of a line other cores share, write-throughs, the
+dirty lines its allocations evict), so a phase lasts at least its ports' hit cycles plus the phase's HBM
+bytes at HBM bandwidth. A phase adds the latency of its first step (fill). HBM bytes: every input read once
+(the mask too: its query heads share its lines), the outputs written through, the Q/dO/K/mask re-reads that
+miss when the phases' working sets exceed L2, the dirty lines each phase evicts (L2 is LRU: the oldest
+lines go first), and the workspaces still dirty in L2 at the end (written back then, as the simulator does;
+L2 keeps one line per region written, so the hand-off slots count every block extent a core wrote into
+them).
 """
 from __future__ import annotations
 
@@ -79,10 +84,14 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
 
 
 @cached
-def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+    """Tiles per buffer request as the kernel grants them, or None when the tiling does not fit."""
     dev = get_device(device)
-    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats)) \
-        is not None
+    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats))
+
+
+def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+    return _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats) is not None
 
 
 @cached
@@ -97,31 +106,48 @@ def _candidates(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats):
 
 
 # ------------------------------------------------------------------------------------------ schedule
-def _deal(units, ncores):
-    """The kernel's dealer (least-loaded core, in order): per-core step counts and unit starts."""
-    n = min(ncores, len(units))
+def _deal(base, reps, ncores):
+    """The kernel's dealer (least-loaded core, in order) over the units ``base`` (each a list of step counts)
+    repeated ``reps`` times: (cores, steps and units of the busiest core), and each unit's core."""
+    units = len(base) * reps
+    n = min(ncores, units)
+    cost = [(sum(u), len(u)) for u in base]
+    if len(set(cost)) == 1:                   # equal units: round-robin
+        per = ceil_div(units, n)
+        return (n, per * cost[0][0], per * cost[0][1]), list(range(n)) * (units // n) + list(range(units % n))
     heap = [(0, 0, c) for c in range(n)]
-    for u in units:
-        load, k, c = heapq.heappop(heap)
-        heapq.heappush(heap, (load + sum(u), k + len(u), c))
-    return n, max(h[0] for h in heap), max(h[1] for h in heap)
+    owner = []
+    pop, push, add = heapq.heappop, heapq.heappush, owner.append
+    for _ in range(reps):
+        for w, k_ in cost:
+            load, k, c = pop(heap)
+            add(c)
+            push(heap, (load + w, k + k_, c))
+    return (n, max(h[0] for h in heap), max(h[1] for h in heap)), owner
 
 
 @cached
 def _schedule(BN, per_block, causal, ncores):
     """(cores, lockstep steps, items on the busiest core) of units ``per_block`` (steps per block, one unit per
     block, or paired i and nb-1-i under ``causal`` when that finishes sooner), repeated for ``BN`` heads."""
+    return _dealing(BN, per_block, causal, ncores)[0]
+
+
+def _pair_units(per_block):
     nb = len(per_block)
-    single = [[c] for c in per_block] * BN
-    best = _deal(single, ncores)
+    return [[per_block[i], per_block[nb - 1 - i]] for i in range(nb // 2)] + ([[per_block[nb // 2]]] if nb % 2 else [])
+
+
+@cached
+def _dealing(BN, per_block, causal, ncores):
+    """The dealing :func:`_schedule` describes, and whether it pairs blocks i and nb-1-i (causal, when that
+    finishes no later than single blocks)."""
+    single = _deal([[c] for c in per_block], BN, ncores)
     if causal:
-        pairs = [[per_block[i], per_block[nb - 1 - i]] for i in range(nb // 2)]
-        if nb % 2:
-            pairs.append([per_block[nb // 2]])
-        paired = _deal(pairs * BN, ncores)
-        if paired[1] <= best[1]:
-            best = paired
-    return best
+        paired = _deal(_pair_units(per_block), BN, ncores)
+        if paired[0][1] <= single[0][1]:
+            return paired[0], True, paired[1]
+    return single[0], False, single[1]
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -133,6 +159,7 @@ class _Port:
         self.unit = {"mte2": 0.0, "mte3": 0.0, "fixpipe": 0.0, "vmte2": 0.0}
         self.port = 0.0
         self.vport = 0.0
+        self.hits = {False: 0.0, True: 0.0}     # the ports' L2-hit cycles alone (cube / vector side)
 
     def add(self, unit, path, nbytes, cores, hit=1.0, vec=False, every=1.0):
         """``nbytes`` per core over ``path`` on ``cores`` cores at once, ``every`` times per step on average;
@@ -141,10 +168,19 @@ class _Port:
         dev = self.dev
         share = cores * nbytes * (hit / dev.l2_bytes_per_cycle + (1 - hit) / dev.hbm_bytes_per_cycle)
         self.unit[unit] += every * max(nbytes / dev.rates[path], share)
+        self.hits[vec] += every * cores * nbytes * hit / dev.l2_bytes_per_cycle
         if vec:
             self.vport += every * share
         else:
             self.port += every * share
+
+
+def _hit_port(p, split):
+    """A core's GM port cycles of L2 hits per step (coupled: one port for both sides; split: the AIC's, which
+    carries the phase's HBM traffic). A transfer holds the port for its hits and then for the chip's HBM
+    bytes of that transfer (misses, write-throughs, the dirty lines it evicts): over a phase the port is busy
+    for these hits plus all the phase's HBM bytes at the HBM bandwidth."""
+    return p.hits[False] + (0.0 if split else p.hits[True])
 
 
 def _missed(first, between, second, l2):
@@ -194,10 +230,13 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     kv_b = B * Nkv * Skv * (D + Dv) * isz
     dq_b, st_b = BNS * D * 4, BNS * 4
     W0 = 2 * do_b + dq_b + st_b
-    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b) if stats else 0.0
-    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b
+    mask_b = 0 if mask is None else math.prod(mask[0]) * msz      # the mask as stored (broadcast on reading)
+    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b + mask_b) if stats else 0.0
+    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b + mask_b
     W3 = dq_b + BNS * D * isz
     miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0          # q read again (phase 1 -> 2)
+    # the mask: first read by phase 1 (else by phase 2), again by phase 2 (its query heads share the lines)
+    miss_mask = miss_q if stats else 1.0
     miss_do = _missed(W0, W1, W2, l2)                             # dO read again (phase 0 -> 2)
     miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
     zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
@@ -212,16 +251,18 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     def phase_hbm(alloc, dirty, direct):
         res, drt = l2s["res"], l2s["dirty"]
         out = max(0.0, res + alloc - l2)
-        wb = out * (drt + dirty) / (res + alloc) if res + alloc else 0.0
+        # the oldest lines go first: the earlier phases' (dirty in their proportion), then this phase's own
+        old = min(out, res)
+        wb = (old * drt / res if res else 0.0) + ((out - old) * dirty / alloc if alloc else 0.0)
         l2s["res"] = min(l2, res + alloc)
         l2s["dirty"] = min(l2s["res"], drt + dirty - wb)
         return direct + wb
 
     kv_k = B * Nkv * Skv * D * isz
     hbm_ph0 = phase_hbm(2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
-    hbm_ph1 = phase_hbm(q_b + kv_k + 2 * st_b, 2 * st_b, q_b + kv_k) if stats else 0.0
+    hbm_ph1 = phase_hbm(q_b + kv_k + 2 * st_b + mask_b, 2 * st_b, q_b + kv_k + mask_b) if stats else 0.0
     ws_lines = n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0))
-    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k
+    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k + miss_mask * mask_b
     hbm_ph2 = phase_hbm(re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b + ws_lines,
                         zero_out * dq_b + ws_lines, re_read + kv_b - (kv_k if stats else 0) + kv_b)
     hbm_ph3 = phase_hbm(miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz) if not f32 else 0.0
@@ -239,11 +280,17 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
     pz = _Port(dev, actz)
     pz.add("mte3", "UB->GM", rz * D * 4, actz)
-    step0 = max(p0.unit["mte2"], vec0)
+    counts = _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats)
+    if min(counts["pre_do"], counts["pre_o"]) < 2:
+        # one dO or O tile: a step's loads wait for the sum of the step before (and for the zero stores
+        # booked on the port ahead of them)
+        step0 = p0.unit["mte2"] + vec0 + Tz * pz.port / T0
+    else:
+        step0 = max(p0.unit["mte2"], vec0)
     # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
     # them written back
     ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
-              Tz * pz.port + T0 * p0.port, hbm_ph0 / HBMbw)
+              Tz * pz.port + T0 * p0.port, Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + hbm_ph0 / HBMbw)
     busy["vector"] += T0 * vec0
     busy["mte2"] += T0 * p0.unit["mte2"]
     busy["mte3"] += T0 * p0.unit["mte3"]
@@ -259,7 +306,9 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
         rows = qe / nh
         p1 = _Port(dev, n1)
-        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=True)
+        # K: the first reader of a tile misses, the other items' reads (the same step or later) hit
+        _, _, sk1, _ = _pairs(Sq, Skv, qb, kvb, causal)
+        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=1 - kv_k / (B * N * sk1 * D * isz))
         p1.add("mte2", "GM->L1", qe * D * isz, n1, hit=0.0, every=items1 / T1)
         cube1 = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
         mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
@@ -268,7 +317,8 @@ def _model(dev, specs, mask, causal, t, drop, stats):
             part = min(1.0, ceil_div(qb, kvb) * items1 / T1)
         vec1 = _vec_rep(rows, ke) * (5 + mpass) + _vec_rep(rows, ke) * part * 2 + math.ceil(rows / 64) * 5
         if mask is not None:
-            p1.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=True, vec=True)
+            # each line's first reader misses, the other query heads' reads hit
+            p1.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - mask_b / (rows * ke * msz * nv * T1), vec=True)
         if split:
             p1.add("fixpipe", "L0C->GM", qe * ke * 4, n1)
             p1.add("vmte2", "GM->UB", rows * ke * 4, 2 * n1, vec=True)
@@ -278,7 +328,8 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
-        ph1 = max(T1 * step1, hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] + cube1 + vec1 + p1.unit["fixpipe"]
+        ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
+            + cube1 + vec1 + p1.unit["fixpipe"]
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
         busy["mte2"] += T1 * mte2
@@ -312,7 +363,8 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
     p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
     if mask is not None:
-        p2.add("vmte2", "GM->UB", rows * ke * msz, nv, vec=True)
+        p2.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - miss_mask * mask_b / (rows * ke * msz * nv * T2),
+               vec=True)
     if drop:
         p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
     p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
@@ -368,7 +420,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
     step2 += per_unit * bubble
     fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
-    ph2 = max(T2 * step2, hbm_ph2 / HBMbw) + fill2
+    ph2 = max(T2 * step2, T2 * _hit_port(p2, split) + hbm_ph2 / HBMbw) + fill2
     busy["cube"] += T2 * cube2
     busy["vector"] += T2 * vec2
     busy["mte1"] += T2 * mte1
@@ -384,7 +436,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
         vec3 = _vec_rep(rz, D)
         step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
-        ph3 = max(Tz * step3, hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
+        ph3 = max(Tz * step3, Tz * _hit_port(p3, split) + hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
         busy["vector"] += Tz * vec3
         busy["mte2"] += Tz * p3.unit["mte2"]
         busy["mte3"] += Tz * p3.unit["mte3"]
@@ -395,7 +447,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     hbm += kv_b                                                   # dk, dv
     hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
     if mask is not None:
-        hbm += math.prod(mask[0]) * msz * (2 if stats and math.prod(mask[0]) * msz > l2 // 2 else 1)
+        hbm += mask_b * (1 + (miss_mask if stats else 0.0))
     if drop:
         hbm += BNS * ceil_div(Skv, 8)
     if not f32:
@@ -404,11 +456,55 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
-    combos = _extents(Sq, Skv, qb, kvb, causal)
-    per_slot = min(ceil_div(T2, 2), len(combos))
-    hbm += n2 * min(2, T2) * per_slot * sum(a * b for a, b in combos) / len(combos) * (isz * 2 + (8 if split else 0))
+    hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), dev.cube_cores) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+@cached
+def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
+    """Elements (rows · keys) of the distinct hand-off workspace regions the main phase writes, over every
+    core and slot: L2 keeps a line per region written, so a slot written with a full block and with an edge
+    block (fewer rows or keys) holds both. Each core's units from the kernel's dealing; a unit's steps run
+    over its query heads, each over the query blocks that see its KV block, the slot alternating per step."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    i0 = [min(j * kvb, Sq) // qb if causal else 0 for j in range(nkv)]
+    per_block = tuple(group * (nq - i) for i in i0)
+    (cores, _, _), paired, owner = _dealing(BNkv, per_block, causal, ncores)
+    blocks = [[j] for j in range(nkv)]
+    if paired:
+        blocks = [[i, nkv - 1 - i] for i in range(nkv // 2)] + ([[nkv // 2]] if nkv % 2 else [])
+    L = len(blocks)
+    edge_q, edge_k = Sq - (nq - 1) * qb, Skv - (nkv - 1) * kvb
+    last = next(x for x, unit in enumerate(blocks) if nkv - 1 in unit)
+    with_edge = {owner[x] for x in range(last, len(owner), L)}
+    # at most two slots × the row extents × the core's key extents: once a core has them all, its later
+    # units add none, and once every core has, the walk stops
+    rows_n = len({qb, edge_q})
+    most = [2 * rows_n * len({min(kvb, Skv), edge_k if c in with_edge else min(kvb, Skv)}) for c in range(cores)]
+    pos, lines = [0] * cores, [set() for _ in range(cores)]
+    left = cores
+    for x, c in enumerate(owner):
+        ls = lines[c]
+        if len(ls) == most[c]:
+            continue
+        p = pos[c]
+        for j in blocks[x % L]:
+            ke, n_i = min(kvb, Skv - j * kvb), nq - i0[j]
+            for _h in range(group):
+                if n_i > 2:
+                    ls.update({(0, qb, ke), (1, qb, ke)})
+                elif n_i == 2:
+                    ls.add((p % 2, qb, ke))
+                ls.add(((p + n_i - 1) % 2, edge_q, ke))
+                p += n_i
+        pos[c] = p
+        if len(ls) == most[c]:
+            left -= 1
+            if not left:
+                break
+    total = sum(r * k for ls in lines for _, r, k in ls)
+    return total
 
 
 def _pairs(Sq, Skv, qb, kvb, causal):
@@ -423,18 +519,6 @@ def _pairs(Sq, Skv, qb, kvb, causal):
         kj = sum(ke[:nj])
         cnt, sq, sk, sqk = cnt + nj, sq + nj * qe[i], sk + kj, sqk + qe[i] * kj
     return cnt, sq, sk, sqk
-
-
-def _extents(Sq, Skv, qb, kvb, causal):
-    """The distinct (rows, keys) extents of the blocks a sweep visits."""
-    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    out = set()
-    for i in (0, nq - 1):
-        last = min((i + 1) * qb, Sq) - 1
-        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
-        for j in {0, nj - 1}:
-            out.add((min(qb, Sq - i * qb), min(kvb, Skv - j * kvb)))
-    return sorted(out)
 
 
 def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32):
