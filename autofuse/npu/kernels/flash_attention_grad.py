@@ -14,7 +14,7 @@ The algorithm (FlashAttention-2's backward; every quantity fp32 except the Cube 
     phase 0 (Vector)  Dr = rowsum(dO ∘ O) per query row -> GM;  the fp32 dq workspace := 0
     phase 1 (only without saved statistics): the forward's first sweep again, per (b, h, query block)
         over its KV tiles: Cube S = Q·K_jᵀ, Vector online max m and sum l -> GM
-        (the forward op does not output its statistics today; a forward that saves them skips this)
+        (a training plan's forward saves them with ``return_stats``, as CANN's FlashAttentionScore does)
     phase 2, one work unit = (b, kv head, KV block j): K_j, V_j loaded once; for every query head h of the
         kv head and every query block i that sees block j (causal: i at or below the diagonal):
         Cube    S = Q_i·K_jᵀ, dP = dO_i·V_jᵀ                          fp32 in L0C
