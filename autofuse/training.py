@@ -37,6 +37,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autofuse.graph import get_attr_value
+
 FORWARD, BACKWARD = "forward", "backward"
 
 
@@ -60,15 +62,6 @@ class JointGraph:
                  for s, dt in self.grad_shapes]
         return [t for _, t in self.params] + list(self.state) + list(inputs) + grads
 
-    def phase_of(self, node_name: str) -> str | None:
-        n = self._by_name().get(node_name)
-        return None if n is None else n.meta.get("autofuse_phase")
-
-    def _by_name(self):
-        if not hasattr(self, "_names"):
-            self._names = {n.name: n for n in self.graph_module.graph.nodes}
-        return self._names
-
 
 def _state(gm: fx.GraphModule):
     """``{get_attr node: tensor}`` for every tensor the graph reads as an attribute (parameters, buffers, lifted
@@ -78,7 +71,7 @@ def _state(gm: fx.GraphModule):
     for n in gm.graph.nodes:
         if n.op != "get_attr":
             continue
-        t = _get_attr(gm, n.target)
+        t = get_attr_value(gm, n.target)
         if not isinstance(t, torch.Tensor):
             continue
         by_node[n] = t
@@ -86,13 +79,6 @@ def _state(gm: fx.GraphModule):
             trainable = isinstance(t, torch.nn.Parameter) and t.requires_grad and t.is_floating_point()
             order.append((n.meta.get("autofuse_state", n.target), t, trainable))
     return by_node, order
-
-
-def _get_attr(gm, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _lifted(gm: fx.GraphModule, by_node: dict, order: list) -> fx.GraphModule:
@@ -145,9 +131,9 @@ def joint_graph(gm: fx.GraphModule, inputs) -> JointGraph:
 
     params = [t.detach().requires_grad_(True) for _, t in order]
     xs = [x.detach().requires_grad_(True) if w else x for x, w in zip(inputs, wants)]
-    gouts = [torch.empty(s, dtype=dt, device="meta") for s, dt in grad_shapes]
+    gouts = [torch.zeros(s, dtype=dt) for s, dt in grad_shapes]      # stand-ins: make_fx reads shapes only
     with torch.enable_grad():
-        traced = make_fx(step, tracing_mode="fake")(*params, *frozen, *xs, *_as_fake(gouts))
+        traced = make_fx(step, tracing_mode="fake")(*params, *frozen, *xs, *gouts)
     for i, n in enumerate(traced.graph.nodes):
         n.meta["autofuse_phase"] = FORWARD if i < boundary["nodes"] else BACKWARD
     return JointGraph(traced, order, frozen, len(inputs), grad_shapes)
@@ -168,11 +154,6 @@ class _Sourced(fx.Interpreter):
         for t in itertools.islice(reversed(self.traced.nodes), len(self.traced.nodes) - before):
             t.meta["autofuse_source"] = n
         return out
-
-
-def _as_fake(ts):
-    """Output-gradient stand-ins for tracing: real zero tensors (make_fx wraps them; their values are unused)."""
-    return [torch.zeros(t.shape, dtype=t.dtype) for t in ts]
 
 
 def _floating(flat) -> list:
