@@ -120,25 +120,33 @@ def reads_product(prog) -> bool:
     return gp.program is not None and reads_input(gp.program, 0)
 
 
+def _storable_product(prog) -> bool:
+    """Whether an epilogue can add its product (input 0) as an output: not one already, and as wide as every
+    output (SwiGLU on a fused gate_up projection outputs half the product's width; the kernel walks the
+    output's columns, each tile reading both halves, so it cannot store the product)."""
+    return all(o.value != 0 and prog.values[o.value].width == prog.values[0].width for o in prog.outputs)
+
+
+def _add_product(prog):
+    return dataclasses.replace(prog, outputs=prog.outputs + (Output(0, prog.inputs[0].dtype),))
+
+
 def with_product(prog):
     """``prog`` (an epilogue's program) that also outputs its input 0, the product, when its backward reads
     the product and no output is it already; None otherwise (the backward needs no product: a residual add,
-    a bias; or it is no Vector program). An epilogue whose outputs are narrower than the product (SwiGLU on
-    a fused gate_up projection: the kernel walks the output's columns, each tile reading both halves) stores
-    no product: its backward recomputes it with a matmul."""
-    if any(o.value == 0 for o in prog.outputs):
-        return None
-    if any(prog.values[o.value].width != prog.values[0].width for o in prog.outputs) or not reads_product(prog):
-        return None
-    return dataclasses.replace(prog, outputs=prog.outputs + (Output(0, prog.inputs[0].dtype),))
+    a bias; or it is no Vector program; or it cannot store it, :func:`_storable_product`: its backward then
+    recomputes the product with a matmul)."""
+    return _add_product(prog) if _storable_product(prog) and reads_product(prog) else None
 
 
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     p = match.params
     prog = p["program"]
-    training = training_graph(nodes[match.inputs["a"]].graph)
-    trained = with_product(prog) if training else None
-    recompute = training and trained is None and reads_product(prog)
+    # a training plan's backward reading the product it does not output yet: store it, or price its recompute
+    needs = training_graph(nodes[match.inputs["a"]].graph) and all(o.value != 0 for o in prog.outputs) \
+        and reads_product(prog)
+    trained = _add_product(prog) if needs and _storable_product(prog) else None
+    recompute = needs and trained is None
     prog = trained or prog
     a, b = (nodes[match.inputs[r]] for r in ("a", "b"))
     specs = [(tuple(a.meta["val"].shape), _dtype(a)), (tuple(b.meta["val"].shape), _dtype(b))]
