@@ -5,6 +5,8 @@
 added to the scaled scores, ``causal`` = top-left ``tril``, GQA by ``k/v.repeat_interleave``, fp32
 softmax, a row with every key masked gives zeros.
 """
+from collections import Counter
+
 import pytest
 import torch
 
@@ -73,11 +75,20 @@ def ref_op():
     return torch.ops.autofuse_test.attention_ref.default
 
 
+_PROPERTY_COUNTS: Counter = Counter()
+
+
+def pytest_runtest_logreport(report):
+    """Add up the property tests' counts from their reports (sent by xdist's workers, or made in this process)."""
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == "property_counts":
+                _PROPERTY_COUNTS.update(value)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The property tests' counts (cases drawn, fused, rejected, wrong), when they ran."""
-    import sys
-    mod = sys.modules.get("test_properties")
-    counts = getattr(mod, "COUNTS", None)
+    counts = _PROPERTY_COUNTS
     if counts:
         terminalreporter.write_line(
             f"property tests: {counts['cases']} spellings ({counts['fused']} fused, {counts['rejected']} not "

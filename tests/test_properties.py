@@ -23,7 +23,16 @@ from autofuse import AutoFusionEngine  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
 
 FUSED_OP = torch.ops.autofuse.flash_attention.default
-COUNTS: Counter = Counter()          # read by conftest's terminal summary
+COUNTS: Counter = Counter()          # this process's counts; each test reports its share (below)
+
+@pytest.fixture(autouse=True)
+def _report_counts(record_property):
+    """Attach what each test added to the counts to its report, so that conftest's terminal summary can add
+    them up in the process that prints it (with pytest-xdist the tests run in worker processes)."""
+    before = Counter(COUNTS)
+    yield
+    record_property("property_counts", dict(COUNTS - before))
+
 
 FAST = settings(max_examples=12, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
