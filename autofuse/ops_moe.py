@@ -8,13 +8,21 @@
 
 (``autofuse.ops_moe.moe_gating_topk(...)`` etc. are the keyword-friendly wrappers.) Each op runs its kernel
 on the NPU simulator (``device`` names the target, ``tiling`` is a JSON object or ``""``), records the
-launch for whole-graph simulation, has a fake implementation, a backward that recomputes the op in fp32 on
-the host with its pure-torch twin ``reference_<op>`` and differentiates that (as flash_attention's backward
-does; not simulated), and that twin gives the kernel's values where only values are needed.
+launch for whole-graph simulation, has a fake implementation, a backward, and a pure-torch twin
+``reference_<op>`` that gives the kernel's values where only values are needed.
 
-Index outputs are int64 (torch's convention); the kernels work in int32. Gradients: the gating weights
-differentiate w.r.t. the logits through the chosen experts (indices and the selection bias get none);
-routing and finalize differentiate through their gathers and scatters; grouped_matmul gives dx, dw, dbias.
+Index outputs are int64 (torch's convention); the kernels work in int32. Gradients:
+
+* grouped_matmul: fused launches (:func:`_gmm_backward`): dx by ``grouped_matmul`` with the weight transposed,
+  dw (and dbias) by ``grouped_matmul_weight_grad`` (``torch.ops.autofuse.grouped_matmul_weight_grad``, CANN
+  GroupedMatmul's split-K grouping), an epilogue's gradient by its derived Vector program over the product,
+  which one ``grouped_matmul`` launch recomputes (the op returns only the activation);
+* moe_init_routing: one ``moe_finalize_routing`` launch with unit weights (the un-permute sums each token's k
+  rows);
+* moe_finalize_routing and moe_gating_topk: the twin, differentiated by torch on the host in fp32 (traced,
+  in a training step, as the aten ops of that recomputation): the finalize backward's gather-and-scale plus
+  row dots and the gating's renormalise/top-k/softmax derivative have no fused kernel yet. The gating
+  weights differentiate w.r.t. the logits through the chosen experts (indices and the selection bias get none).
 """
 from __future__ import annotations
 
@@ -186,13 +194,17 @@ def reference_moe_init_routing(x, expert_idx, num_experts, group_list_type="coun
 def _init_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1])
     ctx.shape, ctx.k = inputs[0].shape, inputs[1].shape[-1]
+    ctx.device = inputs[4] if len(inputs) > 4 else "ascend910"
 
 
 def _init_backward(ctx, grad_x, grad_row, grad_counts):
+    """The un-permute: ``dx[t] = Σ_j d_expanded[expanded_row_idx[t·k + j]]``, which is ``moe_finalize_routing``
+    with unit weights (its kernel gathers each token's k rows and sums them in fp32): one launch."""
     row_idx, = ctx.saved_tensors
-    T, H = ctx.shape
-    gx = grad_x.float()[row_idx].reshape(T, ctx.k, H).sum(1)
-    return gx.to(grad_x.dtype), None, None, None, None, None
+    T, _ = ctx.shape
+    ones = torch.ones((T, ctx.k), dtype=torch.float32)
+    gx = torch.ops.autofuse.moe_finalize_routing(grad_x.contiguous(), ones, row_idx, None, ctx.device, "")
+    return gx, None, None, None, None, None
 
 
 _moe_init_routing.register_autograd(_init_backward, setup_context=_init_setup)

@@ -134,3 +134,26 @@ def test_training_step_gradients_equal_eager():
     for name, got in grads.items():
         ok, err, tol = compare(eager[name].grad, ref[name].grad, got)
         assert ok, (name, err, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,k,E", [(7, 2, 4), (16, 3, 8), (5, 1, 2)])
+def test_init_routing_gradient_is_one_finalize_launch(dtype, T, k, E):
+    from autofuse import ops
+    torch.manual_seed(T)
+    x = torch.randn(T, 24).to(dtype)
+    idx = torch.randint(0, E // 2, (T, k))                  # uneven: half the experts get every row
+    g = torch.randn(T * k, 24).to(dtype)
+
+    def eager(x):
+        flat = idx.reshape(-1)
+        perm = torch.sort(flat, stable=True).indices
+        return x[perm // k]
+
+    with ops.recording() as log:
+        got, = _grads(lambda x: ops_moe.moe_init_routing(x, idx, E)[0], [x], g)
+    assert [name for name, _ in log] == ["moe_init_routing", "moe_finalize_routing"]
+    want, = _grads(eager, [x], g)
+    ref, = _grads(eager, [x.double()], g.double())
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
