@@ -443,7 +443,8 @@ def _moe_weight_grad_cases(quick: bool):
           (64, 128, 128, (1, 2, 3, 58), f32)]                                # one expert holds most rows
     if not quick:
         wg += [(2048, 1024, 768, (256,) * 8, f16), (4096, 512, 1024, (512,) * 8, f32),
-               (1500, 384, 320, (700, 50, 50, 700), bf16), (8192, 1024, 2048, (1024,) * 8, bf16)]
+               (1500, 384, 320, (700, 50, 50, 700), bf16), (8192, 1024, 2048, (1024,) * 8, bf16),
+               (4096, 3584, 512, (512,) * 8, bf16)]                                # dP of a wide gate_up
     out = []
     for i, (M, P, Q, sizes, dt) in enumerate(wg):
         E = len(sizes)

@@ -4,13 +4,13 @@
 Specs: ``lhs [M, P]``, ``rhs [M, Q]``, ``group_list [E]``; output ``[E, P, Q]``. Group sizes as for
 ``grouped_matmul``: ``group_sizes=(m_0, ..., m_{E-1})``, else the rows spread evenly over the groups.
 
-*grouped_matmul_weight_grad*: the kernel's output tiles (group, column block, row block; row blocks
-innermost) of the non-empty groups and its deal by load are replayed. Per tile, on its core: MTE2 loads the
+*grouped_matmul_weight_grad*: the kernel's output tiles of the non-empty groups (the blocks along the wider
+output dim innermost) and its deal by load are replayed. Per tile, on its core: MTE2 loads the
 group's lhs block (``rows·p``) and rhs block (``rows·q``); MTE1 moves them to L0A/L0B; the Cube does
 ``ceil(p/16)·ceil(q/16)`` fractals per k0-slice of rows (``ceil(kv/k0)`` each); the tile leaves by FixPipe
-(split) or L0C→UB→MTE3 (coupled). The rhs block was read by the previous row block (an L2 hit for every row
-block after the first); the lhs block was read for the previous column block, a hit when the group's lhs
-rows and the tiles in between fit the L2. The tiles of one lockstep step share the bandwidth as processors
+(split) or L0C→UB→MTE3 (coupled). The outer block's operand was read by the previous inner block (an L2
+hit for every inner block after the first); the inner operand was read for the previous outer block, a hit
+when the group's rows of it and the tiles in between fit the L2. The tiles of one lockstep step share the bandwidth as processors
 share one (groups differ in rows, so their tiles differ in bytes): a tile's transfer ends after its own
 bytes and, of each other tile of its step, as many bytes as it has (L2 for all bytes, HBM for misses). A
 tile lasts as long as its busiest unit (Cube and write-out in series when L0C holds one accumulator); a
@@ -31,26 +31,26 @@ from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.grouped_matmul import _deal, _sizes, per_group_launches
 
 
-def fits(dev, dtype, out_dtype, t):
+def fits(dev, dtype, out_dtype, t, zeros=False):
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
         return False
     isz = itemsize(dtype)
     buf = dev.buffers
     nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
+    ub = ((0 if dev.arch == "split" else 2) + bool(zeros)) * m0 * n0 * itemsize(out_dtype)
     return (2 * (m0 * k1 + k1 * n0) * isz <= buf["L1"] - 64 and 2 * m0 * k0 * isz <= buf["L0A"]
-            and 2 * k0 * n0 * isz <= buf["L0B"] and nc * m0 * n0 * 4 <= buf["L0C"]
-            and 3 * m0 * n0 * itemsize(out_dtype) <= buf["UB"])
+            and 2 * k0 * n0 * isz <= buf["L0B"] and nc * m0 * n0 * 4 <= buf["L0C"] and ub <= buf["UB"])
 
 
-def kernel_default(dev, dtype, out_dtype, P, Q, rows):
-    for m0 in (128, 64, 32, 16):
+def kernel_default(dev, dtype, out_dtype, P, Q, rows, zeros=False):
+    for m0 in (256, 128, 64, 32, 16):
         for n0 in (256, 128, 64, 32, 16):
             m0e, n0e = min(m0, round_up(P, 16)), min(n0, round_up(Q, 16))
             for k0 in (128, 64, 32, 16):
                 k0e = min(k0, round_up(max(rows, 1), 16))
                 t = {"m0": m0e, "n0": n0e, "k0": k0e, "k1": 2 * k0e}
-                if fits(dev, dtype, out_dtype, t):
+                if fits(dev, dtype, out_dtype, t, zeros):
                     return t
     raise ValueError(f"grouped_matmul_weight_grad: no tiling fits {dev.name} for {dtype}")
 
@@ -59,7 +59,10 @@ def _items(sizes, P, Q, m0, n0):
     """Tiles of the non-empty groups, one row each: (group, rows, p extent, q extent, row block, col block), in
     the kernel's order; and the number of empty groups' blocks."""
     nm, nn = ceil_div(P, m0), ceil_div(Q, n0)
-    mi, ni = np.tile(np.arange(nm), nn), np.repeat(np.arange(nn), nm)
+    if P <= Q:                      # row blocks innermost
+        mi, ni = np.tile(np.arange(nm), nn), np.repeat(np.arange(nn), nm)
+    else:                           # column blocks innermost
+        mi, ni = np.repeat(np.arange(nm), nn), np.tile(np.arange(nn), nm)
     parts = [np.stack([np.full(nm * nn, g), np.full(nm * nn, c), np.minimum(m0, P - mi * m0),
                        np.minimum(n0, Q - ni * n0), mi, ni], axis=1) for g, c in enumerate(sizes) if c > 0]
     zeros = sum(1 for c in sizes if c == 0) * nm * nn
@@ -103,19 +106,23 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     step[by_core] = np.arange(len(arr)) - np.repeat(first, per)
     S = int(per.max())
     a_b, b_b = pf * rf * isz, qf * rf * isz
-    # L2: rhs hits for every row block after the first; lhs hits after the first column block when the
-    # group's lhs rows, two rhs blocks and the output tiles in between fit
-    foot = rf * P * isz + ceil_div(P, m0) * m0 * n0 * osz + 2 * rf * n0 * isz
-    a_hit = (ni > 0) & (foot <= dev.l2_bytes)
-    b_hit = mi > 0
+    # L2: the outer block's operand hits for every inner block after the first; the inner operand hits after
+    # the first outer block when the group's rows of it, two outer blocks and the output tiles between fit
+    if P <= Q:
+        foot = rf * P * isz + ceil_div(P, m0) * m0 * n0 * osz + 2 * rf * n0 * isz
+        a_hit, b_hit = (ni > 0) & (foot <= dev.l2_bytes), mi > 0
+    else:
+        foot = rf * Q * isz + ceil_div(Q, n0) * m0 * n0 * osz + 2 * rf * m0 * isz
+        a_hit, b_hit = ni > 0, (mi > 0) & (foot <= dev.l2_bytes)
     A_miss, B_miss = a_b * ~a_hit, b_b * ~b_hit
     hit, miss = a_b * a_hit + b_b * b_hit, A_miss + B_miss
     # the cores of a step share the bandwidth as processors share one: an item's transfer ends after its own
     # bytes and, of every other item of its step, as many bytes as it has (a small item finishes early)
-    port_in = _sharing(step, hit + miss, hit) / L2bw + _sharing(step, miss) / HBMbw
+    out_b = pf * qf * osz
+    # HBM: the step's misses and its tiles' write-outs share it (one port per core for both directions)
+    port_in = _sharing(step, hit + miss, hit) / L2bw + _sharing(step, miss + out_b) / HBMbw
     mte2 = np.maximum((a_b + b_b) / rates["GM->L1"], port_in)
     mte1 = rf * isz * (np.ceil(pf / 16) * 16 / rates["L1->L0A"] + np.ceil(qf / 16) * 16 / rates["L1->L0B"])
-    out_b = pf * qf * osz
     w_share = _sharing(step, out_b) / HBMbw
     if split:
         fix = np.maximum(out_b / rates["L0C->GM"], w_share)
@@ -126,7 +133,7 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     nch = np.ceil(rf / k1)
     nsl = np.array([sum(ceil_div(min(k1, c - s), k0) for s in range(0, c, k1)) for c in sizes], dtype=float)[g]
     instr = 2 * nch + 3 * nsl + 3
-    port = port_in + w_share
+    port = port_in
     nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
     # one L0C accumulator: the next tile's products wait for this one's write-out
     cube_fix = cube + fix if nc == 1 else cube
@@ -136,7 +143,9 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
         * isz / 256
     last = by_core[first + per - 1]
     # the last tile's write-out overlaps nothing: its products, then its store
-    drain = np.maximum.reduce([mte2, cube, mte1, port_in, instr * sc])[last] + fix[last] + mte3[last] \
+    reads = _sharing(step, hit + miss, hit)[last] / L2bw + _sharing(step, miss)[last] / HBMbw
+    drain = np.maximum.reduce([(a_b + b_b)[last] / rates["GM->L1"], reads, cube[last], mte1[last],
+                               instr[last] * sc]) + fix[last] + mte3[last] \
         - unit[last]
     zero_t = 0.0
     if nzero:
@@ -184,19 +193,25 @@ def _dims(lhs, rhs):
 def _search(device, M, P, Q, E, dtype, out_dtype, sizes):
     dev = get_device(device)
     nonempty = [c for c in sizes if c] or [0]
-    default = kernel_default(dev, dtype, out_dtype, P, Q, sum(sizes) // max(E, 1))
+    zeros = 0 in sizes
+    default = kernel_default(dev, dtype, out_dtype, P, Q, sum(sizes) // max(E, 1), zeros)
     cands = [default]
-    for m0, n0, k0 in ((128, 128, 128), (64, 256, 128), (128, 256, 64), (64, 128, 64)):
+    for m0, n0, k0 in ((256, 256, 64), (128, 256, 64), (128, 128, 64), (128, 128, 128), (64, 256, 128),
+                       (64, 128, 64)):
         k0e = min(k0, round_up(max(max(nonempty), 1), 16))
         t = {"m0": min(m0, round_up(P, 16)), "n0": min(n0, round_up(Q, 16)), "k0": k0e, "k1": 2 * k0e}
-        if t not in cands and fits(dev, dtype, out_dtype, t):
+        if t not in cands and fits(dev, dtype, out_dtype, t, zeros):
             cands.append(t)
     best = None
     for t in cands:
         res = _model(dev, M, P, Q, E, dtype, out_dtype, list(sizes), t)
         cost = kernel_cycles(dev, *res[:3])
-        if best is None or cost < best[0] * (0.97 if t is default else 1.0):
-            best = (cost, t, res)
+        tiles = ceil_div(P, t["m0"]) * ceil_div(Q, t["n0"])
+        # near ties (a launch at its HBM floor prices every tiling alike): with few waves of tiles, more tiles
+        # even out the cores' loads (the last wave's idle cores)
+        if best is None or cost < best[0] * (0.97 if t is default else 1.0) or \
+                (cost <= best[0] * 1.01 and tiles > best[3] and best[3] * len(nonempty) < 4 * dev.cube_cores):
+            best = (cost, t, res, tiles)
     return best[1], best[2]
 
 

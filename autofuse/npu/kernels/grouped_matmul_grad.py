@@ -13,9 +13,10 @@ The groups split the contraction axis, not the output: every group has an output
 is ``[E, K, N]``; for ``w`` stored ``[E, N, K]`` (``trans_w``), ``dw = kernel(dy, x)`` is ``[E, N, K]``. A
 group with no rows gets a zero block (its weight had no use); rows past the last group are not read.
 
-*grouped_matmul_weight_grad*: the output tiles (group, column block, row block; row blocks innermost, so a
-group's rhs column block is read by its row blocks back to back and comes from HBM once) of every non-empty
-group are dealt to the cube cores by load (the least-loaded core first; an item's load is the slower of its
+*grouped_matmul_weight_grad*: the output tiles of every non-empty group (groups in order; within a group the
+blocks along the wider output dim innermost: the operand block of the narrower dim is read by them back to
+back and comes from HBM once, and the other operand, read again for each outer block, is the smaller one,
+which the L2 holds) are dealt to the cube cores by load (the least-loaded core first; an item's load is the slower of its
 Cube fractals and its GM bytes at the MTE2 rate). Per tile: the group's rows in chunks of k1 (GM→L1,
 double-buffered; the lhs chunk loaded transposed, as the ND→NZ load does), slices of k0 rows (L1→L0A/L0B,
 double-buffered), fp32 accumulation in L0C; the tile leaves by FixPipe (split, cast on the way) or L0C→UB
@@ -45,41 +46,45 @@ from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
 
 
-def tiling_fits(device, dtype, out_dtype, t) -> bool:
-    """Whether tiling ``t`` fits every buffer the kernel allocates on ``device``."""
+def tiling_fits(device, dtype, out_dtype, t, zeros=False) -> bool:
+    """Whether tiling ``t`` fits every buffer the kernel allocates on ``device`` (``zeros``: some group is empty,
+    so a zero tile is allocated in UB too)."""
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
         return False
     isz = itemsize(dtype)
     buf = device.buffers
     nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
-    ub = 3 * m0 * n0 * itemsize(out_dtype)            # two output tiles (coupled) and the zero tile
+    # coupled: two output tiles (and the zero tile) in UB; split: the zero tile in an AIV's UB
+    ub = ((0 if device.arch == "split" else 2) + bool(zeros)) * m0 * n0 * itemsize(out_dtype)
     return (2 * (m0 * k1 + k1 * n0) * isz <= buf["L1"] - 64 and 2 * m0 * k0 * isz <= buf["L0A"]
             and 2 * k0 * n0 * isz <= buf["L0B"] and nc * m0 * n0 * 4 <= buf["L0C"] and ub <= buf["UB"])
 
 
-def default_tiling(device, dtype, out_dtype, P, Q, rows) -> dict:
-    """The kernel's own tiling: the largest output tile that fits (m0 up to 128, n0 up to 256), row slices as
+def default_tiling(device, dtype, out_dtype, P, Q, rows, zeros=False) -> dict:
+    """The kernel's own tiling: the largest output tile that fits (m0 up to 256, n0 up to 256), row slices as
     deep as fit L0A/L0B double-buffered (no deeper than the groups' mean rows), L1 chunks two slices deep."""
-    for m0 in (128, 64, 32, 16):
+    for m0 in (256, 128, 64, 32, 16):
         for n0 in (256, 128, 64, 32, 16):
             m0e, n0e = min(m0, round_up(P, 16)), min(n0, round_up(Q, 16))
             for k0 in (128, 64, 32, 16):
                 k0e = min(k0, round_up(max(rows, 1), 16))
                 t = {"m0": m0e, "n0": n0e, "k0": k0e, "k1": 2 * k0e}
-                if tiling_fits(device, dtype, out_dtype, t):
+                if tiling_fits(device, dtype, out_dtype, t, zeros):
                     return t
     raise ValueError(f"grouped_matmul_weight_grad: no tiling fits {device.name} for {dtype}")
 
 
 def items_of(starts, counts, P, Q, m0, n0):
-    """Output tiles ``(group, first row, rows, p0, p extent, q0, q extent)`` of every group, groups in order,
-    column blocks, row blocks innermost; empty groups' tiles have 0 rows."""
+    """Output tiles ``(group, first row, rows, p0, p extent, q0, q extent)`` of every group, groups in order;
+    within a group, the blocks of the narrower operand innermost (``P <= Q``: row blocks, each reading an lhs
+    block while the rhs block stays; else column blocks), so the operand read again for every outer block is
+    the smaller one, which the L2 holds. Empty groups' tiles have 0 rows."""
     out = []
     for gi, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):
-        for q0 in range(0, Q, n0):
-            for p0 in range(0, P, m0):
-                out.append((gi, s, c, p0, min(m0, P - p0), q0, min(n0, Q - q0)))
+        blocks = [(p0, q0) for q0 in range(0, Q, n0) for p0 in range(0, P, m0)] if P <= Q else \
+            [(p0, q0) for p0 in range(0, P, m0) for q0 in range(0, Q, n0)]
+        out += [(gi, s, c, p0, min(m0, P - p0), q0, min(n0, Q - q0)) for p0, q0 in blocks]
     return out
 
 
@@ -123,9 +128,10 @@ class _WeightGrad:
         self.group_list = group_list
         E = np.asarray(group_list.data).size
         self.starts, self.counts = group_rows(group_list.data, glt, M)
+        zeros = bool((self.counts == 0).any())
         t = dict(tiling) if tiling else default_tiling(dev, self.dtype, out_dtype, P, Q,
-                                                       int(self.counts.sum()) // max(E, 1))
-        if not tiling_fits(dev, self.dtype, out_dtype, t):
+                                                       int(self.counts.sum()) // max(E, 1), zeros)
+        if not tiling_fits(dev, self.dtype, out_dtype, t, zeros):
             raise ValueError(f"grouped_matmul_weight_grad tiling {t} does not fit the buffers of {dev.name}")
         self.t = t
         self.out = launch.empty((E, P, Q), out_dtype, "dw")
