@@ -374,19 +374,30 @@ def lower(node: fx.Node) -> Program:
     return Program([Step("generic", tuple(Arg(i) for i in range(len(ins))))], ins)
 
 
-def _grouped_mm_fallback():
-    """``torch.ops.transformers.grouped_mm_fallback`` when transformers has registered it, else None."""
+def _grouped_mm_fallback(name="grouped_mm_fallback"):
+    """``torch.ops.transformers.<name>`` (``grouped_mm_fallback`` or its ``_backward``) when transformers has
+    registered it, else None."""
     ns = getattr(torch.ops, "transformers", None)
     try:
-        return ns.grouped_mm_fallback.default if ns is not None else None
+        return getattr(ns, name).default if ns is not None else None
     except AttributeError:
         return None
 
 
+def _stored_weight(w):
+    """(the weight as stored, transposed?): a ``transpose`` of a contiguous ``[E, N, K]`` weight's last two dims
+    is read as it is stored (the GEMM kernels load it transposed)."""
+    if (w.op == "call_function" and w.target == aten.transpose.int and _meta(w.args[0]).is_contiguous()
+            and sorted(d % 3 for d in w.args[1:3]) == [1, 2]):
+        return w.args[0], True
+    return w, False
+
+
 def _lower_moe(node, t, ins):
     """Ops of eager MoE blocks that have kernels of their own: topk (last dim), row gathers (index_select /
-    index on dim 0), row scatter-adds (index_add on dim 0) and transformers' grouped_mm_fallback (one matmul
-    launch per expert, as it runs without a grouped GEMM). None: not one of them."""
+    index on dim 0), row scatter-adds (index_add on dim 0) and transformers' grouped_mm_fallback and its
+    backward (one matmul launch per expert, as they run without a grouped GEMM; the backward's two per
+    expert). None: not one of them."""
     a = node.args
     if t == aten.topk.default:
         x = _meta(a[0])
@@ -403,12 +414,16 @@ def _lower_moe(node, t, ins):
         alpha = node.kwargs.get("alpha", a[4] if len(a) > 4 else 1)
         return Program([Step("index_add", (Arg(0), Arg(1), Arg(2)), {"alpha": float(alpha)})], [a[0], a[2], a[3]])
     if t is not None and t == _grouped_mm_fallback():
-        w, trans = a[1], False
-        if (w.op == "call_function" and w.target == aten.transpose.int and _meta(w.args[0]).is_contiguous()
-                and sorted(d % 3 for d in w.args[1:3]) == [1, 2]):
-            w, trans = w.args[0], True
+        w, trans = _stored_weight(a[1])
         return Program([Step("matmul_per_group", (Arg(0), Arg(1), Arg(2)),
                              {"trans_w": trans, "group_list_type": "cumsum"})], [a[0], w, a[2]])
+    if t is not None and t == _grouped_mm_fallback("grouped_mm_fallback_backward"):
+        # its loop: per expert, dx_g = dy_g · w_gᵀ and dw_g = x_gᵀ · dy_g, two matmul launches each
+        w, trans = _stored_weight(a[1])
+        return Program([Step("matmul_per_group", (Arg(3), Arg(1), Arg(2)),
+                             {"trans_w": not trans, "group_list_type": "cumsum"}),
+                        Step("matmul_per_group_weight_grad", (Arg(0), Arg(3), Arg(2)), {"group_list_type": "cumsum"})],
+                       [a[0], w, a[2], a[3]])
     return None
 
 

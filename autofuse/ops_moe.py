@@ -8,13 +8,21 @@
 
 (``autofuse.ops_moe.moe_gating_topk(...)`` etc. are the keyword-friendly wrappers.) Each op runs its kernel
 on the NPU simulator (``device`` names the target, ``tiling`` is a JSON object or ``""``), records the
-launch for whole-graph simulation, has a fake implementation, a backward that recomputes the op in fp32 on
-the host with its pure-torch twin ``reference_<op>`` and differentiates that (as flash_attention's backward
-does; not simulated), and that twin gives the kernel's values where only values are needed.
+launch for whole-graph simulation, has a fake implementation, a backward, and a pure-torch twin
+``reference_<op>`` that gives the kernel's values where only values are needed.
 
-Index outputs are int64 (torch's convention); the kernels work in int32. Gradients: the gating weights
-differentiate w.r.t. the logits through the chosen experts (indices and the selection bias get none);
-routing and finalize differentiate through their gathers and scatters; grouped_matmul gives dx, dw, dbias.
+Index outputs are int64 (torch's convention); the kernels work in int32. Gradients:
+
+* grouped_matmul: fused launches (:func:`_gmm_backward`): dx by ``grouped_matmul`` with the weight transposed,
+  dw (and dbias) by ``grouped_matmul_weight_grad`` (``torch.ops.autofuse.grouped_matmul_weight_grad``, CANN
+  GroupedMatmul's split-K grouping), an epilogue's gradient by its derived Vector program over the product,
+  which one ``grouped_matmul`` launch recomputes (the op returns only the activation);
+* moe_init_routing: one ``moe_finalize_routing`` launch with unit weights (the un-permute sums each token's k
+  rows);
+* moe_finalize_routing and moe_gating_topk: the twin, differentiated by torch on the host in fp32 (traced,
+  in a training step, as the aten ops of that recomputation): the finalize backward's gather-and-scale plus
+  row dots and the gating's renormalise/top-k/softmax derivative have no fused kernel yet. The gating
+  weights differentiate w.r.t. the logits through the chosen experts (indices and the selection bias get none).
 """
 from __future__ import annotations
 
@@ -23,7 +31,10 @@ from typing import Optional
 
 import torch
 
+import cost_model
 from autofuse.ops import REFERENCES, _record, _to_torch, run_kernel
+from autofuse.ops_vector import _grad_launch, run_grad_program
+from cost_model.program import Builder
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -183,13 +194,17 @@ def reference_moe_init_routing(x, expert_idx, num_experts, group_list_type="coun
 def _init_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1])
     ctx.shape, ctx.k = inputs[0].shape, inputs[1].shape[-1]
+    ctx.device = inputs[4] if len(inputs) > 4 else "ascend910"
 
 
 def _init_backward(ctx, grad_x, grad_row, grad_counts):
+    """The un-permute: ``dx[t] = Σ_j d_expanded[expanded_row_idx[t·k + j]]``, which is ``moe_finalize_routing``
+    with unit weights (its kernel gathers each token's k rows and sums them in fp32): one launch."""
     row_idx, = ctx.saved_tensors
-    T, H = ctx.shape
-    gx = grad_x.float()[row_idx].reshape(T, ctx.k, H).sum(1)
-    return gx.to(grad_x.dtype), None, None, None, None, None
+    T, _ = ctx.shape
+    ones = torch.ones((T, ctx.k), dtype=torch.float32)
+    gx = torch.ops.autofuse.moe_finalize_routing(grad_x.contiguous(), ones, row_idx, None, ctx.device, "")
+    return gx, None, None, None, None, None
 
 
 _moe_init_routing.register_autograd(_init_backward, setup_context=_init_setup)
@@ -262,10 +277,123 @@ def reference_grouped_matmul(x, weight, group_list, bias=None, trans_w=False, gr
 def _gmm_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
     ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[4:8]))
+    ctx.device = inputs[8] if len(inputs) > 8 else "ascend910"
 
 
-_grouped_matmul.register_autograd(lambda ctx, g: _host_backward(reference_grouped_matmul, ctx, (g,), 10),
-                                  setup_context=_gmm_setup)
+def _searched(kernel, specs, device, **params) -> str:
+    """The tiling the cost model's search picks for a backward launch (group sizes unknown: spread evenly),
+    as JSON for the op (``""``: the kernel's own)."""
+    e = cost_model.estimate(kernel, specs, device=device, **params)
+    return json.dumps(e.tiling, sort_keys=True) if e.tiling else ""
+
+
+def _spec(t):
+    return tuple(t.shape), str(t.dtype).replace("torch.", "")
+
+
+def _epilogue_program(activation, order, M, N, dtype) -> str:
+    """The grouped GEMM's epilogue as a Vector program over its product ``[M, N]`` (SwiGLU: ``silu(gate)·up``
+    on the halves, in ``order``), the output in ``dtype``: the program whose derived backward gives the
+    product's gradient."""
+    b = Builder((M,))
+    p = b.input(dtype, (M, N))
+    if activation == "swiglu":
+        F = N // 2
+        first, second = b.slice(p, start=0, stop=F), b.slice(p, start=F, stop=N)
+        gate, up = (first, second) if order == "gate_up" else (second, first)
+        b.output(b.mul(b.silu(gate), up), dtype)
+    else:
+        b.output(getattr(b, activation)(p), dtype)
+    return b.build().to_json()
+
+
+def _gmm_backward(ctx, grad):
+    """The grouped GEMM's gradients as grouped launches (CANN GroupedMatmul as training runs it):
+
+    1. with an epilogue, the product ``P = x·w[g] (+ bias)`` is recomputed by one ``grouped_matmul`` launch
+       (the forward op returns only the activation: the product is not stored), and ``dP = act'(P) ∘ dy``
+       (SwiGLU: ``dgate = dy·up·silu'(gate)``, ``dup = dy·silu(gate)``) is the epilogue's derived backward,
+       one ``vector_program`` launch; without one ``dP = dy``;
+    2. ``dx = grouped_matmul(dP, w)`` with the weight read transposed (``trans_w`` flipped);
+    3. ``dw[g] = x_gᵀ·dP_g`` (``[E, K, N]``; ``dP_gᵀ·x_g`` for ``w`` stored ``[E, N, K]``), one
+       ``grouped_matmul_weight_grad`` launch, zero blocks for empty experts;
+    4. ``dbias[g]`` = the column sums of ``dP_g``: the same kernel with a column of ones as its lhs.
+
+    ``dP`` is rounded to x's dtype, as eager's activation backward writes it; the GEMMs accumulate in fp32."""
+    x, w, gl, bias = ctx.saved_tensors
+    p, dev = ctx.params, ctx.device
+    need = ctx.needs_input_grad
+    trans_w, glt, act = p["trans_w"], p["group_list_type"], p["activation"]
+    dt = str(x.dtype).replace("torch.", "")
+    d = grad.contiguous()
+    if act:
+        tl = _searched("grouped_matmul", [_spec(x), _spec(w), _spec(gl)], dev, trans_w=trans_w,
+                       bias=None if bias is None else _spec(bias))
+        product = torch.ops.autofuse.grouped_matmul(x, w, gl, bias, trans_w, glt, "", "gate_up", dev, tl)
+        prog = _epilogue_program(act, p["swiglu_order"], x.shape[0], product.shape[1], dt)
+        launch = _grad_launch(prog, (0,), (0,), dev)
+        if launch is None:
+            raise NotImplementedError(f"grouped_matmul backward: the {act} epilogue has no Vector backward")
+        d, = run_grad_program(*launch, [product], [grad], dev)
+        d = d.to(x.dtype)
+    gx = gw = gb = None
+    E = w.shape[0]
+    if need[0]:
+        tl = _searched("grouped_matmul", [_spec(d), _spec(w), _spec(gl)], dev, trans_w=not trans_w)
+        gx = torch.ops.autofuse.grouped_matmul(d, w, gl, None, not trans_w, glt, "", "gate_up", dev, tl)
+    if need[1]:
+        lhs, rhs = (d, x) if trans_w else (x, d)
+        gw = grouped_matmul_weight_grad(lhs, rhs, gl, glt, device=dev)
+    if bias is not None and need[3]:
+        ones = torch.ones((x.shape[0], 1), dtype=x.dtype)
+        gb = grouped_matmul_weight_grad(ones, d, gl, glt, out_dtype=bias.dtype, device=dev).reshape(E, -1)
+    return gx, gw, None, gb, None, None, None, None, None, None
+
+
+_grouped_matmul.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+@torch.library.custom_op("autofuse::grouped_matmul_weight_grad", mutates_args=())
+def _grouped_matmul_weight_grad(lhs: torch.Tensor, rhs: torch.Tensor, group_list: torch.Tensor,
+                                group_list_type: str = "count", out_dtype: str = "", device: str = "ascend910",
+                                tiling: str = "") -> torch.Tensor:
+    r = run_kernel("grouped_matmul_weight_grad", lhs, rhs, group_list.int(), group_list_type=group_list_type,
+                   out_dtype=out_dtype or None, device=device, tiling=_tiling(tiling))
+    _record("grouped_matmul_weight_grad", r.stats)
+    return _to_torch(r.outputs[0], _DT[out_dtype] if out_dtype else lhs.dtype)
+
+
+@_grouped_matmul_weight_grad.register_fake
+def _(lhs, rhs, group_list, group_list_type="count", out_dtype="", device="ascend910", tiling=""):
+    return lhs.new_empty((group_list.shape[0], lhs.shape[1], rhs.shape[1]),
+                         dtype=_DT[out_dtype] if out_dtype else lhs.dtype)
+
+
+def reference_grouped_matmul_weight_grad(lhs, rhs, group_list, group_list_type="count", out_dtype="", **_):
+    """Per group: ``lhs_gᵀ @ rhs_g`` in fp32 from the operands' values, one cast (to ``out_dtype``, else lhs's
+    dtype); a group with no rows gives a zero block."""
+    gl = group_list.long()
+    counts = torch.diff(gl, prepend=gl.new_zeros(1)) if group_list_type == "cumsum" else gl
+    out = torch.zeros((counts.numel(), lhs.shape[1], rhs.shape[1]), dtype=torch.float32)
+    start = 0
+    for g, c in enumerate(counts.tolist()):
+        out[g] = lhs[start:start + c].float().t() @ rhs[start:start + c].float()
+        start += c
+    return out.to(_DT[out_dtype] if out_dtype else lhs.dtype)
+
+
+def grouped_matmul_weight_grad(lhs, rhs, group_list, group_list_type="count", out_dtype=None, device="ascend910",
+                               tiling=None):
+    """``out[g] = lhs[rows_g]ᵀ @ rhs[rows_g]`` for every group (``[E, P, Q]``): a grouped GEMM's weight
+    gradient, one launch (``lhs = x, rhs = dy`` for ``w [E, K, N]``; ``lhs = dy, rhs = x`` for ``[E, N, K]``).
+    Without ``tiling``, the one the cost model's search picks (group sizes spread evenly)."""
+    od = "" if out_dtype is None else str(out_dtype).replace("torch.", "")
+    if tiling is None:
+        tl = _searched("grouped_matmul_weight_grad", [_spec(lhs), _spec(rhs), _spec(group_list)], device,
+                       out_dtype=od or None)
+    else:
+        tl = json.dumps(tiling) if tiling else ""
+    return torch.ops.autofuse.grouped_matmul_weight_grad(lhs, rhs, group_list, group_list_type, od, device, tl)
 
 
 def grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation=None,
@@ -325,9 +453,10 @@ def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="
                                                    json.dumps(tiling) if tiling else "")
 
 
-__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "moe_finalize_routing",
+__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_weight_grad", "moe_finalize_routing",
            "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
-           "reference_moe_finalize_routing"]
+           "reference_moe_finalize_routing", "reference_grouped_matmul_weight_grad"]
 
 REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=reference_moe_init_routing,
-                  grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing)
+                  grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing,
+                  grouped_matmul_weight_grad=reference_grouped_matmul_weight_grad)

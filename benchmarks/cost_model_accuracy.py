@@ -429,6 +429,31 @@ def _moe_cases(quick: bool):
                     out.append(Case("matmul_per_group", [((M, K), dt), w, ((E,), "int32")], d,
                                     {"trans_w": trans, "group_sizes": sizes},
                                     values={2: np.cumsum(sizes).astype(np.int32)}))
+    out += _moe_weight_grad_cases(quick)
+    return out
+
+
+def _moe_weight_grad_cases(quick: bool):
+    """The grouped GEMM's weight gradient (lhs [M, P], rhs [M, Q] -> [E, P, Q]): decode- and prefill-sized
+    groups, skewed loads with empty experts, one expert holding nearly every row; and eager's per-expert GEMMs."""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    wg = [(203, 96, 80, (30, 0, 70, 5), bf16),                              # tiny, an empty expert
+          (512, 256, 384, (64,) * 8, f16),                                   # decode-sized groups
+          (1024, 512, 512, (300, 200, 0, 100, 224, 200, 0, 0), bf16),      # skewed, three empty
+          (64, 128, 128, (1, 2, 3, 58), f32)]                                # one expert holds most rows
+    if not quick:
+        wg += [(2048, 1024, 768, (256,) * 8, f16), (4096, 512, 1024, (512,) * 8, f32),
+               (1500, 384, 320, (700, 50, 50, 700), bf16), (8192, 1024, 2048, (1024,) * 8, bf16),
+               (4096, 3584, 512, (512,) * 8, bf16)]                                # dP of a wide gate_up
+    out = []
+    for i, (M, P, Q, sizes, dt) in enumerate(wg):
+        E = len(sizes)
+        for d in DEVICES:
+            out.append(Case("grouped_matmul_weight_grad", [((M, P), dt), ((M, Q), dt), ((E,), "int32")], d,
+                            {"group_sizes": sizes}, values={2: np.array(sizes, dtype=np.int32)}))
+        d = DEVICES[i % 3]
+        out.append(Case("matmul_per_group_weight_grad", [((M, P), dt), ((M, Q), dt), ((E,), "int32")], d,
+                        {"group_sizes": sizes}, values={2: np.cumsum(sizes).astype(np.int32)}))
     return out
 
 

@@ -20,6 +20,7 @@ from cost_model import dropout as _dropout  # noqa: F401,E402
 from cost_model import movement as _movement  # noqa: F401,E402
 from cost_model import moe as _moe  # noqa: F401,E402
 from cost_model import grouped_matmul as _grouped_matmul  # noqa: F401,E402
+from cost_model import grouped_matmul_grad as _grouped_matmul_grad  # noqa: F401,E402
 from cost_model import collectives as _collectives  # noqa: F401,E402
 from cost_model import mc2 as _mc2  # noqa: F401,E402
 from cost_model import vector_program as _vector_program  # noqa: F401,E402

@@ -285,18 +285,17 @@ def estimate_grouped_matmul(dev, specs, bias=None, trans_w=False, group_list_typ
                 activation=activation, out_dtype=out_dtype), 2.0 * sum(sizes) * N * K)
 
 
-@register("matmul_per_group", _roofline)
-def estimate_matmul_per_group(dev, specs, trans_w=False, group_list_type="cumsum", group_sizes=None, tiling=None):
-    M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, None)
-    sizes = _sizes(E, M, group_sizes)
+def per_group_launches(dev, kernel, sizes, operands, tiling, roof, flops, **params):
+    """One ``matmul`` launch per non-empty group, summed (their launch overheads included): ``operands(rows)``
+    gives a group's two operand specs, ``params`` the matmul's; the tiling per row count, as the kernel takes
+    it (``{"by_rows": {rows: tiling}}``)."""
     body = hbm = 0.0
     nbytes, busy, by_rows = {}, {}, {}
     for c in sizes:
         if c == 0:
             continue
-        a, b = ((c, K), dtype), (((N, K) if trans_w else (K, N)), dtype)
         tl = (tiling or {}).get("by_rows", {}).get(c) if tiling else None
-        e = estimate("matmul", [a, b], device=dev.name, trans_b=trans_w, tiling=tl)
+        e = estimate("matmul", list(operands(c)), device=dev.name, tiling=tl, **params)
         by_rows[c] = e.tiling if tl is None else tl
         body += e.cycles
         hbm += e.hbm_bytes
@@ -305,8 +304,17 @@ def estimate_matmul_per_group(dev, specs, trans_w=False, group_list_type="cumsum
         for k, v in e.busy.items():
             busy[k] = busy.get(k, 0) + v
     # make() adds one launch overhead; every launch's own is in its cycles
-    return make("matmul_per_group", dev, max(0.0, body - dev.launch_cycles), hbm, nbytes, busy,
-                {"by_rows": by_rows}, _roofline(dev, specs, trans_w=trans_w), 2.0 * sum(sizes) * N * K)
+    return make(kernel, dev, max(0.0, body - dev.launch_cycles), hbm, nbytes, busy, {"by_rows": by_rows}, roof,
+                flops)
 
 
-__all__ = ["estimate_grouped_matmul", "estimate_matmul_per_group", "EPILOGUE_PASSES", "choose_tiling"]
+@register("matmul_per_group", _roofline)
+def estimate_matmul_per_group(dev, specs, trans_w=False, group_list_type="cumsum", group_sizes=None, tiling=None):
+    M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, None)
+    sizes = _sizes(E, M, group_sizes)
+    w = (((N, K) if trans_w else (K, N)), dtype)
+    return per_group_launches(dev, "matmul_per_group", sizes, lambda c: (((c, K), dtype), w), tiling,
+                              _roofline(dev, specs, trans_w=trans_w), 2.0 * sum(sizes) * N * K, trans_b=trans_w)
+
+
+__all__ = ["estimate_grouped_matmul", "estimate_matmul_per_group", "per_group_launches", "EPILOGUE_PASSES", "choose_tiling"]

@@ -443,26 +443,18 @@ def _append(parent: Launch, sub: Launch, offset: float) -> None:
     parent.events += [(g, u, nm, st + offset, en + offset, a) for g, u, nm, st, en, a in sub.events]
 
 
-@kernel("matmul_per_group", steer=("group_list",))
-def matmul_per_group(launch, x, weight, group_list, trans_w=False, group_list_type="cumsum", tiling=None):
-    """One ``matmul`` launch per non-empty group, in order (what ``transformers.grouped_mm_fallback`` runs)."""
-    K, N = _check(x, weight, trans_w, None, "gate_up")
-    M = x.shape[0]
-    starts, counts = group_rows(group_list.data, group_list_type, M)
-    out = launch.empty((M, N), x.dtype, "y")
-    by_rows = {int(k): v for k, v in ((tiling or {}).get("by_rows") or {}).items()}
+def in_sequence(launch: Launch, calls) -> None:
+    """Run each ``call(sub)`` (it issues one ``matmul`` launch into the fresh launch ``sub`` and returns a
+    function that places the result's values) as its own launch, one after another: each with its launch
+    overhead and a cold L2, as separate launches run; their work is folded into ``launch``."""
     dev = launch.device
     t0 = 0.0
-    for gi, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):
-        if c == 0:
-            continue
+    for call in calls:
         sub = Launch(dev, "matmul", values=launch.values)
-        a = GMTensor(x.data[s:s + c], x.dtype, "x")
-        b = GMTensor(weight.data[gi], weight.dtype, "w")
-        y, = _matmul_kernel(sub, a, b, trans_b=trans_w, tiling=by_rows.get(c))
+        place = call(sub)
         sub.sync()
         if launch.values:
-            out.data[s:s + c] = y.data
+            place()
         end = max(float(g.end_time().max()) for g in sub.groups)
         body = max(end, (sub.hbm_read + sub.hbm_write + sub.l2.dirty_bytes()) / dev.hbm_bytes_per_cycle,
                    sum(b_ for p, b_ in sub.bytes.items() if "GM" in p) / dev.l2_bytes_per_cycle)
@@ -472,8 +464,28 @@ def matmul_per_group(launch, x, weight, group_list, trans_w=False, group_list_ty
         launch.group("aic" if dev.arch == "split" else "core", 1)
     elif t0:
         launch.groups[-1].free["scalar"] = np.maximum(launch.groups[-1].free["scalar"], t0 - dev.launch_cycles)
+
+
+@kernel("matmul_per_group", steer=("group_list",))
+def matmul_per_group(launch, x, weight, group_list, trans_w=False, group_list_type="cumsum", tiling=None):
+    """One ``matmul`` launch per non-empty group, in order (what ``transformers.grouped_mm_fallback`` runs)."""
+    K, N = _check(x, weight, trans_w, None, "gate_up")
+    M = x.shape[0]
+    starts, counts = group_rows(group_list.data, group_list_type, M)
+    out = launch.empty((M, N), x.dtype, "y")
+    by_rows = {int(k): v for k, v in ((tiling or {}).get("by_rows") or {}).items()}
+
+    def call(gi, s, c):
+        def run(sub):
+            a = GMTensor(x.data[s:s + c], x.dtype, "x")
+            b = GMTensor(weight.data[gi], weight.dtype, "w")
+            y, = _matmul_kernel(sub, a, b, trans_b=trans_w, tiling=by_rows.get(c))
+            return lambda: out.data.__setitem__(slice(s, s + c), y.data)
+        return run
+
+    in_sequence(launch, [call(gi, s, c) for gi, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())) if c])
     return (out,)
 
 
 __all__ = ["grouped_matmul", "matmul_per_group", "default_tiling", "tiling_fits", "items_of", "deal", "item_load",
-           "group_rows", "epilogue_passes", "ACTIVATIONS", "L2"]
+           "group_rows", "in_sequence", "epilogue_passes", "ACTIVATIONS", "L2"]
