@@ -113,3 +113,41 @@ def test_errors():
     with pytest.raises(ValueError, match="does not fit"):
         npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32),
                 tiling={"m0": 512, "n0": 512, "k0": 256, "k1": 512})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act,order", [("swiglu", "gate_up"), ("swiglu", "up_gate"), ("gelu", "gate_up")])
+def test_return_product(device, dtype, act, order):
+    """The product written next to the output is the pre-activation ``x·w (+ bias)`` per group, rounded once to
+    the dtype: the values a launch without the epilogue gives (what the backward would otherwise recompute),
+    in the weight's own column order; the output is unchanged and the extra bytes go out through MTE3."""
+    torch.manual_seed(3)
+    E, K, N = 4, 96, 80
+    counts = [30, 0, 70, 5]                                       # skewed, one empty expert
+    M = sum(counts) + 3
+    x = torch.randn(M, K).to(dtype)
+    w = (torch.randn(E, N, K) * 0.1).to(dtype)
+    b = torch.randn(E, N) if act == "swiglu" else None
+    gl = torch.tensor(counts, dtype=torch.int32)
+    kw = dict(trans_w=True, activation=act, swiglu_order=order, device=device)
+    plain = npu.run("grouped_matmul", x, w, gl, b, **kw)
+    both = npu.run("grouped_matmul", x, w, gl, b, return_product=True, **kw)
+    assert np.array_equal(both.outputs[0], plain.outputs[0])
+    got = both.torch_outputs()[1]
+    assert got.dtype == dtype and tuple(got.shape) == (M, N)
+    recompute = npu.run("grouped_matmul", x, w, gl, b, trans_w=True, device=device).torch_outputs()[0]
+    assert torch.equal(got, recompute)
+    ref = _ref(x, w, counts, True, b)
+    # fp32 accumulation, one rounding to the dtype: within 2x eager's error (+ the fp32 accumulation's own)
+    assert (got.double() - ref).abs().max() <= 2 * (_eager(x, w, counts, True, b).double() - ref).abs().max() + 1e-4
+    assert got[sum(counts):].abs().max() == 0
+    extra = M * N * dtype.itemsize - 3 * N * dtype.itemsize        # rows past the groups are not written
+    assert both.stats.bytes["UB->GM"] - plain.stats.bytes["UB->GM"] == extra
+    assert both.stats.cycles > plain.stats.cycles
+
+
+def test_return_product_needs_an_epilogue():
+    x, w = torch.randn(8, 16), torch.randn(2, 16, 8)
+    with pytest.raises(ValueError, match="return_product needs an activation"):
+        npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32), return_product=True)

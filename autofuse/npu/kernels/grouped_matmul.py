@@ -2,6 +2,7 @@
 (what eager runs without it: one ``matmul`` launch per expert).
 
     npu.run("grouped_matmul", x, w, group_list, bias, activation="swiglu")        -> (y,)
+    npu.run("grouped_matmul", x, w, group_list, activation="swiglu", return_product=True)  -> (y, p)
     npu.run("matmul_per_group", x, w, offs, group_list_type="cumsum")             -> (y,)
 
 ``x [M, K]`` holds the rows of every group one after another; ``group_list [E]`` gives the rows per group
@@ -15,6 +16,13 @@ output ``silu(gate) · up`` has N' (``swiglu_order="gate_up"``: gate first, as t
 ``chunk(2, dim=-1)`` splits ``gate_up_proj``'s output; ``"up_gate"``: up first). An output tile of n0
 columns computes its gate and up columns side by side (two B tiles, two accumulators), so the product
 never leaves the core unfinished.
+
+``return_product=True`` (with an epilogue; a training forward, whose backward needs the product): the kernel
+also writes the pre-activation product ``p [M, N] = x[rows_g] @ w[g] + bias[g]`` in the output dtype (SwiGLU:
+both halves, each in its own columns of the weight's gate/up order), so the backward reads it instead of
+recomputing it. The epilogue already holds each fp32 product tile in UB: the Vector unit casts it into a
+second pair of UB tiles (double-buffered; an fp32 product is stored straight from its tile) and MTE3 stores
+it after the output tile, through the same path; ``y`` is unchanged.
 
 *grouped_matmul*: the tiles (group, column block, row block) of every group, row blocks innermost (a
 group's B column block is read by its row blocks back to back, so it comes from HBM once), are dealt to
@@ -65,7 +73,7 @@ def epilogue_passes(activation) -> int:
     return len(OPS[activation].passes(None, False))
 
 
-def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False) -> bool:
+def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False, product=False) -> bool:
     """Whether tiling ``t`` fits every buffer the grouped kernel allocates on ``device``."""
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
@@ -80,22 +88,24 @@ def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False) -> boo
           and nc * l0c <= buf["L0C"])
     if not ok:
         return False
-    return ub_bytes(device, m0, n0, out_dtype, activation) <= buf["UB"]
+    return ub_bytes(device, m0, n0, out_dtype, activation, product) <= buf["UB"]
 
 
-def ub_bytes(device, m0, n0, out_dtype, activation) -> int:
+def ub_bytes(device, m0, n0, out_dtype, activation, product=False) -> int:
     """UB the epilogue needs: fp32 product tile(s) and a temporary, output tiles double-buffered (split
-    cores: per AIV, half the rows)."""
+    cores: per AIV, half the rows); with ``product`` (and a narrower output dtype) the cast product tiles,
+    double-buffered."""
     split = device.arch == "split"
     if activation is None:
         return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
     rows = ceil_div(m0, 2) if split else m0
     nb = 2 if activation == "swiglu" else 1
     f32 = rows * pad(n0, "float32") * 4
-    return (nb + 1) * f32 + 2 * rows * pad(n0, out_dtype) * itemsize(out_dtype) + 3 * 32
+    cast = 2 * rows * pad(n0, out_dtype) * itemsize(out_dtype)
+    return (nb + 1) * f32 + cast + (nb * cast if product and out_dtype != "float32" else 0) + 3 * 32
 
 
-def default_tiling(device, dtype, out_dtype, K, N_out, activation=None, bias=False) -> dict:
+def default_tiling(device, dtype, out_dtype, K, N_out, activation=None, bias=False, product=False) -> dict:
     """The kernel's own tiling: the largest base tile that fits, m0 = 128 (MoE groups are short), n0 as
     wide as fits, K slices as deep as fit L0A/L0B double-buffered, L1 chunks two slices deep."""
     for m0 in (128, 64, 32, 16):
@@ -104,7 +114,7 @@ def default_tiling(device, dtype, out_dtype, K, N_out, activation=None, bias=Fal
             for k0 in (128, 64, 32, 16):
                 k0e = min(k0, round_up(K, 16))
                 t = {"m0": m0, "n0": n0e, "k0": k0e, "k1": min(2 * k0e, round_up(K, k0e))}
-                if tiling_fits(device, dtype, out_dtype, t, activation, bias):
+                if tiling_fits(device, dtype, out_dtype, t, activation, bias, product):
                     return t
     raise ValueError(f"grouped_matmul: no tiling fits {device.name} for {dtype} ({activation})")
 
@@ -192,22 +202,27 @@ def _act_fn(activation):
 
 @kernel("grouped_matmul", steer=("group_list",))
 def grouped_matmul(launch, x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                   activation=None, swiglu_order="gate_up", out_dtype=None, tiling=None):
-    """``y[rows_g] = act(x[rows_g] @ w[g] + bias[g])`` for every group g, one launch (module docstring)."""
+                   activation=None, swiglu_order="gate_up", out_dtype=None, tiling=None, return_product=False):
+    """``y[rows_g] = act(x[rows_g] @ w[g] + bias[g])`` for every group g, one launch (module docstring); with
+    ``return_product`` also the product ``x[rows_g] @ w[g] + bias[g]``."""
     K, N = _check(x, weight, trans_w, activation, swiglu_order)
     E = weight.shape[0]
     if group_list.data.size != E:
         raise ValueError(f"grouped_matmul: group_list has {group_list.data.size} entries for {E} experts")
     if bias is not None and tuple(bias.shape) != (E, N):
         raise ValueError(f"grouped_matmul: bias has shape {list(bias.shape)}; it must be [E, N] = {[E, N]}")
+    if return_product and activation is None:
+        raise ValueError("grouped_matmul: return_product needs an activation (without one the output is the "
+                         "product); drop return_product or name the epilogue")
     return _Grouped(launch, x, weight, group_list, bias, bool(trans_w), group_list_type, activation, swiglu_order,
-                    out_dtype or x.dtype, tiling, K, N).run()
+                    out_dtype or x.dtype, tiling, K, N, bool(return_product)).run()
 
 
 class _Grouped:
     """One launch of grouped_matmul: allocations, the deal, the per-step Cube program and the epilogue."""
 
-    def __init__(self, launch, x, w, group_list, bias, trans_w, glt, activation, order, out_dtype, tiling, K, N):
+    def __init__(self, launch, x, w, group_list, bias, trans_w, glt, activation, order, out_dtype, tiling, K, N,
+                 product=False):
         dev = self.dev = launch.device
         self.launch, self.x, self.w, self.bias, self.trans_w = launch, x, w, bias, trans_w
         self.act, self.order, self.out_dtype, self.K = activation, order, out_dtype, K
@@ -218,11 +233,13 @@ class _Grouped:
         self.starts, self.counts = group_rows(group_list.data, glt, M)
         self.group_list = group_list
         t = dict(tiling) if tiling else default_tiling(dev, x.dtype, out_dtype, K, self.N_out, activation,
-                                                       bias is not None)
-        if not tiling_fits(dev, x.dtype, out_dtype, t, activation, bias is not None):
-            raise ValueError(f"grouped_matmul tiling {t} does not fit the buffers of {dev.name}")
+                                                       bias is not None, product)
+        if not tiling_fits(dev, x.dtype, out_dtype, t, activation, bias is not None, product):
+            raise ValueError(f"grouped_matmul tiling {t} does not fit the buffers of {dev.name}"
+                             f"{' with the product stored' if product else ''}")
         self.t = t
         self.out = launch.empty((M, self.N_out), out_dtype, "y")
+        self.prod = launch.empty((M, N), out_dtype, "product") if product else None
         self.items = items_of(self.starts, self.counts, self.N_out, t["m0"], t["n0"])
         loads = [item_load(dev, x.dtype, K, self.nb, it) for it in self.items]
         self.per = deal(loads, dev.cube_cores) if self.items else [[]]
@@ -255,6 +272,8 @@ class _Grouped:
         self.p32 = [vg.alloc("UB", (rows, pad(n0, "float32")), "float32", f"p32_{h}") for h in range(nb)]
         self.tmp = vg.alloc("UB", (rows, pad(n0, "float32")), "float32", "tmp")
         self.ub = [vg.alloc("UB", (rows, pad(n0, od)), od, f"ub_{i}") for i in range(2)]
+        if self.prod is not None and od != "float32":     # the cast product tiles, double-buffered
+            self.pub = [[vg.alloc("UB", (rows, pad(n0, od)), od, f"pub_{h}{i}") for i in range(2)] for h in range(nb)]
         if self.split:
             self.ws = self.launch.empty((n, 2, nb, m0, n0), "float32", "ws", scratch=True)
 
@@ -268,12 +287,12 @@ class _Grouped:
         g._exec("scalar", np.full(n, float(E * self.dev.scalar_issue_cycles)), reads=(self.gl,),
                 name="walk group list")
         steps = max(len(p) for p in self.per)
-        self.slot0 = self.slot1 = 0
+        self.slot0 = self.slot1 = self.slot2 = 0
         self.ends = {}
         for s in range(steps):
             mine = [self.items[p[s]] if s < len(p) else None for p in self.per]
             self.step(s, mine)
-        return (self.out,)
+        return (self.out,) if self.prod is None else (self.out, self.prod)
 
     def _cols(self, it, h):
         """Columns of weight feeding accumulator ``h`` of item ``it`` (h: 0 gate / 1 up for swiglu)."""
@@ -412,6 +431,28 @@ class _Grouped:
         vg.vector(f"{self.act} epilogue", (tmp,), tuple(p32), rep * passes, active=act)
         vg.vector(f"cast->{od}", (U,), (tmp,), rep if od != "float32" else 0 * rep, active=act, compute=compute)
         vg.store(U, self.out, regs, active=act, name="store out")
+        if self.prod is not None:
+            self.store_product(vg, mine, rep, act)
+
+    def store_product(self, vg, mine, rep, act):
+        """The fp32 product tile(s) the epilogue read, cast to the output dtype (one Vector pass each) and
+        stored by MTE3 in the product's own columns (SwiGLU: gate and up where the weight has them)."""
+        od = self.out_dtype
+        slot = self.slot2 % 2
+        self.slot2 += 1
+        for h in range(self.nb):
+            regs = [None if it is None else (slice(it[1], it[1] + it[2]), self._cols(it, h)) for it in mine]
+            src = self.p32[h]
+            if od != "float32":
+                src, p32 = self.pub[h][slot], self.p32[h]
+
+                def cast(src=src, p32=p32):
+                    w = min(src.data.shape[2], p32.data.shape[2])
+                    src.data[...] = 0
+                    src.data[:, :, :w] = rnd(p32.data[:, :, :w], od)
+
+                vg.vector(f"cast product->{od}", (src,), (p32,), rep, active=act, compute=cast)
+            vg.store(src, self.prod, regs, active=act, name="store product")
 
 
 class _Rows:
