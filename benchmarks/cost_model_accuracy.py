@@ -425,6 +425,10 @@ def _moe_cases(quick: bool):
                 ins = [((M, K), dt), w, ((E,), "int32")] + ([((E, N), f32)] if bias else [])
                 out.append(Case("grouped_matmul", ins, d, {"trans_w": trans, "activation": act, "group_sizes": sizes},
                                 values={2: np.array(sizes, dtype=np.int32)}))
+                if act is not None:                       # a training forward: the product stored too
+                    out.append(Case("grouped_matmul", ins, d, {"trans_w": trans, "activation": act,
+                                                               "group_sizes": sizes, "return_product": True},
+                                    values={2: np.array(sizes, dtype=np.int32)}))
                 if act is None and not bias:
                     out.append(Case("matmul_per_group", [((M, K), dt), w, ((E,), "int32")], d,
                                     {"trans_w": trans, "group_sizes": sizes},

@@ -13,7 +13,9 @@ output tiles in between fit the L2), else it comes from HBM; the cores of one lo
 bandwidth as the simulator shares it (the step's hit bytes over the L2 bandwidth, its missed bytes over
 the HBM bandwidth). An item lasts as long as its busiest unit; a core's time is the sum of its items plus
 the first chunk's load (fill) and the last tile's write-out (drain). On split cores the epilogue runs on
-the AIV pair (the fp32 tile through an L2 workspace), overlapped with the next tile's products.
+the AIV pair (the fp32 tile through an L2 workspace), overlapped with the next tile's products. ``return_product=True``: the epilogue also casts the fp32 product
+tile(s) (one Vector pass each) and MTE3 stores them (``nb·m·n`` elements of the output dtype per item) after the
+output tile, through the same port: more MTE3 bytes, more HBM writes in the step, the drain longer.
 
 *matmul_per_group*: the ``matmul`` model (its tiling search) for each non-empty group's rows, one launch
 each, summed; the tiling per row count goes to the kernel as ``{"by_rows": {rows: tiling}}``.
@@ -49,16 +51,18 @@ def _pad(n, dtype):
     return round_up(n, b)
 
 
-def ub_bytes(dev, m0, n0, out_dtype, activation):
+def ub_bytes(dev, m0, n0, out_dtype, activation, product=False):
     split = dev.arch == "split"
     if activation is None:
         return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
     rows = ceil_div(m0, 2) if split else m0
     nb = 2 if activation == "swiglu" else 1
-    return (nb + 1) * rows * _pad(n0, "float32") * 4 + 2 * rows * _pad(n0, out_dtype) * itemsize(out_dtype) + 96
+    cast = 2 * rows * _pad(n0, out_dtype) * itemsize(out_dtype)
+    return (nb + 1) * rows * _pad(n0, "float32") * 4 + cast + (nb * cast if product and out_dtype != "float32" else 0) \
+        + 96
 
 
-def fits(dev, dtype, out_dtype, t, activation=None, bias=False):
+def fits(dev, dtype, out_dtype, t, activation=None, bias=False, product=False):
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
         return False
@@ -69,17 +73,17 @@ def fits(dev, dtype, out_dtype, t, activation=None, bias=False):
     nc = 2 if 2 * l0c <= buf["L0C"] else 1
     return (2 * (m0 * k1 + nb * k1 * n0) * isz + nb * n0 * 4 * bool(bias) <= buf["L1"] - 64
             and 2 * m0 * k0 * isz <= buf["L0A"] and nb * 2 * k0 * n0 * isz <= buf["L0B"]
-            and nc * l0c <= buf["L0C"] and ub_bytes(dev, m0, n0, out_dtype, activation) <= buf["UB"])
+            and nc * l0c <= buf["L0C"] and ub_bytes(dev, m0, n0, out_dtype, activation, product) <= buf["UB"])
 
 
-def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False):
+def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False, product=False):
     for m0 in (128, 64, 32, 16):
         for n0 in (256, 128, 64, 32, 16):
             n0e = min(n0, round_up(N_out, 16))
             for k0 in (128, 64, 32, 16):
                 k0e = min(k0, round_up(K, 16))
                 t = {"m0": m0, "n0": n0e, "k0": k0e, "k1": min(2 * k0e, round_up(K, k0e))}
-                if fits(dev, dtype, out_dtype, t, activation, bias):
+                if fits(dev, dtype, out_dtype, t, activation, bias, product):
                     return t
     raise ValueError(f"grouped_matmul: no tiling fits {dev.name} for {dtype}")
 
@@ -111,7 +115,7 @@ def _deal(loads, ncores):
     return n, np.array(core, dtype=np.int64)
 
 
-def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
+def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, product=False):
     isz, osz = itemsize(dtype), itemsize(out_dtype)
     nb = 2 if activation == "swiglu" else 1
     N_out = N // nb
@@ -156,8 +160,9 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)
     mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
     out_b = m * n * osz
+    prod_b = nb * m * n * osz if product else np.zeros_like(m)     # the stored product, both halves
     passes = EPILOGUE_PASSES[activation]
-    W = np.bincount(step, out_b, S)
+    W = np.bincount(step, out_b + prod_b, S)
     if activation is None:
         if split:
             fix = np.maximum(out_b / rates["L0C->GM"], W[step] / HBMbw)
@@ -170,19 +175,19 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     else:
         rows = np.ceil(m / 2) if split else m
         rep = np.ceil(rows * (np.ceil(n / 8) * 8) / 64)            # fp32 rows padded to 32 B
-        vec = rep * (passes + (1 if out_dtype != "float32" else 0))
+        vec = rep * (passes + (1 + (nb if product else 0) if out_dtype != "float32" else 0))
         if split:
             ws_b = nb * m * n * 4
             fix = ws_b / rates["L0C->GM"]
             WS = np.bincount(step, ws_b, S)
             fix = np.maximum(fix, WS[step] / L2bw)
             ld = np.maximum(nb * rows * n * 4 / rates["GM->UB"], WS[step] / L2bw)
-            st = np.maximum(rows * n * osz / rates["UB->GM"], W[step] / HBMbw)
+            st = np.maximum(rows * n * osz * (1 + (nb if product else 0)) / rates["UB->GM"], W[step] / HBMbw)
             aiv = np.maximum.reduce([ld + st, vec])
             mte3 = np.zeros_like(m)
         else:
             fix = nb * m * n * 4 / rates["L0C->UB"]
-            mte3 = np.maximum(out_b / rates["UB->GM"], W[step] / HBMbw)
+            mte3 = np.maximum((out_b + prod_b) / rates["UB->GM"], W[step] / HBMbw)
             aiv = np.zeros_like(m)
     nk1 = ceil_div(K, k1)
     nsl = sum(ceil_div(min(k1, K - c) , k0) for c in range(0, K, k1))
@@ -211,10 +216,10 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t):
     elif split:
         nbytes["L0C->GM"] = float((nb * m * n * 4).sum())
         nbytes["GM->UB"] = float((nb * m * n * 4).sum())
-        nbytes["UB->GM"] = float(out_b.sum())
+        nbytes["UB->GM"] = float(out_b.sum() + prod_b.sum())
     else:
         nbytes["L0C->UB"] = float((nb * m * n * 4).sum())
-        nbytes["UB->GM"] = float(out_b.sum())
+        nbytes["UB->GM"] = float(out_b.sum() + prod_b.sum())
     busy = {"mte2": float(np.max(np.bincount(core, mte2, P))), "cube": float(np.max(np.bincount(core, cube, P))),
             "mte1": float(np.max(np.bincount(core, mte1, P))), "fixpipe": float(np.max(np.bincount(core, fix, P))),
             "vector": float(np.max(np.bincount(core, vec, P))), "mte3": float(np.max(np.bincount(core, mte3, P)))}
@@ -240,49 +245,54 @@ def _dims(x, w, trans_w, activation):
 
 
 @cached
-def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes):
+def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, product=False):
     dev = get_device(device)
     nb = 2 if activation == "swiglu" else 1
-    default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias)
+    default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias, product)
     cands = [default]             # and row blocks for short groups, column blocks for narrow outputs
     for m0 in (64, 16):
         for n0 in (256, 64):
             for k0 in (128,):
                 t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
                 t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
-                if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias):
+                if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias, product):
                     cands.append(t)
     best = None
     for t in cands:
-        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t)
+        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0] * (0.97 if t is default else 1.0):
             best = (cost, t, res)
     return best[1], best[2]
 
 
-def _roofline(dev, specs, bias=None, trans_w=False, activation=None, out_dtype=None, **_):
+def _roofline(dev, specs, bias=None, trans_w=False, activation=None, out_dtype=None, return_product=False, **_):
     M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, activation)
     nb = 2 if activation == "swiglu" else 1
-    io = (M * K + E * K * N) * itemsize(dtype) + M * N // nb * itemsize(out_dtype or dtype)
+    out_n = N // nb + (N if return_product and activation else 0)
+    io = (M * K + E * K * N) * itemsize(dtype) + M * out_n * itemsize(out_dtype or dtype)
     return max(2.0 * M * N * K / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 
 
 @register("grouped_matmul", _roofline)
 def estimate_grouped_matmul(dev, specs, bias=None, trans_w=False, group_list_type="count", activation=None,
-                            swiglu_order="gate_up", out_dtype=None, group_sizes=None, tiling=None):
+                            swiglu_order="gate_up", out_dtype=None, group_sizes=None, tiling=None,
+                            return_product=False):
     M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, activation)
+    if return_product and activation is None:
+        raise ValueError("grouped_matmul: return_product needs an activation (without one the output is the product)")
+    product = bool(return_product)
     bias = specs[3] if len(specs) > 3 and specs[3] is not None else bias
     out_dtype = out_dtype or dtype
     sizes = tuple(_sizes(E, M, group_sizes))
     if tiling:
         t = {k: int(tiling[k]) for k in ("m0", "n0", "k0", "k1")}
-        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias is not None, list(sizes), t)
+        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias is not None, list(sizes), t, product)
     else:
-        t, res = _search(dev.name, M, K, N, E, dtype, out_dtype, activation, bias is not None, sizes)
+        t, res = _search(dev.name, M, K, N, E, dtype, out_dtype, activation, bias is not None, sizes, product)
     core, hbm, nbytes, busy, _ = res
     return make("grouped_matmul", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, trans_w=trans_w,
-                activation=activation, out_dtype=out_dtype), 2.0 * sum(sizes) * N * K)
+                activation=activation, out_dtype=out_dtype, return_product=product), 2.0 * sum(sizes) * N * K)
 
 
 def per_group_launches(dev, kernel, sizes, operands, tiling, roof, flops, **params):
