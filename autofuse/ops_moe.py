@@ -4,6 +4,7 @@
                                                 topk_group, "max", "float32", device, tiling)
     xs, row_idx, counts = torch.ops.autofuse.moe_init_routing(x, idx, num_experts, "count", device, tiling)
     y = torch.ops.autofuse.grouped_matmul(xs, w, counts, bias, trans_w, "count", "swiglu", "gate_up", device, tiling)
+    y, p = torch.ops.autofuse.grouped_matmul_with_product(xs, w, counts, ...)   # training: the product kept
     out = torch.ops.autofuse.moe_finalize_routing(y, w, row_idx, skip, device, tiling)
 
 (``autofuse.ops_moe.moe_gating_topk(...)`` etc. are the keyword-friendly wrappers.) Each op runs its kernel
@@ -16,7 +17,9 @@ Index outputs are int64 (torch's convention); the kernels work in int32. Gradien
 * grouped_matmul: fused launches (:func:`_gmm_backward`): dx by ``grouped_matmul`` with the weight transposed,
   dw (and dbias) by ``grouped_matmul_weight_grad`` (``torch.ops.autofuse.grouped_matmul_weight_grad``, CANN
   GroupedMatmul's split-K grouping), an epilogue's gradient by its derived Vector program over the product,
-  which one ``grouped_matmul`` launch recomputes (the op returns only the activation);
+  which one ``grouped_matmul`` launch recomputes (the op returns only the activation), or which
+  ``grouped_matmul_with_product`` (the same launch, also storing the pre-activation product: what a training
+  forward runs) saved, so its backward launches no recompute;
 * moe_init_routing: one ``moe_finalize_routing`` launch with unit weights (the un-permute sums each token's k
   rows);
 * moe_finalize_routing and moe_gating_topk: the twin, differentiated by torch on the host in fp32 (traced,
@@ -246,36 +249,52 @@ _ACT = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.f
         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 
-def reference_grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                             activation="", swiglu_order="gate_up", upcast=False, **_):
-    """Per group: ``x_g @ w_g`` in fp32 from the operands' values, + bias, the epilogue in fp32, one cast to
-    x's dtype; rows past the last group are 0."""
+def _reference_product(x, weight, group_list, bias, trans_w, group_list_type):
+    """Per group: ``x_g @ w_g`` in fp32 from the operands' values, + bias; rows past the last group are 0."""
     gl = group_list.long()
     counts = torch.diff(gl, prepend=gl.new_zeros(1)) if group_list_type == "cumsum" else gl
     N = weight.shape[1] if trans_w else weight.shape[2]
-    nout = N // 2 if activation == "swiglu" else N
     parts, start = [], 0
     for g, c in enumerate(counts.tolist()):
         if c == 0:
             continue
         w = weight[g].float()
         y = x[start:start + c].float() @ (w.t() if trans_w else w)
-        if bias is not None:
-            y = y + bias[g].float()
-        if activation == "swiglu":
-            a, u = y.chunk(2, -1)
-            y = torch.nn.functional.silu(a) * u if swiglu_order == "gate_up" else torch.nn.functional.silu(u) * a
-        elif activation:
-            y = _ACT[activation](y)
-        parts.append(y)
+        parts.append(y + bias[g].float() if bias is not None else y)
         start += c
-    parts.append(x.new_zeros((x.shape[0] - start, nout), dtype=torch.float32))
-    out = torch.cat(parts, 0)
+    parts.append(x.new_zeros((x.shape[0] - start, N), dtype=torch.float32))
+    return torch.cat(parts, 0)
+
+
+def _reference_epilogue(p, activation, swiglu_order):
+    """The epilogue in fp32 on the product (every one maps a zero row to a zero row)."""
+    if activation == "swiglu":
+        a, u = p.chunk(2, -1)
+        return torch.nn.functional.silu(a) * u if swiglu_order == "gate_up" else torch.nn.functional.silu(u) * a
+    return _ACT[activation](p) if activation else p
+
+
+def reference_grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
+                             activation="", swiglu_order="gate_up", upcast=False, **_):
+    """Per group: ``x_g @ w_g`` in fp32 from the operands' values, + bias, the epilogue in fp32, one cast to
+    x's dtype; rows past the last group are 0."""
+    out = _reference_epilogue(_reference_product(x, weight, group_list, bias, trans_w, group_list_type),
+                              activation, swiglu_order)
     return out if upcast else out.to(x.dtype)
 
 
+def reference_grouped_matmul_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
+                                          activation="", swiglu_order="gate_up", upcast=False, **_):
+    """``reference_grouped_matmul``'s output and the product it applied the epilogue to, each cast once."""
+    p = _reference_product(x, weight, group_list, bias, trans_w, group_list_type)
+    out = _reference_epilogue(p, activation, swiglu_order)
+    return (out, p) if upcast else (out.to(x.dtype), p.to(x.dtype))
+
+
 def _gmm_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
+    """Saves x, w, the group list, the bias and (``grouped_matmul_with_product``) the stored product."""
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3], *output[1:2] if isinstance(output, tuple) else ())
+    ctx.set_materialize_grads(False)          # an unused product's gradient stays None (no zeros to add)
     ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[4:8]))
     ctx.device = inputs[8] if len(inputs) > 8 else "ascend910"
 
@@ -307,11 +326,12 @@ def _epilogue_program(activation, order, M, N, dtype) -> str:
     return b.build().to_json()
 
 
-def _gmm_backward(ctx, grad):
+def _gmm_backward(ctx, grad, grad_product=None):
     """The grouped GEMM's gradients as grouped launches (CANN GroupedMatmul as training runs it):
 
-    1. with an epilogue, the product ``P = x·w[g] (+ bias)`` is recomputed by one ``grouped_matmul`` launch
-       (the forward op returns only the activation: the product is not stored), and ``dP = act'(P) ∘ dy``
+    1. with an epilogue, the product ``P = x·w[g] (+ bias)``: the one ``grouped_matmul_with_product`` stored,
+       else recomputed by one ``grouped_matmul`` launch (``grouped_matmul`` returns only the activation; the
+       same fp32 accumulation and rounding, so the same values), and ``dP = act'(P) ∘ dy``
        (SwiGLU: ``dgate = dy·up·silu'(gate)``, ``dup = dy·silu(gate)``) is the epilogue's derived backward,
        one ``vector_program`` launch; without one ``dP = dy``;
     2. ``dx = grouped_matmul(dP, w)`` with the weight read transposed (``trans_w`` flipped);
@@ -319,23 +339,33 @@ def _gmm_backward(ctx, grad):
        ``grouped_matmul_weight_grad`` launch, zero blocks for empty experts;
     4. ``dbias[g]`` = the column sums of ``dP_g``: the same kernel with a column of ones as its lhs.
 
-    ``dP`` is rounded to x's dtype, as eager's activation backward writes it; the GEMMs accumulate in fp32."""
-    x, w, gl, bias = ctx.saved_tensors
+    ``dP`` is rounded to x's dtype, as eager's activation backward writes it; the GEMMs accumulate in fp32. A
+    gradient reaching the stored product itself (``grad_product``, when a graph uses it) adds to ``dP``."""
+    x, w, gl, bias, *stored = ctx.saved_tensors
     p, dev = ctx.params, ctx.device
     need = ctx.needs_input_grad
     trans_w, glt, act = p["trans_w"], p["group_list_type"], p["activation"]
     dt = str(x.dtype).replace("torch.", "")
-    d = grad.contiguous()
-    if act:
-        tl = _searched("grouped_matmul", [_spec(x), _spec(w), _spec(gl)], dev, trans_w=trans_w,
-                       bias=None if bias is None else _spec(bias))
-        product = torch.ops.autofuse.grouped_matmul(x, w, gl, bias, trans_w, glt, "", "gate_up", dev, tl)
+    N = w.shape[1] if trans_w else w.shape[2]
+    if grad is None:                           # only the product was used
+        d = torch.zeros((x.shape[0], N), dtype=x.dtype)
+    elif act:
+        if stored:
+            product, = stored
+        else:
+            tl = _searched("grouped_matmul", [_spec(x), _spec(w), _spec(gl)], dev, trans_w=trans_w,
+                           bias=None if bias is None else _spec(bias))
+            product = torch.ops.autofuse.grouped_matmul(x, w, gl, bias, trans_w, glt, "", "gate_up", dev, tl)
         prog = _epilogue_program(act, p["swiglu_order"], x.shape[0], product.shape[1], dt)
         launch = _grad_launch(prog, (0,), (0,), dev)
         if launch is None:
             raise NotImplementedError(f"grouped_matmul backward: the {act} epilogue has no Vector backward")
-        d, = run_grad_program(*launch, [product], [grad], dev)
+        d, = run_grad_program(*launch, [product], [grad.contiguous()], dev)
         d = d.to(x.dtype)
+    else:
+        d = grad.contiguous()
+    if grad_product is not None:
+        d = (d.float() + grad_product.float()).to(x.dtype)
     gx = gw = gb = None
     E = w.shape[0]
     if need[0]:
@@ -351,6 +381,32 @@ def _gmm_backward(ctx, grad):
 
 
 _grouped_matmul.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+@torch.library.custom_op("autofuse::grouped_matmul_with_product", mutates_args=())
+def _grouped_matmul_with_product(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor,
+                                 bias: Optional[torch.Tensor] = None, trans_w: bool = False,
+                                 group_list_type: str = "count", activation: str = "swiglu",
+                                 swiglu_order: str = "gate_up", device: str = "ascend910",
+                                 tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    if not activation:
+        raise ValueError("grouped_matmul_with_product: needs an activation (without one the output is the product); "
+                         "call grouped_matmul")
+    r = run_kernel("grouped_matmul", x, weight, group_list.int(), bias, trans_w=trans_w,
+                   group_list_type=group_list_type, activation=activation, swiglu_order=swiglu_order,
+                   return_product=True, device=device, tiling=_tiling(tiling))
+    _record("grouped_matmul", r.stats)
+    return _to_torch(r.outputs[0], x.dtype), _to_torch(r.outputs[1], x.dtype)
+
+
+@_grouped_matmul_with_product.register_fake
+def _(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation="swiglu",
+      swiglu_order="gate_up", device="ascend910", tiling=""):
+    N = weight.shape[1] if trans_w else weight.shape[2]
+    return x.new_empty((x.shape[0], N // 2 if activation == "swiglu" else N)), x.new_empty((x.shape[0], N))
+
+
+_grouped_matmul_with_product.register_autograd(_gmm_backward, setup_context=_gmm_setup)
 
 
 @torch.library.custom_op("autofuse::grouped_matmul_weight_grad", mutates_args=())
@@ -408,6 +464,16 @@ def grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_t
                                              json.dumps(tiling) if tiling else "")
 
 
+def grouped_matmul_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
+                                activation="swiglu", swiglu_order="gate_up", device="ascend910", tiling=None):
+    """:func:`grouped_matmul` with an epilogue, also returning the product it applied the epilogue to
+    (``[M, N]`` in x's dtype, the weight's column order): ``(y, product)``, one launch. Its backward reads the
+    product instead of recomputing it (a training forward's choice: one more write here, one GEMM less there)."""
+    return torch.ops.autofuse.grouped_matmul_with_product(x, weight, group_list, bias, bool(trans_w), group_list_type,
+                                                          activation or "", swiglu_order, device,
+                                                          json.dumps(tiling) if tiling else "")
+
+
 # ------------------------------------------------------------------------------------------ finalize
 @torch.library.custom_op("autofuse::moe_finalize_routing", mutates_args=())
 def _moe_finalize_routing(expanded: torch.Tensor, scales: torch.Tensor, expanded_row_idx: torch.Tensor,
@@ -453,10 +519,12 @@ def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="
                                                    json.dumps(tiling) if tiling else "")
 
 
-__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_weight_grad", "moe_finalize_routing",
+__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_with_product",
+           "grouped_matmul_weight_grad", "moe_finalize_routing", "reference_grouped_matmul_with_product",
            "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
            "reference_moe_finalize_routing", "reference_grouped_matmul_weight_grad"]
 
 REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=reference_moe_init_routing,
                   grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing,
-                  grouped_matmul_weight_grad=reference_grouped_matmul_weight_grad)
+                  grouped_matmul_weight_grad=reference_grouped_matmul_weight_grad,
+                  grouped_matmul_with_product=reference_grouped_matmul_with_product)

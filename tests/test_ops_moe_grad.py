@@ -73,6 +73,78 @@ def test_grouped_matmul_gradients_equal_eager(dtype, act, load):
         assert (got[1][1] == 0).all()                                 # an empty expert's weight: no gradient
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+@pytest.mark.parametrize("load", range(len(LOADS)))
+def test_stored_product_gives_the_recompute_paths_gradients(dtype, act, load):
+    """grouped_matmul_with_product: the output grouped_matmul gives, the product the backward would recompute
+    (so the same gradients, bit for bit), and a backward that launches no product GEMM."""
+    from autofuse import ops
+    torch.manual_seed(10 + load)
+    counts = LOADS[load]
+    E, K, N = len(counts), 24, 32
+    M = sum(counts) + 2
+    trans_w = load % 2 == 0
+    x = torch.randn(M, K).to(dtype)
+    w = (torch.randn(E, N, K) if trans_w else torch.randn(E, K, N)).mul(0.3).to(dtype)
+    bias = torch.randn(E, N).to(dtype) if act == "swiglu" else None
+    gl = torch.tensor(counts)
+    leaves = [x, w] + ([bias] if bias is not None else [])
+    g = torch.randn(M, N // 2 if act == "swiglu" else N).to(dtype)
+    y, prod = ops_moe.grouped_matmul_with_product(x, w, gl, bias, trans_w=trans_w, activation=act)
+    assert torch.equal(y, ops_moe.grouped_matmul(x, w, gl, bias, trans_w=trans_w, activation=act))
+    assert torch.equal(prod, ops_moe.grouped_matmul(x, w, gl, bias, trans_w=trans_w))
+    twin_y, twin_p = ops_moe.reference_grouped_matmul_with_product(x, w, gl, bias, trans_w=trans_w, activation=act)
+    assert torch.equal(twin_p, ops_moe.reference_grouped_matmul(x, w, gl, bias, trans_w=trans_w))
+    with ops.recording() as stored:
+        got = _grads(lambda *t: ops_moe.grouped_matmul_with_product(t[0], t[1], gl, *t[2:], trans_w=trans_w,
+                                                                    activation=act)[0], leaves, g)
+    with ops.recording() as recomputed:
+        want = _grads(lambda *t: ops_moe.grouped_matmul(t[0], t[1], gl, *t[2:], trans_w=trans_w, activation=act),
+                      leaves, g)
+    for gg, ww in zip(got, want):
+        assert torch.equal(gg, ww)
+    launches = collections.Counter(name for name, _ in stored)
+    # the forward and dx: two grouped GEMMs (the recompute path runs a third for the product)
+    assert launches["grouped_matmul"] == 2
+    assert collections.Counter(name for name, _ in recomputed)["grouped_matmul"] == 3
+    assert launches["vector_program"] == 1                     # the epilogue's derivative, on the stored product
+
+
+def test_gradient_through_the_stored_product():
+    """A graph that also uses the product: its gradient adds to the epilogue's, as eager autograd gives."""
+    torch.manual_seed(3)
+    counts, E, K, N = [6, 0, 9], 3, 16, 32
+    x, w = torch.randn(15, K), torch.randn(E, K, N) * 0.3
+    gl = torch.tensor(counts)
+    gy, gp = torch.randn(15, N // 2), torch.randn(15, N)
+
+    def eager(x, w):
+        p = _unfused_gmm(x, w, counts, None, False, None)
+        a, u = p.chunk(2, -1)
+        return F.silu(a) * u, p
+
+    got = _grads(lambda x, w: ops_moe.grouped_matmul_with_product(x, w, gl, activation="swiglu"), [x, w], (gy, gp))
+    want = _grads(eager, [x, w], (gy, gp))
+    ref = _grads(eager, [x.double(), w.double()], (gy.double(), gp.double()))
+    for name, gg, ww, rr in zip(("dx", "dw"), got, want, ref):
+        ok, err, tol = compare(ww, rr, gg)
+        assert ok, (name, err, tol)
+    # near miss: without the product's gradient the result is off
+    only_y = _grads(lambda x, w: eager(x, w)[0], [x.double(), w.double()], gy.double())
+    assert not compare(want[0], ref[0], only_y[0].float())[0]
+
+
+def test_with_product_fake_and_errors():
+    with torch._subclasses.FakeTensorMode():
+        y, p = torch.ops.autofuse.grouped_matmul_with_product(torch.empty(20, 16), torch.empty(3, 96, 16),
+                                                              torch.empty(3, dtype=torch.int64), None, True)
+    assert y.shape == (20, 48) and p.shape == (20, 96)
+    with pytest.raises(ValueError, match="needs an activation"):
+        ops_moe.grouped_matmul_with_product(torch.randn(8, 16), torch.randn(2, 16, 8), torch.tensor([4, 4]),
+                                            activation=None)
+
+
 def test_weight_grad_op_twin_and_fake():
     torch.manual_seed(0)
     lhs, rhs, gl = torch.randn(20, 16).half(), torch.randn(20, 24).half(), torch.tensor([0, 12, 8])
