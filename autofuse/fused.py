@@ -345,30 +345,47 @@ def _experts_specs(match, nodes):
 
 def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     """Routing, the two grouped GEMMs (the first with its SwiGLU epilogue), the combine. The group sizes are not
-    known from shapes: the grouped GEMM model spreads the rows evenly over the experts."""
+    known from shapes: the grouped GEMM model spreads the rows evenly over the experts. In a training graph the
+    first GEMM also stores its product (``store_product``, priced with it), so the backward reads it instead of
+    recomputing it (the emitted call is ``grouped_matmul_with_product``)."""
+    from autofuse.fused_vector import training_graph        # fused_vector builds on this module
     x, w1, w2, S, E, H, I, tk = _experts_specs(match, nodes)
     dt = x[1]
+    training = training_graph(nodes[match.inputs["x"]].graph)
     total = _estimate("moe_init_routing", [x, (tk, "int64")], device, num_experts=E)
     total = total.add(_estimate("grouped_matmul", [((S, H), dt), w1, ((E,), "int64")], device, trans_w=True,
-                                activation="swiglu"))
+                                activation="swiglu", return_product=training))
     total = total.add(_estimate("grouped_matmul", [((S, I), dt), w2, ((E,), "int64")], device, trans_w=True))
     total = total.add(_estimate("moe_finalize_routing", [((S, H), dt), (tk, "float32"), ((S,), "int64")], device))
     if match.params.get("weights_scale", 1.0) != 1.0:
         total = total.add(_estimate("elementwise", [(tk, "float32")], device, op="mul",
                                     scalar=match.params["weights_scale"]))
+    if training:
+        total.options = {"store_product": True}
     return total
 
 
+def experts_kwargs(device: str, price: Price, level: str) -> dict:
+    return {"device": device, **price.options}
+
+
 def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
-    """``moe_init_routing`` → ``grouped_matmul`` (SwiGLU) → ``grouped_matmul`` → ``moe_finalize_routing``."""
+    """``moe_init_routing`` → ``grouped_matmul`` (SwiGLU) → ``grouped_matmul`` → ``moe_finalize_routing``; with
+    ``store_product`` (a training plan) the first GEMM is ``grouped_matmul_with_product`` (its output 0 feeds the
+    graph, the product only its backward)."""
     p = m.params
     ops = torch.ops.autofuse
     T, k = p["tokens"], p["k"]
+    kwargs = dict(kwargs)
+    store = kwargs.pop("store_product", False)
     routed = call(g, ops.moe_init_routing.default, ins["x"], ins["ids"], p["num_experts"], **kwargs)
     routed.meta["autofuse_match"] = m
     xs, rows, counts = (call(g, operator.getitem, routed, i) for i in range(3))
-    h = call(g, ops.grouped_matmul.default, xs, ins["w1"], counts, trans_w=True, activation="swiglu",
-             swiglu_order=p["swiglu_order"], **kwargs)
+    first = ops.grouped_matmul_with_product.default if store else ops.grouped_matmul.default
+    h = call(g, first, xs, ins["w1"], counts, trans_w=True, activation="swiglu", swiglu_order=p["swiglu_order"],
+             **kwargs)
+    if store:
+        h = call(g, operator.getitem, h, 0)
     y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, trans_w=True, **kwargs)
     w = ins["weights"]
     if tuple(val(w).shape) != (T, k):
@@ -402,7 +419,7 @@ def shrink_experts(match) -> dict:
 MOE_GATING = Family("moe_gating", _moe_ops().moe_gating_topk.default, "moe_gating_topk", emit_gating,
                     price_gating, _device_only, shrink_gating)
 MOE_EXPERTS = Family("moe_experts", _moe_ops().grouped_matmul.default, "grouped_matmul", emit_experts,
-                     price_experts, _device_only, shrink_experts)
+                     price_experts, experts_kwargs, shrink_experts)
 
 FAMILIES = {"attention": ATTENTION, "moe_gating": MOE_GATING, "moe_experts": MOE_EXPERTS}
 

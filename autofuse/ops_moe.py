@@ -284,8 +284,9 @@ def reference_grouped_matmul(x, weight, group_list, bias=None, trans_w=False, gr
 
 
 def reference_grouped_matmul_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                                          activation="", swiglu_order="gate_up", upcast=False, **_):
-    """``reference_grouped_matmul``'s output and the product it applied the epilogue to, each cast once."""
+                                          activation="swiglu", swiglu_order="gate_up", upcast=False, **_):
+    """``reference_grouped_matmul``'s output and the product it applied the epilogue to, each cast once (the
+    defaults are the op's: a traced call leaves out arguments equal to them)."""
     p = _reference_product(x, weight, group_list, bias, trans_w, group_list_type)
     out = _reference_epilogue(p, activation, swiglu_order)
     return (out, p) if upcast else (out.to(x.dtype), p.to(x.dtype))
