@@ -13,13 +13,15 @@ each run timing-only with the tiling the cost model's search picks, group sizes 
   projection per expert; eager backward: ``grouped_mm_fallback_backward`` of down (per expert: dx and dw
   GEMMs), the SwiGLU's derivative as autograd dispatches it (two muls, ``silu_backward``, the cat of the
   halves' gradients), ``grouped_mm_fallback_backward`` of gate_up;
-* fused forward: ``grouped_matmul`` with the SwiGLU epilogue, ``grouped_matmul`` for down; fused backward
-  (``autofuse.ops_moe``'s grouped_matmul autograd): down's dx (``grouped_matmul``, weight transposed) and dw
-  (``grouped_matmul_weight_grad``), gate_up's product recomputed (``grouped_matmul``), its gradient (the
-  epilogue's derived Vector program), gate_up's dx and dw.
+* fused forward, as a training plan runs it: ``grouped_matmul_with_product`` (the SwiGLU epilogue, the
+  pre-activation product stored too), ``grouped_matmul`` for down; fused backward (``autofuse.ops_moe``'s
+  grouped_matmul autograd): down's dx (``grouped_matmul``, weight transposed) and dw
+  (``grouped_matmul_weight_grad``), the SwiGLU's gradient (the epilogue's derived Vector program) on the stored
+  product, gate_up's dx and dw.
 
 Routing, finalize and gating (forward and backward) are not in these figures (benchmarks/moe_kernels.py prices
-their forward). The last line prices the alternative to the product's recompute: the forward storing it.
+their forward). The last line prices the alternative an eval plan's op leaves the backward: no product stored,
+one more ``grouped_matmul`` launch recomputing it.
 """
 from __future__ import annotations
 
@@ -68,16 +70,18 @@ def step(T, H, I, E, k, device, dtype=torch.bfloat16):
                  "gate_up dx (per expert)": run("matmul_per_group", [gu_out, gu, offs], device, **gs),
                  "gate_up dw (per expert)": run("matmul_per_group_weight_grad", [x, gu_out, offs], device, **gs)}
     gp, _ = _grad_launch(_epilogue_program("swiglu", "gate_up", M, 2 * I, str(dtype)[6:]), (0,), (0,), device)
-    fused_fwd = {"gate_up+SwiGLU": run("grouped_matmul", [x, gu, counts], device, trans_w=True, activation="swiglu",
-                                       **gs),
+    fused_fwd = {"gate_up+SwiGLU (product stored)": run("grouped_matmul", [x, gu, counts], device, trans_w=True,
+                                                        activation="swiglu", return_product=True, **gs),
                  "down": run("grouped_matmul", [h, down, counts], device, trans_w=True, **gs)}
+    recompute = {"gate_up+SwiGLU": run("grouped_matmul", [x, gu, counts], device, trans_w=True, activation="swiglu",
+                                       **gs),
+                 "gate_up product (recompute)": run("grouped_matmul", [x, gu, counts], device, trans_w=True, **gs)}
     fused_bwd = {"down dx": run("grouped_matmul", [dy, down, counts], device, **gs),
                  "down dw": run("grouped_matmul_weight_grad", [dy, h, counts], device, **gs),
-                 "gate_up product (recompute)": run("grouped_matmul", [x, gu, counts], device, trans_w=True, **gs),
                  "SwiGLU backward": run("vector_program", [gu_out, h], device, program=gp.program),
                  "gate_up dx": run("grouped_matmul", [gu_out, gu, counts], device, **gs),
                  "gate_up dw": run("grouped_matmul_weight_grad", [gu_out, x, counts], device, **gs)}
-    return eager_fwd, eager_bwd, fused_fwd, fused_bwd, M * 2 * I * dtype.itemsize
+    return eager_fwd, eager_bwd, fused_fwd, fused_bwd, recompute
 
 
 def main(argv=None):
@@ -88,7 +92,7 @@ def main(argv=None):
     T, H, I, E, k = (512, 1024, 2048, 8, 2) if a.quick else (4096, 4096, 14336, 8, 2)
     print(f"MoE experts training step on {a.device}: T={T} H={H} I={I} E={E} top-{k}, bf16, even loads "
           f"(simulated cycles)")
-    ef, eb, ff, fb, product_bytes = step(T, H, I, E, k, a.device)
+    ef, eb, ff, fb, rc = step(T, H, I, E, k, a.device)
     for label, parts in (("eager forward", ef), ("eager backward", eb), ("fused forward", ff),
                          ("fused backward", fb)):
         print(f"  {label:15s} {sum(parts.values()):>13,}   " + ", ".join(f"{n} {v:,}" for n, v in parts.items()))
@@ -96,11 +100,11 @@ def main(argv=None):
     print(f"  backward: {sum(eb.values()):,} -> {sum(fb.values()):,} cycles "
           f"({sum(eb.values()) / sum(fb.values()):.2f}x)")
     print(f"  training step: {e:,} -> {f:,} cycles ({e / f:.2f}x)")
-    from cost_model.devices import get_device
-    bw = get_device(a.device).hbm_bytes_per_cycle
-    print(f"  storing the product instead of recomputing it: one more forward write and one backward read of "
-          f"{product_bytes / 2**20:,.0f} MiB, >= {2 * product_bytes / bw:,.0f} cycles at the HBM bandwidth, vs "
-          f"{fb['gate_up product (recompute)']:,} for the recompute")
+    stored = ff["gate_up+SwiGLU (product stored)"]
+    alt = f - stored + sum(rc.values())
+    print(f"  without the product stored: gate_up+SwiGLU {rc['gate_up+SwiGLU']:,} (vs {stored:,} storing it), "
+          f"+ its recompute {rc['gate_up product (recompute)']:,} in the backward: training step {alt:,} cycles "
+          f"({e / alt:.2f}x eager)")
 
 
 if __name__ == "__main__":
