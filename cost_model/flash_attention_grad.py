@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import NamedTuple
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
@@ -222,6 +223,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     nv = n_main * nh if split else n_main
     qe_avg = Sq / nq                      # rows of an average query block (edges included)
     ke_avg = Skv / nkv
+    sweep = _pairs(Sq, Skv, qb, kvb, causal)
 
     # ---- L2: bytes each phase touches (heads in the same order in every phase), and what misses again
     BNS = B * N * Sq
@@ -307,8 +309,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         rows = qe / nh
         p1 = _Port(dev, n1)
         # K: the first reader of a tile misses, the other items' reads (the same step or later) hit
-        _, _, sk1, _ = _pairs(Sq, Skv, qb, kvb, causal)
-        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=1 - kv_k / (B * N * sk1 * D * isz))
+        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=1 - kv_k / (B * N * sweep.keys * D * isz))
         p1.add("mte2", "GM->L1", qe * D * isz, n1, hit=0.0, every=items1 / T1)
         cube1 = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
         mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
@@ -457,7 +458,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
     hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), dev.cube_cores) * (isz * 2 + (8 if split else 0))
-    nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32)
+    nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
 
 
@@ -507,24 +508,56 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
     return total
 
 
+def _ceil_sum(n, a, b):
+    """Σ ceil(t·a / b) for t = 1..n. The sequence is periodic up to a shift: t + b/g (g = gcd(a, b)) adds
+    exactly a/g, so whole periods are an arithmetic series and only one period is summed term by term."""
+    g = math.gcd(a, b)
+    period, step = b // g, a // g
+    whole, rest = divmod(n, period)
+    first = [ceil_div(t * a, b) for t in range(1, period + 1)]
+    return (whole * sum(first) + step * period * whole * (whole - 1) // 2
+            + sum(first[:rest]) + rest * whole * step)
+
+
+class _Sweep(NamedTuple):
+    """Sums over the (query block, KV block) pairs a causal or full sweep visits (qe, ke: the pair's rows and
+    keys)."""
+    count: int          # pairs
+    rows: int           # Σ qe
+    keys: int           # Σ ke
+    area: int           # Σ qe·ke
+    rows_last: int      # Σ qe over the pairs with the last KV block (an edge block when kvb does not divide Skv)
+
+
 def _pairs(Sq, Skv, qb, kvb, causal):
-    """Sums over the (query block, KV block) pairs a causal or full sweep visits: count, Σqe, Σke, Σqe·ke."""
+    """:class:`_Sweep` in closed form. Query block i sees the KV blocks up to its last row ``e_i`` (causal; all
+    blocks otherwise): ``nj = ceil(min(e_i, Skv) / kvb)`` of them, ``min(nj·kvb, Skv)`` keys. The full query
+    blocks (``e = t·qb``, t = 1..nq-1) that end before ``Skv`` see ``ceil(t·qb / kvb)`` blocks (a
+    :func:`_ceil_sum`), their keys a whole number of blocks except where that block is the last, an edge;
+    the others see every block; the last query block (its rows an edge) is added on its own."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    qe = [min(qb, Sq - i * qb) for i in range(nq)]
-    ke = [min(kvb, Skv - j * kvb) for j in range(nkv)]
-    cnt = sq = sk = sqk = 0
-    for i in range(nq):
-        last = min((i + 1) * qb, Sq) - 1
-        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
-        kj = sum(ke[:nj])
-        cnt, sq, sk, sqk = cnt + nj, sq + nj * qe[i], sk + kj, sqk + qe[i] * kj
-    return cnt, sq, sk, sqk
+    if not causal:
+        return _Sweep(nq * nkv, nkv * Sq, nq * Skv, Sq * Skv, Sq)
+    edge_keys = nkv * kvb - Skv                   # keys the last KV block lacks
+    t1 = min(nq - 1, (Skv - 1) // qb)             # full query blocks ending before Skv: t = 1..t1
+    t0 = (nkv - 1) * kvb // qb                    # ... of which t > t0 reach the last KV block
+    nj_full = _ceil_sum(t1, qb, kvb) + (nq - 1 - t1) * nkv
+    keys_full = nj_full * kvb - (max(0, t1 - t0) + nq - 1 - t1) * edge_keys
+    qe_last = Sq - (nq - 1) * qb
+    nj_last = ceil_div(min(Sq, Skv), kvb)
+    keys_last = min(nj_last * kvb, Skv)
+    # the query blocks that reach the last KV block: from the first whose last row passes its start
+    start = (nkv - 1) * kvb
+    rows_last = 0 if Sq <= start else Sq - min(nq - 1, start // qb) * qb
+    return _Sweep(nj_full + nj_last, qb * nj_full + qe_last * nj_last, keys_full + keys_last,
+                  qb * keys_full + qe_last * keys_last, rows_last)
 
 
-def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32):
-    """Bytes per GM path, counted as the kernel moves them (every pair of every head; K, V per unit)."""
+def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32):
+    """Bytes per GM path, counted as the kernel moves them (every pair of ``sweep`` of every head; K, V per
+    unit)."""
     BN, BNS = B * N, B * N * Sq
-    _, sq, sk, sqk = _pairs(Sq, Skv, qb, kvb, causal)
+    sq, sk, sqk = sweep.rows, sweep.keys, sweep.area
     kv_unit = B * Nkv * Skv * (D + Dv) * isz                     # K, V (and dK, dV) once per unit
     mrows = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[2] != 1
     mcols = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[3] != 1
@@ -533,9 +566,9 @@ def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz,
          "UB->GM": BNS * 4 + BNS * D * 4 + BN * 2 * sqk * isz,
          "GM->L1": kv_unit + BN * (sq * (D + Dv) * isz + 2 * sqk * isz)}
     if mask is not None and mask_pair == 0.0:
-        b["GM->UB"] += BN * msz * _pairs(Sq, Skv, qb, kvb, causal)[0]
+        b["GM->UB"] += BN * msz * sweep.count
     if drop:
-        b["GM->UB"] += BN * _sum_drop(Sq, Skv, qb, kvb, causal)
+        b["GM->UB"] += BN * _sum_drop(sweep, Skv, kvb)
     if stats:
         b["GM->L1"] += BNS * D * isz + BN * sk * D * isz          # each item's Q once, K per (item, tile)
         b["GM->UB"] += BN * mask_pair
@@ -554,22 +587,18 @@ def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz,
     return b
 
 
-def _sum_drop(Sq, Skv, qb, kvb, causal):
-    """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair."""
-    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    total = 0
-    for i in range(nq):
-        qe = min(qb, Sq - i * qb)
-        last = min((i + 1) * qb, Sq) - 1
-        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
-        total += qe * sum(ceil_div(min(kvb, Skv - j * kvb), 8) for j in range(nj))
-    return total
+def _sum_drop(sweep, Skv, kvb):
+    """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair (the last KV block's keys may
+    be an edge)."""
+    full, edge = ceil_div(kvb, 8), ceil_div(Skv - (ceil_div(Skv, kvb) - 1) * kvb, 8)
+    return full * sweep.rows - (full - edge) * sweep.rows_last
 
 
 def flops(B, N, Sq, Skv, D, Dv, causal):
     pairs = Sq * Skv
-    if causal:
-        pairs = sum(min(i + 1, Skv) for i in range(Sq))
+    if causal:                    # Σ min(i + 1, Skv) over the rows i: a triangle, then full rows
+        m = min(Sq, Skv)
+        pairs = m * (m + 1) // 2 + (Sq - m) * Skv
     return 2.0 * B * N * pairs * (3 * D + 2 * Dv)
 
 

@@ -1,6 +1,8 @@
 """Cost model of the attention backward (flash_attention_grad) against the simulator: its tiling rule agrees
 with the kernel's capacity checks, its predictions track the simulator on small cases of every device, and it
 orders the kernel's variants (saved statistics, causal) as the simulator does."""
+import random
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ import cost_model
 from autofuse import npu
 from autofuse.npu.kernels.flash_attention_grad import tiling_fits
 from cost_model.devices import get_device
+from cost_model import flash_attention_grad as fag
 from cost_model.flash_attention_grad import _fits
 
 DEVICES = ["ascend910", "ascend910b", "ascend310p"]
@@ -74,6 +77,36 @@ def test_bad_tiling_is_an_error():
     with pytest.raises(ValueError, match="does not fit"):
         cost_model.estimate("flash_attention_grad", _specs(1, 1, 1, 256, 256, 128, 128), device="ascend910b",
                             tiling={"q": 256, "kv": 256})
+
+
+def _block_pairs(Sq, Skv, qb, kvb, causal):
+    """(rows, keys) of every (query block, KV block) pair a sweep visits, enumerated one by one: causal, a KV
+    block is visited when it starts before the query block's last row."""
+    for i in range(0, Sq, qb):
+        qe, last = min(qb, Sq - i), min(i + qb, Sq) - 1
+        for j in range(0, Skv, kvb):
+            if not causal or j <= last:
+                yield qe, min(kvb, Skv - j)
+
+
+def test_pair_sums_in_closed_form_are_the_enumerated_sums():
+    """The model's closed forms over the visited block pairs (counts, rows, keys, areas, the dropout keep-mask
+    bytes, the causal FLOPs) equal plain enumeration, for block sizes that do and do not divide the
+    sequences (edge blocks) and for more KV than query rows and the reverse."""
+    rng = random.Random(0)
+    shapes = [(Sq, Skv, qb, kvb) for Sq, Skv in ((1, 1), (16, 16), (77, 50), (50, 77), (256, 256), (130, 700))
+              for qb, kvb in ((16, 16), (64, 128), (128, 64), (48, 80), (80, 48))]
+    shapes += [(rng.randint(1, 600), rng.randint(1, 600), rng.randint(1, 200), rng.randint(1, 200)) for _ in range(200)]
+    for Sq, Skv, qb, kvb in shapes:
+        for causal in (False, True):
+            ps = list(_block_pairs(Sq, Skv, qb, kvb, causal))
+            sweep = fag._pairs(Sq, Skv, qb, kvb, causal)
+            assert tuple(sweep[:4]) == (len(ps), sum(q for q, _ in ps), sum(k for _, k in ps),
+                                        sum(q * k for q, k in ps)), (Sq, Skv, qb, kvb, causal)
+            assert fag._sum_drop(sweep, Skv, kvb) == sum(q * -(-k // 8) for q, k in ps), (Sq, Skv, qb, kvb, causal)
+            n = sum(1 for r in range(Sq) for c in range(Skv) if not causal or c <= r) if Sq * Skv < 40000 else None
+            if n is not None:
+                assert fag.flops(1, 1, Sq, Skv, 1, 1, causal) == 2.0 * n * 5, (Sq, Skv, causal)
 
 
 def test_handoff_workspace_lines_per_written_extent():
