@@ -78,34 +78,34 @@ def _out_rows(vq):
 def _counts(dev, req):
     """Tile counts per request, as the kernel grants them (double buffers in list order while they fit), or
     None. A buffer's tiles are placed one after another, each at the buffer's alignment: its use is every
-    tile's aligned size but the last one's, plus the last one's size."""
+    tile's aligned size but the last one's, plus the last one's size. Each buffer's use is kept as the sum of
+    its aligned tiles and the alignment padding of its last tile-holding request (request names are unique),
+    so that granting a tile costs one comparison."""
     counts = {r[2]: r[5] for r in req}
+    if len(counts) != len(req):
+        raise ValueError(f"buffer requests need unique names, got {[r[2] for r in req]}")
     split = dev.arch == "split"
-    key = [((side if split else "core"), buf) for side, buf, *_ in req]
-    size = [math.prod(shape) * itemsize(dt) for _, _, _, shape, dt, _, _ in req]
-    aligned = [round_up(n, dev.align[k[1]]) for n, k in zip(size, key)]
-    names = [r[2] for r in req]
-    members = {}                                  # per buffer, its requests in list order
-    for i, k in enumerate(key):
-        members.setdefault(k, []).append(i)
-
-    def used(k):
-        total, last = 0, 0
-        for i in members[k]:
-            c = counts[names[i]]
-            if c:
-                total += c * aligned[i]
-                last = aligned[i] - size[i]
-        return total - last
-
-    if any(used(k) > dev.buffers[k[1]] for k in members):
+    total, last = {}, {}                  # per buffer: Σ count·aligned size; (index, padding) of its last tile
+    plan = []
+    for i, (side, buf, name, shape, dt, lo, hi) in enumerate(req):
+        key = (side if split else "core", buf)
+        size = math.prod(shape) * itemsize(dt)
+        aligned = round_up(size, dev.align[buf])
+        plan.append((key, dev.buffers[buf], aligned, aligned - size))
+        total[key] = total.get(key, 0) + lo * aligned
+        if lo:
+            last[key] = (i, aligned - size)
+    if any(total[k] - last.get(k, (0, 0))[1] > dev.buffers[k[1]] for k in total):
         return None
-    for i, r in enumerate(req):
-        while counts[r[2]] < r[6]:
-            counts[r[2]] += 1
-            if used(key[i]) > dev.buffers[key[i][1]]:
-                counts[r[2]] -= 1
-                break
+    for i, ((key, cap, aligned, pad), r) in enumerate(zip(plan, req)):
+        name, hi = r[2], r[6]
+        tail = last.get(key, (-1, 0))
+        if tail[0] < i:                   # its first tile would be the buffer's last
+            tail = (i, pad)
+        while counts[name] < hi and total[key] + aligned - tail[1] <= cap:
+            counts[name] += 1
+            total[key] += aligned
+            last[key] = tail
     return counts
 
 
