@@ -75,18 +75,16 @@ def _out_rows(vq):
     return next(d for d in range(min(vq, 64), 0, -1) if vq % d == 0)
 
 
-def _counts(dev, req):
-    """Tile counts per request, as the kernel grants them (double buffers in list order while they fit), or
-    None. A buffer's tiles are placed one after another, each at the buffer's alignment: its use is every
-    tile's aligned size but the last one's, plus the last one's size. Each buffer's use is kept as the sum of
-    its aligned tiles and the alignment padding of its last tile-holding request (request names are unique),
-    so that granting a tile costs one comparison."""
-    counts = {r[2]: r[5] for r in req}
-    if len(counts) != len(req):
+def _placement(dev, req):
+    """Where the requests' minimum tile counts leave each buffer, or None when one overflows: per request its
+    (buffer, capacity, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
+    the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another,
+    each at the buffer's alignment: its use is every tile's aligned size but the last one's, plus the last
+    one's size (the sum less the last padding). Request names are unique."""
+    if len({r[2] for r in req}) != len(req):
         raise ValueError(f"buffer requests need unique names, got {[r[2] for r in req]}")
     split = dev.arch == "split"
-    total, last = {}, {}                  # per buffer: Σ count·aligned size; (index, padding) of its last tile
-    plan = []
+    total, last, plan = {}, {}, []
     for i, (side, buf, name, shape, dt, lo, hi) in enumerate(req):
         key = (side if split else "core", buf)
         size = math.prod(shape) * itemsize(dt)
@@ -97,6 +95,17 @@ def _counts(dev, req):
             last[key] = (i, aligned - size)
     if any(total[k] - last.get(k, (0, 0))[1] > dev.buffers[k[1]] for k in total):
         return None
+    return plan, total, last
+
+
+def _counts(dev, req):
+    """Tile counts per request, as the kernel grants them (double buffers in list order while they fit), or
+    None: from :func:`_placement`, granting a tile costs one comparison of the buffer's running use."""
+    placed = _placement(dev, req)
+    if placed is None:
+        return None
+    plan, total, last = placed
+    counts = {r[2]: r[5] for r in req}
     for i, ((key, cap, aligned, pad), r) in enumerate(zip(plan, req)):
         name, hi = r[2], r[6]
         tail = last.get(key, (-1, 0))

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import _counts
+from cost_model.flash_attention import _counts, _placement
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -91,8 +91,12 @@ def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
     return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats))
 
 
+@cached
 def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
-    return _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats) is not None
+    """Whether the tiling's buffers hold its requests' minimum tile counts (as :func:`_tile_counts` checks
+    first, without granting the double buffers)."""
+    dev = get_device(device)
+    return _placement(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats)) is not None
 
 
 @cached
@@ -107,31 +111,34 @@ def _candidates(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats):
 
 
 # ------------------------------------------------------------------------------------------ schedule
-def _deal(base, reps, ncores):
-    """The kernel's dealer (least-loaded core, in order) over the units ``base`` (each a list of step counts)
-    repeated ``reps`` times: (cores, steps and units of the busiest core), and each unit's core."""
+def _deal(base, reps, ncores, owners=False):
+    """The kernel's dealer over the units ``base`` (each a list of step counts) repeated ``reps`` times: each
+    unit in turn to the least-loaded core (ties: fewer blocks, then the lower index). Returns (cores, steps
+    and blocks of the busiest core) and, with ``owners``, each unit's core.
+
+    Equal units go round-robin. Otherwise a heap of one integer per core, ``(steps·K + blocks)·n + core``
+    (K above any block count), orders the cores as the tie rule does, and dealing a unit adds its steps and
+    blocks to the smallest."""
     units = len(base) * reps
     n = min(ncores, units)
     cost = [(sum(u), len(u)) for u in base]
-    if len(set(cost)) == 1:                   # equal units: round-robin
+    if len(set(cost)) == 1:
         per = ceil_div(units, n)
-        return (n, per * cost[0][0], per * cost[0][1]), list(range(n)) * (units // n) + list(range(units % n))
-    heap = [(0, 0, c) for c in range(n)]
-    owner = []
-    pop, push, add = heapq.heappop, heapq.heappush, owner.append
-    for _ in range(reps):
-        for w, k_ in cost:
-            load, k, c = pop(heap)
-            add(c)
-            push(heap, (load + w, k + k_, c))
-    return (n, max(h[0] for h in heap), max(h[1] for h in heap)), owner
-
-
-@cached
-def _schedule(BN, per_block, causal, ncores):
-    """(cores, lockstep steps, items on the busiest core) of units ``per_block`` (steps per block, one unit per
-    block, or paired i and nb-1-i under ``causal`` when that finishes sooner), repeated for ``BN`` heads."""
-    return _dealing(BN, per_block, causal, ncores)[0]
+        owner = list(range(n)) * (units // n) + list(range(units % n)) if owners else None
+        return (n, per * cost[0][0], per * cost[0][1]), owner
+    K = units * max(k for _, k in cost) + 1
+    adds = [(w * K + k) * n for w, k in cost]
+    heap = list(range(n))
+    replace = heapq.heapreplace
+    owner = None
+    if owners:
+        owner = [replace(heap, heap[0] + a) % n for _ in range(reps) for a in adds]
+    else:
+        for _ in range(reps):
+            for a in adds:
+                replace(heap, heap[0] + a)
+    top = max(heap) // n
+    return (n, top // K, max(x // n % K for x in heap)), owner
 
 
 def _pair_units(per_block):
@@ -139,16 +146,52 @@ def _pair_units(per_block):
     return [[per_block[i], per_block[nb - 1 - i]] for i in range(nb // 2)] + ([[per_block[nb // 2]]] if nb % 2 else [])
 
 
+def _units(per_block, paired):
+    """The dealt units: one per block, or blocks i and nb-1-i paired."""
+    return _pair_units(per_block) if paired else [[c] for c in per_block]
+
+
 @cached
 def _dealing(BN, per_block, causal, ncores):
-    """The dealing :func:`_schedule` describes, and whether it pairs blocks i and nb-1-i (causal, when that
-    finishes no later than single blocks)."""
-    single = _deal([[c] for c in per_block], BN, ncores)
+    """(cores, lockstep steps, blocks on the busiest core) of units ``per_block`` (steps per block, one unit
+    per block, or paired i and nb-1-i under ``causal`` when that finishes no later), repeated for ``BN``
+    heads, and whether it pairs."""
+    single = _deal(_units(per_block, False), BN, ncores)[0]
     if causal:
-        paired = _deal(_pair_units(per_block), BN, ncores)
-        if paired[0][1] <= single[0][1]:
-            return paired[0], True, paired[1]
-    return single[0], False, single[1]
+        paired = _deal(_units(per_block, True), BN, ncores)[0]
+        if paired[1] <= single[1]:
+            return paired, True
+    return single, False
+
+
+def _schedule(BN, per_block, causal, ncores):
+    """:func:`_dealing`'s (cores, lockstep steps, blocks on the busiest core)."""
+    return _dealing(BN, per_block, causal, ncores)[0]
+
+
+@cached
+def _schedule_floor(BN, per_block, causal, ncores):
+    """Lower bounds of :func:`_schedule` for the tiling search's bound (:func:`_search`): at most the cores,
+    at most the steps, and a block count at most the busiest core's whose share per step is at most the
+    dealing's (blocks / steps), without dealing.
+
+    Equal units are dealt round-robin: exact. Otherwise the cores are at most the single blocks' (pairs are
+    fewer units); the steps at least the average load and the largest unit of either dealing; the blocks at
+    least their average. A greedy dealer gives a core its last unit while it is the least loaded, so no core
+    of the single dealing ends above ``(total - largest) // n + largest`` steps (the paired one is taken only
+    when no longer): the blocks stand in scaled by the lower over that upper bound of the steps."""
+    if len(set(per_block)) == 1:
+        return _schedule(BN, per_block, causal, ncores)
+    nb = len(per_block)
+    n = min(ncores, BN * nb)
+    total, top = BN * sum(per_block), max(per_block)
+    cores, unit = n, top
+    if causal:
+        cores = min(ncores, BN * ceil_div(nb, 2))
+        unit = min(top, max(map(sum, _pair_units(per_block))))
+    steps = max(ceil_div(total, n), unit)
+    steps_hi = (total - top) // n + top
+    return cores, steps, ceil_div(BN * nb, n) * steps / steps_hi
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -201,7 +244,12 @@ def _vec_rep(rows, cols, f=4):
     return rows * math.ceil(cols / (256 / f))
 
 
-def _model(dev, specs, mask, causal, t, drop, stats):
+def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
+    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
+    With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
+    left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
+    cycles are a lower bound of the exact ones (see :func:`_search`)."""
+    schedule = _schedule_floor if bound else _schedule
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -282,8 +330,9 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
     pz = _Port(dev, actz)
     pz.add("mte3", "UB->GM", rz * D * 4, actz)
-    counts = _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats)
-    if min(counts["pre_do"], counts["pre_o"]) < 2:
+    # (the bound takes them overlapped, the shorter: it grants no tiles)
+    if not bound and min(_tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats)[x]
+                         for x in ("pre_do", "pre_o")) < 2:
         # one dO or O tile: a step's loads wait for the sum of the step before (and for the zero stores
         # booked on the port ahead of them)
         step0 = p0.unit["mte2"] + vec0 + Tz * pz.port / T0
@@ -304,7 +353,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
             per_q = [ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq)]
         else:
             per_q = [nkv] * nq
-        n1, T1, items1 = _schedule(B * N, tuple(per_q), bool(causal), dev.cube_cores)
+        n1, T1, items1 = schedule(B * N, tuple(per_q), bool(causal), dev.cube_cores)
         qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
         rows = qe / nh
         p1 = _Port(dev, n1)
@@ -338,11 +387,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         busy["fixpipe"] += T1 * p1.unit["fixpipe"]
 
     # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
-    per_kv = []
-    for j in range(nkv):
-        i0 = min(j * kvb, Sq) // qb if causal else 0
-        per_kv.append(group * (nq - i0))
-    n2, T2, units2 = _schedule(B * Nkv, tuple(per_kv), bool(causal), dev.cube_cores)
+    n2, T2, units2 = schedule(B * Nkv, _kv_steps(Sq, Skv, qb, kvb, group, causal), bool(causal), dev.cube_cores)
     qe, ke = qe_avg, ke_avg
     if causal:
         qe = min(qb, Sq)
@@ -457,9 +502,17 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
-    hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), dev.cube_cores) * (isz * 2 + (8 if split else 0))
+    if not bound:
+        hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), dev.cube_cores) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+def _kv_steps(Sq, Skv, qb, kvb, group, causal):
+    """Steps of each KV block's unit in the main phase: its query heads times the query blocks that see it
+    (causal: from the one holding the block's first key)."""
+    nq = ceil_div(Sq, qb)
+    return tuple(group * (nq - (min(j * kvb, Sq) // qb if causal else 0)) for j in range(ceil_div(Skv, kvb)))
 
 
 @cached
@@ -469,12 +522,10 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
     block (fewer rows or keys) holds both. Each core's units from the kernel's dealing; a unit's steps run
     over its query heads, each over the query blocks that see its KV block, the slot alternating per step."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    i0 = [min(j * kvb, Sq) // qb if causal else 0 for j in range(nkv)]
-    per_block = tuple(group * (nq - i) for i in i0)
-    (cores, _, _), paired, owner = _dealing(BNkv, per_block, causal, ncores)
-    blocks = [[j] for j in range(nkv)]
-    if paired:
-        blocks = [[i, nkv - 1 - i] for i in range(nkv // 2)] + ([[nkv // 2]] if nkv % 2 else [])
+    per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal)
+    (cores, _, _), paired = _dealing(BNkv, per_block, causal, ncores)
+    owner = _deal(_units(per_block, paired), BNkv, ncores, owners=True)[1]
+    blocks = _units(tuple(range(nkv)), paired)
     L = len(blocks)
     edge_q, edge_k = Sq - (nq - 1) * qb, Skv - (nkv - 1) * kvb
     last = next(x for x, unit in enumerate(blocks) if nkv - 1 in unit)
@@ -491,7 +542,7 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
             continue
         p = pos[c]
         for j in blocks[x % L]:
-            ke, n_i = min(kvb, Skv - j * kvb), nq - i0[j]
+            ke, n_i = min(kvb, Skv - j * kvb), per_block[j] // group
             for _h in range(group):
                 if n_i > 2:
                     ls.update({(0, qb, ke), (1, qb, ke)})
@@ -621,19 +672,39 @@ def _roofline(dev, specs, mask=None, causal=False, drop=False, **_):
     return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 
 
+# the bound and the model round differently in their last bits (a few dozen operations of relative error
+# 2^-53 each): a candidate is passed over only when its bound is above the best by far more than that
+ROUNDING = 1e-9
+
+
 @cached
 def _search(device, specs, mask, causal, drop, stats):
+    """The fitting tiling of the fewest cycles (the first in candidate order among equals), and its model.
+
+    Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
+    bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`) and no dirty hand-off lines
+    (``bound=True``). The model's cycles never decrease as its cores, steps, blocks (at a given steps count)
+    or blocks per step grow: each phase's time is its steps times a step's busiest unit, whose per-block
+    terms (K and V loads, the unit's bubble) scale with the blocks per step, plus a fill that grows with the
+    blocks per step; HBM bytes only grow with the lines. So the bound is at most the exact cycles, and the
+    candidates are modelled exactly in the order of their bounds until the next bound exceeds the best found:
+    none of the rest can be cheaper."""
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
-    best = None
-    for t in _candidates(device, qs[2], ks[2], qs[3], vs[3], dtype, _mask_spec(mask), drop, stats):
-        res = _model(dev, specs, mask, causal, t, drop, stats)
-        cost = kernel_cycles(dev, *res[:3])
-        if best is None or cost < best[0]:
-            best = (cost, t, res)
-    if best is None:
+    cands = _candidates(device, qs[2], ks[2], qs[3], vs[3], dtype, _mask_spec(mask), drop, stats)
+    if not cands:
         raise ValueError(f"flash_attention_grad: no tiling fits {dev.name}")
-    return best[1], best[2]
+    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3]), i)
+                    for i, t in enumerate(cands))
+    best = None
+    for low, i in bounds:
+        if best is not None and low > best[0] * (1 + ROUNDING):
+            break
+        res = _model(dev, specs, mask, causal, cands[i], drop, stats)
+        cost = kernel_cycles(dev, *res[:3])
+        if best is None or (cost, i) < best[:2]:
+            best = (cost, i, res)
+    return cands[best[1]], best[2]
 
 
 @register("flash_attention_grad", _roofline)

@@ -1,6 +1,7 @@
 """Cost model of the attention backward (flash_attention_grad) against the simulator: its tiling rule agrees
 with the kernel's capacity checks, its predictions track the simulator on small cases of every device, and it
 orders the kernel's variants (saved statistics, causal) as the simulator does."""
+import heapq
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import cost_model
 from autofuse import npu
 from autofuse.npu.kernels.flash_attention_grad import tiling_fits
 from cost_model.devices import get_device
+from cost_model.estimate import kernel_cycles
 from cost_model import flash_attention_grad as fag
 from cost_model.flash_attention_grad import _fits
 
@@ -107,6 +109,60 @@ def test_pair_sums_in_closed_form_are_the_enumerated_sums():
             n = sum(1 for r in range(Sq) for c in range(Skv) if not causal or c <= r) if Sq * Skv < 40000 else None
             if n is not None:
                 assert fag.flops(1, 1, Sq, Skv, 1, 1, causal) == 2.0 * n * 5, (Sq, Skv, causal)
+
+
+def _dealt_by_tuples(base, reps, ncores):
+    """The kernel's dealer restated plainly: a heap of (steps, blocks, core), each unit to the smallest."""
+    heap = [(0, 0, c) for c in range(min(ncores, len(base) * reps))]
+    owner = []
+    for _ in range(reps):
+        for u in base:
+            load, k, c = heapq.heappop(heap)
+            owner.append(c)
+            heapq.heappush(heap, (load + sum(u), k + len(u), c))
+    return (len(heap), max(h[0] for h in heap), max(h[1] for h in heap)), owner
+
+
+def test_dealer_is_the_least_loaded_heap():
+    """The model's dealer (integer heap keys, round-robin for equal units) deals every unit where a heap of
+    (steps, blocks, core) tuples does: single blocks, pairs with an odd middle one, equal and zero steps."""
+    rng = random.Random(1)
+    for _ in range(300):
+        nb = rng.randint(1, 40)
+        per_block = tuple(sorted((rng.randint(0, 30) for _ in range(nb)), reverse=rng.random() < 0.5))
+        if rng.random() < 0.2:
+            per_block = (rng.randint(1, 9),) * nb
+        reps, ncores = rng.randint(1, 40), rng.choice([1, 3, 8, 20, 24, 32])
+        for paired in (False, True):
+            base = fag._units(per_block, paired)
+            assert fag._deal(base, reps, ncores, owners=True) == _dealt_by_tuples(base, reps, ncores)
+            assert fag._deal(base, reps, ncores)[0] == _dealt_by_tuples(base, reps, ncores)[0]
+
+
+def test_search_bound_never_exceeds_the_model_and_keeps_its_choice():
+    """Each candidate tiling's bound (the model on the dealings' lower bounds) is at most its modelled cycles,
+    and the search that skips candidates by their bounds chooses what trying them all chooses (the first of
+    the cheapest)."""
+    rng = random.Random(2)
+    shapes = [(1, 2, 1, 77, 50, 64, 64), (2, 4, 2, 256, 256, 64, 64), (1, 8, 8, 130, 130, 80, 64),
+              (3, 6, 2, 300, 1000, 128, 128), (2, 2, 2, 1000, 200, 64, 128), (1, 4, 1, 513, 513, 96, 96)]
+    for shape in shapes:
+        for device in DEVICES:
+            for causal, stats, masked, drop in ((False, True, False, False), (True, True, False, True),
+                                                (True, False, True, False), (False, False, True, True)):
+                B, N, Nkv, Sq, Skv, D, Dv = shape
+                dt = rng.choice(["float16", "bfloat16", "float32"])
+                specs = tuple((tuple(s), d) for s, d in _specs(*shape, dt))
+                mask = ((B, 1, Sq, Skv), "bool") if masked else None
+                dev = get_device(device)
+                cands = fag._candidates(device, Sq, Skv, D, Dv, dt, fag._mask_spec(mask), drop, stats)
+                exact = [kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats)[:3]) for t in cands]
+                for t, x in zip(cands, exact):
+                    low = kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3])
+                    # the margin the search allows for the two evaluations' rounding (relative 1e-9)
+                    assert low <= x * (1 + fag.ROUNDING), (shape, device, causal, stats, t, low, x)
+                chosen, _ = fag._search(device, specs, mask, causal, drop, stats)
+                assert chosen == cands[exact.index(min(exact))], (shape, device, causal, stats)
 
 
 def test_handoff_workspace_lines_per_written_extent():
