@@ -26,6 +26,8 @@ import heapq
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
@@ -244,6 +246,91 @@ def _vec_rep(rows, cols, f=4):
     return rows * math.ceil(cols / (256 / f))
 
 
+def _evict(l2, state, alloc, dirty, direct):
+    """HBM bytes of a phase: its misses and write-throughs (``direct``) and the dirty lines it evicts (LRU by
+    volume: what a phase allocates beyond L2 pushes out the oldest lines, dirty ones in proportion); and
+    L2's (resident, dirty) bytes after it, from ``state`` before it."""
+    res, drt = state
+    out = max(0.0, res + alloc - l2)
+    # the oldest lines go first: the earlier phases' (dirty in their proportion), then this phase's own
+    old = min(out, res)
+    wb = (old * drt / res if res else 0.0) + ((out - old) * dirty / alloc if alloc else 0.0)
+    res = min(l2, res + alloc)
+    return direct + wb, (res, min(res, drt + dirty - wb))
+
+
+class _L2Plan(NamedTuple):
+    """What the launch's phases touch in L2 and what misses again, whatever the tiling (heads in the same
+    order in every phase)."""
+    q_b: float
+    do_b: float
+    kv_k: float           # K's bytes
+    mask_b: float         # the mask as stored (broadcast on reading)
+    miss_q: float         # the fractions of the second reads that miss: Q (phase 1 -> 2), dO (0 -> 2), the mask
+    miss_do: float
+    miss_mask: float
+    miss_dq: float        # the dq workspace read back by the cast
+    hit_kv: float         # K's main-phase reads that hit (read in phase 1)
+    hbm_ph0: float        # HBM bytes of phases 0 and 1
+    hbm_ph1: float
+    after: tuple          # L2's (resident, dirty) bytes after phase 1
+    main: tuple           # the main phase's (allocated, dirty, direct) HBM bytes but its hand-off lines
+    cast: tuple           # the cast's
+    hbm: float            # the launch's HBM bytes but the hand-off lines left dirty: inputs once (again where
+    #                       evicted between phases), outputs through, the dq workspace's evicted zeros
+
+
+@cached
+def _l2_plan(device, specs, mask, drop, stats):
+    """:class:`_L2Plan` of a launch (tiling-independent, so worked out once per search)."""
+    dev = get_device(device)
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    _, Nkv, Skv, _ = ks
+    Dv = vs[3]
+    isz = itemsize(dtype)
+    msz = 0 if mask is None else itemsize(mask[1])
+    BNS = B * N * Sq
+    l2 = dev.l2_bytes
+    q_b, do_b = BNS * D * isz, BNS * Dv * isz
+    kv_b = B * Nkv * Skv * (D + Dv) * isz
+    dq_b, st_b = BNS * D * 4, BNS * 4
+    W0 = 2 * do_b + dq_b + st_b
+    mask_b = 0 if mask is None else math.prod(mask[0]) * msz
+    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b + mask_b) if stats else 0.0
+    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b + mask_b
+    W3 = dq_b + BNS * D * isz
+    miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0
+    # the mask: first read by phase 1 (else by phase 2), again by phase 2 (its query heads share the lines)
+    miss_mask = miss_q if stats else 1.0
+    miss_do = _missed(W0, W1, W2, l2)
+    miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
+    zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
+    miss_dq = _missed(W2, 0.0, W3, l2)
+    kv_k = B * Nkv * Skv * D * isz
+    hbm_ph0, state = _evict(l2, (0.0, 0.0), 2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
+    hbm_ph1 = 0.0
+    if stats:
+        hbm_ph1, state = _evict(l2, state, q_b + kv_k + 2 * st_b + mask_b, 2 * st_b, q_b + kv_k + mask_b)
+    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k + miss_mask * mask_b
+    main = (re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b, zero_out * dq_b,
+            re_read + kv_b - (kv_k if stats else 0) + kv_b)
+    cast = (miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz)
+    hbm = q_b + 2 * do_b + kv_b                                   # q, out, dout, k, v
+    hbm += kv_b                                                   # dk, dv
+    hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
+    if mask is not None:
+        hbm += mask_b * (1 + (miss_mask if stats else 0.0))
+    if drop:
+        hbm += BNS * ceil_div(Skv, 8)
+    if dtype != F32:
+        hbm += BNS * D * isz + miss_dq * dq_b                     # dq out; the workspace read back
+    hbm += dq_b * (1 + zero_out)                                  # the dq workspace's lines (evicted zeros)
+    hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
+    return _L2Plan(q_b, do_b, kv_k, mask_b, miss_q, miss_do, miss_mask, miss_dq, 1 - miss_k if stats else 0.0,
+                   hbm_ph0, hbm_ph1, state, main, cast, hbm)
+
+
 def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
@@ -273,49 +360,15 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     ke_avg = Skv / nkv
     sweep = _pairs(Sq, Skv, qb, kvb, causal)
 
-    # ---- L2: bytes each phase touches (heads in the same order in every phase), and what misses again
-    BNS = B * N * Sq
-    l2 = dev.l2_bytes
-    q_b, do_b = BNS * D * isz, BNS * Dv * isz
-    kv_b = B * Nkv * Skv * (D + Dv) * isz
-    dq_b, st_b = BNS * D * 4, BNS * 4
-    W0 = 2 * do_b + dq_b + st_b
-    mask_b = 0 if mask is None else math.prod(mask[0]) * msz      # the mask as stored (broadcast on reading)
-    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b + mask_b) if stats else 0.0
-    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b + mask_b
-    W3 = dq_b + BNS * D * isz
-    miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0          # q read again (phase 1 -> 2)
-    # the mask: first read by phase 1 (else by phase 2), again by phase 2 (its query heads share the lines)
-    miss_mask = miss_q if stats else 1.0
-    miss_do = _missed(W0, W1, W2, l2)                             # dO read again (phase 0 -> 2)
-    miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
-    zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
-    miss_dq = _missed(W2, 0.0, W3, l2)
-    hit_q = 1 - (miss_q * q_b + miss_do * do_b) / (q_b + do_b) / nkv
-    hit_kv = 1 - miss_k if stats else 0.0
-
-    # HBM traffic of each phase: its misses and write-throughs, and the dirty lines it evicts (LRU by volume:
-    # what a phase allocates beyond L2 pushes out the oldest lines, dirty ones in proportion)
-    l2s = {"res": 0.0, "dirty": 0.0}
-
-    def phase_hbm(alloc, dirty, direct):
-        res, drt = l2s["res"], l2s["dirty"]
-        out = max(0.0, res + alloc - l2)
-        # the oldest lines go first: the earlier phases' (dirty in their proportion), then this phase's own
-        old = min(out, res)
-        wb = (old * drt / res if res else 0.0) + ((out - old) * dirty / alloc if alloc else 0.0)
-        l2s["res"] = min(l2, res + alloc)
-        l2s["dirty"] = min(l2s["res"], drt + dirty - wb)
-        return direct + wb
-
-    kv_k = B * Nkv * Skv * D * isz
-    hbm_ph0 = phase_hbm(2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
-    hbm_ph1 = phase_hbm(q_b + kv_k + 2 * st_b + mask_b, 2 * st_b, q_b + kv_k + mask_b) if stats else 0.0
+    # ---- L2: what misses again and the HBM bytes of each phase (the main one's with its hand-off lines)
+    l2p = _l2_plan(dev.name, specs, mask, drop, stats)
+    hit_q = 1 - (l2p.miss_q * l2p.q_b + l2p.miss_do * l2p.do_b) / (l2p.q_b + l2p.do_b) / nkv
+    hit_kv, miss_mask, mask_b, kv_k = l2p.hit_kv, l2p.miss_mask, l2p.mask_b, l2p.kv_k
     ws_lines = n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0))
-    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k + miss_mask * mask_b
-    hbm_ph2 = phase_hbm(re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b + ws_lines,
-                        zero_out * dq_b + ws_lines, re_read + kv_b - (kv_k if stats else 0) + kv_b)
-    hbm_ph3 = phase_hbm(miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz) if not f32 else 0.0
+    alloc, dirty, direct = l2p.main
+    hbm_ph2, state = _evict(dev.l2_bytes, l2p.after, alloc + ws_lines, dirty + ws_lines, direct)
+    hbm_ph3 = _evict(dev.l2_bytes, state, *l2p.cast)[0] if not f32 else 0.0
+    BNS = B * N * Sq
 
     # ---- phase 0: dq workspace := 0 (the halves phase 2 adds to), Dr = rowsum(dO∘O) (query blocks), both
     # round-robin over the vector cores
@@ -341,7 +394,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
     # them written back
     ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
-              Tz * pz.port + T0 * p0.port, Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + hbm_ph0 / HBMbw)
+              Tz * pz.port + T0 * p0.port, Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + l2p.hbm_ph0 / HBMbw)
     busy["vector"] += T0 * vec0
     busy["mte2"] += T0 * p0.unit["mte2"]
     busy["mte3"] += T0 * p0.unit["mte3"]
@@ -378,7 +431,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
-        ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
+        ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
             + cube1 + vec1 + p1.unit["fixpipe"]
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
@@ -478,7 +531,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     ph3 = 0.0
     if not f32:
         p3 = _Port(dev, actz)
-        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - miss_dq)
+        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - l2p.miss_dq)
         p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
         vec3 = _vec_rep(rz, D)
         step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
@@ -488,18 +541,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
         busy["mte3"] += Tz * p3.unit["mte3"]
     core = ph0 + ph1 + ph2 + ph3
 
-    # ---- HBM: inputs once (again where evicted between phases), outputs through, dirty workspaces written back
-    hbm = q_b + 2 * do_b + kv_b                                   # q, out, dout, k, v
-    hbm += kv_b                                                   # dk, dv
-    hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
-    if mask is not None:
-        hbm += mask_b * (1 + (miss_mask if stats else 0.0))
-    if drop:
-        hbm += BNS * ceil_div(Skv, 8)
-    if not f32:
-        hbm += BNS * D * isz + miss_dq * dq_b                     # dq out; the workspace read back
-    hbm += dq_b * (1 + zero_out)                                  # the dq workspace's lines (evicted zeros)
-    hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
+    # ---- HBM: the launch's (:func:`_l2_plan`) and the hand-off lines still dirty at the end
+    hbm = l2p.hbm
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
     if not bound:
@@ -520,43 +563,44 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
     """Elements (rows · keys) of the distinct hand-off workspace regions the main phase writes, over every
     core and slot: L2 keeps a line per region written, so a slot written with a full block and with an edge
     block (fewer rows or keys) holds both. Each core's units from the kernel's dealing; a unit's steps run
-    over its query heads, each over the query blocks that see its KV block, the slot alternating per step."""
+    over its query heads, each over the query blocks that see its KV block, the slot alternating per step.
+
+    The regions a unit writes depend only on the slot its first step takes (and the slots repeat after two
+    heads): each unit's regions are listed once from either slot. A core's slot before a unit is the parity of
+    the steps it has run (a running sum over its units in dealing order), and it holds the union of its
+    units' regions."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal)
     (cores, _, _), paired = _dealing(BNkv, per_block, causal, ncores)
-    owner = _deal(_units(per_block, paired), BNkv, ncores, owners=True)[1]
+    owner = np.array(_deal(_units(per_block, paired), BNkv, ncores, owners=True)[1])
     blocks = _units(tuple(range(nkv)), paired)
-    L = len(blocks)
-    edge_q, edge_k = Sq - (nq - 1) * qb, Skv - (nkv - 1) * kvb
-    last = next(x for x, unit in enumerate(blocks) if nkv - 1 in unit)
-    with_edge = {owner[x] for x in range(last, len(owner), L)}
-    # at most two slots × the row extents × the core's key extents: once a core has them all, its later
-    # units add none, and once every core has, the walk stops
-    rows_n = len({qb, edge_q})
-    most = [2 * rows_n * len({min(kvb, Skv), edge_k if c in with_edge else min(kvb, Skv)}) for c in range(cores)]
-    pos, lines = [0] * cores, [set() for _ in range(cores)]
-    left = cores
-    for x, c in enumerate(owner):
-        ls = lines[c]
-        if len(ls) == most[c]:
-            continue
-        p = pos[c]
-        for j in blocks[x % L]:
+    edge_q = Sq - (nq - 1) * qb
+    regions, kind, odd = {}, [], []         # distinct region sets; each unit's set id from slot 0 / 1
+    for unit in blocks:
+        rs, p = set(), 0
+        for j in unit:
             ke, n_i = min(kvb, Skv - j * kvb), per_block[j] // group
-            for _h in range(group):
+            for h in range(min(group, 2)):
+                q = p + h * n_i
                 if n_i > 2:
-                    ls.update({(0, qb, ke), (1, qb, ke)})
+                    rs.update({(0, qb, ke), (1, qb, ke)})
                 elif n_i == 2:
-                    ls.add((p % 2, qb, ke))
-                ls.add(((p + n_i - 1) % 2, edge_q, ke))
-                p += n_i
-        pos[c] = p
-        if len(ls) == most[c]:
-            left -= 1
-            if not left:
-                break
-    total = sum(r * k for ls in lines for _, r, k in ls)
-    return total
+                    rs.add((q % 2, qb, ke))
+                rs.add(((q + n_i - 1) % 2, edge_q, ke))
+            p += group * n_i
+        for flipped in (rs, {(1 - s, r, k) for s, r, k in rs}):        # from slot 1 every slot swaps
+            kind.append(regions.setdefault(frozenset(flipped), len(regions)))
+        odd.append(p % 2)
+    unit = np.arange(len(owner)) % len(blocks)
+    order = np.argsort(owner, kind="stable")
+    core, steps = owner[order], np.array(odd)[unit[order]]
+    run = np.cumsum(steps) - steps              # steps before each unit, over the cores in turn
+    slot = (run - run[np.searchsorted(core, core)]) % 2
+    sets = list(regions)
+    lines = [set() for _ in range(cores)]
+    for key in np.unique(core * len(sets) + np.array(kind)[2 * unit[order] + slot]).tolist():
+        lines[key // len(sets)] |= sets[key % len(sets)]
+    return sum(r * k for ls in lines for _, r, k in ls)
 
 
 def _ceil_sum(n, a, b):

@@ -139,6 +139,39 @@ def test_dealer_is_the_least_loaded_heap():
             assert fag._deal(base, reps, ncores)[0] == _dealt_by_tuples(base, reps, ncores)[0]
 
 
+def _walked_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
+    """The hand-off regions restated as a walk: every unit in dealing order on its core, every query head,
+    every step's slot (alternating per step on a core), the full-row regions and the last query block's."""
+    nq, nkv = -(-Sq // qb), -(-Skv // kvb)
+    steps = [nq - (min(j * kvb, Sq) // qb if causal else 0) for j in range(nkv)]
+    paired = fag._dealing(BNkv, tuple(group * n for n in steps), causal, ncores)[1]
+    blocks = fag._units(tuple(range(nkv)), paired)
+    _, owner = _dealt_by_tuples([[group * steps[j] for j in u] for u in blocks], BNkv, ncores)
+    pos, lines = {}, {}
+    for x, c in enumerate(owner):
+        for j in blocks[x % len(blocks)]:
+            ke = min(kvb, Skv - j * kvb)
+            for _ in range(group):
+                for i in range(steps[j]):
+                    rows = qb if i < steps[j] - 1 else Sq - (nq - 1) * qb
+                    lines.setdefault(c, set()).add((pos.get(c, 0) % 2, rows, ke))
+                    pos[c] = pos.get(c, 0) + 1
+                if steps[j] == 0:                       # a block no query block sees: its edge region still
+                    lines.setdefault(c, set()).add(((pos.get(c, 0) - 1) % 2, Sq - (nq - 1) * qb, ke))
+    return sum(r * k for ls in lines.values() for _, r, k in ls)
+
+
+def test_handoff_lines_are_the_walked_regions():
+    """The hand-off regions counted per unit and slot parity equal a walk over every step of every unit."""
+    rng = random.Random(3)
+    for _ in range(150):
+        Sq, Skv = rng.randint(1, 700), rng.randint(1, 700)
+        qb, kvb = min(rng.choice([16, 32, 64, 128]), -(-Sq // 16) * 16), min(rng.choice([16, 64, 256]), -(-Skv // 16) * 16)
+        args = (rng.randint(1, 12), Sq, Skv, qb, kvb, rng.choice([1, 2, 3, 4]), rng.random() < 0.6,
+                rng.choice([8, 20, 24, 32]))
+        assert fag._ws_lines(*args) == _walked_lines(*args), args
+
+
 def test_search_bound_never_exceeds_the_model_and_keeps_its_choice():
     """Each candidate tiling's bound (the model on the dealings' lower bounds) is at most its modelled cycles,
     and the search that skips candidates by their bounds chooses what trying them all chooses (the first of
