@@ -172,27 +172,24 @@ def _schedule(BN, per_block, causal, ncores):
 
 
 @cached
-def _schedule_floor(BN, per_block, causal, ncores):
-    """Lower bounds of :func:`_schedule` for the tiling search's bound (:func:`_search`): at most the cores,
-    at most the steps, and a block count at most the busiest core's whose share per step is at most the
-    dealing's (blocks / steps), without dealing.
+def _schedule_floor(BN, nb, top, total, causal, ncores):
+    """Lower bounds of :func:`_schedule` for the tiling search's bound (:func:`_search`), from a summary of
+    the steps per block (``nb`` blocks, ``top`` the most, ``total`` in all) without dealing: at most the
+    cores, at most the steps, and a block count at most the busiest core's whose share per step is at most
+    the dealing's (blocks / steps).
 
-    Equal units are dealt round-robin: exact. Otherwise the cores are at most the single blocks' (pairs are
-    fewer units); the steps at least the average load and the largest unit of either dealing; the blocks at
-    least their average. A greedy dealer gives a core its last unit while it is the least loaded, so no core
-    of the single dealing ends above ``(total - largest) // n + largest`` steps (the paired one is taken only
-    when no longer): the blocks stand in scaled by the lower over that upper bound of the steps."""
-    if len(set(per_block)) == 1:
-        return _schedule(BN, per_block, causal, ncores)
-    nb = len(per_block)
+    Equal blocks are dealt exactly (round-robin, or their pairs). Otherwise the cores are at most the single
+    blocks' (pairs are fewer units); the steps at least the average load and the largest block (a unit of
+    either dealing holds it); the blocks at least their average. A greedy dealer gives a core its last unit
+    while it is the least loaded, so no core of the single dealing ends above ``(total - largest) // n +
+    largest`` steps (the paired one is taken only when no longer): the blocks stand in scaled by the lower
+    over that upper bound of the steps."""
+    if top * nb == total:
+        return _schedule(BN, (top,) * nb, causal, ncores)
     n = min(ncores, BN * nb)
-    total, top = BN * sum(per_block), max(per_block)
-    cores, unit = n, top
-    if causal:
-        cores = min(ncores, BN * ceil_div(nb, 2))
-        unit = min(top, max(map(sum, _pair_units(per_block))))
-    steps = max(ceil_div(total, n), unit)
-    steps_hi = (total - top) // n + top
+    cores = min(ncores, BN * ceil_div(nb, 2)) if causal else n
+    steps = max(ceil_div(BN * total, n), top)
+    steps_hi = (BN * total - top) // n + top
     return cores, steps, ceil_div(BN * nb, n) * steps / steps_hi
 
 
@@ -336,7 +333,13 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
     left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
     cycles are a lower bound of the exact ones (see :func:`_search`)."""
-    schedule = _schedule_floor if bound else _schedule
+    cores = dev.cube_cores
+
+    def deal(BN, steps, summary):
+        # the dealing of units of these steps per block, or (bound) its lower bounds from their summary
+        return _schedule_floor(BN, *summary(), bool(causal), cores) if bound else \
+            _schedule(BN, steps(), bool(causal), cores)
+
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -402,11 +405,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     # ---- phase 1: the row statistics (items (b, h, query block) over their KV tiles)
     ph1 = 0.0
     if stats:
-        if causal:
-            per_q = [ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq)]
-        else:
-            per_q = [nkv] * nq
-        n1, T1, items1 = schedule(B * N, tuple(per_q), bool(causal), dev.cube_cores)
+        n1, T1, items1 = deal(B * N, lambda: _q_steps(Sq, Skv, qb, kvb, causal),
+                              lambda: (nq, ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count))
         qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
         rows = qe / nh
         p1 = _Port(dev, n1)
@@ -440,7 +440,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
         busy["fixpipe"] += T1 * p1.unit["fixpipe"]
 
     # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
-    n2, T2, units2 = schedule(B * Nkv, _kv_steps(Sq, Skv, qb, kvb, group, causal), bool(causal), dev.cube_cores)
+    n2, T2, units2 = deal(B * Nkv, lambda: _kv_steps(Sq, Skv, qb, kvb, group, causal),
+                          lambda: _kv_steps_sum(Sq, Skv, qb, kvb, group, causal))
     qe, ke = qe_avg, ke_avg
     if causal:
         qe = min(qb, Sq)
@@ -551,11 +552,33 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
 
 
+def _q_steps(Sq, Skv, qb, kvb, causal):
+    """Steps of each query block's item in the statistics sweep: the KV blocks it sees (causal: up to its
+    last row). In all they are the sweep's pairs (:func:`_pairs`), the last block's the most."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    if not causal:
+        return (nkv,) * nq
+    return tuple(ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq))
+
+
 def _kv_steps(Sq, Skv, qb, kvb, group, causal):
     """Steps of each KV block's unit in the main phase: its query heads times the query blocks that see it
     (causal: from the one holding the block's first key)."""
-    nq = ceil_div(Sq, qb)
-    return tuple(group * (nq - (min(j * kvb, Sq) // qb if causal else 0)) for j in range(ceil_div(Skv, kvb)))
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    if not causal:
+        return (group * nq,) * nkv
+    return tuple(group * (nq - min(j * kvb, Sq) // qb) for j in range(nkv))
+
+
+def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal):
+    """(blocks, most steps, total steps) of :func:`_kv_steps` in closed form: block 0 takes every query block;
+    block j skips the ``min(j·kvb, Sq) // qb`` before its first key, the floors of a progression up to Sq."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    skipped = 0
+    if causal:
+        within = min(nkv, Sq // kvb + 1)              # the blocks starting at or before Sq
+        skipped = _floor_sum(within - 1, kvb, qb) + (nkv - within) * (Sq // qb)
+    return nkv, group * nq, group * (nq * nkv - skipped)
 
 
 @cached
@@ -612,6 +635,11 @@ def _ceil_sum(n, a, b):
     first = [ceil_div(t * a, b) for t in range(1, period + 1)]
     return (whole * sum(first) + step * period * whole * (whole - 1) // 2
             + sum(first[:rest]) + rest * whole * step)
+
+
+def _floor_sum(n, a, b):
+    """Σ floor(t·a / b) for t = 1..n: the ceilings less one for each t·a that b does not divide."""
+    return _ceil_sum(n, a, b) - n + n // (b // math.gcd(a, b))
 
 
 class _Sweep(NamedTuple):

@@ -93,7 +93,7 @@ def _block_pairs(Sq, Skv, qb, kvb, causal):
 
 def test_pair_sums_in_closed_form_are_the_enumerated_sums():
     """The model's closed forms over the visited block pairs (counts, rows, keys, areas, the dropout keep-mask
-    bytes, the causal FLOPs) equal plain enumeration, for block sizes that do and do not divide the
+    bytes, the causal FLOPs, the main phase's steps per unit) equal plain enumeration, for block sizes that do and do not divide the
     sequences (edge blocks) and for more KV than query rows and the reverse."""
     rng = random.Random(0)
     shapes = [(Sq, Skv, qb, kvb) for Sq, Skv in ((1, 1), (16, 16), (77, 50), (50, 77), (256, 256), (130, 700))
@@ -106,6 +106,9 @@ def test_pair_sums_in_closed_form_are_the_enumerated_sums():
             assert tuple(sweep[:4]) == (len(ps), sum(q for q, _ in ps), sum(k for _, k in ps),
                                         sum(q * k for q, k in ps)), (Sq, Skv, qb, kvb, causal)
             assert fag._sum_drop(sweep, Skv, kvb) == sum(q * -(-k // 8) for q, k in ps), (Sq, Skv, qb, kvb, causal)
+            steps = fag._kv_steps(Sq, Skv, qb, kvb, 3, causal)
+            assert fag._kv_steps_sum(Sq, Skv, qb, kvb, 3, causal) == (len(steps), max(steps), sum(steps))
+            assert sum(fag._q_steps(Sq, Skv, qb, kvb, causal)) == sweep.count
             n = sum(1 for r in range(Sq) for c in range(Skv) if not causal or c <= r) if Sq * Skv < 40000 else None
             if n is not None:
                 assert fag.flops(1, 1, Sq, Skv, 1, 1, causal) == 2.0 * n * 5, (Sq, Skv, causal)
