@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.devices import get_device
+from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 
 F32 = "float32"
@@ -77,19 +77,19 @@ def _out_rows(vq):
 
 def _placement(dev, req):
     """Where the requests' minimum tile counts leave each buffer, or None when one overflows: per request its
-    (buffer, capacity, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
+    (buffer, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
     the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another,
     each at the buffer's alignment: its use is every tile's aligned size but the last one's, plus the last
     one's size (the sum less the last padding). Request names are unique."""
     if len({r[2] for r in req}) != len(req):
         raise ValueError(f"buffer requests need unique names, got {[r[2] for r in req]}")
-    split = dev.arch == "split"
+    split, align = dev.arch == "split", dev.align
     total, last, plan = {}, {}, []
     for i, (side, buf, name, shape, dt, lo, hi) in enumerate(req):
         key = (side if split else "core", buf)
-        size = math.prod(shape) * itemsize(dt)
-        aligned = round_up(size, dev.align[buf])
-        plan.append((key, dev.buffers[buf], aligned, aligned - size))
+        size = math.prod(shape) * ITEMSIZE[dt]
+        aligned = -(-size // align[buf]) * align[buf]
+        plan.append((key, aligned, aligned - size))
         total[key] = total.get(key, 0) + lo * aligned
         if lo:
             last[key] = (i, aligned - size)
@@ -106,8 +106,8 @@ def _counts(dev, req):
         return None
     plan, total, last = placed
     counts = {r[2]: r[5] for r in req}
-    for i, ((key, cap, aligned, pad), r) in enumerate(zip(plan, req)):
-        name, hi = r[2], r[6]
+    for i, ((key, aligned, pad), r) in enumerate(zip(plan, req)):
+        name, hi, cap = r[2], r[6], dev.buffers[key[1]]
         tail = last.get(key, (-1, 0))
         if tail[0] < i:                   # its first tile would be the buffer's last
             tail = (i, pad)
