@@ -178,13 +178,14 @@ def _schedule_floor(BN, nb, top, total, causal, ncores):
     cores, at most the steps, and a block count at most the busiest core's whose share per step is at most
     the dealing's (blocks / steps).
 
-    Equal blocks are dealt exactly (round-robin, or their pairs). Otherwise the cores are at most the single
-    blocks' (pairs are fewer units); the steps at least the average load and the largest block (a unit of
-    either dealing holds it); the blocks at least their average. A greedy dealer gives a core its last unit
-    while it is the least loaded, so no core of the single dealing ends above ``(total - largest) // n +
-    largest`` steps (the paired one is taken only when no longer): the blocks stand in scaled by the lower
-    over that upper bound of the steps."""
-    if top * nb == total:
+    Equal blocks are dealt round-robin, and so are their pairs when there is no middle block: exact.
+    Otherwise the cores are at most the single blocks' (pairs are fewer units); the steps at least the
+    average load and the largest block (a unit of either dealing holds it); the blocks at least their
+    average. A greedy dealer gives a core its last unit while it is the least loaded, so no core of the
+    single dealing (n cores) ends above ``(BN·total - largest) // n + largest`` steps (the paired one is
+    taken only when no longer): the blocks stand in scaled by the lower over that upper bound of the
+    steps."""
+    if top * nb == total and (not causal or nb % 2 == 0 or nb == 1):
         return _schedule(BN, (top,) * nb, causal, ncores)
     n = min(ncores, BN * nb)
     cores = min(ncores, BN * ceil_div(nb, 2)) if causal else n
@@ -547,7 +548,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
     if not bound:
-        hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), dev.cube_cores) * (isz * 2 + (8 if split else 0))
+        hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
 

@@ -93,8 +93,8 @@ def _block_pairs(Sq, Skv, qb, kvb, causal):
 
 def test_pair_sums_in_closed_form_are_the_enumerated_sums():
     """The model's closed forms over the visited block pairs (counts, rows, keys, areas, the dropout keep-mask
-    bytes, the causal FLOPs, the main phase's steps per unit) equal plain enumeration, for block sizes that do and do not divide the
-    sequences (edge blocks) and for more KV than query rows and the reverse."""
+    bytes, the causal FLOPs, the main phase's steps per unit) equal plain enumeration, for block sizes that do
+    and do not divide the sequences (edge blocks) and for more KV than query rows and the reverse."""
     rng = random.Random(0)
     shapes = [(Sq, Skv, qb, kvb) for Sq, Skv in ((1, 1), (16, 16), (77, 50), (50, 77), (256, 256), (130, 700))
               for qb, kvb in ((16, 16), (64, 128), (128, 64), (48, 80), (80, 48))]
@@ -169,7 +169,8 @@ def test_handoff_lines_are_the_walked_regions():
     rng = random.Random(3)
     for _ in range(150):
         Sq, Skv = rng.randint(1, 700), rng.randint(1, 700)
-        qb, kvb = min(rng.choice([16, 32, 64, 128]), -(-Sq // 16) * 16), min(rng.choice([16, 64, 256]), -(-Skv // 16) * 16)
+        qb = min(rng.choice([16, 32, 64, 128]), -(-Sq // 16) * 16)
+        kvb = min(rng.choice([16, 64, 256]), -(-Skv // 16) * 16)
         args = (rng.randint(1, 12), Sq, Skv, qb, kvb, rng.choice([1, 2, 3, 4]), rng.random() < 0.6,
                 rng.choice([8, 20, 24, 32]))
         assert fag._ws_lines(*args) == _walked_lines(*args), args
