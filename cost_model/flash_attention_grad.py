@@ -102,14 +102,11 @@ def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
 
 
 @cached
-def _candidates(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats):
-    """Fitting tilings: every (q, kv) block of the kernel's sizes, clamped to the sequences."""
-    out = []
-    for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True):
-        for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True):
-            if _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
-                out.append({"q": q, "kv": kv})
-    return out
+def _tilings(Sq, Skv):
+    """The search's tilings, in its order: every (q, kv) block of the kernel's sizes, clamped to the
+    sequences (whether they fit is checked by the search)."""
+    return [{"q": q, "kv": kv} for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True)
+            for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True)]
 
 
 # ------------------------------------------------------------------------------------------ schedule
@@ -745,6 +742,10 @@ def _roofline(dev, specs, mask=None, causal=False, drop=False, **_):
     return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 
 
+# tiles of at most this many elements (q·kv) nearly always fit and are rarely the cheapest: the search checks
+# their fit only when one comes to be modelled; larger ones often overflow and are checked before their bound
+SMALL_TILE = 64 * 32
+
 # the bound and the model round differently in their last bits (a few dozen operations of relative error
 # 2^-53 each): a candidate is passed over only when its bound is above the best by far more than that
 ROUNDING = 1e-9
@@ -752,7 +753,8 @@ ROUNDING = 1e-9
 
 @cached
 def _search(device, specs, mask, causal, drop, stats):
-    """The fitting tiling of the fewest cycles (the first in candidate order among equals), and its model.
+    """The fitting tiling of the fewest cycles (the first in :func:`_tilings` order among equals), and its
+    model.
 
     Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
     bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`) and no dirty hand-off lines
@@ -761,22 +763,29 @@ def _search(device, specs, mask, causal, drop, stats):
     terms (K and V loads, the unit's bubble) scale with the blocks per step, plus a fill that grows with the
     blocks per step; HBM bytes only grow with the lines. So the bound is at most the exact cycles, and the
     candidates are modelled exactly in the order of their bounds until the next bound exceeds the best found:
-    none of the rest can be cheaper."""
+    none of the rest can be cheaper. A candidate that does not fit is passed over, whenever its fit is checked
+    (:data:`SMALL_TILE`)."""
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
-    cands = _candidates(device, qs[2], ks[2], qs[3], vs[3], dtype, _mask_spec(mask), drop, stats)
-    if not cands:
-        raise ValueError(f"flash_attention_grad: no tiling fits {dev.name}")
+    cands = _tilings(qs[2], ks[2])
+
+    def fits(t):
+        return _fits(device, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats)
+
     bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3]), i)
-                    for i, t in enumerate(cands))
+                    for i, t in enumerate(cands) if t["q"] * t["kv"] <= SMALL_TILE or fits(t))
     best = None
     for low, i in bounds:
         if best is not None and low > best[0] * (1 + ROUNDING):
             break
+        if cands[i]["q"] * cands[i]["kv"] <= SMALL_TILE and not fits(cands[i]):
+            continue
         res = _model(dev, specs, mask, causal, cands[i], drop, stats)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or (cost, i) < best[:2]:
             best = (cost, i, res)
+    if best is None:
+        raise ValueError(f"flash_attention_grad: no tiling fits {dev.name}")
     return cands[best[1]], best[2]
 
 

@@ -192,7 +192,8 @@ def test_search_bound_never_exceeds_the_model_and_keeps_its_choice():
                 specs = tuple((tuple(s), d) for s, d in _specs(*shape, dt))
                 mask = ((B, 1, Sq, Skv), "bool") if masked else None
                 dev = get_device(device)
-                cands = fag._candidates(device, Sq, Skv, D, Dv, dt, fag._mask_spec(mask), drop, stats)
+                cands = [t for t in fag._tilings(Sq, Skv)
+                         if _fits(device, D, Dv, dt, t["q"], t["kv"], fag._mask_spec(mask), drop, stats)]
                 exact = [kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats)[:3]) for t in cands]
                 for t, x in zip(cands, exact):
                     low = kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3])
