@@ -80,9 +80,7 @@ def _placement(dev, req):
     (buffer, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
     the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another,
     each at the buffer's alignment: its use is every tile's aligned size but the last one's, plus the last
-    one's size (the sum less the last padding). Request names are unique."""
-    if len({r[2] for r in req}) != len(req):
-        raise ValueError(f"buffer requests need unique names, got {[r[2] for r in req]}")
+    one's size (the sum less the last padding)."""
     split, align = dev.arch == "split", dev.align
     total, last, plan = {}, {}, []
     for i, (side, buf, name, shape, dt, lo, hi) in enumerate(req):
@@ -100,12 +98,15 @@ def _placement(dev, req):
 
 def _counts(dev, req):
     """Tile counts per request, as the kernel grants them (double buffers in list order while they fit), or
-    None: from :func:`_placement`, granting a tile costs one comparison of the buffer's running use."""
+    None: from :func:`_placement` (request names are unique), granting a tile costs one comparison of the
+    buffer's running use."""
     placed = _placement(dev, req)
     if placed is None:
         return None
     plan, total, last = placed
     counts = {r[2]: r[5] for r in req}
+    if len(counts) != len(req):
+        raise ValueError(f"buffer requests need unique names, got {[r[2] for r in req]}")
     for i, ((key, aligned, pad), r) in enumerate(zip(plan, req)):
         name, hi, cap = r[2], r[6], dev.buffers[key[1]]
         tail = last.get(key, (-1, 0))
