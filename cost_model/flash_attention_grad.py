@@ -26,8 +26,6 @@ import heapq
 import math
 from typing import NamedTuple
 
-import numpy as np
-
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
@@ -587,13 +585,13 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
     over its query heads, each over the query blocks that see its KV block, the slot alternating per step.
 
     The regions a unit writes depend only on the slot its first step takes (and the slots repeat after two
-    heads): each unit's regions are listed once from either slot. A core's slot before a unit is the parity of
-    the steps it has run (a running sum over its units in dealing order), and it holds the union of its
-    units' regions."""
+    heads): each unit's regions are listed once from either slot. Walking the dealing, a core's slot before a
+    unit is the parity of the steps it has run; it holds the union of the region sets of its (unit, slot)
+    pairs."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal)
     (cores, _, _), paired = _dealing(BNkv, per_block, causal, ncores)
-    owner = np.array(_deal(_units(per_block, paired), BNkv, ncores, owners=True)[1])
+    owner = _deal(_units(per_block, paired), BNkv, ncores, owners=True)[1]
     blocks = _units(tuple(range(nkv)), paired)
     edge_q = Sq - (nq - 1) * qb
     regions, kind, odd = {}, [], []         # distinct region sets; each unit's set id from slot 0 / 1
@@ -612,15 +610,16 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
         for flipped in (rs, {(1 - s, r, k) for s, r, k in rs}):        # from slot 1 every slot swaps
             kind.append(regions.setdefault(frozenset(flipped), len(regions)))
         odd.append(p % 2)
-    unit = np.arange(len(owner)) % len(blocks)
-    order = np.argsort(owner, kind="stable")
-    core, steps = owner[order], np.array(odd)[unit[order]]
-    run = np.cumsum(steps) - steps              # steps before each unit, over the cores in turn
-    slot = (run - run[np.searchsorted(core, core)]) % 2
+    L, K = len(blocks), len(regions)
+    slot, held = [0] * cores, set()             # each core's slot; (core, region set) pairs as core·K + set id
+    for x, c in enumerate(owner):
+        u = x % L
+        held.add(c * K + kind[2 * u + slot[c]])
+        slot[c] ^= odd[u]
     sets = list(regions)
     lines = [set() for _ in range(cores)]
-    for key in np.unique(core * len(sets) + np.array(kind)[2 * unit[order] + slot]).tolist():
-        lines[key // len(sets)] |= sets[key % len(sets)]
+    for key in held:
+        lines[key // K] |= sets[key % K]
     return sum(r * k for ls in lines for _, r, k in ls)
 
 
