@@ -756,11 +756,12 @@ def _search(device, specs, mask, causal, drop, stats):
     model.
 
     Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
-    bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`) and no dirty hand-off lines
-    (``bound=True``). The model's cycles never decrease as its cores, steps, blocks (at a given steps count)
-    or blocks per step grow: each phase's time is its steps times a step's busiest unit, whose per-block
-    terms (K and V loads, the unit's bubble) scale with the blocks per step, plus a fill that grows with the
-    blocks per step; HBM bytes only grow with the lines. So the bound is at most the exact cycles, and the
+    bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines and
+    the Dr phase's loads overlapping its sums, the shorter of its two forms (``bound=True``). The model's
+    cycles never decrease as its cores, steps, blocks (at a given steps count) or blocks per step grow: each
+    phase's time is its steps times a step's busiest unit, whose per-block terms (K and V loads, the unit's
+    bubble) scale with the blocks per step, plus a fill that grows with the blocks per step; HBM bytes only
+    grow with the lines. So the bound is at most the exact cycles, and the
     candidates are modelled exactly in the order of their bounds until the next bound exceeds the best found:
     none of the rest can be cheaper. A candidate that does not fit is passed over, whenever its fit is checked
     (:data:`SMALL_TILE`)."""
