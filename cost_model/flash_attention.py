@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.devices import get_device
+from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 
 F32 = "float32"
@@ -75,37 +75,47 @@ def _out_rows(vq):
     return next(d for d in range(min(vq, 64), 0, -1) if vq % d == 0)
 
 
+def _placement(dev, req):
+    """Where the requests' minimum tile counts leave each buffer, or None when one overflows: per request its
+    (buffer, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
+    the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another,
+    each at the buffer's alignment: its use is every tile's aligned size but the last one's, plus the last
+    one's size (the sum less the last padding)."""
+    split, align = dev.arch == "split", dev.align
+    total, last, plan = {}, {}, []
+    for i, (side, buf, name, shape, dt, lo, hi) in enumerate(req):
+        key = (side if split else "core", buf)
+        size = math.prod(shape) * ITEMSIZE[dt]
+        aligned = -(-size // align[buf]) * align[buf]
+        plan.append((key, aligned, aligned - size))
+        total[key] = total.get(key, 0) + lo * aligned
+        if lo:
+            last[key] = (i, aligned - size)
+    if any(total[k] - last.get(k, (0, 0))[1] > dev.buffers[k[1]] for k in total):
+        return None
+    return plan, total, last
+
+
 def _counts(dev, req):
     """Tile counts per request, as the kernel grants them (double buffers in list order while they fit), or
-    None. A buffer's tiles are placed one after another, each at the buffer's alignment: its use is every
-    tile's aligned size but the last one's, plus the last one's size."""
-    counts = {r[2]: r[5] for r in req}
-    split = dev.arch == "split"
-    key = [((side if split else "core"), buf) for side, buf, *_ in req]
-    size = [math.prod(shape) * itemsize(dt) for _, _, _, shape, dt, _, _ in req]
-    aligned = [round_up(n, dev.align[k[1]]) for n, k in zip(size, key)]
-    names = [r[2] for r in req]
-    members = {}                                  # per buffer, its requests in list order
-    for i, k in enumerate(key):
-        members.setdefault(k, []).append(i)
-
-    def used(k):
-        total, last = 0, 0
-        for i in members[k]:
-            c = counts[names[i]]
-            if c:
-                total += c * aligned[i]
-                last = aligned[i] - size[i]
-        return total - last
-
-    if any(used(k) > dev.buffers[k[1]] for k in members):
+    None: from :func:`_placement` (request names are unique), granting a tile costs one comparison of the
+    buffer's running use."""
+    placed = _placement(dev, req)
+    if placed is None:
         return None
-    for i, r in enumerate(req):
-        while counts[r[2]] < r[6]:
-            counts[r[2]] += 1
-            if used(key[i]) > dev.buffers[key[i][1]]:
-                counts[r[2]] -= 1
-                break
+    plan, total, last = placed
+    counts = {r[2]: r[5] for r in req}
+    if len(counts) != len(req):
+        raise ValueError(f"buffer requests need unique names, got {[r[2] for r in req]}")
+    for i, ((key, aligned, pad), r) in enumerate(zip(plan, req)):
+        name, hi, cap = r[2], r[6], dev.buffers[key[1]]
+        tail = last.get(key, (-1, 0))
+        if tail[0] < i:                   # its first tile would be the buffer's last
+            tail = (i, pad)
+        while counts[name] < hi and total[key] + aligned - tail[1] <= cap:
+            counts[name] += 1
+            total[key] += aligned
+            last[key] = tail
     return counts
 
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import NamedTuple
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import _counts
+from cost_model.flash_attention import _counts, _placement
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -90,47 +91,51 @@ def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
     return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats))
 
 
+@cached
 def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
-    return _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats) is not None
+    """Whether the tiling's buffers hold its requests' minimum tile counts (as :func:`_tile_counts` checks
+    first, without granting the double buffers)."""
+    dev = get_device(device)
+    return _placement(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats)) is not None
 
 
 @cached
-def _candidates(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats):
-    """Fitting tilings: every (q, kv) block of the kernel's sizes, clamped to the sequences."""
-    out = []
-    for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True):
-        for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True):
-            if _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
-                out.append({"q": q, "kv": kv})
-    return out
+def _tilings(Sq, Skv):
+    """The search's tilings, in its order: every (q, kv) block of the kernel's sizes, clamped to the
+    sequences (whether they fit is checked by the search)."""
+    return [{"q": q, "kv": kv} for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True)
+            for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True)]
 
 
 # ------------------------------------------------------------------------------------------ schedule
-def _deal(base, reps, ncores):
-    """The kernel's dealer (least-loaded core, in order) over the units ``base`` (each a list of step counts)
-    repeated ``reps`` times: (cores, steps and units of the busiest core), and each unit's core."""
+def _deal(base, reps, ncores, owners=False):
+    """The kernel's dealer over the units ``base`` (each a list of step counts) repeated ``reps`` times: each
+    unit in turn to the least-loaded core (ties: fewer blocks, then the lower index). Returns (cores, steps
+    and blocks of the busiest core) and, with ``owners``, each unit's core.
+
+    Equal units go round-robin. Otherwise a heap of one integer per core, ``(steps·K + blocks)·n + core``
+    (K above any block count), orders the cores as the tie rule does, and dealing a unit adds its steps and
+    blocks to the smallest."""
     units = len(base) * reps
     n = min(ncores, units)
     cost = [(sum(u), len(u)) for u in base]
-    if len(set(cost)) == 1:                   # equal units: round-robin
+    if len(set(cost)) == 1:
         per = ceil_div(units, n)
-        return (n, per * cost[0][0], per * cost[0][1]), list(range(n)) * (units // n) + list(range(units % n))
-    heap = [(0, 0, c) for c in range(n)]
-    owner = []
-    pop, push, add = heapq.heappop, heapq.heappush, owner.append
-    for _ in range(reps):
-        for w, k_ in cost:
-            load, k, c = pop(heap)
-            add(c)
-            push(heap, (load + w, k + k_, c))
-    return (n, max(h[0] for h in heap), max(h[1] for h in heap)), owner
-
-
-@cached
-def _schedule(BN, per_block, causal, ncores):
-    """(cores, lockstep steps, items on the busiest core) of units ``per_block`` (steps per block, one unit per
-    block, or paired i and nb-1-i under ``causal`` when that finishes sooner), repeated for ``BN`` heads."""
-    return _dealing(BN, per_block, causal, ncores)[0]
+        owner = list(range(n)) * (units // n) + list(range(units % n)) if owners else None
+        return (n, per * cost[0][0], per * cost[0][1]), owner
+    K = units * max(k for _, k in cost) + 1
+    adds = [(w * K + k) * n for w, k in cost]
+    heap = list(range(n))
+    replace = heapq.heapreplace
+    owner = None
+    if owners:
+        owner = [replace(heap, heap[0] + a) % n for _ in range(reps) for a in adds]
+    else:
+        for _ in range(reps):
+            for a in adds:
+                replace(heap, heap[0] + a)
+    top = max(heap) // n
+    return (n, top // K, max(x // n % K for x in heap)), owner
 
 
 def _pair_units(per_block):
@@ -138,16 +143,50 @@ def _pair_units(per_block):
     return [[per_block[i], per_block[nb - 1 - i]] for i in range(nb // 2)] + ([[per_block[nb // 2]]] if nb % 2 else [])
 
 
+def _units(per_block, paired):
+    """The dealt units: one per block, or blocks i and nb-1-i paired."""
+    return _pair_units(per_block) if paired else [[c] for c in per_block]
+
+
 @cached
 def _dealing(BN, per_block, causal, ncores):
-    """The dealing :func:`_schedule` describes, and whether it pairs blocks i and nb-1-i (causal, when that
-    finishes no later than single blocks)."""
-    single = _deal([[c] for c in per_block], BN, ncores)
+    """(cores, lockstep steps, blocks on the busiest core) of units ``per_block`` (steps per block, one unit
+    per block, or paired i and nb-1-i under ``causal`` when that finishes no later), repeated for ``BN``
+    heads, and whether it pairs."""
+    single = _deal(_units(per_block, False), BN, ncores)[0]
     if causal:
-        paired = _deal(_pair_units(per_block), BN, ncores)
-        if paired[0][1] <= single[0][1]:
-            return paired[0], True, paired[1]
-    return single[0], False, single[1]
+        paired = _deal(_units(per_block, True), BN, ncores)[0]
+        if paired[1] <= single[1]:
+            return paired, True
+    return single, False
+
+
+def _schedule(BN, per_block, causal, ncores):
+    """:func:`_dealing`'s (cores, lockstep steps, blocks on the busiest core)."""
+    return _dealing(BN, per_block, causal, ncores)[0]
+
+
+@cached
+def _schedule_floor(BN, nb, top, total, causal, ncores):
+    """Lower bounds of :func:`_schedule` for the tiling search's bound (:func:`_search`), from a summary of
+    the steps per block (``nb`` blocks, ``top`` the most, ``total`` in all) without dealing: at most the
+    cores, at most the steps, and a block count at most the busiest core's whose share per step is at most
+    the dealing's (blocks / steps).
+
+    Equal blocks are dealt round-robin, and so are their pairs when there is no middle block: exact.
+    Otherwise the cores are at most the single blocks' (pairs are fewer units); the steps at least the
+    average load and the largest block (a unit of either dealing holds it); the blocks at least their
+    average. A greedy dealer gives a core its last unit while it is the least loaded, so no core of the
+    single dealing (n cores) ends above ``(BN·total - largest) // n + largest`` steps (the paired one is
+    taken only when no longer): the blocks stand in scaled by the lower over that upper bound of the
+    steps."""
+    if top * nb == total and (not causal or nb % 2 == 0 or nb == 1):
+        return _schedule(BN, (top,) * nb, causal, ncores)
+    n = min(ncores, BN * nb)
+    cores = min(ncores, BN * ceil_div(nb, 2)) if causal else n
+    steps = max(ceil_div(BN * total, n), top)
+    steps_hi = (BN * total - top) // n + top
+    return cores, steps, ceil_div(BN * nb, n) * steps / steps_hi
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -200,7 +239,103 @@ def _vec_rep(rows, cols, f=4):
     return rows * math.ceil(cols / (256 / f))
 
 
-def _model(dev, specs, mask, causal, t, drop, stats):
+def _evict(l2, state, alloc, dirty, direct):
+    """HBM bytes of a phase: its misses and write-throughs (``direct``) and the dirty lines it evicts (LRU by
+    volume: what a phase allocates beyond L2 pushes out the oldest lines, dirty ones in proportion); and
+    L2's (resident, dirty) bytes after it, from ``state`` before it."""
+    res, drt = state
+    out = max(0.0, res + alloc - l2)
+    # the oldest lines go first: the earlier phases' (dirty in their proportion), then this phase's own
+    old = min(out, res)
+    wb = (old * drt / res if res else 0.0) + ((out - old) * dirty / alloc if alloc else 0.0)
+    res = min(l2, res + alloc)
+    return direct + wb, (res, min(res, drt + dirty - wb))
+
+
+class _L2Plan(NamedTuple):
+    """What the launch's phases touch in L2 and what misses again, whatever the tiling (heads in the same
+    order in every phase)."""
+    q_b: float
+    do_b: float
+    kv_k: float           # K's bytes
+    mask_b: float         # the mask as stored (broadcast on reading)
+    miss_q: float         # the fractions of the second reads that miss: Q (phase 1 -> 2), dO (0 -> 2), the mask
+    miss_do: float
+    miss_mask: float
+    miss_dq: float        # the dq workspace read back by the cast
+    hit_kv: float         # K's main-phase reads that hit (read in phase 1)
+    hbm_ph0: float        # HBM bytes of phases 0 and 1
+    hbm_ph1: float
+    after: tuple          # L2's (resident, dirty) bytes after phase 1
+    main: tuple           # the main phase's (allocated, dirty, direct) HBM bytes but its hand-off lines
+    cast: tuple           # the cast's
+    hbm: float            # the launch's HBM bytes but the hand-off lines left dirty: inputs once (again where
+    #                       evicted between phases), outputs through, the dq workspace's evicted zeros
+
+
+@cached
+def _l2_plan(device, specs, mask, drop, stats):
+    """:class:`_L2Plan` of a launch (tiling-independent, so worked out once per search)."""
+    dev = get_device(device)
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    _, Nkv, Skv, _ = ks
+    Dv = vs[3]
+    isz = itemsize(dtype)
+    msz = 0 if mask is None else itemsize(mask[1])
+    BNS = B * N * Sq
+    l2 = dev.l2_bytes
+    q_b, do_b = BNS * D * isz, BNS * Dv * isz
+    kv_b = B * Nkv * Skv * (D + Dv) * isz
+    dq_b, st_b = BNS * D * 4, BNS * 4
+    W0 = 2 * do_b + dq_b + st_b
+    mask_b = 0 if mask is None else math.prod(mask[0]) * msz
+    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b + mask_b) if stats else 0.0
+    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b + mask_b
+    W3 = dq_b + BNS * D * isz
+    miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0
+    # the mask: first read by phase 1 (else by phase 2), again by phase 2 (its query heads share the lines)
+    miss_mask = miss_q if stats else 1.0
+    miss_do = _missed(W0, W1, W2, l2)
+    miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
+    zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
+    miss_dq = _missed(W2, 0.0, W3, l2)
+    kv_k = B * Nkv * Skv * D * isz
+    hbm_ph0, state = _evict(l2, (0.0, 0.0), 2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
+    hbm_ph1 = 0.0
+    if stats:
+        hbm_ph1, state = _evict(l2, state, q_b + kv_k + 2 * st_b + mask_b, 2 * st_b, q_b + kv_k + mask_b)
+    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k + miss_mask * mask_b
+    main = (re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b, zero_out * dq_b,
+            re_read + kv_b - (kv_k if stats else 0) + kv_b)
+    cast = (miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz)
+    hbm = q_b + 2 * do_b + kv_b                                   # q, out, dout, k, v
+    hbm += kv_b                                                   # dk, dv
+    hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
+    if mask is not None:
+        hbm += mask_b * (1 + (miss_mask if stats else 0.0))
+    if drop:
+        hbm += BNS * ceil_div(Skv, 8)
+    if dtype != F32:
+        hbm += BNS * D * isz + miss_dq * dq_b                     # dq out; the workspace read back
+    hbm += dq_b * (1 + zero_out)                                  # the dq workspace's lines (evicted zeros)
+    hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
+    return _L2Plan(q_b, do_b, kv_k, mask_b, miss_q, miss_do, miss_mask, miss_dq, 1 - miss_k if stats else 0.0,
+                   hbm_ph0, hbm_ph1, state, main, cast, hbm)
+
+
+def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
+    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
+    With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
+    left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
+    cycles are a lower bound of the exact ones (see :func:`_search`)."""
+    cores = dev.cube_cores
+
+    def deal(BN, steps, summary):
+        # the dealing of units of these steps per block, or (bound) its lower bounds from their summary
+        return _schedule_floor(BN, *summary(), bool(causal), cores) if bound else \
+            _schedule(BN, steps(), bool(causal), cores)
+
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -222,50 +357,17 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     nv = n_main * nh if split else n_main
     qe_avg = Sq / nq                      # rows of an average query block (edges included)
     ke_avg = Skv / nkv
+    sweep = _pairs(Sq, Skv, qb, kvb, causal)
 
-    # ---- L2: bytes each phase touches (heads in the same order in every phase), and what misses again
-    BNS = B * N * Sq
-    l2 = dev.l2_bytes
-    q_b, do_b = BNS * D * isz, BNS * Dv * isz
-    kv_b = B * Nkv * Skv * (D + Dv) * isz
-    dq_b, st_b = BNS * D * 4, BNS * 4
-    W0 = 2 * do_b + dq_b + st_b
-    mask_b = 0 if mask is None else math.prod(mask[0]) * msz      # the mask as stored (broadcast on reading)
-    W1 = (q_b + B * Nkv * Skv * D * isz + 2 * st_b + mask_b) if stats else 0.0
-    W2 = q_b + do_b + kv_b + dq_b + 3 * st_b + mask_b
-    W3 = dq_b + BNS * D * isz
-    miss_q = _missed(W1, 0.0, W2, l2) if stats else 0.0          # q read again (phase 1 -> 2)
-    # the mask: first read by phase 1 (else by phase 2), again by phase 2 (its query heads share the lines)
-    miss_mask = miss_q if stats else 1.0
-    miss_do = _missed(W0, W1, W2, l2)                             # dO read again (phase 0 -> 2)
-    miss_k = _missed(W1, 0.0, W2, l2) if stats else 0.0
-    zero_out = _missed(W0, W1, W2, l2)                            # zeroed dq lines evicted before the adds
-    miss_dq = _missed(W2, 0.0, W3, l2)
-    hit_q = 1 - (miss_q * q_b + miss_do * do_b) / (q_b + do_b) / nkv
-    hit_kv = 1 - miss_k if stats else 0.0
-
-    # HBM traffic of each phase: its misses and write-throughs, and the dirty lines it evicts (LRU by volume:
-    # what a phase allocates beyond L2 pushes out the oldest lines, dirty ones in proportion)
-    l2s = {"res": 0.0, "dirty": 0.0}
-
-    def phase_hbm(alloc, dirty, direct):
-        res, drt = l2s["res"], l2s["dirty"]
-        out = max(0.0, res + alloc - l2)
-        # the oldest lines go first: the earlier phases' (dirty in their proportion), then this phase's own
-        old = min(out, res)
-        wb = (old * drt / res if res else 0.0) + ((out - old) * dirty / alloc if alloc else 0.0)
-        l2s["res"] = min(l2, res + alloc)
-        l2s["dirty"] = min(l2s["res"], drt + dirty - wb)
-        return direct + wb
-
-    kv_k = B * Nkv * Skv * D * isz
-    hbm_ph0 = phase_hbm(2 * do_b + dq_b + st_b, dq_b + st_b, 2 * do_b)
-    hbm_ph1 = phase_hbm(q_b + kv_k + 2 * st_b + mask_b, 2 * st_b, q_b + kv_k + mask_b) if stats else 0.0
+    # ---- L2: what misses again and the HBM bytes of each phase (the main one's with its hand-off lines)
+    l2p = _l2_plan(dev.name, specs, mask, drop, stats)
+    hit_q = 1 - (l2p.miss_q * l2p.q_b + l2p.miss_do * l2p.do_b) / (l2p.q_b + l2p.do_b) / nkv
+    hit_kv, miss_mask, mask_b, kv_k = l2p.hit_kv, l2p.miss_mask, l2p.mask_b, l2p.kv_k
     ws_lines = n_main * 2 * min(qb, Sq) * min(kvb, Skv) * (isz * 2 + (8 if split else 0))
-    re_read = miss_q * q_b + miss_do * do_b + miss_k * kv_k + miss_mask * mask_b
-    hbm_ph2 = phase_hbm(re_read + kv_b - (kv_k if stats else 0) + zero_out * dq_b + kv_b + ws_lines,
-                        zero_out * dq_b + ws_lines, re_read + kv_b - (kv_k if stats else 0) + kv_b)
-    hbm_ph3 = phase_hbm(miss_dq * dq_b + BNS * D * isz, 0.0, miss_dq * dq_b + BNS * D * isz) if not f32 else 0.0
+    alloc, dirty, direct = l2p.main
+    hbm_ph2, state = _evict(dev.l2_bytes, l2p.after, alloc + ws_lines, dirty + ws_lines, direct)
+    hbm_ph3 = _evict(dev.l2_bytes, state, *l2p.cast)[0] if not f32 else 0.0
+    BNS = B * N * Sq
 
     # ---- phase 0: dq workspace := 0 (the halves phase 2 adds to), Dr = rowsum(dO∘O) (query blocks), both
     # round-robin over the vector cores
@@ -280,8 +382,9 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
     pz = _Port(dev, actz)
     pz.add("mte3", "UB->GM", rz * D * 4, actz)
-    counts = _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats)
-    if min(counts["pre_do"], counts["pre_o"]) < 2:
+    # (the bound takes them overlapped, the shorter: it grants no tiles)
+    if not bound and min(_tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats)[x]
+                         for x in ("pre_do", "pre_o")) < 2:
         # one dO or O tile: a step's loads wait for the sum of the step before (and for the zero stores
         # booked on the port ahead of them)
         step0 = p0.unit["mte2"] + vec0 + Tz * pz.port / T0
@@ -290,7 +393,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
     # them written back
     ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
-              Tz * pz.port + T0 * p0.port, Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + hbm_ph0 / HBMbw)
+              Tz * pz.port + T0 * p0.port, Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + l2p.hbm_ph0 / HBMbw)
     busy["vector"] += T0 * vec0
     busy["mte2"] += T0 * p0.unit["mte2"]
     busy["mte3"] += T0 * p0.unit["mte3"]
@@ -298,17 +401,13 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     # ---- phase 1: the row statistics (items (b, h, query block) over their KV tiles)
     ph1 = 0.0
     if stats:
-        if causal:
-            per_q = [ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq)]
-        else:
-            per_q = [nkv] * nq
-        n1, T1, items1 = _schedule(B * N, tuple(per_q), bool(causal), dev.cube_cores)
+        n1, T1, items1 = deal(B * N, lambda: _q_steps(Sq, Skv, qb, kvb, causal),
+                              lambda: (nq, ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count))
         qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
         rows = qe / nh
         p1 = _Port(dev, n1)
         # K: the first reader of a tile misses, the other items' reads (the same step or later) hit
-        _, _, sk1, _ = _pairs(Sq, Skv, qb, kvb, causal)
-        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=1 - kv_k / (B * N * sk1 * D * isz))
+        p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=1 - kv_k / (B * N * sweep.keys * D * isz))
         p1.add("mte2", "GM->L1", qe * D * isz, n1, hit=0.0, every=items1 / T1)
         cube1 = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
         mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
@@ -328,7 +427,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
-        ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
+        ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
             + cube1 + vec1 + p1.unit["fixpipe"]
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
@@ -337,11 +436,8 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         busy["fixpipe"] += T1 * p1.unit["fixpipe"]
 
     # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
-    per_kv = []
-    for j in range(nkv):
-        i0 = min(j * kvb, Sq) // qb if causal else 0
-        per_kv.append(group * (nq - i0))
-    n2, T2, units2 = _schedule(B * Nkv, tuple(per_kv), bool(causal), dev.cube_cores)
+    n2, T2, units2 = deal(B * Nkv, lambda: _kv_steps(Sq, Skv, qb, kvb, group, causal),
+                          lambda: _kv_steps_sum(Sq, Skv, qb, kvb, group, causal))
     qe, ke = qe_avg, ke_avg
     if causal:
         qe = min(qb, Sq)
@@ -432,7 +528,7 @@ def _model(dev, specs, mask, causal, t, drop, stats):
     ph3 = 0.0
     if not f32:
         p3 = _Port(dev, actz)
-        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - miss_dq)
+        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - l2p.miss_dq)
         p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
         vec3 = _vec_rep(rz, D)
         step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
@@ -442,23 +538,43 @@ def _model(dev, specs, mask, causal, t, drop, stats):
         busy["mte3"] += Tz * p3.unit["mte3"]
     core = ph0 + ph1 + ph2 + ph3
 
-    # ---- HBM: inputs once (again where evicted between phases), outputs through, dirty workspaces written back
-    hbm = q_b + 2 * do_b + kv_b                                   # q, out, dout, k, v
-    hbm += kv_b                                                   # dk, dv
-    hbm += miss_q * q_b + miss_do * do_b + miss_k * B * Nkv * Skv * D * isz
-    if mask is not None:
-        hbm += mask_b * (1 + (miss_mask if stats else 0.0))
-    if drop:
-        hbm += BNS * ceil_div(Skv, 8)
-    if not f32:
-        hbm += BNS * D * isz + miss_dq * dq_b                     # dq out; the workspace read back
-    hbm += dq_b * (1 + zero_out)                                  # the dq workspace's lines (evicted zeros)
-    hbm += st_b * 3              # Dr, and the max and sum: recomputed (written back) or given (read)
+    # ---- HBM: the launch's (:func:`_l2_plan`) and the hand-off lines still dirty at the end
+    hbm = l2p.hbm
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
-    hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), dev.cube_cores) * (isz * 2 + (8 if split else 0))
-    nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32)
+    if not bound:
+        hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores) * (isz * 2 + (8 if split else 0))
+    nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+def _q_steps(Sq, Skv, qb, kvb, causal):
+    """Steps of each query block's item in the statistics sweep: the KV blocks it sees (causal: up to its
+    last row). In all they are the sweep's pairs (:func:`_pairs`), the last block's the most."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    if not causal:
+        return (nkv,) * nq
+    return tuple(ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq))
+
+
+def _kv_steps(Sq, Skv, qb, kvb, group, causal):
+    """Steps of each KV block's unit in the main phase: its query heads times the query blocks that see it
+    (causal: from the one holding the block's first key)."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    if not causal:
+        return (group * nq,) * nkv
+    return tuple(group * (nq - min(j * kvb, Sq) // qb) for j in range(nkv))
+
+
+def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal):
+    """(blocks, most steps, total steps) of :func:`_kv_steps` in closed form: block 0 takes every query block;
+    block j skips the ``min(j·kvb, Sq) // qb`` before its first key, the floors of a progression up to Sq."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    skipped = 0
+    if causal:
+        within = min(nkv, Sq // kvb + 1)              # the blocks starting at or before Sq
+        skipped = _floor_sum(within - 1, kvb, qb) + (nkv - within) * (Sq // qb)
+    return nkv, group * nq, group * (nq * nkv - skipped)
 
 
 @cached
@@ -466,65 +582,102 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
     """Elements (rows · keys) of the distinct hand-off workspace regions the main phase writes, over every
     core and slot: L2 keeps a line per region written, so a slot written with a full block and with an edge
     block (fewer rows or keys) holds both. Each core's units from the kernel's dealing; a unit's steps run
-    over its query heads, each over the query blocks that see its KV block, the slot alternating per step."""
+    over its query heads, each over the query blocks that see its KV block, the slot alternating per step.
+
+    The regions a unit writes depend only on the slot its first step takes (and the slots repeat after two
+    heads): each unit's regions are listed once from either slot. Walking the dealing, a core's slot before a
+    unit is the parity of the steps it has run; it holds the union of the region sets of its (unit, slot)
+    pairs."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    i0 = [min(j * kvb, Sq) // qb if causal else 0 for j in range(nkv)]
-    per_block = tuple(group * (nq - i) for i in i0)
-    (cores, _, _), paired, owner = _dealing(BNkv, per_block, causal, ncores)
-    blocks = [[j] for j in range(nkv)]
-    if paired:
-        blocks = [[i, nkv - 1 - i] for i in range(nkv // 2)] + ([[nkv // 2]] if nkv % 2 else [])
-    L = len(blocks)
-    edge_q, edge_k = Sq - (nq - 1) * qb, Skv - (nkv - 1) * kvb
-    last = next(x for x, unit in enumerate(blocks) if nkv - 1 in unit)
-    with_edge = {owner[x] for x in range(last, len(owner), L)}
-    # at most two slots × the row extents × the core's key extents: once a core has them all, its later
-    # units add none, and once every core has, the walk stops
-    rows_n = len({qb, edge_q})
-    most = [2 * rows_n * len({min(kvb, Skv), edge_k if c in with_edge else min(kvb, Skv)}) for c in range(cores)]
-    pos, lines = [0] * cores, [set() for _ in range(cores)]
-    left = cores
-    for x, c in enumerate(owner):
-        ls = lines[c]
-        if len(ls) == most[c]:
-            continue
-        p = pos[c]
-        for j in blocks[x % L]:
-            ke, n_i = min(kvb, Skv - j * kvb), nq - i0[j]
-            for _h in range(group):
+    per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal)
+    (cores, _, _), paired = _dealing(BNkv, per_block, causal, ncores)
+    owner = _deal(_units(per_block, paired), BNkv, ncores, owners=True)[1]
+    blocks = _units(tuple(range(nkv)), paired)
+    edge_q = Sq - (nq - 1) * qb
+    regions, kind, odd = {}, [], []         # distinct region sets; each unit's set id from slot 0 / 1
+    for unit in blocks:
+        rs, p = set(), 0
+        for j in unit:
+            ke, n_i = min(kvb, Skv - j * kvb), per_block[j] // group
+            for h in range(min(group, 2)):
+                q = p + h * n_i
                 if n_i > 2:
-                    ls.update({(0, qb, ke), (1, qb, ke)})
+                    rs.update({(0, qb, ke), (1, qb, ke)})
                 elif n_i == 2:
-                    ls.add((p % 2, qb, ke))
-                ls.add(((p + n_i - 1) % 2, edge_q, ke))
-                p += n_i
-        pos[c] = p
-        if len(ls) == most[c]:
-            left -= 1
-            if not left:
-                break
-    total = sum(r * k for ls in lines for _, r, k in ls)
-    return total
+                    rs.add((q % 2, qb, ke))
+                rs.add(((q + n_i - 1) % 2, edge_q, ke))
+            p += group * n_i
+        for flipped in (rs, {(1 - s, r, k) for s, r, k in rs}):        # from slot 1 every slot swaps
+            kind.append(regions.setdefault(frozenset(flipped), len(regions)))
+        odd.append(p % 2)
+    L, K = len(blocks), len(regions)
+    slot, held = [0] * cores, set()             # each core's slot; (core, region set) pairs as core·K + set id
+    for x, c in enumerate(owner):
+        u = x % L
+        held.add(c * K + kind[2 * u + slot[c]])
+        slot[c] ^= odd[u]
+    sets = list(regions)
+    lines = [set() for _ in range(cores)]
+    for key in held:
+        lines[key // K] |= sets[key % K]
+    return sum(r * k for ls in lines for _, r, k in ls)
+
+
+def _ceil_sum(n, a, b):
+    """Σ ceil(t·a / b) for t = 1..n. The sequence is periodic up to a shift: t + b/g (g = gcd(a, b)) adds
+    exactly a/g, so whole periods are an arithmetic series and only one period is summed term by term."""
+    g = math.gcd(a, b)
+    period, step = b // g, a // g
+    whole, rest = divmod(n, period)
+    first = [ceil_div(t * a, b) for t in range(1, period + 1)]
+    return (whole * sum(first) + step * period * whole * (whole - 1) // 2
+            + sum(first[:rest]) + rest * whole * step)
+
+
+def _floor_sum(n, a, b):
+    """Σ floor(t·a / b) for t = 1..n: the ceilings less one for each t·a that b does not divide."""
+    return _ceil_sum(n, a, b) - n + n // (b // math.gcd(a, b))
+
+
+class _Sweep(NamedTuple):
+    """Sums over the (query block, KV block) pairs a causal or full sweep visits (qe, ke: the pair's rows and
+    keys)."""
+    count: int          # pairs
+    rows: int           # Σ qe
+    keys: int           # Σ ke
+    area: int           # Σ qe·ke
+    rows_last: int      # Σ qe over the pairs with the last KV block (an edge block when kvb does not divide Skv)
 
 
 def _pairs(Sq, Skv, qb, kvb, causal):
-    """Sums over the (query block, KV block) pairs a causal or full sweep visits: count, Σqe, Σke, Σqe·ke."""
+    """:class:`_Sweep` in closed form. Query block i sees the KV blocks up to its last row ``e_i`` (causal; all
+    blocks otherwise): ``nj = ceil(min(e_i, Skv) / kvb)`` of them, ``min(nj·kvb, Skv)`` keys. The full query
+    blocks (``e = t·qb``, t = 1..nq-1) that end before ``Skv`` see ``ceil(t·qb / kvb)`` blocks (a
+    :func:`_ceil_sum`), their keys a whole number of blocks except where that block is the last, an edge;
+    the others see every block; the last query block (its rows an edge) is added on its own."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    qe = [min(qb, Sq - i * qb) for i in range(nq)]
-    ke = [min(kvb, Skv - j * kvb) for j in range(nkv)]
-    cnt = sq = sk = sqk = 0
-    for i in range(nq):
-        last = min((i + 1) * qb, Sq) - 1
-        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
-        kj = sum(ke[:nj])
-        cnt, sq, sk, sqk = cnt + nj, sq + nj * qe[i], sk + kj, sqk + qe[i] * kj
-    return cnt, sq, sk, sqk
+    if not causal:
+        return _Sweep(nq * nkv, nkv * Sq, nq * Skv, Sq * Skv, Sq)
+    edge_keys = nkv * kvb - Skv                   # keys the last KV block lacks
+    t1 = min(nq - 1, (Skv - 1) // qb)             # full query blocks ending before Skv: t = 1..t1
+    t0 = (nkv - 1) * kvb // qb                    # ... of which t > t0 reach the last KV block
+    nj_full = _ceil_sum(t1, qb, kvb) + (nq - 1 - t1) * nkv
+    keys_full = nj_full * kvb - (max(0, t1 - t0) + nq - 1 - t1) * edge_keys
+    qe_last = Sq - (nq - 1) * qb
+    nj_last = ceil_div(min(Sq, Skv), kvb)
+    keys_last = min(nj_last * kvb, Skv)
+    # the query blocks that reach the last KV block: from the first whose last row passes its start
+    start = (nkv - 1) * kvb
+    rows_last = 0 if Sq <= start else Sq - min(nq - 1, start // qb) * qb
+    return _Sweep(nj_full + nj_last, qb * nj_full + qe_last * nj_last, keys_full + keys_last,
+                  qb * keys_full + qe_last * keys_last, rows_last)
 
 
-def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz, drop, stats, f32):
-    """Bytes per GM path, counted as the kernel moves them (every pair of every head; K, V per unit)."""
+def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32):
+    """Bytes per GM path, counted as the kernel moves them (every pair of ``sweep`` of every head; K, V per
+    unit)."""
     BN, BNS = B * N, B * N * Sq
-    _, sq, sk, sqk = _pairs(Sq, Skv, qb, kvb, causal)
+    sq, sk, sqk = sweep.rows, sweep.keys, sweep.area
     kv_unit = B * Nkv * Skv * (D + Dv) * isz                     # K, V (and dK, dV) once per unit
     mrows = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[2] != 1
     mcols = 1 if mask is None else ((1,) * (4 - len(mask[0])) + tuple(mask[0]))[3] != 1
@@ -533,9 +686,9 @@ def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz,
          "UB->GM": BNS * 4 + BNS * D * 4 + BN * 2 * sqk * isz,
          "GM->L1": kv_unit + BN * (sq * (D + Dv) * isz + 2 * sqk * isz)}
     if mask is not None and mask_pair == 0.0:
-        b["GM->UB"] += BN * msz * _pairs(Sq, Skv, qb, kvb, causal)[0]
+        b["GM->UB"] += BN * msz * sweep.count
     if drop:
-        b["GM->UB"] += BN * _sum_drop(Sq, Skv, qb, kvb, causal)
+        b["GM->UB"] += BN * _sum_drop(sweep, Skv, kvb)
     if stats:
         b["GM->L1"] += BNS * D * isz + BN * sk * D * isz          # each item's Q once, K per (item, tile)
         b["GM->UB"] += BN * mask_pair
@@ -554,22 +707,18 @@ def _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask, msz,
     return b
 
 
-def _sum_drop(Sq, Skv, qb, kvb, causal):
-    """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair."""
-    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    total = 0
-    for i in range(nq):
-        qe = min(qb, Sq - i * qb)
-        last = min((i + 1) * qb, Sq) - 1
-        nj = ceil_div(min(last + 1, Skv), kvb) if causal else nkv
-        total += qe * sum(ceil_div(min(kvb, Skv - j * kvb), 8) for j in range(nj))
-    return total
+def _sum_drop(sweep, Skv, kvb):
+    """Keep-mask bytes the main phase loads: ceil(ke / 8) per row of every pair (the last KV block's keys may
+    be an edge)."""
+    full, edge = ceil_div(kvb, 8), ceil_div(Skv - (ceil_div(Skv, kvb) - 1) * kvb, 8)
+    return full * sweep.rows - (full - edge) * sweep.rows_last
 
 
 def flops(B, N, Sq, Skv, D, Dv, causal):
     pairs = Sq * Skv
-    if causal:
-        pairs = sum(min(i + 1, Skv) for i in range(Sq))
+    if causal:                    # Σ min(i + 1, Skv) over the rows i: a triangle, then full rows
+        m = min(Sq, Skv)
+        pairs = m * (m + 1) // 2 + (Sq - m) * Skv
     return 2.0 * B * N * pairs * (3 * D + 2 * Dv)
 
 
@@ -592,19 +741,52 @@ def _roofline(dev, specs, mask=None, causal=False, drop=False, **_):
     return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 
 
+# tiles of at most this many elements (q·kv) nearly always fit and are rarely the cheapest: the search checks
+# their fit only when one comes to be modelled; larger ones often overflow and are checked before their bound
+SMALL_TILE = 64 * 32
+
+# the bound and the model round differently in their last bits (a few dozen operations of relative error
+# 2^-53 each): a candidate is passed over only when its bound is above the best by far more than that
+ROUNDING = 1e-9
+
+
 @cached
 def _search(device, specs, mask, causal, drop, stats):
+    """The fitting tiling of the fewest cycles (the first in :func:`_tilings` order among equals), and its
+    model.
+
+    Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
+    bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines and
+    the Dr phase's loads overlapping its sums, the shorter of its two forms (``bound=True``). The model's
+    cycles never decrease as its cores, steps, blocks (at a given steps count) or blocks per step grow: each
+    phase's time is its steps times a step's busiest unit, whose per-block terms (K and V loads, the unit's
+    bubble) scale with the blocks per step, plus a fill that grows with the blocks per step; HBM bytes only
+    grow with the lines. So the bound is at most the exact cycles, and the
+    candidates are modelled exactly in the order of their bounds until the next bound exceeds the best found:
+    none of the rest can be cheaper. A candidate that does not fit is passed over, whenever its fit is checked
+    (:data:`SMALL_TILE`)."""
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    cands = _tilings(qs[2], ks[2])
+
+    def fits(t):
+        return _fits(device, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats)
+
+    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3]), i)
+                    for i, t in enumerate(cands) if t["q"] * t["kv"] <= SMALL_TILE or fits(t))
     best = None
-    for t in _candidates(device, qs[2], ks[2], qs[3], vs[3], dtype, _mask_spec(mask), drop, stats):
-        res = _model(dev, specs, mask, causal, t, drop, stats)
+    for low, i in bounds:
+        if best is not None and low > best[0] * (1 + ROUNDING):
+            break
+        if cands[i]["q"] * cands[i]["kv"] <= SMALL_TILE and not fits(cands[i]):
+            continue
+        res = _model(dev, specs, mask, causal, cands[i], drop, stats)
         cost = kernel_cycles(dev, *res[:3])
-        if best is None or cost < best[0]:
-            best = (cost, t, res)
+        if best is None or (cost, i) < best[:2]:
+            best = (cost, i, res)
     if best is None:
         raise ValueError(f"flash_attention_grad: no tiling fits {dev.name}")
-    return best[1], best[2]
+    return cands[best[1]], best[2]
 
 
 @register("flash_attention_grad", _roofline)

@@ -1,6 +1,9 @@
 """Cost model of the attention backward (flash_attention_grad) against the simulator: its tiling rule agrees
 with the kernel's capacity checks, its predictions track the simulator on small cases of every device, and it
 orders the kernel's variants (saved statistics, causal) as the simulator does."""
+import heapq
+import random
+
 import pytest
 import torch
 
@@ -8,6 +11,8 @@ import cost_model
 from autofuse import npu
 from autofuse.npu.kernels.flash_attention_grad import tiling_fits
 from cost_model.devices import get_device
+from cost_model.estimate import kernel_cycles
+from cost_model import flash_attention_grad as fag
 from cost_model.flash_attention_grad import _fits
 
 DEVICES = ["ascend910", "ascend910b", "ascend310p"]
@@ -74,6 +79,128 @@ def test_bad_tiling_is_an_error():
     with pytest.raises(ValueError, match="does not fit"):
         cost_model.estimate("flash_attention_grad", _specs(1, 1, 1, 256, 256, 128, 128), device="ascend910b",
                             tiling={"q": 256, "kv": 256})
+
+
+def _block_pairs(Sq, Skv, qb, kvb, causal):
+    """(rows, keys) of every (query block, KV block) pair a sweep visits, enumerated one by one: causal, a KV
+    block is visited when it starts before the query block's last row."""
+    for i in range(0, Sq, qb):
+        qe, last = min(qb, Sq - i), min(i + qb, Sq) - 1
+        for j in range(0, Skv, kvb):
+            if not causal or j <= last:
+                yield qe, min(kvb, Skv - j)
+
+
+def test_pair_sums_in_closed_form_are_the_enumerated_sums():
+    """The model's closed forms over the visited block pairs (counts, rows, keys, areas, the dropout keep-mask
+    bytes, the causal FLOPs, the main phase's steps per unit) equal plain enumeration, for block sizes that do
+    and do not divide the sequences (edge blocks) and for more KV than query rows and the reverse."""
+    rng = random.Random(0)
+    shapes = [(Sq, Skv, qb, kvb) for Sq, Skv in ((1, 1), (16, 16), (77, 50), (50, 77), (256, 256), (130, 700))
+              for qb, kvb in ((16, 16), (64, 128), (128, 64), (48, 80), (80, 48))]
+    shapes += [(rng.randint(1, 600), rng.randint(1, 600), rng.randint(1, 200), rng.randint(1, 200)) for _ in range(200)]
+    for Sq, Skv, qb, kvb in shapes:
+        for causal in (False, True):
+            ps = list(_block_pairs(Sq, Skv, qb, kvb, causal))
+            sweep = fag._pairs(Sq, Skv, qb, kvb, causal)
+            assert tuple(sweep[:4]) == (len(ps), sum(q for q, _ in ps), sum(k for _, k in ps),
+                                        sum(q * k for q, k in ps)), (Sq, Skv, qb, kvb, causal)
+            assert fag._sum_drop(sweep, Skv, kvb) == sum(q * -(-k // 8) for q, k in ps), (Sq, Skv, qb, kvb, causal)
+            steps = fag._kv_steps(Sq, Skv, qb, kvb, 3, causal)
+            assert fag._kv_steps_sum(Sq, Skv, qb, kvb, 3, causal) == (len(steps), max(steps), sum(steps))
+            assert sum(fag._q_steps(Sq, Skv, qb, kvb, causal)) == sweep.count
+            n = sum(1 for r in range(Sq) for c in range(Skv) if not causal or c <= r) if Sq * Skv < 40000 else None
+            if n is not None:
+                assert fag.flops(1, 1, Sq, Skv, 1, 1, causal) == 2.0 * n * 5, (Sq, Skv, causal)
+
+
+def _dealt_by_tuples(base, reps, ncores):
+    """The kernel's dealer restated plainly: a heap of (steps, blocks, core), each unit to the smallest."""
+    heap = [(0, 0, c) for c in range(min(ncores, len(base) * reps))]
+    owner = []
+    for _ in range(reps):
+        for u in base:
+            load, k, c = heapq.heappop(heap)
+            owner.append(c)
+            heapq.heappush(heap, (load + sum(u), k + len(u), c))
+    return (len(heap), max(h[0] for h in heap), max(h[1] for h in heap)), owner
+
+
+def test_dealer_is_the_least_loaded_heap():
+    """The model's dealer (integer heap keys, round-robin for equal units) deals every unit where a heap of
+    (steps, blocks, core) tuples does: single blocks, pairs with an odd middle one, equal and zero steps."""
+    rng = random.Random(1)
+    for _ in range(300):
+        nb = rng.randint(1, 40)
+        per_block = tuple(sorted((rng.randint(0, 30) for _ in range(nb)), reverse=rng.random() < 0.5))
+        if rng.random() < 0.2:
+            per_block = (rng.randint(1, 9),) * nb
+        reps, ncores = rng.randint(1, 40), rng.choice([1, 3, 8, 20, 24, 32])
+        for paired in (False, True):
+            base = fag._units(per_block, paired)
+            assert fag._deal(base, reps, ncores, owners=True) == _dealt_by_tuples(base, reps, ncores)
+            assert fag._deal(base, reps, ncores)[0] == _dealt_by_tuples(base, reps, ncores)[0]
+
+
+def _walked_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
+    """The hand-off regions restated as a walk: every unit in dealing order on its core, every query head,
+    every step's slot (alternating per step on a core), the full-row regions and the last query block's."""
+    nq, nkv = -(-Sq // qb), -(-Skv // kvb)
+    steps = [nq - (min(j * kvb, Sq) // qb if causal else 0) for j in range(nkv)]
+    paired = fag._dealing(BNkv, tuple(group * n for n in steps), causal, ncores)[1]
+    blocks = fag._units(tuple(range(nkv)), paired)
+    _, owner = _dealt_by_tuples([[group * steps[j] for j in u] for u in blocks], BNkv, ncores)
+    pos, lines = {}, {}
+    for x, c in enumerate(owner):
+        for j in blocks[x % len(blocks)]:
+            ke = min(kvb, Skv - j * kvb)
+            for _ in range(group):
+                for i in range(steps[j]):
+                    rows = qb if i < steps[j] - 1 else Sq - (nq - 1) * qb
+                    lines.setdefault(c, set()).add((pos.get(c, 0) % 2, rows, ke))
+                    pos[c] = pos.get(c, 0) + 1
+                if steps[j] == 0:                       # a block no query block sees: its edge region still
+                    lines.setdefault(c, set()).add(((pos.get(c, 0) - 1) % 2, Sq - (nq - 1) * qb, ke))
+    return sum(r * k for ls in lines.values() for _, r, k in ls)
+
+
+def test_handoff_lines_are_the_walked_regions():
+    """The hand-off regions counted per unit and slot parity equal a walk over every step of every unit."""
+    rng = random.Random(3)
+    for _ in range(150):
+        Sq, Skv = rng.randint(1, 700), rng.randint(1, 700)
+        qb = min(rng.choice([16, 32, 64, 128]), -(-Sq // 16) * 16)
+        kvb = min(rng.choice([16, 64, 256]), -(-Skv // 16) * 16)
+        args = (rng.randint(1, 12), Sq, Skv, qb, kvb, rng.choice([1, 2, 3, 4]), rng.random() < 0.6,
+                rng.choice([8, 20, 24, 32]))
+        assert fag._ws_lines(*args) == _walked_lines(*args), args
+
+
+def test_search_bound_never_exceeds_the_model_and_keeps_its_choice():
+    """Each candidate tiling's bound (the model on the dealings' lower bounds) is at most its modelled cycles,
+    and the search that skips candidates by their bounds chooses what trying them all chooses (the first of
+    the cheapest)."""
+    rng = random.Random(2)
+    shapes = [(1, 2, 1, 77, 50, 64, 64), (2, 4, 2, 256, 256, 64, 64), (1, 8, 8, 130, 130, 80, 64),
+              (3, 6, 2, 300, 1000, 128, 128), (2, 2, 2, 1000, 200, 64, 128), (1, 4, 1, 513, 513, 96, 96)]
+    for shape in shapes:
+        for device in DEVICES:
+            for causal, stats, masked, drop in ((False, True, False, False), (True, True, False, True),
+                                                (True, False, True, False), (False, False, True, True)):
+                B, N, Nkv, Sq, Skv, D, Dv = shape
+                dt = rng.choice(["float16", "bfloat16", "float32"])
+                specs = tuple((tuple(s), d) for s, d in _specs(*shape, dt))
+                mask = ((B, 1, Sq, Skv), "bool") if masked else None
+                dev = get_device(device)
+                cands = [t for t in fag._tilings(Sq, Skv)
+                         if _fits(device, D, Dv, dt, t["q"], t["kv"], fag._mask_spec(mask), drop, stats)]
+                exact = [kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats)[:3]) for t in cands]
+                for t, x in zip(cands, exact):
+                    low = kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3])
+                    # the margin the search allows for the two evaluations' rounding (relative 1e-9)
+                    assert low <= x * (1 + fag.ROUNDING), (shape, device, causal, stats, t, low, x)
+                chosen, _ = fag._search(device, specs, mask, causal, drop, stats)
+                assert chosen == cands[exact.index(min(exact))], (shape, device, causal, stats)
 
 
 def test_handoff_workspace_lines_per_written_extent():
