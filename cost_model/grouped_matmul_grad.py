@@ -120,10 +120,12 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     # bytes and, of every other item of its step, as many bytes as it has (a small item finishes early)
     out_b = pf * qf * osz
     # HBM: the step's misses and its tiles' write-outs share it (one port per core for both directions)
-    port_in = _sharing(step, hit + miss, hit) / L2bw + _sharing(step, miss + out_b) / HBMbw
+    steps = _steps(step)
+    in_l2 = _sharing(steps, hit + miss, hit)
+    port_in = in_l2 / L2bw + _sharing(steps, miss + out_b) / HBMbw
     mte2 = np.maximum((a_b + b_b) / rates["GM->L1"], port_in)
     mte1 = rf * isz * (np.ceil(pf / 16) * 16 / rates["L1->L0A"] + np.ceil(qf / 16) * 16 / rates["L1->L0B"])
-    w_share = _sharing(step, out_b) / HBMbw
+    w_share = _sharing(steps, out_b) / HBMbw
     if split:
         fix = np.maximum(out_b / rates["L0C->GM"], w_share)
         mte3 = np.zeros_like(pf)
@@ -143,7 +145,7 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
         * isz / 256
     last = by_core[first + per - 1]
     # the last tile's write-out overlaps nothing: its products, then its store
-    reads = _sharing(step, hit + miss, hit)[last] / L2bw + _sharing(step, miss)[last] / HBMbw
+    reads = in_l2[last] / L2bw + _sharing(steps, miss)[last] / HBMbw
     drain = np.maximum.reduce([(a_b + b_b)[last] / rates["GM->L1"], reads, cube[last], mte1[last],
                                instr[last] * sc]) + fix[last] + mte3[last] \
         - unit[last]
@@ -168,16 +170,28 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     return core_t, hbm, nbytes, busy, ncores
 
 
-def _sharing(step, nbytes, shared=None):
-    """Per item: the bytes of ``shared`` (default ``nbytes``) the items of its step move until it has moved its
-    own ``nbytes``, ``Σ_j min(s_j, b_i)`` (processor sharing; 0 for an item moving nothing)."""
-    shared = nbytes if shared is None else shared
-    out = np.zeros(len(step))
+def _steps(step):
+    """The items grouped by step for :func:`_sharing`: (order, row, column, shape) of a zero-padded matrix
+    whose rows are the steps."""
     order = np.argsort(step, kind="stable")
-    bounds = np.flatnonzero(np.diff(step[order])) + 1
-    for idx in np.split(order, bounds):
-        b, sh = nbytes[idx], shared[idx]
-        out[idx] = np.minimum(sh[None, :], b[:, None]).sum(axis=1) * (b > 0)
+    starts = np.flatnonzero(np.r_[True, np.diff(step[order]) != 0])
+    counts = np.diff(np.r_[starts, len(step)])
+    row = np.repeat(np.arange(len(starts)), counts)
+    return order, row, np.arange(len(step)) - np.repeat(starts, counts), (len(starts), int(counts.max()))
+
+
+def _sharing(steps, nbytes, shared=None):
+    """Per item: the bytes of ``shared`` (default ``nbytes``) the items of its step move until it has moved its
+    own ``nbytes``, ``Σ_j min(s_j, b_i)`` (processor sharing; 0 for an item moving nothing). ``steps``: the
+    items' layout by step (:func:`_steps`); a padding entry adds ``min(0, b) = 0``, so every step is summed at
+    once."""
+    shared = nbytes if shared is None else shared
+    order, row, col, shape = steps
+    b, sh = np.zeros(shape), np.zeros(shape)
+    b[row, col], sh[row, col] = nbytes[order], shared[order]
+    within = np.minimum(sh[:, None, :], b[:, :, None]).sum(axis=2)
+    out = np.empty(len(order))
+    out[order] = within[row, col] * (nbytes[order] > 0)
     return out
 
 
