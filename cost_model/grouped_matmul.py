@@ -264,14 +264,18 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, produ
     dev = get_device(device)
     nb = 2 if activation == "swiglu" else 1
     default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias, product)
-    cands = [default]             # and row blocks for short groups, column blocks for narrow outputs
-    for m0 in (64, 16):
-        for n0 in (256, 64):
-            for k0 in (128,):
-                t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
-                t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
-                if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias, product):
-                    cands.append(t)
+    # and row blocks for short groups, column blocks for narrow outputs; 256-row blocks (L0C single-buffered
+    # when it has no room for two) for long groups, which read each weight column block half as often
+    cands = [default]
+    shapes = [(m0, n0) for m0 in (64, 16) for n0 in (256, 64)]
+    if max(sizes, default=0) > 128:
+        shapes += [(256, 256), (256, 128), (128, 128)]
+    for m0, n0 in shapes:
+        for k0 in ((128, 64) if m0 == 256 else (128,)):
+            t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
+            t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
+            if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias, product):
+                cands.append(t)
     best = None
     for t in cands:
         res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product)
