@@ -107,6 +107,8 @@ def _items(sizes, N_out, m0, n0):
 def _deal(loads, ncores):
     """Items to the least-loaded core, in order (the kernel's dealer): (cores used, core of each item)."""
     n = min(ncores, len(loads))
+    if len(set(loads)) <= 1:              # equal loads: the least-loaded core (ties: the lowest) goes round
+        return n, np.arange(len(loads), dtype=np.int64) % max(n, 1)
     heap = [(0.0, c) for c in range(n)]
     core = []
     for ld in loads:
@@ -233,8 +235,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
 
 def _head(key, step):
     """For each item, the first item (in the kernel's order) of its step that reads the same block ``key``."""
-    both = np.stack([key, step], axis=1)
-    _, inv = np.unique(both, axis=0, return_inverse=True)
+    _, inv = np.unique(key * (int(step.max()) + 1) + step, return_inverse=True)
     inv = inv.reshape(-1)
     first = np.full(int(inv.max()) + 1, len(key), dtype=np.int64)
     np.minimum.at(first, inv, np.arange(len(key)))
