@@ -37,6 +37,7 @@ class Case:
     params: dict = field(default_factory=dict)
     tensor_params: dict = field(default_factory=dict)   # name -> (shape, dtype): passed as arrays to npu.run
     values: dict = field(default_factory=dict)          # input position -> the array to simulate with
+    timing_only: bool = False      # simulate without the data work (model-sized shapes; the counts are the same)
 
     def label(self) -> str:
         ins = " ".join("-" if x is None else f"{list(x[0])}{x[1][:1]}{x[1][-2:]}" for x in self.inputs)
@@ -73,6 +74,8 @@ def simulate(case: Case, tiling=None):
         params["draws"] = HostDraws(rng.random(case.params["shape"]) < case.params["keep_prob"])
     if tiling is not None:
         params["tiling"] = tiling
+    if case.timing_only:
+        params["timing_only"] = True
     return npu.run(case.kernel, *xs, device=case.device, **params).stats
 
 
@@ -433,7 +436,35 @@ def _moe_cases(quick: bool):
                     out.append(Case("matmul_per_group", [((M, K), dt), w, ((E,), "int32")], d,
                                     {"trans_w": trans, "group_sizes": sizes},
                                     values={2: np.cumsum(sizes).astype(np.int32)}))
+    if not quick:
+        out += _moe_7b_cases()
     out += _moe_weight_grad_cases(quick)
+    return out
+
+
+def _moe_7b_cases():
+    """Mixtral-8x7B's experts (H 4096, I 14336, 8 experts, bf16, transformers' [E, out, in] weights): the down
+    projection, gate_up with SwiGLU (with and without the stored product) and the dx GEMMs of both (trans_w
+    False), at prefill (1024 rows per expert) and decode (64) loads; the slowest to simulate on fewer devices."""
+    H, I, E, bf16 = 4096, 14336, 8, "bfloat16"
+    out = []
+
+    def add(rows, x, w, devices, trans, act=None, product=False):
+        sizes = (rows,) * E
+        p = {"trans_w": trans, "activation": act, "group_sizes": sizes}
+        if product:
+            p["return_product"] = True
+        for d in devices:
+            out.append(Case("grouped_matmul", [((rows * E, x), bf16), (w, bf16), ((E,), "int32")], d, p,
+                            values={2: np.array(sizes, dtype=np.int32)}, timing_only=True))
+
+    for rows in (1024, 64):
+        decode = rows == 64
+        add(rows, I, (E, H, I), DEVICES, True)                                       # down
+        add(rows, H, (E, H, I), DEVICES if decode else DEVICES[:2], False)           # down's dx
+        add(rows, H, (E, 2 * I, H), DEVICES if decode else DEVICES[1:2], True, "swiglu")      # gate_up
+        add(rows, H, (E, 2 * I, H), DEVICES if decode else DEVICES[:1], True, "swiglu", True)
+        add(rows, 2 * I, (E, 2 * I, H), DEVICES if decode else DEVICES[2:], False)   # gate_up's dx
     return out
 
 

@@ -8,8 +8,9 @@ groups, which is all a plan made from shapes knows.
 by load are replayed. Per item, on its core: MTE2 loads A (``m·K``) and B (``nb·n·K``, nb = 2 with SwiGLU)
 through the GM port; MTE1 moves them to L0A/L0B; the Cube does ``ceil(m/16)·ceil(nb·n/16)·ceil(K/k0)``
 fractals; the tile leaves by FixPipe (+ the Vector epilogue and MTE3). A block read before hits L2 (B by
-the previous row block at once; A of a row block when the group's other A blocks, two B blocks and the
-output tiles in between fit the L2), else it comes from HBM; the cores of one lockstep step share the
+the previous row block at once; A of a row block by the cores reading it in the same step, the first one's
+miss filling the line for the others, or, a step later, when the group's other A blocks, two B blocks and
+the output tiles in between fit the L2), else it comes from HBM; the cores of one lockstep step share the
 bandwidth as the simulator shares it (the step's hit bytes over the L2 bandwidth, its missed bytes over
 the HBM bandwidth). An item lasts as long as its busiest unit; a core's time is the sum of its items plus
 the first chunk's load (fill) and the last tile's write-out (drain). On split cores the epilogue runs on
@@ -106,6 +107,8 @@ def _items(sizes, N_out, m0, n0):
 def _deal(loads, ncores):
     """Items to the least-loaded core, in order (the kernel's dealer): (cores used, core of each item)."""
     n = min(ncores, len(loads))
+    if len(set(loads)) <= 1:              # equal loads: the least-loaded core (ties: the lowest) goes round
+        return n, np.arange(len(loads), dtype=np.int64) % max(n, 1)
     heap = [(0.0, c) for c in range(n)]
     core = []
     for ld in loads:
@@ -146,14 +149,18 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     # group's A blocks, two B blocks and the output tiles in between fit the L2
     nm = np.array([ceil_div(c, m0) for c in sizes], dtype=np.int64)[g]
     foot = nm * (m0 * K * isz + m0 * n0 * osz) + 2 * nb * n0 * K * isz
-    a_hit = (ni > 0) & (foot <= dev.l2_bytes)
+    # an A block read in the same step by the cores holding its other column blocks is one read: the first
+    # core's miss fills the line for the others (they wait for it)
+    a_head = _head(g * (int(mi.max()) + 1) + mi, step)
+    a_hit = (a_head != np.arange(len(arr))) | (ni > 0) & (foot <= dev.l2_bytes)
+    a_wait = (a_head != np.arange(len(arr))) & ~a_hit[a_head]
     b_hit = mi > 0
     # a B block read first by one core is read in the same step by the cores holding its other row blocks
     A_hit = np.bincount(step, a_b * a_hit, S)
     A_miss = np.bincount(step, a_b * ~a_hit, S)
     B_hit = np.bincount(step, b_b * b_hit, S)
     B_miss = np.bincount(step, b_b * ~b_hit, S)
-    pa = np.where(A_hit[step] > 0, A_hit[step] / L2bw, 0) + np.where(~a_hit, A_miss[step] / HBMbw, 0)
+    pa = np.where(A_hit[step] > 0, A_hit[step] / L2bw, 0) + np.where(~a_hit | a_wait, A_miss[step] / HBMbw, 0)
     pb = np.where(B_hit[step] > 0, B_hit[step] / L2bw, 0) + np.where(~b_hit | (B_miss[step] > 0) & b_hit
                                                                      & _same_step_miss(g, mi, ni, step), B_miss[step] / HBMbw, 0)
     bias_b = nb * n * 4 if bias else 0.0
@@ -226,6 +233,15 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     return core_t, hbm, nbytes, busy, P
 
 
+def _head(key, step):
+    """For each item, the first item (in the kernel's order) of its step that reads the same block ``key``."""
+    _, inv = np.unique(key * (int(step.max()) + 1) + step, return_inverse=True)
+    inv = inv.reshape(-1)
+    first = np.full(int(inv.max()) + 1, len(key), dtype=np.int64)
+    np.minimum.at(first, inv, np.arange(len(key)))
+    return first[inv]
+
+
 def _same_step_miss(g, mi, ni, step):
     """Whether an item shares its step with the item that misses its B block (it then waits for it)."""
     key = g * (int(ni.max()) + 1) + ni
@@ -249,14 +265,18 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, produ
     dev = get_device(device)
     nb = 2 if activation == "swiglu" else 1
     default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias, product)
-    cands = [default]             # and row blocks for short groups, column blocks for narrow outputs
-    for m0 in (64, 16):
-        for n0 in (256, 64):
-            for k0 in (128,):
-                t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
-                t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
-                if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias, product):
-                    cands.append(t)
+    # and row blocks for short groups, column blocks for narrow outputs; 256-row blocks (L0C single-buffered
+    # when it has no room for two) for long groups, which read each weight column block half as often
+    cands = [default]
+    shapes = [(m0, n0) for m0 in (64, 16) for n0 in (256, 64)]
+    if max(sizes, default=0) > 128:
+        shapes += [(256, 256), (256, 128), (128, 128)]
+    for m0, n0 in shapes:
+        for k0 in ((128, 64) if m0 == 256 else (128,)):
+            t = {"m0": m0, "n0": min(n0, round_up(N // nb, 16)), "k0": min(k0, round_up(K, 16))}
+            t["k1"] = min(2 * t["k0"], round_up(K, t["k0"]))
+            if t not in cands and fits(dev, dtype, out_dtype, t, activation, bias, product):
+                cands.append(t)
     best = None
     for t in cands:
         res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product)
