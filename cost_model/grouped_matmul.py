@@ -211,8 +211,10 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     hbm = float(A_miss.sum() + B_miss.sum() + W.sum()) + E * 4 + (float(np.sum(nb * n * 4 * (mi == 0))) if bias else 0)
     if split and activation is not None:
         # the fp32 workspace stays dirty in L2 and is written back at the end: one line per distinct region
-        slots = np.unique(np.stack([core, step % 2, m.astype(np.int64), n.astype(np.int64)], axis=1), axis=0)
-        hbm += int((nb * slots[:, 2] * slots[:, 3] * 4).sum())
+        # (core, slot parity, rows, columns) as one integer key: a 1-D unique sorts integers, not rows
+        mm, nn = m.astype(np.int64), n.astype(np.int64)
+        key = np.unique(((core.astype(np.int64) * 2 + step % 2) * (m0 + 1) + mm) * (n0 + 1) + nn)
+        hbm += int((nb * (key // (n0 + 1) % (m0 + 1)) * (key % (n0 + 1)) * 4).sum())
     nbytes = {"GM->L1": float(a_b.sum() + b_b.sum() + (bias_b * 1.0 if not bias else np.sum(nb * n * 4))) + E * 4 * P,
               "L1->L0A": float((np.ceil(m / 16) * 16 * K * isz).sum()),
               "L1->L0B": float((nb * np.ceil(n / 16) * 16 * K * isz).sum())}
