@@ -117,7 +117,14 @@ def _cases():
           ("grouped_matmul", (x.float(), w.float().transpose(1, 2).contiguous(), counts.cumsum(0).int()),
            {"group_list_type": "cumsum", "activation": "gelu"}),
           ("matmul_per_group", (x, w, counts.cumsum(0).int()), {"trans_w": True}),
-          ("matmul_per_group", (x.float(), w.float().transpose(1, 2).contiguous(), counts), {"group_list_type": "count"})]
+          ("matmul_per_group", (x.float(), w.float().transpose(1, 2).contiguous(), counts), {"group_list_type": "count"}),
+          # the weight gradients: x_gᵀ·dy_g per group (an empty group's zero block), bf16 and fp32
+          ("grouped_matmul_weight_grad", (x, _rand(108, 80, seed=3), counts), {}),
+          ("grouped_matmul_weight_grad", (x.float(), _rand(108, 40, dtype=f32, seed=3), counts.cumsum(0).int()),
+           {"group_list_type": "cumsum"}),
+          ("matmul_per_group_weight_grad", (x, _rand(108, 80, seed=3), counts.cumsum(0).int()), {}),
+          ("matmul_per_group_weight_grad", (x.float(), _rand(108, 40, dtype=f32, seed=3), counts),
+           {"group_list_type": "count"})]
     # communication (a rank-symmetric world in one process)
     xs = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)
     c += [("all_reduce", (xs.astype(np.float16),), {"world": 4}),
