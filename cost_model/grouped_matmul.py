@@ -90,17 +90,18 @@ def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False,
 
 
 def _items(sizes, N_out, m0, n0):
-    """The work items as columns (group, rows, cols, row block, col block), one entry per item, in the kernel's
-    order: group by group, column block by column block, row block by row block. One arithmetic pass: an
-    item's index within its group gives its column block (index // row blocks) and row block (the rest)."""
+    """The work items as columns (group, rows, cols, row block, col block, the group's row blocks), one entry
+    per item, in the kernel's order: group by group, column block by column block, row block by row block.
+    Built by repeats (no per-group arrays, no integer division): each (group, column block) pair spreads
+    over its group's row blocks."""
     nn = ceil_div(N_out, n0)
     c = np.asarray(sizes, dtype=np.int64)
     nm = -(-c // m0)                                        # row blocks per group (0 for an empty group)
-    cnt = nm * nn
-    g = np.repeat(np.arange(len(c), dtype=np.int64), cnt)
-    j = np.arange(len(g), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-    nmg = nm[g]
-    ni, mi = j // nmg, j % nmg
+    pg = np.repeat(np.arange(len(c), dtype=np.int64), nn)   # the (group, column block) pairs
+    pn = np.tile(np.arange(nn, dtype=np.int64), len(c))
+    cnt = nm[pg]
+    g, ni, nmg = np.repeat(pg, cnt), np.repeat(pn, cnt), np.repeat(cnt, cnt)
+    mi = np.arange(len(g), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     return g, np.minimum(m0, c[g] - mi * m0), np.minimum(n0, N_out - ni * n0), mi, ni, nmg
 
 
@@ -142,8 +143,9 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     idx = np.arange(L, dtype=np.int64)
     # the lockstep step of each item: its position in its core's list
     if round_robin:
-        core = idx % P
-        step = idx // P
+        S = -(-L // P)
+        core = np.tile(np.arange(P, dtype=np.int64), S)[:L]
+        step = np.repeat(np.arange(S, dtype=np.int64), P)[:L]
         per = np.full(P, L // P, dtype=np.int64) + (np.arange(P) < L % P)
         last = np.arange(P, dtype=np.int64) + (per - 1) * P          # each core's last item
     else:
@@ -164,7 +166,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     if round_robin:
         # the first item of the block's step: the same block sits nm items back per column block, and the
         # step (i // P) starts at the item i - i % P
-        a_head = idx - nm * np.minimum(ni, idx % P // nm)
+        a_head = idx - nm * np.minimum(ni, core // nm)
     else:
         a_head = _head(g * (int(mi.max()) + 1) + mi, step)
     a_hit = (a_head != idx) | (ni > 0) & (foot <= dev.l2_bytes)
@@ -177,8 +179,10 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     B_miss = np.bincount(step, b_b * ~b_hit, S)
     # per-step times first, then spread over the step's items
     pa = np.where(A_hit > 0, A_hit / L2bw, 0)[step] + np.where(~a_hit | a_wait, (A_miss / HBMbw)[step], 0)
-    pb = np.where(B_hit > 0, B_hit / L2bw, 0)[step] + np.where(~b_hit | (B_miss > 0)[step] & b_hit
-                                                               & _same_step_miss(g, mi, ni, step), (B_miss / HBMbw)[step], 0)
+    # the item missing a B block is its row block 0, mi items back: in the same step when dealt round and mi <= i % P
+    same = (mi <= core) if round_robin else _same_step_miss(g, mi, ni, step)
+    pb = np.where(B_hit > 0, B_hit / L2bw, 0)[step] + np.where(~b_hit | (B_miss > 0)[step] & b_hit & same,
+                                                               (B_miss / HBMbw)[step], 0)
     bias_b = nb * n * 4 if bias else 0.0
     mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)
     mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
@@ -271,6 +275,30 @@ def _same_step_miss(g, mi, ni, step):
     return first[key] == step
 
 
+def _lower_bound(dev, K, N, dtype, activation, sizes, t):
+    """A lower bound on a tiling's modelled kernel time, from the item counts alone: every item lasts at least
+    its Cube work and its MTE2 load (its deal load), so the busiest core at least the mean load over the cores
+    used. Items come in few shapes (full or last row block by full or last column block): summed by shape."""
+    nb = 2 if activation == "swiglu" else 1
+    N_out = N // nb
+    m0, n0 = t["m0"], t["n0"]
+    rows, cols = {}, {}
+    for c in sizes:
+        for m, k in ((m0, c // m0), (c % m0, 1 if c % m0 else 0)):
+            if k:
+                rows[m] = rows.get(m, 0) + k
+    for n, k in ((n0, N_out // n0), (N_out % n0, 1 if N_out % n0 else 0)):
+        if k:
+            cols[n] = k
+    count = sum(rows.values()) * sum(cols.values())
+    if not count:
+        return 0.0
+    kk, isz, rate = ceil_div(K, dev.cube_k0[dtype]), itemsize(dtype), dev.rates["GM->L1"]
+    total = sum(km * kn * max(ceil_div(m, 16) * nb * ceil_div(n, 16) * kk, (m + nb * n) * K * isz / rate)
+                for m, km in rows.items() for n, kn in cols.items())
+    return total / min(dev.cube_cores, count)
+
+
 def _dims(x, w, trans_w, activation):
     (M, K), dtype = x
     (E, a, b), _ = w
@@ -300,6 +328,10 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, produ
                 cands.append(t)
     best = None
     for t in cands:
+        # a tiling whose lower bound already reaches the best cost cannot win (it must beat it strictly);
+        # the margin covers the float rounding of the two sums (relative ~1e-16 per term)
+        if best is not None and _lower_bound(dev, K, N, dtype, activation, sizes, t) * (1 - 1e-9) >= best[0]:
+            continue
         res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0] * (0.97 if t is default else 1.0):
