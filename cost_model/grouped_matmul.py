@@ -90,18 +90,19 @@ def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False,
 
 
 def _items(sizes, N_out, m0, n0):
-    """The work items, one row each of an int64 array: (group, first row, rows, first col, cols, row block,
-    col block), in the kernel's order: group by group, column block by column block, row block by row block."""
+    """The work items as columns (group, rows, cols, row block, col block, the group's row blocks), one entry
+    per item, in the kernel's order: group by group, column block by column block, row block by row block.
+    Built by repeats (no per-group arrays, no integer division): each (group, column block) pair spreads
+    over its group's row blocks."""
     nn = ceil_div(N_out, n0)
-    parts, start = [], 0
-    for g, c in enumerate(sizes):
-        if c > 0:
-            nm = ceil_div(c, m0)
-            mi, ni = np.tile(np.arange(nm), nn), np.repeat(np.arange(nn), nm)
-            parts.append(np.stack([np.full(nm * nn, g), start + mi * m0, np.minimum(m0, c - mi * m0), ni * n0,
-                                   np.minimum(n0, N_out - ni * n0), mi, ni], axis=1))
-        start += c
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 7), dtype=np.int64)
+    c = np.asarray(sizes, dtype=np.int64)
+    nm = -(-c // m0)                                        # row blocks per group (0 for an empty group)
+    pg = np.repeat(np.arange(len(c), dtype=np.int64), nn)   # the (group, column block) pairs
+    pn = np.tile(np.arange(nn, dtype=np.int64), len(c))
+    cnt = nm[pg]
+    g, ni, nmg = np.repeat(pg, cnt), np.repeat(pn, cnt), np.repeat(cnt, cnt)
+    mi = np.arange(len(g), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    return g, np.minimum(m0, c[g] - mi * m0), np.minimum(n0, N_out - ni * n0), mi, ni, nmg
 
 
 def _deal(loads, ncores):
@@ -126,43 +127,62 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     split = dev.arch == "split"
     rates = dev.rates
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
-    arr = _items(sizes, N_out, m0, n0)
+    g, mc, nc, mi, ni, nm = _items(sizes, N_out, m0, n0)
+    L = len(g)
     sc = dev.scalar_issue_cycles
     pro = E * 4 / rates["GM->L1"] + E * sc
-    if not len(arr):
+    if not L:
         return pro, float(E * 4), {"GM->L1": float(E * 4)}, {"scalar": E * sc}, 1
-    g, m, n, mi, ni = arr[:, 0], arr[:, 2].astype(float), arr[:, 4].astype(float), arr[:, 5], arr[:, 6]
+    m, n = mc.astype(float), nc.astype(float)
     k0f = dev.cube_k0[dtype]
     cube = np.ceil(m / 16) * nb * np.ceil(n / 16) * ceil_div(K, k0f)
     loads = np.maximum(cube, (m + nb * n) * K * isz / rates["GM->L1"])
-    P, core = _deal(loads.tolist(), dev.cube_cores)
+    # equal loads deal round (item i on core i % P at step i // P, no list to walk)
+    round_robin = bool(loads.min() == loads.max())
+    P, core = (min(dev.cube_cores, L), None) if round_robin else _deal(loads.tolist(), dev.cube_cores)
+    idx = np.arange(L, dtype=np.int64)
     # the lockstep step of each item: its position in its core's list
-    by_core = np.argsort(core, kind="stable")              # each core's items, in order
-    per = np.bincount(core, minlength=P)
-    first = np.cumsum(per) - per
-    step = np.empty(len(arr), dtype=np.int64)
-    step[by_core] = np.arange(len(arr)) - np.repeat(first, per)
+    if round_robin:
+        S = -(-L // P)
+        core = np.tile(np.arange(P, dtype=np.int64), S)[:L]
+        step = np.repeat(np.arange(S, dtype=np.int64), P)[:L]
+        per = np.full(P, L // P, dtype=np.int64) + (np.arange(P) < L % P)
+        last = np.arange(P, dtype=np.int64) + (per - 1) * P          # each core's last item
+    else:
+        by_core = np.argsort(core, kind="stable")              # each core's items, in order
+        per = np.bincount(core, minlength=P)
+        first = np.cumsum(per) - per
+        step = np.empty(L, dtype=np.int64)
+        step[by_core] = idx - np.repeat(first, per)
+        last = by_core[first + per - 1]                         # each core's last item
     S = int(per.max())
     a_b = m * K * isz
     b_b = nb * n * K * isz
     # L2: B hits for every row block after the first; A hits after the first column block when the
     # group's A blocks, two B blocks and the output tiles in between fit the L2
-    nm = np.array([ceil_div(c, m0) for c in sizes], dtype=np.int64)[g]
     foot = nm * (m0 * K * isz + m0 * n0 * osz) + 2 * nb * n0 * K * isz
     # an A block read in the same step by the cores holding its other column blocks is one read: the first
     # core's miss fills the line for the others (they wait for it)
-    a_head = _head(g * (int(mi.max()) + 1) + mi, step)
-    a_hit = (a_head != np.arange(len(arr))) | (ni > 0) & (foot <= dev.l2_bytes)
-    a_wait = (a_head != np.arange(len(arr))) & ~a_hit[a_head]
+    if round_robin:
+        # the first item of the block's step: the same block sits nm items back per column block, and the
+        # step (i // P) starts at the item i - i % P
+        a_head = idx - nm * np.minimum(ni, core // nm)
+    else:
+        a_head = _head(g * (int(mi.max()) + 1) + mi, step)
+    a_hit = (a_head != idx) | (ni > 0) & (foot <= dev.l2_bytes)
+    a_wait = (a_head != idx) & ~a_hit[a_head]
     b_hit = mi > 0
     # a B block read first by one core is read in the same step by the cores holding its other row blocks
     A_hit = np.bincount(step, a_b * a_hit, S)
     A_miss = np.bincount(step, a_b * ~a_hit, S)
     B_hit = np.bincount(step, b_b * b_hit, S)
     B_miss = np.bincount(step, b_b * ~b_hit, S)
-    pa = np.where(A_hit[step] > 0, A_hit[step] / L2bw, 0) + np.where(~a_hit | a_wait, A_miss[step] / HBMbw, 0)
-    pb = np.where(B_hit[step] > 0, B_hit[step] / L2bw, 0) + np.where(~b_hit | (B_miss[step] > 0) & b_hit
-                                                                     & _same_step_miss(g, mi, ni, step), B_miss[step] / HBMbw, 0)
+    # per-step times first, then spread over the step's items
+    pa = np.where(A_hit > 0, A_hit / L2bw, 0)[step] + np.where(~a_hit | a_wait, (A_miss / HBMbw)[step], 0)
+    # the item missing a B block is its row block 0, mi items back: in the same step when dealt round and mi <= i % P
+    same = (mi <= core) if round_robin else _same_step_miss(g, mi, ni, step)
+    pb = np.where(B_hit > 0, B_hit / L2bw, 0)[step] + np.where(~b_hit | (B_miss > 0)[step] & b_hit & same,
+                                                               (B_miss / HBMbw)[step], 0)
     bias_b = nb * n * 4 if bias else 0.0
     mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)
     mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
@@ -170,13 +190,14 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     prod_b = nb * m * n * osz if product else np.zeros_like(m)     # the stored product, both halves
     passes = EPILOGUE_PASSES[activation]
     W = np.bincount(step, out_b + prod_b, S)
+    w_t = (W / HBMbw)[step]                                 # the step's HBM writes, per item
     if activation is None:
         if split:
-            fix = np.maximum(out_b / rates["L0C->GM"], W[step] / HBMbw)
+            fix = np.maximum(out_b / rates["L0C->GM"], w_t)
             mte3 = np.zeros_like(m)
         else:
             fix = m * n * 4 / rates["L0C->UB"]
-            mte3 = np.maximum(out_b / rates["UB->GM"], W[step] / HBMbw)
+            mte3 = np.maximum(out_b / rates["UB->GM"], w_t)
         vec = np.zeros_like(m)
         aiv = np.zeros_like(m)
     else:
@@ -187,25 +208,27 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
             ws_b = nb * m * n * 4
             fix = ws_b / rates["L0C->GM"]
             WS = np.bincount(step, ws_b, S)
-            fix = np.maximum(fix, WS[step] / L2bw)
-            ld = np.maximum(nb * rows * n * 4 / rates["GM->UB"], WS[step] / L2bw)
-            st = np.maximum(rows * n * osz * (1 + (nb if product else 0)) / rates["UB->GM"], W[step] / HBMbw)
-            aiv = np.maximum.reduce([ld + st, vec])
+            ws_t = (WS / L2bw)[step]
+            fix = np.maximum(fix, ws_t)
+            ld = np.maximum(nb * rows * n * 4 / rates["GM->UB"], ws_t)
+            st = np.maximum(rows * n * osz * (1 + (nb if product else 0)) / rates["UB->GM"], w_t)
+            aiv = np.maximum(ld + st, vec)
             mte3 = np.zeros_like(m)
         else:
             fix = nb * m * n * 4 / rates["L0C->UB"]
-            mte3 = np.maximum((out_b + prod_b) / rates["UB->GM"], W[step] / HBMbw)
+            mte3 = np.maximum((out_b + prod_b) / rates["UB->GM"], w_t)
             aiv = np.zeros_like(m)
     nk1 = ceil_div(K, k1)
     nsl = sum(ceil_div(min(k1, K - c) , k0) for c in range(0, K, k1))
     instr = (2 + nb) * nk1 + (1 + 2 * nb) * nsl + 3 + (nb if bias else 0)
-    port = pa + pb + (0 if split and activation is not None else W[step] / HBMbw)
-    unit = np.maximum.reduce([mte2, cube, mte1, fix + (vec if not split else 0), mte3, aiv, port,
-                              np.full(len(arr), float(instr * sc))])
+    port = pa + pb + (0 if split and activation is not None else w_t)
+    unit = np.maximum(mte2, cube)
+    for u in (mte1, fix + (vec if not split else 0), mte3, aiv, port):
+        np.maximum(unit, u, out=unit)
+    np.maximum(unit, float(instr * sc), out=unit)
     per_core = np.bincount(core, unit, P)
     first_chunk = min(k1, K) / K
     fill = (a_b[0] + b_b[0]) * first_chunk / rates["GM->L1"] + (m[0] + nb * n[0]) * min(k0, K) * isz / 256
-    last = by_core[first + per - 1]                         # each core's last item
     drain = fix[last] + (vec[last] if not split else aiv[last]) + mte3[last]
     core_t = float(np.max(per_core + drain)) + fill + pro
     hbm = float(A_miss.sum() + B_miss.sum() + W.sum()) + E * 4 + (float(np.sum(nb * n * 4 * (mi == 0))) if bias else 0)
@@ -252,6 +275,30 @@ def _same_step_miss(g, mi, ni, step):
     return first[key] == step
 
 
+def _lower_bound(dev, K, N, dtype, activation, sizes, t):
+    """A lower bound on a tiling's modelled kernel time, from the item counts alone: every item lasts at least
+    its Cube work and its MTE2 load (its deal load), so the busiest core at least the mean load over the cores
+    used. Items come in few shapes (full or last row block by full or last column block): summed by shape."""
+    nb = 2 if activation == "swiglu" else 1
+    N_out = N // nb
+    m0, n0 = t["m0"], t["n0"]
+    rows, cols = {}, {}
+    for c in sizes:
+        for m, k in ((m0, c // m0), (c % m0, 1 if c % m0 else 0)):
+            if k:
+                rows[m] = rows.get(m, 0) + k
+    for n, k in ((n0, N_out // n0), (N_out % n0, 1 if N_out % n0 else 0)):
+        if k:
+            cols[n] = k
+    count = sum(rows.values()) * sum(cols.values())
+    if not count:
+        return 0.0
+    kk, isz, rate = ceil_div(K, dev.cube_k0[dtype]), itemsize(dtype), dev.rates["GM->L1"]
+    total = sum(km * kn * max(ceil_div(m, 16) * nb * ceil_div(n, 16) * kk, (m + nb * n) * K * isz / rate)
+                for m, km in rows.items() for n, kn in cols.items())
+    return total / min(dev.cube_cores, count)
+
+
 def _dims(x, w, trans_w, activation):
     (M, K), dtype = x
     (E, a, b), _ = w
@@ -281,6 +328,10 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, produ
                 cands.append(t)
     best = None
     for t in cands:
+        # a tiling whose lower bound already reaches the best cost cannot win (it must beat it strictly);
+        # the margin covers the float rounding of the two sums (relative ~1e-16 per term)
+        if best is not None and _lower_bound(dev, K, N, dtype, activation, sizes, t) * (1 - 1e-9) >= best[0]:
+            continue
         res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0] * (0.97 if t is default else 1.0):

@@ -55,3 +55,35 @@ def test_chosen_tiling_tracks_the_simulator_and_beats_eager():
     eager = npu.run("matmul_per_group", x, w, offs, trans_w=True, tiling=ep.tiling, device="ascend910",
                     timing_only=True).stats.cycles
     assert fused <= eager
+
+
+@pytest.mark.parametrize("sizes, N_out, m0, n0", [((5, 0, 130, 64), 200, 64, 64), ((0, 0), 32, 16, 16),
+                                                  ((300, 1, 16), 512, 128, 256)])
+def test_items_in_the_kernel_order(sizes, N_out, m0, n0):
+    """The items built by repeats are the kernel's loop nest (group, column block, row block) written out."""
+    from cost_model.grouped_matmul import _items
+    want = [(g, min(m0, c - mi * m0), min(n0, N_out - ni * n0), mi, ni, -(-c // m0))
+            for g, c in enumerate(sizes) for ni in range(-(-N_out // n0)) for mi in range(-(-c // m0))]
+    got = list(zip(*(col.tolist() for col in _items(sizes, N_out, m0, n0))))
+    assert got == want
+
+
+@pytest.mark.parametrize("device", ["ascend910", "ascend910b", "ascend310p"])
+@pytest.mark.parametrize("sizes, activation", [((64, 64, 64, 64), None), ((200, 0, 17, 400), "swiglu"),
+                                               ((1, 300, 33, 90), "gelu")])
+def test_search_lower_bound_never_exceeds_the_model(device, sizes, activation):
+    """The search skips a tiling whose lower bound reaches the best cost so far; that is sound only if the
+    bound never exceeds the modelled cost of any tiling (so a skipped tiling could not have won)."""
+    from cost_model.devices import get_device
+    from cost_model.estimate import kernel_cycles
+    from cost_model.grouped_matmul import _lower_bound, _model, fits
+    dev = get_device(device)
+    K, N = 256, 384
+    for m0 in (16, 64, 128, 256):
+        for n0 in (16, 64, 128, 256):
+            t = {"m0": m0, "n0": n0, "k0": 64, "k1": 128}
+            if not fits(dev, "float16", "float16", t, activation):
+                continue
+            res = _model(dev, sum(sizes), K, N, len(sizes), "float16", "float16", activation, False, list(sizes), t)
+            # the bound sums in another order than the model: 1e-9 relative covers the float rounding of both
+            assert _lower_bound(dev, K, N, "float16", activation, sizes, t) <= kernel_cycles(dev, *res[:3]) * (1 + 1e-9)
