@@ -249,10 +249,15 @@ _ACT = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.f
         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 
+def _group_counts(group_list, group_list_type):
+    """Rows per group from a group list of counts or of their running sum (``"cumsum"``)."""
+    gl = group_list.long()
+    return torch.diff(gl, prepend=gl.new_zeros(1)) if group_list_type == "cumsum" else gl
+
+
 def _reference_product(x, weight, group_list, bias, trans_w, group_list_type):
     """Per group: ``x_g @ w_g`` in fp32 from the operands' values, + bias; rows past the last group are 0."""
-    gl = group_list.long()
-    counts = torch.diff(gl, prepend=gl.new_zeros(1)) if group_list_type == "cumsum" else gl
+    counts = _group_counts(group_list, group_list_type)
     N = weight.shape[1] if trans_w else weight.shape[2]
     parts, start = [], 0
     for g, c in enumerate(counts.tolist()):
@@ -429,8 +434,7 @@ def _(lhs, rhs, group_list, group_list_type="count", out_dtype="", device="ascen
 def reference_grouped_matmul_weight_grad(lhs, rhs, group_list, group_list_type="count", out_dtype="", **_):
     """Per group: ``lhs_gᵀ @ rhs_g`` in fp32 from the operands' values, one cast (to ``out_dtype``, else lhs's
     dtype); a group with no rows gives a zero block."""
-    gl = group_list.long()
-    counts = torch.diff(gl, prepend=gl.new_zeros(1)) if group_list_type == "cumsum" else gl
+    counts = _group_counts(group_list, group_list_type)
     out = torch.zeros((counts.numel(), lhs.shape[1], rhs.shape[1]), dtype=torch.float32)
     start = 0
     for g, c in enumerate(counts.tolist()):
