@@ -31,7 +31,7 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, estimate, kernel_cycles, make, register
-from cost_model.matmul import choose_tiling
+from cost_model.matmul import choose_tiling, write_out
 
 # fp32 Vector passes per element of each epilogue (the elementwise kernel's op passes: silu 4, gelu 25,
 # gelu_tanh 8, relu 1; swiglu = silu + the product)
@@ -192,12 +192,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     W = np.bincount(step, out_b + prod_b, S)
     w_t = (W / HBMbw)[step]                                 # the step's HBM writes, per item
     if activation is None:
-        if split:
-            fix = np.maximum(out_b / rates["L0C->GM"], w_t)
-            mte3 = np.zeros_like(m)
-        else:
-            fix = m * n * 4 / rates["L0C->UB"]
-            mte3 = np.maximum(out_b / rates["UB->GM"], w_t)
+        fix, mte3 = write_out(dev, out_b, m * n * 4, w_t)
         vec = np.zeros_like(m)
         aiv = np.zeros_like(m)
     else:
@@ -252,10 +247,14 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     else:
         nbytes["L0C->UB"] = float((nb * m * n * 4).sum())
         nbytes["UB->GM"] = float(out_b.sum() + prod_b.sum())
-    busy = {"mte2": float(np.max(np.bincount(core, mte2, P))), "cube": float(np.max(np.bincount(core, cube, P))),
-            "mte1": float(np.max(np.bincount(core, mte1, P))), "fixpipe": float(np.max(np.bincount(core, fix, P))),
-            "vector": float(np.max(np.bincount(core, vec, P))), "mte3": float(np.max(np.bincount(core, mte3, P)))}
+    busy = busiest_core(core, P, mte2=mte2, cube=cube, mte1=mte1, fixpipe=fix, vector=vec, mte3=mte3)
     return core_t, hbm, nbytes, busy, P
+
+
+def busiest_core(core, ncores, **per_item) -> dict:
+    """Per unit: the busiest core's total of the items' times (``per_item[unit]``, one entry per item; ``core``:
+    each item's core)."""
+    return {unit: float(np.max(np.bincount(core, t, ncores))) for unit, t in per_item.items()}
 
 
 def _head(key, step):
@@ -400,4 +399,5 @@ def estimate_matmul_per_group(dev, specs, trans_w=False, group_list_type="cumsum
                               _roofline(dev, specs, trans_w=trans_w), 2.0 * sum(sizes) * N * K, trans_b=trans_w)
 
 
-__all__ = ["estimate_grouped_matmul", "estimate_matmul_per_group", "per_group_launches", "EPILOGUE_PASSES", "choose_tiling"]
+__all__ = ["estimate_grouped_matmul", "estimate_matmul_per_group", "per_group_launches", "busiest_core", "EPILOGUE_PASSES",
+           "choose_tiling"]

@@ -28,7 +28,8 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.grouped_matmul import _deal, _sizes, per_group_launches
+from cost_model.grouped_matmul import _deal, _sizes, busiest_core, per_group_launches
+from cost_model.matmul import write_out
 
 
 def fits(dev, dtype, out_dtype, t, zeros=False):
@@ -126,12 +127,7 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     mte2 = np.maximum((a_b + b_b) / rates["GM->L1"], port_in)
     mte1 = rf * isz * (np.ceil(pf / 16) * 16 / rates["L1->L0A"] + np.ceil(qf / 16) * 16 / rates["L1->L0B"])
     w_share = _sharing(steps, out_b) / HBMbw
-    if split:
-        fix = np.maximum(out_b / rates["L0C->GM"], w_share)
-        mte3 = np.zeros_like(pf)
-    else:
-        fix = pf * qf * 4 / rates["L0C->UB"]
-        mte3 = np.maximum(out_b / rates["UB->GM"], w_share)
+    fix, mte3 = write_out(dev, out_b, pf * qf * 4, w_share)
     nch = np.ceil(rf / k1)
     nsl = np.array([sum(ceil_div(min(k1, c - s), k0) for s in range(0, c, k1)) for c in sizes], dtype=float)[g]
     instr = 2 * nch + 3 * nsl + 3
@@ -164,9 +160,7 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
         nbytes["L0C->UB"] = float((pf * qf * 4).sum())
     if z_bytes:
         nbytes["UB->GM"] = nbytes.get("UB->GM", 0.0) + z_bytes
-    busy = {"mte2": float(np.max(np.bincount(core, mte2, ncores))), "cube": float(np.max(np.bincount(core, cube, ncores))),
-            "mte1": float(np.max(np.bincount(core, mte1, ncores))), "fixpipe": float(np.max(np.bincount(core, fix, ncores))),
-            "mte3": float(np.max(np.bincount(core, mte3, ncores)))}
+    busy = busiest_core(core, ncores, mte2=mte2, cube=cube, mte1=mte1, fixpipe=fix, mte3=mte3)
     return core_t, hbm, nbytes, busy, ncores
 
 

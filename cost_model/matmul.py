@@ -206,6 +206,16 @@ def _boundary_stall(coupled, nc, chunks, c, m, cube, la, lb, pa, pb, fix, pw_pre
     return np.maximum(late, 0.0)
 
 
+def write_out(dev, tile_bytes, acc_bytes, hbm):
+    """(FixPipe, MTE3) cycles of storing output tiles: ``tile_bytes`` in the output dtype from their fp32
+    accumulators (``acc_bytes``), ``hbm`` the store's time on the shared HBM. Split cores store from L0C
+    straight to GM on FixPipe; coupled cores move L0C→UB on FixPipe and store from UB with MTE3."""
+    rates = dev.rates
+    if dev.arch == "split":
+        return np.maximum(tile_bytes / rates["L0C->GM"], hbm), np.zeros_like(tile_bytes)
+    return acc_bytes / rates["L0C->UB"], np.maximum(tile_bytes / rates["UB->GM"], hbm)
+
+
 def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz, epi=None):
     """The launch's (core cycles, HBM bytes, bytes per path, busy per unit).
 
@@ -290,12 +300,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     mte2 = LA + LB + Lbias
     cube = np.ceil(m_s / 16) * np.ceil(n_s / 16) * kfr
     mte1 = K * isz * (round_up(m_s, 16) / rates["L1->L0A"] + round_up(n_s, 16) / rates["L1->L0B"])
-    if coupled:
-        fix = m_s * n_s * 4 / rates["L0C->UB"]
-        mte3 = np.maximum(m_s * n_s * osz / rates["UB->GM"], PW)
-    else:
-        fix = np.maximum(m_s * n_s * osz / rates["L0C->GM"], PW)
-        mte3 = np.zeros(S)
+    fix, mte3 = write_out(dev, m_s * n_s * osz, m_s * n_s * 4, PW)
     ep = None
     if epi is not None:
         ep = epi(m_ext, n_ext, s, S, m_s, n_s)
@@ -443,4 +448,4 @@ def estimate_matmul(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=
                 _roofline(dev, specs, bias, trans_a, trans_b), flops(Mr, N, K, nbatch))
 
 
-__all__ = ["choose_tiling", "estimate_matmul", "fits", "flops"]
+__all__ = ["choose_tiling", "estimate_matmul", "fits", "flops", "write_out"]
