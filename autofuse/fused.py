@@ -297,8 +297,9 @@ ATTENTION = Family("attention", torch.ops.autofuse.flash_attention.default, "fla
 # ------------------------------------------------------------------------------------------- MoE
 
 
-def _device_only(device: str, price: Price, level: str) -> dict:
-    return {"device": device}
+def _device_and_options(device: str, price: Price, level: str) -> dict:
+    """The call's keywords: the device and the chosen implementation's options (the kernel's own tiling)."""
+    return {"device": device, **price.options}
 
 
 def _estimate(kernel, specs, device, **params) -> Price:
@@ -365,10 +366,6 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     return total
 
 
-def experts_kwargs(device: str, price: Price, level: str) -> dict:
-    return {"device": device, **price.options}
-
-
 def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     """``moe_init_routing`` → ``grouped_matmul`` (SwiGLU) → ``grouped_matmul`` → ``moe_finalize_routing``; with
     ``store_product`` (a training plan) the first GEMM is ``grouped_matmul_with_product`` (its output 0 feeds the
@@ -417,9 +414,9 @@ def shrink_experts(match) -> dict:
 
 
 MOE_GATING = Family("moe_gating", _moe_ops().moe_gating_topk.default, "moe_gating_topk", emit_gating,
-                    price_gating, _device_only, shrink_gating)
+                    price_gating, _device_and_options, shrink_gating)
 MOE_EXPERTS = Family("moe_experts", _moe_ops().grouped_matmul.default, "grouped_matmul", emit_experts,
-                     price_experts, experts_kwargs, shrink_experts)
+                     price_experts, _device_and_options, shrink_experts)
 
 FAMILIES = {"attention": ATTENTION, "moe_gating": MOE_GATING, "moe_experts": MOE_EXPERTS}
 
