@@ -8,6 +8,7 @@ on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
     python benchmarks/cost_model_accuracy.py            # the full sweep (several minutes)
     python benchmarks/cost_model_accuracy.py --quick    # the small sweep the tests pin
     python benchmarks/cost_model_accuracy.py --kernel matmul --top 30
+    python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep
 
 Acceptance (issue): median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
 agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
@@ -861,8 +862,13 @@ def main(argv=None):
     ap.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
     ap.add_argument("--top", type=int, default=25, help="how many worst cases to list")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--time", action="store_true",
+                    help="only time estimate() over the cases (no simulation): a quiet measurement of the speed line")
     a = ap.parse_args(argv)
     cs = cases(a.quick, a.kernel)
+    if a.time:
+        print_timing(cs)
+        return
     t0 = time.time()
     recs = run(cs, a.verbose)
     print(f"{len(recs)} cases, {time.time() - t0:.0f} s of simulation\n")
@@ -883,6 +889,10 @@ def main(argv=None):
         for label, pu, pf, su, sf, good in rows:
             if not good or a.verbose:
                 print(f"  {'ok ' if good else 'BAD'} {label}: model {pu:,} vs {pf:,}, sim {su:,} vs {sf:,}")
+    print_timing(cs)
+
+
+def print_timing(cs):
     per = min(timing(cs) for _ in range(3))
     wall = min(timing(cs, time.perf_counter) for _ in range(3))
     print(f"\nestimate(): {per * 1e3:.3f} ms CPU ({wall * 1e3:.3f} ms wall) per call on average "
