@@ -192,6 +192,7 @@ from autofuse.npu.kernels import dropout as _dropout  # noqa: E402,F401
 from autofuse.npu.kernels import movement as _movement  # noqa: E402,F401
 from autofuse.npu.kernels import moe_gating as _moe_gating  # noqa: E402,F401
 from autofuse.npu.kernels import moe_routing as _moe_routing  # noqa: E402,F401
+from autofuse.npu.kernels import moe_grad as _moe_grad  # noqa: E402,F401
 from autofuse.npu.kernels import grouped_matmul as _grouped_matmul  # noqa: E402,F401
 from autofuse.npu.kernels import grouped_matmul_grad as _grouped_matmul_grad  # noqa: E402,F401
 from autofuse.npu.kernels import collectives as _collectives  # noqa: E402,F401

@@ -150,7 +150,37 @@ def _pick(w, axis):
     return m.squeeze(axis), first.squeeze(axis), hit
 
 
-class _Program:
+class Lanes:
+    """Tokens on lanes: the counting helpers and the normalisation shared by the router's forward and backward
+    programs (``self.g`` the cores, ``self.ke`` this step's lanes per core, ``self.act`` its active cores,
+    ``self.S`` the ``[E, lanes]`` fp32 scores, ``self.norm``)."""
+
+    def ew(self, rows):
+        """Repeats of an fp32 pass over ``rows`` expert rows of this step's lanes."""
+        return rows * ceil_div(self.ke, 64)
+
+    def vec(self, name, writes, reads, repeats, compute=None):
+        self.g.vector(name, writes, reads, repeats, compute=compute, active=self.act)
+
+    def normalise(self):
+        S, E = self.S, self.E
+        if self.norm == "softmax":
+            def softmax():
+                d = S.data
+                d -= d[:, :, :].max(axis=1, keepdims=True)
+                np.exp(d, out=d)
+                d /= d.sum(axis=1, keepdims=True)
+            for name in ("reduce max", "sub max", "exp", "reduce sum"):
+                self.vec(name, (S,), (S,), self.ew(E - 1 if name.startswith("reduce") else E))
+            self.vec("div sum", (S,), (S,), self.ew(E), softmax)
+        elif self.norm == "sigmoid":
+            for name in ("muls -1", "exp", "adds 1"):
+                self.vec(name, (S,), (S,), self.ew(E))
+            self.vec("reciprocal", (S,), (S,), self.ew(E),
+                     lambda: np.copyto(S.data, np.float32(1) / (np.float32(1) + np.exp(-S.data))))
+
+
+class _Program(Lanes):
     """One launch: tiles of token rows, each transposed, normalised, selected, written back."""
 
     def __init__(self, launch, x, bias, k, norm, renorm, eps, scale, n_group, topk_group, group_score, out_dtype,
@@ -195,14 +225,6 @@ class _Program:
         self.OI = [g.alloc("UB", (lanes, pad(k, "int32")), "int32", f"i{i}") for i in range(2)]
         self.per_core = split_blocks(T, n, lanes)
         self.ctr = 0
-
-    # ------------------------------------------------------------------ counting helpers
-    def ew(self, rows):
-        """Repeats of an fp32 pass over ``rows`` expert rows of this step's lanes."""
-        return rows * ceil_div(self.ke, 64)
-
-    def vec(self, name, writes, reads, repeats, compute=None):
-        self.g.vector(name, writes, reads, repeats, compute=compute, active=self.act)
 
     # ------------------------------------------------------------------ the program
     def run(self):
@@ -275,23 +297,6 @@ class _Program:
         self.fix_ties(W, V, I)
         self.finish(V, I)
         self.store()
-
-    def normalise(self):
-        S, E = self.S, self.E
-        if self.norm == "softmax":
-            def softmax():
-                d = S.data
-                d -= d[:, :, :].max(axis=1, keepdims=True)
-                np.exp(d, out=d)
-                d /= d.sum(axis=1, keepdims=True)
-            for name in ("reduce max", "sub max", "exp", "reduce sum"):
-                self.vec(name, (S,), (S,), self.ew(E - 1 if name.startswith("reduce") else E))
-            self.vec("div sum", (S,), (S,), self.ew(E), softmax)
-        elif self.norm == "sigmoid":
-            for name in ("muls -1", "exp", "adds 1"):
-                self.vec(name, (S,), (S,), self.ew(E))
-            self.vec("reciprocal", (S,), (S,), self.ew(E),
-                     lambda: np.copyto(S.data, np.float32(1) / (np.float32(1) + np.exp(-S.data))))
 
     def rounds(self, what, tiles, rows, groups, picks, pick):
         """``picks`` selection rounds over ``groups`` groups of ``rows // groups`` rows each: max, compare,
@@ -425,4 +430,4 @@ class _Program:
         self.g.store(OI, self.indices, regs, active=self.act, name="store indices")
 
 
-__all__ = ["moe_gating_topk", "topk", "default_lanes", "ub_specs", "NORMS", "GROUP_SCORES"]
+__all__ = ["moe_gating_topk", "topk", "Lanes", "default_lanes", "ub_specs", "NORMS", "GROUP_SCORES"]
