@@ -22,10 +22,16 @@ Index outputs are int64 (torch's convention); the kernels work in int32. Gradien
   forward runs) saved, so its backward launches no recompute;
 * moe_init_routing: one ``moe_finalize_routing`` launch with unit weights (the un-permute sums each token's k
   rows);
-* moe_finalize_routing and moe_gating_topk: the twin, differentiated by torch on the host in fp32 (traced,
-  in a training step, as the aten ops of that recomputation): the finalize backward's gather-and-scale plus
-  row dots and the gating's renormalise/top-k/softmax derivative have no fused kernel yet. The gating
-  weights differentiate w.r.t. the logits through the chosen experts (indices and the selection bias get none).
+* moe_finalize_routing: one ``moe_finalize_routing_grad`` launch (CANN MoeFinalizeRoutingV2Grad):
+  ``d_expanded[r] = scales[t, j]·g[t]`` (gather-and-scale) and ``d_scales[t, j] = g[t]·expanded[r]`` (fp32
+  row dots); ``d_skip = g`` passes through, no launch;
+* moe_gating_topk: one ``moe_gating_topk_grad`` launch: the scores recomputed from the logits and the
+  closed-form derivative of the renormalise/scale chain and of the softmax or sigmoid, through the chosen
+  experts (the saved indices; they and the selection bias get no gradient).
+
+The two backward ops are ops of their own (``torch.ops.autofuse.moe_finalize_routing_grad``,
+``torch.ops.autofuse.moe_gating_topk_grad``, with fakes and twins), so a training step's joint graph holds
+them as launches.
 """
 from __future__ import annotations
 
@@ -44,30 +50,6 @@ _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfl
 
 def _tiling(tiling: str):
     return json.loads(tiling) if tiling else None
-
-
-def _host_backward(reference, ctx, grads, n_inputs):
-    """Gradients of ``reference(*inputs)`` (fp32 on the host) for the inputs that need them."""
-    saved = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    with torch.enable_grad():
-        leaves = [t.detach().float().requires_grad_(bool(need[i])) if isinstance(t, torch.Tensor)
-                  and t.is_floating_point() else t for i, t in enumerate(saved)]
-        outs = reference(*leaves, **ctx.params, upcast=True)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        pairs = [(o, g.float()) for o, g in zip(outs, grads)
-                 if g is not None and o.is_floating_point() and o.requires_grad]
-        wrt = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                   if wrt and pairs else [None] * len(wrt))
-    res = []
-    for orig, leaf in zip(saved, leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-            gr = next(got)
-            res.append(None if gr is None else gr.to(orig.dtype))
-        else:
-            res.append(None)
-    return tuple(res) + (None,) * (n_inputs - len(res))
 
 
 # ------------------------------------------------------------------------------------------ gating
@@ -130,19 +112,84 @@ def _gating_setup(ctx, inputs, output):
     names = ("k", "norm", "renorm", "eps", "routed_scaling_factor", "n_group", "topk_group", "group_score",
              "out_dtype")
     ctx.params = dict(zip(names, inputs[2:11]))
+    ctx.device = inputs[11] if len(inputs) > 11 else "ascend910"
+    ctx.set_materialize_grads(False)          # weights unused (only the indices): no launch
 
 
 def _gating_backward(ctx, grad_w, grad_idx):
+    """One ``moe_gating_topk_grad`` launch: dx through the chosen experts (none when the weights were unused)."""
     x, idx = ctx.saved_tensors
-    p = dict(ctx.params)
-    with torch.enable_grad():
-        xl = x.detach().float().requires_grad_(True)
-        y, _ = reference_moe_gating_topk(xl, None, **p, upcast=True, indices=idx)
-        gx, = torch.autograd.grad(y, xl, grad_w.float())
-    return (gx.to(x.dtype),) + (None,) * 12
+    if grad_w is None or not ctx.needs_input_grad[0]:
+        return (None,) * 13
+    p = ctx.params
+    gx = torch.ops.autofuse.moe_gating_topk_grad(x, grad_w.contiguous(), idx, p["k"], p["norm"], p["renorm"],
+                                                 p["eps"], p["routed_scaling_factor"], ctx.device, "")
+    return (gx,) + (None,) * 12
 
 
 _moe_gating_topk.register_autograd(_gating_backward, setup_context=_gating_setup)
+
+
+@torch.library.custom_op("autofuse::moe_gating_topk_grad", mutates_args=())
+def _moe_gating_topk_grad(x: torch.Tensor, grad_w: torch.Tensor, indices: torch.Tensor, k: int = 1,
+                          norm: str = "softmax", renorm: bool = False, eps: float = 1e-20,
+                          routed_scaling_factor: float = 1.0, device: str = "ascend910",
+                          tiling: str = "") -> torch.Tensor:
+    E = x.shape[-1]
+    r = run_kernel("moe_gating_topk_grad", x.reshape(-1, E), grad_w.reshape(-1, k), indices.reshape(-1, k).int(),
+                   k=k, norm=norm, renorm=renorm, eps=eps, routed_scaling_factor=routed_scaling_factor,
+                   device=device, tiling=_tiling(tiling))
+    _record("moe_gating_topk_grad", r.stats)
+    return _to_torch(r.outputs[0], x.dtype).reshape(x.shape)
+
+
+@_moe_gating_topk_grad.register_fake
+def _(x, grad_w, indices, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
+      device="ascend910", tiling=""):
+    return torch.empty_like(x)
+
+
+def reference_moe_gating_topk_grad(x, grad_w, indices, k=1, norm="softmax", renorm=False, eps=1e-20,
+                                   routed_scaling_factor=1.0, **_):
+    """The kernel's closed form in fp32, in its order: ``s = norm(x)``; with ``renorm``, ``r = 1 / (Σy + eps)``
+    (y the chosen scores) and ``dy = (gw - Σ(gw·y)·r)·r``, else ``dy = gw``; ``dy·routed_scaling_factor``
+    scattered to the chosen experts; then ``(ds - Σ s·ds)·s`` (softmax), ``ds·(s·(1 - s))`` (sigmoid) or ``ds``;
+    one cast to x's dtype."""
+    s = x.float()
+    if norm == "softmax":
+        s = s - s.amax(-1, keepdim=True)
+        s = s.exp()
+        s = s / s.sum(-1, keepdim=True)
+    elif norm == "sigmoid":
+        s = 1 / (1 + torch.exp(-s))
+    idx = indices.long()
+    dy = grad_w.float()
+    if renorm:
+        y = s.gather(-1, idx)
+        r = y.sum(-1, keepdim=True)
+        r = 1 / (r + eps if eps else r)
+        dy = (dy - (dy * y).sum(-1, keepdim=True) * r) * r
+    if routed_scaling_factor != 1:
+        dy = dy * routed_scaling_factor
+    ds = torch.zeros_like(s).scatter_(-1, idx, dy)
+    if norm == "softmax":
+        dx = (ds - (s * ds).sum(-1, keepdim=True)) * s
+    elif norm == "sigmoid":
+        dx = ds * ((1 - s) * s)
+    else:
+        dx = ds
+    return dx.to(x.dtype)
+
+
+def moe_gating_topk_grad(x, grad_w, indices, k=None, norm="softmax", renorm=False, eps=1e-20,
+                         routed_scaling_factor=1.0, device="ascend910", tiling=None):
+    """The logits' gradient of :func:`moe_gating_topk`'s weights (``grad_w [..., k]``), the chosen experts
+    ``indices [..., k]`` fixed (what the forward returned): one launch. ``norm``/``renorm``/``eps``/
+    ``routed_scaling_factor`` as the forward's; the selection bias and the group limit only chose the experts."""
+    k = int(k if k is not None else indices.shape[-1])
+    return torch.ops.autofuse.moe_gating_topk_grad(x, grad_w, indices, k, norm, bool(renorm), float(eps),
+                                                   float(routed_scaling_factor), device,
+                                                   json.dumps(tiling) if tiling else "")
 
 
 def moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
@@ -508,12 +555,70 @@ def reference_moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None
 
 
 def _fin_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], inputs[3])
-    ctx.params = {}
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
+    ctx.skip_dtype = inputs[3].dtype if len(inputs) > 3 and inputs[3] is not None else None
+    ctx.device = inputs[4] if len(inputs) > 4 else "ascend910"
 
 
-_moe_finalize_routing.register_autograd(
-    lambda ctx, g: _host_backward(reference_moe_finalize_routing, ctx, (g,), 6), setup_context=_fin_setup)
+def _fin_backward(ctx, g):
+    """``d_expanded`` and ``d_scales`` by one ``moe_finalize_routing_grad`` launch; ``d_skip = g``."""
+    expanded, scales, row_idx = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    de = ds = None
+    if need[0] or need[1]:
+        de, ds = torch.ops.autofuse.moe_finalize_routing_grad(g.contiguous(), expanded, scales, row_idx, ctx.device,
+                                                              "")
+    gskip = g.to(ctx.skip_dtype) if ctx.skip_dtype is not None and need[3] else None
+    return de if need[0] else None, ds if need[1] else None, None, gskip, None, None
+
+
+_moe_finalize_routing.register_autograd(_fin_backward, setup_context=_fin_setup)
+
+
+def _distinct_rows(row_idx, rows) -> bool:
+    """Whether the row indices name every one of ``rows`` rows exactly once (what moe_init_routing gives)."""
+    flat = row_idx.reshape(-1).long()
+    return flat.numel() == rows and bool((torch.bincount(flat, minlength=rows) == 1).all())
+
+
+@torch.library.custom_op("autofuse::moe_finalize_routing_grad", mutates_args=())
+def _moe_finalize_routing_grad(grad: torch.Tensor, expanded: torch.Tensor, scales: torch.Tensor,
+                               expanded_row_idx: torch.Tensor, device: str = "ascend910",
+                               tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    # rows named twice or never (not moe_init_routing's permutation): the kernel zeroes them, then adds
+    acc = not _distinct_rows(expanded_row_idx, expanded.shape[0])
+    r = run_kernel("moe_finalize_routing_grad", grad.to(expanded.dtype), expanded, scales,
+                   expanded_row_idx.reshape(-1).int(), accumulate=acc, device=device, tiling=_tiling(tiling))
+    _record("moe_finalize_routing_grad", r.stats)
+    return _to_torch(r.outputs[0], expanded.dtype), _to_torch(r.outputs[1], scales.dtype)
+
+
+@_moe_finalize_routing_grad.register_fake
+def _(grad, expanded, scales, expanded_row_idx, device="ascend910", tiling=""):
+    return torch.empty_like(expanded), torch.empty_like(scales)
+
+
+def reference_moe_finalize_routing_grad(grad, expanded, scales, expanded_row_idx, **_):
+    """``d_expanded[r] = scales[t, j]·grad[t]`` (fp32, one cast; rows named twice summed in expanded's dtype, rows
+    never named 0) and ``d_scales[t, j] = Σ grad[t]·expanded[r]`` (fp32), ``r = expanded_row_idx[t·k + j]``."""
+    T, k = scales.shape
+    flat = expanded_row_idx.reshape(-1).long()
+    g = grad.float()
+    rows = (g[:, None, :] * scales.float()[:, :, None]).reshape(T * k, -1).to(expanded.dtype)
+    d_exp = torch.zeros_like(expanded)
+    if _distinct_rows(flat, expanded.shape[0]):
+        d_exp[flat] = rows
+    else:
+        d_exp.index_put_((flat,), rows, accumulate=True)
+    d_sc = (g[:, None, :] * expanded.float()[flat].reshape(T, k, -1)).sum(-1)
+    return d_exp, d_sc.to(scales.dtype)
+
+
+def moe_finalize_routing_grad(grad, expanded, scales, expanded_row_idx, device="ascend910", tiling=None):
+    """``(d_expanded, d_scales)`` of :func:`moe_finalize_routing` for its output gradient ``grad [T, H]``: one
+    launch (``d_skip`` is ``grad`` itself)."""
+    return torch.ops.autofuse.moe_finalize_routing_grad(grad, expanded, scales, expanded_row_idx, device,
+                                                        json.dumps(tiling) if tiling else "")
 
 
 def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="ascend910", tiling=None):
@@ -525,11 +630,15 @@ def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="
 
 
 __all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_with_product",
-           "grouped_matmul_weight_grad", "moe_finalize_routing", "reference_grouped_matmul_with_product",
+           "grouped_matmul_weight_grad", "moe_finalize_routing", "moe_finalize_routing_grad", "moe_gating_topk_grad",
+           "reference_grouped_matmul_with_product", "reference_moe_finalize_routing_grad",
+           "reference_moe_gating_topk_grad",
            "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
            "reference_moe_finalize_routing", "reference_grouped_matmul_weight_grad"]
 
 REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=reference_moe_init_routing,
                   grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing,
                   grouped_matmul_weight_grad=reference_grouped_matmul_weight_grad,
-                  grouped_matmul_with_product=reference_grouped_matmul_with_product)
+                  grouped_matmul_with_product=reference_grouped_matmul_with_product,
+                  moe_finalize_routing_grad=reference_moe_finalize_routing_grad,
+                  moe_gating_topk_grad=reference_moe_gating_topk_grad)
