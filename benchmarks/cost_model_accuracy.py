@@ -440,6 +440,7 @@ def _moe_cases(quick: bool):
     if not quick:
         out += _moe_7b_cases()
     out += _moe_weight_grad_cases(quick)
+    out += _moe_backward_cases(quick)
     return out
 
 
@@ -490,6 +491,42 @@ def _moe_weight_grad_cases(quick: bool):
         d = DEVICES[i % 3]
         out.append(Case("matmul_per_group_weight_grad", [((M, P), dt), ((M, Q), dt), ((E,), "int32")], d,
                         {"group_sizes": sizes}, values={2: np.cumsum(sizes).astype(np.int32)}))
+    return out
+
+
+def _moe_backward_cases(quick: bool):
+    """The combine's and the router's backward kernels: one-token and decode-sized launches, prefill-sized
+    ones, odd sizes, rows never named (the zero fill and atomic adds), low-precision scales;
+    softmax/sigmoid routers with and without renormalisation and scaling."""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    rng = np.random.default_rng(7)
+    out = []
+    fin = [(1, 4096, 2, bf16, f32, False), (37, 333, 4, f16, f32, False), (512, 1024, 2, f32, f32, False),
+           (100, 200, 3, bf16, bf16, True), (8, 7168, 8, bf16, f32, False)]
+    if not quick:
+        fin += [(2048, 2048, 2, bf16, f32, False), (600, 520, 6, f16, f16, False), (250, 4100, 1, f32, f32, True),
+                (int(rng.integers(50, 400)), int(rng.integers(64, 3000)), int(rng.integers(1, 9)), f16, f32, False)]
+    for i, (T, H, k, dt, sdt, acc) in enumerate(fin):
+        R = T * k + (5 if acc else 0)
+        ridx = rng.permutation(R)[:T * k]               # accumulate: 5 rows never named (zeros)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("moe_finalize_routing_grad", [((T, H), dt), ((R, H), dt), ((T, k), sdt), ((T * k,), "int32")],
+                            d, {"accumulate": acc} if acc else {}, values={3: ridx.astype(np.int32)}))
+    gate = [((1, 8), f32, f32, {"k": 2, "renorm": True, "eps": 0.0}),
+            ((4096, 8), bf16, f32, {"k": 2, "renorm": True, "eps": 0.0}),
+            ((333, 60), f16, f16, {"k": 4}),
+            ((500, 256), f32, f32, {"k": 8, "norm": "sigmoid", "renorm": True, "routed_scaling_factor": 2.5})]
+    if not quick:
+        gate += [((1000, 128), bf16, bf16, {"k": 6, "norm": "sigmoid"}), ((77, 16), f16, f32,
+                                                                          {"k": 1, "norm": "none",
+                                                                           "routed_scaling_factor": 2.0}),
+                 ((int(rng.integers(100, 3000)), 64), f32, f32, {"k": 4, "renorm": True})]
+    for i, ((T, E), dt, gdt, p) in enumerate(gate):
+        k = p["k"]
+        ids = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("moe_gating_topk_grad", [((T, E), dt), ((T, k), gdt), ((T, k), "int32")], d, p,
+                            values={2: ids}))
     return out
 
 

@@ -19,6 +19,7 @@ from cost_model import score_bound as _score_bound  # noqa: F401,E402
 from cost_model import dropout as _dropout  # noqa: F401,E402
 from cost_model import movement as _movement  # noqa: F401,E402
 from cost_model import moe as _moe  # noqa: F401,E402
+from cost_model import moe_grad as _moe_grad  # noqa: F401,E402
 from cost_model import grouped_matmul as _grouped_matmul  # noqa: F401,E402
 from cost_model import grouped_matmul_grad as _grouped_matmul_grad  # noqa: F401,E402
 from cost_model import collectives as _collectives  # noqa: F401,E402

@@ -189,7 +189,7 @@ class _FinalizeGrad:
         if sdt != F32:
             sc = self.Sc32
             g.vector("cast scales->fp32", (sc,), (self.Sc[b],), ceil_div(ntok * pad(k, F32), 64), active=act,
-                     compute=lambda: np.copyto(sc.data, self.Sc[b].data))
+                     compute=lambda: np.copyto(sc.data[:, :, :k], self.Sc[b].data[:, :, :k]))
         D = self.D[b]
         for j in range(int(ntok.max())):
             a_j = ntok > j
@@ -199,7 +199,7 @@ class _FinalizeGrad:
         if sdt != F32:
             out = self.Do
             g.vector(f"cast dots->{sdt}", (out,), (D,), ceil_div(ntok * pad(k, F32), 64), active=act,
-                     compute=lambda: np.copyto(out.data, rnd(D.data, sdt)))
+                     compute=lambda: np.copyto(out.data[:, :, :k], rnd(D.data[:, :, :k], sdt)))
         g.store(out, self.d_sc, regs, active=act, name="store d_scales")
 
     def token(self, j, a_j, toks, sc, D, deps):
