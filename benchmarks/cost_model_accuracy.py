@@ -510,8 +510,9 @@ def _moe_backward_cases(quick: bool):
         R = T * k + (5 if acc else 0)
         ridx = rng.permutation(R)[:T * k]               # accumulate: 5 rows never named (zeros)
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
-            out.append(Case("moe_finalize_routing_grad", [((T, H), dt), ((R, H), dt), ((T, k), sdt), ((T * k,), "int32")],
-                            d, {"accumulate": acc} if acc else {}, values={3: ridx.astype(np.int32)}))
+            ins = [((T, H), dt), ((R, H), dt), ((T, k), sdt), ((T * k,), "int32")]
+            out.append(Case("moe_finalize_routing_grad", ins, d, {"accumulate": acc} if acc else {},
+                            values={3: ridx.astype(np.int32)}))
     gate = [((1, 8), f32, f32, {"k": 2, "renorm": True, "eps": 0.0}),
             ((4096, 8), bf16, f32, {"k": 2, "renorm": True, "eps": 0.0}),
             ((333, 60), f16, f16, {"k": 4}),

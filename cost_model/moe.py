@@ -59,6 +59,16 @@ def _vnch(rows, cols, isz):
     return (1 if isz == 2 else 2) * np.ceil(round_up(rows, 16) * round_up(cols, 16) * isz / 512)
 
 
+def norm_repeats(norm, E, ew):
+    """(Vector repeats, instructions) of the router's normalisation over E experts (``ew(r)``: repeats of a
+    pass over r expert rows): softmax is two reductions and three passes, sigmoid four passes."""
+    if norm == "softmax":
+        return ew(5 * E - 2), 5
+    if norm == "sigmoid":
+        return ew(4 * E), 4
+    return 0, 0
+
+
 def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm, eps, scale, largest_):
     """(Vector repeats, instructions) of one task of ``ke`` lanes on the busiest core."""
     R = np.ceil(ke / 64)
@@ -69,10 +79,8 @@ def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm,
         v, ins = v + ew(E), ins + 1
     if not largest_:
         v, ins = v + ew(E), ins + 1
-    if norm == "softmax":
-        v, ins = v + ew(5 * E - 2), ins + 5
-    elif norm == "sigmoid":
-        v, ins = v + ew(4 * E), ins + 4
+    nv, ni = norm_repeats(norm, E, ew)
+    v, ins = v + nv, ins + ni
     if bias:
         v, ins = v + ew(E), ins + 1
 

@@ -27,7 +27,7 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.moe import RING, _rows_cost, _vnch
+from cost_model.moe import RING, _rows_cost, _vnch, norm_repeats
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import block_elems, fits, largest, pad
 
@@ -47,7 +47,8 @@ def _finalize_specs(k, block, hc, dtype, sdt):
 
 def _finalize_cols(dev, H, k, block, dtype, sdt):
     cblk = max(block_elems(dtype), 8)
-    ok = lambda h: fits(dev, _finalize_specs(k, block, h, dtype, sdt) + [((1, round_up(h, cblk)), dtype)] * RING)  # noqa
+    ring = lambda h: [((1, round_up(h, cblk)), dtype)] * RING                                # noqa: E731
+    ok = lambda h: fits(dev, _finalize_specs(k, block, h, dtype, sdt) + ring(h))              # noqa: E731
     return H if ok(H) else cblk * largest(lambda v: ok(v * cblk), 1, ceil_div(H, cblk))
 
 
@@ -137,10 +138,8 @@ def _gating_task(ke, E, k, dtype, gdt, norm, renorm, eps, scale):
         v, ins = v + ew(E), ins + 1
     if gdt != F32:
         v, ins = v + ew(k), ins + 1
-    if norm == "softmax":
-        v, ins = v + ew(5 * E - 2), ins + 5
-    elif norm == "sigmoid":
-        v, ins = v + ew(4 * E), ins + 4
+    nv, ni = norm_repeats(norm, E, ew)
+    v, ins = v + nv, ins + ni
     if renorm:
         v = v + k * ew(3 * E - 1) + 2 * ew(k - 1) + 3 * ew(k) + ew(1) * (3 if eps != 0 else 2)
         ins += 3 * k + 6 + (eps != 0)

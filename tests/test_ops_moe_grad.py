@@ -1,6 +1,7 @@
 """Backwards of the fused MoE ops as fused launches: the gradients equal eager autograd of the unfused chain
-(within the verifier's bound around a float64 reference), across dtypes, layouts, epilogues, empty experts and
-uneven loads; and a simulated training step of a tiny Mixtral runs them as grouped launches."""
+(within the verifier's bound around a float64 reference), across dtypes, layouts, epilogues, empty experts,
+uneven loads, repeated rows and every router variant; and a simulated training step of a tiny Mixtral runs them
+as fused launches."""
 import collections
 import copy
 
@@ -158,6 +159,138 @@ def test_weight_grad_op_twin_and_fake():
     assert f.shape == (3, 16, 24) and f.dtype == torch.float32
 
 
+# ------------------------------------------------------------------------------------------ finalize, gating
+def _eager_finalize(expanded, scales, ridx, skip=None):
+    """What eager runs (transformers' combine): gather the rows, weight them in their dtype, sum over k."""
+    T, k = scales.shape
+    out = (expanded[ridx].reshape(T, k, -1) * scales.to(expanded.dtype)[:, :, None]).sum(1)
+    return out + skip if skip is not None else out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("case", ["uneven", "repeats", "skip"])
+def test_finalize_routing_gradients_equal_eager(dtype, k, case):
+    """d_expanded, d_scales (and d_skip) from one moe_finalize_routing_grad launch vs eager autograd, around
+    float64: rows from moe_init_routing with skewed experts, rows named twice (and never), a skip input."""
+    from autofuse import ops
+    torch.manual_seed(k)
+    T, H, E = 13, 40, 4
+    if case == "repeats":
+        R = T * k + 3
+        ridx = torch.randint(0, R - 3, (T * k,))                    # repeated rows, the last 3 never named
+    else:
+        ids = torch.randint(0, E // 2 if case == "uneven" else E, (T, k))     # uneven: half the experts
+        _, ridx, _ = ops_moe.moe_init_routing(torch.randn(T, H), ids, E)
+        R = T * k
+    expanded = torch.randn(R, H).to(dtype)
+    scales = torch.rand(T, k)
+    skip = torch.randn(T, H).to(dtype) if case == "skip" else None
+    g = torch.randn(T, H).to(dtype)
+    leaves = [expanded, scales] + ([skip] if skip is not None else [])
+    with ops.recording() as log:
+        got = _grads(lambda e, s, *sk: ops_moe.moe_finalize_routing(e, s, ridx, *sk), leaves, g)
+    assert [name for name, _ in log] == ["moe_finalize_routing", "moe_finalize_routing_grad"]
+    want = _grads(lambda e, s, *sk: _eager_finalize(e, s, ridx, *sk), leaves, g)
+    ref = _grads(lambda e, s, *sk: _eager_finalize(e, s, ridx, *sk), [t.double() for t in leaves], g.double())
+    for name, gg, ww, rr in zip(("d_expanded", "d_scales", "d_skip"), got, want, ref):
+        assert gg.dtype == ww.dtype and gg.shape == ww.shape, name
+        ok, err, tol = compare(ww, rr, gg)
+        assert ok, (name, err, tol)
+    if case == "skip":
+        assert torch.equal(got[2], g)                               # d_skip is the gradient itself
+    if case == "repeats":
+        assert (got[0][R - 3:] == 0).all()
+    # near miss: the scales' gradient without the gather (each token's first row for every j) is off
+    wrong = (g.double()[:, None] * expanded.double()[ridx.reshape(T, k)[:, :1]]).sum(-1).expand(T, k)
+    assert k == 1 or not compare(want[1], ref[1], wrong.float())[0]
+
+
+def _eager_router(x, idx, norm, renorm, eps, routed_scaling_factor, **_):
+    """The router as model code writes it (fp32 softmax or sigmoid, gather, renormalise, scale)."""
+    s = x.float()
+    s = torch.softmax(s, -1) if norm == "softmax" else torch.sigmoid(s) if norm == "sigmoid" else s
+    y = s.gather(-1, idx)
+    if renorm:
+        y = y / (y.sum(-1, keepdim=True) + eps)
+    return y * routed_scaling_factor
+
+
+ROUTERS = [dict(k=2, norm="softmax", renorm=True, eps=0.0),                                   # Mixtral
+           dict(k=4, norm="softmax"),                                                         # no renorm
+           dict(k=4, norm="sigmoid", renorm=True, eps=1e-20, routed_scaling_factor=2.5, bias=True,
+                n_group=4, topk_group=2, group_score="top2"),                                 # DeepSeek-V3
+           dict(k=2, norm="sigmoid", routed_scaling_factor=1.5, n_group=2, topk_group=1),
+           dict(k=1, norm="none", renorm=False, routed_scaling_factor=2.0, bias=True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("router", range(len(ROUTERS)))
+def test_gating_gradients_equal_eager(dtype, router):
+    """dx from one moe_gating_topk_grad launch vs eager autograd of the router with the same experts (the
+    selection bias and the group limit only chose them), around float64."""
+    from autofuse import ops
+    p = dict(ROUTERS[router])
+    p.setdefault("renorm", False)
+    p.setdefault("eps", 1e-20)
+    p.setdefault("routed_scaling_factor", 1.0)
+    torch.manual_seed(router)
+    T, E = 19, 16
+    x = torch.randn(T, E).to(dtype)
+    bias = torch.randn(E) * 0.1 if p.pop("bias", False) else None
+    g = torch.randn(T, p["k"])
+    xl = x.detach().requires_grad_(True)
+    with ops.recording() as log:
+        w, idx = ops_moe.moe_gating_topk(xl, bias, **p)
+        got, = torch.autograd.grad(w, xl, g)
+    assert [name for name, _ in log] == ["moe_gating_topk", "moe_gating_topk_grad"]
+    want, = _grads(lambda x: _eager_router(x, idx, **p), [x], g)
+    ref, = _grads(lambda x: _eager_router(x, idx, **p), [x.double()], g.double())
+    assert got.dtype == want.dtype
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+    # near miss: the derivative without the renormalisation (or, without one, without the scaling factor)
+    q = dict(p, renorm=False) if p["renorm"] else dict(p, routed_scaling_factor=1.0 + p["routed_scaling_factor"])
+    off, = _grads(lambda x: _eager_router(x, idx, **q), [x.double()], g.double())
+    assert not compare(want, ref, off.to(dtype))[0]
+
+
+def test_gating_weights_unused_launch_no_gradient():
+    """Only the indices used (as a top-k router's dispatch): no gradient reaches the logits, no launch."""
+    from autofuse import ops
+    x = torch.randn(6, 8, requires_grad=True)
+    with ops.recording() as log:
+        w, idx = ops_moe.moe_gating_topk(x, k=2)
+        (x.sum() + 0 * idx.sum()).backward()
+    assert [name for name, _ in log] == ["moe_gating_topk"]
+    assert torch.equal(x.grad, torch.ones(6, 8))
+
+
+def test_backward_ops_fakes_and_twins():
+    torch.manual_seed(0)
+    T, k, H, E = 5, 2, 16, 8
+    g, e, sc = torch.randn(T, H).half(), torch.randn(T * k, H).half(), torch.rand(T, k)
+    ridx = torch.randperm(T * k)
+    got = ops_moe.moe_finalize_routing_grad(g, e, sc, ridx)
+    twin = ops_moe.reference_moe_finalize_routing_grad(g, e, sc, ridx)
+    assert torch.equal(got[0], twin[0])
+    # the dots: fp32 sums of the same products in another order: within H·2^-24 of Σ|terms| each
+    terms = (g.float()[:, None].abs() * e.float()[ridx].abs().reshape(T, k, H)).sum(-1)
+    assert (got[1] - twin[1]).abs().le(2 * H * 2.0 ** -24 * terms).all()
+    x, gw = torch.randn(T, E).bfloat16(), torch.randn(T, k)
+    idx = torch.rand(T, E).argsort(-1)[:, :k]
+    dx = ops_moe.moe_gating_topk_grad(x, gw, idx, renorm=True, norm="sigmoid")
+    tw = ops_moe.reference_moe_gating_topk_grad(x, gw, idx, k, renorm=True, norm="sigmoid")
+    # the same fp32 steps, sums over the experts in another order, then one bf16 rounding: one bf16 ulp apart
+    assert ((dx.float() - tw.float()).abs() <= 2.0 ** -7 * tw.float().abs() + 1e-6).all()
+    with torch._subclasses.FakeTensorMode():
+        fe, fs = torch.ops.autofuse.moe_finalize_routing_grad(torch.empty(T, H), torch.empty(T * k, H),
+                                                              torch.empty(T, k), torch.empty(T * k, dtype=torch.int64))
+        fx = torch.ops.autofuse.moe_gating_topk_grad(torch.empty(3, T, E), torch.empty(3, T, k),
+                                                     torch.empty(3, T, k, dtype=torch.int64), k)
+    assert fe.shape == (T * k, H) and fs.shape == (T, k) and fx.shape == (3, T, E)
+
+
 tf = pytest.importorskip("transformers")
 
 
@@ -192,6 +325,9 @@ def test_training_step_runs_the_experts_backward_as_grouped_launches():
     assert bwd["autofuse.grouped_matmul_weight_grad"] == 2 * layers
     # no GEMM of the experts' backward runs as an aten op
     assert not [n for n in res.nodes if n.phase == "backward" and "grouped_mm" in n.target]
+    # the combine's and the router's backward: one launch each per layer
+    assert bwd["autofuse.moe_finalize_routing_grad"] == layers
+    assert bwd["autofuse.moe_gating_topk_grad"] == layers
 
 
 def test_training_step_gradients_equal_eager():

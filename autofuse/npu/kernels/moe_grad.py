@@ -46,7 +46,7 @@ import numpy as np
 
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.moe_gating import NORMS, Lanes, _vnchwconv
-from autofuse.npu.kernels.moe_routing import RING, _AtomicAdd, _check_index
+from autofuse.npu.kernels.moe_routing import RING, _AtomicAdd, _check_index, widest_cols
 from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, block_elems, ceil_div, check_dtype, extents, fits,
                                         largest, lockstep, pad, pipeline, rnd, round_up, split_blocks, view)
 from autofuse.npu.run import kernel
@@ -73,14 +73,8 @@ def finalize_grad_specs(k, block, hc, dtype, sdt):
 def finalize_grad_cols(device, H, k, block, dtype, sdt):
     """Elements of H per row: all of H when every tile fits UB, else the widest whole blocks that do."""
     cblk = max(block_elems(dtype), 8)
-    ok = lambda h: fits(device, finalize_grad_specs(k, block, h, dtype, sdt)                 # noqa: E731
-                        + [((1, round_up(h, cblk)), dtype)] * RING)
-    if ok(H):
-        return H
-    top = largest(lambda v: ok(v * cblk), 1, ceil_div(H, cblk))
-    if top < 1:
-        raise ValueError(f"moe_finalize_routing_grad: no row of {dtype} fits UB on {device.name}")
-    return cblk * top
+    return widest_cols(device, H, dtype, lambda h: finalize_grad_specs(k, block, h, dtype, sdt)
+                       + [((1, round_up(h, cblk)), dtype)] * RING, "moe_finalize_routing_grad")
 
 
 @kernel("moe_finalize_routing_grad", steer=("expanded_row_idx",))      # which rows are loaded and written
@@ -308,8 +302,7 @@ def moe_gating_topk_grad(launch, x, grad_w, indices, k=1, norm="softmax", renorm
         raise ValueError(f"moe_gating_topk_grad: norm={norm!r}; choose one of {', '.join(NORMS)}")
     if not 1 <= k <= E:
         raise ValueError(f"moe_gating_topk_grad: k={k} must be in [1, {E}] (the number of experts)")
-    ids = np.asarray(indices.data)
-    if ((ids < 0) | (ids >= E)).any():
+    if launch.values and ((np.asarray(indices.data) < 0) | (np.asarray(indices.data) >= E)).any():
         raise IndexError(f"moe_gating_topk_grad: an index is out of range for {E} experts")
     return (_GatingGrad(launch, x, grad_w, indices, k, norm, bool(renorm), float(eps), float(routed_scaling_factor),
                         tiling).run(),)

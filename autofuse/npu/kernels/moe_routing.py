@@ -215,16 +215,22 @@ def finalize_specs(k, block, H_chunk, dtype, skip_dtype):
     return specs
 
 
+def widest_cols(device, H, dtype, specs_of, what):
+    """Elements of H per row: all of H when ``specs_of(h)`` (every UB allocation for rows of h elements) fits,
+    else the widest whole blocks (of at least 8 elements) that do."""
+    cblk = max(block_elems(dtype), 8)
+    if fits(device, specs_of(H)):
+        return H
+    top = largest(lambda v: fits(device, specs_of(v * cblk)), 1, ceil_div(H, cblk))
+    if top < 1:
+        raise ValueError(f"{what}: no row of {dtype} fits UB on {device.name}")
+    return cblk * top
+
+
 def finalize_cols(device, H, k, block, dtype, skip_dtype):
     cblk = max(block_elems(dtype), 8)
-    ok = lambda h: fits(device, finalize_specs(k, block, h, dtype, skip_dtype)                # noqa: E731
-                        + [((1, round_up(h, cblk)), dtype)] * RING)
-    if ok(H):
-        return H
-    top = largest(lambda v: ok(v * cblk), 1, ceil_div(H, cblk))
-    if top < 1:
-        raise ValueError(f"moe_finalize_routing: no row of {dtype} fits UB on {device.name}")
-    return cblk * top
+    return widest_cols(device, H, dtype, lambda h: finalize_specs(k, block, h, dtype, skip_dtype)
+                       + [((1, round_up(h, cblk)), dtype)] * RING, "moe_finalize_routing")
 
 
 @kernel("moe_finalize_routing", steer=("expanded_row_idx",))      # which rows are loaded
@@ -415,4 +421,4 @@ def index_add(launch, x, index, src, alpha=1.0, tiling=None):
 
 
 __all__ = ["moe_init_routing", "moe_finalize_routing", "index_add", "row_cols", "init_specs", "finalize_specs",
-           "finalize_cols", "RING", "VEC_FLOATS"]
+           "finalize_cols", "widest_cols", "RING", "VEC_FLOATS"]
