@@ -37,13 +37,14 @@ def _check(records, what):
 
 
 MOE = ("moe_gating_topk", "topk", "moe_init_routing", "moe_finalize_routing", "index_add", "grouped_matmul",
-       "matmul_per_group")
+       "matmul_per_group", "moe_finalize_routing_grad", "moe_gating_topk_grad")
 
 
 @pytest.mark.parametrize("what", ["cycles", "hbm"])
 def test_error_distribution_moe(records, what):
     """The MoE kernels on their own (router top-k with groups and bias, routing, finalize, index_add, grouped
-    GEMM with even, skewed and empty experts at decode and prefill loads, one matmul per expert)."""
+    GEMM with even, skewed and empty experts at decode and prefill loads, one matmul per expert, the combine's and
+    the router's backward)."""
     rs = [r for r in records if r.case.kernel in MOE]
     assert {r.case.kernel for r in rs} == set(MOE) and {r.case.device for r in rs} == set(bench.DEVICES)
     _check(rs, what)
