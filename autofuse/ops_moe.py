@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 import cost_model
-from autofuse.ops import REFERENCES, _record, _to_torch, run_kernel
+from autofuse.ops import REFERENCES, STEERED, TIMING, _record, _to_torch, run_kernel
 from autofuse.ops_vector import _grad_launch, run_grad_program
 from cost_model.program import Builder
 
@@ -135,12 +135,22 @@ def _moe_gating_topk_grad(x: torch.Tensor, grad_w: torch.Tensor, indices: torch.
                           norm: str = "softmax", renorm: bool = False, eps: float = 1e-20,
                           routed_scaling_factor: float = 1.0, device: str = "ascend910",
                           tiling: str = "") -> torch.Tensor:
-    E = x.shape[-1]
-    r = run_kernel("moe_gating_topk_grad", x.reshape(-1, E), grad_w.reshape(-1, k), indices.reshape(-1, k).int(),
-                   k=k, norm=norm, renorm=renorm, eps=eps, routed_scaling_factor=routed_scaling_factor,
-                   device=device, tiling=_tiling(tiling))
+    r = _launch_gating_grad(x, grad_w, indices, k, norm, renorm, eps, routed_scaling_factor, device, tiling)
     _record("moe_gating_topk_grad", r.stats)
     return _to_torch(r.outputs[0], x.dtype).reshape(x.shape)
+
+
+def _launch_gating_grad(x, grad_w, indices, k, norm, renorm, eps, routed_scaling_factor, device, tiling, **kw):
+    E = x.shape[-1]
+    return run_kernel("moe_gating_topk_grad", x.reshape(-1, E), grad_w.reshape(-1, k), indices.reshape(-1, k).int(),
+                      k=k, norm=norm, renorm=renorm, eps=eps, routed_scaling_factor=routed_scaling_factor,
+                      device=device, tiling=_tiling(tiling), **kw)
+
+
+def _timing_gating_grad(x, grad_w, indices, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
+                        device="ascend910", tiling=""):
+    return [("moe_gating_topk_grad", _launch_gating_grad(x, grad_w, indices, k, norm, renorm, eps,
+                                                         routed_scaling_factor, device, tiling, timing_only=True).stats)]
 
 
 @_moe_gating_topk_grad.register_fake
@@ -278,11 +288,28 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Ten
                     bias: Optional[torch.Tensor] = None, trans_w: bool = False, group_list_type: str = "count",
                     activation: str = "", swiglu_order: str = "gate_up", device: str = "ascend910",
                     tiling: str = "") -> torch.Tensor:
-    r = run_kernel("grouped_matmul", x, weight, group_list.int(), bias, trans_w=trans_w,
-                   group_list_type=group_list_type, activation=activation or None, swiglu_order=swiglu_order,
-                   device=device, tiling=_tiling(tiling))
+    r = _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling)
     _record("grouped_matmul", r.stats)
     return _to_torch(r.outputs[0], x.dtype)
+
+
+def _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling, **kw):
+    return run_kernel("grouped_matmul", x, weight, group_list.int(), bias, trans_w=trans_w,
+                      group_list_type=group_list_type, activation=activation or None, swiglu_order=swiglu_order,
+                      device=device, tiling=_tiling(tiling), **kw)
+
+
+def _timing_gmm(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation="",
+                swiglu_order="gate_up", device="ascend910", tiling=""):
+    return [("grouped_matmul", _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation,
+                                           swiglu_order, device, tiling, timing_only=True).stats)]
+
+
+def _timing_gmm_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
+                             activation="swiglu", swiglu_order="gate_up", device="ascend910", tiling=""):
+    return [("grouped_matmul", _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation,
+                                           swiglu_order, device, tiling, return_product=True,
+                                           timing_only=True).stats)]
 
 
 @_grouped_matmul.register_fake
@@ -445,9 +472,8 @@ def _grouped_matmul_with_product(x: torch.Tensor, weight: torch.Tensor, group_li
     if not activation:
         raise ValueError("grouped_matmul_with_product: needs an activation (without one the output is the product); "
                          "call grouped_matmul")
-    r = run_kernel("grouped_matmul", x, weight, group_list.int(), bias, trans_w=trans_w,
-                   group_list_type=group_list_type, activation=activation, swiglu_order=swiglu_order,
-                   return_product=True, device=device, tiling=_tiling(tiling))
+    r = _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling,
+                    return_product=True)
     _record("grouped_matmul", r.stats)
     return _to_torch(r.outputs[0], x.dtype), _to_torch(r.outputs[1], x.dtype)
 
@@ -466,10 +492,20 @@ _grouped_matmul_with_product.register_autograd(_gmm_backward, setup_context=_gmm
 def _grouped_matmul_weight_grad(lhs: torch.Tensor, rhs: torch.Tensor, group_list: torch.Tensor,
                                 group_list_type: str = "count", out_dtype: str = "", device: str = "ascend910",
                                 tiling: str = "") -> torch.Tensor:
-    r = run_kernel("grouped_matmul_weight_grad", lhs, rhs, group_list.int(), group_list_type=group_list_type,
-                   out_dtype=out_dtype or None, device=device, tiling=_tiling(tiling))
+    r = _launch_gmm_weight_grad(lhs, rhs, group_list, group_list_type, out_dtype, device, tiling)
     _record("grouped_matmul_weight_grad", r.stats)
     return _to_torch(r.outputs[0], _DT[out_dtype] if out_dtype else lhs.dtype)
+
+
+def _launch_gmm_weight_grad(lhs, rhs, group_list, group_list_type, out_dtype, device, tiling, **kw):
+    return run_kernel("grouped_matmul_weight_grad", lhs, rhs, group_list.int(), group_list_type=group_list_type,
+                      out_dtype=out_dtype or None, device=device, tiling=_tiling(tiling), **kw)
+
+
+def _timing_gmm_weight_grad(lhs, rhs, group_list, group_list_type="count", out_dtype="", device="ascend910",
+                            tiling=""):
+    return [("grouped_matmul_weight_grad", _launch_gmm_weight_grad(lhs, rhs, group_list, group_list_type, out_dtype,
+                                                                   device, tiling, timing_only=True).stats)]
 
 
 @_grouped_matmul_weight_grad.register_fake
@@ -531,10 +567,19 @@ def grouped_matmul_with_product(x, weight, group_list, bias=None, trans_w=False,
 def _moe_finalize_routing(expanded: torch.Tensor, scales: torch.Tensor, expanded_row_idx: torch.Tensor,
                           skip: Optional[torch.Tensor] = None, device: str = "ascend910",
                           tiling: str = "") -> torch.Tensor:
-    r = run_kernel("moe_finalize_routing", expanded, scales, expanded_row_idx.int(), skip, device=device,
-                   tiling=_tiling(tiling))
+    r = _launch_finalize(expanded, scales, expanded_row_idx, skip, device, tiling)
     _record("moe_finalize_routing", r.stats)
     return _to_torch(r.outputs[0], expanded.dtype)
+
+
+def _launch_finalize(expanded, scales, expanded_row_idx, skip, device, tiling, **kw):
+    return run_kernel("moe_finalize_routing", expanded, scales, expanded_row_idx.int(), skip, device=device,
+                      tiling=_tiling(tiling), **kw)
+
+
+def _timing_finalize(expanded, scales, expanded_row_idx, skip=None, device="ascend910", tiling=""):
+    return [("moe_finalize_routing", _launch_finalize(expanded, scales, expanded_row_idx, skip, device, tiling,
+                                                      timing_only=True).stats)]
 
 
 @_moe_finalize_routing.register_fake
@@ -585,12 +630,21 @@ def _distinct_rows(row_idx, rows) -> bool:
 def _moe_finalize_routing_grad(grad: torch.Tensor, expanded: torch.Tensor, scales: torch.Tensor,
                                expanded_row_idx: torch.Tensor, device: str = "ascend910",
                                tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    # rows named twice or never (not moe_init_routing's permutation): the kernel zeroes them, then adds
-    acc = not _distinct_rows(expanded_row_idx, expanded.shape[0])
-    r = run_kernel("moe_finalize_routing_grad", grad.to(expanded.dtype), expanded, scales,
-                   expanded_row_idx.reshape(-1).int(), accumulate=acc, device=device, tiling=_tiling(tiling))
+    r = _launch_finalize_grad(grad, expanded, scales, expanded_row_idx, device, tiling)
     _record("moe_finalize_routing_grad", r.stats)
     return _to_torch(r.outputs[0], expanded.dtype), _to_torch(r.outputs[1], scales.dtype)
+
+
+def _launch_finalize_grad(grad, expanded, scales, expanded_row_idx, device, tiling, **kw):
+    # rows named twice or never (not moe_init_routing's permutation): the kernel zeroes them, then adds
+    acc = not _distinct_rows(expanded_row_idx, expanded.shape[0])
+    return run_kernel("moe_finalize_routing_grad", grad.to(expanded.dtype), expanded, scales,
+                      expanded_row_idx.reshape(-1).int(), accumulate=acc, device=device, tiling=_tiling(tiling), **kw)
+
+
+def _timing_finalize_grad(grad, expanded, scales, expanded_row_idx, device="ascend910", tiling=""):
+    return [("moe_finalize_routing_grad", _launch_finalize_grad(grad, expanded, scales, expanded_row_idx, device,
+                                                                tiling, timing_only=True).stats)]
 
 
 @_moe_finalize_routing_grad.register_fake
@@ -642,3 +696,10 @@ REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=re
                   grouped_matmul_with_product=reference_grouped_matmul_with_product,
                   moe_finalize_routing_grad=reference_moe_finalize_routing_grad,
                   moe_gating_topk_grad=reference_moe_gating_topk_grad)
+# a simulation without values times these on shapes plus their steering values (the group list, the row
+# indices); the router and the token sort need their values computed (their outputs steer what follows)
+TIMING.update(grouped_matmul=_timing_gmm, grouped_matmul_with_product=_timing_gmm_with_product,
+              grouped_matmul_weight_grad=_timing_gmm_weight_grad, moe_finalize_routing=_timing_finalize,
+              moe_finalize_routing_grad=_timing_finalize_grad, moe_gating_topk_grad=_timing_gating_grad)
+STEERED.update(moe_gating_topk=(0, 1), moe_init_routing=(1,), grouped_matmul=(2,), grouped_matmul_with_product=(2,),
+               grouped_matmul_weight_grad=(2,), moe_finalize_routing=(2,), moe_finalize_routing_grad=(3,))

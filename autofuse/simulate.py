@@ -306,7 +306,7 @@ class _Sim(fx.Interpreter):
         name = _fused_name(n)
         if name is not None:
             args, kwargs = _required_positional(n.target, *self.fetch_args_kwargs_from_env(n))
-            key = _sig(name, args, kwargs)
+            key = _sig(name, args, kwargs, _steered_args(n.target, name, args, kwargs))
             twin = fused_ops.REFERENCES.get(name)
             reused = self.memo and not self.check and key in self.fused_cache and twin is not None
             if reused and self.needed is not None and n not in self.needed:    # timing only: shapes suffice
@@ -403,6 +403,14 @@ def _required_positional(op, args, kwargs):
     return tuple(args[:required]), {**{a.name: v for a, v in zip(schema[required:], args[required:])}, **kwargs}
 
 
+def _steered_args(target, name, args, kwargs) -> list:
+    """A fused op's arguments at its ``ops.STEERED`` positions (positional or by keyword) that are given:
+    tensors, or the graph nodes that will hold them."""
+    schema = target._schema.arguments
+    got = [args[i] if i < len(args) else kwargs.get(schema[i].name) for i in fused_ops.STEERED.get(name, ())]
+    return [v for v in got if v is not None]
+
+
 def _fused_name(n):
     """The fused op's name if ``n`` calls ``torch.ops.autofuse.*``, else None."""
     t = n.target
@@ -434,16 +442,22 @@ def _steering_args(prog) -> set:
 
 def _needed(gm, programs, memo) -> set:
     """The nodes whose values a timing-only simulation must compute: every input that steers an unfused kernel
-    (a whole program when an earlier step's output steers a later one), every input of a fused op's first
-    launch (its kernel runs in full; every launch of it without the memo or without a torch twin, as with
-    values) unless the op is timed on shapes alone (``ops.TIMING``), and what those depend on."""
+    (a whole program when an earlier step's output steers a later one), the steering inputs of a fused op
+    timed on shapes (``ops.TIMING``, ``ops.STEERED``), every input of any other fused op's first launch (its
+    kernel runs in full; every launch of it when its values steer its cost, or without the memo or a torch
+    twin, as with values), and what those depend on."""
     roots, seen = [], set()
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         name = _fused_name(n)
         if name is not None:
-            if name in fused_ops.TIMING:      # timed on shapes alone: no values needed
+            steering = _steered_args(n.target, name, n.args, n.kwargs)
+            if name in fused_ops.TIMING:      # timed on shapes (and its steering values) alone
+                roots += [a for a in steering if isinstance(a, fx.Node)]
+                continue
+            if steering:                      # its cost follows its values: every launch runs in full
+                roots.append(n)
                 continue
             key = _sig(name, *torch.utils._pytree.tree_map(
                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs)))

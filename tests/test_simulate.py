@@ -186,6 +186,27 @@ def test_launches_steered_by_values_are_not_reused_across_values():
     assert [n.cycles for n in memo.nodes] == [n.cycles for n in every.nodes]
 
 
+def test_fused_launches_steered_by_values_are_not_reused_across_values():
+    """Two grouped GEMMs of the same shapes, one with even groups and one with a hot expert, cost differently
+    (the busiest core sets the time): the memo keys a fused op by its steering values (the group list), and a
+    simulation without values computes the group lists and times the GEMMs on shapes."""
+    class TwoGroupings(torch.nn.Module):
+        def forward(self, x, w, even, skewed):
+            gmm = torch.ops.autofuse.grouped_matmul.default
+            return gmm(x, w, even) + gmm(x, w, skewed)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 128, dtype=torch.float16), torch.randn(4, 128, 256, dtype=torch.float16)
+    inputs = [x, w, torch.tensor([64, 64, 64, 64]), torch.tensor([253, 1, 1, 1])]
+    gm = torch.fx.symbolic_trace(TwoGroupings())
+    runs = {(memo, values): simulate_graph(gm, inputs, memo=memo, values=values)
+            for memo in (True, False) for values in (True, False)}
+    for r in runs.values():
+        gmms = [n for n in r.nodes if n.target == "autofuse.grouped_matmul"]
+        assert len(gmms) == 2 and gmms[0].cycles < gmms[1].cycles and not any(n.reused for n in gmms)
+        assert _figures(r)[1:] == _figures(runs[True, True])[1:]
+
+
 def _figures(r):
     return ([(n.node, n.kernels, n.cycles, n.hbm_bytes, n.workspace, n.reused) for n in r.nodes], r.cycles,
             r.hbm_bytes, r.peak_memory, r.launches, r.distinct_launches)
@@ -238,3 +259,19 @@ def test_attention_twin_split_by_batch_keeps_every_output(monkeypatch):
         assert a.shape == b.shape
         # the same fp32 operations on each batch's rows, up to BLAS's summation order of D = 16 products
         torch.testing.assert_close(a, b, rtol=16 * 2.0 ** -24, atol=1e-6)
+
+
+def test_timing_only_training_step_of_an_moe_layer_counts_what_values_count():
+    """A training step's MoE launches (grouped GEMMs and their weight gradients, the combine and its backward,
+    the router's backward) are timed on shapes plus their group lists and row indices: the same figures."""
+    pytest.importorskip("transformers")
+    from test_moe_patterns import _build
+    torch.manual_seed(0)
+    model, ids = _build("mixtral", "grouped_mm", "eager")
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    with_values = fused.simulate(ids, use_cache=False, backward=True)
+    timing = fused.simulate(ids, use_cache=False, backward=True, values=False)
+    names = {n.target for n in timing.nodes if n.fused}
+    assert {"autofuse.grouped_matmul_weight_grad", "autofuse.moe_finalize_routing_grad",
+            "autofuse.moe_gating_topk_grad"} <= names
+    assert _figures(timing) == _figures(with_values) and timing.phases == with_values.phases
