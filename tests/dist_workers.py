@@ -101,6 +101,7 @@ def checks(rank, world):
                           for cc in res.fused.collectives]
     out["unfused_collectives"] = [(cc.kind, cc.bytes, cc.overlapped_with) for cc in res.unfused.collectives]
     out["fused_vs_unfused"] = res.max_abs_diff
+    out["mc2_grads"] = mc2_grads(rank, world)
     # gradients of the fused op against the eager row-parallel linear (functional all-reduce)
     import autofuse.ops_mc2  # noqa: F401
     g = torch.Generator().manual_seed(10 + rank)
@@ -130,21 +131,92 @@ def checks(rank, world):
 MC2_ONLY = {"attention": "off"}
 
 
-def tp_block_only(rank, world, dtype=torch.float32):
-    """The Megatron block through the engine on this rank, against the float64 single-device block."""
+def tp_block_only(rank, world, dtype=torch.float32, grads=True):
+    """The Megatron block through the engine on this rank, against the float64 single-device block (and, with
+    ``grads``, :func:`mc2_grads` in this world)."""
     from autofuse.distributed import rank_pipeline
     block, args = build(rank, world, dtype=dtype)
     res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)
     ref64 = copy.deepcopy(make_block(dtype=dtype)).double()(example_input(dtype=dtype).double())
+    grad_checks = mc2_grads(rank, world) if grads else None
     with torch.no_grad():
         return {"err_fused": (res.outputs.double() - ref64).abs().max().item(),
                 "err_unfused": (block(*args).double() - ref64).abs().max().item(),
                 "decisions": [(d.pattern, d.applied, d.reason_code) for d in res.pairs],
-                "cycles": (res.fused.cycles, res.unfused.cycles)}
+                "cycles": (res.fused.cycles, res.unfused.cycles), "mc2_grads": grad_checks}
 
 
 def tp_block_fp16(rank, world):
-    return tp_block_only(rank, world, torch.float16)
+    return tp_block_only(rank, world, torch.float16, grads=False)
 
 
-__all__ = ["Pairs", "TPBlock", "checks", "tp_block_fp16", "tp_block_only"]
+def _tp_layers(kind, x, w, name, p):
+    """The unfused TP layer in eager torch (functional collectives + linear), differentiable: its outputs."""
+    if kind == "all_gather_matmul":           # column-parallel, sequence-parallel input: reduce-scatter backward
+        xg = fc.all_gather_single_autograd(x, 0, name)
+        return F.linear(xg, w), xg
+    if kind == "matmul_reduce_scatter":       # row-parallel, sequence-parallel output: all-gather backward
+        return (fc.reduce_scatter_single_autograd(F.linear(x, w), "sum", 0, name),)
+    # row-parallel, replicated output: the all-reduce's backward is the identity (the op's docstring)
+    return (F.linear(x, w),)
+
+
+def _fused_layer(kind, x, w, name, p):
+    ops = torch.ops.autofuse
+    if kind == "all_gather_matmul":
+        return ops.all_gather_matmul(x, w, name, p, 2, "ascend910b")
+    if kind == "matmul_reduce_scatter":
+        return (ops.matmul_reduce_scatter(x, w, "sum", name, p, 2, "ascend910b"),)
+    return (ops.matmul_all_reduce(x, w, "sum", name, 2, "ascend910b"),)
+
+
+#: kind -> (x shape, w shape) on each rank: x [rows, K], w [N, K] (a linear's layout)
+MC2_SHAPES = {"all_gather_matmul": ((8, 16), (24, 16)), "matmul_reduce_scatter": ((16, 16), (24, 16)),
+              "matmul_all_reduce": ((6, 16), (24, 16))}
+
+
+def mc2_grads(rank, world):
+    """The MC2 ops' gradients (dx, dW) against the unfused TP layer's eager autograd, both measured against the
+    float64 eager layer, for each op in float32 and float16 (all_gather_matmul also with its gathered output
+    used and with dx only, matmul_reduce_scatter with dW only); and the launches each forward and backward records. Returns {(kind, dtype, variant): {"dx":
+    (fused error, eager error), "dw": ..., "launches": [kernel names]}}."""
+    from autofuse.ops import recording
+    import autofuse.ops_mc2  # noqa: F401
+    name, out = dist.group.WORLD.group_name, {}
+    variants = [(k, None) for k in MC2_SHAPES] + [("all_gather_matmul", "gathered"), ("all_gather_matmul", "dx"),
+                                                    ("matmul_reduce_scatter", "dw")]
+    for dtype in (torch.float32, torch.float16):
+        for kind, variant in variants:
+            xs, ws = MC2_SHAPES[kind]
+            g = torch.Generator().manual_seed(100 + rank)
+            x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g) / ws[1] ** 0.5
+            # the replicated output's gradient is the same on every rank
+            gy = torch.Generator().manual_seed(7 if kind == "matmul_all_reduce" else 200 + rank)
+            rows = {"all_gather_matmul": xs[0] * world, "matmul_reduce_scatter": xs[0] // world}.get(kind, xs[0])
+            grads = [torch.randn(rows, ws[0], generator=gy), torch.randn(rows, xs[1], generator=gy)]
+            if variant != "gathered":
+                grads = grads[:1]
+            want_x, want_w = variant != "dw", variant != "dx"
+
+            def run(layer, dt):
+                xl = x.to(dt).clone().requires_grad_(want_x)   # a copy: its .grad is this run's alone
+                wl = w.to(dt).clone().requires_grad_(want_w)
+                outs = layer(kind, xl, wl, name, world)
+                torch.autograd.backward(outs[:len(grads)], [d.to(dt) for d in grads])
+                return xl.grad, wl.grad
+
+            ref = run(_tp_layers, torch.float64)
+            eager = run(_tp_layers, dtype)
+            with recording() as log:
+                fused = run(_fused_layer, dtype)
+            res = {"launches": [k for k, _ in log]}
+            for i, t in enumerate(("dx", "dw")):
+                if ref[i] is None:
+                    res[t] = fused[i]
+                    continue
+                res[t] = tuple((got.double() - ref[i]).abs().max().item() for got in (fused[i], eager[i]))
+            out[(kind, str(dtype).replace("torch.", ""), variant)] = res
+    return out
+
+
+__all__ = ["MC2_SHAPES", "Pairs", "TPBlock", "checks", "mc2_grads", "tp_block_fp16", "tp_block_only"]

@@ -1,6 +1,6 @@
 """N ranks under torch.distributed (gloo on loopback, one process each): capture of tensor-parallel graphs,
 the engine's decisions on matmul + collective pairs, the fused world against the single-device model, and the
-fused op's gradients."""
+fused ops' gradients (their backwards' launches against the unfused layers' eager autograd)."""
 import os
 import re
 import socket
@@ -108,6 +108,36 @@ def test_fused_op_gradients_match_eager(two):
     assert two[0]["grad"] <= 1e-4 and two[1]["grad"] <= 1e-4
 
 
+#: (kind, variant) -> the launches its forward and backward record; the backward's are the dual MC2 op and the
+#: local GEMMs ("dw": dx not wanted, so the all-gather for dW is a plain functional collective, no fused launch)
+MC2_LAUNCHES = {("all_gather_matmul", None): ["all_gather_matmul", "matmul_reduce_scatter", "matmul"],
+                ("all_gather_matmul", "gathered"): ["all_gather_matmul", "matmul_reduce_scatter", "matmul"],
+                ("all_gather_matmul", "dx"): ["all_gather_matmul", "matmul_reduce_scatter"],
+                ("matmul_reduce_scatter", None): ["matmul_reduce_scatter", "all_gather_matmul", "matmul"],
+                ("matmul_reduce_scatter", "dw"): ["matmul_reduce_scatter", "matmul"],
+                ("matmul_all_reduce", None): ["matmul_all_reduce", "matmul", "matmul"]}
+
+
+def _mc2_grads_match_eager(res, world):
+    for r in range(world):
+        got = res[r]["mc2_grads"]
+        assert {(k, v) for k, _, v in got} == set(MC2_LAUNCHES) and {d for _, d, _ in got} == {"float32", "float16"}
+        for (kind, dtype, variant), g in got.items():
+            assert g["launches"] == MC2_LAUNCHES[(kind, variant)], (kind, dtype, variant)
+            for t in ("dx", "dw"):
+                if (variant, t) in (("dx", "dw"), ("dw", "dx")):
+                    assert g[t] is None            # not asked for: not computed
+                    continue
+                fused, eager = g[t]
+                # against the float64 layer: the kernels accumulate in fp32 and round once, as eager's CPU
+                # GEMMs do, and the collectives add the same partials; at most twice eager's own error
+                assert fused <= 2 * eager, (kind, dtype, variant, t, fused, eager)
+
+
+def test_mc2_backwards_are_launches_matching_eager(two):
+    _mc2_grads_match_eager(two, 2)
+
+
 def test_parallelize_module_does_not_export(two):
     """torch 2.13: torch.export cannot take DTensor module hooks (an assertion inside export's tracing of the
     DTensor hooks); the hand-written functional-collective form captures. This pins the finding so a torch that
@@ -124,7 +154,9 @@ def _world_equals_single_device(res, world):
 
 
 def test_four_ranks():
-    _world_equals_single_device(run_world("tp_block_only", 4), 4)
+    res = run_world("tp_block_only", 4)
+    _world_equals_single_device(res, 4)
+    _mc2_grads_match_eager(res, 4)
 
 
 @pytest.mark.slow
