@@ -90,7 +90,8 @@ def checks(rank, world):
     out["kept"] = _decisions(kept)
     # the whole pipeline on the Megatron block, through the engine
     block, args = build(rank, world)
-    res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)
+    res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY, backward=True)
+    out["step"] = _step_checks(res, rank, world)
     ref64 = copy.deepcopy(make_block()).double()(example_input().double())
     with torch.no_grad():
         out["err_fused"] = (res.outputs.double() - ref64).abs().max().item()
@@ -125,6 +126,30 @@ def checks(rank, world):
     except CaptureError as e:
         out["dtensor"] = str(e).splitlines()[1]
     return out
+
+
+def _step_checks(res, rank, world):
+    """The simulated training step of the Megatron block on this rank: its phases and backward link launches, and
+    the fused step's MLP weight gradients against the single-device block's shard of them (float64 and float32
+    eager, with the step's own output gradient). Only the MLP's: the block has no Megatron "f" (an all-reduce of
+    the column-parallel inputs' gradients), so the gradients below the MLP's input are each rank's partial ones."""
+    d = 4 * make_block().fc1.weight.shape[1] // world
+    shard = {"fc1_w": lambda b: b.fc1.weight.grad[rank * d:(rank + 1) * d],
+             "fc1_b": lambda b: b.fc1.bias.grad[rank * d:(rank + 1) * d],
+             "fc2_w": lambda b: b.fc2.weight.grad[:, rank * d:(rank + 1) * d], "fc2_b": lambda b: b.fc2.bias.grad}
+    dy, = res.step_grad_outputs
+    grads = {}
+    for dt in (torch.float64, torch.float32):
+        block = copy.deepcopy(make_block()).to(dt)
+        block(example_input().to(dt)).backward(dy.to(dt))
+        grads[dt] = {k: f(block) for k, f in shard.items()}
+    step = {k: g for k, g in res.step_grads.items() if k.split(".")[-1] in shard}
+    errs = {k: ((g.double() - grads[torch.float64][k.split(".")[-1]]).abs().max().item(),
+                (grads[torch.float32][k.split(".")[-1]].double() - grads[torch.float64][k.split(".")[-1]]).abs()
+                .max().item()) for k, g in step.items()}
+    back = lambda run: [c.kind for c in run.collectives if c.phase == "backward"]   # noqa: E731
+    return {"grads": errs, "phases": (res.step.phases, res.step_unfused.phases),
+            "back_links": (back(res.step), back(res.step_unfused))}
 
 
 # the tests are about the matmul + collective pairs: the attention family (its own tests) is switched off

@@ -138,6 +138,23 @@ def test_mc2_backwards_are_launches_matching_eager(two):
     _mc2_grads_match_eager(two, 2)
 
 
+def test_training_step_of_the_world(two):
+    """rank_pipeline(backward=True): each rank's training step, fused and unfused, simulated."""
+    for r in (0, 1):
+        st = two[r]["step"]
+        assert set(st["grads"]) and len(st["grads"]) == 4, st["grads"]
+        for name, (fused, eager) in st["grads"].items():
+            # the fused step's MLP gradients (MC2 backward launches, simulated) against the float64 block's shard:
+            # fp32 accumulation rounded once, as eager's: at most twice the fp32 single-device block's own error
+            assert fused <= 2 * eager, (name, fused, eager)
+        fused, unfused = st["phases"]
+        assert all(fused[p] > 0 and unfused[p] > 0 for p in ("forward", "backward"))
+        # the row-parallel all-reduce's backward is the identity (Megatron): no link in the fused backward; torch
+        # 2.13's autograd of the functional all_reduce all-reduces the gradient: one launch per pair
+        assert st["back_links"] == ([], ["all_reduce"] * 2)
+        assert fused["forward"] < unfused["forward"]
+
+
 def test_parallelize_module_does_not_export(two):
     """torch 2.13: torch.export cannot take DTensor module hooks (an assertion inside export's tracing of the
     DTensor hooks); the hand-written functional-collective form captures. This pins the finding so a torch that
@@ -183,11 +200,14 @@ def test_cli_world_size_needs_a_rank_builder(capsys):
 def test_cli_simulates_a_world(capsys, tmp_path):
     from autofuse import cli
     out = tmp_path / "world.json"
-    cli.main(["simulate", "--world-size", "2", "--model", "tp-block", "--device", "ascend910b", "--json", str(out)])
+    cli.main(["simulate", "--world-size", "2", "--model", "tp-block", "--device", "ascend910b", "--json", str(out),
+              "--backward"])
     text = capsys.readouterr().out
     assert "2 ranks on ascend910b" in text and "matmul_all_reduce" in text
+    assert "training step (forward + backward)" in text and "backward launches on the links (rank 0, fused): none" in text
     import json
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 2 and doc["cycles"] < doc["cycles_unfused"]
+    assert all(r["step"]["phases"]["backward"] > 0 and r["step_unfused"]["phases"]["backward"] > 0 for r in doc["ranks"])
     assert {d["reason_code"] for r in doc["ranks"] for d in r["decisions"] if d["pattern"] == "matmul_all_reduce"} \
         == {"fused"}
