@@ -53,6 +53,47 @@ class BigPair(torch.nn.Module):
         return fc.all_reduce(F.linear(x, self.w), "sum", dist.group.WORLD)
 
 
+class SPMLP(torch.nn.Module):
+    """A Megatron sequence-parallel MLP shard: all-gather the rows, column-parallel linear, gelu, row-parallel
+    linear, reduce-scatter the rows (an all_gather_matmul and a matmul_reduce_scatter pair)."""
+
+    def __init__(self, world, h=64, f=256):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(f // world, h, generator=g) / h ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(h, f // world, generator=g) / f ** 0.5)
+
+    def forward(self, x):
+        grp = dist.group.WORLD
+        hidden = F.gelu(F.linear(fc.all_gather_tensor(x, 0, grp), self.w1))
+        return fc.reduce_scatter_tensor(F.linear(hidden, self.w2), "sum", 0, grp)
+
+
+def sp_step(rank, world):
+    """The sequence-parallel MLP's training step through rank_pipeline: its pairs, the step's launches on the
+    links by phase, and the fused step's gradients against the eager shard's (float64 and float32; the same output
+    gradient; torch's autograd of all_gather / reduce_scatter is the reduce-scatter / all-gather, Megatron's)."""
+    from autofuse.distributed import rank_pipeline
+    model = SPMLP(world)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))     # rows enough for both pairs to pay
+    res = rank_pipeline(model, (x,), device="ascend910b", fusion_switches=MC2_ONLY, backward=True)
+    dy, = res.step_grad_outputs
+    grads = {}
+    for dt in (torch.float64, torch.float32):
+        m = copy.deepcopy(model).to(dt)
+        xs = x.to(dt).requires_grad_()
+        m(xs).backward(dy.to(dt))
+        grads[dt] = {"w1": m.w1.grad, "w2": m.w2.grad, "x": xs.grad}
+    fused = {k: res.step_grads[k] for k in ("w1", "w2")}
+    return {"pairs": [(d.pattern, d.applied) for d in res.pairs],
+            "links": [(c.kind, c.phase) for c in res.step.collectives],
+            "links_unfused": [(c.kind, c.phase) for c in res.step_unfused.collectives],
+            "cycles": (res.step.phases, res.step_unfused.phases),
+            "grads": {k: ((g.double() - grads[torch.float64][k]).abs().max().item(),
+                          (grads[torch.float32][k].double() - grads[torch.float64][k]).abs().max().item())
+                      for k, g in fused.items()}}
+
+
 def _decisions(fused):
     fams = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
     return [(d.pattern, d.anchor, d.applied, d.reason_code, d.reason, d.params.get("tiles"), dict(d.tiling))
@@ -92,6 +133,7 @@ def checks(rank, world):
     block, args = build(rank, world)
     res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY, backward=True)
     out["step"] = _step_checks(res, rank, world)
+    out["sp_step"] = sp_step(rank, world)
     ref64 = copy.deepcopy(make_block()).double()(example_input().double())
     with torch.no_grad():
         out["err_fused"] = (res.outputs.double() - ref64).abs().max().item()
@@ -244,4 +286,4 @@ def mc2_grads(rank, world):
     return out
 
 
-__all__ = ["MC2_SHAPES", "Pairs", "TPBlock", "checks", "mc2_grads", "tp_block_fp16", "tp_block_only"]
+__all__ = ["MC2_SHAPES", "Pairs", "SPMLP", "TPBlock", "checks", "mc2_grads", "tp_block_fp16", "tp_block_only"]

@@ -155,6 +155,21 @@ def test_training_step_of_the_world(two):
         assert fused["forward"] < unfused["forward"]
 
 
+def test_sequence_parallel_training_step(two):
+    """The sequence-parallel MLP's step: both pairs fused; each backward is the other MC2 op (the duals) where the
+    unfused backward runs torch's autograd of the collectives, the all-gather and reduce-scatter."""
+    for r in (0, 1):
+        st = two[r]["sp_step"]
+        assert sorted(st["pairs"]) == [("all_gather_matmul", True), ("matmul_reduce_scatter", True)]
+        assert [k for k, p in st["links"] if p == "backward"] == ["all_gather_matmul", "matmul_reduce_scatter"]
+        assert [k for k, p in st["links_unfused"] if p == "backward"] == ["all_gather", "reduce_scatter"]
+        for name, (fused, eager) in st["grads"].items():
+            # fp32 accumulation rounded once, as eager's: at most twice eager's error against float64
+            assert fused <= 2 * eager, (name, fused, eager)
+        fused, unfused = st["cycles"]
+        assert fused["backward"] < unfused["backward"] and fused["forward"] < unfused["forward"]
+
+
 def test_parallelize_module_does_not_export(two):
     """torch 2.13: torch.export cannot take DTensor module hooks (an assertion inside export's tracing of the
     DTensor hooks); the hand-written functional-collective form captures. This pins the finding so a torch that
