@@ -124,10 +124,8 @@ def _mc2_grads_match_eager(res, world):
         assert {(k, v) for k, _, v in got} == set(MC2_LAUNCHES) and {d for _, d, _ in got} == {"float32", "float16"}
         for (kind, dtype, variant), g in got.items():
             assert g["launches"] == MC2_LAUNCHES[(kind, variant)], (kind, dtype, variant)
-            for t in ("dx", "dw"):
-                if (variant, t) in (("dx", "dw"), ("dw", "dx")):
-                    assert g[t] is None            # not asked for: not computed
-                    continue
+            asked = {"dx": ("dx",), "dw": ("dw",)}.get(variant, ("dx", "dw"))
+            for t in asked:
                 fused, eager = g[t]
                 # against the float64 layer: the kernels accumulate in fp32 and round once, as eager's CPU
                 # GEMMs do, and the collectives add the same partials; at most twice eager's own error
@@ -142,7 +140,7 @@ def test_training_step_of_the_world(two):
     """rank_pipeline(backward=True): each rank's training step, fused and unfused, simulated."""
     for r in (0, 1):
         st = two[r]["step"]
-        assert set(st["grads"]) and len(st["grads"]) == 4, st["grads"]
+        assert sorted(st["grads"]) == ["fc1_b", "fc1_w", "fc2_b", "fc2_w"]
         for name, (fused, eager) in st["grads"].items():
             # the fused step's MLP gradients (MC2 backward launches, simulated) against the float64 block's shard:
             # fp32 accumulation rounded once, as eager's: at most twice the fp32 single-device block's own error
@@ -219,10 +217,11 @@ def test_cli_simulates_a_world(capsys, tmp_path):
               "--backward"])
     text = capsys.readouterr().out
     assert "2 ranks on ascend910b" in text and "matmul_all_reduce" in text
-    assert "training step (forward + backward)" in text and "backward launches on the links (rank 0, fused): none" in text
+    assert "training step (forward + backward)" in text
+    assert "backward launches on the links (rank 0, fused): none" in text
     import json
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 2 and doc["cycles"] < doc["cycles_unfused"]
-    assert all(r["step"]["phases"]["backward"] > 0 and r["step_unfused"]["phases"]["backward"] > 0 for r in doc["ranks"])
+    assert all(r[s]["phases"]["backward"] > 0 for r in doc["ranks"] for s in ("step", "step_unfused"))
     assert {d["reason_code"] for r in doc["ranks"] for d in r["decisions"] if d["pattern"] == "matmul_all_reduce"} \
         == {"fused"}
