@@ -15,10 +15,11 @@ size). The cost model's :func:`cost_model.mc2.choose_tiles` picks all three. Onl
 
 Backward: simulated launches, the duals of the forwards (Megatron's sequence parallelism), with dy the output
 gradient. The dual MC2 op runs its kernel on this rank's simulated NPU through the same process group, with the
-forward's tile count (it pipelines the same rows) and its own default tiling and algorithm; the local GEMMs run
-the Cube ``matmul`` kernel through ``torch.ops.autofuse.matmul(a, b, trans_a, trans_b, device)`` (2-D, fp32
-accumulation, rounded once; its fake and ``reference_matmul`` twin are here). In a traced training step
-(:mod:`autofuse.training`) they are nodes of the joint graph like any fused call.
+forward's tile count (it pipelines the same rows) and its own default tiling and algorithm; it takes Wᵀ as its
+linear weight, so its kernel's right operand is W itself, ``[N, K]`` as stored (the dual's inner dim is N). The
+local GEMMs run the Cube ``matmul`` kernel through ``torch.ops.autofuse.matmul(a, b, trans_a, trans_b, device)``
+(2-D, fp32 accumulation, rounded once; its fake and ``reference_matmul`` twin are here). In a traced training
+step (:mod:`autofuse.training`) they are nodes of the joint graph like any fused call.
 
 * ``matmul_all_reduce``: y = Σ_ranks x_r W_rᵀ is replicated, so dy is the same on every rank and the
   all-reduce's backward is the identity (Megatron's "g"): dx = dy W and dW = dyᵀ x, two ``matmul`` launches,
