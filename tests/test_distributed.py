@@ -199,7 +199,9 @@ def test_four_ranks_float16():
 
 @pytest.mark.slow
 def test_eight_ranks():
-    _world_equals_single_device(run_world("tp_block_only", 8), 8)
+    res = run_world("tp_block_only", 8)
+    _world_equals_single_device(res, 8)
+    _mc2_grads_match_eager(res, 8)
 
 
 def test_cli_world_size_needs_a_rank_builder(capsys):
