@@ -21,8 +21,8 @@ Exit status: 0 done; 2 the command line is wrong (one line on stderr says what t
 could not be captured or fused (its reason on stderr; ``-v`` adds the traceback). ``-v`` prints each
 stage's wall time as it finishes (capture, canonicalize, match, plan, verify, rewrite, simulate) and lets
 library warnings through; without it they are silenced. On a terminal, simulation shows a progress bar.
-``simulate --backward`` simulates a training step (forward and backward, each phase's figures printed);
-add ``--train`` for the training-mode forward (dropout active).
+``simulate --backward`` simulates a training step (forward and backward, each phase's figures printed; with
+``--world-size N``, each rank's); add ``--train`` for the training-mode forward (dropout active).
 """
 from __future__ import annotations
 
@@ -545,7 +545,8 @@ def _simulate_world(a, progress):
         raise UsageError(str(e)) from None
     t0 = time.perf_counter()
     try:
-        world = simulate_world(build, a.world_size, kw.pop("target_device"), kw.pop("optimization_level"), **kw)
+        world = simulate_world(build, a.world_size, kw.pop("target_device"), kw.pop("optimization_level"),
+                               backward=a.backward, **kw)
     except RuntimeError as e:
         raise ModelFailed(f"could not simulate {a.model} on {a.world_size} ranks: {e}") from e
     progress.stage("simulate", time.perf_counter() - t0, f"{a.world_size} ranks")

@@ -21,6 +21,14 @@ Each rank is one process (``torch.multiprocessing``, gloo on loopback) and simul
    time), its cycles, and what it overlapped with — nothing for a collective launched on its own; for an MC2
    launch, the matmul it is fused with and the cycles that hid (the pair's launches in the unfused simulation
    minus the fused launch).
+4. with ``backward=True`` (``autofuse simulate --world-size N --backward``), **a training step** of both graphs
+   (:mod:`autofuse.training`: the forward and the backward traced together, the rank's input requiring grad as
+   a layer's inside a model does), simulated like the forward: each phase's cycles per rank, fused vs unfused.
+   The fused graph's backward is what its MC2 ops register (``autofuse/ops_mc2.py``: the dual MC2 launch and
+   ``matmul`` launches; a row-parallel all-reduce's backward is the identity, Megatron's). The captured graph's
+   is torch's autograd of the functional collectives: in torch 2.13 ``all_reduce``'s backward all-reduces the
+   gradient (an all-reduce launch per row-parallel layer, and p times the gradient of a replicated output);
+   the report names those launches, so a reader can set them aside.
 
 :func:`simulate_world` starts the ranks on this machine (what ``autofuse simulate --world-size N`` calls).
 """
@@ -49,6 +57,7 @@ class CollectiveCost:
     cycles: int                    # the launch (kernel time)
     overlapped_with: str = ""      # "" for a collective launched on its own; an MC2 launch: its matmul
     hidden_cycles: int = 0         # MC2: the pair's two launches (unfused simulation) minus the fused launch
+    phase: str = ""                # in a training step: "forward" or "backward"
 
 
 @dataclass
@@ -56,6 +65,7 @@ class GraphRun:
     cycles: int
     launches: int
     collectives: list = field(default_factory=list)
+    phases: dict = field(default_factory=dict)       # a training step's cycles per phase
 
 
 @dataclass
@@ -68,6 +78,10 @@ class RankResult:
     max_abs_diff: float            # fused graph's outputs vs the captured graph's, both simulated on this rank
     outputs: object = None
     outputs_unfused: object = None
+    step: GraphRun | None = None            # backward=True: the fused graph's training step
+    step_unfused: GraphRun | None = None    # and the captured graph's
+    step_grads: dict | None = None          # the fused step's gradients: parameter name -> tensor
+    step_grad_outputs: list | None = None   # the output gradients both steps took
 
     @property
     def speedup(self) -> float:
@@ -104,7 +118,9 @@ class WorldResult:
                 "ranks": [{"rank": r.rank, "cycles": r.fused.cycles, "cycles_unfused": r.unfused.cycles,
                            "max_abs_diff": r.max_abs_diff, "decisions": [d.to_dict() for d in r.decisions],
                            "collectives": [c.__dict__ for c in r.fused.collectives],
-                           "collectives_unfused": [c.__dict__ for c in r.unfused.collectives]} for r in self.ranks]}
+                           "collectives_unfused": [c.__dict__ for c in r.unfused.collectives],
+                           **({"step": _as_dict(r.step), "step_unfused": _as_dict(r.step_unfused)}
+                              if r.step is not None else {})} for r in self.ranks]}
 
     def summary(self) -> str:
         from cost_model.devices import get_device
@@ -127,7 +143,29 @@ class WorldResult:
                   f"launches" if c.overlapped_with else "a launch of its own")
             lines.append(f"    {c.kind:22s} {c.node}: {c.bytes:,} B sent, link busy {c.link_cycles:,} of "
                          f"{c.cycles:,} cycles; {ov}")
+        if self.ranks[0].step is not None:
+            lines += self._step_lines()
         return "\n".join(lines)
+
+    def _step_lines(self) -> list:
+        step = max(r.step.cycles for r in self.ranks)
+        step_u = max(r.step_unfused.cycles for r in self.ranks)
+        lines = [f"  training step (forward + backward): system {step:,} cycles fused vs {step_u:,} unfused "
+                 f"({step_u / max(step, 1):.2f}x; the slowest rank each)"]
+        for r in self.ranks:
+            f, u = r.step.phases, r.step_unfused.phases
+            lines.append(f"    rank {r.rank}: forward {f['forward']:,} / {u['forward']:,}, backward "
+                         f"{f['backward']:,} / {u['backward']:,} cycles (fused / unfused), {r.step.launches} / "
+                         f"{r.step_unfused.launches} launches")
+        for side, run in (("fused", self.ranks[0].step), ("unfused", self.ranks[0].step_unfused)):
+            back = [c for c in run.collectives if c.phase == "backward"]
+            lines.append(f"    backward launches on the links (rank 0, {side}): "
+                         + (", ".join(f"{c.kind} {c.node} {c.cycles:,} cycles" for c in back) or "none"))
+        return lines
+
+
+def _as_dict(run: GraphRun) -> dict:
+    return {**run.__dict__, "collectives": [c.__dict__ for c in run.collectives]}
 
 
 def _origin(plan, canonical_name: str) -> str:
@@ -143,7 +181,7 @@ def _run(sim, gm, decisions=(), plan=None, unfused_sim=None) -> GraphRun:
     for rec in sim.nodes:
         if not rec.link_bytes and not any(k in COLLECTIVE_KERNELS for k in rec.kernels):
             continue
-        cost = CollectiveCost(rec.node, rec.kernels[0], rec.link_bytes, rec.link_cycles, rec.cycles)
+        cost = CollectiveCost(rec.node, rec.kernels[0], rec.link_bytes, rec.link_cycles, rec.cycles, phase=rec.phase)
         m = nodes[rec.node].meta.get("autofuse_match") if rec.node in nodes else None
         d = by_anchor.get(_origin(plan, m.anchor)) if m is not None and plan is not None else None
         if d is not None and unfused_sim is not None:
@@ -151,7 +189,7 @@ def _run(sim, gm, decisions=(), plan=None, unfused_sim=None) -> GraphRun:
             cost.overlapped_with = "matmul " + ", ".join(matmuls) if matmuls else "its matmul"
             cost.hidden_cycles = unfused_sim.cycles_of(d.nodes) - rec.cycles
         colls.append(cost)
-    return GraphRun(sim.cycles, sim.launches, colls)
+    return GraphRun(sim.cycles, sim.launches, colls, sim.phases if sim.joint is not None else {})
 
 
 def _is_matmul(plan, name: str) -> bool:
@@ -164,9 +202,10 @@ def _leaves(out):
     return [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
 
 
-def rank_pipeline(model, args, device: str = "ascend910b", level: str = "O3", **fuse_kwargs) -> RankResult:
+def rank_pipeline(model, args, device: str = "ascend910b", level: str = "O3", backward: bool = False,
+                  **fuse_kwargs) -> RankResult:
     """Steps 1–3 of the module docstring on this rank (torch.distributed initialised; every rank calls it with
-    its shard of the same model, in the same order)."""
+    its shard of the same model, in the same order), and step 4 with ``backward``."""
     import torch.distributed as dist
 
     from autofuse.engine import AutoFusionEngine
@@ -180,11 +219,30 @@ def rank_pipeline(model, args, device: str = "ascend910b", level: str = "O3", **
     out_f = _leaves(fused_sim.outputs)
     out_u = _leaves(unfused_sim.outputs)
     diff = max(((a.double() - b.double()).abs().max().item() for a, b in zip(out_u, out_f)), default=0.0)
-    return RankResult(dist.get_rank(), device,
-                      _run(fused_sim, plan.graph_module, decisions, plan, unfused_sim),
-                      _run(unfused_sim, plan.captured.graph_module), decisions, diff,
-                      plan.captured.unflatten_outputs(tuple(fused_sim.outputs)),
-                      plan.captured.unflatten_outputs(tuple(unfused_sim.outputs)))
+    res = RankResult(dist.get_rank(), device,
+                     _run(fused_sim, plan.graph_module, decisions, plan, unfused_sim),
+                     _run(unfused_sim, plan.captured.graph_module), decisions, diff,
+                     plan.captured.unflatten_outputs(tuple(fused_sim.outputs)),
+                     plan.captured.unflatten_outputs(tuple(unfused_sim.outputs)))
+    if backward:
+        _training_step(res, plan, leaves, device)
+    return res
+
+
+def _training_step(res: RankResult, plan, leaves, device: str):
+    """Step 4 of the module docstring: both graphs' training steps on this rank, into ``res``."""
+    from autofuse.simulate import simulate_graph
+    # the rank's input requires grad, as a layer's inside a model does (its gradient is the previous layer's dy)
+    xs = [x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+          for x in leaves]
+    fused = simulate_graph(plan.graph_module, xs, device, backward=True)
+    unfused = simulate_graph(plan.captured.graph_module, xs, device, backward=True)
+    res.step, res.step_unfused = _run(fused, fused.joint.graph_module), _run(unfused, unfused.joint.graph_module)
+    joint, outs = fused.joint, list(fused.outputs)
+    # the step's outputs: the forward's, then a gradient per parameter, then per input that requires grad
+    end = len(outs) - sum(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+    res.step_grads = {name: g for (name, _), g in zip(joint.params, outs[end - len(joint.params):end])}
+    res.step_grad_outputs = joint.arguments(xs)[-len(joint.grad_shapes):]
 
 
 def rank_builder(spec: str, hidden=None, heads=None, seq=None, batch=None, dtype="float32"):
@@ -218,7 +276,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, build, device, level, fuse_kwargs, queue):
+def _worker(rank, world, port, build, device, level, backward, fuse_kwargs, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), AUTOFUSE_NPU_THREADS="1")
     torch.set_num_threads(1)           # several ranks share the host's cores
     import torch.distributed as dist
@@ -226,7 +284,7 @@ def _worker(rank, world, port, build, device, level, fuse_kwargs, queue):
     try:
         model, args = build(rank, world)
         # pickled here, by value: tensors handed over as shared memory vanish when this process ends
-        queue.put((rank, pickle.dumps(rank_pipeline(model, args, device, level, **fuse_kwargs)), None))
+        queue.put((rank, pickle.dumps(rank_pipeline(model, args, device, level, backward, **fuse_kwargs)), None))
     except BaseException:           # the parent re-raises it with the rank named
         queue.put((rank, None, traceback.format_exc()))
     finally:
@@ -234,12 +292,13 @@ def _worker(rank, world, port, build, device, level, fuse_kwargs, queue):
 
 
 def simulate_world(build=None, world_size: int = 2, device: str = "ascend910b", level: str = "O3",
-                   timeout: float = 1800.0, **fuse_kwargs) -> WorldResult:
+                   timeout: float = 1800.0, backward: bool = False, **fuse_kwargs) -> WorldResult:
     """Run :func:`rank_pipeline` on ``world_size`` gloo ranks (processes on this machine, loopback).
 
     ``build(rank, world_size) -> (module, example_args)`` must be picklable (a module-level function); it
     builds the rank's shard (default: :func:`autofuse.tp_models.build`, a Megatron-split GPT-2 block).
     ``fuse_kwargs`` go to every rank's ``AutoFusionEngine.fuse`` (``memory_budget``, ``fusion_switches``).
+    ``backward``: also each rank's training step (step 4 of the module docstring).
     Returns every rank's result; the system's figures are the slowest rank's.
     """
     if build is None:
@@ -248,7 +307,8 @@ def simulate_world(build=None, world_size: int = 2, device: str = "ascend910b", 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, build, device, level, fuse_kwargs, queue))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, port, build, device, level, backward, fuse_kwargs, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -13,16 +13,29 @@ the launch for whole-graph simulation. ``tiles``: the tiles the kernel pipelines
 ``algorithm``: the tiles' collective algorithm (``""``: the one a collective library picks for each tile's
 size). The cost model's :func:`cost_model.mc2.choose_tiles` picks all three. Only ``"sum"`` reductions.
 
-Backward (recomputed on the host in fp32 from the saved inputs, not simulated), with dy the output gradient:
+Backward: simulated launches, the duals of the forwards (Megatron's sequence parallelism), with dy the output
+gradient. The dual MC2 op runs its kernel on this rank's simulated NPU through the same process group, with the
+forward's tile count (it pipelines the same rows) and its own default tiling and algorithm; it takes Wᵀ as its
+linear weight, so its kernel's right operand is W itself, ``[N, K]`` as stored (the dual's inner dim is N). The
+local GEMMs run the Cube ``matmul`` kernel through ``torch.ops.autofuse.matmul(a, b, trans_a, trans_b, device)``
+(2-D, fp32 accumulation, rounded once; its fake and ``reference_matmul`` twin are here). In a traced training
+step (:mod:`autofuse.training`) they are nodes of the joint graph like any fused call.
 
 * ``matmul_all_reduce``: y = Σ_ranks x_r W_rᵀ is replicated, so dy is the same on every rank and the
-  all-reduce's backward is the identity (Megatron's "g"): dx = dy W, dW = dyᵀ x — no communication.
-  (torch's own ``_functional_collectives.all_reduce`` differentiates differently in torch 2.13: it
-  all-reduces the gradient, which for a replicated dy gives p times this; measured, not assumed.)
-* ``matmul_reduce_scatter``: y = rows r of Σ x Wᵀ; its backward all-gathers dy: dx = AG(dy) W,
-  dW = AG(dy)ᵀ x.
-* ``all_gather_matmul``: y = AG(x) Wᵀ; dW = dyᵀ AG(x) (AG(x) is the op's second output, saved), and
-  dx = reduce_scatter(dy W) (each rank's rows of the sum over ranks).
+  all-reduce's backward is the identity (Megatron's "g"): dx = dy W and dW = dyᵀ x, two ``matmul`` launches,
+  no communication. (torch's own ``_functional_collectives.all_reduce`` differentiates differently in torch
+  2.13: it all-reduces the gradient, which for a replicated dy gives p times this; measured, not assumed.)
+* ``matmul_reduce_scatter``: y = rows r of Σ x Wᵀ; its backward all-gathers dy: dx = AG(dy) W is
+  ``all_gather_matmul(dy, Wᵀ)`` (one MC2 launch), whose second output AG(dy) gives dW = AG(dy)ᵀ x (a ``matmul``
+  launch with a transposed). When only W wants a gradient, AG(dy) is a plain functional all-gather.
+* ``all_gather_matmul``: y = AG(x) Wᵀ; dx = reduce_scatter(dy W) is ``matmul_reduce_scatter(dy, Wᵀ)`` (one MC2
+  launch) and dW = dyᵀ AG(x) a ``matmul`` launch on the saved second output. A gradient of that second output
+  (``dgathered``, when the graph reads AG(x)) belongs in the reduce-scatter's sum, dx = RS(dy W + dgathered);
+  the fused kernel takes no addend, so, the reduce-scatter being linear, dgathered is reduce-scattered on its
+  own (a functional collective, in fp32) and added in fp32 to the MC2 launch's dx (itself rounded to x's
+  dtype, as eager's dy W is), the sum rounded to x's dtype.
+
+Outputs without a gradient get no launch (``set_materialize_grads(False)``).
 """
 from __future__ import annotations
 
@@ -30,7 +43,7 @@ import json
 
 import torch
 
-from autofuse.ops import _record, _to_torch, run_kernel
+from autofuse.ops import REFERENCES, _record, _to_torch, run_kernel
 
 _REDUCE_OPS = ("sum",)
 
@@ -101,64 +114,135 @@ def _(x, weight, group_name, world_size, tiles=4, device="ascend910b", tiling=""
     return x.new_empty((*lead, weight.shape[0])), x.new_empty((*lead, x.shape[-1]))
 
 
+# ------------------------------------------------------------------------------------------ plain matmul
+@torch.library.custom_op("autofuse::matmul", mutates_args=())
+def matmul(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
+           device: str = "ascend910b", tiling: str = "") -> torch.Tensor:
+    """``op(a) @ op(b)`` of 2-D operands (``op``: transposed when asked) on the simulator's Cube ``matmul``
+    kernel: fp32 accumulation, the result rounded once to a's dtype. The MC2 backwards' local GEMMs."""
+    _check_2d(a, b, trans_a, trans_b)
+    r = run_kernel("matmul", a, b, trans_a=trans_a, trans_b=trans_b, device=device, tiling=_tiling(tiling))
+    _record("matmul", r.stats)
+    return _to_torch(r.outputs[0], a.dtype)
+
+
+def _check_2d(a, b, trans_a, trans_b):
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"autofuse::matmul: a {list(a.shape)} and b {list(b.shape)} must be 2-D; flatten the "
+                         f"leading dims first")
+    if (a.shape[0] if trans_a else a.shape[1]) != (b.shape[1] if trans_b else b.shape[0]):
+        raise ValueError(f"autofuse::matmul: inner dims of a {list(a.shape)} (trans_a={trans_a}) and b "
+                         f"{list(b.shape)} (trans_b={trans_b}) differ")
+
+
+@matmul.register_fake
+def _(a, b, trans_a=False, trans_b=False, device="ascend910b", tiling=""):
+    _check_2d(a, b, trans_a, trans_b)
+    return a.new_empty((a.shape[1] if trans_a else a.shape[0], b.shape[0] if trans_b else b.shape[1]))
+
+
+def reference_matmul(a, b, trans_a=False, trans_b=False, **_):
+    """The kernel's numerics in torch: fp32 products and sums, rounded once to a's dtype (repeated launches)."""
+    af, bf = a.float(), b.float()
+    return ((af.t() if trans_a else af) @ (bf.t() if trans_b else bf)).to(a.dtype)
+
+
+REFERENCES["matmul"] = reference_matmul
+
+
 # ------------------------------------------------------------------------------------------ backward
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def _dw(dy, x, device):
+    """dW = dyᵀ x [N, K] (a linear's weight layout) from dy [..., N] and x [..., K]: one matmul launch."""
+    return torch.ops.autofuse.matmul(_rows(dy).contiguous(), _rows(x).contiguous(), True, False, device)
+
+
+def _save(ctx, inputs, output):
+    """The forward's x, weight and the arguments the dual launches reuse (group, world size, tile count,
+    device)."""
+    x, weight, *rest = inputs
+    params = dict(zip(_PARAMS[ctx.kind], rest))
+    ctx.save_for_backward(x if ctx.kind != "all_gather_matmul" else output[1], weight)
+    ctx.group_name, ctx.world = params["group_name"], params.get("world_size")     # matmul_all_reduce: none
+    ctx.tiles, ctx.device = params["tiles"], params["device"]
+    ctx.x_shape = x.shape
+
+
+_PARAMS = {"matmul_all_reduce": ("reduce_op", "group_name", "tiles", "device"),
+           "matmul_reduce_scatter": ("reduce_op", "group_name", "world_size", "tiles", "device"),
+           "all_gather_matmul": ("group_name", "world_size", "tiles", "device")}
+
+
+def _setup(kind):
+    def setup(ctx, inputs, output):
+        ctx.kind = kind
+        ctx.set_materialize_grads(False)   # an output the graph does not read has no gradient (no launch for it)
+        _save(ctx, inputs, output)
+    return setup
+
+
+def _backward_mar(ctx, dy):
+    """Row-parallel: dy is replicated and the all-reduce's backward is the identity: dx = dy W, dW = dyᵀ x, two
+    local matmul launches."""
+    x, w = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.autofuse.matmul(_rows(dy), w.contiguous(), False, False, ctx.device).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        dw = _dw(dy, x, ctx.device)
+    return (dx, dw) + (None,) * 6
+
+
+def _backward_mrs(ctx, dy):
+    """dx = AG(dy) W: the dual ``all_gather_matmul(dy, Wᵀ)``, whose second output AG(dy) gives dW = AG(dy)ᵀ x
+    (a matmul launch). Without dx: a plain all-gather (a functional collective) for dW."""
+    x, w = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx, gathered = torch.ops.autofuse.all_gather_matmul(dy, w.t(), ctx.group_name, ctx.world, ctx.tiles,
+                                                            ctx.device)
+        dx = dx.reshape(ctx.x_shape)
+    elif ctx.needs_input_grad[1]:
+        fc = _fc()
+        gathered = fc.wait_tensor(fc.all_gather_single(dy, 0, ctx.group_name))
+    if ctx.needs_input_grad[1]:
+        dw = _dw(gathered, x, ctx.device)
+    return (dx, dw) + (None,) * 7
+
+
+def _backward_agm(ctx, dy, dgathered):
+    """dx = RS(dy W): the dual ``matmul_reduce_scatter(dy, Wᵀ)``; dW = dyᵀ AG(x) from the saved second output
+    (a matmul launch). A gradient of the gathered output (``dgathered``, when the graph reads it) adds to
+    dy W before the reduce-scatter; the fused launch takes no addend, and the reduce-scatter is linear, so
+    it is reduce-scattered on its own (a functional collective) and added in fp32 (the module docstring)."""
+    gathered, w = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0] and dy is not None:
+        dx = torch.ops.autofuse.matmul_reduce_scatter(dy.contiguous(), w.t(), "sum", ctx.group_name, ctx.world,
+                                                      ctx.tiles, ctx.device).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[0] and dgathered is not None:
+        fc = _fc()
+        extra = fc.wait_tensor(fc.reduce_scatter_single(dgathered.float().contiguous(), "sum", 0, ctx.group_name))
+        extra = extra.reshape(ctx.x_shape)
+        dx = (extra if dx is None else dx.float() + extra).to(gathered.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = _dw(dy, gathered, ctx.device) if dy is not None else torch.zeros_like(w)
+    return (dx, dw) + (None,) * 6
+
+
 def _fc():
     import torch.distributed._functional_collectives as fc
     return fc
 
 
-def _grads(ctx, dy_full, x):
-    """dx = dy W, dW = dyᵀ x (fp32 on the host), shaped and typed like x and W."""
-    w = ctx.saved_tensors[1]
-    dyf = dy_full.float().reshape(-1, dy_full.shape[-1])
-    xf = x.float().reshape(-1, x.shape[-1])
-    dx = (dyf @ w.float()).reshape(*x.shape[:-1], w.shape[1]).to(x.dtype) if ctx.needs_input_grad[0] else None
-    dw = (dyf.t() @ xf).to(w.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw
+matmul_all_reduce.register_autograd(_backward_mar, setup_context=_setup("matmul_all_reduce"))
+matmul_reduce_scatter.register_autograd(_backward_mrs, setup_context=_setup("matmul_reduce_scatter"))
+all_gather_matmul.register_autograd(_backward_agm, setup_context=_setup("all_gather_matmul"))
 
 
-def _save(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1])
-    ctx.group_name = inputs[3] if len(inputs) > 3 and isinstance(inputs[3], str) else inputs[2]
-
-
-def _backward_mar(ctx, dy):
-    dx, dw = _grads(ctx, dy, ctx.saved_tensors[0])
-    return dx, dw, None, None, None, None, None, None
-
-
-def _backward_mrs(ctx, dy):
-    fc = _fc()
-    full = fc.wait_tensor(fc.all_gather_tensor(dy.contiguous(), 0, ctx.group_name))
-    dx, dw = _grads(ctx, full, ctx.saved_tensors[0])
-    return dx, dw, None, None, None, None, None, None, None
-
-
-def _save_agm(ctx, inputs, output):
-    ctx.save_for_backward(output[1], inputs[1])
-    ctx.group_name = inputs[2]
-    ctx.x_shape, ctx.x_dtype = inputs[0].shape, inputs[0].dtype
-
-
-def _backward_agm(ctx, dy, dgathered):
-    fc = _fc()
-    gathered = ctx.saved_tensors[0]
-    w = ctx.saved_tensors[1]
-    dyf = dy.float().reshape(-1, dy.shape[-1])
-    dw = (dyf.t() @ gathered.float().reshape(-1, gathered.shape[-1])).to(w.dtype) if ctx.needs_input_grad[1] else None
-    dx = None
-    if ctx.needs_input_grad[0]:
-        dfull = (dyf @ w.float()).reshape(*gathered.shape)
-        if dgathered is not None:
-            dfull = dfull + dgathered.float()
-        dx = fc.wait_tensor(fc.reduce_scatter_tensor(dfull.contiguous(), "sum", 0, ctx.group_name))
-        dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
-    return dx, dw, None, None, None, None, None, None
-
-
-matmul_all_reduce.register_autograd(_backward_mar, setup_context=_save)
-matmul_reduce_scatter.register_autograd(_backward_mrs, setup_context=_save)
-all_gather_matmul.register_autograd(_backward_agm, setup_context=_save_agm)
-
-
-__all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter"]
+__all__ = ["all_gather_matmul", "matmul", "matmul_all_reduce", "matmul_reduce_scatter", "reference_matmul"]

@@ -53,6 +53,46 @@ class BigPair(torch.nn.Module):
         return fc.all_reduce(F.linear(x, self.w), "sum", dist.group.WORLD)
 
 
+class SPMLP(torch.nn.Module):
+    """A Megatron sequence-parallel MLP shard: all-gather the rows, column-parallel linear, gelu, row-parallel
+    linear, reduce-scatter the rows (an all_gather_matmul and a matmul_reduce_scatter pair)."""
+
+    def __init__(self, world, h=64, f=256):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(f // world, h, generator=g) / h ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(h, f // world, generator=g) / f ** 0.5)
+
+    def forward(self, x):
+        grp = dist.group.WORLD
+        hidden = F.gelu(F.linear(fc.all_gather_tensor(x, 0, grp), self.w1))
+        return fc.reduce_scatter_tensor(F.linear(hidden, self.w2), "sum", 0, grp)
+
+
+def sp_step(rank, world):
+    """The sequence-parallel MLP's training step through rank_pipeline: its pairs, the step's launches on the
+    links by phase, and the fused step's gradients against the eager shard's (float64 and float32; the same output
+    gradient; torch's autograd of all_gather / reduce_scatter is the reduce-scatter / all-gather, Megatron's)."""
+    from autofuse.distributed import rank_pipeline
+    model = SPMLP(world)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))     # rows enough for both pairs to pay
+    res = rank_pipeline(model, (x,), device="ascend910b", fusion_switches=MC2_ONLY, backward=True)
+    dy, = res.step_grad_outputs
+    grads = {}
+    for dt in (torch.float64, torch.float32):
+        m = copy.deepcopy(model).to(dt)
+        xs = x.to(dt).requires_grad_()
+        m(xs).backward(dy.to(dt))
+        grads[dt] = {"w1": m.w1.grad, "w2": m.w2.grad}
+    return {"pairs": [(d.pattern, d.applied) for d in res.pairs],
+            "links": [(c.kind, c.phase) for c in res.step.collectives],
+            "links_unfused": [(c.kind, c.phase) for c in res.step_unfused.collectives],
+            "cycles": (res.step.phases, res.step_unfused.phases),
+            "grads": {k: ((g.double() - grads[torch.float64][k]).abs().max().item(),
+                          (grads[torch.float32][k].double() - grads[torch.float64][k]).abs().max().item())
+                      for k, g in ((k, res.step_grads[k]) for k in ("w1", "w2"))}}
+
+
 def _decisions(fused):
     fams = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
     return [(d.pattern, d.anchor, d.applied, d.reason_code, d.reason, d.params.get("tiles"), dict(d.tiling))
@@ -90,7 +130,9 @@ def checks(rank, world):
     out["kept"] = _decisions(kept)
     # the whole pipeline on the Megatron block, through the engine
     block, args = build(rank, world)
-    res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)
+    res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY, backward=True)
+    out["step"] = _step_checks(res, rank, world)
+    out["sp_step"] = sp_step(rank, world)
     ref64 = copy.deepcopy(make_block()).double()(example_input().double())
     with torch.no_grad():
         out["err_fused"] = (res.outputs.double() - ref64).abs().max().item()
@@ -101,6 +143,7 @@ def checks(rank, world):
                           for cc in res.fused.collectives]
     out["unfused_collectives"] = [(cc.kind, cc.bytes, cc.overlapped_with) for cc in res.unfused.collectives]
     out["fused_vs_unfused"] = res.max_abs_diff
+    out["mc2_grads"] = mc2_grads(rank, world)
     # gradients of the fused op against the eager row-parallel linear (functional all-reduce)
     import autofuse.ops_mc2  # noqa: F401
     g = torch.Generator().manual_seed(10 + rank)
@@ -126,25 +169,117 @@ def checks(rank, world):
     return out
 
 
+def _step_checks(res, rank, world):
+    """The simulated training step of the Megatron block on this rank: its phases and backward link launches, and
+    the fused step's MLP weight gradients against the single-device block's shard of them (float64 and float32
+    eager, with the step's own output gradient). Only the MLP's: the block has no Megatron "f" (an all-reduce of
+    the column-parallel inputs' gradients), so the gradients below the MLP's input are each rank's partial ones."""
+    d = 4 * make_block().fc1.weight.shape[1] // world
+    shard = {"fc1_w": lambda b: b.fc1.weight.grad[rank * d:(rank + 1) * d],
+             "fc1_b": lambda b: b.fc1.bias.grad[rank * d:(rank + 1) * d],
+             "fc2_w": lambda b: b.fc2.weight.grad[:, rank * d:(rank + 1) * d], "fc2_b": lambda b: b.fc2.bias.grad}
+    dy, = res.step_grad_outputs
+    grads = {}
+    for dt in (torch.float64, torch.float32):
+        block = copy.deepcopy(make_block()).to(dt)
+        block(example_input().to(dt)).backward(dy.to(dt))
+        grads[dt] = {k: f(block) for k, f in shard.items()}
+    errs = {k: ((res.step_grads[k].double() - grads[torch.float64][k]).abs().max().item(),
+                (grads[torch.float32][k].double() - grads[torch.float64][k]).abs().max().item()) for k in shard}
+    back = lambda run: [c.kind for c in run.collectives if c.phase == "backward"]   # noqa: E731
+    return {"grads": errs, "phases": (res.step.phases, res.step_unfused.phases),
+            "back_links": (back(res.step), back(res.step_unfused))}
+
+
 # the tests are about the matmul + collective pairs: the attention family (its own tests) is switched off
 MC2_ONLY = {"attention": "off"}
 
 
-def tp_block_only(rank, world, dtype=torch.float32):
-    """The Megatron block through the engine on this rank, against the float64 single-device block."""
+def tp_block_only(rank, world, dtype=torch.float32, grads=True):
+    """The Megatron block through the engine on this rank, against the float64 single-device block (and, with
+    ``grads``, :func:`mc2_grads` in this world)."""
     from autofuse.distributed import rank_pipeline
     block, args = build(rank, world, dtype=dtype)
     res = rank_pipeline(block, args, device="ascend910b", fusion_switches=MC2_ONLY)
     ref64 = copy.deepcopy(make_block(dtype=dtype)).double()(example_input(dtype=dtype).double())
+    grad_checks = mc2_grads(rank, world) if grads else None
     with torch.no_grad():
         return {"err_fused": (res.outputs.double() - ref64).abs().max().item(),
                 "err_unfused": (block(*args).double() - ref64).abs().max().item(),
                 "decisions": [(d.pattern, d.applied, d.reason_code) for d in res.pairs],
-                "cycles": (res.fused.cycles, res.unfused.cycles)}
+                "cycles": (res.fused.cycles, res.unfused.cycles), "mc2_grads": grad_checks}
 
 
 def tp_block_fp16(rank, world):
-    return tp_block_only(rank, world, torch.float16)
+    return tp_block_only(rank, world, torch.float16, grads=False)
 
 
-__all__ = ["Pairs", "TPBlock", "checks", "tp_block_fp16", "tp_block_only"]
+def _tp_layers(kind, x, w, name, p):
+    """The unfused TP layer in eager torch (functional collectives + linear), differentiable: its outputs."""
+    if kind == "all_gather_matmul":           # column-parallel, sequence-parallel input: reduce-scatter backward
+        xg = fc.all_gather_single_autograd(x, 0, name)
+        return F.linear(xg, w), xg
+    if kind == "matmul_reduce_scatter":       # row-parallel, sequence-parallel output: all-gather backward
+        return (fc.reduce_scatter_single_autograd(F.linear(x, w), "sum", 0, name),)
+    # row-parallel, replicated output: the all-reduce's backward is the identity (the op's docstring)
+    return (F.linear(x, w),)
+
+
+def _fused_layer(kind, x, w, name, p):
+    ops = torch.ops.autofuse
+    if kind == "all_gather_matmul":
+        return ops.all_gather_matmul(x, w, name, p, 2, "ascend910b")
+    if kind == "matmul_reduce_scatter":
+        return (ops.matmul_reduce_scatter(x, w, "sum", name, p, 2, "ascend910b"),)
+    return (ops.matmul_all_reduce(x, w, "sum", name, 2, "ascend910b"),)
+
+
+#: kind -> (x shape, w shape) on each rank: x [rows, K], w [N, K] (a linear's layout)
+MC2_SHAPES = {"all_gather_matmul": ((8, 16), (24, 16)), "matmul_reduce_scatter": ((16, 16), (24, 16)),
+              "matmul_all_reduce": ((6, 16), (24, 16))}
+
+
+def mc2_grads(rank, world):
+    """The MC2 ops' gradients (dx, dW) against the unfused TP layer's eager autograd, both measured against the
+    float64 eager layer, for each op in float32 and float16 (all_gather_matmul also with its gathered output
+    used and with dx only, matmul_reduce_scatter with dW only); and the launches each forward and backward
+    records. Returns {(kind, dtype, variant): {"dx": (fused error, eager error), "dw": ..., "launches": [kernel
+    names]}}, without the gradient a variant does not ask for."""
+    from autofuse.ops import recording
+    import autofuse.ops_mc2  # noqa: F401
+    name, out = dist.group.WORLD.group_name, {}
+    variants = [(k, None) for k in MC2_SHAPES] + [("all_gather_matmul", "gathered"), ("all_gather_matmul", "dx"),
+                                                    ("matmul_reduce_scatter", "dw")]
+    for dtype in (torch.float32, torch.float16):
+        for kind, variant in variants:
+            xs, ws = MC2_SHAPES[kind]
+            g = torch.Generator().manual_seed(100 + rank)
+            x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g) / ws[1] ** 0.5
+            # the replicated output's gradient is the same on every rank
+            gy = torch.Generator().manual_seed(7 if kind == "matmul_all_reduce" else 200 + rank)
+            rows = {"all_gather_matmul": xs[0] * world, "matmul_reduce_scatter": xs[0] // world}.get(kind, xs[0])
+            grads = [torch.randn(rows, ws[0], generator=gy), torch.randn(rows, xs[1], generator=gy)]
+            if variant != "gathered":
+                grads = grads[:1]
+            want_x, want_w = variant != "dw", variant != "dx"
+
+            def run(layer, dt):
+                xl = x.to(dt).clone().requires_grad_(want_x)   # a copy: its .grad is this run's alone
+                wl = w.to(dt).clone().requires_grad_(want_w)
+                outs = layer(kind, xl, wl, name, world)
+                torch.autograd.backward(outs[:len(grads)], [d.to(dt) for d in grads])
+                return xl.grad, wl.grad
+
+            ref = run(_tp_layers, torch.float64)
+            eager = run(_tp_layers, dtype)
+            with recording() as log:
+                fused = run(_fused_layer, dtype)
+            res = {"launches": [k for k, _ in log]}
+            for i, t in enumerate(("dx", "dw")):
+                if ref[i] is not None:
+                    res[t] = tuple((got.double() - ref[i]).abs().max().item() for got in (fused[i], eager[i]))
+            out[(kind, str(dtype).replace("torch.", ""), variant)] = res
+    return out
+
+
+__all__ = ["MC2_SHAPES", "Pairs", "SPMLP", "TPBlock", "checks", "mc2_grads", "tp_block_fp16", "tp_block_only"]

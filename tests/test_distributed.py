@@ -1,6 +1,6 @@
 """N ranks under torch.distributed (gloo on loopback, one process each): capture of tensor-parallel graphs,
 the engine's decisions on matmul + collective pairs, the fused world against the single-device model, and the
-fused op's gradients."""
+fused ops' gradients (their backwards' launches against the unfused layers' eager autograd)."""
 import os
 import re
 import socket
@@ -108,6 +108,66 @@ def test_fused_op_gradients_match_eager(two):
     assert two[0]["grad"] <= 1e-4 and two[1]["grad"] <= 1e-4
 
 
+#: (kind, variant) -> the launches its forward and backward record; the backward's are the dual MC2 op and the
+#: local GEMMs ("dw": dx not wanted, so the all-gather for dW is a plain functional collective, no fused launch)
+MC2_LAUNCHES = {("all_gather_matmul", None): ["all_gather_matmul", "matmul_reduce_scatter", "matmul"],
+                ("all_gather_matmul", "gathered"): ["all_gather_matmul", "matmul_reduce_scatter", "matmul"],
+                ("all_gather_matmul", "dx"): ["all_gather_matmul", "matmul_reduce_scatter"],
+                ("matmul_reduce_scatter", None): ["matmul_reduce_scatter", "all_gather_matmul", "matmul"],
+                ("matmul_reduce_scatter", "dw"): ["matmul_reduce_scatter", "matmul"],
+                ("matmul_all_reduce", None): ["matmul_all_reduce", "matmul", "matmul"]}
+
+
+def _mc2_grads_match_eager(res, world):
+    for r in range(world):
+        got = res[r]["mc2_grads"]
+        assert {(k, v) for k, _, v in got} == set(MC2_LAUNCHES) and {d for _, d, _ in got} == {"float32", "float16"}
+        for (kind, dtype, variant), g in got.items():
+            assert g["launches"] == MC2_LAUNCHES[(kind, variant)], (kind, dtype, variant)
+            asked = {"dx": ("dx",), "dw": ("dw",)}.get(variant, ("dx", "dw"))
+            for t in asked:
+                fused, eager = g[t]
+                # against the float64 layer: the kernels accumulate in fp32 and round once, as eager's CPU
+                # GEMMs do, and the collectives add the same partials; at most twice eager's own error
+                assert fused <= 2 * eager, (kind, dtype, variant, t, fused, eager)
+
+
+def test_mc2_backwards_are_launches_matching_eager(two):
+    _mc2_grads_match_eager(two, 2)
+
+
+def test_training_step_of_the_world(two):
+    """rank_pipeline(backward=True): each rank's training step, fused and unfused, simulated."""
+    for r in (0, 1):
+        st = two[r]["step"]
+        assert sorted(st["grads"]) == ["fc1_b", "fc1_w", "fc2_b", "fc2_w"]
+        for name, (fused, eager) in st["grads"].items():
+            # the fused step's MLP gradients (MC2 backward launches, simulated) against the float64 block's shard:
+            # fp32 accumulation rounded once, as eager's: at most twice the fp32 single-device block's own error
+            assert fused <= 2 * eager, (name, fused, eager)
+        fused, unfused = st["phases"]
+        assert all(fused[p] > 0 and unfused[p] > 0 for p in ("forward", "backward"))
+        # the row-parallel all-reduce's backward is the identity (Megatron): no link in the fused backward; torch
+        # 2.13's autograd of the functional all_reduce all-reduces the gradient: one launch per pair
+        assert st["back_links"] == ([], ["all_reduce"] * 2)
+        assert fused["forward"] < unfused["forward"]
+
+
+def test_sequence_parallel_training_step(two):
+    """The sequence-parallel MLP's step: both pairs fused; each backward is the other MC2 op (the duals) where the
+    unfused backward runs torch's autograd of the collectives, the all-gather and reduce-scatter."""
+    for r in (0, 1):
+        st = two[r]["sp_step"]
+        assert sorted(st["pairs"]) == [("all_gather_matmul", True), ("matmul_reduce_scatter", True)]
+        assert [k for k, p in st["links"] if p == "backward"] == ["all_gather_matmul", "matmul_reduce_scatter"]
+        assert [k for k, p in st["links_unfused"] if p == "backward"] == ["all_gather", "reduce_scatter"]
+        for name, (fused, eager) in st["grads"].items():
+            # fp32 accumulation rounded once, as eager's: at most twice eager's error against float64
+            assert fused <= 2 * eager, (name, fused, eager)
+        fused, unfused = st["cycles"]
+        assert fused["backward"] < unfused["backward"] and fused["forward"] < unfused["forward"]
+
+
 def test_parallelize_module_does_not_export(two):
     """torch 2.13: torch.export cannot take DTensor module hooks (an assertion inside export's tracing of the
     DTensor hooks); the hand-written functional-collective form captures. This pins the finding so a torch that
@@ -124,7 +184,9 @@ def _world_equals_single_device(res, world):
 
 
 def test_four_ranks():
-    _world_equals_single_device(run_world("tp_block_only", 4), 4)
+    res = run_world("tp_block_only", 4)
+    _world_equals_single_device(res, 4)
+    _mc2_grads_match_eager(res, 4)
 
 
 @pytest.mark.slow
@@ -137,7 +199,9 @@ def test_four_ranks_float16():
 
 @pytest.mark.slow
 def test_eight_ranks():
-    _world_equals_single_device(run_world("tp_block_only", 8), 8)
+    res = run_world("tp_block_only", 8)
+    _world_equals_single_device(res, 8)
+    _mc2_grads_match_eager(res, 8)
 
 
 def test_cli_world_size_needs_a_rank_builder(capsys):
@@ -151,11 +215,15 @@ def test_cli_world_size_needs_a_rank_builder(capsys):
 def test_cli_simulates_a_world(capsys, tmp_path):
     from autofuse import cli
     out = tmp_path / "world.json"
-    cli.main(["simulate", "--world-size", "2", "--model", "tp-block", "--device", "ascend910b", "--json", str(out)])
+    cli.main(["simulate", "--world-size", "2", "--model", "tp-block", "--device", "ascend910b", "--json", str(out),
+              "--backward"])
     text = capsys.readouterr().out
     assert "2 ranks on ascend910b" in text and "matmul_all_reduce" in text
+    assert "training step (forward + backward)" in text
+    assert "backward launches on the links (rank 0, fused): none" in text
     import json
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 2 and doc["cycles"] < doc["cycles_unfused"]
+    assert all(r[s]["phases"]["backward"] > 0 for r in doc["ranks"] for s in ("step", "step_unfused"))
     assert {d["reason_code"] for r in doc["ranks"] for d in r["decisions"] if d["pattern"] == "matmul_all_reduce"} \
         == {"fused"}
