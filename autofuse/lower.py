@@ -473,8 +473,9 @@ def step_specs(program: Program, node: fx.Node) -> list[tuple[list, tuple]]:
         ins = [spec(r) for r in st.inputs]
         if j == len(program.steps) - 1 and isinstance(node_meta, torch.Tensor):
             o = (tuple(node_meta.shape), str(node_meta.dtype).replace("torch.", ""))
-        elif isinstance(node_meta, (tuple, list)) and j == len(program.steps) - 1 and node_meta:
-            first = node_meta[0]
+        elif isinstance(node_meta, (tuple, list)) and j == len(program.steps) - 1 and \
+                any(isinstance(m, torch.Tensor) for m in node_meta):
+            first = next(m for m in node_meta if isinstance(m, torch.Tensor))     # outputs not asked for: None
             o = (tuple(first.shape), str(first.dtype).replace("torch.", ""))
         elif st.kernel == "matmul":
             (sa, da), (sb, _) = ins[0], ins[1]
@@ -593,8 +594,9 @@ def _lower_backward(node, t, ins):
         if built is None:
             return None
         prog, order = built
-        steps = [Step("vector_program", tuple(Arg(ins.index(parts[i])) for i in order), {"program": prog})]
         mask = list(mask) if mask is not None else [True, True, True]
+        # the input's gradient only when autograd asks for it (not for a graph input that needs none)
+        steps = [Step("vector_program", tuple(Arg(ins.index(parts[i])) for i in order), {"program": prog})][:mask[0]]
         rows = tuple(range(_meta(g).dim() - 1))
         # the weight's and bias's gradients sum over the rows (g·x̂ and g): a reduction launch each over a
         # [rows, D] tensor in the gradient's dtype (LayerNormGrad accumulates per-core partial sums instead:

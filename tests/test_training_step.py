@@ -196,3 +196,28 @@ def test_layer_norm_gradient_program(affine):
     prog, order = _row_grad_program(_layer_norm_dx, parts, [])
     got = run_program_torch(prog, [parts[i] for i in order])[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)   # fp32 both, different summation order
+
+
+def test_layer_norm_on_an_input_that_needs_no_gradient():
+    """LayerNorm straight on the graph's input: autograd asks only for the weight's and bias's gradients
+    (output mask [False, True, True]), so the step runs their two reductions and no input-gradient kernel."""
+    class NormFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc = torch.nn.LayerNorm(32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc(self.ln(x))
+
+    torch.manual_seed(0)
+    model, x = NormFirst(), torch.randn(4, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,), fusion_switches=generic_only())
+    p = fused.plans[next(iter(fused.plans))]
+    res = simulate_graph(p.captured.graph_module, [x], backward=True, check=True, memo=False)
+    ln = [n for n in res.nodes if n.target == "aten.native_layer_norm_backward.default"]
+    assert len(ln) == 1 and ln[0].kernels == ("reduce", "reduce")
+    grads = dict(zip([name for name, _ in res.joint.params], res.outputs[1:]))
+    model(x).backward(res.joint.arguments([x])[-1])            # the step's output gradient
+    assert sorted(grads) == sorted(name for name, _ in model.named_parameters())
+    for name, prm in model.named_parameters():
+        torch.testing.assert_close(grads[name], prm.grad)      # the same aten ops on the same values
