@@ -237,11 +237,14 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     (``grad_stats`` is ignored: they are the backward's input, not a value a loss reads). The host recompute in fp32 (differentiating
     :func:`reference_flash_attention`) remains for what that kernel does not compute: the gradient of a
     learnable ``scale_tensor``, of an additive float ``mask`` that requires grad, and a gradient flowing into
-    the probabilities (``return_probs``: it changes dS), and ``mask_keeps_nan`` (its NaN handling is the
-    forward kernel's only); the whole backward then runs there, so its dq/dk/dv stay consistent."""
+    the probabilities (``return_probs``: it changes dS); the whole backward then runs there, so its dq/dk/dv
+    stay consistent. ``mask_keeps_nan`` (SDPA's masks) takes the kernel: on finite scores adding -inf and
+    filling -inf give the same P, so the same gradients; a NaN score (NaN in q or k) makes the forward's row
+    NaN, and the kernel's gradients are NaN where that row's dS reaches (its dq row, the dk and dv of the keys
+    it attends), which need not be every place eager's SDPA backward puts NaN."""
     q, k, v, mask, scale_t, drop, out, stats = ctx.saved_tensors
     need = ctx.needs_input_grad
-    host = (ctx.keeps_nan or (scale_t is not None and need[11])
+    host = ((scale_t is not None and need[11])
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
     if not host:

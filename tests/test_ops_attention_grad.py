@@ -81,6 +81,36 @@ def test_reference_twin_and_timing_agree_with_the_op(dtype):
     assert stats[0][1].cycles == log[0][1].cycles
 
 
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_sdpa_attention_backward_runs_the_kernel(mask):
+    """SDPA's fused attention (its masks applied by adding -inf, ``mask_keeps_nan``) differentiates through the
+    backward kernel too: one flash_attention_grad launch, gradients as eager SDPA's on finite inputs."""
+    import torch.nn.functional as F
+    from autofuse import AutoFusionEngine
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, m=None):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
+
+    q, k, v = _qkv(2, 4, 4, 24, 16, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    m = (torch.rand(2, 1, 24, 24, generator=g) > 0.3) | torch.eye(24, dtype=torch.bool) if mask else None
+    args = (q, k, v) + ((m,) if mask else ())
+    fused = AutoFusionEngine.fuse(Attn(), (tuple(t.detach() for t in args), {}))
+    assert [d.pattern for d in fused.report.applied] == ["attention"]
+    go = torch.randn(2, 4, 24, 16, generator=g)
+    with recording() as log:
+        got = torch.autograd.grad(fused(*args), (q, k, v), go)
+    assert [name for name, _ in log] == ["flash_attention", "flash_attention_grad"]
+    want = torch.autograd.grad(Attn()(*args), (q, k, v), go)
+    ref = [t.double() for t in torch.autograd.grad(
+        Attn()(*(t.double() if t.is_floating_point() else t for t in args)), (q, k, v), go.double())]
+    for a, b, r in zip(got, want, ref):
+        # the bound the project holds fused gradients to: twice eager's own distance to float64, plus one
+        # fp32 rounding of the gradients' size
+        assert (a.double() - r).abs().max() <= 2 * (b.double() - r).abs().max() + 2 ** -23 * r.abs().max()
+
+
 def test_learnable_scale_keeps_the_host_recompute():
     q, k, v = _qkv(1, 2, 2, 16, 8, torch.float32)
     t = torch.tensor(1.3, requires_grad=True)
