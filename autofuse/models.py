@@ -31,6 +31,8 @@ ZOO = {
     "gpt2": "GPT-2 (transformers GPT2LMHeadModel); causal attention with a combined causal/padding mask",
     "llama": "Llama (transformers LlamaForCausalLM); RoPE, RMSNorm, SwiGLU, grouped-query attention",
     "qwen2": "Qwen2 (transformers Qwen2ForCausalLM); like Llama with biased q/k/v projections",
+    "mixtral": "Mixtral (transformers MixtralForCausalLM); Llama's attention with a sparse MoE: a top-2 router over "
+               "8 SwiGLU experts (intermediate 3.5 x hidden, as Mixtral-8x7B)",
     "bert": "BERT (transformers BertModel); bidirectional attention with a padding mask",
     "mha": "torch.nn.MultiheadAttention self-attention block with a causal mask",
 }
@@ -68,6 +70,12 @@ def _zoo_model(name, layers, hidden, heads, kv_heads, seq, vocab, attn):
         cfg = cfg_cls(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_attention_heads=heads, num_key_value_heads=kv_heads or max(1, heads // 2),
                       max_position_embeddings=max(seq, 16), bos_token_id=0, eos_token_id=0, pad_token_id=0, **common)
+    elif name == "mixtral":
+        cfg = tf.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+                               num_attention_heads=heads, num_key_value_heads=kv_heads or max(1, heads // 2),
+                               num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=max(seq, 16),
+                               bos_token_id=0, eos_token_id=0, pad_token_id=0, **common)
+        cls = tf.MixtralForCausalLM
     elif name == "bert":
         cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             intermediate_size=4 * hidden, max_position_embeddings=max(seq, 16), **common)

@@ -4,7 +4,7 @@ Baselines: *eager op by op* (the captured graph, every op its own competently ti
 fusion alone* (the plan with every pattern family switched off: automatic discovery of Vector regions and
 matmul epilogues only). A pattern's value is its figure against the second. Also the attention blocks alone.
 
-    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama] [--values] [--train]
+    python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama|mixtral] [--values] [--train]
                                        [--backward]
 
 Every figure printed is a simulation statistic, so the three graphs simulate timing only (``values=False``:
@@ -20,7 +20,7 @@ every parameter, eager's backward as autograd dispatches its derivative ops, the
 ops' backwards; figures per phase.
 
 Goals: GPT-2-small shapes at batch 8, sequence 1024, whole model >= 2x against eager op by op; a LLaMA-style
-decoder layer's figures printed against both baselines.
+decoder layer's figures printed against both baselines; a Mixtral-style (MoE) decoder layer's too.
 """
 import argparse
 import resource
@@ -151,7 +151,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="ascend910")
     ap.add_argument("--quick", action="store_true", help="small shapes only")
-    ap.add_argument("--only", choices=["gpt2", "llama"], default=None)
+    ap.add_argument("--only", choices=["gpt2", "llama", "mixtral"], default=None)
     ap.add_argument("--values", action="store_true",
                     help="simulate with values (slower; the same figures as the default timing-only simulation)")
     ap.add_argument("--train", action="store_true", help="the forward in training mode (dropout active)")
@@ -161,6 +161,7 @@ def main():
     if a.quick:
         run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values, train=a.train, backward=a.backward)
         run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values, train=a.train, backward=a.backward)
+        run("mixtral", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values, train=a.train, backward=a.backward)
         return
     if a.only in (None, "gpt2"):
         run("gpt2", 12, 768, 12, 1024, 8, torch.float16, a.device, values=a.values, train=a.train, backward=a.backward)
@@ -169,6 +170,10 @@ def main():
         # intermediate size is 4 x hidden), 2048 tokens; a small vocabulary, so the layer, not the LM head, is
         # what is measured
         run("llama", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values, train=a.train, backward=a.backward)
+    if a.only in (None, "mixtral"):
+        # one Mixtral-8x7B-shaped decoder layer (hidden 4096, 32 heads, 8 kv heads, 8 experts of intermediate
+        # 14336, top-2), 2048 tokens, a small vocabulary: the router, the experts block and attention measured
+        run("mixtral", 1, 4096, 32, 2048, 1, torch.float16, a.device, vocab=1024, kv_heads=8, values=a.values, train=a.train, backward=a.backward)
 
 
 if __name__ == "__main__":
