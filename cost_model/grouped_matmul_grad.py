@@ -220,15 +220,44 @@ def _search(device, M, P, Q, E, dtype, out_dtype, sizes):
             cands.append(t)
     best = None
     for t in cands:
+        tiles = ceil_div(P, t["m0"]) * ceil_div(Q, t["n0"])
+        near_tie = best is not None and tiles > best[3] and best[3] * len(nonempty) < 4 * dev.cube_cores
+        if best is not None:
+            # a tiling whose lower bound reaches the best cost (past the near-tie band when it could win a near
+            # tie) cannot be taken; the margin covers the float rounding of the two sums (~1e-16 per term)
+            low = _lower_bound(dev, P, Q, dtype, sizes, t) * (1 - 1e-9)
+            if low > best[0] * 1.01 or (not near_tie and low >= best[0]):
+                continue
         res = _model(dev, M, P, Q, E, dtype, out_dtype, list(sizes), t)
         cost = kernel_cycles(dev, *res[:3])
-        tiles = ceil_div(P, t["m0"]) * ceil_div(Q, t["n0"])
         # near ties (a launch at its HBM floor prices every tiling alike): with few waves of tiles, more tiles
         # even out the cores' loads (the last wave's idle cores)
-        if best is None or cost < best[0] * (0.97 if t is default else 1.0) or \
-                (cost <= best[0] * 1.01 and tiles > best[3] and best[3] * len(nonempty) < 4 * dev.cube_cores):
+        if best is None or cost < best[0] * (0.97 if t is default else 1.0) or (cost <= best[0] * 1.01 and near_tie):
             best = (cost, t, res, tiles)
     return best[1], best[2]
+
+
+def _lower_bound(dev, P, Q, dtype, sizes, t):
+    """A lower bound on a tiling's modelled kernel time (:func:`_model`), from the tile shapes alone: every
+    tile lasts at least its Cube work and its MTE2 load, and so does the last one of a core (its drain), so
+    the busiest core at least the mean over the cores used. Tiles come in few shapes per group (full or
+    edge row block by full or edge column block): summed by shape."""
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    k0f, isz, rate = dev.cube_k0[dtype], itemsize(dtype), dev.rates["GM->L1"]
+    ps = [(m, k) for m, k in ((m0, P // m0), (P % m0, 1 if P % m0 else 0)) if k]
+    qs = [(n, k) for n, k in ((n0, Q // n0), (Q % n0, 1 if Q % n0 else 0)) if k]
+    per_group = sum(k for _, k in ps) * sum(k for _, k in qs)
+    count = per_group * sum(1 for c in sizes if c)
+    if not count:
+        return 0.0
+    total, ksteps = 0.0, {}
+    for c in sizes:
+        if c:
+            if c not in ksteps:
+                ksteps[c] = _slice_fractals(c, k0, k1, k0f)
+            total += sum(kp * kq * max(ceil_div(p, 16) * ceil_div(q, 16) * ksteps[c], (p + q) * c * isz / rate)
+                         for p, kp in ps for q, kq in qs)
+    return total / min(dev.cube_cores, count)
 
 
 def _roofline(dev, specs, out_dtype=None, **_):
