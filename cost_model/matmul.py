@@ -298,7 +298,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
 
     PA, PB = port(A_hit, A_miss), port(B_hit, B_miss)
     PW = W / HBMbw
-    Pbias = port(bias_hit, bias_miss)
+    Pbias = port(bias_hit, bias_miss) if bias_isz else 0.0
     LA = np.maximum(m_s * K * isz / rates["GM->L1"], PA)
     LB = np.maximum(n_s * K * isz / rates["GM->L1"], PB)
     Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
