@@ -253,13 +253,8 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
 
 def busiest_core(core, ncores, **per_item) -> dict:
     """Per unit: the busiest core's total of the items' times (``per_item[unit]``, one entry per item; ``core``:
-    each item's core). One bincount for every unit: unit u's items at bins ``u·ncores + core``."""
-    units = list(per_item)
-    width = max(ncores, int(core.max()) + 1 if len(core) else 0)
-    idx = (np.arange(len(units))[:, None] * width + core[None, :]).ravel()
-    w = np.concatenate([np.asarray(per_item[u], dtype=float) for u in units])
-    per_core = np.bincount(idx, w, len(units) * width).reshape(len(units), width)
-    return {u: float(m) for u, m in zip(units, per_core.max(axis=1))}
+    each item's core)."""
+    return {unit: float(np.max(np.bincount(core, t, ncores))) for unit, t in per_item.items()}
 
 
 def _head(key, step):
