@@ -58,16 +58,21 @@ def kernel_default(dev, dtype, out_dtype, P, Q, rows, zeros=False):
 
 def _items(sizes, P, Q, m0, n0):
     """Tiles of the non-empty groups, one row each: (group, rows, p extent, q extent, row block, col block), in
-    the kernel's order; and the number of empty groups' blocks."""
+    the kernel's order; and the number of empty groups' blocks. Every group has the same blocks: one group's
+    block columns, tiled over the non-empty groups."""
     nm, nn = ceil_div(P, m0), ceil_div(Q, n0)
     if P <= Q:                      # row blocks innermost
         mi, ni = np.tile(np.arange(nm), nn), np.repeat(np.arange(nn), nm)
     else:                           # column blocks innermost
         mi, ni = np.repeat(np.arange(nm), nn), np.tile(np.arange(nn), nm)
-    parts = [np.stack([np.full(nm * nn, g), np.full(nm * nn, c), np.minimum(m0, P - mi * m0),
-                       np.minimum(n0, Q - ni * n0), mi, ni], axis=1) for g, c in enumerate(sizes) if c > 0]
-    zeros = sum(1 for c in sizes if c == 0) * nm * nn
-    return (np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 6), dtype=np.int64)), zeros
+    live = [(g, c) for g, c in enumerate(sizes) if c > 0]
+    zeros = (len(sizes) - len(live)) * nm * nn
+    out = np.empty((len(live) * nm * nn, 6), dtype=np.int64)
+    if live:
+        out[:, :2] = np.repeat(np.array(live, dtype=np.int64), nm * nn, axis=0)
+        out[:, 2:] = np.tile(np.stack([np.minimum(m0, P - mi * m0), np.minimum(n0, Q - ni * n0), mi, ni], axis=1),
+                             (len(live), 1))
+    return out, zeros
 
 
 def _slice_fractals(rows, k0, k1, k0f):
@@ -122,11 +127,12 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     out_b = pf * qf * osz
     # HBM: the step's misses and its tiles' write-outs share it (one port per core for both directions)
     steps = _steps(step)
-    in_l2 = _sharing(steps, hit + miss, hit)
-    port_in = in_l2 / L2bw + _sharing(steps, miss + out_b) / HBMbw
+    in_l2, in_hbm, w_hbm, miss_hbm = _sharing(steps, (hit + miss, hit), (miss + out_b, None), (out_b, None),
+                                              (miss, None))
+    port_in = in_l2 / L2bw + in_hbm / HBMbw
     mte2 = np.maximum((a_b + b_b) / rates["GM->L1"], port_in)
     mte1 = rf * isz * (np.ceil(pf / 16) * 16 / rates["L1->L0A"] + np.ceil(qf / 16) * 16 / rates["L1->L0B"])
-    w_share = _sharing(steps, out_b) / HBMbw
+    w_share = w_hbm / HBMbw
     fix, mte3 = write_out(dev, out_b, pf * qf * 4, w_share)
     nch = np.ceil(rf / k1)
     nsl = np.array([sum(ceil_div(min(k1, c - s), k0) for s in range(0, c, k1)) for c in sizes], dtype=float)[g]
@@ -141,7 +147,7 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
         * isz / 256
     last = by_core[first + per - 1]
     # the last tile's write-out overlaps nothing: its products, then its store
-    reads = in_l2[last] / L2bw + _sharing(steps, miss)[last] / HBMbw
+    reads = in_l2[last] / L2bw + miss_hbm[last] / HBMbw
     drain = np.maximum.reduce([(a_b + b_b)[last] / rates["GM->L1"], reads, cube[last], mte1[last],
                                instr[last] * sc]) + fix[last] + mte3[last] \
         - unit[last]
@@ -174,19 +180,21 @@ def _steps(step):
     return order, row, np.arange(len(step)) - np.repeat(starts, counts), (len(starts), int(counts.max()))
 
 
-def _sharing(steps, nbytes, shared=None):
-    """Per item: the bytes of ``shared`` (default ``nbytes``) the items of its step move until it has moved its
-    own ``nbytes``, ``Σ_j min(s_j, b_i)`` (processor sharing; 0 for an item moving nothing). ``steps``: the
-    items' layout by step (:func:`_steps`); a padding entry adds ``min(0, b) = 0``, so every step is summed at
-    once."""
-    shared = nbytes if shared is None else shared
+def _sharing(steps, *pairs):
+    """Per pair ``(nbytes, shared)`` and item: the bytes of ``shared`` (``None``: ``nbytes``) the items of its
+    step move until it has moved its own ``nbytes``, ``Σ_j min(s_j, b_i)`` (processor sharing; 0 for an item
+    moving nothing). ``steps``: the items' layout by step (:func:`_steps`); a padding entry adds
+    ``min(0, b) = 0``, so every step is summed at once, and every pair too (one list of arrays back)."""
     order, row, col, shape = steps
-    b, sh = np.zeros(shape), np.zeros(shape)
-    b[row, col], sh[row, col] = nbytes[order], shared[order]
-    within = np.minimum(sh[:, None, :], b[:, :, None]).sum(axis=2)
-    out = np.empty(len(order))
-    out[order] = within[row, col] * (nbytes[order] > 0)
-    return out
+    k = len(pairs)
+    b, sh = np.zeros((k,) + shape), np.zeros((k,) + shape)
+    nb = np.stack([nbytes[order] for nbytes, _ in pairs])
+    b[:, row, col] = nb
+    sh[:, row, col] = np.stack([(n if s is None else s)[order] for n, s in pairs])
+    within = np.minimum(sh[:, :, None, :], b[:, :, :, None]).sum(axis=3)
+    out = np.empty((k, len(order)))
+    out[:, order] = within[:, row, col] * (nb > 0)
+    return list(out)
 
 
 def _dims(lhs, rhs):
@@ -212,15 +220,44 @@ def _search(device, M, P, Q, E, dtype, out_dtype, sizes):
             cands.append(t)
     best = None
     for t in cands:
+        tiles = ceil_div(P, t["m0"]) * ceil_div(Q, t["n0"])
+        near_tie = best is not None and tiles > best[3] and best[3] * len(nonempty) < 4 * dev.cube_cores
+        if best is not None:
+            # a tiling whose lower bound reaches the best cost (past the near-tie band when it could win a near
+            # tie) cannot be taken; the margin covers the float rounding of the two sums (~1e-16 per term)
+            low = _lower_bound(dev, P, Q, dtype, sizes, t) * (1 - 1e-9)
+            if low > best[0] * 1.01 or (not near_tie and low >= best[0]):
+                continue
         res = _model(dev, M, P, Q, E, dtype, out_dtype, list(sizes), t)
         cost = kernel_cycles(dev, *res[:3])
-        tiles = ceil_div(P, t["m0"]) * ceil_div(Q, t["n0"])
         # near ties (a launch at its HBM floor prices every tiling alike): with few waves of tiles, more tiles
         # even out the cores' loads (the last wave's idle cores)
-        if best is None or cost < best[0] * (0.97 if t is default else 1.0) or \
-                (cost <= best[0] * 1.01 and tiles > best[3] and best[3] * len(nonempty) < 4 * dev.cube_cores):
+        if best is None or cost < best[0] * (0.97 if t is default else 1.0) or (cost <= best[0] * 1.01 and near_tie):
             best = (cost, t, res, tiles)
     return best[1], best[2]
+
+
+def _lower_bound(dev, P, Q, dtype, sizes, t):
+    """A lower bound on a tiling's modelled kernel time (:func:`_model`), from the tile shapes alone: every
+    tile lasts at least its Cube work and its MTE2 load, and so does the last one of a core (its drain), so
+    the busiest core at least the mean over the cores used. Tiles come in few shapes per group (full or
+    edge row block by full or edge column block): summed by shape."""
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    k0f, isz, rate = dev.cube_k0[dtype], itemsize(dtype), dev.rates["GM->L1"]
+    ps = [(m, k) for m, k in ((m0, P // m0), (P % m0, 1 if P % m0 else 0)) if k]
+    qs = [(n, k) for n, k in ((n0, Q // n0), (Q % n0, 1 if Q % n0 else 0)) if k]
+    per_group = sum(k for _, k in ps) * sum(k for _, k in qs)
+    count = per_group * sum(1 for c in sizes if c)
+    if not count:
+        return 0.0
+    total, ksteps = 0.0, {}
+    for c in sizes:
+        if c:
+            if c not in ksteps:
+                ksteps[c] = _slice_fractals(c, k0, k1, k0f)
+            total += sum(kp * kq * max(ceil_div(p, 16) * ceil_div(q, 16) * ksteps[c], (p + q) * c * isz / rate)
+                         for p, kp in ps for q, kq in qs)
+    return total / min(dev.cube_cores, count)
 
 
 def _roofline(dev, specs, out_dtype=None, **_):

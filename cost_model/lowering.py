@@ -138,7 +138,10 @@ class View:
     fast: bool
 
 
-@dataclass(frozen=True)
+# Operands and instructions are made by the thousand per lowering: plain (not frozen) dataclasses, whose
+# __init__ assigns fields directly (a frozen one's calls object.__setattr__ per field, several times slower).
+# Treated as immutable all the same, and hashed by value as a frozen one is.
+@dataclass(unsafe_hash=True)
 class Src:
     """An operand: register ``reg`` (its columns ``[col, col + width)``, ``rows`` R or 1) or an immediate."""
 
@@ -154,7 +157,7 @@ class Src:
         return self.imm is not None or (not self.rows and self.width == 1)
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class VecOp:
     """One Vector instruction of the per-tile program (one or more hardware passes, see ``kind``/``op``).
 
@@ -719,7 +722,8 @@ class _Lowering:
     def _map(op, m):
         def r(key):
             return m.get(key, key) if isinstance(key, tuple) else key
-        srcs = tuple(Src(r(s.reg), s.col, s.width, s.rows, s.imm) for s in op.srcs)
+        srcs = tuple(s if s.reg is None or not isinstance(s.reg, tuple) or s.reg not in m else
+                     Src(m[s.reg], s.col, s.width, s.rows, s.imm) for s in op.srcs)
         aux = r(op.aux) if isinstance(op.aux, tuple) and op.aux and isinstance(op.aux[0], str) else op.aux
         return VecOp(op.kind, op.op, r(op.dst), srcs, op.rows, op.width, op.dense, op.lanes, op.slow, op.scalar,
                      op.dtype, tuple(r(t) for t in op.temps), op.col, op.count, aux, op.views, op.value)

@@ -28,6 +28,7 @@ import numpy as np
 from cost_model.devices import get_device
 from cost_model.common import ceil_div, itemsize, pack, round_up
 from cost_model.estimate import cached, kernel_cycles, make, register
+from cost_model.vecutil import largest
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
 # the model's typical error on small matmuls: a searched tiling must beat the kernel default by more
@@ -147,11 +148,12 @@ def _quick_score(dev, Mr, N, K, nbatch, dtype, t):
 
 # ------------------------------------------------------------------------------------------ the model
 def _footprint(steps, P, I, nn, nm, nbatch, a_batched, b_batched, Ablk, Bblk, Cblk):
-    """Distinct bytes (A row blocks, B column blocks, output tiles) touched by ``steps`` waves."""
-    w = np.minimum(steps * P, I)
-    da = np.minimum(ceil_div(w - 1, nn) + 1, nbatch * nm if a_batched else nm)
-    spanned = np.minimum(ceil_div(w - 1, nm * nn) + 1, nbatch)
-    db = np.minimum(w, nn * (spanned if b_batched else 1))
+    """Distinct bytes (A row blocks, B column blocks, output tiles) touched by ``steps`` waves (a count: it
+    never decreases as ``steps`` grows)."""
+    w = min(steps * P, I)
+    da = min(ceil_div(w - 1, nn) + 1, nbatch * nm if a_batched else nm)
+    spanned = min(ceil_div(w - 1, nm * nn) + 1, nbatch)
+    db = min(w, nn * (spanned if b_batched else 1))
     return da * Ablk + db * Bblk + w * Cblk
 
 
@@ -246,12 +248,15 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
 
     Ablk, Bblk, Cblk = m0 * K * isz, K * n0 * isz, m0 * n0 * osz
 
+    # the footprint never shrinks as the waves between two reads grow: reads that many waves apart or fewer
+    # find their block still resident (a binary search over the wave distance, not a footprint per item)
+    stay = max(0, largest(lambda d: _footprint(d, P, I, nn, nm, nbatch, a_batched, b_batched, Ablk, Bblk, Cblk) <= C,
+                          0, S))
+
     def hits(prev):
         """Per item: 1 if its read hits L2 (re-read in the same wave, or still resident), else 0."""
         has = prev >= 0
-        ds = s - np.where(has, prev, 0) // P
-        resident = _footprint(ds, P, I, nn, nm, nbatch, a_batched, b_batched, Ablk, Bblk, Cblk) <= C
-        return has & ((ds == 0) | resident)
+        return has & (s - np.where(has, prev, 0) // P <= stay)
 
     # the previous item reading the same A row block / B column block
     prev_a = np.where(ni > 0, i - 1, -1)
@@ -293,7 +298,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
 
     PA, PB = port(A_hit, A_miss), port(B_hit, B_miss)
     PW = W / HBMbw
-    Pbias = port(bias_hit, bias_miss)
+    Pbias = port(bias_hit, bias_miss) if bias_isz else 0.0
     LA = np.maximum(m_s * K * isz / rates["GM->L1"], PA)
     LB = np.maximum(n_s * K * isz / rates["GM->L1"], PB)
     Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0

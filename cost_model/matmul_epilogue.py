@@ -52,7 +52,7 @@ def _tile_vec(low, sub, rows, cols):
         if not count:
             continue
         for op in ops:
-            cyc = n_passes(op) * float(np.asarray(repeats(op, np.array([r]), cols)).max())
+            cyc = n_passes(op) * float(repeats(op, r, cols))
             total += cyc * (1 if op.slow else count)
     return total
 

@@ -188,10 +188,16 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
         instr = pi + lowp_out + 5 + 2 * nb + 2 * zero + log + 2
         tasks.append((0, C, 0, vec, instr, True))
     else:
+        per_cv = {}                                        # chunks come in two widths: their counts once
+
+        def chunk_counts(cv):
+            if cv not in per_cv:
+                per_cv[cv] = counts(worst, cv), prologue(worst, cv)
+            return per_cv[cv]
+
         for k in range(nchunks):                           # pass 1
             cv = min(chunk, C - k * chunk)
-            ew, row, small, br = counts(worst, cv)
-            pv, pi = prologue(worst, cv)
+            (ew, row, small, br), (pv, pi) = chunk_counts(cv)
             last = k == nchunks - 1
             extra = (5 if k else 0) + 1 + last * (zero + 2 * log)
             vec = pv + ew + 3 * row + 2 * br + extra * small
@@ -199,8 +205,7 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
             tasks.append((k, cv, 1, vec, instr, False))
         for k in range(nchunks):                           # pass 2: reloads
             cv = min(chunk, C - k * chunk)
-            ew, row, small, br = counts(worst, cv)
-            pv, pi = prologue(worst, cv)
+            (ew, row, small, br), (pv, pi) = chunk_counts(cv)
             vec = pv + ew * ((not log) + lowp_out) + row * (1 + (not log))
             instr = pi + lowp_out + 1 + 2 * (not log) + 2
             tasks.append((k, cv, 2, vec, instr, True))
@@ -226,8 +231,9 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
     if mk is not None:
         m_w, m_hit, m_miss = _mask_stream(L, tasks, keys, ke_m, w_m, x_miss + st_tot, chunk, L2)
     instr = instr + (mk is not None)
-    load_port = port(dev, x_hit, x_miss) + port(dev, m_hit, m_miss)
-    load_cyc = np.maximum(xb_w / rate, port(dev, x_hit, x_miss)) + np.maximum(m_w / rate, port(dev, m_hit, m_miss))
+    x_port, m_port = port(dev, x_hit, x_miss), port(dev, m_hit, m_miss)
+    load_port = x_port + m_port
+    load_cyc = np.maximum(xb_w / rate, x_port) + np.maximum(m_w / rate, m_port)
     flat = lambda a: np.asarray(a, float).reshape(-1)        # noqa: E731
     core, busy = stream(dev, flat(load_cyc * rate), flat(load_port), flat(vec), flat(st_w),
                         flat(st_tot / HBMbw), flat(instr))
