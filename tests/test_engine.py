@@ -25,7 +25,7 @@ def _fused_calls(gm):
 
 # --------------------------------------------------------------------------- 1. every block fused
 
-ZOO = [pytest.param(name, attn, id=f"{name}-{attn}") for name in ("gpt2", "llama", "qwen2", "bert")
+ZOO = [pytest.param(name, attn, id=f"{name}-{attn}") for name in ("gpt2", "llama", "qwen2", "mixtral", "bert")
        for attn in ("eager", "sdpa")]
 
 
