@@ -50,8 +50,8 @@ class Const:
     def make(self):
         if self.kind == "keep_bits":
             return torch.zeros(self.shape, dtype=torch.uint8)
-        if self.kind == "saved":
-            return torch.zeros(self.shape, dtype=getattr(torch, self.dtype))
+        if self.kind == "saved":       # one zero, broadcast: a [B, H, S, S] stand-in allocates nothing
+            return torch.zeros((), dtype=getattr(torch, self.dtype)).expand(self.shape)
         return torch.ones(self.shape, dtype=torch.bool).tril()
 
 
