@@ -37,16 +37,21 @@ class Out:
 class Const:
     """A constant tensor the lowering needs: ``"tril"``, a bool lower-triangular mask of ``shape``;
     ``"keep_bits"``, a dropout keep-mask's bytes (uint8, one bit per element: its values never matter,
-    the kernel reading it is priced by its bytes)."""
+    the kernel reading it is priced by its bytes); ``"saved"``, an intermediate of ``dtype`` that eager's
+    forward wrote to GM and autograd keeps for the backward but the graph does not hold (the attention
+    probabilities an SDPA backward reads): zeros here, the kernel reading it is priced by its bytes."""
     kind: str
     shape: tuple
+    dtype: str = ""
 
     def spec(self):
-        return tuple(self.shape), ("uint8" if self.kind == "keep_bits" else "bool")
+        return tuple(self.shape), (self.dtype or ("uint8" if self.kind == "keep_bits" else "bool"))
 
     def make(self):
         if self.kind == "keep_bits":
             return torch.zeros(self.shape, dtype=torch.uint8)
+        if self.kind == "saved":       # one zero, broadcast: a [B, H, S, S] stand-in allocates nothing
+            return torch.zeros((), dtype=getattr(torch, self.dtype)).expand(self.shape)
         return torch.ones(self.shape, dtype=torch.bool).tril()
 
 
@@ -250,16 +255,75 @@ def _lower_dropout(node, t, ins):
 
 
 def _lower_sdpa(node):
-    """Unfused SDPA = what eager runs op by op: Q·Kᵀ, scale, mask, softmax, ·V."""
-    q, k, v = node.args[:3]
-    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
-    scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+    """Unfused SDPA (``scaled_dot_product_attention`` and the variants its dispatch calls) = what eager runs op
+    by op (:func:`_sdpa_program`); None for a variant given its own dropout mask (not one of these ops)."""
+    a = _sdpa_arguments(node)
+    return None if a is None else _sdpa_program(**a)
+
+
+def _sdpa_arguments(node) -> dict | None:
+    """The attention's arguments, by name, from any of SDPA's call forms:
+    ``scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)``,
+    ``_scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, dropout_mask, *, scale)``, and
+    ``_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask, scale)`` (and its
+    ``_backward``, whose arguments follow ``grad_out`` and the saved ``out`` and ``logsumexp``)."""
+    t, args, kw = node.target, list(node.args), node.kwargs
+
+    def get(i, name, default=None):
+        return kw.get(name, args[i] if i < len(args) else default)
+    if t == aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        args = args[1:4] + args[6:]
+    if t in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+        mask, p, causal = kw.get("attn_mask"), get(3, "dropout_p", 0.0), get(4, "is_causal", False)
+    else:
+        if get(6, "dropout_mask") is not None:
+            return None
+        mask, p, causal = get(3, "attn_mask"), get(4, "dropout_p", 0.0), get(5, "is_causal", False)
+    scale = kw.get("scale", args[6] if t == aten.scaled_dot_product_attention.default and len(args) > 6 else None)
+    return dict(q=args[0], k=args[1], v=args[2], mask=_bool_mask_of(mask), causal=bool(causal), scale=scale,
+                dropout_p=float(p or 0.0))
+
+
+def _bool_mask_of(mask):
+    """The bool mask an additive one was made from, when ``mask`` is SDPA's conversion of it for the CPU flash
+    kernel (``where(m, 0, -inf)``, which the training step's trace records before the kernel): eager applies
+    the bool mask itself (a ``where``, as :func:`_sdpa_program` prices it), so the conversion is no launch
+    (:func:`_is_sdpa_mask_conversion`). Any other mask as it is."""
+    return mask.args[0] if isinstance(mask, fx.Node) and _is_sdpa_mask_conversion(mask) else mask
+
+
+def _scalar_tensor_value(n):
+    if isinstance(n, fx.Node) and n.target == aten.scalar_tensor.default and _scalar(n.args[0]):
+        return float(n.args[0])
+    return None
+
+
+_CPU_FLASH = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+              aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def _is_sdpa_mask_conversion(node) -> bool:
+    """``where(m, 0, -inf)`` of a bool ``m`` read only as the CPU flash kernels' ``attn_mask``."""
+    if node.op != "call_function" or node.target != aten.where.self or _meta(node.args[0]) is None \
+            or _meta(node.args[0]).dtype != torch.bool:
+        return False
+    if (_scalar_tensor_value(node.args[1]), _scalar_tensor_value(node.args[2])) != (0.0, float("-inf")):
+        return False
+    return bool(node.users) and all(u.target in _CPU_FLASH and u.kwargs.get("attn_mask") is node
+                                    and node not in u.args for u in node.users)
+
+
+def _sdpa_scale(q, scale) -> float:
+    return float(scale) if scale is not None else _meta(q).shape[-1] ** -0.5
+
+
+def _sdpa_program(q, k, v, mask, causal, scale, dropout_p) -> Program:
+    """Eager SDPA op by op: S = Q·Kᵀ, S·scale, the mask (bool: ``where(m, S, -inf)``; additive: ``S + m``), the
+    causal ``where`` (a lower-triangular constant), P = softmax(S), dropout on P, P·V. P is written to GM."""
     inputs = [q, k, v]
-    d = _meta(q).shape[-1]
-    scale = scale if scale is not None else d ** -0.5
     steps = [Step("matmul", (Arg(0), Arg(1)), {"trans_b": True}),
-             Step("elementwise", (Out(0),), {"op": "mul", "scalar": float(scale)})]
+             Step("elementwise", (Out(0),), {"op": "mul", "scalar": _sdpa_scale(q, scale)})]
     if mask is not None:
         inputs.append(mask)
         if _meta(mask).dtype == torch.bool:
@@ -271,12 +335,14 @@ def _lower_sdpa(node):
         steps.append(Step("elementwise", (Const("tril", (sq, skv)), Out(len(steps) - 1)),
                           {"op": "where", "scalar": float("-inf")}))
     steps.append(Step("softmax", (Out(len(steps) - 1),), {"dim": -1}))
-    p = float(node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) or 0.0)
-    if 0.0 < p < 1.0:           # dropout on the weights [..., Sq, Skv]
-        w = (*_meta(q).shape[:-1], _meta(k).shape[-2])
-        steps += _dropout_steps(w, p, Out(len(steps) - 1))
+    if 0.0 < dropout_p < 1.0:           # dropout on the weights [..., Sq, Skv]
+        steps += _dropout_steps(_sdpa_probs_shape(q, k), dropout_p, Out(len(steps) - 1))
     steps.append(Step("matmul", (Out(len(steps) - 1), Arg(2))))
     return Program(steps, inputs)
+
+
+def _sdpa_probs_shape(q, k) -> tuple:
+    return (*_broadcast(_meta(q).shape[:-2], _meta(k).shape[:-2]), _meta(q).shape[-2], _meta(k).shape[-2])
 
 
 def lower(node: fx.Node) -> Program:
@@ -306,8 +372,13 @@ def lower(node: fx.Node) -> Program:
         return _lower_matmul(node, node.args[1], node.args[2], node.args[0])
     if t in (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default):
         return Program([Step("softmax", (Arg(0),), {"dim": node.args[1]})], ins[:1])
-    if t == aten.scaled_dot_product_attention.default:
-        return _lower_sdpa(node)
+    if t in (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_attention_math.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default):
+        sdpa = _lower_sdpa(node)
+        if sdpa is not None:
+            return sdpa
+    if t == aten.where.self and _is_sdpa_mask_conversion(node):
+        return Program([], ins)
     if t in _UNARY:
         return Program([Step("elementwise", (Arg(0),), {"op": _UNARY[t]})], ins[:1])
     if t == aten.gelu.default:
@@ -605,8 +676,46 @@ def _lower_backward(node, t, ins):
             if want:
                 steps.append(Step("reduce", (Arg(ins.index(g)),), {"op": "sum", "dim": rows, "keepdim": False}))
         return Program(steps, ins)
+    if t == aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        return _lower_sdpa_backward(node)
     if t == aten.native_dropout_backward.default:
         # DropOutDoMask on the gradient: the gradient and the keep bits read, the result written
         shape = tuple(_meta(a[0]).shape)
         return Program([Step("generic", (Arg(0), Const("keep_bits", (*shape[:-1], -(-shape[-1] // 8)))))], ins[:1])
     return None
+
+
+def _lower_sdpa_backward(node):
+    """The backward of eager's op-by-op SDPA (:func:`_sdpa_program`) as autograd runs it, for the CPU flash
+    kernel's backward in a training step's graph. The forward wrote the probabilities P to GM and autograd
+    keeps them (a ``"saved"`` constant: the graph holds the flash kernel's logsumexp instead). Steps, in order:
+    dV = Pᵀ·dO; dP = dO·Vᵀ; dS = P·(dP − rowsum(dP·P)) (softmax's backward, the Vector program
+    ``_softmax_backward_data`` lowers to); each ``where`` of the forward's mask and causal mask gives
+    ``where(m, dS, 0)`` (an additive mask passes the gradient as it is); dS·scale; dK = dSᵀ·Q; dQ = dS·K (last:
+    the node's first output). None for a dropout (the CPU flash kernel takes none)."""
+    a = _sdpa_arguments(node)
+    if a is None or a["dropout_p"] > 0.0:
+        return None
+    q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
+    g = node.args[0]
+    inputs = [g, q, k, v] + ([mask] if mask is not None else [])
+    probs = Const("saved", _sdpa_probs_shape(q, k), str(_meta(q).dtype).replace("torch.", ""))
+    dt = _meta(g).dtype
+    built = _row_grad_program(_softmax_grad, [torch.empty(probs.shape, dtype=dt, device="meta")] * 2, [-1, dt])
+    if built is None:
+        return None
+    prog, order = built
+    steps = [Step("matmul", (probs, Arg(0)), {"trans_a": True}),                   # dV
+             Step("matmul", (Arg(0), Arg(3)), {"trans_b": True})]                  # dP
+    steps.append(Step("vector_program", tuple((Out(1), probs)[i] for i in order), {"program": prog}))
+    if a["causal"]:
+        sq, skv = probs.shape[-2:]
+        steps.append(Step("elementwise", (Const("tril", (sq, skv)), Out(len(steps) - 1)),
+                          {"op": "where", "scalar": 0.0}))
+    if mask is not None and _meta(mask).dtype == torch.bool:
+        steps.append(Step("elementwise", (Arg(4), Out(len(steps) - 1)), {"op": "where", "scalar": 0.0}))
+    steps.append(Step("elementwise", (Out(len(steps) - 1),), {"op": "mul", "scalar": _sdpa_scale(q, a["scale"])}))
+    ds = Out(len(steps) - 1)
+    steps += [Step("matmul", (ds, Arg(1)), {"trans_a": True}),                      # dK
+              Step("matmul", (ds, Arg(2)))]                                         # dQ
+    return Program(steps, inputs)

@@ -221,3 +221,47 @@ def test_layer_norm_on_an_input_that_needs_no_gradient():
     assert sorted(grads) == sorted(name for name, _ in model.named_parameters())
     for name, prm in model.named_parameters():
         torch.testing.assert_close(grads[name], prm.grad)      # the same aten ops on the same values
+
+
+class _Attention(torch.nn.Module):
+    """Self-attention through SDPA: causal, or under a bool mask buffer."""
+
+    def __init__(self, dim, heads, mask):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        f = torch.nn.functional
+        out = f.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.mask is None)
+        return self.proj(out.transpose(1, 2).reshape(B, S, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_step_forward_is_the_forward_pass_and_its_backward_runs_eagers_kernels(masked, dtype):
+    """On CPU, autograd dispatches SDPA to the flash kernel (and a bool mask to an additive one made for it);
+    the step's forward lowers to the captured SDPA's op-by-op launches, the backward to the matmuls, softmax
+    backward and elementwise launches eager's attention backward runs."""
+    torch.manual_seed(0)
+    S = 16
+    mask = (torch.rand(S, S) > 0.3) | torch.eye(S, dtype=torch.bool) if masked else None
+    model = _Attention(32, 4, mask).to(dtype)
+    x = torch.randn(2, S, 32).to(dtype)
+    fused = AutoFusionEngine.fuse(model, (x,), fusion_switches=generic_only())
+    gm = fused.plans[next(iter(fused.plans))].captured.graph_module
+    xs = [x.detach().requires_grad_(True)]
+    alone = simulate_graph(gm, xs, "ascend910b")
+    step = simulate_graph(gm, xs, "ascend910b", backward=True, check=True, memo=False)
+    assert step.phases[FORWARD] == alone.cycles
+    (fwd,) = [n for n in step.nodes if "flash_attention_for_cpu.default" in n.target]
+    (bwd,) = [n for n in step.nodes if "flash_attention_for_cpu_backward" in n.target]
+    (sdpa,) = [n for n in alone.nodes if "scaled_dot_product_attention" in n.target]
+    assert fwd.kernels == sdpa.kernels and fwd.cycles == sdpa.cycles
+    assert bwd.phase == BACKWARD and bwd.kernels == ("matmul", "matmul", "vector_program", "elementwise",
+                                                     "elementwise", "matmul", "matmul")
+    for n in step.nodes:     # the other kernels' values against torch's (fp32: last-ulp; fp16: stored rounding)
+        if n.max_error is not None:
+            assert n.max_error <= (1e-5 if dtype == torch.float32 else 1e-2), n.target

@@ -1,0 +1,143 @@
+"""Lowering (autofuse.lower): the kernels an aten node runs compute what the node computes.
+
+Checked here: SDPA's CPU flash kernel and its backward, as a training step's graph records them, lower to eager's
+op-by-op attention and its autograd backward; the lowered kernels, run on the simulator, give torch's values."""
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autofuse import npu
+from autofuse.lower import Arg, Const, Out, lower
+
+aten = torch.ops.aten
+
+
+def _joint(q, k, v, mask, causal):
+    """The training step of ``sdpa(q, k, v)`` traced as autograd dispatches it on CPU, and its values' inputs."""
+    def step(q, k, v, g, *m):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[0] if m else None,
+                                                               is_causal=causal)
+        return (out, *torch.autograd.grad(out, [q, k, v], g))
+    xs = [t.detach().requires_grad_(True) for t in (q, k, v)] + [torch.randn_like(q)] + \
+        ([mask] if mask is not None else [])
+    with torch.enable_grad():
+        gm = make_fx(step, tracing_mode="fake")(*xs)
+    return gm, xs
+
+
+def _node(gm, target) -> fx.Node:
+    (n,) = [n for n in gm.graph.nodes if n.target == target]
+    return n
+
+
+def _run(prog, env, saved=None):
+    """Every step's first output, the steps run on the simulator; ``saved`` stands for a ``"saved"`` constant."""
+    outs = []
+    for st in prog.steps:
+        arrays = [env[prog.inputs[r.i]] if isinstance(r, Arg) else outs[r.j] if isinstance(r, Out)
+                  else saved if r.kind == "saved" else r.make() for r in st.inputs]
+        outs.append(npu.run(st.kernel, *arrays, device="ascend910b", **st.params).torch_outputs()[0])
+    return outs
+
+
+def _values(gm, xs) -> dict:
+    env = {}
+
+    class Keep(fx.Interpreter):
+        def run_node(self, n):
+            env[n] = super().run_node(n)
+            return env[n]
+    Keep(gm).run(*xs)
+    return env
+
+
+CASES = [("causal", None), ("bool", "bool"), ("additive", "float")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name, mask", CASES)
+def test_cpu_flash_attention_and_its_backward_compute_sdpa_and_its_gradients(name, mask, dtype):
+    torch.manual_seed(0)
+    B, H, S, D = 2, 3, 12, 16
+    q, k, v = (torch.randn(B, H, S, D).to(dtype) for _ in range(3))
+    m = None if mask is None else (torch.rand(S, S) > 0.3) | torch.eye(S, dtype=torch.bool) if mask == "bool" \
+        else torch.randn(S, S).to(dtype)
+    gm, xs = _joint(q, k, v, m, causal=name == "causal")
+    env = _values(gm, xs)
+    fwd = _node(gm, aten._scaled_dot_product_flash_attention_for_cpu.default)
+    bwd = _node(gm, aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    f, b = lower(fwd), lower(bwd)
+    bool_where = ["elementwise"] if mask == "bool" else []
+    assert [s.kernel for s in f.steps] == ["matmul", "elementwise"] + ["elementwise"] * (mask is not None) + \
+        ["elementwise"] * (name == "causal") + ["softmax", "matmul"]
+    assert [s.kernel for s in b.steps] == ["matmul", "matmul", "vector_program"] + ["elementwise"] * \
+        (name == "causal") + bool_where + ["elementwise", "matmul", "matmul"]
+    if mask == "bool":       # the bool mask's additive conversion for the CPU kernel is no launch
+        assert m.dtype == torch.bool and f.inputs[3].meta["val"].dtype == torch.bool
+        assert lower(fwd.kwargs["attn_mask"]).free
+    # the forward's kernels compute the attention; P (the softmax step's output) is what its backward reads
+    fo = _run(f, env)
+    probs = fo[-2]
+    b_outs = _run(b, env, saved=probs)
+    # float64 references from the same inputs; values are O(1). Tolerances: fp32 kernels round each of ~6
+    # stored intermediates and accumulate 12- to 16-term dots in fp32 (a few 1e-7; 1e-5 bounds it on any CPU);
+    # fp16 stores every intermediate in fp16 (2^-11 relative each, through ~6 of them: a few 1e-3; 1e-2)
+    ref = [t.double().detach().requires_grad_(True) for t in (q, k, v)]
+    rm = None if m is None else m if m.dtype == torch.bool else m.double()
+    out = torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=rm, is_causal=name == "causal")
+    want = torch.autograd.grad(out, ref, xs[3].double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fo[-1].double(), out.detach(), rtol=tol, atol=tol)
+    for got, w in zip((b_outs[-1], b_outs[-2], b_outs[0]), want):      # dQ (last), dK, dV (first)
+        torch.testing.assert_close(got.double(), w, rtol=tol, atol=tol)
+    # and torch's own CPU kernel agrees: the node's values the simulation reports
+    torch.testing.assert_close(fo[-1], env[fwd][0], rtol=tol, atol=tol)
+
+
+def test_backward_without_its_scale_step_disagrees():
+    """Near miss: the check above tells a backward that forgets the scale (x 0.25 here) from the right one."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    gm, xs = _joint(q, k, v, None, causal=True)
+    env = _values(gm, xs)
+    fwd = _node(gm, aten._scaled_dot_product_flash_attention_for_cpu.default)
+    bwd = _node(gm, aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    b = lower(bwd)
+    (i,) = [j for j, st in enumerate(b.steps) if st.params.get("op") == "mul"]
+    b.steps[i].params = {"op": "mul", "scalar": 1.0}
+    got = _run(b, env, saved=_run(lower(fwd), env)[-2])[-1]
+    assert not torch.allclose(got, env[bwd][0], rtol=1e-2, atol=1e-2)
+
+
+def test_a_where_that_is_not_sdpas_mask_conversion_is_priced():
+    gm = make_fx(lambda m, x: torch.where(m, torch.scalar_tensor(0.0), torch.scalar_tensor(float("-inf"))) + x)(
+        torch.rand(4, 4) > 0.5, torch.randn(4, 4))
+    (w,) = [n for n in gm.graph.nodes if n.target == aten.where.self]
+    assert not lower(w).free
+
+
+def test_saved_constant_spec():
+    c = Const("saved", (2, 3), "float16")
+    assert c.spec() == ((2, 3), "float16") and c.make().dtype == torch.float16
+
+
+def test_sdpas_call_forms_lower_alike():
+    """``scaled_dot_product_attention``, ``_scaled_dot_product_attention_math`` and the CPU flash kernel, with the
+    same attention, lower to the same launches (mask, causal and scale read from each one's own positions)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    torch.manual_seed(0)
+    q, k, v, m = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(8, 8)
+    forms = [lambda q, k, v, m: aten.scaled_dot_product_attention.default(q, k, v, m, 0.0, False, scale=0.3),
+             lambda q, k, v, m: aten._scaled_dot_product_attention_math.default(q, k, v, m, 0.0, False,
+                                                                                  scale=0.3)[0],
+             lambda q, k, v, m: aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, False,
+                                                                                         attn_mask=m, scale=0.3)[0]]
+    programs = []
+    for f in forms:
+        gm = fx.symbolic_trace(f)
+        FakeTensorProp(gm).propagate(q, k, v, m)
+        (n,) = [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot" in str(n.target)]
+        programs.append([(s.kernel, s.inputs, s.params) for s in lower(n).steps])
+    assert programs[0] == programs[1] == programs[2]
+    assert programs[0][1][2] == {"op": "mul", "scalar": 0.3} and programs[0][2][2] == {"op": "add"}
