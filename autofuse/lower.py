@@ -55,6 +55,19 @@ class Const:
         return torch.ones(self.shape, dtype=torch.bool).tril()
 
 
+@dataclass(frozen=True)
+class View:
+    """Step input ``ref`` (an :class:`Arg` or :class:`Const`) broadcast to ``expand`` (when given), then reshaped
+    to ``shape``: an operand a kernel reads in another layout, such as a grouped-query attention's q heads
+    stacked along the rows of the key/value head they share."""
+    ref: object
+    shape: tuple
+    expand: tuple | None = None
+
+    def of(self, t):
+        return (t.expand(self.expand) if self.expand else t).reshape(self.shape)
+
+
 @dataclass
 class Step:
     kernel: str
@@ -320,19 +333,22 @@ def _sdpa_scale(q, scale) -> float:
 
 def _sdpa_program(q, k, v, mask, causal, scale, dropout_p) -> Program:
     """Eager SDPA op by op: S = Q·Kᵀ, S·scale, the mask (bool: ``where(m, S, -inf)``; additive: ``S + m``), the
-    causal ``where`` (a lower-triangular constant), P = softmax(S), dropout on P, P·V. P is written to GM."""
+    causal ``where`` (a lower-triangular constant), P = softmax(S), dropout on P, P·V. P is written to GM.
+    Grouped-query heads (``enable_gqa``) in the grouped layout (:func:`_gqa_layout`)."""
     inputs = [q, k, v]
-    steps = [Step("matmul", (Arg(0), Arg(1)), {"trans_b": True}),
+    g = _gqa_layout(q, k)
+    steps = [Step("matmul", (g(Arg(0), _meta(q).shape), Arg(1)), {"trans_b": True}),
              Step("elementwise", (Out(0),), {"op": "mul", "scalar": _sdpa_scale(q, scale)})]
     if mask is not None:
         inputs.append(mask)
+        m = g(Arg(3), _meta(mask).shape)
         if _meta(mask).dtype == torch.bool:
-            steps.append(Step("elementwise", (Arg(3), Out(1)), {"op": "where", "scalar": float("-inf")}))
+            steps.append(Step("elementwise", (m, Out(1)), {"op": "where", "scalar": float("-inf")}))
         else:
-            steps.append(Step("elementwise", (Out(1), Arg(3)), {"op": "add"}))
+            steps.append(Step("elementwise", (Out(1), m), {"op": "add"}))
     if causal:
         sq, skv = _meta(q).shape[-2], _meta(k).shape[-2]
-        steps.append(Step("elementwise", (Const("tril", (sq, skv)), Out(len(steps) - 1)),
+        steps.append(Step("elementwise", (g(Const("tril", (sq, skv)), (sq, skv)), Out(len(steps) - 1)),
                           {"op": "where", "scalar": float("-inf")}))
     steps.append(Step("softmax", (Out(len(steps) - 1),), {"dim": -1}))
     if 0.0 < dropout_p < 1.0:           # dropout on the weights [..., Sq, Skv]
@@ -341,8 +357,27 @@ def _sdpa_program(q, k, v, mask, causal, scale, dropout_p) -> Program:
     return Program(steps, inputs)
 
 
+def _gqa_layout(q, k):
+    """``layout(ref, shape)`` for attention of ``q [..., N, Sq, D]`` over ``k [..., Nkv, Skv, D]``: an operand of the
+    q-head layout ``[..., N or 1, Sq, W]`` (q, a mask, the causal constant, an output gradient) as eager's GEMMs
+    read it. With grouped-query heads (N = rep·Nkv; q head h reads k/v head h // rep, as SDPA's ``enable_gqa``
+    and ``repeat_interleave`` pair them) that is ``[..., Nkv, rep·Sq, W]``: each k/v head's queries stacked
+    along the rows, so Q·Kᵀ gives the scores ``[..., Nkv, rep·Sq, Skv]``, the [N, Sq, Skv] scores in that order
+    (a view of heads-major q). This prices eager without the copies of k and v its math path makes per q head:
+    a competent eager reads each k/v head in place. Without grouping, the operand as it is."""
+    qm, km = _meta(q), _meta(k)
+    if qm.dim() < 3 or km.dim() < 3 or qm.shape[-3] == km.shape[-3]:
+        return lambda ref, shape: ref
+    N, nkv, sq = qm.shape[-3], km.shape[-3], qm.shape[-2]
+    lead = tuple(_broadcast(qm.shape[:-3], km.shape[:-3]))
+    return lambda ref, shape: View(ref, (*lead, nkv, N // nkv * sq, shape[-1]), (*lead, N, sq, shape[-1]))
+
+
 def _sdpa_probs_shape(q, k) -> tuple:
-    return (*_broadcast(_meta(q).shape[:-2], _meta(k).shape[:-2]), _meta(q).shape[-2], _meta(k).shape[-2])
+    qm, km = _meta(q), _meta(k)
+    if qm.dim() >= 3 and km.dim() >= 3 and qm.shape[-3] != km.shape[-3]:      # grouped-query heads: q's
+        return (*_broadcast(qm.shape[:-3], km.shape[:-3]), *qm.shape[-3:-1], km.shape[-2])
+    return (*_broadcast(qm.shape[:-2], km.shape[:-2]), qm.shape[-2], km.shape[-2])
 
 
 def lower(node: fx.Node) -> Program:
@@ -532,6 +567,8 @@ def step_specs(program: Program, node: fx.Node) -> list[tuple[list, tuple]]:
     spec_of = {}
 
     def spec(ref):
+        if isinstance(ref, View):
+            return tuple(ref.shape), spec(ref.ref)[1]
         if isinstance(ref, Const):
             return ref.spec()
         if isinstance(ref, Arg):
@@ -699,23 +736,28 @@ def _lower_sdpa_backward(node):
     q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
     g = node.args[0]
     inputs = [g, q, k, v] + ([mask] if mask is not None else [])
+    lay = _gqa_layout(q, k)
     probs = Const("saved", _sdpa_probs_shape(q, k), str(_meta(q).dtype).replace("torch.", ""))
+    if lay(probs, probs.shape) is not probs:          # grouped-query heads: P as its GEMMs wrote it
+        probs = Const("saved", lay(probs, probs.shape).shape, probs.dtype)
     dt = _meta(g).dtype
     built = _row_grad_program(_softmax_grad, [torch.empty(probs.shape, dtype=dt, device="meta")] * 2, [-1, dt])
     if built is None:
         return None
     prog, order = built
-    steps = [Step("matmul", (probs, Arg(0)), {"trans_a": True}),                   # dV
-             Step("matmul", (Arg(0), Arg(3)), {"trans_b": True})]                  # dP
+    go, qv = lay(Arg(0), _meta(g).shape), lay(Arg(1), _meta(q).shape)
+    steps = [Step("matmul", (probs, go), {"trans_a": True}),                       # dV
+             Step("matmul", (go, Arg(3)), {"trans_b": True})]                      # dP
     steps.append(Step("vector_program", tuple((Out(1), probs)[i] for i in order), {"program": prog}))
     if a["causal"]:
-        sq, skv = probs.shape[-2:]
-        steps.append(Step("elementwise", (Const("tril", (sq, skv)), Out(len(steps) - 1)),
+        sq, skv = _meta(q).shape[-2], _meta(k).shape[-2]
+        steps.append(Step("elementwise", (lay(Const("tril", (sq, skv)), (sq, skv)), Out(len(steps) - 1)),
                           {"op": "where", "scalar": 0.0}))
     if mask is not None and _meta(mask).dtype == torch.bool:
-        steps.append(Step("elementwise", (Arg(4), Out(len(steps) - 1)), {"op": "where", "scalar": 0.0}))
+        steps.append(Step("elementwise", (lay(Arg(4), _meta(mask).shape), Out(len(steps) - 1)),
+                          {"op": "where", "scalar": 0.0}))
     steps.append(Step("elementwise", (Out(len(steps) - 1),), {"op": "mul", "scalar": _sdpa_scale(q, a["scale"])}))
     ds = Out(len(steps) - 1)
-    steps += [Step("matmul", (ds, Arg(1)), {"trans_a": True}),                      # dK
+    steps += [Step("matmul", (ds, qv), {"trans_a": True}),                          # dK
               Step("matmul", (ds, Arg(2)))]                                         # dQ
     return Program(steps, inputs)

@@ -40,7 +40,7 @@ import cost_model
 from autofuse import memory, npu
 from autofuse.npu.run import ALL, STEER, input_names
 from autofuse import ops as fused_ops
-from autofuse.lower import Arg, Const, Out, lower, step_specs
+from autofuse.lower import Arg, Const, Out, View, lower, step_specs
 from cost_model.devices import get_device
 
 
@@ -353,8 +353,7 @@ class _Sim(fx.Interpreter):
         # step's steering input is an earlier step's output
         timing_only = not self.check and not _steered_by_outputs(prog)
         for st, (ins_spec, out_spec) in zip(prog.steps, specs):
-            arrays = [args_env[r.i] if isinstance(r, Arg) else r.make() if isinstance(r, Const) else outs[r.j]
-                      for r in st.inputs]
+            arrays = [_ref_value(r, args_env, outs) for r in st.inputs]
             if st.kernel == "gather":      # the NPU gathers with int32 indices
                 arrays = [a.int() if a.dtype == torch.int64 else a for a in arrays]
             params = {k: (args_env[v.i] if isinstance(v, Arg) else v) for k, v in st.params.items()}
@@ -385,6 +384,13 @@ class _Sim(fx.Interpreter):
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
                                      max_error=err, workspace=ws, phase=n.meta.get("autofuse_phase", ""),
                                      **_link(launched)))
+
+
+def _ref_value(r, args_env, outs):
+    """The array a lowered step reads for input reference ``r`` (:mod:`autofuse.lower`)."""
+    if isinstance(r, View):
+        return r.of(_ref_value(r.ref, args_env, outs))
+    return args_env[r.i] if isinstance(r, Arg) else r.make() if isinstance(r, Const) else outs[r.j]
 
 
 def _link(stats) -> dict:

@@ -8,16 +8,18 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autofuse import npu
-from autofuse.lower import Arg, Const, Out, lower
+from autofuse.lower import Arg, Const, Out, View, lower
 
 aten = torch.ops.aten
 
 
 def _joint(q, k, v, mask, causal):
-    """The training step of ``sdpa(q, k, v)`` traced as autograd dispatches it on CPU, and its values' inputs."""
+    """The training step of ``sdpa(q, k, v)`` traced as autograd dispatches it on CPU, and its values' inputs
+    (fewer k/v heads than q heads: ``enable_gqa``)."""
     def step(q, k, v, g, *m):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[0] if m else None,
-                                                               is_causal=causal)
+                                                               is_causal=causal,
+                                                               enable_gqa=q.shape[-3] != k.shape[-3])
         return (out, *torch.autograd.grad(out, [q, k, v], g))
     xs = [t.detach().requires_grad_(True) for t in (q, k, v)] + [torch.randn_like(q)] + \
         ([mask] if mask is not None else [])
@@ -34,9 +36,14 @@ def _node(gm, target) -> fx.Node:
 def _run(prog, env, saved=None):
     """Every step's first output, the steps run on the simulator; ``saved`` stands for a ``"saved"`` constant."""
     outs = []
+
+    def value(r):
+        if isinstance(r, View):
+            return r.of(value(r.ref))
+        return env[prog.inputs[r.i]] if isinstance(r, Arg) else outs[r.j] if isinstance(r, Out) \
+            else saved if r.kind == "saved" else r.make()
     for st in prog.steps:
-        arrays = [env[prog.inputs[r.i]] if isinstance(r, Arg) else outs[r.j] if isinstance(r, Out)
-                  else saved if r.kind == "saved" else r.make() for r in st.inputs]
+        arrays = [value(r) for r in st.inputs]
         outs.append(npu.run(st.kernel, *arrays, device="ascend910b", **st.params).torch_outputs()[0])
     return outs
 
@@ -55,12 +62,15 @@ def _values(gm, xs) -> dict:
 CASES = [("causal", None), ("bool", "bool"), ("additive", "float")]
 
 
+@pytest.mark.parametrize("heads", [(3, 3), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name, mask", CASES)
-def test_cpu_flash_attention_and_its_backward_compute_sdpa_and_its_gradients(name, mask, dtype):
+def test_cpu_flash_attention_and_its_backward_compute_sdpa_and_its_gradients(name, mask, dtype, heads):
+    """Grouped-query heads (4 q heads over 2 k/v heads) run as eager's GEMMs read them: q, the output, its
+    gradient and dQ with each k/v head's queries stacked along the rows ([B, 2, 2·S, D])."""
     torch.manual_seed(0)
-    B, H, S, D = 2, 3, 12, 16
-    q, k, v = (torch.randn(B, H, S, D).to(dtype) for _ in range(3))
+    (B, S, D), (H, Hkv) = (2, 12, 16), heads
+    q, k, v = torch.randn(B, H, S, D).to(dtype), torch.randn(B, Hkv, S, D).to(dtype), torch.randn(B, Hkv, S, D).to(dtype)
     m = None if mask is None else (torch.rand(S, S) > 0.3) | torch.eye(S, dtype=torch.bool) if mask == "bool" \
         else torch.randn(S, S).to(dtype)
     gm, xs = _joint(q, k, v, m, causal=name == "causal")
@@ -85,14 +95,16 @@ def test_cpu_flash_attention_and_its_backward_compute_sdpa_and_its_gradients(nam
     # fp16 stores every intermediate in fp16 (2^-11 relative each, through ~6 of them: a few 1e-3; 1e-2)
     ref = [t.double().detach().requires_grad_(True) for t in (q, k, v)]
     rm = None if m is None else m if m.dtype == torch.bool else m.double()
-    out = torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=rm, is_causal=name == "causal")
+    out = torch.nn.functional.scaled_dot_product_attention(*ref, attn_mask=rm, is_causal=name == "causal",
+                                                           enable_gqa=H != Hkv)
     want = torch.autograd.grad(out, ref, xs[3].double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(fo[-1].double(), out.detach(), rtol=tol, atol=tol)
-    for got, w in zip((b_outs[-1], b_outs[-2], b_outs[0]), want):      # dQ (last), dK, dV (first)
+    got_out, got_dq = fo[-1].reshape(out.shape), b_outs[-1].reshape(q.shape)      # the grouped layout's order
+    torch.testing.assert_close(got_out.double(), out.detach(), rtol=tol, atol=tol)
+    for got, w in zip((got_dq, b_outs[-2], b_outs[0]), want):      # dQ (last), dK, dV (first)
         torch.testing.assert_close(got.double(), w, rtol=tol, atol=tol)
     # and torch's own CPU kernel agrees: the node's values the simulation reports
-    torch.testing.assert_close(fo[-1], env[fwd][0], rtol=tol, atol=tol)
+    torch.testing.assert_close(got_out, env[fwd][0], rtol=tol, atol=tol)
 
 
 def test_backward_without_its_scale_step_disagrees():

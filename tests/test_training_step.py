@@ -265,3 +265,41 @@ def test_sdpa_step_forward_is_the_forward_pass_and_its_backward_runs_eagers_kern
     for n in step.nodes:     # the other kernels' values against torch's (fp32: last-ulp; fp16: stored rounding)
         if n.max_error is not None:
             assert n.max_error <= (1e-5 if dtype == torch.float32 else 1e-2), n.target
+
+
+class _GroupedQueryAttention(torch.nn.Module):
+    """SDPA with 4 query heads sharing 2 key/value heads (``enable_gqa``), causal."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.h, self.kvh, self.d = heads, kv_heads, dim // heads
+        self.q, self.kv = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, 2 * kv_heads * self.d)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, S, 2, self.kvh, self.d).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(B, S, -1)
+
+
+def test_grouped_query_sdpa_is_fused_priced_and_trained():
+    """Eager's grouped-query SDPA is priced with each k/v head's queries stacked (its GEMMs read k and v in
+    place); the fused attention keeps the grouping; the step's forward costs what the forward pass costs."""
+    torch.manual_seed(0)
+    model, x = _GroupedQueryAttention(), torch.randn(2, 16, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    (att,) = fused.report.of("attention")
+    assert att.reason_code == "fused" and att.params["num_kv_heads"] < att.params["num_heads"]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+    p = fused.plans[next(iter(fused.plans))]
+    xs = [x.detach().requires_grad_(True)]
+    alone = simulate_graph(p.captured.graph_module, xs, "ascend910b")
+    step = simulate_graph(p.captured.graph_module, xs, "ascend910b", backward=True)
+    assert step.phases[FORWARD] == alone.cycles
+    (bwd,) = [n for n in step.nodes if "flash_attention_for_cpu_backward" in n.target]
+    assert bwd.kernels == ("matmul", "matmul", "vector_program", "elementwise", "elementwise", "matmul", "matmul")
+    fused_step = simulate_graph(p.graph_module, xs, "ascend910b", backward=True)
+    assert any(n.target == "autofuse.flash_attention_grad" for n in fused_step.nodes)
+    assert fused_step.phases[BACKWARD] < step.phases[BACKWARD]
