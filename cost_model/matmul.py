@@ -323,8 +323,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # Write-out of a tile: FixPipe (+ MTE3 on coupled cores). With a single L0C tile the next step's
     # first product waits until the accumulator has been read out (write-after-read on L0C).
     nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
-    blocks_cube = fix if nc == 1 else np.zeros(S)
-    cube_chain = cube + np.concatenate([[0.0], blocks_cube[:-1]])
+    cube_chain = cube + np.concatenate([[0.0], fix[:-1]]) if nc == 1 else cube
     # The write-out of the previous step's tiles holds the GM port while this step's first K chunks load.
     # Replay that boundary in closed form (per step, vectorised): time 0 is the end of the previous step's
     # last product; the store holds the port over [t0, t1]; chunk j's loads may start once the L1 buffer
@@ -342,21 +341,21 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     if cube_leads[1:].any():      # the first step has no previous store: it never stalls
         c_slice = cube * chunks[0][1] / chunks[0][2]
         stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, edge_prev)
-        stall = np.where(cube_leads, stall, 0.0)
+        cube_done = cube_chain + np.where(cube_leads, stall, 0.0)
     else:
-        stall = np.zeros(S)
-    main = np.maximum.reduce([mte2, PA + PB + Pbias + pw_prev, cube_chain + stall, mte1, scalar])
+        cube_done = cube_chain
+    loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
+    main = np.maximum.reduce([loads, cube_done, mte1, scalar])
     if ep is not None:            # the previous tile's epilogue runs during this step
         main = np.maximum(main, np.concatenate([[0.0], ep["vec"][:-1]]))
     first_k = min(k1, K) / K
-    loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
     # Fill and drain: the Cube waits for the first K chunk when it leads; when loads lead, the last chunk's
     # products come after the last load.
     fill = (LA[0] + LB[0] + (Lbias[0] if bias_isz else 0.0)) * first_k + move1[0]
-    lead = fill if loads[0] <= cube_chain[0] + stall[0] else 0.0
+    lead = fill if loads[0] <= cube_done[0] else 0.0
     # loads lead: after the load of chunk x ends, the Cube still has chunks x.. to do
     def after_loads(i):
-        if loads[i] <= cube_chain[i] + stall[i]:
+        if loads[i] <= cube_done[i]:
             return 0.0
         return move1[i] + max(sum(cf for _, cf, _ in chunks[x:]) * cube[i]
                               - sum(lf for lf, _, _ in chunks[x + 1:]) * loads[i]
