@@ -88,11 +88,16 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
         return sorted(s)
     isz = itemsize(dtype)
     out, seen = [], set()
-    ns = sizes(N)
-    for m0 in sizes(Mr):
+    ms, ns = sizes(Mr), sizes(N)
+
+    def widest(X, buf):
+        """The widest k0 whose two [X, k0] tiles fit ``buf`` (None if none): the fit shrinks with k0."""
+        return next((k for k in (256, 128, 64, 32, 16) if 2 * X * k * isz <= dev.buffers[buf]), None)
+    ka, kb = {m0: widest(m0, "L0A") for m0 in ms}, {n0: widest(n0, "L0B") for n0 in ns}
+    for m0 in ms:
         for n0 in ns:
-            k0 = next((k for k in (256, 128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
-                       and 2 * k * n0 * isz <= dev.buffers["L0B"]), 16)
+            # the widest k0 both L0 tiles take
+            k0 = 16 if ka[m0] is None or kb[n0] is None else min(ka[m0], kb[n0])
             k0 = min(k0, round_up(K, 16))
             for mult in (2, 4):
                 k1 = min(mult * k0, round_up(K, k0))
