@@ -178,10 +178,11 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     B_hit = np.bincount(step, b_b * b_hit, S)
     B_miss = np.bincount(step, b_b * ~b_hit, S)
     # per-step times first, then spread over the step's items
-    pa = np.where(A_hit > 0, A_hit / L2bw, 0)[step] + np.where(~a_hit | a_wait, (A_miss / HBMbw)[step], 0)
+    # (byte counts are never negative: a zero count takes 0.0 cycles)
+    pa = (A_hit / L2bw)[step] + np.where(~a_hit | a_wait, (A_miss / HBMbw)[step], 0)
     # the item missing a B block is its row block 0, mi items back: in the same step when dealt round and mi <= i % P
     same = (mi <= core) if round_robin else _same_step_miss(g, mi, ni, step)
-    pb = np.where(B_hit > 0, B_hit / L2bw, 0)[step] + np.where(~b_hit | (B_miss > 0)[step] & b_hit & same,
+    pb = (B_hit / L2bw)[step] + np.where(~b_hit | (B_miss > 0)[step] & b_hit & same,
                                                                (B_miss / HBMbw)[step], 0)
     bias_b = nb * n * 4 if bias else 0.0
     mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)

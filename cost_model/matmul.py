@@ -88,11 +88,16 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
         return sorted(s)
     isz = itemsize(dtype)
     out, seen = [], set()
-    ns = sizes(N)
-    for m0 in sizes(Mr):
+    ms, ns = sizes(Mr), sizes(N)
+
+    def widest(X, buf):
+        """The widest k0 whose two [X, k0] tiles fit ``buf`` (None if none): the fit shrinks with k0."""
+        return next((k for k in (256, 128, 64, 32, 16) if 2 * X * k * isz <= dev.buffers[buf]), None)
+    ka, kb = {m0: widest(m0, "L0A") for m0 in ms}, {n0: widest(n0, "L0B") for n0 in ns}
+    for m0 in ms:
         for n0 in ns:
-            k0 = next((k for k in (256, 128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
-                       and 2 * k * n0 * isz <= dev.buffers["L0B"]), 16)
+            # the widest k0 both L0 tiles take
+            k0 = 16 if ka[m0] is None or kb[n0] is None else min(ka[m0], kb[n0])
             k0 = min(k0, round_up(K, 16))
             for mult in (2, 4):
                 k1 = min(mult * k0, round_up(K, k0))
@@ -129,21 +134,27 @@ def kernel_default(dev, M, N, K, batch, dtype, out_dtype):
     return None if best is None else best[1]
 
 
-def _quick_score(dev, Mr, N, K, nbatch, dtype, t):
-    """Cheap ranking of a tiling: waves × the slower of Cube and GM traffic per wave."""
+def _quick_score(dev, Mr, N, K, nbatch, dtype):
+    """Cheap ranking of a tiling (the key function of one search): waves × the slower of Cube and GM
+    traffic per wave."""
     isz = itemsize(dtype)
-    m0, n0 = t["m0"], t["n0"]
-    nm, nn = ceil_div(Mr, m0), ceil_div(N, n0)
-    items = nbatch * nm * nn
-    P = min(dev.cube_cores, items)
-    waves = ceil_div(items, P)
-    cube = ceil_div(m0, 16) * ceil_div(n0, 16) * ceil_div(K, dev.cube_k0[dtype])
-    per_core = (m0 + n0) * K * isz
-    # roughly: unique bytes of a wave come from HBM, the rest from L2
-    uniq = (min(P, nn) * n0 + ceil_div(P, nn) * m0) * K * isz
-    port = max(per_core / dev.rates["GM->L1"], (P * per_core - uniq) / dev.l2_bytes_per_cycle
-               + uniq / dev.hbm_bytes_per_cycle)
-    return waves * max(cube, port) + (m0 + n0) * t["k1"] * isz / dev.rates["GM->L1"]
+    cores, gm, l2, hbm = dev.cube_cores, dev.rates["GM->L1"], dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+    kfr = ceil_div(K, dev.cube_k0[dtype])
+    row = K * isz
+
+    def score(t):
+        m0, n0 = t["m0"], t["n0"]
+        nn = -(-N // n0)
+        items = nbatch * -(-Mr // m0) * nn
+        P = min(cores, items)
+        waves = -(-items // P)
+        cube = -(-m0 // 16) * -(-n0 // 16) * kfr
+        per_core = (m0 + n0) * row
+        # roughly: unique bytes of a wave come from HBM, the rest from L2
+        uniq = (min(P, nn) * n0 + -(-P // nn) * m0) * row
+        port = max(per_core / gm, (P * per_core - uniq) / l2 + uniq / hbm)
+        return waves * max(cube, port) + (m0 + n0) * t["k1"] * isz / gm
+    return score
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -255,8 +266,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
 
     def hits(prev):
         """Per item: 1 if its read hits L2 (re-read in the same wave, or still resident), else 0."""
-        has = prev >= 0
-        return has & (s - np.where(has, prev, 0) // P <= stay)
+        return (prev >= 0) & (s - prev // P <= stay)
 
     # the previous item reading the same A row block / B column block
     prev_a = np.where(ni > 0, i - 1, -1)
@@ -293,8 +303,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
     rates = dev.rates
 
-    def port(hit, miss):
-        return np.where(hit > 0, hit / L2bw, 0.0) + np.where(miss > 0, miss / HBMbw, 0.0)
+    def port(hit, miss):          # byte counts are never negative: a zero count takes 0.0 cycles
+        return hit / L2bw + miss / HBMbw
 
     PA, PB = port(A_hit, A_miss), port(B_hit, B_miss)
     PW = W / HBMbw
@@ -304,7 +314,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
     mte2 = LA + LB + Lbias
     cube = np.ceil(m_s / 16) * np.ceil(n_s / 16) * kfr
-    mte1 = K * isz * (round_up(m_s, 16) / rates["L1->L0A"] + round_up(n_s, 16) / rates["L1->L0B"])
+    m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
+    mte1 = K * isz * (m_al / rates["L1->L0A"] + n_al / rates["L1->L0B"])
     fix, mte3 = write_out(dev, m_s * n_s * osz, m_s * n_s * 4, PW)
     ep = None
     if epi is not None:
@@ -317,8 +328,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # Write-out of a tile: FixPipe (+ MTE3 on coupled cores). With a single L0C tile the next step's
     # first product waits until the accumulator has been read out (write-after-read on L0C).
     nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
-    blocks_cube = fix if nc == 1 else np.zeros(S)
-    cube_chain = cube + np.concatenate([[0.0], blocks_cube[:-1]])
+    cube_chain = cube + np.concatenate([[0.0], fix[:-1]]) if nc == 1 else cube
     # The write-out of the previous step's tiles holds the GM port while this step's first K chunks load.
     # Replay that boundary in closed form (per step, vectorised): time 0 is the end of the previous step's
     # last product; the store holds the port over [t0, t1]; chunk j's loads may start once the L1 buffer
@@ -327,30 +337,30 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     pw_prev = np.concatenate([[0.0], PW[:-1]])
     # an epilogue holds the port at the boundary only for what it issues there (``PW_edge``)
     edge_prev = pw_prev if ep is None or "PW_edge" not in ep else np.concatenate([[0.0], ep["PW_edge"][:-1]])
-    move1 = (round_up(m_s, 16) * widths[0] * isz / rates["L1->L0A"]
-             + widths[0] * round_up(n_s, 16) * isz / rates["L1->L0B"])
+    move1 = (m_al * widths[0] * isz / rates["L1->L0A"]
+             + widths[0] * n_al * isz / rates["L1->L0B"])
     full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
     chunks = [full] * (nk1 - 1) + [last]
     # only where the Cube leads; where loads lead, the store's port time is in the port sum below
     cube_leads = mte2 < cube_chain
-    if cube_leads.any():
+    if cube_leads[1:].any():      # the first step has no previous store: it never stalls
         c_slice = cube * chunks[0][1] / chunks[0][2]
         stall = _boundary_stall(coupled, nc, chunks, c_slice, move1, cube, LA, LB, PA, PB, fix, edge_prev)
-        stall = np.where(cube_leads, stall, 0.0)
+        cube_done = cube_chain + np.where(cube_leads, stall, 0.0)
     else:
-        stall = np.zeros(S)
-    main = np.maximum.reduce([mte2, PA + PB + Pbias + pw_prev, cube_chain + stall, mte1, scalar])
+        cube_done = cube_chain
+    loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
+    main = np.maximum.reduce([loads, cube_done, mte1, scalar])
     if ep is not None:            # the previous tile's epilogue runs during this step
         main = np.maximum(main, np.concatenate([[0.0], ep["vec"][:-1]]))
     first_k = min(k1, K) / K
-    loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
     # Fill and drain: the Cube waits for the first K chunk when it leads; when loads lead, the last chunk's
     # products come after the last load.
     fill = (LA[0] + LB[0] + (Lbias[0] if bias_isz else 0.0)) * first_k + move1[0]
-    lead = fill if loads[0] <= cube_chain[0] + stall[0] else 0.0
+    lead = fill if loads[0] <= cube_done[0] else 0.0
     # loads lead: after the load of chunk x ends, the Cube still has chunks x.. to do
     def after_loads(i):
-        if loads[i] <= cube_chain[i] + stall[i]:
+        if loads[i] <= cube_done[i]:
             return 0.0
         return move1[i] + max(sum(cf for _, cf, _ in chunks[x:]) * cube[i]
                               - sum(lf for lf, _, _ in chunks[x + 1:]) * loads[i]
@@ -413,7 +423,7 @@ def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtyp
     cands = _candidates(dev, Mr, N, K, dtype, out_dtype, bool(bias_isz))
     if not cands:
         raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
-    cands.sort(key=lambda t: _quick_score(dev, Mr, N, K, nbatch, dtype, t))
+    cands.sort(key=_quick_score(dev, Mr, N, K, nbatch, dtype))
     best = None
     default = kernel_default(dev, Mr, N, K, nbatch, dtype, out_dtype)
     shortlist = cands[:2] + ([default] if default is not None and default not in cands[:2] else [])
