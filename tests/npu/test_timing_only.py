@@ -107,6 +107,15 @@ def _cases():
           ("moe_finalize_routing", (_rand(135, 200), torch.rand(45, 3), torch.randperm(
               135, generator=torch.Generator().manual_seed(4)).int(), _rand(45, 200, seed=5)), {}),
           ("moe_finalize_routing", (_rand(40, 64, dtype=f32), torch.rand(20, 2), _ints(40, 40)), {}),
+          # the backwards: a permutation's rows, and rows named twice or never (zero fill + atomic adds)
+          ("moe_finalize_routing_grad", (_rand(45, 200, seed=6), _rand(135, 200), torch.rand(45, 3), torch.randperm(
+              135, generator=torch.Generator().manual_seed(4)).int()), {}),
+          ("moe_finalize_routing_grad", (_rand(20, 64, dtype=f32, seed=6), _rand(40, 64, dtype=f32), torch.rand(20, 2),
+                                         _ints(40, 40)), {"accumulate": True}),
+          ("moe_gating_topk_grad", (_rand(50, 8, dtype=f32), torch.rand(50, 2), _ints(8, 50, 2)),
+           {"k": 2, "renorm": True}),
+          ("moe_gating_topk_grad", (_rand(33, 16, dtype=bf16), torch.rand(33, 4), _ints(16, 33, 4)),
+           {"k": 4, "norm": "sigmoid", "routed_scaling_factor": 2.5}),
           ("index_add", (_rand(60, 7, 5, dtype=f32), _ints(60, 150), _rand(150, 7, 5, dtype=f32, seed=1)),
            {"alpha": 0.5}),
           ("index_add", (_rand(30, 16), torch.zeros(40, dtype=torch.int32), _rand(40, 16, seed=1)), {})]
