@@ -54,9 +54,10 @@ REFERENCES: dict = {}
 #: (inputs may be meta tensors), for a simulation that needs the op's cost and not its values
 TIMING: dict = {}
 
-#: op name -> positions of the op's arguments whose *values* decide its launches' cost (the kernels' steering
-#: inputs: a group list, row indices, router logits): whole-graph simulation computes those values, keys
-#: repeated launches by them, and never reuses one launch's statistics for another with other values
+#: op name -> the simulator kernel it launches, for an op that passes that kernel's steering inputs
+#: (``@kernel(steer=...)``: a group list, row indices, router logits) through under the same argument names:
+#: whole-graph simulation computes those arguments' values, keys repeated launches by them, and never reuses
+#: one launch's statistics for another with other values
 STEERED: dict = {}
 
 

@@ -701,5 +701,6 @@ REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=re
 TIMING.update(grouped_matmul=_timing_gmm, grouped_matmul_with_product=_timing_gmm_with_product,
               grouped_matmul_weight_grad=_timing_gmm_weight_grad, moe_finalize_routing=_timing_finalize,
               moe_finalize_routing_grad=_timing_finalize_grad, moe_gating_topk_grad=_timing_gating_grad)
-STEERED.update(moe_gating_topk=(0, 1), moe_init_routing=(1,), grouped_matmul=(2,), grouped_matmul_with_product=(2,),
-               grouped_matmul_weight_grad=(2,), moe_finalize_routing=(2,), moe_finalize_routing_grad=(3,))
+STEERED.update(moe_gating_topk="moe_gating_topk", moe_init_routing="moe_init_routing", grouped_matmul="grouped_matmul",
+               grouped_matmul_with_product="grouped_matmul", grouped_matmul_weight_grad="grouped_matmul_weight_grad",
+               moe_finalize_routing="moe_finalize_routing", moe_finalize_routing_grad="moe_finalize_routing_grad")

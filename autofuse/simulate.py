@@ -410,11 +410,16 @@ def _required_positional(op, args, kwargs):
 
 
 def _steered_args(target, name, args, kwargs) -> list:
-    """A fused op's arguments at its ``ops.STEERED`` positions (positional or by keyword) that are given:
-    tensors, or the graph nodes that will hold them."""
-    schema = target._schema.arguments
-    got = [args[i] if i < len(args) else kwargs.get(schema[i].name) for i in fused_ops.STEERED.get(name, ())]
-    return [v for v in got if v is not None]
+    """A fused op's given arguments (positional or by keyword) that its kernel (``ops.STEERED``) declares as
+    steering inputs, by name (every tensor argument for ``ALL``): tensors, or the graph nodes that will hold
+    them."""
+    kernel = fused_ops.STEERED.get(name)
+    if kernel is None:
+        return []
+    steer = STEER.get(kernel, ())
+    got = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(target._schema.arguments)
+           if steer == ALL or a.name in steer]
+    return [v for v in got if isinstance(v, (torch.Tensor, fx.Node))]
 
 
 def _fused_name(n):
