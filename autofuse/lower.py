@@ -365,19 +365,28 @@ def _gqa_layout(q, k):
     along the rows, so Q·Kᵀ gives the scores ``[..., Nkv, rep·Sq, Skv]``, the [N, Sq, Skv] scores in that order
     (a view of heads-major q). This prices eager without the copies of k and v its math path makes per q head:
     a competent eager reads each k/v head in place. Without grouping, the operand as it is."""
-    qm, km = _meta(q), _meta(k)
-    if qm.dim() < 3 or km.dim() < 3 or qm.shape[-3] == km.shape[-3]:
+    heads = _gqa_heads(q, k)
+    if heads is None:
         return lambda ref, shape: ref
-    N, nkv, sq = qm.shape[-3], km.shape[-3], qm.shape[-2]
-    lead = tuple(_broadcast(qm.shape[:-3], km.shape[:-3]))
+    lead, N, nkv = heads
+    sq = _meta(q).shape[-2]
     return lambda ref, shape: View(ref, (*lead, nkv, N // nkv * sq, shape[-1]), (*lead, N, sq, shape[-1]))
 
 
-def _sdpa_probs_shape(q, k) -> tuple:
+def _gqa_heads(q, k):
+    """``(lead dims, N, Nkv)`` when ``q`` has more heads than ``k`` (grouped-query attention), else None."""
     qm, km = _meta(q), _meta(k)
-    if qm.dim() >= 3 and km.dim() >= 3 and qm.shape[-3] != km.shape[-3]:      # grouped-query heads: q's
-        return (*_broadcast(qm.shape[:-3], km.shape[:-3]), *qm.shape[-3:-1], km.shape[-2])
-    return (*_broadcast(qm.shape[:-2], km.shape[:-2]), qm.shape[-2], km.shape[-2])
+    if qm.dim() < 3 or km.dim() < 3 or qm.shape[-3] == km.shape[-3]:
+        return None
+    return tuple(_broadcast(qm.shape[:-3], km.shape[:-3])), qm.shape[-3], km.shape[-3]
+
+
+def _sdpa_probs_shape(q, k) -> tuple:
+    """The attention weights' shape ``[..., N, Sq, Skv]`` (q's heads)."""
+    qm, km = _meta(q), _meta(k)
+    heads = _gqa_heads(q, k)
+    lead = (*heads[0], heads[1]) if heads else _broadcast(qm.shape[:-2], km.shape[:-2])
+    return (*lead, qm.shape[-2], km.shape[-2])
 
 
 def lower(node: fx.Node) -> Program:
@@ -737,9 +746,8 @@ def _lower_sdpa_backward(node):
     g = node.args[0]
     inputs = [g, q, k, v] + ([mask] if mask is not None else [])
     lay = _gqa_layout(q, k)
-    probs = Const("saved", _sdpa_probs_shape(q, k), str(_meta(q).dtype).replace("torch.", ""))
-    if lay(probs, probs.shape) is not probs:          # grouped-query heads: P as its GEMMs wrote it
-        probs = Const("saved", lay(probs, probs.shape).shape, probs.dtype)
+    shape = _sdpa_probs_shape(q, k)
+    probs = lay(Const("saved", shape, str(_meta(q).dtype).replace("torch.", "")), shape)  # as its GEMMs wrote it
     dt = _meta(g).dtype
     built = _row_grad_program(_softmax_grad, [torch.empty(probs.shape, dtype=dt, device="meta")] * 2, [-1, dt])
     if built is None:

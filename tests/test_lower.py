@@ -88,7 +88,7 @@ def test_cpu_flash_attention_and_its_backward_compute_sdpa_and_its_gradients(nam
         assert lower(fwd.kwargs["attn_mask"]).free
     # the forward's kernels compute the attention; P (the softmax step's output) is what its backward reads
     fo = _run(f, env)
-    probs = fo[-2]
+    probs = fo[-2].reshape(B, H, S, S)      # the "saved" constant stands for P in q's head layout
     b_outs = _run(b, env, saved=probs)
     # float64 references from the same inputs; values are O(1). Tolerances: fp32 kernels round each of ~6
     # stored intermediates and accumulate 12- to 16-term dots in fp32 (a few 1e-7; 1e-5 bounds it on any CPU);
