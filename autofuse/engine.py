@@ -284,6 +284,32 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     return Plan(captured, _make_live(fused, model), report, gm, guards)
 
 
+#: Ops that only reshape their first argument: a random verification input made through them shares its values.
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
+
+def _reshapes(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _RESHAPES and isinstance(n.args[0], fx.Node)
+
+
+def _reshape(n: fx.Node, base: torch.Tensor, sizes: dict):
+    """``n``'s reshape applied to ``base`` (reduced shapes: its shape arguments reduced too); None when the
+    reduced shapes do not reshape that way."""
+    try:
+        return n.target(base, *(_verify.shrink_arg(a, sizes) for a in n.args[1:]))
+    except RuntimeError:
+        return None
+
+
+def _reshaped(n: fx.Node) -> fx.Node:
+    """The value ``n`` is a reshape of (``n`` itself when it is not one)."""
+    while _reshapes(n):
+        n = n.args[0]
+    return n
+
+
 class _Verifier:
     """``verify(candidate)`` for the planner (see :mod:`autofuse.verify`).
 
@@ -306,12 +332,20 @@ class _Verifier:
         sizes = sizes or {}
         if self.meta or sizes:
             gen = torch.Generator().manual_seed(0)
-            out = []
-            for n in external:
-                c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
-                out.append(_verify.shrink_value(c, sizes) if isinstance(c, torch.Tensor)
-                           else _verify.random_like(n, gen, sizes))
-            return out
+            made = {}
+
+            def value(n):
+                # inputs that are views of one value (Mixtral's experts read the hidden states through two
+                # reshapes) are that value's views here too, so the block sees what the model gives it
+                if n not in made:
+                    t = _reshape(n, value(n.args[0]), sizes) if _reshapes(n) else None
+                    if t is None:               # not a reshape, or a reduced base that does not reshape that way
+                        c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
+                        t = (_verify.shrink_value(c, sizes) if isinstance(c, torch.Tensor)
+                             else _verify.random_like(n, gen, sizes))
+                    made[n] = t
+                return made[n]
+            return [value(n) for n in external]
         values = _Values(self.cap, {n.name for n in external}).values(*self.leaves)
         return [_verify.shrink_value(values[n.name], sizes) for n in external]
 
@@ -348,24 +382,26 @@ class _Verifier:
                 # bound's other branch (the mask read) is exercised by the large-magnitude q and k sets
                 roles = {r: p for r, p in roles.items() if not r.startswith("mask")}
             with torch.random.fork_rng():
-                self.done[key] = self._reduced(fam, cand, sub, external, roles) or _verify.verify_block(
+                self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles) or _verify.verify_block(
                     sub, fused_sub, self._inputs(external), roles) + ("",)
             if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
                 self.done[key] = fam.agree(self.done[key], cand.match)
         return self.done[key]
 
-    def _reduced(self, fam, cand, sub, external, roles):
+    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles):
         """A block too large to check at its size (its float64 reference would allocate more than
         ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
         token dims (the family says which) shrunk in every shape argument and input, its fused call built for
-        those shapes with the kernel's default tiling. None when the block is small enough, or when the
-        reduction does not give a runnable block (then it is checked at its own size)."""
+        those shapes with the kernel's default tiling. None when the block is small enough. A reduction that
+        does not give a runnable block is a bug of the family's ``shrink``: the block is then checked at its
+        own size and the note says so (the report shows it; such a check can take minutes and gigabytes)."""
         if fam.shrink is None or _verify.largest_value_bytes(sub) <= _verify.LARGEST_CHECKED:
             return None
         sizes = fam.shrink(cand.match)
         if not sizes:
             return None
-        sizes = _verify.consistent_sizes(sub, sizes)
+        sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
+        what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
         kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
         lifted = cand.lifted
         if fam.resize is not None:                                          # shapes held in the match itself
@@ -374,9 +410,11 @@ class _Verifier:
             _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
             small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
             ok, err, tol, label = _verify.verify_block(small, small_fused, self._inputs(external, sizes), roles)
-        except Exception:  # noqa: BLE001 - a reduction that does not run: check the block at its own size
-            return None
-        what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
+        except Exception as e:  # noqa: BLE001 - a reduction that does not run: check the block at its own size
+            ok, err, tol, label = _verify.verify_block(sub, fused_sub_full, self._inputs(external), roles)
+            reason = str(e).splitlines()[0][:160] if str(e) else ""
+            return ok, err, tol, label or "", (f"verified at its own size: the reduced-shape check ({what}) did "
+                                               f"not run ({type(e).__name__}{': ' + reason if reason else ''})")
         note = f"verified on reduced shapes ({what}): the block at its size needs " \
                f"{_verify.largest_value_bytes(sub) / 2 ** 20:,.0f} MiB for one float64 value"
         return ok, err, tol, label or "", note

@@ -8,6 +8,7 @@ device, search_tiling)`` is the cost model's price of that call (:class:`Price`)
 """
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 from dataclasses import dataclass, field
@@ -405,12 +406,18 @@ def shrink_gating(match) -> dict:
 
 def shrink_experts(match) -> dict:
     """Tokens (and token-expert pairs), the hidden size and the expert width: the weights shrink with them, so a
-    7B-class experts block verifies in megabytes."""
+    7B-class experts block verifies in megabytes. The reduced sizes keep the block's own coincidences: a size
+    that plays two roles (Mixtral's 2048 tokens x top-2 = 4096 = its hidden size) gets one reduced value that
+    serves both, and the expert count and k are left alone; {} when no small choice does that."""
     p = match.params
-    T, k, H, I = p["tokens"], p["k"], p["hidden"], p["intermediate"]
-    want = {T: 24, T * k: 24 * k, H: 64, I: 48, 2 * I: 96}
-    sizes = {a: b for a, b in want.items() if a > b}
-    return sizes if len(sizes) == len({a for a in want if a > want[a]}) else {}
+    T, k, E, H, I = p["tokens"], p["k"], p["num_experts"], p["hidden"], p["intermediate"]
+    for t, h, i in itertools.product((24, 16, 32, 40), (64, 48, 80, 96, 128, 32, 40), (48, 40, 56, 72, 112)):
+        roles = [(T, min(T, t)), (T * k, min(T, t) * k), (H, min(H, h)), (I, min(I, i)), (2 * I, 2 * min(I, i)),
+                 (E, E), (k, k)]
+        sizes = {}
+        if all(sizes.setdefault(a, b) == b for a, b in roles):
+            return {a: b for a, b in sizes.items() if a != b}
+    return {}
 
 
 MOE_GATING = Family("moe_gating", _moe_ops().moe_gating_topk.default, "moe_gating_topk", emit_gating,

@@ -262,12 +262,12 @@ def largest_value_bytes(sub: fx.GraphModule) -> int:
                 if isinstance(v, torch.Tensor)), default=0)
 
 
-def _shrink_arg(a, sizes: dict):
+def shrink_arg(a, sizes: dict):
     if isinstance(a, bool) or not isinstance(a, (int, list, tuple)):
         return a
     if isinstance(a, int):
         return sizes.get(a, a)
-    return type(a)(_shrink_arg(x, sizes) for x in a)
+    return type(a)(shrink_arg(x, sizes) for x in a)
 
 
 def shrink(gm: fx.GraphModule, sizes: dict) -> fx.GraphModule:
@@ -279,26 +279,31 @@ def shrink(gm: fx.GraphModule, sizes: dict) -> fx.GraphModule:
     for n in gm.graph.nodes:
         new = g.node_copy(n, lambda x: env[x])
         if n.op == "call_function":
-            new.args = tuple(_shrink_arg(a, sizes) for a in new.args)
-            new.kwargs = {k: (v if k == "dim" else _shrink_arg(v, sizes)) for k, v in new.kwargs.items()}
+            new.args = tuple(shrink_arg(a, sizes) for a in new.args)
+            new.kwargs = {k: (v if k == "dim" else shrink_arg(v, sizes)) for k, v in new.kwargs.items()}
         env[n] = new
     return fx.GraphModule(gm, g)
 
 
-def consistent_sizes(sub: fx.GraphModule, sizes: dict) -> dict:
+def consistent_sizes(sub: fx.GraphModule, sizes: dict, also=()) -> dict:
     """``sizes`` extended so that every view in ``sub`` stays consistent: a reduced flat row count ``d``
     that some value splits as ``[..., a, b]`` with ``a * b == d`` (a matmul over ``[B*S, K]`` viewed as
-    ``[B, S, N]``) reduces ``b`` and maps ``d`` to ``a`` times that."""
+    ``[B, S, N]``) reduces ``b`` to ``r / a`` when ``a`` divides the reduced count ``r``, which keeps ``d -> r``
+    (sizes the family derived from it, such as token-expert pairs, stay consistent); otherwise ``b -> r`` and
+    ``d -> a * r``. ``also``: more nodes whose shapes count (the values the block's inputs are views of)."""
     out = dict(sizes)
     for d, r in sizes.items():
-        for n in sub.graph.nodes:
+        for n in [*sub.graph.nodes, *also]:
             v = n.meta.get("val")
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else ()
             for i in range(len(shape) - 1):
                 a, b = shape[i], shape[i + 1]
-                if a * b == d and b > r and b not in out:
-                    out[b] = r
-                    out[d] = a * r
+                if a * b == d and b not in out and not (a in out and out[a] * b == r):
+                    if r % a == 0 and b > r // a:
+                        out[b] = r // a
+                    elif b > r:
+                        out[b] = r
+                        out[d] = a * r
     return out
 
 
@@ -313,4 +318,4 @@ def shrink_value(t, sizes: dict):
 
 
 __all__ = ["LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor", "largest_value_bytes", "random_like",
-           "shrink", "shrink_value", "structure_key", "verify_block"]
+           "shrink", "shrink_arg", "shrink_value", "structure_key", "verify_block"]

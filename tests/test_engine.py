@@ -303,6 +303,66 @@ def test_planning_on_meta_verifies_identical_blocks_once():
         "identical blocks on random data must be verified once"
 
 
+def _mixtral_whose_tokens_equal_its_hidden_size():
+    # 2 x 48 = 96 tokens = the hidden size: one dimension size in two roles, as Mixtral-8x7B's at 4096 tokens
+    model, example = build("mixtral", layers=1, hidden=96, heads=4, kv_heads=2, seq=48, batch=2, vocab=64)
+    return model.eval(), example
+
+
+def _experts_decision(model, example):
+    fused = AutoFusionEngine.fuse(model, example)
+    (d,) = fused.report.of("moe_experts")
+    return fused, d
+
+
+def test_a_large_experts_block_is_verified_on_reduced_shapes_that_keep_its_coincidences(monkeypatch):
+    import autofuse.verify
+    model, (args, kwargs) = _mixtral_whose_tokens_equal_its_hidden_size()
+    monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)        # every block counts as too large
+    fused, d = _experts_decision(model, (args, kwargs))
+    # tokens 96 -> 32 and so the hidden size (also 96) -> 32; token-expert pairs 192 -> 64; the [2, 48] batch
+    # and sequence view of the tokens -> [2, 16]; the block's inputs are views of one value, as in the model
+    assert d.applied, fused.report.summary()
+    assert d.verify_note.startswith("verified on reduced shapes (96 -> 32, 192 -> 64,") and "48 -> 16" in \
+        d.verify_note, d.verify_note
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args, **kwargs).logits, model(*args, **kwargs).logits,
+                                   rtol=1e-4, atol=1e-4)   # fp32 kernels vs fp32 eager: rounding-order differences
+
+
+def test_a_wrong_experts_kernel_is_rejected_on_reduced_shapes(monkeypatch):
+    import autofuse.ops_moe
+    import autofuse.verify
+    model, example = _mixtral_whose_tokens_equal_its_hidden_size()
+    monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
+    real = autofuse.ops_moe.run_kernel
+
+    def off_by_a_bit(name, *a, **kw):
+        r = real(name, *a, **kw)
+        if name == "grouped_matmul":
+            r.outputs = (r.outputs[0] * 1.01,) + tuple(r.outputs[1:])
+        return r
+    monkeypatch.setattr(autofuse.ops_moe, "run_kernel", off_by_a_bit)
+    fused, d = _experts_decision(model, example)
+    assert d.reason_code == "verification_failed" and "verified on reduced shapes" in d.verify_note, \
+        fused.report.summary()
+
+
+def test_a_reduction_that_does_not_run_is_said_in_the_report(monkeypatch):
+    import dataclasses
+    import autofuse.fused
+    import autofuse.verify
+    model, example = _mixtral_whose_tokens_equal_its_hidden_size()
+    monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
+    # the expert width reduced but not the fused gate_up width (twice it): the reduced block cannot run
+    broken = dataclasses.replace(autofuse.fused.FAMILIES["moe_experts"], shrink=lambda m: {336: 48})
+    monkeypatch.setitem(autofuse.fused.FAMILIES, "moe_experts", broken)
+    fused, d = _experts_decision(model, example)
+    assert d.applied and d.verify_note.startswith("verified at its own size: the reduced-shape check (336 -> 48) "
+                                                  "did not run"), d.verify_note
+    assert d.verify_note in fused.report.summary()
+
+
 # --------------------------------------------------------------------------- 6. errors for people
 
 def test_bad_target_device_names_the_argument():
