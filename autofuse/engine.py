@@ -324,6 +324,36 @@ class _Verifier:
         self.cap, self.leaves, self.device, self.level = captured, leaves, device, level
         self.meta = _is_meta(leaves)
         self.done = {}
+        self.blocks = {}        # id(candidate) -> (family, captured block, fused block, its inputs, key)
+        self.values = {}        # captured node name -> its value on the example inputs (full-size checks)
+
+    def _block(self, cand):
+        if id(cand) not in self.blocks:
+            fam = family_of(cand.match)
+            kwargs = fam.op_kwargs(self.device, cand.fused, self.level)
+            sub, fused_sub, external = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
+            key = (_verify.structure_key(sub), _verify.structure_key(fused_sub))
+            self.blocks[id(cand)] = fam, sub, fused_sub, external, key
+        return self.blocks[id(cand)]
+
+    def prepare(self, cands):
+        """Before ``cands`` are checked: the example values every one of them checked at its own size reads,
+        from one run of the captured graph (each block asking for its own would run it once per block)."""
+        if self.meta:
+            return
+        want = set()
+        for cand in cands:
+            fam, sub, _, external, key = self._block(cand)
+            if key not in self.done and not self._too_large(fam, cand, sub):
+                want |= {n.name for n in external} - self.values.keys()
+        if want:
+            self.values.update(_Values(self.cap, want).values(*self.leaves))
+
+    @staticmethod
+    def _too_large(fam, cand, sub) -> bool:
+        """Checked on reduced shapes (see ``_reduced``)."""
+        return fam.shrink is not None and _verify.largest_value_bytes(sub) > _verify.LARGEST_CHECKED \
+            and bool(fam.shrink(cand.match))
 
     def _inputs(self, external, sizes=None):
         """Values of the block's inputs. At reduced sizes (a block too large to check at its own), as on meta
@@ -346,8 +376,10 @@ class _Verifier:
                     made[n] = t
                 return made[n]
             return [value(n) for n in external]
-        values = _Values(self.cap, {n.name for n in external}).values(*self.leaves)
-        return [_verify.shrink_value(values[n.name], sizes) for n in external]
+        missing = {n.name for n in external} - self.values.keys()
+        if missing:
+            self.values.update(_Values(self.cap, missing).values(*self.leaves))
+        return [_verify.shrink_value(self.values[n.name], sizes) for n in external]
 
     @staticmethod
     def _roles(lifted, external) -> dict:
@@ -371,10 +403,7 @@ class _Verifier:
         return roles
 
     def __call__(self, cand):
-        fam = family_of(cand.match)
-        kwargs = fam.op_kwargs(self.device, cand.fused, self.level)
-        sub, fused_sub, external = fused_block(self.cap, cand.lifted, fam.emit, kwargs)
-        key = (_verify.structure_key(sub), _verify.structure_key(fused_sub))
+        fam, sub, fused_sub, external, key = self._block(cand)
         if key not in self.done:
             roles = self._roles(cand.lifted, external)
             if cand.match.params.get("causal_value") is not None:
@@ -395,11 +424,9 @@ class _Verifier:
         those shapes with the kernel's default tiling. None when the block is small enough. A reduction that
         does not give a runnable block is a bug of the family's ``shrink``: the block is then checked at its
         own size and the note says so (the report shows it; such a check can take minutes and gigabytes)."""
-        if fam.shrink is None or _verify.largest_value_bytes(sub) <= _verify.LARGEST_CHECKED:
+        if not self._too_large(fam, cand, sub):
             return None
         sizes = fam.shrink(cand.match)
-        if not sizes:
-            return None
         sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
         what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
         kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes

@@ -373,6 +373,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         pool = conflicts.subgraph([i for i in eligible if verdicts.get(i, (True,))[0]])
         chosen = _best_independent_set(cands, pool)
         failed = False
+        if verify is not None and hasattr(verify, "prepare"):       # e.g. one run for every block's inputs
+            verify.prepare([cands[i] for i in sorted(chosen) if i not in verdicts])
         for i in sorted(chosen):
             if verify is not None and i not in verdicts:
                 verdicts[i] = verify(cands[i])

@@ -303,6 +303,21 @@ def test_planning_on_meta_verifies_identical_blocks_once():
         "identical blocks on random data must be verified once"
 
 
+def test_the_example_values_blocks_are_checked_on_come_from_one_run_of_the_graph(monkeypatch):
+    import autofuse.engine
+    runs = []
+    real = autofuse.engine._Values.values
+
+    def counted(self, *a):
+        runs.append(sorted(self.wanted))
+        return real(self, *a)
+    monkeypatch.setattr(autofuse.engine._Values, "values", counted)
+    model, example = build("llama", layers=2, hidden=32, heads=4, seq=8)
+    fused = AutoFusionEngine.fuse(model.eval(), example)
+    assert len(fused.report.applied) > 3
+    assert len(runs) == 1 and len(runs[0]) > 3, runs     # every block's inputs, not one run per block
+
+
 def _mixtral_whose_tokens_equal_its_hidden_size():
     # 2 x 48 = 96 tokens = the hidden size: one dimension size in two roles, as Mixtral-8x7B's at 4096 tokens
     model, example = build("mixtral", layers=1, hidden=96, heads=4, kv_heads=2, seq=48, batch=2, vocab=64)
