@@ -93,11 +93,16 @@ _LOW = (torch.float16, torch.bfloat16, torch.float32)
 
 class _OnCPU(fx.Interpreter):
     """Runs a block on the CPU: factory ops inside it (a causal mask built from ``arange``) that name another
-    device (``meta``, for a model planned without data) make their tensors on the CPU."""
+    device (``meta``, for a model planned without data) make their tensors on the CPU. A model traced on
+    another device may have taken that device's branch where the CPU has no kernel: transformers' MoE
+    experts count tokens per expert with ``histc`` on integer ids off the CPU, on float ids on it (the same
+    counts: ids are small integers, exact in float32)."""
 
     def call_function(self, target, args, kwargs):
         if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "cpu":
             kwargs = {**kwargs, "device": torch.device("cpu")}
+        if target is torch.ops.aten.histc.default and not args[0].is_floating_point():
+            return super().call_function(target, (args[0].float(), *args[1:]), kwargs).to(args[0].dtype)
         return super().call_function(target, args, kwargs)
 
 

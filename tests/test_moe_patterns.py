@@ -93,6 +93,19 @@ def test_the_eager_experts_loop_is_named_in_the_capture_error():
         AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_router_and_experts_block_is_fused_when_planned_on_meta_tensors(name):
+    # no weights, no data: blocks are verified on random values; off the CPU transformers counts tokens per expert
+    # with an integer histc, which the CPU check runs on float ids (the same counts)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = MODELS[name]().eval()
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.of("moe_gating", "moe_experts"))
+    assert codes == {("moe_gating", "fused"): LAYERS, ("moe_experts", "fused"): LAYERS}, fused.report.summary()
+
+
 # --------------------------------------------------------------------------------------- routers alone
 
 
