@@ -137,6 +137,11 @@ def compare(eager: torch.Tensor, ref: torch.Tensor, fused: torch.Tensor, nan_ok:
     inputs hold NaN, and a NaN where eager happened to give a number is accepted (torch's CPU SDPA zeroes a
     query row of NaN scores, or not, depending on the shape and its kernel's blocking)."""
     e, r, f = eager.double(), ref.double(), fused.double()
+    if e.numel() and bool(torch.isfinite(e).all() & torch.isfinite(r).all() & torch.isfinite(f).all()):
+        # every value finite (the usual case): what the general path below computes, in fewer passes
+        tol = 2 * (e - r).abs().max().item() + floor(eager.dtype) * max(1.0, r.abs().max().item())
+        err = (f - r).abs().max().item()
+        return err <= tol, err, tol
     ke, kr, kf = _kind(e), _kind(r), _kind(f)
     e_fin, r_fin = ke == 0, kr == 0
     both = e_fin & r_fin
