@@ -1,4 +1,5 @@
-"""How planning on meta tensors scales with model size: ``autofuse report --meta`` on Llama configurations.
+"""How planning on meta tensors scales with model size: ``autofuse report --meta`` on Llama configurations and
+Mixtral-8x7B (a sparse MoE: 8 experts of 14336, top-2).
 
 Each configuration runs in its own process (``autofuse report --model 'transformers:LlamaConfig?...' --seq 2048
 --meta``, the command line's own code path); the table gives each stage's wall time and the process's peak
@@ -6,7 +7,7 @@ resident memory when the stage ended (a high-water mark: the stage that raised i
 then the whole run's wall time, CPU time (user + system: less sensitive than wall time to other processes on a
 shared machine) and peak memory, and per layer.
 
-    python benchmarks/scale.py                     # L = 8, 16, 32 (Llama-7B shapes) and the 70B-class shape
+    python benchmarks/scale.py                     # L = 8, 16, 32 (Llama-7B shapes), the 70B-class shape, Mixtral
     python benchmarks/scale.py --layers 8 16       # only these Llama-7B-shaped depths
 """
 import argparse
@@ -65,6 +66,7 @@ def main():
     ap.add_argument("--layers", type=int, nargs="*", default=[8, 16, 32])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-70b", action="store_true", help="skip the 70B-class configuration")
+    ap.add_argument("--no-moe", action="store_true", help="skip Mixtral-8x7B (32 layers, MixtralConfig's defaults)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -73,6 +75,8 @@ def main():
     configs = [(f"Llama-7B shapes, L={L}", L, f"transformers:LlamaConfig?num_hidden_layers={L}") for L in a.layers]
     if not a.no_70b:
         configs.append(("70B-class, L=80", 80, f"transformers:LlamaConfig?num_hidden_layers=80&{SEVENTY_B}"))
+    if not a.no_moe:
+        configs.append(("Mixtral-8x7B, L=32", 32, "transformers:MixtralConfig?num_hidden_layers=32"))
     print(f"autofuse report --meta --seq {a.seq}: wall seconds per stage [peak GB when it ended]; load average "
           f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     head = f"{'configuration':<26}" + "".join(f"{s:>17}" for s in STAGES) + \
