@@ -303,6 +303,10 @@ def _reshape(n: fx.Node, base: torch.Tensor, sizes: dict):
         return None
 
 
+def _canonical(fam, cand):
+    return fam.canonical(cand.match, list(cand.lifted.targets)) if fam.canonical is not None else None
+
+
 def _reshaped(n: fx.Node) -> fx.Node:
     """The value ``n`` is a reshape of (``n`` itself when it is not one)."""
     while _reshapes(n):
@@ -344,18 +348,17 @@ class _Verifier:
         want = set()
         for cand in cands:
             fam, sub, _, external, key = self._block(cand)
-            if key not in self.done and not self._too_large(fam, cand, sub):
+            if key not in self.done and not self._too_large(sub):
                 want |= {n.name for n in external} - self.values.keys()
         if want:
             self.values.update(_Values(self.cap, want).values(*self.leaves))
 
     @staticmethod
-    def _too_large(fam, cand, sub) -> bool:
-        """Checked on reduced shapes (see ``_reduced``)."""
-        return fam.shrink is not None and _verify.largest_value_bytes(sub) > _verify.LARGEST_CHECKED \
-            and bool(fam.shrink(cand.match))
+    def _too_large(sub) -> bool:
+        """Checked on reduced shapes where the family has them (see ``_reduced``)."""
+        return _verify.largest_value_bytes(sub) > _verify.LARGEST_CHECKED
 
-    def _inputs(self, external, sizes=None):
+    def _inputs(self, external, sizes=None, strict=False):
         """Values of the block's inputs. At reduced sizes (a block too large to check at its own), as on meta
         inputs: random values of the reduced shapes and the graph's constants evaluated (a causal mask), so
         that no block needs a run of the whole captured graph up to it."""
@@ -369,6 +372,8 @@ class _Verifier:
                 # reshapes) are that value's views here too, so the block sees what the model gives it
                 if n not in made:
                     t = _reshape(n, value(n.args[0]), sizes) if _reshapes(n) else None
+                    if t is None and _reshapes(n) and strict:
+                        raise ValueError(f"{n.name}: its reshape of {n.args[0].name} does not hold at these sizes")
                     if t is None:               # not a reshape, or a reduced base that does not reshape that way
                         c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
                         t = (_verify.shrink_value(c, sizes) if isinstance(c, torch.Tensor)
@@ -412,7 +417,7 @@ class _Verifier:
                 roles = {r: p for r, p in roles.items() if not r.startswith("mask")}
             with torch.random.fork_rng():
                 self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles) or _verify.verify_block(
-                    sub, fused_sub, self._inputs(external), roles) + ("",)
+                    sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand)) + ("",)
             if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
                 self.done[key] = fam.agree(self.done[key], cand.match)
         return self.done[key]
@@ -421,30 +426,50 @@ class _Verifier:
         """A block too large to check at its size (its float64 reference would allocate more than
         ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
         token dims (the family says which) shrunk in every shape argument and input, its fused call built for
-        those shapes with the kernel's default tiling. None when the block is small enough. A reduction that
-        does not give a runnable block is a bug of the family's ``shrink``: the block is then checked at its
-        own size and the note says so (the report shows it; such a check can take minutes and gigabytes)."""
-        if not self._too_large(fam, cand, sub):
+        those shapes with the kernel's default tiling. A family may offer several reductions (sizes that
+        coincide in a model can make one fail to run): the first that runs decides. None when the block is small
+        enough. When none runs, the block is checked at its own size if one value of it stays within
+        ``verify.LARGEST_AT_OWN_SIZE`` (the note says so; it can take minutes and gigabytes); above that it is
+        left unverified, and so unfused, with the reason."""
+        if not self._too_large(sub):
             return None
-        sizes = fam.shrink(cand.match)
-        sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
-        what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
-        kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
-        lifted = cand.lifted
-        if fam.resize is not None:                                          # shapes held in the match itself
-            lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
-        try:
-            _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
-            small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
-            ok, err, tol, label = _verify.verify_block(small, small_fused, self._inputs(external, sizes), roles)
-        except Exception as e:  # noqa: BLE001 - a reduction that does not run: check the block at its own size
-            ok, err, tol, label = _verify.verify_block(sub, fused_sub_full, self._inputs(external), roles)
-            reason = str(e).splitlines()[0][:160] if str(e) else ""
-            return ok, err, tol, label or "", (f"verified at its own size: the reduced-shape check ({what}) did "
-                                               f"not run ({type(e).__name__}{': ' + reason if reason else ''})")
-        note = f"verified on reduced shapes ({what}): the block at its size needs " \
-               f"{_verify.largest_value_bytes(sub) / 2 ** 20:,.0f} MiB for one float64 value"
-        return ok, err, tol, label or "", note
+        options = fam.shrink(cand.match) if fam.shrink is not None else []
+        options = [o for o in (options if isinstance(options, list) else [options]) if o]
+        failed = []
+        for sizes in options[:MAX_REDUCTIONS]:
+            sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
+            what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
+            kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
+            lifted = cand.lifted
+            if fam.resize is not None:                                          # shapes held in the match itself
+                lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
+            try:
+                _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
+                small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
+                ok, err, tol, label = _verify.verify_block(small, small_fused,
+                                                           self._inputs(external, sizes, strict=True), roles,
+                                                           _canonical(fam, cand))
+            except Exception as e:  # noqa: BLE001 - a reduction that does not run: try the next
+                reason = str(e).splitlines()[0][:160] if str(e) else ""
+                failed.append(f"({what}): {type(e).__name__}{': ' + reason if reason else ''}")
+                continue
+            note = f"verified on reduced shapes ({what}): the block at its size needs " \
+                   f"{_verify.largest_value_bytes(sub) / 2 ** 20:,.0f} MiB for one float64 value"
+            return ok, err, tol, label or "", note
+        big = _verify.largest_value_bytes(sub)
+        why = "no reduced shape for it" if not failed else \
+            f"no reduced shape runs ({'; '.join(failed[:2])}{f'; {len(failed) - 2} more' if len(failed) > 2 else ''})"
+        if big > _verify.LARGEST_AT_OWN_SIZE:
+            return False, None, None, "", (f"not verified: the block at its size needs {big / 2 ** 20:,.0f} MiB for "
+                                           f"one float64 value (checks run at up to "
+                                           f"{_verify.LARGEST_AT_OWN_SIZE / 2 ** 20:,.0f} MiB) and {why}")
+        ok, err, tol, label = _verify.verify_block(sub, fused_sub_full, self._inputs(external), roles,
+                                                   _canonical(fam, cand))
+        return ok, err, tol, label or "", f"verified at its own size: {why}"
+
+
+#: How many of a family's reductions are tried before a block is checked at its own size.
+MAX_REDUCTIONS = 64
 
 
 class FusedModule(torch.nn.Module):

@@ -70,6 +70,9 @@ class Family:
     # (verdict, match) -> the verdict every process planning this graph agrees on (families whose call
     # communicates: each rank verifies on its own data, and all must apply the same fusions); None: local
     agree: Callable | None = None
+    # (match, output roles in order) -> (outputs -> outputs with what the captured ops leave unspecified fixed),
+    # for verification (see ``verify.check``); None: compared as they are
+    canonical: Callable | None = None
 
 
 def _spec(n: fx.Node):
@@ -404,24 +407,48 @@ def shrink_gating(match) -> dict:
     return {t: REDUCED} if t > REDUCED else {}
 
 
-def shrink_experts(match) -> dict:
+def shrink_experts(match) -> list:
     """Tokens (and token-expert pairs), the hidden size and the expert width: the weights shrink with them, so a
     7B-class experts block verifies in megabytes. The reduced sizes keep the block's own coincidences: a size
-    that plays two roles (Mixtral's 2048 tokens x top-2 = 4096 = its hidden size) gets one reduced value that
-    serves both, and the expert count and k are left alone; {} when no small choice does that."""
+    that plays two roles (Mixtral's 2048 tokens x top-2 = 4096 = its hidden size; DeepSeek-V3's 4096 tokens =
+    twice its expert width) gets one reduced value that serves both, and the expert count and k are left alone.
+    Several such choices, the verifier takes the first that runs (a size the block's views split, such as a
+    sequence length equal to the hidden size, can still make one fail)."""
     p = match.params
     T, k, E, H, I = p["tokens"], p["k"], p["num_experts"], p["hidden"], p["intermediate"]
-    for t, h, i in itertools.product((24, 16, 32, 40), (64, 48, 80, 96, 128, 32, 40), (48, 40, 56, 72, 112)):
+    out = []
+    for t, h, i in itertools.product((24, 16, 32, 40, 48, 56, 64, 80, 96), (64, 48, 80, 96, 128, 32, 40),
+                                     (48, 40, 56, 72, 112, 24, 32, 16, 64, 80, 96)):
         roles = [(T, min(T, t)), (T * k, min(T, t) * k), (H, min(H, h)), (I, min(I, i)), (2 * I, 2 * min(I, i)),
                  (E, E), (k, k)]
         sizes = {}
         if all(sizes.setdefault(a, b) == b for a, b in roles):
-            return {a: b for a, b in sizes.items() if a != b}
-    return {}
+            sizes = {a: b for a, b in sizes.items() if a != b}
+            if sizes and sizes not in out:
+                out.append(sizes)
+    return out
+
+
+def unsorted_picks(match, roles: list):
+    """A router whose top-k is ``sorted=False`` (DeepSeek-V3's): torch leaves the order of each token's picks
+    unspecified (its CPU kernel returns them in another order than sorted from some sizes on), and the experts
+    block that reads them sums over them; each token's (weight, index) pairs are compared ordered by index."""
+    if match.params.get("sorted", True):
+        return None
+    w, i = roles.index("weights"), roles.index("indices")
+
+    def canonical(outputs):
+        outputs = list(outputs)
+        k = outputs[i].shape[-1]
+        order = outputs[i].reshape(-1, k).argsort(dim=-1)
+        for j in (w, i):
+            outputs[j] = outputs[j].reshape(-1, k).gather(-1, order).reshape(outputs[j].shape)
+        return outputs
+    return canonical
 
 
 MOE_GATING = Family("moe_gating", _moe_ops().moe_gating_topk.default, "moe_gating_topk", emit_gating,
-                    price_gating, _device_and_options, shrink_gating)
+                    price_gating, _device_and_options, shrink_gating, canonical=unsorted_picks)
 MOE_EXPERTS = Family("moe_experts", _moe_ops().grouped_matmul.default, "grouped_matmul", emit_experts,
                      price_experts, _device_and_options, shrink_experts)
 

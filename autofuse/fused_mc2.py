@@ -104,13 +104,14 @@ def agree(verdict: tuple, match) -> tuple:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     ok, err, tol = verdict[:3]
-    label = verdict[3] if len(verdict) > 3 else ""
-    t = torch.tensor([0.0 if ok else 1.0, float(err)], dtype=torch.float64)
+    label, note = (tuple(verdict[3:5]) + ("", ""))[:2]
+    # a block this rank could not check (error None: too large, see the verifier) fails everywhere
+    t = torch.tensor([0.0 if ok else 1.0, float("inf") if err is None else float(err)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_resolve_process_group(match.params["group_name"]))
     failed = bool(t[0].item() > 0)
     if failed and ok:
         label = "another rank's inputs"
-    return (not failed, float(t[1].item()), tol, label)
+    return (not failed, None if err is None else float(t[1].item()), tol, label, note)
 
 
 FAMILIES = {kind: register_family(Family(kind, getattr(torch.ops.autofuse, kind).default, kind, emit_mc2, price_mc2,

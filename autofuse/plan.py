@@ -389,7 +389,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         detail = verdicts[i][3] if i in verdicts and len(verdicts[i]) > 3 else ""
         note = verdicts[i][4] if i in verdicts and len(verdicts[i]) > 4 else ""
         if i in verdicts and not verdicts[i][0]:
-            decide(i, False, "verification_failed",
+            decide(i, False, "verification_failed", note if err is None or tol is None else
                    f"fused result differs from the captured subgraph{' on ' + detail if detail else ''}: "
                    f"error {err:.3g} > tolerance {tol:.3g}" + (f" ({note})" if note else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)

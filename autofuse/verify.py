@@ -178,13 +178,17 @@ def _seeded(run):
         return run()
 
 
-def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, nan_ok: bool = False
+def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, nan_ok: bool = False, canonical=None
           ) -> tuple[bool, float, float]:
-    """(ok, error, tolerance) of the fused block against eager and float64 on ``inputs``."""
+    """(ok, error, tolerance) of the fused block against eager and float64 on ``inputs``. ``canonical``: the
+    outputs -> the outputs in a form where what the captured op leaves unspecified is fixed (the order of an
+    unsorted top-k's picks); each run's outputs are put in that form before they are compared."""
     with torch.no_grad():      # each run from the same generator state: a block with dropout draws the same masks
         eager = _seeded(lambda: _OnCPU(sub).run(*inputs))
         ref = _seeded(lambda: _F64(sub).run(*[_f64(x) for x in inputs]))
         fused = _seeded(lambda: _OnCPU(fused_sub).run(*inputs))
+    if canonical is not None:
+        eager, ref, fused = canonical(eager), canonical(ref), canonical(fused)
     worst_err, worst_tol, ok = 0.0, 0.0, True
     for e, r, f in zip(eager, ref, fused):
         o, err, tol = compare(e, r, f, nan_ok)
@@ -245,15 +249,15 @@ def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
     return out
 
 
-def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict
+def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict, canonical=None
                  ) -> tuple:
-    """Check on the given inputs, then on each adversarial set; the first failure ends it.
-    Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
-    ok, err, tol = check(sub, fused_sub, inputs)
+    """Check on the given inputs, then on each adversarial set; the first failure ends it. ``canonical``: see
+    :func:`check`. Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
+    ok, err, tol = check(sub, fused_sub, inputs, canonical=canonical)
     if not ok:
         return ok, err, tol, "the example inputs"
     for label, xs in adversarial(inputs, roles):
-        o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"))
+        o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"), canonical=canonical)
         if not o:
             return o, e, t, label
         err, tol = max(err, e), max(tol, t)
@@ -264,6 +268,9 @@ def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, r
 
 #: A block whose largest float64 intermediate is above this is verified on reduced shapes (bytes).
 LARGEST_CHECKED = 32 << 20
+#: A block too large for that and with no reduction that runs is checked at its own size up to this (bytes of
+#: its largest float64 value: the check holds a few such values at once), and left unverified above it.
+LARGEST_AT_OWN_SIZE = 2 << 30
 
 
 def largest_value_bytes(sub: fx.GraphModule) -> int:
@@ -327,5 +334,5 @@ def shrink_value(t, sizes: dict):
     return t.contiguous()
 
 
-__all__ = ["LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor", "largest_value_bytes", "random_like",
+__all__ = ["LARGEST_AT_OWN_SIZE", "LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor", "largest_value_bytes", "random_like",
            "shrink", "shrink_arg", "shrink_value", "structure_key", "verify_block"]

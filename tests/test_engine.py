@@ -363,19 +363,46 @@ def test_a_wrong_experts_kernel_is_rejected_on_reduced_shapes(monkeypatch):
         fused.report.summary()
 
 
-def test_a_reduction_that_does_not_run_is_said_in_the_report(monkeypatch):
+def _with_reductions(monkeypatch, *options):
     import dataclasses
     import autofuse.fused
     import autofuse.verify
-    model, example = _mixtral_whose_tokens_equal_its_hidden_size()
     monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
-    # the expert width reduced but not the fused gate_up width (twice it): the reduced block cannot run
-    broken = dataclasses.replace(autofuse.fused.FAMILIES["moe_experts"], shrink=lambda m: {336: 48})
-    monkeypatch.setitem(autofuse.fused.FAMILIES, "moe_experts", broken)
-    fused, d = _experts_decision(model, example)
-    assert d.applied and d.verify_note.startswith("verified at its own size: the reduced-shape check (336 -> 48) "
-                                                  "did not run"), d.verify_note
+    fam = dataclasses.replace(autofuse.fused.FAMILIES["moe_experts"], shrink=lambda m: list(options))
+    monkeypatch.setitem(autofuse.fused.FAMILIES, "moe_experts", fam)
+
+
+#: the expert width reduced but not the fused gate_up width (twice it): the reduced block cannot run
+_BROKEN = {336: 48}
+
+
+def test_the_first_reduction_that_runs_decides(monkeypatch):
+    _with_reductions(monkeypatch, _BROKEN, {96: 32, 192: 64, 336: 48, 672: 96})
+    fused, d = _experts_decision(*_mixtral_whose_tokens_equal_its_hidden_size())
+    assert d.applied and d.verify_note.startswith("verified on reduced shapes (96 -> 32, 192 -> 64,"), d.verify_note
+
+
+def test_a_reduction_that_does_not_run_is_said_in_the_report(monkeypatch):
+    _with_reductions(monkeypatch, _BROKEN)
+    fused, d = _experts_decision(*_mixtral_whose_tokens_equal_its_hidden_size())
+    assert d.applied and d.verify_note.startswith("verified at its own size: no reduced shape runs ((336 -> 48): "), \
+        d.verify_note
     assert d.verify_note in fused.report.summary()
+
+
+def test_a_block_too_large_to_check_at_its_size_without_a_reduction_is_left_unfused(monkeypatch):
+    import autofuse.verify
+    _with_reductions(monkeypatch, _BROKEN)
+    monkeypatch.setattr(autofuse.verify, "LARGEST_AT_OWN_SIZE", 1 << 20)    # 1 MiB: the 4 MiB block is above it
+    model, example = _mixtral_whose_tokens_equal_its_hidden_size()
+    fused, d = _experts_decision(model, example)
+    assert d.reason_code == "verification_failed" and d.verify_error is None, fused.report.summary()
+    assert d.reason.startswith("not verified: the block at its size needs 4 MiB for one float64 value (checks run "
+                               "at up to 1 MiB) and no reduced shape runs ((336 -> 48): "), d.reason
+    assert not [n for n in fused.graph_module.graph.nodes if "grouped_matmul" in str(n.target)]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*example[0], **example[1]).logits, model(*example[0], **example[1]).logits,
+                                   rtol=1e-4, atol=1e-4)   # fp32 fused attention etc. vs eager: rounding order
 
 
 # --------------------------------------------------------------------------- 6. errors for people

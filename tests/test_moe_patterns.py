@@ -106,6 +106,35 @@ def test_every_router_and_experts_block_is_fused_when_planned_on_meta_tensors(na
     assert codes == {("moe_gating", "fused"): LAYERS, ("moe_experts", "fused"): LAYERS}, fused.report.summary()
 
 
+def test_deepseek_v3_routing_at_its_real_sizes_is_fused_and_matches_eager():
+    # 256 experts in 8 groups, the best 4 groups, top-8: torch's CPU top-k with sorted=False returns each token's
+    # picks in another order than sorted at these sizes (not at the small sizes above); the order is unspecified
+    # and the experts block sums over the picks, so the check compares each token's picks ordered by index
+    torch.manual_seed(0)
+    cfg = tf.DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, vocab_size=64,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
+                              intermediate_size=48, max_position_embeddings=64)
+    assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (256, 8, 4, 8)
+    model = tf.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        gate = model.model.layers[1].mlp.gate
+        gate.weight.normal_(0, 0.1)         # scores off the sigmoid's flat ends, where fp32 ties every pick at 1.0
+        gate.e_score_correction_bias.normal_(0, 0.1)
+    ids = torch.randint(0, 64, (2, 32))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.of("moe_gating", "moe_experts"))
+    assert codes == {("moe_gating", "fused"): 1, ("moe_experts", "fused"): 1}, fused.report.summary()
+    ref_model = copy.deepcopy(model).double()
+    ref_model.set_experts_implementation("batched_mm")
+    with torch.no_grad():
+        got = fused(ids, use_cache=False).logits
+        want = model(ids, use_cache=False).logits
+        ref = ref_model(ids, use_cache=False).logits
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
 # --------------------------------------------------------------------------------------- routers alone
 
 
