@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from cost_model.devices import get_device
-from cost_model.common import ceil_div, itemsize, pack, round_up
+from cost_model.common import asum, ceil_div, itemsize, pack, round_up
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.vecutil import largest
 
@@ -367,31 +367,36 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
                               for x in range(max(0, nk1 - 3), nk1))
     tail = after_loads(-1)
     # chains of dependent work; the launch lasts as long as the longest
-    chain_main = lead + main.sum() + tail + (fix[-1] + mte3[-1] if ep is None else ep["drain"])
+    chain_main = lead + asum(main) + tail + (fix[-1] + mte3[-1] if ep is None else ep["drain"])
     # the write-outs, back to back once the first tile is done
     first_done = lead + main[0] + after_loads(0)
     if ep is None:
-        chain_out = first_done + (fix[0] + mte3.sum() if coupled else fix.sum())
+        chain_out = first_done + (fix[0] + asum(mte3) if coupled else asum(fix))
     else:
-        chain_out = first_done + fix[0] + np.maximum(ep["vec"], mte3).sum()
-    chain_port = gm_port.sum()
+        chain_out = first_done + fix[0] + asum(np.maximum(ep["vec"], mte3))
+    chain_port = asum(gm_port)
     core = max(chain_main, chain_out, chain_port)
 
-    hbm = (A_miss.sum() + B_miss.sum() + W.sum() + bias_miss.sum())
-    busy = {"mte2": mte2.sum(), "mte1": mte1.sum(), "cube": cube.sum(), "fixpipe": fix.sum(),
-            "mte3": mte3.sum(), "scalar": scalar.sum()}
+    hbm = (asum(A_miss) + asum(B_miss) + asum(W) + asum(bias_miss))
+    busy = {"mte2": asum(mte2), "mte1": asum(mte1), "cube": asum(cube), "fixpipe": asum(fix),
+            "mte3": asum(mte3), "scalar": asum(scalar)}
     if ep is not None:
         busy.update(ep["busy"])
-    nbytes = {"GM->L1": (a_bytes.sum() + b_bytes.sum()) + (n_ext.sum() * bias_isz),
-              "L1->L0A": float(round_up(m_ext, 16).sum() * K * isz),
-              "L1->L0B": float(round_up(n_ext, 16).sum() * K * isz)}
+    # the items' extents in closed form: every (batch, column block) covers the M rows once, every (batch, row
+    # block) the N columns once (integer sums: the same as summing the items)
+    m_sum, n_sum = nbatch * nn * Mr, nbatch * nm * N
+    m16_sum = nbatch * nn * ((nm - 1) * round_up(m0, 16) + round_up(Mr - (nm - 1) * m0, 16))
+    n16_sum = nbatch * nm * ((nn - 1) * round_up(n0, 16) + round_up(N - (nn - 1) * n0, 16))
+    nbytes = {"GM->L1": (m_sum * K * isz + n_sum * K * isz) + (n_sum * bias_isz),
+              "L1->L0A": float(m16_sum * K * isz),
+              "L1->L0B": float(n16_sum * K * isz)}
     if ep is not None:
         nbytes.update(ep["bytes"])
     elif coupled:
-        nbytes["L0C->UB"] = float((m_ext * n_ext).sum() * 4)
-        nbytes["UB->GM"] = float(W.sum())
+        nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
+        nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
     else:
-        nbytes["L0C->GM"] = float(W.sum())
+        nbytes["L0C->GM"] = float(nbatch * Mr * N * osz)
     return core, float(hbm), nbytes, busy
 
 
