@@ -244,6 +244,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     coupled = dev.arch == "coupled"
     nm, nn = ceil_div(Mr, m0), ceil_div(N, n0)
     I = nbatch * nm * nn
+    if epi is None and I <= dev.cube_cores:
+        return _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, n0, k0, k1, nm, nn, bias_isz)
     P = min(dev.cube_cores, I)
     S = ceil_div(I, P)
     C = dev.l2_bytes
@@ -393,6 +395,102 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     if ep is not None:
         nbytes.update(ep["bytes"])
     elif coupled:
+        nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
+        nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
+    else:
+        nbytes["L0C->GM"] = float(nbatch * Mr * N * osz)
+    return core, float(hbm), nbytes, busy
+
+
+def _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, n0, k0, k1, nm, nn, bias_isz):
+    """:func:`_model` (no epilogue) of a launch whose items all run in one wave (a step per core), in plain
+    Python: the same operations in the same order on the one step's numbers. One wave has no step boundary
+    to stall at, and every re-read of a block is in the same wave, so it hits L2."""
+    coupled = dev.arch == "coupled"
+    mn = nm * nn
+    a_hit = a_miss = b_hit = b_miss = w = bias_hit = bias_miss = 0
+    m_s = n_s = 0
+    for i in range(nbatch * mn):
+        bi, mi, ni = i // mn, (i // nn) % nm, i % nn
+        m_ext, n_ext = min(m0, Mr - mi * m0), min(n0, N - ni * n0)
+        m_s, n_s = max(m_s, m_ext), max(n_s, n_ext)
+        # the previous item reading the same A row block / B column block (in this wave: a hit)
+        ha = ni > 0 or (not a_batched and nbatch > 1 and bi > 0)
+        hb = mi > 0 or (not b_batched and nbatch > 1 and bi > 0)
+        if ha:
+            a_hit += m_ext * K * isz
+        else:
+            a_miss += m_ext * K * isz
+        if hb:
+            b_hit += n_ext * K * isz
+        else:
+            b_miss += n_ext * K * isz
+        w += m_ext * n_ext * osz
+        if mi > 0:
+            bias_hit += n_ext * bias_isz
+        else:
+            bias_miss += n_ext * bias_isz
+    # (integer byte counts: the sums the numpy form adds as floats, exactly)
+    A_hit, A_miss, B_hit, B_miss, W = float(a_hit), float(a_miss), float(b_hit), float(b_miss), float(w)
+    bias_hit, bias_miss = (float(bias_hit), float(bias_miss)) if bias_isz else (0.0, 0.0)
+    m_s, n_s = float(m_s), float(n_s)
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+
+    nk1 = ceil_div(K, k1)
+    k0f = dev.cube_k0[dtype]
+    chunk_w = [k1, K - (nk1 - 1) * k1]                    # a full chunk, the last one
+    chunk_sl = [[min(k0, w - x) for x in range(0, w, k0)] for w in chunk_w]
+    widths = chunk_sl[0] * (nk1 - 1) + chunk_sl[1]
+    kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
+    rates = dev.rates
+
+    PA, PB = A_hit / L2bw + A_miss / HBMbw, B_hit / L2bw + B_miss / HBMbw
+    PW = W / HBMbw
+    Pbias = bias_hit / L2bw + bias_miss / HBMbw if bias_isz else 0.0
+    LA = max(m_s * K * isz / rates["GM->L1"], PA)
+    LB = max(n_s * K * isz / rates["GM->L1"], PB)
+    Lbias = max(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
+    mte2 = LA + LB + Lbias
+    cube = float(math.ceil(m_s / 16)) * float(math.ceil(n_s / 16)) * kfr
+    m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
+    mte1 = K * isz * (m_al / rates["L1->L0A"] + n_al / rates["L1->L0B"])
+    if dev.arch == "split":                               # write_out of the step's tile
+        fix, mte3 = max(m_s * n_s * osz / rates["L0C->GM"], PW), 0.0
+    else:
+        fix, mte3 = m_s * n_s * 4 / rates["L0C->UB"], max(m_s * n_s * osz / rates["UB->GM"], PW)
+    gm_port = PA + PB + PW + Pbias
+    n_instr = 2 * nk1 + 3 * len(widths) + (2 if coupled else 1) + (1 if bias_isz else 0)
+    scalar = float(n_instr * dev.scalar_issue_cycles)
+    nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+    cube_done = cube + 0.0 if nc == 1 else cube
+    move1 = (m_al * widths[0] * isz / rates["L1->L0A"]
+             + widths[0] * n_al * isz / rates["L1->L0B"])
+    full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
+    chunks = [full] * (nk1 - 1) + [last]
+    loads = max(mte2, PA + PB + Pbias + 0.0)
+    main = max(loads, cube_done, mte1, scalar)
+    first_k = min(k1, K) / K
+    fill = (LA + LB + (Lbias if bias_isz else 0.0)) * first_k + move1
+    lead = fill if loads <= cube_done else 0.0
+    if loads <= cube_done:
+        after = 0.0
+    else:
+        after = move1 + max(sum(cf for _, cf, _ in chunks[x:]) * cube - sum(lf for lf, _, _ in chunks[x + 1:]) * loads
+                            for x in range(max(0, nk1 - 3), nk1))
+    chain_main = lead + main + after + (fix + mte3)
+    first_done = lead + main + after
+    chain_out = first_done + (fix + mte3 if coupled else fix)
+    core = max(chain_main, chain_out, gm_port)
+
+    hbm = A_miss + B_miss + W + bias_miss
+    busy = {"mte2": mte2, "mte1": mte1, "cube": cube, "fixpipe": fix, "mte3": mte3, "scalar": scalar}
+    m_sum, n_sum = nbatch * nn * Mr, nbatch * nm * N
+    m16_sum = nbatch * nn * ((nm - 1) * round_up(m0, 16) + round_up(Mr - (nm - 1) * m0, 16))
+    n16_sum = nbatch * nm * ((nn - 1) * round_up(n0, 16) + round_up(N - (nn - 1) * n0, 16))
+    nbytes = {"GM->L1": (m_sum * K * isz + n_sum * K * isz) + (n_sum * bias_isz),
+              "L1->L0A": float(m16_sum * K * isz),
+              "L1->L0B": float(n16_sum * K * isz)}
+    if coupled:
         nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
         nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
     else:
