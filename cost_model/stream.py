@@ -39,6 +39,15 @@ def block_steps(total: int, n: int, block: int):
     """
     classes = shares(total, n)
     steps = max(ceil_div(q, block) for q, _ in classes)
+    if steps <= 32:               # a few steps: the same integer counts in plain Python (no numpy per call)
+        worst, tot, act = [0] * steps, [0] * steps, [0] * steps
+        for q, cnt in classes:
+            for i in range(steps):
+                ext = min(max(q - i * block, 0), block)
+                worst[i] = max(worst[i], ext)
+                tot[i] += ext * cnt
+                act[i] += (ext > 0) * cnt
+        return np.array(worst, dtype=float), np.array(tot, dtype=float), np.array(act, dtype=float)
     s = np.arange(steps)
     worst = np.zeros(steps)
     tot = np.zeros(steps)

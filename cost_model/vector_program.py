@@ -123,6 +123,8 @@ def _shared(keys, live, load, seen):
     n, S = keys.shape
     take = (live & load).T.ravel()                       # step-major
     kk = keys.T.ravel()
+    if n * S <= 256:
+        return _shared_short(n, S, take, kk, seen)
     idx = np.nonzero(take)[0]
     miss = np.zeros(n * S, dtype=bool)
     if idx.size:
@@ -137,6 +139,27 @@ def _shared(keys, live, load, seen):
     slow = take & np.isin(code, code[miss])
     hit = take & ~miss
     return hit.reshape(S, n).T, miss.reshape(S, n).T, slow.reshape(S, n).T
+
+
+def _shared_short(n, S, take, kk, seen):
+    """:func:`_shared` of a few tasks, in plain Python: the same masks (each region's first load in step-major
+    order misses unless seen before; the loads of a missed region in the step of its miss wait for it)."""
+    t, k = take.tolist(), kk.tolist()
+    first = {}
+    for p in range(n * S):
+        if t[p] and k[p] not in first:
+            first[k[p]] = p
+    missed = [p for key, p in first.items() if key not in seen]
+    seen.update(k[p] for p in missed)
+    miss = [False] * (n * S)
+    for p in missed:
+        miss[p] = True
+    width = max(max(k, default=0), 0) + 1              # the numpy form's (step, region) code
+    codes = {p // n * width + k[p] for p in missed}
+    slow = [t[p] and (p // n * width + k[p]) in codes for p in range(n * S)]
+    hit = [t[p] and not miss[p] for p in range(n * S)]
+    shape = lambda a: np.array(a, dtype=bool).reshape(S, n).T        # noqa: E731
+    return shape(hit), shape(miss), shape(slow)
 
 
 def _spread(a):
