@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from cost_model.devices import get_device
+from cost_model.devices import ITEMSIZE, get_device
 from cost_model.common import asum, ceil_div, itemsize, pack, round_up
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.vecutil import largest
@@ -59,18 +59,19 @@ def _dims(a, b, trans_a, trans_b):
 # ------------------------------------------------------------------------------------------ tiling
 def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False) -> bool:
     """Whether tiling ``t`` (m0, n0, k0, k1) passes the kernel's check and its aligned allocations."""
-    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    isz, osz = ITEMSIZE[dtype], ITEMSIZE[out_dtype]
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     buf = dev.buffers
-    if min(m0, n0, k0, k1) < 1 or k1 % k0:
+    if m0 < 1 or n0 < 1 or k0 < 1 or k1 < 1 or k1 % k0:
         return False
-    nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
+    l0c = buf["L0C"]
+    nc = 2 if 2 * m0 * n0 * 4 <= l0c else 1
     if not (2 * (m0 * k1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
             and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * k0 * n0 * isz <= buf["L0B"]
-            and nc * m0 * n0 * 4 <= buf["L0C"]
+            and nc * m0 * n0 * 4 <= l0c
             and (dev.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"])):
         return False
-    if m0 % 16 == 0 and n0 % 16 == 0 and k0 % 16 == 0:
+    if not (m0 % 16 or n0 % 16 or k0 % 16):
         return True          # every tile is then a whole number of aligned blocks: the sums above decide
     allocs = [("L1", m0 * k1 * isz)] * 2 + [("L1", k1 * n0 * isz)] * 2
     allocs += [("L1", n0 * 4)] if bias else []
@@ -94,19 +95,21 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
         """The widest k0 whose two [X, k0] tiles fit ``buf`` (None if none): the fit shrinks with k0."""
         return next((k for k in (256, 128, 64, 32, 16) if 2 * X * k * isz <= dev.buffers[buf]), None)
     ka, kb = {m0: widest(m0, "L0A") for m0 in ms}, {n0: widest(n0, "L0B") for n0 in ns}
+    K16 = round_up(K, 16)
     for m0 in ms:
         for n0 in ns:
             # the widest k0 both L0 tiles take
             k0 = 16 if ka[m0] is None or kb[n0] is None else min(ka[m0], kb[n0])
-            k0 = min(k0, round_up(K, 16))
+            k0 = min(k0, K16)
+            Kk = round_up(K, k0)
             for mult in (2, 4):
-                k1 = min(mult * k0, round_up(K, k0))
-                if (m0, n0, k0, k1) in seen:
+                k1 = min(mult * k0, Kk)
+                if (m0, n0, k0, k1) in seen:      # (tried: whether it fits does not change)
                     continue
+                seen.add((m0, n0, k0, k1))
                 t = {"m0": m0, "n0": n0, "k0": k0, "k1": k1}
                 if fits(dev, dtype, out_dtype, t, bias):
                     out.append(t)
-                    seen.add((m0, n0, k0, k1))
     return out
 
 
@@ -115,18 +118,19 @@ def kernel_default(dev, M, N, K, batch, dtype, out_dtype):
     isz = itemsize(dtype)
     k0f = dev.cube_k0[dtype]
     best, seen = None, set()
+    M16, N16, K16 = round_up(M, 16), round_up(N, 16), round_up(K, 16)
+    l0a, l0b = dev.buffers["L0A"], dev.buffers["L0B"]
     for m0 in (256, 128, 64, 32, 16):
         for n0 in (256, 128, 64, 32, 16):
-            m0e, n0e = min(m0, round_up(M, 16)), min(n0, round_up(N, 16))
-            if (m0e, n0e) in seen:
+            m0e, n0e = min(m0, M16), min(n0, N16)
+            if (m0e, n0e) in seen:                # (tried: whether it fits does not change)
                 continue
-            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= dev.buffers["L0A"]
-                       and 2 * k * n0e * isz <= dev.buffers["L0B"]), 16)
-            k0 = min(k0, round_up(K, 16))
+            seen.add((m0e, n0e))
+            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= l0a and 2 * k * n0e * isz <= l0b), 16)
+            k0 = min(k0, K16)
             t = {"m0": m0e, "n0": n0e, "k0": k0, "k1": min(2 * k0, round_up(K, k0))}
             if not fits(dev, dtype, out_dtype, t):
                 continue
-            seen.add((m0e, n0e))
             waves = ceil_div(batch * ceil_div(M, m0e) * ceil_div(N, n0e), dev.cube_cores)
             score = waves * max((m0e // 16) * (n0e // 16) * ceil_div(K, k0f), (m0e + n0e) * K * isz / dev.rates["GM->L1"])
             if best is None or score < best[0]:
