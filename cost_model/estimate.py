@@ -171,7 +171,7 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
     total = int(-(-body // 1)) + dev.launch_cycles
     units = UNITS + ("link",) if "link" in busy else UNITS      # kernels that communicate report their link
     busy = {u: int(round(busy.get(u, 0.0))) for u in units}
-    bound = max(units, key=lambda u: busy[u])
+    bound = max(units, key=busy.__getitem__)
     return Estimate(kernel=kernel, device=dev.name, cycles=total, hbm_bytes=int(round(hbm)),
                     bytes={k: int(round(v)) for k, v in bytes_.items() if v}, busy=busy, bound=bound,
                     tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes),
