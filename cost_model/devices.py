@@ -179,6 +179,8 @@ def get_device(device) -> Device:
     """A profile by name (``"ascend910"``, ``"ascend910b"``, ``"ascend310p"``) or a ``Device`` as is."""
     if isinstance(device, Device):
         return device
+    if type(device) is str and device in DEVICES:       # a profile's own name (as the models pass it)
+        return DEVICES[device]
     key = str(device).lower().replace("-", "").replace("_", "")
     aliases = {"ascend910b2": "ascend910b", "910": "ascend910", "910b": "ascend910b", "310p": "ascend310p",
                "ascend310p3": "ascend310p"}

@@ -9,7 +9,7 @@ times.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cost_model.devices import ITEMSIZE, Device, get_device
 from cost_model.lowering import geometry as _geometry_cache
@@ -137,7 +137,9 @@ def estimate(kernel: str, inputs, device="ascend910", **params) -> Estimate:
     frozen = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
     e = _estimate(kernel, specs, dev.name, frozen)
     # a copy, so that a caller mutating the dicts does not poison the cache
-    return replace(e, bytes=dict(e.bytes), busy=dict(e.busy), tiling=None if e.tiling is None else dict(e.tiling))
+    # (every field passed in order: what ``dataclasses.replace`` does with these three, without its field walk)
+    return Estimate(e.kernel, e.device, e.cycles, e.hbm_bytes, dict(e.bytes), dict(e.busy), e.bound,
+                    None if e.tiling is None else dict(e.tiling), e.roofline, e.flops, e.notes, e.workspace_bytes)
 
 
 def roofline(kernel: str, inputs, device="ascend910", **params) -> float:
@@ -169,7 +171,7 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
     total = int(-(-body // 1)) + dev.launch_cycles
     units = UNITS + ("link",) if "link" in busy else UNITS      # kernels that communicate report their link
     busy = {u: int(round(busy.get(u, 0.0))) for u in units}
-    bound = max(units, key=lambda u: busy[u])
+    bound = max(units, key=busy.__getitem__)
     return Estimate(kernel=kernel, device=dev.name, cycles=total, hbm_bytes=int(round(hbm)),
                     bytes={k: int(round(v)) for k, v in bytes_.items() if v}, busy=busy, bound=bound,
                     tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes),

@@ -195,6 +195,7 @@ class _Port:
 
     def __init__(self, dev, n):
         self.dev, self.n = dev, n
+        self.l2, self.hbm, self.rates = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle, dev.rates
         self.unit = {"mte2": 0.0, "mte3": 0.0, "fixpipe": 0.0, "vmte2": 0.0}
         self.port = 0.0
         self.vport = 0.0
@@ -204,10 +205,10 @@ class _Port:
         """``nbytes`` per core over ``path`` on ``cores`` cores at once, ``every`` times per step on average;
         ``hit``: the fraction that hits L2. The engine is busy until its cycles and its port share are done;
         the port carries the share only."""
-        dev = self.dev
-        share = cores * nbytes * (hit / dev.l2_bytes_per_cycle + (1 - hit) / dev.hbm_bytes_per_cycle)
-        self.unit[unit] += every * max(nbytes / dev.rates[path], share)
-        self.hits[vec] += every * cores * nbytes * hit / dev.l2_bytes_per_cycle
+        l2 = self.l2
+        share = cores * nbytes * (hit / l2 + (1 - hit) / self.hbm)
+        self.unit[unit] += every * max(nbytes / self.rates[path], share)
+        self.hits[vec] += every * cores * nbytes * hit / l2
         if vec:
             self.vport += every * share
         else:

@@ -226,7 +226,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     first_chunk = min(k1, K) / K
     fill = (a_b[0] + b_b[0]) * first_chunk / rates["GM->L1"] + (m[0] + nb * n[0]) * min(k0, K) * isz / 256
     drain = fix[last] + (vec[last] if not split else aiv[last]) + mte3[last]
-    core_t = float(np.max(per_core + drain)) + fill + pro
+    core_t = float((per_core + drain).max()) + fill + pro
     hbm = float(A_miss.sum() + B_miss.sum() + W.sum()) + E * 4 + (float(np.sum(nb * n * 4 * (mi == 0))) if bias else 0)
     if split and activation is not None:
         # the fp32 workspace stays dirty in L2 and is written back at the end: one line per distinct region
@@ -255,7 +255,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
 def busiest_core(core, ncores, **per_item) -> dict:
     """Per unit: the busiest core's total of the items' times (``per_item[unit]``, one entry per item; ``core``:
     each item's core)."""
-    return {unit: float(np.max(np.bincount(core, t, ncores))) for unit, t in per_item.items()}
+    return {unit: float(np.bincount(core, t, ncores).max()) for unit, t in per_item.items()}
 
 
 def _head(key, step):

@@ -155,7 +155,7 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     if nzero:
         nv = min(2 * dev.cube_cores if split else ncores, nzero)
         zero_t = ceil_div(nzero, nv) * zb / rates["UB->GM"] + (m0 * n0 * osz) / 256
-    core_t = (max(float(np.max(per_core + drain)), zero_t) if split else float(np.max(per_core + drain)) + zero_t) \
+    core_t = (max(float((per_core + drain).max()), zero_t) if split else float((per_core + drain).max()) + zero_t) \
         + fill + pro
     hbm = float(A_miss.sum() + B_miss.sum() + out_b.sum()) + E * 4 + z_bytes
     nbytes = {"GM->L1": float(a_b.sum() + b_b.sum()) + E * 4 * ncores,

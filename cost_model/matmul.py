@@ -25,8 +25,8 @@ import math
 
 import numpy as np
 
-from cost_model.devices import get_device
-from cost_model.common import ceil_div, itemsize, pack, round_up
+from cost_model.devices import ITEMSIZE, get_device
+from cost_model.common import asum, ceil_div, itemsize, pack, round_up
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.vecutil import largest
 
@@ -59,18 +59,19 @@ def _dims(a, b, trans_a, trans_b):
 # ------------------------------------------------------------------------------------------ tiling
 def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False) -> bool:
     """Whether tiling ``t`` (m0, n0, k0, k1) passes the kernel's check and its aligned allocations."""
-    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    isz, osz = ITEMSIZE[dtype], ITEMSIZE[out_dtype]
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     buf = dev.buffers
-    if min(m0, n0, k0, k1) < 1 or k1 % k0:
+    if m0 < 1 or n0 < 1 or k0 < 1 or k1 < 1 or k1 % k0:
         return False
-    nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
+    l0c = buf["L0C"]
+    nc = 2 if 2 * m0 * n0 * 4 <= l0c else 1
     if not (2 * (m0 * k1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
             and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * k0 * n0 * isz <= buf["L0B"]
-            and nc * m0 * n0 * 4 <= buf["L0C"]
+            and nc * m0 * n0 * 4 <= l0c
             and (dev.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"])):
         return False
-    if m0 % 16 == 0 and n0 % 16 == 0 and k0 % 16 == 0:
+    if not (m0 % 16 or n0 % 16 or k0 % 16):
         return True          # every tile is then a whole number of aligned blocks: the sums above decide
     allocs = [("L1", m0 * k1 * isz)] * 2 + [("L1", k1 * n0 * isz)] * 2
     allocs += [("L1", n0 * 4)] if bias else []
@@ -94,19 +95,21 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
         """The widest k0 whose two [X, k0] tiles fit ``buf`` (None if none): the fit shrinks with k0."""
         return next((k for k in (256, 128, 64, 32, 16) if 2 * X * k * isz <= dev.buffers[buf]), None)
     ka, kb = {m0: widest(m0, "L0A") for m0 in ms}, {n0: widest(n0, "L0B") for n0 in ns}
+    K16 = round_up(K, 16)
     for m0 in ms:
         for n0 in ns:
             # the widest k0 both L0 tiles take
             k0 = 16 if ka[m0] is None or kb[n0] is None else min(ka[m0], kb[n0])
-            k0 = min(k0, round_up(K, 16))
+            k0 = min(k0, K16)
+            Kk = round_up(K, k0)
             for mult in (2, 4):
-                k1 = min(mult * k0, round_up(K, k0))
-                if (m0, n0, k0, k1) in seen:
+                k1 = min(mult * k0, Kk)
+                if (m0, n0, k0, k1) in seen:      # (tried: whether it fits does not change)
                     continue
+                seen.add((m0, n0, k0, k1))
                 t = {"m0": m0, "n0": n0, "k0": k0, "k1": k1}
                 if fits(dev, dtype, out_dtype, t, bias):
                     out.append(t)
-                    seen.add((m0, n0, k0, k1))
     return out
 
 
@@ -115,18 +118,19 @@ def kernel_default(dev, M, N, K, batch, dtype, out_dtype):
     isz = itemsize(dtype)
     k0f = dev.cube_k0[dtype]
     best, seen = None, set()
+    M16, N16, K16 = round_up(M, 16), round_up(N, 16), round_up(K, 16)
+    l0a, l0b = dev.buffers["L0A"], dev.buffers["L0B"]
     for m0 in (256, 128, 64, 32, 16):
         for n0 in (256, 128, 64, 32, 16):
-            m0e, n0e = min(m0, round_up(M, 16)), min(n0, round_up(N, 16))
-            if (m0e, n0e) in seen:
+            m0e, n0e = min(m0, M16), min(n0, N16)
+            if (m0e, n0e) in seen:                # (tried: whether it fits does not change)
                 continue
-            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= dev.buffers["L0A"]
-                       and 2 * k * n0e * isz <= dev.buffers["L0B"]), 16)
-            k0 = min(k0, round_up(K, 16))
+            seen.add((m0e, n0e))
+            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= l0a and 2 * k * n0e * isz <= l0b), 16)
+            k0 = min(k0, K16)
             t = {"m0": m0e, "n0": n0e, "k0": k0, "k1": min(2 * k0, round_up(K, k0))}
             if not fits(dev, dtype, out_dtype, t):
                 continue
-            seen.add((m0e, n0e))
             waves = ceil_div(batch * ceil_div(M, m0e) * ceil_div(N, n0e), dev.cube_cores)
             score = waves * max((m0e // 16) * (n0e // 16) * ceil_div(K, k0f), (m0e + n0e) * K * isz / dev.rates["GM->L1"])
             if best is None or score < best[0]:
@@ -244,6 +248,8 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     coupled = dev.arch == "coupled"
     nm, nn = ceil_div(Mr, m0), ceil_div(N, n0)
     I = nbatch * nm * nn
+    if epi is None and I <= dev.cube_cores:
+        return _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, n0, k0, k1, nm, nn, bias_isz)
     P = min(dev.cube_cores, I)
     S = ceil_div(I, P)
     C = dev.l2_bytes
@@ -367,31 +373,132 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
                               for x in range(max(0, nk1 - 3), nk1))
     tail = after_loads(-1)
     # chains of dependent work; the launch lasts as long as the longest
-    chain_main = lead + main.sum() + tail + (fix[-1] + mte3[-1] if ep is None else ep["drain"])
+    chain_main = lead + asum(main) + tail + (fix[-1] + mte3[-1] if ep is None else ep["drain"])
     # the write-outs, back to back once the first tile is done
     first_done = lead + main[0] + after_loads(0)
     if ep is None:
-        chain_out = first_done + (fix[0] + mte3.sum() if coupled else fix.sum())
+        chain_out = first_done + (fix[0] + asum(mte3) if coupled else asum(fix))
     else:
-        chain_out = first_done + fix[0] + np.maximum(ep["vec"], mte3).sum()
-    chain_port = gm_port.sum()
+        chain_out = first_done + fix[0] + asum(np.maximum(ep["vec"], mte3))
+    chain_port = asum(gm_port)
     core = max(chain_main, chain_out, chain_port)
 
-    hbm = (A_miss.sum() + B_miss.sum() + W.sum() + bias_miss.sum())
-    busy = {"mte2": mte2.sum(), "mte1": mte1.sum(), "cube": cube.sum(), "fixpipe": fix.sum(),
-            "mte3": mte3.sum(), "scalar": scalar.sum()}
+    hbm = (asum(A_miss) + asum(B_miss) + asum(W) + asum(bias_miss))
+    busy = {"mte2": asum(mte2), "mte1": asum(mte1), "cube": asum(cube), "fixpipe": asum(fix),
+            "mte3": asum(mte3), "scalar": asum(scalar)}
     if ep is not None:
         busy.update(ep["busy"])
-    nbytes = {"GM->L1": (a_bytes.sum() + b_bytes.sum()) + (n_ext.sum() * bias_isz),
-              "L1->L0A": float(round_up(m_ext, 16).sum() * K * isz),
-              "L1->L0B": float(round_up(n_ext, 16).sum() * K * isz)}
+    # the items' extents in closed form: every (batch, column block) covers the M rows once, every (batch, row
+    # block) the N columns once (integer sums: the same as summing the items)
+    m_sum, n_sum = nbatch * nn * Mr, nbatch * nm * N
+    m16_sum = nbatch * nn * ((nm - 1) * round_up(m0, 16) + round_up(Mr - (nm - 1) * m0, 16))
+    n16_sum = nbatch * nm * ((nn - 1) * round_up(n0, 16) + round_up(N - (nn - 1) * n0, 16))
+    nbytes = {"GM->L1": (m_sum * K * isz + n_sum * K * isz) + (n_sum * bias_isz),
+              "L1->L0A": float(m16_sum * K * isz),
+              "L1->L0B": float(n16_sum * K * isz)}
     if ep is not None:
         nbytes.update(ep["bytes"])
     elif coupled:
-        nbytes["L0C->UB"] = float((m_ext * n_ext).sum() * 4)
-        nbytes["UB->GM"] = float(W.sum())
+        nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
+        nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
     else:
-        nbytes["L0C->GM"] = float(W.sum())
+        nbytes["L0C->GM"] = float(nbatch * Mr * N * osz)
+    return core, float(hbm), nbytes, busy
+
+
+def _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, n0, k0, k1, nm, nn, bias_isz):
+    """:func:`_model` (no epilogue) of a launch whose items all run in one wave (a step per core), in plain
+    Python: the same operations in the same order on the one step's numbers. One wave has no step boundary
+    to stall at, and every re-read of a block is in the same wave, so it hits L2."""
+    coupled = dev.arch == "coupled"
+    mn = nm * nn
+    a_hit = a_miss = b_hit = b_miss = w = bias_hit = bias_miss = 0
+    m_s = n_s = 0
+    for i in range(nbatch * mn):
+        bi, mi, ni = i // mn, (i // nn) % nm, i % nn
+        m_ext, n_ext = min(m0, Mr - mi * m0), min(n0, N - ni * n0)
+        m_s, n_s = max(m_s, m_ext), max(n_s, n_ext)
+        # the previous item reading the same A row block / B column block (in this wave: a hit)
+        ha = ni > 0 or (not a_batched and nbatch > 1 and bi > 0)
+        hb = mi > 0 or (not b_batched and nbatch > 1 and bi > 0)
+        if ha:
+            a_hit += m_ext * K * isz
+        else:
+            a_miss += m_ext * K * isz
+        if hb:
+            b_hit += n_ext * K * isz
+        else:
+            b_miss += n_ext * K * isz
+        w += m_ext * n_ext * osz
+        if mi > 0:
+            bias_hit += n_ext * bias_isz
+        else:
+            bias_miss += n_ext * bias_isz
+    # (integer byte counts: the sums the numpy form adds as floats, exactly)
+    A_hit, A_miss, B_hit, B_miss, W = float(a_hit), float(a_miss), float(b_hit), float(b_miss), float(w)
+    bias_hit, bias_miss = (float(bias_hit), float(bias_miss)) if bias_isz else (0.0, 0.0)
+    m_s, n_s = float(m_s), float(n_s)
+    L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+
+    nk1 = ceil_div(K, k1)
+    k0f = dev.cube_k0[dtype]
+    chunk_w = [k1, K - (nk1 - 1) * k1]                    # a full chunk, the last one
+    chunk_sl = [[min(k0, w - x) for x in range(0, w, k0)] for w in chunk_w]
+    widths = chunk_sl[0] * (nk1 - 1) + chunk_sl[1]
+    kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
+    rates = dev.rates
+
+    PA, PB = A_hit / L2bw + A_miss / HBMbw, B_hit / L2bw + B_miss / HBMbw
+    PW = W / HBMbw
+    Pbias = bias_hit / L2bw + bias_miss / HBMbw if bias_isz else 0.0
+    LA = max(m_s * K * isz / rates["GM->L1"], PA)
+    LB = max(n_s * K * isz / rates["GM->L1"], PB)
+    Lbias = max(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
+    mte2 = LA + LB + Lbias
+    cube = float(math.ceil(m_s / 16)) * float(math.ceil(n_s / 16)) * kfr
+    m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
+    mte1 = K * isz * (m_al / rates["L1->L0A"] + n_al / rates["L1->L0B"])
+    if dev.arch == "split":                               # write_out of the step's tile
+        fix, mte3 = max(m_s * n_s * osz / rates["L0C->GM"], PW), 0.0
+    else:
+        fix, mte3 = m_s * n_s * 4 / rates["L0C->UB"], max(m_s * n_s * osz / rates["UB->GM"], PW)
+    gm_port = PA + PB + PW + Pbias
+    n_instr = 2 * nk1 + 3 * len(widths) + (2 if coupled else 1) + (1 if bias_isz else 0)
+    scalar = float(n_instr * dev.scalar_issue_cycles)
+    nc = 2 if 2 * m0 * n0 * 4 <= dev.buffers["L0C"] else 1
+    cube_done = cube + 0.0 if nc == 1 else cube
+    move1 = (m_al * widths[0] * isz / rates["L1->L0A"]
+             + widths[0] * n_al * isz / rates["L1->L0B"])
+    full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
+    chunks = [full] * (nk1 - 1) + [last]
+    loads = max(mte2, PA + PB + Pbias + 0.0)
+    main = max(loads, cube_done, mte1, scalar)
+    first_k = min(k1, K) / K
+    fill = (LA + LB + (Lbias if bias_isz else 0.0)) * first_k + move1
+    lead = fill if loads <= cube_done else 0.0
+    if loads <= cube_done:
+        after = 0.0
+    else:
+        after = move1 + max(sum(cf for _, cf, _ in chunks[x:]) * cube - sum(lf for lf, _, _ in chunks[x + 1:]) * loads
+                            for x in range(max(0, nk1 - 3), nk1))
+    chain_main = lead + main + after + (fix + mte3)
+    first_done = lead + main + after
+    chain_out = first_done + (fix + mte3 if coupled else fix)
+    core = max(chain_main, chain_out, gm_port)
+
+    hbm = A_miss + B_miss + W + bias_miss
+    busy = {"mte2": mte2, "mte1": mte1, "cube": cube, "fixpipe": fix, "mte3": mte3, "scalar": scalar}
+    m_sum, n_sum = nbatch * nn * Mr, nbatch * nm * N
+    m16_sum = nbatch * nn * ((nm - 1) * round_up(m0, 16) + round_up(Mr - (nm - 1) * m0, 16))
+    n16_sum = nbatch * nm * ((nn - 1) * round_up(n0, 16) + round_up(N - (nn - 1) * n0, 16))
+    nbytes = {"GM->L1": (m_sum * K * isz + n_sum * K * isz) + (n_sum * bias_isz),
+              "L1->L0A": float(m16_sum * K * isz),
+              "L1->L0B": float(n16_sum * K * isz)}
+    if coupled:
+        nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
+        nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
+    else:
+        nbytes["L0C->GM"] = float(nbatch * Mr * N * osz)
     return core, float(hbm), nbytes, busy
 
 

@@ -39,6 +39,15 @@ def block_steps(total: int, n: int, block: int):
     """
     classes = shares(total, n)
     steps = max(ceil_div(q, block) for q, _ in classes)
+    if steps <= 32:               # a few steps: the same integer counts in plain Python (no numpy per call)
+        worst, tot, act = [0] * steps, [0] * steps, [0] * steps
+        for q, cnt in classes:
+            for i in range(steps):
+                ext = min(max(q - i * block, 0), block)
+                worst[i] = max(worst[i], ext)
+                tot[i] += ext * cnt
+                act[i] += (ext > 0) * cnt
+        return np.array(worst, dtype=float), np.array(tot, dtype=float), np.array(act, dtype=float)
     s = np.arange(steps)
     worst = np.zeros(steps)
     tot = np.zeros(steps)
@@ -69,6 +78,10 @@ def stream(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, load
     """
     lr = load_rate or dev.rates["GM->UB"]
     sr = store_rate or dev.rates["UB->GM"]
+    n = load_bytes.shape[-1] if isinstance(load_bytes, np.ndarray) and load_bytes.ndim == 1 else 8
+    if n < 8 and all(isinstance(a, np.ndarray) and a.shape == (n,)
+                     for a in (load_port, vec, store_bytes, store_port, instr)):
+        return _short(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, lr, sr)
     lp = np.asarray(load_port, dtype=float)
     sp = np.asarray(store_port, dtype=float)
     load = np.maximum(np.asarray(load_bytes, float) / lr, lp)
@@ -86,6 +99,32 @@ def stream(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, load
     busy = {"mte2": load.sum(axis=-1).max(), "vector": vec.sum(axis=-1).max(), "mte3": store.sum(axis=-1).max(),
             "scalar": instr.sum(axis=-1).max()}
     return float(total.max()), {k: float(v) for k, v in busy.items()}
+
+
+def _seq(xs):
+    """The sum of floats left to right from 0, as numpy adds fewer than 8."""
+    s = 0.0
+    for x in xs:
+        s += x
+    return s
+
+
+def _short(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, lr, sr):
+    """:func:`stream` of one stream of fewer than 8 tasks, in plain Python: the same operations in the same
+    order as the numpy form (which adds so few items left to right), without its per-call cost."""
+    lp = np.asarray(load_port, dtype=float).tolist()
+    sp = np.asarray(store_port, dtype=float).tolist()
+    load = [max(b / lr, p) for b, p in zip(np.asarray(load_bytes, float).tolist(), lp)]
+    store = [max(b / sr, p) for b, p in zip(np.asarray(store_bytes, float).tolist(), sp)]
+    vec = np.asarray(vec, dtype=float).tolist()
+    sic = dev.scalar_issue_cycles
+    instr = [x * sic for x in np.asarray(instr, dtype=float).tolist()]
+    last = len(load) - 1
+    body = [max(vec[i], load[i + 1] if i < last else 0.0, store[i - 1] if i else 0.0,
+                (lp[i + 1] if i < last else 0.0) + (sp[i - 1] if i else 0.0), instr[i]) for i in range(last + 1)]
+    total = load[0] + _seq(body) + store[-1]
+    total = max(total, _seq(lp) + _seq(sp))
+    return float(total), {"mte2": _seq(load), "vector": _seq(vec), "mte3": _seq(store), "scalar": _seq(instr)}
 
 
 __all__ = ["block_steps", "port", "shares", "stream"]

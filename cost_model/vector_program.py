@@ -123,6 +123,8 @@ def _shared(keys, live, load, seen):
     n, S = keys.shape
     take = (live & load).T.ravel()                       # step-major
     kk = keys.T.ravel()
+    if n * S <= 256:
+        return _shared_short(n, S, take, kk, seen)
     idx = np.nonzero(take)[0]
     miss = np.zeros(n * S, dtype=bool)
     if idx.size:
@@ -137,6 +139,27 @@ def _shared(keys, live, load, seen):
     slow = take & np.isin(code, code[miss])
     hit = take & ~miss
     return hit.reshape(S, n).T, miss.reshape(S, n).T, slow.reshape(S, n).T
+
+
+def _shared_short(n, S, take, kk, seen):
+    """:func:`_shared` of a few tasks, in plain Python: the same masks (each region's first load in step-major
+    order misses unless seen before; the loads of a missed region in the step of its miss wait for it)."""
+    t, k = take.tolist(), kk.tolist()
+    first = {}
+    for p in range(n * S):
+        if t[p] and k[p] not in first:
+            first[k[p]] = p
+    missed = [p for key, p in first.items() if key not in seen]
+    seen.update(k[p] for p in missed)
+    miss = [False] * (n * S)
+    for p in missed:
+        miss[p] = True
+    width = max(max(k, default=0), 0) + 1              # the numpy form's (step, region) code
+    codes = {p // n * width + k[p] for p in missed}
+    slow = [t[p] and (p // n * width + k[p]) in codes for p in range(n * S)]
+    hit = [t[p] and not miss[p] for p in range(n * S)]
+    shape = lambda a: np.array(a, dtype=bool).reshape(S, n).T        # noqa: E731
+    return shape(hit), shape(miss), shape(slow)
 
 
 def _spread(a):
@@ -208,6 +231,7 @@ def _model(dev, prog, low, R, C):
     hit_all = miss_all = 0.0
     seen = [set() for _ in views]
     memo = {}
+    per_cols = {}                                 # (view, columns): a task's bytes, and over the MTE2 rate
     for pi, (qi, ps, c, first, last) in enumerate(seq):
         cw = chunks[c][1]
         fresh = {}
@@ -225,11 +249,17 @@ def _model(dev, prog, low, R, C):
                 f[0] = True
             fresh[k] = f                                  # lockstep: every live core loads when any needs it
             load = live & f[None, :]
-            b = (rows if w.rows else live.astype(int)) * col_bytes(cols, w.dtype)
+            got = per_cols.get((k, cols))
+            if got is None:
+                bk = (rows if w.rows else live.astype(int)) * col_bytes(cols, w.dtype)
+                got = per_cols[k, cols] = (bk, bk / rate)
+            b, b_rate = got
             if w.fast and (wide or not C):
                 again = any(chunk_of[p] == c for p in L[:i])
-                hit = load & (again and resident)
-                miss = load & ~hit
+                if again and resident:            # every load hits
+                    hit, miss = load, np.zeros_like(load)
+                else:                             # none hits: no hit terms below (zeros, +0.0 each)
+                    hit, miss = None, load
                 slow = miss
             elif not w.rows and not any(geo.var[w.input]):
                 # one region per chunk for every core: its first load misses (core 0; the others wait for it)
@@ -246,14 +276,17 @@ def _model(dev, prog, low, R, C):
             else:
                 code = keys[k] * (nch + 1) + (c if wide else nch)
                 hit, miss, slow = _shared(code, live, load, seen[k])
-            hb = (b * hit).sum(axis=0)
             mb = (b * miss).sum(axis=0)
-            port = hit * (hb / dev.l2_bytes_per_cycle)[None, :] + slow * (mb / dev.hbm_bytes_per_cycle)[None, :]
-            dur = np.maximum(b / rate, port)
+            if hit is None:
+                port = slow * (mb / dev.hbm_bytes_per_cycle)[None, :]
+            else:
+                hb = (b * hit).sum(axis=0)
+                port = hit * (hb / dev.l2_bytes_per_cycle)[None, :] + slow * (mb / dev.hbm_bytes_per_cycle)[None, :]
+                hit_all += float(hb.sum())
+            dur = np.maximum(b_rate, port)
             lb[:, :, pi] += np.where(load, dur * rate, 0.0)
             lport[:, :, pi] += np.where(load, port, 0.0)
             instr[:, :, pi] += load
-            hit_all += float(hb.sum())
             miss_all += float(mb.sum())
         every, n_every, groups = _op_repeats(ps, first, last, urows, cw if C else None, memo)
         vec[:, :, pi] += np.where(live, every[rix], 0.0)
