@@ -372,8 +372,10 @@ class _Verifier:
                 # reshapes) are that value's views here too, so the block sees what the model gives it
                 if n not in made:
                     t = _reshape(n, value(n.args[0]), sizes) if _reshapes(n) else None
-                    if t is None and _reshapes(n) and strict:
-                        raise ValueError(f"{n.name}: its reshape of {n.args[0].name} does not hold at these sizes")
+                    want = [sizes.get(d, d) for d in n.meta["val"].shape] if "val" in n.meta else None
+                    if strict and _reshapes(n) and (t is None or (want is not None and list(t.shape) != want)):
+                        raise ValueError(f"{n.name}: its reshape of {n.args[0].name} does not give "
+                                         f"{want} at these sizes")
                     if t is None:               # not a reshape, or a reduced base that does not reshape that way
                         c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
                         t = (_verify.shrink_value(c, sizes) if isinstance(c, torch.Tensor)
@@ -427,7 +429,8 @@ class _Verifier:
         ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
         token dims (the family says which) shrunk in every shape argument and input, its fused call built for
         those shapes with the kernel's default tiling. A family may offer several reductions (sizes that
-        coincide in a model can make one fail to run): the first that runs decides. None when the block is small
+        coincide in a model can make one fail to run): the first that runs decides (those whose inputs do not
+        reshape consistently are passed over without a run). None when the block is small
         enough. When none runs, the block is checked at its own size if one value of it stays within
         ``verify.LARGEST_AT_OWN_SIZE`` (the note says so; it can take minutes and gigabytes); above that it is
         left unverified, and so unfused, with the reason."""
@@ -435,20 +438,22 @@ class _Verifier:
             return None
         options = fam.shrink(cand.match) if fam.shrink is not None else []
         options = [o for o in (options if isinstance(options, list) else [options]) if o]
-        failed = []
-        for sizes in options[:MAX_REDUCTIONS]:
+        failed, tried = [], 0
+        for sizes in options:
             sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
             what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
-            kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")      # default tiling for the new shapes
-            lifted = cand.lifted
-            if fam.resize is not None:                                          # shapes held in the match itself
-                lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
             try:
+                inputs = self._inputs(external, sizes, strict=True)     # cheap: views that do not hold fail here
+                tried += 1
+                if tried > MAX_REDUCTIONS:
+                    break
+                kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")  # default tiling for the new shapes
+                lifted = cand.lifted
+                if fam.resize is not None:                                      # shapes held in the match itself
+                    lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
                 _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
                 small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
-                ok, err, tol, label = _verify.verify_block(small, small_fused,
-                                                           self._inputs(external, sizes, strict=True), roles,
-                                                           _canonical(fam, cand))
+                ok, err, tol, label = _verify.verify_block(small, small_fused, inputs, roles, _canonical(fam, cand))
             except Exception as e:  # noqa: BLE001 - a reduction that does not run: try the next
                 reason = str(e).splitlines()[0][:160] if str(e) else ""
                 failed.append(f"({what}): {type(e).__name__}{': ' + reason if reason else ''}")
@@ -468,8 +473,8 @@ class _Verifier:
         return ok, err, tol, label or "", f"verified at its own size: {why}"
 
 
-#: How many of a family's reductions are tried before a block is checked at its own size.
-MAX_REDUCTIONS = 64
+#: How many of a family's reductions whose inputs hold are run before a block is checked at its own size.
+MAX_REDUCTIONS = 8
 
 
 class FusedModule(torch.nn.Module):

@@ -345,6 +345,19 @@ def test_a_large_experts_block_is_verified_on_reduced_shapes_that_keep_its_coinc
                                    rtol=1e-4, atol=1e-4)   # fp32 kernels vs fp32 eager: rounding-order differences
 
 
+def test_a_reduction_whose_views_do_not_hold_is_passed_over(monkeypatch):
+    import autofuse.verify
+    # 2 x 128 tokens whose sequence length equals the hidden size (Qwen3-MoE at 2048 tokens per sequence): the
+    # first reductions (dozens) shrink the hidden size, and so the sequence, to other values than the token count
+    # allows ([2, 128, 128] hidden states viewed as [256, 128]); they are passed over without a run, and the first
+    # whose views hold reduces tokens to 24 and the sequence and hidden size together to 12
+    model, example = build("mixtral", layers=1, hidden=128, heads=4, kv_heads=2, seq=128, batch=2, vocab=64)
+    monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
+    fused, d = _experts_decision(model.eval(), example)
+    assert d.applied and d.verify_note.startswith("verified on reduced shapes (256 -> 24, 512 -> 48,") and \
+        "128 -> 12)" in d.verify_note, d.verify_note
+
+
 def test_a_wrong_experts_kernel_is_rejected_on_reduced_shapes(monkeypatch):
     import autofuse.ops_moe
     import autofuse.verify
