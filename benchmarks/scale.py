@@ -1,5 +1,5 @@
 """How planning on meta tensors scales with model size: ``autofuse report --meta`` on Llama configurations and
-Mixtral-8x7B (a sparse MoE: 8 experts of 14336, top-2).
+two sparse MoE models: Mixtral-8x7B (8 experts of 14336, top-2) and Qwen3-MoE-30B-A3B (128 experts of 768, top-8).
 
 Each configuration runs in its own process (``autofuse report --model 'transformers:LlamaConfig?...' --seq 2048
 --meta``, the command line's own code path); the table gives each stage's wall time and the process's peak
@@ -7,7 +7,7 @@ resident memory when the stage ended (a high-water mark: the stage that raised i
 then the whole run's wall time, CPU time (user + system: less sensitive than wall time to other processes on a
 shared machine) and peak memory, and per layer.
 
-    python benchmarks/scale.py                     # L = 8, 16, 32 (Llama-7B shapes), the 70B-class shape, Mixtral
+    python benchmarks/scale.py                     # L = 8, 16, 32 (Llama-7B shapes), the 70B-class shape, the MoE models
     python benchmarks/scale.py --layers 8 16       # only these Llama-7B-shaped depths
 """
 import argparse
@@ -66,7 +66,8 @@ def main():
     ap.add_argument("--layers", type=int, nargs="*", default=[8, 16, 32])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-70b", action="store_true", help="skip the 70B-class configuration")
-    ap.add_argument("--no-moe", action="store_true", help="skip Mixtral-8x7B (32 layers, MixtralConfig's defaults)")
+    ap.add_argument("--no-moe", action="store_true",
+                    help="skip Mixtral-8x7B and Qwen3-MoE-30B-A3B (MixtralConfig's and Qwen3MoeConfig's defaults)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -77,6 +78,7 @@ def main():
         configs.append(("70B-class, L=80", 80, f"transformers:LlamaConfig?num_hidden_layers=80&{SEVENTY_B}"))
     if not a.no_moe:
         configs.append(("Mixtral-8x7B, L=32", 32, "transformers:MixtralConfig?num_hidden_layers=32"))
+        configs.append(("Qwen3-MoE-30B-A3B, L=48", 48, "transformers:Qwen3MoeConfig?num_hidden_layers=48"))
     print(f"autofuse report --meta --seq {a.seq}: wall seconds per stage [peak GB when it ended]; load average "
           f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     head = f"{'configuration':<26}" + "".join(f"{s:>17}" for s in STAGES) + \
