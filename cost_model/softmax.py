@@ -216,9 +216,13 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
     xb_w = np.zeros((S, T))
     x_hit, x_miss, vec, instr = (np.zeros((S, T)) for _ in range(4))
     st_w, st_tot = np.zeros((S, T)), np.zeros((S, T))
+    per_w = {}                                               # a chunk width's per-step bytes, once
     for j, (k, cv, ps, v, ins, stores) in enumerate(tasks):
-        b = tot * cv * isz
-        xb_w[:, j] = worst * cv * isz
+        got = per_w.get(cv)
+        if got is None:
+            got = per_w[cv] = (tot * cv * isz, worst * cv * isz, worst * cv * osz, tot * cv * osz)
+        b = got[0]
+        xb_w[:, j] = got[1]
         if ps == 2:                                          # a reload: a hit while the step's rows stay
             resident = step_bytes + tot * k * chunk * isz <= L2
             x_hit[:, j], x_miss[:, j] = np.where(resident, b, 0.0), np.where(resident, 0.0, b)
@@ -226,7 +230,7 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
             x_miss[:, j] = b
         vec[:, j], instr[:, j] = v, ins
         if stores:
-            st_w[:, j], st_tot[:, j] = worst * cv * osz, tot * cv * osz
+            st_w[:, j], st_tot[:, j] = got[2], got[3]
     m_w, m_hit, m_miss = np.zeros((S, T)), np.zeros((S, T)), np.zeros((S, T))
     if mk is not None:
         m_w, m_hit, m_miss = _mask_stream(L, tasks, keys, ke_m, w_m, x_miss + st_tot, chunk, L2)

@@ -92,7 +92,8 @@ def stream(dev, load_bytes, load_port, vec, store_bytes, store_port, instr, load
     nxt, nxt_p, prv, prv_p = (np.zeros(load.shape) for _ in range(4))
     nxt[..., :-1], nxt_p[..., :-1] = load[..., 1:], lp[..., 1:]
     prv[..., 1:], prv_p[..., 1:] = store[..., :-1], sp[..., :-1]
-    body = np.maximum.reduce([vec, nxt, prv, nxt_p + prv_p, instr])
+    # np.maximum.reduce of the five, in that order, without stacking them into one array first
+    body = np.maximum(np.maximum(np.maximum(np.maximum(vec, nxt), prv), nxt_p + prv_p), instr)
     total = load[..., 0] + body.sum(axis=-1) + store[..., -1]
     # the port carries one transfer at a time: the stream lasts at least all its port time
     total = np.maximum(total, lp.sum(axis=-1) + sp.sum(axis=-1))

@@ -34,8 +34,8 @@ import numpy as np
 from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.lowering import col_bytes, geometry, lower, sweep
-from cost_model.program import Program, ProgramError, as_program, check_given
+from cost_model.lowering import col_bytes, geometry, lower, pitch, sweep
+from cost_model.program import F32, STAT, Program, ProgramError, as_program, check_given
 from cost_model.stream import stream
 from cost_model.vecutil import fits, largest
 from cost_model.vector import OPS as EW_OPS
@@ -71,6 +71,25 @@ def repeats(op, rows, C=None):
     if g[0] == "flat":
         return ceil_div(g[1], _lanes(op.lanes))
     return g[1] * ceil_div(g[2], _lanes(op.lanes))
+
+
+def _row_repeats(op, us, C=None):
+    """``[float(repeats(op, u, C)) for u in us]`` for Python int row counts ``us`` (``C`` an int or None): the same
+    integers, the op's sweep worked out once rather than per row count."""
+    if not op.rows:                                      # the sweep covers one row, whatever the block
+        return [float(repeats(op, 1, C))] * len(us)
+    lanes = _lanes(op.lanes)
+    if op.kind == "brcb":
+        return [float(-(-u // 8)) for u in us]
+    if op.width == 1:
+        per = 1 if op.kind == "cast_in" else STAT
+        return [float(-(-(u * per) // lanes)) for u in us]
+    w = op.width if C is None else min(op.width, C)
+    if op.kind in ("reduce", "gather", "copy") or not op.dense:
+        k = -(-w // lanes)
+        return [float(u * k) for u in us]
+    p = pitch(w, op.lanes if op.lanes == "bool" else F32)
+    return [float(-(-(u * p) // lanes)) for u in us]
 
 
 def _check(prog, specs):
@@ -184,7 +203,7 @@ def _op_repeats(ps, first, last, urows, cw, memo):
             if op.kind == "merge" and first:
                 continue
             np_ = n_passes(op)
-            reps = [np_ * float(repeats(op, u, cw)) for u in us]
+            reps = [np_ * r for r in _row_repeats(op, us, cw)]
             if op.slow:
                 g = groups.setdefault(op.views, [[0.0] * len(us), 0])
                 g[0] = [a + b for a, b in zip(g[0], reps)]
@@ -213,13 +232,13 @@ def _model(dev, prog, low, R, C):
     P = len(seq)
     chunk_of = [c for _, _, c, _, _ in seq]
     at = {k: [pi for pi, x in enumerate(seq) if k in x[1].loads] for k in range(len(views))}
-    keys, changed = [], []
+    keys, changed = [], []                               # changed: per step, whether some core's region did
     for w in views:
         key = _view_key(geo, w, j, o)
         ch = np.ones((n, S), dtype=bool)
         ch[:, 1:] = key[:, 1:] != key[:, :-1]
         keys.append(key)
-        changed.append(ch & live)
+        changed.append((ch & live).any(axis=0))
     rate = dev.rates["GM->UB"]
     step_bytes = rows.sum(axis=0).max() * sum(col_bytes(w.width, w.dtype) for w in views if w.rows) * len(low.passes)
     resident = step_bytes <= dev.l2_bytes            # a chunked step's rows stay in L2: pass-2 reloads hit
@@ -231,7 +250,9 @@ def _model(dev, prog, low, R, C):
     hit_all = miss_all = 0.0
     seen = [set() for _ in views]
     memo = {}
-    per_cols = {}                                 # (view, columns): a task's bytes, and over the MTE2 rate
+    per_cols = {}                                 # (view, columns): a task's bytes, over the MTE2 rate, per step
+    per_ops = {}                                  # pass position: its ops' Vector repeats and instructions per task
+    per_store = {}                                # (output, columns): a task's stored bytes, the port's time per step
     for pi, (qi, ps, c, first, last) in enumerate(seq):
         cw = chunks[c][1]
         fresh = {}
@@ -245,15 +266,15 @@ def _model(dev, prog, low, R, C):
             if i > 0:
                 f = np.full(S, wide and chunk_of[L[i - 1]] != c)
             else:
-                f = changed[k].any(axis=0) | (wide and chunk_of[L[-1]] != c)
+                f = changed[k] | (wide and chunk_of[L[-1]] != c)
                 f[0] = True
             fresh[k] = f                                  # lockstep: every live core loads when any needs it
             load = live & f[None, :]
             got = per_cols.get((k, cols))
             if got is None:
-                bk = (rows if w.rows else live.astype(int)) * col_bytes(cols, w.dtype)
-                got = per_cols[k, cols] = (bk, bk / rate)
-            b, b_rate = got
+                bk = (rows if w.rows else live.astype(int)) * col_bytes(cols, w.dtype)    # integers, 0 off live
+                got = per_cols[k, cols] = (bk, bk / rate, bk.sum(axis=0))
+            b, b_rate, b_step = got
             if w.fast and (wide or not C):
                 again = any(chunk_of[p] == c for p in L[:i])
                 if again and resident:            # every load hits
@@ -276,21 +297,26 @@ def _model(dev, prog, low, R, C):
             else:
                 code = keys[k] * (nch + 1) + (c if wide else nch)
                 hit, miss, slow = _shared(code, live, load, seen[k])
-            mb = (b * miss).sum(axis=0)
-            if hit is None:
+            if hit is None:                       # miss = slow = load: the steps' loaded bytes (exact integers)
+                mb = b_step * f
                 port = slow * (mb / dev.hbm_bytes_per_cycle)[None, :]
+                lport[:, :, pi] += port               # already 0.0 where nothing loads
             else:
+                mb = (b * miss).sum(axis=0)
                 hb = (b * hit).sum(axis=0)
                 port = hit * (hb / dev.l2_bytes_per_cycle)[None, :] + slow * (mb / dev.hbm_bytes_per_cycle)[None, :]
                 hit_all += float(hb.sum())
+                lport[:, :, pi] += np.where(load, port, 0.0)
             dur = np.maximum(b_rate, port)
             lb[:, :, pi] += np.where(load, dur * rate, 0.0)
-            lport[:, :, pi] += np.where(load, port, 0.0)
             instr[:, :, pi] += load
             miss_all += float(mb.sum())
         every, n_every, groups = _op_repeats(ps, first, last, urows, cw if C else None, memo)
-        vec[:, :, pi] += np.where(live, every[rix], 0.0)
-        instr[:, :, pi] += live * n_every
+        got = per_ops.get((id(ps), first, last, cw))
+        if got is None:                           # chunks of a pass run the same ops: the same amounts
+            got = per_ops[id(ps), first, last, cw] = (np.where(live, every[rix], 0.0), live * n_every)
+        vec[:, :, pi] += got[0]
+        instr[:, :, pi] += got[1]
         for views_, (k_, n_) in groups.items():     # hoisted ops: where one of their views was reloaded
             f = np.zeros(S, dtype=bool)
             for k in views_:
@@ -300,10 +326,14 @@ def _model(dev, prog, low, R, C):
             vec[:, :, pi] += np.where(run, k_[rix], 0.0)
             instr[:, :, pi] += run * n_
         for st in ps.stores + (ps.end_stores if last else ()):
-            osz = itemsize(prog.outputs[st.output].dtype)
-            b = rows * (1 if st.width == 1 else (cw if C else st.width)) * osz
-            sb[:, :, pi] += b
-            sport[:, :, pi] += np.where(live, (b.sum(axis=0) / dev.hbm_bytes_per_cycle)[None, :], 0.0)
+            cols = 1 if st.width == 1 else (cw if C else st.width)
+            got = per_store.get((st.output, cols))
+            if got is None:
+                b = rows * cols * itemsize(prog.outputs[st.output].dtype)
+                got = per_store[st.output, cols] = (
+                    b, np.where(live, (b.sum(axis=0) / dev.hbm_bytes_per_cycle)[None, :], 0.0))
+            sb[:, :, pi] += got[0]
+            sport[:, :, pi] += got[1]
             instr[:, :, pi] += live
     flat = lambda a: a.reshape(n, S * P)               # noqa: E731
     if P > 1:
