@@ -289,7 +289,6 @@ _RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, t
              torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 
-
 def _reshapes(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in _RESHAPES and isinstance(n.args[0], fx.Node)
 
@@ -438,6 +437,8 @@ class _Verifier:
             return None
         options = fam.shrink(cand.match) if fam.shrink is not None else []
         options = [o for o in (options if isinstance(options, list) else [options]) if o]
+        big = _verify.largest_value_bytes(sub)
+        kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")          # default tiling for the new shapes
         failed, tried = [], 0
         for sizes in options:
             sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
@@ -447,7 +448,6 @@ class _Verifier:
                 tried += 1
                 if tried > MAX_REDUCTIONS:
                     break
-                kwargs = fam.op_kwargs(self.device, type(cand.fused)(), "O2")  # default tiling for the new shapes
                 lifted = cand.lifted
                 if fam.resize is not None:                                      # shapes held in the match itself
                     lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
@@ -459,9 +459,8 @@ class _Verifier:
                 failed.append(f"({what}): {type(e).__name__}{': ' + reason if reason else ''}")
                 continue
             note = f"verified on reduced shapes ({what}): the block at its size needs " \
-                   f"{_verify.largest_value_bytes(sub) / 2 ** 20:,.0f} MiB for one float64 value"
+                   f"{big / 2 ** 20:,.0f} MiB for one float64 value"
             return ok, err, tol, label or "", note
-        big = _verify.largest_value_bytes(sub)
         why = "no reduced shape for it" if not failed else \
             f"no reduced shape runs ({'; '.join(failed[:2])}{f'; {len(failed) - 2} more' if len(failed) > 2 else ''})"
         if big > _verify.LARGEST_AT_OWN_SIZE:
