@@ -90,6 +90,9 @@ def _rows(n: fx.Node) -> int:
     if n.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.native_dropout.default):
         n = n.args[0]
     v = val(n)
+    if n.target == aten.stack.default and isinstance(v, torch.Tensor) and v.dim() >= 2 and \
+            (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % v.dim() == v.dim() - 1:
+        return math.prod(v.shape[:-2])      # pairs along a new last dim (an interleave once flattened): its inputs' rows
     return math.prod(v.shape[:-1]) if isinstance(v, torch.Tensor) and v.dim() else 1
 
 

@@ -68,6 +68,25 @@ def test_every_norm_rope_and_glu_site_is_fused_and_named(arch, impl):
     _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_gptj_interleaved_partial_rotation_is_one_rope_region(impl):
+    """GPT-J rotates pairs (``rotate_every_two``: a stack of (-x[1::2], x[::2]) on a new last dim, flattened)
+    over the first ``rotary_dim`` of each head and concatenates the rest: one region per rotation, named."""
+    torch.manual_seed(0)
+    cfg = tf.GPTJConfig(vocab_size=128, n_layer=LAYERS, n_embd=64, n_head=4, rotary_dim=8, n_positions=64)
+    cfg._attn_implementation = impl
+    model = tf.GPTJForCausalLM(cfg).eval()
+    ids = torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    ropes = [d for d in fused.report.applied if "rope" in d.pattern.split("+")]
+    assert len(ropes) == 2 * LAYERS, fused.report.summary()
+    # the rotation, its pairing and the concatenation with the unrotated part are in one kernel each
+    assert all({"stack", "cat"} <= {n.rstrip("_0123456789") for n in d.nodes} for d in ropes), fused.report.summary()
+    code = fused.graph_module.code
+    assert "aten.stack" not in code and "aten.neg" not in code, code
+    _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
+
+
 # ----------------------------------------------------------------------------------------- near misses
 
 class Norm(nn.Module):
@@ -105,11 +124,15 @@ class Rope(nn.Module):
     def forward(self, q, cos, sin):
         h = q.shape[-1] // 2
         x1, x2 = q[..., :h], q[..., h:]
-        rot = torch.cat((-x2, x1), -1) if self.sign == "right" else torch.cat((x2, -x1), -1)
+        if self.sign in ("right", "wrong"):
+            rot = torch.cat((-x2, x1), -1) if self.sign == "right" else torch.cat((x2, -x1), -1)
+        else:                                      # GPT-J's pairs: (x0, x1) -> (-x1, x0), or the wrong sign
+            ev, od = q[..., ::2], q[..., 1::2]
+            rot = torch.stack((-od, ev) if self.sign == "pairs" else (od, -ev), -1).flatten(-2)
         return (q * cos + rot * sin) @ q.new_ones(q.shape[-1], 4)
 
 
-@pytest.mark.parametrize("sign,named", [("right", True), ("wrong", False)])
+@pytest.mark.parametrize("sign,named", [("right", True), ("wrong", False), ("pairs", True), ("pairs_wrong", False)])
 def test_rope_named_only_with_the_right_sign(sign, named):
     torch.manual_seed(0)
     m = Rope(sign).eval()
