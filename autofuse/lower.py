@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from cost_model.devices import ITEMSIZE
+
 aten = torch.ops.aten
 
 
@@ -113,7 +115,7 @@ _VIEW_OPS = {
     aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
     aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.lift_fresh_copy.default,
     aten.unflatten.int, aten.flatten.using_ints, aten.narrow.default, aten.chunk.default, operator.getitem,
-    aten.sym_size.int,
+    aten.sym_size.int, aten.view_as_complex.default, aten.view_as_real.default,   # complex <-> float pairs: views
 }
 # Ops that make small constant tensors (iota, fills): a launch that writes its output once.
 _FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
@@ -568,6 +570,38 @@ def _lower_collective(node, t, ins):
 
 def _broadcast(*shapes):
     return tuple(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+
+
+PAIRS = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
+_SAME_SIZE = {1: "uint8", 2: "float16", 4: "float32", 8: "float64"}
+
+
+def known_specs(x, seen: set):
+    """Specs in ``x`` with dtypes the cost model prices: a complex tensor as the float pairs it is stored as
+    (Llama 4's rotary embedding multiplies complex64 values), another unknown dtype (float8) as a dtype of its
+    item size; ``seen`` collects the dtypes replaced."""
+    if isinstance(x, dict):
+        return {k: known_specs(v, seen) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        if len(x) == 2 and isinstance(x[1], str) and isinstance(x[0], (list, tuple)):
+            shape, dtype = x
+            if dtype in ITEMSIZE:
+                return x
+            seen.add(dtype)
+            if dtype in PAIRS:
+                return tuple(shape) + (2,), PAIRS[dtype]
+            return tuple(shape), _SAME_SIZE[getattr(torch, dtype).itemsize]
+        return type(x)(known_specs(v, seen) for v in x)
+    return x
+
+
+def known_tensor(t):
+    """``t`` as :func:`known_specs` prices it: a complex tensor as its float pairs, float8 as bytes."""
+    if not isinstance(t, torch.Tensor) or str(t.dtype).replace("torch.", "") in ITEMSIZE:
+        return t
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t.view(getattr(torch, _SAME_SIZE[t.itemsize]))
 
 
 def step_specs(program: Program, node: fx.Node) -> list[tuple[list, tuple]]:

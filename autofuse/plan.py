@@ -34,7 +34,7 @@ import torch.fx as fx
 import cost_model
 from autofuse.decision import FusionDecision
 from autofuse.fused import Price, family_of, per_device
-from autofuse.lower import lower, step_specs
+from autofuse.lower import PAIRS, known_specs, lower, step_specs
 from autofuse.rewrite import NotLiftable, lift, moved_draw
 
 #: Optimization levels. Each is observably different on the same model.
@@ -99,6 +99,12 @@ def _nbytes(spec) -> int:
 
 
 def _estimate(kernel, specs, device, params):
+    seen = set()
+    specs, params = known_specs(specs, seen), known_specs(params, seen)
+    if seen:
+        e = _estimate(kernel, specs, device, params)
+        return dataclasses.replace(e, notes=tuple(e.notes) + (
+            f"{', '.join(sorted(seen))} priced as {'pairs of floats' if seen <= PAIRS.keys() else 'data of its size'}",))
     try:
         return cost_model.estimate(kernel, specs, device=device, **params)
     except (KeyError, NotImplementedError, ValueError, TypeError) as e:

@@ -40,7 +40,7 @@ import cost_model
 from autofuse import memory, npu
 from autofuse.npu.run import ALL, STEER, input_names
 from autofuse import ops as fused_ops
-from autofuse.lower import Arg, Const, Out, View, lower, step_specs
+from autofuse.lower import Arg, Const, Out, View, known_specs, known_tensor, lower, step_specs
 from cost_model.devices import get_device
 
 
@@ -354,6 +354,8 @@ class _Sim(fx.Interpreter):
         timing_only = not self.check and not _steered_by_outputs(prog)
         for st, (ins_spec, out_spec) in zip(prog.steps, specs):
             arrays = [_ref_value(r, args_env, outs) for r in st.inputs]
+            if st.kernel == "generic":
+                arrays, out_spec = _moved(arrays, out_spec)
             if st.kernel == "gather":      # the NPU gathers with int32 indices
                 arrays = [a.int() if a.dtype == torch.int64 else a for a in arrays]
             params = {k: (args_env[v.i] if isinstance(v, Arg) else v) for k, v in st.params.items()}
@@ -369,6 +371,7 @@ class _Sim(fx.Interpreter):
             except (KeyError, TypeError, ValueError, NotImplementedError):
                 # the kernel is missing or cannot take this instance: price what it moves as a generic op
                 kernel = "generic"
+                arrays, out_spec = _moved(arrays, out_spec)
                 stats, o, reused = self._launch("generic", arrays, {"outputs": [out_spec]}, timing_only)
             outs.append(o[0] if o else None)
             cycles += stats.cycles
@@ -384,6 +387,12 @@ class _Sim(fx.Interpreter):
         self.records.append(NodeCost(n.name, str(n.target), tuple(kernels), cycles, hbm, bound, reused=reused_all,
                                      max_error=err, workspace=ws, phase=n.meta.get("autofuse_phase", ""),
                                      **_link(launched)))
+
+
+def _moved(arrays, out_spec):
+    """A generic launch's inputs and output as the device moves them: complex values as their float pairs,
+    float8 as bytes (the simulator's dtypes are the cost model's)."""
+    return [known_tensor(a) for a in arrays], known_specs(out_spec, set())
 
 
 def _ref_value(r, args_env, outs):

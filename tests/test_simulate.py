@@ -275,3 +275,57 @@ def test_timing_only_training_step_of_an_moe_layer_counts_what_values_count():
     assert {"autofuse.grouped_matmul_weight_grad", "autofuse.moe_finalize_routing_grad",
             "autofuse.moe_gating_topk_grad"} <= names
     assert _figures(timing) == _figures(with_values) and timing.phases == with_values.phases
+
+
+class ComplexRope(torch.nn.Module):
+    """Meta's original Llama rotary embedding: q and k viewed as complex pairs, multiplied by complex
+    frequencies (``torch.polar``), viewed back; then attention. Complex values are not Vector-program data,
+    so the rotation stays as captured; the model still plans, prices, fuses its attention and simulates."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.qkv = torch.nn.Linear(d * heads, 3 * d * heads)
+        freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("freqs", torch.outer(torch.arange(64).float(), freqs))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.d).unbind(2)
+        cis = torch.polar(torch.ones_like(self.freqs[:s]), self.freqs[:s])[None, :, None, :]
+        rot = lambda t: torch.view_as_real(torch.view_as_complex(t.float().reshape(b, s, self.heads, -1, 2)) * cis)  # noqa: E731
+        q, k = (rot(t).flatten(3).type_as(x).transpose(1, 2) for t in (q, k))
+        att = torch.softmax(q @ k.transpose(-2, -1) / self.d ** 0.5, -1) @ v.transpose(1, 2)
+        return att.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_complex_values_are_priced_and_simulated_as_their_float_pairs():
+    torch.manual_seed(0)
+    model, x = ComplexRope().eval(), torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert [d.applied for d in fused.report.of("attention")] == [True], fused.report.summary()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 both sides
+    before = autofuse.simulate(model, ((x,), {}), device="ascend910")
+    for r in (before, fused.simulate(x), fused.simulate(x, values=False)):
+        assert r.cycles == sum(n.cycles for n in r.nodes) > 0
+    cost = {n.node: n for n in before.nodes}
+    # the complex multiply moves float pairs: q or k [2, 8, 2, 8] complex64 in and out, the frequencies
+    # [1, 8, 1, 8] in, 8 bytes an element; the views between complex and float pairs move nothing
+    assert cost["mul"].kernels == ("generic",) and cost["mul"].hbm_bytes == (2 * 256 + 64) * 8
+    assert not {"view_as_complex", "view_as_real"} & cost.keys()
+
+
+def test_llama4_with_complex_rotary_embedding_fuses_and_simulates():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.Llama4TextConfig(vocab_size=128, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                              intermediate_size_mlp=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=1, pad_token_id=0)
+    model, ids = tf.Llama4ForCausalLM(cfg).eval(), torch.randint(1, 128, (2, 8))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    assert fused.report.of("attention") and all(d.applied for d in fused.report.of("attention"))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, use_cache=False).logits, model(ids, use_cache=False).logits,
+                                   atol=1e-5, rtol=1e-4)
+    assert fused.simulate(ids, use_cache=False).cycles > 0
