@@ -7,6 +7,9 @@
     y, p = torch.ops.autofuse.grouped_matmul_with_product(xs, w, counts, ...)   # training: the product kept
     out = torch.ops.autofuse.moe_finalize_routing(y, w, row_idx, skip, device, tiling)
 
+``norm`` is ``"softmax"``, ``"sigmoid"``, ``"none"`` or ``"topk_softmax"`` (the top k of the logits, then the
+softmax over the k chosen: GraniteMoE's and GPT-OSS's routers; its backward is the renormalised softmax's, the
+same function of the logits once the experts are fixed).
 (``autofuse.ops_moe.moe_gating_topk(...)`` etc. are the keyword-friendly wrappers.) Each op runs its kernel
 on the NPU simulator (``device`` names the target, ``tiling`` is a JSON object or ``""``), records the
 launch for whole-graph simulation, has a fake implementation, a backward, and a pure-torch twin
@@ -99,6 +102,9 @@ def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, e
                 choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1), float("-inf"))
             indices = torch.topk(choice, k, dim=-1).indices
     y = s.gather(-1, indices)
+    if norm == "topk_softmax":                # softmax over the chosen logits (largest first)
+        y = torch.exp(y - y[..., :1])
+        y = y / y.sum(-1, keepdim=True)
     if renorm:
         y = y / (y.sum(-1, keepdim=True) + eps) if eps else y / y.sum(-1, keepdim=True)
     y = y * routed_scaling_factor
@@ -122,8 +128,11 @@ def _gating_backward(ctx, grad_w, grad_idx):
     if grad_w is None or not ctx.needs_input_grad[0]:
         return (None,) * 13
     p = ctx.params
-    gx = torch.ops.autofuse.moe_gating_topk_grad(x, grad_w.contiguous(), idx, p["k"], p["norm"], p["renorm"],
-                                                 p["eps"], p["routed_scaling_factor"], ctx.device, "")
+    norm, renorm, eps = p["norm"], p["renorm"], p["eps"]
+    if norm == "topk_softmax":                # with the experts fixed, the softmax over the chosen logits is the
+        norm, renorm, eps = "softmax", True, 0.0    # renormalised softmax over all: the same function of x
+    gx = torch.ops.autofuse.moe_gating_topk_grad(x, grad_w.contiguous(), idx, p["k"], norm, renorm, eps,
+                                                 p["routed_scaling_factor"], ctx.device, "")
     return (gx,) + (None,) * 12
 
 

@@ -385,7 +385,8 @@ def _moe_cases(quick: bool):
                                "group_score": "top2", "routed_scaling_factor": 2.5}, ((256,), f32))]
     if not quick:
         gate += [((1000, 128), f16, {"k": 8, "renorm": True}), ((5000, 16), bf16, {"k": 4, "norm": "sigmoid"}),
-                 ((64, 64), f32, {"k": 6, "n_group": 8, "topk_group": 3, "group_score": "max"})]
+                 ((64, 64), f32, {"k": 6, "n_group": 8, "topk_group": 3, "group_score": "max"}),
+                 ((2048, 32), bf16, {"k": 4, "norm": "topk_softmax", "out_dtype": bf16})]    # GPT-OSS: top-k first
     for i, g in enumerate(gate):
         (T, E), dt, p = g[:3]
         bias = g[3] if len(g) > 3 else None

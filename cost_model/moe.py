@@ -103,6 +103,8 @@ def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm,
     v, ins = v + ew(E - 1) + ew(k), ins + 2                 # tie flags
     if not largest_:
         v, ins = v + ew(k), ins + 1
+    if norm == "topk_softmax":                              # softmax over the chosen: sub, exp, sum, div
+        v, ins = v + 3 * ew(k) + ew(k - 1), ins + 4
     if renorm:
         v, ins = v + ew(k - 1) + ew(k) + (ew(1) if eps != 0 else 0), ins + 2 + (eps != 0)
     if scale != 1:

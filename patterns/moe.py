@@ -7,7 +7,8 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   topk_group, group_score)``: ``(weights [T, k], indices [T, k])``. Two templates: weights taken from the
   top-k values (Mixtral, Qwen2-MoE, Qwen3-MoE, plain ``topk(softmax(x))``), and weights gathered from the
   unbiased scores at the selected indices (DeepSeek-V3: sigmoid, a selection bias, group-limited top-k by
-  the sum of each group's top two).
+  the sum of each group's top two); and a third for routers that take the top k of the logits first and the
+  softmax over the k chosen (GraniteMoE, GPT-OSS: ``norm="topk_softmax"``, selection on the logits).
 * ``moe_experts`` → ``moe_init_routing`` + ``grouped_matmul`` (SwiGLU epilogue on the fused gate_up
   projection) + ``grouped_matmul`` + ``moe_finalize_routing``. Two templates, one per transformers experts
   implementation that exports: ``grouped_mm`` (sort, histc, ``transformers.grouped_mm_fallback``, an
@@ -117,6 +118,45 @@ _GATING_GATHER = _renorm_and_scale(
     .node("w", aten.gather.default).edge("norm", "w", 0).edge("idx", "w", 2), after="w")
 
 
+# top-k of the logits first, then the softmax over the k chosen (GraniteMoE, GPT-OSS): no renormalisation
+# needed (the weights already sum to one); a scale or a cast may follow
+_GATING_TOPK_FIRST = (
+    Template("moe_gating", anchor="topk")
+    .node("topk", aten.topk.default, where=_topk_last_largest)
+    .node("v", operator.getitem, where=_item(0)).node("idx", operator.getitem, where=_item(1))
+    .edge("topk", "v", 0).edge("topk", "idx", 0)
+    .node("norm", aten.softmax.int, where=_softmax_last).edge("v", "norm", 0)
+    .node("flat", aten.reshape.default, where=_flatten, optional=True)
+    .node("scale", aten.mul.Tensor, where=_scalar_operand, optional=True)
+    .node("cast", aten._to_copy.default, where=_cast, optional=True)
+    .edge("norm", "flat", 0).edge("flat", "scale", 0).edge("scale", "cast", 0))
+
+
+def _decide_topk_first(m: dict) -> Match | None:
+    """softmax(topk(x).values) [* scale] [cast]: ``norm="topk_softmax"`` (selection on the logits)."""
+    topk, idx, norm = m["topk"], m["idx"], m["norm"]
+    x = topk.args[0]
+    if not isinstance(x, fx.Node) or val(x) is None or not val(x).is_floating_point() or len(shape(x)) < 1:
+        return None
+    if "flat" in m and "scale" not in m:
+        return None                # a bare view ends the block before it
+    weights = next(m[n] for n in ("cast", "scale", "flat", "norm") if n in m)
+    block = [n for n in m.values()]
+    inside = set(block)
+    for n in block:                # intermediates consumed outside the block cannot be fused away
+        if n not in (weights, idx) and any(u not in inside for u in n.users):
+            return None
+    E = shape(x)[-1]
+    params = dict(k=int(topk.args[1]), norm="topk_softmax", renorm=False, eps=0.0,
+                  routed_scaling_factor=float(m["scale"].args[1]) if "scale" in m else 1.0, n_group=1, topk_group=1,
+                  group_score="top2", num_experts=E, tokens=int(val(x).numel() // E), weights_like=val(weights),
+                  indices_like=val(idx), x_shape=shape(x), dtype=val(x).dtype,
+                  sorted=bool(arg(topk, 4, "sorted", True)))
+    order = [n.name for n in x.graph.nodes if n in inside]
+    return Match("moe_gating", tuple(order), weights.name, {"x": x.name}, params,
+                 {"weights": weights.name, "indices": idx.name})
+
+
 def _chain_end(m: dict, start: str) -> fx.Node:
     """The last node of the weights tail present in the mapping."""
     for name in ("cast", "scale", "flat", "rdiv"):
@@ -194,7 +234,8 @@ def _decide_gating(m: dict) -> Match | None:
 @register("moe_gating")
 def find_moe_gating(gm: fx.GraphModule) -> list[Match]:
     view = graph_view(gm)
-    found = _GATING_GATHER.match(view, _decide_gating) + _GATING.match(view, _decide_gating)
+    found = _GATING_GATHER.match(view, _decide_gating) + _GATING.match(view, _decide_gating) + \
+        _GATING_TOPK_FIRST.match(view, _decide_topk_first)
     out, taken = [], set()
     for m in sorted(found, key=lambda m: view.order[m.anchor]):
         if taken.isdisjoint(m.nodes):

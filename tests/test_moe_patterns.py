@@ -223,6 +223,77 @@ def test_router_near_misses_are_not_fused(kind):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+class TopkFirst(nn.Module):
+    """A router that takes the top k of the logits and the softmax over the k chosen (GraniteMoE, GPT-OSS),
+    or a near miss of it."""
+
+    def __init__(self, kind="plain", E=8, k=2, scale=1.0):
+        super().__init__()
+        self.kind, self.k, self.scale = kind, k, scale
+        self.w = nn.Parameter(torch.randn(E, 16))
+
+    def forward(self, x):
+        logits = F.linear(x, self.w).float()
+        v, i = torch.topk(logits, self.k, dim=0 if self.kind == "topk_wrong_dim" else -1,
+                          largest=self.kind != "smallest")
+        if self.kind == "softmax_over_tokens":
+            w = v.softmax(0)
+        elif self.kind == "values_read":            # the chosen logits also leave the block
+            return v.softmax(-1).type_as(x), i, v
+        else:
+            w = v.softmax(-1)
+        if self.scale != 1.0:
+            w = w * self.scale
+        return w.type_as(x), i
+
+
+@pytest.mark.parametrize("T,E,k,scale", [(10, 8, 2, 1.0), (33, 32, 4, 1.0), (7, 40, 8, 2.0), (1, 8, 1, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_topk_then_softmax_router_is_fused_and_equals_eager(T, E, k, scale, dtype):
+    torch.manual_seed(0)
+    router = TopkFirst(E=E, k=k, scale=scale).to(dtype)
+    x = torch.randn(T, 16, dtype=dtype)
+    fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+    (d,) = [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    assert d.reason_code == "fused" and d.params["norm"] == "topk_softmax", fused.report.summary()
+    assert d.params["routed_scaling_factor"] == scale
+    got, want = fused(x), router(x)
+    assert torch.equal(got[1], want[1])                         # indices: exactly torch.topk's of the logits
+    ref = copy.deepcopy(router).double()(x.double())
+    ok, err, tol = compare(want[0], ref[0], got[0])
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("kind", ["topk_wrong_dim", "smallest", "softmax_over_tokens", "values_read"])
+def test_topk_then_softmax_near_misses_are_not_fused(kind):
+    torch.manual_seed(0)
+    router = TopkFirst(kind)
+    x = torch.randn(10, 16)
+    fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+    assert not [d for d in fused.report.decisions if d.pattern == "moe_gating"], fused.report.summary()
+    for g, w in zip(fused(x), router(x)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("name", ["granitemoe", "gpt_oss"])
+def test_granitemoe_and_gpt_oss_routers_are_fused(name):
+    """Both take the top k of the router logits, then the softmax over the k chosen."""
+    torch.manual_seed(0)
+    common = dict(COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    if name == "granitemoe":
+        model = tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(**common))
+    else:
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(**common, head_dim=8))
+        model.config._attn_implementation = "eager"
+    model.eval()
+    ids = torch.randint(0, 64, (2, 8))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    gating = fused.report.of("moe_gating")
+    assert [d.reason_code for d in gating] == ["fused"] * LAYERS, fused.report.summary()
+    assert all(d.params["norm"] == "topk_softmax" for d in gating)
+    _assert_within_the_bound_of_float64(model, fused, ids)
+
+
 class Experts(nn.Module):
     """transformers' grouped_mm experts spelled by hand, with a configurable gate activation and half order."""
 

@@ -211,6 +211,8 @@ def _eager_router(x, idx, norm, renorm, eps, routed_scaling_factor, **_):
     s = x.float()
     s = torch.softmax(s, -1) if norm == "softmax" else torch.sigmoid(s) if norm == "sigmoid" else s
     y = s.gather(-1, idx)
+    if norm == "topk_softmax":                  # GraniteMoE / GPT-OSS: softmax over the chosen logits
+        y = torch.softmax(y, -1)
     if renorm:
         y = y / (y.sum(-1, keepdim=True) + eps)
     return y * routed_scaling_factor
@@ -221,7 +223,8 @@ ROUTERS = [dict(k=2, norm="softmax", renorm=True, eps=0.0),                     
            dict(k=4, norm="sigmoid", renorm=True, eps=1e-20, routed_scaling_factor=2.5, bias=True,
                 n_group=4, topk_group=2, group_score="top2"),                                 # DeepSeek-V3
            dict(k=2, norm="sigmoid", routed_scaling_factor=1.5, n_group=2, topk_group=1),
-           dict(k=1, norm="none", renorm=False, routed_scaling_factor=2.0, bias=True)]
+           dict(k=1, norm="none", renorm=False, routed_scaling_factor=2.0, bias=True),
+           dict(k=3, norm="topk_softmax", routed_scaling_factor=1.5)]                          # top-k first
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

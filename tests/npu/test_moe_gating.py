@@ -134,3 +134,42 @@ def test_lanes_tiling_and_decode():
     a = npu.run("moe_gating_topk", x, k=2, tiling={"lanes": 8})
     b = npu.run("moe_gating_topk", x, k=2, tiling={"lanes": 64})
     assert np.array_equal(a.outputs[1], b.outputs[1]) and np.array_equal(a.outputs[0], b.outputs[0])
+
+
+def _near_ties(rows, E=8, seed=0):
+    """Logits a few float32 ulps apart (four per row, the rest far below): distinct as logits, often equal
+    once the softmax rounds them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        v = [torch.tensor(torch.randn(1, generator=g).item() * 2)]
+        for _ in range(3):
+            v.append(torch.nextafter(v[-1], torch.tensor(100.0)))
+        row = torch.stack(v + [torch.tensor(-5.0)] * (E - 4))
+        out.append(row[torch.randperm(E, generator=g)])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_topk_then_softmax_selects_on_the_logits(device, dtype):
+    """norm="topk_softmax" (GraniteMoE's and GPT-OSS's routers): softmax(topk(x).values), indices equal
+    torch.topk(x)'s (ties in x follow torch's order too)."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(300, 32), torch.randint(0, 3, (40, 32)).float()]).to(dtype)
+    r = npu.run("moe_gating_topk", x, k=4, norm="topk_softmax", device=device)
+    v, idx = torch.topk(x.double(), 4)
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    # fp32 exp of differences and one division: a few float32 ulps of a value <= 1
+    assert np.abs(r.outputs[0] - torch.softmax(v, -1).numpy()).max() < 1e-6
+
+
+def test_topk_then_softmax_is_not_softmax_then_topk_on_near_ties():
+    """The same weights as softmax -> top-k -> renormalise, but where the softmax rounds distinct logits to
+    equal probabilities only a selection on the logits gives eager's indices."""
+    x = _near_ties(200)
+    want = torch.topk(x, 2).indices.numpy()
+    first = npu.run("moe_gating_topk", x, k=2, norm="topk_softmax").outputs
+    after = npu.run("moe_gating_topk", x, k=2, norm="softmax", renorm=True, eps=0.0).outputs
+    assert np.array_equal(first[1], want)
+    assert not np.array_equal(after[1], want)                  # rows where the probabilities tie

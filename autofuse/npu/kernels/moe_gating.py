@@ -9,7 +9,10 @@ selection only) → optional group limit (E experts in ``n_group`` groups; a gro
 (``group_score="max"``) or the sum of its two largest choices (``"top2"``, DeepSeek-V3); the ``topk_group``
 best groups are kept, the other groups' experts get ``-inf``) → the k largest choices, largest first →
 their *unbiased* scores → optional renormalisation ``y / (sum(y) + eps)`` (``eps=0``: exactly ``y / sum(y)``)
-→ ``* routed_scaling_factor``. Outputs ``weights [T, k]`` (``out_dtype``) and ``indices [T, k]`` (int32).
+→ ``* routed_scaling_factor``. ``norm="topk_softmax"`` selects on the logits themselves and takes the softmax
+over the k chosen (GraniteMoE's and GPT-OSS's routers: ``softmax(topk(x).values)``; the same function of x
+as ``softmax`` with ``renorm`` and ``eps=0``, but its selection is on the logits, so indices equal
+``torch.topk(x)``'s where rounding would tie two probabilities). Outputs ``weights [T, k]`` (``out_dtype``) and ``indices [T, k]`` (int32).
 ``topk`` is the same program with ``norm="none"``, values in x's dtype, ``largest=False`` choosing the
 smallest (as ``torch.topk``), over the last dim of x of any rank.
 
@@ -46,7 +49,7 @@ from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import ALL, kernel
 
-NORMS = ("softmax", "sigmoid", "none")
+NORMS = ("softmax", "sigmoid", "none", "topk_softmax")
 GROUP_SCORES = ("max", "top2")
 _NEG = np.float32(-np.inf)
 
@@ -396,6 +399,8 @@ class _Program(Lanes):
         k = self.k
         if not self.largest:
             self.vec("muls -1", (V,), (V,), self.ew(k), lambda: np.negative(V.data, out=V.data))
+        if self.norm == "topk_softmax":
+            self.softmax_chosen(V)
         if self.renorm:
             M = self.M
             self.vec("reduce sum", (M,), (V,), self.ew(k - 1))
@@ -411,6 +416,20 @@ class _Program(Lanes):
         if self.scale != 1:
             self.vec("muls routed_scaling_factor", (V,), (V,), self.ew(k),
                      lambda: np.multiply(V.data, self.scale, out=V.data))
+
+    def softmax_chosen(self, V):
+        """Softmax over the k chosen logits, largest first: minus the first, exp, sum, divide (fp32)."""
+        k, M = self.k, self.M
+
+        def softmax():
+            v = V.data[:, :k]
+            v -= v[:, :1].copy()
+            np.exp(v, out=v)
+            v /= v.sum(axis=1, keepdims=True, dtype=np.float32)
+        self.vec("sub first (max)", (V,), (V,), self.ew(k))
+        self.vec("exp", (V,), (V,), self.ew(k))
+        self.vec("reduce sum", (M,), (V,), self.ew(k - 1))
+        self.vec("div sum", (V,), (V, M), self.ew(k), softmax)
 
     def store(self):
         k, ke, items = self.k, self.ke, self.items

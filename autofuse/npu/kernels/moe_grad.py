@@ -298,6 +298,9 @@ def moe_gating_topk_grad(launch, x, grad_w, indices, k=1, norm="softmax", renorm
     if tuple(grad_w.shape) != (T, k) or tuple(indices.shape) != (T, k):
         raise ValueError(f"moe_gating_topk_grad: grad_w and indices must be [T, k] = {[T, k]}, got "
                          f"{list(grad_w.shape)} and {list(indices.shape)}")
+    if norm == "topk_softmax":
+        raise ValueError("moe_gating_topk_grad: norm='topk_softmax' is, with the experts fixed, norm='softmax' with "
+                         "renorm=True and eps=0: pass those")
     if norm not in NORMS:
         raise ValueError(f"moe_gating_topk_grad: norm={norm!r}; choose one of {', '.join(NORMS)}")
     if not 1 <= k <= E:
