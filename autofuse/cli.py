@@ -417,11 +417,20 @@ def cmd_patterns(a, progress):
         for name, fn in fams.items():
             print(f"{name}: {_first_sentence(sys.modules[fn.__module__].__doc__ or '')}")
         return
-    if a.show not in fams:
-        near = difflib.get_close_matches(a.show, list(fams), n=1)
-        raise UsageError(f"--show {a.show!r} is not a pattern family" + (f" (did you mean {near[0]!r}?)" if near else "")
-                         + f": choose from {', '.join(fams)}")
-    templates = [t for t in getattr(sys.modules[fams[a.show].__module__], "TEMPLATES", ()) if t.name == a.show]
+    def declared(mod):            # a module's templates (a tuple, or a dict by kind)
+        t = getattr(mod, "TEMPLATES", ())
+        return list(t.values()) if isinstance(t, dict) else list(t)
+    modules = list(dict.fromkeys(sys.modules[fn.__module__] for fn in fams.values()))
+    named = [t for mod in modules for t in declared(mod)]
+    names = sorted({t.name for t in named} - set(fams))
+    if a.show not in fams and a.show not in names:
+        near = difflib.get_close_matches(a.show, list(fams) + names, n=1)
+        raise UsageError(f"--show {a.show!r} is not a pattern family or a region name" +
+                         (f" (did you mean {near[0]!r}?)" if near else "") +
+                         f": choose from {', '.join(fams)} (families) or {', '.join(names)} (names of Vector regions)")
+    templates = [t for t in named if t.name == a.show]
+    if not templates:          # a family found by discovery (vector_chain): the templates that name its regions
+        templates = declared(sys.modules[fams[a.show].__module__])
     dots = [t.to_dot() for t in templates]
     text = "\n".join(dots) + "\n"
     if a.output and a.output.endswith((".svg", ".png")):

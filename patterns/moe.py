@@ -395,4 +395,4 @@ def find_moe_experts(gm: fx.GraphModule) -> list[Match]:
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
-TEMPLATES = (_GATING, _GATING_GATHER, _EXPERTS_GROUPED, _EXPERTS_BATCHED)
+TEMPLATES = (_GATING, _GATING_GATHER, _GATING_TOPK_FIRST, _EXPERTS_GROUPED, _EXPERTS_BATCHED)

@@ -261,10 +261,67 @@ def _rope(m) -> bool:
     return last(hi) and last(lo) and w % 2 == 0 and tuple(lo.args[2:4]) == (0, h) and hi.args[2] == h
 
 
+# the rotation written per half (GPT-OSS): cat(x₁·cos − x₂·sin, x₂·cos + x₁·sin), cos and sin half as wide
+ROPE_HALVES = (Template("rope", anchor="cat")
+               .node("cat", aten.cat.default)
+               .node("sub", aten.sub.Tensor).node("add", aten.add.Tensor)
+               .node("x1c", aten.mul.Tensor).node("x2s", aten.mul.Tensor)
+               .node("x2c", aten.mul.Tensor).node("x1s", aten.mul.Tensor)
+               .edge("x1c", "sub", 0).edge("x2s", "sub", 1).edge("x2c", "add").edge("x1s", "add")
+               .edge("sub", "cat").edge("add", "cat"))
+
+
+def _halves(x1, x2):
+    """The common source of two values that are its first and second half along the last dim, or None."""
+    def part(n):
+        if not isinstance(n, fx.Node):
+            return None
+        if n.target == operator.getitem and n.args[0].target in (aten.split.Tensor, aten.split_with_sizes.default):
+            sp = n.args[0]
+            src = sp.args[0]
+            w = shape(src)[-1]
+            dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+            sizes = sp.args[1] if isinstance(sp.args[1], (list, tuple)) else [sp.args[1]] * 2
+            if dim % len(shape(src)) != len(shape(src)) - 1 or w % 2 or list(sizes[:2]) != [w // 2, w // 2]:
+                return None
+            return src, n.args[1]
+        if n.target == aten.slice.Tensor:
+            src = n.args[0]
+            w = shape(src)[-1]
+            if n.args[1] % len(shape(src)) != len(shape(src)) - 1 or w % 2 or (n.args[4] if len(n.args) > 4 else 1) != 1:
+                return None
+            span = (n.args[2] or 0, min(n.args[3], w))
+            return (src, 0) if span == (0, w // 2) else (src, 1) if span == (w // 2, w) else None
+        return None
+    a, b = part(x1), part(x2)
+    return a[0] if a and b and a[0] is b[0] and (a[1], b[1]) == (0, 1) else None
+
+
+def _rope_halves(m) -> bool:
+    """cat(x₁·c − x₂·s, x₂·c + x₁·s) in that order, x₁ and x₂ the halves of one x, one c and one s."""
+    cat = m["cat"]
+    if list(cat.args[0]) != [m["sub"], m["add"]] or (len(cat.args) > 1 and cat.args[1] % len(shape(cat)) !=
+                                                     len(shape(cat)) - 1):
+        return False
+
+    def split(mul, x):
+        a, b = mul.args
+        return b if a is x else a if b is x else None
+    for x1 in m["x1c"].args:
+        for x2 in m["x2c"].args:
+            if _halves(x1, x2) is None:
+                continue
+            c, c2 = split(m["x1c"], x1), split(m["x2c"], x2)
+            s_, s2 = split(m["x2s"], x2), split(m["x1s"], x1)
+            if c is not None and c is c2 and s_ is not None and s_ is s2 and c is not s_:
+                return True
+    return False
+
+
 GLU = (Template("swiglu", anchor="mul").node("act", aten.silu.default, aten.gelu.default)
        .node("mul", aten.mul.Tensor).edge("act", "mul"))
 
-TEMPLATES = (RMS, ROPE, GLU)
+TEMPLATES = (RMS, ROPE, ROPE_HALVES, GLU)
 
 
 def names(nodes: list) -> list:
@@ -294,6 +351,9 @@ def names(nodes: list) -> list:
     for m in ROPE.match(view, lambda m: m if within(m) and _rope(m) else None,
                         seeds=[n.name for n in nodes if n.target == aten.add.Tensor]):
         found.append((order[m["add"].name], "rope"))
+    for m in ROPE_HALVES.match(view, lambda m: m if within(m) and _rope_halves(m) else None,
+                               seeds=[n.name for n in nodes if n.target == aten.cat.default]):
+        found.append((order[m["cat"].name], "rope"))
     for n in nodes:
         if n.target == aten.stack.default and _interleaved_rope(n, inside):
             found.append((order[n.name], "rope"))

@@ -45,6 +45,22 @@ def test_patterns(capsys):
     assert capsys.readouterr().out.startswith("attention: ")
 
 
+@pytest.mark.parametrize("name,graphs,has", [("attention", 2, "softmax"), ("moe_gating", 3, "topk"),
+                                             ("vector_chain", 4, "rsqrt"), ("rope", 2, "neg"),
+                                             ("matmul_all_reduce", 1, "")])
+def test_patterns_show_draws_a_familys_templates_or_a_regions_names(capsys, name, graphs, has):
+    """A family's templates (one digraph each); a discovered family (vector_chain) shows the templates that
+    name its regions, and a region name (rope: the half rotation and the per-half spelling) its own."""
+    main(["patterns", "--show", name])
+    out = capsys.readouterr().out
+    assert out.count("digraph") == graphs and has in out
+
+
+def test_patterns_show_names_the_choices(capsys):
+    code, err = _exit(["patterns", "--show", "ropee"], capsys)
+    assert code != 0 and "did you mean 'rope'?" in err and "rms_norm, rope, swiglu" in err
+
+
 def test_report_text_json_markdown(capsys):
     main(["report", *TINY])
     out = capsys.readouterr().out

@@ -277,7 +277,7 @@ def test_topk_then_softmax_near_misses_are_not_fused(kind):
 
 @pytest.mark.parametrize("name", ["granitemoe", "gpt_oss"])
 def test_granitemoe_and_gpt_oss_routers_are_fused(name):
-    """Both take the top k of the router logits, then the softmax over the k chosen."""
+    """Both take the top k of the router logits, then the softmax over the k chosen; q and k rotated, named."""
     torch.manual_seed(0)
     common = dict(COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
     if name == "granitemoe":
@@ -291,6 +291,9 @@ def test_granitemoe_and_gpt_oss_routers_are_fused(name):
     gating = fused.report.of("moe_gating")
     assert [d.reason_code for d in gating] == ["fused"] * LAYERS, fused.report.summary()
     assert all(d.params["norm"] == "topk_softmax" for d in gating)
+    # GPT-OSS rotates each half apart (cat(x1·cos - x2·sin, x2·cos + x1·sin)): named RoPE as the other spellings
+    ropes = [d for d in fused.report.applied if "rope" in d.pattern.split("+")]
+    assert len(ropes) == 2 * LAYERS, fused.report.summary()
     _assert_within_the_bound_of_float64(model, fused, ids)
 
 

@@ -124,6 +124,13 @@ class Rope(nn.Module):
     def forward(self, q, cos, sin):
         h = q.shape[-1] // 2
         x1, x2 = q[..., :h], q[..., h:]
+        if self.sign in ("halves", "halves_wrong"):   # GPT-OSS: each half rotated apart, cos and sin half wide
+            c, s = cos[..., :h], sin[..., :h]
+            if self.sign == "halves":
+                out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+            else:                                     # the inverse rotation
+                out = torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), -1)
+            return out @ q.new_ones(q.shape[-1], 4)
         if self.sign in ("right", "wrong"):
             rot = torch.cat((-x2, x1), -1) if self.sign == "right" else torch.cat((x2, -x1), -1)
         else:                                      # GPT-J's pairs: (x0, x1) -> (-x1, x0), or the wrong sign
@@ -132,7 +139,8 @@ class Rope(nn.Module):
         return (q * cos + rot * sin) @ q.new_ones(q.shape[-1], 4)
 
 
-@pytest.mark.parametrize("sign,named", [("right", True), ("wrong", False), ("pairs", True), ("pairs_wrong", False)])
+@pytest.mark.parametrize("sign,named", [("right", True), ("wrong", False), ("pairs", True), ("pairs_wrong", False),
+                                        ("halves", True), ("halves_wrong", False)])
 def test_rope_named_only_with_the_right_sign(sign, named):
     torch.manual_seed(0)
     m = Rope(sign).eval()
