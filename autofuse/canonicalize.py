@@ -373,13 +373,15 @@ def _sink_merge(n):
 
 
 def _split_add(n):
-    """reshape(add(a, b)) regrouping batch dims, a and b of the full shape -> add(reshape(a), reshape(b))."""
+    """reshape(add(a, b)) regrouping batch dims, a and b with the full batch dims (either may broadcast in the
+    last two: Bloom's ALiBi bias ``[B·H, 1, S]`` added by ``baddbmm``) -> add(reshape(a), reshape(b))."""
     ad, s = n.args[0], shape(n)
     if not (is_call(ad, aten.add.Tensor) and not ad.kwargs and len(ad.users) == 1 and len(s) > _rank(ad)
-            and all(isinstance(t, fx.Node) and shape(t) == shape(ad) for t in ad.args)
+            and all(isinstance(t, fx.Node) and _rank(t) == _rank(ad) and shape(t)[:-2] == shape(ad)[:-2]
+                    and all(d in (1, f) for d, f in zip(shape(t)[-2:], shape(ad)[-2:])) for t in ad.args)
             and _regroups_batch(shape(ad), s)):
         return None
-    a, b = (call(n.graph, aten.reshape.default, t, list(s)) for t in ad.args)
+    a, b = (call(n.graph, aten.reshape.default, t, [*s[:-2], *shape(t)[-2:]]) for t in ad.args)
     return call(n.graph, aten.add.Tensor, a, b)
 
 

@@ -29,7 +29,8 @@ Rejected (each a near-miss test): softmax over any dim but the last; kᵀ that i
 k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale; anything between softmax and
 P·V other than casts (in-place edits of the probabilities are functionalised into such ops);
 a scores/probability node consumed outside the block, except the probabilities themselves
-(``probs_used``); two dropouts on the probabilities; matmul operands that broadcast batch dims.
+(``probs_used``); two dropouts on the probabilities; matmul operands that broadcast batch dims (except one k/v
+head broadcast over the query heads: multi-query attention, Falcon's eager spelling).
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
@@ -261,6 +262,8 @@ def _decide_softmax(m: dict) -> Match | None:
     qs, ks, vs = shape(q), shape(k), shape(v)
     if not (qs[:-3] == ks[:-3] == vs[:-3] and ks[-2] == vs[-2] and qs[-1] == ks[-1]):
         return None
+    if rank == 4 and not kv_views and ks[-3] == vs[-3] == 1 < qs[-3]:
+        rep = qs[-3]                # one k/v head that both matmuls broadcast over the heads (Falcon's multi-query)
     if rank >= 3 and not (qs[-3] == ks[-3] * rep == vs[-3] * rep):
         return None
     core = set(sc.nodes) | set(pchain) | {sc.qk, pv}

@@ -318,3 +318,49 @@ def test_near_miss_mask_fill_is_not_negative_enough():
         def forward(self, q, k, v, keep):
             return torch.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, 0.0), -1) @ v
     assert _count(M(), _args(AttentionVariant(mask="masked_fill"))) == 0
+
+
+class BroadcastKV(nn.Module):
+    """Multi-query attention written as Falcon's eager path writes it: one k/v head that the two matmuls
+    broadcast over the query heads."""
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_kv_head_broadcast_over_the_heads_is_multi_query_attention(ref_op, dtype):
+    q, k, v = _args(AttentionVariant(), kv_heads=1, dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    (m,) = _assert_fused_equal(BroadcastKV(), (q, k, v), ref_op, **tol)
+    assert m.params["num_heads"] == N and m.params["num_kv_heads"] == 1
+
+
+@pytest.mark.parametrize("k_heads,v_heads,batch", [(1, N, B), (N, 1, B), (1, 1, 1)])
+def test_near_miss_broadcasts_other_than_one_kv_head(k_heads, v_heads, batch):
+    # k alone or v alone broadcast over the heads, or a batch broadcast: not a FlashAttention layout
+    q, _, _ = _args(AttentionVariant())
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(batch, k_heads, S, D, generator=g)
+    v = torch.randn(batch, v_heads, S, D, generator=g)
+    assert find_attention(canonicalize(capture(BroadcastKV(), (q, k, v)).graph_module)) == []
+
+
+class Alibi(nn.Module):
+    """Bloom's scores: ``alibi.baddbmm(q, kᵀ, beta=1, alpha=scale)`` on heads folded into the batch, the bias
+    ``[B·N, 1, S]`` broadcast over the queries, then the 4-D view, the mask, softmax, and a bmm with v."""
+
+    def forward(self, q, k, v, alibi, mask):
+        q3, k3, v3 = (t.reshape(B * N, S, D) for t in (q, k, v))
+        s = alibi.baddbmm(batch1=q3, batch2=k3.transpose(-1, -2), beta=1.0, alpha=0.25)
+        p = torch.softmax(s.view(B, N, S, S) + mask, -1)
+        return torch.bmm(p.view(B * N, S, S), v3).view(B, N, S, D)
+
+
+def test_alibi_bias_added_by_baddbmm_on_folded_heads_is_an_additive_mask(ref_op):
+    q, k, v = _args(AttentionVariant())
+    slopes = 2.0 ** -torch.arange(1, N + 1, dtype=torch.float32)
+    alibi = (slopes[:, None] * torch.arange(S)[None, :]).repeat(B, 1)[:, None, :]       # [B·N, 1, S]
+    mask = torch.zeros(B, 1, S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    (m,) = _assert_fused_equal(Alibi(), (q, k, v, alibi, mask), ref_op)
+    assert m.params["mask_kind"] == "additive" and len(m.params["mask_terms"]) == 2

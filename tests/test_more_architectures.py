@@ -140,3 +140,44 @@ def test_training_mode_fuses_attention_dropout_with_eagers_draws(name, impl):
     (want, after_eager), (got, after_fused) = runs
     assert torch.equal(after_fused, after_eager)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)     # fp32 both sides, the same keep-masks
+
+
+def _bloom():
+    cfg = tf.BloomConfig(vocab_size=128, n_layer=LAYERS, hidden_size=64, n_head=4)
+    cfg._attn_implementation = "eager"
+    return tf.BloomForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
+
+
+def _falcon(**kw):
+    def build():
+        cfg = tf.FalconConfig(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4, **kw)
+        cfg._attn_implementation = "eager"
+        return tf.FalconForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
+    return build
+
+
+EAGER_ONLY = {
+    "bloom": _bloom,                                            # ALiBi added by baddbmm on heads folded into batch
+    "falcon": _falcon(),                                        # one k/v head broadcast by the matmuls, RoPE
+    "falcon_alibi": _falcon(alibi=True),                        # the same with ALiBi added before the scale
+    "falcon_gqa": _falcon(new_decoder_architecture=True, num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", list(EAGER_ONLY))
+def test_alibi_and_broadcast_multi_query_attention_are_fused(name):
+    """Architectures whose transformers code has only the eager attention path in this form."""
+    torch.manual_seed(0)
+    model, args, kwargs = EAGER_ONLY[name]()
+    model.eval()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    attention = fused.report.of("attention")
+    assert len(attention) == LAYERS and all(d.applied for d in attention), fused.report.summary()
+    assert not [d for d in fused.report.rejected if d.reason_code == "verification_failed"], fused.report.summary()
+    if name.startswith("falcon") and name != "falcon_gqa":
+        assert all(d.params["num_kv_heads"] == 1 for d in attention)
+    if name in ("bloom", "falcon_alibi"):               # the ALiBi bias reaches the kernel as an additive mask
+        assert all(d.params["mask_kind"] == "additive" for d in attention)
+    with torch.no_grad():
+        torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
+                                   atol=1e-5, rtol=1e-4)
