@@ -94,6 +94,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
     specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
     specs = [(_as_bnsd(s), d) for s, d in specs]
     params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
+    if p.get("softcap") is not None:
+        params["softcap"] = p["softcap"]
     terms = p.get("mask_terms") or ()
     if skip:
         params["causal"] = True
@@ -238,6 +240,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["causal_value"] = p["causal_value"]
     if p.get("empty_rows", "zero") != "zero":
         kw["empty_rows"] = p["empty_rows"]
+    if p.get("softcap") is not None:
+        kw["softcap"] = p["softcap"]
     if p.get("mask_keeps_nan"):
         kw["mask_keeps_nan"] = True
     if "scale_tensor" in ins:

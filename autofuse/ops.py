@@ -93,13 +93,13 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
                      out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
                      causal_value: Optional[float] = None, drop_mask: Optional[torch.Tensor] = None,
-                     dropout_p: float = 0.0, return_stats: bool = False
+                     dropout_p: float = 0.0, return_stats: bool = False, softcap: Optional[float] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
-              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats)
+              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap)
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask is not None:
@@ -107,7 +107,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         # the fill; float: added): skip the tiles above the diagonal where the scores' bound proves it exact
         b = run_kernel("score_bound", q, k, device=device)
         _record("score_bound", b.stats)
-        if causal_skip_is_exact(b.outputs[0], scale_, causal_value, additive=mask.dtype != torch.bool):
+        if causal_skip_is_exact(b.outputs[0], scale_, causal_value, additive=mask.dtype != torch.bool,
+                                softcap=softcap):
             mask, kw["causal"] = None, True
         else:
             tiling_ = None                # the plan's tiling is the causal kernel's; the mask's may differ
@@ -146,15 +147,18 @@ def _empty_in_order(like: torch.Tensor, shape, order) -> torch.Tensor:
 SKIP_MARGIN = 110.0
 
 
-def causal_skip_is_exact(partials, scale: float, value: float, additive: bool) -> bool:
+def causal_skip_is_exact(partials, scale: float, value: float, additive: bool, softcap: float | None = None) -> bool:
     """Whether skipping the keys above the diagonal equals computing them: every skipped score
     ``x = value`` (a bool mask's fill) or ``x = value + scale·q_i·k_j`` (an additive mask) has
     ``exp(x - m_i) == 0`` in fp32, where ``m_i >= scale·q_i·k_i`` (each causal row keeps its diagonal key).
     With ``A = |scale|·max|q|·max|k| >= |scale·q·k|`` (Cauchy-Schwarz; ``partials``: the ``score_bound``
     kernel's per-core squared norms) that holds when ``value + A`` (bool) or ``value + 2A`` (additive) is
-    at most ``-SKIP_MARGIN``. A NaN or inf anywhere in q or k makes the bound fail: the mask is then read."""
+    at most ``-SKIP_MARGIN``. A NaN or inf anywhere in q or k makes the bound fail: the mask is then read.
+    Soft-capped scores (``softcap · tanh(s / softcap)``) are bounded by ``min(A, softcap)``."""
     mq, mk = np.asarray(partials, dtype=np.float64)[:, :, 0].max(axis=0)
     a = abs(float(scale)) * math.sqrt(mq) * math.sqrt(mk) * (1 + 1e-3)       # NaN or inf stays: the test fails
+    if softcap is not None and math.isfinite(a):
+        a = min(a, float(softcap))
     return bool(value + (2 * a if additive else a) <= -SKIP_MARGIN)
 
 
@@ -171,7 +175,7 @@ def _effective_scale(q, scale, scale_tensor):
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
-                              drop_mask=None, dropout_p=0.0, return_stats=False, **_):
+                              drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
@@ -186,6 +190,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
     if scale_tensor is not None:
         s = s * scale_tensor.float()
+    if softcap is not None:
+        s = torch.tanh(s * (1.0 / softcap)) * softcap
     if mask is not None:
         if mask.dtype != torch.bool:
             s = s + mask.float()
@@ -213,7 +219,7 @@ REFERENCES["flash_attention"] = reference_flash_attention
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
-      drop_mask=None, dropout_p=0.0, return_stats=False):
+      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -222,13 +228,13 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _ = inputs
+        _, softcap = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2])
     ctx.mark_non_differentiable(output[2])
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
-    ctx.dropout_p, ctx.device, ctx.keeps_nan = dp, device, keeps_nan
+    ctx.dropout_p, ctx.device, ctx.keeps_nan, ctx.softcap = dp, device, keeps_nan, softcap
 
 
 def _backward(ctx, grad_out, grad_probs, grad_stats):
@@ -245,7 +251,8 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     it attends), which need not be every place eager's SDPA backward puts NaN."""
     q, k, v, mask, scale_t, drop, out, stats = ctx.saved_tensors
     need = ctx.needs_input_grad
-    host = ((scale_t is not None and need[11])
+    host = (ctx.softcap is not None                # the backward kernel has no soft-capping: recomputed here
+            or (scale_t is not None and need[11])
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
     if not host:
@@ -255,7 +262,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
             ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
-        return tuple(res) + (None,) * 15
+        return tuple(res) + (None,) * 16
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -265,7 +272,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         out, probs, _ = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
                                                return_probs=ctx.return_probs, fill=ctx.fill,
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
-                                               dropout_p=ctx.dropout_p)
+                                               dropout_p=ctx.dropout_p, softcap=ctx.softcap)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
@@ -276,7 +283,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
     gs = next(got) if (st is not None and st.requires_grad) else None
-    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 6
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -284,7 +291,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
-                    dropout_p=0.0, return_stats=False):
+                    dropout_p=0.0, return_stats=False, softcap=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -297,7 +304,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     exactly 0, and reads the mask otherwise (:func:`causal_skip_is_exact`). ``drop_mask`` / ``dropout_p``:
     dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. ``return_stats``: the forward
     also writes each row's softmax max and sum, and its backward reads them instead of recomputing them.
-    Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    ``softcap``: the scaled scores become ``softcap · tanh(s / softcap)`` before the mask (Gemma 2); the
+    backward then recomputes on the host. Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -307,7 +315,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         json.dumps(tiling) if tiling else "", fill=fill,
                                                         empty_rows=empty_rows, scale_tensor=scale_tensor,
                                                         causal_value=causal_value, drop_mask=drop_mask,
-                                                        dropout_p=float(dropout_p), return_stats=return_stats)
+                                                        dropout_p=float(dropout_p), return_stats=return_stats,
+                                                        softcap=None if softcap is None else float(softcap))
     return (out, probs) if return_probs else out
 
 

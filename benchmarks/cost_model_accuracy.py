@@ -316,6 +316,14 @@ def _fa_cases(quick: bool):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": causal, "keep_prob": 0.9},
                             {"drop_mask": bits}))
             out.append(Case("dropout_gen_mask", [], d, {"shape": (*shape[:3], shape[2]), "keep_prob": 0.9}))
+    # logit soft-capping (Gemma 2: head dim 256, GQA, causal)
+    caps = [((2, 4, 129, 64), 4, False, "float32")]
+    if not quick:
+        caps += [((1, 8, 1024, 256), 4, True, "bfloat16"), ((4, 8, 512, 128), 8, True, "float16")]
+    for i, (qs, nkv, causal, dt) in enumerate(caps):
+        kv = ((qs[0], nkv, *qs[2:]), dt)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(qs, dt), kv, kv], d, {"causal": causal, "softcap": 50.0}))
     # the score bound launched before a causal skip over a finite-valued mask (q and k; GQA: fewer k rows)
     bounds = [((8, 12, 1024, 64), (8, 12, 1024, 64), "float16"), ((1, 2, 77, 64), (1, 1, 80, 64), "float32")]
     if not quick:

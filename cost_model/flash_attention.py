@@ -142,6 +142,9 @@ def _valid(dev, t):
 
 # a searched tiling must beat the kernel's default by more than the model's typical error to replace it
 DEFAULT_MARGIN = 0.05
+#: Vector passes of logit soft-capping per score: muls 1/c, an fp32 tanh (six passes: muls 2, exp, adds 1,
+#: reciprocal, muls -2, adds 1), muls c
+SOFTCAP_PASSES = 8
 
 
 @cached
@@ -434,7 +437,7 @@ def drop_bytes(Sq, Skv, qb, kvb, causal):
     return float((qe * cum8[nt]).sum())
 
 
-def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False):
+def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, softcap=False):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -459,7 +462,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
     rv = qe / nh                                      # rows per vector core
     nsub = max(1, ceil_div(int(rv), vq))
-    passes = 5 + (1 if dtype != F32 else 0)
+    passes = 5 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0)
     msz = 0
     if mask is not None:
         mdt = mask[1]
@@ -565,7 +568,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     stats = return_probs or return_stats
     core = fill + T * step + items * per_item + drain
     if return_probs:
-        pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group)
+        pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group,
+                                     softcap)
         core += pc
 
     # HBM: q, K/V (unique, re-read when evicted), mask, out, dirty workspaces at the end
@@ -603,7 +607,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     return core, float(hbm), nbytes, busy, ws_bytes
 
 
-def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group):
+def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, softcap=False):
     """The return_probs sweep (``probs_sweep`` in the kernel): once every row's max and sum are final (stored
     at the end of the first sweep), each (item, KV tile) step recomputes S = Q·K_jᵀ, runs scale, [mask],
     [causal], sub, exp, mul 1/l, [cast] over it and stores the normalised P tile to GM (every KV tile of an
@@ -631,7 +635,7 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     rv = qe / nh
     ke = Skv / nkv
     nsub = max(1, ceil_div(int(rv), vq))
-    passes = 4 + (1 if dtype != F32 else 0)
+    passes = 4 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0)
     msz = 0
     if mask is not None:
         passes += 1 if mask[1] in ("bool", F32) else 2
@@ -712,7 +716,7 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
 
 
 @cached
-def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False):
+def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, softcap=False):
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     mask_spec = None
@@ -725,7 +729,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
     if default is not None and default[0] not in [t for t, _ in cands]:
         cands.append(default)
     for t, counts in cands:
-        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats)
+        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap)
         cost = kernel_cycles(dev, *res[:3])
         if default is not None and t == default[0]:
             cost *= 1 - DEFAULT_MARGIN
@@ -738,17 +742,21 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
-                             fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False):
+                             fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
+                             softcap=None):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
-    scales values). ``return_stats``: the row max and sum written out (see the module docstring)."""
+    scales values). ``return_stats``: the row max and sum written out (see the module docstring). ``softcap``:
+    eight more Vector passes per score (``1/c``, tanh, ``c``); its value changes values only."""
     drop = drop_mask is not None
+    cap = softcap is not None
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
     if tiling is None:
-        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats))
+        t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats),
+                         cap)
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
         m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
@@ -756,7 +764,8 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
         counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec, bool(drop)))
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
-        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop), bool(return_stats))
+        res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop), bool(return_stats),
+                     cap)
     core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),

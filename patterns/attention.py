@@ -20,7 +20,11 @@ One description, many spellings. The family is the table below plus one walker; 
 softmax forms, eval dropout, repeat_kv/repeat_interleave) are removed by canonicalization first,
 so the walker sees, from the softmax input upwards::
 
-    softmax(-1) <- [cast | mul(scalar) | add(mask) | where(keep, ·, fill<=-1e4)]* <- matmul(q, transpose(k, -2, -1))
+    softmax(-1) <- [cast | mul(scalar) | add(mask) | where(keep, ·, fill<=-1e4)]* [<- mul(tanh(·), c)]
+                <- [cast | mul(scalar)]* <- matmul(q, transpose(k, -2, -1))
+
+(the optional ``c·tanh(a·s)`` is logit soft-capping, Gemma 2's: ``params["softcap"] = c``, the kernel's scale
+``a·c``; only scales and casts above it, no scale between it and the softmax, the masks after it)
 
 and from the softmax output downwards ``[cast]* -> matmul(P, v)``. ``k``/``v`` may each be
 ``repeat_interleave(x, r, dim=-3)`` (GQA). ``aten.scaled_dot_product_attention`` is matched directly.
@@ -66,6 +70,7 @@ SCORE_OPS = {
     aten.mul.Tensor: "scale",
     aten.add.Tensor: "additive",
     aten.where.ScalarOther: "bool",
+    aten.tanh.default: "softcap",       # c·tanh(s / c): logit soft-capping (Gemma 2), the walker checks the form
 }
 PROB_OPS = {aten._to_copy.default: "cast"}  # allowed between softmax and P·V
 KV_VIEWS = {aten.repeat_interleave.self_int: "gqa"}  # looked through on k and v
@@ -78,6 +83,7 @@ class _Scores:
     masks: list  # (node, kind, factor at softmax input, fill at softmax input or None)
     nodes: list
     scale_tensor: fx.Node | None = None
+    softcap: float | None = None
 
 
 class _Below:
@@ -86,10 +92,12 @@ class _Below:
 
     def __init__(self):
         self.ops, self.factor, self.additive, self.tensor_scale = [], 1.0, False, False
+        self.softcap = None             # met a soft-cap c·tanh(·) on the way up: only scales and casts above it
 
     def copy(self):
         b = _Below()
         b.ops, b.factor, b.additive, b.tensor_scale = list(self.ops), self.factor, self.additive, self.tensor_scale
+        b.softcap = self.softcap
         return b
 
     def fill_at_softmax(self, fill: float, dtype: torch.dtype) -> float:
@@ -119,7 +127,18 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
     nodes, masks, scale, st = [], [], 1.0, None
     while True:
         if is_call(x, aten.matmul.default):
-            return _Scores(x, scale, masks, nodes, st)
+            return _Scores(x, scale, masks, nodes, st, below.softcap)
+        if below.softcap is not None and not (_is_cast(x) or (is_call(x, aten.mul.Tensor) and is_number(x.args[1]))):
+            return None                 # a mask (or anything but a scale) before the cap: not the kernel's order
+        if (is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and not x.kwargs and is_call(x.args[0], aten.tanh.default)
+                and below.softcap is None and below.factor == 1.0 and not below.tensor_scale and x.args[1] > 0
+                and len(x.args[0].users) == 1):
+            # logit soft-capping (Gemma 2): c·tanh(a·s) is the kernel's c·tanh(scale·s / c) with scale = a·c
+            below.softcap = float(x.args[1])
+            scale *= x.args[1]
+            nodes += [x, x.args[0]]
+            x = x.args[0].args[0]
+            continue
         if _is_cast(x):
             nodes.append(x)
             below.ops.append(("cast", x.kwargs.get("dtype")))
@@ -150,6 +169,9 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
         elif is_call(x, aten.add.Tensor) and not x.kwargs and all(isinstance(a, fx.Node) for a in x.args):
             if below.tensor_scale:
                 return None
+            if any(kind == "bool" and f != -math.inf for _, kind, _, f in masks):
+                return None             # an additive mask, then a finite fill (MPT's ALiBi, then masked_fill): a
+                #                         row the bias masks entirely attends to the filled keys; no one mask says it
             for up, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
                 if not val(m).is_floating_point() or shape(x) != shape(up):
                     continue
@@ -160,7 +182,8 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 rest = _walk_scores(up, b, chain)
                 if rest is not None:
                     return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
-                                   + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor)
+                                   + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor,
+                                   rest.softcap)
             return None
         else:
             return None
@@ -182,8 +205,9 @@ def _layout(rank):
 
 
 def _score_op(n: fx.Node) -> bool:
-    """A cast, a scale (a Python number or a one-element tensor), an additive mask or a ``where`` fill."""
-    if _is_cast(n) or is_call(n, aten.where.ScalarOther):
+    """A cast, a scale (a Python number or a one-element tensor), an additive mask, a ``where`` fill or the
+    ``tanh`` of a soft-cap."""
+    if _is_cast(n) or is_call(n, aten.where.ScalarOther, aten.tanh.default):
         return True
     if is_call(n, aten.mul.Tensor):
         return is_number(n.args[1]) or _zero_dim_factor(n) is not None
@@ -278,7 +302,7 @@ def _decide_softmax(m: dict) -> Match | None:
         inputs["scale_tensor"] = sc.scale_tensor.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None, empty, dropout_p, draw)
+                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap)
 
 
 def _dropout_after(x):
@@ -327,7 +351,7 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
-            draw=None) -> Match:
+            draw=None, softcap=None) -> Match:
     qs, ks = shape(q), shape(k)
     guards, terms, causal_fill, guarded = [], [], -math.inf, None
     for m, kind, factor, fill in masks:
@@ -370,7 +394,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
-        dropout_draw=draw,
+        dropout_draw=draw, softcap=softcap,
         causal_value=None if guarded is None else float(guarded),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,

@@ -2,7 +2,7 @@
 
 ``attention_ref`` (``torch.ops.autofuse_test.attention_ref``) has the signature of
 ``torch.ops.autofuse.flash_attention`` and SDPA semantics: bool mask True = attend, additive mask
-added to the scaled scores, ``causal`` = top-left ``tril``, GQA by ``k/v.repeat_interleave``, fp32
+added to the scaled scores (after the soft-cap ``softcap·tanh(s/softcap)``), ``causal`` = top-left ``tril``, GQA by ``k/v.repeat_interleave``, fp32
 softmax, a row with every key masked gives zeros.
 """
 from collections import Counter
@@ -15,7 +15,7 @@ import torch
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                   scale: float | None = None, causal: bool = False, return_probs: bool = False,
                   fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
-                  out_order: list[int] | None = None, mask_keeps_nan: bool = False
+                  out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -23,6 +23,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
     if scale_tensor is not None:
         s = s * float(scale_tensor)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if mask is not None:
         s = s.masked_fill(~mask & ~(s.isnan() & mask_keeps_nan), float("-inf") if fill is None else fill) \
             if mask.dtype == torch.bool else s + mask.float()
@@ -39,7 +41,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 @attention_ref.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
-      scale_tensor=None, out_order=None, mask_keeps_nan=False):
+      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None):
     from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)

@@ -14,6 +14,7 @@ import autofuse.canonicalize as canonicalize_mod
 from autofuse.canonicalize import canonicalize
 from autofuse.capture import capture
 from autofuse.match import Match, find_matches
+from autofuse.verify import compare
 from conftest import rewrite_with
 from patterns.attention import AXES, AttentionVariant, build_variant, find_attention
 
@@ -364,3 +365,67 @@ def test_alibi_bias_added_by_baddbmm_on_folded_heads_is_an_additive_mask(ref_op)
     mask = torch.zeros(B, 1, S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
     (m,) = _assert_fused_equal(Alibi(), (q, k, v, alibi, mask), ref_op)
     assert m.params["mask_kind"] == "additive" and len(m.params["mask_terms"]) == 2
+
+
+class SoftCap(nn.Module):
+    """Gemma 2's scores: scale, then ``cap · tanh(s / cap)``, then the mask; ``kind`` spells a near miss."""
+
+    def __init__(self, kind="gemma2", cap=5.0):
+        super().__init__()
+        self.kind, self.cap = kind, cap
+
+    def forward(self, q, k, v, mask):
+        s = (q @ k.transpose(-2, -1)) * 0.25
+        if self.kind == "mask_inside":             # the mask before the cap: not the kernel's order
+            s = torch.tanh((s + mask) / self.cap) * self.cap
+        elif self.kind == "scaled_after":          # c·tanh(s/c)·0.5 is 2.5·tanh(s/c): a cap of 2.5, scale a·2.5
+            s = torch.tanh(s / self.cap) * self.cap * 0.5 + mask
+        elif self.kind == "tensor_cap":            # a cap per head (a tensor): not one softcap value
+            s = torch.tanh(s / self.cap) * torch.full((q.shape[1], 1, 1), self.cap, dtype=q.dtype) + mask
+        elif self.kind == "tanh_reused":           # the tanh read outside the block too
+            t = torch.tanh(s / self.cap)
+            return torch.softmax(t * self.cap + mask, -1) @ v, t
+        else:
+            s = torch.tanh(s / self.cap) * self.cap + mask
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("kind,cap,scale", [("gemma2", 5.0, 0.25), ("scaled_after", 2.5, 0.125)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_soft_capping_is_part_of_the_match(ref_op, dtype, kind, cap, scale):
+    q, k, v = (t * 4 for t in _args(AttentionVariant(), dtype=dtype))
+    mask = torch.zeros(1, 1, S, S, dtype=dtype).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
+                                                            torch.finfo(dtype).min)
+    module = SoftCap(kind).eval()
+    cap_, gm, matches, fused = _fuse(module, (q, k, v, mask), ref_op)
+    (m,) = matches
+    assert m.params["softcap"] == cap and m.params["scale"] == pytest.approx(scale)
+    got = cap_.unflatten_outputs(fused(*cap_.flatten_inputs(q, k, v, mask)))
+    # eager rounds the scores to bf16 at every step of the cap; the reference op computes them in fp32: the
+    # verifier's bound (within twice eager's own error of a float64 run, plus one rounding)
+    ref64 = module(*(t.double() for t in (q, k, v, mask)))
+    ok, err, tol = compare(module(q, k, v, mask), ref64, got)
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("kind", ["mask_inside", "tensor_cap", "tanh_reused"])
+def test_near_miss_soft_capping_out_of_the_kernels_order(kind):
+    q, k, v = _args(AttentionVariant())
+    mask = torch.randn(1, 1, S, S)
+    assert find_attention(canonicalize(capture(SoftCap(kind).eval(), (q, k, v, mask)).graph_module)) == []
+
+
+class AddThenFill(nn.Module):
+    """MPT's order: an additive bias (ALiBi), then ``masked_fill(causal, finfo.min)``."""
+
+    def forward(self, q, k, v, bias):
+        s = (q @ k.transpose(-2, -1)) * 0.25 + bias
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), torch.finfo(s.dtype).min)
+        return torch.softmax(s, -1) @ v
+
+
+def test_near_miss_additive_mask_then_a_finite_fill():
+    # a row the bias masks entirely (-inf) attends to the filled keys in eager: no one mask describes that
+    q, k, v = _args(AttentionVariant())
+    bias = torch.randn(1, N, 1, S)
+    assert find_attention(canonicalize(capture(AddThenFill(), (q, k, v, bias)).graph_module)) == []

@@ -156,7 +156,15 @@ def _falcon(**kw):
     return build
 
 
+def _gemma2():
+    cfg = tf.Gemma2Config(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return tf.Gemma2ForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
+
+
 EAGER_ONLY = {
+    "gemma2": _gemma2,                                          # logit soft-capping: 50·tanh(s / 50), then the mask
     "bloom": _bloom,                                            # ALiBi added by baddbmm on heads folded into batch
     "falcon": _falcon(),                                        # one k/v head broadcast by the matmuls, RoPE
     "falcon_alibi": _falcon(alibi=True),                        # the same with ALiBi added before the scale
@@ -165,7 +173,7 @@ EAGER_ONLY = {
 
 
 @pytest.mark.parametrize("name", list(EAGER_ONLY))
-def test_alibi_and_broadcast_multi_query_attention_are_fused(name):
+def test_eager_only_attention_spellings_are_fused(name):
     """Architectures whose transformers code has only the eager attention path in this form."""
     torch.manual_seed(0)
     model, args, kwargs = EAGER_ONLY[name]()
@@ -178,6 +186,26 @@ def test_alibi_and_broadcast_multi_query_attention_are_fused(name):
         assert all(d.params["num_kv_heads"] == 1 for d in attention)
     if name in ("bloom", "falcon_alibi"):               # the ALiBi bias reaches the kernel as an additive mask
         assert all(d.params["mask_kind"] == "additive" for d in attention)
+    if name == "gemma2":
+        assert all(d.params["softcap"] == model.config.attn_logit_softcapping == 50.0 for d in attention)
     with torch.no_grad():
         torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
+    """The soft-capped kernel's backward recomputes on the host (the backward kernel has no cap): the gradients
+    of every parameter equal eager's."""
+    torch.manual_seed(0)
+    model, args, kwargs = _gemma2()
+    model.train()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert all(d.applied and d.params["softcap"] == 50.0 for d in fused.report.of("attention"))
+    grads = []
+    for m in (fused, model):
+        model.zero_grad()
+        main_output(m(*args, **kwargs)).float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[1]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides

@@ -72,7 +72,7 @@ the first sweep, the same stores): S is recomputed, ``exp(S - m) / l`` cast to q
 with no key give 0 probabilities (NaN with ``empty_rows="nan"``).
 
 Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
-skip the cast), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
+skip the cast), eight more with ``softcap`` (``1/c``, tanh's six, ``c``), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
 diagonal tiles (an index compare and a select), one for dropout (a select by the keep bits); per tile the O
 update costs two passes over ``[rows, Dv]``.
 
@@ -96,6 +96,9 @@ from autofuse.npu.run import kernel
 OPERAND_DTYPES = ("float16", "bfloat16", "float32")
 MASK_DTYPES = ("bool", "float16", "bfloat16", "float32")
 _NEG_INF = np.float32(-np.inf)
+#: Vector passes of logit soft-capping per score: muls 1/c, tanh (muls 2, exp, adds 1, reciprocal, muls -2,
+#: adds 1: the elementwise kernel's fp32 tanh), muls c
+SOFTCAP_PASSES = 8
 
 
 def _ceil(a, b):
@@ -415,14 +418,15 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False):
+                    return_stats=False, softcap=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
     ``tiling``: ``{"q": query rows per item, "kv": keys per tile, "vq": rows per Vector sub-block}``
     (None: :func:`default_tiling`). ``drop_mask``: dropout on the probabilities, a uint8 keep-mask
     ``[B, N, Sq, ceil(Skv / 8)]`` with one bit per score (bit ``j % 8`` of byte ``j // 8``, 1 = keep, as
-    :func:`pack_keep` packs it); kept probabilities are scaled by ``1 / keep_prob``.
+    :func:`pack_keep` packs it); kept probabilities are scaled by ``1 / keep_prob``. ``softcap``: the scaled
+    scores soft-capped, ``softcap · tanh(S / softcap)``, before the mask (Gemma 2's logit soft-capping).
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -454,6 +458,9 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"flash_attention: softcap={softcap}; it must be a positive finite number or None")
+    prog.softcap = None if softcap is None else np.float32(softcap)
     return prog.run()
 
 
@@ -561,6 +568,7 @@ class _Program:
             kt = kd.transpose(0, 1, 3, 2)
         self.kt = GMTensor(kt, k.dtype, "k", False)
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
+        self.softcap = None                             # set by the caller (logit soft-capping)
         self.dtype = q.dtype
         self.isz = itemsize(q.dtype)
         B, N, Sq, D = q.shape
@@ -845,6 +853,8 @@ class _Program:
         stat = vg.repeats(rows, "float32") * ract
         padcols = bool((v["kext"][ract] < kvb).any())
         passes = 4 if probs_pass else 5                     # scale, (max,) sub, exp, sum or mul
+        if self.softcap is not None:
+            passes += SOFTCAP_PASSES                        # muls 1/c, tanh, muls c
         if self.dtype != "float32":
             passes += 1                                     # cast
         reads, writes = [S], [S, P]
@@ -876,6 +886,10 @@ class _Program:
         def scale_and_mask(cs):
             x = S.data[cs]
             np.multiply(x, self.scale, out=x)
+            if self.softcap is not None:
+                np.multiply(x, np.float32(1) / self.softcap, out=x)
+                np.tanh(x, out=x)
+                np.multiply(x, self.softcap, out=x)
             if mt is not None:
                 if self.mask.dtype == "bool":        # SDPA adds -inf for a False: a NaN score stays NaN
                     drop = ~mt.data[cs] & ~np.isnan(x) if self.keep_nan else ~mt.data[cs]
