@@ -78,6 +78,11 @@ def test_skip_decision_follows_the_cauchy_schwarz_bound():
     assert causal_skip_is_exact(_partials(1.0, 1.0), -1.0, -1e4, additive=True)
     for bad in (float("nan"), float("inf")):
         assert not causal_skip_is_exact(_partials(bad, 1.0), 0.125, fp16_min, additive=True)
+    # soft-capped scores (c·tanh(s / c)) stay within c whatever the rows' norms; a NaN or inf still fails
+    assert causal_skip_is_exact(_partials(over, 1.0), 1.0, fp16_min, additive=True, softcap=50.0)
+    assert not causal_skip_is_exact(_partials(1.0, 1.0), 1.0, -60.0, additive=False, softcap=50.0 + SKIP_MARGIN)
+    for bad in (float("nan"), float("inf")):
+        assert not causal_skip_is_exact(_partials(bad, 1.0), 0.125, fp16_min, additive=True, softcap=50.0)
 
 
 @pytest.mark.parametrize("device", npu.devices())
