@@ -109,8 +109,13 @@ class _Below:
         return float(t)
 
 
+_CAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _is_cast(n):
-    return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and len(n.args) == 1
+    """A cast between float types the kernels compute in (a round trip through float8 rounds: not a no-op)."""
+    return is_call(n, aten._to_copy.default) and set(n.kwargs) <= {"dtype"} and len(n.args) == 1 and \
+        n.kwargs.get("dtype", val(n).dtype) in _CAST_DTYPES and val(n.args[0]).dtype in _CAST_DTYPES
 
 
 def _zero_dim_factor(x):
