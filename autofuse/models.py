@@ -5,7 +5,7 @@
 * a zoo name (:data:`ZOO`): transformers architectures built from small configs with random weights (no
   download), and a plain ``nn.MultiheadAttention`` block; ``layers``/``hidden``/``heads`` size them;
 * ``transformers:ConfigClass?key=value&...``: any transformers configuration class by name, with keyword
-  overrides (values read as int, float, bool, None or string), e.g.
+  overrides (values read as int, float, bool, None, a ``[list,of,them]`` or string), e.g.
   ``transformers:LlamaConfig?num_hidden_layers=2&hidden_size=256``. Without keys the class's own defaults
   apply (``LlamaConfig`` is Llama-7B). The model class is chosen from the configuration (see
   :func:`auto_class`); ``use_cache`` is off; ``seq``/``batch`` shape the example inputs;
@@ -130,7 +130,12 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
 
 def parse_value(text: str):
     """A query-string value as Python: ``2`` -> int, ``1e-5`` -> float, ``true``/``False`` -> bool,
-    ``None``/``null`` -> None, anything else stays a string."""
+    ``None``/``null`` -> None, ``[2,2,6]`` -> a list of such values (Swin's ``depths``, ConvNeXt's
+    ``hidden_sizes``), anything else stays a string."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == "[" and text[-1] == "]":
+        inner = text[1:-1].strip()
+        return [parse_value(t) for t in inner.split(",")] if inner else []
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"

@@ -172,6 +172,12 @@ def test_transformers_spec_values_and_defaults():
     from autofuse.models import parse_transformers_spec
     assert parse_transformers_spec("transformers:X?a=2&b=1e-5&c=true&d=None&e=gelu&f=False") == (
         "X", {"a": 2, "b": 1e-5, "c": True, "d": None, "e": "gelu", "f": False})
+    # lists (Swin's depths and heads per stage)
+    assert parse_transformers_spec("transformers:X?depths=[2,2,6]&w=[]&m=[1.5, true,x]") == (
+        "X", {"depths": [2, 2, 6], "w": [], "m": [1.5, True, "x"]})
+    swin, _ = build("transformers:SwinConfig?depths=[1,1]&num_heads=[2,4]&embed_dim=16&image_size=32&patch_size=4"
+                    "&window_size=4", meta=True, batch=1)
+    assert list(swin.config.depths) == [1, 1] and list(swin.config.num_heads) == [2, 4]
     model, (args, kwargs) = build("transformers:LlamaConfig", meta=True, seq=4, batch=1)
     cfg = model.config
     # no keys: LlamaConfig's own defaults (Llama-7B), on meta tensors
