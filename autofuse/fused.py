@@ -188,7 +188,9 @@ def _to_4d(x: fx.Node) -> fx.Node:
 
 def _mask(g, ins, m, rank: int):
     """The one mask the kernel takes: bool terms AND-ed (True = attend); additive terms scaled by the factor
-    recorded at the softmax input and summed; with both kinds (fill -inf only) bool terms become ``-inf``."""
+    recorded at the softmax input and summed; with both kinds bool terms become ``-inf`` (fill -inf), or, with
+    ``fill_last`` (the fill applied after the additive masks, and low enough to absorb any finite score added
+    to it), the fill itself: ``where(keep, sum, fill)``."""
     keep, add = None, None
     for role, kind, factor in m.params["mask_terms"]:
         t = ins[role]
@@ -201,7 +203,8 @@ def _mask(g, ins, m, rank: int):
                 t = call(g, aten.mul.Tensor, t, factor)
             add = t if add is None else call(g, aten.add.Tensor, add, t)
     if keep is not None and add is not None:
-        return call(g, aten.where.ScalarOther, keep, add, float("-inf"))
+        fill = m.params["fill"] if m.params.get("fill_last") else float("-inf")
+        return call(g, aten.where.ScalarOther, keep, add, fill)
     return keep if keep is not None else add
 
 

@@ -84,6 +84,7 @@ class _Scores:
     nodes: list
     scale_tensor: fx.Node | None = None
     softcap: float | None = None
+    fill_last: bool = False         # additive masks added before a finite fill (MPT): the fill replaces their sum
 
 
 class _Below:
@@ -93,11 +94,12 @@ class _Below:
     def __init__(self):
         self.ops, self.factor, self.additive, self.tensor_scale = [], 1.0, False, False
         self.softcap = None             # met a soft-cap c·tanh(·) on the way up: only scales and casts above it
+        self.fill_last = False          # met an additive mask above a finite fill
 
     def copy(self):
         b = _Below()
         b.ops, b.factor, b.additive, b.tensor_scale = list(self.ops), self.factor, self.additive, self.tensor_scale
-        b.softcap = self.softcap
+        b.softcap, b.fill_last = self.softcap, self.fill_last
         return b
 
     def fill_at_softmax(self, fill: float, dtype: torch.dtype) -> float:
@@ -132,7 +134,7 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
     nodes, masks, scale, st = [], [], 1.0, None
     while True:
         if is_call(x, aten.matmul.default):
-            return _Scores(x, scale, masks, nodes, st, below.softcap)
+            return _Scores(x, scale, masks, nodes, st, below.softcap, below.fill_last)
         if below.softcap is not None and not (_is_cast(x) or (is_call(x, aten.mul.Tensor) and is_number(x.args[1]))):
             return None                 # a mask (or anything but a scale) before the cap: not the kernel's order
         if (is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and not x.kwargs and is_call(x.args[0], aten.tanh.default)
@@ -174,9 +176,13 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
         elif is_call(x, aten.add.Tensor) and not x.kwargs and all(isinstance(a, fx.Node) for a in x.args):
             if below.tensor_scale:
                 return None
+            if any(kind == "bool" and f != -math.inf and f > ABSORBING_FILL for _, kind, _, f in masks):
+                return None             # an additive mask, then a finite fill the kernel cannot reproduce by adding
             if any(kind == "bool" and f != -math.inf for _, kind, _, f in masks):
-                return None             # an additive mask, then a finite fill (MPT's ALiBi, then masked_fill): a
-                #                         row the bias masks entirely attends to the filled keys; no one mask says it
+                # an additive mask, then a fill that absorbs any finite score (MPT: ALiBi, then
+                # masked_fill(causal, finfo.min)): one additive mask where(keep, sum, fill) says it exactly, a row
+                # the bias masks entirely attending to the filled keys as in eager
+                below.fill_last = True
             for up, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
                 if not val(m).is_floating_point() or shape(x) != shape(up):
                     continue
@@ -188,7 +194,7 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 if rest is not None:
                     return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
                                    + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor,
-                                   rest.softcap)
+                                   rest.softcap, rest.fill_last)
             return None
         else:
             return None
@@ -307,7 +313,7 @@ def _decide_softmax(m: dict) -> Match | None:
         inputs["scale_tensor"] = sc.scale_tensor.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap)
+                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last)
 
 
 def _dropout_after(x):
@@ -356,7 +362,7 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
-            draw=None, softcap=None) -> Match:
+            draw=None, softcap=None, fill_last=False) -> Match:
     qs, ks = shape(q), shape(k)
     guards, terms, causal_fill, guarded = [], [], -math.inf, None
     for m, kind, factor, fill in masks:
@@ -377,8 +383,11 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         return _unsupported(inputs, core, anchor, q, "masks with different fill values")
     fill = fills.pop() if fills else -math.inf
     kinds = {kind for _, kind, _, _ in terms}
-    if fill != -math.inf and kinds == {"bool", "additive"}:
+    if fill != -math.inf and kinds == {"bool", "additive"} and not fill_last:
         return _unsupported(inputs, core, anchor, q, "a finite-fill bool mask combined with an additive mask")
+    if fill_last and any(kind == "additive" and float(torch.tensor(fill, dtype=val(m).dtype)) != fill
+                         for m, kind, _, _ in terms if isinstance(m, fx.Node)):
+        return _unsupported(inputs, core, anchor, q, "a fill the additive mask's dtype cannot hold")
     guarded = guarded if len(terms) == 1 and not causal else None
     if causal and fill != -math.inf and (terms or fill > ABSORBING_FILL):
         # the kernel skips tiles above the diagonal; with a finite fill that is exact only when every row keeps
@@ -399,7 +408,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
-        dropout_draw=draw, softcap=softcap,
+        dropout_draw=draw, softcap=softcap, fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
         causal_value=None if guarded is None else float(guarded),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,

@@ -416,16 +416,38 @@ def test_near_miss_soft_capping_out_of_the_kernels_order(kind):
 
 
 class AddThenFill(nn.Module):
-    """MPT's order: an additive bias (ALiBi), then ``masked_fill(causal, finfo.min)``."""
+    """MPT's order: an additive bias (ALiBi), then ``masked_fill(causal, fill)``."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        self.fill = fill
 
     def forward(self, q, k, v, bias):
         s = (q @ k.transpose(-2, -1)) * 0.25 + bias
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), torch.finfo(s.dtype).min)
+        fill = torch.finfo(s.dtype).min if self.fill is None else self.fill
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), fill)
         return torch.softmax(s, -1) @ v
 
 
-def test_near_miss_additive_mask_then_a_finite_fill():
-    # a row the bias masks entirely (-inf) attends to the filled keys in eager: no one mask describes that
+def test_additive_mask_then_an_absorbing_fill_is_one_mask_where_keep_sum_fill(ref_op):
+    """The fill replaces the biased score: ``where(keep, bias, fill)`` added to the scores says it exactly,
+    since ``s + finfo.min == finfo.min`` for any score the kernel sees; a row the bias masks entirely (-inf)
+    attends to the filled keys, as in eager."""
     q, k, v = _args(AttentionVariant())
     bias = torch.randn(1, N, 1, S)
-    assert find_attention(canonicalize(capture(AddThenFill(), (q, k, v, bias)).graph_module)) == []
+    (m,) = _assert_fused_equal(AddThenFill(), (q, k, v, bias), ref_op)
+    assert m.params["fill_last"] and m.params["mask_kind"] == "additive"
+    cap, gm, matches, fused = _fuse(AddThenFill(), (q, k, v, bias), ref_op)
+    bias = bias.expand(B, N, S, S).clone()
+    bias[0, 1, 3] = float("-inf")
+    got = cap.unflatten_outputs(fused(*cap.flatten_inputs(q, k, v, bias)))
+    want = AddThenFill()(q, k, v, bias)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.isfinite(want[0, 1, 3]).all()
+
+
+def test_near_miss_additive_mask_then_a_fill_that_does_not_absorb():
+    # -1e4 added to a score is not -1e4: the fill cannot be written as an additive mask
+    q, k, v = _args(AttentionVariant())
+    bias = torch.randn(1, N, 1, S)
+    assert find_attention(canonicalize(capture(AddThenFill(-1e4), (q, k, v, bias)).graph_module)) == []

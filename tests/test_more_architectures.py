@@ -163,8 +163,14 @@ def _gemma2():
     return tf.Gemma2ForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
 
 
+def _mpt():
+    cfg = tf.MptConfig(vocab_size=128, n_layers=LAYERS, d_model=64, n_heads=4)
+    return tf.MptForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
+
+
 EAGER_ONLY = {
-    "gemma2": _gemma2,                                          # logit soft-capping: 50·tanh(s / 50), then the mask
+    "gemma2": _gemma2,
+    "mpt": _mpt,                                                # ALiBi, then masked_fill(causal, finfo.min)                                          # logit soft-capping: 50·tanh(s / 50), then the mask
     "bloom": _bloom,                                            # ALiBi added by baddbmm on heads folded into batch
     "falcon": _falcon(),                                        # one k/v head broadcast by the matmuls, RoPE
     "falcon_alibi": _falcon(alibi=True),                        # the same with ALiBi added before the scale
@@ -184,8 +190,10 @@ def test_eager_only_attention_spellings_are_fused(name):
     assert not [d for d in fused.report.rejected if d.reason_code == "verification_failed"], fused.report.summary()
     if name.startswith("falcon") and name != "falcon_gqa":
         assert all(d.params["num_kv_heads"] == 1 for d in attention)
-    if name in ("bloom", "falcon_alibi"):               # the ALiBi bias reaches the kernel as an additive mask
+    if name in ("bloom", "falcon_alibi", "mpt"):        # the ALiBi bias reaches the kernel as an additive mask
         assert all(d.params["mask_kind"] == "additive" for d in attention)
+    if name == "mpt":                                   # the fill applied after it: where(keep, bias, fill)
+        assert all(d.params["fill_last"] for d in attention)
     if name == "gemma2":
         assert all(d.params["softcap"] == model.config.attn_logit_softcapping == 50.0 for d in attention)
     with torch.no_grad():
