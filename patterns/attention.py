@@ -14,6 +14,8 @@ compared entry by entry. A causal mask whose masked entries take a *finite* valu
 finfo(float16).min)``, GPT-2's additive ``finfo.min`` mask) stays the explicit mask it is, and
 ``params["causal_value"]`` records that value: the fused op skips the tiles above the diagonal only when
 a bound on the scores, computed at run time, proves every skipped weight ``exp(value + s - max)`` is 0.
+Additive masks added *before* a ``masked_fill`` whose fill absorbs any score (fp32 ``finfo.min``: MPT's ALiBi
+bias, then its causal fill) are one additive mask ``where(keep, sum, fill)`` (``params["fill_last"]``).
 
 One description, many spellings. The family is the table below plus one walker; the spellings
 (div vs mul, pre-scaled q/k, einsum/bmm/matmul, transpose/permute/mT, masked_fill/where/additive,
