@@ -399,6 +399,9 @@ def lower(node: fx.Node) -> Program:
     ins = tensor_inputs(node)
     if t in _VIEW_OPS:
         return Program([], ins)
+    m = node.meta.get("val")
+    if isinstance(m, torch.Tensor) and m.numel() == 0:
+        return Program([], ins)             # an empty result (Phi-3's pass-through part at full rotary): no work
     if t in (aten.native_dropout.default, aten.dropout.default):
         return _lower_dropout(node, t, ins)
     if t in (aten.reshape.default,):

@@ -238,6 +238,7 @@ class _Build:
         self.val: dict = {}                 # node -> V
         self.squeezed: set = set()          # reductions without keepdim
         self.stacked: dict = {}             # stack(a, b, -1) nodes -> [a, b], until flattened
+        self.empty: set = set()             # slices of width 0 (Phi-3's pass-through part at full rotary)
         ext = []
         for n in self.nodes:
             for a in n.all_input_nodes:
@@ -277,6 +278,8 @@ class _Build:
         shapes = []
         for n in self.out_nodes:
             m = _meta(n)
+            if n in self.empty:
+                self.fail(n, "an empty (width 0) output")
             v = self.val[n]
             b.output(v, dtype_name(m.dtype))
             shapes.append(tuple(m.shape))
@@ -310,6 +313,8 @@ class _Build:
                 self.fail(n, f"input {x.name} is not available (not a tensor?)")
             if x in self.squeezed:
                 self.fail(n, f"{x.name} is a reduction without keepdim; unsqueeze it first")
+            if x in self.empty:
+                self.fail(n, f"{x.name} is empty (width 0): only a concatenation may read it")
             return self.val[x]
         if _is_scalar(x):
             return float(x)
@@ -398,6 +403,9 @@ class _Build:
             src = _meta(n.args[0])
             if dim % src.dim() != src.dim() - 1:
                 self.fail(n, "slices a dim other than the last")
+            if _meta(n).shape[-1] == 0:
+                self.empty.add(n)               # nothing to compute; a cat of it is its other parts
+                return None
             w = src.shape[-1]
             start = n.args[2] if len(n.args) > 2 else 0
             stop = n.args[3] if len(n.args) > 3 else w
@@ -418,7 +426,8 @@ class _Build:
             dim = n.args[1] if len(n.args) > 1 else 0
             if dim % m.dim() != m.dim() - 1:
                 self.fail(n, "concatenates along a dim other than the last")
-            return b.cat(*[self.arg(n, a) for a in n.args[0]])
+            parts = [self.arg(n, a) for a in n.args[0] if a not in self.empty]
+            return parts[0] if len(parts) == 1 else b.cat(*parts)
         self.fail(n, "no Vector-program instruction for this op")
 
     def view(self, n):

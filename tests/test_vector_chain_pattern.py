@@ -296,3 +296,37 @@ def test_an_epilogue_whose_rows_cannot_fit_ub_says_what_it_needs():
     (d,) = [d for d in fused.report.decisions if d.pattern == "matmul+layer_norm"]
     assert d.reason_code == "unsupported"
     assert "whole rows of 4096 columns" in d.reason and "B of UB, 262,144 B available" in d.reason
+
+
+def test_phi3_full_rotary_with_an_empty_pass_through_part_is_rope():
+    """Phi-3 rotates ``q[..., :rotary_dim]`` and concatenates ``q[..., rotary_dim:]``, which is empty at full
+    rotary (partial_rotary_factor 1): the empty part is no value of the program (the region was refused whole)."""
+    torch.manual_seed(0)
+    cfg = tf.Phi3Config(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    model = tf.Phi3ForCausalLM(cfg).eval()
+    ids = torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    assert _names(fused.report)["rope"] == 2 * LAYERS, fused.report.summary()
+    _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
+
+
+class EmptyPart(nn.Module):
+    def forward(self, x):
+        return torch.cat([torch.relu(x) * 2, x[..., 32:]], -1) + 1, x[..., 32:] * 3
+
+
+def test_an_empty_slice_read_by_anything_but_a_cat_is_refused_by_name_and_costs_nothing():
+    from autofuse.vector_program import NotExpressible, program_from_nodes
+    from autofuse.capture import capture
+    gm = capture(EmptyPart(), (torch.randn(4, 32),)).graph_module
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    with pytest.raises(NotExpressible, match="empty"):
+        program_from_nodes(nodes)
+    m = EmptyPart()
+    x = torch.randn(4, 32)
+    fused = AutoFusionEngine.fuse(m, (x,))          # the op on the empty slice is priced as no work (it crashed)
+    for g, w in zip(fused(x), m(x)):
+        torch.testing.assert_close(g, w)
+    assert fused.simulate(x).cycles > 0

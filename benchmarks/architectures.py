@@ -1,0 +1,130 @@
+"""Real architectures from transformers configs (tiny sizes, random weights, no download), each through
+``AutoFusionEngine.fuse``: what was fused, by name, the fused model's largest difference from eager, and the
+predicted speed-up of the whole graph against eager op by op and against generic fusion alone (ascend910).
+
+    python benchmarks/architectures.py [--only NAME ...] [--device ascend910]
+
+Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
+in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
+coverage of the spellings, not speed figures (see ``model_speedup.py`` and ``scale.py`` for those).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import traceback
+import warnings
+
+import torch
+
+L = "num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=128&pad_token_id=0"
+KV = L + "&num_key_value_heads=2"
+MOE = "&num_local_experts=8&num_experts_per_tok=2"
+
+#: (row name, transformers spec, attention implementation)
+MODELS = [
+    ("llama", f"LlamaConfig?{KV}", "sdpa"),
+    ("mistral", f"MistralConfig?{KV}", "sdpa"),
+    ("qwen2", f"Qwen2Config?{KV}", "sdpa"),
+    ("qwen3", f"Qwen3Config?{KV}&head_dim=16", "sdpa"),
+    ("gemma", f"GemmaConfig?{KV}&head_dim=16", "sdpa"),
+    ("gemma2 (soft-capping)", f"Gemma2Config?{KV}&head_dim=16", "eager"),
+    ("gemma3", f"Gemma3TextConfig?{KV}&head_dim=16", "sdpa"),
+    ("phi", f"PhiConfig?{L}", "sdpa"),
+    ("phi3", f"Phi3Config?{L}&num_key_value_heads=4", "sdpa"),
+    ("olmo2", f"Olmo2Config?{KV}", "sdpa"),
+    ("cohere", f"CohereConfig?{KV}", "sdpa"),
+    ("granite", f"GraniteConfig?{KV}", "sdpa"),
+    ("glm", f"GlmConfig?{KV}&head_dim=16", "sdpa"),
+    ("stablelm", f"StableLmConfig?{L}&num_key_value_heads=4", "sdpa"),
+    ("starcoder2", f"Starcoder2Config?{KV}", "sdpa"),
+    ("persimmon", f"PersimmonConfig?{L}", "eager"),
+    ("gpt2", "GPT2Config?n_layer=2&n_embd=64&n_head=4&vocab_size=128", "eager"),
+    ("gpt_neox", f"GPTNeoXConfig?{L}", "sdpa"),
+    ("gptj (interleaved RoPE)", "GPTJConfig?n_layer=2&n_embd=64&n_head=4&vocab_size=128&rotary_dim=8", "eager"),
+    ("codegen", "CodeGenConfig?n_layer=2&n_embd=64&n_head=4&vocab_size=128&rotary_dim=8", "eager"),
+    ("falcon (multi-query)", "FalconConfig?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&vocab_size=128",
+     "eager"),
+    ("falcon (ALiBi)", "FalconConfig?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&vocab_size=128"
+     "&alibi=True", "eager"),
+    ("bloom (ALiBi)", "BloomConfig?n_layer=2&hidden_size=64&n_head=4&vocab_size=128", "eager"),
+    ("mpt (ALiBi)", "MptConfig?n_layers=2&d_model=64&n_heads=4&vocab_size=128", "eager"),
+    ("llama4 text (complex RoPE)", f"Llama4TextConfig?{KV}&head_dim=16&num_local_experts=4&num_experts_per_tok=1"
+     "&intermediate_size_mlp=128", "sdpa"),
+    ("mixtral", f"MixtralConfig?{KV}{MOE}", "sdpa"),
+    ("qwen3_moe", f"Qwen3MoeConfig?{KV}&num_experts=8&num_experts_per_tok=2&moe_intermediate_size=32", "sdpa"),
+    ("olmoe", f"OlmoeConfig?{KV}&num_experts=8&num_experts_per_tok=2", "sdpa"),
+    ("granitemoe (top-k first)", f"GraniteMoeConfig?{KV}{MOE}", "sdpa"),
+    ("gpt_oss (top-k first)", f"GptOssConfig?{KV}{MOE}&head_dim=16", "eager"),
+    ("bert", f"BertConfig?{L}", "sdpa"),
+    ("roberta", f"RobertaConfig?{L}", "sdpa"),
+    ("deberta_v2", f"DebertaV2Config?{L}", "eager"),
+    ("electra", f"ElectraConfig?{L}&embedding_size=64", "sdpa"),
+    ("swin", "SwinConfig?depths=[2,2]&num_heads=[2,4]&embed_dim=32&image_size=32&patch_size=4&window_size=4",
+     "eager"),
+    ("beit", "BeitConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+     "&image_size=32&patch_size=8", "eager"),
+    ("siglip vision", "SiglipVisionConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
+     "&num_attention_heads=4&image_size=32&patch_size=8", "eager"),
+]
+
+
+def _main_output(out):
+    for attr in ("logits", "last_hidden_state"):
+        if hasattr(out, attr):
+            return getattr(out, attr)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def run(name, spec, attn, device):
+    from autofuse import AutoFusionEngine
+    from autofuse.models import build_transformers
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn)
+    model.eval()
+    with torch.no_grad():
+        want = _main_output(model(*args, **kwargs))
+    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device)
+    with torch.no_grad():
+        got = _main_output(fused(*args, **kwargs))
+    err = (got.float() - want.float()).abs().max().item()
+    r = fused.report
+    names = collections.Counter(d.pattern for d in r.applied)
+    failed = [d for d in r.decisions if d.reason_code == "verification_failed"]
+    sp = r.speedups()            # the whole graph's predicted cycles against each baseline
+    return dict(err=err, names=names, failed=len(failed), seconds=time.perf_counter() - t0,
+                vs_eager=sp.get("eager op by op", float("nan")), vs_generic=sp.get("generic fusion alone", float("nan")))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="rows whose name starts with one of these")
+    ap.add_argument("--device", default="ascend910")
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import transformers
+    transformers.logging.set_verbosity_error()
+    print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "
+          f"fused blocks by name")
+    bad = 0
+    for name, spec, attn in MODELS:
+        if a.only and not any(name.startswith(o) for o in a.only):
+            continue
+        try:
+            row = run(name, spec, attn, a.device)
+        except Exception as e:  # noqa: BLE001 - a row reports its own failure
+            bad += 1
+            print(f"{name:28} {attn:5} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
+            traceback.print_exc(limit=-3)
+            continue
+        names = ", ".join(f"{k} {v}" for k, v in sorted(row["names"].items(), key=lambda kv: (-kv[1], kv[0])))
+        note = f"  ({row['failed']} not verified)" if row["failed"] else ""
+        print(f"{name:28} {attn:5} {row['err']:16.2e} {row['vs_eager']:7.2f}x {row['vs_generic']:9.2f}x "
+              f"{row['seconds']:6.1f}  {names}{note}", flush=True)
+    print(f"\n{bad} failed")
+
+
+if __name__ == "__main__":
+    main()
