@@ -417,8 +417,13 @@ class _Verifier:
                 # bound's other branch (the mask read) is exercised by the large-magnitude q and k sets
                 roles = {r: p for r, p in roles.items() if not r.startswith("mask")}
             with torch.random.fork_rng():
-                self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles) or _verify.verify_block(
-                    sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand)) + ("",)
+                try:
+                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles) or \
+                        _verify.verify_block(sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand)) + ("",)
+                except Exception as e:  # noqa: BLE001 - a block that cannot be checked is not applied
+                    why = str(e).splitlines()[0][:200] if str(e) else ""
+                    self.done[key] = (False, None, None, "", f"not verified: checking it raised {type(e).__name__}"
+                                                             f"{': ' + why if why else ''}")
             if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
                 self.done[key] = fam.agree(self.done[key], cand.match)
         return self.done[key]

@@ -515,9 +515,9 @@ def _stored_weight(w):
 
 def _lower_moe(node, t, ins):
     """Ops of eager MoE blocks that have kernels of their own: topk (last dim), row gathers (index_select /
-    index on dim 0), row scatter-adds (index_add on dim 0) and transformers' grouped_mm_fallback and its
+    index on dim 0), row scatter-adds (index_add on dim 0), transformers' grouped_mm_fallback and its
     backward (one matmul launch per expert, as they run without a grouped GEMM; the backward's two per
-    expert). None: not one of them."""
+    expert) and torch's ``_grouped_mm`` in its forward form (one grouped launch). None: not one of them."""
     a = node.args
     if t == aten.topk.default:
         x = _meta(a[0])
@@ -536,6 +536,12 @@ def _lower_moe(node, t, ins):
     if t is not None and t == _grouped_mm_fallback():
         w, trans = _stored_weight(a[1])
         return Program([Step("matmul_per_group", (Arg(0), Arg(1), Arg(2)),
+                             {"trans_w": trans, "group_list_type": "cumsum"})], [a[0], w, a[2]])
+    if t == aten._grouped_mm.default and len(a) == 3 and not any(v is not None for v in node.kwargs.values()) \
+            and _meta(a[0]).dim() == 2 and _meta(a[1]).dim() == 3:
+        # torch's grouped GEMM (transformers' bf16 experts): one grouped launch, as CANN's GroupedMatmul
+        w, trans = _stored_weight(a[1])
+        return Program([Step("grouped_matmul", (Arg(0), Arg(1), Arg(2)),
                              {"trans_w": trans, "group_list_type": "cumsum"})], [a[0], w, a[2]])
     if t is not None and t == _grouped_mm_fallback("grouped_mm_fallback_backward"):
         # its loop: per expert, dx_g = dy_g · w_gᵀ and dw_g = x_gᵀ · dy_g, two matmul launches each

@@ -112,7 +112,22 @@ class _F64(_OnCPU):
 
     def call_function(self, target, args, kwargs):
         args, kwargs = torch.utils._pytree.tree_map(lambda a: torch.float64 if a in _LOW else a, (args, kwargs))
+        if target is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float64:
+            return _grouped_mm_f64(*args, **kwargs)          # torch's kernel has no float64
         return super().call_function(target, args, kwargs)
+
+
+def _grouped_mm_f64(x, w, offs=None, bias=None, out_dtype=None):
+    """``aten._grouped_mm`` in its forward form (x [S, K], w [E, K, N], offs the cumulative rows per group) in
+    float64, one matmul per group."""
+    if x.dim() != 2 or w.dim() != 3 or offs is None or bias is not None:
+        raise NotImplementedError("float64 reference of _grouped_mm: only (x [S, K], w [E, K, N], offs)")
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
 
     def get_attr(self, target, args, kwargs):
         return _f64(super().get_attr(target, args, kwargs))

@@ -2,7 +2,7 @@
 ``AutoFusionEngine.fuse``: what was fused, by name, the fused model's largest difference from eager, and the
 predicted speed-up of the whole graph against eager op by op and against generic fusion alone (ascend910).
 
-    python benchmarks/architectures.py [--only NAME ...] [--device ascend910]
+    python benchmarks/architectures.py [--only NAME ...] [--device ascend910] [--dtype bfloat16]
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
@@ -77,12 +77,12 @@ def _main_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def run(name, spec, attn, device):
+def run(name, spec, attn, device, dtype=torch.float32):
     from autofuse import AutoFusionEngine
     from autofuse.models import build_transformers
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn)
+    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn, dtype=dtype)
     model.eval()
     with torch.no_grad():
         want = _main_output(model(*args, **kwargs))
@@ -102,6 +102,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="rows whose name starts with one of these")
     ap.add_argument("--device", default="ascend910")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
@@ -113,7 +114,7 @@ def main():
         if a.only and not any(name.startswith(o) for o in a.only):
             continue
         try:
-            row = run(name, spec, attn, a.device)
+            row = run(name, spec, attn, a.device, getattr(torch, a.dtype))
         except Exception as e:  # noqa: BLE001 - a row reports its own failure
             bad += 1
             print(f"{name:28} {attn:5} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")

@@ -304,6 +304,10 @@ def _decide_softmax(m: dict) -> Match | None:
     if rank >= 3 and not (qs[-3] == ks[-3] * rep == vs[-3] * rep):
         return None
     core = set(sc.nodes) | set(pchain) | {sc.qk, pv}
+    if len({val(q).dtype, val(k).dtype, val(v).dtype}) > 1:
+        # GPT-J and CodeGen upcast q and k to fp32 and leave v in the model's dtype: the kernel takes one dtype
+        return _unsupported(inputs_of(q, k, v), core, pv, q, f"q, k and v of different dtypes ("
+                            f"{', '.join(str(val(t).dtype).replace('torch.', '') for t in (q, k, v))})")
     probs = [n for n in pchain if not _exclusive(n, core)]
     if len(probs) > 1 or any(not _exclusive(n, core) for n in sc.nodes + [sc.qk]):
         return None  # scores consumed outside the block, or probabilities at two points
@@ -421,6 +425,10 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     if probs is not None:
         outputs["probs"] = probs.name
     return Match("attention", tuple(order), anchor.name, inputs, params, outputs)
+
+
+def inputs_of(q, k, v) -> dict:
+    return {"q": q.name, "k": k.name, "v": v.name}
 
 
 def _unsupported(inputs, core, anchor, q, why) -> Match:

@@ -247,10 +247,16 @@ def find_moe_gating(gm: fx.GraphModule) -> list[Match]:
 # ------------------------------------------------------------------------------------------------ experts
 
 def _grouped_mm(n):
-    """transformers' ``grouped_mm_fallback`` (a custom op registered when transformers is imported)."""
+    """transformers' ``grouped_mm_fallback`` (a custom op registered when transformers is imported; fp32 and
+    fp16 weights), or torch's own ``_grouped_mm`` (what transformers calls for bf16 weights), both
+    ``(x [S, K], w [E, K, N], offs)`` with ``offs`` the cumulative rows per expert."""
     t = n.target
-    return n.op == "call_function" and getattr(t, "namespace", None) == "transformers" and \
-        getattr(t, "_opname", None) == "grouped_mm_fallback"
+    if n.op != "call_function":
+        return False
+    if t == aten._grouped_mm.default:
+        return len(n.args) == 3 and not any(v is not None for v in n.kwargs.values()) and \
+            len(shape(n.args[0])) == 2 and len(shape(n.args[1])) == 3
+    return getattr(t, "namespace", None) == "transformers" and getattr(t, "_opname", None) == "grouped_mm_fallback"
 
 
 def _glu(t: Template, up: str) -> Template:

@@ -289,6 +289,25 @@ def test_a_wrong_kernel_is_rejected_by_verification(monkeypatch):
     torch.testing.assert_close(fused(q, k, v), model(q, k, v))
 
 
+def test_a_kernel_that_raises_is_rejected_by_verification_not_fuse(monkeypatch):
+    """A fused call that cannot run on the block's inputs (the check raises) leaves the block as captured, with
+    the error in the report; fuse() itself completes."""
+    q, k, v = _qkv()
+    model = build_variant(AttentionVariant(mask="causal_tril")).eval()
+    real = autofuse.ops.run_kernel
+
+    def raises(name, *a, **kw):
+        if name == "flash_attention":
+            raise TypeError("flash_attention: injected failure")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(autofuse.ops, "run_kernel", raises)
+    fused = AutoFusionEngine.fuse(model, (q, k, v))
+    (d,) = [d for d in fused.report.rejected if d.pattern == "attention"]
+    assert d.reason_code == "verification_failed" and "raised TypeError: flash_attention: injected failure" in d.reason
+    assert not _fused_calls(fused.graph_module)
+    torch.testing.assert_close(fused(q, k, v), model(q, k, v))
+
+
 def test_planning_on_meta_verifies_identical_blocks_once():
     model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=8, meta=True)
     with autofuse.ops.recording() as log:

@@ -92,6 +92,21 @@ def test_every_router_and_experts_block_is_fused(name, impl, attn):
     _assert_within_the_bound_of_float64(model, fused, ids)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_bf16_experts_through_torchs_grouped_mm_are_fused(name):
+    """With bf16 weights transformers calls torch's own ``_grouped_mm`` (not its fallback op): the experts block
+    is the same family (it was left op by op); the float64 check runs it one matmul per group (torch's kernel has
+    no float64); eager prices it as one grouped launch."""
+    model, ids = _build(name, "grouped_mm", "sdpa")
+    model = model.to(torch.bfloat16)
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.of("moe_gating", "moe_experts"))
+    assert codes == {("moe_gating", "fused"): LAYERS, ("moe_experts", "fused"): LAYERS}, fused.report.summary()
+    targets = {str(n.target) for n in fused.graph_module.graph.nodes if n.op == "call_function"}
+    assert "aten._grouped_mm.default" not in targets
+    _assert_within_the_bound_of_float64(model, fused, ids)
+
+
 def test_the_eager_experts_loop_is_named_in_the_capture_error():
     model, ids = _build("mixtral", "eager", "eager")
     with pytest.raises(CaptureError, match="data-dependent"):

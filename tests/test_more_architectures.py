@@ -2,6 +2,8 @@
 through AutoFusionEngine: every attention block fused, verified and equal to eager. Covers GQA and MQA,
 RoPE variants, a relative position bias added to the scores (T5), encoder-decoders with cross-attention
 (T5, BART), encoder-only vision and audio (ViT, Whisper's encoder), and both attention implementations."""
+import copy
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ tf = pytest.importorskip("transformers")
 
 from autofuse import AutoFusionEngine  # noqa: E402
 from conftest import main_output  # noqa: E402
+from autofuse.verify import compare  # noqa: E402
 
 LAYERS = 2
 FUSED_OP = torch.ops.autofuse.flash_attention.default
@@ -217,3 +220,23 @@ def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
     assert grads[0].keys() == grads[1].keys()
     for n in grads[1]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides
+
+
+def test_q_k_and_v_of_different_dtypes_are_reported_not_fused():
+    """GPT-J in bf16 upcasts q and k to fp32 and leaves v in bf16: one kernel dtype cannot say that (fusing it
+    crashed fuse()); the rest of the model still fuses."""
+    torch.manual_seed(0)
+    cfg = tf.GPTJConfig(vocab_size=128, n_layer=LAYERS, n_embd=64, n_head=4, rotary_dim=8, n_positions=64)
+    cfg._attn_implementation = "eager"
+    model, ids = tf.GPTJForCausalLM(cfg).to(torch.bfloat16).eval(), torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    attention = fused.report.of("attention")
+    assert [d.reason_code for d in attention] == ["unsupported"] * LAYERS, fused.report.summary()
+    assert all("different dtypes (float32, float32, bfloat16)" in d.reason for d in attention)
+    assert any("rope" in d.pattern for d in fused.report.applied)
+    with torch.no_grad():
+        got, want = fused(ids, use_cache=False).logits, model(ids, use_cache=False).logits
+        ref = copy.deepcopy(model).double()(ids, use_cache=False).logits
+    assert got.dtype == want.dtype == torch.bfloat16
+    ok, err, tol = compare(want, ref, got)        # the verifier's bound: within twice eager's error of float64
+    assert ok, (err, tol)
