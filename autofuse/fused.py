@@ -93,6 +93,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
     p = match.params
     specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
     specs = [(_as_bnsd(s), d) for s, d in specs]
+    if p.get("v_cast") is not None:                 # v cast up to q's dtype ahead of the kernel
+        specs[2] = (specs[2][0], specs[0][1])
     params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
     if p.get("softcap") is not None:
         params["softcap"] = p["softcap"]
@@ -165,6 +167,10 @@ def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
         first.append(("dropout_gen_mask", keep_mask_price(draw[0], match.params["dropout_p"], device)))
     if skip:                            # the run-time score bound
         first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
+    if match.params.get("v_cast") is not None:      # v cast up to q's dtype (GPT-J's fp32 q and k, bf16 v)
+        vs = _spec(nodes[match.inputs["v"]])
+        first.append(("elementwise", cost_model.estimate("elementwise", [vs], device=device, op="cast",
+                                                         out_dtype=specs[0][1])))
     price = Price(int(e.cycles + sum(x.cycles for _, x in first)), int(e.hbm_bytes + sum(x.hbm_bytes for _, x in first)),
                   [k for k, _ in first] + ["flash_attention"], e.bound, dict(e.tiling or {}), e.workspace_bytes)
     if training:
@@ -233,6 +239,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     p = m.params
     rank = len(p["q_shape"])
     q, k, v = (_to_4d(ins[r]) for r in ("q", "k", "v"))
+    if p.get("v_cast") is not None:
+        v = call(g, aten._to_copy.default, v, dtype=p["v_cast"])
     mask = _mask(g, ins, m, rank)
     kwargs = dict(kwargs)
     skip = kwargs.pop("causal_skip", True)     # the price's choice; without a price (reduced-shape checks): skip
@@ -258,6 +266,9 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     fused.meta["autofuse_match"] = m
     out = g.call_function(operator.getitem, (fused, 0))
     out.meta["val"] = like if like.dim() == 4 else _as_rank4(like)
+    if p.get("v_cast") is not None:         # the kernel ran in q's dtype: its output is in it (cast back below)
+        base = out.meta["val"]
+        out.meta["val"] = base.new_empty_strided(tuple(base.shape), tuple(base.stride()), dtype=p["v_cast"])
     outs = {"out": _adapt(g, out, p["out_like"])}
     if p["probs_used"]:
         probs = g.call_function(operator.getitem, (fused, 1))

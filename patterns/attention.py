@@ -304,10 +304,15 @@ def _decide_softmax(m: dict) -> Match | None:
     if rank >= 3 and not (qs[-3] == ks[-3] * rep == vs[-3] * rep):
         return None
     core = set(sc.nodes) | set(pchain) | {sc.qk, pv}
+    v_cast = None
     if len({val(q).dtype, val(k).dtype, val(v).dtype}) > 1:
-        # GPT-J and CodeGen upcast q and k to fp32 and leave v in the model's dtype: the kernel takes one dtype
-        return _unsupported(inputs_of(q, k, v), core, pv, q, f"q, k and v of different dtypes ("
-                            f"{', '.join(str(val(t).dtype).replace('torch.', '') for t in (q, k, v))})")
+        # GPT-J and CodeGen upcast q and k to fp32 and leave v in the model's dtype: the kernel takes one dtype, so
+        # v is cast up to q's first (an exact widening; eager's P·V in v's dtype is the less precise side)
+        widening = val(q).dtype == val(k).dtype == torch.float32 and val(v).dtype in (torch.float16, torch.bfloat16)
+        if not widening:
+            return _unsupported(inputs_of(q, k, v), core, pv, q, f"q, k and v of different dtypes ("
+                                f"{', '.join(str(val(t).dtype).replace('torch.', '') for t in (q, k, v))})")
+        v_cast = val(q).dtype
     probs = [n for n in pchain if not _exclusive(n, core)]
     if len(probs) > 1 or any(not _exclusive(n, core) for n in sc.nodes + [sc.qk]):
         return None  # scores consumed outside the block, or probabilities at two points
@@ -318,8 +323,11 @@ def _decide_softmax(m: dict) -> Match | None:
     if sc.scale_tensor is not None:
         inputs["scale_tensor"] = sc.scale_tensor.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
-    return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last)
+    m = _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
+                probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last)
+    if v_cast is not None and "unsupported" not in m.params:
+        m.params["v_cast"] = v_cast
+    return m
 
 
 def _dropout_after(x):
