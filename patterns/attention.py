@@ -36,7 +36,8 @@ k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale; anything bet
 P·V other than casts (in-place edits of the probabilities are functionalised into such ops);
 a scores/probability node consumed outside the block, except the probabilities themselves
 (``probs_used``); two dropouts on the probabilities; matmul operands that broadcast batch dims (except one k/v
-head broadcast over the query heads: multi-query attention, Falcon's eager spelling).
+head broadcast over the query heads: multi-query attention, Falcon's eager spelling); q and k of another dtype
+than v unless q and k are fp32 and v narrower (GPT-J in bf16: v is cast up, ``params["v_cast"]``).
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
