@@ -233,6 +233,20 @@ def write_out(dev, tile_bytes, acc_bytes, hbm):
     return acc_bytes / rates["L0C->UB"], np.maximum(tile_bytes / rates["UB->GM"], hbm)
 
 
+def _k_split(dev, dtype, K, k0, k1):
+    """K split into chunks of k1 and slices of k0 (every chunk but the last a full one): ``(chunks of k1, the
+    k0 slice widths in order, Cube fractal steps over K, per chunk (its share of K, its share of the fractal
+    steps, its slices))``."""
+    nk1 = ceil_div(K, k1)
+    k0f = dev.cube_k0[dtype]
+    chunk_w = [k1, K - (nk1 - 1) * k1]                    # a full chunk, the last one
+    chunk_sl = [[min(k0, w - x) for x in range(0, w, k0)] for w in chunk_w]
+    widths = chunk_sl[0] * (nk1 - 1) + chunk_sl[1]
+    kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
+    full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
+    return nk1, widths, kfr, [full] * (nk1 - 1) + [last]
+
+
 def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz, epi=None):
     """The launch's (core cycles, HBM bytes, bytes per path, busy per unit).
 
@@ -300,13 +314,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     else:
         bias_hit = bias_miss = np.zeros(S)
 
-    # K split into chunks of k1 and slices of k0: every chunk but the last is a full one
-    nk1 = ceil_div(K, k1)
-    k0f = dev.cube_k0[dtype]
-    chunk_w = [k1, K - (nk1 - 1) * k1]                    # a full chunk, the last one
-    chunk_sl = [[min(k0, w - x) for x in range(0, w, k0)] for w in chunk_w]
-    widths = chunk_sl[0] * (nk1 - 1) + chunk_sl[1]
-    kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
+    nk1, widths, kfr, chunks = _k_split(dev, dtype, K, k0, k1)
     rates = dev.rates
 
     def port(hit, miss):          # byte counts are never negative: a zero count takes 0.0 cycles
@@ -345,8 +353,6 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     edge_prev = pw_prev if ep is None or "PW_edge" not in ep else np.concatenate([[0.0], ep["PW_edge"][:-1]])
     move1 = (m_al * widths[0] * isz / rates["L1->L0A"]
              + widths[0] * n_al * isz / rates["L1->L0B"])
-    full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
-    chunks = [full] * (nk1 - 1) + [last]
     # only where the Cube leads; where loads lead, the store's port time is in the port sum below
     cube_leads = mte2 < cube_chain
     if cube_leads[1:].any():      # the first step has no previous store: it never stalls
@@ -440,12 +446,7 @@ def _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, 
     m_s, n_s = float(m_s), float(n_s)
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
 
-    nk1 = ceil_div(K, k1)
-    k0f = dev.cube_k0[dtype]
-    chunk_w = [k1, K - (nk1 - 1) * k1]                    # a full chunk, the last one
-    chunk_sl = [[min(k0, w - x) for x in range(0, w, k0)] for w in chunk_w]
-    widths = chunk_sl[0] * (nk1 - 1) + chunk_sl[1]
-    kfr = sum(ceil_div(w, k0f) for w in chunk_sl[0]) * (nk1 - 1) + sum(ceil_div(w, k0f) for w in chunk_sl[1])
+    nk1, widths, kfr, chunks = _k_split(dev, dtype, K, k0, k1)
     rates = dev.rates
 
     PA, PB = A_hit / L2bw + A_miss / HBMbw, B_hit / L2bw + B_miss / HBMbw
@@ -469,8 +470,6 @@ def _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, 
     cube_done = cube + 0.0 if nc == 1 else cube
     move1 = (m_al * widths[0] * isz / rates["L1->L0A"]
              + widths[0] * n_al * isz / rates["L1->L0B"])
-    full, last = ((w / K, sum(ceil_div(v, k0f) for v in sl) / kfr, len(sl)) for w, sl in zip(chunk_w, chunk_sl))
-    chunks = [full] * (nk1 - 1) + [last]
     loads = max(mte2, PA + PB + Pbias + 0.0)
     main = max(loads, cube_done, mte1, scalar)
     first_k = min(k1, K) / K
