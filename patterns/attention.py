@@ -305,15 +305,6 @@ def _decide_softmax(m: dict) -> Match | None:
     if rank >= 3 and not (qs[-3] == ks[-3] * rep == vs[-3] * rep):
         return None
     core = set(sc.nodes) | set(pchain) | {sc.qk, pv}
-    v_cast = None
-    if len({val(q).dtype, val(k).dtype, val(v).dtype}) > 1:
-        # GPT-J and CodeGen upcast q and k to fp32 and leave v in the model's dtype: the kernel takes one dtype, so
-        # v is cast up to q's first (an exact widening; eager's P·V in v's dtype is the less precise side)
-        widening = val(q).dtype == val(k).dtype == torch.float32 and val(v).dtype in (torch.float16, torch.bfloat16)
-        if not widening:
-            return _unsupported(inputs_of(q, k, v), core, pv, q, f"q, k and v of different dtypes ("
-                                f"{', '.join(str(val(t).dtype).replace('torch.', '') for t in (q, k, v))})")
-        v_cast = val(q).dtype
     probs = [n for n in pchain if not _exclusive(n, core)]
     if len(probs) > 1 or any(not _exclusive(n, core) for n in sc.nodes + [sc.qk]):
         return None  # scores consumed outside the block, or probabilities at two points
@@ -321,14 +312,20 @@ def _decide_softmax(m: dict) -> Match | None:
         return None  # the probabilities feed another matmul too
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
     inputs = {"q": q.name, "k": k.name, "v": v.name}
+    v_cast = None
+    if len({val(q).dtype, val(k).dtype, val(v).dtype}) > 1:
+        # GPT-J and CodeGen upcast q and k to fp32 and leave v in the model's dtype: the kernel takes one dtype, so
+        # v is cast up to q's first (an exact widening; eager's P·V in v's dtype is the less precise side)
+        widening = val(q).dtype == val(k).dtype == torch.float32 and val(v).dtype in (torch.float16, torch.bfloat16)
+        if not widening:
+            return _unsupported(inputs, core, pv, q, f"q, k and v of different dtypes ("
+                                f"{', '.join(str(val(t).dtype).replace('torch.', '') for t in (q, k, v))})")
+        v_cast = val(q).dtype
     if sc.scale_tensor is not None:
         inputs["scale_tensor"] = sc.scale_tensor.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
-    m = _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last)
-    if v_cast is not None and "unsupported" not in m.params:
-        m.params["v_cast"] = v_cast
-    return m
+    return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
+                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast)
 
 
 def _dropout_after(x):
@@ -377,7 +374,7 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
-            draw=None, softcap=None, fill_last=False) -> Match:
+            draw=None, softcap=None, fill_last=False, v_cast=None) -> Match:
     qs, ks = shape(q), shape(k)
     guards, terms, causal_fill, guarded = [], [], -math.inf, None
     for m, kind, factor, fill in masks:
@@ -423,7 +420,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
-        dropout_draw=draw, softcap=softcap, fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
+        dropout_draw=draw, softcap=softcap, v_cast=v_cast, fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
         causal_value=None if guarded is None else float(guarded),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
@@ -434,10 +431,6 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     if probs is not None:
         outputs["probs"] = probs.name
     return Match("attention", tuple(order), anchor.name, inputs, params, outputs)
-
-
-def inputs_of(q, k, v) -> dict:
-    return {"q": q.name, "k": k.name, "v": v.name}
 
 
 def _unsupported(inputs, core, anchor, q, why) -> Match:
