@@ -141,19 +141,25 @@ def _decide_topk_first(m: dict) -> Match | None:
     if "flat" in m and "scale" not in m:
         return None                # a bare view ends the block before it
     weights = next(m[n] for n in ("cast", "scale", "flat", "norm") if n in m)
-    block = [n for n in m.values()]
+    return _gating_match(m, x, topk, idx, weights, {"x": x.name}, k=int(topk.args[1]), norm="topk_softmax",
+                         renorm=False, eps=0.0, routed_scaling_factor=float(m["scale"].args[1]) if "scale" in m
+                         else 1.0, n_group=1, topk_group=1)
+
+
+def _gating_match(m: dict, x, topk, idx, weights, inputs: dict, **kernel) -> Match | None:
+    """A router's Match: no intermediate of the block read outside it; ``kernel``: the op's semantics (k, norm,
+    renorm, eps, routed_scaling_factor, n_group, topk_group), the shapes and dtypes added here."""
+    block = list(m.values())
     inside = set(block)
     for n in block:                # intermediates consumed outside the block cannot be fused away
-        if n not in (weights, idx) and any(u not in inside for u in n.users):
+        if n not in (weights, idx) and n.all_input_nodes and any(u not in inside for u in n.users):
             return None
     E = shape(x)[-1]
-    params = dict(k=int(topk.args[1]), norm="topk_softmax", renorm=False, eps=0.0,
-                  routed_scaling_factor=float(m["scale"].args[1]) if "scale" in m else 1.0, n_group=1, topk_group=1,
-                  group_score="top2", num_experts=E, tokens=int(val(x).numel() // E), weights_like=val(weights),
-                  indices_like=val(idx), x_shape=shape(x), dtype=val(x).dtype,
+    params = dict(kernel, group_score="top2", num_experts=E, tokens=int(val(x).numel() // E),
+                  weights_like=val(weights), indices_like=val(idx), x_shape=shape(x), dtype=val(x).dtype,
                   sorted=bool(arg(topk, 4, "sorted", True)))
     order = [n.name for n in x.graph.nodes if n in inside]
-    return Match("moe_gating", tuple(order), weights.name, {"x": x.name}, params,
+    return Match("moe_gating", tuple(order), weights.name, inputs, params,
                  {"weights": weights.name, "indices": idx.name})
 
 
@@ -213,22 +219,12 @@ def _decide_gating(m: dict) -> Match | None:
         eps = float(m["reps"].args[1]) if "reps" in m else 0.0
     if "scale" in m:
         scale = float(m["scale"].args[1])
-    weights = _chain_end(m, "w")
-    block = [n for name, n in m.items() if name not in ("weights",)]
-    inside = set(block)
-    for n in block:                # intermediates consumed outside the block cannot be fused away
-        if n not in (weights, idx) and n.all_input_nodes and any(u not in inside for u in n.users):
-            return None
-    order = [n.name for n in norm.graph.nodes if n in inside]
     inputs = {"x": x.name}
     if bias is not None:
         inputs["bias"] = bias.name
-    params = dict(k=k, norm="softmax" if norm.target == aten.softmax.int else "sigmoid", renorm=renorm, eps=eps,
-                  routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group, group_score="top2",
-                  num_experts=E, tokens=int(val(x).numel() // E), weights_like=val(weights), indices_like=val(idx),
-                  x_shape=shape(x), dtype=val(x).dtype, sorted=bool(arg(topk, 4, "sorted", True)))
-    return Match("moe_gating", tuple(order), weights.name, inputs, params,
-                 {"weights": weights.name, "indices": idx.name})
+    return _gating_match(m, x, topk, idx, _chain_end(m, "w"), inputs, k=k,
+                         norm="softmax" if norm.target == aten.softmax.int else "sigmoid", renorm=renorm, eps=eps,
+                         routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group)
 
 
 @register("moe_gating")
