@@ -288,9 +288,11 @@ def _halves(x1, x2):
         if n.target == aten.slice.Tensor:
             src = n.args[0]
             w = shape(src)[-1]
-            if n.args[1] % len(shape(src)) != len(shape(src)) - 1 or w % 2 or (n.args[4] if len(n.args) > 4 else 1) != 1:
+            dim = n.args[1] if len(n.args) > 1 else 0
+            start, stop, step = slice(*(n.args[i] if len(n.args) > i else None for i in (2, 3, 4))).indices(w)
+            if dim % len(shape(src)) != len(shape(src)) - 1 or w % 2 or step != 1:
                 return None
-            span = (n.args[2] or 0, min(n.args[3], w))
+            span = (start, stop)
             return (src, 0) if span == (0, w // 2) else (src, 1) if span == (w // 2, w) else None
         return None
     a, b = part(x1), part(x2)

@@ -330,3 +330,19 @@ def test_an_empty_slice_read_by_anything_but_a_cat_is_refused_by_name_and_costs_
     for g, w in zip(fused(x), m(x)):
         torch.testing.assert_close(g, w)
     assert fused.simulate(x).cycles > 0
+
+
+def test_halves_read_slices_with_their_defaults():
+    """A slice node may leave its end (and step) out: the per-half RoPE check reads them as defaults (indexing
+    them raised IndexError inside the naming pass)."""
+    import torch.fx as fx
+    from patterns.vector_chain import _halves
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2, 8)
+    first = g.call_function(aten.slice.Tensor, (x, -1, 0, 4))
+    second = g.call_function(aten.slice.Tensor, (x, -1, 4))                     # end left out
+    second_full = g.call_function(aten.slice.Tensor, (x, 1, 4, 2 ** 63 - 1))
+    assert _halves(first, second) is x and _halves(first, second_full) is x
+    assert _halves(second, first) is None                                       # the halves' order matters
