@@ -248,17 +248,30 @@ ROPE = (Template("rope", anchor="add")
         .edge("cos_mul", "add").edge("sin_mul", "add"))
 
 
+def _last_dim_slice(n):
+    """``(source, start, stop, step)`` of a slice of its source's last dim (its arguments' defaults filled in and
+    resolved against the width), or None for anything else."""
+    if not isinstance(n, fx.Node) or n.target != aten.slice.Tensor:
+        return None
+    src = n.args[0]
+    rank = len(shape(src))
+    if (n.args[1] if len(n.args) > 1 else 0) % rank != rank - 1:
+        return None
+    return (src, *slice(*(n.args[i] if len(n.args) > i else None for i in (2, 3, 4))).indices(shape(src)[-1]))
+
+
 def _rope(m) -> bool:
     """x·cos + cat(−x[..., h:], x[..., :h])·sin with the slices of the same x, at half its last dim, x also
     the factor of cos."""
-    hi, lo = m["hi"], m["lo"]
-    x = hi.args[0]
-    if lo.args[0] is not x or x not in m["cos_mul"].args:
+    hi, lo = _last_dim_slice(m["hi"]), _last_dim_slice(m["lo"])
+    if hi is None or lo is None:
+        return False
+    x = hi[0]
+    if lo[0] is not x or x not in m["cos_mul"].args:
         return False
     w = shape(x)[-1]
     h = w // 2
-    last = lambda s: s.args[1] % len(shape(x)) == len(shape(x)) - 1  # noqa: E731
-    return last(hi) and last(lo) and w % 2 == 0 and tuple(lo.args[2:4]) == (0, h) and hi.args[2] == h
+    return w % 2 == 0 and lo[1:3] == (0, h) and hi[1] == h
 
 
 # the rotation written per half (GPT-OSS): cat(x₁·cos − x₂·sin, x₂·cos + x₁·sin), cos and sin half as wide
@@ -276,6 +289,13 @@ def _halves(x1, x2):
     def part(n):
         if not isinstance(n, fx.Node):
             return None
+        sl = _last_dim_slice(n)
+        if sl is not None:
+            src, start, stop, step = sl
+            w = shape(src)[-1]
+            if w % 2 or step != 1:
+                return None
+            return (src, 0) if (start, stop) == (0, w // 2) else (src, 1) if (start, stop) == (w // 2, w) else None
         if n.target == operator.getitem and n.args[0].target in (aten.split.Tensor, aten.split_with_sizes.default):
             sp = n.args[0]
             src = sp.args[0]
@@ -285,15 +305,6 @@ def _halves(x1, x2):
             if dim % len(shape(src)) != len(shape(src)) - 1 or w % 2 or list(sizes[:2]) != [w // 2, w // 2]:
                 return None
             return src, n.args[1]
-        if n.target == aten.slice.Tensor:
-            src = n.args[0]
-            w = shape(src)[-1]
-            dim = n.args[1] if len(n.args) > 1 else 0
-            start, stop, step = slice(*(n.args[i] if len(n.args) > i else None for i in (2, 3, 4))).indices(w)
-            if dim % len(shape(src)) != len(shape(src)) - 1 or w % 2 or step != 1:
-                return None
-            span = (start, stop)
-            return (src, 0) if span == (0, w // 2) else (src, 1) if span == (w // 2, w) else None
         return None
     a, b = part(x1), part(x2)
     return a[0] if a and b and a[0] is b[0] and (a[1], b[1]) == (0, 1) else None
@@ -374,11 +385,10 @@ def _interleaved_rope(stack: fx.Node, inside: set) -> bool:
     parts = stack.args[0]
     if len(parts) != 2 or parts[0].target != aten.neg.default:
         return False
-    odd, even = parts[0].args[0], parts[1]
-    if not (odd.target == aten.slice.Tensor and even.target == aten.slice.Tensor and odd.args[0] is even.args[0]):
+    odd, even = _last_dim_slice(parts[0].args[0]), _last_dim_slice(parts[1])
+    if odd is None or even is None or odd[0] is not even[0]:
         return False
-    step = lambda s: s.args[4] if len(s.args) > 4 else 1  # noqa: E731
-    return odd.args[2] == 1 and step(odd) == 2 and (even.args[2] or 0) == 0 and step(even) == 2
+    return odd[1] == 1 and odd[3] == 2 and even[1] == 0 and even[3] == 2
 
 
 def region_name(nodes: list, matmul: bool = False) -> str:
