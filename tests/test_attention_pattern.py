@@ -451,3 +451,22 @@ def test_near_miss_additive_mask_then_a_fill_that_does_not_absorb():
     q, k, v = _args(AttentionVariant())
     bias = torch.randn(1, N, 1, S)
     assert find_attention(canonicalize(capture(AddThenFill(-1e4), (q, k, v, bias)).graph_module)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_alibi_and_fill_last_forms_in_low_precision(ref_op, dtype):
+    """BLOOM's baddbmm bias in bf16 and fp16, and MPT's bias-then-fill in bf16 (its finfo.min absorbs a score;
+    fp16's -65504 does not, so that form is left unmatched there): within the verifier's bound of float64."""
+    q, k, v = (t.to(dtype) for t in _args(AttentionVariant()))
+    slopes = 2.0 ** -torch.arange(1, N + 1, dtype=torch.float32)
+    alibi = (slopes[:, None] * torch.arange(S)[None, :]).repeat(B, 1)[:, None, :].to(dtype)
+    mask = torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
+                                                            torch.finfo(dtype).min)
+    cases = [(Alibi(), (q, k, v, alibi, mask), True),
+             (AddThenFill(), (q, k, v, alibi.reshape(B, N, 1, S)[:1]), dtype == torch.bfloat16)]
+    for module, args, matched in cases:
+        cap, gm, matches, fused = _fuse(module, args, ref_op)
+        assert len(matches) == int(matched), gm.code
+        got = cap.unflatten_outputs(fused(*cap.flatten_inputs(*args)))
+        ok, err, tol = compare(module(*args), module(*(t.double() for t in args)), got)
+        assert ok, (type(module).__name__, err, tol)
