@@ -18,7 +18,7 @@ Canonical spellings (what patterns may assume):
   chained scalars fold, and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
   moves to the matmul output
 * softmax -> ``aten.softmax.int(x, dim<0)`` (function/method/module, ``_softmax``, ``_safe_softmax``,
-  ``exp(x - max) / sum``, ``exp(x - logsumexp)``, ``exp(log_softmax)``); a ``dtype=`` argument
+  ``exp(x - max) / sum``, ``exp(x - logsumexp)``, ``exp(log_softmax)``, ``softmax(x - max)``); a ``dtype=`` argument
   becomes an explicit cast
 * one-element constants (``torch.sqrt(torch.tensor(d))``, real 0-d buffers) become Python scalars
 * batch-dim reshapes around a matmul (heads folded into the batch for ``bmm``) move to its operands,
@@ -528,6 +528,21 @@ def _softmax_decomposed(n):
     return call(n.graph, aten.softmax.int, ex[0], sd[1])
 
 
+def _softmax_shifted(n):
+    """softmax(x - rowmax(x, d), d) -> softmax(x, d): a softmax subtracts its row's max itself (GPT-OSS subtracts
+    it first "to prevent overflow"); in the input's dtype the two compute the same ``x - max``. Not for the safe
+    softmax (a row of ``-inf`` becomes NaN by the subtraction there)."""
+    y, d = n.args[0], n.args[1]
+    if n.meta.get("autofuse_safe_softmax") or len(n.args) != 2 or n.kwargs:
+        return None
+    if not (is_call(y, aten.sub.Tensor) and not y.kwargs and isinstance(y.args[1], fx.Node)):
+        return None
+    xm = _row_max(y.args[1])
+    if xm and xm[0] is y.args[0] and xm[1] == d:
+        return call(n.graph, aten.softmax.int, y.args[0], d)
+    return None
+
+
 def _softmax_from_logsumexp(n):
     y = n.args[0]
     if not (is_call(y, aten.sub.Tensor) and isinstance(y.args[1], fx.Node)):
@@ -761,6 +776,7 @@ RULES = [
       aten.unsqueeze.default, aten.squeeze.dim, aten.repeat_interleave.self_int}, _view_scale),  # scalars sink through views
     ({aten.softmax.int}, _softmax_int),  # dtype= is a cast; dims counted from the end
     ({aten._softmax.default, aten._safe_softmax.default}, _softmax_private),  # one softmax spelling
+    ({aten.softmax.int}, _softmax_shifted),  # softmax(x - max(x)) is softmax(x)
     ({aten.exp.default}, _softmax_from_logsumexp),  # exp(x - logsumexp(x)) is softmax
     ({aten.exp.default}, _exp_log_softmax),  # exp(log_softmax(x)) is softmax
     ({aten.unsqueeze.default}, _keepdim),  # reduce-then-unsqueeze is reduce(keepdim=True)

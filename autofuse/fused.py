@@ -98,6 +98,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
     params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
     if p.get("softcap") is not None:
         params["softcap"] = p["softcap"]
+    if "sinks" in match.inputs:                     # one sink logit per query head, as the op passes them
+        params["sinks"] = ((specs[0][0][1],), _spec(nodes[match.inputs["sinks"]])[1])
     terms = p.get("mask_terms") or ()
     if skip:
         params["causal"] = True
@@ -117,7 +119,7 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
     return specs, params
 
 
-def kernel_default_tiling(device: str, specs, mask, drop: bool = False) -> dict:
+def kernel_default_tiling(device: str, specs, mask, drop: bool = False, sink: bool = False) -> dict:
     """The tiling the flash_attention kernel picks by itself for these shapes (what it runs with ``tiling=None``)."""
     from autofuse.npu.kernels.flash_attention import default_tiling
     (qs, dtype), (ks, _), (vs, _) = specs
@@ -125,7 +127,7 @@ def kernel_default_tiling(device: str, specs, mask, drop: bool = False) -> dict:
     if mask is not None:
         m4 = _as_bnsd(mask[0])
         mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
-    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3], drop)
+    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3], drop, sink)
 
 
 def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Price:
@@ -159,7 +161,8 @@ def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
     if training:
         params["return_stats"] = True
     if not search_tiling:
-        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"), "drop_mask" in params)
+        params["tiling"] = kernel_default_tiling(device, specs, params.get("mask"), "drop_mask" in params,
+                                                 "sinks" in params)
     e = cost_model.estimate("flash_attention", specs, device=device, **params)
     first = []                          # launches ahead of the attention kernel: (kernel, estimate)
     draw = match.params.get("dropout_draw")
@@ -257,6 +260,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["mask_keeps_nan"] = True
     if "scale_tensor" in ins:
         kw["scale_tensor"] = ins["scale_tensor"]
+    if "sinks" in ins:
+        kw["sinks"] = ins["sinks"]
     if p.get("dropout_draw") is not None:
         kw["drop_mask"], kw["dropout_p"] = _keep_mask(g, ins, m, kwargs.get("device", "ascend910"), q), p["dropout_p"]
     like = p["out_like"]

@@ -93,13 +93,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      empty_rows: str = "zero", scale_tensor: Optional[torch.Tensor] = None,
                      out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
                      causal_value: Optional[float] = None, drop_mask: Optional[torch.Tensor] = None,
-                     dropout_p: float = 0.0, return_stats: bool = False, softcap: Optional[float] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     dropout_p: float = 0.0, return_stats: bool = False, softcap: Optional[float] = None,
+                     sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
               mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap)
+    if sinks is not None:
+        kw["sinks"] = _sinks(sinks, q)
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask is not None:
@@ -118,6 +120,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
     stats = _to_torch(np.stack(r.outputs[-2:]), torch.float32) if return_stats else _no_stats(q)
     return out, probs, stats
+
+
+def _sinks(sinks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The sink logits as the kernel takes them: one per query head, ``[N]`` (a single shared logit is expanded)."""
+    n = q.shape[1]
+    if sinks.numel() not in (1, n):
+        raise ValueError(f"flash_attention: sinks has {sinks.numel()} values; give one sink logit per query head "
+                         f"({n}) or one for all")
+    return sinks.detach().reshape(-1).expand(n).contiguous()
 
 
 def _no_stats(q):
@@ -175,13 +186,15 @@ def _effective_scale(q, scale, scale_tensor):
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
-                              drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, **_):
+                              drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
     NaN; NaN inputs propagate; ``drop_mask`` zeroes the dropped probabilities and scales the kept ones by
     ``1 / (1 - dropout_p)``; ``return_stats``: the rows' fp32 max and sum of ``exp(score - max)`` (before
-    dropout; ``-inf`` and 0 for a row with no key to attend), stacked ``[2, B, N, Sq]``. Used where only the values are needed (repeated launches in
+    dropout; ``-inf`` and 0 for a row with no key to attend), stacked ``[2, B, N, Sq]``; ``sinks`` (one logit per
+    query head): a score of its own in every row's softmax, attending no value (in the max and the sum). Used where
+    only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` may require grad (its gradient is the temperature's)."""
     rep = q.shape[1] // k.shape[1]
@@ -199,10 +212,15 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
             s = s.masked_fill(~mask & ~s.isnan() if mask_keeps_nan else ~mask, _fill(fill))
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().reshape(-1).expand(s.shape[1]).reshape(1, -1, 1, 1).expand(
+            *s.shape[:-1], 1)], -1)
     m = s.amax(-1, keepdim=True)
     empty = torch.isneginf(m)
     e = torch.exp(s - torch.where(empty, 0.0, m))
     total = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        e = e[..., :-1]                     # the sink's weight is in the sum; it attends no value
     p = e / torch.where(total == 0, 1.0, total)
     p = torch.where(total == 0, 0.0 if empty_rows == "zero" else float("nan"), p)
     pv = p.to(q.dtype).float()
@@ -219,7 +237,7 @@ REFERENCES["flash_attention"] = reference_flash_attention
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
-      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None):
+      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -228,10 +246,10 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap = inputs
+        _, softcap, sinks = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
-    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2])
+    ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
     ctx.mark_non_differentiable(output[2])
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
     ctx.dropout_p, ctx.device, ctx.keeps_nan, ctx.softcap = dp, device, keeps_nan, softcap
@@ -249,9 +267,10 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     filling -inf give the same P, so the same gradients; a NaN score (NaN in q or k) makes the forward's row
     NaN, and the kernel's gradients are NaN where that row's dS reaches (its dq row, the dk and dv of the keys
     it attends), which need not be every place eager's SDPA backward puts NaN."""
-    q, k, v, mask, scale_t, drop, out, stats = ctx.saved_tensors
+    q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
     host = (ctx.softcap is not None                # the backward kernel has no soft-capping: recomputed here
+            or sinks is not None                   # nor attention sinks
             or (scale_t is not None and need[11])
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
@@ -262,28 +281,31 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
             ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
-        return tuple(res) + (None,) * 16
+        return tuple(res) + (None,) * 17
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
         if mask is not None and mask.is_floating_point():
             m = mask.detach().float().requires_grad_(bool(need[3]))
         st = None if scale_t is None else scale_t.detach().float().requires_grad_(bool(need[11]))
+        sk = None if sinks is None else sinks.detach().float().requires_grad_(bool(need[19]))
         out, probs, _ = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
                                                return_probs=ctx.return_probs, fill=ctx.fill,
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
-                                               dropout_p=ctx.dropout_p, softcap=ctx.softcap)
+                                               dropout_p=ctx.dropout_p, softcap=ctx.softcap, sinks=sk)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
             grads.append(grad_probs.float())
-        wrt = [t for t in leaves + [m, st] if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrt = [t for t in leaves + [m, st, sk] if isinstance(t, torch.Tensor) and t.requires_grad]
         got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True)) if wrt else iter(())
     res = [next(got).to(orig.dtype) if leaf.requires_grad else None for orig, leaf in zip((q, k, v), leaves)]
     gm = next(got) if (m is not None and m is not mask and m.requires_grad) else None
     res.append(None if gm is None else gm.to(mask.dtype))
     gs = next(got) if (st is not None and st.requires_grad) else None
-    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7
+    gk = next(got) if (sk is not None and sk.requires_grad) else None
+    return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
+        (None if gk is None else gk.to(sinks.dtype),)
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -291,7 +313,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
-                    dropout_p=0.0, return_stats=False, softcap=None):
+                    dropout_p=0.0, return_stats=False, softcap=None, sinks=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -305,7 +327,9 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. ``return_stats``: the forward
     also writes each row's softmax max and sum, and its backward reads them instead of recomputing them.
     ``softcap``: the scaled scores become ``softcap · tanh(s / softcap)`` before the mask (Gemma 2); the
-    backward then recomputes on the host. Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    backward then recomputes on the host. ``sinks``: attention sinks, one learnable logit per query head ``[N]``
+    (GPT-OSS), a score of its own in each row's softmax that attends no value; read at call time and
+    differentiated (the backward then recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -316,7 +340,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         empty_rows=empty_rows, scale_tensor=scale_tensor,
                                                         causal_value=causal_value, drop_mask=drop_mask,
                                                         dropout_p=float(dropout_p), return_stats=return_stats,
-                                                        softcap=None if softcap is None else float(softcap))
+                                                        softcap=None if softcap is None else float(softcap),
+                                                        sinks=sinks)
     return (out, probs) if return_probs else out
 
 

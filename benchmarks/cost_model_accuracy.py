@@ -324,6 +324,15 @@ def _fa_cases(quick: bool):
         kv = ((qs[0], nkv, *qs[2:]), dt)
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(qs, dt), kv, kv], d, {"causal": causal, "softcap": 50.0}))
+    # attention sinks (GPT-OSS: head dim 64, GQA, a sink logit per query head)
+    sinks = [((2, 8, 129, 64), 2, False, "float32")]
+    if not quick:
+        sinks += [((1, 64, 2048, 64), 8, True, "bfloat16"), ((4, 16, 512, 64), 4, True, "float16")]
+    for i, (qs, nkv, causal, dt) in enumerate(sinks):
+        kv = ((qs[0], nkv, *qs[2:]), dt)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(qs, dt), kv, kv], d, {"causal": causal},
+                            {"sinks": ((qs[1],), dt)}))
     # the score bound launched before a causal skip over a finite-valued mask (q and k; GQA: fewer k rows)
     bounds = [((8, 12, 1024, 64), (8, 12, 1024, 64), "float16"), ((1, 2, 77, 64), (1, 1, 80, 64), "float32")]
     if not quick:

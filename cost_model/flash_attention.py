@@ -40,7 +40,7 @@ def _r16(x):
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False):
+def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False, sink=False):
     q, kv, vq = t["q"], t["kv"], t["vq"]
     split = dev.arch == "split"
     rows = q // 2 if split else q
@@ -53,6 +53,8 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False):
     req += [("vec", "UB", "pv", (rows, Dv), F32, 1, 1), ("vec", "UB", "o", (rows, Dv), F32, 1, 1),
             ("vec", "UB", "out", (_out_rows(vq), Dv), dtype, 1, 2)]
     req += [("vec", "UB", st, (rows,), F32, 2, 2) for st in ("m", "l", "alpha")]
+    if sink:
+        req.append(("vec", "UB", "sink", (SINK_TILE,), F32, 1, 1))
     q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
         [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
     req += [("cube", "L1", "q1", (q, D), dtype, 1, 1), ("cube", "L1", "kt1", (D, kv), dtype, 1, 2),
@@ -120,17 +122,17 @@ def _counts(dev, req):
 
 
 @cached
-def _tile_counts(device, D, Dv, dtype, q, kv, vq, mask_spec, drop):
+def _tile_counts(device, D, Dv, dtype, q, kv, vq, mask_spec, drop, sink=False):
     """:func:`_counts` of tile ``(q, kv, vq)`` as (name, count) pairs, or None: the default and the candidates
     of every shape with these head dims try the same tiles, so they are counted once."""
     dev = get_device(device)
-    c = _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv, "vq": vq}, mask_spec, drop))
+    c = _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv, "vq": vq}, mask_spec, drop, sink))
     return None if c is None else tuple(c.items())
 
 
-def _granted(dev, D, Dv, dtype, t, mask_spec, drop):
+def _granted(dev, D, Dv, dtype, t, mask_spec, drop, sink=False):
     """:func:`_counts` of tiling ``t`` (from :func:`_tile_counts`), a fresh dict the caller may keep."""
-    c = _tile_counts(dev.name, D, Dv, dtype, t["q"], t["kv"], t["vq"], mask_spec, bool(drop))
+    c = _tile_counts(dev.name, D, Dv, dtype, t["q"], t["kv"], t["vq"], mask_spec, bool(drop), bool(sink))
     return None if c is None else dict(c)
 
 
@@ -145,15 +147,17 @@ DEFAULT_MARGIN = 0.05
 #: Vector passes of logit soft-capping per score: muls 1/c, an fp32 tanh (six passes: muls 2, exp, adds 1,
 #: reciprocal, muls -2, adds 1), muls c
 SOFTCAP_PASSES = 8
+#: UB tile of an item's sink logit (attention sinks): one fp32 value in a 32-byte aligned tile
+SINK_TILE = 8
 
 
 @cached
-def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
-    return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec, drop)
+def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False, sink=False):
+    return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec, drop, sink)
 
 
 @cached
-def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
+def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False, sink=False):
     """The kernel's own default (``_default_tiling``, mirrored): the fitting tile with the largest q·kv,
     then q, with its largest fitting Vector row block."""
     dev = get_device(device)
@@ -164,13 +168,13 @@ def kernel_default(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
         rows = q // 2 if dev.arch == "split" else q
         for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
             t = {"q": q, "kv": kv, "vq": vq}
-            c = _granted(dev, D, Dv, dtype, t, mask_spec, drop)
+            c = _granted(dev, D, Dv, dtype, t, mask_spec, drop, sink)
             if c is not None:
                 return t, c
     return None
 
 
-def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
+def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False, sink=False):
     qmax, kvmax = _r16(Sq), _r16(Skv)
     out = []
     # the larger tiles (fewer K/V reloads and O updates per score) are the ones worth pricing
@@ -179,7 +183,7 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False):
             rows = q // 2 if dev.arch == "split" else q
             for vq in [v for v in (rows, rows // 2, rows // 4, rows // 8) if v >= 1 and rows % v == 0]:
                 t = {"q": q, "kv": kv, "vq": vq}
-                c = _granted(dev, D, Dv, dtype, t, mask_spec, drop)
+                c = _granted(dev, D, Dv, dtype, t, mask_spec, drop, sink)
                 if c is not None:
                     out.append((t, c))
                     break
@@ -437,7 +441,8 @@ def drop_bytes(Sq, Skv, qb, kvb, causal):
     return float((qe * cum8[nt]).sum())
 
 
-def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, softcap=False):
+def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, softcap=False,
+           sinks=None):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -578,6 +583,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         hbm += mask_miss * T
     if drop:
         hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal))
+    if sinks is not None:                              # the sink logits: each read once from HBM
+        hbm += math.prod(sinks[0]) * itemsize(sinks[1])
     if causal and B * N * nq * nkv <= 512:               # few steps: replay the deal (cheap enough)
         hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
                               bool(return_probs))
@@ -604,6 +611,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     if return_probs:
         for u, c in pbusy.items():
             busy[u] += c
+    if sinks is not None:
+        # each vector core loads its item's sink logit at the item's first step (bytes only: a few per item)
+        nbytes["GM->UB"] = nbytes.get("GM->UB", 0.0) + float(B * N * nq * nh * itemsize(sinks[1]))
     return core, float(hbm), nbytes, busy, ws_bytes
 
 
@@ -716,7 +726,7 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
 
 
 @cached
-def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, softcap=False):
+def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, softcap=False, sinks=None):
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     mask_spec = None
@@ -724,12 +734,13 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
     best = None
-    cands = list(_candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop))
-    default = kernel_default(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop)
+    sink = sinks is not None
+    cands = list(_candidates_cached(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop, sink))
+    default = kernel_default(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop, sink)
     if default is not None and default[0] not in [t for t, _ in cands]:
         cands.append(default)
     for t, counts in cands:
-        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap)
+        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap, sinks)
         cost = kernel_cycles(dev, *res[:3])
         if default is not None and t == default[0]:
             cost *= 1 - DEFAULT_MARGIN
@@ -743,29 +754,33 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                              fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
-                             softcap=None):
+                             softcap=None, sinks=None):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
     scales values). ``return_stats``: the row max and sum written out (see the module docstring). ``softcap``:
-    eight more Vector passes per score (``1/c``, tanh, ``c``); its value changes values only."""
+    eight more Vector passes per score (``1/c``, tanh, ``c``); its value changes values only. ``sinks`` (their
+    spec, ``[N]``): attention sinks, one logit per head loaded at each item's first step into a small UB tile;
+    the softmax starts from it instead of ``-inf`` (the same passes)."""
     drop = drop_mask is not None
     cap = softcap is not None
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
     if tiling is None:
+        sinks = None if sinks is None else (tuple(sinks[0]), sinks[1])
         t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats),
-                         cap)
+                         cap, sinks)
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
         m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_spec = None if mask is None else (mask[1], m4[2] != 1, m4[3] != 1)
-        counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec, bool(drop)))
+        counts = _counts(dev, _requests(dev, specs[0][0][3], specs[2][0][3], specs[0][1], t, mask_spec, bool(drop),
+                                        sinks is not None))
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
         res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop), bool(return_stats),
-                     cap)
+                     cap, sinks)
     core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),

@@ -1,7 +1,7 @@
 """The attention family: dropout(softmax(scale · Q·Kᵀ + mask)) · V, recognised by meaning.
 
 Target kernel: ``flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, drop_mask=None,
-dropout_p=0.0)``
+dropout_p=0.0, softcap=None, sinks=None)``
 with q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (N % Nkv == 0, head n reads kv head n // (N/Nkv)),
 mask broadcastable to [B, N, Sq, Skv].
 
@@ -22,14 +22,20 @@ One description, many spellings. The family is the table below plus one walker; 
 softmax forms, eval dropout, repeat_kv/repeat_interleave) are removed by canonicalization first,
 so the walker sees, from the softmax input upwards::
 
-    softmax(-1) <- [cast | mul(scalar) | add(mask) | where(keep, ·, fill<=-1e4)]* [<- mul(tanh(·), c)]
+    softmax(-1) <- [cast]* [<- cat([·, sink], -1)]
+                <- [cast | mul(scalar) | add(mask) | where(keep, ·, fill<=-1e4)]* [<- mul(tanh(·), c)]
                 <- [cast | mul(scalar)]* <- matmul(q, transpose(k, -2, -1))
 
 (the optional ``c·tanh(a·s)`` is logit soft-capping, Gemma 2's: ``params["softcap"] = c``, the kernel's scale
 ``a·c``; only scales and casts above it, no scale between it and the softmax, the masks after it)
 
-and from the softmax output downwards ``[cast]* -> matmul(P, v)``. ``k``/``v`` may each be
-``repeat_interleave(x, r, dim=-3)`` (GQA). ``aten.scaled_dot_product_attention`` is matched directly.
+(the optional ``cat`` is attention sinks, GPT-OSS's: one learnable logit per head, ``sinks.reshape(1, -1, 1, 1)``
+broadcast over batch and queries, a last score column of each row's softmax; ``inputs["sinks"]``, ``params["sinks"]``;
+the probabilities then lose that column, ``[..., :-1]``, before anything but casts; GPT-OSS's ``x - max(x)``
+ahead of the softmax is canonicalized away)
+
+and from the softmax output downwards ``[cast]* [-> slice(·, -1, 0, -1)] [cast | dropout]* -> matmul(P, v)``.
+``k``/``v`` may each be ``repeat_interleave(x, r, dim=-3)`` (GQA). ``aten.scaled_dot_product_attention`` is matched directly.
 
 Rejected (each a near-miss test): softmax over any dim but the last; kᵀ that is not a transpose of
 k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale; anything between softmax and
@@ -37,7 +43,9 @@ P·V other than casts (in-place edits of the probabilities are functionalised in
 a scores/probability node consumed outside the block, except the probabilities themselves
 (``probs_used``); two dropouts on the probabilities; matmul operands that broadcast batch dims (except one k/v
 head broadcast over the query heads: multi-query attention, Falcon's eager spelling); q and k of another dtype
-than v unless q and k are fp32 and v narrower (GPT-J in bf16: v is cast up, ``params["v_cast"]``).
+than v unless q and k are fp32 and v narrower (GPT-J in bf16: v is cast up, ``params["v_cast"]``); sinks that vary
+over batch or queries, a sink column put first, a scale or mask applied after the concatenation, a slice other than
+``[..., :-1]`` (or one without sinks), probabilities read with the sink column.
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
@@ -74,8 +82,9 @@ SCORE_OPS = {
     aten.add.Tensor: "additive",
     aten.where.ScalarOther: "bool",
     aten.tanh.default: "softcap",       # c·tanh(s / c): logit soft-capping (Gemma 2), the walker checks the form
+    aten.cat.default: "sinks",          # cat([scores, sink logits], -1): attention sinks (GPT-OSS)
 }
-PROB_OPS = {aten._to_copy.default: "cast"}  # allowed between softmax and P·V
+PROB_OPS = {aten._to_copy.default: "cast", aten.slice.Tensor: "sinks"}  # allowed between softmax and P·V
 KV_VIEWS = {aten.repeat_interleave.self_int: "gqa"}  # looked through on k and v
 
 
@@ -88,6 +97,7 @@ class _Scores:
     scale_tensor: fx.Node | None = None
     softcap: float | None = None
     fill_last: bool = False         # additive masks added before a finite fill (MPT): the fill replaces their sum
+    sinks: fx.Node | None = None    # the sink logits concatenated to the scores (before the expand), or None
 
 
 class _Below:
@@ -134,10 +144,21 @@ def _zero_dim_factor(x):
 def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
     """Walk from the softmax input up to the QK matmul; ``below`` holds the ops between x and the softmax.
     ``chain``: the score nodes the template matched (an ``add`` continues through the one among its inputs)."""
-    nodes, masks, scale, st = [], [], 1.0, None
+    nodes, masks, scale, st, sinks = [], [], 1.0, None, None
     while True:
         if is_call(x, aten.matmul.default):
-            return _Scores(x, scale, masks, nodes, st, below.softcap, below.fill_last)
+            return _Scores(x, scale, masks, nodes, st, below.softcap, below.fill_last, sinks)
+        if is_call(x, aten.cat.default):
+            # attention sinks: one more score per row, the head's sink logit, concatenated last; only casts between
+            # it and the softmax (a scale or a mask there would reach the sink too)
+            if sinks is not None or masks or nodes and not all(_is_cast(n) for n in nodes) or below.tensor_scale:
+                return None
+            sinks = _sink_logits(x)
+            if sinks is None:
+                return None
+            nodes.append(x)
+            x = x.args[0][0]
+            continue
         if below.softcap is not None and not (_is_cast(x) or (is_call(x, aten.mul.Tensor) and is_number(x.args[1]))):
             return None                 # a mask (or anything but a scale) before the cap: not the kernel's order
         if (is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and not x.kwargs and is_call(x.args[0], aten.tanh.default)
@@ -197,10 +218,30 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 if rest is not None:
                     return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
                                    + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor,
-                                   rest.softcap, rest.fill_last)
+                                   rest.softcap, rest.fill_last, sinks)
             return None
         else:
             return None
+
+
+def _sink_logits(cat: fx.Node) -> fx.Node | None:
+    """For ``cat([scores, sink], -1)`` of rank-4 scores: the node of the sink logits before their broadcast, when
+    they are one logit per head (a value of shape ``[..., N or 1, 1, 1]``, the same for every batch and query:
+    GPT-OSS's ``sinks.reshape(1, -1, 1, 1).expand(B, -1, Sq, -1)``), else None."""
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if len(parts) != 2 or not all(isinstance(t, fx.Node) for t in parts) or len(shape(cat)) != 4 or dim not in (-1, 3):
+        return None
+    scores, sink = parts
+    if shape(sink) != (*shape(scores)[:-1], 1) or not val(sink).is_floating_point():
+        return None
+    while is_call(sink, aten.expand.default):
+        sink = sink.args[0]
+    s = shape(sink)
+    s = (1,) * (4 - len(s)) + tuple(s) if len(s) <= 4 else None
+    if s is None or s[0] != 1 or s[2:] != (1, 1) or s[1] not in (1, shape(scores)[1]):
+        return None
+    return sink
 
 
 def _exclusive(n: fx.Node, inside: set) -> bool:
@@ -219,22 +260,36 @@ def _layout(rank):
 
 
 def _score_op(n: fx.Node) -> bool:
-    """A cast, a scale (a Python number or a one-element tensor), an additive mask, a ``where`` fill or the
-    ``tanh`` of a soft-cap."""
+    """A cast, a scale (a Python number or a one-element tensor), an additive mask, a ``where`` fill, the
+    ``tanh`` of a soft-cap or the ``cat`` of sink logits."""
     if _is_cast(n) or is_call(n, aten.where.ScalarOther, aten.tanh.default):
         return True
+    if is_call(n, aten.cat.default):
+        return _sink_logits(n) is not None
     if is_call(n, aten.mul.Tensor):
         return is_number(n.args[1]) or _zero_dim_factor(n) is not None
     return is_call(n, aten.add.Tensor) and not n.kwargs and val(n).is_floating_point()
 
 
 def _prob_op(n: fx.Node) -> bool:
-    """A cast, or a dropout (``native_dropout`` and its output, or ``dropout``) in training mode."""
+    """A cast, a dropout (``native_dropout`` and its output, or ``dropout``) in training mode, or the slice that drops
+    the sink column (``probs[..., :-1]``)."""
     if _is_cast(n):
         return True
+    if is_call(n, aten.slice.Tensor):
+        return _drops_sink(n)
     if is_call(n, aten.native_dropout.default, aten.dropout.default):
         return bool(arg(n, 2, "train"))
     return n.target is operator.getitem and n.args[1] == 0 and is_call(n.args[0], aten.native_dropout.default)
+
+
+def _drops_sink(n: fx.Node) -> bool:
+    """``x[..., :-1]``: a slice of the last dim from 0 that keeps all but the last column, step 1."""
+    x = n.args[0]
+    dim, start, end, step = arg(n, 1, "dim", 0), arg(n, 2, "start", None), arg(n, 3, "end", None), arg(n, 4, "step", 1)
+    width = shape(x)[-1] if isinstance(x, fx.Node) and shape(x) else None
+    return (width is not None and dim in (-1, len(shape(x)) - 1) and start in (None, 0) and step == 1
+            and end in (-1, width - 1))
 
 
 def _last_two(n):
@@ -291,6 +346,12 @@ def _decide_softmax(m: dict) -> Match | None:
     sc = _walk_scores(sm.args[0], _Below(), score | {qk})
     if sc is None or sc.qk is not qk or set(sc.nodes) != score:
         return None
+    slices = [n for n in probs_chain if is_call(n, aten.slice.Tensor)]
+    if (sc.sinks is None) != (not slices) or len(slices) > 1 or (sc.sinks is not None and rank != 4):
+        return None                 # the sink column is dropped exactly when sinks were concatenated, once
+    with_sink = [sm] + probs_chain[:probs_chain.index(slices[0])] if slices else []
+    if any(not _is_cast(n) for n in with_sink[1:]):
+        return None                 # only casts before the sink column is dropped (dropout would draw for it)
     q, k_rep, v_rep = qk.args[0], b.args[0], pv.args[1]
     if v_rep in pchain or any(len(shape(t)) != rank for t in (q, k_rep, v_rep, pv)):
         return None
@@ -308,6 +369,8 @@ def _decide_softmax(m: dict) -> Match | None:
     probs = [n for n in pchain if not _exclusive(n, core)]
     if len(probs) > 1 or any(not _exclusive(n, core) for n in sc.nodes + [sc.qk]):
         return None  # scores consumed outside the block, or probabilities at two points
+    if any(n in probs for n in with_sink):
+        return None  # probabilities read with the sink's column: the kernel's have none
     if any(u is not pv and is_call(u, aten.matmul.default) for n in pchain for u in n.users):
         return None  # the probabilities feed another matmul too
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
@@ -323,9 +386,12 @@ def _decide_softmax(m: dict) -> Match | None:
         v_cast = val(q).dtype
     if sc.scale_tensor is not None:
         inputs["scale_tensor"] = sc.scale_tensor.name
+    if sc.sinks is not None:
+        inputs["sinks"] = sc.sinks.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast)
+                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast,
+                   sc.sinks is not None)
 
 
 def _dropout_after(x):
@@ -374,7 +440,7 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
-            draw=None, softcap=None, fill_last=False, v_cast=None) -> Match:
+            draw=None, softcap=None, fill_last=False, v_cast=None, sinks=False) -> Match:
     qs, ks = shape(q), shape(k)
     guards, terms, causal_fill, guarded = [], [], -math.inf, None
     for m, kind, factor, fill in masks:
@@ -420,7 +486,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         scale=float(scale), causal=bool(causal), mask_kind=mask_kind,
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
-        dropout_draw=draw, softcap=softcap, v_cast=v_cast, fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
+        dropout_draw=draw, softcap=softcap, v_cast=v_cast, sinks=bool(sinks), fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
         causal_value=None if guarded is None else float(guarded),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,

@@ -3,7 +3,8 @@
 ``attention_ref`` (``torch.ops.autofuse_test.attention_ref``) has the signature of
 ``torch.ops.autofuse.flash_attention`` and SDPA semantics: bool mask True = attend, additive mask
 added to the scaled scores (after the soft-cap ``softcap·tanh(s/softcap)``), ``causal`` = top-left ``tril``, GQA by ``k/v.repeat_interleave``, fp32
-softmax, a row with every key masked gives zeros.
+softmax, a row with every key masked gives zeros; ``sinks`` (one logit per head) are a last score column of their own
+in the softmax, dropped before P·V.
 """
 from collections import Counter
 
@@ -15,8 +16,8 @@ import torch
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                   scale: float | None = None, causal: bool = False, return_probs: bool = False,
                   fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
-                  out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -30,8 +31,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             if mask.dtype == torch.bool else s + mask.float()
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    p = torch.softmax(s, -1)
-    if empty_rows == "zero":
+    if sinks is not None:
+        col = sinks.float().reshape(-1).expand(s.shape[1]).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    if empty_rows == "zero" and sinks is None:
         p = torch.where(torch.isneginf(s).all(-1, keepdim=True), 0.0, p)
     out = (p.to(v.dtype) @ v).to(q.dtype)
     if out_order:
@@ -41,7 +46,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 @attention_ref.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
-      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None):
+      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None):
     from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)

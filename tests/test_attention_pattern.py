@@ -470,3 +470,91 @@ def test_alibi_and_fill_last_forms_in_low_precision(ref_op, dtype):
         got = cap.unflatten_outputs(fused(*cap.flatten_inputs(*args)))
         ok, err, tol = compare(module(*args), module(*(t.double() for t in args)), got)
         assert ok, (type(module).__name__, err, tol)
+
+
+class Sinks(nn.Module):
+    """GPT-OSS's attention: the scores, the mask, one learnable sink logit per head concatenated as a last column,
+    (the row max subtracted), softmax, the sink column dropped, P·V. ``kind`` spells a near miss."""
+
+    def __init__(self, kind="gpt_oss", heads=N, shift=True):
+        super().__init__()
+        self.kind, self.shift = kind, shift
+        self.sinks = nn.Parameter(torch.linspace(-2.0, 3.0, heads))
+
+    def forward(self, q, k, v, mask):
+        b, n, sq, _ = q.shape
+        if k.shape[1] != n:                        # GQA: transformers' repeat_kv
+            k, v = (t[:, :, None].expand(-1, -1, n // t.shape[1], -1, -1).reshape(b, n, *t.shape[2:]) for t in (k, v))
+        s = (q @ k.transpose(-2, -1)) * 0.25 + mask
+        sink = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, sq, -1).to(s.dtype)
+        if self.kind == "per_query":               # a sink per query (an input's values): not one logit per head
+            sink = q[..., :1]
+        x = torch.cat([sink, s], -1) if self.kind == "sink_first" else torch.cat([s, sink], -1)
+        if self.kind == "mask_after":              # the mask added after the cat reaches the sink column too
+            x = x + F.pad(mask, (0, 1))
+        if self.kind == "scale_after":             # a scale after the cat scales the sink too
+            x = x * 0.5
+        if self.shift:
+            x = x - x.max(dim=-1, keepdim=True).values
+        p = torch.softmax(x, -1, dtype=x.dtype)
+        if self.kind == "sink_first":
+            p = p[..., 1:]
+        elif self.kind == "drop_two":              # drops a key's column too
+            p = torch.cat([p[..., :-2], p[..., -1:]], -1)
+        elif self.kind == "probs_read":            # the probabilities with the sink's column read outside
+            return p[..., :-1] @ v, p
+        else:
+            p = p[..., :-1]
+        return p @ v
+
+
+def _causal_additive(dtype):
+    return torch.zeros(1, 1, S, S, dtype=dtype).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
+                                                            torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads", [N, 2])
+def test_attention_sinks_are_part_of_the_match(ref_op, dtype, shift, kv_heads):
+    """GPT-OSS's sink logits: one input of the kernel, the concatenation, the max subtraction and the slice
+    inside the block; values within the verifier's bound of a float64 run of the module."""
+    q, k, v = _args(AttentionVariant(), kv_heads=kv_heads, dtype=dtype)
+    mask = _causal_additive(dtype)
+    module = Sinks(shift=shift).to(dtype).eval()
+    cap_, gm, matches, fused = _fuse(module, (q, k, v, mask), ref_op)
+    (m,) = matches
+    assert "sinks" in m.inputs and m.params["mask_kind"] == "additive" and m.params["num_kv_heads"] == kv_heads
+    got = cap_.unflatten_outputs(fused(*cap_.flatten_inputs(q, k, v, mask)))
+    ref64 = module.double()(*(t.double() for t in (q, k, v, mask)))
+    ok, err, tol = compare(module.to(dtype)(q, k, v, mask), ref64, got)
+    assert ok, (err, tol)
+
+
+def test_attention_sinks_are_read_at_call_time(ref_op):
+    """The sinks are the user's parameter: changing it after fusion changes the fused output as it does eager's."""
+    q, k, v = _args(AttentionVariant())
+    mask = _causal_additive(torch.float32)
+    module = Sinks().eval()
+    cap_, _, matches, fused = _fuse(module, (q, k, v, mask), ref_op)
+    assert len(matches) == 1
+    with torch.no_grad():
+        module.sinks.add_(torch.tensor([5.0, -5.0, 0.0, 20.0]))
+    got = cap_.unflatten_outputs(fused(*cap_.flatten_inputs(q, k, v, mask)))
+    torch.testing.assert_close(got, module(q, k, v, mask), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["per_query", "sink_first", "mask_after", "scale_after", "drop_two", "probs_read"])
+def test_near_miss_attention_sinks(kind):
+    q, k, v = _args(AttentionVariant())
+    mask = torch.randn(1, 1, S, S)
+    assert find_attention(canonicalize(capture(Sinks(kind).eval(), (q, k, v, mask)).graph_module)) == []
+
+
+def test_a_slice_of_the_probabilities_without_sinks_is_not_attention():
+    class Sliced(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1), -1)[..., :-1] @ v[..., :-1, :]
+
+    q, k, v = _args(AttentionVariant())
+    assert find_attention(canonicalize(capture(Sliced(), (q, k, v)).graph_module)) == []

@@ -94,11 +94,29 @@ def test_prescaled_q_and_k_scale_moves_to_the_matmul_output():
     lambda s: s.exp() / s.exp().sum(dim=-1, keepdim=True),
     lambda s: torch.exp(s - torch.logsumexp(s, -1, keepdim=True)),
     lambda s: F.log_softmax(s, -1).exp(),
+    lambda s: F.softmax(s - s.max(dim=-1, keepdim=True).values, dim=-1, dtype=s.dtype),
+    lambda s: (s - s.amax(3, keepdim=True)).softmax(-1),
 ], ids=["function", "method_dim3", "module", "_softmax", "decomposed_amax", "decomposed_max", "no_max",
-        "logsumexp", "log_softmax"])
+        "logsumexp", "log_softmax", "shifted_max", "shifted_amax"])
 def test_softmax_spellings(fn):
     targets = _canon(fn, x4)
     assert targets == [aten.softmax.int]
+
+
+@pytest.mark.parametrize("fn", [
+    lambda s: (s - s.amax(-2, keepdim=True)).softmax(-1),            # the max of another dim
+    lambda s: (s - s.amax(-1, keepdim=True)[..., :1, :]).softmax(-1),    # another row's max
+    lambda s: (s - s.amax(-1, keepdim=True) * 0.5).softmax(-1),       # not the max itself
+], ids=["other_dim", "other_row", "scaled_max"])
+def test_softmax_of_another_shift_keeps_the_subtraction(fn):
+    assert aten.sub.Tensor in _canon(fn, x4)
+
+
+def test_softmax_shift_is_exact_in_fp32():
+    """softmax(x - max(x)) and softmax(x) compute the same ``x - max`` in fp32: equal values, so the rewrite
+    changes no bit where the input's dtype is fp32."""
+    s = torch.randn(3, 5, 7) * 30
+    assert torch.equal(torch.softmax(s - s.amax(-1, keepdim=True), -1), torch.softmax(s, -1))
 
 
 def test_softmax_dtype_is_an_explicit_cast():

@@ -166,6 +166,14 @@ def _gemma2():
     return tf.Gemma2ForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
 
 
+def _gpt_oss():
+    cfg = tf.GptOssConfig(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=64,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return tf.GptOssForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
+
+
 def _mpt():
     cfg = tf.MptConfig(vocab_size=128, n_layers=LAYERS, d_model=64, n_heads=4)
     return tf.MptForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
@@ -178,6 +186,7 @@ EAGER_ONLY = {
     "falcon": _falcon(),                                        # one k/v head broadcast by the matmuls, RoPE
     "falcon_alibi": _falcon(alibi=True),                        # the same with ALiBi added before the scale
     "falcon_gqa": _falcon(new_decoder_architecture=True, num_kv_heads=2),
+    "gpt_oss": _gpt_oss,                                        # a learnable sink logit per head in the softmax
 }
 
 
@@ -199,6 +208,8 @@ def test_eager_only_attention_spellings_are_fused(name):
         assert all(d.params["fill_last"] for d in attention)
     if name == "gemma2":
         assert all(d.params["softcap"] == model.config.attn_logit_softcapping == 50.0 for d in attention)
+    if name == "gpt_oss":                               # the sink logits are one input of the kernel
+        assert all(d.params["sinks"] for d in attention)
     with torch.no_grad():
         torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
                                    atol=1e-5, rtol=1e-4)
@@ -218,6 +229,24 @@ def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
         main_output(m(*args, **kwargs)).float().square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
+    for n in grads[1]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides
+
+
+def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
+    """GPT-OSS's sink logits are parameters: fused in training, the gradients of every parameter (the sinks
+    included, through the host recompute of the attention backward) equal eager's."""
+    torch.manual_seed(0)
+    model, args, kwargs = _gpt_oss()
+    model.train()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert len(fused.report.of("attention")) == LAYERS and all(d.applied for d in fused.report.of("attention"))
+    grads = []
+    for m in (fused, model):
+        model.zero_grad()
+        main_output(m(*args, **kwargs)).float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("sinks" in n for n in grads[1])
     for n in grads[1]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides
 

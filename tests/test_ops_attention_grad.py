@@ -111,6 +111,31 @@ def test_sdpa_attention_backward_runs_the_kernel(mask):
         assert (a.double() - r).abs().max() <= 2 * (b.double() - r).abs().max() + 2 ** -23 * r.abs().max()
 
 
+@pytest.mark.parametrize("numel", [4, 1])
+def test_attention_sinks_gradients_equal_eagers(numel):
+    """The sink logits are the user's parameter: their gradient (and q's, k's, v's) through the fused op equal
+    eager's concatenate-softmax-slice, within fp32 roundings (the backward recomputes on the host)."""
+    q, k, v = _qkv(2, 4, 2, 20, 16, torch.float32)
+    sinks = torch.linspace(-1.0, 2.0, numel).requires_grad_()
+    go = torch.randn(2, 4, 20, 16, generator=torch.Generator().manual_seed(6))
+    with recording() as log:
+        got = torch.autograd.grad(flash_attention(q, k, v, causal=True, sinks=sinks), (q, k, v, sinks), go)
+    assert [name for name, _ in log] == ["flash_attention"]
+
+    def eager64(q, k, v, sinks):
+        kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+        s = (q.double() @ kk.transpose(-2, -1)) * 16 ** -0.5
+        s = s.masked_fill(~torch.ones(20, 20, dtype=torch.bool).tril(), float("-inf"))
+        col = sinks.double().reshape(-1).expand(4).reshape(1, 4, 1, 1).expand(2, 4, 20, 1)
+        return torch.softmax(torch.cat([s, col], -1), -1)[..., :-1] @ vv
+
+    ref = torch.autograd.grad(eager64(q, k, v, sinks), (q, k, v, sinks), go.double())
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape
+        # fp32 recompute against float64: roundings far below 1e-5 of the gradients' size
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5 * max(1.0, b.abs().max().item()), rtol=1e-4)
+
+
 def test_learnable_scale_keeps_the_host_recompute():
     q, k, v = _qkv(1, 2, 2, 16, 8, torch.float32)
     t = torch.tensor(1.3, requires_grad=True)

@@ -265,15 +265,16 @@ def test_cost_model_grants_the_kernels_tile_counts(device):
     from autofuse.npu.kernels import flash_attention as kern
     from cost_model import flash_attention as model
     dev = get_device(device)
-    for D, dt, q, kv, drop, ms in itertools.product((16, 80, 128, 256), ("float16", "float32"), (16, 64, 128),
-                                                    (16, 128, 512), (False, True),
-                                                    (None, ("bool", True, True), ("float16", True, False))):
+    for D, dt, q, kv, drop, ms, sink in itertools.product((16, 80, 128, 256), ("float16", "float32"), (16, 64, 128),
+                                                          (16, 128, 512), (False, True),
+                                                          (None, ("bool", True, True), ("float16", True, False)),
+                                                          (False, True)):
         rows = q // 2 if dev.arch == "split" else q
         for vq in (rows, rows // 2):
             t = {"q": q, "kv": kv, "vq": vq}
             if vq >= 1:
-                assert model._counts(dev, model._requests(dev, D, D, dt, t, ms, drop)) == \
-                    kern._counts(dev, kern._requests(dev, D, D, dt, t, ms, drop)), (t, D, dt, drop, ms)
+                assert model._counts(dev, model._requests(dev, D, D, dt, t, ms, drop, sink)) == \
+                    kern._counts(dev, kern._requests(dev, D, D, dt, t, ms, drop, sink)), (t, D, dt, drop, ms, sink)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -306,3 +307,62 @@ def test_softcap_must_be_positive_and_finite(cap):
     q, k, v = _inputs(1, 1, 1, 4, 4, 16, torch.float32)
     with pytest.raises(ValueError, match="softcap"):
         npu.run("flash_attention", q, k, v, softcap=cap)
+
+
+def _sink_ref(q, k, v, sinks, mask=None, causal=False):
+    """fp32 eager attention with GPT-OSS's sinks: the head's sink logit as a last score column, softmax, the column
+    dropped."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    s = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    col = sinks.float().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    return p @ v, p
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,causal", [((1, 4, 2, 33, 130, 64), False), ((2, 4, 1, 150, 150, 128), True)])
+def test_attention_sinks(device, dtype, shape, causal):
+    """Each row's softmax also takes its head's sink logit (GPT-OSS): values and probabilities against fp32
+    torch, a head whose sink dominates attending almost nothing; the work is the same as without sinks, the
+    bytes a few more (one logit loaded per item)."""
+    q, k, v = _inputs(*shape, dtype)
+    sinks = torch.tensor([0.0, -3.0, 2.0, 40.0][:shape[1]]).to(dtype)
+    r = npu.run("flash_attention", q, k, v, causal=causal, sinks=sinks, device=device, return_probs=True)
+    out, p = _sink_ref(q, k, v, sinks, causal=causal)
+    got = torch.as_tensor(np.asarray(r.outputs[0], dtype=np.float32))
+    assert (got - out).abs().max().item() <= TOL[dtype] * max(1.0, out.abs().max().item())
+    assert (torch.as_tensor(np.asarray(r.outputs[1], dtype=np.float32)) - p).abs().max().item() <= PTOL[dtype]
+    assert got[:, 3].abs().max() < 1e-6 * out.abs().max()          # exp(s - 40) is below 1e-12 of the sum
+    plain = npu.run("flash_attention", q, k, v, causal=causal, device=device, return_probs=True, timing_only=True)
+    assert r.stats.busy["vector"] == plain.stats.busy["vector"]
+    assert 0 < r.stats.hbm_bytes - plain.stats.hbm_bytes <= shape[1] * 4
+
+
+def test_attention_sinks_on_rows_with_nothing_to_attend():
+    """A row whose keys are all masked attends only its sink: 0 (eager's softmax gives the sink all the weight);
+    with a ``-inf`` sink that row has no score at all: 0 or NaN as ``empty_rows`` says, as without sinks."""
+    q, k, v = _inputs(1, 2, 2, 20, 24, 16, torch.float32)
+    mask = torch.rand(1, 1, 20, 24, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[..., 5, :] = False
+    for sinks, empty in ((torch.tensor([1.0, -2.0]), "nan"), (torch.tensor([float("-inf"), 0.5]), "zero"),
+                         (torch.tensor([float("-inf"), 0.5]), "nan")):
+        r = npu.run("flash_attention", q, k, v, mask=mask, sinks=sinks, empty_rows=empty)
+        got = torch.as_tensor(np.asarray(r.outputs[0]))
+        out, _ = _sink_ref(q, k, v, sinks, mask)              # eager: NaN on row 5 of head 0 when its sink is -inf
+        if empty == "zero":
+            out = torch.nan_to_num(out, nan=0.0)
+        torch.testing.assert_close(got, out, atol=2e-5, rtol=1e-5, equal_nan=True)
+        assert got[0, 0, 5].isnan().all() == (bool(sinks[0].isneginf()) and empty == "nan")
+
+
+@pytest.mark.parametrize("shape", [(3,), (4, 1), (2, 2)])
+def test_sinks_must_be_one_logit_per_head(shape):
+    q, k, v = _inputs(1, 4, 4, 8, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="sinks"):
+        npu.run("flash_attention", q, k, v, sinks=torch.zeros(shape))

@@ -99,6 +99,8 @@ _NEG_INF = np.float32(-np.inf)
 #: Vector passes of logit soft-capping per score: muls 1/c, tanh (muls 2, exp, adds 1, reciprocal, muls -2,
 #: adds 1: the elementwise kernel's fp32 tanh), muls c
 SOFTCAP_PASSES = 8
+#: UB tile of the sink logit (one fp32 value, the tile padded to UB's 32-byte alignment)
+SINK_TILE = 8
 
 
 def _ceil(a, b):
@@ -153,12 +155,13 @@ def round_to(x: np.ndarray, dtype: str, out: np.ndarray, tmp: np.ndarray, nonneg
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec, drop: bool = False):
+def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec, drop: bool = False, sink: bool = False):
     """Buffer requests ``(side, buffer, name, shape, dtype, min_count, max_count)`` in allocation order.
 
     ``side`` is "cube" (coupled core, or AIC) or "vec" (coupled core, or AIV). Counts above the minimum are
     granted, in list order, while they fit (double buffers). ``mask_spec``: ``(dtype, rows, cols)`` of
-    the mask tile or None. ``drop``: a dropout keep-mask tile (one bit per score) per row block.
+    the mask tile or None. ``drop``: a dropout keep-mask tile (one bit per score) per row block. ``sink``: a
+    small tile for the item's sink logit (attention sinks), loaded at its first step.
     """
     q, kv, vq = t["q"], t["kv"], t["vq"]
     split = device.arch == "split"
@@ -173,6 +176,8 @@ def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec, drop: boo
     req += [("vec", "UB", "pv", (rows, Dv), f32, 1, 1), ("vec", "UB", "o", (rows, Dv), f32, 1, 1),
             ("vec", "UB", "out", (_out_rows(vq), Dv), dtype, 1, 2)]
     req += [("vec", "UB", st, (rows,), f32, 2, 2) for st in ("m", "l", "alpha")]
+    if sink:
+        req.append(("vec", "UB", "sink", (SINK_TILE,), f32, 1, 1))
     # Q sits in L0A for a whole item: one tile (coupled), or one per row block (split: S leaves per block)
     q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
         [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
@@ -239,28 +244,29 @@ def _check_tiling(device, t: dict) -> str | None:
     return None
 
 
-def tiling_fits(device, D: int, dtype: str, t: dict, mask_spec=None, Dv: int | None = None, drop: bool = False) -> bool:
+def tiling_fits(device, D: int, dtype: str, t: dict, mask_spec=None, Dv: int | None = None, drop: bool = False,
+                sink: bool = False) -> bool:
     """Whether tiling ``t`` (q, kv, vq) is valid and fits every buffer it uses on ``device``."""
     if _check_tiling(device, t):
         return False
-    return _counts(device, _requests(device, D, Dv or D, dtype, t, mask_spec, drop)) is not None
+    return _counts(device, _requests(device, D, Dv or D, dtype, t, mask_spec, drop, sink)) is not None
 
 
 _TILINGS: dict = {}
 
 
 def default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None,
-                   drop: bool = False) -> dict:
+                   drop: bool = False, sink: bool = False) -> dict:
     """The kernel's own tiling for these shapes (see :func:`_default_tiling`); cached per device and shape."""
     key = (device.name, device.arch, tuple(device.buffers.items()), tuple(device.align.items()),
-           _r16(Sq), _r16(Skv), D, Dv or D, dtype, mask_spec, bool(drop))
+           _r16(Sq), _r16(Skv), D, Dv or D, dtype, mask_spec, bool(drop), bool(sink))
     if key not in _TILINGS:
-        _TILINGS[key] = _default_tiling(device, Sq, Skv, D, dtype, mask_spec, Dv, bool(drop))
+        _TILINGS[key] = _default_tiling(device, Sq, Skv, D, dtype, mask_spec, Dv, bool(drop), bool(sink))
     return dict(_TILINGS[key])
 
 
 def _default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=None, Dv: int | None = None,
-                    drop: bool = False) -> dict:
+                    drop: bool = False, sink: bool = False) -> dict:
     """The largest tile (q rows × kv keys) that fits, then the largest Vector row block ``vq``.
 
     Blocks are clamped to the (16-rounded) sequence lengths so short sequences do not pay for padding.
@@ -281,7 +287,7 @@ def _default_tiling(device, Sq: int, Skv: int, D: int, dtype: str, mask_spec=Non
             pick = None
             for vq in vqs:
                 t = {"q": q, "kv": kv, "vq": vq}
-                if _counts(device, _requests(device, D, Dv, dtype, t, mask_spec, drop)) is not None:
+                if _counts(device, _requests(device, D, Dv, dtype, t, mask_spec, drop, sink)) is not None:
                     pick = t
                     break
             if pick is not None:
@@ -418,7 +424,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False, softcap=None):
+                    return_stats=False, softcap=None, sinks=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -427,6 +433,9 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     ``[B, N, Sq, ceil(Skv / 8)]`` with one bit per score (bit ``j % 8`` of byte ``j // 8``, 1 = keep, as
     :func:`pack_keep` packs it); kept probabilities are scaled by ``1 / keep_prob``. ``softcap``: the scaled
     scores soft-capped, ``softcap · tanh(S / softcap)``, before the mask (Gemma 2's logit soft-capping).
+    ``sinks``: attention sinks, one logit per query head (``[N]``, GPT-OSS's): each row's softmax also takes
+    its head's sink logit as one more score, which attends no value (its probability only enlarges the
+    denominator); the online softmax starts from ``m = sink``, ``l = 1`` instead of ``-inf``, ``0``.
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -445,16 +454,20 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     drop = drop_mask is not None
     if drop:
         _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), return_probs)
+    sink = sinks is not None
+    if sink and (list(sinks.shape) != [N] or sinks.dtype not in OPERAND_DTYPES):
+        raise ValueError(f"flash_attention: sinks is {sinks.dtype} {list(sinks.shape)}; it must be [{N}] (one logit "
+                         f"per query head) in {', '.join(OPERAND_DTYPES)}")
     if tiling is None:
-        t = default_tiling(dev, Sq, Skv, D, dtype, mask_spec, Dv, drop)
+        t = default_tiling(dev, Sq, Skv, D, dtype, mask_spec, Dv, drop, sink)
     else:
         t = dict(tiling)
         bad = _check_tiling(dev, t)
         if bad:
             raise ValueError(f"flash_attention: {bad}")
-    req = _requests(dev, D, Dv, dtype, t, mask_spec, drop)
+    req = _requests(dev, D, Dv, dtype, t, mask_spec, drop, sink)
     counts = fitted_counts("flash_attention", dev, req, t)
-    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, bool(return_stats))
+    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, bool(return_stats), sinks)
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
@@ -551,7 +564,8 @@ class _Program:
     the re-read hits L2. On split cores AIV ``2c + h`` owns the blocks of half ``h`` of AIC c's rows.
     """
 
-    def __init__(self, launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, return_stats=False):
+    def __init__(self, launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, return_stats=False,
+                 sinks=None):
         dev = launch.device
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
@@ -569,6 +583,7 @@ class _Program:
         self.kt = GMTensor(kt, k.dtype, "k", False)
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
         self.softcap = None                             # set by the caller (logit soft-capping)
+        self.sinks = sinks                              # [N] sink logits (attention sinks) or None
         self.dtype = q.dtype
         self.isz = itemsize(q.dtype)
         B, N, Sq, D = q.shape
@@ -593,7 +608,7 @@ class _Program:
             return [(j, causal and j * kvb > last_row) for j in range(nkv)]
 
         key = (dev.name, dev.arch, dev.cube_cores, B, N, Nkv, Sq, Skv, D, Dv, qb, kvb, self.vq, causal,
-               return_probs, None if mask is None else (mask.dtype, mask.shape), "drop" in counts)
+               return_probs, None if mask is None else (mask.dtype, mask.shape), "drop" in counts, sinks is not None)
         plan = _PLANS.pop(key, None)
         if plan is None:
             group = N // Nkv
@@ -761,6 +776,8 @@ class _Program:
         vg, nv = self.vg, self.nv
         v = self._vview(st, s)
         P = self._next("p")
+        if self.sinks is not None and not probs_pass:
+            self._load_sink(v, ks)
         for r in range(self.nsub):
             ro = (self.half * self.nsub + r) * vq             # first row of the block within the item
             rows = np.clip(v["qext"] - ro, 0, vq)
@@ -826,6 +843,15 @@ class _Program:
                 "q0": vec(st.q0[s]), "k0": vec(st.k0[s]), "b": vec(st.b[s]), "h": vec(st.h[s]),
                 "partial": vec(st.partial[s])}
 
+    def _load_sink(self, v, ks):
+        """The sink logit of each vector core's head, at the first step of its item (the softmax's start)."""
+        fa = v["first"] & v["work"]
+        if not fa.any():
+            return
+        hl = v["h"].tolist()
+        self.vg.load(self.tl["sink"][0], self.sinks, self._regs(("sink", ks), lambda: [
+            (slice(hl[c], hl[c] + 1),) if fa[c] else None for c in range(self.nv)]), name="load sink")
+
     def _load_drop(self, v, s, r, rows, ro, ract):
         """The dropout keep bits of one row block's scores: ``rows x ceil(kext / 8)`` bytes into a UB tile."""
         dt_ = self._next("drop")
@@ -874,6 +900,9 @@ class _Program:
         if dt_ is not None:
             passes += 1                                     # select by the keep bits
             reads.append(dt_)
+        sk = self.tl["sink"][0] if self.sinks is not None and not probs_pass else None
+        if sk is not None:
+            reads.append(sk)
         part = v["partial"] & ract
         repeats = rr * passes + rr * part * 2 + stat * (3 if probs_pass else 5)
         vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
@@ -929,7 +958,10 @@ class _Program:
             Mp, Lp, Mc, Lc, Ac = M[prev].data, Lt[prev].data, M[cur].data, Lt[cur].data, A[cur].data
             x = scale_and_mask(cs)
             fc = first[cs, None]
-            mprev = np.where(fc, _NEG_INF, Mp[cs, sl])
+            # an item's first tile starts from nothing attended (m = -inf, l = 0) or from its sink logit, a score
+            # of its own (m = sink, l = exp(sink - sink) = 1)
+            m0 = _NEG_INF if sk is None else sk.data[cs, :1]
+            mprev = np.where(fc, m0, Mp[cs, sl])
             mnew = np.maximum(mprev, x.max(axis=-1))
             muse = np.where(mnew == _NEG_INF, np.float32(0), mnew)   # a row with nothing attended yet
             alpha = np.exp(mprev - muse)
@@ -937,7 +969,7 @@ class _Program:
             Mc[cs, sl] = mnew
             np.subtract(x, muse[:, :, None], out=x)
             np.exp(x, out=x)
-            lprev = np.where(fc, np.float32(0), Lp[cs, sl])
+            lprev = np.where(fc, np.float32(0) if sk is None else np.float32(1), Lp[cs, sl])
             # row sums as a product with ones: numpy's own reduction over short rows is 3x slower
             Lc[cs, sl] = alpha * lprev + np.matmul(x, self.ones)
             if dt_ is not None:          # dropout after the row sum: the softmax's denominator is the full one
