@@ -380,10 +380,14 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     x, w1, w2, S, E, H, I, tk = _experts_specs(match, nodes)
     dt = x[1]
     training = training_graph(nodes[match.inputs["x"]].graph)
+    p = match.params
+    trans_w = p.get("trans_w", True)
+    b1, b2 = (_spec(nodes[match.inputs[r]]) if r in match.inputs else None for r in ("b1", "b2"))
     total = _estimate("moe_init_routing", [x, (tk, "int64")], device, num_experts=E)
-    total = total.add(_estimate("grouped_matmul", [((S, H), dt), w1, ((E,), "int64")], device, trans_w=True,
-                                activation="swiglu", return_product=training))
-    total = total.add(_estimate("grouped_matmul", [((S, I), dt), w2, ((E,), "int64")], device, trans_w=True))
+    total = total.add(_estimate("grouped_matmul", [((S, H), dt), w1, ((E,), "int64")], device, trans_w=trans_w,
+                                bias=b1, return_product=training, **_glu_options(p)))
+    total = total.add(_estimate("grouped_matmul", [((S, I), dt), w2, ((E,), "int64")], device, trans_w=trans_w,
+                                bias=b2))
     total = total.add(_estimate("moe_finalize_routing", [((S, H), dt), (tk, "float32"), ((S,), "int64")], device))
     if match.params.get("weights_scale", 1.0) != 1.0:
         total = total.add(_estimate("elementwise", [(tk, "float32")], device, op="mul",
@@ -391,6 +395,14 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     if training:
         total.options = {"store_product": True}
     return total
+
+
+def _glu_options(p: dict) -> dict:
+    """The first GEMM's epilogue options: SwiGLU on halves, or GPT-OSS's clamped SwiGLU on interleaved pairs."""
+    act = dict(activation=p.get("activation", "swiglu"), swiglu_order=p["swiglu_order"])
+    if act["activation"] == "clamped_swiglu":
+        act.update(limit=p["limit"], alpha=p["alpha"])
+    return act
 
 
 def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
@@ -406,11 +418,11 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     routed.meta["autofuse_match"] = m
     xs, rows, counts = (call(g, operator.getitem, routed, i) for i in range(3))
     first = ops.grouped_matmul_with_product.default if store else ops.grouped_matmul.default
-    h = call(g, first, xs, ins["w1"], counts, trans_w=True, activation="swiglu", swiglu_order=p["swiglu_order"],
-             **kwargs)
+    trans_w = p.get("trans_w", True)
+    h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs)
     if store:
         h = call(g, operator.getitem, h, 0)
-    y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, trans_w=True, **kwargs)
+    y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, ins.get("b2"), trans_w=trans_w, **kwargs)
     w = ins["weights"]
     if tuple(val(w).shape) != (T, k):
         w = call(g, aten.reshape.default, w, [T, k])

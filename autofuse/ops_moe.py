@@ -296,36 +296,44 @@ def moe_init_routing(x, expert_idx, num_experts, group_list_type="count", device
 def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, trans_w: bool = False, group_list_type: str = "count",
                     activation: str = "", swiglu_order: str = "gate_up", device: str = "ascend910",
-                    tiling: str = "") -> torch.Tensor:
-    r = _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling)
+                    tiling: str = "", limit: Optional[float] = None, alpha: float = 1.0) -> torch.Tensor:
+    r = _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling,
+                    limit=limit, alpha=alpha)
     _record("grouped_matmul", r.stats)
     return _to_torch(r.outputs[0], x.dtype)
 
 
-def _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling, **kw):
+def _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling,
+                limit=None, alpha=1.0, **kw):
+    if activation == "clamped_swiglu":
+        kw.update(limit=limit, alpha=alpha)
     return run_kernel("grouped_matmul", x, weight, group_list.int(), bias, trans_w=trans_w,
                       group_list_type=group_list_type, activation=activation or None, swiglu_order=swiglu_order,
                       device=device, tiling=_tiling(tiling), **kw)
 
 
 def _timing_gmm(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation="",
-                swiglu_order="gate_up", device="ascend910", tiling=""):
+                swiglu_order="gate_up", device="ascend910", tiling="", limit=None, alpha=1.0):
     return [("grouped_matmul", _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation,
-                                           swiglu_order, device, tiling, timing_only=True).stats)]
+                                           swiglu_order, device, tiling, limit, alpha, timing_only=True).stats)]
 
 
 def _timing_gmm_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                             activation="swiglu", swiglu_order="gate_up", device="ascend910", tiling=""):
+                             activation="swiglu", swiglu_order="gate_up", device="ascend910", tiling="", limit=None,
+                             alpha=1.0):
     return [("grouped_matmul", _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation,
-                                           swiglu_order, device, tiling, return_product=True,
+                                           swiglu_order, device, tiling, limit, alpha, return_product=True,
                                            timing_only=True).stats)]
+
+
+GLU = ("swiglu", "clamped_swiglu")
 
 
 @_grouped_matmul.register_fake
 def _(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation="",
-      swiglu_order="gate_up", device="ascend910", tiling=""):
+      swiglu_order="gate_up", device="ascend910", tiling="", limit=None, alpha=1.0):
     N = weight.shape[1] if trans_w else weight.shape[2]
-    return x.new_empty((x.shape[0], N // 2 if activation == "swiglu" else N))
+    return x.new_empty((x.shape[0], N // 2 if activation in GLU else N))
 
 
 _ACT = {"relu": torch.relu, "silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
@@ -354,29 +362,41 @@ def _reference_product(x, weight, group_list, bias, trans_w, group_list_type):
     return torch.cat(parts, 0)
 
 
-def _reference_epilogue(p, activation, swiglu_order):
-    """The epilogue in fp32 on the product (every one maps a zero row to a zero row)."""
-    if activation == "swiglu":
-        a, u = p.chunk(2, -1)
-        return torch.nn.functional.silu(a) * u if swiglu_order == "gate_up" else torch.nn.functional.silu(u) * a
+def _gate_up(p, swiglu_order):
+    if swiglu_order == "interleaved":
+        return p[..., 0::2], p[..., 1::2]
+    a, u = p.chunk(2, -1)
+    return (a, u) if swiglu_order == "gate_up" else (u, a)
+
+
+def _reference_epilogue(p, activation, swiglu_order, limit=None, alpha=1.0):
+    """The epilogue in fp32 on the product (SwiGLU maps a zero row to a zero row; the clamped one, GPT-OSS's
+    ``(clamp(up) + 1) · g·sigmoid(alpha·g)``, to zeros as well: g = 0)."""
+    if activation in GLU:
+        g, u = _gate_up(p, swiglu_order)
+        if activation == "swiglu":
+            return torch.nn.functional.silu(g) * u
+        g = g.clamp(max=limit)
+        return (u.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
     return _ACT[activation](p) if activation else p
 
 
 def reference_grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                             activation="", swiglu_order="gate_up", upcast=False, **_):
+                             activation="", swiglu_order="gate_up", upcast=False, limit=None, alpha=1.0, **_):
     """Per group: ``x_g @ w_g`` in fp32 from the operands' values, + bias, the epilogue in fp32, one cast to
     x's dtype; rows past the last group are 0."""
     out = _reference_epilogue(_reference_product(x, weight, group_list, bias, trans_w, group_list_type),
-                              activation, swiglu_order)
+                              activation, swiglu_order, limit, alpha)
     return out if upcast else out.to(x.dtype)
 
 
 def reference_grouped_matmul_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                                          activation="swiglu", swiglu_order="gate_up", upcast=False, **_):
+                                          activation="swiglu", swiglu_order="gate_up", upcast=False, limit=None,
+                                          alpha=1.0, **_):
     """``reference_grouped_matmul``'s output and the product it applied the epilogue to, each cast once (the
     defaults are the op's: a traced call leaves out arguments equal to them)."""
     p = _reference_product(x, weight, group_list, bias, trans_w, group_list_type)
-    out = _reference_epilogue(p, activation, swiglu_order)
+    out = _reference_epilogue(p, activation, swiglu_order, limit, alpha)
     return (out, p) if upcast else (out.to(x.dtype), p.to(x.dtype))
 
 
@@ -386,6 +406,7 @@ def _gmm_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)          # an unused product's gradient stays None (no zeros to add)
     ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[4:8]))
     ctx.device = inputs[8] if len(inputs) > 8 else "ascend910"
+    ctx.params["limit"], ctx.params["alpha"] = (inputs[10], inputs[11]) if len(inputs) > 11 else (None, 1.0)
 
 
 def _searched(kernel, specs, device, **params) -> str:
@@ -399,17 +420,25 @@ def _spec(t):
     return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
 
-def _epilogue_program(activation, order, M, N, dtype) -> str:
+def _epilogue_program(activation, order, M, N, dtype, limit=None, alpha=1.0) -> str:
     """The grouped GEMM's epilogue as a Vector program over its product ``[M, N]`` (SwiGLU: ``silu(gate)·up``
-    on the halves, in ``order``), the output in ``dtype``: the program whose derived backward gives the
-    product's gradient."""
+    on the halves, in ``order``, or on the interleaved pairs; the clamped SwiGLU of GPT-OSS), the output in
+    ``dtype``: the program whose derived backward gives the product's gradient."""
     b = Builder((M,))
     p = b.input(dtype, (M, N))
-    if activation == "swiglu":
+    if activation in GLU:
         F = N // 2
-        first, second = b.slice(p, start=0, stop=F), b.slice(p, start=F, stop=N)
-        gate, up = (first, second) if order == "gate_up" else (second, first)
-        b.output(b.mul(b.silu(gate), up), dtype)
+        if order == "interleaved":
+            gate, up = b.slice(p, start=0, stop=N, step=2), b.slice(p, start=1, stop=N, step=2)
+        else:
+            first, second = b.slice(p, start=0, stop=F), b.slice(p, start=F, stop=N)
+            gate, up = (first, second) if order == "gate_up" else (second, first)
+        if activation == "swiglu":
+            b.output(b.mul(b.silu(gate), up), dtype)
+        else:
+            g = b.minimum(gate, float(limit))
+            u = b.add(b.minimum(b.maximum(up, -float(limit)), float(limit)), 1.0)
+            b.output(b.mul(u, b.mul(g, b.sigmoid(b.mul(g, float(alpha))))), dtype)
     else:
         b.output(getattr(b, activation)(p), dtype)
     return b.build().to_json()
@@ -445,7 +474,7 @@ def _gmm_backward(ctx, grad, grad_product=None):
             tl = _searched("grouped_matmul", [_spec(x), _spec(w), _spec(gl)], dev, trans_w=trans_w,
                            bias=None if bias is None else _spec(bias))
             product = torch.ops.autofuse.grouped_matmul(x, w, gl, bias, trans_w, glt, "", "gate_up", dev, tl)
-        prog = _epilogue_program(act, p["swiglu_order"], x.shape[0], product.shape[1], dt)
+        prog = _epilogue_program(act, p["swiglu_order"], x.shape[0], product.shape[1], dt, p["limit"], p["alpha"])
         launch = _grad_launch(prog, (0,), (0,), dev)
         if launch is None:
             raise NotImplementedError(f"grouped_matmul backward: the {act} epilogue has no Vector backward")
@@ -466,7 +495,7 @@ def _gmm_backward(ctx, grad, grad_product=None):
     if bias is not None and need[3]:
         ones = torch.ones((x.shape[0], 1), dtype=x.dtype)
         gb = grouped_matmul_weight_grad(ones, d, gl, glt, out_dtype=bias.dtype, device=dev).reshape(E, -1)
-    return gx, gw, None, gb, None, None, None, None, None, None
+    return gx, gw, None, gb, None, None, None, None, None, None, None, None
 
 
 _grouped_matmul.register_autograd(_gmm_backward, setup_context=_gmm_setup)
@@ -477,21 +506,22 @@ def _grouped_matmul_with_product(x: torch.Tensor, weight: torch.Tensor, group_li
                                  bias: Optional[torch.Tensor] = None, trans_w: bool = False,
                                  group_list_type: str = "count", activation: str = "swiglu",
                                  swiglu_order: str = "gate_up", device: str = "ascend910",
-                                 tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                                 tiling: str = "", limit: Optional[float] = None,
+                                 alpha: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     if not activation:
         raise ValueError("grouped_matmul_with_product: needs an activation (without one the output is the product); "
                          "call grouped_matmul")
     r = _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation, swiglu_order, device, tiling,
-                    return_product=True)
+                    limit, alpha, return_product=True)
     _record("grouped_matmul", r.stats)
     return _to_torch(r.outputs[0], x.dtype), _to_torch(r.outputs[1], x.dtype)
 
 
 @_grouped_matmul_with_product.register_fake
 def _(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation="swiglu",
-      swiglu_order="gate_up", device="ascend910", tiling=""):
+      swiglu_order="gate_up", device="ascend910", tiling="", limit=None, alpha=1.0):
     N = weight.shape[1] if trans_w else weight.shape[2]
-    return x.new_empty((x.shape[0], N // 2 if activation == "swiglu" else N)), x.new_empty((x.shape[0], N))
+    return x.new_empty((x.shape[0], N // 2 if activation in GLU else N)), x.new_empty((x.shape[0], N))
 
 
 _grouped_matmul_with_product.register_autograd(_gmm_backward, setup_context=_gmm_setup)
@@ -550,25 +580,28 @@ def grouped_matmul_weight_grad(lhs, rhs, group_list, group_list_type="count", ou
 
 
 def grouped_matmul(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", activation=None,
-                   swiglu_order="gate_up", device="ascend910", tiling=None):
+                   swiglu_order="gate_up", device="ascend910", tiling=None, limit=None, alpha=1.0):
     """Grouped GEMM (CANN GroupedMatmul): rows of ``x [M, K]`` in groups (``group_list``: counts, or
     ``"cumsum"`` offsets as transformers' ``offs``) times ``weight [E, K, N]`` (``[E, N, K]`` with
     ``trans_w``, transformers' storage), ``+ bias [E, N]``, then ``activation``: None, "relu", "gelu",
-    "gelu_tanh", "silu" or "swiglu" (``silu(gate) · up`` on the halves of N; ``swiglu_order`` "gate_up" is
-    transformers' ``chunk(2)`` order, "up_gate" the other). One launch for all groups."""
+    "gelu_tanh", "silu", "swiglu" (``silu(gate) · up`` on the halves of N; ``swiglu_order`` "gate_up" is
+    transformers' ``chunk(2)`` order, "up_gate" the other, "interleaved" gate and up alternating, gate first)
+    or "clamped_swiglu" (GPT-OSS's experts: ``g = min(gate, limit)``, ``(clamp(up, -limit, limit) + 1) ·
+    g · sigmoid(alpha · g)``). One launch for all groups."""
     return torch.ops.autofuse.grouped_matmul(x, weight, group_list, bias, bool(trans_w), group_list_type,
                                              activation or "", swiglu_order, device,
-                                             json.dumps(tiling) if tiling else "")
+                                             json.dumps(tiling) if tiling else "", limit, float(alpha))
 
 
 def grouped_matmul_with_product(x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                                activation="swiglu", swiglu_order="gate_up", device="ascend910", tiling=None):
+                                activation="swiglu", swiglu_order="gate_up", device="ascend910", tiling=None,
+                                limit=None, alpha=1.0):
     """:func:`grouped_matmul` with an epilogue, also returning the product it applied the epilogue to
     (``[M, N]`` in x's dtype, the weight's column order): ``(y, product)``, one launch. Its backward reads the
     product instead of recomputing it (a training forward's choice: one more write here, one GEMM less there)."""
     return torch.ops.autofuse.grouped_matmul_with_product(x, weight, group_list, bias, bool(trans_w), group_list_type,
                                                           activation or "", swiglu_order, device,
-                                                          json.dumps(tiling) if tiling else "")
+                                                          json.dumps(tiling) if tiling else "", limit, float(alpha))
 
 
 # ------------------------------------------------------------------------------------------ finalize

@@ -457,6 +457,21 @@ def _moe_cases(quick: bool):
                     out.append(Case("matmul_per_group", [((M, K), dt), w, ((E,), "int32")], d,
                                     {"trans_w": trans, "group_sizes": sizes},
                                     values={2: np.cumsum(sizes).astype(np.int32)}))
+    # GPT-OSS's experts: [E, in, out] weights, a bias per expert, the clamped SwiGLU on interleaved gate/up pairs
+    oss = [(96, 256, 384, 4, (50, 0, 30, 16), "bfloat16")]
+    if not quick:
+        oss += [(1024, 2880, 5760, 32, (32,) * 32, "bfloat16"), (300, 512, 1040, 8, (100, 0, 0, 7, 93, 50, 50, 0),
+                                                                  "float16")]
+    for i, (M, K, N, E, sizes, dt) in enumerate(oss):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            ins = [((M, K), dt), ((E, K, N), dt), ((E,), "int32"), ((E, N), dt)]
+            for product in (False, True):
+                p = {"activation": "clamped_swiglu", "swiglu_order": "interleaved", "limit": 7.0, "alpha": 1.702,
+                     "group_sizes": sizes}
+                if product:
+                    p["return_product"] = True
+                out.append(Case("grouped_matmul", ins, d, p, values={2: np.array(sizes, dtype=np.int32)},
+                                timing_only=M * N > 4_000_000))
     if not quick:
         out += _moe_7b_cases()
     out += _moe_weight_grad_cases(quick)

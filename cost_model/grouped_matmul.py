@@ -34,8 +34,17 @@ from cost_model.estimate import cached, estimate, kernel_cycles, make, register
 from cost_model.matmul import choose_tiling, write_out
 
 # fp32 Vector passes per element of each epilogue (the elementwise kernel's op passes: silu 4, gelu 25,
-# gelu_tanh 8, relu 1; swiglu = silu + the product)
-EPILOGUE_PASSES = {None: 0, "relu": 1, "silu": 4, "gelu": 25, "gelu_tanh": 8, "swiglu": 5}
+# gelu_tanh 8, relu 1, sigmoid 4; swiglu = silu + the product; clamped_swiglu = GPT-OSS's: mins, maxs + mins,
+# muls alpha, sigmoid, mul, adds 1, mul)
+EPILOGUE_PASSES = {None: 0, "relu": 1, "silu": 4, "gelu": 25, "gelu_tanh": 8, "swiglu": 5, "clamped_swiglu": 11}
+#: gated activations (gate and up columns in the product, half as many outputs)
+GLU = ("swiglu", "clamped_swiglu")
+#: per output element, gathering interleaved gate/up pairs apart (even and odd columns) in the epilogue
+DEINTERLEAVE_PASSES = 2
+
+
+def epilogue_passes(activation, order="gate_up"):
+    return EPILOGUE_PASSES[activation] + (DEINTERLEAVE_PASSES if activation in GLU and order == "interleaved" else 0)
 
 
 def _sizes(E, M, group_sizes):
@@ -57,7 +66,7 @@ def ub_bytes(dev, m0, n0, out_dtype, activation, product=False):
     if activation is None:
         return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
     rows = ceil_div(m0, 2) if split else m0
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     cast = 2 * rows * _pad(n0, out_dtype) * itemsize(out_dtype)
     return (nb + 1) * rows * _pad(n0, "float32") * 4 + cast + (nb * cast if product and out_dtype != "float32" else 0) \
         + 96
@@ -68,7 +77,7 @@ def fits(dev, dtype, out_dtype, t, activation=None, bias=False, product=False):
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
         return False
     isz = itemsize(dtype)
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     buf = dev.buffers
     l0c = nb * m0 * n0 * 4
     nc = 2 if 2 * l0c <= buf["L0C"] else 1
@@ -119,9 +128,9 @@ def _deal(loads, ncores):
     return n, np.array(core, dtype=np.int64)
 
 
-def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, product=False):
+def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, product=False, order="gate_up"):
     isz, osz = itemsize(dtype), itemsize(out_dtype)
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     N_out = N // nb
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     split = dev.arch == "split"
@@ -189,7 +198,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
     out_b = m * n * osz
     prod_b = nb * m * n * osz if product else np.zeros_like(m)     # the stored product, both halves
-    passes = EPILOGUE_PASSES[activation]
+    passes = epilogue_passes(activation, order)
     W = np.bincount(step, out_b + prod_b, S)
     w_t = (W / HBMbw)[step]                                 # the step's HBM writes, per item
     if activation is None:
@@ -279,7 +288,7 @@ def _lower_bound(dev, K, N, dtype, activation, sizes, t):
     """A lower bound on a tiling's modelled kernel time, from the item counts alone: every item lasts at least
     its Cube work and its MTE2 load (its deal load), so the busiest core at least the mean load over the cores
     used. Items come in few shapes (full or last row block by full or last column block): summed by shape."""
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     N_out = N // nb
     m0, n0 = t["m0"], t["n0"]
     rows, cols = {}, {}
@@ -310,9 +319,9 @@ def _dims(x, w, trans_w, activation):
 
 
 @cached
-def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, product=False):
+def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, product=False, order="gate_up"):
     dev = get_device(device)
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     default = kernel_default(dev, dtype, out_dtype, K, N // nb, activation, bias, product)
     # and row blocks for short groups, column blocks for narrow outputs; 256-row blocks (L0C single-buffered
     # when it has no room for two) for long groups, which read each weight column block half as often
@@ -332,7 +341,7 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, produ
         # the margin covers the float rounding of the two sums (relative ~1e-16 per term)
         if best is not None and _lower_bound(dev, K, N, dtype, activation, sizes, t) * (1 - 1e-9) >= best[0]:
             continue
-        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product)
+        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, list(sizes), t, product, order)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0] * (0.97 if t is default else 1.0):
             best = (cost, t, res)
@@ -341,7 +350,7 @@ def _search(device, M, K, N, E, dtype, out_dtype, activation, bias, sizes, produ
 
 def _roofline(dev, specs, bias=None, trans_w=False, activation=None, out_dtype=None, return_product=False, **_):
     M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, activation)
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     out_n = N // nb + (N if return_product and activation else 0)
     io = (M * K + E * K * N) * itemsize(dtype) + M * out_n * itemsize(out_dtype or dtype)
     return max(2.0 * M * N * K / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
@@ -350,8 +359,11 @@ def _roofline(dev, specs, bias=None, trans_w=False, activation=None, out_dtype=N
 @register("grouped_matmul", _roofline)
 def estimate_grouped_matmul(dev, specs, bias=None, trans_w=False, group_list_type="count", activation=None,
                             swiglu_order="gate_up", out_dtype=None, group_sizes=None, tiling=None,
-                            return_product=False):
+                            return_product=False, limit=None, alpha=1.0):
+    """``limit`` and ``alpha`` (clamped_swiglu's) change values only; ``swiglu_order="interleaved"`` adds the
+    epilogue's gather of the pairs."""
     M, K, N, E, dtype = _dims(specs[0], specs[1], trans_w, activation)
+    order = swiglu_order if activation in GLU else "gate_up"
     if return_product and activation is None:
         raise ValueError("grouped_matmul: return_product needs an activation (without one the output is the product)")
     product = bool(return_product)
@@ -360,9 +372,9 @@ def estimate_grouped_matmul(dev, specs, bias=None, trans_w=False, group_list_typ
     sizes = tuple(_sizes(E, M, group_sizes))
     if tiling:
         t = {k: int(tiling[k]) for k in ("m0", "n0", "k0", "k1")}
-        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias is not None, list(sizes), t, product)
+        res = _model(dev, M, K, N, E, dtype, out_dtype, activation, bias is not None, list(sizes), t, product, order)
     else:
-        t, res = _search(dev.name, M, K, N, E, dtype, out_dtype, activation, bias is not None, sizes, product)
+        t, res = _search(dev.name, M, K, N, E, dtype, out_dtype, activation, bias is not None, sizes, product, order)
     core, hbm, nbytes, busy, _ = res
     return make("grouped_matmul", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, trans_w=trans_w,
                 activation=activation, out_dtype=out_dtype, return_product=product), 2.0 * sum(sizes) * N * K)

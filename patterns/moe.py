@@ -10,9 +10,13 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   the sum of each group's top two); and a third for routers that take the top k of the logits first and the
   softmax over the k chosen (GraniteMoE, GPT-OSS: ``norm="topk_softmax"``, selection on the logits).
 * ``moe_experts`` → ``moe_init_routing`` + ``grouped_matmul`` (SwiGLU epilogue on the fused gate_up
-  projection) + ``grouped_matmul`` + ``moe_finalize_routing``. Two templates, one per transformers experts
-  implementation that exports: ``grouped_mm`` (sort, histc, ``transformers.grouped_mm_fallback``, an
-  inverse-permutation gather) and ``batched_mm`` (weights gathered per token, batched matmuls). The third,
+  projection) + ``grouped_matmul`` + ``moe_finalize_routing``. Templates for the two transformers experts
+  implementations that export: ``grouped_mm`` (sort, histc, ``transformers.grouped_mm_fallback``, an
+  inverse-permutation gather) and ``batched_mm`` (weights gathered per token, batched matmuls); and GPT-OSS's
+  ``grouped_mm`` form: ``[E, in, out]`` weights read as stored (``params["trans_w"] = False``), a bias per expert
+  gathered by the sorted expert ids after each GEMM (``inputs["b1"]``, ``["b2"]``), and its clamped SwiGLU on
+  interleaved gate/up pairs (``activation="clamped_swiglu"``, ``swiglu_order="interleaved"``, ``limit``,
+  ``alpha``). The third,
   ``eager``, loops over the experts a token hit (``nonzero``): its routing is data-dependent, so
   ``torch.export`` cannot capture it (the capture error says so; ``torch.compile(backend="autofuse")``
   runs it with graph breaks).
@@ -20,7 +24,9 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
 Rejected by the constraints (each a near-miss test): top-k over another dim or ``largest=False``; softmax over
 the tokens instead of the experts; a renormalisation by anything but the sum of the selected weights (plus
 a scalar eps); a bias added after the selection; an activation other than SiLU on the gate half; halves
-taken in another order than the weights were split.
+taken in another order than the weights were split; in the clamped form, the gate at the odd columns, a gate
+clamped from below too, gate and up clamped at different limits, anything but ``up + 1``, a bias gathered by
+another index.
 """
 from __future__ import annotations
 
@@ -264,34 +270,72 @@ def _glu(t: Template, up: str) -> Template:
              .node("glu", aten.mul.Tensor).edge("act", "glu").edge("up", "glu"))
 
 
-_EXPERTS_GROUPED = _glu(
-    Template("moe_experts", anchor="gmm1")
-    .node("ids_flat", aten.reshape.default)
-    .node("sort", aten.sort.default).edge("ids_flat", "sort", 0)
-    .node("sorted", operator.getitem, where=_item(0)).node("perm", operator.getitem, where=_item(1))
-    .edge("sort", "sorted", 0).edge("sort", "perm", 0)
-    .node("token", aten.floor_divide.default).edge("perm", "token", 0)
-    .node("xs", aten.index.Tensor).edge("token", "xs", 1)
-    .node("fsorted", aten._to_copy.default).edge("sorted", "fsorted", 0)
-    .node("hist", aten.histc.default).edge("fsorted", "hist", 0)
-    .node("offs", aten.cumsum.default).edge("hist", "offs", 0)
-    .node("w1t", aten.transpose.int)
-    .node("gmm1", where=_grouped_mm).edge("xs", "gmm1", 0).edge("w1t", "gmm1", 1).edge("offs", "gmm1", 2),
-    up="gmm1")
-(_EXPERTS_GROUPED
- .node("w2t", aten.transpose.int)
- .node("gmm2", where=_grouped_mm).edge("glu", "gmm2", 0).edge("w2t", "gmm2", 1).edge("offs", "gmm2", 2)
- .node("wflat", aten.reshape.default, optional=True)
- .node("ws", aten.index.Tensor).edge("wflat", "ws", 0).edge("perm", "ws", 1)
- .node("wcol", aten.unsqueeze.default).edge("ws", "wcol", 0)
- .node("wscale", aten.mul.Tensor, where=_scalar_operand, optional=True).edge("wcol", "wscale", 0)
- .node("wmul", aten.mul.Tensor).edge("gmm2", "wmul").edge("wscale", "wmul")
- .node("empty", aten.empty_like.default).edge("perm", "empty", 0)
- .node("iota", aten.arange.default)
- .node("inv", aten.index_put.default).edge("empty", "inv", 0).edge("perm", "inv", 1).edge("iota", "inv", 2)
- .node("back", aten.index.Tensor).edge("wmul", "back", 0).edge("inv", "back", 1)
- .node("tkh", aten.reshape.default).edge("back", "tkh", 0)
- .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
+def _step2(start):
+    """A slice of every other column from ``start`` (interleaved gate/up pairs)."""
+    def check(n):
+        return arg(n, 2, "start", None) in ((None, 0) if start == 0 else (start,)) and arg(n, 4, "step", 1) == 2 \
+            and _last_dim(n, arg(n, 1, "dim", 0))
+    check.__name__ = f"every_other_from_{start}"
+    return check
+
+
+def _clamped_glu(t: Template, up: str) -> Template:
+    """GPT-OSS's gated activation on interleaved pairs: ``g = clamp(x[..., ::2], max=L)``, ``u = clamp(x[..., 1::2],
+    -L, L)``, ``(u + 1) * (g * sigmoid(g * alpha))``."""
+    return (t.node("even", aten.slice.Tensor, where=_step2(0)).node("odd", aten.slice.Tensor, where=_step2(1))
+             .edge(up, "even", 0).edge(up, "odd", 0)
+             .node("gclamp", aten.clamp.default).edge("even", "gclamp", 0)
+             .node("uclamp", aten.clamp.default).edge("odd", "uclamp", 0)
+             .node("gscale", aten.mul.Tensor, where=_scalar_operand).edge("gclamp", "gscale", 0)
+             .node("sig", aten.sigmoid.default).edge("gscale", "sig", 0)
+             .node("gsig", aten.mul.Tensor).edge("gclamp", "gsig").edge("sig", "gsig")
+             .node("up1", aten.add.Tensor, where=_scalar_operand).edge("uclamp", "up1", 0)
+             .node("glu", aten.mul.Tensor).edge("up1", "glu").edge("gsig", "glu"))
+
+
+def _grouped(act, transposed: bool, biased: bool) -> Template:
+    """transformers' ``grouped_mm`` experts: sort the (token, expert) pairs by expert, gather the tokens, the group
+    offsets by ``histc`` + ``cumsum``, the two grouped GEMMs around the gated activation ``act`` (weights read
+    through a transpose when ``transposed``: Mixtral's ``[E, out, in]``; GPT-OSS's ``[E, in, out]`` directly; with a
+    per-expert bias gathered by the sorted expert ids and added when ``biased``), the routing weights applied at
+    the same permutation, the inverse permutation, the sum over each token's k."""
+    t = (Template("moe_experts", anchor="gmm1")
+         .node("ids_flat", aten.reshape.default)
+         .node("sort", aten.sort.default).edge("ids_flat", "sort", 0)
+         .node("sorted", operator.getitem, where=_item(0)).node("perm", operator.getitem, where=_item(1))
+         .edge("sort", "sorted", 0).edge("sort", "perm", 0)
+         .node("token", aten.floor_divide.default).edge("perm", "token", 0)
+         .node("xs", aten.index.Tensor).edge("token", "xs", 1)
+         .node("fsorted", aten._to_copy.default).edge("sorted", "fsorted", 0)
+         .node("hist", aten.histc.default).edge("fsorted", "hist", 0)
+         .node("offs", aten.cumsum.default).edge("hist", "offs", 0)
+         .node("gmm1", where=_grouped_mm).edge("xs", "gmm1", 0).edge("offs", "gmm1", 2)
+         .node("gmm2", where=_grouped_mm).edge("offs", "gmm2", 2))
+    if transposed:
+        t.node("w1t", aten.transpose.int).edge("w1t", "gmm1", 1).node("w2t", aten.transpose.int).edge("w2t", "gmm2", 1)
+    up, down = "gmm1", "gmm2"
+    if biased:
+        for i, gmm in ((1, "gmm1"), (2, "gmm2")):
+            t.node(f"b{i}", aten.index.Tensor).edge("sorted", f"b{i}", 1)
+            t.node(f"add{i}", aten.add.Tensor).edge(gmm, f"add{i}").edge(f"b{i}", f"add{i}")
+        up, down = "add1", "add2"
+    return (act(t, up).edge("glu", "gmm2", 0)
+            .node("wflat", aten.reshape.default, optional=True)
+            .node("ws", aten.index.Tensor).edge("wflat", "ws", 0).edge("perm", "ws", 1)
+            .node("wcol", aten.unsqueeze.default).edge("ws", "wcol", 0)
+            .node("wscale", aten.mul.Tensor, where=_scalar_operand, optional=True).edge("wcol", "wscale", 0)
+            .node("wmul", aten.mul.Tensor).edge(down, "wmul").edge("wscale", "wmul")
+            .node("empty", aten.empty_like.default).edge("perm", "empty", 0)
+            .node("iota", aten.arange.default)
+            .node("inv", aten.index_put.default).edge("empty", "inv", 0).edge("perm", "inv", 1).edge("iota", "inv", 2)
+            .node("back", aten.index.Tensor).edge("wmul", "back", 0).edge("inv", "back", 1)
+            .node("tkh", aten.reshape.default).edge("back", "tkh", 0)
+            .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
+
+
+_EXPERTS_GROUPED = _grouped(_glu, transposed=True, biased=False)
+#: GPT-OSS: [E, in, out] weights, a bias per expert, the clamped SwiGLU on interleaved pairs
+_EXPERTS_GROUPED_CLAMPED = _grouped(_clamped_glu, transposed=False, biased=True)
 
 _EXPERTS_BATCHED = _glu(
     Template("moe_experts", anchor="bmm1")
@@ -354,8 +398,11 @@ def _decide_experts(m: dict) -> Match | None:
             return None
         if "wflat" not in m and m["ws"].args[0] is not weights:
             return None
-        w1 = _param(m["w1t"].args[0]) if tuple(m["w1t"].args[1:]) == (-2, -1) else None
-        w2 = _param(m["w2t"].args[0]) if tuple(m["w2t"].args[1:]) == (-2, -1) else None
+        if "w1t" in m:
+            w1 = _param(m["w1t"].args[0]) if tuple(m["w1t"].args[1:]) == (-2, -1) else None
+            w2 = _param(m["w2t"].args[0]) if tuple(m["w2t"].args[1:]) == (-2, -1) else None
+        else:                       # [E, in, out] weights read as they are stored (GPT-OSS)
+            w1, w2 = _param(m["gmm1"].args[1]), _param(m["gmm2"].args[1])
         E = shape(w1)[0] if w1 is not None else 0
         hist = m["hist"]
         if tuple(hist.args[1:4]) != (E, 0, E - 1) or m["back"].args[1][0] is not m["inv"]:
@@ -364,37 +411,83 @@ def _decide_experts(m: dict) -> Match | None:
             return None
     if w1 is None or w2 is None or len(shape(w1)) != 3 or len(shape(w2)) != 3:
         return None
-    E, two_i, H = shape(w1)
-    if shape(w2) != (E, H, two_i // 2) or shape(x) != (T, H):
-        return None
-    if m["split"].args[1] != two_i // 2 or arg(m["split"], 2, "dim") not in (-1, 1):
+    trans_w = batched or "w1t" in m
+    if trans_w:
+        E, two_i, H = shape(w1)
+        if shape(w2) != (E, H, two_i // 2):
+            return None
+    else:
+        E, H, two_i = shape(w1)
+        if shape(w2) != (E, two_i // 2, H):
+            return None
+    if shape(x) != (T, H):
         return None
     if not _is_last(m["wcol"]) or shape(m["tkh"]) != (T, k, H) or list(arg(m["combine"], 1, "dim")) not in ([1], [-2]) \
             or arg(m["combine"], 2, "keepdim", False):
         return None
-    glu = m["glu"]
-    if {glu.args[0], glu.args[1]} != {m["act"], m["up"]}:
-        return None
+    extra_inputs, act = {}, dict(activation="swiglu", swiglu_order="gate_up")
+    if "gclamp" in m:
+        act = _clamped_swiglu(m, m["sorted"], E, two_i, H)
+        if act is None:
+            return None
+        extra_inputs = {"b1": act.pop("b1"), "b2": act.pop("b2")}
+    else:
+        if m["split"].args[1] != two_i // 2 or arg(m["split"], 2, "dim") not in (-1, 1):
+            return None
+        glu = m["glu"]
+        if {glu.args[0], glu.args[1]} != {m["act"], m["up"]}:
+            return None
     inside = set(m.values())
     out = m["combine"]
     for n in m.values():            # the block's intermediates are its own (a constant it shares may be read on)
         if n is not out and n.all_input_nodes and any(u not in inside for u in n.users):
             return None
     order = [n.name for n in out.graph.nodes if n in inside]
-    inputs = {"x": x.name, "ids": ids.name, "weights": weights.name, "w1": w1.name, "w2": w2.name}
+    inputs = {"x": x.name, "ids": ids.name, "weights": weights.name, "w1": w1.name, "w2": w2.name, **extra_inputs}
     scale = float(m["wscale"].args[1]) if "wscale" in m else 1.0    # a routing scale the canonical form sank here
-    params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=two_i // 2, activation="swiglu",
-                  weights_scale=scale,
-                  swiglu_order="gate_up", implementation="batched_mm" if batched else "grouped_mm",
-                  out_like=val(out), dtype=val(x).dtype)
+    params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=two_i // 2, weights_scale=scale,
+                  trans_w=trans_w, implementation="batched_mm" if batched else "grouped_mm",
+                  out_like=val(out), dtype=val(x).dtype, **act)
     return Match("moe_experts", tuple(order), out.name, inputs, params)
+
+
+def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
+    """The clamped SwiGLU of GPT-OSS and its biases, checked: each bias a [E, N] parameter gathered by the sorted
+    expert ids; gate = the even columns clamped from above at L, up = the odd ones clamped to [-L, L] (one L),
+    ``(up + 1) * (gate * sigmoid(gate * alpha))``. Returns the kernel's options and the bias names, or None."""
+    biases = []
+    for i, n in ((1, two_i), (2, H)):
+        b = m[f"b{i}"]
+        src = _param(b.args[0])
+        if src is None or shape(src) != (E, n) or len(b.args[1]) != 1 or b.args[1][0] is not sorted_ids:
+            return None
+        biases.append(src.name)
+    g, u = m["gclamp"], m["uclamp"]
+    if g.args[0] is not m["even"] or u.args[0] is not m["odd"] or g.kwargs or u.kwargs:
+        return None
+    lo, hi = arg(g, 1, "min", None), arg(g, 2, "max", None)
+    ulo, uhi = arg(u, 1, "min", None), arg(u, 2, "max", None)
+    if lo is not None or not all(is_number(v) for v in (hi, ulo, uhi)) or not (hi > 0 and ulo == -hi and uhi == hi):
+        return None                 # gate clamped from above only, up to [-L, L], one L
+    if m["up1"].args[1] != 1 or m["sig"].args[0] is not m["gscale"] or m["gscale"].args[0] is not g:
+        return None
+    if {m["gsig"].args[0], m["gsig"].args[1]} != {g, m["sig"]} or {m["glu"].args[0], m["glu"].args[1]} != \
+            {m["up1"], m["gsig"]}:
+        return None
+    for sl in (m["even"], m["odd"]):
+        if arg(sl, 3, "end", None) not in (None, two_i) and arg(sl, 3, "end", None) < two_i:
+            return None
+    return dict(activation="clamped_swiglu", swiglu_order="interleaved", limit=float(hi),
+                alpha=float(m["gscale"].args[1]), b1=biases[0], b2=biases[1])
 
 
 @register("moe_experts")
 def find_moe_experts(gm: fx.GraphModule) -> list[Match]:
     view = graph_view(gm)
-    found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_GROUPED.match(view, _decide_experts)
+    found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_GROUPED.match(view, _decide_experts) + \
+        _EXPERTS_GROUPED_CLAMPED.match(view, _decide_experts)
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
-TEMPLATES = (_GATING, _GATING_GATHER, _GATING_TOPK_FIRST, _EXPERTS_GROUPED, _EXPERTS_BATCHED)
+TEMPLATES = (_GATING, _GATING_GATHER, _GATING_TOPK_FIRST, _EXPERTS_GROUPED, _EXPERTS_BATCHED,
+             _EXPERTS_GROUPED_CLAMPED)

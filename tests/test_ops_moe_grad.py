@@ -27,6 +27,9 @@ def _unfused_gmm(x, w, counts, bias, trans_w, act, order="gate_up"):
         if act == "swiglu":
             a, u = y.chunk(2, -1)
             y = F.silu(a) * u if order == "gate_up" else F.silu(u) * a
+        elif act == "clamped_swiglu":          # GPT-OSS: interleaved pairs, clamped
+            a, u = y[..., ::2].clamp(max=7.0), y[..., 1::2].clamp(-7.0, 7.0)
+            y = (u + 1) * (a * torch.sigmoid(a * 1.702))
         elif act == "gelu":
             y = F.gelu(y)
         parts.append(y)
@@ -72,6 +75,38 @@ def test_grouped_matmul_gradients_equal_eager(dtype, act, load):
         assert ok, (name, err, tol)
     if counts[1] == 0:
         assert (got[1][1] == 0).all()                                 # an empty expert's weight: no gradient
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stored", [False, True])
+def test_clamped_swiglu_on_interleaved_pairs_gradients_equal_eager(dtype, stored):
+    """GPT-OSS's experts epilogue: the derived Vector backward of the clamped SwiGLU on interleaved pairs (zero
+    gradient where a clamp bites), from the recomputed or the stored product."""
+    torch.manual_seed(7)
+    counts = LOADS[0]
+    E, K, N = len(counts), 24, 32
+    M = sum(counts) + 2
+    x = (torch.randn(M, K) * 3).to(dtype)                             # products beyond the clamp limit too
+    w, bias = torch.randn(E, K, N).mul(0.5).to(dtype), torch.randn(E, N).to(dtype)
+    gl = torch.tensor(counts)
+    g = torch.randn(M, N // 2).to(dtype)
+    op = ops_moe.grouped_matmul_with_product if stored else ops_moe.grouped_matmul
+
+    def fused(x, w, b):
+        y = op(x, w, gl, b, activation="clamped_swiglu", swiglu_order="interleaved", limit=7.0, alpha=1.702)
+        return y[0] if stored else y
+
+    def eager(x, w, b):
+        return _unfused_gmm(x, w, counts, b, False, "clamped_swiglu")
+
+    product = _unfused_gmm(x.double(), w.double(), counts, bias.double(), False, None)
+    assert (product[..., ::2] > 7).any() and (product[..., 1::2].abs() > 7).any()     # both clamps bite
+    got, want = _grads(fused, [x, w, bias], g), _grads(eager, [x, w, bias], g)
+    ref = _grads(eager, [t.double() for t in (x, w, bias)], g.double())
+    for name, gg, ww, rr in zip(("dx", "dw", "dbias"), got, want, ref):
+        assert gg.dtype == ww.dtype and gg.shape == ww.shape, name
+        ok, err, tol = compare(ww, rr, gg)
+        assert ok, (name, err, tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -70,7 +70,7 @@ def test_items_in_the_kernel_order(sizes, N_out, m0, n0):
 
 @pytest.mark.parametrize("device", ["ascend910", "ascend910b", "ascend310p"])
 @pytest.mark.parametrize("sizes, activation", [((64, 64, 64, 64), None), ((200, 0, 17, 400), "swiglu"),
-                                               ((1, 300, 33, 90), "gelu")])
+                                               ((1, 300, 33, 90), "gelu"), ((5, 70, 0, 12), "clamped_swiglu")])
 def test_search_lower_bound_never_exceeds_the_model(device, sizes, activation):
     """The search skips a tiling whose lower bound reaches the best cost so far; that is sound only if the
     bound never exceeds the modelled cost of any tiling (so a skipped tiling could not have won)."""
@@ -87,3 +87,13 @@ def test_search_lower_bound_never_exceeds_the_model(device, sizes, activation):
             res = _model(dev, sum(sizes), K, N, len(sizes), "float16", "float16", activation, False, list(sizes), t)
             # the bound sums in another order than the model: 1e-9 relative covers the float rounding of both
             assert _lower_bound(dev, K, N, "float16", activation, sizes, t) <= kernel_cycles(dev, *res[:3]) * (1 + 1e-9)
+
+
+def test_epilogue_passes_restate_the_kernels():
+    """The cost model restates the kernel's Vector passes per epilogue (it imports no simulator code): the same
+    count for every activation and gate/up order, the interleaved pairs' gather included."""
+    from autofuse.npu.kernels import grouped_matmul as kern
+    from cost_model import grouped_matmul as model
+    for act in kern.ACTIVATIONS:
+        for order in kern.ORDERS:
+            assert model.epilogue_passes(act, order) == kern.epilogue_passes(act, order), (act, order)

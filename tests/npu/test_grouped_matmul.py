@@ -8,7 +8,14 @@ from autofuse import npu
 DEVICES = ["ascend910", "ascend910b", "ascend310p"]
 
 
-def _ref(x, w, counts, trans_w, bias=None, act=None, order="gate_up"):
+def _gate_up(y, order):
+    if order == "interleaved":
+        return y[..., 0::2], y[..., 1::2]
+    a, u = y.chunk(2, -1)
+    return (a, u) if order == "gate_up" else (u, a)
+
+
+def _ref(x, w, counts, trans_w, bias=None, act=None, order="gate_up", limit=7.0, alpha=1.702):
     out, s = [], 0
     N = w.shape[1] if trans_w else w.shape[2]
     for g, c in enumerate(counts):
@@ -17,21 +24,65 @@ def _ref(x, w, counts, trans_w, bias=None, act=None, order="gate_up"):
         if bias is not None:
             y = y + bias[g].double()
         if act == "swiglu":
-            a, u = y.chunk(2, -1)
-            y = torch.nn.functional.silu(a) * u if order == "gate_up" else torch.nn.functional.silu(u) * a
+            a, u = _gate_up(y, order)
+            y = torch.nn.functional.silu(a) * u
+        elif act == "clamped_swiglu":              # GPT-OSS's experts
+            a, u = _gate_up(y, order)
+            a = a.clamp(max=limit)
+            y = (u.clamp(-limit, limit) + 1) * a * torch.sigmoid(a * alpha)
         elif act == "gelu":
             y = torch.nn.functional.gelu(y)
         elif act == "relu":
             y = torch.relu(y)
         out.append(y)
         s += c
-    out.append(torch.zeros(x.shape[0] - s, N // 2 if act == "swiglu" else N, dtype=torch.float64))
+    out.append(torch.zeros(x.shape[0] - s, N // 2 if act in ("swiglu", "clamped_swiglu") else N, dtype=torch.float64))
     return torch.cat(out)
 
 
 def _eager(x, w, counts, trans_w, bias=None, act=None, order="gate_up"):
     """What the models compute in x's dtype (float32 for bf16/fp16 inputs on the CPU, rounded)."""
     return _ref(x.float(), w.float(), counts, trans_w, bias, act, order).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act,trans_w,N", [("clamped_swiglu", False, 96), ("clamped_swiglu", True, 520),
+                                           ("swiglu", False, 40)])
+def test_interleaved_gate_up_pairs(device, dtype, act, trans_w, N):
+    """Gate and up alternating in the weight's columns (GPT-OSS's gate_up_proj), a bias per expert, GPT-OSS's
+    clamped SwiGLU: against float64 within twice eager's error; an output tile of n0 columns reads 2·n0
+    contiguous weight columns (its pairs), tiles narrower than n0 at the edge included (N = 520)."""
+    torch.manual_seed(4)
+    E, K = 4, 64
+    counts = [30, 0, 70, 5]
+    M = sum(counts) + 3
+    x = (torch.randn(M, K) * 2).to(dtype)                          # products beyond the clamp limit too
+    w = (torch.randn(E, N, K) if trans_w else torch.randn(E, K, N)).to(dtype) * 0.5
+    b = torch.randn(E, N).to(dtype)
+    kw = dict(limit=7.0, alpha=1.702) if act == "clamped_swiglu" else {}
+    r = npu.run("grouped_matmul", x, w, torch.tensor(counts, dtype=torch.int32), b, trans_w=trans_w, activation=act,
+                swiglu_order="interleaved", device=device, **kw)
+    ref = _ref(x, w, counts, trans_w, b, act, "interleaved")
+    assert (ref.abs() > 7).any() if act == "clamped_swiglu" else True
+    eager = _eager(x, w, counts, trans_w, b, act, "interleaved")
+    got = r.torch_outputs()[0].double()
+    # fp32 accumulation, one rounding to the dtype: within 2x eager's error (+ the fp32 accumulation's own)
+    assert (got - ref).abs().max() <= 2 * (eager.double() - ref).abs().max() + 1e-4
+    assert got[sum(counts):].abs().max() == 0
+    halves = _ref(x, w, counts, trans_w, b, act, "gate_up")          # near miss: the halves order differs
+    assert (got - halves).abs().max() > 1e-2
+
+
+def test_clamped_swiglu_needs_a_positive_limit():
+    x, w = torch.randn(8, 16), torch.randn(2, 16, 8)
+    for limit in (None, 0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="limit"):
+            npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32), activation="clamped_swiglu",
+                    limit=limit)
+    with pytest.raises(ValueError, match="swiglu_order"):
+        npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32), activation="swiglu",
+                swiglu_order="odd_even")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,7 +168,8 @@ def test_errors():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("act,order", [("swiglu", "gate_up"), ("swiglu", "up_gate"), ("gelu", "gate_up")])
+@pytest.mark.parametrize("act,order", [("swiglu", "gate_up"), ("swiglu", "up_gate"), ("gelu", "gate_up"),
+                                       ("clamped_swiglu", "interleaved")])
 def test_return_product(device, dtype, act, order):
     """The product written next to the output is the pre-activation ``x·w (+ bias)`` per group, rounded once to
     the dtype: the values a launch without the epilogue gives (what the backward would otherwise recompute),
@@ -128,9 +180,11 @@ def test_return_product(device, dtype, act, order):
     M = sum(counts) + 3
     x = torch.randn(M, K).to(dtype)
     w = (torch.randn(E, N, K) * 0.1).to(dtype)
-    b = torch.randn(E, N) if act == "swiglu" else None
+    b = torch.randn(E, N) if act in ("swiglu", "clamped_swiglu") else None
     gl = torch.tensor(counts, dtype=torch.int32)
     kw = dict(trans_w=True, activation=act, swiglu_order=order, device=device)
+    if act == "clamped_swiglu":
+        kw.update(limit=7.0, alpha=1.702)
     plain = npu.run("grouped_matmul", x, w, gl, b, **kw)
     both = npu.run("grouped_matmul", x, w, gl, b, return_product=True, **kw)
     assert np.array_equal(both.outputs[0], plain.outputs[0])

@@ -13,9 +13,13 @@
 Epilogues (Vector, fp32, before the store): ``relu``, ``gelu``, ``gelu_tanh``, ``silu`` (the passes of the
 ``elementwise`` kernel's ops), and ``swiglu``: the product has 2·N' columns, gate and up halves, and the
 output ``silu(gate) · up`` has N' (``swiglu_order="gate_up"``: gate first, as transformers'
-``chunk(2, dim=-1)`` splits ``gate_up_proj``'s output; ``"up_gate"``: up first). An output tile of n0
+``chunk(2, dim=-1)`` splits ``gate_up_proj``'s output; ``"up_gate"``: up first; ``"interleaved"``: gate and up
+alternate, gate at the even columns, as GPT-OSS's ``gate_up_proj`` holds them). An output tile of n0
 columns computes its gate and up columns side by side (two B tiles, two accumulators), so the product
-never leaves the core unfinished.
+never leaves the core unfinished; interleaved, the two accumulators take the two halves of the tile's 2·n0
+contiguous weight columns (pairs), and the epilogue gathers the even and odd columns apart (two more Vector
+passes, as a GatherMask by pattern does). ``clamped_swiglu`` (GPT-OSS's experts): ``g = min(gate, limit)``,
+``u = clamp(up, -limit, limit)``, output ``(u + 1) · g · sigmoid(alpha · g)``.
 
 ``return_product=True`` (with an epilogue; a training forward, whose backward needs the product): the kernel
 also writes the pre-activation product ``p [M, N] = x[rows_g] @ w[g] + bias[g]`` in the output dtype (SwiGLU:
@@ -61,15 +65,23 @@ from autofuse.npu.machine import GMTensor, L2, Launch
 from autofuse.npu.run import kernel
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
-ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "swiglu")
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "swiglu", "clamped_swiglu")
+#: gated activations: the product has gate and up columns, the output half as many
+GLU = ("swiglu", "clamped_swiglu")
+ORDERS = ("gate_up", "up_gate", "interleaved")
+#: Vector passes per output element that gather interleaved gate/up pairs apart (the even and the odd columns)
+DEINTERLEAVE_PASSES = 2
 
 
-def epilogue_passes(activation) -> int:
+def epilogue_passes(activation, order="gate_up") -> int:
     """fp32 Vector passes of an epilogue per output element (the cast to the output dtype not included)."""
     if activation is None:
         return 0
+    extra = DEINTERLEAVE_PASSES if activation in GLU and order == "interleaved" else 0
     if activation == "swiglu":
-        return len(OPS["silu"].passes(None, False)) + 1
+        return len(OPS["silu"].passes(None, False)) + 1 + extra
+    if activation == "clamped_swiglu":       # mins, maxs + mins, muls alpha, sigmoid, mul, adds 1, mul
+        return len(OPS["sigmoid"].passes(None, False)) + 7 + extra
     return len(OPS[activation].passes(None, False))
 
 
@@ -79,7 +91,7 @@ def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False, produc
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
         return False
     isz, osz = itemsize(dtype), itemsize(out_dtype)
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     buf = device.buffers
     l0c = nb * m0 * n0 * 4
     nc = 2 if 2 * l0c <= buf["L0C"] else 1
@@ -99,7 +111,7 @@ def ub_bytes(device, m0, n0, out_dtype, activation, product=False) -> int:
     if activation is None:
         return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
     rows = ceil_div(m0, 2) if split else m0
-    nb = 2 if activation == "swiglu" else 1
+    nb = 2 if activation in GLU else 1
     f32 = rows * pad(n0, "float32") * 4
     cast = 2 * rows * pad(n0, out_dtype) * itemsize(out_dtype)
     return (nb + 1) * f32 + cast + (nb * cast if product and out_dtype != "float32" else 0) + 3 * 32
@@ -170,7 +182,7 @@ def deal(loads, ncores):
     return per
 
 
-def _check(x, w, trans_w, activation, swiglu_order):
+def _check(x, w, trans_w, activation, swiglu_order, limit=None):
     for name, t in (("x", x), ("weight", w)):
         if t.dtype not in CUBE_DTYPES:
             raise TypeError(f"grouped_matmul: {name} is {t.dtype}; the Cube takes {', '.join(CUBE_DTYPES)}")
@@ -186,26 +198,36 @@ def _check(x, w, trans_w, activation, swiglu_order):
     if activation not in ACTIVATIONS:
         raise ValueError(f"grouped_matmul: activation={activation!r}; choose one of {ACTIVATIONS}")
     N = w.shape[1] if trans_w else w.shape[2]
-    if activation == "swiglu" and N % 2:
-        raise ValueError(f"grouped_matmul: swiglu needs an even N (gate and up halves), got N={N}")
-    if swiglu_order not in ("gate_up", "up_gate"):
-        raise ValueError(f"grouped_matmul: swiglu_order={swiglu_order!r}; choose 'gate_up' or 'up_gate'")
+    if activation in GLU and N % 2:
+        raise ValueError(f"grouped_matmul: {activation} needs an even N (gate and up halves), got N={N}")
+    if swiglu_order not in ORDERS:
+        raise ValueError(f"grouped_matmul: swiglu_order={swiglu_order!r}; choose one of {ORDERS}")
+    if activation == "clamped_swiglu" and not (limit is not None and math.isfinite(limit) and limit > 0):
+        raise ValueError(f"grouped_matmul: clamped_swiglu needs a positive finite limit, got limit={limit}")
     return K, N
 
 
-def _act_fn(activation):
+def _act_fn(activation, limit=None, alpha=1.0):
     if activation == "swiglu":
         silu = OPS["silu"].fn
         return lambda g, u: silu(g) * u
+    if activation == "clamped_swiglu":
+        sig, lim, a = OPS["sigmoid"].fn, np.float32(limit), np.float32(alpha)
+
+        def clamped(g, u):
+            g = np.minimum(g, lim)
+            return (np.clip(u, -lim, lim) + np.float32(1)) * (g * sig(g * a))
+        return clamped
     return OPS[activation].fn
 
 
 @kernel("grouped_matmul", steer=("group_list",))
 def grouped_matmul(launch, x, weight, group_list, bias=None, trans_w=False, group_list_type="count",
-                   activation=None, swiglu_order="gate_up", out_dtype=None, tiling=None, return_product=False):
+                   activation=None, swiglu_order="gate_up", out_dtype=None, tiling=None, return_product=False,
+                   limit=None, alpha=1.0):
     """``y[rows_g] = act(x[rows_g] @ w[g] + bias[g])`` for every group g, one launch (module docstring); with
-    ``return_product`` also the product ``x[rows_g] @ w[g] + bias[g]``."""
-    K, N = _check(x, weight, trans_w, activation, swiglu_order)
+    ``return_product`` also the product ``x[rows_g] @ w[g] + bias[g]``. ``limit``, ``alpha``: clamped_swiglu's."""
+    K, N = _check(x, weight, trans_w, activation, swiglu_order, limit)
     E = weight.shape[0]
     if group_list.data.size != E:
         raise ValueError(f"grouped_matmul: group_list has {group_list.data.size} entries for {E} experts")
@@ -215,18 +237,19 @@ def grouped_matmul(launch, x, weight, group_list, bias=None, trans_w=False, grou
         raise ValueError("grouped_matmul: return_product needs an activation (without one the output is the "
                          "product); drop return_product or name the epilogue")
     return _Grouped(launch, x, weight, group_list, bias, bool(trans_w), group_list_type, activation, swiglu_order,
-                    out_dtype or x.dtype, tiling, K, N, bool(return_product)).run()
+                    out_dtype or x.dtype, tiling, K, N, bool(return_product), limit, alpha).run()
 
 
 class _Grouped:
     """One launch of grouped_matmul: allocations, the deal, the per-step Cube program and the epilogue."""
 
     def __init__(self, launch, x, w, group_list, bias, trans_w, glt, activation, order, out_dtype, tiling, K, N,
-                 product=False):
+                 product=False, limit=None, alpha=1.0):
         dev = self.dev = launch.device
         self.launch, self.x, self.w, self.bias, self.trans_w = launch, x, w, bias, trans_w
         self.act, self.order, self.out_dtype, self.K = activation, order, out_dtype, K
-        self.nb = 2 if activation == "swiglu" else 1
+        self.limit, self.alpha = limit, alpha
+        self.nb = 2 if activation in GLU else 1
         self.N_out = N // self.nb
         self.dtype = x.dtype
         M = x.shape[0]
@@ -295,10 +318,13 @@ class _Grouped:
         return (self.out,) if self.prod is None else (self.out, self.prod)
 
     def _cols(self, it, h):
-        """Columns of weight feeding accumulator ``h`` of item ``it`` (h: 0 gate / 1 up for swiglu)."""
+        """Columns of weight feeding accumulator ``h`` of item ``it`` (h: 0 gate / 1 up for swiglu; interleaved:
+        the first and the second half of the item's 2·ce columns of gate/up pairs)."""
         c0, ce = it[3], it[4]
         if self.nb == 1:
             return slice(c0, c0 + ce)
+        if self.order == "interleaved":
+            return slice(2 * c0 + h * ce, 2 * c0 + (h + 1) * ce)
         first = (h == 0) == (self.order == "gate_up")
         off = 0 if first else self.N_out
         return slice(off + c0, off + c0 + ce)
@@ -411,15 +437,19 @@ class _Grouped:
         self.slot1 += 1
         p32, tmp = self.p32, self.tmp
         rep = ceil_div(m_ext * pad(n_ext, "float32"), 64)
-        passes = epilogue_passes(self.act)
-        fn = _act_fn(self.act)
+        passes = epilogue_passes(self.act, self.order)
+        fn = _act_fn(self.act, self.limit, self.alpha)
+        gather = self._pairs(n_ext) if self.order == "interleaved" and self.nb == 2 else None
 
         def compute():
             with np.errstate(over="ignore"):       # exp of the padding's large negatives: inf, harmless
                 epilogue()
 
         def epilogue():
-            if self.nb == 2:
+            if gather is not None:              # gate/up pairs across the two accumulators: even and odd columns
+                both = np.stack([p32[0].data, p32[1].data])
+                r = fn(both[gather[0]], both[gather[1]])
+            elif self.nb == 2:
                 r = fn(p32[0].data, p32[1].data)
             else:
                 r = fn(p32[0].data)
@@ -433,6 +463,23 @@ class _Grouped:
         vg.store(U, self.out, regs, active=act, name="store out")
         if self.prod is not None:
             self.store_product(vg, mine, rep, act)
+
+    def _pairs(self, n_ext):
+        """Index arrays into ``stack([acc0, acc1])`` ([2, cores, rows, W]) giving, per core, the gate and the up
+        column of each output column j < ce: pair column 2j (+1 for up) of the 2·ce the item's two accumulators
+        hold, acc0's ce first."""
+        c, rows, W = self.p32[0].data.shape
+        j = np.arange(W)
+        ce = np.maximum(np.asarray(n_ext, dtype=np.int64), 1)[:, None]
+        out = []
+        for off in (0, 1):
+            p = np.minimum(2 * j[None, :] + off, 2 * ce - 1)               # past ce: any valid column (padding)
+            h = (p >= ce).astype(np.int64)
+            col = p - h * ce
+            hh = np.broadcast_to(h[:, None, :], (c, rows, W))
+            cc = np.broadcast_to(col[:, None, :], (c, rows, W))
+            out.append((hh, np.arange(c)[:, None, None], np.arange(rows)[None, :, None], cc))
+        return out
 
     def store_product(self, vg, mine, rep, act):
         """The fp32 product tile(s) the epilogue read, cast to the output dtype (one Vector pass each) and
