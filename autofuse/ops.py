@@ -270,7 +270,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
     host = (ctx.softcap is not None                # the backward kernel has no soft-capping: recomputed here
-            or sinks is not None                   # nor attention sinks
+            or (sinks is not None and not stats.numel())     # nor sinks in its statistics' recompute
             or (scale_t is not None and need[11])
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
@@ -281,7 +281,8 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
             ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
-        return tuple(res) + (None,) * 17
+        gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
+        return tuple(res) + (None,) * 16 + (gsink,)
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -308,6 +309,19 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         (None if gk is None else gk.to(sinks.dtype),)
 
 
+def _sinks_grad(sinks, n, m, lsum, go, out):
+    """The sink logits' gradient from the forward's statistics (which count the sink: ``m``, ``l``): the sink's
+    score gets ``dS = P_sink · (0 - Dr)`` in every row (it attends no value, so its dP is 0), ``P_sink = exp(sink -
+    m) / l``, ``Dr = rowsum(dO ∘ O)``; summed over batch and queries per head (over the heads too for one shared
+    logit). Torch ops on ``[B, N, Sq]`` values after the backward kernel (a traced training step prices them as
+    the launches they are); a row with nothing to weigh (``l = 0``) gives 0."""
+    dr = (go.float() * out.float()).sum(-1)
+    s = sinks.detach().float().reshape(-1).expand(n).reshape(1, n, 1)
+    p = torch.where(lsum > 0, torch.exp(s - m) / torch.where(lsum > 0, lsum, 1.0), 0.0)
+    g = -(p * dr).sum((0, 2))
+    return (g if sinks.numel() == n else g.sum()).reshape(sinks.shape).to(sinks.dtype)
+
+
 _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -329,7 +343,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     ``softcap``: the scaled scores become ``softcap · tanh(s / softcap)`` before the mask (Gemma 2); the
     backward then recomputes on the host. ``sinks``: attention sinks, one learnable logit per query head ``[N]``
     (GPT-OSS), a score of its own in each row's softmax that attends no value; read at call time and
-    differentiated (the backward then recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    differentiated (with ``return_stats`` the backward kernel gives dq, dk, dv from the statistics, which count
+    the sink, and the sinks' gradient follows from them; without, the backward recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:

@@ -1,16 +1,19 @@
 """How planning on meta tensors scales with model size: ``autofuse report --meta`` on Llama configurations and
-two sparse MoE models: Mixtral-8x7B (8 experts of 14336, top-2) and Qwen3-MoE-30B-A3B (128 experts of 768, top-8).
+three sparse MoE models: Mixtral-8x7B (8 experts of 14336, top-2), Qwen3-MoE-30B-A3B (128 experts of 768, top-8)
+and GPT-OSS-120B's shapes (``GptOssConfig``'s defaults: 36 layers, attention sinks, sliding windows every other
+layer, 128 experts of 2880 with biases and a clamped SwiGLU, top-4).
 
 Each configuration runs in its own process (``autofuse report --model 'transformers:LlamaConfig?...' --seq 2048
 --meta``, the command line's own code path); the table gives each stage's wall time and the process's peak
 resident memory when the stage ended (a high-water mark: the stage that raised it is the one where it grows),
 then the whole run's wall time, CPU time (user + system: less sensitive than wall time to other processes on a
-shared machine) and peak memory, and per layer.
+shared machine) and peak memory, and per layer; under each row, the report's predicted whole-graph speed-up.
 
     python benchmarks/scale.py                     # L = 8, 16, 32 (Llama-7B shapes), the 70B-class shape, the MoE models
     python benchmarks/scale.py --layers 8 16       # only these Llama-7B-shaped depths
 """
 import argparse
+import io
 import os
 import resource
 import subprocess
@@ -33,12 +36,15 @@ def _worker(model: str, seq: int) -> None:
                   flush=True)
 
     cli.Progress.stage = stage
-    with open(os.devnull, "w") as null:
-        old, sys.stdout = sys.stdout, null
-        try:
-            status = cli.main(["report", "--model", model, "--seq", str(seq), "--meta", "-v"])
-        finally:
-            sys.stdout = old
+    out = io.StringIO()
+    old, sys.stdout = sys.stdout, out
+    try:
+        status = cli.main(["report", "--model", model, "--seq", str(seq), "--meta", "-v"])
+    finally:
+        sys.stdout = old
+    for line in out.getvalue().splitlines():
+        if "whole graph (predicted)" in line:
+            print(f"SPEED\t{line.strip()}", file=sys.stderr, flush=True)
     sys.exit(status or 0)
 
 
@@ -52,13 +58,15 @@ def run(model: str, seq: int) -> dict:
     wall = time.perf_counter() - t0
     if status:
         raise RuntimeError(f"{model}: the report failed:\n{err[-2000:]}")
-    stages = {}
+    stages, speed = {}, ""
     for line in err.splitlines():
         if line.startswith("STAGE\t"):
             _, name, sec, peak = line.split("\t")
             stages[name] = (float(sec), int(peak))
+        elif line.startswith("SPEED\t"):
+            speed = line.split("\t", 1)[1]
     return {"stages": stages, "wall": wall, "cpu": usage.ru_utime + usage.ru_stime,
-            "peak": usage.ru_maxrss * 1024}
+            "peak": usage.ru_maxrss * 1024, "speed": speed}
 
 
 def main():
@@ -67,7 +75,8 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-70b", action="store_true", help="skip the 70B-class configuration")
     ap.add_argument("--no-moe", action="store_true",
-                    help="skip Mixtral-8x7B and Qwen3-MoE-30B-A3B (MixtralConfig's and Qwen3MoeConfig's defaults)")
+                    help="skip Mixtral-8x7B, Qwen3-MoE-30B-A3B and GPT-OSS-120B (MixtralConfig's, Qwen3MoeConfig's and "
+                         "GptOssConfig's defaults)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -79,6 +88,7 @@ def main():
     if not a.no_moe:
         configs.append(("Mixtral-8x7B, L=32", 32, "transformers:MixtralConfig?num_hidden_layers=32"))
         configs.append(("Qwen3-MoE-30B-A3B, L=48", 48, "transformers:Qwen3MoeConfig?num_hidden_layers=48"))
+        configs.append(("GPT-OSS-120B, L=36", 36, "transformers:GptOssConfig"))
     print(f"autofuse report --meta --seq {a.seq}: wall seconds per stage [peak GB when it ended]; load average "
           f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     head = f"{'configuration':<26}" + "".join(f"{s:>17}" for s in STAGES) + \
@@ -90,6 +100,8 @@ def main():
                         else f"{'-':>17}" for s in STAGES)
         print(f"{label:<26}{cells}{r['wall']:>8.1f}{r['cpu']:>8.1f}{r['peak'] / 1e9:>9.2f}"
               f"{r['cpu'] / layers:>11.2f}", flush=True)
+        if r["speed"]:
+            print(f"{'':<26}{r['speed']}", flush=True)
     print(f"load average at end {os.getloadavg()[0]:.1f}")
 
 

@@ -234,17 +234,23 @@ def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
 
 
 def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
-    """GPT-OSS's sink logits are parameters: fused in training, the gradients of every parameter (the sinks
-    included, through the host recompute of the attention backward) equal eager's."""
+    """GPT-OSS's sink logits are parameters: fused in training (the experts too), the gradients of every parameter
+    equal eager's; the attention backward runs its kernel from the forward's saved statistics, which count the
+    sink, and the sinks' gradient follows from them."""
+    from autofuse.ops import recording
     torch.manual_seed(0)
     model, args, kwargs = _gpt_oss()
     model.train()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
     assert len(fused.report.of("attention")) == LAYERS and all(d.applied for d in fused.report.of("attention"))
+    assert all(d.applied for d in fused.report.of("moe_experts")) and len(fused.report.of("moe_experts")) == LAYERS
     grads = []
     for m in (fused, model):
         model.zero_grad()
-        main_output(m(*args, **kwargs)).float().square().mean().backward()
+        with recording() as log:
+            main_output(m(*args, **kwargs)).float().square().mean().backward()
+        if m is fused:
+            assert [n for n, _ in log].count("flash_attention_grad") == LAYERS
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any("sinks" in n for n in grads[1])
     for n in grads[1]:

@@ -112,15 +112,18 @@ def test_sdpa_attention_backward_runs_the_kernel(mask):
 
 
 @pytest.mark.parametrize("numel", [4, 1])
-def test_attention_sinks_gradients_equal_eagers(numel):
+@pytest.mark.parametrize("stats", [False, True])
+def test_attention_sinks_gradients_equal_eagers(numel, stats):
     """The sink logits are the user's parameter: their gradient (and q's, k's, v's) through the fused op equal
-    eager's concatenate-softmax-slice, within fp32 roundings (the backward recomputes on the host)."""
+    eager's concatenate-softmax-slice, within fp32 roundings: with the forward's statistics (which count the
+    sink) from the backward kernel and ``-sum(P_sink · rowsum(dO ∘ O))``, without them from the host recompute."""
     q, k, v = _qkv(2, 4, 2, 20, 16, torch.float32)
     sinks = torch.linspace(-1.0, 2.0, numel).requires_grad_()
     go = torch.randn(2, 4, 20, 16, generator=torch.Generator().manual_seed(6))
     with recording() as log:
-        got = torch.autograd.grad(flash_attention(q, k, v, causal=True, sinks=sinks), (q, k, v, sinks), go)
-    assert [name for name, _ in log] == ["flash_attention"]
+        out = flash_attention(q, k, v, causal=True, sinks=sinks, return_stats=stats)
+        got = torch.autograd.grad(out, (q, k, v, sinks), go)
+    assert [name for name, _ in log] == ["flash_attention"] + (["flash_attention_grad"] if stats else [])
 
     def eager64(q, k, v, sinks):
         kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
