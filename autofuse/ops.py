@@ -269,8 +269,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     it attends), which need not be every place eager's SDPA backward puts NaN."""
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
-    host = (ctx.softcap is not None                # the backward kernel has no soft-capping: recomputed here
-            or (sinks is not None and not stats.numel())     # nor sinks in its statistics' recompute
+    host = ((sinks is not None and not stats.numel())     # the backward kernel has no sinks in its statistics' recompute
             or (scale_t is not None and need[11])
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
@@ -279,7 +278,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         m, lsum = (stats[0], stats[1]) if stats.numel() else (None, None)
         dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
-            ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "")
+            ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "", ctx.softcap)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
         return tuple(res) + (None,) * 16 + (gsink,)
@@ -341,7 +340,7 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. ``return_stats``: the forward
     also writes each row's softmax max and sum, and its backward reads them instead of recomputing them.
     ``softcap``: the scaled scores become ``softcap · tanh(s / softcap)`` before the mask (Gemma 2); the
-    backward then recomputes on the host. ``sinks``: attention sinks, one learnable logit per query head ``[N]``
+    backward kernel caps them too and applies the cap's derivative. ``sinks``: attention sinks, one learnable logit per query head ``[N]``
     (GPT-OSS), a score of its own in each row's softmax that attends no value; read at call time and
     differentiated (with ``return_stats`` the backward kernel gives dq, dk, dv from the statistics, which count
     the sink, and the sinks' gradient follows from them; without, the backward recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.

@@ -346,7 +346,8 @@ def _fa_cases(quick: bool):
 
 def _fag_cases(quick: bool):
     """The attention backward (flash_attention_grad): q, k, v, out, dout; short launches, odd sizes, GQA,
-    Dv != D, masks (bool per batch, additive broadcast), causal, dropout, saved statistics, every device."""
+    Dv != D, masks (bool per batch, additive broadcast), causal, dropout, saved statistics, soft-capping, every
+    device."""
     f16, bf16, f32 = "float16", "bfloat16", "float32"
     # (B, N, Nkv, Sq, Skv, D, Dv), dtype, params, tensor-param kinds
     cs = [((1, 1, 1, 16, 16, 64, 64), f16, {}, ()), ((1, 2, 1, 77, 50, 64, 64), f32, {}, ()),
@@ -362,6 +363,13 @@ def _fag_cases(quick: bool):
                ((2, 8, 8, 512, 512, 64, 64), f16, {"causal": True}, ("drop",)),
                ((1, 4, 4, 4096, 4096, 128, 128), f16, {"causal": True}, ()), ((8, 8, 8, 128, 128, 64, 64), f32, {}, ()),
                ((2, 4, 4, 256, 256, 64, 64), f16, {}, ("addmask",))]
+    # logit soft-capping (Gemma 2: head dim 256, GQA, causal; with and without the forward's statistics), and
+    # the same head dim without the cap
+    cs += [((2, 4, 2, 129, 129, 64, 64), f32, {"softcap": 50.0}, ())]
+    if not quick:
+        cs += [((1, 8, 4, 1024, 1024, 256, 256), bf16, {"causal": True, "softcap": 50.0}, ("stats",)),
+               ((2, 8, 4, 512, 512, 128, 128), f16, {"causal": True, "softcap": 30.0}, ()),
+               ((1, 8, 4, 1024, 1024, 256, 256), bf16, {"causal": True}, ("stats",))]
     out = []
     for i, ((B, N, Nkv, Sq, Skv, D, Dv), dt, p, kinds) in enumerate(cs):
         ins = [((B, N, Sq, D), dt), ((B, Nkv, Skv, D), dt), ((B, Nkv, Skv, Dv), dt), ((B, N, Sq, Dv), dt),

@@ -29,7 +29,7 @@ from typing import NamedTuple
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import _counts, _placement
+from cost_model.flash_attention import SOFTCAP_PASSES, _counts, _placement
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -51,7 +51,7 @@ def _rings(buf, shapes, dtype):
     return out
 
 
-def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
+def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats, cap=False):
     """The kernel's buffer requests (restated from it: the model imports nothing from the simulator)."""
     q, kv = t["q"], t["kv"]
     split = dev.arch == "split"
@@ -64,6 +64,8 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
     if drop:
         v.append(("drop", (rows, kv // 8), "uint8", 1, 2))
     v += [(x, (rows,), F32, 1, 2) for x in ("m", "l", "dr")]
+    if cap:                    # soft-capping: the tanh of each score, kept for its derivative
+        v.append(("tcap", (rows, kv), F32, 1, 1))
     if stats:
         v += [(x, (rows,), F32, 1, 1) for x in ("rm", "rl")]
     v += [("pre_do", (q, Dv), dtype, 1, 2), ("pre_o", (q, Dv), dtype, 1, 2), ("pre_d", (q,), F32, 1, 2),
@@ -85,18 +87,18 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats):
 
 
 @cached
-def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats, cap=False):
     """Tiles per buffer request as the kernel grants them, or None when the tiling does not fit."""
     dev = get_device(device)
-    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats))
+    return _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats, cap))
 
 
 @cached
-def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats):
+def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats, cap=False):
     """Whether the tiling's buffers hold its requests' minimum tile counts (as :func:`_tile_counts` checks
     first, without granting the double buffers)."""
     dev = get_device(device)
-    return _placement(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats)) is not None
+    return _placement(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats, cap)) is not None
 
 
 @cached
@@ -325,7 +327,7 @@ def _l2_plan(device, specs, mask, drop, stats):
                    hbm_ph0, hbm_ph1, state, main, cast, hbm)
 
 
-def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
+def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
     """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
     left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
@@ -384,7 +386,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     pz = _Port(dev, actz)
     pz.add("mte3", "UB->GM", rz * D * 4, actz)
     # (the bound takes them overlapped, the shorter: it grants no tiles)
-    if not bound and min(_tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats)[x]
+    if not bound and min(_tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats, cap)[x]
                          for x in ("pre_do", "pre_o")) < 2:
         # one dO or O tile: a step's loads wait for the sum of the step before (and for the zero stores
         # booked on the port ahead of them)
@@ -415,7 +417,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
         part = 0.0
         if causal:
             part = min(1.0, ceil_div(qb, kvb) * items1 / T1)
-        vec1 = _vec_rep(rows, ke) * (5 + mpass) + _vec_rep(rows, ke) * part * 2 + math.ceil(rows / 64) * 5
+        vec1 = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * part * 2 \
+            + math.ceil(rows / 64) * 5
         if mask is not None:
             # each line's first reader misses, the other query heads' reads hit
             p1.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - mask_b / (rows * ke * msz * nv * T1), vec=True)
@@ -469,7 +472,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False):
     if causal:
         part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
     zero_fill = 0
-    base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill
+    base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill + (SOFTCAP_PASSES + 3 if cap else 0)
     vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
     if split:
         p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
@@ -752,7 +755,7 @@ ROUNDING = 1e-9
 
 
 @cached
-def _search(device, specs, mask, causal, drop, stats):
+def _search(device, specs, mask, causal, drop, stats, cap=False):
     """The fitting tiling of the fewest cycles (the first in :func:`_tilings` order among equals), and its
     model.
 
@@ -771,9 +774,9 @@ def _search(device, specs, mask, causal, drop, stats):
     cands = _tilings(qs[2], ks[2])
 
     def fits(t):
-        return _fits(device, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats)
+        return _fits(device, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats, cap)
 
-    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3]), i)
+    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, True, cap)[:3]), i)
                     for i, t in enumerate(cands) if t["q"] * t["kv"] <= SMALL_TILE or fits(t))
     best = None
     for low, i in bounds:
@@ -781,7 +784,7 @@ def _search(device, specs, mask, causal, drop, stats):
             break
         if cands[i]["q"] * cands[i]["kv"] <= SMALL_TILE and not fits(cands[i]):
             continue
-        res = _model(dev, specs, mask, causal, cands[i], drop, stats)
+        res = _model(dev, specs, mask, causal, cands[i], drop, stats, cap=cap)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or (cost, i) < best[:2]:
             best = (cost, i, res)
@@ -793,21 +796,23 @@ def _search(device, specs, mask, causal, drop, stats):
 @register("flash_attention_grad", _roofline)
 def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                                   scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero",
-                                  tiling=None):
+                                  tiling=None, softcap=None):
     """``specs``: q, k, v, out, dout. ``mask``/``drop_mask``: their specs; ``softmax_max`` given: no statistics
     sweep. ``fill``/``empty_rows``/``scale``/``keep_prob`` change values, not the work (a finite bool fill
-    adds the select that zeroes dS)."""
+    adds the select that zeroes dS). ``softcap``: the cap's passes in both phases, its derivative's three in
+    phase 2 and the tanh tile; its value changes values only."""
     specs = tuple(specs[:5])
     drop = drop_mask is not None
     stats = softmax_max is None
+    cap = softcap is not None
     if tiling is None:
-        t, res = _search(dev.name, specs, mask, bool(causal), drop, stats)
+        t, res = _search(dev.name, specs, mask, bool(causal), drop, stats, cap)
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv")}
         (qs, dtype), _, (vs, _) = specs[:3]
-        if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats):
+        if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats, cap):
             raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}")
-        res = _model(dev, specs, mask, bool(causal), t, drop, stats)
+        res = _model(dev, specs, mask, bool(causal), t, drop, stats, cap=cap)
     core, hbm, nbytes, busy, ws = res
     (qs, _), (ks, _), (vs, _) = specs[:3]
     return make("flash_attention_grad", dev, core, hbm, nbytes, busy, dict(t),

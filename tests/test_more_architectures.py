@@ -216,8 +216,9 @@ def test_eager_only_attention_spellings_are_fused(name):
 
 
 def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
-    """The soft-capped kernel's backward recomputes on the host (the backward kernel has no cap): the gradients
-    of every parameter equal eager's."""
+    """The soft-capped kernel's backward runs the backward kernel with the cap (its derivative applied to dS): the
+    gradients of every parameter equal eager's."""
+    from autofuse.ops import recording
     torch.manual_seed(0)
     model, args, kwargs = _gemma2()
     model.train()
@@ -226,7 +227,10 @@ def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
     grads = []
     for m in (fused, model):
         model.zero_grad()
-        main_output(m(*args, **kwargs)).float().square().mean().backward()
+        with recording() as log:
+            main_output(m(*args, **kwargs)).float().square().mean().backward()
+        if m is fused:
+            assert [n for n, _ in log].count("flash_attention_grad") == LAYERS
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for n in grads[1]:

@@ -139,6 +139,30 @@ def test_attention_sinks_gradients_equal_eagers(numel, stats):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-5 * max(1.0, b.abs().max().item()), rtol=1e-4)
 
 
+@pytest.mark.parametrize("stats", [False, True])
+def test_soft_capped_attention_backward_runs_the_kernel(stats):
+    """Gemma 2's logit soft-capping: the backward kernel caps the scores as the forward does and applies the cap's
+    derivative (no host recompute): gradients equal eager's within fp32 roundings."""
+    q, k, v = _qkv(2, 4, 2, 24, 16, torch.float32)
+    q.data.mul_(4)                                          # scores large enough for the cap to bite
+    go = torch.randn(2, 4, 24, 16, generator=torch.Generator().manual_seed(8))
+    with recording() as log:
+        got = torch.autograd.grad(flash_attention(q, k, v, causal=True, softcap=5.0, return_stats=stats), (q, k, v),
+                                  go)
+    assert [name for name, _ in log] == ["flash_attention", "flash_attention_grad"]
+
+    def eager64(q, k, v):
+        kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+        s = torch.tanh((q.double() @ kk.transpose(-2, -1)) * 16 ** -0.5 / 5.0) * 5.0
+        s = s.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf"))
+        return torch.softmax(s, -1) @ vv
+
+    ref = torch.autograd.grad(eager64(q, k, v), (q, k, v), go.double())
+    for a, b in zip(got, ref):
+        # fp32 throughout: the kernel's Dr = rowsum(dO∘O) and fp32 sums, well inside 1e-5 of the gradients' size
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5 * max(1.0, b.abs().max().item()), rtol=1e-4)
+
+
 def test_learnable_scale_keeps_the_host_recompute():
     q, k, v = _qkv(1, 2, 2, 16, 8, torch.float32)
     t = torch.tensor(1.3, requires_grad=True)

@@ -211,3 +211,58 @@ def test_tilings_fit_and_errors_name_the_buffer():
         npu.run("flash_attention_grad", q, k, v, do, do, softmax_max=torch.zeros(1, 1, 256))
     with pytest.raises(ValueError, match="dout"):
         npu.run("flash_attention_grad", q, k, v, do, do[:, :, :8])
+
+
+def _capped64(q, k, v, do, cap, causal):
+    """float64 autograd of soft-capped attention (Gemma 2: ``cap·tanh(scale·q·kᵀ / cap)``, then the causal mask)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    rep = q.shape[1] // k.shape[1]
+    s = (leaves[0] @ leaves[1].repeat_interleave(rep, 1).transpose(-2, -1)) * q.shape[-1] ** -0.5
+    s = torch.tanh(s / cap) * cap
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    out = torch.softmax(s, -1) @ leaves[2].repeat_interleave(rep, 1)
+    return out, torch.autograd.grad(out, leaves, do.double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stats", [False, True])
+def test_logit_soft_capping(device, dtype, stats):
+    """The backward of soft-capped scores: both phases cap them as the forward does and dS takes the cap's
+    derivative ``1 - tanh²``: against float64 autograd (fp32: within 2e-5 of the gradients' size, a few fp32
+    roundings of P, dS and the products; bf16: the kernel's own torch twin within a few bf16 roundings); eleven more Vector passes per score in phase 2 (eight in phase 1) than without the cap."""
+    from autofuse.ops_attention_grad import reference_flash_attention_grad
+    q, k, v, do = _inputs(1, 4, 2, 70, 70, 64, 64, dtype, seed=5)
+    q = q * 4                                                       # scores large enough for the cap to bite
+    cap = 5.0
+    out, ref = _capped64(q, k, v, do, cap, True)
+    kw = dict(causal=True, softcap=cap)
+    if stats:
+        o, _, st = reference_flash_attention(q.float(), k.float(), v.float(), causal=True, softcap=cap,
+                                             return_stats=True)
+        kw.update(softmax_max=st[0], softmax_sum=st[1])
+    got, r = _run(device, q, k, v, out, do, **kw)
+    twin = reference_flash_attention_grad(q, k, v, out.to(dtype), do, softcap=cap, causal=True,
+                                          softmax_max=kw.get("softmax_max"), softmax_sum=kw.get("softmax_sum"))
+    for a, t, rr in zip(got, twin, ref):
+        if dtype == torch.float32:
+            assert (a - rr).abs().max() <= 2e-5 * rr.abs().max()
+        else:        # same numerics, other summation orders (tiles, atomic adds): a few bf16 roundings
+            assert (a - t.double()).abs().max() <= 4 * 2.0 ** -8 * max(1.0, t.double().abs().max().item())
+    plain = npu.run("flash_attention_grad", q, k, v, out.to(dtype), do, device=device, timing_only=True,
+                    **{k_: v_ for k_, v_ in kw.items() if k_ != "softcap"})
+    assert r.stats.busy["vector"] > plain.stats.busy["vector"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cost_model_grants_the_kernels_tile_counts_with_the_cap(device):
+    """The cost model restates the backward's requests, soft-capping's tanh tile included."""
+    from autofuse.npu.kernels import flash_attention_grad as kern
+    from cost_model import flash_attention_grad as model
+    dev = get_device(device)
+    for D, dt, q, kv, stats, cap in [(64, "float16", 64, 128, True, True), (256, "bfloat16", 32, 32, False, True),
+                                     (128, "float32", 32, 64, True, False)]:
+        t = {"q": q, "kv": kv}
+        assert model._counts(dev, model._requests(dev, D, D, dt, t, None, False, stats, cap)) == \
+            kern._counts(dev, kern._requests(dev, D, D, dt, t, None, False, stats, cap))

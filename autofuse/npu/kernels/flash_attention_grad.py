@@ -58,6 +58,11 @@ with a finite fill: 1 more, the select that zeroes dS), + causal diagonal
 tiles (compare, select: 2), + dropout (select and scale on P and on dP: 4), + casts of Pd and dS (2,
 fp16/bf16). Phase 1 as the forward's first sweep: scale, [mask], [causal], max, sub, exp, sum.
 
+Logit soft-capping (``softcap`` c, Gemma 2's ``c·tanh(scale·s / c)`` before the mask): both phases cap the scaled
+scores as the forward does (eight more passes per score: ``1/c``, tanh's six, ``c``); phase 2 keeps ``t = tanh``
+in a UB tile of its own (``tcap``, fp32, one row block) and multiplies dS by ``1 - t²`` (three more passes:
+square, ``1 - ·``, mul), the cap's derivative, before the scale.
+
 Tiling (``default_tiling``): query rows ``q`` and KV rows ``kv`` per block, the largest ``q·kv`` that fits
 every buffer (then the larger kv, fewer Q/dO reloads). Phases 0 and 3 work on the same row blocks as phase 2
 (a query block for dO and O, a vector core's half of it for Dr and the dq workspace on split cores), so each
@@ -69,7 +74,7 @@ import numpy as np
 
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
-from autofuse.npu.kernels.flash_attention import (_as_f32, _check_drop, _counts, _schedule, check_fill,
+from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule, check_fill,
                                                   check_operands, core_groups, fitted_counts, mask_with_spec,
                                                   round_to)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
@@ -98,10 +103,10 @@ def _rings(side, buf, shapes, dtype, lo=1, hi=2):
     return out
 
 
-def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
+def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats, cap=False):
     """Buffer requests ``(side, buffer, name, shape, dtype, min_count, max_count)`` in allocation order (the
     forward's format: :func:`flash_attention._counts` grants double buffers while they fit). ``stats``: the
-    phase-1 sweep runs (its running max and sum)."""
+    phase-1 sweep runs (its running max and sum). ``cap``: soft-capping's tanh tile."""
     q, kv = t["q"], t["kv"]
     split = device.arch == "split"
     rows = q // 2 if split else q
@@ -114,6 +119,8 @@ def _requests(device, D, Dv, dtype, t, mask_spec, drop, stats):
         req.append(("vec", "UB", "drop", (rows, kv // 8), "uint8", 1, 2))
     req += [("vec", "UB", "m", (rows,), F32, 1, 2), ("vec", "UB", "l", (rows,), F32, 1, 2),
             ("vec", "UB", "dr", (rows,), F32, 1, 2)]
+    if cap:
+        req.append(("vec", "UB", "tcap", (rows, kv), F32, 1, 1))
     if stats:
         req += [("vec", "UB", "rm", (rows,), F32, 1, 1), ("vec", "UB", "rl", (rows,), F32, 1, 1)]
     # phases 0 and 3: dO and O rows, their Dr, the zero / dq rows (fp32) and the cast dq rows
@@ -145,26 +152,26 @@ def _check_tiling(t) -> str | None:
     return None
 
 
-def tiling_fits(device, D, Dv, dtype, t, mask_spec=None, drop=False, stats=True) -> bool:
+def tiling_fits(device, D, Dv, dtype, t, mask_spec=None, drop=False, stats=True, cap=False) -> bool:
     """Whether tiling ``t`` (q, kv) is valid and fits every buffer it uses on ``device``."""
     return _check_tiling(t) is None and \
-        _counts(device, _requests(device, D, Dv, dtype, t, mask_spec, drop, stats)) is not None
+        _counts(device, _requests(device, D, Dv, dtype, t, mask_spec, drop, stats, cap)) is not None
 
 
 _TILINGS: dict = {}
 
 
-def default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True) -> dict:
+def default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True, cap=False) -> dict:
     """The largest block ``q × kv`` that fits (ties: the larger kv, fewer reloads of Q and dO per score),
     clamped to the 16-rounded sequence lengths. Cached per device and shape."""
     key = (device.name, device.arch, tuple(device.buffers.items()), _r16(Sq), _r16(Skv), D, Dv, dtype,
-           mask_spec, bool(drop), bool(stats))
+           mask_spec, bool(drop), bool(stats), bool(cap))
     if key not in _TILINGS:
         best = None
         for q in sorted({min(x, _r16(Sq)) for x in (128, 64, 32, 16)}, reverse=True):
             for kv in sorted({min(x, _r16(Skv)) for x in (256, 128, 64, 32, 16)}, reverse=True):
                 t = {"q": q, "kv": kv}
-                if tiling_fits(device, D, Dv, dtype, t, mask_spec, drop, stats):
+                if tiling_fits(device, D, Dv, dtype, t, mask_spec, drop, stats, cap):
                     if best is None or (q * kv, kv) > best[0]:
                         best = ((q * kv, kv), t)
         if best is None:
@@ -226,9 +233,11 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None):
 # ------------------------------------------------------------------------------------------ kernel
 @kernel("flash_attention_grad")
 def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
-                         scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None):
+                         scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None,
+                         softcap=None):
     """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
-    ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`)."""
+    ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`).
+    ``softcap``: the forward's logit soft-capping ``softcap · tanh(scale·S / softcap)`` (module docstring)."""
     dev = launch.device
     check_operands("flash_attention_grad", (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
     B, N, Sq, D = q.shape
@@ -253,14 +262,17 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     if drop:
         _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), False)
     stats = softmax_max is None
+    if softcap is not None and not (np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"flash_attention_grad: softcap={softcap}; it must be a positive finite number or None")
+    cap = softcap is not None
     if tiling is None:
-        t = default_tiling(dev, Sq, Skv, D, Dv, q.dtype, mask_spec, drop, stats)
+        t = default_tiling(dev, Sq, Skv, D, Dv, q.dtype, mask_spec, drop, stats, cap)
     else:
         t = dict(tiling)
         bad = _check_tiling(t)
         if bad:
             raise ValueError(f"flash_attention_grad: {bad}")
-    req = _requests(dev, D, Dv, q.dtype, t, mask_spec, drop, stats)
+    req = _requests(dev, D, Dv, q.dtype, t, mask_spec, drop, stats, cap)
     counts = fitted_counts("flash_attention_grad", dev, req, t)
     prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, (softmax_max, softmax_sum), t, req, counts,
                     bool(causal))
@@ -268,6 +280,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     prog.fill = np.float32(fill)
     prog.empty = np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.inv_keep = np.float32(1.0 / keep_prob)
+    prog.softcap = None if softcap is None else np.float32(softcap)
     return prog.run()
 
 
@@ -292,6 +305,7 @@ class _Program:
         nq, nkv = _ceil(Sq, self.qb), _ceil(Skv, self.kvb)
         self.nq, self.nkv = nq, nkv
         self.causal = causal
+        self.softcap = None                   # set by the caller (logit soft-capping)
         # the schedules (the cores a phase uses: its units, dealt; the groups have the larger count)
         self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, causal, dev.cube_cores)
         self.recompute = saved[0] is None
@@ -478,9 +492,16 @@ class _Program:
         self.ends[(ub + "_read", s)] = self._to_cube(np.where(ract, e2, 0.0))
         return X
 
-    def _mask_and_bounds(self, x, cs, b, h, vq0, k0, rows, kext, mt, causal_rows):
-        """scale·x, the mask, -inf past the keys / above the diagonal, in place (fp32, per core slice)."""
+    def _mask_and_bounds(self, x, cs, b, h, vq0, k0, rows, kext, mt, causal_rows, tcap=None):
+        """scale·x, [the soft-cap c·tanh(·/c), its tanh kept in ``tcap``], the mask, -inf past the keys / above the
+        diagonal, in place (fp32, per core slice)."""
         np.multiply(x, self.scale, out=x)
+        if self.softcap is not None:
+            np.multiply(x, np.float32(1) / self.softcap, out=x)
+            np.tanh(x, out=x)
+            if tcap is not None:
+                np.copyto(tcap.data[cs], x)
+            np.multiply(x, self.softcap, out=x)
         if mt is not None:
             if self.mask.dtype == "bool":
                 np.copyto(x, self.fill, where=~mt.data[cs])
@@ -505,7 +526,7 @@ class _Program:
     def _vector_passes(self, rows, kext, partial, ract, base):
         vg = self.vg
         rr = vg.row_repeats(rows, kext, F32) * ract
-        passes = base
+        passes = base + (SOFTCAP_PASSES if self.softcap is not None else 0)
         if self.mask is not None:
             passes += 1 if self.mask.dtype in ("bool", F32) else 2
         return rr * passes + rr * partial * 2
@@ -617,13 +638,14 @@ class _Program:
                                      slice(vk0[c] // 8, (vk0[c] + vke[c] + 7) // 8)) if ract[c] else None
                                     for c in range(nv)], active=a_, name="load dropout mask")
         P, DS = self._next("p"), self._next("ds")
+        tc = self.tl["tcap"][0] if self.softcap is not None else None
         causal_any = bool(partial.any())
         f32 = self.dtype == F32
         zero_fill = int(mt is not None and self.mask.dtype == "bool" and np.isfinite(self.fill))
 
         def grads(cs):
             x = S.data[cs]
-            self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any)
+            self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any, tc)
             m = mt_.data[cs]
             np.subtract(x, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=x)
             np.exp(x, out=x)
@@ -638,6 +660,9 @@ class _Program:
                 np.multiply(dp, keep, out=dp)
             np.subtract(dp, dt.data[cs][:, :, None], out=dp)
             np.multiply(dp, x, out=dp)
+            if tc is not None:                   # the cap's derivative: d(c·tanh(u/c))/du = 1 - tanh²
+                t_ = tc.data[cs]
+                np.multiply(dp, np.float32(1) - t_ * t_, out=dp)
             np.multiply(dp, self.scale, out=dp)
             if zero_fill:                        # a filled score is a constant: no gradient flows through it
                 np.copyto(dp, np.float32(0), where=~mt.data[cs])
@@ -650,9 +675,9 @@ class _Program:
                 round_to(x, self.dtype, P.data[cs], np.empty_like(x))
                 round_to(dp, self.dtype, DS.data[cs], np.empty_like(dp))
 
-        base = 7 + (0 if f32 else 2) + (4 if kt is not None else 0) + zero_fill
+        base = 7 + (0 if f32 else 2) + (4 if kt is not None else 0) + zero_fill + (3 if tc is not None else 0)
         reads = [S, dP, mt_, lt, dt] + ([mt] if mt is not None else []) + ([kt] if kt is not None else [])
-        vg.vector("P=exp(scale S-m)/l, dS=P(dP-Dr)scale, cast", [P, DS, S, dP], reads,
+        vg.vector("P=exp(scale S-m)/l, dS=P(dP-Dr)scale, cast", [P, DS, S, dP] + ([tc] if tc is not None else []), reads,
                   self._vector_passes(rows, vke, partial, ract, base), compute=grads, per_core=True, active=a_)
         slot = s % 2
         cube_of = self.cube_of
