@@ -1,6 +1,6 @@
 """Compile time: fuse() on GPT-2-small-shaped models captured on meta tensors, against capture alone.
 
-Goal (issue 4): fuse(12 layers) <= 5x capture(12 layers); fuse(48 layers) <= 4.5x fuse(12 layers).
+Goals: fuse(12 layers) <= 5x capture(12 layers); fuse(48 layers) <= 4.5x fuse(12 layers).
 
     python benchmarks/compile_time.py [--seq 1024] [--batch 1] [--repeat 2]
 """

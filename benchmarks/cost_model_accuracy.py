@@ -10,7 +10,7 @@ on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
     python benchmarks/cost_model_accuracy.py --kernel matmul --top 30
     python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep
 
-Acceptance (issue): median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
+Goal: median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
 agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
 """
 from __future__ import annotations
@@ -316,23 +316,19 @@ def _fa_cases(quick: bool):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": causal, "keep_prob": 0.9},
                             {"drop_mask": bits}))
             out.append(Case("dropout_gen_mask", [], d, {"shape": (*shape[:3], shape[2]), "keep_prob": 0.9}))
-    # logit soft-capping (Gemma 2: head dim 256, GQA, causal)
-    caps = [((2, 4, 129, 64), 4, False, "float32")]
+    # logit soft-capping (Gemma 2: head dim 256, GQA, causal) and attention sinks (GPT-OSS: head dim 64, GQA, a
+    # sink logit per query head)
+    forms = {"softcap": [((2, 4, 129, 64), 4, False, "float32")], "sinks": [((2, 8, 129, 64), 2, False, "float32")]}
     if not quick:
-        caps += [((1, 8, 1024, 256), 4, True, "bfloat16"), ((4, 8, 512, 128), 8, True, "float16")]
-    for i, (qs, nkv, causal, dt) in enumerate(caps):
-        kv = ((qs[0], nkv, *qs[2:]), dt)
-        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
-            out.append(Case("flash_attention", [(qs, dt), kv, kv], d, {"causal": causal, "softcap": 50.0}))
-    # attention sinks (GPT-OSS: head dim 64, GQA, a sink logit per query head)
-    sinks = [((2, 8, 129, 64), 2, False, "float32")]
-    if not quick:
-        sinks += [((1, 64, 2048, 64), 8, True, "bfloat16"), ((4, 16, 512, 64), 4, True, "float16")]
-    for i, (qs, nkv, causal, dt) in enumerate(sinks):
-        kv = ((qs[0], nkv, *qs[2:]), dt)
-        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
-            out.append(Case("flash_attention", [(qs, dt), kv, kv], d, {"causal": causal},
-                            {"sinks": ((qs[1],), dt)}))
+        forms["softcap"] += [((1, 8, 1024, 256), 4, True, "bfloat16"), ((4, 8, 512, 128), 8, True, "float16")]
+        forms["sinks"] += [((1, 64, 2048, 64), 8, True, "bfloat16"), ((4, 16, 512, 64), 4, True, "float16")]
+    for form, shapes in forms.items():
+        for i, (qs, nkv, causal, dt) in enumerate(shapes):
+            kv = ((qs[0], nkv, *qs[2:]), dt)
+            p, tp = ({"causal": causal, "softcap": 50.0}, {}) if form == "softcap" else \
+                ({"causal": causal}, {"sinks": ((qs[1],), dt)})
+            for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+                out.append(Case("flash_attention", [(qs, dt), kv, kv], d, dict(p), dict(tp)))
     # the score bound launched before a causal skip over a finite-valued mask (q and k; GQA: fewer k rows)
     bounds = [((8, 12, 1024, 64), (8, 12, 1024, 64), "float16"), ((1, 2, 77, 64), (1, 1, 80, 64), "float32")]
     if not quick:

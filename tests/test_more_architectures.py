@@ -215,15 +215,14 @@ def test_eager_only_attention_spellings_are_fused(name):
                                    atol=1e-5, rtol=1e-4)
 
 
-def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
-    """The soft-capped kernel's backward runs the backward kernel with the cap (its derivative applied to dS): the
-    gradients of every parameter equal eager's."""
+def _trained_gradients(build):
+    """The model in training mode, fused; one backward through the fused model (the attention backward kernel
+    launched once per layer) and one through the model itself: (fused report, fused gradients, eager's)."""
     from autofuse.ops import recording
     torch.manual_seed(0)
-    model, args, kwargs = _gemma2()
+    model, args, kwargs = build()
     model.train()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
-    assert all(d.applied and d.params["softcap"] == 50.0 for d in fused.report.of("attention"))
     grads = []
     for m in (fused, model):
         model.zero_grad()
@@ -235,30 +234,24 @@ def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
     assert grads[0].keys() == grads[1].keys()
     for n in grads[1]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides
+    return fused.report, grads[0]
+
+
+def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
+    """The soft-capped kernel's backward runs the backward kernel with the cap (its derivative applied to dS): the
+    gradients of every parameter equal eager's."""
+    report, _ = _trained_gradients(_gemma2)
+    assert all(d.applied and d.params["softcap"] == 50.0 for d in report.of("attention"))
 
 
 def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
     """GPT-OSS's sink logits are parameters: fused in training (the experts too), the gradients of every parameter
     equal eager's; the attention backward runs its kernel from the forward's saved statistics, which count the
     sink, and the sinks' gradient follows from them."""
-    from autofuse.ops import recording
-    torch.manual_seed(0)
-    model, args, kwargs = _gpt_oss()
-    model.train()
-    fused = AutoFusionEngine.fuse(model, (args, kwargs))
-    assert len(fused.report.of("attention")) == LAYERS and all(d.applied for d in fused.report.of("attention"))
-    assert all(d.applied for d in fused.report.of("moe_experts")) and len(fused.report.of("moe_experts")) == LAYERS
-    grads = []
-    for m in (fused, model):
-        model.zero_grad()
-        with recording() as log:
-            main_output(m(*args, **kwargs)).float().square().mean().backward()
-        if m is fused:
-            assert [n for n, _ in log].count("flash_attention_grad") == LAYERS
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and any("sinks" in n for n in grads[1])
-    for n in grads[1]:
-        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides
+    report, grads = _trained_gradients(_gpt_oss)
+    assert len(report.of("attention")) == LAYERS and all(d.applied for d in report.of("attention"))
+    assert len(report.of("moe_experts")) == LAYERS and all(d.applied for d in report.of("moe_experts"))
+    assert any("sinks" in n for n in grads)
 
 
 def test_fp32_q_and_k_with_a_bf16_v_fuse_with_v_cast_up():
