@@ -10,13 +10,14 @@ and dtype, plus the elementwise launches that combine several mask terms into on
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 import cost_model
 from autofuse import ops_softmax  # noqa: F401  (registers torch.ops.autofuse.scaled_masked_softmax)
-from autofuse.fused import Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family
+from autofuse.fused import REDUCED, Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family
 from autofuse.graph import call
 from cost_model.devices import get_device
 
@@ -104,6 +105,22 @@ def emit_softmax(g, ins: dict, m, kwargs: dict) -> dict:
     return {"out": _adapt(g, fused, p["out_like"])}
 
 
-SOFTMAX = register_family(Family("softmax", OP, "softmax", emit_softmax, price_softmax, attention_kwargs))
+def shrink_softmax(match) -> dict:
+    """Every dim of the scores above 256, reduced to ``REDUCED`` (the masks, views of the same sizes, with them):
+    a block too large to run at its size (a [B, N, 4096, 4096] softmax) is checked on the same computation over
+    fewer rows and columns."""
+    return {d: REDUCED for d in sorted(set(match.params["x_shape"])) if d > 256}
+
+
+def resize_softmax(match, sizes: dict):
+    """The same match for shapes reduced by ``sizes`` (its scores' shape and the output it replaces)."""
+    p = match.params
+    sub = lambda s: tuple(sizes.get(d, d) for d in s)  # noqa: E731
+    return dataclasses.replace(match, params=dict(p, x_shape=sub(p["x_shape"]),
+                                                  out_like=p["out_like"].new_empty(sub(p["out_like"].shape))))
+
+
+SOFTMAX = register_family(Family("softmax", OP, "softmax", emit_softmax, price_softmax, attention_kwargs,
+                                 shrink_softmax, resize_softmax))
 
 __all__ = ["SOFTMAX", "emit_softmax", "kernel_default_tiling", "price_softmax", "softmax_params"]

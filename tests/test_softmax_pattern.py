@@ -292,3 +292,39 @@ def test_near_miss_a_round_trip_through_float8_is_not_a_cast_of_the_block():
     sm = [d for d in fused.report.applied if d.pattern == "softmax"]
     assert sm and not {"_to_copy", "_to_copy_1"} & set(sm[0].nodes), fused.report.summary()
     torch.testing.assert_close(fused(x), Float8RoundTrip()(x))
+
+
+class _LargeSoftmax(torch.nn.Module):
+    def forward(self, x, mask):
+        return torch.softmax(x * 0.125 + mask, -1)
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+def test_a_large_softmax_is_verified_on_reduced_shapes(monkeypatch, faulty):
+    """A standalone softmax too large to check at its size (every block counts as such here) is checked on the
+    same computation with its dims above 256 reduced: the block and its mask as views of the same sizes; a
+    kernel off by a little is rejected there too."""
+    import autofuse.ops
+    import autofuse.verify
+    from autofuse import AutoFusionEngine
+    monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
+    if faulty:
+        real = autofuse.ops.run_kernel
+
+        def off_by_a_bit(name, *a, **kw):
+            r = real(name, *a, **kw)
+            if name == "softmax":
+                r.outputs = (r.outputs[0] * 1.01,) + tuple(r.outputs[1:])
+            return r
+        monkeypatch.setattr(autofuse.ops, "run_kernel", off_by_a_bit)
+    g = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(2, 3, 300, 260, generator=g), torch.randn(1, 1, 300, 260, generator=g)
+    fused = AutoFusionEngine.fuse(_LargeSoftmax(), (x, mask), fusion_switches={"vector_chain": "off"})
+    (d,) = fused.report.of("softmax")
+    assert "verified on reduced shapes (260 -> 80, 300 -> 80)" in d.verify_note, d.verify_note
+    if faulty:
+        assert d.reason_code == "verification_failed", fused.report.summary()
+    else:
+        assert d.applied, fused.report.summary()
+        # the kernel's fp32 softmax against eager's: a few fp32 roundings of values at most 1
+        torch.testing.assert_close(fused(x, mask), _LargeSoftmax()(x, mask), atol=1e-6, rtol=1e-5)
