@@ -166,10 +166,10 @@ def _gemma2():
     return tf.Gemma2ForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
 
 
-def _gpt_oss():
+def _gpt_oss(**kw):
     cfg = tf.GptOssConfig(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=64,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                          num_experts_per_tok=2, max_position_embeddings=64)
+                          num_experts_per_tok=2, max_position_embeddings=64, **kw)
     cfg._attn_implementation = "eager"
     return tf.GptOssForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
 
@@ -252,6 +252,29 @@ def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
     assert len(report.of("attention")) == LAYERS and all(d.applied for d in report.of("attention"))
     assert len(report.of("moe_experts")) == LAYERS and all(d.applied for d in report.of("moe_experts"))
     assert any("sinks" in n for n in grads)
+
+
+def test_gpt_oss_sinks_with_attention_dropout_train_as_eager():
+    """Attention dropout after the sink column is dropped: the fused block draws eager's keep-mask for the
+    [B, N, Sq, Skv] probabilities (the sink has none), so a seeded step gives eager's outputs and gradients."""
+    torch.manual_seed(0)
+    model, args, kwargs = _gpt_oss(attention_dropout=0.1)
+    model.train()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    attention = fused.report.of("attention")
+    assert len(attention) == LAYERS and all(d.applied and d.params["sinks"] and d.params["dropout_p"] == 0.1
+                                            for d in attention), fused.report.summary()
+    runs = []
+    for m in (fused, model):
+        torch.manual_seed(5)
+        model.zero_grad()
+        out = main_output(m(*args, **kwargs))
+        out.float().square().mean().backward()
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (got, got_g), (want, want_g) = runs
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)       # fp32 both sides, the same keep-masks
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], atol=1e-5, rtol=1e-4)
 
 
 def test_fp32_q_and_k_with_a_bf16_v_fuse_with_v_cast_up():
