@@ -4,6 +4,8 @@
                                                 # top-2, 4096 tokens) on ascend910
     python benchmarks/moe_kernels.py --quick    # smaller shapes
     python benchmarks/moe_kernels.py --device ascend910b
+    python benchmarks/moe_kernels.py --model gpt_oss   # GPT-OSS-120B's MoE shapes (H 2880, I 2880, 128 experts,
+                                                       # top-4): biases, the clamped SwiGLU on interleaved pairs
 
 Every figure is simulated cycles (``npu.run``), each kernel with the tiling the cost model's search picks, on
 both sides. The unfused chains are what eager runs, priced with the competent kernels of the same
@@ -15,6 +17,13 @@ histc, cumsum, the inverse permutation's index_put — as ``generic`` Vector pas
 * experts GEMMs: ``grouped_mm_fallback`` (one matmul launch per expert) for gate_up, silu(gate) · up as two
   elementwise launches, the down projection per expert, vs ``grouped_matmul`` with the SwiGLU epilogue and
   ``grouped_matmul`` for down; at a decode load (64 tokens per expert) and a prefill load;
+* GPT-OSS (``--model gpt_oss``): the router takes the top k of the bf16 logits, then the softmax over the k (two
+  launches) vs ``moe_gating_topk(norm="topk_softmax")``; the experts' weights are stored ``[E, in, out]`` and read
+  as stored, each GEMM's per-expert bias is gathered by the sorted expert ids and added (a gather and an add per
+  GEMM), and the activation runs op by op: ``min(gate, 7)``, ``max(up, -7)``, ``min(·, 7)``, ``gate·1.702``,
+  ``sigmoid``, ``gate·sigmoid``, ``up + 1``, the product (eight launches over ``[M, I]``; the interleaved halves are
+  priced as contiguous reads, which favours the unfused side) vs ``grouped_matmul`` with both biases and the
+  ``clamped_swiglu`` epilogue on interleaved pairs, and ``grouped_matmul`` with its bias;
 * routing + finalize: sort of the expert ids, ``perm // k``, the token gather, the weights' gather, histc,
   cumsum (transformers' grouped_mm path) and, after the experts, the weighting, the inverse permutation, its
   gather and the sum over k vs ``moe_init_routing`` + ``moe_finalize_routing``.
@@ -81,6 +90,49 @@ def experts(T, H, I, E, k, device, dtype=torch.bfloat16):
     return sum(unfused), sum(fused), len(unfused), unfused, fused
 
 
+def gating_topk_first(T, E, k, device):
+    """GPT-OSS's router after its linear: top k of the bf16 logits, softmax over the k chosen (in fp32)."""
+    torch.manual_seed(0)
+    logits = torch.randn(T, E).to(torch.bfloat16)
+    unfused = [run("topk", [logits], device, k=k),
+               run("softmax", [torch.zeros(T, k)], device, dim=-1)]
+    fused = run("moe_gating_topk", [logits], device, k=k, norm="topk_softmax")
+    return sum(unfused), fused, len(unfused)
+
+
+def experts_clamped(T, H, I, E, k, device, dtype=torch.bfloat16):
+    """GPT-OSS's experts for T tokens, top-k of E, even loads: gate_up (+ bias) + clamped SwiGLU on interleaved
+    pairs + down (+ bias). Timed on shapes (meta tensors; the group list and the gathers' indices real): its
+    weights alone are 6 GB."""
+    M = T * k
+    sizes = tuple(M // E + (g < M % E) for g in range(E))
+
+    def meta(*shape):
+        return torch.empty(shape, dtype=dtype, device="meta")
+    x, h2, h, y = meta(M, H), meta(M, 2 * I), meta(M, I), meta(M, H)
+    gate_up, down, b1, b2 = meta(E, H, 2 * I), meta(E, I, H), meta(E, 2 * I), meta(E, H)
+    ids = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), torch.tensor(sizes))
+    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32)
+    counts = torch.tensor(sizes, dtype=torch.int32)
+    t = dict(timing_only=True)
+    unfused = [run("matmul_per_group", [x, gate_up, offs], device, group_sizes=sizes, **t),
+               run("gather", [b1, ids], device, **t), run("elementwise", [h2, h2], device, op="add", **t),
+               run("elementwise", [h], device, op="minimum", scalar=7.0, **t),
+               run("elementwise", [h], device, op="maximum", scalar=-7.0, **t),
+               run("elementwise", [h], device, op="minimum", scalar=7.0, **t),
+               run("elementwise", [h], device, op="mul", scalar=1.702, **t),
+               run("elementwise", [h], device, op="sigmoid", **t),
+               run("elementwise", [h, h], device, op="mul", **t),
+               run("elementwise", [h], device, op="add", scalar=1.0, **t),
+               run("elementwise", [h, h], device, op="mul", **t),
+               run("matmul_per_group", [h, down, offs], device, group_sizes=sizes, **t),
+               run("gather", [b2, ids], device, **t), run("elementwise", [y, y], device, op="add", **t)]
+    fused = [run("grouped_matmul", [x, gate_up, counts, b1], device, activation="clamped_swiglu",
+                 swiglu_order="interleaved", limit=7.0, alpha=1.702, group_sizes=sizes, **t),
+             run("grouped_matmul", [h, down, counts, b2], device, group_sizes=sizes, **t)]
+    return sum(unfused), sum(fused), len(unfused), unfused, fused
+
+
 def routing(T, H, E, k, device, dtype=torch.bfloat16):
     torch.manual_seed(1)
     n = T * k
@@ -113,8 +165,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--device", default="ascend910")
+    ap.add_argument("--model", choices=("mixtral", "gpt_oss"), default="mixtral")
     a = ap.parse_args(argv)
     dev = a.device
+    if a.model == "gpt_oss":
+        return main_gpt_oss(dev, a.quick)
     if a.quick:
         T, H, I, E, k, decode_T = 512, 1024, 2048, 8, 2, 256
     else:
@@ -136,6 +191,27 @@ def main(argv=None):
     print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s} {'target':>7s}")
     for name, u, f, nu, nf, target in rows:
         print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x {target:>7s}")
+
+
+def main_gpt_oss(dev, quick):
+    """GPT-OSS-120B's MoE block (``GptOssConfig``'s defaults: H 2880, I 2880, 128 experts, top-4), 4096 tokens."""
+    T, H, I, E, k, decode_T = (512, 512, 512, 32, 4, 256) if quick else (4096, 2880, 2880, 128, 4, 2048)
+    t0 = time.time()
+    rows = []
+    gu, gf, gn = gating_topk_first(T, E, k, dev)
+    rows.append((f"gating [{T}, {E}] top-{k}, softmax over the k", gu, gf, gn, 1))
+    u, f, n, _, _ = experts_clamped(decode_T, H, I, E, k, dev)
+    rows.append((f"experts, decode: {decode_T * k // E} tokens/expert, H {H}, I {I}", u, f, n, 2))
+    eu, ef, en, _, _ = experts_clamped(T, H, I, E, k, dev)
+    rows.append((f"experts, prefill: {T * k // E} tokens/expert, H {H}, I {I}", eu, ef, en, 2))
+    ru, rf, rn = routing(T, H, E, k, dev)
+    rows.append((f"routing + finalize [{T}, {H}] top-{k}", ru, rf, rn, 2))
+    rows.append((f"whole MoE block (router + routing + experts + combine), {T} tokens", gu + eu + ru, gf + ef + rf,
+                 gn + en + rn, 5))
+    print(f"GPT-OSS MoE kernels on {dev} (simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
+    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}")
+    for name, u, f, nu, nf in rows:
+        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x")
 
 
 if __name__ == "__main__":

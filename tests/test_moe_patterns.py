@@ -435,3 +435,17 @@ def test_gpt_oss_experts_are_fused(dtype):
         with torch.no_grad():
             got, want = fused(ids, use_cache=False).logits, model(ids, use_cache=False).logits
         assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
+
+
+def test_the_gpt_oss_moe_kernels_benchmark_runs(capsys):
+    """``benchmarks/moe_kernels.py --model gpt_oss --quick`` runs (its kernels' options as the fused graph uses
+    them) and prints a row per block."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_kernels.py"
+    spec = importlib.util.spec_from_file_location("moe_kernels_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--model", "gpt_oss", "--quick"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.rstrip().endswith("x")]
+    assert len(rows) == 5 and rows[-1].startswith("whole MoE block"), rows
