@@ -67,6 +67,19 @@ def rewrite_with(captured, canonical, matches, op):
     return rewrite(captured, lifts, lambda m: functools.partial(emit_attention, op=op))
 
 
+def off_by_a_bit(monkeypatch, module, kernel: str, factor: float = 1.01):
+    """Make ``module.run_kernel`` (the one place fused ops call the simulator) return ``kernel``'s first output
+    scaled by ``factor``: a faulty kernel for verification to catch."""
+    real = module.run_kernel
+
+    def faulty(name, *a, **kw):
+        r = real(name, *a, **kw)
+        if name == kernel:
+            r.outputs = (r.outputs[0] * factor,) + tuple(r.outputs[1:])
+        return r
+    monkeypatch.setattr(module, "run_kernel", faulty)
+
+
 def main_output(out):
     """The tensor a model's output is judged by: the tensor itself, a tuple's first element, logits, or the
     last hidden state."""

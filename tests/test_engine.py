@@ -13,7 +13,7 @@ from autofuse import AutoFusionEngine, FusedModule
 from autofuse.capture import CaptureError
 from autofuse.models import build
 from patterns.attention import AttentionVariant, build_variant
-from conftest import main_output
+from conftest import main_output, off_by_a_bit
 
 FUSED_OP = torch.ops.autofuse.flash_attention.default
 LAYERS = 2
@@ -382,14 +382,7 @@ def test_a_wrong_experts_kernel_is_rejected_on_reduced_shapes(monkeypatch):
     import autofuse.verify
     model, example = _mixtral_whose_tokens_equal_its_hidden_size()
     monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
-    real = autofuse.ops_moe.run_kernel
-
-    def off_by_a_bit(name, *a, **kw):
-        r = real(name, *a, **kw)
-        if name == "grouped_matmul":
-            r.outputs = (r.outputs[0] * 1.01,) + tuple(r.outputs[1:])
-        return r
-    monkeypatch.setattr(autofuse.ops_moe, "run_kernel", off_by_a_bit)
+    off_by_a_bit(monkeypatch, autofuse.ops_moe, "grouped_matmul")
     fused, d = _experts_decision(model, example)
     assert d.reason_code == "verification_failed" and "verified on reduced shapes" in d.verify_note, \
         fused.report.summary()

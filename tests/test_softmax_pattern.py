@@ -306,17 +306,10 @@ def test_a_large_softmax_is_verified_on_reduced_shapes(monkeypatch, faulty):
     kernel off by a little is rejected there too."""
     import autofuse.ops
     import autofuse.verify
-    from autofuse import AutoFusionEngine
+    from conftest import off_by_a_bit
     monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)
     if faulty:
-        real = autofuse.ops.run_kernel
-
-        def off_by_a_bit(name, *a, **kw):
-            r = real(name, *a, **kw)
-            if name == "softmax":
-                r.outputs = (r.outputs[0] * 1.01,) + tuple(r.outputs[1:])
-            return r
-        monkeypatch.setattr(autofuse.ops, "run_kernel", off_by_a_bit)
+        off_by_a_bit(monkeypatch, autofuse.ops, "softmax")
     g = torch.Generator().manual_seed(0)
     x, mask = torch.randn(2, 3, 300, 260, generator=g), torch.randn(1, 1, 300, 260, generator=g)
     fused = AutoFusionEngine.fuse(_LargeSoftmax(), (x, mask), fusion_switches={"vector_chain": "off"})
