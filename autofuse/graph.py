@@ -58,6 +58,18 @@ def arg(node: fx.Node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def last_dim_slice(n):
+    """``(source, start, stop, step)`` of an ``aten.slice`` over its source's last dim (the arguments' defaults
+    filled in and resolved against the width, as ``slice.indices`` does), or None for anything else."""
+    if not is_call(n, torch.ops.aten.slice.Tensor):
+        return None
+    src = n.args[0]
+    rank = len(shape(src) or ())
+    if not rank or arg(n, 1, "dim", 0) % rank != rank - 1:
+        return None
+    return (src, *slice(arg(n, 2, "start"), arg(n, 3, "end"), arg(n, 4, "step")).indices(shape(src)[-1]))
+
+
 def to_networkx(gm: fx.GraphModule | fx.Graph) -> nx.DiGraph:
     """Snapshot ``gm``'s graph as a DiGraph (see module docstring for the attributes)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm

@@ -101,7 +101,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
               mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap)
     if sinks is not None:
-        kw["sinks"] = _sinks(sinks, q)
+        kw["sinks"] = _per_head(sinks, q.shape[1]).detach().contiguous()
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask is not None:
@@ -122,13 +122,13 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     return out, probs, stats
 
 
-def _sinks(sinks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The sink logits as the kernel takes them: one per query head, ``[N]`` (a single shared logit is expanded)."""
-    n = q.shape[1]
+def _per_head(sinks: torch.Tensor, n: int) -> torch.Tensor:
+    """The sink logits one per query head, ``[n]`` (a single shared logit expanded): what the kernel takes, and
+    what the twin and the sinks' gradient read."""
     if sinks.numel() not in (1, n):
         raise ValueError(f"flash_attention: sinks has {sinks.numel()} values; give one sink logit per query head "
                          f"({n}) or one for all")
-    return sinks.detach().reshape(-1).expand(n).contiguous()
+    return sinks.reshape(-1).expand(n)
 
 
 def _no_stats(q):
@@ -213,8 +213,7 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     if sinks is not None:
-        s = torch.cat([s, sinks.float().reshape(-1).expand(s.shape[1]).reshape(1, -1, 1, 1).expand(
-            *s.shape[:-1], 1)], -1)
+        s = torch.cat([s, _per_head(sinks, s.shape[1]).float().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
     m = s.amax(-1, keepdim=True)
     empty = torch.isneginf(m)
     e = torch.exp(s - torch.where(empty, 0.0, m))
@@ -315,7 +314,7 @@ def _sinks_grad(sinks, n, m, lsum, go, out):
     logit). Torch ops on ``[B, N, Sq]`` values after the backward kernel (a traced training step prices them as
     the launches they are); a row with nothing to weigh (``l = 0``) gives 0."""
     dr = (go.float() * out.float()).sum(-1)
-    s = sinks.detach().float().reshape(-1).expand(n).reshape(1, n, 1)
+    s = _per_head(sinks.detach(), n).float().reshape(1, n, 1)
     p = torch.where(lsum > 0, torch.exp(s - m) / torch.where(lsum > 0, lsum, 1.0), 0.0)
     g = -(p * dr).sum((0, 2))
     return (g if sinks.numel() == n else g.sum()).reshape(sinks.shape).to(sinks.dtype)
@@ -340,10 +339,11 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     dropout on the probabilities with the keep-mask of :func:`dropout_gen_mask`. ``return_stats``: the forward
     also writes each row's softmax max and sum, and its backward reads them instead of recomputing them.
     ``softcap``: the scaled scores become ``softcap · tanh(s / softcap)`` before the mask (Gemma 2); the
-    backward kernel caps them too and applies the cap's derivative. ``sinks``: attention sinks, one learnable logit per query head ``[N]``
-    (GPT-OSS), a score of its own in each row's softmax that attends no value; read at call time and
-    differentiated (with ``return_stats`` the backward kernel gives dq, dk, dv from the statistics, which count
-    the sink, and the sinks' gradient follows from them; without, the backward recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    backward kernel caps them too and applies the cap's derivative. ``sinks``: attention sinks, one learnable
+    logit per query head ``[N]`` (GPT-OSS), a score of its own in each row's softmax that attends no value; read
+    at call time and differentiated (with ``return_stats`` the backward kernel gives dq, dk, dv from the
+    statistics, which count the sink, and the sinks' gradient follows from them; without, the backward
+    recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:

@@ -45,6 +45,7 @@ import torch
 
 import cost_model
 from autofuse.ops import REFERENCES, STEERED, TIMING, _record, _to_torch, run_kernel
+from autofuse.npu.kernels.grouped_matmul import GLU
 from autofuse.ops_vector import _grad_launch, run_grad_program
 from cost_model.program import Builder
 
@@ -324,9 +325,6 @@ def _timing_gmm_with_product(x, weight, group_list, bias=None, trans_w=False, gr
     return [("grouped_matmul", _launch_gmm(x, weight, group_list, bias, trans_w, group_list_type, activation,
                                            swiglu_order, device, tiling, limit, alpha, return_product=True,
                                            timing_only=True).stats)]
-
-
-GLU = ("swiglu", "clamped_swiglu")
 
 
 @_grouped_matmul.register_fake

@@ -65,7 +65,7 @@ import torch
 import torch.fx as fx
 
 from autofuse.canonicalize import evaluate_constant
-from autofuse.graph import arg, is_call, is_number, shape, val
+from autofuse.graph import arg, is_call, is_number, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from patterns.template import Template, graph_view
 
@@ -285,11 +285,8 @@ def _prob_op(n: fx.Node) -> bool:
 
 def _drops_sink(n: fx.Node) -> bool:
     """``x[..., :-1]``: a slice of the last dim from 0 that keeps all but the last column, step 1."""
-    x = n.args[0]
-    dim, start, end, step = arg(n, 1, "dim", 0), arg(n, 2, "start", None), arg(n, 3, "end", None), arg(n, 4, "step", 1)
-    width = shape(x)[-1] if isinstance(x, fx.Node) and shape(x) else None
-    return (width is not None and dim in (-1, len(shape(x)) - 1) and start in (None, 0) and step == 1
-            and end in (-1, width - 1))
+    sl = last_dim_slice(n)
+    return sl is not None and sl[1:] == (0, shape(sl[0])[-1] - 1, 1)
 
 
 def _last_two(n):

@@ -35,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, is_call, is_number, shape, val
+from autofuse.graph import arg, is_number, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from patterns.template import Template, graph_view
 
@@ -140,7 +140,7 @@ _GATING_TOPK_FIRST = (
 
 def _decide_topk_first(m: dict) -> Match | None:
     """softmax(topk(x).values) [* scale] [cast]: ``norm="topk_softmax"`` (selection on the logits)."""
-    topk, idx, norm = m["topk"], m["idx"], m["norm"]
+    topk, idx = m["topk"], m["idx"]
     x = topk.args[0]
     if not isinstance(x, fx.Node) or val(x) is None or not val(x).is_floating_point() or len(shape(x)) < 1:
         return None
@@ -271,10 +271,10 @@ def _glu(t: Template, up: str) -> Template:
 
 
 def _step2(start):
-    """A slice of every other column from ``start`` (interleaved gate/up pairs)."""
+    """A slice of every other column of the last dim, from ``start`` to its end (interleaved gate/up pairs)."""
     def check(n):
-        return arg(n, 2, "start", None) in ((None, 0) if start == 0 else (start,)) and arg(n, 4, "step", 1) == 2 \
-            and _last_dim(n, arg(n, 1, "dim", 0))
+        sl = last_dim_slice(n)
+        return sl is not None and sl[1:] == (start, shape(sl[0])[-1], 2)
     check.__name__ = f"every_other_from_{start}"
     return check
 
@@ -474,9 +474,6 @@ def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
     if {m["gsig"].args[0], m["gsig"].args[1]} != {g, m["sig"]} or {m["glu"].args[0], m["glu"].args[1]} != \
             {m["up1"], m["gsig"]}:
         return None
-    for sl in (m["even"], m["odd"]):
-        if arg(sl, 3, "end", None) not in (None, two_i) and arg(sl, 3, "end", None) < two_i:
-            return None
     return dict(activation="clamped_swiglu", swiglu_order="interleaved", limit=float(hi),
                 alpha=float(m["gscale"].args[1]), b1=biases[0], b2=biases[1])
 

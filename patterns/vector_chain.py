@@ -41,7 +41,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import is_number, shape, val
+from autofuse.graph import is_number, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS, NotExpressible,
                                      draws_keep_mask, program_from_nodes)
@@ -248,22 +248,10 @@ ROPE = (Template("rope", anchor="add")
         .edge("cos_mul", "add").edge("sin_mul", "add"))
 
 
-def _last_dim_slice(n):
-    """``(source, start, stop, step)`` of a slice of its source's last dim (its arguments' defaults filled in and
-    resolved against the width), or None for anything else."""
-    if not isinstance(n, fx.Node) or n.target != aten.slice.Tensor:
-        return None
-    src = n.args[0]
-    rank = len(shape(src))
-    if (n.args[1] if len(n.args) > 1 else 0) % rank != rank - 1:
-        return None
-    return (src, *slice(*(n.args[i] if len(n.args) > i else None for i in (2, 3, 4))).indices(shape(src)[-1]))
-
-
 def _rope(m) -> bool:
     """x·cos + cat(−x[..., h:], x[..., :h])·sin with the slices of the same x, at half its last dim, x also
     the factor of cos."""
-    hi, lo = _last_dim_slice(m["hi"]), _last_dim_slice(m["lo"])
+    hi, lo = last_dim_slice(m["hi"]), last_dim_slice(m["lo"])
     if hi is None or lo is None:
         return False
     x = hi[0]
@@ -289,7 +277,7 @@ def _halves(x1, x2):
     def part(n):
         if not isinstance(n, fx.Node):
             return None
-        sl = _last_dim_slice(n)
+        sl = last_dim_slice(n)
         if sl is not None:
             src, start, stop, step = sl
             w = shape(src)[-1]
@@ -385,7 +373,7 @@ def _interleaved_rope(stack: fx.Node, inside: set) -> bool:
     parts = stack.args[0]
     if len(parts) != 2 or parts[0].target != aten.neg.default:
         return False
-    odd, even = _last_dim_slice(parts[0].args[0]), _last_dim_slice(parts[1])
+    odd, even = last_dim_slice(parts[0].args[0]), last_dim_slice(parts[1])
     if odd is None or even is None or odd[0] is not even[0]:
         return False
     return odd[1] == 1 and odd[3] == 2 and even[1] == 0 and even[3] == 2
