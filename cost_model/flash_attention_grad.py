@@ -513,7 +513,19 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
         chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
                  + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_)
                  + 2 * per_unit * edge)
-    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2)
+    # the Q and dO tiles are a ring of two: step s+1's loads wait for step s-1's last read of its Q (the Q->L0B
+    # of its dK), so one step holds, in order: the Q and dO loads (at least their port share, the dQ add of the
+    # step before and, coupled, the Pd and dS stores: both booked on the port ahead of them), dO->L0A and
+    # V^T->L0B, dP, then stage B's products up to its last Q->L0B (coupled: dV; split: the first half's three)
+    qdo = qe * (D + Dv) * isz
+    ahead = n2 * qe * D * 4 / L2bw + (0.0 if split else nv * pds / nh / L2bw)
+    cdv = ceil_div(ki, 16) * ceil_div(qi, k0f) * ceil_div(Dv, 16)
+    cdk = ceil_div(ki, 16) * ceil_div(qi, k0f) * ceil_div(D, 16)
+    cdq = ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16)
+    ring = (max(qdo / rate["GM->L1"], n2 * qdo * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
+            + q16 * Dv * isz / a + Dv * k16 * isz / b_ + ceil_div(qi, 16) * ceil_div(ki, 16) * ceil_div(Dv, k0f)
+            + (cdv if not split else (cdv + cdk + cdq) / nh) + q16 / nh * D * isz / b_)
+    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
     # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
     # the next S waits for the load, the chip's cores reading their units' K, V at once
     kv_core = ke * (D + Dv) * isz
