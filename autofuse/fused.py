@@ -101,6 +101,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
     if "sinks" in match.inputs:                     # one sink logit per query head, as the op passes them
         params["sinks"] = ((specs[0][0][1],), _spec(nodes[match.inputs["sinks"]])[1])
     terms = p.get("mask_terms") or ()
+    if p.get("window") and (p.get("causal") or skip):     # a sliding window: the band's tiles
+        params["window"] = p["window"]
     if skip:
         params["causal"] = True
     elif terms:
@@ -252,6 +254,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["fill"] = p["fill"]
     if p.get("causal_value") is not None and skip:
         kw["causal_value"] = p["causal_value"]
+    if p.get("window") and (p["causal"] or kw.get("causal_value") is not None):
+        kw["window"] = p["window"]              # a sliding window (with causal_value: the band the skip keeps)
     if p.get("empty_rows", "zero") != "zero":
         kw["empty_rows"] = p["empty_rows"]
     if p.get("softcap") is not None:

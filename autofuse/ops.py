@@ -94,12 +94,12 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
                      causal_value: Optional[float] = None, drop_mask: Optional[torch.Tensor] = None,
                      dropout_p: float = 0.0, return_stats: bool = False, softcap: Optional[float] = None,
-                     sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sinks: Optional[torch.Tensor] = None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
-              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap)
+              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap, window=window)
     if sinks is not None:
         kw["sinks"] = _per_head(sinks, q.shape[1]).detach().contiguous()
     if drop_mask is not None:
@@ -114,6 +114,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
             mask, kw["causal"] = None, True
         else:
             tiling_ = None                # the plan's tiling is the causal kernel's; the mask's may differ
+    if not kw["causal"]:
+        kw["window"] = 0                  # a window proven of a mask read as it is (causal_value): the mask has it
     r = run_kernel("flash_attention", q, k, v, mask=mask, scale=scale_, tiling=tiling_, **kw)
     _record("flash_attention", r.stats)
     out = _in_order(_to_torch(r.outputs[0], q.dtype), out_order)
@@ -186,14 +188,16 @@ def _effective_scale(q, scale, scale_tensor):
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
-                              drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, **_):
+                              drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0,
+                              **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
     NaN; NaN inputs propagate; ``drop_mask`` zeroes the dropped probabilities and scales the kept ones by
     ``1 / (1 - dropout_p)``; ``return_stats``: the rows' fp32 max and sum of ``exp(score - max)`` (before
     dropout; ``-inf`` and 0 for a row with no key to attend), stacked ``[2, B, N, Sq]``; ``sinks`` (one logit per
-    query head): a score of its own in every row's softmax, attending no value (in the max and the sum). Used where
+    query head): a score of its own in every row's softmax, attending no value (in the max and the sum); ``window``
+    (with ``causal``): query i sees only keys j > i - window (a sliding window). Used where
     only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` may require grad (its gradient is the temperature's)."""
@@ -211,7 +215,7 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
         else:
             s = s.masked_fill(~mask & ~s.isnan() if mask_keeps_nan else ~mask, _fill(fill))
     if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+        s = s.masked_fill(~band_keep(s.shape[-2], s.shape[-1], window, s.device), float("-inf"))
     if sinks is not None:
         s = torch.cat([s, _per_head(sinks, s.shape[1]).float().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
     m = s.amax(-1, keepdim=True)
@@ -233,10 +237,19 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
 REFERENCES["flash_attention"] = reference_flash_attention
 
 
+def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
+    """The causal keep-mask ``[sq, skv]`` (query i sees keys j <= i, top-left aligned), with a sliding ``window``
+    (> 0) only the keys ``i - window < j <= i``."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(skv, device=device)[None, :]
+    keep = j <= i
+    return keep & (j > i - window) if window else keep
+
+
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
-      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None):
+      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0):
     out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -245,13 +258,13 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap, sinks = inputs
+        _, softcap, sinks, window = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
     ctx.mark_non_differentiable(output[2])
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
-    ctx.dropout_p, ctx.device, ctx.keeps_nan, ctx.softcap = dp, device, keeps_nan, softcap
+    ctx.dropout_p, ctx.device, ctx.keeps_nan, ctx.softcap, ctx.window = dp, device, keeps_nan, softcap, window
 
 
 def _backward(ctx, grad_out, grad_probs, grad_stats):
@@ -277,10 +290,11 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         m, lsum = (stats[0], stats[1]) if stats.numel() else (None, None)
         dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
-            ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "", ctx.softcap)
+            ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "", ctx.softcap,
+            ctx.window)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
-        return tuple(res) + (None,) * 16 + (gsink,)
+        return tuple(res) + (None,) * 16 + (gsink, None)
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -291,7 +305,8 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         out, probs, _ = reference_flash_attention(*leaves, mask=m, scale=ctx.scale, causal=ctx.causal,
                                                return_probs=ctx.return_probs, fill=ctx.fill,
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
-                                               dropout_p=ctx.dropout_p, softcap=ctx.softcap, sinks=sk)
+                                               dropout_p=ctx.dropout_p, softcap=ctx.softcap, sinks=sk,
+                                               window=ctx.window)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
@@ -304,7 +319,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gs = next(got) if (st is not None and st.requires_grad) else None
     gk = next(got) if (sk is not None and sk.requires_grad) else None
     return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
-        (None if gk is None else gk.to(sinks.dtype),)
+        (None if gk is None else gk.to(sinks.dtype), None)
 
 
 def _sinks_grad(sinks, n, m, lsum, go, out):
@@ -325,7 +340,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
-                    dropout_p=0.0, return_stats=False, softcap=None, sinks=None):
+                    dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -343,7 +358,9 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     logit per query head ``[N]`` (GPT-OSS), a score of its own in each row's softmax that attends no value; read
     at call time and differentiated (with ``return_stats`` the backward kernel gives dq, dk, dv from the
     statistics, which count the sink, and the sinks' gradient follows from them; without, the backward
-    recomputes on the host). Returns ``out`` or, with ``return_probs``, ``(out, probs)``.
+    recomputes on the host). ``window`` (with ``causal``): a sliding window, query i sees keys ``i - window < j <= i``;
+    the kernel walks only the band's KV tiles (forward and backward). Returns ``out`` or, with ``return_probs``,
+    ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -355,7 +372,7 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         causal_value=causal_value, drop_mask=drop_mask,
                                                         dropout_p=float(dropout_p), return_stats=return_stats,
                                                         softcap=None if softcap is None else float(softcap),
-                                                        sinks=sinks)
+                                                        sinks=sinks, window=int(window))
     return (out, probs) if return_probs else out
 
 

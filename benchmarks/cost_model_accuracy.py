@@ -329,6 +329,16 @@ def _fa_cases(quick: bool):
                 ({"causal": causal}, {"sinks": ((qs[1],), dt)})
             for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
                 out.append(Case("flash_attention", [(qs, dt), kv, kv], d, dict(p), dict(tp)))
+    # a sliding window (Mistral, Gemma's and GPT-OSS's local layers): the band's tiles only, its left edge masked
+    wins = [((2, 4, 300, 64), 2, 100, "float16", {})]
+    if not quick:
+        wins += [((1, 32, 2048, 128), 8, 128, "bfloat16", {}), ((1, 8, 4096, 64), 8, 1024, "float16", {}),
+                 ((4, 4, 129, 80), 4, 40, "float32", {}), ((1, 64, 2048, 64), 8, 128, "bfloat16", {"return_stats": True}),
+                 ((1, 4, 256, 64), 4, 50, "float16", {"return_probs": True}), ((2, 8, 1024, 128), 8, 300, "float16", {})]
+    for i, (qs, nkv, w, dt, extra) in enumerate(wins):
+        kv = ((qs[0], nkv, *qs[2:]), dt)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(qs, dt), kv, kv], d, {"causal": True, "window": w, **extra}))
     # the score bound launched before a causal skip over a finite-valued mask (q and k; GQA: fewer k rows)
     bounds = [((8, 12, 1024, 64), (8, 12, 1024, 64), "float16"), ((1, 2, 77, 64), (1, 1, 80, 64), "float32")]
     if not quick:
@@ -366,6 +376,13 @@ def _fag_cases(quick: bool):
         cs += [((1, 8, 4, 1024, 1024, 256, 256), bf16, {"causal": True, "softcap": 50.0}, ("stats",)),
                ((2, 8, 4, 512, 512, 128, 128), f16, {"causal": True, "softcap": 30.0}, ()),
                ((1, 8, 4, 1024, 1024, 256, 256), bf16, {"causal": True}, ("stats",))]
+    # a sliding window (Mistral, Gemma's and GPT-OSS's local layers): the band's pairs only
+    cs += [((1, 4, 2, 300, 300, 64, 64), f16, {"causal": True, "window": 100}, ())]
+    if not quick:
+        cs += [((1, 32, 8, 2048, 2048, 128, 128), bf16, {"causal": True, "window": 128}, ("stats",)),
+               ((1, 8, 8, 4096, 4096, 64, 64), f16, {"causal": True, "window": 1024}, ()),
+               ((2, 4, 4, 129, 129, 80, 80), f32, {"causal": True, "window": 40}, ("stats",)),
+               ((1, 64, 8, 2048, 2048, 64, 64), bf16, {"causal": True, "window": 128}, ("stats",))]
     out = []
     for i, ((B, N, Nkv, Sq, Skv, D, Dv), dt, p, kinds) in enumerate(cs):
         ins = [((B, N, Sq, D), dt), ((B, Nkv, Skv, D), dt), ((B, Nkv, Skv, Dv), dt), ((B, N, Sq, Dv), dt),

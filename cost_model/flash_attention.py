@@ -14,6 +14,9 @@ K/V tiles are read by every core working on the same head at the same step: one 
 the rest, and re-reads by later rounds hit while the heads in flight fit L2. HBM also receives the
 workspaces still dirty in L2 when the kernel ends (written back then, as the simulator does).
 
+A sliding ``window`` (with ``causal``) walks each query block's band of KV tiles only (:func:`_span`), the
+tiles crossing the diagonal or the band's left edge with a compare and a select more (:func:`_band_tiles`).
+
 ``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
 probabilities stored to HBM tile by tile (every KV tile, causal ones above the diagonal as zeros).
 ``return_stats`` (and ``return_probs``, whose sweep reads them) adds each item's row max and sum, two MTE3
@@ -191,6 +194,33 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False, sink=False):
 
 
 # ------------------------------------------------------------------------------------------ schedule
+def _span(qi, qb, kvb, Sq, Skv, causal, window=0):
+    """``(lo, hi)``: the KV tiles query block ``qi`` attends, as the kernel walks them (causal: up to its last
+    row's diagonal; a sliding ``window``: from the tile of its first row's first key; at least one tile)."""
+    nkv = ceil_div(Skv, kvb)
+    if not causal:
+        return 0, nkv
+    hi = ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
+    lo = min(max(0, qi * qb - window + 1) // kvb, hi - 1) if window else 0
+    return lo, hi
+
+
+@cached
+def _band_tiles(Sq, Skv, qb, kvb, window):
+    """A sliding window's (tiles walked, tiles crossing the diagonal, tiles holding the window's left edge), over
+    every query block: the kernel runs a compare and a select on each of the latter two kinds."""
+    total = diag = edge = 0
+    for qi in range(ceil_div(Sq, qb)):
+        lo, hi = _span(qi, qb, kvb, Sq, Skv, True, window)
+        q0, qe = qi * qb, min(qb, Sq - qi * qb)
+        for j in range(lo, hi):
+            k0, ke = j * kvb, min(kvb, Skv - j * kvb)
+            total += 1
+            diag += k0 + ke - 1 > q0
+            edge += k0 <= q0 + qe - 1 - window
+    return total, diag, edge
+
+
 def _deal(per_head, BN, ncores):
     """The kernel's dealer: units (lists of per-item tile counts) to the least-loaded core, in order.
 
@@ -232,13 +262,12 @@ def _busiest_rows(units_per_qblock, Sq, qb, n):
 
 
 @cached
-def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores):
+def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores, window=0):
     """(cores used, tile steps of the busiest core, its items), as the kernel schedules: one query block
     per unit, or (causal) blocks i and nq-1-i paired when that finishes no later."""
     def tiles(qi):
-        if not causal:
-            return nkv
-        return ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
+        lo, hi = _span(qi, qb, kvb, Sq, Skv, causal, window)
+        return hi - lo
 
     units = [[tiles(i)] for i in range(nq)]
     best = _deal(units, B * N, ncores)
@@ -313,15 +342,15 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
     return (n - edge_cores) * full + edge_cores * both
 
 
-def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs):
+def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window=0):
     """Per core, the kernel's (query extent, KV extent, works) steps, dealt exactly as its ``_schedule``
     does (units in head-major order to the least-loaded core; causal: paired blocks when no slower).
     ``probs``: the probabilities sweep, which walks every KV tile (those above the diagonal skipped)."""
     def tiles(qi):
-        last = min((qi + 1) * qb, Sq)
+        lo, hi = _span(qi, qb, kvb, Sq, Skv, causal, window)
         if probs:
-            return [(min(kvb, Skv - j * kvb), not (causal and j * kvb > last - 1)) for j in range(nkv)]
-        return [(min(kvb, Skv - j * kvb), True) for j in range(ceil_div(min(last, Skv), kvb) if causal else nkv)]
+            return [(min(kvb, Skv - j * kvb), lo <= j < hi) for j in range(nkv)]
+        return [(min(kvb, Skv - j * kvb), True) for j in range(lo, hi)]
 
     tl = [tiles(i) for i in range(nq)]
     qes = [min(qb, Sq - i * qb) for i in range(nq)]
@@ -348,18 +377,18 @@ def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs):
 
 
 @cached
-def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, return_probs):
+def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, return_probs, window=0):
     """Bytes of the workspaces dirty at the end, from the kernel's own steps: every distinct region key
     (core, slot, rows, KV extent) of P, and on split cores of S (per row block) and O_j (per half). The
     probabilities sweep continues the slot parity and writes S again on split cores."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     nh = 2 if split else 1
     R = qb // nh
-    main = _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False)
+    main = _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
     T = max(len(p) for p in main)
     sweeps = [(main, 0, True)]
     if return_probs and split:
-        sweeps.append((_kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, True), T, False))
+        sweeps.append((_kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, True, window), T, False))
     total = 0
     for c in range(len(main)):
         keys = {}
@@ -387,28 +416,29 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
 
 @cached
 def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, return_probs, drop=False,
-             return_stats=False):
+             return_stats=False, window=0):
     """GM traffic per path over the whole launch (all cores), as the kernel moves it: Q once per item, K/V
     per step, P out and back into L0A, the output; split cores also S and O_j through GM (fp32) and back
     to the AIVs; the mask per step (``mask_rc``: whether its rows / columns vary; a broadcast row is
     read once per core side); ``drop``: the dropout keep bits of every attended tile; ``return_probs``: the
     sweep's Q and K reloads, S again (split), the row max and sum out and back, every probabilities tile out;
     ``return_stats``: the row max and sum out."""
-    qe, ke, nt = _attended(Sq, Skv, qb, kvb, causal)
+    qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
     cum = np.concatenate([[0], np.cumsum(ke)])                  # key columns of the first j tiles
-    qk = float((qe * cum[nt]).sum())                            # score elements
+    cols, nt = cum[hi] - cum[lo], hi - lo                       # per query block: key columns, tiles
+    qk = float((qe * cols).sum())                               # score elements
     q_ = float((qe * nt).sum())                                 # query rows over steps
-    k_ = float(cum[nt].sum())                                   # key columns over steps
+    k_ = float(cols.sum())                                      # key columns over steps
     H = B * N
     mk = 0.0
     if mask_rc is not None:
         mr, mc = mask_rc
         rows = qe if mr else np.full(len(qe), 2 if split else 1)
-        mk = float((rows * (cum[nt] if mc else nt)).sum())
+        mk = float((rows * (cols if mc else nt)).sum())
     b = {"GM->L1": H * (Sq * D + k_ * (D + Dv)) * isz, "GM->L0A": H * qk * isz,
          "UB->GM": H * (qk * isz + Sq * Dv * isz), "GM->UB": H * mk * msz}
     if drop:
-        b["GM->UB"] += H * drop_bytes(Sq, Skv, qb, kvb, causal)
+        b["GM->UB"] += H * drop_bytes(Sq, Skv, qb, kvb, causal, window)
     if split:
         b["L0C->GM"] = H * (qk + q_ * Dv) * 4
         b["GM->UB"] += H * (qk + q_ * Dv) * 4
@@ -423,26 +453,25 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     return {k: float(v) for k, v in b.items() if v}
 
 
-def _attended(Sq, Skv, qb, kvb, causal):
-    """Per query block its rows, per KV tile its keys, and per query block how many KV tiles it attends
-    (causal: those up to its last row's diagonal)."""
+def _attended(Sq, Skv, qb, kvb, causal, window=0):
+    """Per query block its rows, per KV tile its keys, and per query block the first and one past the last
+    KV tile it attends (:func:`_span`)."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     qe = np.minimum(qb, Sq - np.arange(nq) * qb)
     ke = np.minimum(kvb, Skv - np.arange(nkv) * kvb)
-    last = np.minimum((np.arange(nq) + 1) * qb, Sq)
-    nt = np.minimum(-(-np.minimum(last, Skv) // kvb), nkv) if causal else np.full(nq, nkv)
-    return qe, ke, nt
+    lo, hi = np.array([_span(i, qb, kvb, Sq, Skv, causal, window) for i in range(nq)], dtype=np.int64).reshape(-1, 2).T
+    return qe, ke, lo, hi
 
 
-def drop_bytes(Sq, Skv, qb, kvb, causal):
+def drop_bytes(Sq, Skv, qb, kvb, causal, window=0):
     """Dropout keep-mask bytes one head's attended tiles read: ``ceil(kext / 8)`` a row per tile."""
-    qe, ke, nt = _attended(Sq, Skv, qb, kvb, causal)
+    qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
     cum8 = np.concatenate([[0], np.cumsum(-(-ke // 8))])
-    return float((qe * cum8[nt]).sum())
+    return float((qe * (cum8[hi] - cum8[lo])).sum())
 
 
 def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, softcap=False,
-           sinks=None):
+           sinks=None, window=0):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -452,7 +481,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     qb, kvb, vq = t["q"], t["kv"], t["vq"]
     nh = 2 if split else 1
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    n, T, items, q_cores = _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores)
+    n, T, items, q_cores = _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, dev.cube_cores, window)
     k0f = dev.cube_k0[dtype]
     rate = dev.rates
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
@@ -478,7 +507,10 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     rr = rv * math.ceil(ke / 64)
     stat = nsub * math.ceil(vq / 64)
     part = 0.0
-    if causal:                                        # tiles crossing the diagonal: ceil(q/kv) per item
+    if window:                                        # a window's tiles crossing the diagonal or its left edge
+        total, diag, edge = _band_tiles(Sq, Skv, qb, kvb, window)
+        part = (diag + edge) / total
+    elif causal:                                      # tiles crossing the diagonal: ceil(q/kv) per item
         part = min(1.0, ceil_div(qb, kvb) / max(1.0, T / max(1, items)))
     vec = rr * passes + rr * part * 2 + stat * 5 + 2 * rv * math.ceil(Dv / 64)
     vec_last = rv * math.ceil(Dv / 64) * (2 if dtype != F32 else 1)
@@ -574,7 +606,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     core = fill + T * step + items * per_item + drain
     if return_probs:
         pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group,
-                                     softcap)
+                                     softcap, window)
         core += pc
 
     # HBM: q, K/V (unique, re-read when evicted), mask, out, dirty workspaces at the end
@@ -582,12 +614,12 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     if mask is not None:
         hbm += mask_miss * T
     if drop:
-        hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal))
+        hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal), window)
     if sinks is not None:                              # the sink logits: each read once from HBM
         hbm += math.prod(sinks[0]) * itemsize(sinks[1])
     if causal and B * N * nq * nkv <= 512:               # few steps: replay the deal (cheap enough)
         hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
-                              bool(return_probs))
+                              bool(return_probs), window)
     else:
         hbm_ws = _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal)
     ws = hbm_ws
@@ -607,7 +639,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_rc = (m4[2] != 1, m4[3] != 1)
     nbytes = dict(gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, bool(causal), split, mask_rc, msz,
-                           bool(return_probs), bool(drop), bool(return_stats)))
+                           bool(return_probs), bool(drop), bool(return_stats), window))
     if return_probs:
         for u, c in pbusy.items():
             busy[u] += c
@@ -617,7 +649,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     return core, float(hbm), nbytes, busy, ws_bytes
 
 
-def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, softcap=False):
+def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, softcap=False, window=0):
     """The return_probs sweep (``probs_sweep`` in the kernel): once every row's max and sum are final (stored
     at the end of the first sweep), each (item, KV tile) step recomputes S = Q·K_jᵀ, runs scale, [mask],
     [causal], sub, exp, mul 1/l, [cast] over it and stores the normalised P tile to GM (every KV tile of an
@@ -639,7 +671,7 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     n2, T2, items2 = _deal([[nkv]] * nq, B * N, dev.cube_cores)
     work_frac = 1.0
     if causal:
-        tiles = sum(ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq))
+        tiles = sum(hi - lo for lo, hi in (_span(i, qb, kvb, Sq, Skv, True, window) for i in range(nq)))
         work_frac = tiles / (nq * nkv)
     qe = min(qb, Sq)
     rv = qe / nh
@@ -653,6 +685,9 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     rr = rv * math.ceil(ke / 64)
     stat = nsub * math.ceil(vq / 64)
     part = min(1.0, ceil_div(qb, kvb) / max(1.0, nkv * work_frac)) if causal else 0.0
+    if window:
+        total, diag, edge = _band_tiles(Sq, Skv, qb, kvb, window)
+        part = (diag + edge) / total
     vec_work = rr * passes + rr * part * 2 + stat * 3
     vec_skip = rv * math.ceil(ke * isz / 256)                 # dup 0 over the tile, operand dtype
     vec = work_frac * vec_work + (1 - work_frac) * vec_skip
@@ -698,21 +733,23 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     return core, float(hbm), busy
 
 
-def flops(B, N, Sq, Skv, D, Dv, causal):
+def flops(B, N, Sq, Skv, D, Dv, causal, window=0):
     pairs = Sq * Skv
     if causal:
         i = np.arange(Sq)
         pairs = int(np.minimum(i + 1, Skv).sum())
+        if window:                                   # keys max(0, i - window + 1) .. min(i, Skv - 1)
+            pairs = int(np.maximum(0, np.minimum(i + 1, Skv) - np.maximum(0, i - window + 1)).sum())
     return 2.0 * B * N * pairs * (D + Dv)
 
 
 def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None, drop=False,
-              return_stats=False, **_semantics):
+              return_stats=False, window=0, **_semantics):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     Skv, Dv = ks[2], vs[3]
     isz = itemsize(dtype)
-    fl = flops(B, N, Sq, Skv, D, Dv, causal)
+    fl = flops(B, N, Sq, Skv, D, Dv, causal, window)
     io = (math.prod(qs) + math.prod(ks) + math.prod(vs) + B * N * Sq * Dv) * isz
     if return_probs:
         io += B * N * Sq * Skv * isz
@@ -726,7 +763,8 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
 
 
 @cached
-def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, softcap=False, sinks=None):
+def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, softcap=False, sinks=None,
+            window=0):
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     mask_spec = None
@@ -740,7 +778,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
     if default is not None and default[0] not in [t for t, _ in cands]:
         cands.append(default)
     for t, counts in cands:
-        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap, sinks)
+        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap, sinks, window)
         cost = kernel_cycles(dev, *res[:3])
         if default is not None and t == default[0]:
             cost *= 1 - DEFAULT_MARGIN
@@ -754,14 +792,17 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                              fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
-                             softcap=None, sinks=None):
+                             softcap=None, sinks=None, window=0):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
     scales values). ``return_stats``: the row max and sum written out (see the module docstring). ``softcap``:
     eight more Vector passes per score (``1/c``, tanh, ``c``); its value changes values only. ``sinks`` (their
     spec, ``[N]``): attention sinks, one logit per head loaded at each item's first step into a small UB tile;
-    the softmax starts from it instead of ``-inf`` (the same passes)."""
+    the softmax starts from it instead of ``-inf`` (the same passes). ``window`` (with ``causal``): a sliding window
+    of that many keys; the tiles wholly outside the band are skipped and those holding its left edge take a
+    compare and a select more, as the diagonal's do."""
+    window = int(window or 0)
     drop = drop_mask is not None
     cap = softcap is not None
     specs = tuple(specs[:3])
@@ -770,7 +811,7 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     if tiling is None:
         sinks = None if sinks is None else (tuple(sinks[0]), sinks[1])
         t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats),
-                         cap, sinks)
+                         cap, sinks, window)
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
         m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
@@ -780,12 +821,13 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
         res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop), bool(return_stats),
-                     cap, sinks)
+                     cap, sinks, window)
     core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),
-                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs, drop=drop, return_stats=return_stats),
-                flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal), workspace=ws_bytes)
+                _roofline(dev, specs, mask, causal=causal, return_probs=return_probs, drop=drop, return_stats=return_stats,
+                          window=window),
+                flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal, window), workspace=ws_bytes)
 
 
 __all__ = ["estimate_flash_attention"]

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import heapq
 import math
+
+import numpy as np
 from typing import NamedTuple
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import SOFTCAP_PASSES, _counts, _placement
+from cost_model.flash_attention import SOFTCAP_PASSES, _band_tiles, _counts, _placement, _span
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -327,7 +329,7 @@ def _l2_plan(device, specs, mask, drop, stats):
                    hbm_ph0, hbm_ph1, state, main, cast, hbm)
 
 
-def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
+def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, window=0):
     """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
     left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
@@ -360,7 +362,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
     nv = n_main * nh if split else n_main
     qe_avg = Sq / nq                      # rows of an average query block (edges included)
     ke_avg = Skv / nkv
-    sweep = _pairs(Sq, Skv, qb, kvb, causal)
+    sweep = _pairs(Sq, Skv, qb, kvb, causal, window)
+    band = _band_tiles(Sq, Skv, qb, kvb, window) if window else None    # a window's (pairs, diagonal, left edge)
 
     # ---- L2: what misses again and the HBM bytes of each phase (the main one's with its hand-off lines)
     l2p = _l2_plan(dev.name, specs, mask, drop, stats)
@@ -404,8 +407,9 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
     # ---- phase 1: the row statistics (items (b, h, query block) over their KV tiles)
     ph1 = 0.0
     if stats:
-        n1, T1, items1 = deal(B * N, lambda: _q_steps(Sq, Skv, qb, kvb, causal),
-                              lambda: (nq, ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count))
+        n1, T1, items1 = deal(B * N, lambda: _q_steps(Sq, Skv, qb, kvb, causal, window),
+                              lambda: (nq, max(_q_steps(Sq, Skv, qb, kvb, causal, window)) if window else
+                                       ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count))
         qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
         rows = qe / nh
         p1 = _Port(dev, n1)
@@ -415,7 +419,9 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
         cube1 = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
         mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
         part = 0.0
-        if causal:
+        if band:                  # the pairs crossing the diagonal or the window's left edge
+            part = (band[1] + band[2]) / band[0]
+        elif causal:
             part = min(1.0, ceil_div(qb, kvb) * items1 / T1)
         vec1 = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * part * 2 \
             + math.ceil(rows / 64) * 5
@@ -440,8 +446,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
         busy["fixpipe"] += T1 * p1.unit["fixpipe"]
 
     # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
-    n2, T2, units2 = deal(B * Nkv, lambda: _kv_steps(Sq, Skv, qb, kvb, group, causal),
-                          lambda: _kv_steps_sum(Sq, Skv, qb, kvb, group, causal))
+    n2, T2, units2 = deal(B * Nkv, lambda: _kv_steps(Sq, Skv, qb, kvb, group, causal, window),
+                          lambda: _kv_steps_sum(Sq, Skv, qb, kvb, group, causal, window))
     qe, ke = qe_avg, ke_avg
     if causal:
         qe = min(qb, Sq)
@@ -469,7 +475,9 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
         p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
     p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
     part = 0.0
-    if causal:
+    if band:
+        part = (band[1] + band[2]) / band[0]
+    elif causal:
         part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
     zero_fill = 0
     base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill + (SOFTCAP_PASSES + 3 if cap else 0)
@@ -559,33 +567,47 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False):
     ws = n_main * 2 * qb * kvb * isz * 2 + (n_main * 2 * qb * kvb * 4 * 2 if split else 0)
     # hand-off lines still dirty: per core and slot, one line per block extent it has written
     if not bound:
-        hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores) * (isz * 2 + (8 if split else 0))
+        hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores, window) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
 
 
-def _q_steps(Sq, Skv, qb, kvb, causal):
+def _q_steps(Sq, Skv, qb, kvb, causal, window=0):
     """Steps of each query block's item in the statistics sweep: the KV blocks it sees (causal: up to its
-    last row). In all they are the sweep's pairs (:func:`_pairs`), the last block's the most."""
+    last row; a sliding window: the band's). In all they are the sweep's pairs (:func:`_pairs`)."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     if not causal:
         return (nkv,) * nq
+    if window:
+        return tuple(hi - lo for lo, hi in (_span(i, qb, kvb, Sq, Skv, True, window) for i in range(nq)))
     return tuple(ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq))
 
 
-def _kv_steps(Sq, Skv, qb, kvb, group, causal):
+def _seen_by(j, qb, kvb, Sq, Skv, window):
+    """A sliding window's query blocks ``[i0, i1)`` with a row that sees KV block j: from the one holding the
+    block's first key to the one holding the last row whose window reaches its last key."""
+    i0 = min(j * kvb, Sq) // qb
+    return i0, max(i0, min(ceil_div(Sq, qb), (min((j + 1) * kvb, Skv) - 1 + window - 1) // qb + 1))
+
+
+def _kv_steps(Sq, Skv, qb, kvb, group, causal, window=0):
     """Steps of each KV block's unit in the main phase: its query heads times the query blocks that see it
-    (causal: from the one holding the block's first key)."""
+    (causal: from the one holding the block's first key; a sliding window: :func:`_seen_by`)."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     if not causal:
         return (group * nq,) * nkv
+    if window:
+        return tuple(group * (i1 - i0) for i0, i1 in (_seen_by(j, qb, kvb, Sq, Skv, window) for j in range(nkv)))
     return tuple(group * (nq - min(j * kvb, Sq) // qb) for j in range(nkv))
 
 
-def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal):
+def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal, window=0):
     """(blocks, most steps, total steps) of :func:`_kv_steps` in closed form: block 0 takes every query block;
     block j skips the ``min(j·kvb, Sq) // qb`` before its first key, the floors of a progression up to Sq."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    if window:
+        steps = _kv_steps(Sq, Skv, qb, kvb, group, causal, window)
+        return nkv, max(steps), sum(steps)
     skipped = 0
     if causal:
         within = min(nkv, Sq // kvb + 1)              # the blocks starting at or before Sq
@@ -594,7 +616,7 @@ def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal):
 
 
 @cached
-def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
+def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores, window=0):
     """Elements (rows · keys) of the distinct hand-off workspace regions the main phase writes, over every
     core and slot: L2 keeps a line per region written, so a slot written with a full block and with an edge
     block (fewer rows or keys) holds both. Each core's units from the kernel's dealing; a unit's steps run
@@ -605,7 +627,7 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
     unit is the parity of the steps it has run; it holds the union of the region sets of its (unit, slot)
     pairs."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
-    per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal)
+    per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal, window)
     (cores, _, _), paired = _dealing(BNkv, per_block, causal, ncores)
     owner = _deal(_units(per_block, paired), BNkv, ncores, owners=True)[1]
     blocks = _units(tuple(range(nkv)), paired)
@@ -615,13 +637,16 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores):
         rs, p = set(), 0
         for j in unit:
             ke, n_i = min(kvb, Skv - j * kvb), per_block[j] // group
+            # the unit's last query block: the edge one, but a window's may end before it
+            last_q = edge_q if not window or _seen_by(j, qb, kvb, Sq, Skv, window)[1] == nq else qb
             for h in range(min(group, 2)):
                 q = p + h * n_i
                 if n_i > 2:
                     rs.update({(0, qb, ke), (1, qb, ke)})
                 elif n_i == 2:
                     rs.add((q % 2, qb, ke))
-                rs.add(((q + n_i - 1) % 2, edge_q, ke))
+                if n_i:
+                    rs.add(((q + n_i - 1) % 2, last_q, ke))
             p += group * n_i
         for flipped in (rs, {(1 - s, r, k) for s, r, k in rs}):        # from slot 1 every slot swaps
             kind.append(regions.setdefault(frozenset(flipped), len(regions)))
@@ -665,7 +690,7 @@ class _Sweep(NamedTuple):
     rows_last: int      # Σ qe over the pairs with the last KV block (an edge block when kvb does not divide Skv)
 
 
-def _pairs(Sq, Skv, qb, kvb, causal):
+def _pairs(Sq, Skv, qb, kvb, causal, window=0):
     """:class:`_Sweep` in closed form. Query block i sees the KV blocks up to its last row ``e_i`` (causal; all
     blocks otherwise): ``nj = ceil(min(e_i, Skv) / kvb)`` of them, ``min(nj·kvb, Skv)`` keys. The full query
     blocks (``e = t·qb``, t = 1..nq-1) that end before ``Skv`` see ``ceil(t·qb / kvb)`` blocks (a
@@ -674,6 +699,14 @@ def _pairs(Sq, Skv, qb, kvb, causal):
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     if not causal:
         return _Sweep(nq * nkv, nkv * Sq, nq * Skv, Sq * Skv, Sq)
+    if window:                    # a sliding window: each query block's band of KV blocks, summed
+        count = rows = keys = area = rows_last = 0
+        for i in range(nq):
+            lo, hi = _span(i, qb, kvb, Sq, Skv, True, window)
+            qe, k = min(qb, Sq - i * qb), min(hi * kvb, Skv) - lo * kvb
+            count, rows, keys, area = count + hi - lo, rows + qe * (hi - lo), keys + k, area + qe * k
+            rows_last += qe if hi == nkv else 0
+        return _Sweep(count, rows, keys, area, rows_last)
     edge_keys = nkv * kvb - Skv                   # keys the last KV block lacks
     t1 = min(nq - 1, (Skv - 1) // qb)             # full query blocks ending before Skv: t = 1..t1
     t0 = (nkv - 1) * kvb // qb                    # ... of which t > t0 reach the last KV block
@@ -730,11 +763,14 @@ def _sum_drop(sweep, Skv, kvb):
     return full * sweep.rows - (full - edge) * sweep.rows_last
 
 
-def flops(B, N, Sq, Skv, D, Dv, causal):
+def flops(B, N, Sq, Skv, D, Dv, causal, window=0):
     pairs = Sq * Skv
     if causal:                    # Σ min(i + 1, Skv) over the rows i: a triangle, then full rows
         m = min(Sq, Skv)
         pairs = m * (m + 1) // 2 + (Sq - m) * Skv
+        if window:                # keys max(0, i - window + 1) .. min(i, Skv - 1)
+            i = np.arange(Sq)
+            pairs = int(np.maximum(0, np.minimum(i + 1, Skv) - np.maximum(0, i - window + 1)).sum())
     return 2.0 * B * N * pairs * (3 * D + 2 * Dv)
 
 
@@ -745,7 +781,7 @@ def _mask_spec(mask):
     return (mask[1], m4[2] != 1, m4[3] != 1)
 
 
-def _roofline(dev, specs, mask=None, causal=False, drop=False, **_):
+def _roofline(dev, specs, mask=None, causal=False, drop=False, window=0, **_):
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     Skv, Dv = ks[2], vs[3]
@@ -753,7 +789,7 @@ def _roofline(dev, specs, mask=None, causal=False, drop=False, **_):
     io = (2 * math.prod(qs[:3]) * (D + 2 * Dv) + 2 * (math.prod(ks) + math.prod(vs))) * isz
     if mask is not None:
         io += math.prod(mask[0]) * itemsize(mask[1])
-    fl = flops(B, N, Sq, Skv, D, Dv, causal)
+    fl = flops(B, N, Sq, Skv, D, Dv, causal, window)
     return max(fl / (2.0 * dev.cube_macs[dtype] * dev.cube_cores), io / dev.hbm_bytes_per_cycle)
 
 
@@ -767,7 +803,7 @@ ROUNDING = 1e-9
 
 
 @cached
-def _search(device, specs, mask, causal, drop, stats, cap=False):
+def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     """The fitting tiling of the fewest cycles (the first in :func:`_tilings` order among equals), and its
     model.
 
@@ -788,7 +824,7 @@ def _search(device, specs, mask, causal, drop, stats, cap=False):
     def fits(t):
         return _fits(device, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats, cap)
 
-    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, True, cap)[:3]), i)
+    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, True, cap, window)[:3]), i)
                     for i, t in enumerate(cands) if t["q"] * t["kv"] <= SMALL_TILE or fits(t))
     best = None
     for low, i in bounds:
@@ -796,7 +832,7 @@ def _search(device, specs, mask, causal, drop, stats, cap=False):
             break
         if cands[i]["q"] * cands[i]["kv"] <= SMALL_TILE and not fits(cands[i]):
             continue
-        res = _model(dev, specs, mask, causal, cands[i], drop, stats, cap=cap)
+        res = _model(dev, specs, mask, causal, cands[i], drop, stats, cap=cap, window=window)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or (cost, i) < best[:2]:
             best = (cost, i, res)
@@ -808,27 +844,30 @@ def _search(device, specs, mask, causal, drop, stats, cap=False):
 @register("flash_attention_grad", _roofline)
 def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                                   scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero",
-                                  tiling=None, softcap=None):
+                                  tiling=None, softcap=None, window=0):
     """``specs``: q, k, v, out, dout. ``mask``/``drop_mask``: their specs; ``softmax_max`` given: no statistics
     sweep. ``fill``/``empty_rows``/``scale``/``keep_prob`` change values, not the work (a finite bool fill
     adds the select that zeroes dS). ``softcap``: the cap's passes in both phases, its derivative's three in
-    phase 2 and the tanh tile; its value changes values only."""
+    phase 2 and the tanh tile; its value changes values only. ``window`` (with ``causal``): a sliding window, the
+    band's (query block, KV block) pairs only, those crossing its left edge with a compare and a select more."""
+    window = int(window or 0)
     specs = tuple(specs[:5])
     drop = drop_mask is not None
     stats = softmax_max is None
     cap = softcap is not None
     if tiling is None:
-        t, res = _search(dev.name, specs, mask, bool(causal), drop, stats, cap)
+        t, res = _search(dev.name, specs, mask, bool(causal), drop, stats, cap, window)
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv")}
         (qs, dtype), _, (vs, _) = specs[:3]
         if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats, cap):
             raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}")
-        res = _model(dev, specs, mask, bool(causal), t, drop, stats, cap=cap)
+        res = _model(dev, specs, mask, bool(causal), t, drop, stats, cap=cap, window=window)
     core, hbm, nbytes, busy, ws = res
     (qs, _), (ks, _), (vs, _) = specs[:3]
     return make("flash_attention_grad", dev, core, hbm, nbytes, busy, dict(t),
-                _roofline(dev, specs, mask, causal, drop), flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal),
+                _roofline(dev, specs, mask, causal, drop, window),
+                flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal, window),
                 workspace=ws)
 
 

@@ -437,18 +437,24 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
-            draw=None, softcap=None, fill_last=False, v_cast=None, sinks=False) -> Match:
+            draw=None, softcap=None, fill_last=False, v_cast=None, sinks=False, windows=True) -> Match:
+    args = (inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p, draw, softcap,
+            fill_last, v_cast, sinks)
     qs, ks = shape(q), shape(k)
-    guards, terms, causal_fill, guarded = [], [], -math.inf, None
+    guards, terms, causal_fill, guarded, window, band = [], [], -math.inf, None, 0, None
     for m, kind, factor, fill in masks:
-        proven, value = prove_mask(m, kind, factor, qs[-2], ks[-2], guards)
-        if proven == "causal" and kind == "additive" and value > ABSORBING_FILL:
+        proven, value, width = prove_mask(m, kind, factor, qs[-2], ks[-2], guards)
+        if proven == "window" and not windows:
+            proven = None
+        if proven in ("causal", "window") and kind == "additive" and value > ABSORBING_FILL:
             # a causal mask adding a finite value (GPT-2 in fp16 adds finfo(float16).min): kept as the user's
-            # additive mask, exactly; the kernel may still skip above the diagonal where a bound proves it exact
+            # additive mask, exactly; the kernel may still skip above the diagonal (and, for a sliding window's
+            # band, left of it) where a bound proves it exact
             terms.append((m, kind, factor, fill))
-            guarded = value
-        elif proven == "causal":
-            causal, causal_fill = True, fill if kind == "bool" else value
+            guarded, window = value, width
+        elif proven in ("causal", "window"):
+            causal, causal_fill, window = True, fill if kind == "bool" else value, width
+            band = (m, kind, factor, fill)
         elif proven != "none":
             terms.append((m, kind, factor, fill))
     fills = {f for _, kind, _, f in terms if kind == "bool"}
@@ -467,11 +473,15 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     if causal and fill != -math.inf and (terms or fill > ABSORBING_FILL):
         # the kernel skips tiles above the diagonal; with a finite fill that is exact only when every row keeps
         # a key and the fill absorbs what is added to it: otherwise the causal mask stays an explicit mask,
-        # which the kernel may still skip where a bound on the scores proves the skipped weights vanish
+        # which the kernel may still skip where a bound on the scores proves the skipped weights vanish (a
+        # sliding window's band is then matched as the user's mask, read as it is)
+        if window and band[1] != "bool":
+            return _finish(*args, windows=False)
         causal = False
         guarded = fill if not terms else None
-        tril = _constant_causal(anchor, qs[-2], ks[-2])
-        terms.append((tril, "bool", 1.0, fill))
+        # the mask read: the causal one as a constant, a sliding window's band as the user's own mask
+        terms.append((_constant_causal(anchor, qs[-2], ks[-2]), "bool", 1.0, fill) if not window else band)
+        window = window if guarded is not None else 0
     for i, (m, kind, factor, _) in enumerate(terms):
         inputs["mask" if i == 0 else f"mask_{i}"] = m.name if isinstance(m, fx.Node) else m
     kinds = {kind for _, kind, _, _ in terms}
@@ -484,7 +494,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
         dropout_draw=draw, softcap=softcap, v_cast=v_cast, sinks=bool(sinks), fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
-        causal_value=None if guarded is None else float(guarded),
+        causal_value=None if guarded is None else float(guarded), window=int(window),
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
         dtype=val(q).dtype, q_shape=qs, k_shape=ks, v_shape=shape(v), out_shape=shape(anchor),
@@ -508,8 +518,9 @@ def _constant_causal(anchor, sq, skv) -> str:
 
 
 def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int, guards: list) -> tuple:
-    """``("causal", masked value)`` / ``("none", None)`` if the constant mask equals SDPA's causal mask /
-    masks nothing, else ``(None, None)``. For an additive mask the masked value is the one value every
+    """``("causal", masked value, 0)`` / ``("window", masked value, w)`` / ``("none", None, 0)`` if the constant mask
+    equals SDPA's causal mask / a causal sliding window of ``w`` keys (query i keeps keys ``i - w < j <= i``:
+    transformers' ``sliding_window_causal_mask_function``) / masks nothing, else ``(None, None, 0)``. For an additive mask the masked value is the one value every
     masked entry takes, times ``factor``: ``-inf`` or at most ``NEG_FILL``. The caller decides what the proof
     buys: a value that absorbs any finite score added to it (``<= ABSORBING_FILL``) makes the kernel's causal
     skip exact; a finite one above it keeps the mask and lets the kernel skip under a runtime bound
@@ -537,26 +548,33 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
         with torch.no_grad():
             t = evaluate_constant(m, max_numel=MAX_PROOF_NUMEL, state=reads)
     except Exception:  # noqa: BLE001 - "not provable" is the answer for anything we cannot evaluate
-        return None, None
+        return None, None, 0
     if t is None:
-        return None, None
+        return None, None, 0
     t = t.broadcast_to(*t.shape[:-2], sq, skv) if t.dim() >= 2 else t.broadcast_to(sq, skv)
     tril = torch.ones(sq, skv, dtype=torch.bool).tril()
     keep, value = t, None
     if kind == "additive":
         s = t.double() * factor
         if torch.all(s == 0):
-            return "none", None
+            return "none", None, 0
         masked = s[s != 0]
         value = float(masked.flatten()[0])
         if not (torch.all(masked == value) and (value == -math.inf or value <= NEG_FILL)):
-            return None, None
+            return None, None, 0
         keep = s == 0
     if torch.all(keep):
-        return "none", None
+        return "none", None, 0
     if torch.equal(keep, tril.expand_as(keep)):
-        return "causal", value
-    return None, None
+        return "causal", value, 0
+    # a sliding window: its width read off the last row that has a key left of its window, then checked whole
+    lost = tril & ~keep.reshape(-1, sq, skv)[0]
+    if lost.any():
+        i, j = (int(x) for x in lost.nonzero()[-1])
+        w = i - j
+        if 0 < w < sq and torch.equal(keep, (tril & tril.new_ones(sq, skv).triu(-(w - 1))).expand_as(keep)):
+            return "window", value, w
+    return None, None, 0
 
 
 @register("attention")

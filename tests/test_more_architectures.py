@@ -68,6 +68,8 @@ BLOCKS = {"t5": 3 * LAYERS, "bart": 3 * LAYERS}     # the others: one block per 
 
 MODELS = {
     "mistral": _lm(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2, sliding_window=None),
+    # a sliding window shorter than the sequence: the kernel's window, no mask read
+    "mistral_window": _lm(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2, sliding_window=5),
     "gemma": _lm(tf.GemmaConfig, tf.GemmaForCausalLM, num_key_value_heads=1, head_dim=16),      # MQA
     "qwen3": _lm(tf.Qwen3Config, tf.Qwen3ForCausalLM, num_key_value_heads=2, head_dim=16),      # q/k norms
     "phi3": _lm(tf.Phi3Config, tf.Phi3ForCausalLM, num_key_value_heads=4, pad_token_id=0),
@@ -104,7 +106,9 @@ def test_every_attention_block_is_fused(name, impl):
     leftover = {torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,
                 torch.ops.aten.scaled_dot_product_attention.default}
     assert not leftover & set(targets)
-    if name in ("mistral", "gemma", "qwen3"):     # grouped/multi-query attention reaches the kernel as is
+    if name == "mistral_window":
+        assert all(d.params["causal"] and d.params["window"] == 5 and d.params["mask_kind"] is None for d in attention)
+    if name in ("mistral", "mistral_window", "gemma", "qwen3"):     # grouped/multi-query attention as is
         assert all(d.params["num_kv_heads"] < d.params["num_heads"] for d in attention)
     with torch.no_grad():
         torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)), atol=1e-5, rtol=1e-4)
@@ -159,9 +163,9 @@ def _falcon(**kw):
     return build
 
 
-def _gemma2():
+def _gemma2(**kw):
     cfg = tf.Gemma2Config(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **kw)
     cfg._attn_implementation = "eager"
     return tf.Gemma2ForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
 
@@ -187,7 +191,15 @@ EAGER_ONLY = {
     "falcon_alibi": _falcon(alibi=True),                        # the same with ALiBi added before the scale
     "falcon_gqa": _falcon(new_decoder_architecture=True, num_kv_heads=2),
     "gpt_oss": _gpt_oss,                                        # a learnable sink logit per head in the softmax
+    # local layers (every other one) with a window shorter than the sequence: the cap / the sinks and the window
+    "gemma2_window": lambda: _gemma2(sliding_window=6),
+    "gpt_oss_window": lambda: _gpt_oss(sliding_window=6),
 }
+
+
+def _windows(model):
+    """The window each layer's attention has: 6 on the sliding layers, 0 (causal alone) on the full ones."""
+    return [6 if t == "sliding_attention" else 0 for t in model.config.layer_types]
 
 
 @pytest.mark.parametrize("name", list(EAGER_ONLY))
@@ -206,10 +218,12 @@ def test_eager_only_attention_spellings_are_fused(name):
         assert all(d.params["mask_kind"] == "additive" for d in attention)
     if name == "mpt":                                   # the fill applied after it: where(keep, bias, fill)
         assert all(d.params["fill_last"] for d in attention)
-    if name == "gemma2":
+    if name.startswith("gemma2"):
         assert all(d.params["softcap"] == model.config.attn_logit_softcapping == 50.0 for d in attention)
-    if name == "gpt_oss":                               # the sink logits are one input of the kernel
+    if name.startswith("gpt_oss"):                      # the sink logits are one input of the kernel
         assert all(d.params["sinks"] for d in attention)
+    if name.endswith("_window"):
+        assert [d.params["window"] for d in attention] == _windows(model) == [6, 0]
     with torch.no_grad():
         torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
                                    atol=1e-5, rtol=1e-4)
@@ -252,6 +266,13 @@ def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
     assert len(report.of("attention")) == LAYERS and all(d.applied for d in report.of("attention"))
     assert len(report.of("moe_experts")) == LAYERS and all(d.applied for d in report.of("moe_experts"))
     assert any("sinks" in n for n in grads)
+
+
+def test_gpt_oss_sliding_window_trains_with_eagers_gradients():
+    """GPT-OSS with a window shorter than the sequence: the sliding layers' forward and backward kernels walk the
+    band (sinks too); the gradients of every parameter equal eager's."""
+    report, _ = _trained_gradients(lambda: _gpt_oss(sliding_window=6))
+    assert [d.params["window"] for d in report.of("attention")] == [6, 0]
 
 
 def test_gpt_oss_sinks_with_attention_dropout_train_as_eager():

@@ -45,7 +45,10 @@ parity) so the pipeline also runs across item boundaries.
 Scheduling: the cores walk flat lists of (item, KV tile) steps in lockstep; items are dealt out head by
 head, so cores working at the same time share K/V tiles through L2. With ``causal`` the KV tiles above
 the diagonal are skipped and query blocks i and nq-1-i are paired on one core, which evens out the work
-(single blocks when there are too few pairs to keep every core busy). Schedules, tilings and region lists
+(single blocks when there are too few pairs to keep every core busy). A sliding ``window`` (with ``causal``,
+CANN's band sparse mode) also skips the KV tiles left of the band: a query block walks the tiles from the one
+holding its first row's first key to its diagonal, and the tiles holding the band's left edge take a compare
+and a select more (as the diagonal's do); no mask is read. Schedules, tilings and region lists
 depend on shapes only and are cached across launches.
 
 Simulator speed (values and figures unchanged): the launch is deferred (``Launch.defer``: values are
@@ -329,7 +332,7 @@ class _Steps:
 
     FIELDS = ("valid", "b", "h", "qi", "j", "first", "last", "skip")
 
-    def __init__(self, per_core, qb, kvb, Sq, Skv, group_size, causal):
+    def __init__(self, per_core, qb, kvb, Sq, Skv, group_size, causal, window=0):
         n = len(per_core)
         T = max(len(p) for p in per_core)
         arr = np.zeros((len(self.FIELDS), T, n), dtype=np.int64)
@@ -347,6 +350,8 @@ class _Steps:
         self.kext = np.where(self.valid, np.minimum(kvb, Skv - self.k0), 0)
         # a causal tile that crosses the diagonal needs the triangle mask
         self.partial = causal & self.valid & ~self.skip & (self.k0 + self.kext - 1 > self.q0)
+        # a sliding window's tile that holds a key left of some row's window needs the band's other edge
+        self.edge = self.valid & ~self.skip & band_edge(window, self.q0, self.qext, self.k0)
         self.work = self.valid & ~self.skip
         self.lists = {f: getattr(self, f).tolist() for f in ("b", "h", "hk", "q0", "qext", "k0", "kext")}
 
@@ -424,7 +429,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False, softcap=None, sinks=None):
+                    return_stats=False, softcap=None, sinks=None, window=0):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -436,6 +441,9 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     ``sinks``: attention sinks, one logit per query head (``[N]``, GPT-OSS's): each row's softmax also takes
     its head's sink logit as one more score, which attends no value (its probability only enlarges the
     denominator); the online softmax starts from ``m = sink``, ``l = 1`` instead of ``-inf``, ``0``.
+    ``window``: with ``causal``, a sliding window of that many keys (Mistral's, Gemma's, GPT-OSS's local layers;
+    CANN's band sparse mode with ``pre_tokens = window - 1``, ``next_tokens = 0``): query i sees keys j with
+    ``i - window < j <= i``; the KV tiles wholly outside the band are skipped, as those above the diagonal are.
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -454,6 +462,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     drop = drop_mask is not None
     if drop:
         _check_drop(drop_mask, keep_prob, (B, N, Sq, Skv), return_probs)
+    window = check_window("flash_attention", window, causal)
     sink = sinks is not None
     if sink and (list(sinks.shape) != [N] or sinks.dtype not in OPERAND_DTYPES):
         raise ValueError(f"flash_attention: sinks is {sinks.dtype} {list(sinks.shape)}; it must be [{N}] (one logit "
@@ -467,7 +476,8 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
             raise ValueError(f"flash_attention: {bad}")
     req = _requests(dev, D, Dv, dtype, t, mask_spec, drop, sink)
     counts = fitted_counts("flash_attention", dev, req, t)
-    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, bool(return_stats), sinks)
+    prog = _Program(launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, bool(return_stats), sinks,
+                    window)
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
@@ -487,6 +497,35 @@ def check_operands(kernel: str, named) -> None:
     if len({t.dtype for _, t in named}) > 1:
         names = ", ".join(n for n, _ in named)
         raise TypeError(f"{kernel}: {names} dtypes differ ({', '.join(str(t.dtype) for _, t in named)})")
+
+
+def check_window(kernel: str, window, causal) -> int:
+    """``window`` as an int once checked: 0 (none), or a positive key count with ``causal``."""
+    if isinstance(window, bool) or int(window) != window or window < 0:
+        raise ValueError(f"{kernel}: window={window!r}; give a whole number of keys (0: no sliding window)")
+    if window and not causal:
+        raise ValueError(f"{kernel}: window={window} needs causal=True (the window is the band of keys j with "
+                         f"i - window < j <= i; a window without the causal bound is not supported: pass it as a mask)")
+    return int(window)
+
+
+def window_tiles(qi, qb, kvb, Sq, Skv, causal, window):
+    """``(lo, hi)``: the KV tiles query block ``qi`` attends (causal: up to its last row's diagonal; with a
+    ``window`` from the tile holding its first row's first key). At least one tile: a block whose rows all lie
+    past the keys' end by more than the window (Sq > Skv + window) keeps one, wholly masked, so its rows are
+    written (as rows with no key to attend)."""
+    nkv = _ceil(Skv, kvb)
+    if not causal:
+        return 0, nkv
+    last_row = min((qi + 1) * qb, Sq) - 1
+    hi = _ceil(min(last_row + 1, Skv), kvb)
+    lo = min(max(0, qi * qb - window + 1) // kvb, hi - 1) if window else 0
+    return lo, hi
+
+
+def band_edge(window, q0, qext, k0):
+    """Whether a tile (rows ``q0 .. q0+qext-1``, keys from ``k0``) holds a key left of some row's window."""
+    return (window > 0) & (k0 <= q0 + qext - 1 - window)
 
 
 def check_fill(kernel: str, empty_rows: str, fill) -> float:
@@ -565,7 +604,7 @@ class _Program:
     """
 
     def __init__(self, launch, q, k, v, mask, scale, causal, return_probs, t, req, counts, Dv, return_stats=False,
-                 sinks=None):
+                 sinks=None, window=0):
         dev = launch.device
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
@@ -584,6 +623,7 @@ class _Program:
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
         self.softcap = None                             # set by the caller (logit soft-capping)
         self.sinks = sinks                              # [N] sink logits (attention sinks) or None
+        self.window = window                            # sliding window (keys), 0: none
         self.dtype = q.dtype
         self.isz = itemsize(q.dtype)
         B, N, Sq, D = q.shape
@@ -598,23 +638,26 @@ class _Program:
         qb, kvb = self.qb, self.kvb
 
         def tiles_main(qi):
-            if not causal:
-                return [(j, False) for j in range(nkv)]
-            last_row = min((qi + 1) * qb, Sq) - 1
-            return [(j, False) for j in range(_ceil(min(last_row + 1, Skv), kvb))]
+            lo, hi = window_tiles(qi, qb, kvb, Sq, Skv, causal, window)
+            return [(j, False) for j in range(lo, hi)]
 
         def tiles_probs(qi):
-            last_row = min((qi + 1) * qb, Sq) - 1
-            return [(j, causal and j * kvb > last_row) for j in range(nkv)]
+            lo, hi = window_tiles(qi, qb, kvb, Sq, Skv, causal, window)
+            return [(j, not lo <= j < hi) for j in range(nkv)]
 
-        key = (dev.name, dev.arch, dev.cube_cores, B, N, Nkv, Sq, Skv, D, Dv, qb, kvb, self.vq, causal,
+        key = (dev.name, dev.arch, dev.cube_cores, B, N, Nkv, Sq, Skv, D, Dv, qb, kvb, self.vq, causal, window,
                return_probs, None if mask is None else (mask.dtype, mask.shape), "drop" in counts, sinks is not None)
         plan = _PLANS.pop(key, None)
         if plan is None:
             group = N // Nkv
             cores = dev.cube_cores
-            plan = _Plan(_Steps(_schedule(B, N, nq, causal, cores, tiles_main), qb, kvb, Sq, Skv, group, causal),
-                         _Steps(_schedule(B, N, nq, causal, cores, tiles_probs), qb, kvb, Sq, Skv, group, causal)
+            main = _schedule(B, N, nq, causal, cores, tiles_main)
+            probs = _schedule(B, N, nq, causal, cores, tiles_probs) if return_probs else None
+            # the two sweeps may deal their units differently (a window's items are alike, its sweep's are not):
+            # both on the larger count of cores, the other's extra cores idle
+            n = max(len(main), len(probs) if probs else 0)
+            plan = _Plan(_Steps(main + [[]] * (n - len(main)), qb, kvb, Sq, Skv, group, causal, window),
+                         _Steps(probs + [[]] * (n - len(probs)), qb, kvb, Sq, Skv, group, causal, window)
                          if return_probs else None)
         _PLANS[key] = plan                       # most recent last
         while len(_PLANS) > _PLAN_CACHE:
@@ -841,7 +884,7 @@ class _Program:
         return {"work": vec(st.work[s]), "first": vec(st.first[s] & st.valid[s]), "last": vec(st.last[s]),
                 "skip": vec(st.skip[s] & st.valid[s]), "qext": vec(st.qext[s]), "kext": kext, "kl": kext.tolist(),
                 "q0": vec(st.q0[s]), "k0": vec(st.k0[s]), "b": vec(st.b[s]), "h": vec(st.h[s]),
-                "partial": vec(st.partial[s])}
+                "partial": vec(st.partial[s]), "edge": vec(st.edge[s])}
 
     def _load_sink(self, v, ks):
         """The sink logit of each vector core's head, at the first step of its item (the softmax's start)."""
@@ -904,10 +947,12 @@ class _Program:
         if sk is not None:
             reads.append(sk)
         part = v["partial"] & ract
-        repeats = rr * passes + rr * part * 2 + stat * (3 if probs_pass else 5)
+        edge = v["edge"] & ract
+        repeats = rr * passes + rr * part * 2 + rr * edge * 2 + stat * (3 if probs_pass else 5)
         vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
         tmp, f32 = self.tmp, self.dtype == "float32"
         partial = bool(part.any())
+        banded, window = bool(edge.any()), self.window
         # every pass is per core (per row, even), so the closures take a slice of the cores (vector(...,
         # per_core=True)): host threads may split the cores between them; values are the same however split.
         # The closures look tile arrays up when they run (the launch computes values behind its timeline).
@@ -927,10 +972,13 @@ class _Program:
                     np.add(x, mt.data[cs], out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
                 np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])  # which may fill
-            if partial:
+            if partial or banded:
                 rg = (vq0 + ro)[cs, None, None] + self.rowi[None, :, None]
                 cg_ = vk0[cs, None, None] + self.col[None, None, :]
-                np.copyto(x, _NEG_INF, where=cg_ > rg)
+                if partial:
+                    np.copyto(x, _NEG_INF, where=cg_ > rg)
+                if banded:                # the window's left edge: a compare and a select, as the diagonal
+                    np.copyto(x, _NEG_INF, where=cg_ <= rg - window)
             return x
 
         def cast(x, cs):

@@ -47,6 +47,11 @@ Software pipeline (phase 2): step s issues stage A(s+1) (loads, S and dP, the Ve
 before stage B(s) (Pd/dS in, the three products, dQ out), so the Cube computes S, dP of the next step
 while the Vector works on this one.
 
+Sliding window (``window`` with ``causal``): phase 1 walks each query block's band of KV blocks as the forward
+does; a phase-2 unit (KV block j) takes the query blocks from the one holding j's first key to the one holding
+the last row whose window reaches j's last key; pairs holding the band's left edge take a compare and a select
+more (as the diagonal's do).
+
 Scheduling: units (b, kv head, KV block) go to the least-loaded core; with ``causal`` KV blocks j and
 nkv-1-j are paired in one unit (the forward's dealing, :func:`flash_attention._schedule`), which evens
 out the triangle. Phases 0 and 3 deal row blocks round-robin over the vector cores; phase 1 deals query
@@ -74,9 +79,9 @@ import numpy as np
 
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
-from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule, check_fill,
-                                                  check_operands, core_groups, fitted_counts, mask_with_spec,
-                                                  round_to)
+from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule, band_edge,
+                                                  check_fill, check_operands, check_window, core_groups, fitted_counts,
+                                                  mask_with_spec, round_to, window_tiles)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
 
@@ -206,11 +211,25 @@ class _Steps:
         self.T, self.n = T, n
 
 
-def _main_steps(B, Nkv, group, nq, nkv, qb, kvb, Sq, causal, ncores, n=None):
+def query_blocks(j, qb, kvb, Sq, Skv, causal, window=0):
+    """``(i0, i1)``: the query blocks with a row that sees KV block j (causal: from the one holding the block's
+    first key; with a sliding ``window`` up to the one holding the last row whose window reaches the block's
+    last key)."""
+    nq = _ceil(Sq, qb)
+    if not causal:
+        return 0, nq
+    i0 = min(j * kvb, Sq) // qb
+    if not window:
+        return i0, nq
+    last_key = min((j + 1) * kvb, Skv) - 1
+    return i0, max(i0, min(nq, (last_key + window - 1) // qb + 1))
+
+
+def _main_steps(B, Nkv, group, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None, window=0):
     """Phase 2: units (b, kv head, KV block j), each a list of (query head in group, query block) steps."""
     def inner(j):
-        i0 = min(j * kvb, Sq) // qb if causal else 0   # the first query block with a row that sees block j
-        return [(hh * nq + i, False) for hh in range(group) for i in range(i0, nq)]
+        i0, i1 = query_blocks(j, qb, kvb, Sq, Skv, causal, window)
+        return [(hh * nq + i, False) for hh in range(group) for i in range(i0, i1)]
 
     per_core = _schedule(B, Nkv, nkv, causal, ncores, inner)
     st = _Steps(per_core, ("b", "hk", "j", "x", "first", "last", "skip"), n)
@@ -219,13 +238,12 @@ def _main_steps(B, Nkv, group, nq, nkv, qb, kvb, Sq, causal, ncores, n=None):
     return st
 
 
-def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None):
-    """Phase 1: items (b, h, query block i), each over its KV tiles (causal: up to the diagonal)."""
+def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None, window=0):
+    """Phase 1: items (b, h, query block i), each over its KV tiles (causal: up to the diagonal; a sliding
+    window: the band's, as the forward walks them)."""
     def tiles(i):
-        if not causal:
-            return [(j, False) for j in range(nkv)]
-        last_row = min((i + 1) * qb, Sq) - 1
-        return [(j, False) for j in range(_ceil(min(last_row + 1, Skv), kvb))]
+        lo, hi = window_tiles(i, qb, kvb, Sq, Skv, causal, window)
+        return [(j, False) for j in range(lo, hi)]
 
     return _Steps(_schedule(B, N, nq, causal, ncores, tiles), ("b", "h", "i", "j", "first", "last", "skip"), n)
 
@@ -234,10 +252,11 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None):
 @kernel("flash_attention_grad")
 def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                          scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None,
-                         softcap=None):
+                         softcap=None, window=0):
     """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
     ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`).
-    ``softcap``: the forward's logit soft-capping ``softcap · tanh(scale·S / softcap)`` (module docstring)."""
+    ``softcap``: the forward's logit soft-capping ``softcap · tanh(scale·S / softcap)`` (module docstring).
+    ``window`` (with ``causal``): the forward's sliding window (module docstring)."""
     dev = launch.device
     check_operands("flash_attention_grad", (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
     B, N, Sq, D = q.shape
@@ -257,6 +276,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
             raise ValueError(f"flash_attention_grad: {name} is {t.dtype} {list(t.shape)}; it must be float32 "
                              f"{[B, N, Sq]} (each row's statistic of its scaled, masked scores)")
     fill = check_fill("flash_attention_grad", empty_rows, fill)
+    window = check_window("flash_attention_grad", window, causal)
     mask, mask_spec = mask_with_spec(mask, B, N, Sq, Skv)
     drop = drop_mask is not None
     if drop:
@@ -275,7 +295,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     req = _requests(dev, D, Dv, q.dtype, t, mask_spec, drop, stats, cap)
     counts = fitted_counts("flash_attention_grad", dev, req, t)
     prog = _Program(launch, q, k, v, out, dout, mask, drop_mask, (softmax_max, softmax_sum), t, req, counts,
-                    bool(causal))
+                    bool(causal), window)
     prog.scale = np.float32(D ** -0.5 if scale is None else scale)
     prog.fill = np.float32(fill)
     prog.empty = np.float32(0.0 if empty_rows == "zero" else np.nan)
@@ -287,7 +307,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
 class _Program:
     """One launch: allocations, the schedules and the four phases."""
 
-    def __init__(self, launch, q, k, v, out, dout, mask, drop_mask, saved, t, req, counts, causal):
+    def __init__(self, launch, q, k, v, out, dout, mask, drop_mask, saved, t, req, counts, causal, window=0):
         dev = launch.device
         self.launch, self.dev = launch, dev
         self.split = dev.arch == "split"
@@ -304,18 +324,21 @@ class _Program:
         self.R = self.qb // self.nh                 # query rows one vector core owns
         nq, nkv = _ceil(Sq, self.qb), _ceil(Skv, self.kvb)
         self.nq, self.nkv = nq, nkv
-        self.causal = causal
+        self.causal, self.window = causal, window
         self.softcap = None                   # set by the caller (logit soft-capping)
         # the schedules (the cores a phase uses: its units, dealt; the groups have the larger count)
-        self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, causal, dev.cube_cores)
+        self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores,
+                                   window=window)
         self.recompute = saved[0] is None
-        self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores) \
-            if self.recompute else None
+        self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores,
+                                     window=window) if self.recompute else None
         n = max(self.st_main.n, self.st_stats.n if self.recompute else 0)
         if self.st_main.n < n:
-            self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, causal, dev.cube_cores, n)
+            self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores,
+                                       n, window)
         if self.recompute and self.st_stats.n < n:
-            self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores, n)
+            self.st_stats = _stats_steps(B, N, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores, n,
+                                         window)
         self.n = n
         self.cg, self.vg, self.tl = core_groups(launch, n, self.split, req, counts, sep="#")
         self.nv = self.vg.n
@@ -492,9 +515,9 @@ class _Program:
         self.ends[(ub + "_read", s)] = self._to_cube(np.where(ract, e2, 0.0))
         return X
 
-    def _mask_and_bounds(self, x, cs, b, h, vq0, k0, rows, kext, mt, causal_rows, tcap=None):
+    def _mask_and_bounds(self, x, cs, b, h, vq0, k0, rows, kext, mt, causal_rows, tcap=None, band=False):
         """scale·x, [the soft-cap c·tanh(·/c), its tanh kept in ``tcap``], the mask, -inf past the keys / above the
-        diagonal, in place (fp32, per core slice)."""
+        diagonal / left of a sliding window (``band``), in place (fp32, per core slice)."""
         np.multiply(x, self.scale, out=x)
         if self.softcap is not None:
             np.multiply(x, np.float32(1) / self.softcap, out=x)
@@ -508,10 +531,13 @@ class _Program:
             else:
                 np.add(x, mt.data[cs], out=x)
         np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
-        if causal_rows:
+        if causal_rows or band:
             rg = vq0[cs, None, None] + self.rowi[None, :, None]
             cg_ = k0[cs, None, None] + self.col[None, None, :]
-            np.copyto(x, _NEG_INF, where=cg_ > rg)
+            if causal_rows:
+                np.copyto(x, _NEG_INF, where=cg_ > rg)
+            if band:
+                np.copyto(x, _NEG_INF, where=cg_ <= rg - self.window)
 
     def _load_mask(self, b, h, vq0, rows, k0, kext, ract):
         mt = self._next("mask")
@@ -523,13 +549,13 @@ class _Program:
             for c in range(self.nv)], active=self._act(ract), name="load mask")
         return mt
 
-    def _vector_passes(self, rows, kext, partial, ract, base):
+    def _vector_passes(self, rows, kext, partial, ract, base, edge=0):
         vg = self.vg
         rr = vg.row_repeats(rows, kext, F32) * ract
         passes = base + (SOFTCAP_PASSES if self.softcap is not None else 0)
         if self.mask is not None:
             passes += 1 if self.mask.dtype in ("bool", F32) else 2
-        return rr * passes + rr * partial * 2
+        return rr * passes + rr * partial * 2 + rr * edge * 2
 
     def _online_stats(self, S, st, s, qext, kext, work, q0, k0):
         vg = self.vg
@@ -540,13 +566,14 @@ class _Program:
         vq0, vk0, vke = self._vec(q0) + ro, self._vec(k0), self._vec(kext)
         first, last = self._vec(st.first[s]) & ract, self._vec(st.last[s]) & ract
         partial = self.causal & ract & (vk0 + vke - 1 > vq0)
+        edge = ract & band_edge(self.window, vq0, rows, vk0)
         mt = self._load_mask(b, h, vq0, rows, vk0, vke, ract) if self.mask is not None else None
         M, L = self.tl["rm"][0], self.tl["rl"][0]
-        causal_any = bool(partial.any())
+        causal_any, band = bool(partial.any()), bool(edge.any())
 
         def stats(cs):
             x = S.data[cs]
-            self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any)
+            self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any, band=band)
             fc = first[cs, None]
             mprev = np.where(fc, _NEG_INF, M.data[cs])
             mnew = np.maximum(mprev, x.max(axis=-1))
@@ -556,7 +583,7 @@ class _Program:
             L.data[cs] = alpha * lprev + np.exp(x - muse[:, :, None]).sum(axis=-1)
             M.data[cs] = mnew
 
-        reps = self._vector_passes(rows, vke, partial, ract, 5) + vg.repeats(rows, F32) * ract * 5
+        reps = self._vector_passes(rows, vke, partial, ract, 5, edge) + vg.repeats(rows, F32) * ract * 5
         vg.vector("stats: scale mask max sub exp sum", [M, L], [S] + ([mt] if mt is not None else []), reps,
                   compute=stats, per_core=True, active=self._act(ract))
         if last.any():
@@ -625,6 +652,8 @@ class _Program:
         b, h = self._vec(st.b[s]), self._vec(st.h[s])
         vq0, vk0, vke = self._vec(q0) + ro, self._vec(k0), self._vec(kext)
         partial = self.causal & ract & (vk0 + vke - 1 > vq0)
+        edge = ract & band_edge(self.window, vq0, rows, vk0)
+        band = bool(edge.any())
         lregs = [(b[c], h[c], slice(vq0[c], vq0[c] + rows[c])) if ract[c] else None for c in range(nv)]
         mt_, lt, dt = self._next("m"), self._next("l"), self._next("dr")
         vg.load(mt_, self.m_gm, lregs, active=a_, deps=(vdeps,), name="load max")
@@ -645,7 +674,7 @@ class _Program:
 
         def grads(cs):
             x = S.data[cs]
-            self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any, tc)
+            self._mask_and_bounds(x, cs, b, h, vq0, vk0, rows, vke, mt, causal_any, tc, band)
             m = mt_.data[cs]
             np.subtract(x, np.where(m == _NEG_INF, np.float32(0), m)[:, :, None], out=x)
             np.exp(x, out=x)
@@ -678,7 +707,7 @@ class _Program:
         base = 7 + (0 if f32 else 2) + (4 if kt is not None else 0) + zero_fill + (3 if tc is not None else 0)
         reads = [S, dP, mt_, lt, dt] + ([mt] if mt is not None else []) + ([kt] if kt is not None else [])
         vg.vector("P=exp(scale S-m)/l, dS=P(dP-Dr)scale, cast", [P, DS, S, dP] + ([tc] if tc is not None else []), reads,
-                  self._vector_passes(rows, vke, partial, ract, base), compute=grads, per_core=True, active=a_)
+                  self._vector_passes(rows, vke, partial, ract, base, edge), compute=grads, per_core=True, active=a_)
         slot = s % 2
         cube_of = self.cube_of
         for tile, ws, key in ((P, self.ws_p, "p"), (DS, self.ws_ds, "ds")):

@@ -1,0 +1,139 @@
+"""Sliding-window attention found in the graph: a constant mask equal to the causal band ``i - w < j <= i``
+(transformers' ``sliding_window_causal_mask_function``: Mistral, Gemma 2's and GPT-OSS's local layers) is proven
+and the kernel runs with ``causal=True, window=w``, walking the band's tiles and reading no mask; near misses (a
+band that is not that one) stay masks the kernel reads, and every form computes what eager does."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+from autofuse.ops import recording
+from autofuse.verify import compare
+
+FUSED_OP = torch.ops.autofuse.flash_attention.default
+B, N, S, D, W = 2, 4, 40, 16, 9
+
+
+def _qkv(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, N, S, D, generator=g).to(dtype) for _ in range(3))
+
+
+def _band(kind, s=S, w=W):
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    return {"window": (j <= i) & (j > i - w),
+            "bidirectional": (j - i).abs() < w,                          # both sides of the diagonal
+            "no_diagonal": (j < i) & (j > i - w) | ((i == 0) & (j == 0)),  # the diagonal left out (row 0 keeps it)
+            "hole": ((j <= i) & (j > i - w)) & ~((i == 20) & (j == 17)),  # one key inside the band masked
+            "sink_token": ((j <= i) & (j > i - w)) | (j == 0),            # StreamingLLM: key 0 always kept
+            }[kind]
+
+
+class Windowed(nn.Module):
+    """Attention over a constant band built in forward from aranges (as transformers builds its masks)."""
+
+    def __init__(self, kind="window", spelling="masked_fill", value=None, w=W):
+        super().__init__()
+        self.kind, self.spelling, self.value, self.w = kind, spelling, value, w
+
+    def forward(self, q, k, v):
+        keep = _band(self.kind, q.shape[-2], self.w)
+        if self.spelling == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        value = torch.finfo(s.dtype).min if self.value == "finfo.min" else float("-inf")
+        if self.spelling == "additive":
+            s = s + torch.zeros(keep.shape, dtype=s.dtype).masked_fill(~keep, value)
+        elif self.spelling == "where":
+            s = torch.where(keep, s, torch.full([], value, dtype=s.dtype))
+        else:
+            s = s.masked_fill(~keep, value)
+        return torch.softmax(s, -1) @ v
+
+
+def _assert_as_eager(model, args, got):
+    want = model(*args)
+    ref = model(*[a.double() for a in args])
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
+def _decision(fused):
+    (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
+    (call,) = [n for n in fused.graph_module.graph.nodes if n.op == "call_function" and n.target is FUSED_OP]
+    return d, call
+
+
+@pytest.mark.parametrize("spelling,value", [("masked_fill", None), ("additive", None), ("where", "finfo.min"),
+                                            ("additive", "finfo.min"), ("sdpa", None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_causal_band_runs_as_a_window(spelling, value, dtype):
+    """-inf, or fp32/bf16's finfo.min (which absorbs any score added to it): the band is the kernel's window, no
+    mask input, only the band's tiles launched."""
+    model, args = Windowed("window", spelling, value), _qkv(dtype)
+    fused = AutoFusionEngine.fuse(model, args)
+    d, call = _decision(fused)
+    assert d.params["causal"] and d.params["window"] == W and d.params["mask_kind"] is None
+    assert call.args[3] is None and call.kwargs["window"] == W
+    with recording() as log:
+        got = fused(*args)
+    assert [k for k, _ in log] == ["flash_attention"]
+    _assert_as_eager(model, args, got)
+
+
+def test_a_finite_fp16_band_is_skipped_under_the_score_bound():
+    """fp16's finfo.min (-65504) does not absorb a score: the band stays the user's mask, and the kernel skips the
+    tiles outside it (the diagonal's and the window's) where the run-time bound on the scores proves their weights
+    vanish, as for a finite causal mask."""
+    g = torch.Generator().manual_seed(0)
+    model = Windowed("window", "where", "finfo.min", w=64)
+    args = tuple(torch.randn(1, 8, 1024, 64, generator=g).half() for _ in range(3))   # large enough for the skip
+    fused = AutoFusionEngine.fuse(model, args)
+    d, call = _decision(fused)
+    assert not d.params["causal"] and d.params["causal_value"] == -65504.0 and d.params["window"] == 64
+    assert d.params["alternatives"]["ascend910"][0][0] == "causal skip under a score bound"
+    with recording() as log:
+        got = fused(*args)
+    assert [k for k, _ in log] == ["score_bound", "flash_attention"]
+    _assert_as_eager(model, args, got)
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "no_diagonal", "hole", "sink_token"])
+@pytest.mark.parametrize("spelling", ["masked_fill", "sdpa"])
+def test_bands_that_are_not_a_sliding_window_stay_masks(kind, spelling):
+    """Not the causal band: fused with the mask read as it is (window 0), and equal to eager."""
+    model, args = Windowed(kind, spelling), _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    d, call = _decision(fused)
+    assert d.params["window"] == 0 and d.params["mask_kind"] == "bool" and call.args[3] is not None, kind
+    _assert_as_eager(model, args, fused(*args))
+
+
+@pytest.mark.parametrize("w,window", [(1, 1), (S - 1, S - 1), (S, 0), (S + 3, 0)])
+def test_window_widths(w, window):
+    """A window of one key (the diagonal alone) up to S - 1; one of S keys or more is the causal mask itself."""
+    model, args = Windowed("window", "masked_fill", w=w), _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    d, _ = _decision(fused)
+    assert d.params["causal"] and d.params["window"] == window
+    _assert_as_eager(model, args, fused(*args))
+
+
+def test_a_window_trains_with_eagers_gradients():
+    """Training: the forward saves its statistics and the backward kernel walks the band (its launch recorded);
+    q, k, v's gradients equal eager's."""
+    model = Windowed("window", "masked_fill")
+    args = tuple(t.requires_grad_() for t in _qkv())
+    fused = AutoFusionEngine.fuse(model, args)
+    got, want = [], []
+    with recording() as log:
+        fused(*args).square().sum().backward()
+    assert [k for k, _ in log].count("flash_attention_grad") == 1
+    got = [a.grad.clone() for a in args]
+    for a in args:
+        a.grad = None
+    model(*args).square().sum().backward()
+    want = [a.grad for a in args]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)       # fp32 both sides
