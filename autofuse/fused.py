@@ -9,6 +9,7 @@ device, search_tiling)`` is the cost model's price of that call (:class:`Price`)
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import operator
 from dataclasses import dataclass, field
@@ -315,10 +316,25 @@ def _keep_mask(g, ins, m, device: str, q4: fx.Node) -> fx.Node:
 REDUCED = 80       # a reduced sequence or token count: not a tile multiple, so edge tiles are exercised
 
 
-def shrink_attention(match) -> dict:
-    """The sequence lengths, reduced to ``REDUCED`` (query and key lengths separately)."""
+#: A sliding window's block is first checked on sequences past its window, while their float64 scores stay this small
+WINDOW_CHECK_BYTES = 128 << 20
+
+
+def shrink_attention(match) -> list:
+    """The sequence lengths, reduced to ``REDUCED`` (query and key lengths separately). A sliding window (its band
+    computed by the graph's own mask, which a sequence within the window makes causal) is first reduced to the
+    window plus ``REDUCED`` keys, so the check runs the band's skipped tiles, when those scores fit
+    ``WINDOW_CHECK_BYTES`` in float64; a window too wide for that is checked on the causal sequences of 80."""
     p = match.params
-    return {n: REDUCED for n in {p["q_shape"][-2], p["k_shape"][-2]} if n > REDUCED}
+    lengths = {p["q_shape"][-2], p["k_shape"][-2]}
+    plain = {n: REDUCED for n in lengths if n > REDUCED}
+    w = p.get("window") or 0
+    if w:
+        n = w + REDUCED
+        rows = math.prod(p["q_shape"][:-2]) if len(p["q_shape"]) > 2 else 1
+        if rows * n * n * 8 <= WINDOW_CHECK_BYTES and all(x > n for x in lengths):
+            return [{x: n for x in lengths}, plain]
+    return [plain]
 
 
 ATTENTION = Family("attention", torch.ops.autofuse.flash_attention.default, "flash_attention", emit_attention,

@@ -10,6 +10,8 @@ torch's CPU wall time for the same computation in fp32 (same process; warm-up, t
                      and the 910B sweep S = 2048, 4096, 8192 (N = 8) in TFLOP/s next to published figures
     flash_attention_grad  its backward (FlashAttentionScoreGrad) on a GPT-2 layer's causal attention,
                      B=8, N=12, S=1024, D=64 fp16, every device, next to the forward: timing only
+    sliding window   Mistral-7B v0.1's (S=8192, window 4096) and a GPT-OSS-120B local layer's (S=4096, window
+                     128) forward and backward on the 910: the band read as a mask, causal, the window
 
 FlashAttention FLOPs: 4·B·N·Sq·Skv·D (Q·Kᵀ and P·V; causal would count attended scores only).
 
@@ -208,6 +210,36 @@ def bench_fa_backward(B=8, N=12, S=1024, D=64):
               f"({saved.cycles / fwd.cycles:.2f}x)")
 
 
+WINDOWS = [  # (name, B, N, Nkv, S, D, window): a sliding window's layers at their models' shapes
+    ("Mistral-7B v0.1", 1, 32, 8, 8192, 128, 4096),
+    ("GPT-OSS-120B local layer", 1, 64, 8, 4096, 64, 128),
+]
+
+
+def bench_fa_window(rows=WINDOWS, device="ascend910"):
+    """Sliding-window attention (CANN's band sparse mode) forward and backward (saved statistics), timing only:
+    the band read as a bool mask over every tile (how the kernel ran a sliding window before it had one), the
+    causal kernel (the window as wide as the sequence), and the window (the band's tiles, no mask)."""
+    print(f"  sliding-window attention, fp16, {device} (cycles; timing only):")
+    for name, B, N, Nkv, S, D, w in rows:
+        q = np.zeros((B, N, S, D), np.float16)
+        kv = np.zeros((B, Nkv, S, D), np.float16)
+        band = (np.arange(S)[None, :] <= np.arange(S)[:, None]) & (np.arange(S)[None, :] > np.arange(S)[:, None] - w)
+        stats = {"softmax_max": np.zeros((B, N, S), np.float32), "softmax_sum": np.ones((B, N, S), np.float32)}
+        cells = []
+        for kind, kw in (("band as a mask", {"mask": band}), ("causal", {"causal": True}),
+                         ("window", {"causal": True, "window": w})):
+            f = npu.run("flash_attention", q, kv, kv, device=device, timing_only=True, **kw).stats
+            b = npu.run("flash_attention_grad", q, kv, kv, q, q, device=device, timing_only=True, **kw, **stats).stats
+            cells.append((kind, f.cycles, b.cycles))
+        print(f"    {name} (B{B} N{N}/{Nkv} S{S} D{D}, window {w}):")
+        for kind, fc, bc in cells:
+            print(f"      {kind:<15} forward {fc:>12,}  backward {bc:>12,}")
+        (_, mf, mb), (_, cf, cb), (_, wf, wb) = cells
+        print(f"      window vs band as a mask: forward {mf / wf:.2f}x, backward {mb / wb:.2f}x; "
+              f"vs causal: forward {cf / wf:.2f}x, backward {cb / wb:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a fast subset")
@@ -226,6 +258,8 @@ def main():
     bench_fa_sweep([2048] if a.quick else [2048, 4096, 8192])
     print()
     bench_fa_backward()
+    print()
+    bench_fa_window(WINDOWS[1:] if a.quick else WINDOWS)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 

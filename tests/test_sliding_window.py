@@ -137,3 +137,25 @@ def test_a_window_trains_with_eagers_gradients():
     want = [a.grad for a in args]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)       # fp32 both sides
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+def test_a_windows_reduced_check_runs_the_band(monkeypatch, faulty):
+    """A block too large to check at its size is checked on reduced sequences; a window's are the window plus 80
+    keys (at 80 a 100-key window is the causal mask), so a kernel that ignored the window is caught there."""
+    from autofuse import ops
+    if faulty:
+        real = ops.run_kernel
+
+        def no_window(name, *a, **kw):
+            if name == "flash_attention":
+                kw.pop("window", None)
+            return real(name, *a, **kw)
+        monkeypatch.setattr(ops, "run_kernel", no_window)
+    g = torch.Generator().manual_seed(0)
+    model = Windowed("window", "masked_fill", w=100)
+    args = tuple(torch.randn(1, 8, 1024, 32, generator=g) for _ in range(3))   # 64 MiB of float64 scores
+    fused = AutoFusionEngine.fuse(model, args)
+    (d,) = fused.report.of("attention")
+    assert "verified on reduced shapes (1024 -> 180)" in d.verify_note
+    assert d.applied != faulty and (d.reason_code == "verification_failed") == faulty, d.reason
