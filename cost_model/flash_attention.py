@@ -14,7 +14,7 @@ K/V tiles are read by every core working on the same head at the same step: one 
 the rest, and re-reads by later rounds hit while the heads in flight fit L2. HBM also receives the
 workspaces still dirty in L2 when the kernel ends (written back then, as the simulator does).
 
-A sliding ``window`` (with ``causal``) walks each query block's band of KV tiles only (:func:`_span`), the
+A sliding ``window`` (with ``causal``) walks each query block's band of KV tiles only (:func:`_spans`), the
 tiles crossing the diagonal or the band's left edge with a compare and a select more (:func:`_band_tiles`).
 
 ``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
@@ -194,31 +194,33 @@ def _candidates(dev, Sq, Skv, D, Dv, dtype, mask_spec, drop=False, sink=False):
 
 
 # ------------------------------------------------------------------------------------------ schedule
-def _span(qi, qb, kvb, Sq, Skv, causal, window=0):
-    """``(lo, hi)``: the KV tiles query block ``qi`` attends, as the kernel walks them (causal: up to its last
-    row's diagonal; a sliding ``window``: from the tile of its first row's first key; at least one tile)."""
-    nkv = ceil_div(Skv, kvb)
+@cached
+def _spans(qb, kvb, Sq, Skv, causal, window=0):
+    """``(lo, hi)`` per query block (int arrays): the KV tiles it attends, as the kernel walks them (causal: up to
+    its last row's diagonal; a sliding ``window``: from the tile of its first row's first key; at least one).
+    The arrays are shared: callers must not write to them."""
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    qi = np.arange(nq)
     if not causal:
-        return 0, nkv
-    hi = ceil_div(min(min((qi + 1) * qb, Sq), Skv), kvb)
-    lo = min(max(0, qi * qb - window + 1) // kvb, hi - 1) if window else 0
+        return np.zeros(nq, dtype=np.int64), np.full(nq, nkv, dtype=np.int64)
+    hi = -(-np.minimum(np.minimum((qi + 1) * qb, Sq), Skv) // kvb)
+    lo = np.minimum(np.maximum(0, qi * qb - window + 1) // kvb, hi - 1) if window else np.zeros(nq, dtype=np.int64)
     return lo, hi
 
 
 @cached
 def _band_tiles(Sq, Skv, qb, kvb, window):
     """A sliding window's (tiles walked, tiles crossing the diagonal, tiles holding the window's left edge), over
-    every query block: the kernel runs a compare and a select on each of the latter two kinds."""
-    total = diag = edge = 0
-    for qi in range(ceil_div(Sq, qb)):
-        lo, hi = _span(qi, qb, kvb, Sq, Skv, True, window)
-        q0, qe = qi * qb, min(qb, Sq - qi * qb)
-        for j in range(lo, hi):
-            k0, ke = j * kvb, min(kvb, Skv - j * kvb)
-            total += 1
-            diag += k0 + ke - 1 > q0
-            edge += k0 <= q0 + qe - 1 - window
-    return total, diag, edge
+    every query block: the kernel runs a compare and a select on each of the latter two kinds. Per block (first
+    row q0, last row r): a tile crosses the diagonal when its last key passes q0, every tile from
+    ``(q0 + 1) // kvb`` on (none when the keys end at or before q0); it holds the left edge when its first key is
+    at or left of ``r - window``, every tile up to ``(r - window) // kvb``."""
+    lo, hi = _spans(qb, kvb, Sq, Skv, True, window)
+    q0 = np.arange(len(lo)) * qb
+    last = np.minimum(q0 + qb, Sq) - 1
+    diag = np.where(Skv - 1 > q0, np.maximum(0, hi - np.maximum(lo, (q0 + 1) // kvb)), 0)
+    edge = np.maximum(0, np.minimum(hi, (last - window) // kvb + 1) - lo)
+    return int((hi - lo).sum()), int(diag.sum()), int(edge.sum())
 
 
 def _deal(per_head, BN, ncores):
@@ -265,9 +267,10 @@ def _busiest_rows(units_per_qblock, Sq, qb, n):
 def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores, window=0):
     """(cores used, tile steps of the busiest core, its items), as the kernel schedules: one query block
     per unit, or (causal) blocks i and nq-1-i paired when that finishes no later."""
+    lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
+
     def tiles(qi):
-        lo, hi = _span(qi, qb, kvb, Sq, Skv, causal, window)
-        return hi - lo
+        return int(hi[qi] - lo[qi])
 
     units = [[tiles(i)] for i in range(nq)]
     best = _deal(units, B * N, ncores)
@@ -346,8 +349,10 @@ def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window
     """Per core, the kernel's (query extent, KV extent, works) steps, dealt exactly as its ``_schedule``
     does (units in head-major order to the least-loaded core; causal: paired blocks when no slower).
     ``probs``: the probabilities sweep, which walks every KV tile (those above the diagonal skipped)."""
+    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
+
     def tiles(qi):
-        lo, hi = _span(qi, qb, kvb, Sq, Skv, causal, window)
+        lo, hi = int(los[qi]), int(his[qi])
         if probs:
             return [(min(kvb, Skv - j * kvb), lo <= j < hi) for j in range(nkv)]
         return [(min(kvb, Skv - j * kvb), True) for j in range(lo, hi)]
@@ -455,11 +460,11 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
 
 def _attended(Sq, Skv, qb, kvb, causal, window=0):
     """Per query block its rows, per KV tile its keys, and per query block the first and one past the last
-    KV tile it attends (:func:`_span`)."""
+    KV tile it attends (:func:`_spans`)."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     qe = np.minimum(qb, Sq - np.arange(nq) * qb)
     ke = np.minimum(kvb, Skv - np.arange(nkv) * kvb)
-    lo, hi = np.array([_span(i, qb, kvb, Sq, Skv, causal, window) for i in range(nq)], dtype=np.int64).reshape(-1, 2).T
+    lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
     return qe, ke, lo, hi
 
 
@@ -671,7 +676,8 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     n2, T2, items2 = _deal([[nkv]] * nq, B * N, dev.cube_cores)
     work_frac = 1.0
     if causal:
-        tiles = sum(hi - lo for lo, hi in (_span(i, qb, kvb, Sq, Skv, True, window) for i in range(nq)))
+        lo, hi = _spans(qb, kvb, Sq, Skv, True, window)
+        tiles = int((hi - lo).sum())
         work_frac = tiles / (nq * nkv)
     qe = min(qb, Sq)
     rv = qe / nh

@@ -31,7 +31,7 @@ from typing import NamedTuple
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import SOFTCAP_PASSES, _band_tiles, _counts, _placement, _span
+from cost_model.flash_attention import SOFTCAP_PASSES, _band_tiles, _counts, _placement, _spans
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -579,15 +579,18 @@ def _q_steps(Sq, Skv, qb, kvb, causal, window=0):
     if not causal:
         return (nkv,) * nq
     if window:
-        return tuple(hi - lo for lo, hi in (_span(i, qb, kvb, Sq, Skv, True, window) for i in range(nq)))
+        lo, hi = _spans(qb, kvb, Sq, Skv, True, window)
+        return tuple((hi - lo).tolist())
     return tuple(ceil_div(min(min((i + 1) * qb, Sq), Skv), kvb) for i in range(nq))
 
 
-def _seen_by(j, qb, kvb, Sq, Skv, window):
-    """A sliding window's query blocks ``[i0, i1)`` with a row that sees KV block j: from the one holding the
-    block's first key to the one holding the last row whose window reaches its last key."""
-    i0 = min(j * kvb, Sq) // qb
-    return i0, max(i0, min(ceil_div(Sq, qb), (min((j + 1) * kvb, Skv) - 1 + window - 1) // qb + 1))
+@cached
+def _seen_by(qb, kvb, Sq, Skv, window):
+    """A sliding window's query blocks ``[i0, i1)`` per KV block j (int arrays) with a row that sees it: from the
+    one holding the block's first key to the one holding the last row whose window reaches its last key."""
+    j = np.arange(ceil_div(Skv, kvb))
+    i0 = np.minimum(j * kvb, Sq) // qb
+    return i0, np.maximum(i0, np.minimum(ceil_div(Sq, qb), (np.minimum((j + 1) * kvb, Skv) - 1 + window - 1) // qb + 1))
 
 
 def _kv_steps(Sq, Skv, qb, kvb, group, causal, window=0):
@@ -597,7 +600,8 @@ def _kv_steps(Sq, Skv, qb, kvb, group, causal, window=0):
     if not causal:
         return (group * nq,) * nkv
     if window:
-        return tuple(group * (i1 - i0) for i0, i1 in (_seen_by(j, qb, kvb, Sq, Skv, window) for j in range(nkv)))
+        i0, i1 = _seen_by(qb, kvb, Sq, Skv, window)
+        return tuple((group * (i1 - i0)).tolist())
     return tuple(group * (nq - min(j * kvb, Sq) // qb) for j in range(nkv))
 
 
@@ -628,6 +632,7 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores, window=0):
     pairs."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal, window)
+    seen = _seen_by(qb, kvb, Sq, Skv, window)[1].tolist() if window else None
     (cores, _, _), paired = _dealing(BNkv, per_block, causal, ncores)
     owner = _deal(_units(per_block, paired), BNkv, ncores, owners=True)[1]
     blocks = _units(tuple(range(nkv)), paired)
@@ -638,7 +643,7 @@ def _ws_lines(BNkv, Sq, Skv, qb, kvb, group, causal, ncores, window=0):
         for j in unit:
             ke, n_i = min(kvb, Skv - j * kvb), per_block[j] // group
             # the unit's last query block: the edge one, but a window's may end before it
-            last_q = edge_q if not window or _seen_by(j, qb, kvb, Sq, Skv, window)[1] == nq else qb
+            last_q = edge_q if not window or seen[j] == nq else qb
             for h in range(min(group, 2)):
                 q = p + h * n_i
                 if n_i > 2:
@@ -700,13 +705,11 @@ def _pairs(Sq, Skv, qb, kvb, causal, window=0):
     if not causal:
         return _Sweep(nq * nkv, nkv * Sq, nq * Skv, Sq * Skv, Sq)
     if window:                    # a sliding window: each query block's band of KV blocks, summed
-        count = rows = keys = area = rows_last = 0
-        for i in range(nq):
-            lo, hi = _span(i, qb, kvb, Sq, Skv, True, window)
-            qe, k = min(qb, Sq - i * qb), min(hi * kvb, Skv) - lo * kvb
-            count, rows, keys, area = count + hi - lo, rows + qe * (hi - lo), keys + k, area + qe * k
-            rows_last += qe if hi == nkv else 0
-        return _Sweep(count, rows, keys, area, rows_last)
+        lo, hi = _spans(qb, kvb, Sq, Skv, True, window)
+        qe = np.minimum(qb, Sq - np.arange(nq) * qb)
+        k = np.minimum(hi * kvb, Skv) - lo * kvb
+        return _Sweep(int((hi - lo).sum()), int((qe * (hi - lo)).sum()), int(k.sum()), int((qe * k).sum()),
+                      int(qe[hi == nkv].sum()))
     edge_keys = nkv * kvb - Skv                   # keys the last KV block lacks
     t1 = min(nq - 1, (Skv - 1) // qb)             # full query blocks ending before Skv: t = 1..t1
     t0 = (nkv - 1) * kvb // qb                    # ... of which t > t0 reach the last KV block

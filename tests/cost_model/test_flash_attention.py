@@ -29,3 +29,31 @@ def test_return_stats_priced_as_simulated(device, shape, causal, dt):
     # the acceptance bound of the accuracy sweep (benchmarks/cost_model_accuracy.py): worst case 15 %
     assert abs(est.cycles - sim.cycles) <= 0.15 * sim.cycles, (est.cycles, sim.cycles)
     assert abs(est.hbm_bytes - sim.hbm_bytes) <= 0.15 * sim.hbm_bytes
+
+
+@pytest.mark.parametrize("qb,kvb", [(16, 16), (64, 32), (32, 128), (128, 64)])
+def test_the_model_restates_the_kernels_sliding_window(qb, kvb):
+    """The cost model restates (it imports no simulator) which KV tiles a window's query block walks, which query
+    blocks see a KV block in the backward, and how many tiles cross the diagonal or the window's left edge: equal
+    to the kernels' own functions on every shape of a grid (Sq != Skv, windows of one key to past the sequence)."""
+    from autofuse.npu.kernels.flash_attention import band_edge, window_tiles
+    from autofuse.npu.kernels.flash_attention_grad import query_blocks
+    from cost_model.flash_attention import _band_tiles, _spans
+    from cost_model.flash_attention_grad import _seen_by
+    for Sq in (1, 17, 64, 130, 300):
+        for Skv in (1, 40, 64, 129, 300):
+            for w in (1, 5, 63, 64, 100, 400):
+                lo, hi = _spans(qb, kvb, Sq, Skv, True, w)
+                walked = [window_tiles(i, qb, kvb, Sq, Skv, True, w) for i in range(len(lo))]
+                assert walked == list(zip(lo.tolist(), hi.tolist()))
+                i0, i1 = _seen_by(qb, kvb, Sq, Skv, w)
+                assert [query_blocks(j, qb, kvb, Sq, Skv, True, w) for j in range(len(i0))] == \
+                    list(zip(i0.tolist(), i1.tolist()))
+                diag = edge = 0
+                for i, (a, b) in enumerate(walked):
+                    q0, qe = i * qb, min(qb, Sq - i * qb)
+                    for j in range(a, b):
+                        k0, ke = j * kvb, min(kvb, Skv - j * kvb)
+                        diag += k0 + ke - 1 > q0                      # the kernel's _Steps.partial
+                        edge += bool(band_edge(w, q0, qe, k0))        # the kernel's _Steps.edge
+                assert _band_tiles(Sq, Skv, qb, kvb, w) == (sum(b - a for a, b in walked), diag, edge)
