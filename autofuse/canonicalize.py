@@ -130,8 +130,23 @@ def constant_scalar(n):
     return t.item() if t is not None else None
 
 
+#: The most elements a constant's value may hold for it to be evaluated to prove what it is (a causal mask, a
+#: sliding window's band) and to stand for itself in a reduced-shape check: 2 x 8192^2 fits
+LARGEST_CONSTANT = 1 << 28
+
+
+def _allocated(v) -> int:
+    """Elements a value holds in memory: a broadcast (stride-0) dim of an expanded view holds one."""
+    try:
+        return math.prod(s for s, st in zip(v.shape, v.stride()) if st != 0)
+    except Exception:  # noqa: BLE001 - a value without strides: count every element
+        return v.numel()
+
+
 def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24, state: list | None = None):
     """Evaluate ``m`` on CPU if it depends only on constants (factory ops, real attributes); else None.
+    ``max_numel`` bounds the elements any value of it holds in memory (an expanded view holds its source's); a
+    value is dropped once the last node reading it has run.
 
     ``device=`` arguments are redirected to CPU, so constants built on the meta device (a model
     captured on meta) still evaluate; a meta *attribute* has no data and makes ``m`` non-constant.
@@ -144,7 +159,7 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
             continue
         seen.add(n)
         v = val(n)
-        if n.op == "placeholder" or len(seen) > max_nodes or (v is not None and v.numel() > max_numel):
+        if n.op == "placeholder" or len(seen) > max_nodes or (v is not None and _allocated(v) > max_numel):
             return None
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
                 n.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags):
@@ -152,9 +167,14 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
         order.append(n)
         stack.extend(n.all_input_nodes)
     pos = {n: i for i, n in enumerate(m.graph.nodes)}
+    order.sort(key=pos.__getitem__)
+    last = {}                                   # node -> the step of the last node reading it
+    for i, n in enumerate(order):
+        for x in n.all_input_nodes:
+            last[x] = i
     env, reads = {}, []
     try:
-        for n in sorted(order, key=pos.__getitem__):
+        for i, n in enumerate(order):
             if n.op == "get_attr":
                 if is_state(n):
                     if state is None:
@@ -169,6 +189,9 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
                 if "device" in kwargs:
                     kwargs = dict(kwargs, device="cpu")
                 env[n] = n.target(*args, **kwargs)
+                for x in n.all_input_nodes:
+                    if last[x] == i and x is not m:
+                        env.pop(x, None)
             else:
                 return None
     except Exception:  # noqa: BLE001 - anything we cannot evaluate is simply not a constant

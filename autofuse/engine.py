@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import memory
 from autofuse import verify as _verify
-from autofuse.canonicalize import canonicalize, evaluate_constant
+from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
 from autofuse.capture import capture
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
@@ -376,7 +376,9 @@ class _Verifier:
                         raise ValueError(f"{n.name}: its reshape of {n.args[0].name} does not give "
                                          f"{want} at these sizes")
                     if t is None:               # not a reshape, or a reduced base that does not reshape that way
-                        c = evaluate_constant(n)       # None for the user's (meta) parameters and buffers
+                        # None for the user's (meta) parameters and buffers; a constant as large as a proof reads
+                        # (a long sequence's mask) is evaluated too: the captured block reads what the plan proved
+                        c = evaluate_constant(n, max_numel=LARGEST_CONSTANT)
                         t = (_verify.shrink_value(c, sizes) if isinstance(c, torch.Tensor)
                              else _verify.random_like(n, gen, sizes))
                     made[n] = t

@@ -57,6 +57,7 @@ description, for tests and examples.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autofuse.canonicalize import evaluate_constant
+from autofuse.canonicalize import LARGEST_CONSTANT, evaluate_constant
 from autofuse.graph import arg, is_call, is_number, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from patterns.template import Template, graph_view
@@ -73,7 +74,8 @@ aten = torch.ops.aten
 
 NEG_FILL = -1e4  # a finite fill at or below this is "masked": exp(fill - rowmax) underflows to 0 in fp32
 ABSORBING_FILL = -1e30  # a fill this low absorbs any finite fp32 score added to it: s + fill == fill
-MAX_PROOF_NUMEL = 1 << 24  # largest constant mask evaluated to prove causality
+MAX_PROOF_NUMEL = LARGEST_CONSTANT  # largest constant mask value (elements held) evaluated to prove causality
+PROOF_CHUNK = 1 << 22      # elements of a mask read at once by the proof
 
 # Ops allowed between the QK matmul and softmax, and what each contributes.
 SCORE_OPS = {
@@ -552,29 +554,58 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
     if t is None:
         return None, None, 0
     t = t.broadcast_to(*t.shape[:-2], sq, skv) if t.dim() >= 2 else t.broadcast_to(sq, skv)
-    tril = torch.ones(sq, skv, dtype=torch.bool).tril()
-    keep, value = t, None
-    if kind == "additive":
-        s = t.double() * factor
-        if torch.all(s == 0):
-            return "none", None, 0
-        masked = s[s != 0]
-        value = float(masked.flatten()[0])
-        if not (torch.all(masked == value) and (value == -math.inf or value <= NEG_FILL)):
+    # every [sq, skv] plane (a broadcast leading dim repeats one), read in row blocks of at most PROOF_CHUNK
+    # elements: a long sequence's mask (134 M values at 2 x 8192^2) is checked without a float64 copy of it
+    planes = [t[idx] for idx in itertools.product(*(range(1) if st == 0 else range(n)
+                                                    for n, st in zip(t.shape[:-2], t.stride()[:-2])))]
+    rows = max(1, PROOF_CHUNK // skv)
+    blocks = [(p, r0) for p in planes for r0 in range(0, sq, rows)]
+    j = torch.arange(skv)[None, :]
+
+    def block(p, r0):
+        """(row indices, keep-mask, masked value or None) of a row block; None when an additive block is not a
+        mask (its nonzero entries not one value at or below NEG_FILL)."""
+        x = p[r0:r0 + rows]
+        i = torch.arange(r0, r0 + x.shape[0])[:, None]
+        if kind != "additive":
+            return i, x, None
+        s = x.double() * factor
+        nz = s != 0
+        if not nz.any():
+            return i, ~nz, None
+        v = float(s[nz][0])
+        if not (torch.all(s[nz] == v) and (v == -math.inf or v <= NEG_FILL)):
+            return None
+        return i, ~nz, v
+
+    value, every, causal, lost = None, True, True, None
+    for p, r0 in blocks:
+        got = block(p, r0)
+        if got is None:
             return None, None, 0
-        keep = s == 0
-    if torch.all(keep):
+        i, keep, v = got
+        if v is not None:
+            if value is not None and v != value:
+                return None, None, 0
+            value = v
+        every = every and bool(keep.all())
+        causal = causal and torch.equal(keep, j <= i)
+        left = (j <= i) & ~keep                              # keys left of the diagonal that are masked
+        if left.any():
+            a, b = (int(x) for x in left.nonzero()[-1])
+            lost = (r0 + a, b)                               # the last one (row-major): its row's window edge
+    if every:
         return "none", None, 0
-    if torch.equal(keep, tril.expand_as(keep)):
+    if causal:
         return "causal", value, 0
-    # a sliding window: its width read off the last row that has a key left of its window, then checked whole
-    lost = tril & ~keep.reshape(-1, sq, skv)[0]
-    if lost.any():
-        i, j = (int(x) for x in lost.nonzero()[-1])
-        w = i - j
-        if 0 < w < sq and torch.equal(keep, (tril & tril.new_ones(sq, skv).triu(-(w - 1))).expand_as(keep)):
-            return "window", value, w
-    return None, None, 0
+    if lost is None or not 0 < lost[0] - lost[1] < sq:
+        return None, None, 0
+    w = lost[0] - lost[1]                                    # a sliding window's width, checked whole
+    for p, r0 in blocks:
+        i, keep, _ = block(p, r0)
+        if not torch.equal(keep, (j <= i) & (j > i - w)):
+            return None, None, 0
+    return "window", value, w
 
 
 @register("attention")

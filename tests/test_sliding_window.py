@@ -159,3 +159,38 @@ def test_a_windows_reduced_check_runs_the_band(monkeypatch, faulty):
     (d,) = fused.report.of("attention")
     assert "verified on reduced shapes (1024 -> 180)" in d.verify_note
     assert d.applied != faulty and (d.reason_code == "verification_failed") == faulty, d.reason
+
+
+class SharedLongMask(nn.Module):
+    """Two attention layers reading one band mask materialised per batch (as transformers builds it), long enough
+    that the mask (2 x 3000^2 = 18 M values) is read by the proof in row blocks and stands for itself in the
+    reduced-shape check as an input both blocks share."""
+
+    def __init__(self, w, hole=False):
+        super().__init__()
+        self.w, self.hole = w, hole
+
+    def forward(self, x):
+        b, n, s, d = x.shape
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        keep = torch.ones(b, 1, s, s, dtype=torch.bool) & (j <= i) & (j > i - self.w)
+        if self.hole:                                   # one key inside the band masked, in the last row block
+            keep = keep & ~((i == s - 1) & (j == s - 2))
+        for _ in range(2):
+            x = torch.softmax((x @ x.transpose(-1, -2) * d ** -0.5).masked_fill(~keep, float("-inf")), -1) @ x
+        return x
+
+
+@pytest.mark.parametrize("hole", [False, True])
+def test_a_long_mask_is_proven_in_row_blocks_and_checked_as_itself(hole):
+    from autofuse.canonicalize import LARGEST_CONSTANT
+    from patterns.attention import PROOF_CHUNK
+    x = torch.randn(2, 1, 3000, 8, generator=torch.Generator().manual_seed(0))
+    assert PROOF_CHUNK < 2 * 3000 ** 2 <= LARGEST_CONSTANT and 2 * 3000 ** 2 > 1 << 24
+    model = SharedLongMask(300, hole)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    attention = fused.report.of("attention")
+    assert len(attention) == 2 and all(d.applied for d in attention), fused.report.summary()
+    assert [d.params["window"] for d in attention] == [0, 0] if hole else [300, 300]
+    assert all("verified on reduced shapes (3000 -> " in d.verify_note for d in attention)
+    _assert_as_eager(model, (x,), fused(x))

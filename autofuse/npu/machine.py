@@ -1184,12 +1184,13 @@ class Group:
 
         def product(cs):
             ad, bd, cd = a.data[cs], b.data[cs], c.data[cs]
-            if accumulate:
-                cd += np.matmul(ad, bd)
-            elif init is not None:
-                np.add(np.matmul(ad, bd), init[cs], out=cd)
-            else:
-                np.matmul(ad, bd, out=cd)
+            with np.errstate(all="ignore"):             # fp32 overflow to inf, as the Cube's IEEE arithmetic
+                if accumulate:
+                    cd += np.matmul(ad, bd)
+                elif init is not None:
+                    np.add(np.matmul(ad, bd), init[cs], out=cd)
+                else:
+                    np.matmul(ad, bd, out=cd)
 
         # GEMMs split over host threads only while BLAS runs single-threaded (host_blas)
         self.launch._data(self.n, product, macs * self.n if _blas_split else 0)

@@ -509,6 +509,15 @@ def check_window(kernel: str, window, causal) -> int:
     return int(window)
 
 
+def _quiet(fn):
+    """``fn`` with numpy's floating-point warnings off: infinite scores (inputs near the dtype's limits) give
+    inf - inf = NaN as the Vector unit's IEEE arithmetic does, silently."""
+    def run(cs):
+        with np.errstate(all="ignore"):
+            fn(cs)
+    return run
+
+
 def window_tiles(qi, qb, kvb, Sq, Skv, causal, window):
     """``(lo, hi)``: the KV tiles query block ``qi`` attends (causal: up to its last row's diagonal; with a
     ``window`` from the tile holding its first row's first key). At least one tile: a block whose rows all lie
@@ -999,7 +1008,7 @@ class _Program:
                 cast(x, cs)
 
             vg.vector("probs: scale mask sub exp mul cast", writes, reads + [Mt, Lf], repeats,
-                      compute=probs, per_core=True, active=a_)
+                      compute=_quiet(probs), per_core=True, active=a_)
             return
 
         def softmax(cs):
@@ -1025,7 +1034,7 @@ class _Program:
             cast(x, cs)
 
         vg.vector("softmax: scale mask max sub exp sum cast", writes + [M[cur], Lt[cur], A[cur]],
-                  reads + [M[prev], Lt[prev]], repeats, compute=softmax, per_core=True,
+                  reads + [M[prev], Lt[prev]], repeats, compute=_quiet(softmax), per_core=True,
                   active=a_)
 
     # ---------------------------------------------------------------- stage B: P·V, accumulate
