@@ -1,7 +1,9 @@
 """How planning on meta tensors scales with model size: ``autofuse report --meta`` on Llama configurations and
 three sparse MoE models: Mixtral-8x7B (8 experts of 14336, top-2), Qwen3-MoE-30B-A3B (128 experts of 768, top-8)
 and GPT-OSS-120B's shapes (``GptOssConfig``'s defaults: 36 layers, attention sinks, sliding windows every other
-layer, 128 experts of 2880 with biases and a clamped SwiGLU, top-4).
+layer, 128 experts of 2880 with biases and a clamped SwiGLU, top-4); and Mistral-7B v0.1 at 8192 tokens, past its
+4096-key sliding window (``--long``: the window proven from a mask of 2 x 8192^2 values and run as the kernel's
+band).
 
 Each configuration runs in its own process (``autofuse report --model 'transformers:LlamaConfig?...' --seq 2048
 --meta``, the command line's own code path); the table gives each stage's wall time and the process's peak
@@ -11,6 +13,7 @@ shared machine) and peak memory, and per layer; under each row, the report's pre
 
     python benchmarks/scale.py                     # L = 8, 16, 32 (Llama-7B shapes), the 70B-class shape, the MoE models
     python benchmarks/scale.py --layers 8 16       # only these Llama-7B-shaped depths
+    python benchmarks/scale.py --layers --no-70b --no-moe --long    # only Mistral-7B at 8192 tokens
 """
 import argparse
 import io
@@ -77,25 +80,29 @@ def main():
     ap.add_argument("--no-moe", action="store_true",
                     help="skip Mixtral-8x7B, Qwen3-MoE-30B-A3B and GPT-OSS-120B (MixtralConfig's, Qwen3MoeConfig's and "
                          "GptOssConfig's defaults)")
+    ap.add_argument("--long", action="store_true", help="add Mistral-7B v0.1 at 8192 tokens (its sliding window)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         _worker(a.worker, a.seq)
         return
-    configs = [(f"Llama-7B shapes, L={L}", L, f"transformers:LlamaConfig?num_hidden_layers={L}") for L in a.layers]
+    configs = [(f"Llama-7B shapes, L={L}", L, f"transformers:LlamaConfig?num_hidden_layers={L}", a.seq)
+               for L in a.layers]
     if not a.no_70b:
-        configs.append(("70B-class, L=80", 80, f"transformers:LlamaConfig?num_hidden_layers=80&{SEVENTY_B}"))
+        configs.append(("70B-class, L=80", 80, f"transformers:LlamaConfig?num_hidden_layers=80&{SEVENTY_B}", a.seq))
     if not a.no_moe:
-        configs.append(("Mixtral-8x7B, L=32", 32, "transformers:MixtralConfig?num_hidden_layers=32"))
-        configs.append(("Qwen3-MoE-30B-A3B, L=48", 48, "transformers:Qwen3MoeConfig?num_hidden_layers=48"))
-        configs.append(("GPT-OSS-120B, L=36", 36, "transformers:GptOssConfig"))
+        configs.append(("Mixtral-8x7B, L=32", 32, "transformers:MixtralConfig?num_hidden_layers=32", a.seq))
+        configs.append(("Qwen3-MoE-30B-A3B, L=48", 48, "transformers:Qwen3MoeConfig?num_hidden_layers=48", a.seq))
+        configs.append(("GPT-OSS-120B, L=36", 36, "transformers:GptOssConfig", a.seq))
+    if a.long:
+        configs.append(("Mistral-7B, L=32, S=8192", 32, "transformers:MistralConfig", 8192))
     print(f"autofuse report --meta --seq {a.seq}: wall seconds per stage [peak GB when it ended]; load average "
           f"at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     head = f"{'configuration':<26}" + "".join(f"{s:>17}" for s in STAGES) + \
         f"{'wall':>8}{'cpu':>8}{'peak GB':>9}{'cpu/layer':>11}"
     print(head)
-    for label, layers, model in configs:
-        r = run(model, a.seq)
+    for label, layers, model, seq in configs:
+        r = run(model, seq)
         cells = "".join(f"{r['stages'][s][0]:>9.2f} [{r['stages'][s][1] / 1e9:4.2f}]" if s in r["stages"]
                         else f"{'-':>17}" for s in STAGES)
         print(f"{label:<26}{cells}{r['wall']:>8.1f}{r['cpu']:>8.1f}{r['peak'] / 1e9:>9.2f}"
