@@ -204,6 +204,12 @@ def _dropout(match) -> str:
     return f"; dropout p={p['dropout_p']:g} on the probabilities, eager's keep-mask drawn by dropout_gen_mask"
 
 
+def _window(match) -> str:
+    """``"; a W-key sliding window ..."`` for attention whose mask was proven a sliding window's band."""
+    w = match.params.get("window") if match.pattern == "attention" else None
+    return f"; a {w}-key sliding window (the band's tiles only, no mask read)" if w else ""
+
+
 def _choice(price: Price, device: str) -> str:
     """``"; <chosen implementation> (<other> N cycles)"`` when the price chose between implementations that change
     the fused call (``price.options``), else ``""``."""
@@ -411,7 +417,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             why = "forced by switch; " if _switch(switches, c.match) == "force" else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
                                      f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
-                                     + _choice(c.fused, device) + _dropout(c.match) + (f"; {note}" if note else ""),
+                                     + _choice(c.fused, device) + _window(c.match) + _dropout(c.match)
+                                     + (f"; {note}" if note else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)
     return applied, [decisions[i] for i in range(len(cands))], cands

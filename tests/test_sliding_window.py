@@ -76,6 +76,7 @@ def test_a_causal_band_runs_as_a_window(spelling, value, dtype):
     d, call = _decision(fused)
     assert d.params["causal"] and d.params["window"] == W and d.params["mask_kind"] is None
     assert call.args[3] is None and call.kwargs["window"] == W
+    assert f"a {W}-key sliding window (the band's tiles only, no mask read)" in d.reason
     with recording() as log:
         got = fused(*args)
     assert [k for k, _ in log] == ["flash_attention"]
