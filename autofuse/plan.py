@@ -204,10 +204,17 @@ def _dropout(match) -> str:
     return f"; dropout p={p['dropout_p']:g} on the probabilities, eager's keep-mask drawn by dropout_gen_mask"
 
 
-def _window(match) -> str:
+def _window(match, price: Price) -> str:
     """``"; a W-key sliding window ..."`` for attention whose mask was proven a sliding window's band."""
-    w = match.params.get("window") if match.pattern == "attention" else None
-    return f"; a {w}-key sliding window (the band's tiles only, no mask read)" if w else ""
+    p = match.params
+    w = p.get("window") if match.pattern == "attention" else None
+    if not w:
+        return ""
+    if p.get("causal"):
+        return f"; a {w}-key sliding window (the band's tiles only, no mask read)"
+    if price.options.get("causal_skip"):
+        return f"; a {w}-key sliding window (the band's tiles only where the score bound proves the skip exact)"
+    return ""
 
 
 def _choice(price: Price, device: str) -> str:
@@ -417,7 +424,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             why = "forced by switch; " if _switch(switches, c.match) == "force" else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
                                      f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
-                                     + _choice(c.fused, device) + _window(c.match) + _dropout(c.match)
+                                     + _choice(c.fused, device) + _window(c.match, c.fused) + _dropout(c.match)
                                      + (f"; {note}" if note else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)

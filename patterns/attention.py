@@ -447,16 +447,18 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     for m, kind, factor, fill in masks:
         proven, value, width = prove_mask(m, kind, factor, qs[-2], ks[-2], guards)
         if proven == "window" and not windows:
-            proven = None
+            proven, width = None, 0
+        if width and (not window or width < window):
+            window = width                  # two proven masks keep their intersection: the narrower band
+            band = (m, kind, factor, fill)
         if proven in ("causal", "window") and kind == "additive" and value > ABSORBING_FILL:
             # a causal mask adding a finite value (GPT-2 in fp16 adds finfo(float16).min): kept as the user's
             # additive mask, exactly; the kernel may still skip above the diagonal (and, for a sliding window's
             # band, left of it) where a bound proves it exact
             terms.append((m, kind, factor, fill))
-            guarded, window = value, width
+            guarded = value
         elif proven in ("causal", "window"):
-            causal, causal_fill, window = True, fill if kind == "bool" else value, width
-            band = (m, kind, factor, fill)
+            causal, causal_fill = True, fill if kind == "bool" else value
         elif proven != "none":
             terms.append((m, kind, factor, fill))
     fills = {f for _, kind, _, f in terms if kind == "bool"}
@@ -496,7 +498,8 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
         dropout_draw=draw, softcap=softcap, v_cast=v_cast, sinks=bool(sinks), fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
-        causal_value=None if guarded is None else float(guarded), window=int(window),
+        causal_value=None if guarded is None else float(guarded),
+        window=int(window) if causal or guarded is not None else 0,      # the band the kernel walks (or may skip to)
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
         dtype=val(q).dtype, q_shape=qs, k_shape=ks, v_shape=shape(v), out_shape=shape(anchor),

@@ -94,10 +94,34 @@ def test_a_finite_fp16_band_is_skipped_under_the_score_bound():
     d, call = _decision(fused)
     assert not d.params["causal"] and d.params["causal_value"] == -65504.0 and d.params["window"] == 64
     assert d.params["alternatives"]["ascend910"][0][0] == "causal skip under a score bound"
+    assert "a 64-key sliding window (the band's tiles only where the score bound proves the skip exact)" in d.reason
     with recording() as log:
         got = fused(*args)
     assert [k for k, _ in log] == ["score_bound", "flash_attention"]
     _assert_as_eager(model, args, got)
+
+
+class TwoMasks(nn.Module):
+    """Two proven masks on the same scores (a window and the causal mask, or two windows): their intersection."""
+
+    def __init__(self, first, second):
+        super().__init__()
+        self.widths = (first, second)            # 0: the causal mask
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        for w in self.widths:
+            s = s.masked_fill(~_band("window", q.shape[-2], w or 10 ** 6), float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("first,second,window", [(W, 0, W), (0, W, W), (5, W, 5), (W, 5, 5)])
+def test_two_proven_masks_keep_the_narrower_band(first, second, window):
+    model, args = TwoMasks(first, second), _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    d, call = _decision(fused)
+    assert d.params["causal"] and d.params["window"] == window and call.args[3] is None
+    _assert_as_eager(model, args, fused(*args))
 
 
 @pytest.mark.parametrize("kind", ["bidirectional", "no_diagonal", "hole", "sink_token"])
