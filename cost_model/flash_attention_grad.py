@@ -461,11 +461,17 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * q16 * isz / a
             + q16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
     per_unit = units2 / T2
+    # the cores that load a unit's K and V (and store its dK, dV) at the same time: all of them when the units are
+    # alike; causal units differ in length, so after the first units the cores start theirs at different steps
+    kvc = n2
+    if causal:
+        lengths = len(set(_kv_steps(Sq, Skv, qb, kvb, group, causal, window)))
+        kvc = max(1.0, n2 / lengths) if units2 > 1 else n2
     p2 = _Port(dev, n2)
     # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
     p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
-    p2.add("mte2", "GM->L1", ke * D * isz, n2, hit=hit_kv, every=per_unit)        # K (read in phase 1)
-    p2.add("mte2", "GM->L1", ke * Dv * isz, n2, hit=0.0, every=per_unit)          # V: its first read
+    p2.add("mte2", "GM->L1", ke * D * isz, kvc, hit=hit_kv, every=per_unit)       # K (read in phase 1)
+    p2.add("mte2", "GM->L1", ke * Dv * isz, kvc, hit=0.0, every=per_unit)         # V: its first read
     p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
     p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
     if mask is not None:
@@ -486,7 +492,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
         p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True)         # S, dP in
         p2.add("fixpipe", "L0C->GM", qe * D * 4, n2)                      # dQ atomic add
-        p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, n2, hit=0.0, every=per_unit)
+        p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
         mte3 = p2.unit["mte3"]
         mte2 = p2.unit["mte2"]
         vmte2 = p2.unit["vmte2"]
@@ -495,7 +501,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
             + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
         p2.add("mte3", "UB->GM", qe * D * 4, n2)                          # dQ atomic add
-        p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, n2, hit=0.0, every=per_unit)
+        p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
         mte3 = p2.unit["mte3"]
         mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
         vmte2 = 0.0
