@@ -464,9 +464,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     # the cores that load a unit's K and V (and store its dK, dV) at the same time: all of them when the units are
     # alike; causal units differ in length, so after the first units the cores start theirs at different steps
     kvc = n2
-    if causal:
-        lengths = len(set(_kv_steps(Sq, Skv, qb, kvb, group, causal, window)))
-        kvc = max(1.0, n2 / lengths) if units2 > 1 else n2
+    if causal and units2 > 1:
+        kvc = max(1.0, n2 / _unit_lengths(Sq, Skv, qb, kvb, group, window))
     p2 = _Port(dev, n2)
     # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
     p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
@@ -609,6 +608,12 @@ def _kv_steps(Sq, Skv, qb, kvb, group, causal, window=0):
         i0, i1 = _seen_by(qb, kvb, Sq, Skv, window)
         return tuple((group * (i1 - i0)).tolist())
     return tuple(group * (nq - min(j * kvb, Sq) // qb) for j in range(nkv))
+
+
+@cached
+def _unit_lengths(Sq, Skv, qb, kvb, group, window):
+    """How many different step counts the causal main phase's KV blocks have."""
+    return len(set(_kv_steps(Sq, Skv, qb, kvb, group, True, window)))
 
 
 def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal, window=0):
