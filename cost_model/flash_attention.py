@@ -739,14 +739,20 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     return core, float(hbm), busy
 
 
+def attended_pairs(Sq, Skv, causal, window=0) -> int:
+    """The (query, key) pairs attended: all of them; causal, Σ min(i + 1, Skv) over the rows i (a triangle, then
+    full rows); with a sliding window, the keys max(0, i - window + 1) .. min(i, Skv - 1) of each row."""
+    if not causal:
+        return Sq * Skv
+    if not window:
+        m = min(Sq, Skv)
+        return m * (m + 1) // 2 + (Sq - m) * Skv
+    i = np.arange(Sq)
+    return int(np.maximum(0, np.minimum(i + 1, Skv) - np.maximum(0, i - window + 1)).sum())
+
+
 def flops(B, N, Sq, Skv, D, Dv, causal, window=0):
-    pairs = Sq * Skv
-    if causal:
-        i = np.arange(Sq)
-        pairs = int(np.minimum(i + 1, Skv).sum())
-        if window:                                   # keys max(0, i - window + 1) .. min(i, Skv - 1)
-            pairs = int(np.maximum(0, np.minimum(i + 1, Skv) - np.maximum(0, i - window + 1)).sum())
-    return 2.0 * B * N * pairs * (D + Dv)
+    return 2.0 * B * N * attended_pairs(Sq, Skv, causal, window) * (D + Dv)
 
 
 def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None, drop=False,

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import NamedTuple
 
 import numpy as np
-from typing import NamedTuple
 
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import SOFTCAP_PASSES, _band_tiles, _counts, _placement, _spans
+from cost_model.flash_attention import SOFTCAP_PASSES, _band_tiles, _counts, _placement, _spans, attended_pairs
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -453,9 +453,12 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         qe = min(qb, Sq)
     rows = qe / nh
     qi, ki = int(math.ceil(qe)), int(math.ceil(ke))
-    cube2 = (ceil_div(qi, 16) * ceil_div(ki, 16) * (ceil_div(D, k0f) + ceil_div(Dv, k0f))
-             + ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
-             + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
+    # the Cube's fractals of a step: S and dP, then stage B's dV, dK and dQ
+    cs, cdp = (ceil_div(qi, 16) * ceil_div(ki, 16) * ceil_div(x, k0f) for x in (D, Dv))
+    cdv, cdk = (ceil_div(ki, 16) * ceil_div(qi, k0f) * ceil_div(x, 16) for x in (Dv, D))
+    cdq = ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16)
+    cube_b = cdv + cdk + cdq
+    cube2 = cs + cdp + cube_b
     a, b_ = rate["L1->L0A"], rate["L1->L0B"]
     q16, k16 = _r16(qe), _r16(ke)
     mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * q16 * isz / a
@@ -518,8 +521,6 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     if not split:
         # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
         # which step s+2's products wait for (in that order on one queue): a chain over two steps
-        cube_b = (ceil_div(ki, 16) * ceil_div(qi, k0f) * (ceil_div(Dv, 16) + ceil_div(D, 16))
-                  + ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))
         dq_out = qe * D * 4
         # a unit's end (dK, dV out through UB on the same queues) and the next one's K, V loads sit in it too
         edge = ke * (D + Dv) * (isz / rate["UB->GM"] + 4 / rate["L0C->UB"] + isz / rate["GM->L1"])
@@ -532,12 +533,9 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     # V^T->L0B, dP, then stage B's products up to its last Q->L0B (coupled: dV; split: the first half's three)
     qdo = qe * (D + Dv) * isz
     ahead = n2 * qe * D * 4 / L2bw + (0.0 if split else nv * pds / nh / L2bw)
-    cdv = ceil_div(ki, 16) * ceil_div(qi, k0f) * ceil_div(Dv, 16)
-    cdk = ceil_div(ki, 16) * ceil_div(qi, k0f) * ceil_div(D, 16)
-    cdq = ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16)
     ring = (max(qdo / rate["GM->L1"], n2 * qdo * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
-            + q16 * Dv * isz / a + Dv * k16 * isz / b_ + ceil_div(qi, 16) * ceil_div(ki, 16) * ceil_div(Dv, k0f)
-            + (cdv if not split else (cdv + cdk + cdq) / nh) + q16 / nh * D * isz / b_)
+            + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
+            + (cdv if not split else cube_b / nh) + q16 / nh * D * isz / b_)
     step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
     # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
     # the next S waits for the load, the chip's cores reading their units' K, V at once
@@ -778,14 +776,7 @@ def _sum_drop(sweep, Skv, kvb):
 
 
 def flops(B, N, Sq, Skv, D, Dv, causal, window=0):
-    pairs = Sq * Skv
-    if causal:                    # Σ min(i + 1, Skv) over the rows i: a triangle, then full rows
-        m = min(Sq, Skv)
-        pairs = m * (m + 1) // 2 + (Sq - m) * Skv
-        if window:                # keys max(0, i - window + 1) .. min(i, Skv - 1)
-            i = np.arange(Sq)
-            pairs = int(np.maximum(0, np.minimum(i + 1, Skv) - np.maximum(0, i - window + 1)).sum())
-    return 2.0 * B * N * pairs * (3 * D + 2 * Dv)
+    return 2.0 * B * N * attended_pairs(Sq, Skv, causal, window) * (3 * D + 2 * Dv)
 
 
 def _mask_spec(mask):
