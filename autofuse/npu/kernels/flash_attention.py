@@ -537,6 +537,20 @@ def band_edge(window, q0, qext, k0):
     return (window > 0) & (k0 <= q0 + qext - 1 - window)
 
 
+def mask_outside_band(x, row0, k0, rowi, col, diagonal, window):
+    """``-inf`` in score blocks ``x`` ``[cores, rows, keys]`` (first row ``row0``, first key ``k0`` per core) where
+    a key is past its row's diagonal (``diagonal``) or left of its row's sliding ``window`` (> 0): a compare and a
+    select each, in place."""
+    if not (diagonal or window):
+        return
+    rg = row0[:, None, None] + rowi[None, :, None]
+    cg = k0[:, None, None] + col[None, None, :]
+    if diagonal:
+        np.copyto(x, _NEG_INF, where=cg > rg)
+    if window:
+        np.copyto(x, _NEG_INF, where=cg <= rg - window)
+
+
 def check_fill(kernel: str, empty_rows: str, fill) -> float:
     """``fill`` as a float, once ``empty_rows`` and ``fill`` are checked."""
     if empty_rows not in ("zero", "nan"):
@@ -961,7 +975,7 @@ class _Program:
         vq0, vk0, kext, first = v["q0"], v["k0"], v["kext"], v["first"]
         tmp, f32 = self.tmp, self.dtype == "float32"
         partial = bool(part.any())
-        banded, window = bool(edge.any()), self.window
+        window = self.window if edge.any() else 0
         # every pass is per core (per row, even), so the closures take a slice of the cores (vector(...,
         # per_core=True)): host threads may split the cores between them; values are the same however split.
         # The closures look tile arrays up when they run (the launch computes values behind its timeline).
@@ -981,13 +995,7 @@ class _Program:
                     np.add(x, mt.data[cs], out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
                 np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])  # which may fill
-            if partial or banded:
-                rg = (vq0 + ro)[cs, None, None] + self.rowi[None, :, None]
-                cg_ = vk0[cs, None, None] + self.col[None, None, :]
-                if partial:
-                    np.copyto(x, _NEG_INF, where=cg_ > rg)
-                if banded:                # the window's left edge: a compare and a select, as the diagonal
-                    np.copyto(x, _NEG_INF, where=cg_ <= rg - window)
+            mask_outside_band(x, (vq0 + ro)[cs], vk0[cs], self.rowi, self.col, partial, window)
             return x
 
         def cast(x, cs):

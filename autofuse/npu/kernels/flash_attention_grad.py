@@ -81,7 +81,7 @@ from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
 from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule, band_edge,
                                                   check_fill, check_operands, check_window, core_groups, fitted_counts,
-                                                  mask_with_spec, round_to, window_tiles)
+                                                  mask_outside_band, mask_with_spec, round_to, window_tiles)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
 
@@ -515,6 +515,11 @@ class _Program:
         self.ends[(ub + "_read", s)] = self._to_cube(np.where(ract, e2, 0.0))
         return X
 
+    def _bounds(self, ract, vq0, rows, vk0, vke):
+        """Per vector core: whether its block crosses the diagonal, and whether it holds a sliding window's left
+        edge (each a compare and a select more)."""
+        return self.causal & ract & (vk0 + vke - 1 > vq0), ract & band_edge(self.window, vq0, rows, vk0)
+
     def _mask_and_bounds(self, x, cs, b, h, vq0, k0, rows, kext, mt, causal_rows, tcap=None, band=False):
         """scale·x, [the soft-cap c·tanh(·/c), its tanh kept in ``tcap``], the mask, -inf past the keys / above the
         diagonal / left of a sliding window (``band``), in place (fp32, per core slice)."""
@@ -531,13 +536,7 @@ class _Program:
             else:
                 np.add(x, mt.data[cs], out=x)
         np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
-        if causal_rows or band:
-            rg = vq0[cs, None, None] + self.rowi[None, :, None]
-            cg_ = k0[cs, None, None] + self.col[None, None, :]
-            if causal_rows:
-                np.copyto(x, _NEG_INF, where=cg_ > rg)
-            if band:
-                np.copyto(x, _NEG_INF, where=cg_ <= rg - self.window)
+        mask_outside_band(x, vq0[cs], k0[cs], self.rowi, self.col, causal_rows, self.window if band else 0)
 
     def _load_mask(self, b, h, vq0, rows, k0, kext, ract):
         mt = self._next("mask")
@@ -565,8 +564,7 @@ class _Program:
         b, h = self._vec(st.b[s]), self._vec(st.h[s])
         vq0, vk0, vke = self._vec(q0) + ro, self._vec(k0), self._vec(kext)
         first, last = self._vec(st.first[s]) & ract, self._vec(st.last[s]) & ract
-        partial = self.causal & ract & (vk0 + vke - 1 > vq0)
-        edge = ract & band_edge(self.window, vq0, rows, vk0)
+        partial, edge = self._bounds(ract, vq0, rows, vk0, vke)
         mt = self._load_mask(b, h, vq0, rows, vk0, vke, ract) if self.mask is not None else None
         M, L = self.tl["rm"][0], self.tl["rl"][0]
         causal_any, band = bool(partial.any()), bool(edge.any())
@@ -651,8 +649,7 @@ class _Program:
         a_ = self._act(ract)
         b, h = self._vec(st.b[s]), self._vec(st.h[s])
         vq0, vk0, vke = self._vec(q0) + ro, self._vec(k0), self._vec(kext)
-        partial = self.causal & ract & (vk0 + vke - 1 > vq0)
-        edge = ract & band_edge(self.window, vq0, rows, vk0)
+        partial, edge = self._bounds(ract, vq0, rows, vk0, vke)
         band = bool(edge.any())
         lregs = [(b[c], h[c], slice(vq0[c], vq0[c] + rows[c])) if ract[c] else None for c in range(nv)]
         mt_, lt, dt = self._next("m"), self._next("l"), self._next("dr")
