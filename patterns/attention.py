@@ -74,7 +74,6 @@ aten = torch.ops.aten
 
 NEG_FILL = -1e4  # a finite fill at or below this is "masked": exp(fill - rowmax) underflows to 0 in fp32
 ABSORBING_FILL = -1e30  # a fill this low absorbs any finite fp32 score added to it: s + fill == fill
-MAX_PROOF_NUMEL = LARGEST_CONSTANT  # largest constant mask value (elements held) evaluated to prove causality
 PROOF_CHUNK = 1 << 22      # elements of a mask read at once by the proof
 
 # Ops allowed between the QK matmul and softmax, and what each contributes.
@@ -551,7 +550,7 @@ _PROOFS: dict = {}
 def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list) -> tuple:
     try:
         with torch.no_grad():
-            t = evaluate_constant(m, max_numel=MAX_PROOF_NUMEL, state=reads)
+            t = evaluate_constant(m, max_numel=LARGEST_CONSTANT, state=reads)
     except Exception:  # noqa: BLE001 - "not provable" is the answer for anything we cannot evaluate
         return None, None, 0
     if t is None:
