@@ -80,6 +80,17 @@ def off_by_a_bit(monkeypatch, module, kernel: str, factor: float = 1.01):
     monkeypatch.setattr(module, "run_kernel", faulty)
 
 
+def assert_as_eager(model, args, got):
+    """``got`` is within the verifier's bound of ``model``'s eager output: at most twice eager's own error against
+    float64 (the model run in float64 on float64 inputs), with the same NaN/inf pattern."""
+    from autofuse.verify import compare
+    want = model(*args)
+    ref = model.double()(*[a.double() if a.is_floating_point() else a for a in args])
+    model.to(args[0].dtype)
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
 def main_output(out):
     """The tensor a model's output is judged by: the tensor itself, a tuple's first element, logits, or the
     last hidden state."""

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from autofuse import AutoFusionEngine
 from autofuse.capture import capture
 from autofuse.models import build
-from autofuse.verify import compare
-from conftest import main_output
+from conftest import assert_as_eager, main_output
 
 B, N, S, D = 2, 4, 16, 16
 FUSED_OP = torch.ops.autofuse.flash_attention.default
@@ -26,15 +25,6 @@ def _fused_calls(fused):
 def _qkv(dtype=torch.float32, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple((torch.randn(B, N, S, D, generator=g) * scale).to(dtype) for _ in range(3))
-
-
-def _assert_as_eager(model, args, got):
-    """Within the verifier's bound: at most twice eager's own error against float64, same NaN/inf pattern."""
-    want = model(*args)
-    ref = model.double()(*[a.double() if a.is_floating_point() else a for a in args])
-    model.to(args[0].dtype)
-    ok, err, tol = compare(want, ref, got)
-    assert ok, (err, tol)
 
 
 # ------------------------------------------------------------------ the captured graph runs, not the canonical
@@ -67,7 +57,7 @@ def test_prescaled_fp16_query_fuses_and_stays_finite():
     assert [d.pattern for d in fused.report.applied] == ["attention"]
     got = fused(*args)
     assert torch.isfinite(got).all()
-    _assert_as_eager(model, args, got)
+    assert_as_eager(model, args, got)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "mha"])
@@ -239,7 +229,7 @@ def test_fully_masked_rows_as_eager(dtype, fill, spelling):
     if fill == "finfo.min" or (fill == -1e4 and dtype != torch.float16) or (fill == -1e9 and dtype != torch.float16):
         torch.testing.assert_close(got[:, :, 3].float(), v.float().mean(-2).to(dtype).float(),
                                    atol=4 * torch.finfo(dtype).eps, rtol=4 * torch.finfo(dtype).eps)
-    _assert_as_eager(model, args, got)
+    assert_as_eager(model, args, got)
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
@@ -367,7 +357,7 @@ def test_finite_causal_mask_is_skipped_where_the_bound_proves_it_exact(finite_ca
     with recording() as log:
         got = fused(*args)
     assert [k for k, _ in log] == ["score_bound", "flash_attention"]
-    _assert_as_eager(model, args, got)
+    assert_as_eager(model, args, got)
     # a query row and a key row of norm 1000, orthogonal: no score is large, but the bound |q||k|/8 passes
     # 65504 - margin, so it proves nothing and the kernel reads the mask; the result is still eager's
     big = tuple(t.clone() for t in args)
@@ -378,7 +368,7 @@ def test_finite_causal_mask_is_skipped_where_the_bound_proves_it_exact(finite_ca
     assert [k for k, _ in log2] == ["score_bound", "flash_attention"]
     mask_bytes = SS * SS * (2 if model.spelling == "additive" else 1)
     assert log2[1][1].hbm_bytes >= log[1][1].hbm_bytes + mask_bytes     # the mask was read
-    _assert_as_eager(model, big, got)
+    assert_as_eager(model, big, got)
 
 
 @pytest.mark.parametrize("kind", ["additive", "bool"])
@@ -425,7 +415,7 @@ def test_finite_masks_that_are_not_skipped(value, spelling, why):
     fused = AutoFusionEngine.fuse(model, args)
     (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
     assert d.params.get("causal_value") is None and not d.params["causal"], why
-    _assert_as_eager(model, args, fused(*args))
+    assert_as_eager(model, args, fused(*args))
 
 
 @pytest.mark.parametrize("kind", ["additive", "bool"])

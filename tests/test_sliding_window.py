@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from autofuse import AutoFusionEngine
 from autofuse.ops import recording
-from autofuse.verify import compare
+from conftest import assert_as_eager
 
 FUSED_OP = torch.ops.autofuse.flash_attention.default
 B, N, S, D, W = 2, 4, 40, 16, 9
@@ -52,13 +52,6 @@ class Windowed(nn.Module):
         return torch.softmax(s, -1) @ v
 
 
-def _assert_as_eager(model, args, got):
-    want = model(*args)
-    ref = model(*[a.double() for a in args])
-    ok, err, tol = compare(want, ref, got)
-    assert ok, (err, tol)
-
-
 def _decision(fused):
     (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
     (call,) = [n for n in fused.graph_module.graph.nodes if n.op == "call_function" and n.target is FUSED_OP]
@@ -80,7 +73,7 @@ def test_a_causal_band_runs_as_a_window(spelling, value, dtype):
     with recording() as log:
         got = fused(*args)
     assert [k for k, _ in log] == ["flash_attention"]
-    _assert_as_eager(model, args, got)
+    assert_as_eager(model, args, got)
 
 
 def test_a_finite_fp16_band_is_skipped_under_the_score_bound():
@@ -98,7 +91,7 @@ def test_a_finite_fp16_band_is_skipped_under_the_score_bound():
     with recording() as log:
         got = fused(*args)
     assert [k for k, _ in log] == ["score_bound", "flash_attention"]
-    _assert_as_eager(model, args, got)
+    assert_as_eager(model, args, got)
 
 
 class TwoMasks(nn.Module):
@@ -121,7 +114,7 @@ def test_two_proven_masks_keep_the_narrower_band(first, second, window):
     fused = AutoFusionEngine.fuse(model, args)
     d, call = _decision(fused)
     assert d.params["causal"] and d.params["window"] == window and call.args[3] is None
-    _assert_as_eager(model, args, fused(*args))
+    assert_as_eager(model, args, fused(*args))
 
 
 @pytest.mark.parametrize("kind", ["bidirectional", "no_diagonal", "hole", "sink_token"])
@@ -132,7 +125,7 @@ def test_bands_that_are_not_a_sliding_window_stay_masks(kind, spelling):
     fused = AutoFusionEngine.fuse(model, args)
     d, call = _decision(fused)
     assert d.params["window"] == 0 and d.params["mask_kind"] == "bool" and call.args[3] is not None, kind
-    _assert_as_eager(model, args, fused(*args))
+    assert_as_eager(model, args, fused(*args))
 
 
 @pytest.mark.parametrize("w,window", [(1, 1), (S - 1, S - 1), (S, 0), (S + 3, 0)])
@@ -142,7 +135,7 @@ def test_window_widths(w, window):
     fused = AutoFusionEngine.fuse(model, args)
     d, _ = _decision(fused)
     assert d.params["causal"] and d.params["window"] == window
-    _assert_as_eager(model, args, fused(*args))
+    assert_as_eager(model, args, fused(*args))
 
 
 def test_a_window_trains_with_eagers_gradients():
@@ -218,4 +211,4 @@ def test_a_long_mask_is_proven_in_row_blocks_and_checked_as_itself(hole):
     assert len(attention) == 2 and all(d.applied for d in attention), fused.report.summary()
     assert [d.params["window"] for d in attention] == [0, 0] if hole else [300, 300]
     assert all("verified on reduced shapes (3000 -> " in d.verify_note for d in attention)
-    _assert_as_eager(model, (x,), fused(x))
+    assert_as_eager(model, (x,), fused(x))
