@@ -91,6 +91,20 @@ def assert_as_eager(model, args, got):
     assert ok, (err, tol)
 
 
+def assert_same_product(got, want, magnitude, K):
+    """``got`` and ``want`` are one GEMM product computed by two launches (fp32 sums, then one rounding to the dtype
+    each): equal up to the order of the fp32 sums, which numpy's BLAS picks per GEMM shape and per CPU (seen: an
+    AMD EPYC's OpenBLAS sums a narrower GEMM in another order than the wider one; an Intel machine's gave the same
+    bits). Bound, on any CPU: both sums' worst case, 2·(K + 2)·u32·``magnitude`` (``magnitude`` = Σ|x||w| (+|bias|)
+    per element, float64), plus one unit in the last place of the dtype (the two roundings)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    a, b, m = got.double(), want.double(), magnitude.double()
+    top = torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(got.dtype).tiny)
+    ulp = torch.finfo(got.dtype).eps * torch.exp2(torch.floor(torch.log2(top)))
+    bound = 2 * (K + 2) * 2.0 ** -24 * m + ulp
+    assert bool(((a - b).abs() <= bound).all()), float(((a - b).abs() - bound).max())
+
+
 def main_output(out):
     """The tensor a model's output is judged by: the tensor itself, a tuple's first element, logits, or the
     last hidden state."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from autofuse import ops_moe
 from autofuse.verify import compare
+from conftest import assert_same_product
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LOADS = [[5, 0, 9, 3], [0, 0, 16, 0], [1, 1, 1, 1, 12]]      # uneven, empty experts, one-row groups
@@ -113,8 +114,10 @@ def test_clamped_swiglu_on_interleaved_pairs_gradients_equal_eager(dtype, stored
 @pytest.mark.parametrize("act", ["swiglu", "gelu"])
 @pytest.mark.parametrize("load", range(len(LOADS)))
 def test_stored_product_gives_the_recompute_paths_gradients(dtype, act, load):
-    """grouped_matmul_with_product: the output grouped_matmul gives, the product the backward would recompute
-    (so the same gradients, bit for bit), and a backward that launches no product GEMM."""
+    """grouped_matmul_with_product: the output grouped_matmul gives, the product the backward would recompute (up
+    to the order of its fp32 sums, which the simulator's BLAS picks per GEMM shape and CPU: assert_same_product),
+    gradients within the verifier's bound of eager's (bit for bit the recompute path's wherever the two products'
+    bits agree), and a backward that launches no product GEMM."""
     from autofuse import ops
     torch.manual_seed(10 + load)
     counts = LOADS[load]
@@ -129,7 +132,10 @@ def test_stored_product_gives_the_recompute_paths_gradients(dtype, act, load):
     g = torch.randn(M, N // 2 if act == "swiglu" else N).to(dtype)
     y, prod = ops_moe.grouped_matmul_with_product(x, w, gl, bias, trans_w=trans_w, activation=act)
     assert torch.equal(y, ops_moe.grouped_matmul(x, w, gl, bias, trans_w=trans_w, activation=act))
-    assert torch.equal(prod, ops_moe.grouped_matmul(x, w, gl, bias, trans_w=trans_w))
+    recomputed_product = ops_moe.grouped_matmul(x, w, gl, bias, trans_w=trans_w)
+    magnitude = _unfused_gmm(x.double().abs(), w.double().abs(), counts,
+                             None if bias is None else bias.double().abs(), trans_w, None)
+    assert_same_product(prod, recomputed_product, magnitude, K)
     twin_y, twin_p = ops_moe.reference_grouped_matmul_with_product(x, w, gl, bias, trans_w=trans_w, activation=act)
     assert torch.equal(twin_p, ops_moe.reference_grouped_matmul(x, w, gl, bias, trans_w=trans_w))
     with ops.recording() as stored:
@@ -138,8 +144,14 @@ def test_stored_product_gives_the_recompute_paths_gradients(dtype, act, load):
     with ops.recording() as recomputed:
         want = _grads(lambda *t: ops_moe.grouped_matmul(t[0], t[1], gl, *t[2:], trans_w=trans_w, activation=act),
                       leaves, g)
-    for gg, ww in zip(got, want):
-        assert torch.equal(gg, ww)
+    eager = _grads(lambda *t: _unfused_gmm(t[0], t[1], counts, *(t[2:] or [None]), trans_w, act), leaves, g)
+    ref = _grads(lambda *t: _unfused_gmm(t[0], t[1], counts, *(t[2:] or [None]), trans_w, act),
+                 [t.double() for t in leaves], g.double())
+    for name, gg, ww, ee, rr in zip(("dx", "dw", "dbias"), got, want, eager, ref):
+        ok, err, tol = compare(ee, rr, gg)
+        assert ok, (name, err, tol)
+        if torch.equal(prod, recomputed_product):
+            assert torch.equal(gg, ww), name
     launches = collections.Counter(name for name, _ in stored)
     # the forward and dx: two grouped GEMMs (the recompute path runs a third for the product)
     assert launches["grouped_matmul"] == 2

@@ -68,7 +68,11 @@ def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0,
     right on a tiny case; the kernel rounds dS and Pd to the operand dtype once), plus the one error source
     FlashAttention's backward has and eager's has not: Dr = rowsum(dO∘O) replaces rowsum(P∘dP), a sum of Dv
     fp32 products, off by at most δ = Dv·u32·Σ|dO∘O| per row; dS = scale·P∘(dP - Dr) carries it into
-    dq by at most scale·δ·max|K| (a row of P sums to 1) and into dk by scale·δ·max|Q|·max_j Σ_i P_ij."""
+    dq by at most scale·δ·max|K| (a row of P sums to 1) and into dk by scale·δ·max|Q|·max_j Σ_i P_ij. And the
+    kernel's own fp32 sums: each gradient element sums n products (dq: Skv, dk and dv: Sq per query head of the
+    group) in an order numpy's BLAS picks per GEMM shape and CPU (as eager's does), so its error is bounded, on any
+    CPU, only by (n + 4)·u32·Σ|terms| (n additions, the term's own few roundings); which of the two lands nearer
+    the float64 value differs between CPUs (seen: an fp32 dv 2.7x eager's error on an AMD EPYC, within 2x on Intel)."""
     _, ref = _ref64(q, k, v, do, mask, causal, drop, p, fill)
     out_e, leaves = _eager(q, k, v, mask, causal, drop, p, fill)
     eager = torch.autograd.grad(out_e, leaves, do)
@@ -80,6 +84,18 @@ def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0,
     delta = v.shape[-1] * 2.0 ** -24 * (do.double() * out.double()).abs().sum(-1).max().item() / (1 - p)
     fa = [scale * delta * k.double().abs().max().item(),
           scale * delta * q.double().abs().max().item() * probs.sum(-2).max().item() / (1 - p) * q.shape[1], 0.0]
+    rep, u32 = q.shape[1] // k.shape[1], 2.0 ** -24
+    kk, vv = (t.double().repeat_interleave(rep, 1).abs() for t in (k, v))
+    pk, dA = probs / (1 - p), do.double().abs()                 # a kept probability, at most; |dO|
+    ds = pk * (dA @ vv.transpose(-2, -1) / (1 - p) + (do.double() * out).abs().sum(-1, keepdim=True))   # >= |dS|
+
+    def group(t):                                               # a KV head's gradient sums its group's query heads
+        return t.unflatten(1, (k.shape[1], rep)).sum(2)
+    n_kv = rep * q.shape[2] + 4
+    acc = [(k.shape[2] + 4) * u32 * scale * (ds @ kk).max().item(),
+           n_kv * u32 * scale * group(ds.transpose(-2, -1) @ q.double().abs()).max().item(),
+           n_kv * u32 * group(pk.transpose(-2, -1) @ dA).max().item()]
+    fa = [f + a for f, a in zip(fa, acc)]
     for name, a, e, r, f in zip(("dq", "dk", "dv"), got, eager, ref, fa):
         err_k = (a - r).abs().max().item()
         err_e = (e.double() - r).abs().max().item()
