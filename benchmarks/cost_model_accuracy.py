@@ -9,6 +9,7 @@ on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
     python benchmarks/cost_model_accuracy.py --quick    # the small sweep the tests pin
     python benchmarks/cost_model_accuracy.py --kernel matmul --top 30
     python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep
+    python benchmarks/cost_model_accuracy.py --drawn 120 --seed 1   # attention shapes drawn at random instead
 
 Goal: median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
 agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import statistics
 import sys
@@ -764,6 +764,26 @@ BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movem
             "vector_program": _vector_program_cases, "matmul_epilogue": _epilogue_cases}
 
 
+def drawn_attention(n: int, seed: int) -> list:
+    """``n`` attention forward launches drawn at random (a check of the model away from the sweep's own shapes):
+    batch, heads, odd and round lengths (one-row edge blocks included), head dims, dtypes, devices, causal or not,
+    sliding windows, saved statistics."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        B, N = rng.choice((1, 2, 4)), rng.choice((2, 4, 8, 12))
+        S, D = rng.choice((33, 65, 77, 100, 129, 190, 257, 300, 513)), rng.choice((64, 80, 128))
+        dt, dev = rng.choice(("float16", "bfloat16", "float32")), rng.choice(DEVICES)
+        p = {"causal": rng.random() < 0.6}
+        if p["causal"] and rng.random() < 0.4:
+            p["window"] = rng.choice((16, 40, 64, 100))
+        if rng.random() < 0.2:
+            p["return_stats"] = True
+        out.append(Case("flash_attention", [((B, N, S, D), dt)] * 3, dev, p))
+    return out
+
+
 def cases(quick: bool = False, kernels=None) -> list:
     out = []
     for build in BUILDERS.values():
@@ -957,8 +977,10 @@ def main(argv=None):
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--time", action="store_true",
                     help="only time estimate() over the cases (no simulation): a quiet measurement of the speed line")
+    ap.add_argument("--drawn", type=int, default=0, help="price this many attention launches drawn at random instead")
+    ap.add_argument("--seed", type=int, default=1, help="the draw's seed (with --drawn)")
     a = ap.parse_args(argv)
-    cs = cases(a.quick, a.kernel)
+    cs = drawn_attention(a.drawn, a.seed) if a.drawn else cases(a.quick, a.kernel)
     if a.time:
         print_timing(cs)
         return
@@ -974,7 +996,7 @@ def main(argv=None):
     for r in sorted(recs, key=lambda r: -max(r.err_cycles, r.err_hbm))[:a.top]:
         print(f"  {r.err_cycles:6.1%} {r.err_hbm:6.1%}  {r.pred_cycles:>10,} / {r.sim_cycles:<10,} "
               f"{r.pred_bound:>7s}/{r.sim_bound:<7s} {r.case.label()}  {r.tiling}")
-    ps = pairs(a.quick)
+    ps = pairs(a.quick) if not a.drawn else []
     if ps:
         ok, n, rows = pair_agreement(ps)
         print(f"\nunfused vs fused pairs: model and simulator agree on the faster in {ok}/{n} "

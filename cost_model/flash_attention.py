@@ -17,6 +17,12 @@ workspaces still dirty in L2 when the kernel ends (written back then, as the sim
 A sliding ``window`` (with ``causal``) walks each query block's band of KV tiles only (:func:`_spans`), the
 tiles crossing the diagonal or the band's left edge with a compare and a select more (:func:`_band_tiles`).
 
+A short launch (at most ``REPLAY_STEPS`` steps) is priced core by core: the kernel's deal replayed
+(:func:`_core_blocks`, tallied by :func:`_core_tallies`), each step priced by its own query rows and KV extent and
+each item's Q load charged when the item starts (:func:`core_time`); a core's lockstep transfers still wait for the
+chip's bytes, the launch's mean rows per step. Causal blocks differ in length and an edge block may be one row, so
+the slowest core is not always the one with the most steps.
+
 ``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
 probabilities stored to HBM tile by tile (every KV tile, causal ones above the diagonal as zeros).
 ``return_stats`` (and ``return_probs``, whose sweep reads them) adds each item's row max and sum, two MTE3
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -36,6 +43,8 @@ from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 
 F32 = "float32"
+# launches of at most this many (item, KV tile) steps are priced core by core, from the kernel's own deal
+REPLAY_STEPS = 512
 
 
 def _r16(x):
@@ -345,32 +354,45 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
     return (n - edge_cores) * full + edge_cores * both
 
 
-def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window=0):
-    """Per core, the kernel's (query extent, KV extent, works) steps, dealt exactly as its ``_schedule``
-    does (units in head-major order to the least-loaded core; causal: paired blocks when no slower).
-    ``probs``: the probabilities sweep, which walks every KV tile (those above the diagonal skipped)."""
+def _block_tiles(qi, los, his, nkv, Sq, Skv, qb, kvb, causal, probs, window):
+    """Query block ``qi``'s tiles as the kernel walks them: ``(KV extent, works, masked)`` each (see
+    :func:`_core_items`)."""
+    lo, hi = int(los[qi]), int(his[qi])
+    q0, last = qi * qb, min(qi * qb + qb, Sq) - 1
+
+    def masked(j):
+        return bool(causal) and ((j + 1) * kvb - 1 > q0 and Skv - 1 > q0
+                                 or bool(window) and j * kvb <= last - window)
+    walk = range(nkv) if probs else range(lo, hi)
+    return tuple((min(kvb, Skv - j * kvb), lo <= j < hi, masked(j)) for j in walk)
+
+
+@cached
+def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
+    """Per core, the query blocks of its items in order, dealt as the kernel's ``_schedule`` deals them: units
+    in head-major order to the least-loaded core, a unit costing 1 a worked tile and 0.1 a skipped one (summed
+    in the kernel's order); causal: blocks i and nq-1-i paired when that finishes no later."""
     los, his = _spans(qb, kvb, Sq, Skv, causal, window)
-
-    def tiles(qi):
-        lo, hi = int(los[qi]), int(his[qi])
-        if probs:
-            return [(min(kvb, Skv - j * kvb), lo <= j < hi) for j in range(nkv)]
-        return [(min(kvb, Skv - j * kvb), True) for j in range(lo, hi)]
-
-    tl = [tiles(i) for i in range(nq)]
-    qes = [min(qb, Sq - i * qb) for i in range(nq)]
+    if probs:
+        cost = [sum(1.0 if lo <= j < hi else 0.1 for j in range(nkv)) for lo, hi in zip(los.tolist(), his.tolist())]
+    else:
+        cost = (his - los).astype(float).tolist()
 
     def deal(units):
         n = min(ncores, B * N * len(units))
         heap = [(0.0, c) for c in range(n)]
         per = [[] for _ in range(n)]
+        ucost = []
+        for unit in units:
+            u = 0.0
+            for qi in unit:
+                u += cost[qi]
+            ucost.append(u)
         for _ in range(B * N):
-            for unit in units:
+            for unit, u in zip(units, ucost):
                 load, c = heapq.heappop(heap)
-                for qi in unit:
-                    per[c] += [(qes[qi], k_, w) for k_, w in tl[qi]]
-                    load += sum(1.0 if w else 0.1 for _, w in tl[qi])
-                heapq.heappush(heap, (load, c))
+                per[c] += unit
+                heapq.heappush(heap, (load + u, c))
         return per, max(h[0] for h in heap)
 
     best = deal([[i] for i in range(nq)])
@@ -379,6 +401,24 @@ def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window
         if paired[1] <= best[1]:
             best = paired
     return best[0]
+
+
+def _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
+    """Per core, its items in order, each ``(query extent, ((KV extent, works, masked), ...))``, dealt as
+    :func:`_core_blocks` deals them. ``masked``: the tile crosses the diagonal or holds the window's left edge (a
+    compare and a select more). ``probs``: the probabilities sweep, which walks every KV tile (those outside the
+    band not worked)."""
+    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
+    items = [(min(qb, Sq - i * qb), _block_tiles(i, los, his, nkv, Sq, Skv, qb, kvb, causal, probs, window))
+             for i in range(nq)]
+    return [[items[qi] for qi in blocks]
+            for blocks in _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)]
+
+
+def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window=0):
+    """Per core, the kernel's (query extent, KV extent, works) steps (:func:`_core_items`, flattened)."""
+    return [[(qe, k_, w) for qe, steps in per for k_, w, _ in steps]
+            for per in _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)]
 
 
 @cached
@@ -492,15 +532,12 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
 
     # average extents of a tile (edges included)
-    qe = min(qb, Sq) if nq == 1 else (Sq / nq)
     ke = Skv / nkv
     if causal:
         ke = min(ke, kvb)
     # work of one step: the busiest core's query blocks (causal: full ones; otherwise as dealt, edge
     # blocks included)
     qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
-    rv = qe / nh                                      # rows per vector core
-    nsub = max(1, ceil_div(int(rv), vq))
     passes = 5 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0)
     msz = 0
     if mask is not None:
@@ -509,106 +546,121 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         msz = itemsize(mdt)
     if drop:
         passes += 1                                   # select by the keep bits
-    rr = rv * math.ceil(ke / 64)
-    stat = nsub * math.ceil(vq / 64)
     part = 0.0
     if window:                                        # a window's tiles crossing the diagonal or its left edge
         total, diag, edge = _band_tiles(Sq, Skv, qb, kvb, window)
         part = (diag + edge) / total
     elif causal:                                      # tiles crossing the diagonal: ceil(q/kv) per item
         part = min(1.0, ceil_div(qb, kvb) / max(1.0, T / max(1, items)))
-    vec = rr * passes + rr * part * 2 + stat * 5 + 2 * rv * math.ceil(Dv / 64)
-    vec_last = rv * math.ceil(Dv / 64) * (2 if dtype != F32 else 1)
-
-    cube = (ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
-            + nh * ceil_div(int(rv), 16) * ceil_div(int(math.ceil(ke)), k0f) * ceil_div(Dv, 16))
-    mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(ke) * Dv * isz / rate["L1->L0B"]
-    q_move = _r16(qe) * D * isz / rate["L1->L0A"]
 
     # K/V: cores on the same head at the same step share a tile (one miss, the rest hit)
     group = N // Nkv
     same_head = max(1, min(n, nq * group))
     uniq = ceil_div(n, same_head)
-    kvt = ke * (D + Dv) * isz
     heads_in_flight = uniq
     kv_res = heads_in_flight * Skv * (D + Dv) * isz + n * 2 * qb * kvb * isz * (3 if split else 1) <= dev.l2_bytes
     kv_unique = B * Nkv * Skv * (D + Dv) * isz
     kv_reads = kv_unique if kv_res else kv_unique * max(1, ceil_div(nq, max(1, n // max(1, uniq))))
     miss_per_step = kv_reads / T
-    hit_per_step = max(0.0, n * kvt - miss_per_step)
-    port_kv = hit_per_step / L2bw + miss_per_step / HBMbw
-    mte2_kv = max(kvt / rate["GM->L1"], port_kv)
-    # P round trip through the L2 workspace
-    p_b = qe * ke * isz
-    port_p = 2 * n * p_b / L2bw
-    mte2_p = max(p_b / rate["GM->L0A"], n * p_b / L2bw)
-    mte3_p = max(rv * ke * isz / rate["UB->GM"], nh * n * rv * ke * isz / L2bw)
-    mask_b = rv * ke * msz
     mask_miss = 0.0
     if mask is not None:
         mshape = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_unique = math.prod(mshape) * msz
         reps = B * N / max(1, (mshape[0] if mshape[0] > 1 else 1) * (mshape[1] if mshape[1] > 1 else 1))
         mask_miss = mask_unique * (1 if mask_unique <= dev.l2_bytes // 2 else reps) / T
-    port_mask = max(0.0, n * nh * mask_b - mask_miss) / L2bw + mask_miss / HBMbw if mask is not None else 0.0
-    mte2_mask = max(mask_b / rate["GM->UB"], port_mask) if mask is not None else 0.0
-    if drop:                                          # keep bits: read once each, from HBM
-        drop_b = rv * math.ceil(ke / 8)
-        port_drop = n * nh * drop_b / HBMbw
-        port_mask += port_drop
-        mte2_mask += max(drop_b / rate["GM->UB"], port_drop)
-    if split:
-        s_b = qe * ke * 4
-        fix = max(s_b / rate["L0C->GM"], n * s_b / L2bw) + max(qe * Dv * 4 / rate["L0C->GM"], n * qe * Dv * 4 / L2bw)
-        vec_mte2 = (max(rv * ke * 4 / rate["GM->UB"], 2 * n * rv * ke * 4 / L2bw)
-                    + max(rv * Dv * 4 / rate["GM->UB"], 2 * n * rv * Dv * 4 / L2bw) + mte2_mask)
-        cube_mte2 = mte2_kv + mte2_p
-        cube_port = port_kv + n * p_b / L2bw + n * (s_b + qe * Dv * 4) / L2bw
-        vec_port = port_mask + 2 * n * rv * (ke + Dv) * 4 / L2bw + nh * n * rv * ke * isz / L2bw
-        mte3 = mte3_p
-    else:
-        fix = qe * ke * 4 / rate["L0C->UB"] + qe * Dv * 4 / rate["L0C->UB"]
-        cube_mte2 = mte2_kv + mte2_p + mte2_mask
-        cube_port = port_kv + port_p + port_mask
-        vec_mte2 = 0.0
-        vec_port = 0.0
-        mte3 = mte3_p
-    # P has a single UB tile: the next softmax waits until MTE3 has stored P, so on the vector side a step
-    # is the softmax, the O update and the P store in series.
-    upd = 2 * rv * math.ceil(Dv / 64)
-    vec_chain = (vec - upd) + max(upd, mte3)
-    # Q of each item, on the same MTE2 queue; the first items' Q (the fill) come from every core at once,
-    # later ones from the ``q_cores`` cores starting an item in the same step
-    q_load = max(qe * D * isz / rate["GM->L1"], n * qe * D * isz / HBMbw)
-    q_next = max(qe * D * isz / rate["GM->L1"], q_cores * qe * D * isz / HBMbw)
-    cube_mte2 += q_next * items / T
-    cube_port += q_cores * qe * D * isz / HBMbw * items / T
-    # The software pipeline's feedback loop spans two steps: softmax(s) -> P out -> P into L0A -> P·V(s),
-    # and the in-order Cube computes S(s+2) only after P·V(s) -> S(s+2) to the vector side -> softmax(s+2).
-    cube_s = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
-    cube_pv = cube - cube_s
-    sm = vec - upd
-    if split:
-        s_hand = max(vq * ke * 4 / rate["L0C->GM"], n * vq * ke * 4 / L2bw) \
-            + max(vq * ke * 4 / rate["GM->UB"], 2 * n * vq * ke * 4 / L2bw)
-    else:
-        s_hand = vq * ke * 4 / rate["L0C->UB"]
-    loop = sm + mte3 + mte2_p + cube_pv + cube_s + s_hand + mte2_mask * (1 if split else 0)
-    step = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain, loop / 2)
-    # per item: the Q load ahead of its first S, and after its last tile out = O / l and the output store
-    out_b = rv * Dv * isz
-    port_out = n * nh * out_b / HBMbw
-    out_store = nsub * max(out_b / nsub / rate["UB->GM"], port_out / nsub)
-    # item end: out = O / l block by block, each block's store before the next block's cast (the last
-    # store overlaps the next item); the next item's Q load then holds the GM port ahead of its S
-    # (on split cores, when the AIC's GM traffic sets the step, the Q loads are already in its share)
-    q_exposed = 0.0 if split and max(cube_mte2, cube_port) >= step else q_next
-    per_item = vec_last + out_store * (nsub - 1) / nsub + q_exposed
-    fill = q_load + q_move + mte2_kv + mte1 + cube + fix
-    drain = 0.0
-    stats_b = rv * 4                                  # one vector core's rows of max (and of sum)
+
+    def price(qe, ke, part, amortized=True, qc=None):
+        """One step of ``qe`` query rows over a ``ke``-key tile (``part``: the share of such steps crossing
+        the diagonal or the window's edge), as the busiest unit or the software pipeline's loop sets it; and
+        the item's end and the launch's fill for items of ``qe`` rows. The cores' transfers in one instruction
+        share the chip's bandwidth: each waits for the chip's bytes, ``qc`` rows a core (default ``qe``)."""
+        qc = qe if qc is None else qc
+        rvc = qc / nh
+        rv = qe / nh                                  # rows per vector core
+        nsub = max(1, ceil_div(int(rv), vq))
+        rr = rv * math.ceil(ke / 64)
+        stat = nsub * math.ceil(vq / 64)
+        vec = rr * passes + rr * part * 2 + stat * 5 + 2 * rv * math.ceil(Dv / 64)
+        vec_last = rv * math.ceil(Dv / 64) * (2 if dtype != F32 else 1)
+        cube_s = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
+        cube = cube_s + nh * ceil_div(int(rv), 16) * ceil_div(int(math.ceil(ke)), k0f) * ceil_div(Dv, 16)
+        mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(ke) * Dv * isz / rate["L1->L0B"]
+        q_move = _r16(qe) * D * isz / rate["L1->L0A"]
+        kvt = ke * (D + Dv) * isz
+        hit_per_step = max(0.0, n * kvt - miss_per_step)
+        port_kv = hit_per_step / L2bw + miss_per_step / HBMbw
+        mte2_kv = max(kvt / rate["GM->L1"], port_kv)
+        # P round trip through the L2 workspace
+        p_b = qe * ke * isz
+        port_p = 2 * n * qc * ke * isz / L2bw
+        mte2_p = max(p_b / rate["GM->L0A"], port_p / 2)
+        mte3 = max(rv * ke * isz / rate["UB->GM"], nh * n * rvc * ke * isz / L2bw)
+        port_mask = mte2_mask = 0.0
+        if mask is not None:
+            mask_b = rv * ke * msz
+            port_mask = max(0.0, n * nh * rvc * ke * msz - mask_miss) / L2bw + mask_miss / HBMbw
+            mte2_mask = max(mask_b / rate["GM->UB"], port_mask)
+        if drop:                                      # keep bits: read once each, from HBM
+            drop_b = rv * math.ceil(ke / 8)
+            port_drop = n * nh * rvc * math.ceil(ke / 8) / HBMbw
+            port_mask += port_drop
+            mte2_mask += max(drop_b / rate["GM->UB"], port_drop)
+        if split:
+            s_b = qe * ke * 4
+            fix = max(s_b / rate["L0C->GM"], n * qc * ke * 4 / L2bw) \
+                + max(qe * Dv * 4 / rate["L0C->GM"], n * qc * Dv * 4 / L2bw)
+            vec_mte2 = (max(rv * ke * 4 / rate["GM->UB"], 2 * n * rvc * ke * 4 / L2bw)
+                        + max(rv * Dv * 4 / rate["GM->UB"], 2 * n * rvc * Dv * 4 / L2bw) + mte2_mask)
+            cube_mte2 = mte2_kv + mte2_p
+            cube_port = port_kv + port_p / 2 + n * qc * (ke + Dv) * 4 / L2bw
+            vec_port = port_mask + 2 * n * rvc * (ke + Dv) * 4 / L2bw + nh * n * rvc * ke * isz / L2bw
+        else:
+            fix = qe * ke * 4 / rate["L0C->UB"] + qe * Dv * 4 / rate["L0C->UB"]
+            cube_mte2 = mte2_kv + mte2_p + mte2_mask
+            cube_port = port_kv + port_p + port_mask
+            vec_mte2 = vec_port = 0.0
+        # P has a single UB tile: the next softmax waits until MTE3 has stored P, so on the vector side a step
+        # is the softmax, the O update and the P store in series.
+        upd = 2 * rv * math.ceil(Dv / 64)
+        vec_chain = (vec - upd) + max(upd, mte3)
+        # Q of each item, on the same MTE2 queue; the first items' Q (the fill) come from every core at once,
+        # later ones from the ``q_cores`` cores starting an item in the same step
+        q_load = max(qe * D * isz / rate["GM->L1"], n * qc * D * isz / HBMbw)
+        q_next = max(qe * D * isz / rate["GM->L1"], q_cores * qc * D * isz / HBMbw)
+        if amortized:                                 # the busiest core's Q loads, spread over its steps
+            cube_mte2 += q_next * items / T
+            cube_port += q_cores * qc * D * isz / HBMbw * items / T
+        # The software pipeline's feedback loop spans two steps: softmax(s) -> P out -> P into L0A -> P·V(s),
+        # and the in-order Cube computes S(s+2) only after P·V(s) -> S(s+2) to the vector side -> softmax(s+2).
+        if split:
+            s_hand = max(vq * ke * 4 / rate["L0C->GM"], n * vq * ke * 4 / L2bw) \
+                + max(vq * ke * 4 / rate["GM->UB"], 2 * n * vq * ke * 4 / L2bw)
+        else:
+            s_hand = vq * ke * 4 / rate["L0C->UB"]
+        loop = (vec - upd) + mte3 + mte2_p + cube + s_hand + mte2_mask * (1 if split else 0)
+        step = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain, loop / 2)
+        # per item: the Q load ahead of its first S, and after its last tile out = O / l and the output store
+        out_b = rv * Dv * isz
+        port_out = n * nh * rvc * Dv * isz / HBMbw
+        out_store = nsub * max(out_b / nsub / rate["UB->GM"], port_out / nsub)
+        # item end: out = O / l block by block, each block's store before the next block's cast (the last
+        # store overlaps the next item); the next item's Q load then holds the GM port ahead of its S
+        # (on split cores, when the AIC's GM traffic sets the step, the Q loads are already in its share)
+        q_exposed = 0.0 if split and max(cube_mte2, cube_port) >= step else q_next
+        # out = O / l runs while the vector side waits for the last P store (the step's MTE3 beyond its O update)
+        end = max(0.0, vec_last - max(0.0, mte3 - upd)) + out_store * (nsub - 1) / nsub
+        fill = q_load + q_move + mte2_kv + mte1 + cube + fix
+        return step, end, q_exposed, fill, {"cube": cube, "mte1": mte1, "mte2": max(cube_mte2, vec_mte2),
+                                      "fixpipe": fix, "vector": vec, "mte3": mte3, "out": out_b, "rows": rv}
+
+    step, end, q_exposed, fill, u = price(qe, ke, part)
+    core = fill + T * step + items * (end + q_exposed)
+    if B * N * nq * nkv <= REPLAY_STEPS:              # few steps: each core's own steps, priced by their extents
+        # each lockstep transfer waits for the chip's bytes: the launch's mean rows per step, every core
+        tallies, qc = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window)
+        core = max(core_time(t_, lambda *a: price(*a, qc=qc)) for t_ in tallies)
+    stats_b = u["rows"] * 4                           # one vector core's rows of max (and of sum)
     stats = return_probs or return_stats
-    core = fill + T * step + items * per_item + drain
     if return_probs:
         pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group,
                                      softcap, window)
@@ -622,7 +674,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal), window)
     if sinks is not None:                              # the sink logits: each read once from HBM
         hbm += math.prod(sinks[0]) * itemsize(sinks[1])
-    if causal and B * N * nq * nkv <= 512:               # few steps: replay the deal (cheap enough)
+    if B * N * nq * nkv <= REPLAY_STEPS:     # few steps: replay the deal (cheap enough)
         hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
                               bool(return_probs), window)
     else:
@@ -637,8 +689,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     # max and sum of the first sweep
     ws_bytes = n * 2 * qb * kvb * isz + (n * 2 * qb * (kvb + Dv) * 4 if split else 0) \
         + (2 * B * N * Sq * 4 if return_probs else 0)
-    busy = {"cube": T * cube, "mte1": T * mte1, "mte2": T * max(cube_mte2, vec_mte2), "fixpipe": T * fix,
-            "vector": T * vec, "mte3": T * mte3 + items * (out_b + (2 * stats_b if stats else 0)) / rate["UB->GM"]}
+    busy = {k: T * u[k] for k in ("cube", "mte1", "mte2", "fixpipe", "vector", "mte3")}
+    busy["mte3"] += items * (u["out"] + (2 * stats_b if stats else 0)) / rate["UB->GM"]
     mask_rc = None
     if mask is not None:
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
@@ -646,12 +698,54 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     nbytes = dict(gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, bool(causal), split, mask_rc, msz,
                            bool(return_probs), bool(drop), bool(return_stats), window))
     if return_probs:
-        for u, c in pbusy.items():
-            busy[u] += c
+        for k, c in pbusy.items():
+            busy[k] += c
     if sinks is not None:
         # each vector core loads its item's sink logit at the item's first step (bytes only: a few per item)
         nbytes["GM->UB"] = nbytes.get("GM->UB", 0.0) + float(B * N * nq * nh * itemsize(sinks[1]))
     return core, float(hbm), nbytes, busy, ws_bytes
+
+
+@cached
+def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0):
+    """The main sweep's cores (:func:`_core_blocks`) as the distinct tallies that price them, and the launch's
+    mean query rows per step: per core, its first item's first step, and how many of its steps, item ends and
+    later items' starts have each (rows, KV extent, masked)."""
+    per_core = _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
+    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
+    blocks = []
+    for qi in range(nq):
+        qe, tiles = min(qb, Sq - qi * qb), _block_tiles(qi, los, his, nkv, Sq, Skv, qb, kvb, causal, False, window)
+        blocks.append((Counter((qe, ke, m) for ke, _, m in tiles), (qe, tiles[-1][0], tiles[-1][2]),
+                       (qe, tiles[0][0], tiles[0][2])))
+    tallies = set()
+    for first, held in {(c[0], tuple(sorted(Counter(c).items()))) for c in per_core}:
+        steps, ends, starts = Counter(), Counter(), Counter()
+        for qi, k in held:
+            for key, c in blocks[qi][0].items():
+                steps[key] += k * c
+            ends[blocks[qi][1]] += k
+            starts[blocks[qi][2]] += k - (qi == first)
+        tallies.add((blocks[first][2], tuple(steps.items()), tuple(ends.items()), tuple(starts.items())))
+    rows = sum(min(qb, Sq - i * qb) * int(his[i] - los[i]) for i in range(nq))     # every head deals each block once
+    return tuple(tallies), rows / float(sum(his - los))
+
+
+def core_time(tally, price) -> float:
+    """One core's cycles from its tally (:func:`_core_tallies`): the fill of its first item, each step priced by
+    its own extents (``price(rows, keys, masked share, amortized=False)`` -> step, item end, next item's Q load,
+    fill, ...), each item's end, and the Q load ahead of each later item."""
+    memo = {}
+
+    def priced(key):
+        if key not in memo:
+            qe, ke, m = key
+            memo[key] = price(qe, ke, float(m), False)
+        return memo[key]
+
+    first, steps, ends, starts = tally
+    return (priced(first)[3] + sum(priced(k)[0] * c for k, c in steps) + sum(priced(k)[1] * c for k, c in ends)
+            + sum(priced(k)[2] * c for k, c in starts))
 
 
 def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, softcap=False, window=0):

@@ -57,3 +57,33 @@ def test_the_model_restates_the_kernels_sliding_window(qb, kvb):
                         diag += k0 + ke - 1 > q0                      # the kernel's _Steps.partial
                         edge += bool(band_edge(w, q0, qe, k0))        # the kernel's _Steps.edge
                 assert _band_tiles(Sq, Skv, qb, kvb, w) == (sum(b - a for a, b in walked), diag, edge)
+
+
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 40)])
+def test_the_model_restates_the_kernels_deal(causal, window):
+    """A short launch is priced core by core from the model's own replay of the kernel's deal (it imports no
+    simulator): per core, the same items in the same order, each with the same query rows and the same KV tiles,
+    and the same tiles taking the diagonal's or the window edge's compare and select, on shapes with one-row
+    edge blocks, both sweeps (the probabilities sweep walks every tile)."""
+    from autofuse.npu.kernels import flash_attention as kernel
+    from cost_model.flash_attention import _core_items
+    for B, N, Sq, Skv, qb, kvb, ncores in [(4, 4, 129, 129, 64, 64, 32), (4, 4, 129, 129, 64, 64, 8),
+                                           (2, 3, 190, 190, 64, 32, 24), (1, 2, 77, 77, 16, 64, 8),
+                                           (2, 8, 300, 300, 128, 128, 8)]:
+        nq, nkv = -(-Sq // qb), -(-Skv // kvb)
+        for probs in (False, True):
+            def tiles_of(qi):
+                lo, hi = kernel.window_tiles(qi, qb, kvb, Sq, Skv, causal, window)
+                return [(j, not lo <= j < hi) for j in range(nkv)] if probs else [(j, False) for j in range(lo, hi)]
+            per_core = kernel._schedule(B, N, nq, causal, ncores, tiles_of)
+            steps = kernel._Steps(per_core, qb, kvb, Sq, Skv, 1, causal, window)
+            model = _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
+            assert len(model) == len(per_core)
+            for c, items in enumerate(model):
+                flat = [(qe, ke, w, m) for qe, tiles in items for ke, w, m in tiles]
+                assert len(flat) == len(per_core[c])
+                assert [s[4] for s in per_core[c]].count(True) == len(items)          # one first step per item
+                for s, (qe, ke, w, m) in enumerate(flat):
+                    assert (qe, ke, w) == (steps.qext[s, c], steps.kext[s, c], steps.work[s, c])
+                    if w:
+                        assert m == bool(steps.partial[s, c] or steps.edge[s, c]), (c, s)
