@@ -17,7 +17,7 @@ workspaces still dirty in L2 when the kernel ends (written back then, as the sim
 A sliding ``window`` (with ``causal``) walks each query block's band of KV tiles only (:func:`_spans`), the
 tiles crossing the diagonal or the band's left edge with a compare and a select more (:func:`_band_tiles`).
 
-A short launch (at most ``REPLAY_STEPS`` steps) is priced core by core: the kernel's deal replayed
+A launch of at most ``REPLAY_UNITS`` units (head, query block) is priced core by core: the kernel's deal replayed
 (:func:`_core_blocks`, tallied by :func:`_core_tallies`), each step priced by its own query rows and KV extent and
 each item's Q load charged when the item starts (:func:`core_time`); a core's lockstep transfers still wait for the
 chip's bytes, the launch's mean rows per step. Causal blocks differ in length and an edge block may be one row, so
@@ -43,8 +43,8 @@ from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 
 F32 = "float32"
-# launches of at most this many (item, KV tile) steps are priced core by core, from the kernel's own deal
-REPLAY_STEPS = 512
+# launches of at most this many work units (head, query block) are priced core by core, from the kernel's own deal
+REPLAY_UNITS = 512
 
 
 def _r16(x):
@@ -423,27 +423,46 @@ def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window
 
 @cached
 def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, return_probs, window=0):
-    """Bytes of the workspaces dirty at the end, from the kernel's own steps: every distinct region key
-    (core, slot, rows, KV extent) of P, and on split cores of S (per row block) and O_j (per half). The
-    probabilities sweep continues the slot parity and writes S again on split cores."""
+    """Bytes of the workspaces dirty at the end, from the kernel's own deal (:func:`_core_blocks`): every distinct
+    region key (core, slot, rows, KV extent) of P, and on split cores of S (per row block) and O_j (per half). The
+    probabilities sweep continues the slot parity and writes S again on split cores. A block's worked tiles use
+    the same (slot, KV extent) pairs wherever it runs, up to its first step's parity: each core is a union of its
+    blocks' pairs."""
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     nh = 2 if split else 1
     R = qb // nh
-    main = _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
-    T = max(len(p) for p in main)
-    sweeps = [(main, 0, True)]
+    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
+
+    def pairs(probs):
+        """Per block: the (slot, KV extent) pairs of its worked tiles when its first step has parity 0 and 1, and
+        its step count."""
+        out = []
+        for qi in range(nq):
+            tiles = _block_tiles(qi, los, his, nkv, Sq, Skv, qb, kvb, causal, probs, window)
+            out.append(([{((p + i) % 2, ke) for i, (ke, w, _) in enumerate(tiles) if w} for p in (0, 1)],
+                        len(tiles)))
+        return out
+
+    main = _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
+    sweeps = [(main, pairs(False), True)]
     if return_probs and split:
-        sweeps.append((_kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, True, window), T, False))
-    total = 0
+        sweeps.append((_core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, True, window), pairs(True),
+                       False))
+    T = max(sum(sweeps[0][1][qi][1] for qi in blocks) for blocks in main)
+    memo, total = {}, 0
     for c in range(len(main)):
-        keys = {}
-        for per, base, with_p in sweeps:
-            if c >= len(per):
-                continue
-            for i, (qe, ke, w) in enumerate(per[c]):
-                if not w:
-                    continue
-                slot = (base + i) % 2
+        held = tuple(tuple(per[c]) if c < len(per) else () for per, _, _ in sweeps)
+        if held not in memo:
+            combos, base = set(), 0
+            for (per, blocks, with_p), mine in zip(sweeps, held):
+                s_ = base
+                for qi in mine:
+                    qe = min(qb, Sq - qi * qb)
+                    combos.update((slot, qe, ke, with_p) for slot, ke in blocks[qi][0][s_ % 2])
+                    s_ += blocks[qi][1]
+                base = T
+            keys = {}
+            for slot, qe, ke, with_p in combos:
                 for h in range(nh):
                     rl = min(max(qe - h * R, 0), R)
                     if rl and with_p:
@@ -455,7 +474,8 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
                         rg = min(max(qe - g * vq, 0), vq)
                         if rg:
                             keys[("S", slot, g, rg, ke)] = rg * ke * 4
-        total += sum(keys.values())
+            memo[held] = sum(keys.values())
+        total += memo[held]
     return total
 
 
@@ -655,7 +675,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
 
     step, end, q_exposed, fill, u = price(qe, ke, part)
     core = fill + T * step + items * (end + q_exposed)
-    if B * N * nq * nkv <= REPLAY_STEPS:              # few steps: each core's own steps, priced by their extents
+    if B * N * nq <= REPLAY_UNITS:                    # few units: each core's own steps, priced by their extents
         # each lockstep transfer waits for the chip's bytes: the launch's mean rows per step, every core
         tallies, qc = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window)
         core = max(core_time(t_, lambda *a: price(*a, qc=qc)) for t_ in tallies)
@@ -674,7 +694,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal), window)
     if sinks is not None:                              # the sink logits: each read once from HBM
         hbm += math.prod(sinks[0]) * itemsize(sinks[1])
-    if B * N * nq * nkv <= REPLAY_STEPS:     # few steps: replay the deal (cheap enough)
+    if B * N * nq <= REPLAY_UNITS:                    # few units: replay the deal (cheap enough)
         hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
                               bool(return_probs), window)
     else:
@@ -719,7 +739,7 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0):
         blocks.append((Counter((qe, ke, m) for ke, _, m in tiles), (qe, tiles[-1][0], tiles[-1][2]),
                        (qe, tiles[0][0], tiles[0][2])))
     tallies = set()
-    for first, held in {(c[0], tuple(sorted(Counter(c).items()))) for c in per_core}:
+    for first, held in {(c[0], tuple(sorted(Counter(c).items()))) for c in set(map(tuple, per_core))}:
         steps, ends, starts = Counter(), Counter(), Counter()
         for qi, k in held:
             for key, c in blocks[qi][0].items():
