@@ -10,6 +10,7 @@ on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
     python benchmarks/cost_model_accuracy.py --kernel matmul --top 30
     python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep
     python benchmarks/cost_model_accuracy.py --drawn 120 --seed 1   # attention shapes drawn at random instead
+    python benchmarks/cost_model_accuracy.py --drawn 60 --backward  # the same for the attention backward
 
 Goal: median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
 agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
@@ -764,10 +765,10 @@ BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movem
             "vector_program": _vector_program_cases, "matmul_epilogue": _epilogue_cases}
 
 
-def drawn_attention(n: int, seed: int) -> list:
-    """``n`` attention forward launches drawn at random (a check of the model away from the sweep's own shapes):
-    batch, heads, odd and round lengths (one-row edge blocks included), head dims, dtypes, devices, causal or not,
-    sliding windows, saved statistics."""
+def drawn_attention(n: int, seed: int, backward: bool = False) -> list:
+    """``n`` attention launches drawn at random (a check of the model away from the sweep's own shapes): batch,
+    heads, odd and round lengths (one-row edge blocks included), head dims, dtypes, devices, causal or not, sliding
+    windows, saved statistics; ``backward``: flash_attention_grad launches (q, k, v, out, dout) instead."""
     import random
     rng = random.Random(seed)
     out = []
@@ -780,7 +781,13 @@ def drawn_attention(n: int, seed: int) -> list:
             p["window"] = rng.choice((16, 40, 64, 100))
         if rng.random() < 0.2:
             p["return_stats"] = True
-        out.append(Case("flash_attention", [((B, N, S, D), dt)] * 3, dev, p))
+        if not backward:
+            out.append(Case("flash_attention", [((B, N, S, D), dt)] * 3, dev, p))
+            continue
+        tp = {}
+        if p.pop("return_stats", False):
+            tp["softmax_max"] = tp["softmax_sum"] = ((B, N, S), "float32")
+        out.append(Case("flash_attention_grad", [((B, N, S, D), dt)] * 5, dev, p, tp))
     return out
 
 
@@ -979,8 +986,9 @@ def main(argv=None):
                     help="only time estimate() over the cases (no simulation): a quiet measurement of the speed line")
     ap.add_argument("--drawn", type=int, default=0, help="price this many attention launches drawn at random instead")
     ap.add_argument("--seed", type=int, default=1, help="the draw's seed (with --drawn)")
+    ap.add_argument("--backward", action="store_true", help="draw attention backward launches (with --drawn)")
     a = ap.parse_args(argv)
-    cs = drawn_attention(a.drawn, a.seed) if a.drawn else cases(a.quick, a.kernel)
+    cs = drawn_attention(a.drawn, a.seed, a.backward) if a.drawn else cases(a.quick, a.kernel)
     if a.time:
         print_timing(cs)
         return
