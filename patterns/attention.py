@@ -566,19 +566,24 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
 
     def block(p, r0):
         """(row indices, keep-mask, masked value or None) of a row block; None when an additive block is not a
-        mask (its nonzero entries not one value at or below NEG_FILL)."""
+        mask (its nonzero entries not one value at or below NEG_FILL once scaled by ``factor``). Read in the
+        mask's own dtype: its nonzero entries are one value there exactly when they are one value scaled (in
+        float64, by a nonzero factor), and only that value is scaled."""
         x = p[r0:r0 + rows]
         i = torch.arange(r0, r0 + x.shape[0])[:, None]
         if kind != "additive":
             return i, x, None
-        s = x.double() * factor
-        nz = s != 0
-        if not nz.any():
-            return i, ~nz, None
-        v = float(s[nz][0])
-        if not (torch.all(s[nz] == v) and (v == -math.inf or v <= NEG_FILL)):
+        keep = x == 0
+        if factor == 0 or bool(keep.all()):
+            return i, torch.ones_like(keep) if factor == 0 else keep, None
+        lo, hi = x.amin(), x.amax()
+        raw = lo if lo != 0 else hi                          # the one nonzero value, if there is one
+        if not bool((keep | (x == raw)).all()):
             return None
-        return i, ~nz, v
+        v = float(raw) * factor
+        if not (v == -math.inf or v <= NEG_FILL):
+            return None
+        return i, keep, v
 
     value, every, causal, lost = None, True, True, None
     for p, r0 in blocks:
