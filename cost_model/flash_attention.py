@@ -354,17 +354,21 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
     return (n - edge_cores) * full + edge_cores * both
 
 
-def _block_tiles(qi, los, his, nkv, Sq, Skv, qb, kvb, causal, probs, window):
-    """Query block ``qi``'s tiles as the kernel walks them: ``(KV extent, works, masked)`` each (see
-    :func:`_core_items`)."""
-    lo, hi = int(los[qi]), int(his[qi])
-    q0, last = qi * qb, min(qi * qb + qb, Sq) - 1
+@cached
+def _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, probs=False, window=0):
+    """Per query block, ``(query extent, tiles)`` as the kernel walks it, each tile ``(KV extent, works, masked)``
+    (see :func:`_core_items`)."""
+    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
+    out = []
+    for qi, (lo, hi) in enumerate(zip(los.tolist(), his.tolist())):
+        q0, last = qi * qb, min(qi * qb + qb, Sq) - 1
 
-    def masked(j):
-        return bool(causal) and ((j + 1) * kvb - 1 > q0 and Skv - 1 > q0
-                                 or bool(window) and j * kvb <= last - window)
-    walk = range(nkv) if probs else range(lo, hi)
-    return tuple((min(kvb, Skv - j * kvb), lo <= j < hi, masked(j)) for j in walk)
+        def masked(j):
+            return bool(causal) and ((j + 1) * kvb - 1 > q0 and Skv - 1 > q0
+                                     or bool(window) and j * kvb <= last - window)
+        walk = range(nkv) if probs else range(lo, hi)
+        out.append((last + 1 - q0, tuple((min(kvb, Skv - j * kvb), lo <= j < hi, masked(j)) for j in walk)))
+    return tuple(out)
 
 
 @cached
@@ -408,17 +412,9 @@ def _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, wi
     :func:`_core_blocks` deals them. ``masked``: the tile crosses the diagonal or holds the window's left edge (a
     compare and a select more). ``probs``: the probabilities sweep, which walks every KV tile (those outside the
     band not worked)."""
-    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
-    items = [(min(qb, Sq - i * qb), _block_tiles(i, los, his, nkv, Sq, Skv, qb, kvb, causal, probs, window))
-             for i in range(nq)]
+    items = _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, probs, window)
     return [[items[qi] for qi in blocks]
             for blocks in _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)]
-
-
-def _kernel_steps(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window=0):
-    """Per core, the kernel's (query extent, KV extent, works) steps (:func:`_core_items`, flattened)."""
-    return [[(qe, k_, w) for qe, steps in per for k_, w, _ in steps]
-            for per in _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)]
 
 
 @cached
@@ -431,17 +427,12 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     nh = 2 if split else 1
     R = qb // nh
-    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
 
     def pairs(probs):
         """Per block: the (slot, KV extent) pairs of its worked tiles when its first step has parity 0 and 1, and
         its step count."""
-        out = []
-        for qi in range(nq):
-            tiles = _block_tiles(qi, los, his, nkv, Sq, Skv, qb, kvb, causal, probs, window)
-            out.append(([{((p + i) % 2, ke) for i, (ke, w, _) in enumerate(tiles) if w} for p in (0, 1)],
-                        len(tiles)))
-        return out
+        return [([{((p + i) % 2, ke) for i, (ke, w, _) in enumerate(tiles) if w} for p in (0, 1)], len(tiles))
+                for _, tiles in _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, probs, window)]
 
     main = _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
     sweeps = [(main, pairs(False), True)]
@@ -674,11 +665,12 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
                                       "fixpipe": fix, "vector": vec, "mte3": mte3, "out": out_b, "rows": rv}
 
     step, end, q_exposed, fill, u = price(qe, ke, part)
-    core = fill + T * step + items * (end + q_exposed)
     if B * N * nq <= REPLAY_UNITS:                    # few units: each core's own steps, priced by their extents
         # each lockstep transfer waits for the chip's bytes: the launch's mean rows per step, every core
         tallies, qc = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window)
         core = max(core_time(t_, lambda *a: price(*a, qc=qc)) for t_ in tallies)
+    else:
+        core = fill + T * step + items * (end + q_exposed)
     stats_b = u["rows"] * 4                           # one vector core's rows of max (and of sum)
     stats = return_probs or return_stats
     if return_probs:
@@ -732,12 +724,9 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0):
     mean query rows per step: per core, its first item's first step, and how many of its steps, item ends and
     later items' starts have each (rows, KV extent, masked)."""
     per_core = _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
-    los, his = _spans(qb, kvb, Sq, Skv, causal, window)
-    blocks = []
-    for qi in range(nq):
-        qe, tiles = min(qb, Sq - qi * qb), _block_tiles(qi, los, his, nkv, Sq, Skv, qb, kvb, causal, False, window)
-        blocks.append((Counter((qe, ke, m) for ke, _, m in tiles), (qe, tiles[-1][0], tiles[-1][2]),
-                       (qe, tiles[0][0], tiles[0][2])))
+    items = _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, False, window)
+    blocks = [(Counter((qe, ke, m) for ke, _, m in tiles), (qe, tiles[-1][0], tiles[-1][2]),
+               (qe, tiles[0][0], tiles[0][2])) for qe, tiles in items]
     tallies = set()
     for first, held in {(c[0], tuple(sorted(Counter(c).items()))) for c in set(map(tuple, per_core))}:
         steps, ends, starts = Counter(), Counter(), Counter()
@@ -747,8 +736,8 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0):
             ends[blocks[qi][1]] += k
             starts[blocks[qi][2]] += k - (qi == first)
         tallies.add((blocks[first][2], tuple(steps.items()), tuple(ends.items()), tuple(starts.items())))
-    rows = sum(min(qb, Sq - i * qb) * int(his[i] - los[i]) for i in range(nq))     # every head deals each block once
-    return tuple(tallies), rows / float(sum(his - los))
+    # every head deals each block once
+    return tuple(tallies), sum(qe * len(tiles) for qe, tiles in items) / sum(len(tiles) for _, tiles in items)
 
 
 def core_time(tally, price) -> float:
