@@ -564,17 +564,18 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
     blocks = [(p, r0) for p in planes for r0 in range(0, sq, rows)]
     j = torch.arange(skv)[None, :]
 
-    def block(p, r0):
+    def block(p, r0, check=True):
         """(row indices, keep-mask, masked value or None) of a row block; None when an additive block is not a
         mask (its nonzero entries not one value at or below NEG_FILL once scaled by ``factor``). Read in the
         mask's own dtype: its nonzero entries are one value there exactly when they are one value scaled (in
-        float64, by a nonzero factor), and only that value is scaled."""
+        float64, by a nonzero factor), and only that value is scaled. ``check=False``: the keep-mask alone, of a
+        block already checked."""
         x = p[r0:r0 + rows]
         i = torch.arange(r0, r0 + x.shape[0])[:, None]
         if kind != "additive":
             return i, x, None
         keep = x == 0
-        if factor == 0 or bool(keep.all()):
+        if factor == 0 or not check or bool(keep.all()):
             return i, torch.ones_like(keep) if factor == 0 else keep, None
         lo, hi = x.amin(), x.amax()
         raw = lo if lo != 0 else hi                          # the one nonzero value, if there is one
@@ -598,9 +599,10 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
         every = every and bool(keep.all())
         causal = causal and torch.equal(keep, j <= i)
         left = (j <= i) & ~keep                              # keys left of the diagonal that are masked
-        if left.any():
-            a, b = (int(x) for x in left.nonzero()[-1])
-            lost = (r0 + a, b)                               # the last one (row-major): its row's window edge
+        hit = left.any(1)
+        if hit.any():                                        # the last one (row-major): its row's window edge
+            a = int(hit.nonzero()[-1])
+            lost = (r0 + a, int(left[a].nonzero()[-1]))
     if every:
         return "none", None, 0
     if causal:
@@ -609,7 +611,7 @@ def _prove(m: fx.Node, kind: str, factor: float, sq: int, skv: int, reads: list)
         return None, None, 0
     w = lost[0] - lost[1]                                    # a sliding window's width, checked whole
     for p, r0 in blocks:
-        i, keep, _ = block(p, r0)
+        i, keep, _ = block(p, r0, check=False)
         if not torch.equal(keep, (j <= i) & (j > i - w)):
             return None, None, 0
     return "window", value, w
