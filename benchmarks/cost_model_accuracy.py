@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -769,7 +770,6 @@ def drawn_attention(n: int, seed: int, backward: bool = False) -> list:
     """``n`` attention launches drawn at random (a check of the model away from the sweep's own shapes): batch,
     heads, odd and round lengths (one-row edge blocks included), head dims, dtypes, devices, causal or not, sliding
     windows, saved statistics; ``backward``: flash_attention_grad launches (q, k, v, out, dout) instead."""
-    import random
     rng = random.Random(seed)
     out = []
     for _ in range(n):

@@ -144,10 +144,12 @@ def test_stored_product_gives_the_recompute_paths_gradients(dtype, act, load):
     with ops.recording() as recomputed:
         want = _grads(lambda *t: ops_moe.grouped_matmul(t[0], t[1], gl, *t[2:], trans_w=trans_w, activation=act),
                       leaves, g)
-    eager = _grads(lambda *t: _unfused_gmm(t[0], t[1], counts, *(t[2:] or [None]), trans_w, act), leaves, g)
-    ref = _grads(lambda *t: _unfused_gmm(t[0], t[1], counts, *(t[2:] or [None]), trans_w, act),
-                 [t.double() for t in leaves], g.double())
-    for name, gg, ww, ee, rr in zip(("dx", "dw", "dbias"), got, want, eager, ref):
+
+    def eager(x, w, b=None):
+        return _unfused_gmm(x, w, counts, b, trans_w, act)
+
+    eager_g, ref = _grads(eager, leaves, g), _grads(eager, [t.double() for t in leaves], g.double())
+    for name, gg, ww, ee, rr in zip(("dx", "dw", "dbias"), got, want, eager_g, ref):
         ok, err, tol = compare(ee, rr, gg)
         assert ok, (name, err, tol)
         if torch.equal(prod, recomputed_product):

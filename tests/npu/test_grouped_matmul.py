@@ -174,7 +174,8 @@ def test_errors():
 def test_return_product(device, dtype, act, order):
     """The product written next to the output is the pre-activation ``x·w (+ bias)`` per group, rounded once to
     the dtype: the values a launch without the epilogue gives (what the backward would otherwise recompute; up to
-    the order of the fp32 sums, see assert_same_product), in the weight's own column order; the output is unchanged and the extra bytes go out through MTE3."""
+    the order of the fp32 sums, see assert_same_product), in the weight's own column order; the output is
+    unchanged and the extra bytes go out through MTE3."""
     torch.manual_seed(3)
     E, K, N = 4, 96, 80
     counts = [30, 0, 70, 5]                                       # skewed, one empty expert
