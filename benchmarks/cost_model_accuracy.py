@@ -11,6 +11,7 @@ on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
     python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep
     python benchmarks/cost_model_accuracy.py --drawn 120 --seed 1   # attention shapes drawn at random instead
     python benchmarks/cost_model_accuracy.py --drawn 60 --backward  # the same for the attention backward
+    python benchmarks/cost_model_accuracy.py --drawn 60 --kernel vector_program   # generated kernels drawn at random
 
 Goal: median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
 agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
@@ -791,6 +792,89 @@ def drawn_attention(n: int, seed: int, backward: bool = False) -> list:
     return out
 
 
+def drawn_vector_program(n: int, seed: int) -> list:
+    """``n`` generated Vector kernels drawn at random: one to three leading dims, widths from one element to
+    rows that need column chunks, 3 to 20 ops, up to two reductions, shuffles (half rotation or interleave)."""
+    from cost_model.program import random_program
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lead = tuple(rng.choice((1, 2, 3, 7, 16, 64, 100, 333, 1000, 4096)) for _ in range(rng.choice((1, 1, 2, 3))))
+        W = rng.choice((1, 17, 64, 130, 257, 768, 1000, 4096, 12288, 33000))
+        while np.prod(lead) * W > 8_000_000:                  # a few seconds of simulation at most
+            lead = lead[1:] or (1,)
+        p = random_program(rng.randrange(1 << 30), lead, W, rng.choice(("float16", "bfloat16", "float32")),
+                           n_ops=rng.randint(3, 20), reductions=rng.choice((0, 1, 1, 2)),
+                           shuffles=W % 2 == 0 and W <= 4096 and rng.random() < 0.3)
+        out.append(Case("vector_program", specs_of(p), rng.choice(DEVICES), {"program": p}))
+    return out
+
+
+def drawn_matmul_epilogue(n: int, seed: int) -> list:
+    """``n`` matmul + epilogue launches drawn at random: every epilogue kind, odd and round M, K, N (decode-sized
+    to prefill-sized), fp16 and fp32 products."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        kind = rng.choice(("gelu", "swiglu", "residual", "layer_norm", "bias_silu_cast", "bias_dropout_residual"))
+        M, K = rng.choice((1, 17, 64, 100, 333, 513, 1024, 2048)), rng.choice((64, 128, 333, 768, 1024, 4096))
+        N = rng.choice((64, 200, 512, 768, 1000, 2816, 4096)) * (2 if kind == "swiglu" else 1)
+        if kind == "layer_norm":
+            N = min(N, 1024)                            # a row-wide B tile must fit L0B
+        p, extra = epilogue(kind, M, N, product=rng.choice(("float16", "float32")))
+        out.append(Case("matmul_epilogue", [((M, K), "float16"), ((K, N), "float16")] + extra, rng.choice(DEVICES),
+                        {"program": p}, timing_only=M * N * K > 2_000_000_000))
+    return out
+
+
+def drawn_grouped_matmul(n: int, seed: int) -> list:
+    """``n`` grouped GEMMs drawn at random: 2 to 64 experts, tokens dealt at random (empty experts, one hot
+    expert), decode- to prefill-sized loads, with and without an activation, a bias, the product stored."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        E = rng.choice((2, 4, 8, 16, 64))
+        M = rng.choice((1, 8, 37, 64, 300, 1024, 4096))
+        K, N = rng.choice((128, 256, 1000, 2048, 4096)), rng.choice((128, 384, 1024, 2048))
+        w = np.random.default_rng(rng.randrange(1 << 30)).dirichlet([rng.choice((0.2, 1.0, 5.0))] * E)
+        sizes = np.random.default_rng(rng.randrange(1 << 30)).multinomial(M, w).astype(np.int32)
+        act = rng.choice((None, None, "swiglu", "gelu", "silu"))
+        trans, bias, dt = rng.random() < 0.5, rng.random() < 0.3, rng.choice(("float16", "bfloat16"))
+        ins = [((M, K), dt), ((E, N, K) if trans else (E, K, N), dt), ((E,), "int32")] + \
+              ([((E, N), "float32")] if bias else [])
+        p = {"trans_w": trans, "activation": act, "group_sizes": tuple(int(x) for x in sizes)}
+        if act is not None and rng.random() < 0.3:
+            p["return_product"] = True
+        out.append(Case("grouped_matmul", ins, rng.choice(DEVICES), p, values={2: sizes},
+                        timing_only=M * N * K > 2_000_000_000))
+    return out
+
+
+def drawn_gating(n: int, seed: int) -> list:
+    """``n`` router top-k launches drawn at random: tokens, experts, k, softmax or sigmoid, renormalised or not,
+    DeepSeek-V3's expert groups with a selection bias."""
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        T, E = rng.choice((1, 7, 64, 333, 1000, 4096)), rng.choice((8, 16, 60, 64, 128, 256))
+        dt = rng.choice(("float16", "bfloat16", "float32"))
+        p = {"k": rng.choice([k for k in (1, 2, 4, 6, 8) if k < E]), "renorm": rng.random() < 0.6,
+             "norm": rng.choice(("softmax", "softmax", "sigmoid"))}
+        ins = [((T, E), dt)]
+        if E % 8 == 0 and E >= 16 and rng.random() < 0.3:
+            p.update(n_group=8, topk_group=rng.choice((2, 3, 4)), group_score=rng.choice(("top2", "max")))
+            p["k"] = min(p["k"], p["topk_group"] * (E // 8))
+            ins.append(((E,), "float32"))
+        out.append(Case("moe_gating_topk", ins, rng.choice(DEVICES), p, values={0: _distinct_logits(T, E, dt, nprng)}))
+    return out
+
+
+DRAWS = {"flash_attention": drawn_attention, "flash_attention_grad": lambda n, s: drawn_attention(n, s, True),
+         "vector_program": drawn_vector_program, "matmul_epilogue": drawn_matmul_epilogue,
+         "grouped_matmul": drawn_grouped_matmul, "moe_gating_topk": drawn_gating}
+
+
 def cases(quick: bool = False, kernels=None) -> list:
     out = []
     for build in BUILDERS.values():
@@ -984,11 +1068,21 @@ def main(argv=None):
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--time", action="store_true",
                     help="only time estimate() over the cases (no simulation): a quiet measurement of the speed line")
-    ap.add_argument("--drawn", type=int, default=0, help="price this many attention launches drawn at random instead")
+    ap.add_argument("--drawn", type=int, default=0,
+                    help="price this many launches drawn at random instead: attention, or with --kernel any of "
+                         "flash_attention, flash_attention_grad, vector_program, matmul_epilogue, grouped_matmul, "
+                         "moe_gating_topk")
     ap.add_argument("--seed", type=int, default=1, help="the draw's seed (with --drawn)")
     ap.add_argument("--backward", action="store_true", help="draw attention backward launches (with --drawn)")
     a = ap.parse_args(argv)
-    cs = drawn_attention(a.drawn, a.seed, a.backward) if a.drawn else cases(a.quick, a.kernel)
+    if a.drawn:
+        kinds = a.kernel or ["flash_attention_grad" if a.backward else "flash_attention"]
+        unknown = [k for k in kinds if k not in DRAWS]
+        if unknown:
+            ap.error(f"--drawn draws {', '.join(DRAWS)}; not {', '.join(unknown)}")
+        cs = [c for k in kinds for c in DRAWS[k](a.drawn, a.seed)]
+    else:
+        cs = cases(a.quick, a.kernel)
     if a.time:
         print_timing(cs)
         return

@@ -85,3 +85,14 @@ def test_error_bit_inputs(records, what):
           and any(i.dtype == "bit" for i in r.case.params["program"].inputs)]
     assert len(rs) >= 3 and {r.case.kernel for r in rs} == {"vector_program", "matmul_epilogue"}
     _check(rs, what)
+
+
+@pytest.mark.parametrize("kernel", sorted(bench.DRAWS))
+def test_drawn_launches_are_valid_and_repeatable(kernel):
+    """The benchmark's random draws (``--drawn N --kernel K``): one seed gives one set, every launch in it is one
+    the model prices (the simulator's run of them is the benchmark's, minutes long)."""
+    a, b = bench.DRAWS[kernel](6, 3), bench.DRAWS[kernel](6, 3)
+    assert [c.label() for c in a] == [c.label() for c in b] and {c.kernel for c in a} == {kernel}
+    assert [c.label() for c in a] != [c.label() for c in bench.DRAWS[kernel](6, 4)]
+    for c in a:
+        assert bench.predict(c).cycles > 0, c.label()
