@@ -12,7 +12,10 @@ the previous row block at once; A of a row block by the cores reading it in the 
 miss filling the line for the others, or, a step later, when the group's other A blocks, two B blocks and
 the output tiles in between fit the L2), else it comes from HBM; the cores of one lockstep step share the
 bandwidth as the simulator shares it (the step's hit bytes over the L2 bandwidth, its missed bytes over
-the HBM bandwidth). An item lasts as long as its busiest unit; a core's time is the sum of its items plus
+the HBM bandwidth); the AIC's port carries its loads and its stores (the output, or the fp32 workspace on
+split cores with an epilogue). The epilogue's fp32 product tiles are double-buffered where UB holds two
+sets: the next tile's product comes in (L0C->UB, or the AIV's workspace load) while the Vector unit runs
+this one's; with one set the two wait for each other. An item lasts as long as its busiest unit; a core's time is the sum of its items plus
 the first chunk's load (fill) and the last tile's write-out (drain). On split cores the epilogue runs on
 the AIV pair (the fp32 tile through an L2 workspace), overlapped with the next tile's products. ``return_product=True``: the epilogue also casts the fp32 product
 tile(s) (one Vector pass each) and MTE3 stores them (``nb·m·n`` elements of the output dtype per item) after the
@@ -24,7 +27,6 @@ each, summed; the tiling per row count goes to the kernel as ``{"by_rows": {rows
 from __future__ import annotations
 
 import heapq
-import math
 
 import numpy as np
 
@@ -61,15 +63,20 @@ def _pad(n, dtype):
     return round_up(n, b)
 
 
-def ub_bytes(dev, m0, n0, out_dtype, activation, product=False):
+def ub_bytes(dev, m0, n0, out_dtype, activation, product=False, sets=1):
     split = dev.arch == "split"
     if activation is None:
         return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
     rows = ceil_div(m0, 2) if split else m0
     nb = 2 if activation in GLU else 1
     cast = 2 * rows * _pad(n0, out_dtype) * itemsize(out_dtype)
-    return (nb + 1) * rows * _pad(n0, "float32") * 4 + cast + (nb * cast if product and out_dtype != "float32" else 0) \
-        + 96
+    return (sets * nb + 1) * rows * _pad(n0, "float32") * 4 + cast \
+        + (nb * cast if product and out_dtype != "float32" else 0) + 96
+
+
+def product_sets(dev, m0, n0, out_dtype, activation, product=False):
+    """The kernel's sets of fp32 product tiles in UB: 2 (double-buffered) where they fit, else 1."""
+    return 2 if ub_bytes(dev, m0, n0, out_dtype, activation, product, sets=2) <= dev.buffers["UB"] else 1
 
 
 def fits(dev, dtype, out_dtype, t, activation=None, bias=False, product=False):
@@ -134,6 +141,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     N_out = N // nb
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     split = dev.arch == "split"
+    sets = product_sets(dev, m0, n0, out_dtype, activation, product) if activation is not None else 1
     rates = dev.rates
     L2bw, HBMbw = dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
     g, mc, nc, mi, ni, nm = _items(sizes, N_out, m0, n0)
@@ -217,7 +225,9 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
             fix = np.maximum(fix, ws_t)
             ld = np.maximum(nb * rows * n * 4 / rates["GM->UB"], ws_t)
             st = np.maximum(rows * n * osz * (1 + (nb if product else 0)) / rates["UB->GM"], w_t)
-            aiv = np.maximum(ld + st, vec)
+            # double-buffered product tiles: the next tile's load and this one's store pass the AIV's port while
+            # the Vector unit runs; one set: the load waits for the epilogue, and queues behind the store
+            aiv = np.maximum(ld + st, vec) if sets == 2 else vec + ld + st
             mte3 = np.zeros_like(m)
         else:
             fix = nb * m * n * 4 / rates["L0C->UB"]
@@ -226,9 +236,14 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     nk1 = ceil_div(K, k1)
     nsl = sum(ceil_div(min(k1, K - c) , k0) for c in range(0, K, k1))
     instr = (2 + nb) * nk1 + (1 + 2 * nb) * nsl + 3 + (nb if bias else 0)
-    port = pa + pb + (0 if split and activation is not None else w_t)
+    # the AIC's port carries its loads and its stores: the output tiles, or on split cores with an epilogue the
+    # fp32 workspace tiles (the AIV's loads and stores pass its own port)
+    port = pa + pb + (ws_t if split and activation is not None else w_t)
     unit = np.maximum(mte2, cube)
-    for u in (mte1, fix + (vec if not split else 0), mte3, aiv, port):
+    # coupled: the L0C->UB move of the next tile overlaps this one's epilogue when the product tiles are
+    # double-buffered, else it waits for it
+    epi = fix if split else np.maximum(fix, vec) if sets == 2 else fix + vec
+    for u in (mte1, epi, mte3, aiv, port):
         np.maximum(unit, u, out=unit)
     np.maximum(unit, float(instr * sc), out=unit)
     per_core = np.bincount(core, unit, P)

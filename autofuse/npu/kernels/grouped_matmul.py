@@ -36,8 +36,10 @@ double-buffered), slices of k0 (L1→L0A/L0B, double-buffered), fp32 accumulatio
 accumulator. Without an epilogue the tile leaves by FixPipe (split) or FixPipe→UB→MTE3 (coupled), cast
 on the way. With one: coupled cores move L0C→UB in fp32, the Vector unit runs it and casts, MTE3 stores;
 split cores (910B) write the fp32 tile to a GM workspace slot (FixPipe), the two AIVs paired with the AIC
-each load half of its rows, run the epilogue and store, as flash_attention hands S and O_j over; two slots
-per AIC, so the Cube runs a tile ahead. Empty groups cost only the Scalar unit's bookkeeping: every core
+each load half of its rows (half of a short row block too), run the epilogue and store, as flash_attention
+hands S and O_j over; two slots per AIC, so the Cube runs a tile ahead. The fp32 product tiles in UB are
+double-buffered where UB holds two sets, so the next tile's product comes in while the Vector unit runs this
+one's epilogue. Empty groups cost only the Scalar unit's bookkeeping: every core
 reads the group list and walks its E entries (one cycle each [A]).
 
 *matmul_per_group*: for each non-empty group, in order, one launch of the ``matmul`` kernel on that
@@ -90,7 +92,7 @@ def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False, produc
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
         return False
-    isz, osz = itemsize(dtype), itemsize(out_dtype)
+    isz = itemsize(dtype)
     nb = 2 if activation in GLU else 1
     buf = device.buffers
     l0c = nb * m0 * n0 * 4
@@ -103,10 +105,10 @@ def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False, produc
     return ub_bytes(device, m0, n0, out_dtype, activation, product) <= buf["UB"]
 
 
-def ub_bytes(device, m0, n0, out_dtype, activation, product=False) -> int:
-    """UB the epilogue needs: fp32 product tile(s) and a temporary, output tiles double-buffered (split
-    cores: per AIV, half the rows); with ``product`` (and a narrower output dtype) the cast product tiles,
-    double-buffered."""
+def ub_bytes(device, m0, n0, out_dtype, activation, product=False, sets=1) -> int:
+    """UB the epilogue needs: ``sets`` sets of fp32 product tile(s) and a temporary, output tiles
+    double-buffered (split cores: per AIV, half the rows); with ``product`` (and a narrower output dtype) the
+    cast product tiles, double-buffered."""
     split = device.arch == "split"
     if activation is None:
         return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
@@ -114,7 +116,13 @@ def ub_bytes(device, m0, n0, out_dtype, activation, product=False) -> int:
     nb = 2 if activation in GLU else 1
     f32 = rows * pad(n0, "float32") * 4
     cast = 2 * rows * pad(n0, out_dtype) * itemsize(out_dtype)
-    return (nb + 1) * f32 + cast + (nb * cast if product and out_dtype != "float32" else 0) + 3 * 32
+    return (sets * nb + 1) * f32 + cast + (nb * cast if product and out_dtype != "float32" else 0) + 3 * 32
+
+
+def product_sets(device, m0, n0, out_dtype, activation, product=False) -> int:
+    """Sets of fp32 product tiles the epilogue double-buffers: 2 where UB holds them (the next tile's product
+    comes in while the Vector unit runs this one's epilogue), else 1."""
+    return 2 if ub_bytes(device, m0, n0, out_dtype, activation, product, sets=2) <= device.buffers["UB"] else 1
 
 
 def default_tiling(device, dtype, out_dtype, K, N_out, activation=None, bias=False, product=False) -> dict:
@@ -292,7 +300,10 @@ class _Grouped:
         if self.act is None:                     # coupled, no epilogue: L0C -> UB (cast) -> GM
             self.ub = [vg.alloc("UB", (m0, n0), od, f"ub_{i}") for i in range(2)]
             return
-        self.p32 = [vg.alloc("UB", (rows, pad(n0, "float32")), "float32", f"p32_{h}") for h in range(nb)]
+        sets = product_sets(dev, m0, n0, od, self.act, self.prod is not None)
+        self.p32s = [[vg.alloc("UB", (rows, pad(n0, "float32")), "float32", f"p32_{h}{i}") for h in range(nb)]
+                     for i in range(sets)]
+        self.p32, self.pset = self.p32s[0], 0
         self.tmp = vg.alloc("UB", (rows, pad(n0, "float32")), "float32", "tmp")
         self.ub = [vg.alloc("UB", (rows, pad(n0, od)), od, f"ub_{i}") for i in range(2)]
         if self.prod is not None and od != "float32":     # the cast product tiles, double-buffered
@@ -331,7 +342,6 @@ class _Grouped:
 
     def step(self, s, mine):
         g, t, K, nb = self.cg, self.t, self.K, self.nb
-        n = self.n
         k0, k1 = t["k0"], t["k1"]
         isz = itemsize(self.dtype)
         active = np.array([it is not None for it in mine])
@@ -383,6 +393,8 @@ class _Grouped:
                 g.move(U, acc[0], nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
                 g.store(U, out, regs, active=act, name="store out")
             return
+        self.p32 = self.p32s[self.pset % len(self.p32s)]        # this tile's product set (alternating)
+        self.pset += 1
         if not self.split:
             for h in range(self.nb):
                 g.move(self.p32[h], acc[h], nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB (fp32)")
@@ -392,10 +404,12 @@ class _Grouped:
         slot = s % 2
         n, nb = self.n, self.nb
         wait = self.ends.get(("read", s - 2))
-        half = ceil_div(self.t["m0"], 2)
+        # each item's rows split evenly (a short row block too: both AIVs take half of it)
+        halves = [0 if it is None else ceil_div(it[2], 2) for it in mine]
         vmine, vregs, vws = [], [], []
         for c, it in enumerate(mine):
             for hh in range(2):
+                half = halves[c]
                 r0 = hh * half
                 re = 0 if it is None else max(0, min(half, it[2] - r0))
                 if re == 0:
@@ -414,7 +428,7 @@ class _Grouped:
                 if all(r is None for r in regs):
                     continue
                 e = g.store(acc[h], self.ws, regs, active=np.array([r is not None for r in regs]),
-                            deps=() if wait is None else (wait,), fn=_Rows(regs, hh * half),
+                            deps=() if wait is None else (wait,), fn=_Rows(regs, [hh * v for v in halves]),
                             name="FixPipe product->GM")
                 end = np.maximum(end, np.where([r is not None for r in regs], e, 0.0))
         vg = self.vg
@@ -503,15 +517,16 @@ class _Grouped:
 
 
 class _Rows:
-    """``fn`` for ``Group.store``: each present region takes the tile's rows from ``r0`` on (its extent);
-    called once per present region, in core order (the store's in-order path)."""
+    """``fn`` for ``Group.store``: each present region takes the tile's rows from its core's ``r0[c]`` on (its
+    extent); called once per present region, in core order (the store's in-order path)."""
 
     def __init__(self, regions, r0):
-        self.regions, self.r0 = iter([r for r in regions if r is not None]), r0
+        self.parts = iter([(r, o) for r, o in zip(regions, r0) if r is not None])
 
     def __call__(self, block):
-        ext = [s.stop - s.start for s in next(self.regions) if isinstance(s, slice)]
-        return block[self.r0:self.r0 + ext[0], :ext[1]]
+        region, r0 = next(self.parts)
+        ext = [s.stop - s.start for s in region if isinstance(s, slice)]
+        return block[r0:r0 + ext[0], :ext[1]]
 
 
 # ------------------------------------------------------------------------------------------ per group
