@@ -326,11 +326,27 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     LA = np.maximum(m_s * K * isz / rates["GM->L1"], PA)
     LB = np.maximum(n_s * K * isz / rates["GM->L1"], PB)
     Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
-    mte2 = LA + LB + Lbias
-    cube = np.ceil(m_s / 16) * np.ceil(n_s / 16) * kfr
     m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
-    mte1 = K * isz * (m_al / rates["L1->L0A"] + n_al / rates["L1->L0B"])
-    fix, mte3 = write_out(dev, m_s * n_s * osz, m_s * n_s * 4, PW)
+    if (m_ext == m_s[s]).all() or (n_ext == n_s[s]).all():
+        # every step's items share their rows or their columns: the widest item is the busiest
+        mte2 = LA + LB + Lbias
+        cube = np.ceil(m_s / 16) * np.ceil(n_s / 16) * kfr
+        mte1 = K * isz * (m_al / rates["L1->L0A"] + n_al / rates["L1->L0B"])
+        area = m_s * n_s
+    else:
+        # a step of edge tiles (a row edge on one core, a column edge on another): each unit's time is its
+        # busiest core's, the largest over the step's items, not that of the step's largest rows by its
+        # largest columns
+        def most(x):
+            return np.maximum.reduceat(x, starts).astype(float)
+
+        rate = rates["GM->L1"]
+        lb_i = np.maximum(n_ext * bias_isz / rate, Pbias[s]) if bias_isz else 0.0
+        mte2 = most(np.maximum(m_ext * K * isz / rate, PA[s]) + np.maximum(n_ext * K * isz / rate, PB[s]) + lb_i)
+        cube = most(np.ceil(m_ext / 16) * np.ceil(n_ext / 16)) * kfr
+        mte1 = K * isz * most(round_up(m_ext, 16) / rates["L1->L0A"] + round_up(n_ext, 16) / rates["L1->L0B"])
+        area = most(m_ext * n_ext)
+    fix, mte3 = write_out(dev, area * osz, area * 4, PW)
     ep = None
     if epi is not None:
         ep = epi(m_ext, n_ext, s, S, m_s, n_s)
@@ -361,7 +377,10 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
         cube_done = cube_chain + np.where(cube_leads, stall, 0.0)
     else:
         cube_done = cube_chain
-    loads = np.maximum(mte2, PA + PB + Pbias + pw_prev)
+    # the previous step's write-out on the port while this step loads: an epilogue's stores are spread over its
+    # sub-blocks, which run while this step's products are made; only what it issues at the boundary delays
+    # the loads (the whole of the port's work is the port chain below)
+    loads = np.maximum(mte2, PA + PB + Pbias + edge_prev)
     main = np.maximum.reduce([loads, cube_done, mte1, scalar])
     if ep is not None:            # the previous tile's epilogue runs during this step
         main = np.maximum(main, np.concatenate([[0.0], ep["vec"][:-1]]))
