@@ -448,108 +448,129 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
     n2, T2, units2 = deal(B * Nkv, lambda: _kv_steps(Sq, Skv, qb, kvb, group, causal, window),
                           lambda: _kv_steps_sum(Sq, Skv, qb, kvb, group, causal, window))
-    qe, ke = qe_avg, ke_avg
-    if causal:
-        qe = min(qb, Sq)
-    rows = qe / nh
-    qi, ki = int(math.ceil(qe)), int(math.ceil(ke))
-    # the Cube's fractals of a step: S and dP, then stage B's dV, dK and dQ
-    cs, cdp = (ceil_div(qi, 16) * ceil_div(ki, 16) * ceil_div(x, k0f) for x in (D, Dv))
-    cdv, cdk = (ceil_div(ki, 16) * ceil_div(qi, k0f) * ceil_div(x, 16) for x in (Dv, D))
-    cdq = ceil_div(qi, 16) * ceil_div(ki, k0f) * ceil_div(D, 16)
-    cube_b = cdv + cdk + cdq
-    cube2 = cs + cdp + cube_b
-    a, b_ = rate["L1->L0A"], rate["L1->L0B"]
-    q16, k16 = _r16(qe), _r16(ke)
-    mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * q16 * isz / a
-            + q16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
     per_unit = units2 / T2
     # the cores that load a unit's K and V (and store its dK, dV) at the same time: all of them when the units are
     # alike; causal units differ in length, so after the first units the cores start theirs at different steps
     kvc = n2
     if causal and units2 > 1:
         kvc = max(1.0, n2 / _unit_lengths(Sq, Skv, qb, kvb, group, window))
-    p2 = _Port(dev, n2)
-    # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
-    p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
-    p2.add("mte2", "GM->L1", ke * D * isz, kvc, hit=hit_kv, every=per_unit)       # K (read in phase 1)
-    p2.add("mte2", "GM->L1", ke * Dv * isz, kvc, hit=0.0, every=per_unit)         # V: its first read
-    p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
-    p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
-    if mask is not None:
-        p2.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - miss_mask * mask_b / (rows * ke * msz * nv * T2),
-               vec=True)
-    if drop:
-        p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
-    p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
-    part = 0.0
-    if band:
-        part = (band[1] + band[2]) / band[0]
-    elif causal:
-        part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
-    zero_fill = 0
-    base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill + (SOFTCAP_PASSES + 3 if cap else 0)
-    vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
-    if split:
-        p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
-        p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True)         # S, dP in
-        p2.add("fixpipe", "L0C->GM", qe * D * 4, n2)                      # dQ atomic add
-        p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
-        mte3 = p2.unit["mte3"]
-        mte2 = p2.unit["mte2"]
-        vmte2 = p2.unit["vmte2"]
-        port, vport = p2.port, p2.vport
+
+    def step_of(qe, ke):
+        """One step of query rows ``qe`` against keys ``ke``: its time and its units' (and port's) shares."""
+        rows = qe / nh
+        qi, ki = int(math.ceil(qe)), int(math.ceil(ke))
+        # stage B runs per half of the block's rows on split cores (each AIV's rows, as it stored them): each half
+        # its own products and moves, each padded to whole fractals
+        halves = [h for h in (min(qb // 2, qi), min(qb // 2, max(0, qi - qb // 2))) if h > 0] if split else [qi]
+        # the Cube's fractals of a step: S and dP, then stage B's dV, dK and dQ
+        cs, cdp = (ceil_div(qi, 16) * ceil_div(ki, 16) * ceil_div(x, k0f) for x in (D, Dv))
+        cdv, cdk = (sum(ceil_div(ki, 16) * ceil_div(h, k0f) for h in halves) * ceil_div(x, 16) for x in (Dv, D))
+        cdq = sum(ceil_div(h, 16) for h in halves) * ceil_div(ki, k0f) * ceil_div(D, 16)
+        cube_b = cdv + cdk + cdq
+        cube2 = cs + cdp + cube_b
+        a, b_ = rate["L1->L0A"], rate["L1->L0B"]
+        q16, k16 = _r16(qe), _r16(ke)
+        qh16 = sum(_r16(h) for h in halves)          # stage B's rows, padded per half
+        mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * qh16 * isz / a
+                + qh16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
+        p2 = _Port(dev, n2)
+        # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
+        p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
+        p2.add("mte2", "GM->L1", ke * D * isz, kvc, hit=hit_kv, every=per_unit)       # K (read in phase 1)
+        p2.add("mte2", "GM->L1", ke * Dv * isz, kvc, hit=0.0, every=per_unit)         # V: its first read
+        p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
+        p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
+        if mask is not None:
+            p2.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - miss_mask * mask_b / (rows * ke * msz * nv * T2),
+                   vec=True)
+        if drop:
+            p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
+        p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
+        part = 0.0
+        if band:
+            part = (band[1] + band[2]) / band[0]
+        elif causal:
+            part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
+        zero_fill = 0
+        base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill + (SOFTCAP_PASSES + 3 if cap else 0)
+        vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
+        if split:
+            p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
+            p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True)         # S, dP in
+            p2.add("fixpipe", "L0C->GM", qe * D * 4, n2)                      # dQ atomic add
+            p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
+            mte3 = p2.unit["mte3"]
+            mte2 = p2.unit["mte2"]
+            vmte2 = p2.unit["vmte2"]
+            port, vport = p2.port, p2.vport
+        else:
+            p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
+                + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
+            p2.add("mte3", "UB->GM", qe * D * 4, n2)                          # dQ atomic add
+            p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
+            mte3 = p2.unit["mte3"]
+            mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
+            vmte2 = 0.0
+            port, vport = p2.port + p2.vport, 0.0
+        # the software pipeline's loop spans two steps: S, dP(s) -> to the Vector -> P, dS(s) -> out to the
+        # workspace -> back into L1 -> the products of step s, and the in-order Cube starts S(s+2) after them
+        pds = 2 * qe * ke * isz
+        hand = (2 * qe * ke * 4 / rate["L0C->GM"] + 2 * rows * ke * 4 / rate["GM->UB"]) if split \
+            else 2 * qe * ke * 4 / rate["L0C->UB"]
+        # (coupled: the one MTE2 queue also carries the Vector's loads, all of it is in the loop; split: the AIC's
+        # Q and dO loads run ahead, only Pd and dS back are)
+        loop = cube2 + mte1 * LOOP_MTE1 + hand + vec2 + pds / nh / rate["UB->GM"] + \
+            (pds / rate["GM->L1"] if split else mte2)
+        chain = 0.0
+        if not split:
+            # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
+            # which step s+2's products wait for (in that order on one queue): a chain over two steps
+            dq_out = qe * D * 4
+            # a unit's end (dK, dV out through UB on the same queues) and the next one's K, V loads sit in it too
+            edge = ke * (D + Dv) * (isz / rate["UB->GM"] + 4 / rate["L0C->UB"] + isz / rate["GM->L1"])
+            chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
+                     + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_)
+                     + 2 * per_unit * edge)
+        # the Q and dO tiles are a ring of two: step s+1's loads wait for step s-1's last read of its Q (the Q->L0B
+        # of its dK), so one step holds, in order: the Q and dO loads (at least their port share, the dQ add of the
+        # step before and, coupled, the Pd and dS stores: both booked on the port ahead of them), dO->L0A and
+        # V^T->L0B, dP, then stage B's products up to its last Q->L0B (coupled: dV; split: the first half's three)
+        qdo = qe * (D + Dv) * isz
+        ahead = n2 * qe * D * 4 / L2bw + (0.0 if split else nv * pds / nh / L2bw)
+        ring = (max(qdo / rate["GM->L1"], n2 * qdo * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
+                + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
+                + (cdv if not split else cube_b / len(halves)) + (q16 if not split else _r16(halves[0])) * D * isz / b_)
+        step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
+        # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
+        # the next S waits for the load, the chip's cores reading their units' K, V at once
+        kv_core = ke * (D + Dv) * isz
+        bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
+        step2 += per_unit * bubble
+        fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
+        return {"step": step2, "cube": cube2, "vec": vec2, "mte1": mte1, "mte2": max(mte2, vmte2), "mte3": mte3,
+                "fix": p2.unit["fixpipe"], "hit": _hit_port(p2, split), "fill": fill2}
+
+    # the steps by extent: a query block's edge rows (every KV block's last query block, once per query head)
+    # and the edge KV block's steps, priced apart from the full blocks' (a step's cost is not linear in its
+    # extent: whole fractals per half, fixed moves); their shares are the launch's, in either mode of the model
+    if window:
+        q_mix, k_mix = [(1.0, min(qb, Sq) if causal else qe_avg)], [(1.0, ke_avg)]
     else:
-        p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
-            + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
-        p2.add("mte3", "UB->GM", qe * D * 4, n2)                          # dQ atomic add
-        p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
-        mte3 = p2.unit["mte3"]
-        mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
-        vmte2 = 0.0
-        port, vport = p2.port + p2.vport, 0.0
-    # the software pipeline's loop spans two steps: S, dP(s) -> to the Vector -> P, dS(s) -> out to the
-    # workspace -> back into L1 -> the products of step s, and the in-order Cube starts S(s+2) after them
-    pds = 2 * qe * ke * isz
-    hand = (2 * qe * ke * 4 / rate["L0C->GM"] + 2 * rows * ke * 4 / rate["GM->UB"]) if split \
-        else 2 * qe * ke * 4 / rate["L0C->UB"]
-    # (coupled: the one MTE2 queue also carries the Vector's loads, all of it is in the loop; split: the AIC's
-    # Q and dO loads run ahead, only Pd and dS back are)
-    loop = cube2 + mte1 * LOOP_MTE1 + hand + vec2 + pds / nh / rate["UB->GM"] + \
-        (pds / rate["GM->L1"] if split else mte2)
-    chain = 0.0
-    if not split:
-        # coupled: MTE3 takes the dQ add of step s (after its products) ahead of step s+2's Pd, dS stores,
-        # which step s+2's products wait for (in that order on one queue): a chain over two steps
-        dq_out = qe * D * 4
-        # a unit's end (dK, dV out through UB on the same queues) and the next one's K, V loads sit in it too
-        edge = ke * (D + Dv) * (isz / rate["UB->GM"] + 4 / rate["L0C->UB"] + isz / rate["GM->L1"])
-        chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
-                 + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_)
-                 + 2 * per_unit * edge)
-    # the Q and dO tiles are a ring of two: step s+1's loads wait for step s-1's last read of its Q (the Q->L0B
-    # of its dK), so one step holds, in order: the Q and dO loads (at least their port share, the dQ add of the
-    # step before and, coupled, the Pd and dS stores: both booked on the port ahead of them), dO->L0A and
-    # V^T->L0B, dP, then stage B's products up to its last Q->L0B (coupled: dV; split: the first half's three)
-    qdo = qe * (D + Dv) * isz
-    ahead = n2 * qe * D * 4 / L2bw + (0.0 if split else nv * pds / nh / L2bw)
-    ring = (max(qdo / rate["GM->L1"], n2 * qdo * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
-            + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
-            + (cdv if not split else cube_b / nh) + q16 / nh * D * isz / b_)
-    step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
-    # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
-    # the next S waits for the load, the chip's cores reading their units' K, V at once
-    kv_core = ke * (D + Dv) * isz
-    bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
-    step2 += per_unit * bubble
-    fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
-    ph2 = max(T2 * step2, T2 * _hit_port(p2, split) + hbm_ph2 / HBMbw) + fill2
-    busy["cube"] += T2 * cube2
-    busy["vector"] += T2 * vec2
-    busy["mte1"] += T2 * mte1
-    busy["mte2"] += T2 * max(mte2, vmte2)
-    busy["mte3"] += T2 * mte3
-    busy["fixpipe"] += T2 * p2.unit["fixpipe"]
+        _, _, total = _kv_steps_sum(Sq, Skv, qb, kvb, group, causal)
+        last = group * (nq - min((nkv - 1) * kvb, Sq) // qb) if causal else group * nq
+        q_mix = _extent_mix(Sq, qb, min(1.0, group * nkv / max(1, total)))
+        k_mix = _extent_mix(Skv, kvb, last / max(1, total))
+    parts = [(wq * wk, step_of(q_, k_)) for wq, q_ in q_mix for wk, k_ in k_mix if wq * wk > 0]
+
+    def mixed(key):
+        return sum(w * p[key] for w, p in parts)
+
+    step2 = mixed("step")
+    fill2 = parts[0][1]["fill"]
+    ph2 = max(T2 * step2, T2 * mixed("hit") + hbm_ph2 / HBMbw) + fill2
+    for unit, key in (("cube", "cube"), ("vector", "vec"), ("mte1", "mte1"), ("mte2", "mte2"), ("mte3", "mte3"),
+                      ("fixpipe", "fix")):
+        busy[unit] += T2 * mixed(key)
 
     # ---- phase 3: dq = cast(workspace)
     ph3 = 0.0
@@ -573,6 +594,18 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores, window) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+def _extent_mix(S, b, edge_share):
+    """[(weight, extent)] of a dimension of ``S`` split in blocks of ``b``: the full blocks and, when ``S % b``,
+    the edge block with weight ``edge_share`` (one block alone: its own extent)."""
+    n = ceil_div(S, b)
+    if n == 1 or S % b == 0:
+        return [(1.0, float(min(S, b)))]
+    if edge_share <= 0:
+        return [(1.0, float(b))]
+    return [(1.0 - edge_share, float(b)), (edge_share, float(S - (n - 1) * b))]
+
 
 
 def _q_steps(Sq, Skv, qb, kvb, causal, window=0):
