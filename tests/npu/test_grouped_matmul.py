@@ -207,3 +207,41 @@ def test_return_product_needs_an_epilogue():
     x, w = torch.randn(8, 16), torch.randn(2, 16, 8)
     with pytest.raises(ValueError, match="return_product needs an activation"):
         npu.run("grouped_matmul", x, w, torch.tensor([4, 4], dtype=torch.int32), return_product=True)
+
+
+def _aiv0(r, name):
+    return [(st[0], en[0]) for g, u, n, st, en, act in r.trace._events
+            if g.kind == "aiv" and n == name and (act is None or act[0])]
+
+
+def test_split_cores_share_a_short_row_block():
+    """On split cores the two AIVs of a pair each take half of an item's rows, a row block shorter than half of
+    m0 too (20 rows: 10 each; before, all 20 went to the first AIV). Values as torch's."""
+    torch.manual_seed(0)
+    counts = (20, 0, 7)
+    x, w = torch.randn(27, 128).half(), (torch.randn(3, 64, 128) / 11).half()
+    r = npu.run("grouped_matmul", x, w, np.array(counts, np.int32), device="ascend910b", trans_w=True,
+                activation="gelu", tiling={"m0": 64, "n0": 64, "k0": 128, "k1": 128})
+    want = _ref(x, w, counts, True, act="gelu")
+    assert torch.allclose(torch.from_numpy(r.outputs[0].astype(np.float32)).double(), want, atol=2e-3, rtol=2e-3)
+    ev = [act for g, u, name, st, en, act in r.trace._events if g.kind == "aiv" and name == "gelu epilogue"]
+    assert ev and all(act is None or (act[0] and act[1]) for act in ev[:1])     # core 0's item: both AIVs
+
+
+@pytest.mark.parametrize("sets", [1, 2])
+def test_split_cores_double_buffer_the_product_tiles(monkeypatch, sets):
+    """Where UB holds two sets of the fp32 product tiles, the AIV loads the next item's product while its Vector
+    unit runs this item's epilogue; with one set (forced here) the load waits for the epilogue. 13 groups of 60
+    rows, 4 column blocks each: 52 items on 24 cores, so core 0 holds three."""
+    from autofuse.npu.kernels import grouped_matmul as gk
+    from cost_model.devices import get_device
+    assert gk.product_sets(get_device("ascend910b"), 64, 16, "float16", "gelu") == 2
+    monkeypatch.setattr(gk, "product_sets", lambda *a, **k: sets)
+    counts = (60,) * 13
+    x, w = torch.randn(780, 128).half(), (torch.randn(13, 64, 128) / 11).half()
+    r = npu.run("grouped_matmul", x, w, np.array(counts, np.int32), device="ascend910b", trans_w=True,
+                activation="gelu", tiling={"m0": 64, "n0": 16, "k0": 128, "k1": 128}, timing_only=True)
+    loads, epis = _aiv0(r, "load product"), _aiv0(r, "gelu epilogue")
+    assert len(loads) == len(epis) == 3
+    overlapped = loads[1][0] < epis[0][1]
+    assert overlapped == (sets == 2), (loads, epis)

@@ -1,0 +1,51 @@
+"""The cost model against the simulator on launches that random draws (``benchmarks/cost_model_accuracy.py
+--drawn``) found mispriced: each within the accuracy sweep's bound, 15 % of the simulated cycles (the model
+before read 20.5 % under, 15.9 % over and 17.9 % under on them)."""
+import pathlib
+import sys
+
+import numpy as np
+
+import cost_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+import cost_model_accuracy as bench  # noqa: E402
+
+BOUND = 0.15
+
+
+def _check(case, tiling=None):
+    params = dict(case.params)
+    params.update(case.tensor_params)
+    if tiling is not None:
+        params["tiling"] = tiling
+    e = cost_model.estimate(case.kernel, case.inputs, device=case.device, **params)
+    s = bench.simulate(case, e.tiling)
+    assert abs(e.cycles - s.cycles) <= BOUND * s.cycles, (e.cycles, s.cycles, e.tiling)
+    assert abs(e.hbm_bytes - s.hbm_bytes) <= BOUND * s.hbm_bytes, (e.hbm_bytes, s.hbm_bytes)
+
+
+def test_grouped_gemm_many_short_experts_on_split_cores():
+    """64 experts with skewed loads, K = 128, a GELU epilogue on the 910B: the AIVs' epilogue is the busiest unit,
+    its product tiles double-buffered, the AIC's port carrying the fp32 workspace stores."""
+    sizes = np.random.default_rng(5).multinomial(2048, np.random.default_rng(6).dirichlet([0.5] * 64)).astype(np.int32)
+    case = bench.Case("grouped_matmul", [((2048, 128), "float16"), ((64, 1024, 128), "float16"), ((64,), "int32")],
+                      "ascend910b", {"trans_w": True, "activation": "gelu", "group_sizes": tuple(int(v) for v in sizes)},
+                      values={2: sizes}, timing_only=True)
+    _check(case)
+
+
+def test_matmul_epilogue_step_of_row_and_column_edges():
+    """[513, 768] @ [768, 400] with SwiGLU on an fp32 product on the 310P: the last step holds a row-edge item on
+    one core and column-edge items on others, priced by its busiest item, not by its largest rows times its
+    largest columns."""
+    p, extra = bench.epilogue("swiglu", 513, 400, product="float32")
+    _check(bench.Case("matmul_epilogue", [((513, 768), "float16"), ((768, 400), "float16")] + extra, "ascend310p",
+                      {"program": p}))
+
+
+def test_attention_backward_halves_and_edge_blocks_on_split_cores():
+    """[4, 4, 129, 80] bf16 on the 910B with 16-row query blocks: stage B runs per AIV half (8 rows, each a whole
+    fractal row), and the launch's 1-row query block and 1-key KV block cost apart from the full ones."""
+    case = bench.Case("flash_attention_grad", [((4, 4, 129, 80), "bfloat16")] * 5, "ascend910b", {"causal": False})
+    _check(case, {"q": 16, "kv": 64})
