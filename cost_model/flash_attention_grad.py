@@ -607,7 +607,6 @@ def _extent_mix(S, b, edge_share):
     return [(1.0 - edge_share, float(b)), (edge_share, float(S - (n - 1) * b))]
 
 
-
 def _q_steps(Sq, Skv, qb, kvb, causal, window=0):
     """Steps of each query block's item in the statistics sweep: the KV blocks it sees (causal: up to its
     last row; a sliding window: the band's). In all they are the sweep's pairs (:func:`_pairs`)."""
