@@ -1070,8 +1070,7 @@ def main(argv=None):
                     help="only time estimate() over the cases (no simulation): a quiet measurement of the speed line")
     ap.add_argument("--drawn", type=int, default=0,
                     help="price this many launches drawn at random instead: attention, or with --kernel any of "
-                         "flash_attention, flash_attention_grad, vector_program, matmul_epilogue, grouped_matmul, "
-                         "moe_gating_topk")
+                         + ", ".join(DRAWS))
     ap.add_argument("--seed", type=int, default=1, help="the draw's seed (with --drawn)")
     ap.add_argument("--backward", action="store_true", help="draw attention backward launches (with --drawn)")
     a = ap.parse_args(argv)

@@ -327,25 +327,17 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     LB = np.maximum(n_s * K * isz / rates["GM->L1"], PB)
     Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
     m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
-    if (m_ext == m_s[s]).all() or (n_ext == n_s[s]).all():
-        # every step's items share their rows or their columns: the widest item is the busiest
-        mte2 = LA + LB + Lbias
-        cube = np.ceil(m_s / 16) * np.ceil(n_s / 16) * kfr
-        mte1 = K * isz * (m_al / rates["L1->L0A"] + n_al / rates["L1->L0B"])
-        area = m_s * n_s
-    else:
-        # a step of edge tiles (a row edge on one core, a column edge on another): each unit's time is its
-        # busiest core's, the largest over the step's items, not that of the step's largest rows by its
-        # largest columns
-        def most(x):
-            return np.maximum.reduceat(x, starts).astype(float)
+    # each unit's time is its busiest core's: the largest over the step's items (a step of edge tiles, a row edge
+    # on one core and a column edge on another, is not its largest rows by its largest columns)
+    def most(x):
+        return np.maximum.reduceat(x, starts).astype(float)
 
-        rate = rates["GM->L1"]
-        lb_i = np.maximum(n_ext * bias_isz / rate, Pbias[s]) if bias_isz else 0.0
-        mte2 = most(np.maximum(m_ext * K * isz / rate, PA[s]) + np.maximum(n_ext * K * isz / rate, PB[s]) + lb_i)
-        cube = most(np.ceil(m_ext / 16) * np.ceil(n_ext / 16)) * kfr
-        mte1 = K * isz * most(round_up(m_ext, 16) / rates["L1->L0A"] + round_up(n_ext, 16) / rates["L1->L0B"])
-        area = most(m_ext * n_ext)
+    rate = rates["GM->L1"]
+    lb_i = np.maximum(n_ext * bias_isz / rate, Pbias[s]) if bias_isz else 0.0
+    mte2 = most(np.maximum(m_ext * K * isz / rate, PA[s]) + np.maximum(n_ext * K * isz / rate, PB[s]) + lb_i)
+    cube = most(np.ceil(m_ext / 16) * np.ceil(n_ext / 16)) * kfr
+    mte1 = K * isz * most(round_up(m_ext, 16) / rates["L1->L0A"] + round_up(n_ext, 16) / rates["L1->L0B"])
+    area = most(m_ext * n_ext)
     fix, mte3 = write_out(dev, area * osz, area * 4, PW)
     ep = None
     if epi is not None:
