@@ -303,7 +303,7 @@ class _Grouped:
         sets = product_sets(dev, m0, n0, od, self.act, self.prod is not None)
         self.p32s = [[vg.alloc("UB", (rows, pad(n0, "float32")), "float32", f"p32_{h}{i}") for h in range(nb)]
                      for i in range(sets)]
-        self.p32, self.pset = self.p32s[0], 0
+        self.p32 = self.p32s[0]
         self.tmp = vg.alloc("UB", (rows, pad(n0, "float32")), "float32", "tmp")
         self.ub = [vg.alloc("UB", (rows, pad(n0, od)), od, f"ub_{i}") for i in range(2)]
         if self.prod is not None and od != "float32":     # the cast product tiles, double-buffered
@@ -393,8 +393,7 @@ class _Grouped:
                 g.move(U, acc[0], nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
                 g.store(U, out, regs, active=act, name="store out")
             return
-        self.p32 = self.p32s[self.pset % len(self.p32s)]        # this tile's product set (alternating)
-        self.pset += 1
+        self.p32 = self.p32s[self.slot1 % len(self.p32s)]       # this tile's product set, alternating as its out tiles
         if not self.split:
             for h in range(self.nb):
                 g.move(self.p32[h], acc[h], nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB (fp32)")
