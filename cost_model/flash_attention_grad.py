@@ -454,6 +454,14 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     kvc = n2
     if causal and units2 > 1:
         kvc = max(1.0, n2 / _unit_lengths(Sq, Skv, qb, kvb, group, window))
+    a, b_ = rate["L1->L0A"], rate["L1->L0B"]
+    # the Vector passes of a step's scores (the ones crossing the diagonal or the window's left edge twice more)
+    part = 0.0
+    if band:
+        part = (band[1] + band[2]) / band[0]
+    elif causal:
+        part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
+    base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + (SOFTCAP_PASSES + 3 if cap else 0)
 
     def step_of(qe, ke):
         """One step of query rows ``qe`` against keys ``ke``: its time and its units' (and port's) shares."""
@@ -468,7 +476,6 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         cdq = sum(ceil_div(h, 16) for h in halves) * ceil_div(ki, k0f) * ceil_div(D, 16)
         cube_b = cdv + cdk + cdq
         cube2 = cs + cdp + cube_b
-        a, b_ = rate["L1->L0A"], rate["L1->L0B"]
         q16, k16 = _r16(qe), _r16(ke)
         qh16 = sum(_r16(h) for h in halves)          # stage B's rows, padded per half
         mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * qh16 * isz / a
@@ -486,13 +493,6 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         if drop:
             p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
         p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
-        part = 0.0
-        if band:
-            part = (band[1] + band[2]) / band[0]
-        elif causal:
-            part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
-        zero_fill = 0
-        base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + zero_fill + (SOFTCAP_PASSES + 3 if cap else 0)
         vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
         if split:
             p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
