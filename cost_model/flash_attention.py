@@ -18,10 +18,15 @@ A sliding ``window`` (with ``causal``) walks each query block's band of KV tiles
 tiles crossing the diagonal or the band's left edge with a compare and a select more (:func:`_band_tiles`).
 
 A launch of at most ``REPLAY_UNITS`` units (head, query block) is priced core by core: the kernel's deal replayed
-(:func:`_core_blocks`, tallied by :func:`_core_tallies`), each step priced by its own query rows and KV extent and
-each item's Q load charged when the item starts (:func:`core_time`); a core's lockstep transfers still wait for the
-chip's bytes, the launch's mean rows per step. Causal blocks differ in length and an edge block may be one row, so
-the slowest core is not always the one with the most steps.
+step by step (:func:`_core_deal`, :func:`_core_tallies`), each step priced by its own query rows and KV extent
+(:func:`replay_time`). The cores issue step s of their lists as one instruction, so the replay knows which K/V tiles
+each instruction misses and which cores wait for those misses (the others wait for the instruction's L2 hits only),
+and how many rows each instruction's Q loads and output stores move to and from HBM. Per core: its steps, each
+with its own K/V port wait; the software pipeline's loop over pairs of consecutive steps (a long step then a short
+one last at least the long one's loop); each later item's Q load, and on coupled cores the output store before it,
+which holds the MTE3 queue ahead of the next P store; and its GM port's busy time as a bound (loads and stores
+share the port). Causal blocks differ in length and an edge block may be one row, so the slowest core is not
+always the one with the most steps.
 
 ``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
 probabilities stored to HBM tile by tile (every KV tile, causal ones above the diagonal as zeros).
@@ -34,7 +39,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
+from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -372,10 +378,11 @@ def _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, probs=False, window=0):
 
 
 @cached
-def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
-    """Per core, the query blocks of its items in order, dealt as the kernel's ``_schedule`` deals them: units
-    in head-major order to the least-loaded core, a unit costing 1 a worked tile and 0.1 a skipped one (summed
-    in the kernel's order); causal: blocks i and nq-1-i paired when that finishes no later."""
+def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
+    """Per core, the query blocks of its items in order and the head (``b * N + h``) of each, dealt as the
+    kernel's ``_schedule`` deals them: units in head-major order to the least-loaded core, a unit costing 1 a
+    worked tile and 0.1 a skipped one (summed in the kernel's order); causal: blocks i and nq-1-i paired when
+    that finishes no later."""
     los, his = _spans(qb, kvb, Sq, Skv, causal, window)
     if probs:
         cost = [sum(1.0 if lo <= j < hi else 0.1 for j in range(nkv)) for lo, hi in zip(los.tolist(), his.tolist())]
@@ -385,19 +392,20 @@ def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, w
     def deal(units):
         n = min(ncores, B * N * len(units))
         heap = [(0.0, c) for c in range(n)]
-        per = [[] for _ in range(n)]
+        per, heads = [[] for _ in range(n)], [[] for _ in range(n)]
         ucost = []
         for unit in units:
             u = 0.0
             for qi in unit:
                 u += cost[qi]
             ucost.append(u)
-        for _ in range(B * N):
+        for bh in range(B * N):
             for unit, u in zip(units, ucost):
                 load, c = heapq.heappop(heap)
                 per[c] += unit
+                heads[c] += [bh] * len(unit)
                 heapq.heappush(heap, (load + u, c))
-        return per, max(h[0] for h in heap)
+        return (per, heads), max(h[0] for h in heap)
 
     best = deal([[i] for i in range(nq)])
     if causal:
@@ -405,6 +413,11 @@ def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, w
         if paired[1] <= best[1]:
             best = paired
     return best[0]
+
+
+def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
+    """Per core, the query blocks of its items in order (:func:`_core_deal`)."""
+    return _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)[0]
 
 
 def _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
@@ -584,7 +597,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         """One step of ``qe`` query rows over a ``ke``-key tile (``part``: the share of such steps crossing
         the diagonal or the window's edge), as the busiest unit or the software pipeline's loop sets it; and
         the item's end and the launch's fill for items of ``qe`` rows. The cores' transfers in one instruction
-        share the chip's bandwidth: each waits for the chip's bytes, ``qc`` rows a core (default ``qe``)."""
+        share the chip's bandwidth: each waits for the chip's bytes, ``qc`` rows a core (default ``qe``). The
+        units also hold what the replayed deal (:func:`replay_time`) needs to price the step again with a core's
+        own K/V port wait."""
         qc = qe if qc is None else qc
         rvc = qc / nh
         rv = qe / nh                                  # rows per vector core
@@ -598,8 +613,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(ke) * Dv * isz / rate["L1->L0B"]
         q_move = _r16(qe) * D * isz / rate["L1->L0A"]
         kvt = ke * (D + Dv) * isz
-        hit_per_step = max(0.0, n * kvt - miss_per_step)
-        port_kv = hit_per_step / L2bw + miss_per_step / HBMbw
+        port_kv = max(0.0, n * kvt - miss_per_step) / L2bw + miss_per_step / HBMbw
         mte2_kv = max(kvt / rate["GM->L1"], port_kv)
         # P round trip through the L2 workspace
         p_b = qe * ke * isz
@@ -649,7 +663,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         else:
             s_hand = vq * ke * 4 / rate["L0C->UB"]
         loop = (vec - upd) + mte3 + mte2_p + cube + s_hand + mte2_mask * (1 if split else 0)
-        step = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain, loop / 2)
+        other = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain)
+        step = max(other, loop / 2)
         # per item: the Q load ahead of its first S, and after its last tile out = O / l and the output store
         out_b = rv * Dv * isz
         port_out = n * nh * rvc * Dv * isz / HBMbw
@@ -662,13 +677,23 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         end = max(0.0, vec_last - max(0.0, mte3 - upd)) + out_store * (nsub - 1) / nsub
         fill = q_load + q_move + mte2_kv + mte1 + cube + fix
         return step, end, q_exposed, fill, {"cube": cube, "mte1": mte1, "mte2": max(cube_mte2, vec_mte2),
-                                      "fixpipe": fix, "vector": vec, "mte3": mte3, "out": out_b, "rows": rv}
+                                      "fixpipe": fix, "vector": vec, "mte3": mte3, "out": out_b, "rows": rv,
+                                      "loop": loop, "vport": vec_port, "port_kv": port_kv,
+                                      "kv_xfer": kvt / rate["GM->L1"], "mte2_rest": cube_mte2 - mte2_kv,
+                                      "port_rest": cube_port - port_kv,
+                                      "fixed": max(cube, mte1, vec_mte2, vec_port, fix, vec_chain),
+                                      "q_load": q_load, "upd": upd, "q_xfer": qe * D * isz / rate["GM->L1"]}
 
     step, end, q_exposed, fill, u = price(qe, ke, part)
     if B * N * nq <= REPLAY_UNITS:                    # few units: each core's own steps, priced by their extents
         # each lockstep transfer waits for the chip's bytes: the launch's mean rows per step, every core
-        tallies, qc = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window)
-        core = max(core_time(t_, lambda *a: price(*a, qc=qc)) for t_ in tallies)
+        tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, group)
+        priced = [price(qe_, ke_, float(m_), False, qc=tal.qc) for qe_, ke_, m_ in tal.kinds]
+        kvport = None
+        if kv_res:            # each core's own K/V port wait per step, from the instructions it shares
+            kvport = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * ((D + Dv) * isz), tal.counts,
+                               out=np.zeros_like(tal.hit), where=tal.counts > 0)
+        core = replay_time(tal, priced, kvport, D * isz / HBMbw, Dv * isz / HBMbw, split)
     else:
         core = fill + T * step + items * (end + q_exposed)
     stats_b = u["rows"] * 4                           # one vector core's rows of max (and of sum)
@@ -718,43 +743,160 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     return core, float(hbm), nbytes, busy, ws_bytes
 
 
+class Tally(NamedTuple):
+    """The main sweep replayed core by core (:func:`_core_tallies`); arrays shared through the cache: read only.
+    Per core ``c`` and step kind ``k`` (``kinds[k]`` = (query rows, KV extent, masked)): ``counts`` steps, ``hit`` and
+    ``miss`` the K/V rows their loads wait for on the GM port (summed), ``ends`` items ending on such a step;
+    ``pairs[c, k1, k2, p]`` consecutive steps (k1 at an even (p = 0) or odd position, then k2); ``first[c]`` its
+    first step's kind; ``q0`` the rows of the first Q loads' instruction; ``last_out[c]`` the rows of the instruction
+    storing its last output. Each later item's start: its core ``sc``, first step's kind ``sk``, the rows of the
+    output store before it ``so`` and of its Q load's instruction ``sq`` (all cores'). ``qc``: the launch's mean
+    query rows per step."""
+    kinds: tuple
+    counts: np.ndarray
+    hit: np.ndarray
+    miss: np.ndarray
+    ends: np.ndarray
+    pairs: np.ndarray
+    first: np.ndarray
+    q0: float
+    last_out: np.ndarray
+    sc: np.ndarray
+    sk: np.ndarray
+    so: np.ndarray
+    sq: np.ndarray
+    qc: float
+
+
 @cached
-def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0):
-    """The main sweep's cores (:func:`_core_blocks`) as the distinct tallies that price them, and the launch's
-    mean query rows per step: per core, its first item's first step, and how many of its steps, item ends and
-    later items' starts have each (rows, KV extent, masked)."""
-    per_core = _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
-    items = _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, False, window)
-    blocks = [(Counter((qe, ke, m) for ke, _, m in tiles), (qe, tiles[-1][0], tiles[-1][2]),
-               (qe, tiles[0][0], tiles[0][2])) for qe, tiles in items]
-    tallies = set()
-    for first, held in {(c[0], tuple(sorted(Counter(c).items()))) for c in set(map(tuple, per_core))}:
-        steps, ends, starts = Counter(), Counter(), Counter()
-        for qi, k in held:
-            for key, c in blocks[qi][0].items():
-                steps[key] += k * c
-            ends[blocks[qi][1]] += k
-            starts[blocks[qi][2]] += k - (qi == first)
-        tallies.add((blocks[first][2], tuple(steps.items()), tuple(ends.items()), tuple(starts.items())))
-    # every head deals each block once
-    return tuple(tallies), sum(qe * len(tiles) for qe, tiles in items) / sum(len(tiles) for _, tiles in items)
+def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, group=1) -> Tally:
+    """The main sweep's steps as the kernel deals them (:func:`_core_deal`), every core's, step by step. The cores
+    issue step s of their lists as one instruction. K/V (with every tile staying in L2 once read): a tile first
+    read at step s is missed once, the cores reading it with the first wait for it, the instruction's hits go
+    through L2 together; a core waits for the instruction's hits unless it is the one missing its whole tile, and
+    for its misses when its tile is one of them. A Q load or an output store waits for all its instruction's
+    rows from (to) HBM."""
+    per_core, heads = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
+    n = len(per_core)
+    # per query block: its tiles' kinds and extents
+    lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
+    L = hi - lo
+    q0b = np.arange(nq) * qb
+    qeb = np.minimum(q0b + qb, Sq) - q0b
+    J = lo[:, None] + np.arange(int(L.max()))[None, :]
+    kext = np.minimum(kvb, Skv - J * kvb)
+    masked = np.zeros(J.shape, dtype=bool)
+    if causal:
+        last = (q0b + qeb - 1)[:, None]
+        masked = ((J + 1) * kvb - 1 > q0b[:, None]) & (Skv - 1 > q0b[:, None])
+        if window:
+            masked |= J * kvb <= last - window
+    valid = np.arange(J.shape[1])[None, :] < L[:, None]
+    # a step's kind: full or edge query block, full or edge KV tile, masked or not
+    kcode = ((qeb != qeb[0])[:, None] * 2 + (kext != kext[0, 0])) * 2 + masked
+    present = np.bincount(kcode[valid], minlength=8) > 0
+    uniq = np.flatnonzero(present)
+    tcode = (np.cumsum(present) - 1)[kcode]
+    qes, kes = (int(qeb[0]), int(qeb[-1])), (int(kext[0, 0]), int(Skv - (nkv - 1) * kvb))
+    kinds = tuple((qes[c_ >> 2], kes[(c_ >> 1) & 1], bool(c_ & 1)) for c_ in uniq.tolist())
+    nk = len(kinds)
+    # units (items) in core order, then their steps
+    ulen = [len(p) for p in per_core]
+    U_core = np.repeat(np.arange(n), ulen)
+    U_qi = np.fromiter(chain.from_iterable(per_core), dtype=np.int64)
+    U_bh = np.fromiter(chain.from_iterable(heads), dtype=np.int64)
+    U_L = L[U_qi]
+    cum = np.cumsum(U_L) - U_L
+    core_first = np.cumsum(ulen) - ulen
+    U_s0 = cum - np.repeat(cum[core_first], ulen)
+    U_s1 = U_s0 + U_L - 1
+    T = int(U_s1.max()) + 1
+    total = int(U_L.sum())
+    S_unit = np.repeat(np.arange(len(U_qi)), U_L)
+    S_idx = np.arange(total) - np.repeat(cum, U_L)
+    S_s = U_s0[S_unit] + S_idx
+    S_c = U_core[S_unit]
+    S_qi = U_qi[S_unit]
+    S_code = tcode[S_qi, S_idx]
+    S_ke = kext[S_qi, S_idx].astype(float)
+    kvh = (U_bh // N) * (N // group) + (U_bh % N) // group
+    S_key = kvh[S_unit] * nkv + J[S_qi, S_idx]
+    # K/V: the first reading of each tile, in instruction order (step, then core)
+    at = S_s * n + S_c
+    first = np.full(int(S_key.max()) + 1, at.max() + 1)
+    np.minimum.at(first, S_key, at)
+    first = first[S_key]
+    whole = first == at                                             # the reading that misses the whole tile
+    missed = first // n == S_s                                      # a reading of a tile missed in its instruction
+    M = np.bincount(S_s[whole], weights=S_ke[whole], minlength=T)   # rows each instruction misses
+    H = np.bincount(S_s, weights=S_ke, minlength=T) - M             # and hits
+    slot = S_c * nk + S_code
+    size = n * nk
+    hit = np.bincount(slot, weights=np.where(whole, 0.0, H[S_s]), minlength=size).reshape(n, nk)
+    miss = np.bincount(slot, weights=np.where(missed, M[S_s], 0.0), minlength=size).reshape(n, nk)
+    counts = np.bincount(slot, minlength=size).reshape(n, nk).astype(float)
+    ends = np.bincount(U_core * nk + tcode[U_qi, U_L - 1], minlength=size).reshape(n, nk).astype(float)
+    same = S_c[1:] == S_c[:-1]
+    pslot = ((S_c[:-1] * nk + S_code[:-1]) * nk + S_code[1:]) * 2 + S_s[:-1] % 2
+    pairs = np.bincount(pslot[same], minlength=size * nk * 2).reshape(n, nk, nk, 2).astype(float)
+    # Q loads and output stores: the rows of each instruction
+    qrows = np.bincount(U_s0, weights=qeb[U_qi].astype(float), minlength=T)
+    orows = np.bincount(U_s1, weights=qeb[U_qi].astype(float), minlength=T)
+    later = np.ones(len(U_qi), dtype=bool)
+    later[core_first] = False
+    idx = np.flatnonzero(later)
+    core_last = np.cumsum(ulen) - 1
+    return Tally(kinds, counts, hit, miss, ends, pairs, tcode[U_qi[core_first], 0], float(qrows[0]),
+                 orows[U_s1[core_last]], U_core[idx], tcode[U_qi[idx], 0], orows[U_s1[idx - 1]], qrows[U_s0[idx]],
+                 float((qeb * L).sum() / L.sum()))
 
 
-def core_time(tally, price) -> float:
-    """One core's cycles from its tally (:func:`_core_tallies`): the fill of its first item, each step priced by
-    its own extents (``price(rows, keys, masked share, amortized=False)`` -> step, item end, next item's Q load,
-    fill, ...), each item's end, and the Q load ahead of each later item."""
-    memo = {}
+def replay_time(tal: Tally, priced, kvport, q_row, out_row, split) -> float:
+    """The slowest core's cycles from the replayed sweep (:func:`_core_tallies`) and each step kind priced with the
+    launch's mean transfers (``priced[k]``: step, item end, next item's Q load, fill, units): per core, the fill of
+    its first item, each step again with its own K/V port wait (``kvport[c, k]`` cycles a step, or None for the
+    launch's mean), each item's end and each later item's start. A Q load or an output store waits for its
+    instruction's rows from HBM, ``q_row`` and ``out_row`` cycles a row."""
+    cols = ("port_kv", "kv_xfer", "mte2_rest", "port_rest", "loop", "fixed", "q_load", "q_xfer", "vector", "upd",
+            "vport")
+    table = np.array([[p[4][c_] for c_ in cols] + [p[3], p[1]] for p in priced]).T
+    col = dict(zip(cols + ("fill", "end"), table))
 
-    def priced(key):
-        if key not in memo:
-            qe, ke, m = key
-            memo[key] = price(qe, ke, float(m), False)
-        return memo[key]
+    def per(key):
+        return col[key]
 
-    first, steps, ends, starts = tally
-    return (priced(first)[3] + sum(priced(k)[0] * c for k, c in steps) + sum(priced(k)[1] * c for k, c in ends)
-            + sum(priced(k)[2] * c for k, c in starts))
+    P = per("port_kv")[None, :] if kvport is None else kvport
+    cube_mte2 = np.maximum(per("kv_xfer"), P) + per("mte2_rest")
+    cube_port = P + per("port_rest")
+    loop = per("loop")
+    other = np.maximum(per("fixed"), np.maximum(cube_mte2, cube_port))
+    step = np.maximum(other, loop / 2)
+    counts = tal.counts
+    # the software pipeline's loop spans two steps: steps s and s + 1 together last at least loop(s); summed over
+    # disjoint windows (s even, or s odd) that bounds the core's steps beyond each step's own busiest unit (what
+    # loop / 2 a step takes on average: the two sums differ when long and short steps alternate)
+    extra = np.maximum(0.0, loop[None, :, None] - other[:, :, None] - other[:, None, :])
+    loops = (tal.pairs * extra[..., None]).sum(axis=(1, 2))
+    body = np.maximum((counts * step).sum(1), (counts * other).sum(1) + loops.max(1))
+    f = tal.first
+    fill = per("fill")[f] - per("q_load")[f] + np.maximum(per("q_xfer")[f], tal.q0 * q_row)
+    ends = (tal.ends * per("end")[None, :]).sum(1)
+    # a later item's start: its Q load (split cores: hidden when the AIC's GM traffic sets the step); on a coupled
+    # core the output store before it holds the MTE3 queue, ahead of the P store after the next softmax
+    sc, sk = tal.sc, tal.sk
+    q = np.maximum(per("q_xfer")[sk], tal.sq * q_row)
+    if split:
+        q = np.where(np.maximum(cube_mte2, cube_port)[sc, sk] >= step[sc, sk], 0.0, q)
+    else:
+        q = q + np.maximum(0.0, tal.so * out_row - (per("vector") - per("upd"))[sk])
+    n = len(counts)
+    t = fill + body + ends + np.bincount(sc, weights=q, minlength=n)
+    # each side's GM port (one on a coupled core) serves its transfers one after another: its busy time bounds it
+    aic = tal.q0 * q_row + (counts * cube_port).sum(1) + np.bincount(sc, weights=tal.sq * q_row, minlength=n)
+    out = np.bincount(sc, weights=tal.so * out_row, minlength=n) + tal.last_out * out_row
+    aiv = (counts * per("vport")[None, :]).sum(1) + out
+    port = np.maximum(aic, aiv) if split else aic + aiv
+    return float(np.maximum(t, port).max())
 
 
 def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, softcap=False, window=0):
