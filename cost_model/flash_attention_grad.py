@@ -8,6 +8,10 @@ phase, one unit per (batch, kv head, KV block) dealt to the least-loaded core (c
 paired), each step S and dP on the Cube, P and dS on the Vector, Pd/dS through an L2 workspace back to the
 Cube, dV, dK accumulated in L0C, dQ atomically added into the workspace; and the cast of dq (fp16/bf16).
 
+A launch of few items whose Q and K stay in L2 prices the statistics sweep core by core from the forward's deal,
+replayed step by step (:func:`_stats_replay`). In the main phase, where the kernel's L0 rings hold one tile, the
+Cube and MTE1 run in series (:func:`_l0_period`).
+
 A step lasts as long as its busiest unit (Cube, MTE1, MTE2, FixPipe, Vector, MTE3) or the core's GM port,
 which every transfer of the core shares: a lockstep transfer of ``n`` cores takes ``n·bytes / L2 bandwidth``
 on hits and ``n·bytes / HBM bandwidth`` on misses. A transfer holds the port for its hits and then for all
@@ -31,7 +35,8 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import SOFTCAP_PASSES, _band_tiles, _counts, _placement, _spans, attended_pairs
+from cost_model.flash_attention import (REPLAY_UNITS, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts, _placement,
+                                       _spans, attended_pairs)
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -439,6 +444,10 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
         ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
             + cube1 + vec1 + p1.unit["fixpipe"]
+        if B * N * nq <= REPLAY_UNITS and l2p.hbm_ph1 <= l2p.q_b + l2p.kv_k + l2p.mask_b:
+            # few items, Q and K read once from HBM: the phase replayed core by core (the forward's deal)
+            ph1 = _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
+                                drop, cap, bound)
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
         busy["mte2"] += T1 * mte2
@@ -462,6 +471,9 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     elif causal:
         part = min(1.0, ceil_div(qb, kvb) * per_unit * 2)
     base = 7 + (0 if f32 else 2) + (4 if drop else 0) + mpass + (SOFTCAP_PASSES + 3 if cap else 0)
+
+    granted = None if bound else _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats, cap)
+    R2 = qb // nh
 
     def step_of(qe, ke):
         """One step of query rows ``qe`` against keys ``ke``: its time and its units' (and port's) shares."""
@@ -541,6 +553,24 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
                 + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
                 + (cdv if not split else cube_b / len(halves)) + (q16 if not split else _r16(halves[0])) * D * isz / b_)
         step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
+        if granted is not None:
+            # the L0 moves and the products in the kernel's order: a move into a ring of one tile waits for the
+            # product reading the tile before
+            A, Bb = "L0A:%dx%d", "L0B:%dx%d"
+            seq = [("mv", "kb0", k16 * D * isz / b_),
+                   ("mv", A % (qb, D), q16 * D * isz / a), ("mv", Bb % (D, kvb), k16 * D * isz / b_),
+                   ("mm", (A % (qb, D), Bb % (D, kvb)), cs),
+                   ("mv", A % (qb, Dv), q16 * Dv * isz / a), ("mv", Bb % (Dv, kvb), k16 * Dv * isz / b_),
+                   ("mm", (A % (qb, Dv), Bb % (Dv, kvb)), cdp)]
+            for h in halves:
+                h16 = _r16(h)
+                seq += [("mv", A % (kvb, R2), k16 * h16 * isz / a), ("mv", Bb % (R2, Dv), h16 * Dv * isz / b_),
+                        ("mm", (A % (kvb, R2), Bb % (R2, Dv)), ceil_div(ki, 16) * ceil_div(h, k0f) * ceil_div(Dv, 16)),
+                        ("mv", A % (kvb, R2), k16 * h16 * isz / a), ("mv", Bb % (R2, D), h16 * D * isz / b_),
+                        ("mm", (A % (kvb, R2), Bb % (R2, D)), ceil_div(ki, 16) * ceil_div(h, k0f) * ceil_div(D, 16)),
+                        ("mv", A % (R2, kvb), h16 * k16 * isz / a),
+                        ("mm", (A % (R2, kvb), "kb0"), ceil_div(h, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))]
+            step2 = max(step2, _l0_period(seq, granted))
         # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
         # the next S waits for the load, the chip's cores reading their units' K, V at once
         kv_core = ke * (D + Dv) * isz
@@ -594,6 +624,94 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores, window) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+
+
+def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window, mask, mpass, drop, cap, bound):
+    """Phase 1 (the row statistics) of a launch of few items, from the forward's deal replayed step by step
+    (:func:`cost_model.flash_attention._core_tallies`: the kernel deals phase 1's items as the forward does). Per
+    core: its steps by kind (query rows, KV extent, masked), each with its own K port wait (a K tile's miss delays
+    the cores reading it in that instruction; the instruction's hits go through L2 together); where the L0B ring
+    of K^T holds one tile, a step's K^T move waits for the step before's S (they run in series); each later item's Q
+    load (its instruction's rows from HBM), exposed beyond the step before it; and the core's GM port busy time as a
+    bound. ``bound``: a lower bound instead (every step at least its kind's busiest unit without any port wait,
+    over the mean core), without the replay."""
+    split = dev.arch == "split"
+    nh = 2 if split else 1
+    isz = itemsize(dtype)
+    rate, L2bw, HBMbw = dev.rates, dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
+    k0f = dev.cube_k0[dtype]
+    nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
+    n1 = min(dev.cube_cores, B * N * nq)
+    nv = n1 * nh
+    msz = 0 if mask is None else itemsize(mask[1])
+    granted = None if bound else _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, True, cap)
+    serial = granted is not None and granted.get(f"L0B:{D}x{kvb}", 2) < 2
+
+    def kind(qe, ke, m):
+        rows = qe / nh
+        cube = ceil_div(qe, 16) * ceil_div(D, k0f) * ceil_div(ke, 16)
+        mte1 = D * _r16(ke) * isz / rate["L1->L0B"]
+        vec = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * 2 * m \
+            + math.ceil(rows / 64) * 5
+        k_xfer = ke * D * isz / rate["GM->L1"]
+        p = _Port(dev, n1)
+        if mask is not None:
+            p.add("vmte2", "GM->UB", rows * ke * msz, nv, vec=True)
+        if split:
+            p.add("fixpipe", "L0C->GM", qe * ke * 4, n1)
+            p.add("vmte2", "GM->UB", rows * ke * 4, 2 * n1, vec=True)
+        else:
+            p.unit["fixpipe"] += qe * ke * 4 / rate["L0C->UB"]
+        fixed = max(cube, mte1, vec, p.unit["fixpipe"], p.unit["vmte2"] if split else 0.0, p.vport if split else 0.0,
+                    mte1 + cube if serial else 0.0)
+        rest = 0.0 if split else p.unit["vmte2"]           # coupled: the mask loads on the one MTE2 queue and port
+        rest_port = p.port + (0.0 if split else p.vport)
+        return fixed, k_xfer, rest, rest_port, max(cube, mte1, vec, k_xfer), \
+            qe * D * isz / rate["GM->L1"] + _r16(qe) * D * isz / rate["L1->L0A"] + cube + vec + p.unit["fixpipe"]
+
+    tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, N // Nkv)
+    table = np.array([kind(qe, ke, m) for qe, ke, m in tal.kinds]).T
+    fixed, k_xfer, rest, rest_port, floor, fill = table
+    if bound:
+        return float(tal.counts.sum() / len(tal.counts) * floor.min())
+    P = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * (D * isz), tal.counts, out=np.zeros_like(tal.hit),
+                  where=tal.counts > 0)
+    mte2 = np.maximum(k_xfer, P) + rest
+    port = P + rest_port
+    step = np.maximum(fixed, np.maximum(mte2, port))
+    counts = tal.counts
+    n = len(counts)
+    q_row = D * isz / HBMbw
+    q = np.maximum(np.array([qe for qe, _, _ in tal.kinds])[tal.sk] * D * isz / rate["GM->L1"], tal.sq * q_row)
+    starts = np.bincount(tal.sc, weights=np.maximum(0.0, q - step[tal.sc, tal.sk]), minlength=n)
+    # the item's statistics out (two rows x 4 B stores) ride the MTE3 queue: negligible beside the steps
+    t = fill[tal.first] + (counts * step).sum(1) + starts
+    gm = tal.q0 * q_row + (counts * port).sum(1) + np.bincount(tal.sc, weights=tal.sq * q_row, minlength=n)
+    return float(np.maximum(t, gm).max())
+
+
+def _l0_period(seq, counts, reps=5):
+    """Cycles a step of the Cube and MTE1 in series where their L0 rings make them: ``seq`` is one step's moves
+    (``("mv", ring, cycles)``) and products (``("mm", rings read, cycles)``) in the kernel's order, ``counts`` the
+    tiles of each ring. Both queues run in order; a product waits for its operands' moves, a move for the
+    product that read its tile's previous content. The steady state of a few steps in a row."""
+    mte1 = cube = 0.0
+    moves, cur, read = {}, {}, {}
+    ends = []
+    for _ in range(reps):
+        for kind, ring, c in seq:
+            if kind == "mv":
+                i = moves.get(ring, 0)
+                moves[ring] = i + 1
+                slot = (ring, i % max(1, counts.get(ring, 1)))
+                mte1 = max(mte1, read.get(slot, 0.0)) + c
+                cur[ring] = (slot, mte1)
+            else:
+                cube = max([cube] + [cur[g][1] for g in ring]) + c
+                for g in ring:
+                    read[cur[g][0]] = cube
+        ends.append(max(mte1, cube))
+    return (ends[-1] - ends[1]) / (reps - 2)
 
 
 def _extent_mix(S, b, edge_share):
@@ -845,8 +963,10 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     model.
 
     Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
-    bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines and
-    the Dr phase's loads overlapping its sums, the shorter of its two forms (``bound=True``). The model's
+    bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines,
+    the Dr phase's loads overlapping its sums, the shorter of its two forms, a replayed statistics sweep as
+    its mean core's steps at their kinds' least busiest unit, and no L0 ring chain (which only adds)
+    (``bound=True``). The model's
     cycles never decrease as its cores, steps, blocks (at a given steps count) or blocks per step grow: each
     phase's time is its steps times a step's busiest unit, whose per-block terms (K and V loads, the unit's
     bubble) scale with the blocks per step, plus a fill that grows with the blocks per step; HBM bytes only
