@@ -94,6 +94,7 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats, cap=False):
 
 
 @cached
+@cached
 def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats, cap=False):
     """Tiles per buffer request as the kernel grants them, or None when the tiling does not fit."""
     dev = get_device(device)
@@ -669,11 +670,14 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
         return fixed, k_xfer, rest, rest_port, max(cube, mte1, vec, k_xfer), \
             qe * D * isz / rate["GM->L1"] + _r16(qe) * D * isz / rate["L1->L0A"] + cube + vec + p.unit["fixpipe"]
 
+    if bound:          # every step at least the least busiest unit of any kind, over the mean core: no deal
+        lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
+        kinds = {(qe, ke, m) for qe in (min(qb, Sq), Sq - (nq - 1) * qb) for ke in (min(kvb, Skv), Skv - (nkv - 1) * kvb)
+                 for m in (False, True)}
+        return float(B * N * int((hi - lo).sum()) / n1 * min(kind(*k)[4] for k in kinds))
     tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, N // Nkv)
     table = np.array([kind(qe, ke, m) for qe, ke, m in tal.kinds]).T
     fixed, k_xfer, rest, rest_port, floor, fill = table
-    if bound:
-        return float(tal.counts.sum() / len(tal.counts) * floor.min())
     P = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * (D * isz), tal.counts, out=np.zeros_like(tal.hit),
                   where=tal.counts > 0)
     mte2 = np.maximum(k_xfer, P) + rest
@@ -690,7 +694,7 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     return float(np.maximum(t, gm).max())
 
 
-def _l0_period(seq, counts, reps=5):
+def _l0_period(seq, counts, reps=4):
     """Cycles a step of the Cube and MTE1 in series where their L0 rings make them: ``seq`` is one step's moves
     (``("mv", ring, cycles)``) and products (``("mm", rings read, cycles)``) in the kernel's order, ``counts`` the
     tiles of each ring. Both queues run in order; a product waits for its operands' moves, a move for the
