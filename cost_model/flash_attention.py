@@ -361,19 +361,32 @@ def _dirty_workspaces(split, n, T, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal):
 
 
 @cached
+def _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0):
+    """Each query block's rows, each KV tile's keys, and per (query block, KV tile) whether the tile is masked: it
+    crosses the diagonal or holds the window's left edge (a compare and a select more). Arrays shared through the
+    cache: read only."""
+    q0 = np.arange(nq) * qb
+    qeb = np.minimum(q0 + qb, Sq) - q0
+    j = np.arange(nkv)
+    kext = np.minimum(kvb, Skv - j * kvb)
+    masked = np.zeros((nq, nkv), dtype=bool)
+    if causal:
+        masked = ((j + 1) * kvb - 1 > q0[:, None]) & (Skv - 1 > q0[:, None])
+        if window:
+            masked |= j * kvb <= (q0 + qeb - 1)[:, None] - window
+    return qeb, kext, masked
+
+
+@cached
 def _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, probs=False, window=0):
     """Per query block, ``(query extent, tiles)`` as the kernel walks it, each tile ``(KV extent, works, masked)``
     (see :func:`_core_items`)."""
     los, his = _spans(qb, kvb, Sq, Skv, causal, window)
+    qeb, kext, masked = (x.tolist() for x in _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window))
     out = []
     for qi, (lo, hi) in enumerate(zip(los.tolist(), his.tolist())):
-        q0, last = qi * qb, min(qi * qb + qb, Sq) - 1
-
-        def masked(j):
-            return bool(causal) and ((j + 1) * kvb - 1 > q0 and Skv - 1 > q0
-                                     or bool(window) and j * kvb <= last - window)
         walk = range(nkv) if probs else range(lo, hi)
-        out.append((last + 1 - q0, tuple((min(kvb, Skv - j * kvb), lo <= j < hi, masked(j)) for j in walk)))
+        out.append((qeb[qi], tuple((kext[j], lo <= j < hi, masked[qi][j]) for j in walk)))
     return tuple(out)
 
 
@@ -663,8 +676,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         else:
             s_hand = vq * ke * 4 / rate["L0C->UB"]
         loop = (vec - upd) + mte3 + mte2_p + cube + s_hand + mte2_mask * (1 if split else 0)
-        other = max(cube, mte1, cube_mte2, vec_mte2, cube_port, vec_port, fix, vec_chain)
-        step = max(other, loop / 2)
+        fixed = max(cube, mte1, vec_mte2, vec_port, fix, vec_chain)      # the units K/V port waits do not touch
+        step = max(fixed, cube_mte2, cube_port, loop / 2)
         # per item: the Q load ahead of its first S, and after its last tile out = O / l and the output store
         out_b = rv * Dv * isz
         port_out = n * nh * rvc * Dv * isz / HBMbw
@@ -681,12 +694,12 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
                                       "loop": loop, "vport": vec_port, "port_kv": port_kv,
                                       "kv_xfer": kvt / rate["GM->L1"], "mte2_rest": cube_mte2 - mte2_kv,
                                       "port_rest": cube_port - port_kv,
-                                      "fixed": max(cube, mte1, vec_mte2, vec_port, fix, vec_chain),
+                                      "fixed": fixed,
                                       "q_load": q_load, "upd": upd, "q_xfer": qe * D * isz / rate["GM->L1"]}
 
     step, end, q_exposed, fill, u = price(qe, ke, part)
     if B * N * nq <= REPLAY_UNITS:                    # few units: each core's own steps, priced by their extents
-        # each lockstep transfer waits for the chip's bytes: the launch's mean rows per step, every core
+        # (each step kind priced with the launch's mean transfers, then again with each core's own K/V port wait)
         tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, group)
         priced = [price(qe_, ke_, float(m_), False, qc=tal.qc) for qe_, ke_, m_ in tal.kinds]
         kvport = None
@@ -781,17 +794,11 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     # per query block: its tiles' kinds and extents
     lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
     L = hi - lo
-    q0b = np.arange(nq) * qb
-    qeb = np.minimum(q0b + qb, Sq) - q0b
+    qeb, kfull, mfull = _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
     J = lo[:, None] + np.arange(int(L.max()))[None, :]
-    kext = np.minimum(kvb, Skv - J * kvb)
-    masked = np.zeros(J.shape, dtype=bool)
-    if causal:
-        last = (q0b + qeb - 1)[:, None]
-        masked = ((J + 1) * kvb - 1 > q0b[:, None]) & (Skv - 1 > q0b[:, None])
-        if window:
-            masked |= J * kvb <= last - window
     valid = np.arange(J.shape[1])[None, :] < L[:, None]
+    Jc = np.minimum(J, nkv - 1)                       # (past a block's last tile: not read)
+    kext, masked = kfull[Jc], mfull[np.arange(nq)[:, None], Jc]
     # a step's kind: full or edge query block, full or edge KV tile, masked or not
     kcode = ((qeb != qeb[0])[:, None] * 2 + (kext != kext[0, 0])) * 2 + masked
     present = np.bincount(kcode[valid], minlength=8) > 0
@@ -860,16 +867,12 @@ def replay_time(tal: Tally, priced, kvport, q_row, out_row, split) -> float:
     cols = ("port_kv", "kv_xfer", "mte2_rest", "port_rest", "loop", "fixed", "q_load", "q_xfer", "vector", "upd",
             "vport")
     table = np.array([[p[4][c_] for c_ in cols] + [p[3], p[1]] for p in priced]).T
-    col = dict(zip(cols + ("fill", "end"), table))
-
-    def per(key):
-        return col[key]
-
-    P = per("port_kv")[None, :] if kvport is None else kvport
-    cube_mte2 = np.maximum(per("kv_xfer"), P) + per("mte2_rest")
-    cube_port = P + per("port_rest")
-    loop = per("loop")
-    other = np.maximum(per("fixed"), np.maximum(cube_mte2, cube_port))
+    per = dict(zip(cols + ("fill", "end"), table))
+    P = per["port_kv"][None, :] if kvport is None else kvport
+    cube_mte2 = np.maximum(per["kv_xfer"], P) + per["mte2_rest"]
+    cube_port = P + per["port_rest"]
+    loop = per["loop"]
+    other = np.maximum(per["fixed"], np.maximum(cube_mte2, cube_port))
     step = np.maximum(other, loop / 2)
     counts = tal.counts
     # the software pipeline's loop spans two steps: steps s and s + 1 together last at least loop(s); summed over
@@ -879,22 +882,22 @@ def replay_time(tal: Tally, priced, kvport, q_row, out_row, split) -> float:
     loops = (tal.pairs * extra[..., None]).sum(axis=(1, 2))
     body = np.maximum((counts * step).sum(1), (counts * other).sum(1) + loops.max(1))
     f = tal.first
-    fill = per("fill")[f] - per("q_load")[f] + np.maximum(per("q_xfer")[f], tal.q0 * q_row)
-    ends = (tal.ends * per("end")[None, :]).sum(1)
+    fill = per["fill"][f] - per["q_load"][f] + np.maximum(per["q_xfer"][f], tal.q0 * q_row)
+    ends = (tal.ends * per["end"][None, :]).sum(1)
     # a later item's start: its Q load (split cores: hidden when the AIC's GM traffic sets the step); on a coupled
     # core the output store before it holds the MTE3 queue, ahead of the P store after the next softmax
     sc, sk = tal.sc, tal.sk
-    q = np.maximum(per("q_xfer")[sk], tal.sq * q_row)
+    q = np.maximum(per["q_xfer"][sk], tal.sq * q_row)
     if split:
         q = np.where(np.maximum(cube_mte2, cube_port)[sc, sk] >= step[sc, sk], 0.0, q)
     else:
-        q = q + np.maximum(0.0, tal.so * out_row - (per("vector") - per("upd"))[sk])
+        q = q + np.maximum(0.0, tal.so * out_row - (per["vector"] - per["upd"])[sk])
     n = len(counts)
     t = fill + body + ends + np.bincount(sc, weights=q, minlength=n)
     # each side's GM port (one on a coupled core) serves its transfers one after another: its busy time bounds it
     aic = tal.q0 * q_row + (counts * cube_port).sum(1) + np.bincount(sc, weights=tal.sq * q_row, minlength=n)
     out = np.bincount(sc, weights=tal.so * out_row, minlength=n) + tal.last_out * out_row
-    aiv = (counts * per("vport")[None, :]).sum(1) + out
+    aiv = (counts * per["vport"][None, :]).sum(1) + out
     port = np.maximum(aic, aiv) if split else aic + aiv
     return float(np.maximum(t, port).max())
 

@@ -94,7 +94,6 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop, stats, cap=False):
 
 
 @cached
-@cached
 def _tile_counts(device, D, Dv, dtype, q, kv, mask_spec, drop, stats, cap=False):
     """Tiles per buffer request as the kernel grants them, or None when the tiling does not fit."""
     dev = get_device(device)
@@ -443,12 +442,13 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
-        ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
-            + cube1 + vec1 + p1.unit["fixpipe"]
         if B * N * nq <= REPLAY_UNITS and l2p.hbm_ph1 <= l2p.q_b + l2p.kv_k + l2p.mask_b:
             # few items, Q and K read once from HBM: the phase replayed core by core (the forward's deal)
             ph1 = _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
                                 drop, cap, bound)
+        else:
+            ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
+                + cube1 + vec1 + p1.unit["fixpipe"]
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
         busy["mte2"] += T1 * mte2
