@@ -421,23 +421,15 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         # K: the first reader of a tile misses, the other items' reads (the same step or later) hit
         p1.add("mte2", "GM->L1", ke * D * isz, n1, hit=1 - kv_k / (B * N * sweep.keys * D * isz))
         p1.add("mte2", "GM->L1", qe * D * isz, n1, hit=0.0, every=items1 / T1)
-        cube1 = ceil_div(int(qe), 16) * ceil_div(D, k0f) * ceil_div(int(math.ceil(ke)), 16)
-        mte1 = D * _r16(ke) * isz / rate["L1->L0B"] + _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
         part = 0.0
         if band:                  # the pairs crossing the diagonal or the window's left edge
             part = (band[1] + band[2]) / band[0]
         elif causal:
             part = min(1.0, ceil_div(qb, kvb) * items1 / T1)
-        vec1 = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * part * 2 \
-            + math.ceil(rows / 64) * 5
-        if mask is not None:
-            # each line's first reader misses, the other query heads' reads hit
-            p1.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - mask_b / (rows * ke * msz * nv * T1), vec=True)
-        if split:
-            p1.add("fixpipe", "L0C->GM", qe * ke * 4, n1)
-            p1.add("vmte2", "GM->UB", rows * ke * 4, 2 * n1, vec=True)
-        else:
-            p1.unit["fixpipe"] += qe * ke * 4 / rate["L0C->UB"]
+        # (the mask: each line's first reader misses, the other query heads' reads hit)
+        cube1, mte1, vec1 = _stats_step(dev, p1, qe, ke, part, D, dtype, mpass, cap, nv, mask is not None and
+                                        (rows * ke * msz, 1 - mask_b / (rows * ke * msz * nv * T1)))
+        mte1 += _r16(qe) * D * isz / rate["L1->L0A"] * items1 / T1
         p1.add("mte3", "UB->GM", 2 * rows * 4, nv, vec=True, every=items1 / T1)
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
@@ -640,7 +632,6 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     nh = 2 if split else 1
     isz = itemsize(dtype)
     rate, L2bw, HBMbw = dev.rates, dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle
-    k0f = dev.cube_k0[dtype]
     nq, nkv = ceil_div(Sq, qb), ceil_div(Skv, kvb)
     n1 = min(dev.cube_cores, B * N * nq)
     nv = n1 * nh
@@ -649,20 +640,10 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     serial = granted is not None and granted.get(f"L0B:{D}x{kvb}", 2) < 2
 
     def kind(qe, ke, m):
-        rows = qe / nh
-        cube = ceil_div(qe, 16) * ceil_div(D, k0f) * ceil_div(ke, 16)
-        mte1 = D * _r16(ke) * isz / rate["L1->L0B"]
-        vec = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * 2 * m \
-            + math.ceil(rows / 64) * 5
         k_xfer = ke * D * isz / rate["GM->L1"]
         p = _Port(dev, n1)
-        if mask is not None:
-            p.add("vmte2", "GM->UB", rows * ke * msz, nv, vec=True)
-        if split:
-            p.add("fixpipe", "L0C->GM", qe * ke * 4, n1)
-            p.add("vmte2", "GM->UB", rows * ke * 4, 2 * n1, vec=True)
-        else:
-            p.unit["fixpipe"] += qe * ke * 4 / rate["L0C->UB"]
+        cube, mte1, vec = _stats_step(dev, p, qe, ke, float(m), D, dtype, mpass, cap, nv,
+                                      mask is not None and (qe / nh * ke * msz, 1.0))
         fixed = max(cube, mte1, vec, p.unit["fixpipe"], p.unit["vmte2"] if split else 0.0, p.vport if split else 0.0,
                     mte1 + cube if serial else 0.0)
         rest = 0.0 if split else p.unit["vmte2"]           # coupled: the mask loads on the one MTE2 queue and port
@@ -692,6 +673,28 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     t = fill[tal.first] + (counts * step).sum(1) + starts
     gm = tal.q0 * q_row + (counts * port).sum(1) + np.bincount(tal.sc, weights=tal.sq * q_row, minlength=n)
     return float(np.maximum(t, gm).max())
+
+
+def _stats_step(dev, p, qe, ke, part, D, dtype, mpass, cap, nv, mask_load):
+    """One step of the statistics sweep, ``qe`` query rows over ``ke`` keys (``part``: the share of such steps
+    crossing the diagonal or the window's left edge, two Vector passes more): (the Cube's S, the K^T move, the
+    Vector's passes); the S hand-off (split cores: out to GM and into the AIVs' UB; coupled: L0C->UB) and the mask's
+    loads (``mask_load``: bytes per vector core and the hit fraction, or False) added to the port ``p``."""
+    split = dev.arch == "split"
+    isz, rate = itemsize(dtype), dev.rates
+    rows = qe / (2 if split else 1)
+    cube = ceil_div(int(qe), 16) * ceil_div(D, dev.cube_k0[dtype]) * ceil_div(int(math.ceil(ke)), 16)
+    mte1 = D * _r16(ke) * isz / rate["L1->L0B"]
+    vec = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * part * 2 \
+        + math.ceil(rows / 64) * 5
+    if mask_load:
+        p.add("vmte2", "GM->UB", mask_load[0], nv, hit=mask_load[1], vec=True)
+    if split:
+        p.add("fixpipe", "L0C->GM", qe * ke * 4, p.n)
+        p.add("vmte2", "GM->UB", rows * ke * 4, 2 * p.n, vec=True)
+    else:
+        p.unit["fixpipe"] += qe * ke * 4 / rate["L0C->UB"]
+    return cube, mte1, vec
 
 
 def _l0_period(seq, counts, reps=4):

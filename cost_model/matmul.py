@@ -306,8 +306,11 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     B_miss = np.bincount(s, b_bytes * ~hb, S)
     W = np.bincount(s, w_bytes, S)
     starts = np.arange(S) * P
-    m_s = np.maximum.reduceat(m_ext, starts).astype(float)
-    n_s = np.maximum.reduceat(n_ext, starts).astype(float)
+
+    def most(x):              # per step, the largest over its items
+        return np.maximum.reduceat(x, starts).astype(float)
+
+    m_s, n_s = most(m_ext), most(n_ext)
     if bias_isz:
         bias_hit = np.bincount(s, n_ext * bias_isz * (mi > 0), S)
         bias_miss = np.bincount(s, n_ext * bias_isz * (mi == 0), S)
@@ -329,9 +332,6 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
     # each unit's time is its busiest core's: the largest over the step's items (a step of edge tiles, a row edge
     # on one core and a column edge on another, is not its largest rows by its largest columns)
-    def most(x):
-        return np.maximum.reduceat(x, starts).astype(float)
-
     rate = rates["GM->L1"]
     lb_i = np.maximum(n_ext * bias_isz / rate, Pbias[s]) if bias_isz else 0.0
     mte2 = most(np.maximum(m_ext * K * isz / rate, PA[s]) + np.maximum(n_ext * K * isz / rate, PB[s]) + lb_i)
