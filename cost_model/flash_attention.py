@@ -26,7 +26,9 @@ with its own K/V port wait; the software pipeline's loop over pairs of consecuti
 one last at least the long one's loop); each later item's Q load, and on coupled cores the output store before it,
 which holds the MTE3 queue ahead of the next P store; and its GM port's busy time as a bound (loads and stores
 share the port). Causal blocks differ in length and an edge block may be one row, so the slowest core is not
-always the one with the most steps.
+always the one with the most steps. The tiling search bounds each short candidate from the deal alone (each core's
+steps at their least busy units, its fill and its items' ends) and replays only those whose bound is below the best
+found.
 
 ``return_probs`` adds the kernel's second sweep (``_probs_sweep``): S recomputed, normalised and the
 probabilities stored to HBM tile by tile (every KV tile, causal ones above the diagonal as zeros).
@@ -162,6 +164,9 @@ def _valid(dev, t):
 
 # a searched tiling must beat the kernel's default by more than the model's typical error to replace it
 DEFAULT_MARGIN = 0.05
+# a bound and the model round differently in their last bits: a candidate is passed over only when its bound is above
+# the best by far more than that
+ROUNDING = 1e-9
 #: Vector passes of logit soft-capping per score: muls 1/c, an fp32 tanh (six passes: muls 2, exp, adds 1,
 #: reciprocal, muls -2, adds 1), muls c
 SOFTCAP_PASSES = 8
@@ -390,12 +395,20 @@ def _block_items(nq, nkv, Sq, Skv, qb, kvb, causal, probs=False, window=0):
     return tuple(out)
 
 
+class Deal(NamedTuple):
+    """A sweep's units dealt to the cores (:func:`_core_deal`), every core's query blocks in order, core after core:
+    ``qi`` the block and ``bh`` its head (``b * N + h``), ``per`` the blocks of each core. Arrays shared through the
+    cache: read only."""
+    qi: np.ndarray
+    bh: np.ndarray
+    per: np.ndarray
+
+
 @cached
-def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
-    """Per core, the query blocks of its items in order and the head (``b * N + h``) of each, dealt as the
-    kernel's ``_schedule`` deals them: units in head-major order to the least-loaded core, a unit costing 1 a
-    worked tile and 0.1 a skipped one (summed in the kernel's order); causal: blocks i and nq-1-i paired when
-    that finishes no later."""
+def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0) -> Deal:
+    """The query blocks of each core's items in order and the head of each, dealt as the kernel's ``_schedule``
+    deals them: units in head-major order to the least-loaded core, a unit costing 1 a worked tile and 0.1 a
+    skipped one (summed in the kernel's order); causal: blocks i and nq-1-i paired when that finishes no later."""
     los, his = _spans(qb, kvb, Sq, Skv, causal, window)
     if probs:
         cost = [sum(1.0 if lo <= j < hi else 0.1 for j in range(nkv)) for lo, hi in zip(los.tolist(), his.tolist())]
@@ -403,7 +416,8 @@ def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, win
         cost = (his - los).astype(float).tolist()
 
     def deal(units):
-        K, nu = B * N * len(units), len(units)
+        """(the core of each unit, in head-major order; the busiest core's load)"""
+        K = B * N * len(units)
         n = min(ncores, K)
         ucost = []
         for unit in units:
@@ -414,33 +428,40 @@ def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, win
         if all(u == ucost[0] for u in ucost):
             # equal units: the least-loaded core (the lowest index among equals) is the next one round the cores,
             # and every core's load is the same sum of equal costs after each round
-            per = [[qi for k in range(c, K, n) for qi in units[k % nu]] for c in range(n)]
-            heads = [[k // nu for k in range(c, K, n) for _ in units[k % nu]] for c in range(n)]
             load = 0.0
             for _ in range(ceil_div(K, n)):
                 load += ucost[0]
-            return (per, heads), load
+            return np.arange(K) % n, load
         heap = [(0.0, c) for c in range(n)]
-        per, heads = [[] for _ in range(n)], [[] for _ in range(n)]
-        for bh in range(B * N):
-            for unit, u in zip(units, ucost):
-                load, c = heapq.heappop(heap)
-                per[c] += unit
-                heads[c] += [bh] * len(unit)
-                heapq.heappush(heap, (load + u, c))
-        return (per, heads), max(h[0] for h in heap)
+        assign = []
+        replace = heapq.heapreplace          # (loads and cores pair uniquely: the popped order is the heap's minima)
+        for _ in range(B * N):
+            for u in ucost:
+                load, c = heap[0]
+                replace(heap, (load + u, c))
+                assign.append(c)
+        return np.array(assign), max(h[0] for h in heap)
 
-    best = deal([[i] for i in range(nq)])
+    units = [[i] for i in range(nq)]
+    assign, load = deal(units)
     if causal:
-        paired = deal([[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else []))
-        if paired[1] <= best[1]:
-            best = paired
-    return best[0]
+        pairs = [[i, nq - 1 - i] for i in range(nq // 2)] + ([[nq // 2]] if nq % 2 else [])
+        paired = deal(pairs)
+        if paired[1] <= load:
+            units, (assign, load) = pairs, paired
+    # the units' blocks, head-major, then stably in core order
+    nu = len(units)
+    unit = np.repeat(np.arange(B * N * nu), np.tile([len(u) for u in units], B * N))
+    qi = np.tile(np.fromiter(chain.from_iterable(units), dtype=np.int64), B * N)
+    core = assign[unit]
+    order = np.argsort(core, kind="stable")
+    return Deal(qi[order], (unit // nu)[order], np.bincount(core, minlength=int(assign.max()) + 1))
 
 
 def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
-    """Per core, the query blocks of its items in order (:func:`_core_deal`)."""
-    return _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)[0]
+    """Per core, the query blocks of its items in order (:func:`_core_deal`), as lists."""
+    d = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
+    return [x.tolist() for x in np.split(d.qi, np.cumsum(d.per)[:-1])]
 
 
 def _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
@@ -477,10 +498,8 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
         steps = np.full(nq, nkv) if probs else his - los
         bits = np.stack([np.bitwise_or.reduce(np.where(worked, 1 << (((p + i) % 2) * 2 + kc), 0), axis=1)
                          for p in (0, 1)], axis=1)
-        per = _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
-        ulen = np.array([len(x) for x in per])
-        U_core = np.repeat(np.arange(len(per)), ulen)
-        U_qi = np.fromiter(chain.from_iterable(per), dtype=np.int64)
+        U_qi, _, ulen = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
+        U_core = np.repeat(np.arange(len(ulen)), ulen)
         L = steps[U_qi]
         cum = np.cumsum(L) - L
         start = cum - np.repeat((np.cumsum(np.concatenate(([0], L)))[np.cumsum(ulen) - ulen]), ulen)
@@ -577,7 +596,11 @@ def drop_bytes(Sq, Skv, qb, kvb, causal, window=0):
 
 
 def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, softcap=False,
-           sinks=None, window=0):
+           sinks=None, window=0, bound=False):
+    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``. With
+    ``bound``, a lower bound of the cycles (see :func:`_search`): a short launch's replay replaced by each core's fill,
+    steps at their kinds' units that no port wait touches and item ends; the dirty workspaces and the probabilities
+    sweep left out (busy is None)."""
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -722,7 +745,21 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
                                       "q_load": q_load, "upd": upd, "q_xfer": qe * D * isz / rate["GM->L1"]}
 
     step, end, q_exposed, fill, u = price(qe, ke, part)
-    if B * N * nq <= REPLAY_UNITS:                    # few units: each core's own steps, priced by their extents
+    if bound and B * N * nq <= REPLAY_UNITS:
+        # each core's time is at least its first item's fill (its Q load at the core's own transfer time), its steps
+        # at their kinds' units that no port wait touches and its items' ends (from the deal, without the replay)
+        kinds, block, first, last, qc = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+        deal = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, False, window)
+        nc, nk = len(deal.per), len(kinds)
+        core_of = np.repeat(np.arange(nc), deal.per)
+        steps = np.bincount(core_of * nq + deal.qi, minlength=nc * nq).reshape(nc, nq) @ block
+        ends = np.bincount(core_of * nk + last[deal.qi], minlength=nc * nk).reshape(nc, nk)
+        priced = [price(qe_, ke_, float(m_), False, qc=qc) for qe_, ke_, m_ in kinds]
+        fixed, end_k = np.array([p[4]["fixed"] for p in priced]), np.array([p[1] for p in priced])
+        fill_k = np.array([p[3] - p[4]["q_load"] + p[4]["q_xfer"] for p in priced])
+        core = float((fill_k[first[deal.qi[np.cumsum(deal.per) - deal.per]]] + (steps * fixed).sum(1)
+                      + (ends * end_k).sum(1)).max())
+    elif B * N * nq <= REPLAY_UNITS:                  # few units: each core's own steps, priced by their extents
         # (each step kind priced with the launch's mean transfers, then again with each core's own K/V port wait)
         tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, group)
         priced = [price(qe_, ke_, float(m_), False, qc=tal.qc) for qe_, ke_, m_ in tal.kinds]
@@ -735,7 +772,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         core = fill + T * step + items * (end + q_exposed)
     stats_b = u["rows"] * 4                           # one vector core's rows of max (and of sum)
     stats = return_probs or return_stats
-    if return_probs:
+    if return_probs and not bound:
         pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group,
                                      softcap, window)
         core += pc
@@ -748,7 +785,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         hbm += B * N * drop_bytes(Sq, Skv, qb, kvb, bool(causal), window)
     if sinks is not None:                              # the sink logits: each read once from HBM
         hbm += math.prod(sinks[0]) * itemsize(sinks[1])
-    if B * N * nq <= REPLAY_UNITS:                    # few units: replay the deal (cheap enough)
+    if bound:
+        hbm_ws = 0.0
+    elif B * N * nq <= REPLAY_UNITS:                  # few units: replay the deal (cheap enough)
         hbm_ws = _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, dev.cube_cores,
                               bool(return_probs), window)
     else:
@@ -756,28 +795,52 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     ws = hbm_ws
     hbm += ws
     if return_probs:
-        hbm += ph
+        hbm += 0.0 if bound else ph
     elif return_stats:
         hbm += 2 * B * N * Sq * 4
-    # GM workspace: two P slots per core (split cores: also S and O_j, fp32); with return_probs the row
-    # max and sum of the first sweep
-    ws_bytes = n * 2 * qb * kvb * isz + (n * 2 * qb * (kvb + Dv) * 4 if split else 0) \
-        + (2 * B * N * Sq * 4 if return_probs else 0)
-    busy = {k: T * u[k] for k in ("cube", "mte1", "mte2", "fixpipe", "vector", "mte3")}
-    busy["mte3"] += items * (u["out"] + (2 * stats_b if stats else 0)) / rate["UB->GM"]
     mask_rc = None
     if mask is not None:
         m4 = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_rc = (m4[2] != 1, m4[3] != 1)
     nbytes = dict(gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, bool(causal), split, mask_rc, msz,
                            bool(return_probs), bool(drop), bool(return_stats), window))
-    if return_probs:
-        for k, c in pbusy.items():
-            busy[k] += c
     if sinks is not None:
         # each vector core loads its item's sink logit at the item's first step (bytes only: a few per item)
         nbytes["GM->UB"] = nbytes.get("GM->UB", 0.0) + float(B * N * nq * nh * itemsize(sinks[1]))
+    if bound:
+        return core, float(hbm), nbytes, None, 0
+    # GM workspace: two P slots per core (split cores: also S and O_j, fp32); with return_probs the row
+    # max and sum of the first sweep
+    ws_bytes = n * 2 * qb * kvb * isz + (n * 2 * qb * (kvb + Dv) * 4 if split else 0) \
+        + (2 * B * N * Sq * 4 if return_probs else 0)
+    busy = {k: T * u[k] for k in ("cube", "mte1", "mte2", "fixpipe", "vector", "mte3")}
+    busy["mte3"] += items * (u["out"] + (2 * stats_b if stats else 0)) / rate["UB->GM"]
+    if return_probs:
+        for k, c in pbusy.items():
+            busy[k] += c
     return core, float(hbm), nbytes, busy, ws_bytes
+
+
+@cached
+def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0):
+    """The main sweep's step kinds as :func:`_core_tallies` codes and orders them, per query block (no deal): (the
+    kinds, each block's steps of each kind, each block's first and last step's kind, the launch's mean query rows per
+    step). Arrays shared through the cache: read only."""
+    lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
+    L = hi - lo
+    qeb, kext, masked = _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+    j = np.arange(nkv)[None, :]
+    kcode = ((qeb != qeb[0])[:, None] * 2 + (kext != kext[0])[None, :]) * 2 + masked
+    walked = (lo[:, None] <= j) & (j < hi[:, None])
+    present = np.bincount(kcode[walked], minlength=8) > 0
+    uniq = np.flatnonzero(present)
+    tcode = (np.cumsum(present) - 1)[kcode]
+    nk = len(uniq)
+    block = np.bincount((np.arange(nq)[:, None] * nk + tcode)[walked], minlength=nq * nk).reshape(nq, nk)
+    qi = np.arange(nq)
+    qes, kes = (int(qeb[0]), int(qeb[-1])), (int(kext[0]), int(Skv - (nkv - 1) * kvb))
+    kinds = tuple((qes[c_ >> 2], kes[(c_ >> 1) & 1], bool(c_ & 1)) for c_ in uniq.tolist())
+    return kinds, block, tcode[qi, lo], tcode[qi, hi - 1], float((qeb * L).sum() / L.sum())
 
 
 class Tally(NamedTuple):
@@ -813,8 +876,8 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     through L2 together; a core waits for the instruction's hits unless it is the one missing its whole tile, and
     for its misses when its tile is one of them. A Q load or an output store waits for all its instruction's
     rows from (to) HBM."""
-    per_core, heads = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
-    n = len(per_core)
+    U_qi, U_bh, ulen = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
+    n = len(ulen)
     # per query block: its tiles' kinds and extents
     lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
     L = hi - lo
@@ -832,10 +895,7 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     kinds = tuple((qes[c_ >> 2], kes[(c_ >> 1) & 1], bool(c_ & 1)) for c_ in uniq.tolist())
     nk = len(kinds)
     # units (items) in core order, then their steps
-    ulen = [len(p) for p in per_core]
     U_core = np.repeat(np.arange(n), ulen)
-    U_qi = np.fromiter(chain.from_iterable(per_core), dtype=np.int64)
-    U_bh = np.fromiter(chain.from_iterable(heads), dtype=np.int64)
     U_L = L[U_qi]
     cum = np.cumsum(U_L) - U_L
     core_first = np.cumsum(ulen) - ulen
@@ -1061,16 +1121,29 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
     default = kernel_default(dev.name, qs[2], ks[2], qs[3], vs[3], dtype, mask_spec, drop, sink)
     if default is not None and default[0] not in [t for t, _ in cands]:
         cands.append(default)
-    for t, counts in cands:
+    # each candidate bounded first (a short launch's replay is most of its model's work), then modelled in the order
+    # of its bound until the next bound is above the best found: none of the rest can be cheaper
+    # (a long launch's model is cheap: it is modelled first, its bound taken as nothing)
+    margin = [1 - DEFAULT_MARGIN if default is not None and t == default[0] else 1.0 for t, _ in cands]
+
+    def bound(i, t, counts):
+        if qs[0] * qs[1] * ceil_div(qs[2], t["q"]) > REPLAY_UNITS:
+            return 0.0
+        return kernel_cycles(dev, *_model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats,
+                                          softcap, sinks, window, bound=True)[:3]) * margin[i]
+
+    bounds = sorted((bound(i, t, counts), i) for i, (t, counts) in enumerate(cands))
+    for low, i in bounds:
+        if best is not None and low > best[0] * (1 + ROUNDING):
+            break
+        t, counts = cands[i]
         res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap, sinks, window)
-        cost = kernel_cycles(dev, *res[:3])
-        if default is not None and t == default[0]:
-            cost *= 1 - DEFAULT_MARGIN
-        if best is None or cost < best[0]:
-            best = (cost, t, res)
+        cost = kernel_cycles(dev, *res[:3]) * margin[i]
+        if best is None or (cost, i) < best[:2]:
+            best = (cost, i, t, res)
     if best is None:
         raise ValueError(f"flash_attention: no tiling fits {dev.name}")
-    return best[1], best[2]
+    return best[2], best[3]
 
 
 @register("flash_attention", _roofline)

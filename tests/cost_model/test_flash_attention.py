@@ -87,3 +87,44 @@ def test_the_model_restates_the_kernels_deal(causal, window):
                     assert (qe, ke, w) == (steps.qext[s, c], steps.kext[s, c], steps.work[s, c])
                     if w:
                         assert m == bool(steps.partial[s, c] or steps.edge[s, c]), (c, s)
+
+
+def test_the_searchs_bound_never_exceeds_the_model():
+    """The tiling search models a candidate only while its lower bound (the deal's per-core steps at their least
+    busy units, fills and item ends, without the replay, the dirty workspaces or the probabilities sweep) is below
+    the best found: on short launches of every device, masks, statistics, probabilities and windows, the bound is at
+    most the model's cycles, and its step kinds and per-core counts are the replay's."""
+    import numpy as np
+    from cost_model.devices import get_device
+    from cost_model.estimate import kernel_cycles
+    from cost_model.flash_attention import (_candidates, _core_deal, _core_tallies, _launch_kinds, _model,
+                                            REPLAY_UNITS)
+    seen = 0
+    for device in DEVICES:
+        dev = get_device(device)
+        for B, N, Nkv, Sq, Skv, D, dt, causal, window, extra in [
+                (1, 8, 8, 513, 513, 128, "float32", True, 0, {}), (4, 4, 4, 129, 129, 80, "float16", False, 0, {}),
+                (2, 12, 4, 300, 300, 64, "float16", True, 0, {"return_stats": True}),
+                (2, 2, 2, 77, 190, 64, "float32", False, 0, {"return_probs": True}),
+                (1, 4, 2, 257, 257, 64, "bfloat16", True, 100, {}),
+                (2, 4, 4, 129, 129, 64, "float16", False, 0, {"mask": ((2, 1, 129, 129), "bool")})]:
+            specs = (((B, N, Sq, D), dt), ((B, Nkv, Skv, D), dt), ((B, Nkv, Skv, D), dt))
+            mask = extra.get("mask")
+            mask_spec = None if mask is None else (mask[1], True, True)
+            for t, counts in _candidates(dev, Sq, Skv, D, D, dt, mask_spec):
+                nq, nkv = -(-Sq // t["q"]), -(-Skv // t["kv"])
+                if B * N * nq > REPLAY_UNITS:
+                    continue
+                args = (dev, specs, mask, causal, t, counts, extra.get("return_probs", False), False,
+                        extra.get("return_stats", False), False, None, window)
+                low = kernel_cycles(dev, *_model(*args, bound=True)[:3])
+                exact = kernel_cycles(dev, *_model(*args)[:3])
+                assert 0 < low <= exact * (1 + 1e-12), (device, specs, t, low, exact)
+                kinds, block, _, _, qc = _launch_kinds(nq, nkv, Sq, Skv, t["q"], t["kv"], causal, window)
+                tal = _core_tallies(B, N, nq, nkv, Sq, Skv, t["q"], t["kv"], causal, dev.cube_cores, window, N // Nkv)
+                deal = _core_deal(B, N, nq, nkv, Sq, Skv, t["q"], t["kv"], causal, dev.cube_cores, False, window)
+                core_of = np.repeat(np.arange(len(deal.per)), deal.per)
+                steps = np.bincount(core_of * nq + deal.qi, minlength=len(deal.per) * nq).reshape(-1, nq) @ block
+                assert kinds == tal.kinds and qc == tal.qc and (steps == tal.counts).all()
+                seen += 1
+    assert seen >= 30, seen
