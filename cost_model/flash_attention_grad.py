@@ -334,16 +334,17 @@ def _l2_plan(device, specs, mask, drop, stats):
                    hbm_ph0, hbm_ph1, state, main, cast, hbm)
 
 
-def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, window=0):
+def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, window=0, sharp=False):
     """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
     left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
-    cycles are a lower bound of the exact ones (see :func:`_search`)."""
+    cycles are a lower bound of the exact ones (see :func:`_search`). ``sharp`` (with ``bound``): the statistics
+    sweep as the exact model prices it (its dealing and replay), a sharper bound."""
     cores = dev.cube_cores
 
-    def deal(BN, steps, summary):
+    def deal(BN, steps, summary, exact=False):
         # the dealing of units of these steps per block, or (bound) its lower bounds from their summary
-        return _schedule_floor(BN, *summary(), bool(causal), cores) if bound else \
+        return _schedule_floor(BN, *summary(), bool(causal), cores) if bound and not exact else \
             _schedule(BN, steps(), bool(causal), cores)
 
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
@@ -414,7 +415,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     if stats:
         n1, T1, items1 = deal(B * N, lambda: _q_steps(Sq, Skv, qb, kvb, causal, window),
                               lambda: (nq, max(_q_steps(Sq, Skv, qb, kvb, causal, window)) if window else
-                                       ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count))
+                                       ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count), sharp)
         qe, ke = (min(qb, Sq) if causal else qe_avg), ke_avg
         rows = qe / nh
         p1 = _Port(dev, n1)
@@ -437,7 +438,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         if B * N * nq <= REPLAY_UNITS and l2p.hbm_ph1 <= l2p.q_b + l2p.kv_k + l2p.mask_b:
             # few items, Q and K read once from HBM: the phase replayed core by core (the forward's deal)
             ph1 = _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
-                                drop, cap, bound)
+                                drop, cap, bound and not sharp)
         else:
             ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
                 + cube1 + vec1 + p1.unit["fixpipe"]
@@ -979,7 +980,9 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     bubble) scale with the blocks per step, plus a fill that grows with the blocks per step; HBM bytes only
     grow with the lines. So the bound is at most the exact cycles, and the
     candidates are modelled exactly in the order of their bounds until the next bound exceeds the best found:
-    none of the rest can be cheaper. A candidate that does not fit is passed over, whenever its fit is checked
+    none of the rest can be cheaper. Once a best is found, a candidate is first bounded again with its statistics
+    sweep priced as the model prices it (``sharp``: the bound's loosest part for short launches) and passed over
+    when that is above the best. A candidate that does not fit is passed over, whenever its fit is checked
     (:data:`SMALL_TILE`)."""
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
@@ -996,6 +999,13 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
             break
         if cands[i]["q"] * cands[i]["kv"] <= SMALL_TILE and not fits(cands[i]):
             continue
+        if best is not None and stats:
+            # before the whole model, a sharper bound: the statistics sweep as the model prices it (its dealing and
+            # replay are then cached for the model)
+            low = kernel_cycles(dev, *_model(dev, specs, mask, causal, cands[i], drop, stats, True, cap, window,
+                                             sharp=True)[:3])
+            if low > best[0] * (1 + ROUNDING):
+                continue
         res = _model(dev, specs, mask, causal, cands[i], drop, stats, cap=cap, window=window)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or (cost, i) < best[:2]:

@@ -177,9 +177,9 @@ def test_handoff_lines_are_the_walked_regions():
 
 
 def test_search_bound_never_exceeds_the_model_and_keeps_its_choice():
-    """Each candidate tiling's bound (the model on the dealings' lower bounds) is at most its modelled cycles,
-    and the search that skips candidates by their bounds chooses what trying them all chooses (the first of
-    the cheapest)."""
+    """Each candidate tiling's bound (the model on the dealings' lower bounds) is at most its sharper bound (the
+    statistics sweep as modelled), which is at most its modelled cycles, and the search that skips candidates by
+    their bounds chooses what trying them all chooses (the first of the cheapest)."""
     rng = random.Random(2)
     shapes = [(1, 2, 1, 77, 50, 64, 64), (2, 4, 2, 256, 256, 64, 64), (1, 8, 8, 130, 130, 80, 64),
               (3, 6, 2, 300, 1000, 128, 128), (2, 2, 2, 1000, 200, 64, 128), (1, 4, 1, 513, 513, 96, 96)]
@@ -197,8 +197,11 @@ def test_search_bound_never_exceeds_the_model_and_keeps_its_choice():
                 exact = [kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats)[:3]) for t in cands]
                 for t, x in zip(cands, exact):
                     low = kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats, bound=True)[:3])
+                    sharp = kernel_cycles(dev, *fag._model(dev, specs, mask, causal, t, drop, stats, bound=True,
+                                                           sharp=True)[:3])
                     # the margin the search allows for the two evaluations' rounding (relative 1e-9)
-                    assert low <= x * (1 + fag.ROUNDING), (shape, device, causal, stats, t, low, x)
+                    assert low <= sharp * (1 + fag.ROUNDING) and sharp <= x * (1 + fag.ROUNDING), \
+                        (shape, device, causal, stats, t, low, sharp, x)
                 chosen, _ = fag._search(device, specs, mask, causal, drop, stats)
                 assert chosen == cands[exact.index(min(exact))], (shape, device, causal, stats)
 
