@@ -35,8 +35,8 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import (REPLAY_UNITS, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts, _placement,
-                                       _spans, attended_pairs)
+from cost_model.flash_attention import (REPLAY_UNITS, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
+                                       _launch_kinds, _placement, _spans, attended_pairs)
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -652,11 +652,12 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
         return fixed, k_xfer, rest, rest_port, max(cube, mte1, vec, k_xfer), \
             qe * D * isz / rate["GM->L1"] + _r16(qe) * D * isz / rate["L1->L0A"] + cube + vec + p.unit["fixpipe"]
 
-    if bound:          # every step at least the least busiest unit of any kind, over the mean core: no deal
-        lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
-        kinds = {(qe, ke, m) for qe in (min(qb, Sq), Sq - (nq - 1) * qb) for ke in (min(kvb, Skv), Skv - (nkv - 1) * kvb)
-                 for m in (False, True)}
-        return float(B * N * int((hi - lo).sum()) / n1 * min(kind(*k)[4] for k in kinds))
+    if bound:          # every step at least its kind's busiest unit that no port wait touches, over the mean core
+        kinds, block, _, _, _ = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+        floor = 0.0
+        for (qe, ke, m), c in zip(kinds, block.sum(0).tolist()):
+            floor += c * max(*_stats_units(dev, qe, ke, float(m), D, dtype, mpass, cap), ke * D * isz / rate["GM->L1"])
+        return B * N * floor / n1
     tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, N // Nkv)
     table = np.array([kind(qe, ke, m) for qe, ke, m in tal.kinds]).T
     fixed, k_xfer, rest, rest_port, floor, fill = table
@@ -676,18 +677,26 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     return float(np.maximum(t, gm).max())
 
 
+def _stats_units(dev, qe, ke, part, D, dtype, mpass, cap):
+    """The Cube's S, the K^T move and the Vector's passes of one step of the statistics sweep (:func:`_stats_step`)."""
+    isz = itemsize(dtype)
+    rows = qe / (2 if dev.arch == "split" else 1)
+    cube = ceil_div(int(qe), 16) * ceil_div(D, dev.cube_k0[dtype]) * ceil_div(int(math.ceil(ke)), 16)
+    mte1 = D * _r16(ke) * isz / dev.rates["L1->L0B"]
+    vec = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * part * 2 \
+        + math.ceil(rows / 64) * 5
+    return cube, mte1, vec
+
+
 def _stats_step(dev, p, qe, ke, part, D, dtype, mpass, cap, nv, mask_load):
     """One step of the statistics sweep, ``qe`` query rows over ``ke`` keys (``part``: the share of such steps
     crossing the diagonal or the window's left edge, two Vector passes more): (the Cube's S, the K^T move, the
     Vector's passes); the S hand-off (split cores: out to GM and into the AIVs' UB; coupled: L0C->UB) and the mask's
     loads (``mask_load``: bytes per vector core and the hit fraction, or False) added to the port ``p``."""
     split = dev.arch == "split"
-    isz, rate = itemsize(dtype), dev.rates
+    rate = dev.rates
     rows = qe / (2 if split else 1)
-    cube = ceil_div(int(qe), 16) * ceil_div(D, dev.cube_k0[dtype]) * ceil_div(int(math.ceil(ke)), 16)
-    mte1 = D * _r16(ke) * isz / rate["L1->L0B"]
-    vec = _vec_rep(rows, ke) * (5 + mpass + (SOFTCAP_PASSES if cap else 0)) + _vec_rep(rows, ke) * part * 2 \
-        + math.ceil(rows / 64) * 5
+    cube, mte1, vec = _stats_units(dev, qe, ke, part, D, dtype, mpass, cap)
     if mask_load:
         p.add("vmte2", "GM->UB", mask_load[0], nv, hit=mask_load[1], vec=True)
     if split:
