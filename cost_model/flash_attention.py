@@ -491,7 +491,7 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
     worked = (los[:, None] <= j) & (j < his[:, None])
     kc = (kext != kext[0])[None, :]
 
-    def sweep(probs, base, core_of=None):
+    def sweep(probs, base):
         """Per core and query extent (full, edge): the (slot, KV extent) pairs its blocks' worked tiles use, as
         bits ``slot * 2 + (edge KV tile)``, with the first step at ``base``; and each core's step count."""
         i = j if probs else j - los[:, None]              # a tile's step within its block
@@ -502,7 +502,7 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
         U_core = np.repeat(np.arange(len(ulen)), ulen)
         L = steps[U_qi]
         cum = np.cumsum(L) - L
-        start = cum - np.repeat((np.cumsum(np.concatenate(([0], L)))[np.cumsum(ulen) - ulen]), ulen)
+        start = cum - np.repeat(cum[np.cumsum(ulen) - ulen], ulen)     # (every dealt core holds a unit)
         M = np.zeros((ncores, 2), dtype=np.int64)
         np.bitwise_or.at(M, (U_core, (qeb[U_qi] != qeb[0]).astype(np.int64)), bits[U_qi, (base + start) % 2])
         return M, np.bincount(U_core, weights=L, minlength=ncores)
