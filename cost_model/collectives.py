@@ -251,7 +251,6 @@ def estimate_all_reduce(dev, specs, world=None, algorithm=None, rank=0, comm=Non
     p = _world(world)
     rep = LinkReplay(dev, p, dtype)
     end = rep.all_reduce(n, list(range(p)), 0.0, _algorithm(dev, "all_reduce", p, algorithm, n * itemsize(dtype)))
-    b = n * itemsize(dtype)
     return _finish("all_reduce", dev, rep, end)
 
 
@@ -295,7 +294,6 @@ def estimate_all_to_all(dev, specs, world=None, algorithm=None, rank=0, comm=Non
     links = get_links(dev)
     rep.all_to_all([r * row for r in ins], [r * row for r in outs], list(range(p)), 0.0,
                    links.full_mesh and p <= links.mesh)
-    b = itemsize(dtype)
     return _finish("all_to_all", dev, rep, rep.last)
 
 

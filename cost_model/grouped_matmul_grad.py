@@ -110,7 +110,6 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     first = np.cumsum(per) - per
     step = np.empty(len(arr), dtype=np.int64)
     step[by_core] = np.arange(len(arr)) - np.repeat(first, per)
-    S = int(per.max())
     a_b, b_b = pf * rf * isz, qf * rf * isz
     # L2: the outer block's operand hits for every inner block after the first; the inner operand hits after
     # the first outer block when the group's rows of it, two outer blocks and the output tiles between fit

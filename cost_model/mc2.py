@@ -176,7 +176,7 @@ def _resident(device, M, N, K, dtype, t):
     (double-buffered); the fill is x's load into every core (one miss, the rest L2 hits) and the first chunk."""
     dev, t = get_device(device), dict(t)
     isz = itemsize(dtype)
-    m0, n0, k1 = t["m0"], t["n0"], t["k1"]
+    n0, k1 = t["n0"], t["k1"]
     n = min(dev.cube_cores, ceil_div(N, n0))
     b = K * n0 * isz
     rates = dev.rates

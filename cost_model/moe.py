@@ -346,7 +346,6 @@ def estimate_index_add(dev, specs, alpha=1.0, tiling=None):
     hc = min(int((tiling or {}).get("cols", 0)) or
              _row_chunks(dev, H, dtype, [((pad(block, specs[1][1]),), specs[1][1])] * 2), H)
     n = min(dev.vector_cores, max(V, N))
-    nch = ceil_div(H, hc)
     core = 0.0
     busy = {"mte2": 0.0, "mte3": 0.0, "vector": 0.0}
     for c0 in range(0, H, hc):

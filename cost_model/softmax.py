@@ -146,7 +146,7 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
         start = ext = None
     else:
         start, ext = _blocks(kept, n, block, None if (rowwise and L.mask is None) else period)
-        worst, tot, act = ext.max(axis=0).astype(float), ext.sum(axis=0).astype(float), (ext > 0).sum(axis=0)
+        worst, tot = ext.max(axis=0).astype(float), ext.sum(axis=0).astype(float)
     S = len(worst)
     nchunks = ceil_div(C, chunk)
     one = nchunks == 1
@@ -210,7 +210,7 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
             instr = pi + lowp_out + 1 + 2 * (not log) + 2
             tasks.append((k, cv, 2, vec, instr, True))
     T = len(tasks)
-    L2, L2bw, HBMbw, rate = dev.l2_bytes, dev.l2_bytes_per_cycle, dev.hbm_bytes_per_cycle, dev.rates["GM->UB"]
+    L2, HBMbw, rate = dev.l2_bytes, dev.hbm_bytes_per_cycle, dev.rates["GM->UB"]
     step_bytes = tot * C * isz
     # per (step, task) arrays, step-major
     xb_w = np.zeros((S, T))
