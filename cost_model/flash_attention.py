@@ -164,8 +164,8 @@ def _valid(dev, t):
 
 # a searched tiling must beat the kernel's default by more than the model's typical error to replace it
 DEFAULT_MARGIN = 0.05
-# a bound and the model round differently in their last bits: a candidate is passed over only when its bound is above
-# the best by far more than that
+# a bound and the model round differently in their last bits (a few dozen operations of relative error 2^-53 each):
+# a candidate is passed over only when its bound is above the best by far more than that (both attention searches)
 ROUNDING = 1e-9
 #: Vector passes of logit soft-capping per score: muls 1/c, an fp32 tanh (six passes: muls 2, exp, adds 1,
 #: reciprocal, muls -2, adds 1), muls c
@@ -748,16 +748,16 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     if bound and B * N * nq <= REPLAY_UNITS:
         # each core's time is at least its first item's fill (its Q load at the core's own transfer time), its steps
         # at their kinds' units that no port wait touches and its items' ends (from the deal, without the replay)
-        kinds, block, first, last, qc = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+        kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
         deal = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, False, window)
-        nc, nk = len(deal.per), len(kinds)
+        nc, nk = len(deal.per), len(kk.kinds)
         core_of = np.repeat(np.arange(nc), deal.per)
-        steps = np.bincount(core_of * nq + deal.qi, minlength=nc * nq).reshape(nc, nq) @ block
-        ends = np.bincount(core_of * nk + last[deal.qi], minlength=nc * nk).reshape(nc, nk)
-        priced = [price(qe_, ke_, float(m_), False, qc=qc) for qe_, ke_, m_ in kinds]
+        steps = np.bincount(core_of * nq + deal.qi, minlength=nc * nq).reshape(nc, nq) @ kk.block
+        ends = np.bincount(core_of * nk + kk.last[deal.qi], minlength=nc * nk).reshape(nc, nk)
+        priced = [price(qe_, ke_, float(m_), False, qc=kk.qc) for qe_, ke_, m_ in kk.kinds]
         fixed, end_k = np.array([p[4]["fixed"] for p in priced]), np.array([p[1] for p in priced])
         fill_k = np.array([p[3] - p[4]["q_load"] + p[4]["q_xfer"] for p in priced])
-        core = float((fill_k[first[deal.qi[np.cumsum(deal.per) - deal.per]]] + (steps * fixed).sum(1)
+        core = float((fill_k[kk.first[deal.qi[np.cumsum(deal.per) - deal.per]]] + (steps * fixed).sum(1)
                       + (ends * end_k).sum(1)).max())
     elif B * N * nq <= REPLAY_UNITS:                  # few units: each core's own steps, priced by their extents
         # (each step kind priced with the launch's mean transfers, then again with each core's own K/V port wait)
@@ -821,11 +821,24 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     return core, float(hbm), nbytes, busy, ws_bytes
 
 
+class Kinds(NamedTuple):
+    """The main sweep's step kinds (:func:`_launch_kinds`); arrays shared through the cache: read only. ``kinds[k]`` =
+    (query rows, KV extent, masked); ``code[qi, j]`` the kind of block ``qi``'s step on KV tile ``j`` (where it walks
+    it); per block, ``block[qi, k]`` its steps of kind k, ``first`` and ``last`` its first and last step's kind;
+    ``qc`` the launch's mean query rows per step."""
+    kinds: tuple
+    code: np.ndarray
+    block: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    qc: float
+
+
 @cached
-def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0):
-    """The main sweep's step kinds as :func:`_core_tallies` codes and orders them, per query block (no deal): (the
-    kinds, each block's steps of each kind, each block's first and last step's kind, the launch's mean query rows per
-    step). Arrays shared through the cache: read only."""
+def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0) -> Kinds:
+    """The main sweep's step kinds, per query block, before any deal: a step's kind is its block's query rows (full
+    or edge), its KV tile's extent (full or edge) and whether the tile is masked; the kinds present are numbered in
+    that order."""
     lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
     L = hi - lo
     qeb, kext, masked = _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
@@ -840,7 +853,7 @@ def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0):
     qi = np.arange(nq)
     qes, kes = (int(qeb[0]), int(qeb[-1])), (int(kext[0]), int(Skv - (nkv - 1) * kvb))
     kinds = tuple((qes[c_ >> 2], kes[(c_ >> 1) & 1], bool(c_ & 1)) for c_ in uniq.tolist())
-    return kinds, block, tcode[qi, lo], tcode[qi, hi - 1], float((qeb * L).sum() / L.sum())
+    return Kinds(kinds, tcode, block, tcode[qi, lo], tcode[qi, hi - 1], float((qeb * L).sum() / L.sum()))
 
 
 class Tally(NamedTuple):
@@ -878,22 +891,12 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     rows from (to) HBM."""
     U_qi, U_bh, ulen = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, False, window)
     n = len(ulen)
-    # per query block: its tiles' kinds and extents
+    # per query block: its tiles and their extents, and its steps' kinds
     lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
     L = hi - lo
-    qeb, kfull, mfull = _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
-    J = lo[:, None] + np.arange(int(L.max()))[None, :]
-    valid = np.arange(J.shape[1])[None, :] < L[:, None]
-    Jc = np.minimum(J, nkv - 1)                       # (past a block's last tile: not read)
-    kext, masked = kfull[Jc], mfull[np.arange(nq)[:, None], Jc]
-    # a step's kind: full or edge query block, full or edge KV tile, masked or not
-    kcode = ((qeb != qeb[0])[:, None] * 2 + (kext != kext[0, 0])) * 2 + masked
-    present = np.bincount(kcode[valid], minlength=8) > 0
-    uniq = np.flatnonzero(present)
-    tcode = (np.cumsum(present) - 1)[kcode]
-    qes, kes = (int(qeb[0]), int(qeb[-1])), (int(kext[0, 0]), int(Skv - (nkv - 1) * kvb))
-    kinds = tuple((qes[c_ >> 2], kes[(c_ >> 1) & 1], bool(c_ & 1)) for c_ in uniq.tolist())
-    nk = len(kinds)
+    qeb, kext, _ = _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+    kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+    nk = len(kk.kinds)
     # units (items) in core order, then their steps
     U_core = np.repeat(np.arange(n), ulen)
     U_L = L[U_qi]
@@ -908,10 +911,11 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     S_s = U_s0[S_unit] + S_idx
     S_c = U_core[S_unit]
     S_qi = U_qi[S_unit]
-    S_code = tcode[S_qi, S_idx]
-    S_ke = kext[S_qi, S_idx].astype(float)
+    S_j = lo[S_qi] + S_idx                            # the step's KV tile
+    S_code = kk.code[S_qi, S_j]
+    S_ke = kext[S_j].astype(float)
     kvh = (U_bh // N) * (N // group) + (U_bh % N) // group
-    S_key = kvh[S_unit] * nkv + J[S_qi, S_idx]
+    S_key = kvh[S_unit] * nkv + S_j
     # K/V: the first reading of each tile, in instruction order (step, then core)
     at = S_s * n + S_c
     first = np.full(int(S_key.max()) + 1, at.max() + 1)
@@ -926,7 +930,7 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     hit = np.bincount(slot, weights=np.where(whole, 0.0, H[S_s]), minlength=size).reshape(n, nk)
     miss = np.bincount(slot, weights=np.where(missed, M[S_s], 0.0), minlength=size).reshape(n, nk)
     counts = np.bincount(slot, minlength=size).reshape(n, nk).astype(float)
-    ends = np.bincount(U_core * nk + tcode[U_qi, U_L - 1], minlength=size).reshape(n, nk).astype(float)
+    ends = np.bincount(U_core * nk + kk.last[U_qi], minlength=size).reshape(n, nk).astype(float)
     same = S_c[1:] == S_c[:-1]
     pslot = ((S_c[:-1] * nk + S_code[:-1]) * nk + S_code[1:]) * 2 + S_s[:-1] % 2
     pairs = np.bincount(pslot[same], minlength=size * nk * 2).reshape(n, nk, nk, 2).astype(float)
@@ -937,9 +941,9 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     later[core_first] = False
     idx = np.flatnonzero(later)
     core_last = np.cumsum(ulen) - 1
-    return Tally(kinds, counts, hit, miss, ends, pairs, tcode[U_qi[core_first], 0], float(qrows[0]),
-                 orows[U_s1[core_last]], U_core[idx], tcode[U_qi[idx], 0], orows[U_s1[idx - 1]], qrows[U_s0[idx]],
-                 float((qeb * L).sum() / L.sum()))
+    return Tally(kk.kinds, counts, hit, miss, ends, pairs, kk.first[U_qi[core_first]], float(qrows[0]),
+                 orows[U_s1[core_last]], U_core[idx], kk.first[U_qi[idx]], orows[U_s1[idx - 1]], qrows[U_s0[idx]],
+                 kk.qc)
 
 
 def replay_time(tal: Tally, priced, kvport, q_row, out_row, split) -> float:

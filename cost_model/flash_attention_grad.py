@@ -35,7 +35,7 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.flash_attention import (REPLAY_UNITS, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
+from cost_model.flash_attention import (REPLAY_UNITS, ROUNDING, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
                                        _launch_kinds, _placement, _spans, attended_pairs)
 
 F32 = "float32"
@@ -649,18 +649,18 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
                     mte1 + cube if serial else 0.0)
         rest = 0.0 if split else p.unit["vmte2"]           # coupled: the mask loads on the one MTE2 queue and port
         rest_port = p.port + (0.0 if split else p.vport)
-        return fixed, k_xfer, rest, rest_port, max(cube, mte1, vec, k_xfer), \
+        return fixed, k_xfer, rest, rest_port, \
             qe * D * isz / rate["GM->L1"] + _r16(qe) * D * isz / rate["L1->L0A"] + cube + vec + p.unit["fixpipe"]
 
     if bound:          # every step at least its kind's busiest unit that no port wait touches, over the mean core
-        kinds, block, _, _, _ = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+        kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
         floor = 0.0
-        for (qe, ke, m), c in zip(kinds, block.sum(0).tolist()):
+        for (qe, ke, m), c in zip(kk.kinds, kk.block.sum(0).tolist()):
             floor += c * max(*_stats_units(dev, qe, ke, float(m), D, dtype, mpass, cap), ke * D * isz / rate["GM->L1"])
         return B * N * floor / n1
     tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, N // Nkv)
     table = np.array([kind(qe, ke, m) for qe, ke, m in tal.kinds]).T
-    fixed, k_xfer, rest, rest_port, floor, fill = table
+    fixed, k_xfer, rest, rest_port, fill = table
     P = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * (D * isz), tal.counts, out=np.zeros_like(tal.hit),
                   where=tal.counts > 0)
     mte2 = np.maximum(k_xfer, P) + rest
@@ -969,9 +969,6 @@ def _roofline(dev, specs, mask=None, causal=False, drop=False, window=0, **_):
 # their fit only when one comes to be modelled; larger ones often overflow and are checked before their bound
 SMALL_TILE = 64 * 32
 
-# the bound and the model round differently in their last bits (a few dozen operations of relative error
-# 2^-53 each): a candidate is passed over only when its bound is above the best by far more than that
-ROUNDING = 1e-9
 
 
 @cached
@@ -982,7 +979,7 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
     bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines,
     the Dr phase's loads overlapping its sums, the shorter of its two forms, a replayed statistics sweep as
-    its mean core's steps at their kinds' least busiest unit, and no L0 ring chain (which only adds)
+    its mean core's steps at each kind's busiest unit that no port wait touches, and no L0 ring chain (which only adds)
     (``bound=True``). The model's
     cycles never decrease as its cores, steps, blocks (at a given steps count) or blocks per step grow: each
     phase's time is its steps times a step's busiest unit, whose per-block terms (K and V loads, the unit's

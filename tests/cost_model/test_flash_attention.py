@@ -120,11 +120,11 @@ def test_the_searchs_bound_never_exceeds_the_model():
                 low = kernel_cycles(dev, *_model(*args, bound=True)[:3])
                 exact = kernel_cycles(dev, *_model(*args)[:3])
                 assert 0 < low <= exact * (1 + 1e-12), (device, specs, t, low, exact)
-                kinds, block, _, _, qc = _launch_kinds(nq, nkv, Sq, Skv, t["q"], t["kv"], causal, window)
+                kk = _launch_kinds(nq, nkv, Sq, Skv, t["q"], t["kv"], causal, window)
                 tal = _core_tallies(B, N, nq, nkv, Sq, Skv, t["q"], t["kv"], causal, dev.cube_cores, window, N // Nkv)
                 deal = _core_deal(B, N, nq, nkv, Sq, Skv, t["q"], t["kv"], causal, dev.cube_cores, False, window)
                 core_of = np.repeat(np.arange(len(deal.per)), deal.per)
-                steps = np.bincount(core_of * nq + deal.qi, minlength=len(deal.per) * nq).reshape(-1, nq) @ block
-                assert kinds == tal.kinds and qc == tal.qc and (steps == tal.counts).all()
+                steps = np.bincount(core_of * nq + deal.qi, minlength=len(deal.per) * nq).reshape(-1, nq) @ kk.block
+                assert kk.kinds == tal.kinds and kk.qc == tal.qc and (steps == tal.counts).all()
                 seen += 1
     assert seen >= 30, seen
