@@ -10,7 +10,9 @@ Cube, dV, dK accumulated in L0C, dQ atomically added into the workspace; and the
 
 A launch of few items whose Q and K stay in L2 prices the statistics sweep core by core from the forward's deal,
 replayed step by step (:func:`_stats_replay`). In the main phase, where the kernel's L0 rings hold one tile, the
-Cube and MTE1 run in series (:func:`_l0_period`).
+Cube and MTE1 run in series (:func:`_l0_period`); where a sequence leaves an edge block, each core's steps are
+priced by their own extents (:func:`_core_extents`: dealt round-robin, one core may hold only full KV blocks and
+another only the edge one), the port they share at the chip's mean extents.
 
 A step lasts as long as its busiest unit (Cube, MTE1, MTE2, FixPipe, Vector, MTE3) or the core's GM port,
 which every transfer of the core shares: a lockstep transfer of ``n`` cores takes ``n·bytes / L2 bandwidth``
@@ -147,6 +149,46 @@ def _deal(base, reps, ncores, owners=False):
     return (n, top // K, max(x // n % K for x in heap)), owner
 
 
+@cached
+def _core_extents(BN, per_block, causal, ncores, edge_rows, edge_keys, mean=False):
+    """The main phase's steps on each dealt core by extent, ``[cores, 4]``: (full rows, full keys), (edge rows,
+    full keys), (full rows, edge keys), (edge rows, edge keys). Each KV block's unit of ``per_block[j]`` steps
+    holds ``edge_rows`` steps of the edge query block (one per query head; 0: none) and the last block's are
+    the edge keys' (``edge_keys``). ``mean`` (the search's bound, which does not deal): where the dealing is not
+    round-robin (:func:`_schedule_floor`), one row, a lower bound of the dealt cores' mean (the steps over as many
+    cores as there are blocks, at most ``ncores``). None, in either mode, for more than REPLAY_UNITS blocks of
+    unequal steps, which the dealer would walk one by one (the launch's shares stand in)."""
+    nb = len(per_block)
+    equal = len(set(per_block)) == 1
+    if BN * nb > REPLAY_UNITS and not equal:
+        return None
+    last = nb - 1 if edge_keys else -1
+    if mean and not (equal and (not causal or nb % 2 == 0 or nb == 1)):
+        edge = per_block[last] if last >= 0 else 0
+        full_blocks = nb - (last >= 0)
+        row = [sum(per_block) - edge - edge_rows * full_blocks, edge_rows * full_blocks,
+               edge - edge_rows * (last >= 0), edge_rows * (last >= 0)]
+        return np.array([row], dtype=float) * (BN / min(ncores, BN * nb))
+    (n, _, _), paired = _dealing(BN, per_block, causal, ncores)
+    ids = _pair_units(list(range(nb))) if paired else [[j] for j in range(nb)]
+    kind = []
+    for blocks in ids:
+        k = [0, 0, 0, 0]
+        for j in blocks:
+            e = 2 if j == last else 0
+            k[e] += per_block[j] - edge_rows
+            k[e + 1] += edge_rows
+        kind.append(k)
+    units = [[per_block[j] for j in blocks] for blocks in ids]
+    rows = np.tile(np.array(kind, dtype=float), (BN, 1))     # the units in dealing order
+    if len({(sum(u), len(u)) for u in units}) == 1:     # equal units: round-robin (:func:`_deal`)
+        pad = (-len(rows)) % n
+        return (np.concatenate([rows, np.zeros((pad, 4))]) if pad else rows).reshape(-1, n, 4).sum(axis=0)
+    out = np.zeros((n, 4))
+    np.add.at(out, _deal(units, BN, ncores, owners=True)[1], rows)
+    return out
+
+
 def _pair_units(per_block):
     nb = len(per_block)
     return [[per_block[i], per_block[nb - 1 - i]] for i in range(nb // 2)] + ([[per_block[nb // 2]]] if nb % 2 else [])
@@ -210,14 +252,15 @@ class _Port:
         self.vport = 0.0
         self.hits = {False: 0.0, True: 0.0}     # the ports' L2-hit cycles alone (cube / vector side)
 
-    def add(self, unit, path, nbytes, cores, hit=1.0, vec=False, every=1.0):
+    def add(self, unit, path, nbytes, cores, hit=1.0, vec=False, every=1.0, chip=None):
         """``nbytes`` per core over ``path`` on ``cores`` cores at once, ``every`` times per step on average;
-        ``hit``: the fraction that hits L2. The engine is busy until its cycles and its port share are done;
-        the port carries the share only."""
+        ``hit``: the fraction that hits L2; ``chip``: what each of those cores moves on average (default
+        ``nbytes``: cores doing alike). The engine is busy until its cycles and its port share are done; the port
+        carries the share only."""
         l2 = self.l2
-        share = cores * nbytes * (hit / l2 + (1 - hit) / self.hbm)
+        share = cores * (nbytes if chip is None else chip) * (hit / l2 + (1 - hit) / self.hbm)
         self.unit[unit] += every * max(nbytes / self.rates[path], share)
-        self.hits[vec] += every * cores * nbytes * hit / l2
+        self.hits[vec] += every * cores * (nbytes if chip is None else chip) * hit / l2
         if vec:
             self.vport += every * share
         else:
@@ -469,9 +512,11 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     granted = None if bound else _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats, cap)
     R2 = qb // nh
 
-    def step_of(qe, ke):
-        """One step of query rows ``qe`` against keys ``ke``: its time and its units' (and port's) shares."""
-        rows = qe / nh
+    def step_of(qe, ke, qc, kc):
+        """One step of query rows ``qe`` against keys ``ke``, the chip's cores at that step running ``qc`` rows
+        and ``kc`` keys each on average (what they move shares the port): its time and its units' (and port's)
+        shares."""
+        rows, rc = qe / nh, qc / nh
         qi, ki = int(math.ceil(qe)), int(math.ceil(ke))
         # stage B runs per half of the block's rows on split cores (each AIV's rows, as it stored them): each half
         # its own products and moves, each padded to whole fractals
@@ -488,23 +533,23 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
                 + qh16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
         p2 = _Port(dev, n2)
         # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
-        p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q)
-        p2.add("mte2", "GM->L1", ke * D * isz, kvc, hit=hit_kv, every=per_unit)       # K (read in phase 1)
-        p2.add("mte2", "GM->L1", ke * Dv * isz, kvc, hit=0.0, every=per_unit)         # V: its first read
-        p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2)                       # Pd, dS back from the workspace
-        p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True)                 # max, sum, Dr
+        p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q, chip=qc * (D + Dv) * isz)
+        p2.add("mte2", "GM->L1", ke * D * isz, kvc, hit=hit_kv, every=per_unit, chip=kc * D * isz)   # K (phase 1's)
+        p2.add("mte2", "GM->L1", ke * Dv * isz, kvc, hit=0.0, every=per_unit, chip=kc * Dv * isz)    # V: first read
+        p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2, chip=2 * qc * kc * isz)        # Pd, dS back from the workspace
+        p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True, chip=3 * rc * 4)        # max, sum, Dr
         if mask is not None:
-            p2.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - miss_mask * mask_b / (rows * ke * msz * nv * T2),
-                   vec=True)
+            p2.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - miss_mask * mask_b / (rc * kc * msz * nv * T2),
+                   vec=True, chip=rc * kc * msz)
         if drop:
-            p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True)
-        p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True)            # Pd, dS out
+            p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True, chip=rc * math.ceil(kc / 8))
+        p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True, chip=2 * rc * kc * isz)   # Pd, dS out
         vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
         if split:
-            p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2)                 # S, dP out
-            p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True)         # S, dP in
-            p2.add("fixpipe", "L0C->GM", qe * D * 4, n2)                      # dQ atomic add
-            p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
+            p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2, chip=2 * qc * kc * 4)           # S, dP out
+            p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True, chip=2 * rc * kc * 4)   # S, dP in
+            p2.add("fixpipe", "L0C->GM", qe * D * 4, n2, chip=qc * D * 4)                     # dQ atomic add
+            p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit, chip=kc * (D + Dv) * isz)
             mte3 = p2.unit["mte3"]
             mte2 = p2.unit["mte2"]
             vmte2 = p2.unit["vmte2"]
@@ -512,8 +557,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         else:
             p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
                 + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
-            p2.add("mte3", "UB->GM", qe * D * 4, n2)                          # dQ atomic add
-            p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit)
+            p2.add("mte3", "UB->GM", qe * D * 4, n2, chip=qc * D * 4)                         # dQ atomic add
+            p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit, chip=kc * (D + Dv) * isz)
             mte3 = p2.unit["mte3"]
             mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
             vmte2 = 0.0
@@ -534,7 +579,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
             dq_out = qe * D * 4
             # a unit's end (dK, dV out through UB on the same queues) and the next one's K, V loads sit in it too
             edge = ke * (D + Dv) * (isz / rate["UB->GM"] + 4 / rate["L0C->UB"] + isz / rate["GM->L1"])
-            chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * dq_out / L2bw)
+            chain = (cube_b + dq_out / rate["L0C->UB"] + max(dq_out / rate["UB->GM"], n2 * (qc * D * 4) / L2bw)
                      + pds / rate["UB->GM"] + pds / rate["GM->L1"] + (3 * k16 * q16 * isz / a + q16 * (Dv + D) * isz / b_)
                      + 2 * per_unit * edge)
         # the Q and dO tiles are a ring of two: step s+1's loads wait for step s-1's last read of its Q (the Q->L0B
@@ -542,8 +587,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         # step before and, coupled, the Pd and dS stores: both booked on the port ahead of them), dO->L0A and
         # V^T->L0B, dP, then stage B's products up to its last Q->L0B (coupled: dV; split: the first half's three)
         qdo = qe * (D + Dv) * isz
-        ahead = n2 * qe * D * 4 / L2bw + (0.0 if split else nv * pds / nh / L2bw)
-        ring = (max(qdo / rate["GM->L1"], n2 * qdo * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
+        ahead = n2 * qc * D * 4 / L2bw + (0.0 if split else nv * (2 * qc * kc * isz) / nh / L2bw)
+        ring = (max(qdo / rate["GM->L1"], n2 * (qc * (D + Dv) * isz) * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
                 + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
                 + (cdv if not split else cube_b / len(halves)) + (q16 if not split else _r16(halves[0])) * D * isz / b_)
         step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
@@ -566,9 +611,9 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
                         ("mm", (A % (R2, kvb), "kb0"), ceil_div(h, 16) * ceil_div(ki, k0f) * ceil_div(D, 16))]
             step2 = max(step2, _l0_period(seq, granted))
         # a unit's K and V (one L1 tile each) load after the last step of the unit before has moved them to L0B:
-        # the next S waits for the load, the chip's cores reading their units' K, V at once
+        # the next S waits for the load, shared with the other cores starting a unit at that step (kvc)
         kv_core = ke * (D + Dv) * isz
-        bubble = max(kv_core / rate["GM->L1"], n2 * ke * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
+        bubble = max(kv_core / rate["GM->L1"], kvc * kc * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
         step2 += per_unit * bubble
         fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
         return {"step": step2, "cube": cube2, "vec": vec2, "mte1": mte1, "mte2": max(mte2, vmte2), "mte3": mte3,
@@ -576,7 +621,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
 
     # the steps by extent: a query block's edge rows (every KV block's last query block, once per query head)
     # and the edge KV block's steps, priced apart from the full blocks' (a step's cost is not linear in its
-    # extent: whole fractals per half, fixed moves); their shares are the launch's, in either mode of the model
+    # extent: whole fractals per half, fixed moves), the port shared with the chip's other cores at their mean
+    # extents (the launch's shares)
     if window:
         q_mix, k_mix = [(1.0, min(qb, Sq) if causal else qe_avg)], [(1.0, ke_avg)]
     else:
@@ -584,14 +630,28 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         last = group * (nq - min((nkv - 1) * kvb, Sq) // qb) if causal else group * nq
         q_mix = _extent_mix(Sq, qb, min(1.0, group * nkv / max(1, total)))
         k_mix = _extent_mix(Skv, kvb, last / max(1, total))
-    parts = [(wq * wk, step_of(q_, k_)) for wq, q_ in q_mix for wk, k_ in k_mix if wq * wk > 0]
+    qc, kc = sum(w * x for w, x in q_mix), sum(w * x for w, x in k_mix)
+    kinds = [[step_of(q_, k_, qc, kc) for _, q_ in q_mix] for _, k_ in k_mix]    # [KV extent][query extent]
+    parts = [(wq * wk, kinds[b][a]) for b, (wk, _) in enumerate(k_mix) for a, (wq, _) in enumerate(q_mix)
+             if wq * wk > 0]
 
     def mixed(key):
         return sum(w * p[key] for w, p in parts)
 
     step2 = mixed("step")
     fill2 = parts[0][1]["fill"]
-    ph2 = max(T2 * step2, T2 * mixed("hit") + hbm_ph2 / HBMbw) + fill2
+    steps2 = T2 * step2
+    if len(parts) > 1:
+        # edge blocks: each core's own steps by extent (the launch's shares can miss the busiest core: dealt
+        # round-robin, a core may hold only full KV blocks); the bound takes them where the dealing is round-robin,
+        # else the cores' mean from the launch's counts (no deal)
+        per_block = _kv_steps(Sq, Skv, qb, kvb, group, causal, window)
+        by_core = _core_extents(B * Nkv, per_block, bool(causal), cores, group if len(q_mix) > 1 else 0,
+                                len(k_mix) > 1, bound)
+        if by_core is not None:
+            price = np.array([kinds[b][a]["step"] for b in (0, len(k_mix) - 1) for a in (0, len(q_mix) - 1)])
+            steps2 = float((by_core @ price).max())
+    ph2 = max(steps2, T2 * mixed("hit") + hbm_ph2 / HBMbw) + fill2
     for unit, key in (("cube", "cube"), ("vector", "vec"), ("mte1", "mte1"), ("mte2", "mte2"), ("mte3", "mte3"),
                       ("fixpipe", "fix")):
         busy[unit] += T2 * mixed(key)
@@ -979,7 +1039,8 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     Dealing the main phase's units to the cores is most of a model's work, so each candidate is first
     bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines,
     the Dr phase's loads overlapping its sums, the shorter of its two forms, a replayed statistics sweep as
-    its mean core's steps at each kind's busiest unit that no port wait touches, and no L0 ring chain (which only adds)
+    its mean core's steps at each kind's busiest unit that no port wait touches, no L0 ring chain (which only adds),
+    and a main phase with edge blocks priced core by core as its cores' mean (at most the busiest core's)
     (``bound=True``). The model's
     cycles never decrease as its cores, steps, blocks (at a given steps count) or blocks per step grow: each
     phase's time is its steps times a step's busiest unit, whose per-block terms (K and V loads, the unit's
