@@ -744,7 +744,8 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
                                       "fixed": fixed,
                                       "q_load": q_load, "upd": upd, "q_xfer": qe * D * isz / rate["GM->L1"]}
 
-    step, end, q_exposed, fill, u = price(qe, ke, part)
+    if not (bound and B * N * nq <= REPLAY_UNITS):    # (the short launches' bound prices their step kinds only)
+        step, end, q_exposed, fill, u = price(qe, ke, part)
     if bound and B * N * nq <= REPLAY_UNITS:
         # each core's time is at least its first item's fill (its Q load at the core's own transfer time), its steps
         # at their kinds' units that no port wait touches and its items' ends (from the deal, without the replay)
@@ -770,7 +771,6 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         core = replay_time(tal, priced, kvport, D * isz / HBMbw, Dv * isz / HBMbw, split)
     else:
         core = fill + T * step + items * (end + q_exposed)
-    stats_b = u["rows"] * 4                           # one vector core's rows of max (and of sum)
     stats = return_probs or return_stats
     if return_probs and not bound:
         pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group,
@@ -814,6 +814,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     ws_bytes = n * 2 * qb * kvb * isz + (n * 2 * qb * (kvb + Dv) * 4 if split else 0) \
         + (2 * B * N * Sq * 4 if return_probs else 0)
     busy = {k: T * u[k] for k in ("cube", "mte1", "mte2", "fixpipe", "vector", "mte3")}
+    stats_b = u["rows"] * 4                           # one vector core's rows of max (and of sum)
     busy["mte3"] += items * (u["out"] + (2 * stats_b if stats else 0)) / rate["UB->GM"]
     if return_probs:
         for k, c in pbusy.items():

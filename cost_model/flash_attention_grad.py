@@ -258,9 +258,10 @@ class _Port:
         ``nbytes``: cores doing alike). The engine is busy until its cycles and its port share are done; the port
         carries the share only."""
         l2 = self.l2
-        share = cores * (nbytes if chip is None else chip) * (hit / l2 + (1 - hit) / self.hbm)
+        moved = nbytes if chip is None else chip
+        share = cores * moved * (hit / l2 + (1 - hit) / self.hbm)
         self.unit[unit] += every * max(nbytes / self.rates[path], share)
-        self.hits[vec] += every * cores * (nbytes if chip is None else chip) * hit / l2
+        self.hits[vec] += every * cores * moved * hit / l2
         if vec:
             self.vport += every * share
         else:
@@ -652,8 +653,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
             price = np.array([kinds[b][a]["step"] for b in (0, len(k_mix) - 1) for a in (0, len(q_mix) - 1)])
             steps2 = float((by_core @ price).max())
     ph2 = max(steps2, T2 * mixed("hit") + hbm_ph2 / HBMbw) + fill2
-    for unit, key in (("cube", "cube"), ("vector", "vec"), ("mte1", "mte1"), ("mte2", "mte2"), ("mte3", "mte3"),
-                      ("fixpipe", "fix")):
+    for unit, key in () if bound else (("cube", "cube"), ("vector", "vec"), ("mte1", "mte1"), ("mte2", "mte2"),
+                                        ("mte3", "mte3"), ("fixpipe", "fix")):     # (a bound's busy is not read)
         busy[unit] += T2 * mixed(key)
 
     # ---- phase 3: dq = cast(workspace)
