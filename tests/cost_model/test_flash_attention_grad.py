@@ -4,6 +4,7 @@ orders the kernel's variants (saved statistics, causal) as the simulator does.""
 import heapq
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,7 +147,6 @@ def test_each_cores_steps_by_extent_are_its_dealt_blocks():
     """Each core's main-phase steps by extent (full or edge query rows, full or edge keys) equal a walk over the
     units the kernel's dealer gives it; the bound's rows (the dealt cores where the dealing is round-robin, else their
     mean or less) price the busiest core at most as high, whatever the prices."""
-    import numpy as np
     rng = random.Random(4)
     for _ in range(300):
         nb = rng.randint(1, 12)
