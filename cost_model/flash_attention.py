@@ -744,9 +744,10 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
                                       "fixed": fixed,
                                       "q_load": q_load, "upd": upd, "q_xfer": qe * D * isz / rate["GM->L1"]}
 
-    if not (bound and B * N * nq <= REPLAY_UNITS):    # (the short launches' bound prices their step kinds only)
+    short_bound = bound and B * N * nq <= REPLAY_UNITS
+    if not short_bound:                               # (a short launch's bound prices its step kinds only)
         step, end, q_exposed, fill, u = price(qe, ke, part)
-    if bound and B * N * nq <= REPLAY_UNITS:
+    if short_bound:
         # each core's time is at least its first item's fill (its Q load at the core's own transfer time), its steps
         # at their kinds' units that no port wait touches and its items' ends (from the deal, without the replay)
         kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)

@@ -149,6 +149,12 @@ def _deal(base, reps, ncores, owners=False):
     return (n, top // K, max(x // n % K for x in heap)), owner
 
 
+def _round_robin(nb, equal, causal):
+    """Whether ``nb`` blocks of ``equal`` steps are dealt round-robin whichever dealing the kernel takes: single
+    blocks always, and causal pairs when there is no middle block (the dealing is then known without dealing)."""
+    return equal and (not causal or nb % 2 == 0 or nb == 1)
+
+
 @cached
 def _core_extents(BN, per_block, causal, ncores, edge_rows, edge_keys, mean=False):
     """The main phase's steps on each dealt core by extent, ``[cores, 4]``: (full rows, full keys), (edge rows,
@@ -163,7 +169,7 @@ def _core_extents(BN, per_block, causal, ncores, edge_rows, edge_keys, mean=Fals
     if BN * nb > REPLAY_UNITS and not equal:
         return None
     last = nb - 1 if edge_keys else -1
-    if mean and not (equal and (not causal or nb % 2 == 0 or nb == 1)):
+    if mean and not _round_robin(nb, equal, causal):
         edge = per_block[last] if last >= 0 else 0
         full_blocks = nb - (last >= 0)
         row = [sum(per_block) - edge - edge_rows * full_blocks, edge_rows * full_blocks,
@@ -231,7 +237,7 @@ def _schedule_floor(BN, nb, top, total, causal, ncores):
     single dealing (n cores) ends above ``(BN·total - largest) // n + largest`` steps (the paired one is
     taken only when no longer): the blocks stand in scaled by the lower over that upper bound of the
     steps."""
-    if top * nb == total and (not causal or nb % 2 == 0 or nb == 1):
+    if _round_robin(nb, top * nb == total, causal):
         return _schedule(BN, (top,) * nb, causal, ncores)
     n = min(ncores, BN * nb)
     cores = min(ncores, BN * ceil_div(nb, 2)) if causal else n
@@ -1041,8 +1047,8 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     bounded: the model with the dealings' lower bounds (:func:`_schedule_floor`), no dirty hand-off lines,
     the Dr phase's loads overlapping its sums, the shorter of its two forms, a replayed statistics sweep as
     its mean core's steps at each kind's busiest unit that no port wait touches, no L0 ring chain (which only adds),
-    and a main phase with edge blocks priced core by core as its cores' mean (at most the busiest core's)
-    (``bound=True``). The model's
+    and a main phase with edge blocks priced core by core where the dealing is round-robin, else as its cores' mean
+    (at most the busiest core's) (``bound=True``). The model's
     cycles never decrease as its cores, steps, blocks (at a given steps count) or blocks per step grow: each
     phase's time is its steps times a step's busiest unit, whose per-block terms (K and V loads, the unit's
     bubble) scale with the blocks per step, plus a fill that grows with the blocks per step; HBM bytes only
