@@ -1250,6 +1250,7 @@ class Launch:
         self.allocated = []                # (GM tensor, bytes) of every launch.empty
         self.events: list = []
         self.streams: _Streams | None = None
+        self._phase = (0.0, 0, 0)          # the last SyncAll: (its time, HBM bytes and GM bytes moved by then)
 
     # ---------------------------------------------------------------- deferred values
     def defer(self) -> None:
@@ -1268,6 +1269,31 @@ class Launch:
         """Values issued after this point may depend on values any core computed before it."""
         if self.streams is not None:
             self.streams.submit((None, lambda: None))
+
+    def sync_all(self) -> float:
+        """Every core of every group waits for every other (CANN's SyncAll); returns the time the barrier
+        opens, after which values may depend on any core's (:meth:`barrier`).
+
+        That time is the latest core's end, and no earlier than the chip can move the bytes issued since the
+        last SyncAll through HBM and through L2. Within a phase the timelines share the GM port per lockstep
+        instruction only (overlapping instructions of different units each get the whole bandwidth), so a
+        phase could otherwise move its bytes faster than the chip allows; the barrier holds each phase to the
+        chip's bandwidths as :meth:`finish` holds the last phase and the whole launch."""
+        self.barrier()
+        t = max(float(g.end_time().max()) for g in self.groups)
+        self._phase = (self._port_floor(t), self.hbm_read + self.hbm_write, self._gm_bytes())
+        return self._phase[0]
+
+    def _gm_bytes(self) -> int:
+        """Bytes moved on every path to or from GM so far: each passes through L2."""
+        return sum(b for path, b in self.bytes.items() if "GM" in path)
+
+    def _port_floor(self, t: float) -> float:
+        """``t``, or the earliest time HBM and L2 can have moved the bytes issued since the last SyncAll."""
+        dev = self.device
+        t0, hbm0, gm0 = self._phase
+        return max(t, t0 + (self.hbm_read + self.hbm_write - hbm0) / dev.hbm_bytes_per_cycle,
+                   t0 + (self._gm_bytes() - gm0) / dev.l2_bytes_per_cycle)
 
     def _data(self, n: int, part=None, size: int = 0, whole=None) -> None:
         """The data work of an instruction: ``part(cores)`` for a slice of the ``n`` cores (split over host
@@ -1343,14 +1369,19 @@ class Launch:
     def finish(self) -> Stats:
         self.sync()
         dev = self.device
-        wb = self.l2.dirty_bytes()           # workspace still dirty in L2 is written back at the end
+        core_end = max((float(g.end_time().max()) for g in self.groups), default=0.0)
+        # the last phase since a SyncAll is held to the chip's bandwidths as each earlier one was; what is
+        # still dirty in L2 at the end (outputs, workspace) is written back at the end, but may drain while
+        # any phase runs: it counts in the whole launch's HBM bytes, not the last phase's
+        last = self._port_floor(core_end)
+        wb = self.l2.dirty_bytes()
         self.hbm_write += wb
         hbm = self.hbm_read + self.hbm_write
-        core_end = max((float(g.end_time().max()) for g in self.groups), default=0.0)
         # every GM transfer passes through L2: the chip cannot move more than its L2 bandwidth, whatever
-        # the overlap of the cores' instructions (each instruction shares it only among its own cores)
-        l2 = sum(b for path, b in self.bytes.items() if "GM" in path)
-        body = max(core_end, hbm / dev.hbm_bytes_per_cycle, l2 / dev.l2_bytes_per_cycle)
+        # the overlap of the cores' instructions (each instruction shares it only among its own cores), nor
+        # more than its HBM bandwidth
+        l2 = self._gm_bytes()
+        body = max(last, hbm / dev.hbm_bytes_per_cycle, l2 / dev.l2_bytes_per_cycle)
         cycles = int(math.ceil(body)) + dev.launch_cycles
         busy, busy_total, cores = {}, {}, {}
         for g in self.groups:

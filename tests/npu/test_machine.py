@@ -113,6 +113,40 @@ def test_gm_traffic_is_capped_by_l2_bandwidth():
     assert stats.cycles - stats.launch_cycles == int(np.ceil(gm / dev.l2_bytes_per_cycle))
 
 
+def test_syncall_opens_no_earlier_than_hbm_can_move_the_phase():
+    """Two groups reading distinct HBM regions at once: each instruction shares the GM port only among its own
+    cores, so together they finish sooner than HBM can deliver; SyncAll opens when it can, the phase after it
+    starts there, and the launch's last phase is held to HBM the same way."""
+    dev = get_device("ascend910b")
+    launch = Launch(dev, "hbmcap")
+    aic, aiv = launch.group("aic", dev.cube_cores), launch.group("aiv", dev.vector_cores)
+    n = dev.cube_cores + dev.vector_cores
+    x = launch.tensor(np.zeros((64 * 2 * n, 1024), np.float32), "float16", "x")
+    a, v = aic.alloc("L1", (64, 1024), "float16"), aiv.alloc("UB", (64, 1024), "float16")
+
+    def read(phase):                  # every core its own 128 KB region, never read before: all from HBM
+        first = 64 * n * phase
+        aic.load(a, x, [(slice(first + 64 * c, first + 64 * c + 64), slice(0, 1024)) for c in range(aic.n)],
+                 deps=(t,))
+        first += 64 * aic.n
+        aiv.load(v, x, [(slice(first + 64 * c, first + 64 * c + 64), slice(0, 1024)) for c in range(aiv.n)],
+                 deps=(t,))
+
+    t = 0.0
+    read(0)
+    phase_bytes = 64 * 1024 * 2 * n
+    assert launch.hbm_read == phase_bytes
+    core_end = max(float(g.end_time().max()) for g in launch.groups)
+    assert phase_bytes / dev.hbm_bytes_per_cycle > 1.2 * core_end       # the timelines overlap beyond HBM
+    t = launch.sync_all()
+    assert t == pytest.approx(phase_bytes / dev.hbm_bytes_per_cycle)
+    read(1)
+    assert max(float(g.end_time().max()) for g in launch.groups) < t + phase_bytes / dev.hbm_bytes_per_cycle
+    stats = launch.finish()
+    assert stats.hbm_bytes == 2 * phase_bytes
+    assert stats.cycles - stats.launch_cycles == int(np.ceil(2 * phase_bytes / dev.hbm_bytes_per_cycle))
+
+
 def test_stats_contract_and_trace():
     r = npu.run("matmul", np.ones((40, 24), np.float16), np.ones((24, 56), np.float16), device="ascend910",
                 tiling={"m0": 48, "n0": 64, "k0": 32, "k1": 32})

@@ -387,8 +387,7 @@ class _Program:
 
     def _sync(self):
         """Every core waits for every core (SyncAll): the later phase's deps."""
-        self.launch.barrier()
-        t = max(float(g.end_time().max()) for g in self.launch.groups)
+        t = self.launch.sync_all()
         return (np.full(self.cg.n, t), np.full(self.nv, t))
 
     # ---------------------------------------------------------------- phase 0: Dr = rowsum(dO∘O), dq := 0
@@ -446,7 +445,7 @@ class _Program:
     # ---------------------------------------------------------------- phase 1: the row statistics
     def phase_stats(self, deps):
         st = self.st_stats
-        cg, vg, D = self.cg, self.vg, self.D
+        cg, D = self.cg, self.D
         group = self.N // self.Nkv
         cdeps, vdeps = deps
         for s in range(st.T):
@@ -493,7 +492,6 @@ class _Program:
         ws = self.ws_s if ub == "s" else self.ws_dp
         slot = s % 2
         n = self.n
-        wact = self._act(work)
         rd = self.ends.get((ub + "_read", s - 2))
         ends = np.zeros(n)
         for hh in range(self.nh):               # per AIV's half: the region it loads (an L2 hit)
@@ -593,7 +591,7 @@ class _Program:
     # ---------------------------------------------------------------- phase 2: the gradients
     def stage_a(self, st, s, deps):
         """Loads (K, V on a unit's first step; Q_i, dO_i), S and dP on the Cube, P and dS on the Vector, out."""
-        cg, n, D, Dv, isz = self.cg, self.n, self.D, self.Dv, self.isz
+        cg, n, D, Dv = self.cg, self.n, self.D, self.Dv
         self.cur_a = None
         work = st.valid[s]
         if not work.any():
@@ -728,7 +726,6 @@ class _Program:
         q1, do1, qext, kext, q0, work = a_state
         if not work.any():
             return
-        wact = self._act(work)
         slot = s % 2
         b, hk, h, j = st.b[s], st.hk[s], st.h[s], st.j[s]
         k0 = j * self.kvb
