@@ -202,7 +202,11 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     pb = (B_hit / L2bw)[step] + np.where(~b_hit | (B_miss > 0)[step] & b_hit & same,
                                                                (B_miss / HBMbw)[step], 0)
     bias_b = nb * n * 4 if bias else 0.0
-    mte2 = np.maximum((a_b + b_b + bias_b) / rates["GM->L1"], pa + pb)
+    # each K chunk loads its A block, then its B block(s), one after the other on MTE2; a transfer holds the unit
+    # for its own time or its port time (the step's L2 hits and, when it waits for a miss, the step's HBM bytes),
+    # whichever is longer, and its port starts with it (the previous transfer's port ends by its end): the chunk
+    # lasts the A transfer's longer time plus the B transfers'
+    mte2 = np.maximum(a_b / rates["GM->L1"], pa) + np.maximum((b_b + bias_b) / rates["GM->L1"], pb)
     mte1 = K * isz * (np.ceil(m / 16) * 16 / rates["L1->L0A"] + nb * np.ceil(n / 16) * 16 / rates["L1->L0B"])
     out_b = m * n * osz
     prod_b = nb * m * n * osz if product else np.zeros_like(m)     # the stored product, both halves
