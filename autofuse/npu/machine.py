@@ -1280,9 +1280,24 @@ class Launch:
         phase could otherwise move its bytes faster than the chip allows; the barrier holds each phase to the
         chip's bandwidths as :meth:`finish` holds the last phase and the whole launch."""
         self.barrier()
-        t = max(float(g.end_time().max()) for g in self.groups)
-        self._phase = (self._port_floor(t), self.hbm_read + self.hbm_write, self._gm_bytes())
+        self._phase = (self._port_floor(self._core_end()), self.hbm_read + self.hbm_write, self._gm_bytes())
         return self._phase[0]
+
+    def elapsed(self) -> float:
+        """Cycles from the launch's start to its end, without the launch overhead: its latest core, its last phase
+        (since the last SyncAll) held to the chip's HBM and L2 bandwidths, and the whole launch held to them. What
+        is still dirty in L2 (outputs, workspace) is written back at the end but may drain while any phase runs:
+        it counts in the whole launch's HBM bytes, not the last phase's. Every GM transfer passes through L2: the
+        chip cannot move more than its L2 bandwidth, whatever the overlap of the cores' instructions (each
+        instruction shares it only among its own cores), nor more than its HBM bandwidth."""
+        dev = self.device
+        hbm = self.hbm_read + self.hbm_write + self.l2.dirty_bytes()
+        return max(self._port_floor(self._core_end()), hbm / dev.hbm_bytes_per_cycle,
+                   self._gm_bytes() / dev.l2_bytes_per_cycle)
+
+    def _core_end(self) -> float:
+        """The latest time any unit of any core is busy until."""
+        return max((float(g.end_time().max()) for g in self.groups), default=0.0)
 
     def _gm_bytes(self) -> int:
         """Bytes moved on every path to or from GM so far: each passes through L2."""
@@ -1369,19 +1384,9 @@ class Launch:
     def finish(self) -> Stats:
         self.sync()
         dev = self.device
-        core_end = max((float(g.end_time().max()) for g in self.groups), default=0.0)
-        # the last phase since a SyncAll is held to the chip's bandwidths as each earlier one was; what is
-        # still dirty in L2 at the end (outputs, workspace) is written back at the end, but may drain while
-        # any phase runs: it counts in the whole launch's HBM bytes, not the last phase's
-        last = self._port_floor(core_end)
-        wb = self.l2.dirty_bytes()
-        self.hbm_write += wb
+        body = self.elapsed()
+        self.hbm_write += self.l2.dirty_bytes()          # written back at the end
         hbm = self.hbm_read + self.hbm_write
-        # every GM transfer passes through L2: the chip cannot move more than its L2 bandwidth, whatever
-        # the overlap of the cores' instructions (each instruction shares it only among its own cores), nor
-        # more than its HBM bandwidth
-        l2 = self._gm_bytes()
-        body = max(last, hbm / dev.hbm_bytes_per_cycle, l2 / dev.l2_bytes_per_cycle)
         cycles = int(math.ceil(body)) + dev.launch_cycles
         busy, busy_total, cores = {}, {}, {}
         for g in self.groups:

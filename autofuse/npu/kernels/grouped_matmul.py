@@ -557,9 +557,7 @@ def in_sequence(launch: Launch, calls) -> None:
         sub.sync()
         if launch.values:
             place()
-        end = max(float(g.end_time().max()) for g in sub.groups)
-        body = max(end, (sub.hbm_read + sub.hbm_write + sub.l2.dirty_bytes()) / dev.hbm_bytes_per_cycle,
-                   sum(b_ for p, b_ in sub.bytes.items() if "GM" in p) / dev.l2_bytes_per_cycle)
+        body = sub.elapsed()
         _append(launch, sub, t0)
         t0 += math.ceil(body) + dev.launch_cycles       # the next launch starts after this one and its overhead
     if not launch.groups:
