@@ -1121,6 +1121,19 @@ def print_timing(cs, sweeps=7):
           f"{sweeps} cold sweeps of {len(cs)} cases (median {statistics.median(cpu) * 1e3:.3f} ms CPU, "
           f"{statistics.median(wall) * 1e3:.3f} ms wall); objects made before the sweeps frozen out of the garbage "
           f"collector")
+    # where the time goes: one more cold sweep, each call's CPU time booked to its kernel
+    from cost_model.estimate import clear_caches
+    clear_caches()
+    gc.collect()
+    spent: dict[str, list[float]] = {}
+    for c in cs:
+        t = time.process_time()
+        predict(c)
+        spent.setdefault(c.kernel, []).append(time.process_time() - t)
+    total = sum(map(sum, spent.values()))
+    print("by kernel (ms a call, share of the sweep): " + ", ".join(
+        f"{k} {sum(v) / len(v) * 1e3:.2f} ({sum(v) / total:.0%})"
+        for k, v in sorted(spent.items(), key=lambda kv: -sum(kv[1])) if sum(v) / total >= 0.01))
 
 
 if __name__ == "__main__":
