@@ -8,10 +8,11 @@ on "unfused subgraph vs fused kernel" pairs, and how long ``estimate`` takes.
     python benchmarks/cost_model_accuracy.py            # the full sweep (several minutes)
     python benchmarks/cost_model_accuracy.py --quick    # the small sweep the tests pin
     python benchmarks/cost_model_accuracy.py --kernel matmul --top 30
-    python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep
+    python benchmarks/cost_model_accuracy.py --time     # only estimate()'s speed over the sweep, and by kernel
     python benchmarks/cost_model_accuracy.py --drawn 120 --seed 1   # attention shapes drawn at random instead
     python benchmarks/cost_model_accuracy.py --drawn 60 --backward  # the same for the attention backward
     python benchmarks/cost_model_accuracy.py --drawn 60 --kernel vector_program   # generated kernels drawn at random
+    python benchmarks/cost_model_accuracy.py --drawn 120 --backward --seed 8 --explain 25   # one case, phase by phase
 
 Goal: median |pred - sim| / sim <= 5 %, worst <= 15 %, for cycles and HBM bytes; pairs
 agree on the faster side in >= 98 % of cases; estimate() < 1 ms on average.
@@ -1073,6 +1074,9 @@ def main(argv=None):
                          + ", ".join(DRAWS))
     ap.add_argument("--seed", type=int, default=1, help="the draw's seed (with --drawn)")
     ap.add_argument("--backward", action="store_true", help="draw attention backward launches (with --drawn)")
+    ap.add_argument("--explain", type=int, action="append", metavar="I",
+                    help="only these cases (their index in the sweep or the draw; repeatable): the model against "
+                         "the simulator phase by phase, for kernels with phases")
     a = ap.parse_args(argv)
     if a.drawn:
         kinds = a.kernel or ["flash_attention_grad" if a.backward else "flash_attention"]
@@ -1084,6 +1088,10 @@ def main(argv=None):
         cs = cases(a.quick, a.kernel)
     if a.time:
         print_timing(cs)
+        return
+    if a.explain:
+        for i in a.explain:
+            explain(cs[i], i)
         return
     t0 = time.time()
     recs = run(cs, a.verbose)
@@ -1106,6 +1114,29 @@ def main(argv=None):
             if not good or a.verbose:
                 print(f"  {'ok ' if good else 'BAD'} {label}: model {pu:,} vs {pf:,}, sim {su:,} vs {sf:,}")
     print_timing(cs)
+
+
+def explain(case: Case, i: int) -> None:
+    """One case, the model against the simulator at the model's tiling: the whole launch, then each phase between
+    the kernel's SyncAlls (its length and, for the simulator, its HBM floor: the bytes it moved over HBM's
+    bandwidth), for kernels whose model prices phases."""
+    from cost_model.devices import get_device
+    e = predict(case)
+    s = simulate(case, e.tiling)
+    hbm_bw = get_device(case.device).hbm_bytes_per_cycle
+    print(f"[{i}] {case.label()} tiling {e.tiling}")
+    print(f"  launch: model {e.cycles:,} cycles, simulator {s.cycles:,} ({(e.cycles - s.cycles) / s.cycles:+.1%}); "
+          f"HBM bytes {e.hbm_bytes:,} / {s.hbm_bytes:,}")
+    if not e.phases:
+        return
+    if len(e.phases) != len(s.phases):
+        print(f"  phases: the model prices {len(e.phases)}, the simulator ran {len(s.phases)}")
+        return
+    m0 = s0 = 0
+    for (name, m_end), (s_end, hbm) in zip(e.phases, s.phases):
+        print(f"  {name:12s} model {m_end - m0:>11,}   simulator {s_end - s0:>11,} "
+              f"(HBM floor {hbm / hbm_bw:>11,.0f})   {(m_end - m0 - s_end + s0) / max(1, s_end - s0):+.1%}")
+        m0, s0 = m_end, s_end
 
 
 def print_timing(cs, sweeps=7):

@@ -44,6 +44,7 @@ class Estimate:
     flops: float = 0.0
     notes: tuple = field(default=())
     workspace_bytes: int = 0       # GM the kernel allocates besides its outputs (the simulator's Stats field)
+    phases: tuple = ()             # (name, end in cycles) of each phase between SyncAlls, for kernels that have them
 
     @property
     def seconds(self) -> float:
@@ -139,7 +140,8 @@ def estimate(kernel: str, inputs, device="ascend910", **params) -> Estimate:
     # a copy, so that a caller mutating the dicts does not poison the cache
     # (every field passed in order: what ``dataclasses.replace`` does with these three, without its field walk)
     return Estimate(e.kernel, e.device, e.cycles, e.hbm_bytes, dict(e.bytes), dict(e.busy), e.bound,
-                    None if e.tiling is None else dict(e.tiling), e.roofline, e.flops, e.notes, e.workspace_bytes)
+                    None if e.tiling is None else dict(e.tiling), e.roofline, e.flops, e.notes, e.workspace_bytes,
+                    e.phases)
 
 
 def roofline(kernel: str, inputs, device="ascend910", **params) -> float:
@@ -164,7 +166,7 @@ def kernel_cycles(dev: Device, core: float, hbm: float, bytes_: dict) -> float:
 
 
 def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy: dict, tiling, roof: float,
-         flops: float = 0.0, notes=(), workspace: float = 0) -> Estimate:
+         flops: float = 0.0, notes=(), workspace: float = 0, phases=()) -> Estimate:
     """Assemble an :class:`Estimate`: the HBM and L2 caps (:func:`kernel_cycles`) and the launch overhead
     added as the simulator adds them."""
     body = kernel_cycles(dev, cycles, hbm, bytes_)
@@ -175,7 +177,7 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
     return Estimate(kernel=kernel, device=dev.name, cycles=total, hbm_bytes=int(round(hbm)),
                     bytes={k: int(round(v)) for k, v in bytes_.items() if v}, busy=busy, bound=bound,
                     tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes),
-                    workspace_bytes=int(workspace))
+                    workspace_bytes=int(workspace), phases=tuple(phases))
 
 
 __all__ = ["Estimate", "MODELS", "UNITS", "cached", "clear_caches", "estimate", "kernel_cycles", "make", "register", "roofline", "spec"]

@@ -684,7 +684,14 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     if not bound:
         hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores, window) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
-    return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3
+    # the phases between the kernel's SyncAlls, named, with their ends (the simulator's Stats.phases)
+    ends, t = [], 0.0
+    for name, ph, there in (("zero dq, Dr", ph0, True), ("statistics", ph1, stats), ("gradients", ph2, True),
+                            ("dq cast", ph3, not f32)):
+        if there:
+            t += ph
+            ends.append((name, int(math.ceil(t))))
+    return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3, tuple(ends)
 
 
 def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window, mask, mpass, drop, cap, bound):
@@ -1111,12 +1118,12 @@ def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax
         if not _fits(dev.name, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats, cap):
             raise ValueError(f"flash_attention_grad tiling {t} does not fit {dev.name}")
         res = _model(dev, specs, mask, bool(causal), t, drop, stats, cap=cap, window=window)
-    core, hbm, nbytes, busy, ws = res
+    core, hbm, nbytes, busy, ws, phases = res
     (qs, _), (ks, _), (vs, _) = specs[:3]
     return make("flash_attention_grad", dev, core, hbm, nbytes, busy, dict(t),
                 _roofline(dev, specs, mask, causal, drop, window),
                 flops(qs[0], qs[1], qs[2], ks[2], qs[3], vs[3], causal, window),
-                workspace=ws)
+                workspace=ws, phases=phases)
 
 
 __all__ = ["estimate_flash_attention_grad"]

@@ -721,6 +721,10 @@ class Stats:
     launch_cycles: int = 0
     instructions: int = 0
     workspace_bytes: int = 0          # GM the kernel allocated besides its outputs (scratch, internal tensors)
+    # the launch's phases, split at its SyncAlls (one phase without any): each one's end (cycles from the launch's
+    # start, held to what HBM and L2 can move in it; no launch overhead) and the HBM bytes it moved (not counting
+    # the lines still dirty at the end, which count toward ``hbm_bytes`` only)
+    phases: tuple = ()
 
     @property
     def bound(self) -> str:
@@ -1251,6 +1255,7 @@ class Launch:
         self.events: list = []
         self.streams: _Streams | None = None
         self._phase = (0.0, 0, 0)          # the last SyncAll: (its time, HBM bytes and GM bytes moved by then)
+        self._phases: list[tuple[int, int]] = []      # the phases closed so far (Stats.phases)
 
     # ---------------------------------------------------------------- deferred values
     def defer(self) -> None:
@@ -1280,8 +1285,17 @@ class Launch:
         phase could otherwise move its bytes faster than the chip allows; the barrier holds each phase to the
         chip's bandwidths as :meth:`finish` holds the last phase and the whole launch."""
         self.barrier()
-        self._phase = (self._port_floor(self._core_end()), self.hbm_read + self.hbm_write, self._gm_bytes())
+        self._close_phase()
         return self._phase[0]
+
+    def _close_phase(self) -> None:
+        # the phase since the last SyncAll ends: record (its end, the HBM bytes it moved) and start the next
+        hbm = self.hbm_read + self.hbm_write
+        self._phase = (self._port_floor(self._core_end()), hbm, self._gm_bytes())
+        self._phases.append((int(math.ceil(self._phase[0])), int(hbm - self._phases_hbm())))
+
+    def _phases_hbm(self) -> int:
+        return sum(b for _, b in self._phases)
 
     def elapsed(self) -> float:
         """Cycles from the launch's start to its end, without the launch overhead: its latest core, its last phase
@@ -1385,6 +1399,7 @@ class Launch:
         self.sync()
         dev = self.device
         body = self.elapsed()
+        self._close_phase()                                # the last phase (SyncAll to the end)
         self.hbm_write += self.l2.dirty_bytes()          # written back at the end
         hbm = self.hbm_read + self.hbm_write
         cycles = int(math.ceil(body)) + dev.launch_cycles
@@ -1400,4 +1415,4 @@ class Launch:
         util = {u: busy[u] / cycles for u in units}
         return Stats(cycles=cycles, seconds=cycles / dev.clock_hz, bytes=dict(self.bytes), hbm_bytes=int(hbm),
                      busy=busy, util=util, busy_total=busy_total, cores=cores, launch_cycles=dev.launch_cycles,
-                     instructions=self.instructions)
+                     instructions=self.instructions, phases=tuple(self._phases))

@@ -76,6 +76,32 @@ def test_variants_ordered_as_the_simulator(device):
     assert _sim(specs, device, t, causal=True).cycles < _sim(specs, device, t).cycles
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("saved", [False, True])
+def test_phases_are_the_kernels_phases(device, dtype, saved):
+    """The model names the phases the kernel runs between its SyncAlls (the statistics sweep only without saved
+    statistics, the dq cast only below fp32), one for one with the simulator's. The statistics sweep and the
+    gradients, most of a launch, are each within 15 % of the simulator's (the accuracy bound of whole launches);
+    the short zero/Dr and cast phases are not held to it (on the 910B in fp32 the model's zero/Dr phase reads
+    38 % over the simulator's 2,471 cycles here, a phase of 12 % of the launch)."""
+    specs = _specs(2, 8, 8, 256, 256, 64, 64, dtype)
+    kw = {"softmax_max": ((2, 8, 256), "float32"), "softmax_sum": ((2, 8, 256), "float32")} if saved else {}
+    e = cost_model.estimate("flash_attention_grad", specs, device=device, **kw)
+    names = [n for n, _ in e.phases]
+    assert names == ["zero dq, Dr"] + ([] if saved else ["statistics"]) + ["gradients"] + \
+        ([] if dtype == "float32" else ["dq cast"])
+    s = _sim(specs, device, e.tiling, **{k: torch.empty(v[0], device="meta") for k, v in kw.items()})
+    assert len(s.phases) == len(e.phases)
+    assert sum(b for _, b in s.phases) <= s.hbm_bytes
+    m_end = [m for _, m in e.phases]
+    s_end = [t for t, _ in s.phases]
+    assert m_end == sorted(m_end) and s_end == sorted(s_end)
+    for name, m, t, m0, t0 in zip(names, m_end, s_end, [0] + m_end[:-1], [0] + s_end[:-1]):
+        if name in ("statistics", "gradients"):
+            assert abs((m - m0) - (t - t0)) <= 0.15 * (t - t0), (name, m_end, s_end)
+
+
 def test_bad_tiling_is_an_error():
     with pytest.raises(ValueError, match="does not fit"):
         cost_model.estimate("flash_attention_grad", _specs(1, 1, 1, 256, 256, 128, 128), device="ascend910b",

@@ -145,6 +145,9 @@ def test_syncall_opens_no_earlier_than_hbm_can_move_the_phase():
     stats = launch.finish()
     assert stats.hbm_bytes == 2 * phase_bytes
     assert stats.cycles - stats.launch_cycles == int(np.ceil(2 * phase_bytes / dev.hbm_bytes_per_cycle))
+    # the two phases as Stats reports them: each one's end and the HBM bytes it moved
+    assert stats.phases == ((int(np.ceil(t)), phase_bytes),
+                            (int(np.ceil(2 * phase_bytes / dev.hbm_bytes_per_cycle)), phase_bytes))
 
 
 def test_stats_contract_and_trace():
