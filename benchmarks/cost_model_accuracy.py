@@ -1001,6 +1001,7 @@ class Record:
     sim_bound: str
     tiling: dict | None
     wall: float
+    phases: tuple = ()             # (name, modelled cycles, simulated cycles) per phase, for kernels with phases
 
     @property
     def err_cycles(self) -> float:
@@ -1017,11 +1018,34 @@ def run(cs, verbose=False) -> list:
         e = predict(c)
         t = time.time()
         s = simulate(c, e.tiling)
-        r = Record(c, e.cycles, s.cycles, e.hbm_bytes, s.hbm_bytes, e.bound, s.bound, e.tiling, time.time() - t)
+        r = Record(c, e.cycles, s.cycles, e.hbm_bytes, s.hbm_bytes, e.bound, s.bound, e.tiling, time.time() - t,
+                   _phase_pairs(e, s))
         out.append(r)
         if verbose:
             print(f"  {r.err_cycles:6.1%} {r.err_hbm:6.1%}  {r.wall:5.1f}s  {c.label()}", flush=True)
     return out
+
+
+def _phase_pairs(e, s) -> tuple:
+    """(name, modelled cycles, simulated cycles) of each phase between a launch's SyncAlls, where the model prices
+    the same phases the simulator ran."""
+    if not e.phases or len(e.phases) != len(s.phases):
+        return ()
+    m_end = [m for _, m in e.phases]
+    s_end = [t for t, _ in s.phases]
+    return tuple((name, m - m0, t - t0) for (name, _), m, t, m0, t0 in
+                 zip(e.phases, m_end, s_end, [0] + m_end[:-1], [0] + s_end[:-1]))
+
+
+def phase_summary(records) -> list[str]:
+    """Per kernel and phase: how many, the mean |error| and the mean signed error of the phase's cycles."""
+    errs: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        for name, m, t in r.phases:
+            if t > 0:
+                errs.setdefault((r.case.kernel, name), []).append((m - t) / t)
+    return [f"  {k} {name}: {len(v)} launches, mean |error| {np.mean(np.abs(v)):.1%}, mean {np.mean(v):+.1%}"
+            for (k, name), v in errs.items()]
 
 
 def pair_agreement(ps) -> tuple[int, int, list]:
@@ -1101,6 +1125,10 @@ def main(argv=None):
     for k, (c, h) in summary(recs).items():
         print(f"{k:16s} {c['n']:4d}  {c['median']:15.1%} {c['p90']:6.1%} {c['max']:6.1%}   "
               f"{h['median']:12.1%} {h['p90']:6.1%} {h['max']:6.1%}")
+    lines = phase_summary(recs)
+    if lines:
+        print("\nphases between SyncAlls, model against simulator (cycles):")
+        print("\n".join(lines))
     print(f"\nworst {a.top} cases by cycle error (pred / sim cycles, HBM error, bound pred/sim, tiling):")
     for r in sorted(recs, key=lambda r: -max(r.err_cycles, r.err_hbm))[:a.top]:
         print(f"  {r.err_cycles:6.1%} {r.err_hbm:6.1%}  {r.pred_cycles:>10,} / {r.sim_cycles:<10,} "

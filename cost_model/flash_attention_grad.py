@@ -666,15 +666,22 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     # ---- phase 3: dq = cast(workspace)
     ph3 = 0.0
     if not f32:
-        p3 = _Port(dev, actz)
-        p3.add("mte2", "GM->UB", rz * D * 4, actz, hit=1 - l2p.miss_dq)
-        p3.add("mte3", "UB->GM", rz * D * isz, actz, hit=0.0)
+        # rounds of the round-robin deal: the full ones on every vector core, the last on those left over
+        left = itemsz - (Tz - 1) * nv
+        steps3 = hits3 = 0.0
         vec3 = _vec_rep(rz, D)
-        step3 = max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
-        ph3 = max(Tz * step3, Tz * _hit_port(p3, split) + hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
+        for rounds, cores3 in ((Tz - 1, actz), (1, left)):
+            if rounds <= 0 or cores3 <= 0:
+                continue
+            p3 = _Port(dev, cores3)
+            p3.add("mte2", "GM->UB", rz * D * 4, cores3, hit=1 - l2p.miss_dq)
+            p3.add("mte3", "UB->GM", rz * D * isz, cores3, hit=0.0)
+            steps3 += rounds * max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
+            hits3 += rounds * _hit_port(p3, split)
+            busy["mte2"] += rounds * p3.unit["mte2"]
+            busy["mte3"] += rounds * p3.unit["mte3"]
+        ph3 = max(steps3, hits3 + hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
         busy["vector"] += Tz * vec3
-        busy["mte2"] += Tz * p3.unit["mte2"]
-        busy["mte3"] += Tz * p3.unit["mte3"]
     core = ph0 + ph1 + ph2 + ph3
 
     # ---- HBM: the launch's (:func:`_l2_plan`) and the hand-off lines still dirty at the end
@@ -699,9 +706,11 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     (:func:`cost_model.flash_attention._core_tallies`: the kernel deals phase 1's items as the forward does). Per
     core: its steps by kind (query rows, KV extent, masked), each with its own K port wait (a K tile's miss delays
     the cores reading it in that instruction; the instruction's hits go through L2 together); where the L0B ring
-    of K^T holds one tile, a step's K^T move waits for the step before's S (they run in series); each later item's Q
-    load (its instruction's rows from HBM), exposed beyond the step before it; and the core's GM port busy time as a
-    bound. ``bound``: a lower bound instead (every step at least its kind's busiest unit without any port wait,
+    of K^T holds one tile, a step's K^T move waits for the step before's S (they run in series); the first items' Q
+    loads, one instruction of every core's rows from HBM ahead of any K; each later item's Q load (its instruction's
+    rows from HBM), on the MTE2 queue with the K loads, exposed beyond the MTE2 slack of the step it joins; after an
+    item's last K load its K^T move, S, the hand-off to the Vector and its passes; and the core's GM port busy time
+    as a bound. ``bound``: a lower bound instead (every step at least its kind's busiest unit without any port wait,
     over the mean core), without the replay."""
     split = dev.arch == "split"
     nh = 2 if split else 1
@@ -723,8 +732,9 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
                     mte1 + cube if serial else 0.0)
         rest = 0.0 if split else p.unit["vmte2"]           # coupled: the mask loads on the one MTE2 queue and port
         rest_port = p.port + (0.0 if split else p.vport)
-        return fixed, k_xfer, rest, rest_port, \
-            qe * D * isz / rate["GM->L1"] + _r16(qe) * D * isz / rate["L1->L0A"] + cube + vec + p.unit["fixpipe"]
+        # the item's Q load, and after the last K load: its K^T move, S, the hand-off to the Vector and its passes
+        return fixed, k_xfer, rest, rest_port, qe * D * isz / rate["GM->L1"] + mte1 + cube + vec + p.unit["fixpipe"] \
+            + (qe / nh * ke * 4 / rate["GM->UB"] if split else 0.0)
 
     if bound:          # every step at least its kind's busiest unit that no port wait touches, over the mean core
         kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
@@ -744,9 +754,12 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     n = len(counts)
     q_row = D * isz / HBMbw
     q = np.maximum(np.array([qe for qe, _, _ in tal.kinds])[tal.sk] * D * isz / rate["GM->L1"], tal.sq * q_row)
-    starts = np.bincount(tal.sc, weights=np.maximum(0.0, q - step[tal.sc, tal.sk]), minlength=n)
+    # a later item's Q load queues on MTE2 with the K loads: it shows beyond the MTE2 slack of the step it joins
+    starts = np.bincount(tal.sc, weights=np.maximum(0.0, q - (step - mte2)[tal.sc, tal.sk]), minlength=n)
     # the item's statistics out (two rows x 4 B stores) ride the MTE3 queue: negligible beside the steps
-    t = fill[tal.first] + (counts * step).sum(1) + starts
+    # the first items' Q loads: one instruction of the cores' rows, from HBM, before any K
+    qown = np.array([qe for qe, _, _ in tal.kinds]) * D * isz / rate["GM->L1"]
+    t = fill[tal.first] + np.maximum(0.0, tal.q0 * q_row - qown[tal.first]) + (counts * step).sum(1) + starts
     gm = tal.q0 * q_row + (counts * port).sum(1) + np.bincount(tal.sc, weights=tal.sq * q_row, minlength=n)
     return float(np.maximum(t, gm).max())
 

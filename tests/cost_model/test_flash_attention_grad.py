@@ -81,10 +81,9 @@ def test_variants_ordered_as_the_simulator(device):
 @pytest.mark.parametrize("saved", [False, True])
 def test_phases_are_the_kernels_phases(device, dtype, saved):
     """The model names the phases the kernel runs between its SyncAlls (the statistics sweep only without saved
-    statistics, the dq cast only below fp32), one for one with the simulator's. The statistics sweep and the
-    gradients, most of a launch, are each within 15 % of the simulator's (the accuracy bound of whole launches);
-    the short zero/Dr and cast phases are not held to it (on the 910B in fp32 the model's zero/Dr phase reads
-    38 % over the simulator's 2,471 cycles here, a phase of 12 % of the launch)."""
+    statistics, the dq cast only below fp32), one for one with the simulator's, each within 15 % of it on these
+    launches (at most 10 % today). Over 600 drawn launches the phases read 5-8 % mean error, except the short dq
+    cast (a few % of a launch): 17 %, over (`benchmarks/cost_model_accuracy.py --explain`)."""
     specs = _specs(2, 8, 8, 256, 256, 64, 64, dtype)
     kw = {"softmax_max": ((2, 8, 256), "float32"), "softmax_sum": ((2, 8, 256), "float32")} if saved else {}
     e = cost_model.estimate("flash_attention_grad", specs, device=device, **kw)
@@ -98,8 +97,7 @@ def test_phases_are_the_kernels_phases(device, dtype, saved):
     s_end = [t for t, _ in s.phases]
     assert m_end == sorted(m_end) and s_end == sorted(s_end)
     for name, m, t, m0, t0 in zip(names, m_end, s_end, [0] + m_end[:-1], [0] + s_end[:-1]):
-        if name in ("statistics", "gradients"):
-            assert abs((m - m0) - (t - t0)) <= 0.15 * (t - t0), (name, m_end, s_end)
+        assert abs((m - m0) - (t - t0)) <= 0.15 * (t - t0), (name, m_end, s_end)
 
 
 def test_bad_tiling_is_an_error():
