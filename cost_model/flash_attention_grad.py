@@ -692,12 +692,12 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         hbm += _ws_lines(B * Nkv, Sq, Skv, qb, kvb, group, bool(causal), cores, window) * (isz * 2 + (8 if split else 0))
     nbytes = _gm_bytes(B, N, Nkv, Sq, Skv, D, Dv, isz, kvb, sweep, split, mask, msz, drop, stats, f32)
     # the phases between the kernel's SyncAlls, named, with their ends (the simulator's Stats.phases)
-    ends, t = [], 0.0
+    ends, end = [], 0.0
     for name, ph, there in (("zero dq, Dr", ph0, True), ("statistics", ph1, stats), ("gradients", ph2, True),
                             ("dq cast", ph3, not f32)):
         if there:
-            t += ph
-            ends.append((name, int(math.ceil(t))))
+            end += ph
+            ends.append((name, int(math.ceil(end))))
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3, tuple(ends)
 
 
