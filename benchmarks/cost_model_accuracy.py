@@ -1157,14 +1157,13 @@ def explain(case: Case, i: int) -> None:
           f"HBM bytes {e.hbm_bytes:,} / {s.hbm_bytes:,}")
     if not e.phases:
         return
-    if len(e.phases) != len(s.phases):
+    pairs = _phase_pairs(e, s)
+    if not pairs:
         print(f"  phases: the model prices {len(e.phases)}, the simulator ran {len(s.phases)}")
         return
-    m0 = s0 = 0
-    for (name, m_end), (s_end, hbm) in zip(e.phases, s.phases):
-        print(f"  {name:12s} model {m_end - m0:>11,}   simulator {s_end - s0:>11,} "
-              f"(HBM floor {hbm / hbm_bw:>11,.0f})   {(m_end - m0 - s_end + s0) / max(1, s_end - s0):+.1%}")
-        m0, s0 = m_end, s_end
+    for (name, m, t), (_, hbm) in zip(pairs, s.phases):
+        print(f"  {name:12s} model {m:>11,}   simulator {t:>11,} (HBM floor {hbm / hbm_bw:>11,.0f})   "
+              f"{(m - t) / max(1, t):+.1%}")
 
 
 def print_timing(cs, sweeps=7):

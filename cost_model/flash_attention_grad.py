@@ -753,12 +753,12 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     counts = tal.counts
     n = len(counts)
     q_row = D * isz / HBMbw
-    q = np.maximum(np.array([qe for qe, _, _ in tal.kinds])[tal.sk] * D * isz / rate["GM->L1"], tal.sq * q_row)
+    qown = np.array([qe for qe, _, _ in tal.kinds]) * D * isz / rate["GM->L1"]     # a Q load's own time, per kind
+    q = np.maximum(qown[tal.sk], tal.sq * q_row)
     # a later item's Q load queues on MTE2 with the K loads: it shows beyond the MTE2 slack of the step it joins
     starts = np.bincount(tal.sc, weights=np.maximum(0.0, q - (step - mte2)[tal.sc, tal.sk]), minlength=n)
     # the item's statistics out (two rows x 4 B stores) ride the MTE3 queue: negligible beside the steps
     # the first items' Q loads: one instruction of the cores' rows, from HBM, before any K
-    qown = np.array([qe for qe, _, _ in tal.kinds]) * D * isz / rate["GM->L1"]
     t = fill[tal.first] + np.maximum(0.0, tal.q0 * q_row - qown[tal.first]) + (counts * step).sum(1) + starts
     gm = tal.q0 * q_row + (counts * port).sum(1) + np.bincount(tal.sc, weights=tal.sq * q_row, minlength=n)
     return float(np.maximum(t, gm).max())

@@ -1291,11 +1291,9 @@ class Launch:
     def _close_phase(self) -> None:
         # the phase since the last SyncAll ends: record (its end, the HBM bytes it moved) and start the next
         hbm = self.hbm_read + self.hbm_write
-        self._phase = (self._port_floor(self._core_end()), hbm, self._gm_bytes())
-        self._phases.append((int(math.ceil(self._phase[0])), int(hbm - self._phases_hbm())))
-
-    def _phases_hbm(self) -> int:
-        return sum(b for _, b in self._phases)
+        end = self._port_floor(self._core_end())
+        self._phases.append((int(math.ceil(end)), int(hbm - self._phase[1])))
+        self._phase = (end, hbm, self._gm_bytes())
 
     def elapsed(self) -> float:
         """Cycles from the launch's start to its end, without the launch overhead: its latest core, its last phase
