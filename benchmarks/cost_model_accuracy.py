@@ -1114,6 +1114,9 @@ def main(argv=None):
         print_timing(cs)
         return
     if a.explain:
+        bad = [i for i in a.explain if not 0 <= i < len(cs)]
+        if bad:
+            ap.error(f"--explain {bad[0]}: the cases here are numbered 0 to {len(cs) - 1}")
         for i in a.explain:
             explain(cs[i], i)
         return
