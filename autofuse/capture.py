@@ -43,6 +43,14 @@ Capture keeps the model's own mode: a model in ``train()`` is captured with its 
 records which. The user's model is left as it was.
 Example inputs may live on the ``meta`` device (a model built under ``torch.device("meta")``): no
 real data is touched, so very large configurations can be analysed.
+
+5. **Data-dependent shapes.** A forward whose sizes come from values (JetMoe's experts split the routed
+   tokens by counts read with ``.tolist()``) exports with unbacked symbols in its ``val`` shapes. Such a
+   graph is run once on the example inputs and those nodes' ``val`` are replaced by the sizes that run
+   produced, so that matching and pricing see plain shapes; every node whose value or input had a
+   data-dependent size carries ``node.meta["autofuse_data_dependent"]`` (the nodes that read the sizes from
+   data), and the planner fuses none of them (they run as captured, for whatever sizes later calls bring).
+   On meta inputs there is nothing to run: capture says so.
 """
 from __future__ import annotations
 
@@ -111,6 +119,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                 fn = _capture_export if r == "export" else _capture_symbolic_trace
                 gm, in_spec, out_spec = fn(model, example_args, example_kwargs)
             _cleanup(gm)
+            _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             return Captured(gm, r, in_spec, out_spec, training=model.training)
         except CaptureError:
@@ -254,6 +263,65 @@ def _cleanup(gm: fx.GraphModule):
     missing = [n.name for n in gm.graph.nodes if n.op != "output" and "val" not in n.meta]
     if missing:
         raise CaptureError("capture", f"internal: nodes without meta['val'] after capture: {missing[:5]}")
+
+
+def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> None:
+    """Item 5 of the module docstring: nodes whose sizes depend on data get the example run's sizes and the
+    mark ``autofuse_data_dependent``; a no-op for a graph of static shapes."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def symbols(v):
+        try:
+            return free_unbacked_symbols(v)
+        except Exception:  # noqa: BLE001 - a value torch cannot walk holds no symbol of ours
+            return set()
+
+    own = {n: symbols(n.meta.get("val")) for n in gm.graph.nodes if n.op != "output"}
+    if not any(own.values()):
+        return
+    # the nodes that read a size from data (``item``, ``tolist``, a boolean index, ``nonzero``): each symbol's first
+    # holder in graph order
+    source = {}
+    for n, syms in own.items():
+        for sym in syms:
+            source.setdefault(sym, f"{n.name} ({n.target})")
+    dynamic = {}
+    for n, syms in own.items():
+        syms = set(syms).union(*(own.get(a, set()) for a in n.all_input_nodes))
+        if syms:
+            dynamic[n] = tuple(sorted({source.get(s, str(s)) for s in syms}))
+    first = next(iter(dynamic))
+    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in leaves):
+        raise CaptureError(route, f"capture failed on route {route!r}: the forward's sizes depend on data "
+                                  f"({first.name} = {first.target}: {first.meta.get('val')!r}), which meta inputs do "
+                                  f"not hold. hint: give real example inputs (the graph is then planned at the sizes "
+                                  f"they produce), or use torch.compile(model, backend='autofuse').")
+    fake = next((v.fake_mode for v in (n.meta.get("val") for n in gm.graph.nodes) if isinstance(v, FakeTensor)), None)
+
+    def concrete(x):
+        if isinstance(x, torch.Tensor):
+            return fake.from_tensor(x, static_shapes=True) if fake is not None else x
+        if isinstance(x, (list, tuple)):
+            return type(x)(concrete(y) for y in x)
+        return x
+
+    wanted = {n for n in dynamic if symbols(n.meta.get("val"))}
+    seen = {}
+
+    class _Run(fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            if n in wanted:
+                seen[n] = r
+            return r
+
+    with torch.no_grad(), torch.random.fork_rng():      # a captured dropout must not move the user's RNG
+        _Run(gm).run(*leaves)
+    for n, r in seen.items():
+        n.meta["val"] = concrete(r)
+    for n, why in dynamic.items():
+        n.meta["autofuse_data_dependent"] = why
 
 
 _HINTS = [

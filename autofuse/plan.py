@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import networkx as nx
 import torch
@@ -316,6 +316,17 @@ def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
     return chosen
 
 
+def _data_dependent(c: Candidate, cap: dict) -> str:
+    """Why a candidate may not fuse because its sizes depend on data (capture's ``autofuse_data_dependent``), or
+    ``""``: a fused call is planned, priced and checked at one size, and these change from call to call."""
+    hit = [cap[x] for x in c.nodes if x in cap and "autofuse_data_dependent" in cap[x].meta]
+    if not hit:
+        return ""
+    src = sorted({s for n in hit for s in n.meta["autofuse_data_dependent"]})
+    return (f"its sizes depend on data ({hit[0].name} and {len(hit) - 1} more of its nodes, sized by "
+            f"{', '.join(src[:4])}{' ...' if len(src) > 4 else ''}): it runs as captured, for any sizes")
+
+
 def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, device: str, level: str,
          budget: int | None, verify=None, switches=None):
     """Decide every candidate. Returns ``(applied candidates, decisions, candidates)``.
@@ -362,6 +373,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             decide(i, False, "unsupported", p["unsupported"])
         elif c.lifted is None:
             decide(i, False, "unsupported", c.why)
+        elif dyn := _data_dependent(c, cap):
+            decide(i, False, "unsupported", dyn)
         elif (p.get("dropout_p") or p.get("dropout_draw") is not None) and (p.get("probs_used")
                                                                           or p["dropout_p"] >= 1.0):
             decide(i, False, "training_dropout", f"dropout p={p['dropout_p']:g} on the probabilities "

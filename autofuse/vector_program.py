@@ -222,6 +222,9 @@ class _Build:
             raise NotExpressible("the region has no output (no node is used outside it)")
         first = self.out_nodes[0]
         m = _meta(first)
+        if not isinstance(m, torch.Tensor):
+            raise NotExpressible(f"{first.name} ({first.target}) leaves the region as a list of pieces, not one "
+                                 f"value of the region's rows")
         # the rows: the first output's leading dims (all its dims for a reduction without keepdim)
         keep = first.target not in _REDUCE_ATEN or \
             (first.args[2] if len(first.args) > 2 else first.kwargs.get("keepdim", False))
