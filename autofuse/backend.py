@@ -21,6 +21,11 @@ Python control flow) and calls the backend once per captured graph, and again wh
 shapes). Each graph is fused on its own: its own capture, plan, verification and report; what runs between
 graphs is plain Python and torch.
 
+**Sizes that change.** When a graph's input sizes change between calls, Dynamo compiles it again as a dynamic
+graph: the changed size becomes a symbol (a ``SymInt`` input, symbolic tensor sizes). autofuse plans at concrete
+sizes (its tilings, prices and checks are per size), so such a graph's ``FusedModule`` plans at each size it meets
+at run time, once per input signature, as ``fuse()`` does without example inputs; each plan has its report.
+
 **Reports.** Each call records a :class:`CompiledGraph` (Dynamo's graph, the :class:`~autofuse.FusedModule`
 built from it, its reports) on the backend object and against the callable ``torch.compile`` wrapped: the
 model of an ``OptimizedModule`` or the compiled function. :func:`reports` and :func:`graphs` accept
@@ -80,6 +85,13 @@ def _compiled_callable():
     return None
 
 
+def _symbolic(inputs) -> bool:
+    """Whether Dynamo's example inputs hold symbols (its dynamic shapes: a ``SymInt`` input, a symbolic size)."""
+    sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    return any(isinstance(x, sym) or isinstance(x, torch.Tensor) and any(isinstance(d, sym) for d in x.shape)
+               for x in inputs)
+
+
 class Backend:
     """A Dynamo backend with fixed engine settings (see :func:`autofuse.AutoFusionEngine.fuse`)."""
 
@@ -92,8 +104,11 @@ class Backend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from autofuse.engine import AutoFusionEngine
         owner = _compiled_callable()
+        example = tuple(example_inputs)
         with torch_internal_warnings():
-            fused = AutoFusionEngine.fuse(gm, tuple(example_inputs), **self.settings)
+            # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
+            # planned per concrete signature at run time, as fuse() plans without example inputs
+            fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **self.settings)
         name = type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__name__", "")
         record = CompiledGraph(len(self.graphs), gm, fused, name)
         self.graphs.append(record)

@@ -195,3 +195,34 @@ def test_training_mode_dropout_through_torch_compile_draws_eagers_masks():
     assert d.applied and d.params["dropout_p"] == 0.2 and rep.training
     assert torch.equal(after_compiled, after_eager)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_sizes_that_change_between_calls_are_planned_per_size():
+    """Dynamo makes a graph dynamic after a size changes (the size becomes a symbol, passed as an input): the
+    backend plans that graph at each concrete size it meets, and a size seen before reuses its plan."""
+    torch._dynamo.reset()
+    block = MHABlock(32, 4).eval()
+    compiled = torch.compile(block, backend="autofuse")
+    with torch.no_grad():
+        for seq in (16, 24, 40, 24):
+            x = torch.randn(2, seq, 32)
+            torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-4)   # fp32: reassociation only
+    rs = reports(compiled)
+    assert len(rs) == 3 and all(len(r.of("attention")) == 1 and r.of("attention")[0].applied for r in rs)
+    assert any(isinstance(x, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in getattr(x, "shape", ()))
+               for g in graphs(compiled)[1:] for x in [n.meta.get("example_value") for n in g.graph_module.graph.nodes
+                                                      if n.op == "placeholder"]), "Dynamo made the graph dynamic"
+
+
+def test_a_graph_break_at_a_data_dependent_size_fuses_the_graph_after_it_per_size():
+    from test_data_dependent import Selected, _inputs
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Selected().eval()
+    compiled = torch.compile(model, backend="autofuse")
+    with torch.no_grad():
+        for seed in range(3):
+            x = _inputs(seed)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)   # fp32 sums of 64 rows
+    fused = [d.pattern for r in reports(compiled) for d in r.applied]
+    assert "rms_norm" in fused and "swiglu" in fused
