@@ -168,7 +168,17 @@ def regions(gm: fx.GraphModule) -> list:
 
 
 def _split(nodes: list, bad: fx.Node) -> list:
-    """The connected parts of ``nodes`` without ``bad`` (edges between members, either direction)."""
+    """The connected parts of ``nodes`` without ``bad`` (edges between members, either direction), never joining
+    a node below ``bad`` with one that is not: a part holding both could reach ``bad`` and be read back by it
+    (a path out of the part and in again, a cycle once the part is one call). The region is convex, so each
+    side is too."""
+    inside = set(nodes)
+    below, stack = set(), [bad]
+    while stack:
+        for u in stack.pop().users:
+            if u in inside and u not in below:
+                below.add(u)
+                stack.append(u)
     rest = [n for n in nodes if n is not bad]
     left, parts = set(rest), []
     for n in rest:
@@ -180,7 +190,7 @@ def _split(nodes: list, bad: fx.Node) -> list:
             x = stack.pop()
             part.append(x)
             for y in list(x.all_input_nodes) + list(x.users):
-                if y in left:
+                if y in left and (y in below) == (x in below):
                     left.discard(y)
                     stack.append(y)
         parts.append(part)

@@ -346,3 +346,37 @@ def test_halves_read_slices_with_their_defaults():
     second_full = g.call_function(aten.slice.Tensor, (x, 1, 4, 2 ** 63 - 1))
     assert _halves(first, second) is x and _halves(first, second_full) is x
     assert _halves(second, first) is None                                       # the halves' order matters
+
+
+def test_a_region_split_at_an_op_it_cannot_run_never_holds_both_sides_of_that_op():
+    """A sum over a dim that is not the last splits its region; the ops that feed the sum and the ops that read
+    it share rows (the summed dim has size 1) and an input, but one part holding both would feed the sum and
+    read it back: a cycle once the part is one call (Qwen3-Next's gated delta rule wrote this)."""
+    from autofuse.capture import capture
+
+    class M(nn.Module):
+        def forward(self, x, y):
+            a = torch.sigmoid(x[..., 0:1]) * 2.0                     # [2, 4, 1, 1]
+            m = (a.unsqueeze(-1) * y[..., 0:1]).exp()               # [2, 4, 1, 1, 1]: the rows of a
+            return (a + m.sum(-2)).tanh() * 3.0                     # the sum's dim is not the last
+
+    x, y = torch.randn(2, 4, 1, 5), torch.randn(2, 4, 1, 1, 5)
+    f = AutoFusionEngine.fuse(M(), (x, y))
+    g = capture(M(), (x, y)).graph_module.graph
+    s = next(n for n in g.nodes if n.target == torch.ops.aten.sum.dim_IntList)
+    above, below, stack = set(), set(), [s]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a.name not in above:
+                above.add(a.name)
+                stack.append(a)
+    stack = [s]
+    while stack:
+        for u in stack.pop().users:
+            if u.name not in below:
+                below.add(u.name)
+                stack.append(u)
+    offered = [set(d.nodes) for d in f.report.decisions]
+    assert any(d & below for d in offered) and any(d & above for d in offered)     # both sides are regions
+    assert not [d for d in offered if d & above and d & below]
+    _within_bound(M(), (x, y), {}, lambda: f(x, y))
