@@ -21,6 +21,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import runpy
 from urllib.parse import parse_qsl
@@ -131,8 +132,14 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
 def parse_value(text: str):
     """A query-string value as Python: ``2`` -> int, ``1e-5`` -> float, ``true``/``False`` -> bool,
     ``None``/``null`` -> None, ``[2,2,6]`` -> a list of such values (Swin's ``depths``, ConvNeXt's
-    ``hidden_sizes``), anything else stays a string."""
+    ``hidden_sizes``; ``[full_attention,sliding_attention]`` a list of strings), JSON (``["a","b"]``,
+    ``{"moe_num_experts":4}`` for a nested config), ``"text"`` -> text, anything else stays a string."""
     text = text.strip()
+    if len(text) >= 2 and (text[0], text[-1]) in (("[", "]"), ("{", "}"), ('"', '"')):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
     if len(text) >= 2 and text[0] == "[" and text[-1] == "]":
         inner = text[1:-1].strip()
         return [parse_value(t) for t in inner.split(",")] if inner else []
@@ -192,9 +199,9 @@ def make_config(spec: str):
             raise ModelSpecError(f"{name} has no key {key!r}{hint}")
     try:
         cfg = cfg_cls(**keys)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers' validators raise their own error types too
         raise ModelSpecError(f"{name}({', '.join(f'{k}={v!r}' for k, v in keys.items())}) is not a valid "
-                             f"configuration: {e}") from None
+                             f"configuration: {type(e).__name__}: {e}") from None
     cfg.use_cache = False
     return cfg
 

@@ -175,6 +175,11 @@ def test_transformers_spec_values_and_defaults():
     # lists (Swin's depths and heads per stage)
     assert parse_transformers_spec("transformers:X?depths=[2,2,6]&w=[]&m=[1.5, true,x]") == (
         "X", {"depths": [2, 2, 6], "w": [], "m": [1.5, True, "x"]})
+    # lists of strings (layer types), bare or as JSON; JSON objects (a nested config); a quoted string
+    assert parse_transformers_spec('transformers:X?l=[full_attention,sliding_attention]&j=["a","b"]'
+                                   '&o={"moe_num_experts":4,"r":{"t":1.5}}&q="7"') == (
+        "X", {"l": ["full_attention", "sliding_attention"], "j": ["a", "b"],
+              "o": {"moe_num_experts": 4, "r": {"t": 1.5}}, "q": "7"})
     swin, _ = build("transformers:SwinConfig?depths=[1,1]&num_heads=[2,4]&embed_dim=16&image_size=32&patch_size=4"
                     "&window_size=4", meta=True, batch=1)
     assert list(swin.config.depths) == [1, 1] and list(swin.config.num_heads) == [2, 4]
@@ -200,6 +205,7 @@ def test_transformers_spec_values_and_defaults():
     (["report", "--model", "transformers:LlamaConfig?num_layers=2"], "LlamaConfig has no key 'num_layers' "
                                                                       "(did you mean 'num_hidden_layers'?)"),
     (["report", "--model", "transformers:LlamaConfig", "--layers", "2"], "?num_hidden_layers=2"),
+    (["report", "--model", "transformers:Qwen2Config?layer_types=[bogus]"], "is not a valid configuration: "),
     (["report", "--model", "missing/model.py:make"], "model file 'missing/model.py' does not exist"),
     (["report", "--model", "autofuse.models:nope"], "has no function 'nope'"),
     (["report", "--model", "autofuse.models:parse_value"], "must be callable without arguments"),
