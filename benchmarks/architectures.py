@@ -68,13 +68,37 @@ MODELS = [
     ("mixtral", f"MixtralConfig?{KV}{MOE}", "sdpa"),
     ("qwen2_moe", f"Qwen2MoeConfig?{KV}&num_experts=8&num_experts_per_tok=2&moe_intermediate_size=32"
      "&shared_expert_intermediate_size=64", "sdpa"),
+    ("dots1", f"Dots1Config?{KV}&n_routed_experts=8&num_experts_per_tok=2&moe_intermediate_size=32"
+     "&first_k_dense_replace=1&n_group=1&topk_group=1&n_shared_experts=1", "sdpa"),
+    ("glm4_moe", f"Glm4MoeConfig?{KV}&n_routed_experts=8&num_experts_per_tok=2&moe_intermediate_size=32"
+     "&first_k_dense_replace=1&n_shared_experts=1", "sdpa"),
+    ("ernie4_5_moe", f"Ernie4_5_MoeConfig?{KV}&moe_num_experts=8&moe_k=2&moe_intermediate_size=32", "sdpa"),
+    ("hunyuan_moe", f"HunYuanMoEV1Config?{KV}&num_experts=8&moe_topk=2&head_dim=16", "sdpa"),
+    ("flex_olmo", f"FlexOlmoConfig?{KV}&num_experts=8&num_experts_per_tok=2", "sdpa"),
+    ("minimax (linear attention)", f"MiniMaxConfig?{KV}{MOE}&head_dim=16"
+     "&layer_types=[full_attention,linear_attention]", "sdpa"),
+    ("qwen3_next (gated deltanet)", f"Qwen3NextConfig?{KV}&num_experts=8&num_experts_per_tok=2"
+     "&moe_intermediate_size=32&shared_expert_intermediate_size=32&layer_types=[linear_attention,full_attention]"
+     "&head_dim=16&linear_num_value_heads=4&linear_num_key_heads=2&linear_key_head_dim=16&linear_value_head_dim=16",
+     "sdpa"),
+    ("lfm2 (short convolutions)", f"Lfm2Config?{KV}&layer_types=[conv,full_attention]", "sdpa"),
     ("jetmoe (data-dependent experts)", "JetMoeConfig?num_hidden_layers=2&hidden_size=64&num_key_value_heads=2"
      "&kv_channels=16&intermediate_size=128&num_local_experts=4&num_experts_per_tok=2&vocab_size=128", "eager"),
     ("qwen3_moe", f"Qwen3MoeConfig?{KV}&num_experts=8&num_experts_per_tok=2&moe_intermediate_size=32", "sdpa"),
     ("olmoe", f"OlmoeConfig?{KV}&num_experts=8&num_experts_per_tok=2", "sdpa"),
     ("granitemoe (top-k first)", f"GraniteMoeConfig?{KV}{MOE}", "sdpa"),
     ("gpt_oss (top-k first)", f"GptOssConfig?{KV}{MOE}&head_dim=16", "eager"),
+    ("vaultgemma", f"VaultGemmaConfig?{KV}&head_dim=16&sliding_window=8"
+     "&layer_types=[sliding_attention,full_attention]", "eager"),
+    ("gemma3n", f"Gemma3nTextConfig?{KV}&head_dim=16&sliding_window=8&layer_types=[sliding_attention,full_attention]"
+     "&num_kv_shared_layers=0&laurel_rank=8&altup_num_inputs=2&hidden_size_per_layer_input=16"
+     "&intermediate_size=[128,128]&activation_sparsity_pattern=[0.0,0.0]", "eager"),
     ("bert", f"BertConfig?{L}", "sdpa"),
+    ("modernbert (local attention)", "ModernBertConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
+     "&num_attention_heads=4&vocab_size=128&pad_token_id=0&local_attention=8"
+     "&layer_types=[full_attention,sliding_attention]&rope_parameters={\"full_attention\":{\"rope_type\":"
+     "\"default\",\"rope_theta\":160000.0},\"sliding_attention\":{\"rope_type\":\"default\","
+     "\"rope_theta\":10000.0}}", "sdpa"),
     ("roberta", f"RobertaConfig?{L}", "sdpa"),
     ("deberta_v2", f"DebertaV2Config?{L}", "eager"),
     ("electra", f"ElectraConfig?{L}&embedding_size=64", "sdpa"),
