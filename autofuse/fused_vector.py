@@ -24,8 +24,8 @@ import torch.fx as fx
 
 import cost_model
 from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
-from autofuse.fused import (REDUCED, Family, Price, _adapt, keep_mask_call, keep_mask_price, per_device,
-                            register_family)
+from autofuse.fused import (REDUCED, Family, Price, _adapt, _physical_order, keep_mask_call, keep_mask_price,
+                            per_device, register_family)
 from autofuse.graph import call
 from cost_model.program import BIT, FLOATS, Input, Output, as_program, stored_shape
 from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
@@ -202,9 +202,26 @@ def _inputs(g, ins: dict, m, shapes, device: str) -> list:
     return xs
 
 
+def _layouts(prog, likes) -> str:
+    """``vector_program``'s ``layouts``: the memory order of each captured value an output replaces, where it is a
+    permutation of the dims other than row-major and the output has its shape (see ``ops_vector._laid_out``)."""
+    orders = []
+    for shape_, like in zip(prog.output_shapes(), likes):
+        order = None
+        if tuple(shape_) == tuple(like.shape) and like.dim() >= 2 and not like.is_contiguous():
+            o = _physical_order(like)
+            dense = torch.empty([like.shape[d] for d in o], device="meta").permute(*[o.index(d) for d in range(len(o))])
+            order = o if dense.stride() == like.stride() else None
+        orders.append(order)
+    return json.dumps(orders) if any(orders) else ""
+
+
 def emit_vector(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     p = m.params
     xs = _inputs(g, ins, m, p["input_shapes"], kwargs.get("device", "ascend910"))
+    layouts = _layouts(p["program"], p["out_likes"])
+    if layouts:
+        kwargs = dict(kwargs, layouts=layouts)
     r = call(g, torch.ops.autofuse.vector_program.default, xs, p["program"].to_json(), **kwargs)
     r.meta["autofuse_match"] = m
     return _outputs(g, r, m)

@@ -75,22 +75,33 @@ def _leaf(t, need):
 
 
 # ------------------------------------------------------------------------------------------ vector_program
+def _laid_out(outs, layouts: str) -> list:
+    """Each output with its memory in the order ``layouts`` gives (JSON: per output, its dims from outermost to
+    innermost, or null for row-major), as the captured value it replaces was laid out: later views of it rely on
+    that (RoPE's rotated queries keep the [B, S, N, D] memory of the projection they came from, and an unfused
+    SDPA's output follows its query's). The kernel stores each row to its place in that layout (a DMA store of
+    the row to its address); the simulator charges a store by its bytes, so the layout does not change its cost."""
+    if not layouts:
+        return list(outs)
+    return [_ops._in_order(t, order) for t, order in zip(outs, json.loads(layouts))]
+
+
 @torch.library.custom_op("autofuse::vector_program", mutates_args=())
 def _vector_program(inputs: list[torch.Tensor], program: str, device: str = "ascend910",
-                    tiling: str = "") -> list[torch.Tensor]:
+                    tiling: str = "", layouts: str = "") -> list[torch.Tensor]:
     prog, r = _launch_vector_program(inputs, program, device, tiling)
     _record("vector_program", r.stats)
-    return [_to_torch(o, torch_dtype(spec.dtype)) for o, spec in zip(r.outputs, prog.outputs)]
+    return _laid_out([_to_torch(o, torch_dtype(spec.dtype)) for o, spec in zip(r.outputs, prog.outputs)], layouts)
 
 
 @_vector_program.register_fake
-def _(inputs, program, device="ascend910", tiling=""):
-    return _outputs(as_program(program), inputs[0])
+def _(inputs, program, device="ascend910", tiling="", layouts=""):
+    return _laid_out(_outputs(as_program(program), inputs[0]), layouts)
 
 
-def reference_vector_program(inputs, program, **_):
+def reference_vector_program(inputs, program, layouts="", **_):
     """What the kernel computes, in torch (the program's numerics: fp32 steps, rounding at casts and outputs)."""
-    return run_program_torch(program, inputs)
+    return _laid_out(run_program_torch(program, inputs), layouts)
 
 
 def _vp_setup(ctx, inputs, output):
@@ -316,7 +327,7 @@ def matmul_epilogue(a, b, program, extra=(), bias=None, trans_b=False, device="a
                                               json.dumps(tiling) if tiling else "")
 
 
-def _timing_vector_program(inputs, program, device="ascend910", tiling=""):
+def _timing_vector_program(inputs, program, device="ascend910", tiling="", layouts=""):
     return [("vector_program", _launch_vector_program(inputs, program, device, tiling, timing_only=True)[1].stats)]
 
 

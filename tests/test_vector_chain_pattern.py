@@ -380,3 +380,25 @@ def test_a_region_split_at_an_op_it_cannot_run_never_holds_both_sides_of_that_op
     assert any(d & below for d in offered) and any(d & above for d in offered)     # both sides are regions
     assert not [d for d in offered if d & above and d & below]
     _within_bound(M(), (x, y), {}, lambda: f(x, y))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_rope_outputs_keep_the_captured_memory_layout_for_an_unfused_attention(arch):
+    """With attention left unfused (switched off here; a rejected block alike), the fused RoPE feeds torch's SDPA,
+    whose output follows its query's memory layout, and a later ``view`` relies on it: the generated kernel
+    stores the rotated q and k in the captured [B, S, N, D] memory order (the outputs were row-major before, and
+    the view failed)."""
+    from autofuse.graph import val
+    torch.manual_seed(0)
+    model = ARCHS[arch][0]("sdpa")
+    ids = torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}), fusion_switches={"attention": "off"})
+    assert _names(fused.report)["rope"] == 2 * LAYERS and not _names(fused.report)["attention"]
+    gm = next(iter(fused.plans.values())).graph_module
+    laid = [n for n in gm.graph.nodes if n.target == torch.ops.autofuse.vector_program.default and n.kwargs.get("layouts")]
+    assert len(laid) >= LAYERS                        # the rotations (q and k together, or apart)
+    for n in laid:
+        for user in n.users:
+            v = val(user)
+            assert v is not None and not v.is_contiguous() and v.stride()[-1] == 1
+    _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
