@@ -51,6 +51,9 @@ real data is touched, so very large configurations can be analysed.
    data-dependent size carries ``node.meta["autofuse_data_dependent"]`` (the nodes that read the sizes from
    data), and the planner fuses none of them (they run as captured, for whatever sizes later calls bring).
    On meta inputs there is nothing to run: capture says so.
+6. **Copies into a view** (``x[..., i] = y``, ``copy_``) are functionalized to ``aten.copy``, which autograd cannot
+   differentiate; where the result's layout cannot matter they are spelled ``expand`` + ``clone`` (or a cast): the
+   same values, trainable.
 """
 from __future__ import annotations
 
@@ -253,10 +256,50 @@ def _set_nested(root: torch.nn.Module, dotted: str, tensor):
         setattr(mod, field, tensor)
 
 
+#: Ops that place their input into a larger value and read no layout from it.
+_SCATTERS = {torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+             torch.ops.aten.diagonal_scatter.default, torch.ops.aten.as_strided_scatter.default}
+
+
+def _differentiable_copies(gm: fx.GraphModule):
+    """Item 6 of the module docstring: ``aten.copy(self, src)`` (functionalization's spelling of ``x[...] = y``
+    and ``copy_``) has no derivative, so a captured graph holding one could not be trained through. It becomes
+    ``src`` broadcast to ``self``'s shape and copied (``expand`` + ``clone``, or a cast to ``self``'s dtype): the
+    same values, differentiable, priced alike (one copy). Only where the result's layout cannot matter: ``self``
+    row-major (a clone's layout) or every reader a scatter."""
+    from autofuse.graph import infer_val
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != aten.copy.default or len(node.args) != 2 or node.kwargs:
+            continue
+        dst, src = node.args
+        d, s = dst.meta.get("val"), src.meta.get("val") if isinstance(src, fx.Node) else None
+        if not (isinstance(d, torch.Tensor) and isinstance(s, torch.Tensor)) or d.device != s.device:
+            continue
+        if not (d.is_contiguous() or all(u.target in _SCATTERS for u in node.users)):
+            continue
+        with gm.graph.inserting_before(node):
+            x = src
+            if tuple(s.shape) != tuple(d.shape):
+                x = gm.graph.call_function(aten.expand.default, (x, list(d.shape)))
+                infer_val(x)
+            if s.dtype != d.dtype:
+                x = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": d.dtype})
+            else:
+                x = gm.graph.call_function(aten.clone.default, (x,))
+            infer_val(x)
+        for k, v in node.meta.items():
+            if k != "val":
+                x.meta.setdefault(k, v)
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+
+
 def _cleanup(gm: fx.GraphModule):
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _DROPPED_TARGETS and not node.users:
             gm.graph.erase_node(node)
+    _differentiable_copies(gm)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

@@ -214,3 +214,36 @@ def test_one_trace_matches_on_more_architectures(impl):
         for experts in ("grouped_mm", "batched_mm"):
             model, ids = _build(name, experts, impl)
             _same_graph(*_both(model, (ids,), {"use_cache": False}))
+
+
+def test_a_copy_into_a_view_is_captured_trainable():
+    """``h[:, 0] = ...`` (as Qwen3-Next's gated delta rule writes its chunks) is functionalized to ``aten.copy``,
+    which has no derivative; capture spells it as a broadcast copy, so the fused model trains like eager."""
+    from autofuse import AutoFusionEngine
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.zeros(x.shape[0], 3, 8)
+            h[:, 0] = self.a(x)
+            h[:, 1] = self.b(x)                      # broadcast along the last dim
+            h[:, 2] = self.a(x).double()             # a cast
+            return torch.tanh(h).sum(1) * 2.0
+
+    torch.manual_seed(0)
+    m = M().train()
+    x = torch.randn(4, 8)
+    gm = capture(m, (x,)).graph_module
+    assert not [n for n in gm.graph.nodes if n.target == torch.ops.aten.copy.default]
+    f = AutoFusionEngine.fuse(m, (x,))
+    w = torch.randn(4, 8)
+    grads = []
+    for fn in (f, m):
+        m.zero_grad()
+        (fn(x) * w).sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)   # fp32 sums of 4 rows: reassociation only
