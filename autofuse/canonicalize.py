@@ -151,7 +151,10 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
     ``device=`` arguments are redirected to CPU, so constants built on the meta device (a model
     captured on meta) still evaluate; a meta *attribute* has no data and makes ``m`` non-constant.
     A parameter or buffer makes ``m`` non-constant, unless ``state`` is a list: then its current value is
-    used and its dotted name appended to ``state``, so the caller can guard what it concluded."""
+    used and its dotted name appended to ``state``, so the caller can guard what it concluded. A tensor that
+    requires grad (a trainable parameter) always makes ``m`` non-constant: a guard keeps the forward right when
+    its value changes, but a conclusion drawn from its value (Swin's relative position bias, all zeros at
+    initialisation, proven no mask) would cut the path its gradient takes."""
     order, seen, stack = [], set(), [m]
     while stack:
         n = stack.pop()
@@ -181,7 +184,7 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
                         return None
                     reads.append(n.meta["autofuse_state"])
                 t = get_attr_value(n.graph.owning_module, n.target)
-                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                if isinstance(t, torch.Tensor) and (t.device.type == "meta" or t.requires_grad):
                     return None
                 env[n] = t
             elif n.op == "call_function":

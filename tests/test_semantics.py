@@ -518,3 +518,35 @@ def test_a_swapped_module_replans():
     model.eval()                                      # the same training flags: the same plan key
     torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
     assert "module drop was replaced" in fused.report.replanned_because
+
+
+def test_a_mask_built_from_a_trainable_parameter_keeps_its_gradient_path():
+    """An additive attention bias read from a learnable table that starts at zeros (Swin's relative position
+    bias): proving the mask zero from the table's value (guarded) was right for the forward but cut the table's
+    gradient. A tensor that requires grad is never evaluated into a proof: the table gets eager's gradient."""
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(2, 16))      # [heads, distance buckets], zeros at init
+            self.register_buffer("index", (torch.arange(8)[:, None] - torch.arange(8)[None, :]).abs())
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            bias = self.table[:, self.index]                           # [heads, 8, 8]
+            scores = q @ k.transpose(-2, -1) * 8 ** -0.5 + bias
+            return (scores.softmax(-1) @ v).sum()
+
+    torch.manual_seed(0)
+    m = Biased().train()
+    x = torch.randn(2, 8, 16)
+    f = AutoFusionEngine.fuse(m, (x,))
+    (d,) = f.report.of("attention")
+    assert d.applied and d.params["mask_kind"] == "additive"
+    grads = []
+    for fn in (f, m):
+        m.zero_grad()
+        fn(x).backward()
+        grads.append(m.table.grad.clone())
+    assert grads[1].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)   # fp32 host recompute: reassociation
