@@ -3,6 +3,7 @@
 predicted speed-up of the whole graph against eager op by op and against generic fusion alone (ascend910).
 
     python benchmarks/architectures.py [--only NAME ...] [--device ascend910] [--dtype bfloat16]
+    python benchmarks/architectures.py --train [--only NAME ...]    # gradients of every parameter against eager's
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
@@ -139,15 +140,66 @@ def run(name, spec, attn, device, dtype=torch.float32):
                 vs_eager=sp.get("eager op by op", float("nan")), vs_generic=sp.get("generic fusion alone", float("nan")))
 
 
+def train(name, spec, attn, device):
+    """One training step's gradients (train mode, dropout off, the loss a fixed random projection of the output)
+    of the fused model against eager's: (the worst |fused - eager| of a parameter's gradient relative to that
+    gradient's largest, among gradients above 1e-3 of the model's largest; that parameter; the worst of every
+    gradient relative to the model's largest; the parameters eager gives a gradient and the fused model none; the
+    fused blocks)."""
+    from autofuse import AutoFusionEngine
+    from autofuse.models import build_transformers
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device)
+    grads = []
+    for fn in (fused, model):
+        model.zero_grad()
+        torch.manual_seed(7)                    # any functional dropout left draws the same in both
+        out = _main_output(fn(*args, **kwargs)).float()
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        (out * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    got, want = grads
+    # a gradient that is zero by symmetry (a key projection's bias: softmax cancels it) is rounding noise in both:
+    # relative errors are taken over the gradients above 1e-3 of the model's largest; every gradient's error is
+    # also given relative to that largest
+    top = max(g.abs().max().item() for g in want.values())
+    err = {n: (got[n] - g).abs().max().item() for n, g in want.items() if n in got}
+    rel = max((err[n] / want[n].abs().max().item(), n) for n in err if want[n].abs().max().item() >= 1e-3 * top)
+    return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="rows whose name starts with one of these")
     ap.add_argument("--device", default="ascend910")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--train", action="store_true", help="gradients of a training step against eager's")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
+    if a.train:
+        print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  worst parameter (vs its own largest)")
+        bad = 0
+        for name, spec, attn in MODELS:
+            if a.only and not any(name.startswith(o) for o in a.only):
+                continue
+            try:
+                err, param, err_top, missing, n = train(name, spec, attn, a.device)
+            except Exception as e:  # noqa: BLE001 - a row reports its own failure
+                bad += 1
+                print(f"{name:32} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
+                continue
+            bad += bool(missing)
+            note = f"  NO GRADIENT: {', '.join(missing)}" if missing else ""
+            print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {param}{note}", flush=True)
+        print(f"\n{bad} failed or missing a gradient")
+        return
     print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "
           f"fused blocks by name")
     bad = 0
