@@ -4,6 +4,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
 
     python benchmarks/architectures.py [--only NAME ...] [--device ascend910] [--dtype bfloat16]
     python benchmarks/architectures.py --train [--only NAME ...]    # gradients of every parameter against eager's
+    python benchmarks/architectures.py --disable attention          # the rest fused around torch's own attention
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
@@ -119,7 +120,7 @@ def _main_output(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def run(name, spec, attn, device, dtype=torch.float32):
+def run(name, spec, attn, device, dtype=torch.float32, switches=None):
     from autofuse import AutoFusionEngine
     from autofuse.models import build_transformers
     t0 = time.perf_counter()
@@ -128,7 +129,7 @@ def run(name, spec, attn, device, dtype=torch.float32):
     model.eval()
     with torch.no_grad():
         want = _main_output(model(*args, **kwargs))
-    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
     with torch.no_grad():
         got = _main_output(fused(*args, **kwargs))
     err = (got.float() - want.float()).abs().max().item()
@@ -178,6 +179,8 @@ def main():
     ap.add_argument("--only", nargs="*", help="rows whose name starts with one of these")
     ap.add_argument("--device", default="ascend910")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--disable", action="append", default=[], metavar="FAMILY",
+                    help="switch a pattern family off (repeatable), e.g. attention: the rest must still fuse and run")
     ap.add_argument("--train", action="store_true", help="gradients of a training step against eager's")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -207,7 +210,7 @@ def main():
         if a.only and not any(name.startswith(o) for o in a.only):
             continue
         try:
-            row = run(name, spec, attn, a.device, getattr(torch, a.dtype))
+            row = run(name, spec, attn, a.device, getattr(torch, a.dtype), {f: "off" for f in a.disable} or None)
         except Exception as e:  # noqa: BLE001 - a row reports its own failure
             bad += 1
             print(f"{name:28} {attn:5} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
