@@ -311,8 +311,10 @@ def _cleanup(gm: fx.GraphModule):
 def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> None:
     """Item 5 of the module docstring: nodes whose sizes depend on data get the example run's sizes and the
     mark ``autofuse_data_dependent``; a no-op for a graph of static shapes."""
+    from torch._guards import detect_fake_mode
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    from torch._subclasses.fake_tensor import FakeTensor
+
+    from autofuse.graph import NodeValues
 
     def symbols(v):
         try:
@@ -340,7 +342,7 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
                                   f"({first.name} = {first.target}: {first.meta.get('val')!r}), which meta inputs do "
                                   f"not hold. hint: give real example inputs (the graph is then planned at the sizes "
                                   f"they produce), or use torch.compile(model, backend='autofuse').")
-    fake = next((v.fake_mode for v in (n.meta.get("val") for n in gm.graph.nodes) if isinstance(v, FakeTensor)), None)
+    fake = detect_fake_mode([v for v in (n.meta.get("val") for n in gm.graph.nodes) if isinstance(v, torch.Tensor)])
 
     def concrete(x):
         if isinstance(x, torch.Tensor):
@@ -349,20 +351,9 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
             return type(x)(concrete(y) for y in x)
         return x
 
-    wanted = {n for n in dynamic if symbols(n.meta.get("val"))}
-    seen = {}
-
-    class _Run(fx.Interpreter):
-        def run_node(self, n):
-            r = super().run_node(n)
-            if n in wanted:
-                seen[n] = r
-            return r
-
-    with torch.no_grad(), torch.random.fork_rng():      # a captured dropout must not move the user's RNG
-        _Run(gm).run(*leaves)
-    for n, r in seen.items():
-        n.meta["val"] = concrete(r)
+    wanted = {n.name: n for n in dynamic if symbols(n.meta.get("val"))}
+    for name, r in NodeValues(gm, wanted).values(*leaves).items():
+        wanted[name].meta["val"] = concrete(r)
     for n, why in dynamic.items():
         n.meta["autofuse_data_dependent"] = why
 

@@ -41,6 +41,7 @@ from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_const
 from autofuse.capture import capture
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
+from autofuse.graph import NodeValues as _Values
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan
 from autofuse.rewrite import _source as source
@@ -73,34 +74,6 @@ def all_candidates(gm: fx.GraphModule) -> list:
     for find in families().values():
         out.extend(find(gm))
     return out
-
-
-class _AllKept(Exception):
-    pass
-
-
-class _Values(fx.Interpreter):
-    """Runs the graph and keeps the values of the nodes asked for; stops as soon as it has them all."""
-
-    def __init__(self, gm, wanted):
-        super().__init__(gm)
-        self.wanted, self.kept = set(wanted), {}
-
-    def run_node(self, n):
-        r = super().run_node(n)
-        if n.name in self.wanted:
-            self.kept[n.name] = r
-            if len(self.kept) == len(self.wanted):
-                raise _AllKept
-        return r
-
-    def values(self, *args) -> dict:
-        try:
-            with torch.no_grad(), torch.random.fork_rng():    # a captured dropout must not move the user's RNG
-                self.run(*args)
-        except _AllKept:
-            pass
-        return self.kept
 
 
 # ------------------------------------------------------------------------------------ state and guards
