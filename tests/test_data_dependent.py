@@ -8,6 +8,7 @@ import torch
 
 from autofuse import AutoFusionEngine
 from autofuse.capture import CaptureError, capture
+from autofuse.verify import compare
 from conftest import assert_as_eager, main_output
 
 
@@ -93,6 +94,5 @@ def test_jetmoe_fuses_around_its_data_dependent_experts():
             want = main_output(model(x, use_cache=False))
             ref = main_output(model.double()(x, use_cache=False))
             model.float()
-            from autofuse.verify import compare
             ok, err, tol = compare(want, ref, got)
             assert ok, (err, tol)
