@@ -19,7 +19,8 @@ which every transfer of the core shares: a lockstep transfer of ``n`` cores take
 on hits and ``n·bytes / HBM bandwidth`` on misses. A transfer holds the port for its hits and then for all
 the HBM bytes of that transfer (the first reader's miss of a line other cores share, write-throughs, the
 dirty lines its allocations evict), so a phase lasts at least its ports' hit cycles plus the phase's HBM
-bytes at HBM bandwidth. A phase adds the latency of its first step (fill). HBM bytes: every input read once
+bytes at HBM bandwidth; but the statistics sweep of a causal launch, whose cores read K tiles at steps of their
+own (some hit while others miss, each core waiting for one or the other), lasts at least the larger. A phase adds the latency of its first step (fill). HBM bytes: every input read once
 (the mask too: its query heads share its lines), the outputs written through, the Q/dO/K/mask re-reads that
 miss when the phases' working sets exceed L2, the dirty lines each phase evicts (L2 is LRU: the oldest
 lines go first), and the workspaces still dirty in L2 at the end (written back then, as the simulator does;
@@ -490,8 +491,14 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
             ph1 = _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
                                 drop, cap, bound and not sharp)
         else:
-            ph1 = max(T1 * step1, T1 * _hit_port(p1, split) + l2p.hbm_ph1 / HBMbw) + qe * D * isz / rate["GM->L1"] \
-                + cube1 + vec1 + p1.unit["fixpipe"]
+            # the port: without a causal mask the cores on a head read K tile j at the same step, the first one's
+            # miss held by all of them, so each waits for the instruction's hits and its misses in turn; with one,
+            # a core's items reach tile j at steps of their own (a pair's first query block ends early and the
+            # second starts again at tile 0), so in one instruction some cores hit and others miss, and each
+            # waits for the one or the other
+            hits1 = T1 * _hit_port(p1, split)
+            port1 = max(hits1, l2p.hbm_ph1 / HBMbw) if causal else hits1 + l2p.hbm_ph1 / HBMbw
+            ph1 = max(T1 * step1, port1) + qe * D * isz / rate["GM->L1"] + cube1 + vec1 + p1.unit["fixpipe"]
         busy["cube"] += T1 * cube1
         busy["vector"] += T1 * vec1
         busy["mte2"] += T1 * mte2
