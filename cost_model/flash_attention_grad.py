@@ -45,6 +45,9 @@ F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
 # L0A/L0B rings are double-buffered)
 LOOP_MTE1 = 0.5
+# the steps whose GM-port slack hides part of a unit's dK and dV stores on a coupled core (calibrated on drawn
+# launches: 3 to 6 give the same worst cases, 1 and 2 price 910 launches of short steps over)
+STORE_SLACK_STEPS = 4
 
 
 def _r16(x):
@@ -568,6 +571,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
             mte2 = p2.unit["mte2"]
             vmte2 = p2.unit["vmte2"]
             port, vport = p2.port, p2.vport
+            stores = 0.0
         else:
             p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
                 + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
@@ -576,7 +580,10 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
             mte3 = p2.unit["mte3"]
             mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
             vmte2 = 0.0
-            port, vport = p2.port + p2.vport, 0.0
+            # the unit's dK and dV stores (written through to HBM, every core of the unit's instruction at once)
+            # hold the port at the unit's end: priced there (below), not spread over its steps
+            stores = kvc * kc * (D + Dv) * isz / HBMbw
+            port, vport = p2.port + p2.vport - per_unit * stores, 0.0
         # the software pipeline's loop spans two steps: S, dP(s) -> to the Vector -> P, dS(s) -> out to the
         # workspace -> back into L1 -> the products of step s, and the in-order Cube starts S(s+2) after them
         pds = 2 * qe * ke * isz
@@ -606,6 +613,11 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
                 + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
                 + (cdv if not split else cube_b / len(halves)) + (q16 if not split else _r16(halves[0])) * D * isz / b_)
         step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
+        # coupled: a unit's dK and dV stores go out on MTE3 one step after its last and take the core's one GM port;
+        # the loads queued behind them wait (the next steps' workspace loads, and with them the Cube) unless the
+        # port had slack, which the steps around the unit's end give: STORE_SLACK_STEPS steps of it (taken before
+        # the L0 rings' chain, so the search's bound, which leaves that chain out, stays below the model)
+        exposed = max(0.0, stores - STORE_SLACK_STEPS * max(0.0, step2 - port))
         if granted is not None:
             # the L0 moves and the products in the kernel's order: a move into a ring of one tile waits for the
             # product reading the tile before
@@ -628,7 +640,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         # the next S waits for the load, shared with the other cores starting a unit at that step (kvc)
         kv_core = ke * (D + Dv) * isz
         bubble = max(kv_core / rate["GM->L1"], kvc * kc * isz * (D * (hit_kv / L2bw + (1 - hit_kv) / HBMbw) + Dv / HBMbw))
-        step2 += per_unit * bubble
+        step2 += per_unit * (bubble + exposed)
         fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
         return {"step": step2, "cube": cube2, "vec": vec2, "mte1": mte1, "mte2": max(mte2, vmte2), "mte3": mte3,
                 "fix": p2.unit["fixpipe"], "hit": _hit_port(p2, split), "fill": fill2}
