@@ -412,6 +412,16 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     if match.params.get("weights_scale", 1.0) != 1.0:
         total = total.add(_estimate("elementwise", [(tk, "float32")], device, op="mul",
                                     scalar=match.params["weights_scale"]))
+    if p.get("weights_at") == "input":
+        # the dense form: the scores (a sigmoid over [T, k]), put at the routed rows, scale the routed tokens
+        wdt = _spec(nodes[match.inputs["weights"]])[1]
+        _, up, down = p["weights_fn"]
+        if up:
+            total = total.add(_estimate("elementwise", [(tk, wdt)], device, op="cast", out_dtype=up))
+        total = total.add(_estimate("elementwise", [(tk, up or wdt)], device, op="sigmoid"))
+        if down:
+            total = total.add(_estimate("elementwise", [(tk, up or wdt)], device, op="cast", out_dtype=down))
+        total = total.add(_estimate("elementwise", [((S, H), dt), ((S, 1), dt)], device, op="mul"))
     if training:
         total.options = {"store_product": True}
     return total
@@ -437,13 +447,26 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     routed = call(g, ops.moe_init_routing.default, ins["x"], ins["ids"], p["num_experts"], **kwargs)
     routed.meta["autofuse_match"] = m
     xs, rows, counts = (call(g, operator.getitem, routed, i) for i in range(3))
+    w = ins["weights"]
+    if p.get("weights_at") == "input":
+        # the dense form's scores scale each routed row before the GEMMs; the combine then sums the k outputs
+        _, up, down = p["weights_fn"]           # ("sigmoid", the dtype it runs in, the dtype it returns)
+        if up:
+            w = call(g, aten._to_copy.default, w, dtype=getattr(torch, up))
+        w = call(g, aten.sigmoid.default, w)
+        if down:
+            w = call(g, aten._to_copy.default, w, dtype=getattr(torch, down))
+        flat = call(g, aten.reshape.default, w, [T * k])
+        at_rows = call(g, aten.index_put.default, call(g, aten.zeros_like.default, flat), [rows], flat)
+        xs = call(g, aten.mul.Tensor, xs, call(g, aten.unsqueeze.default, at_rows, -1))
     first = ops.grouped_matmul_with_product.default if store else ops.grouped_matmul.default
     trans_w = p.get("trans_w", True)
     h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs)
     if store:
         h = call(g, operator.getitem, h, 0)
     y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, ins.get("b2"), trans_w=trans_w, **kwargs)
-    w = ins["weights"]
+    if p.get("weights_at") == "input":
+        w = call(g, aten.new_ones.default, xs, [T, k], dtype=torch.float32)
     if tuple(val(w).shape) != (T, k):
         w = call(g, aten.reshape.default, w, [T, k])
     if p.get("weights_scale", 1.0) != 1.0:

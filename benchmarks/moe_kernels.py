@@ -6,6 +6,8 @@
     python benchmarks/moe_kernels.py --device ascend910b
     python benchmarks/moe_kernels.py --model gpt_oss   # GPT-OSS-120B's MoE shapes (H 2880, I 2880, 128 experts,
                                                        # top-4): biases, the clamped SwiGLU on interleaved pairs
+    python benchmarks/moe_kernels.py --model llama4    # Llama 4 Scout's experts (H 5120, I 8192, 16 experts,
+                                                       # top-1) in their dense form
 
 Every figure is simulated cycles (``npu.run``), each kernel with the tiling the cost model's search picks, on
 both sides. The unfused chains are what eager runs, priced with the competent kernels of the same
@@ -24,6 +26,12 @@ histc, cumsum, the inverse permutation's index_put — as ``generic`` Vector pas
   ``sigmoid``, ``gate·sigmoid``, ``up + 1``, the product (eight launches over ``[M, I]``; the interleaved halves are
   priced as contiguous reads, which favours the unfused side) vs ``grouped_matmul`` with both biases and the
   ``clamped_swiglu`` epilogue on interleaved pairs, and ``grouped_matmul`` with its bias;
+* Llama 4 (``--model llama4``): its experts as eager runs them, every token through every expert (the scores
+  scattered from the top k into -inf, sigmoid, transposed; the tokens repeated per expert and scaled; a matmul
+  per expert over all the tokens, SiLU and the product, the down matmul per expert, the sum over the experts) vs
+  the fused graph's sparse form (sigmoid of the k scores, ``moe_init_routing``, the scores put at the routed rows
+  and scaling them, ``grouped_matmul`` with the SwiGLU epilogue, ``grouped_matmul``, ``moe_finalize_routing``);
+  the router's top-k runs on both sides;
 * routing + finalize: sort of the expert ids, ``perm // k``, the token gather, the weights' gather, histc,
   cumsum (transformers' grouped_mm path) and, after the experts, the weighting, the inverse permutation, its
   gather and the sum over k vs ``moe_init_routing`` + ``moe_finalize_routing``.
@@ -161,15 +169,81 @@ def routing(T, H, E, k, device, dtype=torch.bfloat16):
     return sum(unfused), sum(fused), len(unfused)
 
 
+def dense_experts(T, H, I, E, k, device, dtype=torch.bfloat16):
+    """Llama 4's experts block after its router's linear, as eager runs it (every token through every expert) and as
+    the fused graph runs it (each token through its k picks)."""
+    torch.manual_seed(2)
+    logits = torch.randn(T, E).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    EM, M = E * T, T * k
+    f32 = "float32"
+    dt = str(dtype).replace("torch.", "")
+    x = torch.zeros(T, H, dtype=dtype)
+    gate_up, down = torch.zeros(E, H, 2 * I, dtype=dtype), torch.zeros(E, I, H, dtype=dtype)
+    dense = tuple([T] * E)
+    counts = np.bincount(ids.flatten().numpy(), minlength=E)
+    sizes = tuple(int(c) for c in counts)
+    perm = torch.sort(ids.flatten().long(), stable=True).indices
+    rows = torch.empty_like(perm)
+    rows[perm] = torch.arange(M)
+    topk = run("topk", [logits], device, k=k)                   # the router's top k: the same on both sides
+    unfused = [topk,
+               generic([torch.zeros(T, k, dtype=dtype), ids.long()], [((T, E), dt)], device),   # full_like, scatter
+               run("elementwise", [logits], device, op="cast", out_dtype=f32),
+               run("elementwise", [torch.zeros(T, E)], device, op="sigmoid"),
+               run("elementwise", [torch.zeros(T, E)], device, op="cast", out_dtype=dt),
+               generic([logits], [((E, T), dt)], device),                                       # scores transposed
+               generic([x], [((EM, H), dt)], device),                                           # x.repeat(E, 1)
+               run("elementwise", [torch.zeros(EM, H, dtype=dtype), torch.zeros(EM, 1, dtype=dtype)], device,
+                   op="mul"),
+               run("matmul_per_group", [torch.zeros(EM, H, dtype=dtype), gate_up,
+                                        torch.tensor(np.cumsum(dense), dtype=torch.int32)], device, group_sizes=dense),
+               run("elementwise", [torch.zeros(EM, I, dtype=dtype)], device, op="silu"),
+               run("elementwise", [torch.zeros(EM, I, dtype=dtype)] * 2, device, op="mul"),
+               run("matmul_per_group", [torch.zeros(EM, I, dtype=dtype), down,
+                                        torch.tensor(np.cumsum(dense), dtype=torch.int32)], device, group_sizes=dense),
+               run("reduce", [torch.zeros(E, T, H, dtype=dtype)], device, op="sum", dim=0)]
+    cnt = torch.tensor(sizes, dtype=torch.int32)
+    fused = [topk,
+             run("elementwise", [torch.zeros(T, k, dtype=dtype)], device, op="cast", out_dtype=f32),
+             run("elementwise", [torch.zeros(T, k)], device, op="sigmoid"),
+             run("elementwise", [torch.zeros(T, k)], device, op="cast", out_dtype=dt),
+             run("moe_init_routing", [x, ids], device, num_experts=E),
+             generic([torch.zeros(M, dtype=dtype), rows], [((M,), dt)], device),               # scores at the rows
+             run("elementwise", [torch.zeros(M, H, dtype=dtype), torch.zeros(M, 1, dtype=dtype)], device, op="mul"),
+             run("grouped_matmul", [torch.zeros(M, H, dtype=dtype), gate_up, cnt], device, activation="swiglu",
+                 group_sizes=sizes),
+             run("grouped_matmul", [torch.zeros(M, I, dtype=dtype), down, cnt], device, group_sizes=sizes),
+             run("moe_finalize_routing", [torch.zeros(M, H, dtype=dtype), torch.ones(T, k), rows.int()], device)]
+    return sum(unfused), sum(fused), len(unfused), len(fused)
+
+
+def main_llama4(dev, quick):
+    """Llama 4 Scout's MoE shapes (``Llama4TextConfig``'s defaults: H 5120, I 8192, 16 experts, top-1), the experts
+    in their dense form: every token through all 16 experts in eager."""
+    H, I, E, k = (512, 1024, 16, 1) if quick else (5120, 8192, 16, 1)
+    t0 = time.time()
+    rows = []
+    for T in ((64, 256) if quick else (64, 1024)):
+        u, f, nu, nf = dense_experts(T, H, I, E, k, dev)
+        rows.append((f"dense experts, {T} tokens, H {H}, I {I}, {E} experts, top-{k}", u, f, nu, nf))
+    print(f"Llama 4 MoE experts on {dev} (simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
+    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}")
+    for name, u, f, nu, nf in rows:
+        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--device", default="ascend910")
-    ap.add_argument("--model", choices=("mixtral", "gpt_oss"), default="mixtral")
+    ap.add_argument("--model", choices=("mixtral", "gpt_oss", "llama4"), default="mixtral")
     a = ap.parse_args(argv)
     dev = a.device
     if a.model == "gpt_oss":
         return main_gpt_oss(dev, a.quick)
+    if a.model == "llama4":
+        return main_llama4(dev, a.quick)
     if a.quick:
         T, H, I, E, k, decode_T = 512, 1024, 2048, 8, 2, 256
     else:

@@ -19,12 +19,17 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   ``alpha``). The third,
   ``eager``, loops over the experts a token hit (``nonzero``): its routing is data-dependent, so
   ``torch.export`` cannot capture it (the capture error says so; ``torch.compile(backend="autofuse")``
-  runs it with graph breaks).
+  runs it with graph breaks). And Llama 4's dense form (``implementation="dense"``): every token through every
+  expert by two batched matmuls, its input scaled by ``sigmoid`` of the top-k logits scattered into ``-inf``,
+  summed over the experts; the scores are zero off each token's picks and an expert with zero input outputs
+  zero, so it runs sparse, the scores scaling the routed rows (``weights_at="input"``), the combine summing.
 
 Rejected by the constraints (each a near-miss test): top-k over another dim or ``largest=False``; softmax over
 the tokens instead of the experts; a renormalisation by anything but the sum of the selected weights (plus
 a scalar eps); a bias added after the selection; an activation other than SiLU on the gate half; halves
-taken in another order than the weights were split; in the clamped form, the gate at the odd columns, a gate
+taken in another order than the weights were split; in the dense form, scores filled with anything but ``-inf``
+off the picks, the bottom k, scores laid out token-major against the expert-major repeated tokens, an expert
+bias; in the clamped form, the gate at the odd columns, a gate
 clamped from below too, gate and up clamped at different limits, anything but ``up + 1``, a bias gathered by
 another index.
 """
@@ -358,6 +363,95 @@ _EXPERTS_BATCHED = _glu(
  .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
 
 
+# Llama 4's dense form: every token through every expert, its input scaled by the router's score, the scores
+# the top k logits scattered into -inf and put through a sigmoid (zero for every expert a token did not pick)
+_EXPERTS_DENSE = _glu(
+    Template("moe_experts", anchor="mm1")
+    .node("fill", aten.full_like.default)
+    .node("scatter", aten.scatter.src).edge("fill", "scatter", 0)
+    .node("up32", aten._to_copy.default, where=_cast, optional=True).edge("scatter", "up32", 0)
+    .node("sig", aten.sigmoid.default).edge("up32", "sig", 0)
+    .node("down", aten._to_copy.default, where=_cast, optional=True).edge("sig", "down", 0)
+    .node("st", aten.transpose.int).edge("down", "st", 0)
+    .node("scol", aten.reshape.default, optional=True).edge("st", "scol", 0)     # (none for one token)
+    .node("xrep", aten.repeat.default)
+    .node("xin", aten.mul.Tensor).edge("xrep", "xin").edge("scol", "xin")
+    .node("x3", aten.reshape.default).edge("xin", "x3", 0)
+    .node("mm1", aten.matmul.default).edge("x3", "mm1", 0), up="mm1")
+(_EXPERTS_DENSE
+ .node("mm2", aten.matmul.default).edge("glu", "mm2", 0)
+ .node("y3", aten.reshape.default, optional=True).edge("mm2", "y3", 0)
+ .node("combine", aten.sum.dim_IntList).edge("y3", "combine", 0))
+
+
+def _topk_output(n, i):
+    """The top-k node whose output ``i`` (0: values, 1: indices) ``n`` is, or None."""
+    if isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] == i:
+        src = n.args[0]
+        if isinstance(src, fx.Node) and src.target == aten.topk.default and _topk_last_largest(src):
+            return src
+    return None
+
+
+def _decide_dense_experts(m: dict) -> Match | None:
+    """Constraints of the dense form: the scores are ``sigmoid`` of a top-k's values scattered at its own indices
+    over the last dim into ``-inf`` (so exactly zero at every other expert), the tokens repeated once per expert
+    (expert-major) and scaled by their scores, ``[E, T, H] @ [E, H, 2I]``, SwiGLU on the halves in the split's
+    order, ``@ [E, I, H]``, summed over the experts. An expert whose scaled input is zero outputs exactly zero (no
+    bias; ``silu(0)·0``), so the sum equals the sum over each token's k picks: the block runs sparse, each token
+    through its k experts only, its input scaled by its score (``weights_at="input"``) and the outputs summed
+    (where the hidden states and weights are finite; a non-finite value reaches its token's output either way,
+    as NaN or infinity)."""
+    scatter, fill = m["scatter"], m["fill"]
+    v, idx = scatter.args[3] if len(scatter.args) > 3 else None, scatter.args[2]
+    topk = _topk_output(v, 0)
+    if topk is None or _topk_output(idx, 1) is not topk or scatter.args[1] not in (1, -1) or scatter.kwargs:
+        return None
+    if len(fill.args) < 2 or fill.args[1] != float("-inf") or shape(fill) != shape(scatter) or len(shape(fill)) != 2:
+        return None
+    T, E = shape(scatter)
+    k = int(topk.args[1])
+    if shape(idx) != (T, k) or val(fill).dtype != val(v).dtype:
+        return None
+    if "up32" in m and val(m["up32"]).dtype != torch.float32:
+        return None
+    st, xrep, x3 = m["st"], m["xrep"], m["x3"]
+    scol = m.get("scol", st)
+    if sorted(d % 2 for d in st.args[1:3]) != [0, 1] or shape(scol) != (E * T, 1):
+        return None
+    x = xrep.args[0]
+    if shape(x) is None or len(shape(x)) != 2 or shape(x)[0] != T or list(xrep.args[1]) != [E, 1]:
+        return None
+    H = shape(x)[1]
+    if shape(x3) != (E, T, H):
+        return None
+    w1, w2 = _param(m["mm1"].args[1]), _param(m["mm2"].args[1])
+    if w1 is None or w2 is None or m["mm1"].args[0] is not x3 or len(shape(w1)) != 3 or shape(w1)[:2] != (E, H):
+        return None
+    two_i = shape(w1)[2]
+    if shape(w2) != (E, two_i // 2, H) or m["split"].args[1] != two_i // 2 or arg(m["split"], 2, "dim") not in (-1, 2):
+        return None
+    if {m["glu"].args[0], m["glu"].args[1]} != {m["act"], m["up"]}:
+        return None
+    if "y3" in m and shape(m["y3"]) != (E, T, H):
+        return None
+    out = m["combine"]
+    if list(arg(out, 1, "dim")) not in ([0], [-3]) or arg(out, 2, "keepdim", False) or shape(out) != (T, H):
+        return None
+    inside = set(m.values())
+    for n in m.values():            # the block's intermediates are its own
+        if n is not out and n.all_input_nodes and any(u not in inside for u in n.users):
+            return None
+    order = [n.name for n in out.graph.nodes if n in inside]
+    casts = {c: str(val(m[c]).dtype).replace("torch.", "") for c in ("up32", "down") if c in m}
+    params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=two_i // 2, weights_scale=1.0,
+                  trans_w=False, implementation="dense", out_like=val(out), dtype=val(x).dtype,
+                  activation="swiglu", swiglu_order="gate_up", weights_at="input",
+                  weights_fn=("sigmoid", casts.get("up32", ""), casts.get("down", "")))
+    inputs = {"x": x.name, "ids": idx.name, "weights": v.name, "w1": w1.name, "w2": w2.name}
+    return Match("moe_experts", tuple(order), out.name, inputs, params)
+
+
 def _is_last(n) -> bool:
     """An unsqueeze/squeeze at the last dim of its result (unsqueeze) or input (squeeze), counted either way."""
     d = n.args[1]
@@ -482,9 +576,9 @@ def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
 def find_moe_experts(gm: fx.GraphModule) -> list[Match]:
     view = graph_view(gm)
     found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_GROUPED.match(view, _decide_experts) + \
-        _EXPERTS_GROUPED_CLAMPED.match(view, _decide_experts)
+        _EXPERTS_GROUPED_CLAMPED.match(view, _decide_experts) + _EXPERTS_DENSE.match(view, _decide_dense_experts)
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
 TEMPLATES = (_GATING, _GATING_GATHER, _GATING_TOPK_FIRST, _EXPERTS_GROUPED, _EXPERTS_BATCHED,
-             _EXPERTS_GROUPED_CLAMPED)
+             _EXPERTS_GROUPED_CLAMPED, _EXPERTS_DENSE)
