@@ -437,15 +437,18 @@ def test_gpt_oss_experts_are_fused(dtype):
         assert (got.float() - want.float()).abs().max() < 0.05 * want.float().abs().max()
 
 
-def test_the_gpt_oss_moe_kernels_benchmark_runs(capsys):
-    """``benchmarks/moe_kernels.py --model gpt_oss --quick`` runs (its kernels' options as the fused graph uses
-    them) and prints a row per block."""
+@pytest.mark.parametrize("model,blocks", [("gpt_oss", 5), ("llama4", 2)])
+def test_the_moe_kernels_benchmark_runs(capsys, model, blocks):
+    """``benchmarks/moe_kernels.py --model gpt_oss --quick`` (and ``llama4``: its dense experts, a row per load)
+    runs, its kernels with the options the fused graph calls them with, and prints a row per block, each faster
+    fused."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe_kernels.py"
     spec = importlib.util.spec_from_file_location("moe_kernels_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main(["--model", "gpt_oss", "--quick"])
+    mod.main(["--model", model, "--quick"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.rstrip().endswith("x")]
-    assert len(rows) == 5 and rows[-1].startswith("whole MoE block"), rows
+    assert len(rows) == blocks and all(float(r.split()[-1][:-1]) > 1 for r in rows), rows
+    assert model != "gpt_oss" or rows[-1].startswith("whole MoE block"), rows
