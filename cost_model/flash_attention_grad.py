@@ -20,12 +20,13 @@ on hits and ``n·bytes / HBM bandwidth`` on misses. A transfer holds the port fo
 the HBM bytes of that transfer (the first reader's miss of a line other cores share, write-throughs, the
 dirty lines its allocations evict), so a phase lasts at least its ports' hit cycles plus the phase's HBM
 bytes at HBM bandwidth; but the statistics sweep of a causal launch, whose cores read K tiles at steps of their
-own (some hit while others miss, each core waiting for one or the other), lasts at least the larger. A phase adds the latency of its first step (fill). HBM bytes: every input read once
-(the mask too: its query heads share its lines), the outputs written through, the Q/dO/K/mask re-reads that
-miss when the phases' working sets exceed L2, the dirty lines each phase evicts (L2 is LRU: the oldest
-lines go first), and the workspaces still dirty in L2 at the end (written back then, as the simulator does;
-L2 keeps one line per region written, so the hand-off slots count every block extent a core wrote into
-them).
+own (some hit while others miss, each core waiting for one or the other), lasts at least the larger. On a
+coupled core a unit's dK and dV stores take the port at the unit's end, beyond the slack of the steps around it.
+A phase adds the latency of its first step (fill). HBM bytes: every input read once (the mask too: its query
+heads share its lines), the outputs written through, the Q/dO/K/mask re-reads that miss when the phases' working
+sets exceed L2, the dirty lines each phase evicts (L2 is LRU: the oldest lines go first), and the workspaces still
+dirty in L2 at the end (written back then, as the simulator does; L2 keeps one line per region written, so the
+hand-off slots count every block extent a core wrote into them).
 """
 from __future__ import annotations
 
