@@ -413,8 +413,10 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
         total = total.add(_estimate("elementwise", [(tk, "float32")], device, op="mul",
                                     scalar=match.params["weights_scale"]))
     if p.get("weights_at") == "input":
-        # the dense form: the scores (a sigmoid over [T, k]), put at the routed rows, scale the routed tokens
-        wdt = _spec(nodes[match.inputs["weights"]])[1]
+        # the dense form: the router's top-k (in the block), the scores (a sigmoid over [T, k]) put at the routed
+        # rows scale the routed tokens
+        wdt = _spec(nodes[match.inputs["logits"]])[1]
+        total = total.add(_estimate("topk", [((tk[0], E), wdt)], device, k=tk[1]))
         _, up, down = p["weights_fn"]
         if up:
             total = total.add(_estimate("elementwise", [(tk, wdt)], device, op="cast", out_dtype=up))
@@ -444,10 +446,14 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     T, k = p["tokens"], p["k"]
     kwargs = dict(kwargs)
     store = kwargs.pop("store_product", False)
-    routed = call(g, ops.moe_init_routing.default, ins["x"], ins["ids"], p["num_experts"], **kwargs)
+    ids, w = ins.get("ids"), ins.get("weights")
+    if "topk" in p:                     # the dense form's router top-k, taken again on the same logits
+        k_, dim, sorted_ = p["topk"]
+        top = call(g, aten.topk.default, ins["logits"], k_, dim, True, sorted_)
+        w, ids = call(g, operator.getitem, top, 0), call(g, operator.getitem, top, 1)
+    routed = call(g, ops.moe_init_routing.default, ins["x"], ids, p["num_experts"], **kwargs)
     routed.meta["autofuse_match"] = m
     xs, rows, counts = (call(g, operator.getitem, routed, i) for i in range(3))
-    w = ins["weights"]
     if p.get("weights_at") == "input":
         # the dense form's scores scale each routed row before the GEMMs; the combine then sums the k outputs
         _, up, down = p["weights_fn"]           # ("sigmoid", the dtype it runs in, the dtype it returns)
@@ -499,6 +505,8 @@ def shrink_experts(match) -> list:
                                      (48, 40, 56, 72, 112, 24, 32, 16, 64, 80, 96)):
         roles = [(T, min(T, t)), (T * k, min(T, t) * k), (H, min(H, h)), (I, min(I, i)), (2 * I, 2 * min(I, i)),
                  (E, E), (k, k)]
+        if p.get("implementation") == "dense":           # every token once per expert
+            roles.append((E * T, E * min(T, t)))
         sizes = {}
         if all(sizes.setdefault(a, b) == b for a, b in roles):
             sizes = {a: b for a, b in sizes.items() if a != b}

@@ -367,8 +367,11 @@ _EXPERTS_BATCHED = _glu(
 # the top k logits scattered into -inf and put through a sigmoid (zero for every expert a token did not pick)
 _EXPERTS_DENSE = _glu(
     Template("moe_experts", anchor="mm1")
+    .node("topk", aten.topk.default, where=_topk_last_largest)
+    .node("v", operator.getitem, where=_item(0)).node("idx", operator.getitem, where=_item(1))
+    .edge("topk", "v", 0).edge("topk", "idx", 0)
     .node("fill", aten.full_like.default)
-    .node("scatter", aten.scatter.src).edge("fill", "scatter", 0)
+    .node("scatter", aten.scatter.src).edge("fill", "scatter", 0).edge("idx", "scatter", 2).edge("v", "scatter", 3)
     .node("up32", aten._to_copy.default, where=_cast, optional=True).edge("scatter", "up32", 0)
     .node("sig", aten.sigmoid.default).edge("up32", "sig", 0)
     .node("down", aten._to_copy.default, where=_cast, optional=True).edge("sig", "down", 0)
@@ -384,15 +387,6 @@ _EXPERTS_DENSE = _glu(
  .node("combine", aten.sum.dim_IntList).edge("y3", "combine", 0))
 
 
-def _topk_output(n, i):
-    """The top-k node whose output ``i`` (0: values, 1: indices) ``n`` is, or None."""
-    if isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] == i:
-        src = n.args[0]
-        if isinstance(src, fx.Node) and src.target == aten.topk.default and _topk_last_largest(src):
-            return src
-    return None
-
-
 def _decide_dense_experts(m: dict) -> Match | None:
     """Constraints of the dense form: the scores are ``sigmoid`` of a top-k's values scattered at its own indices
     over the last dim into ``-inf`` (so exactly zero at every other expert), the tokens repeated once per expert
@@ -402,10 +396,9 @@ def _decide_dense_experts(m: dict) -> Match | None:
     through its k experts only, its input scaled by its score (``weights_at="input"``) and the outputs summed
     (where the hidden states and weights are finite; a non-finite value reaches its token's output either way,
     as NaN or infinity)."""
-    scatter, fill = m["scatter"], m["fill"]
-    v, idx = scatter.args[3] if len(scatter.args) > 3 else None, scatter.args[2]
-    topk = _topk_output(v, 0)
-    if topk is None or _topk_output(idx, 1) is not topk or scatter.args[1] not in (1, -1) or scatter.kwargs:
+    scatter, fill, topk, v, idx = m["scatter"], m["fill"], m["topk"], m["v"], m["idx"]
+    logits = topk.args[0]
+    if scatter.args[1] not in (1, -1) or scatter.kwargs or shape(logits) != shape(scatter):
         return None
     if len(fill.args) < 2 or fill.args[1] != float("-inf") or shape(fill) != shape(scatter) or len(shape(fill)) != 2:
         return None
@@ -448,7 +441,10 @@ def _decide_dense_experts(m: dict) -> Match | None:
                   trans_w=False, implementation="dense", out_like=val(out), dtype=val(x).dtype,
                   activation="swiglu", swiglu_order="gate_up", weights_at="input",
                   weights_fn=("sigmoid", casts.get("up32", ""), casts.get("down", "")))
-    inputs = {"x": x.name, "ids": idx.name, "weights": v.name, "w1": w1.name, "w2": w2.name}
+    # the router's top-k is part of the block (the fused call takes it again, the same op on the same logits): its
+    # picks are distinct per token, as the sparse form needs, whatever values the block is checked on
+    params["topk"] = (k, int(arg(topk, 2, "dim", -1)), bool(arg(topk, 4, "sorted", True)))
+    inputs = {"x": x.name, "logits": logits.name, "w1": w1.name, "w2": w2.name}
     return Match("moe_experts", tuple(order), out.name, inputs, params)
 
 

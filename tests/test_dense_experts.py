@@ -117,3 +117,20 @@ def test_llama4_experts_blocks_are_fused():
     ok, err, tol = compare(want, ref, got)
     assert ok, (err, tol)
 
+
+
+def test_a_large_dense_experts_block_is_verified_on_reduced_shapes(monkeypatch):
+    """Verified at reduced sizes (as a real Llama 4 block must be: 10 GiB for one float64 value at Scout's sizes
+    and 4096 tokens), the tokens repeated once per expert shrink with the tokens: 48 tokens -> 24, 4 x 48 rows ->
+    4 x 24."""
+    import autofuse.verify
+    monkeypatch.setattr(autofuse.verify, "LARGEST_CHECKED", 0)        # every block counts as too large
+    torch.manual_seed(0)
+    m = DenseExperts(E=4, H=16, inter=8, k=2)
+    x, logits = _inputs(48, 4, 16, torch.float32)
+    fused = AutoFusionEngine.fuse(m, (x, logits), fusion_switches=GENERIC_OFF)
+    (d,) = [d for d in fused.report.decisions if d.pattern == "moe_experts"]
+    assert d.applied and d.verify_note.startswith("verified on reduced shapes (48 -> 24,") and "192 -> 96" in \
+        d.verify_note, d.verify_note
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, logits), m(x, logits), rtol=1e-4, atol=1e-5)  # fp32 summation orders
