@@ -1,9 +1,10 @@
 """How planning on meta tensors scales with model size: ``autofuse report --meta`` on Llama configurations and
-three sparse MoE models: Mixtral-8x7B (8 experts of 14336, top-2), Qwen3-MoE-30B-A3B (128 experts of 768, top-8)
-and GPT-OSS-120B's shapes (``GptOssConfig``'s defaults: 36 layers, attention sinks, sliding windows every other
-layer, 128 experts of 2880 with biases and a clamped SwiGLU, top-4); and Mistral-7B v0.1 at 8192 tokens, past its
-4096-key sliding window (``--long``: the window proven from a mask of 2 x 8192^2 values and run as the kernel's
-band).
+four MoE models: Mixtral-8x7B (8 experts of 14336, top-2), Qwen3-MoE-30B-A3B (128 experts of 768, top-8),
+GPT-OSS-120B's shapes (``GptOssConfig``'s defaults: 36 layers, attention sinks, sliding windows every other
+layer, 128 experts of 2880 with biases and a clamped SwiGLU, top-4) and Llama 4 Scout's (``Llama4TextConfig``'s
+defaults: 48 layers, 16 experts of 8192 in the dense form, top-1, a shared expert); and Mistral-7B v0.1 at 8192
+tokens, past its 4096-key sliding window (``--long``: the window proven from a mask of 2 x 8192^2 values and run
+as the kernel's band).
 
 Each configuration runs in its own process (``autofuse report --model 'transformers:LlamaConfig?...' --seq 2048
 --meta``, the command line's own code path); the table gives each stage's wall time and the process's peak
@@ -78,8 +79,8 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--no-70b", action="store_true", help="skip the 70B-class configuration")
     ap.add_argument("--no-moe", action="store_true",
-                    help="skip Mixtral-8x7B, Qwen3-MoE-30B-A3B and GPT-OSS-120B (MixtralConfig's, Qwen3MoeConfig's and "
-                         "GptOssConfig's defaults)")
+                    help="skip Mixtral-8x7B, Qwen3-MoE-30B-A3B, GPT-OSS-120B and Llama 4 Scout (MixtralConfig's, "
+                         "Qwen3MoeConfig's, GptOssConfig's and Llama4TextConfig's defaults)")
     ap.add_argument("--long", action="store_true", help="add Mistral-7B v0.1 at 8192 tokens (its sliding window)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -94,6 +95,7 @@ def main():
         configs.append(("Mixtral-8x7B, L=32", 32, "transformers:MixtralConfig?num_hidden_layers=32", a.seq))
         configs.append(("Qwen3-MoE-30B-A3B, L=48", 48, "transformers:Qwen3MoeConfig?num_hidden_layers=48", a.seq))
         configs.append(("GPT-OSS-120B, L=36", 36, "transformers:GptOssConfig", a.seq))
+        configs.append(("Llama-4-Scout, L=48", 48, "transformers:Llama4TextConfig", a.seq))
     if a.long:
         configs.append(("Mistral-7B, L=32, S=8192", 32, "transformers:MistralConfig", 8192))
     print(f"autofuse report --meta --seq {a.seq}: wall seconds per stage [peak GB when it ended]; load average "
