@@ -456,8 +456,10 @@ def _is_last(n) -> bool:
 
 
 def _param(n) -> fx.Node | None:
-    """The [E, N, K] weight a transpose or an index reads (a parameter of the experts module)."""
-    return n if isinstance(n, fx.Node) and n.op == "get_attr" else None
+    """The [E, N, K] weight a transpose or an index reads: a parameter of the experts module, an attribute of the
+    captured graph, or a graph input (Dynamo hands a module's parameters to a backend as inputs); not a tensor the
+    graph computes."""
+    return n if isinstance(n, fx.Node) and n.op in ("get_attr", "placeholder") else None
 
 
 def _decide_experts(m: dict) -> Match | None:

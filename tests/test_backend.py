@@ -226,3 +226,24 @@ def test_a_graph_break_at_a_data_dependent_size_fuses_the_graph_after_it_per_siz
             torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)   # fp32 sums of 64 rows
     fused = [d.pattern for r in reports(compiled) for d in r.applied]
     assert "rms_norm" in fused and "swiglu" in fused
+
+
+def test_experts_weights_that_dynamo_passes_as_graph_inputs_still_fuse():
+    """Dynamo hands a module's parameters to the backend as graph inputs, not attributes: an experts block reads
+    its weights from those inputs (transformers' grouped_mm form, and the dense form), fused and equal to eager;
+    before, the experts templates took only attributes and the blocks stayed op by op under torch.compile."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_dense_experts import GENERIC_OFF, DenseExperts, _inputs
+    from test_moe_patterns import _build
+    model, ids = _build("mixtral", "grouped_mm", "sdpa")
+    dense = DenseExperts(E=8, k=2).eval()
+    x, logits = _inputs(12, 8, 16, torch.float32)
+    for m, args, kwargs, opts in ((model, (ids,), {"use_cache": False}, {}),
+                                  (dense, (x, logits), {}, {"fusion_switches": GENERIC_OFF})):
+        compiled = torch.compile(m, backend=Backend(**opts))
+        with torch.no_grad():
+            got, want = compiled(*args, **kwargs), m(*args, **kwargs)
+        got, want = (getattr(got, "logits", got), getattr(want, "logits", want))
+        experts = [d.reason_code for r in reports(compiled) for d in r.decisions if d.pattern == "moe_experts"]
+        assert experts and set(experts) == {"fused"}, experts
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)   # fp32 kernels vs eager: summation orders
