@@ -417,7 +417,7 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
         # rows scale the routed tokens
         wdt = _spec(nodes[match.inputs["logits"]])[1]
         total = total.add(_estimate("topk", [((tk[0], E), wdt)], device, k=tk[1]))
-        _, up, down = p["weights_fn"]
+        up, down = p["score_casts"]
         if up:
             total = total.add(_estimate("elementwise", [(tk, wdt)], device, op="cast", out_dtype=up))
         total = total.add(_estimate("elementwise", [(tk, up or wdt)], device, op="sigmoid"))
@@ -456,7 +456,7 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     xs, rows, counts = (call(g, operator.getitem, routed, i) for i in range(3))
     if p.get("weights_at") == "input":
         # the dense form's scores scale each routed row before the GEMMs; the combine then sums the k outputs
-        _, up, down = p["weights_fn"]           # ("sigmoid", the dtype it runs in, the dtype it returns)
+        up, down = p["score_casts"]             # the sigmoid's: the dtype it runs in, the dtype it returns
         if up:
             w = call(g, aten._to_copy.default, w, dtype=getattr(torch, up))
         w = call(g, aten.sigmoid.default, w)

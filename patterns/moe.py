@@ -157,20 +157,28 @@ def _decide_topk_first(m: dict) -> Match | None:
                          else 1.0, n_group=1, topk_group=1)
 
 
+def _block_order(m: dict, *outputs) -> tuple | None:
+    """The matched block's node names in graph order, or None where an intermediate (any node with inputs but the
+    block's ``outputs``) is read outside the block: it could not be fused away (a constant the block shares may
+    be read on)."""
+    inside = set(m.values())
+    for n in inside:
+        if n not in outputs and n.all_input_nodes and any(u not in inside for u in n.users):
+            return None
+    return tuple(n.name for n in outputs[0].graph.nodes if n in inside)
+
+
 def _gating_match(m: dict, x, topk, idx, weights, inputs: dict, **kernel) -> Match | None:
     """A router's Match: no intermediate of the block read outside it; ``kernel``: the op's semantics (k, norm,
     renorm, eps, routed_scaling_factor, n_group, topk_group), the shapes and dtypes added here."""
-    block = list(m.values())
-    inside = set(block)
-    for n in block:                # intermediates consumed outside the block cannot be fused away
-        if n not in (weights, idx) and n.all_input_nodes and any(u not in inside for u in n.users):
-            return None
+    order = _block_order(m, weights, idx)
+    if order is None:
+        return None
     E = shape(x)[-1]
     params = dict(kernel, group_score="top2", num_experts=E, tokens=int(val(x).numel() // E),
                   weights_like=val(weights), indices_like=val(idx), x_shape=shape(x), dtype=val(x).dtype,
                   sorted=bool(arg(topk, 4, "sorted", True)))
-    order = [n.name for n in x.graph.nodes if n in inside]
-    return Match("moe_gating", tuple(order), weights.name, inputs, params,
+    return Match("moe_gating", order, weights.name, inputs, params,
                  {"weights": weights.name, "indices": idx.name})
 
 
@@ -431,21 +439,19 @@ def _decide_dense_experts(m: dict) -> Match | None:
     out = m["combine"]
     if list(arg(out, 1, "dim")) not in ([0], [-3]) or arg(out, 2, "keepdim", False) or shape(out) != (T, H):
         return None
-    inside = set(m.values())
-    for n in m.values():            # the block's intermediates are its own
-        if n is not out and n.all_input_nodes and any(u not in inside for u in n.users):
-            return None
-    order = [n.name for n in out.graph.nodes if n in inside]
+    order = _block_order(m, out)
+    if order is None:
+        return None
     casts = {c: str(val(m[c]).dtype).replace("torch.", "") for c in ("up32", "down") if c in m}
     params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=two_i // 2, weights_scale=1.0,
                   trans_w=False, implementation="dense", out_like=val(out), dtype=val(x).dtype,
                   activation="swiglu", swiglu_order="gate_up", weights_at="input",
-                  weights_fn=("sigmoid", casts.get("up32", ""), casts.get("down", "")))
+                  score_casts=(casts.get("up32", ""), casts.get("down", "")))
     # the router's top-k is part of the block (the fused call takes it again, the same op on the same logits): its
     # picks are distinct per token, as the sparse form needs, whatever values the block is checked on
     params["topk"] = (k, int(arg(topk, 2, "dim", -1)), bool(arg(topk, 4, "sorted", True)))
     inputs = {"x": x.name, "logits": logits.name, "w1": w1.name, "w2": w2.name}
-    return Match("moe_experts", tuple(order), out.name, inputs, params)
+    return Match("moe_experts", order, out.name, inputs, params)
 
 
 def _is_last(n) -> bool:
@@ -529,18 +535,16 @@ def _decide_experts(m: dict) -> Match | None:
         glu = m["glu"]
         if {glu.args[0], glu.args[1]} != {m["act"], m["up"]}:
             return None
-    inside = set(m.values())
     out = m["combine"]
-    for n in m.values():            # the block's intermediates are its own (a constant it shares may be read on)
-        if n is not out and n.all_input_nodes and any(u not in inside for u in n.users):
-            return None
-    order = [n.name for n in out.graph.nodes if n in inside]
+    order = _block_order(m, out)
+    if order is None:
+        return None
     inputs = {"x": x.name, "ids": ids.name, "weights": weights.name, "w1": w1.name, "w2": w2.name, **extra_inputs}
     scale = float(m["wscale"].args[1]) if "wscale" in m else 1.0    # a routing scale the canonical form sank here
     params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=two_i // 2, weights_scale=scale,
                   trans_w=trans_w, implementation="batched_mm" if batched else "grouped_mm",
                   out_like=val(out), dtype=val(x).dtype, **act)
-    return Match("moe_experts", tuple(order), out.name, inputs, params)
+    return Match("moe_experts", order, out.name, inputs, params)
 
 
 def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
