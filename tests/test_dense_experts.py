@@ -50,7 +50,7 @@ def _inputs(T, E, H, dtype, seed=0):
 
 
 @pytest.mark.parametrize("T,E,k", [(6, 4, 1), (10, 8, 2), (33, 16, 1), (1, 4, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_dense_experts_run_sparse_and_equal_eager(T, E, k, dtype):
     torch.manual_seed(0)
     m = DenseExperts(E=E, k=k).to(dtype)
