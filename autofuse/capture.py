@@ -66,6 +66,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autofuse import caches
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -115,6 +116,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         example_args = (example_args,)
     example_kwargs = dict(example_kwargs or {})
     routes = ("export", "symbolic_trace") if route == "auto" else (route,)
+    caches.prepare(model, example_args, example_kwargs)      # a KV cache in or out: a pytree node (autofuse.caches)
     failures = []
     for r in routes:
         try:
@@ -359,7 +361,8 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
 
 
 _HINTS = [
-    ("DynamicCache", "the model returns a KV cache object; pass use_cache=False in example_kwargs"),
+    ("Cache", "the model takes or returns a KV cache object, which capture flattens with transformers' own "
+              "exporter (transformers.exporters): install transformers>=5 for it, or pass use_cache=False"),
     ("data-dependent", "the model branches on or reads tensor *values* (if x.sum() > 0, .item(), .tolist(), "
                        "nonzero); use torch.where / torch.cond, or make the value a Python constant"),
     ("control flow", "the model branches on tensor values, which symbolic_trace cannot follow; "

@@ -28,6 +28,7 @@ has no float64 unit, and ``fuse`` says so naming the tensor.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
@@ -35,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autofuse import memory
+from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
 from autofuse.capture import capture
@@ -205,7 +206,8 @@ class Plan:
     def __call__(self, *args, **kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
         out = self.graph_module(*leaves)
-        return self.captured.unflatten_outputs(out if isinstance(out, (tuple, list)) else (out,))
+        out = self.captured.unflatten_outputs(out if isinstance(out, (tuple, list)) else (out,))
+        return caches.adopt((args, kwargs), out)     # a cache given is updated in place and returned, as eager does
 
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None) -> Plan:
@@ -466,11 +468,14 @@ class FusedModule(torch.nn.Module):
         self._switches = dict(switches or {})
         self._plans: dict = {}
         self._last = None
+        self._caches_ready = False
         if example_inputs is not None:
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
 
     def _key(self, args, kwargs):
+        if not self._caches_ready:      # a KV cache flattens into its tensors before the signature is taken
+            self._caches_ready = caches.prepare(self.model, args, kwargs)
         return _signature(args, kwargs), tuple(m.training for m in self.model.modules())
 
     def _plan_for(self, args, kwargs) -> Plan:
@@ -488,6 +493,21 @@ class FusedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._plan_for(args, kwargs)(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """The model's own ``generate`` (transformers' ``GenerationMixin``) with every forward it makes run fused:
+        prefill and each decode step, the KV cache updated in place as eager updates it (:mod:`autofuse.caches`).
+        Each step whose sizes are new is planned as a new input signature; ``self.plans`` holds them all.
+
+        It runs ``generate`` on a shallow copy of the user's model whose ``forward`` is this module's: the copy
+        shares every submodule, parameter, buffer and setting with the model, and the model itself is left as
+        it was."""
+        if not callable(getattr(self.model, "generate", None)):
+            raise AttributeError(f"{type(self.model).__name__} has no generate(); call the fused module on each "
+                                 f"step's inputs instead (a KV cache passed in is updated as eager updates it)")
+        stepper = copy.copy(self.model)      # its own __dict__, the same submodules, parameters and config
+        object.__setattr__(stepper, "forward", self.forward)
+        return type(self.model).generate(stepper, *args, **kwargs)
 
     def _require_plan(self):
         if self._last is None:

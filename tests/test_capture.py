@@ -123,13 +123,17 @@ def test_single_route_error_names_only_that_route():
     assert "route 'symbolic_trace'" in str(info.value) and "route 'export'" not in str(info.value)
 
 
-def test_kv_cache_output_hint():
+def test_kv_cache_output_is_captured():
+    """A model that returns a KV cache (transformers' default use_cache) is captured whole: the cache's tensors
+    are graph outputs and the captured structure rebuilds the cache (tests/test_kv_cache.py runs it)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1)
     model = transformers.LlamaModel(cfg)
-    with pytest.raises(CaptureError, match="use_cache=False"):
-        capture(model, (torch.zeros(1, 4, dtype=torch.long),), route="export")
+    cap = capture(model, (torch.zeros(1, 4, dtype=torch.long),), route="export")
+    with torch.no_grad():
+        out = cap(torch.zeros(1, 4, dtype=torch.long))
+    assert isinstance(out.cache, transformers.DynamicCache) and out.cache.layers[0].keys.shape == (1, 1, 4, 16)
 
 
 def test_unknown_route():

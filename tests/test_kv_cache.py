@@ -1,0 +1,156 @@
+"""KV caches through fuse(): a transformers causal LM's prefill returns eager's cache, a decode step updates the
+cache it is given in place as eager does, and generate() gives eager's tokens (autofuse.caches)."""
+
+import copy
+
+import pytest
+import torch
+
+from autofuse import AutoFusionEngine
+from autofuse.capture import capture
+from autofuse.verify import compare
+
+tf = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _model(kind="llama", **kw):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_layer=2, n_embd=64, n_head=4, n_positions=64)).eval()
+    config, model = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                     "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+                     "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+                     "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}[kind]
+    return model(config(**SMALL, **kw)).eval()
+
+
+def _fused_attention(report) -> int:
+    return sum(d.applied and d.pattern == "attention" for d in report.decisions)
+
+
+def _double(cache):
+    """A float64 copy of ``cache`` (the reference a decode step is judged against)."""
+    c = copy.deepcopy(cache)
+    for layer in c.layers:
+        layer.keys, layer.values = layer.keys.double(), layer.values.double()
+    return c
+
+
+def _assert_as_eager(want, ref, got):
+    ok, err, tol = compare(want, ref, got)     # the verifier's bound: at most twice eager's error against float64
+    assert ok, (err, tol)
+
+
+def test_prefill_returns_eager_cache():
+    """Called as the model is called by default (``use_cache`` on): the logits and a new DynamicCache whose keys
+    and values are eager's, with every attention block fused."""
+    model, ids = _model(), torch.randint(1, 128, (2, 8))
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        got, want, ref = fused(ids), model(ids), copy.deepcopy(model).double()(ids)
+    assert isinstance(got.cache, tf.DynamicCache) and got.cache is not want.cache
+    _assert_as_eager(want.logits, ref.logits, got.logits)
+    for g, w, r in zip(got.cache.layers, want.cache.layers, ref.cache.layers):
+        _assert_as_eager(w.keys, r.keys, g.keys)
+        _assert_as_eager(w.values, r.values, g.values)
+    assert _fused_attention(fused.report) == 2, fused.report.summary()
+
+
+def test_decode_step_updates_the_given_cache_in_place():
+    """Eager appends the step's keys and values to the cache it is given and returns that object: so does the
+    fused step, keeping the cache's own layer objects (a caller holding one sees the update). The one-token
+    attention against the cache is fused."""
+    model, ids = _model(), torch.randint(1, 128, (2, 8))
+    with torch.no_grad():
+        prefill = model(ids).cache
+    step = torch.randint(1, 128, (2, 1))
+    mine, theirs, ref = copy.deepcopy(prefill), copy.deepcopy(prefill), _double(prefill)
+    layers = list(mine.layers)
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        got = fused(step, cache=mine)
+        want = model(step, cache=theirs)
+        expect = copy.deepcopy(model).double()(step, cache=ref)
+    assert got.cache is mine and want.cache is theirs
+    assert mine.layers == layers and all(a is b for a, b in zip(mine.layers, layers))
+    _assert_as_eager(want.logits, expect.logits, got.logits)
+    for g, w, r in zip(mine.layers, theirs.layers, ref.layers):
+        assert g.keys.shape == w.keys.shape == (2, 2, 9, 16)
+        _assert_as_eager(w.keys, r.keys, g.keys)
+        _assert_as_eager(w.values, r.values, g.values)
+    assert _fused_attention(fused.report) == 2, fused.report.summary()
+
+
+def test_an_empty_cache_given_is_filled_and_returned():
+    model, ids = _model(), torch.randint(1, 128, (1, 6))
+    mine = tf.DynamicCache(config=model.config)
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        got, want = fused(ids, cache=mine), model(ids)
+    assert got.cache is mine and mine.get_seq_length() == 6
+    assert torch.equal(mine.layers[0].keys, got.cache.layers[0].keys)
+    assert (mine.layers[1].values - want.cache.layers[1].values).abs().max() < 1e-5   # fp32, |v| ~ 1: rounding
+
+
+def test_capture_leaves_the_example_cache_as_it_was():
+    """export traces the model on the example inputs; the cache it is given keeps its own tensors."""
+    model, ids = _model(), torch.randint(1, 128, (1, 6))
+    with torch.no_grad():
+        cache = model(ids).cache
+    keys = [layer.keys for layer in cache.layers]
+    captured = capture(model, (torch.randint(1, 128, (1, 1)),), {"cache": cache})
+    assert all(layer.keys is k and k.shape[2] == 6 for layer, k in zip(cache.layers, keys))
+    assert captured.route == "export"
+
+
+def test_simulating_a_decode_step_leaves_the_cache_alone():
+    model, ids = _model(), torch.randint(1, 128, (1, 6))
+    with torch.no_grad():
+        cache = model(ids).cache
+    keys = cache.layers[0].keys
+    fused = AutoFusionEngine.fuse(model)
+    result = fused.simulate(torch.randint(1, 128, (1, 1)), cache=cache, values=False)
+    assert result.cycles > 0 and cache.layers[0].keys is keys and cache.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("kind, kw", [("llama", {}), ("mistral", {"sliding_window": 4}),
+                                      ("gemma2", {"head_dim": 16, "sliding_window": 4}), ("gpt2", {}),
+                                      ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})])
+def test_generate_gives_eager_tokens(kind, kw):
+    """Greedy decoding through the fused forward (prefill and each decode step planned once per length): the
+    tokens eager's generate() picks. Mistral's and Gemma 2's windows (4) are shorter than the prompt, so their
+    sliding-window caches drop keys while decoding."""
+    model, ids = _model(kind, **kw), torch.randint(1, 128, (1, 8))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        got = fused.generate(ids, **settings)
+    assert torch.equal(got, want)
+    assert len(fused.plans) == 3                  # the prefill, then two decode steps (8 -> 9 -> 10 cached)
+    assert all(_fused_attention(p.report) == 2 for p in fused.plans.values())
+
+
+def test_generate_with_left_padding_and_the_model_left_as_it_was():
+    model = _model()
+    ids = torch.randint(1, 128, (2, 8))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    state = dict(vars(model))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        got = fused.generate(ids, **settings)
+    assert torch.equal(got, want)
+    assert dict(vars(model)) == state and "forward" not in vars(model)
+
+
+def test_generate_without_a_generate_method_says_what_to_do():
+    fused = AutoFusionEngine.fuse(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    with pytest.raises(AttributeError, match="no generate"):
+        fused.generate(torch.randn(2, 4))
+
