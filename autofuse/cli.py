@@ -9,7 +9,7 @@
     autofuse simulate --model SPEC [MODEL] [ENGINE] [--top N] [--json FILE] [--backward] [--world-size N] [-v]
 
     MODEL:  --layers N --hidden N --heads N --kv-heads N (zoo models) --seq N --batch N --dtype D
-            --attn eager|sdpa --meta --train
+            --attn eager|sdpa --meta --train --past N (a decode step after a KV cache of N tokens)
     ENGINE: --device NAME --level O0..O3 --budget 16GB --disable FAMILY --enable FAMILY --force FAMILY
 
 ``--model`` is a zoo name (``gpt2``, ``llama``, ``qwen2``, ``bert``, ``mha``),
@@ -211,6 +211,9 @@ def _model_args(p):
     g.add_argument("--kv-heads", type=int, default=None, help="zoo models: key/value heads (default heads/2)")
     g.add_argument("--seq", type=int, default=None, help="sequence length of the example inputs (default 32)")
     g.add_argument("--batch", type=int, default=None, help="batch of the example inputs (default 2)")
+    g.add_argument("--past", type=int, default=0, metavar="N",
+                   help="a decode step of a causal LM: --seq new tokens per sequence (default 1) after a KV cache of "
+                        "N tokens")
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default float32")
     g.add_argument("--attn", default=None, choices=["eager", "sdpa"], help="transformers attention (default eager)")
     g.add_argument("--meta", action="store_true", help="plan on meta tensors (no data; verification on random data)")
@@ -277,19 +280,27 @@ def _build(a):
                          f"transformers:...?{SPEC_KEYS[k]}={given[k]} (the key names are the config's)")
     if ":" in a.model and not a.model.startswith(TRANSFORMERS_PREFIX):
         shaping = [f for f in ("layers", "hidden", "heads", "kv_heads", "seq", "batch", "dtype", "attn")
-                   if getattr(a, f) is not None] + (["meta"] if a.meta else [])
+                   if getattr(a, f) is not None] + (["meta"] if a.meta else []) + (["past"] if a.past else [])
         if shaping:
             raise UsageError(f"--{shaping[0].replace('_', '-')} does not apply to {a.model}: the function builds "
                              f"the model and its inputs itself")
         return build(a.model)
     if a.model.startswith(TRANSFORMERS_PREFIX):
         _quiet_transformers(a.verbose)
-        return build(a.model, seq=a.seq or 32, batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager")
+        return build(a.model, seq=_seq(a), batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+                     past=a.past)
     sizes = {k: (given[k] if k in given else v) for k, v in ZOO_SIZES.items()}
     if a.model != "mha":
         _quiet_transformers(a.verbose)
-    return build(a.model, seq=a.seq or 32, batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
-                 **sizes)
+    return build(a.model, seq=_seq(a), batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+                 past=a.past, **sizes)
+
+
+def _seq(a) -> int:
+    """The example inputs' tokens per sequence: --seq, else 32, or 1 for a decode step (--past)."""
+    if a.past < 0:
+        raise UsageError(f"--past {a.past}: the KV cache holds 0 or more tokens")
+    return a.seq or (1 if a.past else 32)
 
 
 def _quiet_transformers(verbose: bool):

@@ -101,11 +101,16 @@ class MHABlock(torch.nn.Module):
 
 
 def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=2, vocab=128, dtype=torch.float32,
-          meta=False, attn="eager"):
+          meta=False, attn="eager", past=0):
     """``(model, (args, kwargs))`` for a spec (see the module docstring). ``layers``, ``hidden``, ``heads``,
-    ``kv_heads`` and ``vocab`` size zoo models only; a ``transformers:`` spec carries its sizes as keys."""
+    ``kv_heads`` and ``vocab`` size zoo models only; a ``transformers:`` spec carries its sizes as keys.
+    ``past`` > 0: a decode step of a causal LM, ``seq`` new tokens per sequence after a KV cache of ``past``
+    tokens (:func:`decode_step`)."""
+    if past and ":" in name and not name.startswith(TRANSFORMERS_PREFIX):
+        raise ModelSpecError(f"a KV cache (past={past}) applies to zoo and transformers models; {name} builds its "
+                             f"own inputs")
     if name.startswith(TRANSFORMERS_PREFIX):
-        return build_transformers(name, seq=seq, batch=batch, dtype=dtype, meta=meta, attn=attn)
+        return build_transformers(name, seq=seq, batch=batch, dtype=dtype, meta=meta, attn=attn, past=past)
     if ":" in name:
         return _from_spec(name)
     if name not in ZOO:
@@ -116,14 +121,19 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
         if name == "mha":
             model = MHABlock(hidden, heads)
         else:
-            model = _zoo_model(name, layers, hidden, heads, kv_heads, seq, vocab, attn)
+            model = _zoo_model(name, layers, hidden, heads, kv_heads, seq + past, vocab, attn)
     model = model.to(dtype).eval()
     if name == "mha":
+        if past:
+            raise ModelSpecError(f"a KV cache (past={past}) needs a causal language model; mha is one attention "
+                                 f"block without a cache")
         x = torch.randn(batch, seq, hidden, dtype=dtype, device=ctx)
         return model, ((x,), {})
     ids = torch.randint(1, vocab, (batch, seq), device=ctx) if not meta else torch.empty(
         (batch, seq), dtype=torch.long, device="meta")
     kwargs = {"use_cache": False} if name != "bert" else {}
+    if past:
+        return model, decode_step(model, (ids,), kwargs, past)
     return model, ((ids,), kwargs)
 
 
@@ -258,8 +268,8 @@ def example_inputs(model, cfg, seq, batch, dtype, device):
     return (), kwargs
 
 
-def build_transformers(spec: str, seq=16, batch=2, dtype=torch.float32, meta=False, attn="eager"):
-    """``(model, (args, kwargs))`` for a ``transformers:ConfigClass?key=value`` spec."""
+def build_transformers(spec: str, seq=16, batch=2, dtype=torch.float32, meta=False, attn="eager", past=0):
+    """``(model, (args, kwargs))`` for a ``transformers:ConfigClass?key=value`` spec (``past``: see :func:`build`)."""
     cfg = make_config(spec)
     device = torch.device("meta") if meta else torch.device("cpu")
     auto = auto_class(cfg)
@@ -269,7 +279,46 @@ def build_transformers(spec: str, seq=16, batch=2, dtype=torch.float32, meta=Fal
         except ValueError as e:                 # e.g. an architecture without an sdpa implementation
             raise ModelSpecError(f"{type(cfg).__name__} with attention {attn!r}: {e}") from None
     model = model.to(dtype).eval()
-    return model, example_inputs(model, cfg, seq, batch, dtype, device)
+    inputs = example_inputs(model, cfg, seq, batch, dtype, device)
+    return model, (decode_step(model, *inputs, past) if past else inputs)
+
+
+def decode_step(model, args, kwargs, past: int):
+    """The example inputs of a decode step: ``kwargs``' new tokens (``input_ids``, or the first argument) after a KV
+    cache of ``past`` tokens (:func:`kv_cache`), with ``use_cache`` on."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None or not _is_causal_lm(model):
+        raise ModelSpecError(f"a KV cache (past={past}) needs a causal language model taking input_ids; "
+                             f"{type(model).__name__} is not one")
+    return args, {**kwargs, "use_cache": True, "cache": kv_cache(model, ids.shape[0], past)}
+
+
+def _is_causal_lm(model) -> bool:
+    """A transformers model that generates text token by token, without an encoder (GenerationMixin's own test)."""
+    can = getattr(model, "can_generate", None)
+    return callable(can) and can() and not getattr(model.config, "is_encoder_decoder", False)
+
+
+def kv_cache(model, batch: int, past: int):
+    """A KV cache of ``past`` tokens for ``model``, a transformers causal LM: the model's own cache class and
+    layers (sliding windows included), filled through the cache's ``update`` as a prefill of ``past`` tokens fills
+    it, with random keys and values (empty ones on the meta device). The keys' and values' sizes per layer are
+    read from the cache of a one-token forward of the model."""
+    tf = _transformers()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        probe = model(torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True)
+    got = getattr(probe, "cache", None)
+    if type(got) is not tf.DynamicCache:
+        raise ModelSpecError(f"{type(model).__name__} keeps its keys and values in {type(got).__name__}, not a "
+                             f"DynamicCache: build the decode step's inputs yourself (file.py:function)")
+    cache = tf.DynamicCache(config=model.config)
+    make = torch.empty if device.type == "meta" else torch.randn
+    for i, layer in enumerate(got.layers):
+        k, v = layer.keys, layer.values
+        cache.update(make((batch, k.shape[1], past, k.shape[3]), dtype=k.dtype, device=device),
+                     make((batch, v.shape[1], past, v.shape[3]), dtype=v.dtype, device=device), i)
+    return cache
 
 
 # ------------------------------------------------------------------------------ file.py:function, module:function

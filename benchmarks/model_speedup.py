@@ -5,7 +5,7 @@ fusion alone* (the plan with every pattern family switched off: automatic discov
 matmul epilogues only). A pattern's value is its figure against the second. Also the attention blocks alone.
 
     python benchmarks/model_speedup.py [--quick] [--device ascend910] [--only gpt2|llama|mixtral] [--values] [--train]
-                                       [--backward]
+                                       [--backward] [--decode PAST [--batch B]]
 
 Every figure printed is a simulation statistic, so the three graphs simulate timing only (``values=False``:
 the same statistics as with values, no outputs; tests/test_simulate.py compares them); ``--values`` simulates
@@ -18,6 +18,10 @@ generic fusion alone reads them in its Vector kernels and epilogues too). ``--ba
 training step (``simulate(..., backward=True)``, :mod:`autofuse.training`): the forward and the backward of
 every parameter, eager's backward as autograd dispatches its derivative ops, the fused model's as its fused
 ops' backwards; figures per phase.
+
+``--decode PAST`` measures decode steps instead: the LLaMA-7B- and Mixtral-8x7B-shaped layers at batch ``--batch``
+(default 16), one new token per sequence after a KV cache of PAST tokens (random keys and values, built through
+the model's own cache as a prefill fills it: :func:`autofuse.models.kv_cache`).
 
 Goals: GPT-2-small shapes at batch 8, sequence 1024, whole model >= 2x against eager op by op; a LLaMA-style
 decoder layer's figures printed against both baselines; a Mixtral-style (MoE) decoder layer's too.
@@ -91,11 +95,12 @@ def _backward_breakdown(eager, fused, top=6):
 
 
 def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False,
-        train=False, backward=False):
+        train=False, backward=False, past=0):
     model, (args, kwargs) = build(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq=seq,
-                                  batch=batch, vocab=vocab, dtype=dtype)
+                                  batch=batch, vocab=vocab, dtype=dtype, past=past)
     model.train(train)
-    print(f"{name} L={layers} H={hidden} heads={heads} B={batch} S={seq} {str(dtype).replace('torch.', '')} on "
+    print(f"{name} L={layers} H={hidden} heads={heads} B={batch} S={seq}"
+          f"{f' after a KV cache of {past}' if past else ''} {str(dtype).replace('torch.', '')} on "
           f"{device}{'' if values else ', simulated timing only'}{', training mode' if train else ''}"
           f"{', forward and backward' if backward else ''}:", flush=True)
     fused, _ = _measured("fuse", lambda: AutoFusionEngine.fuse(model, (args, kwargs), target_device=device,
@@ -133,6 +138,14 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
     if attn:
         print(f"  attention blocks    : {attn_before:>14,} -> {attn_after:>14,} cycles   "
               f"{attn_before / max(attn_after, 1):5.2f}x")
+        names = {n for d in attn for n in d.nodes}
+        by: dict = {}
+        for n in eager.nodes:
+            if n.node in names:
+                key = n.target.replace("aten.", "").replace(".default", "")
+                by[key] = by.get(key, 0) + n.cycles
+        print("  attention blocks op by op: " + ", ".join(
+            f"{k} {v / max(attn_before, 1):.0%}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:4]))
     gen = sum(n.cycles for n in after.nodes if n.fused and n.node in attn_gen)
     others = sum(n.cycles for n in after.nodes if n.fused and n.target == "autofuse.dropout_gen_mask") - gen
     if gen:
@@ -156,8 +169,20 @@ def main():
                     help="simulate with values (slower; the same figures as the default timing-only simulation)")
     ap.add_argument("--train", action="store_true", help="the forward in training mode (dropout active)")
     ap.add_argument("--backward", action="store_true", help="a whole training step: forward and backward")
+    ap.add_argument("--decode", type=int, default=0, metavar="PAST",
+                    help="decode steps instead: the LLaMA and Mixtral layers at batch --batch, one new token per "
+                         "sequence after a KV cache of PAST tokens")
+    ap.add_argument("--batch", type=int, default=16, help="sequences in a decode step (with --decode)")
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.decode:
+        if a.train or a.backward:
+            ap.error("--decode simulates inference steps; drop --train and --backward")
+        for name in ("llama", "mixtral"):
+            if a.only in (None, name):
+                run(name, 1, 256 if a.quick else 4096, 4 if a.quick else 32, 1, a.batch, torch.float16, a.device,
+                    vocab=1000 if a.quick else 1024, kv_heads=2 if a.quick else 8, values=a.values, past=a.decode)
+        return
     if a.quick:
         run("gpt2", 2, 256, 4, 256, 2, torch.float16, a.device, vocab=1000, values=a.values, train=a.train, backward=a.backward)
         run("llama", 1, 256, 4, 256, 1, torch.float16, a.device, vocab=1000, kv_heads=2, values=a.values, train=a.train, backward=a.backward)

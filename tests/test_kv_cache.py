@@ -154,3 +154,58 @@ def test_generate_without_a_generate_method_says_what_to_do():
     with pytest.raises(AttributeError, match="no generate"):
         fused.generate(torch.randn(2, 4))
 
+
+
+def test_generate_through_torch_compile():
+    """The other route: the model's forward compiled with the autofuse backend, then its own generate(); Dynamo
+    recompiles per cache length as a dynamic graph, which autofuse plans at each length it meets."""
+    import autofuse
+    model, ids = _model(), torch.randint(1, 128, (1, 8))
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+    backend = autofuse.backend()
+    torch._dynamo.reset()
+    try:
+        model.forward = torch.compile(model.forward, backend=backend)
+        with torch.no_grad():
+            got = model.generate(ids, **settings)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    assert backend.reports and all(_fused_attention(r) == 2 for r in backend.reports)
+
+# ------------------------------------------------------------------------------ decode steps from a spec (--past)
+
+def test_decode_step_inputs_follow_the_model_cache():
+    """``build(..., past=N)``: the new tokens, ``use_cache`` and a cache of N tokens in the model's own layers (a
+    sliding window keeps its last window - 1 keys, as a prefill leaves it), on real or meta tensors."""
+    from autofuse.models import build
+    model, (args, kwargs) = build("llama", seq=1, batch=3, past=20)
+    cache = kwargs["cache"]
+    assert args[0].shape == (3, 1) and kwargs["use_cache"] is True and cache.get_seq_length() == 20
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(3, 2, 20, 16)] * 2   # 4 heads, 2 kv heads
+    spec = ("transformers:MistralConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
+            "&num_attention_heads=4&num_key_value_heads=2&sliding_window=8")
+    model, (_, kwargs) = build(spec, seq=1, batch=2, past=20, meta=True)
+    assert [tuple(layer.keys.shape) for layer in kwargs["cache"].layers] == [(2, 2, 7, 16)] * 2
+    assert kwargs["cache"].layers[0].keys.is_meta
+
+
+@pytest.mark.parametrize("spec, why", [("bert", "needs a causal language model"),
+                                       ("mha", "needs a causal language model")])
+def test_decode_step_of_a_model_without_a_cache_is_refused(spec, why):
+    from autofuse.models import ModelSpecError, build
+    with pytest.raises(ModelSpecError, match=why):
+        build(spec, seq=1, past=4)
+
+
+def test_report_of_a_decode_step(capsys):
+    """``autofuse report --past N``: the plan of one decode step; its attention against the cache fused."""
+    from autofuse.cli import main
+    main(["report", "--model", "llama", "--past", "24", "--batch", "2", "--layers", "1"])
+    out = capsys.readouterr().out
+    assert "FUSED attention" in out and "whole graph (predicted)" in out
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--model", "llama", "--past", "-1"])
+    assert e.value.code == 2 and "--past -1" in capsys.readouterr().err
