@@ -469,6 +469,7 @@ class FusedModule(torch.nn.Module):
         self._plans: dict = {}
         self._last = None
         self._caches_ready = False
+        self._encoder = None        # an encoder-decoder's encoder, fused for generate()
         if example_inputs is not None:
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
@@ -496,8 +497,9 @@ class FusedModule(torch.nn.Module):
 
     def generate(self, *args, **kwargs):
         """The model's own ``generate`` (transformers' ``GenerationMixin``) with every forward it makes run fused:
-        prefill and each decode step, the KV cache updated in place as eager updates it (:mod:`autofuse.caches`).
-        Each step whose sizes are new is planned as a new input signature; ``self.plans`` holds them all.
+        prefill and each decode step, the KV cache updated in place as eager updates it (:mod:`autofuse.caches`),
+        and an encoder-decoder's encoder (its own fused module, ``self.encoder_plans``). Each step whose sizes are
+        new is planned as a new input signature; ``self.plans`` holds them all.
 
         It runs ``generate`` on a shallow copy of the user's model whose ``forward`` is this module's: the copy
         shares every submodule, parameter, buffer and setting with the model, and the model itself is left as
@@ -507,6 +509,13 @@ class FusedModule(torch.nn.Module):
                                  f"step's inputs instead (a KV cache passed in is updated as eager updates it)")
         stepper = copy.copy(self.model)      # its own __dict__, the same submodules, parameters and config
         object.__setattr__(stepper, "forward", self.forward)
+        if getattr(self.model.config, "is_encoder_decoder", False) and callable(getattr(self.model, "get_encoder",
+                                                                                        None)):
+            # generate() runs the encoder once by itself, through get_encoder(): that call is fused too
+            if self._encoder is None:
+                self._encoder = FusedModule(self.model.get_encoder(), None, self._device, self._level, self._budget,
+                                            self._route, self._verify, self._switches)
+            object.__setattr__(stepper, "get_encoder", lambda *a, **k: self._encoder)
         return type(self.model).generate(stepper, *args, **kwargs)
 
     def _require_plan(self):
@@ -526,6 +535,11 @@ class FusedModule(torch.nn.Module):
     @property
     def plans(self) -> dict:
         return dict(self._plans)
+
+    @property
+    def encoder_plans(self) -> dict:
+        """The plans of an encoder-decoder's encoder made by :meth:`generate` (empty before)."""
+        return {} if self._encoder is None else self._encoder.plans
 
     def simulate(self, *args, values: bool = True, backward: bool = False, **kwargs):
         """Run the fused graph on the simulator (fused and unfused ops alike); see :func:`autofuse.simulate`

@@ -4,6 +4,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
 
     python benchmarks/architectures.py [--only NAME ...] [--device ascend910] [--dtype bfloat16]
     python benchmarks/architectures.py --train [--only NAME ...]    # gradients of every parameter against eager's
+    python benchmarks/architectures.py --generate [--only NAME ...] # KV caches: fused(ids) and generate() vs eager
     python benchmarks/architectures.py --disable attention          # the rest fused around torch's own attention
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
@@ -174,6 +175,52 @@ def train(name, spec, attn, device):
     return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied)
 
 
+def generate(name, spec, attn, device, new_tokens=3):
+    """Generation through the fused model: ``fused(ids)`` with the model's default cache on (the logits' largest
+    difference from eager's, the cache's class), then greedy ``generate()`` of ``new_tokens`` tokens, fused and
+    eager (whether the tokens are equal; the plans made, one per cache length; the fewest attention blocks fused
+    in a plan)."""
+    from autofuse import AutoFusionEngine
+    from autofuse.models import build_transformers
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=8, batch=1, attn=attn)
+    model.eval()
+    if not model.can_generate():
+        return None
+    model.config.use_cache = True                  # the configuration's default, which build() turns off
+    kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
+    fused = AutoFusionEngine.fuse(model, target_device=device)
+    with torch.no_grad():
+        got, want = fused(*args, **kwargs), model(*args, **kwargs)
+        settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        same = torch.equal(fused.generate(kwargs["input_ids"], **settings),
+                           model.generate(kwargs["input_ids"], **settings))
+    err = (got.logits - want.logits).abs().max().item()
+    attention = min(sum(d.applied and d.pattern == "attention" for d in p.report.decisions)
+                    for p in fused.plans.values())
+    return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(fused.plans), attention=attention,
+                seconds=time.perf_counter() - t0)
+
+
+FAILED = object()
+
+
+def _rows(only, fn, label=lambda name, attn: f"{name:32}", trace=False):
+    """``(name, attn, fn(name, spec, attn))`` for each row ``--only`` keeps; a row that raises prints its failure
+    (``trace``: the traceback's last frames too) and gives :data:`FAILED`."""
+    for name, spec, attn in MODELS:
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        try:
+            yield name, attn, fn(name, spec, attn)
+        except Exception as e:  # noqa: BLE001 - a row reports its own failure
+            print(f"{label(name, attn)} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
+            if trace:
+                traceback.print_exc(limit=-3)
+            yield name, attn, FAILED
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="rows whose name starts with one of these")
@@ -182,22 +229,35 @@ def main():
     ap.add_argument("--disable", action="append", default=[], metavar="FAMILY",
                     help="switch a pattern family off (repeatable), e.g. attention: the rest must still fuse and run")
     ap.add_argument("--train", action="store_true", help="gradients of a training step against eager's")
+    ap.add_argument("--generate", action="store_true",
+                    help="the generative models with their KV cache: a fused call and greedy generate() against eager's")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
+    if a.generate:
+        print(f"{'model':32} {'max|fused-eager|':>16} {'cache':>14} {'tokens':>7} {'plans':>5} {'attention':>9} "
+              f"{'s':>5}")
+        bad = 0
+        for name, _, row in _rows(a.only, lambda name, spec, attn: generate(name, spec, attn, a.device)):
+            if row is FAILED:
+                bad += 1
+                continue
+            if row is None:
+                continue                            # an encoder or a vision model: nothing to generate
+            bad += not row["same"]
+            print(f"{name:32} {row['err']:16.2e} {row['cache']:>14} {'same' if row['same'] else 'DIFFER':>7} "
+                  f"{row['plans']:5} {row['attention']:9} {row['seconds']:5.1f}", flush=True)
+        print(f"\n{bad} failed or generated other tokens")
+        return
     if a.train:
         print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  worst parameter (vs its own largest)")
         bad = 0
-        for name, spec, attn in MODELS:
-            if a.only and not any(name.startswith(o) for o in a.only):
-                continue
-            try:
-                err, param, err_top, missing, n = train(name, spec, attn, a.device)
-            except Exception as e:  # noqa: BLE001 - a row reports its own failure
+        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device)):
+            if row is FAILED:
                 bad += 1
-                print(f"{name:32} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
                 continue
+            err, param, err_top, missing, n = row
             bad += bool(missing)
             note = f"  NO GRADIENT: {', '.join(missing)}" if missing else ""
             print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {param}{note}", flush=True)
@@ -206,15 +266,12 @@ def main():
     print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "
           f"fused blocks by name")
     bad = 0
-    for name, spec, attn in MODELS:
-        if a.only and not any(name.startswith(o) for o in a.only):
-            continue
-        try:
-            row = run(name, spec, attn, a.device, getattr(torch, a.dtype), {f: "off" for f in a.disable} or None)
-        except Exception as e:  # noqa: BLE001 - a row reports its own failure
+    switches = {f: "off" for f in a.disable} or None
+    for name, attn, row in _rows(a.only, lambda name, spec, attn: run(name, spec, attn, a.device,
+                                                                      getattr(torch, a.dtype), switches),
+                                 label=lambda name, attn: f"{name:28} {attn:5}", trace=True):
+        if row is FAILED:
             bad += 1
-            print(f"{name:28} {attn:5} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
-            traceback.print_exc(limit=-3)
             continue
         names = ", ".join(f"{k} {v}" for k, v in sorted(row["names"].items(), key=lambda kv: (-kv[1], kv[0])))
         note = f"  ({row['failed']} not verified)" if row["failed"] else ""

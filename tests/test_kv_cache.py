@@ -175,6 +175,31 @@ def test_generate_through_torch_compile():
     assert torch.equal(got, want)
     assert backend.reports and all(_fused_attention(r) == 2 for r in backend.reports)
 
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_generate(kind):
+    """An encoder-decoder's generate() runs its encoder once through get_encoder(), then the decoder step by step
+    against an EncoderDecoderCache: the encoder is fused too (its own plan), and every step's self- and
+    cross-attention."""
+    torch.manual_seed(0)
+    if kind == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=1,
+                                                          num_heads=2, d_kv=16, decoder_start_token_id=0))
+    else:
+        model = tf.BartForConditionalGeneration(tf.BartConfig(
+            vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+    model.eval()
+    ids = torch.randint(3, 128, (1, 8))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        got = fused.generate(ids, **settings)
+    assert torch.equal(got, want)
+    assert [_fused_attention(p.report) for p in fused.encoder_plans.values()] == [1]
+    assert len(fused.plans) == 3 and all(_fused_attention(p.report) == 2 for p in fused.plans.values())
+
 # ------------------------------------------------------------------------------ decode steps from a spec (--past)
 
 def test_decode_step_inputs_follow_the_model_cache():
