@@ -512,9 +512,10 @@ class FusedModule(torch.nn.Module):
         if getattr(self.model.config, "is_encoder_decoder", False) and callable(getattr(self.model, "get_encoder",
                                                                                         None)):
             # generate() runs the encoder once by itself, through get_encoder(): that call is fused too
-            if self._encoder is None:
-                self._encoder = FusedModule(self.model.get_encoder(), None, self._device, self._level, self._budget,
-                                            self._route, self._verify, self._switches)
+            if self._encoder is None:       # not a submodule: state_dict() and parameters() stay the model's
+                object.__setattr__(self, "_encoder", FusedModule(self.model.get_encoder(), None, self._device,
+                                                                 self._level, self._budget, self._route,
+                                                                 self._verify, self._switches))
             object.__setattr__(stepper, "get_encoder", lambda *a, **k: self._encoder)
         return type(self.model).generate(stepper, *args, **kwargs)
 
