@@ -97,3 +97,13 @@ def test_train_gpt_small(monkeypatch, capsys):
         total, fwd, bwd = (int(x.replace(",", "")) for x in (total, fwd, bwd))
         assert fwd > 0 and bwd > 0 and total == fwd + bwd
     assert re.search(r"speed-up of the training step: [\d.]+x", out)
+
+
+def test_generate(monkeypatch, capsys):
+    out = _run("generate.py", ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--prompt", "8",
+                               "--new-tokens", "3"], monkeypatch, capsys)
+    assert "the same as eager" in out, out
+    plans = re.findall(r"plan \d+: \d+ fused \(([^)]*)\)", out)
+    assert len(plans) == 3 and all("attention" in p for p in plans), out       # the prefill, two decode steps
+    m = re.search(r"simulated decode step on ascend910 .*: ([\d,]+) -> ([\d,]+) cycles", out)
+    assert int(m.group(2).replace(",", "")) < int(m.group(1).replace(",", ""))
