@@ -146,6 +146,9 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
                 by[key] = by.get(key, 0) + n.cycles
         print("  attention blocks op by op: " + ", ".join(
             f"{k} {v / max(attn_before, 1):.0%}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:4]))
+        hbm_before = sum(n.hbm_bytes for n in eager.nodes if n.node in names)
+        hbm_after = sum(n.hbm_bytes for n in after.nodes if n.fused and n.target == "autofuse.flash_attention")
+        print(f"  attention HBM bytes : {hbm_before:>14,} -> {hbm_after:>14,} (the fused kernels alone)")
     gen = sum(n.cycles for n in after.nodes if n.fused and n.node in attn_gen)
     others = sum(n.cycles for n in after.nodes if n.fused and n.target == "autofuse.dropout_gen_mask") - gen
     if gen:
