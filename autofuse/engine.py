@@ -461,8 +461,9 @@ MAX_REDUCTIONS = 8
 class FusedModule(torch.nn.Module):
     """The user's model with its fusible blocks replaced by fused NPU kernels (see :mod:`autofuse.engine`)."""
 
-    def __init__(self, model, example_inputs, device, level, budget, route, verify, switches=None):
+    def __init__(self, model, example_inputs, device, level, budget, route, verify, switches=None, max_plans=None):
         super().__init__()
+        self._max_plans = max_plans
         self.model = model          # shared, not copied: parameters, buffers and modes are the user's
         self._device, self._level, self._budget, self._route, self._verify = device, level, budget, route, verify
         self._switches = dict(switches or {})
@@ -481,14 +482,16 @@ class FusedModule(torch.nn.Module):
 
     def _plan_for(self, args, kwargs) -> Plan:
         key = self._key(args, kwargs)
-        p = self._plans.get(key)
+        p = self._plans.pop(key, None)       # put back last: the plans are kept in order of use
         why = p.failed_guard(self.model) if p is not None else None
         if p is None or why is not None:
             p = compile_plan(self.model, args, kwargs, self._device, self._level, self._budget, self._route,
                              self._verify, self._switches)
             if why is not None:
                 p.report.replanned_because = why
-            self._plans[key] = p
+        self._plans[key] = p
+        while self._max_plans is not None and len(self._plans) > self._max_plans:
+            self._plans.pop(next(iter(self._plans)))        # the least recently used: planned again if it returns
         self._last = p
         return p
 
@@ -515,7 +518,7 @@ class FusedModule(torch.nn.Module):
             if self._encoder is None:       # not a submodule: state_dict() and parameters() stay the model's
                 object.__setattr__(self, "_encoder", FusedModule(self.model.get_encoder(), None, self._device,
                                                                  self._level, self._budget, self._route,
-                                                                 self._verify, self._switches))
+                                                                 self._verify, self._switches, self._max_plans))
             object.__setattr__(stepper, "get_encoder", lambda *a, **k: self._encoder)
         return type(self.model).generate(stepper, *args, **kwargs)
 
@@ -567,13 +570,15 @@ class AutoFusionEngine:
 
     @staticmethod
     def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
-             *, route="auto", verify=True, fusion_switches=None) -> FusedModule:
+             *, route="auto", verify=True, fusion_switches=None, max_plans=64) -> FusedModule:
         """Fuse ``model`` for ``target_device``; see the module docstring.
 
         ``example_inputs``: a tuple of positional inputs, a single tensor, or ``(args, kwargs)`` with a dict as
         second element; tensors may be on the meta device (planning without data). ``memory_budget``: bytes
         or a string such as ``"16GB"``. ``fusion_switches``: pattern family -> ``"on"``, ``"off"`` or
         ``"force"`` (fuse whenever the kernel can run, profitable or not), like CANN's fusion switch file.
+        ``max_plans``: how many input signatures' plans are kept (``None``: all); beyond it the least recently
+        used is dropped and planned again if its signature returns. Generation makes one per cache length.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}; wrap a function "
@@ -588,7 +593,10 @@ class AutoFusionEngine:
         budget = parse_memory_budget(memory_budget)
         _check_parameter_dtypes(model, device)
         switches = _check_switches(fusion_switches)
-        return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches)
+        if max_plans is not None and (not isinstance(max_plans, int) or max_plans < 1):
+            raise ValueError(f"fuse: max_plans={max_plans!r}; give a count of 1 or more, or None to keep every plan")
+        return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches,
+                           max_plans)
 
 
 #: Element types the NPU computes in (the Cube takes fp16/bf16/fp32 operands; there is no float64 unit).

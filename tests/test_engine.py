@@ -180,6 +180,26 @@ def test_without_example_inputs_plans_at_first_call_and_per_signature():
     assert outs[8] is not outs[12]
 
 
+def test_max_plans_keeps_the_most_recently_used():
+    """With ``max_plans=2`` a third signature drops the least recently used plan (seq 12, since seq 8 was used
+    after it); seq 12 is planned again when it returns, with eager's result."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU()).eval()
+    fused = AutoFusionEngine.fuse(model, max_plans=2)
+    reports = {}
+    for rows in (8, 12, 8, 16, 12):
+        x = torch.randn(rows, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
+        reports.setdefault(rows, []).append(fused.report)
+        assert len(fused.plans) <= 2
+    assert [k[0][1][0][1][0] for k in fused.plans] == [16, 12]      # each key: the inputs' (kind, shape, ...)
+    assert reports[8][0] is reports[8][1] and reports[12][0] is not reports[12][1]
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="max_plans"):
+            AutoFusionEngine.fuse(model, max_plans=bad)
+
+
 # --------------------------------------------------------------------------- 5. levels, budget, verification
 
 def _probs_model():
