@@ -54,6 +54,13 @@ real data is touched, so very large configurations can be analysed.
 6. **Copies into a view** (``x[..., i] = y``, ``copy_``) are functionalized to ``aten.copy``, which autograd cannot
    differentiate; where the result's layout cannot matter they are spelled ``expand`` + ``clone`` (or a cast): the
    same values, trainable.
+7. **State the forward updates in place** (BatchNorm's running statistics in training mode, a parameter clamped
+   through ``.data``): ``torch.export`` functionalizes each update into a new value of that buffer or parameter.
+   Those values are the graph's last outputs, after the user's; ``Captured.state_updates`` names their targets
+   and ``Captured.update_state`` copies them into the model's tensors after a call, as eager leaves them. An
+   update of anything else (an attribute that is not a registered buffer) is a capture error, and so is a
+   parameter that requires grad updated in training mode (Gemma 3n clamps one through ``.data``): eager's reads
+   after the update carry the parameter's gradient, the functional graph's new value does not.
 """
 from __future__ import annotations
 
@@ -94,6 +101,7 @@ class Captured:
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
     training: bool = False
+    state_updates: tuple = ()        # the model's buffers and parameters the forward updates in place (item 7)
 
     def flatten_inputs(self, *args, **kwargs) -> list:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -102,7 +110,21 @@ class Captured:
         return leaves
 
     def unflatten_outputs(self, flat) -> Any:
-        return pytree.tree_unflatten(list(flat), self.out_spec)
+        flat = list(flat)
+        return pytree.tree_unflatten(flat[:len(flat) - len(self.state_updates)], self.out_spec)
+
+    def update_state(self, flat, model: torch.nn.Module) -> None:
+        """Write the graph's trailing outputs into the buffers and parameters of ``model`` the forward updates in
+        place (looked up by name at this call), as eager's forward leaves them. The write is not recorded by
+        autograd, as eager's are not (BatchNorm updates its statistics inside its kernel, Gemma 3n clamps through
+        ``.data``): the graph read the old values where the forward read them, so its backward is eager's."""
+        if not self.state_updates:
+            return
+        flat = list(flat)
+        with torch.no_grad():
+            for fqn, value in zip(self.state_updates, flat[len(flat) - len(self.state_updates):]):
+                mod, _, name = fqn.rpartition(".")
+                getattr(model.get_submodule(mod) if mod else model, name).data.copy_(value)
 
     def __call__(self, *args, **kwargs):
         return self.unflatten_outputs(self.graph_module(*self.flatten_inputs(*args, **kwargs)))
@@ -126,7 +148,8 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
             _cleanup(gm)
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
-            return Captured(gm, r, in_spec, out_spec, training=model.training)
+            return Captured(gm, r, in_spec, out_spec, training=model.training,
+                            state_updates=gm.meta.get("autofuse_state_updates", ()))
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
@@ -172,11 +195,21 @@ def _capture_export(model, args, kwargs, export=None):
         elif kind != "USER_INPUT":
             raise CaptureError("export", f"capture failed on route 'export': unsupported graph input "
                                          f"{name!r} of kind {kind}")
-    mutated = [s.target for s in sig.output_specs if s.kind.name not in ("USER_OUTPUT",)]
-    if mutated:
-        raise CaptureError("export", f"capture failed on route 'export': the forward mutates state "
-                                     f"{mutated} (e.g. a buffer update); autofuse captures pure forwards. "
-                                     f"hint: put the model in eval mode or remove the in-place update.")
+    updates = [(i, s.target) for i, s in enumerate(sig.output_specs)
+               if s.kind.name in ("BUFFER_MUTATION", "PARAMETER_MUTATION") and s.target in _state_names(model)]
+    trained = [s.target for s in sig.output_specs if s.kind.name == "PARAMETER_MUTATION" and model.training
+               and s.target in dict(model.named_parameters()) and model.get_parameter(s.target).requires_grad]
+    if trained:
+        raise CaptureError("export", f"capture failed on route 'export': in training mode the forward updates the "
+                                     f"parameter(s) {trained} in place (through .data); eager's later reads of it "
+                                     f"carry its gradient, which the captured graph's new value does not. hint: "
+                                     f"capture in eval mode, or freeze the parameter (requires_grad_(False)).")
+    other = [s.target or s.kind.name for i, s in enumerate(sig.output_specs)
+             if s.kind.name != "USER_OUTPUT" and i not in dict(updates)]
+    if other:
+        raise CaptureError("export", f"capture failed on route 'export': the forward mutates {other}, which is not "
+                                     f"a parameter or buffer of the model; autofuse writes back only those. "
+                                     f"hint: make the state a registered buffer, or remove the in-place update.")
     user_out = [i for i, s in enumerate(sig.output_specs) if s.kind.name == "USER_OUTPUT"]
     # one tensor under several names (tied weights): every use reads it through its last name, as the
     # re-trace of run_decompositions does (its fake tensor is tracked by the last placeholder made for it)
@@ -184,8 +217,15 @@ def _capture_export(model, args, kwargs, export=None):
     for name, (_, tensor) in attr_of.items():
         last[id(tensor)] = name
     alias = {name: last[id(tensor)] for name, (_, tensor) in attr_of.items()}
-    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out, alias)
+    # the updated state's values follow the user's outputs (Captured.update_state writes them back)
+    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out + [i for i, _ in updates], alias)
+    gm.meta["autofuse_state_updates"] = tuple(target for _, target in updates)
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
+
+
+def _state_names(model) -> set:
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in model.named_buffers(remove_duplicate=False)}
 
 
 def _capture_symbolic_trace(model, args, kwargs):

@@ -189,8 +189,9 @@ class ModuleGuard:
 class Plan:
     """One key's compiled graph, with its report and guards."""
 
-    def __init__(self, captured, graph_module, report, canonical, guards):
+    def __init__(self, captured, graph_module, report, canonical, guards, model=None):
         self.captured = captured
+        self.model = model
         self.graph_module = graph_module
         self.report = report
         self.canonical = canonical
@@ -206,7 +207,9 @@ class Plan:
     def __call__(self, *args, **kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
         out = self.graph_module(*leaves)
-        out = self.captured.unflatten_outputs(out if isinstance(out, (tuple, list)) else (out,))
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        self.captured.update_state(out, self.model)     # buffers the forward updates (BatchNorm's statistics)
+        out = self.captured.unflatten_outputs(out)
         return caches.adopt((args, kwargs), out)     # a cache given is updated in place and returned, as eager does
 
 
@@ -256,7 +259,7 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     if budget is not None and report.peak_memory_fused > budget:
         report.warnings.append(f"the fused graph's peak activation memory {report.peak_memory_fused:,} B exceeds "
                                f"the budget {budget:,} B; no remaining candidate lowers it")
-    return Plan(captured, _make_live(fused, model), report, gm, guards)
+    return Plan(captured, _make_live(fused, model), report, gm, guards, model)
 
 
 #: Ops that only reshape their first argument: a random verification input made through them shares its values.

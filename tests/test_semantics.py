@@ -550,3 +550,86 @@ def test_a_mask_built_from_a_trainable_parameter_keeps_its_gradient_path():
         grads.append(m.table.grad.clone())
     assert grads[1].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)   # fp32 host recompute: reassociation
+
+
+# ------------------------------------------------------------------ state the forward updates in place
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 10),
+                         nn.LayerNorm(10))
+
+
+def test_batchnorm_training_updates_its_statistics_as_eager():
+    """Training mode: BatchNorm's running mean, variance and batch count are updated by each fused call as by
+    eager's, step after step (the same plan: the statistics' values are nothing the plan relies on), and the
+    gradients are eager's. Both sides compute the statistics with torch's own batch-norm kernel on the same
+    inputs, so they agree to a few float32 units in the last place (rtol 1e-5)."""
+    import copy
+    net = _bn_net().train()
+    ref = copy.deepcopy(net)
+    fused = AutoFusionEngine.fuse(net)
+    for step in range(3):
+        x, w = torch.randn(4, 3, 8, 8), torch.randn(4, 10)
+        got, want = fused(x), ref(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # a random projection of the output as the loss: the final LayerNorm makes a sum or a sum of squares of
+        # its output nearly constant, whose gradients are rounding noise on both sides
+        (got * w).sum().backward()
+        (want * w).sum().backward()
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(net[1], name), getattr(ref[1], name), rtol=1e-5, atol=1e-7)
+        assert int(net[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == step + 1
+    # the two sides sum the same fp32 products in other orders (the fused LayerNorm epilogue; dot products of at
+    # most K = 288 terms): each side within K·2^-24 of the exact sums, relative to the gradients' scale, so the
+    # two within 2·288·2^-24 < 4e-5 of the model's largest gradient (the conv bias, which BatchNorm cancels, is
+    # rounding noise on both sides and is only held to that)
+    top = max(float(q.grad.abs().max()) for q in ref.parameters())
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert float((p.grad - q.grad).abs().max()) <= 4e-5 * top, name
+    assert len(fused.plans) == 1 and fused.report.applied
+
+
+def test_simulating_a_training_step_leaves_the_statistics_alone():
+    net = _bn_net().train()
+    x = torch.randn(4, 3, 8, 8)
+    fused = AutoFusionEngine.fuse(net, (x,))
+    before = {n: b.clone() for n, b in net.named_buffers()}
+    result = fused.simulate(x, backward=True)
+    assert result.phases["forward"] > 0 and result.phases["backward"] > 0
+    assert all(torch.equal(b, before[n]) for n, b in net.named_buffers())
+
+
+class _Counting(nn.Module):
+    """A forward that counts its calls in a buffer and clamps its weight through ``.data``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        self.lin.weight.data.clamp_(-0.1, 0.1)
+        return F.gelu(self.lin(x)) * 2 + 1
+
+
+def test_updated_buffers_and_parameters_are_written_back():
+    model = _Counting().eval()
+    with torch.no_grad():
+        model.lin.weight.normal_()                     # outside the clamp's range
+    fused = AutoFusionEngine.fuse(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        first = fused(x)
+        fused(x)
+    assert int(model.calls) == 2 and bool((model.lin.weight.abs() <= torch.tensor(0.1)).all())
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(x), rtol=1e-5, atol=1e-6)     # eager, after the clamp
+    assert int(model.calls) == 3
+
+
+def test_a_trainable_parameter_updated_in_training_mode_is_refused():
+    from autofuse.capture import CaptureError
+    with pytest.raises(CaptureError, match=r"updates the parameter\(s\) \['lin.weight'\] in place"):
+        AutoFusionEngine.fuse(_Counting().train(), (torch.randn(4, 8),))
