@@ -111,6 +111,8 @@ MODELS = [
      "&image_size=32&patch_size=8", "eager"),
     ("siglip vision", "SiglipVisionConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
      "&num_attention_heads=4&image_size=32&patch_size=8", "eager"),
+    ("resnet (BatchNorm)", "ResNetConfig?embedding_size=16&hidden_sizes=[16,32]&depths=[1,1]&layer_type=basic",
+     "eager"),
 ]
 
 
