@@ -386,8 +386,10 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         elif c.fused.cycles < 0:
             decide(i, False, "unsupported", f"the fused kernel cannot be priced for this block: {c.fused.bound}")
         elif c.fused.cycles >= c.unfused.cycles and not force:
+            free = " (the captured ops it would replace cost nothing as captured: views, no-op copies)" \
+                if c.unfused.cycles == 0 else ""
             decide(i, False, "not_profitable", f"fused kernel {c.fused.cycles:,} cycles >= unfused "
-                                               f"{c.unfused.cycles:,} cycles on {device}")
+                                               f"{c.unfused.cycles:,} cycles on {device}{free}")
         elif level == "O1" and sp < O1_MARGIN and not force:
             decide(i, False, "below_level_margin", f"predicted {sp:.2f}x < {O1_MARGIN}x required at O1")
         elif budget is not None and c.working_set > budget:
