@@ -574,7 +574,9 @@ class AutoFusionEngine:
     @staticmethod
     def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
              *, route="auto", verify=True, fusion_switches=None, max_plans=64) -> FusedModule:
-        """Fuse ``model`` for ``target_device``; see the module docstring.
+        """Fuse ``model`` (an ``nn.Module``, or a ``torch.export.ExportedProgram``: its module, planned on the
+        inputs it was exported with unless ``example_inputs`` are given) for ``target_device``; see the module
+        docstring.
 
         ``example_inputs``: a tuple of positional inputs, a single tensor, or ``(args, kwargs)`` with a dict as
         second element; tensors may be on the meta device (planning without data). ``memory_budget``: bytes
@@ -583,8 +585,15 @@ class AutoFusionEngine:
         ``max_plans``: how many input signatures' plans are kept (``None``: all); beyond it the least recently
         used is dropped and planned again if its signature returns. Generation makes one per cache length.
         """
+        if isinstance(model, torch.export.ExportedProgram):
+            # a program already exported: its module (the program's graph, reading the program's own parameters),
+            # planned on the inputs it was exported with unless others are given
+            if example_inputs is None and model.example_inputs is not None:
+                example_inputs = model.example_inputs
+            model = model.module()
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"fuse: model must be a torch.nn.Module, got {type(model).__name__}; wrap a function "
+            raise TypeError(f"fuse: model must be a torch.nn.Module or a torch.export.ExportedProgram, got "
+                            f"{type(model).__name__}; wrap a function "
                             f"in a module (class M(nn.Module): def forward(self, ...): return fn(...)) or use "
                             f"torch.compile(fn, backend='autofuse')")
         try:

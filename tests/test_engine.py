@@ -469,8 +469,25 @@ def test_bad_memory_budget_names_the_argument(bad):
 
 
 def test_not_a_module_says_what_to_do():
-    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got function.*wrap"):
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module or a torch.export.ExportedProgram, got "
+                                        r"function.*wrap"):
         AutoFusionEngine.fuse(lambda x: x + 1, (torch.randn(2),))
+
+
+def test_an_exported_program_is_fused_on_its_own_inputs():
+    """A torch.export program: its module is fused, planned at once on the inputs it was exported with, and reads
+    the program's parameters (an edit after fuse() takes effect)."""
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("llama", layers=LAYERS, hidden=32, heads=4, seq=8)
+    program = torch.export.export(model, args, kwargs, strict=False)
+    fused = AutoFusionEngine.fuse(program)
+    assert [d.applied for d in fused.report.of("attention")] == [True] * LAYERS
+    with torch.no_grad():
+        torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
+                                   atol=1e-5, rtol=1e-4)
+        program.state_dict["lm_head.weight"].mul_(2)        # shared with the model: both see it
+        torch.testing.assert_close(main_output(fused(*args, **kwargs)), main_output(model(*args, **kwargs)),
+                                   atol=1e-5, rtol=1e-4)
 
 
 def test_untraceable_model_names_the_routes():
