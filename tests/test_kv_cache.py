@@ -201,6 +201,20 @@ def test_encoder_decoder_generate(kind):
     assert [_fused_attention(p.report) for p in fused.encoder_plans.values()] == [1]
     assert len(fused.plans) == 3 and all(_fused_attention(p.report) == 2 for p in fused.plans.values())
 
+
+def test_sampling_draws_eager_tokens_and_leaves_the_generator_as_eager():
+    """Sampled generation under one seed: the fused model's tokens are eager's, and torch's generator ends where
+    eager's does (planning each new length draws nothing from it)."""
+    model, ids = _model(), torch.randint(1, 128, (2, 8))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=True, top_k=50, pad_token_id=0)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        want, after_eager = model.generate(ids, **settings), torch.rand(4)
+        torch.manual_seed(1)
+        got, after_fused = fused.generate(ids, **settings), torch.rand(4)
+    assert torch.equal(got, want) and torch.equal(after_fused, after_eager)
+
 # ------------------------------------------------------------------------------ decode steps from a spec (--past)
 
 def test_decode_step_inputs_follow_the_model_cache():
