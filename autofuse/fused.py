@@ -133,9 +133,54 @@ def kernel_default_tiling(device: str, specs, mask, drop: bool = False, sink: bo
     return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3], drop, sink)
 
 
+def gqa_group(p: dict, mask_shapes) -> int:
+    """The query heads per kv head whose single-token rows one work item can take together (a decode step of
+    grouped-query attention): q ``[B, N, 1, D]`` viewed as
+    ``[B, Nkv, N / Nkv, D]``, every row of a group attending the same keys. 0 when the block is not such a step:
+    more than one query row, no kv group, a causal mask, a mask that differs per head, dropout, attention sinks,
+    a window, probabilities read outside the block."""
+    q, k = _as_bnsd(p["q_shape"]), _as_bnsd(p["k_shape"])
+    if len(p["q_shape"]) != 4 or len(p["k_shape"]) != 4 or q[2] != 1 or q[1] <= k[1] or q[1] % k[1]:
+        return 0
+    if p.get("causal") or p.get("causal_value") is not None or p.get("dropout_draw") is not None or \
+            p.get("probs_used") or p.get("window"):
+        return 0
+    if any(len(s) >= 3 and _as_bnsd(s)[1] != 1 for s in mask_shapes):
+        return 0
+    return q[1] // k[1]
+
+
+def _mask_shapes(match, nodes) -> list:
+    """The shapes of the block's mask inputs (a constant mask ``const:...:Sq:Skv``: its [Sq, Skv])."""
+    out = []
+    for role, _, _ in match.params.get("mask_terms") or ():
+        src = match.inputs[role]
+        if isinstance(src, str):
+            out.append(tuple(int(x) for x in src.split(":")[2:]))
+        else:
+            out.append(tuple(nodes[src].meta["val"].shape))
+    return out
+
+
 def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     """The cost model's price of the fused kernel: with the tiling its search finds cheapest
-    (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2)."""
+    (``search_tiling``, level O3) or with the kernel's own default tiling (O1, O2). A decode step of grouped-query
+    attention is priced both per query head and with each kv group's rows in one work item (:func:`gqa_group`),
+    per device, and runs the cheaper."""
+    from autofuse.fused_vector import training_graph
+    group = 0 if "sinks" in match.inputs or training_graph(nodes[match.inputs["q"]].graph) else \
+        gqa_group(match.params, _mask_shapes(match, nodes))
+    if group:
+        def both_forms(d):
+            return {g: _attention_price(match, nodes, d, search_tiling, False, g) for g in (group, 0)}
+        prices = per_device(both_forms)
+        here = prices[device] if device in prices else both_forms(device)
+        pack = here[group].cycles < here[0].cycles
+        chosen = here[group if pack else 0]
+        chosen.alternatives = {d: sorted([(GROUPING[bool(g)], p.cycles, True) for g, p in ps.items()],
+                                         key=lambda a: a[1]) for d, ps in prices.items()}
+        chosen.options = {**chosen.options, "gqa_pack": pack}
+        return chosen
     if match.params.get("causal_value") is None:
         return _attention_price(match, nodes, device, search_tiling, False)
     # a proven causal mask with a finite value: skipping the tiles above the diagonal (after the run-time score
@@ -153,13 +198,18 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
 
 
 IMPLEMENTATIONS = {True: "causal skip under a score bound", False: "mask read"}
+GROUPING = {True: "a kv group's query heads in one work item", False: "one work item per query head"}
 
 
-def _attention_price(match, nodes, device, search_tiling, skip) -> Price:
+def _attention_price(match, nodes, device, search_tiling, skip, group: int = 0) -> Price:
     """A training plan's kernel also writes each row's softmax max and sum (``return_stats``, priced with it), so
-    the backward reads them instead of recomputing them (the emitted call gets the option)."""
+    the backward reads them instead of recomputing them (the emitted call gets the option). ``group``: the kernel
+    runs q as ``[B, Nkv, group, D]`` (:func:`gqa_group`)."""
     from autofuse.fused_vector import training_graph        # fused_vector builds on this module
     specs, params = attention_specs(nodes, match, skip)
+    if group:
+        (B, N, _, D), dtype = specs[0]
+        specs[0] = ((B, N // group, group, D), dtype)
     training = training_graph(nodes[match.inputs["q"]].graph)
     if training:
         params["return_stats"] = True
@@ -250,6 +300,13 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     mask = _mask(g, ins, m, rank)
     kwargs = dict(kwargs)
     skip = kwargs.pop("causal_skip", True)     # the price's choice; without a price (reduced-shape checks): skip
+    # the price's choice again; without one (reduced-shape checks) a decode step's kv groups are packed, so that
+    # the check runs the less common form
+    group = gqa_group(p, [shape(ins[r]) for r, _, _ in p.get("mask_terms") or ()]) \
+        if kwargs.pop("gqa_pack", "return_stats" not in kwargs and "sinks" not in ins) else 0
+    if group:
+        B, N, Sq, D = shape(q)
+        q = call(g, aten.reshape.default, q, [B, N // group, group * Sq, D])
     kw = dict(scale=p["scale"], causal=p["causal"], return_probs=p["probs_used"], **kwargs)
     if p.get("fill") is not None:
         kw["fill"] = p["fill"]
@@ -270,12 +327,16 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     if p.get("dropout_draw") is not None:
         kw["drop_mask"], kw["dropout_p"] = _keep_mask(g, ins, m, kwargs.get("device", "ascend910"), q), p["dropout_p"]
     like = p["out_like"]
-    if like.dim() == 4 and not like.is_contiguous():
+    if like.dim() == 4 and not like.is_contiguous() and not group:
         kw["out_order"] = _physical_order(like)
     fused = g.call_function(op or torch.ops.autofuse.flash_attention.default, (q, k, v, mask), kw)
     fused.meta["autofuse_match"] = m
     out = g.call_function(operator.getitem, (fused, 0))
     out.meta["val"] = like if like.dim() == 4 else _as_rank4(like)
+    if group:           # the kernel's [B, Nkv, group, Dv] back to [B, N, 1, Dv]: a view (one row per head)
+        per_head = out.meta["val"]
+        out.meta["val"] = per_head.new_empty([*shape(q)[:3], per_head.shape[-1]])
+        out = call(g, aten.reshape.default, out, list(per_head.shape))
     if p.get("v_cast") is not None:         # the kernel ran in q's dtype: its output is in it (cast back below)
         base = out.meta["val"]
         out.meta["val"] = base.new_empty_strided(tuple(base.shape), tuple(base.stride()), dtype=p["v_cast"])

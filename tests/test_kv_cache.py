@@ -249,3 +249,50 @@ def test_report_of_a_decode_step(capsys):
     with pytest.raises(SystemExit) as e:
         main(["report", "--model", "llama", "--past", "-1"])
     assert e.value.code == 2 and "--past -1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ grouped-query decode attention
+
+def test_a_decode_step_packs_each_kv_group_into_one_work_item():
+    """Grouped-query attention with one new token: q [B, 8, 1, D] runs as [B, 2, 4, D] against the 2 kv heads, so
+    each kv head's keys and values are loaded once per group, not once per query head. At this size the cost
+    model finds it cheaper on the 910, the call carries it, and the logits and the cache are eager's."""
+    from autofuse.models import build
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("llama", layers=1, hidden=256, heads=8, kv_heads=2, seq=1, batch=4, past=256)
+    fused = AutoFusionEngine.fuse(model, (args, copy.deepcopy(kwargs)))
+    (decision,) = fused.report.of("attention")
+    best, other = decision.params["alternatives"]["ascend910"]
+    assert best[0] == "a kv group's query heads in one work item" and best[1] < other[1]
+    assert decision.cycles_fused == best[1] and "in one work item" in decision.reason
+    (call,) = [n for n in fused.graph_module.graph.nodes if "flash_attention" in str(n.target)]
+    assert tuple(call.args[0].meta["val"].shape) == (4, 2, 4, 32)
+    mine, theirs, ref = copy.deepcopy(kwargs["cache"]), copy.deepcopy(kwargs["cache"]), _double(kwargs["cache"])
+    with torch.no_grad():
+        got = fused(*args, use_cache=True, cache=mine)
+        want = model(*args, use_cache=True, cache=theirs)
+        expect = copy.deepcopy(model).double()(*args, use_cache=True, cache=ref)
+    _assert_as_eager(want.logits, expect.logits, got.logits)
+
+
+@pytest.mark.parametrize("case, group", [
+    ({}, 4),                                               # one token, 8 query heads over 2 kv heads
+    ({"q_shape": (2, 8, 3, 16)}, 0),                       # three query rows: a prefill chunk
+    ({"k_shape": (2, 8, 40, 16)}, 0),                      # no kv group (multi-head attention)
+    ({"causal": True}, 0),
+    ({"probs_used": True}, 0),
+    ({"dropout_draw": ((2, 8, 1, 40), torch.float32)}, 0),
+    ({"window": 16}, 0),
+    ({"q_shape": (8, 1, 16)}, 0),                          # not [B, N, S, D]
+])
+def test_which_blocks_pack_kv_groups(case, group):
+    from autofuse.fused import gqa_group
+    p = {"q_shape": (2, 8, 1, 16), "k_shape": (2, 2, 40, 16), **case}
+    assert gqa_group(p, []) == group
+
+
+def test_a_mask_per_head_keeps_one_work_item_per_query_head():
+    from autofuse.fused import gqa_group
+    p = {"q_shape": (2, 8, 1, 16), "k_shape": (2, 2, 40, 16)}
+    assert gqa_group(p, [(2, 1, 1, 40)]) == 4 and gqa_group(p, [(1, 40)]) == 4
+    assert gqa_group(p, [(2, 8, 1, 40)]) == 0
