@@ -333,13 +333,13 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     fused.meta["autofuse_match"] = m
     out = g.call_function(operator.getitem, (fused, 0))
     out.meta["val"] = like if like.dim() == 4 else _as_rank4(like)
+    if p.get("v_cast") is not None:         # the kernel ran in q's dtype: its output is in it (cast back below)
+        base = out.meta["val"]
+        out.meta["val"] = base.new_empty_strided(tuple(base.shape), tuple(base.stride()), dtype=p["v_cast"])
     if group:           # the kernel's [B, Nkv, group, Dv] back to [B, N, 1, Dv]: a view (one row per head)
         per_head = out.meta["val"]
         out.meta["val"] = per_head.new_empty([*shape(q)[:3], per_head.shape[-1]])
         out = call(g, aten.reshape.default, out, list(per_head.shape))
-    if p.get("v_cast") is not None:         # the kernel ran in q's dtype: its output is in it (cast back below)
-        base = out.meta["val"]
-        out.meta["val"] = base.new_empty_strided(tuple(base.shape), tuple(base.stride()), dtype=p["v_cast"])
     outs = {"out": _adapt(g, out, p["out_like"])}
     if p["probs_used"]:
         probs = g.call_function(operator.getitem, (fused, 1))
