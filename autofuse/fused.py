@@ -171,29 +171,29 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
     group = 0 if "sinks" in match.inputs or training_graph(nodes[match.inputs["q"]].graph) else \
         gqa_group(match.params, _mask_shapes(match, nodes))
     if group:
-        def both_forms(d):
-            return {g: _attention_price(match, nodes, d, search_tiling, False, g) for g in (group, 0)}
-        prices = per_device(both_forms)
-        here = prices[device] if device in prices else both_forms(device)
-        pack = here[group].cycles < here[0].cycles
-        chosen = here[group if pack else 0]
-        chosen.alternatives = {d: sorted([(GROUPING[bool(g)], p.cycles, True) for g, p in ps.items()],
-                                         key=lambda a: a[1]) for d, ps in prices.items()}
-        chosen.options = {**chosen.options, "gqa_pack": pack}
-        return chosen
+        return _cheaper(lambda d, pack: _attention_price(match, nodes, d, search_tiling, False, group if pack else 0),
+                        device, GROUPING, "gqa_pack")
     if match.params.get("causal_value") is None:
         return _attention_price(match, nodes, device, search_tiling, False)
     # a proven causal mask with a finite value: skipping the tiles above the diagonal (after the run-time score
     # bound that proves it exact) or reading the mask, whichever the cost model finds cheaper, per device
+    return _cheaper(lambda d, skip: _attention_price(match, nodes, d, search_tiling, skip), device, IMPLEMENTATIONS,
+                    "causal_skip")
+
+
+def _cheaper(price_on, device: str, names: dict, option: str) -> Price:
+    """Of two implementations of one block, ``price_on(device, True)`` and ``price_on(device, False)``, the target's
+    cheaper (the ``False`` one on a tie): its price, with both implementations' prices on every device
+    (``alternatives``, by their ``names``) and the choice as the call's ``option``."""
     def both(d):
-        return {skip: _attention_price(match, nodes, d, search_tiling, skip) for skip in (True, False)}
+        return {flag: price_on(d, flag) for flag in (True, False)}
     prices = per_device(both)
     here = prices[device] if device in prices else both(device)     # the target's error, if it cannot be priced
-    skip = here[True].cycles < here[False].cycles
-    chosen = here[skip]
-    chosen.alternatives = {d: sorted([(IMPLEMENTATIONS[s], p.cycles, True) for s, p in ps.items()], key=lambda a: a[1])
+    flag = here[True].cycles < here[False].cycles
+    chosen = here[flag]
+    chosen.alternatives = {d: sorted([(names[f], p.cycles, True) for f, p in ps.items()], key=lambda a: a[1])
                            for d, ps in prices.items()}
-    chosen.options = {**chosen.options, "causal_skip": skip}
+    chosen.options = {**chosen.options, option: flag}
     return chosen
 
 
