@@ -123,8 +123,7 @@ class Captured:
         flat = list(flat)
         with torch.no_grad():
             for fqn, value in zip(self.state_updates, flat[len(flat) - len(self.state_updates):]):
-                mod, _, name = fqn.rpartition(".")
-                getattr(model.get_submodule(mod) if mod else model, name).data.copy_(value)
+                state_tensor(model, fqn).data.copy_(value)
 
     def __call__(self, *args, **kwargs):
         return self.unflatten_outputs(self.graph_module(*self.flatten_inputs(*args, **kwargs)))
@@ -195,10 +194,12 @@ def _capture_export(model, args, kwargs, export=None):
         elif kind != "USER_INPUT":
             raise CaptureError("export", f"capture failed on route 'export': unsupported graph input "
                                          f"{name!r} of kind {kind}")
+    state = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in model.named_buffers(remove_duplicate=False)}
     updates = [(i, s.target) for i, s in enumerate(sig.output_specs)
-               if s.kind.name in ("BUFFER_MUTATION", "PARAMETER_MUTATION") and s.target in _state_names(model)]
-    trained = [s.target for s in sig.output_specs if s.kind.name == "PARAMETER_MUTATION" and model.training
-               and s.target in dict(model.named_parameters()) and model.get_parameter(s.target).requires_grad]
+               if s.kind.name in ("BUFFER_MUTATION", "PARAMETER_MUTATION") and s.target in state]
+    trained = [t for i, t in updates if model.training and sig.output_specs[i].kind.name == "PARAMETER_MUTATION"
+               and model.get_parameter(t).requires_grad]
     if trained:
         raise CaptureError("export", f"capture failed on route 'export': in training mode the forward updates the "
                                      f"parameter(s) {trained} in place (through .data); eager's later reads of it "
@@ -223,9 +224,10 @@ def _capture_export(model, args, kwargs, export=None):
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
 
 
-def _state_names(model) -> set:
-    return {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
-        {n for n, _ in model.named_buffers(remove_duplicate=False)}
+def state_tensor(model: torch.nn.Module, fqn: str) -> torch.Tensor:
+    """The model's parameter or buffer named ``fqn`` (dotted), as it is now."""
+    mod, _, name = fqn.rpartition(".")
+    return getattr(model.get_submodule(mod) if mod else model, name)
 
 
 def _capture_symbolic_trace(model, args, kwargs):

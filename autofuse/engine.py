@@ -39,7 +39,7 @@ import torch.utils._pytree as pytree
 from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
-from autofuse.capture import capture
+from autofuse.capture import capture, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
@@ -78,12 +78,6 @@ def all_candidates(gm: fx.GraphModule) -> list:
 
 
 # ------------------------------------------------------------------------------------ state and guards
-
-def _lookup(model: torch.nn.Module, fqn: str):
-    mod, _, name = fqn.rpartition(".")
-    owner = model.get_submodule(mod) if mod else model
-    return getattr(owner, name)
-
 
 def _state_nodes(gm: fx.GraphModule) -> dict:
     return {n.target: n.meta["autofuse_state"] for n in gm.graph.nodes
@@ -124,7 +118,7 @@ class Guard:
 
     def check(self, model) -> str | None:
         try:
-            t = _lookup(model, self.fqn)
+            t = state_tensor(model, self.fqn)
         except AttributeError:
             return f"{self.fqn} is gone from the model"
         spec = (t.dtype, tuple(t.shape), t.device.type)
@@ -243,9 +237,9 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
         match = n.meta.get("autofuse_match") if is_fused_call(n) else None
         return workspace.get(match.anchor, 0) if match is not None else 0
 
-    guards = [Guard(fqn, _lookup(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]
+    guards = [Guard(fqn, state_tensor(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]
     relied = sorted({g for c in applied for g in c.match.params.get("guards", ())})
-    guards += [Guard(fqn, _lookup(model, fqn), True) for fqn in relied]
+    guards += [Guard(fqn, state_tensor(model, fqn), True) for fqn in relied]
     guards.insert(0, ModuleGuard(model))            # checked first: a swapped module explains the rest
     report = FusionReport(device=device, optimization_level=level, memory_budget=budget, decisions=decisions,
                           peak_memory_unfused=memory.peak_bytes(cap_gm),
