@@ -82,16 +82,20 @@ def _generators_of(gm, op: str) -> set:
     return out
 
 
+def _by_op(nodes, total: int, top: int) -> str:
+    """``nodes``' cycles summed per op (the largest ``top``), each as a share of ``total``."""
+    by: dict = {}
+    for n in nodes:
+        key = n.target.replace("aten.", "").replace(".default", "")
+        by[key] = by.get(key, 0) + n.cycles
+    return ", ".join(f"{k} {v / max(total, 1):.0%}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:top])
+
+
 def _backward_breakdown(eager, fused, top=6):
     """The backward's largest kernels on each side (cycles summed over the launches of each kernel)."""
     for label, r in (("eager", eager), ("fused", fused)):
-        by: dict = {}
-        for n in r.nodes:
-            if n.phase == "backward":
-                key = n.target.replace("aten.", "").replace(".default", "")
-                by[key] = by.get(key, 0) + n.cycles
-        parts = sorted(by.items(), key=lambda kv: -kv[1])[:top]
-        print(f"  backward, {label:<5}  : " + ", ".join(f"{k} {v / max(r.phases['backward'], 1):.0%}" for k, v in parts))
+        print(f"  backward, {label:<5}  : "
+              + _by_op([n for n in r.nodes if n.phase == "backward"], r.phases["backward"], top))
 
 
 def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False,
@@ -139,13 +143,7 @@ def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_
         print(f"  attention blocks    : {attn_before:>14,} -> {attn_after:>14,} cycles   "
               f"{attn_before / max(attn_after, 1):5.2f}x")
         names = {n for d in attn for n in d.nodes}
-        by: dict = {}
-        for n in eager.nodes:
-            if n.node in names:
-                key = n.target.replace("aten.", "").replace(".default", "")
-                by[key] = by.get(key, 0) + n.cycles
-        print("  attention blocks op by op: " + ", ".join(
-            f"{k} {v / max(attn_before, 1):.0%}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:4]))
+        print("  attention blocks op by op: " + _by_op([n for n in eager.nodes if n.node in names], attn_before, 4))
         hbm_before = sum(n.hbm_bytes for n in eager.nodes if n.node in names)
         hbm_after = sum(n.hbm_bytes for n in after.nodes if n.fused and n.target == "autofuse.flash_attention")
         print(f"  attention HBM bytes : {hbm_before:>14,} -> {hbm_after:>14,} (the fused kernels alone)")
