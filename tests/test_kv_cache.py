@@ -253,13 +253,15 @@ def test_report_of_a_decode_step(capsys):
 
 # ------------------------------------------------------------------------------ grouped-query decode attention
 
-def test_a_decode_step_packs_each_kv_group_into_one_work_item():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_decode_step_packs_each_kv_group_into_one_work_item(dtype):
     """Grouped-query attention with one new token: q [B, 8, 1, D] runs as [B, 2, 4, D] against the 2 kv heads, so
     each kv head's keys and values are loaded once per group, not once per query head. At this size the cost
-    model finds it cheaper on the 910, the call carries it, and the logits and the cache are eager's."""
+    model finds it cheaper on the 910, the call carries it, and the logits are eager's (the verifier's bound)."""
     from autofuse.models import build
     torch.manual_seed(0)
-    model, (args, kwargs) = build("llama", layers=1, hidden=256, heads=8, kv_heads=2, seq=1, batch=4, past=256)
+    model, (args, kwargs) = build("llama", layers=1, hidden=256, heads=8, kv_heads=2, seq=1, batch=4, past=256,
+                                  dtype=dtype)
     fused = AutoFusionEngine.fuse(model, (args, copy.deepcopy(kwargs)))
     (decision,) = fused.report.of("attention")
     best, other = decision.params["alternatives"]["ascend910"]
