@@ -14,8 +14,14 @@ structure rebuilds into a new cache object. :func:`adopt` makes the fused call b
 moved into the caller's cache object, object by object (the cache, then each of its layers), and that object is
 returned in the new one's place. A fresh cache (a prefill without one) is returned as built, as eager builds it.
 
-**Signatures.** A cache's length is part of its tensors' shapes, so each decode step is a new input signature:
-``fuse()`` plans it as it plans any new signature (capture, plan, verification), once per length.
+**Signatures.** A dynamic cache's length is part of its tensors' shapes, so each decode step is a new input
+signature: ``fuse()`` plans it as it plans any new signature (capture, plan, verification), once per length; from
+the second length on, the capture is a symbolic export of the step specialised to the length
+(:mod:`autofuse.sizes`), not a new export. A
+static cache (``StaticCache``) keeps its size: the forward writes the new keys and values into its tensors in
+place (``index_copy_``), which capture turns into new values the fused call copies back into the caller's tensors
+(:mod:`autofuse.capture`, item 7), so every decode step has one signature and one plan. Its sliding-window layers
+keep their length as a Python int in the cache's structure, so a model with them is planned per step.
 """
 from __future__ import annotations
 

@@ -58,9 +58,15 @@ real data is touched, so very large configurations can be analysed.
    through ``.data``): ``torch.export`` functionalizes each update into a new value of that buffer or parameter.
    Those values are the graph's last outputs, after the user's; ``Captured.state_updates`` names their targets
    and ``Captured.update_state`` copies them into the model's tensors after a call, as eager leaves them. An
-   update of anything else (an attribute that is not a registered buffer) is a capture error, and so is a
-   parameter that requires grad updated in training mode (Gemma 3n clamps one through ``.data``): eager's reads
-   after the update carry the parameter's gradient, the functional graph's new value does not.
+   **input tensor** the forward updates in place (a static KV cache's keys and values, written at the new
+   positions by ``index_copy_``) is the same: its new value follows, ``Captured.input_updates`` holds its place
+   among the flat inputs, and ``update_state`` copies it into the caller's tensor. An update of anything else (an
+   attribute that is not a registered buffer) is a capture error, and so are a parameter that requires grad
+   updated in training mode (Gemma 3n clamps one through ``.data``) and an input that requires grad updated in
+   place: eager's reads after the update carry its gradient, the functional graph's new value does not.
+8. **Sizes seen before.** Given a :class:`autofuse.sizes.SizeFamilies` (a fused module keeps one), a call whose
+   structure was captured before at other sizes is not exported again: one export with those sizes symbolic is
+   specialised to the call's sizes, giving the graph a fresh export gives (see :mod:`autofuse.sizes`).
 """
 from __future__ import annotations
 
@@ -102,6 +108,7 @@ class Captured:
     out_spec: pytree.TreeSpec
     training: bool = False
     state_updates: tuple = ()        # the model's buffers and parameters the forward updates in place (item 7)
+    input_updates: tuple = ()        # the flat inputs' indices the forward updates in place (item 7)
 
     def flatten_inputs(self, *args, **kwargs) -> list:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -109,28 +116,49 @@ class Captured:
             raise TypeError(f"inputs do not match the captured structure:\n got {spec}\n want {self.in_spec}")
         return leaves
 
-    def unflatten_outputs(self, flat) -> Any:
+    def unflatten_outputs(self, flat, inputs=None) -> Any:
+        """The user's outputs. Given the flat ``inputs`` (after :meth:`update_state`), an output that is the new
+        value of an input updated in place is that input, as eager returns it (a static cache's tensors keep
+        their identity)."""
         flat = list(flat)
-        return pytree.tree_unflatten(flat[:len(flat) - len(self.state_updates)], self.out_spec)
+        user = flat[:len(flat) - self.n_updates]
+        if inputs is not None and self.input_updates:
+            new = flat[len(flat) - len(self.input_updates):]
+            same = {id(v): inputs[i] for i, v in zip(self.input_updates, new)}
+            user = [same.get(id(v), v) for v in user]
+        return pytree.tree_unflatten(user, self.out_spec)
 
-    def update_state(self, flat, model: torch.nn.Module) -> None:
+    @property
+    def n_updates(self) -> int:
+        """How many of the graph's outputs are new values of state, after the user's outputs."""
+        return len(self.state_updates) + len(self.input_updates)
+
+    def update_state(self, flat, model: torch.nn.Module, inputs=()) -> None:
         """Write the graph's trailing outputs into the buffers and parameters of ``model`` the forward updates in
-        place (looked up by name at this call), as eager's forward leaves them. The write is not recorded by
-        autograd, as eager's are not (BatchNorm updates its statistics inside its kernel, Gemma 3n clamps through
-        ``.data``): the graph read the old values where the forward read them, so its backward is eager's."""
-        if not self.state_updates:
+        place (looked up by name at this call), then into the flat ``inputs`` it updates in place, as eager's
+        forward leaves them. The write is not recorded by autograd, as eager's are not (BatchNorm updates its
+        statistics inside its kernel, Gemma 3n clamps through ``.data``; an input updated in place never requires
+        grad, capture refuses that): the graph read the old values where the forward read them, so its backward
+        is eager's."""
+        if not self.n_updates:
             return
         flat = list(flat)
+        values = flat[len(flat) - self.n_updates:]
         with torch.no_grad():
-            for fqn, value in zip(self.state_updates, flat[len(flat) - len(self.state_updates):]):
+            for fqn, value in zip(self.state_updates, values):
                 state_tensor(model, fqn).data.copy_(value)
+            for i, value in zip(self.input_updates, values[len(self.state_updates):]):
+                inputs[i].copy_(value)
 
     def __call__(self, *args, **kwargs):
         return self.unflatten_outputs(self.graph_module(*self.flatten_inputs(*args, **kwargs)))
 
 
-def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route: str = "auto") -> Captured:
-    """Capture ``model(*example_args, **example_kwargs)`` as an aten-level GraphModule (see module doc)."""
+def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route: str = "auto",
+            sizes=None) -> Captured:
+    """Capture ``model(*example_args, **example_kwargs)`` as an aten-level GraphModule (see module doc).
+    ``sizes``: an :class:`autofuse.sizes.SizeFamilies`, whose symbolic exports serve the export route's
+    signatures that differ from earlier ones only in sizes."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if not isinstance(example_args, tuple):
@@ -142,13 +170,18 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     for r in routes:
         try:
             with torch_internal_warnings():   # torch's own deprecation, nothing to act on
-                fn = _capture_export if r == "export" else _capture_symbolic_trace
-                gm, in_spec, out_spec = fn(model, example_args, example_kwargs)
+                if r == "export":
+                    export = (None if sizes is None else
+                              lambda m, a, k: sizes.export(m, a, k, _export_functional))
+                    gm, in_spec, out_spec = _capture_export(model, example_args, example_kwargs, export)
+                else:
+                    gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
             _cleanup(gm)
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             return Captured(gm, r, in_spec, out_spec, training=model.training,
-                            state_updates=gm.meta.get("autofuse_state_updates", ()))
+                            state_updates=gm.meta.get("autofuse_state_updates", ()),
+                            input_updates=gm.meta.get("autofuse_input_updates", ()))
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
@@ -158,13 +191,14 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
 
 # ---------------------------------------------------------------------------------------------- routes
 
-def _export_retrace(model, args, kwargs):
+def _export_retrace(model, args, kwargs, dynamic_shapes=None):
     """``torch.export.export`` then ``run_decompositions({})``: two traces (the reference for
     :func:`_export_functional`)."""
-    return torch.export.export(model, args, kwargs, strict=False).run_decompositions({})
+    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                               strict=False).run_decompositions({})
 
 
-def _export_functional(model, args, kwargs):
+def _export_functional(model, args, kwargs, dynamic_shapes=None):
     """One non-strict trace straight to functional aten, composite ops preserved as ``run_decompositions({})``
     preserves them: torch's own aot-dispatch export (``pre_dispatch=False``) inside the context that
     ``run_decompositions`` puts around its re-trace. Falls back to two traces if torch lacks these internals."""
@@ -173,10 +207,10 @@ def _export_functional(model, args, kwargs):
         from torch.export.exported_program import (_override_composite_implicit_decomp,
                                                    _split_decomp_table_to_cia_and_python_decomp)
     except ImportError:                       # another torch: the public two-trace path
-        return _export_retrace(model, args, kwargs)
+        return _export_retrace(model, args, kwargs, dynamic_shapes)
     preserve, _ = _split_decomp_table_to_cia_and_python_decomp({})
     with _override_composite_implicit_decomp(preserve):
-        return _export(model, args, kwargs, strict=False, pre_dispatch=False)
+        return _export(model, args, kwargs, dynamic_shapes, strict=False, pre_dispatch=False)
 
 
 def _capture_export(model, args, kwargs, export=None):
@@ -205,12 +239,25 @@ def _capture_export(model, args, kwargs, export=None):
                                      f"parameter(s) {trained} in place (through .data); eager's later reads of it "
                                      f"carry its gradient, which the captured graph's new value does not. hint: "
                                      f"capture in eval mode, or freeze the parameter (requires_grad_(False)).")
+    # an input tensor updated in place (a static KV cache): its place among the flat inputs
+    leaf_of = {s.arg.name: k for k, s in enumerate(s for s in sig.input_specs if s.kind.name == "USER_INPUT")}
+    leaves = pytree.tree_leaves((args, kwargs))
+    inputs = [(i, leaf_of[s.target]) for i, s in enumerate(sig.output_specs)
+              if s.kind.name == "USER_INPUT_MUTATION" and s.target in leaf_of and len(leaves) == len(leaf_of)]
+    graded = [s.target for i, s in enumerate(sig.output_specs) if i in dict(inputs)
+              and getattr(leaves[dict(inputs)[i]], "requires_grad", False)]
+    if graded:
+        raise CaptureError("export", f"capture failed on route 'export': the forward updates the input(s) {graded} "
+                                     f"in place, and they require grad; eager's later reads of them carry their "
+                                     f"gradient, which the captured graph's new values do not. hint: pass inputs "
+                                     f"that do not require grad, or return the new value instead of updating it.")
     other = [s.target or s.kind.name for i, s in enumerate(sig.output_specs)
-             if s.kind.name != "USER_OUTPUT" and i not in dict(updates)]
+             if s.kind.name != "USER_OUTPUT" and i not in dict(updates) and i not in dict(inputs)]
     if other:
         raise CaptureError("export", f"capture failed on route 'export': the forward mutates {other}, which is not "
-                                     f"a parameter or buffer of the model; autofuse writes back only those. "
-                                     f"hint: make the state a registered buffer, or remove the in-place update.")
+                                     f"a parameter or buffer of the model or an input tensor; autofuse writes back "
+                                     f"only those. hint: make the state a registered buffer, or remove the in-place "
+                                     f"update.")
     user_out = [i for i, s in enumerate(sig.output_specs) if s.kind.name == "USER_OUTPUT"]
     # one tensor under several names (tied weights): every use reads it through its last name, as the
     # re-trace of run_decompositions does (its fake tensor is tracked by the last placeholder made for it)
@@ -218,9 +265,12 @@ def _capture_export(model, args, kwargs, export=None):
     for name, (_, tensor) in attr_of.items():
         last[id(tensor)] = name
     alias = {name: last[id(tensor)] for name, (_, tensor) in attr_of.items()}
-    # the updated state's values follow the user's outputs (Captured.update_state writes them back)
-    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out + [i for i, _ in updates], alias)
+    # the updated state's values follow the user's outputs, the model's then the inputs' (Captured.update_state
+    # writes them back)
+    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out + [i for i, _ in updates] + [i for i, _ in inputs],
+                        alias)
     gm.meta["autofuse_state_updates"] = tuple(target for _, target in updates)
+    gm.meta["autofuse_input_updates"] = tuple(leaf for _, leaf in inputs)
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
 
 

@@ -47,6 +47,7 @@ from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan
 from autofuse.rewrite import _source as source
 from autofuse.rewrite import fused_block, rewrite
+from autofuse.sizes import SizeFamilies
 from cost_model.devices import get_device
 
 
@@ -202,16 +203,20 @@ class Plan:
         leaves = self.captured.flatten_inputs(*args, **kwargs)
         out = self.graph_module(*leaves)
         out = out if isinstance(out, (tuple, list)) else (out,)
-        self.captured.update_state(out, self.model)     # buffers the forward updates (BatchNorm's statistics)
-        out = self.captured.unflatten_outputs(out)
+        self.captured.update_state(out, self.model, leaves)   # state the forward updates: a BatchNorm's
+        #                                                        statistics, a static KV cache's tensors
+        out = self.captured.unflatten_outputs(out, leaves)
         return caches.adopt((args, kwargs), out)     # a cache given is updated in place and returned, as eager does
 
 
-def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None) -> Plan:
-    """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring)."""
+def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,
+                 sizes=None, verdicts=None) -> Plan:
+    """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring). ``sizes``: the
+    :class:`autofuse.sizes.SizeFamilies` whose symbolic exports may serve this capture; ``verdicts``: a dict of
+    verification verdicts kept across plans (``_Verifier``'s ``shared``)."""
     _check_input_dtypes(args, kwargs, device)
     t0 = time.perf_counter()
-    captured = capture(model, args, kwargs, route=route)
+    captured = capture(model, args, kwargs, route=route, sizes=sizes)
     cap_gm = captured.graph_module
     t1 = time.perf_counter()
     gm = canonicalize(cap_gm)
@@ -219,7 +224,7 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     matches = all_candidates(gm)
     t3 = time.perf_counter()
     leaves = pytree.tree_leaves((args, kwargs))
-    checker = _Verifier(cap_gm, leaves, device, level) if verify else None
+    checker = _Verifier(cap_gm, leaves, device, level, verdicts) if verify else None
     applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches)
     predicted = baselines(cap_gm, gm, cands, decisions, device)
     t4 = time.perf_counter()
@@ -291,14 +296,19 @@ class _Verifier:
     The fused call is checked against the captured block it replaces, on the example inputs' values at the
     block's inputs (one eager run of the captured graph, only when a block needs them) and on adversarial
     inputs derived from the match. Identical blocks (same captured structure, same fused call) are
-    verified once. On meta inputs, the values are random tensors of the recorded shapes (constants of
+    verified once, in a plan and (``shared``) across a fused module's plans. On meta inputs, the values are random tensors of the recorded shapes (constants of
     the graph, such as a causal mask built from ``arange``, are evaluated).
+
+    ``shared``: verdicts kept across the plans of one fused module (a decode step's norms and MLP are the same
+    blocks at every cache length), by the same key and whether the inputs are meta; not for blocks that
+    communicate, whose verdicts every rank agrees on as it plans.
     """
 
-    def __init__(self, captured, leaves, device, level):
+    def __init__(self, captured, leaves, device, level, shared=None):
         self.cap, self.leaves, self.device, self.level = captured, leaves, device, level
         self.meta = _is_meta(leaves)
         self.done = {}
+        self.shared = shared
         self.blocks = {}        # id(candidate) -> (family, captured block, fused block, its inputs, key)
         self.values = {}        # captured node name -> its value on the example inputs (full-size checks)
 
@@ -319,6 +329,7 @@ class _Verifier:
         want = set()
         for cand in cands:
             fam, sub, _, external, key = self._block(cand)
+            self._kept(fam, key)
             if key not in self.done and not self._too_large(sub):
                 want |= {n.name for n in external} - self.values.keys()
         if want:
@@ -382,8 +393,19 @@ class _Verifier:
             roles[role] = names
         return roles
 
+    def _kept(self, fam, key):
+        """The key of this block's verdict among the shared ones (None when not shared); a verdict found there is
+        this plan's too."""
+        if self.shared is None or fam.agree is not None:
+            return None
+        kept = (self.meta, key)
+        if key not in self.done and kept in self.shared:
+            self.done[key] = self.shared[kept]
+        return kept
+
     def __call__(self, cand):
         fam, sub, fused_sub, external, key = self._block(cand)
+        kept = self._kept(fam, key)
         if key not in self.done:
             roles = self._roles(cand.lifted, external)
             if cand.match.params.get("causal_value") is not None:
@@ -400,6 +422,10 @@ class _Verifier:
                                                              f"{': ' + why if why else ''}")
             if fam.agree is not None:      # a call that communicates: every rank must apply the same fusions
                 self.done[key] = fam.agree(self.done[key], cand.match)
+            if kept is not None:
+                if len(self.shared) >= MAX_SHARED_VERDICTS:
+                    self.shared.clear()
+                self.shared[kept] = self.done[key]
         return self.done[key]
 
     def _reduced(self, fam, cand, sub, fused_sub_full, external, roles):
@@ -453,12 +479,15 @@ class _Verifier:
 
 #: How many of a family's reductions whose inputs hold are run before a block is checked at its own size.
 MAX_REDUCTIONS = 8
+#: How many verdicts a fused module keeps across its plans (then it starts again).
+MAX_SHARED_VERDICTS = 4096
 
 
 class FusedModule(torch.nn.Module):
     """The user's model with its fusible blocks replaced by fused NPU kernels (see :mod:`autofuse.engine`)."""
 
-    def __init__(self, model, example_inputs, device, level, budget, route, verify, switches=None, max_plans=None):
+    def __init__(self, model, example_inputs, device, level, budget, route, verify, switches=None, max_plans=None,
+                 share_exports=True):
         super().__init__()
         self._max_plans = max_plans
         self.model = model          # shared, not copied: parameters, buffers and modes are the user's
@@ -468,6 +497,9 @@ class FusedModule(torch.nn.Module):
         self._last = None
         self._caches_ready = False
         self._encoder = None        # an encoder-decoder's encoder, fused for generate()
+        # one export serves a signature's other sizes (autofuse.sizes)
+        self._sizes = SizeFamilies(make_guard=ModuleGuard) if share_exports else None
+        self._verdicts: dict = {}       # verification verdicts by block, kept across plans
         if example_inputs is not None:
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
@@ -482,8 +514,12 @@ class FusedModule(torch.nn.Module):
         p = self._plans.pop(key, None)       # put back last: the plans are kept in order of use
         why = p.failed_guard(self.model) if p is not None else None
         if p is None or why is not None:
+            if why is not None:
+                self._verdicts.clear()              # the model changed: no earlier export or verdict serves it
+                if self._sizes is not None:
+                    self._sizes.families.clear()
             p = compile_plan(self.model, args, kwargs, self._device, self._level, self._budget, self._route,
-                             self._verify, self._switches)
+                             self._verify, self._switches, self._sizes, self._verdicts)
             if why is not None:
                 p.report.replanned_because = why
         self._plans[key] = p
@@ -515,7 +551,8 @@ class FusedModule(torch.nn.Module):
             if self._encoder is None:       # not a submodule: state_dict() and parameters() stay the model's
                 object.__setattr__(self, "_encoder", FusedModule(self.model.get_encoder(), None, self._device,
                                                                  self._level, self._budget, self._route,
-                                                                 self._verify, self._switches, self._max_plans))
+                                                                 self._verify, self._switches, self._max_plans,
+                                                                 self._sizes is not None))
             object.__setattr__(stepper, "get_encoder", lambda *a, **k: self._encoder)
         return type(self.model).generate(stepper, *args, **kwargs)
 
@@ -567,7 +604,7 @@ class AutoFusionEngine:
 
     @staticmethod
     def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
-             *, route="auto", verify=True, fusion_switches=None, max_plans=64) -> FusedModule:
+             *, route="auto", verify=True, fusion_switches=None, max_plans=64, share_exports=True) -> FusedModule:
         """Fuse ``model`` (an ``nn.Module``, or a ``torch.export.ExportedProgram``: its module, planned on the
         inputs it was exported with unless ``example_inputs`` are given) for ``target_device``; see the module
         docstring.
@@ -578,6 +615,9 @@ class AutoFusionEngine:
         ``"force"`` (fuse whenever the kernel can run, profitable or not), like CANN's fusion switch file.
         ``max_plans``: how many input signatures' plans are kept (``None``: all); beyond it the least recently
         used is dropped and planned again if its signature returns. Generation makes one per cache length.
+        ``share_exports``: a signature that differs from an earlier one only in sizes (a longer KV cache) is
+        specialised from one symbolic ``torch.export`` of the family instead of being exported again
+        (:mod:`autofuse.sizes`); ``False`` exports every signature by itself.
         """
         if isinstance(model, torch.export.ExportedProgram):
             # a program already exported: its module (the program's graph, reading the program's own parameters),
@@ -602,7 +642,7 @@ class AutoFusionEngine:
         if max_plans is not None and (not isinstance(max_plans, int) or max_plans < 1):
             raise ValueError(f"fuse: max_plans={max_plans!r}; give a count of 1 or more, or None to keep every plan")
         return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches,
-                           max_plans)
+                           max_plans, bool(share_exports))
 
 
 #: Element types the NPU computes in (the Cube takes fp16/bf16/fp32 operands; there is no float64 unit).

@@ -5,6 +5,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py [--only NAME ...] [--device ascend910] [--dtype bfloat16]
     python benchmarks/architectures.py --train [--only NAME ...]    # gradients of every parameter against eager's
     python benchmarks/architectures.py --generate [--only NAME ...] # KV caches: fused(ids) and generate() vs eager
+    python benchmarks/architectures.py --generate --static --new-tokens 5  # generate() with a static cache
     python benchmarks/architectures.py --disable attention          # the rest fused around torch's own attention
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
@@ -177,11 +178,13 @@ def train(name, spec, attn, device):
     return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied)
 
 
-def generate(name, spec, attn, device, new_tokens=3):
+def generate(name, spec, attn, device, new_tokens=3, static=False):
     """Generation through the fused model: ``fused(ids)`` with the model's default cache on (the logits' largest
     difference from eager's, the cache's class), then greedy ``generate()`` of ``new_tokens`` tokens, fused and
     eager (whether the tokens are equal; the plans made, one per cache length; the fewest attention blocks fused
-    in a plan)."""
+    in a plan). ``static``: ``generate()`` with ``cache_implementation="static"`` (one plan for every decode step
+    but where a sliding-window layer keeps its length in the cache's structure); a model whose eager
+    ``generate()`` refuses a static cache gives its reason instead."""
     from autofuse import AutoFusionEngine
     from autofuse.models import build_transformers
     t0 = time.perf_counter()
@@ -191,18 +194,30 @@ def generate(name, spec, attn, device, new_tokens=3):
     if not model.can_generate():
         return None
     model.config.use_cache = True                  # the configuration's default, which build() turns off
+    model.generation_config.use_cache = True       # and generate()'s: without it every step recomputes the prompt
     kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
     fused = AutoFusionEngine.fuse(model, target_device=device)
     with torch.no_grad():
         got, want = fused(*args, **kwargs), model(*args, **kwargs)
         settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        same = torch.equal(fused.generate(kwargs["input_ids"], **settings),
-                           model.generate(kwargs["input_ids"], **settings))
+        if static:
+            settings["cache_implementation"] = "static"
+            try:
+                expect = model.generate(kwargs["input_ids"], **settings)
+            except Exception as e:  # noqa: BLE001 - eager's own refusal is the row's answer
+                return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
+        else:
+            expect = model.generate(kwargs["input_ids"], **settings)
+        before = len(fused.plans)
+        same = torch.equal(fused.generate(kwargs["input_ids"], **settings), expect)
+    # the steps generate() fed one new token (its KV cache holding the rest): a long [batch, 1] input
+    one = sum(any(x[0] == "T" and x[2] == torch.long and len(x[1]) == 2 and x[1][1] == 1 for x in key[0][1])
+              for key in list(fused.plans)[before:])
     err = (got.logits - want.logits).abs().max().item()
     attention = min(sum(d.applied and d.pattern == "attention" for d in p.report.decisions)
                     for p in fused.plans.values())
-    return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(fused.plans), attention=attention,
-                seconds=time.perf_counter() - t0)
+    return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(fused.plans) - before, one=one,
+                attention=attention, seconds=time.perf_counter() - t0)
 
 
 FAILED = object()
@@ -233,24 +248,33 @@ def main():
     ap.add_argument("--train", action="store_true", help="gradients of a training step against eager's")
     ap.add_argument("--generate", action="store_true",
                     help="the generative models with their KV cache: a fused call and greedy generate() against eager's")
+    ap.add_argument("--static", action="store_true", help="with --generate: generate() with a static cache")
+    ap.add_argument("--new-tokens", type=int, default=3, help="with --generate: tokens generated")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
     if a.generate:
-        print(f"{'model':32} {'max|fused-eager|':>16} {'cache':>14} {'tokens':>7} {'plans':>5} {'attention':>9} "
-              f"{'s':>5}")
-        bad = 0
-        for name, _, row in _rows(a.only, lambda name, spec, attn: generate(name, spec, attn, a.device)):
+        print(f"{'model':32} {'max|fused-eager|':>16} {'cache':>14} {'tokens':>7} {'plans':>5} {'1-token':>7} "
+              f"{'attention':>9} {'s':>5}   (plans: made by generate() of {a.new_tokens} tokens"
+              f"{', static cache' if a.static else ''}; 1-token: those of a step fed one token)")
+        bad = refused = 0
+        for name, _, row in _rows(a.only, lambda name, spec, attn: generate(name, spec, attn, a.device,
+                                                                            a.new_tokens, a.static)):
             if row is FAILED:
                 bad += 1
                 continue
             if row is None:
                 continue                            # an encoder or a vision model: nothing to generate
+            if "refused" in row:
+                refused += 1
+                print(f"{name:32} eager refuses it: {row['refused']}", flush=True)
+                continue
             bad += not row["same"]
             print(f"{name:32} {row['err']:16.2e} {row['cache']:>14} {'same' if row['same'] else 'DIFFER':>7} "
-                  f"{row['plans']:5} {row['attention']:9} {row['seconds']:5.1f}", flush=True)
-        print(f"\n{bad} failed or generated other tokens")
+                  f"{row['plans']:5} {row['one']:7} {row['attention']:9} {row['seconds']:5.1f}", flush=True)
+        print(f"\n{bad} failed or generated other tokens" + (f"; eager refused a static cache for {refused}"
+                                                               if a.static else ""))
         return
     if a.train:
         print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  worst parameter (vs its own largest)")

@@ -2,11 +2,12 @@
 config, its prefill and every decode step fused, the KV cache updated as eager updates it.
 
 The script generates greedily with the fused model and with eager and compares the tokens, prints one line per
-plan (each cache length is a new input signature, planned once), then simulates one decode step against a cache
-of the prompt's length: eager op by op and fused, on the simulated NPU.
+plan (with the default dynamic cache each cache length is a new input signature, planned once; with
+``--cache static`` the decode steps keep one signature), then simulates one decode step against a cache of the
+prompt's length: eager op by op and fused, on the simulated NPU.
 
 Run:  python examples/generate.py [--layers 2] [--hidden 128] [--heads 8] [--kv-heads 2] [--batch 2] [--prompt 32]
-                                  [--new-tokens 4] [--device ascend910]
+                                  [--new-tokens 4] [--cache dynamic|static] [--device ascend910]
 """
 import argparse
 import copy
@@ -26,6 +27,8 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                    help="the KV cache generate() makes (static: preallocated, written in place)")
     ap.add_argument("--device", default="ascend910")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -40,7 +43,8 @@ def main():
 
     # no example inputs: the fused model plans at each call whose sizes it has not seen
     fused = autofuse.AutoFusionEngine.fuse(model, target_device=a.device, optimization_level="O3")
-    settings = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
+    settings = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
+                    cache_implementation=a.cache)
     with torch.no_grad():
         want = model.generate(prompt, **settings)
         got = fused.generate(prompt, **settings)

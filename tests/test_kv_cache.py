@@ -134,6 +134,51 @@ def test_generate_gives_eager_tokens(kind, kw):
     assert all(_fused_attention(p.report) == 2 for p in fused.plans.values())
 
 
+@pytest.mark.parametrize("kind, kw, plans", [("llama", {}, 2), ("gemma2", {"head_dim": 16, "sliding_window": 4}, 5)])
+def test_generate_with_a_static_cache(kind, kw, plans):
+    """A static cache (``cache_implementation="static"``) keeps its size while decoding: its tensors are written
+    in place at the new positions, and every decode step has the same input sizes. The fused model writes them
+    as eager does, so one plan serves every decode step: two plans for five new tokens, not six. Gemma 2's
+    static cache has sliding-window layers (window 4, shorter than the prompt): each keeps its length as a Python
+    int, part of the cache's structure, from which the mask's offset is computed, so each of its steps is
+    planned (five plans) and the tokens are still eager's."""
+    model, ids = _model(kind, **kw), torch.randint(1, 128, (2, 8))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+                    cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        got = fused.generate(ids, **settings)
+    assert torch.equal(got, want)
+    assert len(fused.plans) == plans
+    assert all(_fused_attention(p.report) == 2 for p in fused.plans.values())
+
+
+def test_a_static_cache_is_written_in_place_as_eager_writes_it():
+    """A decode step against a static cache: the cache's own key and value tensors (the same objects, as eager
+    leaves them) hold eager's values at the step's position, and the logits are eager's."""
+    model = _model()
+    cache = tf.StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 8)), cache=cache, cache_position=torch.arange(8))
+    theirs, ref = copy.deepcopy(cache), _double(cache)
+    tensors = [(layer.keys, layer.values) for layer in cache.layers]
+    step, at = torch.randint(1, 128, (2, 1)), torch.tensor([8])
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        got = fused(step, cache=cache, cache_position=at)
+        want = model(step, cache=theirs, cache_position=at)
+        expect = copy.deepcopy(model).double()(step, cache=ref, cache_position=at)
+    assert got.cache is cache
+    assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, tensors))
+    _assert_as_eager(want.logits, expect.logits, got.logits)
+    for g, w, r in zip(cache.layers, theirs.layers, ref.layers):
+        assert g.keys.shape == (2, 2, 16, 16)
+        _assert_as_eager(w.keys, r.keys, g.keys)
+        _assert_as_eager(w.values, r.values, g.values)
+    assert _fused_attention(fused.report) == 2, fused.report.summary()
+
+
 def test_generate_with_left_padding_and_the_model_left_as_it_was():
     model = _model()
     ids = torch.randint(1, 128, (2, 8))

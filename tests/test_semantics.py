@@ -633,3 +633,44 @@ def test_a_trainable_parameter_updated_in_training_mode_is_refused():
     from autofuse.capture import CaptureError
     with pytest.raises(CaptureError, match=r"updates the parameter\(s\) \['lin.weight'\] in place"):
         AutoFusionEngine.fuse(_Counting().train(), (torch.randn(4, 8),))
+
+
+class _Accumulating(nn.Module):
+    """A forward that writes into a tensor it is given: ``acc`` gathers each call's activations in place, at the
+    rows ``at`` names (as a static KV cache is written), and the output reads the updated ``acc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, acc, at):
+        acc.index_copy_(0, at, F.gelu(self.lin(x)))
+        return torch.softmax(acc @ acc.transpose(0, 1), dim=-1) @ acc
+
+
+def test_inputs_updated_in_place_are_written_back():
+    """The caller's tensor is updated as eager updates it (the same object, the same values), the output is
+    eager's, and one plan serves calls that write other rows (the rows are values, not sizes). Capture,
+    planning and simulation leave the tensor given alone."""
+    model = _Accumulating().eval()
+    x, acc = torch.randn(2, 8), torch.zeros(6, 8)
+    fused = AutoFusionEngine.fuse(model, (x, acc.clone(), torch.tensor([0, 1])))
+    assert fused.report.applied, fused.report.summary()
+    mine, theirs = acc.clone(), acc.clone()
+    for rows in ([0, 1], [2, 3], [4, 5]):
+        x, at = torch.randn(2, 8), torch.tensor(rows)
+        with torch.no_grad():
+            got, want = fused(x, mine, at), model(x, theirs, at)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)    # the same fp32 ops, other kernels
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(fused.plans) == 1
+    kept = mine.clone()
+    fused.simulate(torch.randn(2, 8), mine, torch.tensor([0, 1]), values=False)
+    assert torch.equal(mine, kept)
+
+
+def test_an_input_that_requires_grad_updated_in_place_is_refused():
+    from autofuse.capture import CaptureError
+    acc = torch.zeros(6, 8, requires_grad=True) * 1           # not a leaf: eager allows the in-place write
+    with pytest.raises(CaptureError, match=r"updates the input\(s\) \['acc'\] in place, and they require grad"):
+        AutoFusionEngine.fuse(_Accumulating().train(), (torch.randn(2, 8), acc, torch.tensor([0, 1])))

@@ -1,0 +1,269 @@
+"""One export for a signature's sizes: a model called again with the same structure at other sizes (a decode step
+against a longer KV cache, a batch of another size) is specialised from one symbolic export instead of being
+exported again.
+
+``torch.export`` is most of the time ``fuse()`` spends on a new input signature (about 1.3 s of 1.8 s for a
+two-layer Llama's decode step). Generation makes a signature per cache length, so a fused ``generate()`` spent
+seconds per token exporting the same forward. :class:`SizeFamilies` keeps, per *family* (the inputs' pytree
+structure, each leaf's type, dtype, device and rank, the non-tensor leaves' values, and the model's mode):
+
+1. the first signature's sizes, exported as before (static);
+2. at the family's second signature, one export with ``torch.export.Dim.AUTO`` on every dimension that differs
+   from the first: torch decides which of them can stay symbolic, records the relations between them (a mask one
+   longer than the cache) and their ranges, and specialises the rest;
+3. for that signature and every later one, the symbolic graph **specialised** to the call's sizes: the inputs are
+   checked against the export's constraints by torch's own check (``_check_input_constraints_for_graph``: the
+   relations, the ranges, the dimensions it specialised), every size the graph computes is folded to its value,
+   every runtime assertion export left in the graph is evaluated (any false one refuses), and the tensors' metadata
+   are propagated again with static shapes. The result is the graph a fresh export at those sizes gives, which
+   capture then treats as usual.
+
+Where anything refuses (the export with symbols fails, the constraints do not hold, the graph reads sizes from
+data, an assertion is false), that signature is exported as before, so the fallback is today's behaviour. The
+plans stay one per signature: only the export is shared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+#: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
+_ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
+            torch.ops.aten.sym_constrain_range.default}
+
+
+class Unsuitable(Exception):
+    """The symbolic export cannot serve these inputs; export them as before."""
+
+
+@dataclass
+class _Family:
+    sizes: tuple                 # the first signature's sizes, leaf by leaf (None for a non-tensor leaf)
+    program: Any = None          # the symbolic ExportedProgram, once made
+    guard: Any = None            # what the program assumed of the model's modules (``make_guard``)
+    failed: bool = False         # its export failed: every signature of the family is exported by itself
+    served: int = 0              # signatures specialised from it
+
+
+@dataclass
+class SizeFamilies:
+    """The families of one fused module (see the module docstring). ``export(model, args, kwargs, export_fn)``
+    stands in for capture's export function ``export_fn``. ``make_guard(model)`` gives an object whose
+    ``check(model)`` says why the model no longer is what a program captured (a module replaced, a plain attribute
+    changed: capture bakes those in), or None; a program whose guard fails is dropped and its family starts over."""
+
+    make_guard: Any = None
+    families: dict = field(default_factory=dict)
+
+    def export(self, model, args, kwargs, export_fn):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (spec, model.training, tuple(_leaf_kind(x) for x in leaves))
+        sizes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves)
+        fam = self.families.get(key)
+        if fam is not None and fam.guard is not None and fam.guard.check(model) is not None:
+            fam = None                                  # the model changed since: start the family again
+        if fam is None:
+            self.families[key] = _Family(sizes)
+            return export_fn(model, args, kwargs)
+        if fam.program is None and not fam.failed:
+            changed = _changed_dims(fam.sizes, sizes)
+            if not changed:
+                return export_fn(model, args, kwargs)
+            shapes = torch.export.ShapesCollection()
+            for i, dims in changed.items():
+                shapes[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
+            try:
+                named = _named_arguments(model, kwargs)
+                program = export_fn(named, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(named, args, kwargs))
+            except Exception:  # noqa: BLE001 - torch could not keep those sizes symbolic: export each signature
+                fam.failed = True
+                return export_fn(model, args, kwargs)
+            if not _symbolic_inputs(program) or _unbacked(program):
+                fam.failed = True              # nothing stayed symbolic, or sizes read from data: nothing to share
+                return export_fn(model, args, kwargs) if _unbacked(program) else program
+            fam.program = program
+            fam.guard = self.make_guard(model) if self.make_guard is not None else None
+        if fam.program is not None:
+            try:
+                if fam.program.call_spec.in_spec != spec:     # the call's structure, as capture will flatten it
+                    raise Unsuitable("the export flattens the inputs in another order")
+                out = specialise(fam.program, leaves, model)
+            except Unsuitable:
+                return export_fn(model, args, kwargs)
+            fam.served += 1
+            return out
+        return export_fn(model, args, kwargs)
+
+
+def _named_arguments(model, kwargs):
+    """``model`` with a forward whose signature names every keyword the call passes. torch 2.13's export with
+    ``dynamic_shapes`` fails on a keyword that lands in the forward's ``**kwargs`` (transformers passes
+    ``return_dict`` so): it lists the keyword both inside the ``**kwargs`` entry and beside it, and the dynamic
+    shapes then match neither. The stand-in is a shallow copy of the model (the same submodules, parameters and
+    their names) whose forward calls the model's own."""
+    import copy
+    import inspect
+
+    sig = inspect.signature(model.forward)
+    P = inspect.Parameter
+    if not any(p.kind is P.VAR_KEYWORD for p in sig.parameters.values()) or all(k in sig.parameters for k in kwargs):
+        return model
+    params = [p for p in sig.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    params += [P(k, P.KEYWORD_ONLY) for k in kwargs if k not in sig.parameters]
+    own = model.forward
+
+    def forward(*args, **kw):
+        return own(*args, **kw)
+
+    forward.__signature__ = inspect.Signature(params)
+    stand_in = copy.copy(model)
+    object.__setattr__(stand_in, "forward", forward)
+    return stand_in
+
+
+def _leaf_kind(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, x.device.type, x.dim(), x.requires_grad)
+    return ("value", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
+
+
+def _changed_dims(before, now) -> dict:
+    return {i: [d for d, (a, b) in enumerate(zip(x, y)) if a != b]
+            for i, (x, y) in enumerate(zip(before, now)) if x is not None and x != y}
+
+
+def _user_placeholders(program) -> list:
+    names = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    nodes = {n.name: n for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+    return [nodes[n] for n in names]
+
+
+def _symbolic_inputs(program) -> bool:
+    return any(isinstance(d, torch.SymInt) for n in _user_placeholders(program)
+               for d in getattr(n.meta.get("val"), "shape", ()))
+
+
+def _unbacked(program) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    for n in program.graph_module.graph.nodes:
+        try:
+            if free_unbacked_symbols(n.meta.get("val")):
+                return True
+        except Exception:  # noqa: BLE001 - a value torch cannot walk holds no symbol
+            continue
+    return False
+
+
+def _bindings(program, leaves) -> dict:
+    """Each size symbol's value for ``leaves``, after torch's own check of the export's input constraints."""
+    from torch._export.utils import _check_input_constraints_for_graph
+    placeholders = _user_placeholders(program)
+    if len(placeholders) != len(leaves):
+        raise Unsuitable("another number of inputs")
+    try:
+        _check_input_constraints_for_graph(placeholders, [((pytree.SequenceKey(i),), x) for i, x in enumerate(leaves)],
+                                           program.range_constraints)
+    except RuntimeError as e:
+        raise Unsuitable(str(e)) from None
+    values = {}
+    for node, x in zip(placeholders, leaves):
+        val = node.meta.get("val")
+        for d, size in zip(getattr(val, "shape", ()), getattr(x, "shape", ())):
+            if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
+                values[d.node.expr] = int(size)
+    return values
+
+
+def _evaluate(sym, values):
+    import sympy
+    expr = sympy.sympify(sympy.sympify(sym.node.expr).xreplace(values))
+    if expr.free_symbols:
+        raise Unsuitable(f"the size {sym.node.expr} is not determined by the inputs' sizes")
+    if isinstance(sym, torch.SymBool):
+        return bool(expr)
+    if isinstance(sym, torch.SymFloat):
+        return float(expr)
+    return int(expr)
+
+
+def specialise(program, leaves, model=None) -> Any:
+    """``program`` (an ExportedProgram with symbolic sizes) as the static program a fresh export at the sizes of
+    ``leaves`` gives: the same signature and constants, a graph whose sizes are numbers (see the module
+    docstring). Raises :class:`Unsuitable` where it cannot serve these inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    values = _bindings(program, leaves)
+    source = program.graph_module
+    graph = fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(source.graph, env)
+    graph.output(out)
+    folded = {}
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+            folded[node] = _evaluate(val, values)
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "output") or node in folded:
+            continue
+        node.args, node.kwargs = fx.map_arg((node.args, node.kwargs), lambda a: folded.get(a, a))
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    out_node.args = fx.map_arg(out_node.args, lambda a: folded.get(a, a))
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node.target in _ASSERTS:
+            cond = node.args[0]
+            if node.target is torch.ops.aten._assert_scalar.default and cond is not True:
+                raise Unsuitable(f"an assertion of the export does not hold at these sizes: {node.args[1:]}")
+            graph.erase_node(node)
+    for node in reversed(list(folded)):      # a size computed from another: the later one goes first
+        graph.erase_node(node)
+    gm = fx.GraphModule(source, graph)
+    # the inputs in the graph's order: the model's parameters, buffers and constants, then the call's leaves
+    # (``model``'s own parameters and buffers where given: their values' requires_grad is what a fresh export sees)
+    real = []
+    for spec in program.graph_signature.input_specs:
+        kind = spec.kind.name
+        if kind == "PARAMETER":
+            real.append(model.get_parameter(spec.target) if model is not None else program.state_dict[spec.target])
+        elif kind == "BUFFER":
+            real.append(model.get_buffer(spec.target) if model is not None
+                        else program.state_dict[spec.target] if spec.target in program.state_dict
+                        else program.constants[spec.target])
+        elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
+            real.append(program.constants[spec.target])
+        elif kind == "USER_INPUT":
+            real.append(None)
+        else:
+            raise Unsuitable(f"an input of kind {kind}")
+    user = iter(leaves)
+    real = [next(user) if r is None else r for r in real]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        FakeTensorProp(gm, mode).propagate(*real)
+        # the propagation stores detached values; an export's placeholders keep their inputs' requires_grad
+        for node, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), real):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                node.meta["val"] = mode.from_tensor(x)
+    except Exception as e:  # noqa: BLE001 - an op torch cannot run on fake tensors at these sizes
+        raise Unsuitable(f"metadata propagation failed: {type(e).__name__}: {e}") from None
+    return _Specialised(program, gm)
+
+
+class _Specialised:
+    """What capture reads of an ExportedProgram (its signature, constants, call spec and graph), with the graph
+    specialised to one signature's sizes."""
+
+    def __init__(self, program, graph_module):
+        self.graph_signature = program.graph_signature
+        self.constants = program.constants
+        self.call_spec = program.call_spec
+        self.state_dict = program.state_dict
+        self.graph_module = graph_module
+
+
+__all__ = ["SizeFamilies", "Unsuitable", "specialise"]

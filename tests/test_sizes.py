@@ -1,0 +1,186 @@
+"""One export for a signature's sizes (autofuse.sizes): a call at new sizes of a structure already seen is
+specialised from one symbolic export, and gives the graph and the outputs a fresh export gives; where the
+export's constraints or the model's modules say otherwise, it is exported again."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autofuse import AutoFusionEngine
+from autofuse.capture import capture
+from autofuse.sizes import SizeFamilies
+
+
+def _served(fused) -> int:
+    return sum(f.served for f in fused._sizes.families.values()) if fused._sizes is not None else 0
+
+
+def _structure(gm):
+    """Each node's op, target and value's shape and dtype: what planning reads of a captured graph."""
+    def val(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), v.dtype, tuple(v.stride()), v.requires_grad
+        return type(v).__name__
+    return [(n.op, str(n.target), val(n.meta.get("val"))) for n in gm.graph.nodes if n.op != "output"]
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x, mask):
+        h = torch.softmax(x @ x.transpose(-1, -2) + mask, dim=-1) @ x
+        return self.down(torch.nn.functional.gelu(self.up(h))) + x
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_specialised_export_is_the_fresh_export(training):
+    """The graph specialised from the symbolic export at a third size has the fresh export's nodes, values'
+    shapes, dtypes, strides and requires_grad, and the same outputs; the planned model's outputs (and in training
+    mode its gradients) are eager's at each size."""
+    model = _Mlp().train(training)
+    sizes = SizeFamilies()
+
+    def inputs(n):
+        return torch.randn(2, n, 16), torch.randn(2, n, n)
+
+    capture(model, inputs(5), sizes=sizes)
+    capture(model, inputs(7), sizes=sizes)            # the symbolic export, specialised to 7
+    x, m = inputs(11)
+    got, fresh = capture(model, (x, m), sizes=sizes), capture(model, (x, m))
+    assert sum(f.served for f in sizes.families.values()) == 2
+    assert _structure(got.graph_module) == _structure(fresh.graph_module)
+    with torch.no_grad():
+        torch.testing.assert_close(got(x, m), fresh(x, m), rtol=0, atol=0)   # the same ops on the same inputs
+
+    fused = AutoFusionEngine.fuse(model)
+    for n in (5, 7, 11, 3):
+        x, m = inputs(n)
+        out, want = fused(x, m), model(x, m)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # fp32, other kernels: a few ulps of |out| ~ 1
+        if training:
+            grads = [torch.autograd.grad(o.sum(), list(model.parameters())) for o in (out, want)]
+            for g, w in zip(*grads):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)   # sums of up to 2·11·32 fp32 products
+    assert len(fused.plans) == 4 and _served(fused) == 3
+    assert all(p.report.applied for p in fused.plans.values())
+
+
+class _Branchy(nn.Module):
+    """A forward that branches on a size: torch.export records the branch taken as a constraint."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            return torch.relu(self.lin(x)) * 2
+        return torch.sigmoid(self.lin(x)) + 1
+
+
+def test_sizes_outside_the_exports_constraints_are_exported_again():
+    """Sizes 2 and 3 make the symbolic export, whose branch holds up to 4: 4 and 1 are served from it, 6 takes
+    the other branch and is exported again. Every output is eager's."""
+    model = _Branchy().eval()
+    fused = AutoFusionEngine.fuse(model)
+    for n, served in ((2, 0), (3, 1), (4, 2), (6, 2), (1, 3)):
+        x = torch.randn(n, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
+        assert _served(fused) == served, n
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+def test_a_changed_module_attribute_is_not_served_from_the_old_export():
+    """Capture bakes a module's plain attribute into the graph: after it changes, a new size is exported again
+    (the symbolic export captured the old value), and the output is eager's with the new value."""
+    model = _Scaled().eval()
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        fused(torch.randn(2, 8))
+        fused(torch.randn(3, 8))
+        model.scale = 5.0
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
+    assert _served(fused) == 0                    # the family started again at size 4: nothing served since
+
+
+def test_generate_exports_the_decode_step_once_for_its_lengths():
+    """transformers' generate() passes ``return_dict`` into the forward's ``**kwargs``; the symbolic export
+    names it (a torch 2.13 export with dynamic shapes fails otherwise). Four decode steps: the first exported by
+    itself, the next three served by one symbolic export; the tokens are eager's."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=64)).eval()
+    ids = torch.randint(1, 128, (2, 8))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        got = fused.generate(ids, **settings)
+    assert torch.equal(got, want)
+    assert len(fused.plans) == 5 and _served(fused) == 3
+
+
+def test_share_exports_off_exports_every_signature():
+    model = _Scaled().eval()
+    fused = AutoFusionEngine.fuse(model, share_exports=False)
+    for n in (2, 3, 4):
+        x = torch.randn(n, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
+    assert fused._sizes is None and len(fused.plans) == 3
+
+
+class _TwoParts(nn.Module):
+    """A block whose sizes never change (the projection of ``x``) beside one whose sizes do (the softmax over
+    ``y``'s rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return torch.nn.functional.gelu(self.lin(x)) * 2 + 1, torch.softmax(y * 0.5, dim=-1)
+
+
+def test_a_block_verified_in_one_plan_is_not_verified_again_in_the_next(monkeypatch):
+    """The verifier's verdicts are kept across a fused module's plans by block (its captured ops and shapes and
+    its fused call): the second size re-checks only the block whose shapes changed. A guard that fires (the model
+    changed) clears them."""
+    import autofuse.verify as verify
+    calls = []
+    real = verify.verify_block
+    monkeypatch.setattr(verify, "verify_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _TwoParts().eval()
+    fused = AutoFusionEngine.fuse(model)
+    x = torch.randn(4, 16)
+    counts = []
+    for n in (8, 12):
+        calls.clear()
+        y = torch.randn(3, n)
+        with torch.no_grad():
+            for g, w in zip(fused(x, y), model(x, y)):
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        counts.append(len(calls))
+        assert len(fused.report.applied) == 2, fused.report.summary()
+    assert counts[0] == 2 and counts[1] == 1
+    model.lin = nn.Linear(16, 16).eval()          # a module replaced (in the same mode): the plan's guard fires
+    calls.clear()
+    with torch.no_grad():
+        fused(x, y)
+    assert len(calls) == 2
+    assert "module lin was replaced" in fused.report.replanned_because
