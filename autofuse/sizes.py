@@ -7,9 +7,10 @@ two-layer Llama's decode step). Generation makes a signature per cache length, s
 seconds per token exporting the same forward. :class:`SizeFamilies` keeps, per *family* (the inputs' pytree
 structure, each leaf's type, dtype, device and rank, the non-tensor leaves' values, and the model's mode):
 
-1. the first signature's sizes, exported as before (static);
-2. at the family's second signature, one export with ``torch.export.Dim.AUTO`` on every dimension that differs
-   from the first: torch decides which of them can stay symbolic, records the relations between them (a mask one
+1. its first signatures (two by default), each exported by itself as without sharing (static);
+2. at the family's third signature (a symbolic export takes about twice a plain one, so it pays from the fourth;
+   ``plain_first``), one export with ``torch.export.Dim.AUTO`` on every dimension seen to differ from the
+   first: torch decides which of them can stay symbolic, records the relations between them (a mask one
    longer than the cache) and their ranges, and specialises the rest;
 3. for that signature and every later one, the symbolic graph **specialised** to the call's sizes: the inputs are
    checked against the export's constraints by torch's own check (``_check_input_constraints_for_graph``: the
@@ -19,7 +20,7 @@ structure, each leaf's type, dtype, device and rank, the non-tensor leaves' valu
    capture then treats as usual.
 
 Where anything refuses (the export with symbols fails, the constraints do not hold, the graph reads sizes from
-data, an assertion is false), that signature is exported as before, so the fallback is today's behaviour. The
+data, an assertion is false), that signature is exported by itself, as without sharing. The
 plans stay one per signature: only the export is shared.
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Unsuitable(Exception):
 @dataclass
 class _Family:
     sizes: tuple                 # the first signature's sizes, leaf by leaf (None for a non-tensor leaf)
+    exported: int = 1            # signatures exported by themselves so far
+    changed: dict = field(default_factory=dict)     # leaf -> the dims seen to change
     program: Any = None          # the symbolic ExportedProgram, once made
     guard: Any = None            # what the program assumed of the model's modules (``make_guard``)
     failed: bool = False         # its export failed: every signature of the family is exported by itself
@@ -58,6 +61,9 @@ class SizeFamilies:
 
     make_guard: Any = None
     families: dict = field(default_factory=dict)
+    #: signatures of a family exported by themselves before the symbolic export: that export takes about twice a
+    #: plain one, so it pays from the fourth signature on (a generate() of three tokens never makes it)
+    plain_first: int = 2
 
     def export(self, model, args, kwargs, export_fn):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -70,11 +76,13 @@ class SizeFamilies:
             self.families[key] = _Family(sizes)
             return export_fn(model, args, kwargs)
         if fam.program is None and not fam.failed:
-            changed = _changed_dims(fam.sizes, sizes)
-            if not changed:
+            for i, dims in _changed_dims(fam.sizes, sizes).items():
+                fam.changed[i] = sorted(set(fam.changed.get(i, ())) | set(dims))
+            if not fam.changed or fam.exported < self.plain_first:
+                fam.exported += 1
                 return export_fn(model, args, kwargs)
             shapes = torch.export.ShapesCollection()
-            for i, dims in changed.items():
+            for i, dims in fam.changed.items():
                 shapes[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
             try:
                 named = _named_arguments(model, kwargs)
