@@ -219,15 +219,14 @@ def _capture_export(model, args, kwargs, export=None):
     attr_of = {}  # placeholder name -> (dotted attribute name, tensor)
     for spec in sig.input_specs:
         kind, name, target = spec.kind.name, spec.arg.name, spec.target
-        if kind == "PARAMETER":
-            attr_of[name] = (target, model.get_parameter(target))
-        elif kind == "BUFFER":
-            attr_of[name] = (target, model.get_buffer(target))
-        elif kind == "CONSTANT_TENSOR":
-            attr_of[name] = ("_autofuse_constants." + target.replace(".", "_"), ep.constants[target])
-        elif kind != "USER_INPUT":
+        if kind == "USER_INPUT":
+            continue
+        tensor = lifted_input(model, ep, spec)
+        if tensor is None:
             raise CaptureError("export", f"capture failed on route 'export': unsupported graph input "
                                          f"{name!r} of kind {kind}")
+        attr_of[name] = ("_autofuse_constants." + target.replace(".", "_") if kind == "CONSTANT_TENSOR" else target,
+                         tensor)
     state = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
         {n for n, _ in model.named_buffers(remove_duplicate=False)}
     updates = [(i, s.target) for i, s in enumerate(sig.output_specs)
@@ -239,20 +238,21 @@ def _capture_export(model, args, kwargs, export=None):
                                      f"parameter(s) {trained} in place (through .data); eager's later reads of it "
                                      f"carry its gradient, which the captured graph's new value does not. hint: "
                                      f"capture in eval mode, or freeze the parameter (requires_grad_(False)).")
-    # an input tensor updated in place (a static KV cache): its place among the flat inputs
+    # an input tensor updated in place (a static KV cache): output index -> its place among the flat inputs
     leaf_of = {s.arg.name: k for k, s in enumerate(s for s in sig.input_specs if s.kind.name == "USER_INPUT")}
     leaves = pytree.tree_leaves((args, kwargs))
-    inputs = [(i, leaf_of[s.target]) for i, s in enumerate(sig.output_specs)
-              if s.kind.name == "USER_INPUT_MUTATION" and s.target in leaf_of and len(leaves) == len(leaf_of)]
-    graded = [s.target for i, s in enumerate(sig.output_specs) if i in dict(inputs)
-              and getattr(leaves[dict(inputs)[i]], "requires_grad", False)]
+    inputs = {i: leaf_of[s.target] for i, s in enumerate(sig.output_specs)
+              if s.kind.name == "USER_INPUT_MUTATION" and s.target in leaf_of} if len(leaves) == len(leaf_of) else {}
+    graded = [sig.output_specs[i].target for i, leaf in inputs.items()
+              if getattr(leaves[leaf], "requires_grad", False)]
     if graded:
         raise CaptureError("export", f"capture failed on route 'export': the forward updates the input(s) {graded} "
                                      f"in place, and they require grad; eager's later reads of them carry their "
                                      f"gradient, which the captured graph's new values do not. hint: pass inputs "
                                      f"that do not require grad, or return the new value instead of updating it.")
+    written = {i for i, _ in updates} | set(inputs)
     other = [s.target or s.kind.name for i, s in enumerate(sig.output_specs)
-             if s.kind.name != "USER_OUTPUT" and i not in dict(updates) and i not in dict(inputs)]
+             if s.kind.name != "USER_OUTPUT" and i not in written]
     if other:
         raise CaptureError("export", f"capture failed on route 'export': the forward mutates {other}, which is not "
                                      f"a parameter or buffer of the model or an input tensor; autofuse writes back "
@@ -267,11 +267,23 @@ def _capture_export(model, args, kwargs, export=None):
     alias = {name: last[id(tensor)] for name, (_, tensor) in attr_of.items()}
     # the updated state's values follow the user's outputs, the model's then the inputs' (Captured.update_state
     # writes them back)
-    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out + [i for i, _ in updates] + [i for i, _ in inputs],
-                        alias)
+    gm = _lift_to_attrs(ep.graph_module, attr_of, user_out + [i for i, _ in updates] + list(inputs), alias)
     gm.meta["autofuse_state_updates"] = tuple(target for _, target in updates)
-    gm.meta["autofuse_input_updates"] = tuple(leaf for _, leaf in inputs)
+    gm.meta["autofuse_input_updates"] = tuple(inputs.values())
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
+
+
+def lifted_input(model: torch.nn.Module, program, spec):
+    """The tensor an exported program's lifted input ``spec`` reads: the model's own parameter or buffer (as it is
+    now), or the program's constant; None for another kind (a user input, a custom object)."""
+    kind = spec.kind.name
+    if kind == "PARAMETER":
+        return model.get_parameter(spec.target)
+    if kind == "BUFFER":
+        return model.get_buffer(spec.target)
+    if kind == "CONSTANT_TENSOR":
+        return program.constants[spec.target]
+    return None
 
 
 def state_tensor(model: torch.nn.Module, fqn: str) -> torch.Tensor:

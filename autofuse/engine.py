@@ -296,8 +296,9 @@ class _Verifier:
     The fused call is checked against the captured block it replaces, on the example inputs' values at the
     block's inputs (one eager run of the captured graph, only when a block needs them) and on adversarial
     inputs derived from the match. Identical blocks (same captured structure, same fused call) are
-    verified once, in a plan and (``shared``) across a fused module's plans. On meta inputs, the values are random tensors of the recorded shapes (constants of
-    the graph, such as a causal mask built from ``arange``, are evaluated).
+    verified once, in a plan and (``shared``) across a fused module's plans. On meta inputs, the values are
+    random tensors of the recorded shapes (constants of the graph, such as a causal mask built from ``arange``,
+    are evaluated).
 
     ``shared``: verdicts kept across the plans of one fused module (a decode step's norms and MLP are the same
     blocks at every cache length), by the same key and whether the inputs are meta; not for blocks that

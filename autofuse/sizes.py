@@ -32,6 +32,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autofuse.capture import lifted_input
+
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
             torch.ops.aten.sym_constrain_range.default}
@@ -64,6 +66,11 @@ class SizeFamilies:
     #: signatures of a family exported by themselves before the symbolic export: that export takes about twice a
     #: plain one, so it pays from the fourth signature on (a generate() of three tokens never makes it)
     plain_first: int = 2
+
+    @property
+    def served(self) -> int:
+        """Signatures specialised from a symbolic export, over the families held now."""
+        return sum(f.served for f in self.families.values())
 
     def export(self, model, args, kwargs, export_fn):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -198,7 +205,7 @@ def _evaluate(sym, values):
     return int(expr)
 
 
-def specialise(program, leaves, model=None) -> Any:
+def specialise(program, leaves, model) -> Any:
     """``program`` (an ExportedProgram with symbolic sizes) as the static program a fresh export at the sizes of
     ``leaves`` gives: the same signature and constants, a graph whose sizes are numbers (see the module
     docstring). Raises :class:`Unsuitable` where it cannot serve these inputs."""
@@ -217,11 +224,8 @@ def specialise(program, leaves, model=None) -> Any:
         if node.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)):
             folded[node] = _evaluate(val, values)
     for node in list(graph.nodes):
-        if node.op in ("placeholder", "output") or node in folded:
-            continue
-        node.args, node.kwargs = fx.map_arg((node.args, node.kwargs), lambda a: folded.get(a, a))
-    out_node = next(n for n in graph.nodes if n.op == "output")
-    out_node.args = fx.map_arg(out_node.args, lambda a: folded.get(a, a))
+        if node.op != "placeholder" and node not in folded:
+            node.args, node.kwargs = fx.map_arg((node.args, node.kwargs), lambda a: folded.get(a, a))
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and node.target in _ASSERTS:
             cond = node.args[0]
@@ -231,25 +235,18 @@ def specialise(program, leaves, model=None) -> Any:
     for node in reversed(list(folded)):      # a size computed from another: the later one goes first
         graph.erase_node(node)
     gm = fx.GraphModule(source, graph)
-    # the inputs in the graph's order: the model's parameters, buffers and constants, then the call's leaves
-    # (``model``'s own parameters and buffers where given: their values' requires_grad is what a fresh export sees)
+    # the inputs in the graph's order: the model's parameters, buffers and constants (its own tensors: their
+    # requires_grad is what a fresh export sees), then the call's leaves
+    user = iter(leaves)
     real = []
     for spec in program.graph_signature.input_specs:
-        kind = spec.kind.name
-        if kind == "PARAMETER":
-            real.append(model.get_parameter(spec.target) if model is not None else program.state_dict[spec.target])
-        elif kind == "BUFFER":
-            real.append(model.get_buffer(spec.target) if model is not None
-                        else program.state_dict[spec.target] if spec.target in program.state_dict
-                        else program.constants[spec.target])
-        elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
-            real.append(program.constants[spec.target])
-        elif kind == "USER_INPUT":
-            real.append(None)
-        else:
-            raise Unsuitable(f"an input of kind {kind}")
-    user = iter(leaves)
-    real = [next(user) if r is None else r for r in real]
+        if spec.kind.name == "USER_INPUT":
+            real.append(next(user))
+            continue
+        tensor = lifted_input(model, program, spec)
+        if tensor is None:
+            raise Unsuitable(f"an input of kind {spec.kind.name}")
+        real.append(tensor)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         FakeTensorProp(gm, mode).propagate(*real)
@@ -270,7 +267,6 @@ class _Specialised:
         self.graph_signature = program.graph_signature
         self.constants = program.constants
         self.call_spec = program.call_spec
-        self.state_dict = program.state_dict
         self.graph_module = graph_module
 
 

@@ -76,7 +76,7 @@ def generate(tokens, layers, device):
         wall = time.perf_counter() - t
         steps = [p.report.timings for p in fused.plans.values()][1:]        # the decode steps (the prefill first)
         stages = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-        served = sum(f.served for f in fused._sizes.families.values()) if share else 0
+        served = fused._sizes.served if share else 0
         print(f"  {'shared export' if share else 'export per step':16} generate {wall:6.2f} s  "
               f"({wall / tokens:.2f} s/token)   median decode step: "
               + ", ".join(f"{k[:-2]} {v:.3f}s" for k, v in stages.items())
