@@ -642,8 +642,11 @@ class AutoFusionEngine:
         switches = _check_switches(fusion_switches)
         if max_plans is not None and (not isinstance(max_plans, int) or max_plans < 1):
             raise ValueError(f"fuse: max_plans={max_plans!r}; give a count of 1 or more, or None to keep every plan")
+        if not isinstance(share_exports, bool):
+            raise ValueError(f"fuse: share_exports={share_exports!r}; give True (one symbolic export serves a "
+                             f"signature's other sizes) or False (export every signature by itself)")
         return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches,
-                           max_plans, bool(share_exports))
+                           max_plans, share_exports)
 
 
 #: Element types the NPU computes in (the Cube takes fp16/bf16/fp32 operands; there is no float64 unit).

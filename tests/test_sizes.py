@@ -185,3 +185,8 @@ def test_a_block_verified_in_one_plan_is_not_verified_again_in_the_next(monkeypa
         fused(x, y)
     assert len(calls) == 2
     assert "module lin was replaced" in fused.report.replanned_because
+
+
+def test_share_exports_takes_a_bool():
+    with pytest.raises(ValueError, match=r"share_exports='no'; give True .* or False"):
+        AutoFusionEngine.fuse(_Scaled(), share_exports="no")
