@@ -16,15 +16,17 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=64)
 
 
-def _model(kind="llama", **kw):
+def _model(kind="llama", layers=2, **kw):
+    """Two layers by default (a cache's layers kept apart); one where a test is about something else."""
     torch.manual_seed(0)
     if kind == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_layer=2, n_embd=64, n_head=4, n_positions=64)).eval()
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_layer=layers, n_embd=64, n_head=4,
+                                                n_positions=64)).eval()
     config, model = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                      "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                      "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                      "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}[kind]
-    return model(config(**SMALL, **kw)).eval()
+    return model(config(**{**SMALL, "num_hidden_layers": layers}, **kw)).eval()
 
 
 def _fused_attention(report) -> int:
@@ -116,13 +118,13 @@ def test_simulating_a_decode_step_leaves_the_cache_alone():
     assert result.cycles > 0 and cache.layers[0].keys is keys and cache.get_seq_length() == 6
 
 
-@pytest.mark.parametrize("kind, kw", [("llama", {}), ("mistral", {"sliding_window": 4}),
-                                      ("gemma2", {"head_dim": 16, "sliding_window": 4}), ("gpt2", {}),
-                                      ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})])
+@pytest.mark.parametrize("kind, kw", [("llama", {}), ("mistral", {"sliding_window": 4, "layers": 1}),
+                                      ("gemma2", {"head_dim": 16, "sliding_window": 4}), ("gpt2", {"layers": 1}),
+                                      ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "layers": 1})])
 def test_generate_gives_eager_tokens(kind, kw):
     """Greedy decoding through the fused forward (prefill and each decode step planned once per length): the
     tokens eager's generate() picks. Mistral's and Gemma 2's windows (4) are shorter than the prompt, so their
-    sliding-window caches drop keys while decoding."""
+    sliding-window caches drop keys while decoding; Gemma 2's two layers are one sliding, one full."""
     model, ids = _model(kind, **kw), torch.randint(1, 128, (1, 8))
     fused = AutoFusionEngine.fuse(model)
     settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
@@ -131,20 +133,21 @@ def test_generate_gives_eager_tokens(kind, kw):
         got = fused.generate(ids, **settings)
     assert torch.equal(got, want)
     assert len(fused.plans) == 3                  # the prefill, then two decode steps (8 -> 9 -> 10 cached)
-    assert all(_fused_attention(p.report) == 2 for p in fused.plans.values())
+    assert all(_fused_attention(p.report) == model.config.num_hidden_layers for p in fused.plans.values())
 
 
-@pytest.mark.parametrize("kind, kw, plans", [("llama", {}, 2), ("gemma2", {"head_dim": 16, "sliding_window": 4}, 5)])
-def test_generate_with_a_static_cache(kind, kw, plans):
+@pytest.mark.parametrize("kind, kw, tokens, plans", [("llama", {}, 5, 2),
+                                                     ("gemma2", {"head_dim": 16, "sliding_window": 4}, 3, 3)])
+def test_generate_with_a_static_cache(kind, kw, tokens, plans):
     """A static cache (``cache_implementation="static"``) keeps its size while decoding: its tensors are written
     in place at the new positions, and every decode step has the same input sizes. The fused model writes them
     as eager does, so one plan serves every decode step: two plans for five new tokens, not six. Gemma 2's
     static cache has sliding-window layers (window 4, shorter than the prompt): each keeps its length as a Python
     int, part of the cache's structure, from which the mask's offset is computed, so each of its steps is
-    planned (five plans) and the tokens are still eager's."""
+    planned (three plans for three tokens) and the tokens are still eager's."""
     model, ids = _model(kind, **kw), torch.randint(1, 128, (2, 8))
     fused = AutoFusionEngine.fuse(model)
-    settings = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+    settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
                     cache_implementation="static")
     with torch.no_grad():
         want = model.generate(ids, **settings)
@@ -205,7 +208,7 @@ def test_generate_through_torch_compile():
     """The other route: the model's forward compiled with the autofuse backend, then its own generate(); Dynamo
     recompiles per cache length as a dynamic graph, which autofuse plans at each length it meets."""
     import autofuse
-    model, ids = _model(), torch.randint(1, 128, (1, 8))
+    model, ids = _model(layers=1), torch.randint(1, 128, (1, 8))
     settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         want = model.generate(ids, **settings)
@@ -218,7 +221,7 @@ def test_generate_through_torch_compile():
     finally:
         torch._dynamo.reset()
     assert torch.equal(got, want)
-    assert backend.reports and all(_fused_attention(r) == 2 for r in backend.reports)
+    assert backend.reports and all(_fused_attention(r) == 1 for r in backend.reports)
 
 
 @pytest.mark.parametrize("kind", ["t5", "bart"])
@@ -250,7 +253,7 @@ def test_encoder_decoder_generate(kind):
 def test_sampling_draws_eager_tokens_and_leaves_the_generator_as_eager():
     """Sampled generation under one seed: the fused model's tokens are eager's, and torch's generator ends where
     eager's does (planning each new length draws nothing from it)."""
-    model, ids = _model(), torch.randint(1, 128, (2, 8))
+    model, ids = _model(layers=1), torch.randint(1, 128, (2, 8))
     fused = AutoFusionEngine.fuse(model)
     settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=True, top_k=50, pad_token_id=0)
     with torch.no_grad():

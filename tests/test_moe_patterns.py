@@ -15,7 +15,7 @@ from autofuse import AutoFusionEngine  # noqa: E402
 from autofuse.capture import CaptureError  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
 
-LAYERS = 2
+LAYERS = 1      # one decoder layer holds one of each block (attention, router, experts)
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=32)
 

@@ -13,7 +13,8 @@ from autofuse import AutoFusionEngine  # noqa: E402
 from conftest import main_output  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
 
-LAYERS = 2
+LAYERS = 1          # one layer of each: every block kind of an architecture occurs in it (encoder-decoders: three)
+WINDOW_LAYERS = 2   # sliding and full layers alternate: two show both kinds
 FUSED_OP = torch.ops.autofuse.flash_attention.default
 
 
@@ -163,15 +164,15 @@ def _falcon(**kw):
     return build
 
 
-def _gemma2(**kw):
-    cfg = tf.Gemma2Config(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
+def _gemma2(layers=LAYERS, **kw):
+    cfg = tf.Gemma2Config(vocab_size=128, num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **kw)
     cfg._attn_implementation = "eager"
     return tf.Gemma2ForCausalLM(cfg), (torch.randint(1, 128, (2, 16)),), {"use_cache": False}
 
 
-def _gpt_oss(**kw):
-    cfg = tf.GptOssConfig(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=64,
+def _gpt_oss(layers=LAYERS, **kw):
+    cfg = tf.GptOssConfig(vocab_size=128, num_hidden_layers=layers, hidden_size=64, intermediate_size=64,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                           num_experts_per_tok=2, max_position_embeddings=64, **kw)
     cfg._attn_implementation = "eager"
@@ -192,8 +193,8 @@ EAGER_ONLY = {
     "falcon_gqa": _falcon(new_decoder_architecture=True, num_kv_heads=2),
     "gpt_oss": _gpt_oss,                                        # a learnable sink logit per head in the softmax
     # local layers (every other one) with a window shorter than the sequence: the cap / the sinks and the window
-    "gemma2_window": lambda: _gemma2(sliding_window=6),
-    "gpt_oss_window": lambda: _gpt_oss(sliding_window=6),
+    "gemma2_window": lambda: _gemma2(WINDOW_LAYERS, sliding_window=6),
+    "gpt_oss_window": lambda: _gpt_oss(WINDOW_LAYERS, sliding_window=6),
 }
 
 
@@ -210,7 +211,8 @@ def test_eager_only_attention_spellings_are_fused(name):
     model.eval()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
     attention = fused.report.of("attention")
-    assert len(attention) == LAYERS and all(d.applied for d in attention), fused.report.summary()
+    assert len(attention) == model.config.num_hidden_layers == (WINDOW_LAYERS if name.endswith("_window") else LAYERS)
+    assert all(d.applied for d in attention), fused.report.summary()
     assert not [d for d in fused.report.rejected if d.reason_code == "verification_failed"], fused.report.summary()
     if name.startswith("falcon") and name != "falcon_gqa":
         assert all(d.params["num_kv_heads"] == 1 for d in attention)
@@ -243,7 +245,7 @@ def _trained_gradients(build):
         with recording() as log:
             main_output(m(*args, **kwargs)).float().square().mean().backward()
         if m is fused:
-            assert [n for n, _ in log].count("flash_attention_grad") == LAYERS
+            assert [n for n, _ in log].count("flash_attention_grad") == model.config.num_hidden_layers
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for n in grads[1]:
@@ -271,7 +273,7 @@ def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
 def test_gpt_oss_sliding_window_trains_with_eagers_gradients():
     """GPT-OSS with a window shorter than the sequence: the sliding layers' forward and backward kernels walk the
     band (sinks too); the gradients of every parameter equal eager's."""
-    report, _ = _trained_gradients(lambda: _gpt_oss(sliding_window=6))
+    report, _ = _trained_gradients(lambda: _gpt_oss(WINDOW_LAYERS, sliding_window=6))
     assert [d.params["window"] for d in report.of("attention")] == [6, 0]
 
 
