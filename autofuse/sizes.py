@@ -19,6 +19,12 @@ structure, each leaf's type, dtype, device and rank, the non-tensor leaves' valu
    are propagated again with static shapes. The result is the graph a fresh export at those sizes gives, which
    capture then treats as usual.
 
+A dimension the symbolic export kept static because it had not yet changed (the batch, when a second generate()
+comes with another batch size) changes: the family makes one symbolic export more, with that dimension among the
+symbolic ones, and serves from the newest program that holds; the older ones still serve their sizes (torch may
+have specialised the new dimension anyway). A family makes such an export only when a dimension changes that none
+of its exports had seen change, so it makes at most one per dimension.
+
 Where anything refuses (the export with symbols fails, the constraints do not hold, the graph reads sizes from
 data, an assertion is false), that signature is exported by itself, as without sharing. The
 plans stay one per signature: only the export is shared.
@@ -48,10 +54,11 @@ class _Family:
     sizes: tuple                 # the first signature's sizes, leaf by leaf (None for a non-tensor leaf)
     exported: int = 1            # signatures exported by themselves so far
     changed: dict = field(default_factory=dict)     # leaf -> the dims seen to change
-    program: Any = None          # the symbolic ExportedProgram, once made
-    guard: Any = None            # what the program assumed of the model's modules (``make_guard``)
+    programs: list = field(default_factory=list)    # the symbolic ExportedPrograms made, the newest first
+    guard: Any = None            # what the programs assumed of the model's modules (``make_guard``)
     failed: bool = False         # its export failed: every signature of the family is exported by itself
     served: int = 0              # signatures specialised from it
+    widened: int = 0             # symbolic exports made again, with a dimension more that had changed
 
 
 @dataclass
@@ -82,36 +89,74 @@ class SizeFamilies:
         if fam is None:
             self.families[key] = _Family(sizes)
             return export_fn(model, args, kwargs)
-        if fam.program is None and not fam.failed:
-            for i, dims in _changed_dims(fam.sizes, sizes).items():
-                fam.changed[i] = sorted(set(fam.changed.get(i, ())) | set(dims))
+        if not fam.programs and not fam.failed:
+            _widen(fam, sizes)
             if not fam.changed or fam.exported < self.plain_first:
                 fam.exported += 1
                 return export_fn(model, args, kwargs)
-            shapes = torch.export.ShapesCollection()
-            for i, dims in fam.changed.items():
-                shapes[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
-            try:
-                named = _named_arguments(model, kwargs)
-                program = export_fn(named, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(named, args, kwargs))
-            except Exception:  # noqa: BLE001 - torch could not keep those sizes symbolic: export each signature
-                fam.failed = True
-                return export_fn(model, args, kwargs)
-            if not _symbolic_inputs(program) or _unbacked(program):
-                fam.failed = True              # nothing stayed symbolic, or sizes read from data: nothing to share
-                return export_fn(model, args, kwargs) if _unbacked(program) else program
-            fam.program = program
-            fam.guard = self.make_guard(model) if self.make_guard is not None else None
-        if fam.program is not None:
-            try:
-                if fam.program.call_spec.in_spec != spec:     # the call's structure, as capture will flatten it
-                    raise Unsuitable("the export flattens the inputs in another order")
-                out = specialise(fam.program, leaves, model)
-            except Unsuitable:
-                return export_fn(model, args, kwargs)
-            fam.served += 1
-            return out
+            program = self._symbolic(fam, model, args, kwargs, leaves, export_fn)
+            if program is not None:
+                return program                 # this signature's own export: the family exports each by itself
+        if fam.programs:
+            out = _serve(fam, leaves, spec, model)
+            if out is None and _widen(fam, sizes):
+                # a dimension the programs kept static changed (another batch size): one symbolic export more,
+                # with that dimension among the symbolic ones; the programs before it still serve their sizes
+                program = self._symbolic(fam, model, args, kwargs, leaves, export_fn, widening=True)
+                if program is not None:
+                    return program
+                out = _serve(fam, leaves, spec, model)
+            if out is not None:
+                return out
         return export_fn(model, args, kwargs)
+
+    def _symbolic(self, fam, model, args, kwargs, leaves, export_fn, widening=False):
+        """One export with ``Dim.AUTO`` on the family's changed dims, added to ``fam.programs`` (None returned).
+        Where it cannot serve, this signature's own export is returned instead, and a family with no program
+        yet is marked ``failed``: it exports each signature by itself."""
+        shapes = torch.export.ShapesCollection()
+        for i, dims in fam.changed.items():
+            shapes[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
+        try:
+            named = _named_arguments(model, kwargs)
+            program = export_fn(named, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(named, args, kwargs))
+        except Exception:  # noqa: BLE001 - torch could not keep those sizes symbolic: export each signature
+            fam.failed = not fam.programs
+            return export_fn(model, args, kwargs)
+        if not _symbolic_inputs(program) or _unbacked(program):
+            fam.failed = not fam.programs      # nothing stayed symbolic, or sizes read from data: nothing to share
+            return export_fn(model, args, kwargs) if _unbacked(program) else program
+        fam.programs.insert(0, program)        # the newest first: it has the most symbolic dims
+        fam.widened += widening
+        if fam.guard is None and self.make_guard is not None:
+            fam.guard = self.make_guard(model)
+        return None
+
+
+def _serve(fam, leaves, spec, model):
+    """The first of the family's programs that serves ``leaves``, specialised to them; None if none does."""
+    for program in fam.programs:
+        try:
+            if program.call_spec.in_spec != spec:     # the call's structure, as capture will flatten it
+                raise Unsuitable("the export flattens the inputs in another order")
+            out = specialise(program, leaves, model)
+        except Unsuitable:
+            continue
+        fam.served += 1
+        return out
+    return None
+
+
+def _widen(fam, sizes) -> bool:
+    """Add the dims in which ``sizes`` differ from the family's first signature to ``fam.changed``; whether any
+    was new."""
+    new = False
+    for i, dims in _changed_dims(fam.sizes, sizes).items():
+        before = set(fam.changed.get(i, ()))
+        if not set(dims) <= before:
+            fam.changed[i] = sorted(before | set(dims))
+            new = True
+    return new
 
 
 def _named_arguments(model, kwargs):

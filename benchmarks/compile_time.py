@@ -3,12 +3,13 @@
 Goals: fuse(12 layers) <= 5x capture(12 layers); fuse(48 layers) <= 4.5x fuse(12 layers).
 
     python benchmarks/compile_time.py [--seq 1024] [--batch 1] [--repeat 2]
-    python benchmarks/compile_time.py --generate 16 [--layers 4]
+    python benchmarks/compile_time.py --generate 16 [--layers 4] [--then-batch 3]
 
 ``--generate N``: a Llama-style causal LM (GQA, hidden 256) generates N tokens through ``fused.generate``, once with
 every decode step exported by itself and once with the steps' exports shared (``share_exports``, the default: one
 symbolic export specialised to each cache length), side by side in one run: wall time, the median decode
-step's planning time by stage, and whether the tokens are eager's.
+step's planning time by stage, and whether the tokens are eager's. ``--then-batch B``: the same fused model then
+generates again at batch B (a dimension the first generation kept fixed), timed the same way.
 """
 import argparse
 import time
@@ -51,7 +52,7 @@ def main():
     print(f"\nfuse(12)/capture(12) = {f12 / c12:.2f}x (goal <= 5x);  fuse(48)/fuse(12) = {f48 / f12:.2f}x (goal <= 4.5x)")
 
 
-def generate(tokens, layers, device):
+def generate(tokens, layers, device, then_batch=None):
     import statistics
 
     import transformers
@@ -60,28 +61,32 @@ def generate(tokens, layers, device):
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    prompt = torch.randint(1, 512, (2, 32))
+    prompts = [torch.randint(1, 512, (2, 32))] + ([torch.randint(1, 512, (then_batch, 32))] if then_batch else [])
     settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    t = time.perf_counter()
-    with torch.no_grad():
-        want = model.generate(prompt, **settings)
-    eager = time.perf_counter() - t
-    print(f"Llama-style, {layers} layers, hidden 256, batch 2, prompt 32, {tokens} new tokens, {device}")
-    print(f"  {'eager':16} generate {eager:6.2f} s")
-    for share in (False, True):
-        fused = AutoFusionEngine.fuse(model, target_device=device, share_exports=share, max_plans=None)
+    wants = []
+    print(f"Llama-style, {layers} layers, hidden 256, prompt 32, {tokens} new tokens, {device}")
+    for prompt in prompts:
         t = time.perf_counter()
         with torch.no_grad():
-            got = fused.generate(prompt, **settings)
-        wall = time.perf_counter() - t
-        steps = [p.report.timings for p in fused.plans.values()][1:]        # the decode steps (the prefill first)
-        stages = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-        served = fused._sizes.served if share else 0
-        print(f"  {'shared export' if share else 'export per step':16} generate {wall:6.2f} s  "
-              f"({wall / tokens:.2f} s/token)   median decode step: "
-              + ", ".join(f"{k[:-2]} {v:.3f}s" for k, v in stages.items())
-              + f"   steps from the shared export {served}/{len(steps)}   tokens "
-              + ("eager's" if torch.equal(got, want) else "DIFFERENT"))
+            wants.append(model.generate(prompt, **settings))
+        print(f"  {'eager':16} batch {len(prompt)}  generate {time.perf_counter() - t:6.2f} s")
+    for share in (False, True):
+        fused = AutoFusionEngine.fuse(model, target_device=device, share_exports=share, max_plans=None)
+        for prompt, want in zip(prompts, wants):
+            before, served_before = len(fused.plans), fused._sizes.served if share else 0
+            t = time.perf_counter()
+            with torch.no_grad():
+                got = fused.generate(prompt, **settings)
+            wall = time.perf_counter() - t
+            # the decode steps (the prefill first) of this generation
+            steps = [p.report.timings for p in fused.plans.values()][before + 1:]
+            stages = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+            served = (fused._sizes.served if share else 0) - served_before
+            print(f"  {'shared export' if share else 'export per step':16} batch {len(prompt)}  generate {wall:6.2f} s  "
+                  f"({wall / tokens:.2f} s/token)   median decode step: "
+                  + ", ".join(f"{k[:-2]} {v:.3f}s" for k, v in stages.items())
+                  + f"   steps from the shared export {served}/{len(steps)}   tokens "
+                  + ("eager's" if torch.equal(got, want) else "DIFFERENT"))
 
 
 if __name__ == "__main__":
@@ -92,7 +97,8 @@ if __name__ == "__main__":
         ap.add_argument("--generate", type=int, required=True, metavar="TOKENS")
         ap.add_argument("--layers", type=int, default=4)
         ap.add_argument("--device", default="ascend910")
+        ap.add_argument("--then-batch", type=int, help="generate again at this batch size with the same fused model")
         a = ap.parse_args()
-        generate(a.generate, a.layers, a.device)
+        generate(a.generate, a.layers, a.device, a.then_batch)
     else:
         main()

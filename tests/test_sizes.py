@@ -67,6 +67,51 @@ def test_a_specialised_export_is_the_fresh_export(training):
     assert all(p.report.applied for p in fused.plans.values())
 
 
+def test_a_dimension_kept_static_that_changes_widens_the_export():
+    """The symbolic export made at the third size keeps the batch static (it had not changed). A call at another
+    batch makes one symbolic export more, with the batch symbolic too, which serves that batch's later sizes; the
+    first program still serves the first batch. Every graph is the fresh export's."""
+    model = _Mlp().eval()
+    sizes = SizeFamilies()
+
+    def inputs(b, n):
+        return torch.randn(b, n, 16), torch.randn(b, n, n)
+
+    for n in (5, 7, 11):
+        capture(model, inputs(2, n), sizes=sizes)
+    (fam,) = sizes.families.values()
+    assert sizes.served == 1 and len(fam.programs) == 1
+    for b, n, served, programs in ((3, 4, 2, 2), (3, 6, 3, 2), (2, 9, 4, 2), (5, 3, 5, 2)):
+        x, m = inputs(b, n)
+        got, fresh = capture(model, (x, m), sizes=sizes), capture(model, (x, m))
+        assert (sizes.served, len(fam.programs), fam.widened) == (served, programs, 1), (b, n)
+        assert _structure(got.graph_module) == _structure(fresh.graph_module)
+        with torch.no_grad():
+            torch.testing.assert_close(got(x, m), fresh(x, m), rtol=0, atol=0)   # the same ops on the same inputs
+
+
+def test_generate_at_another_batch_size_is_served_after_one_more_export():
+    """A second generate() with a batch of another size: its first decode step makes one symbolic export with the
+    batch symbolic, and its later steps are served from it (not exported each by itself); the tokens are
+    eager's."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=64)).eval()
+    fused = AutoFusionEngine.fuse(model)
+    for batch, tokens, served in ((2, 4, 1), (3, 3, 3)):
+        ids = torch.randint(1, 128, (batch, 8))
+        settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            want = model.generate(ids, **settings)
+            got = fused.generate(ids, **settings)
+        assert torch.equal(got, want)
+        assert _served(fused) == served, batch
+    decode = [f for f in fused._sizes.families.values() if f.programs]
+    assert len(decode) == 1 and decode[0].widened == 1
+
+
 class _Branchy(nn.Module):
     """A forward that branches on a size: torch.export records the branch taken as a constraint."""
 
