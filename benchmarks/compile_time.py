@@ -48,7 +48,7 @@ def main():
         print(f"{layers:>3} layers: capture {t_cap:6.2f} s   fuse {t_fuse:6.2f} s   fuse/capture {t_fuse / t_cap:4.2f}x   "
               f"fused {len(r.applied)}/{len(r.decisions)} blocks   stages: "
               + ", ".join(f"{k} {v:.2f}s" for k, v in r.timings.items()))
-    (c12, f12), (c48, f48) = rows[12], rows[48]
+    (c12, f12), (_, f48) = rows[12], rows[48]
     print(f"\nfuse(12)/capture(12) = {f12 / c12:.2f}x (goal <= 5x);  fuse(48)/fuse(12) = {f48 / f12:.2f}x (goal <= 4.5x)")
 
 
