@@ -208,8 +208,9 @@ def generate(name, spec, attn, device, new_tokens=3, static=False):
                 return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
         else:
             expect = model.generate(kwargs["input_ids"], **settings)
-        before = len(fused.plans)
+        before, served = len(fused.plans), fused._sizes.served
         same = torch.equal(fused.generate(kwargs["input_ids"], **settings), expect)
+        served = fused._sizes.served - served
     # the steps generate() fed one new token (its KV cache holding the rest): a long [batch, 1] input
     one = sum(any(x[0] == "T" and x[2] == torch.long and len(x[1]) == 2 and x[1][1] == 1 for x in key[0][1])
               for key in list(fused.plans)[before:])
@@ -217,7 +218,7 @@ def generate(name, spec, attn, device, new_tokens=3, static=False):
     attention = min(sum(d.applied and d.pattern == "attention" for d in p.report.decisions)
                     for p in fused.plans.values())
     return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(fused.plans) - before, one=one,
-                attention=attention, seconds=time.perf_counter() - t0)
+                served=served, attention=attention, seconds=time.perf_counter() - t0)
 
 
 FAILED = object()
@@ -256,8 +257,9 @@ def main():
     transformers.logging.set_verbosity_error()
     if a.generate:
         print(f"{'model':32} {'max|fused-eager|':>16} {'cache':>14} {'tokens':>7} {'plans':>5} {'1-token':>7} "
-              f"{'attention':>9} {'s':>5}   (plans: made by generate() of {a.new_tokens} tokens"
-              f"{', static cache' if a.static else ''}; 1-token: those of a step fed one token)")
+              f"{'shared':>6} {'attention':>9} {'s':>5}   (plans: made by generate() of {a.new_tokens} tokens"
+              f"{', static cache' if a.static else ''}; 1-token: those of a step fed one token; shared: those whose "
+              f"capture was specialised from a symbolic export)")
         bad = refused = 0
         for name, _, row in _rows(a.only, lambda name, spec, attn: generate(name, spec, attn, a.device,
                                                                             a.new_tokens, a.static)):
@@ -272,7 +274,8 @@ def main():
                 continue
             bad += not row["same"]
             print(f"{name:32} {row['err']:16.2e} {row['cache']:>14} {'same' if row['same'] else 'DIFFER':>7} "
-                  f"{row['plans']:5} {row['one']:7} {row['attention']:9} {row['seconds']:5.1f}", flush=True)
+                  f"{row['plans']:5} {row['one']:7} {row['served']:6} {row['attention']:9} {row['seconds']:5.1f}",
+                  flush=True)
         print(f"\n{bad} failed or generated other tokens" + (f"; eager refused a static cache for {refused}"
                                                                if a.static else ""))
         return
