@@ -211,7 +211,8 @@ def test_eager_only_attention_spellings_are_fused(name):
     model.eval()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
     attention = fused.report.of("attention")
-    assert len(attention) == model.config.num_hidden_layers == (WINDOW_LAYERS if name.endswith("_window") else LAYERS)
+    layers = WINDOW_LAYERS if name.endswith("_window") else LAYERS
+    assert len(attention) == model.config.num_hidden_layers == layers, fused.report.summary()
     assert all(d.applied for d in attention), fused.report.summary()
     assert not [d for d in fused.report.rejected if d.reason_code == "verification_failed"], fused.report.summary()
     if name.startswith("falcon") and name != "falcon_gqa":
