@@ -169,7 +169,7 @@ def test_generate_exports_the_decode_step_once_for_its_lengths():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=64)).eval()
     ids = torch.randint(1, 128, (2, 8))
     fused = AutoFusionEngine.fuse(model)
