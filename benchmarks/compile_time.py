@@ -36,7 +36,14 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--device", default="ascend910")
+    ap.add_argument("--generate", type=int, metavar="TOKENS", help="time fused.generate of this many tokens instead")
+    ap.add_argument("--layers", type=int, default=4, help="with --generate: the model's layers")
+    ap.add_argument("--then-batch", type=int, help="with --generate: generate again at this batch size with the "
+                                                    "same fused model")
     a = ap.parse_args()
+    if a.generate:
+        generate(a.generate, a.layers, a.device, a.then_batch)
+        return
     rows = {}
     for layers in (12, 48):
         model, (args, kwargs) = build("gpt2", layers=layers, hidden=768, heads=12, seq=a.seq, batch=a.batch,
@@ -91,14 +98,4 @@ def generate(tokens, layers, device, then_batch=None):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    import sys
-    if "--generate" in sys.argv:
-        ap = argparse.ArgumentParser()
-        ap.add_argument("--generate", type=int, required=True, metavar="TOKENS")
-        ap.add_argument("--layers", type=int, default=4)
-        ap.add_argument("--device", default="ascend910")
-        ap.add_argument("--then-batch", type=int, help="generate again at this batch size with the same fused model")
-        a = ap.parse_args()
-        generate(a.generate, a.layers, a.device, a.then_batch)
-    else:
-        main()
+    main()
