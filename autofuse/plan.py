@@ -431,7 +431,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             winner = next((j for j in chosen if conflicts.has_edge(i, j)), None)
             w = cands[winner] if winner is not None else None
             decide(i, False, "conflict", "overlaps blocks that together save more" if w is None else
-                   f"overlaps the {w.match.pattern} block at {w.anchor}, which saves "
+                   f"overlaps {_other(c, w)}, which saves "
                    + (f"more ({w.saving:,} vs {c.saving:,} cycles)" if w.saving > c.saving else
                       f"as much ({w.saving:,} cycles) and comes first"))
         else:
@@ -444,3 +444,14 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                    verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)
     return applied, [decisions[i] for i in range(len(cands))], cands
+
+
+def _other(c, w) -> str:
+    """The block ``w`` as a conflict reason names it beside ``c``: by its pattern and anchor, and where both share
+    them (a SwiGLU epilogue on the gate's projection or on the up's) also by the nodes that tell them apart."""
+    if (w.match.pattern, w.anchor) != (c.match.pattern, c.anchor):
+        return f"the {w.match.pattern} block at {w.anchor}"
+    ours, theirs = ([str(getattr(n, "name", n)) for n in x.nodes] for x in (c, w))
+    only_theirs, only_ours = [n for n in theirs if n not in ours], [n for n in ours if n not in theirs]
+    return (f"another {w.match.pattern} block at {w.anchor}" + (f", over {', '.join(only_theirs)}" if only_theirs else "")
+            + (f" where this one is over {', '.join(only_ours)}" if only_ours else ""))

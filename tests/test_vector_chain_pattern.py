@@ -180,6 +180,33 @@ def test_gated_projection_fuses_as_matmul_epilogue(order, act, name):
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
+class GateUp(nn.Module):
+    """Separate gate and up projections (Llama's MLP): the SwiGLU can be either one's epilogue."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(32, 48, bias=False), nn.Linear(32, 48, bias=False), \
+            nn.Linear(48, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def test_two_epilogues_at_one_anchor_are_told_apart_in_the_report():
+    torch.manual_seed(0)
+    m = GateUp().eval()
+    x = torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    both = [d for d in fused.report.decisions if d.pattern == "matmul+swiglu"]
+    assert len(both) == 2 and {d.anchor for d in both} == {both[0].anchor}, fused.report.summary()
+    (won,), (lost,) = [d for d in both if d.applied], [d for d in both if not d.applied]
+    assert lost.reason_code == "conflict"
+    # the loser's reason names the projection the winner is over, and its own: not just the shared anchor
+    (theirs,), (ours,) = (set(a.nodes) - set(b.nodes) for a, b in ((won, lost), (lost, won)))
+    assert f"over {theirs} where this one is over {ours}" in lost.reason, lost.reason
+    _within_bound(m, (x,), {}, lambda: fused(x))
+
+
 class Chain(nn.Module):
     def forward(self, x, y):
         return torch.tanh(x * 2.0 + y).sigmoid() @ x.new_ones(x.shape[-1], 3)
