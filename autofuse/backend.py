@@ -105,6 +105,11 @@ class Backend:
         from autofuse.engine import AutoFusionEngine
         owner = _compiled_callable()
         example = tuple(example_inputs)
+        # Dynamo's GraphModule is in training mode whatever the model's mode was (a new module's default); the graph
+        # holds the model's semantics, so its mode is the compiled module's, or for a function whether an op of the
+        # graph runs in training mode (only the flag is set: the graph's submodules are not the user's to change)
+        from autofuse.fused_vector import training_graph
+        gm.training = owner.training if isinstance(owner, torch.nn.Module) else training_graph(gm.graph)
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs

@@ -201,16 +201,38 @@ def simulation_progress(progress: Progress, label: str):
 
 # ---------------------------------------------------------------------------------------------- arguments
 
+def _count(text: str) -> int:
+    """A size on the command line: a whole number, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a size: give 1 or more")
+    return n
+
+
+def _count0(text: str) -> int:
+    """A count on the command line: a whole number, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: give 0 or more")
+    return n
+
+
 def _model_args(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, help="zoo name (gpt2, llama, qwen2, bert, mha), "
                    "transformers:ConfigClass?key=value&..., file.py:function or module:function")
-    g.add_argument("--layers", type=int, default=None, help="zoo models: layers (default 2)")
-    g.add_argument("--hidden", type=int, default=None, help="zoo models: hidden size (default 64)")
-    g.add_argument("--heads", type=int, default=None, help="zoo models: attention heads (default 4)")
-    g.add_argument("--kv-heads", type=int, default=None, help="zoo models: key/value heads (default heads/2)")
-    g.add_argument("--seq", type=int, default=None, help="sequence length of the example inputs (default 32)")
-    g.add_argument("--batch", type=int, default=None, help="batch of the example inputs (default 2)")
+    g.add_argument("--layers", type=_count, default=None, help="zoo models: layers (default 2)")
+    g.add_argument("--hidden", type=_count, default=None, help="zoo models: hidden size (default 64)")
+    g.add_argument("--heads", type=_count, default=None, help="zoo models: attention heads (default 4)")
+    g.add_argument("--kv-heads", type=_count, default=None, help="zoo models: key/value heads (default heads/2)")
+    g.add_argument("--seq", type=_count, default=None, help="sequence length of the example inputs (default 32)")
+    g.add_argument("--batch", type=_count, default=None, help="batch of the example inputs (default 2)")
     g.add_argument("--past", type=int, default=0, metavar="N",
                    help="a decode step of a causal LM: --seq new tokens per sequence (default 1) after a KV cache of "
                         "N tokens")
@@ -244,8 +266,9 @@ def _check_engine_args(a) -> dict:
                          f"and tunes tilings)") from None
     try:
         budget = parse_memory_budget(a.budget)
-    except (ValueError, TypeError):
-        raise UsageError(f"--budget {a.budget!r}: write a number and a unit, e.g. 16GB, 512MB or 1.5GiB") from None
+    except (ValueError, TypeError) as e:
+        what = "it must be at least one byte" if "at least" in str(e) else "write a number and a unit"
+        raise UsageError(f"--budget {a.budget!r}: {what}, e.g. 16GB, 512MB or 1.5GiB") from None
     kw = {"target_device": a.device, "optimization_level": level, "memory_budget": budget}
     switches = {}
     from autofuse.engine import NAMES
@@ -272,6 +295,7 @@ def _build(a):
     import torch
 
     from autofuse.models import TRANSFORMERS_PREFIX, build
+    torch.manual_seed(0)            # the same command, the same weights and inputs: the same report
     dtype = getattr(torch, DTYPES[a.dtype or "float32"])
     given = {k: getattr(a, k) for k in ZOO_SIZES if getattr(a, k) is not None}
     if a.model.startswith(TRANSFORMERS_PREFIX) and given:
@@ -287,20 +311,36 @@ def _build(a):
         return build(a.model)
     if a.model.startswith(TRANSFORMERS_PREFIX):
         _quiet_transformers(a.verbose)
-        return build(a.model, seq=_seq(a), batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+        return build(a.model, seq=_seq(a), batch=2 if a.batch is None else a.batch, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
                      past=a.past)
     sizes = {k: (given[k] if k in given else v) for k, v in ZOO_SIZES.items()}
+    _check_zoo_sizes(a, sizes)
     if a.model != "mha":
         _quiet_transformers(a.verbose)
-    return build(a.model, seq=_seq(a), batch=a.batch or 2, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+    return build(a.model, seq=_seq(a), batch=2 if a.batch is None else a.batch, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
                  past=a.past, **sizes)
+
+
+def _check_zoo_sizes(a, sizes: dict):
+    """The zoo model's sizing flags apply to it and fit together (heads divide the hidden size, kv heads the heads)."""
+    unused = {"mha": ("layers", "kv_heads", "attn"), "gpt2": ("kv_heads",), "bert": ("kv_heads",)}.get(a.model, ())
+    for f in unused:
+        if getattr(a, f) is not None:
+            raise UsageError(f"--{f.replace('_', '-')} does not apply to {a.model}"
+                             + (" (one attention block)" if a.model == "mha" else " (its attention has no kv groups)"))
+    if sizes["hidden"] % sizes["heads"]:
+        raise UsageError(f"--hidden {sizes['hidden']} is not a multiple of --heads {sizes['heads']}: each head takes "
+                         f"hidden / heads features")
+    if sizes["kv_heads"] is not None and sizes["heads"] % sizes["kv_heads"]:
+        raise UsageError(f"--heads {sizes['heads']} is not a multiple of --kv-heads {sizes['kv_heads']}: each kv head "
+                         f"serves a group of heads/kv-heads query heads")
 
 
 def _seq(a) -> int:
     """The example inputs' tokens per sequence: --seq, else 32, or 1 for a decode step (--past)."""
     if a.past < 0:
         raise UsageError(f"--past {a.past}: the KV cache holds 0 or more tokens")
-    return a.seq or (1 if a.past else 32)
+    return a.seq if a.seq is not None else (1 if a.past else 32)
 
 
 def _quiet_transformers(verbose: bool):
@@ -347,11 +387,14 @@ def _fuse(a, progress: Progress):
 def _write(text: str, path):
     if path in (None, "-"):
         sys.stdout.write(text)
-    else:
+        return
+    try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(text)
-        print(f"wrote {path}")
+    except OSError as e:
+        raise ModelFailed(f"could not write {path}: {e.strerror or e}") from e
+    print(f"wrote {path}")
 
 
 def _plan(fused):
@@ -425,8 +468,8 @@ def cmd_patterns(a, progress):
     from autofuse.match import families
     fams = families()
     if a.show is None:
-        for name, fn in fams.items():
-            print(f"{name}: {_first_sentence(sys.modules[fn.__module__].__doc__ or '')}")
+        _write("".join(f"{name}: {_first_sentence(sys.modules[fn.__module__].__doc__ or '')}\n"
+                       for name, fn in fams.items()), a.output)
         return
     def declared(mod):            # a module's templates (a tuple, or a dict by kind)
         t = getattr(mod, "TEMPLATES", ())
@@ -450,6 +493,7 @@ def cmd_patterns(a, progress):
             raise UsageError("drawing SVG/PNG needs Graphviz `dot` (apt-get install graphviz); write .dot instead")
         import subprocess
         fmt = a.output.rsplit(".", 1)[1]
+        os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
         outs = []
         for i, dot in enumerate(dots):
             path = a.output if len(dots) == 1 else a.output.replace(f".{fmt}", f"-{i}.{fmt}")
@@ -558,6 +602,20 @@ def _simulate_world(a, progress):
     kw = _check_engine_args(a)
     if a.meta:
         raise UsageError("simulation needs data: drop --meta")
+    for f in ("layers", "kv_heads", "attn", "train", "past"):
+        if getattr(a, f):
+            raise UsageError(f"--{f.replace('_', '-')} does not apply with --world-size: the ranks' model is sized by "
+                             f"--hidden --heads --seq --batch --dtype (tp-block) or built by your function")
+    if a.model == "tp-block":
+        import inspect
+
+        from autofuse.tp_models import build as tp_build
+        d = inspect.signature(tp_build).parameters
+        hidden, heads = a.hidden or d["hidden"].default, a.heads or d["heads"].default
+        if hidden % heads or heads % a.world_size:
+            raise UsageError(f"tp-block splits its {heads} heads over {a.world_size} ranks and each head takes hidden / "
+                             f"heads features: --heads must be a multiple of --world-size and divide --hidden "
+                             f"(here --hidden {hidden} --heads {heads})")
     try:
         build = rank_builder(a.model, hidden=a.hidden, heads=a.heads, seq=a.seq, batch=a.batch,
                              dtype=DTYPES[a.dtype or "float32"])
@@ -603,12 +661,12 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_viz)
     p = sub.add_parser("simulate", help="simulate the model unfused and fused, op by op")
     _model_args(p)
-    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--top", type=_count0, default=8, help="the launches to list (default 8)")
     p.add_argument("--json", default=None, help="also write both simulations as JSON here")
     p.add_argument("--backward", action="store_true",
                    help="simulate a training step: the forward and the backward of every trainable parameter "
                         "(with --train, dropout active too)")
-    p.add_argument("--world-size", type=int, default=1, metavar="N",
+    p.add_argument("--world-size", type=_count, default=1, metavar="N",
                    help="simulate N ranks under torch.distributed (gloo processes on this machine), each fusing and "
                         "simulating its shard: --model tp-block (a Megatron-split GPT-2 block sized by --hidden "
                         "--heads --seq --batch --dtype) or module:function / file.py:function taking (rank, "
@@ -631,6 +689,7 @@ def main(argv=None):
         warnings.simplefilter("default" if verbose else "ignore")
         with torch_internal_warnings():     # after the line above, so that it holds with -v too
             try:
+                _check_outputs(a)
                 a.fn(a, progress)
             except UsageError as e:
                 progress.clear()
@@ -645,16 +704,41 @@ def main(argv=None):
                 _fail(130, f"autofuse {a.cmd}: interrupted")
 
 
+def _check_outputs(a):
+    """The command's output paths can be written, checked before any work: a wrong path is a wrong command line."""
+    dirs = {"output"} if a.cmd == "viz" else set()
+    for field, flag in (("output", "-o"), ("json", "--json"), ("model_explorer", "--model-explorer")):
+        path = getattr(a, field, None)
+        if path in (None, "-"):
+            continue
+        if field in dirs:
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise UsageError(f"{flag} {path}: a file is there; viz writes a directory (give a new or existing "
+                                 f"directory)")
+            where = path
+        else:
+            if os.path.isdir(path):
+                raise UsageError(f"{flag} {path} is a directory: give a file name")
+            where = os.path.dirname(os.path.abspath(path))
+        # the nearest existing directory on the way must take new entries (the missing ones are created)
+        probe = os.path.abspath(where)
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: cannot write there ({probe} is not a writable directory)")
+
+
 @contextlib.contextmanager
 def _library_logs(verbose: bool):
-    """Without ``-v``, torch's and transformers' log records below ERROR are dropped (torch logs graph dumps
-    and guard diagnostics at WARNING while a capture route fails; autofuse explains the failure itself)."""
+    """Without ``-v``, torch's and transformers' log records are dropped but for CRITICAL ones (torch logs graph
+    dumps and guard diagnostics at WARNING, and tracebacks of the ops a failing capture ran at ERROR; autofuse
+    explains the failure itself, and ``-v`` lets them all through)."""
     import logging
     loggers = [logging.getLogger(name) for name in ("torch", "transformers")]
     levels = [lg.level for lg in loggers]
     if not verbose:
         for lg in loggers:
-            lg.setLevel(logging.ERROR)
+            lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:

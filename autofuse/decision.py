@@ -53,19 +53,33 @@ class FusionDecision:
     workspace_bytes: int = 0          # of which the kernel's GM workspace
 
     @property
-    def hbm_bytes_saved(self) -> int:
-        return self.hbm_bytes_unfused - self.hbm_bytes_fused
+    def priced(self) -> bool:
+        """Whether the fused kernel has a price (an ``unsupported`` candidate's cannot run here: -1)."""
+        return self.cycles_fused >= 0
 
     @property
-    def speedup(self) -> float:
+    def hbm_bytes_saved(self) -> int | None:
+        return self.hbm_bytes_unfused - self.hbm_bytes_fused if self.priced else None
+
+    @property
+    def speedup(self) -> float | None:
+        if not self.priced:
+            return None
         return self.cycles_unfused / self.cycles_fused if self.cycles_fused else float("inf")
+
+    def shown(self) -> dict:
+        """The fused figures as reports print them: ``n/a`` where the fused kernel has no price."""
+        if not self.priced:
+            return {"cycles_fused": "n/a", "speedup": "n/a", "hbm_bytes_saved": "n/a"}
+        return {"cycles_fused": f"{self.cycles_fused:,}", "speedup": f"{self.speedup:.2f}x",
+                "hbm_bytes_saved": f"{self.hbm_bytes_saved:,}"}
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["nodes"] = list(self.nodes)
         d["unfused_kernels"] = list(self.unfused_kernels)
         d["hbm_bytes_saved"] = self.hbm_bytes_saved
-        d["speedup"] = round(self.speedup, 4)
+        d["speedup"] = None if self.speedup is None else round(self.speedup, 4)
         d["params"] = {k: v for k, v in self.params.items() if isinstance(v, (int, float, str, bool, type(None),
                                                                               list, tuple))}
         return d

@@ -71,6 +71,15 @@ def fused_match(n: fx.Node):
     return n.meta.get("autofuse_match") if n.op == "call_function" else None
 
 
+def fused_block(n: fx.Node) -> tuple | None:
+    """``(anchor, nodes)`` of the block a fused-op call replaced, in the captured graph's names (those of the report's
+    decisions and of the graph before the rewrite), or None. The match itself names canonical nodes."""
+    m = fused_match(n)
+    if m is None:
+        return None
+    return n.meta.get("autofuse_block") or (m.anchor, tuple(m.nodes))
+
+
 def module_paths(gm: fx.GraphModule, before: dict | None = None) -> dict:
     """Node name -> module path (a tuple of names; ``()`` is the top). ``before``: the paths of the graph a
     rewrite started from, so that kept nodes keep their place and fused ops sit where their nodes were."""
@@ -84,7 +93,7 @@ def module_paths(gm: fx.GraphModule, before: dict | None = None) -> dict:
         if p is None and n.op in ("placeholder", "output"):
             p = ()
         if p is None and fused_match(n) is not None and before is not None:
-            inner = [before[x] for x in fused_match(n).nodes if x in before]
+            inner = [before[x] for x in fused_block(n)[1] if x in before]
             p = common_prefix(inner) if inner else None
         if p is not None:
             paths[n.name] = p

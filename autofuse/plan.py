@@ -73,8 +73,8 @@ def parse_memory_budget(budget) -> int | None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
         raise TypeError(f"memory_budget={budget!r}: give bytes (int) or a string like '16GB'")
     if isinstance(budget, (int, float)):
-        if budget <= 0:
-            raise ValueError(f"memory_budget={budget!r} must be positive")
+        if not math.isfinite(budget) or budget < 1:
+            raise ValueError(f"memory_budget={budget!r} must be a finite number of bytes, at least 1")
         return int(budget)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
     if not m or m.group(2).lower() not in _UNITS and m.group(2) != "":
@@ -83,8 +83,8 @@ def parse_memory_budget(budget) -> int | None:
     # "16GB" on a device sheet means 16 GiB; decimal units are not what memory sizes are quoted in.
     scale = {"kb": 2 ** 10, "mb": 2 ** 20, "gb": 2 ** 30, "tb": 2 ** 40}.get(unit, _UNITS.get(unit, 1))
     value = float(m.group(1)) * scale
-    if value <= 0:
-        raise ValueError(f"memory_budget={budget!r} must be positive")
+    if value < 1:
+        raise ValueError(f"memory_budget={budget!r} must be at least one byte")
     return int(value)
 
 
@@ -98,11 +98,14 @@ def _nbytes(spec) -> int:
     return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
-def _estimate(kernel, specs, device, params):
+def estimate_kernel(kernel, specs, device, params):
+    """The cost model's estimate of one kernel as the planner prices it: integer and boolean data priced as data of
+    its size (complex as pairs of floats), a kernel or parameter combination without a model as a generic Vector op
+    (both noted)."""
     seen = set()
     specs, params = known_specs(specs, seen), known_specs(params, seen)
     if seen:
-        e = _estimate(kernel, specs, device, params)
+        e = estimate_kernel(kernel, specs, device, params)
         return dataclasses.replace(e, notes=tuple(e.notes) + (
             f"{', '.join(sorted(seen))} priced as {'pairs of floats' if seen <= PAIRS.keys() else 'data of its size'}",))
     try:
@@ -124,7 +127,7 @@ def price_node(node: fx.Node, device: str) -> Price:
         params = {k: (_spec(prog.inputs[v.i]) if hasattr(v, "i") else v) for k, v in st.params.items()}
         if st.kernel == "generic":
             params = {"outputs": [out]}
-        e = _estimate(st.kernel, ins, device, params)
+        e = estimate_kernel(st.kernel, ins, device, params)
         price.cycles += int(e.cycles)
         price.hbm_bytes += int(e.hbm_bytes)
         price.kernels.append(st.kernel)

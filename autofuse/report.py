@@ -72,18 +72,17 @@ def _spec(n):
 
 
 def kernel_estimates(node: fx.Node, device: str) -> list:
-    """The cost model's :class:`~cost_model.Estimate` of each kernel ``node`` lowers to (none for views). A
-    kernel the cost model cannot price this way is priced as a generic Vector op, as the planner does."""
+    """The cost model's :class:`~cost_model.Estimate` of each kernel ``node`` lowers to (none for views), priced as
+    the planner prices it (:func:`autofuse.plan.estimate_kernel`), so that the per-node figures add up to the
+    report's."""
+    from autofuse.plan import estimate_kernel          # the planner builds on this module's neighbours
     prog = lower(node)
     out = []
     for st, (ins, spec_out) in zip(prog.steps, step_specs(prog, node)):
         params = {k: (_spec(prog.inputs[v.i]) if hasattr(v, "i") else v) for k, v in st.params.items()}
         if st.kernel == "generic":
             params = {"outputs": [spec_out]}
-        try:
-            out.append(cost_model.estimate(st.kernel, ins, device=device, **params))
-        except (KeyError, NotImplementedError, ValueError, TypeError):
-            out.append(cost_model.estimate("generic", ins, device=device, outputs=[spec_out]))
+        out.append(estimate_kernel(st.kernel, ins, device, params))
     return out
 
 
@@ -92,7 +91,8 @@ def node_costs(gm: fx.GraphModule, device: str, report=None, simulation=None, be
 
     ``report`` prices fused ops (their decisions); ``before``: the costs of the graph before the rewrite, whose
     FLOPs a fused op inherits (it does the same arithmetic)."""
-    decisions = {d.anchor: d for d in (report.decisions if report is not None else ())}
+    # a fused call is an applied decision's (rejected ones may share its anchor: another candidate there)
+    decisions = {d.anchor: d for d in (report.applied if report is not None else ())}
     simulated = {c.node: c for c in (simulation.nodes if simulation is not None else ())}
     out = {}
     for n in gm.graph.nodes:
@@ -100,8 +100,9 @@ def node_costs(gm: fx.GraphModule, device: str, report=None, simulation=None, be
             continue
         match = hierarchy.fused_match(n)
         if match is not None:
-            d = decisions.get(match.anchor)
-            flops = sum(before[x].flops for x in match.nodes if x in before) if before else 0.0
+            anchor, block = hierarchy.fused_block(n)
+            d = decisions.get(anchor)
+            flops = sum(before[x].flops for x in block if x in before) if before else 0.0
             cost = Cost(d.cycles_fused, d.hbm_bytes_fused, d.bound_fused, flops, (d.kernel or match.pattern,),
                         fused=match.pattern) if d is not None else None
         else:
@@ -201,6 +202,11 @@ def layer_rows(before: fx.GraphModule, after: fx.GraphModule, before_costs: dict
 
 # ---------------------------------------------------------------------------------------------- text
 
+#: what a training plan means, where a report says it is one
+TRAINING_NOTE = ("the model is in train(): a dropout draws eager's keep-mask, fused or not, and fused blocks keep what "
+                 "their backward reads; call model.eval() for an inference plan")
+
+
 def text_summary(report) -> str:
     a, r = report.applied, report.rejected
     lines = [f"autofuse plan for {report.device} at {report.optimization_level}: {len(a)} fused, {len(r)} not fused "
@@ -224,7 +230,7 @@ def text_summary(report) -> str:
         lines.append(f"  peak activation memory: {report.peak_memory_unfused:,} B unfused, "
                      f"{report.peak_memory_fused:,} B fused; budget {report.memory_budget:,} B")
     if report.training:
-        lines.append("  planned for training mode (dropout active: each draws eager's keep-mask, fused or not)")
+        lines.append(f"  planned for training mode ({TRAINING_NOTE})")
     if report.guards:
         lines.append(f"  re-planned if these change: {'; '.join(report.guards)}")
     if report.replanned_because:
@@ -260,14 +266,20 @@ def implementation_rows(report) -> list:
 def markdown(report) -> str:
     out = [f"# autofuse report: {report.device}, {report.optimization_level}", "",
            f"{len(report.applied)} fused, {len(report.rejected)} not fused; graph {report.nodes_before} -> "
-           f"{report.nodes_after} nodes.", "",
-           "| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "
+           f"{report.nodes_after} nodes.", ""]
+    if report.baselines:
+        sp = report.speedups()
+        out += [f"Whole graph (predicted): {report.predicted_cycles:,} cycles; "
+                + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})" for k, v in report.baselines.items()) + ".", ""]
+    if report.training:
+        out += [f"Planned for training mode ({TRAINING_NOTE}).", ""]
+    out += ["| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "
            "| working set (B) | of it workspace (B) |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for d in report.decisions:
         out.append(f"| {'fused' if d.applied else 'kept'} | {d.pattern} | `{d.anchor}` | {d.reason_code}: "
-                   f"{d.reason} | {d.cycles_unfused:,} | {d.cycles_fused:,} | {d.speedup:.2f}x | "
-                   f"{d.hbm_bytes_saved:,} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
+                   f"{d.reason} | {d.cycles_unfused:,} | {d.shown()['cycles_fused']} | {d.shown()['speedup']} | "
+                   f"{d.shown()['hbm_bytes_saved']} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
     choices = implementation_rows(report)
     if choices:
         out += ["", "## Implementation choices per device", "",
@@ -282,6 +294,10 @@ def markdown(report) -> str:
         out += ["", f"Peak activation memory: {report.peak_memory_unfused:,} B unfused, "
                     f"{report.peak_memory_fused:,} B fused"
                     + (f" (budget {report.memory_budget:,} B)." if report.memory_budget is not None else ".")]
+    if report.guards:
+        out += ["", f"Re-planned if these change: {'; '.join(report.guards)}."]
+    if report.replanned_because:
+        out += ["", f"Re-planned because {report.replanned_because}."]
     out += [f"- warning: {w}" for w in report.warnings]
     return "\n".join(out) + "\n"
 
@@ -461,7 +477,7 @@ def _decision_rows(ds) -> list:
             anchors = f"<details><summary>&times;{len(same)} identical</summary>{anchors}</details>"
         rows.append(("applied" if d.applied else "rejected", [
             "fused" if d.applied else "not fused", anchors, _e(d.reason_code), _e(d.reason), f"{d.cycles_unfused:,}",
-            f"{d.cycles_fused:,}", f"{d.speedup:.2f}x", f"{d.hbm_bytes_saved:,}", f"{d.working_set_bytes:,}",
+            d.shown()["cycles_fused"], d.shown()["speedup"], d.shown()["hbm_bytes_saved"], f"{d.working_set_bytes:,}",
             f"{d.workspace_bytes:,}", _e(d.bound_fused)]))
     return rows
 

@@ -233,6 +233,9 @@ def build(g: fx.Graph, lifted: Lifted, env: dict, emit, kwargs: dict) -> dict:
     fake = detect_fake_mode([src.meta.get("val") for src in lifted.sources.values() if not isinstance(src, str)])
     ins = {role: _constant(g, src, fake) if isinstance(src, str) else get(src) for role, src in lifted.sources.items()}
     outs = emit(g, ins, m, kwargs)
+    for n in g.nodes:              # the fused calls also name their block as the captured graph (and the report) do
+        if n.meta.get("autofuse_match") is m:
+            n.meta["autofuse_block"] = (lifted.anchor, tuple(lifted.footprint))
     result = {}
     for role, (target, views) in lifted.targets.items():
         x = outs[role]

@@ -405,7 +405,7 @@ def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_pat
             group = f"{d.pattern} (fused)" if d.applied else f"{d.pattern} (not fused: {d.reason_code})"
             ns = f"{ns}/{group}" if ns else group
             groups[ns] = {"anchor": d.anchor, "reason": d.reason, "cycles unfused": f"{d.cycles_unfused:,}",
-                          "cycles fused": f"{d.cycles_fused:,}", "speed-up": f"{d.speedup:.2f}x"}
+                          "cycles fused": d.shown()["cycles_fused"], "speed-up": d.shown()["speedup"]}
         if n.op == "placeholder":
             ns = "inputs"
         attrs = [{"key": "op", "value": target_name(n)}, {"key": "node", "value": n.name}]
@@ -421,7 +421,7 @@ def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_pat
                       {"key": "kernels", "value": ", ".join(c.kernels)}]
         match = hierarchy.fused_match(n)
         if match is not None:
-            attrs.append({"key": "fused", "value": f"{match.pattern}: replaces {', '.join(match.nodes)}"})
+            attrs.append({"key": "fused", "value": f"{match.pattern}: replaces {', '.join(hierarchy.fused_block(n)[1])}"})
         outs = []
         v = n.meta.get("val")
         vals = list(v) if isinstance(v, (tuple, list)) else [v]

@@ -121,6 +121,8 @@ def test_graph_breaks_fuse_each_graph_and_reports_follow_the_compiled_object(cap
     gs = graphs(compiled)
     assert [len(g.fused.report.applied) for g in gs] == [1, 1, 0]
     assert all(g.owner == "Breaking" for g in gs)
+    # planned in the model's mode (Dynamo's graph modules are in training mode whatever the model's is)
+    assert not model.training and not any(r.training for r in reports(compiled))
     assert [r.nodes_before for r in reports(compiled)] == [g.fused.report.nodes_before for g in gs]
     assert reports(model) == reports(compiled) == autofuse.reports(compiled)
     # a second compiled model does not see the first one's graphs

@@ -214,7 +214,19 @@ def test_transformers_spec_values_and_defaults():
     (["report", *TINY, "--budget", "lots"], "--budget 'lots': write a number and a unit"),
     (["report", *TINY, "--level", "O5"], "--level 'O5': choose one of O0, O1, O2, O3"),
     (["report", *TINY, "--disable", "attn"], "--disable 'attn' is not a pattern family"),
-    (["report", *TINY, "--seq", "many"], "argument --seq: invalid int value: 'many'"),
+    (["report", *TINY, "--seq", "many"], "argument --seq: 'many' is not a whole number"),
+    # sizes: positive, fitting together, and only where they apply (never replaced by a default without a word)
+    (["report", *TINY, "--seq", "0"], "argument --seq: 0 is not a size: give 1 or more"),
+    (["report", *TINY, "--heads", "-2"], "argument --heads: -2 is not a size"),
+    (["report", "--model", "llama", "--heads", "4", "--kv-heads", "3"], "--heads 4 is not a multiple of --kv-heads 3"),
+    (["report", "--model", "gpt2", "--hidden", "64", "--heads", "5"], "--hidden 64 is not a multiple of --heads 5"),
+    (["report", "--model", "gpt2", "--kv-heads", "1"], "--kv-heads does not apply to gpt2"),
+    (["report", "--model", "mha", "--layers", "3"], "--layers does not apply to mha"),
+    (["simulate", "--model", "tp-block", "--world-size", "2", "--train"], "--train does not apply with --world-size"),
+    (["simulate", "--model", "tp-block", "--world-size", "2", "--heads", "3"], "--heads must be a multiple of "
+                                                                                 "--world-size"),
+    (["simulate", *TINY, "--top", "-1"], "argument --top: -1: give 0 or more"),
+    (["report", *TINY, "--budget", "0.5"], "--budget '0.5': it must be at least one byte"),
     (["simulate", *TINY, "--meta"], "simulation needs data: drop --meta"),
     (["report"], "the following arguments are required: --model"),
 ])
@@ -222,6 +234,16 @@ def test_usage_errors_print_one_line_and_exit_2(argv, needle, capsys):
     code, err = _exit(argv, capsys)
     assert code == 2 and needle in err
     assert err.count("\n") == 1 and err.startswith("autofuse")
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for argv, needle in ((["report", *TINY, "-o", str(tmp_path)], "is a directory: give a file name"),
+                         (["viz", *TINY, "-o", str(tmp_path / "file")], "a file is there; viz writes a directory"),
+                         (["report", *TINY, "-o", str(tmp_path / "file" / "r.txt")], "is not a writable directory")):
+        code, err = _exit(argv, capsys)
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+        assert "building the model" not in err
 
 
 def test_a_function_returning_something_else_is_a_usage_error(tmp_path, capsys):

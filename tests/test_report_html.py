@@ -131,6 +131,20 @@ def test_layers_fold_identical_consecutive_layers_and_add_up():
     assert all(f"<code>{d.anchor}</code>" in fusions for d in p.report.decisions)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_pages_predicted_figures_are_the_reports(name):
+    # every node priced as the planner priced it, each fused call by its own decision (a rejected candidate may
+    # share its anchor; the rewrite renames what the call replaced): the page's sums are the text's and JSON's
+    model, (args, kwargs) = build(name, layers=1, hidden=64, heads=2, seq=16)
+    fused = autofuse.AutoFusionEngine.fuse(model, (args, kwargs))
+    p = next(iter(fused.plans.values()))
+    before = R.node_costs(p.captured.graph_module, p.report.device, p.report)
+    after = R.node_costs(p.graph_module, p.report.device, p.report, before=before)
+    v = R.verdict(p.report.device, before, after)
+    assert (v.fused_cycles, v.baselines[R.BASELINE]) == (p.report.predicted_cycles, p.report.baselines[R.BASELINE])
+    assert all(after[n].cycles >= 0 for n in after)
+
+
 def test_summary_and_markdown_still_render_from_the_report(mixed):
     p, _ = mixed
     assert p.report.summary().startswith("autofuse plan for ascend910 at O3: 1 fused, 1 not fused")
