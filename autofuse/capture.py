@@ -210,7 +210,39 @@ def _export_functional(model, args, kwargs, dynamic_shapes=None):
         return _export_retrace(model, args, kwargs, dynamic_shapes)
     preserve, _ = _split_decomp_table_to_cia_and_python_decomp({})
     with _override_composite_implicit_decomp(preserve):
-        return _export(model, args, kwargs, dynamic_shapes, strict=False, pre_dispatch=False)
+        return _export(_python_values_kept(model, args, kwargs), args, kwargs, dynamic_shapes, strict=False,
+                       pre_dispatch=False)
+
+
+def _python_values_kept(model, args, kwargs):
+    """``model``, or where the call passes Python ints or bools, a stand-in whose forward gets them as given. The
+    aot-dispatch trace (``pre_dispatch=False``) hands the forward a SymInt for every int argument (torch.export's
+    public path keeps them plain): ``isinstance(k, int)`` is then false (transformers' ``logits_to_keep`` slices
+    as an index), ``is_causal=flag`` is refused, a size computed from it stays symbolic. A plan is made per value
+    of such arguments (they are part of its key), so the forward may see them as the constants they are. The
+    stand-in is a shallow copy of the model (the same submodules, parameters and names) whose forward calls the
+    model's own with those leaves put back."""
+    import copy
+    import inspect
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(x, int) for x in flat):
+        return model
+    own = model.forward
+
+    def forward(*a, **k):
+        got, got_spec = pytree.tree_flatten((a, k))
+        if got_spec != spec:
+            return own(*a, **k)
+        a, k = pytree.tree_unflatten([x if isinstance(x, int) else g for g, x in zip(got, flat)], spec)
+        return own(*a, **k)
+
+    try:
+        forward.__signature__ = inspect.signature(own)
+    except (TypeError, ValueError):
+        pass
+    stand_in = copy.copy(model)
+    object.__setattr__(stand_in, "forward", forward)
+    return stand_in
 
 
 def _capture_export(model, args, kwargs, export=None):

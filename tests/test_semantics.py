@@ -674,3 +674,50 @@ def test_an_input_that_requires_grad_updated_in_place_is_refused():
     acc = torch.zeros(6, 8, requires_grad=True) * 1           # not a leaf: eager allows the in-place write
     with pytest.raises(CaptureError, match=r"updates the input\(s\) \['acc'\] in place, and they require grad"):
         AutoFusionEngine.fuse(_Accumulating().train(), (torch.randn(2, 8), acc, torch.tensor([0, 1])))
+
+
+# ------------------------------------------------------------------ Python values among the inputs
+
+class _Knobs(nn.Module):
+    """Forward arguments that are Python values: an int that slices (read through ``isinstance``, as transformers
+    reads ``logits_to_keep``) and a bool that SDPA takes as ``is_causal``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, keep: int, causal: bool = False):
+        q = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=causal).transpose(1, 2).flatten(-2)
+        return out[:, -keep:] if isinstance(keep, int) and keep > 0 else out * 0
+
+
+@pytest.mark.parametrize("keep,causal", [(3, True), (2, False), (0, True)])
+def test_int_and_bool_arguments_reach_the_forward_as_python_values(keep, causal):
+    # the forward sees the values themselves, as in eager (a symbolic int fails isinstance and slices wrongly)
+    torch.manual_seed(0)
+    m = _Knobs().eval()
+    x = torch.randn(2, 6, 16)
+    fused = AutoFusionEngine.fuse(m, ((x, keep), {"causal": causal}))
+    with torch.no_grad():
+        want, got = m(x, keep, causal=causal), fused(x, keep, causal=causal)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)    # fp32 attention: reassociation only
+    # another value is another plan, each as eager
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, keep + 1, causal=not causal), m(x, keep + 1, causal=not causal),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_logits_to_keep_above_one_keeps_that_many_positions():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    lm = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    fused = AutoFusionEngine.fuse(lm, ((ids,), {"use_cache": False, "logits_to_keep": 3}))
+    with torch.no_grad():
+        want = lm(ids, use_cache=False, logits_to_keep=3).logits
+        got = fused(ids, use_cache=False, logits_to_keep=3).logits
+    assert got.shape == want.shape == (2, 3, 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
