@@ -74,6 +74,9 @@ def _eval(ins: Instr, args):
             s = x.sum(-1, keepdim=True)
             return s * (1.0 / x.shape[-1]) if ins.kind == "mean" else s
         return x.amax(-1, keepdim=True) if ins.kind == "max" else x.amin(-1, keepdim=True)
+    if ins.kind == "clamp" and op in ("maximum", "minimum") and not isinstance(args[1], torch.Tensor):
+        # a clamp's bound: torch.clamp's gradient (all of g at the bound itself), not maximum's (half of it)
+        return torch.clamp(_f32(args[0]), **{"min" if op == "maximum" else "max": float(args[1])})
     if op == "slice":
         x = _f32(args[0])
         return x[..., ins.start:ins.stop:ins.step]
@@ -366,10 +369,12 @@ class _Build:
             lo = n.args[1] if t != aten.clamp_max.default else None
             hi = n.args[2] if t == aten.clamp.default and len(n.args) > 2 else \
                 (n.args[1] if t == aten.clamp_max.default else None)
+            # kind "clamp": the same op, whose derived gradient is clamp's (all of it where lo <= x <= hi, bounds
+            # included; none at NaN), not maximum's (half of it on a tie)
             if lo is not None:
-                v = b.maximum(v, self.arg(n, lo))
+                v = b.maximum(v, self.arg(n, lo), kind="clamp")
             if hi is not None:
-                v = b.minimum(v, self.arg(n, hi))
+                v = b.minimum(v, self.arg(n, hi), kind="clamp")
             return self.round(n, v)
         if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
             return self.round(n, b.where(*[self.arg(n, a) for a in n.args[:3]]))

@@ -128,7 +128,8 @@ def check_given(what: str, k: int, got, inp: Input) -> None:
 @dataclass(frozen=True)
 class Instr:
     """One instruction: ``op`` over ``args`` (value numbers or float immediates); ``dtype`` for ``cast``,
-    ``kind`` for ``reduce``, ``start/stop/step`` for ``slice``."""
+    ``kind`` for ``reduce`` (and ``clamp`` on a ``maximum``/``minimum`` with an immediate bound: the same values,
+    clamp's gradient), ``start/stop/step`` for ``slice``."""
 
     op: str
     args: tuple

@@ -23,7 +23,8 @@ computes the product in fp16 for an fp16 weight); the caller's sum accumulates t
 Rules (``g`` the adjoint of the result ``y``; torch's autograd formulas, which ``run_program_torch`` uses):
 unary ops by their derivatives (``gelu``'s ``Φ(x)`` is ``gelu(x) / x``, ``1/2`` at 0, since erf is no op);
 add sub mul div, ``pow`` with an immediate exponent, an immediate positive base, or a value exponent;
-``maximum``/``minimum`` send ``g`` to the larger/smaller operand and split it evenly on ties; ``where``
+``maximum``/``minimum`` send ``g`` to the larger/smaller operand and split it evenly on ties (of kind ``clamp``,
+a clamp's bound: all of ``g`` where the value is within the bound, the bound included, none at NaN); ``where``
 routes ``g`` to the branch its condition picks; compares, logic and casts to bool carry no gradient; a cast
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
 too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
@@ -355,6 +356,13 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         return acc(args[0], _UNARY_DERIV[op](e, g, x, y))
     if op == "mul" and args[0] == args[1] and _is_ref(args[0]) and _is_ref(args[1]):   # a square: 2 a g once
         return acc(args[0], _twice(e, g, x))
+    if op in ("maximum", "minimum") and ins.kind == "clamp":
+        # clamp's bound (an immediate): torch's clamp_backward passes g where x is within the bound, the bound
+        # itself included, and none where x is NaN
+        if _is_ref(args[1]):
+            refuse("a clamp whose bound is a tensor")
+        keep = e.op("ge" if op == "maximum" else "le", x, X[1])
+        return acc(args[0], e.op("where", keep, g, 0.0))
     if op in ("add", "sub", "mul", "div", "maximum", "minimum", "pow"):
         a, b = X
         ga, gb = _binary(e, op, g, a, b, y, refuse)

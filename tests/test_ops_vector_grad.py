@@ -272,3 +272,28 @@ def test_swiglu_with_the_gate_as_extra_saves_the_product():
     p, r = b.input("float16", (8, 16)), b.input("float16", (8, 16))
     b.output(b.add(p, r), "float16")
     assert not reads_product(b.build())
+
+
+@pytest.mark.parametrize("kind", ["clamp", "clamp_min", "clamp_max", "lo_above_hi"])
+def test_a_clamps_gradient_is_clamps_at_its_bounds_and_at_nan(kind):
+    # torch.clamp passes all of g where lo <= x <= hi, the bounds themselves included, and none at NaN; a maximum
+    # or minimum would split g on the tie with its bound
+    from autofuse import AutoFusionEngine
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            y = {"clamp": lambda: x.clamp(0.0, 0.5), "clamp_min": lambda: x.clamp_min(0.0),
+                 "clamp_max": lambda: x.clamp_max(0.5), "lo_above_hi": lambda: x.clamp(0.5, 0.0)}[kind]()
+            return y * 2.0 + 1.0
+
+    m = M().train()
+    x0 = torch.tensor([[-1.0, 0.0, 0.25, 0.5, 1.0, 0.0, 0.5, float("nan")]] * 2)
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    grads = []
+    for run in (m, fused):
+        x = x0.clone().requires_grad_()
+        y = run(x)
+        y.backward(torch.ones_like(y))
+        grads.append(x.grad)
+    assert torch.equal(grads[1], grads[0]), grads
