@@ -11,12 +11,13 @@ replaced by its fused call; every other node is the captured node, unchanged (th
 matching only), so at O0 the output is bit-identical to the captured graph's. Parameters and buffers are
 read from the user's model at every call (``model.get_parameter`` by name: in-place edits,
 ``load_state_dict``, reassigned buffers, ``.to()``/``.half()`` are all seen) and get their gradients. A
-plan is kept per *key*: the input signature (shapes, dtypes, non-tensor arguments) and the training flags
-of the model's modules; ``model.train()``/``.eval()`` after ``fuse()`` switch to that mode's plan (in
-training mode every dropout draws eager's keep-mask, fused or not). A plan is valid while its *guards* hold: the dtype, shape and device of every
-parameter and buffer the graph reads, the identity and version counter of any buffer whose value the
-plan relied on (a mask proven causal or empty), and the identity of every module with the value of its plain
-attributes (a dropout's ``p``, a norm's ``eps``: capture bakes them in as constants). A failed guard re-plans;
+plan is kept per *key*: the input signature (shapes, dtypes, non-tensor arguments), the training flags
+of the model's modules and the autocast state; ``model.train()``/``.eval()`` after ``fuse()`` switch to that
+mode's plan (in training mode every dropout draws eager's keep-mask, fused or not). A plan is valid while its
+*guards* hold: the dtype, shape and device of every parameter and buffer the graph reads, the identity,
+version counter and values of any buffer whose value the plan relied on (a mask proven causal or empty), and
+the identity of every module with its forward hooks, its forward and the value of its plain attributes (a
+dropout's ``p``, a norm's ``eps``: capture bakes them in as constants). A failed guard re-plans;
 the new report says which guard fired (``report.replanned_because``).
 
 Without example inputs the engine plans at the first call, and again for each new key. The user's model is
@@ -53,6 +54,12 @@ from cost_model.devices import get_device
 
 def _is_meta(leaves) -> bool:
     return any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in leaves)
+
+
+def autocast_state() -> tuple:
+    """The autocast regions the call runs in (device type, dtype): capture traces the forward under them, so the
+    graph's casts are theirs and a plan holds for one state only."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
 
 
 def _signature(args, kwargs):
@@ -116,6 +123,9 @@ class Guard:
         self.tensor = tensor if value else None
         self.version = tensor._version if value else None
         self.spec = (tensor.dtype, tuple(tensor.shape), tensor.device.type)
+        # the values themselves: an update through ``.data`` (``t.data.copy_(...)``, ``t.data = other``) moves
+        # neither the tensor's identity nor its version counter
+        self.copy = tensor.detach().clone() if value and tensor.device.type != "meta" else None
 
     def check(self, model) -> str | None:
         try:
@@ -129,6 +139,8 @@ class Guard:
             return f"{self.fqn} was replaced by another tensor (the plan relied on its value)"
         if self.value and t._version != self.version:
             return f"{self.fqn} was modified in place (the plan relied on its value)"
+        if self.copy is not None and not torch.equal(t.detach(), self.copy):
+            return f"{self.fqn} holds other values (changed through .data; the plan relied on its value)"
         return None
 
     @staticmethod
@@ -137,7 +149,7 @@ class Guard:
         return f"{str(dt).replace('torch.', '')}{list(shape)} on {dev}"
 
     def describe(self) -> str:
-        what = "identity and version" if self.value else "dtype, shape and device"
+        what = "identity, version and values" if self.value else "dtype, shape and device"
         return f"{self.fqn}: {what}"
 
 
@@ -163,12 +175,17 @@ class ModuleGuard:
         self.modules = dict(model.named_modules())
         self.attrs = [(name, k, v) for name, m in self.modules.items() for k, v in vars(m).items()
                       if not k.startswith("_") and k != "training" and _scalar(v)]
+        self.calls = {name: _call_state(m) for name, m in self.modules.items()}
 
     def check(self, model) -> str | None:
         now = dict(model.named_modules())
         for name, m in self.modules.items():
             if now.get(name) is not m:
                 return f"module {name or '(the model)'} was replaced or removed (the plan captured the old one)"
+        for name, m in self.modules.items():
+            if _call_state(m) != self.calls[name]:
+                return (f"module {name or '(the model)'} has other forward hooks or another forward than when it was "
+                        f"captured (capture runs them into the graph)")
         for name, k, v in self.attrs:
             cur = getattr(self.modules[name], k, _MISSING)
             if cur is _MISSING:
@@ -178,7 +195,16 @@ class ModuleGuard:
         return None
 
     def describe(self) -> str:
-        return f"{len(self.modules)} modules and {len(self.attrs)} plain attributes: identity and value"
+        return (f"{len(self.modules)} modules and {len(self.attrs)} plain attributes: identity, hooks and forward, "
+                f"and value")
+
+
+def _call_state(m: torch.nn.Module) -> tuple:
+    """What a call of ``m`` runs besides its class's forward: its forward hooks and pre-hooks (by identity) and a
+    forward set on the instance."""
+    hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items())
+                  for d in ("_forward_pre_hooks", "_forward_hooks"))
+    return hooks, id(m.__dict__.get("forward"))
 
 
 class Plan:
@@ -508,7 +534,7 @@ class FusedModule(torch.nn.Module):
     def _key(self, args, kwargs):
         if not self._caches_ready:      # a KV cache flattens into its tensors before the signature is taken
             self._caches_ready = caches.prepare(self.model, args, kwargs)
-        return _signature(args, kwargs), tuple(m.training for m in self.model.modules())
+        return _signature(args, kwargs), tuple(m.training for m in self.model.modules()), autocast_state()
 
     def _plan_for(self, args, kwargs) -> Plan:
         key = self._key(args, kwargs)

@@ -332,6 +332,16 @@ def _rope_halves(m) -> bool:
 GLU = (Template("swiglu", anchor="mul").node("act", aten.silu.default, aten.gelu.default)
        .node("mul", aten.mul.Tensor).edge("act", "mul"))
 
+def _glu(m) -> bool:
+    """A gated unit multiplies the activated gate by another tensor of its shape (the up projection, or the other
+    half of a fused gate_up): not by a number, a per-channel scale, or the gate's own input (``silu(x) · x``)."""
+    act, mul = m["act"], m["mul"]
+    others = [a for a in mul.args if a is not act]
+    if len(others) != 1 or not isinstance(others[0], fx.Node) or others[0] is act.args[0]:
+        return False
+    return tuple(val(others[0]).shape) == tuple(val(act).shape)
+
+
 TEMPLATES = (RMS, ROPE, ROPE_HALVES, GLU)
 
 
@@ -368,7 +378,7 @@ def names(nodes: list) -> list:
     for n in nodes:
         if n.target == aten.stack.default and _interleaved_rope(n, inside):
             found.append((order[n.name], "rope"))
-    for m in GLU.match(view, lambda m: m if within(m) else None,
+    for m in GLU.match(view, lambda m: m if within(m) and _glu(m) else None,
                        seeds=[n.name for n in nodes if n.target == aten.mul.Tensor]):
         found.append((order[m["mul"].name], "swiglu" if m["act"].target == aten.silu.default else "geglu"))
     out = []

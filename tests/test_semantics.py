@@ -176,6 +176,55 @@ def test_a_replaced_buffer_fires_its_guard():
     assert "replaced" in fused.report.replanned_because
 
 
+@pytest.mark.parametrize("edit", ["assign", "copy"])
+def test_a_buffer_edited_through_data_fires_its_guard(edit):
+    # .data moves neither the tensor's identity nor its version counter: the guard compares the values too
+    model = ZeroBias()
+    args = _qkv()
+    fused = AutoFusionEngine.fuse(model, args)
+    new = torch.randn(1, 1, S, S)
+    if edit == "assign":
+        model.bias.data = new
+    else:
+        model.bias.data.copy_(new)
+    torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-4)
+    assert "other values" in fused.report.replanned_because
+
+
+@pytest.mark.parametrize("when", ["added", "removed", "forward"])
+def test_hooks_or_a_forward_changed_after_fuse_replan(when):
+    # capture runs a module's hooks (and an instance's own forward) into the graph: a change re-plans
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).eval()
+    x = torch.randn(4, 16)
+    handle = model[0].register_forward_hook(lambda m, i, o: o * 2) if when == "removed" else None
+    fused = AutoFusionEngine.fuse(model, (x,))
+    if when == "added":
+        model[0].register_forward_hook(lambda m, i, o: o * 0.5)
+    elif when == "removed":
+        handle.remove()
+    else:
+        model[0].forward = lambda t: t * 3
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+    assert "forward hooks or another forward" in fused.report.replanned_because
+
+
+def test_a_plan_made_outside_autocast_is_not_run_inside_it_and_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16)).eval()
+    x = torch.randn(4, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = model(x), fused(x)
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)   # bf16 outputs: a few of its ulps
+        plain = fused(x)              # outside again: the fp32 plan, not the autocast one
+    assert plain.dtype == torch.float32 and len(fused.plans) == 2
+    torch.testing.assert_close(plain, model(x), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("convert", ["half", "bfloat16"])
 def test_dtype_conversion_after_fuse_replans(convert):
     torch.manual_seed(0)

@@ -207,6 +207,26 @@ def test_two_epilogues_at_one_anchor_are_told_apart_in_the_report():
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
+@pytest.mark.parametrize("spelling", ["gelu(x) * 3 + 1", "silu(x) * 0.5", "silu(x) * x", "silu(x) * w"])
+def test_an_activation_times_no_second_projection_is_not_a_gated_unit(spelling):
+    # a gated unit multiplies by another tensor of the gate's shape; a number, a per-channel scale or the gate's own
+    # input make an activation chain (computed as written, named vector_chain)
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64))
+
+        def forward(self, x):
+            return {"gelu(x) * 3 + 1": lambda: F.gelu(x) * 3 + 1, "silu(x) * 0.5": lambda: F.silu(x) * 0.5,
+                    "silu(x) * x": lambda: F.silu(x) * x, "silu(x) * w": lambda: F.silu(x) * self.w}[spelling]()
+
+    m = M().eval()
+    x = torch.randn(8, 64)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    assert [d.pattern for d in fused.report.applied] == ["vector_chain"], fused.report.summary()
+    _within_bound(m, (x,), {}, lambda: fused(x))
+
+
 class Chain(nn.Module):
     def forward(self, x, y):
         return torch.tanh(x * 2.0 + y).sigmoid() @ x.new_ones(x.shape[-1], 3)
