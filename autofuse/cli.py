@@ -271,12 +271,12 @@ def _check_engine_args(a) -> dict:
         raise UsageError(f"--budget {a.budget!r}: {what}, e.g. 16GB, 512MB or 1.5GiB") from None
     kw = {"target_device": a.device, "optimization_level": level, "memory_budget": budget}
     switches = {}
-    from autofuse.engine import NAMES
+    from autofuse.engine import NAMES, switch_name_known
     known = list(families()) + list(NAMES)      # families, and the names discovery gives its regions
     for flag, value in (("disable", "off"), ("enable", "on"), ("force", "force")):
         for item in getattr(a, flag):
             for name in filter(None, item.split(",")):
-                if name not in known:
+                if not switch_name_known(name):
                     near = difflib.get_close_matches(name, known, n=1)
                     raise UsageError(f"--{flag} {name!r} is not a pattern family or region name"
                                      + (f" (did you mean {near[0]!r}?)" if near else "")
@@ -477,6 +477,14 @@ def cmd_patterns(a, progress):
     modules = list(dict.fromkeys(sys.modules[fn.__module__] for fn in fams.values()))
     named = [t for mod in modules for t in declared(mod)]
     names = sorted({t.name for t in named} - set(fams))
+    # names found by the same template as another (an activation of either kind; a norm with or without its add)
+    shown = {"geglu": "swiglu", "add_rms_norm": "rms_norm"}.get(a.show, a.show)
+    if a.show == "layer_norm":
+        raise UsageError("--show layer_norm: a region is named layer_norm by torch's own aten.layer_norm op in it; "
+                         "there is no template to draw")
+    if shown != a.show and shown in names:
+        print(f"{a.show} is found by the {shown} template:", file=sys.stderr)
+        a.show = shown
     if a.show not in fams and a.show not in names:
         near = difflib.get_close_matches(a.show, list(fams) + names, n=1)
         raise UsageError(f"--show {a.show!r} is not a pattern family or a region name" +
@@ -636,6 +644,8 @@ def _simulate_world(a, progress):
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="autofuse", description="autofuse: fusion reports, pictures, simulation, devices, patterns.",
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    from autofuse import __version__
+    ap.add_argument("--version", action="version", version=f"autofuse {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     sub.add_parser("devices", help="list the device profiles").set_defaults(fn=cmd_devices)
     p = sub.add_parser("patterns", help="list the pattern families, or draw one's templates (--show NAME)")
@@ -679,9 +689,11 @@ def main(argv=None):
     """Run the command line; exits with status 2 on a usage error and 1 when the model fails."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        a = parser().parse_args(argv)
+        a, extra = parser().parse_known_args(argv)
     except _ParseError as e:
         _fail(2, f"{e.prog}: {e}")
+    if extra:            # named by the subcommand they were given to, whose --help lists what it takes
+        _fail(2, f"autofuse {a.cmd}: unrecognized arguments: {' '.join(extra)} (see `autofuse {a.cmd} --help`)")
     verbose = getattr(a, "verbose", False)
     progress = Progress(verbose)
     from autofuse.quiet import torch_internal_warnings

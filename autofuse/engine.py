@@ -657,6 +657,9 @@ class AutoFusionEngine:
                             f"{type(model).__name__}; wrap a function "
                             f"in a module (class M(nn.Module): def forward(self, ...): return fn(...)) or use "
                             f"torch.compile(fn, backend='autofuse')")
+        if isinstance(model, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+            raise TypeError(f"fuse: model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
+                            f"torch.jit.trace), which torch.export cannot capture: pass the original nn.Module")
         try:
             device = get_device(target_device).name
         except ValueError as e:
@@ -710,6 +713,17 @@ SWITCH_VALUES = ("on", "off", "force")
 NAMES = ("rms_norm", "add_rms_norm", "layer_norm", "rope", "swiglu", "geglu")
 
 
+def switch_name_known(name) -> bool:
+    """Whether a fusion switch may name ``name``: a family, a region name, or a region's whole name as reports
+    print it (``matmul+swiglu``, ``add_rms_norm+matmul``: names joined with ``+``, ``matmul`` among them)."""
+    if not isinstance(name, str):
+        return False
+    if name in families() or name in NAMES:
+        return True
+    parts = name.split("+")
+    return len(parts) > 1 and all(p in NAMES or p == "matmul" for p in parts)
+
+
 def _check_switches(switches) -> dict:
     if switches is None:
         return {}
@@ -718,7 +732,7 @@ def _check_switches(switches) -> dict:
                         f"{type(switches).__name__}")
     known = set(families()) | set(NAMES)
     for name, value in switches.items():
-        if name not in known:
+        if not switch_name_known(name):
             raise ValueError(f"fuse: fusion_switches names {name!r}, which is not a pattern family; the families "
                              f"are {', '.join(sorted(known))}")
         if value not in SWITCH_VALUES:

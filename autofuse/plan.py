@@ -281,8 +281,9 @@ def baselines(captured: fx.GraphModule, canonical: fx.GraphModule, cands: list, 
 
 
 def _switch(switches: dict, match) -> str:
-    """The switch of a match: its family's (``vector_chain``), or one of its names' (``rms_norm``)."""
-    keys = [family_of(match).name] + match.pattern.split("+")
+    """The switch of a match: its family's (``vector_chain``), its whole name's (``matmul+swiglu``), or one of its
+    names' (``rms_norm``)."""
+    keys = [family_of(match).name, match.pattern] + match.pattern.split("+")      # a whole name before its parts
     for k in keys:
         if k in switches:
             return switches[k]

@@ -515,6 +515,14 @@ def _choices_html(report) -> str:
                             body))
 
 
+def _layer_speedup(r) -> str:
+    """A layer row's speed-up, or what its figures mean where a ratio would not: all of its ops fused into a block
+    placed in another row, or only a block placed here from other rows."""
+    if r.fused and r.unfused:
+        return f"{r.unfused / r.fused:.2f}x"
+    return "fused elsewhere" if r.unfused else "fused here" if r.fused else ""
+
+
 def _layers_html(rows: list, source: str) -> str:
     if not rows:
         return ""
@@ -529,12 +537,14 @@ def _layers_html(rows: list, source: str) -> str:
         detail = (f"<details><summary>{len(r.children)} parts</summary><table><tr><th>part</th><th class='n'>"
                   f"unfused</th><th class='n'>fused</th></tr>{kids}</table></details>") if len(r.children) > 1 else ""
         cells.append(("", [name + detail, _e(r.cls), f"{r.unfused:,}", f"{r.fused:,}",
-                           f"{r.unfused / max(r.fused, 1):.2f}x", f"{r.count * r.fused:,}", bars]))
+                           _layer_speedup(r), f"{r.count * r.fused:,}", bars]))
     total_u = sum(r.unfused * r.count for r in rows)
     total_f = sum(r.fused * r.count for r in rows)
     return (f"<h2 id='layers'>Time per layer</h2><p class='meta'>{source} cycles per layer of the module hierarchy "
             f"(blue unfused, green fused); rows of identical consecutive layers are folded, with the cycles of one "
-            f"layer and the total of all. Whole graph: {total_u:,} &rarr; {total_f:,} cycles.</p>"
+            f"layer and the total of all. A row holds its module's own ops; a fused block whose ops span several "
+            f"modules sits in their closest common module, so one row may lose ops (fused elsewhere) that another "
+            f"gains. Whole graph: {total_u:,} &rarr; {total_f:,} cycles.</p>"
             + _table(["layer", "module", "unfused cycles (one)#", "fused cycles (one)#", "speed-up#",
                       "fused cycles (all)#", ""], cells))
 

@@ -229,6 +229,9 @@ def test_transformers_spec_values_and_defaults():
     (["report", *TINY, "--budget", "0.5"], "--budget '0.5': it must be at least one byte"),
     (["simulate", *TINY, "--meta"], "simulation needs data: drop --meta"),
     (["report"], "the following arguments are required: --model"),
+    (["report", *TINY, "--bogus", "1"], "autofuse report: unrecognized arguments: --bogus 1 (see `autofuse report "
+                                        "--help`)"),
+    (["patterns", "--show", "layer_norm"], "no template to draw"),
 ])
 def test_usage_errors_print_one_line_and_exit_2(argv, needle, capsys):
     code, err = _exit(argv, capsys)

@@ -468,6 +468,13 @@ def test_bad_memory_budget_names_the_argument(bad):
         AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), memory_budget=bad)
 
 
+def test_a_torchscript_module_says_to_pass_the_original():
+    m = torch.nn.Linear(4, 4)
+    for scripted in (torch.jit.script(m), torch.jit.trace(m, torch.randn(2, 4))):
+        with pytest.raises(TypeError, match=r"TorchScript module .* pass the original nn.Module"):
+            AutoFusionEngine.fuse(scripted, (torch.randn(2, 4),))
+
+
 def test_not_a_module_says_what_to_do():
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module or a torch.export.ExportedProgram, got "
                                         r"function.*wrap"):

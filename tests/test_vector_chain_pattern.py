@@ -270,6 +270,16 @@ def test_matmul_gelu_epilogue_and_its_alternatives_on_every_device():
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
+def test_a_whole_region_name_switches_only_that_region():
+    # "matmul+swiglu" off: the SwiGLU is no epilogue, but still fused as a Vector region of its own
+    torch.manual_seed(0)
+    m = GateUp().eval()
+    x = torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(m, (x,), fusion_switches={"matmul+swiglu": "off"})
+    assert [d.pattern for d in fused.report.applied] == ["swiglu"], fused.report.summary()
+    assert {d.reason_code for d in fused.report.decisions if d.pattern == "matmul+swiglu"} == {"disabled_by_switch"}
+
+
 def test_switching_a_name_off_leaves_it_unfused():
     torch.manual_seed(0)
     m = Norm("rms").eval()
