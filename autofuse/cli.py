@@ -201,26 +201,21 @@ def simulation_progress(progress: Progress, label: str):
 
 # ---------------------------------------------------------------------------------------------- arguments
 
-def _count(text: str) -> int:
-    """A size on the command line: a whole number, at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not a size: give 1 or more")
-    return n
+def _whole(least: int):
+    """An argparse type: a whole number of at least ``least`` (1 for a size, 0 for a count)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n} is not a size: give 1 or more" if least == 1 else
+                                             f"{n}: give {least} or more")
+        return n
+    return parse
 
 
-def _count0(text: str) -> int:
-    """A count on the command line: a whole number, 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n}: give 0 or more")
-    return n
+_count, _count0 = _whole(1), _whole(0)
 
 
 def _model_args(p):

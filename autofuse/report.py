@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-import cost_model
 from autofuse import decision as _decision
 from autofuse import hierarchy
 from autofuse.lower import lower, step_specs
