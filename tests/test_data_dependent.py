@@ -13,8 +13,8 @@ from conftest import assert_as_eager, main_output
 
 
 class Selected(torch.nn.Module):
-    """An RMSNorm over the rows a comparison keeps (their count depends on the values) beside a static SwiGLU-like
-    chain over every row."""
+    """An RMSNorm over the rows a comparison keeps (their count depends on the values) beside a static activation
+    chain over every row (``silu(x) · x``: no gated unit, a plain ``vector_chain``)."""
 
     def __init__(self):
         super().__init__()
@@ -55,7 +55,7 @@ def test_a_block_of_data_dependent_sizes_runs_as_captured_and_the_rest_fuses():
     d = {x.pattern: x for x in f.report.decisions}
     assert not d["rms_norm"].applied and d["rms_norm"].reason_code == "unsupported"
     assert "depend on data" in d["rms_norm"].reason and "aten.index.Tensor" in d["rms_norm"].reason
-    assert d["swiglu"].applied
+    assert any(x.applied and x.pattern == "vector_chain" and "silu" in x.nodes for x in f.report.decisions)
     counts = set()
     with torch.no_grad():
         for seed in range(4):
