@@ -518,8 +518,14 @@ def _explain(model, failures) -> str:
         hint = next((h for key, h in _HINTS if key in str(e) or key in type(e).__name__), None)
         if hint:
             lines.append(f"    hint: {hint}")
-    lines.append("  hint: the failing construct is named above; route='export' handles most models, "
-                 "route='symbolic_trace' only plain modules without value-dependent Python control flow.")
+    firsts = {(type(e).__name__, (str(e).strip().splitlines() or [""])[0]) for _, e in failures}
+    if len(failures) > 1 and len(firsts) == 1:
+        # every tracer stopped at the same error: the forward itself raises it on these inputs
+        lines.append("  hint: every route failed with the same error, which the forward raises on these inputs "
+                     "itself: run model(*example_inputs) eagerly to see it, and fix the model or the inputs.")
+    else:
+        lines.append("  hint: the failing construct is named above; route='export' handles most models, "
+                     "route='symbolic_trace' only plain modules without value-dependent Python control flow.")
     return "\n".join(lines)
 
 

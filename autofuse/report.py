@@ -220,10 +220,11 @@ def text_summary(report) -> str:
         lines.append(f"  whole graph (predicted): {report.predicted_cycles:,} cycles; "
                      + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})" for k, v in report.baselines.items()))
     width = max([10] + [len(d.pattern) for d in report.decisions])
+    at = max([24] + [len(d.anchor) for d in report.decisions])
     for d in report.decisions:
         mark = "FUSED " if d.applied else "kept  "
         fused = f"{d.cycles_fused:>12,}" if d.cycles_fused >= 0 else f"{'n/a':>12}"     # -1: no price
-        lines.append(f"  {mark}{d.pattern:<{width}} at {d.anchor:<24} {d.reason_code:<22} "
+        lines.append(f"  {mark}{d.pattern:<{width}} at {d.anchor:<{at}} {d.reason_code:<22} "
                      f"{d.cycles_unfused:>12,} -> {fused} cycles  {d.reason}")
     if report.memory_budget is not None:
         lines.append(f"  peak activation memory: {report.peak_memory_unfused:,} B unfused, "

@@ -249,6 +249,13 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
         assert "building the model" not in err
 
 
+def test_a_forward_that_raises_on_its_inputs_is_named_as_such(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text("import torch\ndef make():\n    return torch.nn.Linear(16, 16), (torch.randn(4, 7),)\n")
+    code, err = _exit(["report", "--model", f"{src}:make"], capsys)
+    assert code == 1 and "every route failed with the same error, which the forward raises" in err, err
+
+
 def test_a_function_returning_something_else_is_a_usage_error(tmp_path, capsys):
     src = tmp_path / "m.py"
     src.write_text("def make():\n    return 42\n")
