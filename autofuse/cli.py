@@ -220,7 +220,7 @@ _count, _count0 = _whole(1), _whole(0)
 
 def _model_args(p):
     g = p.add_argument_group("model")
-    g.add_argument("--model", required=True, help="zoo name (gpt2, llama, qwen2, bert, mha), "
+    g.add_argument("--model", required=True, help="zoo name (gpt2, llama, qwen2, mixtral, bert, mha), "
                    "transformers:ConfigClass?key=value&..., file.py:function or module:function")
     g.add_argument("--layers", type=_count, default=None, help="zoo models: layers (default 2)")
     g.add_argument("--hidden", type=_count, default=None, help="zoo models: hidden size (default 64)")
@@ -340,7 +340,10 @@ def _seq(a) -> int:
 
 def _quiet_transformers(verbose: bool):
     if not verbose:
-        import transformers
+        try:
+            import transformers
+        except ImportError:        # building the model says what to install
+            return
         transformers.logging.set_verbosity_error()
 
 
