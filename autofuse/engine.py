@@ -139,7 +139,7 @@ class Guard:
             return f"{self.fqn} was replaced by another tensor (the plan relied on its value)"
         if self.value and t._version != self.version:
             return f"{self.fqn} was modified in place (the plan relied on its value)"
-        if self.copy is not None and not torch.equal(t.detach(), self.copy):
+        if self.copy is not None and not _same_values(t.detach(), self.copy):
             return f"{self.fqn} holds other values (changed through .data; the plan relied on its value)"
         return None
 
@@ -151,6 +151,13 @@ class Guard:
     def describe(self) -> str:
         what = "identity, version and values" if self.value else "dtype, shape and device"
         return f"{self.fqn}: {what}"
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element, a NaN equal to a NaN (a float buffer holding NaN is not a changed one)."""
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
+    return torch.equal(a, b)
 
 
 _SCALARS = (bool, int, float, str, type(None))
