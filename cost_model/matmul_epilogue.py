@@ -218,17 +218,28 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
         best = (kernel_cycles(dev, *res[:3]), t, res)
         break
     if best is None:
-        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program: {_why_not(dev, prog, plan)}")
+        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program: {_why_not(dev, prog, plan, dtype)}")
     return best[1], best[2]
 
 
-def _why_not(dev, prog, plan) -> str:
-    """What the smallest tile (16 rows, one 16-deep K slice, one row per sub-block) asks of UB."""
+def _why_not(dev, prog, plan, dtype) -> str:
+    """What the smallest tile (16 rows, one K slice of the Cube's depth, one row per sub-block) asks of each buffer,
+    naming the first that overflows (the L1, L0 and UB checks of :func:`cost_model.lowering.epilogue_fits`)."""
     low, pieces, W, whole = plan
+    P, isz = len(pieces), itemsize(dtype)
+    m0, k0 = 16, dev.cube_k0[dtype]
     n0 = -(-W // 16) * 16 if whole else 16
-    need = ub_need(dev, epilogue_ub_specs(dev, prog, low, len(pieces), {"m0": 16, "n0": n0, "sub": 1}))
+    needs = [("UB", ub_need(dev, epilogue_ub_specs(dev, prog, low, P, {"m0": m0, "n0": n0, "sub": 1})),
+              dev.buffers["UB"]),
+             ("L1", 2 * (m0 * k0 + P * k0 * n0) * isz + n0 * 4, dev.buffers["L1"] - 64),
+             ("L0A", 2 * m0 * k0 * isz, dev.buffers["L0A"]), ("L0B", 2 * P * k0 * n0 * isz, dev.buffers["L0B"]),
+             ("L0C", P * m0 * n0 * 4, dev.buffers["L0C"])]
+    over = [f"{need:,} B of {name}, {have:,} B available" for name, need, have in needs if need > have]
     rows = f"whole rows of {W} columns" if whole else f"tiles of {n0} columns"
-    return f"{rows} in 16-row tiles need {need:,} B of UB, {dev.buffers['UB']:,} B available"
+    if over:
+        return f"{rows} in 16-row tiles need " + "; and ".join(over)
+    return (f"{rows}: the smallest tile fits every buffer (UB {needs[0][1]:,} of {needs[0][2]:,} B), but none of the "
+            f"matmul search's tilings adapts to it")
 
 
 def _roofline(dev, specs, program=None, bias=None, trans_b=False, tiling=None):
