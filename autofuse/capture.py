@@ -220,9 +220,7 @@ def _python_values_kept(model, args, kwargs):
     public path keeps them plain): ``isinstance(k, int)`` is then false (transformers' ``logits_to_keep`` slices
     as an index), ``is_causal=flag`` is refused, a size computed from it stays symbolic. A plan is made per value
     of such arguments (they are part of its key), so the forward may see them as the constants they are. The
-    stand-in is a shallow copy of the model (the same submodules, parameters and names) whose forward calls the
-    model's own with those leaves put back."""
-    import copy
+    stand-in (:func:`with_forward`) calls the model's own forward with those leaves put back."""
     import inspect
     flat, spec = pytree.tree_flatten((args, kwargs))
     if not any(isinstance(x, int) for x in flat):
@@ -240,6 +238,13 @@ def _python_values_kept(model, args, kwargs):
         forward.__signature__ = inspect.signature(own)
     except (TypeError, ValueError):
         pass
+    return with_forward(model, forward)
+
+
+def with_forward(model, forward):
+    """A stand-in for ``model`` whose calls run ``forward``: a shallow copy (the same submodules, parameters and
+    their names, so a capture of it names everything as the model's) with ``forward`` set on the instance."""
+    import copy
     stand_in = copy.copy(model)
     object.__setattr__(stand_in, "forward", forward)
     return stand_in

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autofuse.capture import lifted_input
+from autofuse.capture import lifted_input, with_forward
 
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -164,9 +164,7 @@ def _named_arguments(model, kwargs):
     """``model`` with a forward whose signature names every keyword the call passes. torch 2.13's export with
     ``dynamic_shapes`` fails on a keyword that lands in the forward's ``**kwargs`` (transformers passes
     ``return_dict`` so): it lists the keyword both inside the ``**kwargs`` entry and beside it, and the dynamic
-    shapes then match neither. The stand-in is a shallow copy of the model (the same submodules, parameters and
-    their names) whose forward calls the model's own."""
-    import copy
+    shapes then match neither. The stand-in (:func:`autofuse.capture.with_forward`) calls the model's own forward."""
     import inspect
 
     sig = inspect.signature(model.forward)
@@ -181,9 +179,7 @@ def _named_arguments(model, kwargs):
         return own(*args, **kw)
 
     forward.__signature__ = inspect.Signature(params)
-    stand_in = copy.copy(model)
-    object.__setattr__(stand_in, "forward", forward)
-    return stand_in
+    return with_forward(model, forward)
 
 
 def _leaf_kind(x):
