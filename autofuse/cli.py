@@ -292,6 +292,7 @@ def _build(a):
     from autofuse.models import TRANSFORMERS_PREFIX, build
     torch.manual_seed(0)            # the same command, the same weights and inputs: the same report
     dtype = getattr(torch, DTYPES[a.dtype or "float32"])
+    batch = 2 if a.batch is None else a.batch
     given = {k: getattr(a, k) for k in ZOO_SIZES if getattr(a, k) is not None}
     if a.model.startswith(TRANSFORMERS_PREFIX) and given:
         k = next(iter(given))
@@ -306,13 +307,13 @@ def _build(a):
         return build(a.model)
     if a.model.startswith(TRANSFORMERS_PREFIX):
         _quiet_transformers(a.verbose)
-        return build(a.model, seq=_seq(a), batch=2 if a.batch is None else a.batch, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+        return build(a.model, seq=_seq(a), batch=batch, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
                      past=a.past)
     sizes = {k: (given[k] if k in given else v) for k, v in ZOO_SIZES.items()}
     _check_zoo_sizes(a, sizes)
     if a.model != "mha":
         _quiet_transformers(a.verbose)
-    return build(a.model, seq=_seq(a), batch=2 if a.batch is None else a.batch, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
+    return build(a.model, seq=_seq(a), batch=batch, dtype=dtype, meta=a.meta, attn=a.attn or "eager",
                  past=a.past, **sizes)
 
 
@@ -619,8 +620,8 @@ def _simulate_world(a, progress):
         d = inspect.signature(tp_build).parameters
         hidden, heads = a.hidden or d["hidden"].default, a.heads or d["heads"].default
         if hidden % heads or heads % a.world_size:
-            raise UsageError(f"tp-block splits its {heads} heads over {a.world_size} ranks and each head takes hidden / "
-                             f"heads features: --heads must be a multiple of --world-size and divide --hidden "
+            raise UsageError(f"tp-block splits its {heads} heads over {a.world_size} ranks and each head takes "
+                             f"hidden / heads features: --heads must be a multiple of --world-size and divide --hidden "
                              f"(here --hidden {hidden} --heads {heads})")
     try:
         build = rank_builder(a.model, hidden=a.hidden, heads=a.heads, seq=a.seq, batch=a.batch,

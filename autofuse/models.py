@@ -53,8 +53,8 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ModelSpecError("transformers models need the transformers package: pip install transformers==5.24.0 (or pip install -e '.[models]')") \
-            from e
+        raise ModelSpecError("transformers models need the transformers package: pip install transformers==5.24.0 "
+                             "(or pip install -e '.[models]')") from e
     return transformers
 
 

@@ -457,5 +457,6 @@ def _other(c, w) -> str:
         return f"the {w.match.pattern} block at {w.anchor}"
     ours, theirs = ([str(getattr(n, "name", n)) for n in x.nodes] for x in (c, w))
     only_theirs, only_ours = [n for n in theirs if n not in ours], [n for n in ours if n not in theirs]
-    return (f"another {w.match.pattern} block at {w.anchor}" + (f", over {', '.join(only_theirs)}" if only_theirs else "")
+    return (f"another {w.match.pattern} block at {w.anchor}"
+            + (f", over {', '.join(only_theirs)}" if only_theirs else "")
             + (f" where this one is over {', '.join(only_ours)}" if only_ours else ""))

@@ -206,6 +206,13 @@ TRAINING_NOTE = ("the model is in train(): a dropout draws eager's keep-mask, fu
                  "their backward reads; call model.eval() for an inference plan")
 
 
+def _whole_graph(report) -> str:
+    """The whole graph's predicted cycles and its speed-up against each baseline (text and Markdown say it alike)."""
+    sp = report.speedups()
+    return f"{report.predicted_cycles:,} cycles; " + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})"
+                                                             for k, v in report.baselines.items())
+
+
 def text_summary(report) -> str:
     a, r = report.applied, report.rejected
     lines = [f"autofuse plan for {report.device} at {report.optimization_level}: {len(a)} fused, {len(r)} not fused "
@@ -216,14 +223,12 @@ def text_summary(report) -> str:
         lines.append(f"  fused blocks: {before:,} -> {after:,} cycles ({before / max(after, 1):.2f}x), "
                      f"HBM saved {sum(d.hbm_bytes_saved for d in a):,} B")
     if report.baselines:
-        sp = report.speedups()
-        lines.append(f"  whole graph (predicted): {report.predicted_cycles:,} cycles; "
-                     + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})" for k, v in report.baselines.items()))
+        lines.append(f"  whole graph (predicted): {_whole_graph(report)}")
     width = max([10] + [len(d.pattern) for d in report.decisions])
     at = max([24] + [len(d.anchor) for d in report.decisions])
     for d in report.decisions:
         mark = "FUSED " if d.applied else "kept  "
-        fused = f"{d.cycles_fused:>12,}" if d.cycles_fused >= 0 else f"{'n/a':>12}"     # -1: no price
+        fused = f"{d.shown()['cycles_fused']:>12}"
         lines.append(f"  {mark}{d.pattern:<{width}} at {d.anchor:<{at}} {d.reason_code:<22} "
                      f"{d.cycles_unfused:>12,} -> {fused} cycles  {d.reason}")
     if report.memory_budget is not None:
@@ -268,18 +273,17 @@ def markdown(report) -> str:
            f"{len(report.applied)} fused, {len(report.rejected)} not fused; graph {report.nodes_before} -> "
            f"{report.nodes_after} nodes.", ""]
     if report.baselines:
-        sp = report.speedups()
-        out += [f"Whole graph (predicted): {report.predicted_cycles:,} cycles; "
-                + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})" for k, v in report.baselines.items()) + ".", ""]
+        out += [f"Whole graph (predicted): {_whole_graph(report)}.", ""]
     if report.training:
         out += [f"Planned for training mode ({TRAINING_NOTE}).", ""]
     out += ["| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "
            "| working set (B) | of it workspace (B) |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for d in report.decisions:
+        f = d.shown()
         out.append(f"| {'fused' if d.applied else 'kept'} | {d.pattern} | `{d.anchor}` | {d.reason_code}: "
-                   f"{d.reason} | {d.cycles_unfused:,} | {d.shown()['cycles_fused']} | {d.shown()['speedup']} | "
-                   f"{d.shown()['hbm_bytes_saved']} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
+                   f"{d.reason} | {d.cycles_unfused:,} | {f['cycles_fused']} | {f['speedup']} | "
+                   f"{f['hbm_bytes_saved']} | {d.working_set_bytes:,} | {d.workspace_bytes:,} |")
     choices = implementation_rows(report)
     if choices:
         out += ["", "## Implementation choices per device", "",
@@ -475,9 +479,10 @@ def _decision_rows(ds) -> list:
         anchors = " ".join(f"<code>{_e(x.anchor)}</code>" for x in same)
         if len(same) > 1:
             anchors = f"<details><summary>&times;{len(same)} identical</summary>{anchors}</details>"
+        f = d.shown()
         rows.append(("applied" if d.applied else "rejected", [
             "fused" if d.applied else "not fused", anchors, _e(d.reason_code), _e(d.reason), f"{d.cycles_unfused:,}",
-            d.shown()["cycles_fused"], d.shown()["speedup"], d.shown()["hbm_bytes_saved"], f"{d.working_set_bytes:,}",
+            f["cycles_fused"], f["speedup"], f["hbm_bytes_saved"], f"{d.working_set_bytes:,}",
             f"{d.workspace_bytes:,}", _e(d.bound_fused)]))
     return rows
 

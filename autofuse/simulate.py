@@ -99,7 +99,8 @@ class SimulationResult:
 
     def summary(self, top: int = 10) -> str:
         lines = [f"simulated on {self.device}: {self.cycles:,} cycles ({self.seconds * 1e3:.3f} ms), "
-                 f"{self.launches} kernel launch{'' if self.launches == 1 else 'es'} ({self.distinct_launches} distinct), HBM {self.hbm_bytes:,} B, "
+                 f"{self.launches} kernel launch{'' if self.launches == 1 else 'es'} ({self.distinct_launches} "
+                 f"distinct), HBM {self.hbm_bytes:,} B, "
                  f"peak activation memory {self.peak_memory:,} B"]
         if self.joint is not None:
             ph = self.phases

@@ -421,7 +421,8 @@ def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_pat
                       {"key": "kernels", "value": ", ".join(c.kernels)}]
         match = hierarchy.fused_match(n)
         if match is not None:
-            attrs.append({"key": "fused", "value": f"{match.pattern}: replaces {', '.join(hierarchy.fused_block(n)[1])}"})
+            replaced = ", ".join(hierarchy.fused_block(n)[1])
+            attrs.append({"key": "fused", "value": f"{match.pattern}: replaces {replaced}"})
         outs = []
         v = n.meta.get("val")
         vals = list(v) if isinstance(v, (tuple, list)) else [v]

@@ -218,7 +218,8 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
         best = (kernel_cycles(dev, *res[:3]), t, res)
         break
     if best is None:
-        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program: {_why_not(dev, prog, plan, dtype)}")
+        raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program: "
+                         f"{_why_not(dev, prog, plan, dtype)}")
     return best[1], best[2]
 
 
