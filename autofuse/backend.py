@@ -151,8 +151,8 @@ autofuse_backend = Backend()
 
 
 def graphs(obj) -> list[CompiledGraph]:
-    """Every graph compiled for ``obj``: ``torch.compile``'s result, the model or function it wrapped, or a
-    :class:`Backend`, in compile order."""
+    """Every graph compiled for ``obj``: ``torch.compile``'s result, the model or function it wrapped (a model's
+    ``forward`` replaced by its compiled form gives the model's), or a :class:`Backend`, in compile order."""
     if isinstance(obj, Backend):
         return list(obj.graphs)
     target = obj
@@ -161,6 +161,8 @@ def graphs(obj) -> list[CompiledGraph]:
         if inner is not None:
             target = inner
             break
+    if isinstance(getattr(target, "__self__", None), torch.nn.Module):    # a module's (compiled) bound method
+        target = target.__self__
     try:
         return list(_BY_CALLABLE.get(target, ()))
     except TypeError:

@@ -150,6 +150,19 @@ def test_a_backend_object_with_settings_keeps_its_graphs_and_a_compiled_function
     assert reports(compiled) == reports(fn) == [r] and be.fused_modules[0].report is r
 
 
+def test_a_compiled_forward_reports_under_the_model_and_its_forward():
+    """``model.forward = torch.compile(model.forward, ...)`` (the way to keep ``generate`` and friends): the
+    reports are the model's, asked for by the model or by its compiled forward."""
+    block = MHABlock(32, 4).eval()
+    block.forward = torch.compile(block.forward, backend="autofuse")
+    x = torch.randn(2, 16, 32)
+    assert reports(block.forward) == []
+    with torch.no_grad():
+        block(x)
+    (r,) = reports(block)
+    assert reports(block.forward) == [r] and len(r.applied) == 1
+
+
 def test_compile_path_raises_no_leafspec_warning():
     model, x = _breaking()
     with warnings.catch_warnings(record=True) as seen, torch.no_grad():
