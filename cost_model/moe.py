@@ -98,9 +98,9 @@ def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm,
         v, ins = v + ew(ng) + rv + ew(E), ins + 2 + ri
     rv, ri = rounds(E, 1, k)
     v, ins = v + rv, ins + ri
-    if bias:
-        v, ins = v + k * (ew(E) + ew(E - 1)), ins + 2 * k
     v, ins = v + ew(E - 1) + ew(k), ins + 2                 # tie flags
+    if bias:                                                # the unbiased scores: compare, select, sum per pick
+        v, ins = v + k * (2 * ew(E) + ew(E - 1)), ins + 3 * k
     if not largest_:
         v, ins = v + ew(k), ins + 1
     if norm == "topk_softmax":                              # softmax over the chosen: sub, exp, sum, div

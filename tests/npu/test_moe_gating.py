@@ -91,6 +91,60 @@ def test_ties_follow_torch(device):
     assert r.stats.busy["scalar"] > 0                                # the tied rows were re-selected
 
 
+@pytest.mark.parametrize("norm", ["softmax", "sigmoid", "topk_softmax", "none"])
+def test_nan_and_infinite_logits_choose_as_torch(norm):
+    """torch.topk orders NaN as the largest value: a NaN score is chosen first and several NaNs (a softmax row
+    with a NaN or +inf logit is all NaN) fall in torch's order. Indices stay in range and equal eager's."""
+    torch.manual_seed(3)
+    x = torch.randn(12, 6)
+    x[0, 3] = float("nan")
+    x[1, 4] = float("inf")
+    x[2] = float("-inf")
+    x[3, [1, 4]] = float("nan")
+    x[4, :] = float("nan")
+    if norm == "none":
+        r = npu.run("topk", x, k=2)
+        assert np.array_equal(r.outputs[1], torch.topk(x, 2).indices.numpy())
+        r = npu.run("topk", x, k=2, largest=False)
+        assert np.array_equal(r.outputs[1], torch.topk(x, 2, largest=False).indices.numpy())
+        return
+    r = npu.run("moe_gating_topk", x, k=2, norm=norm, renorm=True, eps=0.0)
+    s = x if norm == "topk_softmax" else torch.softmax(x, -1) if norm == "softmax" else torch.sigmoid(x)
+    idx = torch.topk(s, 2).indices
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    y = torch.from_numpy(r.outputs[0])
+    want = torch.softmax(x.gather(-1, idx), -1) if norm == "topk_softmax" else \
+        s.gather(-1, idx) / s.gather(-1, idx).sum(-1, keepdim=True)
+    torch.testing.assert_close(y, want, equal_nan=True, atol=1e-6, rtol=1e-5)   # fp32 rounding only
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_ties_with_a_selection_bias_are_settled_on_the_choices(n_group, topk_group):
+    """With a bias, the selection is on scores + bias, the weights the unbiased scores: tied *scores* (sigmoid
+    saturated at 1) must not re-select on the scores, tied *choices* re-select on the choices."""
+    E = 8
+    bias = torch.tensor([0.0, 0.0, 0.9, 0.8, 0.25, -0.25, 0.0, 0.0])
+    x = torch.tensor([[20.0, 20.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0],     # tied scores, distinct choices
+                      [2.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0],       # tied choices
+                      [0.0] * E])
+    x = torch.cat([x, torch.randint(-2, 3, (40, E)).float()])
+    p = dict(k=2, norm="sigmoid", renorm=True, eps=1e-20, n_group=n_group, topk_group=topk_group,
+             group_score="top2", routed_scaling_factor=2.5)
+    r = npu.run("moe_gating_topk", x, bias, **p)
+    # the reference in float32, as the kernel and the models compute it (ties are ties of fp32 values)
+    s = torch.sigmoid(x)
+    choice = s + bias
+    if n_group > 1:
+        gs = choice.view(-1, n_group, E // n_group).topk(2, -1).values.sum(-1)
+        keep = torch.zeros_like(gs).scatter_(1, torch.topk(gs, topk_group, -1, sorted=False).indices, 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1), float("-inf"))
+    idx = torch.topk(choice, 2, -1).indices
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    y = s.gather(-1, idx)
+    torch.testing.assert_close(torch.from_numpy(r.outputs[0]), y / (y.sum(-1, keepdim=True) + 1e-20) * 2.5,
+                               atol=1e-6, rtol=1e-5)                   # fp32 rounding only
+
+
 def test_zero_router_ties_in_groups():
     """A zero-initialised router (every score equal): groups and experts chosen as torch chooses them."""
     x = torch.zeros(20, 64)

@@ -24,13 +24,17 @@ costs ``(E - 1) · ceil(lanes / 64)`` fp32 repeats, not ``lanes · ceil(E / 64)`
 
 Top-k: k rounds of ``max`` over the experts, ``compare == max`` and ``select`` the expert number (else E),
 ``min`` (the first expert holding the max), ``compare iota == index`` and ``select -inf`` (knock it out).
-With a bias, each round also gathers the unbiased score (``select`` + ``sum``). Group top-2 runs two such
-rounds inside each group at once; group selection runs ``topk_group`` rounds over the group scores.
+With a bias, the rounds select on the choices and, after the ties are settled (below), each chosen expert's
+unbiased score is gathered (``compare iota == index``, ``select``, ``sum``). Group top-2 runs two such
+rounds inside each group at once; group selection runs ``topk_group`` rounds over the group scores. A NaN
+counts as the largest value, as in ``torch.topk``: ``max`` propagates it and the compares hold NaN equal to
+NaN (modelled at no extra cost), so a NaN score is chosen first (last with ``largest=False``).
 
 Ties: ``torch.topk`` on the CPU does not order equal values lowest-index-first; it leaves them where
 libstdc++'s ``nth_element`` / ``partial_sort`` puts them (see :mod:`autofuse.npu.kernels.stl_select`). The
 kernel flags rows where two of the chosen values are equal, or the k-th equals the best value left (one
-more ``max`` and compares), and the Scalar unit re-selects those rows with torch's algorithm (cycles: one
+more ``max`` and compares; two NaNs count as equal), and the Scalar unit re-selects those rows, on the
+chosen rows' choices as they were before the knock-outs, with torch's algorithm (cycles: one
 per comparison plus one per value read [A]), so indices equal ``torch.topk``'s with ties too. The same
 holds for the group selection (``torch.topk(group_scores, topk_group)``: the same set).
 
@@ -140,14 +144,26 @@ def topk(launch, x, k=1, largest=True, tiling=None):
     return view(vals, lead + (int(k),)), view(idx, lead + (int(k),))
 
 
-def _pick(w, axis):
+def _same(a, b):
+    """``a == b`` with NaN equal to NaN: the compares of the selection, which order NaN as torch does."""
+    return (a == b) | (np.isnan(a) & np.isnan(b))
+
+
+def _best(w, axis, nan_first=True, keepdims=False):
+    """The max along ``axis``: NaN where one is (``nan_first``, torch's largest-first order), else NaN only
+    where every value is (the smallest-first order, on negated values, takes NaN last)."""
+    return w.max(axis=axis, keepdims=keepdims) if nan_first else np.fmax.reduce(w, axis=axis, keepdims=keepdims)
+
+
+def _pick(w, axis, nan_first=True):
     """``(max, first position holding it, hit mask)`` along ``axis`` of ``w``; the hit is knocked out of
-    ``w`` (set to -inf) in place."""
-    m = w.max(axis=axis, keepdims=True)
+    ``w`` (set to -inf) in place. NaN is ordered as torch orders it (:func:`_best`); the compare with the max
+    holds at a NaN when the max is NaN."""
+    m = _best(w, axis, nan_first, keepdims=True)
     shape = [1] * w.ndim
     shape[axis] = w.shape[axis]
     io = np.arange(w.shape[axis], dtype=np.float32).reshape(shape)
-    first = np.where(w == m, io, np.float32(w.shape[axis])).min(axis=axis, keepdims=True)
+    first = np.where(_same(w, m), io, np.float32(w.shape[axis])).min(axis=axis, keepdims=True)
     hit = io == first
     np.copyto(w, _NEG, where=hit)
     return m.squeeze(axis), first.squeeze(axis), hit
@@ -279,6 +295,7 @@ class _Program(Lanes):
             self.vec("add bias", (C,), (S, B), self.ew(E),
                      lambda: np.add(S.data, B.data[:, :, :1], out=C.data))
             choice = C
+        self.choice = choice
         if self.ng > 1:
             self.limit_groups(choice)
         else:
@@ -286,18 +303,22 @@ class _Program(Lanes):
         V, I = self.V, self.I
 
         def pick(r):
-            m, first, hit = _pick(W.data, 1)
+            m, first, hit = _pick(W.data, 1, self.largest)
             V.data[:, r], I.data[:, r] = m, first
             np.copyto(M.data, hit)
 
         for r in range(k):
             self.rounds("experts", (W, M, I), E, 1, 1, lambda _, r=r: pick(r))
-            if self.bias is not None:                     # the unbiased score of the chosen expert
+        self.fix_ties(W, V, I)                            # on the chosen choices (biased, when a bias is given)
+        if self.bias is not None:                         # then the chosen experts' unbiased scores
+            iota = self.iota
+            for r in range(k):
+                self.vec("compare iota == index", (M,), (iota, I), self.ew(E),
+                         lambda r=r: np.copyto(M.data, iota.data == I.data[:, r:r + 1]))
                 self.vec("select score", (M,), (M, S), self.ew(E),
                          lambda: np.copyto(M.data, np.where(M.data > 0, S.data, np.float32(0))))
                 self.vec("reduce sum (gather)", (V,), (M,), self.ew(E - 1),
                          lambda r=r: V.data.__setitem__((slice(None), r), M.data.sum(axis=1)))
-        self.fix_ties(W, V, I)
         self.finish(V, I)
         self.store()
 
@@ -342,10 +363,11 @@ class _Program(Lanes):
 
     # ------------------------------------------------------------------ ties, on the Scalar unit
     def _tie_rows(self, vals, nxt):
-        """Per core and lane: whether two chosen values are equal or the last equals the best one left."""
-        tie = vals[:, -1] == nxt
+        """Per core and lane: whether two chosen values are equal or the last equals the best one left (NaN
+        equal to NaN: several NaNs are ordered as torch orders them too)."""
+        tie = _same(vals[:, -1], nxt)
         if vals.shape[1] > 1:
-            tie |= (vals[:, 1:] == vals[:, :-1]).any(axis=1)
+            tie |= _same(vals[:, 1:], vals[:, :-1]).any(axis=1)
         return tie
 
     def _scalar(self, comparisons, reads, writes):
@@ -358,25 +380,26 @@ class _Program(Lanes):
         self.vec("reduce max (best left)", (self.M,), (W,), self.ew(E - 1))
         self.vec("compare ties", (self.M,), (V,), self.ew(k))
         w = W.data
-        nxt = w.max(axis=1)
+        nxt = _best(w, 1, self.largest)
         v = V.data[:, :k]
         tie = self._tie_rows(v, nxt)
         lane_ok = np.arange(w.shape[2])[None, :] < self.ke[:, None]
         tie &= lane_ok
         cost = np.zeros(self.n)
         if tie.any():
-            idx = I.data[:, :k].astype(np.int64)
+            choice = self.choice.data
+            if self.ng > 1:                                  # outside the kept groups: -inf, as the selection saw
+                kept = np.repeat(np.isneginf(self.K.data), self.E // self.ng, axis=1)
+                choice = np.where(kept, choice, _NEG)
             for c, lane in zip(*np.nonzero(tie)):
-                row = w[c, :, lane].copy()
-                row[idx[c, :, lane]] = v[c, :, lane]         # the choices as they were before the knock-outs
-                got, calls = torch_topk(row, k, largest=True, sorted=True)
+                row = choice[c, :, lane].copy()              # the choices as they were before the knock-outs
+                if self.largest:
+                    got, calls = torch_topk(row, k, largest=True, sorted=True)
+                else:                                        # the values were negated: torch's smallest-first order
+                    got, calls = torch_topk(-row, k, largest=False, sorted=True)
                 I.data[c, :k, lane] = got
                 V.data[c, :k, lane] = row[got]
                 cost[c] += calls + E
-            if self.bias is not None:                        # the unbiased scores of the re-selected experts
-                S = self.S.data
-                for c, lane in zip(*np.nonzero(tie)):
-                    V.data[c, :k, lane] = S[c, I.data[c, :k, lane].astype(np.int64), lane]
         if cost.any():
             self._scalar(cost, (W, V), (V, I))
 

@@ -2,7 +2,7 @@
 
 torch 2.13's CPU ``topk`` (``aten/src/ATen/native/cpu/SortingKernel.cpp``, ``topk_impl_loop``) fills a
 vector of ``(value, index)`` pairs in index order and, with the comparator ``a > b`` (NaN first; ``a < b``
-for ``largest=False``):
+for ``largest=False``, NaN last):
 
 * when ``k * 64 <= n``: ``std::partial_sort(first, first + k, last)`` (heap select, then sort_heap);
 * otherwise: ``std::nth_element(first, first + k - 1, last)`` (introselect) and, if ``sorted``,
@@ -20,7 +20,8 @@ import math
 
 
 class _Cmp:
-    """The strict weak order of torch's topk (NaN counts as the largest), counting its calls."""
+    """The strict weak order of torch's topk (NaN counts as the largest value: first for ``largest``, last
+    otherwise), counting its calls."""
 
     def __init__(self, largest: bool):
         self.largest = largest
@@ -31,7 +32,7 @@ class _Cmp:
         a, b = x[0], y[0]
         if self.largest:
             return (math.isnan(a) and not math.isnan(b)) or a > b
-        return (math.isnan(a) and not math.isnan(b)) or a < b
+        return (not math.isnan(a) and math.isnan(b)) or a < b
 
 
 def _insertion_sort(v, first, last, comp):
