@@ -23,7 +23,8 @@ Canonical spellings (what patterns may assume):
 * one-element constants (``torch.sqrt(torch.tensor(d))``, real 0-d buffers) become Python scalars
 * batch-dim reshapes around a matmul (heads folded into the batch for ``bmm``) move to its operands,
   so a matmul is always at the highest batch rank available
-* casts -> ``aten._to_copy(x, dtype=d)``; casts to the same dtype, clones, detach, eval-mode
+* casts -> ``aten._to_copy(x, dtype=d)``; casts to the same dtype, clones, detach (in a graph captured without grad;
+  with grad it stops the gradient and stays), eval-mode
   dropout and same-shape views/expands disappear; every view spelling becomes ``aten.reshape``
 * a swap of the last two dims -> ``aten.transpose.int(x, -2, -1)``; any other permutation ->
   ``aten.permute`` (chains composed; a permutation that ends in a last-two swap is split into
@@ -214,6 +215,11 @@ def _identity(n):
 
 
 def _drop_clone(n):
+    gm = n.graph.owning_module
+    if n.target == aten.detach.default and gm is not None:
+        if gm.meta.get("autofuse_grad", True):
+            return None       # a graph autograd may differentiate: detach stops the gradient, it stays
+        gm.meta["autofuse_dropped_detach"] = True     # a plan not to run where autograd may differentiate
     return n.args[0]
 
 

@@ -179,6 +179,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
             _cleanup(gm)
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
+            gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
                             input_updates=gm.meta.get("autofuse_input_updates", ()))

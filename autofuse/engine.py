@@ -218,6 +218,8 @@ class Plan:
     """One key's compiled graph, with its report and guards."""
 
     def __init__(self, captured, graph_module, report, canonical, guards, model=None):
+        #: planned without grad, canonicalize dropped a detach: the plan is not for a call autograd may differentiate
+        self.dropped_detach = bool(canonical.meta.get("autofuse_dropped_detach"))
         self.captured = captured
         self.model = model
         self.graph_module = graph_module
@@ -541,7 +543,11 @@ class FusedModule(torch.nn.Module):
     def _key(self, args, kwargs):
         if not self._caches_ready:      # a KV cache flattens into its tensors before the signature is taken
             self._caches_ready = caches.prepare(self.model, args, kwargs)
-        return _signature(args, kwargs), tuple(m.training for m in self.model.modules()), autocast_state()
+        key = _signature(args, kwargs), tuple(m.training for m in self.model.modules()), autocast_state()
+        p = self._plans.get(key)
+        if p is not None and p.dropped_detach and torch.is_grad_enabled():
+            key += ("with grad",)       # planned without grad, its fusions saw through a detach: not for autograd
+        return key
 
     def _plan_for(self, args, kwargs) -> Plan:
         key = self._key(args, kwargs)

@@ -159,7 +159,8 @@ def run_grad_program(gp, tiling, ins, grad_outs, device) -> list:
 def gradients_from(gp, outs, device) -> list:
     """Each requested input's gradient from the backward program's outputs ``outs``: summed over the lead dims
     the input is broadcast along (torch ``sum``: a reduction launch), slices' parts concatenated with zeros
-    between (``torch.cat``: a copy), zeros where the program computes none."""
+    between (``torch.cat``: a copy), zeros where the program computes none, and None (as autograd gives) where
+    no differentiable path joins the input to an output given a gradient."""
     res = []
     for go in gp.grads:
         def summed(g, go=go):      # an input broadcast along lead dims: the sum of every row's contribution
@@ -177,7 +178,7 @@ def gradients_from(gp, outs, device) -> list:
                 pieces.append(pieces[-1].new_zeros(*pieces[-1].shape[:-1], width - col))
             res.append(torch.cat(pieces, -1).reshape(go.shape).to(torch_dtype(go.dtype)))
         elif go.output is None:
-            res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype), device=device))
+            res.append(torch.zeros(go.shape, dtype=torch_dtype(go.dtype), device=device) if go.linked else None)
         else:
             res.append(summed(outs[go.output]).reshape(go.shape).to(torch_dtype(go.dtype)))
     return res
@@ -276,7 +277,7 @@ def _me_backward(ctx, grad_outs):
     launch = _grad_launch(ctx.program, wrt, _given(grad_outs), ctx.device)
     if launch is None:
         return _me_backward_host(ctx, grad_outs, a, b, bias, extra) + rest
-    if product is None and reads_input(launch[0].program, 0):
+    if product is None and launch[0].program is not None and reads_input(launch[0].program, 0):
         # an eval-mode plan differentiated anyway wrote no product: a torch matmul recomputes it (one more
         # matmul launch, the cost the training-mode plan's extra product store saves)
         product = _product(a, b, bias, prog, ctx.trans_b)
@@ -284,7 +285,7 @@ def _me_backward(ctx, grad_outs):
         product = a.new_empty(prog.inputs[0].shape, dtype=torch_dtype(prog.inputs[0].dtype))
     got = dict(zip(wrt, run_grad_program(*launch, [product] + extra, grad_outs, ctx.device)))
     ga = gb = gbias = None
-    if 0 in wrt:
+    if got.get(0) is not None:
         w = b.transpose(-1, -2) if ctx.trans_b else b
         d = got[0].reshape(*a.shape[:-1], w.shape[-1]).to(a.dtype)       # as eager's linear backward: in a's dtype
         if need[0]:

@@ -179,7 +179,9 @@ def _dropout_args(n):
 
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
-          aten.clone.default, aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default}
+          aten.clone.default, aten.contiguous.default, aten.lift_fresh_copy.default}
+# not aten.detach: where it is left in the graph (a plan that autograd may differentiate, see canonicalize), it
+# stops the gradient, which a program's derived backward would not; a region ends at it
 _UNARY_ATEN = {aten.neg.default: "neg", aten.abs.default: "abs", aten.exp.default: "exp", aten.log.default: "log",
                aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.reciprocal.default: "reciprocal",
                aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
@@ -448,8 +450,7 @@ class _Build:
                 self.fail(n, "a view of a stack other than flattening its last two dims")
             return self.b.interleave(*self.stacked[src])
         v = self.arg(n, src) if src not in self.squeezed else self.val[src]
-        if n.target in (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-                        aten.lift_fresh_copy.default):
+        if n.target in (aten.clone.default, aten.contiguous.default, aten.alias.default, aten.lift_fresh_copy.default):
             if src in self.squeezed:
                 self.squeezed.add(n)
             return v

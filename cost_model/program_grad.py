@@ -69,6 +69,8 @@ class GradOutput:
     shape: tuple
     dtype: str
     parts: tuple = ()          # split: ((output, start, stop), ...), the columns of each; zeros elsewhere
+    linked: bool = True        # a differentiable path joins the input to an output given a gradient: without
+    #                            one, autograd gives no gradient (None), not zeros (an optimizer skips a None)
 
 
 @dataclass(frozen=True)
@@ -186,13 +188,21 @@ def backward_program(program, wrt, outputs=None, split: bool = False) -> GradPro
     for k in wrt:
         if p.inputs[k].dtype not in FLOATS:
             raise ProgramError(f"input {k} is {p.inputs[k].dtype}: only a float input has a gradient")
-    # values through which a requested input reaches an instruction by a differentiable path
-    reach = [k in wrt for k in range(nin)]
+    # per value, the requested inputs (bits) that reach it by a differentiable path
+    paths = [1 << k if k in wrt else 0 for k in range(nin)]
     for ins in p.instrs:
         carries = ins.op not in COMPARE + LOGIC and not (ins.op == "cast" and ins.dtype == "bool")
-        reach.append(carries and any(reach[a] for a in _diff_args(ins)))
+        bits = 0
+        if carries:
+            for a in _diff_args(ins):
+                bits |= paths[a]
+        paths.append(bits)
+    reach = [bool(b) for b in paths]
     grad_of = tuple(j for j, o in enumerate(p.outputs)
                     if j in outputs and o.dtype in FLOATS and vals[o.value].dtype != "bool")
+    linked = 0
+    for j in grad_of:
+        linked |= paths[p.outputs[j].value]
     e = _Emit(p.lead, list(p.inputs) + [Input(p.outputs[j].dtype, tuple(p.lead) + (vals[p.outputs[j].value].width,))
                                         for j in grad_of])
     fwd = list(range(nin))
@@ -241,7 +251,7 @@ def backward_program(program, wrt, outputs=None, split: bool = False) -> GradPro
             grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype, tuple(got)))
             continue
         if k not in adj:
-            grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype))
+            grads.append(GradOutput(k, None, sum_dims, tuple(inp.shape), inp.dtype, linked=bool(linked >> k & 1)))
             continue
         outs.append((e.widen(adj[k], k), inp.dtype))
         grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))

@@ -1,0 +1,88 @@
+"""Gradients are eager's where the forward says what the gradient is: a ``detach`` inside a fused Vector region
+stops it (a straight-through estimator, a stop-gradient factor, a detached statistic); planned without grad,
+detach is dropped and the plan is not reused with grad."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+
+
+class Detaching(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.l1, self.l2 = kind, nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.gelu(self.l1(x))
+        if self.kind == "straight_through":             # fake quantisation, identity gradient
+            h = h + (torch.round(h * 4) / 4 - h).detach()
+        elif self.kind == "stop_gradient_factor":
+            h = h * h.detach().sigmoid()
+        else:                                           # RMS scaling by a detached statistic
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).detach() + 1e-6)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("kind", ["straight_through", "stop_gradient_factor", "detached_statistic"])
+def test_detach_inside_a_vector_chain_stops_the_gradient(kind):
+    torch.manual_seed(0)
+    model = Detaching(kind)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert fused.report.applied                         # the regions around the detach still fuse
+    ref(x).pow(2).sum().backward()
+    fused(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        # fp32: the fused regions reassociate sums; relative to the largest gradient entry
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), name
+
+
+def test_a_plan_made_without_grad_is_not_reused_with_grad():
+    torch.manual_seed(0)
+    model = Detaching("straight_through")
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), ref(x), atol=1e-6, rtol=1e-5)      # fp32 reassociation only
+    fused(x).sum().backward()
+    ref(x).sum().backward()
+    assert len(fused.plans) == 2
+    torch.testing.assert_close(model.l1.weight.grad, ref.l1.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+class Epilogue(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.l1, self.l2 = kind, nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        if self.kind == "step":                   # no differentiable path from l1: autograd gives None
+            return self.l2((self.l1(x) > 0).float())
+        if self.kind == "times_zero":             # a path whose derivative is zero: autograd gives zeros
+            return self.l2(self.l1(x) * 0.0 + x)
+        return self.l2(F.dropout(F.gelu(self.l1(x)), p=1.0, training=True))     # every element dropped: zeros
+
+
+@pytest.mark.parametrize("kind", ["step", "times_zero", "dropout_all"])
+def test_an_epilogue_without_gradient_gives_what_autograd_gives(kind):
+    """None where no differentiable path joins a parameter to the loss, zeros where one does with a zero
+    derivative: an optimizer skips a None (no weight decay), so the two differ after a step."""
+    torch.manual_seed(0)
+    model = Epilogue(kind)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert any(d.pattern in ("matmul_epilogue", "vector_chain") or "matmul" in d.pattern
+               for d in fused.report.applied), fused.report.summary()
+    ref(x).pow(2).sum().backward()
+    fused(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)   # fp32 reassociation only
