@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import time
 
 import torch
@@ -71,7 +72,7 @@ def _signature(args, kwargs):
         else:
             try:
                 hash(x)
-                sig.append(("V", x))
+                sig.append(("V", type(x), x))       # 2 and 2.0 are equal, but a forward may tell them apart
             except TypeError:
                 sig.append(("V", repr(x)))
     return (spec, tuple(sig))
@@ -132,6 +133,8 @@ class Guard:
             t = state_tensor(model, self.fqn)
         except AttributeError:
             return f"{self.fqn} is gone from the model"
+        if not isinstance(t, torch.Tensor):
+            return f"{self.fqn} is now {t!r}, no tensor (the plan read it as one)"
         spec = (t.dtype, tuple(t.shape), t.device.type)
         if spec != self.spec:
             return f"{self.fqn} changed from {self._fmt(self.spec)} to {self._fmt(spec)}"
@@ -165,7 +168,32 @@ _MISSING = object()
 
 
 def _scalar(v) -> bool:
-    return isinstance(v, _SCALARS) or (isinstance(v, tuple) and all(isinstance(x, _SCALARS) for x in v))
+    return isinstance(v, _SCALARS) or (isinstance(v, (tuple, list)) and all(isinstance(x, _SCALARS) for x in v))
+
+
+def _kept(v):
+    """What a plan keeps of a plain attribute's value: a list copied (it may be edited in place), a tensor (not a
+    parameter or buffer: those have guards of their own) by identity and version."""
+    if isinstance(v, list):
+        return list(v)
+    if isinstance(v, torch.Tensor):
+        return (id(v), v._version)
+    return v
+
+
+def _state_spec(model) -> tuple:
+    """dtype, shape and device of every parameter and buffer: a capture (and a symbolic export) holds them."""
+    return tuple((name, (t.dtype, tuple(t.shape), t.device.type)) for name, t in
+                 (*model.named_parameters(), *model.named_buffers()))
+
+
+def _global_hooks() -> tuple:
+    """torch's global module hooks (``register_module_forward_hook`` and friends), by identity: capture runs them
+    into the graph like a module's own."""
+    from torch.nn.modules import module as _m
+    return tuple(tuple(id(h) for h in getattr(_m, d, {}).values())
+                 for d in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+                           "_global_backward_pre_hooks"))
 
 
 class ModuleGuard:
@@ -180,9 +208,11 @@ class ModuleGuard:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
-        self.attrs = [(name, k, v) for name, m in self.modules.items() for k, v in vars(m).items()
-                      if not k.startswith("_") and k != "training" and _scalar(v)]
+        self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
+                      if not k.startswith("_") and k != "training" and (_scalar(v) or isinstance(v, torch.Tensor))]
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
+        self.state = _state_spec(model)
+        self.hooks = _global_hooks()
 
     def check(self, model) -> str | None:
         now = dict(model.named_modules())
@@ -191,14 +221,30 @@ class ModuleGuard:
                 return f"module {name or '(the model)'} was replaced or removed (the plan captured the old one)"
         for name, m in self.modules.items():
             if _call_state(m) != self.calls[name]:
-                return (f"module {name or '(the model)'} has other forward hooks or another forward than when it was "
-                        f"captured (capture runs them into the graph)")
+                return (f"module {name or '(the model)'} has other forward hooks or another forward (or class) than "
+                        f"when it was captured (capture runs them into the graph)")
+        if _global_hooks() != self.hooks:
+            return "torch's global module hooks changed since capture (capture runs them into the graph)"
         for name, k, v in self.attrs:
             cur = getattr(self.modules[name], k, _MISSING)
+            where = f"{name + '.' if name else ''}{k}"
             if cur is _MISSING:
-                return f"{name + '.' if name else ''}{k} is gone from the model"
-            if type(cur) is not type(v) or (cur != v and not (cur != cur and v != v)):     # NaN equals NaN
-                return f"{name + '.' if name else ''}{k} changed from {v!r} to {cur!r} (captured as a constant)"
+                return f"{where} is gone from the model"
+            now = _kept(cur)
+            if isinstance(v, tuple) and isinstance(cur, torch.Tensor):      # a plain tensor attribute
+                if now != v:
+                    return f"{where} was replaced or modified in place (captured as a constant)"
+            elif type(now) is not type(v) or (now != v and not (now != now and v != v)):     # NaN equals NaN
+                return f"{where} changed from {v!r} to {cur!r} (captured as a constant)"
+        state = _state_spec(model)
+        if state != self.state:
+            was, now = dict(self.state), dict(state)
+            for name in (*now, *was):
+                if was.get(name) == now.get(name):
+                    continue
+                if name in was and name in now:
+                    return f"{name} changed from {Guard._fmt(was[name])} to {Guard._fmt(now[name])} (the capture holds it)"
+                return f"{name} was added to or removed from the model (the capture holds its parameters and buffers)"
         return None
 
     def describe(self) -> str:
@@ -211,7 +257,12 @@ def _call_state(m: torch.nn.Module) -> tuple:
     forward set on the instance."""
     hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items())
                   for d in ("_forward_pre_hooks", "_forward_hooks"))
-    return hooks, id(m.__dict__.get("forward"))
+    return hooks, id(m.__dict__.get("forward")), type(m), id(type(m).forward)
+
+
+#: One plan is made at a time, process-wide: torch.export's tracing is not thread-safe (two threads capturing
+#: at once failed, and left a traced tensor in the user's model); calls of plans made run concurrently.
+_PLANNING = threading.RLock()
 
 
 class Plan:
@@ -249,6 +300,7 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring). ``sizes``: the
     :class:`autofuse.sizes.SizeFamilies` whose symbolic exports may serve this capture; ``verdicts``: a dict of
     verification verdicts kept across plans (``_Verifier``'s ``shared``)."""
+    _check_parameter_dtypes(model, device)      # model.double() after fuse(): refused as fuse() refuses it
     _check_input_dtypes(args, kwargs, device)
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route, sizes=sizes)
@@ -550,6 +602,10 @@ class FusedModule(torch.nn.Module):
         return key
 
     def _plan_for(self, args, kwargs) -> Plan:
+        with _PLANNING:
+            return self._plan_for_locked(args, kwargs)
+
+    def _plan_for_locked(self, args, kwargs) -> Plan:
         key = self._key(args, kwargs)
         p = self._plans.pop(key, None)       # put back last: the plans are kept in order of use
         why = p.failed_guard(self.model) if p is not None else None

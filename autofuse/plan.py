@@ -183,6 +183,12 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
             return Candidate(match, Price(), Price(cycles=-1), 0, None,
                              f"its dropout draw would move past the random op {other} (the generator would give "
                              f"each of them other numbers than eager's)")
+    empty = next((v for v in (*match.inputs.values(), *match.outputs.values()) if v in canonical and
+                  isinstance(canonical[v].meta.get("val"), torch.Tensor) and canonical[v].meta["val"].numel() == 0),
+                 None)
+    if empty is not None:
+        return Candidate(match, Price(), Price(cycles=-1), 0, None, f"{empty} is empty (a size is 0): nothing to "
+                                                                    f"fuse, it runs as captured")
     unfused = price_nodes([captured[n] for n in lifted.footprint], device)
     try:
         fused = fam.price(match, canonical, device, search_tiling)

@@ -1,0 +1,147 @@
+"""What a user changes on the model after fuse() is honoured: a parameter set to None, a plain tensor or list
+attribute edited, a module's class swapped or its class's forward patched, torch's global hooks, a dtype change
+after a symbolic export was made, ``2`` against ``2.0``, and a float64 model refused at any plan."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autofuse import AutoFusionEngine
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln, self.q, self.k, self.v, self.o = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d), \
+            nn.Linear(d, d), nn.Linear(d, d)
+        self.t = torch.tensor(2.0)               # a plain tensor attribute (no buffer)
+        self.lst = [1.0, 3.0]                    # a plain list attribute
+
+    def forward(self, x):
+        h = self.ln(x) * self.t + self.lst[1]
+        a = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2) * 0.25, -1) @ self.v(h)
+        return x + self.o(F.gelu(a))
+
+
+class Scaled(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 3
+
+
+def _setup():
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(2, 8, 32)
+    return model, x, AutoFusionEngine.fuse(model, (x,))
+
+
+EDITS = {
+    "bias_none": lambda m: setattr(m.o, "bias", None),
+    "tensor_in_place": lambda m: m.t.fill_(5.0),
+    "tensor_replaced": lambda m: setattr(m, "t", torch.tensor(7.0)),
+    "list_in_place": lambda m: m.lst.__setitem__(1, 10.0),
+    "class_swapped": lambda m: setattr(m.o, "__class__", Scaled),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edit_after_fuse_replans(edit):
+    model, x, fused = _setup()
+    fused(x)
+    EDITS[edit](model)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
+    assert fused.report.replanned_because
+
+
+def test_a_patched_class_forward_and_a_global_hook_replan(monkeypatch):
+    model, x, fused = _setup()
+    monkeypatch.setattr(nn.LayerNorm, "forward", lambda self, t: F.layer_norm(t, self.normalized_shape) * 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+    assert "class" in fused.report.replanned_because
+    monkeypatch.undo()
+    with torch.no_grad():
+        fused(x)                                  # the class's own forward again: planned again
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o * 2 if isinstance(m, nn.Linear) else None)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+        assert "global module hooks" in fused.report.replanned_because
+    finally:
+        handle.remove()
+
+
+class Full(nn.Module):
+    def forward(self, x, k):
+        return x * 2, torch.full((2,), k)
+
+
+@pytest.mark.parametrize("first,then", [(2, 2.0), (2.0, 2)])
+def test_an_int_and_an_equal_float_are_other_signatures(first, then):
+    model, x = Full(), torch.randn(4)
+    fused = AutoFusionEngine.fuse(model)
+    fused(x, first)
+    assert fused(x, then)[1].dtype == model(x, then)[1].dtype
+
+
+def test_float64_after_fuse_is_refused_by_name():
+    model, x, fused = _setup()
+    model.double()
+    with pytest.raises(TypeError, match=r"parameter 'ln.weight' of Block is float64.*model.float\(\)"):
+        fused(x.double())
+
+
+def test_a_dtype_change_after_a_shared_export_replans_new_lengths():
+    """From the third length on, one symbolic export serves the others: a model.half() after it must not be
+    served from the fp32 export."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        for s in (8, 9, 10, 11):
+            fused(torch.randint(0, 128, (2, s)))
+        model.half()
+        ids = torch.randint(0, 128, (2, 12))
+        got, want = fused(ids).logits, model(ids).logits
+    assert got.dtype == want.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)   # fp16 logits: a few ulps
+
+
+def test_threads_calling_with_new_sizes_plan_one_at_a_time():
+    """torch.export is not thread-safe: concurrent first calls at new sizes are planned one after another
+    (they failed with unrelated capture errors, and could leave a traced tensor in the user's model)."""
+    import threading
+    model, _, fused = _setup()
+    got, errors = {}, []
+
+    def run(s):
+        try:
+            z = torch.randn(2, s, 32)
+            with torch.no_grad():
+                got[s] = (z, fused(z))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(s,)) for s in (5, 6, 7, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(got) == [5, 6, 7, 9]
+    with torch.no_grad():        # eager after the threads: a capture traces the model's own modules meanwhile
+        for z, out in got.values():
+            torch.testing.assert_close(out, model(z), atol=1e-5, rtol=1e-4)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+def test_an_empty_batch_runs_as_captured():
+    model, _, fused = _setup()
+    z = torch.randn(0, 8, 32)
+    with torch.no_grad():
+        assert fused(z).shape == model(z).shape == (0, 8, 32)
+    assert not fused.report.applied and "is empty" in fused.report.summary()
