@@ -70,6 +70,7 @@ real data is touched, so very large configurations can be analysed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from dataclasses import dataclass
@@ -169,17 +170,19 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     failures = []
     for r in routes:
         try:
-            with torch_internal_warnings():   # torch's own deprecation, nothing to act on
+            with torch_internal_warnings(), _custom_functions() as functions:   # torch's own deprecation
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
                     gm, in_spec, out_spec = _capture_export(model, example_args, example_kwargs, export)
                 else:
                     gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
+            _refuse_custom_backwards(model, functions, (example_args, example_kwargs))
             _cleanup(gm)
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
+            gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f in functions)   # planned without grad
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
                             input_updates=gm.meta.get("autofuse_input_updates", ()))
@@ -188,6 +191,41 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
             failures.append((r, e))
     raise CaptureError(route, _explain(model, failures))
+
+
+@contextlib.contextmanager
+def _custom_functions():
+    """The user's ``torch.autograd.Function`` classes the forward applies while it is captured (a list filled in
+    place). Capture traces their forward; their backward is not in the graph."""
+    seen: list = []
+    Function = torch.autograd.function.Function
+    own = Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not (cls.__module__ or "").startswith("torch") and cls not in seen:
+            seen.append(cls)
+        return own.__func__(cls, *args, **kwargs)
+    Function.apply = classmethod(apply)
+    try:
+        yield seen
+    finally:
+        Function.apply = own
+
+
+def _refuse_custom_backwards(model, functions, inputs):
+    """A graph captured with grad, from a forward that applies the user's own autograd.Function, would be
+    differentiated through the Function's forward, not by its backward (a gradient reversal, a straight-through
+    estimator): refused while anything the call reads requires grad."""
+    if not functions or not torch.is_grad_enabled():
+        return
+    if not any(p.requires_grad for p in model.parameters()) and not any(
+            getattr(x, "requires_grad", False) for x in pytree.tree_leaves(inputs)):
+        return
+    names = ", ".join(f.__qualname__ for f in functions)
+    raise CaptureError("export", f"capture failed: the forward applies the custom autograd.Function(s) {names}, "
+                                 f"whose backward a captured graph does not keep (autograd would differentiate their "
+                                 f"forward instead). hint: for inference, fuse and call the model under "
+                                 f"torch.no_grad(); to train, run the model eagerly (or freeze its parameters).")
 
 
 # ---------------------------------------------------------------------------------------------- routes

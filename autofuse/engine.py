@@ -269,8 +269,10 @@ class Plan:
     """One key's compiled graph, with its report and guards."""
 
     def __init__(self, captured, graph_module, report, canonical, guards, model=None):
-        #: planned without grad, canonicalize dropped a detach: the plan is not for a call autograd may differentiate
-        self.dropped_detach = bool(canonical.meta.get("autofuse_dropped_detach"))
+        #: planned without grad, the plan is not for a call autograd may differentiate: canonicalize dropped a detach,
+        #: or the forward applies a custom autograd.Function (whose backward the graph does not keep)
+        self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
+                                      canonical.meta.get("autofuse_custom_functions"))
         self.captured = captured
         self.model = model
         self.graph_module = graph_module
@@ -287,6 +289,12 @@ class Plan:
 
     def __call__(self, *args, **kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
+        graded = [i for i in self.captured.input_updates if getattr(leaves[i], "requires_grad", False)]
+        if graded and torch.is_grad_enabled():
+            raise RuntimeError(f"autofuse: the forward updates input(s) {graded} (by position among the flattened "
+                               f"inputs) in place, and this call's require grad; eager's later reads of them carry "
+                               f"their gradient, which the fused graph's new values do not. Pass inputs that do not "
+                               f"require grad (x.detach()), or return the new value instead of updating it.")
         out = self.graph_module(*leaves)
         out = out if isinstance(out, (tuple, list)) else (out,)
         self.captured.update_state(out, self.model, leaves)   # state the forward updates: a BatchNorm's
@@ -597,8 +605,8 @@ class FusedModule(torch.nn.Module):
             self._caches_ready = caches.prepare(self.model, args, kwargs)
         key = _signature(args, kwargs), tuple(m.training for m in self.model.modules()), autocast_state()
         p = self._plans.get(key)
-        if p is not None and p.dropped_detach and torch.is_grad_enabled():
-            key += ("with grad",)       # planned without grad, its fusions saw through a detach: not for autograd
+        if p is not None and p.without_grad_only and torch.is_grad_enabled():
+            key += ("with grad",)       # planned without grad, not for autograd (see Plan.without_grad_only)
         return key
 
     def _plan_for(self, args, kwargs) -> Plan:
@@ -773,7 +781,9 @@ def _check_input_dtypes(args, kwargs, device: str):
             [(f"example input {k!r}", v) for k, v in kwargs.items()]
     for what, value in named:
         for leaf in pytree.tree_leaves(value):
-            if _bad_dtype(leaf):
+            # a 0-d float64 tensor is a scalar (torch.compile passes a Python float attribute so): type promotion
+            # lets the other operands' dtype decide
+            if _bad_dtype(leaf) and leaf.dim() > 0:
                 raise _dtype_error(what, leaf.dtype, device)
 
 

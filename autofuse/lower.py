@@ -436,7 +436,8 @@ def lower(node: fx.Node) -> Program:
     if t in _BINARY:
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else None
         op = _BINARY[t]
-        if isinstance(a, fx.Node) and isinstance(b, fx.Node) and _meta(b) is not None and _meta(b).dim() > 0:
+        if isinstance(a, fx.Node) and isinstance(b, fx.Node) and isinstance(_meta(b), torch.Tensor) and \
+                _meta(b).dim() > 0:
             return Program([Step("elementwise", (Arg(0), Arg(1 if b is not a else 0)), {"op": op})], ins)
         scalar = b if not isinstance(b, fx.Node) else None
         if scalar is not None and _scalar(scalar):

@@ -86,3 +86,41 @@ def test_an_epilogue_without_gradient_gives_what_autograd_gives(kind):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)   # fp32 reassociation only
+
+
+class STE(torch.autograd.Function):
+    """Round, with an identity gradient (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class Quantised(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.softmax(STE.apply(self.l1(x) * 4) / 4, -1)
+
+
+def test_a_custom_autograd_function_is_refused_with_grad_and_fused_without():
+    """Capture traces a custom Function's forward, not its backward: with grad (and trainable parameters) it is
+    refused by name; under no_grad it fuses, and that plan is not reused when grad comes back."""
+    from autofuse.capture import CaptureError
+    torch.manual_seed(0)
+    model, x = Quantised().eval(), torch.randn(2, 8, 16)
+    with pytest.raises(CaptureError, match=r"custom autograd.Function\(s\) STE.*torch.no_grad\(\)"):
+        AutoFusionEngine.fuse(model, (x,))
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, (x,))
+        torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)    # fp32 reassociation only
+    with pytest.raises(CaptureError, match="STE"):
+        fused(x)
+    model.requires_grad_(False)                    # nothing requires grad: nothing to lose
+    torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)

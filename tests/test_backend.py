@@ -163,6 +163,31 @@ def test_a_compiled_forward_reports_under_the_model_and_its_forward():
     assert reports(block.forward) == [r] and len(r.applied) == 1
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale = torch.nn.Linear(32, 32), 0.125
+
+    def forward(self, x):
+        return torch.softmax(self.lin(x) * self.scale, -1)
+
+
+def test_a_float_attribute_changed_under_compile_follows_eager():
+    """Dynamo recompiles a graph whose Python float attribute changed with the float as an input (a 0-d float64
+    tensor, then a symbolic float): both are scalars, not float64 data to refuse or lower as a tensor."""
+    torch.manual_seed(0)
+    model, x = _Scaled().eval(), torch.randn(2, 8, 32)
+    compiled = torch.compile(model, backend="autofuse")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            for s in (0.125, 0.5, 2.0):
+                model.scale = s
+                torch.testing.assert_close(compiled(x), model(x), atol=1e-6, rtol=1e-5)   # fp32: rounding only
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compile_path_raises_no_leafspec_warning():
     model, x = _breaking()
     with warnings.catch_warnings(record=True) as seen, torch.no_grad():

@@ -723,6 +723,12 @@ def test_an_input_that_requires_grad_updated_in_place_is_refused():
     acc = torch.zeros(6, 8, requires_grad=True) * 1           # not a leaf: eager allows the in-place write
     with pytest.raises(CaptureError, match=r"updates the input\(s\) \['acc'\] in place, and they require grad"):
         AutoFusionEngine.fuse(_Accumulating().train(), (torch.randn(2, 8), acc, torch.tensor([0, 1])))
+    # planned with an input that does not require grad, then called with one that does: refused at the call too
+    fused = AutoFusionEngine.fuse(_Accumulating().train(), (torch.randn(2, 8), torch.zeros(6, 8), torch.tensor([0, 1])))
+    with pytest.raises(RuntimeError, match=r"updates input\(s\) \[1\] .* in place, and this call's require grad"):
+        fused(torch.randn(2, 8), torch.zeros(6, 8, requires_grad=True) * 1, torch.tensor([0, 1]))
+    with torch.no_grad():           # no autograd, nothing to lose: runs
+        fused(torch.randn(2, 8), torch.zeros(6, 8, requires_grad=True) * 1, torch.tensor([0, 1]))
 
 
 # ------------------------------------------------------------------ Python values among the inputs
