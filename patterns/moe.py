@@ -199,6 +199,10 @@ def _decide_gating(m: dict) -> Match | None:
         return None
     E = shape(x)[-1]
     k = int(topk.args[1])
+    if val(topk.args[0]) is None or val(topk.args[0]).dtype in (torch.float16, torch.bfloat16) or \
+            val(norm).dtype in (torch.float16, torch.bfloat16):
+        return None                # eager selects on scores rounded to 16 bits, whose ties the kernel's fp32
+        #                            scores tell apart: other experts would be chosen
     gather = m["w"].target == aten.gather.default
     bias = None
     if "bias" in m:

@@ -214,6 +214,30 @@ class Router(nn.Module):
 GENERIC_OFF = {"softmax": "off", "vector_chain": "off", "matmul_epilogue": "off"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_a_router_selecting_on_16_bit_scores_is_not_fused(kind, dtype):
+    """Eager rounds the scores to 16 bits before the top-k: saturated sigmoids (7, 7.5, 8 and 6.5 are all 1.0 in
+    bf16) tie and fall in torch.topk's order, which the kernel's fp32 scores tell apart. Not fused: the
+    experts chosen are eager's."""
+    class Low(nn.Module):
+        def forward(self, x):
+            p = x.sigmoid() if kind == "sigmoid" else x.softmax(-1)
+            v, i = torch.topk(p, 2, dim=-1)
+            return v / v.sum(-1, keepdim=True), i
+    x = torch.tensor([[7.0, 7.5, 8.0, 0.0, -1.0, 6.5]] * 4 if kind == "sigmoid" else
+                     [[-1.0, -1.0, 0.0, -1.0, 0.003, 0.002]] * 4, dtype=dtype)
+    fused = AutoFusionEngine.fuse(Low(), (x,), fusion_switches=GENERIC_OFF)
+    assert not [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    assert torch.equal(fused(x)[1], Low()(x)[1])
+    # the same router computing its scores in fp32 (as transformers' routers do) is fused
+    class High(Low):
+        def forward(self, x):
+            return super().forward(x.float())
+    fused = AutoFusionEngine.fuse(High(), (x,), fusion_switches=GENERIC_OFF)
+    assert [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"] == ["fused"]
+
+
 @pytest.mark.parametrize("kind", ["plain", "topk_wrong_dim", "smallest", "softmax_over_tokens", "other_denominator",
                                   "biased_weights", "bias_on_selected"])
 def test_router_near_misses_are_not_fused(kind):
