@@ -600,6 +600,23 @@ class FusedModule(torch.nn.Module):
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
 
+    def __deepcopy__(self, memo):
+        """A fused module of a deep copy of the model, with the same settings and no plans yet (the first call
+        of each signature plans again): plans hold compiled graphs bound to this module's model."""
+        model = copy.deepcopy(self.model, memo)
+        return FusedModule(model, None, self._device, self._level, self._budget, self._route, self._verify,
+                           self._switches, self._max_plans, self._sizes is not None)
+
+    def __copy__(self):            # a shallow copy as copy.copy makes one (pickling, below, is refused)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a fused module holds compiled graphs and cannot be pickled or torch.save()d: save the model "
+                        "(fused.model, or its state_dict()) and fuse it again after loading; copy.deepcopy(fused) "
+                        "gives a fused module of a copy of the model")
+
     def _key(self, args, kwargs):
         if not self._caches_ready:      # a KV cache flattens into its tensors before the signature is taken
             self._caches_ready = caches.prepare(self.model, args, kwargs)

@@ -145,3 +145,17 @@ def test_an_empty_batch_runs_as_captured():
     with torch.no_grad():
         assert fused(z).shape == model(z).shape == (0, 8, 32)
     assert not fused.report.applied and "is empty" in fused.report.summary()
+
+
+def test_deepcopy_gives_a_fused_copy_and_pickle_says_what_to_save():
+    import pickle
+    model, x, fused = _setup()
+    twin = copy.deepcopy(fused)
+    assert twin.model is not model and not twin.plans
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
+        twin.model.o.weight.mul_(2)                       # the copy's weights are its own
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+    assert twin.report.applied
+    with pytest.raises(TypeError, match=r"save the model \(fused.model"):
+        pickle.dumps(fused)
