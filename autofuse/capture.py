@@ -553,6 +553,7 @@ _HINTS = [
 
 def _explain(model, failures) -> str:
     lines = [f"could not capture {type(model).__name__}:"]
+    hinted = False
     for route, e in failures:
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         lines.append(f"  route '{route}' failed with {text}")
@@ -562,8 +563,9 @@ def _explain(model, failures) -> str:
         hint = next((h for key, h in _HINTS if key in str(e) or key in type(e).__name__), None)
         if hint:
             lines.append(f"    hint: {hint}")
+            hinted = True
     firsts = {(type(e).__name__, (str(e).strip().splitlines() or [""])[0]) for _, e in failures}
-    if len(failures) > 1 and len(firsts) == 1:
+    if len(failures) > 1 and len(firsts) == 1 and not hinted:
         # every tracer stopped at the same error: the forward itself raises it on these inputs
         lines.append("  hint: every route failed with the same error, which the forward raises on these inputs "
                      "itself: run model(*example_inputs) eagerly to see it, and fix the model or the inputs.")
@@ -576,8 +578,9 @@ def _explain(model, failures) -> str:
 def _user_frame(e: BaseException) -> str | None:
     """The innermost traceback frame outside torch: the user's construct that failed."""
     torch_dir = os.path.dirname(torch.__file__)
+    own_dir = os.path.dirname(os.path.abspath(__file__))
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)
-              and not f.filename.endswith("capture.py")]
+              and not os.path.abspath(f.filename).startswith(own_dir + os.sep)]
     if not frames:
         return None
     f = frames[-1]

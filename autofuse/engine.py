@@ -252,11 +252,19 @@ class ModuleGuard:
                 f"and value")
 
 
+def _hooked_modules(model) -> list:
+    """Modules with forward or backward hooks (names; "(global)" for torch's global module hooks)."""
+    names = [name or "(the model)" for name, m in model.named_modules()
+             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+    return names + (["(global)"] if any(_global_hooks()) else [])
+
+
 def _call_state(m: torch.nn.Module) -> tuple:
-    """What a call of ``m`` runs besides its class's forward: its forward hooks and pre-hooks (by identity) and a
-    forward set on the instance."""
+    """What a call of ``m`` runs besides its class's forward: its forward and backward hooks and pre-hooks (by
+    identity; a new one re-plans, and the report warns of hooks), a forward set on the instance, its class and the
+    class's forward."""
     hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items())
-                  for d in ("_forward_pre_hooks", "_forward_hooks"))
+                  for d in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"))
     return hooks, id(m.__dict__.get("forward")), type(m), id(type(m).forward)
 
 
@@ -353,6 +361,11 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     if budget is not None and report.peak_memory_fused > budget:
         report.warnings.append(f"the fused graph's peak activation memory {report.peak_memory_fused:,} B exceeds "
                                f"the budget {budget:,} B; no remaining candidate lowers it")
+    hooked = _hooked_modules(model)
+    if hooked:
+        report.warnings.append(f"module(s) {', '.join(hooked)} have hooks: capture ran their forward hooks once, into "
+                               f"the graph (a hook that records tensors recorded traced ones, not each call's), and "
+                               f"backward hooks do not fire through fused calls; run the model eagerly to use them")
     return Plan(captured, _make_live(fused, model), report, gm, guards, model)
 
 

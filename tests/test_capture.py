@@ -251,3 +251,15 @@ def test_a_copy_into_a_view_is_captured_trainable():
         grads.append([p.grad.clone() for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)   # fp32 sums of 4 rows: reassociation only
+
+
+def test_a_capture_limit_is_not_called_an_error_of_the_forward():
+    """BatchNorm with momentum=None reads its batch count (.item()): eager runs, both routes stop at the same
+    data-dependent read. The hint names that construct and does not say the forward raises on its inputs."""
+    from autofuse.capture import CaptureError
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8, momentum=None)).train()
+    x = torch.randn(4, 8)
+    model(x)                                    # eager runs
+    with pytest.raises(CaptureError) as e:
+        capture(model, (x,))
+    assert "reads tensor *values*" in str(e.value) and "raises on these inputs" not in str(e.value)

@@ -159,3 +159,13 @@ def test_deepcopy_gives_a_fused_copy_and_pickle_says_what_to_save():
     assert twin.report.applied
     with pytest.raises(TypeError, match=r"save the model \(fused.model"):
         pickle.dumps(fused)
+
+
+def test_hooks_are_warned_of():
+    """Capture runs forward hooks once, into the graph; backward hooks do not fire through fused calls: the
+    report says so."""
+    model, x, fused = _setup()
+    assert not any("hooks" in w for w in fused.report.warnings)
+    model.o.register_full_backward_hook(lambda m, gi, go: None)
+    fused(x)
+    assert any(w.startswith("module(s) o have hooks") for w in fused.report.warnings)
