@@ -171,13 +171,24 @@ def _scalar(v) -> bool:
     return isinstance(v, _SCALARS) or (isinstance(v, (tuple, list)) and all(isinstance(x, _SCALARS) for x in v))
 
 
+class _TensorState:
+    """A plain tensor attribute (not a parameter or buffer: those have guards of their own) as a plan saw it: the
+    tensor itself (held, so that its identity cannot pass to another) and its version."""
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, t._version
+
+    def __eq__(self, other):
+        return isinstance(other, _TensorState) and other.tensor is self.tensor and other.version == self.version
+
+
 def _kept(v):
-    """What a plan keeps of a plain attribute's value: a list copied (it may be edited in place), a tensor (not a
-    parameter or buffer: those have guards of their own) by identity and version."""
+    """What a plan keeps of a plain attribute's value: a list copied (it may be edited in place), a tensor as a
+    :class:`_TensorState`, anything else as it is."""
     if isinstance(v, list):
         return list(v)
     if isinstance(v, torch.Tensor):
-        return (id(v), v._version)
+        return _TensorState(v)
     return v
 
 
@@ -198,8 +209,10 @@ def _global_hooks() -> tuple:
 
 class ModuleGuard:
     """What a plan assumed about the model's modules: which module sits at each name, and the value of every
-    plain attribute of each (numbers, strings, flags and tuples of them: a dropout's ``p``, a norm's ``eps``,
-    an attention's ``scaling``). Capture bakes such values into the graph as constants, so a changed one (or
+    plain attribute of each (numbers, strings, flags and tuples or lists of them: a dropout's ``p``, a norm's
+    ``eps``, an attention's ``scaling``; tensors that are no parameter or buffer, by identity and version), the
+    module's hooks, forward and class, torch's global module hooks, and the dtype, shape and device of every
+    parameter and buffer. Capture bakes such values into the graph as constants, so a changed one (or
     a module swapped for another) re-plans rather than run the old value. Private attributes (``_name``) and
     ``training`` (part of the plan's key) are left out; values are taken once the plan is built, so what the
     model's own forward sets while it is captured and verified is not mistaken for a change."""
@@ -231,7 +244,7 @@ class ModuleGuard:
             if cur is _MISSING:
                 return f"{where} is gone from the model"
             now = _kept(cur)
-            if isinstance(v, tuple) and isinstance(cur, torch.Tensor):      # a plain tensor attribute
+            if isinstance(v, _TensorState):
                 if now != v:
                     return f"{where} was replaced or modified in place (captured as a constant)"
             elif type(now) is not type(v) or (now != v and not (now != now and v != v)):     # NaN equals NaN
