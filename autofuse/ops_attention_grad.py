@@ -75,8 +75,9 @@ def reference_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None
     computed in fp32), ``P = exp(scale·S + mask - m) / l``, ``Dr = rowsum(dO∘O)`` in fp32, ``Pd = P∘keep/(1-p)``
     and ``dS = scale·P∘(dP∘keep/(1-p) - Dr)`` rounded to the operand dtype, the products in fp32, dq/dk/dv
     rounded to their dtypes (dk, dv summed over the query heads of each kv head). Rows with no key to attend
-    (``l = 0``) give zero gradients (NaN with ``empty_rows="nan"``); a bool-masked score with a finite fill
-    passes no gradient. ``softcap``: the scaled scores capped as ``c·tanh(s / c)`` before the mask, and dS times
+    (``l = 0``) give zero gradients (NaN with ``empty_rows="nan"``, in dv); a bool-masked score with a finite
+    fill passes no gradient, nor with ``empty_rows="nan"`` (as ``masked_fill``'s backward: an empty row's NaN
+    reaches dv, not dq or dk). ``softcap``: the scaled scores capped as ``c·tanh(s / c)`` before the mask, and dS times
     the cap's derivative ``1 - tanh²``; ``window`` (with ``causal``): the sliding window's band."""
     dt = q.dtype
     B, N, Sq, D = q.shape
@@ -110,8 +111,8 @@ def reference_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None
     if t is not None:
         ds = ds * (1 - t * t)
     ds = ds * s_
-    if mask is not None and mask.dtype == torch.bool and _fill(fill) != float("-inf"):
-        ds = ds.masked_fill(~mask, 0.0)          # a filled score is a constant
+    if mask is not None and mask.dtype == torch.bool and (_fill(fill) != float("-inf") or empty_rows == "nan"):
+        ds = ds.masked_fill(~mask, 0.0)          # a filled score is a constant (an empty row's NaN stops there)
     ds = _round(ds, dt)
     pd = _round(pd, dt)
     dq = (ds @ kf).to(dt)

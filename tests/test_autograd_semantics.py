@@ -124,3 +124,38 @@ def test_a_custom_autograd_function_is_refused_with_grad_and_fused_without():
         fused(x)
     model.requires_grad_(False)                    # nothing requires grad: nothing to lose
     torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x, mask):
+        B, S, _ = x.shape
+        q, k, v = (lin(x).view(B, S, 4, 8).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        s = (q @ k.transpose(-1, -2) * 8 ** -0.5).masked_fill(~mask, float("-inf"))
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, S, 32)
+
+
+def test_a_query_row_with_no_key_spreads_nan_where_eager_does():
+    """A padding query that sees no key is NaN in eager's plain softmax; a loss that skips it gets NaN in v's
+    gradient only (masked_fill's backward stops the row's NaN before q and k), and so does the fused model."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 8, 32, generator=g)
+    mask = torch.rand(2, 1, 8, 8, generator=g) > 0.4
+    mask[..., 0] = True
+    mask[0, 0, 3] = False
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[0, 3] = False
+    torch.manual_seed(0)
+    model = MaskedAttention()
+    ref = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (x, mask))
+    assert [d.pattern for d in fused.report.applied] == ["attention"]
+    ref(x, mask)[keep].pow(2).sum().backward()
+    fused(x, mask)[keep].pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad.isnan(), q.grad.isnan()), name
+        ok = ~q.grad.isnan()
+        torch.testing.assert_close(p.grad[ok], q.grad[ok], atol=1e-4, rtol=1e-4)     # fp32 reassociation only

@@ -665,7 +665,10 @@ class _Program:
         tc = self.tl["tcap"][0] if self.softcap is not None else None
         causal_any = bool(partial.any())
         f32 = self.dtype == F32
-        zero_fill = int(mt is not None and self.mask.dtype == "bool" and np.isfinite(self.fill))
+        # a bool-masked score is a constant (masked_fill's backward): its dS is zeroed where it could be other
+        # than 0, a finite fill's, or an empty row's NaN (empty_rows="nan"; with -inf a kept row's P is 0 there)
+        zero_fill = int(mt is not None and self.mask.dtype == "bool" and
+                        (np.isfinite(self.fill) or np.isnan(self.empty)))
 
         def grads(cs):
             x = S.data[cs]
