@@ -71,6 +71,7 @@ real data is touched, so very large configurations can be analysed.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import traceback
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
-            gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f in functions)   # planned without grad
+            gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f, _, _ in functions)   # without grad
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
                             input_updates=gm.meta.get("autofuse_input_updates", ()))
@@ -202,8 +203,8 @@ def _custom_functions():
     own = Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
-        if not (cls.__module__ or "").startswith("torch") and cls not in seen:
-            seen.append(cls)
+        if not (cls.__module__ or "").startswith("torch") and all(c is not cls for c, _, _ in seen):
+            seen.append((cls, _shapes(args), _shapes(kwargs)))
         return own.__func__(cls, *args, **kwargs)
     Function.apply = classmethod(apply)
     try:
@@ -212,16 +213,99 @@ def _custom_functions():
         Function.apply = own
 
 
+def _shapes(tree):
+    """A Function call's arguments with every tensor as ``(shape, dtype)`` (None where a size is symbolic)."""
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        ok = all(isinstance(d, int) for d in x.shape)
+        return _TensorArg(tuple(x.shape) if ok else None, x.dtype)
+    return pytree.tree_map(one, tree)
+
+
+@dataclass(frozen=True)
+class _TensorArg:
+    shape: tuple | None
+    dtype: torch.dtype
+
+
+class _Ctx:
+    """A stand-in for a Function's ctx when its forward is called directly (differentiated by autograd)."""
+
+    needs_input_grad = ()
+
+    def save_for_backward(self, *ts):
+        self.saved_tensors = ts
+
+    def mark_dirty(self, *_):
+        pass
+
+    def mark_non_differentiable(self, *_):
+        pass
+
+    def set_materialize_grads(self, _):
+        pass
+
+
+def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
+    """Whether ``cls``'s backward gives the gradient autograd finds through its forward, on random inputs of the
+    captured call's shapes (what a captured graph, which keeps only the forward, would give): within fp32
+    rounding. False where that cannot be checked (symbolic or large sizes, a forward that needs its ctx)."""
+    leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _TensorArg)]
+    if any(a.shape is None for a in leaves) or sum(math.prod(a.shape) for a in leaves) > 1 << 20:
+        return False
+    g = torch.Generator().manual_seed(0)
+
+    def real(a):
+        if not isinstance(a, _TensorArg):
+            return a
+        if a.dtype.is_floating_point:
+            return torch.randn(a.shape, generator=g).to(a.dtype).requires_grad_()
+        return torch.zeros(a.shape, dtype=a.dtype)
+    try:
+        with torch.random.fork_rng(), torch.enable_grad():
+            grads = []
+            for direct in (False, True):
+                g.manual_seed(0)
+                a, k = pytree.tree_map(real, (args, kwargs))
+                if direct:
+                    try:
+                        out = cls.forward(_Ctx(), *a, **k)
+                    except TypeError:            # a forward without ctx (setup_context style)
+                        out = cls.forward(*a, **k)
+                else:
+                    out = cls.apply(*a, **k)
+                outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+                ins = [t for t in pytree.tree_leaves((a, k)) if isinstance(t, torch.Tensor) and t.requires_grad]
+                g2 = torch.Generator().manual_seed(1)
+                gouts = [torch.randn(o.shape, generator=g2).to(o.dtype) for o in outs]
+                grads.append(torch.autograd.grad(outs, ins, gouts, allow_unused=True) if outs else
+                             (None,) * len(ins))
+    except Exception:  # noqa: BLE001 - a Function that cannot be run so is not known to be harmless
+        return False
+    for x, y in zip(*grads):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and not torch.allclose(x.float(), y.float(), rtol=1e-3,
+                                                atol=1e-5 * (1.0 + float(y.float().abs().max()))):
+            return False
+    return True
+
+
 def _refuse_custom_backwards(model, functions, inputs):
-    """A graph captured with grad, from a forward that applies the user's own autograd.Function, would be
-    differentiated through the Function's forward, not by its backward (a gradient reversal, a straight-through
-    estimator): refused while anything the call reads requires grad."""
+    """A graph captured with grad, from a forward that applies the user's own autograd.Function, is differentiated
+    through the Function's forward, not by its backward: refused while anything the call reads requires grad,
+    unless the backward gives what autograd finds through the forward (BLOOM's GeLU) on random inputs of the
+    call's shapes. A gradient reversal or a straight-through estimator does not."""
     if not functions or not torch.is_grad_enabled():
         return
     if not any(p.requires_grad for p in model.parameters()) and not any(
             getattr(x, "requires_grad", False) for x in pytree.tree_leaves(inputs)):
         return
-    names = ", ".join(f.__qualname__ for f in functions)
+    differing = [cls for cls, a, k in functions if not _backward_is_forwards_derivative(cls, a, k)]
+    if not differing:
+        return
+    names = ", ".join(f.__qualname__ for f in differing)
     raise CaptureError("export", f"capture failed: the forward applies the custom autograd.Function(s) {names}, "
                                  f"whose backward a captured graph does not keep (autograd would differentiate their "
                                  f"forward instead). hint: for inference, fuse and call the model under "

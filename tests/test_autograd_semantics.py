@@ -159,3 +159,36 @@ def test_a_query_row_with_no_key_spreads_nan_where_eager_does():
         assert torch.equal(p.grad.isnan(), q.grad.isnan()), name
         ok = ~q.grad.isnan()
         torch.testing.assert_close(p.grad[ok], q.grad[ok], atol=1e-4, rtol=1e-4)     # fp32 reassociation only
+
+
+class Square(torch.autograd.Function):
+    """A custom Function whose backward is its forward's derivative (as BLOOM's GeLU is)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        return 2 * x * g
+
+
+class Squared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.softmax(Square.apply(self.l1(x)), -1)
+
+
+def test_a_custom_function_whose_backward_is_its_forwards_derivative_fuses_with_grad():
+    torch.manual_seed(0)
+    model, x = Squared(), torch.randn(2, 8, 16)
+    ref = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    fused(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(model.l1.weight.grad, ref.l1.weight.grad, atol=1e-5, rtol=1e-4)   # fp32 rounding
