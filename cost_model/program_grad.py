@@ -518,7 +518,8 @@ def _twice(e: _Emit, g: int, x: int) -> int:
 
 
 def _abs(e, g, x, y):
-    return e.op("where", e.op("gt", x, 0.0), g, e.op("where", e.op("lt", x, 0.0), e.op("neg", g), 0.0))
+    # torch: g·sgn(x); where x is 0 or NaN, g·x is g·sgn(x) (an infinite g at 0, sqrt's, gives NaN as in eager)
+    return e.op("where", e.op("gt", x, 0.0), g, e.op("where", e.op("lt", x, 0.0), e.op("neg", g), e.op("mul", g, x)))
 
 
 def _silu(e, g, x, y):

@@ -192,3 +192,27 @@ def test_a_custom_function_whose_backward_is_its_forwards_derivative_fuses_with_
     fused(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     torch.testing.assert_close(model.l1.weight.grad, ref.l1.weight.grad, atol=1e-5, rtol=1e-4)   # fp32 rounding
+
+
+class SqrtAbs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        return torch.sqrt(x.abs()) * self.w + x
+
+
+def test_abs_at_zero_passes_an_infinite_gradient_on_as_eager():
+    """abs's gradient is g·sgn(x): at x = 0 with an infinite g (sqrt's at 0) eager gives NaN, not 0."""
+    model = SqrtAbs()
+    x = torch.randn(2, 4, 16)
+    x[0, 0, :3] = 0.0
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert fused.report.applied
+    xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(xe).sum().backward()
+    fused(xf).sum().backward()
+    assert torch.equal(xe.grad.isnan(), xf.grad.isnan()) and xe.grad.isnan().sum() == 3
+    ok = ~xe.grad.isnan()
+    torch.testing.assert_close(xf.grad[ok], xe.grad[ok], atol=1e-5, rtol=1e-5)      # fp32 rounding only
