@@ -192,10 +192,14 @@ def _kept(v):
     return v
 
 
-def _state_spec(model) -> tuple:
-    """dtype, shape and device of every parameter and buffer: a capture (and a symbolic export) holds them."""
-    return tuple((name, (t.dtype, tuple(t.shape), t.device.type)) for name, t in
-                 (*model.named_parameters(), *model.named_buffers()))
+def state_spec(model) -> tuple:
+    """dtype, shape and device of every parameter and buffer: a symbolic export holds them (part of its family's
+    key, :mod:`autofuse.sizes`; a plan's own :class:`Guard` checks those its graph reads)."""
+    return tuple((t.dtype, tuple(t.shape), t.device.type) for t in (*model.parameters(), *model.buffers()))
+
+
+#: A module's hook dictionaries (forward and backward, hooks and pre-hooks): capture runs the forward ones.
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _global_hooks() -> tuple:
@@ -211,8 +215,7 @@ class ModuleGuard:
     """What a plan assumed about the model's modules: which module sits at each name, and the value of every
     plain attribute of each (numbers, strings, flags and tuples or lists of them: a dropout's ``p``, a norm's
     ``eps``, an attention's ``scaling``; tensors that are no parameter or buffer, by identity and version), the
-    module's hooks, forward and class, torch's global module hooks, and the dtype, shape and device of every
-    parameter and buffer. Capture bakes such values into the graph as constants, so a changed one (or
+    module's hooks, forward and class, and torch's global module hooks. Capture bakes such values into the graph as constants, so a changed one (or
     a module swapped for another) re-plans rather than run the old value. Private attributes (``_name``) and
     ``training`` (part of the plan's key) are left out; values are taken once the plan is built, so what the
     model's own forward sets while it is captured and verified is not mistaken for a change."""
@@ -224,7 +227,6 @@ class ModuleGuard:
         self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
                       if not k.startswith("_") and k != "training" and (_scalar(v) or isinstance(v, torch.Tensor))]
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
-        self.state = _state_spec(model)
         self.hooks = _global_hooks()
 
     def check(self, model) -> str | None:
@@ -249,15 +251,6 @@ class ModuleGuard:
                     return f"{where} was replaced or modified in place (captured as a constant)"
             elif type(now) is not type(v) or (now != v and not (now != now and v != v)):     # NaN equals NaN
                 return f"{where} changed from {v!r} to {cur!r} (captured as a constant)"
-        state = _state_spec(model)
-        if state != self.state:
-            was, now = dict(self.state), dict(state)
-            for name in (*now, *was):
-                if was.get(name) == now.get(name):
-                    continue
-                if name in was and name in now:
-                    return f"{name} changed from {Guard._fmt(was[name])} to {Guard._fmt(now[name])} (the capture holds it)"
-                return f"{name} was added to or removed from the model (the capture holds its parameters and buffers)"
         return None
 
     def describe(self) -> str:
@@ -267,8 +260,7 @@ class ModuleGuard:
 
 def _hooked_modules(model) -> list:
     """Modules with forward or backward hooks (names; "(global)" for torch's global module hooks)."""
-    names = [name or "(the model)" for name, m in model.named_modules()
-             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+    names = [name or "(the model)" for name, m in model.named_modules() if any(getattr(m, d) for d in _HOOKS)]
     return names + (["(global)"] if any(_global_hooks()) else [])
 
 
@@ -276,8 +268,7 @@ def _call_state(m: torch.nn.Module) -> tuple:
     """What a call of ``m`` runs besides its class's forward: its forward and backward hooks and pre-hooks (by
     identity; a new one re-plans, and the report warns of hooks), a forward set on the instance, its class and the
     class's forward."""
-    hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items())
-                  for d in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"))
+    hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items()) for d in _HOOKS)
     return hooks, id(m.__dict__.get("forward")), type(m), id(type(m).forward)
 
 

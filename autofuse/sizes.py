@@ -81,8 +81,9 @@ class SizeFamilies:
 
     def export(self, model, args, kwargs, export_fn):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        from autofuse.engine import autocast_state
-        key = (spec, model.training, autocast_state(), tuple(_leaf_kind(x) for x in leaves))
+        from autofuse.engine import autocast_state, state_spec
+        # a symbolic export holds the parameters' dtypes and shapes (a model.half() later starts another family)
+        key = (spec, model.training, autocast_state(), state_spec(model), tuple(_leaf_kind(x) for x in leaves))
         sizes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves)
         fam = self.families.get(key)
         if fam is not None and fam.guard is not None and fam.guard.check(model) is not None:
