@@ -102,6 +102,7 @@ class Backend:
         self.graphs: list[CompiledGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from autofuse.capture import mark_grad_blocks
         from autofuse.engine import AutoFusionEngine
         owner = _compiled_callable()
         example = tuple(example_inputs)
@@ -110,6 +111,7 @@ class Backend:
         # graph runs in training mode (only the flag is set: the graph's submodules are not the user's to change)
         from autofuse.fused_vector import training_graph
         gm.training = owner.training if isinstance(owner, torch.nn.Module) else training_graph(gm.graph)
+        mark_grad_blocks(gm)            # the forward's no_grad blocks stop the gradient in the captured graph too
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs

@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +172,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     failures = []
     for r in routes:
         try:
-            with torch_internal_warnings(), _custom_functions() as functions:   # torch's own deprecation
+            with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks():  # torch's own deprecation
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -179,6 +180,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                 else:
                     gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
             _refuse_custom_backwards(model, functions, (example_args, example_kwargs))
+            _detach_grad_free_blocks(gm)
             _cleanup(gm)
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
@@ -211,6 +213,140 @@ def _custom_functions():
         yield seen
     finally:
         Function.apply = own
+
+
+#: the key of ``node.meta["custom"]`` that holds the grad mode of the forward's own block the node was made in
+GRAD_BLOCK = "autofuse_grad"
+
+
+@contextlib.contextmanager
+def _grad_blocks():
+    """While the forward is captured, every node made inside one of its own ``with torch.no_grad():``,
+    ``torch.enable_grad()`` or ``torch.set_grad_enabled(mode)`` blocks (or a method decorated with one) carries
+    that block's mode as ``node.meta["custom"][GRAD_BLOCK]``: the tracer copies
+    ``torch.fx.traceback.current_meta["custom"]`` into the nodes it makes while node metadata is preserved, which
+    is only inside such a block, so the rest of the graph is made as before. The trace itself runs without grad,
+    so the mode is recorded from the blocks, not read. torch's own blocks are not the forward's: left alone."""
+    from torch.autograd import grad_mode
+    from torch.fx import traceback as fx_traceback
+    modes = {grad_mode.no_grad: lambda block: False, grad_mode.enable_grad: lambda block: True,
+             grad_mode.set_grad_enabled: lambda block: bool(block.mode)}
+    own = {cls: (cls.__dict__["__enter__"], cls.__dict__["__exit__"]) for cls in modes}
+    open_blocks: dict[int, list] = {}
+
+    def patched(cls):
+        enter, exit_ = own[cls]
+
+        def __enter__(block):
+            result = enter(block)
+            if _forwards_block(sys._getframe(1)):
+                marks = fx_traceback.preserve_node_meta()       # restores the metadata as it was on exit
+                marks.__enter__()
+                meta = fx_traceback.current_meta
+                meta["custom"] = {**(meta.get("custom") or {}), GRAD_BLOCK: modes[cls](block)}   # a new dict:
+                open_blocks.setdefault(id(block), []).append(marks)     # the saved one is shared, not copied
+            return result
+
+        def __exit__(block, *exc):
+            marks = open_blocks.get(id(block))
+            if marks:
+                marks.pop().__exit__(None, None, None)
+                if not marks:
+                    del open_blocks[id(block)]
+            return exit_(block, *exc)
+        return __enter__, __exit__
+
+    for cls in modes:
+        cls.__enter__, cls.__exit__ = patched(cls)
+    try:
+        yield
+    finally:
+        for cls, (enter, exit_) in own.items():
+            cls.__enter__, cls.__exit__ = enter, exit_
+
+
+def _forwards_block(frame) -> bool:
+    """Whether the grad-mode block entered from ``frame`` is the forward's own (the user's or a library's model
+    code), not torch's or autofuse's: its caller past ``contextlib``, or for a decorated function that function."""
+    import torch.utils._contextlib as decorators
+    while frame is not None and frame.f_code.co_filename == contextlib.__file__:
+        frame = frame.f_back
+    if frame is None:
+        return False
+    if frame.f_code.co_filename == decorators.__file__:
+        module = getattr(frame.f_locals.get("func"), "__module__", None) or "torch"
+        return module.split(".")[0] not in ("torch", "autofuse")
+    name = os.path.abspath(frame.f_code.co_filename)
+    return not name.startswith((_TORCH_DIR, _OWN_DIR))
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def mark_grad_blocks(gm: fx.GraphModule) -> None:
+    """A Dynamo graph spells the forward's grad-mode blocks as ``torch._C._set_grad_enabled(mode)`` calls, which a
+    capture of it (one trace without grad) does not keep: the nodes after each carry its mode as
+    :func:`_grad_blocks` marks a block's, and the graph reads a value made without grad detached outside its
+    block (:func:`_detach_grad_free_blocks`), so that its capture has eager's gradients."""
+    mode = None
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args:
+            mode = bool(n.args[0])
+        elif mode is not None and n.op not in ("placeholder", "output"):
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
+    if mode is not None and _detach_grad_free_blocks(gm):
+        gm.recompile()
+
+
+def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
+    """A value the forward computed inside its own ``torch.no_grad()`` block does not carry a gradient in eager,
+    but the captured graph (one trace without grad) computes it like any other, so autograd would differentiate
+    through it. Where such a value, made from what may require grad (a parameter, a floating input), is read
+    outside the block (or returned), the reader gets ``aten.detach`` of it: eager's gradients. Canonicalize keeps
+    that detach in a graph captured with grad, and drops it (the plan then serves only calls without grad) in one
+    captured without. Also serves a Dynamo graph (values in ``example_value``). Whether a detach was added."""
+    aten = torch.ops.aten
+
+    def value(n):
+        return n.meta.get("val", n.meta.get("example_value"))
+
+    def free(n) -> bool:
+        return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
+
+    def floating(v) -> bool:
+        return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+    tracked: set = set()            # nodes whose value autograd tracks when the graph runs with grad
+    for n in gm.graph.nodes:
+        v = value(n)
+        if n.op == "placeholder":
+            if floating(v):
+                tracked.add(n)
+        elif n.op == "get_attr":
+            try:
+                t = state_tensor(gm, n.target)
+            except AttributeError:
+                t = None
+            if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or t.requires_grad):
+                tracked.add(n)
+        elif n.op in ("call_function", "call_method", "call_module") and any(
+                a in tracked for a in n.all_input_nodes) and (floating(v) or isinstance(v, (tuple, list))):
+            tracked.add(n)
+    added = False
+    for n in list(gm.graph.nodes):
+        if not (free(n) and n in tracked and floating(value(n))):
+            continue
+        outside = [u for u in n.users if u.op == "output" or not free(u)]
+        if not outside:
+            continue
+        with gm.graph.inserting_after(n):
+            d = gm.graph.call_function(aten.detach.default, (n,))
+        d.meta = {k: (v.detach() if k in ("val", "example_value") else v) for k, v in n.meta.items() if k != "custom"}
+        for u in outside:
+            u.replace_input_with(n, d)
+        added = True
+    return added
 
 
 def _shapes(tree):

@@ -216,3 +216,77 @@ def test_abs_at_zero_passes_an_infinite_gradient_on_as_eager():
     assert torch.equal(xe.grad.isnan(), xf.grad.isnan()) and xe.grad.isnan().sum() == 3
     ok = ~xe.grad.isnan()
     torch.testing.assert_close(xf.grad[ok], xe.grad[ok], atol=1e-5, rtol=1e-5)      # fp32 rounding only
+
+
+class GradBlocks(nn.Module):
+    """A forward with its own grad-mode blocks: a scale computed without grad (a ``with`` block, a decorated
+    method or ``set_grad_enabled(False)``), and inside a no_grad block an ``enable_grad`` block that is tracked."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.l1, self.l2 = kind, nn.Linear(16, 16), nn.Linear(16, 16)
+
+    @torch.no_grad()
+    def _scale(self, h):
+        return h.abs().amax(-1, keepdim=True) + 1
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.kind == "with":
+            with torch.no_grad():
+                s = h.abs().amax(-1, keepdim=True) + 1
+        elif self.kind == "decorated":
+            s = self._scale(h)
+        elif self.kind == "set_grad_enabled":
+            with torch.set_grad_enabled(False):
+                s = h.abs().amax(-1, keepdim=True) + 1
+        else:                                               # enable_grad nested in no_grad: s is tracked
+            with torch.no_grad():
+                frozen = h.sigmoid() * 3
+                with torch.enable_grad():
+                    s = h.abs().amax(-1, keepdim=True) + frozen.mean(-1, keepdim=True)
+        return self.l2(h / s * 2), s
+
+
+@pytest.mark.parametrize("route", ["fuse", "torch.compile"])
+@pytest.mark.parametrize("kind", ["with", "decorated", "set_grad_enabled", "enable_grad_inside"])
+def test_a_no_grad_block_inside_the_forward_stops_the_gradient(kind, route):
+    torch.manual_seed(0)
+    model = GradBlocks(kind)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    run = AutoFusionEngine.fuse(model, (x,)) if route == "fuse" else torch.compile(model, backend="autofuse")
+    y, s = run(x)
+    y_ref, s_ref = ref(x)
+    assert s.requires_grad == s_ref.requires_grad          # a value made without grad is returned without it
+    (y.pow(2).sum() + (s.sum() if s.requires_grad else 0)).backward()
+    (y_ref.pow(2).sum() + (s_ref.sum() if s_ref.requires_grad else 0)).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        # fp32: the fused regions reassociate sums; relative to the largest gradient entry (differentiating
+        # through the scale instead moves l1's gradient by about its own size)
+        assert (p.grad - q.grad).abs().max() <= 1e-5 * q.grad.abs().max(), name
+
+
+def test_a_no_grad_block_planned_without_grad_is_not_reused_with_grad():
+    torch.manual_seed(0)
+    model = GradBlocks("with")
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        fused(x)
+    fused(x)[0].pow(2).sum().backward()
+    ref(x)[0].pow(2).sum().backward()
+    assert len(fused.plans) == 2
+    assert (model.l1.weight.grad - ref.l1.weight.grad).abs().max() <= 1e-5 * ref.l1.weight.grad.abs().max()
+
+
+def test_torchs_own_grad_blocks_are_not_the_forwards():
+    """Capture marks only the forward's blocks: a model without any has no node marked (torch's tracer enters
+    blocks of its own around the trace, which must not make the whole graph gradient-free)."""
+    from autofuse.capture import GRAD_BLOCK, capture
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+    gm = capture(model, (torch.randn(2, 8),)).graph_module
+    assert not any(GRAD_BLOCK in (n.meta.get("custom") or {}) for n in gm.graph.nodes)
+    assert not any(n.target == torch.ops.aten.detach.default for n in gm.graph.nodes)
