@@ -207,6 +207,20 @@ def _meta(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
+def _dtype_probe(a):
+    """What ``torch.result_type`` needs of an argument: a number as itself, a tensor node as a tensor of its dtype
+    and its 0-d-ness."""
+    m = _meta(a)
+    if isinstance(m, torch.Tensor):
+        return torch.empty(() if m.dim() == 0 else (1,), dtype=m.dtype)
+    return a
+
+
+def _rounded(x: float, dtype) -> float:
+    """The number ``x`` as ``dtype`` holds it."""
+    return float(torch.tensor(float(x), dtype=torch.float64).to(dtype))
+
+
 def _is_scalar(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -289,6 +303,9 @@ class _Build:
             if n in self.empty:
                 self.fail(n, "an empty (width 0) output")
             v = self.val[n]
+            if v is None:                       # a stack not flattened into pairs, a split's list
+                self.fail(n, "leaves the region as a value the program does not hold (a stack not flattened, "
+                             "a split's pieces)")
             b.output(v, dtype_name(m.dtype))
             shapes.append(tuple(m.shape))
         try:
@@ -336,6 +353,21 @@ class _Build:
             return self.b.cast(v, dtype=dtype_name(m.dtype))
         return v
 
+    def compared(self, n, x, y):
+        """A comparison's operands as eager compares them: in the operands' common dtype (a Python number or a 0-d
+        tensor does not widen a float16/bfloat16 tensor's), so a number is rounded to it (``x16 >= 0.1`` compares
+        with float16's 0.0999755859375) and so is an operand computed in fp32 here that eager stored rounded."""
+        common = torch.result_type(*[_dtype_probe(a) for a in n.args[:2]])
+        if common not in (torch.float16, torch.bfloat16):
+            return x, y
+        return tuple(self.b.cast(v, dtype=dtype_name(common)) if isinstance(v, V) else _rounded(v, common)
+                     for v in (x, y))
+
+    def stored(self, n, v):
+        """A number that fills a float16/bfloat16 result, as eager stores it there (rounded: ``1e5`` is inf)."""
+        m = _meta(n)
+        return _rounded(v, m.dtype) if not isinstance(v, V) and m.dtype in (torch.float16, torch.bfloat16) else v
+
     def last_dim(self, n, dim):
         m = _meta(n.args[0])
         if dim is None or (isinstance(dim, (list, tuple)) and len(dim) != 1):
@@ -358,6 +390,8 @@ class _Build:
             return self.round(n, b.op("gelu_tanh" if approx == "tanh" else "gelu", self.arg(n, n.args[0])))
         if t in _BINARY_ATEN:
             x, y = self.arg(n, n.args[0]), self.arg(n, n.args[1])
+            if _BINARY_ATEN[t] in COMPARE:
+                x, y = self.compared(n, x, y)
             alpha = n.kwargs.get("alpha", 1)
             if alpha != 1:
                 y = b.mul(y, float(alpha)) if isinstance(y, V) else y * alpha
@@ -379,9 +413,11 @@ class _Build:
                 v = b.minimum(v, self.arg(n, hi), kind="clamp")
             return self.round(n, v)
         if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
-            return self.round(n, b.where(*[self.arg(n, a) for a in n.args[:3]]))
+            c, x, y = [self.arg(n, a) for a in n.args[:3]]
+            return self.round(n, b.where(c, self.stored(n, x), self.stored(n, y)))
         if t == aten.masked_fill.Scalar:
-            return self.round(n, b.where(self.arg(n, n.args[1]), self.arg(n, n.args[2]), self.arg(n, n.args[0])))
+            fill = self.stored(n, self.arg(n, n.args[2]))
+            return self.round(n, b.where(self.arg(n, n.args[1]), fill, self.arg(n, n.args[0])))
         if t in (aten._to_copy.default, aten.to.dtype):
             dt = n.kwargs.get("dtype", n.args[1] if t == aten.to.dtype else None)
             if dt is None or dt not in _TORCH_DTYPE.values():

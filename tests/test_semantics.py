@@ -776,3 +776,46 @@ def test_logits_to_keep_above_one_keeps_that_many_positions():
         got = fused(ids, use_cache=False, logits_to_keep=3).logits
     assert got.shape == want.shape == (2, 3, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+class _Compares(nn.Module):
+    """A 16-bit chain that compares with a number, a 0-d fp32 tensor, and fills with a number 16 bits cannot hold."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x, t):
+        if self.kind == "scalar":
+            return torch.where(x.abs() >= 0.1, x * 2, -x)
+        if self.kind == "zero_dim":
+            return torch.where(x.abs() >= t, x * 2, x + 1)
+        if self.kind == "equal":
+            return ((x.abs() + 0) == 0.1).to(x.dtype) * x + 1
+        return torch.where(x > 0, x, 1e5) * 0.5 + x      # the fill is inf in float16, as eager stores it
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["scalar", "zero_dim", "equal", "fill"])
+def test_a_16_bit_comparison_or_fill_uses_the_number_as_eager_rounds_it(kind, dtype):
+    """Eager compares a float16/bfloat16 tensor with a number (or a 0-d fp32 tensor) in the tensor's dtype, and
+    stores a number in it rounded: 0.1 is float16's 0.0999755859375, so x = float16(0.1) passes ``>= 0.1``."""
+    torch.manual_seed(0)
+    x = torch.tensor([[0.1, 0.2, -1.0, 3.0, -0.1, 0.0999, 0.1001, 2.0]], dtype=dtype).repeat(4, 1)
+    t = torch.tensor(0.1)
+    model = _Compares(kind)
+    fused = AutoFusionEngine.fuse(model, (x, t))
+    assert [d.pattern for d in fused.report.decisions if d.applied] == ["vector_chain"]
+    # exact: each output element is one or two operations of a 16-bit value, rounded once as eager rounds it
+    torch.testing.assert_close(fused(x, t), model(x, t), atol=0, rtol=0)
+
+
+def test_a_stack_leaving_a_region_stays_as_captured():
+    """A stack that is not flattened into pairs has no value in a Vector program: it is left out of the region
+    (planning raised AttributeError)."""
+    class Stack(nn.Module):
+        def forward(self, a, b):
+            return torch.stack([a * 1.5, b + 1], -1).exp()
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    fused = AutoFusionEngine.fuse(Stack(), (a, b))
+    torch.testing.assert_close(fused(a, b), Stack()(a, b))
