@@ -40,6 +40,7 @@ Library warnings torch raises against itself during capture are silenced at the 
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -112,6 +113,14 @@ class Backend:
         from autofuse.fused_vector import training_graph
         gm.training = owner.training if isinstance(owner, torch.nn.Module) else training_graph(gm.graph)
         mark_grad_blocks(gm)            # the forward's no_grad blocks stop the gradient in the captured graph too
+        where = _custom_function_applied(gm)
+        if where:
+            # a capture would keep the Function's forward and lose its backward (autograd would differentiate the
+            # forward): this graph runs as Dynamo gave it, its own backward included
+            warnings.warn(f"autofuse: a graph that applies a custom autograd.Function with grad ({where}) runs "
+                          f"unfused, as Dynamo captured it: a capture would keep only its forward. Under "
+                          f"torch.no_grad() it fuses.", stacklevel=2)
+            return gm
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs
@@ -140,6 +149,18 @@ class Backend:
 
     def __repr__(self):
         return f"autofuse.backend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
+
+
+def _custom_function_applied(gm) -> str | None:
+    """Where a Dynamo graph applies a custom ``autograd.Function`` with grad (one ``autograd_function_apply``
+    node holding its forward and backward): the user's line, or None."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply":
+            lines = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines()
+                     if ln.strip() and set(ln.strip()) - set("^~")]
+            files = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+            return f"{lines[files[-1]]}: {' '.join(lines[files[-1] + 1:])}" if files else n.name
+    return None
 
 
 def backend(target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True,

@@ -283,3 +283,40 @@ def test_experts_weights_that_dynamo_passes_as_graph_inputs_still_fuse():
         experts = [d.reason_code for r in reports(compiled) for d in r.decisions if d.pattern == "moe_experts"]
         assert experts and set(experts) == {"fused"}, experts
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)   # fp32 kernels vs eager: summation orders
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+def test_a_custom_function_under_grad_through_compile_runs_unfused_with_its_backward():
+    """Dynamo hands a custom autograd.Function applied with grad over as one autograd_function_apply node; its
+    capture kept only the forward (a gradient reversal's l.weight.grad was 4.5 away from eager's). That graph runs
+    as Dynamo gave it, with a warning naming the line; without grad it fuses."""
+    import copy
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _Reverse.apply(self.l(x)).relu() * 2 + 1
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(2, 4)
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="autofuse")
+    with pytest.warns(UserWarning, match=r"custom autograd\.Function .*_Reverse\.apply.* runs unfused"):
+        compiled(x).sum().backward()
+    ref(x).sum().backward()
+    assert torch.equal(model.l.weight.grad, ref.l.weight.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ref(x))
+    assert any(d.applied for r in autofuse.reports(compiled) for d in r.decisions)
