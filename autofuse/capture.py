@@ -169,6 +169,24 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     example_kwargs = dict(example_kwargs or {})
     routes = ("export", "symbolic_trace") if route == "auto" else (route,)
     caches.prepare(model, example_args, example_kwargs)      # a KV cache in or out: a pytree node (autofuse.caches)
+    python_state = _python_state(model)
+    try:
+        captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
+    except BaseException:
+        _restore_python_state(python_state)
+        raise
+    changed = _restore_python_state(python_state)
+    if changed:
+        raise CaptureError(route, f"capture failed: the forward changes the plain Python attribute(s) "
+                                  f"{', '.join(changed)} of the model, which a captured graph cannot do at each call "
+                                  f"(it would keep the value the capture saw; the attribute is restored). hint: keep "
+                                  f"such state in a registered buffer updated in place (self.register_buffer('step', "
+                                  f"torch.zeros((), dtype=torch.long)); self.step += 1): its new value is written "
+                                  f"back after every fused call.")
+    return captured
+
+
+def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -> Captured:
     failures = []
     for r in routes:
         try:
@@ -194,6 +212,51 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
             failures.append((r, e))
     raise CaptureError(route, _explain(model, failures))
+
+
+def _python_state(model) -> list:
+    """Every plain public attribute of the model's modules (:func:`plain_attribute`) as it is before capture:
+    (module name, module, attribute, the value, a copy of a list's or dict's contents)."""
+    return [(name, m, k, v, (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else None))
+            for name, m in model.named_modules() for k, v in vars(m).items()
+            if not k.startswith("_") and k != "training" and plain_attribute(v)]
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def plain_attribute(v) -> bool:
+    """A value capture reads into the graph as a constant: a number, string, flag or None, or a tuple, list or
+    dict (with string keys) of them."""
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and isinstance(x, _PLAIN) for k, x in v.items())
+    return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v))
+
+
+def _restore_python_state(state) -> list:
+    """Put back what the forward changed of :func:`_python_state`'s attributes while it was traced; their names
+    and changes."""
+    changed = []
+    for name, m, k, v, contents in state:
+        now = m.__dict__.get(k, _GONE)
+        before = contents if contents is not None else v
+        if type(now) is type(v) and (now == before or now != now and before != before):   # the same value (NaN too)
+            m.__dict__[k] = v           # torch's tracer may re-wrap a container: the user's own object is put back
+            continue
+        shown = before
+        changed.append(f"{name + '.' if name else ''}{k} ({shown!r} -> {now!r})" if now is not _GONE else
+                       f"{name + '.' if name else ''}{k} (deleted)")
+        if contents is not None:
+            if isinstance(v, list):
+                v[:] = contents
+            else:
+                v.clear()
+                v.update(contents)
+        m.__dict__[k] = v
+    return changed
+
+
+_GONE = object()
 
 
 @contextlib.contextmanager

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 import time
+import warnings
 
 import torch
 import torch.fx as fx
@@ -41,7 +43,7 @@ import torch.utils._pytree as pytree
 from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
-from autofuse.capture import capture, state_tensor
+from autofuse.capture import capture, plain_attribute, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
@@ -163,12 +165,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-_SCALARS = (bool, int, float, str, type(None))
 _MISSING = object()
-
-
-def _scalar(v) -> bool:
-    return isinstance(v, _SCALARS) or (isinstance(v, (tuple, list)) and all(isinstance(x, _SCALARS) for x in v))
 
 
 class _TensorState:
@@ -183,10 +180,10 @@ class _TensorState:
 
 
 def _kept(v):
-    """What a plan keeps of a plain attribute's value: a list copied (it may be edited in place), a tensor as a
+    """What a plan keeps of a plain attribute's value: a list or dict copied (it may be edited in place), a tensor as a
     :class:`_TensorState`, anything else as it is."""
-    if isinstance(v, list):
-        return list(v)
+    if isinstance(v, (list, dict)):
+        return type(v)(v)
     if isinstance(v, torch.Tensor):
         return _TensorState(v)
     return v
@@ -213,7 +210,7 @@ def _global_hooks() -> tuple:
 
 class ModuleGuard:
     """What a plan assumed about the model's modules: which module sits at each name, and the value of every
-    plain attribute of each (numbers, strings, flags and tuples or lists of them: a dropout's ``p``, a norm's
+    plain attribute of each (numbers, strings, flags and tuples, lists or dicts of them: a dropout's ``p``, a norm's
     ``eps``, an attention's ``scaling``; tensors that are no parameter or buffer, by identity and version), the
     module's hooks, forward and class, and torch's global module hooks. Capture bakes such values into the graph as constants, so a changed one (or
     a module swapped for another) re-plans rather than run the old value. Private attributes (``_name``) and
@@ -225,7 +222,7 @@ class ModuleGuard:
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
         self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
-                      if not k.startswith("_") and k != "training" and (_scalar(v) or isinstance(v, torch.Tensor))]
+                      if not k.startswith("_") and k != "training" and (plain_attribute(v) or isinstance(v, torch.Tensor))]
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
         self.hooks = _global_hooks()
 
@@ -307,12 +304,27 @@ class Plan:
                                f"inputs) in place, and this call's require grad; eager's later reads of them carry "
                                f"their gradient, which the fused graph's new values do not. Pass inputs that do not "
                                f"require grad (x.detach()), or return the new value instead of updating it.")
+        if self.captured.input_updates and _aliased(leaves, self.captured.input_updates):
+            warnings.warn("autofuse: an input the forward updates in place shares memory with another input of this "
+                          "call; the captured graph takes them as independent values, so this call runs the model "
+                          "eagerly.", stacklevel=3)
+            return self.model(*args, **kwargs)
         out = self.graph_module(*leaves)
         out = out if isinstance(out, (tuple, list)) else (out,)
         self.captured.update_state(out, self.model, leaves)   # state the forward updates: a BatchNorm's
         #                                                        statistics, a static KV cache's tensors
         out = self.captured.unflatten_outputs(out, leaves)
         return caches.adopt((args, kwargs), out)     # a cache given is updated in place and returned, as eager does
+
+
+def _aliased(leaves, updated) -> bool:
+    """Whether an input the forward updates in place shares its storage with another tensor input (the same tensor
+    passed twice, overlapping views): eager's later reads of the other see the update, the graph's do not."""
+    storages = {}
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            storages.setdefault(t.untyped_storage().data_ptr(), []).append(i)
+    return any(len(ix) > 1 and any(i in updated for i in ix) for ix in storages.values())
 
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,
@@ -733,14 +745,50 @@ def generic_only() -> dict:
     return {name: "off" for name in families() if name not in GENERIC}
 
 
+class _WithSettings:
+    """``fuse`` as the class gives it (``AutoFusionEngine.fuse(model, ...)``), or, on an instance, with the
+    instance's device, level and budget wherever a call does not give its own."""
+
+    def __init__(self, fuse):
+        self.fuse = fuse
+
+    def __get__(self, engine, owner=None):
+        if engine is None:
+            return self.fuse
+
+        @functools.wraps(self.fuse)
+        def fuse(model, example_inputs=None, target_device=None, optimization_level=None, memory_budget=_UNSET,
+                 **options):
+            return self.fuse(model, example_inputs,
+                             engine.target_device if target_device is None else target_device,
+                             engine.optimization_level if optimization_level is None else optimization_level,
+                             engine.memory_budget if memory_budget is _UNSET else memory_budget, **options)
+        return fuse
+
+
+_UNSET = object()
+
+
 class AutoFusionEngine:
-    """Entry point: ``AutoFusionEngine.fuse(model, ...)`` (also usable as an instance with fixed settings)."""
+    """Entry point: ``AutoFusionEngine.fuse(model, ...)``, or an instance with fixed settings
+    (``AutoFusionEngine("ascend910b", "O2", "16GB").fuse(model, ...)``; a call's own arguments win)."""
 
     def __init__(self, target_device="ascend910", optimization_level="O3", memory_budget=None):
+        try:
+            get_device(target_device)
+        except ValueError as e:
+            raise ValueError(f"AutoFusionEngine: target_device={target_device!r} is not a known device: "
+                             f"{str(e).split(': ', 1)[-1]}") from None
+        parse_level(optimization_level)
+        parse_memory_budget(memory_budget)
         self.target_device, self.optimization_level, self.memory_budget = (target_device, optimization_level,
                                                                            memory_budget)
 
-    @staticmethod
+    def __repr__(self):
+        return (f"AutoFusionEngine(target_device={self.target_device!r}, optimization_level="
+                f"{self.optimization_level!r}, memory_budget={self.memory_budget!r})")
+
+    @_WithSettings
     def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
              *, route="auto", verify=True, fusion_switches=None, max_plans=64, share_exports=True) -> FusedModule:
         """Fuse ``model`` (an ``nn.Module``, or a ``torch.export.ExportedProgram``: its module, planned on the

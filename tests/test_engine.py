@@ -565,3 +565,19 @@ def test_a_block_that_lost_a_conflict_is_fused_when_the_winner_fails_verificatio
     assert codes == {"a": "fused", "b": "verification_failed", "c": "conflict", "d": "fused"}
     assert sorted(c.anchor for c in applied) == ["a", "d"]
     assert sorted(verified) == ["a", "b", "c", "d"]               # each verified at most once
+
+
+def test_an_engine_instance_plans_with_its_own_settings_unless_a_call_gives_others():
+    """``AutoFusionEngine("ascend910b", "O0", "1GB").fuse(model)`` planned for ascend910 at O3 without a budget."""
+    import inspect
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    x = torch.randn(2, 8)
+    engine = AutoFusionEngine("ascend910b", "O0", "1GB")
+    r = engine.fuse(model, (x,)).report
+    assert (r.device, r.optimization_level, r.memory_budget) == ("ascend910b", "O0", 1 << 30)
+    r = engine.fuse(model, (x,), target_device="ascend310p", memory_budget=None).report
+    assert (r.device, r.optimization_level, r.memory_budget) == ("ascend310p", "O0", None)
+    assert list(inspect.signature(AutoFusionEngine.fuse).parameters)[:5] == \
+        ["model", "example_inputs", "target_device", "optimization_level", "memory_budget"]
+    with pytest.raises(ValueError, match="target_device='npu9000'"):
+        AutoFusionEngine("npu9000")

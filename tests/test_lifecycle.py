@@ -18,9 +18,10 @@ class Block(nn.Module):
             nn.Linear(d, d), nn.Linear(d, d)
         self.t = torch.tensor(2.0)               # a plain tensor attribute (no buffer)
         self.lst = [1.0, 3.0]                    # a plain list attribute
+        self.cfg = {"shift": 0.5}                # a plain dict attribute
 
     def forward(self, x):
-        h = self.ln(x) * self.t + self.lst[1]
+        h = self.ln(x) * self.t + self.lst[1] + self.cfg["shift"]
         a = torch.softmax(self.q(h) @ self.k(h).transpose(-1, -2) * 0.25, -1) @ self.v(h)
         return x + self.o(F.gelu(a))
 
@@ -41,6 +42,7 @@ EDITS = {
     "tensor_in_place": lambda m: m.t.fill_(5.0),
     "tensor_replaced": lambda m: setattr(m, "t", torch.tensor(7.0)),
     "list_in_place": lambda m: m.lst.__setitem__(1, 10.0),
+    "dict_in_place": lambda m: m.cfg.__setitem__("shift", -4.0),
     "class_swapped": lambda m: setattr(m.o, "__class__", Scaled),
 }
 
@@ -169,3 +171,75 @@ def test_hooks_are_warned_of():
     model.o.register_full_backward_hook(lambda m, gi, go: None)
     fused(x)
     assert any(w.startswith("module(s) o have hooks") for w in fused.report.warnings)
+
+
+class Counting(nn.Module):
+    """A forward that keeps a step count: as a plain attribute (refused), or in a buffer (written back)."""
+
+    def __init__(self, in_buffer):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        if in_buffer:
+            self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        else:
+            self.step, self.history = 0, []
+
+    def forward(self, x):
+        self.step += 1
+        if isinstance(self.step, int):
+            self.history.append(self.step)
+        return torch.softmax(self.l(x) * self.step, -1) * 2 + 1
+
+
+def test_a_forward_changing_a_plain_attribute_is_refused_and_the_model_left_as_it_was():
+    """A captured graph keeps the count the capture saw (fused calls returned the first call's values, and fuse()
+    itself moved the count to 1): refused by name, the attributes put back."""
+    from autofuse.capture import CaptureError
+    model = Counting(in_buffer=False)
+    with pytest.raises(CaptureError, match=r"step \(0 -> 1\).*history \(\[\] -> \[1\]\).*register_buffer"):
+        AutoFusionEngine.fuse(model, (torch.randn(2, 8),))
+    assert model.step == 0 and model.history == []
+
+
+def test_a_count_kept_in_a_buffer_counts_as_eager():
+    torch.manual_seed(0)
+    model = Counting(in_buffer=True)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert int(model.step) == 0
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(fused(x), ref(x), atol=1e-6, rtol=1e-5)     # fp32 reassociation only
+    assert int(model.step) == int(ref.step) == 3
+
+
+class UpdatesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, a, b):
+        a.add_(1.0)
+        return self.l(a) + b
+
+
+@pytest.mark.parametrize("aliasing", ["same_tensor", "overlapping_views"])
+def test_an_input_updated_in_place_that_aliases_another_runs_as_eager(aliasing):
+    """The graph takes a and b as independent values; eager's b sees a's update when they share memory (fused
+    missed the +1: 1.0 apart). Such a call runs the model eagerly, and says so."""
+    torch.manual_seed(0)
+    model = UpdatesItsInput()
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, (torch.randn(2, 8), torch.randn(2, 8)))
+        base = torch.randn(3, 8)
+        mine, theirs = base.clone(), base.clone()
+        pick = (lambda t: (t[:2], t[:2])) if aliasing == "same_tensor" else (lambda t: (t[:2], t[1:]))
+        with pytest.warns(UserWarning, match="shares memory with another input"):
+            got = fused(*pick(mine))
+        torch.testing.assert_close(got, model(*pick(theirs)), atol=0, rtol=0)
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+        a, b = torch.randn(2, 8), torch.randn(2, 8)             # apart: the fused graph, its update written back
+        a2 = a.clone()
+        torch.testing.assert_close(fused(a, b), model(a2, b), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(a, a2)
