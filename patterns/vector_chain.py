@@ -237,15 +237,27 @@ RMS = (Template("rms_norm", anchor="rsqrt")
        .edge("mean", "eps", 0).edge("eps", "rsqrt", 0).edge("rsqrt", "norm"))
 
 
+def _uncast(x):
+    while isinstance(x, fx.Node) and x.target == aten._to_copy.default:
+        x = x.args[0]
+    return x
+
+
 def _rms(m) -> bool:
     """x · rsqrt(mean(x²) + eps): the x multiplied is the x squared (through casts)."""
-    def base(x):
-        while x.target == aten._to_copy.default:
-            x = x.args[0]
-        return x
     x = m["sq"].args[0]
     other = next(a for a in m["norm"].args if a is not m["rsqrt"])
-    return base(other) is base(x)
+    return _uncast(other) is _uncast(x)
+
+
+def _centred(x) -> bool:
+    """x is y − mean(y) over the last dim (through casts): the statistic is a variance, the norm a LayerNorm
+    (Cohere's, without bias), not an RMSNorm."""
+    x = _uncast(x)
+    if x.target != aten.sub.Tensor or not isinstance(x.args[1], fx.Node):
+        return False
+    mean = _uncast(x.args[1])
+    return mean.target == aten.mean.dim and _mean_last_keepdim(mean) and _uncast(mean.args[0]) is _uncast(x.args[0])
 
 
 ROPE = (Template("rope", anchor="add")
@@ -360,9 +372,10 @@ def names(nodes: list) -> list:
 
     for m in RMS.match(view, lambda m: m if within(m) and _rms(m) else None,
                        seeds=[n.name for n in nodes if n.target == aten.rsqrt.default]):
-        x = m["sq"].args[0]
-        while x.target == aten._to_copy.default:
-            x = x.args[0]
+        x = _uncast(m["sq"].args[0])
+        if _centred(x):
+            found.append((order[m["rsqrt"].name], "layer_norm"))
+            continue
         residual = x.target == aten.add.Tensor and x in inside and any(u not in inside for u in x.users) \
             and all(isinstance(a, fx.Node) and val(a).shape == val(x).shape for a in x.args)
         found.append((order[m["rsqrt"].name], "add_rms_norm" if residual else "rms_norm"))
@@ -469,6 +482,15 @@ def find_vector_chains(gm: fx.GraphModule) -> list[Match]:
             if sum(_compute(n) for n in nodes) >= 2]
 
 
+def _scaled_after_a_float16_product(nodes, mm) -> bool:
+    """A region that starts by scaling a float16 product by less than 1, where eager scaled the matmul's operand
+    (the canonical form moves the scale after the product): the epilogue would take the product unscaled in
+    float16, which overflows where eager's (x·0.01) @ W does not."""
+    from autofuse.canonicalize import MOVED_SCALE
+    return val(mm).dtype == torch.float16 and any(
+        MOVED_SCALE in n.meta and mm in n.all_input_nodes and abs(n.meta[MOVED_SCALE]) < 1 for n in nodes)
+
+
 @register("matmul_epilogue")
 def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
     """Each region after a matmul whose output only that region reads, as the matmul's epilogue."""
@@ -487,6 +509,8 @@ def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
                         all(u in inside or u in views for u in a.users) and a not in [f for f, _ in feeds]:
                     feeds.append((a, views))
         for mm, views in feeds:
+            if _scaled_after_a_float16_product(nodes, mm):
+                continue
             try:
                 built = program_from_nodes(nodes + views, outputs=[n for n in nodes if any(
                     u not in inside for u in n.users)], first=mm)

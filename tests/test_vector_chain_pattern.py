@@ -99,12 +99,15 @@ class Norm(nn.Module):
         h = x + r
         if self.kind == "rms":
             y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        elif self.kind == "centred":               # Cohere's LayerNorm without bias: x - mean(x) normalised
+            c = h - h.mean(-1, keepdim=True)
+            y = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
         else:                                      # eps outside the square root: not RMSNorm
             y = h / (torch.sqrt(h.pow(2).mean(-1, keepdim=True)) + 1e-6)
         return torch.relu(y * self.w) @ x.new_ones(32, 8), h
 
 
-@pytest.mark.parametrize("kind,name", [("rms", "add_rms_norm"), ("eps_outside", None)])
+@pytest.mark.parametrize("kind,name", [("rms", "add_rms_norm"), ("centred", "layer_norm"), ("eps_outside", None)])
 def test_norm_named_only_when_it_is_one(kind, name):
     torch.manual_seed(0)
     m = Norm(kind).eval()
