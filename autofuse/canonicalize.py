@@ -473,6 +473,10 @@ def _scalar_of(x):
     return None
 
 
+#: node.meta key of a product scaled by a number that eager applied to one of the matmul's operands (the value)
+MOVED_SCALE = "autofuse_moved_scale"
+
+
 def _matmul_scale(n):
     a, b = n.args[0], n.args[1]
     for i, x in enumerate((a, b)):
@@ -480,7 +484,9 @@ def _matmul_scale(n):
         if sc:
             new = [a, b]
             new[i] = sc[0]
-            return call(n.graph, aten.mul.Tensor, call(n.graph, aten.matmul.default, *new), sc[1])
+            scaled = call(n.graph, aten.mul.Tensor, call(n.graph, aten.matmul.default, *new), sc[1])
+            scaled.meta[MOVED_SCALE] = sc[1]    # eager scaled the operand: an epilogue may not scale the product
+            return scaled
     return None
 
 

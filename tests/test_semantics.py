@@ -819,3 +819,25 @@ def test_a_stack_leaving_a_region_stays_as_captured():
     a, b = torch.randn(6, 4), torch.randn(6, 4)
     fused = AutoFusionEngine.fuse(Stack(), (a, b))
     torch.testing.assert_close(fused(a, b), Stack()(a, b))
+
+
+def test_a_float16_operand_scaled_before_its_matmul_is_not_scaled_after_it():
+    """(x·0.01) @ Wᵀ keeps float16 in range; the canonical form scales the product instead, and an epilogue took
+    that product unscaled in float16: 117 infinities where eager has none (|x| ~ 1e4)."""
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 32).half())
+            self.b = nn.Parameter(torch.randn(64).half())
+
+        def forward(self, x):
+            return torch.relu((x * 0.01) @ self.w.t() + self.b) * 2 + 1
+    torch.manual_seed(1)
+    model = Lin().eval()
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, (torch.randn(16, 32).half(),))
+        x = (torch.randn(16, 32) * 1e4).half()
+        eager, got = model(x), fused(x)
+    assert not eager.isinf().any() and not got.isinf().any()
+    # float16: one rounding of the output either way (the bias and relu are exact in fp32)
+    torch.testing.assert_close(got, eager, atol=0, rtol=2e-3)
