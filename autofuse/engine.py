@@ -22,7 +22,7 @@ the new report says which guard fired (``report.replanned_because``).
 
 Without example inputs the engine plans at the first call, and again for each new key. The user's model is
 never modified by ``fuse``: the fused module holds it as its submodule ``model`` (so ``parameters()``,
-``state_dict()``, ``train()``, ``.to()`` reach the shared tensors).
+``state_dict()``, ``train()``, ``.to()`` reach the shared tensors; ``state_dict()`` keys are the model's own).
 
 Models and inputs must be float16, bfloat16 or float32 (integer inputs such as token ids are fine): the NPU
 has no float64 unit, and ``fuse`` says so naming the tensor.
@@ -51,7 +51,7 @@ from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan
 from autofuse.rewrite import _source as source
 from autofuse.rewrite import fused_block, rewrite
-from autofuse.sizes import SizeFamilies
+from autofuse.sizes import SizeFamilies, layout
 from cost_model.devices import get_device
 
 
@@ -70,7 +70,7 @@ def _signature(args, kwargs):
     sig = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            sig.append(("T", tuple(x.shape), x.dtype, x.device.type))
+            sig.append(("T", tuple(x.shape), x.dtype, x.device.type, layout(x)))
         else:
             try:
                 hash(x)
@@ -625,6 +625,10 @@ class FusedModule(torch.nn.Module):
         # one export serves a signature's other sizes (autofuse.sizes)
         self._sizes = SizeFamilies(make_guard=ModuleGuard) if share_exports else None
         self._verdicts: dict = {}       # verification verdicts by block, kept across plans
+        # state_dict() has the model's own keys, and load_state_dict() takes them: a checkpoint of either loads
+        # into the other (the submodule's name "model." is not part of the user's state)
+        self.register_state_dict_post_hook(_model_keys)
+        self.register_load_state_dict_pre_hook(_submodule_keys)
         if example_inputs is not None:
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
@@ -663,6 +667,14 @@ class FusedModule(torch.nn.Module):
         key = self._key(args, kwargs)
         p = self._plans.pop(key, None)       # put back last: the plans are kept in order of use
         why = p.failed_guard(self.model) if p is not None else None
+        if p is None and self._plans:
+            # a new signature: the model may have changed too (a module swapped for a new one in training mode
+            # changes the key itself); plans whose guards fail are dropped, and the first reason is reported
+            stale = {k: q.failed_guard(self.model) for k, q in self._plans.items()}
+            stale = {k: w for k, w in stale.items() if w is not None}
+            for k in stale:
+                del self._plans[k]
+            why = next(iter(stale.values()), None)
         if p is None or why is not None:
             if why is not None:
                 self._verdicts.clear()              # the model changed: no earlier export or verdict serves it
@@ -767,6 +779,20 @@ class _WithSettings:
 
 
 _UNSET = object()
+
+
+def _model_keys(module, state, prefix, local_metadata):
+    """A fused module's state_dict, keyed as its model's (``prefix + "model.x"`` -> ``prefix + "x"``)."""
+    inner = prefix + "model."
+    for k in [k for k in state if k.startswith(inner)]:
+        state[prefix + k[len(inner):]] = state.pop(k)
+
+
+def _submodule_keys(module, state, prefix, *_):
+    """The model's keys given to a fused module's load_state_dict, as its submodule ``model`` holds them."""
+    inner = prefix + "model."
+    for k in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + k[len(prefix):]] = state.pop(k)
 
 
 class AutoFusionEngine:

@@ -183,9 +183,17 @@ def _named_arguments(model, kwargs):
     return with_forward(model, forward)
 
 
+def layout(x: torch.Tensor):
+    """A tensor's layout as far as a plan depends on it: contiguous, or the order of its dims by stride (a
+    transposed input gives transposed outputs, as eager's elementwise kernels follow their input's layout)."""
+    if x.is_contiguous():
+        return "contiguous"
+    return tuple(sorted((d for d in range(x.dim()) if x.shape[d] != 1), key=lambda d: -x.stride(d)))
+
+
 def _leaf_kind(x):
     if isinstance(x, torch.Tensor):
-        return ("tensor", x.dtype, x.device.type, x.dim(), x.requires_grad)
+        return ("tensor", x.dtype, x.device.type, x.dim(), x.requires_grad, layout(x))
     return ("value", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
 
 

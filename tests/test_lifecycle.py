@@ -243,3 +243,35 @@ def test_an_input_updated_in_place_that_aliases_another_runs_as_eager(aliasing):
         a2 = a.clone()
         torch.testing.assert_close(fused(a, b), model(a2, b), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(a, a2)
+
+
+def test_a_swapped_module_that_changes_the_signature_says_why_and_drops_the_stale_plan():
+    """A new module comes in training mode, which changes the plan's key itself: the call planned anew but said
+    nothing, and kept the plan of the old module."""
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU()).eval()
+    x = torch.randn(2, 4, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    model[2] = nn.Tanh()
+    torch.testing.assert_close(fused(x), model(x))
+    assert fused.report.replanned_because == "module 2 was replaced or removed (the plan captured the old one)"
+    assert len(fused.plans) == 1
+
+
+def test_state_dict_keys_are_the_models_and_checkpoints_load_either_way():
+    """A checkpoint of the model loads into the fused module and back (keys had a "model." prefix), also where the
+    fused module is itself a submodule."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+    fused = AutoFusionEngine.fuse(model, (torch.randn(2, 16),))
+    assert list(fused.state_dict()) == list(model.state_dict())
+    other = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+    fused.load_state_dict(other.state_dict())
+    assert torch.equal(model[1].weight, other[1].weight)
+    fresh = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+    fresh.load_state_dict(fused.state_dict())
+    assert torch.equal(fresh[1].weight, model[1].weight)
+    parent = nn.ModuleDict({"body": fused})
+    assert list(parent.state_dict()) == ["body." + k for k in model.state_dict()]
+    state = {k: torch.zeros_like(v) for k, v in parent.state_dict().items()}
+    parent.load_state_dict(state)
+    assert not model[1].weight.any()

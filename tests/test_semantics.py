@@ -841,3 +841,18 @@ def test_a_float16_operand_scaled_before_its_matmul_is_not_scaled_after_it():
     assert not eager.isinf().any() and not got.isinf().any()
     # float16: one rounding of the output either way (the bias and relu are exact in fp32)
     torch.testing.assert_close(got, eager, atol=0, rtol=2e-3)
+
+
+def test_outputs_follow_the_calls_input_layout_not_the_plans():
+    """A plan made on a transposed input laid its outputs out transposed; called with a contiguous input of the
+    same shape, eager's output is contiguous (``out.view(-1)`` works) and so is the fused one now."""
+    class Chain(nn.Module):
+        def forward(self, a):
+            return (a * 1.5 + 1).exp()
+    model = Chain()
+    fused = AutoFusionEngine.fuse(model, (torch.randn(8, 4).t(),))
+    for x in (torch.randn(4, 8), torch.randn(8, 4).t()):
+        got, eager = fused(x), model(x)
+        assert got.stride() == eager.stride()
+        torch.testing.assert_close(got, eager)
+    assert len(fused.plans) == 2
