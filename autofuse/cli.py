@@ -503,7 +503,7 @@ def cmd_patterns(a, progress):
         os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
         outs = []
         for i, dot in enumerate(dots):
-            path = a.output if len(dots) == 1 else a.output.replace(f".{fmt}", f"-{i}.{fmt}")
+            path = a.output if len(dots) == 1 else f"{a.output[:-len(fmt) - 1]}-{i}.{fmt}"   # t.svg: t-0.svg, t-1.svg
             subprocess.run(["dot", f"-T{fmt}", "-o", path], input=dot.encode(), check=True)
             outs.append(path)
         print("\n".join(outs))

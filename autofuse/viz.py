@@ -311,11 +311,19 @@ def have_graphviz() -> bool:
 
 
 def render(dot_text: str, fmt: str = "svg", timeout: float = 600) -> bytes | None:
-    """Graphviz ``dot -T<fmt>`` of the DOT text, or None when Graphviz is not installed."""
+    """Graphviz ``dot -T<fmt>`` of the DOT text, or None when Graphviz is not installed or takes longer than
+    ``timeout`` seconds (a very large graph drawn expanded: the caller falls back to the built-in layout)."""
     exe = shutil.which("dot")
     if exe is None:
         return None
-    r = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, timeout=timeout)
+    try:
+        r = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        import sys
+        print(f"autofuse: Graphviz took over {timeout:.0f} s to lay out a graph of {dot_text.count(' -> ')} edges; "
+              f"the built-in layout is used instead (without --expand-all, identical layers are drawn once)",
+              file=sys.stderr)
+        return None
     if r.returncode != 0:
         raise RuntimeError(f"Graphviz dot failed: {r.stderr.decode(errors='replace').strip()[:500]}")
     return r.stdout

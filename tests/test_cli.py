@@ -4,6 +4,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -54,6 +55,15 @@ def test_patterns_show_draws_a_familys_templates_or_a_regions_names(capsys, name
     main(["patterns", "--show", name])
     out = capsys.readouterr().out
     assert out.count("digraph") == graphs and has in out
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz `dot` (apt-get install graphviz)")
+def test_patterns_show_numbers_the_pictures_by_the_file_name_only(capsys, tmp_path):
+    """rope has two templates: t.svg gives t-0.svg and t-1.svg, and a ".svg" elsewhere in the path stays (the
+    directory x.svgdir was renamed, and dot failed)."""
+    out = tmp_path / "x.svgdir" / "t.svg"
+    main(["patterns", "--show", "rope", "-o", str(out)])
+    assert sorted(p.name for p in out.parent.iterdir()) == ["t-0.svg", "t-1.svg"]
 
 
 def test_patterns_show_names_the_choices(capsys):

@@ -283,3 +283,16 @@ def test_model_explorer_web_app_loads_the_file_and_its_node_data(llama3, tmp_pat
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_a_graphviz_layout_that_times_out_falls_back_to_the_built_in_one(monkeypatch, capsys):
+    """A 32-layer graph drawn expanded ran Graphviz past its timeout and ended in a raw TimeoutExpired traceback
+    (nothing written)."""
+    from autofuse import viz
+
+    def slow(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw.get("timeout"))
+    monkeypatch.setattr(viz.shutil, "which", lambda exe: "/usr/bin/dot")
+    monkeypatch.setattr(viz.subprocess, "run", slow)
+    assert viz.render("digraph { a -> b }", timeout=5) is None
+    assert "built-in layout is used instead" in capsys.readouterr().err
