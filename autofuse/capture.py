@@ -831,6 +831,13 @@ _HINTS = [
     ("control flow", "the model branches on tensor values, which symbolic_trace cannot follow; "
                      "use route='export' or rewrite with torch.where / torch.cond"),
     ("Proxy", "symbolic_trace cannot follow this Python construct; use route='export'"),
+    ("which is not a known type", "the forward takes or returns an object of a class of your own, which capture "
+                                  "cannot flatten into tensors: register it (torch.export.register_dataclass(Cls) "
+                                  "for a dataclass, torch.utils._pytree.register_pytree_node otherwise), or use a "
+                                  "tuple or dict"),
+    ("found at least two devices", "the inputs and the model's parameters or buffers are on different devices: "
+                                   "put them on one (with inputs on the meta device, the model too: model.to('meta'), "
+                                   "or build it under torch.device('meta'))"),
 ]
 
 
@@ -852,7 +859,7 @@ def _explain(model, failures) -> str:
         # every tracer stopped at the same error: the forward itself raises it on these inputs
         lines.append("  hint: every route failed with the same error, which the forward raises on these inputs "
                      "itself: run model(*example_inputs) eagerly to see it, and fix the model or the inputs.")
-    else:
+    elif not hinted:
         lines.append("  hint: the failing construct is named above; route='export' handles most models, "
                      "route='symbolic_trace' only plain modules without value-dependent Python control flow.")
     return "\n".join(lines)

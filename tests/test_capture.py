@@ -263,3 +263,27 @@ def test_a_capture_limit_is_not_called_an_error_of_the_forward():
     with pytest.raises(CaptureError) as e:
         capture(model, (x,))
     assert "reads tensor *values*" in str(e.value) and "raises on these inputs" not in str(e.value)
+
+
+class _Out:
+    """An output class of the user's own, not registered as a pytree."""
+
+    def __init__(self, a):
+        self.a = a
+
+
+def test_an_unregistered_output_class_and_a_device_mismatch_get_their_own_hints():
+    """Both said the forward raises the error itself when run eagerly, which it does not."""
+    class Returns(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return _Out(self.l(x).relu())
+    with pytest.raises(CaptureError, match=r"register_dataclass") as e:
+        capture(Returns(), (torch.randn(2, 8),))
+    assert "raises on these inputs itself" not in str(e.value)
+    with pytest.raises(CaptureError, match=r"different devices.*model\.to\('meta'\)") as e:
+        capture(nn.Sequential(nn.Linear(8, 8), nn.GELU()), (torch.randn(2, 8, device="meta"),))
+    assert "raises on these inputs itself" not in str(e.value)
