@@ -257,17 +257,32 @@ def rank_builder(spec: str, hidden=None, heads=None, seq=None, batch=None, dtype
     if ":" not in spec:
         raise ValueError(f"--world-size needs --model tp-block or module:function / file.py:function taking (rank, "
                          f"world_size); got {spec!r}")
+    _function_of(spec)                  # checked here, once, not in every rank
     return functools.partial(_spec_build, spec)
 
 
-def _spec_build(spec: str, rank: int, world: int):
+def _function_of(spec: str):
+    """The function ``module:function`` / ``file.py:function`` names, checked to take (rank, world_size)."""
     import importlib
+    import inspect
     import runpy
     path, _, fn = spec.rpartition(":")
     ns = runpy.run_path(path) if path.endswith(".py") else vars(importlib.import_module(path))
-    if not callable(ns.get(fn)):
+    f = ns.get(fn)
+    if not callable(f):
         raise ValueError(f"{path} has no function {fn!r} (a function (rank, world_size) -> (module, example_args))")
-    return ns[fn](rank, world)
+    try:
+        inspect.signature(f).bind(0, 1)
+    except TypeError:
+        raise ValueError(f"{spec} must take (rank, world_size) and return (module, example_args); it is "
+                         f"{fn}{inspect.signature(f)}") from None
+    except ValueError:                  # a builtin without a signature: let the call say
+        pass
+    return f
+
+
+def _spec_build(spec: str, rank: int, world: int):
+    return _function_of(spec)(rank, world)
 
 
 def _free_port() -> int:

@@ -113,6 +113,9 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
         return build_transformers(name, seq=seq, batch=batch, dtype=dtype, meta=meta, attn=attn, past=past)
     if ":" in name:
         return _from_spec(name)
+    if name == "tp-block":
+        raise ModelSpecError("tp-block is split over ranks (tensor parallel): give --world-size N to simulate it "
+                             "on N gloo processes")
     if name not in ZOO:
         raise ModelSpecError(f"unknown model {name!r}{_closest(name, ZOO)}: choose one of {', '.join(ZOO)}, "
                              f"'transformers:ConfigClass?key=value', 'file.py:function' or 'module:function'")

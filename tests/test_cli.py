@@ -242,11 +242,21 @@ def test_transformers_spec_values_and_defaults():
     (["report", *TINY, "--bogus", "1"], "autofuse report: unrecognized arguments: --bogus 1 (see `autofuse report "
                                         "--help`)"),
     (["patterns", "--show", "layer_norm"], "no template to draw"),
+    (["simulate", "--model", "tp-block"], "give --world-size N"),
 ])
 def test_usage_errors_print_one_line_and_exit_2(argv, needle, capsys):
     code, err = _exit(argv, capsys)
     assert code == 2 and needle in err
     assert err.count("\n") == 1 and err.startswith("autofuse")
+
+
+def test_a_rank_builder_without_rank_and_world_size_is_a_usage_error(tmp_path, capsys):
+    """Every rank printed its traceback and the command exited 1."""
+    src = tmp_path / "builders.py"
+    src.write_text("import torch\n\ndef make():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    code, err = _exit(["simulate", "--model", f"{src}:make", "--world-size", "2"], capsys)
+    assert code == 2 and "must take (rank, world_size) and return (module, example_args)" in err
+    assert err.count("\n") == 1
 
 
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
