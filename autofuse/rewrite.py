@@ -94,7 +94,8 @@ def lift(match: Match, canonical: dict, captured: dict, order: dict) -> Lifted:
         if c in preamble:
             return
         if c.op != "call_function" or c.target not in PREAMBLE_OPS:
-            raise NotLiftable(f"input node {c.name} ({c.target}) has no counterpart in the captured graph")
+            raise NotLiftable(f"it reads {c.name} ({c.target}), a value only the canonical form computes (a rewrite "
+                              f"moved a scale or cast across the region's edge), which the captured graph does not hold")
         for a in c.all_input_nodes:
             visit(a)
         preamble.append(c)
@@ -167,7 +168,8 @@ def _target(c: fx.Node, captured: dict, role: str):
             break
         c = users[0]
         views.append(c)
-    raise NotLiftable(f"output {role!r} ({c.name}) has no counterpart in the captured graph")
+    raise NotLiftable(f"its output {role!r} ({c.name}) is a value only the canonical form computes (a rewrite moved "
+                      f"a scale or cast across the region's edge), which the captured graph does not hold")
 
 
 def footprint(captured: dict, order: dict, targets: set, keep: set, anc: set | None = None) -> tuple:
