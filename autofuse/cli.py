@@ -12,7 +12,7 @@
             --attn eager|sdpa --meta --train --past N (a decode step after a KV cache of N tokens)
     ENGINE: --device NAME --level O0..O3 --budget 16GB --disable FAMILY --enable FAMILY --force FAMILY
 
-``--model`` is a zoo name (``gpt2``, ``llama``, ``qwen2``, ``bert``, ``mha``),
+``--model`` is a zoo name (``gpt2``, ``llama``, ``qwen2``, ``mixtral``, ``bert``, ``mha``),
 ``transformers:ConfigClass?key=value&...`` (any transformers configuration, e.g.
 ``transformers:LlamaConfig?num_hidden_layers=2&hidden_size=256``; no keys = the class's defaults),
 ``path/to/file.py:function`` or ``package.module:function`` returning ``(model, example_inputs)``.

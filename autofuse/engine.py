@@ -379,9 +379,10 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                                f"the budget {budget:,} B; no remaining candidate lowers it")
     hooked = _hooked_modules(model)
     if hooked:
-        report.warnings.append(f"module(s) {', '.join(hooked)} have hooks: capture ran their forward hooks once, into "
-                               f"the graph (a hook that records tensors recorded traced ones, not each call's), and "
-                               f"backward hooks do not fire through fused calls; run the model eagerly to use them")
+        report.warnings.append(f"module(s) {', '.join(hooked)} have hooks: capture ran their forward hooks (once per "
+                               f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
+                               f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
+                               f"run the model eagerly to use them")
     return Plan(captured, _make_live(fused, model), report, gm, guards, model)
 
 
