@@ -74,6 +74,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -296,18 +297,24 @@ def _grad_blocks():
              grad_mode.set_grad_enabled: lambda block: bool(block.mode)}
     own = {cls: (cls.__dict__["__enter__"], cls.__dict__["__exit__"]) for cls in modes}
     open_blocks: dict[int, list] = {}
+    capturing = threading.get_ident()
 
     def patched(cls):
         enter, exit_ = own[cls]
 
         def __enter__(block):
             result = enter(block)
-            if _forwards_block(sys._getframe(1)):
-                marks = fx_traceback.preserve_node_meta()       # restores the metadata as it was on exit
+            # the patch is the process's: another thread's blocks (a model run eagerly beside the capture) are not
+            # this forward's, and must not touch the tracer's metadata, which is the process's too
+            if threading.get_ident() == capturing and _forwards_block(sys._getframe(1)):
+                marks = fx_traceback.preserve_node_meta()       # puts the metadata back as it was on exit
                 marks.__enter__()
+                # new dicts, never an edit in place: an enclosing context of torch's may hold the dict it
+                # replaces (set_current_meta keeps it to put back), and would put back the edit with it
                 meta = fx_traceback.current_meta
-                meta["custom"] = {**(meta.get("custom") or {}), GRAD_BLOCK: modes[cls](block)}   # a new dict:
-                open_blocks.setdefault(id(block), []).append(marks)     # the saved one is shared, not copied
+                fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}),
+                                                                GRAD_BLOCK: modes[cls](block)}}
+                open_blocks.setdefault(id(block), []).append(marks)
             return result
 
         def __exit__(block, *exc):
@@ -319,6 +326,7 @@ def _grad_blocks():
             return exit_(block, *exc)
         return __enter__, __exit__
 
+    preserving = fx_traceback.should_preserve_node_meta
     for cls in modes:
         cls.__enter__, cls.__exit__ = patched(cls)
     try:
@@ -326,6 +334,16 @@ def _grad_blocks():
     finally:
         for cls, (enter, exit_) in own.items():
             cls.__enter__, cls.__exit__ = enter, exit_
+        # nothing of a block's mark outlives the capture (a block left open by a trace that stopped inside it)
+        for marks in open_blocks.values():
+            for m in reversed(marks):
+                m.__exit__(None, None, None)
+        fx_traceback.should_preserve_node_meta = preserving
+        meta = fx_traceback.current_meta
+        if GRAD_BLOCK in (meta.get("custom") or {}):
+            custom = {k: v for k, v in meta["custom"].items() if k != GRAD_BLOCK}
+            fx_traceback.current_meta = {**{k: v for k, v in meta.items() if k != "custom"},
+                                         **({"custom": custom} if custom else {})}
 
 
 def _forwards_block(frame) -> bool:

@@ -139,6 +139,15 @@ def test_threads_calling_with_new_sizes_plan_one_at_a_time():
         for z, out in got.values():
             torch.testing.assert_close(out, model(z), atol=1e-5, rtol=1e-4)
     assert all(type(p) is nn.Parameter for p in model.parameters())
+    # a thread's no_grad block entered while another thread captured left the tracer's (process-wide) metadata
+    # marked grad-free: every later capture in the process then detached its outputs
+    from torch.fx import traceback as fx_traceback
+
+    from autofuse.capture import GRAD_BLOCK
+    assert not fx_traceback.should_preserve_node_meta
+    assert GRAD_BLOCK not in (fx_traceback.current_meta.get("custom") or {})
+    later = AutoFusionEngine.fuse(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)), (torch.randn(2, 8),))
+    assert later(torch.randn(2, 8)).requires_grad
 
 
 def test_an_empty_batch_runs_as_captured():
