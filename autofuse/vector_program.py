@@ -360,8 +360,14 @@ class _Build:
         common = torch.result_type(*[_dtype_probe(a) for a in n.args[:2]])
         if common not in (torch.float16, torch.bfloat16):
             return x, y
-        return tuple(self.b.cast(v, dtype=dtype_name(common)) if isinstance(v, V) else _rounded(v, common)
-                     for v in (x, y))
+
+        def held(a, v):                 # a program input of that dtype holds its values exactly already
+            if not isinstance(v, V):
+                return _rounded(v, common)
+            if a in self.inputs and _meta(a).dtype == common:
+                return v
+            return self.b.cast(v, dtype=dtype_name(common))
+        return tuple(held(a, v) for a, v in zip(n.args[:2], (x, y)))
 
     def stored(self, n, v):
         """A number that fills a float16/bfloat16 result, as eager stores it there (rounded: ``1e5`` is inf)."""
