@@ -180,8 +180,8 @@ class _TensorState:
 
 
 def _kept(v):
-    """What a plan keeps of a plain attribute's value: a list or dict copied (it may be edited in place), a tensor as a
-    :class:`_TensorState`, anything else as it is."""
+    """What a plan keeps of a plain attribute's value: a list or dict copied (it may be edited in place), a tensor
+    as a :class:`_TensorState`, anything else as it is."""
     if isinstance(v, (list, dict)):
         return type(v)(v)
     if isinstance(v, torch.Tensor):
@@ -210,19 +210,20 @@ def _global_hooks() -> tuple:
 
 class ModuleGuard:
     """What a plan assumed about the model's modules: which module sits at each name, and the value of every
-    plain attribute of each (numbers, strings, flags and tuples, lists or dicts of them: a dropout's ``p``, a norm's
-    ``eps``, an attention's ``scaling``; tensors that are no parameter or buffer, by identity and version), the
-    module's hooks, forward and class, and torch's global module hooks. Capture bakes such values into the graph as constants, so a changed one (or
-    a module swapped for another) re-plans rather than run the old value. Private attributes (``_name``) and
-    ``training`` (part of the plan's key) are left out; values are taken once the plan is built, so what the
-    model's own forward sets while it is captured and verified is not mistaken for a change."""
+    plain attribute of each (numbers, strings, flags and tuples, lists or dicts of them: a dropout's ``p``, a
+    norm's ``eps``, an attention's ``scaling``; tensors that are no parameter or buffer, by identity and
+    version), the module's hooks, forward and class, and torch's global module hooks. Capture bakes such values
+    into the graph as constants, so a changed one (or a module swapped for another) re-plans rather than run the
+    old value. Private attributes (``_name``) and ``training`` (part of the plan's key) are left out. A forward
+    that changes a plain attribute itself is refused at capture (:func:`autofuse.capture.capture`)."""
 
     value = False
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
         self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
-                      if not k.startswith("_") and k != "training" and (plain_attribute(v) or isinstance(v, torch.Tensor))]
+                      if not k.startswith("_") and k != "training" and
+                      (plain_attribute(v) or isinstance(v, torch.Tensor))]
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
         self.hooks = _global_hooks()
 

@@ -94,8 +94,9 @@ def lift(match: Match, canonical: dict, captured: dict, order: dict) -> Lifted:
         if c in preamble:
             return
         if c.op != "call_function" or c.target not in PREAMBLE_OPS:
-            raise NotLiftable(f"it reads {c.name} ({c.target}), a value only the canonical form computes (a rewrite "
-                              f"moved a scale or cast across the region's edge), which the captured graph does not hold")
+            raise NotLiftable(f"it reads {c.name} ({c.target}), a value only the canonical form computes (a "
+                              f"rewrite moved a scale or cast across the region's edge), which the captured graph "
+                              f"does not hold")
         for a in c.all_input_nodes:
             visit(a)
         preamble.append(c)
