@@ -791,10 +791,10 @@ def _model_keys(module, state, prefix, local_metadata):
 
 
 def _submodule_keys(module, state, prefix, *_):
-    """The model's keys given to a fused module's load_state_dict, as its submodule ``model`` holds them."""
-    inner = prefix + "model."
-    for k in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
-        state[inner + k[len(prefix):]] = state.pop(k)
+    """The model's keys given to a fused module's load_state_dict, as its submodule ``model`` holds them (every
+    key: a model may have a submodule named ``model`` of its own, as transformers' ``*ForCausalLM`` do)."""
+    for k in [k for k in state if k.startswith(prefix)]:
+        state[prefix + "model." + k[len(prefix):]] = state.pop(k)
 
 
 class AutoFusionEngine:

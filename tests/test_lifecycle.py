@@ -279,6 +279,11 @@ def test_state_dict_keys_are_the_models_and_checkpoints_load_either_way():
     fresh = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
     fresh.load_state_dict(fused.state_dict())
     assert torch.equal(fresh[1].weight, model[1].weight)
+    inner = nn.ModuleDict({"model": nn.Linear(4, 4), "head": nn.Linear(4, 2)})    # a submodule named "model",
+    fused_inner = AutoFusionEngine.fuse(inner)                                  # as transformers' models have
+    other = nn.ModuleDict({"model": nn.Linear(4, 4), "head": nn.Linear(4, 2)})
+    fused_inner.load_state_dict(other.state_dict())
+    assert torch.equal(inner["model"].weight, other["model"].weight)
     parent = nn.ModuleDict({"body": fused})
     assert list(parent.state_dict()) == ["body." + k for k in model.state_dict()]
     state = {k: torch.zeros_like(v) for k, v in parent.state_dict().items()}
