@@ -219,8 +219,13 @@ def _python_state(model) -> list:
     """Every plain public attribute of the model's modules (:func:`plain_attribute`) as it is before capture:
     (module name, module, attribute, the value, a copy of a list's or dict's contents)."""
     return [(name, m, k, v, (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else None))
-            for name, m in model.named_modules() for k, v in vars(m).items()
-            if not k.startswith("_") and k != "training" and plain_attribute(v)]
+            for name, m in model.named_modules() for k, v in public_attributes(m) if plain_attribute(v)]
+
+
+def public_attributes(m: torch.nn.Module):
+    """A module's own attributes a forward may read as values: not private (``_name``), not ``training`` (a
+    plan's key), not parameters, buffers or submodules (those live in ``_parameters`` and the like)."""
+    return [(k, v) for k, v in vars(m).items() if not k.startswith("_") and k != "training"]
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -885,10 +890,8 @@ def _explain(model, failures) -> str:
 
 def _user_frame(e: BaseException) -> str | None:
     """The innermost traceback frame outside torch: the user's construct that failed."""
-    torch_dir = os.path.dirname(torch.__file__)
-    own_dir = os.path.dirname(os.path.abspath(__file__))
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)
-              and not os.path.abspath(f.filename).startswith(own_dir + os.sep)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not os.path.abspath(f.filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR))]
     if not frames:
         return None
     f = frames[-1]

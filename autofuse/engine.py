@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
-from autofuse.capture import capture, plain_attribute, state_tensor
+from autofuse.capture import capture, plain_attribute, public_attributes, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
@@ -221,9 +221,8 @@ class ModuleGuard:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
-        self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
-                      if not k.startswith("_") and k != "training" and
-                      (plain_attribute(v) or isinstance(v, torch.Tensor))]
+        self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in public_attributes(m)
+                      if plain_attribute(v) or isinstance(v, torch.Tensor)]
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
         self.hooks = _global_hooks()
 
