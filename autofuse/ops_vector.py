@@ -283,6 +283,8 @@ def _me_backward(ctx, grad_outs):
         product = _product(a, b, bias, prog, ctx.trans_b)
     elif product is None:      # the backward does not read the product: any tensor of its shape and dtype
         product = a.new_empty(prog.inputs[0].shape, dtype=torch_dtype(prog.inputs[0].dtype))
+    else:      # the stored product has the program's lead dims ([1, 8, 32]); its input 0 may be declared flat ([8, 32])
+        product = product.reshape(prog.inputs[0].shape)
     got = dict(zip(wrt, run_grad_program(*launch, [product] + extra, grad_outs, ctx.device)))
     ga = gb = gbias = None
     if got.get(0) is not None:

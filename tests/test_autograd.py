@@ -123,11 +123,14 @@ def test_fused_model_trains_like_the_eager_model():
     _same_parameter_grads(model, fused, args, kwargs)
 
 
-def test_fused_model_trains_with_dropout_like_the_eager_model():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_model_trains_with_dropout_like_the_eager_model(batch):
     """Training mode, GPT-2's attention dropout fused: from the same seed, the parameter gradients are eager's
-    (the fused blocks drop the same elements, and their backward uses the same keep-mask)."""
+    (the fused blocks drop the same elements, and their backward uses the same keep-mask). Batch 1: an epilogue
+    stores its product for the backward with the program's lead dims ([1, S, H]), read back as the matmul's rows
+    ([S, H]) its program declares."""
     torch.manual_seed(0)
-    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=16, batch=2)
+    model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=16, batch=batch)
     model.train()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
     assert [d.applied for d in fused.report.of("attention")] == [True, True], fused.report.summary()
