@@ -634,6 +634,11 @@ class FusedModule(torch.nn.Module):
             args, kwargs = example_inputs
             self._plan_for(args, kwargs)
 
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        """The model's own ``load_state_dict``: strict mode's error and the missing / unexpected keys name the
+        model's keys (through the hooks, a ``"model."`` prefix, this module's submodule, showed in them)."""
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
     def __deepcopy__(self, memo):
         """A fused module of a deep copy of the model, with the same settings and no plans yet (the first call
         of each signature plans again): plans hold compiled graphs bound to this module's model."""

@@ -284,6 +284,11 @@ def test_state_dict_keys_are_the_models_and_checkpoints_load_either_way():
     other = nn.ModuleDict({"model": nn.Linear(4, 4), "head": nn.Linear(4, 2)})
     fused_inner.load_state_dict(other.state_dict())
     assert torch.equal(inner["model"].weight, other["model"].weight)
+    partial = {k: v for k, v in other.state_dict().items() if k != "model.weight"} | {"extra": torch.zeros(1)}
+    got = fused_inner.load_state_dict(partial, strict=False)         # the model's keys, as the model itself says
+    assert (got.missing_keys, got.unexpected_keys) == (["model.weight"], ["extra"])
+    with pytest.raises(RuntimeError, match='Missing key.*"model.weight"'):
+        fused_inner.load_state_dict(partial)
     parent = nn.ModuleDict({"body": fused})
     assert list(parent.state_dict()) == ["body." + k for k in model.state_dict()]
     state = {k: torch.zeros_like(v) for k, v in parent.state_dict().items()}
