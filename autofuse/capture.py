@@ -178,12 +178,13 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         raise
     changed = _restore_python_state(python_state)
     if changed:
-        raise CaptureError(route, f"capture failed: the forward changes the plain Python attribute(s) "
+        raise CaptureError(route, f"capture failed: the forward changes the Python attribute(s) "
                                   f"{', '.join(changed)} of the model, which a captured graph cannot do at each call "
-                                  f"(it would keep the value the capture saw; the attribute is restored). hint: keep "
+                                  f"(it would keep the value the capture saw; the attributes are restored). hint: keep "
                                   f"such state in a registered buffer updated in place (self.register_buffer('step', "
                                   f"torch.zeros((), dtype=torch.long)); self.step += 1): its new value is written "
-                                  f"back after every fused call.")
+                                  f"back after every fused call; return a tensor the caller reads (attention "
+                                  f"weights kept for inspection) as one more output of the forward.")
     return captured
 
 
@@ -216,10 +217,16 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
 
 
 def _python_state(model) -> list:
-    """Every plain public attribute of the model's modules (:func:`plain_attribute`) as it is before capture:
-    (module name, module, attribute, the value, a copy of a list's or dict's contents)."""
-    return [(name, m, k, v, (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else None))
-            for name, m in model.named_modules() for k, v in public_attributes(m) if plain_attribute(v)]
+    """The model's modules' own attributes as they are before capture (:func:`_restore_python_state` puts them
+    back): (module name, module, a shallow copy of its ``__dict__`` without parameters, buffers and submodules,
+    a copy of each list's or dict's contents)."""
+    state = []
+    for name, m in model.named_modules():
+        before = {k: v for k, v in vars(m).items() if k not in _STRUCTURE}
+        contents = {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in before.items()
+                    if isinstance(v, (list, dict)) and not k.startswith("_")}
+        state.append((name, m, before, contents))
+    return state
 
 
 def public_attributes(m: torch.nn.Module):
@@ -229,6 +236,9 @@ def public_attributes(m: torch.nn.Module):
 
 
 _PLAIN = (bool, int, float, str, type(None))
+#: what a module keeps in its ``__dict__`` that is not an attribute a forward sets: its parameters, buffers and
+#: submodules (their changes are state the graph writes back), and its mode (a plan's key)
+_STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "training"})
 
 
 def plain_attribute(v) -> bool:
@@ -239,26 +249,70 @@ def plain_attribute(v) -> bool:
     return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v))
 
 
+def _holds_tensor(v) -> bool:
+    return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v))
+
+
+def _same(a, b) -> bool:
+    """``a`` and ``b`` are the same value: the same object, equal plain values (NaN equals NaN), or lists, tuples
+    and dicts of the same values (torch's tracer may re-wrap a container)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, _PLAIN):
+        return a == b or (a != a and b != b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return False
+
+
+def _shown(v) -> str:
+    """An attribute's value in a message: a tensor by its shape and dtype (the traced one is a functional
+    tensor, whose repr raises), a container holding tensors by its type and length."""
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
+    if _holds_tensor(v):
+        return f"a {type(v).__name__} of {len(v)} holding tensors" if hasattr(v, "__len__") else \
+            f"a {type(v).__name__} holding tensors"
+    return repr(v)
+
+
 def _restore_python_state(state) -> list:
-    """Put back what the forward changed of :func:`_python_state`'s attributes while it was traced; their names
-    and changes."""
+    """Put back what the forward changed of the modules' attributes while it was traced (:func:`_python_state`)
+    and return each change in words. Public attributes are compared by value (a list or dict also by its
+    contents); private ones (``_name``) and attributes the trace added are changes only where they hold a tensor
+    (torch's own bookkeeping sets private values of its own)."""
     changed = []
-    for name, m, k, v, contents in state:
-        now = m.__dict__.get(k, _GONE)
-        before = contents if contents is not None else v
-        if type(now) is type(v) and (now == before or now != now and before != before):   # the same value (NaN too)
-            m.__dict__[k] = v           # torch's tracer may re-wrap a container: the user's own object is put back
-            continue
-        shown = before
-        changed.append(f"{name + '.' if name else ''}{k} ({shown!r} -> {now!r})" if now is not _GONE else
-                       f"{name + '.' if name else ''}{k} (deleted)")
-        if contents is not None:
-            if isinstance(v, list):
-                v[:] = contents
+    for name, m, before, contents in state:
+        now = vars(m)
+        where = f"{name}." if name else ""
+        for k in [k for k in now if k not in before and k not in _STRUCTURE]:
+            if not k.startswith("_") or _holds_tensor(now[k]):
+                changed.append(f"{where}{k} (new: {_shown(now.pop(k))})")
+        for k, v in before.items():
+            cur = now.get(k, _GONE)
+            was = contents.get(k, v)
+            if cur is _GONE:
+                changed.append(f"{where}{k} (deleted)")
+            elif k.startswith("_"):
+                if cur is v or not (_holds_tensor(cur) or _holds_tensor(v)):
+                    continue
+                changed.append(f"{where}{k} ({_shown(v)} -> {_shown(cur)})")
+            elif _same(cur, was):
+                now[k] = v           # the user's own object put back (a re-wrapped container)
+                continue
             else:
-                v.clear()
-                v.update(contents)
-        m.__dict__[k] = v
+                changed.append(f"{where}{k} ({_shown(was)} -> {_shown(cur)})")
+            if k in contents:
+                if isinstance(v, list):
+                    v[:] = contents[k]
+                else:
+                    v.clear()
+                    v.update(contents[k])
+            now[k] = v
     return changed
 
 

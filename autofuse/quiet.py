@@ -10,6 +10,10 @@ on the export route): ``_decompose_exported_program`` -> ``_get_updated_module_c
 module call graph, and copying a pytree ``LeafSpec`` calls ``LeafSpec.__new__``, which torch 2.13 marks
 deprecated with ``typing_extensions.deprecated``. Nothing in autofuse or the user's model uses
 ``LeafSpec``; the filter below matches that one message only, so every other warning still shows.
+
+A forward that assigns a tensor to a module attribute makes torch.export warn that it "must be registered as
+buffers"; capture then refuses that forward by name with its own error (:func:`autofuse.capture.capture`), so the
+warning is silenced too: the error says it, and what to do.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import contextlib
 import warnings
 
 LEAFSPEC_MESSAGE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+ATTRIBUTE_MESSAGE = r"The tensor attribute .* was assigned during export"
 
 
 @contextlib.contextmanager
@@ -24,4 +29,5 @@ def torch_internal_warnings():
     """Within the block, ignore the deprecation torch raises against itself while capturing (see above)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=LEAFSPEC_MESSAGE, category=FutureWarning)
+        warnings.filterwarnings("ignore", message=ATTRIBUTE_MESSAGE, category=UserWarning)
         yield

@@ -210,6 +210,48 @@ def test_a_forward_changing_a_plain_attribute_is_refused_and_the_model_left_as_i
     assert model.step == 0 and model.history == []
 
 
+class KeepsTensors(nn.Module):
+    """A forward that keeps tensors in attributes: attention weights for inspection (a new attribute), a lazily
+    built table (a private attribute None before), a list of every call's output, a tensor attribute replaced."""
+    def __init__(self, spelling):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.spelling = spelling
+        self._table = None
+        self.history = []
+        self.offset = torch.zeros(8)
+
+    def forward(self, x):
+        a = torch.softmax(self.l(x), -1)
+        if self.spelling == "new":
+            self.weights = a
+        elif self.spelling == "lazy" and self._table is None:
+            self._table = torch.arange(8.0) * 2
+        elif self.spelling == "list":
+            self.history.append(a)
+        elif self.spelling == "replaced":
+            self.offset = self.offset + a.mean()
+        return a * 2 + 1
+
+
+@pytest.mark.parametrize("spelling,named", [("new", r"weights \(new: a tensor \[2, 8\] float32\)"),
+                                            ("lazy", r"_table \(None -> a tensor \[8\] float32\)"),
+                                            ("list", r"history \(\[\] -> a list of 1 holding tensors\)"),
+                                            ("replaced", r"offset \(a tensor \[8\] float32 -> a tensor")])
+def test_a_forward_keeping_tensors_in_attributes_is_refused_and_the_model_left_as_it_was(spelling, named):
+    """The trace left a traced (functional) tensor in the user's model, which then failed at its next eager call
+    ("Attempting to use FunctionalTensor on its own"), and fused calls would never update it. Refused by name,
+    every attribute put back."""
+    from autofuse.capture import CaptureError
+    model = KeepsTensors(spelling)
+    offset, history = model.offset, model.history
+    with pytest.raises(CaptureError, match=named + ".*register_buffer.*one more output"):
+        AutoFusionEngine.fuse(model, (torch.randn(2, 8),))
+    assert "weights" not in vars(model) and model._table is None and model.history is history == []
+    assert model.offset is offset
+    model(torch.randn(2, 8))          # eager still works
+
+
 def test_a_count_kept_in_a_buffer_counts_as_eager():
     torch.manual_seed(0)
     model = Counting(in_buffer=True)
