@@ -184,7 +184,9 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                   f"such state in a registered buffer updated in place (self.register_buffer('step', "
                                   f"torch.zeros((), dtype=torch.long)); self.step += 1): its new value is written "
                                   f"back after every fused call; return a tensor the caller reads (attention "
-                                  f"weights kept for inspection) as one more output of the forward.")
+                                  f"weights kept for inspection) as one more output of the forward; or compile it "
+                                  f"as it is with torch.compile(model, backend='autofuse'): Dynamo replays "
+                                  f"attribute updates after each graph.")
     return captured
 
 
