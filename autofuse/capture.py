@@ -76,6 +76,7 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +195,8 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     failures = []
     for r in routes:
         try:
-            with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks():  # torch's own deprecation
+            with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
+                    _checkpoints() as checkpoints:
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -208,6 +210,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
             gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f, _, _ in functions)   # without grad
+            gm.meta["autofuse_checkpoints"] = len(checkpoints)         # activation checkpoints traced through
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
                             input_updates=gm.meta.get("autofuse_input_updates", ()))
@@ -338,6 +341,40 @@ def _custom_functions():
         yield seen
     finally:
         Function.apply = own
+
+
+@contextlib.contextmanager
+def _checkpoints():
+    """The functions the forward checkpoints (``torch.utils.checkpoint.checkpoint``, reentrant or not) while it
+    is captured: a set of their ids, filled in place (a trace may run the forward more than once). The trace runs
+    a checkpointed function as a plain call: the captured graph keeps its activations for the backward instead of
+    recomputing them. The reentrant form's warning that no input requires grad (the trace runs without grad) is
+    silenced."""
+    from torch.utils import checkpoint as ckpt
+    functions: set = set()
+    reentrant = ckpt.CheckpointFunction.forward
+    generator = ckpt._checkpoint_without_reentrant_generator
+    capturing = threading.get_ident()      # another thread's checkpoints (a model trained beside) are not counted
+
+    def forward(ctx, run_function, *args):
+        if threading.get_ident() == capturing:
+            functions.add(id(run_function))
+        return reentrant(ctx, run_function, *args)
+
+    def without_reentrant(fn, *args, **kwargs):
+        if threading.get_ident() == capturing:
+            functions.add(id(fn))
+        return generator(fn, *args, **kwargs)
+    ckpt.CheckpointFunction.forward = staticmethod(forward)
+    ckpt._checkpoint_without_reentrant_generator = without_reentrant
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True",
+                                    category=UserWarning)
+            yield functions
+    finally:
+        ckpt.CheckpointFunction.forward = staticmethod(reentrant)
+        ckpt._checkpoint_without_reentrant_generator = generator
 
 
 #: the key of ``node.meta["custom"]`` that holds the grad mode of the forward's own block the node was made in

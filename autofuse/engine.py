@@ -383,6 +383,19 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                                f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
                                f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
                                f"run the model eagerly to use them")
+    # activation checkpoints the trace ran through, or (transformers' layers check torch.is_grad_enabled(), which
+    # is off while the forward is traced) layers that checkpoint themselves in training mode
+    flagged = [name for name, m in model.named_modules()
+               if getattr(m, "gradient_checkpointing", False) is True and m.training]
+    layers = [n for n in flagged if not any(o.startswith(n + "." if n else "") and o != n for o in flagged)]
+    checkpoints = max(cap_gm.meta.get("autofuse_checkpoints", 0), len(layers))
+    if checkpoints:
+        report.warnings.append(f"{checkpoints} activation checkpoint(s) in the forward (torch.utils.checkpoint; "
+                               f"transformers' gradient_checkpointing_enable()): the fused graph computes each "
+                               f"checkpointed function once and keeps its activations for the backward, as with "
+                               f"checkpointing off (the same gradients, more activation memory); where that memory "
+                               f"limits the batch, run the model eagerly")
+        warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
     return Plan(captured, _make_live(fused, model), report, gm, guards, model)
 
 

@@ -1,9 +1,13 @@
 """Backward through the fused attention op: gradients equal eager attention's (the op recomputes attention
 in fp32 on the host for its backward), for q, k, v, additive masks and probabilities, GQA and causal, and
 through whole fused models into their parameters."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
 
 from autofuse import AutoFusionEngine
 from autofuse.models import build
@@ -136,3 +140,52 @@ def test_fused_model_trains_with_dropout_like_the_eager_model(batch):
     assert [d.applied for d in fused.report.of("attention")] == [True, True], fused.report.summary()
     assert all(d.params["dropout_p"] > 0 for d in fused.report.of("attention"))
     _same_parameter_grads(model, fused, args, kwargs)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpoints_are_said_and_train_with_eagers_gradients(reentrant):
+    """The trace runs a checkpointed function once, as a plain call: the fused graph keeps its activations (no
+    recomputation). Its gradients are eager's, and the plan says that checkpointing is not kept."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant).train()
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"2 activation checkpoint\(s\) in the forward.*more activation memory"):
+        fused = AutoFusionEngine.fuse(model, (x,))
+    assert any("activation checkpoint" in w for w in fused.report.warnings)
+    grads = []
+    for m in (fused, model):
+        model.zero_grad()
+        x.grad = None
+        m(x).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()] + [x.grad.clone()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)      # fp32 both sides
+
+
+def test_transformers_gradient_checkpointing_is_said():
+    """transformers' layers checkpoint themselves only where torch.is_grad_enabled(), which is off while the forward
+    is traced: the layers that would are counted from their flag (2 layers; in eval mode, none)."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    model.activation_checkpointing_enable()
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.warns(UserWarning, match=r"2 activation checkpoint\(s\)"):
+        AutoFusionEngine.fuse(model, ((ids,), {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fused = AutoFusionEngine.fuse(model.eval(), ((ids,), {}))
+    assert not [w for w in fused.report.warnings if "checkpoint" in w]
