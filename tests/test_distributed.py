@@ -33,7 +33,11 @@ def _rank(rank, world, port, fn, queue):
 
 
 def run_world(fn, world):
-    ctx = mp.get_context("spawn")
+    # ranks forked from a server that imported torch and autofuse once (a spawned rank imports them itself: 4
+    # ranks on 2 cores spent most of their time importing); the server has run no torch op, so no thread pool
+    # is forked
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "dist_workers"])
     q = ctx.SimpleQueue()
     port = _port()
     ps = [ctx.Process(target=_rank, args=(r, world, port, fn, q)) for r in range(world)]
