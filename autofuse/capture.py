@@ -71,6 +71,7 @@ real data is touched, so very large configurations can be analysed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import sys
@@ -114,6 +115,7 @@ class Captured:
     training: bool = False
     state_updates: tuple = ()        # the model's buffers and parameters the forward updates in place (item 7)
     input_updates: tuple = ()        # the flat inputs' indices the forward updates in place (item 7)
+    attribute_updates: tuple = ()    # (module, attribute, value): plain attributes the forward sets, as it leaves them
 
     def flatten_inputs(self, *args, **kwargs) -> list:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -145,6 +147,8 @@ class Captured:
         statistics inside its kernel, Gemma 3n clamps through ``.data``; an input updated in place never requires
         grad, capture refuses that): the graph read the old values where the forward read them, so its backward
         is eager's."""
+        for m, k, v in self.attribute_updates:
+            m.__dict__[k] = copy.deepcopy(v)
         if not self.n_updates:
             return
         flat = list(flat)
@@ -178,9 +182,18 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         _restore_python_state(python_state)
         raise
     changed = _restore_python_state(python_state)
+    settable = all(not k.startswith("_") and v is not _GONE and plain_attribute(v) for _, _, k, v in changed)
+    if changed and settable and not _changes_again(model, changed, example_args, example_kwargs, route, routes):
+        # a forward that sets a plain attribute to a value it then keeps (Swin sets its shift to 0 where the
+        # image is no larger than its window): the graph of this call, then the attribute set as eager's call
+        # leaves it; the next call's plan guard sees the new value and plans again from it
+        captured.attribute_updates = tuple((m, k, v) for _, m, k, v in changed)
+        return captured
     if changed:
+        changed = [text for text, *_ in changed]
         raise CaptureError(route, f"capture failed: the forward changes the Python attribute(s) "
-                                  f"{', '.join(changed)} of the model, which a captured graph cannot do at each call "
+                                  f"{', '.join(changed)} of the model{' at every call' if settable else ''}, which a "
+                                  f"captured graph cannot do at each call "
                                   f"(it would keep the value the capture saw; the attributes are restored). hint: keep "
                                   f"such state in a registered buffer updated in place (self.register_buffer('step', "
                                   f"torch.zeros((), dtype=torch.long)); self.step += 1): its new value is written "
@@ -189,6 +202,28 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                   f"as it is with torch.compile(model, backend='autofuse'): Dynamo replays "
                                   f"attribute updates after each graph.")
     return captured
+
+
+def _changes_again(model, changed, example_args, example_kwargs, route, routes) -> bool:
+    """Whether the forward, captured again from the attribute values a first capture left (``changed``), changes
+    any attribute again (``self.step += 1`` does; a forward that only settles a value does not). The model is left
+    as it was."""
+    originals = [(m, k, m.__dict__.get(k, _GONE)) for _, m, k, _ in changed]
+    for _, m, k, v in changed:
+        m.__dict__[k] = copy.deepcopy(v)
+    state = _python_state(model)
+    try:
+        _capture_routes(model, example_args, example_kwargs, route, routes, None)
+        return bool(_restore_python_state(state))
+    except Exception:     # noqa: BLE001 - not capturable from there: treated as a change (the refusal follows)
+        _restore_python_state(state)
+        return True
+    finally:
+        for m, k, v in originals:
+            if v is _GONE:
+                m.__dict__.pop(k, None)
+            else:
+                m.__dict__[k] = v
 
 
 def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -> Captured:
@@ -287,30 +322,33 @@ def _shown(v) -> str:
 
 def _restore_python_state(state) -> list:
     """Put back what the forward changed of the modules' attributes while it was traced (:func:`_python_state`)
-    and return each change in words. Public attributes are compared by value (a list or dict also by its
-    contents); private ones (``_name``) and attributes the trace added are changes only where they hold a tensor
-    (torch's own bookkeeping sets private values of its own)."""
+    and return the changes: ``(in words, module, attribute, the value the trace left)`` (``_GONE``: deleted).
+    Public attributes are compared by value (a list or dict also by its contents); private ones (``_name``) and
+    attributes the trace added are changes only where they hold a tensor (torch's own bookkeeping sets private
+    values of its own)."""
     changed = []
     for name, m, before, contents in state:
         now = vars(m)
         where = f"{name}." if name else ""
         for k in [k for k in now if k not in before and k not in _STRUCTURE]:
             if not k.startswith("_") or _holds_tensor(now[k]):
-                changed.append(f"{where}{k} (new: {_shown(now.pop(k))})")
+                v = now.pop(k)
+                changed.append((f"{where}{k} (new: {_shown(v)})", m, k, v))
         for k, v in before.items():
             cur = now.get(k, _GONE)
             was = contents.get(k, v)
             if cur is _GONE:
-                changed.append(f"{where}{k} (deleted)")
+                changed.append((f"{where}{k} (deleted)", m, k, _GONE))
             elif k.startswith("_"):
                 if cur is v or not (_holds_tensor(cur) or _holds_tensor(v)):
                     continue
-                changed.append(f"{where}{k} ({_shown(v)} -> {_shown(cur)})")
+                changed.append((f"{where}{k} ({_shown(v)} -> {_shown(cur)})", m, k, cur))
             elif _same(cur, was):
                 now[k] = v           # the user's own object put back (a re-wrapped container)
                 continue
             else:
-                changed.append(f"{where}{k} ({_shown(was)} -> {_shown(cur)})")
+                left = copy.deepcopy(cur) if plain_attribute(cur) else cur     # before a list is put back in place
+                changed.append((f"{where}{k} ({_shown(was)} -> {_shown(cur)})", m, k, left))
             if k in contents:
                 if isinstance(v, list):
                     v[:] = contents[k]

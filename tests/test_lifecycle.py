@@ -205,7 +205,8 @@ def test_a_forward_changing_a_plain_attribute_is_refused_and_the_model_left_as_i
     itself moved the count to 1): refused by name, the attributes put back."""
     from autofuse.capture import CaptureError
     model = Counting(in_buffer=False)
-    with pytest.raises(CaptureError, match=r"step \(0 -> 1\).*history \(\[\] -> \[1\]\).*register_buffer"):
+    with pytest.raises(CaptureError, match=r"step \(0 -> 1\).*history \(\[\] -> \[1\]\) of the model at every "
+                                           r"call.*register_buffer"):
         AutoFusionEngine.fuse(model, (torch.randn(2, 8),))
     assert model.step == 0 and model.history == []
 
@@ -266,6 +267,41 @@ def test_a_forward_keeping_tensors_in_attributes_compiles_as_eager(spelling):
     for _ in range(2):
         torch.testing.assert_close(compiled(x), ref(x), atol=1e-6, rtol=1e-5)     # fp32 reassociation only
         torch.testing.assert_close(kept(model), kept(ref), atol=1e-6, rtol=1e-5)
+
+
+class Settles(nn.Module):
+    """Sets plain attributes to values it then keeps (as Swin sets its shift to 0 where the image is no larger than
+    its window), after reading the old value once."""
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.shift = 2
+        self.sizes = [4]
+
+    def forward(self, x):
+        y = self.l(x) * self.shift
+        if x.shape[-1] <= 8:
+            self.shift = 0
+            self.sizes = [x.shape[-1]]
+        return torch.softmax(y + self.shift, -1) * 2 + 1
+
+
+def test_a_forward_that_settles_a_plain_attribute_runs_as_eager():
+    """Refused before (Swin in training mode failed to fuse). The first call runs the graph captured from the
+    attributes as they were and leaves them as eager's call does; the next call plans again from the settled
+    values, once."""
+    torch.manual_seed(0)
+    model = Settles()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert (model.shift, model.sizes) == (2, [4])            # fuse() itself changes nothing
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(fused(x), ref(x), atol=1e-6, rtol=1e-5)     # fp32 reassociation only
+            assert (model.shift, model.sizes) == (ref.shift, ref.sizes) == (0, [8])
+    assert fused.report.replanned_because.startswith("shift changed from 2 to 0")
+    assert len(fused.plans) == 1
 
 
 def test_a_count_kept_in_a_buffer_counts_as_eager():
