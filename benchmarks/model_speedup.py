@@ -100,6 +100,9 @@ def _backward_breakdown(eager, fused, top=6):
 
 def run(name, layers, hidden, heads, seq, batch, dtype, device, vocab=50257, kv_heads=None, values=False,
         train=False, backward=False, past=0):
+    # every row from the same seed: a MoE layer's routing (how many tokens each expert gets) follows its random
+    # weights, so a row read the same alone (--only) and after the rows before it
+    torch.manual_seed(0)
     model, (args, kwargs) = build(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, seq=seq,
                                   batch=batch, vocab=vocab, dtype=dtype, past=past)
     model.train(train)
