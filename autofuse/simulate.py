@@ -276,9 +276,17 @@ class _Sim(fx.Interpreter):
             return out
         return super().run_node(n)
 
-    def _tiling(self, kernel, ins_spec, params):
+    def _tiling(self, kernel, ins_spec, params, arrays=()):
         """The tiling the cost model's search picks for this launch, as the planner priced it: unfused kernels
-        run tuned too, so a fusion's speed-up is measured against tuned kernels (None: the kernel's own)."""
+        run tuned too, so a fusion's speed-up is measured against tuned kernels (None: the kernel's own). A
+        per-expert matmul loop is tuned for the row counts this launch's group list gives (the planner, without
+        the routing, prices balanced groups; a tiling searched for those rows left every other count to the
+        kernel's default: 7.55 M cycles instead of 5.17 M for a Mixtral-8x7B gate_up loop)."""
+        if kernel in _PER_GROUP and len(arrays) > 2 and isinstance(arrays[2], torch.Tensor) \
+                and arrays[2].device.type != "meta" and "group_sizes" not in params:
+            gl = arrays[2].reshape(-1).long()
+            sizes = gl if params.get("group_list_type", "cumsum") == "count" else torch.diff(gl, prepend=gl.new_zeros(1))
+            params = {**params, "group_sizes": sizes.tolist()}
         try:     # tensor parameters (a mask, a weight) are read for their shape and dtype only
             e = cost_model.estimate(kernel, ins_spec, device=self.device, **params)
         except (KeyError, NotImplementedError, ValueError, TypeError):
@@ -363,7 +371,7 @@ class _Sim(fx.Interpreter):
             kernel = st.kernel
             if kernel == "generic":
                 params = {"outputs": [out_spec]}
-            tiling = self._tiling(kernel, ins_spec, params)
+            tiling = self._tiling(kernel, ins_spec, params, arrays)
             # an unfused dropout's keep bits: its values are torch's (the node's value); the generator is timed
             step_timing = timing_only or kernel == "dropout_gen_mask"
             try:
@@ -417,6 +425,10 @@ def _required_positional(op, args, kwargs):
     if len(args) <= required:
         return args, kwargs
     return tuple(args[:required]), {**{a.name: v for a, v in zip(schema[required:], args[required:])}, **kwargs}
+
+
+#: kernels that run one matmul launch per group, over the rows the group list (their third input) gives
+_PER_GROUP = frozenset({"matmul_per_group", "matmul_per_group_weight_grad"})
 
 
 def _steered_args(target, name, args, kwargs) -> list:
