@@ -422,15 +422,18 @@ GRAD_BLOCK = "autofuse_grad"
 @contextlib.contextmanager
 def _grad_blocks():
     """While the forward is captured, every node made inside one of its own ``with torch.no_grad():``,
-    ``torch.enable_grad()`` or ``torch.set_grad_enabled(mode)`` blocks (or a method decorated with one) carries
+    ``torch.enable_grad()``, ``torch.set_grad_enabled(mode)`` or ``torch.inference_mode()`` blocks (or a method decorated with one) carries
     that block's mode as ``node.meta["custom"][GRAD_BLOCK]``: the tracer copies
     ``torch.fx.traceback.current_meta["custom"]`` into the nodes it makes while node metadata is preserved, which
     is only inside such a block, so the rest of the graph is made as before. The trace itself runs without grad,
     so the mode is recorded from the blocks, not read. torch's own blocks are not the forward's: left alone."""
     from torch.autograd import grad_mode
     from torch.fx import traceback as fx_traceback
+    # inference_mode(): no gradient through what the block makes, as no_grad (eager's values made there are
+    # inference tensors, read outside through a copy with no history); inference_mode(False) is not a block
     modes = {grad_mode.no_grad: lambda block: False, grad_mode.enable_grad: lambda block: True,
-             grad_mode.set_grad_enabled: lambda block: bool(block.mode)}
+             grad_mode.set_grad_enabled: lambda block: bool(block.mode),
+             grad_mode.inference_mode: lambda block: False if block.mode else None}
     own = {cls: (cls.__dict__["__enter__"], cls.__dict__["__exit__"]) for cls in modes}
     open_blocks: dict[int, list] = {}
     capturing = threading.get_ident()
@@ -442,14 +445,14 @@ def _grad_blocks():
             result = enter(block)
             # the patch is the process's: another thread's blocks (a model run eagerly beside the capture) are not
             # this forward's, and must not touch the tracer's metadata, which is the process's too
-            if threading.get_ident() == capturing and _forwards_block(sys._getframe(1)):
+            mode = modes[cls](block)
+            if mode is not None and threading.get_ident() == capturing and _forwards_block(sys._getframe(1)):
                 marks = fx_traceback.preserve_node_meta()       # puts the metadata back as it was on exit
                 marks.__enter__()
                 # new dicts, never an edit in place: an enclosing context of torch's may hold the dict it
                 # replaces (set_current_meta keeps it to put back), and would put back the edit with it
                 meta = fx_traceback.current_meta
-                fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}),
-                                                                GRAD_BLOCK: modes[cls](block)}}
+                fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}), GRAD_BLOCK: mode}}
                 open_blocks.setdefault(id(block), []).append(marks)
             return result
 
@@ -502,17 +505,25 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def mark_grad_blocks(gm: fx.GraphModule) -> None:
-    """A Dynamo graph spells the forward's grad-mode blocks as ``torch._C._set_grad_enabled(mode)`` calls, which a
-    capture of it (one trace without grad) does not keep: the nodes after each carry its mode as
-    :func:`_grad_blocks` marks a block's, and the graph reads a value made without grad detached outside its
+    """A Dynamo graph spells the forward's grad-mode blocks as ``torch._C._set_grad_enabled(mode)`` calls (an
+    ``inference_mode()`` block as ``_enter_inference_mode(True)`` ... ``_exit_inference_mode``), which a capture
+    of it (one trace without grad) does not keep: the nodes after each carry its mode as :func:`_grad_blocks` marks
+    a block's, and the graph reads a value made without grad detached outside its
     block (:func:`_detach_grad_free_blocks`), so that its capture has eager's gradients."""
-    mode = None
+    from torch.autograd import grad_mode
+    mode, marked, outer = None, False, []         # outer: the modes an inference_mode block put aside
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args:
-            mode = bool(n.args[0])
+            mode, marked = bool(n.args[0]), True
+        elif n.op == "call_function" and n.target is grad_mode._enter_inference_mode and n.args:
+            outer.append(mode)
+            if n.args[0]:                        # inference_mode(): nothing it makes carries a gradient
+                mode, marked = False, True
+        elif n.op == "call_function" and n.target is grad_mode._exit_inference_mode and outer:
+            mode = outer.pop()
         elif mode is not None and n.op not in ("placeholder", "output"):
             n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
-    if mode is not None and _detach_grad_free_blocks(gm):
+    if marked and _detach_grad_free_blocks(gm):
         gm.recompile()
 
 
