@@ -438,22 +438,33 @@ def _grad_blocks():
     open_blocks: dict[int, list] = {}
     capturing = threading.get_ident()
 
+    def mark(block, mode, frame):
+        # the patch is the process's: another thread's blocks (a model run eagerly beside the capture) are not
+        # this forward's, and must not touch the tracer's metadata, which is the process's too
+        if mode is not None and threading.get_ident() == capturing and _forwards_block(frame):
+            marks = fx_traceback.preserve_node_meta()       # puts the metadata back as it was on exit
+            marks.__enter__()
+            # new dicts, never an edit in place: an enclosing context of torch's may hold the dict it
+            # replaces (set_current_meta keeps it to put back), and would put back the edit with it
+            meta = fx_traceback.current_meta
+            fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}), GRAD_BLOCK: mode}}
+            open_blocks.setdefault(id(block), []).append(marks)
+
+    # torch.set_grad_enabled(mode) sets the mode when it is made: called as a plain function, it marks from there
+    # on (until the next such call, or the end of the capture); as a block, its __enter__ adds no second mark
+    set_init = grad_mode.set_grad_enabled.__init__
+
+    def __init__(block, mode):
+        set_init(block, mode)
+        mark(block, bool(mode), sys._getframe(1))
+
     def patched(cls):
         enter, exit_ = own[cls]
 
         def __enter__(block):
             result = enter(block)
-            # the patch is the process's: another thread's blocks (a model run eagerly beside the capture) are not
-            # this forward's, and must not touch the tracer's metadata, which is the process's too
-            mode = modes[cls](block)
-            if mode is not None and threading.get_ident() == capturing and _forwards_block(sys._getframe(1)):
-                marks = fx_traceback.preserve_node_meta()       # puts the metadata back as it was on exit
-                marks.__enter__()
-                # new dicts, never an edit in place: an enclosing context of torch's may hold the dict it
-                # replaces (set_current_meta keeps it to put back), and would put back the edit with it
-                meta = fx_traceback.current_meta
-                fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}), GRAD_BLOCK: mode}}
-                open_blocks.setdefault(id(block), []).append(marks)
+            if not (cls is grad_mode.set_grad_enabled and id(block) in open_blocks):
+                mark(block, modes[cls](block), sys._getframe(1))
             return result
 
         def __exit__(block, *exc):
@@ -468,13 +479,16 @@ def _grad_blocks():
     preserving = fx_traceback.should_preserve_node_meta
     for cls in modes:
         cls.__enter__, cls.__exit__ = patched(cls)
+    grad_mode.set_grad_enabled.__init__ = __init__
     try:
         yield
     finally:
         for cls, (enter, exit_) in own.items():
             cls.__enter__, cls.__exit__ = enter, exit_
-        # nothing of a block's mark outlives the capture (a block left open by a trace that stopped inside it)
-        for marks in open_blocks.values():
+        grad_mode.set_grad_enabled.__init__ = set_init
+        # nothing of a block's mark outlives the capture (a block left open by a trace that stopped inside it, a
+        # set_grad_enabled called as a function), closed last opened first
+        for marks in reversed(list(open_blocks.values())):
             for m in reversed(marks):
                 m.__exit__(None, None, None)
         fx_traceback.should_preserve_node_meta = preserving

@@ -224,7 +224,7 @@ def test_abs_at_zero_passes_an_infinite_gradient_on_as_eager():
 
 class GradBlocks(nn.Module):
     """A forward with its own grad-mode blocks: a scale computed without grad (a ``with`` block, a decorated
-    method, ``set_grad_enabled(False)`` or ``inference_mode()``), and inside a no_grad block an ``enable_grad`` block that is tracked."""
+    method, ``set_grad_enabled(False)`` as a block or a call, or ``inference_mode()``), and inside a no_grad block an ``enable_grad`` block that is tracked."""
 
     def __init__(self, kind):
         super().__init__()
@@ -244,6 +244,10 @@ class GradBlocks(nn.Module):
         elif self.kind == "set_grad_enabled":
             with torch.set_grad_enabled(False):
                 s = h.abs().amax(-1, keepdim=True) + 1
+        elif self.kind == "set_grad_enabled_call":    # called as a function, not a block
+            torch.set_grad_enabled(False)
+            s = h.abs().amax(-1, keepdim=True) + 1
+            torch.set_grad_enabled(True)
         elif self.kind == "inference_mode":           # an inference tensor, read outside through a copy
             with torch.inference_mode():
                 s = h.abs().amax(-1, keepdim=True) + 1
@@ -257,7 +261,8 @@ class GradBlocks(nn.Module):
 
 
 @pytest.mark.parametrize("route", ["fuse", "torch.compile"])
-@pytest.mark.parametrize("kind", ["with", "decorated", "set_grad_enabled", "inference_mode", "enable_grad_inside"])
+@pytest.mark.parametrize("kind", ["with", "decorated", "set_grad_enabled", "set_grad_enabled_call", "inference_mode",
+                                  "enable_grad_inside"])
 def test_a_no_grad_block_inside_the_forward_stops_the_gradient(kind, route):
     torch.manual_seed(0)
     model = GradBlocks(kind)
