@@ -215,7 +215,9 @@ class ModuleGuard:
     version), the module's hooks, forward and class, and torch's global module hooks. Capture bakes such values
     into the graph as constants, so a changed one (or a module swapped for another) re-plans rather than run the
     old value. Private attributes (``_name``) and ``training`` (part of the plan's key) are left out. A forward
-    that changes a plain attribute itself is refused at capture (:func:`autofuse.capture.capture`)."""
+    that settles a plain attribute itself leaves it changed after its first call, so the next call plans again
+    from the settled value; one that changes it at every call is refused at capture
+    (:func:`autofuse.capture.capture`)."""
 
     value = False
 
