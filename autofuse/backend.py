@@ -103,7 +103,7 @@ class Backend:
         self.graphs: list[CompiledGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from autofuse.capture import mark_grad_blocks
+        from autofuse.capture import CaptureError, mark_grad_blocks
         from autofuse.engine import AutoFusionEngine
         owner = _compiled_callable()
         example = tuple(example_inputs)
@@ -124,7 +124,11 @@ class Backend:
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs
-            fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **self.settings)
+            try:
+                fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **self.settings)
+            except CaptureError as e:
+                _run_as_captured(e)
+                return gm
         name = type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__name__", "")
         record = CompiledGraph(len(self.graphs), gm, fused, name)
         self.graphs.append(record)
@@ -134,9 +138,18 @@ class Backend:
             except TypeError:       # not weak-referenceable (a builtin): the backend object still has it
                 pass
 
+        failed = []
+
         def run(*args):
+            if failed:
+                return gm(*args)
             with torch_internal_warnings():      # a new input signature captures again
-                return fused(*args)
+                try:
+                    return fused(*args)
+                except CaptureError as e:        # planned at this call's sizes (a graph Dynamo made dynamic)
+                    failed.append(e)
+                    _run_as_captured(e)
+            return gm(*args)
         return run
 
     @property
@@ -149,6 +162,13 @@ class Backend:
 
     def __repr__(self):
         return f"autofuse.backend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
+
+
+def _run_as_captured(error) -> None:
+    """A graph whose capture fails runs as Dynamo gave it, unfused (a compiled model keeps running, as eager)."""
+    reason = str(error).strip().replace("\n", " ")
+    warnings.warn(f"autofuse: a graph Dynamo captured runs unfused, as Dynamo gave it: it could not be captured for "
+                  f"fusion ({reason})", stacklevel=3)
 
 
 def _custom_function_applied(gm) -> str | None:

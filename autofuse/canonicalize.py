@@ -23,8 +23,8 @@ Canonical spellings (what patterns may assume):
 * one-element constants (``torch.sqrt(torch.tensor(d))``, real 0-d buffers) become Python scalars
 * batch-dim reshapes around a matmul (heads folded into the batch for ``bmm``) move to its operands,
   so a matmul is always at the highest batch rank available
-* casts -> ``aten._to_copy(x, dtype=d)``; casts to the same dtype, clones, detach (in a graph captured without grad;
-  with grad it stops the gradient and stays), eval-mode
+* casts -> ``aten._to_copy(x, dtype=d)``; casts to the same dtype, clones, detach and ``pass_gradient`` (in a
+  graph captured without grad; with grad each routes the gradient and stays), eval-mode
   dropout and same-shape views/expands disappear; every view spelling becomes ``aten.reshape``
 * a swap of the last two dims -> ``aten.transpose.int(x, -2, -1)``; any other permutation ->
   ``aten.permute`` (chains composed; a permutation that ends in a last-two swap is split into
@@ -53,6 +53,7 @@ import string
 import torch
 import torch.fx as fx
 
+from autofuse.grad_ops import PASS_GRADIENT
 from autofuse.graph import arg, call, copy_graph_module, get_attr_value, is_call, is_number, shape, val
 
 aten = torch.ops.aten
@@ -216,7 +217,7 @@ def _identity(n):
 
 def _drop_clone(n):
     gm = n.graph.owning_module
-    if n.target == aten.detach.default and gm is not None:
+    if n.target in (aten.detach.default, PASS_GRADIENT) and gm is not None:
         if gm.meta.get("autofuse_grad", True):
             return None       # a graph autograd may differentiate: detach stops the gradient, it stays
         gm.meta["autofuse_dropped_detach"] = True     # a plan not to run where autograd may differentiate
@@ -784,7 +785,8 @@ def _sdpa_variant(n):
 
 RULES = [
     # value-preserving no-ops hide the op behind them
-    ({aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default}, _drop_clone),
+    ({aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default, PASS_GRADIENT},
+     _drop_clone),
     ({aten.dropout.default, aten.feature_dropout.default}, _eval_dropout),  # eval dropout is identity
     ({operator.getitem}, _eval_native_dropout),  # same for native_dropout(train=False)
     ({operator.getitem}, _sdpa_variant),  # backend-specific SDPA -> the one public op

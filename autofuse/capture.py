@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import operator
 import os
 import sys
 import threading
@@ -86,6 +87,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autofuse import caches
+from autofuse.grad_ops import PASS_GRADIENT
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -537,29 +539,82 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
             mode = outer.pop()
         elif mode is not None and n.op not in ("placeholder", "output"):
             n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
-    if marked and _detach_grad_free_blocks(gm):
+    if marked and (_pass_updates_in_place(gm) | _detach_grad_free_blocks(gm)):
         gm.recompile()
 
 
-def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
-    """A value the forward computed inside its own ``torch.no_grad()`` block does not carry a gradient in eager,
-    but the captured graph (one trace without grad) computes it like any other, so autograd would differentiate
-    through it. Where such a value, made from what may require grad (a parameter, a floating input), is read
-    outside the block (or returned), the reader gets ``aten.detach`` of it: eager's gradients. Canonicalize keeps
-    that detach in a graph captured with grad, and drops it (the plan then serves only calls without grad) in one
-    captured without. Also serves a Dynamo graph (values in ``example_value``). Whether a detach was added."""
-    aten = torch.ops.aten
+_AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
+              operator.imod, operator.iand, operator.ior, operator.ixor}
 
+
+def _in_place_of(n: fx.Node):
+    """The tensor a Dynamo graph's node updates in place (its first argument: ``h.clamp_()``, ``h[i] = v``,
+    ``h += 1``, ``torch.relu_(h)``), or None."""
+    if not n.args or not isinstance(n.args[0], fx.Node) or n.op not in ("call_method", "call_function"):
+        return None
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if n.target is operator.setitem or n.target in _AUGMENTED or \
+            (isinstance(name, str) and name.endswith("_") and not name.endswith("__")):
+        return n.args[0]
+    return None
+
+
+def _pass_updates_in_place(gm: fx.GraphModule) -> bool:
+    """In a Dynamo graph, a tensor made with grad and updated in place only inside the forward's own grad-free
+    blocks is one node before and after (the update mutates it), and the capture would differentiate through the
+    update. Where every read of it with grad comes after its last update, those reads get
+    :data:`~autofuse.grad_ops.PASS_GRADIENT` of it and of a copy taken where it is made: the new values,
+    the gradient to the tensor's history unchanged, as eager's autograd (which does not see the update) gives
+    it. Whether the graph changed."""
     def value(n):
-        return n.meta.get("val", n.meta.get("example_value"))
+        return n.meta.get("example_value", n.meta.get("val"))
 
     def free(n) -> bool:
         return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
 
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    updates: dict = {}                              # tensor -> the nodes that update it, in order
+    alias: dict = {}                                # an update -> the tensor (it returns it)
+    for n in gm.graph.nodes:
+        h = _in_place_of(n)
+        if h is not None:
+            h = alias.get(h, h)
+            alias[n] = h
+            updates.setdefault(h, []).append(n)
+    tracked = _tracked(gm, value)
+    changed = False
+    for h, ups in updates.items():
+        if h not in tracked or free(h) or not all(free(u) for u in ups) or \
+                not isinstance(value(h), torch.Tensor):
+            continue
+        first, last = order[ups[0]], order[ups[-1]]
+        readers = {r for a in (h, *ups) for r in a.users if r not in ups and order[r] > first and
+                   (r.op == "output" or not free(r))}
+        if not readers or any(order[r] < last for r in readers):
+            continue                                # read with grad between two updates: left as it is
+        # both with grad: the copy where the tensor is made, the pass before its first read after the block (the
+        # graph also runs as it is, unfused, where its capture fails)
+        made = h if h.op != "placeholder" else next(n for n in gm.graph.nodes if n.op != "placeholder").prev
+        with gm.graph.inserting_after(made):
+            old = gm.graph.call_method("clone", (h,))
+        with gm.graph.inserting_before(min(readers, key=order.get)):
+            new = gm.graph.call_function(PASS_GRADIENT, (h, old))
+        for added in (old, new):
+            added.meta["example_value"] = value(h)
+        for r in readers:
+            for a in (h, *ups):
+                r.replace_input_with(a, new)
+        changed = True
+    return changed
+
+
+def _tracked(gm: fx.GraphModule, value) -> set:
+    """The nodes whose value autograd tracks when the graph runs with grad: floating placeholders, parameters and
+    tensors that require grad, and what is computed from them."""
     def floating(v) -> bool:
         return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
-    tracked: set = set()            # nodes whose value autograd tracks when the graph runs with grad
+    tracked: set = set()
     for n in gm.graph.nodes:
         v = value(n)
         if n.op == "placeholder":
@@ -575,6 +630,41 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
         elif n.op in ("call_function", "call_method", "call_module") and any(
                 a in tracked for a in n.all_input_nodes) and (floating(v) or isinstance(v, (tuple, list))):
             tracked.add(n)
+    return tracked
+
+
+def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
+    """A value the forward computed inside its own ``torch.no_grad()`` block does not carry a gradient in eager,
+    but the captured graph (one trace without grad) computes it like any other, so autograd would differentiate
+    through it. Where such a value, made from what may require grad (a parameter, a floating input), is read
+    outside the block (or returned), the reader gets ``aten.detach`` of it: eager's gradients. Canonicalize keeps
+    that detach in a graph captured with grad, and drops it (the plan then serves only calls without grad) in one
+    captured without. A value that is a tensor made before the block and updated in place inside it
+    (``h.clamp_(-1, 1)``) is read as :data:`~autofuse.grad_ops.PASS_GRADIENT` of it and that tensor instead: the
+    new values, the gradient to ``h`` unchanged, as eager's autograd, which does not see the update, gives it.
+    Also serves a Dynamo graph (values in ``example_value``). Whether a detach or a pass was added."""
+    aten = torch.ops.aten
+
+    def value(n):
+        return n.meta.get("val", n.meta.get("example_value"))
+
+    def free(n) -> bool:
+        return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
+
+    def floating(v) -> bool:
+        return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+    tracked = _tracked(gm, value)
+
+    def updated(n):
+        # the tensor made before the block that ``n`` is a new version of (``h.clamp_()``, ``h[:, :3] = 0`` on a
+        # tensor made with grad): eager records no update, so ``h``'s gradient passes it unchanged
+        while free(n):
+            n = _updated_in_place(n)
+            if n is None:
+                return None
+        return n
+
     added = False
     for n in list(gm.graph.nodes):
         if not (free(n) and n in tracked and floating(value(n))):
@@ -582,13 +672,32 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
         outside = [u for u in n.users if u.op == "output" or not free(u)]
         if not outside:
             continue
+        source = updated(n)
+        same = source in tracked and isinstance(value(source), torch.Tensor) and \
+            (value(source).shape, value(source).dtype) == (value(n).shape, value(n).dtype)
         with gm.graph.inserting_after(n):
-            d = gm.graph.call_function(aten.detach.default, (n,))
+            d = gm.graph.call_function(PASS_GRADIENT, (n, source)) if same else \
+                gm.graph.call_function(aten.detach.default, (n,))
         d.meta = {k: (v.detach() if k in ("val", "example_value") else v) for k, v in n.meta.items() if k != "custom"}
         for u in outside:
             u.replace_input_with(n, d)
         added = True
     return added
+
+
+def _updated_in_place(n: fx.Node):
+    """The node ``n`` is the new version of when the functional graph made ``n`` from an in-place update of a
+    tensor (its ``torch_fn`` names an in-place method, ``__setitem__`` or an augmented assignment): that
+    update's first argument, or None. ``h.copy_(y)`` keeps its destination first only as ``aten.copy``; as a
+    clone or cast of ``y`` (the same shape) the destination is not in the graph: None."""
+    fn = (n.meta.get("torch_fn") or ("", ""))[1].rsplit(".", 1)[-1]
+    in_place = fn == "__setitem__" or (fn.startswith("__i") and fn.endswith("__")) or \
+        (fn.endswith("_") and not fn.endswith("__"))
+    if not in_place or n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if fn == "copy_" and n.target != torch.ops.aten.copy.default:
+        return None
+    return n.args[0]
 
 
 def _shapes(tree):

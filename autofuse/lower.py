@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autofuse.grad_ops import PASS_GRADIENT
 from cost_model.devices import ITEMSIZE
 
 aten = torch.ops.aten
@@ -116,6 +117,7 @@ _VIEW_OPS = {
     aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.lift_fresh_copy.default,
     aten.unflatten.int, aten.flatten.using_ints, aten.narrow.default, aten.chunk.default, operator.getitem,
     aten.sym_size.int, aten.view_as_complex.default, aten.view_as_real.default,   # complex <-> float pairs: views
+    PASS_GRADIENT,                    # a gradient's route only (autofuse.grad_ops): no values move
 }
 # Ops that make small constant tensors (iota, fills): a launch that writes its output once.
 _FACTORY_OPS = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
