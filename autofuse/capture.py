@@ -75,6 +75,7 @@ import copy
 import math
 import operator
 import os
+import re
 import sys
 import threading
 import traceback
@@ -180,6 +181,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     python_state = _python_state(model)
     try:
         captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
+        _check_product_dtypes(captured.graph_module, model, captured.route)
     except BaseException:
         _restore_python_state(python_state)
         raise
@@ -233,7 +235,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     for r in routes:
         try:
             with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
-                    _checkpoints() as checkpoints:
+                    _checkpoints() as checkpoints, _fake_tensor_errors_unlogged():
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -499,6 +501,20 @@ def _grad_blocks():
             custom = {k: v for k, v in meta["custom"].items() if k != GRAD_BLOCK}
             fx_traceback.current_meta = {**{k: v for k, v in meta.items() if k != "custom"},
                                          **({"custom": custom} if custom else {})}
+
+
+@contextlib.contextmanager
+def _fake_tensor_errors_unlogged():
+    """torch logs an op that fails on fake tensors (wrong shapes in the example inputs) at ERROR level, with its
+    traceback, before it raises; the capture's error says it once, by the forward's line, so the log is held back."""
+    import logging
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _forwards_block(frame) -> bool:
@@ -1048,9 +1064,17 @@ def _differentiable_copies(gm: fx.GraphModule):
         gm.graph.erase_node(node)
 
 
+def _dropped(node: fx.Node) -> bool:
+    """Side-effect-only nodes: export's checks, and the profiler's ``record_function`` ranges (``nn.DataParallel``
+    wraps its forward in one) that only label a profile."""
+    t = node.target
+    return node.op == "call_function" and (t in _DROPPED_TARGETS or (
+        isinstance(t, torch._ops.OpOverload) and t.namespace == "profiler" and t._opname.startswith("_record_function")))
+
+
 def _cleanup(gm: fx.GraphModule):
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _DROPPED_TARGETS and not node.users:
+    for node in reversed(list(gm.graph.nodes)):          # a range's exit before the enter it reads
+        if _dropped(node) and not node.users:
             gm.graph.erase_node(node)
     _differentiable_copies(gm)
     gm.graph.eliminate_dead_code()
@@ -1127,6 +1151,40 @@ _HINTS = [
                                    "put them on one (with inputs on the meta device, the model too: model.to('meta'), "
                                    "or build it under torch.device('meta'))"),
 ]
+
+
+_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.matmul.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
+
+
+def _check_product_dtypes(gm: fx.GraphModule, model, route: str) -> None:
+    """Refuse a forward whose matmul multiplies tensors of two dtypes (an int64 or fp32 input into a float or fp16
+    model): eager raises there, but the tracer's fake tensors let it through, and the plan would fail later, or
+    at the first call, with torch's message about nodes."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _PRODUCTS:
+            continue
+        dtypes = [a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            kinds = " and ".join(str(d).replace("torch.", "") for d in dict.fromkeys(dtypes))
+            where = _stack_line(n.meta.get("stack_trace") or "")
+            raise CaptureError(route, f"could not capture {type(model).__name__}: the forward multiplies {kinds} "
+                                      f"tensors{f' at {where}' if where else ''}, which eager refuses too (mat1 and "
+                                      f"mat2 must have the same dtype). hint: give example inputs in the model's dtype "
+                                      f"(x.to(torch.float16) for a model.half()), or cast the model to the inputs'; "
+                                      f"token ids go through an embedding first")
+
+
+def _stack_line(stack: str) -> str:
+    """The innermost frame of a node's ``stack_trace`` outside torch and autofuse: ``file:line: code``."""
+    lines = stack.strip().splitlines()
+    frames = [(i, ln.strip()) for i, ln in enumerate(lines) if ln.strip().startswith("File ")]
+    for i, frame in reversed(frames):
+        m = re.match(r'File "([^"]+)", line (\d+)', frame)
+        if m and not os.path.abspath(m.group(1)).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR)):
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{m.group(1)}:{m.group(2)}: {code}"
+    return ""
 
 
 def _explain(model, failures) -> str:

@@ -211,6 +211,8 @@ def _whole(least: int):
         if n < least:
             raise argparse.ArgumentTypeError(f"{n} is not a size: give 1 or more" if least == 1 else
                                              f"{n}: give {least} or more")
+        if n >= 2 ** 31:                # torch's sizes are int64, and no model dimension comes near this
+            raise argparse.ArgumentTypeError(f"{n} is too large: give less than 2**31 (2147483648)")
         return n
     return parse
 
@@ -500,11 +502,17 @@ def cmd_patterns(a, progress):
             raise UsageError("drawing SVG/PNG needs Graphviz `dot` (apt-get install graphviz); write .dot instead")
         import subprocess
         fmt = a.output.rsplit(".", 1)[1]
-        os.makedirs(os.path.dirname(os.path.abspath(a.output)), exist_ok=True)
         outs = []
         for i, dot in enumerate(dots):
             path = a.output if len(dots) == 1 else f"{a.output[:-len(fmt) - 1]}-{i}.{fmt}"   # t.svg: t-0.svg, t-1.svg
-            subprocess.run(["dot", f"-T{fmt}", "-o", path], input=dot.encode(), check=True)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                done = subprocess.run(["dot", f"-T{fmt}", "-o", path], input=dot.encode(), capture_output=True)
+            except OSError as e:
+                raise ModelFailed(f"could not write {path}: {e.strerror or e}") from e
+            if done.returncode:
+                why = done.stderr.decode(errors="replace").strip().splitlines()
+                raise ModelFailed(f"could not write {path}: Graphviz `dot` failed ({why[-1] if why else 'no message'})")
             outs.append(path)
         print("\n".join(outs))
     else:
@@ -559,7 +567,10 @@ def cmd_viz(a, progress):
     _, inputs, fused = _fuse(a, progress)
     sims = _simulations(a, fused, inputs, progress) if a.simulate else {}
     graphs = _graphs(a, fused, sims, progress, a.expand_all, a.show_params)
-    os.makedirs(a.output, exist_ok=True)
+    try:
+        os.makedirs(a.output, exist_ok=True)
+    except OSError as e:
+        raise ModelFailed(f"could not write {a.output}: {e.strerror or e}") from e
     for key in ("before", "after"):
         _write(graphs[f"dot:{key}"], os.path.join(a.output, f"{key}.dot"))
         _write(graphs[f"Graph {key} fusion"] + "\n", os.path.join(a.output, f"{key}.svg"))
@@ -645,7 +656,8 @@ def parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     from autofuse import __version__
     ap.add_argument("--version", action="version", version=f"autofuse {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND",
+                            title="commands (`autofuse COMMAND --help` for each)")
     sub.add_parser("devices", help="list the device profiles").set_defaults(fn=cmd_devices)
     p = sub.add_parser("patterns", help="list the pattern families, or draw one's templates (--show NAME)")
     p.add_argument("--show", default=None, metavar="NAME", help="draw the family's templates (Graphviz DOT; "
@@ -687,6 +699,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     """Run the command line; exits with status 2 on a usage error and 1 when the model fails."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    for i, tok in enumerate(argv[:-1]):
+        if tok == "--budget" and argv[i + 1].startswith("-") and argv[i + 1][1:2].isdigit():
+            argv[i:i + 2] = [f"--budget={argv[i + 1]}"]     # --budget -1GB is a (wrong) budget, not a flag
+            break
     try:
         a, extra = parser().parse_known_args(argv)
     except _ParseError as e:
@@ -702,6 +718,7 @@ def main(argv=None):
             try:
                 _check_outputs(a)
                 a.fn(a, progress)
+                sys.stdout.flush()              # a closed pipe shows here, not at exit
             except UsageError as e:
                 progress.clear()
                 _fail(2, f"autofuse {a.cmd}: {e}")
@@ -713,6 +730,10 @@ def main(argv=None):
             except KeyboardInterrupt:
                 progress.clear()
                 _fail(130, f"autofuse {a.cmd}: interrupted")
+            except BrokenPipeError:                 # the reader stopped (`| head`): nothing left to say
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                raise SystemExit(1)
 
 
 def _check_outputs(a):

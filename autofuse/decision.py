@@ -132,6 +132,9 @@ class FusionReport:
         from autofuse.report import text_summary
         return text_summary(self)
 
+    def __str__(self) -> str:       # print(report): the summary; repr() keeps every field
+        return self.summary()
+
     def to_dict(self) -> dict:
         return {
             "device": self.device, "optimization_level": self.optimization_level,

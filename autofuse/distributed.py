@@ -122,6 +122,9 @@ class WorldResult:
                            **({"step": _as_dict(r.step), "step_unfused": _as_dict(r.step_unfused)}
                               if r.step is not None else {})} for r in self.ranks]}
 
+    def __str__(self) -> str:       # print(result): the summary; repr() keeps every field
+        return self.summary()
+
     def summary(self) -> str:
         from cost_model.devices import get_device
         clock = get_device(self.device).clock_hz

@@ -114,8 +114,8 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
     if ":" in name:
         return _from_spec(name)
     if name == "tp-block":
-        raise ModelSpecError("tp-block is split over ranks (tensor parallel): give --world-size N to simulate it "
-                             "on N gloo processes")
+        raise ModelSpecError("tp-block is split over ranks (tensor parallel): simulate it with --world-size N, N "
+                             "of 2 or more (gloo processes on this machine), with the command simulate")
     if name not in ZOO:
         raise ModelSpecError(f"unknown model {name!r}{_closest(name, ZOO)}: choose one of {', '.join(ZOO)}, "
                              f"'transformers:ConfigClass?key=value', 'file.py:function' or 'module:function'")

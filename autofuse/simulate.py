@@ -98,6 +98,9 @@ class SimulationResult:
         names = set(names)
         return sum(n.cycles for n in self.nodes if n.node in names)
 
+    def __str__(self) -> str:       # print(result): the summary; repr() keeps every field
+        return self.summary()
+
     def summary(self, top: int = 10) -> str:
         lines = [f"simulated on {self.device}: {self.cycles:,} cycles ({self.seconds * 1e3:.3f} ms), "
                  f"{self.launches} kernel launch{'' if self.launches == 1 else 'es'} ({self.distinct_launches} "

@@ -287,3 +287,42 @@ def test_an_unregistered_output_class_and_a_device_mismatch_get_their_own_hints(
     with pytest.raises(CaptureError, match=r"different devices.*model\.to\('meta'\)") as e:
         capture(nn.Sequential(nn.Linear(8, 8), nn.GELU()), (torch.randn(2, 8, device="meta"),))
     assert "raises on these inputs itself" not in str(e.value)
+
+
+def test_a_data_parallel_wrapper_and_record_function_ranges_capture():
+    """nn.DataParallel wraps its forward in a profiler range (record_function): its enter and exit nodes only label
+    a profile, and capture failed on them ("nodes without meta['val']")."""
+    from autofuse import AutoFusionEngine
+
+    class Labelled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            with torch.autograd.profiler.record_function("labelled"):
+                return torch.relu(self.lin(x))
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    for model in (nn.DataParallel(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16))), Labelled()):
+        fused = AutoFusionEngine.fuse(model, (x,))
+        assert fused.report.applied
+        # fp32: one fused matmul epilogue against eager's ops, values below about 4
+        assert (fused(x) - model(x)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["int64_input", "half_model"])
+def test_a_matmul_of_two_dtypes_is_refused_at_capture_as_eager_refuses_it(kind):
+    """The tracer's fake tensors let a product of two dtypes through; fuse() then planned an int64 input into a
+    float model (failing at the first call) and failed in verification, with torch's node dump, for an fp32 input
+    into a half model."""
+    from autofuse import AutoFusionEngine
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+    x = torch.randint(0, 4, (4, 16)) if kind == "int64_input" else torch.randn(4, 16)
+    if kind == "half_model":
+        model = model.half()
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        model(x)
+    with pytest.raises(CaptureError, match=r"multiplies (int64 and float32|float32 and float16) tensors.*"
+                                           r"hint: give example inputs in the model's dtype"):
+        AutoFusionEngine.fuse(model, (x,))

@@ -237,17 +237,40 @@ def test_transformers_spec_values_and_defaults():
                                                                                  "--world-size"),
     (["simulate", *TINY, "--top", "-1"], "argument --top: -1: give 0 or more"),
     (["report", *TINY, "--budget", "0.5"], "--budget '0.5': it must be at least one byte"),
+    (["report", *TINY, "--budget", "-1GB"], "--budget '-1GB': it must be at least one byte"),   # not a flag
+    (["report", "--model", "gpt2", "--hidden", str(10 ** 20)], "is too large: give less than 2**31"),
+    ([], "the following arguments are required: COMMAND"),
     (["simulate", *TINY, "--meta"], "simulation needs data: drop --meta"),
     (["report"], "the following arguments are required: --model"),
     (["report", *TINY, "--bogus", "1"], "autofuse report: unrecognized arguments: --bogus 1 (see `autofuse report "
                                         "--help`)"),
     (["patterns", "--show", "layer_norm"], "no template to draw"),
-    (["simulate", "--model", "tp-block"], "give --world-size N"),
+    (["simulate", "--model", "tp-block"], "simulate it with --world-size N, N of 2 or more"),
 ])
 def test_usage_errors_print_one_line_and_exit_2(argv, needle, capsys):
     code, err = _exit(argv, capsys)
     assert code == 2 and needle in err
     assert err.count("\n") == 1 and err.startswith("autofuse")
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz")
+def test_a_picture_that_cannot_be_written_says_so_in_one_line(tmp_path, capsys):
+    (tmp_path / "t-0.svg").mkdir()            # a directory where dot would write the first picture
+    code, err = _exit(["patterns", "--show", "attention", "-o", str(tmp_path / "t.svg")], capsys)
+    assert code == 1 and f"could not write {tmp_path / 't-0.svg'}: Graphviz `dot` failed" in err, err
+    assert "Traceback" not in err
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`autofuse devices | head -1`: the reader is gone before the command writes (closed here before the child
+    has imported torch); it exits without a traceback (a BrokenPipeError traceback was printed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "autofuse.cli", "devices"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
 def test_a_rank_builder_without_rank_and_world_size_is_a_usage_error(tmp_path, capsys):

@@ -148,6 +148,8 @@ def test_the_pages_predicted_figures_are_the_reports(name):
 def test_summary_and_markdown_still_render_from_the_report(mixed):
     p, _ = mixed
     assert p.report.summary().startswith("autofuse plan for ascend910 at O3: 1 fused, 1 not fused")
+    assert str(p.report) == p.report.summary()          # print(report): the summary, not the dataclass's fields
+    assert repr(p.report).startswith("FusionReport(device='ascend910'")
     assert "| kept | attention |" in p.report.to_markdown() and "memory_budget" in p.report.to_markdown()
 
 
