@@ -1068,8 +1068,9 @@ def _dropped(node: fx.Node) -> bool:
     """Side-effect-only nodes: export's checks, and the profiler's ``record_function`` ranges (``nn.DataParallel``
     wraps its forward in one) that only label a profile."""
     t = node.target
-    return node.op == "call_function" and (t in _DROPPED_TARGETS or (
-        isinstance(t, torch._ops.OpOverload) and t.namespace == "profiler" and t._opname.startswith("_record_function")))
+    profiler = isinstance(t, torch._ops.OpOverload) and t.namespace == "profiler"
+    return node.op == "call_function" and (t in _DROPPED_TARGETS or
+                                           (profiler and t._opname.startswith("_record_function")))
 
 
 def _cleanup(gm: fx.GraphModule):
