@@ -534,6 +534,7 @@ def _forwards_block(frame) -> bool:
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
 
 def mark_grad_blocks(gm: fx.GraphModule) -> None:
@@ -1198,6 +1199,8 @@ def _explain(model, failures) -> str:
         if where:
             lines.append(f"    at {where}")
         hint = next((h for key, h in _HINTS if key in str(e) or key in type(e).__name__), None)
+        if isinstance(e, TypeError) and any(k in str(e) for k in _SIGNATURE_ERRORS):
+            hint = _signature_hint(model)
         if hint:
             lines.append(f"    hint: {hint}")
             hinted = True
@@ -1212,10 +1215,26 @@ def _explain(model, failures) -> str:
     return "\n".join(lines)
 
 
+#: what Python's argument binding says when the example inputs do not fit the forward's parameters
+_SIGNATURE_ERRORS = ("too many positional arguments", "missing a required argument", "unexpected keyword argument",
+                     "multiple values for argument")
+
+
+def _signature_hint(model) -> str:
+    import inspect
+    try:
+        sig = f"forward{inspect.signature(model.forward)}"
+    except (TypeError, ValueError, AttributeError):
+        sig = "the forward's parameters"
+    return (f"the example inputs do not fit {sig}: give one positional input per parameter in order, or "
+            f"(args, kwargs) with keyword inputs by name")
+
+
 def _user_frame(e: BaseException) -> str | None:
-    """The innermost traceback frame outside torch: the user's construct that failed."""
+    """The innermost traceback frame outside torch, autofuse and Python's own library: the user's construct that
+    failed."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not os.path.abspath(f.filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR))]
+              if not os.path.abspath(f.filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR, _STDLIB_DIR))]
     if not frames:
         return None
     f = frames[-1]

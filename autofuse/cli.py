@@ -252,10 +252,12 @@ def _check_engine_args(a) -> dict:
     """Validate device, level, budget and fusion switches before any model is built; returns fuse() keywords."""
     from autofuse.match import families
     from autofuse.plan import parse_level, parse_memory_budget
-    from cost_model.devices import DEVICES
-    if a.device not in DEVICES:
+    from cost_model.devices import DEVICES, get_device
+    try:
+        a.device = get_device(a.device).name         # the names and short forms fuse() takes (ASCEND910, 910b)
+    except ValueError:
         raise UsageError(f"--device {a.device!r} is not a device: choose one of {', '.join(DEVICES)} "
-                         f"(`autofuse devices` lists their figures)")
+                         f"(`autofuse devices` lists their figures)") from None
     try:
         level = parse_level(a.level)
     except ValueError:
@@ -496,10 +498,11 @@ def cmd_patterns(a, progress):
         templates = declared(sys.modules[fams[a.show].__module__])
     dots = [t.to_dot() for t in templates]
     text = "\n".join(dots) + "\n"
-    if a.output and a.output.endswith((".svg", ".png")):
+    if a.output and a.output.endswith((".svg", ".png", ".pdf")):
         from autofuse import viz
         if not viz.have_graphviz():
-            raise UsageError("drawing SVG/PNG needs Graphviz `dot` (apt-get install graphviz); write .dot instead")
+            raise UsageError("drawing SVG, PNG or PDF needs Graphviz `dot` (apt-get install graphviz); write .dot "
+                             "instead")
         import subprocess
         fmt = a.output.rsplit(".", 1)[1]
         outs = []
@@ -661,7 +664,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("devices", help="list the device profiles").set_defaults(fn=cmd_devices)
     p = sub.add_parser("patterns", help="list the pattern families, or draw one's templates (--show NAME)")
     p.add_argument("--show", default=None, metavar="NAME", help="draw the family's templates (Graphviz DOT; "
-                   "an -o FILE.svg or .png renders them with dot)")
+                   "an -o FILE.svg, .png or .pdf renders them with dot)")
     p.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     p.set_defaults(fn=cmd_patterns)
     p = sub.add_parser("report", help="fuse a model and print what was fused, what was not and why")

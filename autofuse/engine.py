@@ -766,7 +766,19 @@ class FusedModule(torch.nn.Module):
         """Run the fused graph on the simulator (fused and unfused ops alike); see :func:`autofuse.simulate`
         (``values=False``: timing only, the same statistics without outputs; ``backward=True``: a training
         step, the forward and the backward the fused ops register, ``result.phases`` splits the cycles)."""
+        import inspect
+
         from autofuse.simulate import simulate_graph
+        try:
+            sig = inspect.signature(self.model.forward)
+        except (TypeError, ValueError):     # no signature to read: the capture names what does not fit
+            sig = None
+        try:
+            if sig is not None:
+                sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"simulate() runs the model on the inputs of a call, as fused(...) takes them: "
+                            f"forward{sig} ({e})") from None
         p = self._plan_for(args, kwargs)
         return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device,
                               values=values, backward=backward)
@@ -875,7 +887,10 @@ class AutoFusionEngine:
         budget = parse_memory_budget(memory_budget)
         _check_parameter_dtypes(model, device)
         switches = _check_switches(fusion_switches)
-        if max_plans is not None and (not isinstance(max_plans, int) or max_plans < 1):
+        if not isinstance(verify, bool):
+            raise ValueError(f"fuse: verify={verify!r}; give True (every fused block is checked against the captured "
+                             f"ops before it is used) or False (no check)")
+        if max_plans is not None and (not isinstance(max_plans, int) or isinstance(max_plans, bool) or max_plans < 1):
             raise ValueError(f"fuse: max_plans={max_plans!r}; give a count of 1 or more, or None to keep every plan")
         if not isinstance(share_exports, bool):
             raise ValueError(f"fuse: share_exports={share_exports!r}; give True (one symbolic export serves a "
@@ -939,13 +954,15 @@ def _check_switches(switches) -> dict:
         raise TypeError(f"fuse: fusion_switches must be a dict such as {{'attention': 'off'}}, got "
                         f"{type(switches).__name__}")
     known = set(families()) | set(NAMES)
+    out = {}
     for name, value in switches.items():
         if not switch_name_known(name):
             raise ValueError(f"fuse: fusion_switches names {name!r}, which is not a pattern family; the families "
                              f"are {', '.join(sorted(known))}")
-        if value not in SWITCH_VALUES:
+        if not isinstance(value, str) or value.lower() not in SWITCH_VALUES:
             raise ValueError(f"fuse: fusion_switches[{name!r}] = {value!r}; use one of {', '.join(SWITCH_VALUES)}")
-    return dict(switches)
+        out[name] = value.lower()                # 'OFF' as 'off', as device names take any case
+    return out
 
 
 def _normalise_inputs(example_inputs):

@@ -359,8 +359,12 @@ def _from_spec(spec: str):
         pass
     built = ns[fn]()
     if not (isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
+        if isinstance(built, (tuple, list)):
+            got = f"a {type(built).__name__} of {len(built)} item(s): " + ", ".join(type(b).__name__ for b in built[:4])
+        else:
+            got = f"a {type(built).__name__}"
         raise ModelSpecError(f"{where}:{fn}() must return (model, example_inputs) with model an nn.Module; it "
-                             f"returned {type(built).__name__}")
+                             f"returned {got}")
     model, inputs = built
     from autofuse.engine import _normalise_inputs
     try:

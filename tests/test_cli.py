@@ -240,6 +240,7 @@ def test_transformers_spec_values_and_defaults():
     (["report", *TINY, "--budget", "-1GB"], "--budget '-1GB': it must be at least one byte"),   # not a flag
     (["report", "--model", "gpt2", "--hidden", str(10 ** 20)], "is too large: give less than 2**31"),
     ([], "the following arguments are required: COMMAND"),
+    (["report", *TINY, "--device", "tpu"], "--device 'tpu' is not a device: choose one of"),
     (["simulate", *TINY, "--meta"], "simulation needs data: drop --meta"),
     (["report"], "the following arguments are required: --model"),
     (["report", *TINY, "--bogus", "1"], "autofuse report: unrecognized arguments: --bogus 1 (see `autofuse report "
@@ -259,6 +260,20 @@ def test_a_picture_that_cannot_be_written_says_so_in_one_line(tmp_path, capsys):
     code, err = _exit(["patterns", "--show", "attention", "-o", str(tmp_path / "t.svg")], capsys)
     assert code == 1 and f"could not write {tmp_path / 't-0.svg'}: Graphviz `dot` failed" in err, err
     assert "Traceback" not in err
+
+
+def test_device_names_take_the_forms_fuse_takes(capsys):
+    """`--device ASCEND910B` and `--device 910b` were refused although fuse(target_device=...) takes both."""
+    for name in ("ASCEND910B", "910b"):
+        main(["report", *TINY, "--device", name])
+        assert capsys.readouterr().out.startswith("autofuse plan for ascend910b at O3")
+
+
+def test_a_file_model_returning_the_wrong_thing_says_what_it_returned(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text("import torch\ndef make():\n    m = torch.nn.Linear(4, 4)\n    return m, torch.randn(2, 4), 3\n")
+    code, err = _exit(["report", "--model", f"{src}:make"], capsys)
+    assert code == 2 and "it returned a tuple of 3 item(s): Linear, Tensor, int" in err, err
 
 
 def test_output_into_a_closed_pipe_ends_quietly():

@@ -521,6 +521,34 @@ def test_bad_example_inputs_name_the_argument():
         AutoFusionEngine.fuse(nn.Linear(2, 2), example_inputs=42)
 
 
+def test_example_inputs_that_do_not_fit_the_forward_show_its_signature():
+    """The error pointed into Python's inspect.py (`too many positional arguments at .../inspect.py:3133`)."""
+    with pytest.raises(CaptureError, match=r"too many positional arguments\n    hint: the example inputs do not fit "
+                                           r"forward\(input: torch.Tensor\)") as e:
+        AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2), torch.randn(1, 2)))
+    assert "inspect.py" not in str(e.value)
+    fused = AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),))
+    with pytest.raises(TypeError, match=r"simulate\(\) runs the model on the inputs of a call.*missing a required "
+                                        r"argument: 'input'"):
+        fused.simulate()
+
+
+@pytest.mark.parametrize("setting,match", [(dict(verify="no"), r"verify='no'; give True"),
+                                           (dict(max_plans=True), r"max_plans=True; give a count")])
+def test_settings_of_the_wrong_kind_are_refused(setting, match):
+    with pytest.raises(ValueError, match=match):        # 'no' is truthy: verification stayed on
+        AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), **setting)
+
+
+def test_fusion_switch_values_take_any_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    fused = AutoFusionEngine.fuse(model, (torch.randn(2, 8),), fusion_switches={"matmul_epilogue": "OFF"})
+    assert not fused.report.of("matmul_epilogue") or not any(d.applied for d in fused.report.of("matmul_epilogue"))
+    with pytest.raises(ValueError, match=r"fusion_switches\['attention'\] = 'of'; use one of on, off, force"):
+        AutoFusionEngine.fuse(model, (torch.randn(2, 8),), fusion_switches={"attention": "of"})
+
+
 # --------------------------------------------------------------------------- 8. torch.compile
 
 def test_torch_compile_backend_fuses_and_matches():
