@@ -234,6 +234,12 @@ class GradBlocks(nn.Module):
     def _scale(self, h):
         return h.abs().amax(-1, keepdim=True) + 1
 
+    @torch.no_grad()
+    def _tracked_inside(self, h):
+        frozen = h.sigmoid() * 3
+        with torch.enable_grad():
+            return h.abs().amax(-1, keepdim=True) + frozen.mean(-1, keepdim=True)
+
     def forward(self, x):
         h = self.l1(x)
         if self.kind == "with":
@@ -252,6 +258,8 @@ class GradBlocks(nn.Module):
             with torch.inference_mode():
                 s = h.abs().amax(-1, keepdim=True) + 1
             s = s.clone()
+        elif self.kind == "enable_grad_in_a_decorated_method":
+            s = self._tracked_inside(h)
         else:                                               # enable_grad nested in no_grad: s is tracked
             with torch.no_grad():
                 frozen = h.sigmoid() * 3
@@ -262,7 +270,7 @@ class GradBlocks(nn.Module):
 
 @pytest.mark.parametrize("route", ["fuse", "torch.compile"])
 @pytest.mark.parametrize("kind", ["with", "decorated", "set_grad_enabled", "set_grad_enabled_call", "inference_mode",
-                                  "enable_grad_inside"])
+                                  "enable_grad_inside", "enable_grad_in_a_decorated_method"])
 def test_a_no_grad_block_inside_the_forward_stops_the_gradient(kind, route):
     torch.manual_seed(0)
     model = GradBlocks(kind)
