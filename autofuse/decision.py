@@ -82,6 +82,10 @@ class FusionDecision:
         d["speedup"] = None if self.speedup is None else round(self.speedup, 4)
         d["params"] = {k: v for k, v in self.params.items() if isinstance(v, (int, float, str, bool, type(None),
                                                                               list, tuple))}
+        alts = self.params.get("alternatives")
+        if isinstance(alts, dict):       # each device's priced implementations, cheapest first
+            d["params"]["alternatives"] = {dev: [{"implementation": name, "cycles": int(cycles), "runnable": bool(ok)}
+                                                 for name, cycles, ok in rows] for dev, rows in alts.items()}
         return d
 
 

@@ -425,10 +425,30 @@ def _gating_params(p: dict) -> dict:
                 group_score=p["group_score"])
 
 
+def _gating_out_dtype(p: dict, x) -> str:
+    """The weights' dtype the emitted call asks for (fp32 where the replaced weights are, else theirs)."""
+    like = p["weights_like"].dtype
+    return "float32" if like == torch.float32 else str(like).replace("torch.", "")
+
+
 def price_gating(match, nodes: dict, device: str, search_tiling: bool) -> Price:
+    """The router kernel: at O3 with the token lanes the cost model's search finds cheapest (passed to the call), at
+    O1 and O2 with the kernel's own (a call without a tiling)."""
     p = match.params
+    x = nodes[match.inputs["x"]]
+    spec = _spec(x)
     bias = _spec(nodes[match.inputs["bias"]]) if "bias" in match.inputs else None
-    return _estimate("moe_gating_topk", [_spec(nodes[match.inputs["x"]])], device, bias=bias, **_gating_params(p))
+    out = _gating_out_dtype(p, x)
+    tiling = None
+    if not search_tiling:
+        from autofuse.npu.kernels.moe_gating import default_lanes
+        shape_, dt = spec
+        tiling = {"lanes": default_lanes(get_device(device), math.prod(shape_[:-1]), shape_[-1], p["k"], dt, out,
+                                         bias is not None, p["n_group"])}
+    price = _estimate("moe_gating_topk", [spec], device, bias=bias, out_dtype=out, tiling=tiling, **_gating_params(p))
+    if search_tiling:
+        price.options = {"tiling": json.dumps(price.tiling, sort_keys=True)}
+    return price
 
 
 def emit_gating(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
@@ -464,11 +484,17 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     p = match.params
     trans_w = p.get("trans_w", True)
     b1, b2 = (_spec(nodes[match.inputs[r]]) if r in match.inputs else None for r in ("b1", "b2"))
+    tilings = []            # the two GEMMs': searched at O3 (passed to the calls), the kernel's own at O1 and O2
+
+    def gemm(specs, **kw):
+        tiling = None if search_tiling else _grouped_matmul_default(device, specs, **kw)
+        price = _estimate("grouped_matmul", specs, device, tiling=tiling, **kw)
+        tilings.append(json.dumps(price.tiling, sort_keys=True))
+        return price
     total = _estimate("moe_init_routing", [x, (tk, "int64")], device, num_experts=E)
-    total = total.add(_estimate("grouped_matmul", [((S, H), dt), w1, ((E,), "int64")], device, trans_w=trans_w,
-                                bias=b1, return_product=training, **_glu_options(p)))
-    total = total.add(_estimate("grouped_matmul", [((S, I), dt), w2, ((E,), "int64")], device, trans_w=trans_w,
-                                bias=b2))
+    total = total.add(gemm([((S, H), dt), w1, ((E,), "int64")], trans_w=trans_w, bias=b1, return_product=training,
+                           **_glu_options(p)))
+    total = total.add(gemm([((S, I), dt), w2, ((E,), "int64")], trans_w=trans_w, bias=b2))
     total = total.add(_estimate("moe_finalize_routing", [((S, H), dt), (tk, "float32"), ((S,), "int64")], device))
     if match.params.get("weights_scale", 1.0) != 1.0:
         total = total.add(_estimate("elementwise", [(tk, "float32")], device, op="mul",
@@ -485,9 +511,18 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
         if down:
             total = total.add(_estimate("elementwise", [(tk, up or wdt)], device, op="cast", out_dtype=down))
         total = total.add(_estimate("elementwise", [((S, H), dt), ((S, 1), dt)], device, op="mul"))
-    if training:
-        total.options = {"store_product": True}
+    total.options = {**({"store_product": True} if training else {}),
+                     **({"gemm_tilings": tilings} if search_tiling else {})}
     return total
+
+
+def _grouped_matmul_default(device, specs, trans_w=True, bias=None, return_product=False, activation=None, **_):
+    """The grouped GEMM kernel's own tiling for these operands (what a call without a tiling runs)."""
+    from cost_model import grouped_matmul as gmm
+    M, K, N, E, dtype = gmm._dims(specs[0], specs[1], trans_w, activation)
+    nb = 2 if activation in gmm.GLU else 1
+    return gmm.kernel_default(get_device(device), dtype, dtype, K, N // nb, activation, bias is not None,
+                              bool(return_product))
 
 
 def _glu_options(p: dict) -> dict:
@@ -507,6 +542,7 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     T, k = p["tokens"], p["k"]
     kwargs = dict(kwargs)
     store = kwargs.pop("store_product", False)
+    t_up, t_down = ({"tiling": t} for t in kwargs.pop("gemm_tilings", ("", "")))   # O3: each GEMM's searched tiling
     ids, w = ins.get("ids"), ins.get("weights")
     if "topk" in p:                     # the dense form's router top-k, taken again on the same logits
         k_, dim, sorted_ = p["topk"]
@@ -528,10 +564,10 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
         xs = call(g, aten.mul.Tensor, xs, call(g, aten.unsqueeze.default, at_rows, -1))
     first = ops.grouped_matmul_with_product.default if store else ops.grouped_matmul.default
     trans_w = p.get("trans_w", True)
-    h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs)
+    h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs, **t_up)
     if store:
         h = call(g, operator.getitem, h, 0)
-    y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, ins.get("b2"), trans_w=trans_w, **kwargs)
+    y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, ins.get("b2"), trans_w=trans_w, **kwargs, **t_down)
     if p.get("weights_at") == "input":
         w = call(g, aten.new_ones.default, xs, [T, k], dtype=torch.float32)
     if tuple(val(w).shape) != (T, k):

@@ -52,12 +52,28 @@ def _runnable(name: str) -> bool:
 
 
 def _price(kernel, specs, device, search, alts, **params) -> Price:
-    if not search:
-        params["tiling"] = None
+    if not search:      # O1, O2: the tiling the kernel picks by itself, which the emitted call (no tiling) runs
+        params["tiling"] = _kernel_default(kernel, specs, device, params)
     e = cost_model.estimate(kernel, specs, device=device, **params)
     p = Price(int(e.cycles), int(e.hbm_bytes), [kernel], e.bound, dict(e.tiling or {}), e.workspace_bytes)
     p.alternatives = alts
     return p
+
+
+def _kernel_default(kernel, specs, device, params):
+    """The generated kernels' own default tiling for this launch (None for a plain matmul: the backward's product
+    recompute is eager's tuned matmul)."""
+    from cost_model.devices import get_device
+    from cost_model.program import as_program
+    if kernel not in ("vector_program", "matmul_epilogue"):
+        return None
+    dev, prog = get_device(device), as_program(params["program"])
+    if kernel == "vector_program":
+        from cost_model.vector_program import kernel_default
+        return kernel_default(dev, prog)
+    from cost_model.matmul_epilogue import _dims, kernel_default
+    M, N, K, dtype = _dims(specs, prog, params.get("trans_b", False))
+    return kernel_default(dev, prog, M, N, K, dtype)
 
 
 def _specs(match, nodes, shapes) -> list:

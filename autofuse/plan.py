@@ -40,8 +40,8 @@ from autofuse.rewrite import NotLiftable, lift, moved_draw
 #: Optimization levels. Each is observably different on the same model.
 LEVELS = {
     "O0": "capture and report only: nothing is fused (every candidate is listed as disabled)",
-    "O1": "conservative: fuse only clear wins (predicted speed-up >= 1.5x) whose block has no extra outputs; "
-          "kernels use their default tiling",
+    "O1": "conservative: fuse only clear wins (predicted speed-up >= 1.5x), and no attention whose probabilities "
+          "are read outside it; kernels use their default tiling",
     "O2": "fuse every candidate the cost model prices cheaper fused; kernels use their default tiling",
     "O3": "as O2, and each fused kernel gets the tiling the cost model's search finds cheapest",
 }

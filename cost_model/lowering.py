@@ -558,6 +558,11 @@ class _Lowering:
             return
         if op == "reduce":
             s = self._src(ins.args[0], target)
+            if vals[ins.args[0]].width == 1:
+                # a reduction of one column is that column (sum, mean, max and min alike); reduced per chunk and
+                # merged, a per-row value would be counted once a chunk
+                self._set(v, Src(s.reg, s.col, 1, s.rows, s.imm))
+                return
             acc = ("v", v)
             aux = ("part", v) if q is not None else None
             target.append(VecOp("reduce", ins.kind, acc, (s,), True, 1, False, slow=slow, views=dv, value=v,
@@ -687,7 +692,13 @@ class _Lowering:
                 for key in {s.reg for s in op.srcs if s.reg is not None} | {op.dst}:
                     if isinstance(key, tuple) and key[0] in ("v", "w", "tmp") and last.get(key) == i:
                         release(key)
-            out_end = [self._map(op, m) for op in end]
+            out_end = []
+            for op in end:                  # a block's end ops (per-row values): their work registers too
+                for t in op.temps:
+                    take(t)
+                out_end.append(self._map(op, m))
+                for t in op.temps:
+                    release(t)
             passes.append(Pass(loads, tuple(out_ops), tuple(out_end), stores, end_stores))
         p = self.p
         out_regs = []

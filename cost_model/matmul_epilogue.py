@@ -199,6 +199,29 @@ def _adapt(dev, prog, M, N, K, dtype, t, plan):
         t["m0"] //= 2
 
 
+def kernel_default(dev, prog, M, N, K, dtype, plan=None) -> dict:
+    """The kernel's own default tiling (``default_tiling`` in the kernel, mirrored): the plain matmul's default
+    tile for the columns the epilogue reads, as wide as the row for whole-row programs, made smaller while UB
+    cannot stage it; the most sub-block rows that fit."""
+    plan = plan or _plan(prog, M, N, dtype)
+    _, pieces, W, whole = plan
+    P, isz = len(pieces), itemsize(dtype)
+    t = dict(mm.kernel_default(dev, M, W * P, K, 1, dtype, dtype))
+    t["n0"] = max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16
+    t["sub"] = 1
+    while True:
+        m0, n0 = t["m0"], t["n0"]
+        t["k0"] = next((k for k in (128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
+                        and 2 * P * k * n0 * isz <= dev.buffers["L0B"]), 16)
+        t["k1"] = min(2 * t["k0"], -(-K // t["k0"]) * t["k0"])
+        rows = m0 if dev.arch == "coupled" else max(1, -(-m0 // 2))
+        t["sub"] = max(1, largest(lambda r: epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan), 1,
+                                  min(rows, 64)))
+        if epilogue_fits(dev, prog, M, N, dtype, t, temps, plan) or t["m0"] <= 16:
+            return t
+        t["m0"] = max(16, t["m0"] // 2)
+
+
 @cached
 def _search(device, prog, M, N, K, dtype, bias_isz):
     dev = get_device(device)
@@ -207,16 +230,23 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
     P = len(pieces)
     pdt = prog.inputs[0].dtype
     best = None
-    # the plain search's tile, or the kernel default's if the searched one cannot serve
+    # the plain search's tile and the plain default's, each adapted to the epilogue, and the epilogue kernel's own
+    # default: the cheapest that fits
     for plain in (lambda: mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
-                  lambda: mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)):
-        t0 = plain()
-        t = None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
+                  lambda: mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt), None):
+        if plain is None:
+            t = kernel_default(dev, prog, M, N, K, dtype, plan)
+            if not epilogue_fits(dev, prog, M, N, dtype, t, temps, plan):
+                continue
+        else:
+            t0 = plain()
+            t = None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
         if t is None:
             continue
         res = _price(dev, prog, M, N, K, dtype, bias_isz, t, plan)
-        best = (kernel_cycles(dev, *res[:3]), t, res)
-        break
+        cycles = kernel_cycles(dev, *res[:3])
+        if best is None or cycles < best[0]:      # the plain search's tile adapted need not beat the default's
+            best = (cycles, t, res)
     if best is None:
         raise ValueError(f"matmul_epilogue: no tiling fits {dev.name} for this program: "
                          f"{_why_not(dev, prog, plan, dtype)}")

@@ -28,8 +28,9 @@ a clamp's bound: all of ``g`` where the value is within the bound, the bound inc
 routes ``g`` to the branch its condition picks; compares, logic and casts to bool carry no gradient; a cast
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
 too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
-among the elements equal to the result (torch's ``amax`` backward); a softmax or log-softmax (max, shift,
-exp, sum, div or log) whose intermediates nothing else reads takes torch's closed form; ``slice`` pads ``g``
+among the elements equal to the result (torch's ``amax`` backward: NaN over a row whose result is NaN); a
+softmax or log-softmax (max, shift, exp, sum, div or log) whose intermediates nothing else reads takes torch's
+closed form; ``slice`` pads ``g``
 with zeros (a cat, or for step 2 an interleave; with ``split``, a part of its own), ``cat`` slices it,
 ``interleave`` takes its strided halves. The recompute takes ``pow`` by an immediate 2, 3, 0.5, -0.5 or -1 as
 muls, sqrt, rsqrt or reciprocal (equal to an ulp; pow is a composite on the Vector unit).
@@ -356,6 +357,10 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
     def refuse(why):
         raise NotDifferentiable(f"instruction {i} ({op}{' ' + ins.kind if ins.kind else ''}): {why}")
 
+    if vals[v].width > 1 and e.width[g] == 1 and any(_is_ref(a) and vals[a].width == 1 and reach[a] for a in args):
+        # a one-column adjoint of a wider value (a row sum's or mean's, broadcast) stands for the same value in
+        # every column: an operand of one column read over the row takes its sum over the row, so widen it first
+        g = e.widen(g, y)
     if op in COMPARE + LOGIC or (op == "cast" and ins.dtype == "bool"):
         return
     if op == "cast":
@@ -392,10 +397,11 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
             return acc(args[0], g)
         if ins.kind == "mean":
             return acc(args[0], e.mul(g, 1.0 / vals[args[0]].width))
-        # torch's amax/amin backward: g / count at every element equal to the result
-        m = e.op("eq", x, y)
-        count = e.op("reduce", e.op("cast", m, dtype=F32), kind="sum")
-        return acc(args[0], e.op("where", m, e.op("div", g, count), 0.0))
+        # torch's amax/amin backward: g / count at every element equal to the result, as mask * (g / count): a row
+        # whose result is NaN equals nowhere, and 0 * (g / 0) makes its whole gradient NaN, as eager's
+        m = e.op("cast", e.op("eq", x, y), dtype=F32)
+        count = e.op("reduce", m, kind="sum")
+        return acc(args[0], e.mul(m, e.op("div", g, count)))
     if op == "slice":
         return acc(args[0], _unslice(e, ins, e.widen(g, y), x, refuse))
     if op == "cat":

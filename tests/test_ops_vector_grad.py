@@ -297,3 +297,42 @@ def test_a_clamps_gradient_is_clamps_at_its_bounds_and_at_nan(kind):
         y.backward(torch.ones_like(y))
         grads.append(x.grad)
     assert torch.equal(grads[1], grads[0]), grads
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("sum of x minus its mean", lambda x: (x - x.mean(-1, keepdim=True)).sum(-1, keepdim=True)),
+    ("mean of exp plus the row sum", lambda x: (x.exp() + x.sum(-1, keepdim=True)).mean(-1, keepdim=True)),
+    ("sum of x plus its max", lambda x: (x + x.amax(-1, keepdim=True)).sum(-1, keepdim=True)),
+    ("a cat with one column", lambda x: torch.cat([-x, x[..., :1]], -1) * 2),
+    ("a cat with the row sum", lambda x: torch.cat([x.sin(), x.sum(-1, keepdim=True)], -1) * 2),
+])
+def test_derived_backward_of_per_row_terms_equals_autograd(name, fn):
+    """A row reduction's adjoint is one column standing for the whole row: a per-row term added to the row took
+    it once instead of summed over the row (the gradient of (x + amax(x)).sum(-1, keepdim=True) at the max was
+    2 for 5); a cat's one-column part took column 0's gradient (the kernel read column 0 of a one-column slice)."""
+    from cost_model.program_grad import backward_program
+    from autofuse.vector_program import program_from_function
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
+    bp, _ = program_from_function(fn, (x,))
+    gp = backward_program(bp.program, (0,))
+    g = torch.randn(gp.program.inputs[1].shape, generator=torch.Generator().manual_seed(1))
+    got = ov.run_grad_program(gp, "", [x], [g], "ascend910")[0]
+    x64 = x.double().requires_grad_()
+    (fn(x64) * g.double()).sum().backward()
+    # fp32 sums of 16 terms of size about 1 against float64: 1e-5 is a few hundred ulps and far below the wrong
+    # factors (errors 0.6 to 21 before)
+    assert (got.double() - x64.grad).abs().max() <= 1e-5 * max(1.0, x64.grad.abs().max().item())
+
+
+def test_a_row_whose_max_is_nan_gets_a_nan_gradient_as_eager():
+    from cost_model.program_grad import backward_program
+    from autofuse.vector_program import program_from_function
+    x = torch.tensor([[1.0, float("nan"), 3.0, 2.0], [1.0, 5.0, 3.0, 2.0]])
+    fn = lambda t: t.amax(-1, keepdim=True) * 2       # noqa: E731
+    bp, _ = program_from_function(fn, (x,))
+    gp = backward_program(bp.program, (0,))
+    got = ov.run_grad_program(gp, "", [x], [torch.ones(2, 1)], "ascend910")[0]
+    xe = x.clone().requires_grad_()
+    fn(xe).sum().backward()
+    assert torch.equal(got.isnan(), xe.grad.isnan()) and got.isnan()[0].all()
+    assert torch.equal(got[1], xe.grad[1])

@@ -1,6 +1,7 @@
 """The HTML report: verdict first, memory, what was fused and why, per-family tables, roofline, time per layer;
 self-contained; rendered by headless Chromium without console errors."""
 import html
+import json
 import re
 
 import pytest
@@ -149,6 +150,11 @@ def test_summary_and_markdown_still_render_from_the_report(mixed):
     p, _ = mixed
     assert p.report.summary().startswith("autofuse plan for ascend910 at O3: 1 fused, 1 not fused")
     assert str(p.report) == p.report.summary()          # print(report): the summary, not the dataclass's fields
+    alts = [d.to_dict()["params"].get("alternatives") for d in p.report.decisions if "alternatives" in d.params]
+    # the JSON carries each device's priced implementations (it dropped them: a dict was not a scalar or list)
+    assert alts and all(set(a) == {"ascend910", "ascend910b", "ascend310p"} for a in alts)
+    assert all({"implementation", "cycles", "runnable"} == set(r) for a in alts for rows in a.values() for r in rows)
+    json.dumps(p.report.to_dict())
     assert repr(p.report).startswith("FusionReport(device='ascend910'")
     assert "| kept | attention |" in p.report.to_markdown() and "memory_budget" in p.report.to_markdown()
 

@@ -223,7 +223,9 @@ class TileProgram:
         idx = tuple(oi[g] if var[g] else 0 for g in range(len(oi)))
         rows = slice(r0, r0 + rr) if var[-1] else slice(0, 1)
         # a view narrower than the tile's columns (one of two slices of an input) loads only its own
-        cols = slice(w.offset + c0, w.offset + min(c0 + cw, w.width)) if w.width > 1 else slice(0, 1)
+        # one column: a per-row input's, or a one-column slice of a wider input at its offset
+        cols = slice(w.offset + c0, w.offset + min(c0 + cw, w.width)) if w.width > 1 else \
+            slice(w.offset, w.offset + 1)
         if w.dtype == BIT:                   # the bytes of those columns (c0 is a multiple of 8)
             cols = slice(cols.start // 8, ceil_div(cols.stop, 8))
         return idx + (rows, cols)
@@ -324,8 +326,8 @@ class TileProgram:
             d = t.data
             if offs[i] or (s.rows and d.shape[1] > self.R):
                 d = d[:, offs[i]:offs[i] + self.R]
-            if s.width == 1:
-                return d[:, :, :1]
+            if s.width == 1:                     # a per-row value (column 0), or one column of a wider value
+                return d[:, :, s.col:s.col + 1]
             return d[:, :, s.col:s.col + (s.width if self.C is None else cw)]
 
         def put(x, col=0, w=None):
