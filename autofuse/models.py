@@ -362,7 +362,7 @@ def _from_spec(spec: str):
         if isinstance(built, (tuple, list)):
             got = f"a {type(built).__name__} of {len(built)} item(s): " + ", ".join(type(b).__name__ for b in built[:4])
         else:
-            got = f"a {type(built).__name__}"
+            got = type(built).__name__
         raise ModelSpecError(f"{where}:{fn}() must return (model, example_inputs) with model an nn.Module; it "
                              f"returned {got}")
     model, inputs = built
