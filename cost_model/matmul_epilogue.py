@@ -296,7 +296,17 @@ def estimate_matmul_epilogue(dev, specs, program=None, bias=None, trans_b=False,
         res = _price(dev, prog, M, N, K, dt, bias_isz, t)
     core, hbm, nbytes, busy = res
     return make("matmul_epilogue", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, prog),
-                2.0 * M * N * K)
+                2.0 * M * N * K, workspace=_workspace(dev, prog, M, N, dt, t))
+
+
+def _workspace(dev, prog, M, N, dtype, t) -> int:
+    """GM the kernel allocates besides its outputs: on a split chip each AIC hands its product tile to its two
+    AIVs through two slots of ``m0 x n0`` per piece (the kernel's ``ws_acc``); a coupled core keeps it on chip."""
+    if dev.arch != "split":
+        return 0
+    _, pieces, W, _ = _plan(prog, M, N, dtype)
+    cores = min(dev.cube_cores, ceil_div(M, t["m0"]) * ceil_div(W, t["n0"]))
+    return cores * 2 * t["m0"] * t["n0"] * len(pieces) * itemsize(prog.inputs[0].dtype)
 
 
 __all__ = ["estimate_matmul_epilogue"]
