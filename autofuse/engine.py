@@ -377,8 +377,13 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                           timings={"capture_s": t1 - t0, "canonicalize_s": t2 - t1, "match_s": t3 - t2,
                                    "plan_s": t4 - t3, "rewrite_s": t5 - t4})
     if budget is not None and report.peak_memory_fused > budget:
-        report.warnings.append(f"the fused graph's peak activation memory {report.peak_memory_fused:,} B exceeds "
-                               f"the budget {budget:,} B; no remaining candidate lowers it")
+        kept = sum(d.reason_code == "memory_budget" for d in decisions)
+        report.warnings.append(
+            f"the fused graph's peak activation memory {report.peak_memory_fused:,} B exceeds the budget {budget:,} B "
+            f"(unfused: {report.peak_memory_unfused:,} B): the budget bounds each fused kernel's working set (its "
+            f"inputs, outputs and workspace), not the graph's peak"
+            + (f"; {kept} candidate(s) stayed unfused because theirs exceeds it, which can leave the peak higher than "
+               f"fusing them would" if kept else ""))
     hooked = _hooked_modules(model)
     if hooked:
         report.warnings.append(f"module(s) {', '.join(hooked)} have hooks: capture ran their forward hooks (once per "

@@ -665,3 +665,16 @@ def test_an_engine_instance_plans_with_its_own_settings_unless_a_call_gives_othe
         ["model", "example_inputs", "target_device", "optimization_level", "memory_budget"]
     with pytest.raises(ValueError, match="target_device='npu9000'"):
         AutoFusionEngine("npu9000")
+
+
+def test_a_peak_over_the_budget_is_explained_not_blamed_on_the_candidates():
+    """The warning said "no remaining candidate lowers it" while the candidates kept unfused for the budget would
+    have lowered the peak (a 1,000,000 B budget left the peak at 1,835,008 B, a 1 GB one at 1,310,720 B)."""
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=1, hidden=128, heads=4, seq=128)
+    report = AutoFusionEngine.fuse(model, (args, kwargs), memory_budget=1_000_000).report
+    kept = sum(d.reason_code == "memory_budget" for d in report.decisions)
+    assert kept and report.peak_memory_fused > 1_000_000
+    warning = next(w for w in report.warnings if "exceeds the budget" in w)
+    assert "not the graph's peak" in warning and f"{kept} candidate(s) stayed unfused" in warning
+    assert "no remaining candidate" not in warning
