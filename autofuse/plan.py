@@ -75,6 +75,9 @@ def parse_memory_budget(budget) -> int | None:
     if isinstance(budget, (int, float)):
         if not math.isfinite(budget) or budget < 1:
             raise ValueError(f"memory_budget={budget!r} must be a finite number of bytes, at least 1")
+        if budget != int(budget):
+            raise ValueError(f"memory_budget={budget!r}: a number is bytes, and bytes are whole; for another unit "
+                             f"write a string such as '{budget:g}GB' or '{budget:g}MB'")
         return int(budget)
     if re.fullmatch(r"\s*-\s*[0-9.].*", budget):
         raise ValueError(f"memory_budget={budget!r} must be at least one byte (a negative budget has no meaning)")

@@ -518,7 +518,7 @@ def test_bad_optimization_level_names_the_argument():
         AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), optimization_level="O9")
 
 
-@pytest.mark.parametrize("bad", ["lots", -3, "12 parsecs"])
+@pytest.mark.parametrize("bad", ["lots", -3, "12 parsecs", 1.5])        # 1.5 was taken as 1 byte
 def test_bad_memory_budget_names_the_argument(bad):
     with pytest.raises((ValueError, TypeError), match=r"memory_budget=.*(write|give|must be)"):
         AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), memory_budget=bad)
