@@ -425,7 +425,7 @@ def _gating_params(p: dict) -> dict:
                 group_score=p["group_score"])
 
 
-def _gating_out_dtype(p: dict, x) -> str:
+def _gating_out_dtype(p: dict) -> str:
     """The weights' dtype the emitted call asks for (fp32 where the replaced weights are, else theirs)."""
     like = p["weights_like"].dtype
     return "float32" if like == torch.float32 else str(like).replace("torch.", "")
@@ -435,10 +435,9 @@ def price_gating(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     """The router kernel: at O3 with the token lanes the cost model's search finds cheapest (passed to the call), at
     O1 and O2 with the kernel's own (a call without a tiling)."""
     p = match.params
-    x = nodes[match.inputs["x"]]
-    spec = _spec(x)
+    spec = _spec(nodes[match.inputs["x"]])
     bias = _spec(nodes[match.inputs["bias"]]) if "bias" in match.inputs else None
-    out = _gating_out_dtype(p, x)
+    out = _gating_out_dtype(p)
     tiling = None
     if not search_tiling:
         from autofuse.npu.kernels.moe_gating import default_lanes
