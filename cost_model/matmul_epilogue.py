@@ -229,7 +229,7 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
     _, pieces, W, _ = plan
     P = len(pieces)
     pdt = prog.inputs[0].dtype
-    best = None
+    best, tried = None, []
     # the plain search's tile and the plain default's, each adapted to the epilogue, and the epilogue kernel's own
     # default: the cheapest that fits
     for plain in (lambda: mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
@@ -241,8 +241,9 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
         else:
             t0 = plain()
             t = None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
-        if t is None:
+        if t is None or t in tried:
             continue
+        tried.append(t)
         res = _price(dev, prog, M, N, K, dtype, bias_isz, t, plan)
         cycles = kernel_cycles(dev, *res[:3])
         if best is None or cycles < best[0]:      # the plain search's tile adapted need not beat the default's
