@@ -539,12 +539,19 @@ class _Verifier:
             roles[role] = names
         return roles
 
+    def _gradients(self, fam) -> bool:
+        """Whether the block's gradients are checked too: in a plan for training, made with grad (its backward
+        will run), for the families whose backward is a Vector program derived from the forward's."""
+        meta = getattr(self.cap, "meta", {})
+        return fam.name in _DERIVED_BACKWARD and bool(meta.get("autofuse_training")) and \
+            bool(meta.get("autofuse_grad", True))
+
     def _kept(self, fam, key):
         """The key of this block's verdict among the shared ones (None when not shared); a verdict found there is
         this plan's too."""
         if self.shared is None or fam.agree is not None:
             return None
-        kept = (self.meta, key)
+        kept = (self.meta, key, self._gradients(fam))
         if key not in self.done and kept in self.shared:
             self.done[key] = self.shared[kept]
         return kept
@@ -560,8 +567,10 @@ class _Verifier:
                 roles = {r: p for r, p in roles.items() if not r.startswith("mask")}
             with torch.random.fork_rng():
                 try:
-                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles) or \
-                        _verify.verify_block(sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand)) + ("",)
+                    grads = self._gradients(fam)
+                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles, grads) or \
+                        _verify.verify_block(sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand),
+                                             grads) + ("",)
                 except Exception as e:  # noqa: BLE001 - a block that cannot be checked is not applied
                     why = str(e).splitlines()[0][:200] if str(e) else ""
                     self.done[key] = (False, None, None, "", f"not verified: checking it raised {type(e).__name__}"
@@ -574,7 +583,7 @@ class _Verifier:
                 self.shared[kept] = self.done[key]
         return self.done[key]
 
-    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles):
+    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles, grads=False):
         """A block too large to check at its size (its float64 reference would allocate more than
         ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
         token dims (the family says which) shrunk in every shape argument and input, its fused call built for
@@ -604,7 +613,8 @@ class _Verifier:
                     lifted = dataclasses.replace(lifted, match=fam.resize(lifted.match, sizes))
                 _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
                 small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
-                ok, err, tol, label = _verify.verify_block(small, small_fused, inputs, roles, _canonical(fam, cand))
+                ok, err, tol, label = _verify.verify_block(small, small_fused, inputs, roles, _canonical(fam, cand),
+                                                           grads)
             except Exception as e:  # noqa: BLE001 - a reduction that does not run: try the next
                 reason = str(e).splitlines()[0][:160] if str(e) else ""
                 failed.append(f"({what}): {type(e).__name__}{': ' + reason if reason else ''}")
@@ -619,10 +629,12 @@ class _Verifier:
                                            f"one float64 value (checks run at up to "
                                            f"{_verify.LARGEST_AT_OWN_SIZE / 2 ** 20:,.0f} MiB) and {why}")
         ok, err, tol, label = _verify.verify_block(sub, fused_sub_full, self._inputs(external), roles,
-                                                   _canonical(fam, cand))
+                                                   _canonical(fam, cand), grads)
         return ok, err, tol, label or "", f"verified at its own size: {why}"
 
 
+#: Families whose fused op's backward is a Vector program derived from its forward (checked in training plans).
+_DERIVED_BACKWARD = ("vector_chain", "matmul_epilogue")
 #: How many of a family's reductions whose inputs hold are run before a block is checked at its own size.
 MAX_REDUCTIONS = 8
 #: How many verdicts a fused module keeps across its plans (then it starts again).

@@ -212,6 +212,52 @@ def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, nan_ok: 
     return ok, worst_err, worst_tol
 
 
+def check_gradients(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list) -> tuple[bool, float, float]:
+    """(ok, error, tolerance) of the fused block's gradients: the gradient of every float input, given one random
+    upstream gradient per float output, from eager's autograd, from float64, and through the fused block (its
+    ops' own backwards, a derived Vector program's among them), bounded as outputs are (:func:`compare`). A
+    block's forward can be right while the backward its fused op runs is not; this is where that shows."""
+    floats = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+    def read(gm):
+        return {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if p.users}
+    if not floats or {i for i in floats if i in read(sub)} != {i for i in floats if i in read(fused_sub)}:
+        # none to check, or the fused call recomputes a value the block reads as an input (a residual sum it
+        # also keeps for other readers): the two differentiate with respect to different inputs, and the
+        # graph's own chain rule, not this block's, joins them
+        return True, 0.0, 0.0
+    upstream: list = []
+
+    def grads(runner, conv):
+        xs = [conv(x) for x in inputs]
+        for i in floats:
+            xs[i] = xs[i].detach().requires_grad_(True)
+        with torch.enable_grad():
+            outs = _seeded(lambda: runner.run(*xs))
+        outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,))]
+        pairs = [(j, o) for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not upstream:
+            gen = torch.Generator().manual_seed(1)
+            upstream.extend((j, torch.randn(o.shape, generator=gen, dtype=torch.float64)) for j, o in pairs)
+        want = dict(upstream)
+        pairs = [(o, want[j].to(o.dtype)) for j, o in pairs if j in want]
+        if not pairs:
+            return [torch.zeros_like(xs[i]) for i in floats]
+        got = torch.autograd.grad([o for o, _ in pairs], [xs[i] for i in floats], [g for _, g in pairs],
+                                  allow_unused=True)
+        return [torch.zeros_like(xs[i]) if g is None else g.detach() for i, g in zip(floats, got)]
+
+    eager = grads(_OnCPU(sub), lambda x: x)
+    ref = grads(_F64(sub), _f64)
+    fused = grads(_OnCPU(fused_sub), lambda x: x)
+    worst_err, worst_tol, ok = 0.0, 0.0, True
+    for e, r, f in zip(eager, ref, fused):
+        o, err, tol = compare(e, r, f)
+        ok = ok and o
+        worst_err, worst_tol = max(worst_err, err), max(worst_tol, tol)
+    return ok, worst_err, worst_tol
+
+
 # ---------------------------------------------------------------------------------------- adversarial
 
 def _row(t: torch.Tensor, index=0):
@@ -264,13 +310,19 @@ def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
     return out
 
 
-def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict, canonical=None
-                 ) -> tuple:
+def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict, canonical=None,
+                 gradients: bool = False) -> tuple:
     """Check on the given inputs, then on each adversarial set; the first failure ends it. ``canonical``: see
-    :func:`check`. Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
+    :func:`check`. ``gradients``: the gradients on the given inputs too (:func:`check_gradients`). Returns
+    ``(ok, error, tolerance, label of the failing input set or "")``."""
     ok, err, tol = check(sub, fused_sub, inputs, canonical=canonical)
     if not ok:
         return ok, err, tol, "the example inputs"
+    if gradients:
+        ok, e, t = check_gradients(sub, fused_sub, inputs)
+        if not ok:
+            return ok, e, t, "the gradients on the example inputs"
+        err, tol = max(err, e), max(tol, t)
     for label, xs in adversarial(inputs, roles):
         o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"), canonical=canonical)
         if not o:
@@ -350,4 +402,4 @@ def shrink_value(t, sizes: dict):
 
 
 __all__ = ["LARGEST_AT_OWN_SIZE", "LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor", "largest_value_bytes", "random_like",
-           "shrink", "shrink_arg", "shrink_value", "structure_key", "verify_block"]
+           "shrink", "shrink_arg", "shrink_value", "structure_key", "verify_block", "check_gradients"]

@@ -189,3 +189,36 @@ def test_transformers_gradient_checkpointing_is_said():
         warnings.simplefilter("error", UserWarning)
         fused = AutoFusionEngine.fuse(model.eval(), ((ids,), {}))
     assert not [w for w in fused.report.warnings if "checkpoint" in w]
+
+
+class _NormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(32), nn.Linear(32, 64)
+
+    def forward(self, x):
+        return F.gelu(self.up(self.norm(x * 2 + 1)))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_training_plan_checks_the_derived_backward_of_each_generated_kernel(training, monkeypatch):
+    """A generated kernel's backward is derived from its forward and runs as another program; a wrong derivation
+    gave wrong gradients while the forward verified (a per-row term's share not summed over the row, a one-column
+    slice reading column 0). A training plan now checks each such block's gradients against eager's and float64's
+    on the example inputs, and leaves unfused a block whose backward does not match. Here the backward is made
+    wrong on purpose (doubled)."""
+    import autofuse.ops_vector as ov
+    real = ov.run_grad_program
+    monkeypatch.setattr(ov, "run_grad_program", lambda *a, **k: [None if g is None else g * 2 for g in real(*a, **k)])
+    torch.manual_seed(0)
+    model = _NormMLP().train(training)
+    x = torch.randn(4, 8, 32)
+    report = AutoFusionEngine.fuse(model, (x,)).report
+    derived = [d for d in report.decisions if d.params.get("family") in ("vector_chain", "matmul_epilogue")]
+    assert derived
+    if training:
+        assert not any(d.applied for d in derived)
+        assert all(d.reason_code == "verification_failed" and "gradients" in d.reason for d in derived), \
+            [d.reason for d in derived]
+    else:                                   # an inference plan: its blocks' backwards never run, not checked
+        assert any(d.applied for d in derived)
