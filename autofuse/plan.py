@@ -81,7 +81,7 @@ def parse_memory_budget(budget) -> int | None:
         return int(budget)
     if re.fullmatch(r"\s*-\s*[0-9.].*", budget):
         raise ValueError(f"memory_budget={budget!r} must be at least one byte (a negative budget has no meaning)")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
     if not m or m.group(2).lower() not in _UNITS and m.group(2) != "":
         raise ValueError(f"memory_budget={budget!r}: write a number and a unit, e.g. '16GB', '512MB', '1.5GiB'")
     unit = m.group(2).lower()

@@ -9,12 +9,13 @@ from autofuse.plan import LEVELS, Candidate, Price, _best_independent_set, parse
 
 
 @pytest.mark.parametrize("text,expected", [("16GB", 16 * 2 ** 30), ("512MB", 512 * 2 ** 20), ("1.5GiB", int(1.5 * 2 ** 30)),
-                                           (" 64 kb ", 64 * 1024), (4096, 4096), (None, None), ("100", 100)])
+                                           (" 64 kb ", 64 * 1024), (4096, 4096), (None, None), ("100", 100),
+                                           ("2e9", 2 * 10 ** 9), ("1.5e3MB", 1500 * 2 ** 20)])   # exponents too
 def test_memory_budget_parsing(text, expected):
     assert parse_memory_budget(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["lots", "16 parsecs", "-1GB", 0, -5, [1]])
+@pytest.mark.parametrize("bad", ["lots", "16 parsecs", "-1GB", 0, -5, [1], "1e", "0.5e-9GB", 1.5])
 def test_memory_budget_errors_name_the_argument(bad):
     with pytest.raises((ValueError, TypeError), match="memory_budget"):
         parse_memory_budget(bad)
