@@ -426,8 +426,8 @@ GRAD_BLOCK = "autofuse_grad"
 @contextlib.contextmanager
 def _grad_blocks():
     """While the forward is captured, every node made inside one of its own ``with torch.no_grad():``,
-    ``torch.enable_grad()``, ``torch.set_grad_enabled(mode)`` or ``torch.inference_mode()`` blocks (or a method decorated with one) carries
-    that block's mode as ``node.meta["custom"][GRAD_BLOCK]``: the tracer copies
+    ``torch.enable_grad()``, ``torch.set_grad_enabled(mode)`` or ``torch.inference_mode()`` blocks (or a method
+    decorated with one) carries that block's mode as ``node.meta["custom"][GRAD_BLOCK]``: the tracer copies
     ``torch.fx.traceback.current_meta["custom"]`` into the nodes it makes while node metadata is preserved, which
     is only inside such a block, so the rest of the graph is made as before. The trace itself runs without grad,
     so the mode is recorded from the blocks, not read. torch's own blocks are not the forward's: left alone."""
@@ -560,6 +560,22 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _grad_free(n: fx.Node) -> bool:
+    """Whether ``n`` was made inside one of the forward's own grad-free blocks (its :data:`GRAD_BLOCK` mark)."""
+    return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
+
+
+def _floating(v) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _in_place_name(name: str) -> bool:
+    """Whether a method or function name updates its first argument in place: ``clamp_``, ``__setitem__``,
+    ``__iadd__`` (not a dunder such as ``__add__``)."""
+    return name == "__setitem__" or (name.startswith("__i") and name.endswith("__")) or \
+        (name.endswith("_") and not name.endswith("__"))
+
+
 _AUGMENTED = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.ipow,
               operator.imod, operator.iand, operator.ior, operator.ixor}
 
@@ -570,8 +586,7 @@ def _in_place_of(n: fx.Node):
     if not n.args or not isinstance(n.args[0], fx.Node) or n.op not in ("call_method", "call_function"):
         return None
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    if n.target is operator.setitem or n.target in _AUGMENTED or \
-            (isinstance(name, str) and name.endswith("_") and not name.endswith("__")):
+    if n.target is operator.setitem or n.target in _AUGMENTED or (isinstance(name, str) and _in_place_name(name)):
         return n.args[0]
     return None
 
@@ -586,9 +601,6 @@ def _pass_updates_in_place(gm: fx.GraphModule) -> bool:
     def value(n):
         return n.meta.get("example_value", n.meta.get("val"))
 
-    def free(n) -> bool:
-        return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
-
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     updates: dict = {}                              # tensor -> the nodes that update it, in order
     alias: dict = {}                                # an update -> the tensor (it returns it)
@@ -601,12 +613,12 @@ def _pass_updates_in_place(gm: fx.GraphModule) -> bool:
     tracked = _tracked(gm, value)
     changed = False
     for h, ups in updates.items():
-        if h not in tracked or free(h) or not all(free(u) for u in ups) or \
+        if h not in tracked or _grad_free(h) or not all(_grad_free(u) for u in ups) or \
                 not isinstance(value(h), torch.Tensor):
             continue
         first, last = order[ups[0]], order[ups[-1]]
         readers = {r for a in (h, *ups) for r in a.users if r not in ups and order[r] > first and
-                   (r.op == "output" or not free(r))}
+                   (r.op == "output" or not _grad_free(r))}
         if not readers or any(order[r] < last for r in readers):
             continue                                # read with grad between two updates: left as it is
         # both with grad: the copy where the tensor is made, the pass before its first read after the block (the
@@ -628,14 +640,11 @@ def _pass_updates_in_place(gm: fx.GraphModule) -> bool:
 def _tracked(gm: fx.GraphModule, value) -> set:
     """The nodes whose value autograd tracks when the graph runs with grad: floating placeholders, parameters and
     tensors that require grad, and what is computed from them."""
-    def floating(v) -> bool:
-        return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-
     tracked: set = set()
     for n in gm.graph.nodes:
         v = value(n)
         if n.op == "placeholder":
-            if floating(v):
+            if _floating(v):
                 tracked.add(n)
         elif n.op == "get_attr":
             try:
@@ -645,7 +654,7 @@ def _tracked(gm: fx.GraphModule, value) -> set:
             if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or t.requires_grad):
                 tracked.add(n)
         elif n.op in ("call_function", "call_method", "call_module") and any(
-                a in tracked for a in n.all_input_nodes) and (floating(v) or isinstance(v, (tuple, list))):
+                a in tracked for a in n.all_input_nodes) and (_floating(v) or isinstance(v, (tuple, list))):
             tracked.add(n)
     return tracked
 
@@ -665,18 +674,12 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
     def value(n):
         return n.meta.get("val", n.meta.get("example_value"))
 
-    def free(n) -> bool:
-        return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
-
-    def floating(v) -> bool:
-        return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-
     tracked = _tracked(gm, value)
 
     def updated(n):
         # the tensor made before the block that ``n`` is a new version of (``h.clamp_()``, ``h[:, :3] = 0`` on a
         # tensor made with grad): eager records no update, so ``h``'s gradient passes it unchanged
-        while free(n):
+        while _grad_free(n):
             n = _updated_in_place(n)
             if n is None:
                 return None
@@ -684,9 +687,9 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
 
     added = False
     for n in list(gm.graph.nodes):
-        if not (free(n) and n in tracked and floating(value(n))):
+        if not (_grad_free(n) and n in tracked and _floating(value(n))):
             continue
-        outside = [u for u in n.users if u.op == "output" or not free(u)]
+        outside = [u for u in n.users if u.op == "output" or not _grad_free(u)]
         if not outside:
             continue
         source = updated(n)
@@ -708,9 +711,7 @@ def _updated_in_place(n: fx.Node):
     update's first argument, or None. ``h.copy_(y)`` keeps its destination first only as ``aten.copy``; as a
     clone or cast of ``y`` (the same shape) the destination is not in the graph: None."""
     fn = (n.meta.get("torch_fn") or ("", ""))[1].rsplit(".", 1)[-1]
-    in_place = fn == "__setitem__" or (fn.startswith("__i") and fn.endswith("__")) or \
-        (fn.endswith("_") and not fn.endswith("__"))
-    if not in_place or n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+    if not _in_place_name(fn) or n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
         return None
     if fn == "copy_" and n.target != torch.ops.aten.copy.default:
         return None
