@@ -204,6 +204,11 @@ def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, nan_ok: 
         fused = _seeded(lambda: _OnCPU(fused_sub).run(*inputs))
     if canonical is not None:
         eager, ref, fused = canonical(eager), canonical(ref), canonical(fused)
+    return _worst(eager, ref, fused, nan_ok)
+
+
+def _worst(eager, ref, fused, nan_ok: bool = False) -> tuple[bool, float, float]:
+    """(every value passes, the worst error, the largest tolerance) over three runs' values, by :func:`compare`."""
     worst_err, worst_tol, ok = 0.0, 0.0, True
     for e, r, f in zip(eager, ref, fused):
         o, err, tol = compare(e, r, f, nan_ok)
@@ -234,7 +239,7 @@ def check_gradients(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list
             xs[i] = xs[i].detach().requires_grad_(True)
         with torch.enable_grad():
             outs = _seeded(lambda: runner.run(*xs))
-        outs = [o for o in (outs if isinstance(outs, (tuple, list)) else (outs,))]
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
         pairs = [(j, o) for j, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         if not upstream:
             gen = torch.Generator().manual_seed(1)
@@ -247,15 +252,7 @@ def check_gradients(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list
                                   allow_unused=True)
         return [torch.zeros_like(xs[i]) if g is None else g.detach() for i, g in zip(floats, got)]
 
-    eager = grads(_OnCPU(sub), lambda x: x)
-    ref = grads(_F64(sub), _f64)
-    fused = grads(_OnCPU(fused_sub), lambda x: x)
-    worst_err, worst_tol, ok = 0.0, 0.0, True
-    for e, r, f in zip(eager, ref, fused):
-        o, err, tol = compare(e, r, f)
-        ok = ok and o
-        worst_err, worst_tol = max(worst_err, err), max(worst_tol, tol)
-    return ok, worst_err, worst_tol
+    return _worst(grads(_OnCPU(sub), lambda x: x), grads(_F64(sub), _f64), grads(_OnCPU(fused_sub), lambda x: x))
 
 
 # ---------------------------------------------------------------------------------------- adversarial
