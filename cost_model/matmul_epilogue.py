@@ -229,18 +229,19 @@ def _search(device, prog, M, N, K, dtype, bias_isz):
     _, pieces, W, _ = plan
     P = len(pieces)
     pdt = prog.inputs[0].dtype
+    def adapted(t0):
+        return None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
+
+    def own():
+        t = kernel_default(dev, prog, M, N, K, dtype, plan)
+        return t if epilogue_fits(dev, prog, M, N, dtype, t, temps, plan) else None
+
     best, tried = None, []
     # the plain search's tile and the plain default's, each adapted to the epilogue, and the epilogue kernel's own
     # default: the cheapest that fits
-    for plain in (lambda: mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0],
-                  lambda: mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt), None):
-        if plain is None:
-            t = kernel_default(dev, prog, M, N, K, dtype, plan)
-            if not epilogue_fits(dev, prog, M, N, dtype, t, temps, plan):
-                continue
-        else:
-            t0 = plain()
-            t = None if t0 is None else _adapt(dev, prog, M, N, K, dtype, t0, plan)
+    for candidate in (lambda: adapted(mm._search(device, M, W * P, K, 1, False, False, dtype, pdt, bias_isz)[0]),
+                      lambda: adapted(mm.kernel_default(dev, M, W * P, K, 1, dtype, pdt)), own):
+        t = candidate()
         if t is None or t in tried:
             continue
         tried.append(t)
