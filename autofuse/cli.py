@@ -387,16 +387,23 @@ def _fuse(a, progress: Progress):
     return model, inputs, fused
 
 
+@contextlib.contextmanager
+def _writing(path):
+    """An OSError while ``path`` is written (or its directory made) is a failure that names it, in one line."""
+    try:
+        yield
+    except OSError as e:
+        raise ModelFailed(f"could not write {path}: {e.strerror or e}") from e
+
+
 def _write(text: str, path):
     if path in (None, "-"):
         sys.stdout.write(text)
         return
-    try:
+    with _writing(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(text)
-    except OSError as e:
-        raise ModelFailed(f"could not write {path}: {e.strerror or e}") from e
     print(f"wrote {path}")
 
 
@@ -508,11 +515,9 @@ def cmd_patterns(a, progress):
         outs = []
         for i, dot in enumerate(dots):
             path = a.output if len(dots) == 1 else f"{a.output[:-len(fmt) - 1]}-{i}.{fmt}"   # t.svg: t-0.svg, t-1.svg
-            try:
+            with _writing(path):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 done = subprocess.run(["dot", f"-T{fmt}", "-o", path], input=dot.encode(), capture_output=True)
-            except OSError as e:
-                raise ModelFailed(f"could not write {path}: {e.strerror or e}") from e
             if done.returncode:
                 why = done.stderr.decode(errors="replace").strip().splitlines()
                 raise ModelFailed(f"could not write {path}: Graphviz `dot` failed ({why[-1] if why else 'no message'})")
@@ -570,10 +575,8 @@ def cmd_viz(a, progress):
     _, inputs, fused = _fuse(a, progress)
     sims = _simulations(a, fused, inputs, progress) if a.simulate else {}
     graphs = _graphs(a, fused, sims, progress, a.expand_all, a.show_params)
-    try:
+    with _writing(a.output):
         os.makedirs(a.output, exist_ok=True)
-    except OSError as e:
-        raise ModelFailed(f"could not write {a.output}: {e.strerror or e}") from e
     for key in ("before", "after"):
         _write(graphs[f"dot:{key}"], os.path.join(a.output, f"{key}.dot"))
         _write(graphs[f"Graph {key} fusion"] + "\n", os.path.join(a.output, f"{key}.svg"))
