@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import operator
 import os
@@ -235,7 +236,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     for r in routes:
         try:
             with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
-                    _checkpoints() as checkpoints, _fake_tensor_errors_unlogged():
+                    _checkpoints() as checkpoints, _fake_tensor_errors_unlogged(), _eager_autograd_reads() as reads:
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -250,6 +251,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
             gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f, _, _ in functions)   # without grad
             gm.meta["autofuse_checkpoints"] = len(checkpoints)         # activation checkpoints traced through
+            gm.meta["autofuse_autograd_reads"] = tuple(dict.fromkeys(reads))     # the plan's key holds that state
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
                             input_updates=gm.meta.get("autofuse_input_updates", ()))
@@ -385,6 +387,19 @@ def _custom_functions():
         Function.apply = own
 
 
+def _checkpointed(fn):
+    """What a checkpoint runs, the same for each trace of the forward: transformers' layers checkpoint a new
+    ``partial`` of their forward and themselves at each call (``partial(forward, self, **kwargs)``)."""
+    bound = []
+    while isinstance(fn, functools.partial):
+        bound += [id(a) for a in fn.args]
+        fn = fn.func
+    if getattr(fn, "__self__", None) is not None and hasattr(fn, "__func__"):      # a bound method
+        bound.append(id(fn.__self__))
+        fn = fn.__func__
+    return id(fn), tuple(bound)
+
+
 @contextlib.contextmanager
 def _checkpoints():
     """The functions the forward checkpoints (``torch.utils.checkpoint.checkpoint``, reentrant or not) while it
@@ -400,12 +415,12 @@ def _checkpoints():
 
     def forward(ctx, run_function, *args):
         if threading.get_ident() == capturing:
-            functions.add(id(run_function))
+            functions.add(_checkpointed(run_function))
         return reentrant(ctx, run_function, *args)
 
     def without_reentrant(fn, *args, **kwargs):
         if threading.get_ident() == capturing:
-            functions.add(id(fn))
+            functions.add(_checkpointed(fn))
         return generator(fn, *args, **kwargs)
     ckpt.CheckpointFunction.forward = staticmethod(forward)
     ckpt._checkpoint_without_reentrant_generator = without_reentrant
@@ -503,6 +518,132 @@ def _grad_blocks():
                                          **({"custom": custom} if custom else {})}
 
 
+#: The forward's reads of autograd state in the capture running on this thread (:func:`_eager_autograd_reads`).
+_READS = threading.local()
+
+
+def autograd_reads() -> int:
+    """How many times the forward has read autograd state (``tensor.requires_grad``, ``torch.is_grad_enabled()``)
+    in the capture running on this thread so far; 0 outside one."""
+    return len(getattr(_READS, "reads", ()))
+
+
+#: Functions whose tensor outputs never carry a gradient in eager, whatever their inputs.
+_NO_GRADIENT = frozenset({"detach", "detach_", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+                          "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+
+
+def _tensors(x):
+    """The tensors in a call's arguments or results (tuples, lists and dicts of them): pytree's flattening is a
+    third of a capture's time when run at every op."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+
+
+@contextlib.contextmanager
+def _eager_autograd_reads():
+    """While the forward is captured, its own reads of autograd state give what they give in eager: the trace runs
+    without grad, so ``h.requires_grad`` would read False for a value computed from parameters, and
+    ``torch.is_grad_enabled()`` False, and a branch on either would take eager's no-grad path into a graph that
+    then serves calls with grad. A torch-function mode follows, op by op, whether each value the forward makes
+    would require grad in eager (the caller's grad mode, or the forward's own block's, and any input that
+    requires it; a floating result; an in-place update adds its source's), and answers the forward's reads from
+    that; torch's own reads get the trace's values. Each read is recorded (:func:`autograd_reads`): a plan whose
+    forward read autograd state is kept for calls in the same autograd state (``autofuse.engine``). A tensor hook
+    registered by the forward (``h.register_hook``) is refused by name: a captured graph keeps none."""
+    from torch.fx import traceback as fx_traceback
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    caller = torch.is_grad_enabled()
+    capturing = threading.get_ident()
+    descriptor = torch._C.TensorBase.__dict__["requires_grad"]
+    data = torch._C.TensorBase.__dict__["data"]
+    made = WeakIdKeyDictionary()        # tensor -> whether eager's would require grad
+    reads: list = []
+    own_is_grad_enabled = torch.is_grad_enabled
+
+    def eager_mode() -> bool:
+        mark = (fx_traceback.current_meta.get("custom") or {}).get(GRAD_BLOCK)
+        return caller if mark is None else mark
+
+    def requires(t) -> bool:
+        v = made.get(t)
+        return bool(descriptor.__get__(t)) if v is None else v
+
+    def reader(frame):
+        # the frame that read or called, past torch-function dispatch (another mode's handler, torch's
+        # handle_torch_function and the Tensor method that called it); None where that is torch's or autofuse's
+        while frame is not None and (frame.f_code.co_name == "__torch_function__" or
+                                     frame.f_code.co_filename in (_OVERRIDES, _TENSOR)):
+            frame = frame.f_back
+        if threading.get_ident() != capturing or frame is None or \
+                os.path.abspath(frame.f_code.co_filename).startswith((_TORCH_DIR, _OWN_DIR)):
+            return None
+        return frame
+
+    def forwards(frame) -> bool:
+        return reader(frame) is not None
+
+    def is_grad_enabled():
+        if forwards(sys._getframe(1)):
+            reads.append("torch.is_grad_enabled()")
+            return eager_mode()
+        return own_is_grad_enabled()
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            owner, name = getattr(func, "__self__", None), getattr(func, "__name__", "")
+            if owner is descriptor and name == "__get__" and forwards(sys._getframe(1)):
+                reads.append("tensor.requires_grad")
+                return requires(args[0])
+            frame = reader(sys._getframe(1)) if name == "register_hook" else None
+            if frame is not None:
+                raise CaptureError("export", f"capture failed: the forward registers a tensor hook "
+                                             f"(register_hook, at {frame.f_code.co_filename}:{frame.f_lineno}), "
+                                             f"which a captured graph does not keep. hint: compile the model with "
+                                             f"torch.compile(model, backend='autofuse') (Dynamo keeps tensor "
+                                             f"hooks), or run it eagerly.")
+            out = func(*args, **kwargs)
+            if threading.get_ident() != capturing:
+                return out
+            if owner is descriptor and name == "__set__":
+                made[args[0]] = bool(args[1])
+                return out
+            if name == "requires_grad_":
+                made[args[0]] = bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+                return out
+            in_place = _in_place_name(name) and args and isinstance(args[0], torch.Tensor)
+            made_now = list(_tensors(out))
+            if not made_now and not in_place:       # most calls: a size, a dim, a flag
+                return out
+            given = list(_tensors((args, kwargs)))
+            flows = eager_mode() and owner is not data and name not in _NO_GRADIENT and any(map(requires, given))
+            if in_place:
+                made[args[0]] = flows or requires(args[0])
+            given = {id(t) for t in given}
+            for t in made_now:
+                if id(t) not in given:                  # not an input handed back
+                    made[t] = flows and (t.is_floating_point() or t.is_complex())
+            return out
+
+    _READS.reads = reads
+    torch.is_grad_enabled = is_grad_enabled
+    try:
+        with Reads():
+            yield reads
+    finally:
+        torch.is_grad_enabled = own_is_grad_enabled
+        _READS.reads = ()
+
+
 @contextlib.contextmanager
 def _fake_tensor_errors_unlogged():
     """torch logs an op that fails on fake tensors (wrong shapes in the example inputs) at ERROR level, with its
@@ -533,6 +674,8 @@ def _forwards_block(frame) -> bool:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OVERRIDES = torch.overrides.__file__
+_TENSOR = torch._tensor.__file__
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
@@ -1240,3 +1383,4 @@ def _user_frame(e: BaseException) -> str | None:
         return None
     f = frames[-1]
     return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+

@@ -284,6 +284,9 @@ class Plan:
         #: or the forward applies a custom autograd.Function (whose backward the graph does not keep)
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
                                       canonical.meta.get("autofuse_custom_functions"))
+        #: the autograd state (:func:`autograd_state`) of the call planned, where the forward read it (a branch on
+        #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``): the plan serves only calls in that state
+        self.autograd = None
         self.captured = captured
         self.model = model
         self.graph_module = graph_module
@@ -390,12 +393,9 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                                f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
                                f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
                                f"run the model eagerly to use them")
-    # activation checkpoints the trace ran through, or (transformers' layers check torch.is_grad_enabled(), which
-    # is off while the forward is traced) layers that checkpoint themselves in training mode
-    flagged = [name for name, m in model.named_modules()
-               if getattr(m, "gradient_checkpointing", False) is True and m.training]
-    layers = [n for n in flagged if not any(o.startswith(n + "." if n else "") and o != n for o in flagged)]
-    checkpoints = max(cap_gm.meta.get("autofuse_checkpoints", 0), len(layers))
+    # activation checkpoints the trace ran through (transformers' layers checkpoint only where the forward reads
+    # torch.is_grad_enabled() as True: the trace reads eager's mode)
+    checkpoints = cap_gm.meta.get("autofuse_checkpoints", 0)
     if checkpoints:
         report.warnings.append(f"{checkpoints} activation checkpoint(s) in the forward (torch.utils.checkpoint; "
                                f"transformers' gradient_checkpointing_enable()): the fused graph computes each "
@@ -403,7 +403,18 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                                f"checkpointing off (the same gradients, more activation memory); where that memory "
                                f"limits the batch, run the model eagerly")
         warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
-    return Plan(captured, _make_live(fused, model), report, gm, guards, model)
+    made = Plan(captured, _make_live(fused, model), report, gm, guards, model)
+    if cap_gm.meta.get("autofuse_autograd_reads"):
+        made.autograd = autograd_state(model, args, kwargs)
+    return made
+
+
+def autograd_state(model, args, kwargs) -> tuple:
+    """What a forward's reads of autograd state depend on: the grad mode, and which of the call's tensors and the
+    model's parameters require grad."""
+    return (torch.is_grad_enabled(),
+            tuple(bool(getattr(x, "requires_grad", False)) for x in pytree.tree_leaves((args, kwargs))),
+            tuple(p.requires_grad for p in model.parameters()))
 
 
 #: Ops that only reshape their first argument: a random verification input made through them shares its values.
@@ -695,6 +706,11 @@ class FusedModule(torch.nn.Module):
         p = self._plans.get(key)
         if p is not None and p.without_grad_only and torch.is_grad_enabled():
             key += ("with grad",)       # planned without grad, not for autograd (see Plan.without_grad_only)
+            p = self._plans.get(key)
+        if p is not None and p.autograd is not None:
+            state = autograd_state(self.model, args, kwargs)
+            if state != p.autograd:     # the forward reads autograd state: a plan per state (see Plan.autograd)
+                key += ("autograd", state)
         return key
 
     def _plan_for(self, args, kwargs) -> Plan:

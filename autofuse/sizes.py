@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autofuse.capture import lifted_input, with_forward
+from autofuse.capture import autograd_reads, lifted_input, with_forward
 
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -89,8 +89,9 @@ class SizeFamilies:
         if fam is not None and fam.guard is not None and fam.guard.check(model) is not None:
             fam = None                                  # the model changed since: start the family again
         if fam is None:
-            self.families[key] = _Family(sizes)
-            return export_fn(model, args, kwargs)
+            fam = self.families[key] = _Family(sizes)
+            return _traced(fam, export_fn)(model, args, kwargs)
+        export_fn = _traced(fam, export_fn)
         if not fam.programs and not fam.failed:
             _widen(fam, sizes)
             if not fam.changed or fam.exported < self.plain_first:
@@ -125,6 +126,8 @@ class SizeFamilies:
         except Exception:  # noqa: BLE001 - torch could not keep those sizes symbolic: export each signature
             fam.failed = not fam.programs
             return export_fn(model, args, kwargs)
+        if fam.failed:                         # the forward read autograd state (_traced)
+            return export_fn(model, args, kwargs)
         if not _symbolic_inputs(program) or _unbacked(program):
             fam.failed = not fam.programs      # nothing stayed symbolic, or sizes read from data: nothing to share
             return export_fn(model, args, kwargs) if _unbacked(program) else program
@@ -133,6 +136,19 @@ class SizeFamilies:
         if fam.guard is None and self.make_guard is not None:
             fam.guard = self.make_guard(model)
         return None
+
+
+def _traced(fam, export_fn):
+    """``export_fn``, marking ``fam`` failed where the forward read autograd state while it was traced (a branch on
+    ``tensor.requires_grad``, :func:`autofuse.capture.autograd_reads`): such a forward is exported at each
+    signature, in that call's state, since a shared export would serve every call the branch its trace took."""
+    def traced(*args, **kwargs):
+        before = autograd_reads()
+        program = export_fn(*args, **kwargs)
+        if autograd_reads() > before:
+            fam.failed, fam.programs = True, []
+        return program
+    return traced
 
 
 def _serve(fam, leaves, spec, model):

@@ -386,3 +386,92 @@ def test_a_graph_dynamo_gives_that_cannot_be_captured_runs_unfused_with_a_warnin
     y.pow(2).sum().backward()
     y_ref.pow(2).sum().backward()
     _assert_grads_as_eager(model, ref)
+
+
+class ReadsAutograd(nn.Module):
+    """A forward that branches on autograd state, as code that picks a custom backward or a cheaper inference path
+    does: the branch taken must be eager's for each call's state."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.l1, self.l2 = kind, nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.kind == "requires_grad":
+            taken = h.requires_grad
+        elif self.kind == "input_requires_grad":
+            taken = x.requires_grad
+        elif self.kind == "is_grad_enabled":
+            taken = torch.is_grad_enabled()
+        elif self.kind == "both":
+            taken = torch.is_grad_enabled() and h.requires_grad
+        elif self.kind == "inside_no_grad":             # made inside the forward's own no_grad block: False
+            with torch.no_grad():
+                s = h.abs().amax(-1, keepdim=True)
+            taken = not s.requires_grad
+        else:                                           # through an in-place update and a detach
+            g = torch.zeros_like(h)
+            g += h
+            taken = g.requires_grad and not g.detach().requires_grad
+        return self.l2(torch.tanh(h) * 3 if taken else h * 2)
+
+
+@pytest.mark.parametrize("route", ["fuse", "torch.compile"])
+@pytest.mark.parametrize("kind", ["requires_grad", "input_requires_grad", "is_grad_enabled", "both",
+                                  "inside_no_grad", "in_place_and_detach"])
+def test_a_branch_on_autograd_state_takes_eagers_branch_in_each_state(kind, route):
+    """With grad, without it, and with an input that requires grad: one fused module gives eager's values and
+    gradients in each, the branch taken as eager takes it (the two branches' outputs differ by their own size)."""
+    torch.manual_seed(0)
+    model = ReadsAutograd(kind)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 16)
+    torch._dynamo.reset()
+    run = AutoFusionEngine.fuse(model) if route == "fuse" else torch.compile(model, backend="autofuse")
+    for grad, x_grad in ((True, False), (False, False), (True, True), (True, False)):
+        xi, xr = x.clone().requires_grad_(x_grad), x.clone().requires_grad_(x_grad)
+        with torch.set_grad_enabled(grad):
+            y, y_ref = run(xi), ref(xr)
+        # fp32, fused regions against eager's ops: a few units in the last place of values below 10
+        assert (y - y_ref).abs().max() <= 1e-5, (grad, x_grad)
+        if grad:
+            y.pow(2).sum().backward()
+            y_ref.pow(2).sum().backward()
+            _assert_grads_as_eager(model, ref)
+            if x_grad:
+                assert (xi.grad - xr.grad).abs().max() <= 1e-5 * xr.grad.abs().max()
+            model.zero_grad(), ref.zero_grad()
+
+
+def test_a_tensor_hook_registered_in_the_forward_is_refused_by_name():
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.l(x)
+            h.register_hook(lambda g: g * 0)
+            return h * 2
+
+    from autofuse.capture import CaptureError
+    with pytest.raises(CaptureError, match=r"registers a tensor hook \(register_hook, at .*test_autograd_semantics"
+                                           r".*torch.compile\(model, backend='autofuse'\)"):
+        AutoFusionEngine.fuse(Hooked(), (torch.randn(2, 8),))
+
+
+def test_a_forward_reading_autograd_state_is_not_served_by_an_export_shared_across_sizes():
+    """One export serves a signature's other sizes; a forward that branches on autograd state is exported at each
+    size instead, so that a call with grad after several without takes eager's branch."""
+    torch.manual_seed(0)
+    model = ReadsAutograd("is_grad_enabled")
+    ref = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model)
+    for n in (3, 4, 5, 6, 7):
+        x = torch.randn(2, n, 16)
+        with torch.no_grad():
+            assert (fused(x) - ref(x)).abs().max() <= 1e-5       # fp32 reassociation in fused regions
+    x = torch.randn(2, 8, 16)
+    assert (fused(x) - ref(x)).abs().max() <= 1e-5
+    assert fused._sizes.served == 0
