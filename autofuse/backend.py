@@ -101,10 +101,12 @@ class Backend:
         self.settings = dict(target_device=target_device, optimization_level=optimization_level,
                              memory_budget=memory_budget, verify=verify, **engine_options)
         self.graphs: list[CompiledGraph] = []
+        self._warned: set = set()       # the torch.compile modes warned of
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
         from autofuse.capture import CaptureError, mark_grad_blocks
         from autofuse.engine import AutoFusionEngine
+        settings = self._settings(mode, options)
         owner = _compiled_callable()
         example = tuple(example_inputs)
         # Dynamo's GraphModule is in training mode whatever the model's mode was (a new module's default); the graph
@@ -125,7 +127,7 @@ class Backend:
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs
             try:
-                fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **self.settings)
+                fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **settings)
             except CaptureError as e:
                 _run_as_captured(e)
                 return gm
@@ -151,6 +153,27 @@ class Backend:
                     _run_as_captured(e)
             return gm(*args)
         return run
+
+    def _settings(self, mode, options) -> dict:
+        """This backend's engine settings with ``torch.compile``'s ``options`` over them (the names
+        :func:`autofuse.AutoFusionEngine.fuse` takes: ``{"target_device": "ascend910b", "optimization_level":
+        "O2"}``). ``mode`` names Inductor's schedules (CUDA graphs, autotuning), which have no meaning here: it is
+        accepted, with a warning that says where the level is set."""
+        import inspect
+
+        from autofuse.engine import AutoFusionEngine
+        if mode is not None and mode != "default" and mode not in self._warned:
+            self._warned.add(mode)
+            warnings.warn(f"autofuse: torch.compile's mode={mode!r} is Inductor's and has no effect on autofuse; set "
+                          f"the optimization level with options={{'optimization_level': 'O2'}} (or "
+                          f"autofuse.backend(optimization_level=...))", stacklevel=3)
+        options = dict(options or {})
+        known = [p for p in inspect.signature(AutoFusionEngine.fuse).parameters if p not in ("model", "example_inputs")]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"autofuse: torch.compile options {unknown} are not autofuse settings; it takes "
+                            f"{', '.join(known)}")
+        return {**self.settings, **options}
 
     @property
     def fused_modules(self) -> list:

@@ -161,7 +161,10 @@ class Captured:
             for fqn, value in zip(self.state_updates, values):
                 state_tensor(model, fqn).data.copy_(value)
             for i, value in zip(self.input_updates, values[len(self.state_updates):]):
-                inputs[i].copy_(value)
+                # through .data, as the state above: the graph's backward may have saved the input (a BatchNorm's
+                # running statistics, which a Dynamo graph takes as inputs, are saved for its backward), and
+                # eager's kernel updates it before autograd saves it, not after
+                inputs[i].data.copy_(value)
 
     def __call__(self, *args, **kwargs):
         return self.unflatten_outputs(self.graph_module(*self.flatten_inputs(*args, **kwargs)))
@@ -181,7 +184,8 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     caches.prepare(model, example_args, example_kwargs)      # a KV cache in or out: a pytree node (autofuse.caches)
     python_state = _python_state(model)
     try:
-        captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
+        with _dynamo_marks_set_aside((example_args, example_kwargs)):
+            captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
         _check_product_dtypes(captured.graph_module, model, captured.route)
     except BaseException:
         _restore_python_state(python_state)
@@ -207,6 +211,27 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                   f"as it is with torch.compile(model, backend='autofuse'): Dynamo replays "
                                   f"attribute updates after each graph.")
     return captured
+
+
+@contextlib.contextmanager
+def _dynamo_marks_set_aside(inputs):
+    """The inputs without the marks ``torch._dynamo.mark_dynamic`` (and its kin) set on a tensor, put back after:
+    torch.export reads them as dims to keep symbolic, but a plan is made at the call's concrete sizes (a graph
+    that must serve other sizes is planned again at each, :mod:`autofuse.sizes` sharing the export)."""
+    marked = []
+    for t in pytree.tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            marks = {k: v for k, v in vars(t).items() if k.startswith("_dynamo_") or
+                     k in ("_has_dynamo_dim_marking", "_specialize_on")}
+            for k in marks:
+                delattr(t, k)
+            marked.append((t, marks))
+    try:
+        yield
+    finally:
+        for t, marks in marked:
+            for k, v in marks.items():
+                setattr(t, k, v)
 
 
 def _changes_again(model, changed, example_args, example_kwargs, route, routes) -> bool:

@@ -320,3 +320,60 @@ def test_a_custom_function_under_grad_through_compile_runs_unfused_with_its_back
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref(x))
     assert any(d.applied for r in autofuse.reports(compiled) for d in r.decisions)
+
+
+def test_mark_dynamic_inputs_are_planned_per_size():
+    """torch._dynamo.mark_dynamic hands the backend a symbolic graph and leaves its mark on the input tensor; the
+    capture sets the mark aside and plans at each concrete size (before, the block key held a SymInt)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = MHABlock(32, 4).eval()
+    compiled = torch.compile(block, backend="autofuse")
+    with torch.no_grad():
+        for batch in (2, 3):
+            x = torch.randn(batch, 16, 32)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-4)   # fp32: reassociation only
+            assert x._dynamo_dynamic_indices == {0}             # the user's mark is put back
+    rs = reports(compiled)
+    assert len(rs) == 2 and all(r.of("attention")[0].applied for r in rs)
+
+
+def test_compile_mode_and_options_reach_the_backend():
+    """torch.compile passes ``mode`` and ``options`` to the backend: options are engine settings, a mode (an Inductor
+    schedule) is accepted with a warning, and an unknown option is named."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="autofuse", options={"target_device": "ascend910b",
+                                                                   "optimization_level": "O1"})
+    compiled(x)
+    assert reports(compiled)[-1].device == "ascend910b" and reports(compiled)[-1].optimization_level == "O1"
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="mode='max-autotune' is Inductor's"):
+        torch.testing.assert_close(torch.compile(model, backend="autofuse", mode="max-autotune")(x), model(x))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"options \['level'\] are not autofuse settings.*optimization_level"):
+        torch.compile(model, backend="autofuse", options={"level": "O2"})(x)
+
+
+def test_batchnorm_trains_through_compile_as_eager():
+    """Dynamo passes a BatchNorm's running statistics as graph inputs, updated in place after the graph; its
+    backward saved them, so the update goes through .data as eager's kernel's does (before, backward raised
+    'modified by an inplace operation')."""
+    import copy
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).train()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="autofuse")
+    for step in range(2):
+        x = torch.randn(2, 3, 8, 8)
+        y, y_ref = compiled(x), ref(x)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)     # fp32: reassociation only
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)   # running statistics as eager's
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)   # fp32 sums over 72 pixels
