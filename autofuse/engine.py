@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
-from autofuse.capture import capture, plain_attribute, public_attributes, state_tensor
+from autofuse.capture import capture, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
@@ -129,6 +129,7 @@ class Guard:
         # the values themselves: an update through ``.data`` (``t.data.copy_(...)``, ``t.data = other``) moves
         # neither the tensor's identity nor its version counter
         self.copy = tensor.detach().clone() if value and tensor.device.type != "meta" else None
+        self.requires_grad = tensor.requires_grad if value else None
 
     def check(self, model) -> str | None:
         try:
@@ -146,6 +147,10 @@ class Guard:
             return f"{self.fqn} was modified in place (the plan relied on its value)"
         if self.copy is not None and not _same_values(t.detach(), self.copy):
             return f"{self.fqn} holds other values (changed through .data; the plan relied on its value)"
+        if self.value and t.requires_grad != self.requires_grad:
+            # a value proven constant (a zero bias left out of a fused call) gets no gradient: unfrozen, it must
+            return f"{self.fqn} now {'requires' if t.requires_grad else 'no longer requires'} grad (the plan " \
+                   f"relied on its value)"
         return None
 
     @staticmethod
@@ -170,23 +175,105 @@ _MISSING = object()
 
 class _TensorState:
     """A plain tensor attribute (not a parameter or buffer: those have guards of their own) as a plan saw it: the
-    tensor itself (held, so that its identity cannot pass to another) and its version."""
+    tensor itself (held, so that its identity cannot pass to another), its version, and up to
+    :data:`_VALUES_KEPT` elements its values (an edit through ``.data`` moves neither identity nor version)."""
 
     def __init__(self, t: torch.Tensor):
         self.tensor, self.version = t, t._version
+        self.copy = t.detach().clone() if t.numel() <= _VALUES_KEPT and t.device.type != "meta" else None
+
+    def holds(self, t) -> bool:
+        """Whether ``t`` is that tensor, at that version, with those values."""
+        return t is self.tensor and t._version == self.version and \
+            (self.copy is None or _same_values(t.detach(), self.copy))
+
+
+#: The largest plain tensor attribute whose values a plan keeps to compare (4 Mi elements); a larger one is
+#: guarded by identity and version only.
+_VALUES_KEPT = 1 << 22
+
+
+class _Same:
+    """A value guarded by identity: a function kept as an attribute (``self.act = F.gelu``)."""
+
+    def __init__(self, v):
+        self.v = v
 
     def __eq__(self, other):
-        return isinstance(other, _TensorState) and other.tensor is self.tensor and other.version == self.version
+        return isinstance(other, _Same) and other.v is self.v
+
+
+#: What every ``nn.Module`` keeps in its ``__dict__`` for itself (parameters, buffers, submodules, hook
+#: dictionaries) and its mode: not attributes a forward reads as values (hooks have a guard of their own).
+_MODULE_OWN = frozenset(vars(torch.nn.Module())) | {"forward"}
+
+
+def _guardable(v) -> bool:
+    """A value a forward may read from a module attribute and capture bake in: a number, string, flag, None, dtype,
+    device or shape, a tuple, list, set or dict (string keys) of such values at any depth, a tensor, or a
+    function."""
+    if isinstance(v, (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.Size)):
+        return True
+    if isinstance(v, (tuple, list, set, frozenset)):
+        return all(_guardable(x) and not isinstance(x, torch.Tensor) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _guardable(x) and not isinstance(x, torch.Tensor) for k, x in v.items())
+    return isinstance(v, torch.Tensor) or callable(v) and not isinstance(v, torch.nn.Module) or _held_object(v)
+
+
+def _held_object(v) -> bool:
+    """An object a module holds whose public fields a forward may read (a model's ``config``, a namespace of
+    options): guarded by identity and by those fields' values (:class:`_Fields`)."""
+    return hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type)) and not callable(v)
+
+
+class _Fields:
+    """The public fields of a held object (:func:`_held_object`) that are values (:func:`_guardable`, no tensor,
+    function or object), as a plan saw them: a forward that reads ``self.config.use_cache`` baked it in."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.fields = {k: _kept(v) for k, v in _public_values(obj)}
+
+    def check(self) -> str | None:
+        now = vars(self.obj)
+        for k, v in self.fields.items():
+            cur = now.get(k, _MISSING)
+            if cur is _MISSING:
+                return f"{k} is gone from {type(self.obj).__name__}"
+            if not _same_value(_kept(cur), v):
+                return f"{type(self.obj).__name__}.{k} changed from {v!r} to {cur!r} (captured as a constant)"
+        return None
+
+
+def _public_values(obj):
+    return [(k, v) for k, v in vars(obj).items() if not k.startswith("_") and _guardable(v)
+            and not isinstance(v, torch.Tensor) and not callable(v) and not _held_object(v)]
 
 
 def _kept(v):
-    """What a plan keeps of a plain attribute's value: a list or dict copied (it may be edited in place), a tensor
-    as a :class:`_TensorState`, anything else as it is."""
-    if isinstance(v, (list, dict)):
-        return type(v)(v)
+    """What a plan keeps of a guarded attribute's value (:func:`_guardable`): containers deep-copied (edited in
+    place, at any depth), a tensor as a :class:`_TensorState`, a function by identity, anything else as it is."""
     if isinstance(v, torch.Tensor):
         return _TensorState(v)
+    if isinstance(v, (tuple, list, set, frozenset, dict)):
+        return copy.deepcopy(v)
+    if callable(v) and not isinstance(v, type) or _held_object(v):
+        return _Same(v)
     return v
+
+
+def _same_value(a, b) -> bool:
+    """Equal kept values, NaN equal to NaN at any depth, of the same types."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b
 
 
 def state_spec(model) -> tuple:
@@ -208,23 +295,60 @@ def _global_hooks() -> tuple:
                            "_global_backward_pre_hooks"))
 
 
+class TiedGuard:
+    """Names that held one tensor when the plan was made (tied embedding and output weights): the graph reads it
+    under one of them, so untying them (``head.weight = nn.Parameter(...)``) must plan again."""
+
+    value = False
+
+    def __init__(self, names: tuple):
+        self.names = names
+
+    def check(self, model) -> str | None:
+        try:
+            first = state_tensor(model, self.names[0])
+            for name in self.names[1:]:
+                if state_tensor(model, name) is not first:
+                    return f"{name} no longer is {self.names[0]} (they were tied when the plan was made)"
+        except AttributeError:
+            return f"one of {', '.join(self.names)} is gone from the model"
+        return None
+
+    def describe(self) -> str:
+        return f"{' = '.join(self.names)}: tied"
+
+
+def tied_guards(model, read) -> list:
+    """A :class:`TiedGuard` for each tensor the graph reads (``read``: names) that the model holds under several
+    names."""
+    names: dict = {}
+    for fqn, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(fqn)
+    return [TiedGuard(tuple(group)) for group in names.values() if len(group) > 1 and set(group) & set(read)]
+
+
 class ModuleGuard:
-    """What a plan assumed about the model's modules: which module sits at each name, and the value of every
-    plain attribute of each (numbers, strings, flags and tuples, lists or dicts of them: a dropout's ``p``, a
-    norm's ``eps``, an attention's ``scaling``; tensors that are no parameter or buffer, by identity and
-    version), the module's hooks, forward and class, and torch's global module hooks. Capture bakes such values
-    into the graph as constants, so a changed one (or a module swapped for another) re-plans rather than run the
-    old value. Private attributes (``_name``) and ``training`` (part of the plan's key) are left out. A forward
-    that settles a plain attribute itself leaves it changed after its first call, so the next call plans again
-    from the settled value; one that changes it at every call is refused at capture
-    (:func:`autofuse.capture.capture`)."""
+    """What a plan assumed about the model's modules: which module sits at each name, the value of every
+    attribute of each that a forward may read as a value (:func:`_guardable`: numbers, strings, flags, dtypes,
+    containers of them at any depth: a dropout's ``p``, a norm's ``eps``, an attention's ``scaling``, private ones
+    such as ``_scale`` too; functions kept as attributes, by identity; tensors that are no parameter or buffer,
+    by identity, version and values), the set of each module's attribute names (one added later may be one the
+    forward looked for), the module's hooks, forward and class, and torch's global module hooks. Capture bakes such
+    values into the graph as constants, so a changed one (or a module swapped for another) re-plans rather than
+    run the old value. ``training`` is part of the plan's key instead. A forward that settles an attribute itself
+    leaves it changed after its first call, so the next call plans again from the settled value; one that changes
+    it at every call is refused at capture (:func:`autofuse.capture.capture`). Other objects a module holds (a
+    config) are not looked into."""
 
     value = False
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
-        self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in public_attributes(m)
-                      if plain_attribute(v) or isinstance(v, torch.Tensor)]
+        self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
+                      if k not in _MODULE_OWN and _guardable(v)]
+        # an attribute added later may be one the forward looked for (getattr(self, "scale", 1.0))
+        self.names = {name: frozenset(vars(m)) for name, m in self.modules.items()}
+        self.objects = {id(v.v): _Fields(v.v) for _, _, v in self.attrs if isinstance(v, _Same) and _held_object(v.v)}
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
         self.hooks = _global_hooks()
 
@@ -240,21 +364,32 @@ class ModuleGuard:
         if _global_hooks() != self.hooks:
             return "torch's global module hooks changed since capture (capture runs them into the graph)"
         for name, k, v in self.attrs:
-            cur = getattr(self.modules[name], k, _MISSING)
+            cur = vars(self.modules[name]).get(k, _MISSING)
             where = f"{name + '.' if name else ''}{k}"
             if cur is _MISSING:
                 return f"{where} is gone from the model"
-            now = _kept(cur)
             if isinstance(v, _TensorState):
-                if now != v:
+                if not v.holds(cur):
                     return f"{where} was replaced or modified in place (captured as a constant)"
-            elif type(now) is not type(v) or (now != v and not (now != now and v != v)):     # NaN equals NaN
+            elif isinstance(v, _Same):
+                if cur is not v.v:
+                    return f"{where} was replaced by {cur!r} (the plan captured {v.v!r})"
+            elif not _same_value(_kept(cur), v):
                 return f"{where} changed from {v!r} to {cur!r} (captured as a constant)"
+        for fields in self.objects.values():
+            why = fields.check()
+            if why is not None:
+                return why
+        for name, m in self.modules.items():
+            added = sorted(set(vars(m)) - self.names[name])
+            if added:
+                return f"{name + '.' if name else ''}{added[0]} was added to the model since the plan was made (a " \
+                       f"forward may read it)"
         return None
 
     def describe(self) -> str:
-        return (f"{len(self.modules)} modules and {len(self.attrs)} plain attributes: identity, hooks and forward, "
-                f"and value")
+        return (f"{len(self.modules)} modules and {len(self.attrs)} attributes: identity, hooks and forward, "
+                f"attribute names, and value")
 
 
 def _hooked_modules(model) -> list:
@@ -369,6 +504,7 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     guards = [Guard(fqn, state_tensor(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]
     relied = sorted({g for c in applied for g in c.match.params.get("guards", ())})
     guards += [Guard(fqn, state_tensor(model, fqn), True) for fqn in relied]
+    guards += tied_guards(model, _state_nodes(cap_gm).values())
     guards.insert(0, ModuleGuard(model))            # checked first: a swapped module explains the rest
     report = FusionReport(device=device, optimization_level=level, memory_budget=budget, decisions=decisions,
                           peak_memory_unfused=memory.peak_bytes(cap_gm),

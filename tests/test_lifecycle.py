@@ -37,6 +37,80 @@ def _setup():
     return model, x, AutoFusionEngine.fuse(model, (x,))
 
 
+class Options:
+    def __init__(self):
+        self.residual = True
+
+
+class Knobs(nn.Module):
+    """A forward that reads attributes of every kind a model keeps: private, a function, a dtype, a nested tuple, a
+    held object's field (a config), one it may not have, and tied weights."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb, self.ln, self.head = nn.Embedding(64, d), nn.LayerNorm(d), nn.Linear(d, 64, bias=False)
+        self.head.weight = self.emb.weight
+        self._scale, self.act, self.cdtype, self.clamp, self.opts = 2.0, F.gelu, torch.float32, ((-1.0, 1.0),), \
+            Options()
+
+    def forward(self, ids):
+        h = self.act(self.ln(self.emb(ids)) * self._scale).to(self.cdtype).float().clamp(*self.clamp[0])
+        h = h * getattr(self, "extra", 1.0)
+        return self.head(h + 1 if self.opts.residual else h)
+
+
+KNOBS = {
+    "private": lambda m: setattr(m, "_scale", 0.5),
+    "function": lambda m: setattr(m, "act", F.relu),
+    "dtype": lambda m: setattr(m, "cdtype", torch.bfloat16),
+    "nested_tuple": lambda m: setattr(m, "clamp", ((-0.1, 0.1),)),
+    "held_object_field": lambda m: setattr(m.opts, "residual", False),
+    "added": lambda m: setattr(m, "extra", 3.0),
+    "untied": lambda m: setattr(m.head, "weight", nn.Parameter(torch.randn(64, 32))),
+}
+
+
+@pytest.mark.parametrize("edit", list(KNOBS))
+def test_an_edit_to_any_attribute_the_forward_reads_replans(edit):
+    """Each of these edits left the old plan running before (0.2 to 40 off eager): private attributes and
+    functions, dtypes, held objects and added attributes were not guarded, and untied weights were read under
+    the name the plan read both through."""
+    torch.manual_seed(0)
+    model, ids = Knobs().eval(), torch.randint(0, 64, (2, 8))
+    fused = AutoFusionEngine.fuse(model, (ids,))
+    torch.manual_seed(1)
+    KNOBS[edit](model)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), model(ids), atol=1e-5, rtol=1e-4)   # fp32 reassociation only
+    assert fused.report.replanned_because
+    fused(ids)
+    assert len(fused.plans) == 1                    # planned once more, then kept
+
+
+def test_a_value_proven_constant_replans_when_it_starts_to_require_grad():
+    """A frozen zero attention bias is proven empty and left out of the fused call; unfrozen, it must get its
+    gradient (before, it stayed None for good)."""
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.bias = nn.Linear(32, 96), nn.Parameter(torch.zeros(1, 2, 8, 8), requires_grad=False)
+
+        def forward(self, x):
+            q, k, v = (t.view(2, 8, 2, 16).transpose(1, 2) for t in self.qkv(x).split(32, -1))
+            return ((q @ k.transpose(-1, -2)) * 0.25 + self.bias).softmax(-1) @ v
+
+    torch.manual_seed(0)
+    model, x = Biased(), torch.randn(2, 8, 32)
+    ref = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    for m in (model, ref):
+        m.bias.requires_grad_(True)
+    fused(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert "requires grad" in fused.report.replanned_because
+    torch.testing.assert_close(model.bias.grad, ref.bias.grad, atol=1e-6, rtol=1e-4)   # fp32 sums of 16
+
+
 EDITS = {
     "bias_none": lambda m: setattr(m.o, "bias", None),
     "tensor_in_place": lambda m: m.t.fill_(5.0),
