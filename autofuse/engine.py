@@ -420,7 +420,8 @@ class Plan:
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
                                       canonical.meta.get("autofuse_custom_functions"))
         #: the autograd state (:func:`autograd_state`) of the call planned, where the forward read it (a branch on
-        #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``): the plan serves only calls in that state
+        #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``) or applies a custom autograd.Function: the plan
+        #: serves only calls in that state
         self.autograd = None
         self.captured = captured
         self.model = model
@@ -540,7 +541,10 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
                                f"limits the batch, run the model eagerly")
         warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
     made = Plan(captured, _make_live(fused, model), report, gm, guards, model)
-    if cap_gm.meta.get("autofuse_autograd_reads"):
+    if cap_gm.meta.get("autofuse_autograd_reads") or cap_gm.meta.get("autofuse_custom_functions"):
+        # a custom autograd.Function's backward is not kept: accepted only while nothing requires grad, or where
+        # its backward is its forward's derivative (capture checks), so a call that unfreezes a parameter
+        # captures again
         made.autograd = autograd_state(model, args, kwargs)
     return made
 

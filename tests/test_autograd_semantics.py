@@ -130,6 +130,21 @@ def test_a_custom_autograd_function_is_refused_with_grad_and_fused_without():
     torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
 
 
+def test_a_custom_function_planned_while_frozen_is_refused_once_a_parameter_requires_grad():
+    """Planned with grad while every parameter was frozen (nothing to lose), the plan is not reused once training
+    unfreezes them: the next call captures again and refuses by name (before, it ran the Function's forward under
+    autograd, which differentiated through it instead of its backward)."""
+    from autofuse.capture import CaptureError
+    torch.manual_seed(0)
+    model, x = Quantised().eval(), torch.randn(2, 8, 16)
+    model.requires_grad_(False)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    fused(x)
+    model.requires_grad_(True)
+    with pytest.raises(CaptureError, match="STE"):
+        fused(x)
+
+
 class MaskedAttention(nn.Module):
     def __init__(self):
         super().__init__()
