@@ -29,6 +29,7 @@ has no float64 unit, and ``fuse`` says so naming the tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -63,6 +64,19 @@ def autocast_state() -> tuple:
     """The autocast regions the call runs in (device type, dtype): capture traces the forward under them, so the
     graph's casts are theirs and a plan holds for one state only."""
     return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def _autocast_off():
+    """Autocast off while a plan's graph runs: the graph was captured under the call's autocast state (part of the
+    plan's key), so its casts are already the ones autocast made, and an op the forward ran with autocast disabled
+    (``with torch.autocast("cpu", enabled=False)``, as RoPE tables and fp32 norms are computed) is an fp32 op in
+    it, which the caller's autocast would cast down again."""
+    on = [d for d, _ in autocast_state()]
+    with contextlib.ExitStack() as stack:
+        for d in on:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        yield
 
 
 def _signature(args, kwargs):
@@ -450,7 +464,8 @@ class Plan:
                           "call; the captured graph takes them as independent values, so this call runs the model "
                           "eagerly.", stacklevel=3)
             return self.model(*args, **kwargs)
-        out = self.graph_module(*leaves)
+        with _autocast_off():
+            out = self.graph_module(*leaves)
         out = out if isinstance(out, (tuple, list)) else (out,)
         self.captured.update_state(out, self.model, leaves)   # state the forward updates: a BatchNorm's
         #                                                        statistics, a static KV cache's tensors
@@ -477,6 +492,11 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     _check_input_dtypes(args, kwargs, device)
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route, sizes=sizes)
+    with _autocast_off():       # the captured graph holds autocast's casts: checked and planned as it will run
+        return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0)
+
+
+def _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0) -> Plan:
     cap_gm = captured.graph_module
     t1 = time.perf_counter()
     gm = canonicalize(cap_gm)
