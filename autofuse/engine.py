@@ -550,6 +550,15 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
                                f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
                                f"run the model eagerly to use them")
+    backward = [name or "(the model)" for name, m in model.named_modules()
+                if m._backward_hooks or m._backward_pre_hooks] + \
+        (["(global)"] if any(_global_hooks()[2:]) else [])
+    if backward and torch.is_grad_enabled():
+        # a hook that changes a gradient (clipping, scaling) would change eager's: said where the user sees it
+        warnings.warn(f"autofuse: backward hooks of module(s) {', '.join(backward)} do not fire through the fused "
+                      f"graph (its backward is not the modules' own); gradients a hook would change differ from "
+                      f"eager's. Run the model eagerly to use them, or register hooks on parameters "
+                      f"(param.register_hook), which fire.", stacklevel=4)
     # activation checkpoints the trace ran through (transformers' layers checkpoint only where the forward reads
     # torch.is_grad_enabled() as True: the trace reads eager's mode)
     checkpoints = cap_gm.meta.get("autofuse_checkpoints", 0)
