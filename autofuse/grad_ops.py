@@ -30,3 +30,16 @@ def _backward(ctx, grad):
 pass_gradient.register_autograd(_backward)
 
 PASS_GRADIENT = torch.ops.autofuse_grad.pass_gradient.default
+
+
+def no_double_backward(op, what: str, *families: str) -> None:
+    """Give ``op``, a fused block's backward op with no derivative of its own, an autograd formula that says so by
+    name: a gradient of its gradient (``create_graph=True``, then a gradient penalty) raises this instead of torch's
+    "no autograd formula was registered". ``families``: the fusion switches that leave such blocks unfused."""
+    switches = ", ".join(f"'{f}': 'off'" for f in families)
+    def backward(ctx, *grads):
+        raise RuntimeError(f"autofuse: a gradient of the gradient (create_graph=True, then differentiating the result) "
+                           f"through {what} is not supported: its backward ({op._name}) has no derivative. hint: "
+                           f"fuse with fusion_switches={{{switches}}} for that, or run the model eagerly")
+
+    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)

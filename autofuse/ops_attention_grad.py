@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from autofuse import ops as _ops
+from autofuse.grad_ops import no_double_backward
 from autofuse.ops import REFERENCES, TIMING, _effective_scale, _fill, _record, _to_torch, unpack_keep
 
 
@@ -145,3 +146,6 @@ def flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None, softmax_
 
 
 __all__ = ["flash_attention_grad", "reference_flash_attention_grad"]
+
+
+no_double_backward(_flash_attention_grad, "a fused attention block", "attention")

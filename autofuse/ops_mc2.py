@@ -43,6 +43,7 @@ import json
 
 import torch
 
+from autofuse.grad_ops import no_double_backward
 from autofuse.ops import REFERENCES, _record, _to_torch, run_kernel
 
 _REDUCE_OPS = ("sum",)
@@ -246,3 +247,7 @@ all_gather_matmul.register_autograd(_backward_agm, setup_context=_setup("all_gat
 
 
 __all__ = ["all_gather_matmul", "matmul", "matmul_all_reduce", "matmul_reduce_scatter", "reference_matmul"]
+
+
+no_double_backward(matmul, "a fused matmul + collective (MC2)", "matmul_all_reduce", "all_gather_matmul",
+                   "matmul_reduce_scatter")

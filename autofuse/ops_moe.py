@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 import cost_model
+from autofuse.grad_ops import no_double_backward
 from autofuse.ops import REFERENCES, STEERED, TIMING, _record, _to_torch, run_kernel
 from autofuse.npu.kernels.grouped_matmul import GLU
 from autofuse.ops_vector import _grad_launch, run_grad_program
@@ -744,3 +745,8 @@ TIMING.update(grouped_matmul=_timing_gmm, grouped_matmul_with_product=_timing_gm
 STEERED.update(moe_gating_topk="moe_gating_topk", moe_init_routing="moe_init_routing", grouped_matmul="grouped_matmul",
                grouped_matmul_with_product="grouped_matmul", grouped_matmul_weight_grad="grouped_matmul_weight_grad",
                moe_finalize_routing="moe_finalize_routing", moe_finalize_routing_grad="moe_finalize_routing_grad")
+
+
+no_double_backward(_moe_gating_topk_grad, "a fused MoE router", "moe_gating")
+no_double_backward(_grouped_matmul_weight_grad, "a fused MoE experts block", "moe_experts")
+no_double_backward(_moe_finalize_routing_grad, "a fused MoE experts block", "moe_experts")

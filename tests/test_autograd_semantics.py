@@ -490,3 +490,24 @@ def test_a_forward_reading_autograd_state_is_not_served_by_an_export_shared_acro
     x = torch.randn(2, 8, 16)
     assert (fused(x) - ref(x)).abs().max() <= 1e-5
     assert fused._sizes.served == 0
+
+
+class AttentionAndRouter(nn.Module):
+    def forward(self, q, k, v, logits):
+        w, i = torch.topk(logits.softmax(-1), 2)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v, w / w.sum(-1, keepdim=True), i
+
+
+@pytest.mark.parametrize("which, family", [(0, "attention"), (1, "moe_gating")])
+def test_a_gradient_of_the_gradient_through_attention_or_a_router_is_refused_by_name(which, family):
+    """A gradient penalty (create_graph=True, then a gradient of the gradient) through fused attention or a fused
+    router raises naming the family and its switch (before: torch's "no autograd formula was registered")."""
+    torch.manual_seed(0)
+    ins = [torch.randn(2, 2, 8, 16) for _ in range(3)] + [torch.randn(16, 8)]
+    fused = AutoFusionEngine.fuse(AttentionAndRouter(), tuple(ins))
+    assert {d.pattern for d in fused.report.applied} >= {"attention", "moe_gating"}
+    ins = [t.clone().requires_grad_() for t in ins]
+    out = fused(*ins)[which]
+    first = torch.autograd.grad(out.square().sum(), ins[3] if which else ins[0], create_graph=True)[0]
+    with pytest.raises(RuntimeError, match=rf"gradient of the gradient.*fusion_switches=\{{'{family}': 'off'\}}"):
+        torch.autograd.grad(first.square().sum(), ins[3] if which else ins[0])
