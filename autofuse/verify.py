@@ -116,6 +116,9 @@ class _F64(_OnCPU):
             return _grouped_mm_f64(*args, **kwargs)          # torch's kernel has no float64
         return super().call_function(target, args, kwargs)
 
+    def get_attr(self, target, args, kwargs):
+        return _f64(super().get_attr(target, args, kwargs))
+
 
 def _grouped_mm_f64(x, w, offs=None, bias=None, out_dtype=None):
     """``aten._grouped_mm`` in its forward form (x [S, K], w [E, K, N], offs the cumulative rows per group) in
@@ -128,9 +131,6 @@ def _grouped_mm_f64(x, w, offs=None, bias=None, out_dtype=None):
         out[start:end] = x[start:end] @ w[g]
         start = end
     return out
-
-    def get_attr(self, target, args, kwargs):
-        return _f64(super().get_attr(target, args, kwargs))
 
 
 def _f64(x):

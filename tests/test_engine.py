@@ -678,3 +678,25 @@ def test_a_peak_over_the_budget_is_explained_not_blamed_on_the_candidates():
     warning = next(w for w in report.warnings if "exceeds the budget" in w)
     assert "not the graph's peak" in warning and f"{kept} candidate(s) stayed unfused" in warning
     assert "no remaining candidate" not in warning
+
+
+def test_the_float64_reference_promotes_a_blocks_tensor_constants():
+    """The float64 run of a block promotes what it reads with get_attr (a plain tensor attribute captured as a
+    constant) as it promotes its inputs: a float32 constant in a matmul with a promoted input would not run."""
+    import torch.fx as fx
+
+    from autofuse.verify import _F64
+
+    class Const(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.randn(8, 4)
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w)
+
+    gm = fx.symbolic_trace(Const())
+    x = torch.randn(3, 8)
+    out = _F64(gm).run(x.double())
+    assert out.dtype == torch.float64
+    assert torch.equal(out, torch.tanh(x.double() @ gm.w.double()))
