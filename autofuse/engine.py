@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import threading
 import time
 import warnings
@@ -417,7 +418,8 @@ def _call_state(m: torch.nn.Module) -> tuple:
     identity; a new one re-plans, and the report warns of hooks), a forward set on the instance, its class and the
     class's forward."""
     hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items()) for d in _HOOKS)
-    return hooks, id(m.__dict__.get("forward")), type(m), id(type(m).forward)
+    # looked up without descriptors: a TorchScript submodule's class forward is a descriptor that fails on the class
+    return hooks, id(m.__dict__.get("forward")), type(m), id(inspect.getattr_static(type(m), "forward", None))
 
 
 #: One plan is made at a time, process-wide: torch.export's tracing is not thread-safe (two threads capturing
