@@ -181,6 +181,11 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         example_args = (example_args,)
     example_kwargs = dict(example_kwargs or {})
     routes = ("export", "symbolic_trace") if route == "auto" else (route,)
+    if any(isinstance(x, torch.Generator) for x in pytree.tree_leaves((example_args, example_kwargs))):
+        raise CaptureError(route, "capture failed: the call passes a torch.Generator, which a captured graph cannot "
+                                  "take as an input (torch.export does not trace generators). hint: draw from torch's "
+                                  "default generator (seeded with torch.manual_seed), or compile the model with "
+                                  "torch.compile(model, backend='autofuse'), which takes generator arguments")
     caches.prepare(model, example_args, example_kwargs)      # a KV cache in or out: a pytree node (autofuse.caches)
     python_state = _python_state(model)
     try:
@@ -1368,6 +1373,14 @@ def _explain(model, failures) -> str:
         if where:
             lines.append(f"    at {where}")
         hint = next((h for key, h in _HINTS if key in str(e) or key in type(e).__name__), None)
+        inside = _torch_module_frame(e)
+        if inside:
+            lines.append(f"    inside torch's own module code at {inside}")
+            if "data-dependent" in str(e):
+                hint = ("torch's own module code reads a tensor value there, which its arguments decide (a "
+                        "BatchNorm with momentum=None reads its batch count; a TransformerEncoder given a mask "
+                        "without is_causal inspects the mask): set the argument that avoids the read, or compile "
+                        "the model with torch.compile(model, backend='autofuse'), which runs it with a graph break")
         if isinstance(e, TypeError) and any(k in str(e) for k in _SIGNATURE_ERRORS):
             hint = _signature_hint(model)
         if hint:
@@ -1397,6 +1410,21 @@ def _signature_hint(model) -> str:
         sig = "the forward's parameters"
     return (f"the example inputs do not fit {sig}: give one positional input per parameter in order, or "
             f"(args, kwargs) with keyword inputs by name")
+
+
+def _torch_module_frame(e: BaseException) -> str | None:
+    """Where torch's own module code (``torch/nn``: a layer's forward, its functional) failed, below the user's
+    innermost frame; None where the failure is not inside such code."""
+    frames = traceback.extract_tb(e.__traceback__)
+    nn_dir = os.path.join(_TORCH_DIR, "nn") + os.sep
+    user = [i for i, f in enumerate(frames)
+            if not os.path.abspath(f.filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR, _STDLIB_DIR))]
+    inside = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(nn_dir)
+              and not f.filename.endswith(os.path.join("modules", "module.py"))]
+    if not inside or (user and inside[-1] < user[-1]):
+        return None
+    f = frames[inside[-1]]
+    return f"torch/{os.path.relpath(f.filename, _TORCH_DIR)}:{f.lineno} in {f.name}: {f.line}"
 
 
 def _user_frame(e: BaseException) -> str | None:

@@ -1108,13 +1108,23 @@ COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _dtype_error(what: str, dtype, device: str) -> TypeError:
+    if dtype.is_complex:        # model.float() leaves complex tensors as they are
+        return TypeError(f"fuse: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
+                         f"float16, bfloat16 and float32 (complex values as pairs of them): make it complex64 first "
+                         f"(t.to(torch.complex64))")
     return TypeError(f"fuse: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
                      f"float16, bfloat16 and float32: cast the model and its inputs first (model.float() and "
                      f"x.float(), or .half() / .to(torch.bfloat16))")
 
 
+#: A complex dtype's parts: complex values stay as captured, as pairs of their parts' dtype (RoPE tables kept as
+#: ``freqs_cis``), so a complex tensor of a compute dtype's pairs is one the target computes.
+_PARTS = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+
 def _bad_dtype(t) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and t.dtype not in COMPUTE_DTYPES
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and \
+        _PARTS.get(t.dtype, t.dtype) not in COMPUTE_DTYPES
 
 
 def _check_parameter_dtypes(model: torch.nn.Module, device: str):

@@ -1,5 +1,7 @@
 """Capture: both routes give one aten-level form with FakeTensor meta; the user's model is untouched."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -262,7 +264,10 @@ def test_a_capture_limit_is_not_called_an_error_of_the_forward():
     model(x)                                    # eager runs
     with pytest.raises(CaptureError) as e:
         capture(model, (x,))
-    assert "reads tensor *values*" in str(e.value) and "raises on these inputs" not in str(e.value)
+    assert "raises on these inputs" not in str(e.value)
+    # located in torch's own code, with the argument that decides the read (not a branch of the user's)
+    assert re.search(r"inside torch's own module code at torch/nn/modules/batchnorm.py:\d+ in forward", str(e.value))
+    assert "momentum=None" in str(e.value)
 
 
 class _Out:
@@ -358,3 +363,21 @@ def test_a_torchscript_submodule_is_captured_and_fused():
         torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)      # fp32 reassociation only
         fused(x)
     assert len(fused.plans) == 1 and fused.report.applied
+
+
+def test_a_generator_argument_is_refused_with_what_to_do():
+    """torch.export cannot trace a torch.Generator input; the error says so and what to use (before, the hint said
+    the forward itself raised on these inputs, which it does not)."""
+    from autofuse import AutoFusionEngine
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(16, 16)
+
+        def forward(self, x, g):
+            return torch.relu(self.l(x)) + torch.rand(x.shape, generator=g)
+
+    with pytest.raises(CaptureError, match=r"passes a torch.Generator.*torch.manual_seed.*torch.compile"):
+        AutoFusionEngine.fuse(Noisy(), (torch.randn(2, 16), torch.Generator().manual_seed(0)))
+

@@ -316,6 +316,32 @@ def test_complex_values_are_priced_and_simulated_as_their_float_pairs():
     assert not {"view_as_complex", "view_as_real"} & cost.keys()
 
 
+class ComplexBuffer(torch.nn.Module):
+    """RoPE frequencies kept as a complex64 buffer (torchtitan's Llama registers ``freqs_cis`` so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(16, 16)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(8, 8), torch.randn(8, 8)), persistent=False)
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.l(x).reshape(*x.shape[:-1], 8, 2)) * self.freqs_cis
+        return torch.view_as_real(z).flatten(-2)
+
+
+def test_a_complex64_buffer_is_captured_and_complex128_is_refused_with_what_to_do():
+    """A complex64 buffer holds float32 pairs, which the target computes: it fuses (before, it was refused with the
+    hint model.float(), which leaves complex tensors complex); complex128 is refused with a hint that works."""
+    torch.manual_seed(0)
+    model, x = ComplexBuffer().eval(), torch.randn(2, 8, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)      # fp32 pairs both sides
+    model.freqs_cis = model.freqs_cis.to(torch.complex128)
+    with pytest.raises(TypeError, match=r"buffer 'freqs_cis' of ComplexBuffer is complex128.*t.to\(torch.complex64\)"):
+        AutoFusionEngine.fuse(model, (x,))
+
+
 def test_llama4_with_complex_rotary_embedding_fuses_and_simulates():
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
