@@ -123,6 +123,12 @@ class Backend:
                           f"unfused, as Dynamo captured it: a capture would keep only its forward. Under "
                           f"torch.no_grad() it fuses.", stacklevel=2)
             return gm
+        floats = _wrapped_floats(gm, example)       # from here on, gm takes those inputs as Python floats
+
+        def plain(args):
+            return tuple(x.item() if i in floats else x for i, x in enumerate(args)) if floats else args
+
+        example = plain(example)
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs
@@ -130,7 +136,7 @@ class Backend:
                 fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **settings)
             except CaptureError as e:
                 _run_as_captured(e)
-                return gm
+                return lambda *args: gm(*plain(args))
         name = type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__name__", "")
         record = CompiledGraph(len(self.graphs), gm, fused, name)
         self.graphs.append(record)
@@ -143,6 +149,7 @@ class Backend:
         failed = []
 
         def run(*args):
+            args = plain(args)
             if failed:
                 return gm(*args)
             with torch_internal_warnings():      # a new input signature captures again
@@ -185,6 +192,26 @@ class Backend:
 
     def __repr__(self):
         return f"autofuse.backend({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
+
+
+def _wrapped_floats(gm: torch.fx.GraphModule, example) -> set:
+    """The inputs that are Python floats Dynamo passes as 0-d tensors, read with ``.item()`` (with ``dynamic=True``
+    a norm's ``eps`` comes so, to spare a recompile when it changes): the graph is rewritten to take the float itself,
+    and each call passes it as one (``run``), so that a plan is made per value, as for a float argument of
+    ``fuse()``. Their positions among the inputs. Read as a tensor value, the capture could not trace them."""
+    floats = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, (n, x) in enumerate(zip(placeholders, example)):
+        reads = list(n.users)
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point() and not x.requires_grad and reads \
+                and all(u.op == "call_method" and u.target == "item" and len(u.args) == 1 for u in reads):
+            for u in reads:
+                u.replace_all_uses_with(n)
+                gm.graph.erase_node(u)
+            floats.add(i)
+    if floats:
+        gm.recompile()
+    return floats
 
 
 def _run_as_captured(error) -> None:

@@ -377,3 +377,21 @@ def test_batchnorm_trains_through_compile_as_eager():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)   # running statistics as eager's
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)   # fp32 sums over 72 pixels
+
+
+def test_dynamic_true_fuses_norms_and_follows_a_changed_eps():
+    """With dynamic=True Dynamo passes a norm's eps as a 0-d tensor read with .item() (a changed eps then needs no
+    recompile): the backend takes it as the Python float it is, so the norm fuses (before, the graph could not be
+    captured and ran unfused) and a changed eps is a new plan."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.LayerNorm(16)).eval()
+    compiled = torch.compile(model, backend="autofuse", dynamic=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)         # no graph runs unfused
+        for seq, eps in ((8, 1e-5), (12, 1e-5), (12, 0.5)):
+            model[2].eps = eps
+            x = torch.randn(2, seq, 16)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)    # fp32 reassociation only
+    fused = [d.pattern for r in reports(compiled) for d in r.applied]
+    assert "matmul+layer_norm" in fused or "layer_norm" in fused, fused
