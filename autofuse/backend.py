@@ -124,9 +124,21 @@ class Backend:
                           f"torch.no_grad() it fuses.", stacklevel=2)
             return gm
         floats = _wrapped_floats(gm, example)       # from here on, gm takes those inputs as Python floats
+        passed, n_out = _passed_through(gm)         # and returns only what it computes
 
         def plain(args):
             return tuple(x.item() if i in floats else x for i, x in enumerate(args)) if floats else args
+
+        def whole(out, args):
+            # the graph's outputs, with the inputs it hands back as they were (sizes Dynamo returns) in their places
+            if not passed:
+                return out
+            computed = iter(out)
+            return tuple(args[passed[k]] if k in passed else next(computed) for k in range(n_out))
+
+        def unfused(*args):
+            args = plain(args)
+            return whole(gm(*args), args)
 
         example = plain(example)
         with torch_internal_warnings():
@@ -136,7 +148,7 @@ class Backend:
                 fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **settings)
             except CaptureError as e:
                 _run_as_captured(e)
-                return lambda *args: gm(*plain(args))
+                return unfused
         name = type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__name__", "")
         record = CompiledGraph(len(self.graphs), gm, fused, name)
         self.graphs.append(record)
@@ -149,16 +161,16 @@ class Backend:
         failed = []
 
         def run(*args):
-            args = plain(args)
             if failed:
-                return gm(*args)
+                return unfused(*args)
+            args = plain(args)
             with torch_internal_warnings():      # a new input signature captures again
                 try:
-                    return fused(*args)
+                    return whole(fused(*args), args)
                 except CaptureError as e:        # planned at this call's sizes (a graph Dynamo made dynamic)
                     failed.append(e)
                     _run_as_captured(e)
-            return gm(*args)
+            return whole(gm(*args), args)
         return run
 
     def _settings(self, mode, options) -> dict:
@@ -212,6 +224,24 @@ def _wrapped_floats(gm: torch.fx.GraphModule, example) -> set:
     if floats:
         gm.recompile()
     return floats
+
+
+def _passed_through(gm: torch.fx.GraphModule) -> tuple[dict, int]:
+    """Outputs of a Dynamo graph that are inputs handed back unchanged and are no tensors (before a graph break
+    Dynamo returns the size symbols it takes: ``return (s77, s27, h)``), which torch.export cannot take as
+    outputs: the graph is rewritten to return the rest, and the caller puts them back (``whole``). Output
+    position -> input position, and how many outputs the graph had."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0]
+    if not isinstance(values, (tuple, list)):
+        return {}, 1
+    position = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    passed = {k: position[v] for k, v in enumerate(values) if isinstance(v, torch.fx.Node) and v in position
+              and not isinstance(v.meta.get("example_value"), torch.Tensor)}
+    if passed:
+        out.args = (tuple(v for k, v in enumerate(values) if k not in passed),)
+        gm.recompile()
+    return passed, len(values)
 
 
 def _run_as_captured(error) -> None:

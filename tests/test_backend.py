@@ -395,3 +395,30 @@ def test_dynamic_true_fuses_norms_and_follows_a_changed_eps():
             torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)    # fp32 reassociation only
     fused = [d.pattern for r in reports(compiled) for d in r.applied]
     assert "matmul+layer_norm" in fused or "layer_norm" in fused, fused
+
+
+class _BreaksAfterAProjection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.n = torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        h = torch.relu(self.l(x))
+        print("shape", h.shape)         # a graph break that reads the sizes
+        return self.n(h + x)
+
+
+def test_a_graph_that_hands_back_its_size_symbols_is_fused():
+    """After a size change, the graph before a break returns the size symbols it takes (``return (s0, s1, h)``),
+    which torch.export cannot take as outputs: the backend fuses the rest and hands them back (before, the graph
+    ran unfused with a warning)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _BreaksAfterAProjection().eval()
+    compiled = torch.compile(model, backend="autofuse")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)         # no graph runs unfused
+        for shape in ((2, 8, 16), (3, 5, 16), (4, 7, 16)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)    # fp32 reassociation only
+    assert len(reports(compiled)) >= 4
