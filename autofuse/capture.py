@@ -80,6 +80,7 @@ import re
 import sys
 import threading
 import traceback
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -427,6 +428,12 @@ def _checkpointed(fn):
     if getattr(fn, "__self__", None) is not None and hasattr(fn, "__func__"):      # a bound method
         bound.append(id(fn.__self__))
         fn = fn.__func__
+    if getattr(fn, "__closure__", None):
+        # a closure made at each call (torch's checkpoint operator in a Dynamo graph wraps its body so, a lambda
+        # around a block): its code and the modules and functions it closes over
+        bound += [id(c.cell_contents) for c in fn.__closure__
+                  if isinstance(getattr(c, "cell_contents", None), (torch.nn.Module, types.FunctionType))]
+        return id(fn.__code__), tuple(bound)
     return id(fn), tuple(bound)
 
 

@@ -174,6 +174,17 @@ def test_activation_checkpoints_are_said_and_train_with_eagers_gradients(reentra
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)      # fp32 both sides
 
 
+def test_activation_checkpoints_through_compile_are_counted_once_each():
+    """In a Dynamo graph each checkpoint is an operator that wraps its body in a new closure at each trace: the
+    warning counts the two blocks, not their traces (it said 4)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Checkpointed(False).train()
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"autofuse: 2 activation checkpoint\(s\) in the forward"):
+        torch.compile(model, backend="autofuse")(x).sum().backward()
+
+
 def test_transformers_gradient_checkpointing_is_said():
     """transformers' layers checkpoint themselves only in training mode where torch.is_grad_enabled(): the trace
     reads eager's grad mode, so 2 layers checkpoint with grad; without grad or in eval mode, none."""
