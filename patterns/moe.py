@@ -190,6 +190,16 @@ def _chain_end(m: dict, start: str) -> fx.Node:
     return m[start]
 
 
+def _narrows(cast: fx.Node, *ends: fx.Node) -> bool:
+    """Whether ``cast`` rounds its value to a float dtype narrower than both ``ends`` (or to a non-float one):
+    a round trip such as ``softmax(x).to(bf16).float()`` keeps fp32 at both ends but selects on 16-bit
+    scores."""
+    dtype = val(cast).dtype
+    if not dtype.is_floating_point:
+        return True
+    return all(torch.finfo(dtype).bits < torch.finfo(val(e).dtype).bits for e in ends)
+
+
 def _decide_gating(m: dict) -> Match | None:
     """Constraints of a router: norm over the experts, top-k of the (biased) scores, weights as CANN computes
     them, renormalisation by exactly their own sum, no intermediate used elsewhere."""
@@ -203,6 +213,8 @@ def _decide_gating(m: dict) -> Match | None:
             val(norm).dtype in (torch.float16, torch.bfloat16):
         return None                # eager selects on scores rounded to 16 bits, whose ties the kernel's fp32
         #                            scores tell apart: other experts would be chosen
+    if any(_narrows(m[p], norm, topk.args[0]) for p in ("pre0", "pre1") if p in m):
+        return None                # the same, with the scores rounded on the way (fp32 -> bf16 -> fp32)
     gather = m["w"].target == aten.gather.default
     bias = None
     if "bias" in m:

@@ -238,6 +238,24 @@ def test_a_router_selecting_on_16_bit_scores_is_not_fused(kind, dtype):
     assert [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"] == ["fused"]
 
 
+@pytest.mark.parametrize("trip", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_router_rounding_its_fp32_scores_to_16_bits_before_the_top_k_is_not_fused(trip):
+    """``softmax(x).to(bf16).float()``: both ends of the cast chain are fp32, but eager selects on scores rounded
+    to 16 bits, whose ties it breaks by index where the kernel's fp32 scores tell them apart. Not fused, and the
+    experts chosen are eager's. A round trip through float64 loses nothing and is fused."""
+    class RoundTrip(nn.Module):
+        def forward(self, x):
+            p = x.softmax(-1).to(trip).float()
+            v, i = torch.topk(p, 2, dim=-1)
+            return v / v.sum(-1, keepdim=True), i
+    torch.manual_seed(0)
+    x = torch.randn(512, 16) * 0.3          # about 15 of these tokens pick other experts on bf16 scores
+    fused = AutoFusionEngine.fuse(RoundTrip(), (x,), fusion_switches=GENERIC_OFF)
+    gating = [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"]
+    assert gating == (["fused"] if trip == torch.float64 else []), fused.report.summary()
+    assert torch.equal(fused(x)[1], RoundTrip()(x)[1])
+
+
 @pytest.mark.parametrize("kind", ["plain", "topk_wrong_dim", "smallest", "softmax_over_tokens", "other_denominator",
                                   "biased_weights", "bias_on_selected"])
 def test_router_near_misses_are_not_fused(kind):
