@@ -134,6 +134,21 @@ def _is_cast(n):
         n.kwargs.get("dtype", val(n).dtype) in _CAST_DTYPES and val(n.args[0]).dtype in _CAST_DTYPES
 
 
+def rounds_and_widens(chain) -> bool:
+    """Whether a value flowing along ``chain`` (nodes in order, each read by the next) is rounded to a narrower
+    float dtype and then widened again: ``s.bfloat16().float()`` in an fp32 model, fake quantisation. The kernels
+    compute the chain in fp32 and take its casts as the dtypes of their ends, so such a rounding would be lost;
+    a chain only widening (fp16 scores cast up for the softmax) or only narrowing (probabilities cast down to
+    v's dtype) is what they compute."""
+    dtypes = [val(n).dtype for n in chain if isinstance(val(n), torch.Tensor) and val(n).is_floating_point()]
+
+    def narrower(a, b):                 # a cannot hold every value of b
+        return a != b and torch.finfo(a).bits <= torch.finfo(b).bits
+
+    return any(any(narrower(d, a) for a in dtypes[:i]) and any(narrower(d, b) for b in dtypes[i + 1:])
+               for i, d in enumerate(dtypes))
+
+
 def _zero_dim_factor(x):
     """The one-element tensor operand of ``mul(scores, t)`` (a learnable temperature, a scale buffer), or None."""
     t = x.args[1]
@@ -344,6 +359,8 @@ def _decide_softmax(m: dict) -> Match | None:
     sc = _walk_scores(sm.args[0], _Below(), score | {qk})
     if sc is None or sc.qk is not qk or set(sc.nodes) != score:
         return None
+    if rounds_and_widens([qk, *_members(m, "score"), *pchain]):
+        return None                 # scores or probabilities rounded to 16 bits and back: eager keeps the rounding
     slices = [n for n in probs_chain if is_call(n, aten.slice.Tensor)]
     if (sc.sinks is None) != (not slices) or len(slices) > 1 or (sc.sinks is not None and rank != 4):
         return None                 # the sink column is dropped exactly when sinks were concatenated, once
@@ -390,6 +407,12 @@ def _decide_softmax(m: dict) -> Match | None:
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
                    probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast,
                    sc.sinks is not None)
+
+
+def _members(m: dict, chain: str) -> list:
+    """The matched members of a template chain, in chain order."""
+    return [m[k] for k in sorted((k for k in m if k.startswith(chain) and k[len(chain):].isdigit()),
+                                 key=lambda k: int(k[len(chain):]))]
 
 
 def _dropout_after(x):

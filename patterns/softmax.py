@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from autofuse.graph import arg, is_call, is_number, shape, val
 from autofuse.match import Match, register
-from patterns.attention import NEG_FILL, _Below, _is_cast
+from patterns.attention import NEG_FILL, _Below, _is_cast, _members, rounds_and_widens
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
@@ -197,6 +197,8 @@ def _decide(m: dict) -> Match | None:
     scale, masks, visited = walked
     if set(visited) != members:
         return None
+    if rounds_and_widens([x, *_members(m, "pre"), sm, *(m[k] for k in ("log", "cast") if k in m)]):
+        return None                     # rounded to 16 bits and back on the way: eager keeps the rounding
     inner = members | {sm} | ({m["lse"]} if lse else set()) | {m[k] for k in ("log", "cast") if k in m}
     if any(u not in inner for n in inner - {out} for u in n.users):
         return None                     # an intermediate is used outside: it cannot be fused away

@@ -321,6 +321,52 @@ def test_near_miss_mask_fill_is_not_negative_enough():
     assert _count(M(), _args(AttentionVariant(mask="masked_fill"))) == 0
 
 
+class RoundTrip(nn.Module):
+    """Scores or probabilities cast ``through`` a dtype and back to ``dtype`` (fake quantisation, or a model in a
+    16-bit dtype computing its softmax in fp32)."""
+
+    def __init__(self, where, through, dtype=torch.float32):
+        super().__init__()
+        self.where, self.through, self.dtype = where, through, dtype
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.25
+        if self.where == "scores":
+            s = s.to(self.through).to(self.dtype)
+        p = torch.softmax(s, -1)
+        if self.where == "probs":
+            p = p.to(self.through).to(self.dtype)
+        return p @ v
+
+
+@pytest.mark.parametrize("through", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("where", ["scores", "probs"])
+def test_near_miss_scores_or_probabilities_rounded_to_16_bits_and_back(where, through):
+    """``s.bfloat16().float()`` in an fp32 model: eager keeps the rounding, a FlashAttention computing its chain
+    in fp32 would drop it (0.04 off eager). Not attention; the fused model keeps the rounding."""
+    args = tuple(t * 2 for t in _args(AttentionVariant()))
+    module = RoundTrip(where, through)
+    assert _count(module, args) == 0
+    from autofuse import AutoFusionEngine
+    fused = AutoFusionEngine.fuse(module, args)
+    assert not [d for d in fused.report.applied if d.pattern == "attention"], fused.report.summary()
+    # what may differ: a generated kernel's exp and sums in another order than torch's, a few fp32 roundings of
+    # values at most 1 (the dropped rounding was 0.04)
+    torch.testing.assert_close(fused(*args), module(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scores_cast_up_for_the_softmax_and_down_for_pv_are_attention(dtype, ref_op):
+    """The legitimate casts of a 16-bit model: ``softmax(s.float()).to(dtype) @ v`` widens, then narrows, never
+    rounds and widens again. An fp32 model's round trip through float64 loses nothing: attention too."""
+    class Upcast(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax((q @ k.transpose(-2, -1) * 0.25).float(), -1).to(dtype) @ v
+    tol = 2e-3 if dtype == torch.float16 else 2e-2      # one rounding of P and of the output in the model's dtype
+    _assert_fused_equal(Upcast(), _args(AttentionVariant(), dtype=dtype), ref_op, atol=tol, rtol=tol)
+    assert _count(RoundTrip("scores", torch.float64), _args(AttentionVariant())) == 1
+
+
 class BroadcastKV(nn.Module):
     """Multi-query attention written as Falcon's eager path writes it: one k/v head that the two matmuls
     broadcast over the query heads."""

@@ -294,6 +294,33 @@ def test_near_miss_a_round_trip_through_float8_is_not_a_cast_of_the_block():
     torch.testing.assert_close(fused(x), Float8RoundTrip()(x))
 
 
+@pytest.mark.parametrize("through", [torch.float16, torch.bfloat16])
+def test_near_miss_a_16_bit_round_trip_before_the_softmax_is_not_a_cast_of_the_block(through):
+    """``(x * 0.25).bfloat16().float()`` in an fp32 model rounds the scores (fake quantisation): the kernel,
+    computing in fp32, would drop the rounding (7e-3 off eager). No softmax block takes the round trip; the fused
+    model keeps it."""
+    x = torch.randn(4, 8, 16) * 8
+    model = Fn(lambda x: torch.softmax((x * 0.25).to(through).float(), -1) * 2).eval()
+    fused = AutoFusionEngine.fuse(model, (x,))
+    for d in fused.report.applied:
+        assert d.pattern != "softmax" or not {"_to_copy", "_to_copy_1"} & set(d.nodes), fused.report.summary()
+    # a generated kernel's exp and sum in another order than torch's: a few fp32 roundings of values at most 2
+    torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_16_bit_rounding_of_the_probabilities_is_the_blocks_output_dtype():
+    """``softmax(x).bfloat16().float()``: the softmax block ends at the narrowing cast, its output rounded as
+    eager rounds it; the widening after it is outside the block."""
+    x, _, _ = _data(torch.float32)
+    _fused_once(lambda x: torch.softmax(x * 0.25, -1).to(torch.bfloat16), x, out_dtype=torch.bfloat16)
+    model = Fn(lambda x: torch.softmax(x * 0.25, -1).bfloat16().float() * 2).eval()
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert [d.params["out_dtype"] for d in fused.report.applied if d.pattern == "softmax"] == [torch.bfloat16]
+    # the rounding to bfloat16 is eager's; fp32 exp and sum in another order may move a value across a bf16
+    # rounding boundary: one bf16 step of a probability (at most 1), times 2
+    torch.testing.assert_close(fused(x), model(x), atol=2 * 2 ** -8, rtol=0)
+
+
 class _LargeSoftmax(torch.nn.Module):
     def forward(self, x, mask):
         return torch.softmax(x * 0.125 + mask, -1)
