@@ -27,7 +27,8 @@ store). The planner chooses between the region alone and the matmul with it (the
 **Names** (the report speaks the user's vocabulary). Named families are small templates (``TEMPLATES``)
 matched inside a region: ``rms_norm`` (``x · rsqrt(mean(x²) + eps) [· w]``), ``add_rms_norm`` (the same of a
 residual sum that leaves the region too), ``layer_norm``, ``rope`` (half rotation ``x·cos + cat(−x₂, x₁)·sin``,
-interleaved, or partial), ``swiglu`` (``silu(a) · b``), ``geglu`` (``gelu(a) · b``). A region's
+interleaved, or partial; cos and sin two tables, neither negated), ``swiglu`` (``silu(a) · b``, b not computed
+from a), ``geglu`` (``gelu(a) · b``). A region's
 ``FusionDecision.pattern`` is its names joined with ``+`` in graph order (``matmul+swiglu``,
 ``add_rms_norm``), ``matmul_epilogue`` for a matmul with an unnamed epilogue, ``vector_chain`` otherwise.
 Near misses (eps outside the square root, a rotation with the wrong sign) are not named; they are still
@@ -41,7 +42,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import is_number, last_dim_slice, shape, val
+from autofuse.graph import arg, is_number, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS, NotExpressible,
                                      draws_keep_mask, program_from_nodes)
@@ -260,19 +261,28 @@ def _centred(x) -> bool:
     return mean.target == aten.mean.dim and _mean_last_keepdim(mean) and _uncast(mean.args[0]) is _uncast(x.args[0])
 
 
-ROPE = (Template("rope", anchor="add")
-        .node("cos_mul", aten.mul.Tensor).node("sin_mul", aten.mul.Tensor)
-        .node("rot", aten.cat.default)
-        .node("neg", aten.neg.default)
-        .node("hi", aten.slice.Tensor).node("lo", aten.slice.Tensor)
-        .node("add", aten.add.Tensor)
-        .edge("hi", "neg", 0).edge("neg", "rot", 0).edge("lo", "rot", 1).edge("rot", "sin_mul")
-        .edge("cos_mul", "add").edge("sin_mul", "add"))
+def _rotation(pairs: bool) -> Template:
+    """``x·cos + rotate(x)·sin``: ``rotate`` is ``cat(−x[..., h:], x[..., :h])`` (the halves), or with ``pairs``
+    GPT-J's ``rotate_every_two``, ``stack((−x[..., 1::2], x[..., ::2]), −1)`` flattened."""
+    t = (Template("rope", anchor="add")
+         .node("cos_mul", aten.mul.Tensor).node("sin_mul", aten.mul.Tensor).node("add", aten.add.Tensor)
+         .node("rot", aten.stack.default if pairs else aten.cat.default)
+         .node("neg", aten.neg.default)
+         .node("hi", aten.slice.Tensor).node("lo", aten.slice.Tensor)
+         .edge("hi", "neg", 0).edge("neg", "rot", 0).edge("lo", "rot", 1)
+         .edge("cos_mul", "add").edge("sin_mul", "add"))
+    if pairs:
+        return t.node("flat", aten.reshape.default).edge("rot", "flat", 0).edge("flat", "sin_mul")
+    return t.edge("rot", "sin_mul")
+
+
+ROPE, ROPE_PAIRS = _rotation(pairs=False), _rotation(pairs=True)
 
 
 def _rope(m) -> bool:
-    """x·cos + cat(−x[..., h:], x[..., :h])·sin with the slices of the same x, at half its last dim, x also
-    the factor of cos."""
+    """x·cos + rotate(x)·sin with the slices of the same x, x also the factor of cos: the halves at half its last
+    dim (x₂ negated), or the pairs (odd elements negated) stacked on a new last dim and flattened back to x's
+    shape; cos and sin as :func:`_cos_and_sin` requires."""
     hi, lo = last_dim_slice(m["hi"]), last_dim_slice(m["lo"])
     if hi is None or lo is None:
         return False
@@ -280,8 +290,66 @@ def _rope(m) -> bool:
     if lo[0] is not x or x not in m["cos_mul"].args:
         return False
     w = shape(x)[-1]
-    h = w // 2
-    return w % 2 == 0 and lo[1:3] == (0, h) and hi[1] == h
+    if "flat" in m:
+        rot = m["rot"]
+        last = len(shape(rot)) - 1
+        ok = (hi[1], hi[3], lo[1], lo[3]) == (1, 2, 0, 2) and arg(rot, 1, "dim", 0) % (last + 1) == last and \
+            shape(m["flat"]) == shape(x)
+        rotated = m["flat"]
+    else:
+        h = w // 2
+        ok = w % 2 == 0 and lo[1:3] == (0, h) and hi[1] == h
+        rotated = m["rot"]
+    return ok and _cos_and_sin(_factor(m["cos_mul"], x), _factor(m["sin_mul"], rotated))
+
+
+def _factor(mul: fx.Node, x) -> fx.Node | None:
+    """The other operand of ``mul(x, ·)`` (either order), or None when x is not one of them."""
+    a, b = mul.args
+    return b if a is x else a if b is x else None
+
+
+# what leaves a cos or sin table the same values, rearranged: casts, views, slices, GPT-J's repeat per pair
+_KEEPS = {aten._to_copy.default, aten.reshape.default, aten.expand.default, aten.unsqueeze.default,
+          aten.clone.default, aten.slice.Tensor, aten.repeat_interleave.self_int}
+
+
+def _trace_table(n) -> tuple:
+    """``(sign, function)`` of a cos or sin factor, walked up through ``_KEEPS``, negations and scales by a number
+    (Llama's ``attention_scaling``): the sign picked up on the way (0 after a scale by 0), and ``"cos"`` or
+    ``"sin"`` when the value reached is ``aten.cos`` or ``aten.sin`` of something, else None."""
+    sign = 1
+    while isinstance(n, fx.Node) and n.op == "call_function":
+        if n.target in _KEEPS:
+            n = n.args[0]
+        elif n.target == aten.neg.default:
+            sign, n = -sign, n.args[0]
+        elif n.target == aten.mul.Tensor and is_number(n.args[1]) and isinstance(n.args[0], fx.Node):
+            factor = n.args[1]
+            sign, n = (sign if factor > 0 else -sign if factor < 0 else 0), n.args[0]
+        else:
+            break
+    return sign, {aten.cos.default: "cos", aten.sin.default: "sin"}.get(getattr(n, "target", None))
+
+
+def _cos_and_sin(c, s) -> bool:
+    """RoPE's factors: two tensors (graph values), neither negated nor scaled by zero in the graph (a negated
+    sine is the inverse rotation), not the same table for both, and not a sine where the cosine goes or the
+    reverse, as far as the graph shows where they come from."""
+    if not isinstance(c, fx.Node) or not isinstance(s, fx.Node):
+        return False
+    (c_sign, c_fn), (s_sign, s_fn) = _trace_table(c), _trace_table(s)
+    if c_sign != 1 or s_sign != 1 or c_fn == "sin" or s_fn == "cos":
+        return False
+    return _same_values(c) is not _same_values(s)
+
+
+def _same_values(n):
+    """n with the casts and views that keep its values (and their places) taken off."""
+    while isinstance(n, fx.Node) and n.target in (aten._to_copy.default, aten.reshape.default, aten.expand.default,
+                                                  aten.unsqueeze.default, aten.clone.default):
+        n = n.args[0]
+    return n
 
 
 # the rotation written per half (GPT-OSS): cat(x₁·cos − x₂·sin, x₂·cos + x₁·sin), cos and sin half as wide
@@ -336,7 +404,7 @@ def _rope_halves(m) -> bool:
                 continue
             c, c2 = split(m["x1c"], x1), split(m["x2c"], x2)
             s_, s2 = split(m["x2s"], x2), split(m["x1s"], x1)
-            if c is not None and c is c2 and s_ is not None and s_ is s2 and c is not s_:
+            if c is not None and c is c2 and s_ is not None and s_ is s2 and _cos_and_sin(c, s_):
                 return True
     return False
 
@@ -346,15 +414,34 @@ GLU = (Template("swiglu", anchor="mul").node("act", aten.silu.default, aten.gelu
 
 def _glu(m) -> bool:
     """A gated unit multiplies the activated gate by another tensor of its shape (the up projection, or the other
-    half of a fused gate_up): not by a number, a per-channel scale, or the gate's own input (``silu(x) · x``)."""
+    half of a fused gate_up), computed without the gate: not by a number, a per-channel scale, the gate's own
+    input (``silu(x) · x``) or a value made from it (``silu(x) · (x + 1)``, ``silu(x) · sigmoid(x)``)."""
     act, mul = m["act"], m["mul"]
     others = [a for a in mul.args if a is not act]
-    if len(others) != 1 or not isinstance(others[0], fx.Node) or others[0] is act.args[0]:
+    if len(others) != 1 or not isinstance(others[0], fx.Node):
         return False
-    return tuple(val(others[0]).shape) == tuple(val(act).shape)
+    gate, gates = act.args[0], set()
+    while isinstance(gate, fx.Node):                # the gate and what it is a cast or view of, up to its source
+        gates.add(gate)
+        gate = gate.args[0] if gate.target in (aten._to_copy.default, aten.reshape.default, aten.expand.default,
+                                               aten.unsqueeze.default, aten.clone.default) else None
+    return tuple(val(others[0]).shape) == tuple(val(act).shape) and not _reads(others[0], gates)
 
 
-TEMPLATES = (RMS, ROPE, ROPE_HALVES, GLU)
+def _reads(n: fx.Node, values: set) -> bool:
+    """Whether n is one of ``values`` or is computed from one (at any depth)."""
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in values:
+            return True
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+    return False
+
+
+TEMPLATES = (RMS, ROPE, ROPE_PAIRS, ROPE_HALVES, GLU)
 
 
 def names(nodes: list) -> list:
@@ -382,15 +469,13 @@ def names(nodes: list) -> list:
     for n in nodes:
         if n.target == aten.layer_norm.default:
             found.append((order[n.name], "layer_norm"))
-    for m in ROPE.match(view, lambda m: m if within(m) and _rope(m) else None,
-                        seeds=[n.name for n in nodes if n.target == aten.add.Tensor]):
-        found.append((order[m["add"].name], "rope"))
+    for rope in (ROPE, ROPE_PAIRS):
+        for m in rope.match(view, lambda m: m if within(m) and _rope(m) else None,
+                            seeds=[n.name for n in nodes if n.target == aten.add.Tensor]):
+            found.append((order[m["add"].name], "rope"))
     for m in ROPE_HALVES.match(view, lambda m: m if within(m) and _rope_halves(m) else None,
                                seeds=[n.name for n in nodes if n.target == aten.cat.default]):
         found.append((order[m["cat"].name], "rope"))
-    for n in nodes:
-        if n.target == aten.stack.default and _interleaved_rope(n, inside):
-            found.append((order[n.name], "rope"))
     for m in GLU.match(view, lambda m: m if within(m) and _glu(m) else None,
                        seeds=[n.name for n in nodes if n.target == aten.mul.Tensor]):
         found.append((order[m["mul"].name], "swiglu" if m["act"].target == aten.silu.default else "geglu"))
@@ -399,17 +484,6 @@ def names(nodes: list) -> list:
         if name not in out:
             out.append(name)
     return out
-
-
-def _interleaved_rope(stack: fx.Node, inside: set) -> bool:
-    """stack((−x[..., 1::2], x[..., ::2]), −1) (then flattened): GPT-J's ``rotate_every_two``."""
-    parts = stack.args[0]
-    if len(parts) != 2 or parts[0].target != aten.neg.default:
-        return False
-    odd, even = last_dim_slice(parts[0].args[0]), last_dim_slice(parts[1])
-    if odd is None or even is None or odd[0] is not even[0]:
-        return False
-    return odd[1] == 1 and odd[3] == 2 and even[1] == 0 and even[3] == 2
 
 
 def region_name(nodes: list, matmul: bool = False) -> str:

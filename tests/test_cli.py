@@ -47,11 +47,12 @@ def test_patterns(capsys):
 
 
 @pytest.mark.parametrize("name,graphs,has", [("attention", 2, "softmax"), ("moe_gating", 3, "topk"),
-                                             ("vector_chain", 4, "rsqrt"), ("rope", 2, "neg"),
+                                             ("vector_chain", 5, "rsqrt"), ("rope", 3, "neg"),
                                              ("matmul_all_reduce", 1, "")])
 def test_patterns_show_draws_a_familys_templates_or_a_regions_names(capsys, name, graphs, has):
     """A family's templates (one digraph each); a discovered family (vector_chain) shows the templates that
-    name its regions, and a region name (rope: the half rotation and the per-half spelling) its own."""
+    name its regions, and a region name (rope: the half rotation, the per-half and the interleaved spellings)
+    its own."""
     main(["patterns", "--show", name])
     out = capsys.readouterr().out
     assert out.count("digraph") == graphs and has in out
@@ -59,11 +60,11 @@ def test_patterns_show_draws_a_familys_templates_or_a_regions_names(capsys, name
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz `dot` (apt-get install graphviz)")
 def test_patterns_show_numbers_the_pictures_by_the_file_name_only(capsys, tmp_path):
-    """rope has two templates: t.svg gives t-0.svg and t-1.svg, and a ".svg" elsewhere in the path stays (the
+    """rope has three templates: t.svg gives t-0.svg to t-2.svg, and a ".svg" elsewhere in the path stays (the
     directory x.svgdir was renamed, and dot failed)."""
     out = tmp_path / "x.svgdir" / "t.svg"
     main(["patterns", "--show", "rope", "-o", str(out)])
-    assert sorted(p.name for p in out.parent.iterdir()) == ["t-0.svg", "t-1.svg"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["t-0.svg", "t-1.svg", "t-2.svg"]
 
 
 def test_patterns_show_names_the_choices(capsys):

@@ -127,23 +127,45 @@ class Rope(nn.Module):
     def forward(self, q, cos, sin):
         h = q.shape[-1] // 2
         x1, x2 = q[..., :h], q[..., h:]
-        if self.sign in ("halves", "halves_wrong"):   # GPT-OSS: each half rotated apart, cos and sin half wide
+        if self.sign in ("halves", "halves_wrong", "halves_negated_sin"):   # GPT-OSS: each half rotated apart
             c, s = cos[..., :h], sin[..., :h]
-            if self.sign == "halves":
+            if self.sign == "halves_negated_sin":     # the inverse rotation, by the sine negated in the graph
+                s = -s
+            if self.sign != "halves_wrong":
                 out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
             else:                                     # the inverse rotation
                 out = torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), -1)
             return out @ q.new_ones(q.shape[-1], 4)
-        if self.sign in ("right", "wrong"):
-            rot = torch.cat((-x2, x1), -1) if self.sign == "right" else torch.cat((x2, -x1), -1)
-        else:                                      # GPT-J's pairs: (x0, x1) -> (-x1, x0), or the wrong sign
+        if self.sign.startswith("pairs"):          # GPT-J's pairs: (x0, x1) -> (-x1, x0), or the wrong sign
             ev, od = q[..., ::2], q[..., 1::2]
-            rot = torch.stack((-od, ev) if self.sign == "pairs" else (od, -ev), -1).flatten(-2)
-        return (q * cos + rot * sin) @ q.new_ones(q.shape[-1], 4)
+            rot = torch.stack((od, -ev) if self.sign == "pairs_wrong" else (-od, ev), -1).flatten(-2)
+        else:
+            rot = torch.cat((x2, -x1), -1) if self.sign == "wrong" else torch.cat((-x2, x1), -1)
+        if self.sign == "pairs_no_tables":         # the pair swap alone: no rotation at all
+            out = (q + rot) * 2.0
+        elif self.sign == "pairs_inverse":
+            out = q * cos - rot * sin
+        elif self.sign == "negated_sin":           # the inverse rotation, by the sine negated in the graph
+            out = q * cos + rot * -sin
+        elif self.sign == "cos_twice":
+            out = q * cos + rot * cos
+        elif self.sign in ("from_angles", "swapped_angles", "scaled_angles"):   # tables computed from angles
+            c, s = cos.cos(), cos.sin()
+            if self.sign == "scaled_angles":       # Llama's attention_scaling: both tables times a positive number
+                c, s = c * 0.5, s * 0.5
+            if self.sign == "swapped_angles":
+                c, s = s, c
+            out = q * c + rot * s
+        else:
+            out = q * cos + rot * sin
+        return out @ q.new_ones(q.shape[-1], 4)
 
 
 @pytest.mark.parametrize("sign,named", [("right", True), ("wrong", False), ("pairs", True), ("pairs_wrong", False),
-                                        ("halves", True), ("halves_wrong", False)])
+                                        ("halves", True), ("halves_wrong", False), ("pairs_no_tables", False),
+                                        ("pairs_inverse", False), ("negated_sin", False), ("cos_twice", False),
+                                        ("halves_negated_sin", False), ("from_angles", True),
+                                        ("scaled_angles", True), ("swapped_angles", False)])
 def test_rope_named_only_with_the_right_sign(sign, named):
     torch.manual_seed(0)
     m = Rope(sign).eval()
@@ -210,10 +232,12 @@ def test_two_epilogues_at_one_anchor_are_told_apart_in_the_report():
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
-@pytest.mark.parametrize("spelling", ["gelu(x) * 3 + 1", "silu(x) * 0.5", "silu(x) * x", "silu(x) * w"])
+@pytest.mark.parametrize("spelling", ["gelu(x) * 3 + 1", "silu(x) * 0.5", "silu(x) * x", "silu(x) * w",
+                                      "silu(x) * (x + 1)", "silu(x) * sigmoid(x)"])
 def test_an_activation_times_no_second_projection_is_not_a_gated_unit(spelling):
-    # a gated unit multiplies by another tensor of the gate's shape; a number, a per-channel scale or the gate's own
-    # input make an activation chain (computed as written, named vector_chain)
+    # a gated unit multiplies by another tensor of the gate's shape, computed without the gate; a number, a
+    # per-channel scale, the gate's own input or a value made from it make an activation chain (computed as
+    # written, named vector_chain)
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -221,7 +245,9 @@ def test_an_activation_times_no_second_projection_is_not_a_gated_unit(spelling):
 
         def forward(self, x):
             return {"gelu(x) * 3 + 1": lambda: F.gelu(x) * 3 + 1, "silu(x) * 0.5": lambda: F.silu(x) * 0.5,
-                    "silu(x) * x": lambda: F.silu(x) * x, "silu(x) * w": lambda: F.silu(x) * self.w}[spelling]()
+                    "silu(x) * x": lambda: F.silu(x) * x, "silu(x) * w": lambda: F.silu(x) * self.w,
+                    "silu(x) * (x + 1)": lambda: F.silu(x) * (x + 1),
+                    "silu(x) * sigmoid(x)": lambda: F.silu(x) * torch.sigmoid(x)}[spelling]()
 
     m = M().eval()
     x = torch.randn(8, 64)
