@@ -9,7 +9,8 @@ For a candidate the verifier (driven by :class:`autofuse.engine` through :func:`
 3. derives adversarial inputs from the match's roles (:func:`adversarial`): a query row with every key
    masked (bool masks all-False and all-True, additive masks of ``-inf`` and of the dtype's lowest
    finite value), all-equal scores, magnitudes near the dtype's limit, NaN in one query row;
-4. runs the block eagerly in its own dtype and in float64 (casts inside the block kept at float64), and
+4. runs the block eagerly in its own dtype and in float64 (casts inside the block kept at float64, but a
+   value rounded to 16 bits and cast back up keeps that rounding: :class:`_F64`), and
    the fused block, on each input set, each run from the same seeded generator state (a dropout inside the
    block draws the same keep-mask in all three), and accepts when every output element passes :func:`compare`.
 
@@ -108,7 +109,16 @@ class _OnCPU(fx.Interpreter):
 
 class _F64(_OnCPU):
     """Runs a block in float64: float inputs and constants promoted, every float dtype argument inside the block
-    (a cast, ``softmax(..., dtype=float32)``, a factory's dtype) made float64."""
+    (a cast, ``softmax(..., dtype=float32)``, a factory's dtype) made float64, except that a value the model
+    rounds to 16 bits and casts back up (``x.bfloat16().float()``: fake quantisation) keeps its rounding, which
+    is what the model asks for, not a 16-bit dtype's imprecision (its gradient passes through unrounded, as a
+    derived backward passes it)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor) and _round_trip(n):
+            out = out + (out.to(val(n).dtype).to(out.dtype) - out).detach()
+        return out
 
     def call_function(self, target, args, kwargs):
         args, kwargs = torch.utils._pytree.tree_map(lambda a: torch.float64 if a in _LOW else a, (args, kwargs))
@@ -118,6 +128,23 @@ class _F64(_OnCPU):
 
     def get_attr(self, target, args, kwargs):
         return _f64(super().get_attr(target, args, kwargs))
+
+
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
+
+
+def _round_trip(n: fx.Node) -> bool:
+    """A cast of a wider float value to a 16-bit float that a cast reads back into a wider one."""
+    def dtype(x):
+        v = val(x) if isinstance(x, fx.Node) else None
+        return v.dtype if isinstance(v, torch.Tensor) and v.is_floating_point() else None
+
+    def bits(d):
+        return torch.finfo(d).bits if d is not None else 0
+    if n.op != "call_function" or n.target not in _CASTS or dtype(n) not in (torch.float16, torch.bfloat16):
+        return False
+    return bits(dtype(n.args[0])) > 16 and any(u.op == "call_function" and u.target in _CASTS and
+                                               bits(dtype(u)) > 16 for u in n.users)
 
 
 def _grouped_mm_f64(x, w, offs=None, bias=None, out_dtype=None):

@@ -355,6 +355,24 @@ def test_near_miss_scores_or_probabilities_rounded_to_16_bits_and_back(where, th
     torch.testing.assert_close(fused(*args), module(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("where", ["scores", "probs"])
+def test_verification_catches_a_dropped_16_bit_round_trip(where, monkeypatch):
+    """With the pattern's guard off, the fused attention drops the rounding; the float64 reference keeps a round
+    trip the model asks for, so verification refuses the candidate and the model runs as captured."""
+    import patterns.attention as attention_mod
+    import patterns.softmax as softmax_mod
+    from autofuse import AutoFusionEngine
+    for mod in (attention_mod, softmax_mod):
+        monkeypatch.setattr(mod, "rounds_and_widens", lambda chain: False)
+    args = tuple(t * 2 for t in _args(AttentionVariant()))
+    module = RoundTrip(where, torch.bfloat16)
+    fused = AutoFusionEngine.fuse(module, args)
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert d.reason_code == "verification_failed", fused.report.summary()
+    # a generated kernel may take a part (its exp and sums in another order than torch's): a few fp32 roundings
+    torch.testing.assert_close(fused(*args), module(*args), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_scores_cast_up_for_the_softmax_and_down_for_pv_are_attention(dtype, ref_op):
     """The legitimate casts of a 16-bit model: ``softmax(s.float()).to(dtype) @ v`` widens, then narrows, never

@@ -256,6 +256,24 @@ def test_a_router_rounding_its_fp32_scores_to_16_bits_before_the_top_k_is_not_fu
     assert torch.equal(fused(x)[1], RoundTrip()(x)[1])
 
 
+def test_verification_catches_a_router_selecting_on_scores_it_did_not_round(monkeypatch):
+    """With the pattern's guard off, the fused router selects on fp32 scores where eager rounded them to bf16 and
+    back; the float64 reference keeps that rounding, so verification refuses the candidate."""
+    import patterns.moe as moe_mod
+    monkeypatch.setattr(moe_mod, "_narrows", lambda cast, *ends: False)
+
+    class RoundTrip(nn.Module):
+        def forward(self, x):
+            v, i = torch.topk(x.softmax(-1).bfloat16().float(), 2, dim=-1)
+            return v / v.sum(-1, keepdim=True), i
+    torch.manual_seed(0)
+    x = torch.randn(512, 16) * 0.3
+    fused = AutoFusionEngine.fuse(RoundTrip(), (x,), fusion_switches=GENERIC_OFF)
+    assert [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"] == \
+        ["verification_failed"], fused.report.summary()
+    assert torch.equal(fused(x)[1], RoundTrip()(x)[1])
+
+
 @pytest.mark.parametrize("kind", ["plain", "topk_wrong_dim", "smallest", "softmax_over_tokens", "other_denominator",
                                   "biased_weights", "bias_on_selected"])
 def test_router_near_misses_are_not_fused(kind):
