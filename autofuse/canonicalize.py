@@ -54,7 +54,7 @@ import torch
 import torch.fx as fx
 
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import arg, call, copy_graph_module, get_attr_value, is_call, is_number, shape, val
+from autofuse.graph import arg, call, copy_graph_module, draw_order, get_attr_value, is_call, is_number, shape, val
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -881,6 +881,10 @@ def canonicalize(gm: fx.GraphModule, rules=None, max_iters: int = 30) -> fx.Grap
     graph = gm.graph
     for n in graph.nodes:
         n.meta.setdefault("autofuse_origin", n.name)
+        if is_call(n, aten.native_dropout.default, aten.dropout.default) and isinstance(val(n.args[0]), torch.Tensor):
+            # the captured layout of its input, which orders its draws (the rules below may drop the copy that
+            # lays it out: see graph.keep_mask_order)
+            n.meta.setdefault("autofuse_draw_order", draw_order(val(n.args[0])))
     for _ in range(max_iters):
         changed = _cse(graph)
         for node in list(graph.nodes):

@@ -694,11 +694,11 @@ class _Verifier:
                              else _verify.random_like(n, gen, sizes))
                     made[n] = t
                 return made[n]
-            return [value(n) for n in external]
+            return [_verify.laid_out(value(n), n) for n in external]
         missing = {n.name for n in external} - self.values.keys()
         if missing:
             self.values.update(_Values(self.cap, missing).values(*self.leaves))
-        return [_verify.shrink_value(self.values[n.name], sizes) for n in external]
+        return [_verify.laid_out(_verify.shrink_value(self.values[n.name], sizes), n) for n in external]
 
     @staticmethod
     def _roles(lifted, external) -> dict:

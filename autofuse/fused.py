@@ -348,11 +348,14 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     return outs
 
 
-def keep_mask_call(g: fx.Graph, dims, p: float, dtype: torch.dtype, device: str, like: torch.Tensor) -> fx.Node:
+def keep_mask_call(g: fx.Graph, dims, p: float, dtype: torch.dtype, device: str, like: torch.Tensor,
+                   order=None) -> fx.Node:
     """A ``dropout_gen_mask`` call drawing the keep-mask eager's dropout of ``p`` draws for a ``dims`` tensor of
-    ``dtype`` (the same generator call): uint8 ``[*dims[:-1], ceil(dims[-1] / 8)]``, its value's metadata made
-    like ``like``'s (the graph's fake mode)."""
-    gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (list(dims), p, dtype), {"device": device})
+    ``dtype`` laid out in ``order`` (the same generator call, in the same memory order: see
+    :func:`autofuse.graph.draw_order`): uint8 ``[*dims[:-1], ceil(dims[-1] / 8)]``, its value's metadata made like
+    ``like``'s (the graph's fake mode)."""
+    kw = {"device": device} if order is None else {"device": device, "order": list(order)}
+    gen = g.call_function(torch.ops.autofuse.dropout_gen_mask.default, (list(dims), p, dtype), kw)
     gen.meta["val"] = like.new_empty([*dims[:-1], -(-dims[-1] // 8)], dtype=torch.uint8)
     return gen
 
@@ -364,10 +367,12 @@ def keep_mask_price(dims, p: float, device: str):
 
 def _keep_mask(g, ins, m, device: str, q4: fx.Node) -> fx.Node:
     """The dropout keep-mask eager draws for the block's probabilities, drawn here by ``dropout_gen_mask`` over
-    the same shape and dtype (the same elements of the generator's stream), as [B, N, Sq, ceil(Skv / 8)]."""
+    the same shape and dtype, in the probabilities' memory order (the same elements of the generator's stream),
+    as [B, N, Sq, ceil(Skv / 8)]."""
     p = m.params
     dims = [*shape(ins["q"])[:-1], shape(ins["k"])[-2]]            # the probabilities (reduced shapes included)
-    gen = keep_mask_call(g, dims, p["dropout_p"], p["dropout_draw"][1], device, p["out_like"])
+    _, dtype, order = p["dropout_draw"]
+    gen = keep_mask_call(g, dims, p["dropout_p"], dtype, device, p["out_like"], order)
     want = [*shape(q4)[:-1], -(-dims[-1] // 8)]
     if list(shape(gen)) != want:
         gen = call(g, aten.reshape.default, gen, want)

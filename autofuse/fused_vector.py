@@ -78,7 +78,7 @@ def _kernel_default(kernel, specs, device, params):
 
 def _specs(match, nodes, shapes) -> list:
     """The kernel's input specs: a node's shape and dtype, or a drawn keep-mask's packed bits (uint8)."""
-    drawn = {i for i, _, _ in match.params.get("draws", ())}
+    drawn = {d[0] for d in match.params.get("draws", ())}
     return [(stored_shape(Input(BIT, tuple(s))), "uint8") if i in drawn else (tuple(s), _dtype(nodes[match.inputs[f"in{i}"]]))
             for i, s in enumerate(shapes)]
 
@@ -86,7 +86,7 @@ def _specs(match, nodes, shapes) -> list:
 def _with_draws(price: Price, match, shapes, device: str) -> Price:
     """``price`` with the keep-mask generators the fused call launches first (DropOutGenMask, as eager's
     dropouts launch it: the same launches on both sides)."""
-    gens = [keep_mask_price(shapes[i], p, device) for i, p, _ in match.params.get("draws", ())]
+    gens = [keep_mask_price(shapes[d[0]], d[1], device) for d in match.params.get("draws", ())]
     if not gens:
         return price
     return dataclasses.replace(price, cycles=price.cycles + sum(int(e.cycles) for e in gens),
@@ -206,15 +206,16 @@ def _outputs(g, results: fx.Node, m) -> dict:
 def _inputs(g, ins: dict, m, shapes, device: str) -> list:
     """The call's input tensors: the region's, viewed as the program declares them, and for each dropout the
     keep-mask its fused call draws here, in graph order (``dropout_gen_mask`` on the dropout's shape and
-    dtype: the same draws as eager's, when no other random op lies between; the planner checks that)."""
-    drawn = {i: (p, dt) for i, p, dt in m.params.get("draws", ())}
+    dtype, in its memory order: the same draws as eager's, when no other random op lies between; the planner
+    checks that)."""
+    drawn = {i: (p, dt, order) for i, p, dt, order in m.params.get("draws", ())}
     xs = []
     for i, s in enumerate(shapes):
         if i not in drawn:
             xs.append(_view(g, ins[f"in{i}"], s))
             continue
-        p, dt = drawn[i]
-        xs.append(keep_mask_call(g, s, p, getattr(torch, dt), device, m.params["out_likes"][0]))
+        p, dt, order = drawn[i]
+        xs.append(keep_mask_call(g, s, p, getattr(torch, dt), device, m.params["out_likes"][0], order))
     return xs
 
 

@@ -58,6 +58,28 @@ def arg(node: fx.Node, i: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def draw_order(x: torch.Tensor) -> list | None:
+    """The order eager's dropout draws its keep-mask in, for an input laid out as ``x`` (a real or fake tensor):
+    its dims from outermost to innermost in the memory of ``empty_like(x)``, which ``F.dropout`` (and
+    ``native_dropout``) fills with ``bernoulli_``, and torch fills a tensor in memory order. ``empty_like`` keeps a
+    dense input's strides (a transposed or permuted one: the draws follow its memory) and lays out any other
+    (sliced, expanded) densely in the order of its strides. None where that is row-major (the draws are in
+    logical order)."""
+    like = torch.empty_like(torch.empty_strided(tuple(x.shape), tuple(x.stride()), device="meta"))
+    if like.is_contiguous():
+        return None
+    return sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+
+
+def keep_mask_order(dropout: fx.Node) -> list | None:
+    """:func:`draw_order` of a training dropout's input as the captured graph lays it out: canonicalization drops
+    copies that change only a layout (``.contiguous()``, a ``clone`` to channels-last), so it records the order
+    on the dropout (``meta["autofuse_draw_order"]``) first; a graph that was not canonicalized is read as it is."""
+    if "autofuse_draw_order" in dropout.meta:
+        return dropout.meta["autofuse_draw_order"]
+    return draw_order(val(dropout.args[0]))
+
+
 def last_dim_slice(n):
     """``(source, start, stop, step)`` of an ``aten.slice`` over its source's last dim (the arguments' defaults
     filled in and resolved against the width, as ``slice.indices`` does), or None for anything else."""

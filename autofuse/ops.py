@@ -378,11 +378,27 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
 
 # ------------------------------------------------------------------------------------------- dropout masks
 
-def draw_keep(shape, p: float, dtype: torch.dtype) -> torch.Tensor:
-    """The keep-mask eager's dropout draws for an input of ``shape`` and ``dtype``: ``native_dropout`` (and
-    ``F.dropout`` on the CPU) fill ``empty_like(input).bernoulli_(1 - p)``; the same call on the same
-    generator state gives the same elements, and moves the generator as far."""
-    return torch.empty(list(shape), dtype=dtype).bernoulli_(1.0 - p).bool()
+def _dense_strides(shape, order) -> list:
+    """The strides of a dense tensor of ``shape`` whose dims lie in memory in ``order`` (outermost first)."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(int(shape[d]), 1)
+    return strides
+
+
+def draw_keep(shape, p: float, dtype: torch.dtype, order=None) -> torch.Tensor:
+    """The keep-mask eager's dropout draws for an input of ``shape`` and ``dtype`` whose draws run in ``order``
+    (:func:`autofuse.graph.draw_order`; None: row-major), in logical (row-major) order: ``F.dropout`` and
+    ``native_dropout`` on the CPU fill ``empty_like(input).bernoulli_(1 - p)``; the same call on a tensor laid out
+    the same way, on the same generator state, gives the same elements, and moves the generator as far."""
+    shape = [int(s) for s in shape]
+    if order is None:
+        return torch.empty(shape, dtype=dtype).bernoulli_(1.0 - p).bool()
+    if sorted(order) != list(range(len(shape))):
+        raise ValueError(f"dropout_gen_mask: order {list(order)} is not a permutation of the dims of {shape}")
+    drawn = torch.empty_strided(shape, _dense_strides(shape, order), dtype=dtype).bernoulli_(1.0 - p)
+    return drawn.bool().contiguous()
 
 
 def pack_keep(keep: torch.Tensor) -> torch.Tensor:
@@ -399,8 +415,9 @@ def unpack_keep(bits: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("autofuse::dropout_gen_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _dropout_gen_mask(shape: list[int], p: float, dtype: torch.dtype, device: str = "ascend910") -> torch.Tensor:
-    keep = draw_keep(shape, p, dtype)
+def _dropout_gen_mask(shape: list[int], p: float, dtype: torch.dtype, device: str = "ascend910",
+                      order: Optional[list[int]] = None) -> torch.Tensor:
+    keep = draw_keep(shape, p, dtype, order)
     r = run_kernel("dropout_gen_mask", shape=list(shape), keep_prob=1.0 - p, draws=_bits.HostDraws(keep.numpy()),
                    device=device)
     _record("dropout_gen_mask", r.stats)
@@ -408,25 +425,28 @@ def _dropout_gen_mask(shape: list[int], p: float, dtype: torch.dtype, device: st
 
 
 @_dropout_gen_mask.register_fake
-def _(shape, p, dtype, device="ascend910"):
+def _(shape, p, dtype, device="ascend910", order=None):
     return torch.empty([*shape[:-1], -(-shape[-1] // 8)], dtype=torch.uint8)
 
 
-def reference_dropout_gen_mask(shape, p, dtype, device="ascend910"):
+def reference_dropout_gen_mask(shape, p, dtype, device="ascend910", order=None):
     """The op's values without the simulator: the same draw, packed (a repeated launch's values)."""
-    return pack_keep(draw_keep(shape, p, dtype))
+    return pack_keep(draw_keep(shape, p, dtype, order))
 
 
 REFERENCES["dropout_gen_mask"] = reference_dropout_gen_mask
 
 
-def dropout_gen_mask(shape, p: float, dtype: torch.dtype = torch.float32, device: str = "ascend910") -> torch.Tensor:
-    """The dropout keep-mask of ``shape`` (uint8, one bit per element, rows packed separately), drawn as eager's
-    dropout of an input of that shape and ``dtype`` draws it; the NPU's mask generator is simulated for its
-    cost. ``p``: the drop probability, in [0, 1)."""
+def dropout_gen_mask(shape, p: float, dtype: torch.dtype = torch.float32, device: str = "ascend910",
+                     order=None) -> torch.Tensor:
+    """The dropout keep-mask of ``shape`` (uint8, one bit per element, rows packed separately, in logical order),
+    drawn as eager's dropout of an input of that shape and ``dtype`` draws it; the NPU's mask generator is
+    simulated for its cost. ``p``: the drop probability, in [0, 1). ``order``: the order of the draws, for an
+    input that is not row-major (:func:`autofuse.graph.draw_order` of it; None: row-major)."""
     if not 0.0 <= float(p) < 1.0:
         raise ValueError(f"dropout_gen_mask: p={p}; a drop probability in [0, 1) is needed")
-    return torch.ops.autofuse.dropout_gen_mask(list(shape), float(p), dtype, device)
+    return torch.ops.autofuse.dropout_gen_mask(list(shape), float(p), dtype, device,
+                                               None if order is None else [int(d) for d in order])
 
 
 # the backward's op (imported last: it builds on this module's names)

@@ -39,6 +39,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autofuse.capture import autograd_reads, lifted_input, with_forward
+from autofuse.graph import draw_order
 
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -201,10 +202,16 @@ def _named_arguments(model, kwargs):
 
 def layout(x: torch.Tensor):
     """A tensor's layout as far as a plan depends on it: contiguous, or the order of its dims by stride (a
-    transposed input gives transposed outputs, as eager's elementwise kernels follow their input's layout)."""
+    transposed input gives transposed outputs, as eager's elementwise kernels follow their input's layout), with
+    the order of the dense tensor eager lays out like it where the two differ (an expanded or sliced input:
+    ``empty_like`` and the elementwise kernels order a stride-0 dim by position, and a dropout draws its mask in
+    that order, so an input broadcast along its rows and a transposed one, whose strides sort alike, differ)."""
     if x.is_contiguous():
         return "contiguous"
-    return tuple(sorted((d for d in range(x.dim()) if x.shape[d] != 1), key=lambda d: -x.stride(d)))
+    order = tuple(sorted((d for d in range(x.dim()) if x.shape[d] != 1), key=lambda d: -x.stride(d)))
+    dense = draw_order(x)
+    dense = "row-major" if dense is None else tuple(d for d in dense if x.shape[d] != 1)
+    return order if dense == order else (order, dense)
 
 
 def _leaf_kind(x):

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autofuse.graph import keep_mask_order
 from cost_model.program import (BIT, COMPARE, FLOATS, Builder, Input, Instr, Output, Program, ProgramError, V,
                                 as_program)
 
@@ -292,6 +293,10 @@ class _Build:
                     self.fail(n, "a dropout of per-row values (its keep bits would be one per row)")
                 self.draws[len(self.inputs)] = (n, _dropout_args(n)[0])
                 self.keep[n] = self.declare(n, _meta(n.args[0]), BIT)
+                if keep_mask_order(n) is not None and \
+                        self.input_shapes[-1] != tuple(_meta(n.args[0]).shape):
+                    # the bits are drawn in the input's memory order over its own dims, which the rows regroup
+                    self.fail(n, "a dropout of a tensor not laid out row-major, whose rows the program regroups")
                 self.inputs.append(None)
         for n in self.nodes:
             if n in self.val:

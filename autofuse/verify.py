@@ -35,7 +35,7 @@ import hashlib
 import torch
 import torch.fx as fx
 
-from autofuse.graph import val
+from autofuse.graph import draw_order, val
 
 
 def floor(dtype: torch.dtype) -> float:
@@ -425,5 +425,21 @@ def shrink_value(t, sizes: dict):
     return t.contiguous()
 
 
-__all__ = ["LARGEST_AT_OWN_SIZE", "LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor", "largest_value_bytes", "random_like",
-           "shrink", "shrink_arg", "shrink_value", "structure_key", "verify_block", "check_gradients"]
+def laid_out(t, node: fx.Node):
+    """``t`` (a block input's value, row-major) in the memory order the captured graph gives that input
+    (``node.meta["val"]``'s): a block runs on its inputs as the graph lays them out, and what it computes can
+    depend on that (a dropout draws its keep-mask in its input's memory order). ``t`` itself where that is
+    row-major or ``t`` is not a tensor of that rank."""
+    v = node.meta.get("val")
+    if not isinstance(t, torch.Tensor) or not isinstance(v, torch.Tensor) or v.dim() != t.dim():
+        return t
+    order = draw_order(v)
+    if order is None:
+        return t
+    out = torch.empty([t.shape[d] for d in order], dtype=t.dtype).permute(*[order.index(d) for d in range(t.dim())])
+    return out.copy_(t)
+
+
+__all__ = ["LARGEST_AT_OWN_SIZE", "LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor",
+           "laid_out", "largest_value_bytes", "random_like", "shrink", "shrink_arg", "shrink_value", "structure_key",
+           "verify_block", "check_gradients"]

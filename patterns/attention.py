@@ -49,9 +49,10 @@ over batch or queries, a sink column put first, a scale or mask applied after th
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
-dtype)`` of the tensor eager draws its keep-mask for, or None when eager draws nothing (``dropout`` with
-p = 0). The fused block draws the same mask with torch's generator (``autofuse::dropout_gen_mask``), at
-the block's place in the graph, so a seeded run drops the same elements as eager.
+dtype, order)`` of the tensor eager draws its keep-mask for (``order``: the memory order of its draws,
+:func:`autofuse.graph.keep_mask_order`), or None when eager draws nothing (``dropout`` with p = 0). The fused
+block draws the same mask with torch's generator (``autofuse::dropout_gen_mask``), at the block's place in the
+graph, so a seeded run drops the same elements as eager.
 ``AttentionVariant`` / :func:`build_variant` generate the eager spellings from the same
 description, for tests and examples.
 """
@@ -66,7 +67,7 @@ import torch
 import torch.fx as fx
 
 from autofuse.canonicalize import LARGEST_CONSTANT, evaluate_constant
-from autofuse.graph import arg, is_call, is_number, last_dim_slice, shape, val
+from autofuse.graph import arg, is_call, is_number, keep_mask_order, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from patterns.template import Template, graph_view
 
@@ -354,7 +355,7 @@ def _decide_softmax(m: dict) -> Match | None:
     draw = None
     if drops and (is_call(drops[0], aten.native_dropout.default) or 0.0 < dropout_p < 1.0):
         x = val(drops[0].args[0])           # native_dropout draws even at p = 0; dropout only for 0 < p < 1
-        draw = (tuple(x.shape), x.dtype)
+        draw = (tuple(x.shape), x.dtype, keep_mask_order(drops[0]))
     score = {m[k] for k in m if k.startswith("score")}
     sc = _walk_scores(sm.args[0], _Below(), score | {qk})
     if sc is None or sc.qk is not qk or set(sc.nodes) != score:
@@ -453,7 +454,7 @@ def _decide_sdpa(m: dict) -> Match | None:
     # SDPA applies dropout_p whatever the module's mode (a nonzero p is random in eval too); on the CPU it
     # draws its keep-mask for the [..., Sq, Skv] weights as dropout does, for 0 < p < 1
     dropout_p = float(dropout_p or 0.0)
-    draw = ((*shape(q)[:-1], shape(k)[-2]), val(q).dtype) if 0.0 < dropout_p < 1.0 else None
+    draw = ((*shape(q)[:-1], shape(k)[-2]), val(q).dtype, None) if 0.0 < dropout_p < 1.0 else None
     m = _finish({"q": q.name, "k": k.name, "v": v.name}, masks, core, n, scale, causal, q, k, v, rep, None,
                 "zero", dropout_p, draw)
     m.params["mask_keeps_nan"] = True              # SDPA adds -inf for a False entry: NaN scores stay NaN

@@ -42,7 +42,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, is_number, last_dim_slice, shape, val
+from autofuse.graph import arg, is_number, keep_mask_order, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS, NotExpressible,
                                      draws_keep_mask, program_from_nodes)
@@ -498,11 +498,12 @@ def region_name(nodes: list, matmul: bool = False) -> str:
 def _match(family: str, nodes: list, built, matmul=None) -> Match:
     """The match of a region. Its inputs ``in{i}`` are numbered as the program's (the epilogue's from its
     input 1); a keep-mask the fused call draws has no node: ``params["draws"]`` lists those numbers with the
-    dropout's p and the dtype eager draws in, ``((i, p, dtype), ...)``."""
+    dropout's p, the dtype eager draws in and the memory order of its draws
+    (:func:`autofuse.graph.keep_mask_order`, None for row-major), ``((i, p, dtype, order), ...)``."""
     outs = {f"out{i}": n.name for i, n in enumerate(built.outputs)}
     skip = 0 if matmul is None else 1
     inputs = {f"in{i - skip}": n.name for i, n in enumerate(built.inputs) if i >= skip and n is not None}
-    draws = tuple((i - skip, p, str(val(d.args[0]).dtype).replace("torch.", ""))
+    draws = tuple((i - skip, p, str(val(d.args[0]).dtype).replace("torch.", ""), keep_mask_order(d))
                   for i, (d, p) in sorted(built.draws.items()))
     body = nodes if matmul is None else [matmul] + nodes
     params = dict(family=family, program=built.program, input_shapes=tuple(built.input_shapes),

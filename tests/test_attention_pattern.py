@@ -278,8 +278,9 @@ def test_dropout_on_the_probabilities_is_part_of_the_match():
             return p @ v
     args = _args(AttentionVariant())
     (m,) = find_attention(canonicalize(capture(M().eval(), args).graph_module))
+    # the draw: the probabilities' shape and dtype, in row-major order (None: no other layout to follow)
     assert m.params["dropout_p"] == 0.5 and m.params["dropout_draw"] == ((*args[0].shape[:-1], args[1].shape[-2]),
-                                                                         args[0].dtype)
+                                                                         args[0].dtype, None)
     assert _only_decision(M().eval(), args).applied
 
 

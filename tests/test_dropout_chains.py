@@ -204,3 +204,126 @@ def test_the_torch_twin_reads_the_kernels_bit_format(width):
     assert torch.equal(want, torch.where(keep, xs[0] * np.float32(1.0 / 0.7), 0.0) + xs[1])
     with pytest.raises(Exception, match="bit input of width"):
         run_program_torch(prog, xs + [bits[..., :-1].contiguous()])
+
+
+# ------------------------------------------------------------------ dropouts of tensors not laid out row-major
+
+# views whose dropout draws in another order than the logical one (eager fills ``empty_like(input)``, which keeps
+# a dense input's strides, in memory order) and views that eager lays out row-major (a slice, a broadcast)
+VIEWS = {
+    "transposed": ((16, 2, H), lambda x: x.transpose(0, 1)),
+    "permuted": ((4, H, 6), lambda x: x.permute(2, 0, 1)),
+    "channels_last": ((2, 6, 5, H), lambda x: x.contiguous(memory_format=torch.channels_last)),
+    "sliced": ((2, 16, 2 * H), lambda x: x[..., :H]),
+    "strided_slice": ((2, 16, 2 * H), lambda x: x[..., ::2]),
+    "expanded": ((2, 1, H), lambda x: x.expand(2, 16, H)),
+    # copies whose layout the canonical form forgets: the draws follow the copy's
+    "transposed_then_contiguous": ((16, 2, H), lambda x: x.transpose(0, 1).contiguous()),
+    "transposed_copy": ((2, 16, H), lambda x: x.transpose(0, 1).contiguous().transpose(0, 1)),
+}
+
+
+class DropView(nn.Module):
+    """A dropout of a view of the input, then Vector ops: the dropout's input is laid out as the view leaves it."""
+
+    def __init__(self, view):
+        super().__init__()
+        self.view = view
+
+    def forward(self, x):
+        return torch.tanh(F.dropout(self.view(x), 0.3, training=self.training) * 2.0) + 1.0
+
+
+class ProjectionTransposed(nn.Module):
+    """A projection's output transposed to batch-first, then dropout, a residual constant and a norm (what
+    ``nn.MultiheadAttention`` hands ``nn.TransformerEncoderLayer(batch_first=True)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop, self.ln = nn.Linear(H, H), nn.Dropout(0.1), nn.LayerNorm(H)
+
+    def forward(self, x):
+        return self.ln(self.drop(self.fc(x).transpose(0, 1)) + 1.0)
+
+
+def _same_as_eager(fused, model, args, seed=7):
+    got, after_fused = _run_seeded(lambda: fused(*args), seed)
+    want, after_eager = _run_seeded(lambda: model(*args), seed)
+    assert torch.equal(after_fused, after_eager)           # the generator moved exactly as far
+    # the same masks: fp32 on both sides, the fused chain rounds a few ops differently (tanh, the norm's sums)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", VIEWS)
+def test_a_dropout_of_a_view_draws_eagers_mask_in_eagers_order(name):
+    from autofuse.graph import draw_order
+    from autofuse.ops import draw_keep, pack_keep
+
+    shape, view = VIEWS[name]
+    x = view(torch.randn(shape))
+    torch.manual_seed(5)
+    want = F.dropout(torch.ones_like(x), 0.3) != 0        # eager's keep-mask for an input laid out as x
+    torch.manual_seed(5)
+    got = draw_keep(x.shape, 0.3, x.dtype, draw_order(x))
+    assert torch.equal(got, want)
+    torch.manual_seed(5)
+    bits = torch.ops.autofuse.dropout_gen_mask(list(x.shape), 0.3, x.dtype, order=draw_order(x))
+    assert torch.equal(bits, pack_keep(want))
+
+
+@pytest.mark.parametrize("name", VIEWS)
+def test_fused_dropout_of_a_view_drops_eagers_elements(name):
+    shape, view = VIEWS[name]
+    model = DropView(view).train()
+    args = (torch.randn(shape),)
+    fused = AutoFusionEngine.fuse(model, args)
+    assert any(d.applied for d in _drawing(fused)), [(d.pattern, d.reason) for d in fused.report.decisions]
+    _same_as_eager(fused, model, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_dropout_of_a_transposed_projection_drops_eagers_elements(dtype):
+    torch.manual_seed(0)
+    model = ProjectionTransposed().to(dtype).train()
+    args = (torch.randn(16, 2, H).to(dtype),)
+    fused = AutoFusionEngine.fuse(model, args)
+    assert any(d.applied for d in _drawing(fused)), [(d.pattern, d.reason) for d in fused.report.decisions]
+    got, after_fused = _run_seeded(lambda: fused(*args))
+    want, after_eager = _run_seeded(lambda: model(*args))
+    assert torch.equal(after_fused, after_eager)
+    ok, err, tol = compare(want, _float64(model, args), got)
+    assert ok, (err, tol)
+
+
+def test_a_caller_laid_out_input_is_planned_for_its_layout():
+    """An input broadcast along its rows and a transposed one sort their strides alike, but eager lays out (and
+    draws the dropout of) the first row-major and the second transposed: each gets its own plan."""
+    model = DropView(lambda x: x * 1.5).train()
+    broadcast = torch.randn(1, H).expand(32, H)
+    transposed = torch.randn(H, 32).t()
+    fused = AutoFusionEngine.fuse(model, (broadcast,))
+    assert any(d.applied for d in _drawing(fused))
+    for x in (broadcast, transposed, broadcast):
+        _same_as_eager(fused, model, (x,))
+
+
+def test_a_dropout_of_a_view_through_torch_compile_drops_eagers_elements():
+    import copy
+
+    torch.manual_seed(0)
+    model = ProjectionTransposed().train()
+    compiled = torch.compile(copy.deepcopy(model), backend="autofuse")
+    x = torch.randn(16, 2, H)
+    _same_as_eager(compiled, model, (x,))
+    import autofuse
+    assert any(d.params.get("draws") and d.applied for r in autofuse.reports(compiled) for d in r.decisions)
+
+
+def test_transformer_encoder_layer_batch_first_trains_with_eagers_masks():
+    """nn.MultiheadAttention hands the layer's first dropout a transposed output."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True).train()
+    x = torch.randn(2, 8, 32)
+    fused = AutoFusionEngine.fuse(layer, (x,))
+    assert any(d.applied for d in _drawing(fused)), [(d.pattern, d.reason) for d in fused.report.decisions]
+    _same_as_eager(fused, layer, (x,))
