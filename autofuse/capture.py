@@ -267,7 +267,8 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     for r in routes:
         try:
             with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
-                    _checkpoints() as checkpoints, _fake_tensor_errors_unlogged(), _eager_autograd_reads() as reads:
+                    _checkpoints() as checkpoints, _fake_tensor_errors_unlogged(), _eager_autograd_reads() as reads, \
+                    _eager_dropout():
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -679,6 +680,37 @@ def _eager_autograd_reads():
     finally:
         torch.is_grad_enabled = own_is_grad_enabled
         _READS.reads = ()
+
+
+@contextlib.contextmanager
+def _eager_dropout():
+    """While the forward is captured, ``aten.dropout`` (``nn.Dropout``, ``F.dropout``) with p = 1 in training
+    traces as eager runs it: ``input * 0``, no draw. torch's decomposition, which the trace applies, spells every
+    training dropout with p != 0 as ``native_dropout``, and that draws a keep-mask (``bernoulli_(0)``) even at
+    p = 1, where eager's ``dropout`` returns zeros without touching the generator: the captured graph (and every
+    fusion of it) would move the generator past eager's, and each later random op would draw other numbers. An
+    explicit ``native_dropout`` call draws at p = 1 in eager too and is traced as it is. The decomposition is
+    the process's: put back on exit."""
+    from torch._C import DispatchKey
+    op = torch.ops.aten.dropout.default
+    keys = [k for k in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd) if k in op.py_kernels]
+    own = {k: op.py_kernels[k] for k in keys}
+
+    def as_eager(decomposed):
+        def dropout(input, p, train):
+            if train and p == 1:
+                return torch.ops.aten.mul.Tensor(input, 0)      # at::dropout's multiply by zero: NaN stays NaN
+            return decomposed(input, p, train)
+        return dropout
+
+    for k in keys:
+        op.py_kernels[k] = as_eager(own[k])
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        op.py_kernels.update(own)
+        op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

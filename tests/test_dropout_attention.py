@@ -208,3 +208,34 @@ def test_edge_probabilities_keep_eagers_semantics(p):
     want, after_eager = _run_seeded(lambda: model(*args))
     assert torch.equal(after_fused, after_eager)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class ProbabilitiesDroppedWhole(nn.Module):
+    """``nn.Dropout(1.0)`` on the probabilities (eager's ``dropout`` returns zeros and draws nothing), then a
+    dropout whose mask shows where the generator was left."""
+
+    def __init__(self):
+        super().__init__()
+        self.all, self.drop = nn.Dropout(1.0), nn.Dropout(0.5)
+
+    def forward(self, q, k, v):
+        w = torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, -1)
+        return self.drop(torch.tanh(self.all(w) @ v + q) * 1.5)
+
+
+@pytest.mark.parametrize("route", ["fuse", "torch.compile"])
+def test_dropping_every_probability_draws_nothing_as_eager(route):
+    import copy
+
+    model = ProbabilitiesDroppedWhole().train()
+    args = _qkv()
+    if route == "fuse":
+        fused = AutoFusionEngine.fuse(copy.deepcopy(model), args)
+    else:
+        torch._dynamo.reset()
+        fused = torch.compile(copy.deepcopy(model), backend="autofuse")
+    got, after_fused = _run_seeded(lambda: fused(*args))
+    want, after_eager = _run_seeded(lambda: model(*args))
+    assert torch.equal(after_fused, after_eager)           # the generator moved exactly as far
+    # the same masks, fp32 both sides: tanh and the scale rounded alike up to an ulp or two
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

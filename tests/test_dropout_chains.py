@@ -327,3 +327,47 @@ def test_transformer_encoder_layer_batch_first_trains_with_eagers_masks():
     fused = AutoFusionEngine.fuse(layer, (x,))
     assert any(d.applied for d in _drawing(fused)), [(d.pattern, d.reason) for d in fused.report.decisions]
     _same_as_eager(fused, layer, (x,))
+
+
+# ----------------------------------------------------------------------- dropouts that draw nothing in eager
+
+class EdgeThenDropout(nn.Module):
+    """A dropout of ``p`` (eager's ``dropout`` draws nothing at p = 0 and p = 1: it returns its input, or zeros),
+    fused into a Vector region or a projection's epilogue, then an ordinary dropout whose mask shows where the
+    generator was left."""
+
+    def __init__(self, p, where):
+        super().__init__()
+        self.where, self.fc, self.edge, self.drop = where, nn.Linear(H, H), nn.Dropout(p), nn.Dropout(0.5)
+
+    def forward(self, x, r):
+        h = self.edge(self.fc(x)) if self.where == "epilogue" else self.edge(x * 2.0)
+        return self.drop(torch.tanh(h + r * 3.0) * 1.5) @ torch.ones(H, 4, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("route", ["fuse", "torch.compile"])
+@pytest.mark.parametrize("where", ["vector", "epilogue"])
+@pytest.mark.parametrize("p", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_dropout_eager_draws_nothing_for_leaves_the_generator_alone(p, where, route, dtype):
+    import copy
+
+    torch.manual_seed(0)
+    model = EdgeThenDropout(p, where).to(dtype).train()
+    args = tuple(torch.randn(4, 6, H).to(dtype) for _ in range(2))
+    if route == "fuse":
+        fused = AutoFusionEngine.fuse(copy.deepcopy(model), args)
+        decisions = fused.report.decisions
+    else:
+        torch._dynamo.reset()
+        fused = torch.compile(copy.deepcopy(model), backend="autofuse")
+        fused(*args)
+        import autofuse
+        decisions = [d for r in autofuse.reports(fused) for d in r.decisions]
+    assert any(d.applied for d in decisions), [(d.pattern, d.reason) for d in decisions]
+    got, after_fused = _run_seeded(lambda: fused(*args))
+    want, after_eager = _run_seeded(lambda: model(*args))
+    assert torch.equal(after_fused, after_eager)           # the generator moved exactly as far
+    ok, err, tol = compare(want, _run_seeded(lambda: copy.deepcopy(model).double()(*[a.double() for a in args]))[0],
+                           got)
+    assert ok, (err, tol)
