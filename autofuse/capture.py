@@ -597,13 +597,13 @@ def _eager_autograd_reads():
     registered by the forward (``h.register_hook``) is refused by name: a captured graph keeps none."""
     from torch.fx import traceback as fx_traceback
     from torch.overrides import TorchFunctionMode
-    from torch.utils.weak import WeakIdKeyDictionary
 
     caller = torch.is_grad_enabled()
     capturing = threading.get_ident()
     descriptor = torch._C.TensorBase.__dict__["requires_grad"]
     data = torch._C.TensorBase.__dict__["data"]
-    made = WeakIdKeyDictionary()        # tensor -> whether eager's would require grad
+    made: dict = {}                     # id(tensor) -> (tensor, whether eager's would require grad)
+    in_place_names: dict = {}           # function name -> whether it updates its first argument in place
     reads: list = []
     own_is_grad_enabled = torch.is_grad_enabled
 
@@ -612,8 +612,11 @@ def _eager_autograd_reads():
         return caller if mark is None else mark
 
     def requires(t) -> bool:
-        v = made.get(t)
-        return bool(descriptor.__get__(t)) if v is None else v
+        entry = made.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else bool(descriptor.__get__(t))
+
+    def mark(t, flag: bool) -> None:
+        made[id(t)] = (t, flag)     # the tensor held, so that its id stays its own while the capture runs
 
     def reader(frame):
         # the frame that read or called, past torch-function dispatch (another mode's handler, torch's
@@ -653,23 +656,26 @@ def _eager_autograd_reads():
             if threading.get_ident() != capturing:
                 return out
             if owner is descriptor and name == "__set__":
-                made[args[0]] = bool(args[1])
+                mark(args[0], bool(args[1]))
                 return out
             if name == "requires_grad_":
-                made[args[0]] = bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+                mark(args[0], bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True)))
                 return out
-            in_place = _in_place_name(name) and args and isinstance(args[0], torch.Tensor)
-            made_now = list(_tensors(out))
+            in_place = in_place_names.get(name)
+            if in_place is None:
+                in_place = in_place_names[name] = _in_place_name(name)
+            in_place = in_place and args and isinstance(args[0], torch.Tensor)
+            made_now = (out,) if isinstance(out, torch.Tensor) else tuple(_tensors(out))
             if not made_now and not in_place:       # most calls: a size, a dim, a flag
                 return out
             given = list(_tensors((args, kwargs)))
             flows = eager_mode() and owner is not data and name not in _NO_GRADIENT and any(map(requires, given))
             if in_place:
-                made[args[0]] = flows or requires(args[0])
+                mark(args[0], flows or requires(args[0]))
             given = {id(t) for t in given}
             for t in made_now:
                 if id(t) not in given:                  # not an input handed back
-                    made[t] = flows and (t.is_floating_point() or t.is_complex())
+                    mark(t, flows and (t.is_floating_point() or t.is_complex()))
             return out
 
     _READS.reads = reads
