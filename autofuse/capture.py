@@ -331,20 +331,24 @@ def _holds_tensor(v) -> bool:
     return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v))
 
 
-def _same(a, b) -> bool:
-    """``a`` and ``b`` are the same value: the same object, equal plain values (NaN equals NaN), or lists, tuples
-    and dicts of the same values (torch's tracer may re-wrap a container)."""
+def same_value(a, b) -> bool:
+    """``a`` and ``b`` are the same value: the same object, equal plain values (NaN equals NaN), lists, tuples and
+    dicts of the same values (torch's tracer may re-wrap a container), or equal values of one type that compares by
+    value (a dtype, a device); two tensors only when they are one."""
     if a is b:
         return True
-    if type(a) is not type(b):
+    if type(a) is not type(b) or isinstance(a, torch.Tensor):
         return False
     if isinstance(a, _PLAIN):
         return a == b or (a != a and b != b)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return False
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain equality is the same only as itself
+        return False
 
 
 def _shown(v) -> str:
@@ -381,7 +385,7 @@ def _restore_python_state(state) -> list:
                 if cur is v or not (_holds_tensor(cur) or _holds_tensor(v)):
                     continue
                 changed.append((f"{where}{k} ({_shown(v)} -> {_shown(cur)})", m, k, cur))
-            elif _same(cur, was):
+            elif same_value(cur, was):
                 now[k] = v           # the user's own object put back (a re-wrapped container)
                 continue
             else:

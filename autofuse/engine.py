@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
-from autofuse.capture import capture, state_tensor
+from autofuse.capture import capture, same_value, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
@@ -256,7 +256,7 @@ class _Fields:
             cur = now.get(k, _MISSING)
             if cur is _MISSING:
                 return f"{k} is gone from {type(self.obj).__name__}"
-            if not _same_value(_kept(cur), v):
+            if not same_value(_kept(cur), v):
                 return f"{type(self.obj).__name__}.{k} changed from {v!r} to {cur!r} (captured as a constant)"
         return None
 
@@ -276,19 +276,6 @@ def _kept(v):
     if callable(v) and not isinstance(v, type) or _held_object(v):
         return _Same(v)
     return v
-
-
-def _same_value(a, b) -> bool:
-    """Equal kept values, NaN equal to NaN at any depth, of the same types."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return a == b or (a != a and b != b)
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
-    return a == b
 
 
 def state_spec(model) -> tuple:
@@ -389,7 +376,7 @@ class ModuleGuard:
             elif isinstance(v, _Same):
                 if cur is not v.v:
                     return f"{where} was replaced by {cur!r} (the plan captured {v.v!r})"
-            elif not _same_value(_kept(cur), v):
+            elif not same_value(_kept(cur), v):
                 return f"{where} changed from {v!r} to {cur!r} (captured as a constant)"
         for fields in self.objects.values():
             why = fields.check()
