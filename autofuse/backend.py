@@ -215,7 +215,8 @@ def _wrapped_floats(gm: torch.fx.GraphModule, example) -> set:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, (n, x) in enumerate(zip(placeholders, example)):
         reads = list(n.users)
-        if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point() and not x.requires_grad and reads \
+        wrapped = getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)     # not a tensor of the user's
+        if wrapped and isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point() and reads \
                 and all(u.op == "call_method" and u.target == "item" and len(u.args) == 1 for u in reads):
             for u in reads:
                 u.replace_all_uses_with(n)

@@ -609,7 +609,7 @@ def _eager_autograd_reads():
     made: dict = {}                     # id(tensor) -> (tensor, whether eager's would require grad)
     in_place_names: dict = {}           # function name -> whether it updates its first argument in place
     reads: list = []
-    own_is_grad_enabled = torch.is_grad_enabled
+    own_is_grad_enabled = torch._C.is_grad_enabled
 
     def eager_mode() -> bool:
         mark = (fx_traceback.current_meta.get("custom") or {}).get(GRAD_BLOCK)
@@ -676,19 +676,23 @@ def _eager_autograd_reads():
             flows = eager_mode() and owner is not data and name not in _NO_GRADIENT and any(map(requires, given))
             if in_place:
                 mark(args[0], flows or requires(args[0]))
+            base = args[0] if args and isinstance(args[0], torch.Tensor) else None
             given = {id(t) for t in given}
             for t in made_now:
                 if id(t) not in given:                  # not an input handed back
-                    mark(t, flows and (t.is_floating_point() or t.is_complex()))
+                    # a view of what requires grad requires it in any mode, as a factory asked to does (the
+                    # trace's own flag says so for those it sees)
+                    mark(t, (t.is_floating_point() or t.is_complex()) and (
+                        flows or bool(descriptor.__get__(t)) or (base is not None and t._is_view() and requires(base))))
             return out
 
     _READS.reads = reads
-    torch.is_grad_enabled = is_grad_enabled
+    torch.is_grad_enabled = torch._C.is_grad_enabled = is_grad_enabled
     try:
         with Reads():
             yield reads
     finally:
-        torch.is_grad_enabled = own_is_grad_enabled
+        torch.is_grad_enabled = torch._C.is_grad_enabled = own_is_grad_enabled
         _READS.reads = ()
 
 

@@ -223,17 +223,64 @@ class _Same:
 _MODULE_OWN = frozenset(vars(torch.nn.Module())) | {"forward"}
 
 
-def _guardable(v) -> bool:
-    """A value a forward may read from a module attribute and capture bake in: a number, string, flag, None, dtype,
-    device or shape, a tuple, list, set or dict (string keys) of such values at any depth, a tensor, or a
-    function."""
+#: The most values a kept container holds to be compared by value at each call (a vocabulary held as a dict is
+#: compared by identity instead: a forward bakes in small tables, and comparing a large one costs each call).
+_VALUES_COMPARED = 4096
+
+
+def _fewer_values(v, most: int) -> bool:
+    """Whether the container ``v`` holds at most ``most`` values, nested ones counted."""
+    stack, seen = [v], 0
+    while stack:
+        x = stack.pop()
+        items = x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list, set, frozenset)) else None
+        if items is None:
+            seen += 1
+        else:
+            seen += len(items) if isinstance(x, dict) else 0
+            stack.extend(items)
+        if seen > most:
+            return False
+    return True
+
+
+def _plain_value(v) -> bool:
+    """A number, string, flag, None, dtype, device or shape, or a tuple, list, set or dict (string keys) of such
+    values at any depth: what capture bakes in as a constant, kept by a deep copy and compared by value."""
     if isinstance(v, (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.Size)):
         return True
     if isinstance(v, (tuple, list, set, frozenset)):
-        return all(_guardable(x) and not isinstance(x, torch.Tensor) for x in v)
+        return all(_plain_value(x) for x in v)
     if isinstance(v, dict):
-        return all(isinstance(k, str) and _guardable(x) and not isinstance(x, torch.Tensor) for k, x in v.items())
-    return isinstance(v, torch.Tensor) or callable(v) and not isinstance(v, torch.nn.Module) or _held_object(v)
+        return all(isinstance(k, str) and _plain_value(x) for k, x in v.items())
+    return False
+
+
+_CONTAINERS = (tuple, list, set, frozenset, dict)
+
+
+def _value(v) -> bool:
+    """A plain value (:func:`_plain_value`), or a container too large to compare at each call (by identity)."""
+    if isinstance(v, _CONTAINERS) and not _fewer_values(v, _VALUES_COMPARED):
+        return True
+    return _plain_value(v)
+
+
+def _guardable(v) -> bool:
+    """A value a forward may read from a module attribute and capture bake in: a plain value (:func:`_value`),
+    a tensor, a function, or an object whose public plain fields it may read (:func:`_held_object`)."""
+    return _value(v) or isinstance(v, torch.Tensor) or callable(v) and not isinstance(v, torch.nn.Module) or \
+        _held_object(v)
+
+
+def _holds(kept, cur) -> bool:
+    """Whether ``cur`` is what :func:`_kept` kept: the same tensor (version and values), the same object, or an
+    equal value."""
+    if isinstance(kept, _TensorState):
+        return kept.holds(cur)
+    if isinstance(kept, _Same):
+        return cur is kept.v
+    return same_value(cur, kept)
 
 
 def _held_object(v) -> bool:
@@ -256,14 +303,13 @@ class _Fields:
             cur = now.get(k, _MISSING)
             if cur is _MISSING:
                 return f"{k} is gone from {type(self.obj).__name__}"
-            if not same_value(_kept(cur), v):
+            if not _holds(v, cur):
                 return f"{type(self.obj).__name__}.{k} changed from {v!r} to {cur!r} (captured as a constant)"
         return None
 
 
 def _public_values(obj):
-    return [(k, v) for k, v in vars(obj).items() if not k.startswith("_") and _guardable(v)
-            and not isinstance(v, torch.Tensor) and not callable(v) and not _held_object(v)]
+    return [(k, v) for k, v in vars(obj).items() if not k.startswith("_") and _value(v)]
 
 
 def _kept(v):
@@ -271,8 +317,8 @@ def _kept(v):
     place, at any depth), a tensor as a :class:`_TensorState`, a function by identity, anything else as it is."""
     if isinstance(v, torch.Tensor):
         return _TensorState(v)
-    if isinstance(v, (tuple, list, set, frozenset, dict)):
-        return copy.deepcopy(v)
+    if isinstance(v, _CONTAINERS):          # plain values only (:func:`_value`), a large container by identity
+        return copy.deepcopy(v) if _fewer_values(v, _VALUES_COMPARED) else _Same(v)
     if callable(v) and not isinstance(v, type) or _held_object(v):
         return _Same(v)
     return v
@@ -376,7 +422,7 @@ class ModuleGuard:
             elif isinstance(v, _Same):
                 if cur is not v.v:
                     return f"{where} was replaced by {cur!r} (the plan captured {v.v!r})"
-            elif not same_value(_kept(cur), v):
+            elif not same_value(cur, v):
                 return f"{where} changed from {v!r} to {cur!r} (captured as a constant)"
         for fields in self.objects.values():
             why = fields.check()

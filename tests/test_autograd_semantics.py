@@ -425,6 +425,13 @@ class ReadsAutograd(nn.Module):
             with torch.no_grad():
                 s = h.abs().amax(-1, keepdim=True)
             taken = not s.requires_grad
+        elif self.kind == "view_in_no_grad":            # a view of what requires grad requires it in any mode
+            with torch.no_grad():
+                taken = self.l1.weight.t().requires_grad and h[:, 1:].requires_grad
+        elif self.kind == "factory":                    # asked for by the factory
+            taken = torch.zeros(3, requires_grad=torch.is_grad_enabled()).requires_grad
+        elif self.kind == "c_is_grad_enabled":
+            taken = torch._C.is_grad_enabled()
         else:                                           # through an in-place update and a detach
             g = torch.zeros_like(h)
             g += h
@@ -434,7 +441,8 @@ class ReadsAutograd(nn.Module):
 
 @pytest.mark.parametrize("route", ["fuse", "torch.compile"])
 @pytest.mark.parametrize("kind", ["requires_grad", "input_requires_grad", "is_grad_enabled", "both",
-                                  "inside_no_grad", "in_place_and_detach"])
+                                  "inside_no_grad", "in_place_and_detach", "view_in_no_grad", "factory",
+                                  "c_is_grad_enabled"])
 def test_a_branch_on_autograd_state_takes_eagers_branch_in_each_state(kind, route):
     """With grad, without it, and with an input that requires grad: one fused module gives eager's values and
     gradients in each, the branch taken as eager takes it (the two branches' outputs differ by their own size)."""

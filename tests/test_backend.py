@@ -422,3 +422,26 @@ def test_a_graph_that_hands_back_its_size_symbols_is_fused():
             x = torch.randn(*shape)
             torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)    # fp32 reassociation only
     assert len(reports(compiled)) >= 4
+
+
+@torch._dynamo.config.patch(capture_scalar_outputs=True)     # .item() stays in the graph
+def test_a_scalar_tensor_argument_read_with_item_is_not_taken_for_a_float():
+    """Only the floats Dynamo wraps as tensors are taken as Python floats; a 0-d tensor the caller passes (a
+    timestep), read with .item() inside the graph, stays a tensor input, so a new value is no new plan."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = torch.nn.LayerNorm(16)
+
+        def forward(self, x, t):
+            return self.n(x) * t.item()
+
+    torch._dynamo.reset()
+    model = Scaled().eval()
+    compiled = torch.compile(model, backend="autofuse", dynamic=True)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        for v in (0.5, 1.5, 2.5):
+            t = torch.tensor(v, dtype=torch.float64)
+            torch.testing.assert_close(compiled(x, t), model(x, t), atol=1e-6, rtol=1e-5)   # fp32 reassociation
+    assert all(len(g.fused.plans) <= 1 for g in graphs(compiled))

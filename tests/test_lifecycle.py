@@ -70,6 +70,38 @@ KNOBS = {
 }
 
 
+class Holds(nn.Module):
+    """Attributes a forward does not read as values: a list of objects (transformers keeps hook handles so), a
+    logger with a handler (it cannot be deep-copied), a large table."""
+
+    def __init__(self):
+        super().__init__()
+        import logging
+        self.l = nn.Linear(16, 16)
+        self.handles, self.log = [object()], logging.getLogger("autofuse-test-holds")
+        self.log.addHandler(logging.NullHandler())
+        self.vocab = {f"t{i}": i for i in range(5000)}
+
+    def forward(self, x):
+        return F.gelu(self.l(x)) * 2
+
+
+def test_attributes_that_hold_objects_or_large_tables_neither_crash_nor_replan():
+    """A list of objects was deep-copied and compared by identity (a new plan at every call), a logger's handler
+    could not be deep-copied (fuse() raised), and a large table was compared at every call: objects in containers
+    are not plain values, and a table of more than 4096 values is kept by identity."""
+    torch.manual_seed(0)
+    model, x = Holds().eval(), torch.randn(2, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)     # fp32 reassociation only
+    assert len(fused.plans) == 1 and not fused.report.replanned_because
+    model.vocab = dict(model.vocab)             # another table: planned again
+    fused(x)
+    assert "vocab was replaced" in fused.report.replanned_because
+
+
 @pytest.mark.parametrize("edit", list(KNOBS))
 def test_an_edit_to_any_attribute_the_forward_reads_replans(edit):
     """Each of these edits left the old plan running before (0.2 to 40 off eager): private attributes and
