@@ -1470,8 +1470,7 @@ def _torch_module_frame(e: BaseException) -> str | None:
     innermost frame; None where the failure is not inside such code."""
     frames = traceback.extract_tb(e.__traceback__)
     nn_dir = os.path.join(_TORCH_DIR, "nn") + os.sep
-    user = [i for i, f in enumerate(frames)
-            if not os.path.abspath(f.filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR, _STDLIB_DIR))]
+    user = [i for i, f in enumerate(frames) if _users_file(f.filename)]
     inside = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(nn_dir)
               and not f.filename.endswith(os.path.join("modules", "module.py"))]
     if not inside or (user and inside[-1] < user[-1]):
@@ -1483,10 +1482,15 @@ def _torch_module_frame(e: BaseException) -> str | None:
 def _user_frame(e: BaseException) -> str | None:
     """The innermost traceback frame outside torch, autofuse and Python's own library: the user's construct that
     failed."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not os.path.abspath(f.filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR, _STDLIB_DIR))]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _users_file(f.filename)]
     if not frames:
         return None
     f = frames[-1]
     return f"{f.filename}:{f.lineno} in {f.name}: {f.line}"
+
+
+def _users_file(filename: str) -> bool:
+    """Whether a traceback frame's file is the user's (or a library's) code: not torch's, autofuse's or Python's
+    own library."""
+    return not os.path.abspath(filename).startswith((_TORCH_DIR.rstrip(os.sep), _OWN_DIR, _STDLIB_DIR))
 
