@@ -209,13 +209,11 @@ _VALUES_KEPT = 1 << 22
 
 
 class _Same:
-    """A value guarded by identity: a function kept as an attribute (``self.act = F.gelu``)."""
+    """A value guarded by identity: a function kept as an attribute (``self.act = F.gelu``), an object whose fields
+    are guarded by :class:`_Fields`, a container too large to compare at each call."""
 
     def __init__(self, v):
         self.v = v
-
-    def __eq__(self, other):
-        return isinstance(other, _Same) and other.v is self.v
 
 
 #: What every ``nn.Module`` keeps in its ``__dict__`` for itself (parameters, buffers, submodules, hook
@@ -273,14 +271,14 @@ def _guardable(v) -> bool:
         _held_object(v)
 
 
-def _holds(kept, cur) -> bool:
-    """Whether ``cur`` is what :func:`_kept` kept: the same tensor (version and values), the same object, or an
-    equal value."""
+def _changed(kept, cur) -> str | None:
+    """How ``cur`` differs from what :func:`_kept` kept (a tensor: its identity, version and values; an object by
+    identity; a value by value), in words after the attribute's name; None where it does not."""
     if isinstance(kept, _TensorState):
-        return kept.holds(cur)
+        return None if kept.holds(cur) else "was replaced or modified in place (captured as a constant)"
     if isinstance(kept, _Same):
-        return cur is kept.v
-    return same_value(cur, kept)
+        return None if cur is kept.v else f"was replaced by {cur!r} (the plan captured {kept.v!r})"
+    return None if same_value(cur, kept) else f"changed from {kept!r} to {cur!r} (captured as a constant)"
 
 
 def _held_object(v) -> bool:
@@ -290,7 +288,7 @@ def _held_object(v) -> bool:
 
 
 class _Fields:
-    """The public fields of a held object (:func:`_held_object`) that are values (:func:`_guardable`, no tensor,
+    """The public fields of a held object (:func:`_held_object`) that are values (:func:`_value`: no tensor,
     function or object), as a plan saw them: a forward that reads ``self.config.use_cache`` baked it in."""
 
     def __init__(self, obj):
@@ -303,8 +301,9 @@ class _Fields:
             cur = now.get(k, _MISSING)
             if cur is _MISSING:
                 return f"{k} is gone from {type(self.obj).__name__}"
-            if not _holds(v, cur):
-                return f"{type(self.obj).__name__}.{k} changed from {v!r} to {cur!r} (captured as a constant)"
+            why = _changed(v, cur)
+            if why is not None:
+                return f"{type(self.obj).__name__}.{k} {why}"
         return None
 
 
@@ -313,8 +312,9 @@ def _public_values(obj):
 
 
 def _kept(v):
-    """What a plan keeps of a guarded attribute's value (:func:`_guardable`): containers deep-copied (edited in
-    place, at any depth), a tensor as a :class:`_TensorState`, a function by identity, anything else as it is."""
+    """What a plan keeps of a guarded attribute's value (:func:`_guardable`): containers of plain values
+    deep-copied (edited in place, at any depth), a tensor as a :class:`_TensorState`, a function, a held object
+    or a container too large to compare by identity (:class:`_Same`), anything else as it is."""
     if isinstance(v, torch.Tensor):
         return _TensorState(v)
     if isinstance(v, _CONTAINERS):          # plain values only (:func:`_value`), a large container by identity
@@ -385,8 +385,8 @@ class ModuleGuard:
     values into the graph as constants, so a changed one (or a module swapped for another) re-plans rather than
     run the old value. ``training`` is part of the plan's key instead. A forward that settles an attribute itself
     leaves it changed after its first call, so the next call plans again from the settled value; one that changes
-    it at every call is refused at capture (:func:`autofuse.capture.capture`). Other objects a module holds (a
-    config) are not looked into."""
+    it at every call is refused at capture (:func:`autofuse.capture.capture`). An object a module holds (a
+    config) is guarded by identity and by its public plain fields (:class:`_Fields`), not deeper."""
 
     value = False
 
@@ -416,14 +416,9 @@ class ModuleGuard:
             where = f"{name + '.' if name else ''}{k}"
             if cur is _MISSING:
                 return f"{where} is gone from the model"
-            if isinstance(v, _TensorState):
-                if not v.holds(cur):
-                    return f"{where} was replaced or modified in place (captured as a constant)"
-            elif isinstance(v, _Same):
-                if cur is not v.v:
-                    return f"{where} was replaced by {cur!r} (the plan captured {v.v!r})"
-            elif not same_value(cur, v):
-                return f"{where} changed from {v!r} to {cur!r} (captured as a constant)"
+            why = _changed(v, cur)
+            if why is not None:
+                return f"{where} {why}"
         for fields in self.objects.values():
             why = fields.check()
             if why is not None:
