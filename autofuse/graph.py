@@ -80,6 +80,27 @@ def keep_mask_order(dropout: fx.Node) -> list | None:
     return draw_order(val(dropout.args[0]))
 
 
+def in_order(t: torch.Tensor, order) -> torch.Tensor:
+    """``t`` with its memory laid out in dim order ``order`` (outermost first; BSND = [0, 2, 1, 3]; None:
+    row-major), as a captured value it stands for was laid out: later views of it rely on that layout, and a
+    dropout draws its keep-mask in its input's memory order. A kernel stores each tile to its place in that
+    layout (CANN's FlashAttention writes BSND/BSH outputs directly); the simulator charges a store by its bytes,
+    so the layout does not change its cost."""
+    if not order or list(order) == list(range(t.dim())):
+        return t
+    inverse = [list(order).index(d) for d in range(t.dim())]
+    return t.permute(*order).contiguous().permute(*inverse)
+
+
+def empty_in_order(like: torch.Tensor, shape, order) -> torch.Tensor:
+    """An empty tensor of ``shape`` (``like``'s dtype and device) laid out in dim order ``order``
+    (:func:`in_order`)."""
+    if not order or list(order) == list(range(len(shape))):
+        return like.new_empty(shape)
+    inverse = [list(order).index(d) for d in range(len(shape))]
+    return like.new_empty([shape[d] for d in order]).permute(*inverse)
+
+
 def last_dim_slice(n):
     """``(source, start, stop, step)`` of an ``aten.slice`` over its source's last dim (the arguments' defaults
     filled in and resolved against the width, as ``slice.indices`` does), or None for anything else."""

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from autofuse import npu
+from autofuse.graph import empty_in_order, in_order
 from autofuse.npu.kernels import dropout as _bits
 
 _recorders: list[list] = []
@@ -118,7 +119,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         kw["window"] = 0                  # a window proven of a mask read as it is (causal_value): the mask has it
     r = run_kernel("flash_attention", q, k, v, mask=mask, scale=scale_, tiling=tiling_, **kw)
     _record("flash_attention", r.stats)
-    out = _in_order(_to_torch(r.outputs[0], q.dtype), out_order)
+    out = in_order(_to_torch(r.outputs[0], q.dtype), out_order)
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
     stats = _to_torch(np.stack(r.outputs[-2:]), torch.float32) if return_stats else _no_stats(q)
     return out, probs, stats
@@ -135,24 +136,6 @@ def _per_head(sinks: torch.Tensor, n: int) -> torch.Tensor:
 
 def _no_stats(q):
     return q.new_empty((0,), dtype=torch.float32)
-
-
-def _in_order(t: torch.Tensor, order) -> torch.Tensor:
-    """``t`` with its memory laid out in dim order ``order`` (outermost first; BSND = [0, 2, 1, 3]), as the
-    captured graph's own attention output was: later views of it rely on that layout. The kernel stores
-    each output tile to its place in that layout (CANN's FlashAttention writes BSND/BSH outputs directly);
-    the simulator charges a store by its bytes, so the layout does not change its cost."""
-    if not order or list(order) == list(range(t.dim())):
-        return t
-    inverse = [list(order).index(d) for d in range(t.dim())]
-    return t.permute(*order).contiguous().permute(*inverse)
-
-
-def _empty_in_order(like: torch.Tensor, shape, order) -> torch.Tensor:
-    if not order or list(order) == list(range(len(shape))):
-        return like.new_empty(shape)
-    inverse = [list(order).index(d) for d in range(len(shape))]
-    return like.new_empty([shape[d] for d in order]).permute(*inverse)
 
 
 #: fp32 ``exp(x)`` is exactly 0 below ln(2**-150) = -103.97; a skipped weight's exponent must be this far below
@@ -229,7 +212,7 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     pv = p.to(q.dtype).float()
     if drop_mask is not None:
         pv = pv * unpack_keep(drop_mask, s.shape[-1]).to(pv.device) / (1.0 - dropout_p)
-    out = _in_order((pv @ v.float()).to(q.dtype), out_order)
+    out = in_order((pv @ v.float()).to(q.dtype), out_order)
     stats = torch.stack([m.squeeze(-1), total.squeeze(-1)]).detach() if return_stats else _no_stats(q)
     return out, (p.to(q.dtype) if return_probs else q.new_empty((0,))), stats
 
@@ -250,7 +233,7 @@ def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
       drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0):
-    out = _empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
+    out = empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
     return out, probs, stats
@@ -378,15 +361,6 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
 
 # ------------------------------------------------------------------------------------------- dropout masks
 
-def _dense_strides(shape, order) -> list:
-    """The strides of a dense tensor of ``shape`` whose dims lie in memory in ``order`` (outermost first)."""
-    strides, step = [0] * len(shape), 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= max(int(shape[d]), 1)
-    return strides
-
-
 def draw_keep(shape, p: float, dtype: torch.dtype, order=None) -> torch.Tensor:
     """The keep-mask eager's dropout draws for an input of ``shape`` and ``dtype`` whose draws run in ``order``
     (:func:`autofuse.graph.draw_order`; None: row-major), in logical (row-major) order: ``F.dropout`` and
@@ -397,7 +371,7 @@ def draw_keep(shape, p: float, dtype: torch.dtype, order=None) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype).bernoulli_(1.0 - p).bool()
     if sorted(order) != list(range(len(shape))):
         raise ValueError(f"dropout_gen_mask: order {list(order)} is not a permutation of the dims of {shape}")
-    drawn = torch.empty_strided(shape, _dense_strides(shape, order), dtype=dtype).bernoulli_(1.0 - p)
+    drawn = empty_in_order(torch.empty((), dtype=dtype), shape, order).bernoulli_(1.0 - p)
     return drawn.bool().contiguous()
 
 

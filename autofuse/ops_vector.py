@@ -32,6 +32,7 @@ import cost_model
 from cost_model.program import BIT, ProgramError, stored_shape
 from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
 from autofuse import ops as _ops      # run_kernel through the module, so tests can inject a fault
+from autofuse.graph import in_order
 from autofuse.ops import REFERENCES, TIMING, _record, _to_torch
 from autofuse.vector_program import as_program, run_program_torch, torch_dtype
 
@@ -83,7 +84,7 @@ def _laid_out(outs, layouts: str) -> list:
     the row to its address); the simulator charges a store by its bytes, so the layout does not change its cost."""
     if not layouts:
         return list(outs)
-    return [_ops._in_order(t, order) for t, order in zip(outs, json.loads(layouts))]
+    return [in_order(t, order) for t, order in zip(outs, json.loads(layouts))]
 
 
 @torch.library.custom_op("autofuse::vector_program", mutates_args=())

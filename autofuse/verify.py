@@ -35,7 +35,7 @@ import hashlib
 import torch
 import torch.fx as fx
 
-from autofuse.graph import draw_order, val
+from autofuse.graph import draw_order, in_order, val
 
 
 def floor(dtype: torch.dtype) -> float:
@@ -433,11 +433,7 @@ def laid_out(t, node: fx.Node):
     v = node.meta.get("val")
     if not isinstance(t, torch.Tensor) or not isinstance(v, torch.Tensor) or v.dim() != t.dim():
         return t
-    order = draw_order(v)
-    if order is None:
-        return t
-    out = torch.empty([t.shape[d] for d in order], dtype=t.dtype).permute(*[order.index(d) for d in range(t.dim())])
-    return out.copy_(t)
+    return in_order(t, draw_order(v))
 
 
 __all__ = ["LARGEST_AT_OWN_SIZE", "LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor",
