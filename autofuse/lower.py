@@ -470,6 +470,14 @@ def lower(node: fx.Node) -> Program:
             if isinstance(ref, fx.Node):
                 params[key] = Arg(ins.index(ref))
         return Program([Step("layer_norm", (Arg(0),), params)], ins)
+    if t == aten.rms_norm.default and len(node.args[1]) == 1:
+        # torch's own RMSNorm over the last dim: CANN's RmsNorm (which takes a weight; without one, a generic pass)
+        x, _, w, eps = (list(node.args) + [None] * 4)[:4]
+        w = w if w is not None else node.kwargs.get("weight")
+        eps = eps if eps is not None else node.kwargs.get("eps")
+        if isinstance(w, fx.Node):
+            eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
+            return Program([Step("rms_norm", (Arg(0), Arg(ins.index(w))), {"eps": eps})], ins)
     if t in _REDUCE:
         dims = node.args[1] if len(node.args) > 1 else None
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)

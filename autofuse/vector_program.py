@@ -451,6 +451,8 @@ class _Build:
             return self.round(n, b.div(e, b.reduce(e, kind="sum")))
         if t in (aten.layer_norm.default, aten.native_layer_norm.default):
             return self.layer_norm(n)
+        if t == aten.rms_norm.default:
+            return self.rms_norm(n)
         if t in (aten.native_dropout.default, aten.dropout.default):
             p = _dropout_args(n)[0]
             scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
@@ -557,6 +559,24 @@ class _Build:
         return y if n.target == aten.layer_norm.default else (y, mean, rstd)
 
 
+    def rms_norm(self, n):
+        """torch's ``rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) as its decomposition computes it: in fp32 (a 16-bit x
+        widened), ``x · rsqrt(mean(x²) + eps) · weight``, rounded once to x's dtype; no eps is fp32's epsilon."""
+        b = self.b
+        args = list(n.args) + [None] * (4 - len(n.args))
+        shape = args[1]
+        w = args[2] if args[2] is not None else n.kwargs.get("weight")
+        eps = args[3] if args[3] is not None else n.kwargs.get("eps")
+        if len(shape) != 1:
+            self.fail(n, "normalises over more than the last dim")
+        x = self.arg(n, args[0])
+        eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
+        y = b.mul(x, b.rsqrt(b.add(b.reduce(b.mul(x, x), kind="mean"), eps)))
+        if w is not None:
+            y = b.mul(y, self.arg(n, w))
+        return self.round(n, y)
+
+
 def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) -> BuiltProgram:
     """A :class:`~cost_model.program.Program` computing a connected region of aten nodes.
 
@@ -568,7 +588,7 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     gelu with either approximation) -> the op; add/sub (with alpha) mul div maximum minimum pow (tensor or
     scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
     -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin
-    over the last dim -> reduce; softmax and layer_norm over the last dim -> their reduce-then-use chains;
+    over the last dim -> reduce; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;
     slice / split+getitem / cat along the last dim -> slice / cat; views that keep the rows and the last dim
     -> nothing (a view of a region input stays outside: its result is the op's input). Anything else
     raises :class:`NotExpressible` naming the node.

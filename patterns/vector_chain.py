@@ -53,8 +53,8 @@ aten = torch.ops.aten
 _COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | {
     aten.gelu.default, aten.rsub.Scalar, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar, aten._to_copy.default,
-    aten.layer_norm.default, aten.slice.Tensor, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.stack.default}
+    aten.layer_norm.default, aten.rms_norm.default, aten.slice.Tensor, aten.cat.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.stack.default}
 _MOVES = {aten.slice.Tensor, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default, aten.stack.default,
           operator.getitem}
 MATMULS = {aten.linear.default, aten.matmul.default, aten.addmm.default}
@@ -444,6 +444,12 @@ def _reads(n: fx.Node, values: set) -> bool:
 TEMPLATES = (RMS, ROPE, ROPE_PAIRS, ROPE_HALVES, GLU)
 
 
+def _residual(x, inside) -> bool:
+    """x, which a norm reads, is a residual sum of the region that leaves it too (AddRmsNorm's two outputs)."""
+    return x.target == aten.add.Tensor and x in inside and any(u not in inside for u in x.users) \
+        and all(isinstance(a, fx.Node) and val(a).shape == val(x).shape for a in x.args)
+
+
 def names(nodes: list) -> list:
     """The known fused ops a region computes, in graph order (see the module docstring)."""
     if not nodes:
@@ -463,12 +469,12 @@ def names(nodes: list) -> list:
         if _centred(x):
             found.append((order[m["rsqrt"].name], "layer_norm"))
             continue
-        residual = x.target == aten.add.Tensor and x in inside and any(u not in inside for u in x.users) \
-            and all(isinstance(a, fx.Node) and val(a).shape == val(x).shape for a in x.args)
-        found.append((order[m["rsqrt"].name], "add_rms_norm" if residual else "rms_norm"))
+        found.append((order[m["rsqrt"].name], "add_rms_norm" if _residual(x, inside) else "rms_norm"))
     for n in nodes:
         if n.target == aten.layer_norm.default:
             found.append((order[n.name], "layer_norm"))
+        elif n.target == aten.rms_norm.default:              # torch's own (nn.RMSNorm, F.rms_norm)
+            found.append((order[n.name], "add_rms_norm" if _residual(n.args[0], inside) else "rms_norm"))
     for rope in (ROPE, ROPE_PAIRS):
         for m in rope.match(view, lambda m: m if within(m) and _rope(m) else None,
                             seeds=[n.name for n in nodes if n.target == aten.add.Tensor]):

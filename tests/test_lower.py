@@ -153,3 +153,24 @@ def test_sdpas_call_forms_lower_alike():
         programs.append([(s.kernel, s.inputs, s.params) for s in lower(n).steps])
     assert programs[0] == programs[1] == programs[2]
     assert programs[0][1][2] == {"op": "mul", "scalar": 0.3} and programs[0][2][2] == {"op": "add"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_torch_rms_norm_lowers_to_the_rms_norm_kernel(dtype):
+    # nn.RMSNorm left unfused is one aten.rms_norm: CANN's RmsNorm launch, torch's values (no eps: fp32's epsilon)
+    from autofuse.capture import capture
+    torch.manual_seed(0)
+    m = torch.nn.RMSNorm(32).to(dtype)
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 8, 32, dtype=dtype)
+    gm = capture(m, (x,)).graph_module
+    n = _node(gm, aten.rms_norm.default)
+    prog = lower(n)
+    assert [s.kernel for s in prog.steps] == ["rms_norm"]
+    (y,) = _run(prog, {n.args[0]: x, n.args[2]: m.weight.detach()})
+    want = m(x).detach()
+    # fp32 math as eager's, its sums in another order: in fp32 a few units in the last place (a sum, an rsqrt, two
+    # products); in fp16 one rounding of that, so a value may cross a rounding boundary by one unit
+    rtol = 8 * torch.finfo(torch.float32).eps if dtype == torch.float32 else torch.finfo(dtype).eps
+    assert y.dtype == dtype and torch.allclose(y.float(), want.float(), rtol=rtol, atol=0), (y - want).abs().max()
