@@ -14,6 +14,7 @@ One driver, :func:`canonicalize`, applies the table to a fixpoint:
 Canonical spellings (what patterns may assume):
 
 * matmul family -> ``aten.matmul`` (bmm, mm, two-operand einsum, baddbmm = matmul·alpha + bias·beta)
+* a row statistic's inverse root (``y ** -0.5``, ``1 / sqrt(y)``, ``x / sqrt(y)``) -> ``aten.rsqrt`` (times x)
 * scalar scaling -> ``aten.mul.Tensor(x, c)`` with Python ``c``; divisions become multiplications,
   chained scalars fold, and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
   moves to the matmul output
@@ -457,6 +458,30 @@ def _mul(n):
     return None
 
 
+def _rows(v) -> bool:
+    """More than one value: a per-row statistic, not a 0-d scale (whose canonical form a fused call may have to
+    rebuild in its preamble, which takes no ``rsqrt``)."""
+    return isinstance(v, torch.Tensor) and v.numel() > 1 and v.is_floating_point()
+
+
+def _rsqrt(n):
+    """``pow(y, -0.5)`` and ``reciprocal(sqrt(y))`` are ``rsqrt(y)`` (a norm's inverse root, however spelled)."""
+    if n.target == aten.pow.Tensor_Scalar and n.args[1] == -0.5 and _rows(val(n)):
+        return call(n.graph, aten.rsqrt.default, n.args[0])
+    if n.target == aten.reciprocal.default and is_call(n.args[0], aten.sqrt.default) and _rows(val(n)):
+        return call(n.graph, aten.rsqrt.default, n.args[0].args[0])
+    return None
+
+
+def _div_sqrt(n):
+    """``x / sqrt(y)`` is ``x * rsqrt(y)`` (a norm divided by its root, as LayerNorm is often written)."""
+    x, s = n.args[0], n.args[1]
+    if (n.target == aten.div.Tensor and not n.kwargs and isinstance(x, fx.Node) and is_call(s, aten.sqrt.default)
+            and _rows(val(s)) and val(x).is_floating_point()):
+        return call(n.graph, aten.mul.Tensor, x, call(n.graph, aten.rsqrt.default, s.args[0]))
+    return None
+
+
 def inplace_edit(n) -> bool:
     """True if the user wrote this op in place (``p.mul_(2)``); export functionalises it, and
     ``meta["torch_fn"]`` still names the in-place method. Such values are not reassociated."""
@@ -613,7 +638,7 @@ def _keepdim(n):
             new = call(n.graph, aten.max.dim, mx.args[0], mx.args[1], True)
             return call(n.graph, operator.getitem, new, 0)
         return None
-    if not is_call(r, aten.amax.default, aten.sum.dim_IntList) or arg(r, 2, "keepdim", False):
+    if not is_call(r, aten.amax.default, aten.sum.dim_IntList, aten.mean.dim) or arg(r, 2, "keepdim", False):
         return None
     dims = arg(r, 1, "dim")
     if len(dims) != 1 or dims[0] % _rank(r.args[0]) != d % _rank(n) or (len(r.args) > 3 or r.kwargs):
@@ -810,6 +835,8 @@ RULES = [
     ({aten.einsum.default}, _einsum),  # einsum contractions are matmuls with permutes
     ({aten.div.Tensor, aten.div.Scalar}, _div_scalar),  # x / c == x * (1/c)
     ({aten.mul.Tensor}, _mul),  # scalars on the right; chained scalars fold; * 1 disappears
+    ({aten.pow.Tensor_Scalar, aten.reciprocal.default}, _rsqrt),  # y ** -0.5 and 1 / sqrt(y) are rsqrt(y)
+    ({aten.div.Tensor}, _div_sqrt),  # x / sqrt(y) is x * rsqrt(y)
     ({aten.mul.Tensor, aten.div.Tensor}, _softmax_decomposed),  # exp(x - max) / sum is softmax
     ({aten.matmul.default}, _matmul_scale),  # pre-scaled q or k: scale the matmul output instead
     ({aten.transpose.int, aten.permute.default, aten.reshape.default, aten.expand.default,

@@ -268,7 +268,7 @@ def _rotation(pairs: bool) -> Template:
          .node("cos_mul", aten.mul.Tensor).node("sin_mul", aten.mul.Tensor).node("add", aten.add.Tensor)
          .node("rot", aten.stack.default if pairs else aten.cat.default)
          .node("neg", aten.neg.default)
-         .node("hi", aten.slice.Tensor).node("lo", aten.slice.Tensor)
+         .node("hi", aten.slice.Tensor, operator.getitem).node("lo", aten.slice.Tensor, operator.getitem)
          .edge("hi", "neg", 0).edge("neg", "rot", 0).edge("lo", "rot", 1)
          .edge("cos_mul", "add").edge("sin_mul", "add"))
     if pairs:
@@ -283,7 +283,7 @@ def _rope(m) -> bool:
     """x·cos + rotate(x)·sin with the slices of the same x, x also the factor of cos: the halves at half its last
     dim (x₂ negated), or the pairs (odd elements negated) stacked on a new last dim and flattened back to x's
     shape; cos and sin as :func:`_cos_and_sin` requires."""
-    hi, lo = last_dim_slice(m["hi"]), last_dim_slice(m["lo"])
+    hi, lo = _part(m["hi"]), _part(m["lo"])
     if hi is None or lo is None:
         return False
     x = hi[0]
@@ -362,29 +362,41 @@ ROPE_HALVES = (Template("rope", anchor="cat")
                .edge("sub", "cat").edge("add", "cat"))
 
 
+def _part(n):
+    """``(source, start, stop, step)`` of a value that is a part of another along the last dim: a slice, or a part
+    of a ``split`` / ``chunk`` there; else None."""
+    if not isinstance(n, fx.Node):
+        return None
+    if n.target == aten.slice.Tensor:
+        return last_dim_slice(n)
+    if n.target != operator.getitem or not isinstance(n.args[0], fx.Node) or \
+            n.args[0].target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        return None
+    sp, i = n.args
+    src = sp.args[0]
+    rank, w = len(shape(src)), shape(src)[-1]
+    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
+    sizes = sp.args[1]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, w - s) for s in range(0, w, sizes)] if sizes > 0 else []
+    if dim % rank != rank - 1 or not isinstance(i, int) or i >= len(sizes):
+        return None
+    start = sum(sizes[:i])
+    return src, start, start + sizes[i], 1
+
+
 def _halves(x1, x2):
     """The common source of two values that are its first and second half along the last dim, or None."""
-    def part(n):
-        if not isinstance(n, fx.Node):
+    def half(n):
+        p = _part(n)
+        if p is None:
             return None
-        sl = last_dim_slice(n)
-        if sl is not None:
-            src, start, stop, step = sl
-            w = shape(src)[-1]
-            if w % 2 or step != 1:
-                return None
-            return (src, 0) if (start, stop) == (0, w // 2) else (src, 1) if (start, stop) == (w // 2, w) else None
-        if n.target == operator.getitem and n.args[0].target in (aten.split.Tensor, aten.split_with_sizes.default):
-            sp = n.args[0]
-            src = sp.args[0]
-            w = shape(src)[-1]
-            dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-            sizes = sp.args[1] if isinstance(sp.args[1], (list, tuple)) else [sp.args[1]] * 2
-            if dim % len(shape(src)) != len(shape(src)) - 1 or w % 2 or list(sizes[:2]) != [w // 2, w // 2]:
-                return None
-            return src, n.args[1]
-        return None
-    a, b = part(x1), part(x2)
+        src, start, stop, step = p
+        w = shape(src)[-1]
+        if w % 2 or step != 1:
+            return None
+        return (src, 0) if (start, stop) == (0, w // 2) else (src, 1) if (start, stop) == (w // 2, w) else None
+    a, b = half(x1), half(x2)
     return a[0] if a and b and a[0] is b[0] and (a[1], b[1]) == (0, 1) else None
 
 

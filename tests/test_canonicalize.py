@@ -183,3 +183,25 @@ def test_networkx_view_has_one_node_per_fx_node():
     assert g.nodes[sm]["shape"] == (2, 3, 5, 6) and g.nodes[sm]["dtype"] == "torch.float32"
     (pred,) = g.predecessors(sm)
     assert g.nodes[pred]["target"] == "aten.mul.Tensor"
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x * (x.pow(2).mean(-1, keepdim=True) + 1e-6).pow(-0.5),
+    lambda x: x * torch.reciprocal(torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),
+    lambda x: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+])
+def test_a_row_statistics_inverse_root_is_rsqrt(fn):
+    ops = _canon(fn, x4)
+    assert aten.rsqrt.default in ops
+    assert not {aten.sqrt.default, aten.reciprocal.default, aten.div.Tensor} & set(ops), ops
+    assert aten.pow.Tensor_Scalar in ops        # the square stays; the -0.5 power is gone
+    assert ops.count(aten.pow.Tensor_Scalar) == 1
+
+
+def test_a_zero_d_scales_root_and_other_powers_stay():
+    # a learnable 0-d temperature's root is left as written (a fused call's preamble may rebuild its reciprocal,
+    # not an rsqrt); pow(-0.25) is no inverse square root
+    t = torch.tensor(4.0)
+    ops = _canon(lambda x, t: x / torch.sqrt(t) + x * (x.pow(2).mean(-1, keepdim=True) + 1).pow(-0.25), x4, t)
+    assert aten.rsqrt.default not in ops and aten.sqrt.default in ops, ops
+

@@ -97,8 +97,22 @@ class Norm(nn.Module):
 
     def forward(self, x, r):
         h = x + r
+        ms = h.pow(2).mean(-1, keepdim=True)
         if self.kind == "rms":
-            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            y = h * torch.rsqrt(ms + 1e-6)
+        elif self.kind == "rms_div_sqrt":          # the same norm, its inverse root spelled three other ways
+            y = h / torch.sqrt(ms + 1e-6)
+        elif self.kind == "rms_pow":
+            y = h * (ms + 1e-6).pow(-0.5)
+        elif self.kind == "rms_reciprocal":
+            y = h * torch.reciprocal(torch.sqrt(ms + 1e-6))
+        elif self.kind == "rms_mean_unsqueezed":   # the statistic's dim dropped, then put back
+            y = h * torch.rsqrt(h.pow(2).mean(-1).unsqueeze(-1) + 1e-6)
+        elif self.kind == "pow_quarter":           # not an inverse square root
+            y = h * (ms + 1e-6).pow(-0.25)
+        elif self.kind == "ln_div_sqrt":           # LayerNorm divided by its root
+            c = h - h.mean(-1, keepdim=True)
+            y = c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
         elif self.kind == "centred":               # Cohere's LayerNorm without bias: x - mean(x) normalised
             c = h - h.mean(-1, keepdim=True)
             y = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -107,7 +121,10 @@ class Norm(nn.Module):
         return torch.relu(y * self.w) @ x.new_ones(32, 8), h
 
 
-@pytest.mark.parametrize("kind,name", [("rms", "add_rms_norm"), ("centred", "layer_norm"), ("eps_outside", None)])
+@pytest.mark.parametrize("kind,name", [("rms", "add_rms_norm"), ("centred", "layer_norm"), ("eps_outside", None),
+                                       ("rms_div_sqrt", "add_rms_norm"), ("rms_pow", "add_rms_norm"),
+                                       ("rms_reciprocal", "add_rms_norm"), ("rms_mean_unsqueezed", "add_rms_norm"),
+                                       ("pow_quarter", None), ("ln_div_sqrt", "layer_norm")])
 def test_norm_named_only_when_it_is_one(kind, name):
     torch.manual_seed(0)
     m = Norm(kind).eval()
@@ -221,6 +238,10 @@ class Rope(nn.Module):
     def forward(self, q, cos, sin):
         h = q.shape[-1] // 2
         x1, x2 = q[..., :h], q[..., h:]
+        if self.sign.startswith("chunk"):               # the halves by chunk (split): the same rotation
+            x1, x2 = q.chunk(2, -1)
+            if self.sign == "chunk_wrong":
+                x1, x2 = x2, x1
         if self.sign in ("halves", "halves_wrong", "halves_negated_sin"):   # GPT-OSS: each half rotated apart
             c, s = cos[..., :h], sin[..., :h]
             if self.sign == "halves_negated_sin":     # the inverse rotation, by the sine negated in the graph
@@ -259,7 +280,8 @@ class Rope(nn.Module):
                                         ("halves", True), ("halves_wrong", False), ("pairs_no_tables", False),
                                         ("pairs_inverse", False), ("negated_sin", False), ("cos_twice", False),
                                         ("halves_negated_sin", False), ("from_angles", True),
-                                        ("scaled_angles", True), ("swapped_angles", False)])
+                                        ("scaled_angles", True), ("swapped_angles", False), ("chunk", True),
+                                        ("chunk_wrong", False)])
 def test_rope_named_only_with_the_right_sign(sign, named):
     torch.manual_seed(0)
     m = Rope(sign).eval()
