@@ -1,0 +1,117 @@
+"""torch's own nn.Transformer family fused: the values eager gives, where eager's code takes a path a trace does not.
+
+``nn.TransformerEncoder`` in eval with a padding mask runs eager's nested-tensor path (0 at every padded position,
+before the final norm), which a trace does not take; a mask given without ``is_causal`` is compared with a causal
+mask on the data, which torch.export refuses. autofuse.capture answers both as eager does."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autofuse import AutoFusionEngine
+
+warnings.filterwarnings("ignore", message=".*nested tensors.*")
+
+
+def _encoder(batch_first=True, norm=False, mask_check=True, layers=2):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=batch_first)
+    enc = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(32) if norm else None, mask_check=mask_check)
+    return enc.eval()
+
+
+def _padding(kind, b=3, s=12):
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    if kind == "left_aligned":            # each sequence's tokens first, then its padding
+        pad[1, -4:] = True
+        pad[2, -7:] = True
+    elif kind == "not_aligned":           # a padded position before a token: eager's nested path does not apply
+        pad[1, 2] = True
+        pad[2, -3:] = True
+    elif kind == "none_padded":
+        pass
+    return pad
+
+
+def _close(got, want, ref):
+    """Within twice eager's own error against the float64 model, elementwise bound by the largest of them."""
+    bound = 2 * (want.double() - ref).abs().max().item() + 1e-6
+    assert (got.double() - want.double()).abs().max().item() <= bound, (got - want).abs().max()
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("kind", ["left_aligned", "not_aligned", "none_padded"])
+def test_an_encoder_with_a_padding_mask_in_eval_gives_eagers_values(batch_first, norm, kind):
+    enc = _encoder(batch_first, norm)
+    pad = _padding(kind)
+    x = torch.randn(3, 12, 32) if batch_first else torch.randn(12, 3, 32)
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=pad)
+        ref = copy.deepcopy(enc).double()(x.double(), src_key_padding_mask=pad)
+    fused = AutoFusionEngine.fuse(enc, ((x,), {"src_key_padding_mask": pad}))
+    assert [d.pattern for d in fused.report.applied].count("attention") == 2, fused.report.summary()
+    with torch.no_grad():
+        got = fused(x, src_key_padding_mask=pad)
+        # the plan serves other masks of the shape: the left alignment is checked on the data, as eager checks it
+        other = _padding("not_aligned" if kind == "left_aligned" else "left_aligned")
+        want2, got2 = enc(x, src_key_padding_mask=other), fused(x, src_key_padding_mask=other)
+        ref2 = copy.deepcopy(enc).double()(x.double(), src_key_padding_mask=other)
+    _close(got, want, ref)
+    _close(got2, want2, ref2)
+    if kind == "left_aligned" and not norm and batch_first:      # eager's nested path (batch_first only)
+        assert (got[pad] == 0).all() and (want[pad] == 0).all()
+
+
+def test_an_encoder_called_with_grad_takes_the_padded_path_as_eager():
+    # with grad enabled and parameters that require it, eager does not take its nested path: no zeros
+    enc = _encoder()
+    pad, x = _padding("left_aligned"), torch.randn(3, 12, 32)
+    want = enc(x, src_key_padding_mask=pad)
+    fused = AutoFusionEngine.fuse(enc, ((x,), {"src_key_padding_mask": pad}))
+    got = fused(x, src_key_padding_mask=pad)
+    assert not (want[pad] == 0).all() and not (got[pad] == 0).all()
+    ref = copy.deepcopy(enc).double()(x.double(), src_key_padding_mask=pad)
+    _close(got.detach(), want.detach(), ref.detach())
+    with torch.no_grad():                 # the same fused module, now without grad: the nested path's zeros
+        assert (fused(x, src_key_padding_mask=pad)[pad] == 0).all()
+
+
+def test_an_encoder_without_the_mask_check_zeroes_the_padding_as_eager():
+    enc = _encoder(mask_check=False)
+    pad, x = _padding("left_aligned"), torch.randn(3, 12, 32)
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=pad)
+        fused = AutoFusionEngine.fuse(enc, ((x,), {"src_key_padding_mask": pad}))
+        got = fused(x, src_key_padding_mask=pad)
+    assert (want[pad] == 0).all() and (got[pad] == 0).all()
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer called as torch's tutorial calls it: a causal ``tgt_mask``, ``tgt_is_causal`` left unset."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(32, 4, 1, 1, 64, 0.0, batch_first=True)
+
+    def forward(self, src, tgt, tgt_mask):
+        return self.t(src, tgt, tgt_mask=tgt_mask)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "not_causal"])
+def test_a_transformer_with_a_mask_and_no_causal_hint_fuses_and_gives_eagers_values(mask_kind):
+    torch.manual_seed(0)
+    m = Seq2Seq().eval()
+    src, tgt = torch.randn(2, 10, 32), torch.randn(2, 7, 32)
+    mask = nn.Transformer.generate_square_subsequent_mask(7)
+    if mask_kind == "not_causal":
+        mask = mask.T.contiguous()
+    fused = AutoFusionEngine.fuse(m, (src, tgt, mask))
+    assert [d.pattern for d in fused.report.applied].count("attention") == 3, fused.report.summary()
+    with torch.no_grad():
+        want = m(src, tgt, mask)
+        ref = copy.deepcopy(m).double()(src.double(), tgt.double(), mask.double())
+        _close(fused(src, tgt, mask), want, ref)
