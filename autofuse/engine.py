@@ -513,6 +513,10 @@ def _aliased(leaves, updated) -> bool:
     return any(len(ix) > 1 and any(i in updated for i in ix) for ix in storages.values())
 
 
+#: torch's fused fast paths of its transformer modules (an aten op each): opaque to every pattern
+_FAST_PATHS = (torch.ops.aten._transformer_encoder_layer_fwd.default, torch.ops.aten._native_multi_head_attention.default)
+
+
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,
                  sizes=None, verdicts=None) -> Plan:
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring). ``sizes``: the
@@ -598,6 +602,18 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"checkpointed function once and keeps its activations for the backward, as with "
                                f"checkpointing off (the same gradients, more activation memory); where that memory "
                                f"limits the batch, run the model eagerly")
+        warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
+    opaque = sorted({str(n.target).split(".")[-2] for n in cap_gm.graph.nodes if n.target in _FAST_PATHS})
+    if opaque:
+        # nn.TransformerEncoderLayer / nn.MultiheadAttention in eval without grad, as Dynamo traces them: torch's
+        # own fused kernels, whose insides no pattern sees
+        report.warnings.append(f"the graph calls torch's fast-path kernel(s) {', '.join(opaque)} (torch's "
+                               f"nn.TransformerEncoderLayer or nn.MultiheadAttention in eval without grad), which "
+                               f"run as torch's own: nothing inside them is fused, and each is priced as one generic "
+                               f"pass over the bytes it moves, not its work. To fuse those layers, call "
+                               f"torch.backends.mha.set_fastpath_enabled(False) before torch.compile (Dynamo then "
+                               f"traces their composite path: the same values up to rounding), or fuse the model "
+                               f"with autofuse.AutoFusionEngine.fuse")
         warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
     made = Plan(captured, _make_live(fused, model), report, gm, guards, model)
     if cap_gm.meta.get("autofuse_autograd_reads") or cap_gm.meta.get("autofuse_custom_functions"):

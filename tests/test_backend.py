@@ -445,3 +445,30 @@ def test_a_scalar_tensor_argument_read_with_item_is_not_taken_for_a_float():
             t = torch.tensor(v, dtype=torch.float64)
             torch.testing.assert_close(compiled(x, t), model(x, t), atol=1e-6, rtol=1e-5)   # fp32 reassociation
     assert all(len(g.fused.plans) <= 1 for g in graphs(compiled))
+
+
+def test_torchs_encoder_fast_path_is_named_with_the_way_to_fuse_it():
+    # in eval without grad Dynamo captures nn.TransformerEncoderLayer as torch's fused kernel, which no pattern sees:
+    # the report and a warning say so and how to fuse the layers; with torch's fast path off they fuse
+    torch.manual_seed(0)
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True), 2,
+                                      enable_nested_tensor=False).eval()
+    x = torch.randn(2, 8, 32)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.warns(UserWarning, match="set_fastpath_enabled"):
+        torch.compile(enc, backend="autofuse")(x)
+    (r,) = reports(enc)
+    assert not r.applied and any("_transformer_encoder_layer_fwd" in w for w in r.warnings), r.warnings
+    torch._dynamo.reset()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        compiled = torch.compile(enc, backend="autofuse")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*fast-path")
+            got = compiled(x)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    r = reports(enc)[-1]
+    assert [d.pattern for d in r.applied].count("attention") == 2, r.summary()
+    with torch.no_grad():
+        assert torch.allclose(got, enc(x), atol=1e-5)
