@@ -64,3 +64,22 @@ def test_report_round_trips_and_reason_codes_are_stable():
     assert doc["applied"][0]["hbm_bytes_saved"] == 4000 and doc["applied"][0]["speedup"] == 3.0
     assert "fused" in r.summary() and "| fused | attention |" in r.to_markdown()
     assert {"fused", "not_profitable", "conflict", "verification_failed", "memory_budget"} <= set(REASON_CODES)
+
+
+def test_a_region_that_cannot_be_carried_over_inside_a_fused_block_is_named_by_that_block():
+    # nn.MultiheadAttention with a 3-D bool mask and its weights returned: the softmax and the mask's Vector chain
+    # read the canonical form's product, which the captured graph does not hold; they lie in the fused attention
+    # block, and the report says so instead of calling them unsupported
+    import torch
+
+    from autofuse import AutoFusionEngine
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    q, kv = torch.randn(2, 16, 64), torch.randn(2, 24, 64)
+    mask = torch.rand(8, 16, 24) > 0.6
+    mask[:, :, 0] = False
+    fused = AutoFusionEngine.fuse(m, ((q, kv, kv), {"attn_mask": mask}))
+    assert [d.pattern for d in fused.report.applied] == ["attention"], fused.report.summary()
+    others = fused.report.rejected
+    assert others and all(d.reason_code == "conflict" and "overlaps the attention block" in d.reason and
+                          "cannot be carried over" in d.reason for d in others), fused.report.summary()
