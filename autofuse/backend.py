@@ -39,6 +39,7 @@ Library warnings torch raises against itself during capture are silenced at the 
 """
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 import weakref
@@ -123,6 +124,7 @@ class Backend:
                           f"unfused, as Dynamo captured it: a capture would keep only its forward. Under "
                           f"torch.no_grad() it fuses.", stacklevel=2)
             return gm
+        _composite_fast_paths(gm)                   # torch's fused encoder layers, as ops a pattern sees
         floats = _wrapped_floats(gm, example)       # from here on, gm takes those inputs as Python floats
         passed, n_out = _passed_through(gm)         # and returns only what it computes
 
@@ -243,6 +245,55 @@ def _passed_through(gm: torch.fx.GraphModule) -> tuple[dict, int]:
         out.args = (tuple(v for k, v in enumerate(values) if k not in passed),)
         gm.recompile()
     return passed, len(values)
+
+
+def encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
+                  eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2,
+                  ffn_bias_2, mask=None, mask_type=None):
+    """``torch._transformer_encoder_layer_fwd`` (the fast path Dynamo captures for ``nn.TransformerEncoderLayer`` in
+    eval without grad: one opaque kernel) as the torch ops its CPU kernel computes, which a capture sees into:
+    q scaled by ``1/sqrt(head_dim)`` before ``q·kᵀ``; a mask (``merge_masks``'s: type 1 a ``[B, S]`` padding mask,
+    else ``[S, S]`` or ``[B, H, S, S]``) masks where it is nonzero (the kernel casts a float mask to bool), a row with
+    every key masked gives NaN as the kernel's does; ``use_gelu`` selects exact GELU over ReLU."""
+    F = torch.nn.functional
+    b, t, _ = src.shape
+    heads, dim = num_heads, embed_dim // num_heads
+
+    def attention(x):
+        q, k, v = F.linear(x, qkv_weight, qkv_bias).view(b, t, 3, heads, dim).permute(2, 0, 3, 1, 4)
+        scores = (q * (1.0 / math.sqrt(dim))) @ k.transpose(-2, -1)
+        if mask is None:
+            probs = scores.softmax(-1)
+        else:
+            masked = mask if mask.dtype == torch.bool else mask != 0
+            masked = masked.view(b, 1, 1, t) if mask_type == 1 else masked.view(1, 1, t, t) if masked.dim() == 2 \
+                else masked
+            probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
+        out = (probs @ v).transpose(1, 2).reshape(b, t, embed_dim)
+        return F.linear(out, proj_weight, proj_bias)
+
+    def ffn(x):
+        hidden = F.linear(x, ffn_weight_1, ffn_bias_1)
+        return F.linear(F.gelu(hidden) if use_gelu else F.relu(hidden), ffn_weight_2, ffn_bias_2)
+
+    def norm(x, weight, bias):
+        return F.layer_norm(x, (embed_dim,), weight, bias, eps)
+
+    if norm_first:
+        x = src + attention(norm(src, norm_weight_1, norm_bias_1))
+        return x + ffn(norm(x, norm_weight_2, norm_bias_2))
+    x = norm(src + attention(src), norm_weight_1, norm_bias_1)
+    return norm(x + ffn(x), norm_weight_2, norm_bias_2)
+
+
+def _composite_fast_paths(gm) -> int:
+    """Dynamo's calls of torch's encoder-layer fast path replaced by :func:`encoder_layer`, in place; how many."""
+    hits = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._transformer_encoder_layer_fwd]
+    for n in hits:
+        n.target = encoder_layer
+    if hits:
+        gm.recompile()
+    return len(hits)
 
 
 def _run_as_captured(error) -> None:

@@ -447,28 +447,49 @@ def test_a_scalar_tensor_argument_read_with_item_is_not_taken_for_a_float():
     assert all(len(g.fused.plans) <= 1 for g in graphs(compiled))
 
 
-def test_torchs_encoder_fast_path_is_named_with_the_way_to_fuse_it():
-    # in eval without grad Dynamo captures nn.TransformerEncoderLayer as torch's fused kernel, which no pattern sees:
-    # the report and a warning say so and how to fuse the layers; with torch's fast path off they fuse
+
+def test_torchs_encoder_fast_path_fuses_through_compile():
+    # in eval without grad Dynamo captures nn.TransformerEncoderLayer as torch's fused kernel
+    # (_transformer_encoder_layer_fwd), which no pattern sees: the backend runs it as the ops it computes, and
+    # the layers fuse with eager's values (eager runs the fast path too)
     torch.manual_seed(0)
-    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True), 2,
-                                      enable_nested_tensor=False).eval()
-    x = torch.randn(2, 8, 32)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True, activation="gelu")
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x, pad = torch.randn(2, 8, 32), torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, -3:] = True
     torch._dynamo.reset()
-    with torch.no_grad(), pytest.warns(UserWarning, match="set_fastpath_enabled"):
-        torch.compile(enc, backend="autofuse")(x)
-    (r,) = reports(enc)
-    assert not r.applied and any("_transformer_encoder_layer_fwd" in w for w in r.warnings), r.warnings
-    torch._dynamo.reset()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        compiled = torch.compile(enc, backend="autofuse")
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.filterwarnings("error", message=".*fast-path")
-            got = compiled(x)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+    compiled = torch.compile(enc, backend="autofuse")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fast-path")
+        got = compiled(x, src_key_padding_mask=pad)
+        want = enc(x, src_key_padding_mask=pad)
+    (g,) = graphs(enc)
+    assert "_transformer_encoder_layer_fwd" not in g.graph_module.code
     r = reports(enc)[-1]
     assert [d.pattern for d in r.applied].count("attention") == 2, r.summary()
-    with torch.no_grad():
-        assert torch.allclose(got, enc(x), atol=1e-5)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_a_graph_calling_torchs_fast_path_kernel_says_it_is_opaque():
+    # the same kernel called by a forward fused directly: it runs as torch's own, unfused, and the report and a
+    # warning say so and what fuses the layer
+    torch.manual_seed(0)
+
+    class Direct(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True).eval()
+
+        def forward(self, x):
+            m = self.layer
+            a = m.self_attn
+            return torch._transformer_encoder_layer_fwd(
+                x, a.embed_dim, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj.weight, a.out_proj.bias,
+                False, False, m.norm1.eps, m.norm1.weight, m.norm1.bias, m.norm2.weight, m.norm2.bias,
+                m.linear1.weight, m.linear1.bias, m.linear2.weight, m.linear2.bias, None, None)
+
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad(), pytest.warns(UserWarning, match="set_fastpath_enabled"):
+        fused = autofuse.AutoFusionEngine.fuse(Direct().eval(), (x,))
+    assert not fused.report.applied
+    assert any("_transformer_encoder_layer_fwd" in w for w in fused.report.warnings), fused.report.warnings

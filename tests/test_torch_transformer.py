@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autofuse import AutoFusionEngine
 
@@ -115,3 +116,35 @@ def test_a_transformer_with_a_mask_and_no_causal_hint_fuses_and_gives_eagers_val
         want = m(src, tgt, mask)
         ref = copy.deepcopy(m).double()(src.double(), tgt.double(), mask.double())
         _close(fused(src, tgt, mask), want, ref)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("masks", ["none", "padding", "causal", "both", "bool_3d"])
+def test_the_encoder_layer_fast_path_as_ops_computes_torchs_kernel(norm_first, activation, masks):
+    """autofuse.backend.encoder_layer, what the compile route runs for torch._transformer_encoder_layer_fwd, gives the
+    kernel's values: within a few fp32 roundings (the kernel's own order of sums), NaN where it gives NaN (a batch
+    whose every key is padded)."""
+    from autofuse.backend import encoder_layer
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True, norm_first=norm_first,
+                                       activation=activation).eval()
+    x = torch.randn(3, 10, 32)
+    pad = torch.zeros(3, 10, dtype=torch.bool)
+    pad[1, -3:] = True
+    pad[2, :] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(10)
+    src_mask = {"causal": causal, "both": causal, "bool_3d": torch.rand(12, 10, 10) > 0.7}.get(masks)
+    padding = pad if masks in ("padding", "both") else None
+    canon = lambda m: None if m is None else F._canonical_mask(                    # noqa: E731
+        mask=m, mask_name="mask", other_type=None, other_name="", target_type=x.dtype, check_other=False)
+    a = layer.self_attn
+    mask, mask_type = a.merge_masks(canon(src_mask), canon(padding), x)
+    args = (x, a.embed_dim, a.num_heads, a.in_proj_weight, a.in_proj_bias, a.out_proj.weight, a.out_proj.bias,
+            layer.activation_relu_or_gelu == 2, norm_first, layer.norm1.eps, layer.norm1.weight, layer.norm1.bias,
+            layer.norm2.weight, layer.norm2.bias, layer.linear1.weight, layer.linear1.bias, layer.linear2.weight,
+            layer.linear2.bias, mask, mask_type)
+    with torch.no_grad():
+        want, got = torch._transformer_encoder_layer_fwd(*args), encoder_layer(*args)
+    assert torch.equal(want.isnan(), got.isnan())
+    assert torch.allclose(got.nan_to_num(0), want.nan_to_num(0), atol=4e-6), (got - want).nan_to_num(0).abs().max()
