@@ -129,7 +129,8 @@ _UNARY = {
     aten.neg.default: "neg", aten.abs.default: "abs", aten.exp.default: "exp", aten.log.default: "log",
     aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.reciprocal.default: "reciprocal",
     aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
-    aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos",
+    aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos", aten.erf.default: "erf",
+    aten.log1p.default: "log1p", aten.expm1.default: "expm1",
 }
 _BINARY = {
     aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
@@ -435,6 +436,10 @@ def lower(node: fx.Node) -> Program:
     if t == aten.gelu.default:
         approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
         return Program([Step("elementwise", (Arg(0),), {"op": "gelu_tanh" if approx == "tanh" else "gelu"})], ins)
+    if t in _ACTIVATIONS:
+        act = _lower_activation(node, ins)
+        if act is not None:
+            return act
     if t in _BINARY:
         a, b = node.args[0], node.args[1] if len(node.args) > 1 else None
         op = _BINARY[t]
@@ -732,6 +737,23 @@ def _row_grad_cached(fn, specs, consts):
     if any(i not in phs for i in built.inputs):
         return None
     return built.program, [phs.index(i) for i in built.inputs]
+
+
+_ACTIVATIONS = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.default, aten.leaky_relu.default,
+                aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default, aten.relu6.default,
+                aten.hardsigmoid.default, aten.hardswish.default}
+
+
+def _lower_activation(node, ins):
+    """An activation eager runs as one kernel of its own (CANN's Softplus, Mish, LeakyRelu, Elu, HardSwish, ...):
+    one Vector launch of the instructions a generated kernel runs for it, the program of the node alone."""
+    from autofuse.vector_program import NotExpressible, ProgramError, program_from_nodes
+    try:
+        built = program_from_nodes([node], [node])
+    except (NotExpressible, ProgramError):
+        return None
+    return Program([Step("vector_program", tuple(Arg(ins.index(i)) for i in built.inputs),
+                         {"program": built.program})], ins)
 
 
 def _lower_backward(node, t, ins):

@@ -33,6 +33,7 @@ _UNARY_TORCH = {
     "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal,
     "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": F.silu, "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sin": torch.sin, "cos": torch.cos,
+    "erf": torch.erf, "softplus": F.softplus, "log1p": torch.log1p, "expm1": torch.expm1,
 }
 _BINARY_TORCH = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
@@ -78,6 +79,13 @@ def _eval(ins: Instr, args):
     if ins.kind == "clamp" and op in ("maximum", "minimum") and not isinstance(args[1], torch.Tensor):
         # a clamp's bound: torch.clamp's gradient (all of g at the bound itself), not maximum's (half of it)
         return torch.clamp(_f32(args[0]), **{"min" if op == "maximum" else "max": float(args[1])})
+    if ins.kind in ("hardtanh", "open") and op in ("maximum", "minimum") and not isinstance(args[1], torch.Tensor):
+        x, lo = _f32(args[0]), float(args[1])
+        if ins.kind == "hardtanh":          # torch's hardtanh: no gradient at the bound, all of it at NaN
+            return F.hardtanh(x, lo, math.inf) if op == "maximum" else F.hardtanh(x, -math.inf, lo)
+        # hardsigmoid's: a gradient only strictly inside the bound (none at NaN)
+        inside = x > lo if op == "maximum" else x < lo
+        return torch.where(inside, x, torch.clamp(x.detach(), **{"min" if op == "maximum" else "max": lo}))
     if op == "slice":
         x = _f32(args[0])
         return x[..., ins.start:ins.stop:ins.step]
@@ -188,7 +196,14 @@ _UNARY_ATEN = {aten.neg.default: "neg", aten.abs.default: "abs", aten.exp.defaul
                aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
                aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos",
                aten.square.default: "square", aten.logical_not.default: "logical_not",
-               aten.bitwise_not.default: "logical_not"}
+               aten.bitwise_not.default: "logical_not", aten.erf.default: "erf", aten.log1p.default: "log1p",
+               aten.expm1.default: "expm1"}
+# activations written with the program's instructions (see _Build.activation)
+_ACTIVATION_ATEN = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.default,
+                    aten.log_sigmoid_forward.default, aten.leaky_relu.default,
+                    aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default,
+                    aten.relu6.default, aten.hardsigmoid.default, aten.hardswish.default}
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 _BINARY_ATEN = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
                 aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
                 aten.maximum.default: "maximum", aten.minimum.default: "minimum", aten.pow.Tensor_Scalar: "pow",
@@ -396,6 +411,8 @@ class _Build:
             return self.view(n)
         if t in _UNARY_ATEN:
             return self.round(n, b.op(_UNARY_ATEN[t], self.arg(n, n.args[0])))
+        if t in _ACTIVATION_ATEN:
+            return self.round(n, self.activation(n, self.arg(n, n.args[0])))
         if t == aten.gelu.default:
             approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
             return self.round(n, b.op("gelu_tanh" if approx == "tanh" else "gelu", self.arg(n, n.args[0])))
@@ -522,8 +539,10 @@ class _Build:
         src, i = n.args
         if src.target == aten.native_layer_norm.default:       # (y, mean, rstd)
             return self.val[src][i]
-        if src.target == aten.native_dropout.default and i == 0:   # (output, mask)
-            return self.val[src]
+        if src.target in (aten.native_dropout.default, aten.log_sigmoid_forward.default) and i == 0:
+            return self.val[src]                                  # (output, mask), (output, buffer)
+        if src.target == aten.log_sigmoid_forward.default:
+            return None                                           # the buffer: no value of the program
         if src.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             self.fail(n, "getitem of something other than a split")
         x = src.args[0]
@@ -559,6 +578,49 @@ class _Build:
         return y if n.target == aten.layer_norm.default else (y, mean, rstd)
 
 
+    def activation(self, n, x):
+        """An activation as torch computes it on CPU, in the program's instructions (the gradients they derive are
+        torch's, at the kinks too): ``softplus`` ``(x·β > threshold) ? x : softplus(x·β) / β``; ``mish``
+        ``x · tanh(softplus(x))``; ``log_sigmoid`` ``−softplus(−x)``; ``leaky_relu`` ``x > 0 ? x : x · slope``;
+        ``elu`` (``selu``, ``celu``) ``x <= 0 ? expm1(min(x · input_scale, 0)) · alpha · scale : x · scale``; ``hardtanh``
+        (``relu6``) the clamp; ``hardsigmoid`` ``min(max(x + 3, 0), 6) / 6`` and ``hardswish`` ``x`` times its
+        numerator, then ``/ 6``."""
+        b, t = self.b, n.target
+        a = list(n.args[1:])
+
+        def param(i, name, default):
+            return float(a[i] if len(a) > i else n.kwargs.get(name, default))
+        if t == aten.softplus.default:
+            beta, threshold = param(0, "beta", 1.0), param(1, "threshold", 20.0)
+            z = x if beta == 1.0 else b.mul(x, beta)
+            sp = b.softplus(z) if beta == 1.0 else b.div(b.softplus(z), beta)
+            # beyond 17, softplus(z) is z in fp32: torch's default threshold (20) changes nothing
+            return sp if beta == 1.0 and threshold == 20.0 else b.where(b.gt(z, threshold), x, sp)
+        if t == aten.mish.default:
+            return b.mul(x, b.tanh(b.softplus(x)))
+        if t in (aten.log_sigmoid.default, aten.log_sigmoid_forward.default):    # the latter: (output, buffer)
+            return b.neg(b.softplus(b.neg(x)))
+        if t == aten.leaky_relu.default:
+            return b.where(b.gt(x, 0.0), x, b.mul(x, param(0, "negative_slope", 0.01)))
+        if t in (aten.elu.default, aten.selu.default, aten.celu.default):
+            if t == aten.selu.default:
+                alpha, scale, input_scale = _SELU_ALPHA, _SELU_SCALE, 1.0
+            elif t == aten.celu.default:
+                alpha = param(0, "alpha", 1.0)
+                alpha, scale, input_scale = alpha, 1.0, 1.0 / alpha
+            else:
+                alpha, scale, input_scale = param(0, "alpha", 1.0), param(1, "scale", 1.0), param(2, "input_scale", 1.0)
+            negcoef = float(torch.tensor(alpha, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32))
+            # expm1 of min(z, 0): the branch not taken overflows to inf nowhere, so its zero gradient stays zero
+            z = b.minimum(x if input_scale == 1.0 else b.mul(x, input_scale), 0.0, kind="clamp")
+            neg = b.mul(b.expm1(z), negcoef) if negcoef != 1.0 else b.expm1(z)
+            return b.where(b.le(x, 0.0), neg, x if scale == 1.0 else b.mul(x, scale))
+        if t in (aten.hardtanh.default, aten.relu6.default):
+            lo, hi = (param(0, "min_val", -1.0), param(1, "max_val", 1.0)) if t == aten.hardtanh.default else (0.0, 6.0)
+            return b.minimum(b.maximum(x, lo, kind="hardtanh"), hi, kind="hardtanh")
+        six = b.minimum(b.maximum(b.add(x, 3.0), 0.0, kind="open"), 6.0, kind="open")
+        return b.div(six if t == aten.hardsigmoid.default else b.mul(x, six), 6.0)
+
     def rms_norm(self, n):
         """torch's ``rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) as its decomposition computes it: in fp32 (a 16-bit x
         widened), ``x · rsqrt(mean(x²) + eps) · weight``, rounded once to x's dtype; no eps is fp32's epsilon."""
@@ -584,8 +646,9 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     (default: those with a user outside the region). The iteration space is the first output's shape:
     ``lead`` = its leading dims, and every value must broadcast to ``(*lead, width)``.
 
-    The mapping: unary ops (neg abs exp log sqrt rsqrt reciprocal relu sigmoid tanh silu sin cos square,
-    gelu with either approximation) -> the op; add/sub (with alpha) mul div maximum minimum pow (tensor or
+    The mapping: unary ops (neg abs exp log sqrt rsqrt reciprocal relu sigmoid tanh silu sin cos square erf
+    log1p expm1, gelu with either approximation) -> the op; softplus mish log_sigmoid leaky_relu elu selu celu
+    hardtanh relu6 hardsigmoid hardswish -> their formulas (:meth:`_Build.activation`); add/sub (with alpha) mul div maximum minimum pow (tensor or
     scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
     -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin
     over the last dim -> reduce; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;

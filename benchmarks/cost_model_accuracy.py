@@ -201,7 +201,9 @@ def _vector_cases(quick: bool):
                ([((4, 32, 128, 128), f16)], {"op": "mul", "scalar": 0.125}),
                ([((1000, 1000), "bool"), ((1000, 1000), f16), ((1000, 1000), f16)], {"op": "where"}),
                ([((4096, 11008), bf16)], {"op": "silu"}),
-               ([((17, 4097), f32)], {"op": "sigmoid"})]
+               ([((17, 4097), f32)], {"op": "sigmoid"}),
+               ([((2, 512, 4096), bf16)], {"op": "erf"}), ([((4096, 2048), f16)], {"op": "softplus"}),
+               ([((333, 777), f32)], {"op": "log1p"}), ([((1000, 1000), f16)], {"op": "expm1"})]
     for i, (ins, p) in enumerate(ew):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("elementwise", ins, d, p))
@@ -665,6 +667,11 @@ def _vector_program_cases(quick: bool):
         p = dropout_program(kind, lead, W, dt, ks)
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("vector_program", specs_of(p), d, {"program": p}))
+    # activations written as aten ops (erf, softplus, mish, elu, hardswish, ...): their own passes and selects
+    for i, (lead, W, dt, fn) in enumerate(_activation_chains(quick)):
+        p = _traced_program(fn, tuple(lead) + (W,), dt)
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("vector_program", specs_of(p), d, {"program": p}))
     if not quick:
         import vector_chains as vc
         for name, fn, shapes_ in vc.chains():
@@ -673,6 +680,28 @@ def _vector_program_cases(quick: bool):
             for d in DEVICES:
                 out.append(Case("vector_program", specs_of(p), d, {"program": p}))
     return out
+
+
+def _activation_chains(quick: bool):
+    """(lead, width, dtype, function of one tensor) of chains of activations a model writes."""
+    import math
+    import torch
+    import torch.nn.functional as F
+    acts = [((2, 64), 1000, "float16", lambda x: x * 0.5 * (1 + torch.erf(x / math.sqrt(2)))),
+            ((333,), 777, "float32", lambda x: F.mish(x) + F.softplus(x, 2.0, 5.0) - F.logsigmoid(x))]
+    if not quick:
+        acts += [((4096,), 4096, "bfloat16", lambda x: F.hardswish(x) * F.hardsigmoid(x) + F.relu6(x) + F.hardtanh(x)),
+                 ((1000,), 3000, "float16", lambda x: F.elu(x) + F.selu(x) + F.celu(x, 2.0) + F.leaky_relu(x, 0.2)),
+                 ((8, 128), 1024, "float32", lambda x: torch.log1p(x.abs()) * torch.expm1(x * 0.1) + torch.erf(x)),
+                 ((50000,), 64, "bfloat16", lambda x: F.softplus(x) * F.mish(x))]
+    return acts
+
+
+def _traced_program(fn, shape, dtype):
+    import torch
+    from autofuse.vector_program import program_from_function
+    built, _ = program_from_function(fn, [torch.empty(shape, dtype=getattr(torch, dtype), device="meta")])
+    return built.program
 
 
 def specs_of(p):

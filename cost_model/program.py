@@ -25,8 +25,8 @@ instruction's ``args`` are value numbers (``int``) or immediates (``float``).
 
 Instructions (``Instr.op``)
 ---------------------------
-* unary: ``neg abs relu square exp log sqrt rsqrt reciprocal sigmoid tanh silu gelu gelu_tanh sin cos``;
-  ``logical_not`` (bool);
+* unary: ``neg abs relu square exp log sqrt rsqrt reciprocal sigmoid tanh silu gelu gelu_tanh sin cos erf``,
+  ``softplus`` (``log(1 + exp(x))``: torch's with beta 1, no threshold), ``log1p expm1``; ``logical_not`` (bool);
 * binary: ``add sub mul div maximum minimum pow`` (either operand may be an immediate: ``pow(x, 2.0)``,
   ``sub(1.0, x)``); compare ``eq ne lt le gt ge`` (bool result); ``logical_and logical_or`` (bool);
 * ``where(cond, a, b)``: ``cond`` bool, ``a``/``b`` values or immediates;
@@ -82,7 +82,7 @@ F32 = "float32"
 STAT = 8                   # a per-row value in UB: one 32 B block of fp32 per row (the Brcb layout)
 
 UNARY = ("neg", "abs", "relu", "square", "exp", "log", "sqrt", "rsqrt", "reciprocal", "sigmoid", "tanh", "silu",
-         "gelu", "gelu_tanh", "sin", "cos")
+         "gelu", "gelu_tanh", "sin", "cos", "erf", "softplus", "log1p", "expm1")
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGIC = ("logical_and", "logical_or", "logical_not")
@@ -129,7 +129,8 @@ def check_given(what: str, k: int, got, inp: Input) -> None:
 class Instr:
     """One instruction: ``op`` over ``args`` (value numbers or float immediates); ``dtype`` for ``cast``,
     ``kind`` for ``reduce`` (and ``clamp`` on a ``maximum``/``minimum`` with an immediate bound: the same values,
-    clamp's gradient), ``start/stop/step`` for ``slice``."""
+    clamp's gradient; ``hardtanh``: none at the bound itself, all of it at NaN, as torch's hardtanh; ``open``: none at
+    the bound nor at NaN, as its hardsigmoid), ``start/stop/step`` for ``slice``."""
 
     op: str
     args: tuple

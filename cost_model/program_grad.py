@@ -21,7 +21,8 @@ contributions are written in the input's dtype, as eager autograd rounds them (`
 computes the product in fp16 for an fp16 weight); the caller's sum accumulates them in fp32.
 
 Rules (``g`` the adjoint of the result ``y``; torch's autograd formulas, which ``run_program_torch`` uses):
-unary ops by their derivatives (``gelu``'s ``Φ(x)`` is ``gelu(x) / x``, ``1/2`` at 0, since erf is no op);
+unary ops by their derivatives (``gelu``'s ``Φ(x)`` is ``gelu(x) / x``, ``1/2`` at 0; softplus's ``sigmoid(x)``,
+expm1's ``y + 1``, as torch's);
 add sub mul div, ``pow`` with an immediate exponent, an immediate positive base, or a value exponent;
 ``maximum``/``minimum`` send ``g`` to the larger/smaller operand and split it evenly on ties (of kind ``clamp``,
 a clamp's bound: all of ``g`` where the value is within the bound, the bound included, none at NaN); ``where``
@@ -49,6 +50,7 @@ from cost_model.program import (COMPARE, F32, FLOATS, LOGIC, Input, Instr, Outpu
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)        # gelu_tanh's inner scale
 _GELU_C = 0.044715                            # gelu_tanh's cubic coefficient
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)   # the standard normal density at 0
+_TWO_SQRT_PI = 2.0 / math.sqrt(math.pi)          # erf's slope at 0
 
 
 class NotDifferentiable(ProgramError):
@@ -371,12 +373,16 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         return acc(args[0], _UNARY_DERIV[op](e, g, x, y))
     if op == "mul" and args[0] == args[1] and _is_ref(args[0]) and _is_ref(args[1]):   # a square: 2 a g once
         return acc(args[0], _twice(e, g, x))
-    if op in ("maximum", "minimum") and ins.kind == "clamp":
+    if op in ("maximum", "minimum") and ins.kind in ("clamp", "hardtanh", "open"):
         # clamp's bound (an immediate): torch's clamp_backward passes g where x is within the bound, the bound
-        # itself included, and none where x is NaN
+        # itself included, and none where x is NaN; hardtanh_backward none at the bound and all of it at NaN;
+        # hardsigmoid's (open) only strictly inside
         if _is_ref(args[1]):
             refuse("a clamp whose bound is a tensor")
-        keep = e.op("ge" if op == "maximum" else "le", x, X[1])
+        if ins.kind == "hardtanh":
+            return acc(args[0], e.op("where", e.op("le" if op == "maximum" else "ge", x, X[1]), 0.0, g))
+        keep = e.op({("clamp", "maximum"): "ge", ("clamp", "minimum"): "le", ("open", "maximum"): "gt",
+                     ("open", "minimum"): "lt"}[ins.kind, op], x, X[1])
         return acc(args[0], e.op("where", keep, g, 0.0))
     if op in ("add", "sub", "mul", "div", "maximum", "minimum", "pow"):
         a, b = X
@@ -548,6 +554,10 @@ _UNARY_DERIV = {
     "silu": _silu,
     "gelu": lambda e, g, x, y: e.op("mul", g, _gelu(e, x, y)),
     "gelu_tanh": lambda e, g, x, y: e.op("mul", g, _gelu_tanh(e, x)),
+    "erf": lambda e, g, x, y: e.op("mul", g, e.mul(e.op("exp", e.op("neg", e.op("mul", x, x))), _TWO_SQRT_PI)),
+    "softplus": lambda e, g, x, y: e.op("mul", g, e.op("sigmoid", x)),
+    "log1p": lambda e, g, x, y: e.op("div", g, e.op("add", x, 1.0)),
+    "expm1": lambda e, g, x, y: e.op("mul", g, e.op("add", y, 1.0)),
     "sin": lambda e, g, x, y: e.op("mul", g, e.op("cos", x)),
     "cos": lambda e, g, x, y: e.op("neg", e.op("mul", g, e.op("sin", x))),
 }

@@ -28,6 +28,9 @@ FLOATS = ("float16", "bfloat16", "float32")
 INTS = ("int32", "int8")
 _ERF = 2 + 1 + 16 + 2
 _SIN = 7 + 1 + 8 + 1 + 7          # range reduction, z = r*r, degree-9 Horner, r*P, sign (the kernel's _SIN)
+_LOG1P = 5 + 2 + 2                 # 1 + x, ln, u - 1, the correction's div and mul; two compare-selects
+_EXPM1 = 5 + 2 + 3                 # exp, u - 1, ln, div, mul; a compare-select for u = 1, abs + compare-select
+_SOFTPLUS = 3 + 5 + 2 + 2          # -|x|, exp; the log1p correction; a compare-select; relu and add
 
 # op -> (kind, native16, temps, scalar rule, passes(has_scalar, scalar))
 _fixed = lambda k: (lambda has, s: k)    # noqa: E731
@@ -55,6 +58,8 @@ OPS = {
     "silu": ("float", False, 1, "none", _fixed(4)), "gelu": ("float", False, 3, "none", _fixed(1 + _ERF + 3)),
     "gelu_tanh": ("float", False, 1, "none", _fixed(8)), "cast": ("cast", True, 0, "none", _fixed(1)),
     "sin": ("float", False, 2, "none", _fixed(_SIN)), "cos": ("float", False, 2, "none", _fixed(1 + _SIN)),
+    "erf": ("float", False, 3, "none", _fixed(_ERF)), "softplus": ("float", False, 2, "none", _fixed(_SOFTPLUS)),
+    "log1p": ("float", False, 2, "none", _fixed(_LOG1P)), "expm1": ("float", False, 2, "none", _fixed(_EXPM1)),
     "logical_not": ("logic", True, 0, "none", _fixed(1)), "pow": ("float", False, 0, "optional", _pow_passes),
     "add": ("arith", True, 0, "optional", _fixed(1)), "sub": ("arith", True, 0, "optional", _fixed(1)),
     "mul": ("arith", True, 0, "optional", _fixed(1)), "div": ("float", True, 0, "optional", _fixed(1)),

@@ -44,13 +44,13 @@ import torch.fx as fx
 
 from autofuse.graph import arg, is_number, keep_mask_order, last_dim_slice, shape, val
 from autofuse.match import Match, register
-from autofuse.vector_program import (_BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS, NotExpressible,
-                                     draws_keep_mask, program_from_nodes)
+from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS,
+                                     NotExpressible, draws_keep_mask, program_from_nodes)
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
 
-_COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | {
+_COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | _ACTIVATION_ATEN | {
     aten.gelu.default, aten.rsub.Scalar, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar, aten._to_copy.default,
     aten.layer_norm.default, aten.rms_norm.default, aten.slice.Tensor, aten.cat.default, aten.split.Tensor,
@@ -70,9 +70,12 @@ def _vector(n: fx.Node) -> bool:
         return draws_keep_mask(n) and val(n.args[0]).dtype in _DTYPES[:3]
     if n.target is operator.getitem:
         src = n.args[0]
-        if isinstance(src, fx.Node) and src.target == aten.native_dropout.default:
+        if isinstance(src, fx.Node) and src.target in (aten.native_dropout.default, aten.log_sigmoid_forward.default):
             return n.args[1] == 0 and _vector(src)
         return isinstance(src, fx.Node) and src.target in (aten.split.Tensor, aten.split_with_sizes.default)
+    if n.target == aten.log_sigmoid_forward.default:         # (output, buffer): the buffer unread
+        return all(u.target is operator.getitem and u.args[1] == 0 for u in n.users) and \
+            val(n.args[0]).dtype in _DTYPES[:3]
     if n.target not in _COMPUTE and n.target not in _VIEWS:
         return False
     v = val(n)
@@ -88,7 +91,8 @@ def _rows(n: fx.Node) -> int:
     """The rows a node's value spans (its leading dims; a split's input's): a region has one row count, the
     iteration space of its program, so values over other rows (RoPE's cos over tokens, read by the queries'
     rotation over heads and tokens) are computed apart and read as broadcast inputs."""
-    if n.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.native_dropout.default):
+    if n.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.native_dropout.default,
+                    aten.log_sigmoid_forward.default):
         n = n.args[0]
     v = val(n)
     if n.target == aten.stack.default and isinstance(v, torch.Tensor) and v.dim() >= 2 and \

@@ -174,3 +174,33 @@ def test_torch_rms_norm_lowers_to_the_rms_norm_kernel(dtype):
     # products); in fp16 one rounding of that, so a value may cross a rounding boundary by one unit
     rtol = 8 * torch.finfo(torch.float32).eps if dtype == torch.float32 else torch.finfo(dtype).eps
     assert y.dtype == dtype and torch.allclose(y.float(), want.float(), rtol=rtol, atol=0), (y - want).abs().max()
+
+
+@pytest.mark.parametrize("fn,target,kernel", [
+    (torch.nn.functional.softplus, aten.softplus.default, "vector_program"),
+    (torch.nn.functional.hardswish, aten.hardswish.default, "vector_program"),
+    (lambda t: torch.nn.functional.elu(t, 0.5), aten.elu.default, "vector_program"),
+    (torch.nn.functional.mish, aten.mish.default, "vector_program"),
+    (torch.erf, aten.erf.default, "elementwise"),
+    (torch.log1p, aten.log1p.default, "elementwise"),
+])
+def test_an_activation_left_unfused_runs_the_instructions_a_generated_kernel_runs(fn, target, kernel):
+    # eager's own kernel for it (CANN's Softplus, HardSwish, Elu, Mish, Erf, Log1p): one launch of the passes a fused
+    # region runs for the op, so baseline and fusion price the op alike; torch's values
+    from autofuse.capture import capture
+    from autofuse.vector_program import program_from_nodes
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+    x = torch.randn(4, 8, 32) * 3
+    gm = capture(M(), (x,)).graph_module
+    n = _node(gm, target)
+    prog = lower(n)
+    assert [s.kernel for s in prog.steps] == [kernel]
+    if kernel == "vector_program":
+        assert prog.steps[0].params["program"] == program_from_nodes([n], [n]).program
+    (y,) = _run(prog, {n.args[0]: x})
+    want = fn(x)
+    # torch's log1p, expm1 and erf against the kernel's corrections and polynomial: a few fp32 ulps
+    assert torch.allclose(y, want, rtol=8 * torch.finfo(torch.float32).eps, atol=1e-37, equal_nan=True)  # log1p < -1

@@ -336,3 +336,24 @@ def test_a_row_whose_max_is_nan_gets_a_nan_gradient_as_eager():
     fn(xe).sum().backward()
     assert torch.equal(got.isnan(), xe.grad.isnan()) and got.isnan()[0].all()
     assert torch.equal(got[1], xe.grad[1])
+
+
+def test_derived_backward_of_the_new_unary_ops_on_the_simulator():
+    """erf, softplus, log1p and expm1 differentiated into a Vector program the simulator runs: torch's derivatives
+    (2/√π·exp(−x²), sigmoid(x), 1/(1 + x), expm1(x) + 1), as the torch twin's autograd gives them."""
+    from cost_model.program_grad import backward_program
+    b = Builder((4, 3))
+    x = b.input("float32", (4, 3, 32))
+    b.output(b.add(b.add(b.erf(x), b.softplus(b.mul(x, 4.0))), b.mul(b.log1p(b.abs(x)), b.expm1(b.mul(x, 0.25)))),
+             "float32")
+    prog = b.build()
+    gp = backward_program(prog, [0])
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, 32, generator=gen) * 3]
+    g = torch.randn(4, 3, 32, generator=gen)
+    (got,) = ov.vector_program(xs + [g], gp.program)
+    leaf = xs[0].double().requires_grad_()
+    y = torch.erf(leaf) + F.softplus(leaf * 4) + torch.log1p(leaf.abs()) * torch.expm1(leaf * 0.25)
+    (want,) = torch.autograd.grad(y, [leaf], g.double())
+    # fp32 against float64: the kernel's exp, erf polynomial and corrections, a few ulps of the largest term
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -604,3 +604,137 @@ def test_rope_outputs_keep_the_captured_memory_layout_for_an_unfused_attention(a
             v = val(user)
             assert v is not None and not v.is_contiguous() and v.stride()[-1] == 1
     _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
+
+
+# ----------------------------------------------------------------------------------------- activations
+
+ACTIVATIONS = {
+    "erf": torch.erf, "log1p": torch.log1p, "expm1": torch.expm1,
+    "softplus": F.softplus, "softplus_beta_threshold": lambda t: F.softplus(t, beta=2.0, threshold=5.0),
+    "mish": F.mish, "logsigmoid": F.logsigmoid,
+    "leaky_relu": F.leaky_relu, "leaky_relu_0.2": lambda t: F.leaky_relu(t, 0.2),
+    "elu": F.elu, "elu_0.5": lambda t: F.elu(t, 0.5), "selu": F.selu, "celu_2": lambda t: F.celu(t, 2.0),
+    "hardtanh": F.hardtanh, "hardtanh_-2_0.5": lambda t: F.hardtanh(t, -2.0, 0.5), "relu6": F.relu6,
+    "hardsigmoid": F.hardsigmoid, "hardswish": F.hardswish,
+}
+# the kinks and switches of the formulas (0, the bounds, ±3, softplus's thresholds, expm1's 0.5), large values,
+# values below log1p's -1 (NaN, as eager)
+KINKS = [0.0, -1.0, 1.0, -3.0, 3.0, 6.0, -2.0, 0.5, -0.5, 2.5, 5.0, 20.0, 25.0, -20.0, -30.0, 90.0, -90.0, 1e-6,
+         -1e-6, -1.5, 0.25, -0.75, 8.0, -8.0]
+
+
+class Act(nn.Module):
+    """An activation of a region input, inside a chain to a projection; its own value is returned negated (the
+    region's output, rounded once as eager rounds the activation)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(24, 8)
+
+    def forward(self, x):
+        y = self.fn(x)
+        return self.lin(y * 3 + x), -y
+
+
+def _act_input(dtype, nonfinite=False):
+    torch.manual_seed(0)
+    x = torch.randn(6, 24) * 4
+    x[0] = torch.tensor(KINKS)
+    if nonfinite:
+        x[1, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    return x.to(dtype)
+
+
+def _equal_as_eager(got, want, truth):
+    """The same NaNs and infinities; fp32 within four ulps (the erf polynomial, the log1p and expm1 corrections
+    against torch's own implementations); fp16/bf16 torch's fp32 value rounded once, by the kernel from fp32 values a
+    few fp32 ulps apart: within one unit of the exact value (``truth``, float64), and equal to eager's value but where
+    eager's is further from it (eager's 16-bit erf is a coarser approximation than its fp32 one: a few units off
+    near 0)."""
+    assert got.dtype == want.dtype
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[got.isinf()], want[want.isinf()])
+    fin = want.isfinite()
+    g, w, t = got[fin].double(), want[fin].double(), truth[fin].double()
+    if want.dtype == torch.float32:
+        assert bool(((g - w).abs() <= 4 * 2 ** -23 * w.abs() + 1e-38).all()), (g - w).abs().max()
+        return
+    ulp = torch.finfo(want.dtype).eps * t.abs().clamp_min(torch.finfo(want.dtype).tiny)
+    assert bool(((g - t).abs() <= ulp).all()), ((g - t).abs() / ulp).max()
+    assert bool(((g - t).abs() <= (w - t).abs() + 4 * 2 ** -23 * t.abs()).all()), ((g - t).abs() - (w - t).abs()).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_an_activation_joins_its_chain_in_one_region_as_eager(name, dtype):
+    m = Act(ACTIVATIONS[name]).to(dtype).eval()
+    x = _act_input(dtype, nonfinite=True)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and len(regions[0].nodes) >= 4, fused.report.summary()
+    for inp in (x, _act_input(dtype)):
+        with torch.no_grad():
+            _equal_as_eager(fused(inp)[1], m(inp)[1], -ACTIVATIONS[name](inp.double()))
+    finite = _act_input(dtype)
+    _within_bound(m, (finite,), {}, lambda: fused(finite))
+
+
+def _train_grads(m, run, x0):
+    m.zero_grad()
+    x = x0.clone().requires_grad_()
+    out, y = run(x)
+    (out.square().sum() + (y * torch.linspace(-1, 1, y.shape[-1])).sum()).backward()
+    return [x.grad] + [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_an_activation_trains_as_eager_at_its_kinks(name):
+    # the derived backward's gradient at 0, at the bounds (hardtanh's and relu6's none there, hardsigmoid's none at
+    # ±3, leaky_relu's slope and elu's alpha·scale at 0, softplus's 1/2 at 0) and past the thresholds is eager's
+    m = Act(ACTIVATIONS[name]).train()
+    x0 = _act_input(torch.float32)
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    assert len([d for d in fused.report.applied if d.kernel == "vector_program"]) == 1, fused.report.summary()
+    want, got = _train_grads(m, m, x0), _train_grads(m, fused, x0)
+    for w, g in zip(want, got):
+        # fp32 gradients: the derived formulas and autograd's differ in their last ulps (exp, erf, the correction
+        # of log1p), summed over 6 rows and 8 outputs for the projection's
+        assert torch.equal(w.isnan(), g.isnan()), name
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-5, equal_nan=True), (name, (g - w).abs().nan_to_num().max())
+
+
+@pytest.mark.parametrize("name", ["hardtanh", "relu6", "hardsigmoid", "leaky_relu", "elu", "softplus", "mish", "erf"])
+def test_an_activations_gradient_at_nan_is_eagers(name):
+    # hardtanh passes the gradient at NaN, hardsigmoid does not (elu and leaky_relu take their positive or negative
+    # branch there as eager); hardswish's is NaN fused (x · the clamp's NaN), 1 in eager: not tested
+    m = Act(ACTIVATIONS[name]).train()
+    x0 = _act_input(torch.float32, nonfinite=True)[:, 2:]
+    m.lin = nn.Linear(22, 8)
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    want, got = _train_grads(m, m, x0)[0], _train_grads(m, fused, x0)[0]
+    assert torch.equal(w := want.isnan(), got.isnan()), (name, w)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True), name
+
+
+@pytest.mark.parametrize("spelling", ["prelu", "rrelu_train"])
+def test_a_learned_or_random_slope_is_not_a_leaky_relu(spelling):
+    # F.prelu's slope is a parameter, F.rrelu's in training drawn at random: neither is a leaky_relu of the region;
+    # both stay as captured and compute eager's values
+    class Slope(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.full((24,), 0.25))
+            self.lin = nn.Linear(24, 8)
+
+        def forward(self, x):
+            y = F.prelu(x, self.w) if spelling == "prelu" else F.rrelu(x, training=True)
+            return self.lin(y * 3 + x), -y
+
+    m = Slope().eval()
+    x = _act_input(torch.float32)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    assert all(("prelu" if spelling == "prelu" else "rrelu") not in n for d in fused.report.applied for n in d.nodes)
+    assert ("aten.prelu" if spelling == "prelu" else "aten.rrelu") in fused.graph_module.code
+    if spelling == "prelu":
+        _within_bound(m, (x,), {}, lambda: fused(x))

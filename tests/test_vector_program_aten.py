@@ -90,3 +90,29 @@ def test_first_input_and_missing_one():
     assert program_from_nodes(region, first=mm).inputs[0] is mm
     with pytest.raises(NotExpressible, match="not an input"):
         program_from_nodes(region[1:], first=mm)
+
+
+def test_mapping_of_activations():
+    # the formulas eager's CPU kernels compute (see _Build.activation); make_fx writes logsigmoid as
+    # log_sigmoid_forward (output, buffer), its buffer unread
+    assert ops(lambda x: torch.erf(x) + torch.log1p(x) * torch.expm1(x), (4, 16))[0] == \
+        ["erf", "log1p", "expm1", "mul", "add"]
+    assert ops(lambda x: F.softplus(x), (4, 16))[0] == ["softplus"]
+    assert ops(lambda x: F.softplus(x, 2.0, 5.0), (4, 16))[0] == ["mul", "softplus", "div", "gt", "where"]
+    assert ops(lambda x: F.mish(x), (4, 16))[0] == ["softplus", "tanh", "mul"]
+    assert ops(lambda x: F.logsigmoid(x), (4, 16))[0] == ["neg", "softplus", "neg"]
+    assert ops(lambda x: F.leaky_relu(x, 0.2), (4, 16))[0] == ["gt", "mul", "where"]
+    assert ops(lambda x: F.selu(x), (4, 16))[0] == ["minimum:clamp", "expm1", "mul", "le", "mul", "where"]
+    assert ops(lambda x: F.celu(x, 2.0), (4, 16))[0] == ["mul", "minimum:clamp", "expm1", "mul", "le", "where"]
+    assert ops(lambda x: F.relu6(x), (4, 16))[0] == ["maximum:hardtanh", "minimum:hardtanh"]
+    assert ops(lambda x: F.hardswish(x), (4, 16))[0] == ["add", "maximum:open", "minimum:open", "mul", "div"]
+
+
+@pytest.mark.parametrize("fn", [lambda x: F.logsigmoid(x), lambda x: F.selu(x), lambda x: F.hardswish(x),
+                                lambda x: F.softplus(x, 0.5, 3.0)])
+def test_activation_programs_compute_eagers_values(fn):
+    x = torch.cat([torch.randn(4, 64) * 5, torch.tensor([[0.0, 3.0, -3.0, 6.0, 6.1, 1.5, 1.6, -1e-7] * 8])])
+    b, _ = program_from_function(fn, (x,))
+    (got,) = run_program_torch(b.program, [x])
+    # fp32: torch's own log1p/expm1 inside the twin, torch's formulas: an ulp or two
+    assert torch.allclose(got, fn(x), rtol=2.5e-7, atol=0)

@@ -79,6 +79,29 @@ _SIN = ("muls 1/pi", "cast round k", "cast k->f32", "mul k*pi_hi", "sub x-k*pi_h
         "muls 0.5", "cast floor k/2", "muls 2", "sub parity", "muls -2", "adds 1", "mul sign")
 
 
+# log1p(x) with Goldberg's correction: u = 1 + x rounds, ln(u) * x / (u - 1) undoes that rounding (within 3 fp32 ulps
+# of torch's log1p); x itself where u is 1 (x below half an ulp of 1), and +inf at +inf (inf / inf)
+_LOG1P = ("adds 1 u=1+x", "ln u", "adds -1 d=u-1", "div x/d", "mul ln(u)*x/d", "compare u==1", "select x",
+          "compare x==inf", "select x")
+# expm1(x) by Kahan's correction of exp(x) - 1 for |x| <= 0.5: (u - 1) * x / ln(u), u = exp(x); x where u is 1;
+# plain exp(x) - 1 beyond 0.5 (accurate there; ±inf and -1 at -inf too). Ascend C has neither op: our reading
+_EXPM1 = ("exp u", "adds -1 d=u-1", "ln u", "div x/ln(u)", "mul d*x/ln(u)", "compare u==1", "select x", "abs",
+          "compare |x|>0.5", "select d")
+# softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow; the log1p of e = exp(-|x|) in (0, 1] by the same
+# correction (e where 1 + e rounds to 1)
+_SOFTPLUS = ("abs", "muls -1", "exp e", "adds 1 u=1+e", "ln u", "adds -1 d=u-1", "div e/d", "mul ln(u)*e/d",
+             "compare d==0", "select e", "relu x", "add")
+
+
+def _log1p(x):
+    return np.log1p(x.astype(np.float64))
+
+
+def _softplus(x):
+    x = x.astype(np.float64)
+    return np.maximum(x, 0.0) + np.log1p(np.exp(-np.abs(x)))
+
+
 @dataclass(frozen=True)
 class Op:
     """An elementwise op: how many tensors it takes, its numerics, its Vector passes.
@@ -166,6 +189,12 @@ OPS = {
                            "div x/(1+e)"), kind="float", native16=False, temps=1, scalar="none"),
     "sin": Op((1,), np.sin, _fixed(*_SIN), kind="float", native16=False, temps=2, scalar="none"),
     "cos": Op((1,), np.cos, _fixed("adds pi/2", *_SIN), kind="float", native16=False, temps=2, scalar="none"),
+    "erf": Op((1,), lambda x: _erf(x.astype(np.float64)), _fixed(*_ERF), kind="float", native16=False, temps=3,
+              scalar="none"),
+    "softplus": Op((1,), _softplus, _fixed(*_SOFTPLUS), kind="float", native16=False, temps=2, scalar="none"),
+    "log1p": Op((1,), _log1p, _fixed(*_LOG1P), kind="float", native16=False, temps=2, scalar="none"),
+    "expm1": Op((1,), lambda x: np.expm1(x.astype(np.float64)), _fixed(*_EXPM1), kind="float", native16=False,
+                temps=2, scalar="none"),
     "cast": Op((1,), lambda x: x, _fixed("cast"), kind="cast", scalar="none"),
     "logical_not": Op((1,), np.logical_not, _fixed("not"), kind="logic", scalar="none"),
     # pow: tensor ** scalar (scalar=) or tensor ** tensor
