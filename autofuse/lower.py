@@ -741,12 +741,14 @@ def _row_grad_cached(fn, specs, consts):
 
 _ACTIVATIONS = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.default, aten.leaky_relu.default,
                 aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default, aten.relu6.default,
-                aten.hardsigmoid.default, aten.hardswish.default}
+                aten.hardsigmoid.default, aten.hardswish.default,
+                aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction}
 
 
 def _lower_activation(node, ins):
-    """An activation eager runs as one kernel of its own (CANN's Softplus, Mish, LeakyRelu, Elu, HardSwish, ...):
-    one Vector launch of the instructions a generated kernel runs for it, the program of the node alone."""
+    """An activation or a row's variance eager runs as one kernel of its own (CANN's Softplus, Mish, LeakyRelu, Elu,
+    HardSwish, ReduceStdV2, ...): one Vector launch of the instructions a generated kernel runs for it, the program
+    of the node alone (None when that is no program: a variance over another dim than the last)."""
     from autofuse.vector_program import NotExpressible, ProgramError, program_from_nodes
     try:
         built = program_from_nodes([node], [node])

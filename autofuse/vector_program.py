@@ -217,6 +217,7 @@ for _c in COMPARE:
 _REDUCE_ATEN = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max",
                 aten.amin.default: "min"}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
+_VAR_ATEN = {aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction}
 
 
 def _meta(n):
@@ -235,6 +236,14 @@ def _dtype_probe(a):
 def _rounded(x: float, dtype) -> float:
     """The number ``x`` as ``dtype`` holds it."""
     return float(torch.tensor(float(x), dtype=torch.float64).to(dtype))
+
+
+def _keepdim(n) -> bool:
+    """A reduction's keepdim (``var.dim``/``std.dim`` take ``unbiased`` before it)."""
+    at = 3 if n.target in (aten.var.dim, aten.std.dim) else 2
+    if n.target in (aten.var.correction, aten.std.correction):
+        return bool(n.kwargs.get("keepdim", False))
+    return bool(n.args[at] if len(n.args) > at else n.kwargs.get("keepdim", False))
 
 
 def _is_scalar(x) -> bool:
@@ -261,8 +270,7 @@ class _Build:
             raise NotExpressible(f"{first.name} ({first.target}) leaves the region as a list of pieces, not one "
                                  f"value of the region's rows")
         # the rows: the first output's leading dims (all its dims for a reduction without keepdim)
-        keep = first.target not in _REDUCE_ATEN or \
-            (first.args[2] if len(first.args) > 2 else first.kwargs.get("keepdim", False))
+        keep = (first.target not in _REDUCE_ATEN and first.target not in _VAR_ATEN) or _keepdim(first)
         self.lead = tuple(m.shape[:-1]) if keep and m.dim() else tuple(m.shape)
 
     def fail(self, n, why):
@@ -461,6 +469,8 @@ class _Build:
             if not keep:
                 self.squeezed.add(n)
             return v
+        if t in _VAR_ATEN:
+            return self.variance(n)
         if t in _SOFTMAX:
             self.last_dim(n, n.args[1])
             x = self.arg(n, n.args[0])
@@ -578,6 +588,29 @@ class _Build:
         return y if n.target == aten.layer_norm.default else (y, mean, rstd)
 
 
+    def variance(self, n):
+        """``var``/``std`` over the last dim as torch computes them: ``sum((x − mean)²) / (N − correction)`` (and
+        its square root), in fp32; ``unbiased`` is correction 1."""
+        b, t = self.b, n.target
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        self.last_dim(n, dim)
+        if t in (aten.var.dim, aten.std.dim):
+            unbiased = n.args[2] if len(n.args) > 2 else n.kwargs.get("unbiased", True)
+            c = 1.0 if unbiased else 0.0
+        else:
+            c = n.kwargs.get("correction")
+            c = 1.0 if c is None else float(c)
+        width = _meta(n.args[0]).shape[-1]
+        if width - c <= 0:
+            self.fail(n, f"a correction of {c:g} over {width} values (eager divides by {width - c:g})")
+        x = self.arg(n, n.args[0])
+        d = b.sub(x, b.reduce(x, kind="mean"))
+        v = b.div(b.reduce(b.mul(d, d), kind="sum"), float(width - c))
+        v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v))
+        if not _keepdim(n):
+            self.squeezed.add(n)
+        return v
+
     def activation(self, n, x):
         """An activation as torch computes it on CPU, in the program's instructions (the gradients they derive are
         torch's, at the kinks too): ``softplus`` ``(x·β > threshold) ? x : softplus(x·β) / β``; ``mish``
@@ -651,7 +684,8 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     hardtanh relu6 hardsigmoid hardswish -> their formulas (:meth:`_Build.activation`); add/sub (with alpha) mul div maximum minimum pow (tensor or
     scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
     -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin
-    over the last dim -> reduce; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;
+    over the last dim -> reduce; var/std over the last dim (any correction below the width) -> mean, the squared
+    deviations' sum, a division; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;
     slice / split+getitem / cat along the last dim -> slice / cat; views that keep the rows and the last dim
     -> nothing (a view of a region input stays outside: its result is the op's input). Anything else
     raises :class:`NotExpressible` naming the node.

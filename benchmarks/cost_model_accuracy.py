@@ -667,7 +667,7 @@ def _vector_program_cases(quick: bool):
         p = dropout_program(kind, lead, W, dt, ks)
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("vector_program", specs_of(p), d, {"program": p}))
-    # activations written as aten ops (erf, softplus, mish, elu, hardswish, ...): their own passes and selects
+    # activations and spreads written as aten ops (erf, softplus, mish, elu, hardswish, std, ...)
     for i, (lead, W, dt, fn) in enumerate(_activation_chains(quick)):
         p = _traced_program(fn, tuple(lead) + (W,), dt)
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
@@ -683,7 +683,7 @@ def _vector_program_cases(quick: bool):
 
 
 def _activation_chains(quick: bool):
-    """(lead, width, dtype, function of one tensor) of chains of activations a model writes."""
+    """(lead, width, dtype, function of one tensor) of chains of activations and row spreads a model writes."""
     import math
     import torch
     import torch.nn.functional as F
@@ -693,7 +693,9 @@ def _activation_chains(quick: bool):
         acts += [((4096,), 4096, "bfloat16", lambda x: F.hardswish(x) * F.hardsigmoid(x) + F.relu6(x) + F.hardtanh(x)),
                  ((1000,), 3000, "float16", lambda x: F.elu(x) + F.selu(x) + F.celu(x, 2.0) + F.leaky_relu(x, 0.2)),
                  ((8, 128), 1024, "float32", lambda x: torch.log1p(x.abs()) * torch.expm1(x * 0.1) + torch.erf(x)),
-                 ((50000,), 64, "bfloat16", lambda x: F.softplus(x) * F.mish(x))]
+                 ((50000,), 64, "bfloat16", lambda x: F.softplus(x) * F.mish(x)),
+                 ((2000,), 1024, "float16", lambda x: (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)),
+                 ((4, 300), 257, "float32", lambda x: x * x.var(-1, correction=0, keepdim=True))]
     return acts
 
 

@@ -44,13 +44,13 @@ import torch.fx as fx
 
 from autofuse.graph import arg, is_number, keep_mask_order, last_dim_slice, shape, val
 from autofuse.match import Match, register
-from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VIEWS,
-                                     NotExpressible, draws_keep_mask, program_from_nodes)
+from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS,
+                                     NotExpressible, _keepdim, draws_keep_mask, program_from_nodes)
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
 
-_COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | _ACTIVATION_ATEN | {
+_COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | _ACTIVATION_ATEN | _VAR_ATEN | {
     aten.gelu.default, aten.rsub.Scalar, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar, aten._to_copy.default,
     aten.layer_norm.default, aten.rms_norm.default, aten.slice.Tensor, aten.cat.default, aten.split.Tensor,
@@ -92,13 +92,22 @@ def _rows(n: fx.Node) -> int:
     iteration space of its program, so values over other rows (RoPE's cos over tokens, read by the queries'
     rotation over heads and tokens) are computed apart and read as broadcast inputs."""
     if n.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.native_dropout.default,
-                    aten.log_sigmoid_forward.default):
+                    aten.log_sigmoid_forward.default) or _row_value(n):
         n = n.args[0]
     v = val(n)
     if n.target == aten.stack.default and isinstance(v, torch.Tensor) and v.dim() >= 2 and \
             (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % v.dim() == v.dim() - 1:
         return math.prod(v.shape[:-2])      # pairs along a new last dim (an interleave once flattened): its inputs' rows
     return math.prod(v.shape[:-1]) if isinstance(v, torch.Tensor) and v.dim() else 1
+
+
+def _row_value(n: fx.Node) -> bool:
+    """A variance over the last dim without keepdim: one value per row of its input (its rows)."""
+    if n.target not in _VAR_ATEN or _keepdim(n) or not isinstance(val(n.args[0]), torch.Tensor):
+        return False
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    rank = val(n.args[0]).dim()
+    return isinstance(dim, (list, tuple)) and len(dim) == 1 and rank > 0 and dim[0] % rank == rank - 1
 
 
 def _compute(n: fx.Node) -> bool:

@@ -204,3 +204,20 @@ def test_an_activation_left_unfused_runs_the_instructions_a_generated_kernel_run
     want = fn(x)
     # torch's log1p, expm1 and erf against the kernel's corrections and polynomial: a few fp32 ulps
     assert torch.allclose(y, want, rtol=8 * torch.finfo(torch.float32).eps, atol=1e-37, equal_nan=True)  # log1p < -1
+
+
+def test_a_variance_left_unfused_runs_its_program_and_one_over_another_dim_a_generic_pass():
+    from autofuse.capture import capture
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.std(-1, keepdim=True), x.var(0)
+    x = torch.randn(4, 8, 32) * 3
+    gm = capture(M(), (x,)).graph_module
+    last, first = [n for n in gm.graph.nodes if n.op == "call_function"]
+    prog = lower(last)
+    assert [s.kernel for s in prog.steps] == ["vector_program"]
+    (y,) = _run(prog, {last.args[0]: x})
+    # the squared deviations summed in another order than torch's: a few fp32 ulps
+    assert torch.allclose(y, x.std(-1, keepdim=True), rtol=1e-6, atol=0)
+    assert [s.kernel for s in lower(first).steps] == ["generic"]

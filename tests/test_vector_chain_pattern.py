@@ -738,3 +738,92 @@ def test_a_learned_or_random_slope_is_not_a_leaky_relu(spelling):
     assert ("aten.prelu" if spelling == "prelu" else "aten.rrelu") in fused.graph_module.code
     if spelling == "prelu":
         _within_bound(m, (x,), {}, lambda: fused(x))
+
+
+# ----------------------------------------------------------------------------------------- var / std
+
+SPREADS = {
+    "var": lambda t: t.var(-1, keepdim=True), "var_correction_0": lambda t: t.var(-1, correction=0, keepdim=True),
+    "std": lambda t: t.std(-1, keepdim=True), "std_unbiased_false": lambda t: t.std(-1, unbiased=False, keepdim=True),
+    "var_correction_2": lambda t: torch.var(t, -1, correction=2, keepdim=True),
+}
+
+
+class Spread(nn.Module):
+    """A row's spread of a residual sum scales it before a projection; the spread is returned too."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(24, 8)
+
+    def forward(self, x, r):
+        h = x + r
+        s = self.fn(x)
+        return self.lin(h * s + h), s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SPREADS))
+def test_var_and_std_over_the_last_dim_join_their_region(name, dtype):
+    torch.manual_seed(0)
+    m = Spread(SPREADS[name]).to(dtype).eval()
+    x, r = torch.randn(16, 6, 24, dtype=dtype) * 3 + 1, torch.randn(16, 6, 24, dtype=dtype)
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and any(n.startswith(name[:3]) for n in regions[0].nodes), fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(x, r)[1], m(x, r)[1]
+    if dtype == torch.float32:
+        # the squared deviations summed in another order than torch's: a few fp32 ulps
+        assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want).abs().max()
+    else:
+        _rounded_once_as_eager(got, want)
+    _within_bound(m, (x, r), {}, lambda: fused(x, r))
+
+
+def test_var_without_keepdim_is_an_output_of_its_region():
+    class M(nn.Module):
+        def forward(self, x):
+            h = x * 2 + 1
+            return h.var(-1), h.std(-1, correction=0)
+
+    x = torch.randn(4, 6, 24)
+    m = M()
+    fused = AutoFusionEngine.fuse(m, (x,))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    assert {"var", "std"} <= set(fused.report.applied[0].nodes), fused.report.applied[0].nodes
+    got, want = fused(x), m(x)
+    assert all(g.shape == w.shape == (4, 6) and torch.allclose(g, w, rtol=1e-6, atol=0) for g, w in zip(got, want))
+
+
+def test_var_trains_as_eager():
+    torch.manual_seed(0)
+    m = Spread(SPREADS["std"]).train()
+    x, r = torch.randn(4, 6, 24), torch.randn(4, 6, 24)
+    fused = AutoFusionEngine.fuse(m, (x.clone().requires_grad_(), r))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and "std" in regions[0].nodes, fused.report.summary()
+    grads = []
+    for run in (m, fused):
+        m.zero_grad()
+        xx = x.clone().requires_grad_()
+        out, s = run(xx, r)
+        (out.square().sum() + s.sin().sum()).backward()
+        grads.append([xx.grad] + [p.grad.clone() for p in m.parameters()])
+    for want, got in zip(*grads):
+        # fp32 gradients of a 24-wide row: the derived backward sums in another order than autograd's
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("spelling", ["dim0", "two_dims"])
+def test_a_var_over_another_dim_is_not_a_row_program(spelling):
+    # over dim 0 or over the last two dims: not a row-wise Vector program; it runs as captured, correctly
+    fn = (lambda t: t.var(0, keepdim=True)) if spelling == "dim0" else (lambda t: t.var((-2, -1), keepdim=True))
+    torch.manual_seed(0)
+    m = Spread(fn).eval()
+    x, r = torch.randn(4, 6, 24), torch.randn(4, 6, 24)
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    assert not any(n.startswith("var") for d in fused.report.applied for n in d.nodes), fused.report.summary()
+    assert "aten.var" in fused.graph_module.code
+    _within_bound(m, (x, r), {}, lambda: fused(x, r))
