@@ -14,7 +14,8 @@ One driver, :func:`canonicalize`, applies the table to a fixpoint:
 Canonical spellings (what patterns may assume):
 
 * matmul family -> ``aten.matmul`` (bmm, mm, two-operand einsum, baddbmm = matmul·alpha + bias·beta)
-* a row statistic's inverse root (``y ** -0.5``, ``1 / sqrt(y)``, ``x / sqrt(y)``) -> ``aten.rsqrt`` (times x)
+* a row statistic's inverse root (``y ** -0.5``, ``1 / sqrt(y)``, ``x / sqrt(y)``) -> ``aten.rsqrt`` (times x); a
+  population variance over the last dim -> ``mean((x - mean(x)) ** 2)``
 * scalar scaling -> ``aten.mul.Tensor(x, c)`` with Python ``c``; divisions become multiplications,
   chained scalars fold, and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
   moves to the matmul output
@@ -482,6 +483,21 @@ def _div_sqrt(n):
     return None
 
 
+def _var(n):
+    """``var(x, -1, correction=0)`` is ``mean((x - mean(x))²)`` over the last dim: a LayerNorm's statistic however
+    spelled (an unbiased variance is not one and stays)."""
+    x, dims = n.args[0], arg(n, 1, "dim")
+    if n.target == aten.var.dim:            # var(x, dim, unbiased=True, keepdim=False)
+        population, keep = not arg(n, 2, "unbiased", True), arg(n, 3, "keepdim", False)
+    else:                                   # var(x, dim, *, correction=None, keepdim=False)
+        population, keep = n.kwargs.get("correction", 1) == 0, n.kwargs.get("keepdim", False)
+    if not population or not dims or len(dims) != 1 or dims[0] % _rank(x) != _rank(x) - 1 \
+            or not val(x).is_floating_point():
+        return None
+    d = call(n.graph, aten.sub.Tensor, x, call(n.graph, aten.mean.dim, x, [-1], True))
+    return call(n.graph, aten.mean.dim, call(n.graph, aten.pow.Tensor_Scalar, d, 2), [-1], bool(keep))
+
+
 def inplace_edit(n) -> bool:
     """True if the user wrote this op in place (``p.mul_(2)``); export functionalises it, and
     ``meta["torch_fn"]`` still names the in-place method. Such values are not reassociated."""
@@ -837,6 +853,7 @@ RULES = [
     ({aten.mul.Tensor}, _mul),  # scalars on the right; chained scalars fold; * 1 disappears
     ({aten.pow.Tensor_Scalar, aten.reciprocal.default}, _rsqrt),  # y ** -0.5 and 1 / sqrt(y) are rsqrt(y)
     ({aten.div.Tensor}, _div_sqrt),  # x / sqrt(y) is x * rsqrt(y)
+    ({aten.var.correction, aten.var.dim}, _var),  # a population variance over the last dim is mean((x - mean)²)
     ({aten.mul.Tensor, aten.div.Tensor}, _softmax_decomposed),  # exp(x - max) / sum is softmax
     ({aten.matmul.default}, _matmul_scale),  # pre-scaled q or k: scale the matmul output instead
     ({aten.transpose.int, aten.permute.default, aten.reshape.default, aten.expand.default,

@@ -205,3 +205,18 @@ def test_a_zero_d_scales_root_and_other_powers_stay():
     ops = _canon(lambda x, t: x / torch.sqrt(t) + x * (x.pow(2).mean(-1, keepdim=True) + 1).pow(-0.25), x4, t)
     assert aten.rsqrt.default not in ops and aten.sqrt.default in ops, ops
 
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.var(-1, keepdim=True, unbiased=False),
+                                lambda x: torch.var(x, -1, correction=0),
+                                lambda x: x.var(-1, unbiased=False).unsqueeze(-1)])
+def test_a_population_variance_over_the_last_dim_is_a_mean_of_squares(fn):
+    ops = _canon(fn, x4)
+    assert aten.var.dim not in ops and aten.var.correction not in ops, ops
+    assert ops.count(aten.mean.dim) == 2 and aten.sub.Tensor in ops
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.var(-1, keepdim=True), lambda x: x.var(1, unbiased=False)])
+def test_an_unbiased_variance_or_one_over_another_dim_stays(fn):
+    ops = _canon(fn, x4)
+    assert aten.var.dim in ops or aten.var.correction in ops, ops

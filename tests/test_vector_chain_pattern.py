@@ -111,6 +111,9 @@ class Norm(nn.Module):
             y = h * torch.rsqrt(h.pow(2).mean(-1).unsqueeze(-1) + 1e-6)
         elif self.kind == "pow_quarter":           # not an inverse square root
             y = h * (ms + 1e-6).pow(-0.25)
+        elif self.kind in ("ln_var", "ln_var_unbiased"):   # LayerNorm by torch's variance (an unbiased one is not)
+            c = h - h.mean(-1, keepdim=True)
+            y = c * torch.rsqrt(h.var(-1, keepdim=True, unbiased=self.kind == "ln_var_unbiased") + 1e-6)
         elif self.kind == "ln_div_sqrt":           # LayerNorm divided by its root
             c = h - h.mean(-1, keepdim=True)
             y = c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -125,7 +128,8 @@ class Norm(nn.Module):
 @pytest.mark.parametrize("kind,name", [("rms", "add_rms_norm"), ("centred", "layer_norm"), ("eps_outside", None),
                                        ("rms_div_sqrt", "add_rms_norm"), ("rms_pow", "add_rms_norm"),
                                        ("rms_reciprocal", "add_rms_norm"), ("rms_mean_unsqueezed", "add_rms_norm"),
-                                       ("pow_quarter", None), ("ln_div_sqrt", "layer_norm")])
+                                       ("pow_quarter", None), ("ln_div_sqrt", "layer_norm"),
+                                       ("ln_var", "layer_norm"), ("ln_var_unbiased", None)])
 def test_norm_named_only_when_it_is_one(kind, name):
     torch.manual_seed(0)
     m = Norm(kind).eval()
