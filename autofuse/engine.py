@@ -975,7 +975,13 @@ class FusedModule(torch.nn.Module):
             raise AttributeError(f"{type(self.model).__name__} has no generate(); call the fused module on each "
                                  f"step's inputs instead (a KV cache passed in is updated as eager updates it)")
         stepper = copy.copy(self.model)      # its own __dict__, the same submodules, parameters and config
-        object.__setattr__(stepper, "forward", self.forward)
+
+        @functools.wraps(self.model.forward)
+        def forward(*a, **k):
+            # the model's own signature, read by generate() to decide which inputs it builds and passes (an
+            # attention mask from pad_token_id, position_ids from the mask, logits_to_keep)
+            return self.forward(*a, **k)
+        object.__setattr__(stepper, "forward", forward)
         if getattr(self.model.config, "is_encoder_decoder", False) and callable(getattr(self.model, "get_encoder",
                                                                                         None)):
             # generate() runs the encoder once by itself, through get_encoder(): that call is fused too

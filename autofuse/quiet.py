@@ -14,6 +14,11 @@ deprecated with ``typing_extensions.deprecated``. Nothing in autofuse or the use
 A forward that assigns a tensor to a module attribute makes torch.export warn that it "must be registered as
 buffers"; capture then refuses that forward by name with its own error (:func:`autofuse.capture.capture`), so the
 warning is silenced too: the error says it, and what to do.
+
+A symbolic export (:mod:`autofuse.sizes`, the export that serves the signatures of one structure at other sizes)
+marks the dims seen to change ``Dim.AUTO``; where one of them is 1 in the call exported, torch logs (WARNING) that
+it "0/1 specialized" it. The export then keeps that size, and a call at another is exported again: the log says
+nothing a user can act on, so :func:`symbolic_export_logs` drops that one message.
 """
 from __future__ import annotations
 
@@ -31,3 +36,27 @@ def torch_internal_warnings():
         warnings.filterwarnings("ignore", message=LEAFSPEC_MESSAGE, category=FutureWarning)
         warnings.filterwarnings("ignore", message=ATTRIBUTE_MESSAGE, category=UserWarning)
         yield
+
+
+SPECIALIZED_MESSAGE = "0/1 specialized; Dim.AUTO was specified"
+
+
+class _Drop:
+    def __init__(self, text):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
+@contextlib.contextmanager
+def symbolic_export_logs():
+    """Within the block, drop torch's log that a ``Dim.AUTO`` dim of size 1 was specialised (see above)."""
+    import logging
+    log = logging.getLogger("torch._export.non_strict_utils")
+    drop = _Drop(SPECIALIZED_MESSAGE)
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)

@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 
 from autofuse.capture import autograd_reads, lifted_input, with_forward
 from autofuse.graph import draw_order
+from autofuse.quiet import symbolic_export_logs
 
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -123,7 +124,8 @@ class SizeFamilies:
             shapes[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
         try:
             named = _named_arguments(model, kwargs)
-            program = export_fn(named, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(named, args, kwargs))
+            with symbolic_export_logs():
+                program = export_fn(named, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(named, args, kwargs))
         except Exception:  # noqa: BLE001 - torch could not keep those sizes symbolic: export each signature
             fam.failed = not fam.programs
             return export_fn(model, args, kwargs)
@@ -258,6 +260,8 @@ def _bindings(program, leaves) -> dict:
                                            program.range_constraints)
     except RuntimeError as e:
         raise Unsuitable(str(e)) from None
+    except IndexError:      # torch 2.13 formats a later input's key path with (args, kwargs) in mind, and fails
+        raise Unsuitable("an input's sizes break the export's constraints") from None
     values = {}
     for node, x in zip(placeholders, leaves):
         val = node.meta.get("val")

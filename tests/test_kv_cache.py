@@ -197,6 +197,46 @@ def test_generate_with_left_padding_and_the_model_left_as_it_was():
     assert dict(vars(model)) == state and "forward" not in vars(model)
 
 
+def _scores_as_eager(model, fused, ids, **settings):
+    """generate()'s tokens and scores, fused against eager (and a float64 copy's scores as the bound's reference)."""
+    settings = dict(settings, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        want, got = model.generate(ids, **settings), fused.generate(ids, **settings)
+        ref = copy.deepcopy(model).double().generate(ids, **settings)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    for w, r, g in zip(want.scores, ref.scores, got.scores):
+        _assert_as_eager(w, r, g)
+
+
+def test_generate_builds_the_inputs_eager_builds_from_the_forwards_signature():
+    """generate() reads the forward's parameter names to decide what it builds: an attention mask from
+    pad_token_id when none is given, position_ids from the mask (GPT-2's absolute positions under left padding),
+    logits_to_keep. The fused steps are called with what eager's are."""
+    model = _model(pad_token_id=0)
+    ids = torch.randint(3, 128, (2, 6))
+    ids[0, :3] = 0                              # left padding, no mask given: generate makes one from the pads
+    _scores_as_eager(model, AutoFusionEngine.fuse(model), ids, max_new_tokens=3, do_sample=False)
+    model = _model("gpt2", layers=1)
+    ids = torch.randint(3, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0              # a tokenizer's left padding: positions count from each first token
+    _scores_as_eager(model, AutoFusionEngine.fuse(model), ids, attention_mask=mask, max_new_tokens=3,
+                     do_sample=False, num_beams=2, pad_token_id=0)
+
+
+def test_generate_continues_from_a_cache_of_the_prompts_start():
+    # a cache of the first 5 tokens given with all 8: the prefill feeds only the 3 it does not hold, as eager's
+    model = _model(layers=1, pad_token_id=0, eos_token_id=2)
+    fused = AutoFusionEngine.fuse(model)
+    torch.manual_seed(1)
+    prefix = torch.randint(3, 128, (1, 5))
+    full = torch.cat([prefix, torch.randint(3, 128, (1, 3))], 1)
+    with torch.no_grad():
+        want = model.generate(full, cache=model(prefix).cache, max_new_tokens=4, do_sample=False)
+        got = fused.generate(full, cache=fused(prefix).cache, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+
+
 def test_generate_without_a_generate_method_says_what_to_do():
     fused = AutoFusionEngine.fuse(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
     with pytest.raises(AttributeError, match="no generate"):

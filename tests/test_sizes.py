@@ -137,6 +137,22 @@ def test_sizes_outside_the_exports_constraints_are_exported_again():
         assert _served(fused) == served, n
 
 
+def test_a_keyword_input_past_the_first_that_breaks_the_exports_constraints_is_exported_again():
+    # position_ids [1, S] first, then input_ids [B, S] and a flag: a later batch breaks the export held (its batch
+    # kept static); torch's own check of that later input must not end the capture: the call is exported again
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2)).eval()
+    fused = AutoFusionEngine.fuse(model)
+    for b, s in ((2, 5), (2, 6), (2, 7), (3, 5)):
+        kw = dict(position_ids=torch.arange(s)[None], input_ids=torch.randint(3, 128, (b, s)), use_cache=False)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(**kw).logits, model(**kw).logits, rtol=1e-5, atol=1e-5)
+    assert len(fused.plans) == 4
+
+
 class _Scaled(nn.Module):
     def __init__(self):
         super().__init__()
