@@ -962,6 +962,23 @@ class FusedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self._plan_for(args, kwargs)(*args, **kwargs)
 
+    def __getattr__(self, name):
+        """The model's attributes read through the fused module (``fused.config``, ``fused.device``,
+        ``fused.generation_config``, transformers' ``_supports_*`` flags), so code written for the model, such as
+        transformers' assisted generation with a fused draft model, takes the fused one. The fused module's own
+        attributes come first; special names (``__deepcopy__``) are never the model's."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if name.startswith("__") or model is None:
+                raise
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"'FusedModule' object has no attribute {name!r}, nor has the "
+                                 f"{type(model).__name__} it fuses") from None
+
     def generate(self, *args, **kwargs):
         """The model's own ``generate`` (transformers' ``GenerationMixin``) with every forward it makes run fused:
         prefill and each decode step, the KV cache updated in place as eager updates it (:mod:`autofuse.caches`),

@@ -386,3 +386,21 @@ def test_a_mask_per_head_keeps_one_work_item_per_query_head():
     p = {"q_shape": (2, 8, 1, 16), "k_shape": (2, 2, 40, 16)}
     assert gqa_group(p, [(2, 1, 1, 40)]) == 4 and gqa_group(p, [(1, 40)]) == 4
     assert gqa_group(p, [(2, 8, 1, 40)]) == 0
+
+
+def test_a_fused_draft_model_serves_assisted_generation():
+    # the fused module reads the model's attributes through (config, generation_config, device, transformers'
+    # _supports_* flags), so a fused draft drops in where the model goes; the tokens are eager's
+    main, draft = _model(layers=1, pad_token_id=0, eos_token_id=2), _model(layers=1, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(5)
+    for p in draft.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    fused_draft = AutoFusionEngine.fuse(draft)
+    assert fused_draft.config is draft.config and fused_draft.device == draft.device
+    with pytest.raises(AttributeError, match="nor has the LlamaForCausalLM it fuses"):
+        fused_draft.no_such_setting
+    ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        want = main.generate(ids, assistant_model=draft, max_new_tokens=6, do_sample=False)
+        got = main.generate(ids, assistant_model=fused_draft, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want) and fused_draft.plans
