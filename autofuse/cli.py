@@ -266,7 +266,10 @@ def _check_engine_args(a) -> dict:
     try:
         budget = parse_memory_budget(a.budget)
     except (ValueError, TypeError) as e:
-        what = "it must be at least one byte" if "at least" in str(e) else "write a number and a unit"
+        what = next((w for k, w in (("at least", "it must be at least one byte"),
+                                    ("finite", "it is not a finite number of bytes"),
+                                    ("whole", "bytes are whole: a whole number of bytes, or another unit"))
+                     if k in str(e)), "write a number and a unit")
         raise UsageError(f"--budget {a.budget!r}: {what}, e.g. 16GB, 512MB or 1.5GiB") from None
     kw = {"target_device": a.device, "optimization_level": level, "memory_budget": budget}
     switches = {}
@@ -372,8 +375,8 @@ def _fuse(a, progress: Progress):
         raise
     except Exception as e:  # noqa: BLE001 - the user's builder or transformers failed: the model's failure
         raise ModelFailed(f"could not build {a.model}: {type(e).__name__}: {e}") from e
-    if a.train:
-        model.train()
+    # the mode the command asks for, whatever mode a factory left its model in (a new module trains by default)
+    model.train(bool(a.train))
     progress.stage("build model", time.perf_counter() - t0, type(model).__name__ + (" on meta" if a.meta else "")
                    + (", training mode" if a.train else ""))
     # torch.export prints the partial graph of a failed trace to stderr; without -v the reason autofuse gives
@@ -487,19 +490,23 @@ def cmd_patterns(a, progress):
     modules = list(dict.fromkeys(sys.modules[fn.__module__] for fn in fams.values()))
     named = [t for mod in modules for t in declared(mod)]
     names = sorted({t.name for t in named} - set(fams))
-    # names found by the same template as another (an activation of either kind; a norm with or without its add)
-    shown = {"geglu": "swiglu", "add_rms_norm": "rms_norm"}.get(a.show, a.show)
-    if a.show == "layer_norm":
-        raise UsageError("--show layer_norm: a region is named layer_norm by torch's own aten.layer_norm op in it; "
-                         "there is no template to draw")
+    # names found by the same template as another (an activation of either kind; a norm with or without its add, or
+    # centred: a LayerNorm written out); a joined name (matmul+swiglu) by its part that is not the matmul
+    alias = {"geglu": "swiglu", "add_rms_norm": "rms_norm", "layer_norm": "rms_norm"}
+    parts = [p for p in a.show.split("+") if p != "matmul"]
+    shown = alias.get(parts[0], parts[0]) if len(parts) == 1 and "+" in a.show else alias.get(a.show, a.show)
     if shown != a.show and shown in names:
-        print(f"{a.show} is found by the {shown} template:", file=sys.stderr)
+        also = " (its statistic centred; torch's own aten.layer_norm op is named without one)" \
+            if parts[0] == "layer_norm" else ""
+        lead = f"{a.show} (a matmul fused with a Vector region) is" if "+" in a.show else f"{a.show} is"
+        print(f"{lead} found by the {shown} template{also}:", file=sys.stderr)
         a.show = shown
     if a.show not in fams and a.show not in names:
-        near = difflib.get_close_matches(a.show, list(fams) + names, n=1)
+        near = difflib.get_close_matches(a.show, list(fams) + names + list(alias), n=1)
         raise UsageError(f"--show {a.show!r} is not a pattern family or a region name" +
                          (f" (did you mean {near[0]!r}?)" if near else "") +
-                         f": choose from {', '.join(fams)} (families) or {', '.join(names)} (names of Vector regions)")
+                         f": choose from {', '.join(fams)} (families) or {', '.join(sorted(set(names) | set(alias)))} "
+                         f"(names of Vector regions, joined with + to matmul as reports print them)")
     templates = [t for t in named if t.name == a.show]
     if not templates:          # a family found by discovery (vector_chain): the templates that name its regions
         templates = declared(sys.modules[fams[a.show].__module__])
@@ -544,8 +551,11 @@ def cmd_report(a, progress):
         text = r.summary() + "\n"
         if sims:
             from autofuse.report import BASELINE
+            fused_cycles = max(sims["fused"].cycles, 1)
             text += (f"simulated on {a.device}: {sims[BASELINE].cycles:,} -> {sims['fused'].cycles:,} cycles, "
-                     f"{sims[BASELINE].cycles / max(sims['fused'].cycles, 1):.2f}x against {BASELINE}\n")
+                     f"{sims[BASELINE].cycles / fused_cycles:.2f}x against {BASELINE}, "
+                     f"{sims[GENERIC].cycles / fused_cycles:.2f}x against {GENERIC} ({sims[GENERIC].cycles:,} "
+                     f"cycles)\n")
     _write(text, a.output)
 
 
@@ -689,7 +699,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate the model unfused and fused, op by op")
     _model_args(p)
     p.add_argument("--top", type=_count0, default=8, help="the launches to list (default 8)")
-    p.add_argument("--json", default=None, help="also write both simulations as JSON here")
+    p.add_argument("--json", default=None, help="also write the three simulations as JSON here: \"unfused\" (eager op "
+                   "by op), \"generic\" (generic fusion alone) and \"fused\"")
     p.add_argument("--backward", action="store_true",
                    help="simulate a training step: the forward and the backward of every trainable parameter "
                         "(with --train, dropout active too)")

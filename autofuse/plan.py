@@ -88,8 +88,13 @@ def parse_memory_budget(budget) -> int | None:
     # "16GB" on a device sheet means 16 GiB; decimal units are not what memory sizes are quoted in.
     scale = {"kb": 2 ** 10, "mb": 2 ** 20, "gb": 2 ** 30, "tb": 2 ** 40}.get(unit, _UNITS.get(unit, 1))
     value = float(m.group(1)) * scale
+    if not math.isfinite(value):
+        raise ValueError(f"memory_budget={budget!r} is not a finite number of bytes")
     if value < 1:
         raise ValueError(f"memory_budget={budget!r} must be at least one byte")
+    if scale == 1 and value != int(value):
+        raise ValueError(f"memory_budget={budget!r}: bytes are whole; write a whole number of bytes or another unit "
+                         f"('1.5GB')")
     return int(value)
 
 
@@ -294,11 +299,16 @@ def baselines(captured: fx.GraphModule, canonical: fx.GraphModule, cands: list, 
 def _switch(switches: dict, match) -> str:
     """The switch of a match: its family's (``vector_chain``), its whole name's (``matmul+swiglu``), or one of its
     names' (``rms_norm``)."""
+    return _switch_named(switches, match)[1]
+
+
+def _switch_named(switches: dict, match) -> tuple:
+    """``(the key that decides, its value)`` of :func:`_switch`; ``(None, "on")`` where no switch names the match."""
     keys = [family_of(match).name, match.pattern] + match.pattern.split("+")      # a whole name before its parts
     for k in keys:
         if k in switches:
-            return switches[k]
-    return "on"
+            return k, switches[k]
+    return None, "on"
 
 
 def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
@@ -383,7 +393,10 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         if level == "O0":
             decide(i, False, "disabled_by_opt_level", "O0 fuses nothing")
         elif switch == "off":
-            decide(i, False, "disabled_by_switch", f"the {c.match.pattern} family is switched off")
+            key = _switch_named(switches, c.match)[0]
+            decide(i, False, "disabled_by_switch", f"switched off by the {key} switch"
+                   + (f" (the {family_of(c.match).name} family)" if key == family_of(c.match).name != c.match.pattern
+                      else ""))
         elif p.get("unsupported"):
             decide(i, False, "unsupported", p["unsupported"])
         elif c.lifted is None:
@@ -451,7 +464,11 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                       f"as much ({w.saving:,} cycles) and comes first"))
         else:
             sp = c.unfused.cycles / max(c.fused.cycles, 1)
-            why = "forced by switch; " if _switch(switches, c.match) == "force" else ""
+            # "forced" only where the switch changed the outcome: unprofitable, or short of O1's margin or outputs
+            forced = _switch(switches, c.match) == "force" and (
+                c.fused.cycles >= c.unfused.cycles or (level == "O1" and (sp < O1_MARGIN or c.match.params.get(
+                    "probs_used"))))
+            why = "forced by switch; " if forced else ""
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
                                      f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
                                      + _choice(c.fused, device) + _window(c.match, c.fused) + _dropout(c.match)

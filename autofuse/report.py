@@ -40,14 +40,21 @@ from cost_model.devices import get_device
 REASONS = dict(re.findall(r"^``(\w+)``\s+(.+)$", _decision.__doc__ or "", re.M))
 
 #: Fill colours of fusion families (fused regions, fused ops, the legend); others get a colour from FALLBACK.
-FAMILY_COLOURS = {"attention": "#4e9a06", "moe": "#ad7fa8", "norm": "#3465a4", "rope": "#c4a000",
-                  "softmax": "#ce5c00", "gemm": "#75507b", "epilogue": "#06989a", "generic": "#888a85"}
-FALLBACK = ("#8f5902", "#204a87", "#5c3566", "#a40000", "#4e9a06")
+#: One colour per family, and per named kind of generated region (the norms share one, the gated units one)
+FAMILY_COLOURS = {"attention": "#4e9a06", "softmax": "#ce5c00", "rope": "#c4a000", "moe_gating": "#ad7fa8",
+                  "moe_experts": "#75507b", "rms_norm": "#3465a4", "add_rms_norm": "#3465a4", "layer_norm": "#3465a4",
+                  "swiglu": "#06989a", "geglu": "#06989a", "matmul_epilogue": "#5c3566", "vector_chain": "#888a85",
+                  "all_gather_matmul": "#a40000", "matmul_reduce_scatter": "#a40000", "matmul_all_reduce": "#a40000"}
+FALLBACK = ("#8f5902", "#204a87", "#2e3436")      # none of the above
 BASELINE = "eager op by op"
 
 
 def family_colour(family: str) -> str:
-    return FAMILY_COLOURS.get(family) or FALLBACK[sum(map(ord, family)) % len(FALLBACK)]
+    """The colour of a family or a region's name; a joined name (``matmul+swiglu``, ``add_rms_norm+matmul``) takes
+    its first part that is not the matmul."""
+    parts = [p for p in family.split("+") if p != "matmul"] or [family]
+    return FAMILY_COLOURS.get(family) or FAMILY_COLOURS.get(parts[0]) or \
+        FALLBACK[sum(map(ord, family)) % len(FALLBACK)]
 
 
 # ---------------------------------------------------------------------------------------------- figures

@@ -103,6 +103,27 @@ def test_report_simulate_text_quotes_the_simulated_speedup(capsys):
     main(["report", *TINY, "--simulate"])
     out = capsys.readouterr().out
     assert "simulated on ascend910: " in out and "x against eager op by op" in out
+    assert "x against generic fusion alone (" in out           # both baselines, as every verdict is given
+
+
+@pytest.mark.parametrize("name,template", [("matmul+swiglu", "swiglu"), ("layer_norm", "rms_norm"),
+                                           ("add_rms_norm", "rms_norm"), ("geglu", "swiglu")])
+def test_patterns_show_draws_the_template_that_finds_a_reported_name(name, template, capsys):
+    main(["patterns", "--show", name])
+    out, err = capsys.readouterr()
+    assert f"found by the {template} template" in err and f'digraph "{template}"' in out
+
+
+def test_a_factory_models_mode_is_the_commands(tmp_path, capsys):
+    # a factory's new module trains by default: without --train the command plans the inference graph, as for
+    # the zoo's and transformers' models
+    src = tmp_path / "drop.py"
+    src.write_text("import torch\ndef make():\n    m = torch.nn.Sequential(torch.nn.Linear(16, 16), "
+                   "torch.nn.Dropout(0.1), torch.nn.GELU())\n    return m, (torch.randn(4, 16),)\n")
+    main(["report", "--model", f"{src}:make", "--format", "json"])
+    assert json.loads(capsys.readouterr().out)["training"] is False
+    main(["report", "--model", f"{src}:make", "--format", "json", "--train"])
+    assert json.loads(capsys.readouterr().out)["training"] is True
 
 
 def test_viz_writes_pictures_report_and_model_explorer_files(tmp_path, capsys):
@@ -246,7 +267,8 @@ def test_transformers_spec_values_and_defaults():
     (["report"], "the following arguments are required: --model"),
     (["report", *TINY, "--bogus", "1"], "autofuse report: unrecognized arguments: --bogus 1 (see `autofuse report "
                                         "--help`)"),
-    (["patterns", "--show", "layer_norm"], "no template to draw"),
+    (["report", *TINY, "--budget", "1e400"], "is not a finite number of bytes"),
+    (["report", *TINY, "--budget", "1.9B"], "bytes are whole"),
     (["simulate", "--model", "tp-block"], "simulate it with --world-size N, N of 2 or more"),
 ])
 def test_usage_errors_print_one_line_and_exit_2(argv, needle, capsys):

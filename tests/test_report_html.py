@@ -180,3 +180,15 @@ def test_chromium_renders_the_page_without_errors_and_shows_both_fusions(mixed, 
         big = max(p.report.decisions, key=lambda d: d.cycles_unfused)
         assert f"{big.cycles_unfused:,}" in first
         assert b.errors() == []
+
+
+def test_every_family_and_named_region_kind_has_a_colour_of_its_own():
+    from autofuse.report import family_colour
+    kinds = {"attention": "attention", "softmax": "softmax", "rope": "rope", "moe_gating": "moe_gating",
+             "moe_experts": "moe_experts", "add_rms_norm": "norm", "matmul+layer_norm": "norm", "rms_norm": "norm",
+             "matmul+swiglu": "glu", "geglu": "glu", "matmul_epilogue": "epilogue", "vector_chain": "vector_chain",
+             "all_gather_matmul": "mc2", "matmul_all_reduce": "mc2"}
+    colour = {name: family_colour(name) for name in kinds}
+    for a in kinds:
+        for b in kinds:
+            assert (colour[a] == colour[b]) == (kinds[a] == kinds[b]), (a, b, colour[a], colour[b])

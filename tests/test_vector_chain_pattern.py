@@ -436,7 +436,21 @@ def test_switching_a_name_off_leaves_it_unfused():
     x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
     fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"add_rms_norm": "off"})
     assert not [d for d in fused.report.applied if "add_rms_norm" in d.pattern]
-    assert any(d.reason_code == "disabled_by_switch" for d in fused.report.decisions)
+    off = [d for d in fused.report.decisions if d.reason_code == "disabled_by_switch"]
+    assert off and all(d.reason == "switched off by the add_rms_norm switch" for d in off), [d.reason for d in off]
+    # a family's switch is named as the family's, not as the region's name
+    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "off", "matmul_epilogue": "off"})
+    reasons = {d.pattern: d.reason for d in fused.report.decisions}
+    assert reasons["add_rms_norm"] == "switched off by the vector_chain switch (the vector_chain family)", reasons
+
+
+def test_forced_is_said_only_where_the_switch_changed_the_outcome():
+    torch.manual_seed(0)
+    m = Norm("rms").eval()
+    x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
+    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"add_rms_norm": "force"})
+    (d,) = [d for d in fused.report.applied if d.pattern == "add_rms_norm"]
+    assert d.speedup > 1 and not d.reason.startswith("forced"), d.reason
 
 
 def test_a_norm_reading_a_copy_of_its_own_add_verifies_on_meta_planning():
@@ -493,6 +507,8 @@ def test_a_whole_row_epilogue_of_a_wide_projection_is_priced_and_runs():
     assert d.reason_code in ("conflict", "not_profitable") and d.cycles_fused > 0, d.reason
     forced = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "off", "matmul_epilogue": "force"})
     assert [d.pattern for d in forced.report.applied] == ["matmul+layer_norm"], forced.report.summary()
+    if d.reason_code == "not_profitable":        # fused only because it was forced: the reason says so
+        assert forced.report.applied[0].reason.startswith("forced by switch"), forced.report.applied[0].reason
     _within_bound(m, (x, r), {}, lambda: forced(x, r))
 
 
