@@ -815,6 +815,22 @@ def test_var_and_std_over_the_last_dim_join_their_region(name, dtype):
     _within_bound(m, (x, r), {}, lambda: fused(x, r))
 
 
+@pytest.mark.parametrize("name", ["var", "std_unbiased_false"])
+def test_var_of_rows_with_a_large_mean_keeps_eagers_precision(name):
+    # 1e4 + 1e-2·randn: the fp32 mean's own rounding error, squared, is the size of the variance unless the sum of
+    # squares is corrected by the deviations' sum (it was 8e-3 off, relative, against eager's 5e-8)
+    torch.manual_seed(0)
+    m = Spread(SPREADS[name]).eval()
+    x, r = 1e4 + 1e-2 * torch.randn(16, 6, 24), torch.randn(16, 6, 24)
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(x, r)[1], m(x, r)[1]
+    truth = SPREADS[name](x.double())
+    eager, ours = (((v.double() - truth) / truth).abs().max().item() for v in (want, got))
+    assert ours <= 2 * eager + 1e-6, (ours, eager)     # eager's own error, within the verifier's bound of it
+
+
 def test_var_without_keepdim_is_an_output_of_its_region():
     class M(nn.Module):
         def forward(self, x):
