@@ -459,26 +459,33 @@ def _mul(n):
     return None
 
 
-def _rows(v) -> bool:
-    """More than one value: a per-row statistic, not a 0-d scale (whose canonical form a fused call may have to
+def _statistic(y) -> bool:
+    """y is a row statistic (a reduction over a dim, possibly plus eps, scaled or cast), whatever its size (one row
+    of a decode step too): not a scale (a learnable temperature, whose canonical form a fused call may have to
     rebuild in its preamble, which takes no ``rsqrt``)."""
-    return isinstance(v, torch.Tensor) and v.numel() > 1 and v.is_floating_point()
+    while is_call(y, aten.add.Tensor, aten.add.Scalar, aten.mul.Tensor, aten._to_copy.default):
+        y = y.args[0]
+    return is_call(y, aten.mean.dim, aten.sum.dim_IntList, aten.var.dim, aten.var.correction) and \
+        val(y).is_floating_point()
 
 
 def _rsqrt(n):
-    """``pow(y, -0.5)`` and ``reciprocal(sqrt(y))`` are ``rsqrt(y)`` (a norm's inverse root, however spelled)."""
-    if n.target == aten.pow.Tensor_Scalar and n.args[1] == -0.5 and _rows(val(n)):
+    """``pow(y, -0.5)`` and ``reciprocal(sqrt(y))`` of a row statistic are ``rsqrt(y)`` (a norm's inverse root,
+    however spelled)."""
+    if n.target == aten.pow.Tensor_Scalar and n.args[1] == -0.5 and _statistic(n.args[0]):
         return call(n.graph, aten.rsqrt.default, n.args[0])
-    if n.target == aten.reciprocal.default and is_call(n.args[0], aten.sqrt.default) and _rows(val(n)):
+    if n.target == aten.reciprocal.default and is_call(n.args[0], aten.sqrt.default) and \
+            _statistic(n.args[0].args[0]):
         return call(n.graph, aten.rsqrt.default, n.args[0].args[0])
     return None
 
 
 def _div_sqrt(n):
-    """``x / sqrt(y)`` is ``x * rsqrt(y)`` (a norm divided by its root, as LayerNorm is often written)."""
+    """``x / sqrt(y)`` of a row statistic y is ``x * rsqrt(y)`` (a norm divided by its root, as LayerNorm is often
+    written)."""
     x, s = n.args[0], n.args[1]
     if (n.target == aten.div.Tensor and not n.kwargs and isinstance(x, fx.Node) and is_call(s, aten.sqrt.default)
-            and _rows(val(s)) and val(x).is_floating_point()):
+            and _statistic(s.args[0]) and val(x).is_floating_point()):
         return call(n.graph, aten.mul.Tensor, x, call(n.graph, aten.rsqrt.default, s.args[0]))
     return None
 
@@ -657,7 +664,7 @@ def _keepdim(n):
     if not is_call(r, aten.amax.default, aten.sum.dim_IntList, aten.mean.dim) or arg(r, 2, "keepdim", False):
         return None
     dims = arg(r, 1, "dim")
-    if len(dims) != 1 or dims[0] % _rank(r.args[0]) != d % _rank(n) or (len(r.args) > 3 or r.kwargs):
+    if not dims or len(dims) != 1 or dims[0] % _rank(r.args[0]) != d % _rank(n) or (len(r.args) > 3 or r.kwargs):
         return None
     return call(n.graph, r.target, r.args[0], list(dims), True)
 

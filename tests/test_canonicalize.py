@@ -220,3 +220,8 @@ def test_a_population_variance_over_the_last_dim_is_a_mean_of_squares(fn):
 def test_an_unbiased_variance_or_one_over_another_dim_stays(fn):
     ops = _canon(fn, x4)
     assert aten.var.dim in ops or aten.var.correction in ops, ops
+
+
+def test_a_reduction_over_every_dim_read_back_through_unsqueeze_stays():
+    ops = _canon(lambda x: x * x.mean(dim=None).unsqueeze(-1) + x.sum(dim=None).unsqueeze(-1), x4)
+    assert ops.count(aten.unsqueeze.default) == 2, ops

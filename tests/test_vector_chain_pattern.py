@@ -235,6 +235,16 @@ def test_torch_rms_norm_over_two_dims_is_not_a_row_program():
     _within_bound(m, (x, r), {}, lambda: fused(x, r))
 
 
+@pytest.mark.parametrize("kind", ["rms_div_sqrt", "rms_pow", "rms_reciprocal"])
+def test_a_norm_of_one_row_is_named_as_any_other(kind):
+    # batch 1, one token (a decode step): the statistic is one value, still a row statistic
+    torch.manual_seed(0)
+    m = Norm(kind).eval()
+    x, r = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    assert _names(fused.report)["add_rms_norm"] == 1, fused.report.summary()
+
+
 class Rope(nn.Module):
     def __init__(self, sign):
         super().__init__()
