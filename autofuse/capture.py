@@ -734,77 +734,100 @@ def _eager_dropout():
         op._dispatch_cache.clear()
 
 
+#: The class-level stand-ins of :func:`_torch_transformers_as_eager`: installed while any capture runs (a count
+#: under a lock, so overlapping captures on two threads leave torch's own functions in place after both)
+_AS_EAGER = {"lock": threading.Lock(), "depth": 0, "own": None}
+
+
 @contextlib.contextmanager
 def _torch_transformers_as_eager():
     """While the forward is captured, torch's own ``nn.Transformer`` family computes what eager computes, where its
     code asks something a trace cannot answer the way eager does:
 
-    * ``TransformerEncoder`` in eval with a ``src_key_padding_mask`` runs eager's nested-tensor path, which gives
-      0 at every padded position (``to_padded_tensor(0.0)``, before the final norm); under torch.export it takes
-      the padded path instead, whose values there are the attention's over the unpadded keys. The forward below
-      is torch's padded path with those positions set to 0 where eager's checks take the nested path (the same
-      checks, read as eager reads them: grad mode and ``requires_grad`` through the capture's autograd reads, the
+    * ``TransformerEncoder`` in eval with a ``src_key_padding_mask`` runs eager's nested-tensor path: each
+      sequence is its first L tokens (L its unpadded count; a mask entry that is not 0 pads), attention runs
+      among them alone, and the output is 0 at every other position (``to_padded_tensor(0.0)``, before the final
+      norm). Under torch.export it takes the padded path instead. :func:`_encoder_forward` is torch's padded
+      path given those L tokens and with those positions set to 0, wherever eager's own checks take the nested
+      path (grad mode and ``requires_grad`` read as eager reads them, through the capture's autograd reads; the
       mask's left alignment, which eager checks on the data, as a value of the graph).
     * a ``mask`` given without ``is_causal`` (``nn.Transformer(src, tgt, tgt_mask=...)``, as torch's tutorial calls
       it) is compared with a causal mask to set a hint, data-dependent control flow torch.export refuses: the mask
       is used as given instead, which is what the hint would have picked between two equal computations.
     """
-    import torch.nn.functional as F
     from torch.nn.modules import transformer as tm
-    own_forward, own_detect = tm.TransformerEncoder.forward, tm._detect_is_causal_mask
-
-    def detect(mask, is_causal=None, size=None):
-        if is_causal is None and mask is not None:
-            return False
-        return own_detect(mask, is_causal, size)
-
-    @functools.wraps(own_forward)
-    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
-        padded = _nested_padding(self, src, mask, src_key_padding_mask)
-        if padded is None:
-            return own_forward(self, src, mask, src_key_padding_mask, is_causal)
-        first = self.layers[0]
-        output = src
-        is_causal = tm._detect_is_causal_mask(None, is_causal, tm._get_seq_len(src, first.self_attn.batch_first))
-        for mod in self.layers:
-            output = mod(output, src_mask=None, is_causal=is_causal, src_key_padding_mask=padded)
-        pad = padded != 0 if padded.is_floating_point() else padded         # the canonical mask: -inf where padded
-        rows = pad if first.self_attn.batch_first else pad.transpose(0, 1)
-        if getattr(self, "mask_check", True):      # eager's nested path only for a left-aligned mask
-            keep = ~pad
-            rows = rows & (keep[:, 1:] <= keep[:, :-1]).all()
-        output = output.masked_fill(rows.unsqueeze(-1), 0.0)
-        return self.norm(output) if self.norm is not None else output
-
-    def _nested_padding(self, src, mask, src_key_padding_mask):
-        """The canonical padding mask where eager's ``TransformerEncoder.forward`` would take its nested path (its
-        checks in its order, but not ``torch.compiler.is_compiling()``), else None."""
-        kpm = F._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
-                                other_type=F._none_or_dtype(mask), other_name="mask", target_type=src.dtype)
-        mask = F._canonical_mask(mask=mask, mask_name="mask", other_type=None, other_name="",
-                                 target_type=src.dtype, check_other=False)
-        first = self.layers[0]
-        if (not torch.backends.mha.get_fastpath_enabled() or not getattr(self, "use_nested_tensor", False)
-                or first.training or src.dim() != 3 or kpm is None or src.is_nested or mask is not None
-                or torch.is_autocast_enabled()):
-            return None
-        attn = first.self_attn
-        tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
-                   first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
-                   first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias)
-        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
-        grad_enabled, requires_grad = getattr(_READS, "eager", None) or (torch.is_grad_enabled,
-                                                                         lambda t: t.requires_grad)
-        if src.device.type not in devices or (grad_enabled() and
-                                              any(requires_grad(t) for t in tensors if t is not None)):
-            return None
-        return kpm
-
-    tm.TransformerEncoder.forward, tm._detect_is_causal_mask = forward, detect
+    with _AS_EAGER["lock"]:
+        if _AS_EAGER["depth"] == 0:
+            _AS_EAGER["own"] = (tm.TransformerEncoder.forward, tm._detect_is_causal_mask)
+            tm.TransformerEncoder.forward, tm._detect_is_causal_mask = _encoder_forward, _detect_causal
+        _AS_EAGER["depth"] += 1
     try:
         yield
     finally:
-        tm.TransformerEncoder.forward, tm._detect_is_causal_mask = own_forward, own_detect
+        with _AS_EAGER["lock"]:
+            _AS_EAGER["depth"] -= 1
+            if _AS_EAGER["depth"] == 0:
+                tm.TransformerEncoder.forward, tm._detect_is_causal_mask = _AS_EAGER["own"]
+
+
+def _detect_causal(mask, is_causal=None, size=None):
+    if is_causal is None and mask is not None:
+        return False
+    return _AS_EAGER["own"][1](mask, is_causal, size)
+
+
+def _encoder_forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+    from torch.nn.modules import transformer as tm
+    padded = _nested_padding(self, src, mask, src_key_padding_mask)
+    if padded is None:
+        return _AS_EAGER["own"][0](self, src, mask, src_key_padding_mask, is_causal)
+    first = self.layers[0]
+    pad = padded != 0                               # the canonical mask: -inf (or any value but 0) where padded
+    if getattr(self, "mask_check", True):
+        # eager's nested path only for a left-aligned mask, where its first L tokens are the unpadded ones; any
+        # other mask runs the padded path, the mask added as given
+        keep = ~pad
+        aligned = (keep[:, 1:] <= keep[:, :-1]).all()
+        nested = pad
+    else:                                           # taken unchecked: each sequence's first L tokens, whatever the mask
+        aligned = None
+        nested = torch.arange(pad.shape[-1], device=pad.device) >= (~pad).sum(-1, keepdim=True)
+    dropped = torch.zeros_like(padded).masked_fill(nested, float("-inf"))
+    layer_mask = dropped if aligned is None else torch.where(aligned, dropped, padded)
+    is_causal = tm._detect_is_causal_mask(None, is_causal, tm._get_seq_len(src, first.self_attn.batch_first))
+    output = src
+    for mod in self.layers:
+        output = mod(output, src_mask=None, is_causal=is_causal, src_key_padding_mask=layer_mask)
+    rows = nested if aligned is None else nested & aligned
+    rows = rows if first.self_attn.batch_first else rows.transpose(0, 1)
+    output = output.masked_fill(rows.unsqueeze(-1), 0.0)
+    return self.norm(output) if self.norm is not None else output
+
+
+def _nested_padding(self, src, mask, src_key_padding_mask):
+    """The canonical padding mask where eager's ``TransformerEncoder.forward`` would take its nested path (its
+    checks in its order, but not ``torch.compiler.is_compiling()``), else None."""
+    import torch.nn.functional as F
+    kpm = F._canonical_mask(mask=src_key_padding_mask, mask_name="src_key_padding_mask",
+                            other_type=F._none_or_dtype(mask), other_name="mask", target_type=src.dtype)
+    mask = F._canonical_mask(mask=mask, mask_name="mask", other_type=None, other_name="",
+                             target_type=src.dtype, check_other=False)
+    first = self.layers[0]
+    if (not torch.backends.mha.get_fastpath_enabled() or not getattr(self, "use_nested_tensor", False)
+            or first.training or src.dim() != 3 or kpm is None or src.is_nested or mask is not None
+            or torch.is_autocast_enabled()):
+        return None
+    attn = first.self_attn
+    tensors = (src, attn.in_proj_weight, attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+               first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+               first.linear1.weight, first.linear1.bias, first.linear2.weight, first.linear2.bias)
+    devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+    grad_enabled, requires_grad = getattr(_READS, "eager", None) or (torch.is_grad_enabled,
+                                                                     lambda t: t.requires_grad)
+    if src.device.type not in devices or (grad_enabled() and
+                                          any(requires_grad(t) for t in tensors if t is not None)):
+        return None
+    return kpm
 
 
 @contextlib.contextmanager

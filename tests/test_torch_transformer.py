@@ -80,15 +80,35 @@ def test_an_encoder_called_with_grad_takes_the_padded_path_as_eager():
         assert (fused(x, src_key_padding_mask=pad)[pad] == 0).all()
 
 
-def test_an_encoder_without_the_mask_check_zeroes_the_padding_as_eager():
+@pytest.mark.parametrize("kind", ["left_aligned", "not_aligned"])
+def test_an_encoder_without_the_mask_check_takes_each_sequences_first_tokens_as_eager(kind):
+    # unchecked, eager's nested path keeps each sequence's first L tokens (L its unpadded count), whatever the
+    # mask says: with a mask that pads before a token, other positions than the padded ones are 0
     enc = _encoder(mask_check=False)
-    pad, x = _padding("left_aligned"), torch.randn(3, 12, 32)
+    pad, x = _padding(kind), torch.randn(3, 12, 32)
     with torch.no_grad():
         want = enc(x, src_key_padding_mask=pad)
+        ref = copy.deepcopy(enc).double()(x.double(), src_key_padding_mask=pad)
         fused = AutoFusionEngine.fuse(enc, ((x,), {"src_key_padding_mask": pad}))
         got = fused(x, src_key_padding_mask=pad)
-    assert (want[pad] == 0).all() and (got[pad] == 0).all()
-    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.equal(got == 0, want == 0)
+    _close(got, want, ref)
+
+
+@pytest.mark.parametrize("value", [-5.0, 1.0])
+def test_a_float_padding_mask_with_finite_values_pads_where_it_is_not_zero_as_eager(value):
+    # eager's nested path drops every key whose mask entry is not 0 (whatever the value); the padded path would
+    # have added it to the scores
+    enc = _encoder()
+    pad = torch.zeros(3, 12)
+    pad[1, -4:] = value
+    x = torch.randn(3, 12, 32)
+    with torch.no_grad():
+        want = enc(x, src_key_padding_mask=pad)
+        ref = copy.deepcopy(enc).double()(x.double(), src_key_padding_mask=pad.double())
+        fused = AutoFusionEngine.fuse(enc, ((x,), {"src_key_padding_mask": pad}))
+        got = fused(x, src_key_padding_mask=pad)
+    _close(got, want, ref)
 
 
 class Seq2Seq(nn.Module):
@@ -148,3 +168,19 @@ def test_the_encoder_layer_fast_path_as_ops_computes_torchs_kernel(norm_first, a
         want, got = torch._transformer_encoder_layer_fwd(*args), encoder_layer(*args)
     assert torch.equal(want.isnan(), got.isnan())
     assert torch.allclose(got.nan_to_num(0), want.nan_to_num(0), atol=4e-6), (got - want).nan_to_num(0).abs().max()
+
+
+def test_torchs_own_functions_are_back_after_overlapping_captures():
+    # two captures on two threads may end in either order: torch's own functions are back after both
+    from torch.nn.modules import transformer as tm
+
+    from autofuse.capture import _torch_transformers_as_eager
+    own = (tm.TransformerEncoder.forward, tm._detect_is_causal_mask)
+    first, second = _torch_transformers_as_eager(), _torch_transformers_as_eager()
+    first.__enter__()
+    second.__enter__()
+    assert tm.TransformerEncoder.forward is not own[0]
+    first.__exit__(None, None, None)
+    assert tm.TransformerEncoder.forward is not own[0]       # the second capture still runs
+    second.__exit__(None, None, None)
+    assert (tm.TransformerEncoder.forward, tm._detect_is_causal_mask) == own
