@@ -478,7 +478,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
     for i, c in enumerate(cands):
         # a region that could not be carried over on its own (it reads a value only the canonical form computes)
         # but shares ops with an applied block: named by that block, which fuses them
-        if c.lifted is None and decisions[i].reason_code == "unsupported" and c.why:
+        if c.lifted is None and c.why.startswith("cannot be carried over") and decisions[i].reason == c.why:
             ours = {n for n in c.match.nodes if n in can and can[n].all_input_nodes}
             w = next((a for a in applied if ours & set(a.match.nodes)), None)
             if w is not None:

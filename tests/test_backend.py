@@ -467,7 +467,8 @@ def test_torchs_encoder_fast_path_fuses_through_compile():
     assert "_transformer_encoder_layer_fwd" not in g.graph_module.code
     r = reports(enc)[-1]
     assert [d.pattern for d in r.applied].count("attention") == 2, r.summary()
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # two layers of fp32 roundings on values of order 1, in another order than the kernel's (6e-7 measured)
+    assert torch.allclose(got, want, atol=4e-6), (got - want).abs().max()
 
 
 def test_a_graph_calling_torchs_fast_path_kernel_says_it_is_opaque():
