@@ -742,7 +742,8 @@ def _row_grad_cached(fn, specs, consts):
 _ACTIVATIONS = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.default, aten.leaky_relu.default,
                 aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default, aten.relu6.default,
                 aten.hardsigmoid.default, aten.hardswish.default,
-                aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction}
+                aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction,
+                aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default}
 
 
 def _lower_activation(node, ins):

@@ -203,6 +203,8 @@ _ACTIVATION_ATEN = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.d
                     aten.log_sigmoid_forward.default, aten.leaky_relu.default,
                     aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default,
                     aten.relu6.default, aten.hardsigmoid.default, aten.hardswish.default}
+# three-operand combinations written with the program's instructions (see _Build.combination)
+_COMBINE_ATEN = {aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default}
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 _BINARY_ATEN = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
                 aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
@@ -421,6 +423,8 @@ class _Build:
             return self.round(n, b.op(_UNARY_ATEN[t], self.arg(n, n.args[0])))
         if t in _ACTIVATION_ATEN:
             return self.round(n, self.activation(n, self.arg(n, n.args[0])))
+        if t in _COMBINE_ATEN:
+            return self.round(n, self.combination(n))
         if t == aten.gelu.default:
             approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
             return self.round(n, b.op("gelu_tanh" if approx == "tanh" else "gelu", self.arg(n, n.args[0])))
@@ -614,6 +618,20 @@ class _Build:
         if not _keepdim(n):
             self.squeezed.add(n)
         return v
+
+    def combination(self, n):
+        """``lerp(a, e, w)`` with a number w as torch computes it (``a + w·(e − a)`` below 0.5, ``e − (e − a)·(1 − w)``
+        from it), ``addcmul`` ``x + value·(t1·t2)`` and ``addcdiv`` ``x + value·(t1 / t2)``, in fp32."""
+        b, t = self.b, n.target
+        if t == aten.lerp.Scalar:
+            a, e = self.arg(n, n.args[0]), self.arg(n, n.args[1])
+            w = float(n.args[2] if len(n.args) > 2 else n.kwargs["weight"])
+            d = b.sub(e, a)
+            return b.add(a, b.mul(d, w)) if abs(w) < 0.5 else b.sub(e, b.mul(d, 1.0 - w))
+        x, t1, t2 = (self.arg(n, v) for v in n.args[:3])
+        value = float(n.args[3] if len(n.args) > 3 else n.kwargs.get("value", 1))
+        term = b.mul(t1, t2) if t == aten.addcmul.default else b.div(t1, t2)
+        return b.add(x, term if value == 1.0 else b.mul(term, value))
 
     def activation(self, n, x):
         """An activation as torch computes it on CPU, in the program's instructions (the gradients they derive are

@@ -888,3 +888,52 @@ def test_a_var_over_another_dim_is_not_a_row_program(spelling):
     assert not any(n.startswith("var") for d in fused.report.applied for n in d.nodes), fused.report.summary()
     assert "aten.var" in fused.graph_module.code
     _within_bound(m, (x, r), {}, lambda: fused(x, r))
+
+
+COMBINATIONS = {
+    "lerp_low": lambda a, e, t: torch.lerp(a, e, 0.3),
+    "lerp_high": lambda a, e, t: torch.lerp(a, e, 0.7),
+    "addcmul": lambda a, e, t: torch.addcmul(a, e, t, value=0.5),
+    "addcdiv": lambda a, e, t: torch.addcdiv(a, e, t.abs() + 1.0, value=-2.0),
+}
+
+
+class Combine(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(24, 8)
+
+    def forward(self, a, e, t):
+        return self.lin(torch.tanh(self.fn(a * 2, e, t)) * 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_lerp_addcmul_and_addcdiv_join_their_region(name, dtype):
+    torch.manual_seed(0)
+    m = Combine(COMBINATIONS[name]).to(dtype).eval()
+    args = tuple(torch.randn(4, 6, 24, dtype=dtype) for _ in range(3))
+    fused = AutoFusionEngine.fuse(m, args)
+    regions = [d for d in fused.report.applied if d.kernel in ("vector_program", "matmul_epilogue")]
+    assert any(any(n.startswith(name[:4]) for n in d.nodes) and "tanh" in d.nodes for d in regions), \
+        fused.report.summary()
+    _within_bound(m, args, {}, lambda: fused(*args))
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_lerp_addcmul_and_addcdiv_train_as_eager(name):
+    torch.manual_seed(0)
+    m = Combine(COMBINATIONS[name]).train()
+    args = tuple(torch.randn(4, 6, 24) for _ in range(3))
+    fused = AutoFusionEngine.fuse(m, tuple(a.clone().requires_grad_() for a in args))
+    grads = []
+    for run, dt in ((m, torch.float32), (copy.deepcopy(m).double(), torch.float64), (fused, torch.float32)):
+        xs = [a.detach().to(dt, copy=True).requires_grad_() for a in args]
+        run(*xs).square().sum().backward()
+        grads.append([x.grad for x in xs])
+    for want, ref, got in zip(*grads):
+        assert (want is None) == (got is None)          # lerp reads no third operand
+        if want is not None:
+            ok, err, tol = compare(want, ref, got)      # the verifier's bound: twice eager's error against float64
+            assert ok, (err, tol)
