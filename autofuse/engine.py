@@ -514,7 +514,8 @@ def _aliased(leaves, updated) -> bool:
 
 
 #: torch's fused fast paths of its transformer modules (an aten op each): opaque to every pattern
-_FAST_PATHS = (torch.ops.aten._transformer_encoder_layer_fwd.default, torch.ops.aten._native_multi_head_attention.default)
+_FAST_PATHS = (torch.ops.aten._transformer_encoder_layer_fwd.default,
+               torch.ops.aten._native_multi_head_attention.default)
 
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,

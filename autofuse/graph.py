@@ -9,6 +9,7 @@ The view is a snapshot: it is not updated when the fx graph changes.
 from __future__ import annotations
 
 import numbers
+import operator
 
 import networkx as nx
 import torch
@@ -99,6 +100,27 @@ def empty_in_order(like: torch.Tensor, shape, order) -> torch.Tensor:
         return like.new_empty(shape)
     inverse = [list(order).index(d) for d in range(len(shape))]
     return like.new_empty([shape[d] for d in order]).permute(*inverse)
+
+
+def split_part(n):
+    """``(source, dim, start, stop)`` of ``getitem(split(x, sizes, dim), i)`` (``chunk``, ``split``,
+    ``split_with_sizes``): the part's extent along the split dim (counted from 0); None for anything else."""
+    if not is_call(n, operator.getitem) or not is_call(n.args[0], torch.ops.aten.split.Tensor,
+                                                        torch.ops.aten.split_with_sizes.default):
+        return None
+    sp, i = n.args
+    src = sp.args[0]
+    rank = len(shape(src) or ())
+    if not rank or not isinstance(i, int):
+        return None
+    dim = arg(sp, 2, "dim", 0) % rank
+    width, sizes = shape(src)[dim], sp.args[1]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, width - s) for s in range(0, width, sizes)] if sizes > 0 else []
+    if i >= len(sizes):
+        return None
+    start = sum(sizes[:i])
+    return src, dim, start, start + sizes[i]
 
 
 def last_dim_slice(n):

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from autofuse.grad_ops import PASS_GRADIENT
+from autofuse.vector_program import _ACTIVATION_ATEN, _COMBINE_ATEN, _VAR_ATEN, rms_norm_args
 from cost_model.devices import ITEMSIZE
 
 aten = torch.ops.aten
@@ -475,13 +476,10 @@ def lower(node: fx.Node) -> Program:
             if isinstance(ref, fx.Node):
                 params[key] = Arg(ins.index(ref))
         return Program([Step("layer_norm", (Arg(0),), params)], ins)
-    if t == aten.rms_norm.default and len(node.args[1]) == 1:
+    if t == aten.rms_norm.default:
         # torch's own RMSNorm over the last dim: CANN's RmsNorm (which takes a weight; without one, a generic pass)
-        x, _, w, eps = (list(node.args) + [None] * 4)[:4]
-        w = w if w is not None else node.kwargs.get("weight")
-        eps = eps if eps is not None else node.kwargs.get("eps")
-        if isinstance(w, fx.Node):
-            eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
+        _, shape, w, eps = rms_norm_args(node)
+        if len(shape) == 1 and isinstance(w, fx.Node):
             return Program([Step("rms_norm", (Arg(0), Arg(ins.index(w))), {"eps": eps})], ins)
     if t in _REDUCE:
         dims = node.args[1] if len(node.args) > 1 else None
@@ -739,11 +737,9 @@ def _row_grad_cached(fn, specs, consts):
     return built.program, [phs.index(i) for i in built.inputs]
 
 
-_ACTIVATIONS = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.default, aten.leaky_relu.default,
-                aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default, aten.relu6.default,
-                aten.hardsigmoid.default, aten.hardswish.default,
-                aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction,
-                aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default}
+#: the ops a generated kernel writes with its own instructions (log_sigmoid_forward's pair of outputs is no one
+#: program's value)
+_ACTIVATIONS = (_ACTIVATION_ATEN - {aten.log_sigmoid_forward.default}) | _VAR_ATEN | _COMBINE_ATEN
 
 
 def _lower_activation(node, ins):

@@ -387,13 +387,12 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
     eligible = []
     for i, c in enumerate(cands):
         sp = c.unfused.cycles / max(c.fused.cycles, 1)
-        switch = _switch(switches, c.match)
+        key, switch = _switch_named(switches, c.match)
         force = switch == "force"
         p = c.match.params
         if level == "O0":
             decide(i, False, "disabled_by_opt_level", "O0 fuses nothing")
         elif switch == "off":
-            key = _switch_named(switches, c.match)[0]
             decide(i, False, "disabled_by_switch", f"switched off by the {key} switch"
                    + (f" (the {family_of(c.match).name} family)" if key == family_of(c.match).name != c.match.pattern
                       else ""))

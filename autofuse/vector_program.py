@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autofuse.graph import keep_mask_order
+from autofuse.graph import arg, keep_mask_order, split_part
 from cost_model.program import (BIT, COMPARE, FLOATS, Builder, Input, Instr, Output, Program, ProgramError, V,
                                 as_program)
 
@@ -241,11 +241,19 @@ def _rounded(x: float, dtype) -> float:
 
 
 def _keepdim(n) -> bool:
-    """A reduction's keepdim (``var.dim``/``std.dim`` take ``unbiased`` before it)."""
-    at = 3 if n.target in (aten.var.dim, aten.std.dim) else 2
+    """A reduction's keepdim (``var.dim``/``std.dim`` take ``unbiased`` before it; the ``correction`` forms take it
+    by keyword only)."""
     if n.target in (aten.var.correction, aten.std.correction):
         return bool(n.kwargs.get("keepdim", False))
-    return bool(n.args[at] if len(n.args) > at else n.kwargs.get("keepdim", False))
+    return bool(arg(n, 3 if n.target in (aten.var.dim, aten.std.dim) else 2, "keepdim", False))
+
+
+def rms_norm_args(n):
+    """``(x, normalized_shape, weight, eps)`` of an ``aten.rms_norm`` node, eps as torch takes it: no eps is fp32's
+    machine epsilon (the decomposition's ``numeric_limits<opmath_t>::epsilon``)."""
+    eps = arg(n, 3, "eps")
+    return n.args[0], arg(n, 1, "normalized_shape"), arg(n, 2, "weight"), \
+        torch.finfo(torch.float32).eps if eps is None else float(eps)
 
 
 def _is_scalar(x) -> bool:
@@ -559,17 +567,10 @@ class _Build:
             return None                                           # the buffer: no value of the program
         if src.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             self.fail(n, "getitem of something other than a split")
-        x = src.args[0]
-        m = _meta(x)
-        dim = src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)
-        if dim % m.dim() != m.dim() - 1:
+        x, dim, start, stop = split_part(n)
+        if dim != _meta(x).dim() - 1:
             self.fail(n, "a split along a dim other than the last")
-        w = m.shape[-1]
-        sizes = src.args[1]
-        if isinstance(sizes, int):
-            sizes = [min(sizes, w - s) for s in range(0, w, sizes)]
-        start = sum(sizes[:i])
-        return self.b.slice(self.arg(n, x), start=start, stop=start + sizes[i])
+        return self.b.slice(self.arg(n, x), start=start, stop=stop)
 
     def layer_norm(self, n):
         b = self.b
@@ -591,7 +592,6 @@ class _Build:
         y = self.round(n, y) if n.target == aten.layer_norm.default else y
         return y if n.target == aten.layer_norm.default else (y, mean, rstd)
 
-
     def variance(self, n):
         """``var``/``std`` over the last dim as torch computes them: ``sum((x − mean)²) / (N − correction)`` (and
         its square root), in fp32; ``unbiased`` is correction 1. The sum of squares is corrected by the deviations'
@@ -599,11 +599,9 @@ class _Build:
         spread (1e4 + 1e-2·randn) keeps eager's precision (5e-8 relative) instead of losing it to that error
         squared (8e-3)."""
         b, t = self.b, n.target
-        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
-        self.last_dim(n, dim)
+        self.last_dim(n, arg(n, 1, "dim"))
         if t in (aten.var.dim, aten.std.dim):
-            unbiased = n.args[2] if len(n.args) > 2 else n.kwargs.get("unbiased", True)
-            c = 1.0 if unbiased else 0.0
+            c = 1.0 if arg(n, 2, "unbiased", True) else 0.0
         else:
             c = n.kwargs.get("correction")
             c = 1.0 if c is None else float(c)
@@ -625,11 +623,11 @@ class _Build:
         b, t = self.b, n.target
         if t == aten.lerp.Scalar:
             a, e = self.arg(n, n.args[0]), self.arg(n, n.args[1])
-            w = float(n.args[2] if len(n.args) > 2 else n.kwargs["weight"])
+            w = float(arg(n, 2, "weight"))
             d = b.sub(e, a)
             return b.add(a, b.mul(d, w)) if abs(w) < 0.5 else b.sub(e, b.mul(d, 1.0 - w))
         x, t1, t2 = (self.arg(n, v) for v in n.args[:3])
-        value = float(n.args[3] if len(n.args) > 3 else n.kwargs.get("value", 1))
+        value = float(arg(n, 3, "value", 1))
         term = b.mul(t1, t2) if t == aten.addcmul.default else b.div(t1, t2)
         return b.add(x, term if value == 1.0 else b.mul(term, value))
 
@@ -680,14 +678,10 @@ class _Build:
         """torch's ``rms_norm`` (``nn.RMSNorm``, ``F.rms_norm``) as its decomposition computes it: in fp32 (a 16-bit x
         widened), ``x · rsqrt(mean(x²) + eps) · weight``, rounded once to x's dtype; no eps is fp32's epsilon."""
         b = self.b
-        args = list(n.args) + [None] * (4 - len(n.args))
-        shape = args[1]
-        w = args[2] if args[2] is not None else n.kwargs.get("weight")
-        eps = args[3] if args[3] is not None else n.kwargs.get("eps")
+        x, shape, w, eps = rms_norm_args(n)
         if len(shape) != 1:
             self.fail(n, "normalises over more than the last dim")
-        x = self.arg(n, args[0])
-        eps = torch.finfo(torch.float32).eps if eps is None else float(eps)
+        x = self.arg(n, x)
         y = b.mul(x, b.rsqrt(b.add(b.reduce(b.mul(x, x), kind="mean"), eps)))
         if w is not None:
             y = b.mul(y, self.arg(n, w))

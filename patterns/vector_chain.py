@@ -42,7 +42,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, is_number, keep_mask_order, last_dim_slice, shape, val
+from autofuse.graph import arg, is_call, is_number, keep_mask_order, last_dim_slice, shape, split_part, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _COMBINE_ATEN, _REDUCE_ATEN, _UNARY_ATEN,
                                      _VAR_ATEN, _VIEWS, NotExpressible, _keepdim, draws_keep_mask, program_from_nodes)
@@ -105,7 +105,7 @@ def _row_value(n: fx.Node) -> bool:
     """A variance over the last dim without keepdim: one value per row of its input (its rows)."""
     if n.target not in _VAR_ATEN or _keepdim(n) or not isinstance(val(n.args[0]), torch.Tensor):
         return False
-    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    dim = arg(n, 1, "dim")
     rank = val(n.args[0]).dim()
     return isinstance(dim, (list, tuple)) and len(dim) == 1 and rank > 0 and dim[0] % rank == rank - 1
 
@@ -378,24 +378,12 @@ ROPE_HALVES = (Template("rope", anchor="cat")
 def _part(n):
     """``(source, start, stop, step)`` of a value that is a part of another along the last dim: a slice, or a part
     of a ``split`` / ``chunk`` there; else None."""
-    if not isinstance(n, fx.Node):
-        return None
-    if n.target == aten.slice.Tensor:
+    if is_call(n, aten.slice.Tensor):
         return last_dim_slice(n)
-    if n.target != operator.getitem or not isinstance(n.args[0], fx.Node) or \
-            n.args[0].target not in (aten.split.Tensor, aten.split_with_sizes.default):
+    part = split_part(n)
+    if part is None or part[1] != len(shape(part[0])) - 1:
         return None
-    sp, i = n.args
-    src = sp.args[0]
-    rank, w = len(shape(src)), shape(src)[-1]
-    dim = sp.args[2] if len(sp.args) > 2 else sp.kwargs.get("dim", 0)
-    sizes = sp.args[1]
-    if isinstance(sizes, int):
-        sizes = [min(sizes, w - s) for s in range(0, w, sizes)] if sizes > 0 else []
-    if dim % rank != rank - 1 or not isinstance(i, int) or i >= len(sizes):
-        return None
-    start = sum(sizes[:i])
-    return src, start, start + sizes[i], 1
+    return part[0], part[2], part[3], 1
 
 
 def _halves(x1, x2):
