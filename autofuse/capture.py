@@ -703,8 +703,29 @@ def _eager_autograd_reads():
         _READS.reads, _READS.eager = (), None
 
 
-@contextlib.contextmanager
-def _eager_dropout():
+def _while_capturing(install):
+    """A context manager that applies a process-wide stand-in while any capture runs: ``install()`` applies it and
+    returns what undoes it. The captures running are counted under a lock, so captures on two threads that overlap
+    and end in either order leave torch's own in place after both."""
+    state = {"lock": threading.Lock(), "depth": 0, "undo": None}
+
+    @contextlib.contextmanager
+    def applied():
+        with state["lock"]:
+            if state["depth"] == 0:
+                state["undo"] = install()
+            state["depth"] += 1
+        try:
+            yield
+        finally:
+            with state["lock"]:
+                state["depth"] -= 1
+                if state["depth"] == 0:
+                    state["undo"]()
+    return applied
+
+
+def _install_eager_dropout():
     """While the forward is captured, ``aten.dropout`` (``nn.Dropout``, ``F.dropout``) with p = 1 in training
     traces as eager runs it: ``input * 0``, no draw. torch's decomposition, which the trace applies, spells every
     training dropout with p != 0 as ``native_dropout``, and that draws a keep-mask (``bernoulli_(0)``) even at
@@ -727,20 +748,20 @@ def _eager_dropout():
     for k in keys:
         op.py_kernels[k] = as_eager(own[k])
     op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
+
+    def undo():
         op.py_kernels.update(own)
         op._dispatch_cache.clear()
+    return undo
 
 
-#: The class-level stand-ins of :func:`_torch_transformers_as_eager`: installed while any capture runs (a count
-#: under a lock, so overlapping captures on two threads leave torch's own functions in place after both)
-_AS_EAGER = {"lock": threading.Lock(), "depth": 0, "own": None}
+_eager_dropout = _while_capturing(_install_eager_dropout)
+
+#: torch's own functions that the stand-ins of :func:`_install_transformers_as_eager` call
+_TORCH_OWN: dict = {}
 
 
-@contextlib.contextmanager
-def _torch_transformers_as_eager():
+def _install_transformers_as_eager():
     """While the forward is captured, torch's own ``nn.Transformer`` family computes what eager computes, where its
     code asks something a trace cannot answer the way eager does:
 
@@ -756,31 +777,29 @@ def _torch_transformers_as_eager():
       is used as given instead, which is what the hint would have picked between two equal computations.
     """
     from torch.nn.modules import transformer as tm
-    with _AS_EAGER["lock"]:
-        if _AS_EAGER["depth"] == 0:
-            _AS_EAGER["own"] = (tm.TransformerEncoder.forward, tm._detect_is_causal_mask)
-            tm.TransformerEncoder.forward, tm._detect_is_causal_mask = _encoder_forward, _detect_causal
-        _AS_EAGER["depth"] += 1
-    try:
-        yield
-    finally:
-        with _AS_EAGER["lock"]:
-            _AS_EAGER["depth"] -= 1
-            if _AS_EAGER["depth"] == 0:
-                tm.TransformerEncoder.forward, tm._detect_is_causal_mask = _AS_EAGER["own"]
+    own = tm.TransformerEncoder.forward, tm._detect_is_causal_mask
+    _TORCH_OWN["forward"], _TORCH_OWN["detect"] = own
+    tm.TransformerEncoder.forward, tm._detect_is_causal_mask = _encoder_forward, _detect_causal
+
+    def undo():
+        tm.TransformerEncoder.forward, tm._detect_is_causal_mask = own
+    return undo
+
+
+_torch_transformers_as_eager = _while_capturing(_install_transformers_as_eager)
 
 
 def _detect_causal(mask, is_causal=None, size=None):
     if is_causal is None and mask is not None:
         return False
-    return _AS_EAGER["own"][1](mask, is_causal, size)
+    return _TORCH_OWN["detect"](mask, is_causal, size)
 
 
 def _encoder_forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
     from torch.nn.modules import transformer as tm
     padded = _nested_padding(self, src, mask, src_key_padding_mask)
     if padded is None:
-        return _AS_EAGER["own"][0](self, src, mask, src_key_padding_mask, is_causal)
+        return _TORCH_OWN["forward"](self, src, mask, src_key_padding_mask, is_causal)
     first = self.layers[0]
     pad = padded != 0                               # the canonical mask: -inf (or any value but 0) where padded
     if getattr(self, "mask_check", True):

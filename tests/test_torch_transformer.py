@@ -184,3 +184,16 @@ def test_torchs_own_functions_are_back_after_overlapping_captures():
     assert tm.TransformerEncoder.forward is not own[0]       # the second capture still runs
     second.__exit__(None, None, None)
     assert (tm.TransformerEncoder.forward, tm._detect_is_causal_mask) == own
+
+
+def test_the_dropout_stand_in_is_torchs_own_again_after_overlapping_captures():
+    from autofuse.capture import _eager_dropout
+    op = torch.ops.aten.dropout.default
+    own = dict(op.py_kernels)
+    first, second = _eager_dropout(), _eager_dropout()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert dict(op.py_kernels) != own                      # the second capture still runs
+    second.__exit__(None, None, None)
+    assert dict(op.py_kernels) == own
