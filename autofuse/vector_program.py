@@ -612,7 +612,8 @@ class _Build:
         d = b.sub(x, b.reduce(x, kind="mean"))
         sq = b.sub(b.reduce(b.mul(d, d), kind="sum"), b.mul(b.mul(*[b.reduce(d, kind="sum")] * 2), 1.0 / width))
         v = b.div(sq, float(width - c))
-        v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v))
+        # std's square root differentiates as torch's std_backward does (0 at a constant row, not 0/0)
+        v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v, kind="std"))
         if not _keepdim(n):
             self.squeezed.add(n)
         return v

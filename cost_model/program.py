@@ -130,7 +130,8 @@ class Instr:
     """One instruction: ``op`` over ``args`` (value numbers or float immediates); ``dtype`` for ``cast``,
     ``kind`` for ``reduce`` (and ``clamp`` on a ``maximum``/``minimum`` with an immediate bound: the same values,
     clamp's gradient; ``hardtanh``: none at the bound itself, all of it at NaN, as torch's hardtanh; ``open``: none at
-    the bound nor at NaN, as its hardsigmoid), ``start/stop/step`` for ``slice``."""
+    the bound nor at NaN, as its hardsigmoid; ``std`` on a ``sqrt``: the same value, torch's std gradient, 0 where
+    the result is 0), ``start/stop/step`` for ``slice``."""
 
     op: str
     args: tuple

@@ -369,6 +369,9 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         return acc(args[0], g) if vals[args[0]].dtype in FLOATS else None
     if op == "neg":
         return acc(args[0], e.op("neg", g))
+    if op == "sqrt" and ins.kind == "std":
+        # torch's std_backward: g / (2 std), 0 where the std is 0 (a constant row: 0/0 through sqrt's own rule)
+        return acc(args[0], e.op("where", e.op("eq", y, 0.0), 0.0, e.op("div", g, e.mul(y, 2.0))))
     if op in _UNARY_DERIV:
         return acc(args[0], _UNARY_DERIV[op](e, g, x, y))
     if op == "mul" and args[0] == args[1] and _is_ref(args[0]) and _is_ref(args[1]):   # a square: 2 a g once
@@ -530,8 +533,8 @@ def _twice(e: _Emit, g: int, x: int) -> int:
 
 
 def _abs(e, g, x, y):
-    # torch: g·sgn(x); where x is 0 or NaN, g·x is g·sgn(x) (an infinite g at 0, sqrt's, gives NaN as in eager)
-    return e.op("where", e.op("gt", x, 0.0), g, e.op("where", e.op("lt", x, 0.0), e.op("neg", g), e.op("mul", g, x)))
+    # torch: g·sgn(x), sgn 0 at 0 and at NaN: g·0 there (an infinite g at 0, sqrt's, gives NaN as in eager)
+    return e.op("where", e.op("gt", x, 0.0), g, e.op("where", e.op("lt", x, 0.0), e.op("neg", g), e.op("mul", g, 0.0)))
 
 
 def _silu(e, g, x, y):
@@ -542,7 +545,8 @@ def _silu(e, g, x, y):
 # unary op -> (emit, g, x, y) -> the adjoint of x (torch's formulas)
 _UNARY_DERIV = {
     "abs": _abs,
-    "relu": lambda e, g, x, y: e.op("where", e.op("gt", x, 0.0), g, 0.0),
+    # torch's threshold_backward: none where the result is <= 0, all of it elsewhere (at NaN too)
+    "relu": lambda e, g, x, y: e.op("where", e.op("le", y, 0.0), 0.0, g),
     "square": lambda e, g, x, y: _twice(e, g, x),
     "exp": lambda e, g, x, y: e.op("mul", g, y),
     "log": lambda e, g, x, y: e.op("div", g, x),

@@ -760,6 +760,33 @@ def test_an_activations_gradient_at_nan_is_eagers(name):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True), name
 
 
+@pytest.mark.parametrize("name", ["relu", "abs"])
+def test_gradient_at_a_nan_input_of_relu_and_abs_is_eagers(name):
+    # a NaN input whose gradient reaches it finite (the product with a weight): relu's backward passes it (torch's
+    # threshold_backward zeroes it only where the result is <= 0, NaN is not), abs's is 0 (sgn(NaN) is 0); they were
+    # 0 and NaN fused
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.linspace(0.5, 2.0, 8))
+
+        def forward(self, x):
+            return (torch.relu(x) if name == "relu" else torch.abs(x)) * self.w
+
+    m = M().train()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(2, 8, requires_grad=True),))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    x = torch.randn(2, 8)
+    x[0, 3], x[1, 5] = float("nan"), 0.0
+    grads = []
+    for run in (m, fused):
+        xx = x.clone().requires_grad_()
+        run(xx).sum().backward()
+        grads.append(xx.grad)
+    assert torch.equal(grads[0].isnan(), grads[1].isnan()) and not grads[0].isnan().any()
+    assert torch.equal(grads[1], grads[0])      # each element one product of the weight, or 0
+
+
 @pytest.mark.parametrize("spelling", ["prelu", "rrelu_train"])
 def test_a_learned_or_random_slope_is_not_a_leaky_relu(spelling):
     # F.prelu's slope is a parameter, F.rrelu's in training drawn at random: neither is a leaky_relu of the region;
@@ -875,6 +902,31 @@ def test_var_trains_as_eager():
     for want, got in zip(*grads):
         # fp32 gradients of a 24-wide row: the derived backward sums in another order than autograd's
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("name", ["std", "std_unbiased_false"])
+def test_std_of_a_constant_row_trains_as_eager(name):
+    # torch's std backward is 0 where the std is 0 (an all-zero padding row, a constant row); through sqrt's own
+    # rule it was 0/0, NaN for every element of the row and for the parameters it reaches
+    torch.manual_seed(0)
+    m = Spread(SPREADS[name]).train()
+    x, r = torch.randn(4, 6, 24), torch.randn(4, 6, 24)
+    fused = AutoFusionEngine.fuse(m, (x.clone().requires_grad_(), r))
+    assert any("std" in d.nodes for d in fused.report.applied if d.kernel == "vector_program"), fused.report.summary()
+    x[0, 1], x[2, 3] = 0.0, 3.0
+    grads = []
+    for run in (m, fused):
+        m.zero_grad()
+        xx = x.clone().requires_grad_()
+        out, s = run(xx, r)
+        (out.square().sum() + s.sin().sum()).backward()
+        grads.append([xx.grad] + [p.grad.clone() for p in m.parameters()])
+    for want, got in zip(*grads):
+        assert not want.isnan().any() and not got.isnan().any()
+        # fp32 gradients summed in another order than autograd's (over a 24-wide row, over 24 rows for the
+        # projection's weight): an element that cancels to near 0 is off by ulps of the largest terms, not of itself
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, want.abs().max().item())), \
+            (got - want).abs().max()
 
 
 @pytest.mark.parametrize("spelling", ["dim0", "two_dims"])
