@@ -91,6 +91,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
+from autofuse.graph import relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -278,6 +279,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             _refuse_custom_backwards(model, functions, (example_args, example_kwargs))
             _detach_grad_free_blocks(gm)
             _cleanup(gm)
+            relayout_as_eager(gm)      # a BatchNorm's output as eager's CPU kernel lays it out: dropouts draw by it
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad

@@ -8,6 +8,7 @@ The view is a snapshot: it is not updated when the fx graph changes.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 
@@ -70,6 +71,65 @@ def draw_order(x: torch.Tensor) -> list | None:
     if like.is_contiguous():
         return None
     return sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+
+
+#: Ops whose CPU kernel lays its output out in the input's suggested memory format (dense row-major, or channels-last
+#: for a 4-D or 5-D channels-last input) where torch's meta kernel keeps the input's strides: BatchNorm1d over a
+#: transposed [B, C, T] input is contiguous in eager and transposed in the captured graph.
+_LAID_OUT_AS_SUGGESTED = tuple(getattr(aten, name).default for name in (
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional") if hasattr(aten, name))
+
+
+def _suggested_layout(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like ``x`` in ``x``'s suggested memory format (as ``empty_like(x, x.suggest_memory_format())``)."""
+    for rank, fmt in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        if x.dim() == rank and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def relayout_as_eager(gm: fx.GraphModule) -> int:
+    """Give the captured values eager's memory layouts where torch's meta kernels lay them out otherwise
+    (:data:`_LAID_OUT_AS_SUGGESTED`), and every value computed from them its layout again from its op's own
+    meta kernel: a dropout draws its keep-mask in its input's memory order, so a plan that read the captured
+    layout drew another mask than eager (a transposed BatchNorm1d's GELU, then dropout). Returns how many values
+    changed. A value whose op does not run again on the new layout keeps the captured one."""
+    if not any(n.op == "call_function" and n.target in _LAID_OUT_AS_SUGGESTED for n in gm.graph.nodes):
+        return 0
+    changed = set()
+
+    def layout(v):
+        return (tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else \
+            tuple(layout(x) for x in v) if isinstance(v, (tuple, list)) else None
+
+    for n in gm.graph.nodes:
+        old = n.meta.get("val")
+        if n.op != "call_function" or old is None:
+            continue
+        try:
+            if n.target in _LAID_OUT_AS_SUGGESTED:
+                with _fake_mode_of(old):
+                    out = _suggested_layout(old if isinstance(old, torch.Tensor) else old[0])
+                new = out if isinstance(old, torch.Tensor) else type(old)((out, *old[1:]))
+            elif any(isinstance(a, fx.Node) and a in changed for a in n.all_input_nodes):
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
+                with _fake_mode_of(old):
+                    new = n.target(*args, **kwargs)
+            else:
+                continue
+        except Exception:  # noqa: BLE001 - an op that does not run again here keeps its captured layout
+            continue
+        if layout(new) != layout(old):
+            n.meta["val"] = new
+            changed.add(n)
+    return len(changed)
+
+
+def _fake_mode_of(v):
+    t = v if isinstance(v, torch.Tensor) else next((x for x in v if isinstance(x, torch.Tensor)), None)
+    mode = getattr(t, "fake_mode", None)
+    return mode if mode is not None else contextlib.nullcontext()
 
 
 def keep_mask_order(dropout: fx.Node) -> list | None:
