@@ -57,23 +57,26 @@ def _dims(a, b, trans_a, trans_b):
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False) -> bool:
-    """Whether tiling ``t`` (m0, n0, k0, k1) passes the kernel's check and its aligned allocations."""
+def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False, a1_elems=None) -> bool:
+    """Whether tiling ``t`` (m0, n0, k0, k1) passes the kernel's check and its aligned allocations. ``a1_elems``:
+    the elements of one L1 buffer of A when it is not an ``m0 × k1`` block (a convolution's input band; then
+    ``k1`` need not be a multiple of ``k0``)."""
     isz, osz = ITEMSIZE[dtype], ITEMSIZE[out_dtype]
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     buf = dev.buffers
-    if m0 < 1 or n0 < 1 or k0 < 1 or k1 < 1 or k1 % k0:
+    if m0 < 1 or n0 < 1 or k0 < 1 or k1 < 1 or (k1 % k0 and a1_elems is None):
         return False
+    a1 = m0 * k1 if a1_elems is None else a1_elems
     l0c = buf["L0C"]
     nc = 2 if 2 * m0 * n0 * 4 <= l0c else 1
-    if not (2 * (m0 * k1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
+    if not (2 * (a1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
             and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * k0 * n0 * isz <= buf["L0B"]
             and nc * m0 * n0 * 4 <= l0c
             and (dev.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"])):
         return False
-    if not (m0 % 16 or n0 % 16 or k0 % 16):
+    if not (m0 % 16 or n0 % 16 or k0 % 16 or (a1 * isz) % 32 or (k1 * n0 * isz) % 32):
         return True          # every tile is then a whole number of aligned blocks: the sums above decide
-    allocs = [("L1", m0 * k1 * isz)] * 2 + [("L1", k1 * n0 * isz)] * 2
+    allocs = [("L1", a1 * isz)] * 2 + [("L1", k1 * n0 * isz)] * 2
     allocs += [("L1", n0 * 4)] if bias else []
     allocs += [("L0A", m0 * k0 * isz)] * 2 + [("L0B", k0 * n0 * isz)] * 2 + [("L0C", m0 * n0 * 4)] * nc
     if dev.arch == "coupled":
@@ -247,8 +250,13 @@ def _k_split(dev, dtype, K, k0, k1):
     return nk1, widths, kfr, [full] * (nk1 - 1) + [last]
 
 
-def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz, epi=None):
+def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz, epi=None, a_rows=None):
     """The launch's (core cycles, HBM bytes, bytes per path, busy per unit).
+
+    ``a_rows``: row blocks of A that are not ``m0``-row slices of a matrix (a convolution's, see
+    :mod:`cost_model.conv`): ``(rows of each block, the GM bytes of its A loads over the whole K, the most of
+    those bytes, whether it loads the very regions the block before it loaded)``, arrays per block in the
+    kernel's order (``Mr``: their rows in all).
 
     ``epi``: a tile epilogue replacing the plain write-out (``cost_model.matmul_epilogue``): called as
     ``epi(m_ext, n_ext, s, S, m_s, n_s)`` with the items' extents and steps, it returns the write-out's
@@ -260,9 +268,9 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     isz, osz = itemsize(dtype), itemsize(out_dtype)
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
     coupled = dev.arch == "coupled"
-    nm, nn = ceil_div(Mr, m0), ceil_div(N, n0)
+    nm, nn = ceil_div(Mr, m0) if a_rows is None else len(a_rows[0]), ceil_div(N, n0)
     I = nbatch * nm * nn
-    if epi is None and I <= dev.cube_cores:
+    if epi is None and a_rows is None and I <= dev.cube_cores:
         return _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, n0, k0, k1, nm, nn, bias_isz)
     P = min(dev.cube_cores, I)
     S = ceil_div(I, P)
@@ -274,10 +282,10 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     bi = i // (nm * nn)
     mi = (i // nn) % nm
     ni = i % nn
-    m_ext = np.minimum(m0, Mr - mi * m0)
+    m_ext = np.minimum(m0, Mr - mi * m0) if a_rows is None else a_rows[0][mi]
     n_ext = np.minimum(n0, N - ni * n0)
 
-    Ablk, Bblk, Cblk = m0 * K * isz, K * n0 * isz, m0 * n0 * osz
+    Ablk, Bblk, Cblk = m0 * K * isz if a_rows is None else a_rows[2], K * n0 * isz, m0 * n0 * osz
 
     # the footprint never shrinks as the waves between two reads grow: reads that many waves apart or fewer
     # find their block still resident (a binary search over the wave distance, not a footprint per item)
@@ -289,7 +297,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
         return (prev >= 0) & (s - prev // P <= stay)
 
     # the previous item reading the same A row block / B column block
-    prev_a = np.where(ni > 0, i - 1, -1)
+    prev_a = np.where((ni > 0) if a_rows is None else (ni > 0) | a_rows[3][mi], i - 1, -1)
     if not a_batched and nbatch > 1:
         prev_a = np.where((ni == 0) & (bi > 0), i - nm * nn, prev_a)
     prev_b = np.where(mi > 0, i - nn, -1)
@@ -297,7 +305,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
         prev_b = np.where((mi == 0) & (bi > 0), i - nm * nn, prev_b)
     ha, hb = hits(prev_a), hits(prev_b)
 
-    a_bytes = m_ext * K * isz
+    a_bytes = m_ext * K * isz if a_rows is None else a_rows[1][mi]
     b_bytes = n_ext * K * isz
     w_bytes = m_ext * n_ext * osz
     A_hit = np.bincount(s, a_bytes * ha, S)
@@ -326,7 +334,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     PA, PB = port(A_hit, A_miss), port(B_hit, B_miss)
     PW = W / HBMbw
     Pbias = port(bias_hit, bias_miss) if bias_isz else 0.0
-    LA = np.maximum(m_s * K * isz / rates["GM->L1"], PA)
+    LA = np.maximum(most(a_bytes) / rates["GM->L1"], PA)
     LB = np.maximum(n_s * K * isz / rates["GM->L1"], PB)
     Lbias = np.maximum(n_s * bias_isz / rates["GM->L1"], Pbias) if bias_isz else 0.0
     m_al, n_al = round_up(m_s, 16), round_up(n_s, 16)
@@ -334,7 +342,7 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # on one core and a column edge on another, is not its largest rows by its largest columns)
     rate = rates["GM->L1"]
     lb_i = np.maximum(n_ext * bias_isz / rate, Pbias[s]) if bias_isz else 0.0
-    mte2 = most(np.maximum(m_ext * K * isz / rate, PA[s]) + np.maximum(n_ext * K * isz / rate, PB[s]) + lb_i)
+    mte2 = most(np.maximum(a_bytes / rate, PA[s]) + np.maximum(n_ext * K * isz / rate, PB[s]) + lb_i)
     cube = most(np.ceil(m_ext / 16) * np.ceil(n_ext / 16)) * kfr
     mte1 = K * isz * most(round_up(m_ext, 16) / rates["L1->L0A"] + round_up(n_ext, 16) / rates["L1->L0B"])
     area = most(m_ext * n_ext)
@@ -409,8 +417,11 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
     # block) the N columns once (integer sums: the same as summing the items)
     m_sum, n_sum = nbatch * nn * Mr, nbatch * nm * N
     m16_sum = nbatch * nn * ((nm - 1) * round_up(m0, 16) + round_up(Mr - (nm - 1) * m0, 16))
+    a_sum = m_sum * K * isz
+    if a_rows is not None:
+        m16_sum, a_sum = nbatch * nn * int(round_up(a_rows[0], 16).sum()), nbatch * nn * float(a_rows[1].sum())
     n16_sum = nbatch * nm * ((nn - 1) * round_up(n0, 16) + round_up(N - (nn - 1) * n0, 16))
-    nbytes = {"GM->L1": (m_sum * K * isz + n_sum * K * isz) + (n_sum * bias_isz),
+    nbytes = {"GM->L1": (a_sum + n_sum * K * isz) + (n_sum * bias_isz),
               "L1->L0A": float(m16_sum * K * isz),
               "L1->L0B": float(n16_sum * K * isz)}
     if ep is not None:
@@ -541,13 +552,19 @@ def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtyp
     if not cands:
         raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
     cands.sort(key=_quick_score(dev, Mr, N, K, nbatch, dtype))
-    best = None
     default = kernel_default(dev, Mr, N, K, nbatch, dtype, out_dtype)
     shortlist = cands[:2] + ([default] if default is not None and default not in cands[:2] else [])
+    return cheapest(dev, shortlist, default,
+                    lambda t: _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz))
+
+
+def cheapest(dev, shortlist, default, price):
+    """``(tiling, model result)`` of the shortlist's cheapest tiling, ``price(t)`` giving a tiling's model result.
+    A tiling replaces the kernel's default only if it wins by more than the model's typical error."""
+    best = None
     for t in shortlist:
-        res = _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz)
+        res = price(t)
         cost = kernel_cycles(dev, *res[:3])
-        # a tiling replaces the kernel's default only if it wins by more than the model's typical error
         if t == default:
             cost *= 1 - DEFAULT_MARGIN
         if best is None or cost < best[0]:
@@ -580,4 +597,4 @@ def estimate_matmul(dev, specs, bias=None, trans_a=False, trans_b=False, tiling=
                 _roofline(dev, specs, bias, trans_a, trans_b), flops(Mr, N, K, nbatch))
 
 
-__all__ = ["choose_tiling", "estimate_matmul", "fits", "flops", "write_out"]
+__all__ = ["cheapest", "choose_tiling", "estimate_matmul", "fits", "flops", "write_out"]

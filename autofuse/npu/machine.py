@@ -1107,13 +1107,15 @@ class Group:
         return np.array(nbytes, dtype=float), port
 
     # ---------------------------------------------------------------- on-chip moves and compute
-    def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None, consume=False):
+    def move(self, dst: Tile, src: Tile, fn=None, nbytes=None, active=None, deps=(), name=None, consume=False,
+             fn_cores=False):
         """On-chip copy along ``src.buffer -> dst.buffer`` (MTE1, or FixPipe out of L0C).
 
         ``fn(src_data) -> dst_data`` (batched over cores, each core's slice on its own: it may be given a
         slice of the cores) selects/transposes the part moved; values are rounded
-        to ``dst.dtype`` (L0C→UB may convert fp32 to fp16/bf16). ``nbytes`` per core defaults to the data
-        moved.
+        to ``dst.dtype`` (L0C→UB may convert fp32 to fp16/bf16). ``fn_cores=True``: ``fn(src_data, cores)`` is
+        also told which slice of the cores it is given (a move that picks different elements on each core, as
+        load3d's img2col does). ``nbytes`` per core defaults to the data moved.
 
         ``consume=True``: the program will not read ``src`` again before rewriting it whole (the next load,
         move or mmad into it). The simulator may then hand ``src``'s array to ``dst`` instead of copying it
@@ -1141,7 +1143,7 @@ class Group:
             def copy(cs):
                 data = src.data[cs]
                 if fn is not None:
-                    data = fn(data)
+                    data = fn(data, cs) if fn_cores else fn(data)
                 if dst.dtype != src.dtype:
                     data = to_dtype(data, dst.dtype)
                 dd = dst.data[cs]
@@ -1154,7 +1156,8 @@ class Group:
             self.launch._data(self.n, copy, math.prod(dst.shape) * self.n)
         dst.consumed = False
         if nbytes is None:
-            shape = src.data.shape if fn is None else fn(src.data).shape     # shapes only: values may be pending
+            shape = src.data.shape if fn is None else \
+                (fn(src.data, slice(0, self.n)) if fn_cores else fn(src.data)).shape     # shapes only: values may be pending
             nbytes = math.prod(shape[1:]) * itemsize(src.dtype)
         total = nbytes * (self.n if np.isscalar(nbytes) else 1)
         self.launch.bytes[path] += int(np.sum(total) if active is None else np.sum(np.where(active, nbytes, 0)))

@@ -31,17 +31,26 @@ def _round(a, b):
     return _ceil(a, b) * b
 
 
-def tiling_fits(device, dtype: str, out_dtype: str, t: dict) -> bool:
-    """Whether tiling ``t`` (m0, n0, k0, k1) fits every buffer it uses on ``device``."""
+def overflow(device, dtype: str, out_dtype: str, t: dict, a1_elems=None) -> str | None:
+    """The first buffer tiling ``t`` (m0, n0, k0, k1) overflows on ``device`` (None: it fits). ``a1_elems``: the
+    elements of one L1 buffer of A (default an ``m0 × k1`` block; a convolution's input band)."""
     isz, osz = itemsize(dtype), itemsize(out_dtype)
     m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    a1 = m0 * k1 if a1_elems is None else a1_elems
     buf = device.buffers
     l0c_tiles = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
-    return (k1 % k0 == 0
-            and 2 * (m0 * k1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
-            and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * k0 * n0 * isz <= buf["L0B"]
-            and l0c_tiles * m0 * n0 * 4 <= buf["L0C"]
-            and (device.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"]))
+    for name, ok in (("L1", 2 * (a1 + k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64),
+                     ("L0A", 2 * m0 * k0 * isz <= buf["L0A"]), ("L0B", 2 * k0 * n0 * isz <= buf["L0B"]),
+                     ("L0C", l0c_tiles * m0 * n0 * 4 <= buf["L0C"]),
+                     ("UB", device.arch == "split" or 2 * m0 * n0 * osz <= buf["UB"])):
+        if not ok:
+            return name
+    return None
+
+
+def tiling_fits(device, dtype: str, out_dtype: str, t: dict) -> bool:
+    """Whether tiling ``t`` (m0, n0, k0, k1) fits every buffer it uses on ``device``."""
+    return t["k1"] % t["k0"] == 0 and overflow(device, dtype, out_dtype, t) is None
 
 
 def default_tiling(device, M: int, N: int, K: int, batch: int, dtype: str, out_dtype: str) -> dict:
@@ -93,19 +102,37 @@ def _check(a, b, trans_a, trans_b):
                          f"and b {list(b.shape)}{' (transposed)' if trans_b else ''}")
 
 
+class DenseA:
+    """A matmul's A operand: per K chunk an ``m0 × k1`` block of a GM matrix loaded into L1 (MTE2), whose ``k0``
+    slices move to L0A as they are (MTE1). ``a_idx``/``rows``: per core, the batch index and the row slice."""
+
+    def __init__(self, a, a_idx, rows, trans_a):
+        self.a, self.a_idx, self.rows, self.trans_a = a, a_idx, rows, trans_a
+
+    def load(self, g, A1, ks, act, deps):
+        a_reg = [None if r is None else self.a_idx[c] + ((ks, r) if self.trans_a else (r, ks))
+                 for c, r in enumerate(self.rows)]
+        g.load(A1, self.a, a_reg, active=act, deps=deps, fn=np.transpose if self.trans_a else None, name="load A")
+
+    def fractal(self, sl):
+        """``(fn, fn_cores)`` of the L1 -> L0A move of the chunk's columns ``sl`` (see ``Group.move``)."""
+        return (lambda x: x[:, :, sl]), False
+
+
 class Cube:
     """The Cube side of a matmul: L1 and L0 tiles and the K loop that fills L0C accumulators.
 
     ``pieces`` column blocks of B (each ``n0`` wide, e.g. the gate and up halves of a fused projection) are
     multiplied by the same A rows into accumulators of their own (``acc[slot][piece]``), each K slice of A
-    moved to L0A once for all of them. L0C holds two sets of accumulators when they fit (``nc``).
+    moved to L0A once for all of them. L0C holds two sets of accumulators when they fit (``nc``). ``a1_shape``:
+    the L1 buffers of A (default ``m0 × k1``; a convolution's input band, formed into L0A by its own ``a_side``).
     """
 
-    def __init__(self, g, dtype, t, bias=False, pieces=1):
+    def __init__(self, g, dtype, t, bias=False, pieces=1, a1_shape=None):
         dev = g.launch.device
         m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
         self.g, self.dtype, self.k0, self.k1, self.pieces = g, dtype, k0, k1, pieces
-        self.a1 = [g.alloc("L1", (m0, k1), dtype, f"a1_{i}") for i in range(2)]
+        self.a1 = [g.alloc("L1", a1_shape or (m0, k1), dtype, f"a1_{i}") for i in range(2)]
         self.b1 = [[g.alloc("L1", (k1, n0), dtype, f"b1_{p}_{i}") for i in range(2)] for p in range(pieces)]
         self.bias1 = g.alloc("L1", (1, n0), "float32", "bias") if bias else None
         self.a0 = [g.alloc("L0A", (m0, k0), dtype, f"a0_{i}") for i in range(2)]
@@ -116,12 +143,14 @@ class Cube:
         self.slot0 = 0
 
     def accumulate(self, a, b, a_idx, b_idx, rows, cols, m_ext, n_ext, K, act, acc, bias=None,
-                   trans_a=False, trans_b=False, deps=()):
+                   trans_a=False, trans_b=False, deps=(), a_side=None):
         """``acc[p] = a[rows] @ b[:, cols[p]] (+ bias)``, K chunk by chunk (yields after each chunk's work
         is issued, so a caller may interleave other work). ``a_idx``/``b_idx``: per core, the batch index
-        of the operands; ``rows``/``cols[p]``: per core, slices; the A and B loads also wait for ``deps``."""
+        of the operands; ``rows``/``cols[p]``: per core, slices (a row slice None: the core is idle); the A and
+        B loads also wait for ``deps``. ``a_side``: how A reaches L1 and L0A (default :class:`DenseA` of ``a``)."""
         g, k0, k1 = self.g, self.k0, self.k1
         isz = itemsize(self.dtype)
+        a_side = a_side or DenseA(a, a_idx, rows, trans_a)
         if self.bias1 is not None:
             g.load(self.bias1, bias, [(slice(None),) * (bias.data.ndim - 1) + (cols[0][c],) if r is not None else None
                                       for c, r in enumerate(rows)],
@@ -129,8 +158,7 @@ class Cube:
         for kk in range(_ceil(K, k1)):
             ks = slice(kk * k1, min(K, (kk + 1) * k1))
             A1 = self.a1[kk % 2]
-            a_reg = [None if r is None else a_idx[c] + ((ks, r) if trans_a else (r, ks)) for c, r in enumerate(rows)]
-            g.load(A1, a, a_reg, active=act, deps=deps, fn=np.transpose if trans_a else None, name="load A")
+            a_side.load(g, A1, ks, act, deps)
             for p in range(self.pieces):
                 b_reg = [None if r is None else b_idx[c] + ((cols[p][c], ks) if trans_b else (ks, cols[p][c]))
                          for c, r in enumerate(rows)]
@@ -141,7 +169,8 @@ class Cube:
                 kv = min(k0, k_chunk - kq * k0)
                 A0 = self.a0[self.slot0 % 2]
                 sl = slice(kq * k0, (kq + 1) * k0)
-                g.move(A0, A1, fn=lambda x, sl=sl: x[:, :, sl], nbytes=_round(m_ext, 16) * kv * isz, active=act)
+                fn, fn_cores = a_side.fractal(sl)
+                g.move(A0, A1, fn=fn, fn_cores=fn_cores, nbytes=_round(m_ext, 16) * kv * isz, active=act)
                 first = kk == 0 and kq == 0
                 for p in range(self.pieces):
                     B0 = self.b0[p][self.slot0 % 2]
@@ -158,12 +187,12 @@ class Program:
     fused kernels (MC2) run it tile by tile in one launch, each call continuing the same timelines. The K
     loop of each output tile is the :class:`Cube`'s."""
 
-    def __init__(self, launch, dtype, out_dtype, t, ncores, bias=False):
+    def __init__(self, launch, dtype, out_dtype, t, ncores, bias=False, a1_shape=None):
         dev = launch.device
         self.launch, self.dtype, self.out_dtype, self.t = launch, dtype, out_dtype, dict(t)
         m0, n0 = t["m0"], t["n0"]
         g = self.g = launch.group("core" if dev.arch == "coupled" else "aic", ncores)
-        self.cube = Cube(g, dtype, t, bias=bias)
+        self.cube = Cube(g, dtype, t, bias=bias, a1_shape=a1_shape)
         self.ub = [g.alloc("UB", (m0, n0), out_dtype, f"ub_{i}") for i in range(2)] \
             if dev.arch == "coupled" else None
         self.slot1 = self.step = 0
@@ -171,7 +200,7 @@ class Program:
     def run(self, a, b, bias, out, items, M_rows, N, K, trans_a=False, trans_b=False, fold=True, deps=()):
         """Output tiles ``items`` ((batch index, row block or (first row, rows), column block)) of ``out = a @ b``,
         written to ``out``; the A and B loads wait for ``deps`` too. Returns the time the last tile is stored."""
-        g, cube, ub = self.g, self.cube, self.ub
+        g, cube = self.g, self.cube
         ncores = g.n
         m0, n0 = self.t["m0"], self.t["n0"]
 
@@ -198,18 +227,24 @@ class Program:
                                      [index(b, it[0]) if it else None for it in mine], rows, [cols], m_ext, n_ext,
                                      K, act, acc, bias, trans_a, trans_b, deps):
                 pass
-            acc = acc[0]
             out_reg = [None if it is None else
                        ((rows[c], cols[c]) if fold else tuple(it[0]) + (rows[c], cols[c])) for c, it in enumerate(mine)]
-            if ub is not None:
-                U = ub[self.slot1 % 2]
-                self.slot1 += 1
-                g.move(U, acc, nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
-                end = g.store(U, out, out_reg, active=act, name="store out")
-            else:
-                end = g.store(acc, out, out_reg, active=act, name="store out")
-            done = max(done, float(np.max(end if act is None else np.where(act, end, 0.0))))
+            done = max(done, self.write_out(acc[0], out, out_reg, m_ext, n_ext, act))
         return done
+
+    def write_out(self, acc, out, out_reg, m_ext, n_ext, act, fn=None):
+        """Store the accumulators ``acc`` to ``out[out_reg[c]]`` (coupled: FixPipe L0C -> UB with the cast, MTE3
+        UB -> GM; split: FixPipe L0C -> GM); ``fn`` selects from each core's tile (``Group.store``). Returns
+        the time the last active core's store ends."""
+        g, ub = self.g, self.ub
+        if ub is not None:
+            U = ub[self.slot1 % 2]
+            self.slot1 += 1
+            g.move(U, acc, nbytes=m_ext * n_ext * 4, active=act, name="L0C->UB")
+            end = g.store(U, out, out_reg, active=act, fn=fn, name="store out")
+        else:
+            end = g.store(acc, out, out_reg, active=act, fn=fn, name="store out")
+        return float(np.max(end if act is None else np.where(act, end, 0.0)))
 
 
 @kernel("matmul")
@@ -251,4 +286,4 @@ def flops(M, N, K, batch=1) -> int:
     return 2 * M * N * K * batch
 
 
-__all__ = ["Cube", "Program", "matmul", "default_tiling", "tiling_fits", "flops"]
+__all__ = ["Cube", "DenseA", "Program", "matmul", "default_tiling", "overflow", "tiling_fits", "flops"]
