@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import random
 import statistics
@@ -794,7 +795,49 @@ def _epilogue_cases(quick: bool):
     return out
 
 
-BUILDERS = {"matmul": _matmul_cases, "vector": _vector_cases, "movement": _movement_cases,
+def _conv_cases(quick: bool):
+    """Convolutions as models run them: a ViT's patch embedding (kernel = stride 16, 3 -> 768 channels; 224² in the
+    full sweep), 3×3 stride 1 pad 1 and 1×1 convolutions, depthwise 1-D short convolutions (kernel 3-4, causal
+    padding, as LFM2, Mamba and Conformer run them), Whisper's front end (Conv1d, the second with stride 2), odd
+    sizes (prime channels, dilation 2, a kernel taller than the input); fp16, bf16, fp32 on every device."""
+    f16, bf16, f32 = "float16", "bfloat16", "float32"
+    # (x shape, w shape, params, bias)
+    shapes = [((1, 3, 64, 64), (192, 3, 16, 16), {"stride": 16}, True),                # ViT patch embedding
+              ((2, 32, 14, 14), (64, 32, 3, 3), {"padding": 1}, True),                 # 3×3 stride 1 pad 1
+              ((1, 64, 28, 28), (64, 64, 3, 3), {"padding": 1}, False),
+              ((2, 64, 14, 14), (128, 64, 1, 1), {}, False),                           # 1×1
+              ((1, 256, 7, 7), (64, 256, 1, 1), {}, True),
+              ((2, 64, 40), (64, 1, 3), {"padding": 2, "groups": 64}, True),            # LFM2's short conv
+              ((1, 128, 100), (128, 1, 4), {"padding": 3, "groups": 128}, True),        # Mamba's causal conv
+              ((1, 80, 100), (64, 80, 3), {"padding": 1}, True),                        # Whisper's first conv
+              ((1, 64, 100), (64, 64, 3), {"stride": 2, "padding": 1}, True),           # and its stride-2 one
+              ((1, 17, 11, 13), (23, 17, 3, 3), {"padding": 2, "dilation": 2}, True),   # prime channels, dilation 2
+              ((2, 8, 3, 9), (12, 4, 5, 3), {"padding": (2, 1), "groups": 2}, True)]    # kernel taller than input
+    if not quick:
+        shapes += [((1, 3, 224, 224), (768, 3, 16, 16), {"stride": 16}, True),       # ViT-B/16 patch embedding
+                   ((4, 3, 224, 224), (768, 3, 16, 16), {"stride": 16}, True),
+                   ((1, 128, 56, 56), (128, 128, 3, 3), {"padding": 1}, False),         # ResNet stage
+                   ((8, 256, 14, 14), (256, 256, 3, 3), {"padding": 1}, False),
+                   ((4, 512, 28, 28), (128, 512, 1, 1), {}, False),
+                   ((1, 1024, 256), (1024, 1, 3), {"padding": 2, "groups": 1024}, True),  # LFM2-size short conv
+                   ((2, 512, 512), (512, 1, 4), {"padding": 3, "groups": 512}, True),
+                   ((1, 144, 256), (144, 1, 31), {"padding": 15, "groups": 144}, True),  # Conformer's depthwise
+                   ((1, 80, 3000), (384, 80, 3), {"padding": 1}, True),                 # Whisper tiny, 30 s
+                   ((1, 384, 3000), (384, 384, 3), {"stride": 2, "padding": 1}, True),
+                   ((1, 31, 61, 67), (37, 31, 7, 7), {"padding": 3, "stride": 2}, True)]
+    out = []
+    for i, (xs, ws, params, bias) in enumerate(shapes):
+        for j, d in enumerate(DEVICES):
+            if quick and j != i % 3:
+                continue
+            dt = (f16, bf16, f32)[(i // 3 + j) % 3]
+            big = math.prod(xs) * ws[0] > 50_000_000
+            out.append(Case("conv", [(xs, dt), (ws, dt)], d, params, {"bias": ((ws[0],), dt)} if bias else {},
+                            timing_only=big))
+    return out
+
+
+BUILDERS = {"matmul": _matmul_cases, "conv": _conv_cases, "vector": _vector_cases, "movement": _movement_cases,
             "flash_attention": _fa_cases, "flash_attention_grad": _fag_cases, "moe": _moe_cases, "links": _link_cases,
             "vector_program": _vector_program_cases, "matmul_epilogue": _epilogue_cases}
 

@@ -11,6 +11,7 @@ a tiling search per kernel, a roofline bound, and a generic price for ops withou
 from cost_model.devices import DEVICES, Device, devices, get_device
 from cost_model.estimate import MODELS, Estimate, estimate, roofline
 from cost_model import matmul as _matmul  # noqa: F401,E402  (each import registers a model)
+from cost_model import conv as _conv  # noqa: F401,E402
 from cost_model import softmax as _softmax  # noqa: F401,E402
 from cost_model import norm as _norm  # noqa: F401,E402
 from cost_model import vector as _vector  # noqa: F401,E402

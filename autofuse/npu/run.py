@@ -183,6 +183,7 @@ def run(kernel_name: str, *inputs, device="ascend910", timing_only=False, **para
 # Register the kernels.
 from autofuse.npu.kernels import generic as _generic  # noqa: E402,F401
 from autofuse.npu.kernels import matmul as _matmul  # noqa: E402,F401
+from autofuse.npu.kernels import conv as _conv  # noqa: E402,F401
 from autofuse.npu.kernels import softmax as _softmax  # noqa: E402,F401
 from autofuse.npu.kernels import vector as _vector  # noqa: E402,F401
 from autofuse.npu.kernels import norm as _norm  # noqa: E402,F401

@@ -24,7 +24,7 @@ def records():
 def test_sweep_is_broad(records):
     kernels = {r.case.kernel for r in records}
     assert {"matmul", "softmax", "elementwise", "reduce", "layer_norm", "rms_norm", "generic", "copy", "cat",
-            "permute", "gather", "flash_attention", "flash_attention_grad"} <= kernels
+            "permute", "gather", "flash_attention", "flash_attention_grad", "conv"} <= kernels
     assert {r.case.device for r in records} == set(bench.DEVICES)
 
 
@@ -47,6 +47,15 @@ def test_error_distribution_moe(records, what):
     the router's backward)."""
     rs = [r for r in records if r.case.kernel in MOE]
     assert {r.case.kernel for r in rs} == set(MOE) and {r.case.device for r in rs} == set(bench.DEVICES)
+    _check(rs, what)
+
+
+@pytest.mark.parametrize("what", ["cycles", "hbm"])
+def test_error_distribution_conv(records, what):
+    """Convolutions on their own (patch embedding, 3×3, 1×1, depthwise 1-D, strided 1-D, dilated, grouped), on
+    every device."""
+    rs = [r for r in records if r.case.kernel == "conv"]
+    assert len(rs) >= 10 and {r.case.device for r in rs} == set(bench.DEVICES)
     _check(rs, what)
 
 

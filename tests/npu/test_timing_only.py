@@ -40,6 +40,9 @@ def _cases():
            {"trans_b": True}),
           ("matmul", (_rand(96, 40), _rand(96, 72, seed=1)), {"trans_a": True, "tiling": {"m0": 32, "n0": 64,
                                                                                          "k0": 32, "k1": 64}})]
+    c += [("conv", (_rand(2, 6, 9, 11), _rand(8, 3, 3, 3, seed=1)), {"bias": _rand(8, seed=2), "padding": 1,
+                                                                    "groups": 2}),
+          ("conv", (_rand(1, 8, 30, dtype=f32), _rand(8, 1, 4, dtype=f32, seed=1)), {"padding": 3, "groups": 8})]
     # Vector
     x = _rand(33, 300, dtype=bf16)
     c += [("softmax", (x,), {"dim": -1}), ("softmax", (_rand(2, 4, 40, 72),), {"dim": -1}),
