@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autofuse import graph
 from autofuse.grad_ops import PASS_GRADIENT
 from autofuse.vector_program import _ACTIVATION_ATEN, _COMBINE_ATEN, _VAR_ATEN, rms_norm_args
 from cost_model.devices import ITEMSIZE
@@ -254,6 +255,62 @@ def _lower_matmul(node, a, b, bias=None, trans_b=False):
     return Program(steps, inputs)
 
 
+_CONVS = {aten.conv1d.default: 1, aten.conv2d.default: 2, aten.conv1d.padding: 1, aten.conv2d.padding: 2,
+          aten.convolution.default: None}
+_CUBE = ("float16", "bfloat16", "float32")
+
+
+def _same_padding(w, dilation, nd):
+    """``padding="same"`` as one pad per side, or None where torch pads one side more (an even extent)."""
+    ks = tuple(w.shape[2:])
+    dil = tuple(dilation) if isinstance(dilation, (list, tuple)) else (dilation,) * nd
+    totals = [d * (k - 1) for d, k in zip(dil, ks)]
+    return None if any(t % 2 for t in totals) else tuple(t // 2 for t in totals)
+
+
+def _lower_conv(node, t, ins):
+    """``aten.conv1d`` / ``conv2d`` / ``convolution`` (what ``nn.Conv1d``/``nn.Conv2d`` capture as: groups and depthwise,
+    stride, padding, dilation, bias) -> the Cube's implicit GEMM (``conv``), after a copy of an input the kernel
+    cannot read as NCHW. None, so that the node is priced as a generic pass: a transposed convolution, a 3-D one,
+    ``padding="same"`` that pads one side more than the other, another dtype than the Cube's, or sizes the capture
+    left symbolic."""
+    x, w = graph.arg(node, 0, "input"), graph.arg(node, 1, "weight")
+    bias = graph.arg(node, 2, "bias")
+    stride, padding, dilation = (graph.arg(node, i, n, 1 if n != "padding" else 0)
+                                 for i, n in ((3, "stride"), (4, "padding"), (5, "dilation")))
+    if t == aten.convolution.default:
+        if graph.arg(node, 6, "transposed", False):
+            return None
+        groups = graph.arg(node, 8, "groups", 1)
+    else:
+        groups = graph.arg(node, 6, "groups", 1)
+    xm, wm, om = _meta(x), _meta(w), _meta(node)
+    nd = _CONVS[t] or wm.dim() - 2
+    if nd not in (1, 2) or wm.dim() != nd + 2 or not isinstance(om, torch.Tensor) or \
+            {_dt(x), _dt(w)} - set(_CUBE) or _dt(x) != _dt(w) or \
+            not all(isinstance(d, int) for d in (*xm.shape, *wm.shape)):
+        return None
+    if isinstance(padding, str):
+        padding = 0 if padding == "valid" else _same_padding(wm, dilation, nd)
+        if padding is None:
+            return None
+    as_list = (lambda v: tuple(int(e) for e in v) if isinstance(v, (list, tuple)) else (int(v),) * nd)
+    params = {"stride": as_list(stride), "padding": as_list(padding), "dilation": as_list(dilation),
+              "groups": int(groups)}
+    inputs, steps = [x, w], []
+    ref = Arg(0)
+    if xm.dim() == nd + 1:                 # an unbatched input: one image
+        ref = View(Arg(0), (1, *xm.shape))
+    elif not xm.is_contiguous():           # a transposed sequence (a Conv1d over a projection's [B, L, C] output)
+        steps.append(Step("copy", (Arg(0),)))
+        ref = Out(0)
+    if isinstance(bias, fx.Node):
+        inputs.append(bias)
+        params["bias"] = Arg(2)
+    steps.append(Step("conv", (ref, Arg(1)), params))
+    return Program(steps, inputs)
+
+
 def _dropout_steps(shape, p: float, src) -> list:
     """Eager dropout on the NPU (torch_npu's ``native_dropout``): DropOutGenMask writes the keep bits, then
     DropOutDoMask reads the input and the bits and writes the output (a generic pass over both)."""
@@ -423,6 +480,10 @@ def lower(node: fx.Node) -> Program:
                              trans_b=True)
     if t == aten.addmm.default and len(node.args) == 3 and not node.kwargs:
         return _lower_matmul(node, node.args[1], node.args[2], node.args[0])
+    if t in _CONVS:
+        conv = _lower_conv(node, t, ins)
+        if conv is not None:
+            return conv
     if t in (aten.softmax.int, aten._softmax.default, aten._safe_softmax.default):
         return Program([Step("softmax", (Arg(0),), {"dim": node.args[1]})], ins[:1])
     if t in (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_attention_math.default,
