@@ -1150,6 +1150,13 @@ class AutoFusionEngine:
         if isinstance(model, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
             raise TypeError(f"fuse: model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
                             f"torch.jit.trace), which torch.export cannot capture: pass the original nn.Module")
+        wrapper = _data_parallel_wrapper(model)
+        if wrapper:
+            raise TypeError(f"fuse: model is wrapped in {wrapper}, whose forward torch.export cannot capture (it "
+                            f"synchronises buffers and registers gradient hooks at each call): fuse the module "
+                            f"inside and wrap the fused one, {wrapper.split('.')[-1]}(AutoFusionEngine.fuse(model, "
+                            f"...)), whose gradients the wrapper's hooks reduce as usual; or compile the wrapped "
+                            f"model with torch.compile(wrapped, backend='autofuse')")
         try:
             device = get_device(target_device).name
         except ValueError as e:
@@ -1169,6 +1176,16 @@ class AutoFusionEngine:
                              f"signature's other sizes) or False (export every signature by itself)")
         return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches,
                            max_plans, share_exports)
+
+
+def _data_parallel_wrapper(model) -> str | None:
+    """The name of the data-parallel wrapper ``model`` is (``DistributedDataParallel``, ``DataParallel``, FSDP's
+    ``FullyShardedDataParallel``), or None."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel") and \
+                cls.__module__.startswith("torch."):
+            return f"{cls.__module__}.{cls.__name__}"
+    return None
 
 
 #: Element types the NPU computes in (the Cube takes fp16/bf16/fp32 operands; there is no float64 unit).
