@@ -4,8 +4,10 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
+import torch.nn as nn
 import torch.nn.functional as F
 
+from autofuse import AutoFusionEngine
 from autofuse.capture import CaptureError, capture
 from autofuse.tp_models import TPBlock, build, example_input, make_block
 
@@ -283,3 +285,34 @@ def mc2_grads(rank, world):
 
 
 __all__ = ["MC2_SHAPES", "Pairs", "SPMLP", "TPBlock", "checks", "mc2_grads", "tp_block_fp16", "tp_block_only"]
+
+
+def ddp_steps(rank, world):
+    """Three SGD steps of DistributedDataParallel over the fused module against DDP over an eager copy (dropout on,
+    the same seeds), and what fuse() says of the wrapper itself."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16)).train()
+    eager = copy.deepcopy(model)
+    xs = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(rank))
+    fused, ref = DDP(AutoFusionEngine.fuse(model, (xs[0],))), DDP(eager)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    losses = []
+    for step in range(3):
+        pair = []
+        for run, opt in zip((fused, ref), opts):
+            torch.manual_seed(10 + step + rank)
+            loss = run(xs[step]).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            pair.append(loss.item())
+        losses.append(pair)
+    try:
+        AutoFusionEngine.fuse(DDP(copy.deepcopy(eager)), (xs[0],))
+        refused = None
+    except TypeError as e:
+        refused = str(e)
+    return {"losses": losses, "fused": bool(fused.module.report.applied), "refused": refused,
+            "param_diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters()))}
+

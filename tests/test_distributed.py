@@ -172,6 +172,18 @@ def test_sequence_parallel_training_step(two):
         assert fused["backward"] < unfused["backward"] and fused["forward"] < unfused["forward"]
 
 
+def test_data_parallel_over_the_fused_module_trains_as_eager_ddp():
+    res = run_world("ddp_steps", 2)
+    for r in (0, 1):
+        got = res[r]
+        assert got["fused"]
+        for fused, eager in got["losses"]:
+            # the same keep-masks and the gradients averaged over both ranks by DDP's hooks: fp32 rounding only
+            assert abs(fused - eager) <= 1e-5 * abs(eager), got["losses"]
+        assert got["param_diff"] <= 1e-5, got["param_diff"]
+        assert "fuse the module inside and wrap the fused one" in got["refused"]
+
+
 def test_parallelize_module_does_not_export(two):
     """torch 2.13: torch.export cannot take DTensor module hooks (an assertion inside export's tracing of the
     DTensor hooks); the hand-written functional-collective form captures. This pins the finding so a torch that
