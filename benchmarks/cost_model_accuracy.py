@@ -135,7 +135,8 @@ def _matmul_cases(quick: bool):
 
 def _softmax_family(quick: bool):
     """Softmax with its scale, mask (bool keep-masks and additive ones, broadcast as padding, causal and
-    per-head masks are), log form, output dtype and empty-row mode: (shape, dim, dtype, params, mask)."""
+    per-head masks are), log form, output dtype, empty-row mode and the logsumexp spellings' +inf rows:
+    (shape, dim, dtype, params, mask)."""
     f16, bf16, f32, b = "float16", "bfloat16", "float32", "bool"
     cs = [((2, 4, 128, 128), -1, f16, {"scale": 0.125}, ((2, 1, 1, 128), b)),
           ((2, 4, 128, 128), -1, bf16, {"fill": -1e4}, ((128, 128), b)),
@@ -157,7 +158,12 @@ def _softmax_family(quick: bool):
                ((8, 16, 77, 77), -1, f16, {"scale": 0.3, "out_dtype": f32}, ((8, 1, 77, 77), b)),
                ((3, 5, 100, 100), -1, f32, {}, ((100, 100), f32)),          # core shares across mask runs
                ((4, 8, 256, 256), -1, f16, {}, ((8, 256, 256), f32)),       # per-head mask, reused per batch
-               ((64, 1024, 1024), -1, f16, {}, ((1024, 1024), f32))]        # re-read after L2 evicted it
+               ((64, 1024, 1024), -1, f16, {}, ((1024, 1024), f32)),        # re-read after L2 evicted it
+               ((2, 4, 128, 128), -1, bf16, {"inf_rows": "lse", "scale": 0.5}, ((2, 1, 1, 128), b)),
+               ((333, 777), -1, f16, {"inf_rows": "lse", "log": True}, None),
+               ((8, 50000), -1, f32, {"inf_rows": "lse", "log": True}, None),      # two passes
+               ((8, 50000), -1, f16, {"inf_rows": "lse"}, ((1, 50000), b)),
+               ((4, 1000, 96), 1, f16, {"inf_rows": "lse", "scale": 0.5}, None)]
     return cs
 
 

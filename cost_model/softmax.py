@@ -6,9 +6,10 @@ Per task, the Vector passes of the kernel (fp32 statistics; fp16/bf16 cast in an
   over the mask tile, then one select or add: elementwise when the mask tile is the work tile's shape,
   per row when it broadcasts);
 * one pass (``chunk >= C``): prologue, max + brcb, sub, exp, sum + brcb, div (log: log of the sum, sub),
-  cast out — plus two selects on the statistics for ``empty_rows="zero"``;
+  cast out — plus two selects on the statistics for ``empty_rows="zero"``, one for ``inf_rows="lse"`` (the sum
+  of a row whose max is +inf becomes 1);
 * online (``chunk < C``): pass 1 per chunk (prologue, max, the max in use, correction of the running
-  statistics, sub, exp, sum), pass 2 per chunk (prologue, sub, exp, div or sub, cast, store). Pass 2
+  statistics, sub, exp, sum; after the last chunk the empty-sum and +inf-max selects), pass 2 per chunk (prologue, sub, exp, div or sub, cast, store). Pass 2
   reloads the chunks; they hit L2 when the step's rows (and the outputs written meanwhile) fit in it.
 
 Repeat counts follow ``Group.repeats``/``row_repeats``: an elementwise pass over ``rows x pad(cols)``
@@ -134,7 +135,7 @@ def _mask_keys(L, start, ext, ke_m):
     return np.where(ext > 0, key, -1)
 
 
-def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
+def _model(dev, dtype, L, block, chunk, out, log, zero, scaled, lse=False):
     isz, osz = itemsize(dtype), itemsize(out)
     rowwise, C, inner = L.rowwise, L.C, L.inner
     kept = L.outer * inner
@@ -184,8 +185,8 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
     if one:
         ew, row, small, br = counts(worst, C)
         pv, pi = prologue(worst, C)
-        vec = pv + ew * (1 + lowp_out) + 4 * row + 2 * br + small * (2 * zero + log)
-        instr = pi + lowp_out + 5 + 2 * nb + 2 * zero + log + 2
+        vec = pv + ew * (1 + lowp_out) + 4 * row + 2 * br + small * (2 * zero + lse + log)
+        instr = pi + lowp_out + 5 + 2 * nb + 2 * zero + lse + log + 2
         tasks.append((0, C, 0, vec, instr, True))
     else:
         per_cv = {}                                        # chunks come in two widths: their counts once
@@ -199,7 +200,7 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled):
             cv = min(chunk, C - k * chunk)
             (ew, row, small, br), (pv, pi) = chunk_counts(cv)
             last = k == nchunks - 1
-            extra = (5 if k else 0) + 1 + last * (zero + 2 * log)
+            extra = (5 if k else 0) + 1 + last * (zero + lse + 2 * log)
             vec = pv + ew + 3 * row + 2 * br + extra * small
             instr = pi + 4 + 2 * nb + extra + 1
             tasks.append((k, cv, 1, vec, instr, False))
@@ -323,12 +324,12 @@ def _candidates(dev, dtype, L, out, log):
 
 
 @cached
-def _search(device, dtype, shape, dim, mask, out, log, zero, scaled):
+def _search(device, dtype, shape, dim, mask, out, log, zero, scaled, lse=False):
     dev = get_device(device)
     L = _Layout(shape, dim, *(mask or (None, None)))
     best = None
     for t in _candidates(dev, dtype, L, out, log):
-        res = _model(dev, dtype, L, t["block"], t["chunk"], out, log, zero, scaled)
+        res = _model(dev, dtype, L, t["block"], t["chunk"], out, log, zero, scaled, lse)
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
             best = (cost, t, res)
@@ -343,7 +344,7 @@ def _passes(specs, mask, scale, log, out_dtype):
 
 
 def _roofline(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None, log=False, empty_rows="nan",
-              out_dtype=None):
+              out_dtype=None, inf_rows="nan"):
     (shape, dtype) = specs[0]
     N = math.prod(shape)
     out = str(out_dtype).replace("torch.", "") if out_dtype else dtype
@@ -354,22 +355,23 @@ def _roofline(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None,
 
 @register("softmax", _roofline)
 def estimate_softmax(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None, log=False,
-                     empty_rows="nan", out_dtype=None):
-    """Predicted cost of ``npu.run("softmax", x, dim=..., mask=..., scale=..., log=..., out_dtype=...)``;
-    ``mask`` as a spec ``(shape, dtype)``; ``fill`` does not change the cost."""
+                     empty_rows="nan", out_dtype=None, inf_rows="nan"):
+    """Predicted cost of ``npu.run("softmax", x, dim=..., mask=..., scale=..., log=..., empty_rows=...,
+    inf_rows=..., out_dtype=...)``; ``mask`` as a spec ``(shape, dtype)``; ``fill`` does not change the cost."""
     (shape, dtype) = specs[0]
     shape = tuple(shape)
     out = str(out_dtype).replace("torch.", "") if out_dtype else dtype
     mkey = (tuple(mask[0]), mask[1]) if mask is not None else None
     scaled = scale is not None and float(scale) != 1.0
     zero = empty_rows == "zero"
+    lse = inf_rows == "lse"
     if tiling is None:
-        t, res = _search(dev.name, dtype, shape, dim, mkey, out, bool(log), zero, scaled)
+        t, res = _search(dev.name, dtype, shape, dim, mkey, out, bool(log), zero, scaled, lse)
     else:
         L = _Layout(shape, dim, *(mkey or (None, None)))
         t = {"block": int(tiling.get("block", tiling.get("rows", 0))),
              "chunk": min(int(tiling.get("chunk", L.C)), L.C)}
-        res = _model(dev, dtype, L, t["block"], t["chunk"], out, bool(log), zero, scaled)
+        res = _model(dev, dtype, L, t["block"], t["chunk"], out, bool(log), zero, scaled, lse)
     core, hbm, nbytes, busy = res
     N = math.prod(shape)
     roof = _roofline(dev, specs, dim, mask=mask, scale=scale, log=log, out_dtype=out)

@@ -325,3 +325,60 @@ def test_family_errors_name_the_problem():
         npu.run("softmax", x, mask=np.ones((4, 8), bool), fill=float("nan"))
     with pytest.raises(TypeError, match="out_dtype int32"):
         npu.run("softmax", x, out_dtype="int32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim, tiling", [(-1, None), (-1, {"block": 2, "chunk": 16}), (1, None),
+                                         (1, {"block": 4, "chunk": 8})],
+                         ids=["one-pass", "chunked", "other-dim", "other-dim-chunked"])
+def test_inf_rows_lse_is_logsumexps_spelling(dtype, dim, tiling):
+    """``inf_rows="lse"``: a row (lane) whose max is +inf gives ``z - inf`` (log) or ``exp(z - inf)``: -inf or 0
+    at every finite or -inf score, NaN at the +inf ones, as eager's ``z - logsumexp(z)`` and its exp; the
+    +inf may come in any chunk (the running max turns +inf there). Rows of -inf and NaN stay NaN; the other
+    rows are the softmax, within the family's bound. ``"nan"`` (the default) keeps softmax's NaN row."""
+    torch.manual_seed(9)
+    x = (torch.randn(6, 48, 3) * 3).to(dtype)
+    if dim == -1:
+        x = x[..., 0].contiguous()
+        at = lambda r, c: (r, c)                   # noqa: E731
+    else:
+        at = lambda r, c: (r, c, 1)                # noqa: E731
+    x[at(0, 3)] = INF = float("inf")
+    x[at(1, 40)] = x[at(1, 5)] = INF               # a later chunk, and twice
+    x[at(2, 30)], x[at(2, 31)] = INF, -INF
+    x[at(4, 7)] = float("nan")
+    x[at(5, 2)], x[at(5, 9)] = INF, float("nan")
+    keep = torch.rand(x.shape) > 0.2
+    keep[at(0, 3)] = keep[at(1, 40)] = keep[at(2, 30)] = True
+    keep[3] = False                                # every score of row 3 masked: all -inf
+    for log in (False, True):
+        r = npu.run("softmax", x, dim=dim, mask=keep, scale=0.5, log=log, inf_rows="lse", tiling=tiling)
+        got = torch.from_numpy(r.outputs[0].astype(np.float64))
+        z = (x.double() * 0.5).masked_fill(~keep, -INF)
+        want = z - torch.logsumexp(z, dim, keepdim=True)
+        want = want if log else want.exp()
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(got), test(want)), (log, test.__name__)
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got[fin], want[fin].to(dtype).double(), **TOL[dtype])
+        plain = torch.from_numpy(npu.run("softmax", x, dim=dim, mask=keep, scale=0.5, log=log,
+                                         tiling=tiling).outputs[0].astype(np.float64))
+        lane = (lambda r: plain[r]) if dim == -1 else (lambda r: plain[r, :, 1])      # noqa: E731
+        assert bool(lane(0).isnan().all()) and bool(lane(1).isnan().all())
+    with pytest.raises(ValueError, match="inf_rows"):
+        npu.run("softmax", x, inf_rows="zero")
+
+
+def test_inf_rows_lse_costs_one_select_per_row():
+    """The simulator and the cost model both count the +inf-max select: one pass over the statistics per row
+    block (one pass or the last chunk of two), nothing per element."""
+    import cost_model
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    for tiling in ({"block": 8, "chunk": 256}, {"block": 8, "chunk": 64}):
+        base = npu.run("softmax", x, tiling=tiling, device="ascend910")
+        lse = npu.run("softmax", x, tiling=tiling, device="ascend910", inf_rows="lse")
+        assert lse.stats.cycles > base.stats.cycles
+        pred = [cost_model.estimate("softmax", [((64, 256), "float32")], device="ascend910", tiling=tiling,
+                                    inf_rows=ir).cycles for ir in ("nan", "lse")]
+        assert pred[1] > pred[0]
+        assert abs(pred[1] - lse.stats.cycles) / lse.stats.cycles <= 0.15

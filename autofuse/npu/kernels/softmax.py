@@ -42,6 +42,12 @@ instructions (broadcast operand), a full one with elementwise ones.
 ``"zero"`` gives 0 as ``_safe_softmax`` (the max used is 0 and a zero sum becomes ``+inf``: two selects
 on the statistics). With a finite fill a fully masked row is uniform, as in eager. NaN propagates.
 
+**Rows whose max is +inf**: ``inf_rows="nan"`` gives NaN over the row, as eager ``softmax``/``log_softmax``
+do; ``inf_rows="lse"`` gives what the logsumexp spellings give (``torch.logsumexp`` returns +inf there):
+``z - inf`` (``log``: -inf at every finite or -inf score, NaN at a +inf one) or ``exp(z - inf)`` (0 there, NaN
+at a +inf score). ``z - m`` is already ``z - inf`` on such a row; only its sum (NaN) is replaced by 1 (one
+select on the statistics, ``m == +inf``), so the division by it or the subtraction of its log keeps it.
+
 ``tiling``: ``{"block": rows (last dim) or lanes (other dims) per tile, "chunk": elements of C per tile}``
 (``"rows"`` is accepted for ``"block"``). ``None`` picks the largest tile that fits UB double-buffered,
 capped so each core has at least four tiles to overlap (and at the mask's run length).
@@ -184,7 +190,7 @@ def default_tiling(device, dtype: str, outer: int, C: int, inner: int, out: str 
     return {"block": int(block), "chunk": int(chunk)}
 
 
-def _check(x, mask, out_dtype, fill, empty_rows, log):
+def _check(x, mask, out_dtype, fill, empty_rows, log, inf_rows="nan"):
     check_dtype("softmax", "x", x)
     if mask is not None and mask.dtype not in MASK_DTYPES:
         raise TypeError(f"softmax: mask is {mask.dtype}; it must be bool (True = keep) or an additive float "
@@ -194,6 +200,9 @@ def _check(x, mask, out_dtype, fill, empty_rows, log):
         raise TypeError(f"softmax: out_dtype {out}; the kernel writes {', '.join(VEC_FLOATS)}")
     if empty_rows not in ("nan", "zero"):
         raise ValueError(f"softmax: empty_rows={empty_rows!r}; use 'nan' (softmax) or 'zero' (_safe_softmax)")
+    if inf_rows not in ("nan", "lse"):
+        raise ValueError(f"softmax: inf_rows={inf_rows!r}; use 'nan' (softmax, log_softmax) or 'lse' "
+                         f"(x - logsumexp(x), exp(x - logsumexp(x)))")
     if log and empty_rows == "zero":
         raise ValueError("softmax: log=True has no safe form (log of a zero probability is -inf, not 0); "
                          "use empty_rows='nan'")
@@ -205,10 +214,10 @@ def _check(x, mask, out_dtype, fill, empty_rows, log):
 
 @kernel("softmax")
 def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-inf"), log=False,
-            empty_rows="nan", out_dtype=None):
+            empty_rows="nan", out_dtype=None, inf_rows="nan"):
     """``torch.softmax(scale * x masked, dim)`` (or ``log_softmax``) for fp16, bf16 and fp32 ``x``; the
     output has ``out_dtype`` (default x's dtype). See the module docstring."""
-    out_dt, fill = _check(x, mask, out_dtype, fill, empty_rows, log)
+    out_dt, fill = _check(x, mask, out_dtype, fill, empty_rows, log, inf_rows)
     dev = launch.device
     nd = x.data.ndim
     if nd == 0:
@@ -262,6 +271,7 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
         MF = g.alloc("UB", ms, F32, "mask_f32") if mspec[0] not in ("bool", F32) else None
     m, s, tmp, use = (g.alloc("UB", stat_shape, F32, nm) for nm in ("m", "s", "t", "u"))
     zero = empty_rows == "zero"
+    lse = inf_rows == "lse"
 
     axis = 2 if rowwise else 1               # reduced axis of tile.data ([core, a, b])
     # Work split: rows (last dim) or lanes (other dims); lane blocks never cross an outer index, and no
@@ -405,10 +415,14 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
         g.vector("exp", (dst,), (w,), ew, active=it.act, compute=lambda: np.exp(w.data, out=dst.data))
 
     def finish_stats(it):
-        """After the sums: a zero sum becomes +inf (empty rows give 0); log: s = log(s)."""
+        """After the sums: a zero sum becomes +inf (empty rows give 0); with ``lse`` the sum of a row whose max
+        is +inf becomes 1 (its ``z - m`` is ``z - inf`` already); log: s = log(s)."""
         ss = st["s"]
         if zero:
             stat_op(it, "select empty sum", ss, (ss,), lambda a: np.where(a == 0, np.float32(np.inf), a))
+        if lse:
+            stat_op(it, "select +inf-max sum", ss, (ss, st["m"]),
+                    lambda a, mx: np.where(mx == np.float32(np.inf), np.float32(1), a))
         if log:
             stat_op(it, "log sum", ss, (ss,), np.log)
 
