@@ -281,7 +281,10 @@ def _softmaxes(p: Program) -> dict:
     """``{y: (z, log)}`` for each softmax ``y = exp(z − max z) / Σ exp(z − max z)`` (``log``: ``y = (z − max z) −
     log Σ exp(z − max z)``) whose intermediates nothing else reads. Their gradient is the closed form (torch's
     softmax backward): the chain rule through the max would add a term that is zero but for rounding (the
-    result does not depend on the shift), at two reductions and five passes more."""
+    result does not depend on the shift), at two reductions and five passes more. The sum may be selected
+    as ``where(max == +inf, 1, Σ)`` (the logsumexp spellings' rows whose max is +inf: ``y`` is then ``z − inf``
+    or its ``exp``, and the closed form, ``g − exp(y) Σ g`` or ``y (g − Σ g y)``, is eager's gradient of
+    ``z − logsumexp(z)`` or of its ``exp``: NaN where ``y`` is, ``g`` or NaN elsewhere)."""
     nin = len(p.inputs)
     users = {}
     for j, ins in enumerate(p.instrs):
@@ -308,6 +311,11 @@ def _softmaxes(p: Program) -> dict:
             log, e = True, None
         else:
             continue
+        s_sel = s if ins(s, "where") is not None else None
+        if s_sel is not None:                              # logsumexp's +inf rows: where(m == +inf, 1, sum)
+            c, one, s = ins(s_sel, "where").args
+            if one != 1.0 or _is_ref(one) or not _is_ref(s) or ins(c, "eq") is None:
+                continue
         s_ins = ins(s, "reduce", "sum")
         if s_ins is None:
             continue
@@ -322,8 +330,13 @@ def _softmaxes(p: Program) -> dict:
         m_ins = ins(m, "reduce", "max")
         if not _is_ref(z) or m_ins is None or m_ins.args[0] != z:
             continue
-        readers = (only(d, e, y) and only(e, s) and only(s, ls) and only(ls, y)) if log else \
-            (only(d, e) and only(e, s, y) and only(s, y))
+        if s_sel is not None and ins(c, "eq").args != (m, math.inf):
+            continue
+        s_out = s if s_sel is None else s_sel              # the sum the division or the log reads
+        readers = (only(d, e, y) and only(e, s) and only(s_out, ls) and only(ls, y)) if log else \
+            (only(d, e) and only(e, s, y) and only(s_out, y))
+        if s_sel is not None:
+            readers = readers and only(s, s_sel)
         # the max may be read by compares too (an empty row's test): they carry no gradient
         if readers and m not in outs and all(u == d or p.instrs[u - nin].op in COMPARE for u in users[m]):
             found[y] = (z, log)

@@ -434,6 +434,40 @@ def test_softmax_closed_form(make, reductions):
     assert sum(i.op == "reduce" for i in gp.program.instrs) == reductions
 
 
+def lse_softmax(log=False, one=1.0, dtype="float32"):
+    """The softmax family's program for a logsumexp spelling: the sum of a row whose max is +inf selected as
+    ``one`` (1: ``y`` is ``z − inf`` or its exp there)."""
+    b = Builder((3, 4))
+    x = b.input(dtype, (3, 4, 40))
+    m = b.reduce(x, kind="max")
+    d = b.sub(x, m)
+    e = b.exp(d)
+    s = b.where(b.eq(m, float("inf")), one, b.reduce(e, kind="sum"))
+    b.output(b.sub(d, b.log(s)) if log else b.div(e, s), dtype)
+    return b.build()
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_lse_selected_sum_keeps_the_closed_form(log):
+    """``where(max == +inf, 1, Σ)`` is still a softmax: the closed form (three reductions), whose value on a
+    +inf row is eager's gradient of ``z − logsumexp(z)`` (g at finite scores, NaN at +inf) or of its exp
+    (NaN over the row). Another immediate than 1 is no softmax: the chain rule."""
+    gp = check(lse_softmax(log))
+    assert sum(i.op == "reduce" for i in gp.program.instrs) == 3
+    assert sum(i.op == "reduce" for i in check(lse_softmax(log, one=2.0)).program.instrs) > 3
+    x = torch.randn(3, 4, 40, dtype=torch.float64)
+    x[0, 1, 5] = float("inf")
+    xl = x.clone().requires_grad_()
+    want = xl - torch.logsumexp(xl, -1, keepdim=True)
+    want = want if log else want.exp()
+    g = torch.randn(3, 4, 40, dtype=torch.float64)
+    want.backward(g)
+    got = derived_grads(lse_softmax(log), [x.float()], {0: g.float()}, [0], False)[1][0]
+    assert torch.equal(got.isnan(), xl.grad.isnan())
+    fin = xl.grad.isfinite()
+    torch.testing.assert_close(got.double()[fin], xl.grad[fin], rtol=1e-5, atol=1e-5)
+
+
 def test_softmax_read_inside_takes_the_chain_rule():
     gp = check(log_softmax(extra_output=True))
     assert sum(i.op == "reduce" for i in gp.program.instrs) > 3
