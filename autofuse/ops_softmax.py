@@ -2,14 +2,18 @@
 with LogSoftmax's form and the casts around it).
 
     y = torch.ops.autofuse.scaled_masked_softmax(x, mask, dim=-1, scale=None, fill=None, log=False,
-                                                 empty_rows="nan", out_dtype="", device="ascend910", tiling="")
+                                                 empty_rows="nan", inf_rows="nan", out_dtype="",
+                                                 device="ascend910", tiling="")
     y = autofuse.ops_softmax.scaled_masked_softmax(x, mask, scale=0.125)   # keyword-friendly wrapper
 
 computes ``z = scale · x`` (fp32), then the mask — bool, True = keep, a masked score becomes ``fill``
 (``None`` = ``-inf``; a finite fill such as ``finfo.min`` or ``-1e4`` is reproduced exactly), or an
 additive float tensor — broadcast to x; then ``softmax(z, dim)`` (``log=True``: ``log_softmax``), with fp32
 statistics, written in ``out_dtype`` (``""``: x's dtype). ``empty_rows``: a row whose scores are all
-``-inf`` gives ``"nan"`` (``softmax``) or ``"zero"`` (``_safe_softmax``). The op runs the simulator's
+``-inf`` gives ``"nan"`` (``softmax``) or ``"zero"`` (``_safe_softmax``). ``inf_rows``: a row whose max is
+``+inf`` gives ``"nan"`` over the row (``softmax``, ``log_softmax``) or ``"lse"``, what the logsumexp spellings
+give there (``torch.logsumexp`` is +inf): ``z − inf`` (log: -inf at finite scores, NaN at +inf ones) or
+``exp(z − inf)`` (0 and NaN), with eager's gradients of those spellings. The op runs the simulator's
 ``softmax`` kernel (``autofuse/npu/kernels/softmax.py``) and records the launch for whole-graph simulation;
 it has a fake implementation, a torch twin with the kernel's numerics (:func:`reference_scaled_masked_softmax`,
 ``autofuse.ops.REFERENCES["scaled_masked_softmax"]``) and a backward for x and for an additive mask that
@@ -43,33 +47,45 @@ def _out_dtype(x: torch.Tensor, out_dtype: str) -> torch.dtype:
 @torch.library.custom_op("autofuse::scaled_masked_softmax", mutates_args=())
 def _scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None, dim: int = -1,
                            scale: Optional[float] = None, fill: Optional[float] = None, log: bool = False,
-                           empty_rows: str = "nan", out_dtype: str = "", device: str = "ascend910",
-                           tiling: str = "") -> torch.Tensor:
+                           empty_rows: str = "nan", inf_rows: str = "nan", out_dtype: str = "",
+                           device: str = "ascend910", tiling: str = "") -> torch.Tensor:
     od = _out_dtype(x, out_dtype)
     # through the module attribute: tests replace autofuse.ops.run_kernel to inject a faulty kernel
     r = _ops.run_kernel("softmax", x, dim=dim, mask=mask, scale=scale, fill=_fill(fill), log=log,
-                        empty_rows=empty_rows, out_dtype=str(od).replace("torch.", ""), device=device,
+                        empty_rows=empty_rows, inf_rows=inf_rows, out_dtype=str(od).replace("torch.", ""),
+                        device=device,
                         tiling=json.loads(tiling) if tiling else None)
     _record("softmax", r.stats)
     return _to_torch(r.outputs[0], od)
 
 
 @_scaled_masked_softmax.register_fake
-def _(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", out_dtype="", device="ascend910",
-      tiling=""):
+def _(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", inf_rows="nan", out_dtype="",
+      device="ascend910", tiling=""):
     return x.new_empty(x.shape, dtype=_out_dtype(x, out_dtype))
 
 
 def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan",
-                                    out_dtype="", upcast=False, **_):
+                                    out_dtype="", upcast=False, inf_rows="nan", **_):
     """What the kernel computes, in torch with its numerics: fp32 throughout (scale, mask, statistics), one
-    rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward)."""
+    rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward). ``inf_rows="lse"``: the
+    rows whose max is +inf are eager's logsumexp spelling of them (``z - logsumexp(z)``, or its ``exp``), values
+    and autograd alike; the other rows' values do not reach that branch's gradient (their scores are replaced
+    by 0 there), nor theirs the ``+inf`` rows' (whose scores are replaced by 0 in the softmax)."""
     z = x.float()
     if scale is not None:
         z = z * scale
     if mask is not None:
         z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else z + mask.float()
-    y = torch.log_softmax(z, dim) if log else torch.softmax(z, dim)
+    if inf_rows == "lse":
+        top = z.detach().amax(dim, keepdim=True) == float("inf")
+        zi = z.masked_fill(~top, 0.0)                      # the +inf rows' own scores, 0 elsewhere
+        yi = zi - torch.logsumexp(zi, dim, keepdim=True)
+        z = z.masked_fill(top, 0.0)                        # the other rows' scores, 0 on the +inf rows
+        y = torch.where(top, yi, torch.log_softmax(z, dim)) if log else \
+            torch.where(top, torch.exp(yi), torch.softmax(z, dim))
+    else:
+        y = torch.log_softmax(z, dim) if log else torch.softmax(z, dim)
     if empty_rows == "zero":
         y = y.masked_fill(torch.isneginf(z).all(dim, keepdim=True), 0.0)
     return y if upcast else y.to(_out_dtype(x, out_dtype))
@@ -79,18 +95,20 @@ REFERENCES["scaled_masked_softmax"] = reference_scaled_masked_softmax
 
 
 def _setup_context(ctx, inputs, output):
-    x, mask, dim, scale, fill, log, empty_rows, out_dtype, device, _ = inputs
+    x, mask, dim, scale, fill, log, empty_rows, inf_rows, out_dtype, device, _ = inputs
     ctx.save_for_backward(x, mask)
-    ctx.params = dict(dim=dim, scale=scale, fill=fill, log=log, empty_rows=empty_rows)
+    ctx.params = dict(dim=dim, scale=scale, fill=fill, log=log, empty_rows=empty_rows, inf_rows=inf_rows)
     ctx.out_dtype, ctx.device = str(output.dtype).replace("torch.", ""), device
 
 
 def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=None, log=False,
-                    empty_rows="nan", out_dtype="float32") -> Optional[Program]:
+                    empty_rows="nan", out_dtype="float32", inf_rows="nan") -> Optional[Program]:
     """The op as a Vector program over ``x`` (and the mask, ``(shape, dtype)`` or None), computing as the
     kernel does: ``z = scale · x`` (masked: a bool mask selects ``fill``, a float one adds), ``y = exp(z − m) /
     Σ exp(z − m)`` with ``m`` the row's max (``log``: ``z − m − log Σ``), an all-``-inf`` row zero with
-    ``empty_rows="zero"``. None when the op is no row program: softmax along another dim than the last, or a
+    ``empty_rows="zero"``, the sum of a row whose max is +inf 1 with ``inf_rows="lse"`` (its ``z − m`` is
+    ``z − inf``; :mod:`cost_model.program_grad`'s closed form, ``g − exp(y) Σ g`` or ``y (g − Σ g y)``, is
+    then eager's gradient of ``z − logsumexp(z)`` or its ``exp``). None when the op is no row program: softmax along another dim than the last, or a
     mask with more dims than x."""
     nd = len(x_shape)
     if dim % nd != nd - 1 or (mask_spec is not None and len(mask_spec[0]) > nd):
@@ -106,6 +124,8 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
     d = b.sub(z, top)
     e = b.exp(d)
     total = b.reduce(e, kind="sum")
+    if inf_rows == "lse":
+        total = b.where(b.eq(top, float("inf")), 1.0, total)
     y = b.sub(d, b.log(total)) if log else b.div(e, total)
     if empty_rows == "zero":
         y = b.where(b.eq(top, float("-inf")), 0.0, y)
@@ -121,7 +141,7 @@ def _backward(ctx, grad):
     need = ctx.needs_input_grad
     float_mask = mask is not None and mask.is_floating_point()
     wrt = ((0,) if need[0] else ()) + ((1,) if float_mask and need[1] else ())
-    rest = (None,) * 8
+    rest = (None,) * 9
     launch = None
     if wrt and grad is not None and all(type(d) is int for d in x.shape + (() if mask is None else mask.shape)):
         spec = None if mask is None else (tuple(mask.shape), str(mask.dtype).replace("torch.", ""))
@@ -158,7 +178,7 @@ _scaled_masked_softmax.register_autograd(_backward, setup_context=_setup_context
 
 
 def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", out_dtype=None,
-                          device="ascend910", tiling=None):
+                          device="ascend910", tiling=None, inf_rows="nan"):
     """Fused ``softmax(scale · x masked, dim)`` (or ``log_softmax``) on the simulated NPU; see the module
     docstring. ``mask``: bool keep-mask or additive float, broadcastable to x. ``out_dtype``: a torch dtype,
     its name, or None (x's dtype). ``tiling``: ``{"block": ..., "chunk": ...}`` or None (the kernel's own)."""
@@ -175,7 +195,7 @@ def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False
             raise ValueError(f"scaled_masked_softmax: mask {list(mask.shape)} would broadcast x {list(x.shape)} "
                              f"up; the mask must broadcast to x")
     od = "" if out_dtype is None else str(out_dtype).replace("torch.", "")
-    return torch.ops.autofuse.scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, od, device,
+    return torch.ops.autofuse.scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, inf_rows, od, device,
                                                     json.dumps(tiling) if tiling else "")
 
 

@@ -71,3 +71,79 @@ def test_backward_traced_as_one_launch():
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops.count(torch.ops.autofuse.vector_program.default) == 1
     assert ops.count(torch.ops.autofuse.scaled_masked_softmax.default) == 1
+
+
+# ------------------------------------------------------------------------------------- inf_rows="lse"
+
+INF = float("inf")
+XI = X.clone()
+XI[0, 0, 1, 3] = INF                                    # +inf once
+XI[0, 1, 2, 5] = XI[0, 1, 2, 30] = INF                  # twice
+XI[0, 2, 3, 4], XI[0, 2, 3, 9] = INF, -INF              # with -inf beside it
+XI[1, 0, 0] = -INF                                      # all -inf
+XI[1, 1, 1, 7] = float("nan")                           # NaN
+XI[1, 2, 2, 3], XI[1, 2, 2, 8] = INF, float("nan")      # NaN wins over +inf
+KEEP = torch.rand(2, 1, 8, 40, generator=g) < 0.7
+KEEP[0, 0, 1, 3] = KEEP[0, 0, 2, 5] = KEEP[0, 0, 3, 4] = True
+ADD = torch.randn(1, 1, 8, 40, generator=g)
+
+
+def _eager_lse(x, mask, scale=None, log=False, dim=-1, **_):
+    """The logsumexp spelling the op replaces, as eager computes it (in the leaves' dtype)."""
+    z = x if scale is None else x * scale
+    if mask is not None:
+        z = z.masked_fill(~mask, -INF) if mask.dtype == torch.bool else z + mask
+    y = z - torch.logsumexp(z, dim, keepdim=True)
+    return y if log else y.exp()
+
+
+def _same_specials(got, want):
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(want)), (test.__name__, int((test(got) != test(want)).sum()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask, kw", [(None, {}), (None, {"log": True, "scale": 0.3}), (KEEP, {"scale": 0.125}),
+                                      (KEEP, {"log": True}), (ADD, {}), (ADD, {"log": True}),
+                                      (None, {"dim": 2}), (None, {"dim": 2, "log": True})],
+                         ids=["plain", "log", "bool", "bool_log", "additive", "additive_log", "dim2", "dim2_log"])
+def test_lse_rows_forward_and_gradients_are_eagers(dtype, mask, kw):
+    """``inf_rows="lse"``: a row whose max is +inf gives ``z - inf`` (log) or ``exp(z - inf)``, as eager's
+    ``z - logsumexp(z)`` does (-inf / 0 at finite scores, NaN at +inf ones), and the gradients of x and of an
+    additive mask are eager's autograd of that spelling: NaN exactly where eager's are, finite ones equal to the
+    float64 run's within the op's tolerance. Last dim: one vector_program launch; another dim: the host."""
+    x = XI.to(dtype)
+    if mask is not None and mask.is_floating_point():
+        mask = mask.detach().to(dtype).clone().requires_grad_()
+    xg = x.clone().requires_grad_()
+    y = osm.scaled_masked_softmax(xg, mask, inf_rows="lse", **kw)
+    xl = x.double().requires_grad_()
+    ml = mask.detach().double().requires_grad_() if mask is not None and mask.is_floating_point() else mask
+    want = _eager_lse(xl, ml, **kw)
+    _same_specials(y, want)
+    fin = torch.isfinite(want)
+    assert (y.double() - want)[fin].abs().max() <= 4 * TOL[dtype] * max(1.0, want[fin].abs().max().item())
+    gout = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with recording() as log:
+        y.backward(gout)
+    want.backward(gout.double())
+    assert [k for k, _ in log] == ([] if kw.get("dim") == 2 else ["vector_program"])
+    pairs = [(xg.grad, xl.grad)] + ([(mask.grad, ml.grad)] if ml is not None and ml.is_floating_point() else [])
+    for got, ref in pairs:
+        _same_specials(got, ref)
+        _close(got, ref, dtype)
+
+
+def test_lse_rows_twin_and_fake():
+    """The torch twin gives the kernel's values (NaN and inf where the kernel has them); the fake takes the new
+    argument; ``inf_rows`` must be "nan" or "lse"."""
+    y = osm.scaled_masked_softmax(XI, KEEP, scale=0.5, inf_rows="lse", out_dtype=torch.float16)
+    twin = osm.reference_scaled_masked_softmax(XI, KEEP, scale=0.5, inf_rows="lse", out_dtype="float16")
+    _same_specials(y, twin)
+    torch.testing.assert_close(y.nan_to_num(), twin.nan_to_num(), rtol=2.0 ** -10, atol=2.0 ** -24)
+    torch.library.opcheck(torch.ops.autofuse.scaled_masked_softmax.default, (X, None),
+                          {"log": True, "inf_rows": "lse"})
+    with pytest.raises(ValueError, match="inf_rows"):
+        osm.scaled_masked_softmax(X, inf_rows="inf")
+    # the default keeps softmax's own semantics: NaN over a row whose max is +inf
+    assert bool(osm.scaled_masked_softmax(XI)[0, 0, 1].isnan().all())
