@@ -42,7 +42,10 @@ own; a rule's replacement inherits the origin of the node it replaces), so a mat
 mapped back onto the captured graph (:mod:`autofuse.rewrite`). Values the user owns (parameters and
 buffers, ``meta["autofuse_state"]``) are never folded into constants: a 0-d parameter stays a tensor
 operand. ``_safe_softmax`` becomes ``softmax`` with ``meta["autofuse_safe_softmax"] = True`` (the two
-differ on rows that are entirely ``-inf``: 0 vs NaN). Post-dispatch matmul expansions (``expand -> clone -> _unsafe_view -> bmm``) are not
+differ on rows that are entirely ``-inf``: 0 vs NaN); ``exp(x - logsumexp(x))`` becomes ``softmax`` with
+``meta["autofuse_lse_softmax"] = True`` (the two differ on rows whose max is ``+inf``: ``logsumexp`` is +inf
+there, so ``exp(x - inf)`` is 0 at the finite entries where ``softmax`` is NaN over the row; a family that
+matches the softmax gives the logsumexp spelling's values or leaves the node alone). Post-dispatch matmul expansions (``expand -> clone -> _unsafe_view -> bmm``) are not
 folded back into one matmul: both capture routes keep ``aten.matmul`` whole.
 """
 from __future__ import annotations
@@ -390,6 +393,9 @@ def _sink_merge(n):
     hs = list(shape(hi))
     if n.target == aten.softmax.int and n.args[1] == -1 and len(n.args) == 2:
         new = call(n.graph, aten.softmax.int, hi, -1)
+        for k in ("autofuse_safe_softmax", "autofuse_lse_softmax"):     # the softmax keeps what it stands for
+            if k in n.meta:
+                new.meta[k] = n.meta[k]
     elif n.target == aten.mul.Tensor and is_number(n.args[1]):
         new = call(n.graph, aten.mul.Tensor, hi, n.args[1])
     elif n.target == aten._to_copy.default and set(n.kwargs) == {"dtype"} and len(n.args) == 1:
@@ -620,7 +626,7 @@ def _softmax_shifted(n):
     it first "to prevent overflow"); in the input's dtype the two compute the same ``x - max``. Not for the safe
     softmax (a row of ``-inf`` becomes NaN by the subtraction there)."""
     y, d = n.args[0], n.args[1]
-    if n.meta.get("autofuse_safe_softmax") or len(n.args) != 2 or n.kwargs:
+    if n.meta.get("autofuse_safe_softmax") or n.meta.get("autofuse_lse_softmax") or len(n.args) != 2 or n.kwargs:
         return None
     if not (is_call(y, aten.sub.Tensor) and not y.kwargs and isinstance(y.args[1], fx.Node)):
         return None
@@ -631,6 +637,9 @@ def _softmax_shifted(n):
 
 
 def _softmax_from_logsumexp(n):
+    """exp(x - logsumexp(x, d, keepdim=True)) -> softmax(x, d), marked ``autofuse_lse_softmax``: on a row whose max is
+    +inf the two differ (logsumexp is +inf: 0 at the finite entries, NaN at the +inf ones, where softmax is NaN
+    over the row), and a family that claims it must give the logsumexp spelling's values."""
     y = n.args[0]
     if not (is_call(y, aten.sub.Tensor) and isinstance(y.args[1], fx.Node)):
         return None
@@ -639,7 +648,9 @@ def _softmax_from_logsumexp(n):
         dims = lse.args[1]
         if len(dims) == 1:
             d = dims[0] if dims[0] < 0 else dims[0] - _rank(y)
-            return call(n.graph, aten.softmax.int, y.args[0], d)
+            new = call(n.graph, aten.softmax.int, y.args[0], d)
+            new.meta["autofuse_lse_softmax"] = True
+            return new
     return None
 
 
@@ -892,7 +903,7 @@ def _cse(graph: fx.Graph) -> bool:
         t = n.target
         if isinstance(t, torch._ops.OpOverload) and (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags):
             continue
-        key = (t, repr(n.args), repr(n.kwargs), n.meta.get("autofuse_safe_softmax"))
+        key = (t, repr(n.args), repr(n.kwargs), n.meta.get("autofuse_safe_softmax"), n.meta.get("autofuse_lse_softmax"))
         if key in seen:
             _same_value(seen[key], n)
             n.replace_all_uses_with(seen[key])
@@ -959,7 +970,7 @@ def canonicalize(gm: fx.GraphModule, rules=None, max_iters: int = 30) -> fx.Grap
                     log.debug("rule %s rejected at %s: shape/dtype changed", fn.__name__, node.name)
                     continue
                 _same_value(new, node)
-                for k in ("autofuse_safe_softmax",):
+                for k in ("autofuse_safe_softmax", "autofuse_lse_softmax"):
                     if k in node.meta:
                         new.meta.setdefault(k, node.meta[k])
                 node.replace_all_uses_with(new)

@@ -60,6 +60,8 @@ def softmax_params(match, nodes: dict) -> tuple[list, dict]:
     mask, _ = _combined_mask(match, nodes)
     params = dict(dim=p["dim"], scale=p["scale"], log=p["log"], empty_rows=p["empty_rows"],
                   out_dtype=_dt(p["out_dtype"]), mask=mask)
+    if p.get("inf_rows", "nan") != "nan":
+        params["inf_rows"] = p["inf_rows"]
     return [_spec(nodes[match.inputs["x"]])], params
 
 
@@ -95,7 +97,8 @@ def emit_softmax(g, ins: dict, m, kwargs: dict) -> dict:
     """``scaled_masked_softmax(x, mask, ...)``; its output adapted to the value it replaces."""
     p = m.params
     mask = _mask(g, ins, m, 0) if p["mask_terms"] else None
-    kw = dict(dim=p["dim"], log=p["log"], empty_rows=p["empty_rows"], out_dtype=_dt(p["out_dtype"]), **kwargs)
+    kw = dict(dim=p["dim"], log=p["log"], empty_rows=p["empty_rows"], inf_rows=p.get("inf_rows", "nan"),
+              out_dtype=_dt(p["out_dtype"]), **kwargs)
     if p["scale"] is not None:
         kw["scale"] = p["scale"]
     if p["fill"] is not None:

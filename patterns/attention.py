@@ -343,6 +343,10 @@ TEMPLATES = (_ATTENTION, _SDPA)
 def _decide_softmax(m: dict) -> Match | None:
     """The constraints of a matched softmax block: scores and probabilities semantics, shapes, GQA, uses."""
     sm, qk, pv, b = m["softmax"], m["qk"], m["pv"], m["kt"]
+    if sm.meta.get("autofuse_lse_softmax"):
+        return None     # exp(s - logsumexp(s)): on a row whose max is +inf its weights are 0 but at the +inf score
+        #                 (NaN there), so dV stays finite but at that key; the flash kernel's softmax is NaN over
+        #                 the row. Left to the softmax family, which keeps those values
     rank = len(shape(sm))
     if _layout(rank) is None:
         return None

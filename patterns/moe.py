@@ -68,7 +68,10 @@ def _topk_last_largest(n):
 
 
 def _softmax_last(n):
-    return n.target != aten.softmax.int or (_last_dim(n, n.args[1]) and len(n.args) == 2)
+    """Not the canonical form of ``exp(x - logsumexp(x))`` (on a row whose max is +inf it is 0 but at the +inf
+    logit, where the router kernel's softmax is NaN over the row)."""
+    return n.target != aten.softmax.int or (_last_dim(n, n.args[1]) and len(n.args) == 2
+                                            and not n.meta.get("autofuse_lse_softmax"))
 
 
 def _sum_last_keepdim(n):

@@ -1,6 +1,6 @@
 """The softmax family: softmax or log-softmax with its scale, mask and casts, as one Vector kernel.
 
-Target: ``scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, out_dtype)`` (CANN
+Target: ``scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, inf_rows, out_dtype)`` (CANN
 ScaledMaskedSoftmax, plus the log form): ``z = scale · x``, then a bool keep-mask (a masked score becomes
 ``fill``) or an additive float mask, broadcast to x; ``softmax(z, dim)`` or ``log_softmax(z, dim)`` in fp32;
 one rounding to ``out_dtype``.
@@ -15,7 +15,11 @@ with the anchor also ``log_softmax`` / ``_log_softmax`` (which the canonical for
 template for ``z - logsumexp(z, dim, keepdim=True)``. ``log(softmax(z))`` is fused as ``log_softmax``:
 what eager computes up to its underflow (eager gives ``-inf`` where a probability underflows, the kernel
 the finite log-probability; verification accepts that only because the float64 reference agrees with
-the kernel). ``_safe_softmax`` (``meta["autofuse_safe_softmax"]``) sets ``empty_rows="zero"``.
+the kernel). ``_safe_softmax`` (``meta["autofuse_safe_softmax"]``) sets ``empty_rows="zero"``. The logsumexp
+spellings, ``z - logsumexp(z)`` and ``exp(z - logsumexp(z))`` (a softmax with
+``meta["autofuse_lse_softmax"]`` in the canonical form), set ``inf_rows="lse"``: on a row whose max is +inf,
+``logsumexp`` is +inf, so they give ``z - inf`` (-inf, NaN at the +inf score) and ``exp(z - inf)`` (0, NaN
+there) where ``softmax`` and ``log_softmax`` give NaN over the row.
 
 Constraints (named functions below): the chain is walked from the softmax up to x, as attention walks its
 score chain, with :class:`patterns.attention._Below` computing the fill as it reaches the softmax through
@@ -210,6 +214,7 @@ def _decide(m: dict) -> Match | None:
         return None                     # no single fill describes the masks
     fill = fills.pop() if fills else -math.inf
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") and not log else "nan"
+    inf_rows = "lse" if lse or sm.meta.get("autofuse_lse_softmax") else "nan"
     inputs = {"x": x.name}
     terms = []
     for i, (mk, kind, factor, _) in enumerate(masks):
@@ -218,7 +223,7 @@ def _decide(m: dict) -> Match | None:
         terms.append((role, kind, float(factor)))
     order = [n.name for n in sm.graph.nodes if n in inner]
     params = dict(dim=_dim(sm), scale=None if scale == 1.0 else float(scale), log=log,
-                  fill=None if fill == -math.inf else float(fill), empty_rows=empty,
+                  fill=None if fill == -math.inf else float(fill), empty_rows=empty, inf_rows=inf_rows,
                   mask_kind=None if not kinds else ("bool" if kinds == {"bool"} else "additive"),
                   mask_terms=tuple(terms), x_shape=shape(x), dtype=val(x).dtype, out_dtype=val(out).dtype,
                   out_like=val(out), guards=())

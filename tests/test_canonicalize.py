@@ -112,6 +112,34 @@ def test_softmax_of_another_shift_keeps_the_subtraction(fn):
     assert aten.sub.Tensor in _canon(fn, x4)
 
 
+def _softmaxes(fn, *args):
+    gm = canonicalize(capture(Fn(fn), args).graph_module)
+    return [n for n in gm.graph.nodes if n.target == aten.softmax.int]
+
+
+def test_softmax_from_logsumexp_remembers_it():
+    """exp(s - logsumexp(s)) is a softmax marked ``autofuse_lse_softmax`` (its +inf rows are 0 but at the +inf
+    scores, where softmax is NaN over the row), also when the scores were folded for a bmm and the softmax sunk
+    below the reshape, and when a dim counted from the front is rewritten; CSE keeps it apart from a plain
+    softmax of the same scores; the softmax spellings carry no mark, and a marked softmax keeps its shift."""
+    (sm,) = _softmaxes(lambda s: torch.exp(s - torch.logsumexp(s, 3, keepdim=True)), x4)
+    assert sm.meta.get("autofuse_lse_softmax") is True and sm.args[1] == -1
+
+    def folded(s):
+        f = s.reshape(-1, *s.shape[-2:])
+        return torch.exp(f - torch.logsumexp(f, -1, keepdim=True)).reshape(s.shape)
+    (sm,) = _softmaxes(folded, x4)
+    assert sm.meta.get("autofuse_lse_softmax") is True and len(sm.args[0].meta["val"].shape) == 4   # sunk
+    both = _softmaxes(lambda s: torch.exp(s - torch.logsumexp(s, -1, keepdim=True)) + s.softmax(-1), x4)
+    assert sorted(bool(n.meta.get("autofuse_lse_softmax")) for n in both) == [False, True]
+    (sm,) = _softmaxes(lambda s: s.softmax(-1), x4)
+    assert "autofuse_lse_softmax" not in sm.meta
+    shifted = _softmaxes(lambda s: torch.exp((s - s.amax(-1, keepdim=True)) - torch.logsumexp(
+        s - s.amax(-1, keepdim=True), -1, keepdim=True)), x4)
+    assert len(shifted) == 1 and shifted[0].meta.get("autofuse_lse_softmax") is True
+    assert shifted[0].args[0].target == aten.sub.Tensor
+
+
 def test_softmax_shift_is_exact_in_fp32():
     """softmax(x - max(x)) and softmax(x) compute the same ``x - max`` in fp32: equal values, so the rewrite
     changes no bit where the input's dtype is fp32."""

@@ -348,3 +348,148 @@ def test_a_large_softmax_is_verified_on_reduced_shapes(monkeypatch, faulty):
         assert d.applied, fused.report.summary()
         # the kernel's fp32 softmax against eager's: a few fp32 roundings of values at most 1
         torch.testing.assert_close(fused(x, mask), _LargeSoftmax()(x, mask), atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ logsumexp's +inf rows
+
+def _special_rows(x):
+    """x with the rows the logsumexp spellings treat apart from softmax: +inf (once, twice, with -inf beside
+    it), all -inf, NaN, and NaN with +inf (NaN wins: torch's max of that row is NaN)."""
+    x = x.clone()
+    x[0, 0, 1, 3] = INF
+    x[0, 1, 2, 5] = x[0, 1, 2, 20] = INF
+    x[0, 2, 3, 4], x[0, 2, 3, 9] = INF, -INF
+    x[1, 0, 0] = -INF
+    x[1, 1, 1, 7] = float("nan")
+    x[1, 2, 2, 3], x[1, 2, 2, 8] = INF, float("nan")
+    return x
+
+
+def _same_specials(got, want, what):
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(want)), (what, test.__name__, int((test(got) != test(want)).sum()))
+
+
+LSE_FORMS = {
+    "log": lambda z: z - torch.logsumexp(z, -1, keepdim=True),
+    "exp": lambda z: torch.exp(z - torch.logsumexp(z, -1, keepdim=True)),
+}
+LSE_PRE = {
+    "plain": (lambda x: x, None),
+    "scale": (lambda x: x * 0.5, None),
+    "bool": (lambda x, k: (x * 0.25).masked_fill(~k, -INF), "bool"),
+    "upcast": (lambda x: x.float() * 0.5, None),
+}
+# (an additive mask is matched too, but verification refuses the block before and after the +inf rows: on a
+# row masked with finfo.min every score rounds to the same value, logsumexp to the max, and eager's
+# z - logsumexp(z) is 0 where log_softmax is -log C; the op's own test below adds one)
+
+
+@pytest.mark.parametrize("pre", list(LSE_PRE))
+@pytest.mark.parametrize("form", list(LSE_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_logsumexp_spellings_keep_logsumexp_on_rows_whose_max_is_plus_inf(dtype, form, pre):
+    """``z - logsumexp(z)`` and ``exp(z - logsumexp(z))`` fuse with ``inf_rows="lse"``: on a row holding +inf,
+    logsumexp is +inf, so eager gives -inf (0) at the finite scores and NaN only at the +inf ones, where
+    log_softmax (softmax) is NaN over the row; all -inf and NaN rows stay NaN. Forward and gradients equal
+    eager's: the same NaN and inf positions, finite values within the verifier's bound of float64."""
+    fn_pre, kind = LSE_PRE[pre]
+    g = torch.Generator().manual_seed(3)
+    shape = (2, 3, 4, 32)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    extra = ()
+    if kind == "bool":
+        keep = torch.rand(2, 1, 1, 32, generator=g) > 0.3
+        keep[0, ..., 20] = False                     # one of row (0, 1, 2)'s +inf scores masked away
+        keep[0, ..., 3] = True
+        extra = (keep,)
+
+    def fn(x, *m):
+        return LSE_FORMS[form](fn_pre(x, *m))
+    model = Fn(fn).train()
+    fused = AutoFusionEngine.fuse(model, (x, *extra), fusion_switches={"vector_chain": "off"})
+    applied = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert len(applied) == 1, fused.report.summary()
+    assert applied[0].params["inf_rows"] == "lse" and applied[0].params["log"] == (form == "log")
+    xs = _special_rows(x)
+    xg, xe = xs.clone().requires_grad_(), xs.clone().requires_grad_()
+    got, want = fused(xg, *extra), model(xe, *extra)
+    x64 = xs.double().requires_grad_()
+    ref = model(x64, *[_f64(a) for a in extra])
+    _same_specials(got, want, "forward")
+    row = want[0, 0, 1]                              # -inf (log) or 0 (exp) but at the +inf score, NaN there
+    assert int(torch.isnan(row).sum()) == 1 and int((row == (-INF if form == "log" else 0)).sum()) == 31
+    ok, err, tol = compare(want.detach(), ref.detach(), got.detach())
+    assert ok, (err, tol)
+    gout = torch.randn(shape, generator=g).to(dtype)
+    (gg,), (gw,), (gr,) = (torch.autograd.grad(y, t, gout.to(y.dtype)) for y, t in
+                           ((got, xg), (want, xe), (ref, x64)))
+    _same_specials(gg, gw, "gradient")
+    if form == "log":                                # g at the finite scores of a +inf row, NaN at the +inf
+        assert bool(torch.isfinite(gw[0, 0, 1]).sum() == 31)
+    ok, err, tol = compare(gw, gr, gg)
+    assert ok, ("gradient", err, tol)
+
+
+def test_softmax_and_log_softmax_keep_nan_rows_for_plus_inf():
+    """The softmax spellings themselves are NaN over a row holding +inf, as eager: ``inf_rows="nan"``."""
+    x = _special_rows(torch.randn(2, 3, 4, 32))
+    for fn, log in ((lambda x: torch.softmax(x * 0.5, -1), False), (lambda x: F.log_softmax(x * 0.5, -1), True)):
+        fused, d = _fused_once(fn, torch.randn(2, 3, 4, 32), log=log, inf_rows="nan")
+        with torch.no_grad():
+            got, want = fused(x), fn(x)
+        _same_specials(got, want, "forward")
+        assert bool(torch.isnan(got[0, 0, 1]).all())
+
+
+def test_exp_logsumexp_attention_is_not_flash_attention():
+    """An attention whose softmax is spelled ``exp(s - logsumexp(s))`` is no flash attention (a row with a +inf
+    score weights every other key 0 there, so dV stays finite but at that key, where flash attention's softmax
+    is NaN over the row); its softmax is fused with the logsumexp semantics and eager's values come out."""
+    class Att(nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.transpose(-2, -1) * 0.25
+            return torch.exp(s - torch.logsumexp(s, -1, keepdim=True)) @ v
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    model = Att().train()
+    fused = AutoFusionEngine.fuse(model, (q, k, v))
+    assert "attention" not in [d.pattern for d in fused.report.applied], fused.report.summary()
+    assert [d.params["inf_rows"] for d in fused.report.applied if d.pattern == "softmax"] == ["lse"]
+    q2 = q.clone()
+    q2[0, 0, 3] = INF * torch.sign(k[0, 0, 5])      # row (0, 0, 3) scores +inf at key 5 (and ±inf elsewhere)
+    ins = [t.clone().requires_grad_() for t in (q2, k, v)]
+    ref = [t.clone().requires_grad_() for t in (q2, k, v)]
+    got, want = fused(*ins), model(*ref)
+    _same_specials(got, want, "forward")
+    gout = torch.randn(got.shape)
+    for a, b in zip(torch.autograd.grad(got, ins, gout), torch.autograd.grad(want, ref, gout)):
+        _same_specials(a, b, "gradient")
+        fin = torch.isfinite(b)
+        torch.testing.assert_close(a[fin], b[fin], rtol=1e-4, atol=1e-5)
+
+
+class _LseRouter(_Router):
+    """The same router with its softmax spelled exp(z - logsumexp(z))."""
+
+    def forward(self, x):
+        z = self.gate(x).float()
+        p = torch.exp(z - torch.logsumexp(z, -1, keepdim=True))
+        w, idx = torch.topk(p, 2, dim=-1)
+        return (w / w.sum(-1, keepdim=True)).to(x.dtype), idx
+
+
+def test_router_softmax_spelled_with_logsumexp_is_not_gating():
+    """Its weights on a row of logits holding +inf are 0 but at the +inf one (NaN there), where the gating
+    kernel's softmax is NaN over the row: no moe_gating; the softmax family keeps logsumexp's meaning."""
+    torch.manual_seed(0)
+    router = _LseRouter().to(torch.bfloat16).eval()
+    x = torch.randn(3, 5, 32, dtype=torch.bfloat16)
+    fused = AutoFusionEngine.fuse(router, (x,))
+    assert "moe_gating" not in [d.pattern for d in fused.report.applied], fused.report.summary()
+    with torch.no_grad():
+        router.gate.weight[3] = INF                  # logit 3 is +inf wherever x sums positive
+        got, want = fused(x), router(x)
+    _same_specials(got[0], want[0], "weights")
+    assert torch.equal(got[1][~want[0].isnan().any(-1)], want[1][~want[0].isnan().any(-1)])
