@@ -890,7 +890,7 @@ class FusedModule(torch.nn.Module):
         self.register_state_dict_post_hook(_model_keys)
         self.register_load_state_dict_pre_hook(_submodule_keys)
         if example_inputs is not None:
-            args, kwargs = example_inputs
+            args, kwargs = self._in_program_order(*example_inputs)
             self._plan_for(args, kwargs)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
@@ -961,7 +961,29 @@ class FusedModule(torch.nn.Module):
         return p
 
     def forward(self, *args, **kwargs):
+        args, kwargs = self._in_program_order(args, kwargs)
         return self._plan_for(args, kwargs)(*args, **kwargs)
+
+    def _in_program_order(self, args, kwargs):
+        """A call of a module that binds its inputs by an exported program's pytree spec (``ep.module()``, what
+        ``fuse`` makes of an ``ExportedProgram``), with its keyword arguments and dict keys put in that spec's
+        order: exporting such a module binds them by position, so a call naming them in another order than the
+        export did (a tokenizer's ``input_ids, token_type_ids, attention_mask``) was planned with its inputs
+        swapped. Any other model's call, or one whose inputs are not the spec's, is returned as it is."""
+        spec = getattr(self.model, "_in_spec", None) if isinstance(self.model, fx.GraphModule) else None
+        if not isinstance(spec, pytree.TreeSpec):
+            return args, kwargs
+        try:
+            given = pytree.tree_flatten_with_path((args, kwargs))[0]
+            marks = [object() for _ in range(spec.num_leaves)]
+            paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(marks, spec))[0]]
+            by_path = dict(given)
+            if len(by_path) != len(given) or set(by_path) != set(paths):
+                return args, kwargs
+            ordered_args, ordered_kwargs = pytree.tree_unflatten([by_path[p] for p in paths], spec)
+        except Exception:  # noqa: BLE001 - a call the spec does not describe: torch's own error at the call
+            return args, kwargs
+        return tuple(ordered_args), dict(ordered_kwargs)
 
     def __getattr__(self, name):
         """The model's attributes read through the fused module (``fused.config``, ``fused.device``,

@@ -562,6 +562,36 @@ def test_an_exported_program_is_fused_on_its_own_inputs():
                                    atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("how", ["kwargs", "dict_keys"])
+def test_an_exported_program_called_with_its_inputs_named_in_another_order(how):
+    # torch.export of the program's module binds keyword inputs and dict keys by position: a call naming them in
+    # another order than the export was planned with its inputs swapped (7.5 off eager), silently
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, y=None):
+            x, y = (x["x"], x["y"]) if isinstance(x, dict) else (x, y)
+            return torch.nn.functional.gelu(self.lin(x)) - 2 * y
+
+    torch.manual_seed(0)
+    model = M().eval()
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    if how == "kwargs":
+        program = torch.export.export(model, (), {"x": x, "y": y})
+        call = lambda f, a, b: f(y=b, x=a)             # noqa: E731
+    else:
+        program = torch.export.export(model, ({"x": x, "y": y},))
+        call = lambda f, a, b: f({"y": b, "x": a})     # noqa: E731
+    fused = AutoFusionEngine.fuse(program)
+    with torch.no_grad():
+        for a, b in ((x, y), (torch.randn(2, 8), torch.randn(2, 8) * 3)):
+            # one generated kernel against eager's ops: fp32 roundings of gelu's erf
+            torch.testing.assert_close(call(fused, a, b), model(a, b) if how == "kwargs" else model({"x": a, "y": b}),
+                                       atol=1e-5, rtol=1e-5)
+
+
 def test_untraceable_model_names_the_routes():
     class Branchy(nn.Module):
         def forward(self, x):
