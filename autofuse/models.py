@@ -250,20 +250,24 @@ def example_inputs(model, cfg, seq, batch, dtype, device):
             return torch.empty((batch, seq), dtype=torch.long, device=device)
         return torch.randint(1, max(vocab, 2), (batch, seq), device=device)
 
+    def pixels(c):
+        size = getattr(c, "image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        return torch.randn(batch, getattr(c, "num_channels", 3), size, size, dtype=dtype, device=device)
+
+    params = inspect.signature(model.forward).parameters
     if main == "input_ids":
         kwargs = {"input_ids": ids()}
+        if "pixel_values" in params and getattr(cfg, "vision_config", None) is not None:
+            kwargs["pixel_values"] = pixels(cfg.vision_config)     # a two-tower model (CLIP, SigLIP) takes both
     elif main == "pixel_values":
-        size = getattr(cfg, "image_size", 224)
-        size = size if isinstance(size, int) else size[0]
-        kwargs = {"pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), size, size, dtype=dtype,
-                                              device=device)}
+        kwargs = {"pixel_values": pixels(cfg)}
     elif main == "input_features":
         frames = 2 * getattr(cfg, "max_source_positions", seq)
         kwargs = {"input_features": torch.randn(batch, cfg.num_mel_bins, frames, dtype=dtype, device=device)}
     else:
         raise ModelSpecError(f"{type(model).__name__} takes {main!r} as its main input, which the CLI cannot "
                              f"make up: give 'file.py:function' returning the model and its inputs")
-    params = inspect.signature(model.forward).parameters
     if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         kwargs["decoder_input_ids"] = ids()
     if "use_cache" in params:

@@ -10,6 +10,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from autofuse import cli
 from autofuse.cli import main
@@ -226,6 +227,13 @@ def test_transformers_spec_values_and_defaults():
     assert type(enc).__name__ == "BertModel"
     s2s, (_, kw) = build("transformers:T5Config?num_layers=1&d_model=32&d_ff=64&num_heads=2&d_kv=16", meta=True)
     assert type(s2s).__name__ == "T5ForConditionalGeneration" and "decoder_input_ids" in kw
+    # a two-tower model takes its images too, sized by its vision config (the report failed in capture without them)
+    tower = '{"num_hidden_layers":1,"hidden_size":32,"intermediate_size":64,"num_attention_heads":2'
+    clip, (_, kw) = build(f"transformers:CLIPConfig?text_config={tower}}}&vision_config={tower},\"image_size\":32,"
+                          f"\"patch_size\":8}}", batch=2, seq=5)
+    assert kw["input_ids"].shape == (2, 5) and kw["pixel_values"].shape == (2, 3, 32, 32)
+    with torch.no_grad():
+        assert clip(**kw).logits_per_image.shape == (2, 2)
 
 
 # ------------------------------------------------------------------------------ errors: one line, exit 2 or 1
