@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from autofuse import graph
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.vector_program import _ACTIVATION_ATEN, _COMBINE_ATEN, _VAR_ATEN, rms_norm_args
+from autofuse.vector_program import _ACTIVATION_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _VAR_ATEN, rms_norm_args
 from cost_model.devices import ITEMSIZE
 
 aten = torch.ops.aten
@@ -132,7 +132,8 @@ _UNARY = {
     aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.reciprocal.default: "reciprocal",
     aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
     aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos", aten.erf.default: "erf",
-    aten.log1p.default: "log1p", aten.expm1.default: "expm1",
+    aten.log1p.default: "log1p", aten.expm1.default: "expm1", aten.floor.default: "floor", aten.ceil.default: "ceil",
+    aten.trunc.default: "trunc", aten.round.default: "round", aten.sign.default: "sign",
 }
 _BINARY = {
     aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
@@ -800,7 +801,8 @@ def _row_grad_cached(fn, specs, consts):
 
 #: the ops a generated kernel writes with its own instructions (log_sigmoid_forward's pair of outputs is no one
 #: program's value)
-_ACTIVATIONS = (_ACTIVATION_ATEN - {aten.log_sigmoid_forward.default}) | _VAR_ATEN | _COMBINE_ATEN
+_ACTIVATIONS = (_ACTIVATION_ATEN - {aten.log_sigmoid_forward.default}) | _VAR_ATEN | _COMBINE_ATEN | _FORMULA_ATEN | \
+    {aten.pow.Scalar}
 
 
 def _lower_activation(node, ins):

@@ -34,6 +34,7 @@ _UNARY_TORCH = {
     "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": F.silu, "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "sin": torch.sin, "cos": torch.cos,
     "erf": torch.erf, "softplus": F.softplus, "log1p": torch.log1p, "expm1": torch.expm1,
+    "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round, "sign": torch.sign,
 }
 _BINARY_TORCH = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "maximum": torch.maximum,
@@ -197,19 +198,26 @@ _UNARY_ATEN = {aten.neg.default: "neg", aten.abs.default: "abs", aten.exp.defaul
                aten.silu.default: "silu", aten.sin.default: "sin", aten.cos.default: "cos",
                aten.square.default: "square", aten.logical_not.default: "logical_not",
                aten.bitwise_not.default: "logical_not", aten.erf.default: "erf", aten.log1p.default: "log1p",
-               aten.expm1.default: "expm1"}
+               aten.expm1.default: "expm1", aten.floor.default: "floor", aten.ceil.default: "ceil",
+               aten.trunc.default: "trunc", aten.round.default: "round", aten.sign.default: "sign"}
 # activations written with the program's instructions (see _Build.activation)
 _ACTIVATION_ATEN = {aten.softplus.default, aten.mish.default, aten.log_sigmoid.default,
                     aten.log_sigmoid_forward.default, aten.leaky_relu.default,
                     aten.elu.default, aten.selu.default, aten.celu.default, aten.hardtanh.default,
                     aten.relu6.default, aten.hardsigmoid.default, aten.hardswish.default}
+# ops whose result jumps at points eager's 16-bit rounding of their operand can move: they read it as eager holds it
+_STEP_ATEN = {aten.floor.default, aten.ceil.default, aten.trunc.default, aten.round.default, aten.round.decimals,
+              aten.sign.default, aten.frac.default, aten.nan_to_num.default}
+# one-tensor ops written with the program's instructions (see _Build.formula)
+_FORMULA_ATEN = {aten.frac.default, aten.round.decimals, aten.nan_to_num.default,
+                 aten.log2.default, aten.log10.default, aten.exp2.default}
 # three-operand combinations written with the program's instructions (see _Build.combination)
 _COMBINE_ATEN = {aten.lerp.Scalar, aten.addcmul.default, aten.addcdiv.default}
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 _BINARY_ATEN = {aten.add.Tensor: "add", aten.add.Scalar: "add", aten.sub.Tensor: "sub", aten.sub.Scalar: "sub",
                 aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
                 aten.maximum.default: "maximum", aten.minimum.default: "minimum", aten.pow.Tensor_Scalar: "pow",
-                aten.pow.Tensor_Tensor: "pow", aten.logical_and.default: "logical_and",
+                aten.pow.Tensor_Tensor: "pow", aten.pow.Scalar: "pow", aten.logical_and.default: "logical_and",
                 aten.logical_or.default: "logical_or", aten.bitwise_and.Tensor: "logical_and",
                 aten.bitwise_or.Tensor: "logical_or", aten.__and__.Tensor: "logical_and",
                 aten.__or__.Tensor: "logical_or"}
@@ -399,13 +407,20 @@ class _Build:
         if common not in (torch.float16, torch.bfloat16):
             return x, y
 
-        def held(a, v):                 # a program input of that dtype holds its values exactly already
-            if not isinstance(v, V):
-                return _rounded(v, common)
-            if a in self.inputs and _meta(a).dtype == common:
-                return v
-            return self.b.cast(v, dtype=dtype_name(common))
-        return tuple(held(a, v) for a, v in zip(n.args[:2], (x, y)))
+        return tuple(self.held(a, v, common) for a, v in zip(n.args[:2], (x, y)))
+
+    def held(self, a, v, dtype=None):
+        """Value ``v`` of argument ``a`` as eager holds it in ``dtype`` (default: ``a``'s own): a float16/bfloat16
+        value computed in fp32 here is rounded to it, a number too; a program input of that dtype is exact already.
+        For the ops whose result jumps where eager's rounding moves it (compares, the roundings, sign)."""
+        dtype = dtype or (_meta(a).dtype if isinstance(a, fx.Node) else torch.float32)
+        if dtype not in (torch.float16, torch.bfloat16):
+            return v
+        if not isinstance(v, V):
+            return _rounded(v, dtype)
+        if a in self.inputs and _meta(a).dtype == dtype:
+            return v
+        return self.b.cast(v, dtype=dtype_name(dtype))
 
     def stored(self, n, v):
         """A number that fills a float16/bfloat16 result, as eager stores it there (rounded: ``1e5`` is inf)."""
@@ -428,11 +443,15 @@ class _Build:
         if t in _VIEWS:
             return self.view(n)
         if t in _UNARY_ATEN:
-            return self.round(n, b.op(_UNARY_ATEN[t], self.arg(n, n.args[0])))
+            x = self.arg(n, n.args[0])
+            return self.round(n, b.op(_UNARY_ATEN[t], self.held(n.args[0], x) if t in _STEP_ATEN else x))
         if t in _ACTIVATION_ATEN:
             return self.round(n, self.activation(n, self.arg(n, n.args[0])))
         if t in _COMBINE_ATEN:
             return self.round(n, self.combination(n))
+        if t in _FORMULA_ATEN:
+            x = self.arg(n, n.args[0])
+            return self.round(n, self.formula(n, self.held(n.args[0], x) if t in _STEP_ATEN else x))
         if t == aten.gelu.default:
             approx = n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none")
             return self.round(n, b.op("gelu_tanh" if approx == "tanh" else "gelu", self.arg(n, n.args[0])))
@@ -632,6 +651,37 @@ class _Build:
         term = b.mul(t1, t2) if t == aten.addcmul.default else b.div(t1, t2)
         return b.add(x, term if value == 1.0 else b.mul(term, value))
 
+    def formula(self, n, x):
+        """A one-tensor op as torch computes it, in the program's instructions: ``frac`` ``x − trunc(x)`` (NaN at ±inf); ``round(decimals=k)``
+        ``round(x · 10^k) / 10^k`` (``round(x / 10^−k) · 10^−k`` for k < 0); ``nan_to_num`` the three replacements by
+        compare and select, the defaults the largest and smallest finite values of the tensor's dtype, each number
+        as that dtype holds it (``1e5`` in float16 is inf, as eager stores it); ``log2``/``log10`` ``log(x) / ln 2``
+        (``ln 10``: within an fp32 ulp of torch's, powers of two exact); ``exp2`` ``pow(2, x)``. Their gradients
+        are torch's: 1 through frac, ``isfinite(x)`` through
+        nan_to_num's selects."""
+        b, t = self.b, n.target
+        if t == aten.frac.default:
+            return b.sub(x, b.trunc(x))
+        if t == aten.round.decimals:
+            k = int(arg(n, 1, "decimals", 0))
+            ten = float(torch.tensor(10.0 ** abs(k), dtype=torch.float32))     # torch's opmath 10^|k|
+            if k == 0:
+                return b.round(x)
+            return b.div(b.round(b.mul(x, ten)), ten) if k > 0 else b.mul(b.round(b.div(x, ten)), ten)
+        if t == aten.nan_to_num.default:
+            dt = _meta(n).dtype
+            fi = torch.finfo(dt)
+            nan, posinf, neginf = (arg(n, i, name) for i, name in ((1, "nan"), (2, "posinf"), (3, "neginf")))
+            nan = self.stored(n, 0.0 if nan is None else float(nan))
+            posinf = self.stored(n, fi.max if posinf is None else float(posinf))
+            neginf = self.stored(n, fi.min if neginf is None else float(neginf))
+            y = b.where(b.eq(x, -math.inf), neginf, x)
+            y = b.where(b.eq(x, math.inf), posinf, y)
+            return b.where(b.ne(x, x), nan, y)
+        if t in (aten.log2.default, aten.log10.default):
+            return b.div(b.log(x), math.log(2.0) if t == aten.log2.default else math.log(10.0))
+        return b.pow(2.0, x)                                             # exp2
+
     def activation(self, n, x):
         """An activation as torch computes it on CPU, in the program's instructions (the gradients they derive are
         torch's, at the kinks too): ``softplus`` ``(x·β > threshold) ? x : softplus(x·β) / β``; ``mish``
@@ -697,7 +747,8 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     ``lead`` = its leading dims, and every value must broadcast to ``(*lead, width)``.
 
     The mapping: unary ops (neg abs exp log sqrt rsqrt reciprocal relu sigmoid tanh silu sin cos square erf
-    log1p expm1, gelu with either approximation) -> the op; softplus mish log_sigmoid leaky_relu elu selu celu
+    log1p expm1 floor ceil trunc round sign, gelu with either approximation) -> the op; frac round(decimals)
+    nan_to_num log2 log10 exp2 -> their formulas (:meth:`_Build.formula`); softplus mish log_sigmoid leaky_relu elu selu celu
     hardtanh relu6 hardsigmoid hardswish -> their formulas (:meth:`_Build.activation`); add/sub (with alpha) mul div maximum minimum pow (tensor or
     scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
     -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin

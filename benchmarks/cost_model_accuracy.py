@@ -210,7 +210,9 @@ def _vector_cases(quick: bool):
                ([((4096, 11008), bf16)], {"op": "silu"}),
                ([((17, 4097), f32)], {"op": "sigmoid"}),
                ([((2, 512, 4096), bf16)], {"op": "erf"}), ([((4096, 2048), f16)], {"op": "softplus"}),
-               ([((333, 777), f32)], {"op": "log1p"}), ([((1000, 1000), f16)], {"op": "expm1"})]
+               ([((333, 777), f32)], {"op": "log1p"}), ([((1000, 1000), f16)], {"op": "expm1"}),
+               ([((2, 512, 4096), bf16)], {"op": "floor"}), ([((333, 777), f32)], {"op": "round"}),
+               ([((1000, 1000), f16)], {"op": "sign"})]
     for i, (ins, p) in enumerate(ew):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("elementwise", ins, d, p))
@@ -702,7 +704,13 @@ def _activation_chains(quick: bool):
                  ((8, 128), 1024, "float32", lambda x: torch.log1p(x.abs()) * torch.expm1(x * 0.1) + torch.erf(x)),
                  ((50000,), 64, "bfloat16", lambda x: F.softplus(x) * F.mish(x)),
                  ((2000,), 1024, "float16", lambda x: (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)),
-                 ((4, 300), 257, "float32", lambda x: x * x.var(-1, correction=0, keepdim=True))]
+                 ((4, 300), 257, "float32", lambda x: x * x.var(-1, correction=0, keepdim=True)),
+                 # roundings, sign, nan_to_num and the base-2/10 logs and powers: casts, compare-selects, pow
+                 ((2, 64), 1000, "float16", lambda x: torch.round(x * 4) / 4 + torch.frac(x) + torch.sign(x)),
+                 ((333,), 777, "float32", lambda x: torch.nan_to_num(torch.log2(x)) + torch.exp2(x * 0.1) +
+                  torch.pow(10.0, x)),
+                 ((4096,), 4096, "bfloat16", lambda x: torch.floor(x) * torch.ceil(x) - torch.trunc(x) +
+                  torch.log10(x.abs() + 1))]
     return acts
 
 

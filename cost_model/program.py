@@ -26,7 +26,9 @@ instruction's ``args`` are value numbers (``int``) or immediates (``float``).
 Instructions (``Instr.op``)
 ---------------------------
 * unary: ``neg abs relu square exp log sqrt rsqrt reciprocal sigmoid tanh silu gelu gelu_tanh sin cos erf``,
-  ``softplus`` (``log(1 + exp(x))``: torch's with beta 1, no threshold), ``log1p expm1``; ``logical_not`` (bool);
+  ``softplus`` (``log(1 + exp(x))``: torch's with beta 1, no threshold), ``log1p expm1``; ``floor ceil trunc round``
+  (to an integral value, ``round`` half to even; ±0, ±inf and NaN kept, the sign of a zero result is x's: torch's
+  ``ceil(-0.5)`` is -0.0), ``sign`` (torch's: 0 at NaN, +0 at ±0); ``logical_not`` (bool);
 * binary: ``add sub mul div maximum minimum pow`` (either operand may be an immediate: ``pow(x, 2.0)``,
   ``sub(1.0, x)``); compare ``eq ne lt le gt ge`` (bool result); ``logical_and logical_or`` (bool);
 * ``where(cond, a, b)``: ``cond`` bool, ``a``/``b`` values or immediates;
@@ -82,7 +84,8 @@ F32 = "float32"
 STAT = 8                   # a per-row value in UB: one 32 B block of fp32 per row (the Brcb layout)
 
 UNARY = ("neg", "abs", "relu", "square", "exp", "log", "sqrt", "rsqrt", "reciprocal", "sigmoid", "tanh", "silu",
-         "gelu", "gelu_tanh", "sin", "cos", "erf", "softplus", "log1p", "expm1")
+         "gelu", "gelu_tanh", "sin", "cos", "erf", "softplus", "log1p", "expm1", "floor", "ceil", "trunc", "round",
+         "sign")
 BINARY = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 LOGIC = ("logical_and", "logical_or", "logical_not")

@@ -23,10 +23,12 @@ computes the product in fp16 for an fp16 weight); the caller's sum accumulates t
 Rules (``g`` the adjoint of the result ``y``; torch's autograd formulas, which ``run_program_torch`` uses):
 unary ops by their derivatives (``gelu``'s ``Φ(x)`` is ``gelu(x) / x``, ``1/2`` at 0; softplus's ``sigmoid(x)``,
 expm1's ``y + 1``, as torch's);
-add sub mul div, ``pow`` with an immediate exponent, an immediate positive base, or a value exponent;
+add sub mul div, ``pow`` with an immediate exponent, an immediate base (torch's ``y·log(base)``: 0 for a base of 0
+where the exponent is >= 0, NaN for a negative base), or a value exponent;
 ``maximum``/``minimum`` send ``g`` to the larger/smaller operand and split it evenly on ties (of kind ``clamp``,
 a clamp's bound: all of ``g`` where the value is within the bound, the bound included, none at NaN); ``where``
-routes ``g`` to the branch its condition picks; compares, logic and casts to bool carry no gradient; a cast
+routes ``g`` to the branch its condition picks; compares, logic, casts to bool and the roundings (floor ceil trunc
+round sign: torch's zero gradient, NaN and inf included) carry no gradient; a cast
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
 too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
 among the elements equal to the result (torch's ``amax`` backward: NaN over a row whose result is NaN); a
@@ -36,8 +38,7 @@ with zeros (a cat, or for step 2 an interleave; with ``split``, a part of its ow
 ``interleave`` takes its strided halves. The recompute takes ``pow`` by an immediate 2, 3, 0.5, -0.5 or -1 as
 muls, sqrt, rsqrt or reciprocal (equal to an ulp; pow is a composite on the Vector unit).
 
-Refused (:class:`NotDifferentiable`, naming the instruction): a slice with a step above 2, ``pow`` of an
-immediate base <= 0 (torch's gradient there is 0, inf or NaN by cases this IR does not test cheaply).
+Refused (:class:`NotDifferentiable`, naming the instruction): a slice with a step above 2.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ _SQRT_2_PI = math.sqrt(2.0 / math.pi)        # gelu_tanh's inner scale
 _GELU_C = 0.044715                            # gelu_tanh's cubic coefficient
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)   # the standard normal density at 0
 _TWO_SQRT_PI = 2.0 / math.sqrt(math.pi)          # erf's slope at 0
+_STEPS = ("floor", "ceil", "trunc", "round", "sign")     # piecewise constant: torch's gradient is zero everywhere
 
 
 class NotDifferentiable(ProgramError):
@@ -376,7 +378,7 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         # a one-column adjoint of a wider value (a row sum's or mean's, broadcast) stands for the same value in
         # every column: an operand of one column read over the row takes its sum over the row, so widen it first
         g = e.widen(g, y)
-    if op in COMPARE + LOGIC or (op == "cast" and ins.dtype == "bool"):
+    if op in COMPARE + LOGIC + _STEPS or (op == "cast" and ins.dtype == "bool"):
         return
     if op == "cast":
         return acc(args[0], g) if vals[args[0]].dtype in FLOATS else None
@@ -495,10 +497,10 @@ def _binary(e: _Emit, op: str, g: int, a, b, y: int, refuse) -> tuple:
             ga = e.op("where", e.op("eq", b, 0.0), 0.0, e.op("mul", g, d))
     if _is_ref(b):
         if not _is_ref(a):
-            if a <= 0.0:
-                refuse(f"pow of the immediate base {a:g}: torch's gradient for the exponent is 0, inf or NaN "
-                       f"by the exponent's sign; only a positive base is derived")
-            gb = e.mul(g, e.mul(y, math.log(a)))
+            if a == 0.0:        # torch's pow_backward_exponent: 0 where the exponent is >= 0, y·log(0) elsewhere
+                gb = e.op("mul", g, e.op("where", e.op("ge", b, 0.0), 0.0, e.mul(y, -math.inf)))
+            else:               # log of a negative base is NaN: so is every gradient, as torch's
+                gb = e.mul(g, e.mul(y, math.log(a) if a > 0.0 else math.nan))
         else:
             zero = e.op("logical_and", e.op("eq", a, 0.0), e.op("ge", b, 0.0))
             gb = e.op("where", zero, 0.0, e.op("mul", g, e.op("mul", y, e.op("log", a))))

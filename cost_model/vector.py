@@ -31,6 +31,7 @@ _SIN = 7 + 1 + 8 + 1 + 7          # range reduction, z = r*r, degree-9 Horner, r
 _LOG1P = 5 + 2 + 2                 # 1 + x, ln, u - 1, the correction's div and mul; two compare-selects
 _EXPM1 = 5 + 2 + 3                 # exp, u - 1, ln, div, mul; a compare-select for u = 1, abs + compare-select
 _SOFTPLUS = 3 + 5 + 2 + 2          # -|x|, exp; the log1p correction; a compare-select; relu and add
+_ROUNDING = 2 + 3 + 3              # cast to int32 by the mode and back; |x| >= 2^23 keeps x; a zero keeps x's sign
 
 # op -> (kind, native16, temps, scalar rule, passes(has_scalar, scalar))
 _fixed = lambda k: (lambda has, s: k)    # noqa: E731
@@ -60,6 +61,8 @@ OPS = {
     "sin": ("float", False, 2, "none", _fixed(_SIN)), "cos": ("float", False, 2, "none", _fixed(1 + _SIN)),
     "erf": ("float", False, 3, "none", _fixed(_ERF)), "softplus": ("float", False, 2, "none", _fixed(_SOFTPLUS)),
     "log1p": ("float", False, 2, "none", _fixed(_LOG1P)), "expm1": ("float", False, 2, "none", _fixed(_EXPM1)),
+    **{op: ("float", False, 2, "none", _fixed(_ROUNDING)) for op in ("floor", "ceil", "trunc", "round")},
+    "sign": ("float", False, 1, "none", _fixed(5)),        # a duplicated 0, two compare-selects
     "logical_not": ("logic", True, 0, "none", _fixed(1)), "pow": ("float", False, 0, "optional", _pow_passes),
     "add": ("arith", True, 0, "optional", _fixed(1)), "sub": ("arith", True, 0, "optional", _fixed(1)),
     "mul": ("arith", True, 0, "optional", _fixed(1)), "div": ("float", True, 0, "optional", _fixed(1)),

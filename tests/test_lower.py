@@ -221,3 +221,40 @@ def test_a_variance_left_unfused_runs_its_program_and_one_over_another_dim_a_gen
     # the squared deviations summed in another order than torch's: a few fp32 ulps
     assert torch.allclose(y, x.std(-1, keepdim=True), rtol=1e-6, atol=0)
     assert [s.kernel for s in lower(first).steps] == ["generic"]
+
+
+@pytest.mark.parametrize("fn,target,kernel", [
+    (torch.floor, aten.floor.default, "elementwise"),
+    (torch.round, aten.round.default, "elementwise"),
+    (torch.sign, aten.sign.default, "elementwise"),
+    (torch.frac, aten.frac.default, "vector_program"),
+    (lambda t: torch.round(t, decimals=1), aten.round.decimals, "vector_program"),
+    (torch.nan_to_num, aten.nan_to_num.default, "vector_program"),
+    (torch.log2, aten.log2.default, "vector_program"),
+    (torch.log10, aten.log10.default, "vector_program"),
+    (torch.exp2, aten.exp2.default, "vector_program"),
+    (lambda t: torch.pow(-2.0, t), aten.pow.Scalar, "vector_program"),
+])
+def test_a_rounding_sign_nan_to_num_or_log_left_unfused_runs_the_instructions_a_generated_kernel_runs(fn, target,
+                                                                                                     kernel):
+    # one launch of the passes a fused region runs for the op (they were priced as a generic pass before); torch's
+    # values, non-finite ones included
+    from autofuse.capture import capture
+    from autofuse.vector_program import program_from_nodes
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+    x = torch.randn(4, 8, 32) * 3
+    x[0, 0, :5] = torch.tensor([float("inf"), -float("inf"), float("nan"), 2.5, -0.5])
+    x[1] = torch.round(x[1])
+    gm = capture(M(), (x,)).graph_module
+    n = _node(gm, target)
+    prog = lower(n)
+    assert [s.kernel for s in prog.steps] == [kernel]
+    if kernel == "vector_program":
+        assert prog.steps[0].params["program"] == program_from_nodes([n], [n]).program
+    (y,) = _run(prog, {a: x for a in n.all_input_nodes})
+    want = fn(x)
+    # log2/log10 as log(x) / ln 2: within an fp32 ulp of torch's
+    assert torch.allclose(y, want, rtol=2 * torch.finfo(torch.float32).eps, atol=0, equal_nan=True)

@@ -357,3 +357,36 @@ def test_derived_backward_of_the_new_unary_ops_on_the_simulator():
     (want,) = torch.autograd.grad(y, [leaf], g.double())
     # fp32 against float64: the kernel's exp, erf polynomial and corrections, a few ulps of the largest term
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_derived_backward_of_the_roundings_sign_and_an_immediate_base_on_the_simulator():
+    """floor, ceil, trunc, round and sign pass no gradient (torch's zeros, at ±inf and NaN too), frac's passes 1,
+    pow of an immediate base g·y·log(base) (a base of 0: 0 where the exponent is >= 0; a negative base: NaN): the
+    derived program the simulator runs gives autograd's gradients of the same values."""
+    from cost_model.program_grad import backward_program
+    b = Builder((4, 3))
+    x, z, n = (b.input("float32", (4, 3, 32)) for _ in range(3))
+    steps = b.add(b.add(b.floor(x), b.ceil(x)), b.add(b.mul(b.trunc(x), b.round(x)), b.sign(x)))
+    b.output(b.add(b.add(steps, b.sub(x, b.trunc(x))), b.mul(b.pow(0.5, x), 3.0)), "float32")
+    b.output(b.add(b.pow(0.0, z), b.pow(-2.0, n)), "float32")
+    prog = b.build()
+    gp = backward_program(prog, [0, 1, 2])
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.round(torch.randn(4, 3, 32, generator=gen) * 6) / 2 for _ in range(3)]
+    for t in xs:
+        t[0, 0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    gs = [torch.randn(4, 3, 32, generator=gen) for _ in range(2)]
+    got = ov.vector_program(xs + gs, gp.program)
+    leaves = [t.double().requires_grad_() for t in xs]
+    lx, lz, ln = leaves
+    y0 = torch.floor(lx) + torch.ceil(lx) + torch.trunc(lx) * torch.round(lx) + torch.sign(lx) + \
+        torch.frac(lx) + torch.pow(0.5, lx) * 3
+    y1 = torch.pow(0.0, lz) + torch.pow(-2.0, ln)
+    want = torch.autograd.grad([y0, y1], leaves, [gs[0].double(), gs[1].double()])
+    for w, g in zip(want, got):
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.isinf(), w.isinf())
+        fin = w.isfinite()
+        # fp32 against float64: pow's and log's ulps of the largest term
+        scale = w[fin].abs().max() if fin.any() else 0.0
+        assert bool(((g[fin].double() - w[fin]).abs() <= 1e-5 * scale).all())
+    assert want[2].isnan().all() and not want[1].isnan().all()     # a negative base's log: NaN

@@ -989,3 +989,173 @@ def test_lerp_addcmul_and_addcdiv_train_as_eager(name):
         if want is not None:
             ok, err, tol = compare(want, ref, got)      # the verifier's bound: twice eager's error against float64
             assert ok, (err, tol)
+
+
+# ------------------------------------------------------------------------------ roundings, sign, nan_to_num, logs
+
+ROUNDINGS = {
+    "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil, "round": torch.round, "trunc": torch.trunc,
+    "frac": torch.frac, "round_2": lambda t: torch.round(t, decimals=2),
+    "round_-1": lambda t: torch.round(t, decimals=-1), "floor_of_product": lambda t: torch.floor(t * 2.7),
+    "nan_to_num": torch.nan_to_num,
+    "nan_to_num_args": lambda t: torch.nan_to_num(t, nan=0.5, posinf=1e5, neginf=-7.0),   # 1e5: inf in float16
+}
+# ±0, the .5 ties (to even), values just off them, 2^23 and past it (already integral), tiny and large values, and
+# in 16 bits the values a float16 cannot hold
+TIES = [0.0, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 0.49999997, -0.3, 3.7, -3.7, 1e-30, 8388607.5, 8388609.0,
+        -8388609.0, 1e30, -1e30, 65504.0, 0.125, 0.135, 4.5, -4.5, 1234.5]
+
+
+def _ties_input(dtype, nonfinite=True):
+    torch.manual_seed(0)
+    x = torch.randn(6, 24) * 4
+    x[0] = torch.tensor(TIES)
+    x[2] = torch.round(x[2] * 2) / 2                       # more ties
+    if nonfinite:
+        x[1, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    return x.to(dtype)
+
+
+def _identical(got, want):
+    """The same values bit for bit up to NaN's payload: the same NaNs, the same numbers, the same signs of zero."""
+    assert got.dtype == want.dtype
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan], want[~nan]), (got[~nan] - want[~nan]).abs().max()
+    assert torch.equal(got[~nan].signbit(), want[~nan].signbit())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(ROUNDINGS))
+def test_a_rounding_sign_or_nan_to_num_joins_its_chain_with_eagers_values(name, dtype):
+    # lin(op(x) * 3 + x) is one region (each op cut it in two before); the op's values are eager's exactly, at the
+    # ties, at ±0 (ceil(-0.5) is -0.0, sign(-0.0) +0), at ±inf and NaN (sign(NaN) 0, frac(inf) NaN, nan_to_num's
+    # replacements as the dtype holds them), and past 2^23
+    m = Act(ROUNDINGS[name]).to(dtype).eval()
+    x = _ties_input(dtype)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and len(regions[0].nodes) >= 4, fused.report.summary()
+    with torch.no_grad():
+        _identical(fused(x)[1], m(x)[1])
+    finite = _ties_input(dtype, nonfinite=False)
+    finite[0, 16:18] = 0.0                                  # 1e30 * 3 overflows the float16/bfloat16 projection
+    _within_bound(m, (finite,), {}, lambda: fused(finite))
+
+
+def _grads_through_y(m, run, x0):
+    """d/dx of the activation's own output (the second one), weighted: the gradient at non-finite points without
+    the projection's NaNs."""
+    x = x0.clone().requires_grad_()
+    _, y = run(x)
+    (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("name", list(ROUNDINGS))
+def test_a_rounding_sign_or_nan_to_num_trains_as_eager(name):
+    # torch's gradients: zero for the roundings and sign (at ties, ±inf and NaN too), one for frac, isfinite(x) for
+    # nan_to_num; the projection's and the input's against a float64 copy within the verifier's bound
+    torch.manual_seed(0)
+    m = Act(ROUNDINGS[name]).train()
+    x0 = _ties_input(torch.float32, nonfinite=False)
+    x0[0, 16:18] = 0.0
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and len(regions[0].nodes) >= 4, fused.report.summary()       # the op inside
+    grads, m64 = [], copy.deepcopy(m).double()
+    for run, dt, params in ((m, torch.float32, m), (m64, torch.float64, m64), (fused, torch.float32, m)):
+        params.zero_grad()                                  # the fused module trains m's own parameters
+        x = x0.detach().to(dt, copy=True).requires_grad_()
+        out, y = run(x)
+        (out.square().sum() + (y * torch.linspace(-1, 1, 24, dtype=dt)).sum()).backward()
+        grads.append([x.grad] + [p.grad.clone() for p in params.parameters()])
+    for want, ref, got in zip(*grads):
+        ok, err, tol = compare(want, ref, got)
+        assert ok, (name, err, tol)
+    xs = _ties_input(torch.float32)
+    want, got = _grads_through_y(m, m, xs), _grads_through_y(m, fused, xs)
+    assert torch.equal(want, got), name                     # zeros, the weights, or isfinite(x) times them
+
+
+def test_floor_division_is_not_a_floor_of_a_quotient():
+    # div(x, 3, rounding_mode="floor") is torch's floor division (a - fmod(a, b)) / b with its corrections, not
+    # floor(x / 3): it stays as captured, eager's values
+    class FloorDiv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(24, 8)
+
+        def forward(self, x):
+            return self.lin(torch.div(x * 2, 0.1, rounding_mode="floor") * 3 + x)
+
+    m = FloorDiv().eval()
+    x = _ties_input(torch.float32, nonfinite=False)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    assert not any(n.startswith("div") and "rounding" in n for d in fused.report.applied for n in d.nodes)
+    assert "rounding_mode = 'floor'" in fused.graph_module.code
+    with torch.no_grad():
+        assert torch.equal(fused(x), m(x))
+
+
+LOGS = {
+    "log2": torch.log2, "log10": torch.log10, "exp2": torch.exp2, "two_to_the": lambda t: 2 ** t,
+    "pow_10": lambda t: torch.pow(10.0, t), "pow_0.5": lambda t: torch.pow(0.5, t),
+    "pow_1": lambda t: torch.pow(1.0, t), "pow_0": lambda t: torch.pow(0.0, t),
+    "pow_-2": lambda t: torch.pow(-2.0, t), "pow_-1": lambda t: torch.pow(-1.0, t),
+}
+# ±0, integers (a negative base's sign), halves (a negative base's NaN), powers of two (log2 exact), exponents
+# that overflow or reach fp32's subnormals, tiny and huge arguments of the logs, negative arguments (NaN)
+EXPONENTS = [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 3.0, 0.5, -0.5, 8.0, 1024.0, 1e-30, 1e-40, 127.0, 128.0, -149.0,
+             -150.0, 200.0, -200.0, 10.0, 0.1, 3.5, -3.0, 1e30]
+
+
+def _log_input(dtype, nonfinite=True):
+    torch.manual_seed(0)
+    x = torch.randn(6, 24) * 4
+    x[0] = torch.tensor(EXPONENTS)
+    x[2] = torch.round(x[2])
+    if nonfinite:
+        x[1, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(LOGS))
+def test_exp2_log2_log10_and_a_number_to_a_tensor_join_their_chain_as_eager(name, dtype):
+    # one region; torch's values at 0 and -0 (log -inf; pow(0, x) 1, 0 or inf by x's sign), at negative arguments
+    # (log NaN; a negative base: ± by the exponent's parity, NaN off the integers), at ±inf and NaN (pow(1, NaN) 1),
+    # overflowing (inf) and underflowing exponents (subnormals, then 0); fp32 within four ulps, 16-bit within one
+    # rounding of the exact value
+    m = Act(LOGS[name]).to(dtype).eval()
+    x = _log_input(dtype)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and len(regions[0].nodes) >= 4, fused.report.summary()
+    with torch.no_grad():
+        _equal_as_eager(fused(x)[1], m(x)[1], -LOGS[name](x.double()))
+    finite = _log_input(dtype, nonfinite=False).abs().clamp(0.125, 6.0)
+    _within_bound(m, (finite,), {}, lambda: fused(finite))
+
+
+@pytest.mark.parametrize("name", list(LOGS))
+def test_exp2_log2_log10_and_a_number_to_a_tensor_train_as_eager(name):
+    # torch's gradients: 1 / (x ln 2), 1 / (x ln 10), y ln(base); a base of 0: 0 where x >= 0, -inf·g elsewhere; a
+    # negative base: NaN (its log), as eager
+    torch.manual_seed(0)
+    m = Act(LOGS[name]).train()
+    x0 = torch.round(_log_input(torch.float32, nonfinite=False).clamp(-6.0, 6.0) * 2) / 2
+    if name.startswith("log"):
+        x0 = x0.abs() + 0.25
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
+    assert len(regions) == 1 and len(regions[0].nodes) >= 4, fused.report.summary()       # the op inside
+    want, got = _grads_through_y(m, m, x0), _grads_through_y(m, fused, x0)
+    ref = _grads_through_y(copy.deepcopy(m).double(), copy.deepcopy(m).double(), x0.double())
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (name, err, tol)
+    xs = _log_input(torch.float32)
+    want, got = _grads_through_y(m, m, xs), _grads_through_y(m, fused, xs)
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.isinf(), got.isinf()), name
+    fin = want.isfinite()
+    assert torch.allclose(got[fin], want[fin], rtol=4 * 2 ** -23, atol=0), name

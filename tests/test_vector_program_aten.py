@@ -116,3 +116,44 @@ def test_activation_programs_compute_eagers_values(fn):
     (got,) = run_program_torch(b.program, [x])
     # fp32: torch's own log1p/expm1 inside the twin, torch's formulas: an ulp or two
     assert torch.allclose(got, fn(x), rtol=2.5e-7, atol=0)
+
+
+def test_mapping_of_roundings_sign_nan_to_num_and_logs():
+    # the roundings and sign are instructions; frac, round(decimals), nan_to_num, log2/log10 their formulas;
+    # exp2 and a number to a tensor the pow instruction with an immediate base
+    f32 = dict(dtype=torch.float32)
+    b, _ = program_from_function(lambda x: (torch.floor(x), torch.ceil(x), torch.trunc(x), torch.round(x),
+                                            torch.sign(x)), meta((4, 16), **f32))
+    assert [i.op for i in b.program.instrs] == ["floor", "ceil", "trunc", "round", "sign"]
+    assert [i.op for i in program_from_function(torch.frac, meta((4, 16), **f32))[0].program.instrs] == \
+        ["trunc", "sub"]
+    assert [i.op for i in program_from_function(lambda x: torch.round(x, decimals=2), meta((4, 16), **f32))[0]
+            .program.instrs] == ["mul", "round", "div"]
+    assert [i.op for i in program_from_function(lambda x: torch.round(x, decimals=-1), meta((4, 16), **f32))[0]
+            .program.instrs] == ["div", "round", "mul"]
+    names, b = ops(torch.nan_to_num, (4, 16))                   # float16: its own largest and smallest values
+    assert names == ["eq", "where", "eq", "where", "ne", "where"]
+    assert [i.args[1] for i in b.program.instrs if i.op == "where"] == [-65504.0, 65504.0, 0.0]
+    names, b = ops(lambda x: torch.nan_to_num(x, posinf=1e5), (4, 16))
+    assert b.program.instrs[3].args[1] == float("inf")          # 1e5 as float16 holds it, as eager stores it
+    assert ops(torch.log2, (4, 16))[0] == ["log", "div"]
+    for fn in (torch.exp2, lambda x: 2 ** x, lambda x: torch.pow(2.0, x)):
+        names, b = ops(fn, (4, 16))
+        assert names == ["pow"] and b.program.instrs[0].args[0] == 2.0
+
+
+def test_a_rounding_reads_a_16_bit_operand_as_eager_holds_it():
+    # floor(x · 2.7) in float16: eager rounds the product to float16 before the floor; the program too (a cast),
+    # so a product just below an integer that rounds up to it floors as eager's
+    names, _ = ops(lambda x: torch.floor(x * 2.7), (4, 16))
+    assert names == ["mul", "cast", "floor"]
+    b, _ = program_from_function(lambda x: torch.floor(x * 2.7), meta((4, 16), dtype=torch.float32))
+    assert [i.op for i in b.program.instrs] == ["mul", "floor"]             # float32: nothing to round
+    assert ops(lambda x: torch.floor(x), (4, 16))[0] == ["floor"]        # an input holds its values already
+    # each product below an integer in fp32 that rounds up to it in float16 (0.37036 · 2.7 = 0.99998 -> 1.0)
+    x = torch.tensor([[0.370361328125, 0.74072265625, 1.4814453125, 1.8515625, 2.962890625, 3.703125, 5.5546875,
+                       -0.5]], dtype=torch.float16)
+    fn = lambda t: torch.floor(t * 2.7)                                   # noqa: E731
+    b, _ = program_from_function(fn, (x,))
+    (got,) = run_program_torch(b.program, [x])
+    assert torch.equal(got, fn(x))

@@ -119,3 +119,17 @@ def test_estimate_takes_the_program_as_json():
     assert a.cycles == b.cycles and a.tiling == b.tiling
     with pytest.raises(ProgramError, match="declares"):
         cost_model.estimate("vector_program", [((64, 255), "float16"), specs[1]], program=p)
+
+
+def test_the_cost_models_elementwise_passes_restate_the_simulators():
+    # every op of the simulator's table (the roundings' casts and selects, sign's compare-selects, ...) is priced as
+    # the passes it runs, in the same dtype rules and work tiles
+    from autofuse.npu.kernels.vector import OPS as SIM
+    from cost_model.vector import OPS as MODEL
+    for name, op in SIM.items():
+        assert name in MODEL, name
+        assert MODEL[name][:4] == (op.kind, op.native16, op.temps, op.scalar), name
+        for has, s in ((False, None), (True, 2.0), (True, 0.3)):
+            if (op.scalar == "none" and has) or (op.scalar == "required" and not has):
+                continue
+            assert MODEL[name][4](has, s) == len(op.passes(s, has)), (name, has, s)

@@ -290,12 +290,21 @@ def test_cat_and_interleave_with_broadcast_parts():
     check(b.build())
 
 
-def test_pow_negative_immediate_base_refused():
+@pytest.mark.parametrize("base", [0.0, -2.0, -1.0, 2.0])
+def test_pow_of_an_immediate_base_is_torchs_gradient(base):
+    # torch's pow_backward_exponent: g·y·log(base); a base of 0 gives 0 where the exponent is >= 0 (its NaN and
+    # -inf·g elsewhere), a negative base NaN everywhere (its log)
     b = Builder((3,))
     x = b.input("float32", (3, 8))
-    b.output(b.pow(-2.0, x), "float32")
-    with pytest.raises(NotDifferentiable, match=r"instruction 0 \(pow\).*base -2"):
-        backward_program(b.build(), [0])
+    b.output(b.pow(base, x), "float32")
+    xs = [torch.tensor([[0.0, -0.0, 1.0, -1.0, 2.0, -3.0, 0.5, -0.5]] * 2 + [[float("inf"), -float("inf"),
+                        float("nan"), 127.0, -149.0, 4.0, -4.0, 1.5]])]
+    g = {0: torch.linspace(-2, 2, 24).reshape(3, 8)}
+    (want,) = reference_grads(b.build(), xs, g, [0])
+    _, (got,), _ = derived_grads(b.build(), xs, g, [0])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    fin = want.isfinite()
+    assert torch.allclose(got[fin].double(), want[fin], rtol=4 * ULP["float32"], atol=0)
 
 
 def test_wrt_checks():

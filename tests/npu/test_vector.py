@@ -213,6 +213,25 @@ def test_edge_values(op):
         assert bool(((got[fin].double() - truth).abs() <= ulp).all()), (op, dtype)
 
 
+ROUNDINGS = {"floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc, "round": torch.round, "sign": torch.sign}
+
+
+@pytest.mark.parametrize("op", list(ROUNDINGS))
+def test_roundings_and_sign_are_torchs_at_ties_zeros_and_limits(op):
+    """torch's values exactly: round half to even, a zero result with x's sign (ceil(-0.5) is -0.0), x itself from
+    2^23 up and at ±inf and NaN (sign: 0 at NaN, +0 at ±0), in every dtype (the 16-bit results exact in them)."""
+    ties = torch.arange(-40, 41) / 4                       # quarters: the ties and the values between them
+    x = torch.cat([torch.tensor(EDGES), ties, torch.tensor([8388607.5, 8388608.5, -8388609.0, 2.0 ** 30 + 64])])
+    for dtype in DTYPES:
+        xd = x.reshape(1, -1).to(dtype)
+        got = torch.from_numpy(np.ascontiguousarray(ew(xd, op=op).outputs[0])).to(dtype)
+        want = ROUNDINGS[op](xd)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), (op, dtype)
+        assert torch.equal(got[~nan], want[~nan]) and torch.equal(got[~nan].signbit(), want[~nan].signbit()), \
+            (op, dtype)
+
+
 def test_every_op_has_named_passes():
     for name, op in OPS.items():
         passes = op.passes(2.0, name in ("rsub", "rdiv", "masked_fill") or False)

@@ -93,6 +93,14 @@ _EXPM1 = ("exp u", "adds -1 d=u-1", "ln u", "div x/ln(u)", "mul d*x/ln(u)", "com
 _SOFTPLUS = ("abs", "muls -1", "exp e", "adds 1 u=1+e", "ln u", "adds -1 d=u-1", "div e/d", "mul ln(u)*e/d",
              "compare d==0", "select e", "relu x", "add")
 
+# floor, ceil, trunc and round (half to even): Ascend C's Cast from float to int32 rounds by the mode asked
+# (CAST_FLOOR, CAST_CEIL, CAST_TRUNC, CAST_RINT; hiascend "Cast" API reference), cast back to float; x itself where
+# |x| >= 2^23 (already integral; ±inf and NaN too, which int32 cannot hold), and x·0 where the result is 0, so a zero
+# keeps x's sign as torch's does (ceil(-0.5) is -0.0)
+def _rounding(mode):
+    return (f"cast {mode} k", "cast k->f32", "abs", "compare |x|<2^23", "select x", "compare r==0", "muls 0",
+            "select x*0")
+
 
 def _log1p(x):
     return np.log1p(x.astype(np.float64))
@@ -196,6 +204,14 @@ OPS = {
     "log1p": Op((1,), _log1p, _fixed(*_LOG1P), kind="float", native16=False, temps=2, scalar="none"),
     "expm1": Op((1,), lambda x: np.expm1(x.astype(np.float64)), _fixed(*_EXPM1), kind="float", native16=False,
                 temps=2, scalar="none"),
+    "floor": Op((1,), np.floor, _fixed(*_rounding("floor")), kind="float", native16=False, temps=2, scalar="none"),
+    "ceil": Op((1,), np.ceil, _fixed(*_rounding("ceil")), kind="float", native16=False, temps=2, scalar="none"),
+    "trunc": Op((1,), np.trunc, _fixed(*_rounding("trunc")), kind="float", native16=False, temps=2, scalar="none"),
+    # sign: torch's (0 at NaN, +0 at ±0), two compare-selects over a duplicated 0
+    "sign": Op((1,), lambda x: np.where(x > 0, np.float32(1), np.where(x < 0, np.float32(-1), np.float32(0))),
+               _fixed("duplicate 0", "compare x>0", "select 1", "compare x<0", "select -1"), kind="float",
+               native16=False, temps=1, scalar="none"),
+    "round": Op((1,), np.rint, _fixed(*_rounding("rint")), kind="float", native16=False, temps=2, scalar="none"),
     "cast": Op((1,), lambda x: x, _fixed("cast"), kind="cast", scalar="none"),
     "logical_not": Op((1,), np.logical_not, _fixed("not"), kind="logic", scalar="none"),
     # pow: tensor ** scalar (scalar=) or tensor ** tensor
