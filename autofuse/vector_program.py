@@ -103,6 +103,11 @@ def _eval(ins: Instr, args):
         return torch.where(c, a, b).float()
     if op == "logical_not":
         return torch.logical_not(args[0])
+    if op == "sqrt" and ins.kind == "norm":
+        # a 2-norm's root: torch's norm backward is 0 for a zero row (sqrt's would be 0 · inf); the same values
+        s = _f32(args[0])
+        zero = s == 0
+        return torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, s)))
     if op in _UNARY_TORCH:
         return _UNARY_TORCH[op](_f32(args[0]))
     a, b = (_f32(x) if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float32) for x in args)
@@ -228,6 +233,7 @@ _REDUCE_ATEN = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.de
                 aten.amin.default: "min"}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _VAR_ATEN = {aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction}
+_NORM_ATEN = {aten.linalg_vector_norm.default}          # the 2-norm over the last dim (x.norm, F.normalize's)
 
 
 def _meta(n):
@@ -249,11 +255,12 @@ def _rounded(x: float, dtype) -> float:
 
 
 def _keepdim(n) -> bool:
-    """A reduction's keepdim (``var.dim``/``std.dim`` take ``unbiased`` before it; the ``correction`` forms take it
-    by keyword only)."""
+    """A reduction's keepdim (``var.dim``/``std.dim`` take ``unbiased`` before it, ``linalg_vector_norm`` ``ord``; the
+    ``correction`` forms take it by keyword only)."""
     if n.target in (aten.var.correction, aten.std.correction):
         return bool(n.kwargs.get("keepdim", False))
-    return bool(arg(n, 3 if n.target in (aten.var.dim, aten.std.dim) else 2, "keepdim", False))
+    return bool(arg(n, 3 if n.target in (aten.var.dim, aten.std.dim) or n.target in _NORM_ATEN else 2, "keepdim",
+                    False))
 
 
 def rms_norm_args(n):
@@ -288,7 +295,7 @@ class _Build:
             raise NotExpressible(f"{first.name} ({first.target}) leaves the region as a list of pieces, not one "
                                  f"value of the region's rows")
         # the rows: the first output's leading dims (all its dims for a reduction without keepdim)
-        keep = (first.target not in _REDUCE_ATEN and first.target not in _VAR_ATEN) or _keepdim(first)
+        keep = first.target not in set(_REDUCE_ATEN) | _VAR_ATEN | _NORM_ATEN or _keepdim(first)
         self.lead = tuple(m.shape[:-1]) if keep and m.dim() else tuple(m.shape)
 
     def fail(self, n, why):
@@ -502,6 +509,8 @@ class _Build:
             return v
         if t in _VAR_ATEN:
             return self.variance(n)
+        if t in _NORM_ATEN:
+            return self.vector_norm(n)
         if t in _SOFTMAX:
             self.last_dim(n, n.args[1])
             x = self.arg(n, n.args[0])
@@ -566,6 +575,9 @@ class _Build:
                 return v
             self.fail(n, "reshapes a reduction without keepdim other than by unsqueeze(-1)")
         strip = lambda s: tuple(s)[next((i for i, d in enumerate(s) if d != 1), len(s)):]   # noqa: E731
+        if n.target == aten.expand.default and so.dim() and si.dim() and si.shape[-1] == 1 and \
+                all(a in (b_, 1) for a, b_ in zip((1,) * (so.dim() - si.dim()) + tuple(si.shape), so.shape)):
+            return v                            # a per-row value (F.normalize's norm) over the row: a broadcast
         if so.dim() and si.dim() and so.shape[-1] == si.shape[-1]:
             if strip(so.shape[:-1]) == strip(si.shape[:-1]):
                 return v                        # leading size-1 dims added or dropped
@@ -633,6 +645,24 @@ class _Build:
         v = b.div(sq, float(width - c))
         # std's square root differentiates as torch's std_backward does (0 at a constant row, not 0/0)
         v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v, kind="std"))
+        if not _keepdim(n):
+            self.squeezed.add(n)
+        return v
+
+    def vector_norm(self, n):
+        """``linalg_vector_norm(x, 2, [-1])`` (``x.norm(dim=-1)``, ``F.normalize``'s denominator) as torch computes it:
+        ``sqrt(Σ x²)`` in fp32. Its square root is of kind ``norm``: the gradient of a zero row is 0 as torch's norm
+        backward masks it (``x · g / ‖x‖`` where ‖x‖ > 0), not sqrt's 0 · inf = NaN, so F.normalize of a zero row
+        trains as eager (g / eps)."""
+        b = self.b
+        ord_ = arg(n, 1, "ord", 2)
+        if not _is_scalar(ord_) or float(ord_) != 2.0:
+            self.fail(n, f"a norm of order {ord_} (only the 2-norm)")
+        self.last_dim(n, arg(n, 2, "dim"))
+        if n.kwargs.get("dtype") is not None:
+            self.fail(n, "a norm with a dtype argument")
+        x = self.arg(n, n.args[0])
+        v = self.round(n, b.sqrt(b.reduce(b.mul(x, x), kind="sum"), kind="norm"))
         if not _keepdim(n):
             self.squeezed.add(n)
         return v
@@ -752,7 +782,7 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     hardtanh relu6 hardsigmoid hardswish -> their formulas (:meth:`_Build.activation`); add/sub (with alpha) mul div maximum minimum pow (tensor or
     scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
     -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin
-    over the last dim -> reduce; var/std over the last dim (any correction below the width) -> mean, the squared
+    over the last dim -> reduce; the 2-norm over the last dim -> the root of the squares' sum; var/std over the last dim (any correction below the width) -> mean, the squared
     deviations' sum, a division; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;
     slice / split+getitem / cat along the last dim -> slice / cat; views that keep the rows and the last dim
     -> nothing (a view of a region input stays outside: its result is the op's input). Anything else

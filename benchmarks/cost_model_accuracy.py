@@ -710,7 +710,10 @@ def _activation_chains(quick: bool):
                  ((333,), 777, "float32", lambda x: torch.nan_to_num(torch.log2(x)) + torch.exp2(x * 0.1) +
                   torch.pow(10.0, x)),
                  ((4096,), 4096, "bfloat16", lambda x: torch.floor(x) * torch.ceil(x) - torch.trunc(x) +
-                  torch.log10(x.abs() + 1))]
+                  torch.log10(x.abs() + 1)),
+                 # 2-norms over the row: the squares' sum and its root, F.normalize's clamp and division
+                 ((8, 128), 1024, "float16", lambda x: F.normalize(x, dim=-1) * 2 + x.norm(dim=-1, keepdim=True)),
+                 ((3000,), 96, "float32", lambda x: x / torch.linalg.vector_norm(x, dim=-1, keepdim=True))]
     return acts
 
 

@@ -28,7 +28,8 @@ where the exponent is >= 0, NaN for a negative base), or a value exponent;
 ``maximum``/``minimum`` send ``g`` to the larger/smaller operand and split it evenly on ties (of kind ``clamp``,
 a clamp's bound: all of ``g`` where the value is within the bound, the bound included, none at NaN); ``where``
 routes ``g`` to the branch its condition picks; compares, logic, casts to bool and the roundings (floor ceil trunc
-round sign: torch's zero gradient, NaN and inf included) carry no gradient; a cast
+round sign: torch's zero gradient, NaN and inf included) carry no gradient; a ``sqrt`` of kind ``norm`` (a
+2-norm's root) passes none where it is 0, as torch's norm backward; a cast
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
 too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
 among the elements equal to the result (torch's ``amax`` backward: NaN over a row whose result is NaN); a
@@ -384,9 +385,10 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         return acc(args[0], g) if vals[args[0]].dtype in FLOATS else None
     if op == "neg":
         return acc(args[0], e.op("neg", g))
-    if op == "sqrt" and ins.kind == "std":
-        # torch's std_backward: g / (2 std), 0 where the std is 0 (a constant row: 0/0 through sqrt's own rule)
-        return acc(args[0], e.op("where", e.op("eq", y, 0.0), 0.0, e.op("div", g, e.mul(y, 2.0))))
+    if op == "sqrt" and ins.kind in ("std", "norm"):
+        # torch's std_backward and norm backward: g / (2 root), 0 where the root is 0 (a constant row, a row of
+        # zeros: 0/0 through sqrt's own rule)
+        return acc(args[0], e.op("where", e.op("eq", y, 0.0), 0.0, _UNARY_DERIV[op](e, g, x, y)))
     if op in _UNARY_DERIV:
         return acc(args[0], _UNARY_DERIV[op](e, g, x, y))
     if op == "mul" and args[0] == args[1] and _is_ref(args[0]) and _is_ref(args[1]):   # a square: 2 a g once

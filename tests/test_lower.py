@@ -258,3 +258,23 @@ def test_a_rounding_sign_nan_to_num_or_log_left_unfused_runs_the_instructions_a_
     want = fn(x)
     # log2/log10 as log(x) / ln 2: within an fp32 ulp of torch's
     assert torch.allclose(y, want, rtol=2 * torch.finfo(torch.float32).eps, atol=0, equal_nan=True)
+
+
+def test_a_2_norm_left_unfused_runs_the_instructions_a_generated_kernel_runs():
+    # one launch of the norm's program (the squares, their sum, the root), as a fused region runs it; torch's values
+    from autofuse.capture import capture
+    from autofuse.vector_program import program_from_nodes
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.linalg.vector_norm(x, dim=-1)
+    x = torch.randn(4, 8, 32) * 3
+    x[0, 0] = 0.0
+    gm = capture(M(), (x,)).graph_module
+    n = _node(gm, aten.linalg_vector_norm.default)
+    prog = lower(n)
+    assert [s.kernel for s in prog.steps] == ["vector_program"]
+    assert prog.steps[0].params["program"] == program_from_nodes([n], [n]).program
+    (y,) = _run(prog, {n.args[0]: x})
+    # fp32 sums of 32 squares in another order: a few ulps
+    assert torch.allclose(y.reshape(4, 8), M()(x), rtol=4 * torch.finfo(torch.float32).eps, atol=0)

@@ -390,3 +390,28 @@ def test_derived_backward_of_the_roundings_sign_and_an_immediate_base_on_the_sim
         scale = w[fin].abs().max() if fin.any() else 0.0
         assert bool(((g[fin].double() - w[fin]).abs() <= 1e-5 * scale).all())
     assert want[2].isnan().all() and not want[1].isnan().all()     # a negative base's log: NaN
+
+
+def test_derived_backward_of_a_2_norm_on_the_simulator():
+    """A 2-norm's root (sqrt of kind norm) differentiated into a Vector program the simulator runs: torch's norm
+    backward ``x · g / ‖x‖``, 0 at a row of zeros (F.normalize's zero row: g / eps, finite)."""
+    from cost_model.program_grad import backward_program
+    b = Builder((4, 3))
+    x = b.input("float32", (4, 3, 32))
+    norm = b.sqrt(b.reduce(b.mul(x, x), kind="sum"), kind="norm")
+    b.output(b.div(x, b.maximum(norm, 1e-12, kind="clamp")), "float32")
+    b.output(norm, "float32")
+    prog = b.build()
+    gp = backward_program(prog, [0])
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, 32, generator=gen)]
+    xs[0][1, 2] = 0.0
+    gs = [torch.randn(4, 3, 32, generator=gen), torch.randn(4, 3, 1, generator=gen)]
+    (got,) = ov.vector_program(xs + gs, gp.program)
+    leaf = xs[0].double().requires_grad_()
+    nrm = torch.linalg.vector_norm(leaf, dim=-1, keepdim=True)
+    (want,) = torch.autograd.grad([leaf / nrm.clamp_min(1e-12), nrm], [leaf], [g.double() for g in gs])
+    assert bool(got.isfinite().all()) and bool(want.isfinite().all())
+    # fp32 against float64, relative to each row's largest gradient (1e12 · g on the zero row)
+    scale = want.abs().amax(-1, keepdim=True)
+    assert bool(((got.double() - want).abs() <= 1e-5 * scale).all())

@@ -157,3 +157,30 @@ def test_a_rounding_reads_a_16_bit_operand_as_eager_holds_it():
     b, _ = program_from_function(fn, (x,))
     (got,) = run_program_torch(b.program, [x])
     assert torch.equal(got, fn(x))
+
+
+def test_mapping_of_the_2_norm():
+    # the root of the squares' sum, of kind norm (its gradient 0 at a zero row, as torch's); keepdim or not; F.normalize
+    # reads it through clamp_min and an expand to the row's width (a broadcast)
+    assert ops(lambda x: x.norm(dim=-1, keepdim=True), (4, 16))[0] == ["mul", "reduce:sum", "sqrt:norm"]
+    names, b = ops(lambda x: torch.linalg.vector_norm(x, dim=-1), (4, 16))
+    assert names == ["mul", "reduce:sum", "sqrt:norm"] and b.output_shapes == [(4,)]
+    assert ops(lambda x: F.normalize(x, dim=-1), (4, 16))[0] == ["mul", "reduce:sum", "sqrt:norm", "maximum:clamp",
+                                                                   "div"]
+    for fn, why in ((lambda x: x.norm(p=1, dim=-1), "order 1"), (lambda x: x.norm(dim=0), "not the last dim"),
+                    (lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32), "dtype")):
+        with pytest.raises(NotExpressible, match=why):
+            program_from_function(fn, meta((4, 16)))
+
+
+def test_the_norms_twin_gives_torchs_gradient_at_a_zero_row():
+    x = torch.randn(3, 16, dtype=torch.float64)
+    x[1] = 0.0
+    b, _ = program_from_function(lambda t: F.normalize(t, dim=-1), meta((3, 16), dtype=torch.float32))
+    leaf = x.float().requires_grad_()
+    (y,) = run_program_torch(b.program, [leaf])
+    y.backward(torch.ones_like(y))
+    want = x.clone().requires_grad_()
+    F.normalize(want, dim=-1).backward(torch.ones_like(want))
+    assert bool(leaf.grad.isfinite().all())
+    assert torch.allclose(leaf.grad.double(), want.grad, rtol=1e-5, atol=1e-5)    # 1e12 on the zero row
