@@ -20,8 +20,8 @@ import torch.fx as fx
 
 from autofuse import graph
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.vector_program import (_ACTIVATION_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _NORM_ATEN, _VAR_ATEN,
-                                     rms_norm_args)
+from autofuse.vector_program import (_ACTIVATION_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _NORM_ATEN, _PRELU_ATEN,
+                                     _VAR_ATEN, rms_norm_args)
 from cost_model.devices import ITEMSIZE
 
 aten = torch.ops.aten
@@ -803,7 +803,7 @@ def _row_grad_cached(fn, specs, consts):
 #: the ops a generated kernel writes with its own instructions (log_sigmoid_forward's pair of outputs is no one
 #: program's value)
 _ACTIVATIONS = (_ACTIVATION_ATEN - {aten.log_sigmoid_forward.default}) | _VAR_ATEN | _COMBINE_ATEN | _FORMULA_ATEN | \
-    _NORM_ATEN | {aten.pow.Scalar}
+    _NORM_ATEN | _PRELU_ATEN | {aten.pow.Scalar}
 
 
 def _lower_activation(node, ins):

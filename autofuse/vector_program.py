@@ -233,7 +233,8 @@ _REDUCE_ATEN = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.de
                 aten.amin.default: "min"}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _VAR_ATEN = {aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction}
-_NORM_ATEN = {aten.linalg_vector_norm.default}          # the 2-norm over the last dim (x.norm, F.normalize's)
+_NORM_ATEN = {aten.linalg_vector_norm.default}
+_PRELU_ATEN = {aten.prelu.default, aten._prelu_kernel.default}      # a learned slope: see _Build.prelu          # the 2-norm over the last dim (x.norm, F.normalize's)
 
 
 def _meta(n):
@@ -511,6 +512,8 @@ class _Build:
             return self.variance(n)
         if t in _NORM_ATEN:
             return self.vector_norm(n)
+        if t in _PRELU_ATEN:
+            return self.round(n, self.prelu(n))
         if t in _SOFTMAX:
             self.last_dim(n, n.args[1])
             x = self.arg(n, n.args[0])
@@ -667,6 +670,20 @@ class _Build:
             self.squeezed.add(n)
         return v
 
+    def prelu(self, n):
+        """``prelu(x, w)`` as torch's kernel computes it, ``x > 0 ? x : w · x`` (NaN and 0 take ``w · x``; its
+        gradients torch's: ``g`` or ``w · g`` for x, ``x · g`` for w where x <= 0, summed over the rows by the caller).
+        torch applies a weight of C elements along dim 1: a program's own broadcast when that is the last dim (a
+        2-D input); ``_prelu_kernel`` takes the weight already shaped for it."""
+        b = self.b
+        x, w = n.args[0], n.args[1]
+        mx, mw = _meta(x), _meta(w)
+        if n.target == aten.prelu.default and mw.numel() != 1 and mx.dim() > 2:
+            self.fail(n, f"a PReLU weight of {mw.numel()} elements along dim 1 of a {mx.dim()}-D input (not the "
+                         f"last dim)")
+        xv = self.arg(n, x)
+        return b.where(b.gt(xv, 0.0), xv, b.mul(self.arg(n, w), xv))
+
     def combination(self, n):
         """``lerp(a, e, w)`` with a number w as torch computes it (``a + w·(e − a)`` below 0.5, ``e − (e − a)·(1 − w)``
         from it), ``addcmul`` ``x + value·(t1·t2)`` and ``addcdiv`` ``x + value·(t1 / t2)``, in fp32."""
@@ -785,7 +802,8 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     over the last dim -> reduce; the 2-norm over the last dim -> the root of the squares' sum; var/std over the last dim (any correction below the width) -> mean, the squared
     deviations' sum, a division; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;
     slice / split+getitem / cat along the last dim -> slice / cat; views that keep the rows and the last dim
-    -> nothing (a view of a region input stays outside: its result is the op's input). Anything else
+    -> nothing (a view of a region input stays outside: its result is the op's input); prelu ->
+    ``x > 0 ? x : w · x`` (:meth:`_Build.prelu`). Anything else
     raises :class:`NotExpressible` naming the node.
 
     ``rounding``: ``"fp32"`` (the program's default numerics: intermediates stay fp32, which is more

@@ -45,14 +45,14 @@ import torch.fx as fx
 from autofuse.graph import arg, is_call, is_number, keep_mask_order, last_dim_slice, shape, split_part, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _NORM_ATEN,
-                                     _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS, NotExpressible, _keepdim, draws_keep_mask,
+                                     _PRELU_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS, NotExpressible, _keepdim, draws_keep_mask,
                                      program_from_nodes)
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
 
 _COMPUTE = set(_UNARY_ATEN) | set(_BINARY_ATEN) | set(_REDUCE_ATEN) | _ACTIVATION_ATEN | _VAR_ATEN | _COMBINE_ATEN | \
-    _FORMULA_ATEN | _NORM_ATEN | {
+    _FORMULA_ATEN | _NORM_ATEN | _PRELU_ATEN | {
     aten.gelu.default, aten.rsub.Scalar, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
     aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar, aten._to_copy.default,
     aten.layer_norm.default, aten.rms_norm.default, aten.slice.Tensor, aten.cat.default, aten.split.Tensor,

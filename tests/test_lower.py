@@ -278,3 +278,24 @@ def test_a_2_norm_left_unfused_runs_the_instructions_a_generated_kernel_runs():
     (y,) = _run(prog, {n.args[0]: x})
     # fp32 sums of 32 squares in another order: a few ulps
     assert torch.allclose(y.reshape(4, 8), M()(x), rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+
+
+def test_prelu_left_unfused_runs_the_instructions_a_generated_kernel_runs():
+    # one launch of x > 0 ? x : w · x (a generic pass before); torch's values
+    from autofuse.capture import capture
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.PReLU(32)
+
+        def forward(self, x):
+            return self.p(x)
+    x = torch.randn(4, 8, 32) * 3
+    m = M()
+    gm = capture(m, (x[0],)).graph_module
+    n = _node(gm, aten.prelu.default)
+    prog = lower(n)
+    assert [s.kernel for s in prog.steps] == ["vector_program"]
+    (y,) = _run(prog, {n.args[0]: x[0], n.args[1]: m.p.weight.detach()})
+    assert torch.equal(y, m(x[0]))

@@ -787,27 +787,101 @@ def test_gradient_at_a_nan_input_of_relu_and_abs_is_eagers(name):
     assert torch.equal(grads[1], grads[0])      # each element one product of the weight, or 0
 
 
-@pytest.mark.parametrize("spelling", ["prelu", "rrelu_train"])
-def test_a_learned_or_random_slope_is_not_a_leaky_relu(spelling):
-    # F.prelu's slope is a parameter, F.rrelu's in training drawn at random: neither is a leaky_relu of the region;
-    # both stay as captured and compute eager's values
+def test_a_random_slope_is_not_a_leaky_relu():
+    # F.rrelu's slope in training is drawn at random: no leaky_relu of the region; it stays as captured
     class Slope(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.full((24,), 0.25))
             self.lin = nn.Linear(24, 8)
 
         def forward(self, x):
-            y = F.prelu(x, self.w) if spelling == "prelu" else F.rrelu(x, training=True)
+            y = F.rrelu(x, training=True)
             return self.lin(y * 3 + x), -y
 
     m = Slope().eval()
     x = _act_input(torch.float32)
     fused = AutoFusionEngine.fuse(m, (x,))
-    assert all(("prelu" if spelling == "prelu" else "rrelu") not in n for d in fused.report.applied for n in d.nodes)
-    assert ("aten.prelu" if spelling == "prelu" else "aten.rrelu") in fused.graph_module.code
-    if spelling == "prelu":
-        _within_bound(m, (x,), {}, lambda: fused(x))
+    assert all("rrelu" not in n for d in fused.report.applied for n in d.nodes)
+    assert "aten.rrelu" in fused.graph_module.code
+
+
+class PReLU(nn.Module):
+    """nn.PReLU of ``C`` slopes (spread over -0.5 .. 0.5: negative, zero and positive ones) in a chain to a projection;
+    its own value is returned negated."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.p = nn.PReLU(C)
+        with torch.no_grad():
+            self.p.weight.copy_(torch.linspace(-0.5, 0.5, C))
+        self.lin = nn.Linear(24, 8)
+
+    def forward(self, x):
+        y = self.p(x * 2 + 1)
+        return self.lin(y * 3 + x), -y
+
+
+PRELU_CASES = {"per_column": ((6, 24), 24), "one_slope": ((6, 24), 1), "one_slope_3d": ((4, 5, 24), 1)}
+
+
+def _prelu_input(shape, dtype, nonfinite=True):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 3
+    flat = x.view(-1, 24)
+    flat[0] = torch.tensor(KINKS) / 2 - 0.5                    # x * 2 + 1 is the kinks, 0 among them
+    if nonfinite:
+        flat[1, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", list(PRELU_CASES))
+def test_prelu_joins_its_chain_with_eagers_values(case, dtype):
+    # lin(prelu(x * 2 + 1) * 3 + x) is one region (prelu cut it in two before); x > 0 ? x : w · x is eager's value
+    # bit for bit (one product, one rounding), at 0, ±inf and NaN too
+    shape, C = PRELU_CASES[case]
+    m = PReLU(C).to(dtype).eval()
+    x = _prelu_input(shape, dtype)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    regions = [d for d in fused.report.applied if d.kernel in ("vector_program", "matmul_epilogue")]
+    assert any("prelu" in d.nodes and "add" in d.nodes and "add_1" in d.nodes for d in regions), \
+        fused.report.summary()
+    with torch.no_grad():
+        _identical(fused(x)[1], m(x)[1])
+    finite = _prelu_input(shape, dtype, nonfinite=False)
+    _within_bound(m, (finite,), {}, lambda: fused(finite))
+
+
+@pytest.mark.parametrize("case", list(PRELU_CASES))
+def test_prelu_trains_as_eager(case):
+    # torch's gradients: g or w · g for x, x · g for the slopes where x <= 0, summed over the rows (and the columns
+    # for one slope); against a float64 copy within the verifier's bound
+    shape, C = PRELU_CASES[case]
+    m = PReLU(C).train()
+    x0 = _prelu_input(shape, torch.float32, nonfinite=False)
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    regions = [d for d in fused.report.applied if d.kernel in ("vector_program", "matmul_epilogue")]
+    assert any("prelu" in d.nodes for d in regions), fused.report.summary()
+    grads, m64 = [], copy.deepcopy(m).double()
+    for run, dt, params in ((m, torch.float32, m), (m64, torch.float64, m64), (fused, torch.float32, m)):
+        params.zero_grad()
+        x = x0.detach().to(dt, copy=True).requires_grad_()
+        out, y = run(x)
+        (out.square().sum() + (y * torch.linspace(-1, 1, 24, dtype=dt)).sum()).backward()
+        grads.append([x.grad] + [p.grad.clone() for p in params.parameters()])
+    for want, ref, got in zip(*grads):
+        ok, err, tol = compare(want, ref, got)
+        assert ok, (case, err, tol)
+
+
+def test_prelu_slopes_along_a_dim_other_than_the_last_stay_as_captured():
+    # nn.PReLU(C) on a 3-D input applies its C slopes along dim 1, not the row: it stays as captured, eager's values
+    m = PReLU(5).eval()
+    x = _prelu_input((4, 5, 24), torch.float32, nonfinite=False)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    assert all("prelu" not in d.nodes for d in fused.report.applied)
+    assert "aten.prelu" in fused.graph_module.code
+    _within_bound(m, (x,), {}, lambda: fused(x))
 
 
 # ----------------------------------------------------------------------------------------- var / std

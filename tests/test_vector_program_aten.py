@@ -184,3 +184,31 @@ def test_the_norms_twin_gives_torchs_gradient_at_a_zero_row():
     F.normalize(want, dim=-1).backward(torch.ones_like(want))
     assert bool(leaf.grad.isfinite().all())
     assert torch.allclose(leaf.grad.double(), want.grad, rtol=1e-5, atol=1e-5)    # 1e12 on the zero row
+
+
+def test_mapping_of_prelu():
+    # x > 0 ? x : w · x, the slopes read as a program input. make_fx writes prelu as the slopes viewed along dim 1
+    # and _prelu_kernel: per column for a 2-D input, per row along a lead dim for a 3-D one
+    names, b = ops(lambda x, w: F.prelu(x, w), (4, 16), (16,))
+    assert names == ["gt", "mul", "where"] and b.program.inputs[1].shape == (1, 16)
+    names, b = ops(lambda x, w: F.prelu(x, w), (3, 4, 16), (4,))
+    assert names == ["gt", "mul", "where"] and b.program.inputs[1].shape == (1, 4, 1)
+    # aten.prelu as captured (torch.export): its slopes along dim 1 are the row's only for a 2-D input
+    from autofuse.capture import capture
+    from autofuse.vector_program import program_from_nodes
+
+    class M(torch.nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.p = torch.nn.PReLU(c)
+
+        def forward(self, x):
+            return self.p(x)
+    for shape, c, ok in (((4, 16), 16, True), ((3, 4, 16), 1, True), ((3, 4, 16), 4, False)):
+        gm = capture(M(c), (torch.randn(shape),)).graph_module
+        (n,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.prelu.default]
+        if ok:
+            assert [i.op for i in program_from_nodes([n], [n]).program.instrs] == ["gt", "mul", "where"]
+        else:
+            with pytest.raises(NotExpressible, match="along dim 1"):
+                program_from_nodes([n], [n])
