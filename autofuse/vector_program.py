@@ -233,8 +233,8 @@ _REDUCE_ATEN = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.de
                 aten.amin.default: "min"}
 _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 _VAR_ATEN = {aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction}
-_NORM_ATEN = {aten.linalg_vector_norm.default}
-_PRELU_ATEN = {aten.prelu.default, aten._prelu_kernel.default}      # a learned slope: see _Build.prelu          # the 2-norm over the last dim (x.norm, F.normalize's)
+_NORM_ATEN = {aten.linalg_vector_norm.default}          # the 2-norm over the last dim (x.norm, F.normalize's)
+_PRELU_ATEN = {aten.prelu.default, aten._prelu_kernel.default}      # a learned slope: see _Build.prelu
 
 
 def _meta(n):
@@ -699,13 +699,13 @@ class _Build:
         return b.add(x, term if value == 1.0 else b.mul(term, value))
 
     def formula(self, n, x):
-        """A one-tensor op as torch computes it, in the program's instructions: ``frac`` ``x − trunc(x)`` (NaN at ±inf); ``round(decimals=k)``
-        ``round(x · 10^k) / 10^k`` (``round(x / 10^−k) · 10^−k`` for k < 0); ``nan_to_num`` the three replacements by
-        compare and select, the defaults the largest and smallest finite values of the tensor's dtype, each number
-        as that dtype holds it (``1e5`` in float16 is inf, as eager stores it); ``log2``/``log10`` ``log(x) / ln 2``
-        (``ln 10``: within an fp32 ulp of torch's, powers of two exact); ``exp2`` ``pow(2, x)``. Their gradients
-        are torch's: 1 through frac, ``isfinite(x)`` through
-        nan_to_num's selects."""
+        """A one-tensor op as torch computes it, in the program's instructions: ``frac`` ``x − trunc(x)`` (NaN at
+        ±inf); ``round(decimals=k)`` ``round(x · 10^k) / 10^k`` (``round(x / 10^−k) · 10^−k`` for k < 0);
+        ``nan_to_num`` the three replacements by compare and select, the defaults the largest and smallest finite
+        values of the tensor's dtype, each number as that dtype holds it (``1e5`` in float16 is inf, as eager stores
+        it); ``log2``/``log10`` ``log(x) / ln 2`` (``ln 10``: within an fp32 ulp of torch's, powers of two exact);
+        ``exp2`` ``pow(2, x)``. Their gradients are torch's: 1 through frac, ``isfinite(x)`` through nan_to_num's
+        selects."""
         b, t = self.b, n.target
         if t == aten.frac.default:
             return b.sub(x, b.trunc(x))
@@ -795,11 +795,13 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
 
     The mapping: unary ops (neg abs exp log sqrt rsqrt reciprocal relu sigmoid tanh silu sin cos square erf
     log1p expm1 floor ceil trunc round sign, gelu with either approximation) -> the op; frac round(decimals)
-    nan_to_num log2 log10 exp2 -> their formulas (:meth:`_Build.formula`); softplus mish log_sigmoid leaky_relu elu selu celu
-    hardtanh relu6 hardsigmoid hardswish -> their formulas (:meth:`_Build.activation`); add/sub (with alpha) mul div maximum minimum pow (tensor or
-    scalar; ``rsub``) and clamp -> binary ops with immediates; comparisons -> compare; where / masked_fill
+    nan_to_num log2 log10 exp2 -> their formulas (:meth:`_Build.formula`); softplus mish log_sigmoid leaky_relu elu
+    selu celu hardtanh relu6 hardsigmoid hardswish -> their formulas (:meth:`_Build.activation`); add/sub (with
+    alpha) mul div maximum minimum pow (tensor or scalar, a number to a tensor; ``rsub``) and clamp -> binary ops
+    with immediates; comparisons -> compare; where / masked_fill
     -> where; logical/bitwise and/or/not on bools -> logic; ``_to_copy``/``to`` -> cast; sum/mean/amax/amin
-    over the last dim -> reduce; the 2-norm over the last dim -> the root of the squares' sum; var/std over the last dim (any correction below the width) -> mean, the squared
+    over the last dim -> reduce; the 2-norm over the last dim -> the root of the squares' sum
+    (:meth:`_Build.vector_norm`); var/std over the last dim (any correction below the width) -> mean, the squared
     deviations' sum, a division; softmax, layer_norm and rms_norm over the last dim -> their reduce-then-use chains;
     slice / split+getitem / cat along the last dim -> slice / cat; views that keep the rows and the last dim
     -> nothing (a view of a region input stays outside: its result is the op's input); prelu ->

@@ -45,8 +45,8 @@ import torch.fx as fx
 from autofuse.graph import arg, is_call, is_number, keep_mask_order, last_dim_slice, shape, split_part, val
 from autofuse.match import Match, register
 from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _NORM_ATEN,
-                                     _PRELU_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS, NotExpressible, _keepdim, draws_keep_mask,
-                                     program_from_nodes)
+                                     _PRELU_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS, NotExpressible,
+                                     _keepdim, draws_keep_mask, program_from_nodes)
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
