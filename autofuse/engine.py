@@ -971,18 +971,23 @@ class FusedModule(torch.nn.Module):
         export did (a tokenizer's ``input_ids, token_type_ids, attention_mask``) was planned with its inputs
         swapped. Any other model's call, or one whose inputs are not the spec's, is returned as it is."""
         spec = getattr(self.model, "_in_spec", None) if isinstance(self.model, fx.GraphModule) else None
-        if not isinstance(spec, pytree.TreeSpec):
+        if not isinstance(spec, pytree.TreeSpec) or spec.type is not tuple or spec.num_children != 2:
             return args, kwargs
-        try:
-            given = pytree.tree_flatten_with_path((args, kwargs))[0]
+        paths = self.__dict__.get("_spec_paths")
+        if paths is None:
             marks = [object() for _ in range(spec.num_leaves)]
             paths = [p for p, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(marks, spec))[0]]
-            by_path = dict(given)
-            if len(by_path) != len(given) or set(by_path) != set(paths):
-                return args, kwargs
-            ordered_args, ordered_kwargs = pytree.tree_unflatten([by_path[p] for p in paths], spec)
-        except Exception:  # noqa: BLE001 - a call the spec does not describe: torch's own error at the call
-            return args, kwargs
+            object.__setattr__(self, "_spec_paths", paths)
+        given = pytree.tree_flatten_with_path((args, kwargs))[0]
+        by_path = dict(given)
+        if len(by_path) != len(given) or set(by_path) != set(paths):
+            # bound by position, these inputs would take other inputs' places (eager's module refuses them)
+            positional, named = spec.child(0).num_children, spec.child(1).context
+            raise TypeError(f"this fused module's model is an exported program's module, which takes "
+                            f"{positional} positional input(s) and the keyword input(s) {list(named)} (as it was "
+                            f"exported); this call gives {len(args)} positional and {sorted(kwargs)}: call it as "
+                            f"it was exported (keywords in any order)")
+        ordered_args, ordered_kwargs = pytree.tree_unflatten([by_path[p] for p in paths], spec)
         return tuple(ordered_args), dict(ordered_kwargs)
 
     def __getattr__(self, name):

@@ -103,9 +103,11 @@ def relayout_as_eager(gm: fx.GraphModule) -> int:
         return (tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else \
             tuple(layout(x) for x in v) if isinstance(v, (tuple, list)) else None
 
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
     for n in gm.graph.nodes:
         old = n.meta.get("val")
-        if n.op != "call_function" or old is None:
+        if n.op != "call_function" or old is None or free_unbacked_symbols(old):
+            # a size read from data (masked_select, nonzero): run again it would be a new unknown size
             continue
         try:
             if n.target in _LAID_OUT_AS_SUGGESTED:
@@ -118,11 +120,12 @@ def relayout_as_eager(gm: fx.GraphModule) -> int:
                     new = n.target(*args, **kwargs)
             else:
                 continue
+            if layout(new) == layout(old):
+                continue
         except Exception:  # noqa: BLE001 - an op that does not run again here keeps its captured layout
             continue
-        if layout(new) != layout(old):
-            n.meta["val"] = new
-            changed.add(n)
+        n.meta["val"] = new
+        changed.add(n)
     return len(changed)
 
 

@@ -258,8 +258,12 @@ def example_inputs(model, cfg, seq, batch, dtype, device):
     params = inspect.signature(model.forward).parameters
     if main == "input_ids":
         kwargs = {"input_ids": ids()}
-        if "pixel_values" in params and getattr(cfg, "vision_config", None) is not None:
-            kwargs["pixel_values"] = pixels(cfg.vision_config)     # a two-tower model (CLIP, SigLIP) takes both
+        if "pixel_values" in params and getattr(cfg, "vision_config", None) is not None and \
+                getattr(cfg, "text_config", None) is not None and \
+                not any(getattr(cfg, k, None) is not None for k in ("image_token_id", "image_token_index")):
+            # a two-tower model (CLIP, SigLIP) takes both; a model whose images stand in for image tokens of the
+            # text (LLaVA) needs those tokens in input_ids too, which the CLI does not make up: text alone there
+            kwargs["pixel_values"] = pixels(cfg.vision_config)
     elif main == "pixel_values":
         kwargs = {"pixel_values": pixels(cfg)}
     elif main == "input_features":

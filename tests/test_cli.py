@@ -234,6 +234,12 @@ def test_transformers_spec_values_and_defaults():
     assert kw["input_ids"].shape == (2, 5) and kw["pixel_values"].shape == (2, 3, 32, 32)
     with torch.no_grad():
         assert clip(**kw).logits_per_image.shape == (2, 2)
+    # a model whose images stand in for image tokens of its text (LLaVA) gets text alone: its images need tokens
+    text = ('{"model_type":"llama","num_hidden_layers":1,"hidden_size":32,"intermediate_size":64,'
+            '"num_attention_heads":2,"num_key_value_heads":2,"vocab_size":128}')
+    llava, (_, kw) = build(f'transformers:LlavaConfig?vision_config={{"model_type":"clip_vision_model",{tower[1:]},'
+                           f'"image_size":32,"patch_size":8}}&text_config={text}&image_token_index=127', meta=True)
+    assert "pixel_values" not in kw and "input_ids" in kw
 
 
 # ------------------------------------------------------------------------------ errors: one line, exit 2 or 1
