@@ -296,7 +296,9 @@ def _lower_conv(node, t, ins):
         padding = 0 if padding == "valid" else _same_padding(wm, dilation, nd)
         if padding is None:
             return None
-    as_list = (lambda v: tuple(int(e) for e in v) if isinstance(v, (list, tuple)) else (int(v),) * nd)
+    def as_list(v):         # one value per spatial dim: torch repeats a single one (padding=(1,) of a conv2d)
+        v = tuple(int(e) for e in v) if isinstance(v, (list, tuple)) else (int(v),)
+        return v * nd if len(v) == 1 else v
     params = {"stride": as_list(stride), "padding": as_list(padding), "dilation": as_list(dilation),
               "groups": int(groups)}
     inputs, steps = [x, w], []

@@ -60,6 +60,25 @@ def test_convolutions_simulate_as_cube_work(make, x):
     assert "conv" in text
 
 
+class OneValueTuples(torch.nn.Module):
+    """A conv2d given its padding and stride as one-element tuples, which torch repeats over both dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(torch.randn(8, 4, 3, 3)), torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch.nn.functional.conv2d(x, self.w, self.b, stride=(2,), padding=(1,))
+
+
+def test_a_single_padding_or_stride_value_is_repeated_over_the_dims():
+    # it was priced as one generic pass
+    x = torch.randn(2, 4, 9, 9)
+    r = autofuse.simulate(OneValueTuples(), (x,), check=True)
+    convs = _convs(r)
+    assert convs and all(n.kernels[-1] == "conv" and n.max_error is not None and n.max_error < 1e-5 for n in convs)
+
+
 def test_transposed_and_3d_convolutions_fall_back_to_generic():
     from autofuse.lower import lower
     for m, x in ((torch.nn.ConvTranspose2d(4, 4, 3), torch.randn(1, 4, 6, 6)),
