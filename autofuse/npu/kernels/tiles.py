@@ -22,7 +22,6 @@ import math
 import numpy as np
 
 from autofuse.npu.dtypes import itemsize, round_bf16
-from cost_model.vecutil import largest  # noqa: F401 - the kernels' search for the largest tile that fits
 
 VEC_FLOATS = ("float16", "bfloat16", "float32")
 BLOCK = 32                      # UB alignment and the unit of DataCopy: one 32 B block
@@ -77,6 +76,20 @@ def ub_need(device, specs) -> int:
 
 def fits(device, specs) -> bool:
     return ub_need(device, specs) <= device.buffers["UB"]
+
+
+def largest(ok, lo: int, hi: int) -> int:
+    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)`` (``ok`` monotone: true below some bound); ``lo - 1``
+    if none."""
+    if hi < lo or not ok(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def split_blocks(total: int, ncores: int, block: int, period: int | None = None, align: int = 1):

@@ -52,7 +52,6 @@ from autofuse.npu.kernels.tiles import (active_mask, block_elems, ceil_div, chec
                                         fits, lanes, largest, lockstep, pad, pipeline, rnd, round_up, split_blocks, view)
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
-from cost_model.vector import INTS as _INTS, _coalesce, _promote   # torch's promotion; one layout of dims
 
 # ------------------------------------------------------------------------------------------- op table
 _C_TANH = math.sqrt(2.0 / math.pi)
@@ -243,6 +242,45 @@ OPS = {
     "masked_fill": Op((2,), lambda x, m, s: np.where(m, s, x), _fixed("compare mask->bitmask", "select"),
                       kind="select", scalar="required"),
 }
+
+_INTS = ("int32", "int8")
+
+
+def _promote(dtypes, has_float_scalar: bool) -> str:
+    """torch's type promotion among tensor dtypes (a Python float scalar lifts integers to float32)."""
+    for d in dtypes:
+        if d not in FLOATS and d not in _INTS and d != "bool":
+            raise TypeError(f"elementwise: {d} is not supported by the Vector unit (float16, bfloat16, "
+                            f"float32, int32, int8, bool); cast the tensor first")
+    floats = {d for d in dtypes if d in FLOATS}
+    if floats:
+        return floats.pop() if len(floats) == 1 else "float32"
+    if any(d in _INTS for d in dtypes):
+        if has_float_scalar:
+            return "float32"
+        return "int32" if "int32" in dtypes else "int8"
+    return "float32" if has_float_scalar else "bool"
+
+
+def _coalesce(out_shape, shapes):
+    """Drop size-1 output dims, merge neighbours with equal broadcast flags; at least two dims."""
+    nd = len(out_shape)
+    padded = [(1,) * (nd - len(s)) + tuple(s) for s in shapes]
+    dims, flags = [], []
+    for i, d in enumerate(out_shape):
+        if d == 1:
+            continue
+        f = tuple(p[i] == d for p in padded)
+        if dims and flags[-1] == f:
+            dims[-1] *= d
+        else:
+            dims.append(d)
+            flags.append(f)
+    full = tuple(True for _ in shapes)
+    while len(dims) < 2:
+        dims.insert(0, 1)
+        flags.insert(0, full)
+    return dims, flags
 
 
 def _empty(launch, shape, dtype, name):
