@@ -1206,10 +1206,10 @@ class AutoFusionEngine:
 
 
 def _data_parallel_wrapper(model) -> str | None:
-    """The name of the data-parallel wrapper ``model`` is (``DistributedDataParallel``, ``DataParallel``, FSDP's
-    ``FullyShardedDataParallel``), or None."""
+    """The name of the distributed data-parallel wrapper ``model`` is (``DistributedDataParallel``, FSDP's
+    ``FullyShardedDataParallel``), or None. ``nn.DataParallel`` on the CPU calls its module as it is: it captures."""
     for cls in type(model).__mro__:
-        if cls.__name__ in ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel") and \
+        if cls.__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and \
                 cls.__module__.startswith("torch."):
             return f"{cls.__module__}.{cls.__name__}"
     return None

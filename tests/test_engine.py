@@ -531,15 +531,6 @@ def test_a_torchscript_module_says_to_pass_the_original():
             AutoFusionEngine.fuse(scripted, (torch.randn(2, 4),))
 
 
-def test_a_data_parallel_wrapper_says_to_fuse_the_module_inside():
-    # fuse(DDP(model)) failed in torch.export with torch's internals only ("Non-recursive torch.compiler.disable is
-    # not supported", "Proxy object cannot be iterated"); DataParallel is the wrapper a single process can build
-    wrapped = nn.DataParallel(nn.Linear(4, 4))
-    with pytest.raises(TypeError, match=r"wrapped in torch\.nn\.parallel\.data_parallel\.DataParallel.*fuse the "
-                                        r"module inside.*DataParallel\(AutoFusionEngine\.fuse\(model"):
-        AutoFusionEngine.fuse(wrapped, (torch.randn(2, 4),))
-
-
 def test_not_a_module_says_what_to_do():
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module or a torch.export.ExportedProgram, got "
                                         r"function.*wrap"):

@@ -29,8 +29,8 @@ round-robin over the cores in lockstep, as the matmul's; each item is the matmul
 
 The img2col values are the band's own (copies), so the result is the exact GEMM of the im2col matrix with
 fp32 accumulation. Transposed and 3-D convolutions have no kernel here (``autofuse.lower`` prices them as a
-generic pass). The shapes (:class:`cost_model.conv.Geometry`: output size, each block's band) are read from the
-cost model's module, as both must agree on them; every count is the simulator's own.
+generic pass). The shapes (:class:`cost_model.conv_geometry.Geometry`: output size, each block's band) are read
+from the cost model's shared geometry, as both must agree on them; every count is the simulator's own.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from autofuse.npu.kernels.matmul import CUBE_DTYPES, Program, _ceil, default_tiling as mm_default_tiling, overflow
 from autofuse.npu.run import kernel
-from cost_model.conv import Geometry, band_elems, first, geometry, gemm_tiling, smaller
+from cost_model.conv_geometry import Geometry, band_elems, first, geometry, gemm_tiling, smaller
 
 
 def tiling_overflow(device, dtype: str, geo: Geometry, t: dict) -> str | None:
@@ -51,7 +51,7 @@ def tiling_overflow(device, dtype: str, geo: Geometry, t: dict) -> str | None:
 
 def default_tiling(device, dtype: str, geo: Geometry) -> dict:
     """The matmul's default base tile for the GEMM (rows ``Ho·Wo``, a batch of ``groups × N``), K chunks of whole
-    channels with even slices (``cost_model.conv.first``); made ``smaller`` (fewer channels, then rows, then
+    channels with even slices (``cost_model.conv_geometry.first``); made ``smaller`` (fewer channels, then rows, then
     columns) until the bands fit."""
     mm = mm_default_tiling(device, geo.Ho * geo.Wo, geo.Cog, geo.K, geo.G * geo.N, dtype, dtype)
     t = first(geo, mm["m0"], mm["n0"], mm["k0"], mm["k1"])
