@@ -103,7 +103,10 @@ def relayout_as_eager(gm: fx.GraphModule) -> int:
         return (tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else \
             tuple(layout(x) for x in v) if isinstance(v, (tuple, list)) else None
 
+    from torch._guards import detect_fake_mode
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    fake = detect_fake_mode([v for v in (n.meta.get("val") for n in gm.graph.nodes) if isinstance(v, torch.Tensor)])
+    mode = fake if fake is not None else contextlib.nullcontext()
     for n in gm.graph.nodes:
         old = n.meta.get("val")
         if n.op != "call_function" or old is None or free_unbacked_symbols(old):
@@ -111,12 +114,12 @@ def relayout_as_eager(gm: fx.GraphModule) -> int:
             continue
         try:
             if n.target in _LAID_OUT_AS_SUGGESTED:
-                with _fake_mode_of(old):
+                with mode:
                     out = _suggested_layout(old if isinstance(old, torch.Tensor) else old[0])
                 new = out if isinstance(old, torch.Tensor) else type(old)((out, *old[1:]))
             elif any(isinstance(a, fx.Node) and a in changed for a in n.all_input_nodes):
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta.get("val"))
-                with _fake_mode_of(old):
+                with mode:
                     new = n.target(*args, **kwargs)
             else:
                 continue
@@ -127,12 +130,6 @@ def relayout_as_eager(gm: fx.GraphModule) -> int:
         n.meta["val"] = new
         changed.add(n)
     return len(changed)
-
-
-def _fake_mode_of(v):
-    t = v if isinstance(v, torch.Tensor) else next((x for x in v if isinstance(x, torch.Tensor)), None)
-    mode = getattr(t, "fake_mode", None)
-    return mode if mode is not None else contextlib.nullcontext()
 
 
 def keep_mask_order(dropout: fx.Node) -> list | None:
