@@ -103,8 +103,8 @@ def _eval(ins: Instr, args):
         return torch.where(c, a, b).float()
     if op == "logical_not":
         return torch.logical_not(args[0])
-    if op == "sqrt" and ins.kind == "norm":
-        # a 2-norm's root: torch's norm backward is 0 for a zero row (sqrt's would be 0 · inf); the same values
+    if op == "sqrt" and ins.kind == "root":
+        # a std's or a 2-norm's root: torch's backwards are 0 where it is 0 (sqrt's would be 0 · inf); the same values
         s = _f32(args[0])
         zero = s == 0
         return torch.where(zero, 0.0, torch.sqrt(torch.where(zero, 1.0, s)))
@@ -647,7 +647,7 @@ class _Build:
         sq = b.sub(b.reduce(b.mul(d, d), kind="sum"), b.mul(b.mul(*[b.reduce(d, kind="sum")] * 2), 1.0 / width))
         v = b.div(sq, float(width - c))
         # std's square root differentiates as torch's std_backward does (0 at a constant row, not 0/0)
-        v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v, kind="std"))
+        v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v, kind="root"))
         if not _keepdim(n):
             self.squeezed.add(n)
         return v
@@ -665,7 +665,7 @@ class _Build:
         if n.kwargs.get("dtype") is not None:
             self.fail(n, "a norm with a dtype argument")
         x = self.arg(n, n.args[0])
-        v = self.round(n, b.sqrt(b.reduce(b.mul(x, x), kind="sum"), kind="norm"))
+        v = self.round(n, b.sqrt(b.reduce(b.mul(x, x), kind="sum"), kind="root"))
         if not _keepdim(n):
             self.squeezed.add(n)
         return v

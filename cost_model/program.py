@@ -133,8 +133,8 @@ class Instr:
     """One instruction: ``op`` over ``args`` (value numbers or float immediates); ``dtype`` for ``cast``,
     ``kind`` for ``reduce`` (and ``clamp`` on a ``maximum``/``minimum`` with an immediate bound: the same values,
     clamp's gradient; ``hardtanh``: none at the bound itself, all of it at NaN, as torch's hardtanh; ``open``: none at
-    the bound nor at NaN, as its hardsigmoid; ``std`` or ``norm`` on a ``sqrt``: the same value, a std's or a
-    2-norm's root, whose gradient is 0 where it is 0, as torch's std and norm backwards), ``start/stop/step`` for
+    the bound nor at NaN, as its hardsigmoid; ``root`` on a ``sqrt``: the same value, a std's or a 2-norm's
+    root, whose gradient is 0 where it is 0, as torch's std and norm backwards), ``start/stop/step`` for
     ``slice``."""
 
     op: str

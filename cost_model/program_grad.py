@@ -385,7 +385,7 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         return acc(args[0], g) if vals[args[0]].dtype in FLOATS else None
     if op == "neg":
         return acc(args[0], e.op("neg", g))
-    if op == "sqrt" and ins.kind in ("std", "norm"):
+    if op == "sqrt" and ins.kind == "root":
         # torch's std_backward and norm backward: g / (2 root), 0 where the root is 0 (a constant row, a row of
         # zeros: 0/0 through sqrt's own rule)
         return acc(args[0], e.op("where", e.op("eq", y, 0.0), 0.0, _UNARY_DERIV[op](e, g, x, y)))

@@ -398,7 +398,7 @@ def test_derived_backward_of_a_2_norm_on_the_simulator():
     from cost_model.program_grad import backward_program
     b = Builder((4, 3))
     x = b.input("float32", (4, 3, 32))
-    norm = b.sqrt(b.reduce(b.mul(x, x), kind="sum"), kind="norm")
+    norm = b.sqrt(b.reduce(b.mul(x, x), kind="sum"), kind="root")
     b.output(b.div(x, b.maximum(norm, 1e-12, kind="clamp")), "float32")
     b.output(norm, "float32")
     prog = b.build()

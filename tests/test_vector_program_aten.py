@@ -160,12 +160,12 @@ def test_a_rounding_reads_a_16_bit_operand_as_eager_holds_it():
 
 
 def test_mapping_of_the_2_norm():
-    # the root of the squares' sum, of kind norm (its gradient 0 at a zero row, as torch's); keepdim or not; F.normalize
+    # the root of the squares' sum, of kind root (its gradient 0 at a zero row, as torch's); keepdim or not; F.normalize
     # reads it through clamp_min and an expand to the row's width (a broadcast)
-    assert ops(lambda x: x.norm(dim=-1, keepdim=True), (4, 16))[0] == ["mul", "reduce:sum", "sqrt:norm"]
+    assert ops(lambda x: x.norm(dim=-1, keepdim=True), (4, 16))[0] == ["mul", "reduce:sum", "sqrt:root"]
     names, b = ops(lambda x: torch.linalg.vector_norm(x, dim=-1), (4, 16))
-    assert names == ["mul", "reduce:sum", "sqrt:norm"] and b.output_shapes == [(4,)]
-    assert ops(lambda x: F.normalize(x, dim=-1), (4, 16))[0] == ["mul", "reduce:sum", "sqrt:norm", "maximum:clamp",
+    assert names == ["mul", "reduce:sum", "sqrt:root"] and b.output_shapes == [(4,)]
+    assert ops(lambda x: F.normalize(x, dim=-1), (4, 16))[0] == ["mul", "reduce:sum", "sqrt:root", "maximum:clamp",
                                                                    "div"]
     for fn, why in ((lambda x: x.norm(p=1, dim=-1), "order 1"), (lambda x: x.norm(dim=0), "not the last dim"),
                     (lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32), "dtype")):
