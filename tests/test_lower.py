@@ -176,6 +176,25 @@ def test_torch_rms_norm_lowers_to_the_rms_norm_kernel(dtype):
     assert y.dtype == dtype and torch.allclose(y.float(), want.float(), rtol=rtol, atol=0), (y - want).abs().max()
 
 
+def _lowered_alone(fn, target, kernel, x):
+    """``fn(x)`` captured alone, its ``target`` node lowered (to ``kernel``; a Vector program the one a fused region
+    builds for the op) and run: (the lowering's value, torch's)."""
+    from autofuse.capture import capture
+    from autofuse.vector_program import program_from_nodes
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return fn(x)
+    gm = capture(M(), (x,)).graph_module
+    n = _node(gm, target)
+    prog = lower(n)
+    assert [s.kernel for s in prog.steps] == [kernel]
+    if kernel == "vector_program":
+        assert prog.steps[0].params["program"] == program_from_nodes([n], [n]).program
+    (y,) = _run(prog, {a: x for a in n.all_input_nodes})
+    return y, fn(x)
+
+
 @pytest.mark.parametrize("fn,target,kernel", [
     (torch.nn.functional.softplus, aten.softplus.default, "vector_program"),
     (torch.nn.functional.hardswish, aten.hardswish.default, "vector_program"),
@@ -187,21 +206,8 @@ def test_torch_rms_norm_lowers_to_the_rms_norm_kernel(dtype):
 def test_an_activation_left_unfused_runs_the_instructions_a_generated_kernel_runs(fn, target, kernel):
     # eager's own kernel for it (CANN's Softplus, HardSwish, Elu, Mish, Erf, Log1p): one launch of the passes a fused
     # region runs for the op, so baseline and fusion price the op alike; torch's values
-    from autofuse.capture import capture
-    from autofuse.vector_program import program_from_nodes
-
-    class M(torch.nn.Module):
-        def forward(self, x):
-            return fn(x)
     x = torch.randn(4, 8, 32) * 3
-    gm = capture(M(), (x,)).graph_module
-    n = _node(gm, target)
-    prog = lower(n)
-    assert [s.kernel for s in prog.steps] == [kernel]
-    if kernel == "vector_program":
-        assert prog.steps[0].params["program"] == program_from_nodes([n], [n]).program
-    (y,) = _run(prog, {n.args[0]: x})
-    want = fn(x)
+    y, want = _lowered_alone(fn, target, kernel, x)
     # torch's log1p, expm1 and erf against the kernel's corrections and polynomial: a few fp32 ulps
     assert torch.allclose(y, want, rtol=8 * torch.finfo(torch.float32).eps, atol=1e-37, equal_nan=True)  # log1p < -1
 
@@ -239,23 +245,10 @@ def test_a_rounding_sign_nan_to_num_or_log_left_unfused_runs_the_instructions_a_
                                                                                                      kernel):
     # one launch of the passes a fused region runs for the op (they were priced as a generic pass before); torch's
     # values, non-finite ones included
-    from autofuse.capture import capture
-    from autofuse.vector_program import program_from_nodes
-
-    class M(torch.nn.Module):
-        def forward(self, x):
-            return fn(x)
     x = torch.randn(4, 8, 32) * 3
     x[0, 0, :5] = torch.tensor([float("inf"), -float("inf"), float("nan"), 2.5, -0.5])
     x[1] = torch.round(x[1])
-    gm = capture(M(), (x,)).graph_module
-    n = _node(gm, target)
-    prog = lower(n)
-    assert [s.kernel for s in prog.steps] == [kernel]
-    if kernel == "vector_program":
-        assert prog.steps[0].params["program"] == program_from_nodes([n], [n]).program
-    (y,) = _run(prog, {a: x for a in n.all_input_nodes})
-    want = fn(x)
+    y, want = _lowered_alone(fn, target, kernel, x)
     # log2/log10 as log(x) / ln 2: within an fp32 ulp of torch's
     assert torch.allclose(y, want, rtol=2 * torch.finfo(torch.float32).eps, atol=0, equal_nan=True)
 

@@ -959,6 +959,15 @@ def test_var_without_keepdim_is_an_output_of_its_region():
     assert got[0].shape == (4, 6)
 
 
+def _spread_grads(m, run, x, r):
+    """The gradients of x and of m's parameters through ``run`` (m or its fused module) of a loss on both outputs."""
+    m.zero_grad()
+    xx = x.clone().requires_grad_()
+    out, s = run(xx, r)
+    (out.square().sum() + s.sin().sum()).backward()
+    return [xx.grad] + [p.grad.clone() for p in m.parameters()]
+
+
 def test_var_trains_as_eager():
     torch.manual_seed(0)
     m = Spread(SPREADS["std"]).train()
@@ -966,14 +975,7 @@ def test_var_trains_as_eager():
     fused = AutoFusionEngine.fuse(m, (x.clone().requires_grad_(), r))
     regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
     assert len(regions) == 1 and "std" in regions[0].nodes, fused.report.summary()
-    grads = []
-    for run in (m, fused):
-        m.zero_grad()
-        xx = x.clone().requires_grad_()
-        out, s = run(xx, r)
-        (out.square().sum() + s.sin().sum()).backward()
-        grads.append([xx.grad] + [p.grad.clone() for p in m.parameters()])
-    for want, got in zip(*grads):
+    for want, got in zip(_spread_grads(m, m, x, r), _spread_grads(m, fused, x, r)):
         # fp32 gradients of a 24-wide row: the derived backward sums in another order than autograd's
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
 
@@ -988,14 +990,7 @@ def test_std_of_a_constant_row_trains_as_eager(name):
     fused = AutoFusionEngine.fuse(m, (x.clone().requires_grad_(), r))
     assert any("std" in d.nodes for d in fused.report.applied if d.kernel == "vector_program"), fused.report.summary()
     x[0, 1], x[2, 3] = 0.0, 3.0
-    grads = []
-    for run in (m, fused):
-        m.zero_grad()
-        xx = x.clone().requires_grad_()
-        out, s = run(xx, r)
-        (out.square().sum() + s.sin().sum()).backward()
-        grads.append([xx.grad] + [p.grad.clone() for p in m.parameters()])
-    for want, got in zip(*grads):
+    for want, got in zip(_spread_grads(m, m, x, r), _spread_grads(m, fused, x, r)):
         assert not want.isnan().any() and not got.isnan().any()
         # fp32 gradients summed in another order than autograd's (over a 24-wide row, over 24 rows for the
         # projection's weight): an element that cancels to near 0 is off by ulps of the largest terms, not of itself
