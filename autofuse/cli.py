@@ -544,7 +544,7 @@ def cmd_report(a, progress):
             doc["simulated"] = {k: {"cycles": s.cycles, "hbm_bytes": s.hbm_bytes} for k, s in sims.items()}
         text = json.dumps(doc, indent=2) + "\n"
     elif a.format == "md":
-        text = r.to_markdown()
+        text = r.to_markdown(sims)
     elif a.format == "html":
         text = _html(a, fused, sims, _graphs(a, fused, sims, progress) if a.graphs else None)
     else:

@@ -154,6 +154,7 @@ class FusionReport:
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)
 
-    def to_markdown(self) -> str:
+    def to_markdown(self, simulations: dict | None = None) -> str:
+        """Markdown; ``simulations`` (name -> SimulationResult, ``"fused"`` among them) add the simulated verdict."""
         from autofuse.report import markdown
-        return markdown(self)
+        return markdown(self, simulations)

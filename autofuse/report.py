@@ -215,9 +215,19 @@ TRAINING_NOTE = ("the model is in train(): a dropout draws eager's keep-mask, fu
 
 def _whole_graph(report) -> str:
     """The whole graph's predicted cycles and its speed-up against each baseline (text and Markdown say it alike)."""
-    sp = report.speedups()
-    return f"{report.predicted_cycles:,} cycles; " + ", ".join(f"{sp[k]:.2f}x vs {k} ({v:,})"
-                                                             for k, v in report.baselines.items())
+    return _cycles_against(report.predicted_cycles, report.baselines)
+
+
+def _cycles_against(fused: int, baselines: dict) -> str:
+    return f"{fused:,} cycles; " + ", ".join(f"{v / max(fused, 1):.2f}x vs {k} ({v:,})" for k, v in baselines.items())
+
+
+def simulated_whole_graph(simulations: dict) -> str:
+    """The whole graph's simulated cycles and its speed-up against each simulated baseline, as
+    :func:`_whole_graph` says the predicted ones; ``simulations``: ``{"fused": SimulationResult, baseline name:
+    SimulationResult, ...}``."""
+    return _cycles_against(simulations["fused"].cycles,
+                           {k: s.cycles for k, s in simulations.items() if k != "fused"})
 
 
 def text_summary(report) -> str:
@@ -275,12 +285,17 @@ def implementation_rows(report) -> list:
     return rows
 
 
-def markdown(report) -> str:
+def markdown(report, simulations: dict | None = None) -> str:
+    """The report as Markdown; ``simulations`` (``{"fused": ..., baseline name: ...}``, SimulationResults) add the
+    simulated verdict under the predicted one."""
     out = [f"# autofuse report: {report.device}, {report.optimization_level}", "",
            f"{len(report.applied)} fused, {len(report.rejected)} not fused; graph {report.nodes_before} -> "
            f"{report.nodes_after} nodes.", ""]
     if report.baselines:
         out += [f"Whole graph (predicted): {_whole_graph(report)}.", ""]
+    if simulations and "fused" in simulations:
+        out += [f"Whole graph (simulated on {simulations['fused'].device}): {simulated_whole_graph(simulations)}.",
+                ""]
     if report.training:
         out += [f"Planned for training mode ({TRAINING_NOTE}).", ""]
     out += ["| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "

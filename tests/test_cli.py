@@ -107,6 +107,16 @@ def test_report_simulate_text_quotes_the_simulated_speedup(capsys):
     assert "x against generic fusion alone (" in out           # both baselines, as every verdict is given
 
 
+def test_report_markdown_with_simulate_carries_the_simulated_verdict(capsys):
+    """``--format md --simulate`` says what the simulator measured, as text, JSON and HTML do: the predicted
+    verdict, then the simulated one against both baselines."""
+    main(["report", *TINY, "--format", "md", "--simulate"])
+    out = capsys.readouterr().out
+    assert "Whole graph (predicted): " in out
+    (line,) = [x for x in out.splitlines() if x.startswith("Whole graph (simulated on ascend910): ")]
+    assert "x vs eager op by op (" in line and "x vs generic fusion alone (" in line
+
+
 @pytest.mark.parametrize("name,template", [("matmul+swiglu", "swiglu"), ("layer_norm", "rms_norm"),
                                            ("add_rms_norm", "rms_norm"), ("geglu", "swiglu")])
 def test_patterns_show_draws_the_template_that_finds_a_reported_name(name, template, capsys):
