@@ -297,8 +297,9 @@ class _Sim(fx.Interpreter):
         return dict(e.tiling) if e.tiling else None
 
     def _launch(self, kernel, arrays, params, timing_only):
-        """``(stats, outputs, reused)`` of one launch; outputs are Absent (shapes) when ``timing_only``."""
-        self.launches += 1
+        """``(stats, outputs, reused)`` of one launch; outputs are Absent (shapes) when ``timing_only``. A launch
+        counts once it has run (or reused a run): one the kernel cannot take raises uncounted, and the generic
+        launch that replaces it is the one counted."""
         if kernel not in npu.KERNELS:
             raise KeyError(kernel)
         steering = _steering(kernel, arrays, params)
@@ -306,8 +307,10 @@ class _Sim(fx.Interpreter):
         # a repeat reuses the statistics and the outputs' shapes; a launch whose values are used (checked, or
         # steering a later step) runs every time: a reused launch's values would be the first launch's
         if self.memo and timing_only and key in self.cache:
+            self.launches += 1
             return (*self.cache[key], True)
         r = npu.run(kernel, *arrays, device=self.device, timing_only=timing_only, **params)
+        self.launches += 1
         shapes = tuple(npu.Absent(o.shape, np.float32, dt) for o, dt in zip(r.outputs, r.dtypes))
         self.cache[key] = (r.stats, shapes)        # never values
         return r.stats, (shapes if timing_only else tuple(r.torch_outputs())), False

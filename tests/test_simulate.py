@@ -46,6 +46,27 @@ def test_fused_is_faster_and_its_numbers_add_up(mha):
     json.dumps(after.to_dict(), default=str)
 
 
+class _IntChain(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2 + 1).sum(-1)
+
+
+def test_a_launch_that_falls_back_to_generic_counts_once():
+    """An int64 chain: the kernels cannot take int64, each op runs as a generic launch, and the summary counts
+    one launch per op (the refused launch is not counted beside the generic one that replaced it)."""
+    r = autofuse.simulate(_IntChain().eval(), (torch.randint(0, 9, (2, 8, 16)),))
+    assert [n.kernels for n in r.nodes] == [("generic",)] * 3
+    assert r.launches == 3 and "3 kernel launches" in r.summary()
+
+
+def test_launches_are_the_kernels_recorded_per_node():
+    torch.manual_seed(0)
+    model, (args, kwargs) = build("gpt2", layers=1, hidden=32, heads=2, seq=16)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    for r in (autofuse.simulate(model, (args, kwargs)), fused.simulate(*args, **kwargs)):
+        assert r.launches == sum(len(n.kernels) for n in r.nodes)
+
+
 def test_peak_memory_drops_when_scores_are_not_materialised():
     torch.manual_seed(0)
     model = build_variant(AttentionVariant(mask="causal_tril")).eval()
