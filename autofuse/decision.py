@@ -10,7 +10,7 @@ Reports, the CLI and the pictures read these objects, never log text. Reason cod
 ``not_profitable``         the cost model prices the fused kernel no cheaper than the unfused ops
 ``conflict``               overlaps a candidate that saves more; the global choice took that one
 ``memory_budget``          the fused kernel's working set (inputs, outputs, workspace) exceeds the budget
-``disabled_by_switch``     the user switched the family off (``fusion_switches``, ``--disable``)
+``disabled_by_switch``     the user switched the family or the region's name off (``fusion_switches``, ``--disable``)
 ``training_dropout``       a training-mode dropout the fused kernel cannot take (probabilities read outside, p = 1)
 ``unsupported``            the kernel cannot run this instance (dtype, mask combination, no counterpart in
                            the captured graph, ...)

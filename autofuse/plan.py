@@ -297,14 +297,16 @@ def baselines(captured: fx.GraphModule, canonical: fx.GraphModule, cands: list, 
 
 
 def _switch(switches: dict, match) -> str:
-    """The switch of a match: its family's (``vector_chain``), its whole name's (``matmul+swiglu``), or one of its
-    names' (``rms_norm``)."""
+    """The switch of a match: its whole name's (``matmul+swiglu``), else one of its names' (``rms_norm``), else its
+    family's (``vector_chain``). The more specific switch wins: ``{"vector_chain": "off", "rope": "force"}``
+    forces RoPE and leaves the other Vector regions unfused."""
     return _switch_named(switches, match)[1]
 
 
 def _switch_named(switches: dict, match) -> tuple:
     """``(the key that decides, its value)`` of :func:`_switch`; ``(None, "on")`` where no switch names the match."""
-    keys = [family_of(match).name, match.pattern] + match.pattern.split("+")      # a whole name before its parts
+    # a whole name before its parts, a name before its family
+    keys = [match.pattern] + match.pattern.split("+") + [family_of(match).name]
     for k in keys:
         if k in switches:
             return k, switches[k]

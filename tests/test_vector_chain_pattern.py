@@ -454,6 +454,20 @@ def test_switching_a_name_off_leaves_it_unfused():
     assert reasons["add_rms_norm"] == "switched off by the vector_chain switch (the vector_chain family)", reasons
 
 
+@pytest.mark.parametrize("value", ["on", "force"])
+def test_a_names_switch_wins_over_its_familys(value):
+    """A region name is the finer switch: turned on or forced while its family is off, that region fuses and
+    the family's other regions stay unfused; switched off while its family is forced, it stays unfused."""
+    torch.manual_seed(0)
+    m = Norm("rms").eval()
+    x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
+    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "off", "add_rms_norm": value})
+    assert [d.pattern for d in fused.report.applied] == ["add_rms_norm"], fused.report.summary()
+    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "force", "add_rms_norm": "off"})
+    (d,) = [d for d in fused.report.decisions if d.pattern == "add_rms_norm"]
+    assert not d.applied and d.reason == "switched off by the add_rms_norm switch", d.reason
+
+
 def test_forced_is_said_only_where_the_switch_changed_the_outcome():
     torch.manual_seed(0)
     m = Norm("rms").eval()
