@@ -1164,35 +1164,9 @@ class AutoFusionEngine:
         specialised from one symbolic ``torch.export`` of the family instead of being exported again
         (:mod:`autofuse.sizes`); ``False`` exports every signature by itself.
         """
-        if isinstance(model, torch.export.ExportedProgram):
-            # a program already exported: its module (the program's graph, reading the program's own parameters),
-            # planned on the inputs it was exported with unless others are given
-            if example_inputs is None and model.example_inputs is not None:
-                example_inputs = model.example_inputs
-            model = model.module()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"fuse: model must be a torch.nn.Module or a torch.export.ExportedProgram, got "
-                            f"{type(model).__name__}; wrap a function "
-                            f"in a module (class M(nn.Module): def forward(self, ...): return fn(...)) or use "
-                            f"torch.compile(fn, backend='autofuse')")
-        if isinstance(model, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
-            raise TypeError(f"fuse: model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
-                            f"torch.jit.trace), which torch.export cannot capture: pass the original nn.Module")
-        wrapper = _data_parallel_wrapper(model)
-        if wrapper:
-            raise TypeError(f"fuse: model is wrapped in {wrapper}, whose forward torch.export cannot capture (it "
-                            f"synchronises buffers and registers gradient hooks at each call): fuse the module "
-                            f"inside and wrap the fused one, {wrapper.split('.')[-1]}(AutoFusionEngine.fuse(model, "
-                            f"...)), whose gradients the wrapper's hooks reduce as usual; or compile the wrapped "
-                            f"model with torch.compile(wrapped, backend='autofuse')")
-        try:
-            device = get_device(target_device).name
-        except ValueError as e:
-            raise ValueError(f"fuse: target_device={target_device!r} is not a known device: "
-                             f"{str(e).split(': ', 1)[-1]}") from None
+        model, example_inputs, device = check_model(model, example_inputs, target_device)
         level = parse_level(optimization_level)
         budget = parse_memory_budget(memory_budget)
-        _check_parameter_dtypes(model, device)
         switches = _check_switches(fusion_switches)
         if not isinstance(verify, bool):
             raise ValueError(f"fuse: verify={verify!r}; give True (every fused block is checked against the captured "
@@ -1204,6 +1178,46 @@ class AutoFusionEngine:
                              f"signature's other sizes) or False (export every signature by itself)")
         return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches,
                            max_plans, share_exports)
+
+
+def check_model(model, example_inputs, target_device, who: str = "fuse", device_arg: str = "target_device"):
+    """What ``fuse()`` (and ``simulate()``, ``who``) checks of the model it is given before capturing it:
+    ``(module, example_inputs, device name)``. An ``ExportedProgram`` gives its module, and its example inputs
+    where none are given; anything but an ``nn.Module`` (a function, a class, a string), a TorchScript module or
+    a data-parallel wrapper is refused with what to pass instead, and so is a device that is not known or a
+    parameter the NPU does not compute in (float64)."""
+    if isinstance(model, torch.export.ExportedProgram):
+        # a program already exported: its module (the program's graph, reading the program's own parameters),
+        # planned on the inputs it was exported with unless others are given
+        if example_inputs is None and model.example_inputs is not None:
+            example_inputs = model.example_inputs
+        model = model.module()
+    if isinstance(model, type) and issubclass(model, torch.nn.Module):
+        raise TypeError(f"{who}: model is the class {model.__name__}, not a module: pass an instance of it "
+                        f"({model.__name__}(...))")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{who}: model must be a torch.nn.Module or a torch.export.ExportedProgram, got "
+                        f"{type(model).__name__}; wrap a function in a module (class M(nn.Module): def forward(self, "
+                        f"...): return fn(...))" + (" or use torch.compile(fn, backend='autofuse')" if who == "fuse"
+                                                     else ""))
+    if isinstance(model, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+        raise TypeError(f"{who}: model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
+                        f"torch.jit.trace), which torch.export cannot capture: pass the original nn.Module")
+    wrapper = _data_parallel_wrapper(model)
+    if wrapper:
+        instead = (f"fuse the module inside and wrap the fused one, {wrapper.split('.')[-1]}(AutoFusionEngine.fuse("
+                   f"model, ...)), whose gradients the wrapper's hooks reduce as usual; or compile the wrapped model "
+                   f"with torch.compile(wrapped, backend='autofuse')") if who == "fuse" else \
+            "pass the module inside (wrapped.module)"
+        raise TypeError(f"{who}: model is wrapped in {wrapper}, whose forward torch.export cannot capture (it "
+                        f"synchronises buffers and registers gradient hooks at each call): {instead}")
+    try:
+        device = get_device(target_device).name
+    except ValueError as e:
+        raise ValueError(f"{who}: {device_arg}={target_device!r} is not a known device: "
+                         f"{str(e).split(': ', 1)[-1]}") from None
+    _check_parameter_dtypes(model, device, who)
+    return model, example_inputs, device
 
 
 def _data_parallel_wrapper(model) -> str | None:
@@ -1220,12 +1234,12 @@ def _data_parallel_wrapper(model) -> str | None:
 COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _dtype_error(what: str, dtype, device: str) -> TypeError:
+def _dtype_error(what: str, dtype, device: str, who: str = "fuse") -> TypeError:
     if dtype.is_complex:        # model.float() leaves complex tensors as they are
-        return TypeError(f"fuse: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
+        return TypeError(f"{who}: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
                          f"float16, bfloat16 and float32 (complex values as pairs of them): make it complex64 first "
                          f"(t.to(torch.complex64))")
-    return TypeError(f"fuse: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
+    return TypeError(f"{who}: {what} is {str(dtype).replace('torch.', '')}; the NPU target {device} computes in "
                      f"float16, bfloat16 and float32: cast the model and its inputs first (model.float() and "
                      f"x.float(), or .half() / .to(torch.bfloat16))")
 
@@ -1240,14 +1254,14 @@ def _bad_dtype(t) -> bool:
         _PARTS.get(t.dtype, t.dtype) not in COMPUTE_DTYPES
 
 
-def _check_parameter_dtypes(model: torch.nn.Module, device: str):
+def _check_parameter_dtypes(model: torch.nn.Module, device: str, who: str = "fuse"):
     for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in items:
             if _bad_dtype(t):
-                raise _dtype_error(f"{kind} {name!r} of {type(model).__name__}", t.dtype, device)
+                raise _dtype_error(f"{kind} {name!r} of {type(model).__name__}", t.dtype, device, who)
 
 
-def _check_input_dtypes(args, kwargs, device: str):
+def _check_input_dtypes(args, kwargs, device: str, who: str = "fuse"):
     named = [(f"example input {i}", a) for i, a in enumerate(args)] + \
             [(f"example input {k!r}", v) for k, v in kwargs.items()]
     for what, value in named:
@@ -1255,7 +1269,7 @@ def _check_input_dtypes(args, kwargs, device: str):
             # a 0-d float64 tensor is a scalar (torch.compile passes a Python float attribute so): type promotion
             # lets the other operands' dtype decide
             if _bad_dtype(leaf) and leaf.dim() > 0:
-                raise _dtype_error(what, leaf.dtype, device)
+                raise _dtype_error(what, leaf.dtype, device, who)
 
 
 SWITCH_VALUES = ("on", "off", "force")

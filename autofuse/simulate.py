@@ -571,12 +571,18 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
 
 def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto",
              values=True, backward=False) -> SimulationResult:
-    """Simulate ``model`` unfused: captured like ``fuse()`` does, then run op by op as eager runs it
+    """Simulate ``model`` unfused: checked and captured like ``fuse()`` does (an ``nn.Module`` or an
+    ``ExportedProgram``, in the dtypes the NPU computes in), then run op by op as eager runs it
     (``values=False``: timing only; ``backward=True``: a training step, forward and backward; see
     :func:`simulate_graph`)."""
     from autofuse.capture import capture
-    from autofuse.engine import _normalise_inputs
+    from autofuse.engine import _check_input_dtypes, _normalise_inputs, check_model
+    model, example_inputs, device = check_model(model, example_inputs, device, who="simulate", device_arg="device")
+    if example_inputs is None:
+        raise ValueError("simulate: example_inputs is None; give the inputs to run the model on (a tensor, a tuple "
+                         "of positional inputs or (args, kwargs))")
     args, kwargs = _normalise_inputs(example_inputs)
+    _check_input_dtypes(args, kwargs, device, who="simulate")
     captured = capture(model, args, kwargs, route=route)
     return simulate_graph(captured.graph_module, captured.flatten_inputs(*args, **kwargs), device, memo=memo,
                           check=check, values=values, backward=backward)

@@ -111,6 +111,27 @@ def test_simulate_needs_data():
         autofuse.simulate(model, (args, kwargs))
 
 
+@pytest.mark.parametrize("model,needle", [
+    (lambda a: a * 2, r"simulate: model must be a torch.nn.Module .* got function; wrap a function in a module"),
+    ("gpt2", r"simulate: model must be a torch.nn.Module .* got str"),
+    (torch.nn.Linear, r"simulate: model is the class Linear, not a module: pass an instance of it"),
+    (torch.nn.Linear(16, 16).double(), r"simulate: parameter 'weight' of Linear is float64; the NPU target "
+                                       r"ascend910 computes in float16, bfloat16 and float32")])
+def test_simulate_checks_its_model_as_fuse_does(model, needle):
+    """What fuse() refuses, simulate() refuses with the same message, named as simulate's."""
+    with pytest.raises(TypeError, match=needle):
+        autofuse.simulate(model, (torch.randn(2, 8, 16),))
+    with pytest.raises(TypeError, match=needle.replace("simulate: ", "fuse: ")):
+        AutoFusionEngine.fuse(model, (torch.randn(2, 8, 16),))
+
+
+def test_simulate_checks_its_inputs_and_device_as_fuse_does():
+    with pytest.raises(TypeError, match=r"simulate: example input 0 is float64"):
+        autofuse.simulate(torch.nn.ReLU(), (torch.randn(2, 8, dtype=torch.float64),))
+    with pytest.raises(ValueError, match=r"simulate: device='gpu' is not a known device"):
+        autofuse.simulate(torch.nn.ReLU(), (torch.randn(2, 8),), device="gpu")
+
+
 def test_repeated_fused_launches_reuse_statistics_and_keep_values():
     torch.manual_seed(0)
     model, (args, kwargs) = build("gpt2", layers=2, hidden=32, heads=4, seq=16)
