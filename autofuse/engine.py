@@ -49,6 +49,7 @@ from autofuse.capture import capture, same_value, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
+from autofuse.graph import describe_node
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan
 from autofuse.rewrite import _source as source
@@ -531,8 +532,35 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
         return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0)
 
 
+def _check_lookups(cap_gm: fx.GraphModule, leaves: list):
+    """Before planning: the example inputs' ids fall within the tables they index (an embedding's rows). Capture
+    traces on fake tensors, which hold no ids; eager raises torch's bare ``index out of range in self`` on such
+    inputs, and so would verification, deep in the plan. Runs the captured graph up to the last lookup's ids
+    (usually its first nodes); meta inputs hold no ids to check."""
+    if _is_meta(leaves):
+        return
+    lookups = [n for n in cap_gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default
+               and isinstance(n.args[1], fx.Node)]
+    if not lookups:
+        return
+    ids = _Values(cap_gm, {n.args[1].name for n in lookups}).values(*leaves)
+    for n in lookups:
+        rows = n.args[0].meta["val"].shape[0]
+        got = ids.get(n.args[1].name)
+        if not isinstance(got, torch.Tensor) or not got.numel():
+            continue
+        lo, hi = int(got.min()), int(got.max())
+        if lo < 0 or hi >= rows:
+            src = n.args[1]
+            named = f"example input {src.name!r}" if src.op == "placeholder" else f"its ids ({src.name})"
+            raise ValueError(f"fuse: the example inputs fail to run the model eagerly: {describe_node(n)} looks up "
+                             f"rows of a table of {rows}, and {named} holds ids from {lo} to {hi} (index out of "
+                             f"range): give ids in [0, {rows}), as the model takes them eagerly")
+
+
 def _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0) -> Plan:
     cap_gm = captured.graph_module
+    _check_lookups(cap_gm, pytree.tree_leaves((args, kwargs)))
     t1 = time.perf_counter()
     gm = canonicalize(cap_gm)
     t2 = time.perf_counter()

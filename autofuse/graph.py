@@ -253,15 +253,40 @@ class _AllKept(Exception):
     pass
 
 
+def describe_node(n: fx.Node) -> str:
+    """``embedding (aten.embedding.default, in module e: Embedding)``: a captured node as a user can find it in
+    the model."""
+    stack = n.meta.get("nn_module_stack") or {}
+    path, cls = next(reversed(stack.values())) if stack else ("", "")
+    where = f", in module {path}: {str(cls).rsplit('.', 1)[-1]}" if path else ""
+    return f"{n.name} ({target_name(n)}{where})"
+
+
+class ExampleRunError(ValueError):
+    """The example inputs fail to run the captured graph (an op raised on their values, as the model raises
+    eagerly on them): the message names the op."""
+
+    def __init__(self, node: fx.Node, error: Exception):
+        said = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(f"the example inputs fail to run the model eagerly: {describe_node(node)} raised "
+                         f"{type(error).__name__}: {said} (check that the model runs on them as given)")
+        self.node = node.name
+
+
 class NodeValues(fx.Interpreter):
-    """Runs the graph and keeps the values of the nodes asked for (by name); stops as soon as it has them all."""
+    """Runs the graph and keeps the values of the nodes asked for (by name); stops as soon as it has them all. An op
+    that raises on the inputs' values raises :class:`ExampleRunError`, which names it."""
 
     def __init__(self, gm, wanted):
         super().__init__(gm)
         self.wanted, self.kept = set(wanted), {}
+        self.extra_traceback = False        # ExampleRunError names the op; no graph dump appended to it
 
     def run_node(self, n):
-        r = super().run_node(n)
+        try:
+            r = super().run_node(n)
+        except Exception as e:  # noqa: BLE001 - whatever the op raised on these values, named with the op
+            raise ExampleRunError(n, e) from e
         if n.name in self.wanted:
             self.kept[n.name] = r
             if len(self.kept) == len(self.wanted):

@@ -617,6 +617,44 @@ def test_unsupported_dtype_names_the_input_and_says_what_to_do():
         AutoFusionEngine.fuse(model, (torch.randn(2, 4),))
 
 
+class _Lookup(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e, self.n = torch.nn.Embedding(10, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, ids):
+        return self.n(self.e(ids)) * 2
+
+
+def test_example_ids_outside_an_embedding_are_refused_before_planning(monkeypatch):
+    """Capture's fake tensors hold no ids: ids past the table are found before planning, named with the
+    embedding and its rows, not as torch's bare IndexError from a verification run."""
+    from autofuse import engine
+    monkeypatch.setattr(engine, "plan", lambda *a, **k: pytest.fail("planned on inputs the model cannot run"))
+    with pytest.raises(ValueError, match=r"fuse: the example inputs fail to run the model eagerly: embedding "
+                                         r"\(aten.embedding.default, in module e: Embedding\) looks up rows of a "
+                                         r"table of 10, and example input 'ids' holds ids from 0 to 19 \(index out "
+                                         r"of range\): give ids in \[0, 10\)"):
+        AutoFusionEngine.fuse(_Lookup().eval(), (torch.arange(20).reshape(2, 10),))
+
+
+def test_an_op_that_raises_on_the_example_values_is_named():
+    """Any other op that raises on the inputs' values (an index_select past its table) is named, without fx's
+    graph dump."""
+    class Select(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t, self.n = torch.nn.Parameter(torch.randn(10, 16)), torch.nn.LayerNorm(16)
+
+        def forward(self, idx):
+            return self.n(self.t.index_select(0, idx)) * 2
+
+    with pytest.raises(ValueError, match=r"^the example inputs fail to run the model eagerly: index_select "
+                                         r"\(aten.index_select.default\) raised IndexError: index out of range") as e:
+        AutoFusionEngine.fuse(Select().eval(), (torch.tensor([1, 12, 3]),))
+    assert "While executing" not in str(e.value)
+
+
 def test_bad_example_inputs_name_the_argument():
     with pytest.raises(TypeError, match="example_inputs"):
         AutoFusionEngine.fuse(nn.Linear(2, 2), example_inputs=42)
