@@ -769,12 +769,22 @@ def _check_outputs(a):
             if os.path.isdir(path):
                 raise UsageError(f"{flag} {path} is a directory: give a file name")
             where = os.path.dirname(os.path.abspath(path))
-        # the nearest existing directory on the way must take new entries (the missing ones are created)
+        # the nearest existing directory on the way must take new entries (the missing ones are created): tried
+        # with an entry made and removed, as the permission bits do not tell (root, /proc)
         probe = os.path.abspath(where)
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
-        if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK) or not _takes_entries(probe):
             raise UsageError(f"{flag} {path}: cannot write there ({probe} is not a writable directory)")
+
+
+def _takes_entries(directory: str) -> bool:
+    import tempfile
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=directory, prefix=".autofuse-probe-"))
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

@@ -348,7 +348,10 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(tmp_pa
     (tmp_path / "file").write_text("")
     for argv, needle in ((["report", *TINY, "-o", str(tmp_path)], "is a directory: give a file name"),
                          (["viz", *TINY, "-o", str(tmp_path / "file")], "a file is there; viz writes a directory"),
-                         (["report", *TINY, "-o", str(tmp_path / "file" / "r.txt")], "is not a writable directory")):
+                         (["report", *TINY, "-o", str(tmp_path / "file" / "r.txt")], "is not a writable directory"),
+                         # /proc takes no new entries, whatever its permission bits say (to root too)
+                         (["report", *TINY, "-o", "/proc/autofuse/r.txt"], "(/proc is not a writable directory)"),
+                         (["simulate", *TINY, "--json", "/proc/autofuse/s.json"], "is not a writable directory")):
         code, err = _exit(argv, capsys)
         assert code == 2 and needle in err and err.count("\n") == 1, err
         assert "building the model" not in err
