@@ -3,7 +3,7 @@
 Reports, the CLI and the pictures read these objects, never log text. Reason codes are stable strings:
 
 =========================  ==============================================================================
-``fused``                  applied: cheaper fused, verified equal to the unfused subgraph
+``fused``                  applied: cheaper fused (or forced by a switch), verified equal to the unfused subgraph
 ``disabled_by_opt_level``  the optimization level does not fuse this (O0 fuses nothing)
 ``below_level_margin``     O1 fuses only clear wins (predicted speed-up >= 1.5x)
 ``extra_outputs_at_O1``    O1 does not fuse blocks whose probabilities are used elsewhere
@@ -25,6 +25,12 @@ from dataclasses import asdict, dataclass, field
 REASON_CODES = ("fused", "disabled_by_opt_level", "below_level_margin", "extra_outputs_at_O1", "not_profitable",
                 "conflict", "memory_budget", "disabled_by_switch", "training_dropout", "unsupported",
                 "verification_failed")
+
+
+def hbm_change(saved: int) -> str:
+    """What a fusion does to HBM traffic, in words: ``saves N B of HBM traffic``, or ``costs N B more HBM
+    traffic`` where the fused kernel moves more (a fusion forced where it does not pay)."""
+    return f"saves {saved:,} B of HBM traffic" if saved >= 0 else f"costs {-saved:,} B more HBM traffic"
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 import cost_model
-from autofuse.decision import FusionDecision
+from autofuse.decision import FusionDecision, hbm_change
 from autofuse.fused import Price, family_of, per_device
 from autofuse.lower import PAIRS, known_specs, lower, step_specs
 from autofuse.rewrite import NotLiftable, lift, moved_draw
@@ -470,8 +470,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                 c.fused.cycles >= c.unfused.cycles or (level == "O1" and (sp < O1_MARGIN or c.match.params.get(
                     "probs_used"))))
             why = "forced by switch; " if forced else ""
-            decide(i, True, "fused", f"{why}predicted {sp:.2f}x, saves {c.unfused.hbm_bytes - c.fused.hbm_bytes:,} B "
-                                     f"of HBM traffic; fused kernel bound by {c.fused.bound or '?'}"
+            decide(i, True, "fused", f"{why}predicted {sp:.2f}x, {hbm_change(c.unfused.hbm_bytes - c.fused.hbm_bytes)}"
+                                     f"; fused kernel bound by {c.fused.bound or '?'}"
                                      + _choice(c.fused, device) + _window(c.match, c.fused) + _dropout(c.match)
                                      + (f"; {note}" if note else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)

@@ -237,8 +237,9 @@ def text_summary(report) -> str:
     if a:
         before = sum(d.cycles_unfused for d in a)
         after = sum(d.cycles_fused for d in a)
+        saved = sum(d.hbm_bytes_saved for d in a)
         lines.append(f"  fused blocks: {before:,} -> {after:,} cycles ({before / max(after, 1):.2f}x), "
-                     f"HBM saved {sum(d.hbm_bytes_saved for d in a):,} B")
+                     + (f"HBM saved {saved:,} B" if saved >= 0 else f"HBM traffic {-saved:,} B more"))
     if report.baselines:
         lines.append(f"  whole graph (predicted): {_whole_graph(report)}")
     width = max([10] + [len(d.pattern) for d in report.decisions])

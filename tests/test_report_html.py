@@ -94,6 +94,21 @@ def test_reason_meanings_come_from_the_decision_module():
     assert set(R.REASONS) == set(REASON_CODES) and all(R.REASONS.values())
 
 
+def test_a_forced_fusion_that_moves_more_says_so():
+    """Forced where it does not pay (a region of views: nothing to save), a fusion's HBM figure reads as what it
+    costs, and the meaning of its reason code does not call it cheaper."""
+    torch.manual_seed(0)
+    model, inputs = build("llama", seq=8, batch=1, layers=2, hidden=64, heads=4, kv_heads=None)
+    fused = autofuse.AutoFusionEngine.fuse(model.eval(), inputs, fusion_switches={"vector_chain": "force"})
+    worse = [d for d in fused.report.applied if d.hbm_bytes_saved < 0]
+    assert worse, fused.report.summary()
+    for d in worse:
+        assert f"costs {-d.hbm_bytes_saved:,} B more HBM traffic" in d.reason and d.reason.startswith("forced"), d.reason
+    for text in (fused.report.summary(), fused.report.to_markdown()):
+        assert "saves -" not in text
+    assert R.REASONS["fused"] == "applied: cheaper fused (or forced by a switch), verified equal to the unfused subgraph"
+
+
 def test_page_is_self_contained(mixed):
     p, sims = mixed
     page = R.report_html(p.report, p.captured.graph_module, p.graph_module, simulations=sims,
