@@ -550,12 +550,12 @@ def cmd_report(a, progress):
     else:
         text = r.summary() + "\n"
         if sims:
-            from autofuse.report import BASELINE
+            from autofuse.report import BASELINE, baseline_label
             fused_cycles = max(sims["fused"].cycles, 1)
             text += (f"simulated on {a.device}: {sims[BASELINE].cycles:,} -> {sims['fused'].cycles:,} cycles, "
                      f"{sims[BASELINE].cycles / fused_cycles:.2f}x against {BASELINE}, "
-                     f"{sims[GENERIC].cycles / fused_cycles:.2f}x against {GENERIC} ({sims[GENERIC].cycles:,} "
-                     f"cycles)\n")
+                     f"{sims[GENERIC].cycles / fused_cycles:.2f}x against {baseline_label(GENERIC, r)} "
+                     f"({sims[GENERIC].cycles:,} cycles)\n")
     _write(text, a.output)
 
 
@@ -610,19 +610,20 @@ def cmd_viz(a, progress):
 def cmd_simulate(a, progress):
     if a.world_size > 1:
         return _simulate_world(a, progress)
-    from autofuse.report import BASELINE
+    from autofuse.report import BASELINE, baseline_label
     _, inputs, fused = _fuse(a, progress)
     sims = _simulations(a, fused, inputs, progress)
     before, generic, after = sims[BASELINE], sims[GENERIC], sims["fused"]
+    label = baseline_label(GENERIC, _plan(fused).report)
     print(f"unfused: {before.summary(top=a.top)}\n\nfused:   {after.summary(top=a.top)}\n")
     print(f"speed-up (simulated, {a.device}{', training step' if a.backward else ''}): "
           f"{before.cycles / max(after.cycles, 1):.2f}x against {BASELINE} "
-          f"({before.cycles:,} cycles), {generic.cycles / max(after.cycles, 1):.2f}x against {GENERIC} "
+          f"({before.cycles:,} cycles), {generic.cycles / max(after.cycles, 1):.2f}x against {label} "
           f"({generic.cycles:,} cycles)")
     if a.backward:
         for phase in ("forward", "backward"):
             b, g, f = (s.phases[phase] for s in (before, generic, after))
-            print(f"  {phase:<8}: {b:>14,} / {g:>14,} / {f:>14,} cycles ({BASELINE} / {GENERIC} / fused): "
+            print(f"  {phase:<8}: {b:>14,} / {g:>14,} / {f:>14,} cycles ({BASELINE} / {label} / fused): "
                   f"{b / max(f, 1):.2f}x / {g / max(f, 1):.2f}x")
     if a.json:
         _write(json.dumps({"unfused": before.to_dict(), "generic": generic.to_dict(), "fused": after.to_dict()},

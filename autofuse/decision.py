@@ -115,7 +115,9 @@ class FusionReport:
     replanned_because: str = ""        # the guard that fired, when this plan replaced an earlier one
     predicted_cycles: int = 0          # the whole graph fused, priced by the cost model
     baselines: dict = field(default_factory=dict)   # name -> predicted cycles ("eager op by op", "generic fusion
-    #                                                 alone": automatic discovery without the pattern families)
+    #                                                 alone": automatic discovery without the pattern families, at
+    #                                                 this plan's level and under its switches)
+    fusion_switches: dict = field(default_factory=dict)   # the switches the plan was made under (name -> value)
 
     def speedups(self) -> dict:
         """Predicted whole-graph speed-up against each baseline."""
@@ -155,6 +157,7 @@ class FusionReport:
             "warnings": list(self.warnings), "timings": dict(self.timings), "training": self.training,
             "guards": list(self.guards), "replanned_because": self.replanned_because,
             "predicted_cycles": self.predicted_cycles, "baselines": dict(self.baselines),
+            "fusion_switches": dict(self.fusion_switches),
         }
 
     def to_json(self, **kw) -> str:

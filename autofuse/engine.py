@@ -596,6 +596,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                           nodes_before=len(cap_gm.graph.nodes), nodes_after=len(fused.graph.nodes),
                           capture_route=captured.route, training=captured.training,
                           predicted_cycles=predicted.pop("fused"), baselines=predicted,
+                          fusion_switches=dict(switches or {}),
                           guards=[g.describe() for g in guards if g.value] + [guards[0].describe()],
                           timings={"capture_s": t1 - t0, "canonicalize_s": t2 - t1, "match_s": t3 - t2,
                                    "plan_s": t4 - t3, "rewrite_s": t5 - t4})

@@ -47,6 +47,20 @@ FAMILY_COLOURS = {"attention": "#4e9a06", "softmax": "#ce5c00", "rope": "#c4a000
                   "all_gather_matmul": "#a40000", "matmul_reduce_scatter": "#a40000", "matmul_all_reduce": "#a40000"}
 FALLBACK = ("#8f5902", "#204a87", "#2e3436")      # none of the above
 BASELINE = "eager op by op"
+#: The second baseline: this plan's level and switches with every pattern family switched off
+GENERIC_BASELINE = "generic fusion alone"
+
+
+def baseline_label(name: str, report) -> str:
+    """A baseline's name as reports print it. Generic fusion alone is planned at the report's level and under its
+    switches (what the pattern families add on top of discovery, as the user configured both): where those are
+    not the defaults (O3, no switches) the label says so, e.g. ``generic fusion alone at O0`` (which fuses
+    nothing: it is eager op by op)."""
+    if name != GENERIC_BASELINE or report is None:
+        return name
+    level = getattr(report, "optimization_level", "O3")
+    return (name + (f" at {level}" if level != "O3" else "")
+            + (" under the same switches" if getattr(report, "fusion_switches", None) else ""))
 
 
 def family_colour(family: str) -> str:
@@ -215,19 +229,19 @@ TRAINING_NOTE = ("the model is in train(): a dropout draws eager's keep-mask, fu
 
 def _whole_graph(report) -> str:
     """The whole graph's predicted cycles and its speed-up against each baseline (text and Markdown say it alike)."""
-    return _cycles_against(report.predicted_cycles, report.baselines)
+    return _cycles_against(report.predicted_cycles, {baseline_label(k, report): v for k, v in report.baselines.items()})
 
 
 def _cycles_against(fused: int, baselines: dict) -> str:
     return f"{fused:,} cycles; " + ", ".join(f"{v / max(fused, 1):.2f}x vs {k} ({v:,})" for k, v in baselines.items())
 
 
-def simulated_whole_graph(simulations: dict) -> str:
+def simulated_whole_graph(simulations: dict, report=None) -> str:
     """The whole graph's simulated cycles and its speed-up against each simulated baseline, as
     :func:`_whole_graph` says the predicted ones; ``simulations``: ``{"fused": SimulationResult, baseline name:
-    SimulationResult, ...}``."""
+    SimulationResult, ...}``; ``report``: the plan's, whose level and switches label the generic baseline."""
     return _cycles_against(simulations["fused"].cycles,
-                           {k: s.cycles for k, s in simulations.items() if k != "fused"})
+                           {baseline_label(k, report): s.cycles for k, s in simulations.items() if k != "fused"})
 
 
 def text_summary(report) -> str:
@@ -295,8 +309,8 @@ def markdown(report, simulations: dict | None = None) -> str:
     if report.baselines:
         out += [f"Whole graph (predicted): {_whole_graph(report)}.", ""]
     if simulations and "fused" in simulations:
-        out += [f"Whole graph (simulated on {simulations['fused'].device}): {simulated_whole_graph(simulations)}.",
-                ""]
+        out += [f"Whole graph (simulated on {simulations['fused'].device}): "
+                f"{simulated_whole_graph(simulations, report)}.", ""]
     if report.training:
         out += [f"Planned for training mode ({TRAINING_NOTE}).", ""]
     out += ["| | pattern | anchor | reason | unfused cycles | fused cycles | speed-up | HBM saved (B) "
@@ -461,7 +475,7 @@ def _verdict_html(v: Verdict, report) -> str:
         base = v.baselines[name]
         cls = "win" if ratio > 1.0005 else "loss" if ratio < 0.9995 else ""
         cards.append(
-            f"<div class='card {cls}'><div class='sub'>against <b>{_e(name)}</b></div>"
+            f"<div class='card {cls}'><div class='sub'>against <b>{_e(baseline_label(name, report))}</b></div>"
             f"<div class='big'>{ratio:.2f}&times;</div><div class='sub'>{base:,} &rarr; {v.fused_cycles:,} cycles<br>"
             f"{v.seconds(base) * 1e3:,.3f} ms &rarr; {v.seconds(v.fused_cycles) * 1e3:,.3f} ms</div></div>")
     how = ("simulated: the NPU simulator ran every kernel of both graphs and counted the cycles"

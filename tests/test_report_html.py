@@ -109,6 +109,31 @@ def test_a_forced_fusion_that_moves_more_says_so():
     assert R.REASONS["fused"] == "applied: cheaper fused (or forced by a switch), verified equal to the unfused subgraph"
 
 
+def test_the_generic_baseline_is_labelled_with_the_level_and_switches_it_was_planned_under():
+    """Generic fusion alone is planned at the plan's level and under its switches: where those are not O3 without
+    switches, the label says which (at O0 it fuses nothing, and equals eager op by op)."""
+    torch.manual_seed(0)
+    model, x = MHABlock(32, 4).eval(), torch.randn(2, 16, 32)
+    at = {}
+    for level, switches in (("O3", None), ("O0", None), ("O1", {"softmax": "off"})):
+        fused = autofuse.AutoFusionEngine.fuse(model, (x,), optimization_level=level, fusion_switches=switches)
+        report, p = fused.report, next(iter(fused.plans.values()))
+        page = R.report_html(report, p.captured.graph_module, p.graph_module,
+                             extra_baselines={"generic fusion alone": report.baselines["generic fusion alone"]})
+        at[level] = (report, report.summary(), report.to_markdown(), page)
+    report, text, md, page = at["O3"]
+    assert "vs generic fusion alone (" in text and "vs generic fusion alone (" in md
+    assert "against <b>generic fusion alone</b>" in page
+    report, text, md, page = at["O0"]
+    assert report.baselines["generic fusion alone"] == report.baselines["eager op by op"]
+    assert "vs generic fusion alone at O0 (" in text and "vs generic fusion alone at O0 (" in md
+    assert "against <b>generic fusion alone at O0</b>" in page
+    report, text, md, page = at["O1"]
+    assert report.fusion_switches == {"softmax": "off"}
+    assert "vs generic fusion alone at O1 under the same switches (" in text
+    assert "against <b>generic fusion alone at O1 under the same switches</b>" in page
+
+
 def test_page_is_self_contained(mixed):
     p, sims = mixed
     page = R.report_html(p.report, p.captured.graph_module, p.graph_module, simulations=sims,
