@@ -535,15 +535,18 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
 def _check_lookups(cap_gm: fx.GraphModule, leaves: list):
     """Before planning: the example inputs' ids fall within the tables they index (an embedding's rows). Capture
     traces on fake tensors, which hold no ids; eager raises torch's bare ``index out of range in self`` on such
-    inputs, and so would verification, deep in the plan. Runs the captured graph up to the last lookup's ids
-    (usually its first nodes); meta inputs hold no ids to check."""
+    inputs, and so would verification, deep in the plan. Ids given as inputs are read from them; ids the graph
+    computes, from a run of the captured graph up to them (usually its first nodes); meta inputs hold no ids."""
     if _is_meta(leaves):
         return
     lookups = [n for n in cap_gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default
                and isinstance(n.args[1], fx.Node)]
     if not lookups:
         return
-    ids = _Values(cap_gm, {n.args[1].name for n in lookups}).values(*leaves)
+    ids = {n.name: v for n, v in zip((n for n in cap_gm.graph.nodes if n.op == "placeholder"), leaves)}
+    computed = {n.args[1].name for n in lookups} - ids.keys()
+    if computed:
+        ids.update(_Values(cap_gm, computed).values(*leaves))
     for n in lookups:
         rows = n.args[0].meta["val"].shape[0]
         got = ids.get(n.args[1].name)
@@ -552,9 +555,9 @@ def _check_lookups(cap_gm: fx.GraphModule, leaves: list):
         lo, hi = int(got.min()), int(got.max())
         if lo < 0 or hi >= rows:
             src = n.args[1]
-            named = f"example input {src.name!r}" if src.op == "placeholder" else f"its ids ({src.name})"
+            named = f"example input {src.name!r} holds" if src.op == "placeholder" else f"its ids ({src.name}) hold"
             raise ValueError(f"fuse: the example inputs fail to run the model eagerly: {describe_node(n)} looks up "
-                             f"rows of a table of {rows}, and {named} holds ids from {lo} to {hi} (index out of "
+                             f"rows of a table of {rows}, and {named} ids from {lo} to {hi} (index out of "
                              f"range): give ids in [0, {rows}), as the model takes them eagerly")
 
 

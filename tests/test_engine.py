@@ -618,12 +618,12 @@ def test_unsupported_dtype_names_the_input_and_says_what_to_do():
 
 
 class _Lookup(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, shift=0):
         super().__init__()
-        self.e, self.n = torch.nn.Embedding(10, 16), torch.nn.LayerNorm(16)
+        self.e, self.n, self.shift = torch.nn.Embedding(10, 16), torch.nn.LayerNorm(16), shift
 
     def forward(self, ids):
-        return self.n(self.e(ids)) * 2
+        return self.n(self.e(ids + self.shift if self.shift else ids)) * 2
 
 
 def test_example_ids_outside_an_embedding_are_refused_before_planning(monkeypatch):
@@ -636,6 +636,10 @@ def test_example_ids_outside_an_embedding_are_refused_before_planning(monkeypatc
                                          r"table of 10, and example input 'ids' holds ids from 0 to 19 \(index out "
                                          r"of range\): give ids in \[0, 10\)"):
         AutoFusionEngine.fuse(_Lookup().eval(), (torch.arange(20).reshape(2, 10),))
+    # ids the graph computes from the inputs
+    with pytest.raises(ValueError, match=r"embedding .* looks up rows of a table of 10, and its ids \(add\) hold ids "
+                                         r"from 5 to 12"):
+        AutoFusionEngine.fuse(_Lookup(shift=5).eval(), (torch.arange(8).reshape(2, 4),))
 
 
 def test_an_op_that_raises_on_the_example_values_is_named():
