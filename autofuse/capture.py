@@ -206,6 +206,11 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         captured.attribute_updates = tuple((m, k, v) for _, m, k, v in changed)
         return captured
     if changed:
+        # a tensor the forward keeps in a new attribute may be built once, at the first call, and kept (transformers'
+        # LongRoPE keeps its long_inv_freq so): one eager call before fuse() leaves it built, and a capture from
+        # there changes nothing
+        lazy = any(v is not _GONE and _holds_tensor(v) and _attributes_before(python_state, m).get(k) is None
+                   for _, m, k, v in changed)
         changed = [text for text, *_ in changed]
         raise CaptureError(route, f"capture failed: the forward changes the Python attribute(s) "
                                   f"{', '.join(changed)} of the model{' at every call' if settable else ''}, which a "
@@ -216,7 +221,10 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                   f"back after every fused call; return a tensor the caller reads (attention "
                                   f"weights kept for inspection) as one more output of the forward; or compile it "
                                   f"as it is with torch.compile(model, backend='autofuse'): Dynamo replays "
-                                  f"attribute updates after each graph.")
+                                  f"attribute updates after each graph."
+                                  + (" If the forward builds such a tensor once, at its first call, and keeps it "
+                                     "(a lazily built table), run the model once eagerly before fuse(): the capture "
+                                     "then reads it as kept." if lazy else ""))
     return captured
 
 
@@ -362,6 +370,11 @@ def _shown(v) -> str:
         return f"a {type(v).__name__} of {len(v)} holding tensors" if hasattr(v, "__len__") else \
             f"a {type(v).__name__} holding tensors"
     return repr(v)
+
+
+def _attributes_before(state, module) -> dict:
+    """The attributes ``module`` had when :func:`_python_state` recorded ``state``."""
+    return next((before for _, m, before, _ in state if m is module), {})
 
 
 def _restore_python_state(state) -> list:
@@ -1492,7 +1505,9 @@ _HINTS = [
     ("Cache", "the model takes or returns a KV cache object, which capture flattens with transformers' own "
               "exporter (transformers.exporters): install transformers>=5 for it, or pass use_cache=False"),
     ("data-dependent", "the model branches on or reads tensor *values* (if x.sum() > 0, .item(), .tolist(), "
-                       "nonzero); use torch.where / torch.cond, or make the value a Python constant"),
+                       "nonzero); use torch.where / torch.cond, or make the value a Python constant; or compile it as "
+                       "it is with torch.compile(model, backend='autofuse'), which splits the graph at such a branch "
+                       "and fuses each part"),
     ("control flow", "the model branches on tensor values, which symbolic_trace cannot follow; "
                      "use route='export' or rewrite with torch.where / torch.cond"),
     ("Proxy", "symbolic_trace cannot follow this Python construct; use route='export'"),

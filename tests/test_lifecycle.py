@@ -360,6 +360,21 @@ def test_a_forward_keeping_tensors_in_attributes_is_refused_and_the_model_left_a
     model(torch.randn(2, 8))          # eager still works
 
 
+def test_a_table_built_at_the_first_call_is_refused_with_the_eager_call_that_settles_it():
+    """A tensor the forward builds once and keeps (transformers' LongRoPE keeps its long_inv_freq so): the refusal
+    says that one eager call settles it, and after that call the model fuses and equals eager."""
+    from autofuse.capture import CaptureError
+    model, x = KeepsTensors("lazy"), torch.randn(2, 8)
+    with pytest.raises(CaptureError, match="builds such a tensor once.*run the model once eagerly before fuse"):
+        AutoFusionEngine.fuse(model, (x,))
+    with pytest.raises(CaptureError) as e:           # a tensor made at every call: no such advice
+        AutoFusionEngine.fuse(KeepsTensors("replaced"), (x,))
+    assert "builds such a tensor once" not in str(e.value)
+    model(x)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    torch.testing.assert_close(fused(x), model(x))
+
+
 @pytest.mark.parametrize("spelling", ["new", "lazy", "list", "replaced"])
 def test_a_forward_keeping_tensors_in_attributes_compiles_as_eager(spelling):
     """The refusal's hint holds: through torch.compile, Dynamo replays the attribute updates after the fused
