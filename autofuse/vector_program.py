@@ -626,12 +626,24 @@ class _Build:
         y = self.round(n, y) if n.target == aten.layer_norm.default else y
         return y if n.target == aten.layer_norm.default else (y, mean, rstd)
 
+    def centred(self, x):
+        """``(m₀, c, d)``: the deviations of ``x`` from its row mean, ``d = d₀ − c`` with ``d₀ = x − m₀`` (``m₀`` the fp32
+        mean) and ``c = mean(d₀)`` (the mean is ``m₀ + c``): the mean's rounding error taken out, so that a row of equal
+        values has deviations of exactly 0 (``d₀`` is the same rounding error in every column, and so is ``c``)."""
+        b = self.b
+        m0 = b.reduce(x, kind="mean")
+        d0 = b.sub(x, m0)
+        c = b.reduce(d0, kind="mean")
+        return m0, c, b.sub(d0, c)
+
     def variance(self, n):
         """``var``/``std`` over the last dim as torch computes them: ``sum((x − mean)²) / (N − correction)`` (and
-        its square root), in fp32; ``unbiased`` is correction 1. The sum of squares is corrected by the deviations'
-        own sum, ``(Σd² − (Σd)²/N)``, which takes out the fp32 mean's rounding error: a row of large mean and small
-        spread (1e4 + 1e-2·randn) keeps eager's precision (5e-8 relative) instead of losing it to that error
-        squared (8e-3)."""
+        its square root), in fp32; ``unbiased`` is correction 1. The deviations from the fp32 mean are centred
+        again by their own mean, ``d = d₀ − Σd₀/N``, which takes out the mean's rounding error: a row of large
+        mean and small spread (1e4 + 1e-2·randn) keeps eager's precision (5e-8 relative) instead of losing it to
+        that error squared (8e-3). The variance is then ``Σd²``, never negative, and exactly 0 on a row of equal
+        values (every ``d₀`` is the same rounding error of the mean, and so is their mean), as eager's is:
+        ``Σd₀² − (Σd₀)²/N`` cancels there to a tiny number of either sign, whose square root is NaN."""
         b, t = self.b, n.target
         self.last_dim(n, arg(n, 1, "dim"))
         if t in (aten.var.dim, aten.std.dim):
@@ -643,9 +655,8 @@ class _Build:
         if width - c <= 0:
             self.fail(n, f"a correction of {c:g} over {width} values (eager divides by {width - c:g})")
         x = self.arg(n, n.args[0])
-        d = b.sub(x, b.reduce(x, kind="mean"))
-        sq = b.sub(b.reduce(b.mul(d, d), kind="sum"), b.mul(b.mul(*[b.reduce(d, kind="sum")] * 2), 1.0 / width))
-        v = b.div(sq, float(width - c))
+        d = self.centred(x)[2]
+        v = b.div(b.reduce(b.mul(d, d), kind="sum"), float(width - c))
         # std's square root differentiates as torch's std_backward does (0 at a constant row, not 0/0)
         v = self.round(n, v if t in (aten.var.dim, aten.var.correction) else b.sqrt(v, kind="root"))
         if not _keepdim(n):

@@ -1012,6 +1012,39 @@ def test_std_of_a_constant_row_trains_as_eager(name):
             (got - want).abs().max()
 
 
+class TanhSpread(nn.Module):
+    def forward(self, x):
+        t = torch.tanh(x)
+        return t.std(-1, keepdim=True) * 3.0, t.var(-1, keepdim=True) * 3.0, torch.log(t.var(-1, keepdim=True))
+
+
+def test_var_and_std_of_a_constant_row_of_inexact_values_are_zero_as_eagers():
+    # a row of tanh(2.5): its fp32 mean is off by a rounding error, so every deviation is that same error; the sum of
+    # squares corrected by the deviations' sum cancelled to a tiny negative number (std and log(var) NaN, and the
+    # std's gradient NaN) where eager's var is exactly 0 (std 0, log(var) -inf)
+    torch.manual_seed(0)
+    x = torch.full((4, 7), 2.5)
+    x[1], x[2], x[3] = 0.3, -1.7, torch.randn(7)
+    m = TanhSpread().eval()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(4, 7),))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    with torch.no_grad():
+        for w, r, g in zip(m(x), m(x.double()), fused(x)):
+            ok, err, tol = compare(w, r, g)
+            assert ok, (err, tol, g.flatten().tolist())
+    m = TanhSpread().train()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(4, 7, requires_grad=True),))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    cot = torch.randn(4, 1)
+    grads = []
+    for run, dt in ((m, torch.float32), (m, torch.float64), (fused, torch.float32)):
+        xx = x.to(dt).requires_grad_()
+        s, v, _ = run(xx)
+        grads.append(torch.autograd.grad((s * cot.to(dt)).sum() + (v * cot.to(dt)).sum(), xx)[0])
+    ok, err, tol = compare(*grads)
+    assert ok, (err, tol, grads[2][:3])
+
+
 @pytest.mark.parametrize("spelling", ["dim0", "two_dims"])
 def test_a_var_over_another_dim_is_not_a_row_program(spelling):
     # over dim 0 or over the last two dims: not a row-wise Vector program; it runs as captured, correctly
