@@ -174,9 +174,10 @@ class BuiltProgram:
 def draws_keep_mask(n) -> bool:
     """A training-mode dropout that draws its keep-mask from torch's generator: ``native_dropout(x, p, True)``
     (any p: eager draws even at 0 and 1) whose mask nobody reads, or ``dropout(x, p, True)`` with 0 < p < 1
-    (outside that range eager draws nothing). A Vector program runs it as ``where(keep, x · 1/(1 − p), 0)``
-    over a ``bit`` input, the mask its fused call draws with ``autofuse::dropout_gen_mask`` (the same call on
-    the same shape and dtype as eager's, so the same elements are dropped)."""
+    (outside that range eager draws nothing). A Vector program runs it as eager's ``x · mask · 1/(1 − p)``,
+    ``x · where(keep, 1/(1 − p), 0)`` over a ``bit`` input (a dropped NaN or inf is NaN), the mask its fused call
+    draws with ``autofuse::dropout_gen_mask`` (the same call on the same shape and dtype as eager's, so the same
+    elements are dropped)."""
     if not isinstance(n, fx.Node) or n.op != "call_function":
         return False
     p, train = _dropout_args(n)
@@ -526,7 +527,8 @@ class _Build:
         if t in (aten.native_dropout.default, aten.dropout.default):
             p = _dropout_args(n)[0]
             scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-            return self.round(n, b.where(self.keep[n], b.mul(self.arg(n, n.args[0]), scale), 0.0))
+            # eager's x · mask · scale: a dropped NaN or inf stays NaN, a dropped -0.0 or negative value is -0.0
+            return self.round(n, b.mul(self.arg(n, n.args[0]), b.where(self.keep[n], scale, 0.0)))
         if t == aten.slice.Tensor:
             dim = n.args[1] if len(n.args) > 1 else 0
             src = _meta(n.args[0])

@@ -732,7 +732,7 @@ def specs_of(p):
 
 def dropout_program(kind, lead, W, dtype, keep_shape=None, p=0.1):
     """A dropout over a packed keep-mask (a ``bit`` input, one bit per element), as a Vector program:
-    ``dropout`` (``where(keep, x / (1 - p), 0)``), ``residual`` (then a residual add), ``layer_norm`` (then
+    ``dropout`` (``x · where(keep, 1 / (1 - p), 0)``, as autofuse generates it: eager's ``x · mask · scale``), ``residual`` (then a residual add), ``layer_norm`` (then
     a residual add and a LayerNorm with weight and bias: outputs the sum and the normalised row).
     ``keep_shape``: the mask's shape (default: full, ``(*lead, W)``; else broadcast like any input)."""
     from cost_model.program import Builder
@@ -743,7 +743,7 @@ def dropout_program(kind, lead, W, dtype, keep_shape=None, p=0.1):
     r = b.input(dtype, lead + (W,)) if kind != "dropout" else None
     if kind == "layer_norm":
         w, bias = b.input(dtype, (W,)), b.input(dtype, (W,))
-    y = b.where(keep, b.mul(x, 1.0 / (1.0 - p)), 0.0)
+    y = b.mul(x, b.where(keep, 1.0 / (1.0 - p), 0.0))
     if kind == "dropout":
         b.output(y, dtype)
         return b.build()

@@ -49,8 +49,8 @@ An input of dtype ``bit`` is a bool mask stored one bit per element along the la
 ``dropout_gen_mask`` writes a dropout keep-mask (and as the Vector unit's ``Select`` reads its condition):
 element ``c`` of a row is bit ``c % 8`` (least significant first) of byte ``c // 8``. Its declared shape is
 the mask's logical shape; the tensor given for it is uint8 of shape :func:`stored_shape` (the last dim
-``ceil(width / 8)``). A bit value may only be the condition of a ``where`` of its own width (``where(keep,
-x * s, 0.0)`` is a dropout): it is never widened to a bool register, the select reads it as it was loaded.
+``ceil(width / 8)``). A bit value may only be the condition of a ``where`` of its own width (``x * where(keep,
+s, 0.0)`` is a dropout): it is never widened to a bool register, the select reads it as it was loaded.
 
 Outputs (:class:`Output`): a value and a dtype; the output tensor has shape ``(*lead, width)``.
 

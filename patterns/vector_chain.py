@@ -13,7 +13,8 @@ whose program cannot be built (a reduction over another dim, shapes that do not 
 is split at the node the builder names, and the parts are tried again. Regions of fewer than two compute
 ops are dropped: a single op gains nothing from fusion.
 
-A training-mode dropout is a Vector op too (``where(keep, x · 1/(1 − p), 0)`` over a ``bit`` input): the fused
+A training-mode dropout is a Vector op too (``x · where(keep, 1/(1 − p), 0)`` over a ``bit`` input, eager's
+``x · mask · scale``, NaN times a dropped 0 NaN): the fused
 call draws its keep-mask with ``dropout_gen_mask`` exactly as eager draws it (see
 :func:`autofuse.vector_program.draws_keep_mask`), so a residual dropout joins the add and the norm after it,
 and a projection's bias, dropout, residual add and norm become one epilogue. The match lists those draws

@@ -118,6 +118,83 @@ def test_the_dropped_elements_are_eagers():
     assert torch.equal(got, want) and 0.4 < (want == 0).float().mean() < 0.6
 
 
+class DropAffine(nn.Module):
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=self.training) * 2.0 + 1.0
+
+
+class DropNegated(nn.Module):
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=self.training) * -2.0
+
+
+class DropProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(32, 32), nn.Dropout(0.1)
+
+    def forward(self, x, r):
+        return self.drop(self.lin(x)) + r
+
+
+def test_a_dropped_nan_or_inf_is_nan_and_a_dropped_negative_zero_stays_negative():
+    # eager's native_dropout multiplies, x · mask · scale: a dropped NaN or inf is NaN, a dropped -0.0 or negative
+    # value -0.0; a select (where(keep, x · scale, 0)) gave +0 at every dropped element
+    torch.manual_seed(0)
+    m = DropAffine().train()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(4, 16),))
+    assert _drawing(fused)[0].applied
+    x = torch.randn(4, 16)
+    x[0], x[1], x[2] = float("nan"), float("inf"), -0.0
+    with torch.no_grad():
+        got, want = _run_seeded(lambda: fused(x))[0], _run_seeded(lambda: m(x))[0]
+        ref = _run_seeded(lambda: m(x.double()))[0]
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().sum() > 16
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+    s = DropNegated().train()
+    fused_s = AutoFusionEngine.fuse(s, (torch.randn(4, 16),))
+    assert _drawing(fused_s)[0].applied
+    with torch.no_grad():
+        got, want = _run_seeded(lambda: fused_s(x))[0], _run_seeded(lambda: s(x))[0]
+    assert torch.equal(torch.signbit(got[2:]), torch.signbit(want[2:]))
+    # in a matmul epilogue: a projection row made inf by one overflowed activation
+    p = DropProjection().train()
+    args = (torch.randn(4, 8, 32), torch.randn(4, 8, 32))
+    fused = AutoFusionEngine.fuse(p, args)
+    assert any(d.applied and d.kernel == "matmul_epilogue" for d in _drawing(fused)), fused.report.summary()
+    x, r = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+    x[0, 0, 5] = float("inf")
+    with torch.no_grad():
+        got, want = _run_seeded(lambda: fused(x, r))[0], _run_seeded(lambda: p(x, r))[0]
+        p64 = DropProjection().double()
+        p64.load_state_dict(p.state_dict())
+        ref = _run_seeded(lambda: p64.train()(x.double(), r.double()))[0]
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan())
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
+def test_a_nan_gradient_at_a_dropped_element_stays_nan():
+    # torch's dropout backward is g · mask · scale: a NaN or inf cotangent at a dropped element gives NaN there
+    torch.manual_seed(0)
+    m = DropAffine().train()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(4, 16, requires_grad=True),))
+    assert _drawing(fused)[0].applied
+    cot = torch.randn(4, 16)
+    cot[0], cot[1] = float("nan"), float("inf")
+    grads = []
+    for fn, dt in ((m, torch.float32), (m, torch.float64), (fused, torch.float32)):
+        xx = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).to(dt).requires_grad_()
+        out, _ = _run_seeded(lambda fn=fn, xx=xx: fn(xx))
+        out.backward(cot.to(dt))
+        grads.append(xx.grad)
+    want, ref, got = grads
+    assert want.isnan().sum() > 16 and torch.equal(got.isnan(), want.isnan())
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
 @pytest.mark.parametrize("cls", [ResidualNorm, TwoDropouts], ids=lambda c: c.__name__)
 def test_gradients_follow_the_same_mask(cls):
     torch.manual_seed(0)

@@ -44,8 +44,8 @@ def f32(t):
 
 
 def dropped(x, keep, residual=None):
-    """where(keep, x * s, 0) (+ residual), in fp32 as the program computes it."""
-    y = torch.where(torch.from_numpy(np.array(keep, dtype=bool)), f32(x) * torch.tensor(SCALE), torch.tensor(0.0))
+    """x * where(keep, s, 0) (+ residual), in fp32 as the program computes it."""
+    y = f32(x) * torch.where(torch.from_numpy(np.array(keep, dtype=bool)), torch.tensor(SCALE), torch.tensor(0.0))
     return y if residual is None else y + f32(residual)
 
 
