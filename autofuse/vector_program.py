@@ -597,6 +597,8 @@ class _Build:
         src, i = n.args
         if src.target == aten.native_layer_norm.default:       # (y, mean, rstd)
             return self.val[src][i]
+        if src not in self.region:          # its op left out of the region (a region split at a dropout refused)
+            self.fail(n, f"a part of {src.name}, which is not in the region")
         if src.target in (aten.native_dropout.default, aten.log_sigmoid_forward.default) and i == 0:
             return self.val[src]                                  # (output, mask), (output, buffer)
         if src.target == aten.log_sigmoid_forward.default:

@@ -69,8 +69,9 @@ def _vector(n: fx.Node) -> bool:
     """An op one generated Vector kernel may run (the program builder decides the details)."""
     if n.op != "call_function":
         return False
-    if n.target in _DROPOUTS:
-        return draws_keep_mask(n) and val(n.args[0]).dtype in _DTYPES[:3]
+    if n.target in _DROPOUTS:               # not of per-row values (one keep bit per row): those stay as captured
+        x = val(n.args[0])
+        return draws_keep_mask(n) and x.dtype in _DTYPES[:3] and x.dim() > 0 and x.shape[-1] >= 2
     if n.target is operator.getitem:
         src = n.args[0]
         if isinstance(src, fx.Node) and src.target in (aten.native_dropout.default, aten.log_sigmoid_forward.default):
