@@ -75,7 +75,7 @@ def _eval(ins: Instr, args):
         x = _f32(args[0])
         if ins.kind in ("sum", "mean"):
             s = x.sum(-1, keepdim=True)
-            return s * (1.0 / x.shape[-1]) if ins.kind == "mean" else s
+            return s / x.shape[-1] if ins.kind == "mean" else s        # torch's mean: the sum divided by N
         return x.amax(-1, keepdim=True) if ins.kind == "max" else x.amin(-1, keepdim=True)
     if ins.kind == "clamp" and op in ("maximum", "minimum") and not isinstance(args[1], torch.Tensor):
         # a clamp's bound: torch.clamp's gradient (all of g at the bound itself), not maximum's (half of it)
@@ -595,8 +595,9 @@ class _Build:
 
     def getitem(self, n):
         src, i = n.args
-        if src.target == aten.native_layer_norm.default:       # (y, mean, rstd)
-            return self.val[src][i]
+        if src.target == aten.native_layer_norm.default:       # (y, mean, rstd); the mean made when read
+            v = self.val[src][i]
+            return self.b.add(*v) if i == 1 else v
         if src not in self.region:          # its op left out of the region (a region split at a dropout refused)
             self.fail(n, f"a part of {src.name}, which is not in the region")
         if src.target in (aten.native_dropout.default, aten.log_sigmoid_forward.default) and i == 0:
@@ -611,6 +612,9 @@ class _Build:
         return self.b.slice(self.arg(n, x), start=start, stop=stop)
 
     def layer_norm(self, n):
+        """``layer_norm`` over the last dim: ``(x − mean) · rsqrt(mean((x − mean)²) + eps) [· w] [+ b]``, its deviations
+        centred again (:meth:`centred`): a row of equal values normalises to exactly 0, as eager's (whose Welford mean
+        of such a row is exact), not to its mean's rounding error times ``1/sqrt(eps)``."""
         b = self.b
         x = self.arg(n, n.args[0])
         shape = n.args[1]
@@ -619,8 +623,8 @@ class _Build:
         w = n.args[2] if len(n.args) > 2 else None
         bias = n.args[3] if len(n.args) > 3 else None
         eps = n.args[4] if len(n.args) > 4 else 1e-5
-        mean = b.reduce(x, kind="mean")
-        d = b.sub(x, mean)
+        m0, c, d = self.centred(x)
+        mean = (m0, c)                      # native_layer_norm's mean, m0 + c: added where it is read
         rstd = b.rsqrt(b.add(b.reduce(b.mul(d, d), kind="mean"), float(eps)))
         y = b.mul(d, rstd)
         if w is not None:

@@ -165,7 +165,7 @@ class VecOp:
     the layout a broadcast operand is read in), ``ew`` (an elementwise op named ``op`` in the elementwise
     kernel's op table, ``scalar`` the immediate that selects its tensor-scalar form), ``cast`` (to ``dtype``),
     ``reduce`` (``op`` = sum/mean/max/min; chunked: the first chunk into the accumulator, later ones into
-    ``aux`` and a ``merge``), ``merge``, ``mean`` (``muls 1/count``), ``gather`` (a strided or unaligned slice,
+    ``aux`` and a ``merge``), ``merge``, ``mean`` (the sum divided by the count, as torch's mean: one pass), ``gather`` (a strided or unaligned slice,
     an interleave: one Gather), ``copy`` (a cat part into columns ``col..`` of the result), ``out`` (into an
     output tile: ``op`` ``cast`` or ``copy``).
 

@@ -59,8 +59,9 @@ Numerics (what ``run_program_torch`` and the kernel compute)
 Inputs enter as their exact values. Every arithmetic instruction computes in float32 on float32 operands
 and gives a float32 value (fp16/bf16 inputs are widened exactly; immediates are rounded to float32).
 Rounding to a narrower type happens only at a ``cast`` and at an output. Reductions accumulate in float32
-(``mean`` is the sum times ``1/width``). This is how the Vector unit computes such a chain (one cast up on
-load, one cast down on store), and it matches eager PyTorch exactly where eager itself computes in fp32:
+(``mean`` is the sum divided by ``width``, as torch's mean computes it; ``sum · (1/width)`` can be an ulp off
+it, enough to flip a comparison with the mean of a row of equal values). This is how the Vector unit computes
+such a chain (one cast up on load, one cast down on store), and it matches eager PyTorch exactly where eager itself computes in fp32:
 float32 programs (up to the last-ulp differences between exp/erf/tanh implementations), and fp16/bf16
 graphs that cast up first (RMSNorm's ``x.float()``). It does *not* match eager fp16/bf16 op chains bit for
 bit: eager rounds every intermediate result to fp16/bf16 (each op computes in fp32 and rounds its output),

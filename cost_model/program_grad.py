@@ -31,7 +31,7 @@ routes ``g`` to the branch its condition picks; compares, logic, casts to bool a
 round sign: torch's zero gradient, NaN and inf included) carry no gradient; a ``sqrt`` of kind ``norm`` (a
 2-norm's root) passes none where it is 0, as torch's norm backward; a cast
 to a float passes ``g`` through (in fp32: torch's ``.to()`` would round the gradient to the narrow dtype
-too); ``reduce sum`` broadcasts ``g``, ``mean`` scales it by ``1/width``, ``max``/``min`` share it evenly
+too); ``reduce sum`` broadcasts ``g``, ``mean`` divides it by ``width`` (torch's mean backward), ``max``/``min`` share it evenly
 among the elements equal to the result (torch's ``amax`` backward: NaN over a row whose result is NaN); a
 softmax or log-softmax (max, shift, exp, sum, div or log) whose intermediates nothing else reads takes torch's
 closed form; ``slice`` pads ``g``
@@ -422,7 +422,8 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
         if ins.kind == "sum":
             return acc(args[0], g)
         if ins.kind == "mean":
-            return acc(args[0], e.mul(g, 1.0 / vals[args[0]].width))
+            w = vals[args[0]].width
+            return acc(args[0], g if w == 1 else e.op("div", g, float(w)))
         # torch's amax/amin backward: g / count at every element equal to the result, as mask * (g / count): a row
         # whose result is NaN equals nowhere, and 0 * (g / 0) makes its whole gradient NaN, as eager's
         m = e.op("cast", e.op("eq", x, y), dtype=F32)

@@ -1045,6 +1045,69 @@ def test_var_and_std_of_a_constant_row_of_inexact_values_are_zero_as_eagers():
     assert ok, (err, tol, grads[2][:3])
 
 
+class AboveMean(nn.Module):
+    def forward(self, x):
+        return torch.where(x >= x.mean(-1, keepdim=True), x, x * 0.5)
+
+
+def test_a_mean_divides_its_sum_as_eagers_so_a_comparison_with_it_does_not_flip():
+    # a row of 6.25 or 3.0: eager's mean (sum / N) is exact; sum · (1/N) was an ulp below, x >= mean flipped (3.12)
+    torch.manual_seed(0)
+    m = AboveMean().eval()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(4, 1000),))
+    assert [d.kernel for d in fused.report.applied] == ["vector_program"], fused.report.summary()
+    x = torch.randn(4, 1000)
+    x[0], x[1], x[2] = 1.0, 6.25, 3.0
+    with torch.no_grad():
+        want, ref, got = m(x), m(x.double()), fused(x)
+    assert torch.equal(got, want)
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
+class ClampedNorm(nn.Module):
+    def forward(self, x):
+        return F.layer_norm(torch.clamp(x, max=0.5), (x.shape[-1],)) * 2.0
+
+
+class NormPow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.ones(64) + 0.1 * torch.randn(64)), nn.Parameter(0.1 * torch.randn(64))
+
+    def forward(self, x):
+        return torch.pow(F.layer_norm(x, (64,), self.w, self.b, eps=1e-5), 4)
+
+
+def test_layer_norm_of_a_row_of_equal_values_is_zero_as_eagers_and_trains_as_eager():
+    # eager's (Welford) mean of a row of 0.1 is exact and the row normalises to 0; the fused mean was off by its
+    # rounding error, times rsqrt(eps) = 316 (1.9e-5 where eager is exact; a gradient after pow(., 4) 15x its bound)
+    torch.manual_seed(0)
+    m = ClampedNorm().train()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(3, 1000, requires_grad=True),))
+    assert any(d.kernel == "vector_program" for d in fused.report.applied), fused.report.summary()
+    x = torch.full((3, 1000), 0.1)
+    x[1], x[2] = 0.3, -0.2
+    with torch.no_grad():
+        want, ref, got = m(x), m(x.double()), fused(x)
+    assert got.abs().max() == 0 and want.abs().max() == 0
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+    torch.manual_seed(0)
+    g = NormPow().train()
+    fused = AutoFusionEngine.fuse(g, (torch.randn(6, 64, requires_grad=True),))
+    assert any(d.kernel == "vector_program" for d in fused.report.applied), fused.report.summary()
+    x = torch.randn(6, 64)
+    x[0] = 0.7
+    cot = torch.randn(6, 64)
+    grads = []
+    for model, dt in ((g, torch.float32), (copy.deepcopy(g).double(), torch.float64), (fused, torch.float32)):
+        xx = x.to(dt).requires_grad_()
+        grads.append(torch.autograd.grad((model(xx) * cot.to(dt)).sum(), xx)[0])
+    ok, err, tol = compare(*grads)
+    assert ok, (err, tol)
+
+
 @pytest.mark.parametrize("spelling", ["dim0", "two_dims"])
 def test_a_var_over_another_dim_is_not_a_row_program(spelling):
     # over dim 0 or over the last two dims: not a row-wise Vector program; it runs as captured, correctly

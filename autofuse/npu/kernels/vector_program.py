@@ -79,7 +79,7 @@ def passes(op) -> tuple:
     if k == "merge":
         return (f"{op.op} acc",)
     if k == "mean":
-        return ("muls 1/count",)
+        return ("div by duplicated count",)
     if k == "gather":
         return (f"gather {op.op}",)
     if k == "copy":
@@ -356,7 +356,7 @@ class TileProgram:
             fn = _MERGE[op.op]
             return lambda: put(fn(arr(0), arr(1)))
         if kind == "mean":
-            return lambda: put(arr(0) * np.float32(1.0 / op.count))
+            return lambda: put(arr(0) / np.float32(op.count))      # torch's mean: the sum divided by the count
         if kind == "copy":
             return lambda: put(arr(0), op.col, op.width)
         if kind == "gather":
