@@ -41,16 +41,37 @@ def make_inputs(prog, seed=0, ties=False):
     return xs
 
 
+class _RoundGradient(torch.autograd.Function):
+    """The value unchanged, the gradient rounded to ``dtype``."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype).to(g.dtype), None
+
+
 @contextlib.contextmanager
 def fp32_cast_gradients():
     """Casts to a float dtype in run_program_torch that round the value but pass the gradient on in fp32 (the
-    derived programs accumulate adjoints in fp32; torch's ``.to()`` rounds the gradient to the narrow dtype)."""
+    derived programs accumulate adjoints in fp32; torch's ``.to()`` rounds the gradient to the narrow dtype), but
+    for a cast of a value the program rounded to 16 bits: there the gradient is rounded to that dtype, as torch's
+    ``.to()`` backward and the derived program round it (the round trip ``x.bfloat16().float()``)."""
     orig = vp._eval
 
     def _eval(ins, args):
         if ins.op == "cast" and ins.dtype != "bool" and args[0].dtype != torch.bool:
             x = args[0].float()
-            return x + (x.to(torch_dtype(ins.dtype)).float() - x).detach()
+            rounded = getattr(args[0], "_rounded_to", None)
+            if rounded is not None:
+                x = _RoundGradient.apply(x, rounded)
+            y = x + (x.to(torch_dtype(ins.dtype)).float() - x).detach()
+            if ins.dtype in ("float16", "bfloat16"):
+                y._rounded_to = torch_dtype(ins.dtype)
+            return y
         return orig(ins, args)
     vp._eval = _eval
     try:
