@@ -1185,8 +1185,17 @@ def _refuse_custom_backwards(model, functions, inputs):
 def _export_retrace(model, args, kwargs, dynamic_shapes=None):
     """``torch.export.export`` then ``run_decompositions({})``: two traces (the reference for
     :func:`_export_functional`)."""
-    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
-                               strict=False).run_decompositions({})
+    with _random_ops_kept():
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                   strict=False).run_decompositions({})
+
+
+def _random_ops_kept():
+    """The context in which a trace keeps a random op whose result is unused (a dead training-mode dropout): eager
+    runs it, and its draw moves torch's generator, so every later draw depends on it. Under a tracing context, fx's
+    dead-code elimination treats random ops as pure unless inductor's ``fallback_random`` is set."""
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(fallback_random=True)
 
 
 def _export_functional(model, args, kwargs, dynamic_shapes=None):
@@ -1200,7 +1209,7 @@ def _export_functional(model, args, kwargs, dynamic_shapes=None):
     except ImportError:                       # another torch: the public two-trace path
         return _export_retrace(model, args, kwargs, dynamic_shapes)
     preserve, _ = _split_decomp_table_to_cia_and_python_decomp({})
-    with _override_composite_implicit_decomp(preserve):
+    with _override_composite_implicit_decomp(preserve), _random_ops_kept():
         return _export(_python_values_kept(model, args, kwargs), args, kwargs, dynamic_shapes, strict=False,
                        pre_dispatch=False)
 

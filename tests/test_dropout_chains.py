@@ -243,6 +243,29 @@ def test_a_region_holding_a_dropouts_output_but_not_the_dropout_does_not_build()
         program_from_nodes(nodes, [nodes[-1]])
 
 
+class DeadDropout(nn.Module):
+    """A dropout whose result nobody reads: eager still draws its mask, and the next dropout draws after it."""
+
+    def forward(self, x):
+        unused = F.dropout(x + 1.0, 0.1, training=self.training)      # noqa: F841
+        return torch.tanh(F.dropout(x, 0.3, training=self.training) * 2.0) + 1.0
+
+
+@pytest.mark.parametrize("route", ["export", "auto"])
+def test_a_dead_dropout_still_draws_as_eagers_does(route):
+    # torch's trace dropped the unused dropout as dead code: the live one drew the dead one's mask (2.4 off eager)
+    torch.manual_seed(0)
+    m = DeadDropout().train()
+    x = torch.randn(4, 8)
+    fused = AutoFusionEngine.fuse(m, (x,), route=route)
+    got, after_fused = _run_seeded(lambda: fused(x))
+    want, after_eager = _run_seeded(lambda: m(x))
+    assert torch.equal(after_fused, after_eager)
+    assert torch.equal(got == 1.0, want == 1.0)
+    ok, err, tol = compare(want, _float64(m, (x,)), got)
+    assert ok, (err, tol)
+
+
 @pytest.mark.parametrize("cls", [ResidualNorm, TwoDropouts], ids=lambda c: c.__name__)
 def test_gradients_follow_the_same_mask(cls):
     torch.manual_seed(0)
