@@ -331,7 +331,25 @@ def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
             variant("magnitudes near the dtype's limit (k)", p, lambda x, b=big: x.mul_(b))
     # no NaN in a key or a value: eager spreads it to every row through masked entries (NaN + mask, 0 * NaN)
     # or not (a masked_fill removes it), by spelling; a kernel that skips masked tiles cannot follow both
+    _equal_row(inputs, roles, out)
     return out
+
+
+def _equal_row(inputs: list, roles: dict, out: list) -> None:
+    """A generated Vector kernel's inputs (roles ``in0``, ``in1``, ...): one row of each float input of two or more
+    columns holding one value, its first (a padded or saturated row): a row's mean is then exact in eager, its
+    variance and a layer norm's deviations exactly 0, and a comparison with the mean ties. One input set."""
+    pos = [p for r, ps in roles.items() if r[:2] == "in" and r[2:].isdigit() for p in ps]
+    xs, changed = list(inputs), False
+    for p in dict.fromkeys(pos):
+        t = xs[p]
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] > 1 and t.numel():
+            t = t.clone()
+            idx = _row(t)
+            t[idx] = t[idx][..., :1].clone()
+            xs[p], changed = t, True
+    if changed:
+        out.append(("a row of equal values (the first of the row's, in each Vector-kernel input)", xs))
 
 
 def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict, canonical=None,

@@ -1137,6 +1137,37 @@ def test_the_gradient_through_a_16_bit_round_trip_is_rounded_as_eagers(dtype):
         assert ok, (err, tol)
 
 
+def test_verification_tries_a_row_of_equal_values(monkeypatch):
+    # a generated kernel wrong only on a row of equal values (as var/std, a mean and layer_norm were) is caught by
+    # verification itself, not left to the call that meets such a row
+    import types
+
+    import numpy as np
+
+    import autofuse.ops_vector as ov
+    from autofuse.verify import adversarial
+
+    x = torch.randn(2, 3, 8)
+    (label, xs), = adversarial([x, torch.randn(8), 1.5], {"in0": [0], "in1": [1], "in2": [2]})
+    assert "equal values" in label and torch.equal(xs[0][:, 0], x[:, 0, :1].expand(2, 8))
+    assert torch.equal(xs[0][:, 1:], x[:, 1:]) and (xs[1] == xs[1][0]).all() and xs[2] == 1.5
+
+    launch = ov._launch_vector_program
+
+    def off_on_equal_rows(inputs, program, device, tiling, **kw):
+        prog, r = launch(inputs, program, device, tiling, **kw)
+        t = inputs[0]
+        equal = (t == t[..., :1]).all(-1, keepdim=True).numpy()
+        return prog, types.SimpleNamespace(outputs=[np.where(equal, o + 1, o) for o in r.outputs], stats=r.stats)
+
+    monkeypatch.setattr(ov, "_launch_vector_program", off_on_equal_rows)
+    m = AboveMean().eval()
+    fused = AutoFusionEngine.fuse(m, (torch.randn(4, 1000),))
+    assert not fused.report.applied and fused.report.decisions[0].reason_code == "verification_failed", \
+        fused.report.summary()
+    assert "equal values" in fused.report.summary()
+
+
 @pytest.mark.parametrize("spelling", ["dim0", "two_dims"])
 def test_a_var_over_another_dim_is_not_a_row_program(spelling):
     # over dim 0 or over the last two dims: not a row-wise Vector program; it runs as captured, correctly
