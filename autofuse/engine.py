@@ -382,7 +382,8 @@ class ModuleGuard:
     containers of them at any depth: a dropout's ``p``, a norm's ``eps``, an attention's ``scaling``, private ones
     such as ``_scale`` too; functions kept as attributes, by identity; tensors that are no parameter or buffer,
     by identity, version and values), the set of each module's attribute names (one added later may be one the
-    forward looked for), the module's hooks, forward and class, and torch's global module hooks. Capture bakes such
+    forward looked for) and of its parameter, buffer and submodule slots with which of them hold None (a
+    ``bias=False`` given a parameter later, a buffer registered as None and assigned), the module's hooks, forward and class, and torch's global module hooks. Capture bakes such
     values into the graph as constants, so a changed one (or a module swapped for another) re-plans rather than
     run the old value. ``training`` is part of the plan's key instead. A forward that settles an attribute itself
     leaves it changed after its first call, so the next call plans again from the settled value; one that changes
@@ -393,6 +394,9 @@ class ModuleGuard:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
+        # the parameter, buffer and submodule slots of each module, and which hold None (a bias=False filled
+        # later, an optional buffer registered as None and assigned, a parameter or buffer registered since)
+        self.slots = {name: _slots(m) for name, m in self.modules.items()}
         self.attrs = [(name, k, _kept(v)) for name, m in self.modules.items() for k, v in vars(m).items()
                       if k not in _MODULE_OWN and _guardable(v)]
         # an attribute added later may be one the forward looked for (getattr(self, "scale", 1.0))
@@ -425,6 +429,10 @@ class ModuleGuard:
             if why is not None:
                 return why
         for name, m in self.modules.items():
+            why = _slots_changed(self.slots[name], _slots(m), name)
+            if why is not None:
+                return why
+        for name, m in self.modules.items():
             added = sorted(set(vars(m)) - self.names[name])
             if added:
                 return f"{name + '.' if name else ''}{added[0]} was added to the model since the plan was made (a " \
@@ -434,6 +442,33 @@ class ModuleGuard:
     def describe(self) -> str:
         return (f"{len(self.modules)} modules and {len(self.attrs)} attributes: identity, hooks and forward, "
                 f"attribute names, and value")
+
+
+_SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"), ("_modules", "submodule"))
+
+
+def _slots(m: torch.nn.Module) -> tuple:
+    """The names of ``m``'s parameters, buffers and submodules, each with whether it holds None."""
+    return tuple(tuple((k, v is None) for k, v in getattr(m, d).items()) for d, _ in _SLOTS)
+
+
+def _slots_changed(was: tuple, now: tuple, name: str) -> str | None:
+    """How the slots (:func:`_slots`) of the module at ``name`` changed, in words; None where they did not."""
+    if was == now:
+        return None
+    for (_, kind), before, after in zip(_SLOTS, was, now):
+        before, after = dict(before), dict(after)
+        for k in (*before, *after):
+            where = f"{name + '.' if name else ''}{k}"
+            if k not in before:
+                return f"{where} was added to the model as a {kind} since the plan was made (a forward may read it)"
+            if k not in after:
+                return f"{where} was removed from the model's {kind}s since the plan was made"
+            if before[k] and not after[k]:
+                return f"{where} was None when the plan was made and now holds a {kind} (a forward may read it)"
+            if after[k] and not before[k]:
+                return f"{where} held a {kind} when the plan was made and now is None"
+    return f"the {', '.join(kind for _, kind in _SLOTS)} slots of {name or '(the model)'} changed since the plan"
 
 
 def _hooked_modules(model) -> list:
