@@ -394,6 +394,8 @@ class ModuleGuard:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = dict(model.named_modules())
+        # every name a module is reached by: one registered under two names (act1 = act2) may be re-pointed at one
+        self.every_name = dict(model.named_modules(remove_duplicate=False))
         # the parameter, buffer and submodule slots of each module, and which hold None (a bias=False filled
         # later, an optional buffer registered as None and assigned, a parameter or buffer registered since)
         self.slots = {name: _slots(m) for name, m in self.modules.items()}
@@ -406,8 +408,8 @@ class ModuleGuard:
         self.hooks = _global_hooks()
 
     def check(self, model) -> str | None:
-        now = dict(model.named_modules())
-        for name, m in self.modules.items():
+        now = dict(model.named_modules(remove_duplicate=False))
+        for name, m in self.every_name.items():
             if now.get(name) is not m:
                 return f"module {name or '(the model)'} was replaced or removed (the plan captured the old one)"
         for name, m in self.modules.items():
