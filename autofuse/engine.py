@@ -337,9 +337,10 @@ _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_
 
 def _global_hooks() -> tuple:
     """torch's global module hooks (``register_module_forward_hook`` and friends), by identity: capture runs them
-    into the graph like a module's own."""
+    into the graph like a module's own. Each is kept with its handle's id (never reused) and the hook itself (held,
+    so that its address cannot pass to another): a tuple of them compares equal only to the same hooks."""
     from torch.nn.modules import module as _m
-    return tuple(tuple(id(h) for h in getattr(_m, d, {}).values())
+    return tuple(tuple(getattr(_m, d, {}).items())
                  for d in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
                            "_global_backward_pre_hooks"))
 
@@ -483,9 +484,10 @@ def _call_state(m: torch.nn.Module) -> tuple:
     """What a call of ``m`` runs besides its class's forward: its forward and backward hooks and pre-hooks (by
     identity; a new one re-plans, and the report warns of hooks), a forward set on the instance, its class and the
     class's forward."""
-    hooks = tuple(tuple((k, id(h)) for k, h in getattr(m, d).items()) for d in _HOOKS)
-    # looked up without descriptors: a TorchScript submodule's class forward is a descriptor that fails on the class
-    return hooks, id(m.__dict__.get("forward")), type(m), id(inspect.getattr_static(type(m), "forward", None))
+    hooks = tuple(tuple(getattr(m, d).items()) for d in _HOOKS)
+    # the objects themselves, held (an id alone may pass to a new object once the old one is freed); looked up
+    # without descriptors: a TorchScript submodule's class forward is a descriptor that fails on the class
+    return hooks, m.__dict__.get("forward"), type(m), inspect.getattr_static(type(m), "forward", None)
 
 
 #: One plan is made at a time, process-wide: torch.export's tracing is not thread-safe (two threads capturing

@@ -578,3 +578,28 @@ def test_a_module_registered_under_two_names_repointed_replans():
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
     assert "module act2 was replaced" in fused.report.replanned_because
+
+
+def test_a_global_hook_replaced_by_one_at_the_same_address_replans():
+    """The global-hook guard kept ``id()`` of each hook only: once the captured hook was removed and freed, a new
+    one allocated at its address passed, and the plan ran the old hook's effect (3.0 off eager at the first try)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    def make_hook(scale):
+        return lambda mod, inp, out: out * scale if isinstance(mod, nn.GELU) else None
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)), torch.randn(2, 4, 16)
+    handle = register_module_forward_hook(make_hook(2.0))
+    try:
+        fused = AutoFusionEngine.fuse(model, (x,))
+    finally:
+        handle.remove()                          # the captured hook is freed, and a new one may take its address
+    for _ in range(3):
+        handle = register_module_forward_hook(make_hook(-3.0))
+        try:
+            with torch.no_grad():
+                torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+            assert "global module hooks" in fused.report.replanned_because
+        finally:
+            handle.remove()
