@@ -32,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import decimal
+import fractions
 import functools
 import inspect
 import threading
@@ -194,9 +196,9 @@ class _TensorState:
     tensor itself (held, so that its identity cannot pass to another), its version, and up to
     :data:`_VALUES_KEPT` elements its values (an edit through ``.data`` moves neither identity nor version)."""
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, budget=None):
         self.tensor, self.version = t, t._version
-        self.copy = t.detach().clone() if t.numel() <= _VALUES_KEPT and t.device.type != "meta" else None
+        self.copy = t.detach().clone() if _within(t.numel(), budget) and t.device.type != "meta" else None
 
     def holds(self, t) -> bool:
         """Whether ``t`` is that tensor, at that version, with those values."""
@@ -205,8 +207,48 @@ class _TensorState:
 
 
 #: The largest plain tensor attribute whose values a plan keeps to compare (4 Mi elements); a larger one is
-#: guarded by identity and version only.
+#: guarded by identity and version only. Numpy arrays likewise (by identity only beyond it), and the tensors and
+#: arrays of one container (:class:`_Tree`) up to this many elements in all.
 _VALUES_KEPT = 1 << 22
+
+
+def _within(numel: int, budget) -> bool:
+    """Whether values of ``numel`` elements are kept: up to :data:`_VALUES_KEPT`, or, for the tensors and arrays of
+    one container, while its ``budget`` (a one-element list: the elements left) lasts, which they then use."""
+    if budget is None:
+        return numel <= _VALUES_KEPT
+    if numel > budget[0]:
+        return False
+    budget[0] -= numel
+    return True
+
+
+try:
+    import numpy as _np
+except ImportError:             # numpy is optional for torch
+    _np = None
+
+
+def _is_array(v) -> bool:
+    return _np is not None and isinstance(v, _np.ndarray)
+
+
+class _ArrayState:
+    """A numpy array attribute as a plan saw it (``torch.from_numpy(self.table)`` is captured as a constant): its
+    dtype, shape and values up to :data:`_VALUES_KEPT` elements, beyond that (or holding Python objects) the array
+    itself by identity (numpy keeps no version counter)."""
+
+    def __init__(self, a, budget=None):
+        self.array = a
+        self.copy = a.copy() if not a.dtype.hasobject and _within(a.size, budget) else None
+
+    def holds(self, a) -> bool:
+        if a is self.array and self.copy is None:
+            return True
+        if self.copy is None or type(a) is not type(self.array) or a.dtype != self.copy.dtype or \
+                a.shape != self.copy.shape:
+            return False
+        return bool(_np.array_equal(a, self.copy, equal_nan=a.dtype.kind in "fc"))
 
 
 class _Same:
@@ -243,11 +285,20 @@ def _fewer_values(v, most: int) -> bool:
     return True
 
 
+#: Values that compare by value: numbers (a ``Fraction``, a ``Decimal`` too), strings, bytes, flags, None, dtypes,
+#: devices, shapes and ranges; numpy scalars and slices of such values are plain too (:func:`_plain_value`).
+_SCALARS = (bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device, torch.Size,
+            range, fractions.Fraction, decimal.Decimal)
+
+
 def _plain_value(v) -> bool:
-    """A number, string, flag, None, dtype, device or shape, or a tuple, list, set or dict (string keys) of such
-    values at any depth: what capture bakes in as a constant, kept by a deep copy and compared by value."""
-    if isinstance(v, (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.Size)):
+    """A number (a numpy scalar, a ``Fraction`` too), string, bytes, flag, None, dtype, device, shape, range or
+    slice, or a tuple, list, set or dict (string keys) of such values at any depth: what capture bakes in as a
+    constant, kept by a deep copy and compared by value."""
+    if isinstance(v, _SCALARS) or _np is not None and isinstance(v, _np.generic):
         return True
+    if isinstance(v, slice):
+        return _plain_value(v.start) and _plain_value(v.stop) and _plain_value(v.step)
     if isinstance(v, (tuple, list, set, frozenset)):
         return all(_plain_value(x) for x in v)
     if isinstance(v, dict):
@@ -267,19 +318,93 @@ def _value(v) -> bool:
 
 def _guardable(v) -> bool:
     """A value a forward may read from a module attribute and capture bake in: a plain value (:func:`_value`),
-    a tensor, a function, or an object whose public plain fields it may read (:func:`_held_object`)."""
-    return _value(v) or isinstance(v, torch.Tensor) or callable(v) and not isinstance(v, torch.nn.Module) or \
-        _held_object(v)
+    a tensor, a numpy array, a tuple, list or dict holding tensors or arrays among plain values (:func:`_tree`), a
+    function, or an object whose public plain fields it may read (:func:`_held_object`)."""
+    return _value(v) or isinstance(v, torch.Tensor) or _is_array(v) or _tree(v) or \
+        callable(v) and not isinstance(v, torch.nn.Module) or _held_object(v)
+
+
+def _tree(v) -> bool:
+    """A tuple, list or dict (string or int keys) whose values at any depth are plain values (:func:`_plain_value`),
+    tensors or numpy arrays, at least one of them a tensor or an array (RoPE tables kept as
+    ``{"cos": ..., "sin": ...}``): guarded as :class:`_Tree`."""
+    found, stack = False, [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            if not all(isinstance(k, (str, int)) for k in x):
+                return False
+            stack.extend(x.values())
+        elif isinstance(x, torch.Tensor) or _is_array(x):
+            found = True
+        elif not _plain_value(x):
+            return False
+    return found and isinstance(v, (tuple, list, dict))
+
+
+class _Tree:
+    """A container of tensors or arrays (:func:`_tree`) as a plan saw it: its type and length or keys at every
+    depth, each tensor as a non-buffer tensor attribute is kept (:class:`_TensorState`: identity, version, and
+    values while the container's tensors and arrays hold up to :data:`_VALUES_KEPT` elements in all), each array
+    as :class:`_ArrayState`, each other value by value."""
+
+    def __init__(self, v, budget=None):
+        budget = [_VALUES_KEPT] if budget is None else budget
+        self.type = type(v)
+        self.keys = tuple(v) if isinstance(v, dict) else len(v)
+        self.items = tuple(_kept(x, budget) for x in (v.values() if isinstance(v, dict) else v))
+
+    def changed(self, cur) -> str | None:
+        if type(cur) is not self.type:
+            return f"was replaced by a {type(cur).__name__} (the plan captured a {self.type.__name__} of tensors)"
+        if isinstance(cur, dict):
+            if tuple(cur) != self.keys:
+                return f"has the keys {list(cur)} (the plan captured {list(self.keys)})"
+            names, items = self.keys, cur.values()
+        else:
+            if len(cur) != self.keys:
+                return f"holds {len(cur)} values (the plan captured {self.keys})"
+            names, items = range(self.keys), cur
+        for k, kept, x in zip(names, self.items, items):
+            why = _changed(kept, x)
+            if why is not None:
+                return f"[{k!r}] {why}"
+        return None
+
+
+def _same_plain(a, b) -> bool:
+    """Two plain values (:func:`_plain_value`) are the same: of one type and equal, NaN equal to NaN, a range or a
+    slice by its start, stop and step, containers element by element."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_same_plain, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_plain(a[k], b[k]) for k in a)
+    if isinstance(a, (range, slice)):
+        return all(map(_same_plain, (a.start, a.stop, a.step), (b.start, b.stop, b.step)))
+    if _np is not None and isinstance(a, _np.generic):
+        return bool(a == b) or bool(a != a) and bool(b != b)
+    return same_value(a, b)
 
 
 def _changed(kept, cur) -> str | None:
-    """How ``cur`` differs from what :func:`_kept` kept (a tensor: its identity, version and values; an object by
-    identity; a value by value), in words after the attribute's name; None where it does not."""
+    """How ``cur`` differs from what :func:`_kept` kept (a tensor: its identity, version and values; an array: its
+    values; a container of tensors: its structure and each element; an object by identity; a value by value), in
+    words after the attribute's name; None where it does not."""
     if isinstance(kept, _TensorState):
         return None if kept.holds(cur) else "was replaced or modified in place (captured as a constant)"
+    if isinstance(kept, _ArrayState):
+        return None if kept.holds(cur) else "was replaced or modified in place (a numpy array captured as a constant)"
+    if isinstance(kept, _Tree):
+        return kept.changed(cur)
     if isinstance(kept, _Same):
         return None if cur is kept.v else f"was replaced by {cur!r} (the plan captured {kept.v!r})"
-    return None if same_value(cur, kept) else f"changed from {kept!r} to {cur!r} (captured as a constant)"
+    return None if _same_plain(cur, kept) else f"changed from {kept!r} to {cur!r} (captured as a constant)"
 
 
 def _held_object(v) -> bool:
@@ -312,14 +437,22 @@ def _public_values(obj):
     return [(k, v) for k, v in vars(obj).items() if not k.startswith("_") and _value(v)]
 
 
-def _kept(v):
+def _kept(v, budget=None):
     """What a plan keeps of a guarded attribute's value (:func:`_guardable`): containers of plain values
-    deep-copied (edited in place, at any depth), a tensor as a :class:`_TensorState`, a function, a held object
-    or a container too large to compare by identity (:class:`_Same`), anything else as it is."""
+    deep-copied (edited in place, at any depth), a tensor as a :class:`_TensorState`, a numpy array as an
+    :class:`_ArrayState`, a container holding tensors or arrays as a :class:`_Tree`, a function, a held object or
+    a container too large to compare by identity (:class:`_Same`), anything else as it is. ``budget``: the
+    elements a container's tensors and arrays may still keep values of (:func:`_within`)."""
     if isinstance(v, torch.Tensor):
-        return _TensorState(v)
-    if isinstance(v, _CONTAINERS):          # plain values only (:func:`_value`), a large container by identity
-        return copy.deepcopy(v) if _fewer_values(v, _VALUES_COMPARED) else _Same(v)
+        return _TensorState(v, budget)
+    if _is_array(v):
+        return _ArrayState(v, budget)
+    if isinstance(v, _CONTAINERS):          # a large container by identity
+        if not _fewer_values(v, _VALUES_COMPARED):
+            return _Same(v)
+        return _Tree(v, budget) if _tree(v) else copy.deepcopy(v)
+    if isinstance(v, bytearray):
+        return bytearray(v)
     if callable(v) and not isinstance(v, type) or _held_object(v):
         return _Same(v)
     return v
@@ -426,7 +559,7 @@ class ModuleGuard:
                 return f"{where} is gone from the model"
             why = _changed(v, cur)
             if why is not None:
-                return f"{where} {why}"
+                return f"{where}{why}" if why.startswith("[") else f"{where} {why}"
         for fields in self.objects.values():
             why = fields.check()
             if why is not None:

@@ -2,7 +2,9 @@
 attribute edited, a module's class swapped or its class's forward patched, torch's global hooks, a dtype change
 after a symbolic export was made, ``2`` against ``2.0``, and a float64 model refused at any plan."""
 import copy
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -603,3 +605,93 @@ def test_a_global_hook_replaced_by_one_at_the_same_address_replans():
             assert "global module hooks" in fused.report.replanned_because
         finally:
             handle.remove()
+
+
+class Values(nn.Module):
+    """A forward that reads an attribute of a type other than Python's own numbers and containers."""
+
+    def __init__(self, val):
+        super().__init__()
+        self.fc, self.val = nn.Linear(16, 16), val
+
+    def forward(self, x):
+        h, v = self.fc(x), self.val
+        if isinstance(v, (slice, range)):
+            return h[..., v] if isinstance(v, slice) else h[..., list(v)]
+        if isinstance(v, bytes):
+            return h * len(v)
+        if isinstance(v, dict):
+            return h * v["cos"] + v["sin"]
+        if isinstance(v, list):
+            return h * v[0]
+        if isinstance(v, Fraction):
+            return h * float(v)
+        return h * (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+
+
+VALUES = {
+    "np.float32": (np.float32(0.5), lambda m: setattr(m, "val", np.float32(7))),
+    "np.int64": (np.int64(2), lambda m: setattr(m, "val", np.int64(7))),
+    "np.ndarray_replaced": (np.linspace(0, 1, 16, dtype=np.float32),
+                            lambda m: setattr(m, "val", np.linspace(5, 6, 16, dtype=np.float32))),
+    "np.ndarray_in_place": (np.linspace(0, 1, 16, dtype=np.float32), lambda m: m.val.__imul__(5)),
+    "slice": (slice(0, 16), lambda m: setattr(m, "val", slice(0, 16, 2))),
+    "range": (range(16), lambda m: setattr(m, "val", range(0, 16, 2))),
+    "Fraction": (Fraction(1, 2), lambda m: setattr(m, "val", Fraction(7, 2))),
+    "bytes": (b"ab", lambda m: setattr(m, "val", b"abcde")),
+}
+
+
+@pytest.mark.parametrize("kind", list(VALUES))
+def test_a_numpy_slice_range_fraction_or_bytes_attribute_changed_after_fuse_replans(kind):
+    """Only Python's own numbers, strings and containers were guarded: a numpy scalar or array, a slice, a range,
+    a Fraction or bytes changed after fuse() kept the old plan (up to 14 off eager, or another output shape)."""
+    torch.manual_seed(0)
+    init, edit = VALUES[kind]
+    model, x = Values(init).eval(), torch.randn(2, 4, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    with torch.no_grad():
+        fused(x)
+        assert len(fused.plans) == 1 and not fused.report.replanned_because       # unchanged: no new plan
+        edit(model)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
+    assert fused.report.replanned_because.startswith("val ")
+
+
+class Tables(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.kind = nn.Linear(16, 16), kind
+        t = torch.ones(16)
+        self.tables = [t, 2] if kind == "list" else {"scale": t, "shift": (torch.zeros(16), 0.5)}
+
+    def forward(self, x):
+        if self.kind == "list":
+            return self.fc(x) * self.tables[0] + self.tables[1]
+        return self.fc(x) * self.tables["scale"] + self.tables["shift"][0] * self.tables["shift"][1]
+
+
+TABLE_EDITS = {
+    "entry_replaced": lambda t, k: t.__setitem__(k, torch.full((16,), 5.0)),
+    "in_place": lambda t, k: t[k].mul_(5.0),
+    "through_data": lambda t, k: t[k].data.copy_(torch.full((16,), 5.0)),
+    "plain_value": lambda t, k: t.__setitem__(1, 3) if isinstance(t, list) else t.__setitem__("shift", (
+        t["shift"][0], 4.0)),
+}
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+@pytest.mark.parametrize("edit", list(TABLE_EDITS))
+def test_tensors_kept_in_a_list_or_dict_attribute_are_guarded(kind, edit):
+    """A list or dict of tensors kept as a plain attribute (RoPE tables in a dict) was not guarded: an entry
+    replaced kept the old plan (7 to 9 off eager). Each tensor is guarded as a plain tensor attribute is, and the
+    container's structure and plain values too."""
+    torch.manual_seed(0)
+    model, x = Tables(kind).eval(), torch.randn(2, 4, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    with torch.no_grad():
+        fused(x)
+        assert len(fused.plans) == 1 and not fused.report.replanned_because       # unchanged: no new plan
+        TABLE_EDITS[edit](model.tables, 0 if kind == "list" else "scale")
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
+    assert fused.report.replanned_because.startswith("tables[")
