@@ -540,6 +540,7 @@ class ModuleGuard:
         self.objects = {id(v.v): _Fields(v.v) for _, _, v in self.attrs if isinstance(v, _Same) and _held_object(v.v)}
         self.calls = {name: _call_state(m) for name, m in self.modules.items()}
         self.hooks = _global_hooks()
+        self.classes = [_ClassState(c) for c in _module_classes(self.modules.values())]
 
     def check(self, model) -> str | None:
         now = dict(model.named_modules(remove_duplicate=False))
@@ -552,6 +553,10 @@ class ModuleGuard:
                         f"when it was captured (capture runs them into the graph)")
         if _global_hooks() != self.hooks:
             return "torch's global module hooks changed since capture (capture runs them into the graph)"
+        for cls in self.classes:
+            why = cls.check()
+            if why is not None:
+                return why
         for name, k, v in self.attrs:
             cur = vars(self.modules[name]).get(k, _MISSING)
             where = f"{name + '.' if name else ''}{k}"
@@ -578,6 +583,71 @@ class ModuleGuard:
     def describe(self) -> str:
         return (f"{len(self.modules)} modules and {len(self.attrs)} attributes: identity, hooks and forward, "
                 f"attribute names, and value")
+
+
+def _module_classes(modules) -> list:
+    """The classes of ``modules`` and their bases, nn.Module and its own bases left out, each once."""
+    skip = set(torch.nn.Module.__mro__)
+    return list(dict.fromkeys(c for m in modules for c in type(m).__mro__ if c not in skip))
+
+
+def _dunder(k) -> bool:
+    return isinstance(k, str) and k.startswith("__") and k.endswith("__")
+
+
+class _ClassState:
+    """A module class's own attributes as a plan saw them (``scale = 1.0`` in the class body, a helper method a
+    forward calls, a class-wide table): capture bakes them in as it does an instance's. The class's ``__dict__`` is
+    kept as it was (values held) and compared at each call in one step, each entry by identity or equality (a
+    function by identity, a plain value by value); a container, tensor or array among them is kept as an instance
+    attribute's is (:func:`_kept`), so an edit in place is seen too. Names torch and Python keep there themselves
+    (``__doc__``, ``__annotations__``) are not guarded."""
+
+    def __init__(self, cls):
+        self.cls = cls
+        self.snapshot = dict(vars(cls))
+        self.kept = [(k, kept) for k, v in self.snapshot.items() if not _dunder(k) and _mutable(v) and _guardable(v)
+                     for kept in (_kept(v),) if not isinstance(kept, _Same)]
+
+    def check(self) -> str | None:
+        now = vars(self.cls)
+        try:
+            same = now == self.snapshot
+        except Exception:  # noqa: BLE001 - a value without a plain equality (an array put in its place)
+            same = False
+        if not same:
+            why = self._differs(now)
+            if why is not None:
+                return why
+            self.snapshot = dict(now)           # only names Python keeps changed, or a value for an equal one
+        for k, kept in self.kept:
+            cur = now.get(k, _MISSING)
+            why = "is gone from the class" if cur is _MISSING else _changed(kept, cur)
+            if why is not None:
+                return f"{self.cls.__qualname__}.{k}{why}" if why.startswith("[") else \
+                    f"{self.cls.__qualname__}.{k} {why}"
+        return None
+
+    def _differs(self, now) -> str | None:
+        name = self.cls.__qualname__
+        for k in dict.fromkeys((*self.snapshot, *now)):
+            was, cur = self.snapshot.get(k, _MISSING), now.get(k, _MISSING)
+            if was is cur or _dunder(k):
+                continue
+            if was is _MISSING:
+                return f"{name}.{k} was added to the class since the plan was made (a forward may read it)"
+            if cur is _MISSING:
+                return f"{name}.{k} is gone from the class since the plan was made"
+            if _plain_value(was) and _same_plain(cur, was):
+                continue
+            what = f"changed from {was!r} to {cur!r}" if _plain_value(was) and _plain_value(cur) else "was replaced"
+            return f"class attribute {name}.{k} {what} since the plan was made (the plan captured the old one)"
+        return None
+
+
+def _mutable(v) -> bool:
+    """A value that can change in place, keeping its identity."""
+    return isinstance(v, (list, dict, set, tuple, bytearray, torch.Tensor)) or _is_array(v)
 
 
 _SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"), ("_modules", "submodule"))

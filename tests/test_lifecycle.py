@@ -695,3 +695,45 @@ def test_tensors_kept_in_a_list_or_dict_attribute_are_guarded(kind, edit):
         TABLE_EDITS[edit](model.tables, 0 if kind == "list" else "scale")
         torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
     assert fused.report.replanned_because.startswith("tables[")
+
+
+def _class_with_settings():
+    class WithSettings(nn.Module):
+        scale = 1.0                               # a class-wide setting
+        table = [1.0, 0.0]                        # a class-wide table
+
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def act(self, h):                         # a helper method
+            return torch.relu(h)
+
+        def forward(self, x):
+            return self.act(self.fc(x)) * self.scale * self.table[0] + self.table[1]
+    return WithSettings
+
+
+CLASS_EDITS = {
+    "attribute": (lambda c: setattr(c, "scale", 3.0), "WithSettings.scale changed from 1.0 to 3.0"),
+    "method": (lambda c: setattr(c, "act", lambda self, h: torch.tanh(h)), "WithSettings.act was replaced"),
+    "added": (lambda c: setattr(c, "extra", 1.0), "WithSettings.extra was added to the class"),
+    "table_in_place": (lambda c: c.table.__setitem__(1, 2.0), "WithSettings.table changed from [1.0, 0.0]"),
+}
+
+
+@pytest.mark.parametrize("edit", list(CLASS_EDITS))
+def test_a_class_attribute_or_method_changed_after_fuse_replans(edit):
+    """Only a class's forward was guarded: a class-level setting or a helper method patched on the class kept the
+    old plan (0.9 to 2.6 off eager)."""
+    torch.manual_seed(0)
+    cls = _class_with_settings()
+    model, x = cls().eval(), torch.randn(2, 4, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    with torch.no_grad():
+        fused(x)
+        assert len(fused.plans) == 1 and not fused.report.replanned_because       # unchanged: no new plan
+        change, why = CLASS_EDITS[edit]
+        change(cls)
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
+    assert why in fused.report.replanned_because
