@@ -1163,9 +1163,36 @@ class FusedModule(torch.nn.Module):
         # into the other (the submodule's name "model." is not part of the user's state)
         self.register_state_dict_post_hook(_model_keys)
         self.register_load_state_dict_pre_hook(_submodule_keys)
+        # from here on, assigning a name the model has and this module does not reaches the model (__setattr__)
+        self.__dict__["_autofuse_built"] = True
         if example_inputs is not None:
             args, kwargs = self._in_program_order(*example_inputs)
             self._plan_for(args, kwargs)
+
+    def _models_name(self, name) -> bool:
+        """Whether ``name`` is one of the model's attributes that this module does not have itself (it reads it
+        through, :meth:`__getattr__`): assigning or deleting it reaches the model."""
+        d = self.__dict__
+        if not d.get("_autofuse_built") or name in d or name.startswith("__") or hasattr(type(self), name) or \
+                any(name in d.get(store, ()) for store in ("_parameters", "_buffers", "_modules")):
+            return False
+        model = d["_modules"].get("model")
+        return model is not None and hasattr(model, name)
+
+    def __setattr__(self, name, value):
+        """``fused.fc2 = nn.Linear(...)`` sets the model's ``fc2`` (which ``fused.fc2`` reads), so the next call
+        plans again with it and ``state_dict()`` holds its weights; a name the model does not have (or this
+        module's own) is set on this module."""
+        if self._models_name(name):
+            setattr(self.__dict__["_modules"]["model"], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if self._models_name(name):
+            delattr(self.__dict__["_modules"]["model"], name)
+        else:
+            super().__delattr__(name)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """The model's own ``load_state_dict``: strict mode's error and the missing / unexpected keys name the

@@ -737,3 +737,20 @@ def test_a_class_attribute_or_method_changed_after_fuse_replans(edit):
         change(cls)
         torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
     assert why in fused.report.replanned_because
+
+
+def test_assigning_a_models_attribute_on_the_fused_module_reaches_the_model():
+    """``fused.o`` reads the model's ``o``, but ``fused.o = nn.Linear(...)`` registered a second module on the fused
+    one: calls kept the model's old ``o`` and ``state_dict()`` held both under one key. A name the model does not
+    have is still set on the fused module."""
+    model, x, fused = _setup()
+    torch.manual_seed(3)
+    new = nn.Linear(32, 32)
+    fused.o = new
+    assert model.o is new and fused.o is new and "o" not in fused._modules
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)     # fp32 reassociation only
+    assert "module o was replaced" in fused.report.replanned_because
+    assert torch.equal(fused.state_dict()["o.weight"], new.weight)
+    fused.tag = "mine"                            # not the model's: the fused module's own
+    assert fused.__dict__["tag"] == "mine" and not hasattr(model, "tag")
