@@ -1199,12 +1199,26 @@ class FusedModule(torch.nn.Module):
         model's keys (through the hooks, a ``"model."`` prefix, this module's submodule, showed in them)."""
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    #: What a fused module keeps of its plans (compiled graphs bound to its model): a deep copy starts them anew.
+    _PLAN_STATE = frozenset({"_plans", "_last", "_caches_ready", "_encoder", "_sizes", "_verdicts", "_spec_paths",
+                             "_modules"})
+
     def __deepcopy__(self, memo):
         """A fused module of a deep copy of the model, with the same settings and no plans yet (the first call
-        of each signature plans again): plans hold compiled graphs bound to this module's model."""
+        of each signature plans again): plans hold compiled graphs bound to this module's model. Everything else
+        is deep-copied as ``nn.Module`` copies it: hooks registered on this module, its training flag, attributes
+        and submodules set on it."""
         model = copy.deepcopy(self.model, memo)
-        return FusedModule(model, None, self._device, self._level, self._budget, self._route, self._verify,
-                           self._switches, self._max_plans, self._sizes is not None)
+        new = FusedModule(model, None, self._device, self._level, self._budget, self._route, self._verify,
+                          self._switches, self._max_plans, self._sizes is not None)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in self._PLAN_STATE:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        for k, sub in self._modules.items():
+            if k != "model":
+                new._modules[k] = copy.deepcopy(sub, memo)
+        return new
 
     def __copy__(self):            # a shallow copy as copy.copy makes one (pickling, below, is refused)
         new = object.__new__(type(self))

@@ -754,3 +754,17 @@ def test_assigning_a_models_attribute_on_the_fused_module_reaches_the_model():
     assert torch.equal(fused.state_dict()["o.weight"], new.weight)
     fused.tag = "mine"                            # not the model's: the fused module's own
     assert fused.__dict__["tag"] == "mine" and not hasattr(model, "tag")
+
+
+def test_deepcopy_keeps_the_fused_modules_hooks_mode_and_attributes():
+    """copy.deepcopy(fused) built a fused module from scratch: hooks registered on the fused module, its training
+    flag and attributes set on it were dropped (copy.deepcopy of any other nn.Module keeps them)."""
+    model, x, fused = _setup()
+    fused.register_forward_hook(lambda mod, i, o: o * 0)
+    fused.eval()
+    fused.tag = "mine"
+    twin = copy.deepcopy(fused)
+    assert twin.model is not model and not twin.plans
+    with torch.no_grad():
+        assert bool((twin(x) == 0).all())
+    assert not twin.training and not twin.model.training and twin.__dict__["tag"] == "mine"
