@@ -43,6 +43,8 @@ import warnings
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from autofuse import caches, memory
 from autofuse import verify as _verify
@@ -1276,6 +1278,11 @@ class FusedModule(torch.nn.Module):
         return p
 
     def forward(self, *args, **kwargs):
+        if _tracing(args, kwargs):
+            # traced by another capture (this module inside a model fused again, torch.export, torch.compile):
+            # the model itself, so that the capture sees its ops and fuses them with the rest (planning here
+            # would export inside the other trace)
+            return self.model(*args, **kwargs)
         args, kwargs = self._in_program_order(args, kwargs)
         return self._plan_for(args, kwargs)(*args, **kwargs)
 
@@ -1396,6 +1403,21 @@ class FusedModule(torch.nn.Module):
         p = self._plan_for(args, kwargs)
         return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device,
                               values=values, backward=backward)
+
+
+def _fx_tracing() -> bool:
+    t = fx._symbolic_trace
+    return t.is_fx_symbolic_tracing() if hasattr(t, "is_fx_symbolic_tracing") else t.is_fx_tracing()
+
+
+def _tracing(args, kwargs) -> bool:
+    """Whether a call runs inside a capture: torch.export, Dynamo, fx's symbolic tracing, a proxy or fake tensor
+    mode, or inputs that are fake tensors or fx proxies."""
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling() or _fx_tracing():
+        return True
+    if get_proxy_mode() is not None or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    return any(isinstance(x, (FakeTensor, fx.Proxy)) for x in pytree.tree_leaves((args, kwargs)))
 
 
 def generic_only() -> dict:

@@ -768,3 +768,33 @@ def test_deepcopy_keeps_the_fused_modules_hooks_mode_and_attributes():
     with torch.no_grad():
         assert bool((twin(x) == 0).all())
     assert not twin.training and not twin.model.training and twin.__dict__["tag"] == "mine"
+
+
+class Big(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x):
+        return self.head(self.block(self.emb(x)))
+
+
+@pytest.mark.parametrize("route", ["export", "symbolic_trace"])
+def test_a_model_holding_a_fused_module_fuses_again_at_new_shapes(route):
+    """A fused module inside a model fused again planned (and exported) its own model while the outer capture
+    traced it: at a new shape the outer call failed. Traced by another capture, a fused module runs its model,
+    which the outer capture sees and fuses with the rest."""
+    torch.manual_seed(0)
+    big, x = Big().eval(), torch.randn(2, 3, 8)
+    ref = copy.deepcopy(big)
+    big.block = AutoFusionEngine.fuse(big.block, (big.emb(x),))
+    inner = len(big.block.plans)
+    outer = AutoFusionEngine.fuse(big, (x,), route=route)
+    with torch.no_grad():
+        for shape in ((2, 3, 8), (5, 3, 8)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(outer(x), ref(x), atol=1e-5, rtol=1e-4)   # fp32 reassociation only
+    assert len(big.block.plans) == inner                  # the inner module did not plan inside the outer capture
+    assert outer.report.applied                           # the outer plan fuses the block's ops itself
+    assert all(isinstance(p, nn.Parameter) for p in big.parameters())
