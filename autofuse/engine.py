@@ -1277,6 +1277,17 @@ class FusedModule(torch.nn.Module):
         self._last = p
         return p
 
+    def __call__(self, *args, **kwargs):
+        """The forward, without torch's global module hooks where this module has no hooks of its own: capture ran
+        them into the plan's graph for the model (its own call included), as eager fires them once per module, and
+        firing them for this module too applied them once more."""
+        d = self.__dict__
+        if getattr(self, "_compiled_call_impl", None) is None and not (d["_forward_hooks"] or d["_forward_pre_hooks"] or
+                                                     d["_backward_hooks"] or d["_backward_pre_hooks"]) and \
+                not torch._C._get_tracing_state():
+            return self.forward(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     def forward(self, *args, **kwargs):
         if _tracing(args, kwargs):
             # traced by another capture (this module inside a model fused again, torch.export, torch.compile):

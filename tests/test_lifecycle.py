@@ -798,3 +798,22 @@ def test_a_model_holding_a_fused_module_fuses_again_at_new_shapes(route):
     assert len(big.block.plans) == inner                  # the inner module did not plan inside the outer capture
     assert outer.report.applied                           # the outer plan fuses the block's ops itself
     assert all(isinstance(p, nn.Parameter) for p in big.parameters())
+
+
+def test_a_global_forward_hook_is_applied_once_per_module_as_eager_applies_it():
+    """A global forward hook is captured into the graph for every module, the model itself included; the fused
+    module's own call fired it once more (an output transform applied one extra time at the top)."""
+    from torch.nn.modules.module import register_module_forward_hook
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)), torch.randn(2, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    handle = register_module_forward_hook(lambda mod, inp, out: out * 1.5 if isinstance(out, torch.Tensor) else None)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-4)
+    finally:
+        handle.remove()
+    seen = []
+    fused.register_forward_hook(lambda mod, inp, out: seen.append(mod))     # the fused module's own hooks fire
+    fused(x)
+    assert seen == [fused]
