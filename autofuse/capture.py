@@ -205,6 +205,15 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         # leaves it; the next call's plan guard sees the new value and plans again from it
         captured.attribute_updates = tuple((m, k, v) for _, m, k, v in changed)
         return captured
+    hooked = _recomputing_hooks(model, changed)
+    if hooked:
+        raise CaptureError(route, f"capture failed: {'; '.join(hooked)}: a forward pre-hook that sets a parameter "
+                                  f"at each call, which a captured graph cannot do (it would keep the tensor the "
+                                  f"capture saw; the attributes are restored). hint: make pruning permanent with "
+                                  f"torch.nn.utils.prune.remove(module, name) before fuse(), and use "
+                                  f"torch.nn.utils.parametrizations.weight_norm / spectral_norm instead of the legacy "
+                                  f"torch.nn.utils.weight_norm / spectral_norm (a parametrization is traced into the "
+                                  f"graph), or remove_weight_norm / remove_spectral_norm once trained")
     if changed:
         # a tensor the forward keeps in a new attribute may be built once, at the first call, and kept (transformers'
         # LongRoPE keeps its long_inv_freq so): one eager call before fuse() leaves it built, and a capture from
@@ -226,6 +235,26 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                      "(a lazily built table), run the model once eagerly before fuse(): the capture "
                                      "then reads it as kept." if lazy else ""))
     return captured
+
+
+def _recomputing_hooks(model, changed) -> list:
+    """For each attribute in ``changed`` (:func:`_restore_python_state`) that a forward pre-hook of torch's
+    recomputes at each call (``torch.nn.utils.prune``, the legacy ``weight_norm`` / ``spectral_norm``), what sets
+    it, in words."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+    names = {id(m): name for name, m in model.named_modules()}
+    out = []
+    for _, m, k, _ in changed:
+        for hook in m._forward_pre_hooks.values():
+            if isinstance(hook, (BasePruningMethod, WeightNorm, SpectralNorm)) and getattr(hook, "_tensor_name",
+                                                                                            getattr(hook, "name", k)) == k:
+                where = names.get(id(m), "")
+                out.append(f"{where + '.' if where else ''}{k} is recomputed by the forward pre-hook "
+                           f"{type(hook).__module__}.{type(hook).__name__}")
+                break
+    return out
 
 
 @contextlib.contextmanager
@@ -1511,6 +1540,11 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
 
 
 _HINTS = [
+    ("Unsupported input type", "an input of the call is a Python object (not a tensor, number, string, or a list, "
+                               "tuple or dict of them), which a captured graph cannot take as an input; eager runs "
+                               "it, the capture cannot: pass its values as tensors or numbers, keep it on the model "
+                               "as an attribute, or register its class with torch.export.register_dataclass / "
+                               "torch.utils._pytree.register_pytree_node"),
     ("Cache", "the model takes or returns a KV cache object, which capture flattens with transformers' own "
               "exporter (transformers.exporters): install transformers>=5 for it, or pass use_cache=False"),
     ("data-dependent", "the model branches on or reads tensor *values* (if x.sum() > 0, .item(), .tolist(), "

@@ -381,3 +381,40 @@ def test_a_generator_argument_is_refused_with_what_to_do():
     with pytest.raises(CaptureError, match=r"passes a torch.Generator.*torch.manual_seed.*torch.compile"):
         AutoFusionEngine.fuse(Noisy(), (torch.randn(2, 16), torch.Generator().manual_seed(0)))
 
+
+
+@pytest.mark.parametrize("how", ["prune", "weight_norm"])
+def test_a_pruned_or_legacy_weight_normed_model_is_refused_naming_the_hook(how):
+    """prune and the legacy weight_norm recompute a weight in a forward pre-hook at each call: the refusal blamed
+    the forward and advised a buffer; it names the hook and the fix."""
+    import torch.nn.utils.prune as prune
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    if how == "prune":
+        prune.l1_unstructured(m[0], "weight", 0.5)
+    else:
+        torch.nn.utils.weight_norm(m[0])
+    with pytest.raises(CaptureError) as info:
+        capture(m, (torch.randn(2, 16),))
+    msg = str(info.value)
+    assert "0.weight is recomputed by the forward pre-hook" in msg and "register_buffer" not in msg
+    assert "prune.remove" in msg and "torch.nn.utils.parametrizations" in msg
+
+
+def test_an_input_of_an_unsupported_type_is_not_blamed_on_the_forward():
+    """A Python object among the inputs: export refuses its type, and the hint said the forward raises on these
+    inputs itself (eager runs them)."""
+    class Cfg:
+        scale = 2.0
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x, cfg):
+            return self.fc(x) * cfg.scale
+
+    with pytest.raises(CaptureError) as info:
+        capture(M(), (torch.randn(2, 16), Cfg()))
+    msg = str(info.value)
+    assert "which the forward raises" not in msg and "register_dataclass" in msg and "is a Python object" in msg
