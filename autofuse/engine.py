@@ -427,6 +427,8 @@ class _Fields:
         now = vars(self.obj)
         for k, v in self.fields.items():
             cur = now.get(k, _MISSING)
+            if cur is v:            # the very value kept: an immutable one (what changes in place is kept as a copy)
+                continue
             if cur is _MISSING:
                 return f"{k} is gone from {type(self.obj).__name__}"
             why = _changed(v, cur)
@@ -561,6 +563,8 @@ class ModuleGuard:
                 return why
         for name, k, v in self.attrs:
             cur = vars(self.modules[name]).get(k, _MISSING)
+            if cur is v:            # the very value kept: an immutable one (what changes in place is kept as a copy)
+                continue
             where = f"{name + '.' if name else ''}{k}"
             if cur is _MISSING:
                 return f"{where} is gone from the model"
@@ -657,7 +661,7 @@ _SLOTS = (("_parameters", "parameter"), ("_buffers", "buffer"), ("_modules", "su
 
 def _slots(m: torch.nn.Module) -> tuple:
     """The names of ``m``'s parameters, buffers and submodules, each with whether it holds None."""
-    return tuple(tuple((k, v is None) for k, v in getattr(m, d).items()) for d, _ in _SLOTS)
+    return tuple([(k, v is None) for k, v in getattr(m, d).items()] for d, _ in _SLOTS)
 
 
 def _slots_changed(was: tuple, now: tuple, name: str) -> str | None:
