@@ -289,9 +289,25 @@ def _row(t: torch.Tensor, index=0):
     return (..., index, slice(None)) if t.dim() >= 2 else (slice(None),)
 
 
-def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
+def _aliases(inputs: list, pos: int) -> list[int]:
+    """The positions of ``inputs`` holding the same value as ``pos`` (itself first): the same dtype and elements in
+    the same order (a value the captured block reads through one view and the fused call through another)."""
+    t = inputs[pos]
+    same = [pos]
+    flat = t.reshape(-1)
+    if not bool((flat != flat[0]).any()):
+        return same             # a constant tensor (zeros) says nothing about which value it is
+    for i, x in enumerate(inputs):
+        if i != pos and isinstance(x, torch.Tensor) and x.dtype == t.dtype and x.numel() == t.numel() and \
+                torch.equal(x.reshape(-1), t.reshape(-1)):
+            same.append(i)
+    return same
+
+
+def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None) -> list[tuple[str, list]]:
     """Input sets derived from ``inputs`` by role (``roles``: role -> positions in ``inputs`` of the values
-    that role is computed from): ``[(label, inputs), ...]``."""
+    that role is computed from): ``[(label, inputs), ...]``. ``read``: the positions the captured block reads and
+    those the fused one reads, for :func:`_equal_row`."""
     out = []
 
     def variant(label, pos, fn):
@@ -331,23 +347,31 @@ def adversarial(inputs: list, roles: dict) -> list[tuple[str, list]]:
             variant("magnitudes near the dtype's limit (k)", p, lambda x, b=big: x.mul_(b))
     # no NaN in a key or a value: eager spreads it to every row through masked entries (NaN + mask, 0 * NaN)
     # or not (a masked_fill removes it), by spelling; a kernel that skips masked tiles cannot follow both
-    _equal_row(inputs, roles, out)
+    _equal_row(inputs, roles, out, read)
     return out
 
 
-def _equal_row(inputs: list, roles: dict, out: list) -> None:
+def _equal_row(inputs: list, roles: dict, out: list, read: tuple[set, set] | None = None) -> None:
     """A generated Vector kernel's inputs (roles ``in0``, ``in1``, ...): one row of each float input of two or more
     columns holding one value, its first (a padded or saturated row): a row's mean is then exact in eager, its
-    variance and a layer norm's deviations exactly 0, and a comparison with the mean ties. One input set."""
+    variance and a layer norm's deviations exactly 0, and a comparison with the mean ties. One input set. A value
+    is changed at every position holding it (:func:`_aliases`: the captured block may read it through one view,
+    the fused call through another), and only where both the captured block and the fused one read it (``read``):
+    a value one of them recomputes from other inputs would otherwise differ between the two runs."""
     pos = [p for r, ps in roles.items() if r[:2] == "in" and r[2:].isdigit() for p in ps]
     xs, changed = list(inputs), False
     for p in dict.fromkeys(pos):
-        t = xs[p]
+        t = inputs[p]
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] > 1 and t.numel():
+            same = _aliases(inputs, p)
+            if read is not None and not all(set(same) & r for r in read):
+                continue
             t = t.clone()
             idx = _row(t)
             t[idx] = t[idx][..., :1].clone()
-            xs[p], changed = t, True
+            for i in same:      # each alias keeps its own shape and memory order
+                xs[i] = t if i == p else inputs[i].clone().copy_(t.reshape(inputs[i].shape))
+            changed = True
     if changed:
         out.append(("a row of equal values (the first of the row's, in each Vector-kernel input)", xs))
 
@@ -365,7 +389,9 @@ def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, r
         if not ok:
             return ok, e, t, "the gradients on the example inputs"
         err, tol = max(err, e), max(tol, t)
-    for label, xs in adversarial(inputs, roles):
+    def read(gm):
+        return {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if p.users}
+    for label, xs in adversarial(inputs, roles, (read(sub), read(fused_sub))):
         o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"), canonical=canonical)
         if not o:
             return o, e, t, label
