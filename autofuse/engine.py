@@ -744,7 +744,9 @@ class Plan:
                           "eagerly.", stacklevel=3)
             return self.model(*args, **kwargs)
         with _autocast_off():
-            out = self.graph_module(*leaves)
+            # its forward, not its __call__: torch's global module hooks, which capture ran into the graph for the
+            # user's modules, would fire for this internal module too (a hook given its tuple of outputs)
+            out = self.graph_module.forward(*leaves)
         out = out if isinstance(out, (tuple, list)) else (out,)
         self.captured.update_state(out, self.model, leaves)   # state the forward updates: a BatchNorm's
         #                                                        statistics, a static KV cache's tensors

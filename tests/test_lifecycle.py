@@ -800,6 +800,31 @@ def test_a_model_holding_a_fused_module_fuses_again_at_new_shapes(route):
     assert all(isinstance(p, nn.Parameter) for p in big.parameters())
 
 
+def test_a_global_hook_does_not_fire_for_the_fused_modules_internal_graph():
+    """A global forward hook fired at fused calls for autofuse's internal GraphModule too, given its tuple of
+    outputs: a hook that records what it sees saw a module eager never runs (and one that doubled any output
+    repeated the tuple)."""
+    from torch.nn.modules.module import register_module_forward_hook
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU()), torch.randn(2, 16)
+    seen = []
+
+    def hook(mod, inp, out):
+        seen.append(type(mod).__name__)
+        return out * 2 if isinstance(out, torch.Tensor) else None
+    handle = register_module_forward_hook(hook)
+    try:
+        fused = AutoFusionEngine.fuse(model, (x,))
+        seen.clear()
+        with torch.no_grad():
+            got = fused(x)
+        assert "GraphModule" not in seen, seen
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+    finally:
+        handle.remove()
+
+
 def test_a_global_forward_hook_is_applied_once_per_module_as_eager_applies_it():
     """A global forward hook is captured into the graph for every module, the model itself included; the fused
     module's own call fired it once more (an output transform applied one extra time at the top)."""
