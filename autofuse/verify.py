@@ -244,6 +244,11 @@ def _worst(eager, ref, fused, nan_ok: bool = False) -> tuple[bool, float, float]
     return ok, worst_err, worst_tol
 
 
+def _read(gm: fx.GraphModule) -> set[int]:
+    """The positions of ``gm``'s inputs its graph reads (a placeholder with users)."""
+    return {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if p.users}
+
+
 def check_gradients(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list) -> tuple[bool, float, float]:
     """(ok, error, tolerance) of the fused block's gradients: the gradient of every float input, given one random
     upstream gradient per float output, from eager's autograd, from float64, and through the fused block (its
@@ -251,9 +256,7 @@ def check_gradients(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list
     block's forward can be right while the backward its fused op runs is not; this is where that shows."""
     floats = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
-    def read(gm):
-        return {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if p.users}
-    if not floats or {i for i in floats if i in read(sub)} != {i for i in floats if i in read(fused_sub)}:
+    if not floats or {i for i in floats if i in _read(sub)} != {i for i in floats if i in _read(fused_sub)}:
         # none to check, or the fused call recomputes a value the block reads as an input (a residual sum it
         # also keeps for other readers): the two differentiate with respect to different inputs, and the
         # graph's own chain rule, not this block's, joins them
@@ -389,9 +392,7 @@ def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, r
         if not ok:
             return ok, e, t, "the gradients on the example inputs"
         err, tol = max(err, e), max(tol, t)
-    def read(gm):
-        return {i for i, p in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if p.users}
-    for label, xs in adversarial(inputs, roles, (read(sub), read(fused_sub))):
+    for label, xs in adversarial(inputs, roles, (_read(sub), _read(fused_sub))):
         o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"), canonical=canonical)
         if not o:
             return o, e, t, label
