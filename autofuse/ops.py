@@ -196,7 +196,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
         if mask.dtype != torch.bool:
             s = s + mask.float()
         else:
-            s = s.masked_fill(~mask & ~s.isnan() if mask_keeps_nan else ~mask, _fill(fill))
+            # SDPA's bool mask adds -inf (a NaN or +inf score gives NaN); masked_fill replaces
+            s = torch.where(mask, s, s + _fill(fill)) if mask_keeps_nan else s.masked_fill(~mask, _fill(fill))
     if causal:
         s = s.masked_fill(~band_keep(s.shape[-2], s.shape[-1], window, s.device), float("-inf"))
     if sinks is not None:

@@ -29,7 +29,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     if mask is not None:
-        s = s.masked_fill(~mask & ~(s.isnan() & mask_keeps_nan), float("-inf") if fill is None else fill) \
+        f = float("-inf") if fill is None else fill
+        s = (torch.where(mask, s, s + f) if mask_keeps_nan else s.masked_fill(~mask, f)) \
             if mask.dtype == torch.bool else s + mask.float()
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))

@@ -325,6 +325,25 @@ def test_fully_masked_rows_through_sdpa_give_zeros(kind):
     torch.testing.assert_close(got, M()(q, k, v, m), atol=1e-5, rtol=1e-4)
 
 
+def test_an_infinite_score_under_an_sdpa_bool_mask_is_nan_as_in_eager():
+    """SDPA adds -inf for a False entry of a bool mask: a masked +inf score is NaN (+inf - inf), and so is its row,
+    as a NaN score is; the fused kernel adds the fill too instead of replacing the score with it."""
+    class M(nn.Module):
+        def forward(self, q, k, v, m):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    q, k, v = _qkv()
+    m = torch.ones(B, 1, S, S, dtype=torch.bool)
+    m[:, :, 5, 3] = False                       # query 5 does not see key 3
+    fused = AutoFusionEngine.fuse(M(), (q, k, v, m))
+    assert len(_fused_calls(fused)) == 1
+    k = k.clone()
+    k[:, :, 3, 0] = float("inf")                # key 3's scores are +inf or -inf, by the sign of q's first feature
+    got, want = fused(q, k, v, m), M()(q, k, v, m)
+    assert torch.isnan(want[:, :, 5]).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
 def test_nan_in_a_query_row_propagates_as_in_eager():
     model = Masked("finfo.min", "masked_fill")
     q, k, v = _qkv()

@@ -7,7 +7,7 @@ or additive float. ``causal`` is top-left aligned (query i sees keys j <= i); wi
 such as ``finfo.min`` or ``-1e4`` is reproduced exactly, so a query row with every key masked averages V
 as eager softmax does). ``empty_rows`` says what a row with no key to attend gives: ``"zero"`` (torch's
 SDPA and ``_safe_softmax``) or ``"nan"`` (plain ``softmax``). NaN in the inputs propagates as in eager:
-``mask_keeps_nan`` applies a bool mask as SDPA does (adding ``-inf``: a NaN score stays NaN) instead of as
+``mask_keeps_nan`` applies a bool mask as SDPA does (adding ``-inf``: a NaN or ``+inf`` score gives NaN) instead of as
 ``masked_fill`` does (the fill replaces it); the Vector unit does either in one select/add pass.
 
 The algorithm (one *work item* = batch, head, block of ``q`` query rows; items spread over the cores):
@@ -988,9 +988,11 @@ class _Program:
                 np.tanh(x, out=x)
                 np.multiply(x, self.softcap, out=x)
             if mt is not None:
-                if self.mask.dtype == "bool":        # SDPA adds -inf for a False: a NaN score stays NaN
-                    drop = ~mt.data[cs] & ~np.isnan(x) if self.keep_nan else ~mt.data[cs]
-                    np.copyto(x, self.fill, where=drop)
+                if self.mask.dtype == "bool" and self.keep_nan:
+                    # SDPA adds -inf for a False: a NaN score stays NaN and a +inf one becomes NaN
+                    np.add(x, self.fill, out=x, where=~mt.data[cs])
+                elif self.mask.dtype == "bool":
+                    np.copyto(x, self.fill, where=~mt.data[cs])
                 else:
                     np.add(x, mt.data[cs], out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
