@@ -1284,15 +1284,59 @@ class FusedModule(torch.nn.Module):
         return p
 
     def __call__(self, *args, **kwargs):
-        """The forward, without torch's global module hooks where this module has no hooks of its own: capture ran
-        them into the plan's graph for the model (its own call included), as eager fires them once per module, and
-        firing them for this module too applied them once more."""
+        """The forward with this module's own forward hooks, without torch's global module hooks: capture ran those
+        into the plan's graph for the model (its own call included), as eager fires them once per module, and
+        firing them for this module too applied them once more. With backward hooks of its own, or under
+        TorchScript tracing or ``module.compile()``, torch's own call runs (global hooks included)."""
         d = self.__dict__
-        if getattr(self, "_compiled_call_impl", None) is None and not (d["_forward_hooks"] or d["_forward_pre_hooks"] or
-                                                     d["_backward_hooks"] or d["_backward_pre_hooks"]) and \
-                not torch._C._get_tracing_state():
+        if getattr(self, "_compiled_call_impl", None) is not None or d["_backward_hooks"] or \
+                d["_backward_pre_hooks"] or torch._C._get_tracing_state():
+            return super().__call__(*args, **kwargs)
+        if not (d["_forward_hooks"] or d["_forward_pre_hooks"]):
             return self.forward(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
+        return self._call_with_own_hooks(args, kwargs)
+
+    def _call_with_own_hooks(self, args, kwargs):
+        """torch's ``Module._call_impl`` for forward hooks and pre-hooks, with this module's hooks only: their
+        order, ``with_kwargs`` and ``prepend`` as registered, what a hook returns replacing the inputs or the output,
+        and ``always_call`` hooks run when the forward raises."""
+        d = self.__dict__
+        called = set()
+        result = None
+        try:
+            for hook_id, hook in tuple(d["_forward_pre_hooks"].items()):
+                if hook_id in d["_forward_pre_hooks_with_kwargs"]:
+                    res = hook(self, args, kwargs)
+                    if res is not None:
+                        if not (isinstance(res, tuple) and len(res) == 2):
+                            raise RuntimeError(f"forward pre-hook must return None or a tuple of (new_args, "
+                                               f"new_kwargs), but got {res}.")
+                        args, kwargs = res
+                else:
+                    res = hook(self, args)
+                    if res is not None:
+                        args = res if isinstance(res, tuple) else (res,)
+            result = self.forward(*args, **kwargs)
+            for hook_id, hook in tuple(d["_forward_hooks"].items()):
+                if hook_id in d["_forward_hooks_always_called"]:
+                    called.add(hook_id)
+                res = hook(self, args, kwargs, result) if hook_id in d["_forward_hooks_with_kwargs"] else \
+                    hook(self, args, result)
+                if res is not None:
+                    result = res
+            return result
+        except Exception:
+            for hook_id, hook in tuple(d["_forward_hooks"].items()):
+                if hook_id in d["_forward_hooks_always_called"] and hook_id not in called:
+                    try:
+                        res = hook(self, args, kwargs, result) if hook_id in d["_forward_hooks_with_kwargs"] else \
+                            hook(self, args, result)
+                        if res is not None:
+                            result = res
+                    except Exception as e:  # noqa: BLE001 - as torch: the forward's error is the one raised
+                        warnings.warn(f"module forward hook with ``always_call=True`` raised an exception that was "
+                                      f"silenced as another error was raised in forward: {e}", stacklevel=2)
+            raise
 
     def forward(self, *args, **kwargs):
         if _tracing(args, kwargs):

@@ -842,3 +842,42 @@ def test_a_global_forward_hook_is_applied_once_per_module_as_eager_applies_it():
     fused.register_forward_hook(lambda mod, inp, out: seen.append(mod))     # the fused module's own hooks fire
     fused(x)
     assert seen == [fused]
+
+
+def test_the_fused_modules_own_hooks_fire_without_firing_global_hooks_once_more():
+    """With a hook of its own, the fused module was called through torch's Module.__call__, which fired the global
+    hooks for it too: an output transform registered globally was applied once more than in eager."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)), torch.randn(2, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    calls = []
+    fused.register_forward_pre_hook(lambda mod, inp: (inp[0] * 2,))
+    fused.register_forward_hook(lambda mod, inp, kw, out: out + 1, with_kwargs=True)
+    fused.register_forward_hook(lambda mod, inp, out: calls.append(type(mod).__name__))
+    handles = [register_module_forward_hook(lambda mod, inp, out: out * 1.5 if isinstance(out, torch.Tensor) else None),
+               register_module_forward_pre_hook(lambda mod, inp: calls.append("pre " + type(mod).__name__))]
+    try:
+        with torch.no_grad():
+            fused(x)                        # new global hooks: planned again, capture runs them into the graph
+            calls.clear()
+            got = fused(x)
+            calls_fused = list(calls)
+            calls.clear()
+            want = model(x * 2) + 1         # eager: the global hooks once per module of the model
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert calls_fused == ["FusedModule"], calls_fused      # the pre-hook ran in capture, not per call
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_an_always_call_hook_of_the_fused_module_runs_when_its_forward_raises():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU()), torch.randn(2, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    seen = []
+    fused.register_forward_hook(lambda mod, inp, out: seen.append(out), always_call=True)
+    with pytest.raises(Exception):
+        fused(torch.randn(2, 7))            # the Linear refuses 7 features, in capture as in eager
+    assert seen == [None]
