@@ -14,6 +14,8 @@ from autofuse.simulate import SimulationResult, simulate
 from autofuse import ops  # noqa: E402  (registers torch.ops.autofuse.*)
 from autofuse.backend import backend, reports  # noqa: E402  (registers torch.compile(backend="autofuse"))
 
+ops.refuse_batched_gradients()
+
 __version__ = "0.1.0"
 __all__ = ["AutoFusionEngine", "FusedModule", "FusionDecision", "FusionReport", "SimulationResult", "backend",
            "ops", "reports", "simulate"]

@@ -41,6 +41,7 @@ import time
 import warnings
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
@@ -1344,6 +1345,11 @@ class FusedModule(torch.nn.Module):
             # the model itself, so that the capture sees its ops and fuses them with the rest (planning here
             # would export inside the other trace)
             return self.model(*args, **kwargs)
+        why = _transformed(args, kwargs, self.model)
+        if why is not None:
+            warnings.warn(f"autofuse: a fused module called {why}, for which the fused ops have no rules: this call "
+                          f"runs the model itself, unfused (eager's values and derivatives)", stacklevel=3)
+            return self.model(*args, **kwargs)
         args, kwargs = self._in_program_order(args, kwargs)
         return self._plan_for(args, kwargs)(*args, **kwargs)
 
@@ -1469,6 +1475,20 @@ class FusedModule(torch.nn.Module):
 def _fx_tracing() -> bool:
     t = fx._symbolic_trace
     return t.is_fx_symbolic_tracing() if hasattr(t, "is_fx_symbolic_tracing") else t.is_fx_tracing()
+
+
+def _transformed(args, kwargs, model) -> str | None:
+    """The derivative a call is made under that the fused ops cannot take, in words (None for none): a
+    ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...), or forward-mode AD with a tangent on an
+    input, parameter or buffer (``torch.autograd.forward_ad``)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return "under a torch.func transform (grad, vmap, jvp, jacrev, ...)"
+    if fwAD._current_level >= 0:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors += [*model.parameters(), *model.buffers()]
+        if any(fwAD.unpack_dual(t).tangent is not None for t in tensors):
+            return "with forward-mode AD tangents (torch.autograd.forward_ad)"
+    return None
 
 
 def _tracing(args, kwargs) -> bool:

@@ -426,3 +426,30 @@ def dropout_gen_mask(shape, p: float, dtype: torch.dtype = torch.float32, device
 
 # the backward's op (imported last: it builds on this module's names)
 from autofuse import ops_attention_grad as _ops_attention_grad  # noqa: E402,F401
+
+
+_BATCHED: set = set()
+_BATCHED_LIBS: list = []
+
+
+def refuse_batched_gradients() -> None:
+    """Give every fused op (``autofuse::*``, ``autofuse_grad::*``) a kernel for torch's legacy batching, which a
+    batched gradient runs the backward under (``torch.autograd.grad(..., is_grads_batched=True)``,
+    ``torch.autograd.functional.jacobian(..., vectorize=True)``): the fused ops have no batching rule, and torch's
+    own error named the op and no way out. Called once the ops are registered; an op registered since is added at
+    the next call."""
+    for qualname in torch._C._dispatch_get_all_op_names():
+        ns, _, name = qualname.partition("::")
+        if ns not in ("autofuse", "autofuse_grad") or qualname in _BATCHED or "." in name:
+            continue
+
+        def refuse(*args, _op=qualname, **kwargs):
+            raise NotImplementedError(
+                f"{_op} (a fused op of autofuse) has no batching rule, so a batched gradient "
+                f"(torch.autograd.grad(..., is_grads_batched=True), jacobian(..., vectorize=True)) cannot run through "
+                f"it: compute the gradients one grad_output at a time, or run this computation on the model itself "
+                f"(fused.model)")
+        lib = torch.library.Library(ns, "IMPL")
+        lib.impl(name, refuse, "Batched")
+        _BATCHED_LIBS.append(lib)        # a Library's registrations last as long as the object
+        _BATCHED.add(qualname)

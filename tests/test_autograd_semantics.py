@@ -2,6 +2,7 @@
 stops it (a straight-through estimator, a stop-gradient factor, a detached statistic); planned without grad,
 detach is dropped and the plan is not reused with grad."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -519,3 +520,52 @@ def test_a_gradient_of_the_gradient_through_attention_or_a_router_is_refused_by_
     first = torch.autograd.grad(out.square().sum(), ins[3] if which else ins[0], create_graph=True)[0]
     with pytest.raises(RuntimeError, match=rf"gradient of the gradient.*fusion_switches=\{{'{family}': 'off'\}}"):
         torch.autograd.grad(first.square().sum(), ins[3] if which else ins[0])
+
+
+class NormedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.n = nn.Linear(32, 32), nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.n(F.silu(self.a(x)) + x)
+
+
+def test_torch_func_transforms_and_forward_mode_ad_run_the_model_unfused_with_a_warning():
+    """torch.func's transforms and forward-mode AD reach the fused ops, which have no functorch or forward-AD rules:
+    torch raised about a custom autograd.Function the user never wrote. Such a call runs the model itself (eager's
+    values and derivatives) and says so."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    model, x = NormedMLP(), torch.randn(4, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert fused.report.applied
+    with pytest.warns(UserWarning, match="torch.func transform.*runs the model itself, unfused"):
+        g = torch.func.grad(lambda t: fused(t).square().sum())(x)
+    torch.testing.assert_close(g, torch.func.grad(lambda t: model(t).square().sum())(x))
+    with pytest.warns(UserWarning, match="runs the model itself"):
+        j = torch.func.vmap(fused)(x)
+    torch.testing.assert_close(j, model(x))
+    tangent = torch.randn_like(x)
+    with fwAD.dual_level():
+        with pytest.warns(UserWarning, match="forward-mode AD"):
+            t_fused = fwAD.unpack_dual(fused(fwAD.make_dual(x, tangent))).tangent
+        t_eager = fwAD.unpack_dual(model(fwAD.make_dual(x, tangent))).tangent
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            plain = fused(x)            # no tangent on this call: fused as usual
+    torch.testing.assert_close(t_fused, t_eager)
+    torch.testing.assert_close(plain, model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_batched_gradient_through_a_fused_op_names_the_op_and_the_way_out():
+    """``is_grads_batched`` runs the backward under torch's legacy batching, for which the fused ops have no rule:
+    torch's own error ("Batching rule not implemented ... could not generate a fallback") said nothing more."""
+    torch.manual_seed(0)
+    model, x = NormedMLP(), torch.randn(4, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    xi = x.clone().requires_grad_(True)
+    out = fused(xi)
+    with pytest.raises(NotImplementedError, match=r"autofuse::\w+ \(a fused op of autofuse\) has no batching rule.*"
+                                                  r"one grad_output at a time"):
+        torch.autograd.grad(out, xi, torch.randn(3, *out.shape), is_grads_batched=True)
