@@ -378,6 +378,8 @@ def same_value(a, b) -> bool:
         return True
     if type(a) is not type(b) or isinstance(a, torch.Tensor):
         return False
+    if isinstance(a, float):        # -0.0 is not 0.0 (x / s, copysign tell them apart); NaN is NaN
+        return a.hex() == b.hex() or (a != a and b != b)
     if isinstance(a, _PLAIN):
         return a == b or (a != a and b != b)
     if isinstance(a, (list, tuple)):

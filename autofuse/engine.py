@@ -93,6 +93,11 @@ def _signature(args, kwargs):
         if isinstance(x, torch.Tensor):
             sig.append(("T", tuple(x.shape), x.dtype, x.device.type, layout(x)))
         else:
+            if isinstance(x, float):
+                # by its bits: -0.0 equals 0.0 but a forward may tell them apart (x / s, copysign), and a NaN
+                # equals no NaN, so a call with a new NaN object missed every plan
+                sig.append(("V", type(x), x.hex()))
+                continue
             try:
                 hash(x)
                 sig.append(("V", type(x), x))       # 2 and 2.0 are equal, but a forward may tell them apart
@@ -391,7 +396,9 @@ def _same_plain(a, b) -> bool:
     if isinstance(a, (range, slice)):
         return all(map(_same_plain, (a.start, a.stop, a.step), (b.start, b.stop, b.step)))
     if _np is not None and isinstance(a, _np.generic):
-        return bool(a == b) or bool(a != a) and bool(b != b)
+        if bool(a != a):
+            return bool(b != b)
+        return bool(a == b) and (not isinstance(a, _np.floating) or bool(_np.signbit(a) == _np.signbit(b)))
     return same_value(a, b)
 
 

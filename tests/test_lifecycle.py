@@ -881,3 +881,32 @@ def test_an_always_call_hook_of_the_fused_module_runs_when_its_forward_raises():
     with pytest.raises(Exception):
         fused(torch.randn(2, 7))            # the Linear refuses 7 features, in capture as in eager
     assert seen == [None]
+
+
+class _DivideBy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 0.0
+
+    def forward(self, x, scale=None):
+        return torch.sigmoid(x / (self.scale if scale is None else scale)) * 2 + 1
+
+
+def test_a_negative_zero_is_not_served_the_plan_of_a_positive_zero():
+    """-0.0 == 0.0 in Python, so a float argument or attribute changed from 0.0 to -0.0 was served the old plan,
+    though x / s tells them apart (every output on the other side of the sigmoid); a NaN argument missed the plan
+    it had at every call, a new NaN object equalling no other."""
+    x = torch.tensor([[1.0, -1.0, 2.0, -3.0]])
+    model = _DivideBy()
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        for s in (0.0, -0.0, 0.0):
+            assert torch.equal(fused(x, s), model(x, s)), s
+        assert len(fused.plans) == 2
+        fused(x, float("nan"))
+        fused(x, float("nan"))
+        assert len(fused.plans) == 3
+        fused(x)
+        model.scale = -0.0
+        assert torch.equal(fused(x), model(x))
+        assert "scale changed from 0.0 to -0.0" in fused.report.replanned_because
