@@ -691,6 +691,12 @@ def _slots_changed(was: tuple, now: tuple, name: str) -> str | None:
     return f"the {', '.join(kind for _, kind in _SLOTS)} slots of {name or '(the model)'} changed since the plan"
 
 
+def _returns_through_outputs(hook) -> bool:
+    """A hook whose records the model returns among its outputs, so capture keeps them: transformers' output
+    recorder (``output_hidden_states``, ``output_attentions``), which it leaves on the modules after such a call."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
 def _hooked_modules(model) -> list:
     """Modules with forward or backward hooks (names; "(global)" for torch's global module hooks)."""
     names = [name or "(the model)" for name, m in model.named_modules() if any(getattr(m, d) for d in _HOOKS)]
@@ -875,6 +881,17 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
                                f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
                                f"run the model eagerly to use them")
+    observers = [name or "(the model)" for name, m in model.named_modules()
+                 if any(not _returns_through_outputs(h) for d in ("_forward_hooks", "_forward_pre_hooks")
+                        for h in getattr(m, d).values())] + \
+        (["(global)"] if any(not _returns_through_outputs(h) for _, h in (*_global_hooks()[0], *_global_hooks()[1]))
+         else [])
+    if observers:
+        # a hook that records activations or counts calls does nothing at fused calls: said where the user sees it
+        warnings.warn(f"autofuse: forward hooks of module(s) {', '.join(observers)} ran while this plan was captured "
+                      f"(what a hook returns is part of the fused graph), not at fused calls: a hook that records or "
+                      f"counts saw the trace's tensors, which fail when used later. Remove such hooks before fuse(), "
+                      f"or run the model eagerly for them.", stacklevel=4)
     backward = [name or "(the model)" for name, m in model.named_modules()
                 if m._backward_hooks or m._backward_pre_hooks] + \
         (["(global)"] if any(_global_hooks()[2:]) else [])

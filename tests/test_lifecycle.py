@@ -2,6 +2,7 @@
 attribute edited, a module's class swapped or its class's forward patched, torch's global hooks, a dtype change
 after a symbolic export was made, ``2`` against ``2.0``, and a float64 model refused at any plan."""
 import copy
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -910,3 +911,29 @@ def test_a_negative_zero_is_not_served_the_plan_of_a_positive_zero():
         model.scale = -0.0
         assert torch.equal(fused(x), model(x))
         assert "scale changed from 0.0 to -0.0" in fused.report.replanned_because
+
+
+def test_a_recording_forward_hook_is_warned_of_where_the_user_sees_it():
+    """A forward hook that records activations fires while a plan is captured, with the trace's tensors, and
+    never at fused calls; only the report said so. transformers' output recorder, whose records the model
+    returns, is not warned of."""
+    import transformers
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 16), nn.GELU()), torch.randn(2, 16)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out))
+    with pytest.warns(UserWarning, match=r"forward hooks of module\(s\) 0 ran while this plan was captured"):
+        fused(x)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=64)
+    llama, ids = transformers.LlamaForCausalLM(cfg).eval(), torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        llama(ids, output_hidden_states=True)         # leaves its output recorder's hooks on the layers
+        assert any(m._forward_hooks for m in llama.modules())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = AutoFusionEngine.fuse(llama)(ids, output_hidden_states=True)
+        assert not [w for w in caught if "forward hooks" in str(w.message)]
+        torch.testing.assert_close(out.hidden_states[-1], llama(ids, output_hidden_states=True).hidden_states[-1],
+                                   atol=1e-5, rtol=1e-4)
