@@ -305,8 +305,8 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     for r in routes:
         try:
             with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
-                    _checkpoints() as checkpoints, _fake_tensor_errors_unlogged(), _eager_autograd_reads() as reads, \
-                    _eager_dropout(), _torch_transformers_as_eager():
+                    _checkpoints() as (checkpoints, grad_free_checkpoints), _fake_tensor_errors_unlogged(), \
+                    _eager_autograd_reads() as reads, _eager_dropout(), _torch_transformers_as_eager():
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -322,6 +322,10 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
             gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f, _, _ in functions)   # without grad
             gm.meta["autofuse_checkpoints"] = len(checkpoints)         # activation checkpoints traced through
+            # reentrant ones without an input that requires grad: no gradient through them, as in eager (a Dynamo
+            # graph's are marked before its capture, mark_grad_blocks)
+            gm.meta["autofuse_grad_free_checkpoints"] = len(grad_free_checkpoints) + (
+                model.meta.get("autofuse_grad_free_checkpoints", 0) if isinstance(model, fx.GraphModule) else 0)
             gm.meta["autofuse_autograd_reads"] = tuple(dict.fromkeys(reads))     # the plan's key holds that state
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
@@ -493,18 +497,38 @@ def _checkpoints():
     """The functions the forward checkpoints (``torch.utils.checkpoint.checkpoint``, reentrant or not) while it
     is captured: a set of their ids, filled in place (a trace may run the forward more than once). The trace runs
     a checkpointed function as a plain call: the captured graph keeps its activations for the backward instead of
-    recomputing them. The reentrant form's warning that no input requires grad (the trace runs without grad) is
-    silenced."""
+    recomputing them. A reentrant checkpoint (``use_reentrant=True``, torch's ``CheckpointFunction``) called with
+    grad where none of its tensor inputs would require grad in eager (followed by :func:`_eager_autograd_reads`)
+    gives outputs without a gradient in eager, and the parameters it uses get none from them: its function is
+    traced as the forward's own ``torch.no_grad()`` block (:data:`GRAD_BLOCK`, detached where read outside,
+    :func:`_detach_grad_free_blocks`), and the ids of such checkpoints are the second set yielded (the plan warns
+    of them, as eager warns at each call). Whether its inputs require grad is recorded as a read of autograd state:
+    the plan serves only calls in the same state. torch's own warning that no input requires grad (the trace runs
+    without grad) is silenced."""
     from torch.utils import checkpoint as ckpt
     functions: set = set()
+    grad_free: set = set()
     reentrant = ckpt.CheckpointFunction.forward
     generator = ckpt._checkpoint_without_reentrant_generator
     capturing = threading.get_ident()      # another thread's checkpoints (a model trained beside) are not counted
 
     def forward(ctx, run_function, *args):
-        if threading.get_ident() == capturing:
-            functions.add(_checkpointed(run_function))
-        return reentrant(ctx, run_function, *args)
+        if threading.get_ident() != capturing:
+            return reentrant(ctx, run_function, *args)
+        fn = _checkpointed(run_function)
+        functions.add(fn)
+        state = getattr(_READS, "state", None)
+        if state is None:
+            return reentrant(ctx, run_function, *args)
+        grad, requires = state
+        if not grad():                          # made without grad in eager too
+            return reentrant(ctx, run_function, *args)
+        _READS.reads.append("a reentrant checkpoint's inputs' requires_grad")
+        if any(requires(a) for a in args if isinstance(a, torch.Tensor)):
+            return reentrant(ctx, run_function, *args)
+        grad_free.add(fn)
+        with _marked_grad_mode(False):          # eager's CheckpointFunction: no gradient through its outputs
+            return reentrant(ctx, run_function, *args)
 
     def without_reentrant(fn, *args, **kwargs):
         if threading.get_ident() == capturing:
@@ -516,10 +540,21 @@ def _checkpoints():
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True",
                                     category=UserWarning)
-            yield functions
+            yield functions, grad_free
     finally:
         ckpt.CheckpointFunction.forward = staticmethod(reentrant)
         ckpt._checkpoint_without_reentrant_generator = generator
+
+
+@contextlib.contextmanager
+def _marked_grad_mode(mode: bool):
+    """The nodes the tracer makes inside carry ``mode`` as :data:`GRAD_BLOCK`, as in one of the forward's own
+    grad-mode blocks (:func:`_grad_blocks`); the tracer's metadata is put back as it was on exit."""
+    from torch.fx import traceback as fx_traceback
+    with fx_traceback.preserve_node_meta():
+        meta = fx_traceback.current_meta
+        fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}), GRAD_BLOCK: mode}}
+        yield
 
 
 #: the key of ``node.meta["custom"]`` that holds the grad mode of the forward's own block the node was made in
@@ -737,6 +772,9 @@ def _eager_autograd_reads():
         return answer
 
     _READS.reads = reads
+    # eager's grad mode at this point of the forward and whether a tensor would require grad, not recorded as reads
+    # (_checkpoints records what it reads)
+    _READS.state = (eager_mode, requires)
     # for autofuse's own stand-ins of a forward's code (_torch_transformers_as_eager): eager's answers, recorded
     _READS.eager = (lambda: read("torch.is_grad_enabled()", eager_mode()),
                     lambda t: read("tensor.requires_grad", requires(t)))
@@ -746,7 +784,7 @@ def _eager_autograd_reads():
             yield reads
     finally:
         torch.is_grad_enabled = torch._C.is_grad_enabled = own_is_grad_enabled
-        _READS.reads, _READS.eager = (), None
+        _READS.reads, _READS.eager, _READS.state = (), None, None
 
 
 def _while_capturing(install):
@@ -950,8 +988,41 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
             mode = outer.pop()
         elif mode is not None and n.op not in ("placeholder", "output"):
             n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
-    if marked and (_pass_updates_in_place(gm) | _detach_grad_free_blocks(gm)):
+    grad_free = _mark_grad_free_checkpoints(gm)
+    gm.meta["autofuse_grad_free_checkpoints"] = grad_free       # the plan warns of them (capture reads it)
+    if (marked or grad_free) and (_pass_updates_in_place(gm) | _detach_grad_free_blocks(gm)):
         gm.recompile()
+
+
+def _mark_grad_free_checkpoints(gm: fx.GraphModule) -> int:
+    """Dynamo spells ``torch.utils.checkpoint.checkpoint`` as ``tag_activation_checkpoint``, which torch runs as
+    the non-reentrant form whatever ``use_reentrant`` says. A reentrant one called with grad where none of its
+    tensor inputs requires grad gives outputs without a gradient in eager (torch's ``CheckpointFunction``): its
+    outputs are marked as made in a grad-free block (:data:`GRAD_BLOCK`), so that they are read detached
+    (:func:`_detach_grad_free_blocks`), as :func:`_checkpoints` does in a capture of the forward. Dynamo passes
+    the function's parameters and the tensors it closes over as inputs of the operator too, in no telling order:
+    the model's parameters among them are taken as the function's own, every other tensor as an input of the
+    checkpoint. How many were marked."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+
+    def requires(a) -> bool:
+        if not isinstance(a, fx.Node) or a.op == "get_attr":
+            return False
+        v = a.meta.get("example_value", a.meta.get("val"))
+        return isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.requires_grad
+
+    count = 0
+    for n in gm.graph.nodes:
+        if hop is None or n.op != "call_function" or n.target is not hop or \
+                n.kwargs.get("use_reentrant", True) is False:       # not given: torch's default, reentrant
+            continue
+        mode = (n.meta.get("custom") or {}).get(GRAD_BLOCK)
+        if not (torch.is_grad_enabled() if mode is None else mode) or any(map(requires, n.args[1:])):
+            continue
+        for m in (n, *[u for u in n.users if u.op == "call_function" and u.target is operator.getitem]):
+            m.meta["custom"] = {**(m.meta.get("custom") or {}), GRAD_BLOCK: False}
+        count += 1
+    return count
 
 
 def _grad_free(n: fx.Node) -> bool:

@@ -911,6 +911,15 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"checkpointing off (the same gradients, more activation memory); where that memory "
                                f"limits the batch, run the model eagerly")
         warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
+    grad_free = cap_gm.meta.get("autofuse_grad_free_checkpoints", 0)
+    if grad_free:
+        # eager's CheckpointFunction warns at each call; the plan says it once
+        report.warnings.append(f"{grad_free} reentrant activation checkpoint(s) (use_reentrant=True) have no input "
+                               f"that requires grad: as in eager (torch warns \"None of the inputs have "
+                               f"requires_grad=True. Gradients will be None\"), their outputs carry no gradient and "
+                               f"the parameters they use get none through them; pass an input that requires grad, "
+                               f"or use use_reentrant=False, to train them")
+        warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
     opaque = sorted({str(n.target).split(".")[-2] for n in cap_gm.graph.nodes if n.target in _FAST_PATHS})
     if opaque:
         # nn.TransformerEncoderLayer / nn.MultiheadAttention in eval without grad, as Dynamo traces them: torch's

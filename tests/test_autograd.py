@@ -185,6 +185,86 @@ def test_activation_checkpoints_through_compile_are_counted_once_each():
         torch.compile(model, backend="autofuse")(x).sum().backward()
 
 
+class _CheckpointedHead(nn.Module):
+    """A checkpointed block whose input is the model's input (or a value its own no_grad block makes), then a
+    layer outside it."""
+
+    def __init__(self, reentrant, pre_no_grad=False):
+        super().__init__()
+        self.a, self.b, self.p = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.reentrant, self.pre_no_grad = reentrant, pre_no_grad
+
+    def forward(self, x):
+        if self.pre_no_grad:
+            with torch.no_grad():
+                x = self.p(x)
+        else:
+            x = x * 1.5
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)) * 2.0, x,
+                                              use_reentrant=self.reentrant)
+        return self.b(h) + self.p(x * 0.5)
+
+
+def _grads_or_none(m, params, x):
+    for p in params:
+        p.grad = None
+    x.grad = None
+    m(x).square().mean().backward()
+    return [None if t.grad is None else t.grad.clone() for t in (*params, x)]
+
+
+def _same_or_none(got, want):
+    assert [g is None for g in got] == [w is None for w in want]
+    for g, w in zip(got, want):
+        if w is not None:
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("route", ["fuse", "compile"])
+@pytest.mark.parametrize("reentrant,pre_no_grad", [(True, False), (True, True), (False, False)])
+def test_reentrant_checkpoint_without_an_input_that_requires_grad_gives_no_gradient_as_eager(
+        route, reentrant, pre_no_grad):
+    """Eager's reentrant checkpoint (CheckpointFunction) runs its function without grad: with no tensor input that
+    requires grad (the model's input, or a value made in the forward's own no_grad block) its output carries no
+    gradient and the parameters inside get none (torch warns "Gradients will be None"). The fused model gave
+    them one (the checkpoint was a plain call). With an input that requires grad, or non-reentrant, they get
+    eager's gradients. One fused model serves calls in either state (a plan per autograd state); the plan
+    warns of the checkpoint once."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CheckpointedHead(reentrant, pre_no_grad)
+    eager = __import__("copy").deepcopy(model)
+    x = torch.randn(4, 8)
+    grad_free = reentrant
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fused = AutoFusionEngine.fuse(model, (x,)) if route == "fuse" else torch.compile(model, backend="autofuse")
+        for requires_grad in (False, True, False):
+            xx = x.clone().requires_grad_(requires_grad)
+            want = _grads_or_none(eager, list(eager.parameters()), xx)
+            got = _grads_or_none(fused, list(model.parameters()), xx)
+            _same_or_none(got, want)
+            if grad_free and (not requires_grad or pre_no_grad):
+                assert want[0] is None and want[1] is None          # a.weight, a.bias: no gradient in eager
+            else:
+                assert want[0] is not None
+    said = [str(w.message) for w in seen if "reentrant activation checkpoint" in str(w.message)]
+    assert bool(said) == grad_free, said
+    assert all("Gradients will be None" in m for m in said)
+    if route == "fuse":
+        assert len(fused.plans) == (2 if reentrant else 1)
+
+
+def test_reentrant_checkpoint_without_grad_is_not_warned_of():
+    """Called without grad nothing carries a gradient: the plan does not warn of the checkpoint."""
+    model = _CheckpointedHead(True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="autofuse: .*reentrant")
+        with torch.no_grad():
+            fused = AutoFusionEngine.fuse(model, (torch.randn(4, 8),))
+    assert not [w for w in fused.report.warnings if "reentrant" in w]
+
+
 def test_transformers_gradient_checkpointing_is_said():
     """transformers' layers checkpoint themselves only in training mode where torch.is_grad_enabled(): the trace
     reads eager's grad mode, so 2 layers checkpoint with grad; without grad or in eval mode, none."""
