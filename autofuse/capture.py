@@ -1613,6 +1613,11 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
 
 
 _HINTS = [
+    ("Guard failed:", "the model is an ExportedProgram's module, which checks the guards its export recorded (a "
+                      "branch on a size, a size torch kept from being 1), and these inputs break the one named "
+                      "above: the program does not hold the computation eager does at these sizes. Export the "
+                      "model again with example inputs of these sizes (or dynamic_shapes that keep them apart), "
+                      "or fuse the nn.Module itself"),
     ("Unsupported input type", "an input of the call is a Python object (not a tensor, number, string, or a list, "
                                "tuple or dict of them), which a captured graph cannot take as an input; eager runs "
                                "it, the capture cannot: pass its values as tensors or numbers, keep it on the model "

@@ -14,10 +14,12 @@ structure, each leaf's type, dtype, device and rank, the non-tensor leaves' valu
    longer than the cache) and their ranges, and specialises the rest;
 3. for that signature and every later one, the symbolic graph **specialised** to the call's sizes: the inputs are
    checked against the export's constraints by torch's own check (``_check_input_constraints_for_graph``: the
-   relations, the ranges, the dimensions it specialised), every size the graph computes is folded to its value,
-   every runtime assertion export left in the graph is evaluated (any false one refuses), and the tensors' metadata
-   are propagated again with static shapes. The result is the graph a fresh export at those sizes gives, which
-   capture then treats as usual.
+   relations, the ranges, the dimensions it specialised), and against every guard the export's shape environment
+   recorded (the forward's branches on sizes that are not ranges: ``T % 2 == 0``, ``T == 5``; what
+   ``ExportedProgram.module()`` checks in its ``_guards_fn``), any false one refusing; every size the graph
+   computes is folded to its value, every runtime assertion export left in the graph is evaluated (any false one
+   refuses), and the tensors' metadata are propagated again with static shapes. The result is the graph a fresh
+   export at those sizes gives, which capture then treats as usual.
 
 A dimension the symbolic export kept static because it had not yet changed (the batch, when a second generate()
 comes with another batch size) changes: the family makes one symbolic export more, with that dimension among the
@@ -25,8 +27,10 @@ symbolic ones, and serves from the newest program that holds; the older ones sti
 have specialised the new dimension anyway). A family makes such an export only when a dimension changes that none
 of its exports had seen change, so it makes at most one per dimension.
 
-Where anything refuses (the export with symbols fails, the constraints do not hold, the graph reads sizes from
-data, an assertion is false), that signature is exported by itself, as without sharing. The
+Where anything refuses (the export with symbols fails, the constraints or a guard do not hold, the graph reads
+sizes from data, an assertion is false), that signature is exported by itself, as without sharing: a size on the
+other side of a branch takes the branch eager takes (and the model given as an ``ExportedProgram``'s module refuses
+it there, as that module does). The
 plans stay one per signature: only the export is shared.
 """
 from __future__ import annotations
@@ -271,6 +275,37 @@ def _bindings(program, leaves) -> dict:
     return values
 
 
+def _shape_env(program):
+    """The shape environment of ``program``'s symbolic sizes (that of its placeholders' values), or None."""
+    for node in _user_placeholders(program):
+        for d in getattr(node.meta.get("val"), "shape", ()):
+            if isinstance(d, torch.SymInt):
+                return d.node.shape_env
+    return None
+
+
+def _check_guards(program, values) -> None:
+    """Raise :class:`Unsuitable` unless every guard the export recorded holds at the sizes ``values``. A forward
+    that branches on a size (``if T % 2 == 0``, ``if T == 5``, a slice that would be one long) leaves a guard in
+    the export's shape environment, not in its range constraints nor in its graph: ``ExportedProgram.module()``
+    checks it (its ``_guards_fn``, from the same guards), ``_check_input_constraints_for_graph`` does not. A size
+    that breaks one takes the other branch in eager, which the symbolic graph does not hold."""
+    import sympy
+    env = _shape_env(program)
+    if env is None:
+        return
+    for guard in env.guards:
+        expr = env.replace(guard.expr)          # a symbol the export later related to another: in its terms
+        try:
+            holds = sympy.sympify(expr.xreplace(values))
+        except Exception as e:  # noqa: BLE001 - an expression sympy cannot evaluate at these sizes
+            raise Unsuitable(f"the export's guard {guard.expr} cannot be evaluated: {type(e).__name__}") from None
+        if holds.free_symbols:
+            raise Unsuitable(f"the export's guard {guard.expr} is not determined by the inputs' sizes")
+        if holds is not sympy.true:
+            raise Unsuitable(f"the export's guard {guard.expr} does not hold at these sizes")
+
+
 def _evaluate(sym, values):
     import sympy
     expr = sympy.sympify(sympy.sympify(sym.node.expr).xreplace(values))
@@ -291,6 +326,7 @@ def specialise(program, leaves, model) -> Any:
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     values = _bindings(program, leaves)
+    _check_guards(program, values)
     source = program.graph_module
     graph = fx.Graph()
     env: dict = {}

@@ -251,3 +251,81 @@ def test_a_block_verified_in_one_plan_is_not_verified_again_in_the_next(monkeypa
 def test_share_exports_takes_a_bool():
     with pytest.raises(ValueError, match=r"share_exports='no'; give True .* or False"):
         AutoFusionEngine.fuse(_Scaled(), share_exports="no")
+
+
+class _Parity(nn.Module):
+    """A forward that branches on a size's parity: the export's guard (``T % 2 != 0``) is neither a range
+    constraint nor an assertion in its graph."""
+
+    def forward(self, x):
+        if x.shape[1] % 2 == 0:
+            return x.sigmoid()
+        return x.tanh()
+
+
+class _NotFive(nn.Module):
+    """A forward that branches on one size: the export's guard is ``T != 5``."""
+
+    def forward(self, x):
+        if x.shape[1] == 5:
+            return x * 100
+        return x
+
+
+@pytest.mark.parametrize("model, lengths, served", [(_Parity(), (3, 5, 7, 6, 4, 9), (0, 0, 1, 1, 1, 2)),
+                                                    (_NotFive(), (3, 4, 7, 5, 8), (0, 0, 1, 1, 2))])
+def test_a_size_that_breaks_a_guard_of_the_symbolic_export_is_exported_again(model, lengths, served):
+    """The symbolic export made at the third length took one branch, and its shape environment guards it (a
+    parity, a ``!=``). A later length that breaks the guard takes eager's other branch: it is exported by itself,
+    not served from that export; lengths that keep the guard are still served. Every output is eager's."""
+    fused = AutoFusionEngine.fuse(model)
+    for t, n in zip(lengths, served):
+        x = torch.randn(2, t, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), model(x), rtol=1e-6, atol=1e-6)
+        assert _served(fused) == n, t
+
+
+def test_an_exported_programs_guard_refuses_a_size_its_module_refuses():
+    """fuse() of an ExportedProgram made with Dim.AUTO: the sizes its guard allows are served from one export
+    (as ep.module() runs them); a size its guard refuses (ep.module() raises) is refused naming the guard, with
+    the advice to export again, not run through the branch the program took."""
+    from autofuse.capture import CaptureError
+    ep = torch.export.export(_Parity(), (torch.randn(2, 7, 16),),
+                             dynamic_shapes={"x": {1: torch.export.Dim.AUTO}}, strict=False)
+    fused = AutoFusionEngine.fuse(ep)
+    with torch.no_grad():
+        for t in (7, 9, 11):
+            x = torch.randn(2, t, 16)
+            torch.testing.assert_close(fused(x), x.tanh(), rtol=1e-6, atol=1e-6)
+        assert _served(fused) == 1
+        with pytest.raises(AssertionError, match="Guard failed"):
+            ep.module()(torch.randn(2, 6, 16))
+        with pytest.raises(CaptureError, match=r"(?s)Guard failed: x\.size\(\)\[1\] % 2 != 0.*Export the model again"):
+            fused(torch.randn(2, 6, 16))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generate_still_shares_one_export_with_the_guards_checked(kind):
+    """A control: a decode step's export holds guards too (a length that is not 1, relations of the cache and
+    the mask), and they hold at every later length: a tiny Llama's and GPT-2's generate() serve all decode steps
+    after the second from one symbolic export, with eager's tokens."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=1, num_attention_heads=4,
+                                                   num_key_value_heads=2, max_position_embeddings=64))
+    else:
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_layer=1, n_embd=64, n_head=4, n_positions=64))
+    model.eval()
+    ids = torch.randint(1, 128, (2, 5))
+    fused = AutoFusionEngine.fuse(model)
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        got = fused.generate(ids, **settings)
+    assert torch.equal(got, want)
+    decode = [f for f in fused._sizes.families.values() if f.programs]
+    assert len(decode) == 1 and len(decode[0].programs) == 1
+    assert len(fused.plans) == 8 and _served(fused) == 5          # the prompt, 2 decode steps by themselves, 5 served
