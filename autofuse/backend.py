@@ -160,17 +160,20 @@ class Backend:
             except TypeError:       # not weak-referenceable (a builtin): the backend object still has it
                 pass
 
-        failed = []
+        from autofuse.engine import _signature
+        failed = set()      # the input signatures whose capture failed: they run unfused, with no new attempt
 
         def run(*args):
-            if failed:
-                return unfused(*args)
             args = plain(args)
+            if failed and _signature(args, {}) in failed:
+                return whole(gm(*args), args)
             with torch_internal_warnings():      # a new input signature captures again
                 try:
                     return whole(fused(*args), args)
                 except CaptureError as e:        # planned at this call's sizes (a graph Dynamo made dynamic)
-                    failed.append(e)
+                    # only this signature runs unfused from now on: another one (other sizes, another int) is
+                    # captured afresh, once, as a signature that fused is planned once
+                    failed.add(_signature(args, {}))
                     _run_as_captured(e)
             return whole(gm(*args), args)
         return run

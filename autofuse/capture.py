@@ -1327,7 +1327,7 @@ def _python_values_kept(model, args, kwargs):
     flat, spec = pytree.tree_flatten((args, kwargs))
     if not any(isinstance(x, int) for x in flat):
         return model
-    own = model.forward
+    own = _own_forward(model)
 
     def forward(*a, **k):
         got, got_spec = pytree.tree_flatten((a, k))
@@ -1345,11 +1345,39 @@ def _python_values_kept(model, args, kwargs):
 
 def with_forward(model, forward):
     """A stand-in for ``model`` whose calls run ``forward``: a shallow copy (the same submodules, parameters and
-    their names, so a capture of it names everything as the model's) with ``forward`` set on the instance."""
+    their names, so a capture of it names everything as the model's) with ``forward`` set on the instance.
+    For a GraphModule (Dynamo's graph, a symbolic trace) the copy is a plain ``nn.Module`` holding the graph
+    module's attributes: torch.export runs a GraphModule through an fx ``Interpreter`` over its graph
+    (``torch.export._trace._non_strict_export``), never calling its ``forward``, so an instance ``forward`` on a
+    GraphModule would be bypassed. ``forward`` should then call :func:`_own_forward`'s runner of the graph."""
     import copy
-    stand_in = copy.copy(model)
+    if isinstance(model, fx.GraphModule):
+        stand_in = torch.nn.Module.__new__(torch.nn.Module)
+        stand_in.__dict__.update(model.__dict__)
+    else:
+        stand_in = copy.copy(model)
     object.__setattr__(stand_in, "forward", forward)
     return stand_in
+
+
+def _own_forward(model):
+    """What runs ``model``'s forward inside a stand-in's (:func:`with_forward`): its bound ``forward``, or for a
+    GraphModule what torch.export runs for one, an fx ``Interpreter`` over its graph with each node's meta kept
+    (the new nodes keep the user's stack trace)."""
+    import inspect
+
+    import torch.fx.traceback as fx_traceback
+    if not isinstance(model, fx.GraphModule):
+        return model.forward
+
+    def run(*args, **kwargs):
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(model).run(*args, *kwargs.values())
+    try:
+        run.__signature__ = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        pass
+    return run
 
 
 def _capture_export(model, args, kwargs, export=None):
@@ -1676,14 +1704,48 @@ def _stack_line(stack: str) -> str:
     return ""
 
 
+def _program_module(model) -> bool:
+    """Whether ``model`` is an exported program's module (``ep.module()``, what ``fuse`` makes of an
+    ``ExportedProgram``): it checks its inputs against the export's (``_guards_fn``) and binds them by its spec."""
+    return isinstance(model, fx.GraphModule) and hasattr(model, "range_constraints") and \
+        isinstance(getattr(model, "_in_spec", None), pytree.TreeSpec)
+
+
+def _dynamo_graph(model) -> bool:
+    """Whether ``model`` is a graph Dynamo captured (``torch.compile``'s backend is handed one)."""
+    return isinstance(model, fx.GraphModule) and "dynamo_compile_id" in getattr(model, "meta", {})
+
+
+def _program_hint(failures) -> str:
+    """What to do when an exported program's module refuses a call's inputs (its guards, or its code on an input
+    of another kind than the export's)."""
+    text = " ".join(str(e) for _, e in failures)
+    if "Guard failed" in text and re.search(r"\.size\(\)|\.shape|\.stride\(\)", text):
+        return ("the exported program refuses these inputs' sizes (torch.export checks them against the sizes it "
+                "was exported for; its own module, ep.module(), refuses them too): export again with "
+                "dynamic_shapes= giving that dimension a torch.export.Dim (or Dim.AUTO) whose range holds this "
+                "size, or export at these sizes")
+    if "Guard failed" in text:
+        return ("the exported program refuses this call's Python value (torch.export kept the value it was "
+                "exported with as a constant, and its own module, ep.module(), refuses another): export again with "
+                "this value, or pass it as a tensor if it changes between calls")
+    return ("the exported program fails on these inputs, as its own module (ep.module()) does: give the inputs "
+            "it was exported with (the same kinds: a tensor where it took a tensor, None where it took None), or "
+            "export again with these inputs (dynamic_shapes= for sizes that change)")
+
+
 def _explain(model, failures) -> str:
-    lines = [f"could not capture {type(model).__name__}:"]
+    program = _program_module(model)
+    dynamo = _dynamo_graph(model)
+    what = ("the exported program's module (fuse() of an ExportedProgram runs ep.module())" if program else
+            "Dynamo's graph (GraphModule)" if dynamo else type(model).__name__)
+    lines = [f"could not capture {what}:"]
     hinted = False
     for route, e in failures:
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         lines.append(f"  route '{route}' failed with {text}")
         where = _user_frame(e)
-        if where:
+        if where and not (program and where.startswith("<string>")):    # not the program's own guard function
             lines.append(f"    at {where}")
         hint = next((h for key, h in _HINTS if key in str(e) or key in type(e).__name__), None)
         inside = _torch_module_frame(e)
@@ -1700,10 +1762,26 @@ def _explain(model, failures) -> str:
             lines.append(f"    hint: {hint}")
             hinted = True
     firsts = {(type(e).__name__, (str(e).strip().splitlines() or [""])[0]) for _, e in failures}
-    if len(failures) > 1 and len(firsts) == 1 and not hinted:
-        # every tracer stopped at the same error: the forward itself raises it on these inputs
+    if program and not hinted:
+        lines.append(f"  hint: {_program_hint(failures)}.")
+    elif len(failures) > 1 and len(firsts) == 1 and not hinted and not dynamo and \
+            all(_raised_in_forward(e) for _, e in failures):
+        # every tracer stopped at the same error, raised in the forward's own code (the user's, or a torch layer's
+        # forward): the forward itself raises it on these inputs
         lines.append("  hint: every route failed with the same error, which the forward raises on these inputs "
                      "itself: run model(*example_inputs) eagerly to see it, and fix the model or the inputs.")
+    elif len(failures) > 1 and len(firsts) == 1 and not hinted:
+        # raised inside torch's tracing machinery (or for a graph Dynamo already ran): not the model's error
+        if dynamo:
+            lines.append("  hint: every route failed with the same error, raised inside torch's tracing machinery "
+                         "(no frame of the model's code is in its traceback) on a graph Dynamo traced from these "
+                         "inputs already: a limitation of autofuse's capture, not a fault of the model; please "
+                         "report it to autofuse with the model.")
+        else:
+            lines.append("  hint: every route failed with the same error, raised inside torch's tracing machinery "
+                         "(no frame of the model's code is in its traceback), so it need not be the model's own: "
+                         "run model(*example_inputs) eagerly; if that runs, this is a limitation of autofuse's "
+                         "capture: please report it to autofuse with the model.")
     elif not hinted:
         lines.append("  hint: the failing construct is named above; route='export' handles most models, "
                      "route='symbolic_trace' only plain modules without value-dependent Python control flow.")
@@ -1723,6 +1801,22 @@ def _signature_hint(model) -> str:
         sig = "the forward's parameters"
     return (f"the example inputs do not fit {sig}: give one positional input per parameter in order, or "
             f"(args, kwargs) with keyword inputs by name")
+
+
+def _raised_in_forward(e: BaseException) -> bool:
+    """Whether the error was raised while the forward's own code ran: a frame of the user's code, of torch's
+    layers and functionals (``torch/nn``, not ``Module.__call__``), or of fx's ``Interpreter`` running a node of a
+    GraphModule's graph (how torch.export runs one) is in its traceback. An error raised by torch's tracing
+    machinery alone (its guards, its shape environment) has none: the forward need not raise it."""
+    nn_dir = os.path.join(_TORCH_DIR, "nn") + os.sep
+    interpreter = os.path.join(_TORCH_DIR, "fx", "interpreter.py")
+    for f in traceback.extract_tb(e.__traceback__):
+        if _users_file(f.filename) or os.path.abspath(f.filename) == interpreter and f.name == "run_node":
+            return True
+        if os.path.abspath(f.filename).startswith(nn_dir) and not f.filename.endswith(os.path.join("modules",
+                                                                                                    "module.py")):
+            return True
+    return False
 
 
 def _torch_module_frame(e: BaseException) -> str | None:

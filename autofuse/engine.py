@@ -86,6 +86,15 @@ def _autocast_off():
         yield
 
 
+def _program_input_name(path) -> str:
+    """An exported program's input by its pytree path in ``(args, kwargs)``: ``keyword input 'bias'``,
+    ``positional input 0['ids']``."""
+    head, rest = path[1], pytree.keystr(path[2:])
+    if getattr(path[0], "idx", None) == 0:
+        return f"positional input {getattr(head, 'idx', head)}{rest}"
+    return f"keyword input {getattr(head, 'key', head)!r}{rest}"
+
+
 def _signature(args, kwargs):
     leaves, spec = pytree.tree_flatten((args, kwargs))
     sig = []
@@ -1409,6 +1418,19 @@ class FusedModule(torch.nn.Module):
                             f"{positional} positional input(s) and the keyword input(s) {list(named)} (as it was "
                             f"exported); this call gives {len(args)} positional and {sorted(kwargs)}: call it as "
                             f"it was exported (keywords in any order)")
+        kinds = self.__dict__.get("_spec_kinds")
+        if kinds is None:
+            vals = [n.meta.get("val") for n in self.model.graph.nodes if n.op == "placeholder"]
+            kinds = [isinstance(v, torch.Tensor) for v in vals] if len(vals) == len(paths) else []
+            object.__setattr__(self, "_spec_kinds", kinds)
+        for p, tensor in zip(paths, kinds):
+            if tensor != isinstance(by_path[p], torch.Tensor):
+                given = by_path[p]
+                raise TypeError(f"this fused module's model is an exported program's module, whose "
+                                f"{_program_input_name(p)} was exported as "
+                                f"{'a tensor' if tensor else 'a Python value (a constant of the program)'}; this call "
+                                f"gives {'None' if given is None else type(given).__name__}: call it with the kinds of "
+                                f"inputs it was exported with, or export the model again with these inputs")
         ordered_args, ordered_kwargs = pytree.tree_unflatten([by_path[p] for p in paths], spec)
         return tuple(ordered_args), dict(ordered_kwargs)
 

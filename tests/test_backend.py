@@ -494,3 +494,98 @@ def test_a_graph_calling_torchs_fast_path_kernel_says_it_is_opaque():
         fused = autofuse.AutoFusionEngine.fuse(Direct().eval(), (x,))
     assert not fused.report.applied
     assert any("_transformer_encoder_layer_fwd" in w for w in fused.report.warnings), fused.report.warnings
+
+
+class _SlicedBy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n = torch.nn.LayerNorm(32)
+
+    def forward(self, x, n: int):
+        return self.n(x[:, n:] * 2).softmax(-1)
+
+
+def test_a_slice_by_an_int_argument_that_changed_fuses_per_value():
+    """After an int argument changes, Dynamo passes it as a symbol (automatic dynamic); a graph that slices by it
+    fuses, one plan per value, equal to eager. Before, its capture failed inside torch (torch.export runs a
+    GraphModule through an fx Interpreter, bypassing the stand-in that keeps ints as given) and the graph ran
+    unfused for good, with a hint that blamed the model."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _SlicedBy().eval()
+    compiled = torch.compile(model, backend="autofuse")
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)         # no graph runs unfused
+        for n in (0, 3, 1, 3):
+            torch.testing.assert_close(compiled(x, n), model(x, n), atol=1e-5, rtol=1e-4)   # fp32 reassociation
+    rs = reports(compiled)
+    assert len(rs) == 3 and all(r.applied for r in rs), [r.summary() for r in rs]
+    assert any(isinstance(n.meta.get("example_value"), torch.SymInt) for g in graphs(compiled)
+               for n in g.graph_module.graph.nodes if n.op == "placeholder"), "Dynamo made the int a symbol"
+    with torch.no_grad(), warnings.catch_warnings():       # dynamic=True: every int a symbol from the first call
+        warnings.simplefilter("error", UserWarning)
+        torch._dynamo.reset()
+        model = _SlicedBy().eval()                         # its own reports
+        compiled = torch.compile(model, backend="autofuse", dynamic=True)
+        for n in (2, 5):
+            torch.testing.assert_close(compiled(x, n), model(x, n), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(compiled(x[:, :6], n), model(x[:, :6], n), atol=1e-5, rtol=1e-4)
+    assert len(reports(compiled)) == 4 and all(r.applied for r in reports(compiled))
+
+
+def test_a_llamas_logits_to_keep_that_changed_fuses():
+    """transformers' ``logits_to_keep`` is an int the model slices its hidden states by: a second value makes it a
+    symbol in Dynamo's graph, which fuses (attention and norms) and equals eager."""
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    compiled = torch.compile(model, backend="autofuse")
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in (1, 3):
+            got = compiled(input_ids=ids, use_cache=False, logits_to_keep=k).logits
+            want = model(input_ids=ids, use_cache=False, logits_to_keep=k).logits
+            assert got.shape == want.shape == (2, k, 128)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)    # fp32 kernels vs eager: summation orders
+    assert not [w for w in caught if "runs unfused" in str(w.message)], [str(w.message) for w in caught]
+    rs = reports(compiled)
+    assert len(rs) == 2, [r.summary() for r in rs]
+    for r in rs:
+        fused = {d.pattern for d in r.applied}
+        assert any("attention" in p for p in fused) and any("norm" in p for p in fused), fused
+
+
+def test_a_signature_whose_capture_fails_runs_unfused_and_others_still_fuse(monkeypatch):
+    """A dynamic graph planned per signature: one whose capture fails runs unfused (one warning, one attempt, not
+    one per call); another signature of the same graph is still captured and fused (before, the first failure
+    left the graph unfused for every later call)."""
+    import autofuse.engine as engine
+    from autofuse.capture import CaptureError
+    real, tried = engine.compile_plan, []
+
+    def compile_plan(model, args, kwargs, *rest):
+        seq = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3).shape[1]    # the activations
+        tried.append(seq)
+        if seq == 5:
+            raise CaptureError("export", "capture failed: refused at length 5 for this test")
+        return real(model, args, kwargs, *rest)
+
+    monkeypatch.setattr(engine, "compile_plan", compile_plan)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = MHABlock(32, 4).eval()
+    compiled = torch.compile(block, backend="autofuse")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seq in (8, 5, 5, 7, 5, 7):
+            x = torch.randn(2, seq, 32)
+            torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-4)   # fp32: reassociation only
+    unfused = [w for w in caught if "runs unfused" in str(w.message)]
+    assert len(unfused) == 1 and "refused at length 5" in str(unfused[0].message)
+    assert tried == [8, 5, 7], tried
+    assert len(reports(compiled)) == 2

@@ -418,3 +418,59 @@ def test_an_input_of_an_unsupported_type_is_not_blamed_on_the_forward():
         capture(M(), (torch.randn(2, 16), Cfg()))
     msg = str(info.value)
     assert "which the forward raises" not in msg and "register_dataclass" in msg and "is a Python object" in msg
+
+
+def test_an_error_raised_only_inside_torchs_tracing_is_not_blamed_on_the_forward():
+    """The hint "which the forward raises on these inputs itself" is given only where the error was raised in the
+    forward's code (the user's, or a torch layer's); one raised by torch's tracing machinery alone (as torch's
+    ShapeEnv raised IndexError on a Dynamo graph sliced by a symbolic int) says so instead."""
+    from autofuse.capture import _explain
+
+    def torch_internal_error():
+        try:
+            torch.broadcast_shapes((2,), (3,))                # raised in torch/functional.py
+        except RuntimeError as e:
+            e.__traceback__ = e.__traceback__.tb_next         # without this test's own frame
+            return e
+
+    failures = [("export", torch_internal_error()), ("symbolic_trace", torch_internal_error())]
+    msg = _explain(nn.Linear(4, 4), failures)
+    assert "which the forward raises" not in msg and "inside torch's tracing machinery" in msg, msg
+    assert "run model(*example_inputs) eagerly; if that runs" in msg
+    with pytest.raises(CaptureError) as info:                 # the forward's own error keeps the hint
+        capture(nn.Linear(16, 16), (torch.randn(4, 7),))
+    assert "which the forward raises on these inputs itself" in str(info.value)
+
+
+def test_a_fused_exported_program_names_what_it_refuses_and_suggests_re_exporting():
+    """fuse(ep) called with inputs the program refuses: the message names the exported program (not a
+    "GraphModule"), does not send the user to model(*example_inputs), and says what to do (dynamic_shapes= for a
+    size; the value for a specialised Python value); None for an input exported as a tensor is named."""
+    import autofuse
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x, *, bias=None, scale=1.0):
+            y = self.fc(x) * scale
+            return y + bias if bias is not None else y
+
+    torch.manual_seed(0)
+    model, x, bias = M().eval(), torch.randn(2, 16), torch.randn(16)
+    ep = torch.export.export(model, (x,), {"bias": bias, "scale": 2.0})
+    fused = autofuse.AutoFusionEngine.fuse(ep)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, bias=bias, scale=2.0), model(x, bias=bias, scale=2.0))
+        with pytest.raises(CaptureError) as info:
+            fused(torch.randn(3, 16), bias=bias, scale=2.0)
+        msg = str(info.value)
+        assert "exported program" in msg and "dynamic_shapes=" in msg and "x.size()[0]" in msg, msg
+        assert "GraphModule" not in msg and "example_inputs" not in msg and "<string>" not in msg, msg
+        with pytest.raises(CaptureError) as info:
+            fused(x, bias=bias, scale=3.0)
+        msg = str(info.value)
+        assert "scale == 2.0" in msg and "export again with this value" in msg and "example_inputs" not in msg, msg
+        with pytest.raises(TypeError, match="keyword input 'bias' was exported as a tensor; this call gives None"):
+            fused(x, bias=None, scale=2.0)
