@@ -12,6 +12,7 @@ Reports, the CLI and the pictures read these objects, never log text. Reason cod
 ``memory_budget``          the fused kernel's working set (inputs, outputs, workspace) exceeds the budget
 ``disabled_by_switch``     the user switched the family or the region's name off (``fusion_switches``, ``--disable``)
 ``training_dropout``       a training-mode dropout the fused kernel cannot take (probabilities read outside, p = 1)
+``returned_value_read``    with grad, it would read a value the model returns (a hidden state): cut there instead
 ``unsupported``            the kernel cannot run this instance (dtype, mask combination, no counterpart in
                            the captured graph, ...)
 ``verification_failed``    the fused kernel's result differed from the captured subgraph
@@ -23,8 +24,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 REASON_CODES = ("fused", "disabled_by_opt_level", "below_level_margin", "extra_outputs_at_O1", "not_profitable",
-                "conflict", "memory_budget", "disabled_by_switch", "training_dropout", "unsupported",
-                "verification_failed")
+                "conflict", "memory_budget", "disabled_by_switch", "training_dropout", "returned_value_read",
+                "unsupported", "verification_failed")
 
 
 def hbm_change(saved: int) -> str:

@@ -56,7 +56,8 @@ from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.graph import describe_node
 from autofuse.match import families
-from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan
+from autofuse.plan import (GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read,
+                           returned_names)
 from autofuse.rewrite import _source as source
 from autofuse.rewrite import fused_block, rewrite
 from autofuse.sizes import SizeFamilies, layout
@@ -732,9 +733,11 @@ class Plan:
 
     def __init__(self, captured, graph_module, report, canonical, guards, model=None):
         #: planned without grad, the plan is not for a call autograd may differentiate: canonicalize dropped a detach,
-        #: or the forward applies a custom autograd.Function (whose backward the graph does not keep)
+        #: the forward applies a custom autograd.Function (whose backward the graph does not keep),
+        #: or a fused call reads a value the model returns (cut only in plans made with grad: plan.returned_and_read)
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
-                                      canonical.meta.get("autofuse_custom_functions"))
+                                      canonical.meta.get("autofuse_custom_functions") or
+                                      canonical.meta.get("autofuse_returned_read"))
         #: the autograd state (:func:`autograd_state`) of the call planned, where the forward read it (a branch on
         #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``) or applies a custom autograd.Function: the plan
         #: serves only calls in that state
@@ -845,6 +848,10 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     leaves = pytree.tree_leaves((args, kwargs))
     checker = _Verifier(cap_gm, leaves, device, level, verdicts) if verify else None
     applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches)
+    if not cap_gm.meta.get("autofuse_grad", True):
+        cap, out = {n.name: n for n in cap_gm.graph.nodes}, returned_names(cap_gm)
+        # fused across a value it returns: right without grad, not for a call autograd may differentiate
+        gm.meta["autofuse_returned_read"] = any(returned_and_read(c, cap, out) for c in applied)
     predicted = baselines(cap_gm, gm, cands, decisions, device)
     t4 = time.perf_counter()
     by_lift = {id(c.lifted): c for c in applied}

@@ -190,14 +190,25 @@ def _split(nodes: list, bad: fx.Node) -> list:
     a node below ``bad`` with one that is not: a part holding both could reach ``bad`` and be read back by it
     (a path out of the part and in again, a cycle once the part is one call). The region is convex, so each
     side is too."""
+    return _parts([n for n in nodes if n is not bad], _below(nodes, [bad]))
+
+
+def _below(nodes: list, tops: list) -> set:
+    """The members of ``nodes`` computed from one of ``tops`` (at any depth through members; tops not included
+    unless reached again)."""
     inside = set(nodes)
-    below, stack = set(), [bad]
+    below, stack = set(), list(tops)
     while stack:
         for u in stack.pop().users:
             if u in inside and u not in below:
                 below.add(u)
                 stack.append(u)
-    rest = [n for n in nodes if n is not bad]
+    return below
+
+
+def _parts(rest: list, below: set) -> list:
+    """The connected parts of ``rest`` (edges between members, either direction) that never join a node of
+    ``below`` with one that is not."""
     left, parts = set(rest), []
     for n in rest:
         if n not in left:
@@ -562,11 +573,46 @@ def _epilogue_ok(m: fx.Node) -> bool:
     return val(a).dtype == val(b).dtype and val(a).dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
+def returned(gm: fx.GraphModule) -> set:
+    """The nodes whose values ``gm`` returns (its output node's arguments)."""
+    return {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
+
+
+def returned_read(nodes, out: set):
+    """The first of ``nodes`` whose value the graph returns (one of ``out``) and another of ``nodes`` reads, or
+    None."""
+    inside = set(nodes)
+    return next((n for n in nodes if n in out and any(u in inside for u in n.users)), None)
+
+
+def cut_at_returned(nodes: list, out: set) -> list:
+    """``nodes`` cut so that no part both computes a value the graph returns and reads it: the readers of such a
+    value (and what they compute, within the region) go to other parts, which read the returned tensor. One
+    fused call that also used the value inside would sum that use's gradient straight into its own inputs,
+    past the returned tensor: its ``retain_grad()``, its hooks and ``autograd.grad`` with respect to it would
+    not see the gradient of the model's later uses, as they do in eager. The region is convex and nothing below
+    the value reaches back above it, so each part is convex too."""
+    o = returned_read(nodes, out)
+    if o is None:
+        return [nodes]
+    return [q for part in _parts(nodes, _below(nodes, [o])) for q in cut_at_returned(part, out)]
+
+
 def _candidates(gm: fx.GraphModule) -> list:
-    """``(nodes, built)`` of every region that builds (cached on the graph module: both families read them)."""
+    """``(nodes, built)`` of every region that builds (cached on the graph module: both families read them). In a
+    graph captured with grad, a region that reads a value the graph returns (a residual stream returned as a
+    hidden state, then normed) is offered whole, which the planner refuses and reports, and cut there
+    (:func:`cut_at_returned`), its parts offered too."""
     cache = gm.__dict__.get("_autofuse_regions")
     if cache is None or cache[0] != len(gm.graph.nodes):
-        found = [r for nodes in regions(gm) for r in build(nodes)]
+        out = returned(gm) if gm.meta.get("autofuse_grad", True) else set()
+        found = []
+        for nodes in regions(gm):
+            for part, built in build(nodes):
+                found.append((part, built))
+                pieces = cut_at_returned(part, out) if out else [part]
+                if len(pieces) > 1:
+                    found += [r for piece in pieces for r in build(piece)]
         cache = (len(gm.graph.nodes), found)
         gm.__dict__["_autofuse_regions"] = cache
     return cache[1]

@@ -569,3 +569,137 @@ def test_a_batched_gradient_through_a_fused_op_names_the_op_and_the_way_out():
     with pytest.raises(NotImplementedError, match=r"autofuse::\w+ \(a fused op of autofuse\) has no batching rule.*"
                                                   r"one grad_output at a time"):
         torch.autograd.grad(out, xi, torch.randn(3, *out.shape), is_grads_batched=True)
+
+
+class RmsNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+class ReturnsResidual(nn.Module):
+    """A residual stream the forward returns (a hidden state) and also norms: one AddRmsNorm region (with the
+    projection before it, an epilogue) would both give ``h`` and read it."""
+
+    def __init__(self, d=32, returns=True):
+        super().__init__()
+        self.returns, self.a, self.norm, self.b = returns, nn.Linear(d, d), RmsNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.a(x)
+        y = self.b(self.norm(h))
+        return (y, h) if self.returns else y
+
+
+def _observe(m, x, how):
+    """What the caller sees of the returned ``h``'s gradient, and a.weight's gradient, the loss on ``y`` only."""
+    m.zero_grad(set_to_none=True)
+    y, h = m(x)
+    loss = y.square().sum()
+    if how == "autograd_grad":
+        return torch.autograd.grad(loss, h)[0], None
+    if how == "retain_grad":
+        h.retain_grad()
+    else:                                                   # a hook that zeroes h's gradient: nothing reaches a
+        h.register_hook(lambda g: torch.zeros_like(g))      # (it crashes if given None)
+    loss.backward()
+    return h.grad if how == "retain_grad" else None, m.a.weight.grad
+
+
+def _close(got, want):
+    assert (got is None) == (want is None)
+    if want is not None:
+        torch.testing.assert_close(got, want, atol=1e-5 * max(want.abs().max().item(), 1.0), rtol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["retain_grad", "zeroing_hook", "autograd_grad"])
+def test_a_returned_value_read_again_inside_a_region_keeps_its_gradient(how):
+    """A plan made with grad cuts a region at a value the model returns and reads on: the readers take the
+    returned tensor, so its retain_grad(), its hooks and autograd.grad with respect to it see the gradient of
+    the model's later uses, as in eager (before: None, a hook that changed nothing upstream, and "appears to
+    not have been used in the graph")."""
+    torch.manual_seed(0)
+    model = ReturnsResidual()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    for got, want in zip(_observe(fused, x, how), _observe(ref, x, how)):
+        _close(got, want)
+    if how == "zeroing_hook":
+        assert not model.a.weight.grad.any()
+    cut = [d for d in fused.report.decisions if d.reason_code == "returned_value_read"]      # the report says why
+    assert cut and all("add_rms_norm" in d.pattern and "returned by the model" in d.reason for d in cut)
+    assert {d.pattern for d in fused.report.applied} >= {"rms_norm", "matmul_epilogue"}, fused.report.summary()
+
+
+def test_without_grad_or_unreturned_the_region_still_fuses_whole_and_grad_plans_again():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 32)
+    kept = AutoFusionEngine.fuse(ReturnsResidual(returns=False), (x,))          # with grad, h not returned
+    assert any({"add", "rsqrt"} <= set(d.nodes) for d in kept.report.applied), kept.report.summary()
+    assert not any(d.reason_code == "returned_value_read" for d in kept.report.decisions)
+    model = ReturnsResidual()
+    ref = copy.deepcopy(model)
+    with torch.no_grad():                                   # an inference plan keeps today's fusion
+        fused = AutoFusionEngine.fuse(model, (x,))
+        assert any("add_rms_norm" in d.pattern for d in fused.report.applied), fused.report.summary()
+        for got, want in zip(fused(x), ref(x)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(_observe(fused, x, "retain_grad"), _observe(ref, x, "retain_grad")):
+        _close(got, want)                                   # not served by the plan made without grad
+    assert len(fused.plans) == 2
+
+
+def _tiny(kind):
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg._attn_implementation = "eager"
+        return tf.GPT2LMHeadModel(cfg), ("transformer.wpe.weight", "transformer.h.0.mlp.c_fc.weight")
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return tf.LlamaForCausalLM(cfg), ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hidden_states_and_attentions_returned_by_a_transformer_keep_their_gradients(kind):
+    """output_hidden_states / output_attentions in a training step: every returned hidden state's and attention
+    map's retain_grad() is eager's, a hook zeroing hidden_states[1]'s gradient leaves nothing upstream of it,
+    and autograd.grad with respect to it is eager's (the norms and attention that read them run apart)."""
+    model, upstream = _tiny(kind)
+    model.train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    kw = dict(output_hidden_states=True, output_attentions=True, use_cache=False)
+    fused = AutoFusionEngine.fuse(model)
+
+    def run(m, how):
+        params = dict((ref if m is ref else model).named_parameters())
+        m.zero_grad(set_to_none=True)
+        out = m(ids, **kw)
+        held = list(out.hidden_states) + list(out.attentions)
+        loss = out.logits.square().mean()
+        if how == "autograd_grad":
+            return torch.autograd.grad(loss, out.hidden_states[1]), None
+        if how == "retain_grad":
+            for t in held:
+                t.retain_grad()
+        else:
+            out.hidden_states[1].register_hook(lambda g: torch.zeros_like(g))
+        loss.backward()
+        return [t.grad for t in held] if how == "retain_grad" else [], [params[n].grad for n in upstream]
+
+    for how in ("retain_grad", "zeroing_hook", "autograd_grad"):
+        got, want = run(fused, how), run(ref, how)
+        for g, w in zip(got[0], want[0]):
+            _close(g, w)
+        if how == "zeroing_hook":
+            assert all(g is None or not g.any() for g in got[1]) and all(w is None or not w.any() for w in want[1])
+    assert len(fused.plans) == 1
+    assert any(d.reason_code == "returned_value_read" for d in fused.report.decisions)

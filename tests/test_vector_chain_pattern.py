@@ -25,6 +25,14 @@ def _names(report, applied=True):
     return collections.Counter(n for d in ds for n in d.pattern.split("+"))
 
 
+def _inference_fuse(*args, **kwargs):
+    """An inference plan (made without grad): these modules return a value their region also reads (a residual sum
+    and its norm, a statistic and what it scales), which a plan made with grad cuts the region at so the returned
+    tensor keeps its gradient (test_autograd_semantics); without grad the region fuses whole."""
+    with torch.no_grad():
+        return AutoFusionEngine.fuse(*args, **kwargs)
+
+
 def _within_bound(model, args, kwargs, got_fn):
     with torch.no_grad():
         want = model(*args, **kwargs)
@@ -134,7 +142,7 @@ def test_norm_named_only_when_it_is_one(kind, name):
     torch.manual_seed(0)
     m = Norm(kind).eval()
     x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
-    fused = AutoFusionEngine.fuse(m, (x, r))
+    fused = _inference_fuse(m, (x, r))
     names = _names(fused.report)
     assert (names[name] >= 1) if name else not (names["rms_norm"] or names["add_rms_norm"]), fused.report.summary()
     assert fused.report.applied, "the region is fused either way"
@@ -145,9 +153,9 @@ class TorchRMSNorm(nn.Module):
     """torch's own RMSNorm (``nn.RMSNorm``, ``F.rms_norm``: one ``aten.rms_norm`` op in the graph, as torchtitan's
     Llama writes its norms) of a residual sum; the sum, the norm and a projection of it are returned."""
 
-    def __init__(self, spelling="module", eps=None, affine=True, shape=(32,), residual=True):
+    def __init__(self, spelling="module", eps=None, affine=True, shape=(32,), residual=True, trains=False):
         super().__init__()
-        self.spelling, self.eps, self.residual = spelling, eps, residual
+        self.spelling, self.eps, self.residual, self.trains = spelling, eps, residual, trains
         self.norm = nn.RMSNorm(shape, eps=eps, elementwise_affine=affine)
         if affine:
             with torch.no_grad():
@@ -160,6 +168,8 @@ class TorchRMSNorm(nn.Module):
             y = self.norm(h)
         else:
             y = F.rms_norm(h, self.norm.normalized_shape, self.norm.weight, self.eps)
+        if self.trains:     # the sum leaves the region, and the norm is read twice in it, neither returned as read
+            return self.proj(torch.relu(y)), self.proj(h), y.sin()
         return self.proj(torch.relu(y)), h, y
 
 
@@ -181,7 +191,7 @@ def test_torch_rms_norm_is_fused_and_named(dtype, spelling, eps, affine):
     torch.manual_seed(0)
     m = TorchRMSNorm(spelling, eps, affine).to(dtype).eval()
     x, r = torch.randn(4, 6, 32, dtype=dtype), torch.randn(4, 6, 32, dtype=dtype)
-    fused = AutoFusionEngine.fuse(m, (x, r))
+    fused = _inference_fuse(m, (x, r))
     assert [d.pattern for d in fused.report.applied if "rms" in d.pattern] == ["add_rms_norm"], \
         fused.report.summary()
     assert "aten.rms_norm" not in fused.graph_module.code
@@ -199,7 +209,7 @@ def test_torch_rms_norm_rounds_once_as_eager(dtype, weight_dtype):
     m.norm.weight.data = m.norm.weight.data.to(weight_dtype)
     m.eval()
     x, r = torch.randn(16, 6, 32, dtype=dtype), torch.randn(16, 6, 32, dtype=dtype)
-    fused = AutoFusionEngine.fuse(m, (x, r))
+    fused = _inference_fuse(m, (x, r))
     assert [d.pattern for d in fused.report.applied if "rms" in d.pattern] == ["rms_norm"], fused.report.summary()
     with torch.no_grad():
         _rounded_once_as_eager(fused(x, r)[2], m(x, r)[2])
@@ -207,7 +217,7 @@ def test_torch_rms_norm_rounds_once_as_eager(dtype, weight_dtype):
 
 def test_torch_rms_norm_trains_as_eager():
     torch.manual_seed(0)
-    m = TorchRMSNorm(eps=1e-6).train()
+    m = TorchRMSNorm(eps=1e-6, trains=True).train()
     x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
     fused = AutoFusionEngine.fuse(m, (x, r.clone().requires_grad_()))
     assert [d.pattern for d in fused.report.applied if "rms" in d.pattern] == ["add_rms_norm"], \
@@ -217,7 +227,7 @@ def test_torch_rms_norm_trains_as_eager():
         m.zero_grad()
         rr = r.clone().requires_grad_()
         out, h, y = run(x, rr)
-        (out.square().sum() + h.sum() + y.sin().sum()).backward()
+        (out.square().sum() + h.sum() + y.sum()).backward()
         grads.append([rr.grad] + [p.grad.clone() for p in m.parameters()])
     for want, got in zip(*grads):
         # fp32 gradients of a 32-wide row: the derived backward sums in another order than autograd's
@@ -241,7 +251,7 @@ def test_a_norm_of_one_row_is_named_as_any_other(kind):
     torch.manual_seed(0)
     m = Norm(kind).eval()
     x, r = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
-    fused = AutoFusionEngine.fuse(m, (x, r))
+    fused = _inference_fuse(m, (x, r))
     assert _names(fused.report)["add_rms_norm"] == 1, fused.report.summary()
 
 
@@ -461,9 +471,9 @@ def test_a_names_switch_wins_over_its_familys(value):
     torch.manual_seed(0)
     m = Norm("rms").eval()
     x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
-    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "off", "add_rms_norm": value})
+    fused = _inference_fuse(m, (x, r), fusion_switches={"vector_chain": "off", "add_rms_norm": value})
     assert [d.pattern for d in fused.report.applied] == ["add_rms_norm"], fused.report.summary()
-    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"vector_chain": "force", "add_rms_norm": "off"})
+    fused = _inference_fuse(m, (x, r), fusion_switches={"vector_chain": "force", "add_rms_norm": "off"})
     (d,) = [d for d in fused.report.decisions if d.pattern == "add_rms_norm"]
     assert not d.applied and d.reason == "switched off by the add_rms_norm switch", d.reason
 
@@ -472,7 +482,7 @@ def test_forced_is_said_only_where_the_switch_changed_the_outcome():
     torch.manual_seed(0)
     m = Norm("rms").eval()
     x, r = torch.randn(4, 6, 32), torch.randn(4, 6, 32)
-    fused = AutoFusionEngine.fuse(m, (x, r), fusion_switches={"add_rms_norm": "force"})
+    fused = _inference_fuse(m, (x, r), fusion_switches={"add_rms_norm": "force"})
     (d,) = [d for d in fused.report.applied if d.pattern == "add_rms_norm"]
     assert d.speedup > 1 and not d.reason.startswith("forced"), d.reason
 
@@ -911,17 +921,18 @@ SPREADS = {
 
 
 class Spread(nn.Module):
-    """A row's spread of a residual sum scales it before a projection; the spread is returned too."""
+    """A row's spread of a residual sum scales it before a projection; the spread is returned too (``twice``: twice
+    it, so the value the region reads is not the one returned, and a plan made with grad keeps it inside)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, twice=False):
         super().__init__()
-        self.fn = fn
+        self.fn, self.twice = fn, twice
         self.lin = nn.Linear(24, 8)
 
     def forward(self, x, r):
         h = x + r
         s = self.fn(x)
-        return self.lin(h * s + h), s
+        return self.lin(h * s + h), (s * 2 if self.twice else s)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -930,7 +941,7 @@ def test_var_and_std_over_the_last_dim_join_their_region(name, dtype):
     torch.manual_seed(0)
     m = Spread(SPREADS[name]).to(dtype).eval()
     x, r = torch.randn(16, 6, 24, dtype=dtype) * 3 + 1, torch.randn(16, 6, 24, dtype=dtype)
-    fused = AutoFusionEngine.fuse(m, (x, r))
+    fused = _inference_fuse(m, (x, r))
     regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
     assert len(regions) == 1 and any(n.startswith(name[:3]) for n in regions[0].nodes), fused.report.summary()
     with torch.no_grad():
@@ -987,7 +998,7 @@ def _spread_grads(m, run, x, r):
 
 def test_var_trains_as_eager():
     torch.manual_seed(0)
-    m = Spread(SPREADS["std"]).train()
+    m = Spread(SPREADS["std"], twice=True).train()
     x, r = torch.randn(4, 6, 24), torch.randn(4, 6, 24)
     fused = AutoFusionEngine.fuse(m, (x.clone().requires_grad_(), r))
     regions = [d for d in fused.report.applied if d.kernel == "vector_program"]
@@ -1002,7 +1013,7 @@ def test_std_of_a_constant_row_trains_as_eager(name):
     # torch's std backward is 0 where the std is 0 (an all-zero padding row, a constant row); through sqrt's own
     # rule it was 0/0, NaN for every element of the row and for the parameters it reaches
     torch.manual_seed(0)
-    m = Spread(SPREADS[name]).train()
+    m = Spread(SPREADS[name], twice=True).train()
     x, r = torch.randn(4, 6, 24), torch.randn(4, 6, 24)
     fused = AutoFusionEngine.fuse(m, (x.clone().requires_grad_(), r))
     assert any("std" in d.nodes for d in fused.report.applied if d.kernel == "vector_program"), fused.report.summary()
