@@ -1641,11 +1641,6 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
 
 
 _HINTS = [
-    ("Guard failed:", "the model is an ExportedProgram's module, which checks the guards its export recorded (a "
-                      "branch on a size, a size torch kept from being 1), and these inputs break the one named "
-                      "above: the program does not hold the computation eager does at these sizes. Export the "
-                      "model again with example inputs of these sizes (or dynamic_shapes that keep them apart), "
-                      "or fuse the nn.Module itself"),
     ("Unsupported input type", "an input of the call is a Python object (not a tensor, number, string, or a list, "
                                "tuple or dict of them), which a captured graph cannot take as an input; eager runs "
                                "it, the capture cannot: pass its values as tensors or numbers, keep it on the model "
@@ -1721,10 +1716,12 @@ def _program_hint(failures) -> str:
     of another kind than the export's)."""
     text = " ".join(str(e) for _, e in failures)
     if "Guard failed" in text and re.search(r"\.size\(\)|\.shape|\.stride\(\)", text):
-        return ("the exported program refuses these inputs' sizes (torch.export checks them against the sizes it "
-                "was exported for; its own module, ep.module(), refuses them too): export again with "
-                "dynamic_shapes= giving that dimension a torch.export.Dim (or Dim.AUTO) whose range holds this "
-                "size, or export at these sizes")
+        return ("the exported program refuses these inputs' sizes (torch.export checks the guards it recorded: "
+                "the ranges of its dimensions, and any branch the forward took on a size; its own module, "
+                "ep.module(), refuses them too): export again with dynamic_shapes= giving that dimension a "
+                "torch.export.Dim (or Dim.AUTO) whose range holds this size; where the forward branches on the size "
+                "(T % 2, T == 5), the program does not hold what eager computes at these sizes: export again at "
+                "these sizes, or fuse the nn.Module itself")
     if "Guard failed" in text:
         return ("the exported program refuses this call's Python value (torch.export kept the value it was "
                 "exported with as a constant, and its own module, ep.module(), refuses another): export again with "

@@ -702,9 +702,11 @@ def _slots_changed(was: tuple, now: tuple, name: str) -> str | None:
 
 
 def _returns_through_outputs(hook) -> bool:
-    """A hook whose records the model returns among its outputs, so capture keeps them: transformers' output
-    recorder (``output_hidden_states``, ``output_attentions``), which it leaves on the modules after such a call."""
-    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+    """A hook of transformers' own machinery, whose effect capture keeps: its output recorder
+    (``output_hidden_states``, ``output_attentions``; the records are among the model's outputs), which it leaves
+    on the modules after such a call, and ``enable_input_require_grads`` (gradient checkpointing), which marks the
+    embeddings' output as requiring grad."""
+    return (getattr(hook, "__module__", None) or "").startswith("transformers.")
 
 
 def _hooked_modules(model) -> list:
