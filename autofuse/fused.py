@@ -110,8 +110,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
         role = terms[0][0]
         src = match.inputs[role]
         if isinstance(src, str) and src.startswith("const:"):
-            kind, sq, skv, *rest = src.split(":")[1:]
-            params["mask"] = ((int(sq), int(skv)), "bool" if kind == "tril" else rest[1])
+            sq, skv = (int(x) for x in src.split(":")[2:])
+            params["mask"] = ((sq, skv), "bool")
         else:
             s, d = _spec(nodes[src])
             params["mask"] = (s, "bool" if p.get("mask_kind") == "bool" else d)
@@ -156,7 +156,7 @@ def _mask_shapes(match, nodes) -> list:
     for role, _, _ in match.params.get("mask_terms") or ():
         src = match.inputs[role]
         if isinstance(src, str):
-            out.append(tuple(int(x) for x in src.split(":")[2:4]))
+            out.append(tuple(int(x) for x in src.split(":")[2:]))
         else:
             out.append(tuple(nodes[src].meta["val"].shape))
     return out

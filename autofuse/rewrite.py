@@ -251,27 +251,17 @@ def build(g: fx.Graph, lifted: Lifted, env: dict, emit, kwargs: dict) -> dict:
 
 
 def _constant(g: fx.Graph, spec: str, fake_mode) -> fx.Node:
-    """``const:tril:Sq:Skv``: a causal keep-mask; ``const:causal_add:Sq:Skv:value:dtype``: the additive causal mask
-    (0 where query i sees key j <= i, ``value`` above the diagonal) in ``dtype``."""
     kind, *dims = spec.split(":")[1:]
-    if kind not in ("tril", "causal_add"):
+    if kind != "tril":
         raise NotLiftable(f"unknown constant {spec!r}")
-    sq, skv = (int(d) for d in dims[:2])
+    sq, skv = (int(d) for d in dims)
     ones = g.call_function(aten.ones.default, ([sq, skv],), {"dtype": torch.bool})
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         v = torch.empty(sq, skv, dtype=torch.bool)
-        dtype = getattr(torch, dims[3]) if kind == "causal_add" else None
-        f = torch.empty(sq, skv, dtype=dtype) if dtype is not None else None
     ones.meta["val"] = v
     tril = g.call_function(aten.tril.default, (ones,))
     tril.meta["val"] = v
-    if kind == "tril":
-        return tril
-    zero = g.call_function(aten.zeros.default, ([sq, skv],), {"dtype": dtype})
-    zero.meta["val"] = f
-    add = g.call_function(aten.where.ScalarOther, (tril, zero, float(dims[2])))
-    add.meta["val"] = f
-    return add
+    return tril
 
 
 def rewrite(captured: fx.GraphModule, lifts: list, emit_for, kwargs_for=lambda lifted: {}) -> fx.GraphModule:

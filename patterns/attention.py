@@ -478,16 +478,11 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         if width and (not window or width < window):
             window = width                  # two proven masks keep their intersection: the narrower band
             band = (m, kind, factor, fill)
-        if proven in ("causal", "window") and kind == "additive" and value != -math.inf:
-            # a causal mask adding a finite value (GPT-2 adds finfo(dtype).min): kept as the user's additive mask,
-            # exactly; the kernel may still skip above the diagonal (and, for a sliding window's band, left of it)
-            # where a bound proves it exact. Even a fill that absorbs any finite score needs the bound: a row whose
-            # visible scores are all -inf (an infinite q or k) attends to its masked keys in eager
-            # a proven causal mask whose value absorbs any finite score is the constant it equals (the ops that
-            # build it die with the block, as when the kernel skipped it unconditionally)
-            absorbing = proven == "causal" and value <= ABSORBING_FILL
-            terms.append((_constant_causal_add(qs[-2], ks[-2], value, val(m).dtype), kind, 1.0, fill)
-                         if absorbing else (m, kind, factor, fill))
+        if proven in ("causal", "window") and kind == "additive" and value > ABSORBING_FILL:
+            # a causal mask adding a finite value (GPT-2 in fp16 adds finfo(float16).min): kept as the user's
+            # additive mask, exactly; the kernel may still skip above the diagonal (and, for a sliding window's
+            # band, left of it) where a bound proves it exact
+            terms.append((m, kind, factor, fill))
             guarded = value
         elif proven in ("causal", "window"):
             causal, causal_fill = True, fill if kind == "bool" else value
@@ -506,11 +501,11 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
                          for m, kind, _, _ in terms if isinstance(m, fx.Node)):
         return _unsupported(inputs, core, anchor, q, "a fill the additive mask's dtype cannot hold")
     guarded = guarded if len(terms) == 1 and not causal else None
-    if causal and fill != -math.inf:
+    if causal and fill != -math.inf and (terms or fill > ABSORBING_FILL):
         # the kernel skips tiles above the diagonal; with a finite fill that is exact only when every row keeps
-        # a key with a finite score (q and k finite) and the fill absorbs what is added to it: so the causal mask
-        # stays an explicit mask, which the kernel may still skip where a bound on the scores proves the skipped
-        # weights vanish (a sliding window's band is then matched as the user's mask, read as it is)
+        # a key and the fill absorbs what is added to it: otherwise the causal mask stays an explicit mask,
+        # which the kernel may still skip where a bound on the scores proves the skipped weights vanish (a
+        # sliding window's band is then matched as the user's mask, read as it is)
         if window and band[1] != "bool":
             return _finish(*args, windows=False)
         causal = False
@@ -554,19 +549,14 @@ def _constant_causal(anchor, sq, skv) -> str:
     return f"const:tril:{sq}:{skv}"
 
 
-def _constant_causal_add(sq, skv, value: float, dtype) -> str:
-    """The additive causal mask (``value`` above the diagonal, 0 elsewhere) as a constant the rewrite builds."""
-    return f"const:causal_add:{sq}:{skv}:{float(value)!r}:{str(dtype).replace('torch.', '')}"
-
-
 def prove_mask(m: fx.Node, kind: str, factor: float, sq: int, skv: int, guards: list) -> tuple:
     """``("causal", masked value, 0)`` / ``("window", masked value, w)`` / ``("none", None, 0)`` if the constant mask
     equals SDPA's causal mask / a causal sliding window of ``w`` keys (query i keeps keys ``i - w < j <= i``:
     transformers' ``sliding_window_causal_mask_function``) / masks nothing, else ``(None, None, 0)``. For an additive mask the masked value is the one value every
     masked entry takes, times ``factor``: ``-inf`` or at most ``NEG_FILL``. The caller decides what the proof
-    buys: ``-inf`` makes the kernel's causal skip exact; a finite value keeps the mask and lets the kernel skip
-    under a runtime bound (``params["causal_value"]``), even one that absorbs any finite score added to it
-    (``<= ABSORBING_FILL``): a row whose visible scores are all ``-inf`` attends to its masked keys in eager.
+    buys: a value that absorbs any finite score added to it (``<= ABSORBING_FILL``) makes the kernel's causal
+    skip exact; a finite one above it keeps the mask and lets the kernel skip under a runtime bound
+    (``params["causal_value"]``).
 
     The mask's ancestors must be graph constants (factory ops) or the user's buffers, read now: they are
     evaluated on CPU for the captured shapes; each buffer read is appended to ``guards`` (the plan is valid

@@ -17,9 +17,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   scale: float | None = None, causal: bool = False, return_probs: bool = False,
                   fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
                   out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None,
-                  sinks: torch.Tensor | None = None, causal_value: float | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    # causal_value (a proven causal mask's finite value: the fused op may skip it under a bound): the mask is read
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -49,7 +47,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 @attention_ref.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
-      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None, causal_value=None):
+      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None):
     from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)

@@ -73,15 +73,9 @@ def test_variant_matched_once_and_equal(var, ref_op):
     p = m.params
     assert p["scale"] == pytest.approx(1.0 if var.scale == "one" else D ** -0.5)
     assert p["num_heads"] == (1 if var.qk in () else N) and p["num_kv_heads"] == kv_heads
-    # a causal mask filled with finfo.min stays a (constant) mask the kernel skips under the run-time score bound:
-    # a row whose visible scores are all -inf attends to its masked keys in eager
-    finite_causal = var.mask == "causal_triu" and not var.sdpa
-    assert p["causal"] == (var.mask is not None and var.mask.startswith("causal") and not finite_causal)
-    want_kind = {"additive": "additive", "masked_fill": "bool", "where": "bool"}.get(var.mask, "bool" if finite_causal else None)
+    assert p["causal"] == (var.mask is not None and var.mask.startswith("causal"))
+    want_kind = {"additive": "additive", "masked_fill": "bool", "where": "bool"}.get(var.mask)
     assert p["mask_kind"] == want_kind and (("mask" in m.inputs) == (want_kind is not None))
-    assert (p["causal_value"] is not None) == finite_causal
-    if finite_causal:
-        assert p["causal_value"] == p["fill"] == torch.finfo(torch.float32).min and m.inputs["mask"].startswith("const:tril")
     assert p["dropout_p"] == 0.0 and p["probs_used"] is False and p["layout"] == "BNSD"
 
 

@@ -62,10 +62,7 @@ def _check(model, ids, kw, ref_op, expect_causal, impl=None):
     matches = find_attention(gm)
     assert len(matches) == LAYERS, [m.params for m in matches]
     if expect_causal is not None:
-        # causal: skipped by the kernel (a -inf mask), or a proven causal mask with a finite value (finfo.min) it
-        # skips under the run-time score bound
-        assert all((m.params["causal"] or m.params.get("causal_value") is not None) == expect_causal
-                   for m in matches), [m.params for m in matches]
+        assert all(m.params["causal"] == expect_causal for m in matches), [m.params for m in matches]
     fused = rewrite_with(cap.graph_module, gm, matches, ref_op)
     assert not [n for n in fused.graph.nodes if n.target == torch.ops.aten.softmax.int]
     want = model(ids, **{**kw}).last_hidden_state
@@ -86,10 +83,8 @@ def test_every_attention_layer_matched_and_equal(name, impl, padded, ref_op):
     matches = _check(MODELS[name](impl), ids, kw, ref_op, causal, impl)
     if name in ("llama", "qwen2"):
         assert all(m.params["num_kv_heads"] < m.params["num_heads"] for m in matches)
-    if not padded:  # no padding: the mask is proven causal (decoders) or empty (BERT) and dropped, or (finfo.min,
-        # eager) the constant it equals, which the kernel skips under the run-time score bound
-        assert all(m.params["mask_kind"] is None or m.inputs["mask"].startswith("const:")
-                   for m in matches), [m.params for m in matches]
+    if not padded:  # no padding: the mask is proven causal (decoders) or empty (BERT) and dropped
+        assert all(m.params["mask_kind"] is None for m in matches), [m.params for m in matches]
     else:
         assert all(m.params["mask_kind"] in ("bool", "additive") for m in matches)
 
