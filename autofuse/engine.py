@@ -701,6 +701,12 @@ def _slots_changed(was: tuple, now: tuple, name: str) -> str | None:
     return f"the {', '.join(kind for _, kind in _SLOTS)} slots of {name or '(the model)'} changed since the plan"
 
 
+def _said(report, text: str) -> None:
+    """A warning both in the report and as a Python warning."""
+    report.warnings.append(text)
+    warnings.warn("autofuse: " + text, stacklevel=3)
+
+
 def _returns_through_outputs(hook) -> bool:
     """A hook of transformers' own machinery, whose effect capture keeps: its output recorder
     (``output_hidden_states``, ``output_attentions``; the records are among the model's outputs), which it leaves
@@ -923,21 +929,18 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     # torch.is_grad_enabled() as True: the trace reads eager's mode)
     checkpoints = cap_gm.meta.get("autofuse_checkpoints", 0)
     if checkpoints:
-        report.warnings.append(f"{checkpoints} activation checkpoint(s) in the forward (torch.utils.checkpoint; "
-                               f"transformers' gradient_checkpointing_enable()): the fused graph computes each "
-                               f"checkpointed function once and keeps its activations for the backward, as with "
-                               f"checkpointing off (the same gradients, more activation memory); where that memory "
-                               f"limits the batch, run the model eagerly")
-        warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
+        _said(report, f"{checkpoints} activation checkpoint(s) in the forward (torch.utils.checkpoint; "
+                      f"transformers' gradient_checkpointing_enable()): the fused graph computes each checkpointed "
+                      f"function once and keeps its activations for the backward, as with checkpointing off (the "
+                      f"same gradients, more activation memory); where that memory limits the batch, run the model "
+                      f"eagerly")
     grad_free = cap_gm.meta.get("autofuse_grad_free_checkpoints", 0)
     if grad_free:
         # eager's CheckpointFunction warns at each call; the plan says it once
-        report.warnings.append(f"{grad_free} reentrant activation checkpoint(s) (use_reentrant=True) have no input "
-                               f"that requires grad: as in eager (torch warns \"None of the inputs have "
-                               f"requires_grad=True. Gradients will be None\"), their outputs carry no gradient and "
-                               f"the parameters they use get none through them; pass an input that requires grad, "
-                               f"or use use_reentrant=False, to train them")
-        warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
+        _said(report, f"{grad_free} reentrant activation checkpoint(s) (use_reentrant=True) have no input that "
+                      f"requires grad: as in eager (torch warns \"None of the inputs have requires_grad=True. "
+                      f"Gradients will be None\"), their outputs carry no gradient and the parameters they use get "
+                      f"none through them; pass an input that requires grad, or use use_reentrant=False, to train them")
     opaque = sorted({str(n.target).split(".")[-2] for n in cap_gm.graph.nodes if n.target in _FAST_PATHS})
     if opaque:
         # nn.TransformerEncoderLayer / nn.MultiheadAttention in eval without grad, as Dynamo traces them: torch's
