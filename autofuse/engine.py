@@ -715,10 +715,15 @@ def _returns_through_outputs(hook) -> bool:
     return (getattr(hook, "__module__", None) or "").startswith("transformers.")
 
 
-def _hooked_modules(model) -> list:
-    """Modules with forward or backward hooks (names; "(global)" for torch's global module hooks)."""
-    names = [name or "(the model)" for name, m in model.named_modules() if any(getattr(m, d) for d in _HOOKS)]
-    return names + (["(global)"] if any(_global_hooks()) else [])
+def _hooked_modules(model, kinds=_HOOKS) -> list:
+    """Modules with hooks of these kinds (names; "(global)" for torch's global module hooks), transformers' own
+    hooks left out (:func:`_returns_through_outputs`)."""
+    def any_of(hooks):
+        return any(not _returns_through_outputs(h) for h in hooks)
+    names = [name or "(the model)" for name, m in model.named_modules()
+             if any_of(h for d in kinds for h in getattr(m, d).values())]
+    everywhere = dict(zip(_HOOKS, _global_hooks()))       # the same four kinds, in the same order
+    return names + (["(global)"] if any_of(h for d in kinds for _, h in everywhere[d]) else [])
 
 
 def _call_state(m: torch.nn.Module) -> tuple:
@@ -905,11 +910,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
                                f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
                                f"run the model eagerly to use them")
-    observers = [name or "(the model)" for name, m in model.named_modules()
-                 if any(not _returns_through_outputs(h) for d in ("_forward_hooks", "_forward_pre_hooks")
-                        for h in getattr(m, d).values())] + \
-        (["(global)"] if any(not _returns_through_outputs(h) for _, h in (*_global_hooks()[0], *_global_hooks()[1]))
-         else [])
+    observers = _hooked_modules(model, ("_forward_pre_hooks", "_forward_hooks"))
     if observers:
         # a hook that records activations or counts calls does nothing at fused calls: said where the user sees it
         warnings.warn(f"autofuse: forward hooks of module(s) {', '.join(observers)} ran while this plan was captured "
