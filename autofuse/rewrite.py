@@ -64,6 +64,8 @@ class Lifted:
     reads: tuple             # captured node names the fused call reads (inputs and preamble leaves)
     footprint: tuple         # captured node names the fusion removes, in graph order (targets included)
     computes: str = ""       # the captured node the first output computes (its target, or what it copies)
+    kept: tuple = ()         # captured nodes the block computes that outside readers keep reading: they stay in
+    #                          the graph, computed as captured, while the fused call recomputes them inside
 
     @property
     def anchor(self) -> str:
@@ -115,7 +117,25 @@ def lift(match: Match, canonical: dict, captured: dict, order: dict) -> Lifted:
         raise NotLiftable("a fused output is also one of its inputs")
     fp = footprint(captured, order, out_names, set(reads), upstream)
     pos = {n: i for i, n in enumerate(canonical.values())}
-    return Lifted(match, sources, targets, tuple(sorted(preamble, key=pos.__getitem__)), tuple(reads), fp, computes)
+    return Lifted(match, sources, targets, tuple(sorted(preamble, key=pos.__getitem__)), tuple(reads), fp, computes,
+                  _kept(captured, order, upstream, set(reads), set(fp)))
+
+
+def _kept(captured: dict, order: dict, upstream: set, reads: set, fp: set) -> tuple:
+    """The nodes between the block's reads and its footprint that the footprint leaves out (read outside the
+    block, so not removed): computed from a read or from another such node, and read by the footprint or by
+    another such node, in graph order."""
+    before = _ancestors(captured, reads) | reads
+    down = set()
+    for name in sorted(upstream - fp - before, key=order.__getitem__):
+        n = captured[name]
+        if n.op == "call_function" and any(a.name in reads or a.name in down for a in n.all_input_nodes):
+            down.add(name)
+    kept = set()
+    for name in sorted(down, key=order.__getitem__, reverse=True):
+        if any(u.name in fp or u.name in kept for u in captured[name].users):
+            kept.add(name)
+    return tuple(sorted(kept, key=order.__getitem__))
 
 
 _COPY_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
@@ -362,7 +382,8 @@ def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict, si
     (dim size -> reduced size): the fused call is emitted for inputs of the reduced shapes (a family whose match
     holds shapes was resized to them)."""
     outs = [t for t, _ in lifted.targets.values()]
-    sub, external = extract(captured, lifted.footprint, outs, lifted.reads)
+    # the nodes outside readers keep are the block's too: the captured block computes them from its reads
+    sub, external = extract(captured, lifted.footprint + lifted.kept, outs, lifted.reads)
     g = fx.Graph()
     env = {}
     for a in external:

@@ -162,18 +162,40 @@ def _decide_topk_first(m: dict) -> Match | None:
 
 def _block_order(m: dict, *outputs) -> tuple | None:
     """The matched block's node names in graph order, or None where an intermediate (any node with inputs but the
-    block's ``outputs``) is read outside the block: it could not be fused away (a constant the block shares may
-    be read on)."""
+    block's ``outputs``) is read outside the block and cannot stay computed as captured for that reader: it, or
+    a node of the block it is computed from, draws random numbers or writes in place (a constant the block shares
+    may be read on). A pure intermediate read outside (the router's softmax and top-k indices that transformers'
+    router aux loss recomputes, merged by the capture with the router's own) stays in the graph, computed as
+    captured for its outside readers, while the fused call recomputes it inside, as eager computes it twice."""
     inside = set(m.values())
-    for n in inside:
-        if n not in outputs and n.all_input_nodes and any(u not in inside for u in n.users):
-            return None
+    shared = [n for n in inside if n not in outputs and n.all_input_nodes and any(u not in inside for u in n.users)]
+    if shared:
+        seen, stack = set(), list(shared)
+        while stack:
+            n = stack.pop()
+            if n in seen or n not in inside:
+                continue
+            seen.add(n)
+            if not _pure(n):
+                return None
+            stack.extend(n.all_input_nodes)
     return tuple(n.name for n in outputs[0].graph.nodes if n in inside)
 
 
+def _pure(n: fx.Node) -> bool:
+    """Whether ``n`` computes a value from its inputs alone (no random draw, no in-place write)."""
+    if n.op != "call_function":
+        return n.op in ("get_attr", "placeholder")
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return not (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
+    return t is operator.getitem
+
+
 def _gating_match(m: dict, x, topk, idx, weights, inputs: dict, **kernel) -> Match | None:
-    """A router's Match: no intermediate of the block read outside it; ``kernel``: the op's semantics (k, norm,
-    renorm, eps, routed_scaling_factor, n_group, topk_group), the shapes and dtypes added here."""
+    """A router's Match: an intermediate of the block read outside it only if pure (see ``_block_order``);
+    ``kernel``: the op's semantics (k, norm, renorm, eps, routed_scaling_factor, n_group, topk_group), the shapes
+    and dtypes added here."""
     order = _block_order(m, weights, idx)
     if order is None:
         return None
@@ -205,7 +227,7 @@ def _narrows(cast: fx.Node, *ends: fx.Node) -> bool:
 
 def _decide_gating(m: dict) -> Match | None:
     """Constraints of a router: norm over the experts, top-k of the (biased) scores, weights as CANN computes
-    them, renormalisation by exactly their own sum, no intermediate used elsewhere."""
+    them, renormalisation by exactly their own sum, an intermediate used elsewhere only if pure."""
     norm, topk, idx = m["norm"], m["topk"], m["idx"]
     x = norm.args[0]
     if len(shape(x)) < 1 or val(x) is None or not val(x).is_floating_point():

@@ -107,6 +107,69 @@ def test_bf16_experts_through_torchs_grouped_mm_are_fused(name):
     _assert_within_the_bound_of_float64(model, fused, ids)
 
 
+def test_training_with_the_router_aux_loss_fuses_the_routers_and_experts_and_equals_eager():
+    """``output_router_logits=True``: transformers' load-balancing loss recomputes the router's softmax and top-k,
+    which the capture merges with the router's own, so the aux loss reads the router's softmax and the experts'
+    reshape of the indices. Those pure intermediates stay in the graph for it while the fused calls recompute them:
+    every router and experts block fused; loss, aux loss and every parameter's gradient within the verifier's
+    bound of a float64 run, as eager's."""
+    layers = 2
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)).train()
+    ids = torch.randint(0, 128, (2, 12))
+    kw = dict(labels=ids, output_router_logits=True, use_cache=False)
+    fused = AutoFusionEngine.fuse(model, ((ids,), kw))
+    codes = collections.Counter((d.pattern, d.reason_code) for d in fused.report.of("moe_gating", "moe_experts"))
+    assert codes == {("moe_gating", "fused"): layers, ("moe_experts", "fused"): layers}, fused.report.summary()
+    ref_model = copy.deepcopy(model).double()
+    ref_model.set_experts_implementation("batched_mm")        # the same math; grouped_mm has no float64 kernel
+    runs = []
+    for run in (model, fused, ref_model):
+        model.zero_grad(), ref_model.zero_grad()
+        out = run(ids, **kw)
+        out.loss.backward()
+        params = ref_model if run is ref_model else model
+        runs.append((out.loss.detach(), out.aux_loss.detach(),
+                     {n: p.grad.clone() for n, p in params.named_parameters() if p.grad is not None}))
+    (loss, aux, grads), (f_loss, f_aux, f_grads), (r_loss, r_aux, r_grads) = runs
+    for want, got, ref in ((loss, f_loss, r_loss), (aux, f_aux, r_aux)):
+        ok, err, tol = compare(want, ref, got)
+        assert ok, (err, tol)
+    assert grads.keys() == f_grads.keys() == r_grads.keys() and "model.layers.1.mlp.gate.weight" in grads
+    for name in grads:
+        ok, err, tol = compare(grads[name], r_grads[name], f_grads[name])
+        assert ok, (name, err, tol)
+
+
+def test_a_router_whose_softmax_is_read_outside_is_fused_and_the_softmax_kept_for_that_reader():
+    """The captured router's own softmax read by another op: it stays in the graph, computed as captured for that
+    reader, and is not priced as saved; the fused call recomputes it; the block is verified with it inside."""
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(32, 8, bias=False)
+
+        def forward(self, x):
+            p = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+            w, i = torch.topk(p, 2, dim=-1)
+            return w / w.sum(-1, keepdim=True), i, p.mean(0)
+
+    torch.manual_seed(0)
+    model, x = Router(), torch.randn(16, 32)
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, (x,))
+        (d,) = fused.report.of("moe_gating")
+        assert d.reason_code == "fused" and d.verify_error is not None, fused.report.summary()
+        assert "softmax" not in d.nodes             # still runs: not counted in the block's unfused price
+        targets = [str(n.target) for n in fused.graph_module.graph.nodes if n.op == "call_function"]
+        assert "aten.softmax.int" in targets and "aten.topk.default" not in targets
+        (w, i, p), (fw, fi, fp) = model(x), fused(x)
+    assert torch.equal(i, fi) and torch.equal(p, fp)
+    torch.testing.assert_close(fw, w)
+
+
 def test_the_eager_experts_loop_is_named_in_the_capture_error():
     model, ids = _build("mixtral", "eager", "eager")
     with pytest.raises(CaptureError, match="data-dependent"):
@@ -295,7 +358,10 @@ def test_router_near_misses_are_not_fused(kind):
         assert torch.equal(got[1], want[1])
         torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
     else:
-        assert not gating, fused.report.summary()
+        # the selected values also read outside (other_denominator: a router without renorm, whose top-k stays for
+        # that reader) fuse only where the kept top-k leaves a saving: here none
+        assert [d.reason_code for d in gating] == (["not_profitable"] if kind == "other_denominator" else []), \
+            fused.report.summary()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -346,7 +412,9 @@ def test_topk_then_softmax_near_misses_are_not_fused(kind):
     router = TopkFirst(kind)
     x = torch.randn(10, 16)
     fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
-    assert not [d for d in fused.report.decisions if d.pattern == "moe_gating"], fused.report.summary()
+    # values_read: the top-k stays for its outside reader, so the fused router would save nothing
+    assert [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"] == \
+        (["not_profitable"] if kind == "values_read" else []), fused.report.summary()
     for g, w in zip(fused(x), router(x)):
         assert torch.equal(g, w)
 
