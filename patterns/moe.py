@@ -16,7 +16,10 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   ``grouped_mm`` form: ``[E, in, out]`` weights read as stored (``params["trans_w"] = False``), a bias per expert
   gathered by the sorted expert ids after each GEMM (``inputs["b1"]``, ``["b2"]``), and its clamped SwiGLU on
   interleaved gate/up pairs (``activation="clamped_swiglu"``, ``swiglu_order="interleaved"``, ``limit``,
-  ``alpha``). The third,
+  ``alpha``); and GPT-OSS's ``batched_mm`` form, the same semantics from the same declarations
+  (``_batched(_clamped_glu, ...)``): ``x[:, None] @ w`` with the weights and biases gathered per (token, expert)
+  pair by the same flat expert ids, the bias added in place (an add and a no-op unsqueeze/squeeze re-view).
+  The third,
   ``eager``, loops over the experts a token hit (``nonzero``): its routing is data-dependent, so
   ``torch.export`` cannot capture it (the capture error says so; ``torch.compile(backend="autofuse")``
   runs it with graph breaks). And Llama 4's dense form (``implementation="dense"``): every token through every
@@ -391,25 +394,46 @@ _EXPERTS_GROUPED = _grouped(_glu, transposed=True, biased=False)
 #: GPT-OSS: [E, in, out] weights, a bias per expert, the clamped SwiGLU on interleaved pairs
 _EXPERTS_GROUPED_CLAMPED = _grouped(_clamped_glu, transposed=False, biased=True)
 
-_EXPERTS_BATCHED = _glu(
-    Template("moe_experts", anchor="bmm1")
-    .node("xrep", aten.repeat_interleave.self_int)
-    .node("ids_flat", aten.reshape.default)
-    .node("w1s", aten.index.Tensor).edge("ids_flat", "w1s", 1)
-    .node("xcol", aten.unsqueeze.default).edge("xrep", "xcol", 0)
-    .node("bmm1", aten.matmul.default).edge("w1s", "bmm1", 0).edge("xcol", "bmm1", 1)
-    .node("sq1", aten.squeeze.dim).edge("bmm1", "sq1", 0), up="sq1")
-(_EXPERTS_BATCHED
- .node("w2s", aten.index.Tensor).edge("ids_flat", "w2s", 1)
- .node("hcol", aten.unsqueeze.default).edge("glu", "hcol", 0)
- .node("bmm2", aten.matmul.default).edge("w2s", "bmm2", 0).edge("hcol", "bmm2", 1)
- .node("sq2", aten.squeeze.dim).edge("bmm2", "sq2", 0)
- .node("wflat", aten.reshape.default, optional=True)
- .node("wcol", aten.unsqueeze.default).edge("wflat", "wcol", 0)
- .node("wscale", aten.mul.Tensor, where=_scalar_operand, optional=True).edge("wcol", "wscale", 0)
- .node("wmul", aten.mul.Tensor).edge("sq2", "wmul").edge("wscale", "wmul")
- .node("tkh", aten.reshape.default).edge("wmul", "tkh", 0)
- .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
+def _batched(act, transposed: bool, biased: bool) -> Template:
+    """transformers' ``batched_mm`` experts: each token repeated k times, each (token, expert) pair's weights
+    gathered by the flat expert ids, one batched matmul per projection around the gated activation ``act``
+    (``transposed``: Mixtral's ``[E, out, in]`` weights, ``w @ x[..., None]``; else GPT-OSS's ``[E, in, out]``,
+    ``x[:, None] @ w``; with a per-expert bias gathered by the same ids and added when ``biased``: the in-place
+    ``add_`` on the squeezed product, captured as an add and an optional no-op unsqueeze/squeeze that re-views
+    it), the outputs scaled by the routing weights, the sum over each token's k."""
+    t = (Template("moe_experts", anchor="bmm1")
+         .node("xrep", aten.repeat_interleave.self_int)
+         .node("ids_flat", aten.reshape.default)
+         .node("w1s", aten.index.Tensor).edge("ids_flat", "w1s", 1)
+         .node("xcol", aten.unsqueeze.default).edge("xrep", "xcol", 0)
+         .node("bmm1", aten.matmul.default)
+         .node("sq1", aten.squeeze.dim).edge("bmm1", "sq1", 0)
+         .node("w2s", aten.index.Tensor).edge("ids_flat", "w2s", 1)
+         .node("hcol", aten.unsqueeze.default)
+         .node("bmm2", aten.matmul.default)
+         .node("sq2", aten.squeeze.dim).edge("bmm2", "sq2", 0))
+    w_at, x_at = (0, 1) if transposed else (1, 0)
+    t.edge("w1s", "bmm1", w_at).edge("xcol", "bmm1", x_at).edge("w2s", "bmm2", w_at).edge("hcol", "bmm2", x_at)
+    up, down = "sq1", "sq2"
+    if biased:
+        for i, sq in ((1, "sq1"), (2, "sq2")):
+            (t.node(f"b{i}", aten.index.Tensor).edge("ids_flat", f"b{i}", 1)
+             .node(f"add{i}", aten.add.Tensor).edge(sq, f"add{i}").edge(f"b{i}", f"add{i}")
+             .node(f"uq{i}", aten.unsqueeze.default, optional=f"view{i}").edge(f"add{i}", f"uq{i}", 0)
+             .node(f"rv{i}", aten.squeeze.dim, optional=f"view{i}").edge(f"uq{i}", f"rv{i}", 0))
+        up, down = "rv1", "rv2"
+    return (act(t, up).edge("glu", "hcol", 0)
+            .node("wflat", aten.reshape.default, optional=True)
+            .node("wcol", aten.unsqueeze.default).edge("wflat", "wcol", 0)
+            .node("wscale", aten.mul.Tensor, where=_scalar_operand, optional=True).edge("wcol", "wscale", 0)
+            .node("wmul", aten.mul.Tensor).edge(down, "wmul").edge("wscale", "wmul")
+            .node("tkh", aten.reshape.default).edge("wmul", "tkh", 0)
+            .node("combine", aten.sum.dim_IntList).edge("tkh", "combine", 0))
+
+
+_EXPERTS_BATCHED = _batched(_glu, transposed=True, biased=False)
+#: GPT-OSS's batched form: [E, in, out] weights, a bias per expert gathered by the same ids, the clamped SwiGLU
+_EXPERTS_BATCHED_CLAMPED = _batched(_clamped_glu, transposed=False, biased=True)
 
 
 # Llama 4's dense form: every token through every expert, its input scaled by the router's score, the scores
@@ -502,6 +526,13 @@ def _is_last(n) -> bool:
     return d in (-1, r - 1)
 
 
+def _is_row(n) -> bool:
+    """An unsqueeze/squeeze at dim 1 of a 3-d result (unsqueeze) or input (squeeze): ``x[:, None]`` of an [S, K]
+    row block, counted either way."""
+    r = len(shape(n)) if n.target == aten.unsqueeze.default else len(shape(n.args[0]))
+    return r == 3 and n.args[1] in (1, -2)
+
+
 def _param(n) -> fx.Node | None:
     """The [E, N, K] weight a transpose or an index reads: a parameter of the experts module, an attribute of the
     captured graph, or a graph input (Dynamo hands a module's parameters to a backend as inputs); not a tensor the
@@ -527,10 +558,17 @@ def _decide_experts(m: dict) -> Match | None:
         if m["xrep"].args[1] != k or arg(m["xrep"], 2, "dim") not in (0, -2):
             return None
         w1, w2 = _param(m["w1s"].args[0]), _param(m["w2s"].args[0])
-        if m["w1s"].args[1][0] is not m["ids_flat"] or m["w2s"].args[1][0] is not m["ids_flat"]:
+        if any(len(m[n].args[1]) != 1 or m[n].args[1][0] is not m["ids_flat"] for n in ("w1s", "w2s")):
             return None
-        if not all(_is_last(m[n]) for n in ("xcol", "sq1", "hcol", "sq2")):
-            return None
+        if m["bmm1"].args[0] is m["w1s"]:       # w @ x[..., None]: [E, out, in] weights
+            if not all(_is_last(m[n]) for n in ("xcol", "sq1", "hcol", "sq2")):
+                return None
+        elif not all(_is_row(m[n]) for n in ("xcol", "sq1", "hcol", "sq2")):
+            return None                         # x[:, None] @ w: [E, in, out] weights (GPT-OSS)
+        for i in (1, 2):                        # the re-view of an in-place bias add: a no-op
+            if f"uq{i}" in m and (m[f"uq{i}"].args[1] != m[f"rv{i}"].args[1] or
+                                  shape(m[f"rv{i}"]) != shape(m[f"add{i}"])):
+                return None
     else:
         x = m["xs"].args[0]
         if m["token"].args[1] != k or m["xs"].args[1][0] is not m["token"] or m["ws"].args[1][0] is not m["perm"]:
@@ -550,7 +588,7 @@ def _decide_experts(m: dict) -> Match | None:
             return None
     if w1 is None or w2 is None or len(shape(w1)) != 3 or len(shape(w2)) != 3:
         return None
-    trans_w = batched or "w1t" in m
+    trans_w = m["bmm1"].args[0] is m["w1s"] if batched else "w1t" in m
     if trans_w:
         E, two_i, H = shape(w1)
         if shape(w2) != (E, H, two_i // 2):
@@ -566,7 +604,7 @@ def _decide_experts(m: dict) -> Match | None:
         return None
     extra_inputs, act = {}, dict(activation="swiglu", swiglu_order="gate_up")
     if "gclamp" in m:
-        act = _clamped_swiglu(m, m["sorted"], E, two_i, H)
+        act = _clamped_swiglu(m, m["ids_flat"] if batched else m["sorted"], E, two_i, H)
         if act is None:
             return None
         extra_inputs = {"b1": act.pop("b1"), "b2": act.pop("b2")}
@@ -596,7 +634,8 @@ def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
     for i, n in ((1, two_i), (2, H)):
         b = m[f"b{i}"]
         src = _param(b.args[0])
-        if src is None or shape(src) != (E, n) or len(b.args[1]) != 1 or b.args[1][0] is not sorted_ids:
+        if src is None or shape(src) != (E, n) or len(b.args[1]) != 1 or b.args[1][0] is not sorted_ids or \
+                m[f"add{i}"].kwargs:
             return None
         biases.append(src.name)
     g, u = m["gclamp"], m["uclamp"]
@@ -618,10 +657,11 @@ def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
 @register("moe_experts")
 def find_moe_experts(gm: fx.GraphModule) -> list[Match]:
     view = graph_view(gm)
-    found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_GROUPED.match(view, _decide_experts) + \
-        _EXPERTS_GROUPED_CLAMPED.match(view, _decide_experts) + _EXPERTS_DENSE.match(view, _decide_dense_experts)
+    found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_BATCHED_CLAMPED.match(view, _decide_experts) + \
+        _EXPERTS_GROUPED.match(view, _decide_experts) + _EXPERTS_GROUPED_CLAMPED.match(view, _decide_experts) + \
+        _EXPERTS_DENSE.match(view, _decide_dense_experts)
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
 TEMPLATES = (_GATING, _GATING_GATHER, _GATING_TOPK_FIRST, _EXPERTS_GROUPED, _EXPERTS_BATCHED,
-             _EXPERTS_GROUPED_CLAMPED, _EXPERTS_DENSE)
+             _EXPERTS_GROUPED_CLAMPED, _EXPERTS_BATCHED_CLAMPED, _EXPERTS_DENSE)

@@ -490,9 +490,9 @@ class ClampedExperts(nn.Module):
     """GPT-OSS's experts spelled by hand: ``[E, in, out]`` weights read as stored, a bias per expert gathered by the
     sorted expert ids, the clamped SwiGLU on interleaved gate/up pairs; ``kind`` spells a near miss."""
 
-    def __init__(self, kind="gpt_oss", E=4, H=16, inter=8):
+    def __init__(self, kind="gpt_oss", E=4, H=16, inter=8, batched=False):
         super().__init__()
-        self.kind, self.E = kind, E
+        self.kind, self.E, self.batched = kind, E, batched
         self.gate_up = nn.Parameter(torch.randn(E, H, 2 * inter) * 0.5)
         self.gate_up_bias = nn.Parameter(torch.randn(E, 2 * inter))
         self.down = nn.Parameter(torch.randn(E, inter, H) * 0.3)
@@ -500,33 +500,50 @@ class ClampedExperts(nn.Module):
 
     def forward(self, x, idx, w):
         T, k = idx.shape
+        if self.batched:
+            return self.forward_batched(x, idx, w)
         order = torch.sort(idx.reshape(-1))
         perm, ids = order.indices, order.values
         xs = x[perm // k]
         offs = torch.histc(ids.float(), self.E, 0, self.E - 1).cumsum(0, dtype=torch.int32)
         b1 = self.gate_up_bias[perm % self.E if self.kind == "bias_by_pair" else ids]
-        h = torch.ops.transformers.grouped_mm_fallback(xs, self.gate_up, offs) + b1
-        gate, up = (h[..., 1::2], h[..., ::2]) if self.kind == "odd_gate" else (h[..., ::2], h[..., 1::2])
-        gate = gate.clamp(min=-7.0, max=7.0) if self.kind == "gate_clamped_below" else gate.clamp(max=7.0)
-        up = up.clamp(-5.0, 5.0) if self.kind == "other_limit" else up.clamp(-7.0, 7.0)
-        glu = gate * torch.sigmoid(gate * 1.702)
-        h = (up + 2 if self.kind == "up_plus_2" else up + 1) * glu
+        h = self.act(torch.ops.transformers.grouped_mm_fallback(xs, self.gate_up, offs) + b1)
         y = torch.ops.transformers.grouped_mm_fallback(h, self.down, offs) + self.down_bias[ids]
         y = y * w.reshape(-1)[perm][:, None]
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(T * k)
         return y[inv].reshape(T, k, -1).sum(1)
 
+    def act(self, h):
+        gate, up = (h[..., 1::2], h[..., ::2]) if self.kind == "odd_gate" else (h[..., ::2], h[..., 1::2])
+        gate = gate.clamp(min=-7.0, max=7.0) if self.kind == "gate_clamped_below" else gate.clamp(max=7.0)
+        up = up.clamp(-5.0, 5.0) if self.kind == "other_limit" else up.clamp(-7.0, 7.0)
+        glu = gate * torch.sigmoid(gate * 1.702)
+        return (up + 2 if self.kind == "up_plus_2" else up + 1) * glu
+
+    def forward_batched(self, x, idx, w):
+        """transformers' ``batched_mm`` spelling: each token repeated k times, each pair's weights and biases
+        gathered by the flat expert ids, ``x[:, None] @ w``."""
+        T, k = idx.shape
+        ids = idx.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)
+        b1 = self.gate_up_bias[(ids + 1) % self.E if self.kind == "bias_by_pair" else ids]
+        h = self.act(torch.bmm(xs[:, None], self.gate_up[ids]).squeeze(1) + b1)
+        y = torch.bmm(h[:, None], self.down[ids]).squeeze(1) + self.down_bias[ids]
+        y = y * w.reshape(-1)[:, None]
+        return y.reshape(T, k, -1).sum(1)
+
 
 @pytest.mark.parametrize("kind,fuses", [("gpt_oss", True), ("odd_gate", False), ("gate_clamped_below", False),
                                         ("other_limit", False), ("up_plus_2", False), ("bias_by_pair", False)])
-def test_clamped_experts_and_near_misses(kind, fuses):
-    """GPT-OSS's experts fuse into one grouped_matmul with the clamped SwiGLU epilogue on interleaved pairs and both
-    biases; a gate at the odd columns, a gate clamped from below too, two different limits, ``up + 2`` and a bias
-    gathered by another index are not that op."""
+@pytest.mark.parametrize("batched", [False, True], ids=["grouped", "batched"])
+def test_clamped_experts_and_near_misses(kind, fuses, batched):
+    """GPT-OSS's experts (grouped or batched spelling) fuse into one grouped_matmul with the clamped SwiGLU
+    epilogue on interleaved pairs and both biases; a gate at the odd columns, a gate clamped from below too, two
+    different limits, ``up + 2`` and a bias gathered by another index are not that op."""
     import transformers.integrations.moe  # noqa: F401  (registers transformers.grouped_mm_fallback)
     torch.manual_seed(0)
-    m = ClampedExperts(kind)
+    m = ClampedExperts(kind, batched=batched)
     x, idx = torch.randn(6, 16) * 2, torch.randint(0, 4, (6, 2))
     w = torch.rand(6, 2)
     fused = AutoFusionEngine.fuse(m, (x, idx, w), fusion_switches=GENERIC_OFF)
@@ -542,13 +559,17 @@ def test_clamped_experts_and_near_misses(kind, fuses):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpt_oss_experts_are_fused(dtype):
-    """Every GPT-OSS experts block (and router) fused; logits within the verifier's bound of float64."""
+def test_gpt_oss_experts_are_fused(dtype, impl):
+    """Every GPT-OSS experts block (and router) fused, in both exported experts implementations (``batched_mm``:
+    ``[E, in, out]`` weights and biases gathered per (token, expert) pair by the same ids, ``x[:, None] @ w``, the
+    bias added in place); logits within the verifier's bound of float64."""
     torch.manual_seed(0)
     common = dict(COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
     model = tf.GptOssForCausalLM(tf.GptOssConfig(**common, head_dim=8)).to(dtype)
     model.config._attn_implementation = "eager"
+    model.set_experts_implementation(impl)
     model.eval()
     ids = torch.randint(0, 64, (2, 8))
     fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
@@ -556,8 +577,13 @@ def test_gpt_oss_experts_are_fused(dtype):
                                 for d in fused.report.of("attention", "moe_gating", "moe_experts"))
     assert codes == {("attention", "fused"): LAYERS, ("moe_gating", "fused"): LAYERS,
                      ("moe_experts", "fused"): LAYERS}, fused.report.summary()
+    for d in fused.report.of("moe_experts"):
+        p = d.params
+        assert (p["implementation"], p["activation"], p["swiglu_order"], p["limit"], p["alpha"], p["trans_w"]) == \
+            (impl, "clamped_swiglu", "interleaved", model.config.swiglu_limit, 1.702, False), p
     targets = {str(n.target) for n in fused.graph_module.graph.nodes if n.op == "call_function"}
-    assert not targets & {"transformers.grouped_mm_fallback.default", "aten._grouped_mm.default", "aten.sort.default"}
+    assert not targets & {"transformers.grouped_mm_fallback.default", "aten._grouped_mm.default", "aten.sort.default",
+                          "aten.clamp.default", "aten.repeat_interleave.self_int"}
     if dtype == torch.float32:
         _assert_within_the_bound_of_float64(model, fused, ids)
     else:
