@@ -125,6 +125,16 @@ def _kept(captured: dict, order: dict, upstream: set, reads: set, fp: set) -> tu
     """The nodes between the block's reads and its footprint that the footprint leaves out (read outside the
     block, so not removed): computed from a read or from another such node, and read by the footprint or by
     another such node, in graph order."""
+    # such a node is reached from a read through nodes upstream and outside the footprint: mostly none, and then
+    # the read's ancestors (the graph before the block) need not be walked
+    reached, stack = set(), [captured[r] for r in reads]
+    while stack:
+        for u in stack.pop().users:
+            if u.name in upstream and u.name not in fp and u.name not in reached:
+                reached.add(u.name)
+                stack.append(u)
+    if not reached:
+        return ()
     before = _ancestors(captured, reads) | reads
     down = set()
     for name in sorted(upstream - fp - before, key=order.__getitem__):
