@@ -59,7 +59,8 @@ import torch
 import torch.fx as fx
 
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import arg, call, copy_graph_module, draw_order, get_attr_value, is_call, is_number, shape, val
+from autofuse.graph import (arg, call, copy_graph_module, draw_order, effectful, get_attr_value, is_call, is_number,
+                            shape, val)
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -171,8 +172,7 @@ def evaluate_constant(m: fx.Node, max_nodes: int = 500, max_numel: int = 1 << 24
         v = val(n)
         if n.op == "placeholder" or len(seen) > max_nodes or (v is not None and _allocated(v) > max_numel):
             return None
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
-                n.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags):
+        if effectful(n):
             return None
         order.append(n)
         stack.extend(n.all_input_nodes)
@@ -901,7 +901,7 @@ def _cse(graph: fx.Graph) -> bool:
         if n.op != "call_function":
             continue
         t = n.target
-        if isinstance(t, torch._ops.OpOverload) and (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags):
+        if effectful(n):
             continue
         key = (t, repr(n.args), repr(n.kwargs), n.meta.get("autofuse_safe_softmax"), n.meta.get("autofuse_lse_softmax"))
         if key in seen:

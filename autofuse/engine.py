@@ -54,10 +54,9 @@ from autofuse.capture import capture, same_value, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
-from autofuse.graph import describe_node
+from autofuse.graph import describe_node, returned
 from autofuse.match import families
-from autofuse.plan import (GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read,
-                           returned_names)
+from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
 from autofuse.rewrite import _source as source
 from autofuse.rewrite import fused_block, rewrite
 from autofuse.sizes import SizeFamilies, layout
@@ -427,6 +426,12 @@ def _changed(kept, cur) -> str | None:
     return None if _same_plain(cur, kept) else f"changed from {kept!r} to {cur!r} (captured as a constant)"
 
 
+def _of(where: str, why: str) -> str:
+    """``why`` (:func:`_changed`) said of the attribute ``where``: an element's change (``['cos'] ...``) follows the
+    name directly."""
+    return f"{where}{why}" if why.startswith("[") else f"{where} {why}"
+
+
 def _held_object(v) -> bool:
     """An object a module holds whose public fields a forward may read (a model's ``config``, a namespace of
     options): guarded by identity and by those fields' values (:class:`_Fields`)."""
@@ -588,7 +593,7 @@ class ModuleGuard:
                 return f"{where} is gone from the model"
             why = _changed(v, cur)
             if why is not None:
-                return f"{where}{why}" if why.startswith("[") else f"{where} {why}"
+                return _of(where, why)
         for fields in self.objects.values():
             why = fields.check()
             if why is not None:
@@ -648,8 +653,7 @@ class _ClassState:
             cur = now.get(k, _MISSING)
             why = "is gone from the class" if cur is _MISSING else _changed(kept, cur)
             if why is not None:
-                return f"{self.cls.__qualname__}.{k}{why}" if why.startswith("[") else \
-                    f"{self.cls.__qualname__}.{k} {why}"
+                return _of(f"{self.cls.__qualname__}.{k}", why)
         return None
 
     def _differs(self, now) -> str | None:
@@ -717,13 +721,13 @@ def _returns_through_outputs(hook) -> bool:
 
 def _hooked_modules(model, kinds=_HOOKS) -> list:
     """Modules with hooks of these kinds (names; "(global)" for torch's global module hooks), transformers' own
-    hooks left out (:func:`_returns_through_outputs`)."""
+    forward hooks left out (:func:`_returns_through_outputs`: capture keeps what they do)."""
     def any_of(hooks):
-        return any(not _returns_through_outputs(h) for h in hooks)
+        return any(d not in _HOOKS[:2] or not _returns_through_outputs(h) for d, h in hooks)
     names = [name or "(the model)" for name, m in model.named_modules()
-             if any_of(h for d in kinds for h in getattr(m, d).values())]
+             if any_of((d, h) for d in kinds for h in getattr(m, d).values())]
     everywhere = dict(zip(_HOOKS, _global_hooks()))       # the same four kinds, in the same order
-    return names + (["(global)"] if any_of(h for d in kinds for _, h in everywhere[d]) else [])
+    return names + (["(global)"] if any_of((d, h) for d in kinds for _, h in everywhere[d]) else [])
 
 
 def _call_state(m: torch.nn.Module) -> tuple:
@@ -862,7 +866,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     checker = _Verifier(cap_gm, leaves, device, level, verdicts) if verify else None
     applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches)
     if not cap_gm.meta.get("autofuse_grad", True):
-        cap, out = {n.name: n for n in cap_gm.graph.nodes}, returned_names(cap_gm)
+        cap, out = {n.name: n for n in cap_gm.graph.nodes}, returned(cap_gm)
         # fused across a value it returns: right without grad, not for a call autograd may differentiate
         gm.meta["autofuse_returned_read"] = any(returned_and_read(c, cap, out) for c in applied)
     predicted = baselines(cap_gm, gm, cands, decisions, device)
@@ -910,16 +914,14 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"trace) into the graph, not at fused calls (a hook that records tensors recorded "
                                f"traced ones, not each call's), and backward hooks do not fire through fused calls; "
                                f"run the model eagerly to use them")
-    observers = _hooked_modules(model, ("_forward_pre_hooks", "_forward_hooks"))
+    observers = _hooked_modules(model, _HOOKS[:2])
     if observers:
         # a hook that records activations or counts calls does nothing at fused calls: said where the user sees it
         warnings.warn(f"autofuse: forward hooks of module(s) {', '.join(observers)} ran while this plan was captured "
                       f"(what a hook returns is part of the fused graph), not at fused calls: a hook that records or "
                       f"counts saw the trace's tensors, which fail when used later. Remove such hooks before fuse(), "
                       f"or run the model eagerly for them.", stacklevel=4)
-    backward = [name or "(the model)" for name, m in model.named_modules()
-                if m._backward_hooks or m._backward_pre_hooks] + \
-        (["(global)"] if any(_global_hooks()[2:]) else [])
+    backward = _hooked_modules(model, _HOOKS[2:])
     if backward and torch.is_grad_enabled():
         # a hook that changes a gradient (clipping, scaling) would change eager's: said where the user sees it
         warnings.warn(f"autofuse: backward hooks of module(s) {', '.join(backward)} do not fire through the fused "

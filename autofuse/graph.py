@@ -195,6 +195,26 @@ def last_dim_slice(n):
     return (src, *slice(arg(n, 2, "start"), arg(n, 3, "end"), arg(n, 4, "step")).indices(shape(src)[-1]))
 
 
+def effectful(n: fx.Node) -> bool:
+    """Whether ``n`` calls an aten op that writes in place or draws random numbers: its value is not a function of
+    its inputs alone, so it is not merged with its twin, recomputed, nor dropped as a duplicate."""
+    t = n.target
+    return n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and (
+        t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
+
+
+def returned(gm: fx.GraphModule) -> set:
+    """The nodes whose values ``gm`` returns (its output node's arguments)."""
+    return {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
+
+
+def returned_read(nodes, out: set):
+    """The first of ``nodes`` whose value the graph returns (one of ``out``, :func:`returned`) and another of
+    ``nodes`` reads, or None: one fused call computing ``nodes`` would both return that value and use it inside."""
+    inside = set(nodes)
+    return next((n for n in nodes if n in out and any(u in inside for u in n.users)), None)
+
+
 def to_networkx(gm: fx.GraphModule | fx.Graph) -> nx.DiGraph:
     """Snapshot ``gm``'s graph as a DiGraph (see module docstring for the attributes)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm

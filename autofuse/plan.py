@@ -34,6 +34,7 @@ import torch.fx as fx
 import cost_model
 from autofuse.decision import FusionDecision, hbm_change
 from autofuse.fused import Price, family_of, per_device
+from autofuse.graph import returned, returned_read
 from autofuse.lower import PAIRS, known_specs, lower, step_specs
 from autofuse.rewrite import NotLiftable, lift, moved_draw
 
@@ -354,21 +355,17 @@ def _data_dependent(c: Candidate, cap: dict) -> str:
             f"{', '.join(src[:4])}{' ...' if len(src) > 4 else ''}): it runs as captured, for any sizes")
 
 
-def returned_names(gm: fx.GraphModule) -> set:
-    """The names of the nodes whose values ``gm`` returns (its output node's arguments)."""
-    return {a.name for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
-
-
-def returned_and_read(c: Candidate, cap: dict, returned: set) -> str:
-    """The captured node the candidate's fused call would both return to the model's caller and read itself (a
-    residual stream returned as a hidden state and normed in the same block), or ``""``. Its gradient must reach
-    the returned tensor as eager's does: the fused call's backward would sum the inner use's gradient straight
-    into the call's inputs, so ``retain_grad()`` and hooks on the returned tensor, and ``autograd.grad`` with
-    respect to it, would miss the model's later uses of it."""
+def returned_and_read(c: Candidate, cap: dict, out: set) -> str:
+    """The captured node the candidate's fused call would both return to the model's caller (one of ``out``,
+    :func:`autofuse.graph.returned`) and read itself (a residual stream returned as a hidden state and normed in
+    the same block), by name, or ``""``. Its gradient must reach the returned tensor as eager's does: the fused
+    call's backward would sum the inner use's gradient straight into the call's inputs, so ``retain_grad()`` and
+    hooks on the returned tensor, and ``autograd.grad`` with respect to it, would miss the model's later uses of
+    it."""
     if c.lifted is None:
         return ""
-    fp = set(c.lifted.footprint)
-    return next((n for n in c.lifted.footprint if n in returned and any(u.name in fp for u in cap[n].users)), "")
+    n = returned_read([cap[name] for name in c.lifted.footprint], out)
+    return "" if n is None else n.name
 
 
 def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, device: str, level: str,
@@ -388,7 +385,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
     cands = [price_candidate(m, can, cap, order, device, search_tiling=(level == "O3")) for m in matches]
     decisions: dict[int, FusionDecision] = {}
     # a plan made with grad serves autograd: a value returned to the caller keeps its gradient (returned_and_read)
-    returned = returned_names(captured) if getattr(captured, "meta", {}).get("autofuse_grad", True) else set()
+    returned_values = returned(captured) if getattr(captured, "meta", {}).get("autofuse_grad", True) else set()
 
     def decide(i, applied, code, reason, **extra):
         c = cands[i]
@@ -428,7 +425,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             decide(i, False, "training_dropout", f"dropout p={p['dropout_p']:g} on the probabilities "
                    + ("whose values are also read outside the block" if p.get("probs_used") else "drops every weight")
                    + ": the block runs as captured")
-        elif returned and (kept := returned_and_read(c, cap, returned)):
+        elif returned_values and (kept := returned_and_read(c, cap, returned_values)):
             decide(i, False, "returned_value_read",
                    f"{kept} is returned by the model and read again inside the block: in a plan made with grad its "
                    f"gradient must flow through the returned tensor (retain_grad, its hooks, autograd.grad with "

@@ -43,7 +43,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, is_number, last_dim_slice, shape, val
+from autofuse.graph import arg, effectful, is_number, last_dim_slice, shape, val
 from autofuse.match import Match, register
 from patterns.template import Template, graph_view
 
@@ -189,10 +189,9 @@ def _pure(n: fx.Node) -> bool:
     """Whether ``n`` computes a value from its inputs alone (no random draw, no in-place write)."""
     if n.op != "call_function":
         return n.op in ("get_attr", "placeholder")
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return not (t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
-    return t is operator.getitem
+    if isinstance(n.target, torch._ops.OpOverload):
+        return not effectful(n)
+    return n.target is operator.getitem
 
 
 def _gating_match(m: dict, x, topk, idx, weights, inputs: dict, **kernel) -> Match | None:

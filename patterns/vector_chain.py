@@ -43,7 +43,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, is_call, is_number, keep_mask_order, last_dim_slice, shape, split_part, val
+from autofuse.graph import (arg, is_call, is_number, keep_mask_order, last_dim_slice, returned, returned_read,
+                            shape, split_part, val)
 from autofuse.match import Match, register
 from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _NORM_ATEN,
                                      _PRELU_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS, NotExpressible,
@@ -571,18 +572,6 @@ def _epilogue_ok(m: fx.Node) -> bool:
     if bias is not None and (not isinstance(bias, fx.Node) or len(shape(bias)) != 1):
         return False
     return val(a).dtype == val(b).dtype and val(a).dtype in (torch.float16, torch.bfloat16, torch.float32)
-
-
-def returned(gm: fx.GraphModule) -> set:
-    """The nodes whose values ``gm`` returns (its output node's arguments)."""
-    return {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
-
-
-def returned_read(nodes, out: set):
-    """The first of ``nodes`` whose value the graph returns (one of ``out``) and another of ``nodes`` reads, or
-    None."""
-    inside = set(nodes)
-    return next((n for n in nodes if n in out and any(u in inside for u in n.users)), None)
 
 
 def cut_at_returned(nodes: list, out: set) -> list:
