@@ -389,6 +389,65 @@ def _l2_plan(device, specs, mask, drop, stats):
                    hbm_ph0, hbm_ph1, state, main, cast, hbm)
 
 
+@cached
+def _phase0(device, BN, Sq, D, Dv, dtype, qb, nv, single, hbm_ph0):
+    """Phase 0 of a tiling's query blocks ``qb`` on ``nv`` vector cores: the dq workspace zeroed and
+    Dr = rowsum(dO∘O), both round-robin over the vector cores. ``single``: one dO or O tile (a step's loads wait
+    for the sum of the step before). Returns (its cycles, its busy (vector, mte2, mte3) cycles, and the zeroing's
+    (items, rounds, active cores, rows), which the cast of phase 3 deals alike)."""
+    dev = get_device(device)
+    split = dev.arch == "split"
+    nh = 2 if split else 1
+    isz = itemsize(dtype)
+    nq = ceil_div(Sq, qb)
+    Rr = qb // nh
+    itemsz = BN * ceil_div(Sq, Rr)
+    Tz, actz, rz = ceil_div(itemsz, nv), min(nv, itemsz), min(Rr, Sq)
+    items0 = BN * nq
+    T0, act0, r0 = ceil_div(items0, nv), min(nv, items0), Sq / nq
+    p0 = _Port(dev, act0)
+    p0.add("mte2", "GM->UB", 2 * r0 * Dv * isz, act0, hit=0.0)
+    p0.add("mte3", "UB->GM", r0 * 4, act0)
+    vec0 = _vec_rep(r0, Dv) * ((3 if dtype != F32 else 1) + 1)
+    pz = _Port(dev, actz)
+    pz.add("mte3", "UB->GM", rz * D * 4, actz)
+    if single:
+        # one dO or O tile: a step's loads wait for the sum of the step before (and for the zero stores
+        # booked on the port ahead of them)
+        step0 = p0.unit["mte2"] + vec0 + Tz * pz.port / T0
+    else:
+        step0 = max(p0.unit["mte2"], vec0)
+    # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
+    # them written back
+    ph0 = max(T0 * step0 + r0 * Dv * isz / dev.rates["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
+              Tz * pz.port + T0 * p0.port,
+              Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + hbm_ph0 / dev.hbm_bytes_per_cycle)
+    return ph0, (T0 * vec0, T0 * p0.unit["mte2"], T0 * p0.unit["mte3"]), (itemsz, Tz, actz, rz)
+
+
+@cached
+def _phase3(device, itemsz, Tz, nv, actz, rz, D, isz, miss_dq):
+    """The cast of phase 3 (dq = cast(workspace)), dealt as phase 0's zeroing: rounds of the round-robin deal, the
+    full ones on every vector core, the last on those left over. Returns (the steps' cycles, the port's hit cycles,
+    a step's Vector cycles, each round's (mte2, mte3) busy cycles in order)."""
+    dev = get_device(device)
+    split = dev.arch == "split"
+    left = itemsz - (Tz - 1) * nv
+    steps3 = hits3 = 0.0
+    vec3 = _vec_rep(rz, D)
+    spent = []
+    for rounds, cores3 in ((Tz - 1, actz), (1, left)):
+        if rounds <= 0 or cores3 <= 0:
+            continue
+        p3 = _Port(dev, cores3)
+        p3.add("mte2", "GM->UB", rz * D * 4, cores3, hit=1 - miss_dq)
+        p3.add("mte3", "UB->GM", rz * D * isz, cores3, hit=0.0)
+        steps3 += rounds * max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
+        hits3 += rounds * _hit_port(p3, split)
+        spent.append((rounds * p3.unit["mte2"], rounds * p3.unit["mte3"]))
+    return steps3, hits3, vec3, tuple(spent)
+
+
 def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, window=0, sharp=False):
     """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
@@ -438,32 +497,11 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
 
     # ---- phase 0: dq workspace := 0 (the halves phase 2 adds to), Dr = rowsum(dO∘O) (query blocks), both
     # round-robin over the vector cores
-    Rr = qb // nh
-    itemsz = B * N * ceil_div(Sq, Rr)
-    Tz, actz, rz = ceil_div(itemsz, nv), min(nv, itemsz), min(Rr, Sq)
-    items0 = B * N * nq
-    T0, act0, r0 = ceil_div(items0, nv), min(nv, items0), qe_avg
-    p0 = _Port(dev, act0)
-    p0.add("mte2", "GM->UB", 2 * r0 * Dv * isz, act0, hit=0.0)
-    p0.add("mte3", "UB->GM", r0 * 4, act0)
-    vec0 = _vec_rep(r0, Dv) * ((3 if not f32 else 1) + 1)
-    pz = _Port(dev, actz)
-    pz.add("mte3", "UB->GM", rz * D * 4, actz)
-    # (the bound takes them overlapped, the shorter: it grants no tiles)
-    if not bound and min(_tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats, cap)[x]
-                         for x in ("pre_do", "pre_o")) < 2:
-        # one dO or O tile: a step's loads wait for the sum of the step before (and for the zero stores
-        # booked on the port ahead of them)
-        step0 = p0.unit["mte2"] + vec0 + Tz * pz.port / T0
-    else:
-        step0 = max(p0.unit["mte2"], vec0)
-    # zero stores interleaved with the Dr steps: once L2 is full the oldest lines go, the zeroed ones among
-    # them written back
-    ph0 = max(T0 * step0 + r0 * Dv * isz / rate["GM->UB"] + vec0, Tz * pz.unit["mte3"] + T0 * p0.unit["mte3"],
-              Tz * pz.port + T0 * p0.port, Tz * _hit_port(pz, split) + T0 * _hit_port(p0, split) + l2p.hbm_ph0 / HBMbw)
-    busy["vector"] += T0 * vec0
-    busy["mte2"] += T0 * p0.unit["mte2"]
-    busy["mte3"] += T0 * p0.unit["mte3"]
+    # (the bound takes the loads and sums overlapped, the shorter: it grants no tiles)
+    single = not bound and min(_tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats, cap)[x]
+                               for x in ("pre_do", "pre_o")) < 2
+    ph0, (busy["vector"], busy["mte2"], busy["mte3"]), (itemsz, Tz, actz, rz) = _phase0(
+        dev.name, B * N, Sq, D, Dv, dtype, qb, nv, single, l2p.hbm_ph0)
 
     # ---- phase 1: the row statistics (items (b, h, query block) over their KV tiles)
     ph1 = 0.0
@@ -687,19 +725,10 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     ph3 = 0.0
     if not f32:
         # rounds of the round-robin deal: the full ones on every vector core, the last on those left over
-        left = itemsz - (Tz - 1) * nv
-        steps3 = hits3 = 0.0
-        vec3 = _vec_rep(rz, D)
-        for rounds, cores3 in ((Tz - 1, actz), (1, left)):
-            if rounds <= 0 or cores3 <= 0:
-                continue
-            p3 = _Port(dev, cores3)
-            p3.add("mte2", "GM->UB", rz * D * 4, cores3, hit=1 - l2p.miss_dq)
-            p3.add("mte3", "UB->GM", rz * D * isz, cores3, hit=0.0)
-            steps3 += rounds * max(p3.unit["mte2"], p3.port, vec3, p3.unit["mte3"])
-            hits3 += rounds * _hit_port(p3, split)
-            busy["mte2"] += rounds * p3.unit["mte2"]
-            busy["mte3"] += rounds * p3.unit["mte3"]
+        steps3, hits3, vec3, spent = _phase3(dev.name, itemsz, Tz, nv, actz, rz, D, isz, l2p.miss_dq)
+        for mte2, mte3 in spent:
+            busy["mte2"] += mte2
+            busy["mte3"] += mte3
         ph3 = max(steps3, hits3 + hbm_ph3 / HBMbw) + rz * D * 4 / rate["GM->UB"] + vec3
         busy["vector"] += Tz * vec3
     core = ph0 + ph1 + ph2 + ph3
@@ -849,6 +878,7 @@ def _extent_mix(S, b, edge_share):
     return [(1.0 - edge_share, float(b)), (edge_share, float(S - (n - 1) * b))]
 
 
+@cached
 def _q_steps(Sq, Skv, qb, kvb, causal, window=0):
     """Steps of each query block's item in the statistics sweep: the KV blocks it sees (causal: up to its
     last row; a sliding window: the band's). In all they are the sweep's pairs (:func:`_pairs`)."""
@@ -870,6 +900,7 @@ def _seen_by(qb, kvb, Sq, Skv, window):
     return i0, np.maximum(i0, np.minimum(ceil_div(Sq, qb), (np.minimum((j + 1) * kvb, Skv) - 1 + window - 1) // qb + 1))
 
 
+@cached
 def _kv_steps(Sq, Skv, qb, kvb, group, causal, window=0):
     """Steps of each KV block's unit in the main phase: its query heads times the query blocks that see it
     (causal: from the one holding the block's first key; a sliding window: :func:`_seen_by`)."""
@@ -888,6 +919,7 @@ def _unit_lengths(Sq, Skv, qb, kvb, group, window):
     return len(set(_kv_steps(Sq, Skv, qb, kvb, group, True, window)))
 
 
+@cached
 def _kv_steps_sum(Sq, Skv, qb, kvb, group, causal, window=0):
     """(blocks, most steps, total steps) of :func:`_kv_steps` in closed form: block 0 takes every query block;
     block j skips the ``min(j·kvb, Sq) // qb`` before its first key, the floors of a progression up to Sq."""
@@ -978,6 +1010,7 @@ class _Sweep(NamedTuple):
     rows_last: int      # Σ qe over the pairs with the last KV block (an edge block when kvb does not divide Skv)
 
 
+@cached
 def _pairs(Sq, Skv, qb, kvb, causal, window=0):
     """:class:`_Sweep` in closed form. Query block i sees the KV blocks up to its last row ``e_i`` (causal; all
     blocks otherwise): ``nj = ceil(min(e_i, Skv) / kvb)`` of them, ``min(nj·kvb, Skv)`` keys. The full query
