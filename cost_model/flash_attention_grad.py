@@ -530,7 +530,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
         if B * N * nq <= REPLAY_UNITS and l2p.hbm_ph1 <= l2p.q_b + l2p.kv_k + l2p.mask_b:
             # few items, Q and K read once from HBM: the phase replayed core by core (the forward's deal)
-            ph1 = _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
+            ph1 = _stats_replay(dev.name, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
                                 drop, cap, bound and not sharp)
         else:
             # the port: without a causal mask the cores on a head read K tile j at the same step, the first one's
@@ -750,7 +750,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3, tuple(ends)
 
 
-def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window, mask, mpass, drop, cap, bound):
+@cached
+def _stats_replay(device, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window, mask, mpass, drop, cap, bound):
     """Phase 1 (the row statistics) of a launch of few items, from the forward's deal replayed step by step
     (:func:`cost_model.flash_attention._core_tallies`: the kernel deals phase 1's items as the forward does). Per
     core: its steps by kind (query rows, KV extent, masked), each with its own K port wait (a K tile's miss delays
@@ -760,7 +761,8 @@ def _stats_replay(dev, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, window
     rows from HBM), on the MTE2 queue with the K loads, exposed beyond the MTE2 slack of the step it joins; after an
     item's last K load its K^T move, S, the hand-off to the Vector and its passes; and the core's GM port busy time
     as a bound. ``bound``: a lower bound instead (every step at least its kind's busiest unit without any port wait,
-    over the mean core), without the replay."""
+    over the mean core), without the replay. Cached: the search's sharp bound and the model price it alike."""
+    dev = get_device(device)
     split = dev.arch == "split"
     nh = 2 if split else 1
     isz = itemsize(dtype)
