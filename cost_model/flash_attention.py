@@ -260,13 +260,17 @@ def _deal(per_head, BN, ncores):
         # equal units go round-robin: the busiest cores get ceil(units / cores) of them
         k = ceil_div(nunits, n)
         return n, k * costs[0], k * len(per_head[0])
-    heap = [(0, 0, c) for c in range(n)]
+    # a heap of one integer per core, (tiles·K + items)·n + core (K above any core's items), orders the cores as
+    # (tiles, items, core) does; dealing a unit adds its tiles and items to the smallest
+    K = BN * sum(len(u) for u in per_head) + 1
+    adds = [(sum(u) * K + len(u)) * n for u in per_head]
+    heap = list(range(n))
+    replace = heapq.heapreplace
     for _ in range(BN):
-        for unit in per_head:
-            load, its, c = heapq.heappop(heap)
-            heapq.heappush(heap, (load + sum(unit), its + len(unit), c))
-    T = max(h[0] for h in heap)
-    return n, T, max(h[1] for h in heap if h[0] == T)
+        for a in adds:
+            replace(heap, heap[0] + a)
+    T = max(heap) // n // K
+    return n, T, max(x // n % K for x in heap if x // n // K == T)
 
 
 @cached
@@ -432,9 +436,16 @@ def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, win
             for _ in range(ceil_div(K, n)):
                 load += ucost[0]
             return np.arange(K) % n, load
+        replace = heapq.heapreplace          # (loads and cores pair uniquely: the popped order is the heap's minima)
+        if all(u.is_integer() for u in ucost):
+            # whole costs (every unit's tiles worked): a heap of one integer per core, load·n + core, orders the
+            # cores as the (load, core) pairs do, and dealing a unit adds its cost·n to the smallest
+            adds = [int(u) * n for u in ucost]
+            heap = list(range(n))
+            assign = [replace(heap, heap[0] + a) % n for _ in range(B * N) for a in adds]
+            return np.array(assign), float(max(heap) // n)
         heap = [(0.0, c) for c in range(n)]
         assign = []
-        replace = heapq.heapreplace          # (loads and cores pair uniquely: the popped order is the heap's minima)
         for _ in range(B * N):
             for u in ucost:
                 load, c = heap[0]
@@ -516,11 +527,12 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
     # over the main sweep's cores only: the probabilities sweep's further ones (split cores, causal, more units than
     # the main sweep's pairs) would add S lines that the simulator's HBM bytes do not show (six such launches on
     # the 910B read 2-4 % from the simulator without them, 3-9 % over with them)
+    rows = [(M.tolist(), with_p) for M, with_p in sweeps]
     for c in range(int((per_core > 0).sum())):
-        held = tuple(int(M[c, x]) for M, _ in sweeps for x in (0, 1))
+        held = tuple(M[c][x] for M, _ in rows for x in (0, 1))
         if held not in memo:
-            combos = {(b >> 1, qvals[x], kvals[b & 1], with_p) for M, with_p in sweeps for x in (0, 1)
-                      for b in range(4) if M[c, x] >> b & 1}
+            combos = {(b >> 1, qvals[x], kvals[b & 1], with_p) for M, with_p in rows for x in (0, 1)
+                      for b in range(4) if M[c][x] >> b & 1}
             keys = {}
             for slot, qe, ke, with_p in combos:
                 for h in range(nh):
