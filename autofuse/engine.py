@@ -813,12 +813,14 @@ _FAST_PATHS = (torch.ops.aten._transformer_encoder_layer_fwd.default,
 
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,
-                 sizes=None, verdicts=None) -> Plan:
+                 sizes=None, verdicts=None, at_call=False) -> Plan:
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring). ``sizes``: the
     :class:`autofuse.sizes.SizeFamilies` whose symbolic exports may serve this capture; ``verdicts``: a dict of
-    verification verdicts kept across plans (``_Verifier``'s ``shared``)."""
-    _check_parameter_dtypes(model, device)      # model.double() after fuse(): refused as fuse() refuses it
-    _check_input_dtypes(args, kwargs, device)
+    verification verdicts kept across plans (``_Verifier``'s ``shared``); ``at_call``: the inputs are a call's,
+    not fuse()'s example inputs (errors say so)."""
+    who = "fused model" if at_call else "fuse"
+    _check_parameter_dtypes(model, device, who)      # model.double() after fuse(): refused as fuse() refuses it
+    _check_input_dtypes(args, kwargs, device, who, "this call's input" if at_call else "example input")
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route, sizes=sizes)
     with _autocast_off():       # the captured graph holds autocast's casts: checked and planned as it will run
@@ -1231,9 +1233,11 @@ class FusedModule(torch.nn.Module):
         self.register_load_state_dict_pre_hook(_submodule_keys)
         # from here on, assigning a name the model has and this module does not reaches the model (__setattr__)
         self.__dict__["_autofuse_built"] = True
+        self.__dict__["_called"] = False        # plans from here on are made at a call (their errors say so)
         if example_inputs is not None:
             args, kwargs = self._in_program_order(*example_inputs)
             self._plan_for(args, kwargs)
+        self.__dict__["_called"] = True
 
     def _models_name(self, name) -> bool:
         """Whether ``name`` is one of the model's attributes that this module does not have itself (it reads it
@@ -1332,7 +1336,7 @@ class FusedModule(torch.nn.Module):
                 if self._sizes is not None:
                     self._sizes.families.clear()
             p = compile_plan(self.model, args, kwargs, self._device, self._level, self._budget, self._route,
-                             self._verify, self._switches, self._sizes, self._verdicts)
+                             self._verify, self._switches, self._sizes, self._verdicts, at_call=self._called)
             if why is not None:
                 p.report.replanned_because = why
         self._plans[key] = p
@@ -1749,9 +1753,8 @@ def _check_parameter_dtypes(model: torch.nn.Module, device: str, who: str = "fus
                 raise _dtype_error(f"{kind} {name!r} of {type(model).__name__}", t.dtype, device, who)
 
 
-def _check_input_dtypes(args, kwargs, device: str, who: str = "fuse"):
-    named = [(f"example input {i}", a) for i, a in enumerate(args)] + \
-            [(f"example input {k!r}", v) for k, v in kwargs.items()]
+def _check_input_dtypes(args, kwargs, device: str, who: str = "fuse", input_: str = "example input"):
+    named = [(f"{input_} {i}", a) for i, a in enumerate(args)] + [(f"{input_} {k!r}", v) for k, v in kwargs.items()]
     for what, value in named:
         for leaf in pytree.tree_leaves(value):
             # a 0-d float64 tensor is a scalar (torch.compile passes a Python float attribute so): type promotion

@@ -201,8 +201,20 @@ def test_an_int_and_an_equal_float_are_other_signatures(first, then):
 def test_float64_after_fuse_is_refused_by_name():
     model, x, fused = _setup()
     model.double()
-    with pytest.raises(TypeError, match=r"parameter 'ln.weight' of Block is float64.*model.float\(\)"):
+    with pytest.raises(TypeError, match=r"^fused model: parameter 'ln.weight' of Block is float64.*model.float\(\)"):
         fused(x.double())
+
+
+def test_a_float64_input_at_a_call_is_refused_as_the_calls():
+    """A parameter-free module runs float64 in eager; the fused one refuses it, naming the call's input (not
+    fuse() and its example inputs)."""
+    class Free(nn.Module):
+        def forward(self, x):
+            return torch.softmax(x * 2.0, -1) * x
+
+    fused = AutoFusionEngine.fuse(Free(), (torch.randn(4, 64),))
+    with pytest.raises(TypeError, match=r"^fused model: this call's input 0 is float64; the NPU target ascend910 "):
+        fused(torch.randn(4, 64, dtype=torch.float64))
 
 
 def test_a_dtype_change_after_a_shared_export_replans_new_lengths():
