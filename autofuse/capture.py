@@ -76,6 +76,7 @@ import functools
 import math
 import operator
 import os
+import random
 import re
 import sys
 import threading
@@ -85,6 +86,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -190,6 +192,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                   "torch.compile(model, backend='autofuse'), which takes generator arguments")
     caches.prepare(model, example_args, example_kwargs)      # a KV cache in or out: a pytree node (autofuse.caches)
     python_state = _python_state(model)
+    host_rng = _host_rng_state()
     try:
         with _dynamo_marks_set_aside((example_args, example_kwargs)):
             captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
@@ -198,6 +201,16 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         _restore_python_state(python_state)
         raise
     changed = _restore_python_state(python_state)
+    drawn = _host_rng_drawn(host_rng)
+    if drawn:
+        raise CaptureError(route, f"capture failed: the forward draws from {drawn} in Python (the state is put back), "
+                                  f"which a captured graph cannot do at each call: it would keep the values this "
+                                  f"capture drew, the same at every call (transformers' SpecAugment time and feature "
+                                  f"masks in training, mask_time_prob / mask_feature_prob > 0, are drawn so; "
+                                  f"torch.compile keeps them the same way). hint: draw them outside the forward and "
+                                  f"pass them in (Wav2Vec2Model and its kin take mask_time_indices=), set their "
+                                  f"probabilities to 0, or draw with torch (torch.rand, torch.bernoulli), which the "
+                                  f"graph draws again at each call")
     settable = all(not k.startswith("_") and v is not _GONE and plain_attribute(v) for _, _, k, v in changed)
     if changed and settable and not _changes_again(model, changed, example_args, example_kwargs, route, routes):
         # a forward that sets a plain attribute to a value it then keeps (Swin sets its shift to 0 where the
@@ -235,6 +248,25 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                      "(a lazily built table), run the model once eagerly before fuse(): the capture "
                                      "then reads it as kept." if lazy else ""))
     return captured
+
+
+def _host_rng_state():
+    """The host random generators a forward may draw from in Python (:func:`_host_rng_drawn`)."""
+    return random.getstate(), np.random.get_state()
+
+
+def _host_rng_drawn(before) -> str | None:
+    """Which of Python's and numpy's global random generators moved since :func:`_host_rng_state` gave ``before``
+    (put back as it was), in words; None if neither did."""
+    (py, (kind, keys, pos, gauss, cached)), now = before, _host_rng_state()
+    moved = []
+    if now[0] != py:
+        random.setstate(py)
+        moved.append("Python's random module")
+    if now[1][0] != kind or not np.array_equal(now[1][1], keys) or now[1][2:] != (pos, gauss, cached):
+        np.random.set_state(before[1])
+        moved.append("numpy's global random generator (np.random)")
+    return " and ".join(moved) or None
 
 
 def _recomputing_hooks(model, changed) -> list:

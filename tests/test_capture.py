@@ -474,3 +474,35 @@ def test_a_fused_exported_program_names_what_it_refuses_and_suggests_re_exportin
         assert "scale == 2.0" in msg and "export again with this value" in msg and "example_inputs" not in msg, msg
         with pytest.raises(TypeError, match="keyword input 'bias' was exported as a tensor; this call gives None"):
             fused(x, bias=None, scale=2.0)
+
+
+class _HostDraw(nn.Module):
+    """Masks a random tenth of its input's rows with a mask drawn in Python, as transformers' SpecAugment does."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.draw = draw
+
+    def forward(self, x):
+        keep = torch.tensor(self.draw(x.shape[0]) > 0.1)
+        return x * keep[:, None]
+
+
+@pytest.mark.parametrize("generator", ["numpy", "python"])
+def test_a_forward_drawing_from_a_host_generator_is_refused_and_the_state_put_back(generator):
+    """A draw from numpy's or Python's global generator would be a constant of the graph, the same at every call;
+    the capture refuses it by name and leaves the generator as it found it (its draws are the user's)."""
+    import random
+
+    import numpy as np
+    draw = (lambda n: np.random.rand(n)) if generator == "numpy" else (lambda n: np.array([random.random()
+                                                                                            for _ in range(n)]))
+    np.random.seed(3)
+    random.seed(3)
+    expected = np.random.rand(), random.random()
+    np.random.seed(3)
+    random.seed(3)
+    name = "numpy's global random generator" if generator == "numpy" else "Python's random module"
+    with pytest.raises(CaptureError, match=re.escape(f"the forward draws from {name}") + r".*hint: draw them outside"):
+        capture(_HostDraw(draw), (torch.randn(16, 4),))
+    assert (np.random.rand(), random.random()) == expected
