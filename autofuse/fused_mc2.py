@@ -3,7 +3,8 @@
 ==========================  =====================================================================
 family                      fused call (``autofuse/ops_mc2.py``)
 ==========================  =====================================================================
-``matmul_all_reduce``       ``matmul_all_reduce(x, W, "sum", group, tiles=T, device=..., tiling=..., algorithm=...)``
+``matmul_all_reduce``       ``matmul_all_reduce(x, W, "sum", group, tiles=T, device=..., tiling=..., algorithm=...,
+                            backward=...)`` (``"all_reduce"`` or ``"identity"``: the match's, by spelling)
 ``matmul_reduce_scatter``   ``matmul_reduce_scatter(x, W, "sum", group, p, tiles=T, ...)``
 ``all_gather_matmul``       ``all_gather_matmul(x, W, group, p, tiles=T, ...)`` → (out, gathered x)
 ==========================  =====================================================================
@@ -83,7 +84,8 @@ def emit_mc2(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
         w = call(g, aten.t.default, w)
     kind, group = p["kind"], p["group_name"]
     if kind == "matmul_all_reduce":
-        fused = call(g, ops.matmul_all_reduce.default, x, w, "sum", group, **kwargs)
+        # the all-reduce's backward as the user's spelling differentiates it (patterns/mc2.py)
+        fused = call(g, ops.matmul_all_reduce.default, x, w, "sum", group, backward=p["backward"], **kwargs)
     elif kind == "matmul_reduce_scatter":
         fused = call(g, ops.matmul_reduce_scatter.default, x, w, "sum", group, int(p["world_size"]), **kwargs)
     else:

@@ -1,6 +1,6 @@
 """MC2 fused ops (a matmul fused with its collective) as ``torch.library`` custom ops.
 
-    y = torch.ops.autofuse.matmul_all_reduce(x, weight, "sum", group_name, 4, "ascend910b")
+    y = torch.ops.autofuse.matmul_all_reduce(x, weight, "sum", group_name, 4, "ascend910b")   # backward="all_reduce"
     y = torch.ops.autofuse.matmul_reduce_scatter(x, weight, "sum", group_name, world_size, 4, "ascend910b")
     y, x_all = torch.ops.autofuse.all_gather_matmul(x, weight, group_name, world_size, 4, "ascend910b")
 
@@ -21,10 +21,13 @@ local GEMMs run the Cube ``matmul`` kernel through ``torch.ops.autofuse.matmul(a
 (2-D, fp32 accumulation, rounded once; its fake and ``reference_matmul`` twin are here). In a traced training
 step (:mod:`autofuse.training`) they are nodes of the joint graph like any fused call.
 
-* ``matmul_all_reduce``: y = Σ_ranks x_r W_rᵀ is replicated, so dy is the same on every rank and the
-  all-reduce's backward is the identity (Megatron's "g"): dx = dy W and dW = dyᵀ x, two ``matmul`` launches,
-  no communication. (torch's own ``_functional_collectives.all_reduce`` differentiates differently in torch
-  2.13: it all-reduces the gradient, which for a replicated dy gives p times this; measured, not assumed.)
+* ``matmul_all_reduce``: y = Σ_ranks x_r W_rᵀ. Its backward is the backward of the spelling it replaces, named
+  by ``backward``. ``"all_reduce"`` (the default; ``_functional_collectives.all_reduce``, whose autograd in torch
+  2.13 all-reduces the gradient): g = AR(dy), a functional all-reduce of dy (the same collective launch the
+  unfused graph's backward runs), then dx = g W and dW = gᵀ x, two ``matmul`` launches. ``"identity"``
+  (``torch.distributed.all_reduce(t)`` in place: c10d's op has no autograd kernel, and eager autograd passes the
+  gradient through it unchanged, with a warning; Megatron's "g"): dx = dy W and dW = dyᵀ x, no communication.
+  For a replicated dy (the same loss on every rank) the first is p times the second.
 * ``matmul_reduce_scatter``: y = rows r of Σ x Wᵀ; its backward all-gathers dy: dx = AG(dy) W is
   ``all_gather_matmul(dy, Wᵀ)`` (one MC2 launch), whose second output AG(dy) gives dW = AG(dy)ᵀ x (a ``matmul``
   launch with a transposed). When only W wants a gradient, AG(dy) is a plain functional all-gather.
@@ -55,6 +58,15 @@ def _comm(group_name: str):
     return GlooComm(_resolve_process_group(group_name))
 
 
+#: matmul_all_reduce's backwards: the all-reduce's gradient as the spelling it replaces differentiates it
+AR_BACKWARDS = ("all_reduce", "identity")
+
+
+def _check_backward(backward: str):
+    if backward not in AR_BACKWARDS:
+        raise ValueError(f"matmul_all_reduce: backward {backward!r} is not one of {AR_BACKWARDS}")
+
+
 def _tiling(tiling: str):
     return json.loads(tiling) if tiling else None
 
@@ -68,9 +80,10 @@ def _check(name, x, weight, reduce_op=None):
 
 @torch.library.custom_op("autofuse::matmul_all_reduce", mutates_args=())
 def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, reduce_op: str, group_name: str, tiles: int = 4,
-                      device: str = "ascend910b", tiling: str = "",
-                      algorithm: str = "") -> torch.Tensor:
+                      device: str = "ascend910b", tiling: str = "", algorithm: str = "",
+                      backward: str = "all_reduce") -> torch.Tensor:
     _check("matmul_all_reduce", x, weight, reduce_op)
+    _check_backward(backward)
     r = run_kernel("matmul_all_reduce", x, weight.detach().t().contiguous(), comm=_comm(group_name), tiles=tiles,
                    device=device, tiling=_tiling(tiling), algorithm=algorithm or None)
     _record("matmul_all_reduce", r.stats)
@@ -78,7 +91,8 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, reduce_op: str, gro
 
 
 @matmul_all_reduce.register_fake
-def _(x, weight, reduce_op, group_name, tiles=4, device="ascend910b", tiling="", algorithm=""):
+def _(x, weight, reduce_op, group_name, tiles=4, device="ascend910b", tiling="", algorithm="", backward="all_reduce"):
+    _check_backward(backward)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -169,10 +183,11 @@ def _save(ctx, inputs, output):
     ctx.save_for_backward(x if ctx.kind != "all_gather_matmul" else output[1], weight)
     ctx.group_name, ctx.world = params["group_name"], params.get("world_size")     # matmul_all_reduce: none
     ctx.tiles, ctx.device = params["tiles"], params["device"]
+    ctx.backward = params.get("backward")      # matmul_all_reduce: "all_reduce" or "identity"
     ctx.x_shape = x.shape
 
 
-_PARAMS = {"matmul_all_reduce": ("reduce_op", "group_name", "tiles", "device"),
+_PARAMS = {"matmul_all_reduce": ("reduce_op", "group_name", "tiles", "device", "tiling", "algorithm", "backward"),
            "matmul_reduce_scatter": ("reduce_op", "group_name", "world_size", "tiles", "device"),
            "all_gather_matmul": ("group_name", "world_size", "tiles", "device")}
 
@@ -186,16 +201,19 @@ def _setup(kind):
 
 
 def _backward_mar(ctx, dy):
-    """Row-parallel: dy is replicated and the all-reduce's backward is the identity: dx = dy W, dW = dyᵀ x, two
-    local matmul launches."""
+    """Row-parallel: g = AR(dy) (``backward="all_reduce"``, a functional all-reduce) or g = dy (``"identity"``),
+    then dx = g W and dW = gᵀ x, two local matmul launches (the module docstring)."""
     x, w = ctx.saved_tensors
     dy = dy.contiguous()
+    if ctx.backward == "all_reduce" and any(ctx.needs_input_grad[:2]):
+        fc = _fc()
+        dy = fc.wait_tensor(torch.ops._c10d_functional.all_reduce(dy, "sum", ctx.group_name))
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dx = torch.ops.autofuse.matmul(_rows(dy), w.contiguous(), False, False, ctx.device).reshape(ctx.x_shape)
     if ctx.needs_input_grad[1]:
         dw = _dw(dy, x, ctx.device)
-    return (dx, dw) + (None,) * 6
+    return (dx, dw) + (None,) * 7
 
 
 def _backward_mrs(ctx, dy):

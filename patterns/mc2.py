@@ -22,7 +22,17 @@ along dim 0 followed by ``split``/``cat``, so no matmul reads the wait).
 Match: ``nodes`` the matmul, the collective and its wait; ``inputs`` ``{"x", "weight"}``; ``outputs``
 ``{"out": ...}`` (plus ``"gathered"``, the gathered x, when an all-gather's result is read elsewhere too);
 ``params`` the kind, the group's name and size, the shapes, dtype and weight layout (``"nk"``: a linear's
-``[N, K]``; ``"kn"``: ``[K, N]``).
+``[N, K]``; ``"kn"``: ``[K, N]``), and ``backward``: the collective's gradient in the model as the user wrote it,
+which the fused op's backward must compute (:func:`collective_backward`).
+
+**Backward by spelling** (torch 2.13, measured against eager autograd; tests/test_distributed.py). The
+``_c10d_functional`` ops are autograd-aware: ``all_reduce``'s backward all-reduces the gradient,
+``all_gather_into_tensor``'s reduce-scatters it, ``reduce_scatter_tensor``'s all-gathers it. An in-place
+``torch.distributed.all_reduce(t)`` captures as the same functional ``all_reduce`` (its value copied back into
+``t``), but eager autograd passes the gradient through c10d's op unchanged (no autograd kernel: a warning,
+identity): ``backward`` is ``"identity"`` there, ``"all_reduce"`` for the functional spelling. Both capture
+routes say which: non-strict export records ``torch.distributed.all_reduce`` as the node's ``torch_fn``; Dynamo
+remaps the call to ``_functional_collectives._remapped_allreduce``, which the node's stack trace names.
 
 The canonical view merges identical pure nodes (CSE), and ``_c10d_functional`` collectives are pure to torch:
 two all-reduces of one tensor over one group are one node of the view. The captured graph keeps both; a
@@ -96,6 +106,27 @@ def _why_not(kind, x, w, bias, mm, coll, world, reduce_op) -> str:
     return ""
 
 
+#: the collective's own backward (the functional collectives' autograd), by kind
+FUNCTIONAL_BACKWARD = {"matmul_all_reduce": "all_reduce", "matmul_reduce_scatter": "all_gather",
+                       "all_gather_matmul": "reduce_scatter"}
+
+
+def c10d_inplace_all_reduce(coll: fx.Node) -> bool:
+    """Whether ``coll`` (a ``_c10d_functional.all_reduce``) is an in-place ``torch.distributed.all_reduce(t)``
+    as a capture route remapped it (the module docstring)."""
+    fn = coll.meta.get("torch_fn")
+    stack = coll.meta.get("stack_trace") or ""
+    return (bool(fn) and fn[1] == "function.all_reduce") or "in _remapped_allreduce" in stack
+
+
+def collective_backward(kind: str, coll: fx.Node) -> str:
+    """The gradient the pair's collective gets in eager autograd: ``"identity"`` for an in-place c10d
+    all-reduce, else the functional collective's own (``FUNCTIONAL_BACKWARD``)."""
+    if kind == "matmul_all_reduce" and c10d_inplace_all_reduce(coll):
+        return "identity"
+    return FUNCTIONAL_BACKWARD[kind]
+
+
 def _decide(kind: str):
     def decide(m: dict) -> Match | None:
         mm, coll, wait = m["mm"], m["coll"], m["wait"]
@@ -119,7 +150,7 @@ def _decide(kind: str):
             outputs["gathered"] = wait.name
         vx = val(x)
         params = {"kind": kind, "group_name": coll.args[-1], "world_size": world, "x_shape": shape(x),
-                  "w_shape": shape(w), "weight_layout": layout,
+                  "w_shape": shape(w), "weight_layout": layout, "backward": collective_backward(kind, coll),
                   "dtype": str(vx.dtype).replace("torch.", "") if vx is not None else None, "unsupported": why,
                   "out_like": val(out), "gathered_like": val(wait) if gather else None}
         nodes = tuple(n.name for n in (coll, wait, mm)) if gather else tuple(n.name for n in (mm, coll, wait))
@@ -147,4 +178,5 @@ def find_mc2(gm: fx.GraphModule) -> list[Match]:
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
-__all__ = ["KINDS", "TEMPLATES", "find_mc2", "linear_operands"]
+__all__ = ["FUNCTIONAL_BACKWARD", "KINDS", "TEMPLATES", "c10d_inplace_all_reduce", "collective_backward", "find_mc2",
+           "linear_operands"]
