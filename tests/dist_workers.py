@@ -1,5 +1,6 @@
 """Per-rank bodies of tests/test_distributed.py (module level, so that spawned ranks can import them)."""
 import copy
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -146,18 +147,19 @@ def checks(rank, world):
     out["unfused_collectives"] = [(cc.kind, cc.bytes, cc.overlapped_with) for cc in res.unfused.collectives]
     out["fused_vs_unfused"] = res.max_abs_diff
     out["mc2_grads"] = mc2_grads(rank, world)
-    # gradients of the fused op against the eager row-parallel linear (functional all-reduce)
+    # gradients of the fused op against the eager row-parallel linear (functional all-reduce, eager autograd)
     import autofuse.ops_mc2  # noqa: F401
     g = torch.Generator().manual_seed(10 + rank)
     xa = torch.randn(6, 16, generator=g, requires_grad=True)
     w = torch.randn(24, 16, generator=g, requires_grad=True)
+    xe, we = xa.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     name = dist.group.WORLD.group_name
     y = torch.ops.autofuse.matmul_all_reduce(xa, w, "sum", name, 2, "ascend910b")
     y.pow(2).sum().backward()
-    yb = fc.wait_tensor(fc.all_reduce(F.linear(xa.detach(), w.detach()), "sum", name))
-    dy = 2 * yb                    # the replicated output's gradient; the all-reduce's backward is the identity
-    out["grad"] = max((xa.grad - dy @ w.detach()).abs().max().item(),
-                      (w.grad - dy.t() @ xa.detach()).abs().max().item(), (y - yb).abs().max().item())
+    yb = fc.wait_tensor(fc.all_reduce(F.linear(xe, we), "sum", name))
+    yb.pow(2).sum().backward()     # eager: the all-reduce's backward all-reduces the (replicated) gradient
+    out["grad"] = max((xa.grad - xe.grad).abs().max().item(), (w.grad - we.grad).abs().max().item(),
+                      (y - yb).abs().max().item())
     # torch.distributed.tensor.parallel: what export makes of it in this torch
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -173,21 +175,17 @@ def checks(rank, world):
 
 def _step_checks(res, rank, world):
     """The simulated training step of the Megatron block on this rank: its phases and backward link launches, and
-    the fused step's MLP weight gradients against the single-device block's shard of them (float64 and float32
-    eager, with the step's own output gradient). Only the MLP's: the block has no Megatron "f" (an all-reduce of
-    the column-parallel inputs' gradients), so the gradients below the MLP's input are each rank's partial ones."""
-    d = 4 * make_block().fc1.weight.shape[1] // world
-    shard = {"fc1_w": lambda b: b.fc1.weight.grad[rank * d:(rank + 1) * d],
-             "fc1_b": lambda b: b.fc1.bias.grad[rank * d:(rank + 1) * d],
-             "fc2_w": lambda b: b.fc2.weight.grad[:, rank * d:(rank + 1) * d], "fc2_b": lambda b: b.fc2.bias.grad}
+    the fused step's MLP weight gradients against the eager shard's (this rank's TPBlock under eager autograd, in
+    float64 and float32, with the step's own output gradient; its all-reduces' backward all-reduce the gradient)."""
+    names = ("fc1_w", "fc1_b", "fc2_w", "fc2_b")
     dy, = res.step_grad_outputs
     grads = {}
     for dt in (torch.float64, torch.float32):
-        block = copy.deepcopy(make_block()).to(dt)
-        block(example_input().to(dt)).backward(dy.to(dt))
-        grads[dt] = {k: f(block) for k, f in shard.items()}
+        shard, (x,) = build(rank, world)       # the same shard afresh (its process group cannot be copied)
+        shard.to(dt)(x.to(dt).requires_grad_()).backward(dy.to(dt))
+        grads[dt] = {k: getattr(shard, k).grad for k in names}
     errs = {k: ((res.step_grads[k].double() - grads[torch.float64][k]).abs().max().item(),
-                (grads[torch.float32][k].double() - grads[torch.float64][k]).abs().max().item()) for k in shard}
+                (grads[torch.float32][k].double() - grads[torch.float64][k]).abs().max().item()) for k in names}
     back = lambda run: [c.kind for c in run.collectives if c.phase == "backward"]   # noqa: E731
     return {"grads": errs, "phases": (res.step.phases, res.step_unfused.phases),
             "back_links": (back(res.step), back(res.step_unfused))}
@@ -216,24 +214,33 @@ def tp_block_fp16(rank, world):
     return tp_block_only(rank, world, torch.float16, grads=False)
 
 
-def _tp_layers(kind, x, w, name, p):
-    """The unfused TP layer in eager torch (functional collectives + linear), differentiable: its outputs."""
+def _tp_layers(kind, x, w, name, p, variant=None):
+    """The unfused TP layer in eager torch (functional collectives + linear), differentiable: its outputs. Each
+    collective's backward is eager autograd's (torch 2.13: the functional all_reduce all-reduces the gradient;
+    ``variant="inplace"``: c10d's in-place all_reduce, which autograd passes through unchanged)."""
     if kind == "all_gather_matmul":           # column-parallel, sequence-parallel input: reduce-scatter backward
         xg = fc.all_gather_single_autograd(x, 0, name)
         return F.linear(xg, w), xg
     if kind == "matmul_reduce_scatter":       # row-parallel, sequence-parallel output: all-gather backward
         return (fc.reduce_scatter_single_autograd(F.linear(x, w), "sum", 0, name),)
-    # row-parallel, replicated output: the all-reduce's backward is the identity (the op's docstring)
-    return (F.linear(x, w),)
+    y = F.linear(x, w)
+    if variant == "inplace":
+        with warnings.catch_warnings():       # c10d::allreduce_ has no autograd kernel: torch warns, identity
+            warnings.simplefilter("ignore")
+            dist.all_reduce(y, group=dist.group.WORLD)
+        return (y,)
+    return (fc.all_reduce(y, "sum", name),)
 
 
-def _fused_layer(kind, x, w, name, p):
+def _fused_layer(kind, x, w, name, p, variant=None):
     ops = torch.ops.autofuse
     if kind == "all_gather_matmul":
         return ops.all_gather_matmul(x, w, name, p, 2, "ascend910b")
     if kind == "matmul_reduce_scatter":
         return (ops.matmul_reduce_scatter(x, w, "sum", name, p, 2, "ascend910b"),)
-    return (ops.matmul_all_reduce(x, w, "sum", name, 2, "ascend910b"),)
+    if variant == "inplace":
+        return (ops.matmul_all_reduce(x, w, "sum", name, 2, "ascend910b", backward="identity"),)
+    return (ops.matmul_all_reduce(x, w, "sum", name, 2, "ascend910b"),)     # the default: backward="all_reduce"
 
 
 #: kind -> (x shape, w shape) on each rank: x [rows, K], w [N, K] (a linear's layout)
@@ -244,21 +251,22 @@ MC2_SHAPES = {"all_gather_matmul": ((8, 16), (24, 16)), "matmul_reduce_scatter":
 def mc2_grads(rank, world):
     """The MC2 ops' gradients (dx, dW) against the unfused TP layer's eager autograd, both measured against the
     float64 eager layer, for each op in float32 and float16 (all_gather_matmul also with its gathered output
-    used and with dx only, matmul_reduce_scatter with dW only); and the launches each forward and backward
+    used and with dx only, matmul_reduce_scatter with dW only, matmul_all_reduce also against c10d's in-place
+    all_reduce, ``backward="identity"``); and the launches each forward and backward
     records. Returns {(kind, dtype, variant): {"dx": (fused error, eager error), "dw": ..., "launches": [kernel
     names]}}, without the gradient a variant does not ask for."""
     from autofuse.ops import recording
     import autofuse.ops_mc2  # noqa: F401
     name, out = dist.group.WORLD.group_name, {}
     variants = [(k, None) for k in MC2_SHAPES] + [("all_gather_matmul", "gathered"), ("all_gather_matmul", "dx"),
-                                                    ("matmul_reduce_scatter", "dw")]
+                                                    ("matmul_reduce_scatter", "dw"), ("matmul_all_reduce", "inplace")]
     for dtype in (torch.float32, torch.float16):
         for kind, variant in variants:
             xs, ws = MC2_SHAPES[kind]
             g = torch.Generator().manual_seed(100 + rank)
             x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g) / ws[1] ** 0.5
-            # the replicated output's gradient is the same on every rank
-            gy = torch.Generator().manual_seed(7 if kind == "matmul_all_reduce" else 200 + rank)
+            # each rank's own output gradient (a replicated output's may differ across ranks: each rank's loss)
+            gy = torch.Generator().manual_seed(200 + rank)
             rows = {"all_gather_matmul": xs[0] * world, "matmul_reduce_scatter": xs[0] // world}.get(kind, xs[0])
             grads = [torch.randn(rows, ws[0], generator=gy), torch.randn(rows, xs[1], generator=gy)]
             if variant != "gathered":
@@ -268,7 +276,7 @@ def mc2_grads(rank, world):
             def run(layer, dt):
                 xl = x.to(dt).clone().requires_grad_(want_x)   # a copy: its .grad is this run's alone
                 wl = w.to(dt).clone().requires_grad_(want_w)
-                outs = layer(kind, xl, wl, name, world)
+                outs = layer(kind, xl, wl, name, world, variant)
                 torch.autograd.backward(outs[:len(grads)], [d.to(dt) for d in grads])
                 return xl.grad, wl.grad
 
@@ -284,7 +292,81 @@ def mc2_grads(rank, world):
     return out
 
 
-__all__ = ["MC2_SHAPES", "Pairs", "SPMLP", "TPBlock", "checks", "mc2_grads", "tp_block_fp16", "tp_block_only"]
+class Spelled(nn.Module):
+    """One matmul + collective pair, written one of the ways a user writes it (``SPELLINGS``)."""
+
+    def __init__(self, w, spelling):
+        super().__init__()
+        self.w, self.spelling = nn.Parameter(w.clone()), spelling
+
+    def forward(self, x):
+        grp, s = dist.group.WORLD, self.spelling
+        if s == "all_reduce":                    # functional: autograd all-reduces the gradient
+            return fc.all_reduce(F.linear(x, self.w), "sum", grp)
+        if s == "all_reduce_inplace":            # c10d in place: eager autograd passes the gradient through
+            y = F.linear(x, self.w)
+            dist.all_reduce(y, group=grp)
+            return y
+        if s == "all_gather":
+            return F.linear(fc.all_gather_tensor(x, 0, grp), self.w)
+        if s == "reduce_scatter":
+            return fc.reduce_scatter_tensor(F.linear(x, self.w), "sum", 0, grp)
+        raise ValueError(s)
+
+
+#: spelling -> the MC2 family it fuses to
+SPELLINGS = {"all_reduce": "matmul_all_reduce", "all_reduce_inplace": "matmul_all_reduce",
+             "all_gather": "all_gather_matmul", "reduce_scatter": "matmul_reduce_scatter"}
+
+
+def spelling_grads(rank, world):
+    """Each spelling of ``SPELLINGS`` fused through ``AutoFusionEngine.fuse`` and through
+    ``torch.compile(backend="autofuse")``, trained one backward with a rank-dependent output gradient, against the
+    same module in eager autograd: {(spelling, route): {"applied": [...], "dx": err, "dw": err, "scale": ...}}
+    (errors relative to the largest eager gradient entry)."""
+    from autofuse.backend import reports
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    w_full, x_full = torch.randn(24, 32, generator=g) / 6, torch.randn(16, 32, generator=g)
+    for spelling, family in SPELLINGS.items():
+        if family == "all_gather_matmul":       # rows split over the ranks, the whole weight
+            w, x = w_full, x_full.chunk(world)[rank].contiguous()
+        else:                                   # row-parallel: this rank's slice of K
+            w, x = w_full.chunk(world, 1)[rank].contiguous(), x_full.chunk(world, 1)[rank].contiguous()
+
+        def step(module, call):
+            xs = x.clone().requires_grad_()
+            with warnings.catch_warnings():     # eager c10d::allreduce_: no autograd kernel (a warning)
+                warnings.simplefilter("ignore")
+                y = call(xs)
+                dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(300 + rank))
+                y.backward(dy)
+            return xs.grad, module.w.grad
+
+        eager = Spelled(w, spelling)
+        want = step(eager, eager)
+        scale = max(t.abs().max().item() for t in want)
+        for route in ("fuse", "compile"):
+            m = Spelled(w, spelling)
+            if route == "fuse":
+                fused = AutoFusionEngine.fuse(m, (x,), target_device="ascend910b")
+                got = step(m, fused)
+                decisions = fused.report.decisions
+            else:
+                compiled = torch.compile(m, backend="autofuse")
+                got = step(m, compiled)
+                decisions = [d for r in reports(compiled) for d in r.decisions]
+                torch._dynamo.reset()
+            out[(spelling, route)] = {
+                "applied": [(d.pattern, d.applied, d.params.get("backward")) for d in decisions
+                            if d.pattern == family],
+                "dx": (got[0] - want[0]).abs().max().item() / scale,
+                "dw": (got[1] - want[1]).abs().max().item() / scale}
+    return out
+
+
+__all__ = ["MC2_SHAPES", "Pairs", "SPELLINGS", "SPMLP", "Spelled", "TPBlock", "checks", "mc2_grads", "spelling_grads",
+           "tp_block_fp16", "tp_block_only"]
 
 
 def ddp_steps(rank, world):
