@@ -25,10 +25,10 @@ Each rank is one process (``torch.multiprocessing``, gloo on loopback) and simul
    (:mod:`autofuse.training`: the forward and the backward traced together, the rank's input requiring grad as
    a layer's inside a model does), simulated like the forward: each phase's cycles per rank, fused vs unfused.
    The fused graph's backward is what its MC2 ops register (``autofuse/ops_mc2.py``: the dual MC2 launch and
-   ``matmul`` launches; a row-parallel all-reduce's backward is the identity, Megatron's). The captured graph's
-   is torch's autograd of the functional collectives: in torch 2.13 ``all_reduce``'s backward all-reduces the
-   gradient (an all-reduce launch per row-parallel layer, and p times the gradient of a replicated output);
-   the report names those launches, so a reader can set them aside.
+   ``matmul`` launches), the same function as the captured graph's: torch's autograd of the functional
+   collectives, where in torch 2.13 ``all_reduce``'s backward all-reduces the gradient (an all-reduce launch per
+   row-parallel layer in both steps; for an in-place ``torch.distributed.all_reduce`` the fused backward is the
+   identity, as eager's). The report names the backward's launches on the links.
 
 :func:`simulate_world` starts the ranks on this machine (what ``autofuse simulate --world-size N`` calls).
 """
