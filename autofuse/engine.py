@@ -54,6 +54,7 @@ from autofuse.capture import capture, same_value, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
+from autofuse.grad_ops import PASS_GRADIENT
 from autofuse.graph import describe_node, returned
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
@@ -827,6 +828,29 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
         return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0)
 
 
+def _pass_inplace_all_reduce_gradients(gm: fx.GraphModule) -> None:
+    """An in-place ``torch.distributed.all_reduce(t)`` left unfused: eager autograd does not see it (c10d has no
+    autograd kernel), so the gradient passes through unchanged; the captured graph holds it as a functional
+    all_reduce, whose autograd all-reduces the gradient (p times eager's for a row-parallel layer). Its result is
+    read through :data:`~autofuse.grad_ops.PASS_GRADIENT` of the reduced value and the tensor reduced, so the
+    gradient goes as in eager (a fused pair's op takes its ``backward`` from the same test)."""
+    from patterns.mc2 import WAIT, c10d_inplace_all_reduce
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops._c10d_functional.all_reduce.default or \
+                not c10d_inplace_all_reduce(n):
+            continue
+        for wait in [u for u in n.users if u.target is WAIT]:
+            with gm.graph.inserting_after(wait):
+                passed = gm.graph.call_function(PASS_GRADIENT, (wait, n.args[0]))
+            passed.meta.update(wait.meta)
+            wait.replace_all_uses_with(passed, delete_user_cb=lambda u: u is not passed)
+            changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
 def _check_lookups(cap_gm: fx.GraphModule, leaves: list):
     """Before planning: the example inputs' ids fall within the tables they index (an embedding's rows). Capture
     traces on fake tensors, which hold no ids; eager raises torch's bare ``index out of range in self`` on such
@@ -880,6 +904,8 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
         return family_of(c.match).op_kwargs(device, c.fused, level)
 
     fused = rewrite(cap_gm, [c.lifted for c in applied], lambda m: family_of(m).emit, kwargs_for)
+    if cap_gm.meta.get("autofuse_grad", True):
+        _pass_inplace_all_reduce_gradients(fused)
     t5 = time.perf_counter()
     workspace = {c.match.anchor: c.fused.workspace for c in applied}
 

@@ -321,7 +321,7 @@ SPELLINGS = {"all_reduce": "matmul_all_reduce", "all_reduce_inplace": "matmul_al
 
 def spelling_grads(rank, world):
     """Each spelling of ``SPELLINGS`` fused through ``AutoFusionEngine.fuse`` and through
-    ``torch.compile(backend="autofuse")``, trained one backward with a rank-dependent output gradient, against the
+    ``torch.compile(backend="autofuse")``, and left unfused by a switch, trained one backward with a rank-dependent output gradient, against the
     same module in eager autograd: {(spelling, route): {"applied": [...], "dx": err, "dw": err, "scale": ...}}
     (errors relative to the largest eager gradient entry)."""
     from autofuse.backend import reports
@@ -346,10 +346,11 @@ def spelling_grads(rank, world):
         eager = Spelled(w, spelling)
         want = step(eager, eager)
         scale = max(t.abs().max().item() for t in want)
-        for route in ("fuse", "compile"):
+        for route in ("fuse", "compile", "unfused"):
             m = Spelled(w, spelling)
-            if route == "fuse":
-                fused = AutoFusionEngine.fuse(m, (x,), target_device="ascend910b")
+            if route != "compile":              # "unfused": the pair switched off, the collective as captured
+                fused = AutoFusionEngine.fuse(m, (x,), target_device="ascend910b",
+                                              fusion_switches={family: "off"} if route == "unfused" else None)
                 got = step(m, fused)
                 decisions = fused.report.decisions
             else:
