@@ -10,9 +10,14 @@ that canonicalization or a rewrite created have none. :func:`module_paths` there
 2. gives every other node the longest common prefix of the paths of its neighbours (inputs and users) that
    have one, repeating until nothing changes; nodes with two such neighbours are placed first, then nodes
    with one, by their users before their inputs (a reshape between ``q_proj`` and the attention's ``mul``
-   serves the attention: it lands in ``self_attn``, not in ``q_proj``);
+   serves the attention: it lands in ``self_attn``, not in ``q_proj``); a node whose users all lie in one
+   layer while its inputs come from outside it (a reshape the rewrite added between a fused op's output and
+   the next layer's projection) goes with its users, into the layer that reads it;
 3. puts a fused op where the nodes it replaced were (the common prefix of their paths, from the graph
-   before the rewrite);
+   before the rewrite); a block that crosses a layer boundary (a projection with the residual add and the
+   next layer's norm as its epilogue) sits in the last of the sibling layers it covers, the one that reads
+   its result, so each layer after the first holds one such block and identical layers stay identical; a
+   ``getitem`` the rewrite added sits with the call whose tuple it unpacks;
 4. moves a value that several layers use (``torch.export`` traces the RoPE ``cos``/``sin`` reshapes once, in
    the first layer, and every layer reads them) up to the common prefix of its users: it belongs to no
    single layer, and left in the first it would make that layer look different from the others.
@@ -25,6 +30,7 @@ mean the layer would be drawn the same: :func:`repeated_layers` groups them.
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -94,18 +100,26 @@ def module_paths(gm: fx.GraphModule, before: dict | None = None) -> dict:
             p = ()
         if p is None and fused_match(n) is not None and before is not None:
             inner = [before[x] for x in fused_block(n)[1] if x in before]
-            p = common_prefix(inner) if inner else None
+            p = _fused_place(inner) if inner else None
         if p is not None:
             paths[n.name] = p
     def placed(nodes):
         return [paths[m.name] for m in nodes if m.name in paths and m.op not in ("get_attr", "placeholder", "output")]
 
+    for n in gm.graph.nodes:                # a tuple's items sit with the call that made them
+        if n.name not in paths and n.op == "call_function" and n.target is operator.getitem \
+                and isinstance(n.args[0], fx.Node) and n.args[0].name in paths:
+            paths[n.name] = paths[n.args[0].name]
     unknown = [n for n in gm.graph.nodes if n.name not in paths]
     while unknown:
         for n in unknown:                   # two placed neighbours agree on where a node belongs
             near = placed(list(n.all_input_nodes) + list(n.users))
             if len(near) >= min(2, len(n.all_input_nodes) + len(n.users)) and near:
-                paths[n.name] = common_prefix(near)
+                at = common_prefix(near)
+                layer = _one_layer(placed(n.users))
+                if layer is not None and at[:len(layer)] != layer:
+                    at = common_prefix(placed(n.users))     # it feeds one layer from outside: it is that layer's
+                paths[n.name] = at
         left = [n for n in unknown if n.name not in paths]
         if len(left) == len(unknown):       # else follow the users (a reshape serves the code that reads it),
             for n in reversed(left):        # last first, so a chain of them follows its consumer
@@ -124,6 +138,28 @@ def module_paths(gm: fx.GraphModule, before: dict | None = None) -> dict:
         if len(users) > 1 and layer_of(own) in users and any(p.isdigit() for p in layer_of(own)):
             paths[n.name] = common_prefix([own, *(paths[u.name] for u in n.users if u.name in paths)])
     return paths
+
+
+def _fused_place(inner: list) -> Path:
+    """Where a fused op sits, given the paths of the nodes it replaced: their common prefix, or, when they lie in
+    two or more sibling layers, the common prefix of those in the last (highest-numbered) of them."""
+    layers = layers_covered(inner)
+    if len(layers) < 2 or len({layer[:-1] for layer in layers}) > 1:
+        return common_prefix(inner)
+    return common_prefix(p for p in inner if p[:len(layers[-1])] == layers[-1])
+
+
+def layers_covered(block_paths) -> list:
+    """The numbered layers (``layer_of``) that the paths of a fused block's nodes lie in, lowest first; two or
+    more when the block crosses a layer boundary."""
+    layers = {layer_of(p) for p in block_paths if any(_is_index(x) for x in p)}
+    return sorted(layers, key=lambda layer: tuple(int(x) if _is_index(x) else -1 for x in layer))
+
+
+def _one_layer(paths) -> Path | None:
+    """The numbered layer all of ``paths`` lie in, or None (none given, one outside every layer, or two layers)."""
+    layers = {layer_of(p) if any(_is_index(x) for x in p) else None for p in paths}
+    return layers.pop() if len(layers) == 1 else None
 
 
 def _is_index(name: str) -> bool:

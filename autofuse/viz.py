@@ -3,13 +3,16 @@ Graphviz is missing, and Google Model Explorer's graph JSON with node-data overl
 
 **DOT** (:func:`graph_dot`). Nodes are grouped in nested clusters by the model's module hierarchy
 (:func:`autofuse.hierarchy.module_paths`); a module with a single drawn node gets no cluster of its own (its
-name goes on the node). Identical sibling layers (``layers.1`` ... ``layers.31`` like ``layers.0``) are drawn
-once expanded and once as a folded box "×31 identical" (``expand_all`` draws every layer). In the graph
-before fusion each candidate is a cluster: filled in its family's colour when applied, dashed orange when
-not, labelled with the numbers or the reason code; in the graph after, a fused op is one node in its family's
-colour. Each kernel node carries its shape and dtype, cycles, HBM bytes and bound unit (from a simulation,
-or the cost model's prices: :func:`autofuse.report.node_costs`); views (no kernel) are small and grey;
-parameters are left out unless ``show_params``. A legend explains the colours.
+name goes on the node). Of identical sibling layers (``layers.1`` ... ``layers.31`` like ``layers.1``) the
+first is drawn expanded and the others as one folded box, "×30 identical to layers.1" with their cycles
+(``expand_all`` draws every layer). In the graph before fusion each candidate is a cluster: filled in its
+family's colour when applied, dashed orange when not, labelled with the numbers or the reason code; in the
+graph after, a fused op is one node in its family's colour. A fused block that crosses a layer boundary (a
+projection whose epilogue is the next layer's norm) is drawn in the last layer it covers, labelled "spans
+layers.0 → layers.1", so it folds with its layer. Each kernel node carries its shape and dtype, cycles, HBM
+bytes and bound unit (from a simulation, or the cost model's prices: :func:`autofuse.report.node_costs`);
+views (no kernel) are small and grey; parameters are left out unless ``show_params``. A legend explains the
+colours.
 
 **Model Explorer** (:func:`model_explorer`). One ``GraphCollection`` (``{"label", "graphs"}``, the format
 its JSON loader reads, schema in ``model_explorer.graph_builder``) with the fused and the original graph;
@@ -219,7 +222,7 @@ def graph_dot(gm: fx.GraphModule, report=None, costs: dict | None = None, title:
         match = hierarchy.fused_match(n)
         if match is not None:
             fill = family_colour(match.pattern)
-            lab = [f"{_short(n)} · fused {match.pattern}", _shape(n), _cost_line(c)]
+            lab = [f"{_short(n)} · fused {match.pattern}", _shape(n), _cost_line(c), spans(n)]
             return (f"  {_q(n.name)} [label={_html_label(lab)}, fillcolor=\"{fill}\", fontcolor=white, "
                     f"color=\"#222222\", penwidth=1.5, tooltip={_q(n.name)}];")
         if n.op in ("placeholder", "output"):
@@ -236,6 +239,11 @@ def graph_dot(gm: fx.GraphModule, report=None, costs: dict | None = None, title:
         name = f"{prefix}: {n.name}" if prefix and not prefix.isdigit() else n.name   # its module has no box
         lab = [name, _shape(n), _cost_line(c)]
         return f"  {_q(n.name)} [label={_html_label(lab)}, fillcolor=\"{fill}\", tooltip={_q(target_name(n))}];"
+
+    def spans(n) -> str:            # a block across a layer boundary sits in its last layer: name them all
+        covered = hierarchy.layers_covered(before_paths[x] for x in hierarchy.fused_block(n)[1]
+                                           if x in (before_paths or {}))
+        return "spans " + " → ".join(".".join(layer[-2:]) for layer in covered) if len(covered) > 1 else ""
 
     ids = iter(range(1, 1 << 30))
 

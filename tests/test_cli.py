@@ -172,6 +172,10 @@ def test_viz_folds_identical_layers_unless_expand_all(tmp_path, capsys):
     folded, full = ((tmp_path / d / "before.dot").read_text() for d in ("folded", "all"))
     assert "×2 identical to layers.1" in folded and "identical" not in full
     assert folded.count("attention · fused") == 3 and full.count("attention · fused") == 5
+    # after fusion a down projection fused with the next layer's norm sits in that layer and folds with it
+    folded, full = ((tmp_path / d / "after.dot").read_text() for d in ("folded", "all"))
+    assert "×3 identical to layers.1" in folded and "identical" not in full
+    assert folded.count("spans layers.") == 1 and full.count("spans layers.") == 4
 
 
 def test_simulate(capsys, tmp_path):

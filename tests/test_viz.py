@@ -1,6 +1,7 @@
 """Pictures: module paths and identical layers, Graphviz DOT with clusters, folded layers and costs, the
 built-in SVG, and Model Explorer graphs checked by Model Explorer's own parser and web app."""
 import json
+import operator
 import re
 import subprocess
 import sys
@@ -132,6 +133,66 @@ def test_after_picture_draws_the_fused_op_in_its_family_colour(llama):
     assert len(lines) == LAYERS and all(R.family_colour("attention") in ln for ln in lines)
     c = next(v for name, v in after.items() if name.startswith("flash_attention"))
     assert f"{c.cycles:,} cyc" in lines[0]
+
+
+def _after_dot(p, after, **kw):
+    before_paths = hierarchy.module_paths(p.captured.graph_module)
+    return viz.graph_dot(p.graph_module, None, after, before_paths=before_paths, **kw)
+
+
+def _crossing(p):
+    """Fused ops of the graph after whose block spans two layers -> the layers, lowest first."""
+    before = hierarchy.module_paths(p.captured.graph_module)
+    out = {}
+    for n in p.graph_module.graph.nodes:
+        if hierarchy.fused_match(n) is not None:
+            layers = sorted({hierarchy.layer_of(before[x]) for x in hierarchy.fused_block(n)[1]
+                             if any(part.isdigit() for part in before.get(x, ()))}, key=lambda layer: int(layer[-1]))
+            if len(layers) > 1:
+                out[n.name] = layers
+    return out
+
+
+def test_a_fused_block_across_a_layer_boundary_sits_in_its_last_layer_and_folds_with_it(llama):
+    """A projection with the residual add and the next layer's RMSNorm as its epilogue sat in ``model.layers``,
+    outside every layer: drawn once per layer beside the folded box (96 of them in a 48-layer GPT-2, which
+    Graphviz did not lay out in 10 minutes). It sits in the layer that reads it, so it folds with that layer."""
+    p, _, after = llama
+    before = hierarchy.module_paths(p.captured.graph_module)
+    paths = hierarchy.module_paths(p.graph_module, before=before)
+    crossing = _crossing(p)
+    assert len(crossing) == LAYERS - 1                  # layers.i's down projection + layers.(i+1)'s input norm
+    for n in p.graph_module.graph.nodes:
+        if n.name in crossing:
+            assert len(crossing[n.name]) == 2 and paths[n.name][:3] == crossing[n.name][-1], (n.name, paths[n.name])
+            getitems = [u for u in n.users if u.target is operator.getitem]
+            assert getitems and all(paths[g.name] == paths[n.name] for g in getitems)   # its outputs sit with it
+    dot = _after_dot(p, after)
+    declared, edges = _dot_nodes_and_edges(dot)
+    assert all(a in declared or a.startswith("fold_") for e in edges for a in e)
+    assert "×3 identical to layers.1" in dot and "layers.2 … layers.4" in dot
+    # drawn: the one in layers.1 (layers.0 -> layers.1), labelled with both layers; the rest are in the folded box
+    assert [n for n in crossing if n in declared] == [n for n, layers in crossing.items() if layers[-1][-1] == "1"]
+    assert dot.count("spans layers.0 → layers.1") == 1 and "spans layers.1" not in dot
+    # nothing fused is hidden: every fused op is drawn or lies in a layer the box stands for
+    folded = {("model", "layers", str(i)) for i in (2, 3, 4)}
+    for n in p.graph_module.graph.nodes:
+        if hierarchy.fused_match(n) is not None:
+            assert (n.name in declared) != (paths[n.name][:3] in folded), (n.name, paths[n.name])
+    full = _after_dot(p, after, expand_all=True)
+    assert all(full.count(f"spans layers.{i} → layers.{i + 1}") == 1 for i in range(LAYERS - 1))
+
+
+def test_the_folded_picture_after_fusion_does_not_grow_with_depth(llama, llama3):
+    """At 3 and 5 layers the graph after fusion is drawn with as many nodes and edges: only the folded box's
+    count changes (at 24 and 48 GPT-2 layers the DOT had grown from 316 to 556 edges)."""
+    sizes = []
+    for (p, _, after), layers in ((llama3, 3), (llama, 5)):
+        dot = _after_dot(p, after)
+        declared, edges = _dot_nodes_and_edges(dot)
+        assert f"×{layers - 2} identical to layers.1" in dot
+        sizes.append((len(declared), len(edges)))
+    assert sizes[0] == sizes[1]
 
 
 def test_rejected_candidates_are_dashed_with_their_reason(gpt2_o0):
