@@ -19,8 +19,9 @@
 
 Exit status: 0 done; 2 the command line is wrong (one line on stderr says what to change); 1 the model
 could not be captured or fused (its reason on stderr; ``-v`` adds the traceback). ``-v`` prints each
-stage's wall time as it finishes (capture, canonicalize, match, plan, verify, rewrite, simulate) and lets
-library warnings through; without it they are silenced. On a terminal, simulation shows a progress bar.
+stage's wall time as it finishes (capture, canonicalize, match, plan, verify, rewrite, simulate, draw with
+what laid the pictures out) and lets library warnings through; without it they are silenced. On a terminal,
+simulation shows a progress bar.
 ``simulate --backward`` simulates a training step (forward and backward, each phase's figures printed; with
 ``--world-size N``, each rank's); add ``--train`` for the training-mode forward (dropout active).
 """
@@ -566,17 +567,31 @@ def _graphs(a, fused, sims, progress, expand_all=False, show_params=False) -> di
     p = _plan(fused)
     before_costs, after_costs = _costs(fused, sims)
     source = f"simulated on {a.device}" if sims else "predicted by the cost model"
-    out = {}
+    out, layouts = {}, {}
     t0 = time.perf_counter()
     for key, gm, rep, costs, kw in (
             ("before", p.captured.graph_module, p.report, before_costs, {}),
             ("after", p.graph_module, None, after_costs, {"before_paths": hierarchy.module_paths(p.captured.graph_module)})):
         title = f"{a.model} {key} fusion ({p.report.device}, {p.report.optimization_level})"
-        dot, svg = viz.picture(gm, rep, costs, title, expand_all=expand_all, show_params=show_params,
-                               cost_source=source, **kw)
-        out[f"dot:{key}"] = dot
-        out[f"Graph {key} fusion"] = viz.svg_inline(svg)
-    progress.stage("draw", time.perf_counter() - t0, "Graphviz" if viz.have_graphviz() else "built-in layout")
+        d = viz.draw(gm, rep, costs, title, expand_all=expand_all, show_params=show_params, cost_source=source, **kw)
+        out[f"dot:{key}"] = d.dot
+        out[f"Graph {key} fusion"] = viz.svg_inline(d.svg)
+        layouts[key] = d.layout + (f" (Graphviz stopped after {d.timed_out.seconds:g} s)" if d.timed_out else "")
+        if d.timed_out is not None:
+            progress.clear()
+            where = (f"render {os.path.join(a.output, key + '.dot')} with `dot -Tsvg`" if a.cmd == "viz" else
+                     "`autofuse viz` writes its DOT text, which `dot -Tsvg` renders")
+            print(f"autofuse {a.cmd}: the {key} graph: {d.timed_out}; its picture uses the built-in layout instead "
+                  f"(every node in rows, without module clusters, folded layers or costs). For the Graphviz picture, "
+                  f"{where} (no time limit)" + ("; without --expand-all identical layers are folded" if expand_all
+                                                 else ""), file=sys.stderr)
+    if not viz.have_graphviz():
+        how = "built-in layout (Graphviz is not installed)"
+    elif len(set(layouts.values())) == 1:
+        how = layouts["before"]
+    else:
+        how = "; ".join(f"{k}: {v}" for k, v in layouts.items())
+    progress.stage("draw", time.perf_counter() - t0, how)
     return out
 
 

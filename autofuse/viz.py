@@ -12,7 +12,8 @@ projection whose epilogue is the next layer's norm) is drawn in the last layer i
 layers.0 → layers.1", so it folds with its layer. Each kernel node carries its shape and dtype, cycles, HBM
 bytes and bound unit (from a simulation, or the cost model's prices: :func:`autofuse.report.node_costs`);
 views (no kernel) are small and grey; parameters are left out unless ``show_params``. A legend explains the
-colours.
+colours. :func:`draw` lays the DOT out with Graphviz within :data:`RENDER_TIMEOUT` seconds, else (Graphviz
+missing or out of time) with the built-in layout, and says which.
 
 **Model Explorer** (:func:`model_explorer`). One ``GraphCollection`` (``{"label", "graphs"}``, the format
 its JSON loader reads, schema in ``model_explorer.graph_builder``) with the fused and the original graph;
@@ -28,6 +29,8 @@ import html
 import re
 import shutil
 import subprocess
+import sys
+from dataclasses import dataclass
 
 import networkx as nx
 import torch
@@ -318,20 +321,37 @@ def have_graphviz() -> bool:
     return shutil.which("dot") is not None
 
 
-def render(dot_text: str, fmt: str = "svg", timeout: float = 600) -> bytes | None:
-    """Graphviz ``dot -T<fmt>`` of the DOT text, or None when Graphviz is not installed or takes longer than
-    ``timeout`` seconds (a very large graph drawn expanded: the caller falls back to the built-in layout)."""
+#: seconds Graphviz may spend laying out one picture. A folded picture of a deep model takes well under a
+#: second; a graph drawn expanded can take Graphviz many minutes (a 48-layer GPT-2 did not finish in 10).
+RENDER_TIMEOUT = 60.0
+
+
+class LayoutTimeout(RuntimeError):
+    """Graphviz ``dot`` did not finish laying out a picture in the time allowed (it was stopped)."""
+
+    def __init__(self, seconds: float, nodes: int, edges: int):
+        self.seconds, self.nodes, self.edges = seconds, nodes, edges
+        super().__init__(f"Graphviz did not finish laying out a graph of {nodes:,} nodes and {edges:,} edges "
+                         f"within {seconds:g} s and was stopped")
+
+
+def _dot_size(dot_text: str) -> tuple[int, int]:
+    """``(nodes, edges)`` declared in DOT text written by :func:`graph_dot`."""
+    return len(re.findall(r'^\s*"[^"]+" \[', dot_text, re.M)), dot_text.count(" -> ")
+
+
+def render(dot_text: str, fmt: str = "svg", timeout: float | None = None) -> bytes | None:
+    """Graphviz ``dot -T<fmt>`` of the DOT text, or None when Graphviz is not installed. Raises
+    :class:`LayoutTimeout` when ``dot`` runs longer than ``timeout`` seconds (default :data:`RENDER_TIMEOUT`;
+    it is stopped then)."""
+    timeout = RENDER_TIMEOUT if timeout is None else timeout
     exe = shutil.which("dot")
     if exe is None:
         return None
     try:
         r = subprocess.run([exe, f"-T{fmt}"], input=dot_text.encode(), capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        import sys
-        print(f"autofuse: Graphviz took over {timeout:.0f} s to lay out a graph of {dot_text.count(' -> ')} edges; "
-              f"the built-in layout is used instead (without --expand-all, identical layers are drawn once)",
-              file=sys.stderr)
-        return None
+        raise LayoutTimeout(timeout, *_dot_size(dot_text)) from None
     if r.returncode != 0:
         raise RuntimeError(f"Graphviz dot failed: {r.stderr.decode(errors='replace').strip()[:500]}")
     return r.stdout
@@ -389,12 +409,41 @@ def to_svg(gm: fx.GraphModule, report=None, title="", show_params=False) -> str:
     return "\n".join(out) + "\n"
 
 
-def picture(gm, report=None, costs=None, title="", **kw) -> tuple[str, str]:
-    """``(dot_text, svg_text)``: the DOT of :func:`graph_dot` rendered by Graphviz, or the built-in SVG when
-    Graphviz is missing."""
+@dataclass
+class Drawing:
+    """A picture of a graph: its DOT text, its SVG and what laid the SVG out. ``layout`` is ``"Graphviz"`` or
+    ``"built-in layout"`` (every node in rows: no module clusters, folded layers or costs); ``timed_out`` is
+    the :class:`LayoutTimeout` that made Graphviz give way, None when it did not."""
+
+    dot: str
+    svg: str
+    layout: str
+    timed_out: LayoutTimeout | None = None
+
+
+def draw(gm, report=None, costs=None, title="", timeout: float | None = None, **kw) -> Drawing:
+    """The DOT of :func:`graph_dot` (``kw`` are its options) laid out by Graphviz within ``timeout`` seconds
+    (default :data:`RENDER_TIMEOUT`); the built-in SVG when Graphviz is not installed or runs out of time."""
     dot = graph_dot(gm, report, costs, title, **kw)
-    svg = render(dot)
-    return dot, svg.decode() if svg is not None else to_svg(gm, report, title)
+    try:
+        svg = render(dot, timeout=RENDER_TIMEOUT if timeout is None else timeout)
+    except LayoutTimeout as e:
+        return Drawing(dot, to_svg(gm, report, title, kw.get("show_params", False)), "built-in layout", e)
+    if svg is None:
+        return Drawing(dot, to_svg(gm, report, title, kw.get("show_params", False)), "built-in layout")
+    return Drawing(dot, svg.decode(), "Graphviz")
+
+
+def picture(gm, report=None, costs=None, title="", **kw) -> tuple[str, str]:
+    """``(dot_text, svg_text)`` of :func:`draw`; when Graphviz runs out of time a line on stderr says so and what
+    to do."""
+    d = draw(gm, report, costs, title, **kw)
+    if d.timed_out is not None:
+        print(f"autofuse: {title or 'graph'}: {d.timed_out}; the SVG uses the built-in layout instead (every node "
+              f"in rows, without module clusters, folded layers or costs). Render the DOT text with `dot -Tsvg`, "
+              f"which has no time limit" + ("; without expand_all identical layers are folded" if kw.get("expand_all")
+                                            else ""), file=sys.stderr)
+    return d.dot, d.svg
 
 
 # ---------------------------------------------------------------------------------------------- Model Explorer

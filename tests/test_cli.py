@@ -178,6 +178,31 @@ def test_viz_folds_identical_layers_unless_expand_all(tmp_path, capsys):
     assert folded.count("spans layers.") == 1 and full.count("spans layers.") == 4
 
 
+def test_a_graphviz_layout_out_of_time_is_stopped_and_the_run_says_so(tmp_path, capsys, monkeypatch):
+    """A 48-layer GPT-2 spent 600 s in Graphviz, then said "without --expand-all, identical layers are drawn
+    once" to a run without --expand-all, and the -v stage line still said "draw 600.56 s Graphviz"."""
+    from autofuse import viz
+    run, seen = subprocess.run, []
+
+    def dot_runs_out_of_time(cmd, *args, **kw):
+        if os.path.basename(str(cmd[0])) != "dot":
+            return run(cmd, *args, **kw)
+        seen.append(kw.get("timeout"))
+        raise subprocess.TimeoutExpired(cmd, kw.get("timeout"))
+    monkeypatch.setattr(viz.shutil, "which", lambda exe: "/usr/bin/dot")
+    monkeypatch.setattr(viz.subprocess, "run", dot_runs_out_of_time)
+    main(["viz", *TINY, "-o", str(tmp_path), "-v"])
+    err = capsys.readouterr().err
+    assert seen == [viz.RENDER_TIMEOUT] * 2
+    for key in ("before", "after"):
+        assert f"the {key} graph: Graphviz did not finish laying out a graph of " in err
+        assert f"render {tmp_path / (key + '.dot')} with `dot -Tsvg`" in err
+        assert "subgraph cluster_" in (tmp_path / f"{key}.dot").read_text()
+    assert "expand-all" not in err
+    stage = next(line for line in err.splitlines() if line.startswith("autofuse: draw"))
+    assert stage.endswith(f"built-in layout (Graphviz stopped after {viz.RENDER_TIMEOUT:g} s)")
+
+
 def test_simulate(capsys, tmp_path):
     path = tmp_path / "sim.json"
     main(["simulate", *TINY, "--json", str(path)])
