@@ -1256,6 +1256,7 @@ class Launch:
         self.instructions = 0
         self.allocated = []                # (GM tensor, bytes) of every launch.empty
         self.events: list = []
+        self.overheads: list = []          # (start, end) cycles of the overheads of launches run inside this one
         self.streams: _Streams | None = None
         self._phase = (0.0, 0, 0)          # the last SyncAll: (its time, HBM bytes and GM bytes moved by then)
         self._phases: list[tuple[int, int]] = []      # the phases closed so far (Stats.phases)

@@ -172,7 +172,7 @@ def run(kernel_name: str, *inputs, device="ascend910", timing_only=False, **para
     stats = launch.finish()
     returned = {id(o) for o in outs}
     stats.workspace_bytes = sum(b for t, b in launch.allocated if id(t) not in returned)
-    trace = Trace(kernel_name, dev, launch.events, launch.groups)
+    trace = Trace(kernel_name, dev, launch.events, launch.groups, cycles=stats.cycles, overheads=launch.overheads)
     if not values:
         return Result(outputs=tuple(_absent(o) for o in outs), stats=stats, trace=trace,
                       dtypes=tuple(o.dtype for o in outs), timing_only=True)

@@ -167,6 +167,35 @@ def test_stats_contract_and_trace():
     assert any(e["ph"] == "X" and e["tid"] == 4 for e in doc["traceEvents"])   # a Cube event
 
 
+@pytest.mark.parametrize("kernel,args,device", [
+    ("matmul", (np.ones((512, 512), np.float16), np.ones((512, 512), np.float16)), "ascend910"),
+    ("softmax", (np.ones((64, 256), np.float16),), "ascend910b"),
+    # one matmul launch per group, in sequence: the overheads between them are traced too
+    ("matmul_per_group", (np.ones((96, 64), np.float16), np.ones((3, 64, 32), np.float16), np.array([32, 64, 96])),
+     "ascend910")])
+def test_a_trace_spans_the_launchs_cycles_with_its_launch_overhead(kernel, args, device, tmp_path):
+    """The trace ended one launch overhead short of ``Stats.cycles`` (3.296 us traced for a 512² matmul counted
+    6.296 us): the overhead is an event of its own on a ``launch`` track, ending at the launch's last cycle."""
+    r = npu.run(kernel, *args, device=device)
+    dev = get_device(device)
+    r.trace.save(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    span = max(e["ts"] + e["dur"] for e in xs) - min(0.0, min(e["ts"] for e in xs))
+    assert span == pytest.approx(r.stats.cycles / dev.clock_hz * 1e6, abs=1e-9)
+    launch = [e for e in xs if e["name"] == "launch"]
+    tracks = {(e["pid"], e.get("tid")): e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert {tracks[e["pid"], None] for e in launch} == {"launch"}
+    assert {tracks[e["pid"], 0] for e in launch} == {"overhead"}
+    assert all(e["dur"] == pytest.approx(dev.launch_cycles / dev.clock_hz * 1e6) for e in launch)
+    assert len(launch) == (3 if kernel == "matmul_per_group" else 1)
+    assert launch[-1]["ts"] + launch[-1]["dur"] == pytest.approx(span)
+    work = [e for e in xs if e["name"] != "launch"]           # no launch overlaps the work of a core
+    for e in launch:
+        assert not any(w["ts"] < e["ts"] + e["dur"] - 1e-9 and w["ts"] + w["dur"] > e["ts"] + 1e-9 for w in work)
+    assert doc["otherData"]["cycles"] == r.stats.cycles and doc["otherData"]["launch_cycles"] == dev.launch_cycles
+
+
 def test_bf16_rounding_ties_to_even():
     x = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5, np.inf], np.float32)
     assert list(round_bf16(x)) == [1.0, 1.0, 1.0 + 2 ** -6, -2.5, np.inf]

@@ -552,6 +552,8 @@ def in_sequence(launch: Launch, calls) -> None:
     dev = launch.device
     t0 = 0.0
     for call in calls:
+        if t0:                         # the launch overhead between the one before and this one (traced)
+            launch.overheads.append((t0 - dev.launch_cycles, t0))
         sub = Launch(dev, "matmul", values=launch.values)
         place = call(sub)
         sub.sync()
