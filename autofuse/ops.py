@@ -95,16 +95,21 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      out_order: Optional[list[int]] = None, mask_keeps_nan: bool = False,
                      causal_value: Optional[float] = None, drop_mask: Optional[torch.Tensor] = None,
                      dropout_p: float = 0.0, return_stats: bool = False, softcap: Optional[float] = None,
-                     sinks: Optional[torch.Tensor] = None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sinks: Optional[torch.Tensor] = None, window: int = 0,
+                     mask_add_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
-              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap, window=window)
+              mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap, window=window,
+              mask_add_dtype=dtype_name(mask_add_dtype))
     if sinks is not None:
         kw["sinks"] = _per_head(sinks, q.shape[1]).detach().contiguous()
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
+    if causal_value is not None and mask_add_dtype is not None:
+        raise ValueError("flash_attention: causal_value with mask_add_dtype; a proven causal mask is added in fp32 "
+                         "(the skip above the diagonal then gives the values reading it gives)")
     if causal_value is not None and mask is not None:
         # the mask is a proven causal mask whose masked entries take the finite value ``causal_value`` (bool:
         # the fill; float: added): skip the tiles above the diagonal where the scores' bound proves it exact
@@ -123,6 +128,11 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     probs = _to_torch(r.outputs[1], q.dtype) if return_probs else q.new_empty((0,))
     stats = _to_torch(np.stack(r.outputs[-2:]), torch.float32) if return_stats else _no_stats(q)
     return out, probs, stats
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    """The simulator's name of a torch dtype (``torch.float16`` -> ``"float16"``), None for None."""
+    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 def _per_head(sinks: torch.Tensor, n: int) -> torch.Tensor:
@@ -172,7 +182,7 @@ def _effective_scale(q, scale, scale_tensor):
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
                               drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0,
-                              **_):
+                              mask_add_dtype=None, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
@@ -180,7 +190,9 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     ``1 / (1 - dropout_p)``; ``return_stats``: the rows' fp32 max and sum of ``exp(score - max)`` (before
     dropout; ``-inf`` and 0 for a row with no key to attend), stacked ``[2, B, N, Sq]``; ``sinks`` (one logit per
     query head): a score of its own in every row's softmax, attending no value (in the max and the sum); ``window``
-    (with ``causal``): query i sees only keys j > i - window (a sliding window). Used where
+    (with ``causal``): query i sees only keys j > i - window (a sliding window); ``mask_add_dtype`` (a 16-bit
+    dtype): the additive mask added as eager adds it in that dtype, the scores cast down to it, the sum rounded to it
+    (:func:`add_mask`). Used where
     only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` may require grad (its gradient is the temperature's)."""
@@ -194,7 +206,7 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
         s = torch.tanh(s * (1.0 / softcap)) * softcap
     if mask is not None:
         if mask.dtype != torch.bool:
-            s = s + mask.float()
+            s = add_mask(s, mask, mask_add_dtype)
         else:
             # SDPA's bool mask adds -inf (a NaN or +inf score gives NaN); masked_fill replaces
             s = torch.where(mask, s, s + _fill(fill)) if mask_keeps_nan else s.masked_fill(~mask, _fill(fill))
@@ -221,6 +233,15 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
 REFERENCES["flash_attention"] = reference_flash_attention
 
 
+def add_mask(s: torch.Tensor, mask: torch.Tensor, add_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """fp32 scores ``s`` plus an additive ``mask``: in fp32, or with ``add_dtype`` (fp16, bf16) as eager adds a mask of
+    that dtype to scores of it, ``s`` cast down and the sum rounded to it (torch's CPU add: computed in fp32, rounded
+    once), then cast back up; the gradient passes through both casts, as through eager's add."""
+    if add_dtype is None:
+        return s + mask.float()
+    return (s.to(add_dtype) + mask.to(add_dtype)).float()
+
+
 def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
     """The causal keep-mask ``[sq, skv]`` (query i sees keys j <= i, top-left aligned), with a sliding ``window``
     (> 0) only the keys ``i - window < j <= i``."""
@@ -233,7 +254,7 @@ def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
 @_flash_attention.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
-      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0):
+      drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None):
     out = empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -242,13 +263,14 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap, sinks, window = inputs
+        _, softcap, sinks, window, add_dtype = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
     ctx.mark_non_differentiable(output[2])
     ctx.scale, ctx.causal, ctx.return_probs, ctx.fill, ctx.empty_rows = scale, causal, return_probs, fill, empty_rows
     ctx.dropout_p, ctx.device, ctx.keeps_nan, ctx.softcap, ctx.window = dp, device, keeps_nan, softcap, window
+    ctx.add_dtype = add_dtype if mask is not None else None
 
 
 def _backward(ctx, grad_out, grad_probs, grad_stats):
@@ -275,10 +297,10 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
             ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "", ctx.softcap,
-            ctx.window)
+            ctx.window, ctx.add_dtype)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
-        return tuple(res) + (None,) * 16 + (gsink, None)
+        return tuple(res) + (None,) * 16 + (gsink, None, None)
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -290,7 +312,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
                                                return_probs=ctx.return_probs, fill=ctx.fill,
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
                                                dropout_p=ctx.dropout_p, softcap=ctx.softcap, sinks=sk,
-                                               window=ctx.window)
+                                               window=ctx.window, mask_add_dtype=ctx.add_dtype)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
@@ -303,7 +325,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gs = next(got) if (st is not None and st.requires_grad) else None
     gk = next(got) if (sk is not None and sk.requires_grad) else None
     return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
-        (None if gk is None else gk.to(sinks.dtype), None)
+        (None if gk is None else gk.to(sinks.dtype), None, None)
 
 
 def _sinks_grad(sinks, n, m, lsum, go, out):
@@ -324,7 +346,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
-                    dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0):
+                    dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -343,7 +365,9 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     at call time and differentiated (with ``return_stats`` the backward kernel gives dq, dk, dv from the
     statistics, which count the sink, and the sinks' gradient follows from them; without, the backward
     recomputes on the host). ``window`` (with ``causal``): a sliding window, query i sees keys ``i - window < j <= i``;
-    the kernel walks only the band's KV tiles (forward and backward). Returns ``out`` or, with ``return_probs``,
+    the kernel walks only the band's KV tiles (forward and backward). ``mask_add_dtype`` (``torch.float16`` or
+    ``torch.bfloat16``, an additive mask of that dtype): the mask added as eager adds it to scores of that dtype, the
+    scores cast down and the sum rounded to it (forward and backward). Returns ``out`` or, with ``return_probs``,
     ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -356,7 +380,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         causal_value=causal_value, drop_mask=drop_mask,
                                                         dropout_p=float(dropout_p), return_stats=return_stats,
                                                         softcap=None if softcap is None else float(softcap),
-                                                        sinks=sinks, window=int(window))
+                                                        sinks=sinks, window=int(window),
+                                                        mask_add_dtype=mask_add_dtype)
     return (out, probs) if return_probs else out
 
 

@@ -174,6 +174,29 @@ SOFTCAP_PASSES = 8
 SINK_TILE = 8
 
 
+def mask_passes(mask) -> int:
+    """Vector passes per score that apply ``mask``, its spec ``(shape, dtype)`` or ``(shape, dtype, add dtype)``
+    (None: no mask), restated from the kernel: a bool select or an fp32 add, 1; a 16-bit additive mask added in
+    fp32, 2 (its cast up, the add); added in its own dtype (``mask_add_dtype``), 3 (the scores cast down, the add,
+    the sum cast back up)."""
+    if mask is None:
+        return 0
+    if mask[1] in ("bool", F32):
+        return 1
+    return 3 if len(mask) > 2 and mask[2] else 2
+
+
+def with_add_dtype(mask, add_dtype, kernel: str):
+    """The mask spec the models take: ``(shape, dtype)``, with ``add_dtype`` (a 16-bit additive mask added in its
+    dtype) ``(shape, dtype, add_dtype)``; the kernel's check of the pair restated."""
+    if add_dtype is None:
+        return mask if mask is None else (tuple(mask[0]), mask[1])
+    if add_dtype not in ("float16", "bfloat16") or mask is None or mask[1] != add_dtype:
+        raise ValueError(f"{kernel}: mask_add_dtype={add_dtype!r} needs an additive {add_dtype} mask, got "
+                         f"{'no mask' if mask is None else mask[1]}")
+    return tuple(mask[0]), mask[1], add_dtype
+
+
 @cached
 def _candidates_cached(device, Sq, Skv, D, Dv, dtype, mask_spec, drop=False, sink=False):
     return _candidates(get_device(device), Sq, Skv, D, Dv, dtype, mask_spec, drop, sink)
@@ -634,12 +657,10 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     # work of one step: the busiest core's query blocks (causal: full ones; otherwise as dealt, edge
     # blocks included)
     qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
-    passes = 5 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0)
+    passes = 5 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0) + mask_passes(mask)
     msz = 0
     if mask is not None:
-        mdt = mask[1]
-        passes += 1 if mdt in ("bool", F32) else 2
-        msz = itemsize(mdt)
+        msz = itemsize(mask[1])
     if drop:
         passes += 1                                   # select by the keep bits
     part = 0.0
@@ -1033,10 +1054,9 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     rv = qe / nh
     ke = Skv / nkv
     nsub = max(1, ceil_div(int(rv), vq))
-    passes = 4 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0)
+    passes = 4 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0) + mask_passes(mask)
     msz = 0
     if mask is not None:
-        passes += 1 if mask[1] in ("bool", F32) else 2
         msz = itemsize(mask[1])
     rr = rv * math.ceil(ke / 64)
     stat = nsub * math.ceil(vq / 64)
@@ -1167,7 +1187,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                              fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
-                             softcap=None, sinks=None, window=0):
+                             softcap=None, sinks=None, window=0, mask_add_dtype=None):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
@@ -1176,13 +1196,15 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     spec, ``[N]``): attention sinks, one logit per head loaded at each item's first step into a small UB tile;
     the softmax starts from it instead of ``-inf`` (the same passes). ``window`` (with ``causal``): a sliding window
     of that many keys; the tiles wholly outside the band are skipped and those holding its left edge take a
-    compare and a select more, as the diagonal's do."""
+    compare and a select more, as the diagonal's do. ``mask_add_dtype``: a 16-bit additive mask added in its dtype
+    (the scores cast down, the add, the sum cast back up: one Vector pass per score more than its fp32 add)."""
     window = int(window or 0)
     drop = drop_mask is not None
     cap = softcap is not None
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
+    mask = with_add_dtype(mask, mask_add_dtype, "flash_attention")
     if tiling is None:
         sinks = None if sinks is None else (tuple(sinks[0]), sinks[1])
         t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats),

@@ -40,7 +40,7 @@ from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.flash_attention import (REPLAY_UNITS, ROUNDING, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
-                                       _launch_kinds, _placement, _spans, attended_pairs)
+                                       _launch_kinds, _placement, _spans, attended_pairs, mask_passes, with_add_dtype)
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -476,7 +476,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     rate = dev.rates
     f32 = dtype == F32
     msz = 0 if mask is None else itemsize(mask[1])
-    mpass = 0 if mask is None else (1 if mask[1] in ("bool", F32) else 2)
+    mpass = mask_passes(mask)
     busy = {u: 0.0 for u in ("cube", "mte1", "mte2", "fixpipe", "vector", "mte3")}
     n_main = min(dev.cube_cores, B * Nkv * nkv)
     nv = n_main * nh if split else n_main
@@ -1167,14 +1167,17 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
 @register("flash_attention_grad", _roofline)
 def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                                   scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero",
-                                  tiling=None, softcap=None, window=0):
+                                  tiling=None, softcap=None, window=0, mask_add_dtype=None):
     """``specs``: q, k, v, out, dout. ``mask``/``drop_mask``: their specs; ``softmax_max`` given: no statistics
     sweep. ``fill``/``empty_rows``/``scale``/``keep_prob`` change values, not the work (a finite bool fill
     adds the select that zeroes dS). ``softcap``: the cap's passes in both phases, its derivative's three in
     phase 2 and the tanh tile; its value changes values only. ``window`` (with ``causal``): a sliding window, the
-    band's (query block, KV block) pairs only, those crossing its left edge with a compare and a select more."""
+    band's (query block, KV block) pairs only, those crossing its left edge with a compare and a select more.
+    ``mask_add_dtype``: a 16-bit additive mask added in its dtype, as the forward adds it (one Vector pass per score
+    more in both phases: the scores cast down, the add, the sum cast back up)."""
     window = int(window or 0)
     specs = tuple(specs[:5])
+    mask = with_add_dtype(mask, mask_add_dtype, "flash_attention_grad")
     drop = drop_mask is not None
     stats = softmax_max is None
     cap = softcap is not None

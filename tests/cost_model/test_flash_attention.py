@@ -31,6 +31,30 @@ def test_return_stats_priced_as_simulated(device, shape, causal, dt):
     assert abs(est.hbm_bytes - sim.hbm_bytes) <= 0.15 * sim.hbm_bytes
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", ["flash_attention", "flash_attention_grad"])
+def test_a_mask_added_in_its_16_bit_dtype_priced_as_simulated(device, kernel):
+    """``mask_add_dtype`` (an fp16 additive mask added as eager adds it: the scores cast down, the add, the sum cast
+    back up) is one Vector pass per score more than the mask's fp32 add, in the model as in the simulator, forward
+    and backward; the same bytes."""
+    B, N, S, D, dt = 2, 4, 256, 64, "float16"
+    specs = [((B, N, S, D), dt)] * (3 if kernel == "flash_attention" else 5)
+    mask = ((B, 1, S, S), dt)
+    ts = [torch.empty(sh, dtype=getattr(torch, d), device="meta") for sh, d in specs]
+    m = torch.empty(mask[0], dtype=torch.float16, device="meta")
+    for extra in ({}, {"mask_add_dtype": dt}):
+        est = cost_model.estimate(kernel, specs, device=device, mask=mask, **extra)
+        sim = npu.run(kernel, *ts, mask=m, device=device, tiling=est.tiling, timing_only=True, **extra).stats
+        assert abs(est.cycles - sim.cycles) <= 0.15 * sim.cycles, (extra, est.cycles, sim.cycles)
+        assert est.hbm_bytes == pytest.approx(sim.hbm_bytes, rel=0.15)
+        if extra:
+            assert est.busy["vector"] > plain.busy["vector"] and sim.busy["vector"] > plain_sim.busy["vector"]
+            assert est.hbm_bytes == plain.hbm_bytes
+        plain, plain_sim = est, sim
+    with pytest.raises(ValueError, match="mask_add_dtype"):
+        cost_model.estimate(kernel, specs, device=device, mask=((B, 1, S, S), "float32"), mask_add_dtype=dt)
+
+
 @pytest.mark.parametrize("qb,kvb", [(16, 16), (64, 32), (32, 128), (128, 64)])
 def test_the_model_restates_the_kernels_sliding_window(qb, kvb):
     """The cost model restates (it imports no simulator) which KV tiles a window's query block walks, which query

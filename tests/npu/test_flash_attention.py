@@ -146,6 +146,55 @@ def test_rows_with_nothing_to_attend_give_zero(device):
         assert np.abs(out.astype(np.float32) - ref.numpy()).max() < 2e-3
 
 
+def _padded_mask(dtype, B, Sq, Skv, pad, seed):
+    """An additive ``where(keep, 0, finfo(dtype).min)`` mask in ``dtype``: random keys masked, batch 1's first ``pad``
+    query rows masked entirely (left padding), and one row of batch 0 a soft bias (ALiBi-like, no fill)."""
+    g = torch.Generator().manual_seed(seed)
+    low = torch.finfo(dtype).min
+    mask = torch.where(torch.rand(B, 1, Sq, Skv, generator=g) > 0.3, 0.0, low).to(dtype)
+    mask[1, :, :pad] = low
+    mask[0, :, 7] = (torch.randn(Skv, generator=g) * 3).to(dtype)
+    return mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mask_added_in_its_16_bit_dtype(device, dtype):
+    """``mask_add_dtype``: the additive mask added as eager adds it to scores of that dtype (the scores cast down, the
+    sum rounded to it, then cast back up): a row whose every key takes ``finfo.min`` averages V, as eager's softmax of
+    that sum does; every row as the fp32 softmax of that sum within one rounding of P and of the output. Without it
+    (an fp32 add, SDPA's CPU kernel's) an fp16 row so masked keeps the scores' differences."""
+    q, k, v = _inputs(2, 2, 1, 40, 150, 32, dtype, seed=12)
+    mask = _padded_mask(dtype, 2, 40, 150, 5, 13)
+    name = str(dtype).replace("torch.", "")
+    r = npu.run("flash_attention", q, k, v, mask=mask, mask_add_dtype=name, return_probs=True, device=device)
+    s = (q.float() @ k.float().transpose(-1, -2)) * 32 ** -0.5
+    p = torch.softmax((s.to(dtype) + mask).float(), -1)
+    out = p.to(dtype).float() @ v.float()
+    got, gp = (torch.as_tensor(np.asarray(a, dtype=np.float32)) for a in r.outputs)
+    assert (gp - p).abs().max().item() <= PTOL[dtype]
+    assert (got - out).abs().max().item() <= TOL[dtype] * max(1.0, out.abs().max().item())
+    mean = v[1].float().mean(-2)                                  # the one kv head: [Skv, D] -> [D]
+    torch.testing.assert_close(got[1, :, :5], mean.expand(2, 5, -1), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(gp[1, :, :5], torch.full_like(gp[1, :, :5], 1 / 150).to(dtype).float())
+    if dtype == torch.float16:                   # the fp32 add: the scores' differences survive -65504
+        r32 = npu.run("flash_attention", q, k, v, mask=mask, device=device)
+        plain = torch.as_tensor(np.asarray(r32.outputs[0], dtype=np.float32))
+        assert (plain[1, :, :5] - mean).abs().max().item() > 10 * TOL[dtype]
+
+
+def test_mask_add_dtype_needs_an_additive_mask_of_that_dtype():
+    q, k, v = _inputs(1, 2, 2, 16, 16, 16, torch.float16)
+    half = torch.zeros(16, 16, dtype=torch.float16)
+    for mask, add, what in [(None, "float16", "no mask"), (half.bool(), "float16", "a bool mask"),
+                            (half.float(), "float16", "a float32 mask"), (half, "bfloat16", "a float16 mask"),
+                            (half, "float32", "float32")]:
+        with pytest.raises(ValueError, match=what):
+            npu.run("flash_attention", q, k, v, mask=mask, mask_add_dtype=add)
+        with pytest.raises(ValueError, match=what):
+            npu.run("flash_attention_grad", q, k, v, q, q, mask=mask, mask_add_dtype=add)
+
+
 def test_scale():
     q, k, v = _inputs(1, 2, 2, 33, 33, 16, torch.float32, seed=11)
     _check(npu.run("flash_attention", q, k, v, scale=1.7), q, k, v, scale=1.7)

@@ -45,10 +45,12 @@ def _eager(q, k, v, mask, causal, drop=None, p=0.0, fill=None):
     return out, leaves
 
 
-def _ref64(q, k, v, do, mask=None, causal=False, drop=None, p=0.0, fill=None):
-    """float64 autograd of the same attention (the kernel's inputs, upcast): out, (dq, dk, dv)."""
+def _ref64(q, k, v, do, mask=None, causal=False, drop=None, p=0.0, fill=None, mask64=None):
+    """float64 autograd of the same attention (the kernel's inputs, upcast): out, (dq, dk, dv). ``mask64``: the float64
+    model's own additive mask (``finfo(float64).min`` where the 16-bit one holds its dtype's), else ``mask`` upcast."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     m = mask.double() if mask is not None and mask.is_floating_point() else mask
+    m = m if mask64 is None else mask64
     out = _attention(*leaves, m, causal, drop, p, fill)
     return out, torch.autograd.grad(out, leaves, do.double())
 
@@ -62,7 +64,7 @@ def _run(device, q, k, v, out, do, **kw):
     return got, r
 
 
-def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0, fill=None):
+def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0, fill=None, mask64=None):
     """|kernel - ref64| <= 2 |eager - ref64| + floor per gradient, eager's autograd in the same dtype being the
     yardstick. The floor: u·max|ref| (u the dtype's unit roundoff: a gradient eager happens to get exactly
     right on a tiny case; the kernel rounds dS and Pd to the operand dtype once), plus the one error source
@@ -73,11 +75,12 @@ def _check_vs_eager(got, q, k, v, do, mask=None, causal=False, drop=None, p=0.0,
     group) in an order numpy's BLAS picks per GEMM shape and CPU (as eager's does), so its error is bounded, on any
     CPU, only by (n + 4)·u32·Σ|terms| (n additions, the term's own few roundings); which of the two lands nearer
     the float64 value differs between CPUs (seen: an fp32 dv 2.7x eager's error on an AMD EPYC, within 2x on Intel)."""
-    _, ref = _ref64(q, k, v, do, mask, causal, drop, p, fill)
+    _, ref = _ref64(q, k, v, do, mask, causal, drop, p, fill, mask64)
     out_e, leaves = _eager(q, k, v, mask, causal, drop, p, fill)
     eager = torch.autograd.grad(out_e, leaves, do)
     u = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[q.dtype]
     m = mask.double() if mask is not None and mask.is_floating_point() else mask
+    m = m if mask64 is None else mask64
     out, probs, _ = reference_flash_attention(q.double(), k.double(), v.double(), mask=m, causal=causal, fill=fill,
                                            return_probs=True)
     scale = q.shape[-1] ** -0.5
@@ -149,6 +152,26 @@ def test_additive_mask_and_finite_fill(device):
     got, _ = _run(device, q, k, v, out, do, mask=mask, fill=fill)
     _check_vs_eager(got, q, k, v, do, mask, fill=fill)
     assert got[0][:, :, 3].abs().max() > 0 or ref[0][:, :, 3].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_added_in_its_16_bit_dtype(device):
+    """``mask_add_dtype``: the forward's additive fp16 mask added as eager adds it (the scores cast down, the sum
+    rounded). The backward recomputes P with the same rounded sum, so a row whose every key takes -65504 (left
+    padding) has the forward's uniform P, and the rounding passes the gradient through as eager's fp16 add does: dq,
+    dk, dv within twice eager's error against the float64 model, whose own finfo.min absorbs the scores as fp16's
+    does. With the fp32 add P there is the scores' softmax, not the forward's."""
+    q, k, v, do = _inputs(2, 2, 1, 24, 40, 16, 16, torch.float16)
+    keep = torch.rand(2, 1, 24, 40, generator=torch.Generator().manual_seed(6)) > 0.3
+    keep[1, :, :4] = False                                    # batch 1's first four queries see no key
+    mask = torch.zeros(keep.shape, dtype=torch.float16).masked_fill(~keep, torch.finfo(torch.float16).min)
+    mask64 = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
+    out, _ = _ref64(q, k, v, do, mask, mask64=mask64)
+    got, _ = _run(device, q, k, v, out, do, mask=mask, mask_add_dtype="float16")
+    _check_vs_eager(got, q, k, v, do, mask, mask64=mask64)
+    old, _ = _run(device, q, k, v, out, do, mask=mask)
+    with pytest.raises(AssertionError, match="dq"):
+        _check_vs_eager(old, q, k, v, do, mask, mask64=mask64)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,6 +9,10 @@ as eager softmax does). ``empty_rows`` says what a row with no key to attend giv
 SDPA and ``_safe_softmax``) or ``"nan"`` (plain ``softmax``). NaN in the inputs propagates as in eager:
 ``mask_keeps_nan`` applies a bool mask as SDPA does (adding ``-inf``: a NaN or ``+inf`` score gives NaN) instead of as
 ``masked_fill`` does (the fill replaces it); the Vector unit does either in one select/add pass.
+``mask_add_dtype`` (``"float16"`` or ``"bfloat16"``, an additive mask of that dtype): the mask is added as eager's
+16-bit add adds it, the scaled scores cast to that dtype, the mask added in it and the sum cast back up to fp32
+(:func:`add_in_dtype`), so an entry whose mask absorbs the score (``finfo(float16).min`` + a score below 16 is
+``-65504``) takes the mask's value exactly and a row whose every key is so masked averages V as eager's does.
 
 The algorithm (one *work item* = batch, head, block of ``q`` query rows; items spread over the cores):
 
@@ -75,9 +79,10 @@ the first sweep, the same stores): S is recomputed, ``exp(S - m) / l`` cast to q
 with no key give 0 probabilities (NaN with ``empty_rows="nan"``).
 
 Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
-skip the cast), eight more with ``softcap`` (``1/c``, tanh's six, ``c``), plus one for a mask (two for an fp16/bf16 additive mask: cast and add), two on causal
-diagonal tiles (an index compare and a select), one for dropout (a select by the keep bits); per tile the O
-update costs two passes over ``[rows, Dv]``.
+skip the cast), eight more with ``softcap`` (``1/c``, tanh's six, ``c``), plus :func:`mask_passes` for a mask
+(a bool select or an fp32 add: one; an fp16/bf16 additive mask: cast and add, two; added in its dtype: cast down,
+add, cast up, three), two on causal diagonal tiles (an index compare and a select), one for dropout (a select by the
+keep bits); per tile the O update costs two passes over ``[rows, Dv]``.
 
 Dropout (``drop_mask``, FlashAttentionScore's ``drop_mask`` input with ``keep_prob``): the keep bits of each
 row block are loaded with its S (``rows x kv / 8`` bytes), and after the row sum (the softmax denominator is
@@ -155,6 +160,43 @@ def round_to(x: np.ndarray, dtype: str, out: np.ndarray, tmp: np.ndarray, nonneg
         np.copyto(out, tmp, where=small)
     if not nonneg and mag.max() > _FP16_MAX:
         np.copyto(out, np.copysign(np.float32(np.inf), x), where=np.abs(out) > _FP16_MAX)
+
+
+def mask_passes(mask_dtype: str | None, add_dtype: str | None = None) -> int:
+    """Vector passes per score that apply a mask of ``mask_dtype`` (None: no mask): a bool select or an fp32 add,
+    1; a 16-bit additive mask added in fp32, 2 (its cast up, the add); added in its own dtype (``add_dtype``), 3
+    (the scores cast down, the add, the sum cast back up)."""
+    if mask_dtype is None:
+        return 0
+    if mask_dtype in ("bool", "float32"):
+        return 1
+    return 3 if add_dtype is not None else 2
+
+
+def check_mask_add(kernel: str, mask, add_dtype) -> str | None:
+    """``add_dtype`` once checked: None, or the 16-bit dtype of the additive ``mask`` (a GMTensor) it names."""
+    if add_dtype is None:
+        return None
+    if add_dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"{kernel}: mask_add_dtype={add_dtype!r}; give 'float16' or 'bfloat16' (or None: the mask "
+                         f"is added in fp32)")
+    if mask is None or mask.dtype != add_dtype:
+        got = "no mask" if mask is None else f"a {mask.dtype} mask"
+        raise ValueError(f"{kernel}: mask_add_dtype={add_dtype!r} needs an additive {add_dtype} mask, got {got}")
+    return add_dtype
+
+
+def add_in_dtype(x: np.ndarray, m: np.ndarray, dtype: str, tmp: np.ndarray, tmp2: np.ndarray) -> None:
+    """``x = dtype(dtype(x) + m)`` in place, ``m`` holding values of ``dtype``: eager's add of a 16-bit mask to
+    16-bit scores (the scores cast down, the add, the sum cast back up; the cast up is exact). The add is computed
+    in fp32 and rounded once more: for two fp16 or bf16 operands that is the correctly rounded 16-bit sum (fp32's
+    24 bits are at least twice the operands' 11 or 8, plus 2: the double rounding is innocuous), as torch's CPU add
+    computes it; a sum past the dtype's range is -inf or inf, as in eager. ``tmp``, ``tmp2``: numpy scratch of x's
+    shape (the hardware casts in place)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        round_to(x, dtype, tmp2, tmp)
+        np.add(tmp2, m, out=tmp2)
+        round_to(tmp2, dtype, x, tmp)
 
 
 # ------------------------------------------------------------------------------------------ tiling
@@ -429,7 +471,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False, softcap=None, sinks=None, window=0):
+                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -444,6 +486,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     ``window``: with ``causal``, a sliding window of that many keys (Mistral's, Gemma's, GPT-OSS's local layers;
     CANN's band sparse mode with ``pre_tokens = window - 1``, ``next_tokens = 0``): query i sees keys j with
     ``i - window < j <= i``; the KV tiles wholly outside the band are skipped, as those above the diagonal are.
+    ``mask_add_dtype``: an additive 16-bit mask added in its dtype, as eager adds it (module docstring).
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -458,6 +501,7 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     dtype = q.dtype
     scale = float(D ** -0.5 if scale is None else scale)
     fill = check_fill("flash_attention", empty_rows, fill)
+    mask_add_dtype = check_mask_add("flash_attention", mask, mask_add_dtype)
     mask, mask_spec = mask_with_spec(mask, B, N, Sq, Skv)
     drop = drop_mask is not None
     if drop:
@@ -481,6 +525,9 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     prog.fill, prog.empty = np.float32(fill), np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.keep_nan = bool(mask_keeps_nan)
     prog.drop, prog.inv_keep = drop_mask, np.float32(1.0 / keep_prob)
+    prog.mask_add = mask_add_dtype
+    if mask_add_dtype is not None:          # numpy scratch of the add's casts (the hardware casts in place)
+        prog.tmp2 = np.empty_like(prog.tmp)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"flash_attention: softcap={softcap}; it must be a positive finite number or None")
     prog.softcap = None if softcap is None else np.float32(softcap)
@@ -716,6 +763,7 @@ class _Program:
         self.ends = {}                # (what, step, row block) -> cube-core end times, for explicit waits
         self.stats_end = np.zeros(self.nv)
         self.drop, self.inv_keep = None, np.float32(1.0)       # dropout keep-mask, set by the caller
+        self.mask_add = None            # the 16-bit dtype an additive mask is added in (None: fp32), set by the caller
         self.return_stats = return_stats
 
     # ---------------------------------------------------------------- helpers
@@ -961,7 +1009,7 @@ class _Program:
                  slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]) if mr != 1 else slice(0, 1),
                  slice(kl0[c], kl0[c] + kl[c]) if mc != 1 else slice(0, 1)) if ract[c] else None
                 for c in range(self.nv)]), name="load mask")
-            passes += 1 if self.mask.dtype in ("bool", "float32") else 2     # select / (cast and) add
+            passes += mask_passes(self.mask.dtype, self.mask_add)   # select / (cast and) add / cast, add, cast
             reads.append(mt)
         if dt_ is not None:
             passes += 1                                     # select by the keep bits
@@ -993,6 +1041,8 @@ class _Program:
                     np.add(x, self.fill, out=x, where=~mt.data[cs])
                 elif self.mask.dtype == "bool":
                     np.copyto(x, self.fill, where=~mt.data[cs])
+                elif self.mask_add is not None:     # eager's 16-bit add: a score the mask absorbs takes its value
+                    add_in_dtype(x, mt.data[cs], self.mask_add, tmp[cs], self.tmp2[cs])
                 else:
                     np.add(x, mt.data[cs], out=x)
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,

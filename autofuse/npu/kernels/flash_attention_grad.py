@@ -33,6 +33,9 @@ one, as CANN's SyncAll). A row with no key to attend (every key masked with ``fi
 differentiating plain ``softmax``). The statistics are kept as max and sum, not as one log-sum-exp:
 ``exp(x - lse)`` would carry lse's fp32 rounding (``u·|lse|`` in the exponent, 0.4 % for a row whose
 finite fill is -65504), ``exp(x - m) / l`` only one rounding per operation. ``mask_keeps_nan`` is not taken.
+``mask_add_dtype`` (a 16-bit additive mask added in its dtype, as the forward's): both phases add the mask as the
+forward does (the scores cast down, the add, the sum cast back up), so P is the forward's; the rounding passes the
+gradient through unchanged, as eager's 16-bit add does, so dS is the same formula.
 
 Data paths. *Coupled* cores (910, 310P): S and dP leave L0C by FixPipe to UB; Pd and dS (operand dtype)
 go UB -> GM workspace (MTE3, per core, double-buffered by step parity, stays in L2) -> L1 (MTE2) and from
@@ -58,8 +61,8 @@ out the triangle. Phases 0 and 3 deal row blocks round-robin over the vector cor
 blocks as the forward does.
 
 Vector passes per score (fp32, 64 lanes a repeat, per-row repeats): scale, sub m, exp, mul 1/l, sub Dr,
-mul P, mul scale (7), + mask (bool select, fp32 add: 1; fp16/bf16 additive: cast and add, 2; a bool mask
-with a finite fill: 1 more, the select that zeroes dS), + causal diagonal
+mul P, mul scale (7), + mask (bool select, fp32 add: 1; fp16/bf16 additive: cast and add, 2; added in its
+dtype: cast down, add, cast up, 3; a bool mask with a finite fill: 1 more, the select that zeroes dS), + causal diagonal
 tiles (compare, select: 2), + dropout (select and scale on P and on dP: 4), + casts of Pd and dS (2,
 fp16/bf16). Phase 1 as the forward's first sweep: scale, [mask], [causal], max, sub, exp, sum.
 
@@ -79,9 +82,10 @@ import numpy as np
 
 from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
-from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule, band_edge,
-                                                  check_fill, check_operands, check_window, core_groups, fitted_counts,
-                                                  mask_outside_band, mask_with_spec, round_to, window_tiles)
+from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule,
+                                                  add_in_dtype, band_edge, check_fill, check_mask_add, check_operands, check_window,
+                                                  core_groups, fitted_counts, mask_outside_band, mask_passes,
+                                                  mask_with_spec, round_to, window_tiles)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
 
@@ -252,11 +256,12 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None, window
 @kernel("flash_attention_grad")
 def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                          scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None,
-                         softcap=None, window=0):
+                         softcap=None, window=0, mask_add_dtype=None):
     """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
     ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`).
     ``softcap``: the forward's logit soft-capping ``softcap · tanh(scale·S / softcap)`` (module docstring).
-    ``window`` (with ``causal``): the forward's sliding window (module docstring)."""
+    ``window`` (with ``causal``): the forward's sliding window (module docstring). ``mask_add_dtype``: the forward's
+    (an additive 16-bit mask added in its dtype)."""
     dev = launch.device
     check_operands("flash_attention_grad", (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
     B, N, Sq, D = q.shape
@@ -277,6 +282,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
                              f"{[B, N, Sq]} (each row's statistic of its scaled, masked scores)")
     fill = check_fill("flash_attention_grad", empty_rows, fill)
     window = check_window("flash_attention_grad", window, causal)
+    mask_add_dtype = check_mask_add("flash_attention_grad", mask, mask_add_dtype)
     mask, mask_spec = mask_with_spec(mask, B, N, Sq, Skv)
     drop = drop_mask is not None
     if drop:
@@ -301,6 +307,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     prog.empty = np.float32(0.0 if empty_rows == "zero" else np.nan)
     prog.inv_keep = np.float32(1.0 / keep_prob)
     prog.softcap = None if softcap is None else np.float32(softcap)
+    prog.mask_add = mask_add_dtype
     return prog.run()
 
 
@@ -326,6 +333,7 @@ class _Program:
         self.nq, self.nkv = nq, nkv
         self.causal, self.window = causal, window
         self.softcap = None                   # set by the caller (logit soft-capping)
+        self.mask_add = None                  # the 16-bit dtype an additive mask is added in, set by the caller
         # the schedules (the cores a phase uses: its units, dealt; the groups have the larger count)
         self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores,
                                    window=window)
@@ -531,6 +539,8 @@ class _Program:
         if mt is not None:
             if self.mask.dtype == "bool":
                 np.copyto(x, self.fill, where=~mt.data[cs])
+            elif self.mask_add is not None:     # as the forward adds it (eager's 16-bit add)
+                add_in_dtype(x, mt.data[cs], self.mask_add, np.empty_like(x), np.empty_like(x))
             else:
                 np.add(x, mt.data[cs], out=x)
         np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
@@ -551,7 +561,7 @@ class _Program:
         rr = vg.row_repeats(rows, kext, F32) * ract
         passes = base + (SOFTCAP_PASSES if self.softcap is not None else 0)
         if self.mask is not None:
-            passes += 1 if self.mask.dtype in ("bool", F32) else 2
+            passes += mask_passes(self.mask.dtype, self.mask_add)
         return rr * passes + rr * partial * 2 + rr * edge * 2
 
     def _online_stats(self, S, st, s, qext, kext, work, q0, k0):
