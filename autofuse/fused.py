@@ -115,6 +115,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
         else:
             s, d = _spec(nodes[src])
             params["mask"] = (s, "bool" if p.get("mask_kind") == "bool" else d)
+        if p.get("mask_add_dtype") is not None:     # the additive mask added in its 16-bit dtype, as eager adds it
+            params["mask_add_dtype"] = str(p["mask_add_dtype"]).replace("torch.", "")
     if p.get("dropout_draw") is not None:
         (qs, _), (ks, _) = specs[:2]
         params["drop_mask"] = ((*qs[:3], -(-ks[2] // 8)), "uint8")
@@ -320,6 +322,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["softcap"] = p["softcap"]
     if p.get("mask_keeps_nan"):
         kw["mask_keeps_nan"] = True
+    if p.get("mask_add_dtype") is not None:
+        kw["mask_add_dtype"] = p["mask_add_dtype"]
     if "scale_tensor" in ins:
         kw["scale_tensor"] = ins["scale_tensor"]
     if "sinks" in ins:

@@ -16,6 +16,9 @@ finfo(float16).min)``, GPT-2's additive ``finfo.min`` mask) stays the explicit m
 a bound on the scores, computed at run time, proves every skipped weight ``exp(value + s - max)`` is 0.
 Additive masks added *before* a ``masked_fill`` whose fill absorbs any score (fp32 ``finfo.min``: MPT's ALiBi
 bias, then its causal fill) are one additive mask ``where(keep, sum, fill)`` (``params["fill_last"]``).
+``params["mask_add_dtype"]``: the 16-bit dtype eager adds the additive mask in (scores and mask of that dtype), which
+the kernel then adds it in too, so that a score the mask absorbs takes its value (:func:`_mask_add_dtype`); None: an
+fp32 add (fp32 models, SDPA, whose CPU kernel adds in fp32, and a proven causal mask).
 
 One description, many spellings. The family is the table below plus one walker; the spellings
 (div vs mul, pre-scaled q/k, einsum/bmm/matmul, transpose/permute/mT, masked_fill/where/additive,
@@ -100,6 +103,7 @@ class _Scores:
     softcap: float | None = None
     fill_last: bool = False         # additive masks added before a finite fill (MPT): the fill replaces their sum
     sinks: fx.Node | None = None    # the sink logits concatenated to the scores (before the expand), or None
+    adds: tuple = ()                # (additive mask, dtype of the add that adds it to the scores), walking up
 
 
 class _Below:
@@ -235,7 +239,7 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 if rest is not None:
                     return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
                                    + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor,
-                                   rest.softcap, rest.fill_last, sinks)
+                                   rest.softcap, rest.fill_last, sinks, ((m, val(x).dtype),) + rest.adds)
             return None
         else:
             return None
@@ -411,7 +415,7 @@ def _decide_softmax(m: dict) -> Match | None:
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
     return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
                    probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast,
-                   sc.sinks is not None)
+                   sc.sinks is not None, sc.adds)
 
 
 def _members(m: dict, chain: str) -> list:
@@ -466,9 +470,11 @@ def _decide_sdpa(m: dict) -> Match | None:
 
 
 def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p,
-            draw=None, softcap=None, fill_last=False, v_cast=None, sinks=False, windows=True) -> Match:
+            draw=None, softcap=None, fill_last=False, v_cast=None, sinks=False, adds=(), windows=True) -> Match:
+    """The match of an attention block from its parts (``adds``: each additive mask with the dtype of the add
+    that adds it to the scores, :class:`_Scores`; SDPA has none, its CPU kernel adds its mask in fp32)."""
     args = (inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, empty_rows, dropout_p, draw, softcap,
-            fill_last, v_cast, sinks)
+            fill_last, v_cast, sinks, adds)
     qs, ks = shape(q), shape(k)
     guards, terms, causal_fill, guarded, window, band = [], [], -math.inf, None, 0, None
     for m, kind, factor, fill in masks:
@@ -517,6 +523,9 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         inputs["mask" if i == 0 else f"mask_{i}"] = m.name if isinstance(m, fx.Node) else m
     kinds = {kind for _, kind, _, _ in terms}
     mask_kind = None if not kinds else ("bool" if kinds == {"bool"} else "additive")
+    # a proven causal mask read or skipped under the run-time bound (guarded) keeps the fp32 add: the skip then
+    # gives exactly what reading it gives
+    add_dtype = _mask_add_dtype(terms, adds) if guarded is None else None
     rank = len(qs)
     heads = qs[-3] if rank == 4 else 1
     order = [x.name for x in anchor.graph.nodes if x in core]
@@ -525,7 +534,7 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         mask_terms=tuple(("mask" if i == 0 else f"mask_{i}", kind, float(f)) for i, (_, kind, f, _) in enumerate(terms)),
         fill=None if fill == -math.inf else float(fill), empty_rows=empty_rows, dropout_p=float(dropout_p),
         dropout_draw=draw, softcap=softcap, v_cast=v_cast, sinks=bool(sinks), fill_last=bool(fill_last and mask_kind == "additive" and fill != -math.inf),
-        causal_value=None if guarded is None else float(guarded),
+        causal_value=None if guarded is None else float(guarded), mask_add_dtype=add_dtype,
         window=int(window) if causal or guarded is not None else 0,      # the band the kernel walks (or may skip to)
         num_heads=heads, num_kv_heads=heads // rep, layout=_layout(rank),
         probs_used=probs is not None, probs_node=probs.name if probs is not None else None,
@@ -536,6 +545,27 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     if probs is not None:
         outputs["probs"] = probs.name
     return Match("attention", tuple(order), anchor.name, inputs, params, outputs)
+
+
+def _mask_add_dtype(terms, adds) -> torch.dtype | None:
+    """The 16-bit dtype the kernel adds the additive masks in, as eager adds them (``flash_attention``'s
+    ``mask_add_dtype``), or None (an fp32 add). Eager adds a 16-bit mask to 16-bit scores in that dtype: a score
+    the mask absorbs (``finfo(float16).min`` + a score below 16 is ``-65504``) takes the mask's value, and a row
+    whose every key is so masked averages V. The kernel does the same (the scores cast down, the add, the sum
+    cast back up) when every additive term is of one 16-bit dtype and added in it, and reaches the softmax
+    scaled by a power of two (or not scaled), which commutes with the rounding; otherwise it adds in fp32."""
+    additive = [(m, factor) for m, kind, factor, _ in terms if kind == "additive"]
+    if not additive:
+        return None
+    added = dict(adds)
+    dtypes = {added.get(m) for m, _ in additive}
+    d = dtypes.pop() if len(dtypes) == 1 else None
+    if d not in (torch.float16, torch.bfloat16):
+        return None
+    if not all(isinstance(m, fx.Node) and val(m).dtype == d and factor > 0 and math.frexp(factor)[0] == 0.5
+               for m, factor in additive):
+        return None
+    return d
 
 
 def _unsupported(inputs, core, anchor, q, why) -> Match:

@@ -4,7 +4,8 @@
 ``torch.ops.autofuse.flash_attention`` and SDPA semantics: bool mask True = attend, additive mask
 added to the scaled scores (after the soft-cap ``softcap·tanh(s/softcap)``), ``causal`` = top-left ``tril``, GQA by ``k/v.repeat_interleave``, fp32
 softmax, a row with every key masked gives zeros; ``sinks`` (one logit per head) are a last score column of their own
-in the softmax, dropped before P·V.
+in the softmax, dropped before P·V; ``mask_add_dtype`` (fp16, bf16): the additive mask added as eager adds it to scores
+of that dtype (the scores rounded to it, the sum rounded to it).
 """
 from collections import Counter
 
@@ -17,7 +18,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   scale: float | None = None, causal: bool = False, return_probs: bool = False,
                   fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
                   out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None,
-                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  sinks: torch.Tensor | None = None,
+                  mask_add_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -29,7 +31,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if mask is not None:
         f = float("-inf") if fill is None else fill
         s = (torch.where(mask, s, s + f) if mask_keeps_nan else s.masked_fill(~mask, f)) \
-            if mask.dtype == torch.bool else s + mask.float()
+            if mask.dtype == torch.bool else (s + mask.float() if mask_add_dtype is None else
+                                              (s.to(mask_add_dtype) + mask.to(mask_add_dtype)).float())
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     if sinks is not None:
@@ -47,7 +50,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 @attention_ref.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
-      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None):
+      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None, mask_add_dtype=None):
     from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)

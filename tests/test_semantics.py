@@ -355,6 +355,103 @@ def test_nan_in_a_query_row_propagates_as_in_eager():
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got).any()
 
 
+class PaddedEagerAttention(nn.Module):
+    """GPT-2's eager attention (transformers 5) on a left-padded batch: ``q·kᵀ·scale + mask``, the mask
+    ``where(keep, 0, finfo(dtype).min)`` in the model's dtype, built from the causal keep-mask and the padding mask;
+    a padded query sees no key."""
+
+    def forward(self, q, k, v, attention_mask):
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril() & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, torch.finfo(q.dtype).min)
+        return torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5 + mask, -1) @ v
+
+
+PAD = 5
+PADDED = (1, slice(None), slice(0, PAD))        # batch 1's padded queries, every head
+
+
+def _padded(dtype, grad=False):
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(dtype, seed=3))
+    attention_mask = torch.ones(B, S, dtype=torch.long)
+    attention_mask[1, :PAD] = 0                 # left padding: batch 1's first PAD tokens
+    return q, k, v, attention_mask
+
+
+def _in_float64(model, args):
+    return model.double()(*[a.detach().double().requires_grad_(a.requires_grad) if a.is_floating_point() else a
+                            for a in args])
+
+
+def test_left_padded_fp16_rows_average_v_as_eager():
+    """Eager fp16 attention adds the ``finfo(float16).min`` mask in fp16: each score of a padded query rounds to
+    -65504 and its row is the uniform average of V, as in the float64 model (whose own finfo.min absorbs the scores).
+    The fused kernel adds the mask as the captured fp16 add does (``mask_add_dtype``). Bound at the padded rows: the
+    project's, at most twice eager's error against float64 plus one rounding (:func:`autofuse.verify.compare`); an
+    fp32 add there kept the scores' differences (1.08 off, the bound 1.4e-3)."""
+    from autofuse.verify import compare
+    model = PaddedEagerAttention()
+    args = _padded(torch.float16)
+    fused = AutoFusionEngine.fuse(model, args)
+    (call,) = _fused_calls(fused)
+    assert call.kwargs["mask_add_dtype"] == torch.float16
+    got, want, ref = fused(*args), model(*args), _in_float64(model, args)
+    ok, err, tol = compare(want[PADDED], ref[PADDED], got[PADDED])
+    assert ok, (err, tol)
+    torch.testing.assert_close(got[PADDED].float(), args[2][1].float().mean(-2, keepdim=True).expand(N, PAD, D),
+                               atol=4e-3, rtol=4e-3)
+    assert_as_eager(model.half(), args, got)
+
+
+def test_left_padded_fp16_gradients_as_eager():
+    """The backward recomputes P with the forward's fp16 sum (the padded rows' P uniform, as the forward's), and the
+    rounding passes the gradient through as eager's fp16 add does: dq, dk, dv within the bound of the forward's test
+    (twice eager's error against the float64 model's gradients, plus one rounding)."""
+    from autofuse.verify import compare
+    model = PaddedEagerAttention()
+    args = _padded(torch.float16, grad=True)
+    fused = AutoFusionEngine.fuse(model, args)
+    (call,) = _fused_calls(fused)
+    assert call.kwargs["mask_add_dtype"] == torch.float16
+    g = torch.randn(B, N, S, D, generator=torch.Generator().manual_seed(4))
+    leaves = args[:3]
+    got = torch.autograd.grad(fused(*args), leaves, g.half())
+    want = torch.autograd.grad(model(*args), leaves, g.half())
+    args64 = [a.detach().double().requires_grad_() if a.is_floating_point() else a for a in args]
+    ref = torch.autograd.grad(model.double()(*args64), args64[:3], g.double())
+    for name, a, e, r in zip("qkv", got, want, ref):
+        ok, err, tol = compare(e, r, a)
+        assert ok, (name, err, tol)
+
+
+@pytest.mark.parametrize("case", ["bf16 eager", "fp32 eager", "fp16 sdpa"])
+def test_masks_added_in_fp32_stay_so(case):
+    """Where the captured add is not a 16-bit one the mask is added in fp32, as before: an fp32 model; torch's CPU
+    SDPA, which adds its fp16 float mask to fp32 scores (a padded row keeps the scores' differences, in eager as
+    fused). bf16's ``finfo.min`` (-3.39e38) absorbs any score in fp32 already: its padded rows average V as before,
+    now through the bf16 add the captured graph has (its other scores rounded to bf16, as eager rounds them)."""
+    dtype = {"bf16 eager": torch.bfloat16, "fp32 eager": torch.float32, "fp16 sdpa": torch.float16}[case]
+
+    class Sdpa(nn.Module):
+        def forward(self, q, k, v, attention_mask):
+            keep = torch.ones(S, S, dtype=torch.bool).tril() & attention_mask[:, None, None, :].bool()
+            mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, torch.finfo(q.dtype).min)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    model = Sdpa() if case == "fp16 sdpa" else PaddedEagerAttention()
+    args = _padded(dtype)
+    fused = AutoFusionEngine.fuse(model, args)
+    (call,) = _fused_calls(fused)
+    assert call.kwargs.get("mask_add_dtype") == (torch.bfloat16 if case == "bf16 eager" else None)
+    got, want = fused(*args), model(*args)
+    mean = args[2][1].float().mean(-2, keepdim=True).expand(N, PAD, D)
+    if case == "fp16 sdpa":
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        assert (want[PADDED].float() - mean).abs().max() > 0.1     # SDPA's fp32 add: not the average of V
+    else:
+        torch.testing.assert_close(got[PADDED].float(), mean, atol=2e-2, rtol=2e-2)
+    assert_as_eager(model, args, got)
+
+
 # ------------------------------------------------------------------------------------------- training mode
 
 
