@@ -16,6 +16,8 @@ Reports, the CLI and the pictures read these objects, never log text. Reason cod
 ``unsupported``            the kernel cannot run this instance (dtype, mask combination, no counterpart in
                            the captured graph, ...)
 ``verification_failed``    the fused kernel's result differed from the captured subgraph
+``another_rank``           a pair that communicates, kept unfused because another rank of its process group keeps it
+                           (its switch, budget, level, price or graph), as every rank must fuse such a pair alike
 =========================  ==============================================================================
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 REASON_CODES = ("fused", "disabled_by_opt_level", "below_level_margin", "extra_outputs_at_O1", "not_profitable",
                 "conflict", "memory_budget", "disabled_by_switch", "training_dropout", "returned_value_read",
-                "unsupported", "verification_failed")
+                "unsupported", "verification_failed", "another_rank")
 
 
 def hbm_change(saved: int) -> str:

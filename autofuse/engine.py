@@ -49,6 +49,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from autofuse import caches, memory
 from autofuse import verify as _verify
+from autofuse.agreement import Agreement
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
 from autofuse.capture import capture, same_value, state_tensor
 from autofuse.decision import FusionReport
@@ -814,18 +815,20 @@ _FAST_PATHS = (torch.ops.aten._transformer_encoder_layer_fwd.default,
 
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,
-                 sizes=None, verdicts=None, at_call=False) -> Plan:
+                 sizes=None, verdicts=None, agreed=None, at_call=False) -> Plan:
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring). ``sizes``: the
     :class:`autofuse.sizes.SizeFamilies` whose symbolic exports may serve this capture; ``verdicts``: a dict of
-    verification verdicts kept across plans (``_Verifier``'s ``shared``); ``at_call``: the inputs are a call's,
-    not fuse()'s example inputs (errors say so)."""
+    verification verdicts kept across plans (``_Verifier``'s ``shared``); ``agreed``: a dict of the ranks'
+    agreements on communicating blocks kept across plans (:class:`autofuse.agreement.Agreement`'s ``store``);
+    ``at_call``: the inputs are a call's, not fuse()'s example inputs (errors say so)."""
     who = "fused model" if at_call else "fuse"
     _check_parameter_dtypes(model, device, who)      # model.double() after fuse(): refused as fuse() refuses it
     _check_input_dtypes(args, kwargs, device, who, "this call's input" if at_call else "example input")
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route, sizes=sizes)
     with _autocast_off():       # the captured graph holds autocast's casts: checked and planned as it will run
-        return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0)
+        return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0,
+                              agreed)
 
 
 def _pass_inplace_all_reduce_gradients(gm: fx.GraphModule) -> None:
@@ -880,7 +883,8 @@ def _check_lookups(cap_gm: fx.GraphModule, leaves: list):
                              f"range): give ids in [0, {rows}), as the model takes them eagerly")
 
 
-def _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0) -> Plan:
+def _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0,
+                   agreed=None) -> Plan:
     cap_gm = captured.graph_module
     _check_lookups(cap_gm, pytree.tree_leaves((args, kwargs)))
     t1 = time.perf_counter()
@@ -890,7 +894,8 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     t3 = time.perf_counter()
     leaves = pytree.tree_leaves((args, kwargs))
     checker = _Verifier(cap_gm, leaves, device, level, verdicts) if verify else None
-    applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches)
+    agreement = Agreement.for_graph(cap_gm, device, agreed)      # ranks that communicate decide those blocks alike
+    applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches, agreement)
     if not cap_gm.meta.get("autofuse_grad", True):
         cap, out = {n.name: n for n in cap_gm.graph.nodes}, returned(cap_gm)
         # fused across a value it returns: right without grad, not for a call autograd may differentiate
@@ -1253,6 +1258,7 @@ class FusedModule(torch.nn.Module):
         # one export serves a signature's other sizes (autofuse.sizes)
         self._sizes = SizeFamilies(make_guard=ModuleGuard) if share_exports else None
         self._verdicts: dict = {}       # verification verdicts by block, kept across plans
+        self._agreed: dict = {}         # the ranks' agreements on communicating blocks, kept across plans
         # state_dict() has the model's own keys, and load_state_dict() takes them: a checkpoint of either loads
         # into the other (the submodule's name "model." is not part of the user's state)
         self.register_state_dict_post_hook(_model_keys)
@@ -1296,8 +1302,8 @@ class FusedModule(torch.nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     #: What a fused module keeps of its plans (compiled graphs bound to its model): a deep copy starts them anew.
-    _PLAN_STATE = frozenset({"_plans", "_last", "_caches_ready", "_encoder", "_sizes", "_verdicts", "_spec_paths",
-                             "_modules"})
+    _PLAN_STATE = frozenset({"_plans", "_last", "_caches_ready", "_encoder", "_sizes", "_verdicts", "_agreed",
+                             "_spec_paths", "_modules"})
 
     def __deepcopy__(self, memo):
         """A fused module of a deep copy of the model, with the same settings and no plans yet (the first call
@@ -1359,10 +1365,12 @@ class FusedModule(torch.nn.Module):
         if p is None or why is not None:
             if why is not None:
                 self._verdicts.clear()              # the model changed: no earlier export or verdict serves it
+                self._agreed.clear()
                 if self._sizes is not None:
                     self._sizes.families.clear()
             p = compile_plan(self.model, args, kwargs, self._device, self._level, self._budget, self._route,
-                             self._verify, self._switches, self._sizes, self._verdicts, at_call=self._called)
+                             self._verify, self._switches, self._sizes, self._verdicts, self._agreed,
+                             at_call=self._called)
             if why is not None:
                 p.report.replanned_because = why
         self._plans[key] = p

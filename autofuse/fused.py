@@ -74,6 +74,9 @@ class Family:
     # (match, output roles in order) -> (outputs -> outputs with what the captured ops leave unspecified fixed),
     # for verification (see ``verify.check``); None: compared as they are
     canonical: Callable | None = None
+    # (match, nodes, device, search_tiling) -> {(tiles, algorithm, traffic): Price}: the ways the ranks may agree on
+    # (families whose call communicates, see ``autofuse.agreement``)
+    options: Callable | None = None
 
 
 def _spec(n: fx.Node):

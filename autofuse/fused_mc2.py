@@ -34,7 +34,8 @@ import torch.fx as fx
 from autofuse import ops_mc2  # noqa: F401  (registers torch.ops.autofuse.matmul_all_reduce, ...)
 from autofuse.fused import Family, Price, _adapt, register_family
 from autofuse.graph import call, val
-from cost_model.mc2 import choose_tiles
+from cost_model.devices import get_device
+from cost_model.mc2 import TILE_COUNTS, _dims, algorithms, choose_tiles, row_tiles, tile_plan
 
 aten = torch.ops.aten
 DEFAULT_TILES = 4          # the ops' own default tile count (what O1/O2 would run without a plan)
@@ -70,9 +71,53 @@ def mc2_kwargs(device: str, price: Price, level: str) -> dict:
     kw = {"tiles": int(price.tiling.get("tiles", DEFAULT_TILES)), "device": device}
     if price.tiling.get("algorithm"):
         kw["algorithm"] = price.tiling["algorithm"]
-    if level == "O3" and price.tiling.get("matmul"):
+    # a tiling the ranks agreed on (see price_options) is passed at every level: it decides the collective's chunks
+    if (level == "O3" or price.options.get("agreed")) and price.tiling.get("matmul"):
         kw["tiling"] = json.dumps(price.tiling["matmul"], sort_keys=True)
     return kw
+
+
+def traffic(kind: str, x, w, world: int, tiles: int, tiling: dict, device: str, algorithm: str) -> tuple:
+    """What decides the fused kernel's collective traffic (``autofuse/npu/kernels/mc2.py``): the device (its links
+    and the algorithms' size-based defaults), the tiles' split and ranges (from the tile count and the matmul's
+    ``m0``/``n0``) and the tiles' algorithm. Ranks whose launches pair up must have equal ones."""
+    M, _, N, _ = _dims([x, w])
+    m0, n0 = int(tiling["m0"]), int(tiling["n0"])
+    if kind == "all_gather_matmul":
+        split, ranges = "rows", row_tiles(M, m0, tiles)
+    else:
+        split, ranges = tile_plan(max(M // world, 1) if kind == "matmul_reduce_scatter" else M, N, m0, n0, tiles)
+    return device, split, tuple(tuple(r) for r in ranges), algorithm or ""
+
+
+def price_options(match, nodes: dict, device: str, search_tiling: bool) -> dict:
+    """Every way this rank could run the pair that the ranks may agree on: ``(tiles, algorithm, traffic) ->
+    Price`` for each tile count of :data:`cost_model.mc2.TILE_COUNTS` and each algorithm, with the kernel's default
+    matmul tiling and (``search_tiling``) the fastest one the search finds for that tile count; per key the
+    cheaper. Any tile count with one tile has the same traffic on every rank (one range of every row)."""
+    from autofuse.plan import price_nodes
+    p = match.params
+    kind, world = p["kind"], int(p["world_size"])
+    x, w = operand_specs(match, nodes)
+    dev = get_device(device)
+    baseline = price_nodes([nodes[n] for n in match.nodes], device).cycles
+    out = {}
+    for T in TILE_COUNTS:
+        for a in algorithms(kind, dev, world):
+            for search in ((False, True) if search_tiling else (False,)):
+                try:
+                    plan = choose_tiles(kind, x, w, device, world, algorithm=a or "", counts=(T,), baseline=baseline,
+                                        search_tiling=search)
+                except (ValueError, KeyError, NotImplementedError):
+                    continue
+                key = (T, a or "", traffic(kind, x, w, world, T, plan.tiling, dev.name, a or ""))
+                tiling = {"tiles": T, "algorithm": a or "", "matmul": dict(plan.tiling)}
+                bound = f"{plan.bound} ({T} tiles, link busy {plan.link_cycles:,} cycles)"
+                price = Price(plan.fused_cycles, plan.hbm_bytes, [kind], bound, tiling, plan.workspace,
+                              options={"agreed": True})
+                if key not in out or price.cycles < out[key].cycles:
+                    out[key] = price
+    return out
 
 
 def emit_mc2(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
@@ -117,7 +162,7 @@ def agree(verdict: tuple, match) -> tuple:
 
 
 FAMILIES = {kind: register_family(Family(kind, getattr(torch.ops.autofuse, kind).default, kind, emit_mc2, price_mc2,
-                                         mc2_kwargs, agree))
+                                         mc2_kwargs, agree=agree, options=price_options))
             for kind in ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")}
 
-__all__ = ["FAMILIES", "agree", "emit_mc2", "mc2_kwargs", "operand_specs", "price_mc2"]
+__all__ = ["FAMILIES", "agree", "emit_mc2", "mc2_kwargs", "operand_specs", "price_mc2", "price_options", "traffic"]

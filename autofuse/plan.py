@@ -369,13 +369,15 @@ def returned_and_read(c: Candidate, cap: dict, out: set) -> str:
 
 
 def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, device: str, level: str,
-         budget: int | None, verify=None, switches=None):
+         budget: int | None, verify=None, switches=None, agreement=None):
     """Decide every candidate. Returns ``(applied candidates, decisions, candidates)``.
 
     ``matches`` were found on ``canonical``; each is carried over to ``captured`` (:func:`autofuse.rewrite.lift`)
     and priced there. ``verify(candidate) -> (ok, error, tolerance)`` is called on each chosen candidate.
     ``switches``: family name -> ``"on"`` / ``"off"`` / ``"force"`` (force fuses a family's candidates
-    whenever they can run, profitable or not).
+    whenever they can run, profitable or not). ``agreement``: an :class:`autofuse.agreement.Agreement` that the
+    candidates which communicate are decided by, with the other ranks, before any is verified (their price, budget
+    and level checks are the group's; they are verified first, and win over the blocks they overlap).
     """
     level = parse_level(level)
     switches = dict(switches or {})
@@ -403,6 +405,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             workspace_bytes=c.fused.workspace, **extra)
 
     eligible = []
+    open_: dict = {}            # communicating candidates for the agreement: index -> their options
     for i, c in enumerate(cands):
         sp = c.unfused.cycles / max(c.fused.cycles, 1)
         key, switch = _switch_named(switches, c.match)
@@ -436,6 +439,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                                                     "it with return_probs")
         elif c.fused.cycles < 0:
             decide(i, False, "unsupported", f"the fused kernel cannot be priced for this block: {c.fused.bound}")
+        elif agreement is not None and agreement.covers(c):
+            open_[i] = family_of(c.match).options(c.match, can, device, level == "O3")   # priced, budget: the group's
         elif c.fused.cycles >= c.unfused.cycles and not force:
             free = " (the captured ops it would replace cost nothing as captured: views, no-op copies)" \
                 if c.unfused.cycles == 0 else ""
@@ -449,14 +454,51 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         else:
             eligible.append(i)
 
+    verdicts: dict = {}
+    pinned, notes = set(), {}
+    if agreement is not None:
+        # the communicating candidates, decided with the other ranks before anything communicates (see
+        # autofuse.agreement): this rank's own choice among overlapping blocks is one of its inputs
+        mine = _best_independent_set(cands, conflict_graph(cands, eligible + sorted(open_), can))
+        comm = [i for i, c in enumerate(cands) if agreement.covers(c)]
+        outcomes = agreement.settle(cands, {i: decisions[i] for i in comm if i in decisions}, open_, mine, level,
+                                    budget, switches, can)
+        for i in comm:
+            o = outcomes[i]
+            if not o.fuse:
+                decide(i, False, o.code, o.reason)
+                continue
+            c = cands[i]
+            price = open_.get(i, {}).get(o.key)
+            if price is None:
+                # kept from a plan the group agreed on, which this rank cannot run now (its own check failed)
+                raise RuntimeError(f"autofuse: the {c.match.pattern} pair at {c.anchor} was agreed fused with the "
+                                   f"other ranks of its process group, but this rank alone planned again and cannot "
+                                   f"fuse it now ({decisions[i].reason if i in decisions else 'its chunks differ'}); "
+                                   f"its collectives would not pair up with theirs. Call the fused module on every "
+                                   f"rank with inputs of the same kind")
+            decisions.pop(i, None)
+            extra = list(c.lifted.preamble) + [v for _, views in c.lifted.targets.values() for v in views]
+            fused = price.add(price_nodes(extra, device)) if extra else price
+            ws = c.working_set - max(c.fused.workspace, 0) + max(fused.workspace, 0)
+            cands[i] = dataclasses.replace(c, fused=fused, working_set=ws)
+            pinned.add(i)
+            eligible.append(i)
+            notes[i] = o.note
+            if o.verdict is not None:
+                verdicts[i] = o.verdict         # agreed earlier: no verification, which would communicate
+        eligible.sort()
+
     conflicts = conflict_graph(cands, eligible, can)
 
     # choose, verify the chosen; a candidate that fails verification leaves the pool and the choice is made
-    # again, so a block that lost a conflict to it can still be fused
-    verdicts: dict = {}
+    # again, so a block that lost a conflict to it can still be fused. The agreed communicating candidates are
+    # taken first, on every rank alike
     while True:
-        pool = conflicts.subgraph([i for i in eligible if verdicts.get(i, (True,))[0]])
-        chosen = _best_independent_set(cands, pool)
+        taken = {i for i in pinned if verdicts.get(i, (True,))[0]}
+        blocked = taken | {j for i in taken for j in conflicts.neighbors(i)}
+        pool = conflicts.subgraph([i for i in eligible if verdicts.get(i, (True,))[0] and i not in blocked])
+        chosen = taken | _best_independent_set(cands, pool)
         failed = False
         if verify is not None and hasattr(verify, "prepare"):       # e.g. one run for every block's inputs
             verify.prepare([cands[i] for i in sorted(chosen) if i not in verdicts])
@@ -466,6 +508,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                 failed = failed or not verdicts[i][0]
         if not failed:
             break
+    if agreement is not None:
+        agreement.record(verdicts)
 
     applied = []
     for i in eligible:
@@ -495,7 +539,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
             decide(i, True, "fused", f"{why}predicted {sp:.2f}x, {hbm_change(c.unfused.hbm_bytes - c.fused.hbm_bytes)}"
                                      f"; fused kernel bound by {c.fused.bound or '?'}"
                                      + _choice(c.fused, device) + _window(c.match, c.fused) + _dropout(c.match)
-                                     + (f"; {note}" if note else ""),
+                                     + (f"; {note}" if note else "") + (f"; {notes[i]}" if notes.get(i) else ""),
                    verify_error=err, verify_tolerance=tol, verify_note=note)
             applied.append(c)
     for i, c in enumerate(cands):
