@@ -190,6 +190,17 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
                                   "take as an input (torch.export does not trace generators). hint: draw from torch's "
                                   "default generator (seeded with torch.manual_seed), or compile the model with "
                                   "torch.compile(model, backend='autofuse'), which takes generator arguments")
+    dtensors = _dtensors(model, (example_args, example_kwargs))
+    if dtensors:
+        raise CaptureError(route, f"capture failed: {dtensors} DTensors (torch.distributed.tensor: parallelize_module "
+                                  f"and fully_shard make a module's parameters DTensors), which autofuse cannot "
+                                  f"capture (torch.export does not trace DTensor modules in this torch, and a fused "
+                                  f"plan computes on plain tensors). hint: for tensor parallelism keep each rank's "
+                                  f"shard as a plain parameter and write its collectives with "
+                                  f"torch.distributed._functional_collectives (y = fc.all_reduce(F.linear(x, "
+                                  f"w_shard), 'sum', group), as autofuse.tp_models does): autofuse fuses such matmul + "
+                                  f"collective pairs into MC2 kernels on every rank (README, Several NPUs); for data "
+                                  f"parallelism wrap the fused module in DistributedDataParallel")
     caches.prepare(model, example_args, example_kwargs)      # a KV cache in or out: a pytree node (autofuse.caches)
     python_state = _python_state(model)
     host_rng = _host_rng_state()
@@ -1717,6 +1728,25 @@ def _check_product_dtypes(gm: fx.GraphModule, model, route: str) -> None:
                                       f"mat2 must have the same dtype). hint: give example inputs in the model's dtype "
                                       f"(x.to(torch.float16) for a model.half()), or cast the model to the inputs'; "
                                       f"token ids go through an embedding first")
+
+
+def _dtensors(model, inputs) -> str:
+    """``"the parameters a, b are"`` (or the buffers, the inputs) where the model or the call holds DTensors, else
+    ``""``: checked before tracing, whose failures on them say nothing of DTensor (an empty AssertionError from
+    export, "invalid python storage", or a tracer's hint about branches)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return ""
+    for what, named in (("parameters", model.named_parameters()), ("buffers", model.named_buffers())):
+        names = [n for n, t in named if isinstance(t, DTensor)]
+        if names:
+            return f"the model's {what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} are"
+    if any(isinstance(x, DTensor) for x in pytree.tree_leaves(inputs)):
+        # Dynamo hands a graph the model's parameters as inputs
+        return "the graph's inputs (the model's parameters among them) are" if _dynamo_graph(model) else \
+            "the call's inputs are"
+    return ""
 
 
 def _stack_line(stack: str) -> str:

@@ -1385,6 +1385,10 @@ class FusedModule(torch.nn.Module):
         firing them for this module too applied them once more. With backward hooks of its own, or under
         TorchScript tracing or ``module.compile()``, torch's own call runs (global hooks included)."""
         d = self.__dict__
+        fsdp2 = _fsdp2_module()
+        if fsdp2 is not None and isinstance(self, fsdp2):
+            # its pre-forward hook would fail inside FSDP (resizing a storage the plan holds), with no word of why
+            raise TypeError(f"autofuse: this fused module was sharded by {FSDP2}: {FSDP2_UNSUPPORTED}")
         if getattr(self, "_compiled_call_impl", None) is not None or d["_backward_hooks"] or \
                 d["_backward_pre_hooks"] or torch._C._get_tracing_state():
             return super().__call__(*args, **kwargs)
@@ -1730,6 +1734,8 @@ def check_model(model, example_inputs, target_device, who: str = "fuse", device_
         raise TypeError(f"{who}: model is a TorchScript module ({type(model).__name__}, from torch.jit.script or "
                         f"torch.jit.trace), which torch.export cannot capture: pass the original nn.Module")
     wrapper = _data_parallel_wrapper(model)
+    if wrapper == FSDP2:
+        raise TypeError(f"{who}: model is sharded by {FSDP2}: {FSDP2_UNSUPPORTED}")
     if wrapper:
         instead = (f"fuse the module inside and wrap the fused one, {wrapper.split('.')[-1]}(AutoFusionEngine.fuse("
                    f"model, ...)), whose gradients the wrapper's hooks reduce as usual; or compile the wrapped model "
@@ -1746,9 +1752,32 @@ def check_model(model, example_inputs, target_device, who: str = "fuse", device_
     return model, example_inputs, device
 
 
+#: FSDP2's wrapper as messages name it, and why autofuse refuses it (fuse() of it, and fully_shard of a fused module)
+FSDP2 = "torch.distributed.fsdp.fully_shard (FSDP2)"
+FSDP2_UNSUPPORTED = ("its parameters are DTensors whose storage FSDP2 gathers before each forward and frees after it, "
+                     "which neither a captured graph nor a fused plan follows, so autofuse does not support FSDP2 "
+                     "either way round (fully_shard of a fused module is refused at its first call). For data "
+                     "parallelism wrap the fused module in DistributedDataParallel(AutoFusionEngine.fuse(model, ...)); "
+                     "otherwise run the FSDP2 model eagerly")
+
+
+@functools.cache
+def _fsdp2_module():
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` mixes into a module's class), or None without it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    return FSDPModule
+
+
 def _data_parallel_wrapper(model) -> str | None:
     """The name of the distributed data-parallel wrapper ``model`` is (``DistributedDataParallel``, FSDP's
-    ``FullyShardedDataParallel``), or None. ``nn.DataParallel`` on the CPU calls its module as it is: it captures."""
+    ``FullyShardedDataParallel``, :data:`FSDP2` for a module ``fully_shard`` made an ``FSDPModule`` of), or None.
+    ``nn.DataParallel`` on the CPU calls its module as it is: it captures."""
+    fsdp2 = _fsdp2_module()
+    if fsdp2 is not None and isinstance(model, fsdp2):
+        return FSDP2
     for cls in type(model).__mro__:
         if cls.__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") and \
                 cls.__module__.startswith("torch."):
