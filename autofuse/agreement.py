@@ -45,7 +45,7 @@ from autofuse.fused import family_of
 from autofuse.plan import O1_MARGIN, _switch
 
 
-def _collective_group(n: fx.Node) -> str | None:
+def collective_group(n: fx.Node) -> str | None:
     """The process group's name a captured functional collective communicates through, or None."""
     t = n.target
     if n.op != "call_function" or getattr(t, "namespace", None) != "_c10d_functional" or "wait_tensor" in str(t):
@@ -110,7 +110,7 @@ class Agreement:
             return None
         groups = []
         for n in gm.graph.nodes:
-            name = _collective_group(n)
+            name = collective_group(n)
             if name is not None and name not in groups and _resolve(name) is not None:
                 groups.append(name)
         return cls(groups, device, store) if groups else None
@@ -255,4 +255,4 @@ def _settle_one(ds: list, ranks: list, me: int, device: str) -> Outcome:
     return Outcome(True, "fused", "", key, note)
 
 
-__all__ = ["Agreement", "Outcome", "settle"]
+__all__ = ["Agreement", "Outcome", "collective_group", "settle"]

@@ -49,7 +49,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from autofuse import caches, memory
 from autofuse import verify as _verify
-from autofuse.agreement import Agreement
+from autofuse.agreement import Agreement, collective_group
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
 from autofuse.capture import capture, same_value, state_tensor
 from autofuse.decision import FusionReport
@@ -893,8 +893,8 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     matches = all_candidates(gm)
     t3 = time.perf_counter()
     leaves = pytree.tree_leaves((args, kwargs))
-    checker = _Verifier(cap_gm, leaves, device, level, verdicts) if verify else None
     agreement = Agreement.for_graph(cap_gm, device, agreed)      # ranks that communicate decide those blocks alike
+    checker = _Verifier(cap_gm, leaves, device, level, verdicts, agreement is not None) if verify else None
     applied, decisions, cands = plan(cap_gm, gm, matches, device, level, budget, checker, switches, agreement)
     if not cap_gm.meta.get("autofuse_grad", True):
         cap, out = {n.name: n for n in cap_gm.graph.nodes}, returned(cap_gm)
@@ -1048,11 +1048,21 @@ class _Verifier:
     ``shared``: verdicts kept across the plans of one fused module (a decode step's norms and MLP are the same
     blocks at every cache length), by the same key and whether the inputs are meta; not for blocks that
     communicate, whose verdicts every rank agrees on as it plans.
+
+    ``collectives``: the captured graph communicates (ranks planning together, :mod:`autofuse.agreement`). A block
+    whose inputs the graph computes through a collective is checked on random values of its inputs' shapes, as on
+    meta inputs: a run of the captured graph up to them would run its collectives, which the other ranks pair only
+    when they want the same values (their blocks differ with their shards and settings; a rank may plan alone).
     """
 
-    def __init__(self, captured, leaves, device, level, shared=None):
+    def __init__(self, captured, leaves, device, level, shared=None, collectives=False):
         self.cap, self.leaves, self.device, self.level = captured, leaves, device, level
         self.meta = _is_meta(leaves)
+        self.communicated = set()       # names of the captured values computed through a collective
+        if collectives:
+            for n in captured.graph.nodes:
+                if collective_group(n) is not None or any(a.name in self.communicated for a in n.all_input_nodes):
+                    self.communicated.add(n.name)
         self.done = {}
         self.shared = shared
         self.blocks = {}        # id(candidate) -> (family, captured block, fused block, its inputs, key)
@@ -1076,10 +1086,13 @@ class _Verifier:
         for cand in cands:
             fam, sub, _, external, key = self._block(cand)
             self._kept(fam, key)
-            if key not in self.done and not self._too_large(sub):
+            if key not in self.done and not self._too_large(sub) and not self._communicated(external):
                 want |= {n.name for n in external} - self.values.keys()
         if want:
             self.values.update(_Values(self.cap, want).values(*self.leaves))
+
+    def _communicated(self, external) -> bool:
+        return any(n.name in self.communicated for n in external)
 
     @staticmethod
     def _too_large(sub) -> bool:
@@ -1091,7 +1104,7 @@ class _Verifier:
         inputs: random values of the reduced shapes and the graph's constants evaluated (a causal mask), so
         that no block needs a run of the whole captured graph up to it."""
         sizes = sizes or {}
-        if self.meta or sizes:
+        if self.meta or sizes or self._communicated(external):
             gen = torch.Generator().manual_seed(0)
             made = {}
 

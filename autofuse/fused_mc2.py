@@ -17,11 +17,16 @@ one the cost model's search finds for that tile count (O3). When no tile count b
 so the planner keeps the pair with ``not_profitable`` and both figures; the decision's ``tiling`` names the
 tile count that was tried best.
 
+**Agreement** (:mod:`autofuse.agreement`): before anything is verified, the ranks of the pair's process group
+exchange what each would do alone (:func:`price_options`: its price at every tile count and algorithm, with the
+chunks that tiling cuts the collective into, :func:`traffic`) and all apply one rule, so that every rank fuses
+the same pairs at the same tile count and chunks.
+
 **Verification** runs on every rank at plan time (``fuse()`` runs on each rank): the captured pair and the
-fused op each communicate through the pair's process group, and every rank verifies the same candidates in
-the same order (the ranks plan the same graph), so their collectives pair up. A verdict, though, depends on
-the rank's own data: :func:`agree` makes it the group's (failed if it failed on any rank, the largest error),
-so that every rank applies the same fusions and the fused graphs' collectives still pair up.
+fused op each communicate through the pair's process group, and every rank verifies the agreed pairs in the same
+order, so their collectives pair up. A verdict, though, depends on the rank's own data: :func:`agree` makes it
+the group's (failed if it failed on any rank, the largest error), so that every rank applies the same fusions and
+the fused graphs' collectives still pair up.
 """
 from __future__ import annotations
 
