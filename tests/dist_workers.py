@@ -160,7 +160,7 @@ def checks(rank, world):
     yb.pow(2).sum().backward()     # eager: the all-reduce's backward all-reduces the (replicated) gradient
     out["grad"] = max((xa.grad - xe.grad).abs().max().item(), (w.grad - we.grad).abs().max().item(),
                       (y - yb).abs().max().item())
-    # torch.distributed.tensor.parallel: what export makes of it in this torch
+    # torch.distributed.tensor.parallel: refused before any trace, naming DTensor and the functional form
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -169,7 +169,7 @@ def checks(rank, world):
         capture(mlp, (torch.randn(4, 16),), route="export")
         out["dtensor"] = "captured"
     except CaptureError as e:
-        out["dtensor"] = str(e).splitlines()[1]
+        out["dtensor"] = str(e)
     return out
 
 
@@ -399,3 +399,102 @@ def ddp_steps(rank, world):
     return {"losses": losses, "fused": bool(fused.module.report.applied), "refused": refused,
             "param_diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters()))}
 
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear and its all-reduce, on this rank's shard of the weight."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = nn.Parameter(w)
+
+    def forward(self, x):
+        return fc.all_reduce(F.linear(x, self.w), "sum", dist.group.WORLD)
+
+
+def _mc2_decision(fused):
+    d, = [d for d in fused.report.decisions if d.pattern == "matmul_all_reduce"]
+    return d.applied, d.reason_code, d.reason, d.tiling.get("tiles")
+
+
+def agreement_checks(rank, world):
+    """Ranks whose own plans of an MC2 pair differ: uneven shards (5 heads of 64 over 2 ranks: K 192 / 128, 16
+    tokens; alone, rank 0 prices 1 tile best and rank 1 4 tiles), then rank 0 alone planning again (a transposed
+    input of the same values), then a switch, a memory budget and a level given to rank 1 only. Each: the decision
+    on this rank, and the fused output's largest difference from eager's on the same inputs (two calls)."""
+    from cost_model.mc2 import choose_tiles
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    k0, k1, n, m = 192, 128, 64, 16
+    W, X = torch.randn(n, k0 + k1, generator=g) / 16, torch.randn(m, k0 + k1, generator=g)
+    sl = slice(0, k0) if rank == 0 else slice(k0, k0 + k1)
+    model, x = RowParallel(W[:, sl].clone()), X[:, sl].contiguous()
+    k = x.shape[1]
+    out["own_tiles"] = choose_tiles("matmul_all_reduce", ((m, k), "float32"), ((k, n), "float32"), "ascend910b",
+                                    world).best_tiles
+    fused = AutoFusionEngine.fuse(model, (x,), target_device="ascend910b")
+    out["uneven"] = _mc2_decision(fused)
+    with torch.no_grad():
+        out["uneven_err"] = max((fused(x) - model(x)).abs().max().item() for _ in range(2))
+        # rank 0 alone: a new input layout plans again there (the other rank's plan serves it): no collective
+        xt = x.t().contiguous().t() if rank == 0 else x
+        out["replan_err"] = max((fused(xt) - model(xt)).abs().max().item() for _ in range(2))
+    out["plans"] = len(fused.plans)
+    out["replan"] = [_mc2_decision_of(p.report) for p in fused.plans.values()]
+    W = torch.randn(64, 64, generator=g) / 8
+    xe, xc = torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+    sl = slice(rank * 32, (rank + 1) * 32)
+    model = RowParallel(W[:, sl].clone())
+    for mode, kw in (("switch", {"fusion_switches": {"matmul_all_reduce": "off"}}),
+                     ("budget", {"memory_budget": "2KB"}), ("level", {"optimization_level": "O0"})):
+        fused = AutoFusionEngine.fuse(model, (xe[:, sl].contiguous(),), target_device="ascend910b",
+                                      **(kw if rank == 1 else {}))
+        with torch.no_grad():
+            err = max((fused(xc[:, sl].contiguous()) - model(xc[:, sl].contiguous())).abs().max().item()
+                      for _ in range(2))
+        out[mode] = _mc2_decision(fused) + (err,)
+    return out
+
+
+def _mc2_decision_of(report):
+    d, = [d for d in report.decisions if d.pattern == "matmul_all_reduce"]
+    return d.applied, d.reason_code, d.tiling.get("tiles")
+
+
+def fsdp2_checks(rank, world):
+    """What autofuse says of FSDP2 (fully_shard) either way round, and of DTensor tensor parallelism through
+    torch.compile (the graph runs unfused, with a warning)."""
+    import warnings
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 16))
+
+    out = {}
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    sharded = mlp()
+    fully_shard(sharded)
+    try:
+        AutoFusionEngine.fuse(sharded, (x,))
+        out["fuse_of_fsdp2"] = None
+    except Exception as e:      # noqa: BLE001 - the message is the result
+        out["fuse_of_fsdp2"] = f"{type(e).__name__}: {e}"
+    fused = AutoFusionEngine.fuse(mlp(), (x,))
+    fully_shard(fused)
+    try:
+        fused(x)
+        out["fsdp2_of_fused"] = None
+    except Exception as e:      # noqa: BLE001
+        out["fsdp2_of_fused"] = f"{type(e).__name__}: {e}"
+    tp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    parallelize_module(tp, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._dynamo.reset()
+        y = torch.compile(tp, backend="autofuse")(x)
+    out["compiled_err"] = (y - tp(x)).abs().max().item()
+    out["compile_warnings"] = [str(w.message) for w in caught if "autofuse" in str(w.message)]
+    return out

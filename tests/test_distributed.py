@@ -4,6 +4,7 @@ fused ops' gradients (their backwards' launches against the unfused layers' eage
 import os
 import re
 import socket
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -32,7 +33,7 @@ def _rank(rank, world, port, fn, queue):
         dist.destroy_process_group()
 
 
-def run_world(fn, world):
+def run_world(fn, world, timeout=None):
     # ranks forked from a server that imported torch and autofuse once (a spawned rank imports them itself: 4
     # ranks on 2 cores spent most of their time importing); the server has run no torch op, so no thread pool
     # is forked
@@ -43,7 +44,19 @@ def run_world(fn, world):
     ps = [ctx.Process(target=_rank, args=(r, world, port, fn, q)) for r in range(world)]
     for p in ps:
         p.start()
-    got = [q.get() for _ in range(world)]
+    got, start = [], time.monotonic()
+    while len(got) < world:
+        if timeout is not None and q.empty():
+            # a rank that aborted (gloo's size mismatch) or hangs leaves the others waiting: ended here, named
+            dead = {r: p.exitcode for r, p in enumerate(ps) if p.exitcode not in (None, 0)}
+            if dead or time.monotonic() - start > timeout:
+                for p in ps:
+                    p.kill()
+                pytest.fail(f"{fn}: " + (f"rank(s) died with exit codes {dead}" if dead else
+                                         f"no answer from every rank within {timeout} s"))
+            time.sleep(0.2)
+            continue
+        got.append(q.get())
     for p in ps:
         p.join(120)
     errors = [f"rank {r}: {e}" for r, _, e in got if e]
@@ -210,11 +223,11 @@ def test_data_parallel_over_the_fused_module_trains_as_eager_ddp():
         assert "fuse the module inside and wrap the fused one" in got["refused"]
 
 
-def test_parallelize_module_does_not_export(two):
-    """torch 2.13: torch.export cannot take DTensor module hooks (an assertion inside export's tracing of the
-    DTensor hooks); the hand-written functional-collective form captures. This pins the finding so a torch that
-    fixes it shows."""
-    assert "route 'export' failed" in two[0]["dtensor"], two[0]["dtensor"]
+def test_parallelize_module_is_refused_naming_dtensor(two):
+    """torch 2.13's export fails on DTensor modules with an empty AssertionError: capture refuses DTensor parameters
+    first, naming them and the functional-collective form that autofuse fuses instead."""
+    msg = two[0]["dtensor"]
+    assert "0.weight" in msg and "are DTensors" in msg and "_functional_collectives" in msg, msg
 
 
 def _world_equals_single_device(res, world):
@@ -273,3 +286,56 @@ def test_cli_simulates_a_world(capsys, tmp_path):
     assert all(r[s]["phases"]["backward"] > 0 for r in doc["ranks"] for s in ("step", "step_unfused"))
     assert {d["reason_code"] for r in doc["ranks"] for d in r["decisions"] if d["pattern"] == "matmul_all_reduce"} \
         == {"fused"}
+
+
+@pytest.fixture(scope="module")
+def agreed():
+    return run_world("agreement_checks", 2, timeout=420)
+
+
+def test_uneven_shards_fuse_alike_on_every_rank(agreed):
+    """K 192 / 128 over 2 ranks: alone the ranks price other tile counts best (their collectives would not pair up);
+    they agree on one tiling before anything communicates, and the fused output is eager's."""
+    assert agreed[0]["own_tiles"] != agreed[1]["own_tiles"]        # the case the agreement is for
+    (a0, code0, why0, t0), (a1, code1, why1, t1) = agreed[0]["uneven"], agreed[1]["uneven"]
+    assert (a0, code0, t0) == (a1, code1, t1) == (True, "fused", 1)
+    assert "own best tile counts differ" in why0 and "every rank runs 1 tile" in why0, why0
+    for r in (0, 1):
+        assert agreed[r]["uneven_err"] <= 1e-5, agreed[r]["uneven_err"]
+
+
+def test_a_plan_made_again_on_one_rank_communicates_nothing(agreed):
+    """Rank 0 alone gets a transposed input (a new layout: a new plan there); the kept agreement serves it, and its
+    calls pair up with rank 1's."""
+    assert agreed[0]["plans"] == 2 and agreed[1]["plans"] == 1
+    assert agreed[0]["replan"] == [(True, "fused", 1)] * 2
+    for r in (0, 1):
+        assert agreed[r]["replan_err"] <= 1e-5, agreed[r]["replan_err"]
+
+
+@pytest.mark.parametrize("mode, code", [("switch", "disabled_by_switch"), ("budget", "memory_budget"),
+                                        ("level", "disabled_by_opt_level")])
+def test_a_setting_of_one_rank_decides_for_the_group(agreed, mode, code):
+    """Rank 1 alone switches the family off / has a 2KB budget / plans at O0: no rank fuses the pair, rank 0's
+    report names rank 1 and its reason, and both ranks' outputs are eager's (no collective pairs with another)."""
+    (a0, code0, why0, _, err0), (a1, code1, why1, _, err1) = agreed[0][mode], agreed[1][mode]
+    assert "rank 0 keeps it unfused too" in why1, why1
+    assert (a0, a1) == (False, False)
+    assert code1 == code and code0 == "another_rank" and f"rank 1 keeps it unfused ({code}" in why0, why0
+    assert err0 <= 1e-5 and err1 <= 1e-5, (err0, err1)
+
+
+def test_fsdp2_and_dtensor_are_refused_with_advice():
+    res = run_world("fsdp2_checks", 2, timeout=420)
+    for r in (0, 1):
+        got = res[r]
+        assert got["fuse_of_fsdp2"].startswith("TypeError: fuse: model is sharded by torch.distributed.fsdp."
+                                               "fully_shard (FSDP2)"), got["fuse_of_fsdp2"]
+        assert "DistributedDataParallel(AutoFusionEngine.fuse(model" in got["fuse_of_fsdp2"]
+        assert got["fsdp2_of_fused"].startswith("TypeError: autofuse: this fused module was sharded by "
+                                                "torch.distributed.fsdp.fully_shard"), got["fsdp2_of_fused"]
+        # torch.compile of a parallelize_module'd model: runs unfused, the warning names DTensor, not a branch
+        assert got["compiled_err"] == 0.0
+        said = " ".join(got["compile_warnings"])
+        assert "are DTensors" in said and "_functional_collectives" in said, said
+        assert "branches on tensor values" not in said, said
