@@ -100,7 +100,6 @@ class Agreement:
     def __init__(self, groups: list, device: str, store: dict | None):
         self.groups, self.device, self.store = groups, device, store
         self.outcomes: dict = {}            # candidate index -> Outcome
-        self.fresh = False                  # whether this plan agreed anew (communicated)
 
     @classmethod
     def for_graph(cls, gm: fx.GraphModule, device: str, store: dict | None):
@@ -119,8 +118,8 @@ class Agreement:
         fam = family_of(cand.match)
         return fam.agree is not None and fam.options is not None and cand.match.params.get("group_name") in self.groups
 
-    def settle(self, cands: list, decisions: dict, open_: dict, chosen: set, level: str, budget, switches: dict,
-               canonical: dict) -> dict:
+    def settle(self, cands: list, decisions: dict, open_: dict, chosen: set, level: str, budget, switches: dict
+               ) -> dict:
         """Each covered candidate's :class:`Outcome`. ``decisions``: this rank's decisions so far (those it keeps
         unfused on its own); ``open_``: index -> its options (``price_options``), for the others; ``chosen``: the
         indices this rank's own choice among overlapping blocks takes."""
@@ -152,7 +151,6 @@ class Agreement:
             pg = _resolve(group)
             gathered = [None] * dist.get_world_size(pg)
             dist.all_gather_object(gathered, mine, group=pg)
-            self.fresh = True
             ranks = dist.get_process_group_ranks(pg)
             got = settle(gathered, ranks, dist.get_rank(pg))
             self.outcomes.update(zip(idx, got))

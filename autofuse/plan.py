@@ -440,7 +440,11 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         elif c.fused.cycles < 0:
             decide(i, False, "unsupported", f"the fused kernel cannot be priced for this block: {c.fused.bound}")
         elif agreement is not None and agreement.covers(c):
-            open_[i] = family_of(c.match).options(c.match, can, device, level == "O3")   # priced, budget: the group's
+            # price and budget are the group's: every way this rank could run it, with its preamble and views
+            extra = price_nodes(list(c.lifted.preamble) + [v for _, vs in c.lifted.targets.values() for v in vs],
+                                device)
+            ways = family_of(c.match).options(c.match, can, device, level == "O3")
+            open_[i] = {k: p.add(extra) for k, p in ways.items()}
         elif c.fused.cycles >= c.unfused.cycles and not force:
             free = " (the captured ops it would replace cost nothing as captured: views, no-op copies)" \
                 if c.unfused.cycles == 0 else ""
@@ -462,7 +466,7 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
         mine = _best_independent_set(cands, conflict_graph(cands, eligible + sorted(open_), can))
         comm = [i for i, c in enumerate(cands) if agreement.covers(c)]
         outcomes = agreement.settle(cands, {i: decisions[i] for i in comm if i in decisions}, open_, mine, level,
-                                    budget, switches, can)
+                                    budget, switches)
         for i in comm:
             o = outcomes[i]
             if not o.fuse:
@@ -478,10 +482,8 @@ def plan(captured: fx.GraphModule, canonical: fx.GraphModule, matches: list, dev
                                    f"its collectives would not pair up with theirs. Call the fused module on every "
                                    f"rank with inputs of the same kind")
             decisions.pop(i, None)
-            extra = list(c.lifted.preamble) + [v for _, views in c.lifted.targets.values() for v in views]
-            fused = price.add(price_nodes(extra, device)) if extra else price
-            ws = c.working_set - max(c.fused.workspace, 0) + max(fused.workspace, 0)
-            cands[i] = dataclasses.replace(c, fused=fused, working_set=ws)
+            ws = c.working_set - max(c.fused.workspace, 0) + max(price.workspace, 0)
+            cands[i] = dataclasses.replace(c, fused=price, working_set=ws)
             pinned.add(i)
             eligible.append(i)
             notes[i] = o.note
