@@ -185,7 +185,8 @@ def _run(sim, gm, decisions=(), plan=None, unfused_sim=None) -> GraphRun:
         if not rec.link_bytes and not any(k in COLLECTIVE_KERNELS for k in rec.kernels):
             continue
         cost = CollectiveCost(rec.node, rec.kernels[0], rec.link_bytes, rec.link_cycles, rec.cycles, phase=rec.phase)
-        m = nodes[rec.node].meta.get("autofuse_match") if rec.node in nodes else None
+        m = nodes[rec.node].meta.get("autofuse_match") if rec.node in nodes and \
+            not nodes[rec.node].meta.get("autofuse_part_of") else None
         d = by_anchor.get(_origin(plan, m.anchor)) if m is not None and plan is not None else None
         if d is not None and unfused_sim is not None:
             matmuls = [n for n in d.nodes if _is_matmul(plan, n)]

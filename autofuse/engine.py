@@ -915,7 +915,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     workspace = {c.match.anchor: c.fused.workspace for c in applied}
 
     def kernel_workspace(n):
-        match = n.meta.get("autofuse_match") if is_fused_call(n) else None
+        match = n.meta.get("autofuse_match") if is_fused_call(n) and not n.meta.get("autofuse_part_of") else None
         return workspace.get(match.anchor, 0) if match is not None else 0
 
     guards = [Guard(fqn, state_tensor(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]

@@ -77,6 +77,18 @@ def fused_match(n: fx.Node):
     return n.meta.get("autofuse_match") if n.op == "call_function" else None
 
 
+def fused_lead(n: fx.Node) -> bool:
+    """A fused op's lead call: the one its decision's price is charged to (the other nodes its fusion emitted name
+    it in ``meta["autofuse_part_of"]``, :func:`fused_part_of`)."""
+    return fused_match(n) is not None and not n.meta.get("autofuse_part_of")
+
+
+def fused_part_of(n: fx.Node) -> str:
+    """The lead call's name for a node a fusion emitted besides its lead (another launch, a view of an output), or
+    ``""``."""
+    return n.meta.get("autofuse_part_of", "") if fused_match(n) is not None else ""
+
+
 def fused_block(n: fx.Node) -> tuple | None:
     """``(anchor, nodes)`` of the block a fused-op call replaced, in the captured graph's names (those of the report's
     decisions and of the graph before the rewrite), or None. The match itself names canonical nodes."""

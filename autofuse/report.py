@@ -84,6 +84,7 @@ class Cost:
     kernels: tuple = ()
     source: str = "predicted"
     fused: str = ""                  # the fusion family of a fused op
+    part_of: str = ""                # a fused op's other launch: the lead call whose price includes it
 
 
 def _spec(n):
@@ -119,7 +120,14 @@ def node_costs(gm: fx.GraphModule, device: str, report=None, simulation=None, be
         if n.op != "call_function":
             continue
         match = hierarchy.fused_match(n)
-        if match is not None:
+        lead = hierarchy.fused_part_of(n)
+        if lead:
+            # another launch of a fused op (or a view of its outputs): the decision's price, charged to the lead,
+            # already holds it
+            d = decisions.get(hierarchy.fused_block(n)[0])
+            cost = Cost(0, 0, d.bound_fused if d is not None else "", 0.0, (), fused=match.pattern, part_of=lead) \
+                if not lower(n).free else None
+        elif match is not None:
             anchor, block = hierarchy.fused_block(n)
             d = decisions.get(anchor)
             flops = sum(before[x].flops for x in block if x in before) if before else 0.0

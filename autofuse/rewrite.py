@@ -265,10 +265,18 @@ def build(g: fx.Graph, lifted: Lifted, env: dict, emit, kwargs: dict) -> dict:
 
     fake = detect_fake_mode([src.meta.get("val") for src in lifted.sources.values() if not isinstance(src, str)])
     ins = {role: _constant(g, src, fake) if isinstance(src, str) else get(src) for role, src in lifted.sources.items()}
+    before = set(g.nodes)
     outs = emit(g, ins, m, kwargs)
-    for n in g.nodes:              # the fused calls also name their block as the captured graph (and the report) do
-        if n.meta.get("autofuse_match") is m:
-            n.meta["autofuse_block"] = (lifted.anchor, tuple(lifted.footprint))
+    # every node the emitter made is the fusion's: the call it tagged (the lead, which the decision's price is
+    # charged to) and the others (more launches, views of its outputs), each naming the lead; all of them name
+    # their block as the captured graph (and the report) do
+    emitted = [n for n in g.nodes if n not in before]
+    lead = next((n for n in emitted if n.meta.get("autofuse_match") is m), None)
+    for n in emitted:
+        n.meta["autofuse_match"] = m
+        n.meta["autofuse_block"] = (lifted.anchor, tuple(lifted.footprint))
+        if lead is not None and n is not lead:
+            n.meta["autofuse_part_of"] = lead.name
     result = {}
     for role, (target, views) in lifted.targets.items():
         x = outs[role]

@@ -66,17 +66,17 @@ def _shape(n: fx.Node) -> str:
 
 
 def _is_view(n: fx.Node) -> bool:
-    return n.op == "call_function" and hierarchy.fused_match(n) is None and lower(n).free
+    return n.op == "call_function" and not hierarchy.fused_lead(n) and lower(n).free
 
 
 def colours(gm: fx.GraphModule, report=None) -> dict:
     """Node name -> fill colour of the built-in SVG, from a :class:`~autofuse.decision.FusionReport` (or none)."""
     col = {}
     for n in gm.graph.nodes:
-        if hierarchy.fused_match(n) is not None or (n.op == "call_function" and str(n.target).startswith("autofuse.")):
-            col[n.name] = FUSED_OP
-        elif _is_view(n):
+        if _is_view(n):
             col[n.name] = VIEW
+        elif hierarchy.fused_match(n) is not None or (n.op == "call_function" and str(n.target).startswith("autofuse.")):
+            col[n.name] = FUSED_OP
         else:
             col[n.name] = PLAIN
     if report is not None:
@@ -104,6 +104,8 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _cost_line(c) -> str:
+    if c is not None and c.part_of:
+        return f"priced with {c.part_of}"
     return f"{c.cycles:,} cyc · {_fmt_bytes(c.hbm_bytes)} · {c.bound}" if c is not None else ""
 
 
@@ -223,7 +225,7 @@ def graph_dot(gm: fx.GraphModule, report=None, costs: dict | None = None, title:
                     f"label={_html_label(lab)}];")
         c = costs.get(n.name)
         match = hierarchy.fused_match(n)
-        if match is not None:
+        if match is not None and not _is_view(n):
             fill = family_colour(match.pattern)
             lab = [f"{_short(n)} · fused {match.pattern}", _shape(n), _cost_line(c), spans(n)]
             return (f"  {_q(n.name)} [label={_html_label(lab)}, fillcolor=\"{fill}\", fontcolor=white, "
@@ -480,14 +482,18 @@ def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_pat
         for k, a in n.kwargs.items():
             attrs.append({"key": k, "value": str(fx.map_arg(a, lambda x: x.name))[:200]})
         c = costs.get(n.name)
-        if c is not None:
+        if c is not None and c.part_of:
+            attrs += [{"key": "cycles", "value": f"priced with {c.part_of}"}]
+        elif c is not None:
             attrs += [{"key": "cycles", "value": f"{c.cycles:,} ({c.source})"},
                       {"key": "HBM bytes", "value": f"{c.hbm_bytes:,}"}, {"key": "bound", "value": c.bound},
                       {"key": "kernels", "value": ", ".join(c.kernels)}]
         match = hierarchy.fused_match(n)
         if match is not None:
             replaced = ", ".join(hierarchy.fused_block(n)[1])
-            attrs.append({"key": "fused", "value": f"{match.pattern}: replaces {replaced}"})
+            part = hierarchy.fused_part_of(n)
+            attrs.append({"key": "fused", "value": f"{match.pattern}: " + (
+                f"part of {part}'s block, which replaces {replaced}" if part else f"replaces {replaced}")})
         outs = []
         v = n.meta.get("val")
         vals = list(v) if isinstance(v, (tuple, list)) else [v]

@@ -195,6 +195,34 @@ def test_summary_and_markdown_still_render_from_the_report(mixed):
     assert alts and all(set(a) == {"ascend910", "ascend910b", "ascend310p"} for a in alts)
     assert all({"implementation", "cycles", "runnable"} == set(r) for a in alts for rows in a.values() for r in rows)
     json.dumps(p.report.to_dict())
+@pytest.fixture(scope="module", params=["mixtral", "gpt2 train"])
+def many_calls(request):
+    """Plans where one fusion emits several calls: Mixtral's experts block (routing, two grouped GEMMs, combine) and
+    a training plan's attention (its dropout keep-mask drawn by its own launch)."""
+    name, *mode = request.param.split()
+    torch.manual_seed(0)
+    model, (args, kwargs) = build(name, layers=1, hidden=32, heads=2, seq=8)
+    model.train(bool(mode))
+    return next(iter(autofuse.AutoFusionEngine.fuse(model, (args, kwargs)).plans.values()))
+
+
+def test_every_call_a_fusion_emits_is_its_and_priced_once(many_calls):
+    p = many_calls
+    before = R.node_costs(p.captured.graph_module, p.report.device, p.report)
+    after = R.node_costs(p.graph_module, p.report.device, p.report, before=before)
+    v = R.verdict(p.report.device, before, after)
+    assert (v.fused_cycles, v.baselines[R.BASELINE]) == (p.report.predicted_cycles, p.report.baselines[R.BASELINE])
+    captured = {n.name for n in p.captured.graph_module.graph.nodes}
+    new = [n for n in p.graph_module.graph.nodes if n.op == "call_function" and n.name not in captured]
+    # every launch the rewrite added belongs to a fused block; the block's price is its lead call's
+    assert new and all(after[n.name].fused for n in new if n.name in after)
+    parts = [after[n.name] for n in new if n.name in after and after[n.name].part_of]
+    assert parts and all(c.cycles == 0 and c.part_of in after and not after[c.part_of].part_of for c in parts)
+    page = R.report_html(p.report, p.captured.graph_module, p.graph_module)
+    head = page[page.index("id='verdict'"):page.index("id='memory'")]
+    assert f"&rarr; {p.report.predicted_cycles:,} cycles" in head
+
+
     assert repr(p.report).startswith("FusionReport(device='ascend910'")
     assert "| kept | attention |" in p.report.to_markdown() and "memory_budget" in p.report.to_markdown()
 

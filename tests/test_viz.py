@@ -372,3 +372,32 @@ def test_a_graphviz_layout_that_times_out_falls_back_to_the_built_in_one_and_say
     assert "expand_all" not in err                       # it was not given: no hint to leave it out
     viz.picture(p.graph_module, None, after, "llama after", expand_all=True, **kw)
     assert "without expand_all identical layers are folded" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ fusions that emit several calls
+
+@pytest.fixture(scope="module")
+def mixtral():
+    # the experts block emits routing, two grouped GEMMs and the combine; the router returns weights and indices
+    return _plan("mixtral", layers=1)
+
+
+def test_every_call_a_fusion_emits_is_drawn_and_exported_as_the_fusions(mixtral):
+    p, before, after = mixtral
+    captured = {n.name for n in p.captured.graph_module.graph.nodes}
+    launches = [n.name for n in p.graph_module.graph.nodes if n.op == "call_function" and n.name not in captured
+                and n.name in after]
+    assert any(n.startswith("grouped_matmul") for n in launches)
+    dot = viz.graph_dot(p.graph_module, None, after, before_paths=hierarchy.module_paths(p.captured.graph_module),
+                        expand_all=True)
+    for name in launches:
+        (line,) = [ln for ln in dot.splitlines() if ln.lstrip().startswith(f'"{name}" [')]
+        assert "· fused " in line, line
+        assert 'fillcolor="#dbe7f5"' not in line                # not the plain colour of an unfused op
+        if after[name].part_of:
+            assert f"priced with {after[name].part_of}" in line
+    doc, data = _model_explorer(p, before, after)
+    nodes = {n["id"]: {a["key"]: a["value"] for a in n["attrs"]} for n in doc["graphs"][0]["nodes"]}
+    overlay = data["fused"]["fused"]["results"]
+    for name in launches:
+        assert "fused" in nodes[name] and overlay[name]["value"].startswith("fused ")
