@@ -547,7 +547,7 @@ def cmd_report(a, progress):
     elif a.format == "md":
         text = r.to_markdown(sims)
     elif a.format == "html":
-        text = _html(a, fused, sims, _graphs(a, fused, sims, progress) if a.graphs else None)
+        text = _html(a, fused, sims, _pictures(_graphs(a, fused, sims, progress)) if a.graphs else None)
     else:
         text = r.summary() + "\n"
         if sims:
@@ -595,6 +595,11 @@ def _graphs(a, fused, sims, progress, expand_all=False, show_params=False) -> di
     return out
 
 
+def _pictures(graphs: dict) -> dict:
+    """The pictures of :func:`_graphs` for the page, without the DOT texts (those are files of ``viz``)."""
+    return {k: v for k, v in graphs.items() if not k.startswith("dot:")}
+
+
 def cmd_viz(a, progress):
     from autofuse import viz
     _, inputs, fused = _fuse(a, progress)
@@ -609,8 +614,7 @@ def cmd_viz(a, progress):
         print("Graphviz `dot` is not installed: the SVGs use the built-in layout (no module clusters); render the "
               "DOT files with `dot -Tsvg before.dot` after installing graphviz (apt-get install graphviz)",
               file=sys.stderr)
-    pictures = {k: v for k, v in graphs.items() if not k.startswith("dot:")}
-    _write(_html(a, fused, sims, pictures), os.path.join(a.output, "report.html"))
+    _write(_html(a, fused, sims, _pictures(graphs)), os.path.join(a.output, "report.html"))
     if a.model_explorer:
         p = _plan(fused)
         before_costs, after_costs = _costs(fused, sims)

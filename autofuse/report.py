@@ -603,7 +603,8 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title:
                 extra_baselines: dict | None = None, graphs: dict | None = None, simulation=None) -> str:
     """The HTML page (see the module docstring). ``simulations``: ``{"fused": SimulationResult, "eager op by
     op": SimulationResult, ...}``; ``simulation``: the fused graph's simulation alone (kept for callers of the
-    first version; its figures annotate the fused graph). ``graphs``: caption -> inline SVG."""
+    first version; its figures annotate the fused graph). ``graphs``: caption -> inline SVG (any other text is
+    shown escaped, never as markup)."""
     sims = dict(simulations or {})
     if simulation is not None:
         sims.setdefault("fused", simulation)
@@ -625,7 +626,9 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title:
                      f"shapes; unfused kernels hollow, fused kernels filled.</p><div>{roof}</div>")
     parts.append(_layers_html(layer_rows(before, after, before_costs, after_costs), source))
     for caption, svg in (graphs or {}).items():
-        parts.append(f"<h2>{_e(caption)}</h2><div class='graph'>{svg}</div>")
+        # an inline SVG picture goes in as markup; anything else (a DOT text) only as escaped text
+        body_ = svg if str(svg).lstrip().startswith("<svg") else f"<pre>{_e(svg)}</pre>"
+        parts.append(f"<h2>{_e(caption)}</h2><div class='graph'>{body_}</div>")
     if report.timings:
         parts.append("<h2>Compile time</h2>" + _table(
             ["stage", "seconds#"], [("", [_e(k.removesuffix('_s')), f"{t:.3f}"]) for k, t in report.timings.items()],

@@ -368,13 +368,13 @@ def svg_inline(svg: bytes | str) -> str:
 def to_dot(gm: fx.GraphModule, report=None, title="") -> str:
     """Every node and edge of ``gm`` as plain DOT (no clusters, folding or costs): for tools that read DOT."""
     col = colours(gm, report)
-    lines = [f'digraph "{title or "graph"}" {{', "  rankdir=TB; node [shape=box, style=filled, fontsize=10];"]
+    lines = [f'digraph {_q(title or "graph")} {{', "  rankdir=TB; node [shape=box, style=filled, fontsize=10];"]
     for n in gm.graph.nodes:
-        label = f"{n.name}\\n{_short(n)}\\n{_shape(n)}".replace('"', "'")
-        lines.append(f'  "{n.name}" [label="{label}", fillcolor="{col.get(n.name, PLAIN)}"];')
+        label = "\\n".join(_q(x)[1:-1] for x in (n.name, _short(n), _shape(n)))
+        lines.append(f'  {_q(n.name)} [label="{label}", fillcolor="{col.get(n.name, PLAIN)}"];')
     for n in gm.graph.nodes:
         for a in n.all_input_nodes:
-            lines.append(f'  "{a.name}" -> "{n.name}";')
+            lines.append(f'  {_q(a.name)} -> {_q(n.name)};')
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -224,6 +224,34 @@ def test_model_from_a_file(tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["applied"]) == 1
 
 
+MARKUP = "<img src=x onerror=console.error(`INJECTED`)>"
+
+
+def test_the_html_report_shows_only_pictures_and_escapes_the_model_path(tmp_path, capsys):
+    # the model path is the page's title and the pictures' title; the DOT texts are viz's files, not the page's
+    where = tmp_path / MARKUP
+    where.mkdir()
+    (where / "m.py").write_text("import torch\nfrom autofuse.models import MHABlock\n"
+                                "def make():\n    return MHABlock(32, 4).eval(), (torch.randn(1, 16, 32),)\n")
+    page_path = tmp_path / "r.html"
+    main(["report", "--model", f"{where}/m.py:make", "--format", "html", "-o", str(page_path)])
+    page = page_path.read_text()
+    assert "digraph" not in page and "dot:" not in page and "<img" not in page
+    assert page.count("&lt;img src=x") >= 2                  # the page's title and the pictures' captions
+    out = tmp_path / "viz"
+    main(["viz", "--model", f"{where}/m.py:make", "-o", str(out)])
+    for name in ("before.dot", "after.dot"):
+        dot = (out / name).read_text()
+        # a quoted DOT string for the graph's name, an escaped HTML-like label for its caption
+        assert dot.startswith('digraph "') and "label=<<B>" in dot and "&lt;img src=x" in dot
+    from browser import CHROMIUM, Browser
+    if CHROMIUM is None:
+        return
+    with Browser() as b:
+        b.open(page_path.as_uri())
+        assert b.errors() == [] and b.eval("document.querySelectorAll('img, script[src]').length") == 0
+
+
 def test_model_from_a_module(tmp_path, capsys, monkeypatch):
     (tmp_path / "zoo_of_mine.py").write_text(
         "import torch\nfrom autofuse.models import MHABlock\n"

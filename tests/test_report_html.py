@@ -134,6 +134,15 @@ def test_the_generic_baseline_is_labelled_with_the_level_and_switches_it_was_pla
     assert "against <b>generic fusion alone at O1 under the same switches</b>" in page
 
 
+def test_only_svg_pictures_go_into_the_page_as_markup(mixed):
+    p, _ = mixed
+    dot = 'digraph "<img src=x onerror=alert(1)>" { a [label=<<B>a</B>>]; }'
+    page = R.report_html(p.report, p.captured.graph_module, p.graph_module,
+                         graphs={"a DOT text": dot, "a picture": "<svg><g id='x'/></svg>"})
+    assert "<img" not in page and "<B>" not in page and "&lt;img src=x" in page
+    assert "<div class='graph'><svg><g id=" in page
+
+
 def test_page_is_self_contained(mixed):
     p, sims = mixed
     page = R.report_html(p.report, p.captured.graph_module, p.graph_module, simulations=sims,
@@ -186,15 +195,6 @@ def test_the_pages_predicted_figures_are_the_reports(name):
     assert all(after[n].cycles >= 0 for n in after)
 
 
-def test_summary_and_markdown_still_render_from_the_report(mixed):
-    p, _ = mixed
-    assert p.report.summary().startswith("autofuse plan for ascend910 at O3: 1 fused, 1 not fused")
-    assert str(p.report) == p.report.summary()          # print(report): the summary, not the dataclass's fields
-    alts = [d.to_dict()["params"].get("alternatives") for d in p.report.decisions if "alternatives" in d.params]
-    # the JSON carries each device's priced implementations (it dropped them: a dict was not a scalar or list)
-    assert alts and all(set(a) == {"ascend910", "ascend910b", "ascend310p"} for a in alts)
-    assert all({"implementation", "cycles", "runnable"} == set(r) for a in alts for rows in a.values() for r in rows)
-    json.dumps(p.report.to_dict())
 @pytest.fixture(scope="module", params=["mixtral", "gpt2 train"])
 def many_calls(request):
     """Plans where one fusion emits several calls: Mixtral's experts block (routing, two grouped GEMMs, combine) and
@@ -223,6 +223,15 @@ def test_every_call_a_fusion_emits_is_its_and_priced_once(many_calls):
     assert f"&rarr; {p.report.predicted_cycles:,} cycles" in head
 
 
+def test_summary_and_markdown_still_render_from_the_report(mixed):
+    p, _ = mixed
+    assert p.report.summary().startswith("autofuse plan for ascend910 at O3: 1 fused, 1 not fused")
+    assert str(p.report) == p.report.summary()          # print(report): the summary, not the dataclass's fields
+    alts = [d.to_dict()["params"].get("alternatives") for d in p.report.decisions if "alternatives" in d.params]
+    # the JSON carries each device's priced implementations (it dropped them: a dict was not a scalar or list)
+    assert alts and all(set(a) == {"ascend910", "ascend910b", "ascend310p"} for a in alts)
+    assert all({"implementation", "cycles", "runnable"} == set(r) for a in alts for rows in a.values() for r in rows)
+    json.dumps(p.report.to_dict())
     assert repr(p.report).startswith("FusionReport(device='ascend910'")
     assert "| kept | attention |" in p.report.to_markdown() and "memory_budget" in p.report.to_markdown()
 
