@@ -36,6 +36,29 @@ def hbm_change(saved: int) -> str:
     return f"saves {saved:,} B of HBM traffic" if saved >= 0 else f"costs {-saved:,} B more HBM traffic"
 
 
+def _is_dtype(v) -> bool:
+    return type(v).__name__ == "dtype" and type(v).__module__ == "torch"
+
+
+def jsonable(v):
+    """``v`` in JSON's types, by rule: scalars as they are; a tuple, list or set as a list, and a dict with its keys
+    as strings, each item converted; a torch dtype or device by its name (``float32``); a tensor by its dtype and
+    shape (``float32[2, 4]``); a NumPy scalar as its value; anything else by ``str``."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list, set, frozenset)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if _is_dtype(v) or (type(v).__name__ == "device" and type(v).__module__ == "torch"):
+        return str(v).removeprefix("torch.")
+    if hasattr(v, "dtype") and hasattr(v, "shape"):
+        if type(v).__module__ == "numpy" and hasattr(v, "item"):       # a NumPy scalar
+            return jsonable(v.item())
+        return f"{jsonable(v.dtype)}{list(v.shape)}"
+    return str(v)
+
+
 @dataclass(frozen=True)
 class FusionDecision:
     """One candidate's fate, with the numbers behind it (cycles on the target device, bytes of HBM)."""
@@ -89,13 +112,15 @@ class FusionDecision:
         d["unfused_kernels"] = list(self.unfused_kernels)
         d["hbm_bytes_saved"] = self.hbm_bytes_saved
         d["speedup"] = None if self.speedup is None else round(self.speedup, 4)
-        d["params"] = {k: v for k, v in self.params.items() if isinstance(v, (int, float, str, bool, type(None),
-                                                                              list, tuple))}
+        # the params of plain values, converted (:func:`jsonable`); the planner's own objects (a Vector program, a
+        # tensor an output must look like) stay out
+        d["params"] = {k: jsonable(v) for k, v in self.params.items()
+                       if isinstance(v, (int, float, str, bool, type(None), list, tuple)) or _is_dtype(v)}
         alts = self.params.get("alternatives")
         if isinstance(alts, dict):       # each device's priced implementations, cheapest first
             d["params"]["alternatives"] = {dev: [{"implementation": name, "cycles": int(cycles), "runnable": bool(ok)}
                                                  for name, cycles, ok in rows] for dev, rows in alts.items()}
-        return d
+        return jsonable(d)
 
 
 @dataclass
@@ -151,7 +176,8 @@ class FusionReport:
         return self.summary()
 
     def to_dict(self) -> dict:
-        return {
+        """The report in JSON's types (:func:`jsonable`): ``json.dumps`` takes it as it is."""
+        return jsonable({
             "device": self.device, "optimization_level": self.optimization_level,
             "memory_budget": self.memory_budget, "capture_route": self.capture_route,
             "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
@@ -161,7 +187,7 @@ class FusionReport:
             "guards": list(self.guards), "replanned_because": self.replanned_because,
             "predicted_cycles": self.predicted_cycles, "baselines": dict(self.baselines),
             "fusion_switches": dict(self.fusion_switches),
-        }
+        })
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), indent=kw.pop("indent", 2), **kw)

@@ -14,7 +14,7 @@ import torch
 
 from autofuse import cli
 from autofuse.cli import main
-from autofuse.models import build
+from autofuse.models import ZOO, build
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["--model", "gpt2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "8"]
@@ -89,6 +89,19 @@ def test_report_text_json_markdown(capsys):
     main(["report", *TINY, "--format", "md", "--level", "O0"])
     out = capsys.readouterr().out
     assert out.startswith("# autofuse report: ascend910, O0") and "disabled_by_opt_level" in out
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "train"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_zoo_models_report_dumps_to_json(name, train, capsys):
+    # a training plan's attention holds its dropout draw (a shape, a dtype): the JSON names the dtype
+    sizes = ["--hidden", "32", "--heads", "2", "--seq", "8"] + (["--layers", "1"] if name != "mha" else [])
+    main(["report", "--model", name, *sizes, "--format", "json"] + (["--train"] if train else []))
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["training"] is train and doc["applied"]
+    draws = [d["params"]["dropout_draw"] for d in doc["applied"] if d["params"].get("dropout_draw")]
+    assert all(isinstance(shape, list) and dtype == "float32" for shape, dtype, _ in draws)
+    assert (name, train) != ("gpt2", True) or draws
 
 
 def test_report_html_with_simulation(tmp_path, capsys):
