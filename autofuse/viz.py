@@ -26,6 +26,7 @@ cycles, HBM bytes, bound unit, fused or not.
 from __future__ import annotations
 
 import html
+import operator
 import re
 import shutil
 import subprocess
@@ -460,6 +461,32 @@ def _namespace(path: tuple) -> str:
     return "/".join(parts)
 
 
+def _me_output_read(n: fx.Node, a: fx.Node) -> int:
+    """Which output of ``a`` node ``n`` reads: a ``getitem``'s index of the tuple it takes apart, else output 0."""
+    if n.op == "call_function" and n.target is operator.getitem and n.args[0] is a and isinstance(n.args[1], int):
+        return n.args[1]
+    return 0
+
+
+def _multi(n: fx.Node) -> bool:
+    """A node whose value is a tuple (its outputs are taken apart by ``getitem``)."""
+    return isinstance(n.meta.get("val"), (tuple, list)) or \
+        any(u.op == "call_function" and u.target is operator.getitem for u in n.users)
+
+
+def _me_outputs(n: fx.Node) -> dict:
+    """Output index -> value (a tensor, or None where nothing records it) of every output ``n`` has or its readers
+    read: a tuple-valued call without metadata (a fused call) is known by its ``getitem`` readers' values."""
+    v = n.meta.get("val")
+    outs = dict(enumerate(v)) if isinstance(v, (tuple, list)) else {0: v} if v is not None else {}
+    for u in n.users:
+        i = _me_output_read(u, n)
+        if outs.get(i) is None:
+            outs[i] = u.meta.get("val") if u.op == "call_function" and u.target is operator.getitem else None
+    read = {_me_output_read(u, n) for u in n.users}
+    return {i: x for i, x in outs.items() if isinstance(x, torch.Tensor) or i in read} if n.op != "output" else {}
+
+
 def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_paths=None) -> dict:
     paths = hierarchy.module_paths(gm, before=before_paths)
     classes = hierarchy.module_classes(gm)
@@ -495,14 +522,12 @@ def _me_graph(gm: fx.GraphModule, graph_id: str, report, costs: dict, before_pat
             attrs.append({"key": "fused", "value": f"{match.pattern}: " + (
                 f"part of {part}'s block, which replaces {replaced}" if part else f"replaces {replaced}")})
         outs = []
-        v = n.meta.get("val")
-        vals = list(v) if isinstance(v, (tuple, list)) else [v]
-        for i, x in enumerate(vals):
-            if isinstance(x, torch.Tensor):
-                outs.append({"id": str(i), "attrs": [
-                    {"key": "tensor_shape", "value": str(x.dtype).replace("torch.", "") + str(list(x.shape))},
-                    {"key": "__tensor_tag", "value": n.name if len(vals) == 1 else f"{n.name}[{i}]"}]})
-        edges = [{"sourceNodeId": a.name, "sourceNodeOutputId": "0", "targetNodeInputId": str(i)}
+        for i, x in sorted(_me_outputs(n).items()):
+            tag = [{"key": "__tensor_tag", "value": n.name if i == 0 and not _multi(n) else f"{n.name}[{i}]"}]
+            shape = [{"key": "tensor_shape", "value": str(x.dtype).replace("torch.", "") + str(list(x.shape))}] \
+                if isinstance(x, torch.Tensor) else []
+            outs.append({"id": str(i), "attrs": shape + tag})
+        edges = [{"sourceNodeId": a.name, "sourceNodeOutputId": str(_me_output_read(n, a)), "targetNodeInputId": str(i)}
                  for i, a in enumerate(n.all_input_nodes)]
         ins = [{"id": str(i), "attrs": [{"key": "__tensor_tag", "value": a.name}]}
                for i, a in enumerate(n.all_input_nodes)]

@@ -401,3 +401,24 @@ def test_every_call_a_fusion_emits_is_drawn_and_exported_as_the_fusions(mixtral)
     overlay = data["fused"]["fused"]["results"]
     for name in launches:
         assert "fused" in nodes[name] and overlay[name]["value"].startswith("fused ")
+
+
+def test_model_explorer_edges_leave_the_output_they_read_and_every_output_is_declared(mixtral):
+    p, before, after = mixtral
+    doc, _ = _model_explorer(p, before, after)
+    for graph in doc["graphs"]:
+        nodes = {n["id"]: n for n in graph["nodes"]}
+        for n in graph["nodes"]:
+            attrs = {a["key"]: a["value"] for a in n["attrs"]}
+            for e in n["incomingEdges"]:
+                declared = {o["id"] for o in nodes[e["sourceNodeId"]]["outputsMetadata"]}
+                assert e["sourceNodeOutputId"] in declared, (e, n["id"])
+                if attrs["op"] == "getitem":                   # a tuple's item: the output it takes
+                    assert e["sourceNodeOutputId"] == attrs["arg1"]
+    fused = {n["id"]: n for n in doc["graphs"][0]["nodes"]}
+    routing = next(n for k, n in fused.items() if k.startswith("moe_init_routing"))
+    shapes = {o["id"]: o["attrs"][0]["value"] for o in routing["outputsMetadata"]}
+    assert set(shapes) == {"0", "1", "2"} and shapes["2"].startswith("int64[")       # the per-expert counts
+    attention = next(n for k, n in fused.items() if k.startswith("flash_attention"))
+    assert attention["outputsMetadata"][0]["id"] == "0"
+    assert attention["outputsMetadata"][0]["attrs"][0]["key"] == "tensor_shape"
