@@ -617,7 +617,11 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title:
              f"<p class='meta'>{_e(device)} at {_e(report.optimization_level)}; captured by "
              f"{_e(report.capture_route or '?')}; graph {report.nodes_before:,} &rarr; {report.nodes_after:,} nodes"
              + (f"; memory budget {_bytes(report.memory_budget)}" if report.memory_budget is not None else "")
-             + "</p>",
+             + "</p>"
+             + (f"<p class='meta'><b>Planned for training mode</b> ({_e(TRAINING_NOTE)}).</p>"
+                if getattr(report, "training", False) else "")
+             + (f"<p class='meta'>Re-planned because {_e(report.replanned_because)}.</p>"
+                if getattr(report, "replanned_because", "") else ""),
              _verdict_html(v, report), _memory_html(report), _fusions_html(report),
              _choices_html(report)]
     roof = roofline_svg(device, _main_dtype(before), before_costs, after_costs)
@@ -625,6 +629,8 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title:
         parts.append(f"<h2 id='roofline'>Roofline</h2><p class='meta'>{source} cycles; FLOPs counted from the "
                      f"shapes; unfused kernels hollow, fused kernels filled.</p><div>{roof}</div>")
     parts.append(_layers_html(layer_rows(before, after, before_costs, after_costs), source))
+    if getattr(report, "guards", None):
+        parts.append(f"<p class='meta'>Re-planned if these change: {_e('; '.join(report.guards))}.</p>")
     for caption, svg in (graphs or {}).items():
         # an inline SVG picture goes in as markup; anything else (a DOT text) only as escaped text
         body_ = svg if str(svg).lstrip().startswith("<svg") else f"<pre>{_e(svg)}</pre>"

@@ -223,6 +223,16 @@ def test_every_call_a_fusion_emits_is_its_and_priced_once(many_calls):
     assert f"&rarr; {p.report.predicted_cycles:,} cycles" in head
 
 
+def test_a_training_plans_page_says_so_as_text_and_markdown_do(many_calls, mixed):
+    p = many_calls
+    page = R.report_html(p.report, p.captured.graph_module, p.graph_module)
+    said = "planned for training mode" in p.report.summary()
+    assert said == p.report.training == ("<b>Planned for training mode</b>" in page)
+    assert all(html.escape(g, quote=True) in page for g in p.report.guards)
+    q, _ = mixed
+    assert "training mode" not in R.report_html(q.report, q.captured.graph_module, q.graph_module)
+
+
 def test_summary_and_markdown_still_render_from_the_report(mixed):
     p, _ = mixed
     assert p.report.summary().startswith("autofuse plan for ascend910 at O3: 1 fused, 1 not fused")
