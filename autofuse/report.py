@@ -441,14 +441,16 @@ document.querySelectorAll('table.sortable th').forEach(function (th) {
     var rows = Array.prototype.slice.call(body.rows);
     var desc = th.dataset.dir !== 'desc';
     th.dataset.dir = desc ? 'desc' : 'asc';
+    // numbers by value, then words ("fused elsewhere", "n/a") by text: the words after the numbers either way
     var key = function (r) {
       var t = r.cells[i].dataset.v || r.cells[i].textContent;
       var x = parseFloat(t.replace(/[,x%]/g, ''));
-      return isNaN(x) ? t : x;
+      return isNaN(x) ? [1, t] : [0, x];
     };
     rows.sort(function (a, b) {
       var x = key(a), y = key(b);
-      return (x < y ? -1 : x > y ? 1 : 0) * (desc ? -1 : 1);
+      if (x[0] !== y[0]) return x[0] - y[0];
+      return (x[1] < y[1] ? -1 : x[1] > y[1] ? 1 : 0) * (desc ? -1 : 1);
     });
     rows.forEach(function (r) { body.appendChild(r); });
   });

@@ -269,6 +269,23 @@ def test_chromium_renders_the_page_without_errors_and_shows_both_fusions(mixed, 
         assert b.errors() == []
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium; .ci/run does)")
+def test_sorting_puts_numbers_in_order_and_words_after_them(tmp_path):
+    cells = ["2.00x", "fused here", "10.50x", "n/a", "1,200", "fused elsewhere", "0.98x"]
+    rows = "".join(f"<tr><td>{c}</td></tr>" for c in cells)
+    path = tmp_path / "t.html"
+    path.write_text(f"<table class='sortable'><thead><tr><th>speed-up</th></tr></thead><tbody>{rows}</tbody></table>"
+                    f"<script>{R._JS}</script>")
+    with Browser() as b:
+        b.open(path.as_uri())
+        column = "[...document.querySelectorAll('tbody td')].map(c => c.textContent)"
+        b.eval("document.querySelector('th').click()")
+        assert b.eval(column) == ["1,200", "10.50x", "2.00x", "0.98x", "n/a", "fused here", "fused elsewhere"]
+        b.eval("document.querySelector('th').click()")
+        assert b.eval(column) == ["0.98x", "2.00x", "10.50x", "1,200", "fused elsewhere", "fused here", "n/a"]
+        assert b.errors() == []
+
+
 def test_every_family_and_named_region_kind_has_a_colour_of_its_own():
     from autofuse.report import family_colour
     kinds = {"attention": "attention", "softmax": "softmax", "rope": "rope", "moe_gating": "moe_gating",
