@@ -16,7 +16,8 @@ Each rank is one process (``torch.multiprocessing``, gloo on loopback) and simul
 2. **simulate** the captured graph (every op a launch: the matmul, then the collective) and the fused graph
    with :func:`autofuse.simulate.simulate_graph`. Collective nodes run the collective kernels over the group's
    ranks (``autofuse.lower``), MC2 ops their kernels; both exchange real data and arrival times with the other
-   ranks through gloo. A rank's time is the sum of its launches; the system's is the slowest rank's.
+   ranks through gloo. A rank's time is the sum of its launches; the system's is the slowest rank's. The second
+   baseline, generic fusion alone, is the shard planned again with every pattern family off, simulated alike.
 3. **report** every launch that used the links: its bytes on the link, the busiest lane's occupancy (link
    time), its cycles, and what it overlapped with — nothing for a collective launched on its own; for an MC2
    launch, the matmul it is fused with and the cycles that hid (the pair's launches in the unfused simulation
@@ -82,6 +83,9 @@ class RankResult:
     step_unfused: GraphRun | None = None    # and the captured graph's
     step_grads: dict | None = None          # the fused step's gradients: parameter name -> tensor
     step_grad_outputs: list | None = None   # the output gradients both steps took
+    generic: GraphRun | None = None         # the plan of automatic discovery alone (every pattern family off)
+    step_generic: GraphRun | None = None    # backward=True: its training step
+    generic_label: str = "generic fusion alone"     # that baseline as reports name it (its level, its switches)
 
     @property
     def speedup(self) -> float:
@@ -109,18 +113,31 @@ class WorldResult:
         return max(r.unfused.cycles for r in self.ranks)
 
     @property
+    def cycles_generic(self) -> int | None:
+        """The system's time under the plan of automatic discovery alone (the second baseline)."""
+        runs = [r.generic for r in self.ranks]
+        return max(g.cycles for g in runs) if all(g is not None for g in runs) else None
+
+    @property
     def speedup(self) -> float:
         return self.cycles_unfused / self.cycles if self.cycles else 0.0
 
     def to_dict(self) -> dict:
+        """Keys as before (``cycles_unfused``: eager op by op), and the baselines under the names the reports use
+        (``baselines``: ``eager op by op``, ``generic fusion alone``)."""
         return {"world_size": self.world_size, "device": self.device, "cycles": self.cycles,
-                "cycles_unfused": self.cycles_unfused, "speedup": round(self.speedup, 4),
+                "cycles_unfused": self.cycles_unfused, "cycles_generic": self.cycles_generic,
+                "baselines": {"eager op by op": self.cycles_unfused, "generic fusion alone": self.cycles_generic},
+                "speedup": round(self.speedup, 4),
                 "ranks": [{"rank": r.rank, "cycles": r.fused.cycles, "cycles_unfused": r.unfused.cycles,
+                           "cycles_generic": r.generic.cycles if r.generic is not None else None,
                            "max_abs_diff": r.max_abs_diff, "decisions": [d.to_dict() for d in r.decisions],
                            "collectives": [c.__dict__ for c in r.fused.collectives],
                            "collectives_unfused": [c.__dict__ for c in r.unfused.collectives],
                            **({"step": _as_dict(r.step), "step_unfused": _as_dict(r.step_unfused)}
-                              if r.step is not None else {})} for r in self.ranks]}
+                              if r.step is not None else {}),
+                           **({"step_generic": _as_dict(r.step_generic)} if r.step_generic is not None else {})}
+                          for r in self.ranks]}
 
     def __str__(self) -> str:       # print(result): the summary; repr() keeps every field
         return self.summary()
@@ -129,13 +146,18 @@ class WorldResult:
         from cost_model.devices import get_device
         clock = get_device(self.device).clock_hz
         slow = max(self.ranks, key=lambda r: r.fused.cycles)
+        generic, label = self.cycles_generic, self.ranks[0].generic_label
         lines = [f"{self.world_size} ranks on {self.device}: system {self.cycles:,} cycles "
-                 f"({self.cycles / clock * 1e6:,.1f} µs) fused vs {self.cycles_unfused:,} unfused "
-                 f"({self.speedup:.2f}x; the slowest rank each, rank {slow.rank} fused)"]
+                 f"({self.cycles / clock * 1e6:,.1f} µs) fused vs {self.cycles_unfused:,} unfused, eager op by op "
+                 f"({self.speedup:.2f}x)"
+                 + (f", and {generic:,} with {label} ({generic / max(self.cycles, 1):.2f}x)"
+                    if generic is not None else "")
+                 + f"; the slowest rank each, rank {slow.rank} fused"]
         for r in self.ranks:
-            lines.append(f"  rank {r.rank}: {r.fused.cycles:,} fused / {r.unfused.cycles:,} unfused cycles "
-                         f"({r.speedup:.2f}x), {r.fused.launches} / {r.unfused.launches} launches, outputs differ "
-                         f"by {r.max_abs_diff:.3g}")
+            lines.append(f"  rank {r.rank}: {r.fused.cycles:,} fused / {r.unfused.cycles:,} unfused"
+                         + (f" / {r.generic.cycles:,} generic" if r.generic is not None else "")
+                         + f" cycles ({r.speedup:.2f}x), {r.fused.launches} / {r.unfused.launches} launches, "
+                           f"outputs differ by {r.max_abs_diff:.3g}")
         lines.append("  matmul + collective pairs (rank 0):")
         for d in self.ranks[0].pairs:
             lines.append(f"    {'fused' if d.applied else 'kept '} {d.pattern:22s} at {d.anchor}: "
@@ -153,8 +175,12 @@ class WorldResult:
     def _step_lines(self) -> list:
         step = max(r.step.cycles for r in self.ranks)
         step_u = max(r.step_unfused.cycles for r in self.ranks)
+        generic = [r.step_generic for r in self.ranks]
+        step_g = max(g.cycles for g in generic) if all(g is not None for g in generic) else None
         lines = [f"  training step (forward + backward): system {step:,} cycles fused vs {step_u:,} unfused "
-                 f"({step_u / max(step, 1):.2f}x; the slowest rank each)"]
+                 f"({step_u / max(step, 1):.2f}x)"
+                 + (f", {step_g:,} with {self.ranks[0].generic_label} ({step_g / max(step, 1):.2f}x)"
+                    if step_g is not None else "") + "; the slowest rank each"]
         for r in self.ranks:
             f, u = r.step.phases, r.step_unfused.phases
             lines.append(f"    rank {r.rank}: forward {f['forward']:,} / {u['forward']:,}, backward "
@@ -214,11 +240,19 @@ def rank_pipeline(model, args, device: str = "ascend910b", level: str = "O3", ba
 
     from autofuse.engine import AutoFusionEngine
     from autofuse.simulate import simulate_graph
+    from autofuse.engine import generic_only
+    from autofuse.report import GENERIC_BASELINE, baseline_label
     fused = AutoFusionEngine.fuse(model, tuple(args), target_device=device, optimization_level=level, **fuse_kwargs)
     plan = fused._require_plan()
+    # the second baseline: the same model planned with every pattern family off (automatic discovery alone), run
+    # through the same world simulation; every rank plans it, in the same order, as it does the plan
+    switches = {**(fuse_kwargs.get("fusion_switches") or {}), **generic_only()}
+    generic = AutoFusionEngine.fuse(model, tuple(args), target_device=device, optimization_level=level,
+                                    **{**fuse_kwargs, "fusion_switches": switches})._require_plan()
     leaves = plan.captured.flatten_inputs(*args)
     unfused_sim = simulate_graph(plan.captured.graph_module, leaves, device)
     fused_sim = simulate_graph(plan.graph_module, leaves, device)
+    generic_sim = simulate_graph(generic.graph_module, generic.captured.flatten_inputs(*args), device)
     decisions = list(plan.report.decisions)
     out_f = _leaves(fused_sim.outputs)
     out_u = _leaves(unfused_sim.outputs)
@@ -228,12 +262,14 @@ def rank_pipeline(model, args, device: str = "ascend910b", level: str = "O3", ba
                      _run(unfused_sim, plan.captured.graph_module), decisions, diff,
                      plan.captured.unflatten_outputs(tuple(fused_sim.outputs)),
                      plan.captured.unflatten_outputs(tuple(unfused_sim.outputs)))
+    res.generic = _run(generic_sim, generic.graph_module)
+    res.generic_label = baseline_label(GENERIC_BASELINE, plan.report)
     if backward:
-        _training_step(res, plan, leaves, device)
+        _training_step(res, plan, leaves, device, generic)
     return res
 
 
-def _training_step(res: RankResult, plan, leaves, device: str):
+def _training_step(res: RankResult, plan, leaves, device: str, generic=None):
     """Step 4 of the module docstring: both graphs' training steps on this rank, into ``res``."""
     from autofuse.simulate import simulate_graph
     # the rank's input requires grad, as a layer's inside a model does (its gradient is the previous layer's dy)
@@ -242,6 +278,9 @@ def _training_step(res: RankResult, plan, leaves, device: str):
     fused = simulate_graph(plan.graph_module, xs, device, backward=True)
     unfused = simulate_graph(plan.captured.graph_module, xs, device, backward=True)
     res.step, res.step_unfused = _run(fused, fused.joint.graph_module), _run(unfused, unfused.joint.graph_module)
+    if generic is not None:
+        g = simulate_graph(generic.graph_module, xs, device, backward=True)
+        res.step_generic = _run(g, g.joint.graph_module)
     joint, outs = fused.joint, list(fused.outputs)
     # the step's outputs: the forward's, then a gradient per parameter, then per input that requires grad
     end = len(outs) - sum(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)

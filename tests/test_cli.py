@@ -104,6 +104,20 @@ def test_every_zoo_models_report_dumps_to_json(name, train, capsys):
     assert (name, train) != ("gpt2", True) or draws
 
 
+def test_simulate_world_gives_both_baselines(tmp_path, capsys):
+    # the ranks also plan the model with the pattern families off and run that plan through the same world
+    out = tmp_path / "world.json"
+    main(["simulate", "--world-size", "2", "--model", "tp-block", "--hidden", "32", "--heads", "2", "--seq", "8",
+          "--json", str(out)])
+    first = capsys.readouterr().out.splitlines()[0]
+    doc = json.loads(out.read_text())
+    generic, eager = doc["baselines"]["generic fusion alone"], doc["baselines"]["eager op by op"]
+    assert eager == doc["cycles_unfused"] and generic == doc["cycles_generic"] == max(
+        r["cycles_generic"] for r in doc["ranks"])
+    assert doc["cycles"] <= generic <= eager
+    assert f"{eager:,} unfused, eager op by op" in first and f"{generic:,} with generic fusion alone" in first
+
+
 def test_report_html_with_simulation(tmp_path, capsys):
     path = tmp_path / "r.html"
     main(["report", *TINY, "--format", "html", "--simulate", "-o", str(path), "--device", "ascend910b"])
