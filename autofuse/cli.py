@@ -566,7 +566,8 @@ def _graphs(a, fused, sims, progress, expand_all=False, show_params=False) -> di
     from autofuse import hierarchy, viz
     p = _plan(fused)
     before_costs, after_costs = _costs(fused, sims)
-    source = f"simulated on {a.device}" if sims else "predicted by the cost model"
+    # a simulation measures the nodes; a fused block's "N → M cyc" is still the planner's prediction
+    source = f"simulated on {a.device}; blocks' N → M cyc: predicted" if sims else "predicted by the cost model"
     out, layouts = {}, {}
     t0 = time.perf_counter()
     for key, gm, rep, costs, kw in (
@@ -645,8 +646,10 @@ def cmd_simulate(a, progress):
             print(f"  {phase:<8}: {b:>14,} / {g:>14,} / {f:>14,} cycles ({BASELINE} / {label} / fused): "
                   f"{b / max(f, 1):.2f}x / {g / max(f, 1):.2f}x")
     if a.json:
-        _write(json.dumps({"unfused": before.to_dict(), "generic": generic.to_dict(), "fused": after.to_dict()},
-                          indent=2, default=str) + "\n", a.json)
+        # "simulated": the three totals under the names report --simulate --format json gives them
+        totals = {k: {"cycles": s.cycles, "hbm_bytes": s.hbm_bytes} for k, s in sims.items()}
+        _write(json.dumps({"unfused": before.to_dict(), "generic": generic.to_dict(), "fused": after.to_dict(),
+                           "simulated": totals}, indent=2, default=str) + "\n", a.json)
 
 
 def _simulate_world(a, progress):
@@ -720,7 +723,8 @@ def parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--top", type=_count0, default=8, help="the launches to list (default 8)")
     p.add_argument("--json", default=None, help="also write the three simulations as JSON here: \"unfused\" (eager op "
-                   "by op), \"generic\" (generic fusion alone) and \"fused\"")
+                   "by op), \"generic\" (generic fusion alone) and \"fused\"; \"simulated\": their cycles and HBM "
+                   "bytes under the names report --format json uses")
     p.add_argument("--backward", action="store_true",
                    help="simulate a training step: the forward and the backward of every trainable parameter "
                         "(with --train, dropout active too)")

@@ -545,6 +545,8 @@ def _fusions_html(report) -> str:
         return "".join(out)
     rows = [("", [_e(code), str(n), _e(meaning)]) for code, n, meaning in reason_counts(report)]
     out.append(_table(["reason code", "candidates#", "meaning"], rows))
+    out.append("<p class='meta'>The cycles in the tables below are the cost model's predictions, the figures the "
+               "planner decided on, also where the page's verdict is simulated.</p>")
     for fam in sorted({d.pattern for d in report.decisions}):
         ds = sorted((d for d in report.decisions if d.pattern == fam), key=lambda d: not d.applied)
         applied = sum(d.applied for d in ds)
@@ -601,6 +603,19 @@ def _layers_html(rows: list, source: str) -> str:
                       "fused cycles (all)#", ""], cells))
 
 
+def _own_ids(svg: str, prefix: str) -> str:
+    """``svg`` with every ``id`` and every reference to one (``#id`` in ``href``, ``url(#id)``) prefixed: two pictures
+    on one page (Graphviz numbers both ``graph0``, ``node1``, ...) then share no id."""
+    ids = set(re.findall(r'\bid="([^"]+)"', svg))
+    if not ids:
+        return svg
+    def own(name):
+        return prefix + name if name in ids else name
+    svg = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{prefix}{m.group(1)}"', svg)
+    svg = re.sub(r'(href=")#([^"]+)"', lambda m: f'{m.group(1)}#{own(m.group(2))}"', svg)
+    return re.sub(r"url\(#([^)]+)\)", lambda m: f"url(#{own(m.group(1))})", svg)
+
+
 def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title: str = "", simulations=None,
                 extra_baselines: dict | None = None, graphs: dict | None = None, simulation=None) -> str:
     """The HTML page (see the module docstring). ``simulations``: ``{"fused": SimulationResult, "eager op by
@@ -633,9 +648,9 @@ def report_html(report, before: fx.GraphModule, after: fx.GraphModule, *, title:
     parts.append(_layers_html(layer_rows(before, after, before_costs, after_costs), source))
     if getattr(report, "guards", None):
         parts.append(f"<p class='meta'>Re-planned if these change: {_e('; '.join(report.guards))}.</p>")
-    for caption, svg in (graphs or {}).items():
-        # an inline SVG picture goes in as markup; anything else (a DOT text) only as escaped text
-        body_ = svg if str(svg).lstrip().startswith("<svg") else f"<pre>{_e(svg)}</pre>"
+    for i, (caption, svg) in enumerate((graphs or {}).items()):
+        # an inline SVG picture goes in as markup, its ids made its own; anything else (a DOT text) as escaped text
+        body_ = _own_ids(svg, f"p{i}-") if str(svg).lstrip().startswith("<svg") else f"<pre>{_e(svg)}</pre>"
         parts.append(f"<h2>{_e(caption)}</h2><div class='graph'>{body_}</div>")
     if report.timings:
         parts.append("<h2>Compile time</h2>" + _table(

@@ -118,6 +118,22 @@ def test_simulate_world_gives_both_baselines(tmp_path, capsys):
     assert f"{eager:,} unfused, eager op by op" in first and f"{generic:,} with generic fusion alone" in first
 
 
+def test_simulated_figures_are_named_as_the_reports_name_them_and_predictions_say_so(tmp_path, capsys):
+    sim = tmp_path / "sim.json"
+    main(["simulate", "--model", "mha", "--hidden", "32", "--heads", "2", "--seq", "8", "--json", str(sim)])
+    main(["report", "--model", "mha", "--hidden", "32", "--heads", "2", "--seq", "8", "--simulate", "--format",
+          "json", "-o", str(tmp_path / "r.json")])
+    simulated = json.loads(sim.read_text())["simulated"]
+    assert simulated == json.loads((tmp_path / "r.json").read_text())["simulated"]
+    assert set(simulated) == {"eager op by op", "generic fusion alone", "fused"}
+    main(["viz", "--model", "mha", "--hidden", "32", "--heads", "2", "--seq", "8", "--simulate", "-o",
+          str(tmp_path / "viz")])
+    before = (tmp_path / "viz" / "before.dot").read_text()
+    assert "simulated on ascend910; blocks&#x27; N → M cyc: predicted" in before
+    page = (tmp_path / "viz" / "report.html").read_text()
+    assert "The cycles in the tables below are the cost model's predictions" in page
+
+
 def test_report_html_with_simulation(tmp_path, capsys):
     path = tmp_path / "r.html"
     main(["report", *TINY, "--format", "html", "--simulate", "-o", str(path), "--device", "ascend910b"])

@@ -143,6 +143,22 @@ def test_only_svg_pictures_go_into_the_page_as_markup(mixed):
     assert "<div class='graph'><svg><g id=" in page
 
 
+def test_two_pictures_on_one_page_share_no_element_id(mixed):
+    from autofuse import viz
+    p, _ = mixed
+    before = R.node_costs(p.captured.graph_module, p.report.device, p.report)
+    after = R.node_costs(p.graph_module, p.report.device, p.report, before=before)
+    pictures = {f"Graph {k} fusion": viz.svg_inline(viz.picture(gm, rep, costs, k)[1])
+                for k, gm, rep, costs in (("before", p.captured.graph_module, p.report, before),
+                                          ("after", p.graph_module, None, after))}
+    page = R.report_html(p.report, p.captured.graph_module, p.graph_module, graphs=pictures)
+    ids = re.findall(r'\bid=["\']([^"\']+)["\']', page)
+    assert len(ids) > 10 and len(ids) == len(set(ids))
+    # a reference inside a picture follows its id
+    refs = re.findall(r'(?:href="#|url\(#)([^")]+)', page)
+    assert set(refs) <= set(ids)
+
+
 def test_page_is_self_contained(mixed):
     p, sims = mixed
     page = R.report_html(p.report, p.captured.graph_module, p.graph_module, simulations=sims,
