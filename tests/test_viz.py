@@ -141,11 +141,11 @@ def _after_dot(p, after, **kw):
 
 
 def _crossing(p):
-    """Fused ops of the graph after whose block spans two layers -> the layers, lowest first."""
+    """Fused ops (lead calls) of the graph after whose block spans two layers -> the layers, lowest first."""
     before = hierarchy.module_paths(p.captured.graph_module)
     out = {}
     for n in p.graph_module.graph.nodes:
-        if hierarchy.fused_match(n) is not None:
+        if hierarchy.fused_lead(n):
             layers = sorted({hierarchy.layer_of(before[x]) for x in hierarchy.fused_block(n)[1]
                              if any(part.isdigit() for part in before.get(x, ()))}, key=lambda layer: int(layer[-1]))
             if len(layers) > 1:
