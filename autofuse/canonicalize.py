@@ -30,8 +30,9 @@ Canonical spellings (what patterns may assume):
   dropout and same-shape views/expands disappear; every view spelling becomes ``aten.reshape``
 * a swap of the last two dims -> ``aten.transpose.int(x, -2, -1)``; any other permutation ->
   ``aten.permute`` (chains composed; a permutation that ends in a last-two swap is split into
-  ``transpose(permute(x))``; a reshape of leading dims is moved inside a last-two transpose)
-* GQA ``unsqueeze -> expand -> reshape`` (transformers' ``repeat_kv``) -> ``aten.repeat_interleave``
+  ``transpose(permute(x))``; a reshape of leading dims, and a cast, are moved inside a last-two transpose)
+* GQA ``unsqueeze -> expand -> reshape`` (transformers' ``repeat_kv``) -> ``aten.repeat_interleave`` (a cast of
+  its result moves inside it)
 * masks -> ``aten.where.ScalarOther(keep, x, fill)`` where True = keep (from ``masked_fill``,
   ``where`` with the fill on either side or as a 0-d constant tensor); additive masks stay ``add``
 * ``F.scaled_dot_product_attention`` variants -> ``aten.scaled_dot_product_attention``
@@ -760,6 +761,20 @@ def _repeat_through_transpose(n):
     return call(n.graph, aten.transpose.int, inner, -2, -1)
 
 
+def _cast_through_view(n):
+    """_to_copy(transpose_last(x)) and _to_copy(repeat_interleave(x, r, dim)) -> the view of _to_copy(x): a cast acts
+    on each element alone, so it commutes with moving them; autocast casts kᵀ (and repeated k/v heads) where the
+    matmul reads them, which would hide the transpose from it."""
+    x = n.args[0]
+    if len(n.args) != 1 or set(n.kwargs) != {"dtype"}:
+        return None             # a cast that also moves or lays out the value (device=, memory_format=) stays
+    if is_call(x, aten.transpose.int) and tuple(x.args[1:]) == (-2, -1):
+        return call(n.graph, aten.transpose.int, _cast(x.args[0], n.kwargs["dtype"]), -2, -1)
+    if is_call(x, aten.repeat_interleave.self_int) and len(x.args) == 3 and not x.kwargs and x.args[2] < 0:
+        return call(n.graph, aten.repeat_interleave.self_int, _cast(x.args[0], n.kwargs["dtype"]), *x.args[1:])
+    return None
+
+
 def _repeat_interleave(n):
     x, r, dim = n.args[0], n.args[1], arg(n, 2, "dim")
     if dim is None or r == 1:
@@ -887,6 +902,7 @@ RULES = [
     ({aten.t.default}, _t),  # 2-D t() is transpose(-2, -1)
     ({aten.repeat_interleave.self_int}, _repeat_interleave),  # dims counted from the end
     ({aten.repeat_interleave.self_int}, _repeat_through_transpose),  # keep k^T next to the matmul
+    ({aten._to_copy.default}, _cast_through_view),  # same, under autocast's cast of k^T (a cast moves up views)
     ({aten.masked_fill.Scalar, aten.masked_fill.Tensor}, _masked_fill),  # masks say True = keep
     ({aten.where.self}, _where_self),  # scalar fill goes last, keep-mask first
     ({aten.where.ScalarSelf}, _where_scalar_self),  # same

@@ -197,6 +197,30 @@ def test_transpose_chains_compose():
     assert _canon(lambda a: a.permute(0, 2, 1, 3).permute(0, 2, 1, 3).mT, x4) == [aten.transpose.int]
 
 
+def test_a_cast_of_kt_or_of_repeated_heads_moves_inside_the_view():
+    """Autocast casts kᵀ where the matmul reads it (RoPE leaves q and k in fp32): the cast moves inside the
+    transpose, and inside a GQA repeat, so the matmul reads the transpose; the values are the captured ones."""
+    def scores(q, k):
+        return torch.softmax(q @ torch.repeat_interleave(k, 3, dim=1).transpose(-2, -1), -1)
+    q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 1, 6, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cap = capture(Fn(scores).eval(), (q, k))
+    (mm,) = [n for n in cap.graph_module.graph.nodes if n.target == aten.matmul.default]
+    assert mm.args[1].target == aten._to_copy.default and mm.args[1].args[0].target == aten.transpose.int
+    gm = canonicalize(cap.graph_module)
+    (mm,) = [n for n in gm.graph.nodes if n.target == aten.matmul.default]
+    kt = mm.args[1]
+    assert kt.target == aten.transpose.int and kt.args[0].target == aten.repeat_interleave.self_int
+    cast = kt.args[0].args[0]
+    assert cast.target == aten._to_copy.default and cast.kwargs == {"dtype": torch.bfloat16} and cast.args[0].op \
+        == "placeholder"
+    assert torch.equal(gm(q, k)[0], cap.graph_module(q, k)[0])
+    # a cast that also lays the value out (memory_format=) stays where it is, as does a cast of another permutation
+    assert _canon(lambda a: a.transpose(-2, -1).to(torch.bfloat16, memory_format=torch.contiguous_format), x4) == [
+        aten.transpose.int, aten._to_copy.default]
+    assert _canon(lambda a: a.permute(0, 2, 1, 3).bfloat16(), x4) == [aten.permute.default, aten._to_copy.default]
+
+
 def test_sdpa_stays_one_op():
     targets = _canon(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), x4, x4, x4)
     assert targets == [aten.scaled_dot_product_attention.default]
