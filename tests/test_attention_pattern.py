@@ -623,3 +623,66 @@ def test_a_slice_of_the_probabilities_without_sinks_is_not_attention():
 
     q, k, v = _args(AttentionVariant())
     assert find_attention(canonicalize(capture(Sliced(), (q, k, v)).graph_module)) == []
+
+
+class RopeUnderAutocast(nn.Module):
+    """Eager attention as transformers' RoPE models write it (GQA by ``repeat_interleave``, an additive fp32 mask,
+    an fp32 softmax cast to q's dtype): run under autocast, q and k come out of RoPE in fp32 and v out of its
+    projection in the autocast dtype, so autocast casts q, kᵀ and the probabilities where the matmuls read them."""
+
+    def forward(self, q, k, v, mask):
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = q @ k.transpose(-2, -1) * 0.25 + mask
+        return torch.softmax(s, -1, dtype=torch.float32).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocasts_casts_of_q_kt_and_the_probabilities_are_attention(dtype):
+    """The block is fused as captured: the kernel reads q, k and v cast to the autocast dtype (k before its
+    transpose and repeat, the same values), accumulates in fp32 and returns eager's dtype, within the verifier's
+    bound of float64."""
+    from autofuse import AutoFusionEngine
+    from autofuse.verify import compare
+    q, k, v = _args(AttentionVariant(), kv_heads=N // 2)
+    v = v.to(dtype)
+    mask = torch.zeros(1, 1, S, S).masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), torch.finfo().min)
+    module = RopeUnderAutocast().eval()
+    with torch.autocast("cpu", dtype=dtype):
+        fused = AutoFusionEngine.fuse(module, (q, k, v, mask))
+        got, want = fused(q, k, v, mask), module(q, k, v, mask)
+    (d,) = fused.report.of("attention")
+    assert d.applied and d.params["dtype"] == dtype and d.params["num_kv_heads"] == N // 2, fused.report.summary()
+    assert got.dtype == want.dtype == dtype
+    ok, err, tol = compare(want, module(q.double(), k.double(), v.double(), mask.double()), got)
+    assert ok, (err, tol)
+
+
+def test_near_miss_casts_through_kt_to_other_dtypes_than_v():
+    """q and kᵀ cast to bf16, v left in fp32: the casts no longer hide the transpose, and the block is reported
+    (no one kernel dtype says it), not fused."""
+    class Mixed(nn.Module):
+        low = torch.bfloat16
+
+        def forward(self, q, k, v):
+            return torch.softmax(q.to(self.low) @ k.transpose(-2, -1).to(self.low) * 0.25, -1).to(v.dtype) @ v
+    from autofuse import AutoFusionEngine
+    from autofuse.verify import compare
+    module, args = Mixed().eval(), _args(AttentionVariant())
+    fused = AutoFusionEngine.fuse(module, args)
+    (d,) = fused.report.of("attention")
+    assert d.reason_code == "unsupported" and "different dtypes (bfloat16, bfloat16, float32)" in d.reason
+    # the softmax may fuse on its own (fp32 inside, where eager rounds to bf16): the verifier's bound
+    got, want = fused(*args), module(*args)
+    module.low = torch.float64
+    ok, err, tol = compare(want, module(*(t.double() for t in args)), got)
+    assert ok, (err, tol)
+
+
+def test_kt_rounded_to_16_bits_and_back_is_attention_reading_the_rounded_k(ref_op):
+    """``kᵀ.bfloat16().float()`` (fake quantisation of k): the casts move inside the transpose, the kernel reads k
+    as rounded (rebuilt ahead of it), so the fused block keeps the rounding eager does (0.02 off without it)."""
+    class FakeQuantK(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-2, -1).bfloat16().float() * 0.25, -1) @ v
+    args = tuple(t * 2 for t in _args(AttentionVariant()))
+    _assert_fused_equal(FakeQuantK(), args, ref_op)

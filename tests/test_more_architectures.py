@@ -335,3 +335,39 @@ def test_q_k_and_v_of_other_mixed_dtypes_are_reported_not_fused():
     # the softmax still fuses on its own (fp32 inside, where eager rounds to bf16): the verifier's bound
     ok, err, tol = compare(m(q, k, v), m(q.double(), k.double(), v.double()), fused(q, k, v))
     assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama_eager_attention_under_autocast_is_fused_and_trains_within_the_bound(dtype):
+    """Under CPU autocast RoPE leaves q and k in fp32, and autocast casts q, kᵀ and the fp32 probabilities where the
+    matmuls read them: each block is fused all the same, in the autocast dtype. Its output and every parameter's
+    gradient (the attention backward kernel launched per layer) are within the verifier's bound of float64: at most
+    twice eager's error."""
+    from autofuse.ops import recording
+    torch.manual_seed(0)
+    model, args, kwargs = _lm(tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=2)("eager")
+    model.eval()
+    ref = copy.deepcopy(model).double()
+    with torch.autocast("cpu", dtype=dtype):
+        fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    attention = fused.report.of("attention")
+    assert len(attention) == LAYERS and all(d.applied and d.params["dtype"] == dtype for d in attention), \
+        fused.report.summary()
+    weights = torch.randn(2, 16, 128, dtype=torch.float64)
+    (main_output(ref(*args, **kwargs)) * weights).sum().backward()
+    runs = []
+    for m in (model, fused):
+        model.zero_grad()
+        with recording() as log:
+            with torch.autocast("cpu", dtype=dtype):
+                out = main_output(m(*args, **kwargs))
+            (out.double() * weights).sum().backward()
+        if m is fused:
+            assert [n for n, _ in log].count("flash_attention_grad") == LAYERS
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (want, want_g), (got, got_g) = runs
+    ok, err, tol = compare(want, main_output(ref(*args, **kwargs)).detach(), got)
+    assert ok, ("logits", err, tol)
+    for n, p in ref.named_parameters():
+        ok, err, tol = compare(want_g[n], p.grad, got_g[n])
+        assert ok, (n, err, tol)
