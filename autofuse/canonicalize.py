@@ -768,6 +768,8 @@ def _cast_through_view(n):
     x = n.args[0]
     if len(n.args) != 1 or set(n.kwargs) != {"dtype"}:
         return None             # a cast that also moves or lays out the value (device=, memory_format=) stays
+    if not (val(x).is_floating_point() and n.kwargs["dtype"].is_floating_point):
+        return None             # a mask's cast (DeepSeek-V3's group mask, repeated then cast) stays where templates see it
     if is_call(x, aten.transpose.int) and tuple(x.args[1:]) == (-2, -1):
         return call(n.graph, aten.transpose.int, _cast(x.args[0], n.kwargs["dtype"]), -2, -1)
     if is_call(x, aten.repeat_interleave.self_int) and len(x.args) == 3 and not x.kwargs and x.args[2] < 0:
