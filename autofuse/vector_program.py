@@ -312,6 +312,7 @@ class _Build:
         self.squeezed: set = set()          # reductions without keepdim
         self.stacked: dict = {}             # stack(a, b, -1) nodes -> [a, b], until flattened
         self.empty: set = set()             # slices of width 0 (Phi-3's pass-through part at full rotary)
+        self.rounded: dict = {}             # (value, dtype) -> its cast: a 16-bit value an op widens (widened)
         ext = []
         for n in self.nodes:
             for a in n.all_input_nodes:
@@ -387,7 +388,8 @@ class _Build:
         return v
 
     def arg(self, n, x):
-        """A node argument as a value handle or immediate."""
+        """A node argument as a value handle or immediate (a 16-bit value the op widens, as eager stores it:
+        :meth:`widened`)."""
         if isinstance(x, fx.Node):
             if x not in self.val:
                 self.fail(n, f"input {x.name} is not available (not a tensor?)")
@@ -395,10 +397,39 @@ class _Build:
                 self.fail(n, f"{x.name} is a reduction without keepdim; unsqueeze it first")
             if x in self.empty:
                 self.fail(n, f"{x.name} is empty (width 0): only a concatenation may read it")
-            return self.val[x]
+            return self.widened(n, x, self.val[x])
         if _is_scalar(x):
             return float(x)
         self.fail(n, f"argument {x!r} is neither a tensor nor a number")
+
+    def widened(self, n, x, v):
+        """Value ``v`` of region node ``x`` as op ``n`` reads it. The program keeps a float16/bfloat16 intermediate
+        in fp32 (more accurate than eager, where eager's own ops keep their operands' dtype or a cast in the graph
+        widens it: RMSNorm's ``x.float()``); but an op that widens it by type promotion (``add(bf16, fp32)`` ->
+        fp32, a compare in fp32, ``_softmax(x, dim, half_to_float)``) reads what eager stored, rounded to 16 bits,
+        and computes on from there: a sum of rounded scores ties where eager's ties, as a top-k or a compare after it
+        sees. One cast, once per value and dtype; none for a program input or a value a cast already rounded."""
+        mx = _meta(x)
+        if not isinstance(v, V) or not isinstance(mx, torch.Tensor) or mx.dtype not in (torch.float16, torch.bfloat16) \
+                or n.target in (aten._to_copy.default, aten.to.dtype) or x in self.inputs:
+            return v
+        wide = _meta(n)
+        wide = wide[0] if isinstance(wide, (tuple, list)) and wide else wide
+        if not isinstance(wide, torch.Tensor):
+            return v
+        wide = wide.dtype
+        if wide == torch.bool and n.target in _BINARY_ATEN and _BINARY_ATEN[n.target] in COMPARE:
+            wide = torch.result_type(*[_dtype_probe(a) for a in n.args[:2]])     # a compare: the operands' dtype
+        if not wide.is_floating_point or wide == mx.dtype:
+            return v
+        name = dtype_name(mx.dtype)
+        i = v.i - len(self.b.inputs)
+        if i < 0 or (self.b.instrs[i].op == "cast" and self.b.instrs[i].dtype == name):
+            return v                                    # an input, or rounded to that dtype already
+        key = (v.i, name)
+        if key not in self.rounded:
+            self.rounded[key] = self.b.cast(v, dtype=name)
+        return self.rounded[key]
 
     def round(self, n, v):
         """In eager rounding, the op's result rounded to the node's dtype, as eager stores it."""

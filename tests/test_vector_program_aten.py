@@ -159,6 +159,25 @@ def test_a_rounding_reads_a_16_bit_operand_as_eager_holds_it():
     assert torch.equal(got, fn(x))
 
 
+def test_a_16_bit_value_an_op_widens_is_read_as_eager_stored_it():
+    """``sigmoid(x16) + b32``: eager stores the sigmoid in 16 bits and the add widens that rounded value; the program
+    rounds it there too (one cast), so sums of tied scores tie as eager's, bit for bit. A compare in fp32 of a
+    16-bit value reads it rounded too. An explicit ``.float()`` and ops that keep the 16-bit dtype stay in fp32."""
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        x, bias = (torch.randn(64, 16, generator=g) * 3).to(dt), torch.randn(16, generator=g) * 1e-3
+        for fn in (lambda x, b: x.sigmoid() + b, lambda x, b: (x.exp() * 0.5 > b).float(),
+                   lambda x, b: torch.where(x.sigmoid() > 0.5, x.sigmoid(), b)):
+            built, _ = program_from_function(fn, (x, bias))
+            assert [i.dtype for i in built.program.instrs if i.op == "cast"][:1] == [str(dt)[6:]]
+            (got,) = run_program_torch(built.program, [x, bias])
+            assert torch.equal(got, fn(x, bias))
+    x = torch.randn(8, 16).bfloat16()
+    for fn in (lambda x, b: x.sigmoid().float() + b, lambda x, b: x.sigmoid() * x):
+        built, _ = program_from_function(fn, (x, torch.randn(16)))
+        assert not [i for i in built.program.instrs if i.op == "cast" and i.dtype != "float32"]
+
+
 def test_mapping_of_the_2_norm():
     # the root of the squares' sum, of kind root (its gradient 0 at a zero row, as torch's); keepdim or not; F.normalize
     # reads it through clamp_min and an expand to the row's width (a broadcast)
