@@ -202,9 +202,12 @@ def _gating_match(m: dict, x, topk, idx, weights, inputs: dict, **kernel) -> Mat
     if order is None:
         return None
     E = shape(x)[-1]
+    why = kernel.pop("unsupported", None)
     params = dict(kernel, group_score="top2", num_experts=E, tokens=int(val(x).numel() // E),
                   weights_like=val(weights), indices_like=val(idx), x_shape=shape(x), dtype=val(x).dtype,
                   sorted=bool(arg(topk, 4, "sorted", True)))
+    if why:
+        params["unsupported"] = why
     return Match("moe_gating", order, weights.name, inputs, params,
                  {"weights": weights.name, "indices": idx.name})
 
@@ -227,6 +230,10 @@ def _narrows(cast: fx.Node, *ends: fx.Node) -> bool:
     return all(torch.finfo(dtype).bits < torch.finfo(val(e).dtype).bits for e in ends)
 
 
+_ROUNDED_SCORES = ("{} before the top-k: eager's rounding ties scores that the gating kernel's fp32 scores tell "
+                   "apart, and other experts would be chosen; the router is not fused into one gating kernel")
+
+
 def _decide_gating(m: dict) -> Match | None:
     """Constraints of a router: norm over the experts, top-k of the (biased) scores, weights as CANN computes
     them, renormalisation by exactly their own sum, an intermediate used elsewhere only if pure."""
@@ -236,12 +243,17 @@ def _decide_gating(m: dict) -> Match | None:
         return None
     E = shape(x)[-1]
     k = int(topk.args[1])
-    if val(topk.args[0]) is None or val(topk.args[0]).dtype in (torch.float16, torch.bfloat16) or \
-            val(norm).dtype in (torch.float16, torch.bfloat16):
-        return None                # eager selects on scores rounded to 16 bits, whose ties the kernel's fp32
-        #                            scores tell apart: other experts would be chosen
-    if any(_narrows(m[p], norm, topk.args[0]) for p in ("pre0", "pre1") if p in m):
-        return None                # the same, with the scores rounded on the way (fp32 -> bf16 -> fp32)
+    if val(topk.args[0]) is None:
+        return None
+    # eager selects on scores rounded to 16 bits, whose ties the kernel's fp32 scores tell apart: other experts
+    # would be chosen. Found, and refused with the reason (the report says why the router stays as captured)
+    rounded = next((val(s).dtype for s in (norm, topk.args[0]) if val(s).dtype in (torch.float16, torch.bfloat16)),
+                   None)
+    why = None
+    if rounded is not None:
+        why = _ROUNDED_SCORES.format(f"the scores are {str(rounded).replace('torch.', '')}")
+    elif any(_narrows(m[p], norm, topk.args[0]) for p in ("pre0", "pre1") if p in m):
+        why = _ROUNDED_SCORES.format("the scores are rounded to 16 bits on the way (a cast down and up again)")
     gather = m["w"].target == aten.gather.default
     bias = None
     if "bias" in m:
@@ -286,7 +298,7 @@ def _decide_gating(m: dict) -> Match | None:
         inputs["bias"] = bias.name
     return _gating_match(m, x, topk, idx, _chain_end(m, "w"), inputs, k=k,
                          norm="softmax" if norm.target == aten.softmax.int else "sigmoid", renorm=renorm, eps=eps,
-                         routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group)
+                         routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group, unsupported=why)
 
 
 @register("moe_gating")

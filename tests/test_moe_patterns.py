@@ -292,7 +292,9 @@ def test_a_router_selecting_on_16_bit_scores_is_not_fused(kind, dtype):
     x = torch.tensor([[7.0, 7.5, 8.0, 0.0, -1.0, 6.5]] * 4 if kind == "sigmoid" else
                      [[-1.0, -1.0, 0.0, -1.0, 0.003, 0.002]] * 4, dtype=dtype)
     fused = AutoFusionEngine.fuse(Low(), (x,), fusion_switches=GENERIC_OFF)
-    assert not [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    gating = [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    assert [d.reason_code for d in gating] == ["unsupported"], fused.report.summary()
+    assert f"the scores are {str(dtype)[6:]} before the top-k" in gating[0].reason
     assert torch.equal(fused(x)[1], Low()(x)[1])
     # the same router computing its scores in fp32 (as transformers' routers do) is fused
     class High(Low):
@@ -315,9 +317,32 @@ def test_a_router_rounding_its_fp32_scores_to_16_bits_before_the_top_k_is_not_fu
     torch.manual_seed(0)
     x = torch.randn(512, 16) * 0.3          # about 15 of these tokens pick other experts on bf16 scores
     fused = AutoFusionEngine.fuse(RoundTrip(), (x,), fusion_switches=GENERIC_OFF)
-    gating = [d.reason_code for d in fused.report.decisions if d.pattern == "moe_gating"]
-    assert gating == (["fused"] if trip == torch.float64 else []), fused.report.summary()
+    gating = [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    assert [d.reason_code for d in gating] == (["fused"] if trip == torch.float64 else ["unsupported"]), \
+        fused.report.summary()
+    assert trip == torch.float64 or "rounded to 16 bits on the way" in gating[0].reason
     assert torch.equal(fused(x)[1], RoundTrip()(x)[1])
+
+
+def test_deepseek_v3_router_under_autocast_routes_as_eager_and_the_report_says_why_it_is_not_gated():
+    """Under CPU autocast the router's linear returns bf16, so eager's sigmoid scores are rounded to bf16 before the
+    fp32 selection bias is added: the sums tie. The gating family refuses it and says so; the Vector region that
+    fuses ``sigmoid -> add`` reads the sigmoid rounded where the add widens it, so the experts are eager's."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    torch.manual_seed(0)
+    cfg = tf.DeepseekV3Config(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    router = DeepseekV3TopkRouter(cfg).eval()
+    nn.init.normal_(router.weight, std=0.05)
+    h = torch.randn(8, 32, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = AutoFusionEngine.fuse(router, (h,))
+        want, got = router(h)[2], fused(h)[2]
+    assert torch.equal(want.sort(-1).values, got.sort(-1).values)          # 9 of 256 tokens differed
+    assert any(d.applied and d.nodes == ("sigmoid", "add") for d in fused.report.decisions), fused.report.summary()
+    gating = [d for d in fused.report.decisions if d.pattern == "moe_gating"]
+    assert [d.reason_code for d in gating] == ["unsupported"], fused.report.summary()
+    assert "the scores are bfloat16 before the top-k" in gating[0].reason
+    assert "the scores are bfloat16 before the top-k" in fused.report.summary()
 
 
 def test_verification_catches_a_router_selecting_on_scores_it_did_not_round(monkeypatch):
