@@ -423,13 +423,28 @@ class _Build:
         if not wide.is_floating_point or wide == mx.dtype:
             return v
         name = dtype_name(mx.dtype)
-        i = v.i - len(self.b.inputs)
-        if i < 0 or (self.b.instrs[i].op == "cast" and self.b.instrs[i].dtype == name):
-            return v                                    # an input, or rounded to that dtype already
+        if self.exact(v.i, name):
+            return v                                    # holds values of that dtype already
         key = (v.i, name)
         if key not in self.rounded:
             self.rounded[key] = self.b.cast(v, dtype=name)
         return self.rounded[key]
+
+    def exact(self, k: int, name: str) -> bool:
+        """Whether program value ``k`` holds only values of dtype ``name``: an input of it, a cast to it, or a move,
+        sign change or selection of such values (RoPE's ``cat(−x₂, x₁)`` of a 16-bit input), whose rounding changes
+        nothing."""
+        b = self.b
+        i = k - len(b.inputs)
+        if i < 0:
+            return b.inputs[k].dtype == name
+        ins = b.instrs[i]
+        if ins.op == "cast":
+            return ins.dtype == name
+        if ins.op not in ("neg", "abs", "relu", "slice", "cat", "interleave", "maximum", "minimum"):
+            return False
+        dt = _TORCH_DTYPE[name]
+        return all(self.exact(a, name) if isinstance(a, int) else _rounded(a, dt) == a for a in ins.args)
 
     def round(self, n, v):
         """In eager rounding, the op's result rounded to the node's dtype, as eager stores it."""
