@@ -874,7 +874,8 @@ def program_from_nodes(nodes, outputs=None, rounding: str = "fp32", first=None) 
     raises :class:`NotExpressible` naming the node.
 
     ``rounding``: ``"fp32"`` (the program's default numerics: intermediates stay fp32, which is more
-    accurate than eager fp16/bf16) or ``"eager"`` (a cast after every fp16/bf16 op, as eager rounds: the
+    accurate than eager fp16/bf16; but a 16-bit intermediate that an op widens by type promotion is read rounded,
+    as eager stored it: :meth:`_Build.widened`) or ``"eager"`` (a cast after every fp16/bf16 op, as eager rounds: the
     result matches eager's rounding, at the price of a cast pass or two per op).
 
     ``first``: an input node to number 0 — for a matmul epilogue, the matmul node (its region is the Vector

@@ -27,6 +27,10 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   summed over the experts; the scores are zero off each token's picks and an expert with zero input outputs
   zero, so it runs sparse, the scores scaling the routed rows (``weights_at="input"``), the combine summing.
 
+A router selecting on scores rounded to 16 bits (fp16/bf16 scores, a cast down and up on the way; DeepSeek-V3's under
+autocast) is matched and refused with the reason (``params["unsupported"]``): eager's rounding ties scores the
+kernel's fp32 scores tell apart.
+
 Rejected by the constraints (each a near-miss test): top-k over another dim or ``largest=False``; softmax over
 the tokens instead of the experts; a renormalisation by anything but the sum of the selected weights (plus
 a scalar eps); a bias added after the selection; an activation other than SiLU on the gate half; halves
