@@ -406,9 +406,9 @@ class _Build:
         """Value ``v`` of region node ``x`` as op ``n`` reads it. The program keeps a float16/bfloat16 intermediate
         in fp32 (more accurate than eager, where eager's own ops keep their operands' dtype or a cast in the graph
         widens it: RMSNorm's ``x.float()``); but an op that widens it by type promotion (``add(bf16, fp32)`` ->
-        fp32, a compare in fp32, ``_softmax(x, dim, half_to_float)``) reads what eager stored, rounded to 16 bits,
-        and computes on from there: a sum of rounded scores ties where eager's ties, as a top-k or a compare after it
-        sees. One cast, once per value and dtype; none for a program input or a value a cast already rounded."""
+        fp32, a compare or a select in fp32) reads what eager stored, rounded to 16 bits, and computes on from there:
+        a sum of rounded scores ties where eager's ties, as a top-k or a compare after it sees. One cast, once per
+        value and dtype; none for a value that holds 16-bit values already (:meth:`exact`)."""
         mx = _meta(x)
         if not isinstance(v, V) or not isinstance(mx, torch.Tensor) or mx.dtype not in (torch.float16, torch.bfloat16) \
                 or n.target in (aten._to_copy.default, aten.to.dtype) or x in self.inputs:
