@@ -568,12 +568,12 @@ def test_a_signature_whose_capture_fails_runs_unfused_and_others_still_fuse(monk
     from autofuse.capture import CaptureError
     real, tried = engine.compile_plan, []
 
-    def compile_plan(model, args, kwargs, *rest):
+    def compile_plan(model, args, kwargs, *rest, **options):
         seq = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3).shape[1]    # the activations
         tried.append(seq)
         if seq == 5:
             raise CaptureError("export", "capture failed: refused at length 5 for this test")
-        return real(model, args, kwargs, *rest)
+        return real(model, args, kwargs, *rest, **options)
 
     monkeypatch.setattr(engine, "compile_plan", compile_plan)
     torch._dynamo.reset()
