@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autofuse.hierarchy import lead_match
+
 MC2_FAMILIES = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
 COLLECTIVE_KERNELS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") + MC2_FAMILIES
 
@@ -211,8 +213,7 @@ def _run(sim, gm, decisions=(), plan=None, unfused_sim=None) -> GraphRun:
         if not rec.link_bytes and not any(k in COLLECTIVE_KERNELS for k in rec.kernels):
             continue
         cost = CollectiveCost(rec.node, rec.kernels[0], rec.link_bytes, rec.link_cycles, rec.cycles, phase=rec.phase)
-        m = nodes[rec.node].meta.get("autofuse_match") if rec.node in nodes and \
-            not nodes[rec.node].meta.get("autofuse_part_of") else None
+        m = lead_match(nodes[rec.node]) if rec.node in nodes else None
         d = by_anchor.get(_origin(plan, m.anchor)) if m is not None and plan is not None else None
         if d is not None and unfused_sim is not None:
             matmuls = [n for n in d.nodes if _is_matmul(plan, n)]

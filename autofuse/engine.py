@@ -57,6 +57,7 @@ from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.grad_ops import PASS_GRADIENT
 from autofuse.graph import describe_node, returned
+from autofuse.hierarchy import lead_match
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
 from autofuse.rewrite import _source as source
@@ -915,7 +916,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     workspace = {c.match.anchor: c.fused.workspace for c in applied}
 
     def kernel_workspace(n):
-        match = n.meta.get("autofuse_match") if is_fused_call(n) and not n.meta.get("autofuse_part_of") else None
+        match = lead_match(n) if is_fused_call(n) else None
         return workspace.get(match.anchor, 0) if match is not None else 0
 
     guards = [Guard(fqn, state_tensor(model, fqn), False) for fqn in sorted(set(_state_nodes(cap_gm).values()))]
@@ -1278,11 +1279,11 @@ class FusedModule(torch.nn.Module):
         self.register_load_state_dict_pre_hook(_submodule_keys)
         # from here on, assigning a name the model has and this module does not reaches the model (__setattr__)
         self.__dict__["_autofuse_built"] = True
-        self.__dict__["_called"] = False        # plans from here on are made at a call (their errors say so)
+        self.__dict__["_called"] = False        # a plan of fuse()'s example inputs (its errors say so)
         if example_inputs is not None:
             args, kwargs = self._in_program_order(*example_inputs)
             self._plan_for(args, kwargs)
-        self.__dict__["_called"] = True
+        self.__dict__["_called"] = True         # plans from here on are made at a call
 
     def _models_name(self, name) -> bool:
         """Whether ``name`` is one of the model's attributes that this module does not have itself (it reads it

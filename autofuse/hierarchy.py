@@ -83,6 +83,12 @@ def fused_lead(n: fx.Node) -> bool:
     return fused_match(n) is not None and not n.meta.get("autofuse_part_of")
 
 
+def lead_match(n: fx.Node):
+    """The match of a fused op's lead call (:func:`fused_lead`), None for any other node: what a fusion's price,
+    workspace and overlap are charged to."""
+    return fused_match(n) if fused_lead(n) else None
+
+
 def fused_part_of(n: fx.Node) -> str:
     """The lead call's name for a node a fusion emitted besides its lead (another launch, a view of an output), or
     ``""``."""
