@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.devices import get_device
+from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import block_elems, fits, largest, pad
@@ -294,7 +294,11 @@ def _rows_cut(total, n, r, period, align=1):
     return worst, tot, act
 
 
-def _ew_specs(specs, p, r, c):
+def _ew_layout(specs, p):
+    """The kernel's UB tiles for blocks of ``r`` rows and ``c`` columns, with ``r`` and ``c`` left open: per tile in
+    allocation order ((its rows: ``r`` if True else 1, its columns: "c" for ``c`` padded to whole blocks, else a
+    count), its dtype), and the block the columns are padded to. The tile-size search probes many (r, c) of one
+    layout."""
     shapes = [s for s, _ in specs]
     dims, flags = _coalesce(p["out_shape"], shapes)
     in_dt, cd, out_dt = p["in_dt"], p["cd"], p["out_dt"]
@@ -304,17 +308,33 @@ def _ew_specs(specs, p, r, c):
     scalar_like = [not any(flags[j][k] for j in range(len(dims))) for k in range(K)]
     cast_in = [(k in p["data_idx"]) and in_dt[k] != cd for k in range(K)]
     cblk = max(block_elems(d) for d in set(in_dt) | {cd, out_dt})
-    cp = round_up(c, cblk)
-    sp = []
+    lay = []
     for k in range(K):
-        shp = (r if row_full[k] else 1, cp if col_full[k] else 1)
-        sp += [(shp, in_dt[k])] * 2
+        shp = (row_full[k], "c" if col_full[k] else 1)
+        lay += [(shp, in_dt[k])] * 2
         if cast_in[k]:
-            sp.append((shp, cd))
+            lay.append((shp, cd))
         if not col_full[k] and row_full[k] and not scalar_like[k]:
-            sp.append(((r, block_elems(cd)), cd))
-    sp += [((r, cp), cd)] * (p["temps"] + (out_dt != cd))
-    return sp + [((r, cp), out_dt)] * 2
+            lay.append(((True, block_elems(cd)), cd))
+    lay += [((True, "c"), cd)] * (p["temps"] + (out_dt != cd))
+    return lay + [((True, "c"), out_dt)] * 2, cblk
+
+
+def _ew_fits(dev, specs, p):
+    """``ok(r, c)``: whether the tiles of :func:`_ew_layout` at ``(r, c)`` fit UB, summed as
+    :func:`cost_model.vecutil.fits` sums them (each tile at the UB alignment); the layout is derived once for the
+    search's many probes."""
+    lay, cblk = _ew_layout(specs, p)
+    lay = [(rows, cols, ITEMSIZE[dt]) for (rows, cols), dt in lay]
+    align, cap = dev.align["UB"], dev.buffers["UB"]
+
+    def ok(r, c):
+        cp = round_up(c, cblk)
+        used = 0
+        for rows, cols, isz in lay:
+            used = -(-used // align) * align + (r if rows else 1) * (cp if cols == "c" else cols) * isz
+        return used <= cap
+    return ok
 
 
 @cached
@@ -327,16 +347,17 @@ def _ew_search(device, specs, op, scalar, out_dtype):
     row_mode = rowspace >= dev.vector_cores
     cblk = max(block_elems(d) for d in set(p["in_dt"]) | {p["cd"], p["out_dt"]})
     total = math.prod(p["out_shape"])
+    ok = _ew_fits(dev, specs, p)
     cands = []
     if row_mode:
         n = min(dev.vector_cores, rowspace)
-        if fits(dev, _ew_specs(specs, p, 1, Dc)):
+        if ok(1, Dc):
             c = Dc
         else:
-            c = 128 * largest(lambda k: fits(dev, _ew_specs(specs, p, 1, k * 128)), 1, ceil_div(Dc, 128))
+            c = 128 * largest(lambda k: ok(1, k * 128), 1, ceil_div(Dc, 128))
         if c < 1:
             raise ValueError(f"elementwise {op}: no tile fits UB on {dev.name}")
-        rmax = largest(lambda x: fits(dev, _ew_specs(specs, p, x, c)), 1, min(Dr, ceil_div(rowspace, n)))
+        rmax = largest(lambda x: ok(x, c), 1, min(Dr, ceil_div(rowspace, n)))
         for j in (1, 2, 4):
             rr = max(1, min(rmax, ceil_div(ceil_div(rowspace, n), j)))
             if Dr % rr and rr > 1 and rr > Dr:
@@ -345,7 +366,7 @@ def _ew_search(device, specs, op, scalar, out_dtype):
                 cands.append({"rows": rr, "cols": c})
     else:
         n = min(dev.vector_cores, rowspace * ceil_div(Dc, cblk))
-        cmax = cblk * largest(lambda k: fits(dev, _ew_specs(specs, p, 1, k * cblk)), 1, ceil_div(Dc, cblk))
+        cmax = cblk * largest(lambda k: ok(1, k * cblk), 1, ceil_div(Dc, cblk))
         per_core = ceil_div(total, n)
         for j in (1, 2, 4):
             cc = max(cblk, min(cmax, round_up(ceil_div(per_core, j), cblk)))
