@@ -567,6 +567,10 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
 
     granted = None if bound else _tile_counts(dev.name, D, Dv, dtype, qb, kvb, _mask_spec(mask), drop, stats, cap)
     R2 = qb // nh
+    # a step's transfers' port cycles per byte by their hit fraction (:class:`_Port`), and the rates they move at
+    f_q, f_kv = hit_q / L2bw + (1 - hit_q) / HBMbw, hit_kv / L2bw + (1 - hit_kv) / HBMbw
+    f_hit, f_miss = 1.0 / L2bw + (1 - 1.0) / HBMbw, 0.0 / L2bw + (1 - 0.0) / HBMbw
+    r_l1, r_ub, r_out = rate["GM->L1"], rate["GM->UB"], rate["UB->GM"]
 
     def step_of(qe, ke, qc, kc):
         """One step of query rows ``qe`` against keys ``ke``, the chip's cores at that step running ``qc`` rows
@@ -587,42 +591,104 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         qh16 = sum(_r16(h) for h in halves)          # stage B's rows, padded per half
         mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * qh16 * isz / a
                 + qh16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
-        p2 = _Port(dev, n2)
+        # the step's GM transfers as _Port.add prices them (the same operations in the same order, written out: a
+        # step is priced for every candidate the search bounds): per transfer of ``nb`` bytes a core, ``mv`` on
+        # average, on ``n`` cores ``every`` times a step, its share of the port ``n·mv·f`` (``f`` from its hit
+        # fraction), its unit busy for the larger of its own time and that share, its L2 hits on the port apart
+        # (a transfer that never hits adds none)
         # Q and dO every step: cores on the same head read the same rows at once (L2 hits after the first)
-        p2.add("mte2", "GM->L1", qe * (D + Dv) * isz, n2, hit=hit_q, chip=qc * (D + Dv) * isz)
-        p2.add("mte2", "GM->L1", ke * D * isz, kvc, hit=hit_kv, every=per_unit, chip=kc * D * isz)   # K (phase 1's)
-        p2.add("mte2", "GM->L1", ke * Dv * isz, kvc, hit=0.0, every=per_unit, chip=kc * Dv * isz)    # V: first read
-        p2.add("mte2", "GM->L1", 2 * qe * ke * isz, n2, chip=2 * qc * kc * isz)        # Pd, dS back from the workspace
-        p2.add("vmte2", "GM->UB", 3 * rows * 4, nv, vec=True, chip=3 * rc * 4)        # max, sum, Dr
+        nb, mv = qe * (D + Dv) * isz, qc * (D + Dv) * isz
+        share = n2 * mv * f_q
+        mte2 = max(nb / r_l1, share)
+        hits = n2 * mv * hit_q / L2bw
+        port = share
+        # K (phase 1's)
+        nb, mv = ke * D * isz, kc * D * isz
+        share = kvc * mv * f_kv
+        mte2 += per_unit * max(nb / r_l1, share)
+        hits += per_unit * kvc * mv * hit_kv / L2bw
+        port += per_unit * share
+        # V: first read
+        nb, mv = ke * Dv * isz, kc * Dv * isz
+        share = kvc * mv * f_miss
+        mte2 += per_unit * max(nb / r_l1, share)
+        port += per_unit * share
+        # Pd, dS back from the workspace
+        nb, mv = 2 * qe * ke * isz, 2 * qc * kc * isz
+        share = n2 * mv * f_hit
+        mte2 += max(nb / r_l1, share)
+        hits += n2 * mv / L2bw
+        port += share
+        # max, sum, Dr
+        nb, mv = 3 * rows * 4, 3 * rc * 4
+        share = nv * mv * f_hit
+        vmte2 = max(nb / r_ub, share)
+        vhits = nv * mv / L2bw
+        vport = share
         if mask is not None:
-            p2.add("vmte2", "GM->UB", rows * ke * msz, nv, hit=1 - miss_mask * mask_b / (rc * kc * msz * nv * T2),
-                   vec=True, chip=rc * kc * msz)
+            h = 1 - miss_mask * mask_b / (rc * kc * msz * nv * T2)
+            nb, mv = rows * ke * msz, rc * kc * msz
+            share = nv * mv * (h / L2bw + (1 - h) / HBMbw)
+            vmte2 += max(nb / r_ub, share)
+            vhits += nv * mv * h / L2bw
+            vport += share
         if drop:
-            p2.add("vmte2", "GM->UB", rows * math.ceil(ke / 8), nv, hit=0.0, vec=True, chip=rc * math.ceil(kc / 8))
-        p2.add("mte3", "UB->GM", 2 * rows * ke * isz, nv, vec=True, chip=2 * rc * kc * isz)   # Pd, dS out
+            nb, mv = rows * math.ceil(ke / 8), rc * math.ceil(kc / 8)
+            share = nv * mv * f_miss
+            vmte2 += max(nb / r_ub, share)
+            vport += share
+        # Pd, dS out
+        nb, mv = 2 * rows * ke * isz, 2 * rc * kc * isz
+        share = nv * mv * f_hit
+        mte3 = max(nb / r_out, share)
+        vhits += nv * mv / L2bw
+        vport += share
         vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
         if split:
-            p2.add("fixpipe", "L0C->GM", 2 * qe * ke * 4, n2, chip=2 * qc * kc * 4)           # S, dP out
-            p2.add("vmte2", "GM->UB", 2 * rows * ke * 4, nv, vec=True, chip=2 * rc * kc * 4)   # S, dP in
-            p2.add("fixpipe", "L0C->GM", qe * D * 4, n2, chip=qc * D * 4)                     # dQ atomic add
-            p2.add("fixpipe", "L0C->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit, chip=kc * (D + Dv) * isz)
-            mte3 = p2.unit["mte3"]
-            mte2 = p2.unit["mte2"]
-            vmte2 = p2.unit["vmte2"]
-            port, vport = p2.port, p2.vport
+            r_fix = rate["L0C->GM"]
+            # S, dP out
+            nb, mv = 2 * qe * ke * 4, 2 * qc * kc * 4
+            share = n2 * mv * f_hit
+            fix = max(nb / r_fix, share)
+            hits += n2 * mv / L2bw
+            port += share
+            # S, dP in
+            nb, mv = 2 * rows * ke * 4, 2 * rc * kc * 4
+            share = nv * mv * f_hit
+            vmte2 += max(nb / r_ub, share)
+            vport += share
+            # dQ atomic add
+            nb, mv = qe * D * 4, qc * D * 4
+            share = n2 * mv * f_hit
+            fix += max(nb / r_fix, share)
+            hits += n2 * mv / L2bw
+            port += share
+            # dK, dV out
+            nb, mv = ke * (D + Dv) * isz, kc * (D + Dv) * isz
+            share = kvc * mv * f_miss
+            fix += per_unit * max(nb / r_fix, share)
+            port += per_unit * share
             stores = 0.0
         else:
-            p2.unit["fixpipe"] += (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] \
-                + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
-            p2.add("mte3", "UB->GM", qe * D * 4, n2, chip=qc * D * 4)                         # dQ atomic add
-            p2.add("mte3", "UB->GM", ke * (D + Dv) * isz, kvc, hit=0.0, every=per_unit, chip=kc * (D + Dv) * isz)
-            mte3 = p2.unit["mte3"]
-            mte2 = p2.unit["mte2"] + p2.unit["vmte2"]
+            fix = (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
+            # dQ atomic add
+            nb, mv = qe * D * 4, qc * D * 4
+            share = n2 * mv * f_hit
+            mte3 += max(nb / r_out, share)
+            hits += n2 * mv / L2bw
+            port += share
+            # dK, dV out
+            nb, mv = ke * (D + Dv) * isz, kc * (D + Dv) * isz
+            share = kvc * mv * f_miss
+            mte3 += per_unit * max(nb / r_out, share)
+            port += per_unit * share
+            mte2 += vmte2
             vmte2 = 0.0
+            hits += vhits           # (coupled: one port for both sides)
             # the unit's dK and dV stores (written through to HBM, every core of the unit's instruction at once)
             # hold the port at the unit's end: priced there (below), not spread over its steps
             stores = kvc * kc * (D + Dv) * isz / HBMbw
-            port, vport = p2.port + p2.vport - per_unit * stores, 0.0
+            port, vport = port + vport - per_unit * stores, 0.0
         # the software pipeline's loop spans two steps: S, dP(s) -> to the Vector -> P, dS(s) -> out to the
         # workspace -> back into L1 -> the products of step s, and the in-order Cube starts S(s+2) after them
         pds = 2 * qe * ke * isz
@@ -651,7 +717,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         ring = (max(qdo / rate["GM->L1"], n2 * (qc * (D + Dv) * isz) * (hit_q / L2bw + (1 - hit_q) / HBMbw) + ahead)
                 + q16 * Dv * isz / a + Dv * k16 * isz / b_ + cdp
                 + (cdv if not split else cube_b / len(halves)) + (q16 if not split else _r16(halves[0])) * D * isz / b_)
-        step2 = max(cube2, mte1, mte2, vmte2, port, vport, p2.unit["fixpipe"], vec2, mte3, loop / 2, chain / 2, ring)
+        step2 = max(cube2, mte1, mte2, vmte2, port, vport, fix, vec2, mte3, loop / 2, chain / 2, ring)
         # coupled: a unit's dK and dV stores go out on MTE3 one step after its last and take the core's one GM port;
         # the loads queued behind them wait (the next steps' workspace loads, and with them the Cube) unless the
         # port had slack, which the steps around the unit's end give: STORE_SLACK_STEPS steps of it (taken before
@@ -682,7 +748,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         step2 += per_unit * (bubble + exposed)
         fill2 = (ke * (D + Dv) + qe * (D + Dv)) * isz / rate["GM->L1"] + cube2 + vec2
         return {"step": step2, "cube": cube2, "vec": vec2, "mte1": mte1, "mte2": max(mte2, vmte2), "mte3": mte3,
-                "fix": p2.unit["fixpipe"], "hit": _hit_port(p2, split), "fill": fill2}
+                "fix": fix, "hit": hits, "fill": fill2}
 
     # the steps by extent: a query block's edge rows (every KV block's last query block, once per query head)
     # and the edge KV block's steps, priced apart from the full blocks' (a step's cost is not linear in its
