@@ -26,8 +26,16 @@ from cost_model.estimate import cached, make, register
 from cost_model.matmul import _candidates, _model, _quick_score, cheapest, fits as mm_fits, kernel_default as mm_default
 
 
+@cached
+def _band_elems(geo: Geometry, m0: int, c1: int) -> int:
+    """:func:`band_elems` of a tiling's ``m0`` and ``c1``: the searches check the fit of many tilings of the few
+    row-block heights, each a reduction over the image's blocks otherwise."""
+    return band_elems({"m0": m0, "c1": c1}, geo)
+
+
 def fits(dev, dtype: str, geo: Geometry, t: dict, bias: bool = False) -> bool:
-    return 1 <= t["c1"] <= geo.Cg and mm_fits(dev, dtype, dtype, gemm_tiling(t, geo), bias, band_elems(t, geo))
+    return 1 <= t["c1"] <= geo.Cg and mm_fits(dev, dtype, dtype, gemm_tiling(t, geo), bias,
+                                               _band_elems(geo, t["m0"], t["c1"]))
 
 
 def kernel_default(dev, dtype: str, geo: Geometry, bias: bool = False) -> dict | None:

@@ -87,8 +87,12 @@ def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False, a1_elems=
 def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
     """Tilings to search: power-of-two tiles and tiles that cover M or N in 1–4 even blocks."""
     def sizes(X):
-        s = {min(v, round_up(X, 16)) for v in (16, 32, 64, 128, 256)}
-        s |= {round_up(ceil_div(X, j), 16) for j in (1, 2, 3, 4) if round_up(ceil_div(X, j), 16) <= 256}
+        X16 = round_up(X, 16)
+        s = {min(v, X16) for v in (16, 32, 64, 128, 256)}
+        for j in (1, 2, 3, 4):
+            x = round_up(ceil_div(X, j), 16)
+            if x <= 256:
+                s.add(x)
         return sorted(s)
     isz = itemsize(dtype)
     out, seen = [], set()
