@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from cost_model.devices import ITEMSIZE, get_device
+from cost_model.devices import DEVICES, ITEMSIZE, get_device
 from cost_model.common import asum, ceil_div, itemsize, pack, round_up
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.vecutil import largest
@@ -121,7 +121,22 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
 
 
 def kernel_default(dev, M, N, K, batch, dtype, out_dtype):
-    """The kernel's own default tiling (``default_tiling`` in the kernel, mirrored): always priced too."""
+    """The kernel's own default tiling (``default_tiling`` in the kernel, mirrored): always priced too. A fresh
+    dict (or None)."""
+    if DEVICES.get(dev.name) is not dev:      # a device made for one kernel (MC2's halved UB): not cached
+        return _kernel_default(dev, M, N, K, batch, dtype, out_dtype)
+    t = _default_cached(dev.name, M, N, K, batch, dtype, out_dtype)
+    return None if t is None else dict(t)
+
+
+@cached
+def _default_cached(device, M, N, K, batch, dtype, out_dtype):
+    """:func:`kernel_default` of a registered device: the matmul, conv and epilogue searches each ask for the
+    default of the same GEMMs."""
+    return _kernel_default(get_device(device), M, N, K, batch, dtype, out_dtype)
+
+
+def _kernel_default(dev, M, N, K, batch, dtype, out_dtype):
     isz = itemsize(dtype)
     k0f = dev.cube_k0[dtype]
     best, seen = None, set()
