@@ -27,8 +27,8 @@ from cost_model import matmul as mm
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.lowering import col_bytes, epilogue_fits, epilogue_plan, epilogue_ub_specs
-from cost_model.program import as_program
+from cost_model.lowering import bits_aligned, col_bytes, epilogue_fits, epilogue_plan, epilogue_ub_specs, reg_shape
+from cost_model.program import BIT, as_program
 from cost_model.vector_program import n_passes, repeats, temps
 from cost_model.vecutil import largest, ub_need
 
@@ -170,6 +170,39 @@ def _price(dev, prog, M, N, K, dtype, bias_isz, t, plan=None):
                      epi=_epi(dev, prog, low, pieces, t))
 
 
+def _sub_fits(dev, prog, dtype, t, plan):
+    """``ok(sub)``: :func:`cost_model.lowering.epilogue_fits` of tiling ``t`` with ``sub`` rows a sub-block (the
+    same checks), for the tilings' binary searches over ``sub``: only the UB tiles depend on it, so the rest is
+    checked once, and each UB tile's bytes a row (:func:`cost_model.lowering.epilogue_ub_specs`) taken once."""
+    low, pieces, W, whole = plan
+    P = len(pieces)
+    isz, buf = itemsize(dtype), dev.buffers
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    if not (k1 % k0 == 0 and min(m0, n0, k0, k1) > 0
+            and 2 * (m0 * k1 + P * k1 * n0) * isz + n0 * 4 <= buf["L1"] - 64
+            and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * P * k0 * n0 * isz <= buf["L0B"]
+            and P * m0 * n0 * 4 <= buf["L0C"] and (not whole or n0 >= W) and bits_aligned(low, n0)):
+        return lambda sub: False
+    # per register in allocation order: whether its tile's rows scale with sub, and its bytes a row
+    C = min(n0, low.width)
+    regs = [(r.rows, col_bytes(reg_shape(r, 1, C)[1], "uint8" if r.dtype == BIT else r.dtype)) for r in low.regs]
+    stage = n0 * itemsize(prog.inputs[0].dtype) if dev.arch == "coupled" else 0    # the product's staging tiles
+    align, cap = dev.align["UB"], buf["UB"]
+
+    def ok(sub):
+        if sub <= 0:
+            return False
+        used = 0
+        if stage:
+            tile = -(-m0 // sub) * sub * stage             # whole sub-blocks of the L0C tile
+            for _ in range(P):
+                used = -(-used // align) * align + tile
+        for rows, row_bytes in regs:
+            used = -(-used // align) * align + (sub if rows else 1) * row_bytes
+        return used <= cap
+    return ok
+
+
 def _adapt(dev, prog, M, N, K, dtype, t, plan):
     """A plain matmul tile of the product as the epilogue needs it: n0 per piece (the whole row for a
     whole-row program), m0 halved while UB cannot stage it, the most sub-block rows that fit (<= 64)."""
@@ -190,8 +223,7 @@ def _adapt(dev, prog, M, N, K, dtype, t, plan):
             k1 -= t["k0"]
         t["k1"] = k1
         rows = t["m0"] if dev.arch == "coupled" else max(1, ceil_div(t["m0"], 2))
-        ok = lambda r: epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan)   # noqa: E731
-        best = largest(ok, 1, min(rows, 64))
+        best = largest(_sub_fits(dev, prog, dtype, t, plan), 1, min(rows, 64))
         if best >= 1:
             return {**t, "sub": best}
         if t["m0"] <= 16:
@@ -215,9 +247,9 @@ def kernel_default(dev, prog, M, N, K, dtype, plan=None) -> dict:
                         and 2 * P * k * n0 * isz <= dev.buffers["L0B"]), 16)
         t["k1"] = min(2 * t["k0"], -(-K // t["k0"]) * t["k0"])
         rows = m0 if dev.arch == "coupled" else max(1, -(-m0 // 2))
-        t["sub"] = max(1, largest(lambda r: epilogue_fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan), 1,
-                                  min(rows, 64)))
-        if epilogue_fits(dev, prog, M, N, dtype, t, temps, plan) or t["m0"] <= 16:
+        ok = _sub_fits(dev, prog, dtype, t, plan)
+        t["sub"] = max(1, largest(ok, 1, min(rows, 64)))
+        if ok(t["sub"]) or t["m0"] <= 16:
             return t
         t["m0"] = max(16, t["m0"] // 2)
 
