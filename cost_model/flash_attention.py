@@ -484,11 +484,18 @@ def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, win
         if paired[1] <= load:
             units, (assign, load) = pairs, paired
     # the units' blocks, head-major, then stably in core order
+    # (np.tile's Python-level shape handling costs more than these launches' arrays: the repetitions built by
+    # indexing and list repetition give the same arrays)
     nu = len(units)
-    unit = np.repeat(np.arange(B * N * nu), np.tile([len(u) for u in units], B * N))
-    qi = np.tile(np.fromiter(chain.from_iterable(units), dtype=np.int64), B * N)
+    blocks = np.fromiter(chain.from_iterable(units), dtype=np.int64)
+    nb = len(blocks)
+    if nb == nu:                          # one block a unit
+        unit = np.arange(B * N * nu)
+    else:
+        unit = np.repeat(np.arange(B * N * nu), np.array([len(u) for u in units] * (B * N)))
+    qi = blocks[np.arange(B * N * nb) % nb]
     core = assign[unit]
-    order = np.argsort(core, kind="stable")
+    order = core.argsort(kind="stable")
     return Deal(qi[order], (unit // nu)[order], np.bincount(core, minlength=int(assign.max()) + 1))
 
 
