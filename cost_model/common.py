@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from cost_model.devices import ITEMSIZE
 
 
@@ -29,6 +31,12 @@ def asum(a):
     for x in a.tolist():
         s += x
     return s
+
+
+def tile1d(a, n: int):
+    """``np.tile(a, n)`` of a 1-D array ``a``, ``n >= 1``: ``n`` copies end to end (a new array). np.tile's
+    Python-level shape handling costs more than the models' short arrays."""
+    return np.concatenate([a] * n) if n > 1 else a.copy()
 
 
 def itemsize(dtype: str) -> int:

@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from cost_model.common import itemsize
+from cost_model.common import itemsize, tile1d
 from cost_model.conv_geometry import Geometry, band_elems, even, first, gemm_tiling, geometry, smaller
 from cost_model.estimate import cached, make, register
 from cost_model.matmul import _candidates, _model, _quick_score, cheapest, fits as mm_fits, kernel_default as mm_default
@@ -57,7 +57,7 @@ def _a_rows(geo: Geometry, m0: int, isz: int):
     ext, lo, rows = geo.blocks(m0)
     band = geo.Cg * rows * geo.W * isz
     same = np.concatenate([[False], (lo[1:] == lo[:-1]) & (rows[1:] == rows[:-1])])
-    return np.tile(ext, geo.N), np.tile(band, geo.N).astype(float), float(band.max()), np.tile(same, geo.N)
+    return tile1d(ext, geo.N), tile1d(band, geo.N).astype(float), float(band.max()), tile1d(same, geo.N)
 
 
 def _model_conv(dev, geo: Geometry, dtype: str, t: dict, bias_isz: int):

@@ -191,7 +191,7 @@ def _core_extents(BN, per_block, causal, ncores, edge_rows, edge_keys, mean=Fals
             k[e + 1] += edge_rows
         kind.append(k)
     units = [[per_block[j] for j in blocks] for blocks in ids]
-    rows = np.tile(np.array(kind, dtype=float), (BN, 1))     # the units in dealing order
+    rows = np.array(kind * BN, dtype=float)                  # the units in dealing order
     if len({(sum(u), len(u)) for u in units}) == 1:     # equal units: round-robin (:func:`_deal`)
         pad = (-len(rows)) % n
         return (np.concatenate([rows, np.zeros((pad, 4))]) if pad else rows).reshape(-1, n, 4).sum(axis=0)

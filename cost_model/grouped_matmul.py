@@ -114,7 +114,7 @@ def _items(sizes, N_out, m0, n0):
     c = np.asarray(sizes, dtype=np.int64)
     nm = -(-c // m0)                                        # row blocks per group (0 for an empty group)
     pg = np.repeat(np.arange(len(c), dtype=np.int64), nn)   # the (group, column block) pairs
-    pn = np.tile(np.arange(nn, dtype=np.int64), len(c))
+    pn = np.arange(nn * len(c), dtype=np.int64) % nn
     cnt = nm[pg]
     g, ni, nmg = np.repeat(pg, cnt), np.repeat(pn, cnt), np.repeat(cnt, cnt)
     mi = np.arange(len(g), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
@@ -161,7 +161,7 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     # the lockstep step of each item: its position in its core's list
     if round_robin:
         S = -(-L // P)
-        core = np.tile(np.arange(P, dtype=np.int64), S)[:L]
+        core = np.arange(L, dtype=np.int64) % P
         step = np.repeat(np.arange(S, dtype=np.int64), P)[:L]
         per = np.full(P, L // P, dtype=np.int64) + (np.arange(P) < L % P)
         last = np.arange(P, dtype=np.int64) + (per - 1) * P          # each core's last item

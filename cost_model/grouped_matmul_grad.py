@@ -62,16 +62,16 @@ def _items(sizes, P, Q, m0, n0):
     block columns, tiled over the non-empty groups."""
     nm, nn = ceil_div(P, m0), ceil_div(Q, n0)
     if P <= Q:                      # row blocks innermost
-        mi, ni = np.tile(np.arange(nm), nn), np.repeat(np.arange(nn), nm)
+        mi, ni = np.arange(nm * nn) % nm, np.repeat(np.arange(nn), nm)
     else:                           # column blocks innermost
-        mi, ni = np.repeat(np.arange(nm), nn), np.tile(np.arange(nn), nm)
+        mi, ni = np.repeat(np.arange(nm), nn), np.arange(nm * nn) % nn
     live = [(g, c) for g, c in enumerate(sizes) if c > 0]
     zeros = (len(sizes) - len(live)) * nm * nn
     out = np.empty((len(live) * nm * nn, 6), dtype=np.int64)
     if live:
         out[:, :2] = np.repeat(np.array(live, dtype=np.int64), nm * nn, axis=0)
-        out[:, 2:] = np.tile(np.stack([np.minimum(m0, P - mi * m0), np.minimum(n0, Q - ni * n0), mi, ni], axis=1),
-                             (len(live), 1))
+        block = np.stack([np.minimum(m0, P - mi * m0), np.minimum(n0, Q - ni * n0), mi, ni], axis=1)
+        out[:, 2:] = block[np.arange(len(out)) % (nm * nn)]          # (np.tile of the rows over the groups)
     return out, zeros
 
 

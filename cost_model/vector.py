@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.common import ceil_div, itemsize, round_up, tile1d
 from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
@@ -184,7 +184,7 @@ def _ew_model(dev, specs, p, r, c):
         re = np.repeat(re, ncol)
         tot = np.repeat(tot, ncol)
         act = np.repeat(act, ncol)
-        ce = np.tile(cws, S)
+        ce = tile1d(cws, S)
         first_task = np.zeros(S * ncol, dtype=bool)
         first_task[0] = True
         col_change = np.ones(S * ncol, dtype=bool) if ncol > 1 else first_task
