@@ -9,7 +9,7 @@ times.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from cost_model.devices import ITEMSIZE, Device, get_device
 from cost_model.lowering import geometry as _geometry_cache
@@ -55,6 +55,19 @@ class Estimate:
         return {u: b / self.cycles for u, b in self.busy.items()}
 
 
+_FIELDS = tuple(f.name for f in fields(Estimate))
+
+
+def _new_estimate(*values) -> Estimate:
+    """``Estimate(*values)`` (every field, in order). The frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``, which shows at the rate estimates are made (two a call: the model's and the copy
+    ``estimate`` returns); the instance's ``__dict__`` filled at once holds the same fields, and the instance
+    stays frozen."""
+    e = object.__new__(Estimate)
+    e.__dict__.update(zip(_FIELDS, values))
+    return e
+
+
 def register(name: str, roofline_fn=None):
     """Register ``fn(dev, specs, **params) -> Estimate`` as the model of kernel ``name``."""
     def deco(fn):
@@ -71,12 +84,12 @@ def spec(x) -> tuple | None:
         return None
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         dt = str(x.dtype).replace("torch.", "")
-        return tuple(int(d) for d in x.shape), dt
+        return tuple(map(int, x.shape)), dt
     shape, dtype = x
     dtype = str(dtype).replace("torch.", "")
     if dtype not in ITEMSIZE:
         raise TypeError(f"unsupported dtype {dtype!r}: the cost model knows {', '.join(ITEMSIZE)}")
-    return tuple(int(d) for d in shape), dtype
+    return tuple(map(int, shape)), dtype
 
 
 def _freeze(v):
@@ -138,10 +151,10 @@ def estimate(kernel: str, inputs, device="ascend910", **params) -> Estimate:
     frozen = tuple(sorted((k, _freeze(v)) for k, v in params.items()))
     e = _estimate(kernel, specs, dev.name, frozen)
     # a copy, so that a caller mutating the dicts does not poison the cache
-    # (every field passed in order: what ``dataclasses.replace`` does with these three, without its field walk)
-    return Estimate(e.kernel, e.device, e.cycles, e.hbm_bytes, dict(e.bytes), dict(e.busy), e.bound,
-                    None if e.tiling is None else dict(e.tiling), e.roofline, e.flops, e.notes, e.workspace_bytes,
-                    e.phases)
+    # (every field in order: what ``dataclasses.replace`` does with these three, without its field walk)
+    return _new_estimate(e.kernel, e.device, e.cycles, e.hbm_bytes, dict(e.bytes), dict(e.busy), e.bound,
+                         None if e.tiling is None else dict(e.tiling), e.roofline, e.flops, e.notes,
+                         e.workspace_bytes, e.phases)
 
 
 def roofline(kernel: str, inputs, device="ascend910", **params) -> float:
@@ -161,7 +174,10 @@ def kernel_cycles(dev: Device, core: float, hbm: float, bytes_: dict) -> float:
     """Kernel time before the launch overhead, as the simulator's ``Launch.finish`` takes it: the slowest
     core, never less than the HBM bytes over the HBM bandwidth nor the GM traffic (every ``bytes`` path to
     or from GM: it all passes through L2) over the L2 bandwidth."""
-    l2 = sum(v for k, v in bytes_.items() if "GM" in k)
+    l2 = 0                          # (the sum() of these, in order, without a generator: every candidate is priced)
+    for k, v in bytes_.items():
+        if "GM" in k:
+            l2 += v
     return max(core, hbm / dev.hbm_bytes_per_cycle, l2 / dev.l2_bytes_per_cycle)
 
 
@@ -172,12 +188,11 @@ def make(kernel: str, dev: Device, cycles: float, hbm: float, bytes_: dict, busy
     body = kernel_cycles(dev, cycles, hbm, bytes_)
     total = int(-(-body // 1)) + dev.launch_cycles
     units = UNITS + ("link",) if "link" in busy else UNITS      # kernels that communicate report their link
-    busy = {u: int(round(busy.get(u, 0.0))) for u in units}
+    get = busy.get
+    busy = {u: int(round(get(u, 0.0))) for u in units}
     bound = max(units, key=busy.__getitem__)
-    return Estimate(kernel=kernel, device=dev.name, cycles=total, hbm_bytes=int(round(hbm)),
-                    bytes={k: int(round(v)) for k, v in bytes_.items() if v}, busy=busy, bound=bound,
-                    tiling=tiling, roofline=float(roof), flops=float(flops), notes=tuple(notes),
-                    workspace_bytes=int(workspace), phases=tuple(phases))
+    return _new_estimate(kernel, dev.name, total, int(round(hbm)), {k: int(round(v)) for k, v in bytes_.items() if v},
+                         busy, bound, tiling, float(roof), float(flops), tuple(notes), int(workspace), tuple(phases))
 
 
 __all__ = ["Estimate", "MODELS", "UNITS", "cached", "clear_caches", "estimate", "kernel_cycles", "make", "register", "roofline", "spec"]
