@@ -30,10 +30,10 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize, round_up
-from cost_model.devices import get_device
+from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
-from cost_model.vecutil import fits, largest, pad
+from cost_model.vecutil import largest, pad
 
 STAT = 8
 F32 = "float32"
@@ -56,6 +56,41 @@ def _specs(dtype, rowwise, block, chunk, out=None, mask=None, log=False, one_pas
         ms = (rows, pad(cols, mdt)) if rowwise else (cols, pad(rows, mdt))
         specs += [(ms, mdt)] * 2 + ([(ms, F32)] if mdt not in ("bool", F32) else [])
     return specs + [(stat, F32)] * 4
+
+
+def _ub_fits(dev, dtype, rowwise, out=None, mask=None, log=False):
+    """``ok(block, chunk, one_pass)``: whether :func:`_specs` fits UB, summed as :func:`cost_model.vecutil.fits`
+    sums it (each tile at the UB alignment), for the tile searches' many probes: the tiles' item sizes taken once,
+    their elements from the same pads, without building the list."""
+    out = out or dtype
+    f32 = ITEMSIZE[F32]
+    main = [ITEMSIZE[dtype]] * 2                       # the item sizes of the [block x chunk] tiles, in order
+    if dtype != F32:
+        main += [f32] * (1 if out != F32 else 2)
+    if out != F32:
+        main += [ITEMSIZE[out]] * 2
+    if mask is not None:
+        mdt, along_block, along_c = mask
+        msz = [ITEMSIZE[mdt]] * 2 + ([f32] if mdt not in ("bool", F32) else [])
+    align, cap = dev.align["UB"], dev.buffers["UB"]
+
+    def ok(block, chunk, one_pass):
+        used = 0
+        tile = block * pad(chunk, dtype) if rowwise else chunk * pad(block, dtype)
+        for isz in main:
+            used = -(-used // align) * align + tile * isz
+        if log and one_pass:
+            used = -(-used // align) * align + tile * f32
+        if mask is not None:
+            rows, cols = (block if along_block else 1), (chunk if along_c else 1)
+            mt = rows * pad(cols, mdt) if rowwise else cols * pad(rows, mdt)
+            for isz in msz:
+                used = -(-used // align) * align + mt * isz
+        stat = block * STAT if rowwise else pad(block, dtype)
+        for _ in range(4):
+            used = -(-used // align) * align + stat * f32
+        return used <= cap
+    return ok
 
 
 def _axis_map(dims, mdims):
@@ -294,8 +329,7 @@ def _candidates(dev, dtype, L, out, log):
     C, mask, period = L.C, L.mask, L.period
     res = []
 
-    def ok(b, k, one):
-        return fits(dev, _specs(dtype, rowwise, b, k, out, mask, log, one))
+    ok = _ub_fits(dev, dtype, rowwise, out, mask, log)
 
     if rowwise:
         if ok(1, C, True):
