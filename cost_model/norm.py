@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from cost_model.common import ceil_div, itemsize
-from cost_model.devices import get_device
+from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
 from cost_model.vecutil import fits, largest, pad
@@ -150,18 +150,37 @@ def _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, R, cc):
     return core, float(hbm), {"GM->UB": float(gm_ub), "UB->GM": float(arr["stot"].sum())}, busy
 
 
-def _candidates(dev, spec_fn, H, per_core):
+def _ub_fits(dev, kind, dtype, wdt, has_w, has_b, H, tight):
+    """``ok(R, cc)``: whether :func:`_layout`'s tiles for ``R`` rows and chunks of ``cc`` fit UB, summed as
+    :func:`cost_model.vecutil.fits` sums them (each tile at the UB alignment), for the tile searches' many probes:
+    each chunk's tiles are listed once, their rows left open (whether they scale with R, their bytes a row)."""
+    align, cap = dev.align["UB"], dev.buffers["UB"]
+    layouts = {}
+
+    def ok(R, cc):
+        tiles = layouts.get(cc)
+        if tiles is None:
+            tiles = layouts[cc] = [(rows == "R", cols * ITEMSIZE[dt]) for (rows, cols), dt in
+                                   _specs(kind, dtype, wdt, has_w, has_b, "R", cc, H, tight and cc >= H)]
+        used = 0
+        for scales, row_bytes in tiles:
+            used = -(-used // align) * align + (R if scales else 1) * row_bytes
+        return used <= cap
+    return ok
+
+
+def _candidates(dev, ok, H, per_core):
     step = 64
-    if fits(dev, spec_fn(1, H)):
+    if ok(1, H):
         ccs = [H]
     else:
-        top = step * largest(lambda k: fits(dev, spec_fn(1, k * step)), 1, ceil_div(H, step))
+        top = step * largest(lambda k: ok(1, k * step), 1, ceil_div(H, step))
         if top < 1:
             raise ValueError(f"norm: not even one row chunk of {step} values fits UB on {dev.name}")
         ccs = [top]
     out = []
     for cc in ccs:
-        rmax = largest(lambda r: fits(dev, spec_fn(r, cc)), 1, per_core)
+        rmax = largest(lambda r: ok(r, cc), 1, per_core)
         for j in (1, 2, 4):
             r = max(1, min(rmax, ceil_div(per_core, j)))
             if {"rows": r, "chunk": cc} not in out:
@@ -173,9 +192,9 @@ def _candidates(dev, spec_fn, H, per_core):
 def _search(device, kind, dtype, rows, H, wdt, has_w, has_b, return_stats):
     dev = get_device(device)
     n = min(dev.vector_cores, rows)
-    spec_fn, _ = _layout(dev, kind, dtype, wdt, has_w, has_b, H)
+    _, tight = _layout(dev, kind, dtype, wdt, has_w, has_b, H)
     best = None
-    for t in _candidates(dev, spec_fn, H, ceil_div(rows, n)):
+    for t in _candidates(dev, _ub_fits(dev, kind, dtype, wdt, has_w, has_b, H, tight), H, ceil_div(rows, n)):
         res = _model(dev, kind, dtype, rows, H, wdt, has_w, has_b, return_stats, t["rows"], t["chunk"])
         cost = kernel_cycles(dev, *res[:3])
         if best is None or cost < best[0]:
