@@ -103,18 +103,26 @@ def _placement(dev, req):
     the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another,
     each at the buffer's alignment: its use is every tile's aligned size but the last one's, plus the last
     one's size (the sum less the last padding)."""
-    split, align = dev.arch == "split", dev.align
+    # (both searches place every candidate tiling's thirty-odd requests: the loop does no more than it needs)
+    split, align, buffers = dev.arch == "split", dev.align, dev.buffers
     total, last, plan = {}, {}, []
-    for i, (side, buf, name, shape, dt, lo, hi) in enumerate(req):
-        key = (side if split else "core", buf)
+    i = 0
+    for side, buf, _, shape, dt, lo, _ in req:
+        key = (side, buf) if split else ("core", buf)
         size = math.prod(shape) * ITEMSIZE[dt]
-        aligned = -(-size // align[buf]) * align[buf]
-        plan.append((key, aligned, aligned - size))
-        total[key] = total.get(key, 0) + lo * aligned
+        a = align[buf]
+        aligned = -(-size // a) * a
+        pad = aligned - size
+        plan.append((key, aligned, pad))
         if lo:
-            last[key] = (i, aligned - size)
-    if any(total[k] - last.get(k, (0, 0))[1] > dev.buffers[k[1]] for k in total):
-        return None
+            total[key] = total.get(key, 0) + lo * aligned
+            last[key] = (i, pad)
+        elif key not in total:
+            total[key] = 0
+        i += 1
+    for k, used in total.items():
+        if used - last.get(k, (0, 0))[1] > buffers[k[1]]:
+            return None
     return plan, total, last
 
 
