@@ -208,20 +208,23 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         with _dynamo_marks_set_aside((example_args, example_kwargs)):
             captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
         _check_product_dtypes(captured.graph_module, model, captured.route)
-    except BaseException:
+    except BaseException as e:
         _restore_python_state(python_state)
+        # a trace that stopped short of the end may have drawn already (SpecAugment draws before the data-dependent
+        # span count that stops export): the user's generators are put back all the same
+        drawn = _host_rng_drawn(host_rng)
+        failures = getattr(e, "failures", None)
+        if failures is not None and not drawn and "torch.compile" in str(e):
+            # the hint would send the user to torch.compile, which (by default) draws np.random's numbers from
+            # torch's generator: find out whether the forward draws at all, past where the traces stopped
+            drawn = _eager_host_draws(model, example_args, example_kwargs)
+        if failures is not None and drawn:
+            raise CaptureError(route, _explain(model, failures, drawn)) from None
         raise
     changed = _restore_python_state(python_state)
     drawn = _host_rng_drawn(host_rng)
     if drawn:
-        raise CaptureError(route, f"capture failed: the forward draws from {drawn} in Python (the state is put back), "
-                                  f"which a captured graph cannot do at each call: it would keep the values this "
-                                  f"capture drew, the same at every call (transformers' SpecAugment time and feature "
-                                  f"masks in training, mask_time_prob / mask_feature_prob > 0, are drawn so; "
-                                  f"torch.compile keeps them the same way). hint: draw them outside the forward and "
-                                  f"pass them in (Wav2Vec2Model and its kin take mask_time_indices=), set their "
-                                  f"probabilities to 0, or draw with torch (torch.rand, torch.bernoulli), which the "
-                                  f"graph draws again at each call")
+        raise CaptureError(route, f"capture failed: {_host_draw_text(drawn)}")
     settable = all(not k.startswith("_") and v is not _GONE and plain_attribute(v) for _, _, k, v in changed)
     if changed and settable and not _changes_again(model, changed, example_args, example_kwargs, route, routes):
         # a forward that sets a plain attribute to a value it then keeps (Swin sets its shift to 0 where the
@@ -278,6 +281,82 @@ def _host_rng_drawn(before) -> str | None:
         np.random.set_state(before[1])
         moved.append("numpy's global random generator (np.random)")
     return " and ".join(moved) or None
+
+
+def _host_draw_text(drawn: str) -> str:
+    """Why a forward that draws from ``drawn`` (:func:`_host_rng_drawn`) cannot be captured, and what to do instead,
+    torch.compile included only as it runs such a draw (both refusals of such a forward say this)."""
+    text = (f"the forward draws from {drawn} in Python (the state is put back), which a captured graph cannot do at "
+            f"each call: it would keep the values this capture drew, the same at every call (transformers' "
+            f"SpecAugment time and feature masks in training, mask_time_prob / mask_feature_prob > 0, are drawn so). "
+            f"hint: draw them outside the forward and pass them in (Wav2Vec2Model and its kin take "
+            f"mask_time_indices=), set their probabilities to 0, or draw with torch (torch.rand, torch.bernoulli), "
+            f"which the graph draws again at each call")
+    if "numpy" in drawn:
+        # Dynamo traces np.random's functions into its graph as torch ops drawing from torch's generator unless
+        # this flag is set; with it, it breaks the graph at each draw and numpy makes it, as in eager
+        return text + ("; torch.compile(model, backend='autofuse') runs such a forward as eager does only with "
+                       "torch._dynamo.config.use_numpy_random_stream = True set before its first call: by default "
+                       "Dynamo draws np.random's numbers from torch's generator, other numbers than eager's")
+    # Dynamo makes Python's random draws in Python, before its graph or in a graph break, as eager makes them
+    return text + "; or compile it with torch.compile(model, backend='autofuse'), which makes such draws as eager does"
+
+
+def _eager_host_draws(model, example_args, example_kwargs) -> str | None:
+    """Which of Python's and numpy's global generators one eager call of the forward draws from (in words, as
+    :func:`_host_rng_drawn`), or None if neither does or the call cannot be made here (meta inputs, a graph Dynamo
+    or torch.export made, inputs that cannot be copied, a forward that raises). The call changes nothing of the
+    user's: it runs without grad on copies of the inputs, and the model's parameters and buffers (values, objects,
+    requires_grad), its modules' attributes and modes, and torch's, numpy's and Python's generators are put back
+    as they were."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    state = [*model.parameters(), *model.buffers()]
+    leaves = pytree.tree_leaves((example_args, example_kwargs))
+    tensors = [t for t in [*leaves, *state] if isinstance(t, torch.Tensor)]
+    if _dynamo_graph(model) or _program_module(model) or torch.compiler.is_compiling() or \
+            any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in tensors):
+        return None
+
+    def copied(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        c = x.detach().clone()
+        return c.requires_grad_(x.requires_grad) if x.requires_grad and x.is_leaf else c
+    try:
+        # the forward may update an input in place (a static KV cache): it runs on copies
+        args, kwargs = pytree.tree_map(copied, (example_args, example_kwargs))
+    except Exception:  # noqa: BLE001 - an input pytree cannot rebuild: no call, the message stays as it was
+        return None
+    modules = list(model.modules())
+    slots = [(m, dict(m._parameters), dict(m._buffers), m.training) for m in modules]
+    saved = [(t, t.detach().clone(), t.requires_grad) for t in dict.fromkeys(state)]
+    python_state = _python_state(model)
+    host = _host_rng_state()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a forward that raises here: what it drew before raising is still its own
+        pass
+    finally:
+        moved = _host_rng_drawn(host)             # puts the host generators back
+        _restore_python_state(python_state)
+        for m, params, buffers, training in slots:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            m.training = training
+        with torch.no_grad():
+            for t, value, requires_grad in saved:
+                if t.shape != value.shape or t.dtype != value.dtype:
+                    t.data = value
+                elif not torch.equal(t, value):
+                    t.data.copy_(value)        # through .data: the update is the probe's, not autograd's
+                if t.requires_grad != requires_grad:
+                    t.requires_grad_(requires_grad)
+    return moved
 
 
 def _recomputing_hooks(model, changed) -> list:
@@ -377,7 +456,9 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             raise
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
             failures.append((r, e))
-    raise CaptureError(route, _explain(model, failures))
+    error = CaptureError(route, _explain(model, failures))
+    error.failures = failures       # capture() explains them again if the forward draws from a host generator
+    raise error
 
 
 def _python_state(model) -> list:
@@ -1793,12 +1874,18 @@ def _program_hint(failures) -> str:
             "export again with these inputs (dynamic_shapes= for sizes that change)")
 
 
-def _explain(model, failures) -> str:
+def _explain(model, failures, drawn: str | None = None) -> str:
+    """Why every route failed, and what to do. ``drawn``: the host generators the forward draws from
+    (:func:`_host_rng_drawn`), which no capture can keep and the message leads with; where numpy's is one, a hint
+    that points to torch.compile says what makes its draws eager's."""
     program = _program_module(model)
     dynamo = _dynamo_graph(model)
     what = ("the exported program's module (fuse() of an ExportedProgram runs ep.module())" if program else
             "Dynamo's graph (GraphModule)" if dynamo else type(model).__name__)
     lines = [f"could not capture {what}:"]
+    if drawn:
+        lines = [f"could not capture {what}: {_host_draw_text(drawn)}.",
+                 "  Besides, every capture route failed (what follows applies once the draws are out of the forward):"]
     hinted = False
     for route, e in failures:
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -1817,6 +1904,10 @@ def _explain(model, failures) -> str:
                         "the model with torch.compile(model, backend='autofuse'), which runs it with a graph break")
         if isinstance(e, TypeError) and any(k in str(e) for k in _SIGNATURE_ERRORS):
             hint = _signature_hint(model)
+        if hint and drawn and "numpy" in drawn:
+            hint = hint.replace("torch.compile(model, backend='autofuse')",
+                                "torch.compile(model, backend='autofuse') with "
+                                "torch._dynamo.config.use_numpy_random_stream = True (see above)")
         if hint:
             lines.append(f"    hint: {hint}")
             hinted = True

@@ -506,3 +506,100 @@ def test_a_forward_drawing_from_a_host_generator_is_refused_and_the_state_put_ba
     with pytest.raises(CaptureError, match=re.escape(f"the forward draws from {name}") + r".*hint: draw them outside"):
         capture(_HostDraw(draw), (torch.randn(16, 4),))
     assert (np.random.rand(), random.random()) == expected
+
+
+class _BranchThenDraw(nn.Module):
+    """A data-dependent branch, which export cannot trace, then a mask drawn with numpy's or Python's global
+    generator (SpecAugment's order in wav2vec2: a span count read from data, then the draw); in training a
+    BatchNorm updates its statistics. ``draw_first`` puts the draw before the branch: the trace draws, then stops."""
+
+    def __init__(self, generator="numpy", draw_first=False):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.generator, self.draw_first = generator, draw_first
+
+    def draw(self, n):
+        import random
+
+        import numpy as np
+        values = np.random.rand(n) if self.generator == "numpy" else np.array([random.random() for _ in range(n)])
+        return torch.tensor(values > 0.1)
+
+    def forward(self, x):
+        keep = self.draw(x.shape[0]) if self.draw_first else None
+        y = self.bn(self.lin(x))
+        if y.sum() > 0:
+            y = y * 2
+        if keep is None:
+            keep = self.draw(x.shape[0])
+        return torch.nn.functional.dropout(y * keep[:, None], 0.1)
+
+
+def _rng_states():
+    import random
+
+    import numpy as np
+    kind, keys, *rest = np.random.get_state()
+    return torch.get_rng_state(), (kind, keys.copy(), *rest), random.getstate()
+
+
+def _same_rng_states(a, b) -> bool:
+    import numpy as np
+    return torch.equal(a[0], b[0]) and a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1]) and \
+        a[1][2:] == b[1][2:] and a[2] == b[2]
+
+
+@pytest.mark.parametrize("draw_first", [False, True], ids=["branch_first", "draw_first"])
+@pytest.mark.parametrize("generator", ["numpy", "python"])
+def test_a_host_draw_past_a_failing_trace_leads_the_refusal_and_nothing_of_the_user_changes(generator, draw_first):
+    """Every route fails at the branch; the forward also draws from a host generator, which no capture can keep and
+    torch.compile makes from torch's generator by default (numpy's): the refusal leads with the draw, seen by one
+    eager call, and points to torch.compile only with the flag that makes its draws numpy's. That call, and the
+    failed traces, leave the model (state_dict bit for bit, modes, attributes), the input and every generator as
+    they were."""
+    torch.manual_seed(0)
+    model = _BranchThenDraw(generator, draw_first).train()
+    model.bn.eval()                          # modes are put back module by module
+    model.bn.train()
+    model.lin.eval()
+    x = torch.randn(6, 8)
+    x_before = x.clone()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modes = [m.training for m in model.modules()]
+    attributes = dict(vars(model))
+    rngs = _rng_states()
+    with pytest.raises(CaptureError) as info:
+        capture(model, (x,))
+    text = str(info.value)
+    name = "numpy's global random generator" if generator == "numpy" else "Python's random module"
+    assert text.startswith(f"could not capture _BranchThenDraw: the forward draws from {name}"), text
+    assert "hint: draw them outside the forward" in text.splitlines()[0]
+    assert "route 'export' failed with GuardOnDataDependentSymNode" in text      # the branch is still named
+    if generator == "numpy":
+        # every mention of torch.compile says what makes its draws eager's
+        assert text.count("torch.compile(model, backend='autofuse')") == \
+            text.count("torch._dynamo.config.use_numpy_random_stream = True") == 2, text
+    assert _same_rng_states(rngs, _rng_states())
+    assert state.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert v.dtype == state[k].dtype and torch.equal(v.view(-1).view(torch.uint8),
+                                                         state[k].view(-1).view(torch.uint8)), k
+    assert [m.training for m in model.modules()] == modes
+    assert dict(vars(model)) == attributes
+    assert torch.equal(x, x_before)
+
+
+def test_a_forward_that_raises_eagerly_keeps_the_tracers_message():
+    """A failed capture of a forward that raises when run (here on a data-dependent branch) gets the message it had:
+    no host draw is known."""
+    class Raises(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                raise ValueError("positive")
+            return x
+
+    rngs = _rng_states()
+    with pytest.raises(CaptureError) as info:
+        capture(Raises(), (torch.ones(3),))
+    assert str(info.value).startswith("could not capture Raises:\n  route 'export' failed")
+    assert _same_rng_states(rngs, _rng_states())
