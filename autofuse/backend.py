@@ -102,7 +102,7 @@ class Backend:
         self.settings = dict(target_device=target_device, optimization_level=optimization_level,
                              memory_budget=memory_budget, verify=verify, **engine_options)
         self.graphs: list[CompiledGraph] = []
-        self._warned: set = set()       # the torch.compile modes warned of
+        self._warned: set = set()       # the torch.compile modes and the numpy draws warned of
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
         from autofuse.capture import CaptureError, mark_grad_blocks
@@ -116,6 +116,11 @@ class Backend:
         from autofuse.fused_vector import training_graph
         gm.training = owner.training if isinstance(owner, torch.nn.Module) else training_graph(gm.graph)
         mark_grad_blocks(gm)            # the forward's no_grad blocks stop the gradient in the captured graph too
+        draws = [d for d in _numpy_draws(gm) if ("numpy draw", d) not in self._warned]
+        if draws:
+            # Dynamo's doing, whatever the backend: said once per draw, though each recompilation hands it over again
+            self._warned.update(("numpy draw", d) for d in draws)
+            warnings.warn(_numpy_draw_warning(draws), stacklevel=2)
         where = _custom_function_applied(gm)
         if where:
             # a capture would keep the Function's forward and lose its backward (autograd would differentiate the
@@ -304,6 +309,40 @@ def _run_as_captured(error) -> None:
     reason = str(error).strip().replace("\n", " ")
     warnings.warn(f"autofuse: a graph Dynamo captured runs unfused, as Dynamo gave it: it could not be captured for "
                   f"fusion ({reason})", stacklevel=3)
+
+
+def _numpy_draws(gm: torch.fx.GraphModule) -> list[str]:
+    """The forward's draws from numpy's global generator that Dynamo traced into ``gm`` (``np.random.rand at
+    file:line: code``, one per call site). Dynamo traces numpy through ``torch._numpy``; with
+    ``torch._dynamo.config.use_numpy_random_stream`` False (its default) a call of an ``np.random`` function becomes
+    a node that calls ``torch._numpy.random``'s function, which draws from torch's generator; with the flag set
+    Dynamo breaks the graph there instead and numpy draws, so no such node is made."""
+    try:
+        from torch._dynamo.utils import numpy_to_tensor_wrapper
+    except ImportError:         # pragma: no cover - a torch that does not trace numpy so
+        return []
+    from autofuse.capture import _stack_line
+    draws = []
+    for n in gm.graph.nodes:
+        f = getattr(n.target, "f", None)
+        if n.op == "call_function" and isinstance(n.target, numpy_to_tensor_wrapper) and \
+                getattr(f, "__module__", "") == "torch._numpy.random":
+            where = _stack_line(n.meta.get("stack_trace") or "")
+            draws.append(f"np.random.{f.__name__}{f' at {where}' if where else ''}")
+    return list(dict.fromkeys(draws))
+
+
+def _numpy_draw_warning(draws: list) -> str:
+    """What a graph holding ``draws`` (:func:`_numpy_draws`) computes, and what makes it eager's."""
+    return (f"autofuse: the forward draws from numpy's global random generator ({'; '.join(draws)}), and Dynamo "
+            f"traced {'that draw as a draw' if len(draws) == 1 else 'those draws as draws'} from torch's generator "
+            f"(torch._dynamo.config.use_numpy_random_stream is False, its default; any torch.compile backend gets "
+            f"such a graph): the compiled model draws other numbers than eager's at every call (transformers' "
+            f"SpecAugment masks in training, for one) and moves torch's generator where eager moves numpy's. To "
+            f"compute what eager computes, set torch._dynamo.config.use_numpy_random_stream = True before the first "
+            f"call (Dynamo then breaks the graph at each such draw and numpy makes it), or draw the values outside "
+            f"the forward and pass them in (Wav2Vec2Model and its kin take mask_time_indices=), or set their "
+            f"probabilities to 0 (mask_time_prob, mask_feature_prob)")
 
 
 def _custom_function_applied(gm) -> str | None:

@@ -589,3 +589,45 @@ def test_a_signature_whose_capture_fails_runs_unfused_and_others_still_fuse(monk
     assert len(unfused) == 1 and "refused at length 5" in str(unfused[0].message)
     assert tried == [8, 5, 7], tried
     assert len(reports(compiled)) == 2
+
+
+class _NumpyMask(torch.nn.Module):
+    """Masks a random tenth of its rows with a mask drawn from numpy's global generator after a data-dependent
+    branch (where Dynamo splits the graph), as transformers' SpecAugment draws after reading span counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        import numpy as np
+        y = self.lin(x)
+        if y.sum() > 0:
+            y = y * 2
+        keep = torch.from_numpy(np.random.rand(y.shape[0]) > 0.1)
+        return torch.nn.functional.dropout(y * keep[:, None], 0.1)
+
+
+def _seeded(f, x, seed):
+    import numpy as np
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    return f(x)
+
+
+def test_a_numpy_draw_dynamo_moves_to_torchs_generator_is_warned_of_once():
+    """By default Dynamo traces np.random's draw as a draw from torch's generator: the compiled model computes other
+    values than eager at the same seeds. The backend says so once, naming the draw and the flag that makes it
+    numpy's."""
+    torch.manual_seed(0)
+    model, x = _NumpyMask().train(), torch.randn(6, 8)
+    compiled = torch.compile(model, backend=autofuse.backend())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            _seeded(compiled, x, seed)
+    said = [str(w.message) for w in caught if "numpy's global random generator" in str(w.message)]
+    assert len(said) == 1, said
+    assert "np.random.rand at " in said[0] and "np.random.rand(y.shape[0])" in said[0]
+    assert "torch._dynamo.config.use_numpy_random_stream = True" in said[0]
+
