@@ -148,6 +148,18 @@ class Backend:
             return whole(gm(*args), args)
 
         example = plain(example)
+        wide = _host_arrays(example, owner)
+        if wide:
+            # a numpy array the forward made reaches the next graph as a float64 input (np.random's draws do with
+            # use_numpy_random_stream set, which the warning above advises): fuse() would refuse its dtype and stop
+            # the compiled model, which runs that graph as Dynamo gave it, as eager runs it
+            warnings.warn(f"autofuse: a graph Dynamo captured runs unfused, as Dynamo gave it: its input(s) {wide} "
+                          f"hold a dtype the NPU target does not compute in (float16, bfloat16 and float32 only), "
+                          f"and are not the model's parameters or buffers: a numpy array the forward made, passed "
+                          f"on at a graph break (np.random's draws with torch._dynamo.config.use_numpy_random_stream "
+                          f"= True), or an input of that dtype. Cast it in the forward (torch.from_numpy(a).float()) "
+                          f"for the graph after it to fuse", stacklevel=2)
+            return unfused
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs
@@ -309,6 +321,16 @@ def _run_as_captured(error) -> None:
     reason = str(error).strip().replace("\n", " ")
     warnings.warn(f"autofuse: a graph Dynamo captured runs unfused, as Dynamo gave it: it could not be captured for "
                   f"fusion ({reason})", stacklevel=3)
+
+
+def _host_arrays(example, owner) -> str:
+    """The inputs of a Dynamo graph (``"0, 3"``) that are tensors of a float dtype the target does not compute in
+    (float64: numpy's) and not the compiled module's parameters or buffers (Dynamo hands those over as inputs; a
+    float64 model is fuse()'s to refuse, with its cast hint); "" if none."""
+    from autofuse.engine import _bad_dtype
+    state = {id(t) for t in (*owner.parameters(), *owner.buffers())} if isinstance(owner, torch.nn.Module) else set()
+    return ", ".join(str(i) for i, x in enumerate(example)
+                     if _bad_dtype(x) and x.dim() > 0 and id(x) not in state)
 
 
 def _numpy_draws(gm: torch.fx.GraphModule) -> list[str]:

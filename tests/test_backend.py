@@ -631,3 +631,18 @@ def test_a_numpy_draw_dynamo_moves_to_torchs_generator_is_warned_of_once():
     assert "np.random.rand at " in said[0] and "np.random.rand(y.shape[0])" in said[0]
     assert "torch._dynamo.config.use_numpy_random_stream = True" in said[0]
 
+
+def test_with_numpy_random_stream_set_the_compiled_model_draws_as_eager():
+    """With the flag the warning names, Dynamo breaks the graph at the draw and numpy makes it: the compiled model
+    equals eager at the same seeds (the float64 draw reaches the next graph as an input, which runs unfused with a
+    warning instead of stopping the model), and nothing is said of numpy's generator."""
+    torch.manual_seed(0)
+    model, x = _NumpyMask().train(), torch.randn(6, 8)
+    with torch._dynamo.config.patch(use_numpy_random_stream=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=autofuse.backend())
+        for seed in range(3):
+            assert torch.equal(_seeded(compiled, x, seed), _seeded(model, x, seed))
+    texts = [str(w.message) for w in caught]
+    assert not [t for t in texts if "numpy's global random generator" in t]
+    assert any("runs unfused" in t and "use_numpy_random_stream" in t for t in texts)
