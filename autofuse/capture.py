@@ -333,11 +333,13 @@ def _eager_host_draws(model, example_args, example_kwargs) -> str | None:
     python_state = _python_state(model)
     host = _host_rng_state()
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    ran = False
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a forward that raises here: what it drew before raising is still its own
+        ran = True
+    except Exception:  # noqa: BLE001 - a forward that raises here (on these inputs, or without grad) tells nothing
         pass
     finally:
         moved = _host_rng_drawn(host)             # puts the host generators back
@@ -356,7 +358,7 @@ def _eager_host_draws(model, example_args, example_kwargs) -> str | None:
                     t.data.copy_(value)        # through .data: the update is the probe's, not autograd's
                 if t.requires_grad != requires_grad:
                     t.requires_grad_(requires_grad)
-    return moved
+    return moved if ran else None
 
 
 def _recomputing_hooks(model, changed) -> list:
