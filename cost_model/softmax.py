@@ -9,7 +9,8 @@ Per task, the Vector passes of the kernel (fp32 statistics; fp16/bf16 cast in an
   cast out — plus two selects on the statistics for ``empty_rows="zero"``, one for ``inf_rows="lse"`` (the sum
   of a row whose max is +inf becomes 1);
 * online (``chunk < C``): pass 1 per chunk (prologue, max, the max in use, correction of the running
-  statistics, sub, exp, sum; after the last chunk the empty-sum and +inf-max selects), pass 2 per chunk (prologue, sub, exp, div or sub, cast, store). Pass 2
+  statistics, sub, exp, sum; after the last chunk the empty-sum and +inf-max selects and log's log of the sum), pass 2
+  per chunk (prologue, sub max, exp and div or, log, sub of the log sum, cast, store). Pass 2
   reloads the chunks; they hit L2 when the step's rows (and the outputs written meanwhile) fit in it.
 
 Repeat counts follow ``Group.repeats``/``row_repeats``: an elementwise pass over ``rows x pad(cols)``
@@ -235,15 +236,15 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled, lse=False):
             cv = min(chunk, C - k * chunk)
             (ew, row, small, br), (pv, pi) = chunk_counts(cv)
             last = k == nchunks - 1
-            extra = (5 if k else 0) + 1 + last * (zero + lse + 2 * log)
+            extra = (5 if k else 0) + 1 + last * (zero + lse + log)
             vec = pv + ew + 3 * row + 2 * br + extra * small
             instr = pi + 4 + 2 * nb + extra + 1
             tasks.append((k, cv, 1, vec, instr, False))
         for k in range(nchunks):                           # pass 2: reloads
             cv = min(chunk, C - k * chunk)
             (ew, row, small, br), (pv, pi) = chunk_counts(cv)
-            vec = pv + ew * ((not log) + lowp_out) + row * (1 + (not log))
-            instr = pi + lowp_out + 1 + 2 * (not log) + 2
+            vec = pv + ew * ((not log) + lowp_out) + row * 2      # sub max; div, or sub log sum
+            instr = pi + lowp_out + 2 + (not log) + 2
             tasks.append((k, cv, 2, vec, instr, True))
     T = len(tasks)
     L2, HBMbw, rate = dev.l2_bytes, dev.hbm_bytes_per_cycle, dev.rates["GM->UB"]

@@ -382,3 +382,24 @@ def test_inf_rows_lse_costs_one_select_per_row():
                                     inf_rows=ir).cycles for ir in ("nan", "lse")]
         assert pred[1] > pred[0]
         assert abs(pred[1] - lse.stats.cycles) / lse.stats.cycles <= 0.15
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiling", [None, {"block": 2, "chunk": 16}], ids=["one-pass", "chunked"])
+def test_log_of_a_row_whose_every_score_is_finfo_min(dtype, tiling):
+    """log_softmax of a row whose every score is the dtype's ``finfo.min`` (a fill, or an additive mask that absorbs
+    the scores) is ``-log C``, as eager's; the two-pass form too, which subtracts the max before the log of the sum
+    (``max + log sum`` as one statistic rounds ``log C`` away next to fp32's or bf16's ``finfo.min``: 0)."""
+    low = torch.finfo(dtype).min
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(22)).to(dtype)
+    x[1] = low
+    keep = torch.ones(3, 40, dtype=torch.bool)
+    keep[2] = False
+    for mask, fill in ((None, float("-inf")), (keep, low)):
+        r = npu.run("softmax", x, mask=mask, fill=fill, log=True, tiling=tiling)
+        got = torch.from_numpy(r.outputs[0].astype(np.float64))
+        z = x if mask is None else x.masked_fill(~keep, low)
+        want = torch.log_softmax(z.float(), -1).to(dtype).double()
+        rows = [1] if mask is None else [1, 2]
+        torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=2 * UNIT[dtype] * np.log(40))
+        assert (got[rows] - -np.log(40)).abs().max() <= 2 * UNIT[dtype] * np.log(40) + 1e-6

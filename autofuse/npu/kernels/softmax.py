@@ -24,7 +24,9 @@ writes ``exp`` to a second fp32 tile, then ``s = log(s)`` and ``x -= s`` replace
 
 Two passes, when C is longer than a tile (online softmax): pass 1 walks the chunks keeping a running
 max m and sum s (``s = s * exp(m_old - m_new) + sum(exp(x - m_new))``); pass 2 walks them again (the
-reloads mostly hit L2), recomputes the prologue and writes ``exp(x - m) / s`` (or ``x - m - log s``).
+reloads mostly hit L2), recomputes the prologue and writes ``exp(x - m) / s`` (or ``(x - m) - log s``, the max
+subtracted first as in one pass: ``m + log s`` as one statistic loses ``log s`` to the rounding of a max as large
+as fp32's or bf16's ``finfo.min``, a row whose every score is that fill).
 The max the exponentials subtract is ``0`` while a row has seen only ``-inf`` (a leading chunk fully
 masked must not poison the running sum with ``-inf - -inf``): one select on the statistics per chunk.
 
@@ -438,7 +440,7 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
         g.store(yb, yv, it.regions(k, cv), active=it.act, name="store y")
 
     def normalise_store(it, k, w, cv, ll):
-        """softmax: x /= s; log: x -= ll (``m_use + log s`` online, ``log s`` in one pass). Then store."""
+        """softmax: x /= s; log: x -= ll (``log s``, the max subtracted already). Then store."""
         v, row = sl(cv), it.counts(cv)[1]
         if log:
             g.vector("sub log sum", (w,), (w, ll), row, active=it.act,
@@ -483,14 +485,17 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
             stat_op(it, "add s+=chunk sum", s_, (s_, t_), np.add)
         if k == nchunks - 1:
             finish_stats(it)
-            if log:
-                stat_op(it, "add max+log sum", st["s"], (st["s"], use), np.add)
 
     def normalise(it, k, handle):
-        """Pass 2 on chunk k: y = exp(z - m) / s, or z - (m + log s)."""
+        """Pass 2 on chunk k: y = exp(z - m) / s, or (z - m) - log s. The log form subtracts the max first, as the
+        one-pass form and eager do: ``m + log s`` in one statistic would lose ``log s`` to the rounding of a max
+        as large as fp32's or bf16's ``finfo.min`` (a row whose every score is that fill gives ``-log C``)."""
         cv = min(chunk, C - k * chunk)
         w = prologue(it, k, *handle)
-        if not log:
+        if log:
+            g.vector("sub max", (w,), (w, use), it.counts(cv)[1], active=it.act,
+                     compute=lambda: np.subtract(w.data[sl(cv)], stat(use), out=w.data[sl(cv)]))
+        else:
             sub_exp(it, w, cv, use)
         normalise_store(it, k, w, cv, st["s"])
 
