@@ -145,7 +145,9 @@ def _softmax_family(quick: bool):
           ((8, 50000), -1, f16, {"log": True, "scale": 0.5}, ((1, 50000), b)),
           ((6, 37, 19), 1, bf16, {"scale": 2.0}, ((6, 1, 19), b)),
           ((3, 5, 7), -1, f32, {"empty_rows": "zero"}, ((3, 1, 7), b)),
-          ((333, 777), -1, f32, {"log": True, "out_dtype": bf16}, None)]
+          ((333, 777), -1, f32, {"log": True, "out_dtype": bf16}, None),
+          # a 16-bit additive mask added in its dtype, as eager adds it (scores cast down, add, sum cast up)
+          ((2, 4, 128, 128), -1, f16, {"mask_add_dtype": f16}, ((2, 1, 1, 128), f16))]
     if not quick:
         cs += [((16, 1024, 1024), -1, f16, {"scale": 0.125}, ((16, 1, 1024), b)),
                ((1, 16, 2048, 2048), -1, f16, {"scale": 0.088}, ((2048, 2048), b)),
@@ -163,7 +165,10 @@ def _softmax_family(quick: bool):
                ((333, 777), -1, f16, {"inf_rows": "lse", "log": True}, None),
                ((8, 50000), -1, f32, {"inf_rows": "lse", "log": True}, None),      # two passes
                ((8, 50000), -1, f16, {"inf_rows": "lse"}, ((1, 50000), b)),
-               ((4, 1000, 96), 1, f16, {"inf_rows": "lse", "scale": 0.5}, None)]
+               ((4, 1000, 96), 1, f16, {"inf_rows": "lse", "scale": 0.5}, None),
+               ((2, 8, 512, 512), -1, bf16, {"mask_add_dtype": bf16, "scale": 0.125}, ((2, 1, 512, 512), bf16)),
+               ((8, 50000), -1, f16, {"mask_add_dtype": f16, "log": True}, ((1, 50000), f16)),      # two passes
+               ((4, 1000, 96), 1, bf16, {"mask_add_dtype": bf16}, ((4, 1, 96), bf16))]
     return cs
 
 

@@ -4,7 +4,8 @@ Per task, the Vector passes of the kernel (fp32 statistics; fp16/bf16 cast in an
 
 * prologue: cast in (fp16/bf16 x), ``mul`` by the scale, the mask (a cast of an fp16/bf16 additive mask
   over the mask tile, then one select or add: elementwise when the mask tile is the work tile's shape,
-  per row when it broadcasts);
+  per row when it broadcasts; with ``mask_add_dtype``, a 16-bit mask added in its dtype as eager adds it, no
+  cast of the mask but the scores cast down and the sum cast back up, two elementwise passes around the add);
 * one pass (``chunk >= C``): prologue, max + brcb, sub, exp, sum + brcb, div (log: log of the sum, sub),
   cast out — plus two selects on the statistics for ``empty_rows="zero"``, one for ``inf_rows="lse"`` (the sum
   of a row whose max is +inf becomes 1);
@@ -52,10 +53,11 @@ def _specs(dtype, rowwise, block, chunk, out=None, mask=None, log=False, one_pas
     if log and one_pass:
         specs += [(shape, F32)]
     if mask is not None:
-        mdt, along_block, along_c = mask
+        mdt, along_block, along_c = mask[:3]
         rows, cols = (block if along_block else 1), (chunk if along_c else 1)
         ms = (rows, pad(cols, mdt)) if rowwise else (cols, pad(rows, mdt))
-        specs += [(ms, mdt)] * 2 + ([(ms, F32)] if mdt not in ("bool", F32) else [])
+        add = mask[3] if len(mask) > 3 else None
+        specs += [(ms, mdt)] * 2 + ([(shape, add)] if add else [(ms, F32)] if mdt not in ("bool", F32) else [])
     return specs + [(stat, F32)] * 4
 
 
@@ -137,7 +139,7 @@ def _blocks(kept, n, block, period):
 class _Layout:
     """The tensor viewed [outer, C, inner] and, with a mask, where each core's tile reads it."""
 
-    def __init__(self, shape, dim, mshape, mdtype):
+    def __init__(self, shape, dim, mshape, mdtype, add_dtype=None):
         nd = len(shape)
         if nd == 0:
             raise ValueError("softmax: x is a 0-d tensor")
@@ -156,7 +158,8 @@ class _Layout:
             if self.rowwise:
                 run, step, _ = _axis_map(self.odims, full[:dim])
             self.period = run
-            self.mask = (mdtype, step == 1, full[dim] != 1)
+            # a 16-bit mask added in its dtype: the kernel's mask spec carries that dtype
+            self.mask = (mdtype, step == 1, full[dim] != 1) + ((add_dtype,) if add_dtype else ())
             self.msz = itemsize(mdtype)
 
 
@@ -198,7 +201,8 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled, lse=False):
 
     nb = 1 if rowwise else 0          # brcb instructions per reduction
     if mk is not None:
-        mdt, along_block, along_c = mk
+        mdt, along_block, along_c = mk[:3]
+        added = len(mk) > 3                 # added in its dtype: scores cast down, the add, the sum cast up
         ke_m = ext if along_block else np.minimum(ext, 1)
         keys = _mask_keys(L, start, ext, ke_m)
         w_m = worst if along_block else np.minimum(worst, 1)
@@ -209,7 +213,9 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled, lse=False):
         vec, ins = lowp_in * ew + scaled * ew, lowp_in + scaled
         if mk is not None:
             cm = cv if along_c else 1
-            if mdt not in ("bool", F32):
+            if added:
+                vec, ins = vec + 2 * ew, ins + 2
+            elif mdt not in ("bool", F32):
                 rm = w_m if rowwise else (ke if along_block else np.minimum(ke, 1))
                 vec = vec + (np.ceil(rm * pad(cm, mdt) / 64) if rowwise else np.ceil(cm * pad(rm, mdt) / 64))
                 ins += 1
@@ -290,7 +296,7 @@ def _mask_stream(L, tasks, keys, ke_m, w_m, other, chunk, L2):
     The cores of one load that read the same region share one miss. A region read by an earlier task hits
     while the bytes brought into L2 since — ``other`` (x misses, y written through) and the distinct mask
     regions read (an upper bound: a hit brings nothing) — leave room for it (LRU)."""
-    mdt, along_block, along_c = L.mask
+    mdt, along_block, along_c = L.mask[:3]
     S, T = other.shape
     n = keys.shape[0]
     cm = np.array([cv if along_c else 1 for _, cv, *_ in tasks], dtype=float)
@@ -361,7 +367,7 @@ def _candidates(dev, dtype, L, out, log):
 @cached
 def _search(device, dtype, shape, dim, mask, out, log, zero, scaled, lse=False):
     dev = get_device(device)
-    L = _Layout(shape, dim, *(mask or (None, None)))
+    L = _Layout(shape, dim, *(mask or (None, None)))       # mask: (shape, dtype[, add dtype])
     best = None
     for t in _candidates(dev, dtype, L, out, log):
         res = _model(dev, dtype, L, t["block"], t["chunk"], out, log, zero, scaled, lse)
@@ -371,32 +377,42 @@ def _search(device, dtype, shape, dim, mask, out, log, zero, scaled, lse=False):
     return best[1], best[2]
 
 
-def _passes(specs, mask, scale, log, out_dtype):
-    """fp32 Vector passes per element (roofline): max, sub, exp, sum, div, + scale, mask, casts."""
+def _passes(specs, mask, scale, log, out_dtype, add_dtype=None):
+    """fp32 Vector passes per element (roofline): max, sub, exp, sum, div, + scale, mask, casts (a mask added in
+    its 16-bit dtype: two more, the scores cast down and the sum cast back up)."""
     (shape, dtype) = specs[0]
     out = out_dtype or dtype
-    return 5 + (dtype != F32) + (out != F32) + (scale not in (None, 1.0)) + (mask is not None)
+    return 5 + (dtype != F32) + (out != F32) + (scale not in (None, 1.0)) + (mask is not None) + \
+        2 * (mask is not None and add_dtype is not None)
 
 
 def _roofline(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None, log=False, empty_rows="nan",
-              out_dtype=None, inf_rows="nan"):
+              out_dtype=None, inf_rows="nan", mask_add_dtype=None):
     (shape, dtype) = specs[0]
     N = math.prod(shape)
     out = str(out_dtype).replace("torch.", "") if out_dtype else dtype
-    vec = N * _passes(specs, mask, scale, log, out) / (dev.vector_bytes_per_cycle / 4) / dev.vector_cores
+    vec = N * _passes(specs, mask, scale, log, out, mask_add_dtype) / (dev.vector_bytes_per_cycle / 4) / \
+        dev.vector_cores
     mbytes = math.prod(mask[0]) * itemsize(mask[1]) if mask is not None else 0
     return max(vec, (N * (itemsize(dtype) + itemsize(out)) + mbytes) / dev.hbm_bytes_per_cycle)
 
 
 @register("softmax", _roofline)
 def estimate_softmax(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fill=None, log=False,
-                     empty_rows="nan", out_dtype=None, inf_rows="nan"):
+                     empty_rows="nan", out_dtype=None, inf_rows="nan", mask_add_dtype=None):
     """Predicted cost of ``npu.run("softmax", x, dim=..., mask=..., scale=..., log=..., empty_rows=...,
-    inf_rows=..., out_dtype=...)``; ``mask`` as a spec ``(shape, dtype)``; ``fill`` does not change the cost."""
+    inf_rows=..., out_dtype=..., mask_add_dtype=...)``; ``mask`` as a spec ``(shape, dtype)``; ``fill`` does not
+    change the cost. ``mask_add_dtype``: a 16-bit additive mask added in its dtype, as eager adds it (the scores
+    cast down, the add, the sum cast back up: two elementwise passes more, the mask's own cast fewer)."""
     (shape, dtype) = specs[0]
     shape = tuple(shape)
     out = str(out_dtype).replace("torch.", "") if out_dtype else dtype
-    mkey = (tuple(mask[0]), mask[1]) if mask is not None else None
+    mask_add_dtype = None if mask_add_dtype is None else str(mask_add_dtype).replace("torch.", "")
+    if mask_add_dtype is not None and (mask_add_dtype not in ("float16", "bfloat16") or mask is None
+                                       or mask[1] != mask_add_dtype):
+        raise ValueError(f"softmax: mask_add_dtype={mask_add_dtype!r} needs an additive {mask_add_dtype} mask, "
+                         f"got {'no mask' if mask is None else mask[1]}")
+    mkey = (tuple(mask[0]), mask[1]) + ((mask_add_dtype,) if mask_add_dtype else ()) if mask is not None else None
     scaled = scale is not None and float(scale) != 1.0
     zero = empty_rows == "zero"
     lse = inf_rows == "lse"
@@ -409,8 +425,9 @@ def estimate_softmax(dev, specs, dim=-1, tiling=None, mask=None, scale=None, fil
         res = _model(dev, dtype, L, t["block"], t["chunk"], out, bool(log), zero, scaled, lse)
     core, hbm, nbytes, busy = res
     N = math.prod(shape)
-    roof = _roofline(dev, specs, dim, mask=mask, scale=scale, log=log, out_dtype=out)
-    return make("softmax", dev, core, hbm, nbytes, busy, dict(t), roof, _passes(specs, mask, scale, log, out) * N)
+    roof = _roofline(dev, specs, dim, mask=mask, scale=scale, log=log, out_dtype=out, mask_add_dtype=mask_add_dtype)
+    return make("softmax", dev, core, hbm, nbytes, busy, dict(t), roof,
+                _passes(specs, mask, scale, log, out, mask_add_dtype) * N)
 
 
 __all__ = ["estimate_softmax"]

@@ -384,6 +384,86 @@ def test_inf_rows_lse_costs_one_select_per_row():
         assert abs(pred[1] - lse.stats.cycles) / lse.stats.cycles <= 0.15
 
 
+def _padding_mask(dtype, value, shape=(2, 1, 1, 40), seed=21):
+    """An additive padding mask of ``dtype``: 0 where a key is kept, ``value`` where it is masked; batch 0 masks every
+    key (a padded row), batch 1 a random third of them."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(shape, generator=g) > 0.33
+    keep[0] = False
+    return torch.where(keep, 0.0, value).to(dtype)
+
+
+UNIT16 = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("value", ["finfo.min", -1e4, float("-inf")])
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("tiling", [None, {"block": 2, "chunk": 16}], ids=["one-pass", "chunked"])
+def test_mask_added_in_its_16_bit_dtype_is_eagers_add(dtype, value, log, tiling):
+    """``mask_add_dtype``: the additive mask added as eager adds a 16-bit mask to 16-bit scores (the scores cast
+    down, the sum rounded to that dtype, cast back up), so the kernel's output is eager's ``softmax(x + m)`` (or
+    ``log_softmax``) within one rounding of the output, the fully masked row included: uniform for ``finfo.min``
+    (every score absorbed into it), NaN for ``-inf``."""
+    value = torch.finfo(dtype).min if value == "finfo.min" else value
+    x = (torch.randn(2, 3, 5, 40, generator=torch.Generator().manual_seed(20)) * 3).to(dtype)
+    m = _padding_mask(dtype, value)
+    name = str(dtype).replace("torch.", "")
+    r = npu.run("softmax", x, mask=m, log=log, mask_add_dtype=name, tiling=tiling)
+    got = torch.from_numpy(r.outputs[0].astype(np.float64))
+    want = (torch.log_softmax(x + m, -1) if log else torch.softmax(x + m, -1)).double()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    fin = torch.isfinite(want)
+    # both round the same fp32 softmax of the same 16-bit sums once: a rounding apart at most
+    assert ((got - want)[fin].abs() <= 2 * UNIT16[dtype] * (want[fin].abs() + 1)).all()
+    if value == torch.finfo(dtype).min and not log:
+        assert torch.equal(got[0], torch.full_like(got[0], 1 / 40).to(dtype).double())
+
+
+def test_the_fp32_add_of_an_fp16_finfo_min_mask_is_not_eagers():
+    """Without ``mask_add_dtype`` (an fp32 add) a row whose every key is fp16's finfo.min keeps the scores'
+    differences, where eager's fp16 add makes it uniform: why the family passes the add's dtype on."""
+    x = (torch.randn(2, 3, 5, 40, generator=torch.Generator().manual_seed(20)) * 3).half()
+    m = _padding_mask(torch.float16, torch.finfo(torch.float16).min)
+    got = np.asarray(npu.run("softmax", x, mask=m).outputs[0], dtype=np.float64)
+    assert np.abs(got[0] - 1 / 40).max() > 0.1
+
+
+def test_mask_add_dtype_needs_an_additive_mask_of_that_dtype():
+    x = torch.randn(4, 16).half()
+    half = torch.zeros(16, dtype=torch.float16)
+    for mask, add, what in [(None, "float16", "no mask"), (half.bool(), "float16", "a bool mask"),
+                            (half.float(), "float16", "a float32 mask"), (half, "bfloat16", "a float16 mask"),
+                            (half, "float32", "float32")]:
+        with pytest.raises(ValueError, match=what):
+            npu.run("softmax", x, mask=mask, mask_add_dtype=add)
+
+
+@pytest.mark.parametrize("mshape", [(2, 1, 1, 256), (2, 4, 16, 256)], ids=["padding", "full"])
+@pytest.mark.parametrize("tiling", [{"block": 8, "chunk": 256}, {"block": 8, "chunk": 64}], ids=["one-pass", "chunked"])
+def test_mask_add_dtype_costs_its_casts_in_the_simulator_and_the_model(mshape, tiling):
+    """The two casts around the 16-bit add (the scores down, the sum up: elementwise passes over the scores, in
+    place of the mask's cast) are issued by the simulator and priced by the cost model: both see more Vector work
+    than the fp32 add (the cycles may not grow where the loads bound the kernel), the same bytes, and agree within
+    15 %."""
+    import cost_model
+    x = torch.randn(2, 4, 16, 256).half()
+    m = torch.zeros(mshape, dtype=torch.float16)
+    spec = [((2, 4, 16, 256), "float16")]
+    runs = {}
+    for extra in ({}, {"mask_add_dtype": "float16"}):
+        sim = npu.run("softmax", x, mask=m, tiling=tiling, device="ascend910", timing_only=True, **extra).stats
+        est = cost_model.estimate("softmax", spec, device="ascend910", tiling=tiling, mask=(mshape, "float16"),
+                                  **extra)
+        assert abs(est.cycles - sim.cycles) <= 0.15 * sim.cycles, (extra, est.cycles, sim.cycles)
+        runs[bool(extra)] = sim, est
+    (sim0, est0), (sim1, est1) = runs[False], runs[True]
+    assert sim1.busy["vector"] > sim0.busy["vector"] and est1.busy["vector"] > est0.busy["vector"]
+    assert est1.hbm_bytes == est0.hbm_bytes and sim1.hbm_bytes == sim0.hbm_bytes
+    with pytest.raises(ValueError, match="mask_add_dtype"):
+        cost_model.estimate("softmax", spec, device="ascend910", mask=(mshape, "float32"), mask_add_dtype="float16")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tiling", [None, {"block": 2, "chunk": 16}], ids=["one-pass", "chunked"])
 def test_log_of_a_row_whose_every_score_is_finfo_min(dtype, tiling):

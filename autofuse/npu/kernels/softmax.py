@@ -32,7 +32,12 @@ masked must not poison the running sum with ``-inf - -inf``): one select on the 
 
 **Mask.** ``mask`` broadcasts to x: bool (True = keep; a masked score becomes ``fill``, ``-inf`` or a
 finite value such as ``finfo.min`` or ``-1e4``; applied after the scale) or an additive float tensor
-(fp16/bf16 ones are cast to fp32 on the Vector unit first). It is read tile by tile *with its broadcast*:
+(fp16/bf16 ones are cast to fp32 on the Vector unit first). ``mask_add_dtype`` (``"float16"`` or
+``"bfloat16"``, an additive mask of that dtype): the mask is added as eager adds a 16-bit mask to 16-bit scores,
+the fp32 scores cast down to that dtype, the mask added in it and the sum cast back up (three passes in place of
+the mask's cast and the fp32 add), so a score the mask absorbs (``finfo(float16).min`` + a score below 16 is
+``-65504``) takes the mask's value and a row whose every key is so masked is uniform, as eager's is; the
+fp32 add would keep the scores' differences there. It is read tile by tile *with its broadcast*:
 the rows of one tile (lanes, for other dims) are cut so that they map onto one strided block of the mask
 (a run of rows the mask broadcasts over, or a run it varies along contiguously), so a ``[B, 1, 1, S]``
 padding mask loads one mask row per tile and a ``[S, S]`` causal mask loads the tile's own rows; neither is
@@ -60,6 +65,7 @@ import math
 
 import numpy as np
 
+from autofuse.npu.kernels.flash_attention import check_mask_add
 from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check_dtype, dtype_name, extents, fits,
                                         lanes, largest, lockstep, pad, pipeline, rnd, split_blocks, view)
 from autofuse.npu.run import kernel
@@ -75,8 +81,9 @@ def _specs(dtype: str, rowwise: bool, block: int, chunk: int, out: str | None = 
     """UB allocations of one softmax configuration, in allocation order.
 
     ``mask``: ``(dtype, along_block, along_c)`` — whether the mask tile varies along the tile's block axis
-    (rows or lanes) and along C — or None. ``one_pass``: the whole of C in one tile (log keeps a second
-    fp32 tile there)."""
+    (rows or lanes) and along C — or None; ``(dtype, along_block, along_c, add_dtype)`` for a 16-bit additive
+    mask added in its dtype (a work tile of that dtype holds the scores cast down, and the mask needs no fp32
+    copy). ``one_pass``: the whole of C in one tile (log keeps a second fp32 tile there)."""
     out = out or dtype
     shape = (block, pad(chunk, dtype)) if rowwise else (chunk, pad(block, dtype))
     stat = (block, STAT) if rowwise else (1, pad(block, dtype))
@@ -88,10 +95,12 @@ def _specs(dtype: str, rowwise: bool, block: int, chunk: int, out: str | None = 
     if log and one_pass:
         specs += [(shape, F32)]                                    # exp(x - m), kept apart from x - m
     if mask is not None:
-        mdt, along_block, along_c = mask
+        mdt, along_block, along_c = mask[:3]
         ms = mask_tile(rowwise, block, chunk, mdt, along_block, along_c)
         specs += [(ms, mdt)] * 2
-        if mdt not in ("bool", F32):
+        if len(mask) > 3 and mask[3]:
+            specs += [(shape, mask[3])]                            # the scores cast down, the sum in the mask's dtype
+        elif mdt not in ("bool", F32):
             specs += [(ms, F32)]                                   # the additive mask cast to fp32
     return specs + [(stat, F32)] * 4                               # m, s, a temporary, the max in use
 
@@ -216,10 +225,12 @@ def _check(x, mask, out_dtype, fill, empty_rows, log, inf_rows="nan"):
 
 @kernel("softmax")
 def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-inf"), log=False,
-            empty_rows="nan", out_dtype=None, inf_rows="nan"):
+            empty_rows="nan", out_dtype=None, inf_rows="nan", mask_add_dtype=None):
     """``torch.softmax(scale * x masked, dim)`` (or ``log_softmax``) for fp16, bf16 and fp32 ``x``; the
-    output has ``out_dtype`` (default x's dtype). See the module docstring."""
+    output has ``out_dtype`` (default x's dtype). ``mask_add_dtype``: an additive 16-bit mask added in its
+    dtype, as eager adds it (module docstring). See the module docstring."""
     out_dt, fill = _check(x, mask, out_dtype, fill, empty_rows, log, inf_rows)
+    add_dt = check_mask_add("softmax", mask, mask_add_dtype)
     dev = launch.device
     nd = x.data.ndim
     if nd == 0:
@@ -238,7 +249,7 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
     if mask is not None:
         full = broadcast_shape("softmax", x.shape, mask.shape)
         period, along_block, along_c = mask_geometry(x.shape, dim, mask.shape)
-        mspec = (mask.dtype, along_block, along_c)
+        mspec = (mask.dtype, along_block, along_c) + ((add_dt,) if add_dt else ())
         mo, mc, mi = full[:dim], full[dim], full[dim + 1:]
         omap = axis_map(x.shape[:dim], mo)[2]
         if rowwise:
@@ -266,11 +277,14 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
     W = [g.alloc("UB", xshape, F32, f"w{i}") for i in range(1 if out_dt != F32 else 2)] if dtype != F32 else X
     Y = [g.alloc("UB", xshape, out_dt, f"y{i}") for i in range(2)] if out_dt != F32 else None
     E = g.alloc("UB", xshape, F32, "e") if log and one_pass else None
-    M, MF = None, None
+    M, MF, H = None, None, None
     if mspec is not None:
         ms = mask_tile(rowwise, block, chunk, mspec[0], mspec[1], mspec[2])
         M = [g.alloc("UB", ms, mspec[0], f"mask{i}") for i in range(2)]
-        MF = g.alloc("UB", ms, F32, "mask_f32") if mspec[0] not in ("bool", F32) else None
+        if add_dt:
+            H = g.alloc("UB", xshape, add_dt, "scores_" + add_dt)
+        elif mspec[0] not in ("bool", F32):
+            MF = g.alloc("UB", ms, F32, "mask_f32")
     m, s, tmp, use = (g.alloc("UB", stat_shape, F32, nm) for nm in ("m", "s", "t", "u"))
     zero = empty_rows == "zero"
     lse = inf_rows == "lse"
@@ -364,8 +378,9 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
         return w
 
     def apply_mask(it, w, mb, cv, ew, row):
-        """Bool: select ``fill`` where the mask is False; float: add it (cast to fp32 first if fp16/bf16)."""
-        mdt, along_block, along_c = mspec
+        """Bool: select ``fill`` where the mask is False; float: add it (cast to fp32 first if fp16/bf16), or
+        with ``mask_add_dtype`` add it in its dtype (the scores cast down, the add, the sum cast back up)."""
+        mdt, along_block, along_c = mspec[:3]
         cm = cv if along_c else 1
         if rowwise:
             wv = (slice(None), slice(None), slice(0, cv))
@@ -378,6 +393,15 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
             mvw = (slice(None), slice(0, cm), slice(0, lanes_m))
             mrep = g.repeats(cm * pad(it.ke if along_block else 1, mdt), F32)
         reps = ew if (along_block and along_c) else row          # a broadcast operand: per-row instructions
+        if H is not None:
+            # eager's 16-bit add: a score the mask absorbs takes the mask's value (the rounded sum; the hardware's
+            # 16-bit add rounds it, numpy adds the two 16-bit values in fp32 and rounds once: the same sum)
+            g.vector("cast scores->" + add_dt, (H,), (w,), ew, active=it.act,
+                     compute=lambda: np.copyto(H.data, rnd(w.data, add_dt)))
+            g.vector("add mask", (H,), (H, mb), reps, active=it.act,
+                     compute=lambda: np.copyto(H.data[wv], rnd(H.data[wv] + mb.data[mvw], add_dt)))
+            g.vector("cast sum->fp32", (w,), (H,), ew, active=it.act, compute=lambda: np.copyto(w.data, H.data))
+            return
         src = mb
         if MF is not None:
             g.vector("cast mask->fp32", (MF,), (mb,), mrep, active=it.act, compute=lambda: np.copyto(MF.data, mb.data))
