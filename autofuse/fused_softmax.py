@@ -18,7 +18,7 @@ import torch
 import cost_model
 from autofuse import ops_softmax  # noqa: F401  (registers torch.ops.autofuse.scaled_masked_softmax)
 from autofuse.fused import REDUCED, Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family
-from autofuse.graph import call
+from autofuse.graph import call, val
 from cost_model.devices import get_device
 
 OP = torch.ops.autofuse.scaled_masked_softmax.default
@@ -54,6 +54,13 @@ def _combined_mask(match, nodes: dict):
     return keep or add, launches
 
 
+def _add_dtype(p: dict, mask):
+    """The match's ``mask_add_dtype`` when the one mask the kernel reads is of that dtype (the terms combined by
+    a ``where`` with a bool one stay of it), else None (the mask added in fp32)."""
+    d = p.get("mask_add_dtype")
+    return d if d is not None and mask is not None and mask[1] == _dt(d) else None
+
+
 def softmax_params(match, nodes: dict) -> tuple[list, dict]:
     """The kernel's input spec and parameters, as the emitted call runs it (``mask`` as a spec)."""
     p = match.params
@@ -62,6 +69,8 @@ def softmax_params(match, nodes: dict) -> tuple[list, dict]:
                   out_dtype=_dt(p["out_dtype"]), mask=mask)
     if p.get("inf_rows", "nan") != "nan":
         params["inf_rows"] = p["inf_rows"]
+    if _add_dtype(p, mask) is not None:         # the additive mask added in its 16-bit dtype, as eager adds it
+        params["mask_add_dtype"] = _dt(p["mask_add_dtype"])
     return [_spec(nodes[match.inputs["x"]])], params
 
 
@@ -74,7 +83,8 @@ def kernel_default_tiling(device: str, spec, params) -> dict:
     mask, mspec, period = params.get("mask"), None, None
     if mask is not None:
         period, along_block, along_c = mask_geometry(shape, dim, mask[0])
-        mspec = (mask[1], along_block, along_c)
+        mspec = (mask[1], along_block, along_c) + ((params["mask_add_dtype"],) if params.get("mask_add_dtype")
+                                                   else ())
     return default_tiling(get_device(device), dtype, outer, C, inner, params["out_dtype"], mspec, params["log"],
                           period)
 
@@ -103,6 +113,8 @@ def emit_softmax(g, ins: dict, m, kwargs: dict) -> dict:
         kw["scale"] = p["scale"]
     if p["fill"] is not None:
         kw["fill"] = p["fill"]
+    if mask is not None and p.get("mask_add_dtype") is not None and val(mask).dtype == p["mask_add_dtype"]:
+        kw["mask_add_dtype"] = p["mask_add_dtype"]      # added in its 16-bit dtype, as eager adds it
     fused = call(g, OP, ins["x"], mask, **kw)
     fused.meta["autofuse_match"] = m
     return {"out": _adapt(g, fused, p["out_like"])}

@@ -3,12 +3,15 @@ with LogSoftmax's form and the casts around it).
 
     y = torch.ops.autofuse.scaled_masked_softmax(x, mask, dim=-1, scale=None, fill=None, log=False,
                                                  empty_rows="nan", inf_rows="nan", out_dtype="",
-                                                 device="ascend910", tiling="")
+                                                 device="ascend910", tiling="", mask_add_dtype=None)
     y = autofuse.ops_softmax.scaled_masked_softmax(x, mask, scale=0.125)   # keyword-friendly wrapper
 
 computes ``z = scale · x`` (fp32), then the mask — bool, True = keep, a masked score becomes ``fill``
 (``None`` = ``-inf``; a finite fill such as ``finfo.min`` or ``-1e4`` is reproduced exactly), or an
-additive float tensor — broadcast to x; then ``softmax(z, dim)`` (``log=True``: ``log_softmax``), with fp32
+additive float tensor — broadcast to x (``mask_add_dtype``, ``torch.float16`` or ``torch.bfloat16`` with a mask of
+that dtype: added as eager adds a 16-bit mask to 16-bit scores, ``z`` cast down, the sum rounded to that dtype and
+cast back up, so a score the mask absorbs takes the mask's value; the gradient passes through both casts, as
+through eager's add); then ``softmax(z, dim)`` (``log=True``: ``log_softmax``), with fp32
 statistics, written in ``out_dtype`` (``""``: x's dtype). ``empty_rows``: a row whose scores are all
 ``-inf`` gives ``"nan"`` (``softmax``) or ``"zero"`` (``_safe_softmax``). ``inf_rows``: a row whose max is
 ``+inf`` gives ``"nan"`` over the row (``softmax``, ``log_softmax``) or ``"lse"``, what the logsumexp spellings
@@ -31,7 +34,7 @@ import torch
 
 from autofuse import ops as _ops
 from autofuse import ops_vector as _ops_vector
-from autofuse.ops import REFERENCES, _fill, _record, _to_torch
+from autofuse.ops import REFERENCES, _fill, _record, _to_torch, dtype_name
 from cost_model.program import Builder, Program
 
 _DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -48,27 +51,30 @@ def _out_dtype(x: torch.Tensor, out_dtype: str) -> torch.dtype:
 def _scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None, dim: int = -1,
                            scale: Optional[float] = None, fill: Optional[float] = None, log: bool = False,
                            empty_rows: str = "nan", inf_rows: str = "nan", out_dtype: str = "",
-                           device: str = "ascend910", tiling: str = "") -> torch.Tensor:
+                           device: str = "ascend910", tiling: str = "",
+                           mask_add_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     od = _out_dtype(x, out_dtype)
+    kw = {} if mask_add_dtype is None else {"mask_add_dtype": dtype_name(mask_add_dtype)}
     # through the module attribute: tests replace autofuse.ops.run_kernel to inject a faulty kernel
     r = _ops.run_kernel("softmax", x, dim=dim, mask=mask, scale=scale, fill=_fill(fill), log=log,
                         empty_rows=empty_rows, inf_rows=inf_rows, out_dtype=str(od).replace("torch.", ""),
                         device=device,
-                        tiling=json.loads(tiling) if tiling else None)
+                        tiling=json.loads(tiling) if tiling else None, **kw)
     _record("softmax", r.stats)
     return _to_torch(r.outputs[0], od)
 
 
 @_scaled_masked_softmax.register_fake
 def _(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", inf_rows="nan", out_dtype="",
-      device="ascend910", tiling=""):
+      device="ascend910", tiling="", mask_add_dtype=None):
     return x.new_empty(x.shape, dtype=_out_dtype(x, out_dtype))
 
 
 def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan",
-                                    out_dtype="", upcast=False, inf_rows="nan", **_):
+                                    out_dtype="", upcast=False, inf_rows="nan", mask_add_dtype=None, **_):
     """What the kernel computes, in torch with its numerics: fp32 throughout (scale, mask, statistics), one
-    rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward). ``inf_rows="lse"``: the
+    rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward); ``mask_add_dtype``: the
+    additive mask added in that 16-bit dtype (:func:`autofuse.ops.add_mask`). ``inf_rows="lse"``: the
     rows whose max is +inf are eager's logsumexp spelling of them (``z - logsumexp(z)``, or its ``exp``), values
     and autograd alike; the other rows' values do not reach that branch's gradient (their scores are replaced
     by 0 there), nor theirs the ``+inf`` rows' (whose scores are replaced by 0 in the softmax)."""
@@ -76,7 +82,7 @@ def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None,
     if scale is not None:
         z = z * scale
     if mask is not None:
-        z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else z + mask.float()
+        z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else _ops.add_mask(z, mask, mask_add_dtype)
     if inf_rows == "lse":
         top = z.detach().amax(dim, keepdim=True) == float("inf")
         zi = z.masked_fill(~top, 0.0)                      # the +inf rows' own scores, 0 elsewhere
@@ -95,20 +101,25 @@ REFERENCES["scaled_masked_softmax"] = reference_scaled_masked_softmax
 
 
 def _setup_context(ctx, inputs, output):
-    x, mask, dim, scale, fill, log, empty_rows, inf_rows, out_dtype, device, _ = inputs
+    x, mask, dim, scale, fill, log, empty_rows, inf_rows, out_dtype, device, _, add_dtype = inputs
     ctx.save_for_backward(x, mask)
     ctx.params = dict(dim=dim, scale=scale, fill=fill, log=log, empty_rows=empty_rows, inf_rows=inf_rows)
+    if add_dtype is not None and mask is not None:     # the backward recomputes z as the forward added the mask
+        ctx.params["mask_add_dtype"] = add_dtype
     ctx.out_dtype, ctx.device = str(output.dtype).replace("torch.", ""), device
 
 
 def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=None, log=False,
-                    empty_rows="nan", out_dtype="float32", inf_rows="nan") -> Optional[Program]:
+                    empty_rows="nan", out_dtype="float32", inf_rows="nan", mask_add_dtype=None) -> Optional[Program]:
     """The op as a Vector program over ``x`` (and the mask, ``(shape, dtype)`` or None), computing as the
     kernel does: ``z = scale · x`` (masked: a bool mask selects ``fill``, a float one adds), ``y = exp(z − m) /
     Σ exp(z − m)`` with ``m`` the row's max (``log``: ``z − m − log Σ``), an all-``-inf`` row zero with
     ``empty_rows="zero"``, the sum of a row whose max is +inf 1 with ``inf_rows="lse"`` (its ``z − m`` is
     ``z − inf``; :mod:`cost_model.program_grad`'s closed form, ``g − exp(y) Σ g`` or ``y (g − Σ g y)``, is
-    then eager's gradient of ``z − logsumexp(z)`` or its ``exp``). None when the op is no row program: softmax along another dim than the last, or a
+    then eager's gradient of ``z − logsumexp(z)`` or its ``exp``). ``mask_add_dtype``: the additive mask added as
+    eager adds it in that 16-bit dtype, ``z`` cast down, the sum rounded to it (and widened by the next
+    instruction), so the derived gradient passes through the rounding as eager's autograd does. None when the op
+    is no row program: softmax along another dim than the last, or a
     mask with more dims than x."""
     nd = len(x_shape)
     if dim % nd != nd - 1 or (mask_spec is not None and len(mask_spec[0]) > nd):
@@ -119,7 +130,13 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
     if scale is not None:
         z = b.mul(z, float(scale))
     if m_in is not None:
-        z = b.where(m_in, z, _fill(fill)) if mask_spec[1] == "bool" else b.add(z, m_in)
+        if mask_spec[1] == "bool":
+            z = b.where(m_in, z, _fill(fill))
+        elif mask_add_dtype is not None:
+            add = dtype_name(mask_add_dtype)
+            z = b.cast(b.add(b.cast(z, dtype=add), m_in), dtype=add)
+        else:
+            z = b.add(z, m_in)
     top = b.reduce(z, kind="max")
     d = b.sub(z, top)
     e = b.exp(d)
@@ -141,7 +158,7 @@ def _backward(ctx, grad):
     need = ctx.needs_input_grad
     float_mask = mask is not None and mask.is_floating_point()
     wrt = ((0,) if need[0] else ()) + ((1,) if float_mask and need[1] else ())
-    rest = (None,) * 9
+    rest = (None,) * 10
     launch = None
     if wrt and grad is not None and all(type(d) is int for d in x.shape + (() if mask is None else mask.shape)):
         spec = None if mask is None else (tuple(mask.shape), str(mask.dtype).replace("torch.", ""))
@@ -178,10 +195,12 @@ _scaled_masked_softmax.register_autograd(_backward, setup_context=_setup_context
 
 
 def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", out_dtype=None,
-                          device="ascend910", tiling=None, inf_rows="nan"):
+                          device="ascend910", tiling=None, inf_rows="nan", mask_add_dtype=None):
     """Fused ``softmax(scale · x masked, dim)`` (or ``log_softmax``) on the simulated NPU; see the module
     docstring. ``mask``: bool keep-mask or additive float, broadcastable to x. ``out_dtype``: a torch dtype,
-    its name, or None (x's dtype). ``tiling``: ``{"block": ..., "chunk": ...}`` or None (the kernel's own)."""
+    its name, or None (x's dtype). ``tiling``: ``{"block": ..., "chunk": ...}`` or None (the kernel's own).
+    ``mask_add_dtype``: ``torch.float16`` or ``torch.bfloat16`` (an additive mask of that dtype added as eager adds
+    it), or None (added in fp32)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"scaled_masked_softmax: x must be a float tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -195,8 +214,10 @@ def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False
             raise ValueError(f"scaled_masked_softmax: mask {list(mask.shape)} would broadcast x {list(x.shape)} "
                              f"up; the mask must broadcast to x")
     od = "" if out_dtype is None else str(out_dtype).replace("torch.", "")
+    if isinstance(mask_add_dtype, str):
+        mask_add_dtype = _DT[mask_add_dtype]
     return torch.ops.autofuse.scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, inf_rows, od, device,
-                                                    json.dumps(tiling) if tiling else "")
+                                                    json.dumps(tiling) if tiling else "", mask_add_dtype)
 
 
 __all__ = ["reference_scaled_masked_softmax", "scaled_masked_softmax"]

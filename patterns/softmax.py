@@ -27,7 +27,12 @@ the later scales and casts; a ``where`` must mask (fill ``-inf``, or at or below
 the softmax) and its keep-mask be bool; an additive mask is a float tensor that does not broadcast the
 chain up (an ``add`` whose other operand has the full shape is read as x, the smaller one as the mask);
 an additive mask after a finite-fill ``where``, bool masks with different fills, or a finite fill with
-an additive mask anywhere are rejected (no single fill describes them); every node but the output is
+an additive mask anywhere are rejected (no single fill describes them); ``params["mask_add_dtype"]``: the 16-bit
+dtype eager adds an additive mask in (scores and mask of that dtype, reaching the softmax unscaled or scaled by a
+power of two: :func:`patterns.attention._mask_add_dtype`), which the kernel then adds it in too, so that a score
+the mask absorbs (``finfo(float16).min`` + a score below 16 is ``-65504``) takes the mask's value and a row whose
+every key is so masked is uniform, as eager's is; None: an fp32 add (an fp32 model, a mask of another dtype than
+the add's); every node but the output is
 used only inside the block; a captured softmax alone, with nothing around it, is no candidate (its fused
 call would be the same kernel; a softmax the canonical form assembled from several ops is one).
 
@@ -46,7 +51,7 @@ import torch.fx as fx
 
 from autofuse.graph import arg, is_call, is_number, shape, val
 from autofuse.match import Match, register
-from patterns.attention import NEG_FILL, _Below, _is_cast, _members, rounds_and_widens
+from patterns.attention import NEG_FILL, _Below, _is_cast, _mask_add_dtype, _members, rounds_and_widens
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
@@ -99,9 +104,10 @@ TEMPLATES = (_SOFTMAX, _LSE)
 
 
 def _walk(z: fx.Node, x: fx.Node, members: set):
-    """From the softmax input ``z`` up to ``x`` through ``members``: ``(scale, masks, visited)`` with masks as
-    ``(node, kind, factor at the softmax input, fill at the softmax input)``; None if a step is not allowed."""
-    below, masks, scale, visited = _Below(), [], 1.0, []
+    """From the softmax input ``z`` up to ``x`` through ``members``: ``(scale, masks, visited, adds)`` with masks
+    as ``(node, kind, factor at the softmax input, fill at the softmax input)`` and ``adds`` each additive mask
+    with the dtype of the add that adds it to the scores; None if a step is not allowed."""
+    below, masks, scale, visited, adds = _Below(), [], 1.0, [], []
     node = z
     while node is not x:
         if node not in members:
@@ -129,9 +135,10 @@ def _walk(z: fx.Node, x: fx.Node, members: set):
                 return None
             m = node.args[1] if up is node.args[0] else node.args[0]
             masks.append((m, "additive", below.factor, None))
+            adds.append((m, val(node).dtype))
             below.additive = True
             node = up
-    return scale, masks, visited
+    return scale, masks, visited, adds
 
 
 def _masking_fill(node, keep, y, fill, below: _Below) -> float | None:
@@ -198,7 +205,7 @@ def _decide(m: dict) -> Match | None:
     walked = _walk(sm.args[0], x, members)
     if walked is None:
         return None
-    scale, masks, visited = walked
+    scale, masks, visited, adds = walked
     if set(visited) != members:
         return None
     if rounds_and_widens([x, *_members(m, "pre"), sm, *(m[k] for k in ("log", "cast") if k in m)]):
@@ -226,7 +233,7 @@ def _decide(m: dict) -> Match | None:
                   fill=None if fill == -math.inf else float(fill), empty_rows=empty, inf_rows=inf_rows,
                   mask_kind=None if not kinds else ("bool" if kinds == {"bool"} else "additive"),
                   mask_terms=tuple(terms), x_shape=shape(x), dtype=val(x).dtype, out_dtype=val(out).dtype,
-                  out_like=val(out), guards=())
+                  out_like=val(out), guards=(), mask_add_dtype=_mask_add_dtype(masks, adds))
     return Match("softmax", tuple(order), out.name, inputs, params)
 
 

@@ -147,3 +147,67 @@ def test_lse_rows_twin_and_fake():
         osm.scaled_masked_softmax(X, inf_rows="inf")
     # the default keeps softmax's own semantics: NaN over a row whose max is +inf
     assert bool(osm.scaled_masked_softmax(XI)[0, 0, 1].isnan().all())
+
+
+# ------------------------------------------------------------------------- an additive 16-bit mask, eager's add
+
+def _padding(dtype, value):
+    """An additive padding mask ``[2, 1, 1, 40]`` of ``dtype``: batch 0 masks every key with ``value`` (a padded
+    row), batch 1 a random third of them."""
+    keep = torch.rand(2, 1, 1, 40, generator=torch.Generator().manual_seed(3)) > 0.33
+    keep[0] = False
+    return torch.where(keep, 0.0, value).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("value", ["finfo.min", -1e4, -INF])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dim", [-1, 2])
+def test_mask_added_as_eager_adds_it_forward_and_gradients(dtype, value, log, dim):
+    """``mask_add_dtype`` (the mask's own 16-bit dtype; None for fp32, whose add is the kernel's): the op is eager's
+    ``softmax(x + m)`` or ``log_softmax``, values and the gradients of x and of the mask (eager's autograd in the
+    leaves' dtype, the reference), a row whose every key is masked included (uniform with ``finfo.min``: the mask
+    absorbs every score; NaN with ``-inf``). Last dim: the derived Vector program; another dim: the host."""
+    value = torch.finfo(dtype).min if value == "finfo.min" else value
+    x = (X * 3).to(dtype)
+    m = _padding(dtype, value)
+    if dim == 2:
+        x, m = x.transpose(2, 3).contiguous(), m.transpose(2, 3).contiguous()
+    add = None if dtype == torch.float32 else dtype
+    xg, mg = x.clone().requires_grad_(), m.clone().requires_grad_()
+    y = osm.scaled_masked_softmax(xg, mg, dim=dim, log=log, mask_add_dtype=add)
+    xe, me = x.clone().requires_grad_(), m.clone().requires_grad_()
+    want = torch.log_softmax(xe + me, dim) if log else torch.softmax(xe + me, dim)
+    _same_specials(y, want)
+    fin = torch.isfinite(want)
+    unit = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}[dtype]
+    # the same fp32 softmax of the same sums, each output rounded once: an output rounding apart
+    assert ((y.double() - want.double())[fin].abs() <= unit * (want.double()[fin].abs() + 1)).all()
+    if value == torch.finfo(dtype).min and not log:
+        row = y[0].double()
+        assert (row - 1 / 40).abs().max() <= unit, "a fully masked row is uniform, as eager's"
+    gout = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with recording() as launches:
+        gx, gm = torch.autograd.grad(y, (xg, mg), gout)
+    wx, wm = torch.autograd.grad(want, (xe, me), gout)
+    assert [k for k, _ in launches] == ([] if dim == 2 else ["vector_program"])
+    for got, ref in ((gx, wx), (gm, wm)):
+        _same_specials(got, ref)
+        fin = torch.isfinite(ref)
+        # eager rounds its softmax backward once to the dtype (the mask's, summed over the broadcast, too)
+        assert (got.double() - ref.double())[fin].abs().max() <= 4 * unit * max(1.0, ref.double()[fin].abs().max())
+
+
+def test_mask_add_dtype_twin_and_fake():
+    """The torch twin adds as the kernel does (the kernel's values); the fake takes the argument; a mask of another
+    dtype than ``mask_add_dtype`` is refused by the kernel."""
+    x = (X * 3).half()
+    m = _padding(torch.float16, torch.finfo(torch.float16).min)
+    y = osm.scaled_masked_softmax(x, m, mask_add_dtype=torch.float16)
+    twin = osm.reference_scaled_masked_softmax(x, m, mask_add_dtype=torch.float16)
+    torch.testing.assert_close(y, twin, rtol=2.0 ** -10, atol=2.0 ** -24)
+    assert not torch.allclose(osm.reference_scaled_masked_softmax(x, m)[0].float(), twin[0].float(), atol=0.1)
+    torch.library.opcheck(torch.ops.autofuse.scaled_masked_softmax.default, (x, m),
+                          {"log": True, "mask_add_dtype": torch.float16})
+    with pytest.raises(ValueError, match="mask_add_dtype"):
+        osm.scaled_masked_softmax(x, m.float(), mask_add_dtype=torch.float16)
