@@ -10,7 +10,8 @@ For a candidate the verifier (driven by :class:`autofuse.engine` through :func:`
    masked (bool masks all-False and all-True, additive masks of ``-inf`` and of the dtype's lowest
    finite value), all-equal scores, magnitudes near the dtype's limit, NaN in one query row;
 4. runs the block eagerly in its own dtype and in float64 (casts inside the block kept at float64, but a
-   value rounded to 16 bits and cast back up keeps that rounding: :class:`_F64`), and
+   value rounded to 16 bits and cast back up keeps that rounding, and a 16-bit add of a mask keeps eager's
+   16-bit sum where the mask holds a masking value: :class:`_F64`), and
    the fused block, on each input set, each run from the same seeded generator state (a dropout inside the
    block draws the same keep-mask in all three), and accepts when every output element passes :func:`compare`.
 
@@ -112,12 +113,23 @@ class _F64(_OnCPU):
     (a cast, ``softmax(..., dtype=float32)``, a factory's dtype) made float64, except that a value the model
     rounds to 16 bits and casts back up (``x.bfloat16().float()``: fake quantisation) keeps its rounding, which
     is what the model asks for, not a 16-bit dtype's imprecision (its gradient passes through unrounded, as a
-    derived backward passes it)."""
+    derived backward passes it).
+
+    Likewise a 16-bit add of a mask (:func:`_masked_sum`): where an operand holds a masking value (at or below
+    ``MASKING``: ``-1e4``, ``finfo(float16).min``, ``-inf``), the sum is eager's 16-bit one. A mask's value says
+    *masked*, not a magnitude: ``score + finfo(float16).min`` is ``-65504`` in float16 for every score below 16,
+    so a row whose every key is masked is uniform in eager, while float64 keeps the scores' differences there and
+    the softmax after it turns them back into order-one differences. Compared with such a reference, eager's own
+    error at that row is of order one, the bound twice that, and a fused kernel adding the mask in fp32 (the
+    float64 answer, not eager's) passed; with eager's masked sum as the reference, a kernel must mask as eager
+    does. The gradient passes through unchanged, as through eager's add."""
 
     def run_node(self, n):
         out = super().run_node(n)
         if isinstance(out, torch.Tensor) and _round_trip(n):
             out = out + (out.to(val(n).dtype).to(out.dtype) - out).detach()
+        elif isinstance(out, torch.Tensor) and _add16(n):
+            out = _masked_sum(out, *self.fetch_args_kwargs_from_env(n)[0][:2], val(n).dtype)
         return out
 
     def call_function(self, target, args, kwargs):
@@ -145,6 +157,32 @@ def _round_trip(n: fx.Node) -> bool:
         return False
     return bits(dtype(n.args[0])) > 16 and any(u.op == "call_function" and u.target in _CASTS and
                                                bits(dtype(u)) > 16 for u in n.users)
+
+
+#: A value at or below this is a mask's, not a magnitude (the patterns take a fill at or below it as masking).
+MASKING = -1e4
+
+
+def _add16(n: fx.Node) -> bool:
+    """An ``add`` of two tensors whose captured result is float16 or bfloat16 (so eager adds in that dtype)."""
+    v = val(n) if n.op == "call_function" else None
+    return (n.target is torch.ops.aten.add.Tensor and isinstance(v, torch.Tensor)
+            and v.dtype in (torch.float16, torch.bfloat16) and not n.kwargs and len(n.args) == 2
+            and all(isinstance(a, fx.Node) for a in n.args))
+
+
+def _masked_sum(out: torch.Tensor, a, b, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (the float64 ``a + b``) with eager's sum in ``dtype`` (the operands rounded to it, the sum rounded
+    once, as torch adds two 16-bit tensors) where an operand is at or below ``MASKING``; the gradient of ``out``."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return out
+    masked = (a <= MASKING) | (b <= MASKING)
+    if not bool(masked.any()):
+        return out
+    with torch.no_grad():
+        eager = (a.to(dtype) + b.to(dtype)).to(out.dtype)
+        changed = masked & (eager != out)
+    return torch.where(changed, out + (eager - out).detach(), out)
 
 
 def _grouped_mm_f64(x, w, offs=None, bias=None, out_dtype=None):

@@ -558,3 +558,35 @@ def test_a_16_bit_mask_is_added_as_eager_adds_it(dtype, value, log):
     _same_specials(gg, gw, "gradient")
     fin = torch.isfinite(gw)
     assert (gg.double() - gw.double())[fin].abs().max() <= 4 * unit * max(1.0, gw.double()[fin].abs().max())
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_verification_rejects_a_kernel_that_adds_a_16_bit_mask_in_fp32(monkeypatch, log):
+    """The kernel as it was (the fp16 mask added in fp32, ``mask_add_dtype`` not passed on) disagrees with eager at
+    the padded row, and verification rejects it: its float64 reference adds a 16-bit mask's masking values as eager
+    adds them (:class:`autofuse.verify._F64`). Against the float64 sum it did not (the float64 run keeps the scores'
+    differences under -65504 as the fp32 add does; eager's error there, 0.6 and 6, made the bound 1.2 and 76)."""
+    import patterns.softmax
+    monkeypatch.setattr(patterns.softmax, "_mask_add_dtype", lambda *a: None)
+    x, keep = _padded_inputs(torch.float16)
+    model = PaddedSoftmax("finfo.min", log).eval()
+    fused = AutoFusionEngine.fuse(model, (x, keep))
+    codes = {d.pattern: d.reason_code for d in fused.report.decisions}
+    assert codes["softmax"] == "verification_failed", fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(x, keep), model(x, keep)
+    assert torch.equal(got, want)
+
+
+def test_the_float64_reference_adds_a_16_bit_mask_as_eager_does():
+    """``_F64`` (the verifier's float64 run): a 16-bit add where an operand holds a masking value (at or below -1e4)
+    gives eager's 16-bit sum there, with the gradient passing through; elsewhere, and for an fp32 add, the float64
+    sum."""
+    from autofuse.verify import _masked_sum
+    a = torch.tensor([1.25, 3.0, -2.0, 7.0], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([-65504.0, -1e4, 0.5, -INF], dtype=torch.float64)
+    out = _masked_sum(a + b, a, b, torch.float16)
+    assert out.tolist() == [-65504.0, -10000.0, -1.5, -INF]     # -9997 is -10000 in fp16 (a step of 8 there)
+    out[:3].sum().backward()
+    assert a.grad.tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert torch.equal(_masked_sum(a + b, a, b, torch.bfloat16)[2:3], torch.tensor([-1.5], dtype=torch.float64))
