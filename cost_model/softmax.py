@@ -73,8 +73,10 @@ def _ub_fits(dev, dtype, rowwise, out=None, mask=None, log=False):
     if out != F32:
         main += [ITEMSIZE[out]] * 2
     if mask is not None:
-        mdt, along_block, along_c = mask
-        msz = [ITEMSIZE[mdt]] * 2 + ([f32] if mdt not in ("bool", F32) else [])
+        mdt, along_block, along_c = mask[:3]
+        add = mask[3] if len(mask) > 3 else None      # added in its 16-bit dtype: a work tile of that dtype
+        msz = [ITEMSIZE[mdt]] * 2 + ([] if add else [f32] if mdt not in ("bool", F32) else [])
+        add_sz = ITEMSIZE[add] if add else 0
     align, cap = dev.align["UB"], dev.buffers["UB"]
 
     def ok(block, chunk, one_pass):
@@ -89,6 +91,8 @@ def _ub_fits(dev, dtype, rowwise, out=None, mask=None, log=False):
             mt = rows * pad(cols, mdt) if rowwise else cols * pad(rows, mdt)
             for isz in msz:
                 used = -(-used // align) * align + mt * isz
+            if add_sz:
+                used = -(-used // align) * align + tile * add_sz
         stat = block * STAT if rowwise else pad(block, dtype)
         for _ in range(4):
             used = -(-used // align) * align + stat * f32

@@ -8,7 +8,8 @@ from cost_model.vecutil import fits
 
 
 def test_softmax_ub_probe_matches_the_tile_list():
-    masks = [None, ("bool", True, True), ("float16", False, True), ("float32", True, False), ("bfloat16", True, True)]
+    masks = [None, ("bool", True, True), ("float16", False, True), ("float32", True, False), ("bfloat16", True, True),
+             ("float16", True, True, "float16"), ("bfloat16", False, True, "bfloat16")]
     for device in ("ascend910", "ascend910b", "ascend310p"):
         dev = get_device(device)
         for dtype, out, rowwise, mask, log in itertools.product(("float16", "bfloat16", "float32"),
