@@ -48,7 +48,9 @@ a scores/probability node consumed outside the block, except the probabilities t
 head broadcast over the query heads: multi-query attention, Falcon's eager spelling); q and k of another dtype
 than v unless q and k are fp32 and v narrower (GPT-J in bf16: v is cast up, ``params["v_cast"]``); sinks that vary
 over batch or queries, a sink column put first, a scale or mask applied after the concatenation, a slice other than
-``[..., :-1]`` (or one without sinks), probabilities read with the sink column.
+``[..., :-1]`` (or one without sinks), probabilities read with the sink column; scores cast down to 16 bits
+before the softmax (``(q @ kᵀ).half()`` of fp32 q and k: the kernel would compute them unrounded; the softmax
+family then starts after the cast).
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
@@ -143,15 +145,27 @@ def rounds_and_widens(chain) -> bool:
     """Whether a value flowing along ``chain`` (nodes in order, each read by the next) is rounded to a narrower
     float dtype and then widened again: ``s.bfloat16().float()`` in an fp32 model, fake quantisation. The kernels
     compute the chain in fp32 and take its casts as the dtypes of their ends, so such a rounding would be lost;
-    a chain only widening (fp16 scores cast up for the softmax) or only narrowing (probabilities cast down to
-    v's dtype) is what they compute."""
+    a chain only widening (fp16 scores cast up for the softmax) or only narrowing after the softmax (probabilities
+    cast down to v's dtype) is what they compute; a cast down before it is :func:`narrowing_casts`'s."""
     dtypes = [val(n).dtype for n in chain if isinstance(val(n), torch.Tensor) and val(n).is_floating_point()]
-
-    def narrower(a, b):                 # a cannot hold every value of b
-        return a != b and torch.finfo(a).bits <= torch.finfo(b).bits
-
-    return any(any(narrower(d, a) for a in dtypes[:i]) and any(narrower(d, b) for b in dtypes[i + 1:])
+    return any(any(_narrower(d, a) for a in dtypes[:i]) and any(_narrower(d, b) for b in dtypes[i + 1:])
                for i, d in enumerate(dtypes))
+
+
+def _narrower(a, b) -> bool:
+    """Whether float dtype ``a`` cannot hold every value of ``b``."""
+    return a != b and torch.finfo(a).bits <= torch.finfo(b).bits
+
+
+def narrowing_casts(chain) -> list:
+    """The casts in ``chain`` that round their value to a 16-bit dtype it was not in (``x.half()`` of fp32
+    scores). The kernels read the value at a chain's start and compute on in fp32, taking its casts only as the
+    dtypes of their ends, so such a cast before the softmax would go unrounded: the model wrote that rounding,
+    and eager's softmax reads the rounded value. A block that takes one in loses it; one starting after it
+    reads the value rounded as the model made it. A cast down to fp32 (from float64) rounds no further than the
+    kernels compute."""
+    return [n for n in chain if _is_cast(n) and _narrower(val(n).dtype, val(n.args[0]).dtype)
+            and torch.finfo(val(n).dtype).bits < 32]
 
 
 def _zero_dim_factor(x):
@@ -370,6 +384,9 @@ def _decide_softmax(m: dict) -> Match | None:
         return None
     if rounds_and_widens([qk, *_members(m, "score"), *pchain]):
         return None                 # scores or probabilities rounded to 16 bits and back: eager keeps the rounding
+    if narrowing_casts(sc.nodes):
+        return None                 # the model rounds its scores down before the softmax: the kernel, computing
+        #                             them from q and k in fp32, would not (the softmax family can start after it)
     slices = [n for n in probs_chain if is_call(n, aten.slice.Tensor)]
     if (sc.sinks is None) != (not slices) or len(slices) > 1 or (sc.sinks is not None and rank != 4):
         return None                 # the sink column is dropped exactly when sinks were concatenated, once

@@ -53,6 +53,7 @@ from autofuse.graph import arg, is_call, is_number, shape, val
 from autofuse.match import Match, register
 from patterns.attention import NEG_FILL, _Below, _is_cast, _mask_add_dtype, _members, rounds_and_widens
 from patterns.template import Template, graph_view
+from patterns.attention import narrowing_casts
 
 aten = torch.ops.aten
 
@@ -210,6 +211,9 @@ def _decide(m: dict) -> Match | None:
         return None
     if rounds_and_widens([x, *_members(m, "pre"), sm, *(m[k] for k in ("log", "cast") if k in m)]):
         return None                     # rounded to 16 bits and back on the way: eager keeps the rounding
+    if narrowing_casts(_members(m, "pre")):
+        return None                     # the model rounds the scores on the way: a block starting after the
+        #                                 cast (tried next) reads them rounded, as eager's softmax does
     inner = members | {sm} | ({m["lse"]} if lse else set()) | {m[k] for k in ("log", "cast") if k in m}
     if any(u not in inner for n in inner - {out} for u in n.users):
         return None                     # an intermediate is used outside: it cannot be fused away

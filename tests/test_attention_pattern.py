@@ -1,7 +1,6 @@
 """The attention family: every spelling the variant generator knows is matched once and the rewrite
 equals eager; near-misses are rejected, each in its own test."""
 import dataclasses
-import itertools
 import math
 import random
 
@@ -358,13 +357,14 @@ def test_near_miss_scores_or_probabilities_rounded_to_16_bits_and_back(where, th
 
 @pytest.mark.parametrize("where", ["scores", "probs"])
 def test_verification_catches_a_dropped_16_bit_round_trip(where, monkeypatch):
-    """With the pattern's guard off, the fused attention drops the rounding; the float64 reference keeps a round
+    """With the pattern's guards off, the fused attention drops the rounding; the float64 reference keeps a round
     trip the model asks for, so verification refuses the candidate and the model runs as captured."""
     import patterns.attention as attention_mod
     import patterns.softmax as softmax_mod
     from autofuse import AutoFusionEngine
     for mod in (attention_mod, softmax_mod):
         monkeypatch.setattr(mod, "rounds_and_widens", lambda chain: False)
+        monkeypatch.setattr(mod, "narrowing_casts", lambda chain: [])
     args = tuple(t * 2 for t in _args(AttentionVariant()))
     module = RoundTrip(where, torch.bfloat16)
     fused = AutoFusionEngine.fuse(module, args)
@@ -384,6 +384,31 @@ def test_scores_cast_up_for_the_softmax_and_down_for_pv_are_attention(dtype, ref
     tol = 2e-3 if dtype == torch.float16 else 2e-2      # one rounding of P and of the output in the model's dtype
     _assert_fused_equal(Upcast(), _args(AttentionVariant(), dtype=dtype), ref_op, atol=tol, rtol=tol)
     assert _count(RoundTrip("scores", torch.float64), _args(AttentionVariant())) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_near_miss_fp32_scores_rounded_down_before_the_softmax(dtype):
+    """``softmax((q @ kᵀ).half() * 0.25) @ v16`` with fp32 q and k: the model rounds its scores to 16 bits, the
+    attention kernel (fp32, v cast up) would compute them unrounded: 5.6x eager's error against the exact value of
+    the model's 16-bit scores in fp16, 3.6x in bf16. Not attention; the softmax family takes the block after the
+    cast, and the fused model is within the verifier's bound of that exact value."""
+    from autofuse import AutoFusionEngine
+    from autofuse.verify import compare
+
+    class Rounded(nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax((q @ k.transpose(-2, -1)).to(v.dtype) * 0.25, -1) @ v
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, 32, 16, generator=g) * 2 for _ in range(2))
+    v = torch.randn(2, 4, 32, 16, generator=g).to(dtype)
+    module = Rounded().eval()
+    assert _count(module, (q, k, v)) == 0
+    fused = AutoFusionEngine.fuse(module, (q, k, v))
+    assert not [d for d in fused.report.applied if d.pattern == "attention"], fused.report.summary()
+    got, want = fused(q, k, v), module(q, k, v)
+    s = (q.double() @ k.double().transpose(-2, -1)).to(dtype).double()
+    ok, err, tol = compare(want, torch.softmax(s * 0.25, -1) @ v.double(), got)
+    assert ok, (err, tol)
 
 
 class BroadcastKV(nn.Module):

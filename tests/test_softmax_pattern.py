@@ -321,6 +321,31 @@ def test_a_16_bit_rounding_of_the_probabilities_is_the_blocks_output_dtype():
     torch.testing.assert_close(fused(x), model(x), atol=2 * 2 ** -8, rtol=0)
 
 
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scores_the_model_rounds_down_are_read_rounded(dtype, log):
+    """``softmax(x.half() * 0.5 + mask16)`` of fp32 scores x: the model rounds x to 16 bits, a kernel reading x and
+    computing in fp32 would not (7.6x eager's error against the exact value of the model's own 16-bit operands in
+    fp16, 5x in bf16). The block starts after the cast and reads x as rounded. A chain that only widens
+    (``x16.float() * 0.5 + mask``) still takes its cast in."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 32, 32, generator=g) * 8
+    mask = torch.zeros(1, 1, 32, 32)
+    mask[..., 24:] = -INF
+    f = torch.log_softmax if log else torch.softmax
+    model = Fn(lambda x, m: f(x.to(dtype) * 0.5 + m.to(dtype), -1)).eval()
+    fused = AutoFusionEngine.fuse(model, (x, mask))
+    (d,) = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert d.params["dtype"] == dtype, fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(x, mask), model(x, mask)
+    exact = f(x.to(dtype).double() * 0.5 + mask.double(), -1)
+    ok, err, tol = compare(want, exact, got)
+    assert ok, (err, tol)
+    _fused_once(lambda x, m: f(x.float() * 0.5 + m, -1), x.to(dtype), mask, dtype=dtype, scale=0.5,
+                out_dtype=torch.float32)
+
+
 class _LargeSoftmax(torch.nn.Module):
     def forward(self, x, mask):
         return torch.softmax(x * 0.125 + mask, -1)
