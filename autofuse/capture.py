@@ -458,6 +458,10 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             raise
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
             failures.append((r, e))
+    quantized = _quantized_layers(model)
+    if quantized:
+        # the tracers' own errors name a torchbind class or a quantized backend, not the layers or what to do
+        raise CaptureError(route, _quantized_explanation(model, quantized, failures))
     error = CaptureError(route, _explain(model, failures))
     error.failures = failures       # capture() explains them again if the forward draws from a host generator
     raise error
@@ -1830,6 +1834,46 @@ def _dtensors(model, inputs) -> str:
         return "the graph's inputs (the model's parameters among them) are" if _dynamo_graph(model) else \
             "the call's inputs are"
     return ""
+
+
+#: torch's packages of quantized layers (eager-mode quantization: quantize_dynamic, convert)
+_QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized",
+                       "torch.nn.intrinsic.quantized")
+
+
+def _quantized_layers(model) -> list:
+    """``"path (Layer)"`` of each layer of ``model`` that holds quantized weights: packed parameters in a
+    TorchScript object (the ``torch.classes.quantized.*PackedParamsBase`` of ``torch.ao.nn.quantized`` and
+    ``quantized.dynamic`` layers) or a quantized tensor. Named by the outermost layer of torch's quantized
+    packages around the holder (``l1 (DynamicQuantizedLinear)``, not its ``_packed_params``), else the holder."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    modules = dict(model.named_modules())
+    holders = []
+    for name, m in modules.items():
+        own = [*vars(m).values(), *m._parameters.values(), *m._buffers.values()]
+        if any(isinstance(v, torch.ScriptObject) or isinstance(v, torch.Tensor) and v.is_quantized for v in own):
+            holders.append(name)
+    found = {}
+    for name in holders:
+        parts = name.split(".") if name else []
+        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        outer = next((p for p in prefixes if type(modules[p]).__module__.startswith(_QUANTIZED_PACKAGES)), name)
+        found[outer] = f"{outer or 'the model itself'} ({modules[outer]._get_name()})"
+    return list(found.values())
+
+
+def _quantized_explanation(model, layers, failures) -> str:
+    """Why a model with quantized layers could not be captured, naming them, and what to do instead."""
+    shown = ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
+    routes = "; ".join(f"route '{r}': {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                       for r, e in failures)
+    return (f"could not capture {type(model).__name__}: it holds quantized layers, {shown}, whose weights are "
+            f"packed parameters (torch.ao.quantization's quantize_dynamic or convert made them), which torch's "
+            f"tracers cannot capture ({routes}). hint: fuse the float model (as it was before quantize_dynamic / "
+            f"convert) instead; or keep the quantized weight as a plain int8 buffer with its scale and write the "
+            f"dequantisation in torch ops, F.linear(x, w_int8.to(x.dtype) * scale, bias), which autofuse captures "
+            f"and fuses")
 
 
 def _stack_line(stack: str) -> str:

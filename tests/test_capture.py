@@ -383,6 +383,76 @@ def test_a_generator_argument_is_refused_with_what_to_do():
 
 
 
+class _QuantMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.l2(torch.nn.functional.gelu(self.l1(x))) + x
+
+
+class _Int8Weights(nn.Module):
+    """What the refusal below suggests: the int8 weights and their scales as buffers, dequantised in torch ops."""
+
+    def __init__(self, float_model):
+        super().__init__()
+        for name in ("l1", "l2"):
+            w = getattr(float_model, name).weight.detach()
+            scale = w.abs().amax(1, keepdim=True) / 127
+            self.register_buffer(f"{name}_w", torch.round(w / scale).to(torch.int8))
+            self.register_buffer(f"{name}_scale", scale)
+            self.register_buffer(f"{name}_b", getattr(float_model, name).bias.detach().clone())
+
+    def forward(self, x):
+        def lin(name, h):
+            w = getattr(self, f"{name}_w").to(h.dtype) * getattr(self, f"{name}_scale")
+            return torch.nn.functional.linear(h, w, getattr(self, f"{name}_b"))
+        return lin("l2", torch.nn.functional.gelu(lin("l1", x))) + x
+
+
+@pytest.mark.filterwarnings("ignore")          # torch.ao.quantization's deprecation warnings
+@pytest.mark.parametrize("how", ["dynamic_qint8", "dynamic_float16", "static"])
+def test_a_quantized_model_is_refused_naming_its_quantized_layers_and_what_to_do(how):
+    """torch.ao.quantization's layers keep their weights packed in TorchScript objects, which torch's tracers
+    cannot capture: the refusal names the layers and says what to do (before, it said only that a torchbind class
+    had no '__obj_flatten__' and asked for a report to autofuse). The hand-written dequantisation it suggests
+    fuses."""
+    from autofuse import AutoFusionEngine
+    import torch.ao.quantization as tq
+    torch.manual_seed(0)
+    float_model, x = _QuantMLP().eval(), torch.randn(4, 8, 32)
+    if how == "static":
+        class Stubbed(nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.quant, self.inner, self.dequant = tq.QuantStub(), inner, tq.DeQuantStub()
+
+            def forward(self, x):
+                return self.dequant(self.inner.l2(self.inner.l1(self.quant(x))))
+        model = Stubbed(float_model).eval()
+        model.qconfig = tq.get_default_qconfig("fbgemm")
+        prepared = tq.prepare(model)
+        prepared(x)
+        quantized, layers = tq.convert(prepared), ("inner.l1 (QuantizedLinear)", "inner.l2 (QuantizedLinear)")
+    else:
+        dtype = torch.qint8 if how == "dynamic_qint8" else torch.float16
+        quantized = tq.quantize_dynamic(_QuantMLP().eval(), {nn.Linear}, dtype=dtype)
+        layers = ("l1 (DynamicQuantizedLinear)", "l2 (DynamicQuantizedLinear)")
+    quantized(x)                                    # eager runs it
+    with pytest.raises(CaptureError) as info:
+        AutoFusionEngine.fuse(quantized, (x,))
+    msg = str(info.value)
+    assert all(layer in msg for layer in layers), msg
+    assert "_packed_params" not in msg and "please report" not in msg, msg
+    assert "fuse the float model" in msg and "w_int8.to(x.dtype) * scale" in msg, msg
+    manual = _Int8Weights(float_model).eval()
+    fused = AutoFusionEngine.fuse(manual, (x,))
+    assert fused.report.applied, fused.report.summary()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), manual(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("how", ["prune", "weight_norm"])
 def test_a_pruned_or_legacy_weight_normed_model_is_refused_naming_the_hook(how):
     """prune and the legacy weight_norm recompute a weight in a forward pre-hook at each call: the refusal blamed
