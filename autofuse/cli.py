@@ -241,7 +241,8 @@ def _model_args(p):
     e = p.add_argument_group("engine")
     e.add_argument("--device", default="ascend910", help="target device (see `autofuse devices`)")
     e.add_argument("--level", default="O3", help="optimization level O0..O3")
-    e.add_argument("--budget", default=None, help="memory budget, e.g. 16GB")
+    e.add_argument("--budget", default=None, help="memory budget of each fused kernel's working set, with a unit: "
+                   "16GB, 512MB, 1.5GiB (GB = GiB = 2**30 bytes, MB = MiB = 2**20, KB, TB likewise; B for bytes)")
     for flag, what in (("--disable", "never fuse FAMILY"), ("--enable", "fuse FAMILY where it pays (the default)"),
                        ("--force", "fuse FAMILY even where the cost model says it does not pay")):
         e.add_argument(flag, action="append", default=[], metavar="FAMILY",
@@ -252,7 +253,7 @@ def _model_args(p):
 def _check_engine_args(a) -> dict:
     """Validate device, level, budget and fusion switches before any model is built; returns fuse() keywords."""
     from autofuse.match import families
-    from autofuse.plan import parse_level, parse_memory_budget
+    from autofuse.plan import parse_level, parse_memory_budget, unitless_hint
     from cost_model.devices import DEVICES, get_device
     try:
         a.device = get_device(a.device).name         # the names and short forms fuse() takes (ASCEND910, 910b)
@@ -267,6 +268,8 @@ def _check_engine_args(a) -> dict:
     try:
         budget = parse_memory_budget(a.budget)
     except (ValueError, TypeError) as e:
+        if "has no unit" in str(e):
+            raise UsageError(f"--budget {a.budget!r} has no unit: {unitless_hint(a.budget.strip())}") from None
         what = next((w for k, w in (("at least", "it must be at least one byte"),
                                     ("finite", "it is not a finite number of bytes"),
                                     ("whole", "bytes are whole: a whole number of bytes, or another unit"))

@@ -1699,9 +1699,11 @@ class AutoFusionEngine:
 
         ``example_inputs``: a tuple of positional inputs, a single tensor, or ``(args, kwargs)`` with a dict as
         second element; tensors may be on the meta device (planning without data). ``memory_budget``: bytes
-        or a string such as ``"16GB"``. ``fusion_switches``: pattern family -> ``"on"``, ``"off"`` or
-        ``"force"`` (fuse whenever the kernel can run, profitable or not), like CANN's fusion switch file; a
-        region's name (``"rope"``, ``"matmul+swiglu"``) may be switched too, and wins over its family's switch.
+        (an int) or a string with a unit such as ``"16GB"`` (binary units: GB = GiB = 2**30 bytes; a string
+        without a unit is refused, see :func:`autofuse.plan.parse_memory_budget`). ``fusion_switches``: pattern
+        family -> ``"on"``, ``"off"`` or ``"force"`` (fuse whenever the kernel can run, profitable or not), like
+        CANN's fusion switch file; a region's name (``"rope"``, ``"matmul+swiglu"``) may be switched too, and wins
+        over its family's switch.
         ``max_plans``: how many input signatures' plans are kept (``None``: all); beyond it the least recently
         used is dropped and planned again if its signature returns. Generation makes one per cache length.
         ``share_exports``: a signature that differs from an earlier one only in sizes (a longer KV cache) is

@@ -48,7 +48,8 @@ LEVELS = {
 }
 O1_MARGIN = 1.5
 
-_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+# "16GB" on a device sheet means 16 GiB: decimal units are not what memory sizes are quoted in
+_UNITS = {"b": 1, "kb": 2 ** 10, "mb": 2 ** 20, "gb": 2 ** 30, "tb": 2 ** 40,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "k": 2 ** 10, "m": 2 ** 20,
           "g": 2 ** 30, "t": 2 ** 40}
 
@@ -63,11 +64,19 @@ def parse_level(level) -> str:
     return lv
 
 
-def parse_memory_budget(budget) -> int | None:
-    """Bytes from ``None``, an int, or a string such as ``"16GB"``, ``"512MiB"``, ``"1.5 GB"``.
+def unitless_hint(number: str) -> str:
+    """What to write instead of a budget string that is only a ``number``, with no unit."""
+    return (f"did you mean '{number}GB'? (GB and GiB are 2**30 bytes, MB and MiB 2**20); write '{number}B' for "
+            f"bytes")
 
-    ``GB``/``MB`` follow the device makers' binary convention (``16GB`` of HBM = 16 GiB); ``GiB`` is binary
-    too; write plain bytes for anything else.
+
+def parse_memory_budget(budget) -> int | None:
+    """Bytes from ``None``, an int (bytes), or a string with a unit such as ``"16GB"``, ``"512MiB"``, ``"1.5 GB"``.
+
+    Units are binary: ``KB``/``KiB``/``K`` are 2**10 bytes, ``MB``/``MiB``/``M`` 2**20, ``GB``/``GiB``/``G`` 2**30
+    and ``TB``/``TiB``/``T`` 2**40 (the device makers' convention: ``16GB`` of HBM is 16 GiB); ``B`` is bytes.
+    A string without a unit is refused: ``"16"`` (``--budget 16``) would be 16 bytes, under any fused kernel's
+    working set, and nothing would fuse; an int is bytes as it says.
     """
     if budget is None:
         return None
@@ -86,8 +95,9 @@ def parse_memory_budget(budget) -> int | None:
     if not m or m.group(2).lower() not in _UNITS and m.group(2) != "":
         raise ValueError(f"memory_budget={budget!r}: write a number and a unit, e.g. '16GB', '512MB', '1.5GiB'")
     unit = m.group(2).lower()
-    # "16GB" on a device sheet means 16 GiB; decimal units are not what memory sizes are quoted in.
-    scale = {"kb": 2 ** 10, "mb": 2 ** 20, "gb": 2 ** 30, "tb": 2 ** 40}.get(unit, _UNITS.get(unit, 1))
+    if not unit:
+        raise ValueError(f"memory_budget={budget!r} has no unit: {unitless_hint(m.group(1))}")
+    scale = _UNITS[unit]
     value = float(m.group(1)) * scale
     if not math.isfinite(value):
         raise ValueError(f"memory_budget={budget!r} is not a finite number of bytes")

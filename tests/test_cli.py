@@ -382,7 +382,7 @@ def test_transformers_spec_values_and_defaults():
     (["simulate", "--model", "tp-block", "--world-size", "2", "--heads", "3"], "--heads must be a multiple of "
                                                                                  "--world-size"),
     (["simulate", *TINY, "--top", "-1"], "argument --top: -1: give 0 or more"),
-    (["report", *TINY, "--budget", "0.5"], "--budget '0.5': it must be at least one byte"),
+    (["report", *TINY, "--budget", "0.5B"], "--budget '0.5B': it must be at least one byte"),
     (["report", *TINY, "--budget", "-1GB"], "--budget '-1GB': it must be at least one byte"),   # not a flag
     (["report", "--model", "gpt2", "--hidden", str(10 ** 20)], "is too large: give less than 2**31"),
     ([], "the following arguments are required: COMMAND"),
@@ -391,7 +391,11 @@ def test_transformers_spec_values_and_defaults():
     (["report"], "the following arguments are required: --model"),
     (["report", *TINY, "--bogus", "1"], "autofuse report: unrecognized arguments: --bogus 1 (see `autofuse report "
                                         "--help`)"),
-    (["report", *TINY, "--budget", "1e400"], "is not a finite number of bytes"),
+    (["report", *TINY, "--budget", "1e400GB"], "is not a finite number of bytes"),
+    # a budget without a unit would be bytes: 16 bytes fuse nothing, and the run said nothing of a missing unit
+    (["report", *TINY, "--budget", "16"], "--budget '16' has no unit: did you mean '16GB'? (GB and GiB are 2**30 "
+                                          "bytes"),
+    (["report", *TINY, "--budget", "0.5"], "--budget '0.5' has no unit: did you mean '0.5GB'?"),
     (["report", *TINY, "--budget", "1.9B"], "bytes are whole"),
     (["simulate", "--model", "tp-block"], "simulate it with --world-size N, N of 2 or more"),
 ])

@@ -1,18 +1,35 @@
 """Planner pieces that need no kernels: levels, budgets, the global conflict choice, reports."""
 import json
+import re
 
 import networkx as nx
 import pytest
+import torch
+import torch.nn as nn
 
 from autofuse.decision import REASON_CODES, FusionDecision, FusionReport
 from autofuse.plan import LEVELS, Candidate, Price, _best_independent_set, parse_level, parse_memory_budget
 
 
 @pytest.mark.parametrize("text,expected", [("16GB", 16 * 2 ** 30), ("512MB", 512 * 2 ** 20), ("1.5GiB", int(1.5 * 2 ** 30)),
-                                           (" 64 kb ", 64 * 1024), (4096, 4096), (None, None), ("100", 100),
-                                           ("2e9", 2 * 10 ** 9), ("1.5e3MB", 1500 * 2 ** 20)])   # exponents too
+                                           (" 64 kb ", 64 * 1024), (4096, 4096), (None, None), ("100B", 100),
+                                           ("2e9B", 2 * 10 ** 9), ("1.5e3MB", 1500 * 2 ** 20)])   # exponents too
 def test_memory_budget_parsing(text, expected):
     assert parse_memory_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["16", " 100 ", "2e9", "1.5"])
+def test_a_memory_budget_string_without_a_unit_is_refused_with_the_unit_it_lacks(text):
+    """A string without a unit was bytes: memory_budget="16" (as --budget 16 passes it) fused nothing, exit 0, and
+    nothing said a unit was missing. An int stays bytes."""
+    number = text.strip()
+    with pytest.raises(ValueError, match=re.escape(f"memory_budget={text!r} has no unit: did you mean '{number}GB'? "
+                                                   f"(GB and GiB are 2**30 bytes") + ".*" + re.escape(f"'{number}B'")):
+        parse_memory_budget(text)
+    assert parse_memory_budget(16) == 16
+    from autofuse import AutoFusionEngine
+    with pytest.raises(ValueError, match=re.escape("memory_budget='16' has no unit")):
+        AutoFusionEngine.fuse(nn.Linear(4, 4), (torch.randn(2, 4),), memory_budget="16")
 
 
 @pytest.mark.parametrize("bad", ["lots", "16 parsecs", "-1GB", 0, -5, [1], "1e", "0.5e-9GB", 1.5])
