@@ -906,6 +906,42 @@ def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0) -> Kinds:
     return Kinds(kinds, tcode, block, tcode[qi, lo], tcode[qi, hi - 1], float((qeb * L).sum() / L.sum()))
 
 
+@cached
+def kind_steps(nq, nkv, Sq, Skv, qb, kvb, causal, window=0):
+    """``(kinds, steps)``: :func:`_launch_kinds`'s ``kinds`` and each one's steps over all query blocks (its
+    ``block.sum(0)``, as ints), counted block by block in closed form. The tiling searches' bounds need only these
+    totals; ``_launch_kinds`` builds the (blocks x tiles) code arrays for them, which costs more than the bound's
+    other work on a launch of few blocks. Per block the masked tiles of its walk ``[lo, hi)`` are two ranges
+    (:func:`_tile_kinds`): from the first tile reaching past its first row's diagonal, ``(q0 + 1) // kvb`` (causal,
+    unless its first row sees every key), and up to the last one holding the window's left edge,
+    ``(q0 + qe - 1 - window) // kvb``; the edge KV tile (when its extent differs) is a kind of its own."""
+    lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
+    q_full, k_full, k_last = min(qb, Sq), min(kvb, Skv), Skv - (nkv - 1) * kvb
+    j_edge = nkv - 1 if k_last != k_full else -1     # the KV tile of edge extent, if any
+    steps = [0] * 8                                  # by code ((query edge · 2 + KV edge) · 2 + masked)
+    for qi, (l, h) in enumerate(zip(lo.tolist(), hi.tolist())):
+        q0 = qi * qb
+        qe = min(q0 + qb, Sq) - q0
+        qbit = 4 if qe != q_full else 0
+        jc = (q0 + 1) // kvb if causal and Skv - 1 > q0 else h          # masked from jc on
+        jw = (q0 + qe - 1 - window) // kvb if causal and window else -1  # and up to jw
+        a0, b1 = max(l, jc), min(h, jw + 1)
+        masked = max(0, h - a0) + max(0, b1 - l) - max(0, b1 - a0)
+        plain = h - l - masked
+        if l <= j_edge < h:                          # the edge tile moves to its own kinds
+            if j_edge >= jc or j_edge <= jw:
+                masked -= 1
+                steps[qbit + 2 + 1] += 1
+            else:
+                plain -= 1
+                steps[qbit + 2] += 1
+        steps[qbit] += plain
+        steps[qbit + 1] += masked
+    qes, kes = (q_full, Sq - (nq - 1) * qb), (k_full, k_last)
+    codes = [c for c in range(8) if steps[c]]
+    return tuple((qes[c >> 2], kes[(c >> 1) & 1], bool(c & 1)) for c in codes), tuple(steps[c] for c in codes)
+
+
 class Tally(NamedTuple):
     """The main sweep replayed core by core (:func:`_core_tallies`); arrays shared through the cache: read only.
     Per core ``c`` and step kind ``k`` (``kinds[k]`` = (query rows, KV extent, masked)): ``counts`` steps, ``hit`` and

@@ -40,7 +40,7 @@ from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.flash_attention import (REPLAY_UNITS, ROUNDING, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
-                                       _launch_kinds, _placement, _spans, attended_pairs, mask_passes, with_add_dtype)
+                                       _placement, _spans, attended_pairs, kind_steps, mask_passes, with_add_dtype)
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -854,9 +854,8 @@ def _stats_replay(device, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, win
             + (qe / nh * ke * 4 / rate["GM->UB"] if split else 0.0)
 
     if bound:          # every step at least its kind's busiest unit that no port wait touches, over the mean core
-        kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
         floor = 0.0
-        for (qe, ke, m), c in zip(kk.kinds, kk.block.sum(0).tolist()):
+        for (qe, ke, m), c in zip(*kind_steps(nq, nkv, Sq, Skv, qb, kvb, causal, window)):
             floor += c * max(*_stats_units(dev, qe, ke, float(m), D, dtype, mpass, cap), ke * D * isz / rate["GM->L1"])
         return B * N * floor / n1
     tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, N // Nkv)
