@@ -152,3 +152,20 @@ def test_the_searchs_bound_never_exceeds_the_model():
                 assert kk.kinds == tal.kinds and kk.qc == tal.qc and (steps == tal.counts).all()
                 seen += 1
     assert seen >= 30, seen
+
+
+def test_kind_steps_counts_the_launch_kinds_steps():
+    """The searches' bounds count each step kind's steps in closed form (kind_steps): the same kinds, and steps,
+    as _launch_kinds's code arrays summed, over edge blocks, causal diagonals and windows."""
+    import itertools
+    from cost_model.flash_attention import _launch_kinds, kind_steps
+    sizes = [1, 16, 17, 63, 64, 65, 127, 200, 256, 300, 1000]
+    seen = 0
+    for Sq, Skv, qb, kvb in itertools.product(sizes, sizes, [16, 48, 64, 128], [16, 64, 128, 256]):
+        for causal, window in ((False, 0), (True, 0), (True, 1), (True, 64), (True, 100)):
+            nq, nkv = -(-Sq // qb), -(-Skv // kvb)
+            kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+            kinds, steps = kind_steps(nq, nkv, Sq, Skv, qb, kvb, causal, window)
+            assert kinds == kk.kinds and steps == tuple(kk.block.sum(0).tolist()), (Sq, Skv, qb, kvb, causal, window)
+            seen += 1
+    assert seen == 9680
