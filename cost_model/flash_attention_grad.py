@@ -571,6 +571,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
     f_q, f_kv = hit_q / L2bw + (1 - hit_q) / HBMbw, hit_kv / L2bw + (1 - hit_kv) / HBMbw
     f_hit, f_miss = 1.0 / L2bw + (1 - 1.0) / HBMbw, 0.0 / L2bw + (1 - 0.0) / HBMbw
     r_l1, r_ub, r_out = rate["GM->L1"], rate["GM->UB"], rate["UB->GM"]
+    # the head dims in fractals (ceil_div(x, 16) and ceil_div(x, k0f)), taken once: every candidate's steps use them
+    D16, Dv16, Dk0, Dvk0 = -(-D // 16), -(-Dv // 16), -(-D // k0f), -(-Dv // k0f)
 
     def step_of(qe, ke, qc, kc):
         """One step of query rows ``qe`` against keys ``ke``, the chip's cores at that step running ``qc`` rows
@@ -581,14 +583,19 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         # stage B runs per half of the block's rows on split cores (each AIV's rows, as it stored them): each half
         # its own products and moves, each padded to whole fractals
         halves = [h for h in (min(qb // 2, qi), min(qb // 2, max(0, qi - qb // 2))) if h > 0] if split else [qi]
-        # the Cube's fractals of a step: S and dP, then stage B's dV, dK and dQ
-        cs, cdp = (ceil_div(qi, 16) * ceil_div(ki, 16) * ceil_div(x, k0f) for x in (D, Dv))
-        cdv, cdk = (sum(ceil_div(ki, 16) * ceil_div(h, k0f) for h in halves) * ceil_div(x, 16) for x in (Dv, D))
-        cdq = sum(ceil_div(h, 16) for h in halves) * ceil_div(ki, k0f) * ceil_div(D, 16)
+        # the Cube's fractals of a step: S and dP, then stage B's dV, dK and dQ (integers: the per-half sums
+        # factored, ceil_div written out; a step is priced for every candidate the search bounds)
+        qf, kf, hk0, h16 = -(-qi // 16), -(-ki // 16), 0, 0
+        for h in halves:
+            hk0 += -(-h // k0f)
+            h16 += -(-h // 16)
+        cs, cdp = qf * kf * Dk0, qf * kf * Dvk0
+        cdv, cdk = kf * hk0 * Dv16, kf * hk0 * D16
+        cdq = h16 * -(-ki // k0f) * D16
         cube_b = cdv + cdk + cdq
         cube2 = cs + cdp + cube_b
-        q16, k16 = _r16(qe), _r16(ke)
-        qh16 = sum(_r16(h) for h in halves)          # stage B's rows, padded per half
+        q16, k16 = -(-qe // 16) * 16, -(-ke // 16) * 16     # _r16
+        qh16 = h16 * 16                              # stage B's rows, padded per half
         mte1 = (q16 * (D + Dv) * isz / a + k16 * (D + Dv) * isz / b_ + 3 * k16 * qh16 * isz / a
                 + qh16 * (Dv + D) * isz / b_ + k16 * D * isz / b_)
         # the step's GM transfers as _Port.add prices them (the same operations in the same order, written out: a
@@ -643,7 +650,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         mte3 = max(nb / r_out, share)
         vhits += nv * mv / L2bw
         vport += share
-        vec2 = _vec_rep(rows, ke) * base + _vec_rep(rows, ke) * part * 2
+        v = _vec_rep(rows, ke)
+        vec2 = v * base + v * part * 2
         if split:
             r_fix = rate["L0C->GM"]
             # S, dP out
