@@ -70,26 +70,44 @@ def _(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", 
     return x.new_empty(x.shape, dtype=_out_dtype(x, out_dtype))
 
 
+class _LseShift(torch.autograd.Function):
+    """``d = lse − m`` (given, with ``m`` the max subtracted), with eager's logsumexp gradient ``exp(z − lse)``:
+    on a row whose every score is a fill ``lse`` absorbs it is 1 at every score (not the softmax's ``1/C``),
+    on a row whose max is +inf 0 (NaN at the +inf scores)."""
+
+    @staticmethod
+    def forward(ctx, z, d, m):
+        ctx.save_for_backward(z, d, m)
+        return d.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        z, d, m = ctx.saved_tensors
+        return g * torch.exp((z - m) - d), None, None
+
+
 def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan",
                                     out_dtype="", upcast=False, inf_rows="nan", mask_add_dtype=None, **_):
     """What the kernel computes, in torch with its numerics: fp32 throughout (scale, mask, statistics), one
     rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward); ``mask_add_dtype``: the
-    additive mask added in that 16-bit dtype (:func:`autofuse.ops.add_mask`). ``inf_rows="lse"``: the
-    rows whose max is +inf are eager's logsumexp spelling of them (``z - logsumexp(z)``, or its ``exp``), values
-    and autograd alike; the other rows' values do not reach that branch's gradient (their scores are replaced
-    by 0 there), nor theirs the ``+inf`` rows' (whose scores are replaced by 0 in the softmax)."""
+    additive mask added in that 16-bit dtype (:func:`autofuse.ops.add_mask`). ``inf_rows="lse"``: eager's
+    logsumexp spelling (``z - logsumexp(z)``, or its ``exp``) as the kernel computes it, ``(z - m) - d`` or
+    ``exp(z - m) / exp(d)`` with ``d = lse - m`` and ``lse = m + log Σ exp(z - m)`` rounded to x's dtype (0 on a
+    row whose max is +inf), and autograd gives eager's gradient of the spelling (``lse``'s is ``exp(z - lse)``)."""
     z = x.float()
     if scale is not None:
         z = z * scale
     if mask is not None:
         z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else _ops.add_mask(z, mask, mask_add_dtype)
     if inf_rows == "lse":
-        top = z.detach().amax(dim, keepdim=True) == float("inf")
-        zi = z.masked_fill(~top, 0.0)                      # the +inf rows' own scores, 0 elsewhere
-        yi = zi - torch.logsumexp(zi, dim, keepdim=True)
-        z = z.masked_fill(top, 0.0)                        # the other rows' scores, 0 on the +inf rows
-        y = torch.where(top, yi, torch.log_softmax(z, dim)) if log else \
-            torch.where(top, torch.exp(yi), torch.softmax(z, dim))
+        m = z.detach().amax(dim, keepdim=True)
+        mm = m.masked_fill(m == float("-inf"), 0.0) if empty_rows == "zero" else m   # the max subtracted
+        total = torch.exp(z.detach() - mm).sum(dim, keepdim=True)
+        if empty_rows == "zero":
+            total = total.masked_fill(total == 0, float("inf"))
+        lse = (mm + torch.log(total)).to(x.dtype).float()    # eager's logsumexp, in the scores' dtype
+        d = _LseShift.apply(z, torch.where(m == float("inf"), 0.0, lse - mm), mm)
+        y = (z - mm) - d if log else torch.exp(z - mm) / torch.exp(d)
     else:
         y = torch.log_softmax(z, dim) if log else torch.softmax(z, dim)
     if empty_rows == "zero":
@@ -114,9 +132,10 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
     """The op as a Vector program over ``x`` (and the mask, ``(shape, dtype)`` or None), computing as the
     kernel does: ``z = scale · x`` (masked: a bool mask selects ``fill``, a float one adds), ``y = exp(z − m) /
     Σ exp(z − m)`` with ``m`` the row's max (``log``: ``z − m − log Σ``), an all-``-inf`` row zero with
-    ``empty_rows="zero"``, the sum of a row whose max is +inf 1 with ``inf_rows="lse"`` (its ``z − m`` is
-    ``z − inf``; :mod:`cost_model.program_grad`'s closed form, ``g − exp(y) Σ g`` or ``y (g − Σ g y)``, is
-    then eager's gradient of ``z − logsumexp(z)`` or its ``exp``). ``mask_add_dtype``: the additive mask added as
+    ``empty_rows="zero"``; ``inf_rows="lse"``: ``y = (z − m) − d`` or ``exp(z − m) / exp(d)`` with ``d = lse − m``,
+    ``lse = m + log Σ`` cast to x's dtype, ``d`` 0 on a row whose max is +inf (its ``z − m`` is ``z − inf``), as
+    the kernel computes it; :mod:`cost_model.program_grad`'s closed form, ``g − exp(y) Σ g`` or ``y (g − Σ g y)``,
+    is eager's gradient of ``z − logsumexp(z)`` or its ``exp``. ``mask_add_dtype``: the additive mask added as
     eager adds it in that 16-bit dtype, ``z`` cast down, the sum rounded to it (and widened by the next
     instruction), so the derived gradient passes through the rounding as eager's autograd does. None when the op
     is no row program: softmax along another dim than the last, or a
@@ -141,9 +160,14 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
     d = b.sub(z, top)
     e = b.exp(d)
     total = b.reduce(e, kind="sum")
-    if inf_rows == "lse":
-        total = b.where(b.eq(top, float("inf")), 1.0, total)
-    y = b.sub(d, b.log(total)) if log else b.div(e, total)
+    if inf_rows == "lse":                       # lse = m + log Σ in x's dtype; y = (z − m) − d or exp(z − m) / exp(d)
+        lse = b.add(top, b.log(total))
+        if x_dtype != "float32":
+            lse = b.cast(lse, dtype=x_dtype)
+        shift = b.where(b.eq(top, float("inf")), 0.0, b.sub(lse, top))
+        y = b.sub(d, shift) if log else b.div(e, b.exp(shift))
+    else:
+        y = b.sub(d, b.log(total)) if log else b.div(e, total)
     if empty_rows == "zero":
         y = b.where(b.eq(top, float("-inf")), 0.0, y)
     b.output(y, out_dtype)

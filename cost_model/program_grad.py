@@ -303,9 +303,60 @@ def _softmaxes(p: Program) -> dict:
     def only(v, *readers):
         return v not in outs and sorted(users.get(v, ())) == sorted(readers)
 
+    def lse_form(y, y_ins):
+        """``(z, log)`` for ``y = (z − m) − D`` or ``exp(z − m) / exp(D)`` with ``D = where(m == +inf, 0, L − m)``
+        and ``L = m + log Σ exp(z − m)`` (cast to a 16-bit dtype and back, or not): the logsumexp spellings as
+        the softmax kernel computes them; ``y`` is ``z − lse`` or its exp, so the closed form is eager's gradient."""
+        if y_ins.op == "sub":
+            log, (a, D), X = True, y_ins.args, None
+        elif y_ins.op == "div" and ins(y_ins.args[1], "exp") is not None:
+            log, (a, X) = False, y_ins.args
+            D = ins(X, "exp").args[0]
+        else:
+            return None
+        w = ins(D, "where")
+        if w is None or ins(w.args[0], "eq") is None or _is_ref(w.args[1]) or w.args[1] != 0.0:
+            return None
+        c, t = w.args[0], w.args[2]
+        t_ins = ins(t, "sub")
+        if t_ins is None:
+            return None
+        L, m = t_ins.args
+        cast = ins(L, "cast")
+        Ls = cast.args[0] if cast is not None else L
+        a_ins = ins(Ls, "add")
+        if a_ins is None or a_ins.args[0] != m or ins(a_ins.args[1], "log") is None:
+            return None
+        ls = a_ins.args[1]
+        s = ins(ls, "log").args[0]
+        if ins(s, "reduce", "sum") is None:
+            return None
+        e = ins(s, "reduce", "sum").args[0]
+        if ins(e, "exp") is None or (not log and e != a):
+            return None
+        d = ins(e, "exp").args[0]
+        d_ins = ins(d, "sub")
+        if d_ins is None or (log and d != a) or d_ins.args[1] != m:
+            return None
+        z = d_ins.args[0]
+        m_ins = ins(m, "reduce", "max")
+        if not _is_ref(z) or m_ins is None or m_ins.args[0] != z or ins(c, "eq").args != (m, math.inf):
+            return None
+        readers = (only(d, e, y) and only(e, s) and only(D, y)) if log else \
+            (only(d, e) and only(e, s, y) and only(D, X) and only(X, y))
+        readers = readers and only(s, ls) and only(ls, Ls) and only(t, D) and \
+            (only(Ls, t) if cast is None else (only(Ls, L) and only(L, t)))
+        if readers and m not in outs and all(u in (d, Ls, t) or p.instrs[u - nin].op in COMPARE for u in users[m]):
+            return z, log
+        return None
+
     found = {}
     for j, y_ins in enumerate(p.instrs):
         y = nin + j
+        got = lse_form(y, y_ins)
+        if got is not None:
+            found[y] = got
+            continue
         if y_ins.op == "div":                              # exp(d) / sum(exp(d))
             e, s = y_ins.args
             log, ls = False, None

@@ -7,11 +7,12 @@ Per task, the Vector passes of the kernel (fp32 statistics; fp16/bf16 cast in an
   per row when it broadcasts; with ``mask_add_dtype``, a 16-bit mask added in its dtype as eager adds it, no
   cast of the mask but the scores cast down and the sum cast back up, two elementwise passes around the add);
 * one pass (``chunk >= C``): prologue, max + brcb, sub, exp, sum + brcb, div (log: log of the sum, sub),
-  cast out — plus two selects on the statistics for ``empty_rows="zero"``, one for ``inf_rows="lse"`` (the sum
-  of a row whose max is +inf becomes 1);
+  cast out — plus two selects on the statistics for ``empty_rows="zero"``; for ``inf_rows="lse"``, the
+  statistic ``lse - m`` (``lse = m + log s`` cast to x's dtype and back: log, add, two casts for fp16/bf16, sub,
+  a select of 0 on a row whose max is +inf) and, not log, its ``exp``, which the division reads;
 * online (``chunk < C``): pass 1 per chunk (prologue, max, the max in use, correction of the running
-  statistics, sub, exp, sum; after the last chunk the empty-sum and +inf-max selects and log's log of the sum), pass 2
-  per chunk (prologue, sub max, exp and div or, log, sub of the log sum, cast, store). Pass 2
+  statistics, sub, exp, sum; after the last chunk the empty-sum select, log's log of the sum and the lse
+  statistics), pass 2 per chunk (prologue, sub max, exp and div or, log, sub of the log sum, cast, store). Pass 2
   reloads the chunks; they hit L2 when the step's rows (and the outputs written meanwhile) fit in it.
 
 Repeat counts follow ``Group.repeats``/``row_repeats``: an elementwise pass over ``rows x pad(cols)``
@@ -227,6 +228,9 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled, lse=False):
             ins += 1
         return vec, ins
 
+    # inf_rows="lse": statistics passes for lse - m (log of the sum, add, casts down and up for fp16/bf16 x,
+    # sub, the +inf-max select) and its exp (not log); log's log of the sum is counted with log
+    lse = lse * (3 + 2 * (dtype != F32) + 2 * (not log))
     tasks = []        # per task: (chunk k, cv, pass, vec, instr, stores)
     if one:
         ew, row, small, br = counts(worst, C)

@@ -19,7 +19,10 @@ the kernel). ``_safe_softmax`` (``meta["autofuse_safe_softmax"]``) sets ``empty_
 spellings, ``z - logsumexp(z)`` and ``exp(z - logsumexp(z))`` (a softmax with
 ``meta["autofuse_lse_softmax"]`` in the canonical form), set ``inf_rows="lse"``: on a row whose max is +inf,
 ``logsumexp`` is +inf, so they give ``z - inf`` (-inf, NaN at the +inf score) and ``exp(z - inf)`` (0, NaN
-there) where ``softmax`` and ``log_softmax`` give NaN over the row.
+there) where ``softmax`` and ``log_softmax`` give NaN over the row; on a row whose every score is a fill
+``logsumexp`` absorbs (``finfo.min``: ``max + log C`` rounds to the max in the scores' dtype) they give 0 and 1
+where ``log_softmax`` and ``softmax`` give ``-log C`` and ``1/C``. The kernel rounds its ``logsumexp`` to x's
+dtype, so such a block whose scores are wider than x (a cast up, a wider mask added) is not matched from x.
 
 Constraints (named functions below): the chain is walked from the softmax up to x, as attention walks its
 score chain, with :class:`patterns.attention._Below` computing the fill as it reaches the softmax through
@@ -226,6 +229,8 @@ def _decide(m: dict) -> Match | None:
     fill = fills.pop() if fills else -math.inf
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") and not log else "nan"
     inf_rows = "lse" if lse or sm.meta.get("autofuse_lse_softmax") else "nan"
+    if inf_rows == "lse" and val(sm.args[0]).dtype != val(x).dtype:
+        return None                     # the kernel rounds logsumexp to x's dtype, eager to the scores' (widened)
     inputs = {"x": x.name}
     terms = []
     for i, (mk, kind, factor, _) in enumerate(masks):

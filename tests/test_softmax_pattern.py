@@ -405,9 +405,7 @@ LSE_PRE = {
     "bool": (lambda x, k: (x * 0.25).masked_fill(~k, -INF), "bool"),
     "upcast": (lambda x: x.float() * 0.5, None),
 }
-# (an additive mask is matched too, but verification refuses the block before and after the +inf rows: on a
-# row masked with finfo.min every score rounds to the same value, logsumexp to the max, and eager's
-# z - logsumexp(z) is 0 where log_softmax is -log C; the op's own test below adds one)
+# (an additive mask: test_logsumexp_spellings_keep_their_value_on_rows_a_finite_fill_absorbs below)
 
 
 @pytest.mark.parametrize("pre", list(LSE_PRE))
@@ -454,6 +452,56 @@ def test_logsumexp_spellings_keep_logsumexp_on_rows_whose_max_is_plus_inf(dtype,
         assert bool(torch.isfinite(gw[0, 0, 1]).sum() == 31)
     ok, err, tol = compare(gw, gr, gg)
     assert ok, ("gradient", err, tol)
+
+
+@pytest.mark.parametrize("fill", ["additive", "masked_fill"])
+@pytest.mark.parametrize("form", list(LSE_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_logsumexp_spellings_keep_their_value_on_rows_a_finite_fill_absorbs(dtype, form, fill):
+    """A row whose every score is ``finfo.min`` (added to small scores, or filled in): eager's ``logsumexp``,
+    ``max + log Σ`` rounded to the scores' dtype, absorbs ``log C`` into the max, so ``z - logsumexp(z)`` is 0
+    and its ``exp`` 1 at every score (``log_softmax`` would give ``-log C``, ``softmax`` ``1/C``), and the
+    gradient of x there is ``g - Σ g`` (times the scale), not log-softmax's. The fused kernel computes the
+    statistic as eager does: the same values on that row, on partially masked rows and on a row holding +inf
+    (``z - inf``), and the same gradients (eager's autograd of the spelling is the reference)."""
+    lo = torch.finfo(dtype).min
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 2, 4, 16)
+    x = torch.randn(shape, generator=g).to(dtype)
+    x[0, 1, 1, 3] = INF                              # a +inf row: -inf (0) at its finite scores, NaN at the +inf
+    keep = torch.ones(1, 1, 4, 16, dtype=torch.bool)
+    keep[..., 10:] = False                           # rows partially masked
+    keep[..., 2, :] = False                          # row 2: every key masked
+    m = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, lo)
+    extra = (m,) if fill == "additive" else (keep,)
+
+    def fn(x, a):
+        z = x * 0.25 + a if fill == "additive" else (x * 0.25).masked_fill(~a, lo)
+        return LSE_FORMS[form](z)
+    model = Fn(fn).train()
+    fused = AutoFusionEngine.fuse(model, (x, *extra), fusion_switches={"vector_chain": "off"})
+    applied = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert len(applied) == 1, fused.report.summary()
+    assert applied[0].params["inf_rows"] == "lse"
+    xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = fused(xg, *extra), model(xe, *extra)
+    _same_specials(got, want, "forward")
+    full = want[:, :, 2]
+    assert bool((full == (0.0 if form == "log" else 1.0)).all())     # eager absorbs log C
+    assert torch.equal(got[:, :, 2], full)
+    eps = torch.finfo(dtype).eps
+    fin = torch.isfinite(want)
+    assert (got - want).double()[fin].abs().max() <= 2 * eps * max(1.0, want[fin].abs().max().item())
+    gout = torch.ones(shape, dtype=dtype)
+    gout[..., 0] = 2.0
+    (gg,), (gw,) = (torch.autograd.grad(y, t, gout) for y, t in ((got, xg), (want, xe)))
+    _same_specials(gg, gw, "gradient")
+    expect = (0.25 * (gout[:, :, 2] - gout[:, :, 2].sum(-1, keepdim=True))).to(dtype)
+    if form == "log" and fill == "additive":         # (masked_fill passes no gradient to the filled scores)
+        assert torch.equal(gw[:, :, 2], expect)      # g - exp(0) Σ g, scaled
+    assert torch.equal(gg[:, :, 2], gw[:, :, 2])
+    gfin = torch.isfinite(gw)
+    assert (gg - gw).double()[gfin].abs().max() <= 4 * eps * max(1.0, gw[gfin].abs().max().item())
 
 
 def test_softmax_and_log_softmax_keep_nan_rows_for_plus_inf():

@@ -26,7 +26,8 @@ Two passes, when C is longer than a tile (online softmax): pass 1 walks the chun
 max m and sum s (``s = s * exp(m_old - m_new) + sum(exp(x - m_new))``); pass 2 walks them again (the
 reloads mostly hit L2), recomputes the prologue and writes ``exp(x - m) / s`` (or ``(x - m) - log s``, the max
 subtracted first as in one pass: ``m + log s`` as one statistic loses ``log s`` to the rounding of a max as large
-as fp32's or bf16's ``finfo.min``, a row whose every score is that fill).
+as fp32's or bf16's ``finfo.min``, a row whose every score is that fill, where eager's ``log_softmax`` keeps
+it; ``inf_rows="lse"`` rounds that statistic on purpose, as eager's ``logsumexp`` does: below).
 The max the exponentials subtract is ``0`` while a row has seen only ``-inf`` (a leading chunk fully
 masked must not poison the running sum with ``-inf - -inf``): one select on the statistics per chunk.
 
@@ -52,8 +53,14 @@ on the statistics). With a finite fill a fully masked row is uniform, as in eage
 **Rows whose max is +inf**: ``inf_rows="nan"`` gives NaN over the row, as eager ``softmax``/``log_softmax``
 do; ``inf_rows="lse"`` gives what the logsumexp spellings give (``torch.logsumexp`` returns +inf there):
 ``z - inf`` (``log``: -inf at every finite or -inf score, NaN at a +inf one) or ``exp(z - inf)`` (0 there, NaN
-at a +inf score). ``z - m`` is already ``z - inf`` on such a row; only its sum (NaN) is replaced by 1 (one
-select on the statistics, ``m == +inf``), so the division by it or the subtraction of its log keeps it.
+at a +inf score). ``z - m`` is already ``z - inf`` on such a row. With ``inf_rows="lse"`` every row computes
+what those spellings compute: the statistic ``lse = m + log s`` rounded to x's dtype (eager's ``logsumexp``
+returns it in the scores' dtype), then ``z - lse`` or ``exp(z - lse)``, written as ``(z - m) - d`` or
+``exp(z - m) / exp(d)`` with ``d = lse - m`` (0 on a row whose max is +inf: one select on the statistics,
+``m == +inf``). So a row whose every score is a finite fill that ``lse`` absorbs (``finfo.min``: ``m + log s ==
+m``) gives 0 (or 1) at every score as eager's spelling does, where ``log_softmax`` gives ``-log C`` (``1/C``).
+Statistics passes: log of the sum, add, the casts down and up (fp16/bf16 x), sub, the select, and ``exp`` (not
+log).
 
 ``tiling``: ``{"block": rows (last dim) or lanes (other dims) per tile, "chunk": elements of C per tile}``
 (``"rows"`` is accepted for ``"block"``). ``None`` picks the largest tile that fits UB double-buffered,
@@ -440,17 +447,27 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
                  compute=lambda: np.subtract(w.data[v], stat(mm), out=w.data[v]))
         g.vector("exp", (dst,), (w,), ew, active=it.act, compute=lambda: np.exp(w.data, out=dst.data))
 
-    def finish_stats(it):
-        """After the sums: a zero sum becomes +inf (empty rows give 0); with ``lse`` the sum of a row whose max
-        is +inf becomes 1 (its ``z - m`` is ``z - inf`` already); log: s = log(s)."""
+    def finish_stats(it, mm):
+        """After the sums: a zero sum becomes +inf (empty rows give 0); log: s = log(s). With ``lse`` (``mm``
+        the max the exponentials subtracted): ``s = lse - mm`` with ``lse = mm + log s`` rounded to x's dtype, as
+        eager's ``logsumexp`` returns it (``d``, 0 on a row whose max is +inf: its ``z - m`` is ``z - inf``
+        already), then ``exp(d)`` unless log: the output is ``(z - m) - d`` or ``exp(z - m) / exp(d)``, so a row
+        whose every score is a fill ``lse`` absorbs (``finfo.min``) gives 0 or 1 as eager's spelling does."""
         ss = st["s"]
         if zero:
             stat_op(it, "select empty sum", ss, (ss,), lambda a: np.where(a == 0, np.float32(np.inf), a))
-        if lse:
-            stat_op(it, "select +inf-max sum", ss, (ss, st["m"]),
-                    lambda a, mx: np.where(mx == np.float32(np.inf), np.float32(1), a))
-        if log:
+        if log or lse:
             stat_op(it, "log sum", ss, (ss,), np.log)
+        if lse:
+            stat_op(it, "add lse = max + log sum", ss, (ss, mm), np.add)
+            if dtype != F32:
+                stat_op(it, "cast lse->" + dtype, ss, (ss,), lambda a: rnd(a, dtype))
+                stat_op(it, "cast lse->fp32", ss, (ss,), lambda a: a)
+            stat_op(it, "sub lse-max", ss, (ss, mm), np.subtract)
+            stat_op(it, "select +inf-max", ss, (ss, st["m"]),
+                    lambda a, mx: np.where(mx == np.float32(np.inf), np.float32(0), a))
+            if not log:
+                stat_op(it, "exp lse-max", ss, (ss,), np.exp)
 
     def store(it, k, w, cv):
         """y = w, cast to out_dtype if it is fp16/bf16; MTE3 the chunk out."""
@@ -479,9 +496,10 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
         """The whole softmax of a tile: prologue, max, sub, exp, sum, div (log: sub log sum)."""
         w = prologue(it, 0, *handle)
         reduce(it, "reduce max", st["m"], w, C, np.max)
-        sub_exp(it, w, C, guard(it, st["m"]) if zero else st["m"], E)
+        mm = guard(it, st["m"]) if zero else st["m"]
+        sub_exp(it, w, C, mm, E)
         reduce(it, "reduce sum", st["s"], w if E is None else E, C, np.sum)
-        finish_stats(it)
+        finish_stats(it, mm)
         normalise_store(it, 0, w, C, st["s"])
 
     def online(it, k, handle):
@@ -508,12 +526,13 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
             reduce(it, "reduce sum", t_, w, cv, np.sum)
             stat_op(it, "add s+=chunk sum", s_, (s_, t_), np.add)
         if k == nchunks - 1:
-            finish_stats(it)
+            finish_stats(it, u)
 
     def normalise(it, k, handle):
         """Pass 2 on chunk k: y = exp(z - m) / s, or (z - m) - log s. The log form subtracts the max first, as the
         one-pass form and eager do: ``m + log s`` in one statistic would lose ``log s`` to the rounding of a max
-        as large as fp32's or bf16's ``finfo.min`` (a row whose every score is that fill gives ``-log C``)."""
+        as large as fp32's or bf16's ``finfo.min`` (a row whose every score is that fill gives ``-log C``, as ``log_softmax``
+        does); with ``lse`` the statistic subtracted is ``d = lse - m``, ``lse`` rounded (:func:`finish_stats`)."""
         cv = min(chunk, C - k * chunk)
         w = prologue(it, k, *handle)
         if log:
