@@ -117,7 +117,11 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
             params["mask"] = ((sq, skv), "bool")
         else:
             s, d = _spec(nodes[src])
-            params["mask"] = (s, "bool" if p.get("mask_kind") == "bool" else d)
+            if p.get("mask_kind") == "bool":
+                d = "bool"
+            elif widened_terms(p):              # the additive terms scaled or summed in fp32 ahead of the kernel
+                d = "float32"
+            params["mask"] = (s, d)
         if p.get("mask_add_dtype") is not None:     # the additive mask added in its 16-bit dtype, as eager adds it
             params["mask_add_dtype"] = str(p["mask_add_dtype"]).replace("torch.", "")
     if p.get("dropout_draw") is not None:
@@ -253,9 +257,28 @@ def _to_4d(x: fx.Node) -> fx.Node:
     return x
 
 
+def widened_terms(p: dict) -> bool:
+    """Whether the kernel's mask builds its additive terms in fp32: the graph adds them to the scores in fp32
+    (no ``mask_add_dtype``: a 16-bit mask promoted to fp32 scores, or added to 16-bit scores and then scaled by a
+    factor that is not a power of two, which the kernel computes in fp32), and a term is scaled or several are
+    summed ahead of the kernel.
+    Eager adds each term to the fp32 scores and scales the fp32 sum: a 16-bit term scaled or summed in its own
+    dtype would be rounded where eager's is not, so it is cast up first."""
+    terms = [factor for _, kind, factor in p.get("mask_terms") or () if kind != "bool"]
+    return p.get("mask_add_dtype") is None and (len(terms) > 1 or any(f != 1.0 for f in terms))
+
+
+def term_dtype(p: dict, kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a mask term enters the kernel's one mask in (see :func:`widened_terms`)."""
+    if kind != "bool" and dtype in (torch.float16, torch.bfloat16) and widened_terms(p):
+        return torch.float32
+    return dtype
+
+
 def _mask(g, ins, m, rank: int):
     """The one mask the kernel takes: bool terms AND-ed (True = attend); additive terms scaled by the factor
-    recorded at the softmax input and summed; with both kinds bool terms become ``-inf`` (fill -inf), or, with
+    recorded at the softmax input and summed (in fp32 where the graph adds them to fp32 scores:
+    :func:`widened_terms`); with both kinds bool terms become ``-inf`` (fill -inf), or, with
     ``fill_last`` (the fill applied after the additive masks, and low enough to absorb any finite score added
     to it), the fill itself: ``where(keep, sum, fill)``."""
     keep, add = None, None
@@ -266,6 +289,9 @@ def _mask(g, ins, m, rank: int):
         if kind == "bool":
             keep = t if keep is None else call(g, aten.logical_and.default, keep, t)
         else:
+            wide = term_dtype(m.params, kind, val(t).dtype)
+            if wide != val(t).dtype:
+                t = call(g, aten._to_copy.default, t, dtype=wide)
             if factor != 1.0:
                 t = call(g, aten.mul.Tensor, t, factor)
             add = t if add is None else call(g, aten.add.Tensor, add, t)

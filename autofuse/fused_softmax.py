@@ -3,10 +3,11 @@
 
 Emit: the kernel's one mask is built from the match's mask terms as the attention family builds its own
 (:func:`autofuse.fused._mask`: bool terms AND-ed, additive ones scaled by the factor met at the softmax
-input and summed, a bool term with an additive one turned into ``-inf`` where it masks); the output is
-reshaped/cast to the value it replaces (:func:`autofuse.fused._adapt`, a no-op when the match's output
-dtype is the kernel's ``out_dtype``). Price: the cost model's ``softmax`` estimate with the mask's shape
-and dtype, plus the elementwise launches that combine several mask terms into one.
+input and summed, in fp32 when the graph adds them to fp32 scores, a bool term with an additive one turned
+into ``-inf`` where it masks); the output is reshaped/cast to the value it replaces
+(:func:`autofuse.fused._adapt`, a no-op when the match's output dtype is the kernel's ``out_dtype``). Price:
+the cost model's ``softmax`` estimate with the mask's shape and dtype, plus the elementwise launches that
+combine several mask terms into one (a 16-bit term cast up to fp32 among them).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 
 import cost_model
 from autofuse import ops_softmax  # noqa: F401  (registers torch.ops.autofuse.scaled_masked_softmax)
-from autofuse.fused import REDUCED, Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family
+from autofuse.fused import (REDUCED, Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family,
+                            term_dtype)
 from autofuse.graph import call, val
 from cost_model.devices import get_device
 
@@ -41,6 +43,10 @@ def _combined_mask(match, nodes: dict):
                 shape = tuple(torch.broadcast_shapes(keep[0], shape))
             keep = (shape, "bool")
             continue
+        wide = _dt(term_dtype(match.params, kind, getattr(torch, dtype)))
+        if wide != dtype:                   # cast up to the fp32 the graph adds it in
+            launches.append(([(shape, dtype)], {"op": "cast", "out_dtype": wide}))
+            dtype = wide
         if factor != 1.0:
             launches.append(([(shape, dtype)], {"op": "mul", "scalar": factor}))
         if add is not None:

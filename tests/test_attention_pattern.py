@@ -711,3 +711,33 @@ def test_kt_rounded_to_16_bits_and_back_is_attention_reading_the_rounded_k(ref_o
             return torch.softmax(q @ k.transpose(-2, -1).bfloat16().float() * 0.25, -1) @ v
     args = tuple(t * 2 for t in _args(AttentionVariant()))
     _assert_fused_equal(FakeQuantK(), args, ref_op)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_bf16_bias_added_to_fp32_scores_then_scaled(dtype):
+    """``softmax(((q @ kᵀ).float() + b) * 0.3) @ v`` with an ALiBi-like bf16 bias: eager adds it to the fp32 scores
+    and scales the fp32 sum, and so does the fused call's mask (the bias cast up, then scaled), so the block fuses
+    as attention within the bound of eager. Scaled by 0.3 in bf16 (rounded), its error failed verification."""
+    from autofuse import AutoFusionEngine
+
+    class Biased(nn.Module):
+        def forward(self, q, k, v, b):
+            s = torch.matmul(q, k.transpose(-1, -2)).float()
+            return torch.matmul(torch.softmax((s + b) * 0.3, -1).to(v.dtype), v)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=g).to(dtype) for _ in range(3))
+    b = -torch.rand(1, 2, 64, 64, generator=g) * 40
+    b[..., -5:] = -1e4
+    b = b.bfloat16()
+    model = Biased().eval()
+    fused = AutoFusionEngine.fuse(model, (q, k, v, b), fusion_switches={"attention": "force"})
+    applied = [d for d in fused.report.applied if d.pattern == "attention"]
+    assert len(applied) == 1, fused.report.summary()
+    assert applied[0].params.get("mask_add_dtype") is None
+    with torch.no_grad():
+        got, want = fused(q, k, v, b), model(q, k, v, b)
+        s = torch.matmul(q.double(), k.double().transpose(-1, -2))
+        ref = torch.matmul(torch.softmax((s + b.double()) * 0.3, -1), v.double())
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)

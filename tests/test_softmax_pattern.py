@@ -663,3 +663,101 @@ def test_the_float64_reference_adds_a_16_bit_mask_as_eager_does():
     out[:3].sum().backward()
     assert a.grad.tolist() == [1.0, 1.0, 1.0, 0.0]
     assert torch.equal(_masked_sum(a + b, a, b, torch.bfloat16)[2:3], torch.tensor([-1.5], dtype=torch.float64))
+
+
+# ------------------------------------------------------- a 16-bit additive mask added to fp32 scores, then scaled
+
+ONLY_SOFTMAX = {"softmax": "force", "vector_chain": "off"}      # the softmax kernel, whatever the cost model says
+
+
+class WidenedBias(nn.Module):
+    """``softmax((x.float() + b [+ b2]) * scale).half()`` (or log_softmax), the 16-bit biases promoted to the fp32
+    scores by the add: eager adds each bias in fp32 and scales the fp32 sum."""
+
+    def __init__(self, scale, log):
+        super().__init__()
+        self.scale, self.log = scale, log
+
+    def forward(self, x, *biases):
+        z = x.float()
+        for b in biases:
+            z = z + b
+        z = z * self.scale
+        return (torch.log_softmax(z, -1) if self.log else torch.softmax(z, -1)).half()
+
+
+def _widened_inputs(bdtype, n):
+    """fp16 scores ``[2, 2, 8, 16]`` and ``n`` ALiBi-like biases in ``bdtype`` (the last keys of the first at
+    ``-1e4``), whose products with a scale that is not a power of two are not exact in 16 bits."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 2, 8, 16, generator=g) * 4).half()
+    biases = []
+    for i in range(n):
+        b = -torch.rand(1, 2, 8, 16, generator=g) * 40
+        if i == 0:
+            b[..., -3:] = -1e4
+        biases.append(b.to(bdtype))
+    return x, biases
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["one_mask", "two_masks"])
+@pytest.mark.parametrize("scale", [0.3, 0.5])
+@pytest.mark.parametrize("bdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_a_16_bit_mask_added_to_fp32_scores_is_scaled_and_summed_in_fp32(log, bdtype, scale, n):
+    """The kernel's mask is built as eager's arithmetic goes: each 16-bit bias cast up to the fp32 the graph adds
+    it in, then scaled and summed there (no ``mask_add_dtype``). Scaling a bf16 bias by 0.3 in bf16 (what the mask
+    was built with) gave softmax(x*0.3 + bf16(b*0.3)): 5x eager's error against float64, and a -1e4 log_softmax
+    mask -3006 for eager's -3010; summing two masks in 16 bits rounded the sum."""
+    x, biases = _widened_inputs(bdtype, n)
+    model = WidenedBias(scale, log).eval()
+    args = (x, *biases)
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches=ONLY_SOFTMAX, verify=False)
+    applied = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert len(applied) == 1 and len(_calls(fused.graph_module)) == 1, fused.report.summary()
+    assert applied[0].params.get("mask_add_dtype") is None
+    with torch.no_grad():
+        got, want = fused(*args), model(*args)
+        z = x.double()
+        for b in biases:
+            z = z + b.double()
+        ref = (torch.log_softmax if log else torch.softmax)(z * scale, -1)
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+    if log:                                     # the -1e4 positions: eager's value, not 2 fp16 ulps off
+        assert torch.equal(got[..., -3:], want[..., -3:])
+
+
+def test_a_bf16_bias_scaled_after_an_fp32_add_is_fused_as_eager():
+    """The spelling above as it comes (no switch, verified): fused as the softmax family, eager's values."""
+    x, (b,) = _widened_inputs(torch.bfloat16, 1)
+    model = WidenedBias(0.3, False).eval()
+    fused = AutoFusionEngine.fuse(model, (x, b))
+    assert [d.pattern for d in fused.report.applied] == ["softmax"], fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(x, b), model(x, b)
+        ref = torch.softmax((x.double() + b.double()) * 0.3, -1)
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [0.3, 0.5])
+def test_a_16_bit_mask_added_in_16_bits_then_scaled(dtype, scale):
+    """Scores and mask of one 16-bit dtype, added there and scaled: by a power of two the kernel adds the mask in
+    that dtype (``mask_add_dtype``; the scaling commutes with the rounding), by 0.3 in fp32 (the mask cast up
+    before it is scaled): within the bound of eager either way."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 2, 8, 16, generator=g) * 4).to(dtype)
+    m = (-torch.rand(1, 1, 8, 16, generator=g) * 40).to(dtype)
+    m[..., -3:] = torch.finfo(dtype).min
+    model = Fn(lambda x, m: torch.softmax((x + m) * scale, -1)).eval()
+    fused = AutoFusionEngine.fuse(model, (x, m), fusion_switches=ONLY_SOFTMAX, verify=False)
+    applied = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert len(applied) == 1, fused.report.summary()
+    assert applied[0].params.get("mask_add_dtype") == (dtype if scale == 0.5 else None)
+    with torch.no_grad():
+        got, want = fused(x, m), model(x, m)
+        ref = _F64(fused.plans[next(iter(fused.plans))].captured.graph_module).run(_f64(x), _f64(m))[0]
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
