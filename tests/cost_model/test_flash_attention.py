@@ -42,6 +42,7 @@ def test_a_mask_added_in_its_16_bit_dtype_priced_as_simulated(device, kernel):
     mask = ((B, 1, S, S), dt)
     ts = [torch.empty(sh, dtype=getattr(torch, d), device="meta") for sh, d in specs]
     m = torch.empty(mask[0], dtype=torch.float16, device="meta")
+    plain = plain_sim = None        # the fp32 add's figures, which the 16-bit add is compared with
     for extra in ({}, {"mask_add_dtype": dt}):
         est = cost_model.estimate(kernel, specs, device=device, mask=mask, **extra)
         sim = npu.run(kernel, *ts, mask=m, device=device, tiling=est.tiling, timing_only=True, **extra).stats
