@@ -30,9 +30,11 @@ a clamp's bound: all of ``g`` where the value is within the bound, the bound inc
 routes ``g`` to the branch its condition picks; compares, logic, casts to bool and the roundings (floor ceil trunc
 round sign: torch's zero gradient, NaN and inf included) carry no gradient; a ``sqrt`` of kind ``norm`` (a
 2-norm's root) passes none where it is 0, as torch's norm backward; a cast
-to a float passes ``g`` rounded to its operand's dtype where that is a 16-bit value the program computed, as
-torch's ``.to()`` backward casts it (through a round trip ``x.bfloat16().float()`` the gradient is rounded to
-bfloat16; a 16-bit input's gradient is accumulated in fp32 and rounded once, at its output); ``reduce sum`` broadcasts ``g``, ``mean`` divides it by ``width`` (torch's mean backward), ``max``/``min`` share it evenly
+to a float passes ``g`` rounded to the cast's dtype when that is 16-bit (eager's gradient of a 16-bit tensor is
+16-bit: ``x.bfloat16() + y16`` and ``silu(g).half() * u32`` round it at the cast, as does a cast that reads a 16-bit
+intermediate an op widens by promotion), then to its operand's dtype where that is a 16-bit value the program
+computed, as torch's ``.to()`` backward casts it (through a round trip ``x.bfloat16().float()`` the gradient is
+rounded to bfloat16; a 16-bit input's gradient is accumulated in fp32 and rounded once, at its output); ``reduce sum`` broadcasts ``g``, ``mean`` divides it by ``width`` (torch's mean backward), ``max``/``min`` share it evenly
 among the elements equal to the result (torch's ``amax`` backward: NaN over a row whose result is NaN); a
 softmax or log-softmax (max, shift, exp, sum, div or log) whose intermediates nothing else reads takes torch's
 closed form; ``slice`` pads ``g``
@@ -436,12 +438,17 @@ def _rule(e: _Emit, i: int, ins: Instr, v: int, g: int, fwd: list, vals, reach, 
     if op == "cast":
         # torch's .to() backward casts g to the operand's dtype: through a rounding the program computes (the round
         # trip x.bfloat16().float()) the gradient is rounded as eager's autograd rounds it; a 16-bit input's is
-        # rounded once, to its own dtype, at the output
+        # rounded once, to its own dtype, at the output. g itself is the gradient of the cast's result, 16-bit in
+        # eager when the cast is to 16 bits: rounded to it first
         src = vals[args[0]].dtype
         if src not in FLOATS:
             return None
         computed = args[0] >= v - i                 # an instruction's value, not an input
-        return acc(args[0], e.op("cast", g, dtype=src) if src != F32 and computed else g)
+        if ins.dtype in FLOATS and ins.dtype != F32:
+            # a cast to 16 bits (the model's .half()/.bfloat16(), or eager's 16-bit storage of a value an op
+            # widens by promotion): eager's gradient of that 16-bit tensor is 16-bit, so it is rounded there
+            g = e.op("cast", g, dtype=ins.dtype)
+        return acc(args[0], e.op("cast", g, dtype=src) if src != F32 and computed and src != ins.dtype else g)
     if op == "neg":
         return acc(args[0], e.op("neg", g))
     if op == "sqrt" and ins.kind == "root":
