@@ -665,31 +665,26 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
             share = nv * mv * f_hit
             vmte2 += max(nb / r_ub, share)
             vport += share
-            # dQ atomic add
-            nb, mv = qe * D * 4, qc * D * 4
-            share = n2 * mv * f_hit
-            fix += max(nb / r_fix, share)
-            hits += n2 * mv / L2bw
-            port += share
-            # dK, dV out
-            nb, mv = ke * (D + Dv) * isz, kc * (D + Dv) * isz
-            share = kvc * mv * f_miss
-            fix += per_unit * max(nb / r_fix, share)
-            port += per_unit * share
-            stores = 0.0
         else:
             fix = (2 * qe * ke * 4 + qe * D * 4) / rate["L0C->UB"] + per_unit * ke * (D + Dv) * 4 / rate["L0C->UB"]
-            # dQ atomic add
-            nb, mv = qe * D * 4, qc * D * 4
-            share = n2 * mv * f_hit
-            mte3 += max(nb / r_out, share)
-            hits += n2 * mv / L2bw
-            port += share
-            # dK, dV out
-            nb, mv = ke * (D + Dv) * isz, kc * (D + Dv) * isz
-            share = kvc * mv * f_miss
-            mte3 += per_unit * max(nb / r_out, share)
-            port += per_unit * share
+        # dQ atomic add, then dK, dV out: from L0C to GM (split) or by the MTE3 from UB (coupled)
+        r_o = r_fix if split else r_out
+        nb, mv = qe * D * 4, qc * D * 4
+        share = n2 * mv * f_hit
+        dq = max(nb / r_o, share)
+        hits += n2 * mv / L2bw
+        port += share
+        nb, mv = ke * (D + Dv) * isz, kc * (D + Dv) * isz
+        share = kvc * mv * f_miss
+        dkv = per_unit * max(nb / r_o, share)
+        port += per_unit * share
+        if split:
+            fix += dq
+            fix += dkv
+            stores = 0.0
+        else:
+            mte3 += dq
+            mte3 += dkv
             mte2 += vmte2
             vmte2 = 0.0
             hits += vhits           # (coupled: one port for both sides)
