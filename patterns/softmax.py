@@ -54,9 +54,9 @@ import torch.fx as fx
 
 from autofuse.graph import arg, is_call, is_number, shape, val
 from autofuse.match import Match, register
-from patterns.attention import NEG_FILL, _Below, _is_cast, _mask_add_dtype, _members, rounds_and_widens
+from patterns.attention import (NEG_FILL, _Below, _is_cast, _mask_add_dtype, _members, narrowing_casts,
+                                rounds_and_widens)
 from patterns.template import Template, graph_view
-from patterns.attention import narrowing_casts
 
 aten = torch.ops.aten
 
