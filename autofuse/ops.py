@@ -221,7 +221,13 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     if sinks is not None:
         e = e[..., :-1]                     # the sink's weight is in the sum; it attends no value
     p = e / torch.where(total == 0, 1.0, total)
-    p = torch.where(total == 0, 0.0 if empty_rows == "zero" else float("nan"), p)
+    if empty_rows == "zero":
+        p = torch.where(total == 0, 0.0, p)
+    else:
+        # eager's softmax of a row with no key: NaN, and NaN in its backward too (dS, so the row's dq, every dk
+        # and an additive mask's gradient there), also where a loss skips the row; a NaN constant put in by a
+        # `where` would pass zero gradients there instead. A factor of 1 elsewhere leaves every other value as is.
+        p = p * torch.where(total == 0, float("nan"), 1.0)
     pv = p.to(q.dtype).float()
     if drop_mask is not None:
         pv = pv * unpack_keep(drop_mask, s.shape[-1]).to(pv.device) / (1.0 - dropout_p)

@@ -703,3 +703,41 @@ def test_hidden_states_and_attentions_returned_by_a_transformer_keep_their_gradi
             assert all(g is None or not g.any() for g in got[1]) and all(w is None or not w.any() for w in want[1])
     assert len(fused.plans) == 1
     assert any(d.reason_code == "returned_value_read" for d in fused.report.decisions)
+
+
+class AdditiveMaskAttention(nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + mask, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("skip_row", [False, True])
+def test_an_additive_mask_that_requires_grad_spreads_an_empty_rows_nan_where_eager_does(dtype, skip_row):
+    """An additive ``-inf`` mask leaving a query row no key: eager's softmax is NaN there, and its backward puts
+    NaN in that row's dq and mask gradient and in every dk, also when the loss skips the row. With the mask
+    requiring grad the backward runs on the host, which gave finite dq, dk and mask gradients there (0 in the
+    row) while eager's were NaN."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g).to(dtype) for _ in range(3))
+    mask = torch.zeros(1, 1, 8, 8)
+    mask[0, 0, 3] = float("-inf")                          # query 3 sees no key
+    mask[0, 0, 5, 6:] = float("-inf")
+    mask = mask.to(dtype)
+    model = AdditiveMaskAttention()
+    fused = AutoFusionEngine.fuse(model, (q, k, v, mask))
+    assert [d.pattern for d in fused.report.applied] == ["attention"]
+    w = torch.randn(1, 2, 8, 16, generator=g, dtype=torch.float64)
+    if skip_row:
+        w[..., 3, :] = 0
+
+    def grads(fn):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v, mask)]
+        out = fn(*ins).double()
+        (out.nan_to_num(0) * w if skip_row else out * w).sum().backward()
+        return [t.grad for t in ins]
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), grads(fused), grads(model)):
+        assert torch.equal(a.isnan(), b.isnan()), (name, int(a.isnan().sum()), int(b.isnan().sum()))
+        ok = ~b.isnan()
+        # the finite entries: the kernel's fp32 softmax against eager's, rounded to dtype (a few ulps of 16 bits)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(a[ok].float(), b[ok].float(), atol=tol, rtol=tol)
