@@ -1179,12 +1179,15 @@ class _Verifier:
                 # a proven causal mask: a constant the plan's guards pin, so no adversarial mask; the run-time
                 # bound's other branch (the mask read) is exercised by the large-magnitude q and k sets
                 roles = {r: p for r, p in roles.items() if not r.startswith("mask")}
+            # masks subtracted from the scores (a negative factor) mask with +inf and finfo.max
+            negated = frozenset(r for r, kind, f in cand.match.params.get("mask_terms") or ()
+                                if kind == "additive" and f < 0)
             with torch.random.fork_rng():
                 try:
                     grads = self._gradients(fam)
-                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles, grads) or \
+                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles, grads, negated) or \
                         _verify.verify_block(sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand),
-                                             grads) + ("",)
+                                             grads, negated) + ("",)
                 except Exception as e:  # noqa: BLE001 - a block that cannot be checked is not applied
                     why = str(e).splitlines()[0][:200] if str(e) else ""
                     self.done[key] = (False, None, None, "", f"not verified: checking it raised {type(e).__name__}"
@@ -1197,7 +1200,7 @@ class _Verifier:
                 self.shared[kept] = self.done[key]
         return self.done[key]
 
-    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles, grads=False):
+    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles, grads=False, negated=frozenset()):
         """A block too large to check at its size (its float64 reference would allocate more than
         ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
         token dims (the family says which) shrunk in every shape argument and input, its fused call built for
@@ -1228,7 +1231,7 @@ class _Verifier:
                 _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
                 small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
                 ok, err, tol, label = _verify.verify_block(small, small_fused, inputs, roles, _canonical(fam, cand),
-                                                           grads)
+                                                           grads, negated)
             except Exception as e:  # noqa: BLE001 - a reduction that does not run: try the next
                 reason = str(e).splitlines()[0][:160] if str(e) else ""
                 failed.append(f"({what}): {type(e).__name__}{': ' + reason if reason else ''}")
@@ -1243,7 +1246,7 @@ class _Verifier:
                                            f"one float64 value (checks run at up to "
                                            f"{_verify.LARGEST_AT_OWN_SIZE / 2 ** 20:,.0f} MiB) and {why}")
         ok, err, tol, label = _verify.verify_block(sub, fused_sub_full, self._inputs(external), roles,
-                                                   _canonical(fam, cand), grads)
+                                                   _canonical(fam, cand), grads, negated)
         return ok, err, tol, label or "", f"verified at its own size: {why}"
 
 

@@ -116,7 +116,9 @@ class _F64(_OnCPU):
     derived backward passes it).
 
     Likewise a 16-bit add of a mask (:func:`_masked_sum`): where an operand holds a masking value (at or below
-    ``MASKING``: ``-1e4``, ``finfo(float16).min``, ``-inf``), the sum is eager's 16-bit one. A mask's value says
+    ``MASKING``: ``-1e4``, ``finfo(float16).min``, ``-inf``), the sum is eager's 16-bit one; a 16-bit subtraction
+    ``a - b`` is the sum ``a + (-b)`` (the same rounding): eager's difference where a subtrahend is at or above
+    ``-MASKING`` (``score - 65500 * mask``) or the minuend at or below ``MASKING``. A mask's value says
     *masked*, not a magnitude: ``score + finfo(float16).min`` is ``-65504`` in float16 for every score below 16,
     so a row whose every key is masked is uniform in eager, while float64 keeps the scores' differences there and
     the softmax after it turns them back into order-one differences. Compared with such a reference, eager's own
@@ -129,7 +131,10 @@ class _F64(_OnCPU):
         if isinstance(out, torch.Tensor) and _round_trip(n):
             out = out + (out.to(val(n).dtype).to(out.dtype) - out).detach()
         elif isinstance(out, torch.Tensor) and _add16(n):
-            out = _masked_sum(out, *self.fetch_args_kwargs_from_env(n)[0][:2], val(n).dtype)
+            a, b = self.fetch_args_kwargs_from_env(n)[0][:2]
+            if n.target is not torch.ops.aten.add.Tensor:       # a - b, as a + (-b): the same 16-bit rounding
+                a, b = (a, -b) if n.target is torch.ops.aten.sub.Tensor else (b, -a)
+            out = _masked_sum(out, a, b, val(n).dtype)
         return out
 
     def call_function(self, target, args, kwargs):
@@ -163,12 +168,18 @@ def _round_trip(n: fx.Node) -> bool:
 MASKING = -1e4
 
 
+_ADDS = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.rsub.Tensor)
+
+
 def _add16(n: fx.Node) -> bool:
-    """An ``add`` of two tensors whose captured result is float16 or bfloat16 (so eager adds in that dtype)."""
+    """An ``add`` of two tensors, or a subtraction (``sub(a, b)``, ``rsub(b, a)``: ``a - b``, ``alpha`` 1), whose
+    captured result is float16 or bfloat16 (so eager adds in that dtype)."""
     v = val(n) if n.op == "call_function" else None
-    return (n.target is torch.ops.aten.add.Tensor and isinstance(v, torch.Tensor)
-            and v.dtype in (torch.float16, torch.bfloat16) and not n.kwargs and len(n.args) == 2
-            and all(isinstance(a, fx.Node) for a in n.args))
+    if n.target not in _ADDS or not isinstance(v, torch.Tensor) or v.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if n.kwargs and (n.target is torch.ops.aten.add.Tensor or n.kwargs != {"alpha": 1}):
+        return False
+    return len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args)
 
 
 def _masked_sum(out: torch.Tensor, a, b, dtype: torch.dtype) -> torch.Tensor:
@@ -345,10 +356,12 @@ def _aliases(inputs: list, pos: int) -> list[int]:
     return same
 
 
-def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None) -> list[tuple[str, list]]:
+def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None,
+                negated: frozenset = frozenset()) -> list[tuple[str, list]]:
     """Input sets derived from ``inputs`` by role (``roles``: role -> positions in ``inputs`` of the values
     that role is computed from): ``[(label, inputs), ...]``. ``read``: the positions the captured block reads and
-    those the fused one reads, for :func:`_equal_row`."""
+    those the fused one reads, for :func:`_equal_row`. ``negated``: the mask roles that reach the scores negated
+    (``scores - m``): their masking values are ``+inf`` and ``finfo.max``."""
     out = []
 
     def variant(label, pos, fn):
@@ -361,8 +374,8 @@ def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None) 
         xs[pos] = t
         out.append((label, xs))
 
-    masks = [p for r, ps in roles.items() if r.startswith("mask") for p in ps]
-    for p in masks:
+    masks = [(p, r in negated) for r, ps in roles.items() if r.startswith("mask") for p in ps]
+    for p, neg in masks:
         t = inputs[p]
         if not isinstance(t, torch.Tensor):
             continue
@@ -370,9 +383,10 @@ def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None) 
             variant("a query row with every key masked (mask row all False)", p, lambda x: x[_row(x)].fill_(False))
             variant("a query row with every key masked (mask row all True)", p, lambda x: x[_row(x)].fill_(True))
         elif t.is_floating_point():
-            low = torch.finfo(t.dtype).min
-            variant("a query row masked with -inf", p, lambda x: x[_row(x)].fill_(float("-inf")))
-            variant(f"a query row masked with {low:g}", p, lambda x, low=low: x[_row(x)].fill_(low))
+            inf, low = (float("inf"), torch.finfo(t.dtype).max) if neg else (-float("inf"), torch.finfo(t.dtype).min)
+            how = " subtracted" if neg else ""
+            variant(f"a query row masked with {inf:+g}{how}", p, lambda x, v=inf: x[_row(x)].fill_(v))
+            variant(f"a query row masked with {low:g}{how}", p, lambda x, v=low: x[_row(x)].fill_(v))
     for p in roles.get("q", ()):
         t = inputs[p]
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
@@ -418,10 +432,10 @@ def _equal_row(inputs: list, roles: dict, out: list, read: tuple[set, set] | Non
 
 
 def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict, canonical=None,
-                 gradients: bool = False) -> tuple:
+                 gradients: bool = False, negated: frozenset = frozenset()) -> tuple:
     """Check on the given inputs, then on each adversarial set; the first failure ends it. ``canonical``: see
-    :func:`check`. ``gradients``: the gradients on the given inputs too (:func:`check_gradients`). Returns
-    ``(ok, error, tolerance, label of the failing input set or "")``."""
+    :func:`check`. ``gradients``: the gradients on the given inputs too (:func:`check_gradients`). ``negated``: see
+    :func:`adversarial`. Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
     ok, err, tol = check(sub, fused_sub, inputs, canonical=canonical)
     if not ok:
         return ok, err, tol, "the example inputs"
@@ -430,7 +444,7 @@ def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, r
         if not ok:
             return ok, e, t, "the gradients on the example inputs"
         err, tol = max(err, e), max(tol, t)
-    for label, xs in adversarial(inputs, roles, (_read(sub), _read(fused_sub))):
+    for label, xs in adversarial(inputs, roles, (_read(sub), _read(fused_sub)), negated):
         o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"), canonical=canonical)
         if not o:
             return o, e, t, label

@@ -7,10 +7,11 @@ mask broadcastable to [B, N, Sq, Skv].
 
 **Mask convention** (``params["mask_kind"]``): ``None`` = no mask; ``"bool"`` = True means *attend*
 (keep), exactly as ``F.scaled_dot_product_attention``; ``"additive"`` = a float tensor added to the
-scaled scores. ``causal=True`` means top-left aligned ``tril(ones(Sq, Skv))`` keep-mask (SDPA's
-``is_causal``). A mask is replaced by ``causal=True`` (or dropped) only when it is *proven*: it
-depends on no graph input and no meta tensor, so it is evaluated for the captured shapes and
-compared entry by entry. A causal mask whose masked entries take a *finite* value (``masked_fill(~tril,
+scaled scores (or subtracted: ``s - m`` is the mask ``m`` with factor -1 in ``params["mask_terms"]``).
+``causal=True`` means top-left aligned ``tril(ones(Sq, Skv))`` keep-mask (SDPA's ``is_causal``). A mask
+is replaced by ``causal=True`` (or dropped) only when it is *proven*: it depends on no graph input and no
+meta tensor, so it is evaluated for the captured shapes and compared entry by entry. A causal mask whose
+masked entries take a *finite* value (``masked_fill(~tril,
 finfo(float16).min)``, GPT-2's additive ``finfo.min`` mask) stays the explicit mask it is, and
 ``params["causal_value"]`` records that value: the fused op skips the tiles above the diagonal only when
 a bound on the scores, computed at run time, proves every skipped weight ``exp(value + s - max)`` is 0.
@@ -26,7 +27,7 @@ softmax forms, eval dropout, repeat_kv/repeat_interleave) are removed by canonic
 so the walker sees, from the softmax input upwards::
 
     softmax(-1) <- [cast]* [<- cat([·, sink], -1)]
-                <- [cast | mul(scalar) | add(mask) | where(keep, ·, fill<=-1e4)]* [<- mul(tanh(·), c)]
+                <- [cast | mul(scalar) | add(mask) | sub(·, mask) | where(keep, ·, fill<=-1e4)]* [<- mul(tanh(·), c)]
                 <- [cast | mul(scalar)]* <- matmul(q, transpose(k, -2, -1))
 
 (the optional ``c·tanh(a·s)`` is logit soft-capping, Gemma 2's: ``params["softcap"] = c``, the kernel's scale
@@ -87,12 +88,15 @@ SCORE_OPS = {
     aten._to_copy.default: "cast",
     aten.mul.Tensor: "scale",
     aten.add.Tensor: "additive",
+    aten.sub.Tensor: "additive",        # scores - mask: the mask added with its factor negated
+    aten.rsub.Tensor: "additive",
     aten.where.ScalarOther: "bool",
     aten.tanh.default: "softcap",       # c·tanh(s / c): logit soft-capping (Gemma 2), the walker checks the form
     aten.cat.default: "sinks",          # cat([scores, sink logits], -1): attention sinks (GPT-OSS)
 }
 PROB_OPS = {aten._to_copy.default: "cast", aten.slice.Tensor: "sinks"}  # allowed between softmax and P·V
 KV_VIEWS = {aten.repeat_interleave.self_int: "gqa"}  # looked through on k and v
+SUBTRACTIONS = (aten.sub.Tensor, aten.rsub.Tensor)     # sub(s, m) and rsub(m, s): s - m
 
 
 @dataclass
@@ -232,7 +236,7 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
             nodes.append(x)
             masks.append((keep, "bool", below.factor, f))
             x = y
-        elif is_call(x, aten.add.Tensor) and not x.kwargs and all(isinstance(a, fx.Node) for a in x.args):
+        elif _added(x):
             if below.tensor_scale:
                 return None
             if any(kind == "bool" and f != -math.inf and f > ABSORBING_FILL for _, kind, _, f in masks):
@@ -242,7 +246,7 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 # masked_fill(causal, finfo.min)): one additive mask where(keep, sum, fill) says it exactly, a row
                 # the bias masks entirely attending to the filled keys as in eager
                 below.fill_last = True
-            for up, m in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            for up, m, sign in _added(x):
                 if not val(m).is_floating_point() or shape(x) != shape(up):
                     continue
                 if chain is not None and up not in chain:
@@ -251,12 +255,28 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 b.additive = True
                 rest = _walk_scores(up, b, chain)
                 if rest is not None:
-                    return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", below.factor, None)]
+                    return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", sign * below.factor, None)]
                                    + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor,
                                    rest.softcap, rest.fill_last, sinks, ((m, val(x).dtype),) + rest.adds)
             return None
         else:
             return None
+
+
+def _added(n: fx.Node) -> tuple:
+    """How ``n`` adds a tensor to the scores: ``((scores, mask, sign), ...)``, one entry for each operand that may be
+    the scores, or ``()``. An ``add`` either way round, sign 1; a subtraction ``s - m`` (``sub(s, m)``, ``rsub(m,
+    s)``) with the scores the minuend, sign -1: ``fl(s - m) == fl(s + (-m))`` in IEEE arithmetic, so it adds the
+    mask ``m`` times -1 (XLNet's ``score - 65500 * mask``); ``m - s`` negates the scores, no mask. An ``alpha``
+    (``s - a·m``) is refused: eager scales m unrounded, in fp32, where a 16-bit term scaled by a may overflow."""
+    if len(n.args) != 2 or not all(isinstance(a, fx.Node) for a in n.args):
+        return ()
+    a, b = n.args
+    if is_call(n, aten.add.Tensor) and not n.kwargs:
+        return (a, b, 1.0), (b, a, 1.0)
+    if is_call(n, *SUBTRACTIONS) and set(n.kwargs) <= {"alpha"} and n.kwargs.get("alpha", 1) == 1:
+        return ((a, b, -1.0),) if is_call(n, aten.sub.Tensor) else ((b, a, -1.0),)
+    return ()
 
 
 def _sink_logits(cat: fx.Node) -> fx.Node | None:
@@ -295,14 +315,16 @@ def _layout(rank):
 
 
 def _score_op(n: fx.Node) -> bool:
-    """A cast, a scale (a Python number or a one-element tensor), an additive mask, a ``where`` fill, the
-    ``tanh`` of a soft-cap or the ``cat`` of sink logits."""
+    """A cast, a scale (a Python number or a one-element tensor), an additive mask (added or subtracted), a
+    ``where`` fill, the ``tanh`` of a soft-cap or the ``cat`` of sink logits."""
     if _is_cast(n) or is_call(n, aten.where.ScalarOther, aten.tanh.default):
         return True
     if is_call(n, aten.cat.default):
         return _sink_logits(n) is not None
     if is_call(n, aten.mul.Tensor):
         return is_number(n.args[1]) or _zero_dim_factor(n) is not None
+    if is_call(n, *SUBTRACTIONS):
+        return bool(_added(n)) and val(n).is_floating_point()
     return is_call(n, aten.add.Tensor) and not n.kwargs and val(n).is_floating_point()
 
 
@@ -570,7 +592,8 @@ def _mask_add_dtype(terms, adds) -> torch.dtype | None:
     the mask absorbs (``finfo(float16).min`` + a score below 16 is ``-65504``) takes the mask's value, and a row
     whose every key is so masked averages V. The kernel does the same (the scores cast down, the add, the sum
     cast back up) when every additive term is of one 16-bit dtype and added in it, and reaches the softmax
-    scaled by a power of two (or not scaled), which commutes with the rounding; otherwise it adds in fp32."""
+    scaled by plus or minus a power of two (or not scaled; -1: a subtracted mask, ``fl(s - m) == fl(s + (-m))``),
+    which commutes with the rounding; otherwise it adds in fp32."""
     additive = [(m, factor) for m, kind, factor, _ in terms if kind == "additive"]
     if not additive:
         return None
@@ -579,7 +602,7 @@ def _mask_add_dtype(terms, adds) -> torch.dtype | None:
     d = dtypes.pop() if len(dtypes) == 1 else None
     if d not in (torch.float16, torch.bfloat16):
         return None
-    if not all(isinstance(m, fx.Node) and val(m).dtype == d and factor > 0 and math.frexp(factor)[0] == 0.5
+    if not all(isinstance(m, fx.Node) and val(m).dtype == d and abs(math.frexp(factor)[0]) == 0.5
                for m, factor in additive):
         return None
     return d

@@ -7,7 +7,7 @@ one rounding to ``out_dtype``.
 
 The template (canonical form, :mod:`autofuse.canonicalize`), from the kernel's input x down::
 
-    x -> [cast | mul(number) | add(float tensor) | where(keep, ·, fill)]{0..6} -> softmax(dim)
+    x -> [cast | mul(number) | add(float tensor) | sub(·, float tensor) | where(keep, ·, fill)]{0..6} -> softmax(dim)
       -> [log] -> [cast]
 
 with the anchor also ``log_softmax`` / ``_log_softmax`` (which the canonical form leaves as they are; a
@@ -28,7 +28,8 @@ Constraints (named functions below): the chain is walked from the softmax up to 
 score chain, with :class:`patterns.attention._Below` computing the fill as it reaches the softmax through
 the later scales and casts; a ``where`` must mask (fill ``-inf``, or at or below ``-1e4`` as it reaches
 the softmax) and its keep-mask be bool; an additive mask is a float tensor that does not broadcast the
-chain up (an ``add`` whose other operand has the full shape is read as x, the smaller one as the mask);
+chain up (an ``add`` whose other operand has the full shape is read as x, the smaller one as the mask; a
+subtraction ``s - m`` is the mask ``m`` with its factor negated, ``m - s`` no mask: it negates the scores);
 an additive mask after a finite-fill ``where``, bool masks with different fills, or a finite fill with
 an additive mask anywhere are rejected (no single fill describes them); ``params["mask_add_dtype"]``: the 16-bit
 dtype eager adds an additive mask in (scores and mask of that dtype, reaching the softmax unscaled or scaled by a
@@ -54,13 +55,13 @@ import torch.fx as fx
 
 from autofuse.graph import arg, is_call, is_number, shape, val
 from autofuse.match import Match, register
-from patterns.attention import (NEG_FILL, _Below, _is_cast, _mask_add_dtype, _members, narrowing_casts,
-                                rounds_and_widens)
+from patterns.attention import (NEG_FILL, SUBTRACTIONS, _added, _Below, _is_cast, _mask_add_dtype, _members,
+                                narrowing_casts, rounds_and_widens)
 from patterns.template import Template, graph_view
 
 aten = torch.ops.aten
 
-PRE_OPS = {aten._to_copy.default, aten.mul.Tensor, aten.add.Tensor, aten.where.ScalarOther}
+PRE_OPS = {aten._to_copy.default, aten.mul.Tensor, aten.add.Tensor, *SUBTRACTIONS, aten.where.ScalarOther}
 LOG_SOFTMAX = (aten.log_softmax.int, aten._log_softmax.default)
 MAX_CHAIN = 6
 
@@ -71,13 +72,14 @@ def _tensor(n: fx.Node) -> bool:
 
 
 def _pre_op(n: fx.Node) -> bool:
-    """A cast, a scale by a Python number, an add of two float tensors, a ``where`` with a number fill."""
+    """A cast, a scale by a Python number, an add (or a subtraction, ``alpha`` 1) of two float tensors, a ``where``
+    with a number fill."""
     if _is_cast(n):
         return True
     if is_call(n, aten.mul.Tensor):
         return is_number(n.args[1]) and not n.kwargs
-    if is_call(n, aten.add.Tensor):
-        return not n.kwargs and all(isinstance(a, fx.Node) for a in n.args) and _tensor(n)
+    if is_call(n, aten.add.Tensor, *SUBTRACTIONS):
+        return bool(_added(n)) and _tensor(n)
     return is_call(n, aten.where.ScalarOther) and is_number(n.args[2])
 
 
@@ -134,11 +136,11 @@ def _walk(z: fx.Node, x: fx.Node, members: set):
             masks.append((keep, "bool", below.factor, f))
             node = y
         else:                                   # add: the operand of the full shape is the scores
-            up = _scores_operand(node, members | {x})
-            if up is None:
+            got = _scores_operand(node, members | {x})
+            if got is None:
                 return None
-            m = node.args[1] if up is node.args[0] else node.args[0]
-            masks.append((m, "additive", below.factor, None))
+            up, m, sign = got
+            masks.append((m, "additive", sign * below.factor, None))
             adds.append((m, val(node).dtype))
             below.additive = True
             node = up
@@ -159,12 +161,14 @@ def _masking_fill(node, keep, y, fill, below: _Below) -> float | None:
     return f
 
 
-def _scores_operand(add: fx.Node, allowed: set) -> fx.Node | None:
-    """The operand of ``add`` that carries the scores: of the add's own shape and on the chain (or x); the
-    other, a float tensor, is the mask. Both of the full shape: the first that is on the chain."""
-    for up, m in ((add.args[0], add.args[1]), (add.args[1], add.args[0])):
+def _scores_operand(add: fx.Node, allowed: set) -> tuple | None:
+    """``(scores, mask, sign)`` of ``add``: the operand that carries the scores, of the add's own shape and on the
+    chain (or x); the other, a float tensor, is the mask, added (sign 1) or subtracted (sign -1: ``s - m``, the
+    scores the minuend, :func:`patterns.attention._added`). Both of the full shape: the first that is on the
+    chain."""
+    for up, m, sign in _added(add):
         if up in allowed and shape(up) == shape(add) and _tensor(m) and m not in allowed - {add}:
-            return up
+            return up, m, sign
     return None
 
 
