@@ -128,25 +128,30 @@ class SubtractedCausal(nn.Module):
     """``softmax(q @ kᵀ · 0.25 - (1 - tril) · value) @ v`` (``sign`` -1: ``- (tril - 1) · value``, which raises the
     scores above the diagonal)."""
 
-    def __init__(self, value, sign=1.0):
+    def __init__(self, value, sign=1.0, window=0):
         super().__init__()
-        self.value, self.sign = value, sign
+        self.value, self.sign, self.window = value, sign, window
 
     def forward(self, q, k, v):
         tril = torch.ones(S, S, dtype=q.dtype).tril()
+        if self.window:                     # a sliding window: query i keeps keys i - window < j <= i
+            tril = tril - torch.ones(S, S, dtype=q.dtype).tril(-self.window)
         return torch.softmax(q @ k.transpose(-1, -2) * 0.25 - self.sign * (1 - tril) * self.value, -1) @ v
 
 
 @pytest.mark.parametrize("value", ["finfo.max", 1e9])
-def test_a_subtracted_causal_mask_is_proven_causal(value):
+@pytest.mark.parametrize("window", [0, 8])
+def test_a_subtracted_causal_mask_is_proven_causal(value, window):
     """``s - (1 - tril) · finfo.max`` is SDPA's causal mask (the kernel skips above the diagonal, no mask read), as the
     added ``(1 - tril) · finfo.min`` is; ``s - (1 - tril) · 1e9`` is a causal mask whose masked entries are -1e9,
-    kept as the user's mask with ``causal_value`` -1e9, as the added ``(1 - tril) · -1e9`` is."""
+    kept as the user's mask with ``causal_value`` -1e9, as the added ``(1 - tril) · -1e9`` is. The same with a
+    sliding window's band (``params["window"]``)."""
     v = torch.finfo(torch.float32).max if value == "finfo.max" else value
-    model = SubtractedCausal(v).eval()
+    model = SubtractedCausal(v, window=window).eval()
     args = _qkv(torch.float32)
     fused = AutoFusionEngine.fuse(model, args, fusion_switches={"attention": "force"})
     (d,) = _applied(fused, "attention")
+    assert d.params["window"] == window
     if value == "finfo.max":
         assert d.params["causal"] and d.params["mask_terms"] == ()
     else:
