@@ -501,7 +501,7 @@ def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, win
     if nb == nu:                          # one block a unit
         unit = np.arange(B * N * nu)
     else:
-        unit = np.repeat(np.arange(B * N * nu), np.array([len(u) for u in units] * (B * N)))
+        unit = np.arange(B * N * nu).repeat(np.array([len(u) for u in units] * (B * N)))
     qi = blocks[np.arange(B * N * nb) % nb]
     core = assign[unit]
     order = core.argsort(kind="stable")
@@ -511,7 +511,7 @@ def _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, win
 def _core_blocks(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
     """Per core, the query blocks of its items in order (:func:`_core_deal`), as lists."""
     d = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
-    return [x.tolist() for x in np.split(d.qi, np.cumsum(d.per)[:-1])]
+    return [x.tolist() for x in np.split(d.qi, d.per.cumsum()[:-1])]
 
 
 def _core_items(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs=False, window=0):
@@ -549,10 +549,10 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
         bits = np.stack([np.bitwise_or.reduce(np.where(worked, 1 << (((p + i) % 2) * 2 + kc), 0), axis=1)
                          for p in (0, 1)], axis=1)
         U_qi, _, ulen = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
-        U_core = np.repeat(np.arange(len(ulen)), ulen)
+        U_core = np.arange(len(ulen)).repeat(ulen)
         L = steps[U_qi]
-        cum = np.cumsum(L) - L
-        start = cum - np.repeat(cum[np.cumsum(ulen) - ulen], ulen)     # (every dealt core holds a unit)
+        cum = L.cumsum() - L
+        start = cum - cum[ulen.cumsum() - ulen].repeat(ulen)     # (every dealt core holds a unit)
         M = np.zeros((ncores, 2), dtype=np.int64)
         np.bitwise_or.at(M, (U_core, (qeb[U_qi] != qeb[0]).astype(np.int64)), bits[U_qi, (base + start) % 2])
         return M, np.bincount(U_core, weights=L, minlength=ncores)
@@ -600,7 +600,7 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     sweep's Q and K reloads, S again (split), the row max and sum out and back, every probabilities tile out;
     ``return_stats``: the row max and sum out."""
     qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
-    cum = np.concatenate([[0], np.cumsum(ke)])                  # key columns of the first j tiles
+    cum = np.concatenate([[0], ke.cumsum()])                  # key columns of the first j tiles
     cols, nt = cum[hi] - cum[lo], hi - lo                       # per query block: key columns, tiles
     qk = float((qe * cols).sum())                               # score elements
     q_ = float((qe * nt).sum())                                 # query rows over steps
@@ -642,7 +642,7 @@ def _attended(Sq, Skv, qb, kvb, causal, window=0):
 def drop_bytes(Sq, Skv, qb, kvb, causal, window=0):
     """Dropout keep-mask bytes one head's attended tiles read: ``ceil(kext / 8)`` a row per tile."""
     qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
-    cum8 = np.concatenate([[0], np.cumsum(-(-ke // 8))])
+    cum8 = np.concatenate([[0], (-(-ke // 8)).cumsum()])
     return float((qe * (cum8[hi] - cum8[lo])).sum())
 
 
@@ -802,13 +802,13 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
         deal = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, False, window)
         nc, nk = len(deal.per), len(kk.kinds)
-        core_of = np.repeat(np.arange(nc), deal.per)
+        core_of = np.arange(nc).repeat(deal.per)
         steps = np.bincount(core_of * nq + deal.qi, minlength=nc * nq).reshape(nc, nq) @ kk.block
         ends = np.bincount(core_of * nk + kk.last[deal.qi], minlength=nc * nk).reshape(nc, nk)
         priced = [price(qe_, ke_, float(m_), False, qc=kk.qc) for qe_, ke_, m_ in kk.kinds]
         fixed, end_k = np.array([p[4]["fixed"] for p in priced]), np.array([p[1] for p in priced])
         fill_k = np.array([p[3] - p[4]["q_load"] + p[4]["q_xfer"] for p in priced])
-        core = float((fill_k[kk.first[deal.qi[np.cumsum(deal.per) - deal.per]]] + (steps * fixed).sum(1)
+        core = float((fill_k[kk.first[deal.qi[deal.per.cumsum() - deal.per]]] + (steps * fixed).sum(1)
                       + (ends * end_k).sum(1)).max())
     elif B * N * nq <= REPLAY_UNITS:                  # few units: each core's own steps, priced by their extents
         # (each step kind priced with the launch's mean transfers, then again with each core's own K/V port wait)
@@ -898,7 +898,7 @@ def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0) -> Kinds:
     walked = (lo[:, None] <= j) & (j < hi[:, None])
     present = np.bincount(kcode[walked], minlength=8) > 0
     uniq = np.flatnonzero(present)
-    tcode = (np.cumsum(present) - 1)[kcode]
+    tcode = (present.cumsum() - 1)[kcode]
     nk = len(uniq)
     block = np.bincount((np.arange(nq)[:, None] * nk + tcode)[walked], minlength=nq * nk).reshape(nq, nk)
     qi = np.arange(nq)
@@ -985,16 +985,16 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     kk = _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
     nk = len(kk.kinds)
     # units (items) in core order, then their steps
-    U_core = np.repeat(np.arange(n), ulen)
+    U_core = np.arange(n).repeat(ulen)
     U_L = L[U_qi]
-    cum = np.cumsum(U_L) - U_L
-    core_first = np.cumsum(ulen) - ulen
-    U_s0 = cum - np.repeat(cum[core_first], ulen)
+    cum = U_L.cumsum() - U_L
+    core_first = ulen.cumsum() - ulen
+    U_s0 = cum - cum[core_first].repeat(ulen)
     U_s1 = U_s0 + U_L - 1
     T = int(U_s1.max()) + 1
     total = int(U_L.sum())
-    S_unit = np.repeat(np.arange(len(U_qi)), U_L)
-    S_idx = np.arange(total) - np.repeat(cum, U_L)
+    S_unit = np.arange(len(U_qi)).repeat(U_L)
+    S_idx = np.arange(total) - cum.repeat(U_L)
     S_s = U_s0[S_unit] + S_idx
     S_c = U_core[S_unit]
     S_qi = U_qi[S_unit]
@@ -1027,7 +1027,7 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     later = np.ones(len(U_qi), dtype=bool)
     later[core_first] = False
     idx = np.flatnonzero(later)
-    core_last = np.cumsum(ulen) - 1
+    core_last = ulen.cumsum() - 1
     return Tally(kk.kinds, counts, hit, miss, ends, pairs, kk.first[U_qi[core_first]], float(qrows[0]),
                  orows[U_s1[core_last]], U_core[idx], kk.first[U_qi[idx]], orows[U_s1[idx - 1]], qrows[U_s0[idx]],
                  kk.qc)

@@ -113,11 +113,11 @@ def _items(sizes, N_out, m0, n0):
     nn = ceil_div(N_out, n0)
     c = np.asarray(sizes, dtype=np.int64)
     nm = -(-c // m0)                                        # row blocks per group (0 for an empty group)
-    pg = np.repeat(np.arange(len(c), dtype=np.int64), nn)   # the (group, column block) pairs
+    pg = np.arange(len(c), dtype=np.int64).repeat(nn)   # the (group, column block) pairs
     pn = np.arange(nn * len(c), dtype=np.int64) % nn
     cnt = nm[pg]
-    g, ni, nmg = np.repeat(pg, cnt), np.repeat(pn, cnt), np.repeat(cnt, cnt)
-    mi = np.arange(len(g), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    g, ni, nmg = pg.repeat(cnt), pn.repeat(cnt), cnt.repeat(cnt)
+    mi = np.arange(len(g), dtype=np.int64) - (cnt.cumsum() - cnt).repeat(cnt)
     return g, np.minimum(m0, c[g] - mi * m0), np.minimum(n0, N_out - ni * n0), mi, ni, nmg
 
 
@@ -162,15 +162,15 @@ def _model(dev, M, K, N, E, dtype, out_dtype, activation, bias, sizes, t, produc
     if round_robin:
         S = -(-L // P)
         core = np.arange(L, dtype=np.int64) % P
-        step = np.repeat(np.arange(S, dtype=np.int64), P)[:L]
+        step = np.arange(S, dtype=np.int64).repeat(P)[:L]
         per = np.full(P, L // P, dtype=np.int64) + (np.arange(P) < L % P)
         last = np.arange(P, dtype=np.int64) + (per - 1) * P          # each core's last item
     else:
-        by_core = np.argsort(core, kind="stable")              # each core's items, in order
+        by_core = core.argsort(kind="stable")              # each core's items, in order
         per = np.bincount(core, minlength=P)
-        first = np.cumsum(per) - per
+        first = per.cumsum() - per
         step = np.empty(L, dtype=np.int64)
-        step[by_core] = idx - np.repeat(first, per)
+        step[by_core] = idx - first.repeat(per)
         last = by_core[first + per - 1]                         # each core's last item
     S = int(per.max())
     a_b = m * K * isz

@@ -62,14 +62,14 @@ def _items(sizes, P, Q, m0, n0):
     block columns, tiled over the non-empty groups."""
     nm, nn = ceil_div(P, m0), ceil_div(Q, n0)
     if P <= Q:                      # row blocks innermost
-        mi, ni = np.arange(nm * nn) % nm, np.repeat(np.arange(nn), nm)
+        mi, ni = np.arange(nm * nn) % nm, np.arange(nn).repeat(nm)
     else:                           # column blocks innermost
-        mi, ni = np.repeat(np.arange(nm), nn), np.arange(nm * nn) % nn
+        mi, ni = np.arange(nm).repeat(nn), np.arange(nm * nn) % nn
     live = [(g, c) for g, c in enumerate(sizes) if c > 0]
     zeros = (len(sizes) - len(live)) * nm * nn
     out = np.empty((len(live) * nm * nn, 6), dtype=np.int64)
     if live:
-        out[:, :2] = np.repeat(np.array(live, dtype=np.int64), nm * nn, axis=0)
+        out[:, :2] = np.array(live, dtype=np.int64).repeat(nm * nn, axis=0)
         block = np.stack([np.minimum(m0, P - mi * m0), np.minimum(n0, Q - ni * n0), mi, ni], axis=1)
         out[:, 2:] = block[np.arange(len(out)) % (nm * nn)]          # (np.tile of the rows over the groups)
     return out, zeros
@@ -105,11 +105,11 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
     cube = np.ceil(pf / 16) * np.ceil(qf / 16) * ksteps
     loads = np.maximum(np.ceil(pf / 16) * np.ceil(qf / 16) * np.ceil(rf / k0f), (pf + qf) * rf * isz / rates["GM->L1"])
     ncores, core = _deal(loads.tolist(), dev.cube_cores)
-    by_core = np.argsort(core, kind="stable")
+    by_core = core.argsort(kind="stable")
     per = np.bincount(core, minlength=ncores)
-    first = np.cumsum(per) - per
+    first = per.cumsum() - per
     step = np.empty(len(arr), dtype=np.int64)
-    step[by_core] = np.arange(len(arr)) - np.repeat(first, per)
+    step[by_core] = np.arange(len(arr)) - first.repeat(per)
     a_b, b_b = pf * rf * isz, qf * rf * isz
     # L2: the outer block's operand hits for every inner block after the first; the inner operand hits after
     # the first outer block when the group's rows of it, two outer blocks and the output tiles between fit
@@ -172,11 +172,11 @@ def _model(dev, M, P, Q, E, dtype, out_dtype, sizes, t):
 def _steps(step):
     """The items grouped by step for :func:`_sharing`: (order, row, column, shape) of a zero-padded matrix
     whose rows are the steps."""
-    order = np.argsort(step, kind="stable")
+    order = step.argsort(kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(step[order]) != 0])
     counts = np.diff(np.r_[starts, len(step)])
-    row = np.repeat(np.arange(len(starts)), counts)
-    return order, row, np.arange(len(step)) - np.repeat(starts, counts), (len(starts), int(counts.max()))
+    row = np.arange(len(starts)).repeat(counts)
+    return order, row, np.arange(len(step)) - starts.repeat(counts), (len(starts), int(counts.max()))
 
 
 def _sharing(steps, *pairs):

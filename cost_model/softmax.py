@@ -125,14 +125,14 @@ def _blocks(kept, n, block, period):
     """Per-core (start, extent) arrays [n, steps] (extent 0: idle), as ``tiles.split_blocks`` cuts them: even
     contiguous shares, each cut into blocks of ``block`` that restart at every multiple of ``period``."""
     sizes = kept // n + (np.arange(n) < kept % n)
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    bounds = np.concatenate([[0], sizes.cumsum()])
     cuts = np.arange(0, kept, period) if period else np.zeros(1, dtype=np.int64)
     seg = np.unique(np.concatenate([bounds[:-1], cuts]))               # segment starts
     seg_end = np.concatenate([seg[1:], [kept]])
     nblk = -(-(seg_end - seg) // block)
-    first = np.repeat(np.cumsum(nblk) - nblk, nblk)
-    bstart = np.repeat(seg, nblk) + block * (np.arange(int(nblk.sum())) - first)
-    bext = np.minimum(bstart + block, np.repeat(seg_end, nblk)) - bstart
+    first = (nblk.cumsum() - nblk).repeat(nblk)
+    bstart = seg.repeat(nblk) + block * (np.arange(int(nblk.sum())) - first)
+    bext = np.minimum(bstart + block, seg_end.repeat(nblk)) - bstart
     core = np.searchsorted(bounds, bstart, side="right") - 1
     step = np.arange(len(core)) - np.searchsorted(core, core, side="left")
     start = np.zeros((n, int(step.max()) + 1), dtype=np.int64)
@@ -323,7 +323,7 @@ def _mask_stream(L, tasks, keys, ke_m, w_m, other, chunk, L2):
     first[1:] = (tt[1:] != tt[:-1]) | (kk[1:] != kk[:-1]) | (gg[1:] != gg[:-1])
     tt, kk, gg, bb = tt[first], kk[first], gg[first], bb[first]
     inserted = other.reshape(-1) + np.bincount(tt, weights=bb, minlength=S * T)
-    after = np.cumsum(inserted)
+    after = inserted.cumsum()
     before = after - inserted
     o = np.lexsort((tt, gg, kk))                       # each region's reads in time order
     tt, kk, gg, bb = tt[o], kk[o], gg[o], bb[o]

@@ -181,9 +181,9 @@ def _ew_model(dev, specs, p, r, c):
         ncol = ceil_div(Dc, c)
         cws = np.array([min(c, Dc - c0) for c0 in range(0, Dc, c)], dtype=float)
         S = len(re)
-        re = np.repeat(re, ncol)
-        tot = np.repeat(tot, ncol)
-        act = np.repeat(act, ncol)
+        re = re.repeat(ncol)
+        tot = tot.repeat(ncol)
+        act = act.repeat(ncol)
         ce = tile1d(cws, S)
         first_task = np.zeros(S * ncol, dtype=bool)
         first_task[0] = True
@@ -267,25 +267,25 @@ def _rows_cut(total, n, r, period, align=1):
     units = ceil_div(total, align)
     base, rem = divmod(units, n)
     q = base + (np.arange(n) < rem)
-    ends_u = np.cumsum(q)
+    ends_u = q.cumsum()
     s = (ends_u - q) * align
     e = np.minimum(total, ends_u * align)
     live = e > s
     s, e = s[live], e[live]
     p0, p1 = s // period, (e - 1) // period
     nseg = p1 - p0 + 1
-    seg_core = np.repeat(np.arange(len(s)), nseg)
-    seg_k = np.arange(nseg.sum()) - np.repeat(np.cumsum(nseg) - nseg, nseg)
+    seg_core = np.arange(len(s)).repeat(nseg)
+    seg_k = np.arange(nseg.sum()) - (nseg.cumsum() - nseg).repeat(nseg)
     seg_p = p0[seg_core] + seg_k
     seg_s = np.maximum(s[seg_core], seg_p * period)
     seg_e = np.minimum(e[seg_core], (seg_p + 1) * period)
     nblk = -(-(seg_e - seg_s) // r)
-    blk_seg = np.repeat(np.arange(len(seg_s)), nblk)
-    blk_k = np.arange(nblk.sum()) - np.repeat(np.cumsum(nblk) - nblk, nblk)
+    blk_seg = np.arange(len(seg_s)).repeat(nblk)
+    blk_k = np.arange(nblk.sum()) - (nblk.cumsum() - nblk).repeat(nblk)
     ext = np.minimum(r, seg_e[blk_seg] - seg_s[blk_seg] - blk_k * r).astype(float)
     blk_core = seg_core[blk_seg]
     per_core = np.bincount(blk_core, minlength=len(s))
-    step = np.arange(len(ext)) - np.repeat(np.cumsum(per_core) - per_core, per_core)
+    step = np.arange(len(ext)) - (per_core.cumsum() - per_core).repeat(per_core)
     S = int(per_core.max())
     worst = np.zeros(S)
     np.maximum.at(worst, step, ext)

@@ -153,7 +153,7 @@ def _shared(keys, live, load, seen):
             cand = cand[~np.isin(kk[cand], np.fromiter(seen, dtype=kk.dtype, count=len(seen)))]
         miss[cand] = True
         seen.update(kk[cand].tolist())
-    step = np.repeat(np.arange(S), n)
+    step = np.arange(S).repeat(n)
     code = step.astype(np.int64) * (int(kk.max(initial=0)) + 1) + kk
     slow = take & np.isin(code, code[miss])
     hit = take & ~miss
