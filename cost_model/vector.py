@@ -461,7 +461,8 @@ def _red_model(dev, dtype, out_dt, op, rowmode, SA, SR, P, RO, block, chunk):
     S = len(le)
     nch = ceil_div(SR, chunk)
     steps = RO * nch
-    cols = {k: [] for k in ("lb", "miss", "vec", "sb", "stot", "instr")}
+    # per column, every core's step of each of its tasks: [S, steps], read out row by row (a task's steps in order)
+    cols = {k: np.empty((S, steps)) for k in ("lb", "miss", "vec", "sb", "stot", "instr")}
     for i in range(steps):
         k = i % nch
         rv = min(chunk, SR - k * chunk)
@@ -483,8 +484,8 @@ def _red_model(dev, dtype, out_dt, op, rowmode, SA, SR, P, RO, block, chunk):
             sb, stot = le * itemsize(out_dt), tot * itemsize(out_dt)
             instr += 1
         for key, v in zip(cols, (le * rv * isz, tot * rv * isz, vec, sb, stot, instr + 1)):
-            cols[key].append(np.broadcast_to(np.asarray(v, float), (S,)))
-    arr = {k: np.stack(v, axis=1).reshape(-1) for k, v in cols.items()}
+            cols[key][:, i] = v
+    arr = {k: v.reshape(-1) for k, v in cols.items()}
     core, busy = stream(dev, arr["lb"], port(dev, 0.0 * arr["miss"], arr["miss"]), arr["vec"], arr["sb"],
                         arr["stot"] / dev.hbm_bytes_per_cycle, arr["instr"])
     hbm = arr["miss"].sum() + arr["stot"].sum()
