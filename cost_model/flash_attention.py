@@ -817,7 +817,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         kvport = None
         if kv_res:            # each core's own K/V port wait per step, from the instructions it shares
             kvport = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * ((D + Dv) * isz), tal.counts,
-                               out=np.zeros_like(tal.hit), where=tal.counts > 0)
+                               out=np.zeros(tal.hit.shape), where=tal.counts > 0)
         core = replay_time(tal, priced, kvport, D * isz / HBMbw, Dv * isz / HBMbw, split)
     else:
         core = fill + T * step + items * (end + q_exposed)
@@ -897,7 +897,7 @@ def _launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window=0) -> Kinds:
     kcode = ((qeb != qeb[0])[:, None] * 2 + (kext != kext[0])[None, :]) * 2 + masked
     walked = (lo[:, None] <= j) & (j < hi[:, None])
     present = np.bincount(kcode[walked], minlength=8) > 0
-    uniq = np.flatnonzero(present)
+    uniq = present.nonzero()[0]
     tcode = (present.cumsum() - 1)[kcode]
     nk = len(uniq)
     block = np.bincount((np.arange(nq)[:, None] * nk + tcode)[walked], minlength=nq * nk).reshape(nq, nk)
@@ -1026,7 +1026,7 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     orows = np.bincount(U_s1, weights=qeb[U_qi].astype(float), minlength=T)
     later = np.ones(len(U_qi), dtype=bool)
     later[core_first] = False
-    idx = np.flatnonzero(later)
+    idx = later.nonzero()[0]
     core_last = ulen.cumsum() - 1
     return Tally(kk.kinds, counts, hit, miss, ends, pairs, kk.first[U_qi[core_first]], float(qrows[0]),
                  orows[U_s1[core_last]], U_core[idx], kk.first[U_qi[idx]], orows[U_s1[idx - 1]], qrows[U_s0[idx]],

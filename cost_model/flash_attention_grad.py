@@ -864,7 +864,7 @@ def _stats_replay(device, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, causal, win
     tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, N // Nkv)
     table = np.array([kind(qe, ke, m) for qe, ke, m in tal.kinds]).T
     fixed, k_xfer, rest, rest_port, fill = table
-    P = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * (D * isz), tal.counts, out=np.zeros_like(tal.hit),
+    P = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * (D * isz), tal.counts, out=np.zeros(tal.hit.shape),
                   where=tal.counts > 0)
     mte2 = np.maximum(k_xfer, P) + rest
     port = P + rest_port

@@ -173,7 +173,7 @@ def _steps(step):
     """The items grouped by step for :func:`_sharing`: (order, row, column, shape) of a zero-padded matrix
     whose rows are the steps."""
     order = step.argsort(kind="stable")
-    starts = np.flatnonzero(np.r_[True, np.diff(step[order]) != 0])
+    starts = np.r_[True, np.diff(step[order]) != 0].nonzero()[0]
     counts = np.diff(np.r_[starts, len(step)])
     row = np.arange(len(starts)).repeat(counts)
     return order, row, np.arange(len(step)) - starts.repeat(counts), (len(starts), int(counts.max()))

@@ -144,7 +144,7 @@ def _shared(keys, live, load, seen):
     kk = keys.T.ravel()
     if n * S <= 256:
         return _shared_short(n, S, take, kk, seen)
-    idx = np.nonzero(take)[0]
+    idx = take.nonzero()[0]
     miss = np.zeros(n * S, dtype=bool)
     if idx.size:
         _, first = np.unique(kk[idx], return_index=True)
@@ -285,7 +285,7 @@ def _model(dev, prog, low, R, C):
             elif not w.rows and not any(geo.var[w.input]):
                 # one region per chunk for every core: its first load misses (core 0; the others wait for it)
                 tag = c if wide else nch
-                loaded = np.nonzero(f)[0]
+                loaded = f.nonzero()[0]
                 miss = np.zeros((n, S), dtype=bool)
                 slow = np.zeros((n, S), dtype=bool)
                 if tag not in seen[k] and loaded.size:
