@@ -98,14 +98,38 @@ def _out_rows(vq):
     return next(d for d in range(min(vq, 64), 0, -1) if vq % d == 0)
 
 
-def _placement(dev, req):
-    """Where the requests' minimum tile counts leave each buffer, or None when one overflows: per request its
-    (buffer, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
-    the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another,
-    each at the buffer's alignment: its use is every tile's aligned size but the last one's, plus the last
-    one's size (the sum less the last padding)."""
-    # (both searches place every candidate tiling's thirty-odd requests: the loop does no more than it needs)
+def _overflows(dev, req) -> bool:
+    """Whether the requests' minimum tile counts overflow a buffer (:func:`_placement` is then None). Counted from
+    the end of the list, where the L0 requests that overflow most often are: a buffer's use from some request on (its
+    tiles' aligned sizes, less the padding of its last tile) only grows as the requests before are counted, so the
+    first buffer found over its size decides; at the start of the list each buffer's use is its whole use."""
     split, align, buffers = dev.arch == "split", dev.align, dev.buffers
+    used = {}
+    for side, buf, _, shape, dt, lo, _ in reversed(req):
+        if lo:
+            key = (side, buf) if split else ("core", buf)
+            size = math.prod(shape) * ITEMSIZE[dt]
+            a = align[buf]
+            aligned = -(-size // a) * a
+            u = used.get(key)
+            u = lo * aligned - (aligned - size) if u is None else u + lo * aligned
+            if u > buffers[buf]:
+                return True
+            used[key] = u
+    return False
+
+
+def _placement(dev, req):
+    """Where the requests' minimum tile counts leave each buffer, or None when one overflows (:func:`_overflows`):
+    per request its (buffer, aligned tile size, alignment padding), and per buffer the sum of its aligned tiles and
+    the (index, padding) of its last tile-holding request. A buffer's tiles are placed one after another, each at the
+    buffer's alignment: its use is every tile's aligned size but the last one's, plus the last one's size (the sum
+    less the last padding)."""
+    # (both searches place every candidate tiling's thirty-odd requests, most of which overflow: the loop does no
+    # more than it needs)
+    if _overflows(dev, req):
+        return None
+    split, align = dev.arch == "split", dev.align
     total, last, plan = {}, {}, []
     i = 0
     for side, buf, _, shape, dt, lo, _ in req:
@@ -121,9 +145,6 @@ def _placement(dev, req):
         elif key not in total:
             total[key] = 0
         i += 1
-    for k, used in total.items():
-        if used - last.get(k, (0, 0))[1] > buffers[k[1]]:
-            return None
     return plan, total, last
 
 

@@ -40,7 +40,7 @@ from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.flash_attention import (REPLAY_UNITS, ROUNDING, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
-                                       _placement, _spans, attended_pairs, kind_steps, mask_passes, with_add_dtype)
+                                       _overflows, _spans, attended_pairs, kind_steps, mask_passes, with_add_dtype)
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -112,7 +112,7 @@ def _fits(device, D, Dv, dtype, q, kv, mask_spec, drop, stats, cap=False):
     """Whether the tiling's buffers hold its requests' minimum tile counts (as :func:`_tile_counts` checks
     first, without granting the double buffers)."""
     dev = get_device(device)
-    return _placement(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats, cap)) is not None
+    return not _overflows(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv}, mask_spec, drop, stats, cap))
 
 
 @cached
