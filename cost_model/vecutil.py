@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from cost_model.common import itemsize, round_up
+from cost_model.common import itemsize
 from cost_model.devices import ITEMSIZE
 
 BLOCK = 32                       # UB alignment: one 32 B block
@@ -14,8 +14,10 @@ def block_elems(dtype: str) -> int:
 
 
 def pad(n, dtype: str):
-    """``n`` elements rounded up to whole 32 B blocks (a UB row pitch)."""
-    return round_up(n, block_elems(dtype))
+    """``n`` elements rounded up to whole 32 B blocks (a UB row pitch). (round_up and block_elems written out:
+    the Vector models pad some ten thousand rows a sweep)"""
+    b = BLOCK // ITEMSIZE[dtype]
+    return -(-n // b) * b
 
 
 def ub_need(dev, specs) -> int:
