@@ -741,3 +741,34 @@ def test_an_additive_mask_that_requires_grad_spreads_an_empty_rows_nan_where_eag
         # the finite entries: the kernel's fp32 softmax against eager's, rounded to dtype (a few ulps of 16 bits)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(a[ok].float(), b[ok].float(), atol=tol, rtol=tol)
+
+
+class ReturnedWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x, mask):
+        return self.attn(x, x, x, attn_mask=mask, need_weights=True)
+
+
+def test_multihead_attention_returning_its_weights_spreads_an_empty_rows_nan_where_eager_does():
+    """``nn.MultiheadAttention(need_weights=True)`` with a bool mask leaving a query no key: it makes the mask an
+    additive ``-inf`` one, so eager's weights and output are NaN in that row and its backward puts NaN in q's, k's and
+    v's projection gradients. The fused attention returns its probabilities, so its backward runs on the host; that
+    gave NaN in v's part only (256 of the 768 entries of ``in_proj_weight``)."""
+    torch.manual_seed(0)
+    model = ReturnedWeights()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 6, 16)
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    mask[2] = True                                          # True = not attended: query 2 sees no key
+    fused = AutoFusionEngine.fuse(model, (x, mask))
+    assert "attention" in [d.pattern for d in fused.report.applied]
+    for m, fn in ((model, fused), (ref, ref)):
+        out, weights = fn(x, mask)
+        (out.nan_to_num(0).sum() + weights.nan_to_num(0).sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad.isnan(), q.grad.isnan()), (name, int(p.grad.isnan().sum()), int(q.grad.isnan().sum()))
+        ok = ~q.grad.isnan()
+        torch.testing.assert_close(p.grad[ok], q.grad[ok], atol=1e-4, rtol=1e-4)     # fp32 reassociation only
