@@ -395,6 +395,17 @@ def _same_specials(got, want, what):
         assert torch.equal(test(got), test(want)), (what, test.__name__, int((test(got) != test(want)).sum()))
 
 
+def scores_grad_as_eagers(got, want, xg, xe, dtype):
+    """The gradient of the scores ``xg`` through the fused output ``got`` and of ``xe`` through eager's ``want``, for
+    one random output gradient: NaN and infinities at eager's places, the finite entries within 4 units of ``dtype``
+    relative to the largest (the kernel's fp32 arithmetic against eager's, each rounded to ``dtype``)."""
+    gout = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    (gg,), (gw,) = (torch.autograd.grad(y, t, gout) for y, t in ((got, xg), (want, xe)))
+    _same_specials(gg, gw, "gradient")
+    fin = torch.isfinite(gw)
+    assert (gg.double() - gw.double())[fin].abs().max() <= 4 * UNIT[dtype] * max(1.0, gw.double()[fin].abs().max())
+
+
 LSE_FORMS = {
     "log": lambda z: z - torch.logsumexp(z, -1, keepdim=True),
     "exp": lambda z: torch.exp(z - torch.logsumexp(z, -1, keepdim=True)),
@@ -626,11 +637,7 @@ def test_a_16_bit_mask_is_added_as_eager_adds_it(dtype, value, log):
         (got.double() - want.double())[fin].abs().max()
     if value == "finfo.min" and not log:
         assert (got[0].double() - 1 / 16).abs().max() <= unit, "the padded row is uniform, as eager's"
-    gout = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    (gg,), (gw,) = (torch.autograd.grad(y, t, gout) for y, t in ((got, xg), (want, xe)))
-    _same_specials(gg, gw, "gradient")
-    fin = torch.isfinite(gw)
-    assert (gg.double() - gw.double())[fin].abs().max() <= 4 * unit * max(1.0, gw.double()[fin].abs().max())
+    scores_grad_as_eagers(got, want, xg, xe, dtype)
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])

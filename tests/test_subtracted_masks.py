@@ -13,10 +13,10 @@ import torch.nn as nn
 from autofuse import AutoFusionEngine
 from autofuse.capture import capture
 from autofuse.verify import _F64, _f64, compare
+from tests.test_softmax_pattern import UNIT, _same_specials, scores_grad_as_eagers
 
 INF = float("inf")
 B, N, S, D = 2, 2, 32, 16
-UNIT = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -20}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ONLY_SOFTMAX = {"softmax": "force", "vector_chain": "off"}      # the softmax kernel, whatever the cost model says
 
@@ -228,11 +228,6 @@ def _scores(dtype, shape=(B, N, 16, S)):
     return (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
 
 
-def _same_specials(got, want, what):
-    for test in (torch.isnan, torch.isposinf, torch.isneginf):
-        assert torch.equal(test(got), test(want)), (what, test.__name__, int((test(got) != test(want)).sum()))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("value", ["finfo.max", 1e4, "inf"])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
@@ -260,11 +255,7 @@ def test_a_subtracted_mask_is_a_softmax_mask(dtype, value, log, after):
         ref = _F64(fused.plans[next(iter(fused.plans))].captured.graph_module).run(_f64(x), _f64(keep))[0]
     ok, e, tol = compare(want.detach(), ref, got.detach())
     assert ok, (e, tol)
-    gout = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    (gg,), (gw,) = (torch.autograd.grad(y, t, gout) for y, t in ((got, xg), (want, xe)))
-    _same_specials(gg, gw, "gradient")
-    fin = torch.isfinite(gw)
-    assert (gg.double() - gw.double())[fin].abs().max() <= 4 * unit * max(1.0, gw.double()[fin].abs().max())
+    scores_grad_as_eagers(got, want, xg, xe, dtype)
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
