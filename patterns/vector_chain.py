@@ -626,7 +626,8 @@ def _scaled_after_a_float16_product(nodes, mm) -> bool:
 
 @register("matmul_epilogue")
 def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
-    """Each region after a matmul whose output only that region reads, as the matmul's epilogue."""
+    """Each region after a matmul whose output only that region reads (by one op or several), as the matmul's
+    epilogue."""
     out = []
     for nodes, _ in _candidates(gm):
         inside = set(nodes)
@@ -638,8 +639,10 @@ def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
                         all(u in inside or u in views for u in a.users):
                     views.append(a)    # a matmul whose rows the model regroups (GPT-2's addmm on [B*S, H])
                     a = a.args[0]
-                if a not in inside and _epilogue_ok(a) and len(a.users) == 1 and \
+                if a not in inside and _epilogue_ok(a) and \
                         all(u in inside or u in views for u in a.users) and a not in [f for f, _ in feeds]:
+                    # every reader of the product is in the region, once or several times (x·sigmoid(1.702x),
+                    # gelu_new's x·(1 + tanh(c(x + 0.044715x³))))
                     feeds.append((a, views))
         for mm, views in feeds:
             if _scaled_after_a_float16_product(nodes, mm):

@@ -440,6 +440,70 @@ def test_matmul_gelu_epilogue_and_its_alternatives_on_every_device():
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
+MULTI_READ = {   # activations that read the projection's output more than once
+    "quick_gelu": lambda h: h * torch.sigmoid(1.702 * h),                      # CLIP's
+    "silu_spelled": lambda h: h * torch.sigmoid(h),
+    "gelu_new": lambda h: 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0)))),
+}
+
+
+class Projected(nn.Module):
+    def __init__(self, act, keep=False):
+        super().__init__()
+        self.act, self.keep = act, keep
+        self.fc, self.out = nn.Linear(32, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        y = self.out(MULTI_READ[self.act](h))
+        return (y, h) if self.keep else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act", list(MULTI_READ))
+def test_an_activation_reading_the_product_several_times_is_its_epilogue(act, dtype):
+    # the product's every reader is in the region, so it never goes to HBM: one matmul_epilogue launch, values
+    # within eager's bound
+    torch.manual_seed(0)
+    m = Projected(act).to(dtype).eval()
+    x = torch.randn(3, 10, 32).to(dtype)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    (d,) = [d for d in fused.report.applied if d.params.get("family") == "matmul_epilogue"]
+    assert "linear" in d.nodes, fused.report.summary()
+    _within_bound(m, (x,), {}, lambda: fused(x))
+
+
+@pytest.mark.parametrize("act", list(MULTI_READ))
+def test_a_multi_read_epilogue_trains_as_eager(act):
+    # the product's gradient is the sum over its readers, as autograd's
+    torch.manual_seed(0)
+    m = Projected(act).train()
+    x0 = torch.randn(3, 10, 32)
+    fused = AutoFusionEngine.fuse(m, (x0.clone().requires_grad_(),))
+    assert [d for d in fused.report.applied if d.params.get("family") == "matmul_epilogue"], fused.report.summary()
+    grads = []
+    for run in (m, fused):
+        m.zero_grad()
+        x = x0.clone().requires_grad_()
+        run(x).square().sum().backward()
+        grads.append([x.grad] + [p.grad.clone() for p in m.parameters()])
+    for w, g in zip(*grads):
+        # fp32: the derived backward and autograd sum the readers' terms in other orders, over 30 rows
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-5), (act, (g - w).abs().max())
+
+
+@pytest.mark.parametrize("act", list(MULTI_READ))
+def test_a_product_the_model_also_returns_is_no_epilogue(act):
+    # near miss: the product is read outside the region (returned), so it is stored anyway: no epilogue over it
+    torch.manual_seed(0)
+    m = Projected(act, keep=True).eval()
+    x = torch.randn(3, 10, 32)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    assert not [d for d in fused.report.decisions if d.params.get("family") == "matmul_epilogue"
+                and "linear" in d.nodes], fused.report.summary()
+    _within_bound(m, (x,), {}, lambda: fused(x))
+
+
 def test_a_whole_region_name_switches_only_that_region():
     # "matmul+swiglu" off: the SwiGLU is no epilogue, but still fused as a Vector region of its own
     torch.manual_seed(0)
