@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 import cost_model
+from cost_model.program import ProgramError
 from autofuse.decision import FusionDecision, hbm_change
 from autofuse.fused import Price, family_of, per_device
 from autofuse.graph import returned, returned_read
@@ -216,7 +217,8 @@ def price_candidate(match, canonical: dict, captured: dict, order: dict, device:
         extra = list(lifted.preamble) + [v for _, views in lifted.targets.values() for v in views]
         fused = fused.add(price_nodes(extra, device)) if extra else fused
     except (NotImplementedError, ValueError, TypeError, KeyError) as e:
-        fused = Price(cycles=-1, bound=f"{type(e).__name__}: {e}")
+        # a program the kernel cannot run says why in the user's terms; anything else is named by its type
+        fused = Price(cycles=-1, bound=str(e) if isinstance(e, ProgramError) else f"{type(e).__name__}: {e}")
     ins = [canonical[v] for v in match.inputs.values() if not (isinstance(v, str) and v.startswith("const:"))]
     outs = [canonical[v] for v in match.outputs.values()]
     ws = sum(_nbytes(_spec(n)) for n in ins + outs) + max(fused.workspace, 0)

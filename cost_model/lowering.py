@@ -772,13 +772,20 @@ def epilogue_plan(prog, M, N, dtype, temps=lambda op: 0):
     low = lower(prog, False, temps)
     geo = low.geometry
     if len(geo.groups) != 1:
-        raise ProgramError("matmul_epilogue: every input must be full, per-row, per-col or scalar along the rows "
-                           "(no broadcast over some leading dims only)")
+        part = [list(prog.inputs[k].shape) for k, v in enumerate(geo.var) if any(v) and not all(v)]
+        raise ProgramError(f"matmul_epilogue: the region reads {'an input' if not part else part[0]} broadcast over "
+                           f"some of the product's leading dims only (as a per-sample drop-path mask [B, 1, 1] over "
+                           f"[B, S, H] is); an epilogue reads each input whole, per row, per column or as one "
+                           f"number along the product's rows, so the region can only run as a Vector kernel of its "
+                           f"own after the matmul")
     W = low.width
     pieces = [w.offset for w in low.views if w.input == 0]
     if any(w.width != W for w in low.views if w.input == 0) or not pieces:
-        raise ProgramError("matmul_epilogue: the program must read the product whole, or as column blocks as "
-                           "wide as its output")
+        widths = sorted({w.width for w in low.views if w.input == 0})
+        raise ProgramError(f"matmul_epilogue: the region reads the product's {N} columns as parts of widths "
+                           f"{widths} (a projection split into unequal parts, as split_with_sizes does); an epilogue "
+                           f"reads the product whole, or as equal parts as wide as its output ({W}), so the region "
+                           f"can only run as a Vector kernel of its own after the matmul")
     ops = [op for ps in low.passes for op in ps.ops]
     whole = any(op.kind in ("reduce", "gather", "copy") for op in ops) or \
         any(s.col for op in ops for s in op.srcs)

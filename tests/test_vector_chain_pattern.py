@@ -504,6 +504,34 @@ def test_a_product_the_model_also_returns_is_no_epilogue(act):
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
+class SplitOrScaled(nn.Module):
+    """A projection split into unequal parts (Mamba's in_proj), or scaled per sample (a drop-path mask)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.fc = kind, nn.Linear(16, 40)
+
+    def forward(self, x, s):
+        h = self.fc(x)
+        if self.kind == "split":
+            a, b, c = h.split([8, 16, 16], -1)
+            return torch.tanh(a).sum(-1, keepdim=True) * F.silu(b) * c
+        return F.layer_norm(torch.tanh(h * s) + 1.0, (40,))
+
+
+@pytest.mark.parametrize("kind,says", [("split", "parts of widths [8, 16]"),
+                                       ("per_sample", "[3, 1, 1] broadcast over some of the product's leading dims")])
+def test_an_epilogue_the_kernel_cannot_read_says_why_in_the_models_terms(kind, says):
+    torch.manual_seed(0)
+    m = SplitOrScaled(kind).eval()
+    x, s = torch.randn(3, 5, 16), torch.rand(3, 1, 1)
+    fused = AutoFusionEngine.fuse(m, (x, s))
+    why = [d.reason for d in fused.report.decisions if d.params.get("family") == "matmul_epilogue"
+           and d.reason_code == "unsupported"]
+    assert why and all(says in r and "Error" not in r for r in why), why
+    _within_bound(m, (x, s), {}, lambda: fused(x, s))
+
+
 def test_a_whole_region_name_switches_only_that_region():
     # "matmul+swiglu" off: the SwiGLU is no epilogue, but still fused as a Vector region of its own
     torch.manual_seed(0)
