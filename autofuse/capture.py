@@ -73,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import math
 import operator
 import os
@@ -1593,8 +1594,41 @@ def _capture_symbolic_trace(model, args, kwargs):
     # fx.symbolic_trace gives the torch-level graph (its leaf-module and fx.wrap rules apply); the
     # lowering to functional aten + FakeTensor meta reuses export's non-strict tracer, so both routes
     # share one graph form by construction. The traced module holds the model's own tensors.
-    traced = fx.symbolic_trace(model)
+    # The forward's parameters the call leaves at their default are traced as those values (transformers'
+    # `inputs_embeds=None` stays None instead of a proxy that takes its `is not None` branch).
+    # The trace's forward then takes every parameter by position (torch.export runs a GraphModule's graph, whose
+    # placeholders are in the signature's order): a stand-in with the model's signature passes them so.
+    left = _defaults_left(model, args, kwargs)
+    traced = fx.symbolic_trace(model, concrete_args=left or None)
+    if left:
+        sig, run = inspect.signature(model.forward), _own_forward(traced)
+        plain = [n for n, p in sig.parameters.items() if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+        def forward(*a, **k):
+            bound = sig.bind(*a, **k)
+            bound.apply_defaults()
+            return run(*(bound.arguments[n] for n in plain))
+
+        forward.__signature__ = sig
+        traced = with_forward(traced, forward)
     return _capture_export(traced, args, kwargs)
+
+
+def _defaults_left(model, args, kwargs) -> dict:
+    """The forward's parameters that ``args`` and ``kwargs`` leave at a default of None, a bool, an int, a float or a
+    string, with that default; none where the forward takes ``*args`` or keyword-only parameters, or where the call
+    passes something into its ``**kwargs`` (transformers' forwards end with one the trace then leaves empty)."""
+    try:
+        sig = inspect.signature(model.forward)
+        given = sig.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD)
+    if any(p.kind not in kinds or (p.kind == inspect.Parameter.VAR_KEYWORD and given.get(n))
+           for n, p in sig.parameters.items()):
+        return {}
+    return {n: p.default for n, p in sig.parameters.items() if n not in given and p.kind == kinds[0]
+            and (p.default is None or type(p.default) in (bool, int, float, str))}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

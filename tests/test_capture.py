@@ -57,6 +57,31 @@ def test_routes_share_one_form_and_run(route):
     torch.testing.assert_close(ev(x)["out"], model(x)["out"])
 
 
+class Either(nn.Module):
+    """transformers' spelling: one of two inputs, the other left at its default None, and a ``**kwargs`` left empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, ids=None, embeds=None, scale=2.0, **kwargs):
+        if (ids is None) == (embeds is None):
+            raise ValueError("You must specify exactly one of ids or embeds")
+        h = self.emb(ids) if embeds is None else embeds
+        return torch.tanh(self.proj(h)) * scale
+
+
+@pytest.mark.parametrize("given", ["ids", "embeds"])
+def test_symbolic_trace_keeps_the_defaults_a_call_leaves(given):
+    # the parameters a call does not pass are traced at their defaults (None, 2.0), not as proxies whose
+    # `is None` is False
+    model = Either()
+    args = (torch.tensor([[1, 2, 3]]),) if given == "ids" else ()
+    kwargs = {} if given == "ids" else {"embeds": torch.randn(1, 3, 8)}
+    cap = capture(model, args, kwargs, route="symbolic_trace")
+    torch.testing.assert_close(cap(*args, **kwargs), model(*args, **kwargs))
+
+
 def test_parameters_are_shared_not_copied():
     model = Block().eval()
     cap = capture(model, (torch.randn(2, 8, 16),))
