@@ -191,7 +191,9 @@ def _core_extents(BN, per_block, causal, ncores, edge_rows, edge_keys, mean=Fals
             k[e + 1] += edge_rows
         kind.append(k)
     units = [[per_block[j] for j in blocks] for blocks in ids]
-    rows = np.array(kind * BN, dtype=float)                  # the units in dealing order
+    # the units in dealing order: the blocks' kinds repeated for each of the BN heads (indexed, not built from a
+    # list BN times as long: the same array)
+    rows = np.array(kind, dtype=float)[np.arange(len(kind) * BN) % len(kind)]
     if len({(sum(u), len(u)) for u in units}) == 1:     # equal units: round-robin (:func:`_deal`)
         pad = (-len(rows)) % n
         return (np.concatenate([rows, np.zeros((pad, 4))]) if pad else rows).reshape(-1, n, 4).sum(axis=0)
