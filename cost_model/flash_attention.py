@@ -345,9 +345,10 @@ def _schedule(B, N, nq, nkv, causal, Sq, Skv, qb, kvb, ncores, window=0):
     """(cores used, tile steps of the busiest core, its items), as the kernel schedules: one query block
     per unit, or (causal) blocks i and nq-1-i paired when that finishes no later."""
     lo, hi = _spans(qb, kvb, Sq, Skv, causal, window)
+    counts = (hi - lo).tolist()           # each block's tiles (Python ints: no numpy scalar per block)
 
     def tiles(qi):
-        return int(hi[qi] - lo[qi])
+        return counts[qi]
 
     units = [[tiles(i)] for i in range(nq)]
     best = _deal(units, B * N, ncores)
