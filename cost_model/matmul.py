@@ -85,7 +85,12 @@ def fits(dev, dtype: str, out_dtype: str, t: dict, bias: bool = False, a1_elems=
 
 
 def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
-    """Tilings to search: power-of-two tiles and tiles that cover M or N in 1–4 even blocks."""
+    """Tilings to search: power-of-two tiles and tiles that cover M or N in 1–4 even blocks (those that fit)."""
+    return [t for t in _tiles(dev, Mr, N, K, dtype) if fits(dev, dtype, out_dtype, t, bias)]
+
+
+def _tiles(dev, Mr, N, K, dtype):
+    """:func:`_candidates` before their fit is checked, in the same order."""
     def sizes(X):
         X16 = round_up(X, 16)
         s = {min(v, X16) for v in (16, 32, 64, 128, 256)}
@@ -114,9 +119,7 @@ def _candidates(dev, Mr, N, K, dtype, out_dtype, bias):
                 if (m0, n0, k0, k1) in seen:      # (tried: whether it fits does not change)
                     continue
                 seen.add((m0, n0, k0, k1))
-                t = {"m0": m0, "n0": n0, "k0": k0, "k1": k1}
-                if fits(dev, dtype, out_dtype, t, bias):
-                    out.append(t)
+                out.append({"m0": m0, "n0": n0, "k0": k0, "k1": k1})
     return out
 
 
@@ -567,12 +570,20 @@ def _search(device: str, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtyp
     Returns ``(tiling, model result)``.
     """
     dev = get_device(device)
-    cands = _candidates(dev, Mr, N, K, dtype, out_dtype, bool(bias_isz))
-    if not cands:
+    # the candidates ranked by the quick score, then the first two that fit: the same two as ranking only the fitting
+    # ones (a stable sort keeps equal scores in candidate order either way), most of the fits left unchecked
+    tiles = sorted(_tiles(dev, Mr, N, K, dtype), key=_quick_score(dev, Mr, N, K, nbatch, dtype))
+    bias = bool(bias_isz)
+    top = []
+    for t in tiles:
+        if fits(dev, dtype, out_dtype, t, bias):
+            top.append(t)
+            if len(top) == 2:
+                break
+    if not top:
         raise ValueError(f"no matmul tiling fits {dev.name} for {dtype}")
-    cands.sort(key=_quick_score(dev, Mr, N, K, nbatch, dtype))
     default = kernel_default(dev, Mr, N, K, nbatch, dtype, out_dtype)
-    shortlist = cands[:2] + ([default] if default is not None and default not in cands[:2] else [])
+    shortlist = top + ([default] if default is not None and default not in top else [])
     return cheapest(dev, shortlist, default,
                     lambda t: _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bias_isz))
 
