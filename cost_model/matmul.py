@@ -145,20 +145,25 @@ def _kernel_default(dev, M, N, K, batch, dtype, out_dtype):
     best, seen = None, set()
     M16, N16, K16 = round_up(M, 16), round_up(N, 16), round_up(K, 16)
     l0a, l0b = dev.buffers["L0A"], dev.buffers["L0B"]
+    cores, gm, kfr = dev.cube_cores, dev.rates["GM->L1"], ceil_div(K, k0f)
     for m0 in (256, 128, 64, 32, 16):
         for n0 in (256, 128, 64, 32, 16):
             m0e, n0e = min(m0, M16), min(n0, N16)
             if (m0e, n0e) in seen:                # (tried: whether it fits does not change)
                 continue
             seen.add((m0e, n0e))
-            k0 = next((k for k in (128, 64, 32, 16) if 2 * m0e * k * isz <= l0a and 2 * k * n0e * isz <= l0b), 16)
+            k0 = 16
+            for k in (128, 64, 32, 16):
+                if 2 * m0e * k * isz <= l0a and 2 * k * n0e * isz <= l0b:
+                    k0 = k
+                    break
             k0 = min(k0, K16)
+            waves = -(-(batch * -(-M // m0e) * -(-N // n0e)) // cores)          # ceil_div, written out
+            score = waves * max((m0e // 16) * (n0e // 16) * kfr, (m0e + n0e) * K * isz / gm)
+            if best is not None and not score < best[0]:
+                continue                      # it could not replace the best: its fit need not be checked
             t = {"m0": m0e, "n0": n0e, "k0": k0, "k1": min(2 * k0, round_up(K, k0))}
-            if not fits(dev, dtype, out_dtype, t):
-                continue
-            waves = ceil_div(batch * ceil_div(M, m0e) * ceil_div(N, n0e), dev.cube_cores)
-            score = waves * max((m0e // 16) * (n0e // 16) * ceil_div(K, k0f), (m0e + n0e) * K * isz / dev.rates["GM->L1"])
-            if best is None or score < best[0]:
+            if fits(dev, dtype, out_dtype, t):
                 best = (score, t)
     return None if best is None else best[1]
 
