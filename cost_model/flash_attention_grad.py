@@ -450,12 +450,14 @@ def _phase3(device, itemsz, Tz, nv, actz, rz, D, isz, miss_dq):
     return steps3, hits3, vec3, tuple(spent)
 
 
-def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, window=0, sharp=False):
-    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
+def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, window=0, sharp=False, stats_only=False):
+    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes, phase ends) of tiling ``t``
+    (with ``bound``, then the four phases' cycles ``(ph0, ph1, ph2, ph3)``, the core cycles their sum in that order).
     With ``bound`` the dealings' lower bounds (:func:`_schedule_floor`) stand in for them, the hand-off lines
     left dirty count none and the Dr phase's loads overlap its sums (whatever tiles the kernel grants): the
     cycles are a lower bound of the exact ones (see :func:`_search`). ``sharp`` (with ``bound``): the statistics
-    sweep as the exact model prices it (its dealing and replay), a sharper bound."""
+    sweep as the exact model prices it (its dealing and replay), a sharper bound. ``stats_only`` (with ``sharp``):
+    the statistics sweep's cycles alone (nothing else in a bound depends on how that sweep is priced)."""
     cores = dev.cube_cores
 
     def deal(BN, steps, summary, exact=False):
@@ -548,6 +550,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         busy["mte2"] += T1 * mte2
         busy["mte1"] += T1 * mte1
         busy["fixpipe"] += T1 * p1.unit["fixpipe"]
+    if stats_only:
+        return ph1
 
     # ---- phase 2: the gradients (units (b, kv head, KV block j) of group·(query blocks that see j) steps)
     n2, T2, units2 = deal(B * Nkv, lambda: _kv_steps(Sq, Skv, qb, kvb, group, causal, window),
@@ -818,7 +822,8 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         if there:
             end += ph
             ends.append((name, int(math.ceil(end))))
-    return core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3, tuple(ends)
+    out = core, float(hbm), nbytes, busy, ws + BNS * D * 4 + BNS * 4 * 3, tuple(ends)
+    return out + ((ph0, ph1, ph2, ph3),) if bound else out
 
 
 @cached
@@ -1210,8 +1215,12 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
     def fits(t):
         return _fits(device, qs[3], vs[3], dtype, t["q"], t["kv"], _mask_spec(mask), drop, stats, cap)
 
-    bounds = sorted((kernel_cycles(dev, *_model(dev, specs, mask, causal, t, drop, stats, True, cap, window)[:3]), i)
-                    for i, t in enumerate(cands) if t["q"] * t["kv"] <= SMALL_TILE or fits(t))
+    bounds, bounded = [], {}
+    for i, t in enumerate(cands):
+        if t["q"] * t["kv"] <= SMALL_TILE or fits(t):
+            bounded[i] = res = _model(dev, specs, mask, causal, t, drop, stats, True, cap, window)
+            bounds.append((kernel_cycles(dev, *res[:3]), i))
+    bounds.sort()
     best = None
     for low, i in bounds:
         if best is not None and low > best[0] * (1 + ROUNDING):
@@ -1220,9 +1229,11 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
             continue
         if best is not None and stats:
             # before the whole model, a sharper bound: the statistics sweep as the model prices it (its dealing and
-            # replay are then cached for the model)
-            low = kernel_cycles(dev, *_model(dev, specs, mask, causal, cands[i], drop, stats, True, cap, window,
-                                             sharp=True)[:3])
+            # replay are then cached for the model), the bound's other phases, HBM and GM bytes as they were (the
+            # same sum, in the same order, as a bound made with ``sharp`` gives)
+            _, hbm, nbytes, _, _, _, (ph0, _, ph2, ph3) = bounded[i]
+            ph1 = _model(dev, specs, mask, causal, cands[i], drop, stats, True, cap, window, sharp=True, stats_only=True)
+            low = kernel_cycles(dev, ph0 + ph1 + ph2 + ph3, hbm, nbytes)
             if low > best[0] * (1 + ROUNDING):
                 continue
         res = _model(dev, specs, mask, causal, cands[i], drop, stats, cap=cap, window=window)
