@@ -99,12 +99,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      mask_add_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
+    heads = per_head_scale(scale_tensor, q.shape[1])
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
               mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap, window=window,
               mask_add_dtype=dtype_name(mask_add_dtype))
     if sinks is not None:
         kw["sinks"] = _per_head(sinks, q.shape[1]).detach().contiguous()
+    if heads is not None:
+        kw["head_scale"] = heads
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask_add_dtype is not None:
@@ -115,7 +118,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         # the fill; float: added): skip the tiles above the diagonal where the scores' bound proves it exact
         b = run_kernel("score_bound", q, k, device=device)
         _record("score_bound", b.stats)
-        if causal_skip_is_exact(b.outputs[0], scale_, causal_value, additive=mask.dtype != torch.bool,
+        bound_scale = scale_ if heads is None else scale_ * float(np.abs(heads).max())
+        if causal_skip_is_exact(b.outputs[0], bound_scale, causal_value, additive=mask.dtype != torch.bool,
                                 softcap=softcap):
             mask, kw["causal"] = None, True
         else:
@@ -173,10 +177,24 @@ def _fill(fill):
 
 
 def _effective_scale(q, scale, scale_tensor):
-    """The score scale as a Python float: ``scale`` (default 1/sqrt(D)) times a 0-d ``scale_tensor`` read now,
-    at call time (a learnable temperature, a scale buffer: never baked into the plan)."""
+    """The score scale as a Python float: ``scale`` (default 1/sqrt(D)) times a one-element ``scale_tensor`` read
+    now, at call time (a learnable temperature, a scale buffer: never baked into the plan). A per-head
+    ``scale_tensor`` is not folded in: the kernel multiplies by it after ``scale`` (:func:`per_head_scale`)."""
     s = q.shape[-1] ** -0.5 if scale is None else scale
-    return s if scale_tensor is None else s * float(scale_tensor)
+    return s if scale_tensor is None or scale_tensor.numel() != 1 else s * float(scale_tensor)
+
+
+def per_head_scale(scale_tensor, n: int):
+    """A ``scale_tensor`` of one factor per query head (shape ``[N, 1, 1]`` or ``[1, N, 1, 1]``: Swin v2's
+    ``exp(clamp(logit_scale))``) as the kernel's fp32 ``head_scale`` ``[N]``, read now; None for no tensor or a
+    one-element one. Any other shape is refused: the kernel's factor is one per head."""
+    if scale_tensor is None or scale_tensor.numel() == 1:
+        return None
+    s = tuple(scale_tensor.shape)
+    if len(s) > 4 or s[-3:] != (n, 1, 1) or any(d != 1 for d in s[:-3]):
+        raise ValueError(f"flash_attention: scale_tensor of shape {list(s)}; it must hold one element or one factor "
+                         f"per query head ([{n}, 1, 1] or [1, {n}, 1, 1])")
+    return scale_tensor.detach().float().reshape(n).numpy()
 
 
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
@@ -195,7 +213,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     (:func:`add_mask`). Used where
     only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
-    ``scale_tensor`` may require grad (its gradient is the temperature's)."""
+    ``scale_tensor`` (one element, or one factor per query head broadcast over the scores) may require grad (its
+    gradient is the temperature's)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -294,7 +313,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
     host = ((sinks is not None and not stats.numel())     # the backward kernel has no sinks in its statistics' recompute
-            or (scale_t is not None and need[11])
+            or (scale_t is not None and (need[11] or scale_t.numel() != 1))   # the backward kernel: one scale
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
     if not host:

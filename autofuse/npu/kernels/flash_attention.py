@@ -471,7 +471,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None):
+                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -487,6 +487,9 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     CANN's band sparse mode with ``pre_tokens = window - 1``, ``next_tokens = 0``): query i sees keys j with
     ``i - window < j <= i``; the KV tiles wholly outside the band are skipped, as those above the diagonal are.
     ``mask_add_dtype``: an additive 16-bit mask added in its dtype, as eager adds it (module docstring).
+    ``head_scale``: one fp32 factor per query head (``[N]``, Swin v2's ``exp(clamp(logit_scale))``): each head's
+    scores are multiplied by its factor after ``scale``, in fp32, before the soft-cap and the mask (the same
+    Vector multiply as ``scale``, by a scalar that is the core's head's; no pass more).
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -531,6 +534,12 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"flash_attention: softcap={softcap}; it must be a positive finite number or None")
     prog.softcap = None if softcap is None else np.float32(softcap)
+    if head_scale is not None:
+        head_scale = np.asarray(getattr(head_scale, "data", head_scale), dtype=np.float32).reshape(-1)
+        if head_scale.shape != (N,):
+            raise ValueError(f"flash_attention: head_scale has {head_scale.size} values; it must be [{N}] (one factor "
+                             f"per query head)")
+    prog.head_scale = head_scale
     return prog.run()
 
 
@@ -692,6 +701,7 @@ class _Program:
         self.kt = GMTensor(kt, k.dtype, "k", False)
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
         self.softcap = None                             # set by the caller (logit soft-capping)
+        self.head_scale = None                          # set by the caller: [N] fp32 factors per query head, or None
         self.sinks = sinks                              # [N] sink logits (attention sinks) or None
         self.window = window                            # sliding window (keys), 0: none
         self.dtype = q.dtype
@@ -1031,6 +1041,8 @@ class _Program:
         def scale_and_mask(cs):
             x = S.data[cs]
             np.multiply(x, self.scale, out=x)
+            if self.head_scale is not None:         # each core's head's own factor, after the scale
+                np.multiply(x, self.head_scale[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1)), out=x)
             if self.softcap is not None:
                 np.multiply(x, np.float32(1) / self.softcap, out=x)
                 np.tanh(x, out=x)
