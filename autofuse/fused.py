@@ -334,7 +334,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     # the price's choice again; without one (reduced-shape checks) a decode step's kv groups are packed, so that
     # the check runs the less common form
     group = gqa_group(p, [shape(ins[r]) for r, _, _ in p.get("mask_terms") or ()]) \
-        if kwargs.pop("gqa_pack", "return_stats" not in kwargs and "sinks" not in ins) else 0
+        if kwargs.pop("gqa_pack", "return_stats" not in kwargs and "sinks" not in ins) and not p.get("scale_per_head") \
+        else 0                  # a per-head scale is indexed by the query head, which packing folds into rows
     if group:
         B, N, Sq, D = shape(q)
         q = call(g, aten.reshape.default, q, [B, N // group, group * Sq, D])

@@ -42,7 +42,9 @@ and from the softmax output downwards ``[cast]* [-> slice(·, -1, 0, -1)] [cast 
 ``k``/``v`` may each be ``repeat_interleave(x, r, dim=-3)`` (GQA). ``aten.scaled_dot_product_attention`` is matched directly.
 
 Rejected (each a near-miss test): softmax over any dim but the last; kᵀ that is not a transpose of
-k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale; anything between softmax and
+k's last two dims (``permute(0, 2, 1, 3)``); a tensor-valued scale but a one-element one or one factor per head
+(``[N, 1, 1]``, ``[1, N, 1, 1]`` on rank-4 scores: ``params["scale_per_head"]``; one varying per query row, ``[N,
+Sq, 1]``, is refused); anything between softmax and
 P·V other than casts (in-place edits of the probabilities are functionalised into such ops);
 a scores/probability node consumed outside the block, except the probabilities themselves
 (``probs_used``); two dropouts on the probabilities; matmul operands that broadcast batch dims (except one k/v
@@ -173,11 +175,24 @@ def narrowing_casts(chain) -> list:
 
 
 def _zero_dim_factor(x):
-    """The one-element tensor operand of ``mul(scores, t)`` (a learnable temperature, a scale buffer), or None."""
+    """The tensor operand of ``mul(scores, t)`` read by the kernel as its scale at call time, or None: a
+    one-element tensor (a learnable temperature, a scale buffer), or one factor per head of rank-4 scores
+    ``[B, N, Sq, Skv]``, of shape ``[N, 1, 1]`` or ``[1, N, 1, 1]`` (Swin v2's ``exp(clamp(logit_scale))``;
+    :func:`_per_head_factor`). A factor that varies over batch, queries or keys is not the kernel's scale."""
     t = x.args[1]
-    if not isinstance(t, fx.Node) or val(t) is None or not val(t).is_floating_point() or val(t).numel() != 1:
+    if not isinstance(t, fx.Node) or val(t) is None or not val(t).is_floating_point():
+        return None
+    if val(t).numel() != 1 and not _per_head_factor(t, shape(x)):
         return None
     return t if shape(x) == shape(x.args[0]) else None
+
+
+def _per_head_factor(t: fx.Node, scores: tuple) -> bool:
+    """Whether ``t`` holds one factor per head of rank-4 ``scores`` (more than one head): shape ``[N, 1, 1]`` or
+    ``[1, N, 1, 1]``."""
+    s = tuple(shape(t))
+    return (len(scores) == 4 and scores[1] > 1 and 3 <= len(s) <= 4 and s[-3:] == (scores[1], 1, 1)
+            and all(d == 1 for d in s[:-3]))
 
 
 def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
@@ -452,9 +467,12 @@ def _decide_softmax(m: dict) -> Match | None:
     if sc.sinks is not None:
         inputs["sinks"] = sc.sinks.name
     empty = "zero" if sm.meta.get("autofuse_safe_softmax") else "nan"
-    return _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
-                   probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast,
-                   sc.sinks is not None, sc.adds)
+    found = _finish(inputs, sc.masks, core | set(optional), pv, sc.scale, False, q, k, v, rep,
+                    probs[0] if probs else None, empty, dropout_p, draw, sc.softcap, sc.fill_last, v_cast,
+                    sc.sinks is not None, sc.adds)
+    if sc.scale_tensor is not None and val(sc.scale_tensor).numel() != 1 and "unsupported" not in found.params:
+        found.params["scale_per_head"] = True       # the kernel's head_scale: one factor per query head
+    return found
 
 
 def _members(m: dict, chain: str) -> list:
