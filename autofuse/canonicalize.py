@@ -427,6 +427,35 @@ def _split_add(n):
     return call(n.graph, aten.add.Tensor, a, b)
 
 
+def _split_batch_add(n):
+    """add(reshape(s, [B1, B2, *rest]), m), the reshape splitting only the leading dim of s (B = B1·B2) and m
+    broadcast into the sum -> reshape(add(s, m'), [B1, B2, *rest]), m' the term each of the B rows reads: m
+    broadcast over the two split dims and merged into one, ``[B, *m's other dims]`` (``[1, ...]`` when m is 1 on
+    both). Swin v2's window mask: scores ``[B, H, N, N]`` viewed ``[B/nW, nW, H, N, N]`` plus ``mask[nW, N, N]``
+    unsqueezed to ``[1, nW, 1, N, N]``, i.e. ``mask[b % nW]`` added to row b. Every sum is the same one, in the same
+    dtype, so the scores keep their rank and their additive terms are seen as masks."""
+    if n.kwargs or len(n.args) != 2 or not all(isinstance(a, fx.Node) for a in n.args):
+        return None
+    for r, m in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        if not is_call(r, aten.reshape.default) or not isinstance(r.args[0], fx.Node):
+            continue
+        s = r.args[0]
+        ss, rs, ms, ns = tuple(shape(s)), tuple(shape(r)), tuple(shape(m)), tuple(shape(n))
+        if not (ns == rs and len(ss) >= 3 and len(rs) == len(ss) + 1 and rs[2:] == ss[1:] and rs[0] * rs[1] == ss[0]
+                and len(ms) <= len(rs) and val(m).is_floating_point() and val(n).dtype == val(s).dtype):
+            continue
+        mp = (1,) * (len(rs) - len(ms)) + ms
+        if any(d not in (1, f) for d, f in zip(mp, rs)):
+            continue
+        g = n.graph
+        mm = m if ms == mp else call(g, aten.reshape.default, m, list(mp))
+        if mp[:2] != (1, 1) and mp[:2] != rs[:2]:
+            mm = call(g, aten.expand.default, mm, [*rs[:2], *mp[2:]])
+        mm = call(g, aten.reshape.default, mm, [1 if mp[:2] == (1, 1) else ss[0], *mp[2:]])
+        return call(g, aten.reshape.default, call(g, aten.add.Tensor, s, mm), list(rs))
+    return None
+
+
 def _add_zero(n):
     """x + zeros (a constant that broadcasts into x's shape) is x."""
     for x, z in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
@@ -881,6 +910,7 @@ RULES = [
     ({aten.reshape.default}, _split_add),  # same for a bias added to folded scores (baddbmm)
     ({aten.softmax.int, aten.mul.Tensor, aten._to_copy.default, aten.add.Tensor,
       aten.where.ScalarOther}, _sink_merge),  # same when the scores were folded for a bmm
+    ({aten.add.Tensor}, _split_batch_add),  # a term added through a view splitting the batch: added before it
     ({aten.add.Tensor}, _add_zero),  # + zeros is a no-op (the shape/dtype guard rejects broadcasting up)
     ({aten.baddbmm.default}, _baddbmm),  # baddbmm = scaled matmul + bias (MHA's masked scores)
     ({aten.einsum.default}, _einsum),  # einsum contractions are matmuls with permutes

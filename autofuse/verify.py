@@ -364,7 +364,7 @@ def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None,
     (``scores - m``): their masking values are ``+inf`` and ``finfo.max``."""
     out = []
 
-    def variant(label, pos, fn):
+    def variant(label, pos, fn, every=False):
         xs = list(inputs)
         t = xs[pos]
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
@@ -372,6 +372,12 @@ def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None,
         t = t.clone()
         fn(t)
         xs[pos] = t
+        if every:
+            # a mask is changed at every position holding its value (:func:`_aliases`): the captured block may read
+            # it twice through two views (Swin v2 adds its window mask twice, each unsqueezed by itself) where the
+            # fused call reads one of them twice; changing one view alone would be a model no input can make
+            for i in _aliases(inputs, pos)[1:]:
+                xs[i] = inputs[i].clone().copy_(t.reshape(inputs[i].shape))
         out.append((label, xs))
 
     masks = [(p, r in negated) for r, ps in roles.items() if r.startswith("mask") for p in ps]
@@ -385,8 +391,8 @@ def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None,
         elif t.is_floating_point():
             inf, low = (float("inf"), torch.finfo(t.dtype).max) if neg else (-float("inf"), torch.finfo(t.dtype).min)
             how = " subtracted" if neg else ""
-            variant(f"a query row masked with {inf:+g}{how}", p, lambda x, v=inf: x[_row(x)].fill_(v))
-            variant(f"a query row masked with {low:g}{how}", p, lambda x, v=low: x[_row(x)].fill_(v))
+            variant(f"a query row masked with {inf:+g}{how}", p, lambda x, v=inf: x[_row(x)].fill_(v), every=True)
+            variant(f"a query row masked with {low:g}{how}", p, lambda x, v=low: x[_row(x)].fill_(v), every=True)
     for p in roles.get("q", ()):
         t = inputs[p]
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
