@@ -356,6 +356,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["mask_add_dtype"] = p["mask_add_dtype"]
     if "scale_tensor" in ins:
         kw["scale_tensor"] = ins["scale_tensor"]
+        if p.get("scale_round") is not None:
+            kw["head_scale_dtype"] = p["scale_round"]
     if "sinks" in ins:
         kw["sinks"] = ins["sinks"]
     if p.get("dropout_draw") is not None:

@@ -235,6 +235,10 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
             below.ops.append(("scale", x.args[1]))
             x = x.args[0]
         elif is_call(x, aten.mul.Tensor) and not x.kwargs and _zero_dim_factor(x) is not None and st is None:
+            if val(x.args[1]).numel() != 1 and (val(x).dtype != val(x.args[0]).dtype or below.softcap is not None
+                                                or not is_call(x.args[0], aten.matmul.default)):
+                return None             # a per-head factor: eager's product of QKᵀ itself, in the scores' dtype, is
+                #                         what the kernel computes (head_scale_dtype); not a promoted or later one
             st = x.args[1]              # a live 0-d factor: read by the fused op at call time
             nodes.append(x)
             below.tensor_scale = True
@@ -463,6 +467,10 @@ def _decide_softmax(m: dict) -> Match | None:
                                 f"{', '.join(str(val(t).dtype).replace('torch.', '') for t in (q, k, v))})")
         v_cast = val(q).dtype
     if sc.scale_tensor is not None:
+        if (val(sc.scale_tensor).numel() != 1 and val(sc.qk).dtype != torch.float32
+                and abs(math.frexp(sc.scale)[0]) != 0.5):
+            return None                 # 16-bit scores scaled by a per-head factor and a number that is not a power
+            #                             of two: the kernel's roundings would come in another order than eager's
         inputs["scale_tensor"] = sc.scale_tensor.name
     if sc.sinks is not None:
         inputs["sinks"] = sc.sinks.name
@@ -472,7 +480,17 @@ def _decide_softmax(m: dict) -> Match | None:
                     sc.sinks is not None, sc.adds)
     if sc.scale_tensor is not None and val(sc.scale_tensor).numel() != 1 and "unsupported" not in found.params:
         found.params["scale_per_head"] = True       # the kernel's head_scale: one factor per query head
+        found.params["scale_round"] = _per_head_rounding(sc)
     return found
+
+
+def _per_head_rounding(sc: _Scores) -> torch.dtype | None:
+    """The 16-bit dtype eager multiplies its scores by a per-head factor in (the product of QKᵀ, rounded to it, and
+    the factor, rounded once more), which the kernel then reproduces (``head_scale_dtype``); None for an fp32
+    product."""
+    mul = next(n for n in sc.nodes if is_call(n, aten.mul.Tensor) and n.args[1] is sc.scale_tensor)
+    d = val(mul).dtype
+    return d if d in (torch.float16, torch.bfloat16) else None
 
 
 def _members(m: dict, chain: str) -> list:

@@ -471,7 +471,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None):
+                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None, head_scale_dtype=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -489,7 +489,9 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     ``mask_add_dtype``: an additive 16-bit mask added in its dtype, as eager adds it (module docstring).
     ``head_scale``: one fp32 factor per query head (``[N]``, Swin v2's ``exp(clamp(logit_scale))``): each head's
     scores are multiplied by its factor after ``scale``, in fp32, before the soft-cap and the mask (the same
-    Vector multiply as ``scale``, by a scalar that is the core's head's; no pass more).
+    Vector multiply as ``scale``, by a scalar that is the core's head's; no pass more). ``head_scale_dtype``
+    (``"float16"``, ``"bfloat16"``): eager's 16-bit scores times a 16-bit factor, the scores rounded to that dtype
+    before the multiply and the product after it (four passes more: each rounding a cast down and up).
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -540,6 +542,12 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
             raise ValueError(f"flash_attention: head_scale has {head_scale.size} values; it must be [{N}] (one factor "
                              f"per query head)")
     prog.head_scale = head_scale
+    if head_scale_dtype is not None and (head_scale is None or head_scale_dtype not in ("float16", "bfloat16")):
+        raise ValueError(f"flash_attention: head_scale_dtype={head_scale_dtype!r}; it takes 'float16' or 'bfloat16' "
+                         f"and a head_scale")
+    prog.head_round = head_scale_dtype
+    if head_scale_dtype is not None and not hasattr(prog, "tmp2"):
+        prog.tmp2 = np.empty_like(prog.tmp)
     return prog.run()
 
 
@@ -702,6 +710,7 @@ class _Program:
         self.mask, self.scale, self.causal, self.return_probs = mask, np.float32(scale), causal, return_probs
         self.softcap = None                             # set by the caller (logit soft-capping)
         self.head_scale = None                          # set by the caller: [N] fp32 factors per query head, or None
+        self.head_round = None                          # set by the caller: the 16-bit dtype of eager's scaled scores
         self.sinks = sinks                              # [N] sink logits (attention sinks) or None
         self.window = window                            # sliding window (keys), 0: none
         self.dtype = q.dtype
@@ -1005,6 +1014,8 @@ class _Program:
         passes = 4 if probs_pass else 5                     # scale, (max,) sub, exp, sum or mul
         if self.softcap is not None:
             passes += SOFTCAP_PASSES                        # muls 1/c, tanh, muls c
+        if self.head_round is not None:
+            passes += 4                                     # the scores and their per-head product rounded to 16 bits
         if self.dtype != "float32":
             passes += 1                                     # cast
         reads, writes = [S], [S, P]
@@ -1042,7 +1053,14 @@ class _Program:
             x = S.data[cs]
             np.multiply(x, self.scale, out=x)
             if self.head_scale is not None:         # each core's head's own factor, after the scale
-                np.multiply(x, self.head_scale[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1)), out=x)
+                hs = self.head_scale[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1))
+                if self.head_round is None:
+                    np.multiply(x, hs, out=x)
+                else:                               # eager's 16-bit product of its 16-bit scores
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        round_to(x, self.head_round, self.tmp2[cs], tmp[cs])
+                        np.multiply(self.tmp2[cs], hs, out=self.tmp2[cs])
+                        round_to(self.tmp2[cs], self.head_round, x, tmp[cs])
             if self.softcap is not None:
                 np.multiply(x, np.float32(1) / self.softcap, out=x)
                 np.tanh(x, out=x)
