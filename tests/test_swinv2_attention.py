@@ -156,19 +156,24 @@ class _SplitHeads(CosineWindowAttention):
         return F.softmax(s, dim=-1) @ v
 
 
+# each near miss beside its twin of the form that is matched (one attention block): the refusal is the form's
+
 def test_a_scale_varying_per_query_row_is_not_matched():
-    m = CosineWindowAttention(2, 16, scale_shape=(2, 16, 1))
-    assert _attention_matches(m, _inputs(8, 2, 16, 16, torch.float32, 4)) == []
+    args = _inputs(8, 2, 16, 16, torch.float32, 4)
+    assert _attention_matches(CosineWindowAttention(2, 16, scale_shape=(2, 16, 1)), args) == []
+    assert len(_attention_matches(CosineWindowAttention(2, 16, scale_shape=(2, 1, 1)), args)) == 1
 
 
 def test_a_view_splitting_another_dim_than_batch_is_not_matched():
-    m = _SplitHeads(4, 16)
     q, k, v = _inputs(2, 4, 16, 16, torch.float32)
-    assert _attention_matches(m, (q, k, v, _window_mask(2, 16))) == []
+    assert _attention_matches(_SplitHeads(4, 16), (q, k, v, _window_mask(2, 16))) == []
+    assert len(_attention_matches(CosineWindowAttention(4, 16), (q, k, v, _window_mask(2, 16)))) == 1
 
 
 def test_a_mask_added_after_the_softmax_is_not_matched():
-    assert _attention_matches(_MaskAfterSoftmax(2, 16), _inputs(8, 2, 16, 16, torch.float32, 4)) == []
+    args = _inputs(8, 2, 16, 16, torch.float32, 4)
+    assert _attention_matches(_MaskAfterSoftmax(2, 16), args) == []
+    assert len(_attention_matches(CosineWindowAttention(2, 16, twice=False), args)) == 1
 
 
 # ------------------------------------------------------------------------------------------- the real model
@@ -217,7 +222,7 @@ def test_swinv2_every_attention_block_is_fused_as_eager(dtype):
 
 def test_swinv2_trains_with_eagers_gradients():
     """Training mode (dropout 0 by default, drop path off): every parameter's gradient, the per-head logit scales'
-    among them, equals eager's (fp32 both sides)."""
+    among them, is eager's up to fp32 rounding."""
     model, (args, kwargs) = _swinv2()
     model.train()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
@@ -231,5 +236,8 @@ def test_swinv2_trains_with_eagers_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     assert sum("logit_scale" in n for n in grads[0]) == 4
-    for n in grads[1]:
-        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)    # fp32 both sides
+    for n, want in grads[1].items():
+        # fp32 both sides; gradients here reach 277, so each is bounded relative to its own largest: the per-head
+        # scale's sums B·N·N products (its host recompute in another order than eager's), measured 1.2e-05
+        err = (grads[0][n] - want).abs().max().item()
+        assert err <= 5e-5 * want.abs().max().item(), (n, err, want.abs().max().item())
