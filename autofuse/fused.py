@@ -102,6 +102,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
     params = {"scale": p.get("scale"), "causal": bool(p.get("causal")), "return_probs": bool(p.get("probs_used"))}
     if p.get("softcap") is not None:
         params["softcap"] = p["softcap"]
+    if p.get("scale_round") is not None:            # a per-head scale's 16-bit product: its roundings
+        params["head_scale_dtype"] = str(p["scale_round"]).replace("torch.", "")
     if "sinks" in match.inputs:                     # one sink logit per query head, as the op passes them
         params["sinks"] = ((specs[0][0][1],), _spec(nodes[match.inputs["sinks"]])[1])
     terms = p.get("mask_terms") or ()

@@ -200,6 +200,13 @@ ROUNDING = 1e-9
 #: Vector passes of logit soft-capping per score: muls 1/c, an fp32 tanh (six passes: muls 2, exp, adds 1,
 #: reciprocal, muls -2, adds 1), muls c
 SOFTCAP_PASSES = 8
+#: a per-head scale's 16-bit product (``head_scale_dtype``): the scores and the product each rounded, a cast down and up
+HEAD_ROUND_PASSES = 4
+
+
+def _extra_passes(softcap) -> int:
+    """Vector passes per score beyond the plain ones: ``softcap`` True is the soft-cap's; an int is a count."""
+    return SOFTCAP_PASSES if softcap is True else int(softcap or 0)
 #: UB tile of an item's sink logit (attention sinks): one fp32 value in a 32-byte aligned tile
 SINK_TILE = 8
 
@@ -695,7 +702,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     # work of one step: the busiest core's query blocks (causal: full ones; otherwise as dealt, edge
     # blocks included)
     qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
-    passes = 5 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0) + mask_passes(mask)
+    passes = 5 + (1 if dtype != F32 else 0) + _extra_passes(softcap) + mask_passes(mask)
     msz = 0
     if mask is not None:
         msz = itemsize(mask[1])
@@ -1128,7 +1135,7 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     rv = qe / nh
     ke = Skv / nkv
     nsub = max(1, ceil_div(int(rv), vq))
-    passes = 4 + (1 if dtype != F32 else 0) + (SOFTCAP_PASSES if softcap else 0) + mask_passes(mask)
+    passes = 4 + (1 if dtype != F32 else 0) + _extra_passes(softcap) + mask_passes(mask)
     msz = 0
     if mask is not None:
         msz = itemsize(mask[1])
@@ -1261,7 +1268,8 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 @register("flash_attention", _roofline)
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                              fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
-                             softcap=None, sinks=None, window=0, mask_add_dtype=None):
+                             softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None,
+                             head_scale_dtype=None):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
@@ -1271,10 +1279,12 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     the softmax starts from it instead of ``-inf`` (the same passes). ``window`` (with ``causal``): a sliding window
     of that many keys; the tiles wholly outside the band are skipped and those holding its left edge take a
     compare and a select more, as the diagonal's do. ``mask_add_dtype``: a 16-bit additive mask added in its dtype
-    (the scores cast down, the add, the sum cast back up: one Vector pass per score more than its fp32 add)."""
+    (the scores cast down, the add, the sum cast back up: one Vector pass per score more than its fp32 add).
+    ``head_scale``: a per-head factor, the same multiply as the scale (N values loaded: not counted);
+    ``head_scale_dtype``: that product in 16 bits, the scores and the product rounded (four passes per score more)."""
     window = int(window or 0)
     drop = drop_mask is not None
-    cap = softcap is not None
+    cap = (SOFTCAP_PASSES if softcap is not None else 0) + (HEAD_ROUND_PASSES if head_scale_dtype is not None else 0)
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]

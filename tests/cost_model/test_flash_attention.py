@@ -170,3 +170,26 @@ def test_kind_steps_counts_the_launch_kinds_steps():
             assert kinds == kk.kinds and steps == tuple(kk.block.sum(0).tolist()), (Sq, Skv, qb, kvb, causal, window)
             seen += 1
     assert seen == 9680
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_per_head_scale_in_16_bits_priced_as_simulated(device):
+    """A per-head scale (Swin v2's) is the scale's own multiply, by each head's factor; its 16-bit product
+    (``head_scale_dtype``: the scores and the product rounded as eager rounds them) is four Vector passes per score
+    more, in the model as in the simulator; the same bytes."""
+    B, N, S, D, dt = 2, 4, 256, 64, "float16"
+    specs = [((B, N, S, D), dt)] * 3
+    ts = [torch.empty(sh, dtype=torch.float16, device="meta") for sh, _ in specs]
+    heads = torch.full((N,), 10.0)
+    for extra in ({}, {"head_scale_dtype": dt}):
+        est = cost_model.estimate("flash_attention", specs, device=device, **extra)
+        sim = npu.run("flash_attention", *ts, device=device, tiling=est.tiling, timing_only=True, head_scale=heads,
+                      **extra).stats
+        assert abs(est.cycles - sim.cycles) <= 0.15 * sim.cycles, (extra, est.cycles, sim.cycles)
+        assert est.hbm_bytes == pytest.approx(sim.hbm_bytes, rel=0.15)
+        if extra:       # against the plain product at the same tiling (the passes may change the tiling chosen)
+            plain = cost_model.estimate("flash_attention", specs, device=device, tiling=est.tiling)
+            plain_sim = npu.run("flash_attention", *ts, device=device, tiling=est.tiling, timing_only=True,
+                                head_scale=heads).stats
+            assert est.busy["vector"] > plain.busy["vector"] and sim.busy["vector"] > plain_sim.busy["vector"]
+            assert est.hbm_bytes == plain.hbm_bytes and sim.hbm_bytes == plain_sim.hbm_bytes

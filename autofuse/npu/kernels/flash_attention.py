@@ -536,12 +536,10 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"flash_attention: softcap={softcap}; it must be a positive finite number or None")
     prog.softcap = None if softcap is None else np.float32(softcap)
-    if head_scale is not None:
-        head_scale = np.asarray(getattr(head_scale, "data", head_scale), dtype=np.float32).reshape(-1)
-        if head_scale.shape != (N,):
-            raise ValueError(f"flash_attention: head_scale has {head_scale.size} values; it must be [{N}] (one factor "
-                             f"per query head)")
-    prog.head_scale = head_scale
+    if head_scale is not None and tuple(head_scale.shape) != (N,):
+        raise ValueError(f"flash_attention: head_scale has shape {list(head_scale.shape)}; it must be [{N}] (one "
+                         f"factor per query head)")
+    prog.head_scale = head_scale            # a GM tensor, its values read by the passes (none in a timing-only launch)
     if head_scale_dtype is not None and (head_scale is None or head_scale_dtype not in ("float16", "bfloat16")):
         raise ValueError(f"flash_attention: head_scale_dtype={head_scale_dtype!r}; it takes 'float16' or 'bfloat16' "
                          f"and a head_scale")
@@ -1053,7 +1051,7 @@ class _Program:
             x = S.data[cs]
             np.multiply(x, self.scale, out=x)
             if self.head_scale is not None:         # each core's head's own factor, after the scale
-                hs = self.head_scale[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1))
+                hs = np.asarray(self.head_scale.data, dtype=np.float32)[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1))
                 if self.head_round is None:
                     np.multiply(x, hs, out=x)
                 else:                               # eager's 16-bit product of its 16-bit scores
