@@ -408,8 +408,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     scores cast down and the sum rounded to it (forward and backward). ``scale_tensor`` may also hold one factor per
     query head (``[N, 1, 1]``, ``[1, N, 1, 1]``: Swin v2's), which multiplies each head's scores after ``scale``;
     ``head_scale_dtype`` (a 16-bit dtype) then rounds the scores before that product and the product after it, as
-    eager's product of 16-bit scores and a 16-bit factor does (its backward runs on the host). Returns ``out`` or, with ``return_probs``,
-    ``(out, probs)``.
+    eager's product of 16-bit scores and a 16-bit factor does (its backward runs on the host). Returns ``out`` or,
+    with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:

@@ -1232,7 +1232,8 @@ def _search(device, specs, mask, causal, drop, stats, cap=False, window=0):
             # replay are then cached for the model), the bound's other phases, HBM and GM bytes as they were (the
             # same sum, in the same order, as a bound made with ``sharp`` gives)
             _, hbm, nbytes, _, _, _, (ph0, _, ph2, ph3) = bounded[i]
-            ph1 = _model(dev, specs, mask, causal, cands[i], drop, stats, True, cap, window, sharp=True, stats_only=True)
+            ph1 = _model(dev, specs, mask, causal, cands[i], drop, stats, True, cap, window, sharp=True,
+                         stats_only=True)
             low = kernel_cycles(dev, ph0 + ph1 + ph2 + ph3, hbm, nbytes)
             if low > best[0] * (1 + ROUNDING):
                 continue

@@ -471,7 +471,8 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 @kernel("flash_attention")
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
-                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None, head_scale_dtype=None):
+                    return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None,
+                    head_scale_dtype=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
