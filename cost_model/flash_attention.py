@@ -202,11 +202,6 @@ ROUNDING = 1e-9
 SOFTCAP_PASSES = 8
 #: a per-head scale's 16-bit product (``head_scale_dtype``): the scores and the product each rounded, a cast down and up
 HEAD_ROUND_PASSES = 4
-
-
-def _extra_passes(softcap) -> int:
-    """Vector passes per score beyond the plain ones: ``softcap`` True is the soft-cap's; an int is a count."""
-    return SOFTCAP_PASSES if softcap is True else int(softcap or 0)
 #: UB tile of an item's sink logit (attention sinks): one fp32 value in a 32-byte aligned tile
 SINK_TILE = 8
 
@@ -675,9 +670,11 @@ def drop_bytes(Sq, Skv, qb, kvb, causal, window=0):
     return float((qe * (cum8[hi] - cum8[lo])).sum())
 
 
-def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, softcap=False,
+def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, extra_passes=0,
            sinks=None, window=0, bound=False):
-    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``. With
+    """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
+    ``extra_passes``: Vector passes per score beyond the plain ones (the soft-cap's, a per-head scale's 16-bit
+    roundings: :func:`estimate_flash_attention` counts them). With
     ``bound``, a lower bound of the cycles (see :func:`_search`): a short launch's replay replaced by each core's fill,
     steps at their kinds' units that no port wait touches and item ends; the dirty workspaces and the probabilities
     sweep left out (busy is None)."""
@@ -702,7 +699,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     # work of one step: the busiest core's query blocks (causal: full ones; otherwise as dealt, edge
     # blocks included)
     qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
-    passes = 5 + (1 if dtype != F32 else 0) + _extra_passes(softcap) + mask_passes(mask)
+    passes = 5 + (1 if dtype != F32 else 0) + extra_passes + mask_passes(mask)
     msz = 0
     if mask is not None:
         msz = itemsize(mask[1])
@@ -853,7 +850,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     stats = return_probs or return_stats
     if return_probs and not bound:
         pc, ph, pbusy = _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group,
-                                     softcap, window)
+                                     extra_passes, window)
         core += pc
 
     # HBM: q, K/V (unique, re-read when evicted), mask, out, dirty workspaces at the end
@@ -1106,7 +1103,8 @@ def replay_time(tal: Tally, priced, kvport, q_row, out_row, split) -> float:
     return float(np.maximum(t, port).max())
 
 
-def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, softcap=False, window=0):
+def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_unique, group, extra_passes=0,
+                 window=0):
     """The return_probs sweep (``probs_sweep`` in the kernel): once every row's max and sum are final (stored
     at the end of the first sweep), each (item, KV tile) step recomputes S = Q·K_jᵀ, runs scale, [mask],
     [causal], sub, exp, mul 1/l, [cast] over it and stores the normalised P tile to GM (every KV tile of an
@@ -1135,7 +1133,7 @@ def _probs_sweep(dev, B, N, Nkv, Sq, Skv, D, dtype, mask, causal, t, n, kv_uniqu
     rv = qe / nh
     ke = Skv / nkv
     nsub = max(1, ceil_div(int(rv), vq))
-    passes = 4 + (1 if dtype != F32 else 0) + _extra_passes(softcap) + mask_passes(mask)
+    passes = 4 + (1 if dtype != F32 else 0) + extra_passes + mask_passes(mask)
     msz = 0
     if mask is not None:
         msz = itemsize(mask[1])
@@ -1226,7 +1224,7 @@ def _roofline(dev, specs, mask=None, scale=None, causal=False, return_probs=Fals
 
 
 @cached
-def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, softcap=False, sinks=None,
+def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=False, extra_passes=0, sinks=None,
             window=0):
     dev = get_device(device)
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
@@ -1249,14 +1247,15 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
         if qs[0] * qs[1] * ceil_div(qs[2], t["q"]) > REPLAY_UNITS:
             return 0.0
         return kernel_cycles(dev, *_model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats,
-                                          softcap, sinks, window, bound=True)[:3]) * margin[i]
+                                          extra_passes, sinks, window, bound=True)[:3]) * margin[i]
 
     bounds = sorted((bound(i, t, counts), i) for i, (t, counts) in enumerate(cands))
     for low, i in bounds:
         if best is not None and low > best[0] * (1 + ROUNDING):
             break
         t, counts = cands[i]
-        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, softcap, sinks, window)
+        res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, extra_passes, sinks,
+                     window)
         cost = kernel_cycles(dev, *res[:3]) * margin[i]
         if best is None or (cost, i) < best[:2]:
             best = (cost, i, t, res)
@@ -1284,7 +1283,7 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     ``head_scale_dtype``: that product in 16 bits, the scores and the product rounded (four passes per score more)."""
     window = int(window or 0)
     drop = drop_mask is not None
-    cap = (SOFTCAP_PASSES if softcap is not None else 0) + (HEAD_ROUND_PASSES if head_scale_dtype is not None else 0)
+    extra = (SOFTCAP_PASSES if softcap is not None else 0) + (HEAD_ROUND_PASSES if head_scale_dtype is not None else 0)
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
@@ -1292,7 +1291,7 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     if tiling is None:
         sinks = None if sinks is None else (tuple(sinks[0]), sinks[1])
         t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats),
-                         cap, sinks, window)
+                         extra, sinks, window)
     else:
         t = {k: int(tiling[k]) for k in ("q", "kv", "vq")}
         m4 = None if mask is None else (1,) * (4 - len(mask[0])) + tuple(mask[0])
@@ -1302,7 +1301,7 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
         if counts is None or not _valid(dev, t):
             raise ValueError(f"flash_attention tiling {t} does not fit {dev.name}")
         res = _model(dev, specs, mask, bool(causal), t, counts, bool(return_probs), bool(drop), bool(return_stats),
-                     cap, sinks, window)
+                     extra, sinks, window)
     core, hbm, nbytes, busy, ws_bytes = res
     (qs, _), (ks, _), (vs, _) = specs
     return make("flash_attention", dev, core, hbm, nbytes, busy, dict(t),

@@ -141,7 +141,7 @@ def test_the_searchs_bound_never_exceeds_the_model():
                 if B * N * nq > REPLAY_UNITS:
                     continue
                 args = (dev, specs, mask, causal, t, counts, extra.get("return_probs", False), False,
-                        extra.get("return_stats", False), False, None, window)
+                        extra.get("return_stats", False), 0, None, window)
                 low = kernel_cycles(dev, *_model(*args, bound=True)[:3])
                 exact = kernel_cycles(dev, *_model(*args)[:3])
                 assert 0 < low <= exact * (1 + 1e-12), (device, specs, t, low, exact)
