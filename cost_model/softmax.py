@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from cost_model.common import ceil_div, itemsize, round_up
+from cost_model.common import ceil_div, itemsize, round_up, unique
 from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
@@ -127,9 +127,7 @@ def _blocks(kept, n, block, period):
     sizes = kept // n + (np.arange(n) < kept % n)
     bounds = np.concatenate([[0], sizes.cumsum()])
     cuts = np.arange(0, kept, period) if period else np.zeros(1, dtype=np.int64)
-    starts = np.concatenate([bounds[:-1], cuts])
-    # segment starts (np.unique's sorted distinct values; a set for a few hundred, the same array cheaper)
-    seg = np.array(sorted(set(starts.tolist())), dtype=starts.dtype) if len(starts) <= 4096 else np.unique(starts)
+    seg = unique(np.concatenate([bounds[:-1], cuts]))               # segment starts
     seg_end = np.concatenate([seg[1:], [kept]])
     nblk = -(-(seg_end - seg) // block)
     first = (nblk.cumsum() - nblk).repeat(nblk)

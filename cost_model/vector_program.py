@@ -31,7 +31,7 @@ import math
 
 import numpy as np
 
-from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize
+from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize, unique
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.lowering import col_bytes, geometry, lower, pitch, sweep
@@ -242,14 +242,7 @@ def _model(dev, prog, low, R, C):
     rate = dev.rates["GM->UB"]
     step_bytes = rows.sum(axis=0).max() * sum(col_bytes(w.width, w.dtype) for w in views if w.rows) * len(low.passes)
     resident = step_bytes <= dev.l2_bytes            # a chunked step's rows stay in L2: pass-2 reloads hit
-    # the few row counts tasks have, and each task's among them (np.unique's, sorted and its inverse; for a few
-    # hundred tasks a set and searchsorted give the same arrays at a fraction of its cost)
-    if rows.size <= 4096:
-        urows = np.array(sorted(set(rows.ravel().tolist())), dtype=rows.dtype)
-        rix = urows.searchsorted(rows)
-    else:
-        urows, rix = np.unique(rows, return_inverse=True)
-        rix = rix.reshape(rows.shape)
+    urows, rix = unique(rows, return_inverse=True)    # the few row counts tasks have, and each task's among them
     shape = (n, S, P)
     lb, lport, vec, instr = (np.zeros(shape) for _ in range(4))
     sb, sport = np.zeros(shape), np.zeros(shape)
