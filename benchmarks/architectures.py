@@ -108,6 +108,8 @@ MODELS = [
     ("electra", f"ElectraConfig?{L}&embedding_size=64", "sdpa"),
     ("swin", "SwinConfig?depths=[2,2]&num_heads=[2,4]&embed_dim=32&image_size=32&patch_size=4&window_size=4",
      "eager"),
+    ("swinv2 (cosine attention)", "Swinv2Config?depths=[2,2]&num_heads=[2,4]&embed_dim=32&image_size=32&patch_size=4"
+     "&window_size=4", "eager"),
     ("beit", "BeitConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
      "&image_size=32&patch_size=8", "eager"),
     ("siglip vision", "SiglipVisionConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
