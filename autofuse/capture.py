@@ -1348,10 +1348,17 @@ class _Ctx:
         pass
 
 
+#: The dtype a custom Function's backward is checked in, for arguments of a 16-bit float dtype.
+_CHECK_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
 def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
     """Whether ``cls``'s backward gives the gradient autograd finds through its forward, on random inputs of the
     captured call's shapes (what a captured graph, which keeps only the forward, would give): within fp32
-    rounding. False where that cannot be checked (symbolic or large sizes, a forward that needs its ctx)."""
+    rounding. 16-bit arguments are checked in fp32: the question is whether the backward is the forward's
+    derivative, and two spellings of one derivative differ by more than fp32's tolerance when each rounds to 16 bits
+    (BLOOM's GeLU in bf16). False where that cannot be checked (symbolic or large sizes, a forward that needs its
+    ctx)."""
     leaves = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _TensorArg)]
     if any(a.shape is None for a in leaves) or sum(math.prod(a.shape) for a in leaves) > 1 << 20:
         return False
@@ -1361,7 +1368,7 @@ def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
         if not isinstance(a, _TensorArg):
             return a
         if a.dtype.is_floating_point:
-            return torch.randn(a.shape, generator=g).to(a.dtype).requires_grad_()
+            return torch.randn(a.shape, generator=g).to(_CHECK_DTYPE.get(a.dtype, a.dtype)).requires_grad_()
         return torch.zeros(a.shape, dtype=a.dtype)
     try:
         with torch.random.fork_rng(), torch.enable_grad():
