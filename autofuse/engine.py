@@ -36,6 +36,7 @@ import decimal
 import fractions
 import functools
 import inspect
+import operator
 import threading
 import time
 import warnings
@@ -824,9 +825,11 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     ``at_call``: the inputs are a call's, not fuse()'s example inputs (errors say so)."""
     who = "fused model" if at_call else "fuse"
     _check_parameter_dtypes(model, device, who)      # model.double() after fuse(): refused as fuse() refuses it
-    _check_input_dtypes(args, kwargs, device, who, "this call's input" if at_call else "example input")
     t0 = time.perf_counter()
     captured = capture(model, args, kwargs, route=route, sizes=sizes)
+    # float64 inputs are decided on the captured graph: accepted where the model casts them before computing
+    _check_input_dtypes(captured.graph_module, args, kwargs, device, who,
+                        "this call's input" if at_call else "example input")
     with _autocast_off():       # the captured graph holds autocast's casts: checked and planned as it will run
         return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0,
                               agreed)
@@ -1835,14 +1838,100 @@ def _check_parameter_dtypes(model: torch.nn.Module, device: str, who: str = "fus
                 raise _dtype_error(f"{kind} {name!r} of {type(model).__name__}", t.dtype, device, who)
 
 
-def _check_input_dtypes(args, kwargs, device: str, who: str = "fuse", input_: str = "example input"):
+class InputDtypeError(TypeError):
+    """An input of a dtype the NPU does not compute in (float64, complex128) that the captured graph computes with,
+    not only casts to a dtype it computes in: the message names the first op that reads it so. ``leaf``: the
+    input's position among the flattened inputs; ``read``: how the graph computes with it (:func:`first_wide_read`).
+    """
+
+    def __init__(self, message: str, leaf: int, read: str = ""):
+        super().__init__(message)
+        self.leaf, self.read = leaf, read
+
+
+_aten = torch.ops.aten
+#: Ops that view, slice, copy or re-lay a value without computing with it: a float64 input may pass them on its way
+#: to a cast into a compute dtype (what they make is followed as the input is)
+_MOVES = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.permute.default,
+          _aten.transpose.int, _aten.t.default, _aten.unsqueeze.default, _aten.squeeze.default, _aten.squeeze.dim,
+          _aten.squeeze.dims, _aten.expand.default, _aten.slice.Tensor, _aten.select.int, _aten.narrow.default,
+          _aten.clone.default, _aten.detach.default, _aten.alias.default, _aten.contiguous.default,
+          _aten.flatten.using_ints, _aten.unflatten.int, _aten.split.Tensor, _aten.split_with_sizes.default,
+          _aten.unbind.int, _aten.chunk.default, _aten.movedim.int, _aten.lift_fresh_copy.default,
+          _aten.view_as_real.default, _aten.view_as_complex.default, operator.getitem}
+#: Casts: one into a compute dtype ends the float64 value's path; one that keeps float64 is followed as a move
+_CASTS = {_aten._to_copy.default, _aten.to.dtype, _aten.to.dtype_layout, _aten.to.device, _aten.to.other,
+          torch.ops.prims.convert_element_type.default}
+#: Ops that read only a value's size, dtype or device (a new tensor of its shape): what they make is followed if it
+#: is float64 too
+_SIZE_READS = {_aten.sym_size.int, _aten.sym_size.default, _aten.sym_numel.default, _aten.sym_stride.int,
+               _aten.sym_storage_offset.default, _aten.empty_like.default, _aten.zeros_like.default,
+               _aten.ones_like.default, _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default,
+               _aten.new_empty.default, _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default}
+_PASSED = _MOVES | _CASTS | _SIZE_READS
+
+
+def _computed(dtype) -> bool:
+    """Whether the target computes in ``dtype`` (a float or complex dtype of the compute dtypes, or any other kind:
+    integers, bool)."""
+    return not (dtype.is_floating_point or dtype.is_complex) or _PARTS.get(dtype, dtype) in COMPUTE_DTYPES
+
+
+def _wide_leaves(value) -> list:
+    """The kinds of ``value`` (a node's ``val``: a tensor, or a list of them) that are of a dtype not computed in."""
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor) and not _computed(v.dtype)]
+
+
+def first_wide_read(gm: fx.GraphModule, start: fx.Node) -> str:
+    """How the captured graph first reads ``start`` (a placeholder of a float64 or complex128 input) other than by
+    moving it to a cast into a compute dtype, as a phrase (``"it is read in float64 by add (aten.add.Tensor) at
+    file:line: code"``), or ``""`` where every path from it reaches such a cast (``x.to(self.weight.dtype)``, also
+    after views, slices, copies and size reads) before any op computes with it."""
+    from autofuse.capture import _stack_line
+    kind = str(start.meta["val"].dtype).replace("torch.", "")
+    seen, todo = {start}, [start]
+    while todo:
+        v = todo.pop(0)
+        for u in v.users:
+            if u in seen:
+                continue
+            if u.op == "output":
+                return f"the model returns it{' (or a view of it)' if v is not start else ''} in {kind}"
+            if u.op == "call_function" and u.target in _PASSED:
+                out = u.meta.get("val")
+                if u.target in _MOVES or _wide_leaves(out):      # a move, or a cast or size read keeping float64
+                    seen.add(u)
+                    todo.append(u)
+                    continue
+                if u.target in _SIZE_READS or isinstance(out, torch.Tensor) and (out.is_floating_point()
+                                                                                 or out.is_complex()):
+                    continue                                    # a size read, or a cast into a compute dtype
+                # a cast into an integer or bool dtype rounds or compares the values: it computes with them
+            where = _stack_line(u.meta.get("stack_trace") or "")
+            return f"it is read in {kind} by {describe_node(u)}{f' at {where}' if where else ''}"
+    return ""
+
+
+def _check_input_dtypes(gm: fx.GraphModule, args, kwargs, device: str, who: str = "fuse",
+                        input_: str = "example input"):
+    """Refuse an input of a dtype the target does not compute in (float64, complex128) that the captured graph
+    ``gm`` computes with: one the model casts into a compute dtype before any op computes with it (DINOv2's
+    ``pixel_values.to(dtype=self.patch_embeddings.projection.weight.dtype)``, through views on the way) is
+    accepted, and so is a 0-d tensor (a scalar: type promotion lets the other operands' dtype decide)."""
     named = [(f"{input_} {i}", a) for i, a in enumerate(args)] + [(f"{input_} {k!r}", v) for k, v in kwargs.items()]
-    for what, value in named:
-        for leaf in pytree.tree_leaves(value):
-            # a 0-d float64 tensor is a scalar (torch.compile passes a Python float attribute so): type promotion
-            # lets the other operands' dtype decide
-            if _bad_dtype(leaf) and leaf.dim() > 0:
-                raise _dtype_error(what, leaf.dtype, device, who)
+    leaves = [(what, leaf) for what, value in named for leaf in pytree.tree_leaves(value)]
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for k, (what, leaf) in enumerate(leaves):
+        if not (_bad_dtype(leaf) and leaf.dim() > 0):
+            continue
+        e = _dtype_error(what, leaf.dtype, device, who)
+        if len(places) != len(leaves):          # not one placeholder per input: nothing to follow it by
+            raise InputDtypeError(str(e), k)
+        read = first_wide_read(gm, places[k])
+        if read:
+            raise InputDtypeError(f"{e}. {read[0].upper()}{read[1:]}; an input the model casts into its dtype "
+                                  f"before computing with it (x.to(self.weight.dtype), as DINOv2 casts its "
+                                  f"pixel_values) is accepted", k, read)
 
 
 SWITCH_VALUES = ("on", "off", "force")

@@ -582,7 +582,7 @@ def simulate(model, example_inputs, device="ascend910", memo=True, check=False, 
         raise ValueError("simulate: example_inputs is None; give the inputs to run the model on (a tensor, a tuple "
                          "of positional inputs or (args, kwargs))")
     args, kwargs = _normalise_inputs(example_inputs)
-    _check_input_dtypes(args, kwargs, device, who="simulate")
     captured = capture(model, args, kwargs, route=route)
+    _check_input_dtypes(captured.graph_module, args, kwargs, device, who="simulate")
     return simulate_graph(captured.graph_module, captured.flatten_inputs(*args, **kwargs), device, memo=memo,
                           check=check, values=values, backward=backward)
