@@ -106,7 +106,7 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
         from autofuse.capture import CaptureError, mark_grad_blocks
-        from autofuse.engine import AutoFusionEngine
+        from autofuse.engine import AutoFusionEngine, InputDtypeError
         settings = self._settings(mode, options)
         owner = _compiled_callable()
         example = tuple(example_inputs)
@@ -149,17 +149,6 @@ class Backend:
 
         example = plain(example)
         wide = _host_arrays(example, owner)
-        if wide:
-            # a numpy array the forward made reaches the next graph as a float64 input (np.random's draws do with
-            # use_numpy_random_stream set, which the warning above advises): fuse() would refuse its dtype and stop
-            # the compiled model, which runs that graph as Dynamo gave it, as eager runs it
-            warnings.warn(f"autofuse: a graph Dynamo captured runs unfused, as Dynamo gave it: its input(s) {wide} "
-                          f"hold a dtype the NPU target does not compute in (float16, bfloat16 and float32 only), "
-                          f"and are not the model's parameters or buffers: a numpy array the forward made, passed "
-                          f"on at a graph break (np.random's draws with torch._dynamo.config.use_numpy_random_stream "
-                          f"= True), or an input of that dtype. Cast it in the forward (torch.from_numpy(a).float()) "
-                          f"for the graph after it to fuse", stacklevel=2)
-            return unfused
         with torch_internal_warnings():
             # a graph Dynamo made dynamic (a size that changed between calls is now a symbol, passed as an input) is
             # planned per concrete signature at run time, as fuse() plans without example inputs
@@ -167,6 +156,11 @@ class Backend:
                 fused = AutoFusionEngine.fuse(gm, None if _symbolic(example) else example, **settings)
             except CaptureError as e:
                 _run_as_captured(e)
+                return unfused
+            except InputDtypeError as e:
+                if e.leaf not in wide:      # the model's own float64 parameters: fuse()'s refusal stands
+                    raise
+                warnings.warn(_wide_input_warning(wide, e), stacklevel=2)
                 return unfused
         name = type(owner).__name__ if isinstance(owner, torch.nn.Module) else getattr(owner, "__name__", "")
         record = CompiledGraph(len(self.graphs), gm, fused, name)
@@ -192,6 +186,12 @@ class Backend:
                     # captured afresh, once, as a signature that fused is planned once
                     failed.add(_signature(args, {}))
                     _run_as_captured(e)
+                except InputDtypeError as e:     # a float64 input this graph computes with, at this signature
+                    wide_now = _host_arrays(args, owner)
+                    if e.leaf not in wide_now:
+                        raise
+                    failed.add(_signature(args, {}))
+                    warnings.warn(_wide_input_warning(wide_now, e), stacklevel=2)
             return whole(gm(*args), args)
         return run
 
@@ -323,14 +323,27 @@ def _run_as_captured(error) -> None:
                   f"fusion ({reason})", stacklevel=3)
 
 
-def _host_arrays(example, owner) -> str:
-    """The inputs of a Dynamo graph (``"0, 3"``) that are tensors of a float dtype the target does not compute in
+def _host_arrays(example, owner) -> list:
+    """The inputs of a Dynamo graph (their positions) that are tensors of a float dtype the target does not compute in
     (float64: numpy's) and not the compiled module's parameters or buffers (Dynamo hands those over as inputs; a
-    float64 model is fuse()'s to refuse, with its cast hint); "" if none."""
+    float64 model is fuse()'s to refuse, with its cast hint). fuse() accepts them where the graph casts them into a
+    compute dtype before computing with them."""
     from autofuse.engine import _bad_dtype
     state = {id(t) for t in (*owner.parameters(), *owner.buffers())} if isinstance(owner, torch.nn.Module) else set()
-    return ", ".join(str(i) for i, x in enumerate(example)
-                     if _bad_dtype(x) and x.dim() > 0 and id(x) not in state)
+    return [i for i, x in enumerate(example) if _bad_dtype(x) and x.dim() > 0 and id(x) not in state]
+
+
+def _wide_input_warning(wide: list, error) -> str:
+    """Why a graph with inputs ``wide`` (:func:`_host_arrays`) runs unfused: ``error``, fuse()'s refusal, names the
+    op that computes with one of them."""
+    said = f" ({error.read})" if error.read else ""
+    return (f"autofuse: a graph Dynamo captured runs unfused, as Dynamo gave it: its input(s) "
+            f"{', '.join(map(str, wide))} hold a dtype the NPU target does not compute in (float16, bfloat16 and "
+            f"float32 only), are not the model's parameters or buffers, and the graph computes with input "
+            f"{error.leaf} in it, not only casting it first{said}: a numpy array the forward made, passed on at a "
+            f"graph break (np.random's draws with torch._dynamo.config.use_numpy_random_stream = True), or an input "
+            f"of that dtype. Cast it in the forward (torch.from_numpy(a).float(), x.to(self.weight.dtype)) for the "
+            f"graph to fuse")
 
 
 def _numpy_draws(gm: torch.fx.GraphModule) -> list[str]:
