@@ -25,7 +25,9 @@ never modified by ``fuse``: the fused module holds it as its submodule ``model``
 ``state_dict()``, ``train()``, ``.to()`` reach the shared tensors; ``state_dict()`` keys are the model's own).
 
 Models and inputs must be float16, bfloat16 or float32 (integer inputs such as token ids are fine): the NPU
-has no float64 unit, and ``fuse`` says so naming the tensor.
+has no float64 unit, and ``fuse`` says so naming the tensor. A float64 input the model casts into its dtype before
+any op computes with it (a vision model's ``pixel_values.to(self.projection.weight.dtype)``) is accepted: the check
+runs on the captured graph, and a refusal names the first op that reads the input in float64.
 """
 from __future__ import annotations
 

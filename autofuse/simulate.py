@@ -572,7 +572,8 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
 def simulate(model, example_inputs, device="ascend910", memo=True, check=False, route="auto",
              values=True, backward=False) -> SimulationResult:
     """Simulate ``model`` unfused: checked and captured like ``fuse()`` does (an ``nn.Module`` or an
-    ``ExportedProgram``, in the dtypes the NPU computes in), then run op by op as eager runs it
+    ``ExportedProgram``, in the dtypes the NPU computes in, a float64 input only where the model casts it first),
+    then run op by op as eager runs it
     (``values=False``: timing only; ``backward=True``: a training step, forward and backward; see
     :func:`simulate_graph`)."""
     from autofuse.capture import capture
