@@ -1851,11 +1851,16 @@ def _check_product_dtypes(gm: fx.GraphModule, model, route: str) -> None:
         if len(set(dtypes)) > 1:
             kinds = " and ".join(str(d).replace("torch.", "") for d in dict.fromkeys(dtypes))
             where = _stack_line(n.meta.get("stack_trace") or "")
+            wide = [str(d).replace("torch.", "") for d in dict.fromkeys(dtypes) if d in (torch.float64,
+                                                                                         torch.complex128)]
+            hint = (f"cast the {wide[0]} value into the model's dtype, before the call (x.float()) or before the "
+                    f"forward's first use of it (x.to(self.weight.dtype)): the NPU target computes in float16, "
+                    f"bfloat16 and float32") if wide else \
+                ("give example inputs in the model's dtype (x.to(torch.float16) for a model.half()), or cast the "
+                 "model to the inputs'; token ids go through an embedding first")
             raise CaptureError(route, f"could not capture {type(model).__name__}: the forward multiplies {kinds} "
                                       f"tensors{f' at {where}' if where else ''}, which eager refuses too (mat1 and "
-                                      f"mat2 must have the same dtype). hint: give example inputs in the model's dtype "
-                                      f"(x.to(torch.float16) for a model.half()), or cast the model to the inputs'; "
-                                      f"token ids go through an embedding first")
+                                      f"mat2 must have the same dtype). hint: {hint}")
 
 
 def _dtensors(model, inputs) -> str:
