@@ -125,13 +125,16 @@ def test_torch_compile_fuses_a_graph_that_casts_its_float64_input_first():
 
 
 @torch.no_grad()
-def test_dinov2_float64_pixel_values_fuse():
-    """transformers' DINOv2 casts ``pixel_values`` to its patch projection's dtype first: eager takes float64."""
+@pytest.mark.parametrize("arch", ["dinov2", "vit"])
+def test_vision_models_float64_pixel_values_fuse(arch):
+    """transformers' DINOv2 and ViT cast ``pixel_values`` to the patch projection's dtype first: eager takes
+    float64."""
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                          image_size=32, patch_size=8, attn_implementation="sdpa")
-    model, x = tf.Dinov2Model(cfg).eval(), torch.randn(2, 3, 32, 32, dtype=F64)
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                 patch_size=8, attn_implementation="sdpa")
+    model = (tf.Dinov2Model(tf.Dinov2Config(**sizes)) if arch == "dinov2" else tf.ViTModel(tf.ViTConfig(**sizes)))
+    model, x = model.eval(), torch.randn(2, 3, 32, 32, dtype=F64)
     fused = AutoFusionEngine.fuse(model, (x,))
     assert _applied(fused.report).count("attention") == 2, _applied(fused.report)
     _fused_reads_no_float64(fused)
@@ -139,6 +142,39 @@ def test_dinov2_float64_pixel_values_fuse():
     ref = copy.deepcopy(model).double()(x).last_hidden_state
     ok, err, tol = compare(want, ref, fused(x).last_hidden_state)
     assert ok, (err, tol)
+
+
+class ComplexCastFirst(nn.Module):
+    """A complex128 input cast to complex64 first, then its real and imaginary parts projected."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 32)
+
+    def forward(self, z):
+        parts = torch.view_as_real(z.to(torch.complex64))
+        return torch.nn.functional.gelu(self.lin(parts.flatten(-2)))
+
+
+@torch.no_grad()
+def test_a_complex128_input_cast_to_complex64_first_fuses():
+    torch.manual_seed(0)
+    model, z = ComplexCastFirst().eval(), torch.randn(4, 32, dtype=torch.complex128)
+    fused = AutoFusionEngine.fuse(model, (z,))
+    assert _applied(fused.report), [(d.pattern, d.reason) for d in fused.report.decisions]
+    _fused_reads_no_float64(fused)
+    lin = copy.deepcopy(model.lin).double()     # the model in float64: its parts projected without the cast
+    ref = torch.nn.functional.gelu(lin(torch.view_as_real(z).flatten(-2)))
+    ok, err, tol = compare(model(z), ref, fused(z))
+    assert ok, (err, tol)
+
+
+def test_a_float64_input_multiplied_with_float32_weights_says_to_cast_it():
+    """Eager refuses a float64 input into a float32 Linear too; the hint is the cast, not casting the model."""
+    from autofuse.capture import CaptureError
+    with pytest.raises(CaptureError, match=r"multiplies float64 and float32 tensors.*hint: cast the float64 value "
+                                           r"into the model's dtype.*x\.to\(self\.weight\.dtype\)"):
+        AutoFusionEngine.fuse(nn.Linear(4, 4), (torch.randn(2, 4, dtype=F64),))
 
 
 @torch.no_grad()
