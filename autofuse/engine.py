@@ -1880,7 +1880,8 @@ def _computed(dtype) -> bool:
 
 
 def _wide_leaves(value) -> list:
-    """The kinds of ``value`` (a node's ``val``: a tensor, or a list of them) that are of a dtype not computed in."""
+    """The tensors of ``value`` (a node's ``val``: a tensor, or a list of them) of a dtype the target does not
+    compute in."""
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor) and not _computed(v.dtype)]
 
 
@@ -1890,10 +1891,10 @@ def first_wide_read(gm: fx.GraphModule, start: fx.Node) -> str:
     file:line: code"``), or ``""`` where every path from it reaches such a cast (``x.to(self.weight.dtype)``, also
     after views, slices, copies and size reads) before any op computes with it."""
     from autofuse.capture import _stack_line
-    kind = str(start.meta["val"].dtype).replace("torch.", "")
     seen, todo = {start}, [start]
     while todo:
         v = todo.pop(0)
+        kind = str((_wide_leaves(v.meta.get("val")) or [start.meta["val"]])[0].dtype).replace("torch.", "")
         for u in v.users:
             if u in seen:
                 continue

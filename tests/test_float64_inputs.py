@@ -169,6 +169,22 @@ def test_a_complex128_input_cast_to_complex64_first_fuses():
     assert ok, (err, tol)
 
 
+class ComplexComputed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 32)
+
+    def forward(self, z):
+        parts = torch.view_as_real(z).flatten(-2)
+        return self.lin((parts * 2).float())
+
+
+def test_a_complex128_input_computed_with_is_refused_naming_the_op():
+    with pytest.raises(TypeError, match=r"^fuse: example input 0 is complex128; .*make it complex64 first .*\. It is "
+                                        r"read in float64 by mul \(aten\.mul\.Tensor\) at .*parts \* 2"):
+        AutoFusionEngine.fuse(ComplexComputed().eval(), (torch.randn(4, 32, dtype=torch.complex128),))
+
+
 def test_a_float64_input_multiplied_with_float32_weights_says_to_cast_it():
     """Eager refuses a float64 input into a float32 Linear too; the hint is the cast, not casting the model."""
     from autofuse.capture import CaptureError
