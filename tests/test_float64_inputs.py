@@ -329,3 +329,31 @@ def test_torch_compile_runs_a_graph_computing_in_float64_unfused_naming_the_op()
         assert torch.equal(got, model(x))
     finally:
         torch._dynamo.reset()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cls", [CastThenAttention, OnePathComputes])
+def test_torch_compile_dynamic_graphs_follow_the_same_rule(cls):
+    """A graph Dynamo made dynamic is planned at each call's sizes: one that casts first fuses at each, one that
+    computes in float64 runs unfused at each signature (one warning per signature, naming the op)."""
+    torch.manual_seed(0)
+    model = cls().eval()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=autofuse.backend(), dynamic=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (4, 6, 4):
+                x = torch.randn(n, 16, 32, dtype=F64) if cls is CastThenAttention else torch.randn(n, 32, dtype=F64)
+                got = compiled(x)
+                if cls is CastThenAttention:
+                    _as_eager(model, (x,), got)
+                else:
+                    assert torch.equal(got, model(x))
+        said = [str(w.message) for w in caught if "runs unfused" in str(w.message)]
+        if cls is CastThenAttention:
+            assert not said and [_applied(r).count("attention") for r in reports(compiled)] == [1, 1]
+        else:
+            assert len(said) == 2 and all("read in float64 by mul (aten.mul.Tensor)" in t for t in said), said
+    finally:
+        torch._dynamo.reset()
