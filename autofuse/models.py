@@ -193,7 +193,13 @@ def config_keys(cfg_cls) -> set:
         keys = set()
     keys |= {p for p in inspect.signature(cfg_cls.__init__).parameters if p not in ("self", "kwargs")}
     keys |= set(getattr(cfg_cls, "attribute_map", {}) or {})
-    return keys
+    return keys | GENERAL_KEYS
+
+
+#: Keys every configuration takes as its own although a class may not list them (transformers keeps an unlisted
+#: keyword as an attribute): the special token ids ``generate`` reads (T5's configuration has no
+#: ``decoder_start_token_id``, which its ``generate`` needs)
+GENERAL_KEYS = {"bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id"}
 
 
 def make_config(spec: str):
@@ -220,14 +226,16 @@ def make_config(spec: str):
 
 
 def auto_class(cfg):
-    """The transformers Auto class for a configuration: encoder-decoders get their sequence-to-sequence LM,
-    encoders (configurations with a masked-LM head that are not decoders, such as BERT) their base model,
+    """The transformers Auto class for a configuration: encoder-decoders get their sequence-to-sequence LM (a
+    speech encoder-decoder such as Whisper its speech-to-text model), encoders (configurations with a masked-LM head that are not decoders, such as BERT) their base model,
     decoders their causal LM, anything else (vision, audio encoders) its base model."""
     tf = _transformers()
     from transformers.models.auto import modeling_auto as ma
     cls = type(cfg)
     if getattr(cfg, "is_encoder_decoder", False) and cls in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
         return tf.AutoModelForSeq2SeqLM
+    if getattr(cfg, "is_encoder_decoder", False) and cls in ma.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING:
+        return tf.AutoModelForSpeechSeq2Seq     # Whisper: its causal-LM class would be the decoder alone
     if cls in ma.MODEL_FOR_MASKED_LM_MAPPING and not getattr(cfg, "is_decoder", False):
         return tf.AutoModel
     if cls in ma.MODEL_FOR_CAUSAL_LM_MAPPING:

@@ -337,6 +337,19 @@ def test_transformers_spec_values_and_defaults():
     assert type(enc).__name__ == "BertModel"
     s2s, (_, kw) = build("transformers:T5Config?num_layers=1&d_model=32&d_ff=64&num_heads=2&d_kv=16", meta=True)
     assert type(s2s).__name__ == "T5ForConditionalGeneration" and "decoder_input_ids" in kw
+    # a special token id the configuration class does not list (T5's generate needs decoder_start_token_id)
+    s2s, _ = build("transformers:T5Config?num_layers=1&d_model=32&d_ff=64&num_heads=2&d_kv=16"
+                   "&decoder_start_token_id=0", meta=True)
+    assert s2s.config.decoder_start_token_id == 0
+    # a speech encoder-decoder is built whole, its encoder reading audio features (not its causal LM, the decoder)
+    speech, (_, kw) = build("transformers:WhisperConfig?encoder_layers=1&decoder_layers=1&d_model=32"
+                            "&encoder_attention_heads=2&decoder_attention_heads=2&encoder_ffn_dim=64"
+                            "&decoder_ffn_dim=64&num_mel_bins=16&max_source_positions=8&vocab_size=128&pad_token_id=0"
+                            "&bos_token_id=1&eos_token_id=2&decoder_start_token_id=1", batch=2)
+    assert type(speech).__name__ == "WhisperForConditionalGeneration"
+    assert kw["input_features"].shape == (2, 16, 16) and "decoder_input_ids" in kw
+    with torch.no_grad():
+        assert speech(**kw).logits.shape == (*kw["decoder_input_ids"].shape, 128)
     # a two-tower model takes its images too, sized by its vision config (the report failed in capture without them)
     tower = '{"num_hidden_layers":1,"hidden_size":32,"intermediate_size":64,"num_attention_heads":2'
     clip, (_, kw) = build(f"transformers:CLIPConfig?text_config={tower}}}&vision_config={tower},\"image_size\":32,"
