@@ -561,39 +561,54 @@ def _dirty_exact(split, B, N, Sq, Skv, qb, kvb, vq, Dv, isz, causal, ncores, ret
     los, his = _spans(qb, kvb, Sq, Skv, causal, window)
     qeb, kext, _ = _tile_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window)
     qvals, kvals = (int(qeb[0]), int(qeb[-1])), (int(kext[0]), int(kext[-1]))
-    j = np.arange(nkv)[None, :]
-    worked = (los[:, None] <= j) & (j < his[:, None])
-    kc = (kext != kext[0])[None, :]
+    spans = list(zip(los.tolist(), his.tolist()))
+    edge_q = (qeb != qeb[0]).tolist()                     # per block: its rows are the edge extent
+    kv_edge = nkv - 1 if kvals[1] != kvals[0] else -1     # the KV tile of edge extent, if any (only the last can be)
 
     def sweep(probs, base):
-        """Per core and query extent (full, edge): the (slot, KV extent) pairs its blocks' worked tiles use, as
+        """Per dealt core, the (slot, KV extent) pairs its blocks' worked tiles use, per query extent (full, edge), as
         bits ``slot * 2 + (edge KV tile)``, with the first step at ``base``; and each core's step count."""
-        i = j if probs else j - los[:, None]              # a tile's step within its block
-        steps = np.full(nq, nkv) if probs else his - los
-        bits = np.stack([np.bitwise_or.reduce(np.where(worked, 1 << (((p + i) % 2) * 2 + kc), 0), axis=1)
-                         for p in (0, 1)], axis=1)
+        steps = [nkv] * nq if probs else [hi - lo for lo, hi in spans]
+        # a block's pairs when its first step is at an even slot (its tile j at step j - lo, or at step j in the
+        # probabilities sweep, which walks every tile); at an odd one, the same with the slots swapped. Its worked
+        # tiles alternate slots and only the last KV tile can be an edge one: its first two worked tiles and its last
+        # use every pair it does
+        even = []
+        for lo, hi in spans:
+            step0 = 0 if probs else lo
+            b = 0
+            for j in {lo, min(lo + 1, hi - 1), hi - 1}:
+                b |= 1 << ((j - step0) % 2 * 2 + (j == kv_edge))
+            even.append(b)
+        odd = [(b & 3) << 2 | b >> 2 for b in even]
         U_qi, _, ulen = _core_deal(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, probs, window)
-        U_core = np.arange(len(ulen)).repeat(ulen)
-        L = steps[U_qi]
-        cum = L.cumsum() - L
-        start = cum - cum[ulen.cumsum() - ulen].repeat(ulen)     # (every dealt core holds a unit)
-        M = np.zeros((ncores, 2), dtype=np.int64)
-        np.bitwise_or.at(M, (U_core, (qeb[U_qi] != qeb[0]).astype(np.int64)), bits[U_qi, (base + start) % 2])
-        return M, np.bincount(U_core, weights=L, minlength=ncores)
+        # each core's units in turn, from its first step (at most REPLAY_UNITS units: a walk over them in Python costs
+        # less than the arrays for it)
+        qis = U_qi.tolist()
+        held, per_core, u = [], [], 0
+        for n_u in ulen.tolist():
+            pairs, step = [0, 0], base
+            for qi in qis[u:u + n_u]:
+                pairs[edge_q[qi]] |= odd[qi] if step % 2 else even[qi]
+                step += steps[qi]
+            held.append(tuple(pairs))
+            per_core.append(step - base)
+            u += n_u
+        return held, per_core
 
     # the main sweep, then on split cores the probabilities sweep from the step after the main one's last
     main, per_core = sweep(False, 0)
     sweeps = [(main, True)]
     if return_probs and split:
-        sweeps.append((sweep(True, int(per_core.max()))[0], False))
+        probs = sweep(True, max(per_core))[0]
+        sweeps.append((probs + [(0, 0)] * (len(main) - len(probs)), False))      # (a core it deals nothing holds none)
     total = 0
     # over the main sweep's cores only: the probabilities sweep's further ones (split cores, causal, more units than
     # the main sweep's pairs) would add S lines that the simulator's HBM bytes do not show (six such launches on
     # the 910B read 2-4 % from the simulator without them, 3-9 % over with them)
-    n_main = int((per_core > 0).sum())
     # cores holding the same pairs (per sweep, per query extent) hold the same regions: each holding is priced once,
     # times its cores (integer bytes: the total does not depend on the order they are added in)
-    holdings = Counter(zip(*(map(tuple, M[:n_main].tolist()) for M, _ in sweeps)))
+    holdings = Counter(zip(*(h[:len(main)] for h, _ in sweeps)))
     for held, cores in holdings.items():
         combos = {(b >> 1, qvals[x], kvals[b & 1], with_p) for pair, (_, with_p) in zip(held, sweeps) for x in (0, 1)
                   for b in range(4) if pair[x] >> b & 1}
