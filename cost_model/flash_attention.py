@@ -1029,7 +1029,8 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     U_core = np.arange(n).repeat(ulen)
     U_L = L[U_qi]
     cum = U_L.cumsum() - U_L
-    core_first = ulen.cumsum() - ulen
+    core_last = ulen.cumsum() - 1
+    core_first = core_last + 1 - ulen
     U_s0 = cum - cum[core_first].repeat(ulen)
     U_s1 = U_s0 + U_L - 1
     T = int(U_s1.max()) + 1
@@ -1041,12 +1042,12 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     S_qi = U_qi[S_unit]
     S_j = lo[S_qi] + S_idx                            # the step's KV tile
     S_code = kk.code[S_qi, S_j]
-    S_ke = kext[S_j].astype(float)
-    kvh = (U_bh // N) * (N // group) + (U_bh % N) // group
+    S_ke = kext.astype(float)[S_j]
+    kvh = U_bh if group == 1 else (U_bh // N) * (N // group) + (U_bh % N) // group      # the K/V head
     S_key = kvh[S_unit] * nkv + S_j
-    # K/V: the first reading of each tile, in instruction order (step, then core)
+    # K/V: the first reading of each tile, in instruction order (step, then core); T * n is after every instruction
     at = S_s * n + S_c
-    first = np.full(int(S_key.max()) + 1, at.max() + 1)
+    first = np.full(B * (N // group) * nkv, T * n)
     np.minimum.at(first, S_key, at)
     first = first[S_key]
     whole = first == at                                             # the reading that misses the whole tile
@@ -1060,15 +1061,13 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
     counts = np.bincount(slot, minlength=size).reshape(n, nk).astype(float)
     ends = np.bincount(U_core * nk + kk.last[U_qi], minlength=size).reshape(n, nk).astype(float)
     same = S_c[1:] == S_c[:-1]
-    pslot = ((S_c[:-1] * nk + S_code[:-1]) * nk + S_code[1:]) * 2 + S_s[:-1] % 2
+    pslot = (slot[:-1] * nk + S_code[1:]) * 2 + S_s[:-1] % 2
     pairs = np.bincount(pslot[same], minlength=size * nk * 2).reshape(n, nk, nk, 2).astype(float)
     # Q loads and output stores: the rows of each instruction
-    qrows = np.bincount(U_s0, weights=qeb[U_qi].astype(float), minlength=T)
-    orows = np.bincount(U_s1, weights=qeb[U_qi].astype(float), minlength=T)
-    later = np.ones(len(U_qi), dtype=bool)
-    later[core_first] = False
-    idx = later.nonzero()[0]
-    core_last = ulen.cumsum() - 1
+    U_qe = qeb[U_qi].astype(float)
+    qrows = np.bincount(U_s0, weights=U_qe, minlength=T)
+    orows = np.bincount(U_s1, weights=U_qe, minlength=T)
+    idx = U_s0.nonzero()[0]                 # the units after their core's first (each unit takes a step at least)
     return Tally(kk.kinds, counts, hit, miss, ends, pairs, kk.first[U_qi[core_first]], float(qrows[0]),
                  orows[U_s1[core_last]], U_core[idx], kk.first[U_qi[idx]], orows[U_s1[idx - 1]], qrows[U_s0[idx]],
                  kk.qc)
