@@ -81,16 +81,27 @@ def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False, sink=False):
     req += [("cube", "L1", "q1", (q, D), dtype, 1, 1), ("cube", "L1", "kt1", (D, kv), dtype, 1, 2),
             ("cube", "L1", "v1", (kv, Dv), dtype, 2, 2)]
     req += q0 + [("cube", "L0A", "p0", (rows, kv), dtype, 1, 2)]
-    if (D, kv) == (kv, Dv):
-        req.append(("cube", "L0B", "b0", (D, kv), dtype, 1, 2))
-    else:
-        req += [("cube", "L0B", "kt0", (D, kv), dtype, 1, 2), ("cube", "L0B", "v0", (kv, Dv), dtype, 1, 2)]
+    req += _l0b_requests(D, Dv, dtype, kv)
     s0, o0 = ((vq, kv) if split else (q, kv)), (rows, Dv)
     if s0 == o0:
         req.append(("cube", "L0C", "c0", s0, F32, 2, 4))
     else:
         req += [("cube", "L0C", "s0", s0, F32, 1, 2), ("cube", "L0C", "o0", o0, F32, 1, 2)]
     return req
+
+
+def _l0b_requests(D, Dv, dtype, kv):
+    """L0B's requests (:func:`_requests`): K^T and V, one ring when their shapes agree; the same for every q and vq."""
+    if (D, kv) == (kv, Dv):
+        return [("cube", "L0B", "b0", (D, kv), dtype, 1, 2)]
+    return [("cube", "L0B", "kt0", (D, kv), dtype, 1, 2), ("cube", "L0B", "v0", (kv, Dv), dtype, 1, 2)]
+
+
+@cached
+def _l0b_overflows(device, D, Dv, dtype, kv) -> bool:
+    """Whether L0B overflows with its requests' minimum tile counts (:func:`_l0b_requests`): then so does every
+    tiling with this ``kv`` (L0B holds nothing else), whatever its q and vq."""
+    return _overflows(get_device(device), _l0b_requests(D, Dv, dtype, kv))
 
 
 def _out_rows(vq):
@@ -174,7 +185,10 @@ def _counts(dev, req):
 @cached
 def _tile_counts(device, D, Dv, dtype, q, kv, vq, mask_spec, drop, sink=False):
     """:func:`_counts` of tile ``(q, kv, vq)`` as (name, count) pairs, or None: the default and the candidates
-    of every shape with these head dims try the same tiles, so they are counted once."""
+    of every shape with these head dims try the same tiles, so they are counted once. Most tiles the searches try
+    overflow L0B, which only ``kv`` sets: those are passed over before their requests are made."""
+    if _l0b_overflows(device, D, Dv, dtype, kv):
+        return None
     dev = get_device(device)
     c = _counts(dev, _requests(dev, D, Dv, dtype, {"q": q, "kv": kv, "vq": vq}, mask_spec, drop, sink))
     return None if c is None else tuple(c.items())
