@@ -448,7 +448,12 @@ def _flops(prog):
 
 def _roofline(dev, specs, program=None, tiling=None):
     prog = as_program(program)
-    vec = _flops(prog) / (dev.vector_bytes_per_cycle / 4) / dev.vector_cores
+    return _bound(dev, prog, _flops(prog))
+
+
+def _bound(dev, prog, fl):
+    """The roofline of ``prog`` of ``fl`` flops (:func:`_flops`)."""
+    vec = fl / (dev.vector_bytes_per_cycle / 4) / dev.vector_cores
     return max(vec, _io(prog) / dev.hbm_bytes_per_cycle)
 
 
@@ -464,7 +469,8 @@ def estimate_vector_program(dev, specs, program=None, tiling=None):
         t = {k: int(v) for k, v in dict(tiling).items() if v is not None}
         res = _price(dev, prog, t)
     core, hbm, nbytes, busy = res
-    return make("vector_program", dev, core, hbm, nbytes, busy, dict(t), _roofline(dev, specs, prog), _flops(prog))
+    fl = _flops(prog)                     # (once: the roofline takes it too)
+    return make("vector_program", dev, core, hbm, nbytes, busy, dict(t), _bound(dev, prog, fl), fl)
 
 
 __all__ = ["candidates", "estimate_vector_program", "kernel_default", "lowered", "n_passes", "repeats"]
