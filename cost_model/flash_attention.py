@@ -700,13 +700,14 @@ def drop_bytes(Sq, Skv, qb, kvb, causal, window=0):
 
 
 def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return_stats=False, extra_passes=0,
-           sinks=None, window=0, bound=False):
+           sinks=None, window=0, bound=False, kinds=None):
     """(core cycles, HBM bytes, bytes per GM path, busy cycles per unit, workspace bytes) of tiling ``t``.
     ``extra_passes``: Vector passes per score beyond the plain ones (the soft-cap's, a per-head scale's 16-bit
     roundings: :func:`estimate_flash_attention` counts them). With
     ``bound``, a lower bound of the cycles (see :func:`_search`): a short launch's replay replaced by each core's fill,
     steps at their kinds' units that no port wait touches and item ends; the dirty workspaces and the probabilities
-    sweep left out (busy is None)."""
+    sweep left out (busy is None). ``kinds``: a dict the caller keeps for the tiling, where a short launch's step kinds
+    priced alone are kept (its bound and its model price the same kinds alike: the search bounds it, then models it)."""
     (qs, dtype), (ks, _), (vs, _) = specs[:3]
     B, N, Sq, D = qs
     _, Nkv, Skv, _ = ks
@@ -848,6 +849,16 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
                                       "fixed": fixed,
                                       "q_load": q_load, "upd": upd, "q_xfer": qe * D * isz / rate["GM->L1"]}
 
+    def kinds_priced(kk):
+        """The main sweep's step kinds (:func:`_launch_kinds`) each priced alone, at the launch's mean query rows per
+        step (once per tiling when ``kinds`` is given)."""
+        if kinds is not None and "priced" in kinds:
+            return kinds["priced"]
+        priced = [price(qe_, ke_, float(m_), False, qc=kk.qc) for qe_, ke_, m_ in kk.kinds]
+        if kinds is not None:
+            kinds["priced"] = priced
+        return priced
+
     short_bound = bound and B * N * nq <= REPLAY_UNITS
     if not short_bound:                               # (a short launch's bound prices its step kinds only)
         step, end, q_exposed, fill, u = price(qe, ke, part)
@@ -860,7 +871,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         core_of = np.arange(nc).repeat(deal.per)
         steps = np.bincount(core_of * nq + deal.qi, minlength=nc * nq).reshape(nc, nq) @ kk.block
         ends = np.bincount(core_of * nk + kk.last[deal.qi], minlength=nc * nk).reshape(nc, nk)
-        priced = [price(qe_, ke_, float(m_), False, qc=kk.qc) for qe_, ke_, m_ in kk.kinds]
+        priced = kinds_priced(kk)
         fixed, end_k = np.array([p[4]["fixed"] for p in priced]), np.array([p[1] for p in priced])
         fill_k = np.array([p[3] - p[4]["q_load"] + p[4]["q_xfer"] for p in priced])
         core = float((fill_k[kk.first[deal.qi[deal.per.cumsum() - deal.per]]] + (steps * fixed).sum(1)
@@ -868,7 +879,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     elif B * N * nq <= REPLAY_UNITS:                  # few units: each core's own steps, priced by their extents
         # (each step kind priced with the launch's mean transfers, then again with each core's own K/V port wait)
         tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, group)
-        priced = [price(qe_, ke_, float(m_), False, qc=tal.qc) for qe_, ke_, m_ in tal.kinds]
+        priced = kinds_priced(_launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window))     # (tal's kinds and qc)
         kvport = None
         if kv_res:            # each core's own K/V port wait per step, from the instructions it shares
             kvport = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * ((D + Dv) * isz), tal.counts,
@@ -1270,12 +1281,13 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
     # of its bound until the next bound is above the best found: none of the rest can be cheaper
     # (a long launch's model is cheap: it is modelled first, its bound taken as nothing)
     margin = [1 - DEFAULT_MARGIN if default is not None and t == default[0] else 1.0 for t, _ in cands]
+    kinds = [{} for _ in cands]             # per candidate, its step kinds priced (by its bound, for its model)
 
     def bound(i, t, counts):
         if qs[0] * qs[1] * ceil_div(qs[2], t["q"]) > REPLAY_UNITS:
             return 0.0
         return kernel_cycles(dev, *_model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats,
-                                          extra_passes, sinks, window, bound=True)[:3]) * margin[i]
+                                          extra_passes, sinks, window, bound=True, kinds=kinds[i])[:3]) * margin[i]
 
     bounds = sorted((bound(i, t, counts), i) for i, (t, counts) in enumerate(cands))
     for low, i in bounds:
@@ -1283,7 +1295,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
             break
         t, counts = cands[i]
         res = _model(dev, specs, mask, causal, t, counts, return_probs, drop, return_stats, extra_passes, sinks,
-                     window)
+                     window, kinds=kinds[i])
         cost = kernel_cycles(dev, *res[:3]) * margin[i]
         if best is None or (cost, i) < best[:2]:
             best = (cost, i, t, res)
