@@ -652,18 +652,13 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     read once per core side); ``drop``: the dropout keep bits of every attended tile; ``return_probs``: the
     sweep's Q and K reloads, S again (split), the row max and sum out and back, every probabilities tile out;
     ``return_stats``: the row max and sum out."""
-    qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
-    cum = np.concatenate([[0], ke.cumsum()])                  # key columns of the first j tiles
-    cols, nt = cum[hi] - cum[lo], hi - lo                       # per query block: key columns, tiles
-    qk = float((qe * cols).sum())                               # score elements
-    q_ = float((qe * nt).sum())                                 # query rows over steps
-    k_ = float(cols.sum())                                      # key columns over steps
+    qk, q_, k_, steps = _sweep_sums(Sq, Skv, qb, kvb, causal, window)
     H = B * N
     mk = 0.0
-    if mask_rc is not None:
+    if mask_rc is not None:       # the mask's rows (a broadcast row: once per core side) over its columns or steps
         mr, mc = mask_rc
-        rows = qe if mr else np.full(len(qe), 2 if split else 1)
-        mk = float((rows * (cols if mc else nt)).sum())
+        mk = float((qk if mc else q_) if mr else (2 if split else 1) * (k_ if mc else steps))
+    qk, q_, k_ = float(qk), float(q_), float(k_)
     b = {"GM->L1": H * (Sq * D + k_ * (D + Dv)) * isz, "GM->L0A": H * qk * isz,
          "UB->GM": H * (qk * isz + Sq * Dv * isz), "GM->UB": H * mk * msz}
     if drop:
@@ -682,6 +677,16 @@ def gm_bytes(B, N, Sq, Skv, D, Dv, isz, qb, kvb, causal, split, mask_rc, msz, re
     return {k: float(v) for k, v in b.items() if v}
 
 
+@cached
+def _sweep_sums(Sq, Skv, qb, kvb, causal, window=0):
+    """The main sweep's (score elements, query rows over steps, key columns over steps, steps) of one head, as
+    integers: :func:`gm_bytes` of every launch of this geometry scales them."""
+    qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
+    cum = np.concatenate([[0], ke.cumsum()])                  # key columns of the first j tiles
+    cols, nt = cum[hi] - cum[lo], hi - lo                       # per query block: key columns, tiles
+    return int((qe * cols).sum()), int((qe * nt).sum()), int(cols.sum()), int(nt.sum())
+
+
 def _attended(Sq, Skv, qb, kvb, causal, window=0):
     """Per query block its rows, per KV tile its keys, and per query block the first and one past the last
     KV tile it attends (:func:`_spans`)."""
@@ -692,6 +697,7 @@ def _attended(Sq, Skv, qb, kvb, causal, window=0):
     return qe, ke, lo, hi
 
 
+@cached
 def drop_bytes(Sq, Skv, qb, kvb, causal, window=0):
     """Dropout keep-mask bytes one head's attended tiles read: ``ceil(kext / 8)`` a row per tile."""
     qe, ke, lo, hi = _attended(Sq, Skv, qb, kvb, causal, window)
