@@ -509,7 +509,12 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
 
     # ---- phase 1: the row statistics (items (b, h, query block) over their KV tiles)
     ph1 = 0.0
-    if stats:
+    # few items, Q and K read once from HBM: the phase replayed core by core (the forward's deal)
+    replay1 = stats and B * N * nq <= REPLAY_UNITS and l2p.hbm_ph1 <= l2p.q_b + l2p.kv_k + l2p.mask_b
+    if replay1:
+        ph1 = _stats_replay(dev.name, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
+                            drop, cap, bound and not sharp)
+    if stats and not (replay1 and bound):      # (what follows a replay is the units' busy time, which no bound reads)
         n1, T1, items1 = deal(B * N, lambda: _q_steps(Sq, Skv, qb, kvb, causal, window),
                               lambda: (nq, max(_q_steps(Sq, Skv, qb, kvb, causal, window)) if window else
                                        ceil_div(min(Sq, Skv), kvb) if causal else nkv, sweep.count), sharp)
@@ -532,11 +537,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         mte2 = p1.unit["mte2"] + (0 if split else p1.unit["vmte2"])
         step1 = max(cube1, mte1, mte2, p1.unit["vmte2"] if split else 0, p1.port + (0 if split else p1.vport),
                     p1.vport if split else 0, p1.unit["fixpipe"], vec1)
-        if B * N * nq <= REPLAY_UNITS and l2p.hbm_ph1 <= l2p.q_b + l2p.kv_k + l2p.mask_b:
-            # few items, Q and K read once from HBM: the phase replayed core by core (the forward's deal)
-            ph1 = _stats_replay(dev.name, B, N, Nkv, Sq, Skv, D, Dv, dtype, qb, kvb, bool(causal), window, mask, mpass,
-                                drop, cap, bound and not sharp)
-        else:
+        if not replay1:
             # the port: without a causal mask the cores on a head read K tile j at the same step, the first one's
             # miss held by all of them, so each waits for the instruction's hits and its misses in turn; with one,
             # a core's items reach tile j at steps of their own (a pair's first query block ends early and the
