@@ -857,13 +857,13 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
 
     def kinds_priced(kk):
         """The main sweep's step kinds (:func:`_launch_kinds`) each priced alone, at the launch's mean query rows per
-        step (once per tiling when ``kinds`` is given)."""
+        step, as :func:`kind_table` (once per tiling when ``kinds`` is given)."""
         if kinds is not None and "priced" in kinds:
             return kinds["priced"]
-        priced = [price(qe_, ke_, float(m_), False, qc=kk.qc) for qe_, ke_, m_ in kk.kinds]
+        per = kind_table([price(qe_, ke_, float(m_), False, qc=kk.qc) for qe_, ke_, m_ in kk.kinds])
         if kinds is not None:
-            kinds["priced"] = priced
-        return priced
+            kinds["priced"] = per
+        return per
 
     short_bound = bound and B * N * nq <= REPLAY_UNITS
     if not short_bound:                               # (a short launch's bound prices its step kinds only)
@@ -877,20 +877,19 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         core_of = np.arange(nc).repeat(deal.per)
         steps = np.bincount(core_of * nq + deal.qi, minlength=nc * nq).reshape(nc, nq) @ kk.block
         ends = np.bincount(core_of * nk + kk.last[deal.qi], minlength=nc * nk).reshape(nc, nk)
-        priced = kinds_priced(kk)
-        fixed, end_k = np.array([p[4]["fixed"] for p in priced]), np.array([p[1] for p in priced])
-        fill_k = np.array([p[3] - p[4]["q_load"] + p[4]["q_xfer"] for p in priced])
-        core = float((fill_k[kk.first[deal.qi[deal.per.cumsum() - deal.per]]] + (steps * fixed).sum(1)
-                      + (ends * end_k).sum(1)).max())
+        per = kinds_priced(kk)
+        fill_k = per["fill"] - per["q_load"] + per["q_xfer"]
+        core = float((fill_k[kk.first[deal.qi[deal.per.cumsum() - deal.per]]] + (steps * per["fixed"]).sum(1)
+                      + (ends * per["end"]).sum(1)).max())
     elif B * N * nq <= REPLAY_UNITS:                  # few units: each core's own steps, priced by their extents
         # (each step kind priced with the launch's mean transfers, then again with each core's own K/V port wait)
         tal = _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, dev.cube_cores, window, group)
-        priced = kinds_priced(_launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window))     # (tal's kinds and qc)
+        per = kinds_priced(_launch_kinds(nq, nkv, Sq, Skv, qb, kvb, causal, window))     # (tal's kinds and qc)
         kvport = None
         if kv_res:            # each core's own K/V port wait per step, from the instructions it shares
             kvport = np.divide((tal.hit / L2bw + tal.miss / HBMbw) * ((D + Dv) * isz), tal.counts,
                                out=np.zeros(tal.hit.shape), where=tal.counts > 0)
-        core = replay_time(tal, priced, kvport, D * isz / HBMbw, Dv * isz / HBMbw, split)
+        core = replay_time(tal, per, kvport, D * isz / HBMbw, Dv * isz / HBMbw, split)
     else:
         core = fill + T * step + items * (end + q_exposed)
     stats = return_probs or return_stats
@@ -1104,16 +1103,23 @@ def _core_tallies(B, N, nq, nkv, Sq, Skv, qb, kvb, causal, ncores, window=0, gro
                  kk.qc)
 
 
-def replay_time(tal: Tally, priced, kvport, q_row, out_row, split) -> float:
+KIND_UNITS = ("port_kv", "kv_xfer", "mte2_rest", "port_rest", "loop", "fixed", "q_load", "q_xfer", "vector", "upd",
+              "vport")
+
+
+def kind_table(priced) -> dict:
+    """The step kinds priced with the launch's mean transfers (``priced[k]``: step, item end, next item's Q load,
+    fill, units) as arrays over the kinds: their units' :data:`KIND_UNITS`, ``fill`` and ``end``. Read only."""
+    table = np.array([[p[4][c_] for c_ in KIND_UNITS] + [p[3], p[1]] for p in priced]).T
+    return dict(zip(KIND_UNITS + ("fill", "end"), table))
+
+
+def replay_time(tal: Tally, per, kvport, q_row, out_row, split) -> float:
     """The slowest core's cycles from the replayed sweep (:func:`_core_tallies`) and each step kind priced with the
-    launch's mean transfers (``priced[k]``: step, item end, next item's Q load, fill, units): per core, the fill of
-    its first item, each step again with its own K/V port wait (``kvport[c, k]`` cycles a step, or None for the
-    launch's mean), each item's end and each later item's start. A Q load or an output store waits for its
-    instruction's rows from HBM, ``q_row`` and ``out_row`` cycles a row."""
-    cols = ("port_kv", "kv_xfer", "mte2_rest", "port_rest", "loop", "fixed", "q_load", "q_xfer", "vector", "upd",
-            "vport")
-    table = np.array([[p[4][c_] for c_ in cols] + [p[3], p[1]] for p in priced]).T
-    per = dict(zip(cols + ("fill", "end"), table))
+    launch's mean transfers (``per``: :func:`kind_table`): per core, the fill of its first item, each step again with
+    its own K/V port wait (``kvport[c, k]`` cycles a step, or None for the launch's mean), each item's end and each
+    later item's start. A Q load or an output store waits for its instruction's rows from HBM, ``q_row`` and
+    ``out_row`` cycles a row."""
     P = per["port_kv"][None, :] if kvport is None else kvport
     cube_mte2 = np.maximum(per["kv_xfer"], P) + per["mte2_rest"]
     cube_port = P + per["port_rest"]
