@@ -322,7 +322,7 @@ def _rope(m) -> bool:
     if "flat" in m:
         rot = m["rot"]
         last = len(shape(rot)) - 1
-        ok = (hi[1], hi[3], lo[1], lo[3]) == (1, 2, 0, 2) and arg(rot, 1, "dim", 0) % (last + 1) == last and \
+        ok = _even_odd(m["lo"], m["hi"]) is x and arg(rot, 1, "dim", 0) % (last + 1) == last and \
             shape(m["flat"]) == shape(x)
         rotated = m["flat"]
     else:
@@ -402,8 +402,26 @@ def _part(n):
     return part[0], part[2], part[3], 1
 
 
+def _even_odd(ev, od):
+    """The common source x of ``x[..., 0::2]`` and ``x[..., 1::2]`` in that order (its even and its odd elements
+    along the last dim, every pair whole: x's width even), or None. GPT-J's pairs and DeepSeek-V3's interleaved
+    halves are read from these two slices."""
+    a, b = _part(ev), _part(od)
+    if a is None or b is None or a[0] is not b[0]:
+        return None
+    w = shape(a[0])[-1]
+    whole = all(p[1] == first and p[3] == 2 and len(range(*p[1:])) == w // 2 for p, first in ((a, 0), (b, 1)))
+    return a[0] if w % 2 == 0 and whole else None
+
+
 def _halves(x1, x2):
-    """The common source of two values that are its first and second half along the last dim, or None."""
+    """The common source of two values that are its first and second half along the last dim, or its even and odd
+    elements (:func:`_even_odd`: DeepSeek-V3's interleaved RoPE rotates each pair (x₂ᵢ, x₂ᵢ₊₁) as the halves'
+    rotation would, laid out in halves), or None."""
+    pairs = _even_odd(x1, x2)
+    if pairs is not None:
+        return pairs
+
     def half(n):
         p = _part(n)
         if p is None:
