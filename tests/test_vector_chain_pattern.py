@@ -317,6 +317,93 @@ def test_rope_named_only_with_the_right_sign(sign, named):
     _within_bound(m, (q, cos, sin), {}, lambda: fused(q, cos, sin))
 
 
+class InterleavedRope(nn.Module):
+    """DeepSeek-V3's interleaved RoPE (transformers' ``apply_rotary_pos_emb_interleave``): the even and the odd
+    elements of x rotated as the halves are, ``cat(x₁·c − x₂·s, x₂·c + x₁·s)`` with x₁ = x[..., 0::2],
+    x₂ = x[..., 1::2] and c, s the first halves of the tables; ``kind`` names a near miss (not a RoPE)."""
+
+    def __init__(self, kind="right"):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, cos, sin):
+        c, s = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+        x1, x2 = q[..., 0::2], q[..., 1::2]
+        if self.kind == "odd_first":                 # the pairs' elements swapped: the inverse rotation of (x1, x0)
+            x1, x2 = x2, x1
+        elif self.kind == "two_sources":             # the odd elements of another tensor
+            x2 = k[..., 1::2]
+        elif self.kind == "short":                   # the last pair left out of both slices
+            w = q.shape[-1]
+            x1, x2, c, s = q[..., 0:w - 2:2], q[..., 1:w - 2:2], c[..., :-1], s[..., :-1]
+        elif self.kind == "negated_sin":             # the inverse rotation, by the sine negated in the graph
+            s = -s
+        if self.kind == "wrong_sign":                # the inverse rotation
+            return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s], dim=-1)
+        if self.kind == "halves_swapped":            # the two rotated halves concatenated in the other order
+            return torch.cat([x2 * c + x1 * s, x1 * c - x2 * s], dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _interleaved_inputs(q_shape, table_shape, dtype):
+    torch.manual_seed(0)
+    q, k = torch.randn(q_shape).to(dtype), torch.randn(q_shape).to(dtype)
+    angles = torch.rand(table_shape) * 6
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("q_shape,table_shape", [((2, 4, 16, 8), (16, 8)), ((1, 2, 5, 32), (1, 1, 5, 32)),
+                                                 ((3, 7, 64), (7, 64))])
+def test_deepseek_v3_interleaved_rope_is_named_rope(q_shape, table_shape, dtype):
+    m = InterleavedRope().eval()
+    args = _interleaved_inputs(q_shape, table_shape, dtype)
+    fused = _inference_fuse(m, args)
+    assert [d.pattern for d in fused.report.applied] == ["rope"], fused.report.summary()
+    _within_bound(m, args, {}, lambda: fused(*args))
+    if dtype == torch.float32:        # the same products, differences and sums in fp32 as eager's, one by one
+        with torch.no_grad():
+            assert torch.equal(fused(*args), m(*args))
+
+
+@pytest.mark.parametrize("kind", ["odd_first", "two_sources", "short", "negated_sin", "wrong_sign",
+                                  "halves_swapped"])
+def test_interleaved_rope_near_misses_are_not_named_and_compute_as_written(kind):
+    m = InterleavedRope(kind).eval()
+    args = _interleaved_inputs((2, 4, 16, 8), (16, 8), torch.float32)
+    fused = _inference_fuse(m, args)
+    assert fused.report.applied and not _names(fused.report)["rope"], fused.report.summary()
+    _within_bound(m, args, {}, lambda: fused(*args))
+
+
+def test_switching_rope_off_leaves_the_interleaved_rope_unfused():
+    m = InterleavedRope().eval()
+    args = _interleaved_inputs((2, 4, 16, 8), (16, 8), torch.float32)
+    fused = _inference_fuse(m, args, fusion_switches={"rope": "off"})
+    assert not fused.report.applied, fused.report.summary()
+    (d,) = [d for d in fused.report.decisions if d.pattern == "rope"]
+    assert d.reason == "switched off by the rope switch", d.reason
+    with torch.no_grad():
+        assert torch.equal(fused(*args), m(*args))
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_deepseek_v3_rotations_are_named_rope_either_way(interleave):
+    """DeepSeek-V3 rotates the rotary part of q and of k per layer: by even/odd slices (``rope_interleave``, the
+    default) or by ``rotate_half``; both are named rope (k's in the region of kv_a_layernorm's RMSNorm)."""
+    torch.manual_seed(0)
+    cfg = tf.DeepseekV3Config(vocab_size=128, num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                              q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                              v_head_dim=16, first_k_dense_replace=LAYERS, rope_interleave=interleave)
+    cfg._attn_implementation = "sdpa"
+    model = tf.DeepseekV3ForCausalLM(cfg).eval()
+    ids = torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    assert _names(fused.report)["rope"] == 2 * LAYERS, fused.report.summary()
+    _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
+
+
 class FusedGateUp(nn.Module):
     """A fused gate_up projection split in halves; ``order`` says which half goes through SiLU."""
 
@@ -695,6 +782,15 @@ def test_halves_read_slices_with_their_defaults():
     second_full = g.call_function(aten.slice.Tensor, (x, 1, 4, 2 ** 63 - 1))
     assert _halves(first, second) is x and _halves(first, second_full) is x
     assert _halves(second, first) is None                                       # the halves' order matters
+    # the even and the odd elements (DeepSeek-V3's interleaved pairs), of one source, evens first, every pair whole
+    y = g.placeholder("y")
+    y.meta["val"] = torch.empty(2, 8)
+    ev, od = g.call_function(aten.slice.Tensor, (x, -1, 0, None, 2)), g.call_function(aten.slice.Tensor, (x, -1, 1))
+    od2 = g.call_function(aten.slice.Tensor, (x, 1, 1, 2 ** 63 - 1, 2))
+    assert _halves(ev, od) is None                                              # the odd ones by step 1: no pairs
+    assert _halves(ev, od2) is x and _halves(od2, ev) is None
+    assert _halves(ev, g.call_function(aten.slice.Tensor, (y, -1, 1, None, 2))) is None       # another source
+    assert _halves(ev, g.call_function(aten.slice.Tensor, (x, -1, 1, 6, 2))) is None          # a pair left out
 
 
 def test_a_region_split_at_an_op_it_cannot_run_never_holds_both_sides_of_that_op():
