@@ -28,8 +28,9 @@ store). The planner chooses between the region alone and the matmul with it (the
 **Names** (the report speaks the user's vocabulary). Named families are small templates (``TEMPLATES``)
 matched inside a region: ``rms_norm`` (``x · rsqrt(mean(x²) + eps) [· w]``), ``add_rms_norm`` (the same of a
 residual sum that leaves the region too), ``layer_norm``, ``rope`` (half rotation ``x·cos + cat(−x₂, x₁)·sin``,
-interleaved, or partial; cos and sin two tables, neither negated), ``swiglu`` (``silu(a) · b``, b not computed
-from a), ``geglu`` (``gelu(a) · b``). A region's
+interleaved, or partial; or per half, ``cat(x₁·cos − x₂·sin, x₂·cos + x₁·sin)``, of x's halves or of its even and
+odd elements (DeepSeek-V3's interleaved RoPE); cos and sin two tables, neither negated), ``swiglu``
+(``silu(a) · b``, b not computed from a), ``geglu`` (``gelu(a) · b``). A region's
 ``FusionDecision.pattern`` is its names joined with ``+`` in graph order (``matmul+swiglu``,
 ``add_rms_norm``), ``matmul_epilogue`` for a matmul with an unnamed epilogue, ``vector_chain`` otherwise.
 Near misses (eps outside the square root, a rotation with the wrong sign) are not named; they are still
