@@ -27,7 +27,8 @@ from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops
 from autofuse.fused import (REDUCED, Family, Price, _adapt, _physical_order, keep_mask_call, keep_mask_price,
                             per_device, register_family)
 from autofuse.graph import call
-from cost_model.program import BIT, FLOATS, Input, Output, as_program, stored_shape
+from patterns.vector_chain import _KEEPS, _trace_table
+from cost_model.program import BIT, FLOATS, Input, Output, ProgramError, as_program, stored_shape
 from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
 
 aten = torch.ops.aten
@@ -169,9 +170,12 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
     extra = _specs(match, nodes, p["extra_shapes"])
     bias = nodes[match.inputs["bias"]] if "bias" in match.inputs else None
     bspec = None if bias is None else (tuple(bias.meta["val"].shape), _dtype(bias))
-    alts = _alternatives("epilogue", (specs[0], specs[1], prog), {"bias": bspec, "trans_b": p["trans_b"]})
-    price = _price("matmul_epilogue", specs + extra, device, search_tiling, alts, program=prog, bias=bspec,
-                   trans_b=p["trans_b"])
+    try:
+        alts = _alternatives("epilogue", (specs[0], specs[1], prog), {"bias": bspec, "trans_b": p["trans_b"]})
+        price = _price("matmul_epilogue", specs + extra, device, search_tiling, alts, program=prog, bias=bspec,
+                       trans_b=p["trans_b"])
+    except ProgramError as e:
+        raise _naming_inputs(e, match, nodes) from None
     if trained is not None:
         price.options = {"program": trained.to_json()}     # emit_epilogue calls the op with this program
     if recompute:
@@ -183,6 +187,34 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
                                     hbm_bytes=price.hbm_bytes + redo.hbm_bytes,
                                     kernels=list(price.kernels) + ["matmul (the backward's product recompute)"])
     return _with_draws(price, match, p["extra_shapes"], device)
+
+
+def _naming_inputs(e: ProgramError, match, nodes: dict) -> ProgramError:
+    """``e``, about some inputs of an epilogue's program (``e.inputs``, the product input 0), with what each is in
+    the model: its node, what computes it (a cos or sin table, through views, is called one) and the region's ops
+    that read it."""
+    said = []
+    for k in e.inputs:
+        n = nodes.get(match.inputs.get(f"in{k - 1}")) if k > 0 else None
+        if n is None:
+            continue
+        if n.op == "placeholder":
+            what = "an input of the model"
+        elif n.op == "get_attr":
+            what = f"the parameter or buffer {n.target}"
+        else:
+            fn = _trace_table(n)[1]
+            src = n
+            while src.op == "call_function" and src.target in _KEEPS and isinstance(src.args[0], fx.Node):
+                src = src.args[0]
+            through = " through views" if src is not n else ""
+            what = f"a {fn} table (computed by aten.{fn})" if fn else \
+                f"computed by {getattr(src.target, '__name__', src.target)} at {src.name}{through}"
+        readers = [u.name for u in n.users if u.name in match.nodes]
+        said.append(f"{n.name} {list(n.meta['val'].shape)}, {what}" + (f", read by {', '.join(readers)}"
+                                                                      if readers else ""))
+    return ProgramError(f"{e}. The input{'s' if len(said) > 1 else ''} read so: {'; '.join(said)}", e.inputs) \
+        if said else e
 
 
 def _kwargs(device: str, price: Price, level: str) -> dict:

@@ -772,12 +772,12 @@ def epilogue_plan(prog, M, N, dtype, temps=lambda op: 0):
     low = lower(prog, False, temps)
     geo = low.geometry
     if len(geo.groups) != 1:
-        part = [list(prog.inputs[k].shape) for k, v in enumerate(geo.var) if any(v) and not all(v)]
-        raise ProgramError(f"matmul_epilogue: the region reads {'an input' if not part else part[0]} broadcast over "
-                           f"some of the product's leading dims only (as a per-sample drop-path mask [B, 1, 1] over "
-                           f"[B, S, H] is); an epilogue reads each input whole, per row, per column or as one "
-                           f"number along the product's rows, so the region can only run as a Vector kernel of its "
-                           f"own after the matmul")
+        part = [k for k, v in enumerate(geo.var) if any(v) and not all(v)]
+        raise ProgramError(f"matmul_epilogue: the region reads "
+                           f"{list(prog.inputs[part[0]].shape) if part else 'an input'} broadcast over some of the "
+                           f"product's leading dims only{_broadcast_over(prog, part[0]) if part else ''}; an epilogue "
+                           f"reads each input whole, per row, per column or as one number along the product's rows, "
+                           f"so the region can only run as a Vector kernel of its own after the matmul", part)
     W = low.width
     pieces = [w.offset for w in low.views if w.input == 0]
     if any(w.width != W for w in low.views if w.input == 0) or not pieces:
@@ -790,6 +790,17 @@ def epilogue_plan(prog, M, N, dtype, temps=lambda op: 0):
     whole = any(op.kind in ("reduce", "gather", "copy") for op in ops) or \
         any(s.col for op in ops for s in op.srcs)
     return low, pieces, W, whole
+
+
+def _broadcast_over(prog, k) -> str:
+    """`` (it changes along ... and repeats along ...)``: the product's leading dims (sizes, those of 1 left out) input
+    ``k`` of ``prog`` follows and those it repeats along; a drop-path mask as the like case where it follows the
+    outer ones only (one value per sample, as a drop-path mask [B, 1, 1] over [B, S, H] has)."""
+    dims = [d for d, size in enumerate(prog.lead) if size > 1]
+    follows = [d for d in dims if prog.values[k].rowvar[d]]
+    along, over = [prog.lead[d] for d in follows], [prog.lead[d] for d in dims if d not in follows]
+    like = "; as a per-sample drop-path mask [B, 1, 1] over [B, S, H] does" if follows == dims[:len(follows)] else ""
+    return f" (it changes along the product's leading dims of sizes {along} and repeats along {over}{like})"
 
 
 def epilogue_ub_specs(dev, prog, low, P, t) -> list:

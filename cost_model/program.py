@@ -98,7 +98,12 @@ _COMMUTATIVE = ("add", "mul", "maximum", "minimum")
 
 
 class ProgramError(ValueError):
-    """A program is malformed, or does not fit the tensors it is given."""
+    """A program is malformed, or does not fit the tensors it is given. ``inputs``: the numbers of the program's
+    inputs the error is about, where it is about some (a caller that knows what they are in the model may say)."""
+
+    def __init__(self, message: str, inputs: tuple = ()):
+        super().__init__(message)
+        self.inputs = tuple(inputs)
 
 
 @dataclass(frozen=True)

@@ -607,7 +607,10 @@ class SplitOrScaled(nn.Module):
 
 
 @pytest.mark.parametrize("kind,says", [("split", "parts of widths [8, 16]"),
-                                       ("per_sample", "[3, 1, 1] broadcast over some of the product's leading dims")])
+                                       ("per_sample", "[3, 1, 1] broadcast over some of the product's leading dims "
+                                                      "only (it changes along the product's leading dims of sizes "
+                                                      "[3] and repeats along [5]; as a per-sample drop-path mask "
+                                                      "[B, 1, 1] over [B, S, H] does)")])
 def test_an_epilogue_the_kernel_cannot_read_says_why_in_the_models_terms(kind, says):
     torch.manual_seed(0)
     m = SplitOrScaled(kind).eval()
@@ -617,6 +620,34 @@ def test_an_epilogue_the_kernel_cannot_read_says_why_in_the_models_terms(kind, s
            and d.reason_code == "unsupported"]
     assert why and all(says in r and "Error" not in r for r in why), why
     _within_bound(m, (x, s), {}, lambda: fused(x, s))
+
+
+class RotatedProjection(nn.Module):
+    """A projection rotated by position tables [S, 16] that every sample reads (RoPE on a projection's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("angles", torch.rand(5, 16) * 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.angles.cos() + torch.cat((-h[..., 8:], h[..., :8]), -1) * self.angles.sin()
+
+
+def test_an_epilogue_reading_a_table_every_sample_shares_names_the_table_not_a_drop_path_mask():
+    torch.manual_seed(0)
+    m = RotatedProjection().eval()
+    x = torch.randn(3, 5, 16)
+    fused = AutoFusionEngine.fuse(m, (x,))
+    why = [d.reason for d in fused.report.decisions if d.params.get("family") == "matmul_epilogue"
+           and d.reason_code == "unsupported"]
+    assert why, fused.report.summary()
+    for r in why:
+        assert "[5, 16] broadcast over some of the product's leading dims only (it changes along the product's " \
+               "leading dims of sizes [5] and repeats along [3])" in r and "drop-path" not in r, r
+        assert "a cos table (computed by aten.cos)" in r and "a sin table (computed by aten.sin)" in r, r
+    _within_bound(m, (x,), {}, lambda: fused(x))
 
 
 def test_a_whole_region_name_switches_only_that_region():
