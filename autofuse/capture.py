@@ -67,6 +67,11 @@ real data is touched, so very large configurations can be analysed.
 8. **Sizes seen before.** Given a :class:`autofuse.sizes.SizeFamilies` (a fused module keeps one), a call whose
    structure was captured before at other sizes is not exported again: one export with those sizes symbolic is
    specialised to the call's sizes, giving the graph a fresh export gives (see :mod:`autofuse.sizes`).
+9. **transformers' float16 overflow clamp** (``if h.dtype == torch.float16 and not torch.isfinite(h).all(): h =
+   torch.clamp(h, ...)``, BART and its kin; ``torch.isinf(h).any()`` in LongT5) branches on values, which torch.export
+   refuses. Recognised by its source while the forward is traced, it is captured as ``torch.where`` over both
+   branches (:func:`_overflow_clamps`): the graph tests at every call and clamps where eager clamps. Every other
+   branch on values fails as before, with the error naming the line.
 """
 from __future__ import annotations
 
@@ -431,7 +436,8 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
         try:
             with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
                     _checkpoints() as (checkpoints, grad_free_checkpoints), _fake_tensor_errors_unlogged(), \
-                    _eager_autograd_reads() as reads, _eager_dropout(), _torch_transformers_as_eager():
+                    _eager_autograd_reads() as reads, _eager_dropout(), _torch_transformers_as_eager(), \
+                    _overflow_clamps():
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -1064,6 +1070,207 @@ def _nested_padding(self, src, mask, src_key_padding_mask):
     return kpm
 
 
+#: the conditions of the overflow-clamp idiom (:func:`_overflow_clamps`): (reduction, element test) -> the value of
+#: the reduction for which the forward clamps (``not torch.isfinite(h).all()``: False; ``torch.isinf(h).any()``: True)
+_CLAMP_CONDITIONS = {("all", "isfinite"): False, ("any", "isinf"): True}
+_CLAMP_NAMES = frozenset({"__bool__", "item", "isfinite", "isinf", "all", "any", "clamp", "clip"})
+
+
+@contextlib.contextmanager
+def _overflow_clamps():
+    """While the forward is captured, the float16 overflow clamp of transformers' encoder layers (BART, Marian, MVP,
+    PLBart, LED, BigBird-Pegasus, NLLB-MoE, Informer, ...; the DETR family's in training; LongT5 and Pix2Struct
+    spell the test with ``torch.isinf(h).any()``)::
+
+        if hidden_states.dtype == torch.float16 and not torch.isfinite(hidden_states).all():
+            clamp_value = torch.finfo(hidden_states.dtype).max - 1000
+            hidden_states = torch.clamp(hidden_states, min=-clamp_value, max=clamp_value)
+
+    branches on the values, which torch.export refuses (``GuardOnDataDependentSymNode``). It is captured as what it
+    computes for any values, ``h = torch.where(torch.isfinite(h).all(), h, torch.clamp(h, ...))`` (``torch.where(
+    torch.isinf(h).any(), torch.clamp(h, ...), h)``): the graph computes the test and takes eager's branch at each
+    call, so the fused model clamps where eager clamps and leaves ``h`` as it is where eager does (an unconditional
+    clamp would not: a finite value between ``max - 1000`` and ``max`` is clamped only where another overflowed).
+    Gradients are eager's too: ``where`` passes the gradient of the branch it picks.
+
+    Recognised by its source, not guessed: the ``bool()`` of a reduction over ``isfinite`` / ``isinf`` of a tensor
+    ``h`` is answered only where the forward's frame is at the test of an ``if`` (its last ``and`` operand) spelled
+    as above on the variable that holds ``h``, whose body (no ``else``) is assignments of other names from
+    arithmetic, attributes and ``torch.finfo`` (names the function reads elsewhere only after assigning them
+    itself), then ``h = torch.clamp(h, ...)`` (or ``torch.clip``). The trace then takes the branch and its clamp of
+    ``h``, in that frame, returns the ``where``. Any other data-dependent test is left to torch.export, whose error
+    capture reports as before. Nothing is patched: a torch-function mode of this capture's thread, left on exit."""
+    from torch.overrides import TorchFunctionMode
+
+    capturing = threading.get_ident()
+    made: dict = {}         # id(result) -> (result, function name, its tensor) for isfinite / isinf / all / any
+    pending: dict = {}      # id(h) -> (h, the test's reduction, its value where the forward clamps, the frame)
+
+    def taken(t, frame):
+        """The answer to ``bool(t)`` that takes the idiom's branch, where ``t`` is its test; else None."""
+        reduced = made.get(id(t))
+        tested = reduced and made.get(id(reduced[2]))
+        if not reduced or reduced[0] is not t or not tested or tested[0] is not reduced[2]:
+            return None
+        key, h = (reduced[1], tested[1]), tested[2]
+        frame = _calling_frame(frame)
+        if key not in _CLAMP_CONDITIONS or frame is None:
+            return None
+        name = _overflow_clamp_name(frame, key)
+        if name is None or frame.f_locals.get(name) is not h:
+            return None
+        pending[id(h)] = (h, t, _CLAMP_CONDITIONS[key], frame)
+        return _CLAMP_CONDITIONS[key]
+
+    class Clamps(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            if name not in _CLAMP_NAMES or threading.get_ident() != capturing or not args:
+                return func(*args, **kwargs)
+            if name in ("__bool__", "item"):
+                # bool(t); a FunctionalTensor's __bool__ (the trace's values, straight to functional aten) is
+                # bool(self.item())
+                frame = sys._getframe(1) if name == "__bool__" else _in_functional_bool(sys._getframe(1))
+                answer = None if frame is None else taken(args[0], frame)
+                return func(*args, **kwargs) if answer is None else answer
+            entry = pending.get(id(args[0])) if name in ("clamp", "clip") else None
+            if entry is not None and entry[0] is args[0] and _calling_frame(sys._getframe(1)) is entry[3]:
+                h = args[0]
+                _, test, clamps_where, _ = pending.pop(id(h))
+                clamped = func(*args, **kwargs)
+                return torch.where(test, clamped, h) if clamps_where else torch.where(test, h, clamped)
+            out = func(*args, **kwargs)
+            if name in ("isfinite", "isinf", "all", "any") and len(args) == 1 and not kwargs and \
+                    isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+                made[id(out)] = (out, name, args[0])        # held, so that its id stays its own while capturing
+            return out
+
+    try:
+        with Clamps():
+            yield
+        if pending:
+            h, _, _, frame = next(iter(pending.values()))
+            raise CaptureError("export", f"capture failed: the float16 overflow clamp at {frame.f_code.co_filename}:"
+                                         f"{frame.f_lineno} was recognised but its torch.clamp was not reached; "
+                                         f"hint: compile the model with torch.compile(model, backend='autofuse')")
+    finally:
+        made.clear()
+        pending.clear()
+
+
+def _calling_frame(frame):
+    """The frame that called a torch function, past torch-function dispatch (another mode's handler, torch's
+    handle_torch_function and the Tensor method that called it); None where that is torch's or autofuse's."""
+    while frame is not None and (frame.f_code.co_name == "__torch_function__" or
+                                 frame.f_code.co_filename in (_OVERRIDES, _TENSOR)):
+        frame = frame.f_back
+    if frame is None or os.path.abspath(frame.f_code.co_filename).startswith((_TORCH_DIR, _OWN_DIR)):
+        return None
+    return frame
+
+
+def _in_functional_bool(frame):
+    """Where a torch function was called by ``FunctionalTensor.__bool__`` (which calls ``self.item()``), the frame
+    that called ``bool()``; else None."""
+    while frame is not None and (frame.f_code.co_name == "__torch_function__" or
+                                 frame.f_code.co_filename in (_OVERRIDES, _TENSOR)):
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name != "__bool__" or frame.f_code.co_filename != _FUNCTIONAL_TENSOR:
+        return None
+    return frame.f_back
+
+
+def _overflow_clamp_name(frame, key) -> str | None:
+    """The variable that the overflow-clamp idiom (:func:`_overflow_clamps`) with the test ``key`` tests and clamps,
+    where ``frame`` is at that idiom's test; None where it is not."""
+    import ast
+    if frame.f_globals.get("torch") is not torch:
+        return None
+    tree = _parsed(frame.f_code.co_filename, frame.f_globals)
+    code = frame.f_code
+    function = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and n.name == code.co_name
+                     and min(d.lineno for d in [n, *n.decorator_list]) == code.co_firstlineno), None) if tree else None
+    tests = [n for n in ast.walk(function) if isinstance(n, ast.If)
+             and n.test.lineno <= frame.f_lineno <= n.test.end_lineno] if function else []
+    if len(tests) != 1 or tests[0].orelse:
+        return None
+    node = tests[0]
+
+    def torch_call(n, names):
+        return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in names and \
+            isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"
+
+    def tested(n):
+        """``torch.<test>(N).<reduction>()`` or ``torch.<reduction>(torch.<test>(N))``: (reduction, test, N)."""
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and not n.args and not n.keywords \
+                and torch_call(n.func.value, ("isfinite", "isinf")):
+            inner, reduction = n.func.value, n.func.attr
+        elif torch_call(n, ("all", "any")) and len(n.args) == 1 and not n.keywords and \
+                torch_call(n.args[0], ("isfinite", "isinf")):
+            inner, reduction = n.args[0], n.func.attr
+        else:
+            return None
+        if len(inner.args) != 1 or inner.keywords or not isinstance(inner.args[0], ast.Name):
+            return None
+        return reduction, inner.func.attr, inner.args[0].id
+
+    test = node.test
+    others = test.values[:-1] if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else []
+    condition = test.values[-1] if others else test
+    negated = isinstance(condition, ast.UnaryOp) and isinstance(condition.op, ast.Not)
+    found = tested(condition.operand if negated else condition)
+    if found is None or found[:2] != key or negated == _CLAMP_CONDITIONS[key] or \
+            any(torch_call(n, ("isfinite", "isinf")) for o in others for n in ast.walk(o)):
+        return None
+    name = found[2]
+    *first, last = node.body
+    if not (isinstance(last, ast.Assign) and len(last.targets) == 1 and isinstance(last.targets[0], ast.Name)
+            and last.targets[0].id == name and torch_call(last.value, ("clamp", "clip"))
+            and last.value.args and isinstance(last.value.args[0], ast.Name) and last.value.args[0].id == name
+            and len(last.value.args) <= 3 and all(k.arg in ("min", "max") for k in last.value.keywords)):
+        return None
+    assigned = set()
+    for s in first:
+        if not (isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+                and s.targets[0].id != name and all(torch_call(n, ("finfo",)) for n in ast.walk(s.value)
+                                                    if isinstance(n, ast.Call))):
+            return None
+        assigned.add(s.targets[0].id)
+    # reads of those names that a statement before them in the same block assigns, with this branch not in between
+    # (this body's own, the same idiom's elsewhere in the function): they do not see whether this branch ran
+    preceded = set()
+    for block in (n.body for n in ast.walk(function) if isinstance(n, ast.If)):
+        for k, s in enumerate(block):
+            if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
+                for later in block[k + 1:]:
+                    if any(n is node for n in ast.walk(later)):
+                        break
+                    preceded |= {id(n) for n in ast.walk(later)
+                                 if isinstance(n, ast.Name) and n.id == s.targets[0].id}
+    if any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in assigned and id(n) not in preceded
+           for n in ast.walk(function)):
+        return None             # a name the branch sets is read elsewhere: the trace would set it where eager does not
+    return name
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_source(filename: str, source: str):
+    import ast
+    try:
+        return ast.parse(source, filename)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _parsed(filename: str, module_globals):
+    """The module source of ``filename`` parsed (as linecache reads it), or None."""
+    import linecache
+    lines = linecache.getlines(filename, module_globals)
+    return _parsed_source(filename, "".join(lines)) if lines else None
+
+
 @contextlib.contextmanager
 def _fake_tensor_errors_unlogged():
     """torch logs an op that fails on fake tensors (wrong shapes in the example inputs) at ERROR level, with its
@@ -1096,6 +1303,7 @@ def _forwards_block(frame) -> bool:
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _OVERRIDES = torch.overrides.__file__
 _TENSOR = torch._tensor.__file__
+_FUNCTIONAL_TENSOR = torch._subclasses.functional_tensor.__file__
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
