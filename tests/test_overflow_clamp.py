@@ -202,3 +202,21 @@ def test_bart_encoder_in_float16_clamps_where_eager_does():
         assert torch.equal(got[clamped], want[clamped])
         ok, err, tol = compare(want[~clamped], exact[~clamped], got[~clamped])
         assert ok, (weight, err, tol)
+
+
+def test_detr_in_training_fuses_and_runs_as_eager():
+    """The DETR family clamps so in training, in any dtype (``if self.training: if not torch.isfinite(h).all():``):
+    DETR with a small ResNet backbone captures in training mode (it was refused there) and runs as eager, its
+    dropouts at 0 (nothing drawn)."""
+    torch.manual_seed(0)
+    backbone = tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+                               out_features=["stage2"])
+    cfg = tf.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=32,
+                        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=8, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0)
+    model, x = tf.DetrModel(cfg).train(), torch.randn(1, 3, 64, 64)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert fused.report.of("attention") and all(d.applied for d in fused.report.of("attention"))
+    got, want = fused(x).last_hidden_state, model(x).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)       # the fp32 bound of tests/test_more_architectures
