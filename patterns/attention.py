@@ -53,7 +53,8 @@ than v unless q and k are fp32 and v narrower (GPT-J in bf16: v is cast up, ``pa
 over batch or queries, a sink column put first, a scale or mask applied after the concatenation, a slice other than
 ``[..., :-1]`` (or one without sinks), probabilities read with the sink column; scores cast down to 16 bits
 before the softmax (``(q @ kᵀ).half()`` of fp32 q and k: the kernel would compute them unrounded; the softmax
-family then starts after the cast).
+family then starts after the cast), the candidate unsupported with a reason naming the cast (the model's, or a
+softmax's ``dtype=`` argument, which casts its input before the softmax).
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
@@ -425,9 +426,8 @@ def _decide_softmax(m: dict) -> Match | None:
         return None
     if rounds_and_widens([qk, *_members(m, "score"), *pchain]):
         return None                 # scores or probabilities rounded to 16 bits and back: eager keeps the rounding
-    if narrowing_casts(sc.nodes):
-        return None                 # the model rounds its scores down before the softmax: the kernel, computing
-        #                             them from q and k in fp32, would not (the softmax family can start after it)
+    narrowed = narrowing_casts(sc.nodes)   # the model rounds its scores down before the softmax: the kernel,
+    #                                       computing them from q and k in fp32, would not (a reason, below)
     slices = [n for n in probs_chain if is_call(n, aten.slice.Tensor)]
     if (sc.sinks is None) != (not slices) or len(slices) > 1 or (sc.sinks is not None and rank != 4):
         return None                 # the sink column is dropped exactly when sinks were concatenated, once
@@ -457,6 +457,8 @@ def _decide_softmax(m: dict) -> Match | None:
         return None  # the probabilities feed another matmul too
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
     inputs = {"q": q.name, "k": k.name, "v": v.name}
+    if narrowed:
+        return _unsupported(inputs, core, pv, q, _narrowed_reason(narrowed[0], sm))
     v_cast = None
     if len({val(q).dtype, val(k).dtype, val(v).dtype}) > 1:
         # GPT-J and CodeGen upcast q and k to fp32 and leave v in the model's dtype: the kernel takes one dtype, so
@@ -482,6 +484,20 @@ def _decide_softmax(m: dict) -> Match | None:
         found.params["scale_per_head"] = True       # the kernel's head_scale: one factor per query head
         found.params["scale_round"] = _per_head_rounding(sc)
     return found
+
+
+def _narrowed_reason(cast: fx.Node, sm: fx.Node) -> str:
+    """Why a block whose scores are cast down to 16 bits before the softmax is not fused: the kernel computes them
+    from q and k in fp32 and has no rounding there. The cast is the model's own (``(q @ kᵀ).half()``) or, with no
+    captured node of its own, the softmax's ``dtype=`` argument (Falcon's ALiBi path in 16 bits:
+    ``softmax(logits32 + mask, -1, dtype=bfloat16)``, which casts its fp32 input down before the softmax)."""
+    to, frm = (str(val(n).dtype).replace("torch.", "") for n in (cast, cast.args[0]))
+    if cast.meta.get("autofuse_origin") is None:
+        how = f"by the softmax's dtype={to} argument (softmax(x, -1, dtype={to}) of {frm} logits)"
+    else:
+        how = f"by a cast the model writes ({cast.meta['autofuse_origin']})"
+    return (f"the scores are cast down from {frm} to {to} before the softmax, {how}: eager rounds them to {to} "
+            f"there, the attention kernel computes them in fp32 and has no such rounding")
 
 
 def _per_head_rounding(sc: _Scores) -> torch.dtype | None:
