@@ -104,6 +104,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
         params["softcap"] = p["softcap"]
     if p.get("scale_round") is not None:            # a per-head scale's 16-bit product: its roundings
         params["head_scale_dtype"] = str(p["scale_round"]).replace("torch.", "")
+    if p.get("logits_round") is not None:           # eager's 16-bit scores and logits (softmax's dtype=): rounded
+        params["logits_dtype"] = str(p["logits_round"]).replace("torch.", "")
     if "sinks" in match.inputs:                     # one sink logit per query head, as the op passes them
         params["sinks"] = ((specs[0][0][1],), _spec(nodes[match.inputs["sinks"]])[1])
     terms = p.get("mask_terms") or ()
@@ -362,6 +364,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
             kw["head_scale_dtype"] = p["scale_round"]
     if "sinks" in ins:
         kw["sinks"] = ins["sinks"]
+    if p.get("logits_round") is not None:
+        kw["logits_dtype"] = p["logits_round"]
     if p.get("dropout_draw") is not None:
         kw["drop_mask"], kw["dropout_p"] = _keep_mask(g, ins, m, kwargs.get("device", "ascend910"), q), p["dropout_p"]
     like = p["out_like"]

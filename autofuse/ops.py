@@ -97,7 +97,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      dropout_p: float = 0.0, return_stats: bool = False, softcap: Optional[float] = None,
                      sinks: Optional[torch.Tensor] = None, window: int = 0,
                      mask_add_dtype: Optional[torch.dtype] = None,
-                     head_scale_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     head_scale_dtype: Optional[torch.dtype] = None,
+                     logits_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     heads = per_head_scale(scale_tensor, q.shape[1])
@@ -110,6 +111,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     if heads is not None:
         kw["head_scale"] = heads
         kw["head_scale_dtype"] = dtype_name(head_scale_dtype)
+    if logits_dtype is not None:
+        kw["logits_dtype"] = dtype_name(logits_dtype)
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     if causal_value is not None and mask_add_dtype is not None:
@@ -202,7 +205,7 @@ def per_head_scale(scale_tensor, n: int):
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
                               drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0,
-                              mask_add_dtype=None, head_scale_dtype=None, **_):
+                              mask_add_dtype=None, head_scale_dtype=None, logits_dtype=None, **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
@@ -213,7 +216,10 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     (with ``causal``): query i sees only keys j > i - window (a sliding window); ``mask_add_dtype`` (a 16-bit
     dtype): the additive mask added as eager adds it in that dtype, the scores cast down to it, the sum rounded to it
     (:func:`add_mask`); ``head_scale_dtype`` (a 16-bit dtype, with a per-head ``scale_tensor``): the product of the
-    scores and the factor computed as eager's 16-bit product of its 16-bit scores (both rounded to it). Used where
+    scores and the factor computed as eager's 16-bit product of its 16-bit scores (both rounded to it);
+    ``logits_dtype`` (q's 16-bit dtype): the scores rounded to it as eager's matmul returns them, scaled and masked in
+    fp32, and the logits rounded to it once before the softmax (as ``softmax(logits32, -1, dtype=)`` casts them;
+    the gradient passes through both casts, as through eager's). Used where
     only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` (one element, or one factor per query head broadcast over the scores) may require grad (its
@@ -222,6 +228,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = q.float() @ k.float().transpose(-2, -1)
+    if logits_dtype is not None:
+        s = s.to(logits_dtype).float()
     rounded = head_scale_dtype is not None and scale_tensor is not None and scale_tensor.numel() != 1
     if rounded:
         s = s.to(head_scale_dtype).float()
@@ -238,6 +246,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
         else:
             # SDPA's bool mask adds -inf (a NaN or +inf score gives NaN); masked_fill replaces
             s = torch.where(mask, s, s + _fill(fill)) if mask_keeps_nan else s.masked_fill(~mask, _fill(fill))
+    if logits_dtype is not None:
+        s = s.to(logits_dtype).float()
     if causal:
         s = s.masked_fill(~band_keep(s.shape[-2], s.shape[-1], window, s.device), float("-inf"))
     if sinks is not None:
@@ -289,7 +299,7 @@ def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
       drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-      head_scale_dtype=None):
+      head_scale_dtype=None, logits_dtype=None):
     out = empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -298,7 +308,7 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap, sinks, window, add_dtype, hs_dtype = inputs
+        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
@@ -307,6 +317,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout_p, ctx.device, ctx.keeps_nan, ctx.softcap, ctx.window = dp, device, keeps_nan, softcap, window
     ctx.add_dtype = add_dtype if mask is not None else None
     ctx.hs_dtype = hs_dtype
+    ctx.lg_dtype = lg_dtype
 
 
 def _backward(ctx, grad_out, grad_probs, grad_stats):
@@ -324,6 +335,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
     host = ((sinks is not None and not stats.numel())     # the backward kernel has no sinks in its statistics' recompute
+            or ctx.lg_dtype is not None                     # nor eager's 16-bit scores and logits
             or (scale_t is not None and (need[11] or scale_t.numel() != 1))   # the backward kernel: one scale
             or (mask is not None and mask.is_floating_point() and need[3])
             or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
@@ -336,7 +348,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
             ctx.window, ctx.add_dtype)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
-        return tuple(res) + (None,) * 16 + (gsink, None, None, None)
+        return tuple(res) + (None,) * 16 + (gsink, None, None, None, None)
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -349,7 +361,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
                                                dropout_p=ctx.dropout_p, softcap=ctx.softcap, sinks=sk,
                                                window=ctx.window, mask_add_dtype=ctx.add_dtype,
-                                               head_scale_dtype=ctx.hs_dtype)
+                                               head_scale_dtype=ctx.hs_dtype, logits_dtype=ctx.lg_dtype)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
@@ -362,7 +374,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gs = next(got) if (st is not None and st.requires_grad) else None
     gk = next(got) if (sk is not None and sk.requires_grad) else None
     return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
-        (None if gk is None else gk.to(sinks.dtype), None, None, None)
+        (None if gk is None else gk.to(sinks.dtype), None, None, None, None)
 
 
 def _sinks_grad(sinks, n, m, lsum, go, out):
@@ -384,7 +396,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
                     dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-                    head_scale_dtype=None):
+                    head_scale_dtype=None, logits_dtype=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -408,7 +420,9 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     scores cast down and the sum rounded to it (forward and backward). ``scale_tensor`` may also hold one factor per
     query head (``[N, 1, 1]``, ``[1, N, 1, 1]``: Swin v2's), which multiplies each head's scores after ``scale``;
     ``head_scale_dtype`` (a 16-bit dtype) then rounds the scores before that product and the product after it, as
-    eager's product of 16-bit scores and a 16-bit factor does (its backward runs on the host). Returns ``out`` or,
+    eager's product of 16-bit scores and a 16-bit factor does (its backward runs on the host). ``logits_dtype`` (q's
+    16-bit dtype): the scores rounded to it as eager's matmul returns them, and the scaled, masked logits rounded to it
+    once before the softmax, as Falcon's ALiBi path casts them (its backward runs on the host). Returns ``out`` or,
     with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -423,7 +437,8 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         softcap=None if softcap is None else float(softcap),
                                                         sinks=sinks, window=int(window),
                                                         mask_add_dtype=mask_add_dtype,
-                                                        head_scale_dtype=head_scale_dtype)
+                                                        head_scale_dtype=head_scale_dtype,
+                                                        logits_dtype=logits_dtype)
     return (out, probs) if return_probs else out
 
 

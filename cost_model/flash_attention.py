@@ -216,6 +216,9 @@ ROUNDING = 1e-9
 SOFTCAP_PASSES = 8
 #: a per-head scale's 16-bit product (``head_scale_dtype``): the scores and the product each rounded, a cast down and up
 HEAD_ROUND_PASSES = 4
+#: eager's 16-bit scores cast up and its fp32 logits cast down before the softmax (``logits_dtype``): the scores and
+#: the logits each rounded, a cast down and up
+LOGITS_ROUND_PASSES = 4
 #: UB tile of an item's sink logit (attention sinks): one fp32 value in a 32-byte aligned tile
 SINK_TILE = 8
 
@@ -1320,7 +1323,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                              fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
                              softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None,
-                             head_scale_dtype=None):
+                             head_scale_dtype=None, logits_dtype=None):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
@@ -1332,10 +1335,13 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     compare and a select more, as the diagonal's do. ``mask_add_dtype``: a 16-bit additive mask added in its dtype
     (the scores cast down, the add, the sum cast back up: one Vector pass per score more than its fp32 add).
     ``head_scale``: a per-head factor, the same multiply as the scale (N values loaded: not counted);
-    ``head_scale_dtype``: that product in 16 bits, the scores and the product rounded (four passes per score more)."""
+    ``head_scale_dtype``: that product in 16 bits, the scores and the product rounded (four passes per score more).
+    ``logits_dtype``: eager's 16-bit scores and its 16-bit logits before the softmax, each rounded (four passes per
+    score more)."""
     window = int(window or 0)
     drop = drop_mask is not None
     extra = (SOFTCAP_PASSES if softcap is not None else 0) + (HEAD_ROUND_PASSES if head_scale_dtype is not None else 0)
+    extra += LOGITS_ROUND_PASSES if logits_dtype is not None else 0
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]

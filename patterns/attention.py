@@ -54,7 +54,10 @@ over batch or queries, a sink column put first, a scale or mask applied after th
 ``[..., :-1]`` (or one without sinks), probabilities read with the sink column; scores cast down to 16 bits
 before the softmax (``(q @ kᵀ).half()`` of fp32 q and k: the kernel would compute them unrounded; the softmax
 family then starts after the cast), the candidate unsupported with a reason naming the cast (the model's, or a
-softmax's ``dtype=`` argument, which casts its input before the softmax).
+softmax's ``dtype=`` argument, which casts its input before the softmax), but for one spelling the kernel rounds as
+eager does: 16-bit scores cast up, scaled and masked in fp32 and cast down to q's dtype right before the softmax
+(Falcon's ALiBi path in 16 bits, ``softmax(logits32 + mask, -1, dtype=bf16)``): ``params["logits_round"]``, the
+kernel's ``logits_dtype`` (the scores rounded as the matmul returns them, the logits before the softmax).
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
@@ -457,7 +460,8 @@ def _decide_softmax(m: dict) -> Match | None:
         return None  # the probabilities feed another matmul too
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
     inputs = {"q": q.name, "k": k.name, "v": v.name}
-    if narrowed:
+    logits_round = _logits_round(narrowed, sm, sc, q, k, v) if narrowed else None
+    if narrowed and logits_round is None:
         return _unsupported(inputs, core, pv, q, _narrowed_reason(narrowed[0], sm))
     v_cast = None
     if len({val(q).dtype, val(k).dtype, val(v).dtype}) > 1:
@@ -483,7 +487,30 @@ def _decide_softmax(m: dict) -> Match | None:
     if sc.scale_tensor is not None and val(sc.scale_tensor).numel() != 1 and "unsupported" not in found.params:
         found.params["scale_per_head"] = True       # the kernel's head_scale: one factor per query head
         found.params["scale_round"] = _per_head_rounding(sc)
+    if logits_round is not None and "unsupported" not in found.params:
+        found.params["logits_round"] = logits_round  # eager's 16-bit scores and logits, rounded as eager rounds them
     return found
+
+
+def _logits_round(narrowed: list, sm: fx.Node, sc: _Scores, q, k, v) -> torch.dtype | None:
+    """The 16-bit dtype of a block whose 16-bit scores are cast up, scaled and masked in fp32 and cast down once,
+    right before the softmax (Falcon's ALiBi path: ``softmax(logits32 + mask, -1, dtype=bf16)``), which the kernel
+    then reproduces (``logits_dtype``: the scores rounded as the matmul returns them, the logits before the
+    softmax); None for any other downcast: to another dtype than q's, k's and v's, with an op between it and the
+    softmax, or of scores computed in another dtype on the way (the kernel would not round where eager does)."""
+    (cast,) = narrowed if len(narrowed) == 1 else (None,)
+    if cast is None or sm.args[0] is not cast:
+        return None
+    d = val(cast).dtype
+    if any(val(t).dtype != d for t in (q, k, v, sc.qk)):
+        return None
+    if sc.softcap is not None or sc.sinks is not None or sc.scale_tensor is not None:
+        return None
+    if any(val(n).dtype != torch.float32 for n in sc.nodes if n is not cast):
+        return None
+    if any(kind == "additive" and val(m).dtype not in (d, torch.float32) for m, kind, _, _ in sc.masks):
+        return None
+    return d
 
 
 def _narrowed_reason(cast: fx.Node, sm: fx.Node) -> str:

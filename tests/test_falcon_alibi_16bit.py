@@ -79,3 +79,99 @@ def test_near_miss_an_op_between_the_downcast_and_the_softmax(dtype):
     with torch.no_grad():
         got, want = fused(*args), module(*args)
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def _exact(q, k, v, alibi, mask, dtype):
+    """The block in float64 with eager's roundings kept: the 16-bit scores as its matmul returns them, the fp32
+    logits cast down to ``dtype`` once before the softmax (the softmax's ``dtype=``)."""
+    s = (q.double() @ k.double().transpose(-1, -2)).to(dtype).double()
+    logits = ((s + alibi.double()) * 0.25 + mask.double()).to(dtype).double()
+    return torch.softmax(logits, -1) @ v.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_falcon_like_block_fuses_with_eagers_roundings(dtype):
+    """The micro-module of Falcon's spelling: one attention block, applied, its kernel rounding the scores and the
+    logits as eager does (``logits_round``); within the verifier's bound of the exact value of eager's roundings."""
+    from autofuse.verify import compare
+    module, args = FalconLike().eval(), _args(dtype)
+    fused = AutoFusionEngine.fuse(module, args)
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert d.applied and d.params["logits_round"] == dtype, fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(*args), module(*args)
+    ok, err, tol = compare(want, _exact(*args, dtype), got)
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_falcon_like_block_gradients(dtype):
+    """Trained through: the fused block's backward (the host's fp32 recompute with the same roundings, the gradient
+    rounded at each cast as eager's autograd rounds it) gives q, k, v gradients within the verifier's bound of the
+    float64 ones (the forward's roundings kept, and the gradient's at the casts)."""
+    from autofuse.verify import compare
+    module = FalconLike().train()
+    base = _args(dtype)
+    fused = AutoFusionEngine.fuse(module, base)
+    assert [d.applied for d in fused.report.decisions if d.pattern == "attention"] == [True], fused.report.summary()
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(B, N, S, D, generator=g)
+    runs = []
+    for m, dt in ((fused, dtype), (module, dtype), (None, torch.float64)):
+        leaves = [t.detach().to(dt).requires_grad_() for t in base[:3]]
+        out = m(*leaves, *base[3:]) if m is not None else _exact(*leaves, *base[3:], dtype)
+        (out.double() * weights.double()).sum().backward()
+        runs.append([t.grad for t in leaves])
+    for got, want, ref in zip(*runs):
+        ok, err, tol = compare(want, ref, got)
+        assert ok, (err, tol)
+
+
+FALCON = "transformers:FalconConfig?num_hidden_layers=2&hidden_size=64&num_attention_heads=4&vocab_size=128&alibi=True"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_falcon_alibi_from_config_fuses_attention_in_16_bits(dtype):
+    """Falcon with ALiBi (transformers' FalconConfig, eager attention) in 16 bits: both layers' attention fused, the
+    kernel rounding the scores and the logits as eager does; the logits within the verifier's bound of the model run
+    in float64."""
+    import copy
+
+    from autofuse.models import build_transformers
+    from autofuse.verify import compare
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers(FALCON, seq=16, batch=2, attn="eager", dtype=dtype)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    attention = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert len(attention) == 2 and all(d.applied and d.params["logits_round"] == dtype for d in attention), \
+        fused.report.summary()
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        got, want = (m(*args, **kwargs).logits for m in (fused, model))
+        exact = ref(*args, **kwargs).logits
+    ok, err, tol = compare(want, exact, got)
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_and_its_twin_round_the_logits(dtype):
+    """``flash_attention(..., logits_dtype=dtype)`` on the simulator and its torch twin (what repeated launches read)
+    both round the scores and the logits: each within the verifier's bound of the exact value of eager's roundings,
+    and closer to it than the same kernel without the rounding."""
+    from autofuse.ops import flash_attention, reference_flash_attention
+    from autofuse.verify import compare
+    q, k, v, alibi, mask = _args(dtype)
+    module = FalconLike().eval()
+    with torch.no_grad():
+        want = module(q, k, v, alibi, mask)
+    exact = _exact(q, k, v, alibi, mask, dtype)
+    bias = alibi.float() * 0.25 + mask.float()          # the fused call's one fp32 mask (ALiBi scaled, then added)
+    kw = dict(mask=bias, scale=0.25, empty_rows="nan")
+    errs = []
+    for got in (flash_attention(q, k, v, logits_dtype=dtype, **kw),
+                reference_flash_attention(q, k, v, logits_dtype=dtype, **kw)[0]):
+        ok, err, tol = compare(want, exact, got)
+        assert ok, (err, tol)
+        errs.append(err)
+    _, unrounded, _ = compare(want, exact, flash_attention(q, k, v, **kw))
+    assert max(errs) < unrounded, (errs, unrounded)

@@ -13,6 +13,10 @@ SDPA and ``_safe_softmax``) or ``"nan"`` (plain ``softmax``). NaN in the inputs 
 16-bit add adds it, the scaled scores cast to that dtype, the mask added in it and the sum cast back up to fp32
 (:func:`add_in_dtype`), so an entry whose mask absorbs the score (``finfo(float16).min`` + a score below 16 is
 ``-65504``) takes the mask's value exactly and a row whose every key is so masked averages V as eager's does.
+``logits_dtype`` (``"float16"`` or ``"bfloat16"``, q's dtype): eager's 16-bit scores cast up, scaled and masked in
+fp32, then cast down once before the softmax (Falcon's ALiBi path: ``softmax(logits32 + mask, -1, dtype=bf16)``):
+S is rounded to that dtype as eager's matmul returns it, scaled and masked in fp32, and the logits rounded to it
+once more before the softmax (four Vector passes per score more: each rounding a cast down and up).
 
 The algorithm (one *work item* = batch, head, block of ``q`` query rows; items spread over the cores):
 
@@ -472,7 +476,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
                     return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None,
-                    head_scale_dtype=None):
+                    head_scale_dtype=None, logits_dtype=None):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -493,6 +497,8 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     Vector multiply as ``scale``, by a scalar that is the core's head's; no pass more). ``head_scale_dtype``
     (``"float16"``, ``"bfloat16"``): eager's 16-bit scores times a 16-bit factor, the scores rounded to that dtype
     before the multiply and the product after it (four passes more: each rounding a cast down and up).
+    ``logits_dtype`` (q's 16-bit dtype): the scores rounded to it as eager's matmul returns them, and the scaled,
+    masked logits rounded to it before the softmax (module docstring; four passes more).
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -546,6 +552,12 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
                          f"and a head_scale")
     prog.head_round = head_scale_dtype
     if head_scale_dtype is not None and not hasattr(prog, "tmp2"):
+        prog.tmp2 = np.empty_like(prog.tmp)
+    if logits_dtype is not None and (logits_dtype not in ("float16", "bfloat16") or logits_dtype != dtype):
+        raise ValueError(f"flash_attention: logits_dtype={logits_dtype!r}; it takes q's dtype, 'float16' or "
+                         f"'bfloat16' (q is {dtype})")
+    prog.logits_round = logits_dtype
+    if logits_dtype is not None and not hasattr(prog, "tmp2"):
         prog.tmp2 = np.empty_like(prog.tmp)
     return prog.run()
 
@@ -710,6 +722,7 @@ class _Program:
         self.softcap = None                             # set by the caller (logit soft-capping)
         self.head_scale = None                          # set by the caller: [N] fp32 factors per query head, or None
         self.head_round = None                          # set by the caller: the 16-bit dtype of eager's scaled scores
+        self.logits_round = None                        # set by the caller: the 16-bit dtype of eager's scores, logits
         self.sinks = sinks                              # [N] sink logits (attention sinks) or None
         self.window = window                            # sliding window (keys), 0: none
         self.dtype = q.dtype
@@ -1015,6 +1028,8 @@ class _Program:
             passes += SOFTCAP_PASSES                        # muls 1/c, tanh, muls c
         if self.head_round is not None:
             passes += 4                                     # the scores and their per-head product rounded to 16 bits
+        if self.logits_round is not None:
+            passes += 4                                     # the scores and the masked logits rounded to 16 bits
         if self.dtype != "float32":
             passes += 1                                     # cast
         reads, writes = [S], [S, P]
@@ -1050,6 +1065,10 @@ class _Program:
 
         def scale_and_mask(cs):
             x = S.data[cs]
+            if self.logits_round is not None:       # eager's 16-bit scores, as its matmul returns them
+                with np.errstate(over="ignore", invalid="ignore"):
+                    round_to(x, self.logits_round, self.tmp2[cs], tmp[cs])
+                np.copyto(x, self.tmp2[cs])
             np.multiply(x, self.scale, out=x)
             if self.head_scale is not None:         # each core's head's own factor, after the scale
                 hs = np.asarray(self.head_scale.data, dtype=np.float32)[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1))
@@ -1074,6 +1093,10 @@ class _Program:
                     add_in_dtype(x, mt.data[cs], self.mask_add, tmp[cs], self.tmp2[cs])
                 else:
                     np.add(x, mt.data[cs], out=x)
+            if self.logits_round is not None:       # the logits cast down once before the softmax, as eager's
+                with np.errstate(over="ignore", invalid="ignore"):
+                    round_to(x, self.logits_round, self.tmp2[cs], tmp[cs])
+                np.copyto(x, self.tmp2[cs])
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
                 np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])  # which may fill
             mask_outside_band(x, (vq0 + ro)[cs], vk0[cs], self.rowi, self.col, partial, window)
