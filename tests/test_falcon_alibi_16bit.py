@@ -175,3 +175,30 @@ def test_kernel_and_its_twin_round_the_logits(dtype):
         errs.append(err)
     _, unrounded, _ = compare(want, exact, flash_attention(q, k, v, **kw))
     assert max(errs) < unrounded, (errs, unrounded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_falcon_alibi_from_config_trains_in_16_bits(dtype):
+    """Falcon with ALiBi in training mode, 16 bits: both attention blocks fused (their backward the host's recompute
+    through the same roundings); every parameter's gradient within the verifier's bound of the float64 model's."""
+    import copy
+
+    from autofuse.models import build_transformers
+    from autofuse.verify import compare
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers(FALCON, seq=16, batch=2, attn="eager", dtype=dtype)
+    ref = copy.deepcopy(model).double().train()
+    model.train()
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    attention = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert len(attention) == 2 and all(d.applied and d.params["logits_round"] == dtype for d in attention), \
+        fused.report.summary()
+    grads = []
+    for m, owner in ((fused, model), (model, model), (ref, ref)):
+        owner.zero_grad()
+        m(*args, **kwargs).logits.double().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in owner.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys()
+    for n in grads[1]:
+        ok, err, tol = compare(grads[1][n], grads[2][n], grads[0][n])
+        assert ok, (n, err, tol)
