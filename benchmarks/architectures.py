@@ -97,6 +97,21 @@ MODELS = [
     ("gemma3n", f"Gemma3nTextConfig?{KV}&head_dim=16&sliding_window=8&layer_types=[sliding_attention,full_attention]"
      "&num_kv_shared_layers=0&laurel_rank=8&altup_num_inputs=2&hidden_size_per_layer_input=16"
      "&intermediate_size=[128,128]&activation_sparsity_pattern=[0.0,0.0]", "eager"),
+    ("deepseek_v3 (latent attention)", f"DeepseekV3Config?{L}&num_key_value_heads=4&kv_lora_rank=32&q_lora_rank=48"
+     "&qk_rope_head_dim=8&qk_nope_head_dim=16&v_head_dim=16&n_routed_experts=8&num_experts_per_tok=2&n_group=2"
+     "&topk_group=1&first_k_dense_replace=1&moe_intermediate_size=32&n_shared_experts=1", "sdpa"),
+    ("opt", "OPTConfig?num_hidden_layers=2&hidden_size=64&ffn_dim=128&num_attention_heads=4&vocab_size=128"
+     "&word_embed_proj_dim=64&max_position_embeddings=64&pad_token_id=0", "sdpa"),
+    ("t5 (relative position bias)", "T5Config?num_layers=2&num_decoder_layers=2&d_model=64&d_ff=128&num_heads=4"
+     "&d_kv=16&vocab_size=128&decoder_start_token_id=0", "eager"),
+    ("bart", "BartConfig?encoder_layers=2&decoder_layers=2&d_model=64&encoder_ffn_dim=128&decoder_ffn_dim=128"
+     "&encoder_attention_heads=4&decoder_attention_heads=4&vocab_size=128&max_position_embeddings=64", "sdpa"),
+    ("whisper (conv front-end)", "WhisperConfig?encoder_layers=2&decoder_layers=2&d_model=64&encoder_ffn_dim=128"
+     "&decoder_ffn_dim=128&encoder_attention_heads=4&decoder_attention_heads=4&vocab_size=128&num_mel_bins=16"
+     "&max_source_positions=16&max_target_positions=32&pad_token_id=0&bos_token_id=1&eos_token_id=2"
+     "&decoder_start_token_id=3", "sdpa"),
+    ("clip text", "CLIPTextConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+     "&vocab_size=128&max_position_embeddings=32&pad_token_id=0&bos_token_id=1&eos_token_id=2", "sdpa"),
     ("bert", f"BertConfig?{L}", "sdpa"),
     ("modernbert (local attention)", "ModernBertConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
      "&num_attention_heads=4&vocab_size=128&pad_token_id=0&local_attention=8"
@@ -112,6 +127,8 @@ MODELS = [
      "&window_size=4", "eager"),
     ("beit", "BeitConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
      "&image_size=32&patch_size=8", "eager"),
+    ("vit", "ViTConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4&image_size=32"
+     "&patch_size=8", "sdpa"),
     ("siglip vision", "SiglipVisionConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128"
      "&num_attention_heads=4&image_size=32&patch_size=8", "eager"),
     ("resnet (BatchNorm)", "ResNetConfig?embedding_size=16&hidden_sizes=[16,32]&depths=[1,1]&layer_type=basic",
@@ -202,16 +219,17 @@ def generate(name, spec, attn, device, new_tokens=3, static=False):
     with torch.no_grad():
         got, want = fused(*args, **kwargs), model(*args, **kwargs)
         settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        prompt = kwargs[model.main_input_name]      # token ids, or Whisper's audio features
         if static:
             settings["cache_implementation"] = "static"
             try:
-                expect = model.generate(kwargs["input_ids"], **settings)
+                expect = model.generate(prompt, **settings)
             except Exception as e:  # noqa: BLE001 - eager's own refusal is the row's answer
                 return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
         else:
-            expect = model.generate(kwargs["input_ids"], **settings)
+            expect = model.generate(prompt, **settings)
         before, served = len(fused.plans), fused._sizes.served
-        same = torch.equal(fused.generate(kwargs["input_ids"], **settings), expect)
+        same = torch.equal(fused.generate(prompt, **settings), expect)
         served = fused._sizes.served - served
     # the steps generate() fed one new token (its KV cache holding the rest): a long [batch, 1] input
     one = sum(any(x[0] == "T" and x[2] == torch.long and len(x[1]) == 2 and x[1][1] == 1 for x in key[0][1])
