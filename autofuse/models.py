@@ -227,8 +227,9 @@ def make_config(spec: str):
 
 def auto_class(cfg):
     """The transformers Auto class for a configuration: encoder-decoders get their sequence-to-sequence LM (a
-    speech encoder-decoder such as Whisper its speech-to-text model), encoders (configurations with a masked-LM head that are not decoders, such as BERT) their base model,
-    decoders their causal LM, anything else (vision, audio encoders) its base model."""
+    speech encoder-decoder such as Whisper its speech-to-text model), encoders (configurations with a masked-LM
+    head that are not decoders, such as BERT) their base model, decoders their causal LM, anything else (vision,
+    audio encoders) its base model."""
     tf = _transformers()
     from transformers.models.auto import modeling_auto as ma
     cls = type(cfg)
