@@ -3,6 +3,7 @@
 Checked: the forward phase costs exactly what the forward pass alone costs (eager, generic fusion alone and
 fused graphs; eval and training mode); the joint graph computes the gradients autograd computes on the
 user's model; phases, errors, and that nothing of the user's (parameters, gradients, generator) changes."""
+import copy
 import pathlib
 
 import pytest
@@ -31,6 +32,25 @@ def _graphs(model, args, kwargs):
     return {"eager": p.captured.graph_module, "generic": g.graph_module, "fused": p.graph_module}, leaves
 
 
+@pytest.fixture(scope="module")
+def planned():
+    """``planned(name, train)``: ``_model(name, train)`` and its ``_graphs``, planned once per module for the tests
+    that only read them (each plan is two fuses of the same model with the same settings; a test that changes
+    something takes a deepcopy). Also the model's state and requires_grad flags as they were
+    before it was fused, for the test that checks fusing and simulating leave them alone."""
+    cache = {}
+
+    def get(name, train):
+        if (name, train) not in cache:
+            model, args, kwargs = _model(name, train)
+            before = ({k: v.clone() for k, v in model.state_dict().items()},
+                      [p.requires_grad for p in model.parameters()])
+            graphs, leaves = _graphs(model, args, kwargs)
+            cache[name, train] = model, args, kwargs, graphs, leaves, before
+        return cache[name, train]
+    return get
+
+
 def _nano_gpt(train):
     """The examples' small GPT (nanoGPT's structure): every op it captures is one autograd dispatches as is."""
     import runpy
@@ -41,9 +61,11 @@ def _nano_gpt(train):
 
 
 @pytest.mark.parametrize("name, train", [("nano", False), ("nano", True), ("gpt2", True), ("llama", False)])
-def test_forward_phase_costs_the_forward_pass(name, train):
-    model, args, kwargs = _nano_gpt(train) if name == "nano" else _model(name, train)
-    graphs, leaves = _graphs(model, args, kwargs)
+def test_forward_phase_costs_the_forward_pass(name, train, planned):
+    if name == "nano":
+        graphs, leaves = _graphs(*_nano_gpt(train))
+    else:
+        _, _, _, graphs, leaves, _ = planned(name, train)
     for side, gm in graphs.items():
         alone = simulate_graph(gm, leaves, values=False)
         step = simulate_graph(gm, leaves, values=False, backward=True)
@@ -76,9 +98,8 @@ def _autograd_grads(model, args, kwargs, joint, grads_out):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_joint_graph_computes_autograds_gradients(name):
-    model, args, kwargs = _model(name, train=False)
-    graphs, leaves = _graphs(model, args, kwargs)
+def test_joint_graph_computes_autograds_gradients(name, planned):
+    model, args, kwargs, graphs, leaves, _ = planned(name, False)
     for side in ("eager", "fused"):
         joint = joint_graph(graphs[side], leaves)
         jargs = joint.arguments(leaves)
@@ -98,9 +119,8 @@ def test_joint_graph_computes_autograds_gradients(name):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=f"{side} {pname}")
 
 
-def test_phases_follow_the_trace_order():
-    model, args, kwargs = _model("gpt2", train=True)
-    graphs, leaves = _graphs(model, args, kwargs)
+def test_phases_follow_the_trace_order(planned):
+    _, _, _, graphs, leaves, _ = planned("gpt2", True)
     joint = joint_graph(graphs["fused"], leaves)
     phases = [n.meta["autofuse_phase"] for n in joint.graph_module.graph.nodes]
     first_bw = phases.index(BACKWARD)
@@ -114,11 +134,9 @@ def test_phases_follow_the_trace_order():
     assert len({id(t) for _, t in joint.params}) == len(names)
 
 
-def test_user_model_unchanged():
-    model, args, kwargs = _model("gpt2", train=False)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    flags = [p.requires_grad for p in model.parameters()]
-    graphs, leaves = _graphs(model, args, kwargs)
+def test_user_model_unchanged(planned):
+    # `before` was taken from the model before it was fused (the shared plan's fixture)
+    model, args, kwargs, graphs, leaves, (before, flags) = planned("gpt2", False)
     rng = torch.get_rng_state()
     simulate_graph(graphs["fused"], leaves, values=False, backward=True)
     assert torch.equal(torch.get_rng_state(), rng)   # eval mode draws nothing; output gradients are private
@@ -127,13 +145,14 @@ def test_user_model_unchanged():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_nothing_to_train_is_an_error():
-    model, args, kwargs = _model("gpt2", train=False)
-    graphs, leaves = _graphs(model, args, kwargs)
+def test_nothing_to_train_is_an_error(planned):
+    # the shared model, its captured graph and their inputs copied together (the graph holds the model's parameters)
+    model, _, _, graphs, leaves, _ = planned("gpt2", False)
+    model, captured, leaves = copy.deepcopy((model, graphs["eager"], leaves))
     for p in model.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameter requires grad"):
-        simulate_graph(graphs["eager"], leaves, values=False, backward=True)
+        simulate_graph(captured, leaves, values=False, backward=True)
 
 
 def test_cli_simulate_backward(capsys):
