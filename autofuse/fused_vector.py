@@ -27,7 +27,6 @@ from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops
 from autofuse.fused import (REDUCED, Family, Price, _adapt, _physical_order, keep_mask_call, keep_mask_price,
                             per_device, register_family)
 from autofuse.graph import call
-from patterns.vector_chain import _KEEPS, _trace_table
 from cost_model.program import BIT, FLOATS, Input, Output, ProgramError, as_program, stored_shape
 from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
 
@@ -193,6 +192,9 @@ def _naming_inputs(e: ProgramError, match, nodes: dict) -> ProgramError:
     """``e``, about some inputs of an epilogue's program (``e.inputs``, the product input 0), with what each is in
     the model: its node, what computes it (a cos or sin table, through views, is called one) and the region's ops
     that read it."""
+    # imported here: patterns.vector_chain registers its matcher when imported, and imported with this module it
+    # would come ahead of attention's (``autofuse patterns`` lists the families in registration order)
+    from patterns.vector_chain import _KEEPS, _trace_table
     said = []
     for k in e.inputs:
         n = nodes.get(match.inputs.get(f"in{k - 1}")) if k > 0 else None
