@@ -841,15 +841,8 @@ def _eager_autograd_reads():
         made[id(t)] = (t, flag)     # the tensor held, so that its id stays its own while the capture runs
 
     def reader(frame):
-        # the frame that read or called, past torch-function dispatch (another mode's handler, torch's
-        # handle_torch_function and the Tensor method that called it); None where that is torch's or autofuse's
-        while frame is not None and (frame.f_code.co_name == "__torch_function__" or
-                                     frame.f_code.co_filename in (_OVERRIDES, _TENSOR)):
-            frame = frame.f_back
-        if threading.get_ident() != capturing or frame is None or \
-                os.path.abspath(frame.f_code.co_filename).startswith((_TORCH_DIR, _OWN_DIR)):
-            return None
-        return frame
+        # the frame that read or called (:func:`_calling_frame`), on the capturing thread only
+        return _calling_frame(frame) if threading.get_ident() == capturing else None
 
     def forwards(frame) -> bool:
         return reader(frame) is not None
@@ -1159,12 +1152,19 @@ def _overflow_clamps():
         pending.clear()
 
 
-def _calling_frame(frame):
-    """The frame that called a torch function, past torch-function dispatch (another mode's handler, torch's
-    handle_torch_function and the Tensor method that called it); None where that is torch's or autofuse's."""
+def _past_dispatch(frame):
+    """``frame`` or the first frame that called it past torch-function dispatch (another mode's handler, torch's
+    handle_torch_function and the Tensor method that called it)."""
     while frame is not None and (frame.f_code.co_name == "__torch_function__" or
                                  frame.f_code.co_filename in (_OVERRIDES, _TENSOR)):
         frame = frame.f_back
+    return frame
+
+
+def _calling_frame(frame):
+    """The frame that called a torch function, past torch-function dispatch (:func:`_past_dispatch`); None where
+    that is torch's or autofuse's."""
+    frame = _past_dispatch(frame)
     if frame is None or os.path.abspath(frame.f_code.co_filename).startswith((_TORCH_DIR, _OWN_DIR)):
         return None
     return frame
@@ -1173,9 +1173,7 @@ def _calling_frame(frame):
 def _in_functional_bool(frame):
     """Where a torch function was called by ``FunctionalTensor.__bool__`` (which calls ``self.item()``), the frame
     that called ``bool()``; else None."""
-    while frame is not None and (frame.f_code.co_name == "__torch_function__" or
-                                 frame.f_code.co_filename in (_OVERRIDES, _TENSOR)):
-        frame = frame.f_back
+    frame = _past_dispatch(frame)
     if frame is None or frame.f_code.co_name != "__bool__" or frame.f_code.co_filename != _FUNCTIONAL_TENSOR:
         return None
     return frame.f_back
