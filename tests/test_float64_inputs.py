@@ -107,6 +107,30 @@ def test_simulate_accepts_an_input_cast_first():
     _as_eager(model, (x,), res.outputs[0] if isinstance(res.outputs, (tuple, list)) else res.outputs)
 
 
+def test_a_float64_input_cast_first_trains_as_eager():
+    """A training step: the float64 input's gradient (float64, through the cast's backward) and every parameter's
+    equal eager's to fp32 rounding, and ``simulate(backward=True)`` prices the step on the cast graph."""
+    torch.manual_seed(0)
+    model, x = CastThenAttention().train(), torch.randn(2, 16, 32, dtype=F64)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert "attention" in _applied(fused.report)
+
+    def grads(m):
+        model.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        m(xg).pow(2).mean().backward()
+        return [xg.grad] + [p.grad for p in model.parameters()]
+
+    want, got = grads(model), grads(fused)
+    assert got[0].dtype == F64 and len(got) == len(want) == 9
+    for g, w in zip(got, want):
+        # both are fp32 computations of one gradient in other orders (the fused blocks' fp32 sums): a few ulps of
+        # fp32 at these magnitudes, far inside this bound
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-3)
+    res = autofuse.simulate(model, (x.clone().requires_grad_(True),), backward=True)
+    assert res.phases["forward"] > 0 and res.phases["backward"] > 0, res.phases
+
+
 @torch.no_grad()
 def test_torch_compile_fuses_a_graph_that_casts_its_float64_input_first():
     torch.manual_seed(0)
