@@ -164,7 +164,7 @@ def run(name, spec, attn, device, dtype=torch.float32, switches=None):
                 vs_eager=sp.get("eager op by op", float("nan")), vs_generic=sp.get("generic fusion alone", float("nan")))
 
 
-def train(name, spec, attn, device):
+def train(name, spec, attn, device, switches=None):
     """One training step's gradients (train mode, dropout off, the loss a fixed random projection of the output)
     of the fused model against eager's: (the worst |fused - eager| of a parameter's gradient relative to that
     gradient's largest, among gradients above 1e-3 of the model's largest; that parameter; the worst of every
@@ -178,7 +178,7 @@ def train(name, spec, attn, device):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
     grads = []
     for fn in (fused, model):
         model.zero_grad()
@@ -197,7 +197,7 @@ def train(name, spec, attn, device):
     return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied)
 
 
-def generate(name, spec, attn, device, new_tokens=3, static=False):
+def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None):
     """Generation through the fused model: ``fused(ids)`` with the model's default cache on (the logits' largest
     difference from eager's, the cache's class), then greedy ``generate()`` of ``new_tokens`` tokens, fused and
     eager (whether the tokens are equal; the plans made, one per cache length; the fewest attention blocks fused
@@ -215,7 +215,7 @@ def generate(name, spec, attn, device, new_tokens=3, static=False):
     model.config.use_cache = True                  # the configuration's default, which build() turns off
     model.generation_config.use_cache = True       # and generate()'s: without it every step recomputes the prompt
     kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
-    fused = AutoFusionEngine.fuse(model, target_device=device)
+    fused = AutoFusionEngine.fuse(model, target_device=device, fusion_switches=switches)
     with torch.no_grad():
         got, want = fused(*args, **kwargs), model(*args, **kwargs)
         settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -272,6 +272,11 @@ def main():
     ap.add_argument("--static", action="store_true", help="with --generate: generate() with a static cache")
     ap.add_argument("--new-tokens", type=int, default=3, help="with --generate: tokens generated")
     a = ap.parse_args()
+    if (a.train or a.generate) and a.dtype != "float32":
+        # gradients are compared with eager's relative to their largest and tokens for equality, measures of fp32
+        # rounding: in 16 bits both sides round far more and may differ by it (a float64 reference per row needed)
+        ap.error(f"--{'train' if a.train else 'generate'} runs in float32; --dtype {a.dtype} is not taken with it")
+    switches = {f: "off" for f in a.disable} or None
     warnings.filterwarnings("ignore")
     import transformers
     transformers.logging.set_verbosity_error()
@@ -282,7 +287,7 @@ def main():
               f"capture was specialised from a symbolic export)")
         bad = refused = 0
         for name, _, row in _rows(a.only, lambda name, spec, attn: generate(name, spec, attn, a.device,
-                                                                            a.new_tokens, a.static)):
+                                                                            a.new_tokens, a.static, switches)):
             if row is FAILED:
                 bad += 1
                 continue
@@ -302,7 +307,7 @@ def main():
     if a.train:
         print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  worst parameter (vs its own largest)")
         bad = 0
-        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device)):
+        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device, switches)):
             if row is FAILED:
                 bad += 1
                 continue
@@ -315,7 +320,6 @@ def main():
     print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "
           f"fused blocks by name")
     bad = 0
-    switches = {f: "off" for f in a.disable} or None
     for name, attn, row in _rows(a.only, lambda name, spec, attn: run(name, spec, attn, a.device,
                                                                       getattr(torch, a.dtype), switches),
                                  label=lambda name, attn: f"{name:28} {attn:5}", trace=True):
