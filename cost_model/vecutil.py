@@ -1,4 +1,9 @@
-"""UB packing and the tile-size helpers the Vector kernels use to choose their tiles (mirrored here)."""
+"""UB packing and the tile-size search the Vector kernels choose their tiles with: shared data, no cost formula.
+
+The simulator's kernels (``autofuse/npu/kernels/tiles.py`` re-exports these) and the cost model both read
+this module, so the two sides agree by construction on a UB row's pitch, on what fits UB and on the largest
+tile that does. It holds geometry only: nothing here counts or prices cycles or bytes moved.
+"""
 from __future__ import annotations
 
 import math

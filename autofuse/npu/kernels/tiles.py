@@ -17,11 +17,11 @@ repeats (``Group.row_repeats``).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from autofuse.npu.dtypes import itemsize, round_bf16
+# UB packing and the tile-size search, shared with the cost model (data both sides read, no cost formula)
+from cost_model.vecutil import block_elems, fits, largest, pad, ub_need
 
 VEC_FLOATS = ("float16", "bfloat16", "float32")
 BLOCK = 32                      # UB alignment and the unit of DataCopy: one 32 B block
@@ -33,16 +33,6 @@ def ceil_div(a, b):
 
 def round_up(a, b):
     return ceil_div(a, b) * b
-
-
-def block_elems(dtype: str) -> int:
-    """Elements of ``dtype`` in one 32 B block."""
-    return BLOCK // itemsize(dtype)
-
-
-def pad(n, dtype: str):
-    """``n`` elements rounded up to whole 32 B blocks (the UB row pitch)."""
-    return round_up(n, block_elems(dtype))
 
 
 def lanes(device, dtype: str) -> int:
@@ -63,33 +53,6 @@ def check_dtype(kernel: str, what: str, t, allowed=VEC_FLOATS) -> None:
     if t.dtype not in allowed:
         raise TypeError(f"{kernel}: {what} is {t.dtype} (shape {list(t.shape)}); this kernel takes "
                         f"{', '.join(allowed)}")
-
-
-def ub_need(device, specs) -> int:
-    """UB bytes the allocations ``specs`` ((shape, dtype), in order) take, alignment included."""
-    align = device.align["UB"]
-    used = 0
-    for shape, dtype in specs:
-        used = round_up(used, align) + math.prod(shape) * itemsize(dtype)
-    return used
-
-
-def fits(device, specs) -> bool:
-    return ub_need(device, specs) <= device.buffers["UB"]
-
-
-def largest(ok, lo: int, hi: int) -> int:
-    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)`` (``ok`` monotone: true below some bound); ``lo - 1``
-    if none."""
-    if hi < lo or not ok(lo):
-        return lo - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def split_blocks(total: int, ncores: int, block: int, period: int | None = None, align: int = 1):
