@@ -22,7 +22,7 @@ from cost_model.common import ceil_div, itemsize, round_up, tile1d
 from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import block_steps, port, stream
-from cost_model.vecutil import block_elems, fits, largest, pad
+from cost_model.vecutil import block_elems, coalesce, fits, largest, pad, promote, reduce_groups, reduce_tiles
 
 FLOATS = ("float16", "bfloat16", "float32")
 INTS = ("int32", "int8")
@@ -76,41 +76,6 @@ OPS = {
 }
 
 
-def _promote(dtypes, float_scalar):
-    for d in dtypes:
-        if d not in FLOATS and d not in INTS and d != "bool":
-            raise TypeError(f"elementwise: {d} is not supported by the Vector unit (float16, bfloat16, "
-                            f"float32, int32, int8, bool); cast the tensor first")
-    floats = {d for d in dtypes if d in FLOATS}
-    if floats:
-        return floats.pop() if len(floats) == 1 else "float32"
-    if any(d in INTS for d in dtypes):
-        if float_scalar:
-            return "float32"
-        return "int32" if "int32" in dtypes else "int8"
-    return "float32" if float_scalar else "bool"
-
-
-def _coalesce(out_shape, shapes):
-    nd = len(out_shape)
-    padded = [(1,) * (nd - len(s)) + tuple(s) for s in shapes]
-    dims, flags = [], []
-    for i, d in enumerate(out_shape):
-        if d == 1:
-            continue
-        f = tuple(p[i] == d for p in padded)
-        if dims and flags[-1] == f:
-            dims[-1] *= d
-        else:
-            dims.append(d)
-            flags.append(f)
-    full = tuple(True for _ in shapes)
-    while len(dims) < 2:
-        dims.insert(0, 1)
-        flags.insert(0, full)
-    return dims, flags
-
-
 def _wider(a, b):
     return a if itemsize(a) >= itemsize(b) else b
 
@@ -131,7 +96,7 @@ def _plan(specs, op, scalar, out_dtype):
     if kind == "logic":
         res, cd = "bool", "bool"
     else:
-        res = _promote([in_dt[i] for i in data_idx], float_scalar)
+        res = promote([in_dt[i] for i in data_idx], float_scalar)
         if kind == "float" and res not in FLOATS:
             res = "float32"
         if kind == "cast":
@@ -153,7 +118,7 @@ def _plan(specs, op, scalar, out_dtype):
 def _ew_model(dev, specs, p, r, c):
     shapes = [s for s, _ in specs]
     in_dt, cd, out_dt = p["in_dt"], p["cd"], p["out_dt"]
-    dims, flags = _coalesce(p["out_shape"], shapes)
+    dims, flags = coalesce(p["out_shape"], shapes)
     lead, Dr, Dc = dims[:-2], dims[-2], dims[-1]
     nlead = math.prod(lead)
     K = len(specs)
@@ -300,7 +265,7 @@ def _ew_layout(specs, p):
     count), its dtype), and the block the columns are padded to. The tile-size search probes many (r, c) of one
     layout."""
     shapes = [s for s, _ in specs]
-    dims, flags = _coalesce(p["out_shape"], shapes)
+    dims, flags = coalesce(p["out_shape"], shapes)
     in_dt, cd, out_dt = p["in_dt"], p["cd"], p["out_dt"]
     K = len(specs)
     row_full = [flags[-2][k] for k in range(K)]
@@ -341,7 +306,7 @@ def _ew_fits(dev, specs, p):
 def _ew_search(device, specs, op, scalar, out_dtype):
     dev = get_device(device)
     p = _plan(specs, op, scalar, out_dtype)
-    dims, _ = _coalesce(p["out_shape"], [s for s, _ in specs])
+    dims, _ = coalesce(p["out_shape"], [s for s, _ in specs])
     Dr, Dc = dims[-2], dims[-1]
     rowspace = math.prod(dims[:-1])
     row_mode = rowspace >= dev.vector_cores
@@ -398,7 +363,7 @@ def estimate_elementwise(dev, specs, op=None, scalar=None, out_dtype=None, tilin
         t, res = _ew_search(dev.name, specs, op, scalar, out_dtype)
     else:
         p = _plan(specs, op, scalar, out_dtype)
-        dims, _ = _coalesce(p["out_shape"], [s for s, _ in specs])
+        dims, _ = coalesce(p["out_shape"], [s for s, _ in specs])
         t = {"rows": int(tiling.get("rows", 1)), "cols": min(int(tiling.get("cols", dims[-1])), dims[-1])}
         res = _ew_model(dev, specs, p, t["rows"], t["cols"])
     core, hbm, nbytes, busy = res
@@ -409,17 +374,6 @@ def estimate_elementwise(dev, specs, op=None, scalar=None, out_dtype=None, tilin
 
 
 # ------------------------------------------------------------------------------------------- reduce
-def _red_specs(dtype, out_dt, rowmode, block, chunk):
-    shape = (block, pad(chunk, dtype)) if rowmode else (chunk, pad(block, dtype))
-    sp = [(shape, dtype)] * 2
-    if dtype != "float32":
-        sp.append((shape, "float32"))
-    bp = pad(block, "float16")
-    if rowmode:
-        sp.append(((bp,), "float32"))
-    return sp + [((bp,), "float32")] + [((bp,), out_dt)] * 2
-
-
 def _red_geometry(shape, dim):
     nd = len(shape)
     if dim is None or (not isinstance(dim, int) and len(dim) == 0):
@@ -427,19 +381,7 @@ def _red_geometry(shape, dim):
     else:
         ds = [dim] if isinstance(dim, int) else list(dim)
         red = {d % max(nd, 1) for d in ds}
-    groups = []
-    for i, s in enumerate(shape):
-        if s == 1:
-            continue
-        f = i in red
-        if groups and groups[-1][1] == f:
-            groups[-1][0] *= s
-        else:
-            groups.append([s, f])
-    if not any(not f for _, f in groups):
-        groups.insert(0, [1, False])
-    if not any(f for _, f in groups):
-        groups.append([1, True])
+    groups = reduce_groups(shape, red)
     iA = max(i for i, (_, f) in enumerate(groups) if not f)
     iR = max(i for i, (_, f) in enumerate(groups) if f)
     SA, SR = groups[iA][0], groups[iR][0]
@@ -499,9 +441,9 @@ def _red_search(device, dtype, out_dt, op, rowmode, SA, SR, P, RO):
     per_lanes = ceil_div(P, n)
     cands = []
     if rowmode:
-        ok1 = lambda ch: fits(dev, _red_specs(dtype, out_dt, True, 1, ch))   # noqa: E731
+        ok1 = lambda ch: fits(dev, reduce_tiles(dtype, out_dt, True, 1, ch))   # noqa: E731
         chunk = SR if ok1(SR) else 64 * largest(lambda k: ok1(k * 64), 1, ceil_div(SR, 64))
-        bmax = largest(lambda b: fits(dev, _red_specs(dtype, out_dt, True, b, chunk)), 1, min(SA, per_lanes))
+        bmax = largest(lambda b: fits(dev, reduce_tiles(dtype, out_dt, True, b, chunk)), 1, min(SA, per_lanes))
         for j in (1, 2, 4):
             t = {"block": max(1, min(bmax, ceil_div(per_lanes, j))), "chunk": chunk}
             if t not in cands:                              # a repeat prices the same: it cannot win
@@ -509,7 +451,7 @@ def _red_search(device, dtype, out_dt, op, rowmode, SA, SR, P, RO):
     else:
         for b in (1024, 512, 256, 128, 64):
             block = min(SA, per_lanes, b)
-            chunk = largest(lambda ch: fits(dev, _red_specs(dtype, out_dt, False, block, ch)), 1, SR)
+            chunk = largest(lambda ch: fits(dev, reduce_tiles(dtype, out_dt, False, block, ch)), 1, SR)
             if chunk >= 1 and {"block": block, "chunk": chunk} not in cands:
                 cands.append({"block": block, "chunk": chunk})
     if not cands or cands[0]["chunk"] < 1:

@@ -1,8 +1,10 @@
 """UB packing and the tile-size search the Vector kernels choose their tiles with: shared data, no cost formula.
 
-The simulator's kernels (``autofuse/npu/kernels/tiles.py`` re-exports these) and the cost model both read
-this module, so the two sides agree by construction on a UB row's pitch, on what fits UB and on the largest
-tile that does. It holds geometry only: nothing here counts or prices cycles or bytes moved.
+The simulator's kernels (``autofuse/npu/kernels/tiles.py`` re-exports the UB helpers) and the cost model both
+read this module, so the two sides agree by construction on a UB row's pitch, on what fits UB and on the
+largest tile that does; and, for the elementwise and reduce kernels (``autofuse/npu/kernels/vector.py``), on
+the dtype an op computes in, how its shapes coalesce and which UB tiles it allocates. It holds semantics and
+geometry only: nothing here counts or prices cycles or bytes moved.
 """
 from __future__ import annotations
 
@@ -50,3 +52,78 @@ def largest(ok, lo: int, hi: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+# ------------------------------------------------------------------------------- elementwise and reduce
+_FLOATS = ("float16", "bfloat16", "float32")
+_INTS = ("int32", "int8")
+
+
+def promote(dtypes, float_scalar: bool) -> str:
+    """torch's type promotion among tensor dtypes (a Python float scalar lifts integers to float32)."""
+    for d in dtypes:
+        if d not in _FLOATS and d not in _INTS and d != "bool":
+            raise TypeError(f"elementwise: {d} is not supported by the Vector unit (float16, bfloat16, "
+                            f"float32, int32, int8, bool); cast the tensor first")
+    floats = {d for d in dtypes if d in _FLOATS}
+    if floats:
+        return floats.pop() if len(floats) == 1 else "float32"
+    if any(d in _INTS for d in dtypes):
+        if float_scalar:
+            return "float32"
+        return "int32" if "int32" in dtypes else "int8"
+    return "float32" if float_scalar else "bool"
+
+
+def coalesce(out_shape, shapes):
+    """Drop size-1 output dims, merge neighbours with equal broadcast flags; at least two dims."""
+    nd = len(out_shape)
+    padded = [(1,) * (nd - len(s)) + tuple(s) for s in shapes]
+    dims, flags = [], []
+    for i, d in enumerate(out_shape):
+        if d == 1:
+            continue
+        f = tuple(p[i] == d for p in padded)
+        if dims and flags[-1] == f:
+            dims[-1] *= d
+        else:
+            dims.append(d)
+            flags.append(f)
+    full = tuple(True for _ in shapes)
+    while len(dims) < 2:
+        dims.insert(0, 1)
+        flags.insert(0, full)
+    return dims, flags
+
+
+def reduce_groups(shape, red) -> list:
+    """A reduction's coalesced dims, ``[size, reduced?]`` each: size-1 dims dropped, neighbours of the same kind
+    merged; at least one kept and one reduced group (of size 1 where the shape has none)."""
+    groups = []
+    for i, s in enumerate(shape):
+        if s == 1:
+            continue
+        f = i in red
+        if groups and groups[-1][1] == f:
+            groups[-1][0] *= s
+        else:
+            groups.append([s, f])
+    if not any(not f for _, f in groups):
+        groups.insert(0, [1, False])
+    if not any(f for _, f in groups):
+        groups.append([1, True])
+    return groups
+
+
+def reduce_tiles(dtype, out_dt, rowmode, block, chunk) -> list:
+    """The reduce kernel's UB tiles ``[(shape, dtype)]`` in allocation order: the input (two), its fp32 cast
+    (16-bit inputs), this chunk's per-row partial (rows reduced along the row), the fp32 accumulator and the
+    output (two)."""
+    shape = (block, pad(chunk, dtype)) if rowmode else (chunk, pad(block, dtype))
+    sp = [(shape, dtype)] * 2
+    if dtype != "float32":
+        sp.append((shape, "float32"))
+    bp = pad(block, "float16")
+    if rowmode:
+        sp.append(((bp,), "float32"))
+    return sp + [((bp,), "float32")] + [((bp,), out_dt)] * 2

@@ -52,6 +52,7 @@ from autofuse.npu.kernels.tiles import (active_mask, block_elems, ceil_div, chec
                                         fits, lanes, largest, lockstep, pad, pipeline, rnd, round_up, split_blocks, view)
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
+from cost_model.vecutil import coalesce, promote, reduce_groups, reduce_tiles
 
 # ------------------------------------------------------------------------------------------- op table
 _C_TANH = math.sqrt(2.0 / math.pi)
@@ -246,43 +247,6 @@ OPS = {
 _INTS = ("int32", "int8")
 
 
-def _promote(dtypes, has_float_scalar: bool) -> str:
-    """torch's type promotion among tensor dtypes (a Python float scalar lifts integers to float32)."""
-    for d in dtypes:
-        if d not in FLOATS and d not in _INTS and d != "bool":
-            raise TypeError(f"elementwise: {d} is not supported by the Vector unit (float16, bfloat16, "
-                            f"float32, int32, int8, bool); cast the tensor first")
-    floats = {d for d in dtypes if d in FLOATS}
-    if floats:
-        return floats.pop() if len(floats) == 1 else "float32"
-    if any(d in _INTS for d in dtypes):
-        if has_float_scalar:
-            return "float32"
-        return "int32" if "int32" in dtypes else "int8"
-    return "float32" if has_float_scalar else "bool"
-
-
-def _coalesce(out_shape, shapes):
-    """Drop size-1 output dims, merge neighbours with equal broadcast flags; at least two dims."""
-    nd = len(out_shape)
-    padded = [(1,) * (nd - len(s)) + tuple(s) for s in shapes]
-    dims, flags = [], []
-    for i, d in enumerate(out_shape):
-        if d == 1:
-            continue
-        f = tuple(p[i] == d for p in padded)
-        if dims and flags[-1] == f:
-            dims[-1] *= d
-        else:
-            dims.append(d)
-            flags.append(f)
-    full = tuple(True for _ in shapes)
-    while len(dims) < 2:
-        dims.insert(0, 1)
-        flags.insert(0, full)
-    return dims, flags
-
-
 def _empty(launch, shape, dtype, name):
     """An output tensor; integer and bool outputs keep their own numpy storage."""
     if dtype in FLOATS:
@@ -351,7 +315,7 @@ def elementwise(launch, *inputs, op=None, scalar=None, out_dtype=None, tiling=No
                 raise TypeError(f"elementwise {op}: input {i} is {t.dtype}, expected bool")
         res, cd = "bool", "bool"
     else:
-        res = _promote([ts[i].dtype for i in data_idx], float_scalar)
+        res = promote([ts[i].dtype for i in data_idx], float_scalar)
         if res == "bool" and kind not in ("cast", "compare", "select"):
             raise TypeError(f"elementwise {op}: bool inputs; cast them first")
         if kind == "float" and res not in FLOATS:
@@ -382,7 +346,7 @@ def elementwise(launch, *inputs, op=None, scalar=None, out_dtype=None, tiling=No
     total = math.prod(out_shape)
     if total == 0:
         return (out,)
-    dims, flags = _coalesce(out_shape, [t.shape for t in ts])
+    dims, flags = coalesce(out_shape, [t.shape for t in ts])
     lead, Dr, Dc = dims[:-2], dims[-2], dims[-1]
     nlead = math.prod(lead)
     views = [view(t, [d if flags[j][k] else 1 for j, d in enumerate(dims)]) for k, t in enumerate(ts)]
@@ -560,17 +524,6 @@ _RED = {"sum": ("sum", np.add), "mean": ("sum", np.add), "max": ("max", np.maxim
         "min": ("min", np.minimum), "amin": ("min", np.minimum)}
 
 
-def _red_specs(dtype, out_dt, rowmode, block, chunk):
-    shape = (block, pad(chunk, dtype)) if rowmode else (chunk, pad(block, dtype))
-    sp = [(shape, dtype)] * 2
-    if dtype != "float32":
-        sp.append((shape, "float32"))
-    bp = pad(block, "float16")
-    if rowmode:
-        sp.append(((bp,), "float32"))               # this chunk's per-row partial
-    return sp + [((bp,), "float32")] + [((bp,), out_dt)] * 2
-
-
 @kernel("reduce")
 def reduce(launch, x, op="sum", dim=None, keepdim=False, out_dtype=None, tiling=None):
     """``torch.sum/mean/amax/amin(x, dim, keepdim)``; fp32 accumulation, output in ``x``'s dtype (or
@@ -606,20 +559,7 @@ def reduce(launch, x, op="sum", dim=None, keepdim=False, out_dtype=None, tiling=
             out.data[...] = np.nan if op == "mean" else 0.0
         return (out,)
 
-    # groups of coalesced dims: [size, reduced?]
-    groups = []
-    for i, s in enumerate(shape):
-        if s == 1:
-            continue
-        f = i in red
-        if groups and groups[-1][1] == f:
-            groups[-1][0] *= s
-        else:
-            groups.append([s, f])
-    if not any(not f for _, f in groups):
-        groups.insert(0, [1, False])
-    if not any(f for _, f in groups):
-        groups.append([1, True])
+    groups = reduce_groups(shape, red)            # coalesced dims: [size, reduced?]
     sizes = [s for s, _ in groups]
     iA = max(i for i, (_, f) in enumerate(groups) if not f)
     iR = max(i for i, (_, f) in enumerate(groups) if f)
@@ -640,7 +580,7 @@ def reduce(launch, x, op="sum", dim=None, keepdim=False, out_dtype=None, tiling=
     if block < 1 or chunk < 1:
         raise ValueError(f"reduce: tiling block={block}, chunk={chunk} must be positive")
     g = launch.group("aiv", n)
-    sp = _red_specs(dtype, out_dt, rowmode, block, chunk)
+    sp = reduce_tiles(dtype, out_dt, rowmode, block, chunk)
     lowp = dtype != "float32"
     X = [g.alloc("UB", sp[0][0], dtype, f"x{i}") for i in range(2)]
     W = g.alloc("UB", sp[0][0], "float32", "w") if lowp else None
@@ -740,14 +680,14 @@ def reduce(launch, x, op="sum", dim=None, keepdim=False, out_dtype=None, tiling=
 def _red_default(dev, dtype, out_dt, rowmode, SA, SR, per_lanes):
     f32_lanes = lanes(dev, "float32")
     if rowmode:
-        ok1 = lambda ch: fits(dev, _red_specs(dtype, out_dt, True, 1, ch))   # noqa: E731
+        ok1 = lambda ch: fits(dev, reduce_tiles(dtype, out_dt, True, 1, ch))   # noqa: E731
         chunk = SR if ok1(SR) else f32_lanes * largest(lambda k: ok1(k * f32_lanes), 1, ceil_div(SR, f32_lanes))
-        block = largest(lambda b: fits(dev, _red_specs(dtype, out_dt, True, b, chunk)), 1, min(SA, per_lanes))
+        block = largest(lambda b: fits(dev, reduce_tiles(dtype, out_dt, True, b, chunk)), 1, min(SA, per_lanes))
         if chunk == SR:
             block = min(block, max(1, ceil_div(per_lanes, 4)))
     else:
         block = min(SA, per_lanes, 1024)
-        chunk = largest(lambda ch: fits(dev, _red_specs(dtype, out_dt, False, block, ch)), 1, SR)
+        chunk = largest(lambda ch: fits(dev, reduce_tiles(dtype, out_dt, False, block, ch)), 1, SR)
     if block < 1 or chunk < 1:
         raise ValueError(f"reduce: no tile of {dtype} fits UB on {dev.name}")
     return block, chunk
