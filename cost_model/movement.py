@@ -25,22 +25,11 @@ from cost_model.common import MIN_TILE_BYTES, ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.stream import port, stream
-from cost_model.vecutil import block_elems, fits, largest
+from cost_model.vecutil import block_elems, coalesce_perm, copy_tile, fits, largest, transpose_default, transpose_tiles
 from cost_model.vector import _rows_cut
 
 
 GATHER_RING = 4                # row buffers the gather kernel cycles through
-
-
-def _rows_tile(dev, dtype, maxc, target):
-    """The largest ``rows x cols`` tile of about ``target`` elements that fits UB double-buffered."""
-    cblk = block_elems(dtype)
-    spec = lambda r, c: [((r, round_up(c, cblk)), dtype)] * 2            # noqa: E731
-    c = maxc if fits(dev, spec(1, maxc)) else \
-        cblk * largest(lambda k: fits(dev, spec(1, k * cblk)), 1, ceil_div(maxc, cblk))
-    c = max(cblk, min(c, round_up(target, cblk)))
-    r = max(1, min(largest(lambda x: fits(dev, spec(x, c)), 1, 1 << 20), target // c))
-    return r, c
 
 
 def _rows_geometry(dev, jobs, dtype):
@@ -57,7 +46,7 @@ def _rows_plan(dev, jobs, dtype, tiling):
     if tiling:
         r, c = int(tiling.get("rows", 1)), int(tiling.get("cols", maxc))
     else:       # the kernel's default: about four tiles per core, at least 8 KB
-        r, c = _rows_tile(dev, dtype, maxc, max(ceil_div(total, n * 4), MIN_TILE_BYTES // itemsize(dtype)))
+        r, c = copy_tile(dev, dtype, maxc, max(ceil_div(total, n * 4), MIN_TILE_BYTES // itemsize(dtype)))
     return n, r, c
 
 
@@ -94,7 +83,7 @@ def _rows_search(device, jobs, dtype):
     best = _rows_model(dev, jobs, dtype, None)
     tried = {(best[4]["rows"], best[4]["cols"])}
     for target in [max(ceil_div(total, n * k), floor) for k in (1, 2, 8)] + [1 << 30]:
-        r, c = _rows_tile(dev, dtype, maxc, target)
+        r, c = copy_tile(dev, dtype, maxc, target)
         if (r, c) in tried:
             continue
         tried.add((r, c))
@@ -139,43 +128,16 @@ def estimate_cat(dev, specs, dim=0, tiling=None):
     return _row_estimate("cat", dev, jobs, dtype, tiling, _cat_roof(dev, specs))
 
 
-def _coalesce_perm(shape, perm):
-    keep = [d for d in range(len(shape)) if shape[d] != 1]
-    perm = [p for p in perm if p in keep]
-    groups = []
-    for p in perm:
-        if groups and groups[-1][-1] + 1 == p:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    order = sorted(range(len(groups)), key=lambda i: groups[i][0])
-    in_sizes = [math.prod(shape[d] for d in groups[i]) for i in order]
-    pos = {gi: k for k, gi in enumerate(order)}
-    return in_sizes, [pos[i] for i in range(len(groups))]
-
-
-def _transpose_default(dev, SA, SL, spec):
-    """The kernel's default tile: 128 x 128, a short side letting the other grow."""
-    a, l_ = min(SA, 128), min(SL, 128)
-    if a < 128:
-        l_ = min(SL, largest(lambda v: fits(dev, spec(a, v)), 1, 1 << 16))
-    elif l_ < 128:
-        a = min(SA, largest(lambda v: fits(dev, spec(v, l_)), 1, 1 << 16))
-    return a, l_
-
-
 @cached
 def _transpose_search(device, s, q, dtype):
     """The default tile and the square and oblong tiles of 32..256 that fit UB: the cheapest."""
     dev = get_device(device)
     best = _transpose_model(dev, s, q, dtype, None)
-    cblk = block_elems(dtype)
     SA, SL = s[q[-1]], s[len(s) - 1]
     tried = {(best[4]["a"], best[4]["l"])}
     for a, l_ in ((64, 64), (256, 128), (128, 256), (256, 256), (64, 256), (256, 64)):
         a, l_ = min(a, SA), min(l_, SL)
-        spec = [((a, round_up(l_, cblk)), dtype)] * 2 + [((l_, round_up(a, cblk)), dtype)] * 2
-        if (a, l_) in tried or not fits(dev, spec):
+        if (a, l_) in tried or not fits(dev, transpose_tiles(a, l_, dtype)):
             continue
         tried.add((a, l_))
         res = _transpose_model(dev, s, q, dtype, {"a": a, "l": l_})
@@ -189,15 +151,10 @@ def _transpose_model(dev, s, q, dtype, tiling):
     m = len(s)
     A, L = q[-1], m - 1
     SA, SL = s[A], s[L]
-    cblk = block_elems(dtype)
-
-    def spec(a, l_):
-        return [((a, round_up(l_, cblk)), dtype)] * 2 + [((l_, round_up(a, cblk)), dtype)] * 2
-
     if tiling:
         a, l_ = int(tiling.get("a", 128)), int(tiling.get("l", 128))
     else:
-        a, l_ = _transpose_default(dev, SA, SL, spec)
+        a, l_ = transpose_default(dev, SA, SL, dtype)
     others = math.prod(s[d] for d in range(m) if d not in (A, L))
     na, nl = ceil_div(SA, a), ceil_div(SL, l_)
     items = others * na * nl
@@ -223,7 +180,7 @@ def estimate_permute(dev, specs, dims=None, tiling=None):
     dims = tuple(range(nd))[::-1] if dims is None else tuple(int(d) % max(nd, 1) for d in dims)
     N = math.prod(shape)
     roof = _io_roof(dev, N * itemsize(dtype))
-    s, q = _coalesce_perm(tuple(shape), dims)
+    s, q = coalesce_perm(tuple(shape), dims)
     m = len(s)
     if m <= 1 or q == list(range(m)):
         return _row_estimate("permute", dev, [(1, 1, N)], dtype, tiling, roof)

@@ -3,14 +3,15 @@
 The simulator's kernels (``autofuse/npu/kernels/tiles.py`` re-exports the UB helpers) and the cost model both
 read this module, so the two sides agree by construction on a UB row's pitch, on what fits UB and on the
 largest tile that does; and, for the elementwise and reduce kernels (``autofuse/npu/kernels/vector.py``), on
-the dtype an op computes in, how its shapes coalesce and which UB tiles it allocates. It holds semantics and
-geometry only: nothing here counts or prices cycles or bytes moved.
+the dtype an op computes in, how its shapes coalesce and which UB tiles it allocates; for the movement kernels
+(``autofuse/npu/kernels/movement.py``), on a permutation's coalesced dims and the default copy and transpose
+tiles. It holds semantics and geometry only: nothing here counts or prices cycles or bytes moved.
 """
 from __future__ import annotations
 
 import math
 
-from cost_model.common import itemsize
+from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import ITEMSIZE
 
 BLOCK = 32                       # UB alignment: one 32 B block
@@ -127,3 +128,50 @@ def reduce_tiles(dtype, out_dt, rowmode, block, chunk) -> list:
     if rowmode:
         sp.append(((bp,), "float32"))
     return sp + [((bp,), "float32")] + [((bp,), out_dt)] * 2
+
+
+# ------------------------------------------------------------------------------------------- movement
+def coalesce_perm(shape, perm):
+    """Drop size-1 dims and merge output neighbours that are input neighbours in order: ``(in_sizes, q)``, the
+    coalesced input sizes and, for output dim ``j``, the coalesced input dim ``q[j]``."""
+    keep = [d for d in range(len(shape)) if shape[d] != 1]
+    perm = [p for p in perm if p in keep]
+    groups = []                          # in output order: lists of input dims
+    for p in perm:
+        if groups and groups[-1][-1] + 1 == p:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    order = sorted(range(len(groups)), key=lambda i: groups[i][0])      # groups in input order
+    in_sizes = [math.prod(shape[d] for d in groups[i]) for i in order]
+    pos = {gi: k for k, gi in enumerate(order)}
+    return in_sizes, [pos[i] for i in range(len(groups))]
+
+
+def copy_tile(dev, dtype, maxc, target):
+    """The row copies' default tile: the largest ``rows x cols`` tile of about ``target`` elements that fits UB
+    double-buffered (columns in whole 32 B blocks, at most ``maxc``)."""
+    cblk = block_elems(dtype)
+    spec = lambda r, c: [((r, round_up(c, cblk)), dtype)] * 2            # noqa: E731
+    c = maxc if fits(dev, spec(1, maxc)) else \
+        cblk * largest(lambda k: fits(dev, spec(1, k * cblk)), 1, ceil_div(maxc, cblk))
+    c = max(cblk, min(c, round_up(target, cblk)))
+    r = max(1, min(largest(lambda x: fits(dev, spec(x, c)), 1, 1 << 20), target // c))
+    return r, c
+
+
+def transpose_tiles(a, l_, dtype) -> list:
+    """The transpose's UB tiles: ``a x l`` in (two), ``l x a`` out (two), rows padded to 32 B."""
+    cblk = block_elems(dtype)
+    return [((a, round_up(l_, cblk)), dtype)] * 2 + [((l_, round_up(a, cblk)), dtype)] * 2
+
+
+def transpose_default(dev, SA, SL, dtype):
+    """The transpose's default tile: 128 x 128, a short side letting the other grow (e.g. [.., 8] -> long runs
+    of the other dim)."""
+    a, l_ = min(SA, 128), min(SL, 128)
+    if a < 128:
+        l_ = min(SL, largest(lambda v: fits(dev, transpose_tiles(a, v, dtype)), 1, 1 << 16))
+    elif l_ < 128:
+        a = min(SA, largest(lambda v: fits(dev, transpose_tiles(v, l_, dtype)), 1, 1 << 16))
+    return a, l_

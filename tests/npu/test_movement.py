@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from autofuse import npu
-from autofuse.npu.kernels.movement import _coalesce_perm
 from cost_model.devices import get_device
+from cost_model.vecutil import coalesce_perm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.bool]
 
@@ -49,10 +49,10 @@ def test_permute_transpose_tiles_and_size_one_dims():
     _same(npu.run("permute", x).outputs[0], x.permute(3, 2, 1, 0).contiguous())     # dims=None reverses
 
 
-def test_coalesce_perm():
-    assert _coalesce_perm((2, 3, 4, 5), (0, 1, 3, 2)) == ([6, 4, 5], [0, 2, 1])
-    assert _coalesce_perm((2, 3, 4, 5), (2, 3, 0, 1)) == ([6, 20], [1, 0])
-    assert _coalesce_perm((2, 1, 4), (1, 0, 2)) == ([2, 4], [0, 1])
+def testcoalesce_perm():
+    assert coalesce_perm((2, 3, 4, 5), (0, 1, 3, 2)) == ([6, 4, 5], [0, 2, 1])
+    assert coalesce_perm((2, 3, 4, 5), (2, 3, 0, 1)) == ([6, 20], [1, 0])
+    assert coalesce_perm((2, 1, 4), (1, 0, 2)) == ([2, 4], [0, 1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

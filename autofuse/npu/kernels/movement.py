@@ -35,6 +35,7 @@ from autofuse.npu.kernels.tiles import (active_mask, block_elems, ceil_div, exte
                                         pipeline, round_up, split_blocks, view)
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
+from cost_model.vecutil import coalesce_perm, copy_tile, transpose_default
 
 _INDEX = ("int32", "int8")
 
@@ -52,7 +53,6 @@ def _rows_plan(dev, jobs, dtype, tiling):
     per job]) where a tile is (job, lead, r0, rows, c0, cols).
     """
     cblk = block_elems(dtype)
-    spec = lambda r, c: [((r, round_up(c, cblk)), dtype)] * 2            # noqa: E731
     units = max(NR if NR >= dev.vector_cores else NR * ceil_div(Dc, cblk) for NR, _, Dc in jobs)
     n = max(1, min(dev.vector_cores, units))
     maxc = max(Dc for _, _, Dc in jobs)
@@ -60,11 +60,7 @@ def _rows_plan(dev, jobs, dtype, tiling):
     if tiling:
         r, c = int(tiling.get("rows", 1)), int(tiling.get("cols", maxc))
     else:
-        target = max(ceil_div(total, n * 4), 8192 // itemsize(dtype))
-        c = maxc if fits(dev, spec(1, maxc)) else \
-            cblk * largest(lambda k: fits(dev, spec(1, k * cblk)), 1, ceil_div(maxc, cblk))
-        c = max(cblk, min(c, round_up(target, cblk)))
-        r = max(1, min(largest(lambda x: fits(dev, spec(x, c)), 1, 1 << 20), target // c))
+        r, c = copy_tile(dev, dtype, maxc, max(ceil_div(total, n * 4), 8192 // itemsize(dtype)))
     if r < 1 or c < 1:
         raise ValueError(f"copy tiling rows={r}, cols={c} must be positive")
     per = [[] for _ in range(n)]
@@ -167,23 +163,6 @@ def cat(launch, *tensors, dim=0, tiling=None):
     return (out,)
 
 
-def _coalesce_perm(shape, perm):
-    """Drop size-1 dims and merge output neighbours that are input neighbours in order."""
-    keep = [d for d in range(len(shape)) if shape[d] != 1]
-    perm = [p for p in perm if p in keep]
-    groups = []                          # in output order: lists of input dims
-    for p in perm:
-        if groups and groups[-1][-1] + 1 == p:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    order = sorted(range(len(groups)), key=lambda i: groups[i][0])      # groups in input order
-    in_sizes = [math.prod(shape[d] for d in groups[i]) for i in order]
-    pos = {gi: k for k, gi in enumerate(order)}
-    q = [pos[i] for i in range(len(groups))]    # output dim j = coalesced input dim q[j]
-    return in_sizes, q
-
-
 @kernel("permute")
 def permute(launch, x, dims=None, tiling=None):
     """``x.permute(dims).contiguous()``; ``dims=None`` reverses the dims (``x.T``)."""
@@ -195,7 +174,7 @@ def permute(launch, x, dims=None, tiling=None):
     out = _empty(launch, out_shape, x.dtype, "out")
     if math.prod(out_shape) == 0:
         return (out,)
-    s, q = _coalesce_perm(tuple(x.shape), dims)
+    s, q = coalesce_perm(tuple(x.shape), dims)
     m = len(s)
     if m <= 1 or q == list(range(m)):                # the data order does not change: a plain copy
         N = math.prod(out_shape)
@@ -246,19 +225,10 @@ def _permute_transpose(launch, x, out, xv, ov, s, q, tiling):
     others = [d for d in range(m) if d not in (A, L)]     # input dims indexed one value at a time
     SA, SL = s[A], s[L]
     cblk = block_elems(dtype)
-
-    def spec(a, l_):
-        return [((a, round_up(l_, cblk)), dtype)] * 2 + [((l_, round_up(a, cblk)), dtype)] * 2
-
     if tiling:
         a, l_ = int(tiling.get("a", 128)), int(tiling.get("l", 128))
     else:
-        a, l_ = min(SA, 128), min(SL, 128)
-        # a small side lets the other grow (e.g. [.., 8] -> long runs of the other dim)
-        if a < 128:
-            l_ = min(SL, largest(lambda v: fits(dev, spec(a, v)), 1, 1 << 16))
-        elif l_ < 128:
-            a = min(SA, largest(lambda v: fits(dev, spec(v, l_)), 1, 1 << 16))
+        a, l_ = transpose_default(dev, SA, SL, dtype)
     if a < 1 or l_ < 1:
         raise ValueError(f"permute: tiling a={a}, l={l_} must be positive")
     other_sizes = [s[d] for d in others]
