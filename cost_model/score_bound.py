@@ -16,27 +16,10 @@ from cost_model.common import ceil_div, itemsize
 from cost_model.estimate import cached, make, register
 from cost_model.devices import get_device
 from cost_model.stream import block_steps, port, stream
-from cost_model.vecutil import fits, largest, pad
+from cost_model.vecutil import pad, score_bound_rows
 
 F32 = "float32"
 BLOCK = 8
-
-
-def _specs(dtype, R, D):
-    """The kernel's UB tiles, restated (the cost model imports no simulator code; tests/npu pin the two)."""
-    dp = pad(D, "float16")
-    sp = [((R, dp), dtype)] * 2
-    if dtype != F32:
-        sp.append(((R, dp), F32))
-    rp = pad(R, F32)
-    return sp + [((R, dp), F32), ((rp,), F32), ((rp,), F32), ((BLOCK,), F32)]
-
-
-def _rows(dev, dtype, D, per_core):
-    r = largest(lambda r: fits(dev, _specs(dtype, r, D)), 1, max(1, per_core))
-    if r < 1:
-        raise ValueError(f"score_bound: not one row of {D} {dtype} values fits UB on {dev.name}")
-    return max(1, min(r, ceil_div(per_core, 4)))
 
 
 @cached
@@ -79,7 +62,7 @@ def estimate_score_bound(dev, specs, tiling=None):
     D = qs[-1]
     rq, rk = math.prod(qs[:-1]), math.prod(ks[:-1])
     n = max(1, min(dev.vector_cores, max(rq, rk)))
-    R = int(tiling["rows"]) if tiling else _rows(dev, dtype, D, ceil_div(max(rq, rk), n))
+    R = int(tiling["rows"]) if tiling else score_bound_rows(dev, dtype, D, ceil_div(max(rq, rk), n))
     core, hbm, nbytes, busy = _model(dev.name, dtype, rq, rk, D, R)
     flops = 2.0 * (rq + rk) * D
     return make("score_bound", dev, core, hbm, nbytes, busy, {"rows": R}, _roof(dev, specs), flops)

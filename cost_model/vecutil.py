@@ -5,7 +5,8 @@ read this module, so the two sides agree by construction on a UB row's pitch, on
 largest tile that does; and, for the elementwise and reduce kernels (``autofuse/npu/kernels/vector.py``), on
 the dtype an op computes in, how its shapes coalesce and which UB tiles it allocates; for the movement kernels
 (``autofuse/npu/kernels/movement.py``), on a permutation's coalesced dims and the default copy and transpose
-tiles. It holds semantics and geometry only: nothing here counts or prices cycles or bytes moved.
+tiles; for the score bound (``autofuse/npu/kernels/score_bound.py``), on its UB tiles and rows per tile. It holds
+semantics and geometry only: nothing here counts or prices cycles or bytes moved.
 """
 from __future__ import annotations
 
@@ -175,3 +176,23 @@ def transpose_default(dev, SA, SL, dtype):
     elif l_ < 128:
         a = min(SA, largest(lambda v: fits(dev, transpose_tiles(v, l_, dtype)), 1, 1 << 16))
     return a, l_
+
+
+# ---------------------------------------------------------------------------------------- score bound
+def score_bound_tiles(dtype: str, R: int, D: int) -> list:
+    """The score bound's UB tiles, in allocation order: x (two), x in fp32 (fp16/bf16), x², per-row sums,
+    running max, out (one 32 B block of fp32)."""
+    dp = pad(D, "float16")
+    sp = [((R, dp), dtype)] * 2
+    if dtype != "float32":
+        sp.append(((R, dp), "float32"))
+    rp = pad(R, "float32")
+    return sp + [((R, dp), "float32"), ((rp,), "float32"), ((rp,), "float32"), ((8,), "float32")]
+
+
+def score_bound_rows(dev, dtype: str, D: int, per_core: int) -> int:
+    """The score bound's default rows per tile: the most that fit UB, capped so each core has four tiles."""
+    r = largest(lambda r: fits(dev, score_bound_tiles(dtype, r, D)), 1, max(1, per_core))
+    if r < 1:
+        raise ValueError(f"score_bound: not one row of {D} {dtype} values fits UB on {dev.name}")
+    return max(1, min(r, ceil_div(per_core, 4)))

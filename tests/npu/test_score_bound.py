@@ -89,13 +89,11 @@ def test_skip_decision_follows_the_cauchy_schwarz_bound():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_the_cost_model_prices_the_tiling_the_kernel_picks(device, dtype):
     import cost_model
-    from autofuse.npu.kernels.score_bound import default_rows, specs
     from cost_model.devices import get_device
-    from cost_model.score_bound import _specs
+    from cost_model.vecutil import score_bound_rows      # the kernel's default rows, shared with the model
     dev = get_device(device)
     for D in (16, 64, 80, 128, 256):
-        assert specs(dtype, 8, D) == _specs(dtype, 8, D)
         rows = 4 * 2 * 1000
         per_core = -(-rows // dev.vector_cores)
         e = cost_model.estimate("score_bound", [((4, 2, 1000, D), dtype)] * 2, device=device)
-        assert e.tiling == {"rows": default_rows(dev, dtype, D, per_core)}
+        assert e.tiling == {"rows": score_bound_rows(dev, dtype, D, per_core)}

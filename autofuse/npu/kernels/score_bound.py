@@ -26,29 +26,13 @@ import math
 
 import numpy as np
 
-from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check_dtype, extents, fits, largest,
-                                        lockstep, pad, pipeline, split_blocks, view)
+from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check_dtype, extents, lockstep, pad,
+                                        pipeline, split_blocks, view)
 from autofuse.npu.run import kernel
+from cost_model.vecutil import score_bound_rows as default_rows, score_bound_tiles as specs
 
 F32 = "float32"
 BLOCK = 8                      # fp32 values in one 32 B block: the unit of the per-core store
-
-
-def specs(dtype: str, R: int, D: int) -> list:
-    """UB tiles, in allocation order: x (two), x in fp32 (fp16/bf16), x², per-row sums, running max, out."""
-    dp = pad(D, "float16")
-    sp = [((R, dp), dtype)] * 2
-    if dtype != F32:
-        sp.append(((R, dp), F32))
-    rp = pad(R, F32)
-    return sp + [((R, dp), F32), ((rp,), F32), ((rp,), F32), ((BLOCK,), F32)]
-
-
-def default_rows(dev, dtype: str, D: int, per_core: int) -> int:
-    r = largest(lambda r: fits(dev, specs(dtype, r, D)), 1, max(1, per_core))
-    if r < 1:
-        raise ValueError(f"score_bound: not one row of {D} {dtype} values fits UB on {dev.name}")
-    return max(1, min(r, ceil_div(per_core, 4)))
 
 
 @kernel("score_bound")
