@@ -33,14 +33,13 @@ import numpy as np
 from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, estimate, kernel_cycles, make, register
+from cost_model.grouped_matmul_tiling import GLU, default_tiling as kernel_default, product_sets, tiling_fits as fits
 from cost_model.matmul import choose_tiling, write_out
 
 # fp32 Vector passes per element of each epilogue (the elementwise kernel's op passes: silu 4, gelu 25,
 # gelu_tanh 8, relu 1, sigmoid 4; swiglu = silu + the product; clamped_swiglu = GPT-OSS's: mins, maxs + mins,
 # muls alpha, sigmoid, mul, adds 1, mul)
 EPILOGUE_PASSES = {None: 0, "relu": 1, "silu": 4, "gelu": 25, "gelu_tanh": 8, "swiglu": 5, "clamped_swiglu": 11}
-#: gated activations (gate and up columns in the product, half as many outputs)
-GLU = ("swiglu", "clamped_swiglu")
 #: per output element, gathering interleaved gate/up pairs apart (even and odd columns) in the epilogue
 DEINTERLEAVE_PASSES = 2
 
@@ -56,53 +55,6 @@ def _sizes(E, M, group_sizes):
             raise ValueError(f"grouped_matmul: group_sizes {gs[:16]} do not fit {E} groups of {M} rows")
         return gs
     return [M // E + (1 if g < M % E else 0) for g in range(E)]
-
-
-def _pad(n, dtype):
-    b = 32 // itemsize(dtype)
-    return round_up(n, b)
-
-
-def ub_bytes(dev, m0, n0, out_dtype, activation, product=False, sets=1):
-    split = dev.arch == "split"
-    if activation is None:
-        return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
-    rows = ceil_div(m0, 2) if split else m0
-    nb = 2 if activation in GLU else 1
-    cast = 2 * rows * _pad(n0, out_dtype) * itemsize(out_dtype)
-    return (sets * nb + 1) * rows * _pad(n0, "float32") * 4 + cast \
-        + (nb * cast if product and out_dtype != "float32" else 0) + 96
-
-
-def product_sets(dev, m0, n0, out_dtype, activation, product=False):
-    """The kernel's sets of fp32 product tiles in UB: 2 (double-buffered) where they fit, else 1."""
-    return 2 if ub_bytes(dev, m0, n0, out_dtype, activation, product, sets=2) <= dev.buffers["UB"] else 1
-
-
-def fits(dev, dtype, out_dtype, t, activation=None, bias=False, product=False):
-    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
-    if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
-        return False
-    isz = itemsize(dtype)
-    nb = 2 if activation in GLU else 1
-    buf = dev.buffers
-    l0c = nb * m0 * n0 * 4
-    nc = 2 if 2 * l0c <= buf["L0C"] else 1
-    return (2 * (m0 * k1 + nb * k1 * n0) * isz + nb * n0 * 4 * bool(bias) <= buf["L1"] - 64
-            and 2 * m0 * k0 * isz <= buf["L0A"] and nb * 2 * k0 * n0 * isz <= buf["L0B"]
-            and nc * l0c <= buf["L0C"] and ub_bytes(dev, m0, n0, out_dtype, activation, product) <= buf["UB"])
-
-
-def kernel_default(dev, dtype, out_dtype, K, N_out, activation=None, bias=False, product=False):
-    for m0 in (128, 64, 32, 16):
-        for n0 in (256, 128, 64, 32, 16):
-            n0e = min(n0, round_up(N_out, 16))
-            for k0 in (128, 64, 32, 16):
-                k0e = min(k0, round_up(K, 16))
-                t = {"m0": m0, "n0": n0e, "k0": k0e, "k1": min(2 * k0e, round_up(K, k0e))}
-                if fits(dev, dtype, out_dtype, t, activation, bias, product):
-                    return t
-    raise ValueError(f"grouped_matmul: no tiling fits {dev.name} for {dtype}")
 
 
 def _items(sizes, N_out, m0, n0):

@@ -65,11 +65,11 @@ from autofuse.npu.kernels.tiles import ceil_div, pad, rnd, round_up
 from autofuse.npu.kernels.vector import OPS
 from autofuse.npu.machine import GMTensor, L2, Launch
 from autofuse.npu.run import kernel
+# the tile geometry, shared with the cost model (GLU: the gated activations)
+from cost_model.grouped_matmul_tiling import GLU, default_tiling, product_sets, tiling_fits
 
 CUBE_DTYPES = ("float16", "bfloat16", "float32")
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "swiglu", "clamped_swiglu")
-#: gated activations: the product has gate and up columns, the output half as many
-GLU = ("swiglu", "clamped_swiglu")
 ORDERS = ("gate_up", "up_gate", "interleaved")
 #: Vector passes per output element that gather interleaved gate/up pairs apart (the even and the odd columns)
 DEINTERLEAVE_PASSES = 2
@@ -85,58 +85,6 @@ def epilogue_passes(activation, order="gate_up") -> int:
     if activation == "clamped_swiglu":       # mins, maxs + mins, muls alpha, sigmoid, mul, adds 1, mul
         return len(OPS["sigmoid"].passes(None, False)) + 7 + extra
     return len(OPS[activation].passes(None, False))
-
-
-def tiling_fits(device, dtype, out_dtype, t, activation=None, bias=False, product=False) -> bool:
-    """Whether tiling ``t`` fits every buffer the grouped kernel allocates on ``device``."""
-    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
-    if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
-        return False
-    isz = itemsize(dtype)
-    nb = 2 if activation in GLU else 1
-    buf = device.buffers
-    l0c = nb * m0 * n0 * 4
-    nc = 2 if 2 * l0c <= buf["L0C"] else 1
-    ok = (2 * (m0 * k1 + nb * k1 * n0) * isz + nb * n0 * 4 * bool(bias) <= buf["L1"] - 64
-          and 2 * m0 * k0 * isz <= buf["L0A"] and nb * 2 * k0 * n0 * isz <= buf["L0B"]
-          and nc * l0c <= buf["L0C"])
-    if not ok:
-        return False
-    return ub_bytes(device, m0, n0, out_dtype, activation, product) <= buf["UB"]
-
-
-def ub_bytes(device, m0, n0, out_dtype, activation, product=False, sets=1) -> int:
-    """UB the epilogue needs: ``sets`` sets of fp32 product tile(s) and a temporary, output tiles
-    double-buffered (split cores: per AIV, half the rows); with ``product`` (and a narrower output dtype) the
-    cast product tiles, double-buffered."""
-    split = device.arch == "split"
-    if activation is None:
-        return 0 if split else 2 * m0 * n0 * itemsize(out_dtype)
-    rows = ceil_div(m0, 2) if split else m0
-    nb = 2 if activation in GLU else 1
-    f32 = rows * pad(n0, "float32") * 4
-    cast = 2 * rows * pad(n0, out_dtype) * itemsize(out_dtype)
-    return (sets * nb + 1) * f32 + cast + (nb * cast if product and out_dtype != "float32" else 0) + 3 * 32
-
-
-def product_sets(device, m0, n0, out_dtype, activation, product=False) -> int:
-    """Sets of fp32 product tiles the epilogue double-buffers: 2 where UB holds them (the next tile's product
-    comes in while the Vector unit runs this one's epilogue), else 1."""
-    return 2 if ub_bytes(device, m0, n0, out_dtype, activation, product, sets=2) <= device.buffers["UB"] else 1
-
-
-def default_tiling(device, dtype, out_dtype, K, N_out, activation=None, bias=False, product=False) -> dict:
-    """The kernel's own tiling: the largest base tile that fits, m0 = 128 (MoE groups are short), n0 as
-    wide as fits, K slices as deep as fit L0A/L0B double-buffered, L1 chunks two slices deep."""
-    for m0 in (128, 64, 32, 16):
-        for n0 in (256, 128, 64, 32, 16):
-            n0e = min(n0, round_up(N_out, 16))
-            for k0 in (128, 64, 32, 16):
-                k0e = min(k0, round_up(K, 16))
-                t = {"m0": m0, "n0": n0e, "k0": k0e, "k1": min(2 * k0e, round_up(K, k0e))}
-                if tiling_fits(device, dtype, out_dtype, t, activation, bias, product):
-                    return t
-    raise ValueError(f"grouped_matmul: no tiling fits {device.name} for {dtype} ({activation})")
 
 
 def group_rows(counts_or_offsets, group_list_type, M):
