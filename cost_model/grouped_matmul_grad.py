@@ -29,31 +29,9 @@ from cost_model.common import ceil_div, itemsize, round_up
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.grouped_matmul import _deal, _sizes, busiest_core, per_group_launches
+from cost_model.grouped_matmul_tiling import (weight_grad_default_tiling as kernel_default,
+                                              weight_grad_tiling_fits as fits)
 from cost_model.matmul import write_out
-
-
-def fits(dev, dtype, out_dtype, t, zeros=False):
-    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
-    if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
-        return False
-    isz = itemsize(dtype)
-    buf = dev.buffers
-    nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
-    ub = ((0 if dev.arch == "split" else 2) + bool(zeros)) * m0 * n0 * itemsize(out_dtype)
-    return (2 * (m0 * k1 + k1 * n0) * isz <= buf["L1"] - 64 and 2 * m0 * k0 * isz <= buf["L0A"]
-            and 2 * k0 * n0 * isz <= buf["L0B"] and nc * m0 * n0 * 4 <= buf["L0C"] and ub <= buf["UB"])
-
-
-def kernel_default(dev, dtype, out_dtype, P, Q, rows, zeros=False):
-    for m0 in (256, 128, 64, 32, 16):
-        for n0 in (256, 128, 64, 32, 16):
-            m0e, n0e = min(m0, round_up(P, 16)), min(n0, round_up(Q, 16))
-            for k0 in (128, 64, 32, 16):
-                k0e = min(k0, round_up(max(rows, 1), 16))
-                t = {"m0": m0e, "n0": n0e, "k0": k0e, "k1": 2 * k0e}
-                if fits(dev, dtype, out_dtype, t, zeros):
-                    return t
-    raise ValueError(f"grouped_matmul_weight_grad: no tiling fits {dev.name} for {dtype}")
 
 
 def _items(sizes, P, Q, m0, n0):

@@ -66,3 +66,34 @@ def default_tiling(device, dtype, out_dtype, K, N_out, activation=None, bias=Fal
                 if tiling_fits(device, dtype, out_dtype, t, activation, bias, product):
                     return t
     raise ValueError(f"grouped_matmul: no tiling fits {device.name} for {dtype} ({activation})")
+
+
+# --------------------------------------------------------------------------- grouped_matmul_weight_grad
+def weight_grad_tiling_fits(device, dtype, out_dtype, t, zeros=False) -> bool:
+    """Whether tiling ``t`` fits every buffer the weight-gradient kernel allocates on ``device`` (``zeros``: some
+    group is empty, so a zero tile is allocated in UB too)."""
+    m0, n0, k0, k1 = t["m0"], t["n0"], t["k0"], t["k1"]
+    if min(m0, n0, k0, k1) < 1 or k1 % k0 or m0 % 16 or n0 % 16 or k0 % 16:
+        return False
+    isz = itemsize(dtype)
+    buf = device.buffers
+    nc = 2 if 2 * m0 * n0 * 4 <= buf["L0C"] else 1
+    # coupled: two output tiles (and the zero tile) in UB; split: the zero tile in an AIV's UB
+    ub = ((0 if device.arch == "split" else 2) + bool(zeros)) * m0 * n0 * itemsize(out_dtype)
+    return (2 * (m0 * k1 + k1 * n0) * isz <= buf["L1"] - 64 and 2 * m0 * k0 * isz <= buf["L0A"]
+            and 2 * k0 * n0 * isz <= buf["L0B"] and nc * m0 * n0 * 4 <= buf["L0C"] and ub <= buf["UB"])
+
+
+def weight_grad_default_tiling(device, dtype, out_dtype, P, Q, rows, zeros=False) -> dict:
+    """The weight-gradient kernel's own tiling: the largest output tile that fits (m0 up to 256, n0 up to 256),
+    row slices as deep as fit L0A/L0B double-buffered (no deeper than the groups' mean rows), L1 chunks two
+    slices deep."""
+    for m0 in (256, 128, 64, 32, 16):
+        for n0 in (256, 128, 64, 32, 16):
+            m0e, n0e = min(m0, round_up(P, 16)), min(n0, round_up(Q, 16))
+            for k0 in (128, 64, 32, 16):
+                k0e = min(k0, round_up(max(rows, 1), 16))
+                t = {"m0": m0e, "n0": n0e, "k0": k0e, "k1": 2 * k0e}
+                if weight_grad_tiling_fits(device, dtype, out_dtype, t, zeros):
+                    return t
+    raise ValueError(f"grouped_matmul_weight_grad: no tiling fits {device.name} for {dtype}")
