@@ -21,6 +21,7 @@ import numpy as np
 
 from cost_model.program import (_COMMUTATIVE, _FLIP, BIT, COMPARE, F32, LOGIC, SHUFFLE, STAT, UNARY, Instr,
                                 Program, ProgramError, _is_ref)
+from cost_model.vecutil import largest
 
 
 # ------------------------------------------------------------------------------------------ geometry
@@ -823,6 +824,31 @@ def epilogue_fits(dev, prog, M, N, dtype, t, temps=lambda op: 0, plan=None) -> b
             and 2 * m0 * k0 * isz <= buf["L0A"] and 2 * P * k0 * n0 * isz <= buf["L0B"]
             and P * m0 * n0 * 4 <= buf["L0C"] and (not whole or n0 >= W) and bits_aligned(low, n0)
             and _ub_need(dev, epilogue_ub_specs(dev, prog, low, P, t)) <= buf["UB"])
+
+
+def epilogue_default_tiling(dev, plan, K, dtype, mm_tile, sub_fits) -> dict:
+    """The ``matmul_epilogue`` kernel's own default tiling, which the kernel runs and the cost model prices.
+
+    ``mm_tile``: the plain matmul's default tile for the columns the epilogue reads (``pieces`` blocks of
+    ``n0``), each side taking it from its own matmul; ``sub_fits(t)``: ``ok(sub)``, whether tiling ``t`` fits
+    with ``sub`` rows a sub-block. The tile is as wide as the row for whole-row programs, K slices as deep as
+    fit L0A/L0B double-buffered, the most sub-block rows that fit UB; m0 halves while UB cannot stage it."""
+    _, pieces, W, whole = plan
+    P, isz = len(pieces), _ITEMSIZE[dtype]
+    t = dict(mm_tile)
+    t["n0"] = max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16
+    t["sub"] = 1
+    while True:
+        m0, n0 = t["m0"], t["n0"]
+        t["k0"] = next((k for k in (128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
+                        and 2 * P * k * n0 * isz <= dev.buffers["L0B"]), 16)
+        t["k1"] = min(2 * t["k0"], -(-K // t["k0"]) * t["k0"])
+        rows = m0 if dev.arch == "coupled" else max(1, -(-m0 // 2))
+        ok = sub_fits(t)
+        t["sub"] = max(1, largest(ok, 1, min(rows, 64)))
+        if ok(t["sub"]) or t["m0"] <= 16:
+            return t
+        t["m0"] = max(16, t["m0"] // 2)
 
 
 def _ub_need(dev, specs) -> int:

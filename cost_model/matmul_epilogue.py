@@ -27,7 +27,8 @@ from cost_model import matmul as mm
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
-from cost_model.lowering import bits_aligned, col_bytes, epilogue_fits, epilogue_plan, epilogue_ub_specs, reg_shape
+from cost_model.lowering import (bits_aligned, col_bytes, epilogue_default_tiling, epilogue_fits, epilogue_plan,
+                                 epilogue_ub_specs, reg_shape)
 from cost_model.program import BIT, as_program
 from cost_model.vector_program import n_passes, repeats, temps
 from cost_model.vecutil import largest, ub_need
@@ -232,26 +233,12 @@ def _adapt(dev, prog, M, N, K, dtype, t, plan):
 
 
 def kernel_default(dev, prog, M, N, K, dtype, plan=None) -> dict:
-    """The kernel's own default tiling (``default_tiling`` in the kernel, mirrored): the plain matmul's default
-    tile for the columns the epilogue reads, as wide as the row for whole-row programs, made smaller while UB
-    cannot stage it; the most sub-block rows that fit."""
+    """The kernel's own default tiling (:func:`cost_model.lowering.epilogue_default_tiling`, which the kernel
+    runs too) from this model's plain matmul default tile."""
     plan = plan or _plan(prog, M, N, dtype)
-    _, pieces, W, whole = plan
-    P, isz = len(pieces), itemsize(dtype)
-    t = dict(mm.kernel_default(dev, M, W * P, K, 1, dtype, dtype))
-    t["n0"] = max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16
-    t["sub"] = 1
-    while True:
-        m0, n0 = t["m0"], t["n0"]
-        t["k0"] = next((k for k in (128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
-                        and 2 * P * k * n0 * isz <= dev.buffers["L0B"]), 16)
-        t["k1"] = min(2 * t["k0"], -(-K // t["k0"]) * t["k0"])
-        rows = m0 if dev.arch == "coupled" else max(1, -(-m0 // 2))
-        ok = _sub_fits(dev, prog, dtype, t, plan)
-        t["sub"] = max(1, largest(ok, 1, min(rows, 64)))
-        if ok(t["sub"]) or t["m0"] <= 16:
-            return t
-        t["m0"] = max(16, t["m0"] // 2)
+    _, pieces, W, _ = plan
+    mm_tile = mm.kernel_default(dev, M, W * len(pieces), K, 1, dtype, dtype)
+    return epilogue_default_tiling(dev, plan, K, dtype, mm_tile, lambda t: _sub_fits(dev, prog, dtype, t, plan))
 
 
 @cached

@@ -41,37 +41,24 @@ import math
 
 import numpy as np
 
-from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.matmul import CUBE_DTYPES, Cube, default_tiling as mm_default_tiling
-from autofuse.npu.kernels.tiles import active_mask, ceil_div, largest
+from autofuse.npu.kernels.tiles import active_mask, ceil_div
 from autofuse.npu.kernels.vector_program import TileProgram, _gm_view, check_input, temps
 from autofuse.npu.machine import GMTensor
 from autofuse.npu.run import kernel
-from cost_model.lowering import epilogue_fits as fits, epilogue_plan
+from cost_model.lowering import epilogue_default_tiling, epilogue_fits as fits, epilogue_plan
 from cost_model.program import ProgramError, as_program
 
 
 def default_tiling(dev, prog, M, N, K, dtype) -> dict:
     """The plain matmul's default tile for the columns the epilogue reads (``pieces`` blocks of ``n0``), as
     wide as the row for whole-row programs, made smaller while UB cannot stage it; the most sub-block rows
-    that fit UB."""
+    that fit UB (:func:`cost_model.lowering.epilogue_default_tiling`, shared with the cost model)."""
     plan = epilogue_plan(prog, M, N, dtype, temps)
-    low, pieces, W, whole = plan
-    P = len(pieces)
-    isz = itemsize(dtype)
-    t = dict(mm_default_tiling(dev, M, W * P, K, 1, dtype, dtype))
-    t["n0"] = max(16, t["n0"] // P // 16 * 16) if not whole else -(-W // 16) * 16
-    t["sub"] = 1
-    while True:
-        m0, n0 = t["m0"], t["n0"]
-        t["k0"] = next((k for k in (128, 64, 32, 16) if 2 * m0 * k * isz <= dev.buffers["L0A"]
-                        and 2 * P * k * n0 * isz <= dev.buffers["L0B"]), 16)
-        t["k1"] = min(2 * t["k0"], -(-K // t["k0"]) * t["k0"])
-        rows = m0 if dev.arch == "coupled" else max(1, -(-m0 // 2))
-        t["sub"] = max(1, largest(lambda r: fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan), 1, min(rows, 64)))
-        if fits(dev, prog, M, N, dtype, t, temps, plan) or t["m0"] <= 16:
-            return t
-        t["m0"] = max(16, t["m0"] // 2)
+    _, pieces, W, _ = plan
+    mm_tile = mm_default_tiling(dev, M, W * len(pieces), K, 1, dtype, dtype)
+    return epilogue_default_tiling(dev, plan, K, dtype, mm_tile,
+                                   lambda t: lambda r: fits(dev, prog, M, N, dtype, {**t, "sub": r}, temps, plan))
 
 
 @kernel("matmul_epilogue")
