@@ -60,6 +60,15 @@ def _r16(x):
     return -(-x // 16) * 16                  # round_up(x, 16), written out: called per step kind priced
 
 
+def launch_dims(specs):
+    """``(B, N, Sq, D, Nkv, Skv, Dv, dtype)`` of an attention launch from its q, k, v specs (q ``[B, N, Sq, D]``,
+    k ``[B, Nkv, Skv, D]``, v ``[B, Nkv, Skv, Dv]``)."""
+    (qs, dtype), (ks, _), (vs, _) = specs[:3]
+    B, N, Sq, D = qs
+    _, Nkv, Skv, _ = ks
+    return B, N, Sq, D, Nkv, Skv, vs[3], dtype
+
+
 # ------------------------------------------------------------------------------------------ tiling
 def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False, sink=False):
     q, kv, vq = t["q"], t["kv"], t["vq"]
@@ -717,10 +726,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     steps at their kinds' units that no port wait touches and item ends; the dirty workspaces and the probabilities
     sweep left out (busy is None). ``kinds``: a dict the caller keeps for the tiling, where a short launch's step kinds
     priced alone are kept (its bound and its model price the same kinds alike: the search bounds it, then models it)."""
-    (qs, dtype), (ks, _), (vs, _) = specs[:3]
-    B, N, Sq, D = qs
-    _, Nkv, Skv, _ = ks
-    Dv = vs[3]
+    B, N, Sq, D, Nkv, Skv, Dv, dtype = launch_dims(specs)
     isz = itemsize(dtype)
     split = dev.arch == "split"
     qb, kvb, vq = t["q"], t["kv"], t["vq"]

@@ -40,7 +40,8 @@ from cost_model.common import ceil_div, itemsize
 from cost_model.devices import get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
 from cost_model.flash_attention import (REPLAY_UNITS, ROUNDING, SOFTCAP_PASSES, _band_tiles, _core_tallies, _counts,
-                                       _overflows, _spans, attended_pairs, kind_steps, mask_passes, with_add_dtype)
+                                       _overflows, _r16, _spans, attended_pairs, kind_steps, launch_dims, mask_passes,
+                                       with_add_dtype)
 
 F32 = "float32"
 # the share of the MTE1 moves that the two-step pipeline loop waits for (the rest overlaps the Cube: the
@@ -49,10 +50,6 @@ LOOP_MTE1 = 0.5
 # the steps whose GM-port slack hides part of a unit's dK and dV stores on a coupled core (calibrated on drawn
 # launches: 3 to 6 give the same worst cases, 1 and 2 price 910 launches of short steps over)
 STORE_SLACK_STEPS = 4
-
-
-def _r16(x):
-    return -(-x // 16) * 16                  # round_up(x, 16), written out: called per step kind priced
 
 
 # ------------------------------------------------------------------------------------------ tiling
@@ -344,10 +341,7 @@ class _L2Plan(NamedTuple):
 def _l2_plan(device, specs, mask, drop, stats):
     """:class:`_L2Plan` of a launch (tiling-independent, so worked out once per search)."""
     dev = get_device(device)
-    (qs, dtype), (ks, _), (vs, _) = specs[:3]
-    B, N, Sq, D = qs
-    _, Nkv, Skv, _ = ks
-    Dv = vs[3]
+    B, N, Sq, D, Nkv, Skv, Dv, dtype = launch_dims(specs)
     isz = itemsize(dtype)
     msz = 0 if mask is None else itemsize(mask[1])
     BNS = B * N * Sq
@@ -465,10 +459,7 @@ def _model(dev, specs, mask, causal, t, drop, stats, bound=False, cap=False, win
         return _schedule_floor(BN, *summary(), bool(causal), cores) if bound and not exact else \
             _schedule(BN, steps(), bool(causal), cores)
 
-    (qs, dtype), (ks, _), (vs, _) = specs[:3]
-    B, N, Sq, D = qs
-    _, Nkv, Skv, _ = ks
-    Dv = vs[3]
+    B, N, Sq, D, Nkv, Skv, Dv, dtype = launch_dims(specs)
     isz = itemsize(dtype)
     split = dev.arch == "split"
     nh = 2 if split else 1
