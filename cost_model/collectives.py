@@ -245,20 +245,23 @@ def _world(world):
     return int(world)
 
 
-@register("all_reduce")
-def estimate_all_reduce(dev, specs, world=None, algorithm=None, rank=0, comm=None, slice_bytes=None):
+def _replay(dev, specs, world):
+    """A collective's element count, dtype and ranks, and a fresh replay of its links."""
     shape, dtype, n = _spec(specs)
     p = _world(world)
-    rep = LinkReplay(dev, p, dtype)
+    return n, dtype, p, LinkReplay(dev, p, dtype)
+
+
+@register("all_reduce")
+def estimate_all_reduce(dev, specs, world=None, algorithm=None, rank=0, comm=None, slice_bytes=None):
+    n, dtype, p, rep = _replay(dev, specs, world)
     end = rep.all_reduce(n, list(range(p)), 0.0, _algorithm(dev, "all_reduce", p, algorithm, n * itemsize(dtype)))
     return _finish("all_reduce", dev, rep, end)
 
 
 @register("reduce_scatter")
 def estimate_reduce_scatter(dev, specs, world=None, algorithm=None, rank=0, comm=None, slice_bytes=None):
-    shape, dtype, n = _spec(specs)
-    p = _world(world)
-    rep = LinkReplay(dev, p, dtype)
+    n, dtype, p, rep = _replay(dev, specs, world)
     per = n // p
     if p > 1:
         S = nslices(per * itemsize(dtype))
@@ -270,9 +273,7 @@ def estimate_reduce_scatter(dev, specs, world=None, algorithm=None, rank=0, comm
 
 @register("all_gather")
 def estimate_all_gather(dev, specs, world=None, algorithm=None, rank=0, comm=None, slice_bytes=None):
-    shape, dtype, n = _spec(specs)
-    p = _world(world)
-    rep = LinkReplay(dev, p, dtype)
+    n, dtype, p, rep = _replay(dev, specs, world)
     own = rep.copy(n, 0.0)
     if p > 1:
         S = nslices(n * itemsize(dtype))
