@@ -453,12 +453,19 @@ def _model(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, out_dtype, t, bia
               "L1->L0B": float(n16_sum * K * isz)}
     if ep is not None:
         nbytes.update(ep["bytes"])
-    elif coupled:
-        nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
-        nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
     else:
-        nbytes["L0C->GM"] = float(nbatch * Mr * N * osz)
+        _out_paths(nbytes, coupled, nbatch * Mr, N, osz)
     return core, float(hbm), nbytes, busy
+
+
+def _out_paths(nbytes, coupled, rows, N, osz):
+    """The output's bytes by path into ``nbytes``: L0C->UB (fp32) and UB->GM on coupled cores, L0C->GM (FixPipe)
+    on split ones."""
+    if coupled:
+        nbytes["L0C->UB"] = float(rows * N * 4)
+        nbytes["UB->GM"] = float(rows * N * osz)
+    else:
+        nbytes["L0C->GM"] = float(rows * N * osz)
 
 
 def _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, n0, k0, k1, nm, nn, bias_isz):
@@ -542,11 +549,7 @@ def _one_wave(dev, Mr, N, K, nbatch, a_batched, b_batched, dtype, isz, osz, m0, 
     nbytes = {"GM->L1": (m_sum * K * isz + n_sum * K * isz) + (n_sum * bias_isz),
               "L1->L0A": float(m16_sum * K * isz),
               "L1->L0B": float(n16_sum * K * isz)}
-    if coupled:
-        nbytes["L0C->UB"] = float(nbatch * Mr * N * 4)
-        nbytes["UB->GM"] = float(nbatch * Mr * N * osz)
-    else:
-        nbytes["L0C->GM"] = float(nbatch * Mr * N * osz)
+    _out_paths(nbytes, coupled, nbatch * Mr, N, osz)
     return core, float(hbm), nbytes, busy
 
 
