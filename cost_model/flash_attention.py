@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cost_model.attention_tiling import l0b_requests, requests as _requests
 from cost_model.common import ceil_div, itemsize
 from cost_model.devices import ITEMSIZE, get_device
 from cost_model.estimate import cached, kernel_cycles, make, register
@@ -70,52 +71,11 @@ def launch_dims(specs):
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def _requests(dev, D, Dv, dtype, t, mask_spec, drop=False, sink=False):
-    q, kv, vq = t["q"], t["kv"], t["vq"]
-    split = dev.arch == "split"
-    rows = q // 2 if split else q
-    req = [("vec", "UB", "s", (vq, kv), F32, 1, 2), ("vec", "UB", "p", (rows, kv), dtype, 1, 1)]
-    if mask_spec is not None:
-        mdt, mr, mc = mask_spec
-        req.append(("vec", "UB", "mask", (vq if mr else 1, kv if mc else 1), mdt, 1, 2))
-    if drop:
-        req.append(("vec", "UB", "drop", (vq, kv // 8), "uint8", 1, 2))
-    req += [("vec", "UB", "pv", (rows, Dv), F32, 1, 1), ("vec", "UB", "o", (rows, Dv), F32, 1, 1),
-            ("vec", "UB", "out", (_out_rows(vq), Dv), dtype, 1, 2)]
-    req += [("vec", "UB", st, (rows,), F32, 2, 2) for st in ("m", "l", "alpha")]
-    if sink:
-        req.append(("vec", "UB", "sink", (SINK_TILE,), F32, 1, 1))
-    q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
-        [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
-    req += [("cube", "L1", "q1", (q, D), dtype, 1, 1), ("cube", "L1", "kt1", (D, kv), dtype, 1, 2),
-            ("cube", "L1", "v1", (kv, Dv), dtype, 2, 2)]
-    req += q0 + [("cube", "L0A", "p0", (rows, kv), dtype, 1, 2)]
-    req += _l0b_requests(D, Dv, dtype, kv)
-    s0, o0 = ((vq, kv) if split else (q, kv)), (rows, Dv)
-    if s0 == o0:
-        req.append(("cube", "L0C", "c0", s0, F32, 2, 4))
-    else:
-        req += [("cube", "L0C", "s0", s0, F32, 1, 2), ("cube", "L0C", "o0", o0, F32, 1, 2)]
-    return req
-
-
-def _l0b_requests(D, Dv, dtype, kv):
-    """L0B's requests (:func:`_requests`): K^T and V, one ring when their shapes agree; the same for every q and vq."""
-    if (D, kv) == (kv, Dv):
-        return [("cube", "L0B", "b0", (D, kv), dtype, 1, 2)]
-    return [("cube", "L0B", "kt0", (D, kv), dtype, 1, 2), ("cube", "L0B", "v0", (kv, Dv), dtype, 1, 2)]
-
-
 @cached
 def _l0b_overflows(device, D, Dv, dtype, kv) -> bool:
-    """Whether L0B overflows with its requests' minimum tile counts (:func:`_l0b_requests`): then so does every
+    """Whether L0B overflows with its requests' minimum tile counts (:func:`l0b_requests`): then so does every
     tiling with this ``kv`` (L0B holds nothing else), whatever its q and vq."""
-    return _overflows(get_device(device), _l0b_requests(D, Dv, dtype, kv))
-
-
-def _out_rows(vq):
-    """Rows of the kernel's output tile: the largest divisor of ``vq`` up to 64 (restated from the kernel)."""
-    return next(d for d in range(min(vq, 64), 0, -1) if vq % d == 0)
+    return _overflows(get_device(device), l0b_requests(D, Dv, dtype, kv))
 
 
 def _overflows(dev, req) -> bool:
@@ -228,8 +188,6 @@ HEAD_ROUND_PASSES = 4
 #: eager's 16-bit scores cast up and its fp32 logits cast down before the softmax (``logits_dtype``): the scores and
 #: the logits each rounded, a cast down and up
 LOGITS_ROUND_PASSES = 4
-#: UB tile of an item's sink logit (attention sinks): one fp32 value in a 32-byte aligned tile
-SINK_TILE = 8
 
 
 def mask_passes(mask) -> int:

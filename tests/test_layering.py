@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # cost_model modules that hold data or the program IR, no cost formula
 SHARED_DATA = {"cost_model.devices", "cost_model.links", "cost_model.program", "cost_model.lowering",
-               "cost_model.conv_geometry", "cost_model.vecutil", "cost_model.grouped_matmul_tiling"}
+               "cost_model.conv_geometry", "cost_model.vecutil", "cost_model.grouped_matmul_tiling",
+               "cost_model.attention_tiling"}
 PATTERN_HELPERS = {"autofuse.graph", "autofuse.match", "autofuse.canonicalize", "autofuse.vector_program",
                    "autofuse.groups"}
 PUBLIC = {"autofuse", "autofuse.distributed", "autofuse.tp_models"}

@@ -104,6 +104,8 @@ from autofuse.npu.dtypes import itemsize, to_dtype
 from autofuse.npu.kernels.dropout import pack_keep, unpack_keep
 from autofuse.npu.machine import GMTensor, split_cores
 from autofuse.npu.run import kernel
+# the buffer requests, shared with the cost model
+from cost_model.attention_tiling import out_rows as _out_rows, requests as _requests
 
 OPERAND_DTYPES = ("float16", "bfloat16", "float32")
 MASK_DTYPES = ("bool", "float16", "bfloat16", "float32")
@@ -111,8 +113,6 @@ _NEG_INF = np.float32(-np.inf)
 #: Vector passes of logit soft-capping per score: muls 1/c, tanh (muls 2, exp, adds 1, reciprocal, muls -2,
 #: adds 1: the elementwise kernel's fp32 tanh), muls c
 SOFTCAP_PASSES = 8
-#: UB tile of the sink logit (one fp32 value, the tile padded to UB's 32-byte alignment)
-SINK_TILE = 8
 
 
 def _ceil(a, b):
@@ -204,54 +204,6 @@ def add_in_dtype(x: np.ndarray, m: np.ndarray, dtype: str, tmp: np.ndarray, tmp2
 
 
 # ------------------------------------------------------------------------------------------ tiling
-def _requests(device, D: int, Dv: int, dtype: str, t: dict, mask_spec, drop: bool = False, sink: bool = False):
-    """Buffer requests ``(side, buffer, name, shape, dtype, min_count, max_count)`` in allocation order.
-
-    ``side`` is "cube" (coupled core, or AIC) or "vec" (coupled core, or AIV). Counts above the minimum are
-    granted, in list order, while they fit (double buffers). ``mask_spec``: ``(dtype, rows, cols)`` of
-    the mask tile or None. ``drop``: a dropout keep-mask tile (one bit per score) per row block. ``sink``: a
-    small tile for the item's sink logit (attention sinks), loaded at its first step.
-    """
-    q, kv, vq = t["q"], t["kv"], t["vq"]
-    split = device.arch == "split"
-    rows = q // 2 if split else q              # query rows one vector core owns
-    f32 = "float32"
-    req = [("vec", "UB", "s", (vq, kv), f32, 1, 2), ("vec", "UB", "p", (rows, kv), dtype, 1, 1)]
-    if mask_spec is not None:
-        mdt, mr, mc = mask_spec
-        req.append(("vec", "UB", "mask", (vq if mr else 1, kv if mc else 1), mdt, 1, 2))
-    if drop:
-        req.append(("vec", "UB", "drop", (vq, kv // 8), "uint8", 1, 2))
-    req += [("vec", "UB", "pv", (rows, Dv), f32, 1, 1), ("vec", "UB", "o", (rows, Dv), f32, 1, 1),
-            ("vec", "UB", "out", (_out_rows(vq), Dv), dtype, 1, 2)]
-    req += [("vec", "UB", st, (rows,), f32, 2, 2) for st in ("m", "l", "alpha")]
-    if sink:
-        req.append(("vec", "UB", "sink", (SINK_TILE,), f32, 1, 1))
-    # Q sits in L0A for a whole item: one tile (coupled), or one per row block (split: S leaves per block)
-    q0 = [("cube", "L0A", "q0", (q, D), dtype, 1, 1)] if not split else \
-        [("cube", "L0A", "q0", (vq, D), dtype, q // vq, q // vq)]
-    req += [("cube", "L1", "q1", (q, D), dtype, 1, 1), ("cube", "L1", "kt1", (D, kv), dtype, 1, 2),
-            ("cube", "L1", "v1", (kv, Dv), dtype, 2, 2)]
-    req += q0 + [("cube", "L0A", "p0", (rows, kv), dtype, 1, 2)]
-    kt0, v0 = (D, kv), (kv, Dv)
-    if kt0 == v0:
-        req.append(("cube", "L0B", "b0", kt0, dtype, 1, 2))
-    else:
-        req += [("cube", "L0B", "kt0", kt0, dtype, 1, 2), ("cube", "L0B", "v0", v0, dtype, 1, 2)]
-    s0, o0 = ((vq, kv) if split else (q, kv)), (rows, Dv)
-    if s0 == o0:
-        req.append(("cube", "L0C", "c0", s0, f32, 2, 4))
-    else:
-        req += [("cube", "L0C", "s0", s0, f32, 1, 2), ("cube", "L0C", "o0", o0, f32, 1, 2)]
-    return req
-
-
-def _out_rows(vq: int) -> int:
-    """Rows of the output tile: the normalised O leaves in pieces of at most 64 rows (a small UB tile),
-    a divisor of ``vq`` (hence of the rows a vector core owns)."""
-    return next(d for d in range(min(vq, 64), 0, -1) if vq % d == 0)
-
-
 def _buffer_use(device, req, counts):
     used = {}
     for side, buf, name, shape, dt, _, _ in req:
