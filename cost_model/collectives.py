@@ -128,10 +128,15 @@ class LinkReplay:
         return self.add(elems, 0, ready)
 
     # --- the kernel's algorithms, per slice
-    def reduce_scatter(self, pieces, ranks, ready, algorithm):
+    def _slices(self, pieces, ranks, ready):
+        """``(p, me, S, sl)``: the ranks, this rank's place among them, the slices per piece (``ready``'s) and
+        ``sl[j][k]``, the elements of piece ``j``'s slice ``k``."""
         p, me = len(ranks), ranks.index(self.rank)
         S = len(ready[0])
-        sl = [[pieces[j] * (k + 1) // S - pieces[j] * k // S for k in range(S)] for j in range(p)]
+        return p, me, S, [[pieces[j] * (k + 1) // S - pieces[j] * k // S for k in range(S)] for j in range(p)]
+
+    def reduce_scatter(self, pieces, ranks, ready, algorithm):
+        p, me, S, sl = self._slices(pieces, ranks, ready)
         if algorithm == "ring":
             nxt, prv = ranks[(me + 1) % p], ranks[(me - 1) % p]
             for s in range(p - 1):
@@ -151,9 +156,7 @@ class LinkReplay:
                 ready[me][k] = self.add(sl[me][k], p - 1, max(arr, ready[me][k]))
 
     def all_gather(self, pieces, ranks, ready, algorithm):
-        p, me = len(ranks), ranks.index(self.rank)
-        S = len(ready[0])
-        sl = [[pieces[j] * (k + 1) // S - pieces[j] * k // S for k in range(S)] for j in range(p)]
+        p, me, S, sl = self._slices(pieces, ranks, ready)
         if algorithm == "ring":
             nxt, prv = ranks[(me + 1) % p], ranks[(me - 1) % p]
             for s in range(p - 1):
