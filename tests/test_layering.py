@@ -2,8 +2,8 @@
 
 * ``cost_model/`` predicts with numpy alone: it imports no torch, no simulator, no compiler.
 * The simulator (``autofuse/npu``) counts and never calls a cost formula: from ``cost_model`` it reads only
-  data shared by both sides (device and link profiles, the Vector program IR and its tile schedule), and
-  those modules import no formula module in turn.
+  data shared by both sides (device and link profiles, the Vector program IR and its tile schedule, the
+  kernels' tile geometry and dtype rules), and those modules import no formula module in turn.
 * ``patterns/`` uses torch, networkx and the compiler's graph and match types, never the simulator.
 * ``examples/`` use the public API.
 """
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# cost_model modules that hold data or the program IR, no cost formula
+# cost_model modules that hold data, the program IR or kernel geometry, no cost formula
 SHARED_DATA = {"cost_model.devices", "cost_model.links", "cost_model.program", "cost_model.lowering",
                "cost_model.conv_geometry", "cost_model.vecutil", "cost_model.grouped_matmul_tiling",
                "cost_model.attention_tiling"}
