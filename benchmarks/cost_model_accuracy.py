@@ -325,6 +325,14 @@ def _fa_cases(quick: bool):
     for i, (shape, mask, dt) in enumerate(_fa_masks(quick)):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {}, {"mask": mask}))
+    # causal with an additive mask per head (a learned bias read in the kept tiles only: T5's decoder under the skip)
+    biased = [((1, 12, 1024, 64), "float32")]
+    if not quick:
+        biased += [((2, 4, 130, 16), "float32"), ((2, 16, 2048, 128), "float32")]
+    for i, (shape, dt) in enumerate(biased):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": True},
+                            {"mask": ((1, shape[1], shape[2], shape[2]), dt)}))
     # dropout on the probabilities (a keep bit per score, FlashAttentionScore's drop_mask), and its generator
     drops = [((2, 4, 256, 64), True, "float16"), ((1, 2, 100, 64), False, "float32")]
     if not quick:
@@ -367,6 +375,13 @@ def _fa_cases(quick: bool):
     for i, (qs, ks, dt) in enumerate(bounds):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("score_bound", [(qs, dt), (ks, dt)], d))
+    # the bias bound launched with it before a causal skip over a learned bias plus a causal mask (T5's decoder)
+    biases = [((1, 8, 1024, 1024), "float32"), ((1, 4, 37, 37), "float32")]
+    if not quick:
+        biases += [((1, 12, 130, 130), "float16"), ((2, 16, 2048, 2048), "bfloat16")]
+    for i, (xs, dt) in enumerate(biases):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("bias_bound", [(xs, dt)], d))
     return out
 
 

@@ -729,6 +729,9 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         mshape = (1,) * (4 - len(mask[0])) + tuple(mask[0])
         mask_unique = math.prod(mshape) * msz
         reps = B * N / max(1, (mshape[0] if mshape[0] > 1 else 1) * (mshape[1] if mshape[1] > 1 else 1))
+        if (causal or window) and mshape[2] != 1 and mshape[3] != 1:
+            # a causal walk (or a window's band) loads the mask of its attended tiles only: the rest is never read
+            mask_unique *= _sweep_sums(Sq, Skv, qb, kvb, bool(causal), window)[0] / (Sq * Skv)
         mask_miss = mask_unique * (1 if mask_unique <= dev.l2_bytes // 2 else reps) / T
 
     def price(qe, ke, part, amortized=True, qc=None):

@@ -1,4 +1,5 @@
-"""The attention score bound (``autofuse/npu/kernels/score_bound.py``): max squared row norm of q and of k.
+"""The attention score bound (``autofuse/npu/kernels/score_bound.py``): max squared row norm of q and of k; and the
+bias bound (``bias_bound`` in the same kernel module): max |x| of an additive mask, the same passes over one tensor.
 
 The rows of q, then of k, are split evenly over the vector cores (as many cores as the longer tensor has
 rows), ``rows`` rows per task, through :func:`cost_model.stream.stream`. Per task: one load of the rows
@@ -68,4 +69,22 @@ def estimate_score_bound(dev, specs, tiling=None):
     return make("score_bound", dev, core, hbm, nbytes, busy, {"rows": R}, _roof(dev, specs), flops)
 
 
-__all__ = ["estimate_score_bound"]
+def _roof_bias(dev, specs, **_):
+    xs, dtype = specs[0]
+    return math.prod(xs) * itemsize(dtype) / dev.hbm_bytes_per_cycle
+
+
+@register("bias_bound", _roof_bias)
+def estimate_bias_bound(dev, specs, tiling=None):
+    """The bias bound: the rows of x (its last dim a row) through the score bound's schedule, one tensor (``abs``
+    for ``x*x`` and a reduce max for the reduce sum: the same pass counts)."""
+    xs, dtype = specs[0]
+    D = xs[-1]
+    rows = math.prod(xs[:-1])
+    n = max(1, min(dev.vector_cores, rows))
+    R = int(tiling["rows"]) if tiling else _rows(dev, dtype, D, ceil_div(rows, n))
+    core, hbm, nbytes, busy = _model(dev.name, dtype, rows, 0, D, R)
+    return make("bias_bound", dev, core, hbm, nbytes, busy, {"rows": R}, _roof_bias(dev, specs), 2.0 * rows * D)
+
+
+__all__ = ["estimate_bias_bound", "estimate_score_bound"]

@@ -83,7 +83,8 @@ def _cases():
           ("flash_attention", (q, k, v), {"return_probs": True, "mask": _rand(1, 1, 96, 160, seed=3)}),
           ("flash_attention", (_rand(1, 2, 130, 32, dtype=f32), _rand(1, 2, 130, 32, dtype=f32, seed=1),
                                _rand(1, 2, 130, 32, dtype=f32, seed=2)), {"causal": True}),
-          ("score_bound", (q, k), {}), ("score_bound", (_rand(3, 70, dtype=bf16), _rand(1, 5, 70, dtype=bf16)), {})]
+          ("score_bound", (q, k), {}), ("score_bound", (_rand(3, 70, dtype=bf16), _rand(1, 5, 70, dtype=bf16)), {}),
+          ("bias_bound", (_rand(1, 4, 130, 130, dtype=f32),), {}), ("bias_bound", (_rand(2, 96, 160),), {})]
     # dropout: the keep-mask generator (the host's draws as its bits) and attention reading the bits
     keep = np.random.default_rng(5).random((2, 4, 96, 160)) < 0.9
     c += [("dropout_gen_mask", (), {"shape": (2, 4, 96, 160), "keep_prob": 0.9, "draws": HostDraws(keep)}),

@@ -19,6 +19,9 @@ per core) is the caller's; on the chip it is an atomic-max store to one GM word 
 
 ``tiling``: ``{"rows": rows per tile}``; ``None`` picks the largest tile that fits UB, capped so each
 core has at least four tiles of each tensor.
+
+``bias_bound`` (below), the same passes over one tensor: ``npu.run("bias_bound", x) -> (partials,)``, fp32 [cores,
+8], per core max |x| over the elements of an additive mask (a learned bias added to a causal mask, T5's decoder).
 """
 from __future__ import annotations
 
@@ -122,4 +125,98 @@ def score_bound(launch, q, k, tiling=None):
     return (out,)
 
 
-__all__ = ["default_rows", "score_bound", "specs"]
+@kernel("bias_bound")
+def bias_bound(launch, x, tiling=None):
+    """The largest magnitude of an additive mask: ``max |x|`` over its elements, a bound on what it adds to a
+    score; ``(partials,)``, fp32 ``[cores, 8]``: per core, max |x| (repeated over one 32 B block).
+
+    The causal skip over a mask that is a learned bias plus a proven causal mask (T5's decoder: ``scores +
+    position_bias + causal_mask``) is exact only while the bias cannot offset the causal mask's masked value
+    (:func:`autofuse.ops.causal_bias_skip_is_exact`). The fused attention op launches this kernel (with
+    ``score_bound``) first, on the bias as it receives it, and skips only when both bounds prove it.
+
+    Schedule: the rows of ``x`` (its last dim a row), split evenly over the vector cores, ``rows`` rows per tile,
+    double-buffered. Per tile (fp16/bf16; fp32 skips the cast): cast -> fp32 | abs | reduce max per row | max into
+    a running per-row maximum (one small pass); after the last tile, one reduce max of the running maximum and a
+    32 B store of the core's value. The same passes as ``score_bound`` (``abs`` for ``x*x``, a reduce max for the
+    reduce sum) over one tensor, so the cost model shares that kernel's schedule. A NaN anywhere makes its core's
+    value NaN (``vmax`` propagates NaN, as numpy's ``maximum``), an inf inf: the bound then proves nothing.
+
+    ``tiling``: as ``score_bound``'s."""
+    check_dtype("bias_bound", "x", x, VEC_FLOATS)
+    if x.data.ndim < 1:
+        raise ValueError("bias_bound: x is 0-d; give the mask as it broadcasts (its last dim a row)")
+    dev, dtype = launch.device, x.dtype
+    D = x.shape[-1]
+    xv = view(x, (math.prod(x.shape[:-1]), D))
+    rows = xv.shape[0]
+    n = max(1, min(dev.vector_cores, rows))
+    out = launch.empty((n, BLOCK), F32, "partials")
+    if launch.values:
+        out.data[...] = 0.0
+    if rows == 0 or D == 0:
+        return (out,)
+    if tiling:
+        R = int(tiling.get("rows", 1))
+        if R < 1:
+            raise ValueError(f"bias_bound: tiling rows={R} must be positive")
+    else:
+        R = default_rows(dev, dtype, D, ceil_div(rows, n))
+    lowp = dtype != F32
+    g = launch.group("aiv", n)
+    dp = pad(D, "float16")
+    X = [g.alloc("UB", (R, dp), dtype, f"x{i}") for i in range(2)]
+    W = g.alloc("UB", (R, dp), F32, "w") if lowp else None
+    T = g.alloc("UB", (R, dp), F32, "abs")
+    rp = pad(R, F32)
+    S = g.alloc("UB", (rp,), F32, "rowmax")
+    M = g.alloc("UB", (rp,), F32, "runmax")
+    O = g.alloc("UB", (BLOCK,), F32, "out")
+    ctr = {"x": 0}
+
+    def load(items):
+        xb = X[ctr["x"] % 2]
+        ctr["x"] += 1
+        g.load(xb, xv, [None if it is None else (slice(it[0], it[0] + it[1]), slice(0, D)) for it in items],
+               active=active_mask(items), name="load x")
+        return xb
+
+    def work(items, first, last, xb):
+        act = active_mask(items)
+        re = extents(items, lambda it: it[1])
+        ew = g.repeats(re * dp, F32)
+        src = xb
+        if lowp:
+            g.vector("cast x->fp32", (W,), (xb,), ew, active=act, compute=lambda: np.copyto(W.data, xb.data))
+            src = W
+        g.vector("abs x", (T,), (src,), ew, active=act, compute=lambda: np.abs(src.data, out=T.data))
+
+        def rowmax():
+            s = T.data[:, :, :D].max(axis=2)                     # a NaN in the row stays NaN
+            s[np.arange(R)[None, :] >= re[:, None]] = 0.0        # rows past a core's extent: stale tile data
+            S.data[:, :R] = s
+        g.vector("reduce max", (S,), (T,), g.row_repeats(re, D, F32), active=act, compute=rowmax)
+        if first:
+            g.vector("copy", (M,), (S,), g.repeats(re, F32), active=act,
+                     compute=lambda: np.copyto(M.data[:, :R], S.data[:, :R]))
+        else:
+            g.vector("max acc", (M,), (M, S), g.repeats(re, F32), active=act,
+                     compute=lambda: np.maximum(M.data[:, :R], S.data[:, :R], out=M.data[:, :R]))
+        if last:
+            g.vector("reduce max", (O,), (M,), g.row_repeats(1, R, F32),
+                     compute=lambda: np.copyto(O.data, np.max(M.data[:, :R], axis=1)[:, None]))
+            g.store(O, out, [(c, slice(0, BLOCK)) for c in range(n)], name="store max")
+
+    def tasks():
+        blocks = split_blocks(rows, n, R)
+        steps = list(lockstep(blocks))
+        for s, items in enumerate(steps):
+            yield ((lambda items=items: load(items)),
+                   (lambda xb, items=items, s=s, ns=len(steps): work(items, s == 0, s == ns - 1, xb)))
+
+    with np.errstate(all="ignore"):
+        pipeline(tasks())
+    return (out,)
+
+
+__all__ = ["bias_bound", "default_rows", "score_bound", "specs"]
