@@ -93,7 +93,8 @@ def _as_bnsd(shape_):
 
 def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]:
     """The fused kernel's input specs (q, k, v as [B, N, S, D]) and parameters, as the rewrite calls it;
-    ``skip``: as it runs when a proven causal mask with a finite value is skipped (causal, the mask not read)."""
+    ``skip``: as it runs when a proven causal mask with a finite value is skipped (causal, the mask not read; with
+    ``params["causal_bias"]``, the bias added to that mask read in the kept tiles)."""
     p = match.params
     specs = [_spec(nodes[match.inputs[r]]) for r in ("q", "k", "v")]
     specs = [(_as_bnsd(s), d) for s, d in specs]
@@ -113,6 +114,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
         params["window"] = p["window"]
     if skip:
         params["causal"] = True
+        if p.get("causal_bias"):                    # the learned bias, read alone in the kept tiles
+            params["mask"] = _spec(nodes[match.inputs[p["causal_bias"]]])
     elif terms:
         role = terms[0][0]
         src = match.inputs[role]
@@ -190,8 +193,17 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
         return _attention_price(match, nodes, device, search_tiling, False)
     # a proven causal mask with a finite value: skipping the tiles above the diagonal (after the run-time score
     # bound that proves it exact) or reading the mask, whichever the cost model finds cheaper, per device
-    return _cheaper(lambda d, skip: _attention_price(match, nodes, d, search_tiling, skip), device, IMPLEMENTATIONS,
-                    "causal_skip")
+    if not match.params.get("causal_bias"):
+        return _cheaper(lambda d, skip: _attention_price(match, nodes, d, search_tiling, skip), device,
+                        IMPLEMENTATIONS, "causal_skip")
+    chosen = _cheaper(lambda d, skip: _attention_price(match, nodes, d, search_tiling, skip), device,
+                      BIAS_IMPLEMENTATIONS, "causal_skip")
+    if chosen.options.get("causal_skip") and search_tiling:
+        # where the bounds fail at run time the mask is read with the tiling the plan reading it would run, so that
+        # the fallback computes what the block computes without the skip, bit for bit
+        read = _attention_price(match, nodes, device, search_tiling, False)
+        chosen.options = {**chosen.options, "fallback_tiling": json.dumps(read.tiling, sort_keys=True)}
+    return chosen
 
 
 def _cheaper(price_on, device: str, names: dict, option: str) -> Price:
@@ -211,6 +223,7 @@ def _cheaper(price_on, device: str, names: dict, option: str) -> Price:
 
 
 IMPLEMENTATIONS = {True: "causal skip under a score bound", False: "mask read"}
+BIAS_IMPLEMENTATIONS = {True: "causal skip under score and bias bounds", False: "mask read"}
 GROUPING = {True: "a kv group's query heads in one work item", False: "one work item per query head"}
 
 
@@ -236,6 +249,8 @@ def _attention_price(match, nodes, device, search_tiling, skip, group: int = 0) 
         first.append(("dropout_gen_mask", keep_mask_price(draw[0], match.params["dropout_p"], device)))
     if skip:                            # the run-time score bound
         first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
+        if match.params.get("causal_bias"):         # and the run-time bias bound (max |bias|)
+            first.append(("bias_bound", cost_model.estimate("bias_bound", [params["mask"]], device=device)))
     if match.params.get("v_cast") is not None:      # v cast up to q's dtype (GPT-J's fp32 q and k, bf16 v)
         vs = _spec(nodes[match.inputs["v"]])
         first.append(("elementwise", cost_model.estimate("elementwise", [vs], device=device, op="cast",
@@ -286,6 +301,9 @@ def _mask(g, ins, m, rank: int):
     ``fill_last`` (the fill applied after the additive masks, and low enough to absorb any finite score added
     to it), the fill itself: ``where(keep, sum, fill)``."""
     keep, add = None, None
+    if m.params.get("causal_sum"):             # s + (b + C), C a proven causal mask adding ``fill``: b + C as eager
+        bias, tril = (ins[role] for role, _, _ in m.params["mask_terms"])
+        return call(g, aten.add.Tensor, bias, call(g, aten.where.Scalar, tril, 0.0, m.params["fill"]))
     for role, kind, factor in m.params["mask_terms"]:
         t = ins[role]
         if rank == 3 and len(shape(t)) == 3:
@@ -348,6 +366,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["fill"] = p["fill"]
     if p.get("causal_value") is not None and skip:
         kw["causal_value"] = p["causal_value"]
+        if p.get("causal_bias"):
+            kw["causal_bias"] = ins[p["causal_bias"]]
     if p.get("window") and (p["causal"] or kw.get("causal_value") is not None):
         kw["window"] = p["window"]              # a sliding window (with causal_value: the band the skip keeps)
     if p.get("empty_rows", "zero") != "zero":

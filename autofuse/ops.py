@@ -16,7 +16,9 @@ Every call's simulator statistics are appended to the active :func:`recording` l
 
 With ``causal_value`` (a proven causal mask whose masked entries take a finite value) the op launches two
 kernels: ``score_bound`` (the largest row norms of q and k) and then flash_attention, causal without the mask
-where the bound proves the skipped weights are exactly 0, with the mask otherwise.
+where the bound proves the skipped weights are exactly 0, with the mask otherwise. With ``causal_bias`` as well
+(the mask is a learned bias plus a proven causal mask, T5's decoder) a third, ``bias_bound`` (max |bias|), runs
+too, and the causal kernel reads the bias alone where both bounds prove it exact.
 
 With ``drop_mask`` (training-mode dropout on the probabilities) the op reads a keep-mask made by
 ``torch.ops.autofuse.dropout_gen_mask``, which draws it with torch's generator exactly as eager's dropout
@@ -98,7 +100,9 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      sinks: Optional[torch.Tensor] = None, window: int = 0,
                      mask_add_dtype: Optional[torch.dtype] = None,
                      head_scale_dtype: Optional[torch.dtype] = None,
-                     logits_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     logits_dtype: Optional[torch.dtype] = None,
+                     causal_bias: Optional[torch.Tensor] = None,
+                     fallback_tiling: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     heads = per_head_scale(scale_tensor, q.shape[1])
@@ -124,8 +128,17 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         b = run_kernel("score_bound", q, k, device=device)
         _record("score_bound", b.stats)
         bound_scale = scale_ if heads is None else scale_ * float(np.abs(heads).max())
-        if causal_skip_is_exact(b.outputs[0], bound_scale, causal_value, additive=mask.dtype != torch.bool,
-                                softcap=softcap):
+        if causal_bias is not None:
+            # the mask is ``causal_bias`` plus a proven causal mask adding ``causal_value`` (T5's decoder): bound the
+            # bias too, as the op receives it, and read it alone in the kept tiles where both bounds prove it exact
+            c = run_kernel("bias_bound", causal_bias.detach(), device=device)
+            _record("bias_bound", c.stats)
+            if causal_bias_skip_is_exact(b.outputs[0], bound_scale, causal_value, c.outputs[0]):
+                mask, kw["causal"] = causal_bias, True
+            else:                         # the mask read with the tiling the plan prices it with (as without the skip)
+                tiling_ = json.loads(fallback_tiling) if fallback_tiling else None
+        elif causal_skip_is_exact(b.outputs[0], bound_scale, causal_value, additive=mask.dtype != torch.bool,
+                                  softcap=softcap):
             mask, kw["causal"] = None, True
         else:
             tiling_ = None                # the plan's tiling is the causal kernel's; the mask's may differ
@@ -175,6 +188,37 @@ def causal_skip_is_exact(partials, scale: float, value: float, additive: bool, s
     if softcap is not None and math.isfinite(a):
         a = min(a, float(softcap))
     return bool(value + (2 * a if additive else a) <= -SKIP_MARGIN)
+
+
+def causal_bias_skip_is_exact(partials, scale: float, value: float, bias_partials) -> bool:
+    """Whether skipping the keys above the diagonal and reading only the bias ``b`` in the kept tiles equals reading
+    the whole mask ``b + C``, where ``C`` is a proven causal mask adding the absorbing ``value`` v (at most
+    ``-1e30``: transformers' fp32 ``finfo.min``) above the diagonal and 0 on and below it, every term fp32.
+
+    Kept entries: ``C`` adds 0 and ``fl(b + 0) == b`` (up to the sign of a zero, which no later ``s + ·`` and
+    ``exp`` tells apart), so the kept scores are ``s + b`` whether the mask or the bias is read. Skipped entries:
+    eager computes ``x = fl(s + fl(b + v))`` or ``x = fl(fl(s + b) + v)`` (either add order); they weigh
+    ``exp(x - m_i)``, which must be exactly 0 in fp32. Let ``A >= |scale·q_i·k_j|`` (the ``score_bound``, as in
+    :func:`causal_skip_is_exact`) and ``Bb >= max|b|`` (``bias_partials``: the ``bias_bound`` kernel's per-core
+    maxima of ``|b|`` over the elements of the bias the op receives). With ``ε = 2^-24`` (round to nearest:
+    ``|fl(y) - y| <= ε|y|``, and rounding is monotone) and ``v + 2(A + Bb) < 0``, the sums with v are negative,
+    each rounding moves them up by at most ε of their size, and in either order ``x <= (1 - 2ε)v + A + Bb`` (a
+    negative overflow gives ``-inf``, smaller still). Each row keeps its diagonal key, so ``m_i >= fl(s_ii + b_ii)
+    >= -(1 + ε)(A + Bb)``. Hence ``x - m_i <= (1 - 2ε)v + (2 + ε)(A + Bb)``, and ``exp`` of its fp32 rounding is 0
+    when that is at most ``-SKIP_MARGIN`` (fp32 ``exp`` is 0 below -103.97). The check takes
+    ``v·(1 - 1e-3) + 2(A + Bb)(1 + 1e-3) <= -SKIP_MARGIN``, which implies it. Since the skipped weights are exactly
+    0, the row max is taken at a kept key and the row sum adds exact zeros: the kernel's causal pass over ``b``
+    gives what its full pass over ``b + C`` gives, bit for bit (same tiling), and eager's values as that does.
+    A NaN or inf in q, k or the bias makes a bound NaN or inf and the check fail: the mask is then read."""
+    a = _score_abs_bound(partials, scale)
+    bb = float(np.asarray(bias_partials, dtype=np.float64).max()) * (1 + 1e-3)
+    return bool(value * (1 - 1e-3) + 2 * (a + bb) <= -SKIP_MARGIN)
+
+
+def _score_abs_bound(partials, scale: float) -> float:
+    """``|scale|·max|q|·max|k|``, widened by 1e-3 for the fp32 rounding of the scores and of the norms."""
+    mq, mk = np.asarray(partials, dtype=np.float64)[:, :, 0].max(axis=0)
+    return abs(float(scale)) * math.sqrt(mq) * math.sqrt(mk) * (1 + 1e-3)
 
 
 def _fill(fill):
@@ -299,7 +343,7 @@ def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
       drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-      head_scale_dtype=None, logits_dtype=None):
+      head_scale_dtype=None, logits_dtype=None, causal_bias=None, fallback_tiling=""):
     out = empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -308,7 +352,7 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype = inputs
+        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype, _, _ = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
@@ -348,7 +392,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
             ctx.window, ctx.add_dtype)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
-        return tuple(res) + (None,) * 16 + (gsink, None, None, None, None)
+        return tuple(res) + (None,) * 16 + (gsink,) + (None,) * 6
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -374,7 +418,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gs = next(got) if (st is not None and st.requires_grad) else None
     gk = next(got) if (sk is not None and sk.requires_grad) else None
     return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
-        (None if gk is None else gk.to(sinks.dtype), None, None, None, None)
+        (None if gk is None else gk.to(sinks.dtype),) + (None,) * 6
 
 
 def _sinks_grad(sinks, n, m, lsum, go, out):
@@ -396,7 +440,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
                     dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-                    head_scale_dtype=None, logits_dtype=None):
+                    head_scale_dtype=None, logits_dtype=None, causal_bias=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -422,7 +466,12 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     ``head_scale_dtype`` (a 16-bit dtype) then rounds the scores before that product and the product after it, as
     eager's product of 16-bit scores and a 16-bit factor does (its backward runs on the host). ``logits_dtype`` (q's
     16-bit dtype): the scores rounded to it as eager's matmul returns them, and the scaled, masked logits rounded to it
-    once before the softmax, as Falcon's ALiBi path casts them (its backward runs on the host). Returns ``out`` or,
+    once before the softmax, as Falcon's ALiBi path casts them (its backward runs on the host). ``causal_bias`` (with
+    ``causal_value``, fp32): ``mask`` is this bias plus a proven causal mask adding the absorbing ``causal_value``
+    (T5's decoder: a learned relative position bias and transformers' causal mask); kernel ``bias_bound`` bounds
+    the bias at call time and, where that and the score bound prove it exact, the causal kernel reads the bias
+    alone in the kept tiles (:func:`causal_bias_skip_is_exact`), otherwise ``mask`` is read (with the tiling
+    ``fallback_tiling``, JSON, when given: the one a plan reading the mask would run). Returns ``out`` or,
     with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -438,7 +487,7 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         sinks=sinks, window=int(window),
                                                         mask_add_dtype=mask_add_dtype,
                                                         head_scale_dtype=head_scale_dtype,
-                                                        logits_dtype=logits_dtype)
+                                                        logits_dtype=logits_dtype, causal_bias=causal_bias)
     return (out, probs) if return_probs else out
 
 

@@ -15,6 +15,13 @@ masked entries take a *finite* value (``masked_fill(~tril,
 finfo(float16).min)``, GPT-2's additive ``finfo.min`` mask) stays the explicit mask it is, and
 ``params["causal_value"]`` records that value: the fused op skips the tiles above the diagonal only when
 a bound on the scores, computed at run time, proves every skipped weight ``exp(value + s - max)`` is 0.
+A proven causal mask added to a bias that is not a proven mask (T5's decoder self-attention: ``s + position_bias +
+causal_mask``, or ``s + (bias + causal_mask)``, either order; fp32, the masked value absorbing, ``finfo.min``) is read
+as before (``where(tril, bias, -inf)``; the sum as ``bias + where(tril, 0, value)``, ``params["causal_sum"]``, which
+is eager's sum entry for entry), and ``params["causal_value"]`` with ``params["causal_bias"]`` (the role of the bias
+input) let the fused op run the causal kernel reading the bias alone in the kept tiles, where run-time bounds on the
+scores and on the bias (``score_bound``, ``bias_bound``) prove it exact
+(:func:`autofuse.ops.causal_bias_skip_is_exact`).
 Additive masks added *before* a ``masked_fill`` whose fill absorbs any score (fp32 ``finfo.min``: MPT's ALiBi
 bias, then its causal fill) are one additive mask ``where(keep, sum, fill)`` (``params["fill_last"]``).
 ``params["mask_add_dtype"]``: the 16-bit dtype eager adds the additive mask in (scores and mask of that dtype), which
@@ -659,10 +666,74 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
         dtype=val(q).dtype, q_shape=qs, k_shape=ks, v_shape=shape(v), out_shape=shape(anchor),
         guards=tuple(guards), out_like=val(anchor), probs_like=val(probs) if probs is not None else None,
     )
+    if not causal and guarded is None and not fill_last and softcap is None and not sinks:
+        found = _causal_bias(masks, adds, terms, inputs, q, qs, ks, guards)
+        if found is not None:
+            bias, value, summed = found
+            if summed:
+                # s + (b + C): the block reads b and builds b + C itself (C's entries 0 and v, proven), as eager adds
+                # them (fl(b + c) == fl(c + b)), so the values stay the user's sum however b is checked or changed
+                for r in [r for r in inputs if r.startswith("mask")]:
+                    del inputs[r]
+                inputs["mask"], inputs["mask_1"] = bias.name, _constant_causal(anchor, qs[-2], ks[-2])
+                params.update(mask_terms=(("mask", "additive", 1.0), ("mask_1", "bool", 1.0)), fill=float(value),
+                              causal_sum=True)
+            role = next(r for r in inputs if r.startswith("mask") and inputs[r] == bias.name)
+            params.update(causal_value=float(value), causal_bias=role, guards=tuple(guards))
     outputs = {"out": anchor.name}
     if probs is not None:
         outputs["probs"] = probs.name
     return Match("attention", tuple(order), anchor.name, inputs, params, outputs)
+
+
+def _causal_bias(masks, adds, terms, inputs, q, qs, ks, guards) -> tuple | None:
+    """``(b, v, summed)`` when the additive mask reaching the scores is a bias ``b`` plus a proven causal mask ``C``
+    whose masked entries add the absorbing value ``v`` (``-inf < v <= ABSORBING_FILL``: transformers' fp32
+    ``finfo.min``), all fp32 and rank 4: ``s + b + C`` (T5's decoder: two adds, either order) or ``s + (b + C)``
+    (``summed``: the sum one mask, either order). Without the sum the block reads its mask as it does without
+    this (``where(tril, b, -inf)``, the fallback); the fused op may instead run the causal kernel reading ``b``
+    alone in the kept tiles, where run-time bounds on the scores and on ``b`` prove it exact
+    (:func:`autofuse.ops.causal_bias_skip_is_exact`). ``b`` is not proven or baked in (weights, inputs,
+    anything): it is bounded when the op runs. A causal window's band is left as it is read today (its mask is
+    the user's, an input a check may vary apart from the bias). Else None."""
+    if val(q).dtype != torch.float32 or len(qs) != 4:
+        return None
+    if any(dt != torch.float32 for _, dt in adds):
+        return None
+    additive = [(m, f) for m, kind, f, _ in masks if kind == "additive"]
+    if len(additive) != len(masks) or any(f != 1.0 or not isinstance(m, fx.Node) for m, f in additive):
+        return None
+    if len(additive) == 2:
+        pair, summed = [m for m, _ in additive], None
+    elif len(additive) == 1 and is_call(additive[0][0], aten.add.Tensor) and not additive[0][0].kwargs \
+            and all(isinstance(a, fx.Node) for a in additive[0][0].args):
+        summed = additive[0][0]
+        pair = list(summed.args)
+        if val(summed).dtype != torch.float32:
+            return None
+    else:
+        return None
+    found = []
+    for c, b in (pair, pair[::-1]):
+        if val(c).dtype != torch.float32 or val(b).dtype != torch.float32 or len(shape(b)) != 4:
+            continue
+        trial: list = []
+        proven, value, width = prove_mask(c, "additive", 1.0, qs[-2], ks[-2], trial)
+        if proven != "causal" or value is None or not -math.inf < value <= ABSORBING_FILL:
+            continue
+        if prove_mask(b, "additive", 1.0, qs[-2], ks[-2], [])[0] is not None:
+            continue                    # a constant bias that is itself a mask: the proofs say what it is
+        found.append((b, value, trial))
+    if len(found) != 1:
+        return None
+    b, value, trial = found[0]
+    if summed is None:
+        # the walk's reading: b, then the proven causal mask as the constant tril with fill v
+        if [(m, kind) for m, kind, _, _ in terms] != [(b, "additive"), (terms[-1][0], "bool")] or \
+                not isinstance(terms[-1][0], str):
+            return None
+    guards.extend(r for r in trial if r not in guards)
+    return b, value, summed is not None
 
 
 def _mask_add_dtype(terms, adds) -> torch.dtype | None:
