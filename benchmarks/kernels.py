@@ -12,6 +12,9 @@ torch's CPU wall time for the same computation in fp32 (same process; warm-up, t
                      B=8, N=12, S=1024, D=64 fp16, every device, next to the forward: timing only
     sliding window   Mistral-7B v0.1's (S=8192, window 4096) and a GPT-OSS-120B local layer's (S=4096, window
                      128) forward and backward on the 910: the band read as a mask, causal, the window
+    learned bias + causal mask  T5-base-shaped decoder self-attention (N=12, D=64, fp32) at 1024-4096 tokens on
+                     the 910: the mask read by the full kernel against the causal skip (score_bound + bias_bound +
+                     the causal kernel reading the bias), timing only; ``--bias-causal`` runs this part alone
 
 FlashAttention FLOPs: 4·B·N·Sq·Skv·D (Q·Kᵀ and P·V; causal would count attended scores only).
 
@@ -240,12 +243,39 @@ def bench_fa_window(rows=WINDOWS, device="ascend910"):
               f"vs causal: forward {cf / wf:.2f}x, backward {cb / wb:.2f}x")
 
 
+BIAS_CAUSAL = [(1, 1024), (1, 2048), (4, 2048), (1, 4096)]      # (B, S) at T5-base's N=12, D=64
+
+
+def bench_bias_causal(rows=BIAS_CAUSAL, N=12, D=64, device="ascend910"):
+    """T5's decoder self-attention, ``scores + position_bias + causal_mask`` in fp32: the mask read by the full
+    kernel (the bias and the causal mask, one [1, N, S, S] additive mask) against the causal skip the fused op runs
+    where its run-time bounds hold (``score_bound`` on q and k, ``bias_bound`` on the bias, then the causal kernel
+    reading the bias in the kept tiles), timing only."""
+    print(f"  learned bias + causal mask (T5-base decoder self-attention, N{N} D{D} fp32), {device} "
+          f"(cycles; timing only):")
+    for B, S in rows:
+        q = np.zeros((B, N, S, D), np.float32)
+        bias = np.zeros((1, N, S, S), np.float32)
+        read = npu.run("flash_attention", q, q, q, mask=bias, device=device, timing_only=True).stats
+        parts = [npu.run("score_bound", q, q, device=device, timing_only=True).stats,
+                 npu.run("bias_bound", bias, device=device, timing_only=True).stats,
+                 npu.run("flash_attention", q, q, q, mask=bias, causal=True, device=device, timing_only=True).stats]
+        skip = sum(p.cycles for p in parts)
+        print(f"    B{B} S{S}: mask read {read.cycles:>12,}  skip {skip:>12,} (bounds {parts[0].cycles:,} + "
+              f"{parts[1].cycles:,}, causal kernel {parts[2].cycles:,})  {read.cycles / skip:.2f}x; attention "
+              f"kernel alone {read.cycles / parts[2].cycles:.2f}x")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a fast subset")
     ap.add_argument("--repeat", type=int, default=3, help="timed calls after one warm-up (best is kept)")
     ap.add_argument("--blas-threads", default="1", help="numpy's OpenBLAS threads: a number or 'default'")
+    ap.add_argument("--bias-causal", action="store_true", help="only the learned bias + causal mask comparison")
     a = ap.parse_args()
+    if a.bias_causal:
+        bench_bias_causal()
+        return
     t0 = time.perf_counter()
     used = set_blas_threads(a.blas_threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; numpy {np.__version__}, OpenBLAS "
@@ -260,6 +290,8 @@ def main():
     bench_fa_backward()
     print()
     bench_fa_window(WINDOWS[1:] if a.quick else WINDOWS)
+    print()
+    bench_bias_causal(BIAS_CAUSAL[1:2] if a.quick else BIAS_CAUSAL)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 
