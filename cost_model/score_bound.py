@@ -82,7 +82,7 @@ def estimate_bias_bound(dev, specs, tiling=None):
     D = xs[-1]
     rows = math.prod(xs[:-1])
     n = max(1, min(dev.vector_cores, rows))
-    R = int(tiling["rows"]) if tiling else _rows(dev, dtype, D, ceil_div(rows, n))
+    R = int(tiling["rows"]) if tiling else score_bound_rows(dev, dtype, D, ceil_div(rows, n))
     core, hbm, nbytes, busy = _model(dev.name, dtype, rows, 0, D, R)
     return make("bias_bound", dev, core, hbm, nbytes, busy, {"rows": R}, _roof_bias(dev, specs), 2.0 * rows * D)
 
