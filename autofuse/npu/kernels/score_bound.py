@@ -50,79 +50,8 @@ def score_bound(launch, q, k, tiling=None):
     if k.shape[-1] != D or k.dtype != q.dtype:
         raise ValueError(f"score_bound: q is [..., {D}] {q.dtype}, k is [..., {k.shape[-1]}] {k.dtype}; "
                          f"they must share the last dim and dtype")
-    dev, dtype = launch.device, q.dtype
     tensors = [view(t, (math.prod(t.shape[:-1]), D)) for t in (q, k)]
-    rows = max(t.shape[0] for t in tensors)
-    n = max(1, min(dev.vector_cores, rows))
-    out = launch.empty((n, 2, BLOCK), F32, "partials")
-    if launch.values:
-        out.data[...] = 0.0
-    if rows == 0 or D == 0:
-        return (out,)
-    if tiling:
-        R = int(tiling.get("rows", 1))
-        if R < 1:
-            raise ValueError(f"score_bound: tiling rows={R} must be positive")
-    else:
-        R = default_rows(dev, dtype, D, ceil_div(rows, n))
-    lowp = dtype != F32
-    g = launch.group("aiv", n)
-    dp = pad(D, "float16")
-    X = [g.alloc("UB", (R, dp), dtype, f"x{i}") for i in range(2)]
-    W = g.alloc("UB", (R, dp), F32, "w") if lowp else None
-    T = g.alloc("UB", (R, dp), F32, "sq")
-    rp = pad(R, F32)
-    S = g.alloc("UB", (rp,), F32, "rowsum")
-    M = g.alloc("UB", (rp,), F32, "runmax")
-    O = g.alloc("UB", (BLOCK,), F32, "out")
-    ctr = {"x": 0}
-
-    def load(xv, items):
-        xb = X[ctr["x"] % 2]
-        ctr["x"] += 1
-        g.load(xb, xv, [None if it is None else (slice(it[0], it[0] + it[1]), slice(0, D)) for it in items],
-               active=active_mask(items), name="load x")
-        return xb
-
-    def work(col, items, first, last, xb):
-        act = active_mask(items)
-        re = extents(items, lambda it: it[1])
-        ew = g.repeats(re * dp, F32)
-        src = xb
-        if lowp:
-            g.vector("cast x->fp32", (W,), (xb,), ew, active=act, compute=lambda: np.copyto(W.data, xb.data))
-            src = W
-        g.vector("mul x*x", (T,), (src,), ew, active=act,
-                 compute=lambda: np.multiply(src.data, src.data, out=T.data))
-
-        def rowsum():
-            s = T.data[:, :, :D].sum(axis=2)
-            s[np.arange(R)[None, :] >= re[:, None]] = 0.0        # rows past a core's extent: stale tile data
-            S.data[:, :R] = s
-        g.vector("reduce sum", (S,), (T,), g.row_repeats(re, D, F32), active=act, compute=rowsum)
-        if first:
-            g.vector("copy", (M,), (S,), g.repeats(re, F32), active=act,
-                     compute=lambda: np.copyto(M.data[:, :R], S.data[:, :R]))
-        else:
-            # vmax propagates NaN, as numpy's maximum does: a NaN row keeps the bound NaN
-            g.vector("max acc", (M,), (M, S), g.repeats(re, F32), active=act,
-                     compute=lambda: np.maximum(M.data[:, :R], S.data[:, :R], out=M.data[:, :R]))
-        if last:
-            g.vector("reduce max", (O,), (M,), g.row_repeats(1, R, F32),
-                     compute=lambda: np.copyto(O.data, np.max(M.data[:, :R], axis=1)[:, None]))
-            g.store(O, out, [(c, col, slice(0, BLOCK)) for c in range(n)], name="store max")
-
-    def tasks():
-        for col, xv in enumerate(tensors):
-            blocks = split_blocks(xv.shape[0], n, R)
-            steps = list(lockstep(blocks))
-            for s, items in enumerate(steps):
-                yield ((lambda xv=xv, items=items: load(xv, items)),
-                       (lambda xb, col=col, items=items, s=s, ns=len(steps): work(col, items, s == 0, s == ns - 1, xb)))
-
-    with np.errstate(all="ignore"):
-        pipeline(tasks())
-    return (out,)
+    return _row_bound(launch, "score_bound", tensors, q.dtype, tiling, square=True)
 
 
 @kernel("bias_bound")
@@ -146,12 +75,19 @@ def bias_bound(launch, x, tiling=None):
     check_dtype("bias_bound", "x", x, VEC_FLOATS)
     if x.data.ndim < 1:
         raise ValueError("bias_bound: x is 0-d; give the mask as it broadcasts (its last dim a row)")
-    dev, dtype = launch.device, x.dtype
     D = x.shape[-1]
-    xv = view(x, (math.prod(x.shape[:-1]), D))
-    rows = xv.shape[0]
+    return _row_bound(launch, "bias_bound", [view(x, (math.prod(x.shape[:-1]), D))], x.dtype, tiling, square=False)
+
+
+def _row_bound(launch, kernel, tensors, dtype, tiling, square):
+    """The two bounds' one schedule over 2-D views ``tensors`` (rows of ``D``): per row ``sum(x*x)`` (``square``)
+    or ``max |x|``, a running max per core and tensor, and per core one 32 B store per tensor: ``(partials,)``,
+    fp32 ``[cores, len(tensors), 8]`` (``[cores, 8]`` for one tensor, ``bias_bound``'s)."""
+    dev, D = launch.device, tensors[0].shape[1]
+    rows = max(t.shape[0] for t in tensors)
     n = max(1, min(dev.vector_cores, rows))
-    out = launch.empty((n, BLOCK), F32, "partials")
+    one = not square                    # bias_bound's one tensor: [cores, 8]
+    out = launch.empty((n, BLOCK) if one else (n, len(tensors), BLOCK), F32, "partials")
     if launch.values:
         out.data[...] = 0.0
     if rows == 0 or D == 0:
@@ -159,7 +95,7 @@ def bias_bound(launch, x, tiling=None):
     if tiling:
         R = int(tiling.get("rows", 1))
         if R < 1:
-            raise ValueError(f"bias_bound: tiling rows={R} must be positive")
+            raise ValueError(f"{kernel}: tiling rows={R} must be positive")
     else:
         R = default_rows(dev, dtype, D, ceil_div(rows, n))
     lowp = dtype != F32
@@ -167,21 +103,21 @@ def bias_bound(launch, x, tiling=None):
     dp = pad(D, "float16")
     X = [g.alloc("UB", (R, dp), dtype, f"x{i}") for i in range(2)]
     W = g.alloc("UB", (R, dp), F32, "w") if lowp else None
-    T = g.alloc("UB", (R, dp), F32, "abs")
+    T = g.alloc("UB", (R, dp), F32, "sq" if square else "abs")
     rp = pad(R, F32)
-    S = g.alloc("UB", (rp,), F32, "rowmax")
+    S = g.alloc("UB", (rp,), F32, "rowsum" if square else "rowmax")
     M = g.alloc("UB", (rp,), F32, "runmax")
     O = g.alloc("UB", (BLOCK,), F32, "out")
     ctr = {"x": 0}
 
-    def load(items):
+    def load(xv, items):
         xb = X[ctr["x"] % 2]
         ctr["x"] += 1
         g.load(xb, xv, [None if it is None else (slice(it[0], it[0] + it[1]), slice(0, D)) for it in items],
                active=active_mask(items), name="load x")
         return xb
 
-    def work(items, first, last, xb):
+    def work(col, items, first, last, xb):
         act = active_mask(items)
         re = extents(items, lambda it: it[1])
         ew = g.repeats(re * dp, F32)
@@ -189,30 +125,40 @@ def bias_bound(launch, x, tiling=None):
         if lowp:
             g.vector("cast x->fp32", (W,), (xb,), ew, active=act, compute=lambda: np.copyto(W.data, xb.data))
             src = W
-        g.vector("abs x", (T,), (src,), ew, active=act, compute=lambda: np.abs(src.data, out=T.data))
+        if square:
+            g.vector("mul x*x", (T,), (src,), ew, active=act,
+                     compute=lambda: np.multiply(src.data, src.data, out=T.data))
+        else:
+            g.vector("abs x", (T,), (src,), ew, active=act, compute=lambda: np.abs(src.data, out=T.data))
 
-        def rowmax():
-            s = T.data[:, :, :D].max(axis=2)                     # a NaN in the row stays NaN
+        def per_row():
+            x = T.data[:, :, :D]
+            s = x.sum(axis=2) if square else x.max(axis=2)      # a NaN in the row stays NaN
             s[np.arange(R)[None, :] >= re[:, None]] = 0.0        # rows past a core's extent: stale tile data
             S.data[:, :R] = s
-        g.vector("reduce max", (S,), (T,), g.row_repeats(re, D, F32), active=act, compute=rowmax)
+        g.vector("reduce sum" if square else "reduce max", (S,), (T,), g.row_repeats(re, D, F32), active=act,
+                 compute=per_row)
         if first:
             g.vector("copy", (M,), (S,), g.repeats(re, F32), active=act,
                      compute=lambda: np.copyto(M.data[:, :R], S.data[:, :R]))
         else:
+            # vmax propagates NaN, as numpy's maximum does: a NaN row keeps the bound NaN
             g.vector("max acc", (M,), (M, S), g.repeats(re, F32), active=act,
                      compute=lambda: np.maximum(M.data[:, :R], S.data[:, :R], out=M.data[:, :R]))
         if last:
             g.vector("reduce max", (O,), (M,), g.row_repeats(1, R, F32),
                      compute=lambda: np.copyto(O.data, np.max(M.data[:, :R], axis=1)[:, None]))
-            g.store(O, out, [(c, slice(0, BLOCK)) for c in range(n)], name="store max")
+            where = [(c, slice(0, BLOCK)) if one else (c, col, slice(0, BLOCK)) for c in range(n)]
+            g.store(O, out, where, name="store max")
 
     def tasks():
-        blocks = split_blocks(rows, n, R)
-        steps = list(lockstep(blocks))
-        for s, items in enumerate(steps):
-            yield ((lambda items=items: load(items)),
-                   (lambda xb, items=items, s=s, ns=len(steps): work(items, s == 0, s == ns - 1, xb)))
+        for col, xv in enumerate(tensors):
+            blocks = split_blocks(xv.shape[0], n, R)
+            steps = list(lockstep(blocks))
+            for s, items in enumerate(steps):
+                yield ((lambda xv=xv, items=items: load(xv, items)),
+                       (lambda xb, col=col, items=items, s=s, ns=len(steps): work(col, items, s == 0, s == ns - 1,
+                                                                                   xb)))
 
     with np.errstate(all="ignore"):
         pipeline(tasks())
