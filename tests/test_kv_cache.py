@@ -212,7 +212,7 @@ def test_generate_builds_the_inputs_eager_builds_from_the_forwards_signature():
     """generate() reads the forward's parameter names to decide what it builds: an attention mask from
     pad_token_id when none is given, position_ids from the mask (GPT-2's absolute positions under left padding),
     logits_to_keep. The fused steps are called with what eager's are."""
-    model = _model(pad_token_id=0)
+    model = _model(layers=1, pad_token_id=0)      # one layer: the point is what generate() builds, not the cache
     ids = torch.randint(3, 128, (2, 6))
     ids[0, :3] = 0                              # left padding, no mask given: generate makes one from the pads
     _scores_as_eager(model, AutoFusionEngine.fuse(model), ids, max_new_tokens=3, do_sample=False)
