@@ -228,16 +228,19 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
                 return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
         else:
             expect = model.generate(prompt, **settings)
-        before, served = len(fused.plans), fused._sizes.served
+        # the plans generate() made, by key: a plan whose guards fail (eager's generate() may set an attribute on
+        # the model) is dropped when the next one is made, so the count of plans would undercount
+        before, served = set(fused.plans), fused._sizes.served
         same = torch.equal(fused.generate(prompt, **settings), expect)
         served = fused._sizes.served - served
+        made = [key for key in fused.plans if key not in before]
     # the steps generate() fed one new token (its KV cache holding the rest): a long [batch, 1] input
     one = sum(any(x[0] == "T" and x[2] == torch.long and len(x[1]) == 2 and x[1][1] == 1 for x in key[0][1])
-              for key in list(fused.plans)[before:])
+              for key in made)
     err = (got.logits - want.logits).abs().max().item()
     attention = min(sum(d.applied and d.pattern == "attention" for d in p.report.decisions)
                     for p in fused.plans.values())
-    return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(fused.plans) - before, one=one,
+    return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(made), one=one,
                 served=served, attention=attention, seconds=time.perf_counter() - t0)
 
 
