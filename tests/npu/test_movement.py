@@ -49,7 +49,7 @@ def test_permute_transpose_tiles_and_size_one_dims():
     _same(npu.run("permute", x).outputs[0], x.permute(3, 2, 1, 0).contiguous())     # dims=None reverses
 
 
-def testcoalesce_perm():
+def test_coalesce_perm():
     assert coalesce_perm((2, 3, 4, 5), (0, 1, 3, 2)) == ([6, 4, 5], [0, 2, 1])
     assert coalesce_perm((2, 3, 4, 5), (2, 3, 0, 1)) == ([6, 20], [1, 0])
     assert coalesce_perm((2, 1, 4), (1, 0, 2)) == ([2, 4], [0, 1])
