@@ -203,6 +203,14 @@ def add_in_dtype(x: np.ndarray, m: np.ndarray, dtype: str, tmp: np.ndarray, tmp2
         round_to(tmp2, dtype, x, tmp)
 
 
+def round_in_place(x: np.ndarray, dtype: str, tmp: np.ndarray, tmp2: np.ndarray) -> None:
+    """``x`` rounded to ``dtype`` in place, as :func:`round_to` rounds it (a cast down and back up). ``tmp``,
+    ``tmp2``: numpy scratch of x's shape (the hardware casts in place)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        round_to(x, dtype, tmp2, tmp)
+    np.copyto(x, tmp2)
+
+
 # ------------------------------------------------------------------------------------------ tiling
 def _buffer_use(device, req, counts):
     used = {}
@@ -1018,9 +1026,7 @@ class _Program:
         def scale_and_mask(cs):
             x = S.data[cs]
             if self.logits_round is not None:       # eager's 16-bit scores, as its matmul returns them
-                with np.errstate(over="ignore", invalid="ignore"):
-                    round_to(x, self.logits_round, self.tmp2[cs], tmp[cs])
-                np.copyto(x, self.tmp2[cs])
+                round_in_place(x, self.logits_round, tmp[cs], self.tmp2[cs])
             np.multiply(x, self.scale, out=x)
             if self.head_scale is not None:         # each core's head's own factor, after the scale
                 hs = np.asarray(self.head_scale.data, dtype=np.float32)[v["h"][cs]].reshape(-1, *(1,) * (x.ndim - 1))
@@ -1046,9 +1052,7 @@ class _Program:
                 else:
                     np.add(x, mt.data[cs], out=x)
             if self.logits_round is not None:       # the logits cast down once before the softmax, as eager's
-                with np.errstate(over="ignore", invalid="ignore"):
-                    round_to(x, self.logits_round, self.tmp2[cs], tmp[cs])
-                np.copyto(x, self.tmp2[cs])
+                round_in_place(x, self.logits_round, tmp[cs], self.tmp2[cs])
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,
                 np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])  # which may fill
             mask_outside_band(x, (vq0 + ro)[cs], vk0[cs], self.rowi, self.col, partial, window)
