@@ -183,8 +183,7 @@ def causal_skip_is_exact(partials, scale: float, value: float, additive: bool, s
     kernel's per-core squared norms) that holds when ``value + A`` (bool) or ``value + 2A`` (additive) is
     at most ``-SKIP_MARGIN``. A NaN or inf anywhere in q or k makes the bound fail: the mask is then read.
     Soft-capped scores (``softcap · tanh(s / softcap)``) are bounded by ``min(A, softcap)``."""
-    mq, mk = np.asarray(partials, dtype=np.float64)[:, :, 0].max(axis=0)
-    a = abs(float(scale)) * math.sqrt(mq) * math.sqrt(mk) * (1 + 1e-3)       # NaN or inf stays: the test fails
+    a = _score_abs_bound(partials, scale)                # NaN or inf stays: the test fails
     if softcap is not None and math.isfinite(a):
         a = min(a, float(softcap))
     return bool(value + (2 * a if additive else a) <= -SKIP_MARGIN)
