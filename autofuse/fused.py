@@ -193,15 +193,18 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
         return _attention_price(match, nodes, device, search_tiling, False)
     # a proven causal mask with a finite value: skipping the tiles above the diagonal (after the run-time score
     # bound that proves it exact) or reading the mask, whichever the cost model finds cheaper, per device
-    if not match.params.get("causal_bias"):
-        return _cheaper(lambda d, skip: _attention_price(match, nodes, d, search_tiling, skip), device,
-                        IMPLEMENTATIONS, "causal_skip")
-    chosen = _cheaper(lambda d, skip: _attention_price(match, nodes, d, search_tiling, skip), device,
-                      BIAS_IMPLEMENTATIONS, "causal_skip")
-    if chosen.options.get("causal_skip") and search_tiling:
-        # where the bounds fail at run time the mask is read with the tiling the plan reading it would run, so that
-        # the fallback computes what the block computes without the skip, bit for bit
-        read = _attention_price(match, nodes, device, search_tiling, False)
+    bias = bool(match.params.get("causal_bias"))
+    priced: dict = {}
+
+    def price(d, skip):
+        priced[d, skip] = _attention_price(match, nodes, d, search_tiling, skip)
+        return priced[d, skip]
+    chosen = _cheaper(price, device, BIAS_IMPLEMENTATIONS if bias else IMPLEMENTATIONS, "causal_skip")
+    if bias and chosen.options.get("causal_skip") and search_tiling:
+        # where the bounds fail at run time the mask is read with the tiling the plan reading it would run (the
+        # target's mask-read price, which the choice above made), so that the fallback computes what the block
+        # computes without the skip, bit for bit
+        read = priced[device, False]
         chosen.options = {**chosen.options, "fallback_tiling": json.dumps(read.tiling, sort_keys=True)}
     return chosen
 

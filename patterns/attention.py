@@ -718,7 +718,7 @@ def _causal_bias(masks, adds, terms, inputs, q, qs, ks, guards) -> tuple | None:
         if val(c).dtype != torch.float32 or val(b).dtype != torch.float32 or len(shape(b)) != 4:
             continue
         trial: list = []
-        proven, value, width = prove_mask(c, "additive", 1.0, qs[-2], ks[-2], trial)
+        proven, value, _ = prove_mask(c, "additive", 1.0, qs[-2], ks[-2], trial)
         if proven != "causal" or value is None or not -math.inf < value <= ABSORBING_FILL:
             continue
         if prove_mask(b, "additive", 1.0, qs[-2], ks[-2], [])[0] is not None:
