@@ -64,7 +64,9 @@ family then starts after the cast), the candidate unsupported with a reason nami
 softmax's ``dtype=`` argument, which casts its input before the softmax), but for one spelling the kernel rounds as
 eager does: 16-bit scores cast up, scaled and masked in fp32 and cast down to q's dtype right before the softmax
 (Falcon's ALiBi path in 16 bits, ``softmax(logits32 + mask, -1, dtype=bf16)``): ``params["logits_round"]``, the
-kernel's ``logits_dtype`` (the scores rounded as the matmul returns them, the logits before the softmax).
+kernel's ``logits_dtype`` (the scores rounded as the matmul returns them, the logits before the softmax);
+probabilities rounded to a narrower dtype and widened again (``p.half().float()``, a bf16 block's softmax in fp16
+cast back), also unsupported with a reason naming the dtypes.
 
 **Dropout.** A training-mode dropout on the probabilities (``native_dropout``, ``dropout``, SDPA's
 ``dropout_p``) is part of the match: ``params["dropout_p"]``, and ``params["dropout_draw"]`` = ``(shape,
@@ -434,8 +436,7 @@ def _decide_softmax(m: dict) -> Match | None:
     sc = _walk_scores(sm.args[0], _Below(), score | {qk})
     if sc is None or sc.qk is not qk or set(sc.nodes) != score:
         return None
-    if rounds_and_widens([qk, *_members(m, "score"), *pchain]):
-        return None                 # scores or probabilities rounded to 16 bits and back: eager keeps the rounding
+    rounded = rounds_and_widens([qk, *_members(m, "score"), *pchain])
     narrowed = narrowing_casts(sc.nodes)   # the model rounds its scores down before the softmax: the kernel,
     #                                       computing them from q and k in fp32, would not (a reason, below)
     slices = [n for n in probs_chain if is_call(n, aten.slice.Tensor)]
@@ -467,6 +468,9 @@ def _decide_softmax(m: dict) -> Match | None:
         return None  # the probabilities feed another matmul too
     optional = [n for n in [b] + kv_views if _exclusive(n, core | {b} | set(kv_views))]
     inputs = {"q": q.name, "k": k.name, "v": v.name}
+    if rounded:                     # scores or probabilities rounded to 16 bits and back: eager keeps the rounding
+        return _unsupported(inputs, core, pv, q, _narrowed_reason(narrowed[0], sm) if narrowed else
+                            _rounded_probs_reason(pchain))
     logits_round = _logits_round(narrowed, sm, sc, q, k, v) if narrowed else None
     if narrowed and logits_round is None:
         return _unsupported(inputs, core, pv, q, _narrowed_reason(narrowed[0], sm))
@@ -532,6 +536,16 @@ def _narrowed_reason(cast: fx.Node, sm: fx.Node) -> str:
         how = f"by a cast the model writes ({cast.meta['autofuse_origin']})"
     return (f"the scores are cast down from {frm} to {to} before the softmax, {how}: eager rounds them to {to} "
             f"there, the attention kernel computes them in fp32 and has no such rounding")
+
+
+def _rounded_probs_reason(pchain: list) -> str:
+    """Why a block whose probabilities are rounded to a narrower float dtype and widened again is not fused
+    (``p.half().float()`` of an fp32 model's softmax, a softmax's ``dtype=float16`` of bf16 scores cast back to
+    bf16): the kernel takes the chain's casts only as the dtypes of its ends and would not round in between."""
+    dtypes = [str(val(n).dtype).replace("torch.", "") for n in pchain if isinstance(val(n), torch.Tensor)]
+    path = " -> ".join(d for i, d in enumerate(dtypes) if i == 0 or d != dtypes[i - 1])
+    return (f"the probabilities are rounded to a narrower dtype and widened again ({path}): eager keeps that "
+            f"rounding, the attention kernel computes them in fp32 and casts only at its ends")
 
 
 def _per_head_rounding(sc: _Scores) -> torch.dtype | None:

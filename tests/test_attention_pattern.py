@@ -215,7 +215,9 @@ def test_rewrite_leaves_input_untouched_and_shares_parameters(ref_op):
 # ------------------------------------------------------------------------------ near-miss negatives
 
 def _count(module, args):
-    return len(find_attention(canonicalize(capture(module.eval(), args).graph_module)))
+    """The attention blocks found that the kernel can run (a block found but unsupported carries its reason)."""
+    found = find_attention(canonicalize(capture(module.eval(), args).graph_module))
+    return len([m for m in found if "unsupported" not in m.params])
 
 
 def test_near_miss_softmax_over_other_dim():
@@ -350,9 +352,45 @@ def test_near_miss_scores_or_probabilities_rounded_to_16_bits_and_back(where, th
     from autofuse import AutoFusionEngine
     fused = AutoFusionEngine.fuse(module, args)
     assert not [d for d in fused.report.applied if d.pattern == "attention"], fused.report.summary()
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]     # found, and the report says why not
+    assert d.reason_code == "unsupported", fused.report.summary()
+    name = str(through).replace("torch.", "")
+    assert (f"cast down from float32 to {name}" if where == "scores" else
+            f"rounded to a narrower dtype and widened again (float32 -> {name} -> float32)") in d.reason, d.reason
     # what may differ: a generated kernel's exp and sums in another order than torch's, a few fp32 roundings of
     # values at most 1 (the dropped rounding was 0.04)
     torch.testing.assert_close(fused(*args), module(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,through", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("where", ["softmax_dtype", "probs"])
+def test_near_miss_16_bit_block_rounded_through_the_other_16_bit_dtype(dtype, through, where):
+    """A bf16 block whose softmax runs in fp16 (``softmax(s, -1, dtype=float16)``, then cast back for P·V), or whose
+    probabilities go through fp16 and back, rounds where the kernel would not (fp16 and bf16 each hold values the
+    other cannot): not attention, and the report names the rounding instead of saying nothing."""
+    class M(nn.Module):
+        def forward(self, q, k, v):
+            s = q @ k.transpose(-2, -1) * 0.25
+            if where == "softmax_dtype":
+                p = torch.softmax(s, -1, dtype=through)
+            else:
+                p = torch.softmax(s, -1).to(through)
+            return p.to(v.dtype) @ v
+    args = tuple(t.to(dtype) for t in _args(AttentionVariant()))
+    assert _count(M(), args) == 0
+    from autofuse import AutoFusionEngine
+    fused = AutoFusionEngine.fuse(M(), args)
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert d.reason_code == "unsupported" and not d.applied, fused.report.summary()
+    a, b = (str(t).replace("torch.", "") for t in (dtype, through))
+    assert (f"cast down from {a} to {b} before the softmax" if where == "softmax_dtype" else
+            f"widened again ({a} -> {b} -> {a})") in d.reason, d.reason
+    # the softmax family may take the softmax and its cast (computed in fp32 and rounded once, where eager rounds
+    # to the softmax's dtype first): each weight off by at most one 16-bit rounding (2^-8 of it, bf16), so each
+    # output by at most 2^-8·max|v| (the weights sum to 1), plus the output's own rounding in its dtype
+    q, k, v = args
+    bound = 2 ** -8 * v.abs().max().item() + 2 ** -8 * M()(*args).abs().max().item()
+    assert (fused(*args).double() - M()(*args).double()).abs().max().item() <= bound
 
 
 @pytest.mark.parametrize("where", ["scores", "probs"])
