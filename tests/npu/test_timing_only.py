@@ -31,7 +31,7 @@ def _ints(high, *shape, seed=0):
 
 def _cases():
     """(kernel, inputs, params): every kernel, a few shapes and dtypes each."""
-    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    bf16, f32 = torch.bfloat16, torch.float32
     c = []
     # Cube
     c += [("matmul", (_rand(70, 130), _rand(130, 40, seed=1)), {}),

@@ -90,7 +90,6 @@ def moe_dispatch_combine(launch, x, expert_ids, weight, comm=None, world=None, r
     S = x.shape[0]
     dev = launch.device
     order, counts = send_plan(expert_ids.data, p, E_l)
-    isz = 4 if x.dtype == "float32" else 2
     t = mc2_tiling(dev, max(S, 16), N, K, x.dtype, x.dtype, tiling)
     prog = Program(launch, x.dtype, x.dtype, t, dev.cube_cores, False)
     cube = _Cube(prog, K)
@@ -130,7 +129,6 @@ def moe_dispatch_combine(launch, x, expert_ids, weight, comm=None, world=None, r
         for e in range(E_l):
             first = R
             for j in ranks:
-                a = chunk_rows(n_recv[j], ch, chunks)[0]
                 for ee, s0, s1 in spans[j]:
                     if ee == e:
                         where[ch][j] = np.concatenate([where[ch][j], np.arange(R, R + s1 - s0)])

@@ -103,7 +103,7 @@ def moe_finalize_routing_grad(launch, grad, expanded, scales, expanded_row_idx, 
     if not accumulate and (R != T * k or (np.bincount(ridx, minlength=R) != 1).any()):
         raise ValueError("moe_finalize_routing_grad: the row indices are not a permutation of expanded's rows (a row "
                          "is referenced twice or never); pass accumulate=True (rows zeroed, then atomic adds)")
-    dev, dtype, sdt = launch.device, expanded.dtype, scales.dtype
+    dtype, sdt = expanded.dtype, scales.dtype
     d_exp = launch.empty((R, H), dtype, "d_expanded")
     d_sc = launch.empty((T, k), sdt, "d_scales")
     if T == 0 or H == 0:
@@ -372,7 +372,7 @@ class _GatingGrad(Lanes):
         self.items, self.act = items, active_mask(items)
         self.ke = ke = extents(items, lambda it: it[1])
         E, k = self.E, self.k
-        S, M, DS, iota, Y, GT, IT, R = self.S, self.M, self.DS, self.iota, self.Y, self.GT, self.IT, self.R
+        S, M, DS, iota, GT, IT = self.S, self.M, self.DS, self.iota, self.GT, self.IT
         X, GW, IX = self.X[i], self.GW[i], self.IX[i]
 
         def transposed(dst, src, w):
