@@ -102,7 +102,8 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      head_scale_dtype: Optional[torch.dtype] = None,
                      logits_dtype: Optional[torch.dtype] = None,
                      causal_bias: Optional[torch.Tensor] = None,
-                     fallback_tiling: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     fallback_tiling: str = "",
+                     bias_partials: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # fill=None is -inf (a schema default cannot spell infinity)
     scale_ = _effective_scale(q, scale, scale_tensor)
     heads = per_head_scale(scale_tensor, q.shape[1])
@@ -130,10 +131,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         bound_scale = scale_ if heads is None else scale_ * float(np.abs(heads).max())
         if causal_bias is not None:
             # the mask is ``causal_bias`` plus a proven causal mask adding ``causal_value`` (T5's decoder): bound the
-            # bias too, as the op receives it, and read it alone in the kept tiles where both bounds prove it exact
-            c = run_kernel("bias_bound", causal_bias.detach(), device=device)
-            _record("bias_bound", c.stats)
-            if causal_bias_skip_is_exact(b.outputs[0], bound_scale, causal_value, c.outputs[0]):
+            # bias too, as the op receives it, and read it alone in the kept tiles where both bounds prove it exact;
+            # ``bias_partials``: that bound, computed in this call of the model by a shared ``bias_bound`` call
+            if bias_partials is None:
+                c = run_kernel("bias_bound", causal_bias.detach(), device=device)
+                _record("bias_bound", c.stats)
+                bias_partials = c.outputs[0]
+            else:
+                bias_partials = bias_partials.detach().numpy()
+            if causal_bias_skip_is_exact(b.outputs[0], bound_scale, causal_value, bias_partials):
                 mask, kw["causal"] = causal_bias, True
             else:                         # the mask read with the tiling the plan prices it with (as without the skip)
                 tiling_ = json.loads(fallback_tiling) if fallback_tiling else None
@@ -342,7 +348,7 @@ def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
       drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-      head_scale_dtype=None, logits_dtype=None, causal_bias=None, fallback_tiling=""):
+      head_scale_dtype=None, logits_dtype=None, causal_bias=None, fallback_tiling="", bias_partials=None):
     out = empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -351,7 +357,7 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype, _, _ = inputs
+        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype, _, _, _ = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
@@ -391,7 +397,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
             ctx.window, ctx.add_dtype)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
-        return tuple(res) + (None,) * 16 + (gsink,) + (None,) * 6
+        return tuple(res) + (None,) * 16 + (gsink,) + (None,) * 7
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -417,7 +423,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gs = next(got) if (st is not None and st.requires_grad) else None
     gk = next(got) if (sk is not None and sk.requires_grad) else None
     return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
-        (None if gk is None else gk.to(sinks.dtype),) + (None,) * 6
+        (None if gk is None else gk.to(sinks.dtype),) + (None,) * 7
 
 
 def _sinks_grad(sinks, n, m, lsum, go, out):
@@ -439,7 +445,7 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
                     dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-                    head_scale_dtype=None, logits_dtype=None, causal_bias=None):
+                    head_scale_dtype=None, logits_dtype=None, causal_bias=None, bias_partials=None):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -470,7 +476,9 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     (T5's decoder: a learned relative position bias and transformers' causal mask); kernel ``bias_bound`` bounds
     the bias at call time and, where that and the score bound prove it exact, the causal kernel reads the bias
     alone in the kept tiles (:func:`causal_bias_skip_is_exact`), otherwise ``mask`` is read (with the tiling
-    ``fallback_tiling``, JSON, when given: the one a plan reading the mask would run). Returns ``out`` or,
+    ``fallback_tiling``, JSON, when given: the one a plan reading the mask would run). ``bias_partials``: that bias
+    bound, given by a :func:`bias_bound` call on the same ``causal_bias`` in the same call of the model (one launch
+    shared by every block reading that bias); without it the op launches ``bias_bound`` itself. Returns ``out`` or,
     with ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -486,8 +494,60 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         sinks=sinks, window=int(window),
                                                         mask_add_dtype=mask_add_dtype,
                                                         head_scale_dtype=head_scale_dtype,
-                                                        logits_dtype=logits_dtype, causal_bias=causal_bias)
+                                                        logits_dtype=logits_dtype, causal_bias=causal_bias,
+                                                        bias_partials=bias_partials)
     return (out, probs) if return_probs else out
+
+
+# ------------------------------------------------------------------------------------------- bias bound
+
+@torch.library.custom_op("autofuse::bias_bound", mutates_args=())
+def _bias_bound(bias: torch.Tensor, device: str = "ascend910") -> torch.Tensor:
+    r = run_kernel("bias_bound", bias.detach(), device=device)
+    _record("bias_bound", r.stats)
+    return _to_torch(r.outputs[0], torch.float32)
+
+
+def _bias_bound_rows(bias, device) -> int:
+    """The cores the ``bias_bound`` kernel stores one value each from: one per row of the bias, at most all."""
+    from cost_model.devices import get_device
+    rows = math.prod(bias.shape[:-1]) if bias.dim() else 0
+    return max(1, min(get_device(device).vector_cores, rows))
+
+
+@_bias_bound.register_fake
+def _(bias, device="ascend910"):
+    return bias.new_empty((_bias_bound_rows(bias, device), 8), dtype=torch.float32)
+
+
+def _bias_bound_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)
+
+
+def _bias_bound_backward(ctx, grad):
+    return None, None
+
+
+# a bound, not a function of the bias to differentiate: nothing flows back through it (the attention's backward
+# reads the bias itself, as without the skip)
+_bias_bound.register_autograd(_bias_bound_backward, setup_context=_bias_bound_setup)
+
+
+def reference_bias_bound(bias, device="ascend910"):
+    """The op's values without the simulator (a repeated launch's in :func:`autofuse.simulate`): ``max |bias|`` in
+    every core's row (the kernel's per-core maxima differ, their maximum, all a caller reads, does not; NaN stays)."""
+    m = bias.detach().abs().float().max() if bias.numel() else torch.tensor(0.0)
+    return m.reshape(1, 1).expand(_bias_bound_rows(bias, device), 8).contiguous()
+
+
+REFERENCES["bias_bound"] = reference_bias_bound
+
+
+def bias_bound(bias: torch.Tensor, device: str = "ascend910") -> torch.Tensor:
+    """``max |bias|`` on the simulated NPU, as fp32 per-core partials ``[cores, 8]`` (kernel ``bias_bound``): the bound
+    :func:`causal_bias_skip_is_exact` reads. A fused graph computes it once per bias value and call of the model and
+    hands it to every attention block reading that bias (``flash_attention(..., bias_partials=)``)."""
+    return torch.ops.autofuse.bias_bound(bias, device)
 
 
 # ------------------------------------------------------------------------------------------- dropout masks
