@@ -199,7 +199,7 @@ def price_attention(match, nodes: dict, device: str, search_tiling: bool) -> Pri
     def price(d, skip):
         priced[d, skip] = _attention_price(match, nodes, d, search_tiling, skip)
         return priced[d, skip]
-    chosen = _cheaper(price, device, BIAS_IMPLEMENTATIONS if bias else IMPLEMENTATIONS, "causal_skip")
+    chosen = _cheaper(price, device, bias_implementations(match) if bias else IMPLEMENTATIONS, "causal_skip")
     if bias and chosen.options.get("causal_skip") and search_tiling:
         # where the bounds fail at run time the mask is read with the tiling the plan reading it would run (the
         # target's mask-read price, which the choice above made), so that the fallback computes what the block
@@ -227,6 +227,15 @@ def _cheaper(price_on, device: str, names: dict, option: str) -> Price:
 
 IMPLEMENTATIONS = {True: "causal skip under a score bound", False: "mask read"}
 BIAS_IMPLEMENTATIONS = {True: "causal skip under score and bias bounds", False: "mask read"}
+
+
+def bias_implementations(match) -> dict:
+    """:data:`BIAS_IMPLEMENTATIONS`, the skip named with the blocks its bias bound is shared by (more than one)."""
+    n = int(match.params.get("bias_readers") or 1)
+    return BIAS_IMPLEMENTATIONS if n < 2 else \
+        {True: f"{BIAS_IMPLEMENTATIONS[True]}, one bias bound shared by {n} blocks", False: BIAS_IMPLEMENTATIONS[False]}
+
+
 GROUPING = {True: "a kv group's query heads in one work item", False: "one work item per query head"}
 
 
@@ -250,10 +259,10 @@ def _attention_price(match, nodes, device, search_tiling, skip, group: int = 0) 
     draw = match.params.get("dropout_draw")
     if draw is not None:                # the keep-mask, generated first (DropOutGenMask, then FlashAttentionScore)
         first.append(("dropout_gen_mask", keep_mask_price(draw[0], match.params["dropout_p"], device)))
-    if skip:                            # the run-time score bound
+    if skip:                            # the run-time bounds: the bias's (its own call, shared), the scores'
+        if match.params.get("causal_bias"):
+            first.append(("bias_bound", bias_bound_share(match, params["mask"], device)))
         first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
-        if match.params.get("causal_bias"):         # and the run-time bias bound (max |bias|)
-            first.append(("bias_bound", cost_model.estimate("bias_bound", [params["mask"]], device=device)))
     if match.params.get("v_cast") is not None:      # v cast up to q's dtype (GPT-J's fp32 q and k, bf16 v)
         vs = _spec(nodes[match.inputs["v"]])
         first.append(("elementwise", cost_model.estimate("elementwise", [vs], device=device, op="cast",
@@ -263,6 +272,27 @@ def _attention_price(match, nodes, device, search_tiling, skip, group: int = 0) 
     if training:
         price.options = {"return_stats": True}
     return price
+
+
+@dataclass
+class _Share:
+    cycles: int
+    hbm_bytes: int
+
+
+def bias_bound_share(match, spec, device: str) -> _Share:
+    """A block's share of the one ``bias_bound`` launch every block reading the same bias shares (the rewrite emits
+    it once, ahead of the first such block, and hands its result to all: :func:`emit_attention`): its cycles and
+    bytes divided among the ``n = params["bias_readers"]`` blocks the pattern found reading that bias (rounded up).
+
+    The rule: amortised, each of the n blocks pays 1/n. Each block is priced alone, so "the first pays" would make
+    the first block's choice depend on the later blocks' (and vice versa); with equal shares, identical layers price
+    and choose alike, and when all n take the skip their prices add up to the one launch. Where only some of them
+    take it (a block switched off, or not verified) the launch is charged less than it costs, by the shares of the
+    blocks that do not; the simulation (:mod:`autofuse.simulate`) counts the launch as it runs, once."""
+    n = max(1, int(match.params.get("bias_readers") or 1))
+    e = cost_model.estimate("bias_bound", [spec], device=device)
+    return _Share(-(-int(e.cycles) // n), -(-int(e.hbm_bytes) // n))
 
 
 def attention_kwargs(device: str, price: Price, level: str) -> dict:
@@ -371,6 +401,7 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["causal_value"] = p["causal_value"]
         if p.get("causal_bias"):
             kw["causal_bias"] = ins[p["causal_bias"]]
+            kw["bias_partials"] = _shared_bias_bound(g, kw["causal_bias"], kwargs.get("device", "ascend910"))
     if p.get("window") and (p["causal"] or kw.get("causal_value") is not None):
         kw["window"] = p["window"]              # a sliding window (with causal_value: the band the skip keeps)
     if p.get("empty_rows", "zero") != "zero":
@@ -395,6 +426,9 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
     if like.dim() == 4 and not like.is_contiguous() and not group:
         kw["out_order"] = _physical_order(like)
     fused = g.call_function(op or torch.ops.autofuse.flash_attention.default, (q, k, v, mask), kw)
+    shared = kw.get("bias_partials")
+    if shared is not None and _after(shared, fused):     # found after this block (blocks emitted out of order)
+        fused.prepend(shared)
     fused.meta["autofuse_match"] = m
     out = g.call_function(operator.getitem, (fused, 0))
     out.meta["val"] = like if like.dim() == 4 else _as_rank4(like)
@@ -411,6 +445,27 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         probs.meta["val"] = _as_rank4(p["probs_like"])
         outs["probs"] = _adapt(g, probs, p["probs_like"])
     return outs
+
+
+def _shared_bias_bound(g: fx.Graph, bias: fx.Node, device: str) -> fx.Node:
+    """The ``bias_bound(bias, device)`` call of ``g``: the one an earlier block reading ``bias`` emitted, else a new
+    one, inserted here (ahead of this block's call; it is then this block's fusion's other launch). One launch per
+    bias value and call of the model, computed from the bias the model produces in that call."""
+    op = torch.ops.autofuse.bias_bound.default
+    for u in bias.users:
+        if u.op == "call_function" and u.target is op and u.args == (bias, device):
+            return u
+    return call(g, op, bias, device)
+
+
+def _after(a: fx.Node, b: fx.Node) -> bool:
+    """Whether node ``a`` comes after ``b`` in their graph."""
+    n = b.next
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.next
+    return False
 
 
 def keep_mask_call(g: fx.Graph, dims, p: float, dtype: torch.dtype, device: str, like: torch.Tensor,

@@ -895,6 +895,15 @@ def find_attention(gm: fx.GraphModule) -> list[Match]:
         if taken.isdisjoint(m.nodes):
             out.append(m)
             taken.update(m.nodes)
+    # blocks whose causal skip reads the same bias node (T5's decoder: every layer reads the first's position bias)
+    # share one run-time bound of it: each is priced with its share (params["bias_readers"], the number of them)
+    readers: dict = {}
+    for m in out:
+        if m.params.get("causal_bias"):
+            readers.setdefault(m.inputs[m.params["causal_bias"]], []).append(m)
+    for ms in readers.values():
+        for m in ms:
+            m.params["bias_readers"] = len(ms)
     return out
 
 

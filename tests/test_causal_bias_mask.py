@@ -21,9 +21,10 @@ from autofuse.ops import recording
 from conftest import assert_as_eager, main_output
 
 FUSED_OP = torch.ops.autofuse.flash_attention.default
+BIAS_BOUND = torch.ops.autofuse.bias_bound.default
 FMIN = torch.finfo(torch.float32).min
 H, D = 4, 16
-SKIP = ["score_bound", "bias_bound", "flash_attention"]
+SKIP = ["bias_bound", "score_bound", "flash_attention"]      # the bias bound: its own call, ahead of the block
 SWITCHES = {"attention": "force", "softmax": "off"}     # the attention block, never the softmax alone
 
 
@@ -329,8 +330,9 @@ def _t5():
 
 def test_t5_decoder_self_attention_runs_causal(prefer):
     """transformers' T5: ``scores + position_bias + causal_mask`` in the decoder's self-attention. Both decoder
-    self-attention blocks take the skip (their bias bounded at each call); encoder and cross attention have no causal
-    mask. Large weights on the decoder's relative bias make the bound fail: the mask is read, eager's values."""
+    self-attention blocks take the skip; they read the one position bias the first layer computes, bounded once per
+    call (one ``bias_bound`` launch, whose result both read); encoder and cross attention have no causal mask. Large
+    weights on the decoder's relative bias make the bound fail: the mask is read, eager's values."""
     prefer(True)
     model, args, kwargs = _t5()
     fused = AutoFusionEngine.fuse(model, (args, kwargs))
@@ -338,11 +340,16 @@ def test_t5_decoder_self_attention_runs_causal(prefer):
     assert len(attention) == 6 and all(d.applied for d in attention)
     bias = [d for d in attention if d.params.get("causal_bias")]
     assert len(bias) == 2 and all(d.params["causal_value"] == FMIN and d.params["q_shape"][-2] == 37 for d in bias)
+    assert all(d.params["bias_readers"] == 2 for d in bias)
+    (bound,) = [n for n in fused.graph_module.graph.nodes if n.target is BIAS_BOUND]
+    calls = [n for n in fused.graph_module.graph.nodes if n.target is FUSED_OP and "causal_bias" in n.kwargs]
+    assert len(calls) == 2 and all(c.kwargs["bias_partials"] is bound for c in calls)
+    assert all(c.kwargs["causal_bias"] is bound.args[0] for c in calls)
     with recording() as log, torch.no_grad():
         got = main_output(fused(*args, **kwargs))
         want = main_output(model(*args, **kwargs))
     kernels = [k for k, _ in log]
-    assert kernels.count("bias_bound") == 2 and kernels.count("score_bound") == 2
+    assert kernels.count("bias_bound") == 1 and kernels.count("score_bound") == 2
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     emb = model.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
     emb.weight.data[0] = 2e38
@@ -368,3 +375,201 @@ def test_bias_bound_kernel_is_max_abs_and_keeps_nan_and_inf(dtype):
         y[0, 2, 77, 5] = bad
         got = npu.run("bias_bound", y).outputs[0].max()
         assert got != got if bad != bad else got == float("inf")
+
+
+# ------------------------------------------------------------------------------------------------ one shared bound
+
+class SharedBias(nn.Module):
+    """``layers`` attention blocks ``h = softmax(h·kᵀ + b + C)·v + h``, every one reading the one learned bias ``b``
+    (T5's decoder: the first layer's relative position bias, read by every layer) and the causal mask ``C``;
+    ``split``: the last block reads a second bias (another embedding) instead."""
+
+    def __init__(self, s, layers=3, split=False):
+        super().__init__()
+        self.s, self.layers, self.split = s, layers, split
+        g = torch.Generator().manual_seed(2)
+        self.rel, self.rel2 = nn.Embedding(31, H), nn.Embedding(31, H)
+        self.rel.weight.data = torch.randn(31, H, generator=g) * 2
+        self.rel2.weight.data = torch.randn(31, H, generator=g) * 2
+
+    def forward(self, q, k, v):
+        i = torch.arange(self.s)
+        bucket = (i[None, :] - i[:, None]).clamp(-15, 15) + 15
+        b = self.rel(bucket).permute(2, 0, 1).unsqueeze(0)
+        b2 = self.rel2(bucket).permute(2, 0, 1).unsqueeze(0)
+        c = _mask("causal", self.s)
+        h = q
+        for layer in range(self.layers):
+            bias = b2 if self.split and layer == self.layers - 1 else b
+            h = torch.softmax(h @ k.transpose(-1, -2) + bias + c, -1) @ v + h
+        return h
+
+
+def _calls(fused):
+    nodes = list(fused.graph_module.graph.nodes)
+    return [n for n in nodes if n.target is BIAS_BOUND], [n for n in nodes if n.target is FUSED_OP]
+
+
+def test_one_bias_bound_launch_serves_every_block_reading_the_bias(prefer):
+    """Three blocks read one bias: one ``bias_bound`` call, emitted ahead of the first block, whose result every block
+    reads (``bias_partials``); per forward one launch of it and three of the score bound and the kernel. The values
+    are bit for bit those of the per-call path (each block bounding the bias itself), and eager's."""
+    prefer(True)
+    model = SharedBias(37).eval()
+    args = _qkv(37)
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches=SWITCHES)
+    attention = fused.report.of("attention")
+    assert len(attention) == 3 and all(d.applied and d.params["bias_readers"] == 3 for d in attention)
+    (bound,), calls = _calls(fused)
+    nodes = list(fused.graph_module.graph.nodes)
+    assert len(calls) == 3 and nodes.index(bound) < min(nodes.index(c) for c in calls)
+    assert all(c.kwargs["bias_partials"] is bound and c.kwargs["causal_bias"] is bound.args[0] for c in calls)
+    got, log = _run(fused, args)
+    assert [k for k, _ in log] == ["bias_bound"] + ["score_bound", "flash_attention"] * 3
+    with torch.no_grad():
+        assert_as_eager(model, args, got)
+    # the same graph with each block bounding the bias itself (the per-call path): three launches, the same bits
+    gm = fused.graph_module
+    for c in calls:
+        c.kwargs = {k: v for k, v in c.kwargs.items() if k != "bias_partials"}
+    gm.graph.erase_node(bound)
+    gm.recompile()
+    with recording() as log2, torch.no_grad():
+        old = gm(*args)
+    assert [k for k, _ in log2] == ["score_bound", "bias_bound", "flash_attention"] * 3
+    assert torch.equal(got, old[0] if isinstance(old, (tuple, list)) else old)
+
+
+def test_a_shared_bound_that_fails_reads_the_mask_in_every_block_and_follows_new_weights(prefer):
+    """The shared bound is computed from the bias of this call, never kept from an earlier one: weights of 3e38, inf
+    or NaN make it fail for every block (each reads the mask: what the mask-reading plan gives, bit for bit, and
+    eager's values); finite weights again are skipped again."""
+    prefer(True)
+    model = SharedBias(37).eval()
+    args = _qkv(37)
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches=SWITCHES)
+    prefer(False)
+    read = AutoFusionEngine.fuse(model, args, fusion_switches=SWITCHES)
+    assert not _calls(read)[0]                          # reading the mask: no bound at all
+    skipped = [s.hbm_bytes for k, s in _run(fused, args)[1] if k == "flash_attention"]
+    for value in (3e38, float("inf"), float("nan")):
+        model.rel.weight.data.fill_(value)
+        model.rel.weight.data[3, 1] = 1.0
+        got, log = _run(fused, args)
+        assert [k for k, _ in log].count("bias_bound") == 1
+        flash = [s.hbm_bytes for k, s in log if k == "flash_attention"]
+        assert len(flash) == 3 and all(a > b for a, b in zip(flash, skipped))      # every block read the mask
+        assert torch.equal(got.nan_to_num(7.0), _run(read, args)[0].nan_to_num(7.0))
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(*args), atol=1e-5, rtol=1e-4, equal_nan=True)
+    model.rel.weight.data = torch.randn(31, H) * 2
+    got, log = _run(fused, args)
+    assert [s.hbm_bytes for k, s in log if k == "flash_attention"] == skipped
+    with torch.no_grad():
+        assert_as_eager(model, args, got)
+
+
+def test_two_biases_get_two_bounds(prefer):
+    """A near miss: the last block reads another bias. Two bounds, each read by its own blocks; the second bias past
+    the bound makes only its block read the mask."""
+    prefer(True)
+    model = SharedBias(37, split=True).eval()
+    args = _qkv(37)
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches=SWITCHES)
+    assert sorted(d.params["bias_readers"] for d in fused.report.of("attention")) == [1, 2, 2]
+    bounds, calls = _calls(fused)
+    assert len(bounds) == 2 and bounds[0].args[0] is not bounds[1].args[0]
+    assert [bounds.index(c.kwargs["bias_partials"]) for c in calls] == [0, 0, 1]
+    assert all(c.kwargs["bias_partials"].args[0] is c.kwargs["causal_bias"] for c in calls)
+    skipped = [s.hbm_bytes for k, s in _run(fused, args)[1] if k == "flash_attention"]
+    model.rel2.weight.data.fill_(3e38)
+    got, log = _run(fused, args)
+    assert [k for k, _ in log].count("bias_bound") == 2
+    flash = [s.hbm_bytes for k, s in log if k == "flash_attention"]
+    assert flash[:2] == skipped[:2] and flash[2] > skipped[2]
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(*args), atol=1e-5, rtol=1e-4)
+
+
+def test_the_op_bounds_the_bias_itself_without_a_shared_bound():
+    """Called directly, without ``bias_partials``, the op launches ``bias_bound`` itself; given the bound (the
+    ``bias_bound`` op, which no gradient flows through), it does not, and computes the same values."""
+    from autofuse import ops
+    q, k, v = _qkv(37)
+    bias = (torch.randn(1, H, 37, 37) * 2).requires_grad_(True)
+    mask = bias.detach() + _mask("causal", 37)
+    kw = dict(causal_value=FMIN, causal_bias=bias.detach())
+    with recording() as log, torch.no_grad():
+        own = FUSED_OP(q, k, v, mask, **kw)[0]
+    assert [k for k, _ in log] == ["score_bound", "bias_bound", "flash_attention"]
+    with recording() as log:
+        partials = ops.bias_bound(bias)
+    assert [k for k, _ in log] == ["bias_bound"] and not partials.requires_grad
+    assert partials.shape == BIAS_BOUND(torch.empty(1, H, 37, 37, device="meta")).shape
+    assert partials.max().item() == bias.detach().abs().max().item()
+    with recording() as log, torch.no_grad():
+        shared = FUSED_OP(q, k, v, mask, **kw, bias_partials=partials)[0]
+    assert [k for k, _ in log] == ["score_bound", "flash_attention"]
+    assert torch.equal(own, shared)
+    ref = ops.reference_bias_bound(bias)
+    assert ref.shape == partials.shape and ref.max() == partials.max()
+
+
+def test_the_planner_charges_each_block_its_share_of_the_bound():
+    """Each of the n blocks reading one bias is priced with 1/n of the bound (rounded up): its skip costs what a lone
+    block's does less the rest of the bound; the mask read is unchanged. The report names the sharing."""
+    import cost_model
+    s = 256
+    args = _qkv(s, b=4)
+    prices = {}
+    for layers in (1, 3):
+        fused = AutoFusionEngine.fuse(SharedBias(s, layers).eval(), args, fusion_switches=SWITCHES)
+        d = fused.report.of("attention")[0]
+        assert d.params["bias_readers"] == layers
+        prices[layers] = {name.split(",")[0]: c for name, c, _ in d.params["alternatives"]["ascend910"]}
+        if layers == 3:
+            assert any(n.endswith(", one bias bound shared by 3 blocks") for n, _, _ in
+                       d.params["alternatives"]["ascend910"])
+    bb = int(cost_model.estimate("bias_bound", [((1, H, s, s), "float32")], device="ascend910").cycles)
+    skip = "causal skip under score and bias bounds"
+    assert prices[1]["mask read"] == prices[3]["mask read"]
+    assert prices[1][skip] - prices[3][skip] == bb - -(-bb // 3)
+
+
+def test_simulation_and_report_count_the_shared_launch_once(prefer):
+    """The whole-graph simulation runs the one ``bias_bound`` call once; the report charges it to the first block's
+    fused call (its price holds its share; the other blocks' hold theirs)."""
+    from autofuse.report import node_costs
+    prefer(True)
+    model = SharedBias(37).eval()
+    args = _qkv(37)
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches=SWITCHES)
+    (bound,), calls = _calls(fused)
+    sim = fused.simulate(*args)
+    launched = [n for n in sim.nodes if "bias_bound" in n.kernels]
+    assert [n.node for n in launched] == [bound.name] and launched[0].kernels == ("bias_bound",)
+    assert all(n.kernels == ("score_bound", "flash_attention") for n in sim.nodes if n.node in
+               {c.name for c in calls})
+    costs = node_costs(fused.graph_module, "ascend910", fused.report)
+    assert costs[bound.name].part_of == calls[0].name and costs[bound.name].cycles == 0
+
+
+def test_a_training_plan_shares_the_bound_and_keeps_its_backward(prefer):
+    """Training: the forward shares the bound; the backward is the one it was (the host recompute from the mask
+    each block reads), so the gradients of q, k, v and of the shared bias's weights are eager's."""
+    prefer(True)
+    model = SharedBias(37).train()
+    args = _qkv(37, grad=True)
+    fused = AutoFusionEngine.fuse(model, args, fusion_switches=SWITCHES)
+    assert len(_calls(fused)[0]) == 1
+    with recording() as log:
+        out = fused(*args)
+    assert [k for k, _ in log].count("bias_bound") == 1
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [*args, model.rel.weight], g)
+    ref_args = [a.detach().clone().requires_grad_(True) for a in args]
+    want_out = model(*ref_args)
+    want = torch.autograd.grad(want_out, [*ref_args, model.rel.weight], g)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
