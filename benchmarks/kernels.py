@@ -14,7 +14,9 @@ torch's CPU wall time for the same computation in fp32 (same process; warm-up, t
                      128) forward and backward on the 910: the band read as a mask, causal, the window
     learned bias + causal mask  T5-base-shaped decoder self-attention (N=12, D=64, fp32) at 1024-4096 tokens on
                      the 910: the mask read by the full kernel against the causal skip (score_bound + bias_bound +
-                     the causal kernel reading the bias), timing only; ``--bias-causal`` runs this part alone
+                     the causal kernel reading the bias), timing only; and T5-base's 12 decoder layers at batch 1:
+                     the mask read x12 against one shared bias_bound + 12 x (score_bound + causal kernel), with the
+                     cost model's choice; ``--bias-causal`` runs this part alone
 
 FlashAttention FLOPs: 4·B·N·Sq·Skv·D (Q·Kᵀ and P·V; causal would count attended scores only).
 
@@ -266,6 +268,52 @@ def bench_bias_causal(rows=BIAS_CAUSAL, N=12, D=64, device="ascend910"):
               f"kernel alone {read.cycles / parts[2].cycles:.2f}x")
 
 
+BIAS_CAUSAL_LAYERS = [(1, 1024), (1, 2048), (1, 4096)]         # (B, S), T5-base's 12 decoder layers
+
+
+def bench_bias_causal_layers(rows=BIAS_CAUSAL_LAYERS, layers=12, N=12, D=64, device="ascend910"):
+    """T5-base's decoder self-attention over its ``layers`` layers, which all read the one position bias the first
+    computes: the mask read in every layer against one shared ``bias_bound`` launch plus, per layer, ``score_bound``
+    and the causal kernel reading the bias (and, for comparison, the bias bounded in every layer, as each block did
+    before the bound was shared). Every launch runs on the simulator (timing only), once per distinct launch: the
+    layers' launches are identical (same shapes, parameters, tiling; each starts with a cold L2), so a layer's
+    figure is its launch's, times ``layers``. Each kernel runs with the tiling the cost model picks for it (what an
+    O3 plan passes). The cost model's choice is the planner's rule: per block, the mask read against the skip with
+    its 1/``layers`` share of the bias bound (:func:`autofuse.fused.bias_bound_share`)."""
+    import cost_model
+    L = layers
+    print(f"  {L} layers sharing one bias (T5-base decoder self-attention, N{N} D{D} fp32), {device} (cycles; "
+          f"timing only; each kernel with the cost model's tiling):")
+    for B, S in rows:
+        q = np.zeros((B, N, S, D), np.float32)
+        bias = np.zeros((1, N, S, S), np.float32)
+        specs, bspec = [((B, N, S, D), "float32")] * 3, ((1, N, S, S), "float32")
+        est = {"read": cost_model.estimate("flash_attention", specs, device=device, scale=1.0, causal=False,
+                                           return_probs=False, mask=bspec),
+               "causal": cost_model.estimate("flash_attention", specs, device=device, scale=1.0, causal=True,
+                                             return_probs=False, mask=bspec),
+               "score": cost_model.estimate("score_bound", specs[:2], device=device),
+               "bias": cost_model.estimate("bias_bound", [bspec], device=device)}
+        run = {"read": npu.run("flash_attention", q, q, q, mask=bias, scale=1.0, tiling=dict(est["read"].tiling),
+                               device=device, timing_only=True).stats,
+               "causal": npu.run("flash_attention", q, q, q, mask=bias, scale=1.0, causal=True,
+                                 tiling=dict(est["causal"].tiling), device=device, timing_only=True).stats,
+               "score": npu.run("score_bound", q, q, device=device, timing_only=True).stats,
+               "bias": npu.run("bias_bound", bias, device=device, timing_only=True).stats}
+        c = {k: v.cycles for k, v in run.items()}
+        read, shared = L * c["read"], c["bias"] + L * (c["score"] + c["causal"])
+        per_call = L * (c["bias"] + c["score"] + c["causal"])
+        share = -(-int(est["bias"].cycles) // L)
+        p_read, p_skip = int(est["read"].cycles), int(est["score"].cycles + est["causal"].cycles) + share
+        choice = "skip" if p_skip < p_read else "mask read"
+        print(f"    B{B} S{S}: mask read x{L} {read:>13,}  shared bound + {L} skips {shared:>13,} "
+              f"({read / shared:.2f}x; bias_bound {c['bias']:,} once, score_bound {c['score']:,} + causal kernel "
+              f"{c['causal']:,} per layer); bound in every layer {per_call:,} ({read / per_call:.2f}x)")
+        print(f"      cost model per block: mask read {p_read:,}, skip {p_skip:,} (its 1/{L} of the bias bound "
+              f"{share:,}) -> {choice}; simulated per block: mask read {c['read']:,}, skip "
+              f"{c['score'] + c['causal'] + -(-c['bias'] // L):,}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a fast subset")
@@ -275,6 +323,8 @@ def main():
     a = ap.parse_args()
     if a.bias_causal:
         bench_bias_causal()
+        print()
+        bench_bias_causal_layers()
         return
     t0 = time.perf_counter()
     used = set_blas_threads(a.blas_threads)
@@ -292,6 +342,7 @@ def main():
     bench_fa_window(WINDOWS[1:] if a.quick else WINDOWS)
     print()
     bench_bias_causal(BIAS_CAUSAL[1:2] if a.quick else BIAS_CAUSAL)
+    bench_bias_causal_layers(BIAS_CAUSAL_LAYERS[:1] if a.quick else BIAS_CAUSAL_LAYERS)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
 
 
