@@ -158,7 +158,7 @@ def bench_fa_acceptance(repeat, blas):
     least = min_hbm_bytes(q.shape, k.shape, v.shape, "float16")
     st = r.stats
     tflops = fa_flops(B, N, S, S, D) / st.seconds / 1e12
-    row("flash_attention", f"1x16x2048x128 fp16", "ascend910", r, least, t_sim, t_torch, f"{tflops:.0f} TFLOP/s")
+    row("flash_attention", "1x16x2048x128 fp16", "ascend910", r, least, t_sim, t_torch, f"{tflops:.0f} TFLOP/s")
     err = float(np.abs(r.outputs[0].astype(np.float32) - ref.numpy()).max())
     checks = [("max |out - torch fp32 SDPA|", f"{err:.2e}", "<= 2e-3", err <= 2e-3),
               (f"busiest unit ({st.bound}) utilisation", f"{st.util[st.bound]:.3f}", ">= 0.80",
