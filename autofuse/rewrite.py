@@ -263,8 +263,11 @@ def build(g: fx.Graph, lifted: Lifted, env: dict, emit, kwargs: dict) -> dict:
             memo[c].meta["val"] = c.meta.get("val")
         return memo[c]
 
-    fake = detect_fake_mode([src.meta.get("val") for src in lifted.sources.values() if not isinstance(src, str)])
-    ins = {role: _constant(g, src, fake) if isinstance(src, str) else get(src) for role, src in lifted.sources.items()}
+    vals = [src.meta.get("val") for src in lifted.sources.values() if not isinstance(src, str)]
+    fake = detect_fake_mode(vals)
+    device = next((v.device for v in vals if isinstance(v, torch.Tensor)), None)
+    ins = {role: _constant(g, src, fake, device) if isinstance(src, str) else get(src)
+           for role, src in lifted.sources.items()}
     before = set(g.nodes)
     outs = emit(g, ins, m, kwargs)
     # every node the emitter made is the fusion's: the call it tagged (the lead, which the decision's price is
@@ -288,14 +291,17 @@ def build(g: fx.Graph, lifted: Lifted, env: dict, emit, kwargs: dict) -> dict:
     return result
 
 
-def _constant(g: fx.Graph, spec: str, fake_mode) -> fx.Node:
+def _constant(g: fx.Graph, spec: str, fake_mode, device=None) -> fx.Node:
+    """A constant the rewrite builds, on the block's device (``device``: its other inputs'; a model planned on meta
+    tensors gets a meta constant, which the block's other meta values combine with)."""
     kind, *dims = spec.split(":")[1:]
     if kind != "tril":
         raise NotLiftable(f"unknown constant {spec!r}")
     sq, skv = (int(d) for d in dims)
-    ones = g.call_function(aten.ones.default, ([sq, skv],), {"dtype": torch.bool})
+    where = {} if device is None else {"device": device}
+    ones = g.call_function(aten.ones.default, ([sq, skv],), {"dtype": torch.bool, **where})
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        v = torch.empty(sq, skv, dtype=torch.bool)
+        v = torch.empty(sq, skv, dtype=torch.bool, **where)
     ones.meta["val"] = v
     tril = g.call_function(aten.tril.default, (ones,))
     tril.meta["val"] = v

@@ -359,6 +359,23 @@ def test_t5_decoder_self_attention_runs_causal(prefer):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, equal_nan=True)
 
 
+def test_t5_plans_on_meta_tensors_as_on_real_ones(prefer):
+    """A plan on meta tensors (``--meta``: large configurations without memory) makes the decoder's causal mask
+    constant on the model's device: it was built on the CPU, and combining it with the meta bias raised a device
+    mismatch. The meta plan makes the real plan's decisions at the real plan's prices."""
+    import copy
+    prefer(True)
+    model, args, kwargs = _t5()
+    meta = copy.deepcopy(model).to("meta")
+    to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t       # noqa: E731
+    real = AutoFusionEngine.fuse(model, (args, kwargs)).report.decisions
+    planned = AutoFusionEngine.fuse(meta, (tuple(map(to_meta, args)), {k: to_meta(v) for k, v in kwargs.items()}),
+                                    verify=False).report.decisions
+    assert [(d.pattern, d.applied, d.cycles_fused, d.cycles_unfused) for d in planned] == \
+        [(d.pattern, d.applied, d.cycles_fused, d.cycles_unfused) for d in real]
+    assert sum(bool(d.params.get("causal_bias")) and d.applied for d in planned) == 2
+
+
 # ------------------------------------------------------------------------------------------------ the bias bound
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
