@@ -433,6 +433,38 @@ def test_gated_projection_fuses_as_matmul_epilogue(order, act, name):
     _within_bound(m, (x,), {}, lambda: fused(x))
 
 
+class AdaptedGateUp(nn.Module):
+    """A fused gate_up projection plus a term as wide as it, added before the split (Zamba2's shared MLP adds a
+    per-layer LoRA adapter's output, ``gate_up_proj(x) + adapter(x)``; here also a residual input)."""
+
+    def __init__(self, act, adapter):
+        super().__init__()
+        self.act, self.adapter = act, adapter
+        self.gate_up = nn.Linear(32, 2 * 48, bias=False)
+        self.lora = nn.Sequential(nn.Linear(32, 8, bias=False), nn.Linear(8, 2 * 48, bias=False))
+        self.down = nn.Linear(48, 32, bias=False)
+
+    def forward(self, x, r):
+        h = self.gate_up(x) + (self.lora(x) if self.adapter else r)
+        g, u = torch.split(h, 48, dim=-1)
+        return self.down((F.silu(g) if self.act == "silu" else F.gelu(g)) * u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act,name,adapter", [("silu", "swiglu", True), ("gelu", "geglu", False)])
+def test_a_term_added_before_the_split_of_a_gated_projection_is_in_its_epilogue(act, name, adapter, dtype):
+    """The epilogue reads the product and the added term whole, row by row, and its gated unit works on halves as
+    wide as the output: each op covers its own columns (the halves ran as if as wide as the row, and the check
+    raised, so the block ran unfused)."""
+    torch.manual_seed(0)
+    m = AdaptedGateUp(act, adapter).to(dtype).eval()
+    x, r = torch.randn(3, 10, 32, dtype=dtype), torch.randn(3, 10, 96, dtype=dtype)
+    fused = AutoFusionEngine.fuse(m, (x, r))
+    assert not [d for d in fused.report.decisions if d.reason_code == "verification_failed"], fused.report.summary()
+    assert f"matmul+{name}" in [d.pattern for d in fused.report.applied], fused.report.summary()
+    _within_bound(m, (x, r), {}, lambda: fused(x, r))
+
+
 class GateUp(nn.Module):
     """Separate gate and up projections (Llama's MLP): the SwiGLU can be either one's epilogue."""
 

@@ -304,7 +304,9 @@ class TileProgram:
             reps = g.repeats(geom[1], op.lanes)
         else:
             reps = g.row_repeats(geom[1], geom[2], op.lanes)
-        width = op.width if (self.C is None or op.width == 1) else cw_max
+        # chunks of C columns: each op covers this chunk's columns, which a narrower op (a half of a product read
+        # whole-row by an epilogue, whose chunk is the row) does not fill
+        width = op.width if (self.C is None or op.width == 1) else min(op.width, cw_max)
         offs = [cur[s.reg[1]][1] if isinstance(s.reg, tuple) and s.reg[0] == "in" else 0 for s in op.srcs]
         compute = self._compute(op, dst, srcs, width, cw_max, offs, int(re.max(initial=1)))
         names = passes(op)
@@ -328,7 +330,7 @@ class TileProgram:
                 d = d[:, offs[i]:offs[i] + self.R]
             if s.width == 1:                     # a per-row value (column 0), or one column of a wider value
                 return d[:, :, s.col:s.col + 1]
-            return d[:, :, s.col:s.col + (s.width if self.C is None else cw)]
+            return d[:, :, s.col:s.col + (s.width if self.C is None else min(s.width, cw))]
 
         def put(x, col=0, w=None):
             w = width if w is None else w
