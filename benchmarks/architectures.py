@@ -264,6 +264,17 @@ def _within(fused, eager, dtype):
     return fused <= 2 * eager or (eager == 0 and fused <= torch.finfo(dtype).eps)
 
 
+def _reference(model):
+    """``model``'s weights widened to float64 (exact), run eagerly. transformers' experts call torch's
+    ``_grouped_mm``, which takes no float64: the reference runs them through their own loop over the experts, the
+    same products and sums."""
+    import copy
+    m64 = copy.deepcopy(model).double()
+    if getattr(m64.config, "_experts_implementation", None) not in (None, "eager"):
+        m64.set_experts_implementation("eager")
+    return m64
+
+
 def train16(name, spec, attn, device, dtype, switches=None):
     """One training step in 16 bits (``dtype``), fused and eager, each measured from a float64 reference: the same
     model (weights built in ``dtype`` and widened exactly) and the same inputs, run eagerly in float64. Dropout off
@@ -277,7 +288,6 @@ def train16(name, spec, attn, device, dtype, switches=None):
     parameters whose own fused error is above twice eager's, with the two errors: each tensor alone is a noisy
     measure, reported, not the row's test), ``missing`` (gradients eager has and the fused model not), ``dropout``
     (whether the float64 forwards disagreed), ``n`` (fused blocks)."""
-    import copy
     from autofuse import AutoFusionEngine
     from autofuse.models import build_transformers
     t0 = time.perf_counter()
@@ -292,7 +302,7 @@ def train16(name, spec, attn, device, dtype, switches=None):
         for attr, v in list(vars(m).items()):
             if isinstance(v, float) and ("dropout" in attr or "pdrop" in attr):
                 setattr(m, attr, 0.0)
-    m64 = copy.deepcopy(model).double()
+    m64 = _reference(model)
     args64, kwargs64 = _to64((args, kwargs))
     fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
     w = None
@@ -332,8 +342,7 @@ def generate16(name, spec, attn, device, dtype, new_tokens=3, switches=None):
     ``dtype``: a tie when the float64 logits of the two tokens picked there are closer than eager's own error at
     that step (its largest |eager - float64| over the vocabulary), so that eager's rounding alone could have picked
     either. Returns a dict: ``out`` (eager's, fused's logit error), ``tokens`` ("same", "tie" or "DIFFER"),
-    ``step`` (the first differing step's float64 gap and eager's error there, or None)."""
-    import copy
+    ``step`` (the first differing step, its float64 gap, eager's error there and the fused model's, or None)."""
     from autofuse import AutoFusionEngine
     from autofuse.models import build_transformers
     t0 = time.perf_counter()
@@ -345,7 +354,7 @@ def generate16(name, spec, attn, device, dtype, new_tokens=3, switches=None):
     model.config.use_cache = True
     model.generation_config.use_cache = True
     kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
-    m64 = copy.deepcopy(model).double()
+    m64 = _reference(model)
     args64, kwargs64 = _to64((args, kwargs))
     fused = AutoFusionEngine.fuse(model, target_device=device, fusion_switches=switches)
     with torch.no_grad():
@@ -372,10 +381,10 @@ def generate16(name, spec, attn, device, dtype, new_tokens=3, switches=None):
                 else:
                     logits = m(input_ids=prefix, use_cache=False).logits
                 return logits[0, -1].double()
-            r, e = last(m64, _to64(prompt)), last(model, prompt)
+            r, e, f = last(m64, _to64(prompt)), last(model, prompt), last(fused, prompt)
             gap = (r[expect[0, i]] - r[tokens[0, i]]).abs().item()
             err = (e - r).abs().max().item()
-            step = (i, gap, err)
+            step = (i, gap, err, (f - r).abs().max().item())    # and the fused model's error there, no cache
             verdict = "tie" if gap < err else "DIFFER"
     return dict(out=(_rel(want, ref, o), _rel(got, ref, o)), tokens=verdict, step=step,
                 seconds=time.perf_counter() - t0)
@@ -461,8 +470,8 @@ def sixteen(a, dtype, switches):
                 bad.append(name)
             elif row["tokens"] == "tie":
                 ties.append(name)
-            step = (f"  step {row['step'][0]}: gap {row['step'][1]:.2e}, eager's error {row['step'][2]:.2e}"
-                    if row["step"] else "")
+            step = (f"  step {row['step'][0]}: gap {row['step'][1]:.2e}, eager's error {row['step'][2]:.2e} "
+                    f"(fused's {row['step'][3]:.2e})" if row["step"] else "")
             note = "  FAILED: " + "; ".join(fail) if fail else ""
             print(f"{name:32} {oe:12.2e} {of:12.2e} {ro:5.2f} {row['tokens']:>7}{step}{note}", flush=True)
         tail = f"; {len(ties)} tie{'s' * (len(ties) != 1)}" + (f" ({', '.join(ties)})" if ties else "")
