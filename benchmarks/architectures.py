@@ -451,7 +451,8 @@ def sixteen(a, dtype, switches):
                 f"noisy, not the test)")
     else:
         print(f"{'model':32} {'logits eager':>12} {'logits fused':>12} {'ratio':>5} {'tokens':>7}  first differing "
-              f"step: its float64 gap, eager's error   (errors from float64; {a.dtype}, {a.new_tokens} tokens)")
+              f"step: its float64 gap, eager's error   (logit errors from float64 relative to its largest, the step's "
+              f"absolute; {a.dtype}, {a.new_tokens} tokens)")
         ties = []
         for name, _, row in _rows(a.only, lambda name, spec, attn: generate16(name, spec, attn, a.device, dtype,
                                                                               a.new_tokens, switches)):
