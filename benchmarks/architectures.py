@@ -7,10 +7,21 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py --generate [--only NAME ...] # KV caches: fused(ids) and generate() vs eager
     python benchmarks/architectures.py --generate --static --new-tokens 5  # generate() with a static cache
     python benchmarks/architectures.py --disable attention          # the rest fused around torch's own attention
+    python benchmarks/architectures.py --train --dtype bfloat16     # 16 bits: fused and eager each from float64
+    python benchmarks/architectures.py --generate --dtype float16   # tokens, and a near tie told from a failure
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
 coverage of the spellings, not speed figures (see ``model_speedup.py`` and ``scale.py`` for those).
+
+``--train`` and ``--generate`` compare with eager in fp32 directly. With a 16-bit ``--dtype`` both sides round far
+more and may differ by it, so each row also runs a float64 reference (the same weights widened exactly, the same
+inputs, eager) and measures eager's error and the fused model's from it: a row passes where the fused error is at
+most twice eager's (the verifier's rule). ``--train``: the output's error relative to its largest float64 value,
+and each gradient's relative to its own largest (at least 1e-3 of the model's largest), the worst over the
+gradients on each side; dropout off, checked by two float64 forwards under other seeds. ``--generate``: the logits
+of ``fused(ids)``; where the generated tokens differ from eager's, the first differing step is a tie (not a
+failure) when the float64 logits of the two tokens picked are closer than eager's own error there.
 """
 from __future__ import annotations
 
