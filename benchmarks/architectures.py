@@ -308,10 +308,11 @@ def train16(name, spec, attn, device, dtype, switches=None):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        # a functional dropout's rate kept as a module's float (T5's attention: ``self.dropout``): seeding alone
-        # need not draw the same keep-mask in 16 bits and float64, so it is switched off (checked below)
+        # a functional dropout's rate kept as a module's float (T5's attention: ``self.dropout``; a drop path's
+        # ``drop_prob``, Swin's and BEiT's): seeding alone need not draw the same mask in 16 bits and float64, so it is
+        # switched off (checked below)
         for attr, v in list(vars(m).items()):
-            if isinstance(v, float) and ("dropout" in attr or "pdrop" in attr):
+            if isinstance(v, float) and "drop" in attr:
                 setattr(m, attr, 0.0)
     m64 = _reference(model)
     args64, kwargs64 = _to64((args, kwargs))
