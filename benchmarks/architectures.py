@@ -19,9 +19,10 @@ more and may differ by it, so each row also runs a float64 reference (the same w
 inputs, eager) and measures eager's error and the fused model's from it: a row passes where the fused error is at
 most twice eager's (the verifier's rule). ``--train``: the output's error relative to its largest float64 value,
 and each gradient's relative to its own largest (at least 1e-3 of the model's largest), the worst over the
-gradients on each side; dropout off, checked by two float64 forwards under other seeds. ``--generate``: the logits
-of ``fused(ids)``; where the generated tokens differ from eager's, the first differing step is a tie (not a
-failure) when the float64 logits of the two tokens picked are closer than eager's own error there.
+gradients on each side; dropout and drop paths off, checked by two float64 forwards under other seeds.
+``--generate``: the logits of ``fused(ids)``; where the generated tokens differ from eager's, the first differing
+step is a tie (not a failure) when the float64 logits of the two tokens picked are closer than eager's own error
+there.
 """
 from __future__ import annotations
 
