@@ -9,6 +9,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py --disable attention          # the rest fused around torch's own attention
     python benchmarks/architectures.py --train --dtype bfloat16     # 16 bits: fused and eager each from float64
     python benchmarks/architectures.py --generate --dtype float16   # tokens, and a near tie told from a failure
+    python benchmarks/architectures.py --more [...]                 # further architectures, any mode above
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
@@ -147,6 +148,53 @@ MODELS = [
      "eager"),
 ]
 
+
+E2 = ("encoder_layers=2&decoder_layers=2&d_model=64&encoder_ffn_dim=128&decoder_ffn_dim=128&encoder_attention_heads=4"
+      "&decoder_attention_heads=4&vocab_size=128&pad_token_id=0")
+
+#: ``--more``: further architectures, run by their own command (the README says which modes were run over them)
+MORE = [
+    ("zamba2 (adapter on gate_up)", f"Zamba2Config?{KV}&layers_block_type=[mamba,hybrid]&mamba_d_state=16"
+     "&mamba_headdim=16", "sdpa"),
+    ("bamba (mamba2 hybrid)", f"BambaConfig?{KV}&attn_layer_indices=[1]", "sdpa"),
+    ("jamba (mamba hybrid, MoE)", f"JambaConfig?{KV}&num_experts=4&attn_layer_period=2&attn_layer_offset=1"
+     "&expert_layer_period=2&expert_layer_offset=1", "sdpa"),
+    ("falcon_h1 (parallel mamba2)", f"FalconH1Config?{KV}", "sdpa"),
+    ("granitemoehybrid", f"GraniteMoeHybridConfig?{KV}", "sdpa"),
+    ("mamba", "MambaConfig?num_hidden_layers=2&hidden_size=64&vocab_size=128", "eager"),
+    ("deepseek_v2 (latent attention)", f"DeepseekV2Config?{L}&num_key_value_heads=4&kv_lora_rank=32&q_lora_rank=48"
+     "&qk_rope_head_dim=8&qk_nope_head_dim=16&v_head_dim=16&n_routed_experts=4&num_experts_per_tok=2"
+     "&moe_intermediate_size=32&first_k_dense_replace=1", "sdpa"),
+    ("granitemoeshared", f"GraniteMoeSharedConfig?{KV}&num_local_experts=4&num_experts_per_tok=2"
+     "&shared_intermediate_size=64", "sdpa"),
+    ("phimoe (sparsemixer router)", f"PhimoeConfig?{KV}&num_local_experts=4&num_experts_per_tok=2", "sdpa"),
+    ("olmo", f"OlmoConfig?{KV}", "sdpa"),
+    ("gpt_bigcode (multi-query)", "GPTBigCodeConfig?n_layer=2&n_embd=64&n_head=4&vocab_size=128", "sdpa"),
+    ("biogpt", f"BioGptConfig?{L}", "sdpa"),
+    ("mt5", "MT5Config?num_layers=2&num_decoder_layers=2&d_model=64&d_ff=128&num_heads=4&vocab_size=128&d_kv=16",
+     "eager"),
+    ("umt5", "UMT5Config?num_layers=2&num_decoder_layers=2&d_model=64&d_ff=128&num_heads=4&vocab_size=128&d_kv=16",
+     "eager"),
+    ("mbart", f"MBartConfig?{E2}", "sdpa"),
+    ("marian", f"MarianConfig?{E2}&decoder_start_token_id=0", "sdpa"),
+    ("pegasus", f"PegasusConfig?{E2}", "sdpa"),
+    ("m2m_100", f"M2M100Config?{E2}", "sdpa"),
+    ("distilbert", "DistilBertConfig?n_layers=2&dim=64&hidden_dim=128&n_heads=4&vocab_size=128", "sdpa"),
+    ("albert", "AlbertConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+     "&vocab_size=128&embedding_size=32", "sdpa"),
+    ("mobilebert (NoNorm)", "MobileBertConfig?num_hidden_layers=2&vocab_size=128", "eager"),
+    ("xlm_roberta", f"XLMRobertaConfig?{L}", "sdpa"),
+    ("megatron_bert", f"MegatronBertConfig?{L}", "eager"),
+    ("roformer (rotary)", f"RoFormerConfig?{L}&embedding_size=64", "eager"),
+    ("esm (rotary)", f"EsmConfig?{L}&position_embedding_type=rotary&mask_token_id=1", "sdpa"),
+    ("xlnet (relative attention)", "XLNetConfig?n_layer=2&d_model=64&n_head=4&d_inner=128&vocab_size=128", "eager"),
+    ("deit", "DeiTConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+     "&image_size=32&patch_size=8", "sdpa"),
+    ("dinov2", "Dinov2Config?num_hidden_layers=2&hidden_size=64&mlp_ratio=2&num_attention_heads=4&image_size=32"
+     "&patch_size=8", "sdpa"),
+    ("convnext", "ConvNextConfig?depths=[1,1]&hidden_sizes=[16,32]&num_stages=2", "eager"),
+    ("convnextv2", "ConvNextV2Config?depths=[1,1]&hidden_sizes=[16,32]&num_stages=2", "eager"),
+]
 
 def _main_output(out):
     for attr in ("logits", "last_hidden_state"):
@@ -406,10 +454,14 @@ def generate16(name, spec, attn, device, dtype, new_tokens=3, switches=None):
 FAILED = object()
 
 
+#: the rows a run takes: :data:`MODELS`, or :data:`MORE` with ``--more``
+ROWS = MODELS
+
+
 def _rows(only, fn, label=lambda name, attn: f"{name:32}", trace=False):
-    """``(name, attn, fn(name, spec, attn))`` for each row ``--only`` keeps; a row that raises prints its failure
-    (``trace``: the traceback's last frames too) and gives :data:`FAILED`."""
-    for name, spec, attn in MODELS:
+    """``(name, attn, fn(name, spec, attn))`` for each row of :data:`ROWS` ``--only`` keeps; a row that raises prints
+    its failure (``trace``: the traceback's last frames too) and gives :data:`FAILED`."""
+    for name, spec, attn in ROWS:
         if only and not any(name.startswith(o) for o in only):
             continue
         try:
@@ -506,7 +558,10 @@ def main():
                     help="the generative models with their KV cache: a fused call and greedy generate() against eager's")
     ap.add_argument("--static", action="store_true", help="with --generate: generate() with a static cache")
     ap.add_argument("--new-tokens", type=int, default=3, help="with --generate: tokens generated")
+    ap.add_argument("--more", action="store_true", help="the further architectures (MORE) instead of the main rows")
     a = ap.parse_args()
+    global ROWS
+    ROWS = MORE if a.more else MODELS
     switches = {f: "off" for f in a.disable} or None
     warnings.filterwarnings("ignore")
     import transformers

@@ -65,6 +65,7 @@ softmax's ``dtype=`` argument, which casts its input before the softmax), but fo
 eager does: 16-bit scores cast up, scaled and masked in fp32 and cast down to q's dtype right before the softmax
 (Falcon's ALiBi path in 16 bits, ``softmax(logits32 + mask, -1, dtype=bf16)``): ``params["logits_round"]``, the
 kernel's ``logits_dtype`` (the scores rounded as the matmul returns them, the logits before the softmax);
+a Python 0 added to or subtracted from the scores (XLNet's absent segment term) is the scores themselves;
 probabilities rounded to a narrower dtype and widened again (``p.half().float()``, a bf16 block's softmax in fp16
 cast back), also unsupported with a reason naming the dtypes.
 
@@ -256,6 +257,9 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
             nodes.append(x)
             below.tensor_scale = True
             x = x.args[0]
+        elif _zero_added(x):
+            nodes.append(x)             # s + 0 (XLNet's absent segment term, ``ac + bd + ef`` with ef = 0): the
+            x = x.args[0]               # scores themselves, but for a zero's sign, which exp does not see
         elif is_call(x, aten.where.ScalarOther):
             keep, y, fill = x.args
             if val(keep).dtype != torch.bool or below.tensor_scale or not is_number(fill):
@@ -293,6 +297,12 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
             return None
         else:
             return None
+
+
+def _zero_added(n: fx.Node) -> bool:
+    """``s + 0`` or ``s - 0`` (a Python zero, no ``alpha``), of the scores' dtype: the scores themselves."""
+    return (is_call(n, aten.add.Tensor, aten.sub.Tensor) and not n.kwargs and len(n.args) == 2
+            and is_number(n.args[1]) and n.args[1] == 0 and val(n).dtype == val(n.args[0]).dtype)
 
 
 def _added(n: fx.Node) -> tuple:
@@ -355,6 +365,8 @@ def _score_op(n: fx.Node) -> bool:
         return _sink_logits(n) is not None
     if is_call(n, aten.mul.Tensor):
         return is_number(n.args[1]) or _zero_dim_factor(n) is not None
+    if _zero_added(n):
+        return True
     if is_call(n, *SUBTRACTIONS):
         return bool(_added(n)) and val(n).is_floating_point()
     return is_call(n, aten.add.Tensor) and not n.kwargs and val(n).is_floating_point()

@@ -323,6 +323,50 @@ def test_near_miss_mask_fill_is_not_negative_enough():
     assert _count(M(), _args(AttentionVariant(mask="masked_fill"))) == 0
 
 
+class ZeroTerm(nn.Module):
+    """XLNet's scores, ``(ac + bd + ef) * scale`` with the segment term ``ef = 0`` (no token types): a Python 0 added to
+    the scores and a bias (the relative-position term); ``spelling`` says where the number goes."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v, bias):
+        s = q @ k.transpose(-2, -1)
+        s = {"s + b + 0": lambda: s + bias + 0, "(s + b) - 0": lambda: (s + bias) - 0,
+             "0 + (s + b)": lambda: 0 + (s + bias), "s + 0 + b": lambda: s + 0 + bias,
+             "s + b + 1e-3": lambda: s + bias + 1e-3, "s + b + 0.0 * s": lambda: s + bias + 0.0 * s}[self.spelling]()
+        return torch.softmax(s * 0.25, -1) @ v
+
+
+def _zero_term_args(dtype):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(2, 4, 16, 16, generator=g).to(dtype) for _ in range(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spelling", ["s + b + 0", "(s + b) - 0", "0 + (s + b)", "s + 0 + b"])
+def test_a_zero_added_to_the_scores_is_the_scores(spelling, dtype):
+    """``s + 0`` is ``s`` (but for a zero's sign, which exp does not see): XLNet's attention, whose absent segment
+    term adds a Python 0, fuses with its relative-position term as the mask, and equals eager within the bound."""
+    from autofuse import AutoFusionEngine
+    module, args = ZeroTerm(spelling), _zero_term_args(dtype)
+    assert _count(module, args) == 1
+    fused = AutoFusionEngine.fuse(module, args)
+    (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
+    assert [kind for _, kind, _ in d.params["mask_terms"]] == ["additive"]
+    ref = ZeroTerm(spelling)(*(a.double() for a in args))
+    ok, err, tol = compare(module(*args), ref, fused(*args))
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("spelling", ["s + b + 1e-3", "s + b + 0.0 * s"])
+def test_near_miss_a_nonzero_number_or_a_zero_product_added_is_not_the_scores(spelling):
+    """A number other than 0 changes the scores' roundings (the softmax is shift-invariant, its fp32 rounding is not);
+    ``0.0 * s`` is NaN where s is infinite: neither is taken as the scores."""
+    assert _count(ZeroTerm(spelling), _zero_term_args(torch.float32)) == 0
+
+
 class RoundTrip(nn.Module):
     """Scores or probabilities cast ``through`` a dtype and back to ``dtype`` (fake quantisation, or a model in a
     16-bit dtype computing its softmax in fp32)."""
