@@ -196,6 +196,7 @@ MORE = [
     ("convnextv2", "ConvNextV2Config?depths=[1,1]&hidden_sizes=[16,32]&num_stages=2", "eager"),
 ]
 
+
 def _main_output(out):
     for attr in ("logits", "last_hidden_state"):
         if hasattr(out, attr):
