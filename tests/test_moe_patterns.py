@@ -203,14 +203,15 @@ def test_deepseek_v3_routing_at_its_real_sizes_is_fused_and_matches_eager():
     # picks in another order than sorted at these sizes (not at the small sizes above); the order is unspecified
     # and the experts block sums over the picks, so the check compares each token's picks ordered by index
     torch.manual_seed(0)
-    cfg = tf.DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=64, vocab_size=64,
+    # one layer, its MLP the routed experts (the dense first layer of the model's own layout routes nothing)
+    cfg = tf.DeepseekV3Config(num_hidden_layers=1, first_k_dense_replace=0, hidden_size=64, vocab_size=64,
                               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=16,
                               intermediate_size=48, max_position_embeddings=64)
     assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (256, 8, 4, 8)
     model = tf.DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
-        gate = model.model.layers[1].mlp.gate
+        gate = model.model.layers[0].mlp.gate
         gate.weight.normal_(0, 0.1)         # scores off the sigmoid's flat ends, where fp32 ties every pick at 1.0
         gate.e_score_correction_bias.normal_(0, 0.1)
     ids = torch.randint(0, 64, (2, 32))
