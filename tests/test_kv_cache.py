@@ -99,7 +99,7 @@ def test_an_empty_cache_given_is_filled_and_returned():
 
 def test_capture_leaves_the_example_cache_as_it_was():
     """export traces the model on the example inputs; the cache it is given keeps its own tensors."""
-    model, ids = _model(), torch.randint(1, 128, (1, 6))
+    model, ids = _model(layers=1), torch.randint(1, 128, (1, 6))      # one layer: each layer's tensors are kept alike
     with torch.no_grad():
         cache = model(ids).cache
     keys = [layer.keys for layer in cache.layers]
@@ -109,7 +109,7 @@ def test_capture_leaves_the_example_cache_as_it_was():
 
 
 def test_simulating_a_decode_step_leaves_the_cache_alone():
-    model, ids = _model(), torch.randint(1, 128, (1, 6))
+    model, ids = _model(layers=1), torch.randint(1, 128, (1, 6))      # one layer: the check reads the first
     with torch.no_grad():
         cache = model(ids).cache
     keys = cache.layers[0].keys
