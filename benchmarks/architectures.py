@@ -160,7 +160,8 @@ MORE = [
     ("jamba (mamba hybrid, MoE)", f"JambaConfig?{KV}&num_experts=4&attn_layer_period=2&attn_layer_offset=1"
      "&expert_layer_period=2&expert_layer_offset=1", "sdpa"),
     ("falcon_h1 (parallel mamba2)", f"FalconH1Config?{KV}", "sdpa"),
-    ("granitemoehybrid", f"GraniteMoeHybridConfig?{KV}", "sdpa"),
+    ("granitemoehybrid (mamba2 hybrid, MoE)", f"GraniteMoeHybridConfig?{KV}&layers_block_type=[mamba,attention]",
+     "sdpa"),
     ("mamba", "MambaConfig?num_hidden_layers=2&hidden_size=64&vocab_size=128", "eager"),
     ("deepseek_v2 (latent attention)", f"DeepseekV2Config?{L}&num_key_value_heads=4&kv_lora_rank=32&q_lora_rank=48"
      "&qk_rope_head_dim=8&qk_nope_head_dim=16&v_head_dim=16&n_routed_experts=4&num_experts_per_tok=2"
@@ -301,7 +302,8 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
     err = (got.logits - want.logits).abs().max().item()
     attention = min(sum(d.applied and d.pattern == "attention" for d in p.report.decisions)
                     for p in fused.plans.values())
-    return dict(err=err, cache=type(got.cache).__name__, same=same, plans=len(made), one=one,
+    cache = next((getattr(got, a) for a in ("cache", "mems") if getattr(got, a, None) is not None), None)  # XLNet's mems
+    return dict(err=err, cache=type(cache).__name__, same=same, plans=len(made), one=one,
                 served=served, attention=attention, seconds=time.perf_counter() - t0)
 
 
