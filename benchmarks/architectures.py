@@ -302,7 +302,8 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
     err = (got.logits - want.logits).abs().max().item()
     attention = min(sum(d.applied and d.pattern == "attention" for d in p.report.decisions)
                     for p in fused.plans.values())
-    cache = next((getattr(got, a) for a in ("cache", "mems") if getattr(got, a, None) is not None), None)  # XLNet's mems
+    # the cache the fused call returned (XLNet's is its ``mems``)
+    cache = next((getattr(got, a) for a in ("cache", "mems") if getattr(got, a, None) is not None), None)
     return dict(err=err, cache=type(cache).__name__, same=same, plans=len(made), one=one,
                 served=served, attention=attention, seconds=time.perf_counter() - t0)
 
