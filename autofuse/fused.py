@@ -427,7 +427,7 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["out_order"] = _physical_order(like)
     fused = g.call_function(op or torch.ops.autofuse.flash_attention.default, (q, k, v, mask), kw)
     shared = kw.get("bias_partials")
-    if shared is not None and _after(shared, fused):     # found after this block (blocks emitted out of order)
+    if shared is not None and shared > fused:           # found after this block (blocks emitted out of order)
         fused.prepend(shared)
     fused.meta["autofuse_match"] = m
     out = g.call_function(operator.getitem, (fused, 0))
@@ -456,16 +456,6 @@ def _shared_bias_bound(g: fx.Graph, bias: fx.Node, device: str) -> fx.Node:
         if u.op == "call_function" and u.target is op and u.args == (bias, device):
             return u
     return call(g, op, bias, device)
-
-
-def _after(a: fx.Node, b: fx.Node) -> bool:
-    """Whether node ``a`` comes after ``b`` in their graph."""
-    n = b.next
-    while n.op != "root":
-        if n is a:
-            return True
-        n = n.next
-    return False
 
 
 def keep_mask_call(g: fx.Graph, dims, p: float, dtype: torch.dtype, device: str, like: torch.Tensor,
