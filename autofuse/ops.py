@@ -509,10 +509,10 @@ def _bias_bound(bias: torch.Tensor, device: str = "ascend910") -> torch.Tensor:
 
 
 def _bias_bound_rows(bias, device) -> int:
-    """The cores the ``bias_bound`` kernel stores one value each from: one per row of the bias, at most all."""
+    """The cores the ``bias_bound`` kernel stores one value each from (:func:`cost_model.vecutil.score_bound_cores`)."""
     from cost_model.devices import get_device
-    rows = math.prod(bias.shape[:-1]) if bias.dim() else 0
-    return max(1, min(get_device(device).vector_cores, rows))
+    from cost_model.vecutil import score_bound_cores
+    return score_bound_cores(get_device(device), math.prod(bias.shape[:-1]) if bias.dim() else 0)
 
 
 @_bias_bound.register_fake

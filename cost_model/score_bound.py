@@ -17,7 +17,7 @@ from cost_model.common import ceil_div, itemsize
 from cost_model.estimate import cached, make, register
 from cost_model.devices import get_device
 from cost_model.stream import block_steps, port, stream
-from cost_model.vecutil import pad, score_bound_rows
+from cost_model.vecutil import pad, score_bound_cores, score_bound_rows
 
 F32 = "float32"
 BLOCK = 8
@@ -27,7 +27,7 @@ BLOCK = 8
 def _model(device, dtype, rq, rk, D, R):
     dev = get_device(device)
     isz = itemsize(dtype)
-    n = max(1, min(dev.vector_cores, max(rq, rk)))
+    n = score_bound_cores(dev, max(rq, rk))
     dp = pad(D, "float16")
     per = dev.vector_bytes_per_cycle // 4                   # fp32 values per Vector repeat
     cols = {k: [] for k in ("lb", "miss", "vec", "sb", "stot", "instr")}
@@ -62,7 +62,7 @@ def estimate_score_bound(dev, specs, tiling=None):
     (qs, dtype), (ks, _) = specs[:2]
     D = qs[-1]
     rq, rk = math.prod(qs[:-1]), math.prod(ks[:-1])
-    n = max(1, min(dev.vector_cores, max(rq, rk)))
+    n = score_bound_cores(dev, max(rq, rk))
     R = int(tiling["rows"]) if tiling else score_bound_rows(dev, dtype, D, ceil_div(max(rq, rk), n))
     core, hbm, nbytes, busy = _model(dev.name, dtype, rq, rk, D, R)
     flops = 2.0 * (rq + rk) * D
@@ -81,7 +81,7 @@ def estimate_bias_bound(dev, specs, tiling=None):
     xs, dtype = specs[0]
     D = xs[-1]
     rows = math.prod(xs[:-1])
-    n = max(1, min(dev.vector_cores, rows))
+    n = score_bound_cores(dev, rows)
     R = int(tiling["rows"]) if tiling else score_bound_rows(dev, dtype, D, ceil_div(rows, n))
     core, hbm, nbytes, busy = _model(dev.name, dtype, rows, 0, D, R)
     return make("bias_bound", dev, core, hbm, nbytes, busy, {"rows": R}, _roof_bias(dev, specs), 2.0 * rows * D)

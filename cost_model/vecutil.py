@@ -190,6 +190,12 @@ def score_bound_tiles(dtype: str, R: int, D: int) -> list:
     return sp + [((R, dp), "float32"), ((rp,), "float32"), ((rp,), "float32"), ((8,), "float32")]
 
 
+def score_bound_cores(dev, rows: int) -> int:
+    """The cores the score and bias bounds run on (each stores one partial): one per row, at most every Vector core,
+    at least one."""
+    return max(1, min(dev.vector_cores, rows))
+
+
 def score_bound_rows(dev, dtype: str, D: int, per_core: int) -> int:
     """The score bound's default rows per tile: the most that fit UB, capped so each core has four tiles."""
     r = largest(lambda r: fits(dev, score_bound_tiles(dtype, r, D)), 1, max(1, per_core))

@@ -32,7 +32,7 @@ import numpy as np
 from autofuse.npu.kernels.tiles import (VEC_FLOATS, active_mask, ceil_div, check_dtype, extents, lockstep, pad,
                                         pipeline, split_blocks, view)
 from autofuse.npu.run import kernel
-from cost_model.vecutil import score_bound_rows as default_rows, score_bound_tiles as specs
+from cost_model.vecutil import score_bound_cores, score_bound_rows as default_rows, score_bound_tiles as specs
 
 F32 = "float32"
 BLOCK = 8                      # fp32 values in one 32 B block: the unit of the per-core store
@@ -85,7 +85,7 @@ def _row_bound(launch, kernel, tensors, dtype, tiling, square):
     fp32 ``[cores, len(tensors), 8]`` (``[cores, 8]`` for one tensor, ``bias_bound``'s)."""
     dev, D = launch.device, tensors[0].shape[1]
     rows = max(t.shape[0] for t in tensors)
-    n = max(1, min(dev.vector_cores, rows))
+    n = score_bound_cores(dev, rows)
     one = not square                    # bias_bound's one tensor: [cores, 8]
     out = launch.empty((n, BLOCK) if one else (n, len(tensors), BLOCK), F32, "partials")
     if launch.values:
