@@ -149,6 +149,7 @@ MODELS = [
 ]
 
 
+T5S = "num_layers=2&num_decoder_layers=2&d_model=64&d_ff=128&num_heads=4&vocab_size=128&d_kv=16"
 E2 = ("encoder_layers=2&decoder_layers=2&d_model=64&encoder_ffn_dim=128&decoder_ffn_dim=128&encoder_attention_heads=4"
       "&decoder_attention_heads=4&vocab_size=128&pad_token_id=0")
 
@@ -172,10 +173,8 @@ MORE = [
     ("olmo", f"OlmoConfig?{KV}", "sdpa"),
     ("gpt_bigcode (multi-query)", "GPTBigCodeConfig?n_layer=2&n_embd=64&n_head=4&vocab_size=128", "sdpa"),
     ("biogpt", f"BioGptConfig?{L}", "sdpa"),
-    ("mt5", "MT5Config?num_layers=2&num_decoder_layers=2&d_model=64&d_ff=128&num_heads=4&vocab_size=128&d_kv=16",
-     "eager"),
-    ("umt5", "UMT5Config?num_layers=2&num_decoder_layers=2&d_model=64&d_ff=128&num_heads=4&vocab_size=128&d_kv=16",
-     "eager"),
+    ("mt5", f"MT5Config?{T5S}", "eager"),
+    ("umt5", f"UMT5Config?{T5S}", "eager"),
     ("mbart", f"MBartConfig?{E2}", "sdpa"),
     ("marian", f"MarianConfig?{E2}&decoder_start_token_id=0", "sdpa"),
     ("pegasus", f"PegasusConfig?{E2}", "sdpa"),
@@ -226,6 +225,38 @@ def run(name, spec, attn, device, dtype=torch.float32, switches=None):
                 vs_eager=sp.get("eager op by op", float("nan")), vs_generic=sp.get("generic fusion alone", float("nan")))
 
 
+def _training_model(spec, attn, dtype=torch.float32, rates=False):
+    """A row's model for a training step, ``(model, args, kwargs)``: built (seed 0, 16 tokens, batch 2) in train
+    mode with its ``nn.Dropout``s off; ``rates``: also a module's float rate named ``*drop*`` (T5's functional
+    dropout, a drop path's ``drop_prob``), which 16-bit runs switch off (seeding alone need not draw the same mask in
+    16 bits and float64)."""
+    from autofuse.models import build_transformers
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn, dtype=dtype)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr, v in list(vars(m).items()) if rates else ():
+            if isinstance(v, float) and "drop" in attr:
+                setattr(m, attr, 0.0)
+    return model, args, kwargs
+
+
+def _generation_model(spec, attn, dtype=torch.float32):
+    """A row's model for generation, ``(model, args, kwargs)`` (seed 0, 8 tokens, batch 1, eval mode, its cache on as
+    its configuration has it, which ``build`` turns off), or None for a model that does not generate."""
+    from autofuse.models import build_transformers
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=8, batch=1, attn=attn, dtype=dtype)
+    model.eval()
+    if not model.can_generate():
+        return None
+    model.config.use_cache = True                  # the configuration's default, which build() turns off
+    model.generation_config.use_cache = True       # and generate()'s: without it every step recomputes the prompt
+    return model, args, {k: v for k, v in kwargs.items() if k != "use_cache"}
+
+
 def train(name, spec, attn, device, switches=None):
     """One training step's gradients (train mode, dropout off, the loss a fixed random projection of the output)
     of the fused model against eager's: (the worst |fused - eager| of a parameter's gradient relative to that
@@ -233,13 +264,7 @@ def train(name, spec, attn, device, switches=None):
     gradient relative to the model's largest; the parameters eager gives a gradient and the fused model none; the
     fused blocks)."""
     from autofuse import AutoFusionEngine
-    from autofuse.models import build_transformers
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn)
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    model, args, kwargs = _training_model(spec, attn)
     fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
     grads = []
     for fn in (fused, model):
@@ -267,16 +292,11 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
     but where a sliding-window layer keeps its length in the cache's structure); a model whose eager
     ``generate()`` refuses a static cache gives its reason instead."""
     from autofuse import AutoFusionEngine
-    from autofuse.models import build_transformers
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=8, batch=1, attn=attn)
-    model.eval()
-    if not model.can_generate():
+    built = _generation_model(spec, attn)
+    if built is None:
         return None
-    model.config.use_cache = True                  # the configuration's default, which build() turns off
-    model.generation_config.use_cache = True       # and generate()'s: without it every step recomputes the prompt
-    kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
+    model, args, kwargs = built
     fused = AutoFusionEngine.fuse(model, target_device=device, fusion_switches=switches)
     with torch.no_grad():
         got, want = fused(*args, **kwargs), model(*args, **kwargs)
@@ -353,20 +373,8 @@ def train16(name, spec, attn, device, dtype, switches=None):
     measure, reported, not the row's test), ``missing`` (gradients eager has and the fused model not), ``dropout``
     (whether the float64 forwards disagreed), ``n`` (fused blocks)."""
     from autofuse import AutoFusionEngine
-    from autofuse.models import build_transformers
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn, dtype=dtype)
-    model.train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        # a functional dropout's rate kept as a module's float (T5's attention: ``self.dropout``; a drop path's
-        # ``drop_prob``, Swin's and BEiT's): seeding alone need not draw the same mask in 16 bits and float64, so it is
-        # switched off (checked below)
-        for attr, v in list(vars(m).items()):
-            if isinstance(v, float) and "drop" in attr:
-                setattr(m, attr, 0.0)
+    model, args, kwargs = _training_model(spec, attn, dtype, rates=True)     # the rates' draws checked below
     m64 = _reference(model)
     args64, kwargs64 = _to64((args, kwargs))
     fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
@@ -409,16 +417,11 @@ def generate16(name, spec, attn, device, dtype, new_tokens=3, switches=None):
     either. Returns a dict: ``out`` (eager's, fused's logit error), ``tokens`` ("same", "tie" or "DIFFER"),
     ``step`` (the first differing step, its float64 gap, eager's error there and the fused model's, or None)."""
     from autofuse import AutoFusionEngine
-    from autofuse.models import build_transformers
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=8, batch=1, attn=attn, dtype=dtype)
-    model.eval()
-    if not model.can_generate():
+    built = _generation_model(spec, attn, dtype)
+    if built is None:
         return None
-    model.config.use_cache = True
-    model.generation_config.use_cache = True
-    kwargs = {k: v for k, v in kwargs.items() if k != "use_cache"}
+    model, args, kwargs = built
     m64 = _reference(model)
     args64, kwargs64 = _to64((args, kwargs))
     fused = AutoFusionEngine.fuse(model, target_device=device, fusion_switches=switches)
