@@ -261,7 +261,7 @@ def _attention_price(match, nodes, device, search_tiling, skip, group: int = 0) 
         first.append(("dropout_gen_mask", keep_mask_price(draw[0], match.params["dropout_p"], device)))
     if skip:                            # the run-time bounds: the bias's (its own call, shared), the scores'
         if match.params.get("causal_bias"):
-            first.append(("bias_bound", bias_bound_share(match, params["mask"], device)))
+            first.append(("bias_bound", bias_bound_share(match.params.get("bias_readers"), params["mask"], device)))
         first.append(("score_bound", cost_model.estimate("score_bound", specs[:2], device=device)))
     if match.params.get("v_cast") is not None:      # v cast up to q's dtype (GPT-J's fp32 q and k, bf16 v)
         vs = _spec(nodes[match.inputs["v"]])
@@ -280,17 +280,18 @@ class _Share:
     hbm_bytes: int
 
 
-def bias_bound_share(match, spec, device: str) -> _Share:
+def bias_bound_share(readers, spec, device: str) -> _Share:
     """A block's share of the one ``bias_bound`` launch every block reading the same bias shares (the rewrite emits
     it once, ahead of the first such block, and hands its result to all: :func:`emit_attention`): its cycles and
-    bytes divided among the ``n = params["bias_readers"]`` blocks the pattern found reading that bias (rounded up).
+    bytes divided among the ``n = readers`` blocks the pattern found reading that bias (``params["bias_readers"]``;
+    None: one), rounded up.
 
     The rule: amortised, each of the n blocks pays 1/n. Each block is priced alone, so "the first pays" would make
     the first block's choice depend on the later blocks' (and vice versa); with equal shares, identical layers price
     and choose alike, and when all n take the skip their prices add up to the one launch. Where only some of them
     take it (a block switched off, or not verified) the launch is charged less than it costs, by the shares of the
     blocks that do not; the simulation (:mod:`autofuse.simulate`) counts the launch as it runs, once."""
-    n = max(1, int(match.params.get("bias_readers") or 1))
+    n = max(1, int(readers or 1))
     e = cost_model.estimate("bias_bound", [spec], device=device)
     return _Share(-(-int(e.cycles) // n), -(-int(e.hbm_bytes) // n))
 

@@ -281,6 +281,7 @@ def bench_bias_causal_layers(rows=BIAS_CAUSAL_LAYERS, layers=12, N=12, D=64, dev
     O3 plan passes). The cost model's choice is the planner's rule: per block, the mask read against the skip with
     its 1/``layers`` share of the bias bound (:func:`autofuse.fused.bias_bound_share`)."""
     import cost_model
+    from autofuse.fused import bias_bound_share
     L = layers
     print(f"  {L} layers sharing one bias (T5-base decoder self-attention, N{N} D{D} fp32), {device} (cycles; "
           f"timing only; each kernel with the cost model's tiling):")
@@ -303,7 +304,7 @@ def bench_bias_causal_layers(rows=BIAS_CAUSAL_LAYERS, layers=12, N=12, D=64, dev
         c = {k: v.cycles for k, v in run.items()}
         read, shared = L * c["read"], c["bias"] + L * (c["score"] + c["causal"])
         per_call = L * (c["bias"] + c["score"] + c["causal"])
-        share = -(-int(est["bias"].cycles) // L)
+        share = bias_bound_share(L, bspec, device).cycles
         p_read, p_skip = int(est["read"].cycles), int(est["score"].cycles + est["causal"].cycles) + share
         choice = "skip" if p_skip < p_read else "mask read"
         print(f"    B{B} S{S}: mask read x{L} {read:>13,}  shared bound + {L} skips {shared:>13,} "
