@@ -23,6 +23,8 @@ there) where ``softmax`` and ``log_softmax`` give NaN over the row; on a row who
 ``logsumexp`` absorbs (``finfo.min``: ``max + log C`` rounds to the max in the scores' dtype) they give 0 and 1
 where ``log_softmax`` and ``softmax`` give ``-log C`` and ``1/C``. The kernel rounds its ``logsumexp`` to x's
 dtype, so such a block whose scores are wider than x (a cast up, a wider mask added) is not matched from x.
+A 16-bit softmax cast to another dtype (``softmax(x16).float()``) ends before the cast: eager rounds the
+probabilities to x's dtype first, which the kernel, writing the cast's dtype from fp32, would skip.
 
 Constraints (named functions below): the chain is walked from the softmax up to x, as attention walks its
 score chain, with :class:`patterns.attention._Below` computing the fill as it reaches the softmax through
@@ -183,6 +185,10 @@ def _outputs(m: dict, sm: fx.Node, log_anchor: bool):
     if "cast" in m:
         if list(out.users) != [m["cast"]]:
             return None
+        if val(out).dtype != val(m["cast"]).dtype and torch.finfo(val(out).dtype).bits < 32:
+            return None                 # a 16-bit softmax cast to another dtype: eager rounds the probabilities to
+            #                             the softmax's dtype first, which the kernel, writing the cast's dtype
+            #                             from fp32, would skip; the block without the cast (tried next) keeps it
         out = m["cast"]
     return out, log
 

@@ -321,6 +321,29 @@ def test_a_16_bit_rounding_of_the_probabilities_is_the_blocks_output_dtype():
     torch.testing.assert_close(fused(x), model(x), atol=2 * 2 ** -8, rtol=0)
 
 
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype,cast", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                        (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_a_16_bit_softmax_cast_to_another_dtype_keeps_its_own_rounding(dtype, cast, log):
+    """``softmax(x16 * 0.25).float()``: eager's softmax rounds the probabilities to x's dtype and the cast then
+    widens them (or rounds them again, to the other 16-bit dtype). A block taking the cast in would write the
+    cast's dtype straight from fp32 and drop the first rounding (2e-3 off eager in bf16). The block ends at the
+    softmax, written in x's dtype; the cast runs after it."""
+    x, _, _ = _data(dtype)
+    f = torch.log_softmax if log else torch.softmax
+    model = Fn(lambda x: f(x * 0.25, -1).to(cast) * 2).eval()
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert [d.params["out_dtype"] for d in fused.report.applied if d.pattern == "softmax"] == [dtype], \
+        fused.report.summary()
+    with torch.no_grad():
+        got, want = fused(x), model(x)
+        ref = _F64(fused.plans[next(iter(fused.plans))].captured.graph_module).run(_f64(x))[0]
+    assert got.dtype == want.dtype == cast
+    assert torch.equal((got / 2).to(dtype).to(cast), got / 2)    # every probability rounded to x's dtype, as eager's
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
+
+
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_scores_the_model_rounds_down_are_read_rounded(dtype, log):
