@@ -1187,12 +1187,14 @@ class _Verifier:
             # masks subtracted from the scores (a negative factor) mask with +inf and finfo.max
             negated = frozenset(r for r, kind, f in cand.match.params.get("mask_terms") or ()
                                 if kind == "additive" and f < 0)
+            tied = _verify.entangled_inputs(external)
             with torch.random.fork_rng():
                 try:
                     grads = self._gradients(fam)
-                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles, grads, negated) or \
+                    self.done[key] = self._reduced(fam, cand, sub, fused_sub, external, roles, grads, negated,
+                                                   tied) or \
                         _verify.verify_block(sub, fused_sub, self._inputs(external), roles, _canonical(fam, cand),
-                                             grads, negated) + ("",)
+                                             grads, negated, tied) + ("",)
                 except Exception as e:  # noqa: BLE001 - a block that cannot be checked is not applied
                     why = str(e).splitlines()[0][:200] if str(e) else ""
                     self.done[key] = (False, None, None, "", f"not verified: checking it raised {type(e).__name__}"
@@ -1205,7 +1207,8 @@ class _Verifier:
                 self.shared[kept] = self.done[key]
         return self.done[key]
 
-    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles, grads=False, negated=frozenset()):
+    def _reduced(self, fam, cand, sub, fused_sub_full, external, roles, grads=False, negated=frozenset(),
+                 tied=frozenset()):
         """A block too large to check at its size (its float64 reference would allocate more than
         ``verify.LARGEST_CHECKED`` at once) is checked on reduced shapes of the same block: its sequence or
         token dims (the family says which) shrunk in every shape argument and input, its fused call built for
@@ -1236,7 +1239,7 @@ class _Verifier:
                 _, fused_sub, _ = fused_block(self.cap, lifted, fam.emit, kwargs, sizes if fam.resize else None)
                 small, small_fused = _verify.shrink(sub, sizes), _verify.shrink(fused_sub, sizes)
                 ok, err, tol, label = _verify.verify_block(small, small_fused, inputs, roles, _canonical(fam, cand),
-                                                           grads, negated)
+                                                           grads, negated, tied)
             except Exception as e:  # noqa: BLE001 - a reduction that does not run: try the next
                 reason = str(e).splitlines()[0][:160] if str(e) else ""
                 failed.append(f"({what}): {type(e).__name__}{': ' + reason if reason else ''}")
@@ -1251,7 +1254,7 @@ class _Verifier:
                                            f"one float64 value (checks run at up to "
                                            f"{_verify.LARGEST_AT_OWN_SIZE / 2 ** 20:,.0f} MiB) and {why}")
         ok, err, tol, label = _verify.verify_block(sub, fused_sub_full, self._inputs(external), roles,
-                                                   _canonical(fam, cand), grads, negated)
+                                                   _canonical(fam, cand), grads, negated, tied)
         return ok, err, tol, label or "", f"verified at its own size: {why}"
 
 

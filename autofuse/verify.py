@@ -359,11 +359,12 @@ def _aliases(inputs: list, pos: int) -> list[int]:
 
 
 def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None,
-                negated: frozenset = frozenset()) -> list[tuple[str, list]]:
+                negated: frozenset = frozenset(), entangled: frozenset = frozenset()) -> list[tuple[str, list]]:
     """Input sets derived from ``inputs`` by role (``roles``: role -> positions in ``inputs`` of the values
     that role is computed from): ``[(label, inputs), ...]``. ``read``: the positions the captured block reads and
     those the fused one reads, for :func:`_equal_row`. ``negated``: the mask roles that reach the scores negated
-    (``scores - m``): their masking values are ``+inf`` and ``finfo.max``."""
+    (``scores - m``): their masking values are ``+inf`` and ``finfo.max``. ``entangled``: pairs of positions whose
+    values the model computes one from the other (:func:`entangled_inputs`), for :func:`_equal_row`."""
     out = []
 
     def variant(label, pos, fn, every=False):
@@ -410,21 +411,51 @@ def adversarial(inputs: list, roles: dict, read: tuple[set, set] | None = None,
             variant("magnitudes near the dtype's limit (k)", p, lambda x, b=big: x.mul_(b))
     # no NaN in a key or a value: eager spreads it to every row through masked entries (NaN + mask, 0 * NaN)
     # or not (a masked_fill removes it), by spelling; a kernel that skips masked tiles cannot follow both
-    _equal_row(inputs, roles, out, read)
+    _equal_row(inputs, roles, out, read, entangled)
     return out
 
 
-def _equal_row(inputs: list, roles: dict, out: list, read: tuple[set, set] | None = None) -> None:
+def entangled_inputs(external: list, budget: int = 64) -> frozenset:
+    """Pairs ``(i, j)`` of a block's input positions (``external``: the captured graph's nodes it reads, in order)
+    where the model computes input i from input j (found within ``budget`` nodes up from i): CodeGen's rotary
+    ``repeat_interleave(sin)``, which the key's rotation reads, computed from ``sin``, from which the captured block
+    computes the query's again. The canonical form computes such a value once, so the fused call reads it where
+    the captured block recomputes it (see :func:`_equal_row`)."""
+    pos = {n: i for i, n in enumerate(external)}
+    out = set()
+    for n, i in pos.items():
+        stack, seen = list(n.all_input_nodes), set()
+        while stack and len(seen) < budget:
+            c = stack.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            if c in pos and c is not n:
+                out.add((i, pos[c]))
+                continue
+            stack.extend(c.all_input_nodes)
+    return frozenset(out)
+
+
+def _equal_row(inputs: list, roles: dict, out: list, read: tuple[set, set] | None = None,
+               entangled: frozenset = frozenset()) -> None:
     """A generated Vector kernel's inputs (roles ``in0``, ``in1``, ...): one row of each float input of two or more
     columns holding one value, its first (a padded or saturated row): a row's mean is then exact in eager, its
     variance and a layer norm's deviations exactly 0, and a comparison with the mean ties. One input set. A value
     is changed at every position holding it (:func:`_aliases`: the captured block may read it through one view,
     the fused call through another), and only where both the captured block and the fused one read it (``read``):
-    a value one of them recomputes from other inputs would otherwise differ between the two runs."""
+    a value one of them recomputes from other inputs would otherwise differ between the two runs. Nor where the
+    model computes the value from another input or another input from it (a pair of ``entangled``) and one of
+    the two is read by one run only: that run recomputes what the other reads, and changing one of the two alone
+    would give them inputs no model gives."""
     pos = [p for r, ps in roles.items() if r[:2] == "in" and r[2:].isdigit() for p in ps]
+    once = read[0] ^ read[1] if read is not None else set()
+    tied = {p for pair in entangled if once & set(pair) for p in pair}
     xs, changed = list(inputs), False
     for p in dict.fromkeys(pos):
         t = inputs[p]
+        if p in tied:
+            continue
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() and t.shape[-1] > 1 and t.numel():
             same = _aliases(inputs, p)
             if read is not None and not all(set(same) & r for r in read):
@@ -440,10 +471,11 @@ def _equal_row(inputs: list, roles: dict, out: list, read: tuple[set, set] | Non
 
 
 def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, roles: dict, canonical=None,
-                 gradients: bool = False, negated: frozenset = frozenset()) -> tuple:
+                 gradients: bool = False, negated: frozenset = frozenset(),
+                 entangled: frozenset = frozenset()) -> tuple:
     """Check on the given inputs, then on each adversarial set; the first failure ends it. ``canonical``: see
-    :func:`check`. ``gradients``: the gradients on the given inputs too (:func:`check_gradients`). ``negated``: see
-    :func:`adversarial`. Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
+    :func:`check`. ``gradients``: the gradients on the given inputs too (:func:`check_gradients`). ``negated`` and
+    ``entangled``: see :func:`adversarial`. Returns ``(ok, error, tolerance, label of the failing input set or "")``."""
     ok, err, tol = check(sub, fused_sub, inputs, canonical=canonical)
     if not ok:
         return ok, err, tol, "the example inputs"
@@ -452,7 +484,7 @@ def verify_block(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, r
         if not ok:
             return ok, e, t, "the gradients on the example inputs"
         err, tol = max(err, e), max(tol, t)
-    for label, xs in adversarial(inputs, roles, (_read(sub), _read(fused_sub)), negated):
+    for label, xs in adversarial(inputs, roles, (_read(sub), _read(fused_sub)), negated, entangled):
         o, e, t = check(sub, fused_sub, xs, nan_ok=label.startswith("NaN"), canonical=canonical)
         if not o:
             return o, e, t, label
@@ -543,4 +575,4 @@ def laid_out(t, node: fx.Node):
 
 __all__ = ["LARGEST_AT_OWN_SIZE", "LARGEST_CHECKED", "adversarial", "check", "compare", "consistent_sizes", "floor",
            "laid_out", "largest_value_bytes", "random_like", "shrink", "shrink_arg", "shrink_value", "structure_key",
-           "verify_block", "check_gradients"]
+           "verify_block", "check_gradients", "entangled_inputs"]

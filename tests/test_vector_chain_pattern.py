@@ -1430,6 +1430,48 @@ def test_verification_tries_a_row_of_equal_values(monkeypatch):
     assert "equal values" in fused.report.summary()
 
 
+def test_a_row_of_equal_values_leaves_an_input_the_other_run_recomputes_alone():
+    """Where the model computes one input of a block from another (``entangled_inputs``: ``r = repeat(s)`` beside
+    ``s``) and one of the two runs reads only one of them (the captured block recomputes ``r`` from ``s``, the fused
+    call reads ``r``), a row of equal values in ``r`` alone is no input the model can give: ``r`` is left as it
+    is. The same pair read by both runs, or a pair no run recomputes, is changed as before."""
+    import torch.fx as fx
+
+    from autofuse.verify import adversarial, entangled_inputs
+
+    g = fx.Graph()
+    x, s = g.placeholder("x"), g.placeholder("s")
+    r = g.call_function(torch.repeat_interleave, (g.call_function(torch.unsqueeze, (s, 2)), 2, 3))
+    h = g.call_function(torch.add, (x, x))
+    g.output((r, h))
+    assert entangled_inputs([h, r, x, s]) == {(0, 2), (1, 3)}        # h from x, r from s
+    assert entangled_inputs([h, r]) == frozenset()
+
+    inputs = [torch.randn(2, 8), torch.randn(1, 4, 1, 8), torch.randn(2, 8), torch.randn(1, 4, 4)]
+    roles = {"in0": [0], "in1": [1]}
+    one_sided = ({0, 1, 3}, {0, 1})                 # the captured block reads s too: it recomputes r
+    (label, xs), = adversarial(inputs, roles, one_sided, entangled=frozenset({(1, 3)}))
+    assert "equal values" in label and not torch.equal(xs[0], inputs[0]) and xs[1] is inputs[1]
+    for read, pairs in ((({0, 1, 3}, {0, 1, 3}), frozenset({(1, 3)})), (one_sided, frozenset())):
+        (label, xs), = adversarial(inputs, roles, read, entangled=pairs)
+        assert not torch.equal(xs[1], inputs[1])
+
+
+def test_codegens_rotations_are_verified_and_fused():
+    """CodeGen's rotary sin and cos are ``repeat_interleave``d once per rotation; the canonical form computes that
+    once per layer, so the fused call reads the key's where the captured block recomputes the query's from ``sin``.
+    The verifier's row of equal values changed the one without the other and the two runs differed (0.79): both
+    rotations were left unfused as not verified. Each is one ``rope`` region, within the bound."""
+    torch.manual_seed(0)
+    cfg = tf.CodeGenConfig(vocab_size=128, n_layer=LAYERS, n_embd=64, n_head=4, rotary_dim=8, n_positions=64)
+    model = tf.CodeGenForCausalLM(cfg).eval()
+    ids = torch.randint(1, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    assert not [d for d in fused.report.decisions if d.reason_code == "verification_failed"], fused.report.summary()
+    assert _names(fused.report)["rope"] == LAYERS, fused.report.summary()
+    _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
+
+
 @pytest.mark.parametrize("spelling", ["dim0", "two_dims"])
 def test_a_var_over_another_dim_is_not_a_row_program(spelling):
     # over dim 0 or over the last two dims: not a row-wise Vector program; it runs as captured, correctly
