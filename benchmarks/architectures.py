@@ -10,10 +10,17 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py --train --dtype bfloat16     # 16 bits: fused and eager each from float64
     python benchmarks/architectures.py --generate --dtype float16   # tokens, and a near tie told from a failure
     python benchmarks/architectures.py --more [...]                 # further architectures, any mode above
+    python benchmarks/architectures.py --compile [--only NAME ...]  # through torch.compile(backend="autofuse")
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
 coverage of the spellings, not speed figures (see ``model_speedup.py`` and ``scale.py`` for those).
+
+``--compile``: each row through ``torch.compile(model, backend="autofuse")`` instead, called at 16 tokens and then
+at 12 and 20 (Dynamo compiles a graph with a symbolic sequence length at the second size; the backend plans it per
+size): the largest difference from eager over the three calls, the graphs Dynamo handed over and the plans made,
+and the blocks the first call fused by name against those ``fuse()`` fuses on the same model (a row whose blocks
+differ says so; a graph break, such as JetMoe's data-dependent expert sizes, makes them differ).
 
 ``--train`` and ``--generate`` compare with eager in fp32 directly. With a 16-bit ``--dtype`` both sides round far
 more and may differ by it, so each row also runs a float64 reference (the same weights widened exactly, the same
@@ -206,11 +213,8 @@ def _main_output(out):
 
 def run(name, spec, attn, device, dtype=torch.float32, switches=None):
     from autofuse import AutoFusionEngine
-    from autofuse.models import build_transformers
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn, dtype=dtype)
-    model.eval()
+    model, (args, kwargs) = _eval_model(spec, attn, dtype=dtype)
     with torch.no_grad():
         want = _main_output(model(*args, **kwargs))
     fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
@@ -223,6 +227,39 @@ def run(name, spec, attn, device, dtype=torch.float32, switches=None):
     sp = r.speedups()            # the whole graph's predicted cycles against each baseline
     return dict(err=err, names=names, failed=len(failed), seconds=time.perf_counter() - t0,
                 vs_eager=sp.get("eager op by op", float("nan")), vs_generic=sp.get("generic fusion alone", float("nan")))
+
+
+def compiled(name, spec, attn, device, switches=None):
+    """The row through ``torch.compile(backend=autofuse.backend(...))`` at 16, 12 and 20 tokens (see the module
+    docstring): the largest difference from eager, the graphs and plans, the first call's blocks by name and
+    ``fuse()``'s on the same model."""
+    import autofuse
+    from autofuse.backend import graphs
+    fuse_names = run(name, spec, attn, device, switches=switches)["names"]
+    t0 = time.perf_counter()
+    torch._dynamo.reset()
+    model, _ = _eval_model(spec, attn)
+    comp = torch.compile(model, backend=autofuse.backend(target_device=device, fusion_switches=switches))
+    err, names = 0.0, None
+    for seq in (16, 12, 20):
+        args, kwargs = _eval_model(spec, attn, seq)[1]
+        with torch.no_grad():
+            want, got = _main_output(model(*args, **kwargs)), _main_output(comp(*args, **kwargs))
+        err = max(err, (got.float() - want.float()).abs().max().item())
+        if names is None:
+            names = collections.Counter(d.pattern for r in autofuse.reports(comp) for d in r.applied)
+    reports = autofuse.reports(comp)
+    failed = sum(d.reason_code == "verification_failed" for r in reports for d in r.decisions)
+    return dict(err=err, names=names, fuse_names=fuse_names, graphs=len(graphs(comp)),
+                plans=len(reports), failed=failed, seconds=time.perf_counter() - t0)
+
+
+def _eval_model(spec, attn, seq=16, dtype=torch.float32):
+    """A row's eval-mode model and its inputs, ``(model, (args, kwargs))``, at ``seq`` tokens, batch 2 (seed 0)."""
+    from autofuse.models import build_transformers
+    torch.manual_seed(0)
+    model, inputs = build_transformers("transformers:" + spec, seq=seq, batch=2, attn=attn, dtype=dtype)
+    return model.eval(), inputs
 
 
 def _training_model(spec, attn, dtype=torch.float32, rates=False):
@@ -566,6 +603,8 @@ def main():
     ap.add_argument("--static", action="store_true", help="with --generate: generate() with a static cache")
     ap.add_argument("--new-tokens", type=int, default=3, help="with --generate: tokens generated")
     ap.add_argument("--more", action="store_true", help="the further architectures (MORE) instead of the main rows")
+    ap.add_argument("--compile", action="store_true",
+                    help='through torch.compile(backend="autofuse") at 16, 12 and 20 tokens, against fuse()')
     a = ap.parse_args()
     global ROWS
     ROWS = MORE if a.more else MODELS
@@ -600,6 +639,24 @@ def main():
                   flush=True)
         print(f"\n{bad} failed or generated other tokens" + (f"; eager refused a static cache for {refused}"
                                                                if a.static else ""))
+        return
+    if a.compile:
+        print(f"{'model':32} {'max|compiled-eager|':>19} {'graphs':>6} {'plans':>5} {'s':>5}  fused blocks by name at "
+              f"the first call (16 tokens), against fuse()'s")
+        bad = differ = 0
+        for name, _, row in _rows(a.only, lambda name, spec, attn: compiled(name, spec, attn, a.device, switches)):
+            if row is FAILED:
+                bad += 1
+                continue
+            names = ", ".join(f"{k} {v}" for k, v in sorted(row["names"].items(), key=lambda kv: (-kv[1], kv[0])))
+            same = row["names"] == row["fuse_names"]
+            differ += not same
+            note = "  (as fuse())" if same else "  DIFFERS from fuse(): " + ", ".join(
+                f"{k} {v}" for k, v in sorted(row["fuse_names"].items(), key=lambda kv: (-kv[1], kv[0])))
+            note += f"  ({row['failed']} not verified)" if row["failed"] else ""
+            print(f"{name:32} {row['err']:19.2e} {row['graphs']:6} {row['plans']:5} {row['seconds']:5.1f}  {names}"
+                  f"{note}", flush=True)
+        print(f"\n{bad} failed; {differ} fused other blocks than fuse()")
         return
     if a.train:
         print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  worst parameter (vs its own largest)")
