@@ -229,20 +229,20 @@ def run(name, spec, attn, device, dtype=torch.float32, switches=None):
                 vs_eager=sp.get("eager op by op", float("nan")), vs_generic=sp.get("generic fusion alone", float("nan")))
 
 
-def compiled(name, spec, attn, device, switches=None):
+def compiled(name, spec, attn, device, dtype=torch.float32, switches=None):
     """The row through ``torch.compile(backend=autofuse.backend(...))`` at 16, 12 and 20 tokens (see the module
     docstring): the largest difference from eager, the graphs and plans, the first call's blocks by name and
     ``fuse()``'s on the same model."""
     import autofuse
     from autofuse.backend import graphs
-    fuse_names = run(name, spec, attn, device, switches=switches)["names"]
+    fuse_names = run(name, spec, attn, device, dtype, switches)["names"]
     t0 = time.perf_counter()
     torch._dynamo.reset()
-    model, _ = _eval_model(spec, attn)
+    model, _ = _eval_model(spec, attn, dtype=dtype)
     comp = torch.compile(model, backend=autofuse.backend(target_device=device, fusion_switches=switches))
     err, names = 0.0, None
     for seq in (16, 12, 20):
-        args, kwargs = _eval_model(spec, attn, seq)[1]
+        args, kwargs = _eval_model(spec, attn, seq, dtype)[1]
         with torch.no_grad():
             want, got = _main_output(model(*args, **kwargs)), _main_output(comp(*args, **kwargs))
         err = max(err, (got.float() - want.float()).abs().max().item())
@@ -517,6 +517,11 @@ def _rows(only, fn, label=lambda name, attn: f"{name:32}", trace=False):
             yield name, attn, FAILED
 
 
+def _by_count(names) -> str:
+    """Block names with their counts, the most frequent first."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(names.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def _ratio(fused, eager):
     return fused / eager if eager else (0.0 if not fused else float("inf"))
 
@@ -644,18 +649,17 @@ def main():
         print(f"{'model':32} {'max|compiled-eager|':>19} {'graphs':>6} {'plans':>5} {'s':>5}  fused blocks by name at "
               f"the first call (16 tokens), against fuse()'s")
         bad = differ = 0
-        for name, _, row in _rows(a.only, lambda name, spec, attn: compiled(name, spec, attn, a.device, switches)):
+        for name, _, row in _rows(a.only, lambda name, spec, attn: compiled(name, spec, attn, a.device,
+                                                                            getattr(torch, a.dtype), switches)):
             if row is FAILED:
                 bad += 1
                 continue
-            names = ", ".join(f"{k} {v}" for k, v in sorted(row["names"].items(), key=lambda kv: (-kv[1], kv[0])))
             same = row["names"] == row["fuse_names"]
             differ += not same
-            note = "  (as fuse())" if same else "  DIFFERS from fuse(): " + ", ".join(
-                f"{k} {v}" for k, v in sorted(row["fuse_names"].items(), key=lambda kv: (-kv[1], kv[0])))
+            note = "  (as fuse())" if same else f"  DIFFERS from fuse(): {_by_count(row['fuse_names'])}"
             note += f"  ({row['failed']} not verified)" if row["failed"] else ""
-            print(f"{name:32} {row['err']:19.2e} {row['graphs']:6} {row['plans']:5} {row['seconds']:5.1f}  {names}"
-                  f"{note}", flush=True)
+            print(f"{name:32} {row['err']:19.2e} {row['graphs']:6} {row['plans']:5} {row['seconds']:5.1f}  "
+                  f"{_by_count(row['names'])}{note}", flush=True)
         print(f"\n{bad} failed; {differ} fused other blocks than fuse()")
         return
     if a.train:
@@ -680,7 +684,7 @@ def main():
         if row is FAILED:
             bad += 1
             continue
-        names = ", ".join(f"{k} {v}" for k, v in sorted(row["names"].items(), key=lambda kv: (-kv[1], kv[0])))
+        names = _by_count(row["names"])
         note = f"  ({row['failed']} not verified)" if row["failed"] else ""
         print(f"{name:28} {attn:5} {row['err']:16.2e} {row['vs_eager']:7.2f}x {row['vs_generic']:9.2f}x "
               f"{row['seconds']:6.1f}  {names}{note}", flush=True)
