@@ -99,6 +99,10 @@ class Backend:
 
     def __init__(self, target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True,
                  **engine_options):
+        from autofuse.engine import fuse_options, unknown_options
+        unknown = [k for k in engine_options if k not in fuse_options()]
+        if unknown:                     # refused here, not at the first compile inside Dynamo
+            raise TypeError(unknown_options("autofuse.backend", unknown))
         self.settings = dict(target_device=target_device, optimization_level=optimization_level,
                              memory_budget=memory_budget, verify=verify, **engine_options)
         self.graphs: list[CompiledGraph] = []
@@ -200,16 +204,14 @@ class Backend:
         :func:`autofuse.AutoFusionEngine.fuse` takes: ``{"target_device": "ascend910b", "optimization_level":
         "O2"}``). ``mode`` names Inductor's schedules (CUDA graphs, autotuning), which have no meaning here: it is
         accepted, with a warning that says where the level is set."""
-        import inspect
-
-        from autofuse.engine import AutoFusionEngine
+        from autofuse.engine import fuse_options
         if mode is not None and mode != "default" and mode not in self._warned:
             self._warned.add(mode)
             warnings.warn(f"autofuse: torch.compile's mode={mode!r} is Inductor's and has no effect on autofuse; set "
                           f"the optimization level with options={{'optimization_level': 'O2'}} (or "
                           f"autofuse.backend(optimization_level=...))", stacklevel=3)
         options = dict(options or {})
-        known = [p for p in inspect.signature(AutoFusionEngine.fuse).parameters if p not in ("model", "example_inputs")]
+        known = fuse_options()
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise TypeError(f"autofuse: torch.compile options {unknown} are not autofuse settings; it takes "

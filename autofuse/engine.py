@@ -1703,7 +1703,8 @@ class AutoFusionEngine:
 
     @_WithSettings
     def fuse(model, example_inputs=None, target_device="ascend910", optimization_level="O3", memory_budget=None,
-             *, route="auto", verify=True, fusion_switches=None, max_plans=64, share_exports=True) -> FusedModule:
+             *, route="auto", verify=True, fusion_switches=None, max_plans=64, share_exports=True,
+             **unknown) -> FusedModule:
         """Fuse ``model`` (an ``nn.Module``, or a ``torch.export.ExportedProgram``: its module, planned on the
         inputs it was exported with unless ``example_inputs`` are given) for ``target_device``; see the module
         docstring.
@@ -1719,8 +1720,11 @@ class AutoFusionEngine:
         used is dropped and planned again if its signature returns. Generation makes one per cache length.
         ``share_exports``: a signature that differs from an earlier one only in sizes (a longer KV cache) is
         specialised from one symbolic ``torch.export`` of the family instead of being exported again
-        (:mod:`autofuse.sizes`); ``False`` exports every signature by itself.
+        (:mod:`autofuse.sizes`); ``False`` exports every signature by itself. Any other keyword is refused,
+        naming the option it is closest to (``optimisation_level`` -> ``optimization_level``).
         """
+        if unknown:
+            raise TypeError(unknown_options("fuse", unknown))
         model, example_inputs, device = check_model(model, example_inputs, target_device)
         level = parse_level(optimization_level)
         budget = parse_memory_budget(memory_budget)
@@ -1735,6 +1739,25 @@ class AutoFusionEngine:
                              f"signature's other sizes) or False (export every signature by itself)")
         return FusedModule(model, _normalise_inputs(example_inputs), device, level, budget, route, verify, switches,
                            max_plans, share_exports)
+
+
+def fuse_options() -> list[str]:
+    """The keyword options of :meth:`AutoFusionEngine.fuse` (what :class:`autofuse.backend.Backend` passes on)."""
+    import inspect
+    params = inspect.signature(AutoFusionEngine.fuse).parameters
+    return [n for n, p in params.items() if n not in ("model", "example_inputs") and p.kind != p.VAR_KEYWORD]
+
+
+def unknown_options(who: str, given) -> str:
+    """The message for keyword arguments that ``fuse()`` does not take: each with the option it is closest to, or
+    the list of options."""
+    import difflib
+    known = fuse_options()
+    parts = []
+    for name in given:
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
+    return (f"{who}: no option {', '.join(parts)}; the options are {', '.join(known)}")
 
 
 def check_model(model, example_inputs, target_device, who: str = "fuse", device_arg: str = "target_device"):

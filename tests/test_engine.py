@@ -525,6 +525,23 @@ def test_bad_memory_budget_names_the_argument(bad):
         AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), memory_budget=bad)
 
 
+@pytest.mark.parametrize("make", ["fuse", "backend"])
+def test_an_option_spelled_otherwise_names_the_option_it_is_closest_to(make):
+    """``optimisation_level=`` (British spelling), ``device=``, ``fusion_switch=``: refused naming the option meant,
+    by ``fuse()`` and by ``autofuse.backend()`` (there when it is made, not at the first compile inside Dynamo); a
+    name near no option lists them all. The options themselves are still taken."""
+    import autofuse
+    m, x = nn.Linear(2, 2), torch.randn(1, 2)
+    call = (lambda **kw: AutoFusionEngine.fuse(m, (x,), **kw)) if make == "fuse" else autofuse.backend
+    for given, meant in (("optimisation_level", "optimization_level"), ("device", "target_device"),
+                         ("fusion_switch", "fusion_switches"), ("budget", "memory_budget")):
+        with pytest.raises(TypeError, match=rf"no option '{given}' \(did you mean '{meant}'\?\)"):
+            call(**{given: "x"})
+    with pytest.raises(TypeError, match=r"no option 'colour'; the options are target_device, optimization_level"):
+        call(colour="blue")
+    call(optimization_level="O2", fusion_switches={"attention": "off"}, max_plans=4)
+
+
 def test_a_torchscript_module_says_to_pass_the_original():
     m = torch.nn.Linear(4, 4)
     for scripted in (torch.jit.script(m), torch.jit.trace(m, torch.randn(2, 4))):
