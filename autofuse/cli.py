@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import io
 import json
 import os
@@ -278,15 +277,14 @@ def _check_engine_args(a) -> dict:
     kw = {"target_device": a.device, "optimization_level": level, "memory_budget": budget}
     switches = {}
     from autofuse.engine import NAMES, switch_name_known
+    from autofuse.models import did_you_mean
     known = list(families()) + list(NAMES)      # families, and the names discovery gives its regions
     for flag, value in (("disable", "off"), ("enable", "on"), ("force", "force")):
         for item in getattr(a, flag):
             for name in filter(None, item.split(",")):
                 if not switch_name_known(name):
-                    near = difflib.get_close_matches(name, known, n=1)
                     raise UsageError(f"--{flag} {name!r} is not a pattern family or region name"
-                                     + (f" (did you mean {near[0]!r}?)" if near else "")
-                                     + f": choose from {', '.join(known)}")
+                                     f"{did_you_mean(name, known)}: choose from {', '.join(known)}")
                 if switches.get(name, value) != value:
                     raise UsageError(f"pattern family {name!r} is switched both {switches[name]!r} and {value!r}: "
                                      f"give one of --disable/--enable/--force for it")
@@ -506,10 +504,10 @@ def cmd_patterns(a, progress):
         print(f"{lead} found by the {shown} template{also}:", file=sys.stderr)
         a.show = shown
     if a.show not in fams and a.show not in names:
-        near = difflib.get_close_matches(a.show, list(fams) + names + list(alias), n=1)
-        raise UsageError(f"--show {a.show!r} is not a pattern family or a region name" +
-                         (f" (did you mean {near[0]!r}?)" if near else "") +
-                         f": choose from {', '.join(fams)} (families) or {', '.join(sorted(set(names) | set(alias)))} "
+        from autofuse.models import did_you_mean
+        raise UsageError(f"--show {a.show!r} is not a pattern family or a region name"
+                         f"{did_you_mean(a.show, list(fams) + names + list(alias))}: choose from {', '.join(fams)} "
+                         f"(families) or {', '.join(sorted(set(names) | set(alias)))} "
                          f"(names of Vector regions, joined with + to matmul as reports print them)")
     templates = [t for t in named if t.name == a.show]
     if not templates:          # a family found by discovery (vector_chain): the templates that name its regions

@@ -1751,13 +1751,10 @@ def fuse_options() -> list[str]:
 def unknown_options(who: str, given) -> str:
     """The message for keyword arguments that ``fuse()`` does not take: each with the option it is closest to, or
     the list of options."""
-    import difflib
+    from autofuse.models import did_you_mean
     known = fuse_options()
-    parts = []
-    for name in given:
-        near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        parts.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
-    return (f"{who}: no option {', '.join(parts)}; the options are {', '.join(known)}")
+    parts = [f"{name!r}{did_you_mean(name, known)}" for name in given]
+    return f"{who}: no option {', '.join(parts)}; the options are {', '.join(known)}"
 
 
 def check_model(model, example_inputs, target_device, who: str = "fuse", device_arg: str = "target_device"):

@@ -44,7 +44,8 @@ class ModelSpecError(ValueError):
     """The ``--model`` spec cannot be turned into a model: the message names the part and the fix."""
 
 
-def _closest(word, choices) -> str:
+def did_you_mean(word, choices) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word`` (difflib's ratio of at least 0.6), else ``""``."""
     near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {near[0]!r}?)" if near else ""
 
@@ -117,7 +118,7 @@ def build(name: str, layers=2, hidden=64, heads=4, kv_heads=None, seq=16, batch=
         raise ModelSpecError("tp-block is split over ranks (tensor parallel): simulate it with --world-size N, N "
                              "of 2 or more (gloo processes on this machine), with the command simulate")
     if name not in ZOO:
-        raise ModelSpecError(f"unknown model {name!r}{_closest(name, ZOO)}: choose one of {', '.join(ZOO)}, "
+        raise ModelSpecError(f"unknown model {name!r}{did_you_mean(name, ZOO)}: choose one of {', '.join(ZOO)}, "
                              f"'transformers:ConfigClass?key=value', 'file.py:function' or 'module:function'")
     ctx = torch.device("meta") if meta else torch.device("cpu")
     with ctx:
@@ -209,12 +210,12 @@ def make_config(spec: str):
     cfg_cls = getattr(tf, name, None) if name.endswith("Config") else None
     if cfg_cls is None or not (inspect.isclass(cfg_cls) and issubclass(cfg_cls, tf.PretrainedConfig)):
         known = [n for n in dir(tf) if n.endswith("Config") and n[0].isupper()]
-        raise ModelSpecError(f"transformers has no configuration class {name!r}{_closest(name, known)} "
+        raise ModelSpecError(f"transformers has no configuration class {name!r}{did_you_mean(name, known)} "
                              f"(any *Config class of transformers works, e.g. LlamaConfig, GPT2Config, BertConfig)")
     allowed = config_keys(cfg_cls)
     for key in keys:
         if key not in allowed:
-            hint = _closest(key, allowed) or f" (its keys: {', '.join(sorted(k for k in allowed if k[0] != '_'))})"
+            hint = did_you_mean(key, allowed) or f" (its keys: {', '.join(sorted(k for k in allowed if k[0] != '_'))})"
             raise ModelSpecError(f"{name} has no key {key!r}{hint}")
     try:
         cfg = cfg_cls(**keys)
@@ -365,7 +366,7 @@ def _from_spec(spec: str):
     if not callable(ns.get(fn)):
         funcs = [k for k, v in ns.items() if inspect.isfunction(v) and not k.startswith("_")
                  and v.__module__ == ns.get("__name__")]
-        raise ModelSpecError(f"{where} has no function {fn!r}{_closest(fn, funcs)} "
+        raise ModelSpecError(f"{where} has no function {fn!r}{did_you_mean(fn, funcs)} "
                              f"(functions defined there: {', '.join(funcs) or 'none'})")
     try:
         inspect.signature(ns[fn]).bind()
