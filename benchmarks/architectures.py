@@ -254,11 +254,12 @@ def compiled(name, spec, attn, device, dtype=torch.float32, switches=None):
                 plans=len(reports), failed=failed, seconds=time.perf_counter() - t0)
 
 
-def _eval_model(spec, attn, seq=16, dtype=torch.float32):
-    """A row's eval-mode model and its inputs, ``(model, (args, kwargs))``, at ``seq`` tokens, batch 2 (seed 0)."""
+def _eval_model(spec, attn, seq=16, dtype=torch.float32, batch=2):
+    """A row's model, built from seed 0 and in eval mode, and its inputs at ``seq`` tokens: ``(model, (args,
+    kwargs))``. The training and generation set-ups start from it."""
     from autofuse.models import build_transformers
     torch.manual_seed(0)
-    model, inputs = build_transformers("transformers:" + spec, seq=seq, batch=2, attn=attn, dtype=dtype)
+    model, inputs = build_transformers("transformers:" + spec, seq=seq, batch=batch, attn=attn, dtype=dtype)
     return model.eval(), inputs
 
 
@@ -267,9 +268,7 @@ def _training_model(spec, attn, dtype=torch.float32, rates=False):
     mode with its ``nn.Dropout``s off; ``rates``: also a module's float rate named ``*drop*`` (T5's functional
     dropout, a drop path's ``drop_prob``), which 16-bit runs switch off (seeding alone need not draw the same mask in
     16 bits and float64)."""
-    from autofuse.models import build_transformers
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=16, batch=2, attn=attn, dtype=dtype)
+    model, (args, kwargs) = _eval_model(spec, attn, dtype=dtype)
     model.train()
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -283,10 +282,7 @@ def _training_model(spec, attn, dtype=torch.float32, rates=False):
 def _generation_model(spec, attn, dtype=torch.float32):
     """A row's model for generation, ``(model, args, kwargs)`` (seed 0, 8 tokens, batch 1, eval mode, its cache on as
     its configuration has it, which ``build`` turns off), or None for a model that does not generate."""
-    from autofuse.models import build_transformers
-    torch.manual_seed(0)
-    model, (args, kwargs) = build_transformers("transformers:" + spec, seq=8, batch=1, attn=attn, dtype=dtype)
-    model.eval()
+    model, (args, kwargs) = _eval_model(spec, attn, 8, dtype, batch=1)
     if not model.can_generate():
         return None
     model.config.use_cache = True                  # the configuration's default, which build() turns off
