@@ -100,7 +100,8 @@ class Backend:
     def __init__(self, target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True,
                  **engine_options):
         from autofuse.engine import fuse_options, unknown_options
-        unknown = [k for k in engine_options if k not in fuse_options()]
+        known = fuse_options()
+        unknown = [k for k in engine_options if k not in known]
         if unknown:                     # refused here, not at the first compile inside Dynamo
             raise TypeError(unknown_options("autofuse.backend", unknown))
         self.settings = dict(target_device=target_device, optimization_level=optimization_level,

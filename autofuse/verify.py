@@ -430,7 +430,7 @@ def entangled_inputs(external: list, budget: int = 64) -> frozenset:
             if c in seen:
                 continue
             seen.add(c)
-            if c in pos and c is not n:
+            if c in pos:                 # (a graph has no cycle: never n itself)
                 out.add((i, pos[c]))
                 continue
             stack.extend(c.all_input_nodes)
