@@ -75,6 +75,7 @@ real data is touched, so very large configurations can be analysed.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import functools
@@ -85,6 +86,7 @@ import os
 import random
 import re
 import sys
+import textwrap
 import threading
 import traceback
 import types
@@ -2210,6 +2212,14 @@ def _explain(model, failures, drawn: str | None = None) -> str:
                         "the model with torch.compile(model, backend='autofuse'), which runs it with a graph break")
         if isinstance(e, TypeError) and any(k in str(e) for k in _SIGNATURE_ERRORS):
             hint = _signature_hint(model)
+        skipped = _default_skipped_when_compiling(e)
+        if skipped:
+            hint = (f"{skipped[0]} builds a default {skipped[1]} only when not compiling (`if {skipped[1]} is None "
+                    f"and not is_torchdynamo_compiling()`), and torch.export is compiling, so the capture went on "
+                    f"with None where eager has a value: pass {skipped[1]} in the example inputs (and in each "
+                    f"call), as eager would have built it (an attention mask of ones: "
+                    f"attention_mask=torch.ones_like(input_ids)); or compile the model with "
+                    f"torch.compile(model, backend='autofuse')")
         if hint and drawn and "numpy" in drawn:
             hint = hint.replace("torch.compile(model, backend='autofuse')",
                                 "torch.compile(model, backend='autofuse') with "
@@ -2287,6 +2297,56 @@ def _torch_module_frame(e: BaseException) -> str | None:
         return None
     f = frames[inside[-1]]
     return f"torch/{os.path.relpath(f.filename, _TORCH_DIR)}:{f.lineno} in {f.name}: {f.line}"
+
+
+def _defaults_built_when_eager(source: str) -> set[str]:
+    """The names a function's ``source`` gives a value only outside compilation: ``if NAME is None and not
+    is_torchdynamo_compiling(): NAME = ...`` (the call under any module prefix, the name assigned in the body)."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)
+                and len(node.test.values) == 2):
+            continue
+        none, compiling = node.test.values
+        if not (isinstance(none, ast.Compare) and isinstance(none.left, ast.Name) and len(none.ops) == 1
+                and isinstance(none.ops[0], ast.Is) and isinstance(none.comparators[0], ast.Constant)
+                and none.comparators[0].value is None):
+            continue
+        if not (isinstance(compiling, ast.UnaryOp) and isinstance(compiling.op, ast.Not)
+                and isinstance(compiling.operand, ast.Call)
+                and ast.unparse(compiling.operand.func).split(".")[-1] == "is_torchdynamo_compiling"):
+            continue
+        if any(isinstance(t, ast.Name) and t.id == none.left.id for stmt in node.body for t in ast.walk(stmt)
+               if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)):
+            names.add(none.left.id)
+    return names
+
+
+def _default_skipped_when_compiling(e: BaseException) -> tuple[str, str] | None:
+    """``(function, argument)`` where a frame of ``e``'s traceback (the user's or a library's code) fills in a
+    default for an argument only outside compilation (transformers' LongT5 and SwitchTransformers stacks:
+    ``if attention_mask is None and not is_torchdynamo_compiling(): attention_mask = torch.ones(...)``) and that
+    argument was still None when the capture failed; else None."""
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if _users_file(frame.f_code.co_filename):
+            try:
+                source = "".join(inspect.getsourcelines(frame.f_code)[0])
+            except (OSError, TypeError):
+                source = ""
+            for name in sorted(_defaults_built_when_eager(source)) if "is_torchdynamo_compiling" in source else ():
+                if name in frame.f_locals and frame.f_locals[name] is None:
+                    owner = frame.f_locals.get("self")
+                    where = f"{type(owner).__name__}.{frame.f_code.co_name}" if owner is not None else \
+                        frame.f_code.co_name
+                    return where, name
+        tb = tb.tb_next
+    return None
 
 
 def _user_frame(e: BaseException) -> str | None:

@@ -1790,6 +1790,11 @@ def check_model(model, example_inputs, target_device, who: str = "fuse", device_
             "pass the module inside (wrapped.module)"
         raise TypeError(f"{who}: model is wrapped in {wrapper}, whose forward torch.export cannot capture (it "
                         f"synchronises buffers and registers gradient hooks at each call): {instead}")
+    if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(target_device)):
+        raise TypeError(f"{who}: {device_arg} is {_what_holds_tensors(target_device)}, which looks like an example "
+                        f"input given after the first: {who}() takes every example input in its one argument "
+                        f"example_inputs, a tuple of positional inputs or (args, kwargs) with keyword inputs in a "
+                        f"dict, e.g. {who}(model, ((input_ids,), {{'attention_mask': mask}}))")
     try:
         device = get_device(target_device).name
     except ValueError as e:
@@ -1797,6 +1802,15 @@ def check_model(model, example_inputs, target_device, who: str = "fuse", device_
                          f"{str(e).split(': ', 1)[-1]}") from None
     _check_parameter_dtypes(model, device, who)
     return model, example_inputs, device
+
+
+def _what_holds_tensors(value) -> str:
+    """``value`` (a tensor, or a container holding tensors) as an error names it, without printing its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict of tensors (keys {', '.join(repr(k) for k in value)})"
+    return f"a {type(value).__name__} holding tensors"
 
 
 #: FSDP2's wrapper as messages name it, and why autofuse refuses it (fuse() of it, and fully_shard of a fused module)

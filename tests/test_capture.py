@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from autofuse import AutoFusionEngine
 from autofuse.capture import CaptureError, Captured, capture
 from autofuse.graph import to_networkx
 
@@ -317,6 +318,57 @@ def test_an_unregistered_output_class_and_a_device_mismatch_get_their_own_hints(
     with pytest.raises(CaptureError, match=r"different devices.*model\.to\('meta'\)") as e:
         capture(nn.Sequential(nn.Linear(8, 8), nn.GELU()), (torch.randn(2, 8, device="meta"),))
     assert "raises on these inputs itself" not in str(e.value)
+
+
+is_torchdynamo_compiling = torch.compiler.is_compiling      # transformers.utils' name for it
+
+
+class _MaskOnlyWhenEager(nn.Module):
+    """transformers' LongT5 and SwitchTransformers stacks: a default mask is built only outside compilation."""
+
+    def forward(self, x, mask=None):
+        if mask is None and not is_torchdynamo_compiling():
+            mask = torch.ones_like(x)
+        return x * mask[:, :1]
+
+
+class _NoneForAnotherReason(nn.Module):
+    def forward(self, x, mask=None):
+        if mask is None and not is_torchdynamo_compiling():
+            pass                                             # no default built: eager fails too
+        return x * mask[:, :1]
+
+
+def test_a_default_built_only_when_not_compiling_is_named_with_what_to_pass():
+    """The tracer's bare "'NoneType' object is not subscriptable" said nothing of why eager runs. (The default
+    route captures this small module by symbolic_trace, which is not compiling; transformers' models it cannot.)"""
+    x = torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=r"hint: _MaskOnlyWhenEager\.forward builds a default mask only when not "
+                                           r"compiling .*pass mask in the example inputs.*torch\.compile"):
+        capture(_MaskOnlyWhenEager(), (x,), route="export")
+    mask = torch.ones_like(x)
+    assert torch.equal(capture(_MaskOnlyWhenEager(), (x,), {"mask": mask}, route="export")(x, mask=mask),
+                       _MaskOnlyWhenEager()(x))
+    with pytest.raises(CaptureError) as e:                   # near miss: the frame builds no default
+        capture(_NoneForAnotherReason(), (x,), route="export")
+    assert "NoneType" in str(e.value) and "builds a default" not in str(e.value)
+
+
+def test_switch_transformers_without_an_attention_mask_is_told_to_pass_one():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.SwitchTransformersConfig(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                num_decoder_layers=1, num_heads=4, num_experts=2)
+    model = transformers.SwitchTransformersModel(cfg).eval()
+    ids = torch.randint(0, 99, (2, 8))
+    with pytest.raises(CaptureError, match=r"SwitchTransformersStack\.forward builds a default attention_mask only "
+                                           r"when not compiling.*attention_mask=torch\.ones_like\(input_ids\)"):
+        capture(model, (ids,), {"decoder_input_ids": ids})
+    kwargs = {"attention_mask": torch.ones_like(ids), "decoder_input_ids": ids}      # what the hint says to pass
+    fused = AutoFusionEngine.fuse(model, ((ids,), kwargs))
+    assert [d for d in fused.report.decisions if d.applied and d.pattern == "attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, **kwargs).last_hidden_state, model(ids, **kwargs).last_hidden_state,
+                                   rtol=1e-5, atol=1e-5)   # fp32 fused attention vs eager: summation order only
 
 
 def test_a_data_parallel_wrapper_and_record_function_ranges_capture():

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import autofuse
-from autofuse import AutoFusionEngine, FusedModule
+from autofuse import AutoFusionEngine, FusedModule, simulate
 from autofuse.capture import CaptureError
 from autofuse.models import build
 from patterns.attention import AttentionVariant, build_variant
@@ -512,6 +512,23 @@ def test_a_block_too_large_to_check_at_its_size_without_a_reduction_is_left_unfu
 def test_bad_target_device_names_the_argument():
     with pytest.raises(ValueError, match=r"target_device='tpu'.*choose one of.*ascend910"):
         AutoFusionEngine.fuse(nn.Linear(2, 2), (torch.randn(1, 2),), target_device="tpu")
+
+
+@pytest.mark.parametrize("entry", ["fuse", "simulate"])
+@pytest.mark.parametrize("after", ["tensor", "dict", "tuple"])
+def test_an_example_input_given_after_the_first_is_not_called_a_device(entry, after):
+    """``fuse(model, (ids,), {"decoder_input_ids": ids})``: the keyword inputs landed in ``target_device``, whose
+    error printed the tensors' values and called them an unknown device."""
+    x = torch.randn(1, 2)
+    extra = {"tensor": x, "dict": {"mask": x}, "tuple": (x, x)}[after]
+    call = AutoFusionEngine.fuse if entry == "fuse" else simulate
+    with pytest.raises(TypeError, match=rf"{entry}: (target_)?device is a (tensor of shape \[1, 2\]|dict of tensors "
+                                        rf"\(keys 'mask'\)|tuple holding tensors), which looks like an example input.*"
+                                        rf"one argument example_inputs.*\(args, kwargs\)") as e:
+        call(nn.Linear(2, 2), (x,), extra)
+    assert "tensor(" not in str(e.value)                     # the values are not printed
+    with pytest.raises(ValueError, match=r"is not a known device"):     # a string is still a device name
+        call(nn.Linear(2, 2), (x,), "tensor")
 
 
 def test_bad_optimization_level_names_the_argument():
