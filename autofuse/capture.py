@@ -1660,12 +1660,12 @@ def _export_functional(model, args, kwargs, dynamic_shapes=None):
     ``run_decompositions`` puts around its re-trace. Falls back to two traces if torch lacks these internals."""
     try:
         from torch.export._trace import _export
-        from torch.export.exported_program import (_override_composite_implicit_decomp,
-                                                   _split_decomp_table_to_cia_and_python_decomp)
+        from torch.export.exported_program import (_override_composite_implicit_decomp,  # noqa: F401
+                                                   _split_decomp_table_to_cia_and_python_decomp)  # noqa: F401
     except ImportError:                       # another torch: the public two-trace path
         return _export_retrace(model, args, kwargs, dynamic_shapes)
-    preserve, _ = _split_decomp_table_to_cia_and_python_decomp({})
-    with _override_composite_implicit_decomp(preserve), _random_ops_kept():
+    from autofuse.composite import keep_composites, preserved_ops
+    with keep_composites(preserved_ops()), _random_ops_kept():
         return _export(_python_values_kept(model, args, kwargs), args, kwargs, dynamic_shapes, strict=False,
                        pre_dispatch=False)
 

@@ -1,5 +1,6 @@
 """Capture: both routes give one aten-level form with FakeTensor meta; the user's model is untouched."""
 
+import functools
 import re
 
 import pytest
@@ -246,6 +247,60 @@ def test_one_trace_matches_on_more_architectures(impl):
         for experts in ("grouped_mm", "batched_mm"):
             model, ids = _build(name, experts, impl)
             _same_graph(*_both(model, (ids,), {"use_cache": False}))
+
+
+def _kernels_seen(ops):
+    """Each op's Python kernels and fake-tensor rule, by what they run: a callable by its function (a partial's
+    by its function and keywords), so torch's and autofuse's contexts compare though they make their own."""
+    from torch._subclasses.fake_impls import op_implementations_dict
+
+    def seen(fn):
+        if isinstance(fn, functools.partial):
+            return seen(fn.func), tuple(sorted((k, seen(v)) for k, v in fn.keywords.items()))
+        return getattr(fn, "__qualname__", fn) if callable(fn) else fn
+    return {op: ({k: seen(v) for k, v in op.py_kernels.items()}, op in op_implementations_dict) for op in ops}
+
+
+def test_the_composite_context_sets_every_kernel_torchs_own_sets_and_puts_them_back():
+    """autofuse's cheaper context for keeping composite ops whole (:mod:`autofuse.composite`) mirrors torch's: for
+    every preservable op, the same kernels under the same dispatch keys (and the same fake-tensor rules) inside
+    it, and each op's own kernels, the very objects, after it."""
+    from torch.export.exported_program import (_override_composite_implicit_decomp,
+                                               _split_decomp_table_to_cia_and_python_decomp)
+
+    from autofuse import composite
+    assert composite.mirrors_torch() == torch.__version__.startswith("2.13.")   # the torch it was written for
+    ops = composite.preserved_ops()
+    assert ops == _split_decomp_table_to_cia_and_python_decomp({})[0] and len(ops) > 100
+    before = {op: dict(op.py_kernels) for op in ops}
+    with _override_composite_implicit_decomp(ops):
+        torchs = _kernels_seen(ops)
+    with composite._kept(ops):
+        ours = _kernels_seen(ops)
+    assert ours == torchs
+    after = {op: dict(op.py_kernels) for op in ops}
+    assert all(after[op].keys() == before[op].keys() and all(after[op][k] is before[op][k] for k in before[op])
+               for op in ops)
+    assert _kernels_seen(ops) != ours                          # (the comparison sees a kept op's kernels)
+
+
+def test_a_composite_op_registered_after_a_capture_is_kept_whole_by_the_next():
+    """The list of preservable ops is kept between captures while nothing is registered: a custom op with a
+    composite kernel registered later is listed, and the next capture keeps it whole as torch's export does."""
+    from autofuse import composite
+    capture(nn.Linear(4, 4), (torch.randn(2, 4),))
+    lib = torch.library.Library("autofuse_composite_test", "FRAGMENT")       # noqa: TOR901 - the API under test
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+    op = torch.ops.autofuse_composite_test.twice.default
+    assert op in composite.preserved_ops()
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return torch.ops.autofuse_composite_test.twice(x) + 1
+    one, two = _both(Twice(), (torch.randn(3),))
+    _same_graph(one, two)
+    assert [n.target for n in one.graph_module.graph.nodes if n.op == "call_function"][0] is op
 
 
 def test_a_copy_into_a_view_is_captured_trainable():
