@@ -1658,13 +1658,13 @@ def _export_functional(model, args, kwargs, dynamic_shapes=None):
     """One non-strict trace straight to functional aten, composite ops preserved as ``run_decompositions({})``
     preserves them: torch's own aot-dispatch export (``pre_dispatch=False``) inside the context that
     ``run_decompositions`` puts around its re-trace. Falls back to two traces if torch lacks these internals."""
+    from autofuse.composite import keep_composites, preserved_ops, torch_has_composite_context
     try:
         from torch.export._trace import _export
-        from torch.export.exported_program import (_override_composite_implicit_decomp,  # noqa: F401
-                                                   _split_decomp_table_to_cia_and_python_decomp)  # noqa: F401
-    except ImportError:                       # another torch: the public two-trace path
+    except ImportError:
+        _export = None
+    if _export is None or not torch_has_composite_context():      # another torch: the public two-trace path
         return _export_retrace(model, args, kwargs, dynamic_shapes)
-    from autofuse.composite import keep_composites, preserved_ops
     with keep_composites(preserved_ops()), _random_ops_kept():
         return _export(_python_values_kept(model, args, kwargs), args, kwargs, dynamic_shapes, strict=False,
                        pre_dispatch=False)

@@ -59,6 +59,15 @@ def preserved_ops() -> dict:
 
 
 @functools.cache
+def torch_has_composite_context() -> bool:
+    """Whether this torch has the two functions the one-trace capture uses (else it exports and decomposes in two
+    traces, torch's public path)."""
+    from torch.export import exported_program
+    return all(hasattr(exported_program, name) for name in ("_override_composite_implicit_decomp",
+                                                             "_split_decomp_table_to_cia_and_python_decomp"))
+
+
+@functools.cache
 def mirrors_torch() -> bool:
     """Whether torch's ``_override_composite_implicit_decomp`` is the function :func:`keep_composites` mirrors."""
     try:
