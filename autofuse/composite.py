@@ -24,6 +24,9 @@ This module does the same work for less:
   used only while torch's function is the one it mirrors (its source's digest, :data:`MIRRORED`); with any other
   torch, torch's own context runs. tests/test_capture.py checks that both leave every op's kernels alike, during
   the trace and after it, and that the graphs are the same.
+
+Like torch's, the context changes process-wide state (the ops' kernels) and is not for two threads at once:
+autofuse plans one capture at a time in a process (``autofuse.engine._PLANNING``).
 """
 from __future__ import annotations
 
