@@ -284,6 +284,18 @@ def test_the_composite_context_sets_every_kernel_torchs_own_sets_and_puts_them_b
     assert _kernels_seen(ops) != ours                          # (the comparison sees a kept op's kernels)
 
 
+def test_with_another_torch_the_capture_uses_torchs_own_composite_context(monkeypatch):
+    """Where torch's function is not the one mirrored, torch's context runs, and the capture is the same."""
+    from autofuse import composite
+    model, x = Block(), torch.randn(2, 8, 16)
+    ours = capture(model, (x,), route="export")
+    used = []
+    monkeypatch.setattr(composite, "mirrors_torch", lambda: False)
+    monkeypatch.setattr(composite, "_kept", lambda ops: used.append(ops))     # would fail if it were entered
+    _same_graph(capture(model, (x,), route="export"), ours)
+    assert not used
+
+
 def test_a_composite_op_registered_after_a_capture_is_kept_whole_by_the_next():
     """The list of preservable ops is kept between captures while nothing is registered: a custom op with a
     composite kernel registered later is listed, and the next capture keeps it whole as torch's export does."""
