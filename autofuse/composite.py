@@ -6,7 +6,7 @@ them (:func:`autofuse.capture._export_functional`). torch does that in two steps
 export, and which together cost about as much as tracing a small model:
 
 1. ``_split_decomp_table_to_cia_and_python_decomp({})`` lists the 525 preservable composite ops of this torch by
-   walking every op namespace, and asks the C++ dispatcher for every composite op once per namespace (29 times)
+   walking every op namespace, and asks the C++ dispatcher for every composite op again for each namespace
    to make sure each is materialised in ``torch.ops``.
 2. ``_override_composite_implicit_decomp`` patches those ops for the trace: for each, 22 Python kernels set
    through ``OpOverload.py_impl``, whose decorator builds two ``Callable[_P, _T]`` annotations at every call; then
@@ -19,11 +19,13 @@ This module does the same work for less:
   namespaces (and their ops) are unchanged; a custom op registered later is a new registration, which lists them
   again. The one change it does not see is a Python-only composite kernel (``py_impl(CompositeImplicitAutograd)``)
   added to an op after the first capture, which torch itself does only at import.
-* :func:`keep_composites` sets step 2's kernels straight in each op's ``py_kernels`` (what ``py_impl`` does, with
-  the same checks), with torch's own helpers for everything else. It mirrors torch's function exactly, and is
-  used only while torch's function is the one it mirrors (its source's digest, :data:`MIRRORED`); with any other
-  torch, torch's own context runs. tests/test_capture.py checks that both leave every op's kernels alike, during
-  the trace and after it, and that the graphs are the same.
+* :func:`keep_composites` sets step 2's kernels straight in each op's ``py_kernels`` (what ``py_impl`` does for a
+  key not yet set, the only keys torch's function sets), with torch's own helpers for everything else. It does what
+  torch's function does, with two differences: each op's autograd kernel (a closure over the op) is made once and
+  shared between traces, and the ops are put back also when setting them fails half-way. It is used only while
+  torch's function is the one it mirrors (its source's digest, :data:`MIRRORED`); with any other torch, torch's
+  own context runs. tests/test_capture.py checks that both leave
+  every op's kernels alike, during the trace and after it, and that the graphs are the same.
 
 Like torch's, the context changes process-wide state (the ops' kernels) and is not for two threads at once:
 autofuse plans one capture at a time in a process (``autofuse.engine._PLANNING``).
