@@ -115,9 +115,12 @@ _DROPPED_TARGETS = {
 class CaptureError(RuntimeError):
     """A model could not be captured. The message names the route(s), the failing construct and a hint."""
 
-    def __init__(self, route: str, message: str):
+    def __init__(self, route: str, message: str, defaults_skipped: tuple = ()):
         super().__init__(message)
         self.route = route
+        #: arguments the forward gives a default only outside compilation and the capture met as None
+        #: (:func:`_default_skipped_when_compiling`): passing them as eager builds them lets the capture run
+        self.defaults_skipped = tuple(defaults_skipped)
 
 
 @dataclass
@@ -227,7 +230,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
             # torch's generator: find out whether the forward draws at all, past where the traces stopped
             drawn = _eager_host_draws(model, example_args, example_kwargs)
         if failures is not None and drawn:
-            raise CaptureError(route, _explain(model, failures, drawn)) from None
+            raise CaptureError(route, _explain(model, failures, drawn), _skipped_defaults(failures)) from None
         raise
     changed = _restore_python_state(python_state)
     drawn = _host_rng_drawn(host_rng)
@@ -471,7 +474,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     if quantized:
         # the tracers' own errors name a torchbind class or a quantized backend, not the layers or what to do
         raise CaptureError(route, _quantized_explanation(model, quantized, failures))
-    error = CaptureError(route, _explain(model, failures))
+    error = CaptureError(route, _explain(model, failures), _skipped_defaults(failures))
     error.failures = failures       # capture() explains them again if the forward draws from a host generator
     raise error
 
@@ -2347,6 +2350,13 @@ def _default_skipped_when_compiling(e: BaseException) -> tuple[str, str] | None:
                     return where, name
         tb = tb.tb_next
     return None
+
+
+def _skipped_defaults(failures) -> tuple:
+    """The arguments, over every route's failure, that the forward builds only outside compilation and the capture
+    met as None."""
+    found = (_default_skipped_when_compiling(e) for _, e in failures)
+    return tuple(dict.fromkeys(s[1] for s in found if s))
 
 
 def _user_frame(e: BaseException) -> str | None:

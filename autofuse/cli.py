@@ -363,6 +363,7 @@ class ModelFailed(Exception):
 
 def _fuse(a, progress: Progress):
     from autofuse import AutoFusionEngine
+    from autofuse.capture import CaptureError
     from autofuse.models import ModelSpecError
     kw = _check_engine_args(a)
     if a.meta and (a.cmd == "simulate" or getattr(a, "simulate", False)):
@@ -386,10 +387,33 @@ def _fuse(a, progress: Progress):
     quiet = contextlib.redirect_stderr(io.StringIO()) if not a.verbose else contextlib.nullcontext()
     try:
         with stage_timing(progress), quiet:
-            fused = AutoFusionEngine.fuse(model, inputs, **kw)
+            try:
+                fused = AutoFusionEngine.fuse(model, inputs, **kw)
+            except CaptureError as e:
+                given = _eagers_default_mask(a, inputs, e)
+                if given is None:
+                    raise
+                inputs = given
+                progress.stage("attention mask", 0.0, "the model builds its default mask of ones only outside "
+                                                      "compilation: given as eager builds it")
+                fused = AutoFusionEngine.fuse(model, inputs, **kw)
     except Exception as e:  # noqa: BLE001 - whatever the pipeline raised is the model's failure, explained
         raise ModelFailed(f"could not fuse {a.model}: {e}") from e
     return model, inputs, fused
+
+
+def _eagers_default_mask(a, inputs, error):
+    """The inputs with ``attention_mask`` given as a mask of ones, for a ``transformers:`` model whose capture
+    failed because its forward builds that default only outside compilation (LongT5, SwitchTransformers: torch.export
+    is compiling, so the mask stays None); else None. Eager's computation is the same: the mask it would build."""
+    import torch
+    if not (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict)):
+        return None
+    args, kwargs = inputs
+    if not (a.model.startswith("transformers:") and "attention_mask" in error.defaults_skipped
+            and "input_ids" in kwargs and "attention_mask" not in kwargs):
+        return None
+    return args, {**kwargs, "attention_mask": torch.ones_like(kwargs["input_ids"])}
 
 
 @contextlib.contextmanager

@@ -416,9 +416,12 @@ def test_a_default_built_only_when_not_compiling_is_named_with_what_to_pass():
     mask = torch.ones_like(x)
     assert torch.equal(capture(_MaskOnlyWhenEager(), (x,), {"mask": mask}, route="export")(x, mask=mask),
                        _MaskOnlyWhenEager()(x))
+    with pytest.raises(CaptureError) as e:
+        capture(_MaskOnlyWhenEager(), (x,), route="export")
+    assert e.value.defaults_skipped == ("mask",)                # what a caller may pass and try again with
     with pytest.raises(CaptureError) as e:                   # near miss: the frame builds no default
         capture(_NoneForAnotherReason(), (x,), route="export")
-    assert "NoneType" in str(e.value) and "builds a default" not in str(e.value)
+    assert "NoneType" in str(e.value) and "builds a default" not in str(e.value) and not e.value.defaults_skipped
 
 
 def test_switch_transformers_without_an_attention_mask_is_told_to_pass_one():

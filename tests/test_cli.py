@@ -311,6 +311,22 @@ def test_model_from_a_transformers_config(capsys):
     assert {"rope", "matmul+swiglu"} <= {d["pattern"] for d in applied}
 
 
+TINY_SWITCH = "transformers:SwitchTransformersConfig?num_layers=1&num_decoder_layers=1&d_model=32&d_kv=8&d_ff=64" \
+              "&num_heads=4&num_experts=2"
+
+
+def test_a_transformers_model_that_builds_its_mask_only_outside_compilation_is_given_eagers(capsys):
+    """SwitchTransformers (and LongT5) make their default attention mask of ones only when not compiling, so the
+    CLI's inputs (token ids alone) could not be captured: the CLI now gives the mask eager would build, and says
+    so. A model that captures without a mask is not given one."""
+    main(["report", "-v", "--model", TINY_SWITCH, "--seq", "8", "--batch", "1", "--format", "json"])
+    out = capsys.readouterr()
+    assert [d["pattern"] for d in json.loads(out.out)["applied"]].count("attention") == 3
+    assert "attention mask" in out.err and "given as eager builds it" in out.err
+    main(["report", "-v", "--model", TINY_LLAMA, "--seq", "8", "--batch", "1", "--format", "json"])
+    assert "attention mask" not in capsys.readouterr().err
+
+
 def test_transformers_spec_values_and_defaults():
     from autofuse.models import parse_transformers_spec
     assert parse_transformers_spec("transformers:X?a=2&b=1e-5&c=true&d=None&e=gelu&f=False") == (
