@@ -28,7 +28,7 @@ This module does the same work for less:
   every op's kernels alike, during the trace and after it, and that the graphs are the same.
 
 Like torch's, the context changes process-wide state (the ops' kernels) and is not for two threads at once:
-autofuse plans one capture at a time in a process (``autofuse.engine._PLANNING``).
+autofuse makes one plan at a time in a process, while no other thread runs one (``autofuse.engine._PLANNING``).
 """
 from __future__ import annotations
 

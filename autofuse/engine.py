@@ -746,9 +746,64 @@ def _call_state(m: torch.nn.Module) -> tuple:
     return hooks, m.__dict__.get("forward"), type(m), inspect.getattr_static(type(m), "forward", None)
 
 
-#: One plan is made at a time, process-wide: torch.export's tracing is not thread-safe (two threads capturing
-#: at once failed, and left a traced tensor in the user's model); calls of plans made run concurrently.
-_PLANNING = threading.RLock()
+class _PlansAndRuns:
+    """Plans are made one at a time, process-wide, and never while another thread runs a plan; plans made run
+    concurrently with each other.
+
+    torch.export's tracing is not thread-safe (two threads capturing at once failed, and left a traced tensor in the
+    user's model), and a non-strict export swaps fake tensors in for the model's own parameters while it traces: a
+    plan another thread ran in that window read them, and returned a FakeTensor. So a planner waits for the runs
+    of other threads to end, and new runs wait while a plan is made or waits to be made (a planner is not starved).
+    A thread that plans inside its own run (a fused module called by code a plan runs) does not wait for the runs
+    that wait for it: its run is paused at the call, and other runs paused so do not count either."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._runs: dict = {}           # thread -> how many plan runs it is inside
+        self._planner = None            # the thread making a plan
+        self._depth = 0                 # how deep that thread is in planning (a plan made inside planning)
+        self._waiting: set = set()      # threads waiting to plan
+
+    @contextlib.contextmanager
+    def running(self):
+        me = threading.get_ident()
+        with self._cond:
+            # a thread already running or planning goes on (it would wait for itself)
+            while me not in self._runs and self._planner != me and (self._planner is not None or self._waiting):
+                self._cond.wait()
+            self._runs[me] = self._runs.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._runs[me] -= 1
+                if not self._runs[me]:
+                    del self._runs[me]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def planning(self):
+        me = threading.get_ident()
+        with self._cond:
+            self._waiting.add(me)
+            try:
+                while self._planner not in (None, me) or any(t != me and t not in self._waiting for t in self._runs):
+                    self._cond.wait()
+            finally:
+                self._waiting.discard(me)
+            self._planner = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if not self._depth:
+                    self._planner = None
+                self._cond.notify_all()
+
+
+_PLANNING = _PlansAndRuns()
 
 
 class Plan:
@@ -780,6 +835,10 @@ class Plan:
         return None
 
     def __call__(self, *args, **kwargs):
+        with _PLANNING.running():       # no capture swaps the model's parameters for fake ones meanwhile
+            return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
         graded = [i for i in self.captured.input_updates if getattr(leaves[i], "requires_grad", False)]
         if graded and torch.is_grad_enabled():
@@ -790,7 +849,7 @@ class Plan:
         if self.captured.input_updates and _aliased(leaves, self.captured.input_updates):
             warnings.warn("autofuse: an input the forward updates in place shares memory with another input of this "
                           "call; the captured graph takes them as independent values, so this call runs the model "
-                          "eagerly.", stacklevel=3)
+                          "eagerly.", stacklevel=6)
             return self.model(*args, **kwargs)
         with _autocast_off():
             # its forward, not its __call__: torch's global module hooks, which capture ran into the graph for the
@@ -1372,7 +1431,7 @@ class FusedModule(torch.nn.Module):
         return key
 
     def _plan_for(self, args, kwargs) -> Plan:
-        with _PLANNING:
+        with _PLANNING.planning():
             return self._plan_for_locked(args, kwargs)
 
     def _plan_for_locked(self, args, kwargs) -> Plan:
@@ -1464,6 +1523,12 @@ class FusedModule(torch.nn.Module):
             raise
 
     def forward(self, *args, **kwargs):
+        # as a run: no other thread captures meanwhile, whose export would make this thread's _tracing() true
+        # (torch's exporting flag is process-wide) and swap fake tensors in for the model's parameters
+        with _PLANNING.running():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args, kwargs):
         if _tracing(args, kwargs):
             # traced by another capture (this module inside a model fused again, torch.export, torch.compile):
             # the model itself, so that the capture sees its ops and fuses them with the rest (planning here
@@ -1472,7 +1537,7 @@ class FusedModule(torch.nn.Module):
         why = _transformed(args, kwargs, self.model)
         if why is not None:
             warnings.warn(f"autofuse: a fused module called {why}, for which the fused ops have no rules: this call "
-                          f"runs the model itself, unfused (eager's values and derivatives)", stacklevel=3)
+                          f"runs the model itself, unfused (eager's values and derivatives)", stacklevel=4)
             return self.model(*args, **kwargs)
         args, kwargs = self._in_program_order(args, kwargs)
         return self._plan_for(args, kwargs)(*args, **kwargs)

@@ -272,6 +272,57 @@ def test_threads_calling_with_new_sizes_plan_one_at_a_time():
     assert later(torch.randn(2, 8)).requires_grad
 
 
+def test_a_plan_is_made_only_while_no_other_thread_runs_one_and_runs_wait_for_it():
+    """The order the process-wide lock of plans and runs keeps (``engine._PlansAndRuns``), step by step with
+    events: a non-strict export swaps fake tensors in for the model's parameters and sets torch's process-wide
+    exporting flag, so a plan run by one thread while another captured returned a FakeTensor (or ran the model
+    eagerly on the fake parameters). Timeouts only bound a hang; the order is checked by the log."""
+    import threading
+    import time
+
+    from autofuse.engine import _PlansAndRuns
+    lock, log = _PlansAndRuns(), []
+    running, release_run, planned = threading.Event(), threading.Event(), threading.Event()
+
+    def runner():
+        with lock.running():
+            log.append("run starts")
+            running.set()
+            release_run.wait(10)
+            log.append("run ends")
+
+    def planner():
+        with lock.planning():
+            log.append("plan")
+            planned.set()
+
+    def late_runner():
+        with lock.running():
+            log.append("late run")
+    first = threading.Thread(target=runner)
+    first.start()
+    running.wait(10)
+    second = threading.Thread(target=planner)
+    second.start()
+    deadline = time.monotonic() + 10                # (a bound on a hang, not a timing)
+    while not lock._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lock._waiting and not planned.is_set()   # the planner waits for the other thread's run
+    third = threading.Thread(target=late_runner)    # a run that comes while a planner waits waits for the plan
+    third.start()
+    release_run.set()
+    for t in (first, second, third):
+        t.join(10)
+    assert log == ["run starts", "run ends", "plan", "late run"]
+    # a thread that plans inside its own run (a fused module inside a plan's code), or runs inside its own
+    # planning, goes on: it would otherwise wait for itself
+    with lock.running():
+        with lock.planning():
+            with lock.running():
+                log.append("nested")
+    assert log[-1] == "nested"
+
+
 def test_an_empty_batch_runs_as_captured():
     model, _, fused = _setup()
     z = torch.randn(0, 8, 32)
