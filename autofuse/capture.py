@@ -230,7 +230,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
             # torch's generator: find out whether the forward draws at all, past where the traces stopped
             drawn = _eager_host_draws(model, example_args, example_kwargs)
         if failures is not None and drawn:
-            raise CaptureError(route, _explain(model, failures, drawn), _skipped_defaults(failures)) from None
+            raise _capture_error(route, model, failures, drawn) from None
         raise
     changed = _restore_python_state(python_state)
     drawn = _host_rng_drawn(host_rng)
@@ -256,7 +256,7 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
         # a tensor the forward keeps in a new attribute may be built once, at the first call, and kept (transformers'
         # LongRoPE keeps its long_inv_freq so): one eager call before fuse() leaves it built, and a capture from
         # there changes nothing
-        lazy = any(v is not _GONE and _holds_tensor(v) and _attributes_before(python_state, m).get(k) is None
+        lazy = any(v is not _GONE and holds_tensor(v) and _attributes_before(python_state, m).get(k) is None
                    for _, m, k, v in changed)
         changed = [text for text, *_ in changed]
         raise CaptureError(route, f"capture failed: the forward changes the Python attribute(s) "
@@ -474,7 +474,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     if quantized:
         # the tracers' own errors name a torchbind class or a quantized backend, not the layers or what to do
         raise CaptureError(route, _quantized_explanation(model, quantized, failures))
-    error = CaptureError(route, _explain(model, failures), _skipped_defaults(failures))
+    error = _capture_error(route, model, failures)
     error.failures = failures       # capture() explains them again if the forward draws from a host generator
     raise error
 
@@ -512,7 +512,8 @@ def plain_attribute(v) -> bool:
     return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(isinstance(x, _PLAIN) for x in v))
 
 
-def _holds_tensor(v) -> bool:
+def holds_tensor(v) -> bool:
+    """Whether ``v`` is a tensor or a container (pytree) holding one."""
     return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v))
 
 
@@ -543,7 +544,7 @@ def _shown(v) -> str:
     tensor, whose repr raises), a container holding tensors by its type and length."""
     if isinstance(v, torch.Tensor):
         return f"a tensor {list(v.shape)} {str(v.dtype).removeprefix('torch.')}"
-    if _holds_tensor(v):
+    if holds_tensor(v):
         return f"a {type(v).__name__} of {len(v)} holding tensors" if hasattr(v, "__len__") else \
             f"a {type(v).__name__} holding tensors"
     return repr(v)
@@ -565,7 +566,7 @@ def _restore_python_state(state) -> list:
         now = vars(m)
         where = f"{name}." if name else ""
         for k in [k for k in now if k not in before and k not in _STRUCTURE]:
-            if not k.startswith("_") or _holds_tensor(now[k]):
+            if not k.startswith("_") or holds_tensor(now[k]):
                 v = now.pop(k)
                 changed.append((f"{where}{k} (new: {_shown(v)})", m, k, v))
         for k, v in before.items():
@@ -574,7 +575,7 @@ def _restore_python_state(state) -> list:
             if cur is _GONE:
                 changed.append((f"{where}{k} (deleted)", m, k, _GONE))
             elif k.startswith("_"):
-                if cur is v or not (_holds_tensor(cur) or _holds_tensor(v)):
+                if cur is v or not (holds_tensor(cur) or holds_tensor(v)):
                     continue
                 changed.append((f"{where}{k} ({_shown(v)} -> {_shown(cur)})", m, k, cur))
             elif same_value(cur, was):
@@ -2185,10 +2186,20 @@ def _program_hint(failures) -> str:
             "export again with these inputs (dynamic_shapes= for sizes that change)")
 
 
-def _explain(model, failures, drawn: str | None = None) -> str:
+def _capture_error(route, model, failures, drawn: str | None = None) -> CaptureError:
+    """The error for ``failures`` (every route's ``(route, exception)``): :func:`_explain`'s message, and the
+    arguments the forward builds only outside compilation and the capture met as None (each failure's traceback
+    read once, for both)."""
+    skipped = [_default_skipped_when_compiling(e) for _, e in failures]
+    return CaptureError(route, _explain(model, failures, drawn, skipped),
+                        tuple(dict.fromkeys(s[1] for s in skipped if s)))
+
+
+def _explain(model, failures, drawn: str | None, skipped: list) -> str:
     """Why every route failed, and what to do. ``drawn``: the host generators the forward draws from
     (:func:`_host_rng_drawn`), which no capture can keep and the message leads with; where numpy's is one, a hint
-    that points to torch.compile says what makes its draws eager's."""
+    that points to torch.compile says what makes its draws eager's. ``skipped``: each failure's argument built
+    only outside compilation (:func:`_default_skipped_when_compiling`), or None."""
     program = _program_module(model)
     dynamo = _dynamo_graph(model)
     what = ("the exported program's module (fuse() of an ExportedProgram runs ep.module())" if program else
@@ -2198,7 +2209,7 @@ def _explain(model, failures, drawn: str | None = None) -> str:
         lines = [f"could not capture {what}: {_host_draw_text(drawn)}.",
                  "  Besides, every capture route failed (what follows applies once the draws are out of the forward):"]
     hinted = False
-    for route, e in failures:
+    for (route, e), default in zip(failures, skipped):
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         lines.append(f"  route '{route}' failed with {text}")
         where = _user_frame(e)
@@ -2215,11 +2226,10 @@ def _explain(model, failures, drawn: str | None = None) -> str:
                         "the model with torch.compile(model, backend='autofuse'), which runs it with a graph break")
         if isinstance(e, TypeError) and any(k in str(e) for k in _SIGNATURE_ERRORS):
             hint = _signature_hint(model)
-        skipped = _default_skipped_when_compiling(e)
-        if skipped:
-            hint = (f"{skipped[0]} builds a default {skipped[1]} only when not compiling (`if {skipped[1]} is None "
+        if default:
+            hint = (f"{default[0]} builds a default {default[1]} only when not compiling (`if {default[1]} is None "
                     f"and not is_torchdynamo_compiling()`), and torch.export is compiling, so the capture went on "
-                    f"with None where eager has a value: pass {skipped[1]} in the example inputs (and in each "
+                    f"with None where eager has a value: pass {default[1]} in the example inputs (and in each "
                     f"call), as eager would have built it (an attention mask of ones: "
                     f"attention_mask=torch.ones_like(input_ids)); or compile the model with "
                     f"torch.compile(model, backend='autofuse')")
@@ -2350,13 +2360,6 @@ def _default_skipped_when_compiling(e: BaseException) -> tuple[str, str] | None:
                     return where, name
         tb = tb.tb_next
     return None
-
-
-def _skipped_defaults(failures) -> tuple:
-    """The arguments, over every route's failure, that the forward builds only outside compilation and the capture
-    met as None."""
-    found = (_default_skipped_when_compiling(e) for _, e in failures)
-    return tuple(dict.fromkeys(s[1] for s in found if s))
 
 
 def _user_frame(e: BaseException) -> str | None:

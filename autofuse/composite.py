@@ -24,8 +24,8 @@ This module does the same work for less:
   torch's function does, with two differences: each op's autograd kernel (a closure over the op) is made once and
   shared between traces, and the ops are put back also when setting them fails half-way. It is used only while
   torch's function is the one it mirrors (its source's digest, :data:`MIRRORED`); with any other torch, torch's
-  own context runs. tests/test_capture.py checks that both leave
-  every op's kernels alike, during the trace and after it, and that the graphs are the same.
+  own context runs. tests/test_capture.py checks that both leave every op's kernels alike, during the trace and
+  after it, and that the graphs are the same.
 
 Like torch's, the context changes process-wide state (the ops' kernels) and is not for two threads at once:
 autofuse makes one plan at a time in a process, while no other thread runs one (``autofuse.engine._PLANNING``).
@@ -51,16 +51,19 @@ def preserved_ops() -> dict:
     ``_split_decomp_table_to_cia_and_python_decomp({})[0]``, listed again only when the dispatcher's composite
     registrations or ``torch.ops``' namespaces and their ops changed."""
     from torch.export.exported_program import _split_decomp_table_to_cia_and_python_decomp
-    registered = frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
-    namespaces = tuple((name, tuple(getattr(torch.ops, name)) if name != "aten" else ())
-                       for name in sorted(torch.ops._dir))
-    key = (registered, namespaces)
-    if _preserved.get("key") != key:
+    if _preserved.get("key") != _registry():
         _preserved["ops"] = _split_decomp_table_to_cia_and_python_decomp({})[0]
-        # listing materialises ops in torch.ops: the key is read again after it, as the next call will see it
-        _preserved["key"] = (registered, tuple((name, tuple(getattr(torch.ops, name)) if name != "aten" else ())
-                                               for name in sorted(torch.ops._dir)))
+        # listing materialises ops in torch.ops: the key is read after it, as the next call will see it
+        _preserved["key"] = _registry()
     return dict(_preserved["ops"])
+
+
+def _registry() -> tuple:
+    """What the list of preservable ops depends on: the dispatcher's composite registrations, and ``torch.ops``'
+    namespaces with their ops (aten's are fixed)."""
+    registered = frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+    return registered, tuple((name, tuple(getattr(torch.ops, name)) if name != "aten" else ())
+                             for name in sorted(torch.ops._dir))
 
 
 @functools.cache

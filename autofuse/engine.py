@@ -54,7 +54,7 @@ from autofuse import caches, memory
 from autofuse import verify as _verify
 from autofuse.agreement import Agreement, collective_group
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
-from autofuse.capture import capture, same_value, state_tensor
+from autofuse.capture import capture, holds_tensor, same_value, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
@@ -1855,7 +1855,7 @@ def check_model(model, example_inputs, target_device, who: str = "fuse", device_
             "pass the module inside (wrapped.module)"
         raise TypeError(f"{who}: model is wrapped in {wrapper}, whose forward torch.export cannot capture (it "
                         f"synchronises buffers and registers gradient hooks at each call): {instead}")
-    if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(target_device)):
+    if holds_tensor(target_device):
         raise TypeError(f"{who}: {device_arg} is {_what_holds_tensors(target_device)}, which looks like an example "
                         f"input given after the first: {who}() takes every example input in its one argument "
                         f"example_inputs, a tuple of positional inputs or (args, kwargs) with keyword inputs in a "

@@ -641,7 +641,7 @@ def test_an_error_raised_only_inside_torchs_tracing_is_not_blamed_on_the_forward
     """The hint "which the forward raises on these inputs itself" is given only where the error was raised in the
     forward's code (the user's, or a torch layer's); one raised by torch's tracing machinery alone (as torch's
     ShapeEnv raised IndexError on a Dynamo graph sliced by a symbolic int) says so instead."""
-    from autofuse.capture import _explain
+    from autofuse.capture import _capture_error
 
     def torch_internal_error():
         try:
@@ -651,7 +651,7 @@ def test_an_error_raised_only_inside_torchs_tracing_is_not_blamed_on_the_forward
             return e
 
     failures = [("export", torch_internal_error()), ("symbolic_trace", torch_internal_error())]
-    msg = _explain(nn.Linear(4, 4), failures)
+    msg = str(_capture_error("export", nn.Linear(4, 4), failures))
     assert "which the forward raises" not in msg and "inside torch's tracing machinery" in msg, msg
     assert "run model(*example_inputs) eagerly; if that runs" in msg
     with pytest.raises(CaptureError) as info:                 # the forward's own error keeps the hint
