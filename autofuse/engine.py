@@ -1669,9 +1669,10 @@ class FusedModule(torch.nn.Module):
         except TypeError as e:
             raise TypeError(f"simulate() runs the model on the inputs of a call, as fused(...) takes them: "
                             f"forward{sig} ({e})") from None
-        p = self._plan_for(args, kwargs)
-        return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device,
-                              values=values, backward=backward)
+        with _PLANNING.running():           # it reads the model's parameters, as a fused call does
+            p = self._plan_for(args, kwargs)
+            return simulate_graph(p.graph_module, p.captured.flatten_inputs(*args, **kwargs), self._device,
+                                  values=values, backward=backward)
 
 
 def _fx_tracing() -> bool:

@@ -323,6 +323,25 @@ def test_a_plan_is_made_only_while_no_other_thread_runs_one_and_runs_wait_for_it
     assert log[-1] == "nested"
 
 
+def test_a_simulation_of_a_fused_call_holds_plans_back_as_a_call_does(monkeypatch):
+    """fused.simulate(...) runs the plan's graph on the model's parameters: like a fused call, it counts as a run,
+    so no other thread's capture swaps fake tensors in for them meanwhile."""
+    import importlib
+    import threading
+
+    from autofuse import engine
+    sim = importlib.import_module("autofuse.simulate")     # (autofuse.simulate is also the package's function)
+    model, x, fused = _setup()
+    held, run = [], sim.simulate_graph
+
+    def simulate_graph(*args, **kwargs):
+        held.append(threading.get_ident() in engine._PLANNING._runs)
+        return run(*args, **kwargs)
+    monkeypatch.setattr(sim, "simulate_graph", simulate_graph)
+    fused.simulate(x, values=False)
+    assert held == [True]
+
+
 def test_an_empty_batch_runs_as_captured():
     model, _, fused = _setup()
     z = torch.randn(0, 8, 32)
