@@ -278,7 +278,6 @@ def test_a_plan_is_made_only_while_no_other_thread_runs_one_and_runs_wait_for_it
     exporting flag, so a plan run by one thread while another captured returned a FakeTensor (or ran the model
     eagerly on the fake parameters). Timeouts only bound a hang; the order is checked by the log."""
     import threading
-    import time
 
     from autofuse.engine import _PlansAndRuns
     lock, log = _PlansAndRuns(), []
@@ -304,9 +303,9 @@ def test_a_plan_is_made_only_while_no_other_thread_runs_one_and_runs_wait_for_it
     running.wait(10)
     second = threading.Thread(target=planner)
     second.start()
-    deadline = time.monotonic() + 10                # (a bound on a hang, not a timing)
-    while not lock._waiting and time.monotonic() < deadline:
-        time.sleep(0.01)
+    for _ in range(1000):                           # until the planner waits (the count only bounds a hang)
+        if lock._waiting or planned.wait(0.01):
+            break
     assert lock._waiting and not planned.is_set()   # the planner waits for the other thread's run
     third = threading.Thread(target=late_runner)    # a run that comes while a planner waits waits for the plan
     third.start()
