@@ -101,7 +101,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import relayout_as_eager
+from autofuse.graph import graph_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -1896,7 +1896,7 @@ def _lift_to_attrs(source: fx.GraphModule, attr_of: dict, keep_outputs: list[int
             new.output(tuple(fx.map_arg(o, arg) for o in outs))
         else:
             env[node] = new.node_copy(node, arg)
-    return fx.GraphModule(root, new)
+    return graph_module(root, new)
 
 
 def _get_nested(mod, dotted: str):

@@ -59,7 +59,7 @@ from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import describe_node, returned
+from autofuse.graph import describe_node, realised, returned
 from autofuse.hierarchy import lead_match
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
@@ -822,7 +822,7 @@ class Plan:
         self.autograd = None
         self.captured = captured
         self.model = model
-        self.graph_module = graph_module
+        self.graph_module = realised(graph_module)      # run by its forward: no hooks
         self.report = report
         self.canonical = canonical
         self.guards = guards

@@ -16,6 +16,11 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+try:
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GRAPH_MODULE
+except ImportError:                 # another torch: every graph module generates its code at once
+    _GRAPH_MODULE = fx.GraphModule
+
 aten = torch.ops.aten
 
 
@@ -258,13 +263,29 @@ def get_attr_value(gm: fx.GraphModule, target: str):
     return obj
 
 
+def graph_module(root, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` whose Python code is generated when it is first run or read, not at every
+    construction and ``recompile()``: planning builds a graph module for every block it checks and rebuilds the
+    whole graph's after each pass, and most are never run (a decode step made about 57, 20 % of its planning
+    time). torch's own ``_LazyGraphModule`` (what Inductor's passes use); a plain one where torch has none."""
+    return _GRAPH_MODULE(root, graph)
+
+
+def realised(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its code generated now. A lazy graph module's ``forward`` called directly generates its code and
+    then goes through ``__call__``, which fires torch's global module hooks at a module eager never runs."""
+    if isinstance(gm, _GRAPH_MODULE) and hasattr(gm, "real_recompile"):
+        gm.real_recompile()
+    return gm
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of ``gm.graph`` (node meta copied); attributes (parameters,
     buffers, constants) are the same objects as in ``gm``, never copies."""
     g = fx.Graph()
     out = g.graph_copy(gm.graph, {})
     g.output(out)
-    new = fx.GraphModule(gm, g)
+    new = graph_module(gm, g)
     new.meta.update(gm.meta)
     return new
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.tools_common import legalize_graph
 
-from autofuse.graph import copy_graph_module
+from autofuse.graph import copy_graph_module, graph_module
 from autofuse.match import Match
 
 aten = torch.ops.aten
@@ -378,7 +378,7 @@ def extract(gm: fx.GraphModule, names, outputs, inputs=()) -> tuple[fx.GraphModu
                 bring(a)
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[nodes[o]] for o in outputs))
-    return fx.GraphModule(gm, g), external
+    return graph_module(gm, g), external
 
 
 def _interior(gm: fx.GraphModule, block: set) -> set:
@@ -418,7 +418,7 @@ def fused_block(captured: fx.GraphModule, lifted: Lifted, emit, kwargs: dict, si
             env[a.name].meta["val"] = torch.empty([sizes.get(d, d) for d in v.shape], dtype=v.dtype, device="meta")
     result = build(g, lifted, env, emit, kwargs)
     g.output(tuple(result[role] for role in lifted.targets))
-    fused = fx.GraphModule(captured, g)
+    fused = graph_module(captured, g)
     fused.graph.lint()
     return sub, fused, external
 

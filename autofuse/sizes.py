@@ -43,7 +43,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autofuse.capture import autograd_reads, lifted_input, with_forward
-from autofuse.graph import draw_order
+from autofuse.graph import draw_order, graph_module
 from autofuse.quiet import symbolic_export_logs
 
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
@@ -348,7 +348,7 @@ def specialise(program, leaves, model) -> Any:
             graph.erase_node(node)
     for node in reversed(list(folded)):      # a size computed from another: the later one goes first
         graph.erase_node(node)
-    gm = fx.GraphModule(source, graph)
+    gm = graph_module(source, graph)
     # the inputs in the graph's order: the model's parameters, buffers and constants (its own tensors: their
     # requires_grad is what a fresh export sees), then the call's leaves
     user = iter(leaves)

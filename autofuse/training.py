@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autofuse.graph import get_attr_value
+from autofuse.graph import get_attr_value, graph_module
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -92,7 +92,7 @@ def _lifted(gm: fx.GraphModule, by_node: dict, order: list) -> fx.GraphModule:
         ph[id(t)] = p
     for n in gm.graph.nodes:
         env[n] = ph[id(by_node[n])] if n in by_node else g.node_copy(n, lambda a: env[a])
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 def joint_graph(gm: fx.GraphModule, inputs) -> JointGraph:

@@ -36,7 +36,7 @@ import hashlib
 import torch
 import torch.fx as fx
 
-from autofuse.graph import draw_order, in_order, val
+from autofuse.graph import draw_order, graph_module, in_order, val
 
 
 def floor(dtype: torch.dtype) -> float:
@@ -527,7 +527,7 @@ def shrink(gm: fx.GraphModule, sizes: dict) -> fx.GraphModule:
             new.args = tuple(shrink_arg(a, sizes) for a in new.args)
             new.kwargs = {k: (v if k == "dim" else shrink_arg(v, sizes)) for k, v in new.kwargs.items()}
         env[n] = new
-    return fx.GraphModule(gm, g)
+    return graph_module(gm, g)
 
 
 def consistent_sizes(sub: fx.GraphModule, sizes: dict, also=()) -> dict:
