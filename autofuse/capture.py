@@ -66,7 +66,8 @@ real data is touched, so very large configurations can be analysed.
    place: eager's reads after the update carry its gradient, the functional graph's new value does not.
 8. **Sizes seen before.** Given a :class:`autofuse.sizes.SizeFamilies` (a fused module keeps one), a call whose
    structure was captured before at other sizes is not exported again: one export with those sizes symbolic is
-   specialised to the call's sizes, giving the graph a fresh export gives (see :mod:`autofuse.sizes`).
+   specialised to the call's sizes, giving the graph a fresh export gives, up to whole-dim slices (see
+   :mod:`autofuse.sizes`).
 9. **transformers' float16 overflow clamp** (``if h.dtype == torch.float16 and not torch.isfinite(h).all(): h =
    torch.clamp(h, ...)``, BART and its kin; ``torch.isinf(h).any()`` in LongT5) branches on values, which torch.export
    refuses. Recognised by its source while the forward is traced, it is captured as ``torch.where`` over both

@@ -18,8 +18,10 @@ structure, each leaf's type, dtype, device and rank, the non-tensor leaves' valu
    recorded (the forward's branches on sizes that are not ranges: ``T % 2 == 0``, ``T == 5``; what
    ``ExportedProgram.module()`` checks in its ``_guards_fn``), any false one refusing; every size the graph
    computes is folded to its value, every runtime assertion export left in the graph is evaluated (any false one
-   refuses), and the tensors' metadata are propagated again with static shapes. The result is the graph a fresh
-   export at those sizes gives, which capture then treats as usual.
+   refuses), and every value's shape, strides and offset are evaluated at those sizes (what propagating the inputs
+   through the graph op by op gives, without running the ops' meta kernels). The result is the graph a fresh export at
+   those sizes gives, but for the whole-dim slices a symbolic length keeps (``x[..., :n]`` with ``n`` the dim's
+   length: a fresh export drops them; a small Llama's decode step keeps three), and capture treats it as usual.
 
 A dimension the symbolic export kept static because it had not yet changed (the batch, when a second generate()
 comes with another batch size) changes: the family makes one symbolic export more, with that dimension among the
@@ -323,7 +325,6 @@ def specialise(program, leaves, model) -> Any:
     ``leaves`` gives: the same signature and constants, a graph whose sizes are numbers (see the module
     docstring). Raises :class:`Unsuitable` where it cannot serve these inputs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     values = _bindings(program, leaves)
     _check_guards(program, values)
@@ -362,15 +363,51 @@ def specialise(program, leaves, model) -> Any:
             raise Unsuitable(f"an input of kind {spec.kind.name}")
         real.append(tensor)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        FakeTensorProp(gm, mode).propagate(*real)
-        # the propagation stores detached values; an export's placeholders keep their inputs' requires_grad
-        for node, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), real):
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                node.meta["val"] = mode.from_tensor(x)
-    except Exception as e:  # noqa: BLE001 - an op torch cannot run on fake tensors at these sizes
-        raise Unsuitable(f"metadata propagation failed: {type(e).__name__}: {e}") from None
+    # not through capture's torch-function modes (they watch the forward's reads; no forward runs here), whose Python
+    # handler every fake tensor construction would otherwise pass through
+    with torch._C.DisableTorchFunction():
+        _values_at(gm, values, real, mode)
     return _Specialised(program, gm)
+
+
+def _values_at(gm, values, real, mode) -> None:
+    """Each node's value in ``gm`` (a copy of the symbolic graph) at the sizes ``values``: the placeholders' from the
+    real inputs ``real`` (an export's placeholders keep their inputs' requires_grad), every other tensor a fake one of
+    its symbolic value's shape, strides and offset evaluated there, dtype and device, detached (as a propagation of
+    fake tensors through the graph stores them). The same metadata as propagating the inputs op by op (compared node
+    by node with a fresh export in tests/test_sizes.py), without running any op's meta kernel."""
+    import sympy
+    known: dict = {}
+
+    def size(d):
+        if not isinstance(d, torch.SymInt):
+            return d
+        if d.node.expr not in known:
+            v = sympy.sympify(d.node.expr.xreplace(values))
+            if v.free_symbols:
+                raise Unsuitable(f"the size {d.node.expr} is not determined by the inputs' sizes")
+            known[d.node.expr] = int(v)
+        return known[d.node.expr]
+
+    def at(v):
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return _evaluate(v, values)
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape, stride, offset = [size(d) for d in v.shape], [size(d) for d in v.stride()], size(v.storage_offset())
+        with mode:
+            if not offset:
+                return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+            extent = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else offset
+            return torch.empty(extent, dtype=v.dtype, device=v.device).as_strided(shape, stride, offset)
+
+    inputs = iter(real)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            x = next(inputs)
+            node.meta["val"] = mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+        elif "val" in node.meta:
+            node.meta["val"] = pytree.tree_map(at, node.meta["val"])
 
 
 class _Specialised:

@@ -5,6 +5,7 @@ export's constraints or the model's modules say otherwise, it is exported again.
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from autofuse import AutoFusionEngine
 from autofuse.capture import capture
@@ -19,7 +20,9 @@ def _structure(gm):
     """Each node's op, target and value's shape and dtype: what planning reads of a captured graph."""
     def val(v):
         if isinstance(v, torch.Tensor):
-            return tuple(v.shape), v.dtype, tuple(v.stride()), v.requires_grad
+            return tuple(v.shape), v.dtype, tuple(v.stride()), v.storage_offset(), v.requires_grad
+        if isinstance(v, (list, tuple)):
+            return [val(x) for x in v]
         return type(v).__name__
     return [(n.op, str(n.target), val(n.meta.get("val"))) for n in gm.graph.nodes if n.op != "output"]
 
@@ -88,6 +91,63 @@ def test_a_dimension_kept_static_that_changes_widens_the_export():
         assert _structure(got.graph_module) == _structure(fresh.graph_module)
         with torch.no_grad():
             torch.testing.assert_close(got(x, m), fresh(x, m), rtol=0, atol=0)   # the same ops on the same inputs
+
+
+def _llama_step():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=64)).eval()
+
+    def inputs(past):
+        ids = torch.randint(1, 128, (2, past + 1))
+        with torch.no_grad():
+            cache = model(ids[:, :past], use_cache=True).past_key_values
+        return (ids[:, past:],), {"past_key_values": cache, "use_cache": True}
+    return model, inputs
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    return _Mlp().train(), lambda n: ((torch.randn(2, n, 16, requires_grad=True), torch.randn(2, n, n)), {})
+
+
+@pytest.mark.parametrize("make", [_llama_step, _mlp_step], ids=["llama decode step", "training, input with grad"])
+def test_a_specialised_graph_has_the_values_propagating_its_inputs_op_by_op_gives(make, monkeypatch):
+    """The values a specialised graph's nodes get from the symbolic export's, evaluated at the call's sizes, are those
+    torch's FakeTensorProp gives propagating the inputs through the same graph op by op: shapes, dtypes, strides,
+    storage offsets (RoPE's second half is a view at one) and requires_grad, node by node. The outputs are a fresh
+    export's."""
+    import autofuse.sizes as sizes_module
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    sizes = SizeFamilies()
+    model, inputs = make()
+    for n in (5, 6, 7):                     # the third makes the symbolic export
+        capture(model, *inputs(n), sizes=sizes)
+    args, kwargs = inputs(11)
+    (program,) = [p for f in sizes.families.values() for p in f.programs]
+    leaves = pytree.tree_leaves((args, kwargs))
+    got = sizes_module.specialise(program, leaves, model).graph_module
+
+    def propagated(gm, values, real, mode):
+        FakeTensorProp(gm, mode).propagate(*real)
+        for node, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), real):
+            if isinstance(x, torch.Tensor) and x.requires_grad:     # what an export's placeholders keep
+                node.meta["val"] = mode.from_tensor(x)
+    monkeypatch.setattr(sizes_module, "_values_at", propagated)
+    want = sizes_module.specialise(program, leaves, model).graph_module
+    assert _structure(got) == _structure(want)
+    assert any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].storage_offset()
+               for n in got.graph.nodes) == (make is _llama_step)
+    assert any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].requires_grad
+               for n in got.graph.nodes)                        # parameters, and the input with grad
+    monkeypatch.undo()
+    served, fresh = capture(model, args, kwargs, sizes=sizes), capture(model, args, kwargs)
+    with torch.no_grad():
+        torch.testing.assert_close(served.graph_module(*served.flatten_inputs(*args, **kwargs)),
+                                   fresh.graph_module(*fresh.flatten_inputs(*args, **kwargs)), rtol=0, atol=0)
 
 
 def test_generate_at_another_batch_size_is_served_after_one_more_export():
