@@ -365,8 +365,13 @@ def specialise(program, leaves, model) -> Any:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # not through capture's torch-function modes (they watch the forward's reads; no forward runs here), whose Python
     # handler every fake tensor construction would otherwise pass through
-    with torch._C.DisableTorchFunction():
-        _values_at(gm, values, real, mode)
+    try:
+        with torch._C.DisableTorchFunction():
+            _values_at(gm, values, real, mode)
+    except Unsuitable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a size expression sympy cannot evaluate, a layout torch refuses
+        raise Unsuitable(f"a value's metadata cannot be evaluated at these sizes: {type(e).__name__}: {e}") from None
     return _Specialised(program, gm)
 
 
