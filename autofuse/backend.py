@@ -205,18 +205,16 @@ class Backend:
         :func:`autofuse.AutoFusionEngine.fuse` takes: ``{"target_device": "ascend910b", "optimization_level":
         "O2"}``). ``mode`` names Inductor's schedules (CUDA graphs, autotuning), which have no meaning here: it is
         accepted, with a warning that says where the level is set."""
-        from autofuse.engine import fuse_options
+        from autofuse.engine import fuse_options, unknown_options
         if mode is not None and mode != "default" and mode not in self._warned:
             self._warned.add(mode)
             warnings.warn(f"autofuse: torch.compile's mode={mode!r} is Inductor's and has no effect on autofuse; set "
                           f"the optimization level with options={{'optimization_level': 'O2'}} (or "
                           f"autofuse.backend(optimization_level=...))", stacklevel=3)
         options = dict(options or {})
-        known = fuse_options()
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"autofuse: torch.compile options {unknown} are not autofuse settings; it takes "
-                            f"{', '.join(known)}")
+        unknown = sorted(set(options) - set(fuse_options()))
+        if unknown:         # the message fuse() and autofuse.backend() give, each name with the option it is closest to
+            raise TypeError(unknown_options("autofuse (torch.compile's options=)", unknown))
         return {**self.settings, **options}
 
     @property

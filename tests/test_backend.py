@@ -353,8 +353,12 @@ def test_compile_mode_and_options_reach_the_backend():
     with pytest.warns(UserWarning, match="mode='max-autotune' is Inductor's"):
         torch.testing.assert_close(torch.compile(model, backend="autofuse", mode="max-autotune")(x), model(x))
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"options \['level'\] are not autofuse settings.*optimization_level"):
+    with pytest.raises(Exception, match=r"options=\): no option 'level'; the options are target_device, "
+                                        r"optimization_level"):
         torch.compile(model, backend="autofuse", options={"level": "O2"})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"no option 'optimisation_level' \(did you mean 'optimization_level'\?\)"):
+        torch.compile(model, backend="autofuse", options={"optimisation_level": "O2"})(x)
 
 
 def test_batchnorm_trains_through_compile_as_eager():
