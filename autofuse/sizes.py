@@ -379,8 +379,9 @@ def _values_at(gm, values, real, mode) -> None:
     """Each node's value in ``gm`` (a copy of the symbolic graph) at the sizes ``values``: the placeholders' from the
     real inputs ``real`` (an export's placeholders keep their inputs' requires_grad), every other tensor a fake one of
     its symbolic value's shape, strides and offset evaluated there, dtype and device, detached (as a propagation of
-    fake tensors through the graph stores them). The same metadata as propagating the inputs op by op (compared node
-    by node with a fresh export in tests/test_sizes.py), without running any op's meta kernel."""
+    fake tensors through the graph stores them). The same metadata as propagating the inputs op by op
+    (tests/test_sizes.py compares the two node by node, torch's FakeTensorProp on the same graph), without running
+    any op's meta kernel."""
     import sympy
     known: dict = {}
 
