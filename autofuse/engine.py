@@ -1324,6 +1324,9 @@ MAX_REDUCTIONS = 8
 #: How many verdicts a fused module keeps across its plans (then it starts again).
 MAX_SHARED_VERDICTS = 4096
 
+#: a ``generate()`` that plans this many new input signatures (or more) says why, once per fused module
+GENERATE_PLANS_HINT = 16
+
 
 class FusedModule(torch.nn.Module):
     """The user's model with its fusible blocks replaced by fused NPU kernels (see :mod:`autofuse.engine`)."""
@@ -1350,6 +1353,8 @@ class FusedModule(torch.nn.Module):
         # from here on, assigning a name the model has and this module does not reaches the model (__setattr__)
         self.__dict__["_autofuse_built"] = True
         self.__dict__["_called"] = False        # a plan of fuse()'s example inputs (its errors say so)
+        self.__dict__["_made"] = [0, 0.0]       # plans made, and their seconds by stage summed (generate()'s hint)
+        self.__dict__["_hinted"] = False
         if example_inputs is not None:
             args, kwargs = self._in_program_order(*example_inputs)
             self._plan_for(args, kwargs)
@@ -1457,6 +1462,8 @@ class FusedModule(torch.nn.Module):
                              at_call=self._called)
             if why is not None:
                 p.report.replanned_because = why
+            made = self.__dict__["_made"]
+            made[0], made[1] = made[0] + 1, made[1] + sum(p.report.timings.values())
         self._plans[key] = p
         while self._max_plans is not None and len(self._plans) > self._max_plans:
             self._plans.pop(next(iter(self._plans)))        # the least recently used: planned again if it returns
@@ -1627,7 +1634,27 @@ class FusedModule(torch.nn.Module):
                                                                  self._verify, self._switches, self._max_plans,
                                                                  self._sizes is not None))
             object.__setattr__(stepper, "get_encoder", lambda *a, **k: self._encoder)
-        return type(self.model).generate(stepper, *args, **kwargs)
+        count, seconds = self.__dict__["_made"]
+        out = type(self.model).generate(stepper, *args, **kwargs)
+        self._hint_generate(self.__dict__["_made"][0] - count, self.__dict__["_made"][1] - seconds, kwargs)
+        return out
+
+    def _hint_generate(self, made: int, seconds: float, kwargs) -> None:
+        """Once per module: a generate() that planned many new signatures says why (each cache length is one) and,
+        unless its cache was static already, what keeps the decode steps on one."""
+        if made < GENERATE_PLANS_HINT or self.__dict__["_hinted"]:
+            return
+        self.__dict__["_hinted"] = True
+        config = getattr(self.model, "generation_config", None)
+        static = "static" in (kwargs.get("cache_implementation"), getattr(config, "cache_implementation", None)) or \
+            type(kwargs.get("past_key_values")).__name__ == "StaticCache"
+        advice = ("" if static else
+                  "; generate(..., cache_implementation='static') keeps one length for the decode steps, so that "
+                  "most models plan them once")
+        warnings.warn(f"autofuse: generate() planned {made} new input signatures ({seconds:.1f} s of planning): "
+                      f"each new cache length is one, planned and checked once (a dynamic KV cache, transformers' "
+                      f"default, grows by a token at every step, and a cache whose structure holds its length "
+                      f"changes at every step){advice}", stacklevel=2)
 
     def _require_plan(self):
         if self._last is None:

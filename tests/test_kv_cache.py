@@ -2,6 +2,8 @@
 cache it is given in place as eager does, and generate() gives eager's tokens (autofuse.caches)."""
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -155,6 +157,37 @@ def test_generate_with_a_static_cache(kind, kw, tokens, plans):
     assert torch.equal(got, want)
     assert len(fused.plans) == plans
     assert all(_fused_attention(p.report) == 2 for p in fused.plans.values())
+
+
+def _hints(fused, ids, **settings) -> list:
+    """The messages of generate()'s planning hint while ``fused`` generates from ``ids``."""
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        fused.generate(ids, do_sample=False, pad_token_id=0, **settings)
+    return [str(w.message) for w in seen if str(w.message).startswith("autofuse: generate() planned")]
+
+
+def test_a_generate_that_plans_many_lengths_says_why_once(monkeypatch):
+    """A generate() that plans GENERATE_PLANS_HINT new signatures or more says so once per fused module: how many,
+    the seconds of planning, why (each cache length is one), and with a dynamic cache what keeps the decode steps on
+    one plan. Below the count, with a static cache (two plans), and the second time, it says nothing; a static cache
+    whose structure holds its length (Gemma 2's sliding layers) gets the reason without the advice it followed."""
+    import autofuse.engine as engine
+    monkeypatch.setattr(engine, "GENERATE_PLANS_HINT", 3)      # the rule, at fewer tokens than the default count
+    model, ids = _model("llama", layers=1), torch.randint(1, 128, (1, 8))
+    fused = AutoFusionEngine.fuse(model)
+    assert _hints(fused, ids, max_new_tokens=2, min_new_tokens=2) == []                 # two plans: below
+    (hint,) = _hints(fused, torch.randint(1, 128, (1, 12)), max_new_tokens=3, min_new_tokens=3)   # 12 to 14
+    assert re.match(r"autofuse: generate\(\) planned 3 new input signatures \(\d+\.\d s of planning\): each new "
+                    r"cache length is one", hint), hint
+    assert "cache_implementation='static'" in hint
+    assert _hints(fused, torch.randint(1, 128, (1, 20)), max_new_tokens=3, min_new_tokens=3) == []   # said once
+    static = dict(max_new_tokens=4, min_new_tokens=4, cache_implementation="static")
+    fused = AutoFusionEngine.fuse(model)
+    assert _hints(fused, ids, **static) == [] and len(fused.plans) == 2
+    gemma = AutoFusionEngine.fuse(_model("gemma2", head_dim=16, sliding_window=4))
+    (hint,) = _hints(gemma, torch.randint(1, 128, (1, 8)), **static)
+    assert "planned 4 new input signatures" in hint and "cache_implementation" not in hint
 
 
 def test_a_static_cache_is_written_in_place_as_eager_writes_it():
