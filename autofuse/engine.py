@@ -1635,7 +1635,13 @@ class FusedModule(torch.nn.Module):
                                                                  self._sizes is not None))
             object.__setattr__(stepper, "get_encoder", lambda *a, **k: self._encoder)
         count, seconds = self.__dict__["_made"]
-        out = type(self.model).generate(stepper, *args, **kwargs)
+        # the decode steps to come, when generate() is told: with five or more, their captures share one symbolic
+        # export from the second step on; with fewer, each is exported by itself (SizeFamilies.expecting)
+        tokens = kwargs.get("max_new_tokens", getattr(getattr(self.model, "generation_config", None),
+                                                      "max_new_tokens", None))
+        steps = tokens - 1 if isinstance(tokens, int) else None
+        with self._sizes.expecting(steps) if self._sizes is not None else contextlib.nullcontext():
+            out = type(self.model).generate(stepper, *args, **kwargs)
         self._hint_generate(self.__dict__["_made"][0] - count, self.__dict__["_made"][1] - seconds, kwargs)
         return out
 

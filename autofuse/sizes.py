@@ -8,10 +8,12 @@ seconds per token exporting the same forward. :class:`SizeFamilies` keeps, per *
 structure, each leaf's type, dtype, device and rank, the non-tensor leaves' values, and the model's mode):
 
 1. its first signatures (two by default), each exported by itself as without sharing (static);
-2. at the family's third signature (a symbolic export takes about twice a plain one, so it pays from the fourth;
-   ``plain_first``), one export with ``torch.export.Dim.AUTO`` on every dimension seen to differ from the
-   first: torch decides which of them can stay symbolic, records the relations between them (a mask one
-   longer than the cache) and their ranges, and specialises the rest;
+2. at the family's third signature (``plain_first``; at the second while generate() has five or more decode steps
+   to make, and none while it has fewer: :meth:`SizeFamilies.expecting`), one export with
+   ``torch.export.Dim.AUTO`` on every dimension seen to differ from the first (it takes 2.4 to 3.5 plain exports,
+   and each signature it then serves about a tenth of one): torch decides which of them can stay symbolic,
+   records the relations between them (a mask one longer than the cache) and their ranges, and specialises the
+   rest;
 3. for that signature and every later one, the symbolic graph **specialised** to the call's sizes: the inputs are
    checked against the export's constraints by torch's own check (``_check_input_constraints_for_graph``: the
    relations, the ranges, the dimensions it specialised), and against every guard the export's shape environment
@@ -37,6 +39,8 @@ plans stay one per signature: only the export is shared.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,9 @@ import torch.utils._pytree as pytree
 from autofuse.capture import autograd_reads, lifted_input, with_forward
 from autofuse.graph import draw_order, graph_module
 from autofuse.quiet import symbolic_export_logs
+
+#: Calls of one family known to be coming (:meth:`SizeFamilies.expecting`) from which a symbolic export pays.
+SHARE_FROM = 5
 
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
@@ -78,9 +85,26 @@ class SizeFamilies:
 
     make_guard: Any = None
     families: dict = field(default_factory=dict)
-    #: signatures of a family exported by themselves before the symbolic export: that export takes about twice a
-    #: plain one, so it pays from the fourth signature on (a generate() of three tokens never makes it)
+    #: signatures of a family exported by themselves before the symbolic export (which takes 2.4 to 3.5 plain ones,
+    #: and pays from about the sixth signature; :meth:`expecting` decides where the calls to come are known)
     plain_first: int = 2
+
+    @contextlib.contextmanager
+    def expecting(self, calls):
+        """While a caller that knows how many calls of one family are coming (``calls``: generate()'s decode steps)
+        makes them. A symbolic export takes 2.4 to 3.5 plain ones (a decode step of Llama-style models of 1 to 8
+        layers, ``benchmarks/compile_time.py``'s kind), and every signature it serves about a tenth of one. With
+        ``SHARE_FROM`` or more coming, it is made at a family's second signature, which saves the second plain export
+        of the default order; with fewer coming, none is made (each is exported by itself, cheaper than the symbolic
+        export at the third). A dimension that changes where a program exists still widens it (the program serves
+        later calls too)."""
+        before = self.plain_first
+        if calls is not None:
+            self.plain_first = 1 if calls >= SHARE_FROM else math.inf
+        try:
+            yield
+        finally:
+            self.plain_first = before
 
     @property
     def served(self) -> int:
