@@ -88,23 +88,34 @@ class SizeFamilies:
     #: signatures of a family exported by themselves before the symbolic export (which takes 2.4 to 3.5 plain ones,
     #: and pays from about the sixth signature; :meth:`expecting` decides where the calls to come are known)
     plain_first: int = 2
+    _window: Any = None          # (calls coming, families met) inside :meth:`expecting`
 
     @contextlib.contextmanager
     def expecting(self, calls):
         """While a caller that knows how many calls of one family are coming (``calls``: generate()'s decode steps)
         makes them. A symbolic export takes 2.4 to 3.5 plain ones (a decode step of Llama-style models of 1 to 8
         layers, ``benchmarks/compile_time.py``'s kind), and every signature it serves about a tenth of one. With
-        ``SHARE_FROM`` or more coming, it is made at a family's second signature, which saves the second plain export
-        of the default order; with fewer coming, none is made (each is exported by itself, cheaper than the symbolic
-        export at the third). A dimension that changes where a program exists still widens it (the program serves
-        later calls too)."""
-        before = self.plain_first
-        if calls is not None:
-            self.plain_first = 1 if calls >= SHARE_FROM else math.inf
+        ``SHARE_FROM`` or more coming, a family called a second time inside this block makes it then (the decode
+        steps' family at its second step), which saves the second plain export of the default order; a family met
+        once inside it (the prefill's, whose second signature may be the next generate()'s) keeps the default. With
+        fewer coming, none is made (each is exported by itself, cheaper than the symbolic export at the third). A
+        dimension that changes where a program exists still widens it (the program serves later calls too)."""
+        before = self._window
+        self._window = None if calls is None else (calls, set())
         try:
             yield
         finally:
-            self.plain_first = before
+            self._window = before
+
+    def _plain_first(self, key) -> float:
+        """How many signatures of the family ``key`` are exported by themselves before its symbolic export, at this
+        call (:meth:`expecting`); the family is counted as met in the block."""
+        if self._window is None:
+            return self.plain_first
+        calls, met = self._window
+        again = key in met
+        met.add(key)
+        return math.inf if calls < SHARE_FROM else 1 if again else self.plain_first
 
     @property
     def served(self) -> int:
@@ -118,6 +129,7 @@ class SizeFamilies:
         key = (spec, model.training, autocast_state(), state_spec(model), tuple(_leaf_kind(x) for x in leaves))
         sizes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves)
         fam = self.families.get(key)
+        plain_first = self._plain_first(key)
         if fam is not None and fam.guard is not None and fam.guard.check(model) is not None:
             fam = None                                  # the model changed since: start the family again
         if fam is None:
@@ -126,7 +138,7 @@ class SizeFamilies:
         export_fn = _traced(fam, export_fn)
         if not fam.programs and not fam.failed:
             _widen(fam, sizes)
-            if not fam.changed or fam.exported < self.plain_first:
+            if not fam.changed or fam.exported < plain_first:
                 fam.exported += 1
                 return export_fn(model, args, kwargs)
             program = self._symbolic(fam, model, args, kwargs, leaves, export_fn)
