@@ -16,8 +16,8 @@ returned in the new one's place. A fresh cache (a prefill without one) is return
 
 **Signatures.** A dynamic cache's length is part of its tensors' shapes, so each decode step is a new input
 signature: ``fuse()`` plans it as it plans any new signature (capture, plan, verification), once per length; from
-the third length on, the capture is a symbolic export of the step specialised to the length
-(:mod:`autofuse.sizes`), not a new export. A
+the third length on (the second, in a generate() with five or more decode steps to make), the capture is a symbolic
+export of the step specialised to the length (:mod:`autofuse.sizes`), not a new export. A
 static cache (``StaticCache``) keeps its size: the forward writes the new keys and values into its tensors in
 place (``index_copy_``), which capture turns into new values the fused call copies back into the caller's tensors
 (:mod:`autofuse.capture`, item 7), so every decode step has one signature and one plan. Its sliding-window layers
