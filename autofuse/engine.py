@@ -1637,13 +1637,20 @@ class FusedModule(torch.nn.Module):
         count, seconds = self.__dict__["_made"]
         # the decode steps to come, when generate() is told: with five or more, their captures share one symbolic
         # export from the second step on; with fewer, each is exported by itself (SizeFamilies.expecting)
-        tokens = kwargs.get("max_new_tokens", getattr(getattr(self.model, "generation_config", None),
-                                                      "max_new_tokens", None))
+        tokens = self._generation_setting(kwargs, "max_new_tokens")
         steps = tokens - 1 if isinstance(tokens, int) else None
         with self._sizes.expecting(steps) if self._sizes is not None else contextlib.nullcontext():
             out = type(self.model).generate(stepper, *args, **kwargs)
         self._hint_generate(self.__dict__["_made"][0] - count, self.__dict__["_made"][1] - seconds, kwargs)
         return out
+
+    def _generation_setting(self, kwargs, name):
+        """A generate() setting as transformers resolves it: the keyword, else the ``generation_config`` passed, else
+        the model's."""
+        if name in kwargs:
+            return kwargs[name]
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        return getattr(config, name, None)
 
     def _hint_generate(self, made: int, seconds: float, kwargs) -> None:
         """Once per module: a generate() that planned many new signatures says why (each cache length is one) and,
@@ -1651,8 +1658,7 @@ class FusedModule(torch.nn.Module):
         if made < GENERATE_PLANS_HINT or self.__dict__["_hinted"]:
             return
         self.__dict__["_hinted"] = True
-        config = getattr(self.model, "generation_config", None)
-        static = "static" in (kwargs.get("cache_implementation"), getattr(config, "cache_implementation", None)) or \
+        static = self._generation_setting(kwargs, "cache_implementation") == "static" or \
             type(kwargs.get("past_key_values")).__name__ == "StaticCache"
         advice = ("" if static else
                   "; generate(..., cache_implementation='static') keeps one length for the decode steps, so that "

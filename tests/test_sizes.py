@@ -270,14 +270,16 @@ def test_generate_exports_the_decode_step_once_for_its_lengths():
                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=64)).eval()
     ids = torch.randint(1, 128, (2, 8))
-    for tokens, served in ((6, 4), (5, 0)):
+    for tokens, served, given in ((6, 4, "keyword"), (5, 0, "keyword"), (6, 4, "generation_config")):
         fused = AutoFusionEngine.fuse(model)
         settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        if given == "generation_config":          # the count read where transformers reads it
+            settings = {"generation_config": tf.GenerationConfig(**settings)}
         with torch.no_grad():
             want = model.generate(ids, **settings)
             got = fused.generate(ids, **settings)
         assert torch.equal(got, want)
-        assert len(fused.plans) == tokens and _served(fused) == served, tokens
+        assert len(fused.plans) == tokens and _served(fused) == served, (tokens, given)
         assert fused._sizes._window is None                       # as it was, once generate() returned
 
 
