@@ -1658,8 +1658,9 @@ class FusedModule(torch.nn.Module):
         if made < GENERATE_PLANS_HINT or self.__dict__["_hinted"]:
             return
         self.__dict__["_hinted"] = True
+        # a static cache asked for, or passed in (under any keyword: transformers 5 names it cache=)
         static = self._generation_setting(kwargs, "cache_implementation") == "static" or \
-            type(kwargs.get("past_key_values")).__name__ == "StaticCache"
+            any(type(c).__name__ == "StaticCache" for c in caches.caches_in(kwargs))
         advice = ("" if static else
                   "; generate(..., cache_implementation='static') keeps one length for the decode steps, so that "
                   "most models plan them once")

@@ -190,6 +190,30 @@ def test_a_generate_that_plans_many_lengths_says_why_once(monkeypatch):
     assert "planned 4 new input signatures" in hint and "cache_implementation" not in hint
 
 
+@pytest.mark.parametrize("given, advised", [({}, True), ({"cache_implementation": "static"}, False),
+                                            ({"generation_config": "static"}, False), ({"cache": "object"}, False),
+                                            ({"past_key_values": "object"}, False)])
+def test_the_generate_hint_advises_a_static_cache_only_where_none_was_asked_for(given, advised):
+    """The hint's advice is left out where generate() was asked for a static cache: by keyword, in the
+    generation_config passed, or as a StaticCache object under either keyword transformers takes."""
+    model = _model("llama", layers=1)
+    fused = AutoFusionEngine.fuse(model)
+    kwargs = {}
+    for key, value in given.items():
+        if value == "object":
+            kwargs[key] = tf.StaticCache(config=model.config, max_cache_len=16)
+        elif key == "generation_config":
+            kwargs[key] = tf.GenerationConfig(cache_implementation=value)
+        else:
+            kwargs[key] = value
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fused._hint_generate(20, 1.5, kwargs)
+    (hint,) = [str(w.message) for w in seen]
+    assert hint.startswith("autofuse: generate() planned 20 new input signatures (1.5 s of planning)")
+    assert ("cache_implementation='static'" in hint) == advised
+
+
 def test_a_static_cache_is_written_in_place_as_eager_writes_it():
     """A decode step against a static cache: the cache's own key and value tensors (the same objects, as eager
     leaves them) hold eager's values at the step's position, and the logits are eager's."""
