@@ -418,17 +418,13 @@ def _values_at(gm, values, real, mode) -> None:
     fake tensors through the graph stores them). The same metadata as propagating the inputs op by op
     (tests/test_sizes.py compares the two node by node, torch's FakeTensorProp on the same graph), without running
     any op's meta kernel."""
-    import sympy
-    known: dict = {}
+    known: dict = {}        # each size expression evaluated once: a few recur across all of a graph's values
 
     def size(d):
         if not isinstance(d, torch.SymInt):
             return d
         if d.node.expr not in known:
-            v = sympy.sympify(d.node.expr.xreplace(values))
-            if v.free_symbols:
-                raise Unsuitable(f"the size {d.node.expr} is not determined by the inputs' sizes")
-            known[d.node.expr] = int(v)
+            known[d.node.expr] = _evaluate(d, values)
         return known[d.node.expr]
 
     def at(v):
