@@ -93,8 +93,8 @@ class SizeFamilies:
     @contextlib.contextmanager
     def expecting(self, calls):
         """While a caller that knows how many calls of one family are coming (``calls``: generate()'s decode steps)
-        makes them. A symbolic export takes 2.4 to 3.5 plain ones (a decode step of Llama-style models of 1 to 8
-        layers, ``benchmarks/compile_time.py``'s kind), and every signature it serves about a tenth of one. With
+        makes them. A symbolic export takes 2.4 to 3.5 plain ones (measured ad hoc on the decode steps of
+        Llama-style models of 1, 4 and 8 layers), and every signature it serves about a tenth of one. With
         ``SHARE_FROM`` or more coming, a family called a second time inside this block makes it then (the decode
         steps' family at its second step), which saves the second plain export of the default order; a family met
         once inside it (the prefill's, whose second signature may be the next generate()'s) keeps the default. With
