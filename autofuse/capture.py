@@ -136,9 +136,11 @@ class Captured:
     state_updates: tuple = ()        # the model's buffers and parameters the forward updates in place (item 7)
     input_updates: tuple = ()        # the flat inputs' indices the forward updates in place (item 7)
     attribute_updates: tuple = ()    # (module, attribute, value): plain attributes the forward sets, as it leaves them
+    tied: bool = False               # flattened with caches.lengths_tied (a cache's length written as its keys')
 
     def flatten_inputs(self, *args, **kwargs) -> list:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        with caches.tied_as(self.tied):
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise TypeError(f"inputs do not match the captured structure:\n got {spec}\n want {self.in_spec}")
         return leaves
@@ -217,8 +219,9 @@ def capture(model: torch.nn.Module, example_args=(), example_kwargs=None, route:
     python_state = _python_state(model)
     host_rng = _host_rng_state()
     try:
-        with _dynamo_marks_set_aside((example_args, example_kwargs)):
+        with _dynamo_marks_set_aside((example_args, example_kwargs)), caches.lengths_tied(model) as tied:
             captured = _capture_routes(model, example_args, example_kwargs, route, routes, sizes)
+        captured.tied = tied
         _check_product_dtypes(captured.graph_module, model, captured.route)
     except BaseException as e:
         _restore_python_state(python_state)

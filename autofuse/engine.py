@@ -1661,7 +1661,9 @@ class FusedModule(torch.nn.Module):
         # a static cache asked for, or passed in (under any keyword: transformers 5 names it cache=)
         static = self._generation_setting(kwargs, "cache_implementation") == "static" or \
             any(type(c).__name__ == "StaticCache" for c in caches.caches_in(kwargs))
-        advice = ("" if static else
+        # a static cache's sliding-window layers hold their length in its structure: every step planned and
+        # exported by itself, where the dynamic cache's steps share one export until the window fills
+        advice = ("" if static or caches.has_windowed_layers(getattr(self.model, "config", None)) else
                   "; generate(..., cache_implementation='static') keeps one length for the decode steps, so that "
                   "most models plan them once")
         warnings.warn(f"autofuse: generate() planned {made} new input signatures ({seconds:.1f} s of planning): "

@@ -3,13 +3,15 @@
 Goals: fuse(12 layers) <= 5x capture(12 layers); fuse(48 layers) <= 4.5x fuse(12 layers).
 
     python benchmarks/compile_time.py [--seq 1024] [--batch 1] [--repeat 2]
-    python benchmarks/compile_time.py --generate 16 [--layers 4] [--then-batch 3]
+    python benchmarks/compile_time.py --generate 16 [--layers 4] [--then-batch 3] [--sliding-window 4096]
 
 ``--generate N``: a Llama-style causal LM (GQA, hidden 256) generates N tokens through ``fused.generate``, once with
 every decode step exported by itself and once with the steps' exports shared (``share_exports``, the default: one
 symbolic export specialised to each cache length), side by side in one run: wall time, the median decode
 step's planning time by stage, and whether the tokens are eager's. ``--then-batch B``: the same fused model then
-generates again at batch B (a dimension the first generation kept fixed), timed the same way.
+generates again at batch B (a dimension the first generation kept fixed), timed the same way. ``--sliding-window W``:
+the same sizes as a Mistral-style model whose attention has a window of W keys (Mistral-7B v0.1's is 4096), whose
+dynamic cache keeps each layer's length as a Python int in its structure.
 """
 import argparse
 import time
@@ -40,9 +42,11 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="with --generate: the model's layers")
     ap.add_argument("--then-batch", type=int, help="with --generate: generate again at this batch size with the "
                                                     "same fused model")
+    ap.add_argument("--sliding-window", type=int, metavar="W",
+                    help="with --generate: a Mistral-style model, attention over a window of W keys")
     a = ap.parse_args()
     if a.generate:
-        generate(a.generate, a.layers, a.device, a.then_batch)
+        generate(a.generate, a.layers, a.device, a.then_batch, a.sliding_window)
         return
     rows = {}
     for layers in (12, 48):
@@ -59,19 +63,23 @@ def main():
     print(f"\nfuse(12)/capture(12) = {f12 / c12:.2f}x (goal <= 5x);  fuse(48)/fuse(12) = {f48 / f12:.2f}x (goal <= 4.5x)")
 
 
-def generate(tokens, layers, device, then_batch=None):
+def generate(tokens, layers, device, then_batch=None, window=None):
     import statistics
 
     import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
-                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    sizes = dict(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    if window is None:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=window)).eval()
     prompts = [torch.randint(1, 512, (2, 32))] + ([torch.randint(1, 512, (then_batch, 32))] if then_batch else [])
     settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
     wants = []
-    print(f"Llama-style, {layers} layers, hidden 256, prompt 32, {tokens} new tokens, {device}")
+    style = "Llama-style" if window is None else f"Mistral-style (a {window}-key sliding window)"
+    print(f"{style}, {layers} layers, hidden 256, prompt 32, {tokens} new tokens, {device}")
     for prompt in prompts:
         t = time.perf_counter()
         with torch.no_grad():

@@ -214,6 +214,21 @@ def test_the_generate_hint_advises_a_static_cache_only_where_none_was_asked_for(
     assert ("cache_implementation='static'" in hint) == advised
 
 
+@pytest.mark.parametrize("kind, kw, advised", [("llama", {}, True), ("mistral", {"sliding_window": 4}, False),
+                                               ("mistral", {"sliding_window": None}, True),
+                                               ("gemma2", {"head_dim": 16, "sliding_window": 4}, False)])
+def test_the_generate_hint_does_not_advise_a_static_cache_to_a_model_with_sliding_layers(kind, kw, advised):
+    """A static cache's sliding-window layers keep their length in its structure, so each decode step is exported
+    and planned by itself; a dynamic cache's share one export until the window fills. The hint advises a static
+    cache only to a model without such layers (Mistral without a window has none)."""
+    fused = AutoFusionEngine.fuse(_model(kind, layers=1, **kw))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fused._hint_generate(20, 1.5, {})
+    (hint,) = [str(w.message) for w in seen]
+    assert ("cache_implementation='static'" in hint) == advised
+
+
 def test_a_static_cache_is_written_in_place_as_eager_writes_it():
     """A decode step against a static cache: the cache's own key and value tensors (the same objects, as eager
     leaves them) hold eager's values at the step's position, and the logits are eager's."""
@@ -461,3 +476,63 @@ def test_a_fused_draft_model_serves_assisted_generation():
         want = main.generate(ids, assistant_model=draft, max_new_tokens=6, do_sample=False)
         got = main.generate(ids, assistant_model=fused_draft, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want) and fused_draft.plans
+
+
+@pytest.mark.parametrize("kind, kw", [("mistral", {"sliding_window": 16, "layers": 1}),
+                                      ("gemma2", {"head_dim": 16, "sliding_window": 16})])
+def test_sliding_window_decode_steps_share_one_export_until_the_window_fills(kind, kw):
+    """A dynamic cache's sliding-window layer keeps its length as a Python int, part of the cache's structure; while
+    the window is not full that int is its keys' length, and capture writes it so (caches.lengths_tied), so the
+    decode steps share one symbolic export as a full-attention cache's do: 4 of 5 served, as Llama's in
+    test_generate_exports_the_decode_step_once_for_its_lengths (every step a new structure before, none served).
+    With a window of 6 the first two decode steps (4 and 5 keys) are inside it: the second makes the symbolic
+    export and is served from it. Past the window the keys stop growing (5) and the int does not (6, 7, 8): those
+    three steps are exported each by itself. The tokens are eager's either way; Gemma 2 has a full layer too."""
+    model, ids = _model(kind, **kw), torch.randint(1, 128, (1, 4))
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        assert torch.equal(fused.generate(ids, **settings), want)
+    assert fused._sizes.served == 4
+
+    model = _model(kind, **{**kw, "sliding_window": 6})
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        assert torch.equal(fused.generate(ids, **settings), want)
+    assert fused._sizes.served == 1
+
+
+def test_a_cache_length_is_tied_to_its_keys_only_inside_autofuse():
+    """Flattening a cache with a sliding-window layer: inside caches.lengths_tied its length is written as the keys'
+    length and read back from them (the structure holds no number); outside, the structure is transformers' own,
+    with the number, so a torch.export of the user's elsewhere in the process is unchanged. A length that is not
+    the keys' (past the window) stays a number inside too. An exported program's module is never tied: its forward
+    checks the structure it was exported with."""
+    import torch.utils._pytree as pytree
+    from autofuse import caches
+
+    model = _model("mistral", sliding_window=4, layers=1)
+    AutoFusionEngine.fuse(model)                       # registers the cache's pytree node (capture needs it)
+    cache = model(torch.randint(1, 128, (1, 3))).past_key_values
+    layer = cache.layers[0]
+    assert layer.cumulative_length == layer.keys.shape[-2] == 3
+
+    def spec_text(c):
+        return str(pytree.tree_flatten(c)[1])
+
+    assert "'cumulative_length': 3" in spec_text(cache)
+    with caches.lengths_tied(model):
+        leaves, spec = pytree.tree_flatten(cache)
+        assert "'cumulative_length': 3" not in str(spec) and "autofuse.length" in str(spec)
+    again = pytree.tree_unflatten(leaves, spec)       # read back outside: the mark holds wherever it is
+    assert type(again.layers[0].cumulative_length) is int and again.layers[0].cumulative_length == 3
+    assert again.layers[0].keys is layer.keys
+
+    model(torch.randint(1, 128, (1, 2)), cache=cache)     # 5 tokens: the window (4) keeps 3 keys
+    assert (layer.cumulative_length, layer.keys.shape[-2]) == (5, 3)
+    with caches.lengths_tied(model):
+        assert "'cumulative_length': 5" in spec_text(cache)
+    with caches.lengths_tied(torch.export.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),)).module()) as on:
+        assert not on and "'cumulative_length': 5" in spec_text(cache)
