@@ -1669,7 +1669,7 @@ class FusedModule(torch.nn.Module):
         warnings.warn(f"autofuse: generate() planned {made} new input signatures ({seconds:.1f} s of planning): "
                       f"each new cache length is one, planned and checked once (a dynamic KV cache, transformers' "
                       f"default, grows by a token at every step, and a cache whose structure holds its length "
-                      f"changes at every step){advice}", stacklevel=2)
+                      f"changes at every step){advice}", stacklevel=3)     # the caller of generate()
 
     def _require_plan(self):
         if self._last is None:

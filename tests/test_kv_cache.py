@@ -160,11 +160,14 @@ def test_generate_with_a_static_cache(kind, kw, tokens, plans):
 
 
 def _hints(fused, ids, **settings) -> list:
-    """The messages of generate()'s planning hint while ``fused`` generates from ``ids``."""
+    """The messages of generate()'s planning hint while ``fused`` generates from ``ids``, each shown at the line
+    that called generate() (here), as warnings point at the user's code."""
     with warnings.catch_warnings(record=True) as seen, torch.no_grad():
         warnings.simplefilter("always")
         fused.generate(ids, do_sample=False, pad_token_id=0, **settings)
-    return [str(w.message) for w in seen if str(w.message).startswith("autofuse: generate() planned")]
+    hints = [w for w in seen if str(w.message).startswith("autofuse: generate() planned")]
+    assert all(w.filename == __file__ for w in hints), [w.filename for w in hints]
+    return [str(w.message) for w in hints]
 
 
 def test_a_generate_that_plans_many_lengths_says_why_once(monkeypatch):
