@@ -19,19 +19,20 @@ signature: ``fuse()`` plans it as it plans any new signature (capture, plan, ver
 the third length on (the second, in a generate() with five or more decode steps to make), the capture is a symbolic
 export of the step specialised to the length (:mod:`autofuse.sizes`), not a new export.
 
-A sliding-window layer of a dynamic cache (``DynamicSlidingWindowLayer``: Mistral, Gemma 2/3 and the other models
-with local attention) also keeps its length as a Python int (``cumulative_length``), which transformers' flatten
-puts into the captured structure: every decode step would be a new structure, exported by itself. While the
-window is not yet full that int is the length of the layer's keys, and capture flattens it as that
-(:func:`lengths_tied`): the structure says "the keys' length" instead of the number, so the decode steps share
-one structure and one symbolic export, where the length is a size like any other. Past the window the keys stop
-growing and the int does not: each step keeps its own structure, exported by itself.
+A sliding-window layer (``DynamicSlidingWindowLayer``, ``StaticSlidingWindowLayer``: Mistral, Gemma 2/3 and the
+other models with local attention) also keeps its length as a Python int, which transformers' flatten writes into
+the captured structure: every decode step would be a new structure, exported by itself. Capture writes that length
+as a size instead (:func:`lengths_tied`): while a dynamic layer's window is not full, as its keys' length; past the
+window, and in a static layer (whose keys keep the window's size), as an input of its own (a :class:`Length` leaf),
+which a symbolic export keeps symbolic as it keeps a tensor's size. The decode steps then share one structure and
+one symbolic export (:mod:`autofuse.sizes`), and the forward's branches on the length (the window full or not)
+are guards of that export, checked at each step.
 
 A static cache (``StaticCache``) keeps its size: the forward writes the new keys and values into its tensors in
 place (``index_copy_``), which capture turns into new values the fused call copies back into the caller's tensors
-(:mod:`autofuse.capture`, item 7), so every decode step has one signature and one plan. Its sliding-window layers
-(``StaticSlidingWindowLayer``) keep their length as a Python int too, which no tensor's size holds (their keys
-keep the window's size): a model with them is exported and planned at every step.
+(:mod:`autofuse.capture`, item 7), so every decode step has one signature and one plan, except where it has
+sliding-window layers: their length is part of each step's signature (the mask's offset is computed from it), so
+each step is planned, from the shared export.
 """
 from __future__ import annotations
 
@@ -105,23 +106,36 @@ def has_windowed_layers(config) -> bool:
     return any(t in ("sliding_attention", "chunked_attention", "hybrid_sliding") for t in types)
 
 
-# -- lengths tied to the keys they count -------------------------------------------------------------------------
+# -- a sliding-window layer's length: its keys' length, or a leaf of its own ------------------------------------
 
-#: Whether a flatten of a cache, now, writes a sliding-window layer's length as its keys' length (lengths_tied).
+#: Whether a flatten of a cache, now, writes sliding-window layers' lengths as sizes (lengths_tied).
 _TIED = contextvars.ContextVar("autofuse_cache_lengths_tied", default=False)
 
 #: The structure's mark for "this int is that leaf's size along that dim" (JSON, as transformers' other marks).
 _LENGTH = "autofuse.length"
 
+#: Whether lifted lengths are flattened as plain ints (:func:`plain_lengths`: what torch.export is handed).
+_PLAIN = contextvars.ContextVar("autofuse_cache_lengths_plain", default=False)
+
+#: What a layer's length reads while transformers flattens its cache (a JSON string it keeps as it is), then
+#: replaced in the structure by the length's mark.
+_PLACE = "autofuse.length-of-layer-"
+
 
 @contextlib.contextmanager
 def lengths_tied(model=None):
     """While capture flattens inputs and outputs (and while a captured graph's inputs are flattened again to run
-    it): a ``DynamicSlidingWindowLayer`` whose ``cumulative_length`` equals its keys' length is flattened with that
-    int written as "the keys' length along dim -2", and unflattened with the length read from the keys (a size,
-    symbolic where the export's sizes are). Off for a model that is an exported program's module: its forward
-    checks the structure it was exported with, in which the number stands. Outside this block flattening is
-    transformers' own, so a ``torch.export`` of the user's elsewhere in the process gives the structure it gave."""
+    it), each sliding-window layer's length is written as a size, not as a number of the structure:
+
+    - a ``DynamicSlidingWindowLayer`` whose ``cumulative_length`` equals its keys' length (its window not yet full)
+      as "the keys' length along dim -2", read back from the keys when unflattened;
+    - any other (past the window; a ``StaticSlidingWindowLayer``'s ``cumulative_length_int``, its keys keeping the
+      window's size) as a leaf of its own, a :class:`Length`: an input like a tensor's size, which an export keeps
+      symbolic where it makes sizes symbolic (:mod:`autofuse.sizes`).
+
+    Off for a model that is an exported program's module: its forward checks the structure it was exported with,
+    in which the number stands. Outside this block flattening is transformers' own, so a ``torch.export`` of the
+    user's elsewhere in the process gives the structure it gave."""
     on = not (isinstance(model, fx.GraphModule) and isinstance(getattr(model, "_in_spec", None), pytree.TreeSpec))
     token = _TIED.set(on)
     try:
@@ -140,64 +154,82 @@ def tied_as(on: bool):
         _TIED.reset(token)
 
 
-def _sliding_layer_class():
+@contextlib.contextmanager
+def plain_lengths():
+    """While torch.export flattens the inputs it is handed: a lifted length is a plain int leaf (torch makes its
+    symbols from ints only), not a :class:`Length`. The structure is the same."""
+    token = _PLAIN.set(True)
     try:
-        from transformers.cache_utils import DynamicSlidingWindowLayer
-    except Exception:  # noqa: BLE001 - an older transformers: no such layer to tie
-        return None
-    return DynamicSlidingWindowLayer
+        yield
+    finally:
+        _PLAIN.reset(token)
 
 
-def _class_at(path: str):
-    module, _, name = path.partition(":")
-    import importlib
+class Length(int):
+    """A sliding-window layer's length that is not its keys' length, lifted out of the cache's structure into a
+    leaf of its own (:func:`lengths_tied`). The cache object unflattened from it holds a plain int, as eager's."""
+    __slots__ = ()
+
+
+def _length_attributes() -> dict:
+    """The sliding-window layer classes and the attribute holding each one's length as a Python int."""
     try:
-        return getattr(importlib.import_module(module), name, None)
-    except Exception:  # noqa: BLE001 - a class that cannot be found is not one to tie
-        return None
+        from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
+    except Exception:  # noqa: BLE001 - an older transformers: no such layers
+        return {}
+    return {DynamicSlidingWindowLayer: "cumulative_length", StaticSlidingWindowLayer: "cumulative_length_int"}
 
 
-def _tie(ctx, leaves, dropped: list):
-    """``ctx`` (transformers' JSON context of a cache) with each tied length marked (see lengths_tied). A length
-    that is already a leaf (a SymInt while export traces, equal to the keys' symbolic length) is marked too, and
-    its leaf index appended to ``dropped``."""
+def _sliding_layers(obj, kinds, seen=None):
+    """``(layer, attribute)`` for each sliding-window layer inside a cache object (its layers, an
+    encoder-decoder cache's two caches' layers), in the order transformers' flatten meets them."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _sliding_layers(v, kinds, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _sliding_layers(v, kinds, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, type)):
+        attr = next((a for k, a in kinds.items() if isinstance(obj, k)), None)
+        if attr is not None:
+            yield obj, attr
+        for v in vars(obj).values():
+            yield from _sliding_layers(v, kinds, seen)
+
+
+def _same_size(n, length) -> bool:
+    """Whether a layer's length ``n`` is its keys' ``length``: equal ints, or the same symbolic size."""
+    if type(n) is int and type(length) is int:
+        return n == length
+    return isinstance(n, torch.SymInt) and isinstance(length, torch.SymInt) and n.node.expr == length.node.expr
+
+
+def _marked(ctx, leaves, lengths):
+    """``ctx`` with each layer's placeholder string (``_PLACE`` + k) replaced by its length's mark: the keys' size
+    where ``lengths[k]`` is tied, else a leaf appended to ``leaves`` (transformers' own mark for a leaf)."""
     if isinstance(ctx, list):
-        return [_tie(c, leaves, dropped) for c in ctx]
+        return [_marked(c, leaves, lengths) for c in ctx]
     if not isinstance(ctx, dict):
         return ctx
-    if ctx.get("_t") != "obj":
-        return {k: _tie(v, leaves, dropped) for k, v in ctx.items()}
-    state = {k: _tie(v, leaves, dropped) for k, v in ctx["s"].items()}
-    sliding, cls = _sliding_layer_class(), _class_at(ctx["p"])
-    keys, n = state.get("keys"), state.get("cumulative_length")
-    if sliding is not None and isinstance(cls, type) and issubclass(cls, sliding) and isinstance(keys, dict) \
-            and keys.get("_t") == "tensor":
-        shape = getattr(leaves[keys["i"]], "shape", ())
-        length = shape[-2] if len(shape) >= 2 else None
-        mark = {"_t": _LENGTH, "i": keys["i"], "d": -2}
-        if type(n) is int and type(length) is int and n == length:
-            state["cumulative_length"] = mark
-        elif isinstance(n, dict) and n.get("_t") == "sym" and isinstance(length, torch.SymInt):
-            value = leaves[n["i"]]
-            if isinstance(value, torch.SymInt) and value.node.expr == length.node.expr:
-                state["cumulative_length"] = mark
-                dropped.append(n["i"])
-    return dict(ctx, s=state)
-
-
-def _renumber(ctx, gone: int):
-    """``ctx`` with every leaf index past ``gone`` one less (the leaf ``gone`` was dropped)."""
-    if isinstance(ctx, list):
-        return [_renumber(c, gone) for c in ctx]
-    if not isinstance(ctx, dict):
-        return ctx
-    if ctx.get("_t") in ("tensor", "sym", _LENGTH) and type(ctx.get("i")) is int:
-        return dict(ctx, i=ctx["i"] - (ctx["i"] > gone))
-    return {k: _renumber(v, gone) for k, v in ctx.items()}
+    out = {k: _marked(v, leaves, lengths) for k, v in ctx.items()}
+    for k, v in ctx.items():
+        if isinstance(v, str) and v.startswith(_PLACE):
+            value, tied = lengths[int(v[len(_PLACE):])]
+            if tied:
+                out[k] = {"_t": _LENGTH, "i": ctx["keys"]["i"], "d": -2}
+            else:
+                out[k] = {"_t": "sym", "i": len(leaves)}
+                leaves.append(Length(value) if type(value) is int and not _PLAIN.get() else value)
+    return out
 
 
 def _untie(ctx, values: list):
-    """``ctx`` with each length mark replaced by transformers' mark for a leaf, the size appended to ``values``."""
+    """``ctx`` with each keys' size mark replaced by transformers' mark for a leaf, the size appended to
+    ``values``."""
     if isinstance(ctx, list):
         return [_untie(c, values) for c in ctx]
     if not isinstance(ctx, dict):
@@ -210,25 +242,37 @@ def _untie(ctx, values: list):
 
 
 def _tied_node(base):
-    """A pytree node definition of transformers' ``base`` whose flatten ties lengths inside :func:`lengths_tied`
-    and whose unflatten reads a tied length wherever it is marked."""
+    """A pytree node definition of transformers' ``base`` whose flatten writes sliding-window layers' lengths as
+    sizes inside :func:`lengths_tied`, and whose unflatten reads them wherever they are so written.
+
+    transformers' flatten writes every plain value of the object into the structure, and cannot write what
+    torch.export hands back while it traces (an int leaf comes back wrapped, in ``_IntWrapper``). So each layer's
+    length is set aside first: the attribute reads a placeholder string while transformers flattens, and is put
+    back before this returns (the object is the caller's, as it was)."""
     def flatten(obj):
-        leaves, ctx = base.flatten_fn(obj)
-        if not _TIED.get():
-            return leaves, ctx
-        dropped: list = []
-        ctx = _tie(ctx, leaves, dropped)
-        for i in sorted(dropped, reverse=True):
-            del leaves[i]
-            ctx = _renumber(ctx, i)
-        return leaves, ctx
+        kinds = _length_attributes() if _TIED.get() else {}
+        layers = [(layer, attr) for layer, attr in _sliding_layers(obj, kinds)
+                  if isinstance(layer.__dict__.get("keys"), torch.Tensor) and attr in layer.__dict__]
+        if not layers:
+            return base.flatten_fn(obj)
+        lengths = []
+        for k, (layer, attr) in enumerate(layers):
+            n = layer.__dict__[attr]
+            lengths.append((n, attr == "cumulative_length" and _same_size(n, layer.keys.shape[-2])))
+            layer.__dict__[attr] = f"{_PLACE}{k}"
+        try:
+            leaves, ctx = base.flatten_fn(obj)
+        finally:
+            for (layer, attr), (n, _) in zip(layers, lengths):
+                layer.__dict__[attr] = n
+        return leaves, _marked(ctx, leaves, lengths)
 
     def flatten_with_keys(obj):
         leaves, ctx = flatten(obj)
         return [(pytree.SequenceKey(i), leaf) for i, leaf in enumerate(leaves)], ctx
 
     def unflatten(values, ctx):
-        values = list(values)
+        values = [int(v) if type(v) is Length else v for v in values]     # the object holds a plain int, as eager's
         return base.unflatten_fn(values, _untie(ctx, values))
 
     return pytree.NodeDef(base.type, flatten, unflatten, flatten_with_keys)
@@ -309,4 +353,4 @@ def adopt(inputs: Any, output: Any) -> Any:
     return output
 
 
-__all__ = ["adopt", "caches_in", "has_windowed_layers", "is_cache", "lengths_tied", "prepare", "tied_as"]
+__all__ = ["adopt", "caches_in", "has_windowed_layers", "is_cache", "lengths_tied", "prepare", "tied_as", "Length"]

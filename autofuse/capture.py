@@ -1649,7 +1649,7 @@ def _refuse_custom_backwards(model, functions, inputs):
 def _export_retrace(model, args, kwargs, dynamic_shapes=None):
     """``torch.export.export`` then ``run_decompositions({})``: two traces (the reference for
     :func:`_export_functional`)."""
-    with _random_ops_kept():
+    with _random_ops_kept(), caches.plain_lengths():
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                    strict=False).run_decompositions({})
 
@@ -1673,12 +1673,12 @@ def _export_functional(model, args, kwargs, dynamic_shapes=None):
         _export = None
     if _export is None or not torch_has_composite_context():      # another torch: the public two-trace path
         return _export_retrace(model, args, kwargs, dynamic_shapes)
-    with keep_composites(preserved_ops()), _random_ops_kept():
-        return _export(_python_values_kept(model, args, kwargs), args, kwargs, dynamic_shapes, strict=False,
-                       pre_dispatch=False)
+    kept = _python_values_kept(model, args, kwargs, symbolic=dynamic_shapes is not None)
+    with keep_composites(preserved_ops()), _random_ops_kept(), caches.plain_lengths():
+        return _export(kept, args, kwargs, dynamic_shapes, strict=False, pre_dispatch=False)
 
 
-def _python_values_kept(model, args, kwargs):
+def _python_values_kept(model, args, kwargs, symbolic=False):
     """``model``, or where the call passes Python ints or bools, a stand-in whose forward gets them as given. The
     aot-dispatch trace (``pre_dispatch=False``) hands the forward a SymInt for every int argument (torch.export's
     public path keeps them plain): ``isinstance(k, int)`` is then false (transformers' ``logits_to_keep`` slices
@@ -1687,7 +1687,9 @@ def _python_values_kept(model, args, kwargs):
     stand-in (:func:`with_forward`) calls the model's own forward with those leaves put back."""
     import inspect
     flat, spec = pytree.tree_flatten((args, kwargs))
-    if not any(isinstance(x, int) for x in flat):
+    # a KV cache's lifted length (caches.Length) stays as the trace gives it in a symbolic export: a size of it
+    kept = [isinstance(x, int) and not (symbolic and type(x) is caches.Length) for x in flat]
+    if not any(kept):
         return model
     own = _own_forward(model)
 
@@ -1695,7 +1697,7 @@ def _python_values_kept(model, args, kwargs):
         got, got_spec = pytree.tree_flatten((a, k))
         if got_spec != spec:
             return own(*a, **k)
-        a, k = pytree.tree_unflatten([x if isinstance(x, int) else g for g, x in zip(got, flat)], spec)
+        a, k = pytree.tree_unflatten([x if keep else g for g, x, keep in zip(got, flat, kept)], spec)
         return own(*a, **k)
 
     try:

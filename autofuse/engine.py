@@ -1436,7 +1436,9 @@ class FusedModule(torch.nn.Module):
         return key
 
     def _plan_for(self, args, kwargs) -> Plan:
-        with _PLANNING.planning():
+        # a KV cache's sliding-window lengths flatten as sizes throughout (the signature, capture, the plan's
+        # leaves): caches.lengths_tied
+        with _PLANNING.planning(), caches.lengths_tied(self.model):
             return self._plan_for_locked(args, kwargs)
 
     def _plan_for_locked(self, args, kwargs) -> Plan:
@@ -1668,8 +1670,8 @@ class FusedModule(torch.nn.Module):
                   "most models plan them once")
         warnings.warn(f"autofuse: generate() planned {made} new input signatures ({seconds:.1f} s of planning): "
                       f"each new cache length is one, planned and checked once (a dynamic KV cache, transformers' "
-                      f"default, grows by a token at every step, and a cache whose structure holds its length "
-                      f"changes at every step){advice}", stacklevel=3)     # the caller of generate()
+                      f"default, grows by a token at every step, and a sliding-window layer's length is a Python "
+                      f"int that changes at every step){advice}", stacklevel=3)     # the caller of generate()
 
     def _require_plan(self):
         if self._last is None:

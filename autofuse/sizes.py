@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from autofuse.caches import Length
 from autofuse.capture import autograd_reads, lifted_input, with_forward
 from autofuse.graph import draw_order, graph_module
 from autofuse.quiet import symbolic_export_logs
@@ -128,7 +129,8 @@ class SizeFamilies:
         from autofuse.engine import autocast_state, state_spec
         # a symbolic export holds the parameters' dtypes and shapes (a model.half() later starts another family)
         key = (spec, model.training, autocast_state(), state_spec(model), tuple(_leaf_kind(x) for x in leaves))
-        sizes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves)
+        sizes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else (int(x),) if type(x) is Length else None
+                      for x in leaves)
         fam = self.families.get(key)
         plain_first = self._plain_first(key)
         if fam is not None and fam.guard is not None and fam.guard.check(model) is not None:
@@ -162,13 +164,11 @@ class SizeFamilies:
         """One export with ``Dim.AUTO`` on the family's changed dims, added to ``fam.programs`` (None returned).
         Where it cannot serve, this signature's own export is returned instead, and a family with no program
         yet is marked ``failed``: it exports each signature by itself."""
-        shapes = torch.export.ShapesCollection()
-        for i, dims in fam.changed.items():
-            shapes[leaves[i]] = {d: torch.export.Dim.AUTO for d in dims}
         try:
             named = _named_arguments(model, kwargs)
             with symbolic_export_logs():
-                program = export_fn(named, args, kwargs, dynamic_shapes=shapes.dynamic_shapes(named, args, kwargs))
+                program = export_fn(named, args, kwargs, dynamic_shapes=_dynamic_shapes(fam, leaves, named, args,
+                                                                                         kwargs))
         except Exception:  # noqa: BLE001 - torch could not keep those sizes symbolic: export each signature
             fam.failed = not fam.programs
             return export_fn(model, args, kwargs)
@@ -182,6 +182,22 @@ class SizeFamilies:
         if fam.guard is None and self.make_guard is not None:
             fam.guard = self.make_guard(model)
         return None
+
+
+def _dynamic_shapes(fam, leaves, model, args, kwargs):
+    """torch.export's ``dynamic_shapes`` for the call: ``Dim.AUTO`` on each changed dimension of a tensor, and on
+    every lifted KV cache length (:class:`autofuse.caches.Length`) where one has changed (torch's ShapesCollection
+    names tensors only: an int has no identity to name it by)."""
+    from torch.export.dynamic_shapes import _combine_args, _tree_map_with_path
+    dims = {id(leaves[i]): {d: torch.export.Dim.AUTO for d in ds} for i, ds in fam.changed.items()
+            if isinstance(leaves[i], torch.Tensor)}
+    lengths = any(type(leaves[i]) is Length for i in fam.changed)
+
+    def spec(path, x):
+        if type(x) is Length:
+            return torch.export.Dim.AUTO if lengths else None
+        return dims.get(id(x)) if isinstance(x, torch.Tensor) else None
+    return _tree_map_with_path(spec, _combine_args(model, args, kwargs))
 
 
 def _traced(fam, export_fn):
@@ -260,6 +276,8 @@ def layout(x: torch.Tensor):
 
 
 def _leaf_kind(x):
+    if type(x) is Length:
+        return ("length",)                      # a size of the call (autofuse.caches.lengths_tied)
     if isinstance(x, torch.Tensor):
         return ("tensor", x.dtype, x.device.type, x.dim(), x.requires_grad, layout(x))
     return ("value", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x))
@@ -278,7 +296,7 @@ def _user_placeholders(program) -> list:
 
 def _symbolic_inputs(program) -> bool:
     return any(isinstance(d, torch.SymInt) for n in _user_placeholders(program)
-               for d in getattr(n.meta.get("val"), "shape", ()))
+               for d in getattr(n.meta.get("val"), "shape", (n.meta.get("val"),)))
 
 
 def _unbacked(program) -> bool:
@@ -308,6 +326,8 @@ def _bindings(program, leaves) -> dict:
     values = {}
     for node, x in zip(placeholders, leaves):
         val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:      # an int input kept symbolic
+            values[val.node.expr] = int(x)
         for d, size in zip(getattr(val, "shape", ()), getattr(x, "shape", ())):
             if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol:
                 values[d.node.expr] = int(size)
@@ -370,14 +390,17 @@ def specialise(program, leaves, model) -> Any:
     env: dict = {}
     out = graph.graph_copy(source.graph, env)
     graph.output(out)
-    folded = {}
+    folded, inputs = {}, {}
     for node in list(graph.nodes):
         val = node.meta.get("val")
         if node.op == "call_function" and isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)):
             folded[node] = _evaluate(val, values)
+        elif node.op == "placeholder" and isinstance(val, torch.SymInt):
+            inputs[node] = _evaluate(val, values)      # an int input kept symbolic: its uses read the number
     for node in list(graph.nodes):
         if node.op != "placeholder" and node not in folded:
-            node.args, node.kwargs = fx.map_arg((node.args, node.kwargs), lambda a: folded.get(a, a))
+            node.args, node.kwargs = fx.map_arg((node.args, node.kwargs),
+                                                lambda a: folded.get(a, inputs.get(a, a)))
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and node.target in _ASSERTS:
             cond = node.args[0]
@@ -444,7 +467,8 @@ def _values_at(gm, values, real, mode) -> None:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             x = next(inputs)
-            node.meta["val"] = mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+            node.meta["val"] = mode.from_tensor(x) if isinstance(x, torch.Tensor) else \
+                int(x) if type(x) is Length else x
         elif "val" in node.meta:
             node.meta["val"] = pytree.tree_map(at, node.meta["val"])
 

@@ -145,8 +145,9 @@ def test_generate_with_a_static_cache(kind, kw, tokens, plans):
     in place at the new positions, and every decode step has the same input sizes. The fused model writes them
     as eager does, so one plan serves every decode step: two plans for five new tokens, not six. Gemma 2's
     static cache has sliding-window layers (window 4, shorter than the prompt): each keeps its length as a Python
-    int, part of the cache's structure, from which the mask's offset is computed, so each of its steps is
-    planned (three plans for three tokens) and the tokens are still eager's."""
+    int, from which the mask's offset is computed, so each of its steps is planned (three plans for three tokens;
+    their exports shared, test_a_static_cache_with_sliding_layers_shares_one_export) and the tokens are still
+    eager's."""
     model, ids = _model(kind, **kw), torch.randint(1, 128, (2, 8))
     fused = AutoFusionEngine.fuse(model)
     settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
@@ -174,7 +175,8 @@ def test_a_generate_that_plans_many_lengths_says_why_once(monkeypatch):
     """A generate() that plans GENERATE_PLANS_HINT new signatures or more says so once per fused module: how many,
     the seconds of planning, why (each cache length is one), and with a dynamic cache what keeps the decode steps on
     one plan. Below the count, with a static cache (two plans), and the second time, it says nothing; a static cache
-    whose structure holds its length (Gemma 2's sliding layers) gets the reason without the advice it followed."""
+    whose sliding layers keep their length as a Python int (Gemma 2's) gets the reason without the advice it
+    followed."""
     import autofuse.engine as engine
     monkeypatch.setattr(engine, "GENERATE_PLANS_HINT", 3)      # the rule, at fewer tokens than the default count
     model, ids = _model("llama", layers=1), torch.randint(1, 128, (1, 8))
@@ -488,9 +490,11 @@ def test_sliding_window_decode_steps_share_one_export_until_the_window_fills(kin
     the window is not full that int is its keys' length, and capture writes it so (caches.lengths_tied), so the
     decode steps share one symbolic export as a full-attention cache's do: 4 of 5 served, as Llama's in
     test_generate_exports_the_decode_step_once_for_its_lengths (every step a new structure before, none served).
-    With a window of 6 the first two decode steps (4 and 5 keys) are inside it: the second makes the symbolic
-    export and is served from it. Past the window the keys stop growing (5) and the int does not (6, 7, 8): those
-    three steps are exported each by itself. The tokens are eager's either way; Gemma 2 has a full layer too."""
+    With a window of 6 the first two decode steps (lengths 4 and 5) are inside it: the second makes the symbolic
+    export and is served from it. Past the window the keys stop growing (5) and the length does not (6, 7, 8): it
+    is lifted out of the structure into an input of its own, a size like the keys' length, so those three steps
+    are a second family sharing a second export (6 exported by itself, 7 the symbolic export, 8 served): 3 served.
+    The tokens are eager's either way; Gemma 2 has a full layer too."""
     model, ids = _model(kind, **kw), torch.randint(1, 128, (1, 4))
     settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     fused = AutoFusionEngine.fuse(model)
@@ -504,15 +508,35 @@ def test_sliding_window_decode_steps_share_one_export_until_the_window_fills(kin
     with torch.no_grad():
         want = model.generate(ids, **settings)
         assert torch.equal(fused.generate(ids, **settings), want)
-    assert fused._sizes.served == 1
+    assert fused._sizes.served == 3
+
+
+@pytest.mark.parametrize("kind, kw", [("mistral", {"sliding_window": 16, "layers": 1}),
+                                      ("gemma2", {"head_dim": 16, "sliding_window": 4})])
+def test_a_static_cache_with_sliding_layers_shares_one_export(kind, kw):
+    """A static cache's sliding-window layers keep their length as a Python int their keys' size does not hold (the
+    keys keep the window's size); lifted out of the structure into an input of its own, it is a size of the step,
+    and the decode steps share one symbolic export: 4 of 5 served (none before: every step a structure of its own).
+    Each step is still planned (5 decode plans: the length is part of a plan's signature, and the mask's offset is
+    computed from it). Gemma 2's window (4) is shorter than the prompt, Mistral's (16) longer than the whole
+    generation; the tokens are eager's."""
+    model, ids = _model(kind, **kw), torch.randint(1, 128, (2, 8))
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                    cache_implementation="static")
+    fused = AutoFusionEngine.fuse(model)
+    with torch.no_grad():
+        want = model.generate(ids, **settings)
+        assert torch.equal(fused.generate(ids, **settings), want)
+    assert len(fused.plans) == 6 and fused._sizes.served == 4
 
 
 def test_a_cache_length_is_tied_to_its_keys_only_inside_autofuse():
     """Flattening a cache with a sliding-window layer: inside caches.lengths_tied its length is written as the keys'
     length and read back from them (the structure holds no number); outside, the structure is transformers' own,
     with the number, so a torch.export of the user's elsewhere in the process is unchanged. A length that is not
-    the keys' (past the window) stays a number inside too. An exported program's module is never tied: its forward
-    checks the structure it was exported with."""
+    the keys' (past the window) is a leaf of its own inside (a caches.Length), read back as a plain int, and the
+    layer object is left holding its own int. An exported program's module is never tied: its forward checks the
+    structure it was exported with."""
     import torch.utils._pytree as pytree
     from autofuse import caches
 
@@ -536,6 +560,10 @@ def test_a_cache_length_is_tied_to_its_keys_only_inside_autofuse():
     model(torch.randint(1, 128, (1, 2)), cache=cache)     # 5 tokens: the window (4) keeps 3 keys
     assert (layer.cumulative_length, layer.keys.shape[-2]) == (5, 3)
     with caches.lengths_tied(model):
-        assert "'cumulative_length': 5" in spec_text(cache)
+        leaves, spec = pytree.tree_flatten(cache)
+    assert "'cumulative_length': 5" not in str(spec) and type(leaves[-1]) is caches.Length and leaves[-1] == 5
+    assert type(layer.cumulative_length) is int and layer.cumulative_length == 5
+    again = pytree.tree_unflatten(leaves, spec)
+    assert type(again.layers[0].cumulative_length) is int and again.layers[0].cumulative_length == 5
     with caches.lengths_tied(torch.export.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),)).module()) as on:
         assert not on and "'cumulative_length': 5" in spec_text(cache)

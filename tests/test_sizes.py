@@ -109,6 +109,24 @@ def _llama_step():
     return model, inputs
 
 
+def _mistral_past_window_step():
+    """A decode step past a 4-key sliding window: the cache's length (past + 0) is not its keys' (3), so capture
+    lifts it into an input of its own (autofuse.caches.Length), which the symbolic export keeps symbolic."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                   sliding_window=4, max_position_embeddings=64)).eval()
+
+    def inputs(past):
+        ids = torch.randint(1, 128, (2, past + 1))
+        with torch.no_grad():
+            cache = model(ids[:, :past], use_cache=True).past_key_values
+        assert cache.layers[0].cumulative_length == past and cache.layers[0].keys.shape[-2] == 3
+        return (ids[:, past:],), {"cache": cache, "use_cache": True}
+    return model, inputs
+
+
 def _mlp_step():
     torch.manual_seed(0)
     return _Mlp().train(), lambda n: ((torch.randn(2, n, 16, requires_grad=True), torch.randn(2, n, n)), {})
@@ -130,14 +148,16 @@ def _slices_step():
     return _Slices().eval(), lambda n: ((torch.randn(2, n, 4),), {})
 
 
-@pytest.mark.parametrize("make", [_llama_step, _mlp_step, _slices_step],
-                         ids=["llama decode step", "training, input with grad", "views at offsets of the length"])
+@pytest.mark.parametrize("make", [_llama_step, _mistral_past_window_step, _mlp_step, _slices_step],
+                         ids=["llama decode step", "mistral decode step past its window (an int input symbolic)",
+                              "training, input with grad", "views at offsets of the length"])
 def test_a_specialised_graph_has_the_values_propagating_its_inputs_op_by_op_gives(make, monkeypatch):
     """The values a specialised graph's nodes get from the symbolic export's, evaluated at the call's sizes, are those
     torch's FakeTensorProp gives propagating the inputs through the same graph op by op: shapes, dtypes, strides,
     storage offsets (RoPE's second half is a view at one) and requires_grad, node by node. The outputs are a fresh
     export's."""
     import autofuse.sizes as sizes_module
+    from autofuse import caches
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     sizes = SizeFamilies()
@@ -146,10 +166,14 @@ def test_a_specialised_graph_has_the_values_propagating_its_inputs_op_by_op_give
         capture(model, *inputs(n), sizes=sizes)
     args, kwargs = inputs(11)
     (program,) = [p for f in sizes.families.values() for p in f.programs]
-    leaves = pytree.tree_leaves((args, kwargs))
+    with caches.lengths_tied(model):        # the leaves as capture flattens them (a cache's length lifted)
+        leaves = pytree.tree_leaves((args, kwargs))
+    lifted = [n for n in program.graph.nodes if n.op == "placeholder" and isinstance(n.meta["val"], torch.SymInt)]
+    assert len(lifted) == (make is _mistral_past_window_step)
     got = sizes_module.specialise(program, leaves, model).graph_module
 
     def propagated(gm, values, real, mode):
+        real = [int(x) if type(x) is caches.Length else x for x in real]     # a fresh export's int placeholder
         FakeTensorProp(gm, mode).propagate(*real)
         for node, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), real):
             if isinstance(x, torch.Tensor) and x.requires_grad:     # what an export's placeholders keep
