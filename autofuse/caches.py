@@ -123,6 +123,14 @@ _PLACE = "autofuse.length-of-layer-"
 
 
 @contextlib.contextmanager
+def _setting(var, value):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def lengths_tied(model=None):
     """While capture flattens inputs and outputs (and while a captured graph's inputs are flattened again to run
     it), each sliding-window layer's length is written as a size, not as a number of the structure:
@@ -137,32 +145,18 @@ def lengths_tied(model=None):
     in which the number stands. Outside this block flattening is transformers' own, so a ``torch.export`` of the
     user's elsewhere in the process gives the structure it gave."""
     on = not (isinstance(model, fx.GraphModule) and isinstance(getattr(model, "_in_spec", None), pytree.TreeSpec))
-    token = _TIED.set(on)
-    try:
-        yield on
-    finally:
-        _TIED.reset(token)
+    return _setting(_TIED, on)
 
 
-@contextlib.contextmanager
 def tied_as(on: bool):
     """Flattening as it was when a structure was captured (``Captured.tied``)."""
-    token = _TIED.set(on)
-    try:
-        yield
-    finally:
-        _TIED.reset(token)
+    return _setting(_TIED, on)
 
 
-@contextlib.contextmanager
 def plain_lengths():
     """While torch.export flattens the inputs it is handed: a lifted length is a plain int leaf (torch makes its
     symbols from ints only), not a :class:`Length`. The structure is the same."""
-    token = _PLAIN.set(True)
-    try:
-        yield
-    finally:
-        _PLAIN.reset(token)
+    return _setting(_PLAIN, True)
 
 
 class Length(int):

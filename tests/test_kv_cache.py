@@ -541,7 +541,7 @@ def test_a_cache_length_is_tied_to_its_keys_only_inside_autofuse():
     from autofuse import caches
 
     model = _model("mistral", sliding_window=4, layers=1)
-    AutoFusionEngine.fuse(model)                       # registers the cache's pytree node (capture needs it)
+    assert caches.prepare(model)                       # registers the cache's pytree node, as capture does
     cache = model(torch.randint(1, 128, (1, 3))).past_key_values
     layer = cache.layers[0]
     assert layer.cumulative_length == layer.keys.shape[-2] == 3
