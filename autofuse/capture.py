@@ -136,7 +136,7 @@ class Captured:
     state_updates: tuple = ()        # the model's buffers and parameters the forward updates in place (item 7)
     input_updates: tuple = ()        # the flat inputs' indices the forward updates in place (item 7)
     attribute_updates: tuple = ()    # (module, attribute, value): plain attributes the forward sets, as it leaves them
-    tied: bool = False               # flattened with caches.lengths_tied (a cache's length written as its keys')
+    tied: bool = False               # flattened with caches.lengths_tied (sliding-window lengths written as sizes)
 
     def flatten_inputs(self, *args, **kwargs) -> list:
         with caches.tied_as(self.tied):

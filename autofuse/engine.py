@@ -1663,8 +1663,8 @@ class FusedModule(torch.nn.Module):
         # a static cache asked for, or passed in (under any keyword: transformers 5 names it cache=)
         static = self._generation_setting(kwargs, "cache_implementation") == "static" or \
             any(type(c).__name__ == "StaticCache" for c in caches.caches_in(kwargs))
-        # a static cache's sliding-window layers hold their length in its structure: every step planned and
-        # exported by itself, where the dynamic cache's steps share one export until the window fills
+        # a model with sliding-window layers plans every decode step with a static cache too (their length, a
+        # Python int, is part of each step's signature): the advice would not spare it any plan
         advice = ("" if static or caches.has_windowed_layers(getattr(self.model, "config", None)) else
                   "; generate(..., cache_implementation='static') keeps one length for the decode steps, so that "
                   "most models plan them once")

@@ -6,7 +6,7 @@ exported again.
 two-layer Llama's decode step). Generation makes a signature per cache length, so a fused ``generate()`` spent
 seconds per token exporting the same forward. :class:`SizeFamilies` keeps, per *family* (the inputs' pytree
 structure, each leaf's type, dtype, device and rank, the non-tensor leaves' values, and the model's mode; a
-sliding-window cache layer's length is in the structure only past its window, :mod:`autofuse.caches`):
+sliding-window cache layer's length is a size, its keys' or an int input of its own, :mod:`autofuse.caches`):
 
 1. its first signatures (two by default), each exported by itself as without sharing (static);
 2. at the family's third signature (``plain_first``; at the second while generate() has five or more decode steps
