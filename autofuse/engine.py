@@ -59,7 +59,7 @@ from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import describe_node, realised, returned
+from autofuse.graph import copy_graph_module, describe_node, realised, returned
 from autofuse.hierarchy import lead_match
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
@@ -119,6 +119,86 @@ def _signature(args, kwargs):
             except TypeError:
                 sig.append(("V", repr(x)))
     return (spec, tuple(sig))
+
+
+def _capture_changes(a, b) -> dict | None:
+    """How capture ``b`` differs from capture ``a`` of one model: None where their structures, graphs or what the
+    call leaves behind (the state and inputs it updates, the plain attributes it sets and their values) differ,
+    else the positions among the graph's outputs whose numbers differ, with ``b``'s numbers (a KV cache's new
+    length, returned as a number: :meth:`Plan.with_outputs`)."""
+    same = (a.route, a.in_spec, a.out_spec, a.training, a.state_updates, a.input_updates) == \
+        (b.route, b.in_spec, b.out_spec, b.training, b.state_updates, b.input_updates) and \
+        len(a.attribute_updates) == len(b.attribute_updates) and \
+        all(m is n and k == j and same_value(v, w)
+            for (m, k, v), (n, j, w) in zip(a.attribute_updates, b.attribute_updates))
+    return graph_changes(a.graph_module, b.graph_module) if same else None
+
+
+def graph_changes(a: fx.GraphModule, b: fx.GraphModule) -> dict | None:
+    """Whether two captured graphs compute the same thing on the same inputs, but for numbers they return: None
+    unless they have the same nodes (op, target, name) with the same arguments, every constant they read the same
+    (a parameter the same object, a constant tensor equal in dtype, shape, strides and values, a nested graph the
+    same graph), every input read alike or read by no node, and the same capture metadata; else ``{position: b's
+    number}`` for the outputs that are numbers (ints, floats, bools) differing between the two. Node metadata is not
+    compared: it follows from the inputs and the nodes."""
+    na, nb = list(a.graph.nodes), list(b.graph.nodes)
+    if len(na) != len(nb) or not same_value(a.meta, b.meta):
+        return None
+    changes: dict = {}
+    for x, y in zip(na, nb):
+        if (x.op, x.target, x.name) != (y.op, y.target, y.name):
+            return None
+        if x.op == "placeholder":
+            if (x.users or y.users) and not _same_constant(x.meta.get("val"), y.meta.get("val")):
+                return None
+            continue
+        if x.op == "get_attr":
+            if not _same_constant(_attribute(a, x.target), _attribute(b, y.target)):
+                return None
+            continue
+        args = [fx.map_arg((n.args, n.kwargs), lambda m: ("node", m.name)) for n in (x, y)]
+        if x.op == "output" and not x.kwargs and not y.kwargs and isinstance(x.args[0], (tuple, list)) and \
+                isinstance(y.args[0], (tuple, list)) and len(x.args[0]) == len(y.args[0]):
+            for i, (u, v) in enumerate(zip(args[0][0][0], args[1][0][0])):
+                if same_value(u, v):
+                    continue
+                if not (type(u) is type(v) and type(u) in (int, float, bool)):
+                    return None
+                changes[i] = v
+        elif not same_value(*args):
+            return None
+    return changes
+
+
+def _attribute(gm, target: str):
+    for part in target.split("."):
+        gm = getattr(gm, part, None)
+    return gm
+
+
+def _same_constant(x, y) -> bool:
+    """A graph's constant or input value: tensors the same object or equal in metadata and values (metadata alone
+    for values without data, an input's fake tensor), nested graphs the same graph (numbers returned included),
+    anything else same_value."""
+    if x is y:
+        return True
+    if isinstance(x, fx.GraphModule) and isinstance(y, fx.GraphModule):
+        return graph_changes(x, y) == {}
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return same_value(x, y)
+    meta = (x.dtype, x.shape, x.stride(), x.storage_offset(), x.device, x.requires_grad)
+    if meta != (y.dtype, y.shape, y.stride(), y.storage_offset(), y.device, y.requires_grad):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+    if x.is_meta or isinstance(x, FakeTensor) or y.is_meta or isinstance(y, FakeTensor):
+        return True
+    return _same_values(x.detach(), y.detach())
+
+
+def _without_lengths(key):
+    """A plan's key with the values of its lifted KV cache lengths left out (:meth:`FusedModule._twins`)."""
+    (spec, sig), rest = key[0], key[1:]
+    return ((spec, tuple(e[:2] if len(e) == 3 and e[1] is caches.Length else e for e in sig)),) + tuple(rest)
 
 
 def all_candidates(gm: fx.GraphModule) -> list:
@@ -826,6 +906,26 @@ class Plan:
         self.report = report
         self.canonical = canonical
         self.guards = guards
+        #: the plan this one was made from, for a call whose graph is its but for numbers returned (with_outputs)
+        self.twin_of = None
+
+    def with_outputs(self, changes: dict, captured) -> "Plan | None":
+        """This plan for a call whose capture ``captured`` is this plan's but for numbers the graph returns
+        (``changes``: position -> number, :func:`graph_changes`; a static cache's sliding-window layer returns its
+        new length so): the same fused graph returning those numbers, the decisions, report and guards shared.
+        None where the fused graph does not return this plan's numbers at those positions."""
+        out = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+        mine = next(n for n in reversed(self.captured.graph_module.graph.nodes) if n.op == "output")
+        flat, want = out.args[0], mine.args[0]
+        if not isinstance(flat, (tuple, list)) or len(flat) != len(want) or \
+                any(not same_value(flat[i], want[i]) for i in changes):
+            return None
+        gm = copy_graph_module(self.graph_module)
+        new = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        new.args = (type(flat)(changes.get(i, a) for i, a in enumerate(new.args[0])),)
+        served = copy.copy(self)
+        served.graph_module, served.captured, served.twin_of = realised(gm), captured, self
+        return served
 
     def failed_guard(self, model) -> str | None:
         for g in self.guards:
@@ -878,12 +978,15 @@ _FAST_PATHS = (torch.ops.aten._transformer_encoder_layer_fwd.default,
 
 
 def compile_plan(model, args, kwargs, device, level, budget, route="auto", verify=True, switches=None,
-                 sizes=None, verdicts=None, agreed=None, at_call=False) -> Plan:
+                 sizes=None, verdicts=None, agreed=None, at_call=False, twins=()) -> Plan:
     """Capture ``model`` on ``(args, kwargs)`` and build its fused plan (see the module docstring). ``sizes``: the
     :class:`autofuse.sizes.SizeFamilies` whose symbolic exports may serve this capture; ``verdicts``: a dict of
     verification verdicts kept across plans (``_Verifier``'s ``shared``); ``agreed``: a dict of the ranks'
     agreements on communicating blocks kept across plans (:class:`autofuse.agreement.Agreement`'s ``store``);
-    ``at_call``: the inputs are a call's, not fuse()'s example inputs (errors say so)."""
+    ``at_call``: the inputs are a call's, not fuse()'s example inputs (errors say so); ``twins``: plans made for
+    calls that differ from this one only in the values of inputs the graph may not read (FusedModule._twins): the
+    first whose capture is this call's (:func:`graph_changes`) serves it, returning this call's numbers where the
+    graph returns numbers (:meth:`Plan.with_outputs`), instead of planning the same graph again."""
     who = "fused model" if at_call else "fuse"
     _check_parameter_dtypes(model, device, who)      # model.double() after fuse(): refused as fuse() refuses it
     t0 = time.perf_counter()
@@ -891,6 +994,12 @@ def compile_plan(model, args, kwargs, device, level, budget, route="auto", verif
     # float64 inputs are decided on the captured graph: accepted where the model casts them before computing
     _check_input_dtypes(captured.graph_module, args, kwargs, device, who,
                         "this call's input" if at_call else "example input")
+    for twin in twins:
+        changes = _capture_changes(twin.captured, captured)
+        if changes is not None:
+            served = twin.with_outputs(changes, captured) if changes else twin
+            if served is not None:
+                return served
     with _autocast_off():       # the captured graph holds autocast's casts: checked and planned as it will run
         return _plan_captured(model, args, kwargs, device, level, budget, verify, switches, verdicts, captured, t0,
                               agreed)
@@ -1459,18 +1568,31 @@ class FusedModule(torch.nn.Module):
                 self._agreed.clear()
                 if self._sizes is not None:
                     self._sizes.families.clear()
+            twins = [] if why is not None else self._twins(key)
             p = compile_plan(self.model, args, kwargs, self._device, self._level, self._budget, self._route,
                              self._verify, self._switches, self._sizes, self._verdicts, self._agreed,
-                             at_call=self._called)
+                             at_call=self._called, twins=twins)
             if why is not None:
                 p.report.replanned_because = why
-            made = self.__dict__["_made"]
-            made[0], made[1] = made[0] + 1, made[1] + sum(p.report.timings.values())
+            if not any(p is q or p.twin_of is q for q in twins):       # planned, not served by a twin's plan
+                made = self.__dict__["_made"]
+                made[0], made[1] = made[0] + 1, made[1] + sum(p.report.timings.values())
         self._plans[key] = p
         while self._max_plans is not None and len(self._plans) > self._max_plans:
             self._plans.pop(next(iter(self._plans)))        # the least recently used: planned again if it returns
         self._last = p
         return p
+
+    def _twins(self, key) -> list:
+        """The plans whose keys differ from ``key`` only in the values of KV cache lengths lifted into inputs of their
+        own (:class:`autofuse.caches.Length`: a static cache's sliding-window layers, whose length changes at every
+        decode step). Their captured graphs may be this call's but for the new length they return: compile_plan
+        then serves the call from that plan (:meth:`Plan.with_outputs`), instead of planning the same graph
+        again."""
+        if not any(e[1] is caches.Length for e in key[0][1] if len(e) == 3):
+            return []
+        bare = _without_lengths(key)
+        return [p for k, p in self._plans.items() if _without_lengths(k) == bare]
 
     def __call__(self, *args, **kwargs):
         """The forward with this module's own forward hooks, without torch's global module hooks: capture ran those

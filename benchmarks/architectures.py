@@ -322,7 +322,8 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
     difference from eager's, the cache's class), then greedy ``generate()`` of ``new_tokens`` tokens, fused and
     eager (whether the tokens are equal; the plans made, one per cache length; the fewest attention blocks fused
     in a plan). ``static``: ``generate()`` with ``cache_implementation="static"`` (one plan for every decode step
-    but where a sliding-window layer keeps its length in the cache's structure); a model whose eager
+    but where a sliding-window layer's length is part of each step's signature: there a step whose capture is an
+    earlier step's but for the length it returns is served by that step's plan); a model whose eager
     ``generate()`` refuses a static cache gives its reason instead."""
     from autofuse import AutoFusionEngine
     t0 = time.perf_counter()
@@ -357,8 +358,9 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
                     for p in fused.plans.values())
     # the cache the fused call returned (XLNet's is its ``mems``)
     cache = next((getattr(got, a) for a in ("cache", "mems") if getattr(got, a, None) is not None), None)
+    twins = sum(fused.plans[key].twin_of is not None for key in made if key in fused.plans)
     return dict(err=err, cache=type(cache).__name__, same=same, plans=len(made), one=one,
-                served=served, attention=attention, seconds=time.perf_counter() - t0)
+                served=served, twins=twins, attention=attention, seconds=time.perf_counter() - t0)
 
 
 def _to64(tree):
@@ -619,9 +621,10 @@ def main():
         return
     if a.generate:
         print(f"{'model':32} {'max|fused-eager|':>16} {'cache':>14} {'tokens':>7} {'plans':>5} {'1-token':>7} "
-              f"{'shared':>6} {'attention':>9} {'s':>5}   (plans: made by generate() of {a.new_tokens} tokens"
-              f"{', static cache' if a.static else ''}; 1-token: those of a step fed one token; shared: those whose "
-              f"capture was specialised from a symbolic export)")
+              f"{'shared':>6} {'twin':>5} {'attention':>9} {'s':>5}   (plans: made by generate() of {a.new_tokens} "
+              f"tokens{', static cache' if a.static else ''}, one per signature; 1-token: those of a step fed one "
+              f"token; shared: those whose capture was specialised from a symbolic export; twin: those served by "
+              f"another signature's plan, their capture its own but for numbers returned)")
         bad = refused = 0
         for name, _, row in _rows(a.only, lambda name, spec, attn: generate(name, spec, attn, a.device,
                                                                             a.new_tokens, a.static, switches)):
@@ -636,7 +639,8 @@ def main():
                 continue
             bad += not row["same"]
             print(f"{name:32} {row['err']:16.2e} {row['cache']:>14} {'same' if row['same'] else 'DIFFER':>7} "
-                  f"{row['plans']:5} {row['one']:7} {row['served']:6} {row['attention']:9} {row['seconds']:5.1f}",
+                  f"{row['plans']:5} {row['one']:7} {row['served']:6} {row['twins']:5} {row['attention']:9} "
+                  f"{row['seconds']:5.1f}",
                   flush=True)
         print(f"\n{bad} failed or generated other tokens" + (f"; eager refused a static cache for {refused}"
                                                                if a.static else ""))

@@ -12,6 +12,7 @@ import torch.nn as nn
 import autofuse
 from autofuse import AutoFusionEngine, FusedModule, simulate
 from autofuse.capture import CaptureError
+from autofuse.capture import capture
 from autofuse.models import build
 from patterns.attention import AttentionVariant, build_variant
 from conftest import main_output, off_by_a_bit
@@ -822,3 +823,41 @@ def test_the_float64_reference_promotes_a_blocks_tensor_constants():
     out = _F64(gm).run(x.double())
     assert out.dtype == torch.float64
     assert torch.equal(out, torch.tanh(x.double() @ gm.w.double()))
+
+
+class _ReturnsNumber(torch.nn.Module):
+    def forward(self, x, n: int):
+        return x * 2, n + 1
+
+
+class _ReadsNumber(torch.nn.Module):
+    def forward(self, x, n: int):
+        return x * n, 1
+
+
+class _TensorOfNumber(torch.nn.Module):
+    def forward(self, x, n: int):
+        return x + torch.tensor([float(n)]), 1
+
+
+class _ScalesBy(torch.nn.Module):
+    def forward(self, x, s: float):
+        return x * s, 1
+
+
+@pytest.mark.parametrize("model, a, b, want", [
+    (_ReturnsNumber(), 3, 3, {}),                   # the same call: the same graph
+    (_ReturnsNumber(), 3, 4, {1: 5}),               # only the number returned differs: 4 -> 5 at output 1
+    (_ReadsNumber(), 3, 4, None),                   # the graph computes with the number: x * 3 is not x * 4
+    (_TensorOfNumber(), 3, 4, None),                # a constant tensor made from it: its values differ
+    (_ScalesBy(), 0.0, -0.0, None),                 # equal numbers a graph tells apart (x * -0.0 is -0.0 * sign)
+], ids=["same call", "a number returned", "a number computed with", "a constant tensor", "-0.0 and 0.0"])
+def test_two_captures_differ_only_in_numbers_returned_or_not_at_all(model, a, b, want):
+    """engine.graph_changes, which lets a plan serve a call whose capture is the plan's own but for numbers the graph
+    returns (a static cache's sliding-window length): two captures of one model at two values of a Python number
+    input are the same graph, the same but for numbers returned ({output position: new number}), or not the same
+    (None) wherever the number reaches what the graph computes, a constant included."""
+    from autofuse.engine import graph_changes
+    x = torch.randn(2, 3)
+    first, second = capture(model, (x, a)), capture(model, (x, b))
+    assert graph_changes(first.graph_module, second.graph_module) == want

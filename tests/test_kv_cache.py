@@ -517,9 +517,10 @@ def test_a_static_cache_with_sliding_layers_shares_one_export(kind, kw):
     """A static cache's sliding-window layers keep their length as a Python int their keys' size does not hold (the
     keys keep the window's size); lifted out of the structure into an input of its own, it is a size of the step,
     and the decode steps share one symbolic export: 4 of 5 served (none before: every step a structure of its own).
-    Each step is still planned (5 decode plans: the length is part of a plan's signature, and the mask's offset is
-    computed from it). Gemma 2's window (4) is shorter than the prompt, Mistral's (16) longer than the whole
-    generation; the tokens are eager's."""
+    The length is part of each step's signature (6 keys), but from the third decode step on the captured graph is
+    the second's but for the new length it returns (engine.graph_changes): that plan serves it, returning the new
+    number, so 3 plans are made (the prefill and two decode steps), not 6. Gemma 2's window (4) is shorter than
+    the prompt, Mistral's (16) longer than the whole generation; the tokens are eager's."""
     model, ids = _model(kind, **kw), torch.randint(1, 128, (2, 8))
     settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
                     cache_implementation="static")
@@ -528,6 +529,9 @@ def test_a_static_cache_with_sliding_layers_shares_one_export(kind, kw):
         want = model.generate(ids, **settings)
         assert torch.equal(fused.generate(ids, **settings), want)
     assert len(fused.plans) == 6 and fused._sizes.served == 4
+    made = {id(p) for p in fused.plans.values() if p.twin_of is None}
+    assert len(made) == 3 and fused.__dict__["_made"][0] == 3
+    assert all(p.twin_of is None or id(p.twin_of) in made for p in fused.plans.values())
 
 
 def test_a_cache_length_is_tied_to_its_keys_only_inside_autofuse():
