@@ -30,9 +30,11 @@ are guards of that export, checked at each step.
 
 A static cache (``StaticCache``) keeps its size: the forward writes the new keys and values into its tensors in
 place (``index_copy_``), which capture turns into new values the fused call copies back into the caller's tensors
-(:mod:`autofuse.capture`, item 7), so every decode step has one signature and one plan, except where it has
-sliding-window layers: their length is part of each step's signature (the mask's offset is computed from it), so
-each step is planned, from the shared export.
+(:mod:`autofuse.capture`, item 7), so every decode step has one signature and one plan. Where it has
+sliding-window layers, their length is part of each step's signature (an input the graph may compute with: the
+mask's offset past the window); a step whose capture is an earlier step's plan's own but for the new length the
+graph returns is served by that plan (``engine.graph_changes``, ``Plan.with_outputs``), so such a model plans its
+first decode steps, not every one.
 """
 from __future__ import annotations
 
