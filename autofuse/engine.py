@@ -1592,7 +1592,8 @@ class FusedModule(torch.nn.Module):
         if not any(e[1] is caches.Length for e in key[0][1] if len(e) == 3):
             return []
         bare = _without_lengths(key)
-        return [p for k, p in self._plans.items() if _without_lengths(k) == bare]
+        made = {id(p): p for k, p in self._plans.items() if p.twin_of is None and _without_lengths(k) == bare}
+        return list(made.values())          # the plans made: one served by a twin serves nothing further
 
     def __call__(self, *args, **kwargs):
         """The forward with this module's own forward hooks, without torch's global module hooks: capture ran those
