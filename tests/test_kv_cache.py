@@ -175,8 +175,8 @@ def test_a_generate_that_plans_many_lengths_says_why_once(monkeypatch):
     """A generate() that plans GENERATE_PLANS_HINT new signatures or more says so once per fused module: how many,
     the seconds of planning, why (each cache length is one), and with a dynamic cache what keeps the decode steps on
     one plan. Below the count, with a static cache (two plans), and the second time, it says nothing; a static cache
-    whose sliding layers keep their length as a Python int (Gemma 2's) gets the reason without the advice it
-    followed."""
+    whose sliding layers keep their length as a Python int (Gemma 2's: 4 signatures, 2 of them planned) says nothing
+    below the count, and at it gets the reason without the advice it followed."""
     import autofuse.engine as engine
     monkeypatch.setattr(engine, "GENERATE_PLANS_HINT", 3)      # the rule, at fewer tokens than the default count
     model, ids = _model("llama", layers=1), torch.randint(1, 128, (1, 8))
@@ -190,9 +190,14 @@ def test_a_generate_that_plans_many_lengths_says_why_once(monkeypatch):
     static = dict(max_new_tokens=4, min_new_tokens=4, cache_implementation="static")
     fused = AutoFusionEngine.fuse(model)
     assert _hints(fused, ids, **static) == [] and len(fused.plans) == 2
+    # Gemma 2's static cache: 4 signatures (its sliding layer's length), the last two served by the second's plan
+    # (test_a_static_cache_with_sliding_layers_shares_one_export): 2 planned, below the count
+    gemma = AutoFusionEngine.fuse(_model("gemma2", head_dim=16, sliding_window=4))
+    assert _hints(gemma, torch.randint(1, 128, (1, 8)), **static) == [] and len(gemma.plans) == 4
+    monkeypatch.setattr(engine, "GENERATE_PLANS_HINT", 2)
     gemma = AutoFusionEngine.fuse(_model("gemma2", head_dim=16, sliding_window=4))
     (hint,) = _hints(gemma, torch.randint(1, 128, (1, 8)), **static)
-    assert "planned 4 new input signatures" in hint and "cache_implementation" not in hint
+    assert "planned 2 new input signatures" in hint and "cache_implementation" not in hint
 
 
 @pytest.mark.parametrize("given, advised", [({}, True), ({"cache_implementation": "static"}, False),
