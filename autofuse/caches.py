@@ -246,8 +246,9 @@ def _tied_node(base):
     length is set aside first: the attribute reads a placeholder string while transformers flattens, and is put
     back before this returns (the object is the caller's, as it was)."""
     def flatten(obj):
-        kinds = _length_attributes() if _TIED.get() else {}
-        layers = [(layer, attr) for layer, attr in _sliding_layers(obj, kinds)
+        if not _TIED.get():             # transformers' own flatten: no walk over the cache's objects
+            return base.flatten_fn(obj)
+        layers = [(layer, attr) for layer, attr in _sliding_layers(obj, _length_attributes())
                   if isinstance(layer.__dict__.get("keys"), torch.Tensor) and attr in layer.__dict__]
         if not layers:
             return base.flatten_fn(obj)
