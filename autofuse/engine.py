@@ -59,7 +59,7 @@ from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import copy_graph_module, describe_node, realised, returned
+from autofuse.graph import copy_graph_module, describe_node, get_attr_value, realised, returned
 from autofuse.hierarchy import lead_match
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
@@ -153,27 +153,25 @@ def graph_changes(a: fx.GraphModule, b: fx.GraphModule) -> dict | None:
                 return None
             continue
         if x.op == "get_attr":
-            if not _same_constant(_attribute(a, x.target), _attribute(b, y.target)):
+            if not _same_constant(get_attr_value(a, x.target), get_attr_value(b, y.target)):
                 return None
             continue
-        args = [fx.map_arg((n.args, n.kwargs), lambda m: ("node", m.name)) for n in (x, y)]
         if x.op == "output" and not x.kwargs and not y.kwargs and isinstance(x.args[0], (tuple, list)) and \
                 isinstance(y.args[0], (tuple, list)) and len(x.args[0]) == len(y.args[0]):
-            for i, (u, v) in enumerate(zip(args[0][0][0], args[1][0][0])):
+            for i, (u, v) in enumerate(zip(fx.map_arg(x.args[0], _named), fx.map_arg(y.args[0], _named))):
                 if same_value(u, v):
                     continue
                 if not (type(u) is type(v) and type(u) in (int, float, bool)):
                     return None
                 changes[i] = v
-        elif not same_value(*args):
+        elif not same_value(fx.map_arg((x.args, x.kwargs), _named), fx.map_arg((y.args, y.kwargs), _named)):
             return None
     return changes
 
 
-def _attribute(gm, target: str):
-    for part in target.split("."):
-        gm = getattr(gm, part, None)
-    return gm
+def _named(node: fx.Node):
+    """A node argument as :func:`graph_changes` compares it: by its name."""
+    return ("node", node.name)
 
 
 def _same_constant(x, y) -> bool:
