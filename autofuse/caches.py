@@ -43,8 +43,9 @@ import contextvars
 from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from autofuse.graph import program_module
 
 
 def _cache_base():
@@ -146,8 +147,7 @@ def lengths_tied(model=None):
     Off for a model that is an exported program's module: its forward checks the structure it was exported with,
     in which the number stands. Outside this block flattening is transformers' own, so a ``torch.export`` of the
     user's elsewhere in the process gives the structure it gave."""
-    on = not (isinstance(model, fx.GraphModule) and isinstance(getattr(model, "_in_spec", None), pytree.TreeSpec))
-    return _setting(_TIED, on)
+    return _setting(_TIED, not program_module(model))
 
 
 def tied_as(on: bool):

@@ -102,7 +102,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import graph_module, relayout_as_eager
+from autofuse.graph import graph_module, program_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -328,7 +328,7 @@ def _eager_host_draws(model, example_args, example_kwargs) -> str | None:
     state = [*model.parameters(), *model.buffers()]
     leaves = pytree.tree_leaves((example_args, example_kwargs))
     tensors = [t for t in [*leaves, *state] if isinstance(t, torch.Tensor)]
-    if _dynamo_graph(model) or _program_module(model) or torch.compiler.is_compiling() or \
+    if _dynamo_graph(model) or program_module(model) or torch.compiler.is_compiling() or \
             any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in tensors):
         return None
 
@@ -2160,13 +2160,6 @@ def _stack_line(stack: str) -> str:
     return ""
 
 
-def _program_module(model) -> bool:
-    """Whether ``model`` is an exported program's module (``ep.module()``, what ``fuse`` makes of an
-    ``ExportedProgram``): it checks its inputs against the export's (``_guards_fn``) and binds them by its spec."""
-    return isinstance(model, fx.GraphModule) and hasattr(model, "range_constraints") and \
-        isinstance(getattr(model, "_in_spec", None), pytree.TreeSpec)
-
-
 def _dynamo_graph(model) -> bool:
     """Whether ``model`` is a graph Dynamo captured (``torch.compile``'s backend is handed one)."""
     return isinstance(model, fx.GraphModule) and "dynamo_compile_id" in getattr(model, "meta", {})
@@ -2206,7 +2199,7 @@ def _explain(model, failures, drawn: str | None, skipped: list) -> str:
     (:func:`_host_rng_drawn`), which no capture can keep and the message leads with; where numpy's is one, a hint
     that points to torch.compile says what makes its draws eager's. ``skipped``: each failure's argument built
     only outside compilation (:func:`_default_skipped_when_compiling`), or None."""
-    program = _program_module(model)
+    program = program_module(model)
     dynamo = _dynamo_graph(model)
     what = ("the exported program's module (fuse() of an ExportedProgram runs ep.module())" if program else
             "Dynamo's graph (GraphModule)" if dynamo else type(model).__name__)

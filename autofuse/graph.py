@@ -263,6 +263,13 @@ def get_attr_value(gm: fx.GraphModule, target: str):
     return obj
 
 
+def program_module(model) -> bool:
+    """Whether ``model`` is an exported program's module (``ep.module()``, what ``fuse`` makes of an
+    ``ExportedProgram``): it checks its inputs against the export's (``_guards_fn``) and binds them by its spec."""
+    return isinstance(model, fx.GraphModule) and hasattr(model, "range_constraints") and \
+        isinstance(getattr(model, "_in_spec", None), torch.utils._pytree.TreeSpec)
+
+
 def graph_module(root, graph: fx.Graph) -> fx.GraphModule:
     """``fx.GraphModule(root, graph)`` whose Python code is generated when it is first run or read, not at every
     construction and ``recompile()``: planning builds a graph module for every block it checks and rebuilds the
