@@ -414,16 +414,28 @@ def _sink_merge(n):
     return call(n.graph, aten.reshape.default, new, list(shape(n)))
 
 
+def _splits(terms, folded, to) -> bool:
+    """Whether a sum of terms shaped ``terms`` (the sum shaped ``folded``, batch dims folded into its leading ones)
+    is added at full rank when ``to`` splits those dims (see :func:`_split_add`): every term has the sum's rank, the
+    sum's batch dims or 1 in all of them (broadcast over the batch), and 1 or the sum's size in each of the last
+    two."""
+    folded, to = tuple(folded), tuple(to)
+    return (len(to) > len(folded) and _regroups_batch(folded, to)
+            and all(len(t) == len(folded) and (tuple(t[:-2]) == folded[:-2] or all(d == 1 for d in t[:-2]))
+                    and all(d in (1, f) for d, f in zip(t[-2:], folded[-2:])) for t in map(tuple, terms)))
+
+
 def _split_add(n):
-    """reshape(add(a, b)) regrouping batch dims, a and b with the full batch dims (either may broadcast in the
-    last two: Bloom's ALiBi bias ``[B·H, 1, S]`` added by ``baddbmm``) -> add(reshape(a), reshape(b))."""
+    """reshape(add(a, b)) regrouping batch dims, a and b with the full batch dims or broadcast over them (either
+    may broadcast in the last two: Bloom's ALiBi bias ``[B·H, 1, S]`` added by ``baddbmm``; at batch 1 its mask
+    ``[1, S, S]`` broadcast over the heads) -> add(reshape(a), reshape(b))."""
     ad, s = n.args[0], shape(n)
-    if not (is_call(ad, aten.add.Tensor) and not ad.kwargs and len(ad.users) == 1 and len(s) > _rank(ad)
-            and all(isinstance(t, fx.Node) and _rank(t) == _rank(ad) and shape(t)[:-2] == shape(ad)[:-2]
-                    and all(d in (1, f) for d, f in zip(shape(t)[-2:], shape(ad)[-2:])) for t in ad.args)
-            and _regroups_batch(shape(ad), s)):
+    if not (is_call(ad, aten.add.Tensor) and not ad.kwargs and len(ad.users) == 1
+            and all(isinstance(t, fx.Node) for t in ad.args) and _splits([shape(t) for t in ad.args], shape(ad), s)):
         return None
-    a, b = (call(n.graph, aten.reshape.default, t, [*s[:-2], *shape(t)[-2:]]) for t in ad.args)
+    a, b = (call(n.graph, aten.reshape.default, t, [*(s[:-2] if tuple(shape(t)[:-2]) == tuple(shape(ad)[:-2])
+                                                      else [1] * (len(s) - 2)), *shape(t)[-2:]])
+            for t in ad.args)
     return call(n.graph, aten.add.Tensor, a, b)
 
 
@@ -447,11 +459,17 @@ def _split_batch_add(n):
         mp = (1,) * (len(rs) - len(ms)) + ms
         if any(d not in (1, f) for d, f in zip(mp, rs)):
             continue
+        folded = [1 if mp[:2] == (1, 1) else ss[0], *mp[2:]]
+        if _splits((ss, folded), ss, rs):
+            # _split_add would add these at full rank again (a folded term split the same way: Bloom's ALiBi bias,
+            # which has the scores' shape at one query): the sum stays at full rank, and the rules do not undo
+            # each other until canonicalize gives up
+            continue
         g = n.graph
         mm = m if ms == mp else call(g, aten.reshape.default, m, list(mp))
         if mp[:2] != (1, 1) and mp[:2] != rs[:2]:
             mm = call(g, aten.expand.default, mm, [*rs[:2], *mp[2:]])
-        mm = call(g, aten.reshape.default, mm, [1 if mp[:2] == (1, 1) else ss[0], *mp[2:]])
+        mm = call(g, aten.reshape.default, mm, folded)
         return call(g, aten.reshape.default, call(g, aten.add.Tensor, s, mm), list(rs))
     return None
 

@@ -529,11 +529,17 @@ class Alibi(nn.Module):
     """Bloom's scores: ``alibi.baddbmm(q, kᵀ, beta=1, alpha=scale)`` on heads folded into the batch, the bias
     ``[B·N, 1, S]`` broadcast over the queries, then the 4-D view, the mask, softmax, and a bmm with v."""
 
+    def __init__(self, scores_out=False):
+        super().__init__()
+        self.scores_out = scores_out        # a near miss: the biased scores read outside the block
+
     def forward(self, q, k, v, alibi, mask):
-        q3, k3, v3 = (t.reshape(B * N, S, D) for t in (q, k, v))
+        (b, n, sq, d), sk = q.shape, k.shape[2]
+        q3, k3, v3 = q.reshape(b * n, sq, d), k.reshape(b * n, sk, d), v.reshape(b * n, sk, d)
         s = alibi.baddbmm(batch1=q3, batch2=k3.transpose(-1, -2), beta=1.0, alpha=0.25)
-        p = torch.softmax(s.view(B, N, S, S) + mask, -1)
-        return torch.bmm(p.view(B * N, S, S), v3).view(B, N, S, D)
+        p = torch.softmax(s.view(b, n, sq, sk) + mask, -1)
+        out = torch.bmm(p.view(b * n, sq, sk), v3).view(b, n, sq, d)
+        return (out, s) if self.scores_out else out
 
 
 def test_alibi_bias_added_by_baddbmm_on_folded_heads_is_an_additive_mask(ref_op):
@@ -543,6 +549,42 @@ def test_alibi_bias_added_by_baddbmm_on_folded_heads_is_an_additive_mask(ref_op)
     mask = torch.zeros(B, 1, S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
     (m,) = _assert_fused_equal(Alibi(), (q, k, v, alibi, mask), ref_op)
     assert m.params["mask_kind"] == "additive" and len(m.params["mask_terms"]) == 2
+
+
+
+def _alibi_args(batch, queries, dtype):
+    """Bloom's inputs at ``batch`` and ``queries`` (1: a decode step over S cached keys): q, k, v, the bias
+    ``[batch·N, 1, S]`` and a padding mask ``[batch, 1, queries, S]`` that hides two keys of the last sequence."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, N, queries, D, generator=g).to(dtype)
+    k, v = (torch.randn(batch, N, S, D, generator=g).to(dtype) for _ in range(2))
+    slopes = 2.0 ** -torch.arange(1, N + 1, dtype=torch.float32)
+    alibi = (slopes[:, None] * torch.arange(S)[None, :]).repeat(batch, 1)[:, None, :].to(dtype)
+    mask = torch.zeros(batch, 1, queries, S, dtype=dtype)
+    mask[-1, ..., :2] = torch.finfo(dtype).min
+    return q, k, v, alibi, mask
+
+
+@pytest.mark.parametrize("batch,queries", [(1, S), (1, 1), (2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_alibi_on_folded_heads_at_batch_one_and_one_query(ref_op, batch, queries, dtype):
+    """At one query the folded bias ``[B·H, 1, S]`` has the scores' shape, and at batch 1 the mask broadcasts over
+    the folded heads: the canonical form adds both at full rank, as for the prefill, and the block matches with
+    the bias as an additive mask (before, the two rules that unfold such sums undid each other)."""
+    args = _alibi_args(batch, queries, dtype)
+    cap, gm, matches, fused = _fuse(Alibi().eval(), args, ref_op)
+    (m,) = matches
+    assert m.params["mask_kind"] == "additive" and len(m.params["mask_terms"]) == 2, gm.code
+    got = cap.unflatten_outputs(fused(*cap.flatten_inputs(*args)))
+    ok, err, tol = compare(Alibi()(*args), Alibi()(*(t.double() for t in args)), got)
+    assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("batch,queries", [(1, S), (2, 1)])
+def test_near_miss_alibi_scores_read_outside_the_block(batch, queries):
+    # the biased scores are returned too: the fused kernel never writes them, so the block must not match
+    args = _alibi_args(batch, queries, torch.float32)
+    assert find_attention(canonicalize(capture(Alibi(scores_out=True), args).graph_module)) == []
 
 
 class SoftCap(nn.Module):

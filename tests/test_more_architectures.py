@@ -232,6 +232,38 @@ def test_eager_only_attention_spellings_are_fused(name):
                                    atol=1e-5, rtol=1e-4)
 
 
+
+@pytest.mark.parametrize("name", ["bloom", "falcon_alibi", "mpt"])
+@pytest.mark.parametrize("batch,new", [(1, 16), (1, 1), (2, 1)])
+def test_alibi_attention_is_fused_at_batch_one_and_at_a_decode_step(name, batch, new):
+    """ALiBi at batch 1 and at a decode step (one new token after a KV cache of 15). Bloom adds its bias to scores
+    folded as ``[B·H, q, S]``: at one query the bias has the scores' shape, and at batch 1 its mask broadcasts over
+    the folded heads; both must reach the prefill's full-rank form, where the bias is an additive mask."""
+    torch.manual_seed(0)
+    model, _, _ = EAGER_ONLY[name]()
+    model.eval()
+    ids = torch.randint(1, 128, (batch, 16))
+    if new == ids.shape[1]:
+        args, kwargs = (ids,), {"use_cache": False}
+    else:
+        with torch.no_grad():
+            cache = model(ids[:, :-new], use_cache=True).cache
+        args, kwargs = (ids[:, -new:],), {"use_cache": True, "cache": cache}
+
+    def fresh():            # a call with a cache appends to it: each call gets its own copy
+        return args, {**kwargs, "cache": copy.deepcopy(kwargs["cache"])} if "cache" in kwargs else kwargs
+
+    fused = AutoFusionEngine.fuse(model, fresh())
+    attention = fused.report.of("attention")
+    assert len(attention) == LAYERS and all(d.applied for d in attention), fused.report.summary()
+    assert all(d.params["mask_kind"] == "additive" for d in attention)
+    with torch.no_grad():
+        a, k = fresh()
+        got = main_output(fused(*a, **k))
+        a, k = fresh()
+        torch.testing.assert_close(got, main_output(model(*a, **k)), atol=1e-5, rtol=1e-4)
+
+
 def _trained_gradients(build):
     """The model in training mode, fused; one backward through the fused model (the attention backward kernel
     launched once per layer) and one through the model itself: (fused report, fused gradients, eager's)."""
