@@ -1035,6 +1035,11 @@ def canonicalize(gm: fx.GraphModule, rules=None, max_iters: int = 30) -> fx.Grap
                 if not _same(new, node):
                     log.debug("rule %s rejected at %s: shape/dtype changed", fn.__name__, node.name)
                     continue
+                if new.meta.get("autofuse_origin") is None and isinstance(val(node), torch.Tensor):
+                    # a node the rule made: it holds node's value, laid out in memory as eager (and the captured
+                    # graph) lays node's out, not as its own op's meta kernel would from the canonical operands
+                    # (a generated kernel stores its outputs in that order, which a later view may rely on)
+                    new.meta["val"] = val(node)
                 _same_value(new, node)
                 for k in ("autofuse_safe_softmax", "autofuse_lse_softmax"):
                     if k in node.meta:

@@ -912,6 +912,26 @@ def test_rope_outputs_keep_the_captured_memory_layout_for_an_unfused_attention(a
     _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
 
 
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_generated_kernels_store_the_layout_eager_gives_the_value_they_replace(batch):
+    """Mamba-2's chunk scan (Zamba2's hybrid layers) adds a transposed skip term ``D·x`` to its merged chunk outputs,
+    then cuts the padded positions and merges the heads with a ``view``, which relies on eager's (row-major) layout
+    of that sum. The canonical form sums at the chunks' rank with the terms in another order, and its meta kernel
+    lays that sum out otherwise: the generated kernel stores its output in the captured value's layout, not the
+    canonical node's (with the canonical one, the view failed at batch 2)."""
+    from autofuse.models import build_transformers
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers(
+        "transformers:Zamba2Config?num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4"
+        "&num_key_value_heads=2&vocab_size=128&layers_block_type=[mamba,hybrid]&mamba_d_state=16&mamba_headdim=16",
+        seq=16, batch=batch, attn="sdpa")
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert _names(fused.report)["attention"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(fused(*args, **kwargs).logits, model(*args, **kwargs).logits, atol=1e-5, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------------- activations
 
 ACTIVATIONS = {
