@@ -420,7 +420,8 @@ def _splits(terms, folded, to) -> bool:
     sum's batch dims or 1 in all of them (broadcast over the batch), and 1 or the sum's size in each of the last
     two."""
     folded, to = tuple(folded), tuple(to)
-    return (len(to) > len(folded) and _regroups_batch(folded, to)
+    # a batch dim to regroup: [T, C] viewed [1, T, C] (a token-major sum given its batch back) is left as it is
+    return (len(to) > len(folded) >= 3 and _regroups_batch(folded, to)
             and all(len(t) == len(folded) and (tuple(t[:-2]) == folded[:-2] or all(d == 1 for d in t[:-2]))
                     and all(d in (1, f) for d, f in zip(t[-2:], folded[-2:])) for t in map(tuple, terms)))
 

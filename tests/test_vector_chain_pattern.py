@@ -465,6 +465,35 @@ def test_a_term_added_before_the_split_of_a_gated_projection_is_in_its_epilogue(
     _within_bound(m, (x, r), {}, lambda: fused(x, r))
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_major_sum_viewed_back_to_its_batch_keeps_its_epilogue_at_batch_one(dtype):
+    """Qwen2-MoE's shared expert, ``sigmoid(gate(h)) · expert(h)`` on token-major rows ``h = [T, C]``, is added to
+    the routed experts' output and the sum viewed back to ``[B, S, C]``. At batch 1 that view looked like a
+    regrouping of batch dims, and the canonical form moved the sum past it: the gate's epilogue then ended in a
+    value only the canonical form held, and it ran unfused. Batch 1 fuses what batch 2 fuses; only a sum with batch
+    dims of its own is moved."""
+    from autofuse.models import build_transformers
+    fused_at = {}
+    for batch in (1, 2):
+        torch.manual_seed(0)
+        model, (args, kwargs) = build_transformers(
+            "transformers:Qwen2MoeConfig?num_hidden_layers=1&hidden_size=64&intermediate_size=128"
+            "&num_attention_heads=4&num_key_value_heads=2&vocab_size=128&num_experts=8&num_experts_per_tok=2"
+            "&moe_intermediate_size=32&shared_expert_intermediate_size=64", seq=16, batch=batch, attn="sdpa",
+            dtype=dtype)
+        fused = AutoFusionEngine.fuse(model, (args, kwargs))
+        fused_at[batch] = collections.Counter(d.pattern for d in fused.report.applied)
+        ref = copy.deepcopy(model).double()
+        ref.set_experts_implementation("eager")         # torch's grouped GEMM takes no float64: the same sums
+        with torch.no_grad():
+            ok, err, tol = compare(model(*args, **kwargs).logits, ref(*args, **kwargs).logits,
+                                   fused(*args, **kwargs).logits)
+        assert ok, (batch, err, tol)
+    assert fused_at[1]["matmul_epilogue"] == 1 and fused_at[1] == fused_at[2], fused_at
+
+
 class GateUp(nn.Module):
     """Separate gate and up projections (Llama's MLP): the SwiGLU can be either one's epilogue."""
 
