@@ -10,6 +10,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py --train --dtype bfloat16     # 16 bits: fused and eager each from float64
     python benchmarks/architectures.py --generate --dtype float16   # tokens, and a near tie told from a failure
     python benchmarks/architectures.py --more [...]                 # further architectures, any mode above
+    python benchmarks/architectures.py --batch 1 --seq 13 [...]     # other inputs than 16 tokens at batch 2
     python benchmarks/architectures.py --compile [--only NAME ...]  # through torch.compile(backend="autofuse")
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
@@ -254,17 +255,22 @@ def compiled(name, spec, attn, device, dtype=torch.float32, switches=None):
                 plans=len(reports), failed=failed, seconds=time.perf_counter() - t0)
 
 
-def _eval_model(spec, attn, seq=16, dtype=torch.float32, batch=2):
-    """A row's model, built from seed 0 and in eval mode, and its inputs at ``seq`` tokens: ``(model, (args,
-    kwargs))``. The training and generation set-ups start from it."""
+#: The inputs' tokens and batch of the rows (the generation set-up has its own): ``--seq``, ``--batch``.
+SIZES = {"seq": 16, "batch": 2}
+
+
+def _eval_model(spec, attn, seq=None, dtype=torch.float32, batch=None):
+    """A row's model, built from seed 0 and in eval mode, and its inputs at ``seq`` tokens and ``batch`` (by default
+    :data:`SIZES`): ``(model, (args, kwargs))``. The training and generation set-ups start from it."""
     from autofuse.models import build_transformers
+    seq, batch = SIZES["seq"] if seq is None else seq, SIZES["batch"] if batch is None else batch
     torch.manual_seed(0)
     model, inputs = build_transformers("transformers:" + spec, seq=seq, batch=batch, attn=attn, dtype=dtype)
     return model.eval(), inputs
 
 
 def _training_model(spec, attn, dtype=torch.float32, rates=False):
-    """A row's model for a training step, ``(model, args, kwargs)``: built (seed 0, 16 tokens, batch 2) in train
+    """A row's model for a training step, ``(model, args, kwargs)``: built (seed 0, :data:`SIZES`) in train
     mode with its ``nn.Dropout``s off; ``rates``: also a module's float rate named ``*drop*`` (T5's functional
     dropout, a drop path's ``drop_prob``), which 16-bit runs switch off (seeding alone need not draw the same mask in
     16 bits and float64)."""
@@ -606,11 +612,15 @@ def main():
     ap.add_argument("--static", action="store_true", help="with --generate: generate() with a static cache")
     ap.add_argument("--new-tokens", type=int, default=3, help="with --generate: tokens generated")
     ap.add_argument("--more", action="store_true", help="the further architectures (MORE) instead of the main rows")
+    ap.add_argument("--batch", type=int, default=SIZES["batch"],
+                    help="the rows' batch (not --generate's, which generates from one prompt)")
+    ap.add_argument("--seq", type=int, default=SIZES["seq"], help="the rows' tokens (not --generate's or --compile's)")
     ap.add_argument("--compile", action="store_true",
                     help='through torch.compile(backend="autofuse") at 16, 12 and 20 tokens, against fuse()')
     a = ap.parse_args()
     global ROWS
     ROWS = MORE if a.more else MODELS
+    SIZES.update(batch=a.batch, seq=a.seq)
     switches = {f: "off" for f in a.disable} or None
     warnings.filterwarnings("ignore")
     import transformers
