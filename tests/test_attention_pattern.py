@@ -551,7 +551,6 @@ def test_alibi_bias_added_by_baddbmm_on_folded_heads_is_an_additive_mask(ref_op)
     assert m.params["mask_kind"] == "additive" and len(m.params["mask_terms"]) == 2
 
 
-
 def _alibi_args(batch, queries, dtype):
     """Bloom's inputs at ``batch`` and ``queries`` (1: a decode step over S cached keys): q, k, v, the bias
     ``[batch·N, 1, S]`` and a padding mask ``[batch, 1, queries, S]`` that hides two keys of the last sequence."""

@@ -232,7 +232,6 @@ def test_eager_only_attention_spellings_are_fused(name):
                                    atol=1e-5, rtol=1e-4)
 
 
-
 @pytest.mark.parametrize("name", ["bloom", "falcon_alibi", "mpt"])
 @pytest.mark.parametrize("batch,new", [(1, 16), (1, 1), (2, 1)])
 def test_alibi_attention_is_fused_at_batch_one_and_at_a_decode_step(name, batch, new):

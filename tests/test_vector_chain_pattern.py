@@ -465,8 +465,6 @@ def test_a_term_added_before_the_split_of_a_gated_projection_is_in_its_epilogue(
     _within_bound(m, (x, r), {}, lambda: fused(x, r))
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_token_major_sum_viewed_back_to_its_batch_keeps_its_epilogue_at_batch_one(dtype):
     """Qwen2-MoE's shared expert, ``sigmoid(gate(h)) · expert(h)`` on token-major rows ``h = [T, C]``, is added to
@@ -939,7 +937,6 @@ def test_rope_outputs_keep_the_captured_memory_layout_for_an_unfused_attention(a
             v = val(user)
             assert v is not None and not v.is_contiguous() and v.stride()[-1] == 1
     _within_bound(model, (ids,), {"use_cache": False}, lambda: fused(ids, use_cache=False))
-
 
 
 @pytest.mark.parametrize("batch", [1, 2])
