@@ -912,14 +912,13 @@ class Plan:
         (``changes``: position -> number, :func:`graph_changes`; a static cache's sliding-window layer returns its
         new length so): the same fused graph returning those numbers, the decisions, report and guards shared.
         None where the fused graph does not return this plan's numbers at those positions."""
-        out = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
-        mine = next(n for n in reversed(self.captured.graph_module.graph.nodes) if n.op == "output")
-        flat, want = out.args[0], mine.args[0]
+        flat = self.graph_module.graph.output_node().args[0]
+        want = self.captured.graph_module.graph.output_node().args[0]
         if not isinstance(flat, (tuple, list)) or len(flat) != len(want) or \
                 any(not same_value(flat[i], want[i]) for i in changes):
             return None
         gm = copy_graph_module(self.graph_module)
-        new = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        new = gm.graph.output_node()
         new.args = (type(flat)(changes.get(i, a) for i, a in enumerate(new.args[0])),)
         served = copy.copy(self)
         served.graph_module, served.captured, served.twin_of = realised(gm), captured, self
