@@ -1586,9 +1586,9 @@ class FusedModule(torch.nn.Module):
         decode step). Their captured graphs may be this call's but for the new length they return: compile_plan
         then serves the call from that plan (:meth:`Plan.with_outputs`), instead of planning the same graph
         again."""
-        if not any(e[1] is caches.Length for e in key[0][1] if len(e) == 3):
-            return []
         bare = _without_lengths(key)
+        if bare == key:                     # no lifted length in this call
+            return []
         made = {id(p): p for k, p in self._plans.items() if p.twin_of is None and _without_lengths(k) == bare}
         return list(made.values())          # the plans made: one served by a twin serves nothing further
 
