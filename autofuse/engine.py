@@ -200,11 +200,17 @@ def _without_lengths(key):
 
 
 def all_candidates(gm: fx.GraphModule) -> list:
-    """Every match of every family, overlaps included: choosing among them is the planner's job."""
+    """Every match of every family, overlaps included: choosing among them is the planner's job. A Vector region
+    that overlaps a pattern's block is also offered without the block's nodes (``outside_blocks`` of
+    :mod:`patterns.vector_chain`), so the rest of it still fuses where the block wins."""
     out = []
     for find in families().values():
         out.extend(find(gm))
-    return out
+    blocks = [m for m in out if family_of(m).name not in GENERIC]
+    if not blocks:
+        return out
+    from patterns.vector_chain import outside_blocks    # imported by families() above
+    return out + outside_blocks(gm, blocks)
 
 
 # ------------------------------------------------------------------------------------ state and guards

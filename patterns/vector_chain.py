@@ -647,8 +647,13 @@ def _scaled_after_a_float16_product(nodes, mm) -> bool:
 def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
     """Each region after a matmul whose output only that region reads (by one op or several), as the matmul's
     epilogue."""
+    return _epilogues(_candidates(gm))
+
+
+def _epilogues(found: list) -> list[Match]:
+    """The matmul epilogues of the regions ``found`` (``(nodes, built)``, see :func:`find_matmul_epilogues`)."""
     out = []
-    for nodes, _ in _candidates(gm):
+    for nodes, _ in found:
         inside = set(nodes)
         feeds = []                     # (matmul, the views between it and the region)
         for n in nodes:
@@ -673,3 +678,50 @@ def find_matmul_epilogues(gm: fx.GraphModule) -> list[Match]:
                 continue
             out.append(_match("matmul_epilogue", nodes + views, built, matmul=mm))
     return out
+
+
+def outside_blocks(gm: fx.GraphModule, blocks: list) -> list[Match]:
+    """The regions of ``gm`` that overlap one of ``blocks`` (matches of the pattern families), offered again
+    without that block's nodes, as regions and as epilogues: where the block wins the overlap, the rest of the
+    region still fuses (Swin v2's relative position bias ``16·sigmoid(table)`` at batch 1, where the bias and the
+    scores' sum share one iteration space and so one region, and the attention block takes the sum). A part never
+    holds both a node computed from the block (through any path: a block may read the region at one node and give
+    it a value back at another, through ops of its own outside the region) and one that is not, which would make a
+    cycle of the two calls; each part is convex as the region is. A part of one compute op gains nothing and is
+    not offered as a region (as an epilogue it may be)."""
+    found = _candidates(gm)
+    out_values = returned(gm) if gm.meta.get("autofuse_grad", True) else set()
+    by_name = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    seen, parts = set(), []
+    for nodes, _ in found:
+        names = {n.name for n in nodes}
+        for b in blocks:
+            taken = names.intersection(b.nodes)
+            if not taken or taken == names:
+                continue
+            rest = [n for n in nodes if n.name not in taken]
+            key = tuple(n.name for n in rest)
+            if key in seen:
+                continue
+            seen.add(key)
+            below = _reached(rest, [by_name[t] for t in b.nodes if t in by_name], order)
+            for part in _parts(rest, below):
+                for piece in (cut_at_returned(part, out_values) if out_values else [part]):
+                    parts += build(piece)
+    return [_match("vector_chain", nodes, built) for nodes, built in parts
+            if sum(_compute(n) for n in nodes) >= 2] + _epilogues(parts)
+
+
+
+def _reached(nodes: list, tops: list, order: dict) -> set:
+    """The members of ``nodes`` computed from one of ``tops`` through any path of the graph (not only through
+    members, as :func:`_below`); the walk stops past the last member (``order``: each node's position)."""
+    end = max(order[n] for n in nodes)
+    seen, stack = set(tops), list(tops)
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen and order[u] <= end:
+                seen.add(u)
+                stack.append(u)
+    return seen.intersection(nodes)

@@ -564,6 +564,80 @@ def test_a_single_op_is_not_a_region():
     assert not [d for d in fused.report.decisions if d.params.get("family") == "vector_chain"]
 
 
+class TableBiasedAttention(nn.Module):
+    """Swin v2's relative position bias, ``16 · sigmoid(table)`` of shape [H, N, N], added to the scores: at batch 1
+    the scores' sum and the bias share one iteration space, so one Vector region holds the scale, the sum and the
+    bias's ops, and the attention block takes the scale and the sum from it. ``ops=1`` is a bias of one op."""
+
+    def __init__(self, heads=4, n=16, ops=2):
+        super().__init__()
+        self.ops = ops
+        self.table = nn.Parameter(torch.randn(heads, n, n))
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        bias = torch.sigmoid(self.table)
+        s = s + (16 * bias if self.ops == 2 else bias).to(s.dtype)
+        return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 16, 16), (1, 2, 24, 8)])
+def test_the_rest_of_a_region_an_attention_block_wins_is_fused_on_its_own(shape, dtype):
+    torch.manual_seed(0)
+    b, h, n, d = shape
+    m = TableBiasedAttention(h, n).eval()
+    q, k, v = (torch.randn(shape, dtype=dtype) for _ in range(3))
+    fused = _inference_fuse(m, (q, k, v))
+    applied = {d.pattern: d for d in fused.report.applied}
+    assert set(applied) == {"attention", "vector_chain"}, fused.report.summary()
+    assert {"sigmoid", "mul_1", "_to_copy"} >= set(applied["vector_chain"].nodes) >= {"sigmoid", "mul_1"}, \
+        fused.report.summary()
+    whole = [d for d in fused.report.decisions if d.pattern == "vector_chain" and "add" in d.nodes]
+    assert whole and whole[0].reason_code == "conflict", fused.report.summary()   # the region as found lost
+    assert "aten.sigmoid" not in fused.graph_module.code
+    _within_bound(m, (q, k, v), {}, lambda: fused(q, k, v))
+
+
+def test_near_miss_the_rest_of_a_region_of_one_op_is_left_as_captured():
+    """A bias of one op (``sigmoid(table)``): what the attention block leaves of the region gains nothing fused."""
+    torch.manual_seed(0)
+    m = TableBiasedAttention(ops=1).eval()
+    q, k, v = (torch.randn(1, 4, 16, 16) for _ in range(3))
+    fused = _inference_fuse(m, (q, k, v))
+    assert [d.pattern for d in fused.report.applied] == ["attention"], fused.report.summary()
+    assert "aten.sigmoid" in fused.graph_module.code
+    _within_bound(m, (q, k, v), {}, lambda: fused(q, k, v))
+
+
+def test_the_rest_of_a_region_is_cut_where_a_block_gives_it_a_value_back():
+    """A block that reads the region at one node (``mul``) and gives it a value back at another (``add``, from the
+    block's own matmul, outside the region): the rest of the region (exp, neg | add, abs, add_1) is offered in two
+    parts, one above the block and one below it; one call holding both would be a cycle with the block's call."""
+    from autofuse.capture import capture
+    from autofuse.canonicalize import canonicalize
+    from autofuse.match import Match
+    from patterns.vector_chain import outside_blocks
+
+    class M(nn.Module):
+        def forward(self, x, y):
+            b = x.exp().neg()
+            t = b * 2
+            o = y @ y
+            p = b + o
+            return p + t.abs()
+
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    gm = canonicalize(capture(M(), (x, y)).graph_module)
+    names = [n.name for n in gm.graph.nodes]
+    above, below = {"exp", "neg"}, {"add", "abs_1", "add_1"}
+    assert above | below | {"mul", "matmul"} <= set(names), names
+    block = Match("softmax", ("mul", "matmul"), "mul")     # stands for a pattern's block over those two nodes
+    offered = [set(m.nodes) for m in outside_blocks(gm, [block])]
+    assert above in offered and below in offered, offered
+    assert not [o for o in offered if o & above and o & below], offered
+
+
 class Linear(nn.Module):
     def __init__(self):
         super().__init__()
