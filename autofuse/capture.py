@@ -81,6 +81,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import itertools
 import math
 import operator
 import os
@@ -102,7 +103,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import graph_module, program_module, relayout_as_eager
+from autofuse.graph import CHECKPOINT, graph_module, program_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -461,7 +462,9 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
             gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f, _, _ in functions)   # without grad
-            gm.meta["autofuse_checkpoints"] = len(checkpoints)         # activation checkpoints traced through
+            # activation checkpoints traced through (a Dynamo graph's operator runs torch's checkpoint too; its
+            # nodes are marked before the capture, mark_grad_blocks)
+            gm.meta["autofuse_checkpoints"] = len(checkpoints)
             # reentrant ones without an input that requires grad: no gradient through them, as in eager (a Dynamo
             # graph's are marked before its capture, mark_grad_blocks)
             gm.meta["autofuse_grad_free_checkpoints"] = len(grad_free_checkpoints) + (
@@ -643,8 +646,9 @@ def _checkpointed(fn):
 def _checkpoints():
     """The functions the forward checkpoints (``torch.utils.checkpoint.checkpoint``, reentrant or not) while it
     is captured: a set of their ids, filled in place (a trace may run the forward more than once). The trace runs
-    a checkpointed function as a plain call: the captured graph keeps its activations for the backward instead of
-    recomputing them. A reentrant checkpoint (``use_reentrant=True``, torch's ``CheckpointFunction``) called with
+    a checkpointed function as a plain call and marks the nodes each call makes (:data:`CHECKPOINT`, numbered by
+    call): a plan made with grad runs them through torch's checkpoint again (:mod:`autofuse.checkpointing`). A
+    reentrant checkpoint (``use_reentrant=True``, torch's ``CheckpointFunction``) called with
     grad where none of its tensor inputs would require grad in eager (followed by :func:`_eager_autograd_reads`)
     gives outputs without a gradient in eager, and the parameters it uses get none from them: its function is
     traced as the forward's own ``torch.no_grad()`` block (:data:`GRAD_BLOCK`, detached where read outside,
@@ -655,6 +659,8 @@ def _checkpoints():
     from torch.utils import checkpoint as ckpt
     functions: set = set()
     grad_free: set = set()
+    calls = itertools.count()
+    opened: list = []          # the marks of non-reentrant checkpoints, closed at the end if a trace stopped inside
     reentrant = ckpt.CheckpointFunction.forward
     generator = ckpt._checkpoint_without_reentrant_generator
     capturing = threading.get_ident()      # another thread's checkpoints (a model trained beside) are not counted
@@ -672,15 +678,23 @@ def _checkpoints():
             return reentrant(ctx, run_function, *args)
         _READS.reads.append("a reentrant checkpoint's inputs' requires_grad")
         if any(requires(a) for a in args if isinstance(a, torch.Tensor)):
-            return reentrant(ctx, run_function, *args)
+            with _marked_checkpoint(calls):
+                return reentrant(ctx, run_function, *args)
         grad_free.add(fn)
         with _marked_grad_mode(False):          # eager's CheckpointFunction: no gradient through its outputs
             return reentrant(ctx, run_function, *args)
 
     def without_reentrant(fn, *args, **kwargs):
-        if threading.get_ident() == capturing:
-            functions.add(_checkpointed(fn))
-        return generator(fn, *args, **kwargs)
+        if threading.get_ident() != capturing:
+            return generator(fn, *args, **kwargs)
+        functions.add(_checkpointed(fn))
+
+        def marked():
+            # torch's checkpoint runs the function between this generator's first and second step
+            with _marked_checkpoint(calls):
+                yield from generator(fn, *args, **kwargs)
+        opened.append(marked())
+        return opened[-1]
     ckpt.CheckpointFunction.forward = staticmethod(forward)
     ckpt._checkpoint_without_reentrant_generator = without_reentrant
     try:
@@ -691,6 +705,8 @@ def _checkpoints():
     finally:
         ckpt.CheckpointFunction.forward = staticmethod(reentrant)
         ckpt._checkpoint_without_reentrant_generator = generator
+        for g in reversed(opened):
+            g.close()
 
 
 @contextlib.contextmanager
@@ -706,6 +722,19 @@ def _marked_grad_mode(mode: bool):
 
 #: the key of ``node.meta["custom"]`` that holds the grad mode of the forward's own block the node was made in
 GRAD_BLOCK = "autofuse_grad"
+
+@contextlib.contextmanager
+def _marked_checkpoint(calls):
+    """The nodes the tracer makes inside carry the next number of ``calls`` as :data:`CHECKPOINT`, unless they are
+    inside a checkpoint already (the outer one recomputes the inner); the tracer's metadata is put back on exit."""
+    from torch.fx import traceback as fx_traceback
+    if CHECKPOINT in (fx_traceback.current_meta.get("custom") or {}):
+        yield
+        return
+    with fx_traceback.preserve_node_meta():
+        meta = fx_traceback.current_meta
+        fx_traceback.current_meta = {**meta, "custom": {**(meta.get("custom") or {}), CHECKPOINT: next(calls)}}
+        yield
 
 
 @contextlib.contextmanager
@@ -1337,8 +1366,33 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
             n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
     grad_free = _mark_grad_free_checkpoints(gm)
     gm.meta["autofuse_grad_free_checkpoints"] = grad_free       # the plan warns of them (capture reads it)
+    _mark_checkpoints(gm)            # kept in a plan with grad
     if (marked or grad_free) and (_pass_updates_in_place(gm) | _detach_grad_free_blocks(gm)):
         gm.recompile()
+
+
+def _mark_checkpoints(gm: fx.GraphModule) -> int:
+    """Each ``tag_activation_checkpoint`` of a Dynamo graph (``torch.utils.checkpoint.checkpoint``) that carries a
+    gradient numbered as :func:`_checkpoints` numbers a checkpoint in a capture of the forward (:data:`CHECKPOINT`,
+    on the operator, the getitems of its outputs and its body's nodes: the capture traces each body node with that
+    node's own metadata), so that a plan with grad keeps it (:mod:`autofuse.checkpointing`). How many were
+    marked."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    count = 0
+    for n in gm.graph.nodes:
+        if hop is None or n.op != "call_function" or n.target is not hop or \
+                (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False:
+            continue
+        body = n.args[0]
+        nodes = [n, *[u for u in n.users if u.op == "call_function" and u.target is operator.getitem]]
+        if isinstance(body, fx.Node) and body.op == "get_attr":
+            sub = functools.reduce(getattr, body.target.split("."), gm)
+            if isinstance(sub, fx.GraphModule):
+                nodes += [m for m in sub.graph.nodes if m.op not in ("placeholder", "output")]
+        for m in nodes:
+            m.meta["custom"] = {**(m.meta.get("custom") or {}), CHECKPOINT: ("dynamo", count)}
+        count += 1
+    return count
 
 
 def _mark_grad_free_checkpoints(gm: fx.GraphModule) -> int:

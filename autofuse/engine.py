@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from autofuse import caches, memory
+from autofuse import caches, checkpointing, memory
 from autofuse import verify as _verify
 from autofuse.agreement import Agreement, collective_group
 from autofuse.canonicalize import LARGEST_CONSTANT, canonicalize, evaluate_constant
@@ -59,7 +59,8 @@ from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import copy_graph_module, describe_node, get_attr_value, realised, returned
+from autofuse.graph import (checkpoint_of, copy_graph_module, describe_node, get_attr_value, keeps_checkpoints,
+                            realised, returned)
 from autofuse.hierarchy import lead_match
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
@@ -878,7 +879,8 @@ class _PlansAndRuns:
             self._planner = me
             self._depth += 1
         try:
-            yield
+            with _saved_tensors_hooks_aside():
+                yield
         finally:
             with self._cond:
                 self._depth -= 1
@@ -890,6 +892,23 @@ class _PlansAndRuns:
 _PLANNING = _PlansAndRuns()
 
 
+@contextlib.contextmanager
+def _saved_tensors_hooks_aside():
+    """The caller's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``, an eager
+    checkpoint around the fused model) set aside while a plan is made: planning runs ops on fake tensors with grad
+    (their values' metadata, the blocks' checks), whose saves are not the caller's to pack. Put back as they were."""
+    from torch._C import _autograd
+    stack = []
+    while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stack.append(top)
+        _autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            _autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 class Plan:
     """One key's compiled graph, with its report and guards."""
 
@@ -899,7 +918,11 @@ class Plan:
         #: or a fused call reads a value the model returns (cut only in plans made with grad: plan.returned_and_read)
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
                                       canonical.meta.get("autofuse_custom_functions") or
-                                      canonical.meta.get("autofuse_returned_read"))
+                                      canonical.meta.get("autofuse_returned_read") or
+                                      # its fused calls may hold ops of two activation checkpoints: a call with grad
+                                      # is planned again, to keep them (autofuse.checkpointing)
+                                      (canonical.meta.get("autofuse_checkpoints")
+                                       and not canonical.meta.get("autofuse_grad", True)))
         #: the autograd state (:func:`autograd_state`) of the call planned, where the forward read it (a branch on
         #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``) or applies a custom autograd.Function: the plan
         #: serves only calls in that state
@@ -941,6 +964,16 @@ class Plan:
         with _PLANNING.running():       # no capture swaps the model's parameters for fake ones meanwhile
             return self._run(args, kwargs)
 
+    def _with_checkpoints(self) -> fx.GraphModule:
+        """The plan's graph with its activation checkpoints kept (:func:`autofuse.checkpointing.runner`), made once
+        per graph: the graph a call with grad runs."""
+        made = self.__dict__.get("_checkpointed")
+        if made is None or made[0] is not self.graph_module:
+            gm = checkpointing.runner(self.graph_module, self.captured.graph_module)
+            made = (self.graph_module, self.graph_module if gm is None else realised(_make_live(gm, self.model)))
+            self._checkpointed = made
+        return made[1]
+
     def _run(self, args, kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
         graded = [i for i in self.captured.input_updates if getattr(leaves[i], "requires_grad", False)]
@@ -954,10 +987,13 @@ class Plan:
                           "call; the captured graph takes them as independent values, so this call runs the model "
                           "eagerly.", stacklevel=6)
             return self.model(*args, **kwargs)
+        gm = self.graph_module
+        if torch.is_grad_enabled() and keeps_checkpoints(self.captured.graph_module):
+            gm = self._with_checkpoints()
         with _autocast_off():
             # its forward, not its __call__: torch's global module hooks, which capture ran into the graph for the
             # user's modules, would fire for this internal module too (a hook given its tuple of outputs)
-            out = self.graph_module.forward(*leaves)
+            out = gm.forward(*leaves)
         out = out if isinstance(out, (tuple, list)) else (out,)
         self.captured.update_state(out, self.model, leaves)   # state the forward updates: a BatchNorm's
         #                                                        statistics, a static KV cache's tensors
@@ -1141,12 +1177,14 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     # activation checkpoints the trace ran through (transformers' layers checkpoint only where the forward reads
     # torch.is_grad_enabled() as True: the trace reads eager's mode)
     checkpoints = cap_gm.meta.get("autofuse_checkpoints", 0)
-    if checkpoints:
-        _said(report, f"{checkpoints} activation checkpoint(s) in the forward (torch.utils.checkpoint; "
-                      f"transformers' gradient_checkpointing_enable()): the fused graph computes each checkpointed "
-                      f"function once and keeps its activations for the backward, as with checkpointing off (the "
-                      f"same gradients, more activation memory); where that memory limits the batch, run the model "
-                      f"eagerly")
+    if checkpoints and keeps_checkpoints(cap_gm):
+        calls = len({checkpoint_of(n) for n in cap_gm.graph.nodes} - {None})     # a function checkpointed twice
+        report.warnings.append(
+            f"{calls} activation checkpoint(s) in the forward (torch.utils.checkpoint; transformers' "
+            f"gradient_checkpointing_enable()) are kept: a call with grad runs each one's ops, fused calls included, "
+            f"through torch's non-reentrant checkpoint, so the backward recomputes them as eager's does, and "
+            f"generated Vector regions keep to one checkpoint. The simulated training step "
+            f"(simulate(backward=True)) prices the graph without the recomputation")
     grad_free = cap_gm.meta.get("autofuse_grad_free_checkpoints", 0)
     if grad_free:
         # eager's CheckpointFunction warns at each call; the plan says it once

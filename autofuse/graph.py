@@ -220,6 +220,22 @@ def returned_read(nodes, out: set):
     return next((n for n in nodes if n in out and any(u in inside for u in n.users)), None)
 
 
+#: the key of ``node.meta["custom"]`` that numbers the activation checkpoint (one call of
+#: ``torch.utils.checkpoint.checkpoint`` in the capture's trace) the node was made in
+CHECKPOINT = "autofuse_checkpoint"
+
+
+def checkpoint_of(n: fx.Node):
+    """The number of the activation checkpoint ``n`` was made in (:data:`CHECKPOINT`), or None."""
+    return (n.meta.get("custom") or {}).get(CHECKPOINT)
+
+
+def keeps_checkpoints(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` was captured with grad through activation checkpoints: a plan of it recomputes each
+    checkpoint's values in the backward (:mod:`autofuse.checkpointing`)."""
+    return bool(gm.meta.get("autofuse_checkpoints")) and gm.meta.get("autofuse_grad", True)
+
+
 def to_networkx(gm: fx.GraphModule | fx.Graph) -> nx.DiGraph:
     """Snapshot ``gm``'s graph as a DiGraph (see module docstring for the attributes)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm

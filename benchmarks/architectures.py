@@ -4,6 +4,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
 
     python benchmarks/architectures.py [--only NAME ...] [--device ascend910] [--dtype bfloat16]
     python benchmarks/architectures.py --train [--only NAME ...]    # gradients of every parameter against eager's
+    python benchmarks/architectures.py --train --checkpointing      # activation checkpointing on: gradients, memory
     python benchmarks/architectures.py --generate [--only NAME ...] # KV caches: fused(ids) and generate() vs eager
     python benchmarks/architectures.py --generate --static --new-tokens 5  # generate() with a static cache
     python benchmarks/architectures.py --disable attention          # the rest fused around torch's own attention
@@ -29,6 +30,10 @@ inputs, eager) and measures eager's error and the fused model's from it: a row p
 most twice eager's (the verifier's rule). ``--train``: the output's error relative to its largest float64 value,
 and each gradient's relative to its own largest (at least 1e-3 of the model's largest), the worst over the
 gradients on each side; dropout and drop paths off, checked by two float64 forwards under other seeds.
+``--train --checkpointing``: with transformers' activation checkpointing on (non-reentrant), the same gradients, and
+what each forward keeps for the backward beyond the parameters (the distinct storages autograd saves): the fused
+model's, eager's with checkpointing, and eager's without; a row whose fused model keeps more than eager's
+checkpointed forward is counted.
 ``--generate``: the logits of ``fused(ids)``; where the generated tokens differ from eager's, the first differing
 step is a tie (not a failure) when the float64 logits of the two tokens picked are closer than eager's own error
 there.
@@ -296,23 +301,55 @@ def _generation_model(spec, attn, dtype=torch.float32):
     return model, args, {k: v for k, v in kwargs.items() if k != "use_cache"}
 
 
-def train(name, spec, attn, device, switches=None):
+def _kept(fn, model, fused=None):
+    """``(fn(), bytes)``: what a forward keeps for its backward beyond the model's state, the bytes of the distinct
+    storages autograd saves (a checkpoint saves its inputs; the parameters, buffers and constants it reads are
+    held anyway: the model's, and ``fused``'s plans' constants)."""
+    from autofuse.graph import get_attr_value
+    state = [*model.parameters(), *model.buffers()]
+    for plan in (fused.plans.values() if fused is not None else ()):
+        state += [get_attr_value(plan.graph_module, n.target) for n in plan.graph_module.graph.nodes
+                  if n.op == "get_attr"]
+    owned = {t.untyped_storage().data_ptr() for t in state if isinstance(t, torch.Tensor)}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in owned:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())
+
+
+def train(name, spec, attn, device, switches=None, checkpointing=False):
     """One training step's gradients (train mode, dropout off, the loss a fixed random projection of the output)
     of the fused model against eager's: (the worst |fused - eager| of a parameter's gradient relative to that
     gradient's largest, among gradients above 1e-3 of the model's largest; that parameter; the worst of every
     gradient relative to the model's largest; the parameters eager gives a gradient and the fused model none; the
-    fused blocks)."""
+    fused blocks; the bytes the forward keeps for the backward beyond the parameters, fused and eager).
+    ``checkpointing``: with transformers' activation checkpointing on (non-reentrant; None for a model without
+    it), and the bytes eager keeps without it last."""
     from autofuse import AutoFusionEngine
     model, args, kwargs = _training_model(spec, attn)
+    if checkpointing:
+        if not model.supports_gradient_checkpointing:
+            return None
+        model.activation_checkpointing_enable({"use_reentrant": False})
     fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
-    grads = []
+    grads, kept = [], []
     for fn in (fused, model):
         model.zero_grad()
         torch.manual_seed(7)                    # any functional dropout left draws the same in both
-        out = _main_output(fn(*args, **kwargs)).float()
+        out, nbytes = _kept(lambda: _main_output(fn(*args, **kwargs)).float(), model, fused)
+        kept.append(nbytes)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
         (out * w).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    if checkpointing:
+        model.activation_checkpointing_disable()
+        kept.append(_kept(lambda: _main_output(model(*args, **kwargs)), model)[1])
     got, want = grads
     # a gradient that is zero by symmetry (a key projection's bias: softmax cancels it) is rounding noise in both:
     # relative errors are taken over the gradients above 1e-3 of the model's largest; every gradient's error is
@@ -320,7 +357,7 @@ def train(name, spec, attn, device, switches=None):
     top = max(g.abs().max().item() for g in want.values())
     err = {n: (got[n] - g).abs().max().item() for n, g in want.items() if n in got}
     rel = max((err[n] / want[n].abs().max().item(), n) for n in err if want[n].abs().max().item() >= 1e-3 * top)
-    return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied)
+    return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied), kept
 
 
 def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None):
@@ -607,6 +644,8 @@ def main():
     ap.add_argument("--disable", action="append", default=[], metavar="FAMILY",
                     help="switch a pattern family off (repeatable), e.g. attention: the rest must still fuse and run")
     ap.add_argument("--train", action="store_true", help="gradients of a training step against eager's")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="with --train: transformers' activation checkpointing on, and the memory each side keeps")
     ap.add_argument("--generate", action="store_true",
                     help="the generative models with their KV cache: a fused call and greedy generate() against eager's")
     ap.add_argument("--static", action="store_true", help="with --generate: generate() with a static cache")
@@ -673,17 +712,28 @@ def main():
         print(f"\n{bad} failed; {differ} fused other blocks than fuse()")
         return
     if a.train:
-        print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  worst parameter (vs its own largest)")
-        bad = 0
-        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device, switches)):
+        ck = a.checkpointing
+        print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  {'kept KB: fused':>14} {'eager':>6}"
+              + (f" {'eager without':>13}" if ck else "") + "  worst parameter (vs its own largest)"
+              + ("   (activation checkpointing on, non-reentrant; kept: what the forward keeps for the backward "
+                 "beyond the parameters)" if ck else ""))
+        bad = more = skipped = 0
+        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device, switches, ck)):
             if row is FAILED:
                 bad += 1
                 continue
-            err, param, err_top, missing, n = row
+            if row is None:
+                skipped += 1
+                print(f"{name:32} no activation checkpointing in transformers", flush=True)
+                continue
+            err, param, err_top, missing, n, kept = row
             bad += bool(missing)
+            more += ck and kept[0] > kept[1]
             note = f"  NO GRADIENT: {', '.join(missing)}" if missing else ""
-            print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {param}{note}", flush=True)
-        print(f"\n{bad} failed or missing a gradient")
+            kb = " ".join(f"{k / 1024:{w}.1f}" for k, w in zip(kept, (14, 6, 13)))
+            print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {kb}  {param}{note}", flush=True)
+        print(f"\n{bad} failed or missing a gradient" + (f"; {more} kept more than eager's checkpointed forward; "
+                                                          f"{skipped} without checkpointing" if ck else ""))
         return
     print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "
           f"fused blocks by name")

@@ -44,8 +44,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from autofuse.graph import (arg, is_call, is_number, keep_mask_order, last_dim_slice, returned, returned_read,
-                            shape, split_part, val)
+from autofuse.graph import (arg, checkpoint_of, is_call, is_number, keep_mask_order, keeps_checkpoints,
+                            last_dim_slice, returned, returned_read, shape, split_part, val)
 from autofuse.match import Match, register
 from autofuse.vector_program import (_ACTIVATION_ATEN, _BINARY_ATEN, _COMBINE_ATEN, _FORMULA_ATEN, _NORM_ATEN,
                                      _PRELU_ATEN, _REDUCE_ATEN, _UNARY_ATEN, _VAR_ATEN, _VIEWS, NotExpressible,
@@ -123,8 +123,9 @@ def _compute(n: fx.Node) -> bool:
 class _Regions:
     """Union-find over nodes with, per node, the regions it depends on (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, marks=None):
         self.parent: dict = {}
+        self.marks = marks            # node -> its activation checkpoint, where regions keep to one (or None)
         self.rows: dict = {}          # region root -> the rows of its iteration space
         self.deps: dict = {}          # node -> set of region roots among its ancestors (stale roots resolved late)
 
@@ -149,7 +150,7 @@ class _Regions:
         if not _vector(n):
             return
         producers = []
-        rows = _rows(n)
+        rows = (_rows(n), self.marks(n)) if self.marks else _rows(n)
         for a in ins:
             if a in self.parent and self.find(a) not in producers and self.rows[self.find(a)] == rows:
                 producers.append(self.find(a))
@@ -179,8 +180,10 @@ class _Regions:
 
 
 def regions(gm: fx.GraphModule) -> list:
-    """The Vector regions of ``gm`` (lists of nodes in graph order), before programs are built."""
-    rg = _Regions()
+    """The Vector regions of ``gm`` (lists of nodes in graph order), before programs are built. In a graph whose plan
+    keeps activation checkpoints (:func:`autofuse.graph.keeps_checkpoints`) a region keeps to one checkpoint (or to
+    the rest of the graph): the backward recomputes each checkpoint's values on their own."""
+    rg = _Regions(checkpoint_of if keeps_checkpoints(gm) else None)
     for n in gm.graph.nodes:
         rg.add(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

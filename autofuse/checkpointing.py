@@ -1,0 +1,175 @@
+"""Activation checkpoints kept in a fused plan.
+
+A forward that checkpoints its layers (``torch.utils.checkpoint.checkpoint``, transformers'
+``activation_checkpointing_enable()``) keeps only each checkpoint's inputs for the backward, which runs the
+checkpointed function again to get the rest. Capture traces through a checkpoint as through a plain call, and
+marks the nodes each checkpoint made (:data:`autofuse.graph.CHECKPOINT`). In a plan made with grad a generated
+Vector region keeps to one checkpoint (a residual sum at the end of one layer and the next layer's norm are two
+regions: fused as one, the layer boundary would keep two values where eager's checkpoints keep one), a fused call
+belongs to the checkpoint of the value it gives (:func:`mark`), and :func:`runner` gives the plan's graph as a call
+with grad runs it: each checkpoint's nodes, fused calls included, become one submodule that the forward calls
+through torch's non-reentrant checkpoint, so its values are dropped after the forward and recomputed in the
+backward, as in eager. The plan's graph itself (the report, the pictures, ``simulate``) stays whole; a call without
+grad runs it directly.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+from autofuse.graph import checkpoint_of, graph_module
+
+
+class Checkpointed(torch.nn.Module):
+    """The nodes of one checkpoint, run through ``torch.utils.checkpoint.checkpoint`` (non-reentrant, the random
+    generators' state kept for the recomputation, as eager's checkpoint keeps it by default)."""
+
+    def __init__(self, run: fx.GraphModule):
+        super().__init__()
+        self.run = run
+
+    def forward(self, *args):
+        return checkpoint(self.run.forward, *args, use_reentrant=False)
+
+
+def mark(n: fx.Node, captured: dict):
+    """The checkpoint a node of a fused graph belongs to: a captured node's own mark; a fused call's (and the nodes
+    emitted with it) that of the captured op whose value it gives (the block's anchor). A block may hold ops made
+    outside the checkpoint of its anchor: an attention block builds its mask from ops the model runs before its
+    layers' checkpoints; in that checkpoint its call is recomputed in the backward, its inputs kept."""
+    block = n.meta.get("autofuse_block")
+    if block is None:
+        return checkpoint_of(n)
+    anchor = captured.get(block[0])
+    return checkpoint_of(anchor) if anchor is not None else None
+
+
+def _impure(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
+
+
+def _random(n: fx.Node, captured: dict) -> bool:
+    """A draw from a random generator: a seeded op, or a fused call that replaces one (a dropout it draws)."""
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+        return True
+    block = n.meta.get("autofuse_block")
+    return block is not None and any(_random(captured[c], {}) for c in block[1] if c in captured)
+
+
+def _grouped(gm: fx.GraphModule, marks: dict, captured: dict) -> list:
+    """``gm``'s nodes in an order that runs each checkpoint's nodes together wherever the graph allows: the order
+    of capture interleaves them with ops outside every checkpoint (the masks a model builds before its layers, put
+    where their first reader was traced), and each break would make one more checkpointed call, whose inputs are
+    kept. The nodes of the open checkpoint go first, then ops outside any, then the earliest ready node opens the
+    next; draws from random generators and in-place updates keep their order among themselves, so the numbers each
+    draw gets and what each update sees are eager's. A graph that updates a tensor in place keeps its order."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    if any(_impure(n) for n in nodes):
+        return list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    deps = {n: set(n.all_input_nodes) for n in nodes}
+    last = None
+    for n in nodes:
+        if _random(n, captured):
+            if last is not None:
+                deps[n].add(last)
+            last = n
+    users: dict = {n: [] for n in nodes}
+    for n, ds in deps.items():
+        for d in ds:
+            users[d].append(n)
+    waiting = {n: len(ds) for n, ds in deps.items()}
+    outside, inside, first = [], {}, []       # ready nodes: outside any checkpoint, by checkpoint, all by position
+
+    def ready(n):
+        m = marks[n]
+        heapq.heappush(outside if m is None else inside.setdefault(m, []), (pos[n], n.name))
+        if m is not None:
+            heapq.heappush(first, (pos[n], m))
+
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:
+        if not waiting[n]:
+            ready(n)
+    order, current = [], None
+    while len(order) < len(nodes):
+        if current is not None and inside.get(current):
+            _, name = heapq.heappop(inside[current])
+        elif outside:
+            _, name = heapq.heappop(outside)
+        else:
+            while not inside.get(first[0][1]):
+                heapq.heappop(first)          # a checkpoint whose ready nodes have all run since
+            current = first[0][1]
+            continue
+        n = by_name[name]
+        order.append(n)
+        for u in users[n]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                ready(u)
+    return order + [gm.graph.output_node()]
+
+
+def runner(gm: fx.GraphModule, captured: fx.GraphModule) -> fx.GraphModule | None:
+    """``gm`` (a plan's fused graph) with each checkpoint's consecutive nodes called through :class:`Checkpointed`;
+    None where it has none. Parameters and buffers are read in the returned graph, as in ``gm``, and handed to the
+    checkpointed parts as inputs (nothing of the model is copied into them). A part that updates a tensor in
+    place is left as it is: running it again would update it twice."""
+    by_name = {n.name: n for n in captured.graph.nodes}
+    marks = {n: mark(n, by_name) if n.op == "call_function" else None for n in gm.graph.nodes}
+    if not any(m is not None for m in marks.values()):
+        return None
+    g = fx.Graph()
+    env: dict = {}
+    parts: dict = {}
+    run: list = []
+
+    def copy(n):
+        env[n] = g.node_copy(n, env.__getitem__)
+
+    def flush():
+        if not run:
+            return
+        nodes, inside = list(run), set(run)
+        run.clear()
+        users = {u for n in nodes for u in n.users if u not in inside}
+        outs = [n for n in nodes if any(u not in inside for u in n.users)]
+        if any(_impure(n) for n in nodes) or not outs or not users:
+            for n in nodes:
+                copy(n)
+            return
+        ins = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+        sub = fx.Graph()
+        local = {a: sub.placeholder(a.name) for a in ins}
+        for n in nodes:
+            local[n] = sub.node_copy(n, local.__getitem__)
+        sub.output(tuple(local[o] for o in outs))
+        name = f"autofuse_checkpoint_{len(parts)}"
+        parts[name] = Checkpointed(graph_module(torch.nn.Module(), sub))
+        call = g.call_module(name, tuple(env[a] for a in ins))
+        for i, o in enumerate(outs):
+            env[o] = g.call_function(operator.getitem, (call, i))
+
+    for n in _grouped(gm, marks, by_name):
+        m = marks[n]
+        if m is not None and run and marks[run[0]] != m:
+            flush()
+        if m is not None:
+            run.append(n)
+        elif n.op in ("placeholder", "get_attr"):
+            copy(n)            # read where the graph reads it; a part takes it as an input
+        else:
+            flush()
+            copy(n)
+    attrs = {n.target: functools.reduce(getattr, n.target.split("."), gm) for n in g.nodes if n.op == "get_attr"}
+    out = graph_module({**attrs, **parts}, g)
+    out.meta.update(gm.meta)
+    return out
