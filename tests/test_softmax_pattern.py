@@ -297,13 +297,14 @@ def test_near_miss_a_round_trip_through_float8_is_not_a_cast_of_the_block():
 @pytest.mark.parametrize("through", [torch.float16, torch.bfloat16])
 def test_near_miss_a_16_bit_round_trip_before_the_softmax_is_not_a_cast_of_the_block(through):
     """``(x * 0.25).bfloat16().float()`` in an fp32 model rounds the scores (fake quantisation): the kernel,
-    computing in fp32, would drop the rounding (7e-3 off eager). No softmax block takes the round trip; the fused
-    model keeps it."""
+    computing in fp32, would drop the rounding (7e-3 off eager). No softmax block takes the round trip (a block may
+    take its second cast, an fp32 upcast of its 16-bit input, the rounding left to the first); the fused model
+    keeps it."""
     x = torch.randn(4, 8, 16) * 8
     model = Fn(lambda x: torch.softmax((x * 0.25).to(through).float(), -1) * 2).eval()
     fused = AutoFusionEngine.fuse(model, (x,))
     for d in fused.report.applied:
-        assert d.pattern != "softmax" or not {"_to_copy", "_to_copy_1"} & set(d.nodes), fused.report.summary()
+        assert d.pattern != "softmax" or "_to_copy" not in d.nodes, fused.report.summary()
     # a generated kernel's exp and sum in another order than torch's: a few fp32 roundings of values at most 2
     torch.testing.assert_close(fused(x), model(x), atol=1e-5, rtol=1e-5)
 
