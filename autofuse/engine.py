@@ -917,7 +917,9 @@ class Plan:
         #: the forward applies a custom autograd.Function (whose backward the graph does not keep),
         #: or a fused call reads a value the model returns (cut only in plans made with grad: plan.returned_and_read)
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
-                                      canonical.meta.get("autofuse_custom_functions") or
+                                      # with grad, capture checked its backward (and self.autograd keys the plan)
+                                      (canonical.meta.get("autofuse_custom_functions")
+                                       and not canonical.meta.get("autofuse_grad", True)) or
                                       canonical.meta.get("autofuse_returned_read") or
                                       # its fused calls may hold ops of two activation checkpoints: a call with grad
                                       # is planned again, to keep them (autofuse.checkpointing)

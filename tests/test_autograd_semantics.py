@@ -220,6 +220,7 @@ def test_a_custom_function_whose_backward_is_its_forwards_derivative_fuses_with_
     fused(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     torch.testing.assert_close(model.l1.weight.grad, ref.l1.weight.grad, atol=1e-5, rtol=1e-4)   # fp32 rounding
+    assert len(fused.plans) == 1            # fuse()'s plan, made with grad, serves the call with grad (it made two)
 
 
 class Sqrt(torch.autograd.Function):
