@@ -31,9 +31,9 @@ most twice eager's (the verifier's rule). ``--train``: the output's error relati
 and each gradient's relative to its own largest (at least 1e-3 of the model's largest), the worst over the
 gradients on each side; dropout and drop paths off, checked by two float64 forwards under other seeds.
 ``--train --checkpointing``: with transformers' activation checkpointing on (non-reentrant), the same gradients, and
-what each forward keeps for the backward beyond the parameters (the distinct storages autograd saves): the fused
-model's, eager's with checkpointing, and eager's without; a row whose fused model keeps more than eager's
-checkpointed forward is counted.
+what each forward keeps alive for the backward (the storages its ops made that are alive when it returns, but the
+output's): the fused model's, eager's with checkpointing, and eager's without; a row whose fused model keeps more
+than eager's checkpointed forward is counted.
 ``--generate``: the logits of ``fused(ids)``; where the generated tokens differ from eager's, the first differing
 step is a tie (not a failure) when the float64 logits of the two tokens picked are closer than eager's own error
 there.
@@ -42,11 +42,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import time
 import traceback
 import warnings
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 L = "num_hidden_layers=2&hidden_size=64&intermediate_size=128&num_attention_heads=4&vocab_size=128&pad_token_id=0"
 KV = L + "&num_key_value_heads=2"
@@ -301,26 +304,33 @@ def _generation_model(spec, attn, dtype=torch.float32):
     return model, args, {k: v for k, v in kwargs.items() if k != "use_cache"}
 
 
-def _kept(fn, model, fused=None):
-    """``(fn(), bytes)``: what a forward keeps for its backward beyond the model's state, the bytes of the distinct
-    storages autograd saves (a checkpoint saves its inputs; the parameters, buffers and constants it reads are
-    held anyway: the model's, and ``fused``'s plans' constants)."""
-    from autofuse.graph import get_attr_value
-    state = [*model.parameters(), *model.buffers()]
-    for plan in (fused.plans.values() if fused is not None else ()):
-        state += [get_attr_value(plan.graph_module, n.target) for n in plan.graph_module.graph.nodes
-                  if n.op == "get_attr"]
-    owned = {t.untyped_storage().data_ptr() for t in state if isinstance(t, torch.Tensor)}
-    kept = {}
+class _Made(TorchDispatchMode):
+    """Every storage an op makes while it is active: a weak reference, its bytes and its address."""
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in owned:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    def __init__(self):
+        super().__init__()
+        self.made = []
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                s = t.untyped_storage()
+                self.made.append((StorageWeakRef(s), s.nbytes(), s.data_ptr()))
+        return out
+
+
+def _kept(fn, model):
+    """``(fn(), bytes)``: what a forward keeps alive for its backward, the bytes of the storages its ops made that are
+    still alive when it returns, but the output's (what autograd saves, what a checkpoint keeps of its inputs, what
+    its recomputation closes over). The model's parameters and buffers, which it reads, are not made by it."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    with _Made() as mode:
         out = fn()
-    return out, sum(kept.values())
+    gc.collect()
+    outs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+    alive = {r.cdata: n for r, n, ptr in mode.made if not r.expired() and ptr not in own and ptr not in outs}
+    return out, sum(alive.values())
 
 
 def train(name, spec, attn, device, switches=None, checkpointing=False):
@@ -342,7 +352,7 @@ def train(name, spec, attn, device, switches=None, checkpointing=False):
     for fn in (fused, model):
         model.zero_grad()
         torch.manual_seed(7)                    # any functional dropout left draws the same in both
-        out, nbytes = _kept(lambda: _main_output(fn(*args, **kwargs)).float(), model, fused)
+        out, nbytes = _kept(lambda: _main_output(fn(*args, **kwargs)).float(), model)
         kept.append(nbytes)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
         (out * w).sum().backward()
@@ -715,8 +725,8 @@ def main():
         ck = a.checkpointing
         print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  {'kept KB: fused':>14} {'eager':>6}"
               + (f" {'eager without':>13}" if ck else "") + "  worst parameter (vs its own largest)"
-              + ("   (activation checkpointing on, non-reentrant; kept: what the forward keeps for the backward "
-                 "beyond the parameters)" if ck else ""))
+              + ("   (activation checkpointing on, non-reentrant; kept: what the forward keeps alive for the "
+                 "backward)" if ck else ""))
         bad = more = skipped = 0
         for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device, switches, ck)):
             if row is FAILED:
