@@ -723,6 +723,7 @@ def _marked_grad_mode(mode: bool):
 #: the key of ``node.meta["custom"]`` that holds the grad mode of the forward's own block the node was made in
 GRAD_BLOCK = "autofuse_grad"
 
+
 @contextlib.contextmanager
 def _marked_checkpoint(calls):
     """The nodes the tracer makes inside carry the next number of ``calls`` as :data:`CHECKPOINT`, unless they are

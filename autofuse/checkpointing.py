@@ -140,9 +140,8 @@ def runner(gm: fx.GraphModule, captured: fx.GraphModule) -> fx.GraphModule | Non
             return
         nodes, inside = list(run), set(run)
         run.clear()
-        users = {u for n in nodes for u in n.users if u not in inside}
         outs = [n for n in nodes if any(u not in inside for u in n.users)]
-        if any(_impure(n) for n in nodes) or not outs or not users:
+        if any(_impure(n) for n in nodes) or not outs:
             for n in nodes:
                 copy(n)
             return

@@ -1183,7 +1183,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
         calls = len({checkpoint_of(n) for n in cap_gm.graph.nodes} - {None})     # a function checkpointed twice
         report.warnings.append(
             f"{calls} activation checkpoint(s) in the forward (torch.utils.checkpoint; transformers' "
-            f"gradient_checkpointing_enable()) are kept: a call with grad runs each one's ops, fused calls included, "
+            f"activation_checkpointing_enable()) are kept: a call with grad runs each one's ops, fused calls included, "
             f"through torch's non-reentrant checkpoint, so the backward recomputes them as eager's does, and "
             f"generated Vector regions keep to one checkpoint. The simulated training step "
             f"(simulate(backward=True)) prices the graph without the recomputation")

@@ -716,7 +716,6 @@ def outside_blocks(gm: fx.GraphModule, blocks: list) -> list[Match]:
             if sum(_compute(n) for n in nodes) >= 2] + _epilogues(parts)
 
 
-
 def _reached(nodes: list, tops: list, order: dict) -> set:
     """The members of ``nodes`` computed from one of ``tops`` through any path of the graph (not only through
     members, as :func:`_below`); the walk stops past the last member (``order``: each node's position)."""
