@@ -6,11 +6,12 @@ checkpointed function again to get the rest. Capture traces through a checkpoint
 marks the nodes each checkpoint made (:data:`autofuse.graph.CHECKPOINT`). In a plan made with grad a generated
 Vector region keeps to one checkpoint (a residual sum at the end of one layer and the next layer's norm are two
 regions: fused as one, the layer boundary would keep two values where eager's checkpoints keep one), a fused call
-belongs to the checkpoint of the value it gives (:func:`mark`), and :func:`runner` gives the plan's graph as a call
-with grad runs it: each checkpoint's nodes, fused calls included, become one submodule that the forward calls
-through torch's non-reentrant checkpoint, so its values are dropped after the forward and recomputed in the
-backward, as in eager. The plan's graph itself (the report, the pictures, ``simulate``) stays whole; a call without
-grad runs it directly.
+belongs to the checkpoint of the value it gives (:func:`mark_fused_calls`), and :func:`runner` gives the plan's
+graph as a call with grad runs it: each checkpoint's nodes, fused calls included, become one submodule that the
+forward calls through torch's non-reentrant checkpoint, so its values are dropped after the forward and recomputed
+in the backward, as in eager. The plan's graph itself (the report, the pictures, ``simulate``) stays whole; a call
+without grad runs it directly. A simulated training step (:func:`autofuse.simulate.simulate_graph`) prices the
+recomputation: the forward's kernels of the checkpointed ops again, as a phase of their own.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from autofuse.graph import checkpoint_of, graph_module
+from autofuse.graph import CHECKPOINT, checkpoint_of, graph_module
 
 
 class Checkpointed(torch.nn.Module):
@@ -37,16 +38,22 @@ class Checkpointed(torch.nn.Module):
         return checkpoint(self.run.forward, *args, use_reentrant=False)
 
 
-def mark(n: fx.Node, captured: dict):
-    """The checkpoint a node of a fused graph belongs to: a captured node's own mark; a fused call's (and the nodes
-    emitted with it) that of the captured op whose value it gives (the block's anchor). A block may hold ops made
-    outside the checkpoint of its anchor: an attention block builds its mask from ops the model runs before its
-    layers' checkpoints; in that checkpoint its call is recomputed in the backward, its inputs kept."""
-    block = n.meta.get("autofuse_block")
-    if block is None:
-        return checkpoint_of(n)
-    anchor = captured.get(block[0])
-    return checkpoint_of(anchor) if anchor is not None else None
+def mark_fused_calls(gm: fx.GraphModule, captured: fx.GraphModule) -> None:
+    """Mark each fused call of ``gm`` (a plan's fused graph) and the nodes emitted with it with the checkpoint of the
+    captured op whose value it gives (the block's anchor), as captured nodes are marked (:data:`CHECKPOINT`). A block
+    may hold ops made outside the checkpoint of its anchor: an attention block builds its mask from ops the model
+    runs before its layers' checkpoints; in that checkpoint its call is recomputed in the backward, its inputs
+    kept."""
+    by_name = {n.name: n for n in captured.graph.nodes}
+    for n in gm.graph.nodes:
+        block = n.meta.get("autofuse_block")
+        if block is None:
+            continue
+        custom = {k: v for k, v in (n.meta.get("custom") or {}).items() if k != CHECKPOINT}
+        anchor = by_name.get(block[0])
+        if anchor is not None and checkpoint_of(anchor) is not None:
+            custom[CHECKPOINT] = checkpoint_of(anchor)
+        n.meta["custom"] = custom
 
 
 def _impure(n: fx.Node) -> bool:
@@ -54,16 +61,17 @@ def _impure(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable
 
 
-def _random(n: fx.Node, captured: dict) -> bool:
-    """A draw from a random generator: a seeded op, or a fused call that replaces one (a dropout it draws)."""
+def _random(n: fx.Node) -> bool:
+    """A draw from a random generator: a seeded op, or a fused call that draws (a dropout it replaces: its keep-mask
+    drawn by ``dropout_gen_mask``, or a fused op that draws itself)."""
     t = n.target
     if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
         return True
-    block = n.meta.get("autofuse_block")
-    return block is not None and any(_random(captured[c], {}) for c in block[1] if c in captured)
+    match = n.meta.get("autofuse_match")
+    return match is not None and bool(match.params.get("draws") or match.params.get("dropout_p"))
 
 
-def _grouped(gm: fx.GraphModule, marks: dict, captured: dict) -> list:
+def _grouped(gm: fx.GraphModule, marks: dict) -> list:
     """``gm``'s nodes in an order that runs each checkpoint's nodes together wherever the graph allows: the order
     of capture interleaves them with ops outside every checkpoint (the masks a model builds before its layers, put
     where their first reader was traced), and each break would make one more checkpointed call, whose inputs are
@@ -77,7 +85,7 @@ def _grouped(gm: fx.GraphModule, marks: dict, captured: dict) -> list:
     deps = {n: set(n.all_input_nodes) for n in nodes}
     last = None
     for n in nodes:
-        if _random(n, captured):
+        if _random(n):
             if last is not None:
                 deps[n].add(last)
             last = n
@@ -118,13 +126,12 @@ def _grouped(gm: fx.GraphModule, marks: dict, captured: dict) -> list:
     return order + [gm.graph.output_node()]
 
 
-def runner(gm: fx.GraphModule, captured: fx.GraphModule) -> fx.GraphModule | None:
+def runner(gm: fx.GraphModule) -> fx.GraphModule | None:
     """``gm`` (a plan's fused graph) with each checkpoint's consecutive nodes called through :class:`Checkpointed`;
     None where it has none. Parameters and buffers are read in the returned graph, as in ``gm``, and handed to the
     checkpointed parts as inputs (nothing of the model is copied into them). A part that updates a tensor in
     place is left as it is: running it again would update it twice."""
-    by_name = {n.name: n for n in captured.graph.nodes}
-    marks = {n: mark(n, by_name) if n.op == "call_function" else None for n in gm.graph.nodes}
+    marks = {n: checkpoint_of(n) if n.op == "call_function" else None for n in gm.graph.nodes}
     if not any(m is not None for m in marks.values()):
         return None
     g = fx.Graph()
@@ -157,7 +164,7 @@ def runner(gm: fx.GraphModule, captured: fx.GraphModule) -> fx.GraphModule | Non
         for i, o in enumerate(outs):
             env[o] = g.call_function(operator.getitem, (call, i))
 
-    for n in _grouped(gm, marks, by_name):
+    for n in _grouped(gm, marks):
         m = marks[n]
         if m is not None and run and marks[run[0]] != m:
             flush()

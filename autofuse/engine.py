@@ -971,7 +971,7 @@ class Plan:
         per graph: the graph a call with grad runs."""
         made = self.__dict__.get("_checkpointed")
         if made is None or made[0] is not self.graph_module:
-            gm = checkpointing.runner(self.graph_module, self.captured.graph_module)
+            gm = checkpointing.runner(self.graph_module)
             made = (self.graph_module, self.graph_module if gm is None else realised(_make_live(gm, self.model)))
             self._checkpointed = made
         return made[1]
@@ -1126,6 +1126,8 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
     fused = rewrite(cap_gm, [c.lifted for c in applied], lambda m: family_of(m).emit, kwargs_for)
     if cap_gm.meta.get("autofuse_grad", True):
         _pass_inplace_all_reduce_gradients(fused)
+    if keeps_checkpoints(cap_gm):
+        checkpointing.mark_fused_calls(fused, cap_gm)
     t5 = time.perf_counter()
     workspace = {c.match.anchor: c.fused.workspace for c in applied}
 
@@ -1186,7 +1188,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
             f"activation_checkpointing_enable()) are kept: a call with grad runs each one's ops, fused calls included, "
             f"through torch's non-reentrant checkpoint, so the backward recomputes them as eager's does, and "
             f"generated Vector regions keep to one checkpoint. The simulated training step "
-            f"(simulate(backward=True)) prices the graph without the recomputation")
+            f"(simulate(backward=True)) prices the recomputation as a phase of its own")
     grad_free = cap_gm.meta.get("autofuse_grad_free_checkpoints", 0)
     if grad_free:
         # eager's CheckpointFunction warns at each call; the plan says it once

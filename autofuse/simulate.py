@@ -28,6 +28,7 @@ The simulator therefore runs each distinct launch once and reuses its statistics
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import torch.fx as fx
 
 import cost_model
 from autofuse import memory, npu
+from autofuse.graph import checkpoint_of, keeps_checkpoints
 from autofuse.npu.run import ALL, STEER, input_names
 from autofuse import ops as fused_ops
 from autofuse.ops_moe import _group_counts
@@ -59,7 +61,7 @@ class NodeCost:
     workspace: int = 0              # GM its kernels allocate besides their outputs, while they run
     link_bytes: int = 0             # sent on the chip's links (collectives and MC2 kernels)
     link_cycles: int = 0            # the busiest link lane's occupancy
-    phase: str = ""                 # in a training step (autofuse.training): "forward" or "backward"
+    phase: str = ""                 # in a training step (autofuse.training): "forward", "backward" or "recompute"
 
 
 @dataclass
@@ -80,11 +82,12 @@ class SimulationResult:
 
     @property
     def phases(self) -> dict:
-        """Cycles per phase of a training step (``{"forward": ..., "backward": ...}``); a forward pass alone
-        is all ``"forward"``."""
+        """Cycles per phase of a training step (``{"forward": ..., "backward": ...}``, and ``"recompute"`` where the
+        forward keeps activation checkpoints: their ops run again in the backward); a forward pass alone is all
+        ``"forward"``."""
         out = {"forward": 0, "backward": 0}
         for n in self.nodes:
-            out[n.phase or "forward"] += n.cycles
+            out[n.phase or "forward"] = out.get(n.phase or "forward", 0) + n.cycles
         return out
 
     def by_kernel(self) -> dict:
@@ -108,7 +111,9 @@ class SimulationResult:
                  f"peak activation memory {self.peak_memory:,} B"]
         if self.joint is not None:
             ph = self.phases
-            lines.append(f"  training step: forward {ph['forward']:,} cycles, backward {ph['backward']:,} cycles")
+            lines.append(f"  training step: forward {ph['forward']:,} cycles, backward {ph['backward']:,} cycles"
+                         + (f" (and {ph['recompute']:,} recomputing the activation checkpoints' ops)"
+                            if "recompute" in ph else ""))
         for n in sorted(self.nodes, key=lambda n: -n.cycles)[:top]:
             lines.append(f"  {n.node:<28} {'/'.join(n.kernels):<28} {n.cycles:>12,} cycles  bound {n.bound}"
                          + ("  [fused]" if n.fused else ""))
@@ -535,6 +540,23 @@ def _steered_by_outputs(prog) -> bool:
     return False
 
 
+def _recompute(res: SimulationResult, joint: fx.GraphModule) -> None:
+    """A training step whose forward keeps activation checkpoints (:mod:`autofuse.checkpointing`) runs each
+    checkpoint's ops again in the backward: their forward kernels, priced again as the ``"recompute"`` phase."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    again = []
+    for r in res.nodes:
+        n = by_name.get(r.node)
+        source = n.meta.get("autofuse_source") if n is not None else None
+        if r.phase == "forward" and source is not None and checkpoint_of(source) is not None:
+            again.append(dataclasses.replace(r, phase="recompute", reused=True))
+    res.nodes.extend(again)
+    res.cycles += sum(r.cycles for r in again)
+    res.hbm_bytes += sum(r.hbm_bytes for r in again)
+    res.seconds = res.cycles / get_device(res.device).clock_hz
+    res.launches += sum(len(r.kernels) for r in again)
+
+
 def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, check=False,
                    values=True, backward=False) -> SimulationResult:
     """Simulate one forward pass of ``gm`` on ``inputs`` (the graph's placeholders, in order). ``values=False``:
@@ -546,6 +568,8 @@ def simulate_graph(gm: fx.GraphModule, inputs, device="ascend910", memo=True, ch
         joint = joint_graph(gm, inputs)
         res = simulate_graph(joint.graph_module, joint.arguments(inputs), device, memo, check, values)
         res.joint = joint
+        if keeps_checkpoints(gm):
+            _recompute(res, joint.graph_module)
         return res
     if check and not values:
         raise ValueError("simulate: check=True compares kernel values with torch's; it needs values=True")

@@ -289,3 +289,23 @@ def test_planning_sets_the_callers_saved_tensor_hooks_aside():
     model(y).square().sum().backward()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_the_simulated_training_step_prices_the_recomputation():
+    """Both sides of the comparison recompute: the fused plan's checkpointed calls and eager's checkpointed ops run
+    their forward kernels again in the backward, priced as a phase of their own; the ops outside (the final sum)
+    are not recomputed, and a model without checkpoints has no such phase."""
+    from autofuse.simulate import simulate
+    torch.manual_seed(0)
+    model = Stack(layers=2).train()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    for result in (AutoFusionEngine.fuse(model, (x,)).simulate(x, backward=True),
+                   simulate(model, (x,), backward=True)):
+        phases = result.phases
+        assert 0 < phases["recompute"] < phases["forward"], phases
+        assert result.cycles == sum(phases.values())
+        outside = [r for r in result.nodes if r.phase == "forward" and r.target.startswith("aten.sum")]
+        assert outside and phases["recompute"] <= phases["forward"] - sum(r.cycles for r in outside)
+        assert "recomputing the activation checkpoints' ops" in result.summary()
+    model.checkpointed = False
+    assert "recompute" not in AutoFusionEngine.fuse(model, (x,)).simulate(x, backward=True).phases
