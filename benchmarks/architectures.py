@@ -338,7 +338,7 @@ def train(name, spec, attn, device, switches=None, checkpointing=False):
     of the fused model against eager's: (the worst |fused - eager| of a parameter's gradient relative to that
     gradient's largest, among gradients above 1e-3 of the model's largest; that parameter; the worst of every
     gradient relative to the model's largest; the parameters eager gives a gradient and the fused model none; the
-    fused blocks; the bytes the forward keeps for the backward beyond the parameters, fused and eager).
+    fused blocks; the bytes each forward keeps alive for the backward (:func:`_kept`), fused and eager).
     ``checkpointing``: with transformers' activation checkpointing on (non-reentrant; None for a model without
     it), and the bytes eager keeps without it last."""
     from autofuse import AutoFusionEngine
@@ -667,6 +667,9 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help='through torch.compile(backend="autofuse") at 16, 12 and 20 tokens, against fuse()')
     a = ap.parse_args()
+    if a.checkpointing and (not a.train or a.dtype != "float32"):
+        ap.error("--checkpointing goes with --train in float32 (the 16-bit --train measures against float64 "
+                 "without it)")
     global ROWS
     ROWS = MORE if a.more else MODELS
     SIZES.update(batch=a.batch, seq=a.seq)
