@@ -54,6 +54,14 @@ def mark_fused_calls(gm: fx.GraphModule, captured: fx.GraphModule) -> None:
         if anchor is not None and checkpoint_of(anchor) is not None:
             custom[CHECKPOINT] = checkpoint_of(anchor)
         n.meta["custom"] = custom
+    # an op the rewrite made for fused calls (a widening cast of an input ahead of its kernel) runs where they do:
+    # in their checkpoint, where all its readers are in one (last reader first, so a chain of such ops follows)
+    for n in reversed(gm.graph.nodes):
+        if n.op != "call_function" or n.name in by_name or "autofuse_block" in n.meta or checkpoint_of(n) is not None:
+            continue
+        marks = {checkpoint_of(u) for u in n.users}
+        if len(marks) == 1 and None not in marks:
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), CHECKPOINT: marks.pop()}
 
 
 def _impure(n: fx.Node) -> bool:

@@ -309,3 +309,30 @@ def test_the_simulated_training_step_prices_the_recomputation():
         assert "recomputing the activation checkpoints' ops" in result.summary()
     model.checkpointed = False
     assert "recompute" not in AutoFusionEngine.fuse(model, (x,)).simulate(x, backward=True).phases
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_the_casts_a_plan_makes_run_in_their_checkpoint(dtype):
+    """Under CPU autocast the rewrite casts an input up ahead of a fused kernel (Llama's v for its attention): such
+    a cast, made by the plan and read only inside one checkpoint, runs in it (each layer was two checkpointed calls).
+    The gradients stay within twice eager's error against float64."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    model = tf.LlamaForCausalLM(cfg).train()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    ref = copy.deepcopy(model).double()
+    ids = torch.randint(1, 128, (2, 16))
+    grads = []
+    with torch.autocast("cpu", dtype=dtype):
+        fused = AutoFusionEngine.fuse(model, ((ids,), {}))
+        assert _calls(lambda: fused(ids)) == 2
+        for fn in (fused, model):
+            model.zero_grad()
+            fn(ids).logits.float().square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+    ref(ids).logits.square().mean().backward()
+    for g, w, r in zip(*grads, [p.grad for p in ref.parameters()]):
+        ok, err, tol = compare(w, r, g)
+        assert ok, (err, tol)
