@@ -103,7 +103,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import CHECKPOINT, graph_module, program_module, relayout_as_eager
+from autofuse.graph import CHECKPOINT, get_attr_value, graph_module, program_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -1372,12 +1372,11 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _mark_checkpoints(gm: fx.GraphModule) -> int:
+def _mark_checkpoints(gm: fx.GraphModule) -> None:
     """Each ``tag_activation_checkpoint`` of a Dynamo graph (``torch.utils.checkpoint.checkpoint``) that carries a
     gradient numbered as :func:`_checkpoints` numbers a checkpoint in a capture of the forward (:data:`CHECKPOINT`,
     on the operator, the getitems of its outputs and its body's nodes: the capture traces each body node with that
-    node's own metadata), so that a plan with grad keeps it (:mod:`autofuse.checkpointing`). How many were
-    marked."""
+    node's own metadata), so that a plan with grad keeps it (:mod:`autofuse.checkpointing`)."""
     hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     count = 0
     for n in gm.graph.nodes:
@@ -1387,13 +1386,12 @@ def _mark_checkpoints(gm: fx.GraphModule) -> int:
         body = n.args[0]
         nodes = [n, *[u for u in n.users if u.op == "call_function" and u.target is operator.getitem]]
         if isinstance(body, fx.Node) and body.op == "get_attr":
-            sub = functools.reduce(getattr, body.target.split("."), gm)
+            sub = get_attr_value(gm, body.target)
             if isinstance(sub, fx.GraphModule):
                 nodes += [m for m in sub.graph.nodes if m.op not in ("placeholder", "output")]
         for m in nodes:
             m.meta["custom"] = {**(m.meta.get("custom") or {}), CHECKPOINT: ("dynamo", count)}
         count += 1
-    return count
 
 
 def _mark_grad_free_checkpoints(gm: fx.GraphModule) -> int:

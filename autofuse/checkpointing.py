@@ -15,7 +15,6 @@ recomputation: the forward's kernels of the checkpointed ops again, as a phase o
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import operator
 
@@ -23,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-from autofuse.graph import CHECKPOINT, checkpoint_of, graph_module
+from autofuse.graph import CHECKPOINT, checkpoint_of, get_attr_value, graph_module
 
 
 class Checkpointed(torch.nn.Module):
@@ -54,10 +53,12 @@ def mark_fused_calls(gm: fx.GraphModule, captured: fx.GraphModule) -> None:
         if anchor is not None and checkpoint_of(anchor) is not None:
             custom[CHECKPOINT] = checkpoint_of(anchor)
         n.meta["custom"] = custom
-    # an op the rewrite made for fused calls (a widening cast of an input ahead of its kernel) runs where they do:
-    # in their checkpoint, where all its readers are in one (last reader first, so a chain of such ops follows)
+    # an op made after capture for fused calls (an op of the canonical form rebuilt ahead of a kernel, a cast of one
+    # kernel's output for the next) has no mark of its own: it runs where its readers do, where they are in one
+    # checkpoint (last reader first, so a chain of such ops follows)
     for n in reversed(gm.graph.nodes):
-        if n.op != "call_function" or n.name in by_name or "autofuse_block" in n.meta or checkpoint_of(n) is not None:
+        made = n.op == "call_function" and n.name not in by_name and "autofuse_block" not in n.meta
+        if not made or checkpoint_of(n) is not None:
             continue
         marks = {checkpoint_of(u) for u in n.users}
         if len(marks) == 1 and None not in marks:
@@ -183,7 +184,7 @@ def runner(gm: fx.GraphModule) -> fx.GraphModule | None:
         else:
             flush()
             copy(n)
-    attrs = {n.target: functools.reduce(getattr, n.target.split("."), gm) for n in g.nodes if n.op == "get_attr"}
+    attrs = {n.target: get_attr_value(gm, n.target) for n in g.nodes if n.op == "get_attr"}
     out = graph_module({**attrs, **parts}, g)
     out.meta.update(gm.meta)
     return out

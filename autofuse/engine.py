@@ -916,15 +916,13 @@ class Plan:
         #: planned without grad, the plan is not for a call autograd may differentiate: canonicalize dropped a detach,
         #: the forward applies a custom autograd.Function (whose backward the graph does not keep),
         #: or a fused call reads a value the model returns (cut only in plans made with grad: plan.returned_and_read)
+        # (a custom Function planned with grad had its backward checked, and self.autograd keys the plan; a plan
+        # without grad through activation checkpoints may fuse across them: a call with grad plans again to keep them)
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
-                                      # with grad, capture checked its backward (and self.autograd keys the plan)
-                                      (canonical.meta.get("autofuse_custom_functions")
-                                       and not canonical.meta.get("autofuse_grad", True)) or
                                       canonical.meta.get("autofuse_returned_read") or
-                                      # its fused calls may hold ops of two activation checkpoints: a call with grad
-                                      # is planned again, to keep them (autofuse.checkpointing)
-                                      (canonical.meta.get("autofuse_checkpoints")
-                                       and not canonical.meta.get("autofuse_grad", True)))
+                                      not canonical.meta.get("autofuse_grad", True) and (
+                                          canonical.meta.get("autofuse_custom_functions") or
+                                          canonical.meta.get("autofuse_checkpoints")))
         #: the autograd state (:func:`autograd_state`) of the call planned, where the forward read it (a branch on
         #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``) or applies a custom autograd.Function: the plan
         #: serves only calls in that state
@@ -1180,8 +1178,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                       f"(param.register_hook), which fire.", stacklevel=4)
     # activation checkpoints the trace ran through (transformers' layers checkpoint only where the forward reads
     # torch.is_grad_enabled() as True: the trace reads eager's mode)
-    checkpoints = cap_gm.meta.get("autofuse_checkpoints", 0)
-    if checkpoints and keeps_checkpoints(cap_gm):
+    if keeps_checkpoints(cap_gm):
         calls = len({checkpoint_of(n) for n in cap_gm.graph.nodes} - {None})     # a function checkpointed twice
         report.warnings.append(
             f"{calls} activation checkpoint(s) in the forward (torch.utils.checkpoint; transformers' "
