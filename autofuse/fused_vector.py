@@ -19,16 +19,17 @@ import json
 import math
 import operator
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
 import cost_model
-from autofuse import ops_vector as _ops_vector  # noqa: F401  (registers the ops)
+from autofuse.ops_vector import product_output      # (and registers the ops)
 from autofuse.fused import (REDUCED, Family, Price, _adapt, _physical_order, keep_mask_call, keep_mask_price,
                             per_device, register_family)
 from autofuse.graph import call
-from cost_model.program import BIT, FLOATS, Input, Output, ProgramError, as_program, stored_shape
-from cost_model.program_grad import NotDifferentiable, backward_program, reads_input
+from cost_model.program import BIT, FLOATS, Input, Output, ProgramError, _is_ref, as_program, stored_shape
+from cost_model.program_grad import NotDifferentiable, backward_program, backward_reads, reads_input
 
 aten = torch.ops.aten
 
@@ -96,10 +97,96 @@ def _with_draws(price: Price, match, shapes, device: str) -> Price:
 
 def price_vector(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     prog = match.params["program"]
+    keep = ()
+    if training_graph(_graph(match, nodes)):
+        free = {k for k in range(len(prog.inputs)) if _held(nodes.get(match.inputs.get(f"in{k}")))}
+        keep = kept_values(prog, free)
+        prog, saved = with_saved(prog, keep)
+        keep = keep if saved else ()
     specs = _specs(match, nodes, match.params["input_shapes"])
     alts = _alternatives("vector", (prog,), {})
     price = _price("vector_program", specs, device, search_tiling, alts, program=prog)
+    if keep:
+        price.options = {"keep": json.dumps(keep)}     # emit_vector stores these values for the backward
     return _with_draws(price, match, match.params["input_shapes"], device)
+
+
+def _graph(match, nodes: dict) -> fx.Graph:
+    return nodes[next(iter(match.nodes))].graph
+
+
+def _held(n) -> bool:
+    """Whether input node ``n`` is alive whatever the backward keeps: a parameter or buffer, an input of the model."""
+    return n is not None and n.op in ("get_attr", "placeholder")
+
+
+def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
+    """The values of ``prog`` (numbers, inputs among them) its backward keeps: the fewest bytes that every path from
+    the program's inputs to what the backward reads (:func:`~cost_model.program_grad.backward_reads`, for every
+    float input) passes through, a minimum vertex cut (networkx's max-flow) of the program's dataflow. An input
+    weighs its bytes (nothing for those in ``free``, held alive anyway: a parameter, an input of the model), a
+    value its bytes in its own dtype at every row and a little more where the kernel does not store it already
+    (one more store; on a tie the inputs win, then what is stored already); ``weigh``: {value: weight, or None for
+    one that cannot be kept}, for the caller's own. () when the backward is no Vector program. LayerNorm over a
+    sum of embeddings keeps the sum (one tensor) in place of its terms."""
+    wrt = [k for k, i in enumerate(prog.inputs) if i.dtype in FLOATS]
+    try:
+        reads = backward_reads(prog, wrt) if wrt else ()
+    except ProgramError:
+        return ()
+    if not reads:
+        return ()
+    nin, vals, weigh = len(prog.inputs), prog.values, weigh or {}
+    stored = {o.value for o in prog.outputs if o.dtype == vals[o.value].dtype}
+    g = nx.DiGraph()
+    for v, val in enumerate(vals):
+        if v in weigh:
+            cost = weigh[v]
+        elif v < nin:
+            inp = prog.inputs[v]
+            cost = 0 if v in free else 4 * math.prod(stored_shape(inp) or (1,)) * _bytes(inp.dtype)
+        elif val.dtype in FLOATS:
+            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (1 if v in stored else 2)
+        else:
+            cost = None            # a mask, an index: recomputed from what it reads, never kept itself
+        if v < nin:
+            g.add_edge("source", ("in", v))
+        g.add_edge(("in", v), ("out", v), **({} if cost is None else {"capacity": cost}))
+        if v >= nin:
+            for a in dict.fromkeys(a for a in prog.instrs[v - nin].args if _is_ref(a)):
+                g.add_edge(("out", a), ("in", v))
+    for v in reads:
+        g.add_edge(("out", v), "sink")
+    _, (near, _) = nx.minimum_cut(g, "source", "sink")
+    return tuple(v for v in range(len(vals)) if ("in", v) in near and ("out", v) not in near)
+
+
+def _bytes(dtype: str) -> int:
+    return {"float32": 4, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2}.get(dtype, 1)    # bit: packed
+
+
+def with_saved(prog, keep, product: bool = False) -> tuple:
+    """``(program, saved)``: ``prog`` storing the values ``keep`` (numbers, :func:`kept_values`) each in its own
+    dtype, as outputs past its own where none holds it already, and ``saved`` the outputs that hold those values
+    (the ops' ``saved``: their backward reads them in place of recomputing them). Inputs in ``keep`` are kept as
+    inputs, but with ``product`` an epilogue's input 0, the product, which the kernel stores where it can
+    (:func:`_storable_product`; not among ``saved``: the epilogue's backward finds it by
+    :func:`~autofuse.ops_vector.product_output`)."""
+    vals = prog.values
+    outputs, saved = list(prog.outputs), []
+    if product and 0 in keep and _storable_product(prog):
+        outputs.append(Output(0, prog.inputs[0].dtype))
+    for v in keep:
+        if v < len(prog.inputs):
+            continue
+        j = next((j for j, o in enumerate(outputs) if o.value == v and o.dtype == vals[v].dtype), None)
+        if j is None:
+            outputs.append(Output(v, vals[v].dtype))
+            j = len(outputs) - 1
+        saved.append(j)
+    if len(outputs) == len(prog.outputs):
+        return prog, tuple(saved)
+    return dataclasses.replace(prog, outputs=tuple(outputs)), tuple(saved)
 
 
 # ops whose ``training`` argument (position, keyword) says the graph was captured in training mode
@@ -158,12 +245,16 @@ def with_product(prog):
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     p = match.params
     prog = p["program"]
-    # a training plan's backward reading the product it does not output yet: store it, or price its recompute
-    needs = training_graph(nodes[match.inputs["a"]].graph) and all(o.value != 0 for o in prog.outputs) \
-        and reads_product(prog)
-    trained = _add_product(prog) if needs and _storable_product(prog) else None
-    recompute = needs and trained is None
-    prog = trained or prog
+    keep, recompute = (), False
+    if training_graph(nodes[match.inputs["a"]].graph):
+        # a training plan's backward: what it keeps of the epilogue (kept_values), the product among the values
+        # (the kernel stores it, or where it cannot, a matmul recomputes it in the backward, keeping nothing)
+        keep = kept_values(prog, {k for k in range(1, len(prog.inputs))
+                                  if _held(nodes.get(match.inputs.get(f"in{k - 1}")))}, _epilogue_weights(prog))
+        trained, saved = with_saved(prog, keep, product=True)
+        recompute = 0 in keep and product_output(trained) is None
+        keep = keep if saved or len(trained.outputs) > len(prog.outputs) else ()
+        prog = trained
     a, b = (nodes[match.inputs[r]] for r in ("a", "b"))
     specs = [(tuple(a.meta["val"].shape), _dtype(a)), (tuple(b.meta["val"].shape), _dtype(b))]
     extra = _specs(match, nodes, p["extra_shapes"])
@@ -175,8 +266,8 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
                        trans_b=p["trans_b"])
     except ProgramError as e:
         raise _naming_inputs(e, match, nodes) from None
-    if trained is not None:
-        price.options = {"program": trained.to_json()}     # emit_epilogue calls the op with this program
+    if keep:
+        price.options = {"keep": json.dumps(keep)}     # emit_epilogue stores these for the backward
     if recompute:
         # a training plan whose epilogue cannot store its product (outputs narrower than it): the backward
         # recomputes the product with a matmul, eager's backward reads it; the plan weighs that matmul too, so
@@ -186,6 +277,21 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
                                     hbm_bytes=price.hbm_bytes + redo.hbm_bytes,
                                     kernels=list(price.kernels) + ["matmul (the backward's product recompute)"])
     return _with_draws(price, match, p["extra_shapes"], device)
+
+
+def _epilogue_weights(prog) -> dict:
+    """:func:`kept_values`' weights of an epilogue's own: the product (input 0) weighs its bytes and a store, or
+    where the kernel cannot store it, almost nothing (a matmul in the backward recomputes it from what it keeps
+    anyway, the plan prices that matmul); a value as wide as the outputs weighs as by default, any other cannot
+    be kept (the kernel stores tiles of its output's columns)."""
+    vals = prog.values
+    width = {vals[o.value].width for o in prog.outputs}
+    weights = {v: None for v in range(len(prog.inputs), len(vals)) if {vals[v].width} != width}
+    if any(o.value == 0 and o.dtype == prog.inputs[0].dtype for o in prog.outputs):
+        return weights          # stored already: as any value
+    inp = prog.inputs[0]
+    weights[0] = 4 * prog.rows * vals[0].width * _bytes(inp.dtype) + 2 if _storable_product(prog) else 1
+    return weights
 
 
 def _naming_inputs(e: ProgramError, match, nodes: dict) -> ProgramError:
@@ -268,24 +374,33 @@ def _layouts(prog, likes) -> str:
 
 
 def emit_vector(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
+    """The fused call; its outputs past the match's (values a training plan keeps for the backward) are left for
+    autograd."""
     p = m.params
+    kwargs = dict(kwargs)
+    prog, saved = with_saved(p["program"], json.loads(kwargs.pop("keep", "[]")))
     xs = _inputs(g, ins, m, p["input_shapes"], kwargs.get("device", "ascend910"))
     layouts = _layouts(p["program"], p["out_likes"])
     if layouts:
-        kwargs = dict(kwargs, layouts=layouts)
-    r = call(g, torch.ops.autofuse.vector_program.default, xs, p["program"].to_json(), **kwargs)
+        kwargs["layouts"] = layouts
+    if saved:
+        kwargs["saved"] = json.dumps(saved)
+    r = call(g, torch.ops.autofuse.vector_program.default, xs, prog.to_json(), **kwargs)
     r.meta["autofuse_match"] = m
     return _outputs(g, r, m)
 
 
 def emit_epilogue(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
-    """The fused call; its outputs past the match's (a training plan's product) are left for autograd."""
+    """The fused call; its outputs past the match's (what a training plan keeps: the product, values) are left for
+    autograd."""
     p = m.params
     kwargs = dict(kwargs)
-    program = kwargs.pop("program", None) or p["program"].to_json()
+    prog, saved = with_saved(p["program"], json.loads(kwargs.pop("keep", "[]")), product=True)
+    if saved:
+        kwargs["saved"] = json.dumps(saved)
     extra = _inputs(g, ins, m, p["extra_shapes"], kwargs.get("device", "ascend910"))
     r = call(g, torch.ops.autofuse.matmul_epilogue.default, ins["a"], ins["b"], ins.get("bias"), extra,
-             program, p["trans_b"], **kwargs)
+             prog.to_json(), p["trans_b"], **kwargs)
     r.meta["autofuse_match"] = m
     return _outputs(g, r, m)
 

@@ -4,12 +4,15 @@
 gradients, a program that one ``vector_program`` launch runs:
 
 * **inputs**: the forward's inputs (same dtypes and shapes; an input the backward does not read is never
-  loaded), then one gradient per *float* forward output (``grad_of`` lists them; a bool output has none), in
-  the output's dtype and shape ``(*lead, width)``;
+  loaded, and :func:`pruned` drops it), then one gradient per *float* forward output (``grad_of`` lists them; a
+  bool output has none), in the output's dtype and shape ``(*lead, width)``, then the values of the forward
+  outputs ``saved`` names (none by default);
 * **body**: the forward values the gradients need, recomputed from the inputs (a fused backward recomputes
-  in registers rather than reading saved intermediates), then the adjoints, accumulated in fp32 in reverse
-  program order. Instructions are hash-consed (an instruction identical to an earlier one is that value:
-  the backward reuses forward values instead of recomputing them) and dead code is dropped;
+  in registers rather than reading saved intermediates) or read from the saved outputs that hold them, then
+  the adjoints, accumulated in fp32 in reverse program order. Instructions are hash-consed (an instruction
+  identical to an earlier one is that value: the backward reuses forward values instead of recomputing them)
+  and dead code is dropped. :func:`backward_reads` names the forward values the gradient rules read, so a
+  caller can choose what to keep for the backward (the inputs, or values that hold fewer bytes);
 * **outputs**: one gradient per requested input (:class:`GradOutput`), rounded to the input's dtype.
 
 Broadcasting. An operand of width 1 read over wider columns gets a column ``reduce sum`` of its adjoint.
@@ -38,7 +41,8 @@ rounded to bfloat16; a 16-bit input's gradient is accumulated in fp32 and rounde
 among the elements equal to the result (torch's ``amax`` backward: NaN over a row whose result is NaN); a
 softmax or log-softmax (max, shift, exp, sum, div or log) whose intermediates nothing else reads takes torch's
 closed form; ``slice`` pads ``g``
-with zeros (a cat, or for step 2 an interleave; with ``split``, a part of its own), ``cat`` slices it,
+with zeros (a cat, or for step 2 an interleave; with ``split``, a part of its own; the zeros are shaped from
+``g``, so a slice's backward reads nothing of the sliced value), ``cat`` slices it,
 ``interleave`` takes its strided halves. The recompute takes ``pow`` by an immediate 2, 3, 0.5, -0.5 or -1 as
 muls, sqrt, rsqrt or reciprocal (equal to an ulp; pow is a composite on the Vector unit).
 
@@ -46,6 +50,7 @@ Refused (:class:`NotDifferentiable`, naming the instruction): a slice with a ste
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -85,12 +90,14 @@ class GradOutput:
 @dataclass(frozen=True)
 class GradProgram:
     """What :func:`backward_program` derives: ``program`` (None when every requested gradient is zero) takes
-    the forward's inputs then the gradients of forward outputs ``grad_of``; ``grads``: one per requested
-    input."""
+    the forward's inputs, the gradients of forward outputs ``grad_of``, then the values of forward outputs
+    ``saved``; ``grads``: one per requested input."""
 
     program: Program | None
     grad_of: tuple
     grads: tuple
+    saved: tuple = ()          # forward outputs whose values ``program`` takes after the gradients
+    takes: tuple | None = None  # pruned (:func:`pruned`): the inputs (numbers as above) ``program`` keeps
 
 
 class _Emit:
@@ -126,9 +133,19 @@ class _Emit:
     def add(self, a, b):
         return a if b is None else self.op("add", a, b)
 
-    def zeros(self, width: int, src: int) -> int:
-        """Zeros of ``width`` columns, shaped from float value ``src`` (at least that wide): ``where(lt(s, s),
-        0, 0)`` is 0 whatever ``s`` holds (inf and NaN too, unlike ``s * 0``)."""
+    def zeros(self, width: int, src: int, wide: int | None = None) -> int:
+        """Zeros of ``width`` columns, shaped from float value ``src``: ``where(lt(s, s), 0, 0)`` is 0 whatever ``s``
+        holds (inf and NaN too, unlike ``s * 0``). A ``src`` narrower than ``width`` gives its zeros repeated by a
+        cat (up to ``_ZERO_REPEATS`` times; beyond, ``wide``, at least ``width`` wide, shapes them): the backward
+        shapes its zeros from an adjoint rather than from a forward value, which it would otherwise read, and
+        keep, for its shape alone."""
+        w = self.width[src]
+        if w < width and (-(-width // w) <= _ZERO_REPEATS or wide is None):
+            z = self.zeros(w, src)
+            z = self.op("cat", *([z] * -(-width // w)))
+            return z if self.width[z] == width else self.op("slice", z, start=0, stop=width)
+        if w < width:
+            src = wide
         s = src if self.width[src] == width else self.op("slice", src, start=0, stop=width)
         return self.op("where", self.op("lt", s, s), 0.0, 0.0)
 
@@ -138,18 +155,24 @@ class _Emit:
             return a
         return self.op("where", self.op("lt", like, like), a, a)
 
+    def args(self, v: int) -> list:
+        """The values instruction value ``v`` reads (none for an input)."""
+        return [a for a in self.instrs[v - len(self.inputs)].args if _is_ref(a)] if v >= len(self.inputs) else []
+
+    def live(self, values) -> set:
+        """``values`` and every value they are computed from."""
+        live, stack = set(), list(values)
+        while stack:
+            v = stack.pop()
+            if v not in live:
+                live.add(v)
+                stack += self.args(v)
+        return live
+
     def build(self, outputs) -> Program:
         """The program of ``outputs`` (``(value, dtype)``), its dead instructions dropped."""
         nin = len(self.inputs)
-        live = set()
-        stack = [v for v, _ in outputs]
-        while stack:
-            v = stack.pop()
-            if v in live:
-                continue
-            live.add(v)
-            if v >= nin:
-                stack += [a for a in self.instrs[v - nin].args if _is_ref(a)]
+        live = self.live(v for v, _ in outputs)
         new = {k: k for k in range(nin)}
         instrs = []
         for j, ins in enumerate(self.instrs):
@@ -180,23 +203,66 @@ def _wrt(wrt, n: int) -> tuple:
     return tuple(sorted(set(wrt)))
 
 
-def backward_program(program, wrt, outputs=None, split: bool = False) -> GradProgram:
+def backward_program(program, wrt, outputs=None, split: bool = False, saved=()) -> GradProgram:
     """The backward of ``program`` for the inputs ``wrt`` (one bool per input, or input numbers) as a
     :class:`GradProgram`; see the module docstring. ``outputs``: the forward outputs that receive a gradient
     (default: every float output; an output nobody reads gets none, and costs the backward no load).
     ``split``: an input read only through disjoint step-1 slices (SwiGLU's fused gate and up halves) gets the
     gradient of each slice as an output of its own (:attr:`GradOutput.parts`) instead of their ``cat`` with
     zeros, a column shuffle that needs whole rows in UB: the backward of rows too wide for UB can then be
-    walked in column chunks, and the caller concatenates the parts (a copy). Raises
-    :class:`NotDifferentiable` for an instruction whose gradient cannot be a Vector program,
-    :class:`ProgramError` for a requested input that is not a float."""
+    walked in column chunks, and the caller concatenates the parts (a copy). ``saved``: forward outputs (numbers)
+    the backward reads as inputs of its own, after the gradients, in place of recomputing their values (each
+    must hold its value exactly: stored in the value's own dtype); what only they need is not recomputed, and an
+    input only they need is not read. Raises :class:`NotDifferentiable` for an instruction whose gradient cannot
+    be a Vector program, :class:`ProgramError` for a requested input that is not a float or a saved output that
+    does not hold its value exactly."""
+    e, outs, grads, grad_of, _ = _derive(as_program(program), wrt, outputs, split, tuple(saved))
+    return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads), tuple(saved))
+
+
+def backward_reads(program, wrt, outputs=None) -> tuple:
+    """The forward values (numbers) the backward of ``program`` for ``wrt`` reads, beyond those it recomputes on
+    the way to them: an input, or an instruction's value, that a gradient rule or a requested gradient reads.
+    Every other value it needs is computed from these; a backward given values that every path from the
+    program's inputs to these passes through (:func:`backward_program`'s ``saved``, with the inputs among them)
+    needs nothing else. Raises as :func:`backward_program` does."""
     p = as_program(program)
+    e, outs, _, _, (fwd, boundary) = _derive(p, wrt, outputs, False, ())
+    owner = {}                     # emitted value -> the forward value it is
+    for v, ev in enumerate(fwd):
+        owner.setdefault(ev, v)
+    read = set()
+
+    def needs(a):                  # a recomputed value a gradient rule reads: its forward value, or for a step
+        if a in owner:             # of one (pow's square) the forward values that step is computed from
+            read.add(owner[a])
+        else:
+            for b in e.args(a):
+                needs(b)
+    for v, _ in outs:
+        if v < boundary:
+            needs(v)
+    for v in e.live(v for v, _ in outs):
+        if v >= boundary:          # a gradient rule's instruction: what it reads of the recompute, it needs
+            for a in e.args(v):
+                if a < boundary:
+                    needs(a)
+    return tuple(sorted(read))
+
+
+def _derive(p: Program, wrt, outputs, split: bool, saved: tuple):
+    """The backward under construction: ``(emit, outputs, grads, grad_of, (fwd, boundary))``, ``fwd`` the emitted
+    value of each forward value, ``boundary`` the first emitted value past the recompute."""
     wrt = _wrt(wrt, len(p.inputs))
     outputs = range(len(p.outputs)) if outputs is None else set(outputs)
     vals, nin = p.values, len(p.inputs)
     for k in wrt:
         if p.inputs[k].dtype not in FLOATS:
             raise ProgramError(f"input {k} is {p.inputs[k].dtype}: only a float input has a gradient")
+    for j in saved:
+        if not 0 <= j < len(p.outputs) or p.outputs[j].dtype != vals[p.outputs[j].value].dtype:
+            raise ProgramError(f"saved output {j}: not an output of the program that holds its value exactly "
+                               f"(stored in the value's own dtype)")
     # per value, the requested inputs (bits) that reach it by a differentiable path
     paths = [1 << k if k in wrt else 0 for k in range(nin)]
     for ins in p.instrs:
@@ -212,16 +278,22 @@ def backward_program(program, wrt, outputs=None, split: bool = False) -> GradPro
     linked = 0
     for j in grad_of:
         linked |= paths[p.outputs[j].value]
-    e = _Emit(p.lead, list(p.inputs) + [Input(p.outputs[j].dtype, tuple(p.lead) + (vals[p.outputs[j].value].width,))
-                                        for j in grad_of])
+
+    def given(j):                  # the gradient or the saved value of output j, as the backward's input
+        return Input(p.outputs[j].dtype, tuple(p.lead) + (vals[p.outputs[j].value].width,))
+    e = _Emit(p.lead, list(p.inputs) + [given(j) for j in grad_of] + [given(j) for j in saved])
+    at = {p.outputs[j].value: nin + len(grad_of) + s for s, j in enumerate(saved)}
     fwd = list(range(nin))
-    for ins in p.instrs:
+    for v, ins in enumerate(p.instrs, nin):
         args = [fwd[a] if _is_ref(a) else a for a in ins.args]
-        if ins.op == "pow" and _is_ref(args[0]) and not _is_ref(args[1]):
+        if v in at:
+            fwd.append(at[v])
+        elif ins.op == "pow" and _is_ref(args[0]) and not _is_ref(args[1]):
             fwd.append(_power(e, args[0], args[1]))     # the same value to an ulp, without the composite
-            continue
-        fwd.append(e.op(ins.op, *args, dtype=ins.dtype, kind=ins.kind, start=ins.start, stop=ins.stop,
-                        step=ins.step))
+        else:
+            fwd.append(e.op(ins.op, *args, dtype=ins.dtype, kind=ins.kind, start=ins.start, stop=ins.stop,
+                            step=ins.step))
+    boundary = len(e.inputs) + len(e.instrs)
     adj: dict = {}
 
     def acc(v, contrib):
@@ -264,7 +336,23 @@ def backward_program(program, wrt, outputs=None, split: bool = False) -> GradPro
             continue
         outs.append((e.widen(adj[k], k), inp.dtype))
         grads.append(GradOutput(k, len(outs) - 1, sum_dims, tuple(inp.shape), inp.dtype))
-    return GradProgram(e.build(outs) if outs else None, grad_of, tuple(grads))
+    return e, outs, grads, grad_of, (fwd, boundary)
+
+
+def pruned(gp: GradProgram) -> GradProgram:
+    """``gp`` with its program taking only the inputs it reads (an input it never loads still has to be given to a
+    launch); :attr:`GradProgram.takes` lists them, by their numbers in the unpruned program."""
+    if gp.program is None or gp.takes is not None:
+        return gp
+    prog = gp.program
+    takes = tuple(k for k in range(len(prog.inputs)) if reads_input(prog, k))
+    new = {k: i for i, k in enumerate(takes)}
+    shift = len(prog.inputs) - len(takes)
+    ref = lambda a: (new[a] if a < len(prog.inputs) else a - shift) if _is_ref(a) else a     # noqa: E731
+    instrs = tuple(dataclasses.replace(ins, args=tuple(ref(a) for a in ins.args)) for ins in prog.instrs)
+    out = Program(prog.lead, tuple(prog.inputs[k] for k in takes), instrs,
+                  tuple(Output(ref(o.value), o.dtype) for o in prog.outputs))
+    return dataclasses.replace(gp, program=out, takes=takes)
 
 
 def _sliced_inputs(p: Program, wrt) -> set:
@@ -523,17 +611,17 @@ def _unslice(e: _Emit, ins: Instr, g: int, x: int, refuse) -> int:
     if ins.step == 1:
         block = g
     elif ins.step == 2:
-        block = e.op("interleave", g, e.zeros(n, x))          # columns start, start + 2, ... then their gaps
+        block = e.op("interleave", g, e.zeros(n, g))          # columns start, start + 2, ... then their gaps
         if start + 2 * n > w:
             block = e.op("slice", block, start=0, stop=w - start)
     else:
         refuse(f"a slice with step {ins.step}: its gradient scatters every {ins.step}th column, which no "
                f"shuffle of this IR expresses (step 2 is an interleave with zeros)")
-    parts = [e.zeros(start, x)] if start else []
+    parts = [e.zeros(start, g, x)] if start else []
     parts.append(block)
     rest = w - start - e.width[block]
     if rest:
-        parts.append(e.zeros(rest, x))
+        parts.append(e.zeros(rest, g, x))
     return parts[0] if len(parts) == 1 else e.op("cat", *parts)
 
 
@@ -591,6 +679,7 @@ def _power(e: _Emit, a: int, k: float) -> int:
 
 
 _POW_AS = {0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal"}
+_ZERO_REPEATS = 8          # zeros shaped from an adjoint narrower than them: at most this many pieces in a cat
 
 
 def _gelu_tanh(e: _Emit, x: int) -> int:
@@ -651,4 +740,5 @@ _UNARY_DERIV = {
 }
 
 
-__all__ = ["GradOutput", "GradProgram", "NotDifferentiable", "backward_program", "reads_input"]
+__all__ = ["GradOutput", "GradProgram", "NotDifferentiable", "backward_program", "backward_reads", "pruned",
+           "reads_input"]
