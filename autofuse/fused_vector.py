@@ -99,8 +99,7 @@ def price_vector(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     prog = match.params["program"]
     keep = ()
     if training_graph(_graph(match, nodes)):
-        free = {k for k in range(len(prog.inputs)) if _held(nodes.get(match.inputs.get(f"in{k}")))}
-        keep = kept_values(prog, free)
+        keep = kept_values(prog, _free_inputs(prog, match, nodes, 0), _held_outputs(prog, match, nodes))
         prog, saved = with_saved(prog, keep)
         keep = keep if saved else ()
     specs = _specs(match, nodes, match.params["input_shapes"])
@@ -115,9 +114,47 @@ def _graph(match, nodes: dict) -> fx.Graph:
     return nodes[next(iter(match.nodes))].graph
 
 
-def _held(n) -> bool:
-    """Whether input node ``n`` is alive whatever the backward keeps: a parameter or buffer, an input of the model."""
-    return n is not None and n.op in ("get_attr", "placeholder")
+# ops whose backward keeps their tensor operands (a matmul's, a convolution's, attention's q, k and v)
+_KEEP_OPERANDS = {aten.matmul.default, aten.linear.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
+                  aten.baddbmm.default, aten.convolution.default, aten.scaled_dot_product_attention.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+          aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
+
+
+def _held(n, region) -> bool:
+    """Whether node ``n`` (an input or an output of the fused ``region``, node names) is alive for the backward
+    whatever the fused kernel keeps: a parameter or buffer, an input of the model, or a value an op outside the
+    region keeps for its own backward (a matmul or attention reading it, directly or through views)."""
+    if n is None:
+        return False
+    if n.op in ("get_attr", "placeholder"):
+        return True
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        for u in x.users:
+            if u.name in region or u in seen or u.op != "call_function":
+                continue
+            seen.add(u)
+            if u.target in _KEEP_OPERANDS:
+                return True
+            if u.target in _VIEWS and u.args and u.args[0] is x:
+                stack.append(u)
+    return False
+
+
+def _free_inputs(prog, match, nodes: dict, first: int) -> set:
+    """The program's inputs from ``first`` on (an epilogue's input 0 is its product) held anyway (:func:`_held`)."""
+    region = set(match.nodes)
+    return {k for k in range(first, len(prog.inputs)) if _held(nodes.get(match.inputs.get(f"in{k - first}")), region)}
+
+
+def _held_outputs(prog, match, nodes: dict) -> dict:
+    """:func:`kept_values`' weights of the values the kernel stores exactly as outputs held anyway (:func:`_held`):
+    none."""
+    region, vals = set(match.nodes), prog.values
+    return {o.value: 0 for j, o in enumerate(prog.outputs)
+            if o.dtype == vals[o.value].dtype and _held(nodes.get(match.outputs.get(f"out{j}")), region)}
 
 
 def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
@@ -125,9 +162,10 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
     the program's inputs to what the backward reads (:func:`~cost_model.program_grad.backward_reads`, for every
     float input) passes through, a minimum vertex cut (networkx's max-flow) of the program's dataflow. An input
     weighs its bytes (nothing for those in ``free``, held alive anyway: a parameter, an input of the model), a
-    value its bytes in its own dtype at every row and a little more where the kernel does not store it already
-    (one more store; on a tie the inputs win, then what is stored already); ``weigh``: {value: weight, or None for
-    one that cannot be kept}, for the caller's own. () when the backward is no Vector program. LayerNorm over a
+    value its bytes in its own dtype at every row; on a tie, what the kernel stores already wins over an input
+    (the region's output is what the next ops read, and often keep for their own backward: a softmax keeps its
+    probabilities, as eager's), and an input over one more store; ``weigh``: {value: weight, or None for one that
+    cannot be kept}, for the caller's own. () when the backward is no Vector program. LayerNorm over a
     sum of embeddings keeps the sum (one tensor) in place of its terms."""
     wrt = [k for k, i in enumerate(prog.inputs) if i.dtype in FLOATS]
     try:
@@ -144,9 +182,9 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
             cost = weigh[v]
         elif v < nin:
             inp = prog.inputs[v]
-            cost = 0 if v in free else 4 * math.prod(stored_shape(inp) or (1,)) * _bytes(inp.dtype)
+            cost = 0 if v in free else 4 * math.prod(stored_shape(inp) or (1,)) * _bytes(inp.dtype) + 1
         elif val.dtype in FLOATS:
-            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (1 if v in stored else 2)
+            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (0 if v in stored else 2)
         else:
             cost = None            # a mask, an index: recomputed from what it reads, never kept itself
         if v < nin:
@@ -249,8 +287,8 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
     if training_graph(nodes[match.inputs["a"]].graph):
         # a training plan's backward: what it keeps of the epilogue (kept_values), the product among the values
         # (the kernel stores it, or where it cannot, a matmul recomputes it in the backward, keeping nothing)
-        keep = kept_values(prog, {k for k in range(1, len(prog.inputs))
-                                  if _held(nodes.get(match.inputs.get(f"in{k - 1}")))}, _epilogue_weights(prog))
+        keep = kept_values(prog, _free_inputs(prog, match, nodes, 1),
+                           {**_epilogue_weights(prog), **_held_outputs(prog, match, nodes)})
         trained, saved = with_saved(prog, keep, product=True)
         recompute = 0 in keep and product_output(trained) is None
         keep = keep if saved or len(trained.outputs) > len(prog.outputs) else ()

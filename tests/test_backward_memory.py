@@ -263,12 +263,13 @@ def test_a_relu_epilogue_keeps_its_output_not_its_product():
 
 
 def test_near_miss_a_gelu_epilogue_keeps_its_product():
-    """GELU's backward reads its input: the product, stored by the kernel as one more output (as before)."""
+    """GELU's backward reads its input: the product, stored by the kernel as one more output (as before); and its
+    output, which fc2 keeps for its own backward: read, not recomputed."""
     torch.manual_seed(0)
     fused = AutoFusionEngine.fuse(MLP(F.gelu).train(), (torch.randn(2, 8, 32),))
     call, = _epilogue_calls(fused)
     outputs = _outputs_of(call)
-    assert "saved" not in call.kwargs and len(outputs) == 2 and outputs[1].value == 0, call.kwargs
+    assert len(outputs) == 2 and outputs[1].value == 0 and call.kwargs.get("saved") == "[0]", call.kwargs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -292,3 +293,29 @@ def test_gradients_through_a_kept_output_are_within_eagers_error_in_each_dtype(d
     for g, w, r in zip(got, want, ref):
         ok, err, tol = compare(w, r, g)
         assert ok, (dtype, err, tol)
+
+
+class MaskedExp(nn.Module):
+    """Mamba2's decay: ``exp(where(mask, x, -inf))``, read by a matmul (which keeps it for its own backward)."""
+
+    def forward(self, x, v):
+        mask = torch.ones(x.shape[-2:], dtype=torch.bool).tril()
+        return torch.exp(x.masked_fill(~mask, float("-inf"))) @ v
+
+
+def test_a_region_whose_output_a_matmul_keeps_keeps_that_output_not_its_input():
+    """exp's backward reads its result: the region's output, which the matmul keeps anyway, not its input (which
+    nothing else keeps): the fused forward keeps what eager keeps."""
+    torch.manual_seed(0)
+    model = MaskedExp().train()
+    x, v = torch.randn(2, 16, 16, requires_grad=True), torch.randn(2, 16, 8, requires_grad=True)
+    fused = AutoFusionEngine.fuse(model, (x, v))
+    calls = [n for n in fused.graph_module.graph.nodes if n.target == torch.ops.autofuse.vector_program.default]
+    assert [n.kwargs.get("saved") for n in calls] == ["[0]"], fused.report.summary()
+    _, kept_fused = _saved_bytes(lambda: fused(x, v), exclude=(x, v))
+    _, kept_eager = _saved_bytes(lambda: model(x, v), exclude=(x, v))
+    assert kept_fused <= kept_eager, (kept_fused, kept_eager)
+    got = torch.autograd.grad(fused(x, v).sum(), [x, v])
+    want = torch.autograd.grad(model(x, v).sum(), [x, v])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)     # fp32 both: exp's rounding apart
