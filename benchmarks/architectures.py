@@ -741,12 +741,13 @@ def main():
                 continue
             err, param, err_top, missing, n, kept = row
             bad += bool(missing)
-            more += ck and kept[0] > kept[1]
+            more += kept[0] > kept[1]
             note = f"  NO GRADIENT: {', '.join(missing)}" if missing else ""
             kb = " ".join(f"{k / 1024:{w}.1f}" for k, w in zip(kept, (14, 6, 13)))
             print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {kb}  {param}{note}", flush=True)
         print(f"\n{bad} failed or missing a gradient" + (f"; {more} kept more than eager's checkpointed forward; "
-                                                          f"{skipped} without checkpointing" if ck else ""))
+                                                          f"{skipped} without checkpointing" if ck else
+                                                          f"; {more} kept more than eager's forward"))
         return
     print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "
           f"fused blocks by name")
