@@ -1,10 +1,11 @@
 """Fused calls of the discovered families: a Vector region as ``torch.ops.autofuse.vector_program`` and a matmul
 with its epilogue as ``torch.ops.autofuse.matmul_epilogue`` (see :mod:`patterns.vector_chain`).
 
-In a graph captured for training (:func:`training_graph`), a matmul epilogue whose backward reads the product
-(the pre-activation: GELU's, SwiGLU's) also writes it out (:func:`with_product`: one more program output, so
-one more store the cost model and the simulator price as part of the program); the forward graph ignores
-that output, the op's autograd saves it for the backward.
+In a graph captured for training (:func:`training_graph`), a region keeps for its backward the values of fewest
+bytes that its backward can be computed from (:func:`kept_values`: its inputs, or values it computes, which the
+kernel then stores as outputs past its own, :func:`with_saved`; a matmul epilogue's product, the pre-activation
+GELU's backward reads, among them); each such store is one more output the cost model and the simulator price as
+part of the program; the forward graph ignores those outputs, the op's autograd saves them for the backward.
 
 The price of a region is the cost model's price of its program on the target device, with the tiling its
 search finds at O3; the *alternatives* (one pass or chunked rows, RoPE on the Cube, a matmul with or without
@@ -29,7 +30,7 @@ from autofuse.fused import (REDUCED, Family, Price, _adapt, _physical_order, kee
                             per_device, register_family)
 from autofuse.graph import call
 from cost_model.program import BIT, FLOATS, Input, Output, ProgramError, _is_ref, as_program, stored_shape
-from cost_model.program_grad import NotDifferentiable, backward_program, backward_reads, reads_input
+from cost_model.program_grad import backward_reads
 
 aten = torch.ops.aten
 
@@ -164,7 +165,7 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
     weighs its bytes (nothing for those in ``free``, held alive anyway: a parameter, an input of the model), a
     value its bytes in its own dtype at every row; on a tie, what the kernel stores already wins over an input
     (the region's output is what the next ops read, and often keep for their own backward: a softmax keeps its
-    probabilities, as eager's), and an input over one more store; ``weigh``: {value: weight, or None for one that
+    probabilities, as eager's), and an input over one more store (an epilogue's product over any other); ``weigh``: {value: weight, or None for one that
     cannot be kept}, for the caller's own. () when the backward is no Vector program. LayerNorm over a
     sum of embeddings keeps the sum (one tensor) in place of its terms."""
     wrt = [k for k, i in enumerate(prog.inputs) if i.dtype in FLOATS]
@@ -184,7 +185,7 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
             inp = prog.inputs[v]
             cost = 0 if v in free else 4 * math.prod(stored_shape(inp) or (1,)) * _bytes(inp.dtype) + 1
         elif val.dtype in FLOATS:
-            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (0 if v in stored else 2)
+            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (0 if v in stored else 3)
         else:
             cost = None            # a mask, an index: recomputed from what it reads, never kept itself
         if v < nin:
@@ -249,18 +250,6 @@ def training_graph(graph: fx.Graph) -> bool:
     return False
 
 
-def reads_product(prog) -> bool:
-    """Whether the backward of an epilogue's program (the product's gradient and every float extra input's)
-    reads the product (its input 0): a GELU does, SwiGLU does (the gate's gradient reads the up projection and
-    the other way round), a residual add or a bias does not."""
-    wrt = [0] + [k for k, inp in enumerate(prog.inputs) if k and inp.dtype in FLOATS]
-    try:
-        gp = backward_program(prog, wrt)
-    except NotDifferentiable:
-        return False
-    return gp.program is not None and reads_input(gp.program, 0)
-
-
 def _storable_product(prog) -> bool:
     """Whether an epilogue can add its product (input 0) as an output: not one already, and as wide as every
     output (SwiGLU on a fused gate_up projection outputs half the product's width; the kernel walks the
@@ -268,16 +257,14 @@ def _storable_product(prog) -> bool:
     return all(o.value != 0 and prog.values[o.value].width == prog.values[0].width for o in prog.outputs)
 
 
-def _add_product(prog):
-    return dataclasses.replace(prog, outputs=prog.outputs + (Output(0, prog.inputs[0].dtype),))
-
-
 def with_product(prog):
-    """``prog`` (an epilogue's program) that also outputs its input 0, the product, when its backward reads
-    the product and no output is it already; None otherwise (the backward needs no product: a residual add,
-    a bias; or it is no Vector program; or it cannot store it, :func:`_storable_product`: its backward then
-    recomputes the product with a matmul)."""
-    return _add_product(prog) if _storable_product(prog) and reads_product(prog) else None
+    """``prog`` (an epilogue's program) storing its product, input 0, as one more output where a training plan
+    keeps it for the backward (:func:`kept_values` with the epilogue's weights: GELU's, SwiGLU's with the gate as
+    an extra input); None where it keeps none (a residual add, a bias: the backward reads no product), or cannot
+    store it (:func:`_storable_product`: the backward then recomputes the product with a matmul)."""
+    keep = [v for v in kept_values(prog, weigh=_epilogue_weights(prog)) if v == 0]
+    trained, _ = with_saved(prog, keep, product=True)
+    return trained if len(trained.outputs) > len(prog.outputs) else None
 
 
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
@@ -318,8 +305,9 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
 
 
 def _epilogue_weights(prog) -> dict:
-    """:func:`kept_values`' weights of an epilogue's own: the product (input 0) weighs its bytes and a store, or
-    where the kernel cannot store it, almost nothing (a matmul in the backward recomputes it from what it keeps
+    """:func:`kept_values`' weights of an epilogue's own: the product (input 0) weighs its bytes (on a tie it loses
+    to an input and wins over another value the kernel would store), or where the kernel cannot store it, almost
+    nothing (a matmul in the backward recomputes it from what it keeps
     anyway, the plan prices that matmul); a value as wide as the outputs weighs as by default, any other cannot
     be kept (the kernel stores tiles of its output's columns)."""
     vals = prog.values

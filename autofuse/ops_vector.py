@@ -309,7 +309,7 @@ def reference_matmul_epilogue(a, b, bias, extra, program, trans_b=False, **_):
 
 def product_output(prog) -> Optional[int]:
     """The output of ``prog`` (an epilogue's program) that is its input 0 as declared, the product itself: a
-    training-mode plan adds it (:func:`autofuse.fused_vector.with_product`) for the backward to read."""
+    training-mode plan adds it (:func:`autofuse.fused_vector.with_saved`) for the backward to read."""
     return next((j for j, o in enumerate(prog.outputs) if o.value == 0 and o.dtype == prog.inputs[0].dtype), None)
 
 
