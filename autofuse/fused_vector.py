@@ -165,9 +165,9 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
     weighs its bytes (nothing for those in ``free``, held alive anyway: a parameter, an input of the model), a
     value its bytes in its own dtype at every row; on a tie, what the kernel stores already wins over an input
     (the region's output is what the next ops read, and often keep for their own backward: a softmax keeps its
-    probabilities, as eager's), and an input over one more store (an epilogue's product over any other); ``weigh``: {value: weight, or None for one that
-    cannot be kept}, for the caller's own. () when the backward is no Vector program. LayerNorm over a
-    sum of embeddings keeps the sum (one tensor) in place of its terms."""
+    probabilities, as eager's), and an input over one more store (an epilogue's product over any other);
+    ``weigh``: {value: weight, or None for one that cannot be kept}, for the caller's own. () when the backward is
+    no Vector program. LayerNorm over a sum of embeddings keeps the sum (one tensor) in place of its terms."""
     wrt = [k for k, i in enumerate(prog.inputs) if i.dtype in FLOATS]
     try:
         reads = backward_reads(prog, wrt) if wrt else ()
