@@ -165,7 +165,7 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
     weighs its bytes (nothing for those in ``free``, held alive anyway: a parameter, an input of the model), a
     value its bytes in its own dtype at every row; on a tie, what the kernel stores already wins over an input
     (the region's output is what the next ops read, and often keep for their own backward: a softmax keeps its
-    probabilities, as eager's), and an input over one more store (an epilogue's product over any other);
+    probabilities, as eager's), and an input over one more store (any other over an epilogue's product);
     ``weigh``: {value: weight, or None for one that cannot be kept}, for the caller's own. () when the backward is
     no Vector program. LayerNorm over a sum of embeddings keeps the sum (one tensor) in place of its terms."""
     wrt = [k for k, i in enumerate(prog.inputs) if i.dtype in FLOATS]
@@ -185,7 +185,7 @@ def kept_values(prog, free=frozenset(), weigh=None) -> tuple:
             inp = prog.inputs[v]
             cost = 0 if v in free else 4 * math.prod(stored_shape(inp) or (1,)) * _bytes(inp.dtype) + 1
         elif val.dtype in FLOATS:
-            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (0 if v in stored else 3)
+            cost = 4 * prog.rows * val.width * _bytes(val.dtype) + (0 if v in stored else 2)
         else:
             cost = None            # a mask, an index: recomputed from what it reads, never kept itself
         if v < nin:
@@ -257,16 +257,6 @@ def _storable_product(prog) -> bool:
     return all(o.value != 0 and prog.values[o.value].width == prog.values[0].width for o in prog.outputs)
 
 
-def with_product(prog):
-    """``prog`` (an epilogue's program) storing its product, input 0, as one more output where a training plan
-    keeps it for the backward (:func:`kept_values` with the epilogue's weights: GELU's, SwiGLU's with the gate as
-    an extra input); None where it keeps none (a residual add, a bias: the backward reads no product), or cannot
-    store it (:func:`_storable_product`: the backward then recomputes the product with a matmul)."""
-    keep = [v for v in kept_values(prog, weigh=_epilogue_weights(prog)) if v == 0]
-    trained, _ = with_saved(prog, keep, product=True)
-    return trained if len(trained.outputs) > len(prog.outputs) else None
-
-
 def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Price:
     p = match.params
     prog = p["program"]
@@ -306,8 +296,8 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
 
 def _epilogue_weights(prog) -> dict:
     """:func:`kept_values`' weights of an epilogue's own: the product (input 0) weighs its bytes (on a tie it loses
-    to an input and wins over another value the kernel would store), or where the kernel cannot store it, almost
-    nothing (a matmul in the backward recomputes it from what it keeps
+    to a value computed from it, which the backward then need not recompute nor combine with other inputs that may
+    not be held: MiniMax's residual sum before its norm), or where the kernel cannot store it, almost nothing (a matmul in the backward recomputes it from what it keeps
     anyway, the plan prices that matmul); a value as wide as the outputs weighs as by default, any other cannot
     be kept (the kernel stores tiles of its output's columns)."""
     vals = prog.values
@@ -316,7 +306,7 @@ def _epilogue_weights(prog) -> dict:
     if any(o.value == 0 and o.dtype == prog.inputs[0].dtype for o in prog.outputs):
         return weights          # stored already: as any value
     inp = prog.inputs[0]
-    weights[0] = 4 * prog.rows * vals[0].width * _bytes(inp.dtype) + 2 if _storable_product(prog) else 1
+    weights[0] = 4 * prog.rows * vals[0].width * _bytes(inp.dtype) + 3 if _storable_product(prog) else 1
     return weights
 
 

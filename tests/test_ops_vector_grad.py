@@ -2,6 +2,8 @@
 gradients equal the host recompute's (torch autograd of run_program_torch in fp32), the backward is one more
 ``vector_program`` launch (traced with make_fx in fake mode, as whole-graph training simulation traces it),
 and a program whose backward is no Vector program falls back to the host recompute."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import autofuse.ops_vector as ov
 from autofuse.ops import recording
 from autofuse.vector_program import run_program_torch
-from cost_model.program import Builder
+from cost_model.program import Builder, Output
 from tests.cost_model.test_program_grad import derived_grads, layernorm, make_inputs, rmsnorm, rope, swiglu
 
 ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -153,19 +155,29 @@ def swiglu_epilogue(M, F_):
     return b.build()
 
 
-def test_with_product_only_when_the_backward_reads_it():
-    from autofuse.fused_vector import with_product
+def with_product(prog):
+    """``prog`` (an epilogue's program) also storing its product, input 0, as a training plan's cut does for GELU."""
+    return dataclasses.replace(prog, outputs=prog.outputs + (Output(0, prog.inputs[0].dtype),))
+
+
+def test_a_training_plan_keeps_the_product_only_where_the_backward_reads_it():
+    from autofuse.fused_vector import _epilogue_weights, kept_values, with_saved
     prog = gelu_bias_epilogue(8, 16)
-    trained = with_product(prog)
-    assert trained.outputs[-1].value == 0 and trained.outputs[-1].dtype == "float32"
-    assert ov.product_output(trained) == 1 and ov.product_output(prog) is None
+    keep = kept_values(prog, weigh=_epilogue_weights(prog))
+    trained, saved = with_saved(prog, keep, product=True)
+    # GELU reads its input: the product, or the identity cast of it the program reads (as many bytes), is stored
+    assert len(trained.outputs) == 2 and trained.values[trained.outputs[1].value].width == 16
+    assert ov.product_output(with_product(prog)) == 1 and ov.product_output(prog) is None
     b = Builder((8,))                             # a residual add: d(product) is the output's gradient alone
     p, r = b.input("float32", (8, 16)), b.input("float16", (8, 16))
     b.output(b.add(p, r), "float16")
-    assert with_product(b.build()) is None
+    prog = b.build()
+    assert kept_values(prog, weigh=_epilogue_weights(prog)) == ()
     # SwiGLU on a fused gate_up: outputs half the product's width; the kernel walks the output's columns, so
     # it stores no product and the backward recomputes it
-    assert with_product(swiglu_epilogue(8, 16)) is None
+    prog = swiglu_epilogue(8, 16)
+    keep = kept_values(prog, weigh=_epilogue_weights(prog))
+    assert 0 in keep and with_saved(prog, keep, product=True)[0] is prog
 
 
 @pytest.mark.parametrize("trans_b, bias, batched", [(False, False, False), (True, True, False), (True, False, True)])
@@ -173,7 +185,6 @@ def test_with_product_only_when_the_backward_reads_it():
 def test_epilogue_gradients(trans_b, bias, batched, save):
     """Gradients of a, b, bias through matmul_epilogue with the product saved (the training plan's program) or
     recomputed, against eager float64."""
-    from autofuse.fused_vector import with_product
     M, K, N = 24, 32, 48
     g = torch.Generator().manual_seed(4)
     prog = gelu_bias_epilogue(M, N)
@@ -203,7 +214,6 @@ def test_epilogue_gradients(trans_b, bias, batched, save):
 def test_epilogue_backward_traced(save):
     """Traced in fake mode: the backward is one vector_program launch (d(product)) and the matmuls of dA and dB;
     without the saved product a third matmul recomputes it."""
-    from autofuse.fused_vector import with_product
     M, K, N = 16, 32, 24
     prog = gelu_bias_epilogue(M, N, product="float16")
     prog = with_product(prog) if save else prog
@@ -259,18 +269,18 @@ def test_random_backward_programs_on_the_simulator(seed):
 def test_swiglu_with_the_gate_as_extra_saves_the_product():
     """The epilogue on the up projection with the gate projection's output as an extra input: the product's own
     gradient does not read it (g · silu(gate)), the gate's does (g · up · silu'(gate)): the product is saved."""
-    from autofuse.fused_vector import with_product
+    from autofuse.fused_vector import _epilogue_weights, kept_values
     b = Builder((8,))
     up, gate = b.input("float16", (8, 16)), b.input("float16", (8, 16))
     b.output(b.mul(b.silu(gate), up), "float16")
     prog = b.build()
-    trained = with_product(prog)
-    assert trained is not None and trained.outputs[-1].value == 0
+    assert 0 in kept_values(prog, weigh=_epilogue_weights(prog))
     # a residual add reads no product, whichever input needs a gradient
     b = Builder((8,))
     p, r = b.input("float16", (8, 16)), b.input("float16", (8, 16))
     b.output(b.add(p, r), "float16")
-    assert with_product(b.build()) is None
+    prog = b.build()
+    assert kept_values(prog, weigh=_epilogue_weights(prog)) == ()
 
 
 @pytest.mark.parametrize("kind", ["clamp", "clamp_min", "clamp_max", "lo_above_hi"])
