@@ -297,9 +297,9 @@ def price_epilogue(match, nodes: dict, device: str, search_tiling: bool) -> Pric
 def _epilogue_weights(prog) -> dict:
     """:func:`kept_values`' weights of an epilogue's own: the product (input 0) weighs its bytes (on a tie it loses
     to a value computed from it, which the backward then need not recompute nor combine with other inputs that may
-    not be held: MiniMax's residual sum before its norm), or where the kernel cannot store it, almost nothing (a matmul in the backward recomputes it from what it keeps
-    anyway, the plan prices that matmul); a value as wide as the outputs weighs as by default, any other cannot
-    be kept (the kernel stores tiles of its output's columns)."""
+    not be held: MiniMax's residual sum before its norm), or where the kernel cannot store it, almost nothing (a
+    matmul in the backward recomputes it from what it keeps anyway, the plan prices that matmul); a value as wide as
+    the outputs weighs as by default, any other cannot be kept (the kernel stores tiles of its output's columns)."""
     vals = prog.values
     width = {vals[o.value].width for o in prog.outputs}
     weights = {v: None for v in range(len(prog.inputs), len(vals)) if {vals[v].width} != width}
