@@ -103,7 +103,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import CHECKPOINT, get_attr_value, graph_module, program_module, relayout_as_eager
+from autofuse.graph import CHECKPOINT, PRODUCTS, get_attr_value, graph_module, program_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -2115,16 +2115,12 @@ _HINTS = [
 ]
 
 
-_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten.matmul.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
-
-
 def _check_product_dtypes(gm: fx.GraphModule, model, route: str) -> None:
     """Refuse a forward whose matmul multiplies tensors of two dtypes (an int64 or fp32 input into a float or fp16
     model): eager raises there, but the tracer's fake tensors let it through, and the plan would fail later, or
     at the first call, with torch's message about nodes."""
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _PRODUCTS:
+        if n.op != "call_function" or n.target not in PRODUCTS:
             continue
         dtypes = [a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if len(set(dtypes)) > 1:

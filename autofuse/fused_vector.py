@@ -28,7 +28,7 @@ import cost_model
 from autofuse.ops_vector import product_output      # (and registers the ops)
 from autofuse.fused import (REDUCED, Family, Price, _adapt, _physical_order, keep_mask_call, keep_mask_price,
                             per_device, register_family)
-from autofuse.graph import call
+from autofuse.graph import PRODUCTS, call
 from cost_model.program import BIT, FLOATS, Input, Output, ProgramError, _is_ref, as_program, stored_shape
 from cost_model.program_grad import backward_reads
 
@@ -116,8 +116,7 @@ def _graph(match, nodes: dict) -> fx.Graph:
 
 
 # ops whose backward keeps their tensor operands (a matmul's, a convolution's, attention's q, k and v)
-_KEEP_OPERANDS = {aten.matmul.default, aten.linear.default, aten.mm.default, aten.bmm.default, aten.addmm.default,
-                  aten.baddbmm.default, aten.convolution.default, aten.scaled_dot_product_attention.default}
+_KEEP_OPERANDS = PRODUCTS | {aten.convolution.default, aten.scaled_dot_product_attention.default}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
           aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
 

@@ -220,6 +220,11 @@ def returned_read(nodes, out: set):
     return next((n for n in nodes if n in out and any(u in inside for u in n.users)), None)
 
 
+#: the matmul family as captured: ops whose output is the product of two tensor operands
+PRODUCTS = frozenset({aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
+                      aten.baddbmm.default})
+
+
 #: the key of ``node.meta["custom"]`` that numbers the activation checkpoint (one call of
 #: ``torch.utils.checkpoint.checkpoint`` in the capture's trace) the node was made in
 CHECKPOINT = "autofuse_checkpoint"
