@@ -17,6 +17,7 @@ from autofuse.verify import compare
 from cost_model.program import Builder, ProgramError, as_program
 from cost_model.program_grad import backward_program, backward_reads
 from tests.cost_model.test_program_grad import rmsnorm, rope
+from tests.test_checkpointing import saved_bytes
 
 
 def _layer_norm_of_sum(dtype="float32", lead=(2, 16), width=64):
@@ -104,29 +105,13 @@ def test_a_slice_backward_shapes_its_zeros_from_the_gradient_not_the_input(make)
     assert 0 not in backward_reads(prog, [0])
     gen = torch.Generator().manual_seed(0)
     ins = [torch.randn(tuple(i.shape), generator=gen).requires_grad_(k == 0) for k, i in enumerate(prog.inputs)]
-    outs, nbytes = _saved_bytes(lambda: vector_program(ins, prog), exclude=ins[1:])
+    outs, nbytes = saved_bytes(lambda: vector_program(ins, prog), exclude=ins[1:])
     assert nbytes == 0
     gs = [torch.randn(o.shape, generator=gen) for o in outs]
     got, = torch.autograd.grad(outs, [ins[0]], gs)
     x = ins[0].detach().requires_grad_()
     want, = torch.autograd.grad(run_program_torch(prog, [x] + ins[1:]), [x], gs)    # torch's own autograd
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)     # fp32 both: summation order apart
-
-
-def _saved_bytes(fn, exclude=()):
-    """The bytes of the distinct storages autograd saves while ``fn`` runs, but those of ``exclude``."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    kept = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            kept[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(kept.values())
 
 
 def test_an_op_keeps_only_the_inputs_its_backward_reads():
@@ -137,18 +122,18 @@ def test_an_op_keeps_only_the_inputs_its_backward_reads():
     b.output(b.add(x, r), "float32")
     add = b.build()
     xs = [torch.randn(8, 32, requires_grad=True) for _ in range(2)]
-    _, nbytes = _saved_bytes(lambda: vector_program(xs, add))
+    _, nbytes = saved_bytes(lambda: vector_program(xs, add))
     assert nbytes == 0
     b = Builder((8,))
     gate, up = b.input("float32", (8, 32)), b.input("float32", (8, 32))
     b.output(b.mul(b.silu(gate), up), "float32")
-    _, nbytes = _saved_bytes(lambda: vector_program(xs, b.build()))
+    _, nbytes = saved_bytes(lambda: vector_program(xs, b.build()))
     assert nbytes == 2 * 8 * 32 * 4
     b = Builder((8,))
     p, res = b.input("float32", (8, 32)), b.input("float32", (8, 32))
     b.output(b.add(p, res), "float32")
     a, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)
-    out, nbytes = _saved_bytes(lambda: matmul_epilogue(a, w, b.build(), extra=[xs[1]]), exclude=(w,))
+    out, nbytes = saved_bytes(lambda: matmul_epilogue(a, w, b.build(), extra=[xs[1]]), exclude=(w,))
     assert nbytes == a.numel() * 4                           # a, for w's gradient; the residual not
     out[0].sum().backward()
     torch.testing.assert_close(a.grad, torch.ones(8, 32) @ w.detach().t())
@@ -183,8 +168,8 @@ def test_a_training_plan_keeps_eagers_bytes_for_layer_norm_over_embeddings():
     calls = [n for n in fused.graph_module.graph.nodes if n.target == torch.ops.autofuse.vector_program.default]
     assert len(calls) == 1 and calls[0].kwargs.get("saved") == "[1]", [n.kwargs for n in calls]
     params = list(model.parameters())
-    _, kept_fused = _saved_bytes(lambda: fused(ids, types), exclude=params + [ids, types])
-    _, kept_eager = _saved_bytes(lambda: model(ids, types), exclude=params + [ids, types])
+    _, kept_fused = saved_bytes(lambda: fused(ids, types), exclude=params + [ids, types])
+    _, kept_eager = saved_bytes(lambda: model(ids, types), exclude=params + [ids, types])
     assert kept_fused <= kept_eager, (kept_fused, kept_eager)
     # near miss: a plan for the model in eval mode (inference) stores nothing more
     inference = AutoFusionEngine.fuse(copy.deepcopy(model).eval(), (ids, types))
@@ -257,8 +242,8 @@ def test_a_relu_epilogue_keeps_its_output_not_its_product():
     call, = _epilogue_calls(fused)
     assert call.kwargs.get("saved") == "[0]" and len(_outputs_of(call)) == 1, call.kwargs
     exclude = list(model.parameters()) + [x]
-    _, kept_fused = _saved_bytes(lambda: fused(x), exclude)
-    _, kept_eager = _saved_bytes(lambda: model(x), exclude)
+    _, kept_fused = saved_bytes(lambda: fused(x), exclude)
+    _, kept_eager = saved_bytes(lambda: model(x), exclude)
     assert kept_fused <= kept_eager, (kept_fused, kept_eager)
 
 
@@ -312,8 +297,8 @@ def test_a_region_whose_output_a_matmul_keeps_keeps_that_output_not_its_input():
     fused = AutoFusionEngine.fuse(model, (x, v))
     calls = [n for n in fused.graph_module.graph.nodes if n.target == torch.ops.autofuse.vector_program.default]
     assert [n.kwargs.get("saved") for n in calls] == ["[0]"], fused.report.summary()
-    _, kept_fused = _saved_bytes(lambda: fused(x, v), exclude=(x, v))
-    _, kept_eager = _saved_bytes(lambda: model(x, v), exclude=(x, v))
+    _, kept_fused = saved_bytes(lambda: fused(x, v), exclude=(x, v))
+    _, kept_eager = saved_bytes(lambda: model(x, v), exclude=(x, v))
     assert kept_fused <= kept_eager, (kept_fused, kept_eager)
     got = torch.autograd.grad(fused(x, v).sum(), [x, v])
     want = torch.autograd.grad(model(x, v).sum(), [x, v])

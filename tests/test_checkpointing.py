@@ -47,21 +47,27 @@ class Stack(nn.Module):
         return x.sum(-1)
 
 
-def _kept(fn, model):
-    """What a forward keeps for its backward, beyond the model's parameters: the bytes of the distinct storages
-    autograd saves (a checkpoint saves its inputs; the parameters it reads are the model's own)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def saved_bytes(fn, exclude=()):
+    """``(fn(), bytes)``: the bytes of the distinct storages autograd saves while ``fn`` runs, but those of the
+    tensors ``exclude``."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
     kept = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params:
+        if s.data_ptr() not in skip:
             kept[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(kept.values())
+
+
+def _kept(fn, model):
+    """What a forward keeps for its backward, beyond the model's parameters (a checkpoint saves its inputs; the
+    parameters it reads are the model's own)."""
+    return saved_bytes(fn, model.parameters())
 
 
 def _grads(fn, model, x, seed=0):
