@@ -103,7 +103,8 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import CHECKPOINT, PRODUCTS, get_attr_value, graph_module, program_module, relayout_as_eager
+from autofuse.graph import CHECKPOINT, PRODUCTS, describe_node, get_attr_value, graph_module, program_module, \
+    relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -456,6 +457,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
                     gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
             _refuse_custom_backwards(model, functions, (example_args, example_kwargs))
             _detach_grad_free_blocks(gm)
+            _pass_trained_updates(gm, model)
             _cleanup(gm)
             relayout_as_eager(gm)      # a BatchNorm's output as eager's CPU kernel lays it out: dropouts draw by it
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
@@ -1570,6 +1572,95 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
     return added
 
 
+def _pass_trained_updates(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """A parameter that requires grad the forward updates in place (Gemma 3n clamps its AltUp coefficients through
+    ``.data`` in training, ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up under
+    ``torch.no_grad()``): eager's autograd does not see the update, so what reads the parameter after it gets the
+    new values and passes its gradient to the parameter. The captured graph computes the new value from a detached
+    copy (``.data``) or inside the grad-free block, so its readers are given
+    :data:`~autofuse.grad_ops.PASS_GRADIENT` of it and the parameter: the new values, the gradient to the
+    parameter, as in eager. A read of the parameter before its update (or between two updates) is refused: eager's
+    backward reads the parameter as it is when the backward runs, the updated values, where the graph's would read
+    the values it read. A capture without grad needs neither (its plan serves calls without grad only:
+    :class:`autofuse.engine.Plan`)."""
+    if not gm.meta.get("autofuse_trained_updates") or not torch.is_grad_enabled():
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    changed = False
+    for pos, target in gm.meta["autofuse_trained_updates"]:
+        value = out.args[0][pos]
+        chain = _ancestors(value) | {value}
+        if isinstance(target, int):                         # the flat input at that place
+            sources = [placeholders[target]] if placeholders[target] in chain else []
+            target = placeholders[target].name
+        else:
+            param = model.get_parameter(target)
+            sources = [n for n in chain if n.op == "get_attr" and _state_of(gm, n) is param]
+        versions = set(sources)
+        for n in gm.graph.nodes:                            # the values that are the parameter's storage in eager
+            if n in chain and n not in versions and n.op == "call_function" and (
+                    (n.target is torch.ops.aten.detach.default and n.args[0] in versions)
+                    or _updated_in_place(n) in versions):
+                versions.add(n)
+        early = [u for v in versions - {value} for u in v.users
+                 if u not in chain and u.op != "output" and not _gradient_route(u, v)]
+        if not sources or early:
+            where = f" ({describe_node(early[0])})" if early else ""
+            raise CaptureError("export", f"capture failed on route 'export': the forward reads {target!r}{where}, "
+                                         f"which requires grad, before it updates it in place (through .data or "
+                                         f"under torch.no_grad()); eager's backward reads the tensor's updated "
+                                         f"values where it saved it, the captured graph's would read the values it "
+                                         f"read. hint: update it before the forward reads it, capture in eval mode, "
+                                         f"or freeze it (requires_grad_(False)).")
+        if value.target is PASS_GRADIENT:
+            continue                                        # updated in a grad-free block: read through a pass already
+        readers = [u for u in value.users
+                   if u.op != "output" and not (u.target is PASS_GRADIENT and u.args[0] is value)]
+        if not readers:
+            continue
+        with gm.graph.inserting_after(value):
+            passed = gm.graph.call_function(PASS_GRADIENT, (value, sources[0]))
+        passed.meta = {k: (v.detach() if k in ("val", "example_value") else v) for k, v in value.meta.items()
+                       if k != "custom"}
+        for u in readers:
+            u.replace_input_with(value, passed)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _gradient_route(u: fx.Node, v: fx.Node) -> bool:
+    """Whether ``u`` reads ``v`` only to route a gradient: a :data:`~autofuse.grad_ops.PASS_GRADIENT` whose source it
+    is, or a copy of it that only such passes read (:func:`_pass_updates_in_place` takes one where a Dynamo graph's
+    input is updated in place)."""
+    if u.target is PASS_GRADIENT:
+        return len(u.args) > 1 and u.args[1] is v and u.args[0] is not v
+    return u.target is torch.ops.aten.clone.default and bool(u.users) and \
+        all(w.target is PASS_GRADIENT and w.args[1] is u for w in u.users)
+
+
+def _state_of(gm: fx.GraphModule, n: fx.Node):
+    """The tensor a get_attr node ``n`` reads (None for another node)."""
+    if n.op != "get_attr":
+        return None
+    try:
+        return state_tensor(gm, n.target)
+    except AttributeError:
+        return None
+
+
+def _ancestors(n: fx.Node) -> set:
+    seen, todo = set(), list(n.all_input_nodes)
+    while todo:
+        a = todo.pop()
+        if a not in seen:
+            seen.add(a)
+            todo.extend(a.all_input_nodes)
+    return seen
+
+
 def _updated_in_place(n: fx.Node):
     """The node ``n`` is the new version of when the functional graph made ``n`` from an in-place update of a
     tensor (its ``torch_fn`` names an in-place method, ``__setitem__`` or an augmented assignment): that
@@ -1815,20 +1906,20 @@ def _capture_export(model, args, kwargs, export=None):
         {n for n, _ in model.named_buffers(remove_duplicate=False)}
     updates = [(i, s.target) for i, s in enumerate(sig.output_specs)
                if s.kind.name in ("BUFFER_MUTATION", "PARAMETER_MUTATION") and s.target in state]
-    trained = [t for i, t in updates if model.training and sig.output_specs[i].kind.name == "PARAMETER_MUTATION"
-               and model.get_parameter(t).requires_grad]
-    if trained:
-        raise CaptureError("export", f"capture failed on route 'export': in training mode the forward updates the "
-                                     f"parameter(s) {trained} in place (through .data); eager's later reads of it "
-                                     f"carry its gradient, which the captured graph's new value does not. hint: "
-                                     f"capture in eval mode, or freeze the parameter (requires_grad_(False)).")
+    # a parameter that requires grad updated in place (through .data, or in a torch.no_grad() block): its later
+    # reads carry its gradient in eager, which _pass_trained_updates gives the captured graph's new value
+    trained = {t for i, t in updates if sig.output_specs[i].kind.name == "PARAMETER_MUTATION"
+               and model.get_parameter(t).requires_grad}
     # an input tensor updated in place (a static KV cache): output index -> its place among the flat inputs
     leaf_of = {s.arg.name: k for k, s in enumerate(s for s in sig.input_specs if s.kind.name == "USER_INPUT")}
     leaves = pytree.tree_leaves((args, kwargs))
     inputs = {i: leaf_of[s.target] for i, s in enumerate(sig.output_specs)
               if s.kind.name == "USER_INPUT_MUTATION" and s.target in leaf_of} if len(leaves) == len(leaf_of) else {}
+    # an input that requires grad: a leaf (a parameter Dynamo passes as an input) is updated outside autograd, as
+    # eager allows no other update of it, and reads after it pass their gradient to it (_pass_trained_updates); the
+    # update of one made from others (with grad) is autograd's, which the write-back cannot give
     graded = [sig.output_specs[i].target for i, leaf in inputs.items()
-              if getattr(leaves[leaf], "requires_grad", False)]
+              if getattr(leaves[leaf], "requires_grad", False) and not leaves[leaf].is_leaf]
     if graded:
         raise CaptureError("export", f"capture failed on route 'export': the forward updates the input(s) {graded} "
                                      f"in place, and they require grad; eager's later reads of them carry their "
@@ -1853,6 +1944,10 @@ def _capture_export(model, args, kwargs, export=None):
     # writes them back)
     gm = _lift_to_attrs(ep.graph_module, attr_of, user_out + [i for i, _ in updates] + list(inputs), alias)
     gm.meta["autofuse_state_updates"] = tuple(target for _, target in updates)
+    gm.meta["autofuse_trained_updates"] = tuple(
+        [(len(user_out) + k, target) for k, (_, target) in enumerate(updates) if target in trained]
+        + [(len(user_out) + len(updates) + k, leaf) for k, leaf in enumerate(inputs.values())
+           if getattr(leaves[leaf], "requires_grad", False)])
     gm.meta["autofuse_input_updates"] = tuple(inputs.values())
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
 

@@ -915,14 +915,16 @@ class Plan:
     def __init__(self, captured, graph_module, report, canonical, guards, model=None):
         #: planned without grad, the plan is not for a call autograd may differentiate: canonicalize dropped a detach,
         #: the forward applies a custom autograd.Function (whose backward the graph does not keep),
-        #: or a fused call reads a value the model returns (cut only in plans made with grad: plan.returned_and_read)
+        #: or a fused call reads a value the model returns (cut only in plans made with grad: plan.returned_and_read),
+        #: or the forward updates a parameter that requires grad (read after it through a pass with grad only)
         # (a custom Function planned with grad had its backward checked, and self.autograd keys the plan; a plan
         # without grad through activation checkpoints may fuse across them: a call with grad plans again to keep them)
         self.without_grad_only = bool(canonical.meta.get("autofuse_dropped_detach") or
                                       canonical.meta.get("autofuse_returned_read") or
                                       not canonical.meta.get("autofuse_grad", True) and (
                                           canonical.meta.get("autofuse_custom_functions") or
-                                          canonical.meta.get("autofuse_checkpoints")))
+                                          canonical.meta.get("autofuse_checkpoints") or
+                                          canonical.meta.get("autofuse_trained_updates")))
         #: the autograd state (:func:`autograd_state`) of the call planned, where the forward read it (a branch on
         #: ``tensor.requires_grad`` or ``torch.is_grad_enabled()``) or applies a custom autograd.Function: the plan
         #: serves only calls in that state
@@ -976,7 +978,13 @@ class Plan:
 
     def _run(self, args, kwargs):
         leaves = self.captured.flatten_inputs(*args, **kwargs)
-        graded = [i for i in self.captured.input_updates if getattr(leaves[i], "requires_grad", False)]
+        # an input updated outside autograd that required grad at a capture with grad (a leaf): its reads pass their
+        # gradient (capture._pass_trained_updates)
+        meta = self.captured.graph_module.meta
+        passed = {t for _, t in meta.get("autofuse_trained_updates", ()) if isinstance(t, int)} \
+            if meta.get("autofuse_grad", True) else set()
+        graded = [i for i in self.captured.input_updates if getattr(leaves[i], "requires_grad", False)
+                  and not (i in passed and leaves[i].is_leaf)]
         if graded and torch.is_grad_enabled():
             raise RuntimeError(f"autofuse: the forward updates input(s) {graded} (by position among the flattened "
                                f"inputs) in place, and this call's require grad; eager's later reads of them carry "

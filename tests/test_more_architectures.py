@@ -402,3 +402,40 @@ def test_llama_eager_attention_under_autocast_is_fused_and_trains_within_the_bou
     for n, p in ref.named_parameters():
         ok, err, tol = compare(want_g[n], p.grad, got_g[n])
         assert ok, (n, err, tol)
+
+
+def test_gemma3n_trains_with_its_altup_coefficients_clamped_as_in_eager():
+    """Gemma 3n clamps its AltUp prediction coefficients through ``.data`` in each training forward: the fused model
+    writes the clamped values back and reads them with their gradient, as eager does. With a clip small enough to
+    bite, every parameter's gradient (the coefficients' included) equals eager's, and the coefficients after the
+    call are eager's, bit for bit (the same clamp)."""
+    from autofuse.models import build_transformers
+    spec = ("transformers:Gemma3nTextConfig?num_hidden_layers=2&hidden_size=64&intermediate_size=[128,128]"
+            "&num_attention_heads=4&num_key_value_heads=2&vocab_size=128&pad_token_id=0&head_dim=16"
+            "&sliding_window=8&layer_types=[sliding_attention,full_attention]&num_kv_shared_layers=0&laurel_rank=8"
+            "&altup_num_inputs=2&hidden_size_per_layer_input=16&activation_sparsity_pattern=[0.0,0.0]"
+            "&altup_coef_clip=0.05")
+    torch.manual_seed(0)
+    model, (args, kwargs) = build_transformers(spec, seq=8, batch=2, attn="eager")
+    model.train()
+    coefs = [n for n, _ in model.named_parameters() if n.endswith("prediction_coefs.weight")]
+    with torch.no_grad():
+        for n in coefs:
+            model.get_parameter(n).normal_()            # beyond the clip
+    eager = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert fused.report.applied, fused.report.summary()
+    for m in (fused, eager):
+        main_output(m(*args, **kwargs)).float().square().mean().backward()
+    want = dict(eager.named_parameters())
+    assert coefs
+    for n, p in model.named_parameters():
+        if want[n].grad is None:
+            assert p.grad is None, n
+            continue
+        torch.testing.assert_close(p.grad, want[n].grad, atol=1e-5, rtol=1e-4, msg=n)    # fp32 both sides
+        assert torch.equal(p, want[n]), n
+    for n in coefs:         # small gradients: compared against their own largest too (a pass missing leaves them 0)
+        p, top = model.get_parameter(n), float(want[n].grad.abs().max())
+        assert top > 0 and float((p.grad - want[n].grad).abs().max()) <= 1e-4 * top, n
+        assert bool((p.abs() <= torch.tensor(0.05)).all()), n

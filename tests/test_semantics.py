@@ -1,6 +1,7 @@
 """The fused model is the user's model: what runs is the captured graph plus fused calls; parameters and
 buffers are read at call time and get their gradients; finite mask fills, fully masked rows, training
 mode and guarded assumptions behave as eager does."""
+import copy
 import json
 
 import numpy as np
@@ -821,10 +822,154 @@ def test_updated_buffers_and_parameters_are_written_back():
     assert int(model.calls) == 3
 
 
-def test_a_trainable_parameter_updated_in_training_mode_is_refused():
+class _NoGradClamped(_Counting):
+    """:class:`_Counting` with its clamp written as an update under ``torch.no_grad()``."""
+
+    def forward(self, x):
+        self.calls += 1
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return F.gelu(self.lin(x)) * 2 + 1
+
+
+class _Renormed(nn.Module):
+    """``nn.Embedding(max_norm=...)``: each call renormalises the rows it looks up in place (torch's
+    ``embedding_renorm_`` under no_grad), then a projection and a LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16, max_norm=1.0)
+        self.lin = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, ids):
+        return self.norm(F.gelu(self.lin(self.emb(ids))) * 2 + 1)
+
+
+def _updated_in_training(kind, dtype):
+    torch.manual_seed(0)
+    model = {"data": _Counting, "no_grad": _NoGradClamped, "max_norm": _Renormed}[kind]().train()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()                 # outside the clamp's range, embedding rows longer than max_norm
+    x = torch.randint(0, 32, (4, 6)) if kind == "max_norm" else torch.randn(4, 8)
+    return model.to(dtype), x.to(dtype) if x.is_floating_point() else x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["data", "no_grad", "max_norm"])
+def test_a_trainable_parameter_updated_in_training_mode_trains_as_in_eager(kind, dtype):
+    """A parameter the forward updates outside autograd (through .data, under no_grad, an embedding's max_norm) is
+    written back and read with its gradient, as eager reads it: the output, every gradient (the updated weight's
+    included, which a read of the graph's new value alone would leave at 0) within the verifier's bound of eager
+    (twice eager's own error against the model in float64), and the updated values written into the model."""
+    from autofuse.verify import compare
+    model, x = _updated_in_training(kind, dtype)
+    ref = copy.deepcopy(model).double()
+    eager = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert fused.report.applied, fused.report.summary()
+    got, want = fused(x), eager(x)
+    exact = ref(x.double() if x.is_floating_point() else x)
+    for y in (got, want, exact):
+        y.float().pow(2).sum().backward()
+    ok, err, tol = compare(want, exact, got)
+    assert ok, ("output", err, tol)
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        assert float(q.grad.abs().max()) > 0, name
+        ok, err, tol = compare(q.grad, r.grad, p.grad)
+        assert ok, (name, err, tol)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p, q), name          # the update written back: the same op on the same values
+    if kind == "max_norm":
+        rows = x.unique()
+        assert bool((model.emb.weight[rows].double().norm(dim=1) <= 1.0 + 1e-2).all())
+    else:
+        assert int(model.calls) == 1 and bool((model.lin.weight.abs() <= 0.1).all())
+
+
+def test_training_steps_with_an_updated_parameter_follow_eager():
+    """Three SGD steps, each forward clamping the weight the last step moved: the fused model's parameters stay
+    eager's (fp32; the fused kernels differ from eager's only in the order of their fp32 sums)."""
+    model, x = _updated_in_training("data", torch.float32)
+    eager = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    for _ in range(3):
+        for net, run in ((model, fused), (eager, eager)):
+            run(x).pow(2).sum().backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.05 * p.grad
+                    p.grad = None
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert int(model.calls) == 3 and len(fused.plans) == 1
+
+
+class _ReadThenClamped(_Counting):
+    def forward(self, x):
+        y = self.lin(x)
+        self.lin.weight.data.clamp_(-0.1, 0.1)
+        return F.gelu(self.lin(y))
+
+
+def test_a_parameter_read_before_its_update_is_refused_with_grad():
+    """Eager's backward of the first read uses the parameter's values when it runs, the clamped ones; a captured
+    graph's would use those it read: refused, naming the parameter and the read, in training and in eval mode
+    (with grad, a backward may follow). Frozen, or captured without grad, it fuses."""
     from autofuse.capture import CaptureError
-    with pytest.raises(CaptureError, match=r"updates the parameter\(s\) \['lin.weight'\] in place"):
-        AutoFusionEngine.fuse(_Counting().train(), (torch.randn(4, 8),))
+    for mode in ("train", "eval"):
+        with pytest.raises(CaptureError, match=r"reads 'lin.weight' \(linear .*\), which requires grad, before it "
+                                               r"updates it in place"):
+            AutoFusionEngine.fuse(getattr(_ReadThenClamped(), mode)(), (torch.randn(4, 8),))
+    frozen = _ReadThenClamped().train()
+    frozen.lin.weight.requires_grad_(False)
+    AutoFusionEngine.fuse(frozen, (torch.randn(4, 8),))
+    with torch.no_grad():
+        AutoFusionEngine.fuse(_ReadThenClamped().eval(), (torch.randn(4, 8),))
+
+
+def test_a_parameter_updated_in_eval_mode_keeps_its_gradient():
+    """``nn.Embedding(max_norm=...)`` renormalises in eval mode too: a backward through the fused model in eval mode
+    (fine-tuning without dropout) gives the embedding its gradient, as eager does (the graph's new value alone
+    gave it none). A plan made without grad serves calls without grad only: a call with grad plans again, with the
+    gradient's pass."""
+    from autofuse.verify import compare
+    model, x = _updated_in_training("max_norm", torch.float32)
+    model.eval()
+    ref, eager = copy.deepcopy(model).double(), copy.deepcopy(model)
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(model, (x,))
+        fused(x)
+    got = fused(x)
+    assert len(fused.plans) == 2
+    for y in (got, eager(x), ref(x)):
+        y.pow(2).sum().backward()
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        ok, err, tol = compare(q.grad, r.grad, p.grad)
+        assert ok, (name, err, tol)
+
+
+def test_a_parameter_updated_in_training_mode_through_torch_compile():
+    """Dynamo passes the parameters as inputs: an update of one is an update of an input that requires grad and is
+    a leaf, so outside autograd, and the graph is fused (not run as Dynamo gave it), with eager's gradients."""
+    import warnings
+    from autofuse import reports
+    model, x = _updated_in_training("data", torch.float32)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="autofuse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # "runs unfused, as Dynamo gave it" would fail here
+        got = compiled(x)
+    want = eager(x)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    assert any(r.applied for r in reports(compiled))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(p, q), name
 
 
 class _Accumulating(nn.Module):
