@@ -586,7 +586,8 @@ def _restore_python_state(state) -> list:
             elif k.startswith("_"):
                 if cur is v or not (holds_tensor(cur) or holds_tensor(v)):
                     continue
-                changed.append((f"{where}{k} ({_shown(v)} -> {_shown(cur)})", m, k, cur))
+                if not _parameter_cache(m, k):
+                    changed.append((f"{where}{k} ({_shown(v)} -> {_shown(cur)})", m, k, cur))
             elif same_value(cur, was):
                 now[k] = v           # the user's own object put back (a re-wrapped container)
                 continue
@@ -604,6 +605,13 @@ def _restore_python_state(state) -> list:
 
 
 _GONE = object()
+
+
+def _parameter_cache(m: torch.nn.Module, k: str) -> bool:
+    """Whether ``m.k`` is torch's own list of ``m``'s parameters, which its forward rebuilds from them when they are
+    other tensors than the list holds: an RNN's ``_flat_weights``. The trace reads the parameters as traced values,
+    so the forward rebuilt it from those; put back, eager's next call finds its parameters in it as before."""
+    return k == "_flat_weights" and isinstance(m, torch.nn.RNNBase)
 
 
 @contextlib.contextmanager
@@ -747,7 +755,8 @@ def _grad_blocks():
     decorated with one) carries that block's mode as ``node.meta["custom"][GRAD_BLOCK]``: the tracer copies
     ``torch.fx.traceback.current_meta["custom"]`` into the nodes it makes while node metadata is preserved, which
     is only inside such a block, so the rest of the graph is made as before. The trace itself runs without grad,
-    so the mode is recorded from the blocks, not read. torch's own blocks are not the forward's: left alone."""
+    so the mode is recorded from the blocks, not read. The blocks of torch's machinery (not torch.nn's modules and
+    functions, which are the forward's: :func:`_forwards_block`) are left alone."""
     from torch.autograd import grad_mode
     from torch.fx import traceback as fx_traceback
     # inference_mode(): no gradient through what the block makes, as no_grad (eager's values made there are
@@ -1326,8 +1335,10 @@ def _fake_tensor_errors_unlogged():
 
 
 def _forwards_block(frame) -> bool:
-    """Whether the grad-mode block entered from ``frame`` is the forward's own (the user's or a library's model
-    code), not torch's or autofuse's: its caller past ``contextlib``, or for a decorated function that function."""
+    """Whether the grad-mode block entered from ``frame`` is the forward's own (the user's, a library's model code,
+    or torch.nn's: spectral_norm's power iteration, an embedding's max_norm, gaussian_nll_loss's clamp of the
+    variance), not torch's machinery or autofuse's: its caller past ``contextlib``, or for a decorated function that
+    function."""
     import torch.utils._contextlib as decorators
     while frame is not None and frame.f_code.co_filename == contextlib.__file__:
         frame = frame.f_back
@@ -1335,12 +1346,13 @@ def _forwards_block(frame) -> bool:
         return False
     if frame.f_code.co_filename == decorators.__file__:
         module = getattr(frame.f_locals.get("func"), "__module__", None) or "torch"
-        return module.split(".")[0] not in ("torch", "autofuse")
+        return module.split(".")[0] not in ("torch", "autofuse") or module.startswith("torch.nn.")
     name = os.path.abspath(frame.f_code.co_filename)
-    return not name.startswith((_TORCH_DIR, _OWN_DIR))
+    return not name.startswith((_TORCH_DIR, _OWN_DIR)) or name.startswith(_TORCH_NN_DIR)
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_TORCH_NN_DIR = os.path.join(_TORCH_DIR, "nn") + os.sep
 _OVERRIDES = torch.overrides.__file__
 _TENSOR = torch._tensor.__file__
 _FUNCTIONAL_TENSOR = torch._subclasses.functional_tensor.__file__
@@ -1791,11 +1803,14 @@ def _refuse_custom_backwards(model, functions, inputs):
 # ---------------------------------------------------------------------------------------------- routes
 
 def _export_retrace(model, args, kwargs, dynamic_shapes=None):
-    """``torch.export.export`` then ``run_decompositions({})``: two traces (the reference for
-    :func:`_export_functional`)."""
+    """``torch.export.export`` then ``run_decompositions``: two traces (the reference for
+    :func:`_export_functional`), every composite op preserved but those that update an input unannounced
+    (:data:`autofuse.composite.MUTATING_UNTAGGED`)."""
+    from torch._export.utils import _get_decomp_for_cia
+    from autofuse.composite import MUTATING_UNTAGGED
     with _random_ops_kept(), caches.plain_lengths():
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
-                                   strict=False).run_decompositions({})
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
+                                   ).run_decompositions({op: _get_decomp_for_cia(op) for op in MUTATING_UNTAGGED})
 
 
 def _random_ops_kept():

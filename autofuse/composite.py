@@ -45,17 +45,23 @@ MIRRORED = "4422dc79d0792af728dd8eacf0a2fadcf00195c8802ceca15632b737d9d5c9bd"
 
 _preserved: dict = {}
 
+#: composite ops that update an input in place but whose schema and tags say nothing of it, so torch preserves them as
+#: functional: ``instance_norm`` given running statistics in training writes them (its batch_norm inside does), and a
+#: graph that kept it whole would leave the update to whichever kernel runs it (a fused one does not). Decomposed,
+#: the update is the functional batch_norm's, which the export returns as a buffer mutation.
+MUTATING_UNTAGGED = (torch.ops.aten.instance_norm.default,)
+
 
 def preserved_ops() -> dict:
     """``{op: torch's marker to preserve it}`` for every composite op a trace may keep whole: torch's
     ``_split_decomp_table_to_cia_and_python_decomp({})[0]``, listed again only when the dispatcher's composite
-    registrations or ``torch.ops``' namespaces and their ops changed."""
+    registrations or ``torch.ops``' namespaces and their ops changed, but :data:`MUTATING_UNTAGGED`."""
     from torch.export.exported_program import _split_decomp_table_to_cia_and_python_decomp
     if _preserved.get("key") != _registry():
         _preserved["ops"] = _split_decomp_table_to_cia_and_python_decomp({})[0]
         # listing materialises ops in torch.ops: the key is read after it, as the next call will see it
         _preserved["key"] = _registry()
-    return dict(_preserved["ops"])
+    return {op: mark for op, mark in _preserved["ops"].items() if op not in MUTATING_UNTAGGED}
 
 
 def _registry() -> tuple:

@@ -13,7 +13,8 @@ deprecated with ``typing_extensions.deprecated``. Nothing in autofuse or the use
 
 A forward that assigns a tensor to a module attribute makes torch.export warn that it "must be registered as
 buffers"; capture then refuses that forward by name with its own error (:func:`autofuse.capture.capture`), so the
-warning is silenced too: the error says it, and what to do.
+warning is silenced too: the error says it, and what to do. An RNN's forward rebuilds its list of its own parameters
+when traced, which capture puts back (nothing for the user to do).
 
 A symbolic export (:mod:`autofuse.sizes`, the export that serves the signatures of one structure at other sizes)
 marks the dims seen to change ``Dim.AUTO``; where one of them is 1 in the call exported, torch logs (WARNING) that
@@ -26,7 +27,7 @@ import contextlib
 import warnings
 
 LEAFSPEC_MESSAGE = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-ATTRIBUTE_MESSAGE = r"The tensor attribute .* was assigned during export"
+ATTRIBUTE_MESSAGE = r"The tensor attributes? .* (was|were) assigned during export"
 
 
 @contextlib.contextmanager
