@@ -1445,7 +1445,7 @@ class _Verifier:
         failed, tried = [], 0
         for sizes in options:
             sizes = _verify.consistent_sizes(sub, sizes, [_reshaped(n) for n in external])
-            what = ", ".join(f"{a} -> {b}" for a, b in sizes.items())
+            what = ", ".join(f"{a} -> {b}" for a, b in sizes.items() if a != b)
             try:
                 inputs = self._inputs(external, sizes, strict=True)     # cheap: views that do not hold fail here
                 tried += 1

@@ -707,7 +707,8 @@ def shrink_experts(match) -> list:
     """Tokens (and token-expert pairs), the hidden size and the expert width: the weights shrink with them, so a
     7B-class experts block verifies in megabytes. The reduced sizes keep the block's own coincidences: a size
     that plays two roles (Mixtral's 2048 tokens x top-2 = 4096 = its hidden size; DeepSeek-V3's 4096 tokens =
-    twice its expert width) gets one reduced value that serves both, and the expert count and k are left alone.
+    twice its expert width) gets one reduced value that serves both, and the expert count and k are left alone
+    (held in the map as themselves).
     Several such choices, the verifier takes the first that runs (a size the block's views split, such as a
     sequence length equal to the hidden size, can still make one fail)."""
     p = match.params
@@ -720,10 +721,12 @@ def shrink_experts(match) -> list:
         if p.get("implementation") == "dense":           # every token once per expert
             roles.append((E * T, E * min(T, t)))
         sizes = {}
-        if all(sizes.setdefault(a, b) == b for a, b in roles):
-            sizes = {a: b for a, b in sizes.items() if a != b}
-            if sizes and sizes not in out:
-                out.append(sizes)
+        # the sizes kept stay in the map (a -> a): a view that seems to split a reduced size over one of them
+        # (2I = 2048 = 32 tokens x hidden 64, where 64 is also the expert count) must not reduce it
+        # (verify.consistent_sizes leaves a size the map holds alone)
+        if all(sizes.setdefault(a, b) == b for a, b in roles) and any(a != b for a, b in sizes.items()) \
+                and sizes not in out:
+            out.append(sizes)
     return out
 
 

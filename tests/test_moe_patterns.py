@@ -221,6 +221,25 @@ def test_deepseek_v3_routing_at_its_real_sizes_is_fused_and_matches_eager():
     _assert_within_the_bound_of_float64(model, fused, ids)
 
 
+def test_an_experts_block_verified_on_reduced_shapes_keeps_its_expert_count():
+    """EXAONE-MoE's defaults: 64 experts, top-8, an expert width of 1024; at hidden 64 the expert count equals the
+    hidden size, and the fused gate_up width 2048 equals 32 tokens x 64. The block is too large to check at its size
+    (its float64 reference), so it is checked on reduced shapes, which keep the expert count: a view of the
+    [32, 64] hidden states read as a split of 2048 reduced 64 to 3, three experts for a top-8, and the check
+    failed the block (error 78.8). Fused, and within the bound of float64."""
+    torch.manual_seed(0)
+    cfg = tf.ExaoneMoeConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128, pad_token_id=0)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (64, 8, 1024)
+    model = tf.ExaoneMoeForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    experts = fused.report.of("moe_experts")
+    assert experts and all(d.reason_code == "fused" for d in experts), fused.report.summary()
+    assert all("verified on reduced shapes" in d.reason and "64 ->" not in d.reason for d in experts)
+    _assert_within_the_bound_of_float64(model, fused, ids)
+
+
 # --------------------------------------------------------------------------------------- routers alone
 
 
