@@ -369,6 +369,19 @@ def _setup_context(ctx, inputs, output):
     ctx.lg_dtype = lg_dtype
 
 
+def _grad_kernel_fits(device, q, k, v, mask, drop, stats, softcap) -> bool:
+    """Whether the backward kernel has a tiling for these operands on ``device`` (as it picks one when launched)."""
+    from cost_model.devices import get_device
+    from autofuse.npu.dtypes import name_of
+    from autofuse.npu.kernels.flash_attention_grad import has_tiling
+    spec = None
+    if mask is not None:
+        shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+        spec = (name_of(mask), shape4[2] != 1, shape4[3] != 1)
+    return has_tiling(get_device(device), q.shape[2], k.shape[2], q.shape[3], v.shape[3], name_of(q), spec,
+                      drop is not None, not stats.numel(), softcap is not None)
+
+
 def _backward(ctx, grad_out, grad_probs, grad_stats):
     """Gradients of attention. dq, dk, dv come from the fused backward kernel on the simulator
     (``torch.ops.autofuse.flash_attention_grad``, FlashAttentionScoreGrad), given the forward's row statistics
@@ -376,14 +389,17 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     (``grad_stats`` is ignored: they are the backward's input, not a value a loss reads). The host recompute in fp32 (differentiating
     :func:`reference_flash_attention`) remains for what that kernel does not compute: the gradient of a
     learnable ``scale_tensor``, of an additive float ``mask`` that requires grad, and a gradient flowing into
-    the probabilities (``return_probs``: it changes dS); the whole backward then runs there, so its dq/dk/dv
-    stay consistent. ``mask_keeps_nan`` (SDPA's masks) takes the kernel: on finite scores adding -inf and
-    filling -inf give the same P, so the same gradients; a NaN score (NaN in q or k) makes the forward's row
+    the probabilities (``return_probs``: it changes dS), and a head too wide for the kernel's buffers (no tiling
+    fits: 512 in fp32 on the 910); the whole backward then runs there, so its dq/dk/dv stay consistent.
+    ``mask_keeps_nan`` (SDPA's masks) takes the kernel: on finite scores adding -inf and filling -inf give the same
+    P, so the same gradients; a NaN score (NaN in q or k) makes the forward's row
     NaN, and the kernel's gradients are NaN where that row's dS reaches (its dq row, the dk and dv of the keys
     it attends), which need not be every place eager's SDPA backward puts NaN."""
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
-    host = ((sinks is not None and not stats.numel())     # the backward kernel has no sinks in its statistics' recompute
+    host = (not _grad_kernel_fits(ctx.device, q, k, v, mask, drop, stats, ctx.softcap)   # no tiling for its buffers
+            # the backward kernel has no sinks in its statistics' recompute
+            or (sinks is not None and not stats.numel())
             or ctx.lg_dtype is not None                     # nor eager's 16-bit scores and logits
             or (scale_t is not None and (need[11] or scale_t.numel() != 1))   # the backward kernel: one scale
             or (mask is not None and mask.is_floating_point() and need[3])

@@ -172,6 +172,27 @@ def test_learnable_scale_keeps_the_host_recompute():
 
 
 
+@pytest.mark.parametrize("D, dtype, kernel", [(512, torch.float32, False), (512, torch.bfloat16, True),
+                                              (256, torch.float32, True)])
+def test_a_head_too_wide_for_the_backward_kernel_takes_the_host_recompute(D, dtype, kernel):
+    """The backward kernel has no tiling for a 512-wide fp32 head on the 910 (Gemma 4's global layers): the backward
+    recomputes on the host instead of failing in the middle of loss.backward(), with eager's gradients; a 16-bit
+    512 head and a 256-wide fp32 head (near misses) fit and run the kernel."""
+    from autofuse.npu.kernels.flash_attention_grad import has_tiling
+    from cost_model.devices import get_device
+    assert has_tiling(get_device("ascend910"), 16, 16, D, D, str(dtype).replace("torch.", "")) == kernel
+    q, k, v = _qkv(1, 2, 1, 16, D, dtype)
+    go = torch.randn(1, 2, 16, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with recording() as log:
+        flash_attention(q, k, v, causal=True).backward(go)
+    assert [name for name, _ in log] == ["flash_attention"] + ["flash_attention_grad"] * kernel
+    ref = torch.autograd.grad(_eager64(q, k, v, causal=True), (q, k, v), go.double())
+    # fp32: the kernel's or the host's fp32 sums; bf16 operands: P, dS and the gradients rounded to bf16 (2^-8)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for a, b in zip((q.grad, k.grad, v.grad), ref):
+        assert (a.double() - b).abs().max() <= tol * max(1.0, b.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_saved_stats_reach_the_backward_kernel(dtype):
     """With return_stats the forward's row statistics ([2, B, N, Sq]: the twin's, as the kernel's) go to the

@@ -170,6 +170,16 @@ def tiling_fits(device, D, Dv, dtype, t, mask_spec=None, drop=False, stats=True,
 _TILINGS: dict = {}
 
 
+def has_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True, cap=False) -> bool:
+    """Whether some tiling fits ``device`` (:func:`default_tiling` finds one): a head dim too wide for its buffers
+    (512 in fp32 on the 910) has none."""
+    try:
+        default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats, cap)
+    except ValueError:
+        return False
+    return True
+
+
 def default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True, cap=False) -> dict:
     """The largest block ``q × kv`` that fits (ties: the larger kv, fewer reloads of Q and dO per score),
     clamped to the 16-rounded sequence lengths. Cached per device and shape."""
