@@ -2380,8 +2380,9 @@ def _explain(model, failures, drawn: str | None, skipped: list) -> str:
             if "data-dependent" in str(e):
                 hint = ("torch's own module code reads a tensor value there, which its arguments decide (a "
                         "BatchNorm with momentum=None reads its batch count; a TransformerEncoder given a mask "
-                        "without is_causal inspects the mask): set the argument that avoids the read, or compile "
-                        "the model with torch.compile(model, backend='autofuse'), which runs it with a graph break")
+                        "without is_causal inspects the mask; a FakeQuantize reads its enable flags): set the "
+                        "argument that avoids the read, or compile the model with torch.compile(model, "
+                        "backend='autofuse'), which runs it with a graph break")
         if isinstance(e, TypeError) and any(k in str(e) for k in _SIGNATURE_ERRORS):
             hint = _signature_hint(model)
         if default:
@@ -2445,25 +2446,31 @@ def _raised_in_forward(e: BaseException) -> bool:
     layers and functionals (``torch/nn``, not ``Module.__call__``), or of fx's ``Interpreter`` running a node of a
     GraphModule's graph (how torch.export runs one) is in its traceback. An error raised by torch's tracing
     machinery alone (its guards, its shape environment) has none: the forward need not raise it."""
-    nn_dir = os.path.join(_TORCH_DIR, "nn") + os.sep
     interpreter = os.path.join(_TORCH_DIR, "fx", "interpreter.py")
     for f in traceback.extract_tb(e.__traceback__):
         if _users_file(f.filename) or os.path.abspath(f.filename) == interpreter and f.name == "run_node":
             return True
-        if os.path.abspath(f.filename).startswith(nn_dir) and not f.filename.endswith(os.path.join("modules",
-                                                                                                    "module.py")):
+        if _torch_module_code(f.filename):
             return True
     return False
 
 
+#: torch's layers and functionals (torch.nn) and its quantization modules (torch.ao: FakeQuantize, observers)
+_TORCH_MODULE_DIRS = tuple(os.path.join(_TORCH_DIR, d) + os.sep for d in ("nn", "ao"))
+
+
+def _torch_module_code(filename: str) -> bool:
+    """Whether ``filename`` is torch's own module code (a layer's forward, a functional), not ``Module.__call__``."""
+    return os.path.abspath(filename).startswith(_TORCH_MODULE_DIRS) and \
+        not filename.endswith(os.path.join("modules", "module.py"))
+
+
 def _torch_module_frame(e: BaseException) -> str | None:
-    """Where torch's own module code (``torch/nn``: a layer's forward, its functional) failed, below the user's
-    innermost frame; None where the failure is not inside such code."""
+    """Where torch's own module code (``torch/nn``: a layer's forward, its functional; ``torch/ao``: a FakeQuantize,
+    an observer) failed, below the user's innermost frame; None where the failure is not inside such code."""
     frames = traceback.extract_tb(e.__traceback__)
-    nn_dir = os.path.join(_TORCH_DIR, "nn") + os.sep
     user = [i for i, f in enumerate(frames) if _users_file(f.filename)]
-    inside = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(nn_dir)
-              and not f.filename.endswith(os.path.join("modules", "module.py"))]
+    inside = [i for i, f in enumerate(frames) if _torch_module_code(f.filename)]
     if not inside or (user and inside[-1] < user[-1]):
         return None
     f = frames[inside[-1]]

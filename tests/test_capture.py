@@ -366,6 +366,21 @@ def test_a_capture_limit_is_not_called_an_error_of_the_forward():
     assert "momentum=None" in str(e.value)
 
 
+def test_a_fake_quantize_reading_its_flags_is_located_in_its_own_code():
+    """torch.ao's FakeQuantize branches on its enable flags (buffers): the capture error points at that line in
+    torch/ao, not at the Sequential that called it, and the hint names the construct."""
+    import torch.ao.quantization as tq
+    from autofuse.capture import CaptureError
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), tq.FakeQuantize()).train()
+    x = torch.randn(4, 8)
+    model(x)                                    # eager runs
+    with pytest.raises(CaptureError) as e:
+        capture(model, (x,))
+    assert re.search(r"inside torch's own module code at torch/ao/quantization/fake_quantize.py:\d+ in forward: "
+                     r"if self.observer_enabled\[0\] == 1", str(e.value))
+    assert "FakeQuantize reads its enable flags" in str(e.value) and "raises on these inputs" not in str(e.value)
+
+
 class _Out:
     """An output class of the user's own, not registered as a pytree."""
 
