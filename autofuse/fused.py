@@ -721,12 +721,13 @@ def shrink_experts(match) -> list:
         if p.get("implementation") == "dense":           # every token once per expert
             roles.append((E * T, E * min(T, t)))
         sizes = {}
-        # the sizes kept stay in the map (a -> a): a view that seems to split a reduced size over one of them
-        # (2I = 2048 = 32 tokens x hidden 64, where 64 is also the expert count) must not reduce it
-        # (verify.consistent_sizes leaves a size the map holds alone)
-        if all(sizes.setdefault(a, b) == b for a, b in roles) and any(a != b for a, b in sizes.items()) \
-                and sizes not in out:
-            out.append(sizes)
+        if all(sizes.setdefault(a, b) == b for a, b in roles):
+            # the expert count and k stay in the map (a -> a): a view that seems to split a reduced size over one
+            # of them (2I = 2048 = 32 tokens x hidden 64, where 64 is also the expert count) must not reduce it
+            # (verify.consistent_sizes leaves a size the map holds alone); other sizes left as they are may be
+            sizes = {a: b for a, b in sizes.items() if a != b or a in (E, k)}
+            if any(a != b for a, b in sizes.items()) and sizes not in out:
+                out.append(sizes)
     return out
 
 
