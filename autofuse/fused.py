@@ -140,13 +140,10 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
 
 def kernel_default_tiling(device: str, specs, mask, drop: bool = False, sink: bool = False) -> dict:
     """The tiling the flash_attention kernel picks by itself for these shapes (what it runs with ``tiling=None``)."""
-    from autofuse.npu.kernels.flash_attention import default_tiling
+    from autofuse.npu.kernels.flash_attention import default_tiling, mask_spec
     (qs, dtype), (ks, _), (vs, _) = specs
-    mask_spec = None
-    if mask is not None:
-        m4 = _as_bnsd(mask[0])
-        mask_spec = (mask[1], m4[2] != 1, m4[3] != 1)
-    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, mask_spec, vs[3], drop, sink)
+    spec = None if mask is None else mask_spec(mask[1], mask[0])
+    return default_tiling(get_device(device), qs[2], ks[2], qs[3], dtype, spec, vs[3], drop, sink)
 
 
 def gqa_group(p: dict, mask_shapes) -> int:

@@ -373,11 +373,9 @@ def _grad_kernel_fits(device, q, k, v, mask, drop, stats, softcap) -> bool:
     """Whether the backward kernel has a tiling for these operands on ``device`` (as it picks one when launched)."""
     from cost_model.devices import get_device
     from autofuse.npu.dtypes import name_of
+    from autofuse.npu.kernels.flash_attention import mask_spec
     from autofuse.npu.kernels.flash_attention_grad import has_tiling
-    spec = None
-    if mask is not None:
-        shape4 = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-        spec = (name_of(mask), shape4[2] != 1, shape4[3] != 1)
+    spec = None if mask is None else mask_spec(name_of(mask), mask.shape)
     return has_tiling(get_device(device), q.shape[2], k.shape[2], q.shape[3], v.shape[3], name_of(q), spec,
                       drop is not None, not stats.numel(), softcap is not None)
 
@@ -397,13 +395,12 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     it attends), which need not be every place eager's SDPA backward puts NaN."""
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
-    host = (not _grad_kernel_fits(ctx.device, q, k, v, mask, drop, stats, ctx.softcap)   # no tiling for its buffers
-            # the backward kernel has no sinks in its statistics' recompute
-            or (sinks is not None and not stats.numel())
+    host = ((sinks is not None and not stats.numel())     # the backward kernel has no sinks in its statistics' recompute
             or ctx.lg_dtype is not None                     # nor eager's 16-bit scores and logits
             or (scale_t is not None and (need[11] or scale_t.numel() != 1))   # the backward kernel: one scale
             or (mask is not None and mask.is_floating_point() and need[3])
-            or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0))
+            or (ctx.return_probs and grad_probs is not None and grad_probs.numel() > 0)
+            or not _grad_kernel_fits(ctx.device, q, k, v, mask, drop, stats, ctx.softcap))   # no tiling fits
     if not host:
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(out.dtype).contiguous()
         m, lsum = (stats[0], stats[1]) if stats.numel() else (None, None)

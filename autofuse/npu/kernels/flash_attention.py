@@ -596,12 +596,19 @@ def check_fill(kernel: str, empty_rows: str, fill) -> float:
     return fill
 
 
+def mask_spec(dtype: str, shape) -> tuple:
+    """``(dtype, varies along queries, varies along keys)`` of a mask of ``shape`` broadcast to [B, N, Sq, Skv]: what
+    the kernels' tilings depend on (the planner and the attention op's backward ask with shapes alone)."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    return dtype, shape4[2] != 1, shape4[3] != 1
+
+
 def mask_with_spec(mask, B, N, Sq, Skv):
-    """``(mask viewed as [B, N, Sq, Skv], (dtype, varies along queries, varies along keys))``, or ``(None, None)``."""
+    """``(mask viewed as [B, N, Sq, Skv], its :func:`mask_spec`)``, or ``(None, None)``."""
     if mask is None:
         return None, None
     mask, mshape = _mask_view(mask, B, N, Sq, Skv)
-    return mask, (mask.dtype, mshape[2] != 1, mshape[3] != 1)
+    return mask, mask_spec(mask.dtype, mshape)
 
 
 def fitted_counts(kernel: str, dev, req, t) -> dict:

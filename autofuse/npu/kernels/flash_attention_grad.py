@@ -172,17 +172,21 @@ _TILINGS: dict = {}
 
 def has_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True, cap=False) -> bool:
     """Whether some tiling fits ``device`` (:func:`default_tiling` finds one): a head dim too wide for its buffers
-    (512 in fp32 on the 910) has none."""
-    try:
-        default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats, cap)
-    except ValueError:
-        return False
-    return True
+    (512 in fp32 on the 910) has none. Asked at each backward: the answer is cached as the tiling is."""
+    return _search(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats, cap) is not None
 
 
 def default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, stats=True, cap=False) -> dict:
     """The largest block ``q × kv`` that fits (ties: the larger kv, fewer reloads of Q and dO per score),
     clamped to the 16-rounded sequence lengths. Cached per device and shape."""
+    t = _search(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats, cap)
+    if t is None:
+        raise ValueError(f"flash_attention_grad: no tiling fits {device.name} for D={D}, Dv={Dv}, {dtype}")
+    return dict(t)
+
+
+def _search(device, Sq, Skv, D, Dv, dtype, mask_spec, drop, stats, cap):
+    """:func:`default_tiling`'s block, or None where none fits; either cached per device and shape."""
     key = (device.name, device.arch, tuple(device.buffers.items()), _r16(Sq), _r16(Skv), D, Dv, dtype,
            mask_spec, bool(drop), bool(stats), bool(cap))
     if key not in _TILINGS:
@@ -193,10 +197,8 @@ def default_tiling(device, Sq, Skv, D, Dv, dtype, mask_spec=None, drop=False, st
                 if tiling_fits(device, D, Dv, dtype, t, mask_spec, drop, stats, cap):
                     if best is None or (q * kv, kv) > best[0]:
                         best = ((q * kv, kv), t)
-        if best is None:
-            raise ValueError(f"flash_attention_grad: no tiling fits {device.name} for D={D}, Dv={Dv}, {dtype}")
-        _TILINGS[key] = best[1]
-    return dict(_TILINGS[key])
+        _TILINGS[key] = None if best is None else best[1]
+    return _TILINGS[key]
 
 
 def flops(B, N, Sq, Skv, D, Dv, causal=False) -> int:
