@@ -137,6 +137,7 @@ class Captured:
     training: bool = False
     state_updates: tuple = ()        # the model's buffers and parameters the forward updates in place (item 7)
     input_updates: tuple = ()        # the flat inputs' indices the forward updates in place (item 7)
+    passed_inputs: tuple = ()        # those of them that required grad (leaves): read with it (_pass_trained_updates)
     attribute_updates: tuple = ()    # (module, attribute, value): plain attributes the forward sets, as it leaves them
     tied: bool = False               # flattened with caches.lengths_tied (sliding-window lengths written as sizes)
 
@@ -457,7 +458,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
                     gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
             _refuse_custom_backwards(model, functions, (example_args, example_kwargs))
             _detach_grad_free_blocks(gm)
-            _pass_trained_updates(gm, model)
+            passed = _pass_trained_updates(gm, model)
             _cleanup(gm)
             relayout_as_eager(gm)      # a BatchNorm's output as eager's CPU kernel lays it out: dropouts draw by it
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
@@ -474,7 +475,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             gm.meta["autofuse_autograd_reads"] = tuple(dict.fromkeys(reads))     # the plan's key holds that state
             return Captured(gm, r, in_spec, out_spec, training=model.training,
                             state_updates=gm.meta.get("autofuse_state_updates", ()),
-                            input_updates=gm.meta.get("autofuse_input_updates", ()))
+                            input_updates=gm.meta.get("autofuse_input_updates", ()), passed_inputs=passed)
         except CaptureError:
             raise
         except Exception as e:  # noqa: BLE001 - every tracer failure becomes a CaptureError below
@@ -1526,10 +1527,7 @@ def _tracked(gm: fx.GraphModule, value) -> set:
             if _floating(v):
                 tracked.add(n)
         elif n.op == "get_attr":
-            try:
-                t = state_tensor(gm, n.target)
-            except AttributeError:
-                t = None
+            t = _state_of(gm, n)
             if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or t.requires_grad):
                 tracked.add(n)
         elif n.op in ("call_function", "call_method", "call_module") and any(
@@ -1584,7 +1582,7 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
     return added
 
 
-def _pass_trained_updates(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+def _pass_trained_updates(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:
     """A parameter that requires grad the forward updates in place (Gemma 3n clamps its AltUp coefficients through
     ``.data`` in training, ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up under
     ``torch.no_grad()``): eager's autograd does not see the update, so what reads the parameter after it gets the
@@ -1594,9 +1592,9 @@ def _pass_trained_updates(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     parameter, as in eager. A read of the parameter before its update (or between two updates) is refused: eager's
     backward reads the parameter as it is when the backward runs, the updated values, where the graph's would read
     the values it read. A capture without grad needs neither (its plan serves calls without grad only:
-    :class:`autofuse.engine.Plan`)."""
+    :class:`autofuse.engine.Plan`). Returns the flat inputs so updated (indices) whose reads pass their gradient."""
     if not gm.meta.get("autofuse_trained_updates") or not torch.is_grad_enabled():
-        return
+        return ()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     changed = False
@@ -1641,6 +1639,7 @@ def _pass_trained_updates(gm: fx.GraphModule, model: torch.nn.Module) -> None:
     if changed:
         gm.graph.lint()
         gm.recompile()
+    return tuple(t for _, t in gm.meta["autofuse_trained_updates"] if isinstance(t, int))
 
 
 def _gradient_route(u: fx.Node, v: fx.Node) -> bool:

@@ -980,11 +980,8 @@ class Plan:
         leaves = self.captured.flatten_inputs(*args, **kwargs)
         # an input updated outside autograd that required grad at a capture with grad (a leaf): its reads pass their
         # gradient (capture._pass_trained_updates)
-        meta = self.captured.graph_module.meta
-        passed = {t for _, t in meta.get("autofuse_trained_updates", ()) if isinstance(t, int)} \
-            if meta.get("autofuse_grad", True) else set()
         graded = [i for i in self.captured.input_updates if getattr(leaves[i], "requires_grad", False)
-                  and not (i in passed and leaves[i].is_leaf)]
+                  and not (i in self.captured.passed_inputs and leaves[i].is_leaf)]
         if graded and torch.is_grad_enabled():
             raise RuntimeError(f"autofuse: the forward updates input(s) {graded} (by position among the flattened "
                                f"inputs) in place, and this call's require grad; eager's later reads of them carry "
