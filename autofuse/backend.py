@@ -39,7 +39,9 @@ Library warnings torch raises against itself during capture are silenced at the 
 """
 from __future__ import annotations
 
+import copy
 import math
+import operator
 import sys
 import warnings
 import weakref
@@ -120,6 +122,8 @@ class Backend:
         # graph runs in training mode (only the flag is set: the graph's submodules are not the user's to change)
         from autofuse.fused_vector import training_graph
         gm.training = owner.training if isinstance(owner, torch.nn.Module) else training_graph(gm.graph)
+        if _inline_derivative_functions(gm):    # before the grad blocks: a Function's own no_grad goes with it
+            gm.recompile()
         mark_grad_blocks(gm)            # the forward's no_grad blocks stop the gradient in the captured graph too
         draws = [d for d in _numpy_draws(gm) if ("numpy draw", d) not in self._warned]
         if draws:
@@ -391,6 +395,102 @@ def _custom_function_applied(gm) -> str | None:
             files = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
             return f"{lines[files[-1]]}: {' '.join(lines[files[-1] + 1:])}" if files else n.name
     return None
+
+
+def _inline_derivative_functions(gm) -> int:
+    """Each custom ``autograd.Function`` a Dynamo graph applies with grad (an ``autograd_function_apply`` node: its
+    forward and backward as two graphs) whose backward gives what autograd finds through its forward, on random
+    inputs of the node's shapes (BLOOM's GeLU), is replaced by its forward's ops, which the capture differentiates
+    as ``fuse()``'s capture does such a Function's (the rule of :func:`autofuse.capture.gradients_agree`). A
+    Function that marks an output dirty, whose forward reads an attribute, or whose backward differs (a gradient
+    reversal) stays, and :func:`_custom_function_applied` finds it. Returns how many were inlined."""
+    inlined = 0
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply"):
+            continue
+        fwd, bwd = (getattr(gm, a.target, None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
+                    for a in n.args[:2])
+        if not isinstance(fwd, torch.fx.GraphModule) or not isinstance(bwd, torch.fx.GraphModule):
+            continue
+        if n.kwargs.get("dirty_idx") or any(b.op == "get_attr" for b in fwd.graph.nodes):
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+            continue
+        if not _backward_is_bodys_derivative(fwd, bwd, n):
+            continue
+        # the forward body's ops in the node's place, its own grad-mode calls left out (its output: the Function's
+        # outputs, then what it saves for the backward)
+        env = dict(zip((p for p in fwd.graph.nodes if p.op == "placeholder"), n.args[2:]))
+        with gm.graph.inserting_before(n):
+            for b in fwd.graph.nodes:
+                if b.op not in ("placeholder", "output") and not _grad_mode_call(b):
+                    env[b] = gm.graph.node_copy(b, lambda x: env[x])
+        results = fwd.graph.output_node().args[0][0]
+        results = results if isinstance(results, (tuple, list)) else (results,)
+        for u in list(n.users):
+            u.replace_all_uses_with(env[results[u.args[1]]])
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        inlined += 1
+    if inlined:
+        gm.graph.eliminate_dead_code()
+    return inlined
+
+
+def _grad_mode_call(n) -> bool:
+    return n.op == "call_function" and n.target is torch._C._set_grad_enabled
+
+
+def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
+    """Whether ``bwd`` gives, for random inputs of ``n``'s shapes and random output gradients, what autograd finds
+    through ``fwd``'s ops (its own grad-mode calls left out); 16-bit inputs in fp32, as :mod:`autofuse.capture`
+    checks a Function ``fuse()`` captures. False where the shapes are not known or the bodies do not run."""
+    from autofuse.capture import _CHECK_DTYPE, gradients_agree
+    examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in n.args[2:]]
+    if any(isinstance(e, torch.fx.Node) or e is None for e in examples):
+        return False
+    tensors = [e for e in examples if isinstance(e, torch.Tensor)]
+    if any(not isinstance(d, int) for e in tensors for d in e.shape) or \
+            sum(math.prod(e.shape) for e in tensors) > 1 << 20:
+        return False                    # symbolic or large: not checked here, so not known to be harmless
+    plain = copy.deepcopy(fwd)
+    for b in list(plain.graph.nodes):
+        if _grad_mode_call(b):
+            plain.graph.erase_node(b)
+    plain.recompile()
+    skip = set(n.kwargs.get("non_differentiable_idx") or ())
+    g = torch.Generator().manual_seed(0)
+
+    def real(e):
+        if not isinstance(e, torch.Tensor):
+            return e
+        if e.dtype.is_floating_point:
+            return torch.randn(tuple(e.shape), generator=g).to(_CHECK_DTYPE.get(e.dtype, e.dtype)).requires_grad_()
+        return torch.zeros(tuple(e.shape), dtype=e.dtype)
+    try:
+        with torch.random.fork_rng(), torch.enable_grad():
+            args = [real(e) for e in examples]
+            outs, saved = plain(*args)
+            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+            g2 = torch.Generator().manual_seed(1)
+            gouts = [torch.randn(o.shape, generator=g2).to(o.dtype) if isinstance(o, torch.Tensor) and
+                     o.dtype.is_floating_point else None for o in outs]
+            ins = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            pairs = [(o, go) for i, (o, go) in enumerate(zip(outs, gouts))
+                     if i not in skip and go is not None and o.requires_grad]
+            derivative = torch.autograd.grad([o for o, _ in pairs], ins, [go for _, go in pairs],
+                                             allow_unused=True) if pairs else (None,) * len(ins)
+            with torch.no_grad():
+                _, saved = fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+                given = bwd(*[go if go is not None and i not in skip else torch.zeros_like(o)
+                              for i, (o, go) in enumerate(zip(outs, gouts))], *saved)
+    except Exception:  # noqa: BLE001 - a Function whose bodies cannot be run so is not known to be harmless
+        return False
+    given = tuple(given) if isinstance(given, (tuple, list)) else (given,)
+    if len(given) < len(args):
+        return False
+    own = [x for a, x in zip(args, given) if isinstance(a, torch.Tensor) and a.requires_grad]
+    return gradients_agree(own, list(derivative))
 
 
 def backend(target_device="ascend910", optimization_level="O3", memory_budget=None, verify=True,

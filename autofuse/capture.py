@@ -1765,13 +1765,23 @@ def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
                              (None,) * len(ins))
     except Exception:  # noqa: BLE001 - a Function that cannot be run so is not known to be harmless
         return False
-    for x, y in zip(*grads):
+    return gradients_agree(*grads)
+
+
+def gradients_agree(got, want) -> bool:
+    """Whether two lists of gradients (None for an input given none) agree within fp32 rounding: the rule that
+    says a custom backward is its forward's derivative. NaN where both give NaN is agreement (a sqrt's derivative
+    at random negatives); a NaN or inf on one side only is not. The tolerance scales with the largest finite
+    gradient (a NaN would make it NaN)."""
+    if len(got) != len(want):
+        return False
+    for x, y in zip(got, want):
         if (x is None) != (y is None):
             return False
         if x is None:
             continue
-        # NaN where both give NaN is agreement (a sqrt's derivative at the random negatives); a NaN or inf on one
-        # side only is not. The tolerance scales with the largest finite gradient (a NaN would make it NaN)
+        if x.shape != y.shape:
+            return False
         finite = y.float().abs()[torch.isfinite(y)]
         atol = 1e-5 * (1.0 + (float(finite.max()) if finite.numel() else 0.0))
         if not torch.allclose(x.float(), y.float(), rtol=1e-3, atol=atol, equal_nan=True):

@@ -13,6 +13,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py --more [...]                 # further architectures, any mode above
     python benchmarks/architectures.py --batch 1 --seq 13 [...]     # other inputs than 16 tokens at batch 2
     python benchmarks/architectures.py --compile [--only NAME ...]  # through torch.compile(backend="autofuse")
+    python benchmarks/architectures.py --compile --train            # a training step through torch.compile
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
@@ -22,7 +23,8 @@ coverage of the spellings, not speed figures (see ``model_speedup.py`` and ``sca
 at 12 and 20 (Dynamo compiles a graph with a symbolic sequence length at the second size; the backend plans it per
 size): the largest difference from eager over the three calls, the graphs Dynamo handed over and the plans made,
 and the blocks the first call fused by name against those ``fuse()`` fuses on the same model (a row whose blocks
-differ says so; a graph break, such as JetMoe's data-dependent expert sizes, makes them differ).
+differ says so; a graph break, such as JetMoe's data-dependent expert sizes, makes them differ). With ``--train``:
+the training step below, through ``torch.compile`` (its fused blocks: those of every graph Dynamo handed over).
 
 ``--train`` and ``--generate`` compare with eager in fp32 directly. With a 16-bit ``--dtype`` both sides round far
 more and may differ by it, so each row also runs a float64 reference (the same weights widened exactly, the same
@@ -333,26 +335,37 @@ def _kept(fn, model):
     return out, sum(alive.values())
 
 
-def train(name, spec, attn, device, switches=None, checkpointing=False):
+def train(name, spec, attn, device, switches=None, checkpointing=False, compiled=False):
     """One training step's gradients (train mode, dropout off, the loss a fixed random projection of the output)
     of the fused model against eager's: (the worst |fused - eager| of a parameter's gradient relative to that
     gradient's largest, among gradients above 1e-3 of the model's largest; that parameter; the worst of every
     gradient relative to the model's largest; the parameters eager gives a gradient and the fused model none; the
     fused blocks; the bytes each forward keeps alive for the backward (:func:`_kept`), fused and eager).
     ``checkpointing``: with transformers' activation checkpointing on (non-reentrant; None for a model without
-    it), and the bytes eager keeps without it last."""
+    it), and the bytes eager keeps without it last. ``compiled``: through ``torch.compile(model,
+    backend=autofuse.backend(...))`` instead of ``fuse()`` (the fused blocks: those of every graph Dynamo handed
+    over; the bytes its forward keeps are not measured: Dynamo does not compile a frame under the dispatch mode that
+    measures them)."""
+    import autofuse
     from autofuse import AutoFusionEngine
     model, args, kwargs = _training_model(spec, attn)
     if checkpointing:
         if not model.supports_gradient_checkpointing:
             return None
         model.activation_checkpointing_enable({"use_reentrant": False})
-    fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
+    if compiled:
+        torch._dynamo.reset()
+        fused = torch.compile(model, backend=autofuse.backend(target_device=device, fusion_switches=switches))
+    else:
+        fused = AutoFusionEngine.fuse(model, (args, kwargs), target_device=device, fusion_switches=switches)
     grads, kept = [], []
     for fn in (fused, model):
         model.zero_grad()
         torch.manual_seed(7)                    # any functional dropout left draws the same in both
-        out, nbytes = _kept(lambda: _main_output(fn(*args, **kwargs)).float(), model)
+        if compiled and fn is fused:    # Dynamo runs a frame eagerly under a dispatch mode: kept is not measured
+            out, nbytes = _main_output(fn(*args, **kwargs)).float(), float("nan")
+        else:
+            out, nbytes = _kept(lambda: _main_output(fn(*args, **kwargs)).float(), model)
         kept.append(nbytes)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
         (out * w).sum().backward()
@@ -367,7 +380,8 @@ def train(name, spec, attn, device, switches=None, checkpointing=False):
     top = max(g.abs().max().item() for g in want.values())
     err = {n: (got[n] - g).abs().max().item() for n, g in want.items() if n in got}
     rel = max((err[n] / want[n].abs().max().item(), n) for n in err if want[n].abs().max().item() >= 1e-3 * top)
-    return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], len(fused.report.applied), kept
+    applied = sum(len(r.applied) for r in autofuse.reports(fused)) if compiled else len(fused.report.applied)
+    return rel[0], rel[1], max(err.values()) / top, [n for n in want if n not in got], applied, kept
 
 
 def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None):
@@ -667,6 +681,8 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help='through torch.compile(backend="autofuse") at 16, 12 and 20 tokens, against fuse()')
     a = ap.parse_args()
+    if a.compile and (a.generate or a.dtype != "float32" and a.train):
+        ap.error("--compile goes alone or with --train in float32")
     if a.checkpointing and (not a.train or a.dtype != "float32"):
         ap.error("--checkpointing goes with --train in float32 (the 16-bit --train measures against float64 "
                  "without it)")
@@ -707,7 +723,7 @@ def main():
         print(f"\n{bad} failed or generated other tokens" + (f"; eager refused a static cache for {refused}"
                                                                if a.static else ""))
         return
-    if a.compile:
+    if a.compile and not a.train:
         print(f"{'model':32} {'max|compiled-eager|':>19} {'graphs':>6} {'plans':>5} {'s':>5}  fused blocks by name at "
               f"the first call (16 tokens), against fuse()'s")
         bad = differ = 0
@@ -729,9 +745,10 @@ def main():
         print(f"{'model':32} {'fused':>5} {'vs its own':>10} {'vs largest':>10}  {'kept KB: fused':>14} {'eager':>6}"
               + (f" {'eager without':>13}" if ck else "") + "  worst parameter (vs its own largest)"
               + ("   (activation checkpointing on, non-reentrant; kept: what the forward keeps alive for the "
-                 "backward)" if ck else ""))
+                 "backward)" if ck else "") + ('   (through torch.compile(backend="autofuse"))' if a.compile else ""))
         bad = more = skipped = 0
-        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device, switches, ck)):
+        for name, _, row in _rows(a.only, lambda name, spec, attn: train(name, spec, attn, a.device, switches, ck,
+                                                                         a.compile)):
             if row is FAILED:
                 bad += 1
                 continue
@@ -747,6 +764,7 @@ def main():
             print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {kb}  {param}{note}", flush=True)
         print(f"\n{bad} failed or missing a gradient" + (f"; {more} kept more than eager's checkpointed forward; "
                                                           f"{skipped} without checkpointing" if ck else
+                                                          "" if a.compile else
                                                           f"; {more} kept more than eager's forward"))
         return
     print(f"{'model':28} {'attn':5} {'max|fused-eager|':>16} {'vs eager':>8} {'vs generic':>10} {'fuse s':>6}  "

@@ -322,6 +322,111 @@ def test_a_custom_function_under_grad_through_compile_runs_unfused_with_its_back
     assert any(d.applied for r in autofuse.reports(compiled) for d in r.decisions)
 
 
+class _TanhGelu(torch.autograd.Function):
+    """BLOOM's GeLU in training: the tanh approximation with its derivative written out by hand."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        d = 0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t)
+        return d * g
+
+
+class _TanhGeluSlope(_TanhGelu):
+    """A near miss: the backward leaves out the tanh's own slope (a straight-through tanh), not the derivative."""
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return (0.5 * (1 + t) + 0.5 * x * (0.79788456 + 0.1070322243 * x * x)) * g
+
+
+class _SplitSign(torch.autograd.Function):
+    """Two outputs, the second not differentiable (marked so), the gradient given through the first only."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = torch.sign(x)
+        ctx.mark_non_differentiable(s)
+        ctx.save_for_backward(s)
+        return x * s, s
+
+    @staticmethod
+    def backward(ctx, g, _):
+        (s,) = ctx.saved_tensors
+        return g * s
+
+
+class _FunctionMLP(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.up, self.down, self.norm = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        h = self.fn.apply(self.up(x))
+        if isinstance(h, tuple):
+            h = h[0] + h[1]
+        return self.norm(self.down(h) + x)
+
+
+def _compiled_step(fn, dtype):
+    """A training step of ``_FunctionMLP(fn)`` through torch.compile, eagerly, and eagerly in float64:
+    ``(fused, eager, float64)`` as (model, output) pairs, and the autofuse warnings the compiled call raised."""
+    import copy
+    torch.manual_seed(0)
+    model = _FunctionMLP(fn).to(dtype)
+    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.randn(4, 8, 16, dtype=dtype)
+    compiled = torch.compile(model, backend="autofuse")
+    runs = []
+    for m, run, arg in ((model, compiled, x), (eager, eager, x), (exact, exact, x.double())):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run(arg)
+        out.double().square().sum().backward()
+        runs.append((m, out))
+        if run is compiled:
+            warned = [str(w.message) for w in caught if "autofuse" in str(w.message)]
+    return runs, warned, compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fn", [_TanhGelu, _SplitSign])
+def test_a_custom_function_whose_backward_is_its_derivative_fuses_through_compile(fn, dtype):
+    """A custom autograd.Function applied with grad whose backward gives its forward's derivative (BLOOM's GeLU)
+    made the whole graph run unfused through torch.compile; fuse() captures such a Function, checked the same way.
+    Its forward's ops now take the node's place and the graph fuses around and through it: the output and every
+    gradient within the verifier's bound (twice eager's own error against float64)."""
+    from autofuse.verify import compare
+    ((model, got), (eager, want), (exact, ref)), warned, compiled = _compiled_step(fn, dtype)
+    assert not warned
+    assert [d for r in autofuse.reports(compiled) for d in r.applied], "the graph was fused"
+    ok, err, tol = compare(want, ref, got)
+    assert ok, ("output", err, tol)
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        ok, err, tol = compare(q.grad, r.grad, p.grad)
+        assert ok, (name, err, tol)
+
+
+def test_a_custom_function_whose_backward_is_not_its_derivative_still_runs_with_its_backward():
+    """The near miss: a backward off by the tanh's slope is the user's choice of gradient, so the graph runs as
+    Dynamo gave it (warned of, naming the line), and the parameters' gradients are the custom backward's."""
+    ((model, got), (eager, want), _), warned, compiled = _compiled_step(_TanhGeluSlope, torch.float32)
+    assert any("self.fn.apply(self.up(x))" in w and "runs unfused" in w for w in warned)
+    assert not autofuse.reports(compiled)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_mark_dynamic_inputs_are_planned_per_size():
     """torch._dynamo.mark_dynamic hands the backend a symbolic graph and leaves its mark on the input tensor; the
     capture sets the mark aside and plans at each concrete size (before, the block key held a SymInt)."""
