@@ -130,6 +130,8 @@ class Backend:
             # Dynamo's doing, whatever the backend: said once per draw, though each recompilation hands it over again
             self._warned.update(("numpy draw", d) for d in draws)
             warnings.warn(_numpy_draw_warning(draws), stacklevel=2)
+        if _keep_custom_functions(gm):      # the rest: each one op with its own backward
+            gm.recompile()
         where = _custom_function_applied(gm)
         if where:
             # a capture would keep the Function's forward and lose its backward (autograd would differentiate the
@@ -390,11 +392,16 @@ def _custom_function_applied(gm) -> str | None:
     node holding its forward and backward): the user's line, or None."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply":
-            lines = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines()
-                     if ln.strip() and set(ln.strip()) - set("^~")]
-            files = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-            return f"{lines[files[-1]]}: {' '.join(lines[files[-1] + 1:])}" if files else n.name
+            return _user_line(n)
     return None
+
+
+def _user_line(n) -> str:
+    """The user's line a Dynamo node comes from (the last frame of its stack trace), or the node's name."""
+    lines = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines()
+             if ln.strip() and set(ln.strip()) - set("^~")]
+    files = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    return f"{lines[files[-1]]}: {' '.join(lines[files[-1] + 1:])}" if files else n.name
 
 
 def _inline_derivative_functions(gm) -> int:
@@ -435,6 +442,43 @@ def _inline_derivative_functions(gm) -> int:
     if inlined:
         gm.graph.eliminate_dead_code()
     return inlined
+
+
+def _keep_custom_functions(gm) -> int:
+    """Each custom ``autograd.Function`` a Dynamo graph applies with grad that :func:`_inline_derivative_functions`
+    left (its backward is not its forward's derivative: a gradient reversal, a straight-through estimator) becomes
+    one ``autofuse_grad::custom_function`` op running its forward graph, whose gradient is its backward graph's:
+    the capture keeps it whole, as an op the planner has no kernel for, and the graph fuses around it. A Function
+    that marks an output dirty, or takes or gives anything but tensors, stays (:func:`_custom_function_applied`).
+    Returns how many were replaced."""
+    from autofuse.grad_ops import CUSTOM_FUNCTION, register_custom_function
+    kept = 0
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply"):
+            continue
+        fwd, bwd = (getattr(gm, a.target, None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
+                    for a in n.args[:2])
+        if not isinstance(fwd, torch.fx.GraphModule) or not isinstance(bwd, torch.fx.GraphModule):
+            continue
+        args = n.args[2:]
+        if n.kwargs.get("dirty_idx") or not all(isinstance(a, torch.fx.Node) and
+                                                isinstance(a.meta.get("example_value"), torch.Tensor) for a in args):
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+            continue
+        outs = n.meta.get("example_value")
+        if not all(isinstance(o, torch.Tensor) for o in (outs if isinstance(outs, (tuple, list)) else (outs,))):
+            continue
+        key = register_custom_function(fwd, bwd, n.kwargs.get("non_differentiable_idx") or (), _user_line(n))
+        with gm.graph.inserting_before(n):
+            op = gm.graph.call_function(CUSTOM_FUNCTION, (list(args), key))
+        op.meta.update({k: v for k, v in n.meta.items() if k != "example_value"})
+        n.replace_all_uses_with(op)
+        gm.graph.erase_node(n)
+        kept += 1
+    if kept:
+        gm.graph.eliminate_dead_code()
+    return kept
 
 
 def _grad_mode_call(n) -> bool:

@@ -449,7 +449,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
                     _checkpoints() as (checkpoints, grad_free_checkpoints), _fake_tensor_errors_unlogged(), \
                     _eager_autograd_reads() as reads, _eager_dropout(), _torch_transformers_as_eager(), \
-                    _overflow_clamps():
+                    _overflow_clamps(), _grad_mode_calls_inert():
                 if r == "export":
                     export = (None if sizes is None else
                               lambda m, a, k: sizes.export(m, a, k, _export_functional))
@@ -1361,6 +1361,29 @@ _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 
 
+_CAPTURING = threading.local()
+
+
+def set_grad_enabled_outside_capture(mode: bool) -> None:
+    """``torch._C._set_grad_enabled`` in a Dynamo graph once :func:`mark_grad_blocks` has marked the blocks: it sets
+    the mode when the graph runs as Dynamo gave it, and nothing while this thread captures it. The capture traces
+    without grad and reads each block's mode from the marks; the mode a block's end restores (grad on) would make
+    the trace record autograd from there on, and a custom op's autograd there (transformers' grouped_mm_fallback after
+    PhiMoE's no_grad router) turns torch.export's trace into a joint forward-backward one, which fails."""
+    if not getattr(_CAPTURING, "active", False):
+        torch._C._set_grad_enabled(mode)
+
+
+@contextlib.contextmanager
+def _grad_mode_calls_inert():
+    before = getattr(_CAPTURING, "active", False)
+    _CAPTURING.active = True
+    try:
+        yield
+    finally:
+        _CAPTURING.active = before
+
+
 def mark_grad_blocks(gm: fx.GraphModule) -> None:
     """A Dynamo graph spells the forward's grad-mode blocks as ``torch._C._set_grad_enabled(mode)`` calls (an
     ``inference_mode()`` block as ``_enter_inference_mode(True)`` ... ``_exit_inference_mode``), which a capture
@@ -1370,7 +1393,8 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
     from torch.autograd import grad_mode
     mode, marked, outer = None, False, []         # outer: the modes an inference_mode block put aside
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args:
+        if n.op == "call_function" and n.target in (torch._C._set_grad_enabled, set_grad_enabled_outside_capture) \
+                and n.args:
             mode, marked = bool(n.args[0]), True
         elif n.op == "call_function" and n.target is grad_mode._enter_inference_mode and n.args:
             outer.append(mode)
@@ -1380,10 +1404,13 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
             mode = outer.pop()
         elif mode is not None and n.op not in ("placeholder", "output"):
             n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
+    inert = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    for n in inert:                 # the marks carry the modes into the capture, which traces without grad
+        n.target = set_grad_enabled_outside_capture
     grad_free = _mark_grad_free_checkpoints(gm)
     gm.meta["autofuse_grad_free_checkpoints"] = grad_free       # the plan warns of them (capture reads it)
     _mark_checkpoints(gm)            # kept in a plan with grad
-    if (marked or grad_free) and (_pass_updates_in_place(gm) | _detach_grad_free_blocks(gm)):
+    if (marked or grad_free) and (_pass_updates_in_place(gm) | _detach_grad_free_blocks(gm)) or inert:
         gm.recompile()
 
 

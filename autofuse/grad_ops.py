@@ -7,6 +7,9 @@ tensor made with a gradient and then updated in place inside the forward's own `
 the new values and passes its gradient to ``h``'s history as if nothing had happened; a functional graph holds
 the update as new nodes, which :func:`autofuse.capture._detach_grad_free_blocks` reads through this op. It is
 free on the simulated NPU (a view, as ``detach``), and canonicalize drops it from a graph that runs without grad.
+
+``torch.ops.autofuse_grad.custom_function(args, key)`` is a custom ``autograd.Function`` of the user's kept whole
+(below): its forward's value, its own backward's gradient.
 """
 from __future__ import annotations
 
@@ -43,3 +46,100 @@ def no_double_backward(op, what: str, *families: str) -> None:
                            f"fuse with fusion_switches={{{switches}}} for that, or run the model eagerly")
 
     op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A custom autograd.Function kept whole: its forward and backward as the graphs Dynamo traced them.
+#
+# ``torch.ops.autofuse_grad.custom_function(args, key)`` runs the forward graph registered under ``key`` on ``args``
+# and returns its outputs, then the values its backward reads that are not among ``args``; its gradient is the
+# backward graph's, given those values. It stands where a Dynamo graph applies a Function whose backward is not its
+# forward's derivative (a gradient reversal, a straight-through estimator, PhiMoE's sparsemixer): a capture of the
+# graph would keep the forward's ops and differentiate them, so the Function stays one op of the user's, as opaque to
+# the planner as any op it has no kernel for, and everything around it fuses.
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Body:
+    """A Function's two graphs (grad-mode calls left out: the op runs below autograd) and how its backward's
+    arguments are found: ``saved``, per value the forward saves, ``("arg", i)`` for an argument of the op or
+    ``("out", j)`` for the op's extra output ``j``."""
+
+    def __init__(self, fwd, bwd, n_outs, saved, non_differentiable, where):
+        self.fwd, self.bwd, self.n_outs, self.saved = fwd, bwd, n_outs, saved
+        self.non_differentiable, self.where = tuple(non_differentiable), where
+
+
+#: the registered Functions, by key: a process's graphs hold the key (an int, which a graph can carry)
+CUSTOM_FUNCTIONS: dict[int, _Body] = {}
+
+
+def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, non_differentiable=(),
+                             where: str = "") -> int:
+    """Register a Function's forward and backward graphs (as ``autograd_function_apply`` holds them: the forward
+    returns ``(outputs, saved)``, the backward takes ``(*output_gradients, *saved)`` and returns one gradient per
+    forward argument), and ``where`` the user's code applies it (for the report); its key for
+    :func:`custom_function`."""
+    import copy
+    fwd, bwd = copy.deepcopy(fwd), copy.deepcopy(bwd)
+    for g in (fwd, bwd):
+        for n in list(g.graph.nodes):
+            if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
+                g.graph.erase_node(n)
+        g.recompile()
+    placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    outs, saved = fwd.graph.output_node().args[0]
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    saved_at, extra = [], 0
+    for s in saved:
+        if s in placeholders:
+            saved_at.append(("arg", placeholders.index(s)))
+        else:
+            saved_at.append(("out", extra))
+            extra += 1
+    key = len(CUSTOM_FUNCTIONS)
+    CUSTOM_FUNCTIONS[key] = _Body(fwd, bwd, len(outs), saved_at, non_differentiable, where)
+    return key
+
+
+def _run_forward(args, key) -> list:
+    body = CUSTOM_FUNCTIONS[key]
+    with torch.no_grad():
+        outs, saved = body.fwd(*args)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    return outs + [s for s, (kind, _) in zip(saved, body.saved) if kind == "out"]
+
+
+@torch.library.custom_op("autofuse_grad::custom_function", mutates_args=())
+def custom_function(args: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    # a custom op returns no alias of its inputs: an output that is an argument, or a view of one, is copied
+    inputs = {a.untyped_storage().data_ptr() for a in args}
+    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in _run_forward(args, key)]
+
+
+@custom_function.register_fake
+def _(args, key):
+    return [o.clone() for o in _run_forward(args, key)]
+
+
+def _custom_setup(ctx, inputs, output):
+    args, key = inputs
+    body = CUSTOM_FUNCTIONS[key]
+    ctx.key, ctx.n_args = key, len(args)
+    ctx.save_for_backward(*[args[i] if kind == "arg" else output[body.n_outs + i] for kind, i in body.saved])
+    ctx.shapes = [(o.shape, o.dtype) for o in output[:body.n_outs]]
+    if body.non_differentiable:
+        ctx.mark_non_differentiable(*[output[i] for i in body.non_differentiable])
+
+
+def _custom_backward(ctx, grads):
+    body = CUSTOM_FUNCTIONS[ctx.key]
+    # as eager's Function.backward gets them: a zero gradient for an output nothing differentiated
+    gouts = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads[:body.n_outs], ctx.shapes)]
+    given = body.bwd(*gouts, *ctx.saved_tensors)
+    given = list(given) if isinstance(given, (tuple, list)) else [given]
+    return given[:ctx.n_args] + [None] * (ctx.n_args - len(given)), None
+
+
+custom_function.register_autograd(_custom_backward, setup_context=_custom_setup)
+
+CUSTOM_FUNCTION = torch.ops.autofuse_grad.custom_function.default

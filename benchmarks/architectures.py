@@ -760,9 +760,10 @@ def main():
             bad += bool(missing)
             more += kept[0] > kept[1]
             note = f"  NO GRADIENT: {', '.join(missing)}" if missing else ""
-            kb = " ".join(f"{k / 1024:{w}.1f}" for k, w in zip(kept, (14, 6, 13)))
+            kb = " ".join(("-" if k != k else f"{k / 1024:.1f}").rjust(w) for k, w in zip(kept, (14, 6, 13)))
             print(f"{name:32} {n:5} {err:10.2e} {err_top:10.2e}  {kb}  {param}{note}", flush=True)
-        print(f"\n{bad} failed or missing a gradient" + (f"; {more} kept more than eager's checkpointed forward; "
+        print(f"\n{bad} failed or missing a gradient" + (f"; {skipped} without checkpointing" if ck and a.compile else
+                                                          f"; {more} kept more than eager's checkpointed forward; "
                                                           f"{skipped} without checkpointing" if ck else
                                                           "" if a.compile else
                                                           f"; {more} kept more than eager's forward"))

@@ -295,33 +295,6 @@ class _Reverse(torch.autograd.Function):
         return -g
 
 
-def test_a_custom_function_under_grad_through_compile_runs_unfused_with_its_backward():
-    """Dynamo hands a custom autograd.Function applied with grad over as one autograd_function_apply node; its
-    capture kept only the forward (a gradient reversal's l.weight.grad was 4.5 away from eager's). That graph runs
-    as Dynamo gave it, with a warning naming the line; without grad it fuses."""
-    import copy
-
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.l = torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            return _Reverse.apply(self.l(x)).relu() * 2 + 1
-    torch.manual_seed(0)
-    model, x = M(), torch.randn(2, 4)
-    ref = copy.deepcopy(model)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="autofuse")
-    with pytest.warns(UserWarning, match=r"custom autograd\.Function .*_Reverse\.apply.* runs unfused"):
-        compiled(x).sum().backward()
-    ref(x).sum().backward()
-    assert torch.equal(model.l.weight.grad, ref.l.weight.grad)
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), ref(x))
-    assert any(d.applied for r in autofuse.reports(compiled) for d in r.decisions)
-
-
 class _TanhGelu(torch.autograd.Function):
     """BLOOM's GeLU in training: the tanh approximation with its derivative written out by hand."""
 
@@ -377,12 +350,13 @@ class _FunctionMLP(torch.nn.Module):
         return self.norm(self.down(h) + x)
 
 
-def _compiled_step(fn, dtype):
-    """A training step of ``_FunctionMLP(fn)`` through torch.compile, eagerly, and eagerly in float64:
-    ``(fused, eager, float64)`` as (model, output) pairs, and the autofuse warnings the compiled call raised."""
+def _compiled_step(fn, dtype, model_class=None):
+    """A training step of ``_FunctionMLP(fn)`` (or ``model_class(fn)``) through torch.compile, eagerly, and eagerly
+    in float64: ``(fused, eager, float64)`` as (model, output) pairs, the autofuse warnings the compiled call raised,
+    and the compiled model."""
     import copy
     torch.manual_seed(0)
-    model = _FunctionMLP(fn).to(dtype)
+    model = (model_class or _FunctionMLP)(fn).to(dtype)
     eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     x = torch.randn(4, 8, 16, dtype=dtype)
     compiled = torch.compile(model, backend="autofuse")
@@ -416,15 +390,72 @@ def test_a_custom_function_whose_backward_is_its_derivative_fuses_through_compil
         assert ok, (name, err, tol)
 
 
-def test_a_custom_function_whose_backward_is_not_its_derivative_still_runs_with_its_backward():
-    """The near miss: a backward off by the tanh's slope is the user's choice of gradient, so the graph runs as
-    Dynamo gave it (warned of, naming the line), and the parameters' gradients are the custom backward's."""
-    ((model, got), (eager, want), _), warned, compiled = _compiled_step(_TanhGeluSlope, torch.float32)
-    assert any("self.fn.apply(self.up(x))" in w and "runs unfused" in w for w in warned)
-    assert not autofuse.reports(compiled)
-    assert torch.equal(got, want)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+class _RoundSTE(torch.autograd.Function):
+    """A straight-through estimator: rounds in the forward, passes the gradient unchanged; the rounding's remainder
+    is a second output, not differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        r = torch.round(x * 4) / 4
+        rest = x - r
+        ctx.mark_non_differentiable(rest)
+        return r, rest
+
+    @staticmethod
+    def backward(ctx, g, _):
+        return g
+
+
+class _ReverseMLP(_FunctionMLP):
+    """The gradient reversal of a domain-adversarial network, between two blocks that fuse."""
+
+    def forward(self, x):
+        return self.norm(self.down(_Reverse.apply(torch.nn.functional.gelu(self.up(x)))) + x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fn", [_TanhGeluSlope, _RoundSTE, _Reverse])
+def test_a_custom_function_whose_backward_is_not_its_derivative_keeps_it_and_fuses_around_it(fn, dtype):
+    """A Function whose backward is not its forward's derivative (a backward that leaves out the tanh's slope, a
+    straight-through rounding, a gradient reversal) is the user's choice of gradient: the whole graph ran unfused
+    through torch.compile. It now runs as one op with its own backward (autofuse_grad::custom_function) and the rest
+    fuses: output and gradients within the verifier's bound of the float64 model (whose Function's backward is the
+    same; autograd's derivative of the forward would be off by O(1): the slope's term, 1 against 0 through a
+    rounding, the sign)."""
+    from autofuse.grad_ops import CUSTOM_FUNCTION
+    from autofuse.verify import compare
+    model_class = _ReverseMLP if fn is _Reverse else _FunctionMLP
+    ((model, got), (eager, want), (exact, ref)), warned, compiled = _compiled_step(fn, dtype, model_class)
+    assert not warned
+    assert [d for r in autofuse.reports(compiled) for d in r.applied], "the graph was fused"
+    plans = [p for g in graphs(compiled) for p in g.fused.plans.values()]
+    assert any(n.target is CUSTOM_FUNCTION for p in plans for n in p.captured.graph_module.graph.nodes)
+    said = [w for r in autofuse.reports(compiled) for w in r.warnings if "custom autograd.Function" in w]
+    assert len(said) == 1 and ".apply(" in said[0] and "test_backend.py" in said[0], said
+    ok, err, tol = compare(want, ref, got)
+    assert ok, ("output", err, tol)
+    for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+        ok, err, tol = compare(q.grad, r.grad, p.grad)
+        assert ok, (name, err, tol)
+
+
+def test_a_custom_functions_non_differentiable_output_stays_so():
+    """``ctx.mark_non_differentiable`` holds through the kept op: the remainder needs no grad, as in eager."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            r, rest = _RoundSTE.apply(self.l(x))
+            return r.relu() * 2, rest
+
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(4, 8)
+    r, rest = torch.compile(model, backend="autofuse")(x)
+    want_r, want_rest = model(x)
+    assert r.requires_grad and not rest.requires_grad and not want_rest.requires_grad
+    torch.testing.assert_close(rest, want_rest)     # the same ops on the same values
 
 
 def test_mark_dynamic_inputs_are_planned_per_size():

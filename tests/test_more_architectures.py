@@ -439,3 +439,39 @@ def test_gemma3n_trains_with_its_altup_coefficients_clamped_as_in_eager():
         p, top = model.get_parameter(n), float(want[n].grad.abs().max())
         assert top > 0 and float((p.grad - want[n].grad).abs().max()) <= 1e-4 * top, n
         assert bool((p.abs() <= torch.tensor(0.05)).all()), n
+
+
+def test_phimoe_trains_through_torch_compile_with_its_router_function_kept():
+    """PhiMoE's router in training (sparsemixer) applies a custom autograd.Function whose backward is not its
+    forward's derivative, between two torch.no_grad() blocks, before transformers' grouped_mm_fallback op. Through
+    torch.compile with grad the whole graph ran unfused (the Function), then, with the Function kept, its capture
+    failed (the blocks' end turned grad on inside torch.export's trace). The Function now runs as one op with its
+    own backward, the blocks' calls do nothing while the graph is captured, and the rest fuses: the output and every
+    gradient equal eager's within fp32 rounding (the same seed draws the router's jitter alike)."""
+    import autofuse
+    from autofuse.backend import graphs
+    from autofuse.grad_ops import CUSTOM_FUNCTION
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tf.PhimoeConfig(vocab_size=128, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    cfg._attn_implementation = "sdpa"
+    model = tf.PhimoeForCausalLM(cfg).train()
+    ids = torch.randint(1, 128, (2, 16))
+    compiled = torch.compile(model, backend="autofuse")
+    grads, outs = [], []
+    for m in (compiled, model):
+        model.zero_grad()
+        torch.manual_seed(7)
+        out = m(ids, use_cache=False).logits
+        out.square().mean().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    applied = [d.pattern for r in autofuse.reports(compiled) for d in r.applied]
+    assert "attention" in applied and any("moe" in p or "grouped" in p for p in applied), applied
+    plans = [p for g in graphs(compiled) for p in g.fused.plans.values()]
+    assert sum(n.target is CUSTOM_FUNCTION for p in plans for n in p.captured.graph_module.graph.nodes) == 2
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)       # fp32 both sides: summation orders
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[1]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4, msg=n)
