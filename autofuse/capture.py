@@ -1833,7 +1833,9 @@ def _refuse_custom_backwards(model, functions, inputs):
     raise CaptureError("export", f"capture failed: the forward applies the custom autograd.Function(s) {names}, "
                                  f"whose backward a captured graph does not keep (autograd would differentiate their "
                                  f"forward instead). hint: for inference, fuse and call the model under "
-                                 f"torch.no_grad(); to train, run the model eagerly (or freeze its parameters).")
+                                 f"torch.no_grad(); to train, compile it with torch.compile(model, "
+                                 f"backend='autofuse'), which keeps each such Function whole with its own backward "
+                                 f"and fuses around it (or run the model eagerly).")
 
 
 # ---------------------------------------------------------------------------------------------- routes

@@ -131,6 +131,30 @@ def test_a_custom_autograd_function_is_refused_with_grad_and_fused_without():
     torch.testing.assert_close(fused(x), model(x), atol=1e-6, rtol=1e-5)
 
 
+def test_the_refusal_of_a_custom_function_points_to_torch_compile_which_trains_it_fused():
+    """With grad, fuse()'s refusal names torch.compile, which keeps the Function whole with its own backward and
+    fuses around it: the projection and its scale before it and the softmax after it fuse, and the gradients are
+    the straight-through ones (the round's own derivative would be zero) within fp32 rounding of eager's."""
+    import copy
+
+    import autofuse
+    from autofuse.capture import CaptureError
+    torch.manual_seed(0)
+    model, x = Quantised().train(), torch.randn(2, 8, 16)
+    with pytest.raises(CaptureError, match=r"STE.*torch\.compile\(model, backend='autofuse'\)"):
+        AutoFusionEngine.fuse(model, (x,))
+    torch._dynamo.reset()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="autofuse")
+    w = torch.randn(2, 8, 16)
+    (compiled(x) * w).sum().backward()
+    (eager(x) * w).sum().backward()
+    assert sorted(d.pattern for r in autofuse.reports(compiled) for d in r.applied) == ["matmul_epilogue", "softmax"]
+    assert eager.l1.weight.grad.abs().max() > 0.1                           # straight through, not zero
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)    # fp32 reassociation only
+
+
 def test_a_custom_function_planned_while_frozen_is_refused_once_a_parameter_requires_grad():
     """Planned with grad while every parameter was frozen (nothing to lose), the plan is not reused once training
     unfreezes them: the next call captures again and refuses by name (before, it ran the Function's forward under
