@@ -161,6 +161,12 @@ def _through_copies(name: str, captured: dict) -> str:
         if not (u.op == "call_function" and u.target == aten.clone.default and u.args[0] is n
                 and u.kwargs.get("memory_format") in _COPY_FORMATS):
             break
+        val = n.meta.get("val")
+        if u.kwargs.get("memory_format") is torch.contiguous_format and not (
+                isinstance(val, torch.Tensor) and val.is_contiguous()):
+            # a .contiguous() that moves the value's memory (the reshape of a transposed value): the fused call lays
+            # its output out as the value is laid out, and the copy, which a view after it relies on, stays
+            break
         n = u
     return n.name
 

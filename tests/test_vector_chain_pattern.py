@@ -1032,6 +1032,46 @@ def test_generated_kernels_store_the_layout_eager_gives_the_value_they_replace(b
         torch.testing.assert_close(fused(*args, **kwargs).logits, model(*args, **kwargs).logits, atol=1e-5, rtol=1e-4)
 
 
+class _HeadNormMerge(nn.Module):
+    """xLSTM's multi-head norm: a norm over each head of a value whose heads and tokens were transposed, then the
+    heads merged by ``reshape``, which torch.export spells as a contiguous ``clone`` and an ``_unsafe_view``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.out = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.proj(x).view(b, t, 8, 8).transpose(1, 2).contiguous().transpose(1, 2)    # [b, t, heads, d]
+        mu = h.mean(-1, keepdim=True)
+        c = h - mu
+        n = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(n.reshape(b, t, 64))
+
+
+@pytest.mark.parametrize("model_", ["head_norm", "xlstm"])
+def test_a_region_whose_output_a_contiguous_copy_relays_keeps_the_copy(model_):
+    """The region's value is laid out heads-first (the transposed input's layout, as eager's elementwise ops lay it
+    out), and ``.contiguous()`` moves it before the view merges the heads. The rewrite took that copy for one the
+    fused call's fresh result makes needless, but the result is laid out as the value (so a view may rely on it):
+    the view then raised "view size is not compatible with input tensor's size and stride" at every call (xLSTM
+    in fuse() and through torch.compile, training or not). The copy of a value it relays now stays."""
+    from autofuse.models import build_transformers
+    torch.manual_seed(0)
+    if model_ == "xlstm":
+        model, (args, kwargs) = build_transformers(
+            "transformers:xLSTMConfig?num_hidden_layers=2&hidden_size=64&num_heads=4&vocab_size=128", seq=16,
+            batch=2, attn="eager")
+    else:
+        model, args, kwargs = _HeadNormMerge().eval(), (torch.randn(2, 16, 16),), {}
+    fused = AutoFusionEngine.fuse(model, (args, kwargs))
+    assert fused.report.applied
+    with torch.no_grad():
+        got, want = fused(*args, **kwargs), model(*args, **kwargs)
+    got, want = (getattr(got, "logits", got), getattr(want, "logits", want))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)      # fp32 both sides: summation orders
+
+
 # ----------------------------------------------------------------------------------------- activations
 
 ACTIVATIONS = {
