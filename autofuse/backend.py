@@ -449,7 +449,8 @@ def _keep_custom_functions(gm) -> int:
     left (its backward is not its forward's derivative: a gradient reversal, a straight-through estimator) becomes
     one ``autofuse_grad::custom_function`` op running its forward graph, whose gradient is its backward graph's:
     the capture keeps it whole, as an op the planner has no kernel for, and the graph fuses around it. A Function
-    that marks an output dirty, or takes or gives anything but tensors, stays (:func:`_custom_function_applied`).
+    that marks an output dirty, or takes anything but tensors and sizes or gives anything but tensors, stays
+    (:func:`_custom_function_applied`).
     Returns how many were replaced."""
     from autofuse.grad_ops import CUSTOM_FUNCTION, register_custom_function
     kept = 0
@@ -461,17 +462,21 @@ def _keep_custom_functions(gm) -> int:
         if not isinstance(fwd, torch.fx.GraphModule) or not isinstance(bwd, torch.fx.GraphModule):
             continue
         args = n.args[2:]
-        if n.kwargs.get("dirty_idx") or not all(isinstance(a, torch.fx.Node) and
-                                                isinstance(a.meta.get("example_value"), torch.Tensor) for a in args):
+        examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in args]
+        is_size = [isinstance(e, (int, torch.SymInt)) and not isinstance(e, bool) for e in examples]
+        if n.kwargs.get("dirty_idx") or not all(size or isinstance(e, torch.Tensor) and isinstance(a, torch.fx.Node)
+                                                for a, e, size in zip(args, examples, is_size)):
             continue
         if not all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
             continue
         outs = n.meta.get("example_value")
         if not all(isinstance(o, torch.Tensor) for o in (outs if isinstance(outs, (tuple, list)) else (outs,))):
             continue
-        key = register_custom_function(fwd, bwd, n.kwargs.get("non_differentiable_idx") or (), _user_line(n))
+        key = register_custom_function(fwd, bwd, is_size, n.kwargs.get("non_differentiable_idx") or (),
+                                       _user_line(n))
         with gm.graph.inserting_before(n):
-            op = gm.graph.call_function(CUSTOM_FUNCTION, (list(args), key))
+            op = gm.graph.call_function(CUSTOM_FUNCTION, ([a for a, size in zip(args, is_size) if not size],
+                                                          [a for a, size in zip(args, is_size) if size], key))
         op.meta.update({k: v for k, v in n.meta.items() if k != "example_value"})
         n.replace_all_uses_with(op)
         gm.graph.erase_node(n)
@@ -479,6 +484,23 @@ def _keep_custom_functions(gm) -> int:
     if kept:
         gm.graph.eliminate_dead_code()
     return kept
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _hinted(e):
+    """An example value at the compiling call's sizes: a tensor's shape and dtype (:class:`_Shaped`), a size as the
+    int it is there; None where a symbolic size has no such value."""
+    def size(d):
+        return d if isinstance(d, int) else getattr(d.node, "hint", None) if isinstance(d, torch.SymInt) else None
+    if isinstance(e, torch.Tensor):
+        shape = tuple(size(d) for d in e.shape)
+        return None if None in shape else _Shaped(shape, e.dtype)
+    return size(e) if isinstance(e, torch.SymInt) else e
 
 
 def _grad_mode_call(n) -> bool:
@@ -493,10 +515,11 @@ def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
     examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in n.args[2:]]
     if any(isinstance(e, torch.fx.Node) or e is None for e in examples):
         return False
-    tensors = [e for e in examples if isinstance(e, torch.Tensor)]
-    if any(not isinstance(d, int) for e in tensors for d in e.shape) or \
-            sum(math.prod(e.shape) for e in tensors) > 1 << 20:
-        return False                    # symbolic or large: not checked here, so not known to be harmless
+    # a graph Dynamo made dynamic passes the Function symbolic sizes: checked at the sizes of the call compiling it
+    examples = [_hinted(e) for e in examples]
+    tensors = [e for e in examples if isinstance(e, _Shaped)]
+    if any(e is None for e in examples) or sum(math.prod(e.shape) for e in tensors) > 1 << 20:
+        return False                    # no sizes known, or large: not checked here, so not known to be harmless
     plain = copy.deepcopy(fwd)
     for b in list(plain.graph.nodes):
         if _grad_mode_call(b):
@@ -506,11 +529,11 @@ def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
     g = torch.Generator().manual_seed(0)
 
     def real(e):
-        if not isinstance(e, torch.Tensor):
+        if not isinstance(e, _Shaped):
             return e
         if e.dtype.is_floating_point:
-            return torch.randn(tuple(e.shape), generator=g).to(_CHECK_DTYPE.get(e.dtype, e.dtype)).requires_grad_()
-        return torch.zeros(tuple(e.shape), dtype=e.dtype)
+            return torch.randn(e.shape, generator=g).to(_CHECK_DTYPE.get(e.dtype, e.dtype)).requires_grad_()
+        return torch.zeros(e.shape, dtype=e.dtype)
     try:
         with torch.random.fork_rng(), torch.enable_grad():
             args = [real(e) for e in examples]

@@ -1210,7 +1210,7 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"traces their composite path: the same values up to rounding), or fuse the model "
                                f"with autofuse.AutoFusionEngine.fuse")
         warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
-    kept = [CUSTOM_FUNCTIONS[n.args[1]].where for n in cap_gm.graph.nodes if n.target is CUSTOM_FUNCTION]
+    kept = [CUSTOM_FUNCTIONS[n.args[2]].where for n in cap_gm.graph.nodes if n.target is CUSTOM_FUNCTION]
     if kept:
         # (through torch.compile: autofuse.backend keeps them so)
         report.warnings.append(f"{len(kept)} custom autograd.Function application(s) whose backward is not (or "

@@ -8,8 +8,8 @@ the new values and passes its gradient to ``h``'s history as if nothing had happ
 the update as new nodes, which :func:`autofuse.capture._detach_grad_free_blocks` reads through this op. It is
 free on the simulated NPU (a view, as ``detach``), and canonicalize drops it from a graph that runs without grad.
 
-``torch.ops.autofuse_grad.custom_function(args, key)`` is a custom ``autograd.Function`` of the user's kept whole
-(below): its forward's value, its own backward's gradient.
+``torch.ops.autofuse_grad.custom_function(args, sizes, key)`` is a custom ``autograd.Function`` of the user's kept
+whole (below): its forward's value, its own backward's gradient.
 """
 from __future__ import annotations
 
@@ -51,34 +51,39 @@ def no_double_backward(op, what: str, *families: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # A custom autograd.Function kept whole: its forward and backward as the graphs Dynamo traced them.
 #
-# ``torch.ops.autofuse_grad.custom_function(args, key)`` runs the forward graph registered under ``key`` on ``args``
-# and returns its outputs, then the values its backward reads that are not among ``args``; its gradient is the
-# backward graph's, given those values. It stands where a Dynamo graph applies a Function whose backward is not its
-# forward's derivative (a gradient reversal, a straight-through estimator, PhiMoE's sparsemixer): a capture of the
-# graph would keep the forward's ops and differentiate them, so the Function stays one op of the user's, as opaque to
-# the planner as any op it has no kernel for, and everything around it fuses.
+# ``torch.ops.autofuse_grad.custom_function(args, sizes, key)`` runs the forward graph registered under ``key`` on
+# ``args`` and ``sizes`` and returns its outputs, then the values its backward reads that are not among ``args``; its
+# gradient is the backward graph's, given those values. It stands where a Dynamo graph applies a Function whose
+# backward is not its forward's derivative (a gradient reversal, a straight-through estimator, PhiMoE's
+# sparsemixer): a capture of the graph would keep the forward's ops and differentiate them, so the Function stays one
+# op of the user's, as opaque to the planner as any op it has no kernel for, and everything around it fuses.
 # ---------------------------------------------------------------------------------------------------------------
 
 class _Body:
-    """A Function's two graphs (grad-mode calls left out: the op runs below autograd) and how its backward's
-    arguments are found: ``saved``, per value the forward saves, ``("arg", i)`` for an argument of the op or
-    ``("out", j)`` for the op's extra output ``j``."""
+    """A Function's two graphs (grad-mode calls left out: the op runs below autograd); ``places``, per argument of
+    its forward, ``("t", j)`` for the op's tensor ``args[j]`` or ``("s", j)`` for its size ``sizes[j]`` (a graph
+    Dynamo made dynamic passes the Function its symbolic sizes); and how its backward's arguments are found:
+    ``saved``, per value the forward saves, ``("arg", i)`` for the forward's argument ``i`` or ``("out", j)`` for the
+    op's extra output ``j``."""
 
-    def __init__(self, fwd, bwd, n_outs, saved, non_differentiable, where):
-        self.fwd, self.bwd, self.n_outs, self.saved = fwd, bwd, n_outs, saved
+    def __init__(self, fwd, bwd, places, n_outs, saved, non_differentiable, where):
+        self.fwd, self.bwd, self.places, self.n_outs, self.saved = fwd, bwd, tuple(places), n_outs, saved
         self.non_differentiable, self.where = tuple(non_differentiable), where
+
+    def arguments(self, args, sizes) -> list:
+        return [args[j] if kind == "t" else sizes[j] for kind, j in self.places]
 
 
 #: the registered Functions, by key: a process's graphs hold the key (an int, which a graph can carry)
 CUSTOM_FUNCTIONS: dict[int, _Body] = {}
 
 
-def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, non_differentiable=(),
+def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, is_size, non_differentiable=(),
                              where: str = "") -> int:
     """Register a Function's forward and backward graphs (as ``autograd_function_apply`` holds them: the forward
     returns ``(outputs, saved)``, the backward takes ``(*output_gradients, *saved)`` and returns one gradient per
-    forward argument), and ``where`` the user's code applies it (for the report); its key for
-    :func:`custom_function`."""
+    forward argument); ``is_size``, per forward argument, whether it is a size (else a tensor); and ``where`` the
+    user's code applies it (for the report). Its key for :func:`custom_function`."""
     import copy
     fwd, bwd = copy.deepcopy(fwd), copy.deepcopy(bwd)
     for g in (fwd, bwd):
@@ -86,6 +91,11 @@ def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModul
             if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
                 g.graph.erase_node(n)
         g.recompile()
+    places, counts = [], {"t": 0, "s": 0}
+    for size in is_size:
+        kind = "s" if size else "t"
+        places.append((kind, counts[kind]))
+        counts[kind] += 1
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     outs, saved = fwd.graph.output_node().args[0]
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -97,35 +107,39 @@ def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModul
             saved_at.append(("out", extra))
             extra += 1
     key = len(CUSTOM_FUNCTIONS)
-    CUSTOM_FUNCTIONS[key] = _Body(fwd, bwd, len(outs), saved_at, non_differentiable, where)
+    CUSTOM_FUNCTIONS[key] = _Body(fwd, bwd, places, len(outs), saved_at, non_differentiable, where)
     return key
 
 
-def _run_forward(args, key) -> list:
+def _run_forward(args, sizes, key) -> list:
     body = CUSTOM_FUNCTIONS[key]
     with torch.no_grad():
-        outs, saved = body.fwd(*args)
+        outs, saved = body.fwd(*body.arguments(args, sizes))
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     return outs + [s for s, (kind, _) in zip(saved, body.saved) if kind == "out"]
 
 
 @torch.library.custom_op("autofuse_grad::custom_function", mutates_args=())
-def custom_function(args: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+def custom_function(args: list[torch.Tensor], sizes: list[int], key: int) -> list[torch.Tensor]:
     # a custom op returns no alias of its inputs: an output that is an argument, or a view of one, is copied
     inputs = {a.untyped_storage().data_ptr() for a in args}
-    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in _run_forward(args, key)]
+    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in _run_forward(args, sizes, key)]
 
 
 @custom_function.register_fake
-def _(args, key):
-    return [o.clone() for o in _run_forward(args, key)]
+def _(args, sizes, key):
+    return [o.clone() for o in _run_forward(args, sizes, key)]
 
 
 def _custom_setup(ctx, inputs, output):
-    args, key = inputs
+    args, sizes, key = inputs
     body = CUSTOM_FUNCTIONS[key]
-    ctx.key, ctx.n_args = key, len(args)
-    ctx.save_for_backward(*[args[i] if kind == "arg" else output[body.n_outs + i] for kind, i in body.saved])
+    forward_args = body.arguments(args, sizes)
+    ctx.key, ctx.n_sizes = key, len(sizes)
+    # what the backward reads, in its order: tensors saved (the op's arguments or extra outputs), sizes kept as ints
+    saved = [forward_args[i] if kind == "arg" else output[body.n_outs + i] for kind, i in body.saved]
+    ctx.save_for_backward(*[v for v in saved if isinstance(v, torch.Tensor)])
+    ctx.saved_sizes = [None if isinstance(v, torch.Tensor) else v for v in saved]
     ctx.shapes = [(o.shape, o.dtype) for o in output[:body.n_outs]]
     if body.non_differentiable:
         ctx.mark_non_differentiable(*[output[i] for i in body.non_differentiable])
@@ -135,9 +149,14 @@ def _custom_backward(ctx, grads):
     body = CUSTOM_FUNCTIONS[ctx.key]
     # as eager's Function.backward gets them: a zero gradient for an output nothing differentiated
     gouts = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads[:body.n_outs], ctx.shapes)]
-    given = body.bwd(*gouts, *ctx.saved_tensors)
+    tensors = iter(ctx.saved_tensors)
+    saved = [next(tensors) if v is None else v for v in ctx.saved_sizes]
+    given = body.bwd(*gouts, *saved)
     given = list(given) if isinstance(given, (tuple, list)) else [given]
-    return given[:ctx.n_args] + [None] * (ctx.n_args - len(given)), None
+    given += [None] * (len(body.places) - len(given))
+    # one gradient per tensor argument of the op (in its order), none for the sizes and the key (torch.library
+    # takes a list of ints as one leaf, and an empty list as a list)
+    return [g for g, (kind, _) in zip(given, body.places) if kind == "t"], None if ctx.n_sizes else [], None
 
 
 custom_function.register_autograd(_custom_backward, setup_context=_custom_setup)

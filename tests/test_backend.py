@@ -15,6 +15,7 @@ import torch
 
 import autofuse
 from autofuse.backend import Backend, graphs, reports
+from autofuse.grad_ops import CUSTOM_FUNCTION
 from autofuse.models import MHABlock
 from autofuse.quiet import LEAFSPEC_MESSAGE
 
@@ -422,7 +423,6 @@ def test_a_custom_function_whose_backward_is_not_its_derivative_keeps_it_and_fus
     fuses: output and gradients within the verifier's bound of the float64 model (whose Function's backward is the
     same; autograd's derivative of the forward would be off by O(1): the slope's term, 1 against 0 through a
     rounding, the sign)."""
-    from autofuse.grad_ops import CUSTOM_FUNCTION
     from autofuse.verify import compare
     model_class = _ReverseMLP if fn is _Reverse else _FunctionMLP
     ((model, got), (eager, want), (exact, ref)), warned, compiled = _compiled_step(fn, dtype, model_class)
@@ -437,6 +437,37 @@ def test_a_custom_function_whose_backward_is_not_its_derivative_keeps_it_and_fus
     for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
         ok, err, tol = compare(q.grad, r.grad, p.grad)
         assert ok, (name, err, tol)
+
+
+@pytest.mark.parametrize("fn", [_TanhGelu, _TanhGeluSlope])
+def test_a_custom_function_in_a_graph_dynamo_made_dynamic_is_inlined_or_kept_as_at_fixed_sizes(fn):
+    """Called at a second length, Dynamo compiles the graph with a symbolic length and passes the Function that
+    size as an argument: the derivative check ran on symbolic shapes (not checkable: the Function was kept, or the
+    whole graph ran unfused, warned of, when the size stopped the keeping too). Both now hold at every length: the
+    check runs at the compiling call's sizes, and the kept op takes the sizes beside its tensors. Output and
+    gradients within fp32 rounding of eager's at each length (the same parameters, the same inputs)."""
+    import copy
+    torch.manual_seed(0)
+    model = _FunctionMLP(fn)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="autofuse")
+    for length in (8, 6, 10):
+        x = torch.randn(4, length, 16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = compiled(x)
+        assert not [w for w in caught if "autofuse" in str(w.message)], length
+        want = eager(x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)     # fp32 kernels vs eager: summation orders
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=f"{length}: {name}")   # fp32 sums
+            p.grad, q.grad = None, None
+    plans = [p for g in graphs(compiled) for p in g.fused.plans.values()]
+    assert len(plans) == 3 and all(p.report.applied for p in plans)
+    kept = [n for p in plans for n in p.captured.graph_module.graph.nodes if n.target is CUSTOM_FUNCTION]
+    assert len(kept) == (0 if fn is _TanhGelu else 3)
 
 
 def test_a_custom_functions_non_differentiable_output_stays_so():
