@@ -412,18 +412,8 @@ def _inline_derivative_functions(gm) -> int:
     Function that marks an output dirty, whose forward reads an attribute, or whose backward differs (a gradient
     reversal) stays, and :func:`_custom_function_applied` finds it. Returns how many were inlined."""
     inlined = 0
-    for n in list(gm.graph.nodes):
-        if not (n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply"):
-            continue
-        fwd, bwd = (getattr(gm, a.target, None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
-                    for a in n.args[:2])
-        if not isinstance(fwd, torch.fx.GraphModule) or not isinstance(bwd, torch.fx.GraphModule):
-            continue
-        if n.kwargs.get("dirty_idx") or any(b.op == "get_attr" for b in fwd.graph.nodes):
-            continue
-        if not all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
-            continue
-        if not _backward_is_bodys_derivative(fwd, bwd, n):
+    for n, fwd, bwd in _function_applications(gm):
+        if any(b.op == "get_attr" for b in fwd.graph.nodes) or not _backward_is_bodys_derivative(fwd, bwd, n):
             continue
         # the forward body's ops in the node's place, its own grad-mode calls left out (its output: the Function's
         # outputs, then what it saves for the backward)
@@ -444,6 +434,23 @@ def _inline_derivative_functions(gm) -> int:
     return inlined
 
 
+def _function_applications(gm):
+    """``(node, forward graph, backward graph)`` for each ``autograd_function_apply`` node of a Dynamo graph whose
+    Function marks no output dirty and whose outputs are read by index only (what the two passes below can
+    replace); a list, made before they change the graph."""
+    found = []
+    for n in gm.graph.nodes:
+        if not (n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply"):
+            continue
+        fwd, bwd = (getattr(gm, a.target, None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
+                    for a in n.args[:2])
+        if isinstance(fwd, torch.fx.GraphModule) and isinstance(bwd, torch.fx.GraphModule) and \
+                not n.kwargs.get("dirty_idx") and \
+                all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+            found.append((n, fwd, bwd))
+    return found
+
+
 def _keep_custom_functions(gm) -> int:
     """Each custom ``autograd.Function`` a Dynamo graph applies with grad that :func:`_inline_derivative_functions`
     left (its backward is not its forward's derivative: a gradient reversal, a straight-through estimator) becomes
@@ -454,20 +461,12 @@ def _keep_custom_functions(gm) -> int:
     Returns how many were replaced."""
     from autofuse.grad_ops import CUSTOM_FUNCTION, register_custom_function
     kept = 0
-    for n in list(gm.graph.nodes):
-        if not (n.op == "call_function" and getattr(n.target, "__name__", "") == "autograd_function_apply"):
-            continue
-        fwd, bwd = (getattr(gm, a.target, None) if isinstance(a, torch.fx.Node) and a.op == "get_attr" else None
-                    for a in n.args[:2])
-        if not isinstance(fwd, torch.fx.GraphModule) or not isinstance(bwd, torch.fx.GraphModule):
-            continue
+    for n, fwd, bwd in _function_applications(gm):
         args = n.args[2:]
         examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in args]
         is_size = [isinstance(e, (int, torch.SymInt)) and not isinstance(e, bool) for e in examples]
-        if n.kwargs.get("dirty_idx") or not all(size or isinstance(e, torch.Tensor) and isinstance(a, torch.fx.Node)
-                                                for a, e, size in zip(args, examples, is_size)):
-            continue
-        if not all(u.op == "call_function" and u.target is operator.getitem for u in n.users):
+        if not all(size or isinstance(e, torch.Tensor) and isinstance(a, torch.fx.Node)
+                   for a, e, size in zip(args, examples, is_size)):
             continue
         outs = n.meta.get("example_value")
         if not all(isinstance(o, torch.Tensor) for o in (outs if isinstance(outs, (tuple, list)) else (outs,))):
@@ -486,20 +485,16 @@ def _keep_custom_functions(gm) -> int:
     return kept
 
 
-@dataclass(frozen=True)
-class _Shaped:
-    shape: tuple
-    dtype: torch.dtype
-
-
 def _hinted(e):
-    """An example value at the compiling call's sizes: a tensor's shape and dtype (:class:`_Shaped`), a size as the
-    int it is there; None where a symbolic size has no such value."""
+    """An example value at the compiling call's sizes: a tensor's shape and dtype (``capture._TensorArg``), a size
+    as the int it is there; None where a symbolic size has no such value."""
+    from autofuse.capture import _TensorArg
+
     def size(d):
         return d if isinstance(d, int) else getattr(d.node, "hint", None) if isinstance(d, torch.SymInt) else None
     if isinstance(e, torch.Tensor):
         shape = tuple(size(d) for d in e.shape)
-        return None if None in shape else _Shaped(shape, e.dtype)
+        return None if None in shape else _TensorArg(shape, e.dtype)
     return size(e) if isinstance(e, torch.SymInt) else e
 
 
@@ -511,13 +506,13 @@ def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
     """Whether ``bwd`` gives, for random inputs of ``n``'s shapes and random output gradients, what autograd finds
     through ``fwd``'s ops (its own grad-mode calls left out); 16-bit inputs in fp32, as :mod:`autofuse.capture`
     checks a Function ``fuse()`` captures. False where the shapes are not known or the bodies do not run."""
-    from autofuse.capture import _CHECK_DTYPE, gradients_agree
+    from autofuse.capture import _TensorArg, check_argument, gradients_agree
     examples = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in n.args[2:]]
     if any(isinstance(e, torch.fx.Node) or e is None for e in examples):
         return False
     # a graph Dynamo made dynamic passes the Function symbolic sizes: checked at the sizes of the call compiling it
     examples = [_hinted(e) for e in examples]
-    tensors = [e for e in examples if isinstance(e, _Shaped)]
+    tensors = [e for e in examples if isinstance(e, _TensorArg)]
     if any(e is None for e in examples) or sum(math.prod(e.shape) for e in tensors) > 1 << 20:
         return False                    # no sizes known, or large: not checked here, so not known to be harmless
     plain = copy.deepcopy(fwd)
@@ -527,16 +522,9 @@ def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
     plain.recompile()
     skip = set(n.kwargs.get("non_differentiable_idx") or ())
     g = torch.Generator().manual_seed(0)
-
-    def real(e):
-        if not isinstance(e, _Shaped):
-            return e
-        if e.dtype.is_floating_point:
-            return torch.randn(e.shape, generator=g).to(_CHECK_DTYPE.get(e.dtype, e.dtype)).requires_grad_()
-        return torch.zeros(e.shape, dtype=e.dtype)
     try:
         with torch.random.fork_rng(), torch.enable_grad():
-            args = [real(e) for e in examples]
+            args = [check_argument(e, g) for e in examples]
             outs, saved = plain(*args)
             outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
             g2 = torch.Generator().manual_seed(1)

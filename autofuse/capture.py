@@ -1750,6 +1750,17 @@ class _Ctx:
 _CHECK_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
+def check_argument(a, g: torch.Generator):
+    """The value a derivative check passes for an argument: for a tensor's :class:`_TensorArg`, random normal values
+    (fp32 for a 16-bit float dtype, :data:`_CHECK_DTYPE`) that require grad, or zeros of an integer dtype; anything
+    else as it is."""
+    if not isinstance(a, _TensorArg):
+        return a
+    if a.dtype.is_floating_point:
+        return torch.randn(a.shape, generator=g).to(_CHECK_DTYPE.get(a.dtype, a.dtype)).requires_grad_()
+    return torch.zeros(a.shape, dtype=a.dtype)
+
+
 def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
     """Whether ``cls``'s backward gives the gradient autograd finds through its forward, on random inputs of the
     captured call's shapes (what a captured graph, which keeps only the forward, would give): within fp32
@@ -1766,11 +1777,7 @@ def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
     g = torch.Generator().manual_seed(0)
 
     def real(a):
-        if not isinstance(a, _TensorArg):
-            return a
-        if a.dtype.is_floating_point:
-            return torch.randn(a.shape, generator=g).to(_CHECK_DTYPE.get(a.dtype, a.dtype)).requires_grad_()
-        return torch.zeros(a.shape, dtype=a.dtype)
+        return check_argument(a, g)
     try:
         with torch.random.fork_rng(), torch.enable_grad():
             grads = []

@@ -18,6 +18,7 @@ from autofuse.backend import Backend, graphs, reports
 from autofuse.grad_ops import CUSTOM_FUNCTION
 from autofuse.models import MHABlock
 from autofuse.quiet import LEAFSPEC_MESSAGE
+from test_autograd_semantics import TanhGelu as _TanhGelu      # BLOOM's GeLU, its derivative written out by hand
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENTRY = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["torch_dynamo_backends"]
@@ -294,22 +295,6 @@ class _Reverse(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return -g
-
-
-class _TanhGelu(torch.autograd.Function):
-    """BLOOM's GeLU in training: the tanh approximation with its derivative written out by hand."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
-        d = 0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t)
-        return d * g
 
 
 class _TanhGeluSlope(_TanhGelu):
