@@ -455,6 +455,44 @@ def test_a_custom_function_in_a_graph_dynamo_made_dynamic_is_inlined_or_kept_as_
     assert len(kept) == (0 if fn is _TanhGelu else 3)
 
 
+class _DoubleInPlace(torch.autograd.Function):
+    """Doubles its input in place (``ctx.mark_dirty``), with a backward of its own choosing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_a_custom_function_that_marks_an_output_dirty_still_runs_its_graph_unfused():
+    """The near miss of the kept op: an in-place Function (its output marked dirty) is neither inlined nor kept;
+    its graph runs as Dynamo gave it, warned of, with the Function's own gradient (3, not the doubling's 2)."""
+    import copy
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(_DoubleInPlace.apply(self.l(x) * 1.0)) * 2 + 1
+
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="autofuse")
+    with pytest.warns(UserWarning, match=r"custom autograd\.Function .*_DoubleInPlace\.apply.* runs unfused"):
+        compiled(x).sum().backward()
+    eager(x).sum().backward()
+    assert not reports(compiled)
+    assert torch.equal(model.l.weight.grad, eager.l.weight.grad)
+
+
 def test_a_custom_functions_non_differentiable_output_stays_so():
     """``ctx.mark_non_differentiable`` holds through the kept op: the remainder needs no grad, as in eager."""
     class M(torch.nn.Module):
