@@ -506,8 +506,11 @@ def test_a_custom_functions_non_differentiable_output_stays_so():
 
     torch.manual_seed(0)
     model, x = M(), torch.randn(4, 8)
-    r, rest = torch.compile(model, backend="autofuse")(x)
+    compiled = torch.compile(model, backend="autofuse")
+    r, rest = compiled(x)
     want_r, want_rest = model(x)
+    plans = [p for g in graphs(compiled) for p in g.fused.plans.values()]
+    assert any(n.target is CUSTOM_FUNCTION for p in plans for n in p.captured.graph_module.graph.nodes)
     assert r.requires_grad and not rest.requires_grad and not want_rest.requires_grad
     torch.testing.assert_close(rest, want_rest)     # the same ops on the same values
 
