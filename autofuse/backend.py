@@ -39,7 +39,6 @@ Library warnings torch raises against itself during capture are silenced at the 
 """
 from __future__ import annotations
 
-import copy
 import math
 import operator
 import sys
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autofuse.grad_ops import CUSTOM_FUNCTION, is_grad_mode_call, register_custom_function, without_grad_mode_calls
 from autofuse.quiet import torch_internal_warnings
 
 
@@ -420,7 +420,7 @@ def _inline_derivative_functions(gm) -> int:
         env = dict(zip((p for p in fwd.graph.nodes if p.op == "placeholder"), n.args[2:]))
         with gm.graph.inserting_before(n):
             for b in fwd.graph.nodes:
-                if b.op not in ("placeholder", "output") and not _grad_mode_call(b):
+                if b.op not in ("placeholder", "output") and not is_grad_mode_call(b):
                     env[b] = gm.graph.node_copy(b, lambda x: env[x])
         results = fwd.graph.output_node().args[0][0]
         results = results if isinstance(results, (tuple, list)) else (results,)
@@ -459,7 +459,6 @@ def _keep_custom_functions(gm) -> int:
     that marks an output dirty, or takes anything but tensors and sizes or gives anything but tensors, stays
     (:func:`_custom_function_applied`).
     Returns how many were replaced."""
-    from autofuse.grad_ops import CUSTOM_FUNCTION, register_custom_function
     kept = 0
     for n, fwd, bwd in _function_applications(gm):
         args = n.args[2:]
@@ -498,10 +497,6 @@ def _hinted(e):
     return size(e) if isinstance(e, torch.SymInt) else e
 
 
-def _grad_mode_call(n) -> bool:
-    return n.op == "call_function" and n.target is torch._C._set_grad_enabled
-
-
 def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
     """Whether ``bwd`` gives, for random inputs of ``n``'s shapes and random output gradients, what autograd finds
     through ``fwd``'s ops (its own grad-mode calls left out); 16-bit inputs in fp32, as :mod:`autofuse.capture`
@@ -515,11 +510,7 @@ def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
     tensors = [e for e in examples if isinstance(e, _TensorArg)]
     if any(e is None for e in examples) or sum(math.prod(e.shape) for e in tensors) > 1 << 20:
         return False                    # no sizes known, or large: not checked here, so not known to be harmless
-    plain = copy.deepcopy(fwd)
-    for b in list(plain.graph.nodes):
-        if _grad_mode_call(b):
-            plain.graph.erase_node(b)
-    plain.recompile()
+    plain = without_grad_mode_calls(fwd)
     skip = set(n.kwargs.get("non_differentiable_idx") or ())
     g = torch.Generator().manual_seed(0)
     try:
@@ -535,8 +526,10 @@ def _backward_is_bodys_derivative(fwd, bwd, n) -> bool:
                      if i not in skip and go is not None and o.requires_grad]
             derivative = torch.autograd.grad([o for o, _ in pairs], ins, [go for _, go in pairs],
                                              allow_unused=True) if pairs else (None,) * len(ins)
+            # the backward given what the forward saved (the same run's values, as the Function's backward reads
+            # them: without their history)
+            saved = [x.detach() if isinstance(x, torch.Tensor) else x for x in saved]
             with torch.no_grad():
-                _, saved = fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
                 given = bwd(*[go if go is not None and i not in skip else torch.zeros_like(o)
                               for i, (o, go) in enumerate(zip(outs, gouts))], *saved)
     except Exception:  # noqa: BLE001 - a Function whose bodies cannot be run so is not known to be harmless

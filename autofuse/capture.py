@@ -102,9 +102,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autofuse import caches
-from autofuse.grad_ops import PASS_GRADIENT
-from autofuse.graph import CHECKPOINT, PRODUCTS, describe_node, get_attr_value, graph_module, program_module, \
-    relayout_as_eager
+from autofuse.grad_ops import PASS_GRADIENT, is_grad_mode_call
+from autofuse.graph import CHECKPOINT, PRODUCTS, ancestors, describe_node, get_attr_value, graph_module, \
+    program_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
 ROUTES = ("auto", "export", "symbolic_trace")
@@ -1404,7 +1404,7 @@ def mark_grad_blocks(gm: fx.GraphModule) -> None:
             mode = outer.pop()
         elif mode is not None and n.op not in ("placeholder", "output"):
             n.meta["custom"] = {**(n.meta.get("custom") or {}), GRAD_BLOCK: mode}
-    inert = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    inert = [n for n in gm.graph.nodes if is_grad_mode_call(n)]
     for n in inert:                 # the marks carry the modes into the capture, which traces without grad
         n.target = set_grad_enabled_outside_capture
     grad_free = _mark_grad_free_checkpoints(gm)
@@ -1627,7 +1627,7 @@ def _pass_trained_updates(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:
     changed = False
     for pos, target in gm.meta["autofuse_trained_updates"]:
         value = out.args[0][pos]
-        chain = _ancestors(value) | {value}
+        chain = ancestors([value]) | {value}
         if isinstance(target, int):                         # the flat input at that place
             sources = [placeholders[target]] if placeholders[target] in chain else []
             target = placeholders[target].name
@@ -1687,16 +1687,6 @@ def _state_of(gm: fx.GraphModule, n: fx.Node):
         return state_tensor(gm, n.target)
     except AttributeError:
         return None
-
-
-def _ancestors(n: fx.Node) -> set:
-    seen, todo = set(), list(n.all_input_nodes)
-    while todo:
-        a = todo.pop()
-        if a not in seen:
-            seen.add(a)
-            todo.extend(a.all_input_nodes)
-    return seen
 
 
 def _updated_in_place(n: fx.Node):
@@ -1775,15 +1765,12 @@ def _backward_is_forwards_derivative(cls, args, kwargs) -> bool:
     if any(a.shape is None for a in leaves) or sum(math.prod(a.shape) for a in leaves) > 1 << 20:
         return False
     g = torch.Generator().manual_seed(0)
-
-    def real(a):
-        return check_argument(a, g)
     try:
         with torch.random.fork_rng(), torch.enable_grad():
             grads = []
             for direct in (False, True):
                 g.manual_seed(0)
-                a, k = pytree.tree_map(real, (args, kwargs))
+                a, k = pytree.tree_map(lambda a: check_argument(a, g), (args, kwargs))
                 if direct:
                     try:
                         out = cls.forward(_Ctx(), *a, **k)

@@ -59,6 +59,24 @@ def no_double_backward(op, what: str, *families: str) -> None:
 # op of the user's, as opaque to the planner as any op it has no kernel for, and everything around it fuses.
 # ---------------------------------------------------------------------------------------------------------------
 
+def is_grad_mode_call(n: torch.fx.Node) -> bool:
+    """Whether ``n`` is a ``torch._C._set_grad_enabled`` call of a Dynamo graph (a Function's bodies open and close
+    with one: a Function's forward and backward run without grad)."""
+    return n.op == "call_function" and n.target is torch._C._set_grad_enabled
+
+
+def without_grad_mode_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a Function's body graph without its grad-mode calls (:func:`is_grad_mode_call`): its ops run in
+    whatever mode the caller runs them (autograd through them, or below autograd in an op)."""
+    import copy
+    gm = copy.deepcopy(gm)
+    for n in list(gm.graph.nodes):
+        if is_grad_mode_call(n):
+            gm.graph.erase_node(n)
+    gm.recompile()
+    return gm
+
+
 class _Body:
     """A Function's two graphs (grad-mode calls left out: the op runs below autograd); ``places``, per argument of
     its forward, ``("t", j)`` for the op's tensor ``args[j]`` or ``("s", j)`` for its size ``sizes[j]`` (a graph
@@ -84,13 +102,7 @@ def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModul
     returns ``(outputs, saved)``, the backward takes ``(*output_gradients, *saved)`` and returns one gradient per
     forward argument); ``is_size``, per forward argument, whether it is a size (else a tensor); and ``where`` the
     user's code applies it (for the report). Its key for :func:`custom_function`."""
-    import copy
-    fwd, bwd = copy.deepcopy(fwd), copy.deepcopy(bwd)
-    for g in (fwd, bwd):
-        for n in list(g.graph.nodes):
-            if n.op == "call_function" and n.target is torch._C._set_grad_enabled:
-                g.graph.erase_node(n)
-        g.recompile()
+    fwd, bwd = without_grad_mode_calls(fwd), without_grad_mode_calls(bwd)
     places, counts = [], {"t": 0, "s": 0}
     for size in is_size:
         kind = "s" if size else "t"

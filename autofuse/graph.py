@@ -208,6 +208,18 @@ def effectful(n: fx.Node) -> bool:
         t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
 
 
+def ancestors(nodes) -> set:
+    """Every node the values of ``nodes`` are computed from (their inputs, theirs, ...), ``nodes`` not included
+    unless one is upstream of another."""
+    seen, todo = set(), [a for n in nodes for a in n.all_input_nodes]
+    while todo:
+        a = todo.pop()
+        if a not in seen:
+            seen.add(a)
+            todo.extend(a.all_input_nodes)
+    return seen
+
+
 def returned(gm: fx.GraphModule) -> set:
     """The nodes whose values ``gm`` returns (its output node's arguments)."""
     return {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}

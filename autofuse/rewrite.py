@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.tools_common import legalize_graph
 
-from autofuse.graph import copy_graph_module, graph_module
+from autofuse.graph import ancestors, copy_graph_module, graph_module
 from autofuse.match import Match
 
 aten = torch.ops.aten
@@ -183,14 +183,8 @@ def _source(c: fx.Node, captured: dict, upstream, order: dict | None = None) -> 
 
 
 def _ancestors(captured: dict, names) -> set:
-    seen, stack = set(), [captured[n] for n in names]
-    while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a.name not in seen:
-                seen.add(a.name)
-                stack.append(a)
-    return seen
+    """The names of the captured nodes the named ones are computed from."""
+    return {a.name for a in ancestors(captured[n] for n in names)}
 
 
 def _target(c: fx.Node, captured: dict, role: str):
