@@ -14,6 +14,7 @@ predicted speed-up of the whole graph against eager op by op and against generic
     python benchmarks/architectures.py --batch 1 --seq 13 [...]     # other inputs than 16 tokens at batch 2
     python benchmarks/architectures.py --compile [--only NAME ...]  # through torch.compile(backend="autofuse")
     python benchmarks/architectures.py --compile --train            # a training step through torch.compile
+    python benchmarks/architectures.py --compile --generate [--static]  # generate() with a compiled forward
 
 Every row is one model built, captured, planned, verified and run here; a model that fails prints its error
 in its row (nothing is skipped silently). Sizes are small (2 layers, hidden 64, 16 tokens): the point is
@@ -25,7 +26,9 @@ size): the largest difference from eager over the three calls, the graphs Dynamo
 and the blocks the first call fused by name against those ``fuse()`` fuses on the same model (a row whose blocks
 differ says so; a graph break, such as JetMoe's data-dependent expert sizes, makes them differ). With ``--train``:
 the training step below, through ``torch.compile`` (its fused blocks: those of every graph Dynamo handed over at
-the first call), at 16 tokens and then at 12 and 20 (the text rows), the worst of the three.
+the first call), at 16 tokens and then at 12 and 20 (the text rows), the worst of the three. With ``--generate``:
+the generative rows with ``model.forward`` compiled and the model's own ``generate()`` (Dynamo makes the decode
+steps' graph dynamic at the second step; the backend plans it per cache length, or once with ``--static``).
 
 ``--train`` and ``--generate`` compare with eager in fp32 directly. With a 16-bit ``--dtype`` both sides round far
 more and may differ by it, so each row also runs a float64 reference (the same weights widened exactly, the same
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import logging
 import time
 import traceback
 import warnings
@@ -443,6 +447,59 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
                 served=served, twins=twins, attention=attention, seconds=time.perf_counter() - t0)
 
 
+class _Records(logging.Handler):
+    """The messages of a logger's records."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def compiled_generation(name, spec, attn, device, new_tokens=3, static=False, switches=None):
+    """Generation through ``torch.compile``, as the README shows it: ``model.forward = torch.compile(model.forward,
+    backend=autofuse.backend(...))``, then the model's own ``generate()`` (greedy, ``new_tokens``; ``static``: with a
+    static cache). The logits of one compiled call against eager's, whether the tokens are eager's, the graphs Dynamo
+    handed over, the plans made, the blocks they fused (attention among them), and the frames Dynamo stopped
+    compiling at its recompile limit (they ran eagerly from there on)."""
+    import autofuse
+    t0 = time.perf_counter()
+    built = _generation_model(spec, attn)
+    if built is None:
+        return None
+    model, args, kwargs = built
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if static:
+        settings["cache_implementation"] = "static"
+    prompt = kwargs[model.main_input_name]
+    with torch.no_grad():
+        want_logits = model(*args, **kwargs).logits
+        try:
+            expect = model.generate(prompt, **settings)
+        except Exception as e:  # noqa: BLE001 - eager's own refusal is the row's answer
+            if not static:
+                raise
+            return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
+    torch._dynamo.reset()
+    be = autofuse.backend(target_device=device, fusion_switches=switches)
+    model.forward = torch.compile(model.forward, backend=be)
+    limits = _Records()           # Dynamo says it stopped compiling a frame only in its log
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    log.addHandler(limits)
+    try:
+        with torch.no_grad():
+            err = (model(*args, **kwargs).logits - want_logits).abs().max().item()
+            same = torch.equal(model.generate(prompt, **settings), expect)
+    finally:
+        log.removeHandler(limits)
+    limited = sum("recompile_limit" in m for m in limits.messages)
+    names = collections.Counter(d.pattern for r in be.reports for d in r.applied)
+    return dict(err=err, same=same, graphs=len(be.fused_modules), plans=len(be.reports), blocks=sum(names.values()),
+                attention=names["attention"], limited=limited, seconds=time.perf_counter() - t0)
+
+
 def _to64(tree):
     """``tree`` with its floating tensors cast to float64 (the 16-bit values widened exactly)."""
     from torch.utils._pytree import tree_map
@@ -694,8 +751,8 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help='through torch.compile(backend="autofuse") at 16, 12 and 20 tokens, against fuse()')
     a = ap.parse_args()
-    if a.compile and (a.generate or a.dtype != "float32" and a.train):
-        ap.error("--compile goes alone or with --train in float32")
+    if a.compile and a.dtype != "float32" and (a.train or a.generate):
+        ap.error("--compile goes alone or with --train or --generate in float32")
     if a.checkpointing and (not a.train or a.dtype != "float32"):
         ap.error("--checkpointing goes with --train in float32 (the 16-bit --train measures against float64 "
                  "without it)")
@@ -709,6 +766,31 @@ def main():
     if (a.train or a.generate) and a.dtype != "float32":
         # in 16 bits both sides round far more than fp32 and may differ by it: each is measured from float64
         sixteen(a, getattr(torch, a.dtype), switches)
+        return
+    if a.generate and a.compile:
+        print(f"{'model':32} {'max|compiled-eager|':>19} {'tokens':>7} {'graphs':>6} {'plans':>5} {'blocks':>6} "
+              f"{'attention':>9} {'s':>5}   (model.forward through torch.compile, then generate() of {a.new_tokens} "
+              f"tokens{', static cache' if a.static else ''}; graphs Dynamo handed over, plans made, blocks they fused)")
+        bad = refused = limited = 0
+        for name, _, row in _rows(a.only, lambda name, spec, attn: compiled_generation(
+                name, spec, attn, a.device, a.new_tokens, a.static, switches)):
+            if row is FAILED:
+                bad += 1
+                continue
+            if row is None:
+                continue
+            if "refused" in row:
+                refused += 1
+                print(f"{name:32} eager refuses it: {row['refused']}", flush=True)
+                continue
+            bad += not row["same"]
+            limited += bool(row["limited"])
+            print(f"{name:32} {row['err']:19.2e} {'same' if row['same'] else 'DIFFER':>7} {row['graphs']:6} "
+                  f"{row['plans']:5} {row['blocks']:6} {row['attention']:9} {row['seconds']:5.1f}"
+                  + (f"   Dynamo's recompile limit: {row['limited']} frame(s) ran eagerly from there on"
+                     if row["limited"] else ""), flush=True)
+        print(f"\n{bad} failed or generated other tokens; {limited} hit Dynamo's recompile limit"
+              + (f"; eager refused a static cache for {refused}" if a.static else ""))
         return
     if a.generate:
         print(f"{'model':32} {'max|fused-eager|':>16} {'cache':>14} {'tokens':>7} {'plans':>5} {'1-token':>7} "
