@@ -446,17 +446,25 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
     failures = []
     for r in routes:
         try:
-            with torch_internal_warnings(), _custom_functions() as functions, _grad_blocks(), \
-                    _checkpoints() as (checkpoints, grad_free_checkpoints), _fake_tensor_errors_unlogged(), \
-                    _eager_autograd_reads() as reads, _eager_dropout(), _torch_transformers_as_eager(), \
-                    _overflow_clamps(), _grad_mode_calls_inert():
-                if r == "export":
-                    export = (None if sizes is None else
-                              lambda m, a, k: sizes.export(m, a, k, _export_functional))
-                    gm, in_spec, out_spec = _capture_export(model, example_args, example_kwargs, export)
-                else:
-                    gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
-            _refuse_custom_backwards(model, functions, (example_args, example_kwargs))
+            kept = frozenset()      # the custom autograd.Functions kept whole (the second trace, if any)
+            while True:
+                with torch_internal_warnings(), _custom_functions(kept) as functions, _grad_blocks(), \
+                        _checkpoints() as (checkpoints, grad_free_checkpoints), _fake_tensor_errors_unlogged(), \
+                        _eager_autograd_reads() as reads, _eager_dropout(), _torch_transformers_as_eager(), \
+                        _overflow_clamps(), _grad_mode_calls_inert():
+                    if r == "export":
+                        export = (None if sizes is None else
+                                  lambda m, a, k: sizes.export(m, a, k, _export_functional))
+                        gm, in_spec, out_spec = _capture_export(model, example_args, example_kwargs, export)
+                    else:
+                        gm, in_spec, out_spec = _capture_symbolic_trace(model, example_args, example_kwargs)
+                differing = _custom_backwards(model, functions, (example_args, example_kwargs))
+                if not differing or kept or r != "export":
+                    break
+                # traced again with each such Function one op that applies it (its own backward at run time)
+                kept = frozenset(differing)
+            if differing:
+                _refuse_custom_backwards(differing)
             _detach_grad_free_blocks(gm)
             passed = _pass_trained_updates(gm, model)
             _cleanup(gm)
@@ -464,7 +472,9 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
-            gm.meta["autofuse_custom_functions"] = tuple(f.__qualname__ for f, _, _ in functions)   # without grad
+            # traced through (without grad, or checked to be their forward's derivative) or kept whole
+            gm.meta["autofuse_custom_functions"] = tuple(dict.fromkeys(
+                [f.__qualname__ for f, _, _ in functions] + [f.__qualname__ for f in kept]))
             # activation checkpoints traced through (a Dynamo graph's operator runs torch's checkpoint too; its
             # nodes are marked before the capture, mark_grad_blocks)
             gm.meta["autofuse_checkpoints"] = len(checkpoints)
@@ -616,14 +626,22 @@ def _parameter_cache(m: torch.nn.Module, k: str) -> bool:
 
 
 @contextlib.contextmanager
-def _custom_functions():
+def _custom_functions(kept=frozenset()):
     """The user's ``torch.autograd.Function`` classes the forward applies while it is captured (a list filled in
-    place). Capture traces their forward; their backward is not in the graph."""
+    place, with each one's first call's arguments as :func:`_shapes`). Capture traces their forward; their backward
+    is not in the graph. A class in ``kept`` is applied as one ``autofuse_grad::user_function`` op instead, which
+    applies the Function itself when the graph runs (:func:`_keep_application`); one that cannot be kept so is
+    traced and listed as the others."""
     seen: list = []
     Function = torch.autograd.function.Function
     own = Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
+        if cls in kept:
+            try:
+                return _keep_application(cls, args, kwargs, sys._getframe(1))
+            except NotKeepable:
+                pass
         if not (cls.__module__ or "").startswith("torch") and all(c is not cls for c, _, _ in seen):
             seen.append((cls, _shapes(args), _shapes(kwargs)))
         return own.__func__(cls, *args, **kwargs)
@@ -1810,26 +1828,59 @@ def gradients_agree(got, want) -> bool:
     return True
 
 
-def _refuse_custom_backwards(model, functions, inputs):
-    """A graph captured with grad, from a forward that applies the user's own autograd.Function, is differentiated
-    through the Function's forward, not by its backward: refused while anything the call reads requires grad,
-    unless the backward gives what autograd finds through the forward (BLOOM's GeLU) on random inputs of the
-    call's shapes. A gradient reversal or a straight-through estimator does not."""
+def _custom_backwards(model, functions, inputs) -> list:
+    """The custom autograd.Functions a forward traced through (``functions``, :func:`_custom_functions`) whose
+    backward a graph captured with grad would lose: while anything the call reads requires grad, those whose
+    backward does not give what autograd finds through their forward (BLOOM's GeLU does) on random inputs of the
+    call's shapes. A gradient reversal or a straight-through estimator does not: capture keeps such a Function
+    whole (:func:`_keep_application`)."""
     if not functions or not torch.is_grad_enabled():
-        return
+        return []
     if not any(p.requires_grad for p in model.parameters()) and not any(
             getattr(x, "requires_grad", False) for x in pytree.tree_leaves(inputs)):
-        return
-    differing = [cls for cls, a, k in functions if not _backward_is_forwards_derivative(cls, a, k)]
-    if not differing:
-        return
+        return []
+    return [cls for cls, a, k in functions if not _backward_is_forwards_derivative(cls, a, k)]
+
+
+def _refuse_custom_backwards(differing):
+    """Refuse a graph captured with grad through custom autograd.Functions whose backward it would lose, where
+    they cannot be kept whole (:class:`NotKeepable`; on the symbolic_trace route, which hands them proxies)."""
     names = ", ".join(f.__qualname__ for f in differing)
     raise CaptureError("export", f"capture failed: the forward applies the custom autograd.Function(s) {names}, "
                                  f"whose backward a captured graph does not keep (autograd would differentiate their "
-                                 f"forward instead). hint: for inference, fuse and call the model under "
-                                 f"torch.no_grad(); to train, compile it with torch.compile(model, "
+                                 f"forward instead), and which cannot be kept whole as one op here (an in-place "
+                                 f"forward that marks its input dirty, a non-tensor output, a symbolic size among "
+                                 f"its arguments, or the symbolic_trace route). hint: for inference, fuse and call "
+                                 f"the model under torch.no_grad(); to train, compile it with torch.compile(model, "
                                  f"backend='autofuse'), which keeps each such Function whole with its own backward "
                                  f"and fuses around it (or run the model eagerly).")
+
+
+class NotKeepable(Exception):
+    """A custom autograd.Function's application cannot be kept as one op; the capture traces through it."""
+
+
+def _keep_application(cls, args, kwargs, frame):
+    """Apply ``cls`` inside a capture as one ``autofuse_grad::user_function`` op (:mod:`autofuse.grad_ops`), which
+    applies the Function itself when the graph runs: with grad, autograd records the Function's own node (its ctx,
+    its backward), as eager does. Its tensor arguments are the op's; everything else is kept as the call passed it
+    (a constant of the graph, as any Python value the forward passes). Raises :class:`NotKeepable` where that would
+    not be the user's call: a symbolic size or a proxy among the arguments, a non-tensor output, an output that is an
+    argument (an in-place forward that marks it dirty)."""
+    from autofuse.grad_ops import USER_FUNCTION_OP, USER_FUNCTIONS, register_user_function
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool, fx.Proxy)) for x in flat):
+        raise NotKeepable(cls)
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    import linecache
+    where = (f'{cls.__qualname__}: File "{frame.f_code.co_filename}", line {frame.f_lineno}, in '
+             f'{frame.f_code.co_name}: {linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()}')
+    key = register_user_function(cls, spec, [None if isinstance(x, torch.Tensor) else x for x in flat], where)
+    try:
+        outs = USER_FUNCTION_OP(tensors, key)
+    except Exception as e:  # noqa: BLE001 - one that cannot be kept (its fake run says why) is traced through
+        raise NotKeepable(cls) from e
+    return pytree.tree_unflatten(list(outs), USER_FUNCTIONS[key].out_spec)
 
 
 # ---------------------------------------------------------------------------------------------- routes

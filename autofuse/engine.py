@@ -58,7 +58,7 @@ from autofuse.capture import capture, holds_tensor, same_value, state_tensor
 from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
-from autofuse.grad_ops import CUSTOM_FUNCTION, CUSTOM_FUNCTIONS, PASS_GRADIENT
+from autofuse.grad_ops import CUSTOM_FUNCTION, CUSTOM_FUNCTIONS, PASS_GRADIENT, USER_FUNCTION_OP, USER_FUNCTIONS
 from autofuse.graph import (checkpoint_of, copy_graph_module, describe_node, get_attr_value, keeps_checkpoints,
                             realised, returned)
 from autofuse.hierarchy import lead_match
@@ -1210,9 +1210,10 @@ def _plan_captured(model, args, kwargs, device, level, budget, verify, switches,
                                f"traces their composite path: the same values up to rounding), or fuse the model "
                                f"with autofuse.AutoFusionEngine.fuse")
         warnings.warn("autofuse: " + report.warnings[-1], stacklevel=2)
-    kept = [CUSTOM_FUNCTIONS[n.args[2]].where for n in cap_gm.graph.nodes if n.target is CUSTOM_FUNCTION]
+    kept = [CUSTOM_FUNCTIONS[n.args[2]].where if n.target is CUSTOM_FUNCTION else USER_FUNCTIONS[n.args[1]].where
+            for n in cap_gm.graph.nodes if n.target in (CUSTOM_FUNCTION, USER_FUNCTION_OP)]
     if kept:
-        # (through torch.compile: autofuse.backend keeps them so)
+        # (through torch.compile: autofuse.backend keeps them so; in fuse(), capture's second trace)
         report.warnings.append(f"{len(kept)} custom autograd.Function application(s) whose backward is not (or "
                                f"could not be checked to be) the forward's derivative run as one op each with "
                                f"their own backward (no kernel of autofuse's: each priced as one generic Vector "

@@ -9,11 +9,18 @@ the update as new nodes, which :func:`autofuse.capture._detach_grad_free_blocks`
 free on the simulated NPU (a view, as ``detach``), and canonicalize drops it from a graph that runs without grad.
 
 ``torch.ops.autofuse_grad.custom_function(args, sizes, key)`` is a custom ``autograd.Function`` of the user's kept
-whole (below): its forward's value, its own backward's gradient.
+whole (below): its forward's value, its own backward's gradient. ``torch.ops.autofuse_grad.user_function(args,
+key)`` is one kept whole by ``fuse()``'s capture: the Function itself, applied when the graph runs.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.utils._pytree as pytree
+
+#: ``torch.autograd.Function.apply`` as torch defines it (capture replaces it while it traces)
+_APPLY = torch.autograd.function.Function.__dict__["apply"].__func__
 
 
 @torch.library.custom_op("autofuse_grad::pass_gradient", mutates_args=())
@@ -174,3 +181,97 @@ def _custom_backward(ctx, grads):
 custom_function.register_autograd(_custom_backward, setup_context=_custom_setup)
 
 CUSTOM_FUNCTION = torch.ops.autofuse_grad.custom_function.default
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A custom autograd.Function kept whole by fuse()'s capture: the Function itself, applied when the graph runs.
+#
+# ``torch.ops.autofuse_grad.user_function(args, key)`` applies the Function registered under ``key`` (its class and
+# its call's arguments, the tensors taken out: the op's ``args`` go back in their places) and returns its outputs.
+# With grad (a tensor argument that requires it), its autograd kernel applies the Function as eager does, so autograd
+# records the Function's own node: its ctx, its saved values, its backward. Otherwise, and while a capture traces it
+# (which runs without grad), the op runs below autograd: the Function's forward under no_grad, or its fake run. It
+# stands where a forward captured with grad applies a Function whose backward is not its forward's derivative (a
+# straight-through estimator, a gradient reversal, PhiMoE's sparsemixer), as ``custom_function`` stands in a
+# Dynamo graph: the planner has no kernel for it and fuses around it.
+# ---------------------------------------------------------------------------------------------------------------
+
+class _Applied:
+    """One kept application: the Function ``cls``, the pytree ``spec`` of its ``(args, kwargs)``, its ``leaves``
+    (None where a tensor goes), the user's line ``where``, and ``out_spec``, its outputs' structure (from its first
+    run, the capture's fake run)."""
+
+    def __init__(self, cls, spec, leaves, where):
+        self.cls, self.spec, self.leaves, self.where = cls, spec, leaves, where
+        self.out_spec = None
+
+    def __call__(self, tensors) -> list:
+        """Apply the Function to ``tensors`` in their places; its outputs, flat. A non-tensor output (a constant
+        the graph cannot carry) or an argument returned as it is (an in-place forward, ``mark_dirty``) raises."""
+        it = iter(tensors)
+        args, kwargs = pytree.tree_unflatten([next(it) if x is None else x for x in self.leaves], self.spec)
+        out = _APPLY(self.cls, *args, **kwargs)
+        flat, spec = pytree.tree_flatten(out)
+        if not all(isinstance(o, torch.Tensor) for o in flat):
+            raise TypeError(f"{self.cls.__qualname__} returns a value that is not a tensor")
+        if any(o is t for o in flat for t in tensors):
+            raise TypeError(f"{self.cls.__qualname__} returns its argument (an in-place forward)")
+        self.out_spec = spec if self.out_spec is None else self.out_spec
+        return flat
+
+    def same_call(self, cls, spec, leaves) -> bool:
+        if cls is not self.cls or spec != self.spec or len(leaves) != len(self.leaves):
+            return False
+        try:
+            return all(type(a) is type(b) and (a is b or bool(a == b)) for a, b in zip(leaves, self.leaves))
+        except Exception:  # noqa: BLE001 - values that do not compare are not the same call
+            return False
+
+
+#: the kept applications, by key (an int a graph carries)
+USER_FUNCTIONS: dict[int, _Applied] = {}
+
+
+def register_user_function(cls, spec, leaves, where: str) -> int:
+    """The key of the application of ``cls`` to ``(args, kwargs)`` (its pytree ``spec`` and ``leaves``, None for
+    each tensor), made at ``where``: an earlier one with the same class, structure and values, or a new one."""
+    for key, applied in USER_FUNCTIONS.items():
+        if applied.same_call(cls, spec, leaves):
+            return key
+    key = len(USER_FUNCTIONS)
+    USER_FUNCTIONS[key] = _Applied(cls, spec, leaves, where)
+    return key
+
+
+def _fresh(outs, args) -> list:
+    """An op returns no alias of its inputs: an output that views an argument's storage (a gradient reversal's
+    ``x.view_as(x)``) is copied (with grad, the copy's gradient is the view's)."""
+    inputs = {a.untyped_storage().data_ptr() for a in args}
+    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in outs]
+
+
+@torch.library.custom_op("autofuse_grad::user_function", mutates_args=())
+def user_function(args: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return _fresh(USER_FUNCTIONS[key](args), args)
+
+
+@user_function.register_fake
+def _(args, key):
+    with torch.no_grad():
+        return [o.clone() for o in USER_FUNCTIONS[key](args)]
+
+
+def _user_function_autograd(keyset, args, key):
+    """The op's autograd kernel: with grad, the Function applied as eager applies it (autograd records its own
+    node); otherwise below autograd, as a custom op's generated kernel does."""
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+        return _fresh(USER_FUNCTIONS[key](args), args)
+    return USER_FUNCTION_OP.redispatch(keyset & torch._C._after_autograd_keyset, args, key)
+
+
+USER_FUNCTION_OP = torch.ops.autofuse_grad.user_function.default
+_LIB = torch.library.Library("autofuse_grad", "FRAGMENT")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")         # torch warns that this replaces the custom op's generated kernel
+    _LIB.impl("user_function", _user_function_autograd, "Autograd", with_keyset=True)

@@ -770,7 +770,8 @@ def main():
     if a.generate and a.compile:
         print(f"{'model':32} {'max|compiled-eager|':>19} {'tokens':>7} {'graphs':>6} {'plans':>5} {'blocks':>6} "
               f"{'attention':>9} {'s':>5}   (model.forward through torch.compile, then generate() of {a.new_tokens} "
-              f"tokens{', static cache' if a.static else ''}; graphs Dynamo handed over, plans made, blocks they fused)")
+              f"tokens{', static cache' if a.static else ''}; graphs Dynamo handed over, plans made, blocks they "
+              f"fused)")
         bad = refused = limited = 0
         for name, _, row in _rows(a.only, lambda name, spec, attn: compiled_generation(
                 name, spec, attn, a.device, a.new_tokens, a.static, switches)):

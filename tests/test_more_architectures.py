@@ -441,16 +441,18 @@ def test_gemma3n_trains_with_its_altup_coefficients_clamped_as_in_eager():
         assert bool((p.abs() <= torch.tensor(0.05)).all()), n
 
 
-def test_phimoe_trains_through_torch_compile_with_its_router_function_kept():
+@pytest.mark.parametrize("route", ["compile", "fuse"])
+def test_phimoe_trains_fused_with_its_router_function_kept(route):
     """PhiMoE's router in training (sparsemixer) applies a custom autograd.Function whose backward is not its
     forward's derivative, between two torch.no_grad() blocks, before transformers' grouped_mm_fallback op. Through
     torch.compile with grad the whole graph ran unfused (the Function), then, with the Function kept, its capture
-    failed (the blocks' end turned grad on inside torch.export's trace). The Function now runs as one op with its
-    own backward, the blocks' calls do nothing while the graph is captured, and the rest fuses: the output and every
-    gradient equal eager's within fp32 rounding (the same seed draws the router's jitter alike)."""
+    failed (the blocks' end turned grad on inside torch.export's trace); fuse() refused it. The Function now runs as
+    one op with its own backward on both routes (torch.compile's from Dynamo's graphs of it, fuse()'s applying the
+    Function itself), the blocks' calls do nothing while the graph is captured, and the rest fuses: the output and
+    every gradient equal eager's within fp32 rounding (the same seed draws the router's jitter alike)."""
     import autofuse
     from autofuse.backend import graphs
-    from autofuse.grad_ops import CUSTOM_FUNCTION
+    from autofuse.grad_ops import CUSTOM_FUNCTION, USER_FUNCTION_OP
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = tf.PhimoeConfig(vocab_size=128, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
@@ -458,19 +460,23 @@ def test_phimoe_trains_through_torch_compile_with_its_router_function_kept():
     cfg._attn_implementation = "sdpa"
     model = tf.PhimoeForCausalLM(cfg).train()
     ids = torch.randint(1, 128, (2, 16))
-    compiled = torch.compile(model, backend="autofuse")
+    fused = torch.compile(model, backend="autofuse") if route == "compile" else AutoFusionEngine.fuse(model)
     grads, outs = [], []
-    for m in (compiled, model):
+    for m in (fused, model):
         model.zero_grad()
         torch.manual_seed(7)
         out = m(ids, use_cache=False).logits
         out.square().mean().backward()
         outs.append(out.detach())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    applied = [d.pattern for r in autofuse.reports(compiled) for d in r.applied]
+    if route == "compile":
+        reports, op = autofuse.reports(fused), CUSTOM_FUNCTION
+        plans = [p for g in graphs(fused) for p in g.fused.plans.values()]
+    else:
+        reports, op, plans = [fused.report], USER_FUNCTION_OP, list(fused.plans.values())
+    applied = [d.pattern for r in reports for d in r.applied]
     assert "attention" in applied and any("moe" in p or "grouped" in p for p in applied), applied
-    plans = [p for g in graphs(compiled) for p in g.fused.plans.values()]
-    assert sum(n.target is CUSTOM_FUNCTION for p in plans for n in p.captured.graph_module.graph.nodes) == 2
+    assert sum(n.target is op for p in plans for n in p.captured.graph_module.graph.nodes) == 2
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)       # fp32 both sides: summation orders
     assert grads[0].keys() == grads[1].keys()
     for n in grads[1]:
