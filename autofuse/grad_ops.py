@@ -246,8 +246,16 @@ def register_user_function(cls, spec, leaves, where: str) -> int:
 def _fresh(outs, args) -> list:
     """An op returns no alias of its inputs: an output that views an argument's storage (a gradient reversal's
     ``x.view_as(x)``) is copied (with grad, the copy's gradient is the view's)."""
-    inputs = {a.untyped_storage().data_ptr() for a in args}
-    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in outs]
+    return [o.clone() if any(_aliases(o, a) for a in args) else o for o in outs]
+
+
+def _aliases(o, a) -> bool:
+    """Whether ``o`` and ``a`` share a storage (fake ones too: a traced training step runs the op on them)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    try:
+        return StorageWeakRef(o.untyped_storage()) == StorageWeakRef(a.untyped_storage())
+    except (RuntimeError, NotImplementedError):     # a tensor without a storage of its own (a functional one)
+        return o is a or o._base is not None and (o._base is a or o._base is a._base)
 
 
 @torch.library.custom_op("autofuse_grad::user_function", mutates_args=())

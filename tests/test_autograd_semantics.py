@@ -139,6 +139,8 @@ def test_a_custom_autograd_function_is_kept_whole_with_grad_and_traced_through_w
     assert sorted(d.pattern for d in fused.report.applied) == ["matmul_epilogue", "softmax"]
     (said,) = [m for m in fused.report.warnings if "custom autograd.Function" in m]
     assert "STE" in said and "STE.apply(self.l1(x) * 4)" in said
+    # the simulated training step traces the op on fake tensors (its forward, then the Function's backward)
+    assert fused.simulate(x, backward=True).phases["backward"] > 0
     want = _train_step(eager, eager, x, w)
     assert want[0].abs().max() > 0.1                                   # straight through, not zero
     for g, h in zip(_train_step(fused, model, x, w), want):
