@@ -637,6 +637,12 @@ def _custom_functions(kept=frozenset()):
     own = Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
+        reads = getattr(_READS, "reads", None)
+        if isinstance(reads, list) and not (cls.__module__ or "").startswith("torch"):
+            # what the capture keeps of it depends on the grad mode: a read of autograd state, so the plan is keyed
+            # by that state and a symbolic export of a size family (autofuse.sizes) does not serve other calls (a
+            # served capture does not run the forward, and would not see the Function)
+            reads.append(f"a custom autograd.Function ({cls.__qualname__})")
         if cls in kept:
             try:
                 return _keep_application(cls, args, kwargs, sys._getframe(1))
