@@ -1855,11 +1855,25 @@ def _refuse_custom_backwards(differing):
     raise CaptureError("export", f"capture failed: the forward applies the custom autograd.Function(s) {names}, "
                                  f"whose backward a captured graph does not keep (autograd would differentiate their "
                                  f"forward instead), and which cannot be kept whole as one op here (an in-place "
-                                 f"forward that marks its input dirty, a non-tensor output, a symbolic size among "
-                                 f"its arguments, or the symbolic_trace route). hint: for inference, fuse and call "
+                                 f"forward that marks its input dirty, a non-tensor output, an argument that is a "
+                                 f"symbolic size or an object other than a tensor or a plain value, or the "
+                                 f"symbolic_trace route). hint: for inference, fuse and call "
                                  f"the model under torch.no_grad(); to train, compile it with torch.compile(model, "
                                  f"backend='autofuse'), which keeps each such Function whole with its own backward "
                                  f"and fuses around it (or run the model eagerly).")
+
+
+def _constant_argument(x) -> bool:
+    """Whether a Function's non-tensor argument can stay in the graph as the value the call passed: a number,
+    string, flag or None, a dtype, device, layout or enum, a class or function, or a module (the user's own object:
+    it is applied as it is when the graph runs). Not a symbolic size, nor an object that may hold the trace's
+    tensors."""
+    import enum
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return False
+    return isinstance(x, (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format, enum.Enum, type, types.FunctionType, types.BuiltinFunctionType,
+                          torch.nn.Module))
 
 
 class NotKeepable(Exception):
@@ -1871,11 +1885,12 @@ def _keep_application(cls, args, kwargs, frame):
     applies the Function itself when the graph runs: with grad, autograd records the Function's own node (its ctx,
     its backward), as eager does. Its tensor arguments are the op's; everything else is kept as the call passed it
     (a constant of the graph, as any Python value the forward passes). Raises :class:`NotKeepable` where that would
-    not be the user's call: a symbolic size or a proxy among the arguments, a non-tensor output, an output that is an
-    argument (an in-place forward that marks it dirty)."""
+    not be the user's call: an argument other than a tensor or a :func:`_constant_argument` (a symbolic size, a
+    proxy, an object that may hold the trace's tensors), a non-tensor output, an output that is an argument (an
+    in-place forward that marks it dirty)."""
     from autofuse.grad_ops import USER_FUNCTION_OP, USER_FUNCTIONS, register_user_function
     flat, spec = pytree.tree_flatten((args, kwargs))
-    if any(isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool, fx.Proxy)) for x in flat):
+    if not all(isinstance(x, torch.Tensor) or _constant_argument(x) for x in flat):
         raise NotKeepable(cls)
     tensors = [x for x in flat if isinstance(x, torch.Tensor)]
     import linecache

@@ -291,13 +291,42 @@ class Clamped(nn.Module):
         return torch.softmax(InPlaceClamp.apply(self.l1(x) * 2), -1)
 
 
-def test_an_in_place_custom_function_is_refused_with_grad_by_name():
-    """A Function that marks its input dirty returns that input updated: not an op's fresh output. With grad it is
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+class ScaledBy(torch.autograd.Function):
+    """Scales by a tensor an object holds, with an identity gradient: the object may hold the trace's tensors."""
+
+    @staticmethod
+    def forward(ctx, x, holder):
+        return x * holder.t.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class HeldScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.softmax(ScaledBy.apply(self.l1(x), _Holder(x[0, 0, :2])), -1)
+
+
+@pytest.mark.parametrize("model, named", [(Clamped, r"InPlaceClamp.*in-place"),
+                                          (HeldScale, r"ScaledBy.*an object other than a tensor")])
+def test_a_custom_function_that_cannot_be_kept_is_refused_with_grad_by_name(model, named):
+    """A Function that marks its input dirty returns that input updated, not an op's fresh output; one handed an
+    object holding a tensor (the trace's, at capture) cannot keep that object as a constant. With grad each is
     refused by name (what cannot be kept, and torch.compile); without grad it fuses through."""
     from autofuse.capture import CaptureError
     torch.manual_seed(0)
-    model, x = Clamped(), torch.randn(2, 8, 16)
-    with pytest.raises(CaptureError, match=r"InPlaceClamp.*in-place.*torch\.compile"):
+    model, x = model(), torch.randn(2, 8, 16)
+    with pytest.raises(CaptureError, match=named + r".*torch\.compile"):
         AutoFusionEngine.fuse(model, (x,))
     with torch.no_grad():
         fused = AutoFusionEngine.fuse(model, (x,))
