@@ -98,6 +98,14 @@ class _Body:
     def arguments(self, args, sizes) -> list:
         return [args[j] if kind == "t" else sizes[j] for kind, j in self.places]
 
+    def same(self, other) -> bool:
+        """Whether ``other`` computes what this body does, the same way: the same code for both graphs (and no
+        attribute they read: those are the graphs' own values), the same arguments, saved values and line."""
+        return (not any(n.op == "get_attr" for g in (self.fwd, self.bwd, other.fwd, other.bwd) for n in g.graph.nodes)
+                and (self.fwd.code, self.bwd.code, self.places, self.n_outs, self.saved, self.non_differentiable,
+                     self.where) == (other.fwd.code, other.bwd.code, other.places, other.n_outs, other.saved,
+                                     other.non_differentiable, other.where))
+
 
 #: the registered Functions, by key: a process's graphs hold the key (an int, which a graph can carry)
 CUSTOM_FUNCTIONS: dict[int, _Body] = {}
@@ -125,8 +133,12 @@ def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModul
         else:
             saved_at.append(("out", extra))
             extra += 1
+    body = _Body(fwd, bwd, places, len(outs), saved_at, non_differentiable, where)
+    for key, other in CUSTOM_FUNCTIONS.items():
+        if other.same(body):        # Dynamo compiled the same Function again (a new size, a reset): one entry
+            return key
     key = len(CUSTOM_FUNCTIONS)
-    CUSTOM_FUNCTIONS[key] = _Body(fwd, bwd, places, len(outs), saved_at, non_differentiable, where)
+    CUSTOM_FUNCTIONS[key] = body
     return key
 
 

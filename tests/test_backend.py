@@ -455,6 +455,20 @@ def test_a_custom_function_in_a_graph_dynamo_made_dynamic_is_inlined_or_kept_as_
     assert len(kept) == (0 if fn is _TanhGelu else 3)
 
 
+def test_a_kept_function_compiled_again_is_registered_once():
+    """Each Dynamo compile of a graph applying a kept Function registered its two graphs again, for the process's
+    life; the same graphs from the same line now share one entry (a reset and the same model compiled again)."""
+    from autofuse.grad_ops import CUSTOM_FUNCTIONS
+    torch.manual_seed(0)
+    model, x = _FunctionMLP(_TanhGeluSlope), torch.randn(4, 8, 16)
+    counts = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch.compile(model, backend="autofuse")(x).sum().backward()
+        counts.append(len(CUSTOM_FUNCTIONS))
+    assert counts[1] == counts[0]
+
+
 class _DoubleInPlace(torch.autograd.Function):
     """Doubles its input in place (``ctx.mark_dirty``), with a backward of its own choosing."""
 
