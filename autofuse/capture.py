@@ -637,6 +637,9 @@ def _custom_functions(kept=frozenset()):
     own = Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
+        if getattr(_KEEPING, "depth", 0):
+            # inside a kept Function's forward (its fake run): not the graph's, nothing to see
+            return own.__func__(cls, *args, **kwargs)
         reads = getattr(_READS, "reads", None)
         if isinstance(reads, list) and not (cls.__module__ or "").startswith("torch"):
             # what the capture keeps of it depends on the grad mode: a read of autograd state, so the plan is keyed
@@ -1876,6 +1879,10 @@ def _constant_argument(x) -> bool:
                           torch.nn.Module))
 
 
+#: how deep this thread is inside a kept Function's application (:func:`_keep_application`)
+_KEEPING = threading.local()
+
+
 class NotKeepable(Exception):
     """A custom autograd.Function's application cannot be kept as one op; the capture traces through it."""
 
@@ -1897,10 +1904,13 @@ def _keep_application(cls, args, kwargs, frame):
     where = (f'{cls.__qualname__}: File "{frame.f_code.co_filename}", line {frame.f_lineno}, in '
              f'{frame.f_code.co_name}: {linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()}')
     key = register_user_function(cls, spec, [None if isinstance(x, torch.Tensor) else x for x in flat], where)
+    _KEEPING.depth = getattr(_KEEPING, "depth", 0) + 1
     try:
         outs = USER_FUNCTION_OP(tensors, key)
     except Exception as e:  # noqa: BLE001 - one that cannot be kept (its fake run says why) is traced through
         raise NotKeepable(cls) from e
+    finally:
+        _KEEPING.depth -= 1
     return pytree.tree_unflatten(list(outs), USER_FUNCTIONS[key].out_spec)
 
 

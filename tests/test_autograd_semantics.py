@@ -291,6 +291,41 @@ class Clamped(nn.Module):
         return torch.softmax(InPlaceClamp.apply(self.l1(x) * 2), -1)
 
 
+class _ClampThenReverse(torch.autograd.Function):
+    """A Function whose forward applies another (an in-place clamp, which could not be kept by itself) and whose
+    backward reverses the gradient: eager runs the inner one's forward without grad, so only the outer backward
+    counts."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return InPlaceClamp.apply(x.clone()) * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.softmax(_ClampThenReverse.apply(self.l1(x) * 4), -1)
+
+
+def test_a_kept_function_whose_forward_applies_another_is_one_op():
+    """The Function a kept Function's forward applies is not the graph's (the kept op's fake run applies it): an
+    in-place one was seen as the forward's own and refused, though eager never runs its backward."""
+    torch.manual_seed(0)
+    model, x, w = Nested().train(), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    eager = copy.deepcopy(model)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert _user_function_ops(fused.graph_module) == 1
+    for g, h in zip(_train_step(fused, model, x, w), _train_step(eager, eager, x, w)):
+        torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)         # fp32 reassociation only
+
+
 class _Holder:
     def __init__(self, t):
         self.t = t
