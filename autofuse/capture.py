@@ -472,9 +472,11 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             _specialise_data_dependent(gm, r, pytree.tree_leaves((example_args, example_kwargs)))
             gm.meta["autofuse_training"] = model.training      # read by plans (an epilogue saves its product)
             gm.meta["autofuse_grad"] = torch.is_grad_enabled()  # canonicalize drops detach only without grad
-            # traced through (without grad, or checked to be their forward's derivative) or kept whole
+            # traced through (without grad, or checked to be their forward's derivative) or kept whole, and those a
+            # capture served from a symbolic export applied when that export was traced (it does not run the forward)
             gm.meta["autofuse_custom_functions"] = tuple(dict.fromkeys(
-                [f.__qualname__ for f, _, _ in functions] + [f.__qualname__ for f in kept]))
+                [f.__qualname__ for f, _, _ in functions] + [f.__qualname__ for f in kept] +
+                list(sizes.served_functions() if sizes is not None and r == "export" else ())))
             # activation checkpoints traced through (a Dynamo graph's operator runs torch's checkpoint too; its
             # nodes are marked before the capture, mark_grad_blocks)
             gm.meta["autofuse_checkpoints"] = len(checkpoints)
@@ -625,6 +627,17 @@ def _parameter_cache(m: torch.nn.Module, k: str) -> bool:
     return k == "_flat_weights" and isinstance(m, torch.nn.RNNBase)
 
 
+#: the custom autograd.Functions the capture running on this thread has applied so far, by name (_custom_functions)
+_APPLIED = threading.local()
+
+
+def custom_functions_applied() -> tuple:
+    """The names of the custom autograd.Functions the forward applied in the capture running on this thread so far
+    (() outside one): what a size family's symbolic export records for the captures it serves, which do not run the
+    forward."""
+    return tuple(getattr(_APPLIED, "names", ()))
+
+
 @contextlib.contextmanager
 def _custom_functions(kept=frozenset()):
     """The user's ``torch.autograd.Function`` classes the forward applies while it is captured (a list filled in
@@ -633,6 +646,7 @@ def _custom_functions(kept=frozenset()):
     applies the Function itself when the graph runs (:func:`_keep_application`); one that cannot be kept so is
     traced and listed as the others."""
     seen: list = []
+    applied = _APPLIED.names = []       # every application's class name, for a size family (custom_functions_applied)
     Function = torch.autograd.function.Function
     own = Function.__dict__["apply"]
 
@@ -640,13 +654,15 @@ def _custom_functions(kept=frozenset()):
         if getattr(_KEEPING, "depth", 0):
             # inside a kept Function's forward (its fake run): not the graph's, nothing to see
             return own.__func__(cls, *args, **kwargs)
-        reads = getattr(_READS, "reads", None)
-        if isinstance(reads, list) and not (cls.__module__ or "").startswith("torch"):
-            # what the capture keeps of it depends on the grad mode: a read of autograd state, so the plan is keyed
-            # by that state and a symbolic export of a size family (autofuse.sizes) does not serve other calls (a
-            # served capture does not run the forward, and would not see the Function)
-            reads.append(f"a custom autograd.Function ({cls.__qualname__})")
+        if not (cls.__module__ or "").startswith("torch"):
+            applied.append(cls.__qualname__)
         if cls in kept:
+            reads = getattr(_READS, "reads", None)
+            if isinstance(reads, list):
+                # kept whole because the call is differentiated: a read of autograd state, so the plan is keyed by
+                # that state and a size family's symbolic export (autofuse.sizes) does not serve its other sizes (a
+                # served capture does not run the forward: the Function would be neither seen nor kept)
+                reads.append(f"a custom autograd.Function kept whole ({cls.__qualname__})")
             try:
                 return _keep_application(cls, args, kwargs, sys._getframe(1))
             except NotKeepable:
@@ -658,6 +674,7 @@ def _custom_functions(kept=frozenset()):
     try:
         yield seen
     finally:
+        _APPLIED.names = ()
         Function.apply = own
 
 

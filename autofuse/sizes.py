@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autofuse.caches import Length
-from autofuse.capture import autograd_reads, lifted_input, with_forward
+from autofuse.capture import autograd_reads, custom_functions_applied, lifted_input, with_forward
 from autofuse.graph import draw_order, graph_module
 from autofuse.quiet import symbolic_export_logs
 
@@ -60,6 +61,10 @@ SHARE_FROM = 5
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
             torch.ops.aten.sym_constrain_range.default}
+
+
+#: the custom autograd.Functions of the program that served this thread's last export (SizeFamilies.served_functions)
+_SERVED = threading.local()
 
 
 class Unsuitable(Exception):
@@ -75,6 +80,8 @@ class _Family:
     guard: Any = None            # what the programs assumed of the model's modules (``make_guard``)
     failed: bool = False         # its export failed: every signature of the family is exported by itself
     served: int = 0              # signatures specialised from it
+    functions: set = field(default_factory=set)     # the custom autograd.Functions its traces applied, by name
+    state: Any = None            # the autograd state its newest program was traced in (_autograd_state)
     widened: int = 0             # symbolic exports made again, with a dimension more that had changed
 
 
@@ -124,7 +131,13 @@ class SizeFamilies:
         """Signatures specialised from a symbolic export, over the families held now."""
         return sum(f.served for f in self.families.values())
 
+    def served_functions(self) -> tuple:
+        """The custom autograd.Functions the forward applied when the program that served this thread's last
+        :meth:`export` was traced (() where it was exported by itself): a served capture does not run the forward."""
+        return getattr(_SERVED, "functions", ())
+
     def export(self, model, args, kwargs, export_fn):
+        _SERVED.functions = ()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         from autofuse.engine import autocast_state, state_spec
         # a symbolic export holds the parameters' dtypes and shapes (a model.half() later starts another family)
@@ -147,6 +160,10 @@ class SizeFamilies:
             program = self._symbolic(fam, model, args, kwargs, leaves, export_fn)
             if program is not None:
                 return program                 # this signature's own export: the family exports each by itself
+        if fam.programs and fam.functions and _autograd_state(model) != fam.state:
+            # a custom autograd.Function is traced through without grad and kept whole with it: the programs,
+            # traced in another autograd state, do not serve this call
+            return export_fn(model, args, kwargs)
         if fam.programs:
             out = _serve(fam, leaves, spec, model)
             if out is None and _widen(fam, sizes):
@@ -178,6 +195,7 @@ class SizeFamilies:
             fam.failed = not fam.programs      # nothing stayed symbolic, or sizes read from data: nothing to share
             return export_fn(model, args, kwargs) if _unbacked(program) else program
         fam.programs.insert(0, program)        # the newest first: it has the most symbolic dims
+        fam.state = _autograd_state(model)
         fam.widened += widening
         if fam.guard is None and self.make_guard is not None:
             fam.guard = self.make_guard(model)
@@ -200,15 +218,23 @@ def _dynamic_shapes(fam, leaves, model, args, kwargs):
     return _tree_map_with_path(spec, _combine_args(model, args, kwargs))
 
 
+def _autograd_state(model) -> tuple:
+    """What a traced forward's custom autograd.Functions depend on: the grad mode, and whether a parameter requires
+    grad (capture keeps such a Function whole only where the call is differentiated)."""
+    return torch.is_grad_enabled(), any(p.requires_grad for p in model.parameters())
+
+
 def _traced(fam, export_fn):
     """``export_fn``, marking ``fam`` failed where the forward read autograd state while it was traced (a branch on
     ``tensor.requires_grad``, :func:`autofuse.capture.autograd_reads`): such a forward is exported at each
-    signature, in that call's state, since a shared export would serve every call the branch its trace took."""
+    signature, in that call's state, since a shared export would serve every call the branch its trace took. The
+    custom autograd.Functions it applied are recorded for the captures the family serves."""
     def traced(*args, **kwargs):
-        before = autograd_reads()
+        before, applied = autograd_reads(), len(custom_functions_applied())
         program = export_fn(*args, **kwargs)
         if autograd_reads() > before:
             fam.failed, fam.programs = True, []
+        fam.functions.update(custom_functions_applied()[applied:])
         return program
     return traced
 
@@ -223,6 +249,7 @@ def _serve(fam, leaves, spec, model):
         except Unsuitable:
             continue
         fam.served += 1
+        _SERVED.functions = tuple(sorted(fam.functions))
         return out
     return None
 

@@ -187,26 +187,30 @@ def test_a_custom_function_planned_while_frozen_is_kept_once_a_parameter_require
 
 
 def test_a_custom_function_is_seen_at_every_size_after_calls_without_grad():
-    """Calls at three lengths share one symbolic export (autofuse.sizes), whose captures at later lengths do not run
-    the forward: a Function applied there was not seen, so a call with grad after three without got the
-    no-grad export's graph, which differentiates round() (every gradient of the projection zero, before). Applying
-    a custom Function is a read of autograd state: each size is captured by itself, in its call's mode, and with
-    grad the Function is kept whole at every length."""
+    """Calls at several lengths share one symbolic export (autofuse.sizes), whose captures at later lengths do not run
+    the forward: a Function applied there was not seen, so a call with grad after calls without got the no-grad
+    export's graph, which differentiates round() (every gradient of the projection zero, before). A size family is
+    now one autograd state (calls with grad start their own), and a capture it serves carries the Functions its
+    export's trace applied, so a no-grad plan of a served length is not reused with grad; with grad the Function is
+    kept whole at every length, each exported by itself. Without grad the family still shares its export."""
     torch.manual_seed(0)
     model = Quantised().train()
     eager = copy.deepcopy(model)
     fused = AutoFusionEngine.fuse(model)
     with torch.no_grad():
-        for seq in (8, 12, 16):
+        for seq in (8, 12, 16, 20):
             x = torch.randn(2, seq, 16)
             torch.testing.assert_close(fused(x), eager(x), atol=1e-6, rtol=1e-5)   # fp32 reassociation only
-    for seq in (20, 24, 12):
+    served = fused._sizes.served
+    assert served >= 1                              # 16 and 20 served from one export
+    for seq in (20, 24, 8):
         x, w = torch.randn(2, seq, 16), torch.randn(2, seq, 16)
         want = _train_step(eager, eager, x, w)
         assert want[0].abs().max() > 0.1
         for g, h in zip(_train_step(fused, model, x, w), want):
             torch.testing.assert_close(g, h, atol=1e-6, rtol=1e-5)     # fp32 reassociation only
         assert _user_function_ops(fused.graph_module) == 1, seq
+    assert fused._sizes.served == served            # none with grad
 
 
 class GradientReversal(torch.autograd.Function):
