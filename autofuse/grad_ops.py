@@ -42,6 +42,21 @@ pass_gradient.register_autograd(_backward)
 PASS_GRADIENT = torch.ops.autofuse_grad.pass_gradient.default
 
 
+def _fresh(outs, args) -> list:
+    """An op returns no alias of its inputs: an output that views an argument's storage (a gradient reversal's
+    ``x.view_as(x)``) is copied (with grad, the copy's gradient is the view's)."""
+    return [o.clone() if any(_aliases(o, a) for a in args) else o for o in outs]
+
+
+def _aliases(o, a) -> bool:
+    """Whether ``o`` and ``a`` share a storage (fake ones too: a traced training step runs the op on them)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    try:
+        return StorageWeakRef(o.untyped_storage()) == StorageWeakRef(a.untyped_storage())
+    except (RuntimeError, NotImplementedError):     # a tensor without a storage of its own (a functional one)
+        return o is a or o._base is not None and (o._base is a or o._base is a._base)
+
+
 def no_double_backward(op, what: str, *families: str) -> None:
     """Give ``op``, a fused block's backward op with no derivative of its own, an autograd formula that says so by
     name: a gradient of its gradient (``create_graph=True``, then a gradient penalty) raises this instead of torch's
@@ -133,13 +148,17 @@ def register_custom_function(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModul
         else:
             saved_at.append(("out", extra))
             extra += 1
-    body = _Body(fwd, bwd, places, len(outs), saved_at, non_differentiable, where)
-    for key, other in CUSTOM_FUNCTIONS.items():
-        if other.same(body):        # Dynamo compiled the same Function again (a new size, a reset): one entry
+    # Dynamo compiling the same Function again (a new size, a reset) finds its entry
+    return _register(CUSTOM_FUNCTIONS, _Body(fwd, bwd, places, len(outs), saved_at, non_differentiable, where))
+
+
+def _register(registry: dict, entry) -> int:
+    """The key of ``entry`` in ``registry`` (keys 0, 1, ...): an earlier entry that is the ``same``, or a new one."""
+    for key, other in registry.items():
+        if other.same(entry):
             return key
-    key = len(CUSTOM_FUNCTIONS)
-    CUSTOM_FUNCTIONS[key] = body
-    return key
+    registry[len(registry)] = entry
+    return len(registry) - 1
 
 
 def _run_forward(args, sizes, key) -> list:
@@ -152,9 +171,7 @@ def _run_forward(args, sizes, key) -> list:
 
 @torch.library.custom_op("autofuse_grad::custom_function", mutates_args=())
 def custom_function(args: list[torch.Tensor], sizes: list[int], key: int) -> list[torch.Tensor]:
-    # a custom op returns no alias of its inputs: an output that is an argument, or a view of one, is copied
-    inputs = {a.untyped_storage().data_ptr() for a in args}
-    return [o.clone() if o.untyped_storage().data_ptr() in inputs else o for o in _run_forward(args, sizes, key)]
+    return _fresh(_run_forward(args, sizes, key), args)
 
 
 @custom_function.register_fake
@@ -231,11 +248,12 @@ class _Applied:
         self.out_spec = spec if self.out_spec is None else self.out_spec
         return flat
 
-    def same_call(self, cls, spec, leaves) -> bool:
-        if cls is not self.cls or spec != self.spec or len(leaves) != len(self.leaves):
+    def same(self, other) -> bool:
+        """Whether ``other`` applies the same Function to arguments of the same structure and values."""
+        if other.cls is not self.cls or other.spec != self.spec or len(other.leaves) != len(self.leaves):
             return False
         try:
-            return all(type(a) is type(b) and (a is b or bool(a == b)) for a, b in zip(leaves, self.leaves))
+            return all(type(a) is type(b) and (a is b or bool(a == b)) for a, b in zip(other.leaves, self.leaves))
         except Exception:  # noqa: BLE001 - values that do not compare are not the same call
             return False
 
@@ -247,27 +265,7 @@ USER_FUNCTIONS: dict[int, _Applied] = {}
 def register_user_function(cls, spec, leaves, where: str) -> int:
     """The key of the application of ``cls`` to ``(args, kwargs)`` (its pytree ``spec`` and ``leaves``, None for
     each tensor), made at ``where``: an earlier one with the same class, structure and values, or a new one."""
-    for key, applied in USER_FUNCTIONS.items():
-        if applied.same_call(cls, spec, leaves):
-            return key
-    key = len(USER_FUNCTIONS)
-    USER_FUNCTIONS[key] = _Applied(cls, spec, leaves, where)
-    return key
-
-
-def _fresh(outs, args) -> list:
-    """An op returns no alias of its inputs: an output that views an argument's storage (a gradient reversal's
-    ``x.view_as(x)``) is copied (with grad, the copy's gradient is the view's)."""
-    return [o.clone() if any(_aliases(o, a) for a in args) else o for o in outs]
-
-
-def _aliases(o, a) -> bool:
-    """Whether ``o`` and ``a`` share a storage (fake ones too: a traced training step runs the op on them)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-    try:
-        return StorageWeakRef(o.untyped_storage()) == StorageWeakRef(a.untyped_storage())
-    except (RuntimeError, NotImplementedError):     # a tensor without a storage of its own (a functional one)
-        return o is a or o._base is not None and (o._base is a or o._base is a._base)
+    return _register(USER_FUNCTIONS, _Applied(cls, spec, leaves, where))
 
 
 @torch.library.custom_op("autofuse_grad::user_function", mutates_args=())
