@@ -476,7 +476,7 @@ def _capture_routes(model, example_args, example_kwargs, route, routes, sizes) -
             # capture served from a symbolic export applied when that export was traced (it does not run the forward)
             gm.meta["autofuse_custom_functions"] = tuple(dict.fromkeys(
                 [f.__qualname__ for f, _, _ in functions] + [f.__qualname__ for f in kept] +
-                list(sizes.served_functions() if sizes is not None and r == "export" else ())))
+                list(gm.meta.pop("autofuse_served_functions", ()))))
             # activation checkpoints traced through (a Dynamo graph's operator runs torch's checkpoint too; its
             # nodes are marked before the capture, mark_grad_blocks)
             gm.meta["autofuse_checkpoints"] = len(checkpoints)
@@ -654,7 +654,8 @@ def _custom_functions(kept=frozenset()):
         if getattr(_KEEPING, "depth", 0):
             # inside a kept Function's forward (its fake run): not the graph's, nothing to see
             return own.__func__(cls, *args, **kwargs)
-        if not (cls.__module__ or "").startswith("torch"):
+        user = not (cls.__module__ or "").startswith("torch")
+        if user:
             applied.append(cls.__qualname__)
         if cls in kept:
             reads = getattr(_READS, "reads", None)
@@ -667,7 +668,7 @@ def _custom_functions(kept=frozenset()):
                 return _keep_application(cls, args, kwargs, sys._getframe(1))
             except NotKeepable:
                 pass
-        if not (cls.__module__ or "").startswith("torch") and all(c is not cls for c, _, _ in seen):
+        if user and all(c is not cls for c, _, _ in seen):
             seen.append((cls, _shapes(args), _shapes(kwargs)))
         return own.__func__(cls, *args, **kwargs)
     Function.apply = classmethod(apply)
@@ -2095,6 +2096,9 @@ def _capture_export(model, args, kwargs, export=None):
         + [(len(user_out) + len(updates) + k, leaf) for k, leaf in enumerate(inputs.values())
            if getattr(leaves[leaf], "requires_grad", False)])
     gm.meta["autofuse_input_updates"] = tuple(inputs.values())
+    # a program served from a size family's symbolic export (autofuse.sizes) names the custom autograd.Functions its
+    # traces applied: the forward did not run for this capture
+    gm.meta["autofuse_served_functions"] = getattr(ep, "functions", ())
     return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +60,6 @@ SHARE_FROM = 5
 #: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
 _ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
             torch.ops.aten.sym_constrain_range.default}
-
-
-#: the custom autograd.Functions of the program that served this thread's last export (SizeFamilies.served_functions)
-_SERVED = threading.local()
 
 
 class Unsuitable(Exception):
@@ -131,13 +126,7 @@ class SizeFamilies:
         """Signatures specialised from a symbolic export, over the families held now."""
         return sum(f.served for f in self.families.values())
 
-    def served_functions(self) -> tuple:
-        """The custom autograd.Functions the forward applied when the program that served this thread's last
-        :meth:`export` was traced (() where it was exported by itself): a served capture does not run the forward."""
-        return getattr(_SERVED, "functions", ())
-
     def export(self, model, args, kwargs, export_fn):
-        _SERVED.functions = ()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         from autofuse.engine import autocast_state, state_spec
         # a symbolic export holds the parameters' dtypes and shapes (a model.half() later starts another family)
@@ -249,7 +238,7 @@ def _serve(fam, leaves, spec, model):
         except Unsuitable:
             continue
         fam.served += 1
-        _SERVED.functions = tuple(sorted(fam.functions))
+        out.functions = tuple(sorted(fam.functions))
         return out
     return None
 
@@ -509,6 +498,8 @@ class _Specialised:
         self.constants = program.constants
         self.call_spec = program.call_spec
         self.graph_module = graph_module
+        #: the custom autograd.Functions the family's traces applied (a served capture does not run the forward)
+        self.functions = ()
 
 
 __all__ = ["SizeFamilies", "Unsuitable", "specialise"]
