@@ -418,16 +418,9 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
     fused = AutoFusionEngine.fuse(model, target_device=device, fusion_switches=switches)
     with torch.no_grad():
         got, want = fused(*args, **kwargs), model(*args, **kwargs)
-        settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        prompt = kwargs[model.main_input_name]      # token ids, or Whisper's audio features
-        if static:
-            settings["cache_implementation"] = "static"
-            try:
-                expect = model.generate(prompt, **settings)
-            except Exception as e:  # noqa: BLE001 - eager's own refusal is the row's answer
-                return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
-        else:
-            expect = model.generate(prompt, **settings)
+        settings, prompt, expect = _eager_generation(model, kwargs, new_tokens, static)
+        if isinstance(expect, dict):
+            return expect
         # the plans generate() made, by key: a plan whose guards fail (eager's generate() may set an attribute on
         # the model) is dropped when the next one is made, so the count of plans would undercount
         before, served = set(fused.plans), fused._sizes.served
@@ -445,6 +438,22 @@ def generate(name, spec, attn, device, new_tokens=3, static=False, switches=None
     twins = sum(fused.plans[key].twin_of is not None for key in made if key in fused.plans)
     return dict(err=err, cache=type(cache).__name__, same=same, plans=len(made), one=one,
                 served=served, twins=twins, attention=attention, seconds=time.perf_counter() - t0)
+
+
+def _eager_generation(model, kwargs, new_tokens, static):
+    """``(settings, prompt, tokens)``: a greedy ``generate()`` of ``new_tokens`` tokens (``static``: with a static
+    cache), its prompt (token ids, or Whisper's audio features) and eager's tokens; where eager refuses a static
+    cache, its refusal as ``dict(refused=...)`` in the tokens' place (the row's answer)."""
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if static:
+        settings["cache_implementation"] = "static"
+    prompt = kwargs[model.main_input_name]
+    try:
+        return settings, prompt, model.generate(prompt, **settings)
+    except Exception as e:  # noqa: BLE001 - eager's own refusal is the row's answer
+        if not static:
+            raise
+        return settings, prompt, dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
 
 
 class _Records(logging.Handler):
@@ -470,18 +479,11 @@ def compiled_generation(name, spec, attn, device, new_tokens=3, static=False, sw
     if built is None:
         return None
     model, args, kwargs = built
-    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    if static:
-        settings["cache_implementation"] = "static"
-    prompt = kwargs[model.main_input_name]
     with torch.no_grad():
         want_logits = model(*args, **kwargs).logits
-        try:
-            expect = model.generate(prompt, **settings)
-        except Exception as e:  # noqa: BLE001 - eager's own refusal is the row's answer
-            if not static:
-                raise
-            return dict(refused=f"{type(e).__name__}: {str(e).splitlines()[0][:90]}")
+        settings, prompt, expect = _eager_generation(model, kwargs, new_tokens, static)
+    if isinstance(expect, dict):
+        return expect
     torch._dynamo.reset()
     be = autofuse.backend(target_device=device, fusion_switches=switches)
     model.forward = torch.compile(model.forward, backend=be)
