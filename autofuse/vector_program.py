@@ -397,6 +397,9 @@ class _Build:
                 self.fail(n, f"{x.name} is a reduction without keepdim; unsqueeze it first")
             if x in self.empty:
                 self.fail(n, f"{x.name} is empty (width 0): only a concatenation may read it")
+            if self.val[x] is None:             # a stack read other than by flattening it into pairs, a split
+                self.fail(n, f"reads {x.name}, which the program does not hold as one value (a stack not "
+                             f"flattened into pairs, a split's list)")
             return self.widened(n, x, self.val[x])
         if _is_scalar(x):
             return float(x)

@@ -41,6 +41,9 @@ def test_output_shapes_and_inputs():
     (lambda x: x.reshape(4, 8, 2).exp().reshape(4, 16), [(4, 16)], "changes the rows or the last dim"),
     (lambda x: x.cumsum(-1), [(4, 16)], "no Vector-program instruction"),
     (lambda x: x.to(torch.int32), [(4, 16)], "only casts"),
+    # a stack the program does not flatten into pairs, read by a reduction or an elementwise op
+    (lambda x: torch.stack([x, x * 2], -1).sum(-1), [(4, 16)], "does not hold as one value"),
+    (lambda x: torch.stack([x, x.exp()], -1).exp(), [(4, 16)], "does not hold as one value"),
 ])
 def test_near_misses_are_refused(fn, shapes, why):
     with pytest.raises(NotExpressible, match=why):
