@@ -350,6 +350,22 @@ def test_memory_budget_counts_the_kernels_gm_workspace():
     assert r.reason_code == "memory_budget"
 
 
+def test_the_bound_on_special_values():
+    """Where eager is not finite: the same NaN or infinity; a number close to float64's where float64 is finite;
+    the infinity of float64's sign where float64 is beyond the dtype's range (its correct rounding: eager's own op
+    order can give NaN there, inf - inf), never the other sign, never where float64 fits the dtype."""
+    from autofuse.verify import compare
+    inf, nan = float("inf"), float("nan")
+    eager = torch.tensor([1.0, nan, inf, nan, nan], dtype=torch.float16)
+    ref = torch.tensor([1.0, 2.0, 7e4, 7e4, -7e4], dtype=torch.float64)
+    ok = lambda *f: compare(eager, ref, torch.tensor([1.0, *f], dtype=torch.float16))[0]    # noqa: E731
+    assert ok(2.0, inf, inf, -inf) and ok(nan, inf, nan, nan)
+    assert not ok(2.0, 6e4, 6e4, -6e4)             # a number, but 1e4 from float64's
+    assert not ok(inf, inf, inf, -inf)              # float64 is 2.0: a number, not an infinity
+    assert not ok(2.0, inf, -inf, -inf) and not ok(2.0, inf, inf, inf)      # the wrong sign
+    assert not ok(2.0, -inf, inf, -inf)             # eager's inf kept as the other infinity
+
+
 def test_a_wrong_kernel_is_rejected_by_verification(monkeypatch):
     q, k, v = _qkv()
     model = build_variant(AttentionVariant(mask="causal_tril")).eval()
