@@ -227,9 +227,15 @@ def returned(gm: fx.GraphModule) -> set:
 
 def returned_read(nodes, out: set):
     """The first of ``nodes`` whose value the graph returns (one of ``out``, :func:`returned`) and another of
-    ``nodes`` reads, or None: one fused call computing ``nodes`` would both return that value and use it inside."""
+    ``nodes`` reads, or None: one fused call computing ``nodes`` would both return that value and use it inside.
+    A value no gradient can flow through (integer or bool: a router's expert indices) does not count."""
     inside = set(nodes)
-    return next((n for n in nodes if n in out and any(u in inside for u in n.users)), None)
+    return next((n for n in nodes if n in out and _may_carry_grad(n) and any(u in inside for u in n.users)), None)
+
+
+def _may_carry_grad(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()
 
 
 #: the matmul family as captured: ops whose output is the product of two tensor operands

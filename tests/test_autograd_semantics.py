@@ -985,6 +985,29 @@ def test_without_grad_or_unreturned_the_region_still_fuses_whole_and_grad_plans_
     assert len(fused.plans) == 2
 
 
+class ReturnsMask(nn.Module):
+    """A bool mask the model returns and its region reads on: no gradient flows through a bool."""
+
+    def forward(self, x):
+        keep = x > 0.1
+        return torch.where(keep, x.exp(), x.sin()) * 2.0 + x, keep
+
+
+def test_a_returned_value_that_carries_no_gradient_does_not_cut_the_region():
+    x = torch.randn(4, 8, 32)
+    model = ReturnsMask()
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert not any(d.reason_code == "returned_value_read" for d in fused.report.decisions), fused.report.summary()
+    assert len(fused.report.applied) == 1 and {"gt", "where"} <= set(fused.report.applied[0].nodes)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    (y, keep), (y0, keep0) = fused(xs[0]), model(xs[1])
+    assert torch.equal(keep, keep0)
+    torch.testing.assert_close(y, y0, atol=1e-6, rtol=1e-6)        # fp32 exp and sin: a few ulps
+    y.sum().backward()
+    y0.sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, atol=1e-6, rtol=1e-6)
+
+
 def _tiny(kind):
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
