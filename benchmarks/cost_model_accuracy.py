@@ -459,7 +459,12 @@ def _moe_cases(quick: bool):
     if not quick:
         gate += [((1000, 128), f16, {"k": 8, "renorm": True}), ((5000, 16), bf16, {"k": 4, "norm": "sigmoid"}),
                  ((64, 64), f32, {"k": 6, "n_group": 8, "topk_group": 3, "group_score": "max"}),
-                 ((2048, 32), bf16, {"k": 4, "norm": "topk_softmax", "out_dtype": bf16})]    # GPT-OSS: top-k first
+                 ((2048, 32), bf16, {"k": 4, "norm": "topk_softmax", "out_dtype": bf16}),    # GPT-OSS: top-k first
+                 # the groups not kept filled with 0.0 (Mistral 4; and with a selection bias): the scores gathered
+                 ((512, 64), f32, {"k": 4, "renorm": True, "n_group": 4, "topk_group": 2, "group_score": "top2",
+                                   "group_fill": 0.0}),
+                 ((333, 256), bf16, {"k": 8, "norm": "sigmoid", "n_group": 8, "topk_group": 4, "group_score": "top2",
+                                     "group_fill": 0.0}, ((256,), f32))]
     for i, g in enumerate(gate):
         (T, E), dt, p = g[:3]
         bias = g[3] if len(g) > 3 else None

@@ -69,8 +69,9 @@ def norm_repeats(norm, E, ew):
     return 0, 0
 
 
-def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm, eps, scale, largest_):
-    """(Vector repeats, instructions) of one task of ``ke`` lanes on the busiest core."""
+def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm, eps, scale, largest_, gather):
+    """(Vector repeats, instructions) of one task of ``ke`` lanes on the busiest core (``gather``: the chosen
+    experts' unbiased scores are gathered after the selection: with a bias, or a group fill other than -inf)."""
     R = np.ceil(ke / 64)
     ew = lambda r: r * R                                    # noqa: E731
     v = _vnch(ke, E, itemsize(dtype))
@@ -99,7 +100,7 @@ def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm,
     rv, ri = rounds(E, 1, k)
     v, ins = v + rv, ins + ri
     v, ins = v + ew(E - 1) + ew(k), ins + 2                 # tie flags
-    if bias:                                                # the unbiased scores: compare, select, sum per pick
+    if gather:                                              # the unbiased scores: compare, select, sum per pick
         v, ins = v + k * (2 * ew(E) + ew(E - 1)), ins + 3 * k
     if not largest_:
         v, ins = v + ew(k), ins + 1
@@ -116,12 +117,12 @@ def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm,
 
 
 def _gating_model(dev, T, E, dtype, out_dtype, k, bias_spec, norm, renorm, eps, scale, ng, kg, gscore, largest_,
-                  lanes):
+                  gather, lanes):
     isz, osz = itemsize(dtype), itemsize(out_dtype)
     n = max(1, min(dev.vector_cores, T))
     worst, tot, _ = block_steps(T, n, lanes)
     vec, ins = _gating_task(worst, E, k, dtype, out_dtype, norm, bias_spec is not None, ng, kg, gscore, renorm,
-                            eps, scale, largest_)
+                            eps, scale, largest_, gather)
     vec = np.broadcast_to(vec, worst.shape).astype(float)
     ins = np.full(worst.shape, float(ins))
     load_b = worst * E * isz
@@ -145,7 +146,7 @@ def _gating_model(dev, T, E, dtype, out_dtype, k, bias_spec, norm, renorm, eps, 
 
 @cached
 def _gating_search(device, T, E, dtype, out_dtype, k, bias_spec, norm, renorm, eps, scale, ng, kg, gscore,
-                   largest_):
+                   largest_, gather):
     dev = get_device(device)
     default, top = _default_lanes(dev, T, E, k, dtype, out_dtype, bias_spec is not None, ng)
     n = max(1, min(dev.vector_cores, T))
@@ -154,13 +155,14 @@ def _gating_search(device, T, E, dtype, out_dtype, k, bias_spec, norm, renorm, e
     cands = [default] + [v for v in (round_up(ceil_div(per_core, j), 8) for j in (1, 2, 8)) if v <= top]
     for lanes in dict.fromkeys(cands):
         res = _gating_model(dev, T, E, dtype, out_dtype, k, bias_spec, norm, renorm, eps, scale, ng, kg, gscore,
-                            largest_, lanes)
+                            largest_, gather, lanes)
         if best is None or kernel_cycles(dev, *res[:3]) < kernel_cycles(dev, *best[0][:3]):
             best = (res, lanes)
     return best
 
 
-def _gating_estimate(name, dev, x, bias, k, norm, renorm, eps, scale, ng, kg, gscore, out_dtype, largest_, tiling):
+def _gating_estimate(name, dev, x, bias, k, norm, renorm, eps, scale, ng, kg, gscore, out_dtype, largest_, tiling,
+                     group_fill=None):
     shape, dtype = x
     E = shape[-1]
     T = math.prod(shape[:-1])
@@ -168,7 +170,7 @@ def _gating_estimate(name, dev, x, bias, k, norm, renorm, eps, scale, ng, kg, gs
     if not 1 <= k <= E:
         raise ValueError(f"{name}: k={k} must be in [1, {E}]")
     args = (T, E, dtype, out_dtype, int(k), bias, norm, bool(renorm), float(eps), float(scale), int(ng), int(kg),
-            gscore, bool(largest_))
+            gscore, bool(largest_), bias is not None or (int(ng) > 1 and group_fill is not None))
     if T == 0:
         return make(name, dev, 0.0, 0.0, {}, {}, None, 0.0)
     if tiling:
@@ -190,10 +192,10 @@ def _gating_roof(dev, specs, **p):
 @register("moe_gating_topk", _gating_roof)
 def estimate_moe_gating_topk(dev, specs, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20,
                              routed_scaling_factor=1.0, n_group=1, topk_group=1, group_score="max",
-                             out_dtype="float32", tiling=None):
+                             out_dtype="float32", tiling=None, group_fill=None):
     bias = specs[1] if len(specs) > 1 and specs[1] is not None else bias
     return _gating_estimate("moe_gating_topk", dev, specs[0], bias, k, norm, renorm, eps, routed_scaling_factor,
-                            n_group, topk_group, group_score, out_dtype, True, tiling)
+                            n_group, topk_group, group_score, out_dtype, True, tiling, group_fill)
 
 
 @register("topk", _gating_roof)

@@ -271,7 +271,7 @@ def _decide_gating(m: dict) -> Match | None:
             return None
         if topk.args[0] is not (m["g_where"] if "g_where" in m else m["bias"] if "bias" in m else norm):
             return None
-    n_group, topk_group = 1, 1
+    n_group, topk_group, group_fill = 1, 1, None
     if "g_view" in m:
         gv, gw = m["g_view"], m["g_where"]
         n_group = shape(gv)[-2]
@@ -281,9 +281,11 @@ def _decide_gating(m: dict) -> Match | None:
             return None
         if m["g_mask"].args[1] != 1 or m["g_mask"].args[3] != 1 or m["g_expand"].args[1] != E // n_group:
             return None
-        if gw.args[2] != float("-inf") or val(m["g_bool"]).dtype != torch.bool:
-            return None
+        fill = gw.args[2]
+        if not is_number(fill) or fill != fill or fill == float("inf") or val(m["g_bool"]).dtype != torch.bool:
+            return None            # the groups not kept filled with a number (-inf; 0.0 in DeepSeek-V2, Mistral 4)
         topk_group = int(m["g_sel"].args[1])
+        group_fill = None if fill == float("-inf") or n_group == 1 else float(fill)   # one group: all kept
     renorm, eps, scale = "rdiv" in m, 0.0, 1.0
     if "reps" in m and not renorm:
         return None                # "+ eps" without the division is no renormalisation
@@ -302,7 +304,8 @@ def _decide_gating(m: dict) -> Match | None:
         inputs["bias"] = bias.name
     return _gating_match(m, x, topk, idx, _chain_end(m, "w"), inputs, k=k,
                          norm="softmax" if norm.target == aten.softmax.int else "sigmoid", renorm=renorm, eps=eps,
-                         routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group, unsupported=why)
+                         routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group, group_fill=group_fill,
+                         unsupported=why)
 
 
 @register("moe_gating")

@@ -268,6 +268,109 @@ def test_router_weights_and_indices_equal_eager(name, dtype):
     assert ok, (err, tol)
 
 
+# ------------------------------------------------------------------- groups not kept filled with a number
+
+def _mistral4(n_group, topk_group):
+    cfg = dict(COMMON, num_key_value_heads=4)
+    m = tf.Mistral4ForCausalLM(tf.Mistral4Config(
+        **cfg, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=n_group, topk_group=topk_group, first_k_dense_replace=0, n_shared_experts=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, norm_topk_prob=True))
+    with torch.no_grad():               # the router's weights start at zero (every score ties): give it some
+        for layer in m.model.layers:
+            layer.mlp.gate.weight.normal_()
+    return m.eval()
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(4, 2), (1, 1)])
+def test_mistral4_routers_filling_the_groups_not_kept_with_zero_are_fused(n_group, topk_group):
+    """Mistral 4's router (softmax, group-limited by each group's top two, the scores gathered, renormalised, scaled)
+    fills the experts of the groups not kept with 0.0, not -inf (as DeepSeek-V2's does); the kernel takes the fill
+    (``group_fill``), so the selection is eager's whatever the scores. With one group (its config's default) every
+    group is kept and the fill plays no part."""
+    torch.manual_seed(0)
+    model = _mistral4(n_group, topk_group)
+    model.set_experts_implementation("grouped_mm")
+    ids = torch.randint(0, 64, (2, 8))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    gating = fused.report.of("moe_gating")
+    assert [d.reason_code for d in gating] == ["fused"] * LAYERS, fused.report.summary()
+    calls = [n for n in fused.graph_module.graph.nodes if "moe_gating_topk" in str(n.target)]
+    assert [n.kwargs["group_fill"] for n in calls] == [0.0 if n_group > 1 else None] * LAYERS
+    _assert_within_the_bound_of_float64(model, fused, ids)
+
+
+class GroupRouter(nn.Module):
+    """DeepSeek-V3's spelling (sigmoid, a selection bias, groups scored by their top two, the scores gathered) with
+    the groups not kept filled with ``fill``; the bias makes a third of the choices negative, so a 0.0 fill takes
+    experts from the groups not kept. ``kind``: the spelling, or a near miss."""
+
+    def __init__(self, fill, kind="gather", E=16, n_group=4, topk_group=2, k=4):
+        super().__init__()
+        self.fill, self.kind, self.E, self.ng, self.kg, self.k = fill, kind, E, n_group, topk_group, k
+        g = torch.Generator().manual_seed(4)
+        self.w = nn.Parameter(torch.randn(E, 16, generator=g))
+        self.register_buffer("bias", torch.randn(E, generator=g) - 0.6)
+
+    def forward(self, x):
+        E, ng = self.E, self.ng
+        scores = F.linear(x, self.w).sigmoid()
+        choice = scores + self.bias
+        gs = choice.view(-1, ng, E // ng).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(gs, k=self.kg, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(gs).scatter_(1, group_idx, 1)
+        keep = mask.unsqueeze(-1).expand(-1, ng, E // ng).reshape(-1, E)
+        if self.kind == "mask_not_inverted":        # fills the kept groups instead
+            choice = choice.masked_fill(keep.bool(), self.fill)
+        else:
+            choice = choice.masked_fill(~keep.bool(), self.fill)
+        if self.kind == "values":                   # weights from the filled choices (biased, and the fill itself)
+            w, idx = torch.topk(choice, k=self.k, dim=-1)
+        else:
+            idx = torch.topk(choice, k=self.k, dim=-1)[1]
+            w = scores.gather(1, idx)
+        return w / (w.sum(-1, keepdim=True) + 1e-20), idx
+
+
+@pytest.mark.parametrize("fill", [0.0, -0.5, float("-inf")])
+def test_a_router_filling_the_groups_not_kept_with_a_number_is_fused_and_routes_as_eager(fill):
+    torch.manual_seed(0)
+    router = GroupRouter(fill)
+    x = torch.randn(64, 16)
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+        got, want = fused(x), router(x)
+        kept_only = GroupRouter(float("-inf"))(x)[1]
+    assert [d.reason_code for d in fused.report.of("moe_gating")] == ["fused"], fused.report.summary()
+    if fill == 0.0:
+        assert not torch.equal(want[1], kept_only), "no token took an expert of a group not kept: nothing tested"
+    assert torch.equal(got[1], want[1])
+    ok, err, tol = compare(want[0], copy.deepcopy(router).double()(x.double())[0], got[0])
+    assert ok, (err, tol)
+    # training: the router's backward through the chosen experts, the selection as eager's
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    fused_grad = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+    for fn, xi in zip((fused_grad, router), xs):
+        fn(xi)[0].pow(2).sum().backward()
+    assert [d.reason_code for d in fused_grad.report.of("moe_gating")] == ["fused"], fused_grad.report.summary()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)    # fp32 sigmoid chain: a few ulps
+
+
+@pytest.mark.parametrize("kind, fill", [("mask_not_inverted", 0.0), ("values", 0.0), ("gather", float("inf"))])
+def test_filled_group_near_misses_are_not_fused(kind, fill):
+    """The kept groups filled instead of the others; weights taken from the filled choices (biased, and the fill
+    where a token takes an expert of a group not kept: not MoeGatingTopK's weights); a fill of +inf (every group
+    not kept chosen first)."""
+    torch.manual_seed(0)
+    router = GroupRouter(fill, kind)
+    x = torch.randn(64, 16)
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+        got, want = fused(x), router(x)
+    assert not [d for d in fused.report.applied if d.pattern == "moe_gating"], fused.report.summary()
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 # ----------------------------------------------------------------------------------------- near misses
 
 class Router(nn.Module):

@@ -11,7 +11,7 @@ DEVICES = ["ascend910", "ascend910b", "ascend310p"]
 
 
 def _ref(x, bias=None, k=2, norm="softmax", renorm=False, eps=1e-20, scale=1.0, n_group=1, topk_group=1,
-         group_score="max"):
+         group_score="max", group_fill=float("-inf")):
     """The router spelled as the models spell it, in float64."""
     s = x.double()
     s = torch.softmax(s, -1) if norm == "softmax" else torch.sigmoid(s) if norm == "sigmoid" else s
@@ -21,7 +21,7 @@ def _ref(x, bias=None, k=2, norm="softmax", renorm=False, eps=1e-20, scale=1.0, 
         g = choice.view(-1, n_group, E // n_group)
         gs = g.amax(-1) if group_score == "max" else g.topk(2, -1).values.sum(-1)
         keep = torch.zeros_like(gs).scatter_(1, torch.topk(gs, topk_group, -1, sorted=False).indices, 1).bool()
-        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1), float("-inf"))
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1), group_fill)
     idx = torch.topk(choice, k, -1).indices
     y = s.gather(-1, idx)
     if renorm:
@@ -55,6 +55,34 @@ def test_deepseek_v3_groups_bias_scale(device):
     r2 = npu.run("moe_gating_topk", x, b, device=device, **{**p, "group_score": "max"})
     _, idx2 = _ref(x, b, **{**p, "group_score": "max"})
     assert np.array_equal(r2.outputs[1], idx2.numpy())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fill", [0.0, -0.25])
+def test_groups_not_kept_filled_with_a_number(device, fill):
+    """DeepSeek-V2's and Mistral 4's routers give the experts of the groups not kept 0.0, not -inf: a kept expert
+    whose choice is below the fill (a negative bias) loses to them, and they tie with each other at the fill. The
+    weights stay the chosen experts' unbiased scores (the routers gather them)."""
+    torch.manual_seed(2)
+    E = 16
+    x, b = torch.randn(200, E), torch.randn(E) - 0.6          # sigmoid(x) + b: a third of the choices below 0
+    p = dict(k=4, norm="sigmoid", renorm=True, eps=1e-20, n_group=4, topk_group=2, group_score="top2")
+    r = npu.run("moe_gating_topk", x, b, group_fill=fill, device=device, **p)
+    y, idx = _ref(x, b, group_fill=fill, **p)
+    _, kept_only = _ref(x, b, **p)
+    assert not torch.equal(idx, kept_only), "no row picked an expert outside the kept groups: the test tests nothing"
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    assert np.abs(r.outputs[0] - y.numpy()).max() < 1e-5         # fp32 sigmoid, sum and divide: ~1e-7 relative
+    # without a bias (softmax scores, every choice above 0.0): the fill changes nothing, the weights are gathered
+    r0 = npu.run("moe_gating_topk", x, k=4, n_group=4, topk_group=2, group_fill=0.0, device=device)
+    y0, idx0 = _ref(x, k=4, n_group=4, topk_group=2, group_fill=0.0)
+    assert np.array_equal(r0.outputs[1], idx0.numpy()) and np.abs(r0.outputs[0] - y0.numpy()).max() < 1e-6
+
+
+@pytest.mark.parametrize("fill, n_group", [(float("nan"), 4), (0.0, 1)])
+def test_a_group_fill_needs_groups_and_a_number(fill, n_group):
+    with pytest.raises(ValueError, match="group_fill"):
+        npu.run("moe_gating_topk", torch.randn(4, 16), k=2, n_group=n_group, topk_group=1, group_fill=fill)
 
 
 def test_weights_in_logits_dtype():

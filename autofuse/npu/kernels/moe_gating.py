@@ -7,11 +7,12 @@
 (``softmax`` | ``sigmoid`` | ``none``) → scores; ``choice = scores + bias`` (the optional ``bias [E]`` is for
 selection only) → optional group limit (E experts in ``n_group`` groups; a group scores its max
 (``group_score="max"``) or the sum of its two largest choices (``"top2"``, DeepSeek-V3); the ``topk_group``
-best groups are kept, the other groups' experts get ``-inf``) → the k largest choices, largest first →
-their *unbiased* scores → optional renormalisation ``y / (sum(y) + eps)`` (``eps=0``: exactly ``y / sum(y)``)
-→ ``* routed_scaling_factor``. ``norm="topk_softmax"`` selects on the logits themselves and takes the softmax
-over the k chosen (GraniteMoE's and GPT-OSS's routers: ``softmax(topk(x).values)``; the same function of x
-as ``softmax`` with ``renorm`` and ``eps=0``, but its selection is on the logits, so indices equal
+best groups are kept, the other groups' experts get ``-inf``, or ``group_fill`` where given: DeepSeek-V2's and
+Mistral 4's routers fill them with 0.0, which an expert of a kept group scoring below it loses to) → the k largest
+choices, largest first → their *unbiased* scores → optional renormalisation ``y / (sum(y) + eps)`` (``eps=0``:
+exactly ``y / sum(y)``) → ``* routed_scaling_factor``. ``norm="topk_softmax"`` selects on the logits themselves
+and takes the softmax over the k chosen (GraniteMoE's and GPT-OSS's routers: ``softmax(topk(x).values)``; the
+same function of x as ``softmax`` with ``renorm`` and ``eps=0``, but its selection is on the logits, so indices equal
 ``torch.topk(x)``'s where rounding would tie two probabilities). Outputs ``weights [T, k]`` (``out_dtype``) and ``indices [T, k]`` (int32).
 ``topk`` is the same program with ``norm="none"``, values in x's dtype, ``largest=False`` choosing the
 smallest (as ``torch.topk``), over the last dim of x of any rank.
@@ -91,7 +92,7 @@ def _vnchwconv(rows, cols, isz):
     return (1 if isz == 2 else 2) * ceil_div(round_up(rows, 16) * round_up(cols, 16) * isz, 512)
 
 
-def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_dtype, E):
+def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_dtype, E, group_fill=None):
     if norm not in NORMS:
         raise ValueError(f"{kernel_name}: norm={norm!r}; choose one of {', '.join(NORMS)}")
     if group_score not in GROUP_SCORES:
@@ -108,6 +109,9 @@ def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_
                              f"{topk_group} kept groups")
         if group_score == "top2" and E // n_group < 2:
             raise ValueError(f"{kernel_name}: group_score='top2' needs groups of at least 2 experts")
+    if group_fill is not None and (n_group == 1 or math.isnan(group_fill)):
+        raise ValueError(f"{kernel_name}: group_fill={group_fill} is the choice given to the experts of the groups "
+                         f"not kept: give a number with n_group > 1, or None (-inf)")
     if bias is not None:
         check_dtype(kernel_name, "bias", bias)
         if tuple(bias.shape) != (E,):
@@ -118,15 +122,16 @@ def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_
 
 @kernel("moe_gating_topk", steer=ALL)          # ties re-selected on the Scalar unit: timing follows values
 def moe_gating_topk(launch, x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
-                    n_group=1, topk_group=1, group_score="max", out_dtype="float32", tiling=None):
+                    n_group=1, topk_group=1, group_score="max", out_dtype="float32", tiling=None, group_fill=None):
     """Router top-k (see the module docstring): ``x [T, E]`` → ``(weights [T, k], indices [T, k] int32)``."""
     check_dtype("moe_gating_topk", "x", x)
     if x.data.ndim != 2:
         raise ValueError(f"moe_gating_topk: x must be [T, E] router logits, got shape {list(x.shape)}")
+    fill = None if group_fill is None else float(group_fill)
     _check("moe_gating_topk", x, bias, int(k), norm, int(n_group), int(topk_group), group_score, out_dtype,
-           x.shape[1])
+           x.shape[1], fill)
     return _Program(launch, x, bias, int(k), norm, bool(renorm), float(eps), float(routed_scaling_factor),
-                    int(n_group), int(topk_group), group_score, out_dtype, True, tiling).run()
+                    int(n_group), int(topk_group), group_score, out_dtype, True, tiling, fill).run()
 
 
 @kernel("topk", steer=ALL)
@@ -203,13 +208,17 @@ class _Program(Lanes):
     """One launch: tiles of token rows, each transposed, normalised, selected, written back."""
 
     def __init__(self, launch, x, bias, k, norm, renorm, eps, scale, n_group, topk_group, group_score, out_dtype,
-                 largest_, tiling):
+                 largest_, tiling, group_fill=None):
         dev = launch.device
         self.launch, self.dev, self.x, self.bias = launch, dev, x, bias
         T, E = x.shape
         self.T, self.E, self.k = T, E, k
         self.norm, self.renorm, self.eps, self.scale = norm, renorm, np.float32(eps), np.float32(scale)
         self.ng, self.kg, self.gscore = n_group, topk_group, group_score
+        # the value the experts of the groups not kept get; the chosen experts' unbiased scores are gathered after
+        # the selection (as with a bias) where it is not -inf: an expert chosen at the fill still weighs its score
+        self.fill = _NEG if group_fill is None else np.float32(group_fill)
+        self.gather = bias is not None or (n_group > 1 and group_fill is not None)
         self.out_dtype, self.largest = out_dtype, largest_
         self.dtype = x.dtype
         self.weights = launch.empty((T, k), out_dtype, "weights")
@@ -310,7 +319,7 @@ class _Program(Lanes):
         for r in range(k):
             self.rounds("experts", (W, M, I), E, 1, 1, lambda _, r=r: pick(r))
         self.fix_ties(W, V, I)                            # on the chosen choices (biased, when a bias is given)
-        if self.bias is not None:                         # then the chosen experts' unbiased scores
+        if self.gather:                                   # then the chosen experts' unbiased scores
             iota = self.iota
             for r in range(k):
                 self.vec("compare iota == index", (M,), (iota, I), self.ew(E),
@@ -336,7 +345,7 @@ class _Program(Lanes):
             self.vec("select -inf (knock out)", (w,), (w, m), self.ew(rows), lambda r=r: pick(r))
 
     def limit_groups(self, choice):
-        """Group scores (max, or the sum of the top two), the topk_group best groups, -inf elsewhere."""
+        """Group scores (max, or the sum of the top two), the topk_group best groups, the fill (-inf) elsewhere."""
         E, ng, W, M = self.E, self.ng, self.W, self.M
         gs = E // ng
         G, K = self.G, self.K
@@ -358,8 +367,8 @@ class _Program(Lanes):
 
         def mask():
             keep = np.repeat(np.isneginf(K.data), gs, axis=1)     # the chosen groups were knocked out
-            np.copyto(W.data, np.where(keep, choice.data, _NEG))
-        self.vec("select -inf outside kept groups", (W,), (choice, K), self.ew(E), mask)
+            np.copyto(W.data, np.where(keep, choice.data, self.fill))
+        self.vec("select fill outside kept groups", (W,), (choice, K), self.ew(E), mask)
 
     # ------------------------------------------------------------------ ties, on the Scalar unit
     def _tie_rows(self, vals, nxt):
@@ -388,9 +397,9 @@ class _Program(Lanes):
         cost = np.zeros(self.n)
         if tie.any():
             choice = self.choice.data
-            if self.ng > 1:                                  # outside the kept groups: -inf, as the selection saw
+            if self.ng > 1:                                  # outside the kept groups: the fill, as the selection saw
                 kept = np.repeat(np.isneginf(self.K.data), self.E // self.ng, axis=1)
-                choice = np.where(kept, choice, _NEG)
+                choice = np.where(kept, choice, self.fill)
             for c, lane in zip(*np.nonzero(tie)):
                 row = choice[c, :, lane].copy()              # the choices as they were before the knock-outs
                 if self.largest:
