@@ -535,7 +535,8 @@ def _out_dtype(like, x) -> str:
 def _gating_params(p: dict) -> dict:
     return dict(k=p["k"], norm=p["norm"], renorm=p["renorm"], eps=p["eps"],
                 routed_scaling_factor=p["routed_scaling_factor"], n_group=p["n_group"], topk_group=p["topk_group"],
-                group_score=p["group_score"], group_fill=p.get("group_fill"))
+                group_score=p["group_score"], group_fill=p.get("group_fill"),
+                weights_from=p.get("weights_from", "scores"))
 
 
 def _gating_out_dtype(p: dict) -> str:

@@ -1,7 +1,8 @@
 """Fused MoE operators as ``torch.library`` custom ops, running the simulator's MoE kernels.
 
     w, idx = torch.ops.autofuse.moe_gating_topk(logits, bias, k, "softmax", renorm, eps, scale, n_group,
-                                                topk_group, "max", "float32", device, tiling, group_fill)
+                                                topk_group, "max", "float32", device, tiling, group_fill,
+                                                weights_from)
     xs, row_idx, counts = torch.ops.autofuse.moe_init_routing(x, idx, num_experts, "count", device, tiling)
     y = torch.ops.autofuse.grouped_matmul(xs, w, counts, bias, trans_w, "count", "swiglu", "gate_up", device, tiling)
     y, p = torch.ops.autofuse.grouped_matmul_with_product(xs, w, counts, ...)   # training: the product kept
@@ -62,13 +63,14 @@ def _tiling(tiling: str):
 def _moe_gating_topk(x: torch.Tensor, bias: Optional[torch.Tensor] = None, k: int = 1, norm: str = "softmax",
                      renorm: bool = False, eps: float = 1e-20, routed_scaling_factor: float = 1.0, n_group: int = 1,
                      topk_group: int = 1, group_score: str = "max", out_dtype: str = "float32",
-                     device: str = "ascend910", tiling: str = "", group_fill: Optional[float] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     device: str = "ascend910", tiling: str = "", group_fill: Optional[float] = None,
+                     weights_from: str = "scores") -> tuple[torch.Tensor, torch.Tensor]:
     od = out_dtype or str(x.dtype).replace("torch.", "")
     lead = x.shape[:-1]
     r = run_kernel("moe_gating_topk", x.reshape(-1, x.shape[-1]), bias, k=k, norm=norm, renorm=renorm, eps=eps,
                    routed_scaling_factor=routed_scaling_factor, n_group=n_group, topk_group=topk_group,
-                   group_score=group_score, out_dtype=od, device=device, tiling=_tiling(tiling), group_fill=group_fill)
+                   group_score=group_score, out_dtype=od, device=device, tiling=_tiling(tiling), group_fill=group_fill,
+                   weights_from=weights_from)
     _record("moe_gating_topk", r.stats)
     return (_to_torch(r.outputs[0], _DT[od]).reshape(*lead, k),
             torch.from_numpy(r.outputs[1].astype("int64")).reshape(*lead, k))
@@ -76,14 +78,15 @@ def _moe_gating_topk(x: torch.Tensor, bias: Optional[torch.Tensor] = None, k: in
 
 @_moe_gating_topk.register_fake
 def _(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0, n_group=1,
-      topk_group=1, group_score="max", out_dtype="float32", device="ascend910", tiling="", group_fill=None):
+      topk_group=1, group_score="max", out_dtype="float32", device="ascend910", tiling="", group_fill=None,
+      weights_from="scores"):
     dt = _DT[out_dtype] if out_dtype else x.dtype
     return x.new_empty((*x.shape[:-1], k), dtype=dt), x.new_empty((*x.shape[:-1], k), dtype=torch.int64)
 
 
 def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
                               n_group=1, topk_group=1, group_score="max", out_dtype="float32", upcast=False,
-                              indices=None, group_fill=None, **_):
+                              indices=None, group_fill=None, weights_from="scores", **_):
     """The kernel's computation in torch: fp32 normalisation, selection on ``scores + bias`` (group limit by
     ``torch.topk`` over the group scores), ``torch.topk`` over the choices (so ties fall as torch orders
     them, which the kernel reproduces), the unbiased scores gathered, renormalised, scaled, cast.
@@ -105,7 +108,12 @@ def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, e
                 choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1),
                                             float("-inf") if group_fill is None else group_fill)
             indices = torch.topk(choice, k, dim=-1).indices
+            filled = choice.gather(-1, indices) != s.detach().gather(-1, indices)    # an expert of a group not kept
+    else:
+        filled = None
     y = s.gather(-1, indices)
+    if weights_from == "choices" and filled is not None:     # the chosen choices as filled (no bias: the scores)
+        y = torch.where(filled, torch.full_like(y, group_fill if group_fill is not None else float("-inf")), y)
     if norm == "topk_softmax":                # softmax over the chosen logits (largest first)
         y = torch.exp(y - y[..., :1])
         y = y / y.sum(-1, keepdim=True)
@@ -118,26 +126,32 @@ def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, e
 
 
 def _gating_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], output[1])
     names = ("k", "norm", "renorm", "eps", "routed_scaling_factor", "n_group", "topk_group", "group_score",
              "out_dtype")
     ctx.params = dict(zip(names, inputs[2:11]))
     ctx.device = inputs[11] if len(inputs) > 11 else "ascend910"
+    ctx.fill = inputs[13] if len(inputs) > 13 else None
+    # weights_from="choices": a weight at the fill is constant (an expert of a group not kept); kept to find them
+    ctx.filled = len(inputs) > 14 and inputs[14] == "choices" and ctx.fill is not None
+    ctx.save_for_backward(inputs[0], output[1], *([output[0]] if ctx.filled else []))
     ctx.set_materialize_grads(False)          # weights unused (only the indices): no launch
 
 
 def _gating_backward(ctx, grad_w, grad_idx):
     """One ``moe_gating_topk_grad`` launch: dx through the chosen experts (none when the weights were unused)."""
-    x, idx = ctx.saved_tensors
+    x, idx, *w = ctx.saved_tensors
     if grad_w is None or not ctx.needs_input_grad[0]:
-        return (None,) * 14
+        return (None,) * 15
     p = ctx.params
+    if w:       # no gradient through a weight at the fill (x routed_scaling_factor, rounded as the kernel does)
+        at = (torch.tensor(ctx.fill, dtype=torch.float32) * p["routed_scaling_factor"]).to(w[0].dtype)
+        grad_w = grad_w.masked_fill(w[0] == at, 0.0)
     norm, renorm, eps = p["norm"], p["renorm"], p["eps"]
     if norm == "topk_softmax":                # with the experts fixed, the softmax over the chosen logits is the
         norm, renorm, eps = "softmax", True, 0.0    # renormalised softmax over all: the same function of x
     gx = torch.ops.autofuse.moe_gating_topk_grad(x, grad_w.contiguous(), idx, p["k"], norm, renorm, eps,
                                                  p["routed_scaling_factor"], ctx.device, "")
-    return (gx,) + (None,) * 13
+    return (gx,) + (None,) * 14
 
 
 _moe_gating_topk.register_autograd(_gating_backward, setup_context=_gating_setup)
@@ -217,16 +231,17 @@ def moe_gating_topk_grad(x, grad_w, indices, k=None, norm="softmax", renorm=Fals
 
 def moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
                     n_group=1, topk_group=1, group_score="max", out_dtype="float32", device="ascend910", tiling=None,
-                    group_fill=None):
+                    group_fill=None, weights_from="scores"):
     """MoE router top-k (CANN MoeGatingTopK): ``(weights [..., k], indices [..., k] int64)`` from logits
     ``x [..., E]``.
 
     ``norm``: "softmax" | "sigmoid" | "none" (fp32); ``bias [E]``: added for the selection only;
-    ``n_group``/``topk_group``/``group_score`` ("max" | "top2"): keep the best ``topk_group`` of ``n_group``
-    expert groups, the others' experts given ``group_fill`` (``None``: -inf, never chosen; DeepSeek-V2's and Mistral 4's
-    routers fill 0.0) for the selection; ``renorm``: ``y / (sum(y) + eps)`` (``eps=0``: ``y / sum(y)``); then
-    ``* routed_scaling_factor``. Indices are those of ``torch.topk`` (sorted, largest first; ties as torch
-    orders them on the CPU). ``out_dtype``: "float32" or ``None`` (the logits' dtype).
+    ``n_group``/``topk_group``/``group_score`` ("max" | "top2"): keep the best ``topk_group`` of ``n_group`` expert
+    groups, the others' experts given ``group_fill`` (``None``: -inf, never chosen; DeepSeek-V2's and Mistral 4's
+    routers fill 0.0) for the selection; ``weights_from``: "scores" (the chosen experts' scores) or "choices" (the
+    chosen choices as filled, DeepSeek-V2's top-k values); ``renorm``: ``y / (sum(y) + eps)`` (``eps=0``: ``y /
+    sum(y)``); then ``* routed_scaling_factor``. Indices are those of ``torch.topk`` (sorted, largest first; ties as
+    torch orders them on the CPU). ``out_dtype``: "float32" or ``None`` (the logits' dtype).
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"moe_gating_topk: x must be a tensor [..., E], got {getattr(x, 'shape', type(x))}")
@@ -234,7 +249,7 @@ def moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, 
                                               float(routed_scaling_factor), int(n_group), int(topk_group),
                                               group_score, out_dtype or "", device,
                                               json.dumps(tiling) if tiling else "",
-                                              None if group_fill is None else float(group_fill))
+                                              None if group_fill is None else float(group_fill), weights_from)
 
 
 # ------------------------------------------------------------------------------------------ init routing

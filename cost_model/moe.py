@@ -162,7 +162,7 @@ def _gating_search(device, T, E, dtype, out_dtype, k, bias_spec, norm, renorm, e
 
 
 def _gating_estimate(name, dev, x, bias, k, norm, renorm, eps, scale, ng, kg, gscore, out_dtype, largest_, tiling,
-                     group_fill=None):
+                     group_fill=None, weights_from="scores"):
     shape, dtype = x
     E = shape[-1]
     T = math.prod(shape[:-1])
@@ -170,7 +170,8 @@ def _gating_estimate(name, dev, x, bias, k, norm, renorm, eps, scale, ng, kg, gs
     if not 1 <= k <= E:
         raise ValueError(f"{name}: k={k} must be in [1, {E}]")
     args = (T, E, dtype, out_dtype, int(k), bias, norm, bool(renorm), float(eps), float(scale), int(ng), int(kg),
-            gscore, bool(largest_), bias is not None or (int(ng) > 1 and group_fill is not None))
+            gscore, bool(largest_),
+            bias is not None or (int(ng) > 1 and group_fill is not None and weights_from == "scores"))
     if T == 0:
         return make(name, dev, 0.0, 0.0, {}, {}, None, 0.0)
     if tiling:
@@ -192,10 +193,10 @@ def _gating_roof(dev, specs, **p):
 @register("moe_gating_topk", _gating_roof)
 def estimate_moe_gating_topk(dev, specs, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20,
                              routed_scaling_factor=1.0, n_group=1, topk_group=1, group_score="max",
-                             out_dtype="float32", tiling=None, group_fill=None):
+                             out_dtype="float32", tiling=None, group_fill=None, weights_from="scores"):
     bias = specs[1] if len(specs) > 1 and specs[1] is not None else bias
     return _gating_estimate("moe_gating_topk", dev, specs[0], bias, k, norm, renorm, eps, routed_scaling_factor,
-                            n_group, topk_group, group_score, out_dtype, True, tiling, group_fill)
+                            n_group, topk_group, group_score, out_dtype, True, tiling, group_fill, weights_from)
 
 
 @register("topk", _gating_roof)

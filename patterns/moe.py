@@ -8,7 +8,10 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   top-k values (Mixtral, Qwen2-MoE, Qwen3-MoE, plain ``topk(softmax(x))``), and weights gathered from the
   unbiased scores at the selected indices (DeepSeek-V3: sigmoid, a selection bias, group-limited top-k by
   the sum of each group's top two); and a third for routers that take the top k of the logits first and the
-  softmax over the k chosen (GraniteMoE, GPT-OSS: ``norm="topk_softmax"``, selection on the logits).
+  softmax over the k chosen (GraniteMoE, GPT-OSS: ``norm="topk_softmax"``, selection on the logits). The groups
+  not kept may be filled with a number instead of ``-inf`` (``group_fill``: Mistral 4's and DeepSeek-V2's 0.0);
+  DeepSeek-V2's ``group_limited_greedy`` router scores a group by its max and takes the top-k *values* of the filled
+  scores as weights (``weights_from="choices"``: 0.0 where a token takes a filled expert), a fourth template.
 * ``moe_experts`` → ``moe_init_routing`` + ``grouped_matmul`` (SwiGLU epilogue on the fused gate_up
   projection) + ``grouped_matmul`` + ``moe_finalize_routing``. Templates for the two transformers experts
   implementations that export: ``grouped_mm`` (sort, histc, ``transformers.grouped_mm_fallback``, an
@@ -139,6 +142,26 @@ _GATING_GATHER = _renorm_and_scale(
     .node("w", aten.gather.default).edge("norm", "w", 0).edge("idx", "w", 2), after="w")
 
 
+# DeepSeek-V2's group-limited greedy router: groups scored by their max, the others filled (0.0), the weights the
+# top-k values of the filled scores (no selection bias)
+_GATING_GROUP_VALUES = _renorm_and_scale(
+    Template("moe_gating", anchor="topk")
+    .node("norm", *NORM, where=_softmax_last)
+    .node("g_view", aten.reshape.default).edge("norm", "g_view", 0)
+    .node("g_max", aten.max.dim).edge("g_view", "g_max", 0)
+    .node("g_vals", operator.getitem, where=_item(0)).edge("g_max", "g_vals", 0)
+    .node("g_sel", aten.topk.default, where=_topk_last_largest).edge("g_vals", "g_sel", 0)
+    .node("g_idx", operator.getitem, where=_item(1)).edge("g_sel", "g_idx", 0)
+    .node("g_zero", aten.zeros_like.default).edge("g_vals", "g_zero", 0)
+    .node("g_mask", aten.scatter.value).edge("g_zero", "g_mask", 0).edge("g_idx", "g_mask", 2)
+    .node("g_expand", aten.repeat_interleave.self_int).edge("g_mask", "g_expand", 0)
+    .node("g_bool", aten._to_copy.default, where=_cast).edge("g_expand", "g_bool", 0)
+    .node("g_where", aten.where.ScalarOther).edge("g_bool", "g_where", 0).edge("norm", "g_where", 1)
+    .node("topk", aten.topk.default, where=_topk_last_largest).edge("g_where", "topk", 0)
+    .node("w", operator.getitem, where=_item(0)).node("idx", operator.getitem, where=_item(1))
+    .edge("topk", "w", 0).edge("topk", "idx", 0), after="w")
+
+
 # top-k of the logits first, then the softmax over the k chosen (GraniteMoE, GPT-OSS): no renormalisation
 # needed (the weights already sum to one); a scale or a cast may follow
 _GATING_TOPK_FIRST = (
@@ -207,7 +230,7 @@ def _gating_match(m: dict, x, topk, idx, weights, inputs: dict, **kernel) -> Mat
         return None
     E = shape(x)[-1]
     why = kernel.pop("unsupported", None)
-    params = dict(kernel, group_score="top2", num_experts=E, tokens=int(val(x).numel() // E),
+    params = dict({"group_score": "top2", **kernel}, num_experts=E, tokens=int(val(x).numel() // E),
                   weights_like=val(weights), indices_like=val(idx), x_shape=shape(x), dtype=val(x).dtype,
                   sorted=bool(arg(topk, 4, "sorted", True)))
     if why:
@@ -269,15 +292,21 @@ def _decide_gating(m: dict) -> Match | None:
         w = m["w"]
         if not (_last_dim(w, w.args[1]) and w.args[0] is norm and w.args[2] is idx):
             return None
-        if topk.args[0] is not (m["g_where"] if "g_where" in m else m["bias"] if "bias" in m else norm):
-            return None
-    n_group, topk_group, group_fill = 1, 1, None
+    if (gather or "g_max" in m) and \
+            topk.args[0] is not (m["g_where"] if "g_where" in m else m["bias"] if "bias" in m else norm):
+        return None
+    n_group, topk_group, group_fill, group_score = 1, 1, None, "top2"
     if "g_view" in m:
         gv, gw = m["g_view"], m["g_where"]
         n_group = shape(gv)[-2]
-        if shape(gv)[-1] * n_group != E or int(m["g_top2"].args[1]) != 2 or int(m["g_sel"].args[1]) < 1:
+        if shape(gv)[-1] * n_group != E or int(m["g_sel"].args[1]) < 1:
             return None
-        if list(arg(m["g_score"], 1, "dim")) not in ([-1], [len(shape(m["g_vals"])) - 1]):
+        if "g_max" in m:            # each group's max (DeepSeek-V2)
+            if not _last_dim(m["g_max"], m["g_max"].args[1]) or arg(m["g_max"], 2, "keepdim", False):
+                return None
+            group_score = "max"
+        elif int(m["g_top2"].args[1]) != 2 or \
+                list(arg(m["g_score"], 1, "dim")) not in ([-1], [len(shape(m["g_vals"])) - 1]):
             return None
         if m["g_mask"].args[1] != 1 or m["g_mask"].args[3] != 1 or m["g_expand"].args[1] != E // n_group:
             return None
@@ -286,6 +315,11 @@ def _decide_gating(m: dict) -> Match | None:
             return None            # the groups not kept filled with a number (-inf; 0.0 in DeepSeek-V2, Mistral 4)
         topk_group = int(m["g_sel"].args[1])
         group_fill = None if fill == float("-inf") or n_group == 1 else float(fill)   # one group: all kept
+    weights_from = "scores"
+    if "g_max" in m:                # the weights are the filled scores' top-k values: a filled pick weighs the fill
+        weights_from = "choices"
+        if (group_fill or 0.0) > 0.0 or "rdiv" in m:
+            return None             # a positive fill could equal a score; renormalised, a filled pick would count
     renorm, eps, scale = "rdiv" in m, 0.0, 1.0
     if "reps" in m and not renorm:
         return None                # "+ eps" without the division is no renormalisation
@@ -305,14 +339,14 @@ def _decide_gating(m: dict) -> Match | None:
     return _gating_match(m, x, topk, idx, _chain_end(m, "w"), inputs, k=k,
                          norm="softmax" if norm.target == aten.softmax.int else "sigmoid", renorm=renorm, eps=eps,
                          routed_scaling_factor=scale, n_group=n_group, topk_group=topk_group, group_fill=group_fill,
-                         unsupported=why)
+                         group_score=group_score, weights_from=weights_from, unsupported=why)
 
 
 @register("moe_gating")
 def find_moe_gating(gm: fx.GraphModule) -> list[Match]:
     view = graph_view(gm)
-    found = _GATING_GATHER.match(view, _decide_gating) + _GATING.match(view, _decide_gating) + \
-        _GATING_TOPK_FIRST.match(view, _decide_topk_first)
+    found = _GATING_GATHER.match(view, _decide_gating) + _GATING_GROUP_VALUES.match(view, _decide_gating) + \
+        _GATING.match(view, _decide_gating) + _GATING_TOPK_FIRST.match(view, _decide_topk_first)
     out, taken = [], set()
     for m in sorted(found, key=lambda m: view.order[m.anchor]):
         if taken.isdisjoint(m.nodes):

@@ -371,6 +371,101 @@ def test_filled_group_near_misses_are_not_fused(kind, fill):
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
+def _deepseek_v2_grouped():
+    cfg = dict(COMMON, num_key_value_heads=4)
+    m = tf.DeepseekV2ForCausalLM(tf.DeepseekV2Config(
+        **cfg, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+        topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=0, n_shared_experts=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        routed_scaling_factor=2.5))
+    with torch.no_grad():               # the router's weights start at zero (every score ties): give it some
+        for layer in m.model.layers:
+            layer.mlp.gate.weight.normal_()
+    return m.eval()
+
+
+def test_deepseek_v2_group_limited_routers_are_fused():
+    """DeepSeek-V2's ``group_limited_greedy`` router: groups scored by their max, the others filled with 0.0, the
+    weights the top-k values of the filled scores, scaled (``group_score="max"``, ``group_fill=0.0``,
+    ``weights_from="choices"``)."""
+    torch.manual_seed(0)
+    model = _deepseek_v2_grouped()
+    model.set_experts_implementation("grouped_mm")
+    ids = torch.randint(0, 64, (2, 8))
+    fused = AutoFusionEngine.fuse(model, ((ids,), {"use_cache": False}))
+    assert [d.reason_code for d in fused.report.of("moe_gating")] == ["fused"] * LAYERS, fused.report.summary()
+    (call,) = [n for n in fused.graph_module.graph.nodes if "moe_gating_topk" in str(n.target)]
+    assert (call.kwargs["group_score"], call.kwargs["group_fill"], call.kwargs["weights_from"]) == ("max", 0.0,
+                                                                                                    "choices")
+    _assert_within_the_bound_of_float64(model, fused, ids)
+
+
+class GreedyGroupRouter(nn.Module):
+    """DeepSeek-V2's router spelled out; ``kind``: the spelling, or a near miss (renormalised, a positive fill)."""
+
+    def __init__(self, kind="values", fill=0.0, E=8, n_group=4, topk_group=1, k=2):
+        super().__init__()
+        self.kind, self.fill, self.E, self.ng, self.kg, self.k = kind, fill, E, n_group, topk_group, k
+        self.w = nn.Parameter(torch.eye(E, 16))
+
+    def forward(self, x):
+        E, ng = self.E, self.ng
+        scores = F.linear(x, self.w).softmax(dim=-1)
+        gs = scores.view(-1, ng, E // ng).max(dim=-1).values
+        group_idx = torch.topk(gs, k=self.kg, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(gs).scatter_(1, group_idx, 1)
+        keep = mask.unsqueeze(-1).expand(-1, ng, E // ng).reshape(-1, E)
+        w, idx = torch.topk(scores.masked_fill(~keep.bool(), self.fill), k=self.k, dim=-1)
+        if self.kind == "renorm":
+            w = w / w.sum(-1, keepdim=True)
+        return w * 2.5, idx
+
+
+def test_a_token_taking_an_expert_of_a_group_not_kept_weighs_the_fill_with_no_gradient():
+    """Logits ``[10, -200 | 9, 9 | 8, 8 | 7, 7]``: group 0 is kept, its second expert's score underflows to 0.0 and
+    ties with the filled 0.0s, and torch's top-k takes one of the filled experts for the second pick; eager's weight
+    there is 0.0 (not that expert's score, 0.27) and no gradient flows through it."""
+    router = GreedyGroupRouter()
+    x = torch.zeros(3, 16)
+    x[:, :8] = torch.tensor([10.0, -200.0, 9.0, 9.0, 8.0, 8.0, 7.0, 7.0])
+    x[1, :8] = torch.tensor([1.0, 0.5, 3.0, -1.0, 0.0, 0.2, 0.3, 0.1])          # an ordinary token beside them
+    want_w, want_i = router(x)
+    assert want_i[0, 1] >= 2 and want_w[0, 1] == 0.0, "the second pick is not a filled expert: nothing tested"
+    fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+    assert [d.reason_code for d in fused.report.of("moe_gating")] == ["fused"], fused.report.summary()
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    (got_w, got_i), (w0, i0) = fused(xs[0]), router(xs[1])
+    assert torch.equal(got_i, want_i) and torch.equal(got_i, i0)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)       # fp32 softmax: a few ulps
+    g = torch.randn(got_w.shape, generator=torch.Generator().manual_seed(0))
+    (got_w * g).sum().backward()
+    (w0 * g).sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, fill", [("renorm", 0.0), ("values", 0.25)])
+def test_greedy_group_near_misses(kind, fill):
+    """Renormalised: the kernel's renormalisation would take a filled pick's score in its gradient, so the gating
+    kernel ends at the top-k values and the division and the scale stay as captured; a positive fill could equal a
+    score (a weight at the fill would not be known as filled): not fused."""
+    torch.manual_seed(0)
+    router = GreedyGroupRouter(kind, fill)
+    router.w.data.normal_()
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
+        got, want = fused(x), router(x)
+    gating = [d for d in fused.report.applied if d.pattern == "moe_gating"]
+    if kind == "renorm":
+        (d,) = gating
+        assert not d.params["renorm"] and d.params["routed_scaling_factor"] == 1.0
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)     # fp32 softmax: a few ulps
+    else:
+        assert not gating, fused.report.summary()
+        assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
 # ----------------------------------------------------------------------------------------- near misses
 
 class Router(nn.Module):

@@ -79,6 +79,28 @@ def test_groups_not_kept_filled_with_a_number(device, fill):
     assert np.array_equal(r0.outputs[1], idx0.numpy()) and np.abs(r0.outputs[0] - y0.numpy()).max() < 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_from_the_filled_choices(device):
+    """DeepSeek-V2's group-limited greedy router: groups scored by their max, the others filled with 0.0, the
+    weights the top-k values of the filled scores: 0.0 where a token takes a filled expert (its kept experts'
+    scores underflowed to 0.0 and tie with the fill), the expert's score elsewhere."""
+    E, n_group = 8, 4
+    x = torch.randn(64, E, generator=torch.Generator().manual_seed(5))
+    x[:8] = torch.tensor([10.0, -200.0, 9.0, 9.0, 8.0, 8.0, 7.0, 7.0])     # group 0 kept, its second score 0.0
+    p = dict(k=2, norm="softmax", n_group=n_group, topk_group=1, group_score="max")
+    r = npu.run("moe_gating_topk", x, group_fill=0.0, weights_from="choices", routed_scaling_factor=2.5,
+                device=device, **p)
+    s = torch.softmax(x, -1)                    # fp32, as the kernel and eager: exp(-210) underflows to 0.0 here
+    keep = torch.zeros(64, n_group).scatter_(1, s.view(64, n_group, 2).amax(-1).topk(1, -1).indices, 1).bool()
+    filled = s.masked_fill(~keep.repeat_interleave(2, -1), 0.0)
+    w, idx = torch.topk(filled, 2, -1)
+    assert (idx[:8, 1] >= 2).all() and (w[:8, 1] == 0).all(), "no token took a filled expert: nothing tested"
+    assert np.array_equal(r.outputs[1], idx.numpy())
+    assert np.abs(r.outputs[0] - 2.5 * w.numpy()).max() < 1e-6        # fp32 softmax, one scale: a few ulps
+    with pytest.raises(ValueError, match="weights_from"):                   # renormalised: not this form
+        npu.run("moe_gating_topk", x, group_fill=0.0, weights_from="choices", renorm=True, **p)
+
+
 @pytest.mark.parametrize("fill, n_group", [(float("nan"), 4), (0.0, 1)])
 def test_a_group_fill_needs_groups_and_a_number(fill, n_group):
     with pytest.raises(ValueError, match="group_fill"):

@@ -6,14 +6,16 @@
 ``moe_gating_topk`` (CANN's MoeGatingTopK / MoeGatingTopKSoftmax): logits ``x [T, E]`` → normalise in fp32
 (``softmax`` | ``sigmoid`` | ``none``) → scores; ``choice = scores + bias`` (the optional ``bias [E]`` is for
 selection only) → optional group limit (E experts in ``n_group`` groups; a group scores its max
-(``group_score="max"``) or the sum of its two largest choices (``"top2"``, DeepSeek-V3); the ``topk_group``
-best groups are kept, the other groups' experts get ``-inf``, or ``group_fill`` where given: DeepSeek-V2's and
-Mistral 4's routers fill them with 0.0, which an expert of a kept group scoring below it loses to) → the k largest
-choices, largest first → their *unbiased* scores → optional renormalisation ``y / (sum(y) + eps)`` (``eps=0``:
-exactly ``y / sum(y)``) → ``* routed_scaling_factor``. ``norm="topk_softmax"`` selects on the logits themselves
-and takes the softmax over the k chosen (GraniteMoE's and GPT-OSS's routers: ``softmax(topk(x).values)``; the
-same function of x as ``softmax`` with ``renorm`` and ``eps=0``, but its selection is on the logits, so indices equal
-``torch.topk(x)``'s where rounding would tie two probabilities). Outputs ``weights [T, k]`` (``out_dtype``) and ``indices [T, k]`` (int32).
+(``group_score="max"``) or the sum of its two largest choices (``"top2"``, DeepSeek-V3); the ``topk_group`` best
+groups are kept, the other groups' experts get ``-inf``, or ``group_fill`` where given: DeepSeek-V2's and Mistral
+4's routers fill them with 0.0, which an expert of a kept group scoring below it loses to) → the k largest choices,
+largest first → their *unbiased* scores (``weights_from="choices"``: the chosen choices as filled, DeepSeek-V2's
+top-k values, 0.0 where a token took an expert of a group not kept) → optional renormalisation ``y / (sum(y) +
+eps)`` (``eps=0``: exactly ``y / sum(y)``) → ``* routed_scaling_factor``. ``norm="topk_softmax"`` selects on the
+logits themselves and takes the softmax over the k chosen (GraniteMoE's and GPT-OSS's routers:
+``softmax(topk(x).values)``; the same function of x as ``softmax`` with ``renorm`` and ``eps=0``, but its selection
+is on the logits, so indices equal ``torch.topk(x)``'s where rounding would tie two probabilities). Outputs
+``weights [T, k]`` (``out_dtype``) and ``indices [T, k]`` (int32).
 ``topk`` is the same program with ``norm="none"``, values in x's dtype, ``largest=False`` choosing the
 smallest (as ``torch.topk``), over the last dim of x of any rank.
 
@@ -92,7 +94,8 @@ def _vnchwconv(rows, cols, isz):
     return (1 if isz == 2 else 2) * ceil_div(round_up(rows, 16) * round_up(cols, 16) * isz, 512)
 
 
-def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_dtype, E, group_fill=None):
+def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_dtype, E, group_fill=None,
+           weights_from="scores", renorm=False):
     if norm not in NORMS:
         raise ValueError(f"{kernel_name}: norm={norm!r}; choose one of {', '.join(NORMS)}")
     if group_score not in GROUP_SCORES:
@@ -112,6 +115,12 @@ def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_
     if group_fill is not None and (n_group == 1 or math.isnan(group_fill)):
         raise ValueError(f"{kernel_name}: group_fill={group_fill} is the choice given to the experts of the groups "
                          f"not kept: give a number with n_group > 1, or None (-inf)")
+    if weights_from not in ("scores", "choices") or weights_from == "choices" and (
+            bias is not None or norm not in ("softmax", "sigmoid") or renorm or (group_fill or 0.0) > 0.0):
+        raise ValueError(f"{kernel_name}: weights_from={weights_from!r}; 'scores' (the chosen experts' scores), or "
+                         f"'choices' (the chosen choices as filled: softmax or sigmoid scores, no selection bias, no "
+                         f"renormalisation, a group_fill of at most 0.0, so that a filled weight is one no score can "
+                         f"be but 0.0)")
     if bias is not None:
         check_dtype(kernel_name, "bias", bias)
         if tuple(bias.shape) != (E,):
@@ -122,16 +131,17 @@ def _check(kernel_name, x, bias, k, norm, n_group, topk_group, group_score, out_
 
 @kernel("moe_gating_topk", steer=ALL)          # ties re-selected on the Scalar unit: timing follows values
 def moe_gating_topk(launch, x, bias=None, k=1, norm="softmax", renorm=False, eps=1e-20, routed_scaling_factor=1.0,
-                    n_group=1, topk_group=1, group_score="max", out_dtype="float32", tiling=None, group_fill=None):
+                    n_group=1, topk_group=1, group_score="max", out_dtype="float32", tiling=None, group_fill=None,
+                    weights_from="scores"):
     """Router top-k (see the module docstring): ``x [T, E]`` → ``(weights [T, k], indices [T, k] int32)``."""
     check_dtype("moe_gating_topk", "x", x)
     if x.data.ndim != 2:
         raise ValueError(f"moe_gating_topk: x must be [T, E] router logits, got shape {list(x.shape)}")
     fill = None if group_fill is None else float(group_fill)
     _check("moe_gating_topk", x, bias, int(k), norm, int(n_group), int(topk_group), group_score, out_dtype,
-           x.shape[1], fill)
+           x.shape[1], fill, weights_from, bool(renorm))
     return _Program(launch, x, bias, int(k), norm, bool(renorm), float(eps), float(routed_scaling_factor),
-                    int(n_group), int(topk_group), group_score, out_dtype, True, tiling, fill).run()
+                    int(n_group), int(topk_group), group_score, out_dtype, True, tiling, fill, weights_from).run()
 
 
 @kernel("topk", steer=ALL)
@@ -208,7 +218,7 @@ class _Program(Lanes):
     """One launch: tiles of token rows, each transposed, normalised, selected, written back."""
 
     def __init__(self, launch, x, bias, k, norm, renorm, eps, scale, n_group, topk_group, group_score, out_dtype,
-                 largest_, tiling, group_fill=None):
+                 largest_, tiling, group_fill=None, weights_from="scores"):
         dev = launch.device
         self.launch, self.dev, self.x, self.bias = launch, dev, x, bias
         T, E = x.shape
@@ -218,7 +228,7 @@ class _Program(Lanes):
         # the value the experts of the groups not kept get; the chosen experts' unbiased scores are gathered after
         # the selection (as with a bias) where it is not -inf: an expert chosen at the fill still weighs its score
         self.fill = _NEG if group_fill is None else np.float32(group_fill)
-        self.gather = bias is not None or (n_group > 1 and group_fill is not None)
+        self.gather = bias is not None or (n_group > 1 and group_fill is not None and weights_from == "scores")
         self.out_dtype, self.largest = out_dtype, largest_
         self.dtype = x.dtype
         self.weights = launch.empty((T, k), out_dtype, "weights")
