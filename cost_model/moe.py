@@ -71,7 +71,8 @@ def norm_repeats(norm, E, ew):
 
 def _gating_task(ke, E, k, dtype, out_dtype, norm, bias, ng, kg, gscore, renorm, eps, scale, largest_, gather):
     """(Vector repeats, instructions) of one task of ``ke`` lanes on the busiest core (``gather``: the chosen
-    experts' unbiased scores are gathered after the selection: with a bias, or a group fill other than -inf)."""
+    experts' unbiased scores are gathered after the selection: with a bias, or a group fill other than -inf and the
+    weights the scores, not the filled choices)."""
     R = np.ceil(ke / 64)
     ew = lambda r: r * R                                    # noqa: E731
     v = _vnch(ke, E, itemsize(dtype))

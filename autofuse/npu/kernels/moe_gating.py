@@ -225,8 +225,9 @@ class _Program(Lanes):
         self.T, self.E, self.k = T, E, k
         self.norm, self.renorm, self.eps, self.scale = norm, renorm, np.float32(eps), np.float32(scale)
         self.ng, self.kg, self.gscore = n_group, topk_group, group_score
-        # the value the experts of the groups not kept get; the chosen experts' unbiased scores are gathered after
-        # the selection (as with a bias) where it is not -inf: an expert chosen at the fill still weighs its score
+        # the value the experts of the groups not kept get; where it is not -inf the chosen experts' unbiased scores
+        # are gathered after the selection (as with a bias), so an expert chosen at the fill weighs its score, unless
+        # the weights are the chosen choices themselves (weights_from="choices": the fill)
         self.fill = _NEG if group_fill is None else np.float32(group_fill)
         self.gather = bias is not None or (n_group > 1 and group_fill is not None and weights_from == "scores")
         self.out_dtype, self.largest = out_dtype, largest_
