@@ -47,7 +47,7 @@ def test_patterns(capsys):
     assert capsys.readouterr().out.startswith("attention: ")
 
 
-@pytest.mark.parametrize("name,graphs,has", [("attention", 2, "softmax"), ("moe_gating", 3, "topk"),
+@pytest.mark.parametrize("name,graphs,has", [("attention", 2, "softmax"), ("moe_gating", 4, "topk"),
                                              ("vector_chain", 5, "rsqrt"), ("rope", 3, "neg"),
                                              ("matmul_all_reduce", 1, "")])
 def test_patterns_show_draws_a_familys_templates_or_a_regions_names(capsys, name, graphs, has):
