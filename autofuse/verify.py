@@ -26,7 +26,8 @@ no fixed semantics to reproduce), never a number where eager gave NaN. Where eag
 the fused result must be finite and ``|fused − ref64| ≤ 2·max|eager − ref64| + floor``: at most twice
 eager's own error on the same inputs, plus ``floor = ε(dtype)·max(1, max|ref64|)`` (one rounding of the
 output, ``ε`` the dtype's machine epsilon; 8ε for float32, whose kernel accumulates in float32 where eager
-may use a different summation order). No tolerance depends on one machine's figures.
+may use a different summation order). No tolerance depends on one machine's figures. An integer or bool output (a
+top-k's indices, a compare's mask) has no rounding to bound: each element must be eager's, or the float64 run's.
 
 Identical blocks (same structure, shapes, dtypes, constants, kernel parameters) are verified once.
 """
@@ -231,6 +232,12 @@ def compare(eager: torch.Tensor, ref: torch.Tensor, fused: torch.Tensor, nan_ok:
     """``(ok, worst error, tolerance)`` of one output (see the module docstring for the bound). ``nan_ok``: the
     inputs hold NaN, and a NaN where eager happened to give a number is accepted (torch's CPU SDPA zeroes a
     query row of NaN scores, or not, depending on the shape and its kernel's blocking)."""
+    if not (eager.is_floating_point() or eager.is_complex()):
+        # integers and bools (a top-k's indices, a compare's mask) have no rounding to bound: each element is
+        # eager's, or the float64 run's where a rounding of eager's decided it otherwise
+        wrong = (fused != eager) & (fused != ref.to(fused.dtype))
+        err = float(wrong.sum().item()) if wrong.numel() else 0.0
+        return err == 0.0, err, 0.0
     e, r, f = eager.double(), ref.double(), fused.double()
     if e.numel() and bool(torch.isfinite(e).all() & torch.isfinite(r).all() & torch.isfinite(f).all()):
         # every value finite (the usual case): what the general path below computes, in fewer passes
@@ -296,12 +303,15 @@ def check(sub: fx.GraphModule, fused_sub: fx.GraphModule, inputs: list, nan_ok: 
 
 def _worst(eager, ref, fused, nan_ok: bool = False) -> tuple[bool, float, float]:
     """(every value passes, the worst error, the largest tolerance) over three runs' values, by :func:`compare`."""
-    worst_err, worst_tol, ok = 0.0, 0.0, True
+    worst_err, worst_tol, failed = 0.0, 0.0, []
     for e, r, f in zip(eager, ref, fused):
         o, err, tol = compare(e, r, f, nan_ok)
-        ok = ok and o
+        if not o:
+            failed.append((err, tol))
         worst_err, worst_tol = max(worst_err, err), max(worst_tol, tol)
-    return ok, worst_err, worst_tol
+    if failed:          # the figures of a value that failed, not the worst of each over values that passed
+        return (False, *max(failed, key=lambda et: et[0] - et[1]))
+    return True, worst_err, worst_tol
 
 
 def _read(gm: fx.GraphModule) -> set[int]:

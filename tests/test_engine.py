@@ -366,6 +366,18 @@ def test_the_bound_on_special_values():
     assert not ok(2.0, -inf, inf, -inf)             # eager's inf kept as the other infinity
 
 
+def test_the_bound_on_integer_and_bool_outputs():
+    """A top-k's indices and a compare's mask have no rounding to bound: each element is eager's or the float64
+    run's (the bound on floats, twice eager's distance to float64, once took index 5 where eager chose 3 and float64
+    7, and any mask element once eager and float64 disagreed on one)."""
+    from autofuse.verify import compare
+    idx, ref = torch.tensor([3, 1, 2]), torch.tensor([7, 1, 2])
+    assert compare(idx, ref, torch.tensor([3, 1, 2]))[0] and compare(idx, ref, torch.tensor([7, 1, 2]))[0]
+    assert not compare(idx, ref, torch.tensor([5, 1, 2]))[0] and not compare(idx, ref, torch.tensor([3, 1, 0]))[0]
+    mask = torch.tensor([True, False, False])
+    assert not compare(mask, torch.tensor([False, False, False]), torch.tensor([True, False, True]))[0]
+
+
 def test_a_wrong_kernel_is_rejected_by_verification(monkeypatch):
     q, k, v = _qkv()
     model = build_variant(AttentionVariant(mask="causal_tril")).eval()
