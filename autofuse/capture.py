@@ -103,7 +103,7 @@ import torch.utils._pytree as pytree
 
 from autofuse import caches
 from autofuse.grad_ops import PASS_GRADIENT, is_grad_mode_call
-from autofuse.graph import CHECKPOINT, PRODUCTS, ancestors, describe_node, get_attr_value, graph_module, \
+from autofuse.graph import CHECKPOINT, PRODUCTS, ancestors, describe_node, floating, get_attr_value, graph_module, \
     program_module, relayout_as_eager
 from autofuse.quiet import torch_internal_warnings
 
@@ -1517,10 +1517,6 @@ def _grad_free(n: fx.Node) -> bool:
     return (n.meta.get("custom") or {}).get(GRAD_BLOCK) is False
 
 
-def _floating(v) -> bool:
-    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-
-
 def _in_place_name(name: str) -> bool:
     """Whether a method or function name updates its first argument in place: ``clamp_``, ``__setitem__``,
     ``__iadd__`` (not a dunder such as ``__add__``)."""
@@ -1596,14 +1592,14 @@ def _tracked(gm: fx.GraphModule, value) -> set:
     for n in gm.graph.nodes:
         v = value(n)
         if n.op == "placeholder":
-            if _floating(v):
+            if floating(v):
                 tracked.add(n)
         elif n.op == "get_attr":
             t = _state_of(gm, n)
             if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or t.requires_grad):
                 tracked.add(n)
         elif n.op in ("call_function", "call_method", "call_module") and any(
-                a in tracked for a in n.all_input_nodes) and (_floating(v) or isinstance(v, (tuple, list))):
+                a in tracked for a in n.all_input_nodes) and (floating(v) or isinstance(v, (tuple, list))):
             tracked.add(n)
     return tracked
 
@@ -1636,7 +1632,7 @@ def _detach_grad_free_blocks(gm: fx.GraphModule) -> bool:
 
     added = False
     for n in list(gm.graph.nodes):
-        if not (_grad_free(n) and n in tracked and _floating(value(n))):
+        if not (_grad_free(n) and n in tracked and floating(value(n))):
             continue
         outside = [u for u in n.users if u.op == "output" or not _grad_free(u)]
         if not outside:

@@ -230,12 +230,13 @@ def returned_read(nodes, out: set):
     ``nodes`` reads, or None: one fused call computing ``nodes`` would both return that value and use it inside.
     A value no gradient can flow through (integer or bool: a router's expert indices) does not count."""
     inside = set(nodes)
-    return next((n for n in nodes if n in out and _may_carry_grad(n) and any(u in inside for u in n.users)), None)
+    return next((n for n in nodes if n in out and (val(n) is None or floating(val(n)))
+                 and any(u in inside for u in n.users)), None)
 
 
-def _may_carry_grad(n: fx.Node) -> bool:
-    v = n.meta.get("val")
-    return not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex()
+def floating(v) -> bool:
+    """Whether ``v`` is a float or complex tensor: one a gradient can flow through."""
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
 #: the matmul family as captured: ops whose output is the product of two tensor operands

@@ -96,6 +96,7 @@ def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, e
         s = torch.softmax(s, -1)
     elif norm == "sigmoid":
         s = torch.sigmoid(s)
+    chosen = None
     if indices is None:
         with torch.no_grad():
             choice = s.detach() + (bias.detach().float() if bias is not None else 0.0)
@@ -108,12 +109,10 @@ def reference_moe_gating_topk(x, bias=None, k=1, norm="softmax", renorm=False, e
                 choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, -1),
                                             float("-inf") if group_fill is None else group_fill)
             indices = torch.topk(choice, k, dim=-1).indices
-            filled = choice.gather(-1, indices) != s.detach().gather(-1, indices)    # an expert of a group not kept
-    else:
-        filled = None
+            chosen = choice.gather(-1, indices)
     y = s.gather(-1, indices)
-    if weights_from == "choices" and filled is not None:     # the chosen choices as filled (no bias: the scores)
-        y = torch.where(filled, torch.full_like(y, group_fill if group_fill is not None else float("-inf")), y)
+    if weights_from == "choices" and chosen is not None:     # the chosen choices as filled (no bias: the scores)
+        y = torch.where(chosen == y, y, chosen)             # a pick of a group not kept weighs the fill
     if norm == "topk_softmax":                # softmax over the chosen logits (largest first)
         y = torch.exp(y - y[..., :1])
         y = y / y.sum(-1, keepdim=True)
