@@ -314,7 +314,7 @@ class GroupRouter(nn.Module):
 
     def forward(self, x):
         E, ng = self.E, self.ng
-        scores = F.linear(x, self.w).sigmoid()
+        scores = F.linear(x.to(self.w.dtype), self.w).sigmoid()      # the weights' (fp32) scores, as DeepSeek's
         choice = scores + self.bias
         gs = choice.view(-1, ng, E // ng).topk(2, dim=-1)[0].sum(dim=-1)
         group_idx = torch.topk(gs, k=self.kg, dim=-1, sorted=False)[1]
@@ -332,11 +332,12 @@ class GroupRouter(nn.Module):
         return w / (w.sum(-1, keepdim=True) + 1e-20), idx
 
 
-@pytest.mark.parametrize("fill", [0.0, -0.5, float("-inf")])
-def test_a_router_filling_the_groups_not_kept_with_a_number_is_fused_and_routes_as_eager(fill):
+@pytest.mark.parametrize("fill, dtype", [(0.0, torch.float32), (-0.5, torch.float32), (float("-inf"), torch.float32),
+                                         (0.0, torch.bfloat16), (0.0, torch.float16)])
+def test_a_router_filling_the_groups_not_kept_with_a_number_is_fused_and_routes_as_eager(fill, dtype):
     torch.manual_seed(0)
     router = GroupRouter(fill)
-    x = torch.randn(64, 16)
+    x = torch.randn(64, 16).to(dtype)
     with torch.no_grad():
         fused = AutoFusionEngine.fuse(router, (x,), fusion_switches=GENERIC_OFF)
         got, want = fused(x), router(x)
@@ -353,7 +354,9 @@ def test_a_router_filling_the_groups_not_kept_with_a_number_is_fused_and_routes_
     for fn, xi in zip((fused_grad, router), xs):
         fn(xi)[0].pow(2).sum().backward()
     assert [d.reason_code for d in fused_grad.report.of("moe_gating")] == ["fused"], fused_grad.report.summary()
-    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)    # fp32 sigmoid chain: a few ulps
+    # fp32 sigmoid chains a few ulps apart, then (a 16-bit input) rounded once to x's dtype: one of its ulps
+    atol = 1e-6 if dtype == torch.float32 else torch.finfo(dtype).eps * xs[1].grad.abs().max().item()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("kind, fill", [("mask_not_inverted", 0.0), ("values", 0.0), ("gather", float("inf"))])
