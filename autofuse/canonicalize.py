@@ -17,7 +17,7 @@ Canonical spellings (what patterns may assume):
 * a row statistic's inverse root (``y ** -0.5``, ``1 / sqrt(y)``, ``x / sqrt(y)``) -> ``aten.rsqrt`` (times x); a
   population variance over the last dim -> ``mean((x - mean(x)) ** 2)``
 * scalar scaling -> ``aten.mul.Tensor(x, c)`` with Python ``c``; divisions become multiplications,
-  chained scalars fold, and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
+  chained scalars fold (where eager's first product cannot overflow alone, :func:`_folds`), and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
   moves to the matmul output
 * softmax -> ``aten.softmax.int(x, dim<0)`` (function/method/module, ``_softmax``, ``_safe_softmax``,
   ``exp(x - max) / sum``, ``exp(x - logsumexp)``, ``exp(log_softmax)``, ``softmax(x - max)``); a ``dtype=`` argument
@@ -509,9 +509,16 @@ def _mul(n):
         return None
     if c == 1:
         return x
-    if is_call(x, aten.mul.Tensor) and is_number(x.args[1]):
+    if is_call(x, aten.mul.Tensor) and is_number(x.args[1]) and _folds(x.args[0], x.args[1], c):
         return call(n.graph, aten.mul.Tensor, x.args[0], x.args[1] * c)
     return None
+
+
+def _folds(x, a, b) -> bool:
+    """Whether ``(x·a)·b`` is ``x·(ab)`` where eager overflows too: ``x·a`` cannot overflow (``|a| <= 1``, or x a
+    ``tanh`` or ``sigmoid``), or ``x·(ab)`` overflows wherever it does (``|b| >= 1``). Not so: a masked score
+    filled with ``finfo.min``, doubled and halved, is ``-inf`` in eager."""
+    return abs(a) <= 1 or abs(b) >= 1 or is_call(x, aten.tanh.default, aten.sigmoid.default)
 
 
 def _statistic(y) -> bool:

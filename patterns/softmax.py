@@ -8,14 +8,14 @@ one rounding to ``out_dtype``.
 The template (canonical form, :mod:`autofuse.canonicalize`), from the kernel's input x down::
 
     x -> [cast | mul(number) | add(float tensor) | sub(·, float tensor) | where(keep, ·, fill)]{0..6} -> softmax(dim)
-      -> [log] -> [cast]
+      -> [cast]
 
 with the anchor also ``log_softmax`` / ``_log_softmax`` (which the canonical form leaves as they are; a
 ``dtype=`` or ``half_to_float`` is the output dtype, the kernel computing in fp32 anyway), and a second
-template for ``z - logsumexp(z, dim, keepdim=True)``. ``log(softmax(z))`` is fused as ``log_softmax``:
-what eager computes up to its underflow (eager gives ``-inf`` where a probability underflows, the kernel
-the finite log-probability; verification accepts that only because the float64 reference agrees with
-the kernel). ``_safe_softmax`` (``meta["autofuse_safe_softmax"]``) sets ``empty_rows="zero"``. The logsumexp
+template for ``z - logsumexp(z, dim, keepdim=True)``. ``log(softmax(z))`` fuses its softmax and keeps the
+``log`` as captured: it is not ``log_softmax``, whose kernel gives the finite log-probability where eager's
+probability underflows (a score 104 below its row's max in fp32, a masked -1e9) and ``log`` gives ``-inf`` (and
+its gradient NaN). ``_safe_softmax`` (``meta["autofuse_safe_softmax"]``) sets ``empty_rows="zero"``. The logsumexp
 spellings, ``z - logsumexp(z)`` and ``exp(z - logsumexp(z))`` (a softmax with
 ``meta["autofuse_lse_softmax"]`` in the canonical form), set ``inf_rows="lse"``: on a row whose max is +inf,
 ``logsumexp`` is +inf, so they give ``z - inf`` (-inf, NaN at the +inf score) and ``exp(z - inf)`` (0, NaN
@@ -95,15 +95,14 @@ def _lse_of_input(n: fx.Node) -> bool:
 
 
 def _template(anchor_targets, anchor_where=None, lse=False) -> Template:
-    """x -> [pre ops] -> anchor -> [log] -> [cast]; with ``lse`` the anchor is ``sub(z, logsumexp(z))``."""
+    """x -> [pre ops] -> anchor -> [cast]; with ``lse`` the anchor is ``sub(z, logsumexp(z))``."""
     t = (Template("softmax", anchor="softmax")
          .node("x", where=_tensor)
          .node("softmax", *anchor_targets, where=anchor_where)
          .chain("pre", PRE_OPS, "x", "softmax", max_len=MAX_CHAIN, where=_pre_op, arg=0))
     if lse:
         t.node("lse", aten.logsumexp.default).edge("lse", "softmax", 1)
-    return (t.node("log", aten.log.default, optional=True).edge("softmax", "log", 0)
-             .node("cast", aten._to_copy.default, where=_is_cast, optional=True).edge("log", "cast", 0))
+    return t.node("cast", aten._to_copy.default, where=_is_cast, optional=True).edge("softmax", "cast", 0)
 
 
 _SOFTMAX = _template((aten.softmax.int,) + LOG_SOFTMAX)
@@ -174,14 +173,10 @@ def _scores_operand(add: fx.Node, allowed: set) -> tuple | None:
     return None
 
 
-def _outputs(m: dict, sm: fx.Node, log_anchor: bool):
-    """The block's output and whether the log comes after the softmax; None when an intermediate value is
-    used outside (the shorter variant without it is tried instead)."""
-    out, log = sm, log_anchor
-    if "log" in m:
-        if log_anchor or sm.meta.get("autofuse_safe_softmax") or list(sm.users) != [m["log"]]:
-            return None
-        out, log = m["log"], True
+def _outputs(m: dict, sm: fx.Node):
+    """The block's output; None when an intermediate value is used outside (the shorter variant without it is
+    tried instead)."""
+    out = sm
     if "cast" in m:
         if list(out.users) != [m["cast"]]:
             return None
@@ -190,7 +185,7 @@ def _outputs(m: dict, sm: fx.Node, log_anchor: bool):
             #                             the softmax's dtype first, which the kernel, writing the cast's dtype
             #                             from fp32, would skip; the block without the cast (tried next) keeps it
         out = m["cast"]
-    return out, log
+    return out
 
 
 def _dim(sm: fx.Node) -> int:
@@ -205,16 +200,15 @@ def _decide(m: dict) -> Match | None:
     """The constraints of a matched softmax block (see the module docstring)."""
     sm, x = m["softmax"], m["x"]
     lse = "lse" in m
-    log_anchor = lse or is_call(sm, *LOG_SOFTMAX)
+    log = lse or is_call(sm, *LOG_SOFTMAX)
     if not _tensor(x) or val(x).dtype not in (torch.float16, torch.bfloat16, torch.float32) or not shape(sm):
         return None
     if x.meta.get("autofuse_origin") is None:
         return None                     # a value the canonical form made (a matmul moved above a scale): the
         #                                 captured graph has no such tensor for the fused call to read
-    got = _outputs(m, sm, log_anchor)
-    if got is None:
+    out = _outputs(m, sm)
+    if out is None:
         return None
-    out, log = got
     members = {m[k] for k in m if k.startswith("pre")}
     walked = _walk(sm.args[0], x, members)
     if walked is None:
@@ -222,12 +216,12 @@ def _decide(m: dict) -> Match | None:
     scale, masks, visited, adds = walked
     if set(visited) != members:
         return None
-    if rounds_and_widens([x, *_members(m, "pre"), sm, *(m[k] for k in ("log", "cast") if k in m)]):
+    if rounds_and_widens([x, *_members(m, "pre"), sm, *([m["cast"]] if "cast" in m else [])]):
         return None                     # rounded to 16 bits and back on the way: eager keeps the rounding
     if narrowing_casts(_members(m, "pre")):
         return None                     # the model rounds the scores on the way: a block starting after the
         #                                 cast (tried next) reads them rounded, as eager's softmax does
-    inner = members | {sm} | ({m["lse"]} if lse else set()) | {m[k] for k in ("log", "cast") if k in m}
+    inner = members | {sm} | ({m["lse"]} if lse else set()) | ({m["cast"]} if "cast" in m else set())
     if any(u not in inner for n in inner - {out} for u in n.users):
         return None                     # an intermediate is used outside: it cannot be fused away
     if len(inner) == 1 and val(out).dtype == val(x).dtype and sm.meta.get("autofuse_origin") == sm.name:

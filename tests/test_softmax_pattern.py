@@ -117,8 +117,46 @@ def test_log_softmax():
 
 def test_log_forms_of_softmax():
     x, _, _ = _data(torch.float32)
-    _fused_once(lambda x: torch.log(torch.softmax(x * 0.3, -1)), x, log=True)
     _fused_once(lambda x: x - torch.logsumexp(x, -1, keepdim=True), x, log=True, scale=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_log_of_softmax_keeps_eagers_underflow(dtype):
+    """``log(softmax(z))`` is not ``log_softmax``: where eager's probability underflows to 0 (a score 150 below its
+    row's max here, beyond every dtype's exp range), ``log`` gives ``-inf`` and the gradient is NaN over that row.
+    The softmax and its scale fuse; the log stays as captured, so the fused model gives both as eager does."""
+    def fn(x):
+        return torch.log(torch.softmax(x * 0.5, -1))
+    x = torch.randn(2, 3, 8).to(dtype)
+    x[0, 1, 3] = -300.0                  # 0.5 * -300: exp(-150) is 0 in fp32
+    fused, _ = _fused_once(fn, x, log=False, scale=0.5)
+    model = Fn(fn)
+    with torch.no_grad():
+        got, want = fused(x), model(x)
+    assert bool(torch.isneginf(want[0, 1, 3])), "the test needs eager's underflow"
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), "-inf where eager's probability underflows"
+    grads = []
+    for f in (fused, model):
+        xg = x.clone().requires_grad_()
+        f(xg).sum().backward()
+        grads.append(xg.grad)
+    assert torch.equal(torch.isnan(grads[0]), torch.isnan(grads[1])) and bool(torch.isnan(grads[1][0, 1]).all())
+
+
+def test_a_fill_doubled_then_halved_overflows_as_in_eager():
+    """``(s·2)·0.5`` is not ``s·1`` where ``s·2`` overflows: a score filled with the dtype's ``finfo.min`` and
+    doubled is ``-inf`` in eager (and in the float64 run, whose ``finfo.min`` doubles to ``-inf`` too), so a row
+    whose every score is masked is NaN, not uniform."""
+    x, _, _ = _data(torch.float32, shape=(2, 3, 8))
+    keep = torch.rand(2, 3, 8, generator=torch.Generator().manual_seed(1)) > 0.3
+    keep[0, 1] = False
+
+    def fn(x, k):
+        return torch.softmax(x.masked_fill(~k, torch.finfo(x.dtype).min) * 2 * 0.5, -1)
+    fused, d = _fused_once(fn, x, keep, mask_kind="bool")
+    with torch.no_grad():
+        got, want = fused(x, keep), Fn(fn)(x, keep)
+    assert bool(torch.isnan(want[0, 1]).all()) and torch.equal(torch.isnan(got), torch.isnan(want))
 
 
 def test_decomposed_softmax():
