@@ -354,6 +354,19 @@ def _mask(g, ins, m, rank: int):
     return keep if keep is not None else add
 
 
+def _fill_in_mask(p: dict, fill) -> bool:
+    """Whether :func:`_mask` combines bool and additive terms into one additive mask whose entries equal to the op's
+    ``fill`` (None: -inf) are exactly the scores the bool terms fill: the backward then gives them no gradient, as
+    eager's ``masked_fill`` (``fill_in_mask``). An additive term holding that value too (a second, additive mask of
+    ``finfo.min``) is read as filled there: the one case where the two differ, on a row every score of which is so
+    masked."""
+    kinds = {kind for _, kind, _ in p.get("mask_terms", ())}
+    if kinds != {"bool", "additive"} or p.get("causal_sum"):
+        return False
+    combined = p["fill"] if p.get("fill_last") else float("-inf")
+    return combined == (float("-inf") if fill is None else fill)
+
+
 def _adapt(g, x: fx.Node, like) -> fx.Node:
     if tuple(val(x).shape) != tuple(like.shape):
         x = call(g, aten.reshape.default, x, list(like.shape))
@@ -410,6 +423,8 @@ def emit_attention(g: fx.Graph, ins: dict, m, kwargs: dict, op=None) -> dict:
         kw["mask_keeps_nan"] = True
     if p.get("mask_add_dtype") is not None:
         kw["mask_add_dtype"] = p["mask_add_dtype"]
+    if _fill_in_mask(p, kw.get("fill")):
+        kw["fill_in_mask"] = True
     if "scale_tensor" in ins:
         kw["scale_tensor"] = ins["scale_tensor"]
         if p.get("scale_round") is not None:

@@ -18,8 +18,8 @@ import torch
 
 import cost_model
 from autofuse import ops_softmax  # noqa: F401  (registers torch.ops.autofuse.scaled_masked_softmax)
-from autofuse.fused import (REDUCED, Family, Price, _adapt, _mask, _spec, attention_kwargs, register_family,
-                            term_dtype)
+from autofuse.fused import (REDUCED, Family, Price, _adapt, _fill_in_mask, _mask, _spec, attention_kwargs,
+                            register_family, term_dtype)
 from autofuse.graph import call, val
 from cost_model.devices import get_device
 
@@ -121,6 +121,8 @@ def emit_softmax(g, ins: dict, m, kwargs: dict) -> dict:
         kw["fill"] = p["fill"]
     if mask is not None and p.get("mask_add_dtype") is not None and val(mask).dtype == p["mask_add_dtype"]:
         kw["mask_add_dtype"] = p["mask_add_dtype"]      # added in its 16-bit dtype, as eager adds it
+    if _fill_in_mask(p, kw.get("fill")):
+        kw["fill_in_mask"] = True                       # a bool mask's filled scores in it: constants
     fused = call(g, OP, ins["x"], mask, **kw)
     fused.meta["autofuse_match"] = m
     return {"out": _adapt(g, fused, p["out_like"])}

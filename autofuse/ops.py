@@ -103,8 +103,9 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      logits_dtype: Optional[torch.dtype] = None,
                      causal_bias: Optional[torch.Tensor] = None,
                      fallback_tiling: str = "",
-                     bias_partials: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # fill=None is -inf (a schema default cannot spell infinity)
+                     bias_partials: Optional[torch.Tensor] = None,
+                     fill_in_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # fill=None is -inf (a schema default cannot spell infinity); fill_in_mask: the backward's (see _backward)
     scale_ = _effective_scale(q, scale, scale_tensor)
     heads = per_head_scale(scale_tensor, q.shape[1])
     tiling_ = json.loads(tiling) if tiling else None
@@ -254,7 +255,8 @@ def per_head_scale(scale_tensor, n: int):
 def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None,
                               empty_rows="zero", scale_tensor=None, mask_keeps_nan=False, out_order=None,
                               drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0,
-                              mask_add_dtype=None, head_scale_dtype=None, logits_dtype=None, **_):
+                              mask_add_dtype=None, head_scale_dtype=None, logits_dtype=None, fill_in_mask=False,
+                              **_):
     """What the kernel computes, in torch, with the kernel's numerics: fp32 scores and softmax statistics,
     P rounded to the operand dtype before P·V, fp32 accumulation, the output rounded to q's dtype. A
     bool-masked score takes ``fill``; a row with no key to attend gives ``0`` or, with ``empty_rows="nan"``,
@@ -268,7 +270,9 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     scores and the factor computed as eager's 16-bit product of its 16-bit scores (both rounded to it);
     ``logits_dtype`` (q's 16-bit dtype): the scores rounded to it as eager's matmul returns them, scaled and masked in
     fp32, and the logits rounded to it once before the softmax (as ``softmax(logits32, -1, dtype=)`` casts them;
-    the gradient passes through both casts, as through eager's). Used where
+    the gradient passes through both casts, as through eager's); ``fill_in_mask`` (an additive mask): its entries
+    equal to ``fill`` are scores a bool mask filled, constants (no gradient; or a bool tensor of those entries, taken
+    from the mask before a cast). Used where
     only the values are needed (repeated launches in
     :func:`autofuse.simulate`) and, in fp32, by the backward; the fused op itself runs the simulated kernel.
     ``scale_tensor`` (one element, or one factor per query head broadcast over the scores) may require grad (its
@@ -292,6 +296,8 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
     if mask is not None:
         if mask.dtype != torch.bool:
             s = add_mask(s, mask, mask_add_dtype)
+            if fill_in_mask is not False:
+                s = torch.where(filled(mask, fill) if fill_in_mask is True else fill_in_mask, s.detach(), s)
         else:
             # SDPA's bool mask adds -inf (a NaN or +inf score gives NaN); masked_fill replaces
             s = torch.where(mask, s, s + _fill(fill)) if mask_keeps_nan else s.masked_fill(~mask, _fill(fill))
@@ -326,6 +332,12 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
 REFERENCES["flash_attention"] = reference_flash_attention
 
 
+def filled(mask: torch.Tensor, fill) -> torch.Tensor:
+    """Where an additive ``mask`` holds ``fill`` (None: -inf) as its dtype rounds it: the scores a bool mask combined
+    into it filled (``fill_in_mask``), constants in the backward."""
+    return mask == torch.tensor(_fill(fill), dtype=mask.dtype, device=mask.device)
+
+
 def add_mask(s: torch.Tensor, mask: torch.Tensor, add_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """fp32 scores ``s`` plus an additive ``mask``: in fp32, or with ``add_dtype`` (fp16, bf16) as eager adds a mask of
     that dtype to scores of it, ``s`` cast down and the sum rounded to it (torch's CPU add: computed in fp32, rounded
@@ -348,7 +360,8 @@ def band_keep(sq: int, skv: int, window: int = 0, device=None) -> torch.Tensor:
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910", tiling="",
       fill=None, empty_rows="zero", scale_tensor=None, out_order=None, mask_keeps_nan=False, causal_value=None,
       drop_mask=None, dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-      head_scale_dtype=None, logits_dtype=None, causal_bias=None, fallback_tiling="", bias_partials=None):
+      head_scale_dtype=None, logits_dtype=None, causal_bias=None, fallback_tiling="", bias_partials=None,
+      fill_in_mask=False):
     out = empty_in_order(q, (*q.shape[:-1], v.shape[-1]), out_order)
     probs = q.new_empty((*q.shape[:-1], k.shape[-2]) if return_probs else (0,))
     stats = q.new_empty((2, *q.shape[:-1]), dtype=torch.float32) if return_stats else _no_stats(q)
@@ -357,7 +370,7 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, scale, causal, return_probs, device, _, fill, empty_rows, scale_tensor, _, keeps_nan, _, drop, dp, \
-        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype, _, _, _ = inputs
+        _, softcap, sinks, window, add_dtype, hs_dtype, lg_dtype, _, _, _, fill_in_mask = inputs
     # the row statistics, when the forward wrote them (return_stats; else an empty tensor): the backward
     # kernel then skips its recompute sweep
     ctx.save_for_backward(q, k, v, mask, scale_tensor, drop, output[0], output[2], sinks)
@@ -367,6 +380,7 @@ def _setup_context(ctx, inputs, output):
     ctx.add_dtype = add_dtype if mask is not None else None
     ctx.hs_dtype = hs_dtype
     ctx.lg_dtype = lg_dtype
+    ctx.fill_in_mask = bool(fill_in_mask) and mask is not None and mask.is_floating_point()
 
 
 def _grad_kernel_fits(device, q, k, v, mask, drop, stats, softcap) -> bool:
@@ -392,7 +406,10 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     ``mask_keeps_nan`` (SDPA's masks) takes the kernel: on finite scores adding -inf and filling -inf give the same
     P, so the same gradients; a NaN score (NaN in q or k) makes the forward's row
     NaN, and the kernel's gradients are NaN where that row's dS reaches (its dq row, the dk and dv of the keys
-    it attends), which need not be every place eager's SDPA backward puts NaN."""
+    it attends), which need not be every place eager's SDPA backward puts NaN. ``fill_in_mask`` (an additive mask
+    that is a bool mask and additive terms combined, ``where(keep, terms, fill)``): its entries equal to ``fill`` are
+    scores the bool mask filled, constants whose dS is 0, as ``masked_fill``'s backward gives them (on a row whose
+    every score is filled, P is not 0 there)."""
     q, k, v, mask, scale_t, drop, out, stats, sinks = ctx.saved_tensors
     need = ctx.needs_input_grad
     host = ((sinks is not None and not stats.numel())     # the backward kernel has no sinks in its statistics' recompute
@@ -407,10 +424,10 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
         dq, dk, dv = torch.ops.autofuse.flash_attention_grad(
             q, k, v, out.contiguous(), go, mask, drop, m, lsum, ctx.scale, ctx.causal, float(ctx.dropout_p),
             ctx.fill, ctx.empty_rows, None if scale_t is None else scale_t.detach(), ctx.device, "", ctx.softcap,
-            ctx.window, ctx.add_dtype)
+            ctx.window, ctx.add_dtype, ctx.fill_in_mask)
         res = [g if need[i] else None for i, g in enumerate((dq, dk, dv))]
         gsink = _sinks_grad(sinks, q.shape[1], m, lsum, go, out) if sinks is not None and need[19] else None
-        return tuple(res) + (None,) * 16 + (gsink,) + (None,) * 7
+        return tuple(res) + (None,) * 16 + (gsink,) + (None,) * 8
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(bool(need[i])) for i, t in enumerate((q, k, v))]
         m = mask
@@ -423,7 +440,8 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
                                                empty_rows=ctx.empty_rows, scale_tensor=st, drop_mask=drop,
                                                dropout_p=ctx.dropout_p, softcap=ctx.softcap, sinks=sk,
                                                window=ctx.window, mask_add_dtype=ctx.add_dtype,
-                                               head_scale_dtype=ctx.hs_dtype, logits_dtype=ctx.lg_dtype)
+                                               head_scale_dtype=ctx.hs_dtype, logits_dtype=ctx.lg_dtype,
+                                               fill_in_mask=filled(mask, ctx.fill) if ctx.fill_in_mask else False)
         outs, grads = [out], [grad_out.float()]
         if ctx.return_probs and grad_probs is not None and grad_probs.numel():
             outs.append(probs)
@@ -436,7 +454,7 @@ def _backward(ctx, grad_out, grad_probs, grad_stats):
     gs = next(got) if (st is not None and st.requires_grad) else None
     gk = next(got) if (sk is not None and sk.requires_grad) else None
     return tuple(res) + (None,) * 7 + (None if gs is None else gs.to(scale_t.dtype),) + (None,) * 7 + \
-        (None if gk is None else gk.to(sinks.dtype),) + (None,) * 7
+        (None if gk is None else gk.to(sinks.dtype),) + (None,) * 8
 
 
 def _sinks_grad(sinks, n, m, lsum, go, out):
@@ -458,7 +476,8 @@ _flash_attention.register_autograd(_backward, setup_context=_setup_context)
 def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=False, device="ascend910",
                     tiling=None, fill=None, empty_rows="zero", scale_tensor=None, causal_value=None, drop_mask=None,
                     dropout_p=0.0, return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None,
-                    head_scale_dtype=None, logits_dtype=None, causal_bias=None, bias_partials=None):
+                    head_scale_dtype=None, logits_dtype=None, causal_bias=None, bias_partials=None,
+                    fill_in_mask=False):
     """Fused attention on the simulated NPU: q [B, N, Sq, D], k/v [B, Nkv, Skv, D] (Nkv divides N).
 
     ``mask``: bool (True = attend) or additive float, broadcastable to [B, N, Sq, Skv]. ``causal``: query i
@@ -491,8 +510,11 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
     alone in the kept tiles (:func:`causal_bias_skip_is_exact`), otherwise ``mask`` is read (with the tiling
     ``fallback_tiling``, JSON, when given: the one a plan reading the mask would run). ``bias_partials``: that bias
     bound, given by a :func:`bias_bound` call on the same ``causal_bias`` in the same call of the model (one launch
-    shared by every block reading that bias); without it the op launches ``bias_bound`` itself. Returns ``out`` or,
-    with ``return_probs``, ``(out, probs)``.
+    shared by every block reading that bias); without it the op launches ``bias_bound`` itself. ``fill_in_mask`` (an
+    additive ``mask`` that is a bool mask and additive terms combined, ``where(keep, terms, fill)``): its entries equal
+    to ``fill`` are scores the bool mask filled, constants in the backward (no gradient reaches q or k through them,
+    as through ``masked_fill``), where P is not 0 on a row whose every score is filled. Returns ``out`` or, with
+    ``return_probs``, ``(out, probs)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -508,7 +530,7 @@ def flash_attention(q, k, v, mask=None, scale=None, causal=False, return_probs=F
                                                         mask_add_dtype=mask_add_dtype,
                                                         head_scale_dtype=head_scale_dtype,
                                                         logits_dtype=logits_dtype, causal_bias=causal_bias,
-                                                        bias_partials=bias_partials)
+                                                        bias_partials=bias_partials, fill_in_mask=bool(fill_in_mask))
     return (out, probs) if return_probs else out
 
 

@@ -15,8 +15,9 @@ its sum of ``exp(score - max)``, as the forward op hands them over with ``return
 them the kernel recomputes them. ``scale_tensor`` (a 0-d tensor multiplying ``scale``) is read when the op runs.
 ``softcap``: the forward's logit soft-capping (Gemma 2), its derivative applied to dS. ``window`` (with ``causal``):
 the forward's sliding window; the kernel walks only the band's blocks. ``mask_add_dtype``: the forward's (an
-additive 16-bit mask added in its dtype, as eager adds it). The op has a fake implementation (traceable by
-``make_fx``), a torch twin with the kernel's numerics
+additive 16-bit mask added in its dtype, as eager adds it). ``fill_in_mask``: the additive mask's entries equal to
+``fill`` are scores a bool mask filled (a bool and an additive mask combined), constants: their dS is 0. The op has
+a fake implementation (traceable by ``make_fx``), a torch twin with the kernel's numerics
 (:func:`reference_flash_attention_grad`, in ``autofuse.ops.REFERENCES``) and a shapes-only timing function
 (``autofuse.ops.TIMING``). ``autofuse.ops.flash_attention``'s backward calls it.
 """
@@ -33,7 +34,7 @@ from autofuse.ops import REFERENCES, TIMING, _effective_scale, _fill, _record, _
 
 
 def _kernel_args(q, k, v, out, dout, mask, drop_mask, softmax_max, softmax_sum, scale, causal, dropout_p, fill, empty_rows,
-                 scale_tensor, device, tiling, softcap=None, window=0, mask_add_dtype=None):
+                 scale_tensor, device, tiling, softcap=None, window=0, mask_add_dtype=None, fill_in_mask=False):
     kw = dict(mask=mask, softmax_max=softmax_max, softmax_sum=softmax_sum, scale=_effective_scale(q, scale, scale_tensor), causal=causal, fill=_fill(fill),
               empty_rows=empty_rows, device=device, tiling=json.loads(tiling) if tiling else None)
     if softcap is not None:
@@ -42,6 +43,8 @@ def _kernel_args(q, k, v, out, dout, mask, drop_mask, softmax_max, softmax_sum, 
         kw["window"] = int(window)
     if mask_add_dtype is not None:
         kw["mask_add_dtype"] = dtype_name(mask_add_dtype)
+    if fill_in_mask and mask is not None and mask.dtype != torch.bool:
+        kw["fill_in_mask"] = True
     if drop_mask is not None:
         kw.update(drop_mask=drop_mask, keep_prob=1.0 - dropout_p)
     return (q, k, v, out, dout), kw
@@ -55,11 +58,11 @@ def _flash_attention_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                           dropout_p: float = 0.0, fill: Optional[float] = None, empty_rows: str = "zero",
                           scale_tensor: Optional[torch.Tensor] = None, device: str = "ascend910",
                           tiling: str = "", softcap: Optional[float] = None, window: int = 0,
-                          mask_add_dtype: Optional[torch.dtype] = None
+                          mask_add_dtype: Optional[torch.dtype] = None, fill_in_mask: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     inputs, kw = _kernel_args(q, k, v, out.contiguous(), dout.contiguous(), mask, drop_mask, softmax_max, softmax_sum, scale, causal,
                               dropout_p, fill, empty_rows, scale_tensor, device, tiling, softcap, window,
-                              mask_add_dtype)
+                              mask_add_dtype, fill_in_mask)
     r = _ops.run_kernel("flash_attention_grad", *inputs, **kw)
     _record("flash_attention_grad", r.stats)
     return tuple(_to_torch(a, t.dtype) for a, t in zip(r.outputs, (q, k, v)))
@@ -67,7 +70,8 @@ def _flash_attention_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
 
 @_flash_attention_grad.register_fake
 def _(q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None, scale=None, causal=False, dropout_p=0.0, fill=None,
-      empty_rows="zero", scale_tensor=None, device="ascend910", tiling="", softcap=None, window=0, mask_add_dtype=None):
+      empty_rows="zero", scale_tensor=None, device="ascend910", tiling="", softcap=None, window=0, mask_add_dtype=None,
+      fill_in_mask=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -77,7 +81,7 @@ def _round(x: torch.Tensor, dtype) -> torch.Tensor:
 
 def reference_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None, scale=None, causal=False,
                                    dropout_p=0.0, fill=None, empty_rows="zero", scale_tensor=None, softcap=None, window=0,
-                                   mask_add_dtype=None, **_):
+                                   mask_add_dtype=None, fill_in_mask=False, **_):
     """What the kernel computes, in torch with its numerics: fp32 scores, the row max m and sum l (given, or
     computed in fp32), ``P = exp(scale·S + mask - m) / l``, ``Dr = rowsum(dO∘O)`` in fp32, ``Pd = P∘keep/(1-p)``
     and ``dS = scale·P∘(dP∘keep/(1-p) - Dr)`` rounded to the operand dtype, the products in fp32, dq/dk/dv
@@ -86,7 +90,8 @@ def reference_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None
     fill passes no gradient, nor with ``empty_rows="nan"`` (as ``masked_fill``'s backward: an empty row's NaN
     reaches dv, not dq or dk). ``softcap``: the scaled scores capped as ``c·tanh(s / c)`` before the mask, and dS times
     the cap's derivative ``1 - tanh²``; ``window`` (with ``causal``): the sliding window's band; ``mask_add_dtype``:
-    the additive mask added as the forward adds it (:func:`autofuse.ops.add_mask`)."""
+    the additive mask added as the forward adds it (:func:`autofuse.ops.add_mask`); ``fill_in_mask`` (an additive mask):
+    its entries equal to ``fill`` are scores a bool mask filled, which pass no gradient either."""
     dt = q.dtype
     B, N, Sq, D = q.shape
     Nkv, Skv = k.shape[1], k.shape[2]
@@ -121,6 +126,8 @@ def reference_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None
     ds = ds * s_
     if mask is not None and mask.dtype == torch.bool and (_fill(fill) != float("-inf") or empty_rows == "nan"):
         ds = ds.masked_fill(~mask, 0.0)          # a filled score is a constant (an empty row's NaN stops there)
+    if fill_in_mask and mask is not None and mask.dtype != torch.bool:
+        ds = ds.masked_fill(_ops.filled(mask, fill), 0.0)
     ds = _round(ds, dt)
     pd = _round(pd, dt)
     dq = (ds @ kf).to(dt)
@@ -131,10 +138,10 @@ def reference_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None
 
 def _timing_flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None, scale=None, causal=False,
                                  dropout_p=0.0, fill=None, empty_rows="zero", scale_tensor=None, device="ascend910",
-                                 tiling="", softcap=None, window=0, mask_add_dtype=None):
+                                 tiling="", softcap=None, window=0, mask_add_dtype=None, fill_in_mask=False):
     inputs, kw = _kernel_args(q, k, v, out, dout, mask, drop_mask, softmax_max, softmax_sum, scale if scale_tensor is None else 1.0,
                               causal, dropout_p, fill, empty_rows, None, device, tiling, softcap, window,
-                              mask_add_dtype)
+                              mask_add_dtype, fill_in_mask)
     r = _ops.run_kernel("flash_attention_grad", *inputs, timing_only=True, **kw)
     return [("flash_attention_grad", r.stats)]
 
@@ -145,13 +152,13 @@ TIMING["flash_attention_grad"] = _timing_flash_attention_grad
 
 def flash_attention_grad(q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None, scale=None, causal=False,
                          dropout_p=0.0, fill=None, empty_rows="zero", scale_tensor=None, device="ascend910",
-                         tiling=None, softcap=None, window=0, mask_add_dtype=None):
+                         tiling=None, softcap=None, window=0, mask_add_dtype=None, fill_in_mask=False):
     """``(dq, dk, dv)`` of fused attention on the simulated NPU (keyword-friendly wrapper of the op)."""
     return torch.ops.autofuse.flash_attention_grad(q, k, v, out, dout, mask, drop_mask, softmax_max, softmax_sum, scale, causal,
                                                    float(dropout_p), fill, empty_rows, scale_tensor, device,
                                                    json.dumps(tiling) if tiling else "",
                                                    None if softcap is None else float(softcap), int(window),
-                                                   mask_add_dtype)
+                                                   mask_add_dtype, bool(fill_in_mask))
 
 
 __all__ = ["flash_attention_grad", "reference_flash_attention_grad"]

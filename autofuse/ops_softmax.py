@@ -52,8 +52,8 @@ def _scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None,
                            scale: Optional[float] = None, fill: Optional[float] = None, log: bool = False,
                            empty_rows: str = "nan", inf_rows: str = "nan", out_dtype: str = "",
                            device: str = "ascend910", tiling: str = "",
-                           mask_add_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    od = _out_dtype(x, out_dtype)
+                           mask_add_dtype: Optional[torch.dtype] = None, fill_in_mask: bool = False) -> torch.Tensor:
+    od = _out_dtype(x, out_dtype)       # fill_in_mask: the backward's (see reference_scaled_masked_softmax)
     kw = {} if mask_add_dtype is None else {"mask_add_dtype": dtype_name(mask_add_dtype)}
     # through the module attribute: tests replace autofuse.ops.run_kernel to inject a faulty kernel
     r = _ops.run_kernel("softmax", x, dim=dim, mask=mask, scale=scale, fill=_fill(fill), log=log,
@@ -66,7 +66,7 @@ def _scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None,
 
 @_scaled_masked_softmax.register_fake
 def _(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", inf_rows="nan", out_dtype="",
-      device="ascend910", tiling="", mask_add_dtype=None):
+      device="ascend910", tiling="", mask_add_dtype=None, fill_in_mask=False):
     return x.new_empty(x.shape, dtype=_out_dtype(x, out_dtype))
 
 
@@ -87,18 +87,25 @@ class _LseShift(torch.autograd.Function):
 
 
 def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan",
-                                    out_dtype="", upcast=False, inf_rows="nan", mask_add_dtype=None, **_):
+                                    out_dtype="", upcast=False, inf_rows="nan", mask_add_dtype=None,
+                                    fill_in_mask=False, **_):
     """What the kernel computes, in torch with its numerics: fp32 throughout (scale, mask, statistics), one
     rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward); ``mask_add_dtype``: the
     additive mask added in that 16-bit dtype (:func:`autofuse.ops.add_mask`). ``inf_rows="lse"``: eager's
     logsumexp spelling (``z - logsumexp(z)``, or its ``exp``) as the kernel computes it, ``(z - m) - d`` or
     ``exp(z - m) / exp(d)`` with ``d = lse - m`` and ``lse = m + log Σ exp(z - m)`` rounded to x's dtype (0 on a
-    row whose max is +inf), and autograd gives eager's gradient of the spelling (``lse``'s is ``exp(z - lse)``)."""
+    row whose max is +inf), and autograd gives eager's gradient of the spelling (``lse``'s is ``exp(z - lse)``).
+    ``fill_in_mask`` (an additive mask that is a bool mask and additive terms combined, ``where(keep, terms, fill)``):
+    its entries equal to ``fill`` are scores the bool mask filled, constants as ``masked_fill`` makes them (no
+    gradient reaches x there; on a row whose every score is filled eager's softmax is NaN and ``masked_fill`` stops
+    that NaN from reaching x)."""
     z = x.float()
     if scale is not None:
         z = z * scale
     if mask is not None:
         z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else _ops.add_mask(z, mask, mask_add_dtype)
+        if fill_in_mask is not False and mask.dtype != torch.bool:
+            z = torch.where(_ops.filled(mask, fill) if fill_in_mask is True else fill_in_mask, z.detach(), z)
     if inf_rows == "lse":
         m = z.detach().amax(dim, keepdim=True)
         mm = m.masked_fill(m == float("-inf"), 0.0) if empty_rows == "zero" else m   # the max subtracted
@@ -119,16 +126,19 @@ REFERENCES["scaled_masked_softmax"] = reference_scaled_masked_softmax
 
 
 def _setup_context(ctx, inputs, output):
-    x, mask, dim, scale, fill, log, empty_rows, inf_rows, out_dtype, device, _, add_dtype = inputs
+    x, mask, dim, scale, fill, log, empty_rows, inf_rows, out_dtype, device, _, add_dtype, fill_in_mask = inputs
     ctx.save_for_backward(x, mask)
     ctx.params = dict(dim=dim, scale=scale, fill=fill, log=log, empty_rows=empty_rows, inf_rows=inf_rows)
+    if fill_in_mask and mask is not None and mask.is_floating_point():
+        ctx.params["fill_in_mask"] = True
     if add_dtype is not None and mask is not None:     # the backward recomputes z as the forward added the mask
         ctx.params["mask_add_dtype"] = add_dtype
     ctx.out_dtype, ctx.device = str(output.dtype).replace("torch.", ""), device
 
 
 def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=None, log=False,
-                    empty_rows="nan", out_dtype="float32", inf_rows="nan", mask_add_dtype=None) -> Optional[Program]:
+                    empty_rows="nan", out_dtype="float32", inf_rows="nan", mask_add_dtype=None,
+                    fill_in_mask=False) -> Optional[Program]:
     """The op as a Vector program over ``x`` (and the mask, ``(shape, dtype)`` or None), computing as the
     kernel does: ``z = scale · x`` (masked: a bool mask selects ``fill``, a float one adds), ``y = exp(z − m) /
     Σ exp(z − m)`` with ``m`` the row's max (``log``: ``z − m − log Σ``), an all-``-inf`` row zero with
@@ -137,7 +147,9 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
     the kernel computes it; :mod:`cost_model.program_grad`'s closed form, ``g − exp(y) Σ g`` or ``y (g − Σ g y)``,
     is eager's gradient of ``z − logsumexp(z)`` or its ``exp``. ``mask_add_dtype``: the additive mask added as
     eager adds it in that 16-bit dtype, ``z`` cast down, the sum rounded to it (and widened by the next
-    instruction), so the derived gradient passes through the rounding as eager's autograd does. None when the op
+    instruction), so the derived gradient passes through the rounding as eager's autograd does. ``fill_in_mask``: the
+    mask's entries equal to ``fill`` select it in place of the sum (a select the gradient does not pass: a bool
+    mask's filled scores are constants). None when the op
     is no row program: softmax along another dim than the last, or a
     mask with more dims than x."""
     nd = len(x_shape)
@@ -156,6 +168,10 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
             z = b.cast(b.add(b.cast(z, dtype=add), m_in), dtype=add)
         else:
             z = b.add(z, m_in)
+        if fill_in_mask and mask_spec[1] != "bool":
+            with torch.no_grad():
+                fv = float(torch.tensor(_fill(fill), dtype=_DT[mask_spec[1]]))
+            z = b.where(b.eq(m_in, fv), fv, z)
     top = b.reduce(z, kind="max")
     d = b.sub(z, top)
     e = b.exp(d)
@@ -182,7 +198,7 @@ def _backward(ctx, grad):
     need = ctx.needs_input_grad
     float_mask = mask is not None and mask.is_floating_point()
     wrt = ((0,) if need[0] else ()) + ((1,) if float_mask and need[1] else ())
-    rest = (None,) * 10
+    rest = (None,) * 11
     launch = None
     if wrt and grad is not None and all(type(d) is int for d in x.shape + (() if mask is None else mask.shape)):
         spec = None if mask is None else (tuple(mask.shape), str(mask.dtype).replace("torch.", ""))
@@ -204,7 +220,10 @@ def _backward_host(ctx, grad, x, mask) -> tuple:
         ml = mask
         if mask is not None and mask.is_floating_point():
             ml = mask.detach().float().requires_grad_(bool(need[1]))
-        y = reference_scaled_masked_softmax(xl, ml, **ctx.params, upcast=True)
+        params = dict(ctx.params)
+        if params.get("fill_in_mask"):           # the filled entries as the mask's own dtype holds them
+            params["fill_in_mask"] = _ops.filled(mask, params["fill"])
+        y = reference_scaled_masked_softmax(xl, ml, **params, upcast=True)
         wrt = [t for t in (xl, ml) if isinstance(t, torch.Tensor) and t.requires_grad]
         got = iter(torch.autograd.grad(y, wrt, grad.float(), allow_unused=True)) if wrt else iter(())
     gx = next(got).to(x.dtype) if xl.requires_grad else None
@@ -219,12 +238,13 @@ _scaled_masked_softmax.register_autograd(_backward, setup_context=_setup_context
 
 
 def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False, empty_rows="nan", out_dtype=None,
-                          device="ascend910", tiling=None, inf_rows="nan", mask_add_dtype=None):
+                          device="ascend910", tiling=None, inf_rows="nan", mask_add_dtype=None, fill_in_mask=False):
     """Fused ``softmax(scale · x masked, dim)`` (or ``log_softmax``) on the simulated NPU; see the module
     docstring. ``mask``: bool keep-mask or additive float, broadcastable to x. ``out_dtype``: a torch dtype,
     its name, or None (x's dtype). ``tiling``: ``{"block": ..., "chunk": ...}`` or None (the kernel's own).
     ``mask_add_dtype``: ``torch.float16`` or ``torch.bfloat16`` (an additive mask of that dtype added as eager adds
-    it), or None (added in fp32)."""
+    it), or None (added in fp32). ``fill_in_mask``: an additive mask's entries equal to ``fill`` are scores a bool
+    mask combined into it filled, constants in the backward."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"scaled_masked_softmax: x must be a float tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
@@ -241,7 +261,8 @@ def scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None, log=False
     if isinstance(mask_add_dtype, str):
         mask_add_dtype = _DT[mask_add_dtype]
     return torch.ops.autofuse.scaled_masked_softmax(x, mask, dim, scale, fill, log, empty_rows, inf_rows, od, device,
-                                                    json.dumps(tiling) if tiling else "", mask_add_dtype)
+                                                    json.dumps(tiling) if tiling else "", mask_add_dtype,
+                                                    bool(fill_in_mask))
 
 
 __all__ = ["reference_scaled_masked_softmax", "scaled_masked_softmax"]

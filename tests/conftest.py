@@ -19,7 +19,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   fill: float | None = None, empty_rows: str = "zero", scale_tensor: torch.Tensor | None = None,
                   out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None,
                   sinks: torch.Tensor | None = None,
-                  mask_add_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask_add_dtype: torch.dtype | None = None,
+                  fill_in_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:   # (a backward flag)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -50,7 +51,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 @attention_ref.register_fake
 def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=None, empty_rows="zero",
-      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None, mask_add_dtype=None):
+      scale_tensor=None, out_order=None, mask_keeps_nan=False, softcap=None, sinks=None, mask_add_dtype=None,
+      fill_in_mask=False):
     from autofuse.ops import _empty_in_order
     b, n, sq, _ = q.shape
     probs = q.new_empty(b, n, sq, k.shape[-2]) if return_probs else q.new_empty(0)

@@ -665,6 +665,51 @@ def test_additive_mask_then_an_absorbing_fill_is_one_mask_where_keep_sum_fill(re
     assert torch.isfinite(want[0, 1, 3]).all()
 
 
+class BiasThenKeep(nn.Module):
+    """MPT's order with the keep-mask an input: an additive bias, then ``masked_fill(~keep, fill)``."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, q, k, v, bias, keep):
+        s = (q @ k.transpose(-2, -1)) * 0.25 + bias
+        return torch.softmax(s.masked_fill(~keep, torch.finfo(s.dtype).min if self.fill is None else self.fill),
+                             -1) @ v
+
+
+@pytest.mark.parametrize("fill", [None, float("-inf")])
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_a_bias_then_a_keep_mask_trains_as_eager_on_rows_that_see_no_key(fill, bias_grad):
+    """A left-padded query under a causal and padding keep-mask sees no key: eager's ``masked_fill`` makes every
+    score of its row a constant, so q of that row and k get no gradient through it, though P there is uniform
+    (a finite fill) or NaN (-inf, whose NaN reaches only v). The fused block, whose one mask is the bias and the
+    fill combined, must give the same gradients (the kernel's backward, and the host recompute for a bias that
+    requires grad)."""
+    from autofuse import AutoFusionEngine
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, N, S, 16, generator=g) for _ in range(3))
+    bias = torch.randn(1, N, S, S, generator=g)
+    keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
+    keep[1, :, :, :3] = False                       # sequence 1 left-padded by three: queries 0-2 see no key
+    model = BiasThenKeep(fill).train()
+    with torch.enable_grad():
+        fused = AutoFusionEngine.fuse(model, ((q, k, v, bias, keep), {}))
+    (d,) = [d for d in fused.report.applied if d.pattern == "attention"]
+    assert {kind for _, kind, _ in d.params["mask_terms"]} == {"bool", "additive"}
+    grads = []
+    for f, dt in ((fused, torch.float32), (model, torch.float32), (model, torch.float64)):
+        xs = [t.detach().to(dt).requires_grad_(i < 3 or bias_grad) for i, t in enumerate((q, k, v, bias))]
+        out = f(*xs, keep)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dt)
+        torch.where(torch.isfinite(out), out * w, 0).sum().backward()
+        grads.append([x.grad for x in xs if x.requires_grad])
+    for name, got, want, exact in zip("qkvb", *grads):
+        assert not bool(want[1, :, :3].any()) if name == "q" else True, "the test needs rows that see no key"
+        ok, err, tol = compare(want, exact, got)
+        assert ok and torch.equal(torch.isnan(got), torch.isnan(want)), (name, err, tol)
+
+
 def test_near_miss_additive_mask_then_a_fill_that_does_not_absorb():
     # -1e4 added to a score is not -1e4: the fill cannot be written as an additive mask
     q, k, v = _args(AttentionVariant())

@@ -292,6 +292,21 @@ def test_gemma2_soft_capped_attention_trains_with_eagers_gradients():
     assert all(d.applied and d.params["softcap"] == 50.0 for d in report.of("attention"))
 
 
+def test_mpt_trains_with_eagers_gradients_on_a_left_padded_batch():
+    """MPT adds its ALiBi bias, then fills the masked scores with ``finfo.min``: one mask combining both. A
+    left-padded sequence's first queries see no key (causal and padding), so every score of their rows is filled: no
+    gradient flows into q or k there (P is uniform), and the fused backward must give none either. Every parameter's
+    gradient equals eager's."""
+    def build():
+        model, (ids,), kwargs = _mpt()
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        return model, (ids,), dict(kwargs, attention_mask=mask)
+    report, _ = _trained_gradients(build)
+    assert all(d.applied and {kind for _, kind, _ in d.params["mask_terms"]} == {"bool", "additive"}
+               for d in report.of("attention"))
+
+
 def test_gpt_oss_attention_sinks_train_with_eagers_gradients():
     """GPT-OSS's sink logits are parameters: fused in training (the experts too), the gradients of every parameter
     equal eager's; the attention backward runs its kernel from the forward's saved statistics, which count the

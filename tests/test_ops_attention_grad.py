@@ -248,3 +248,39 @@ def test_training_plan_saves_stats_for_the_traced_backward(train):
             assert s.target == torch.ops.aten.select.int and s.args[1:] == (0, i)
             src = s.args[0]
             assert src.target.__name__ == "getitem" and src.args[1] == 2 and src.args[0] in fwd
+
+
+def _bias_then_fill64(q, k, v, bias, keep, fill):
+    """Eager's ``(s + bias).masked_fill(~keep, fill)`` in float64 (MPT's order: an ALiBi bias, then the mask)."""
+    s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5 + bias.double()
+    return torch.softmax(s.masked_fill(~keep, fill), -1) @ v.double()
+
+
+@pytest.mark.parametrize("device", ["ascend910", "ascend910b", "ascend310p"])
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")])
+@pytest.mark.parametrize("host", [False, True])
+def test_a_bool_mask_combined_with_a_bias_passes_no_gradient_through_its_filled_scores(device, fill, host):
+    """A bool and an additive mask combined into one (``where(keep, bias, fill)``, ``fill_in_mask``): the filled
+    scores are constants, as ``masked_fill``'s backward makes them. On a row whose every key is masked (a left-padded
+    query) P is not 0 there (uniform with a finite fill), so without the flag dq of that row and every dk would get
+    a gradient eager does not give. The kernel and the host recompute (a bias that requires grad) both."""
+    q, k, v = _qkv(1, 2, 2, 24, 16, torch.float32, seed=6)
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(1, 2, 24, 24, generator=g).requires_grad_(host)
+    keep = torch.rand(1, 1, 24, 24, generator=g) > 0.3
+    keep[..., :3, :] = False                             # three queries that see no key
+    combined = torch.where(keep, bias, fill)
+    go = torch.randn(1, 2, 24, 16, generator=g)
+    with recording() as log:
+        flash_attention(q, k, v, mask=combined, fill=fill, fill_in_mask=True, device=device,
+                        empty_rows="nan").backward(go)          # eager softmax: a row of -inf is NaN
+    assert ("flash_attention_grad" in [name for name, _ in log]) != host
+    want = torch.autograd.grad(_bias_then_fill64(q, k, v, bias, keep, fill), (q, k, v), go.double(),
+                               allow_unused=True)
+    assert bool(torch.isfinite(want[0]).all()) and not bool(want[0][:, :, :3].any()), "the test needs such rows"
+    for name, a, b in zip("qkv", (q.grad, k.grad, v.grad), want):
+        if fill == float("-inf") and name == "v":
+            assert bool(torch.isnan(a).any()) and bool(torch.isnan(b).any())   # the empty rows' NaN P reaches dv
+            a, b = a.nan_to_num(), b.nan_to_num()
+        # fp32 throughout: a few roundings of the gradients' size; a filled score's gradient would be of that size
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)

@@ -159,6 +159,37 @@ def test_a_fill_doubled_then_halved_overflows_as_in_eager():
     assert bool(torch.isnan(want[0, 1]).all()) and torch.equal(torch.isnan(got), torch.isnan(want))
 
 
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_a_bias_and_a_keep_mask_give_no_gradient_through_the_filled_scores(bias_grad):
+    """``softmax((x + bias).masked_fill(~keep, -inf))`` with rows whose every score is masked: eager's softmax is NaN
+    there and ``nan_to_num`` after it zeroes them; ``masked_fill``'s backward stops the row's NaN from reaching x. The
+    fused op's one mask is the bias and the fill combined: its backward must stop it too (the derived Vector backward,
+    and the host recompute for a bias that requires grad)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 8, 16, generator=g)
+    bias = torch.randn(1, 3, 8, 16, generator=g)
+    keep = torch.rand(2, 1, 8, 16, generator=g) > 0.3
+    keep[1, :, :2] = False
+
+    def fn(x, b, k):
+        return torch.softmax((x + b).masked_fill(~k, -INF), -1).nan_to_num(0.0)
+    model = Fn(fn).train()
+    with torch.enable_grad():
+        fused = AutoFusionEngine.fuse(model, (x, bias, keep))
+    (d,) = [d for d in fused.report.applied if d.pattern == "softmax"]
+    assert {kind for _, kind, _ in d.params["mask_terms"]} == {"bool", "additive"}
+    grads = []
+    for f, dt in ((fused, torch.float32), (model, torch.float32), (model, torch.float64)):
+        xs = [t.detach().to(dt).requires_grad_(i == 0 or bias_grad) for i, t in enumerate((x, bias))]
+        w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dt)
+        (f(*xs, keep) * w).sum().backward()
+        grads.append([t.grad for t in xs if t.requires_grad])
+    for got, want, exact in zip(*grads):
+        assert bool(torch.isfinite(want).all()), "eager's gradient is finite: masked_fill stops the NaN"
+        ok, err, tol = compare(want, exact, got)
+        assert ok and bool(torch.isfinite(got).all()), (err, tol)
+
+
 def test_decomposed_softmax():
     x, keep, _ = _data(torch.float32)
 

@@ -62,7 +62,8 @@ blocks as the forward does.
 
 Vector passes per score (fp32, 64 lanes a repeat, per-row repeats): scale, sub m, exp, mul 1/l, sub Dr,
 mul P, mul scale (7), + mask (bool select, fp32 add: 1; fp16/bf16 additive: cast and add, 2; added in its
-dtype: cast down, add, cast up, 3; a bool mask with a finite fill: 1 more, the select that zeroes dS), + causal diagonal
+dtype: cast down, add, cast up, 3; a bool mask with a finite fill, or ``fill_in_mask``: 1 more, the select that zeroes
+dS), + causal diagonal
 tiles (compare, select: 2), + dropout (select and scale on P and on dP: 4), + casts of Pd and dS (2,
 fp16/bf16). Phase 1 as the forward's first sweep: scale, [mask], [causal], max, sub, exp, sum.
 
@@ -80,7 +81,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autofuse.npu.dtypes import itemsize
+from autofuse.npu.dtypes import itemsize, to_dtype
 from autofuse.npu.kernels.dropout import unpack_keep
 from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule,
                                                   add_in_dtype, band_edge, check_fill, check_mask_add, check_operands, check_window,
@@ -268,12 +269,14 @@ def _stats_steps(B, N, nq, nkv, qb, kvb, Sq, Skv, causal, ncores, n=None, window
 @kernel("flash_attention_grad")
 def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, softmax_max=None, softmax_sum=None,
                          scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero", tiling=None,
-                         softcap=None, window=0, mask_add_dtype=None):
+                         softcap=None, window=0, mask_add_dtype=None, fill_in_mask=False):
     """dq, dk, dv of fused attention (module docstring). ``softmax_max``, ``softmax_sum``: saved row statistics
     ``[B, N, Sq]`` fp32 (None: recomputed in phase 1). ``tiling``: ``{"q", "kv"}`` (None: :func:`default_tiling`).
     ``softcap``: the forward's logit soft-capping ``softcap · tanh(scale·S / softcap)`` (module docstring).
     ``window`` (with ``causal``): the forward's sliding window (module docstring). ``mask_add_dtype``: the forward's
-    (an additive 16-bit mask added in its dtype)."""
+    (an additive 16-bit mask added in its dtype). ``fill_in_mask`` (an additive mask that is a bool mask and additive
+    terms combined, ``where(keep, terms, fill)``): its entries equal to ``fill`` (as the mask's dtype holds it) are
+    scores the bool mask filled, and their dS is zeroed as a bool mask's finite fill's is."""
     dev = launch.device
     check_operands("flash_attention_grad", (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)))
     B, N, Sq, D = q.shape
@@ -320,6 +323,10 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     prog.inv_keep = np.float32(1.0 / keep_prob)
     prog.softcap = None if softcap is None else np.float32(softcap)
     prog.mask_add = mask_add_dtype
+    prog.fill_in_mask = None
+    if fill_in_mask and mask is not None and mask.dtype != "bool":
+        with np.errstate(over="ignore"):           # finfo(float32).min in a 16-bit mask: -inf, as torch rounds it
+            prog.fill_in_mask = np.float32(to_dtype(np.float32(fill), mask.dtype))
     return prog.run()
 
 
@@ -346,6 +353,7 @@ class _Program:
         self.causal, self.window = causal, window
         self.softcap = None                   # set by the caller (logit soft-capping)
         self.mask_add = None                  # the 16-bit dtype an additive mask is added in, set by the caller
+        self.fill_in_mask = None              # an additive mask's value marking a bool-filled score (the caller's)
         # the schedules (the cores a phase uses: its units, dealt; the groups have the larger count)
         self.st_main = _main_steps(B, Nkv, N // Nkv, nq, nkv, self.qb, self.kvb, Sq, Skv, causal, dev.cube_cores,
                                    window=window)
@@ -689,8 +697,9 @@ class _Program:
         f32 = self.dtype == F32
         # a bool-masked score is a constant (masked_fill's backward): its dS is zeroed where it could be other
         # than 0, a finite fill's, or an empty row's NaN (empty_rows="nan"; with -inf a kept row's P is 0 there)
-        zero_fill = int(mt is not None and self.mask.dtype == "bool" and
-                        (np.isfinite(self.fill) or np.isnan(self.empty)))
+        zero_fill = int(mt is not None and ((self.mask.dtype == "bool" and
+                                             (np.isfinite(self.fill) or np.isnan(self.empty)))
+                                            or self.fill_in_mask is not None))
 
         def grads(cs):
             x = S.data[cs]
@@ -714,7 +723,8 @@ class _Program:
                 np.multiply(dp, np.float32(1) - t_ * t_, out=dp)
             np.multiply(dp, self.scale, out=dp)
             if zero_fill:                        # a filled score is a constant: no gradient flows through it
-                np.copyto(dp, np.float32(0), where=~mt.data[cs])
+                filled = ~mt.data[cs] if self.fill_in_mask is None else mt.data[cs] == self.fill_in_mask
+                np.copyto(dp, np.float32(0), where=filled)
             if kt is not None:
                 np.multiply(x, keep, out=x)
             if f32:
