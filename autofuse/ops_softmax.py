@@ -93,7 +93,7 @@ def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None,
     rounding to ``out_dtype`` at the end (skipped with ``upcast``, for the backward); ``mask_add_dtype``: the
     additive mask added in that 16-bit dtype (:func:`autofuse.ops.add_mask`). ``inf_rows="lse"``: eager's
     logsumexp spelling (``z - logsumexp(z)``, or its ``exp``) as the kernel computes it, ``(z - m) - d`` or
-    ``exp(z - m) / exp(d)`` with ``d = lse - m`` and ``lse = m + log Σ exp(z - m)`` rounded to x's dtype (0 on a
+    ``exp(z - m) / exp(d)`` with ``z`` and ``lse = m + log Σ exp(z - m)`` rounded to x's dtype, ``d = lse - m`` (0 on a
     row whose max is +inf), and autograd gives eager's gradient of the spelling (``lse``'s is ``exp(z - lse)``).
     ``fill_in_mask`` (an additive mask that is a bool mask and additive terms combined, ``where(keep, terms, fill)``):
     its entries equal to ``fill`` are scores the bool mask filled, constants as ``masked_fill`` makes them (no
@@ -107,6 +107,7 @@ def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None,
         if fill_in_mask is not False and mask.dtype != torch.bool:
             z = torch.where(_ops.filled(mask, fill) if fill_in_mask is True else fill_in_mask, z.detach(), z)
     if inf_rows == "lse":
+        z = z.to(x.dtype).float()          # eager's scores, in x's dtype (the gradient passes the rounding)
         m = z.detach().amax(dim, keepdim=True)
         mm = m.masked_fill(m == float("-inf"), 0.0) if empty_rows == "zero" else m   # the max subtracted
         total = torch.exp(z.detach() - mm).sum(dim, keepdim=True)
@@ -172,6 +173,8 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
             with torch.no_grad():
                 fv = float(torch.tensor(_fill(fill), dtype=_DT[mask_spec[1]]))
             z = b.where(b.eq(m_in, fv), fv, z)
+    if inf_rows == "lse" and x_dtype != "float32":
+        z = b.cast(z, dtype=x_dtype)            # eager's scores, in x's dtype (widened by the next instruction)
     top = b.reduce(z, kind="max")
     d = b.sub(z, top)
     e = b.exp(d)

@@ -8,6 +8,7 @@ Per task, the Vector passes of the kernel (fp32 statistics; fp16/bf16 cast in an
   cast of the mask but the scores cast down and the sum cast back up, two elementwise passes around the add);
 * one pass (``chunk >= C``): prologue, max + brcb, sub, exp, sum + brcb, div (log: log of the sum, sub),
   cast out — plus two selects on the statistics for ``empty_rows="zero"``; for ``inf_rows="lse"``, the
+  scores rounded to fp16/bf16 x's dtype after the mask (two elementwise casts in the prologue) and the
   statistic ``lse - m`` (``lse = m + log s`` cast to x's dtype and back: log, add, two casts for fp16/bf16, sub,
   a select of 0 on a row whose max is +inf) and, not log, its ``exp``, which the division reads;
 * online (``chunk < C``): pass 1 per chunk (prologue, max, the max in use, correction of the running
@@ -212,10 +213,12 @@ def _model(dev, dtype, L, block, chunk, out, log, zero, scaled, lse=False):
         keys = _mask_keys(L, start, ext, ke_m)
         w_m = worst if along_block else np.minimum(worst, 1)
 
+    rounds = bool(lse) and lowp_in     # inf_rows="lse", fp16/bf16 x: the scores rounded to x's dtype (two casts)
+
     def prologue(ke, cv):
-        """(vector repeats, instructions) of cast in, scale, mask."""
+        """(vector repeats, instructions) of cast in, scale, mask (and the lse spellings' rounding)."""
         ew, row, _, _ = counts(ke, cv)
-        vec, ins = lowp_in * ew + scaled * ew, lowp_in + scaled
+        vec, ins = (lowp_in + scaled + 2 * rounds) * ew, lowp_in + scaled + 2 * rounds
         if mk is not None:
             cm = cv if along_c else 1
             if added:

@@ -159,12 +159,15 @@ def test_a_fill_doubled_then_halved_overflows_as_in_eager():
     assert bool(torch.isnan(want[0, 1]).all()) and torch.equal(torch.isnan(got), torch.isnan(want))
 
 
+@pytest.mark.parametrize("order", ["last", "first"])
 @pytest.mark.parametrize("bias_grad", [False, True])
-def test_a_bias_and_a_keep_mask_give_no_gradient_through_the_filled_scores(bias_grad):
-    """``softmax((x + bias).masked_fill(~keep, -inf))`` with rows whose every score is masked: eager's softmax is NaN
-    there and ``nan_to_num`` after it zeroes them; ``masked_fill``'s backward stops the row's NaN from reaching x. The
-    fused op's one mask is the bias and the fill combined: its backward must stop it too (the derived Vector backward,
-    and the host recompute for a bias that requires grad)."""
+def test_a_bias_and_a_keep_mask_give_no_gradient_through_the_filled_scores(bias_grad, order):
+    """``softmax((x + bias).masked_fill(~keep, -inf))`` (or the fill first, then the bias) with rows whose every score
+    is masked: eager's softmax is NaN there and ``nan_to_num`` after it zeroes them; ``masked_fill``'s backward stops
+    the row's NaN from reaching x (and, filled last, the bias). The fused op's one mask is the bias and the fill
+    combined: its backward must do the same (the derived Vector backward, and the host recompute for a bias that
+    requires grad). Filled first, eager passes the bias the row's NaN; the fused graph's ``where`` that combines the
+    two masks gives the bias none from that row (elsewhere eager's gradient)."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 8, 16, generator=g)
     bias = torch.randn(1, 3, 8, 16, generator=g)
@@ -172,7 +175,8 @@ def test_a_bias_and_a_keep_mask_give_no_gradient_through_the_filled_scores(bias_
     keep[1, :, :2] = False
 
     def fn(x, b, k):
-        return torch.softmax((x + b).masked_fill(~k, -INF), -1).nan_to_num(0.0)
+        z = (x + b).masked_fill(~k, -INF) if order == "last" else x.masked_fill(~k, -INF) + b
+        return torch.softmax(z, -1).nan_to_num(0.0)
     model = Fn(fn).train()
     with torch.enable_grad():
         fused = AutoFusionEngine.fuse(model, (x, bias, keep))
@@ -184,10 +188,30 @@ def test_a_bias_and_a_keep_mask_give_no_gradient_through_the_filled_scores(bias_
         w = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dt)
         (f(*xs, keep) * w).sum().backward()
         grads.append([t.grad for t in xs if t.requires_grad])
-    for got, want, exact in zip(*grads):
-        assert bool(torch.isfinite(want).all()), "eager's gradient is finite: masked_fill stops the NaN"
+    for i, (got, want, exact) in enumerate(zip(*grads)):
+        stopped = i == 0 or order == "last"
+        assert bool(torch.isfinite(want).all()) == stopped, "masked_fill stops the NaN where it comes after"
+        if not stopped:                          # the bias filled first: finite where eager's gradient is NaN
+            nan = torch.isnan(want)
+            got, want, exact = got[~nan], want[~nan], exact[~nan]
         ok, err, tol = compare(want, exact, got)
-        assert ok and bool(torch.isfinite(got).all()), (err, tol)
+        assert ok and bool(torch.isfinite(got).all()), (i, err, tol)
+
+
+@pytest.mark.parametrize("dtype,big", [(torch.float16, 32752.0), (torch.bfloat16, 1000.0)])
+@pytest.mark.parametrize("log", [False, True])
+def test_a_16_bit_logsumexp_spelling_rounds_its_scores_as_eager(dtype, big, log):
+    """``z - logsumexp(z)`` over 16-bit scaled scores: eager holds ``z`` in 16 bits and its logsumexp is rounded to
+    them, so a score that dominates its row gives ``z - lse == 0`` there (fp16 ``32752 / 3`` is 10920, spacing 8).
+    The kernel rounds the scores to x's dtype as it rounds the statistic: with fp32 scores it gave
+    ``10917.3 - 10920`` (``exp``: 0.07 where eager and float64 give 1)."""
+    x = (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    x[2, 3] = big
+
+    def fn(x):
+        z = x / 3
+        return z - torch.logsumexp(z, -1, keepdim=True) if log else torch.exp(z - z.logsumexp(-1, keepdim=True))
+    _fused_once(fn, x, log=log, inf_rows="lse")
 
 
 def test_decomposed_softmax():

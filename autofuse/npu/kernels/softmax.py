@@ -54,7 +54,8 @@ on the statistics). With a finite fill a fully masked row is uniform, as in eage
 do; ``inf_rows="lse"`` gives what the logsumexp spellings give (``torch.logsumexp`` returns +inf there):
 ``z - inf`` (``log``: -inf at every finite or -inf score, NaN at a +inf one) or ``exp(z - inf)`` (0 there, NaN
 at a +inf score). ``z - m`` is already ``z - inf`` on such a row. With ``inf_rows="lse"`` every row computes
-what those spellings compute: the statistic ``lse = m + log s`` rounded to x's dtype (eager's ``logsumexp``
+what those spellings compute: the scores ``z`` rounded to x's dtype after the scale and the mask (eager's are in it:
+two casts per score, down and up), the statistic ``lse = m + log s`` rounded to x's dtype (eager's ``logsumexp``
 returns it in the scores' dtype), then ``z - lse`` or ``exp(z - lse)``, written as ``(z - m) - d`` or
 ``exp(z - m) / exp(d)`` with ``d = lse - m`` (0 on a row whose max is +inf: one select on the statistics,
 ``m == +inf``). So a row whose every score is a finite fill that ``lse`` absorbs (``finfo.min``: ``m + log s ==
@@ -382,6 +383,12 @@ def softmax(launch, x, dim=-1, tiling=None, mask=None, scale=None, fill=float("-
             g.vector("mul scale", (w,), (w,), ew, active=it.act, compute=lambda: np.multiply(w.data, scale, out=w.data))
         if mb is not None:
             apply_mask(it, w, mb, cv, ew, row)
+        if lse and dtype != F32:
+            # the logsumexp spellings' scores as eager holds them, in x's dtype: the statistic rounded to it below is
+            # eager's logsumexp of these, and z - lse their difference (the x tile, read already, takes the cast)
+            g.vector("cast scores->" + dtype, (xb,), (w,), ew, active=it.act,
+                     compute=lambda: np.copyto(xb.data, rnd(w.data, dtype)))
+            g.vector("cast scores->fp32", (w,), (xb,), ew, active=it.act, compute=lambda: np.copyto(w.data, xb.data))
         return w
 
     def apply_mask(it, w, mb, cv, ew, row):
