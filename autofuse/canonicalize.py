@@ -489,7 +489,9 @@ def _add_zero(n):
 def _div_scalar(n):
     x, c = n.args[0], constant_scalar(n.args[1])
     if is_number(c) and c != 0 and val(x).is_floating_point() and not n.kwargs:
-        return call(n.graph, aten.mul.Tensor, x, 1.0 / c)
+        prod = call(n.graph, aten.mul.Tensor, x, 1.0 / c)
+        prod.meta[DIVISOR] = c          # a generated kernel divides, as eager does (1/c is rounded; x/c once)
+        return prod
     t = n.args[1]
     if (c is None and n.target == aten.div.Tensor and isinstance(t, fx.Node) and not n.kwargs and val(t) is not None
             and val(t).dim() == 0 and val(t).is_floating_point() and val(x).is_floating_point()):
@@ -583,6 +585,9 @@ def _scalar_of(x):
         return x.args[0], x.args[1]
     return None
 
+
+#: node.meta key of a product by ``1/c`` that eager computed as a division by the number ``c`` (the value)
+DIVISOR = "autofuse_divisor"
 
 #: node.meta key of a product scaled by a number that eager applied to one of the matmul's operands (the value)
 MOVED_SCALE = "autofuse_moved_scale"

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autofuse.canonicalize import DIVISOR
 from autofuse.graph import arg, keep_mask_order, split_part
 from cost_model.program import (BIT, COMPARE, FLOATS, Builder, Input, Instr, Output, Program, ProgramError, V,
                                 as_program)
@@ -522,6 +523,9 @@ class _Build:
                 y = b.mul(y, float(alpha)) if isinstance(y, V) else y * alpha
             if not isinstance(x, V) and not isinstance(y, V):
                 self.fail(n, "no tensor operand")
+            c = n.meta.get(DIVISOR)
+            if c is not None and isinstance(x, V) and not isinstance(y, V) and y == 1.0 / c:
+                return self.round(n, b.div(x, float(c)))      # eager's x / c, rounded once (not x · (1/c))
             return self.round(n, b.op(_BINARY_ATEN[t], x, y))
         if t == aten.rsub.Scalar:
             return self.round(n, b.sub(self.arg(n, n.args[1]), self.arg(n, n.args[0])))

@@ -1943,3 +1943,22 @@ def test_a_norm_of_another_order_or_dim_is_not_a_row_norm(spelling):
     assert not any(n.startswith("linalg_vector_norm") for d in fused.report.applied for n in d.nodes)
     assert "aten.linalg_vector_norm" in fused.graph_module.code
     _within_bound(m, (x,), {}, lambda: fused(x))
+
+
+class _Divided(nn.Module):
+    def forward(self, x, m):
+        z = (x.float() + m) / 3.0
+        return torch.sigmoid(z) + z
+
+
+def test_a_division_by_a_number_is_eagers_division():
+    """``z / 3`` is one rounding in eager; the canonical form's ``z · (1/3)`` is two (1/3 is rounded). The generated
+    kernel divides as eager does, so the region equals eager bit for bit in fp32; with the product, scores far from
+    0 (a masked ``finfo(float16).min`` plus x, about -21835, whose ulp is 0.002) came out an ulp apart, which a
+    softmax reading their differences turned into relative errors of 2e-3 in the probabilities."""
+    x = (torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 3).half()
+    m = torch.full((64, 32), torch.finfo(torch.float16).min).half()
+    fused = AutoFusionEngine.fuse(_Divided(), ((x, m), {}))
+    assert [d.pattern for d in fused.report.applied] == ["vector_chain"]
+    with torch.no_grad():
+        assert torch.equal(fused(x, m), _Divided()(x, m))
