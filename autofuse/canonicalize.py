@@ -16,9 +16,10 @@ Canonical spellings (what patterns may assume):
 * matmul family -> ``aten.matmul`` (bmm, mm, two-operand einsum, baddbmm = matmul·alpha + bias·beta)
 * a row statistic's inverse root (``y ** -0.5``, ``1 / sqrt(y)``, ``x / sqrt(y)``) -> ``aten.rsqrt`` (times x); a
   population variance over the last dim -> ``mean((x - mean(x)) ** 2)``
-* scalar scaling -> ``aten.mul.Tensor(x, c)`` with Python ``c``; divisions become multiplications,
-  chained scalars fold (where eager's first product cannot overflow alone, :func:`_folds`), and a scalar on a matmul operand (pre-scaled q or k), possibly behind views,
-  moves to the matmul output
+* scalar scaling -> ``aten.mul.Tensor(x, c)`` with Python ``c``; divisions become multiplications (marked with
+  their divisor, ``meta[DIVISOR]``: a generated kernel divides, as eager does), chained scalars fold (where eager's
+  first product cannot overflow alone, :func:`_folds`), and a scalar on a matmul operand (pre-scaled q or k),
+  possibly behind views, moves to the matmul output
 * softmax -> ``aten.softmax.int(x, dim<0)`` (function/method/module, ``_softmax``, ``_safe_softmax``,
   ``exp(x - max) / sum``, ``exp(x - logsumexp)``, ``exp(log_softmax)``, ``softmax(x - max)``); a ``dtype=`` argument
   becomes an explicit cast

@@ -295,9 +295,7 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
         s = torch.tanh(s * (1.0 / softcap)) * softcap
     if mask is not None:
         if mask.dtype != torch.bool:
-            s = add_mask(s, mask, mask_add_dtype)
-            if fill_in_mask is not False:
-                s = torch.where(filled(mask, fill) if fill_in_mask is True else fill_in_mask, s.detach(), s)
+            s = constant_where_filled(add_mask(s, mask, mask_add_dtype), mask, fill, fill_in_mask)
         else:
             # SDPA's bool mask adds -inf (a NaN or +inf score gives NaN); masked_fill replaces
             s = torch.where(mask, s, s + _fill(fill)) if mask_keeps_nan else s.masked_fill(~mask, _fill(fill))
@@ -336,6 +334,15 @@ def filled(mask: torch.Tensor, fill) -> torch.Tensor:
     """Where an additive ``mask`` holds ``fill`` (None: -inf) as its dtype rounds it: the scores a bool mask combined
     into it filled (``fill_in_mask``), constants in the backward."""
     return mask == torch.tensor(_fill(fill), dtype=mask.dtype, device=mask.device)
+
+
+def constant_where_filled(s: torch.Tensor, mask: torch.Tensor, fill, fill_in_mask) -> torch.Tensor:
+    """``s`` passing no gradient at the entries a bool mask combined into ``mask`` filled (``fill_in_mask``: True,
+    where the mask holds ``fill``; or those entries as a bool tensor, found in the mask before a cast), as
+    ``masked_fill``'s backward; ``s`` as it is without it (False)."""
+    if fill_in_mask is False:
+        return s
+    return torch.where(filled(mask, fill) if fill_in_mask is True else fill_in_mask, s.detach(), s)
 
 
 def add_mask(s: torch.Tensor, mask: torch.Tensor, add_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

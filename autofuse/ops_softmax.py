@@ -98,14 +98,13 @@ def reference_scaled_masked_softmax(x, mask=None, dim=-1, scale=None, fill=None,
     ``fill_in_mask`` (an additive mask that is a bool mask and additive terms combined, ``where(keep, terms, fill)``):
     its entries equal to ``fill`` are scores the bool mask filled, constants as ``masked_fill`` makes them (no
     gradient reaches x there; on a row whose every score is filled eager's softmax is NaN and ``masked_fill`` stops
-    that NaN from reaching x)."""
+    that NaN from reaching x); or those entries as a bool tensor (:func:`autofuse.ops.constant_where_filled`)."""
     z = x.float()
     if scale is not None:
         z = z * scale
     if mask is not None:
-        z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else _ops.add_mask(z, mask, mask_add_dtype)
-        if fill_in_mask is not False and mask.dtype != torch.bool:
-            z = torch.where(_ops.filled(mask, fill) if fill_in_mask is True else fill_in_mask, z.detach(), z)
+        z = z.masked_fill(~mask, _fill(fill)) if mask.dtype == torch.bool else \
+            _ops.constant_where_filled(_ops.add_mask(z, mask, mask_add_dtype), mask, fill, fill_in_mask)
     if inf_rows == "lse":
         z = z.to(x.dtype).float()          # eager's scores, in x's dtype (the gradient passes the rounding)
         m = z.detach().amax(dim, keepdim=True)
