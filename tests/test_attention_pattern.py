@@ -710,6 +710,26 @@ def test_a_bias_then_a_keep_mask_trains_as_eager_on_rows_that_see_no_key(fill, b
         assert ok and torch.equal(torch.isnan(got), torch.isnan(want)), (name, err, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_a_16_bit_bias_then_a_keep_mask_is_priced_as_the_mask_the_kernel_reads(dtype):
+    """The kernel reads one mask, ``where(keep, bias, fill)``: the bias's 16-bit dtype, the terms' broadcast shape.
+    Priced from the first term (the bool keep-mask) with the bias's ``mask_add_dtype``, the block was refused: "the
+    fused kernel cannot be priced for this block: ... needs an additive bfloat16 mask, got bool"."""
+    from autofuse import AutoFusionEngine
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, N, S, 16, generator=g).to(dtype) for _ in range(3))
+    bias = torch.randn(1, N, S, S, generator=g).to(dtype)
+    keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
+    fused = AutoFusionEngine.fuse(BiasThenKeep().eval(), ((q, k, v, bias, keep), {}))
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert d.applied, d.reason
+    with torch.no_grad():
+        want, got = BiasThenKeep()(q, k, v, bias, keep), fused(q, k, v, bias, keep)
+        exact = BiasThenKeep()(*(t.double() for t in (q, k, v, bias)), keep)
+    ok, err, tol = compare(want, exact, got)
+    assert ok, (err, tol)
+
+
 def test_near_miss_additive_mask_then_a_fill_that_does_not_absorb():
     # -1e4 added to a score is not -1e4: the fill cannot be written as an additive mask
     q, k, v = _args(AttentionVariant())
