@@ -144,4 +144,5 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"property tests: {counts['cases']} spellings ({counts['fused']} fused, {counts['rejected']} not "
             f"fused), {counts['near_miss_cases']} near misses ({counts['near_miss_rejected']} not fused, "
-            f"{counts['near_miss_fused']} fused); wrong results: {counts['wrong']}")
+            f"{counts['near_miss_fused']} fused), {counts['trained']} trained ({counts['trained_fused']} fused); "
+            f"wrong results: {counts['wrong']}")
