@@ -990,7 +990,7 @@ def _eager_autograd_reads():
                 if id(t) not in given:                  # not an input handed back
                     # a view of what requires grad requires it in any mode, as a factory asked to does (the
                     # trace's own flag says so for those it sees)
-                    mark(t, (t.is_floating_point() or t.is_complex()) and (
+                    mark(t, floating(t) and (
                         flows or bool(descriptor.__get__(t)) or (base is not None and t._is_view() and requires(base))))
             return out
 

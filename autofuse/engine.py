@@ -59,8 +59,8 @@ from autofuse.decision import FusionReport
 from autofuse.fused import family_of, is_fused_call
 from autofuse.graph import NodeValues as _Values
 from autofuse.grad_ops import CUSTOM_FUNCTION, CUSTOM_FUNCTIONS, PASS_GRADIENT, USER_FUNCTION_OP, USER_FUNCTIONS
-from autofuse.graph import (checkpoint_of, copy_graph_module, describe_node, get_attr_value, keeps_checkpoints,
-                            realised, returned)
+from autofuse.graph import (checkpoint_of, copy_graph_module, describe_node, floating, get_attr_value,
+                            keeps_checkpoints, realised, returned)
 from autofuse.hierarchy import lead_match
 from autofuse.match import families
 from autofuse.plan import GENERIC, baselines, parse_level, parse_memory_budget, plan, returned_and_read
@@ -291,7 +291,7 @@ class Guard:
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal element by element, a NaN equal to a NaN (a float buffer holding NaN is not a changed one)."""
-    if a.is_floating_point() or a.is_complex():
+    if floating(a):
         return torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
     return torch.equal(a, b)
 
@@ -2154,8 +2154,7 @@ _PARTS = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.
 
 
 def _bad_dtype(t) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and \
-        _PARTS.get(t.dtype, t.dtype) not in COMPUTE_DTYPES
+    return floating(t) and _PARTS.get(t.dtype, t.dtype) not in COMPUTE_DTYPES
 
 
 def _check_parameter_dtypes(model: torch.nn.Module, device: str, who: str = "fuse"):

@@ -129,10 +129,11 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
             else:                               # the one additive mask the terms make: their broadcast, of the
                 #                                 additive terms' dtype (a bool term combined with them: where(keep,
                 #                                 add, fill), :func:`_mask`)
-                specs_ = [(r, _spec(nodes[match.inputs[r]])) for r, _, _ in terms
-                          if not str(match.inputs[r]).startswith("const:")]
-                s = tuple(torch.broadcast_shapes(*(sp_[0] for _, sp_ in specs_)))
-                d = next((sp_[1] for r, sp_ in specs_ if dict((t[0], t[1]) for t in terms)[r] == "additive"), d)
+                kinds = {r: kind for r, kind, _ in terms}
+                read = {r: _spec(nodes[match.inputs[r]]) for r in kinds
+                        if not str(match.inputs[r]).startswith("const:")}
+                s = tuple(torch.broadcast_shapes(*(shape_ for shape_, _ in read.values())))
+                d = next((dt for r, (_, dt) in read.items() if kinds[r] == "additive"), d)
                 if widened_terms(p):            # the additive terms scaled or summed in fp32 ahead of the kernel
                     d = "float32"
             params["mask"] = (s, d)

@@ -330,10 +330,15 @@ def reference_flash_attention(q, k, v, mask=None, scale=None, causal=False, retu
 REFERENCES["flash_attention"] = reference_flash_attention
 
 
+def fill_as(fill, dtype: torch.dtype) -> float:
+    """``fill`` (None: -inf) as a tensor of ``dtype`` holds it (``finfo(float32).min`` in float16 is -inf)."""
+    return float(torch.tensor(_fill(fill), dtype=dtype))
+
+
 def filled(mask: torch.Tensor, fill) -> torch.Tensor:
     """Where an additive ``mask`` holds ``fill`` (None: -inf) as its dtype rounds it: the scores a bool mask combined
     into it filled (``fill_in_mask``), constants in the backward."""
-    return mask == torch.tensor(_fill(fill), dtype=mask.dtype, device=mask.device)
+    return mask == fill_as(fill, mask.dtype)
 
 
 def constant_where_filled(s: torch.Tensor, mask: torch.Tensor, fill, fill_in_mask) -> torch.Tensor:

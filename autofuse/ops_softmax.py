@@ -169,8 +169,7 @@ def softmax_program(x_shape, x_dtype: str, mask_spec, dim=-1, scale=None, fill=N
         else:
             z = b.add(z, m_in)
         if fill_in_mask and mask_spec[1] != "bool":
-            with torch.no_grad():
-                fv = float(torch.tensor(_fill(fill), dtype=_DT[mask_spec[1]]))
+            fv = _ops.fill_as(fill, _DT[mask_spec[1]])
             z = b.where(b.eq(m_in, fv), fv, z)
     if inf_rows == "lse" and x_dtype != "float32":
         z = b.cast(z, dtype=x_dtype)            # eager's scores, in x's dtype (widened by the next instruction)

@@ -39,7 +39,7 @@ import hashlib
 import torch
 import torch.fx as fx
 
-from autofuse.graph import draw_order, graph_module, in_order, val
+from autofuse.graph import draw_order, floating, graph_module, in_order, val
 
 
 def floor(dtype: torch.dtype) -> float:
@@ -232,7 +232,7 @@ def compare(eager: torch.Tensor, ref: torch.Tensor, fused: torch.Tensor, nan_ok:
     """``(ok, worst error, tolerance)`` of one output (see the module docstring for the bound). ``nan_ok``: the
     inputs hold NaN, and a NaN where eager happened to give a number is accepted (torch's CPU SDPA zeroes a
     query row of NaN scores, or not, depending on the shape and its kernel's blocking)."""
-    if not (eager.is_floating_point() or eager.is_complex()):
+    if not floating(eager):
         # integers and bools (a top-k's indices, a compare's mask) have no rounding to bound: each element is
         # eager's, or the float64 run's where a rounding of eager's decided it otherwise
         wrong = (fused != eager) & (fused != ref.to(fused.dtype))
