@@ -478,8 +478,14 @@ def _gmm_backward(ctx, grad, grad_product=None):
     ``dP`` is rounded to x's dtype, as eager's activation backward writes it; the GEMMs accumulate in fp32. A
     gradient reaching the stored product itself (``grad_product``, when a graph uses it) adds to ``dP``."""
     x, w, gl, bias, *stored = ctx.saved_tensors
-    p, dev = ctx.params, ctx.device
     need = ctx.needs_input_grad
+    gx, gw, gb = _gmm_grads(x, w, gl, bias, stored, ctx.params, ctx.device, grad, grad_product,
+                            need[0], need[1], bias is not None and need[3])
+    return gx, gw, None, gb, None, None, None, None, None, None, None, None
+
+
+def _gmm_grads(x, w, gl, bias, stored, p, dev, grad, grad_product, need_x, need_w, need_bias):
+    """:func:`_gmm_backward`'s gradients (dx, dw, dbias; None where not needed) for the weight ``w [E, ., .]``."""
     trans_w, glt, act = p["trans_w"], p["group_list_type"], p["activation"]
     dt = str(x.dtype).replace("torch.", "")
     N = w.shape[1] if trans_w else w.shape[2]
@@ -504,16 +510,16 @@ def _gmm_backward(ctx, grad, grad_product=None):
         d = (d.float() + grad_product.float()).to(x.dtype)
     gx = gw = gb = None
     E = w.shape[0]
-    if need[0]:
+    if need_x:
         tl = _searched("grouped_matmul", [_spec(d), _spec(w), _spec(gl)], dev, trans_w=not trans_w)
         gx = torch.ops.autofuse.grouped_matmul(d, w, gl, None, not trans_w, glt, "", "gate_up", dev, tl)
-    if need[1]:
+    if need_w:
         lhs, rhs = (d, x) if trans_w else (x, d)
         gw = grouped_matmul_weight_grad(lhs, rhs, gl, glt, device=dev)
-    if bias is not None and need[3]:
+    if need_bias:
         ones = torch.ones((x.shape[0], 1), dtype=x.dtype)
         gb = grouped_matmul_weight_grad(ones, d, gl, glt, out_dtype=bias.dtype, device=dev).reshape(E, -1)
-    return gx, gw, None, gb, None, None, None, None, None, None, None, None
+    return gx, gw, gb
 
 
 _grouped_matmul.register_autograd(_gmm_backward, setup_context=_gmm_setup)
@@ -543,6 +549,99 @@ def _(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", 
 
 
 _grouped_matmul_with_product.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+def _stacked(weight, weight_up, trans_w):
+    """The grouped GEMM's ``[E, N, K]`` (``trans_w``) or ``[E, K, N]`` weight from a list of per-expert weights and,
+    for a SwiGLU whose gate and up projections are held apart, the list of up projections (gate first along N)."""
+    w = torch.stack(list(weight))
+    if weight_up:
+        w = torch.cat([w, torch.stack(list(weight_up))], 1 if trans_w else 2)
+    return w
+
+
+def _check_lists(weight, weight_up):
+    if not weight or (weight_up and len(weight_up) != len(weight)):
+        raise ValueError(f"grouped_matmul_list: one weight per group, and as many up projections when given "
+                         f"(got {len(weight)} weights, {len(weight_up or ())} up projections)")
+
+
+@torch.library.custom_op("autofuse::grouped_matmul_list", mutates_args=())
+def _grouped_matmul_list(x: torch.Tensor, weight: list[torch.Tensor], group_list: torch.Tensor,
+                         weight_up: list[torch.Tensor], trans_w: bool = False,
+                         group_list_type: str = "count", activation: str = "", swiglu_order: str = "gate_up",
+                         device: str = "ascend910", tiling: str = "") -> torch.Tensor:
+    _check_lists(weight, weight_up)
+    r = _launch_gmm(x, _stacked(weight, weight_up, trans_w), group_list, None, trans_w, group_list_type, activation,
+                    swiglu_order, device, tiling)
+    _record("grouped_matmul", r.stats)
+    return _to_torch(r.outputs[0], x.dtype)
+
+
+@_grouped_matmul_list.register_fake
+def _(x, weight, group_list, weight_up, trans_w=False, group_list_type="count", activation="",
+      swiglu_order="gate_up", device="ascend910", tiling=""):
+    N = weight[0].shape[0 if trans_w else 1] * (2 if weight_up else 1)
+    return x.new_empty((x.shape[0], N // 2 if activation in GLU else N))
+
+
+def _timing_gmm_list(x, weight, group_list, weight_up=None, trans_w=False, group_list_type="count", activation="",
+                     swiglu_order="gate_up", device="ascend910", tiling=""):
+    return _timing_gmm(x, _stacked(weight, weight_up, trans_w), group_list, None, trans_w, group_list_type,
+                       activation, swiglu_order, device, tiling)
+
+
+def reference_grouped_matmul_list(x, weight, group_list, weight_up=None, trans_w=False, group_list_type="count",
+                                  activation="", swiglu_order="gate_up", upcast=False, **_):
+    """:func:`reference_grouped_matmul` on the stacked weights."""
+    return reference_grouped_matmul(x, _stacked(weight, weight_up, trans_w), group_list, None, trans_w,
+                                    group_list_type, activation, swiglu_order, upcast)
+
+
+def _gmm_list_setup(ctx, inputs, output):
+    x, weight, gl, weight_up = inputs[:4]
+    ctx.save_for_backward(x, gl, *weight, *(weight_up or ()))
+    ctx.set_materialize_grads(False)
+    ctx.E, ctx.up = len(weight), len(weight_up)
+    ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[4:8]),
+                      limit=None, alpha=1.0)
+    ctx.device = inputs[8] if len(inputs) > 8 else "ascend910"
+
+
+def _gmm_list_backward(ctx, grad):
+    """:func:`_gmm_backward`'s launches on the stacked weights; each expert's weight gradient is its block of the
+    stacked gradient (split into the gate and up blocks when those are held apart)."""
+    x, gl, *ws = ctx.saved_tensors
+    E, trans_w = ctx.E, ctx.params["trans_w"]
+    weight, weight_up = ws[:E], ws[E:] or None
+    need = ctx.needs_input_grad
+    need_w = any(need[1]) or any(need[3])
+    gx, gw, _ = _gmm_grads(x, _stacked(weight, weight_up, trans_w), gl, None, (), ctx.params, ctx.device, grad,
+                           None, need[0], need_w, False)
+    g_w, g_up = [None] * E, [None] * ctx.up         # the structure of the inputs: a list per list
+    if need_w:
+        if ctx.up:
+            gate, up = gw.chunk(2, 1 if trans_w else 2)
+            g_w, g_up = list(gate.unbind(0)), list(up.unbind(0))
+        else:
+            g_w = list(gw.unbind(0))
+    return (gx, g_w, None, g_up) + (None,) * (len(need) - 4)     # the structure of the call's arguments
+
+
+_grouped_matmul_list.register_autograd(_gmm_list_backward, setup_context=_gmm_list_setup)
+
+
+def grouped_matmul_list(x, weight, group_list, weight_up=None, trans_w=False, group_list_type="count",
+                        activation=None, swiglu_order="gate_up", device="ascend910", tiling=None):
+    """:func:`grouped_matmul` with the weights given as a list, one per group (CANN GroupedMatmul's weight
+    TensorList: a hand-written MoE layer's experts, each its own ``nn.Linear``), and, for a SwiGLU whose gate and
+    up projections are separate layers, the list of up projections (``weight_up``, empty: none; the gate is
+    ``weight``). The kernel reads each group's tiles from that group's weight, the bytes the stacked form reads;
+    the simulator holds the list stacked in one buffer (bookkeeping, no launch: a device kernel reads the list in
+    place)."""
+    return torch.ops.autofuse.grouped_matmul_list(x, list(weight), group_list, list(weight_up or ()),
+                                                  bool(trans_w), group_list_type, activation or "", swiglu_order,
+                                                  device, json.dumps(tiling) if tiling else "")
 
 
 @torch.library.custom_op("autofuse::grouped_matmul_weight_grad", mutates_args=())
@@ -743,10 +842,10 @@ def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="
                                                    json.dumps(tiling) if tiling else "")
 
 
-__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_with_product",
-           "grouped_matmul_weight_grad", "moe_finalize_routing", "moe_finalize_routing_grad", "moe_gating_topk_grad",
-           "reference_grouped_matmul_with_product", "reference_moe_finalize_routing_grad",
-           "reference_moe_gating_topk_grad",
+__all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_list",
+           "grouped_matmul_with_product", "grouped_matmul_weight_grad", "moe_finalize_routing",
+           "moe_finalize_routing_grad", "moe_gating_topk_grad", "reference_grouped_matmul_with_product",
+           "reference_grouped_matmul_list", "reference_moe_finalize_routing_grad", "reference_moe_gating_topk_grad",
            "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
            "reference_moe_finalize_routing", "reference_grouped_matmul_weight_grad"]
 
@@ -754,15 +853,18 @@ REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=re
                   grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing,
                   grouped_matmul_weight_grad=reference_grouped_matmul_weight_grad,
                   grouped_matmul_with_product=reference_grouped_matmul_with_product,
+                  grouped_matmul_list=reference_grouped_matmul_list,
                   moe_finalize_routing_grad=reference_moe_finalize_routing_grad,
                   moe_gating_topk_grad=reference_moe_gating_topk_grad)
 # a simulation without values times these on shapes plus their steering values (the group list, the row
 # indices); the router and the token sort need their values computed (their outputs steer what follows)
-TIMING.update(grouped_matmul=_timing_gmm, grouped_matmul_with_product=_timing_gmm_with_product,
+TIMING.update(grouped_matmul=_timing_gmm, grouped_matmul_list=_timing_gmm_list,
+              grouped_matmul_with_product=_timing_gmm_with_product,
               grouped_matmul_weight_grad=_timing_gmm_weight_grad, moe_finalize_routing=_timing_finalize,
               moe_finalize_routing_grad=_timing_finalize_grad, moe_gating_topk_grad=_timing_gating_grad)
 STEERED.update(moe_gating_topk="moe_gating_topk", moe_init_routing="moe_init_routing", grouped_matmul="grouped_matmul",
-               grouped_matmul_with_product="grouped_matmul", grouped_matmul_weight_grad="grouped_matmul_weight_grad",
+               grouped_matmul_with_product="grouped_matmul", grouped_matmul_list="grouped_matmul",
+               grouped_matmul_weight_grad="grouped_matmul_weight_grad",
                moe_finalize_routing="moe_finalize_routing", moe_finalize_routing_grad="moe_finalize_routing_grad")
 
 

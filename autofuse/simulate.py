@@ -197,6 +197,8 @@ def _spec(a):
         return tuple(a.shape), str(a.dtype)
     if isinstance(a, npu.Absent):
         return tuple(a.shape), a.element or str(a.dtype)
+    if isinstance(a, (list, tuple)):
+        return tuple(_spec(x) for x in a)       # a list of tensors (a grouped GEMM's per-group weights)
     return a
 
 

@@ -185,3 +185,33 @@ def test_reference_twins_match_the_kernels():
     y = torch.randn(40, 8).half()
     sc = torch.rand(20, 2)
     assert torch.equal(M.moe_finalize_routing(y, sc, got[1]), M.reference_moe_finalize_routing(y, sc, got[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_over_a_weight_list_is_the_stacked_launch(dtype):
+    """``grouped_matmul_list`` (a hand-written layer's experts: one weight per group, the gate and up projections
+    apart) gives the stacked op's values and launch: the same kernel reading the same bytes, the same cycles."""
+    from autofuse.ops import recording
+    torch.manual_seed(9)
+    E, H, inter = 3, 16, 24
+    x, counts = torch.randn(20, H, dtype=dtype), torch.tensor([7, 0, 13])
+    gate, up = ([torch.randn(inter, H, dtype=dtype) * 0.3 for _ in range(E)] for _ in range(2))
+    down = [torch.randn(H, inter, dtype=dtype) * 0.3 for _ in range(E)]
+    with recording() as listed:
+        h = M.grouped_matmul_list(x, gate, counts, up, trans_w=True, activation="swiglu")
+        y = M.grouped_matmul_list(h, down, counts, trans_w=True)
+    with recording() as stacked:
+        h2 = M.grouped_matmul(x, torch.cat([torch.stack(gate), torch.stack(up)], 1), counts, trans_w=True,
+                              activation="swiglu")
+        y2 = M.grouped_matmul(h2, torch.stack(down), counts, trans_w=True)
+    assert torch.equal(h, h2) and torch.equal(y, y2)
+    assert [(k, s.cycles, s.hbm_bytes) for k, s in listed] == [(k, s.cycles, s.hbm_bytes) for k, s in stacked]
+    # the twin accumulates in fp32 in torch's order, the kernel in its tiles': equal up to fp32 rounding, then up to
+    # one step of the output's rounding (bf16: 2^-8 relative)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(y, M.reference_grouped_matmul_list(h, down, counts, trans_w=True), **tol)
+    torch.library.opcheck(torch.ops.autofuse.grouped_matmul_list.default, (x.float(), [g.float() for g in gate], counts,
+                                                                          [u.float() for u in up], True, "count",
+                                                                          "swiglu"))
+    with pytest.raises(ValueError, match="as many up projections"):
+        M.grouped_matmul_list(x, gate, counts, up[:2], trans_w=True, activation="swiglu")
