@@ -49,7 +49,9 @@ real data is touched, so very large configurations can be analysed.
    graph is run once on the example inputs and those nodes' ``val`` are replaced by the sizes that run
    produced, so that matching and pricing see plain shapes; every node whose value or input had a
    data-dependent size carries ``node.meta["autofuse_data_dependent"]`` (the nodes that read the sizes from
-   data), and the planner fuses none of them (they run as captured, for whatever sizes later calls bring).
+   data), those whose own sizes do also ``["autofuse_data_sized"]``; the planner fuses no block that reads or gives
+   the graph a value of data-dependent size (they run as captured, for whatever sizes later calls bring), and a
+   block whose sizes depend on data only inside (a hand-written MoE layer's expert loop) as one call.
    On meta inputs there is nothing to run: capture says so.
 6. **Copies into a view** (``x[..., i] = y``, ``copy_``) are functionalized to ``aten.copy``, which autograd cannot
    differentiate; where the result's layout cannot matter they are spelled ``expand`` + ``clone`` (or a cast): the
@@ -2329,6 +2331,8 @@ def _specialise_data_dependent(gm: fx.GraphModule, route: str, leaves: list) -> 
         wanted[name].meta["val"] = concrete(r)
     for n, why in dynamic.items():
         n.meta["autofuse_data_dependent"] = why
+    for n in wanted.values():
+        n.meta["autofuse_data_sized"] = True        # its own sizes change with the data (not only its inputs')
 
 
 _HINTS = [

@@ -602,8 +602,13 @@ def emit_gating(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
 
 def _experts_specs(match, nodes):
     p = match.params
-    x, w1, w2 = (_spec(nodes[match.inputs[r]]) for r in ("x", "w1", "w2"))
     T, k, E, H, I = p["tokens"], p["k"], p["num_experts"], p["hidden"], p["intermediate"]
+    if p.get("implementation") == "loop":       # the lists of the experts' weights, read as the stacked form's
+        x = _spec(nodes[match.inputs["x"]])
+        dt = _spec(nodes[match.inputs["w1.0"]])[1]
+        w1, w2 = ((E, 2 * I, H), dt), ((E, H, I), dt)
+    else:
+        x, w1, w2 = (_spec(nodes[match.inputs[r]]) for r in ("x", "w1", "w2"))
     S = T * k
     return x, w1, w2, S, E, H, I, (T, k)
 
@@ -616,8 +621,9 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     from autofuse.fused_vector import training_graph        # fused_vector builds on this module
     x, w1, w2, S, E, H, I, tk = _experts_specs(match, nodes)
     dt = x[1]
-    training = training_graph(nodes[match.inputs["x"]].graph)
     p = match.params
+    # a training graph's first GEMM also stores its product; the list form's launch does not (its backward recomputes)
+    training = training_graph(nodes[match.inputs["x"]].graph) and p.get("implementation") != "loop"
     trans_w = p.get("trans_w", True)
     b1, b2 = (_spec(nodes[match.inputs[r]]) if r in match.inputs else None for r in ("b1", "b2"))
     tilings = []            # the two GEMMs': searched at O3 (passed to the calls), the kernel's own at O1 and O2
@@ -700,10 +706,17 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
         xs = call(g, aten.mul.Tensor, xs, call(g, aten.unsqueeze.default, at_rows, -1))
     first = ops.grouped_matmul_with_product.default if store else ops.grouped_matmul.default
     trans_w = p.get("trans_w", True)
-    h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs, **t_up)
-    if store:
-        h = call(g, operator.getitem, h, 0)
-    y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, ins.get("b2"), trans_w=trans_w, **kwargs, **t_down)
+    if p.get("implementation") == "loop":       # a hand-written layer's experts: lists of their projections
+        gate, up, down = ([ins[f"{r}.{e}"] for e in range(p["num_experts"])] for r in ("w1", "w3", "w2"))
+        h = call(g, ops.grouped_matmul_list.default, xs, gate, counts, up, trans_w=True, **_glu_options(p), **kwargs,
+                 **t_up)
+        y = call(g, ops.grouped_matmul_list.default, h, down, counts, [], trans_w=True, **kwargs, **t_down)
+    else:
+        h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs, **t_up)
+        if store:
+            h = call(g, operator.getitem, h, 0)
+        y = call(g, ops.grouped_matmul.default, h, ins["w2"], counts, ins.get("b2"), trans_w=trans_w, **kwargs,
+                 **t_down)
     if p.get("weights_at") == "input":
         w = call(g, aten.new_ones.default, xs, [T, k], dtype=torch.float32)
     if tuple(val(w).shape) != (T, k):

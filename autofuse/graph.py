@@ -208,6 +208,27 @@ def effectful(n: fx.Node) -> bool:
         t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
 
 
+#: what a data-dependent size leaves hanging off its holder in an exported graph: the size read and its range checks
+SIZE_CHECKS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten._assert_scalar.default,
+                         torch.ops.aten.sym_constrain_range_for_size.default, operator.ge, operator.le, operator.gt,
+                         operator.lt, operator.eq})
+
+
+def size_checks(n: fx.Node, skip=frozenset()) -> list | None:
+    """The nodes checking ``n``'s data-dependent size (a ``sym_size`` read, comparisons, ``_assert_scalar``) that
+    read it, other than those in ``skip``; None if something else does: when ``n`` goes, its checks go with it."""
+    out, stack = [], [u for u in n.users if u not in skip]
+    while stack:
+        u = stack.pop()
+        if u in out or u in skip:
+            continue
+        if u.op != "call_function" or u.target not in SIZE_CHECKS:
+            return None
+        out.append(u)
+        stack.extend(u.users)
+    return out
+
+
 def ancestors(nodes) -> set:
     """Every node the values of ``nodes`` are computed from (their inputs, theirs, ...), ``nodes`` not included
     unless one is upstream of another."""

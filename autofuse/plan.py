@@ -358,10 +358,16 @@ def _best_independent_set(cands: list[Candidate], conflicts: nx.Graph) -> set:
 
 def _data_dependent(c: Candidate, cap: dict) -> str:
     """Why a candidate may not fuse because its sizes depend on data (capture's ``autofuse_data_dependent``), or
-    ``""``: a fused call is planned, priced and checked at one size, and these change from call to call."""
-    hit = [cap[x] for x in c.nodes if x in cap and "autofuse_data_dependent" in cap[x].meta]
-    if not hit:
+    ``""``: a fused call is planned, priced and checked at one size, and these change from call to call. What
+    counts is the call's boundary, the values it reads and the values it gives the graph: a block whose sizes
+    depend on data only inside (a hand-written MoE layer's loop, each expert's tokens found by ``torch.where`` and
+    added back by ``index_add``) is one call of fixed sizes, the data steering its kernels as any routing does."""
+    inside = {cap[x] for x in c.nodes if x in cap}
+    boundary = {a for n in inside for a in n.all_input_nodes if a not in inside} | \
+        {n for n in inside if any(u not in inside for u in n.users)}
+    if not any("autofuse_data_sized" in n.meta for n in boundary):
         return ""
+    hit = [n for n in inside | boundary if "autofuse_data_dependent" in n.meta]
     src = sorted({s for n in hit for s in n.meta["autofuse_data_dependent"]})
     return (f"its sizes depend on data ({hit[0].name} and {len(hit) - 1} more of its nodes, sized by "
             f"{', '.join(src[:4])}{' ...' if len(src) > 4 else ''}): it runs as captured, for any sizes")

@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.tools_common import legalize_graph
 
-from autofuse.graph import ancestors, copy_graph_module, graph_module
+from autofuse.graph import ancestors, copy_graph_module, graph_module, size_checks
 from autofuse.match import Match
 
 aten = torch.ops.aten
@@ -205,7 +205,8 @@ def _target(c: fx.Node, captured: dict, role: str):
 
 def footprint(captured: dict, order: dict, targets: set, keep: set, anc: set | None = None) -> tuple:
     """Captured nodes that die when the ``targets`` are replaced and the ``keep`` nodes stay read: the
-    targets, and every ancestor (``anc``, computed if not given) all of whose users die (pure calls only)."""
+    targets, and every ancestor (``anc``, computed if not given) all of whose users die (pure calls only), with the
+    checks of its data-dependent size (:func:`autofuse.graph.size_checks`) if those are its other readers."""
     anc = _ancestors(captured, targets) if anc is None else anc
     dead = set(targets)
     for name in sorted(anc - dead, key=order.__getitem__, reverse=True):
@@ -214,6 +215,10 @@ def footprint(captured: dict, order: dict, targets: set, keep: set, anc: set | N
             continue
         if n.users and all(u.name in dead for u in n.users):
             dead.add(name)
+        elif "autofuse_data_sized" in n.meta and any(u.name in dead for u in n.users):
+            checks = size_checks(n, {u for u in n.users if u.name in dead})
+            if checks is not None:
+                dead.update([name] + [c.name for c in checks])
     return tuple(sorted(dead, key=order.__getitem__))
 
 

@@ -29,6 +29,13 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   expert by two batched matmuls, its input scaled by ``sigmoid`` of the top-k logits scattered into ``-inf``,
   summed over the experts; the scores are zero off each token's picks and an expert with zero input outputs
   zero, so it runs sparse, the scores scaling the routed rows (``weights_at="input"``), the combine summing.
+  And a hand-written layer looping over a list of experts, each three bias-free ``nn.Linear``s
+  (``down(silu(gate(x)) * up(x))``; ``implementation="loop"``): one template per iteration in three spellings
+  (``torch.where(ids == e)`` + ``index_add_``; Mixtral's original ``one_hot(ids).permute(2, 1, 0)[e]`` mask with
+  ``x[None, tok]``; the dense ``out + (w * (ids == e)).sum(-1, keepdim=True) * expert(x)``), the iterations
+  chained through their accumulator (or summed) over every expert 0..E-1 the router's top-k can pick; the block,
+  whose sizes depend on data only inside (``torch.where``), is one call reading the lists of the experts' gate, up
+  and down weights (``grouped_matmul_list``).
 
 A router selecting on scores rounded to 16 bits (fp16/bf16 scores, a cast down and up on the way; DeepSeek-V3's under
 autocast) is matched and refused with the reason (``params["unsupported"]``): eager's rounding ties scores the
@@ -41,16 +48,19 @@ taken in another order than the weights were split; in the dense form, scores fi
 off the picks, the bottom k, scores laid out token-major against the expert-major repeated tokens, an expert
 bias; in the clamped form, the gate at the odd columns, a gate
 clamped from below too, gate and up clamped at different limits, anything but ``up + 1``, a bias gathered by
-another index.
+another index; in a loop, an expert the router can pick but the loop leaves out or one looped over twice, a token's
+weights summed instead of its slot's, an accumulator that does not start at zero, expert ids not from a top-k over
+the experts (their range unknown), experts with a bias or another activation.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from autofuse.graph import arg, effectful, is_number, last_dim_slice, shape, val
+from autofuse.graph import arg, effectful, is_number, last_dim_slice, shape, size_checks, val
 from autofuse.match import Match, register
 from patterns.template import Template, graph_view
 
@@ -706,14 +716,240 @@ def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
                 alpha=float(m["gscale"].args[1]), b1=biases[0], b2=biases[1])
 
 
+# ----------------------------------------------------------------- a hand-written layer looping over its experts
+def _expert_mlp(t: Template, x_in: str | None) -> Template:
+    """An expert as a hand-written MoE layer holds it: three bias-free linears, ``down(silu(gate(x)) * up(x))``
+    (the gate and up projections read the same input: ``x_in``, or a value outside the template)."""
+    t.node("gate", aten.linear.default).node("up", aten.linear.default)
+    if x_in is not None:
+        t.edge(x_in, "gate", 0).edge(x_in, "up", 0)
+    return (t.node("act", aten.silu.default).edge("gate", "act", 0)
+            .node("glu", aten.mul.Tensor).edge("act", "glu").edge("up", "glu")
+            .node("down", aten.linear.default).edge("glu", "down", 0))
+
+
+def _loop_body(one_hot: bool, gather: bool) -> Template:
+    """One iteration of a loop over the experts, expert ``e`` of E: its tokens selected by ``ids == e`` (or
+    Mixtral's original spelling, ``one_hot(ids, E).permute(2, 1, 0)[e]``), then either gathered (``torch.where`` of
+    the selection: the (token, slot) pairs; the tokens' rows, optionally read as ``x[None, tok].reshape(-1, H)``;
+    the expert; each row scaled by its routing weight ``w[tok, slot, None]``; optionally cast; ``index_add`` into
+    the accumulator at the tokens) or dense (every token through the expert, scaled by ``(w * (ids == e)).sum(-1,
+    keepdim=True)``, which is zero off the expert's tokens: the iteration's term of a sum). The anchor is the
+    accumulator's new value (gathered) or the term (dense); :func:`_loop_blocks` chains the iterations."""
+    t = Template("moe_experts", anchor="acc" if gather else "scaled")
+    if one_hot:
+        (t.node("onehot", aten.one_hot.default).node("perm", aten.permute.default).edge("onehot", "perm", 0)
+         .node("sel", aten.select.int).edge("perm", "sel", 0))
+    else:
+        t.node("sel", aten.eq.Scalar)
+    if not gather:
+        (_expert_mlp(t, None).node("wm", aten.mul.Tensor).edge("sel", "wm")
+         .node("we", aten.sum.dim_IntList).edge("wm", "we", 0)
+         .node("scaled", aten.mul.Tensor).edge("we", "scaled").edge("down", "scaled"))
+        return t
+    (t.node("nz", aten.where.default).edge("sel", "nz", 0)
+     .node("tok", operator.getitem).node("slot", operator.getitem).edge("nz", "tok", 0).edge("nz", "slot", 0)
+     .node("xu", aten.unsqueeze.default, optional="batch")
+     .node("xs", aten.index.Tensor).edge("xu", "xs", 0).edge("tok", "xs")
+     .node("xr", aten.reshape.default, optional="batch").edge("xs", "xr", 0))
+    return (_expert_mlp(t, "xr")
+            .node("wu", aten.unsqueeze.default)
+            .node("wg", aten.index.Tensor).edge("wu", "wg", 0).edge("tok", "wg", 1).edge("slot", "wg", 2)
+            .node("scaled", aten.mul.Tensor).edge("down", "scaled").edge("wg", "scaled")
+            .node("cast", aten._to_copy.default, where=_cast, optional=True).edge("scaled", "cast", 0)
+            .node("acc", aten.index_add.default).edge("tok", "acc", 2).edge("cast", "acc", 3))
+
+
+_LOOP_BODIES = tuple(_loop_body(one_hot, gather) for one_hot, gather in ((False, True), (True, True), (False, False)))
+
+
+@dataclass(frozen=True)
+class _Body:
+    """One matched iteration: its expert, what it reads (the tokens, the expert ids, the routing weights, the
+    expert's three weights), the accumulator before and after, its nodes."""
+
+    expert: int
+    x: fx.Node
+    ids: fx.Node
+    weights: fx.Node
+    params: tuple           # (gate, up, down) weights
+    prev: fx.Node
+    acc: fx.Node
+    nodes: tuple
+
+
+def _decide_body(m: dict) -> _Body | None:
+    """Constraints of one iteration (see :func:`_loop_body`): the expert index a constant, the selection of the
+    routed ids ``[T, k]``, the expert's three weights parameters ``[I, H]``, ``[I, H]``, ``[H, I]`` read as
+    ``linear`` does, SiLU on the gate, the routing weights ``[T, k]`` read at the selected (token, slot) pairs or
+    summed over the slots that selected the expert."""
+    sel = m["sel"]
+    if "onehot" in m:
+        ids, E = m["onehot"].args[0], m["onehot"].args[1]
+        if m["perm"].args[1] != [2, 1, 0] or len(shape(m["onehot"])) != 3 or sel.args[1] != 0 or \
+                not isinstance(sel.args[2], int) or not 0 <= sel.args[2] < E:
+            return None
+        e = sel.args[2]
+    else:
+        ids, e = sel.args[0], sel.args[1]
+        if not isinstance(e, int) or isinstance(e, bool):
+            return None
+    if not isinstance(ids, fx.Node) or shape(ids) is None or len(shape(ids)) != 2 or val(ids).dtype.is_floating_point:
+        return None
+    T, k = shape(ids)
+    gate, up, act, glu, down = (m[n] for n in ("gate", "up", "act", "glu", "down"))
+    if any(len(n.args) != 2 or n.kwargs for n in (gate, up, down)) or gate.args[0] is not up.args[0] or \
+            act.args[0] is not gate or {glu.args[0], glu.args[1]} != {act, up} or down.args[0] is not glu:
+        return None
+    ws = tuple(_param(n.args[1]) for n in (gate, up, down))
+    x_in = gate.args[0]
+    if any(w is None for w in ws) or shape(x_in) is None or len(shape(x_in)) != 2:
+        return None
+    H = shape(x_in)[1]
+    I = shape(ws[0])[0]
+    if shape(ws[0]) != (I, H) or shape(ws[1]) != (I, H) or shape(ws[2]) != (H, I):
+        return None
+    scaled = m["scaled"]
+    if "nz" in m:
+        acc = m["acc"]                           # gathered
+        tok_at = 1 if "onehot" in m else 0  # where(ids == e): (token, slot); where(one_hot.permute[e]): (slot, token)
+        tok, slot, xs = m["tok"], m["slot"], m["xs"]
+        if m["nz"].args != (sel,) or tok.args[1] != tok_at or slot.args[1] != 1 - tok_at:
+            return None
+        if "xu" in m:                       # x[None, tok].reshape(-1, H)
+            x = m["xu"].args[0]
+            if m["xu"].args[1] != 0 or xs.args[1] != [None, tok] or shape(m["xr"])[-1] != H:
+                return None
+        else:
+            x = xs.args[0]
+            if xs.args[1] != [tok]:
+                return None
+        w = m["wu"].args[0]
+        if m["wu"].args[1] not in (2, -1) or m["wg"].args[1] != [tok, slot] or {scaled.args[0], scaled.args[1]} != \
+                {down, m["wg"]}:
+            return None
+        if acc.args[1] != 0 or acc.args[2] is not tok or acc.args[3] is not m.get("cast", scaled) or acc.kwargs:
+            return None
+        prev = acc.args[0]
+        block = set(m.values())
+        checks = [size_checks(h, block) for h in (tok, slot)]     # part of the iteration: the fused block has none
+        if None in checks or set(m["nz"].users) != {tok, slot}:
+            return None
+        checks = checks[0] + checks[1]
+    else:                                   # dense
+        x = x_in
+        wm, we = m["wm"], m["we"]
+        w = wm.args[0] if wm.args[1] is sel else wm.args[1]
+        if {wm.args[0], wm.args[1]} != {w, sel} or list(arg(we, 1, "dim")) not in ([-1], [1]) or \
+                not arg(we, 2, "keepdim", False) or we.kwargs.get("dtype") is not None:
+            return None
+        if {scaled.args[0], scaled.args[1]} != {we, down}:
+            return None
+        acc, prev, checks = scaled, None, []
+    if shape(x) != (T, H) or shape(w) != (T, k) or shape(acc) != (T, H) or \
+            prev is not None and shape(prev) != (T, H) or not val(w).dtype.is_floating_point:
+        return None
+    if any(val(n).dtype != val(x).dtype for n in ws):
+        return None
+    return _Body(e, x, ids, w, ws, prev, acc, tuple(m.values()) + tuple(checks))
+
+
+_ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
+
+
+def _routed_experts(ids: fx.Node) -> int | None:
+    """How many experts the ids ``[T, k]`` route to: the top-k's indices over the last dim of the router's scores
+    ``[T, E]`` (k distinct experts per token, each below E)."""
+    if ids.target is not operator.getitem or ids.args[1] != 1 or not isinstance(ids.args[0], fx.Node):
+        return None
+    topk = ids.args[0]
+    if topk.target is not aten.topk.default or not _last_dim(topk, arg(topk, 2, "dim", -1)) or \
+            len(shape(topk.args[0])) != 2:
+        return None
+    return shape(topk.args[0])[-1]
+
+
+def _sum_terms(n: fx.Node, terms: dict, root: bool = True) -> list | None:
+    """The terms ``n`` sums: ``n`` itself if a term, else the terms of the two operands of an ``add`` (read only by
+    the sum, below its root) and nothing of a zero tensor; None if anything else takes part."""
+    if n in terms:
+        return [n]
+    if n.target in _ZEROS:
+        return []
+    if n.target is not aten.add.Tensor or len(n.args) != 2 or n.kwargs or not root and len(n.users) != 1:
+        return None
+    a, b = (_sum_terms(x, terms, False) if isinstance(x, fx.Node) else None for x in n.args)
+    return None if a is None or b is None else a + b
+
+
+def _loop_blocks(view) -> list[Match]:
+    """Hand-written MoE layers: iterations (:data:`_LOOP_BODIES`), one per expert 0..E-1 (each once, any order),
+    all reading the same tokens, expert ids and routing weights, E the number of experts the ids route to; the
+    gathered ones chained through their accumulator from a zero tensor, the dense ones' terms summed by ``add``s
+    (the canonical form drops the ``0 +`` of the first). The block is the whole loop; it computes what
+    ``moe_experts`` computes (each token's k routed experts' outputs, weighted, summed), with the experts' weights
+    as the lists of their gate, up and down projections."""
+    bodies = [b for t in _LOOP_BODIES for b in t.match(view, _decide_body)]
+    after, terms = {}, {b.acc: b for b in bodies if b.prev is None}
+    for b in bodies:
+        if b.prev is not None:
+            after.setdefault(b.prev, []).append(b)
+    accs = {b.acc for b in bodies}
+    chains = []
+    for first in bodies:
+        if first.prev is None or first.prev in accs or first.prev.target not in _ZEROS or len(after[first.prev]) != 1:
+            continue
+        chain = [first]
+        while len(chain[-1].acc.users) == 1 and len(after.get(chain[-1].acc, ())) == 1:
+            chain.append(after[chain[-1].acc][0])
+        chains.append((chain, chain[-1].acc, [first.prev]))
+    used = set()
+    for n in reversed(list(view.fx.values()) if terms else ()):
+        if n in used or n.target is not aten.add.Tensor:
+            continue
+        got = _sum_terms(n, terms)
+        if got is not None and len(got) >= 2:
+            sums, stack = [], [n]          # the adds and zero tensors of the sum (``_sum_terms`` checked it)
+            while stack:
+                a = stack.pop()
+                if a not in terms:
+                    sums.append(a)
+                    if a.target is aten.add.Tensor:
+                        stack.extend(a.args)
+            used.update(sums)
+            chains.append(([terms[t] for t in got], n, sums))
+    out = []
+    for chain, last, extra in chains:
+        first, E = chain[0], len(chain)
+        if E < 2 or sorted(b.expert for b in chain) != list(range(E)) or _routed_experts(first.ids) != E:
+            continue
+        if any((b.x, b.ids, b.weights) != (first.x, first.ids, first.weights) for b in chain):
+            continue
+        nodes = {n for b in chain for n in b.nodes} | {n for n in extra if n.target not in _ZEROS or len(n.users) == 1}
+        order = _block_order({n.name: n for n in nodes}, last)
+        if order is None:
+            continue
+        T, k = shape(first.ids)
+        I, H = shape(first.params[0])
+        inputs = {"x": first.x.name, "ids": first.ids.name, "weights": first.weights.name}
+        for b in sorted(chain, key=lambda b: b.expert):
+            for role, p in zip(("w1", "w3", "w2"), b.params):
+                inputs[f"{role}.{b.expert}"] = p.name
+        params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=I, weights_scale=1.0, trans_w=True,
+                      implementation="loop", out_like=val(last), dtype=val(first.x).dtype, activation="swiglu",
+                      swiglu_order="gate_up", loop="gather" if first.prev is not None else "dense")
+        out.append(Match("moe_experts", order, last.name, inputs, params))
+    return out
+
+
 @register("moe_experts")
 def find_moe_experts(gm: fx.GraphModule) -> list[Match]:
     view = graph_view(gm)
     found = _EXPERTS_BATCHED.match(view, _decide_experts) + _EXPERTS_BATCHED_CLAMPED.match(view, _decide_experts) + \
         _EXPERTS_GROUPED.match(view, _decide_experts) + _EXPERTS_GROUPED_CLAMPED.match(view, _decide_experts) + \
-        _EXPERTS_DENSE.match(view, _decide_dense_experts)
+        _EXPERTS_DENSE.match(view, _decide_dense_experts) + _loop_blocks(view)
     return sorted(found, key=lambda m: view.order[m.anchor])
 
 
 TEMPLATES = (_GATING, _GATING_GATHER, _GATING_GROUP_VALUES, _GATING_TOPK_FIRST, _EXPERTS_GROUPED, _EXPERTS_BATCHED,
-             _EXPERTS_GROUPED_CLAMPED, _EXPERTS_BATCHED_CLAMPED, _EXPERTS_DENSE)
+             _EXPERTS_GROUPED_CLAMPED, _EXPERTS_BATCHED_CLAMPED, _EXPERTS_DENSE) + _LOOP_BODIES
