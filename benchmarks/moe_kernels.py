@@ -8,6 +8,8 @@
                                                        # top-4): biases, the clamped SwiGLU on interleaved pairs
     python benchmarks/moe_kernels.py --model llama4    # Llama 4 Scout's experts (H 5120, I 8192, 16 experts,
                                                        # top-1) in their dense form
+    python benchmarks/moe_kernels.py --model loop      # Mixtral's shapes, the experts a hand-written layer's loop
+                                                       # over a list of nn.Linear experts
 
 Every figure is simulated cycles (``npu.run``), each kernel with the tiling the cost model's search picks, on
 both sides. The unfused chains are what eager runs, priced with the competent kernels of the same
@@ -32,6 +34,9 @@ histc, cumsum, the inverse permutation's index_put — as ``generic`` Vector pas
   the fused graph's sparse form (sigmoid of the k scores, ``moe_init_routing``, the scores put at the routed rows
   and scaling them, ``grouped_matmul`` with the SwiGLU epilogue, ``grouped_matmul``, ``moe_finalize_routing``);
   the router's top-k runs on both sides;
+* a hand-written layer (``--model loop``): its loop over the experts as eager runs it (per expert the selection,
+  ``torch.where``, the gather, three matmuls, SiLU and the product, the weights' gather, the scaling, the in-place
+  ``index_add_``) vs the fused block (routing, two grouped GEMMs over the experts' weight lists, the combine);
 * routing + finalize: sort of the expert ids, ``perm // k``, the token gather, the weights' gather, histc,
   cumsum (transformers' grouped_mm path) and, after the experts, the weighting, the inverse permutation, its
   gather and the sum over k vs ``moe_init_routing`` + ``moe_finalize_routing``.
@@ -59,8 +64,9 @@ def run(kernel, arrays, device, timing_only=False, **params):
     return npu.run(kernel, *arrays, device=device, timing_only=timing_only, **p).stats.cycles
 
 
-def generic(ins, outs, device):
-    return npu.run("generic", *ins, device=device, outputs=[(tuple(s), d) for s, d in outs]).stats.cycles
+def generic(ins, outs, device, timing_only=False):
+    return npu.run("generic", *ins, device=device, outputs=[(tuple(s), d) for s, d in outs],
+                   timing_only=timing_only).stats.cycles
 
 
 def gating(T, E, k, device):
@@ -218,6 +224,69 @@ def dense_experts(T, H, I, E, k, device, dtype=torch.bfloat16):
     return sum(unfused), sum(fused), len(unfused), len(fused)
 
 
+def loop_experts(T, H, I, E, k, device, dtype=torch.bfloat16):
+    """A hand-written MoE layer's experts (each three ``nn.Linear``s), as its loop runs them in eager, expert by
+    expert: ``tok, slot = torch.where(ids == e)``, ``x[tok]``, the gate and up projections, SiLU and the product, the
+    down projection, ``w[tok, slot, None]``, the scaling, ``out.index_add_(0, tok, .)`` (in place: the expert's rows
+    read and written), after one zero fill of ``out``; vs the fused block: ``moe_init_routing``, ``grouped_matmul``
+    over the lists of the experts' gate and up projections with the SwiGLU epilogue, ``grouped_matmul`` over the
+    down projections, ``moe_finalize_routing``. Even loads; timed on shapes (the indices real)."""
+    M = T * k
+    sizes = tuple(M // E + (g < M % E) for g in range(E))
+    dt = str(dtype).replace("torch.", "")
+    t = dict(timing_only=True)
+
+    def meta(*shape, dtype=dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+    torch.manual_seed(3)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    unfused = [generic([meta(T, H)], [((T, H), dt)], device, **t)]          # out = zeros_like(x)
+    for e, n in enumerate(sizes):
+        tok = torch.randint(0, T, (n,), dtype=torch.int32)
+        unfused += [generic([ids], [((T, k), "bool")], device),                    # ids == e
+                    generic([meta(T, k, dtype=torch.bool)], [((n,), "int64"), ((n,), "int64")], device, **t),  # where
+                    run("gather", [meta(T, H), tok], device, **t),                  # x[tok]
+                    run("matmul", [meta(n, H), meta(I, H)], device, trans_b=True, **t),        # gate
+                    run("matmul", [meta(n, H), meta(I, H)], device, trans_b=True, **t),        # up
+                    run("elementwise", [meta(n, I)], device, op="silu", **t),
+                    run("elementwise", [meta(n, I), meta(n, I)], device, op="mul", **t),
+                    run("matmul", [meta(n, I), meta(H, I)], device, trans_b=True, **t),        # down
+                    generic([meta(T, k), meta(n, dtype=torch.int64), meta(n, dtype=torch.int64)],
+                            [((n, 1), dt)], device, **t),                                # w[tok, slot, None]
+                    run("elementwise", [meta(n, H), meta(n, 1)], device, op="mul", **t),
+                    generic(                                                            # index_add_ (in place)
+                        [meta(n, H), meta(n, H), meta(n, dtype=torch.int64)], [((n, H), dt)], device, **t)]
+    counts = torch.tensor(sizes, dtype=torch.int32)
+    perm = torch.sort(ids.flatten().long(), stable=True).indices
+    rows = torch.empty_like(perm)
+    rows[perm] = torch.arange(M)
+    fused = [run("moe_init_routing", [torch.zeros(T, H, dtype=dtype), ids], device, num_experts=E),
+             run("grouped_matmul", [meta(M, H), meta(E, 2 * I, H), counts], device, trans_w=True, activation="swiglu",
+                 group_sizes=sizes, **t),
+             run("grouped_matmul", [meta(M, I), meta(E, H, I), counts], device, trans_w=True, group_sizes=sizes, **t),
+             run("moe_finalize_routing", [torch.zeros(M, H, dtype=dtype), torch.ones(T, k), rows.int()], device)]
+    return sum(unfused), sum(fused), len(unfused), len(fused)
+
+
+def main_loop(dev, quick):
+    """Mixtral-8x7B's MoE shapes, the experts a hand-written layer's loop over a list of ``nn.Linear`` experts."""
+    T, H, I, E, k, decode_T = (512, 1024, 2048, 8, 2, 256) if quick else (4096, 4096, 14336, 8, 2, 256)
+    t0 = time.time()
+    rows = []
+    gu, gf, gn = gating(T, E, k, dev)
+    rows.append((f"gating [{T}, {E}] top-{k} (bf16 logits)", gu, gf, gn, 1))
+    u, f, nu, nf = loop_experts(decode_T, H, I, E, k, dev)
+    rows.append((f"loop over experts, decode: {decode_T * k // E} tokens/expert", u, f, nu, nf))
+    eu, ef, enu, enf = loop_experts(T, H, I, E, k, dev)
+    rows.append((f"loop over experts, prefill: {T * k // E} tokens/expert", eu, ef, enu, enf))
+    rows.append((f"whole MoE block (router + expert loop), {T} tokens", gu + eu, gf + ef, gn + enu, 1 + enf))
+    print(f"Hand-written MoE layer (loop over {E} nn.Linear experts, H {H}, I {I}) on {dev} "
+          f"(simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
+    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}")
+    for name, u, f, nu, nf in rows:
+        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x")
+
+
 def main_llama4(dev, quick):
     """Llama 4 Scout's MoE shapes (``Llama4TextConfig``'s defaults: H 5120, I 8192, 16 experts, top-1), the experts
     in their dense form: every token through all 16 experts in eager."""
@@ -237,13 +306,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes")
     ap.add_argument("--device", default="ascend910")
-    ap.add_argument("--model", choices=("mixtral", "gpt_oss", "llama4"), default="mixtral")
+    ap.add_argument("--model", choices=("mixtral", "gpt_oss", "llama4", "loop"), default="mixtral")
     a = ap.parse_args(argv)
     dev = a.device
     if a.model == "gpt_oss":
         return main_gpt_oss(dev, a.quick)
     if a.model == "llama4":
         return main_llama4(dev, a.quick)
+    if a.model == "loop":
+        return main_loop(dev, a.quick)
     if a.quick:
         T, H, I, E, k, decode_T = 512, 1024, 2048, 8, 2, 256
     else:
