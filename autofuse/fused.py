@@ -605,8 +605,8 @@ def _experts_specs(match, nodes):
     T, k, E, H, I = p["tokens"], p["k"], p["num_experts"], p["hidden"], p["intermediate"]
     if p.get("implementation") == "loop":       # the lists of the experts' weights, read as the stacked form's
         x = _spec(nodes[match.inputs["x"]])
-        dt = _spec(nodes[match.inputs["w1.0"]])[1]
-        w1, w2 = ((E, 2 * I, H), dt), ((E, H, I), dt)
+        (n1, _), dt = _spec(nodes[match.inputs["w1.0"]])       # (2I: a gate and up projection joined)
+        w1, w2 = ((E, n1 * (2 if "w3.0" in match.inputs else 1), H), dt), ((E, H, I), dt)
     else:
         x, w1, w2 = (_spec(nodes[match.inputs[r]]) for r in ("x", "w1", "w2"))
     S = T * k
@@ -626,6 +626,10 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     training = training_graph(nodes[match.inputs["x"]].graph) and p.get("implementation") != "loop"
     trans_w = p.get("trans_w", True)
     b1, b2 = (_spec(nodes[match.inputs[r]]) if r in match.inputs else None for r in ("b1", "b2"))
+    if p.get("implementation") == "loop" and "b1.0" in match.inputs:     # the lists of the experts' biases
+        b1 = ((E, w1[0][1]), dt)
+    if p.get("implementation") == "loop" and "b2.0" in match.inputs:
+        b2 = ((E, H), dt)
     tilings = []            # the two GEMMs': searched at O3 (passed to the calls), the kernel's own at O1 and O2
 
     def gemm(specs, **kw):
@@ -707,10 +711,11 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     first = ops.grouped_matmul_with_product.default if store else ops.grouped_matmul.default
     trans_w = p.get("trans_w", True)
     if p.get("implementation") == "loop":       # a hand-written layer's experts: lists of their projections
-        gate, up, down = ([ins[f"{r}.{e}"] for e in range(p["num_experts"])] for r in ("w1", "w3", "w2"))
-        h = call(g, ops.grouped_matmul_list.default, xs, gate, counts, up, trans_w=True, **_glu_options(p), **kwargs,
-                 **t_up)
-        y = call(g, ops.grouped_matmul_list.default, h, down, counts, [], trans_w=True, **kwargs, **t_down)
+        w1, w3, w2, b1, b3, b2 = ([ins[f"{r}.{e}"] for e in range(p["num_experts"]) if f"{r}.{e}" in ins]
+                                  for r in ("w1", "w3", "w2", "b1", "b3", "b2"))
+        h = call(g, ops.grouped_matmul_list.default, xs, w1, counts, w3, b1, b3, trans_w=True, **_glu_options(p),
+                 **kwargs, **t_up)
+        y = call(g, ops.grouped_matmul_list.default, h, w2, counts, [], b2, [], trans_w=True, **kwargs, **t_down)
     else:
         h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs, **t_up)
         if store:

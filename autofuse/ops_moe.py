@@ -551,97 +551,111 @@ def _(x, weight, group_list, bias=None, trans_w=False, group_list_type="count", 
 _grouped_matmul_with_product.register_autograd(_gmm_backward, setup_context=_gmm_setup)
 
 
-def _stacked(weight, weight_up, trans_w):
-    """The grouped GEMM's ``[E, N, K]`` (``trans_w``) or ``[E, K, N]`` weight from a list of per-expert weights and,
-    for a SwiGLU whose gate and up projections are held apart, the list of up projections (gate first along N)."""
-    w = torch.stack(list(weight))
-    if weight_up:
-        w = torch.cat([w, torch.stack(list(weight_up))], 1 if trans_w else 2)
-    return w
+def _stacked(parts, parts_up, dim):
+    """One ``[E, ...]`` operand from a list of per-group ones (weights, or biases) and, for a SwiGLU whose gate and up
+    projections are held apart, the list of up ones, joined after the gate's along ``dim`` (N); None for none."""
+    if not parts:
+        return None
+    w = torch.stack(list(parts))
+    return torch.cat([w, torch.stack(list(parts_up))], dim) if parts_up else w
 
 
-def _check_lists(weight, weight_up):
-    if not weight or (weight_up and len(weight_up) != len(weight)):
-        raise ValueError(f"grouped_matmul_list: one weight per group, and as many up projections when given "
-                         f"(got {len(weight)} weights, {len(weight_up or ())} up projections)")
+def _operands(weight, weight_up, bias, bias_up, trans_w):
+    """The stacked weight and bias of a weight-list call."""
+    if not weight or any(len(x) not in (0, len(weight)) for x in (weight_up, bias, bias_up)) or \
+            bool(bias_up) and not (weight_up and bias):
+        raise ValueError(f"grouped_matmul_list: one weight per group, and as many up projections and biases when "
+                         f"given (an up bias with an up projection and a bias); got {len(weight)} weights, "
+                         f"{len(weight_up)} up projections, {len(bias)} biases, {len(bias_up)} up biases")
+    return _stacked(weight, weight_up, 1 if trans_w else 2), _stacked(bias, bias_up, 1)
 
 
 @torch.library.custom_op("autofuse::grouped_matmul_list", mutates_args=())
 def _grouped_matmul_list(x: torch.Tensor, weight: list[torch.Tensor], group_list: torch.Tensor,
-                         weight_up: list[torch.Tensor], trans_w: bool = False,
-                         group_list_type: str = "count", activation: str = "", swiglu_order: str = "gate_up",
-                         device: str = "ascend910", tiling: str = "") -> torch.Tensor:
-    _check_lists(weight, weight_up)
-    r = _launch_gmm(x, _stacked(weight, weight_up, trans_w), group_list, None, trans_w, group_list_type, activation,
-                    swiglu_order, device, tiling)
+                         weight_up: list[torch.Tensor], bias: list[torch.Tensor], bias_up: list[torch.Tensor],
+                         trans_w: bool = False, group_list_type: str = "count", activation: str = "",
+                         swiglu_order: str = "gate_up", device: str = "ascend910", tiling: str = "") -> torch.Tensor:
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    r = _launch_gmm(x, w, group_list, b, trans_w, group_list_type, activation, swiglu_order, device, tiling)
     _record("grouped_matmul", r.stats)
     return _to_torch(r.outputs[0], x.dtype)
 
 
 @_grouped_matmul_list.register_fake
-def _(x, weight, group_list, weight_up, trans_w=False, group_list_type="count", activation="",
+def _(x, weight, group_list, weight_up, bias, bias_up, trans_w=False, group_list_type="count", activation="",
       swiglu_order="gate_up", device="ascend910", tiling=""):
     N = weight[0].shape[0 if trans_w else 1] * (2 if weight_up else 1)
     return x.new_empty((x.shape[0], N // 2 if activation in GLU else N))
 
 
-def _timing_gmm_list(x, weight, group_list, weight_up=None, trans_w=False, group_list_type="count", activation="",
-                     swiglu_order="gate_up", device="ascend910", tiling=""):
-    return _timing_gmm(x, _stacked(weight, weight_up, trans_w), group_list, None, trans_w, group_list_type,
-                       activation, swiglu_order, device, tiling)
+def _timing_gmm_list(x, weight, group_list, weight_up, bias, bias_up, trans_w=False, group_list_type="count",
+                     activation="", swiglu_order="gate_up", device="ascend910", tiling=""):
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    return _timing_gmm(x, w, group_list, b, trans_w, group_list_type, activation, swiglu_order, device, tiling)
 
 
-def reference_grouped_matmul_list(x, weight, group_list, weight_up=None, trans_w=False, group_list_type="count",
-                                  activation="", swiglu_order="gate_up", upcast=False, **_):
-    """:func:`reference_grouped_matmul` on the stacked weights."""
-    return reference_grouped_matmul(x, _stacked(weight, weight_up, trans_w), group_list, None, trans_w,
-                                    group_list_type, activation, swiglu_order, upcast)
+def reference_grouped_matmul_list(x, weight, group_list, weight_up=(), bias=(), bias_up=(), trans_w=False,
+                                  group_list_type="count", activation="", swiglu_order="gate_up", upcast=False, **_):
+    """:func:`reference_grouped_matmul` on the stacked operands."""
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    return reference_grouped_matmul(x, w, group_list, b, trans_w, group_list_type, activation, swiglu_order, upcast)
 
 
 def _gmm_list_setup(ctx, inputs, output):
-    x, weight, gl, weight_up = inputs[:4]
-    ctx.save_for_backward(x, gl, *weight, *(weight_up or ()))
+    x, weight, gl, weight_up, bias, bias_up = inputs[:6]
+    ctx.save_for_backward(x, gl, *weight, *weight_up, *bias, *bias_up)
     ctx.set_materialize_grads(False)
-    ctx.E, ctx.up = len(weight), len(weight_up)
-    ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[4:8]),
+    ctx.counts = tuple(len(v) for v in (weight, weight_up, bias, bias_up))
+    ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[6:10]),
                       limit=None, alpha=1.0)
-    ctx.device = inputs[8] if len(inputs) > 8 else "ascend910"
+    ctx.device = inputs[10] if len(inputs) > 10 else "ascend910"
 
 
 def _gmm_list_backward(ctx, grad):
-    """:func:`_gmm_backward`'s launches on the stacked weights; each expert's weight gradient is its block of the
-    stacked gradient (split into the gate and up blocks when those are held apart)."""
-    x, gl, *ws = ctx.saved_tensors
-    E, trans_w = ctx.E, ctx.params["trans_w"]
-    weight, weight_up = ws[:E], ws[E:] or None
+    """:func:`_gmm_backward`'s launches on the stacked operands; each group's weight and bias gradients are its
+    blocks of the stacked gradients (split into the gate's and the up projection's when those are held apart)."""
+    x, gl, *rest = ctx.saved_tensors
+    lists, at = [], 0
+    for n in ctx.counts:
+        lists.append(rest[at:at + n])
+        at += n
+    weight, weight_up, bias, bias_up = lists
+    trans_w = ctx.params["trans_w"]
     need = ctx.needs_input_grad
-    need_w = any(need[1]) or any(need[3])
-    gx, gw, _ = _gmm_grads(x, _stacked(weight, weight_up, trans_w), gl, None, (), ctx.params, ctx.device, grad,
-                           None, need[0], need_w, False)
-    g_w, g_up = [None] * E, [None] * ctx.up         # the structure of the inputs: a list per list
-    if need_w:
-        if ctx.up:
-            gate, up = gw.chunk(2, 1 if trans_w else 2)
-            g_w, g_up = list(gate.unbind(0)), list(up.unbind(0))
-        else:
-            g_w = list(gw.unbind(0))
-    return (gx, g_w, None, g_up) + (None,) * (len(need) - 4)     # the structure of the call's arguments
+    need_w, need_b = any(need[1]) or any(need[3]), bool(bias) and (any(need[4]) or any(need[5]))
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    gx, gw, gb = _gmm_grads(x, w, gl, b, (), ctx.params, ctx.device, grad, None, need[0], need_w, need_b)
+
+    def blocks(g, n_up, dim):               # a stacked gradient as its per-group blocks: (gate's, up's)
+        if g is None:
+            return None, None
+        if n_up:
+            g, g_up = g.chunk(2, dim)
+            return list(g.unbind(0)), list(g_up.unbind(0))
+        return list(g.unbind(0)), []
+    g_w, g_wu = blocks(gw, len(weight_up), 1 if trans_w else 2)
+    g_b, g_bu = blocks(gb, len(bias_up), 1)
+    got = [g if g is not None else [None] * len(v) for g, v in zip((g_w, g_wu, g_b, g_bu), lists)]
+    # the structure of the call's arguments: a list per list
+    return (gx, got[0], None, got[1], got[2], got[3]) + (None,) * (len(need) - 6)
 
 
 _grouped_matmul_list.register_autograd(_gmm_list_backward, setup_context=_gmm_list_setup)
 
 
-def grouped_matmul_list(x, weight, group_list, weight_up=None, trans_w=False, group_list_type="count",
-                        activation=None, swiglu_order="gate_up", device="ascend910", tiling=None):
+def grouped_matmul_list(x, weight, group_list, weight_up=None, bias=None, bias_up=None, trans_w=False,
+                        group_list_type="count", activation=None, swiglu_order="gate_up", device="ascend910",
+                        tiling=None):
     """:func:`grouped_matmul` with the weights given as a list, one per group (CANN GroupedMatmul's weight
     TensorList: a hand-written MoE layer's experts, each its own ``nn.Linear``), and, for a SwiGLU whose gate and
-    up projections are separate layers, the list of up projections (``weight_up``, empty: none; the gate is
-    ``weight``). The kernel reads each group's tiles from that group's weight, the bytes the stacked form reads;
-    the simulator holds the list stacked in one buffer (bookkeeping, no launch: a device kernel reads the list in
-    place)."""
-    return torch.ops.autofuse.grouped_matmul_list(x, list(weight), group_list, list(weight_up or ()),
-                                                  bool(trans_w), group_list_type, activation or "", swiglu_order,
-                                                  device, json.dumps(tiling) if tiling else "")
+    up projections are separate layers, the list of up projections (``weight_up``; the gate is ``weight``); a bias
+    per group likewise (``bias``, and ``bias_up`` for the up projections). The kernel reads each group's tiles from
+    that group's weight, the bytes the stacked form reads; the simulator holds the lists stacked in one buffer
+    (bookkeeping, no launch: a device kernel reads the lists in place)."""
+    return torch.ops.autofuse.grouped_matmul_list(x, list(weight), group_list, list(weight_up or ()), list(bias or ()),
+                                                  list(bias_up or ()), bool(trans_w), group_list_type,
+                                                  activation or "", swiglu_order, device,
+                                                  json.dumps(tiling) if tiling else "")
 
 
 @torch.library.custom_op("autofuse::grouped_matmul_weight_grad", mutates_args=())

@@ -29,13 +29,14 @@ Targets (CANN semantics, ``autofuse.ops_moe``):
   expert by two batched matmuls, its input scaled by ``sigmoid`` of the top-k logits scattered into ``-inf``,
   summed over the experts; the scores are zero off each token's picks and an expert with zero input outputs
   zero, so it runs sparse, the scores scaling the routed rows (``weights_at="input"``), the combine summing.
-  And a hand-written layer looping over a list of experts, each three bias-free ``nn.Linear``s
-  (``down(silu(gate(x)) * up(x))``; ``implementation="loop"``): one template per iteration in three spellings
+  And a hand-written layer looping over a list of experts, each ``nn.Linear``s with or without biases, gated
+  (``down(silu(gate(x)) * up(x))``) or plain (``down(act(gate(x)))``, ReLU, GELU or SiLU; ``implementation="loop"``):
+  one template per iteration in three spellings
   (``torch.where(ids == e)`` + ``index_add_``; Mixtral's original ``one_hot(ids).permute(2, 1, 0)[e]`` mask with
   ``x[None, tok]``; the dense ``out + (w * (ids == e)).sum(-1, keepdim=True) * expert(x)``), the iterations
   chained through their accumulator (or summed) over every expert 0..E-1 the router's top-k can pick; the block,
   whose sizes depend on data only inside (``torch.where``), is one call reading the lists of the experts' gate, up
-  and down weights (``grouped_matmul_list``).
+  and down weights and biases (``grouped_matmul_list``).
 
 A router selecting on scores rounded to 16 bits (fp16/bf16 scores, a cast down and up on the way; DeepSeek-V3's under
 autocast) is matched and refused with the reason (``params["unsupported"]``): eager's rounding ties scores the
@@ -50,7 +51,8 @@ bias; in the clamped form, the gate at the odd columns, a gate
 clamped from below too, gate and up clamped at different limits, anything but ``up + 1``, a bias gathered by
 another index; in a loop, an expert the router can pick but the loop leaves out or one looped over twice, a token's
 weights summed instead of its slot's, an accumulator that does not start at zero, expert ids not from a top-k over
-the experts (their range unknown), experts with a bias or another activation.
+the experts (their range unknown), a gated expert with another activation than SiLU (GeGLU), a plain one with another
+than ReLU, GELU or SiLU, a gate with a bias and an up projection without.
 """
 from __future__ import annotations
 
@@ -717,33 +719,50 @@ def _clamped_swiglu(m: dict, sorted_ids, E, two_i, H) -> dict | None:
 
 
 # ----------------------------------------------------------------- a hand-written layer looping over its experts
-def _expert_mlp(t: Template, x_in: str | None) -> Template:
-    """An expert as a hand-written MoE layer holds it: three bias-free linears, ``down(silu(gate(x)) * up(x))``
-    (the gate and up projections read the same input: ``x_in``, or a value outside the template)."""
-    t.node("gate", aten.linear.default).node("up", aten.linear.default)
+_PLAIN_ACTS = {aten.relu.default: "relu", aten.gelu.default: "gelu", aten.silu.default: "silu"}
+
+
+def _expert_mlp(t: Template, x_in: str | None, form: str) -> Template:
+    """An expert as a hand-written MoE layer holds it: ``nn.Linear``s (with or without biases), either gated,
+    ``down(silu(gate(x)) * up(x))``, gated with the gate and up projections as one layer whose output is split in
+    halves (``"joined"``: Phi-3's MLP), or plain, ``down(act(gate(x)))`` with ReLU, GELU or SiLU (the projections read
+    the same input: ``x_in``, or a value outside the template)."""
+    if form == "joined":
+        t.node("proj", aten.linear.default)
+        if x_in is not None:
+            t.edge(x_in, "proj", 0)
+        return _glu(t, "proj").node("down", aten.linear.default).edge("glu", "down", 0)
+    t.node("gate", aten.linear.default)
     if x_in is not None:
-        t.edge(x_in, "gate", 0).edge(x_in, "up", 0)
+        t.edge(x_in, "gate", 0)
+    if form == "plain":
+        return (t.node("act", *_PLAIN_ACTS).edge("gate", "act", 0)
+                .node("down", aten.linear.default).edge("act", "down", 0))
+    t.node("up", aten.linear.default)
+    if x_in is not None:
+        t.edge(x_in, "up", 0)
     return (t.node("act", aten.silu.default).edge("gate", "act", 0)
             .node("glu", aten.mul.Tensor).edge("act", "glu").edge("up", "glu")
             .node("down", aten.linear.default).edge("glu", "down", 0))
 
 
-def _loop_body(one_hot: bool, gather: bool) -> Template:
-    """One iteration of a loop over the experts, expert ``e`` of E: its tokens selected by ``ids == e`` (or
+def _loop_body(one_hot: bool, gather: bool, form: str) -> Template:
+    """One iteration of a loop over the experts (:func:`_expert_mlp` of that ``form``), expert ``e`` of E: its
+    tokens selected by ``ids == e`` (or
     Mixtral's original spelling, ``one_hot(ids, E).permute(2, 1, 0)[e]``), then either gathered (``torch.where`` of
     the selection: the (token, slot) pairs; the tokens' rows, optionally read as ``x[None, tok].reshape(-1, H)``;
     the expert; each row scaled by its routing weight ``w[tok, slot, None]``; optionally cast; ``index_add`` into
     the accumulator at the tokens) or dense (every token through the expert, scaled by ``(w * (ids == e)).sum(-1,
-    keepdim=True)``, which is zero off the expert's tokens: the iteration's term of a sum). The anchor is the
-    accumulator's new value (gathered) or the term (dense); :func:`_loop_blocks` chains the iterations."""
-    t = Template("moe_experts", anchor="acc" if gather else "scaled")
+    keepdim=True)``, which is zero off the expert's tokens: the iteration's term of a sum, ``scaled``). The anchor is
+    the accumulator's new value (gathered) or the selection (dense); :func:`_loop_blocks` chains the iterations."""
+    t = Template("moe_experts", anchor="acc" if gather else "sel")      # (rare targets: few seeds)
     if one_hot:
         (t.node("onehot", aten.one_hot.default).node("perm", aten.permute.default).edge("onehot", "perm", 0)
          .node("sel", aten.select.int).edge("perm", "sel", 0))
     else:
         t.node("sel", aten.eq.Scalar)
     if not gather:
-        (_expert_mlp(t, None).node("wm", aten.mul.Tensor).edge("sel", "wm")
+        (_expert_mlp(t, None, form).node("wm", aten.mul.Tensor).edge("sel", "wm")
          .node("we", aten.sum.dim_IntList).edge("wm", "we", 0)
          .node("scaled", aten.mul.Tensor).edge("we", "scaled").edge("down", "scaled"))
         return t
@@ -752,7 +771,7 @@ def _loop_body(one_hot: bool, gather: bool) -> Template:
      .node("xu", aten.unsqueeze.default, optional="batch")
      .node("xs", aten.index.Tensor).edge("xu", "xs", 0).edge("tok", "xs")
      .node("xr", aten.reshape.default, optional="batch").edge("xs", "xr", 0))
-    return (_expert_mlp(t, "xr")
+    return (_expert_mlp(t, "xr", form)
             .node("wu", aten.unsqueeze.default)
             .node("wg", aten.index.Tensor).edge("wu", "wg", 0).edge("tok", "wg", 1).edge("slot", "wg", 2)
             .node("scaled", aten.mul.Tensor).edge("down", "scaled").edge("wg", "scaled")
@@ -760,7 +779,9 @@ def _loop_body(one_hot: bool, gather: bool) -> Template:
             .node("acc", aten.index_add.default).edge("tok", "acc", 2).edge("cast", "acc", 3))
 
 
-_LOOP_BODIES = tuple(_loop_body(one_hot, gather) for one_hot, gather in ((False, True), (True, True), (False, False)))
+_LOOP_BODIES = tuple(_loop_body(one_hot, gather, form) for one_hot, gather in ((False, True), (True, True),
+                                                                                (False, False))
+                     for form in ("gated", "joined", "plain"))
 
 
 @dataclass(frozen=True)
@@ -772,10 +793,15 @@ class _Body:
     x: fx.Node
     ids: fx.Node
     weights: fx.Node
-    params: tuple           # (gate, up, down) weights
+    params: dict            # role -> weight or bias: w1, w3, w2 (gate, up, down), b1, b3, b2; None where there is none
+    activation: str
     prev: fx.Node
     acc: fx.Node
     nodes: tuple
+
+    def kind(self) -> tuple:
+        """What the fused call needs alike in every expert: the activation, which projections and biases exist."""
+        return self.activation, tuple(r for r, p in self.params.items() if p is not None)
 
 
 def _decide_body(m: dict) -> _Body | None:
@@ -797,21 +823,14 @@ def _decide_body(m: dict) -> _Body | None:
     if not isinstance(ids, fx.Node) or shape(ids) is None or len(shape(ids)) != 2 or val(ids).dtype.is_floating_point:
         return None
     T, k = shape(ids)
-    gate, up, act, glu, down = (m[n] for n in ("gate", "up", "act", "glu", "down"))
-    if any(len(n.args) != 2 or n.kwargs for n in (gate, up, down)) or gate.args[0] is not up.args[0] or \
-            act.args[0] is not gate or {glu.args[0], glu.args[1]} != {act, up} or down.args[0] is not glu:
+    expert = _expert(m)
+    if expert is None:
         return None
-    ws = tuple(_param(n.args[1]) for n in (gate, up, down))
-    x_in = gate.args[0]
-    if any(w is None for w in ws) or shape(x_in) is None or len(shape(x_in)) != 2:
-        return None
+    params, activation, x_in = expert
     H = shape(x_in)[1]
-    I = shape(ws[0])[0]
-    if shape(ws[0]) != (I, H) or shape(ws[1]) != (I, H) or shape(ws[2]) != (H, I):
-        return None
     scaled = m["scaled"]
     if "nz" in m:
-        acc = m["acc"]                           # gathered
+        acc = m["acc"]                      # gathered
         tok_at = 1 if "onehot" in m else 0  # where(ids == e): (token, slot); where(one_hot.permute[e]): (slot, token)
         tok, slot, xs = m["tok"], m["slot"], m["xs"]
         if m["nz"].args != (sel,) or tok.args[1] != tok_at or slot.args[1] != 1 - tok_at:
@@ -826,7 +845,7 @@ def _decide_body(m: dict) -> _Body | None:
                 return None
         w = m["wu"].args[0]
         if m["wu"].args[1] not in (2, -1) or m["wg"].args[1] != [tok, slot] or {scaled.args[0], scaled.args[1]} != \
-                {down, m["wg"]}:
+                {m["down"], m["wg"]}:
             return None
         if acc.args[1] != 0 or acc.args[2] is not tok or acc.args[3] is not m.get("cast", scaled) or acc.kwargs:
             return None
@@ -843,15 +862,65 @@ def _decide_body(m: dict) -> _Body | None:
         if {wm.args[0], wm.args[1]} != {w, sel} or list(arg(we, 1, "dim")) not in ([-1], [1]) or \
                 not arg(we, 2, "keepdim", False) or we.kwargs.get("dtype") is not None:
             return None
-        if {scaled.args[0], scaled.args[1]} != {we, down}:
+        if {scaled.args[0], scaled.args[1]} != {we, m["down"]}:
             return None
         acc, prev, checks = scaled, None, []
     if shape(x) != (T, H) or shape(w) != (T, k) or shape(acc) != (T, H) or \
             prev is not None and shape(prev) != (T, H) or not val(w).dtype.is_floating_point:
         return None
-    if any(val(n).dtype != val(x).dtype for n in ws):
+    return _Body(e, x, ids, w, params, activation, prev, acc, tuple(m.values()) + tuple(checks))
+
+
+def _expert(m: dict) -> tuple | None:
+    """An iteration's expert checked (:func:`_expert_mlp`): every projection an ``nn.Linear`` of a parameter, in
+    x's dtype, ``[I, H]`` in, ``[H, I]`` out, a bias ``[N]`` or none (the gate's and up's both or neither); SiLU on
+    the gate of a gated one. Returns ({role: parameter or None}, the activation as the grouped GEMM names its
+    epilogue, the input), or None."""
+    gate, act, down = m["gate"], m["act"], m["down"]
+    joined, gated = "proj" in m, "glu" in m and "proj" not in m
+    lins = (gate, m["up"], down) if gated else (m["proj"], down) if joined else (gate, down)
+    if any(len(n.args) not in (2, 3) or n.kwargs for n in lins) or act.args[0] is not gate or \
+            down.args[0] is not (m["glu"] if "glu" in m else act):
         return None
-    return _Body(e, x, ids, w, ws, prev, acc, tuple(m.values()) + tuple(checks))
+    if joined:                  # proj(x).chunk(2, -1): the gate the first half, the up projection the second
+        split, N = m["split"], shape(m["proj"])[-1]
+        if N % 2 or split.args[1] != N // 2 or arg(split, 2, "dim", 0) not in (-1, 1) or \
+                {m["glu"].args[0], m["glu"].args[1]} != {act, m["up"]}:
+            return None
+        gate = m["proj"]
+        activation = "swiglu"
+    elif gated:
+        if gate.args[0] is not m["up"].args[0] or {m["glu"].args[0], m["glu"].args[1]} != {act, m["up"]} or \
+                len(gate.args) != len(m["up"].args):
+            return None
+        activation = "swiglu"
+    elif act.target is aten.gelu.default:
+        if len(act.args) > 1 or set(act.kwargs) - {"approximate"}:
+            return None
+        activation = "gelu_tanh" if act.kwargs.get("approximate", "none") == "tanh" else "gelu"
+    else:
+        if len(act.args) > 1 or act.kwargs:
+            return None
+        activation = _PLAIN_ACTS[act.target]
+    x = gate.args[0]
+    if shape(x) is None or len(shape(x)) != 2:
+        return None
+    H = shape(x)[1]
+    roles = (("w1", "b1", gate), ("w3", "b3", m["up"]), ("w2", "b2", down)) if gated else \
+        (("w1", "b1", gate), ("w2", "b2", down))          # (a joined projection's w1: [2I, H], gate first)
+    params = dict.fromkeys(("w1", "w3", "w2", "b1", "b3", "b2"))
+    for w, b, n in roles:
+        params[w] = _param(n.args[1])
+        params[b] = _param(n.args[2]) if len(n.args) == 3 else None
+        if params[w] is None or len(n.args) == 3 and params[b] is None:
+            return None
+    I = shape(params["w1"])[0] // (2 if joined else 1)
+    out = {"w1": I * (2 if joined else 1), "w3": I, "w2": H}
+    for r, p in params.items():
+        want = (out[r], H if r != "w2" else I) if r.startswith("w") else (out["w" + r[1]],)
+        if p is not None and (shape(p) != want or val(p).dtype != val(x).dtype):
+            return None
+    return params, activation, x
 
 
 _ZEROS = {aten.zeros_like.default, aten.zeros.default, aten.new_zeros.default}
@@ -923,21 +992,21 @@ def _loop_blocks(view) -> list[Match]:
         first, E = chain[0], len(chain)
         if E < 2 or sorted(b.expert for b in chain) != list(range(E)) or _routed_experts(first.ids) != E:
             continue
-        if any((b.x, b.ids, b.weights) != (first.x, first.ids, first.weights) for b in chain):
+        if any((b.x, b.ids, b.weights, b.kind()) != (first.x, first.ids, first.weights, first.kind()) for b in chain):
             continue
         nodes = {n for b in chain for n in b.nodes} | {n for n in extra if n.target not in _ZEROS or len(n.users) == 1}
         order = _block_order({n.name: n for n in nodes}, last)
         if order is None:
             continue
         T, k = shape(first.ids)
-        I, H = shape(first.params[0])
+        H, I = shape(first.params["w2"])
         inputs = {"x": first.x.name, "ids": first.ids.name, "weights": first.weights.name}
         for b in sorted(chain, key=lambda b: b.expert):
-            for role, p in zip(("w1", "w3", "w2"), b.params):
-                inputs[f"{role}.{b.expert}"] = p.name
+            inputs.update({f"{role}.{b.expert}": p.name for role, p in b.params.items() if p is not None})
         params = dict(num_experts=E, k=k, tokens=T, hidden=H, intermediate=I, weights_scale=1.0, trans_w=True,
-                      implementation="loop", out_like=val(last), dtype=val(first.x).dtype, activation="swiglu",
-                      swiglu_order="gate_up", loop="gather" if first.prev is not None else "dense")
+                      implementation="loop", out_like=val(last), dtype=val(first.x).dtype,
+                      activation=first.activation, swiglu_order="gate_up",
+                      loop="gather" if first.prev is not None else "dense")
         out.append(Match("moe_experts", order, last.name, inputs, params))
     return out
 

@@ -16,25 +16,36 @@ from autofuse.verify import compare
 
 
 class Expert(nn.Module):
-    def __init__(self, H, inter, bias=False, act=F.silu):
+    """``w2(act(w1(x)) * w3(x))`` (gated), ``w2(act(w1(x)))`` (plain), or Phi-3's MLP, the gate and up projections one
+    layer (``joined``: ``g, u = w1(x).chunk(2, -1)``, ``w2(u * act(g))``; ``swapped``: the halves the other way
+    round); ``up_bias`` overrides the up projection's bias."""
+
+    def __init__(self, H, inter, bias=False, act=F.silu, gated=True, up_bias=None, joined=False, swapped=False):
         super().__init__()
-        self.w1 = nn.Linear(H, inter, bias=bias)
-        self.w3 = nn.Linear(H, inter, bias=bias)
+        self.joined, self.swapped = joined, swapped
+        self.w1 = nn.Linear(H, inter * (2 if joined else 1), bias=bias)
+        self.w3 = nn.Linear(H, inter, bias=bias if up_bias is None else up_bias) if gated and not joined else None
         self.w2 = nn.Linear(inter, H, bias=bias)
         self.act = act
 
     def forward(self, x):
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        if self.joined:
+            g, u = self.w1(x).chunk(2, -1)
+            if self.swapped:
+                g, u = u, g
+            return self.w2(u * self.act(g))
+        h = self.act(self.w1(x))
+        return self.w2(h * self.w3(x) if self.w3 is not None else h)
 
 
 class HandMoE(nn.Module):
     """A router (softmax, top-k, renormalise) and a loop over the experts; ``variant`` names a near miss."""
 
-    def __init__(self, H=32, inter=48, E=4, k=2, kind="where", variant="", bias=False, act=F.silu):
+    def __init__(self, H=32, inter=48, E=4, k=2, kind="where", variant="", **expert):
         super().__init__()
         self.kind, self.variant, self.E, self.k = kind, variant, E, k
         self.gate = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList(Expert(H, inter, bias, act) for _ in range(E))
+        self.experts = nn.ModuleList(Expert(H, inter, **expert) for _ in range(E))
 
     def forward(self, x, ids=None):
         shp = x.shape
@@ -139,10 +150,43 @@ def test_expert_loop_near_misses_are_not_fused(kind, variant):
         torch.testing.assert_close(fused(*args), model(*args), atol=1e-5, rtol=1e-5)   # fp32, op by op
 
 
-@pytest.mark.parametrize("what", ["bias", "gelu"])
-def test_experts_with_a_bias_or_another_activation_are_not_fused(what):
+GELU_TANH = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
+EXPERTS = {"gated+bias": dict(bias=True), "relu+bias": dict(gated=False, act=F.relu, bias=True),
+           "gelu": dict(gated=False, act=F.gelu), "gelu_tanh+bias": dict(gated=False, act=GELU_TANH, bias=True),
+           "silu": dict(gated=False), "joined+bias": dict(joined=True, bias=True)}
+
+
+@pytest.mark.parametrize("kind", ["where", "dense"])
+@pytest.mark.parametrize("expert", list(EXPERTS))
+def test_experts_with_biases_or_a_plain_activation_fuse_and_train_as_eager(expert, kind):
+    """Experts with biases (``nn.Linear``'s default), ungated experts (``w2(act(w1(x)))``, ReLU, GELU, SiLU) and
+    Phi-3's joined gate and up projection: the grouped GEMMs take the bias lists and the activation as their
+    epilogue; outputs and every gradient as eager's."""
+    torch.manual_seed(2)
+    model = HandMoE(kind=kind, **EXPERTS[expert]).train()
+    x = torch.randn(12, 32)
+    fused = AutoFusionEngine.fuse(model, (x,))
+    assert _experts(fused) == ["fused"], fused.report.summary()
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    g = torch.randn(12, 32)
+    outs = [m(x) for m in (fused, eager)] + [ref(x.double())]
+    ok, err, tol = compare(outs[1], outs[2], outs[0])
+    assert ok, (err, tol)
+    for out in outs:
+        (out * g.to(out.dtype)).sum().backward()
+    for got, want, r in zip(model.parameters(), eager.parameters(), ref.parameters()):
+        ok, err, tol = compare(want.grad, r.grad, got.grad)
+        assert ok, (err, tol)
+
+
+@pytest.mark.parametrize("what", ["geglu", "tanh", "gate_bias_only", "joined_swapped"])
+def test_experts_the_grouped_gemm_cannot_take_are_not_fused(what):
+    """A gated expert with GELU (GeGLU: no such epilogue), an activation without an epilogue (tanh), a gate with a
+    bias and an up projection without, a joined projection whose second half is the gate."""
     torch.manual_seed(0)
-    model = HandMoE(bias=what == "bias", act=F.gelu if what == "gelu" else F.silu).eval()
+    expert = {"geglu": dict(act=F.gelu), "tanh": dict(gated=False, act=torch.tanh),
+              "gate_bias_only": dict(bias=True, up_bias=False), "joined_swapped": dict(joined=True, swapped=True)}[what]
+    model = HandMoE(**expert).eval()
     x = torch.randn(12, 32)
     fused = AutoFusionEngine.fuse(model, (x,))
     assert _experts(fused) == [], fused.report.summary()

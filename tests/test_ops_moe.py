@@ -211,7 +211,49 @@ def test_grouped_matmul_over_a_weight_list_is_the_stacked_launch(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(y, M.reference_grouped_matmul_list(h, down, counts, trans_w=True), **tol)
     torch.library.opcheck(torch.ops.autofuse.grouped_matmul_list.default, (x.float(), [g.float() for g in gate], counts,
-                                                                          [u.float() for u in up], True, "count",
-                                                                          "swiglu"))
+                                                                          [u.float() for u in up], [], [], True,
+                                                                          "count", "swiglu"))
     with pytest.raises(ValueError, match="as many up projections"):
         M.grouped_matmul_list(x, gate, counts, up[:2], trans_w=True, activation="swiglu")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu", "gelu_tanh"])
+def test_grouped_matmul_over_weight_and_bias_lists_trains_as_eager(activation):
+    """Per-group weights and biases as lists (a SwiGLU's gate and up apart; a plain activation's one projection):
+    the values and every gradient (x, each weight, each bias) those of eager's per-group linears, within the bound
+    of their float64 values."""
+    from autofuse.verify import compare
+    torch.manual_seed(10)
+    E, H, inter = 3, 16, 24
+    counts = torch.tensor([5, 0, 9])
+    glu = activation == "swiglu"
+    x = torch.randn(14, H)
+    ws = [torch.randn(inter, H) * 0.3 for _ in range(E * (2 if glu else 1))]
+    bs = [torch.randn(inter) * 0.3 for _ in range(E * (2 if glu else 1))]
+    act = {"relu": torch.relu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}.get(activation)
+
+    def eager(x, ws, bs):
+        out, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            xe = x[start:start + c]
+            a = F.linear(xe, ws[e], bs[e])
+            out.append(F.silu(a) * F.linear(xe, ws[E + e], bs[E + e]) if glu else act(a))
+            start += c
+        return torch.cat(out)
+    leaves = [[t.clone().requires_grad_() for t in group] for group in ([x], ws, bs)]
+    ref_leaves = [[t.double().requires_grad_() for t in group] for group in ([x], ws, bs)]
+    eager_leaves = [[t.clone().requires_grad_() for t in group] for group in ([x], ws, bs)]
+    (xg,), wg, bg = leaves
+    got = M.grouped_matmul_list(xg, wg[:E], counts, wg[E:] if glu else None, bg[:E], bg[E:] if glu else None,
+                                trans_w=True, activation=activation)
+    want, ref = eager(eager_leaves[0][0], *eager_leaves[1:]), eager(ref_leaves[0][0], *ref_leaves[1:])
+    assert compare(want, ref, got)[0]
+    g = torch.randn_like(want)
+    for out, ls in ((got, leaves), (want, eager_leaves), (ref, ref_leaves)):
+        (out * g.to(out.dtype)).sum().backward()
+    for a, b, r in zip(*(sum(ls, []) for ls in (leaves, eager_leaves, ref_leaves))):
+        if r.grad.abs().max() > 0:          # the empty group's weights and biases get none
+            ok, err, tol = compare(b.grad, r.grad, a.grad)
+            assert ok, (err, tol)
+        else:
+            assert a.grad is None or not a.grad.any()
