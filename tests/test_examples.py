@@ -109,3 +109,14 @@ def test_generate(monkeypatch, capsys, cache, n):
     assert len(plans) == n and all("attention" in p for p in plans), out
     m = re.search(r"simulated decode step on ascend910 .*: ([\d,]+) -> ([\d,]+) cycles", out)
     assert int(m.group(2).replace(",", "")) < int(m.group(1).replace(",", ""))
+
+
+def test_moe_layer(monkeypatch, capsys):
+    out = _run("moe_layer.py", ["--hidden", "32", "--intermediate", "48", "--experts", "4", "--tokens", "16"],
+               monkeypatch, capsys)
+    _fused_blocks(out, moe_gating=1, moe_experts=1)
+    assert float(re.search(r"max \|fused - eager\| = (\S+)", out).group(1)) < 1e-5       # fp32, one block
+    m = re.search(r"simulated on ascend910: ([\d,]+) -> ([\d,]+) cycles", out)
+    assert int(m.group(2).replace(",", "")) < int(m.group(1).replace(",", ""))
+    # fp32 sums in another order: a few units in the last place of the largest gradient, far below 1e-4
+    assert float(re.search(r"worst parameter gradient (\S+) of its largest", out).group(1)) < 1e-4
