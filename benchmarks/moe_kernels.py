@@ -224,6 +224,15 @@ def dense_experts(T, H, I, E, k, device, dtype=torch.bfloat16):
     return sum(unfused), sum(fused), len(unfused), len(fused)
 
 
+def _table(rows):
+    """One line per block: (name, unfused cycles, fused cycles, their launches[, the target speed-up])."""
+    targets = any(len(r) > 5 for r in rows)
+    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}"
+          + (f" {'target':>7s}" if targets else ""))
+    for name, u, f, nu, nf, *target in rows:
+        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x" + "".join(f" {t:>7s}" for t in target))
+
+
 def loop_experts(T, H, I, E, k, device, dtype=torch.bfloat16):
     """A hand-written MoE layer's experts (each three ``nn.Linear``s), as its loop runs them in eager, expert by
     expert: ``tok, slot = torch.where(ids == e)``, ``x[tok]``, the gate and up projections, SiLU and the product, the
@@ -282,9 +291,7 @@ def main_loop(dev, quick):
     rows.append((f"whole MoE block (router + expert loop), {T} tokens", gu + eu, gf + ef, gn + enu, 1 + enf))
     print(f"Hand-written MoE layer (loop over {E} nn.Linear experts, H {H}, I {I}) on {dev} "
           f"(simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
-    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}")
-    for name, u, f, nu, nf in rows:
-        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x")
+    _table(rows)
 
 
 def main_llama4(dev, quick):
@@ -297,9 +304,7 @@ def main_llama4(dev, quick):
         u, f, nu, nf = dense_experts(T, H, I, E, k, dev)
         rows.append((f"dense experts, {T} tokens, H {H}, I {I}, {E} experts, top-{k}", u, f, nu, nf))
     print(f"Llama 4 MoE experts on {dev} (simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
-    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}")
-    for name, u, f, nu, nf in rows:
-        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x")
+    _table(rows)
 
 
 def main(argv=None):
@@ -333,9 +338,7 @@ def main(argv=None):
     rows.append((f"whole MoE block (router + routing + experts + combine), {T} tokens", gu + eu + ru, gf + ef + rf,
                  gn + en + rn, 5, "-"))
     print(f"MoE kernels on {dev} (simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
-    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s} {'target':>7s}")
-    for name, u, f, nu, nf, target in rows:
-        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x {target:>7s}")
+    _table(rows)
 
 
 def main_gpt_oss(dev, quick):
@@ -354,9 +357,7 @@ def main_gpt_oss(dev, quick):
     rows.append((f"whole MoE block (router + routing + experts + combine), {T} tokens", gu + eu + ru, gf + ef + rf,
                  gn + en + rn, 5))
     print(f"GPT-OSS MoE kernels on {dev} (simulated cycles; {time.time() - t0:.0f} s of simulation)\n")
-    print(f"{'block':58s} {'unfused':>12s} {'launches':>8s} {'fused':>12s} {'launches':>8s} {'speed-up':>9s}")
-    for name, u, f, nu, nf in rows:
-        print(f"{name:58s} {u:>12,} {nu:>8d} {f:>12,} {nf:>8d} {u / f:>8.2f}x")
+    _table(rows)
 
 
 if __name__ == "__main__":
