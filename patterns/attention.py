@@ -136,6 +136,7 @@ class _Below:
         self.ops, self.factor, self.additive, self.tensor_scale = [], 1.0, False, False
         self.softcap = None             # met a soft-cap c·tanh(·) on the way up: only scales and casts above it
         self.fill_last = False          # met an additive mask above a finite fill
+        self.why = None                 # why the walk stopped, where the block is attention the kernel cannot run
 
     def copy(self):
         b = _Below()
@@ -275,8 +276,13 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
         elif _added(x):
             if below.tensor_scale:
                 return None
-            if any(kind == "bool" and f != -math.inf and f > ABSORBING_FILL for _, kind, _, f in masks):
-                return None             # an additive mask, then a finite fill the kernel cannot reproduce by adding
+            fills = [f for _, kind, _, f in masks if kind == "bool" and f != -math.inf and f > ABSORBING_FILL]
+            if fills:                   # an additive mask, then a finite fill the kernel cannot reproduce by adding
+                below.why = (f"an additive mask, then a bool mask's fill {fills[0]:g}, which does not absorb the "
+                             f"{str(val(x).dtype).replace('torch.', '')} scores it replaces (s + fill != fill): on a "
+                             f"row every key of which is masked eager's softmax is uniform over the filled keys, the "
+                             f"kernel's, adding one mask, would not be")
+                return None
             if any(kind == "bool" and f != -math.inf for _, kind, _, f in masks):
                 # an additive mask, then a fill that absorbs any finite score (MPT: ALiBi, then
                 # masked_fill(causal, finfo.min)): one additive mask where(keep, sum, fill) says it exactly, a row
@@ -445,7 +451,12 @@ def _decide_softmax(m: dict) -> Match | None:
         x = val(drops[0].args[0])           # native_dropout draws even at p = 0; dropout only for 0 < p < 1
         draw = (tuple(x.shape), x.dtype, keep_mask_order(drops[0]))
     score = {m[k] for k in m if k.startswith("score")}
-    sc = _walk_scores(sm.args[0], _Below(), score | {qk})
+    below = _Below()
+    sc = _walk_scores(sm.args[0], below, score | {qk})
+    if sc is None and below.why:                # attention the kernel cannot run: reported with the reason
+        k, v, _, _ = _kv_source(b.args[0], pv.args[1], rank)
+        return _unsupported({"q": qk.args[0].name, "k": k.name, "v": v.name}, score | set(pchain) | {qk, pv}, pv,
+                            qk.args[0], below.why)
     if sc is None or sc.qk is not qk or set(sc.nodes) != score:
         return None
     rounded = rounds_and_widens([qk, *_members(m, "score"), *pchain])

@@ -496,3 +496,26 @@ def test_phimoe_trains_fused_with_its_router_function_kept(route):
     assert grads[0].keys() == grads[1].keys()
     for n in grads[1]:
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_fp16_mpt_attention_is_reported_with_the_reason_and_its_softmax_fused():
+    """MPT in fp16 adds its fp32 ALiBi bias to fp16 scores (fp32 logits) and fills the masked ones with fp16's
+    ``finfo.min``, -65504, which a fp32 score added to it does not vanish into: a left-padded query's row, every key
+    masked, is uniform in eager and would not be in the kernel, which adds one mask. The report says so for each
+    block; the softmax with its masks fuses alone (its program selects the fill), and the output is eager's."""
+    torch.manual_seed(0)
+    model, (ids,), kwargs = _mpt()
+    model = model.to(torch.float16).eval()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kwargs = dict(kwargs, attention_mask=mask)
+    fused = AutoFusionEngine.fuse(model, ((ids,), kwargs))
+    attention = fused.report.of("attention")
+    assert [d.reason_code for d in attention] == ["unsupported"] * LAYERS, fused.report.summary()
+    assert all("does not absorb the float32 scores" in d.reason for d in attention)
+    assert [d.reason_code for d in fused.report.of("softmax")] == ["fused"] * LAYERS, fused.report.summary()
+    with torch.no_grad():
+        want, got = main_output(model(ids, **kwargs)), main_output(fused(ids, **kwargs))
+        ref = main_output(copy.deepcopy(model).double()(ids, **kwargs))
+    ok, err, tol = compare(want, ref, got)
+    assert ok, (err, tol)
