@@ -6,6 +6,7 @@
     xs, row_idx, counts = torch.ops.autofuse.moe_init_routing(x, idx, num_experts, "count", device, tiling)
     y = torch.ops.autofuse.grouped_matmul(xs, w, counts, bias, trans_w, "count", "swiglu", "gate_up", device, tiling)
     y, p = torch.ops.autofuse.grouped_matmul_with_product(xs, w, counts, ...)   # training: the product kept
+    y = torch.ops.autofuse.grouped_matmul_list(xs, gates, counts, ups, biases, up_biases, ...)  # weight lists
     out = torch.ops.autofuse.moe_finalize_routing(y, w, row_idx, skip, device, tiling)
 
 ``norm`` is ``"softmax"``, ``"sigmoid"``, ``"none"`` or ``"topk_softmax"`` (the top k of the logits, then the
@@ -18,7 +19,8 @@ launch for whole-graph simulation, has a fake implementation, a backward, and a 
 
 Index outputs are int64 (torch's convention); the kernels work in int32. Gradients:
 
-* grouped_matmul: fused launches (:func:`_gmm_backward`): dx by ``grouped_matmul`` with the weight transposed,
+* grouped_matmul (and grouped_matmul_list, on its lists stacked: each group's gradient its block of the stacked
+  one): fused launches (:func:`_gmm_backward`): dx by ``grouped_matmul`` with the weight transposed,
   dw (and dbias) by ``grouped_matmul_weight_grad`` (``torch.ops.autofuse.grouped_matmul_weight_grad``, CANN
   GroupedMatmul's split-K grouping), an epilogue's gradient by its derived Vector program over the product,
   which one ``grouped_matmul`` launch recomputes (the op returns only the activation), or which
