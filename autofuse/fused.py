@@ -617,13 +617,12 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     """Routing, the two grouped GEMMs (the first with its SwiGLU epilogue), the combine. The group sizes are not
     known from shapes: the grouped GEMM model spreads the rows evenly over the experts. In a training graph the
     first GEMM also stores its product (``store_product``, priced with it), so the backward reads it instead of
-    recomputing it (the emitted call is ``grouped_matmul_with_product``)."""
+    recomputing it (the emitted call is ``grouped_matmul_with_product``, or ``grouped_matmul_list_with_product``)."""
     from autofuse.fused_vector import training_graph        # fused_vector builds on this module
     x, w1, w2, S, E, H, I, tk = _experts_specs(match, nodes)
     dt = x[1]
     p = match.params
-    # a training graph's first GEMM also stores its product; the list form's launch does not (its backward recomputes)
-    training = training_graph(nodes[match.inputs["x"]].graph) and p.get("implementation") != "loop"
+    training = training_graph(nodes[match.inputs["x"]].graph)
     trans_w = p.get("trans_w", True)
     b1, b2 = (_spec(nodes[match.inputs[r]]) if r in match.inputs else None for r in ("b1", "b2"))
     if p.get("implementation") == "loop" and "b1.0" in match.inputs:     # the lists of the experts' biases
@@ -681,8 +680,8 @@ def _glu_options(p: dict) -> dict:
 
 def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     """``moe_init_routing`` → ``grouped_matmul`` (SwiGLU) → ``grouped_matmul`` → ``moe_finalize_routing``; with
-    ``store_product`` (a training plan) the first GEMM is ``grouped_matmul_with_product`` (its output 0 feeds the
-    graph, the product only its backward)."""
+    ``store_product`` (a training plan) the first GEMM is ``grouped_matmul_with_product`` (or its list form; its
+    output 0 feeds the graph, the product only its backward)."""
     p = m.params
     ops = torch.ops.autofuse
     T, k = p["tokens"], p["k"]
@@ -713,8 +712,10 @@ def emit_experts(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
     if p.get("implementation") == "loop":       # a hand-written layer's experts: lists of their projections
         w1, w3, w2, b1, b3, b2 = ([ins[f"{r}.{e}"] for e in range(p["num_experts"]) if f"{r}.{e}" in ins]
                                   for r in ("w1", "w3", "w2", "b1", "b3", "b2"))
-        h = call(g, ops.grouped_matmul_list.default, xs, w1, counts, w3, b1, b3, trans_w=True, **_glu_options(p),
-                 **kwargs, **t_up)
+        lists = ops.grouped_matmul_list_with_product.default if store else ops.grouped_matmul_list.default
+        h = call(g, lists, xs, w1, counts, w3, b1, b3, trans_w=True, **_glu_options(p), **kwargs, **t_up)
+        if store:
+            h = call(g, operator.getitem, h, 0)
         y = call(g, ops.grouped_matmul_list.default, h, w2, counts, [], b2, [], trans_w=True, **kwargs, **t_down)
     else:
         h = call(g, first, xs, ins["w1"], counts, ins.get("b1"), trans_w=trans_w, **_glu_options(p), **kwargs, **t_up)

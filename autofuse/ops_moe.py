@@ -7,6 +7,7 @@
     y = torch.ops.autofuse.grouped_matmul(xs, w, counts, bias, trans_w, "count", "swiglu", "gate_up", device, tiling)
     y, p = torch.ops.autofuse.grouped_matmul_with_product(xs, w, counts, ...)   # training: the product kept
     y = torch.ops.autofuse.grouped_matmul_list(xs, gates, counts, ups, biases, up_biases, ...)  # weight lists
+    y, p = torch.ops.autofuse.grouped_matmul_list_with_product(xs, gates, counts, ...)   # training, weight lists
     out = torch.ops.autofuse.moe_finalize_routing(y, w, row_idx, skip, device, tiling)
 
 ``norm`` is ``"softmax"``, ``"sigmoid"``, ``"none"`` or ``"topk_softmax"`` (the top k of the logits, then the
@@ -603,9 +604,52 @@ def reference_grouped_matmul_list(x, weight, group_list, weight_up=(), bias=(), 
     return reference_grouped_matmul(x, w, group_list, b, trans_w, group_list_type, activation, swiglu_order, upcast)
 
 
+@torch.library.custom_op("autofuse::grouped_matmul_list_with_product", mutates_args=())
+def _grouped_matmul_list_with_product(x: torch.Tensor, weight: list[torch.Tensor], group_list: torch.Tensor,
+                                      weight_up: list[torch.Tensor], bias: list[torch.Tensor],
+                                      bias_up: list[torch.Tensor], trans_w: bool = False,
+                                      group_list_type: str = "count", activation: str = "swiglu",
+                                      swiglu_order: str = "gate_up", device: str = "ascend910",
+                                      tiling: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    if not activation:
+        raise ValueError("grouped_matmul_list_with_product: needs an activation (without one the output is the "
+                         "product); call grouped_matmul_list")
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    r = _launch_gmm(x, w, group_list, b, trans_w, group_list_type, activation, swiglu_order, device, tiling,
+                    return_product=True)
+    _record("grouped_matmul", r.stats)
+    return _to_torch(r.outputs[0], x.dtype), _to_torch(r.outputs[1], x.dtype)
+
+
+@_grouped_matmul_list_with_product.register_fake
+def _(x, weight, group_list, weight_up, bias, bias_up, trans_w=False, group_list_type="count", activation="swiglu",
+      swiglu_order="gate_up", device="ascend910", tiling=""):
+    N = weight[0].shape[0 if trans_w else 1] * (2 if weight_up else 1)
+    return x.new_empty((x.shape[0], N // 2 if activation in GLU else N)), x.new_empty((x.shape[0], N))
+
+
+def _timing_gmm_list_with_product(x, weight, group_list, weight_up, bias, bias_up, trans_w=False,
+                                  group_list_type="count", activation="swiglu", swiglu_order="gate_up",
+                                  device="ascend910", tiling=""):
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    return _timing_gmm_with_product(x, w, group_list, b, trans_w, group_list_type, activation, swiglu_order, device,
+                                    tiling)
+
+
+def reference_grouped_matmul_list_with_product(x, weight, group_list, weight_up=(), bias=(), bias_up=(),
+                                               trans_w=False, group_list_type="count", activation="swiglu",
+                                               swiglu_order="gate_up", upcast=False, **_):
+    """:func:`reference_grouped_matmul_with_product` on the stacked operands."""
+    w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
+    return reference_grouped_matmul_with_product(x, w, group_list, b, trans_w, group_list_type, activation,
+                                                 swiglu_order, upcast)
+
+
 def _gmm_list_setup(ctx, inputs, output):
+    """Saves x, the group list, the lists and (``grouped_matmul_list_with_product``) the stored product."""
     x, weight, gl, weight_up, bias, bias_up = inputs[:6]
-    ctx.save_for_backward(x, gl, *weight, *weight_up, *bias, *bias_up)
+    ctx.save_for_backward(x, gl, *weight, *weight_up, *bias, *bias_up,
+                          *output[1:2] if isinstance(output, tuple) else ())
     ctx.set_materialize_grads(False)
     ctx.counts = tuple(len(v) for v in (weight, weight_up, bias, bias_up))
     ctx.params = dict(zip(("trans_w", "group_list_type", "activation", "swiglu_order"), inputs[6:10]),
@@ -613,20 +657,23 @@ def _gmm_list_setup(ctx, inputs, output):
     ctx.device = inputs[10] if len(inputs) > 10 else "ascend910"
 
 
-def _gmm_list_backward(ctx, grad):
-    """:func:`_gmm_backward`'s launches on the stacked operands; each group's weight and bias gradients are its
-    blocks of the stacked gradients (split into the gate's and the up projection's when those are held apart)."""
+def _gmm_list_backward(ctx, grad, grad_product=None):
+    """:func:`_gmm_backward`'s launches on the stacked operands (reading the stored product, when the forward kept
+    it); each group's weight and bias gradients are its blocks of the stacked gradients (split into the gate's and
+    the up projection's when those are held apart)."""
     x, gl, *rest = ctx.saved_tensors
     lists, at = [], 0
     for n in ctx.counts:
         lists.append(rest[at:at + n])
         at += n
     weight, weight_up, bias, bias_up = lists
+    stored = tuple(rest[at:])
     trans_w = ctx.params["trans_w"]
     need = ctx.needs_input_grad
     need_w, need_b = any(need[1]) or any(need[3]), bool(bias) and (any(need[4]) or any(need[5]))
     w, b = _operands(weight, weight_up, bias, bias_up, trans_w)
-    gx, gw, gb = _gmm_grads(x, w, gl, b, (), ctx.params, ctx.device, grad, None, need[0], need_w, need_b)
+    gx, gw, gb = _gmm_grads(x, w, gl, b, stored, ctx.params, ctx.device, grad, grad_product, need[0], need_w,
+                            need_b)
 
     def blocks(g, n_up, dim):               # a stacked gradient as its per-group blocks: (gate's, up's)
         if g is None:
@@ -643,6 +690,7 @@ def _gmm_list_backward(ctx, grad):
 
 
 _grouped_matmul_list.register_autograd(_gmm_list_backward, setup_context=_gmm_list_setup)
+_grouped_matmul_list_with_product.register_autograd(_gmm_list_backward, setup_context=_gmm_list_setup)
 
 
 def grouped_matmul_list(x, weight, group_list, weight_up=None, bias=None, bias_up=None, trans_w=False,
@@ -658,6 +706,16 @@ def grouped_matmul_list(x, weight, group_list, weight_up=None, bias=None, bias_u
                                                   list(bias_up or ()), bool(trans_w), group_list_type,
                                                   activation or "", swiglu_order, device,
                                                   json.dumps(tiling) if tiling else "")
+
+
+def grouped_matmul_list_with_product(x, weight, group_list, weight_up=None, bias=None, bias_up=None, trans_w=False,
+                                     group_list_type="count", activation="swiglu", swiglu_order="gate_up",
+                                     device="ascend910", tiling=None):
+    """:func:`grouped_matmul_list` with an epilogue, also returning the product it applied the epilogue to:
+    ``(y, product)``, one launch (a training forward's, as :func:`grouped_matmul_with_product`)."""
+    return torch.ops.autofuse.grouped_matmul_list_with_product(
+        x, list(weight), group_list, list(weight_up or ()), list(bias or ()), list(bias_up or ()), bool(trans_w),
+        group_list_type, activation or "", swiglu_order, device, json.dumps(tiling) if tiling else "")
 
 
 @torch.library.custom_op("autofuse::grouped_matmul_weight_grad", mutates_args=())
@@ -859,27 +917,31 @@ def moe_finalize_routing(expanded, scales, expanded_row_idx, skip=None, device="
 
 
 __all__ = ["moe_gating_topk", "moe_init_routing", "grouped_matmul", "grouped_matmul_list",
-           "grouped_matmul_with_product", "grouped_matmul_weight_grad", "moe_finalize_routing",
-           "moe_finalize_routing_grad", "moe_gating_topk_grad", "reference_grouped_matmul_with_product",
-           "reference_grouped_matmul_list", "reference_moe_finalize_routing_grad", "reference_moe_gating_topk_grad",
-           "reference_moe_gating_topk", "reference_moe_init_routing", "reference_grouped_matmul",
-           "reference_moe_finalize_routing", "reference_grouped_matmul_weight_grad"]
+           "grouped_matmul_list_with_product", "grouped_matmul_with_product", "grouped_matmul_weight_grad",
+           "moe_finalize_routing", "moe_finalize_routing_grad", "moe_gating_topk_grad",
+           "reference_grouped_matmul_with_product", "reference_grouped_matmul_list",
+           "reference_grouped_matmul_list_with_product", "reference_moe_finalize_routing_grad",
+           "reference_moe_gating_topk_grad", "reference_moe_gating_topk", "reference_moe_init_routing",
+           "reference_grouped_matmul", "reference_moe_finalize_routing", "reference_grouped_matmul_weight_grad"]
 
 REFERENCES.update(moe_gating_topk=reference_moe_gating_topk, moe_init_routing=reference_moe_init_routing,
                   grouped_matmul=reference_grouped_matmul, moe_finalize_routing=reference_moe_finalize_routing,
                   grouped_matmul_weight_grad=reference_grouped_matmul_weight_grad,
                   grouped_matmul_with_product=reference_grouped_matmul_with_product,
                   grouped_matmul_list=reference_grouped_matmul_list,
+                  grouped_matmul_list_with_product=reference_grouped_matmul_list_with_product,
                   moe_finalize_routing_grad=reference_moe_finalize_routing_grad,
                   moe_gating_topk_grad=reference_moe_gating_topk_grad)
 # a simulation without values times these on shapes plus their steering values (the group list, the row
 # indices); the router and the token sort need their values computed (their outputs steer what follows)
 TIMING.update(grouped_matmul=_timing_gmm, grouped_matmul_list=_timing_gmm_list,
+              grouped_matmul_list_with_product=_timing_gmm_list_with_product,
               grouped_matmul_with_product=_timing_gmm_with_product,
               grouped_matmul_weight_grad=_timing_gmm_weight_grad, moe_finalize_routing=_timing_finalize,
               moe_finalize_routing_grad=_timing_finalize_grad, moe_gating_topk_grad=_timing_gating_grad)
 STEERED.update(moe_gating_topk="moe_gating_topk", moe_init_routing="moe_init_routing", grouped_matmul="grouped_matmul",
                grouped_matmul_with_product="grouped_matmul", grouped_matmul_list="grouped_matmul",
+               grouped_matmul_list_with_product="grouped_matmul",
                grouped_matmul_weight_grad="grouped_matmul_weight_grad",
                moe_finalize_routing="moe_finalize_routing", moe_finalize_routing_grad="moe_finalize_routing_grad")
 

@@ -117,6 +117,9 @@ def test_a_hand_written_expert_loop_trains_with_eagers_gradients(kind):
     x = torch.randn(2, 6, 32)
     fused = AutoFusionEngine.fuse(model, (x,))
     assert _experts(fused) == ["fused"], fused.report.summary()
+    # a training plan's first GEMM stores its product for the backward (no recompute there)
+    calls = [n.target for n in fused.graph_module.graph.nodes if n.op == "call_function"]
+    assert calls.count(torch.ops.autofuse.grouped_matmul_list_with_product.default) == 1
     eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
     g = torch.randn(2, 6, 32)
     xs = [x.clone().requires_grad_() for _ in range(2)] + [x.double().requires_grad_()]

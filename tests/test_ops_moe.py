@@ -257,3 +257,56 @@ def test_grouped_matmul_over_weight_and_bias_lists_trains_as_eager(activation):
             assert ok, (err, tol)
         else:
             assert a.grad is None or not a.grad.any()
+
+
+def test_grouped_matmul_list_with_product_stores_what_the_backward_reads():
+    """The training forward's list op: the stacked op's values, product and launch; its backward reads the stored
+    product (no recompute launch) and gives the gradients the plain list op gives."""
+    from autofuse.ops import recording
+    torch.manual_seed(11)
+    E, H, inter = 3, 16, 24
+    counts = torch.tensor([6, 2, 0])
+    x = torch.randn(8, H)
+    gate, up, bias, bias_up = ([torch.randn(*s) * 0.3 for _ in range(E)] for s in ((inter, H), (inter, H), (inter,),
+                                                                                     (inter,)))
+    with recording() as listed:
+        y, prod = M.grouped_matmul_list_with_product(x, gate, counts, up, bias, bias_up, trans_w=True)
+    with recording() as stacked:
+        y2, prod2 = M.grouped_matmul_with_product(x, torch.cat([torch.stack(gate), torch.stack(up)], 1), counts,
+                                                  torch.cat([torch.stack(bias), torch.stack(bias_up)], 1),
+                                                  trans_w=True)
+    assert torch.equal(y, y2) and torch.equal(prod, prod2)
+    assert [(k, s.cycles, s.hbm_bytes) for k, s in listed] == [(k, s.cycles, s.hbm_bytes) for k, s in stacked]
+    from autofuse.verify import compare
+
+    def eager(x, g, u, b, bu):         # per-group linears, fp32 or float64
+        out, start = [], 0
+        for e, c in enumerate(counts.tolist()):
+            xe = x[start:start + c]
+            out.append(F.silu(F.linear(xe, g[e], b[e])) * F.linear(xe, u[e], bu[e]))
+            start += c
+        return torch.cat(out)
+    runs = []
+    for op in (M.grouped_matmul_list_with_product, M.grouped_matmul_list, eager, eager):
+        dt = torch.float64 if len(runs) == 3 else torch.float32
+        leaves = [t.detach().to(dt, copy=True).requires_grad_() for t in [x] + gate + up + bias + bias_up]
+        xs, ws = leaves[0], leaves[1:]
+        with recording() as log:
+            if op is eager:
+                out = eager(xs, ws[:E], ws[E:2 * E], ws[2 * E:3 * E], ws[3 * E:])
+            else:
+                out = op(xs, ws[:E], counts, ws[E:2 * E], ws[2 * E:3 * E], ws[3 * E:], trans_w=True,
+                         activation="swiglu")
+            out = out[0] if isinstance(out, tuple) else out
+            out.square().sum().backward()
+        runs.append(([t.grad for t in leaves], [k for k, _ in log]))
+    (stored, log_stored), (recomputed, log_recomputed), (want, _), (ref, _) = runs
+    # one grouped_matmul launch fewer: the backward's recompute of the product
+    assert log_recomputed.count("grouped_matmul") == log_stored.count("grouped_matmul") + 1
+    for got, again, w, r in zip(stored, recomputed, want, ref):     # both within the bound of float64
+        if r is None:                   # the empty group's weights: no gradient in eager, zeros fused
+            assert not got.any() and not again.any()
+            continue
+        for g in (got, again):
+            ok, err, tol = compare(w, r, g)
+            assert ok, (err, tol)
