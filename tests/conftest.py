@@ -59,6 +59,14 @@ def _(q, k, v, mask=None, scale=None, causal=False, return_probs=False, fill=Non
     return _empty_in_order(q, (b, n, sq, v.shape[-1]), out_order), probs
 
 
+def drawn(examples: int):
+    """The property tests' hypothesis settings: ``examples`` draws, derandomized (the same draws on every run and
+    machine, no example database), no deadline (a draw fuses a model), no health check on slow or large draws."""
+    from hypothesis import HealthCheck, settings
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
 def rewrite_with(captured, canonical, matches, op):
     """``captured`` with each attention match replaced by a call of ``op`` (the engine's rewrite without the
     planner)."""

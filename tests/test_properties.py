@@ -19,8 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from conftest import drawn  # noqa: E402
 
 from autofuse import AutoFusionEngine  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
@@ -37,12 +38,9 @@ def _report_counts(record_property):
     record_property("property_counts", dict(COUNTS - before))
 
 
-FAST = settings(max_examples=12, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(max_examples=2000, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW_NEAR = settings(max_examples=600, deadline=None, derandomize=True,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = drawn(12)
+SLOW = drawn(2000)
+SLOW_NEAR = drawn(600)
 
 
 @dataclass(frozen=True)

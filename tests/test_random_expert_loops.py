@@ -24,16 +24,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from conftest import drawn  # noqa: E402
 
 from autofuse import AutoFusionEngine  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
 
-FAST = settings(max_examples=4, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = drawn(4)
+SLOW = drawn(200)
 ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
         "tanh": torch.tanh}
 NEAR_MISSES = ("missing_expert", "expert_twice", "all_weights", "residual_start", "tanh")

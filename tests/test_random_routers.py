@@ -29,16 +29,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from conftest import drawn  # noqa: E402
 
 from autofuse import AutoFusionEngine  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
 
-FAST = settings(max_examples=15, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = drawn(15)
+SLOW = drawn(300)
 GENERIC_OFF = {"softmax": "off", "vector_chain": "off", "matmul_epilogue": "off"}
 
 

@@ -31,18 +31,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from conftest import drawn  # noqa: E402
 
 import autofuse  # noqa: E402
 from autofuse import AutoFusionEngine  # noqa: E402
 from autofuse.backend import reports  # noqa: E402
 from autofuse.verify import compare, floor  # noqa: E402
 
-FAST = settings(max_examples=10, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(max_examples=300, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = drawn(10)
+SLOW = drawn(300)
 
 # op name -> (shape rule, function of (module, a, b, c, x)); shape rules: "same" (a's shape), "bin" (a and b
 # broadcast), "tri" (a, b and c), "full" (a full-shape operand: the mask x > 0.3 broadcasts over it), "even" (a's
