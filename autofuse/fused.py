@@ -601,16 +601,19 @@ def emit_gating(g: fx.Graph, ins: dict, m, kwargs: dict) -> dict:
 
 
 def _experts_specs(match, nodes):
-    p = match.params
+    """The block's operand specs: x, the two GEMMs' weights and biases (None: none), and its sizes."""
+    p, ins = match.params, match.inputs
     T, k, E, H, I = p["tokens"], p["k"], p["num_experts"], p["hidden"], p["intermediate"]
-    if p.get("implementation") == "loop":       # the lists of the experts' weights, read as the stacked form's
-        x = _spec(nodes[match.inputs["x"]])
-        (n1, _), dt = _spec(nodes[match.inputs["w1.0"]])       # (2I: a gate and up projection joined)
-        w1, w2 = ((E, n1 * (2 if "w3.0" in match.inputs else 1), H), dt), ((E, H, I), dt)
+    x = _spec(nodes[ins["x"]])
+    if p.get("implementation") == "loop":       # the lists of the experts' weights and biases, read as stacked
+        (n1, _), dt = _spec(nodes[ins["w1.0"]])            # (2I: a gate and up projection joined)
+        n1 *= 2 if "w3.0" in ins else 1
+        w1, w2 = ((E, n1, H), dt), ((E, H, I), dt)
+        b1, b2 = (((E, n), dt) if f"{r}.0" in ins else None for r, n in (("b1", n1), ("b2", H)))
     else:
-        x, w1, w2 = (_spec(nodes[match.inputs[r]]) for r in ("x", "w1", "w2"))
-    S = T * k
-    return x, w1, w2, S, E, H, I, (T, k)
+        w1, w2 = (_spec(nodes[ins[r]]) for r in ("w1", "w2"))
+        b1, b2 = (_spec(nodes[ins[r]]) if r in ins else None for r in ("b1", "b2"))
+    return x, w1, w2, b1, b2, T * k, E, H, I, (T, k)
 
 
 def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price:
@@ -619,16 +622,11 @@ def price_experts(match, nodes: dict, device: str, search_tiling: bool) -> Price
     first GEMM also stores its product (``store_product``, priced with it), so the backward reads it instead of
     recomputing it (the emitted call is ``grouped_matmul_with_product``, or ``grouped_matmul_list_with_product``)."""
     from autofuse.fused_vector import training_graph        # fused_vector builds on this module
-    x, w1, w2, S, E, H, I, tk = _experts_specs(match, nodes)
+    x, w1, w2, b1, b2, S, E, H, I, tk = _experts_specs(match, nodes)
     dt = x[1]
     p = match.params
     training = training_graph(nodes[match.inputs["x"]].graph)
     trans_w = p.get("trans_w", True)
-    b1, b2 = (_spec(nodes[match.inputs[r]]) if r in match.inputs else None for r in ("b1", "b2"))
-    if p.get("implementation") == "loop" and "b1.0" in match.inputs:     # the lists of the experts' biases
-        b1 = ((E, w1[0][1]), dt)
-    if p.get("implementation") == "loop" and "b2.0" in match.inputs:
-        b2 = ((E, H), dt)
     tilings = []            # the two GEMMs': searched at O3 (passed to the calls), the kernel's own at O1 and O2
 
     def gemm(specs, **kw):
