@@ -208,10 +208,12 @@ def effectful(n: fx.Node) -> bool:
         t._schema.is_mutable or torch.Tag.nondeterministic_seeded in t.tags)
 
 
+#: nodes of an exported graph that only assert facts about sizes
+SIZE_ASSERTS = frozenset({torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
+                          torch.ops.aten.sym_constrain_range.default})
 #: what a data-dependent size leaves hanging off its holder in an exported graph: the size read and its range checks
-SIZE_CHECKS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten._assert_scalar.default,
-                         torch.ops.aten.sym_constrain_range_for_size.default, operator.ge, operator.le, operator.gt,
-                         operator.lt, operator.eq})
+SIZE_CHECKS = SIZE_ASSERTS | {torch.ops.aten.sym_size.int, operator.ge, operator.le, operator.gt, operator.lt,
+                              operator.eq}
 
 
 def size_checks(n: fx.Node, skip=frozenset()) -> list | None:

@@ -51,15 +51,11 @@ import torch.utils._pytree as pytree
 
 from autofuse.caches import Length
 from autofuse.capture import autograd_reads, custom_functions_applied, lifted_input, with_forward
-from autofuse.graph import draw_order, graph_module
+from autofuse.graph import SIZE_ASSERTS, draw_order, graph_module
 from autofuse.quiet import symbolic_export_logs
 
 #: Calls of one family known to be coming (:meth:`SizeFamilies.expecting`) from which a symbolic export pays.
 SHARE_FROM = 5
-
-#: Nodes that only assert facts about sizes: evaluated once the sizes are known, then removed.
-_ASSERTS = {torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
-            torch.ops.aten.sym_constrain_range.default}
 
 
 class Unsuitable(Exception):
@@ -418,7 +414,8 @@ def specialise(program, leaves, model) -> Any:
             node.args, node.kwargs = fx.map_arg((node.args, node.kwargs),
                                                 lambda a: folded.get(a, inputs.get(a, a)))
     for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and node.target in _ASSERTS:
+        # the size assertions: evaluated once the sizes are known, then removed
+        if node.op == "call_function" and node.target in SIZE_ASSERTS:
             cond = node.args[0]
             if node.target is torch.ops.aten._assert_scalar.default and cond is not True:
                 raise Unsuitable(f"an assertion of the export does not hold at these sizes: {node.args[1:]}")
