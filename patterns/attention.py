@@ -269,7 +269,12 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
             if not (f == -math.inf or f <= below.fill_at_softmax(NEG_FILL, val(x).dtype)) or math.isnan(f):
                 return None             # a fill that does not mask is not a mask (-1e4 as the dtype rounds it)
             if f != -math.inf and below.additive:
-                return None             # fill + an additive mask below it: no single fill describes it
+                # fill + an additive mask below it: no single fill describes it
+                below.why = (f"a bool mask's fill {f:g}, then an additive mask: eager's filled scores are fill + "
+                             f"mask, so the mask reaches the softmax where the bool mask fills (and, on a row every "
+                             f"key of which is filled, takes a gradient there); the kernel reads one mask whose "
+                             f"filled entries replace the scores, the other order (a mask, then the fill)")
+                return None
             nodes.append(x)
             masks.append((keep, "bool", below.factor, f))
             x = y
@@ -296,6 +301,7 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
                 b = below.copy()
                 b.additive = True
                 rest = _walk_scores(up, b, chain)
+                below.why = below.why or b.why
                 if rest is not None:
                     return _Scores(rest.qk, scale * rest.scale, masks + [(m, "additive", sign * below.factor, None)]
                                    + rest.masks, nodes + [x] + rest.nodes, st if st is not None else rest.scale_tensor,

@@ -739,6 +739,47 @@ def test_near_miss_additive_mask_then_a_fill_that_does_not_absorb():
         ["an additive mask, then a bool mask's fill -10000, which"]
 
 
+class FillThenBias(nn.Module):
+    """The other order: ``masked_fill(~keep, fill)``, then an additive bias (the bias reaches the filled scores)."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, q, k, v, bias, keep):
+        return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, self.fill) + bias, -1) @ v
+
+
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, -1e4])
+def test_near_miss_a_finite_fill_then_a_bias_is_reported_unsupported(fill):
+    """Eager's filled scores are fill + bias: on a row every key of which is filled the softmax weighs the bias there
+    and the bias takes a gradient there, which one mask replacing the scores does not say. The block is an
+    unsupported attention candidate with that reason (no candidate at all before), the rest left to the other
+    families: outputs and the bias's gradient within the verifier's bound of float64 on rows that see no key."""
+    from autofuse import AutoFusionEngine
+    q, k, v = _args(AttentionVariant())
+    bias = torch.randn(1, N, S, S, generator=torch.Generator().manual_seed(6))
+    keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
+    keep[1, :, :2] = False                          # queries 0-1 of sequence 1 see no key
+    model = FillThenBias(fill).train()
+    found = find_attention(canonicalize(capture(model, (q, k, v, bias, keep)).graph_module))
+    assert len(found) == 1 and found[0].params.get("unsupported", "").startswith(
+        f"a bool mask's fill {fill:g}, then an additive mask"), [m.params for m in found]
+    bias = bias.requires_grad_()
+    with torch.enable_grad():
+        fused = AutoFusionEngine.fuse(model, ((q, k, v, bias, keep), {}))
+        (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+        assert d.reason_code == "unsupported" and "the other order" in d.reason, fused.report.summary()
+        runs = []
+        for f, b in ((fused, bias), (model, bias), (model, bias.detach().double().requires_grad_())):
+            out = f(*(t.to(b.dtype) for t in (q, k, v)), b, keep)
+            runs.append((out, *torch.autograd.grad(out.sum(), b)))
+    for got, want, exact in zip(*runs):
+        ok, err, tol = compare(want, exact, got)
+        assert ok, (err, tol, fused.report.summary())
+    assert bool(runs[1][1][0, :, :2, 2:].any()), "the test needs a bias gradient where only filled rows reach it"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_alibi_and_fill_last_forms_in_low_precision(ref_op, dtype):
     """BLOOM's baddbmm bias in bf16 and fp16, and MPT's bias-then-fill in bf16 (its finfo.min absorbs a score;
