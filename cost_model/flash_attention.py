@@ -703,6 +703,7 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
     # blocks included)
     qe = min(qb, Sq) if causal else _busiest_rows(B * N, Sq, qb, n)
     passes = 5 + (1 if dtype != F32 else 0) + extra_passes + mask_passes(mask)
+    single_mask = dict(counts).get("mask", 2) < 2 if counts is not None else False
     msz = 0
     if mask is not None:
         msz = itemsize(mask[1])
@@ -789,6 +790,10 @@ def _model(dev, specs, mask, causal, t, counts, return_probs, drop=False, return
         # is the softmax, the O update and the P store in series.
         upd = 2 * rv * math.ceil(Dv / 64)
         vec_chain = (vec - upd) + max(upd, mte3)
+        if mask is not None and single_mask:
+            # one UB tile of the mask (a wide one, fp32 over 16-bit operands): the next step's mask load waits
+            # until this step's passes, one instruction, have read it, and those passes wait for the load
+            vec_chain += mte2_mask
         # Q of each item, on the same MTE2 queue; the first items' Q (the fill) come from every core at once,
         # later ones from the ``q_cores`` cores starting an item in the same step
         q_load = max(qe * D * isz / rate["GM->L1"], n * qc * D * isz / HBMbw)
