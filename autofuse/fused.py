@@ -139,6 +139,8 @@ def attention_specs(nodes: dict, match, skip: bool = False) -> tuple[list, dict]
             params["mask"] = (s, d)
         if p.get("mask_add_dtype") is not None:     # the additive mask added in its 16-bit dtype, as eager adds it
             params["mask_add_dtype"] = str(p["mask_add_dtype"]).replace("torch.", "")
+        if _fill_in_mask(p, p.get("fill")):         # the filled entries take the fill: the kernel's select
+            params["fill_in_mask"] = True
     if p.get("dropout_draw") is not None:
         (qs, _), (ks, _) = specs[:2]
         params["drop_mask"] = ((*qs[:3], -(-ks[2] // 8)), "uint8")

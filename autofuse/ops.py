@@ -105,13 +105,16 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
                      fallback_tiling: str = "",
                      bias_partials: Optional[torch.Tensor] = None,
                      fill_in_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # fill=None is -inf (a schema default cannot spell infinity); fill_in_mask: the backward's (see _backward)
+    # fill=None is -inf (a schema default cannot spell infinity); fill_in_mask: the mask's filled entries take the
+    # fill (the kernel's select) and pass no gradient (see _backward)
     scale_ = _effective_scale(q, scale, scale_tensor)
     heads = per_head_scale(scale_tensor, q.shape[1])
     tiling_ = json.loads(tiling) if tiling else None
     kw = dict(causal=causal, return_probs=return_probs, device=device, fill=_fill(fill), empty_rows=empty_rows,
               mask_keeps_nan=mask_keeps_nan, return_stats=return_stats, softcap=softcap, window=window,
               mask_add_dtype=dtype_name(mask_add_dtype))
+    if fill_in_mask and mask is not None and mask.is_floating_point():
+        kw["fill_in_mask"] = True
     if sinks is not None:
         kw["sinks"] = _per_head(sinks, q.shape[1]).detach().contiguous()
     if heads is not None:
@@ -342,12 +345,13 @@ def filled(mask: torch.Tensor, fill) -> torch.Tensor:
 
 
 def constant_where_filled(s: torch.Tensor, mask: torch.Tensor, fill, fill_in_mask) -> torch.Tensor:
-    """``s`` passing no gradient at the entries a bool mask combined into ``mask`` filled (``fill_in_mask``: True,
-    where the mask holds ``fill``; or those entries as a bool tensor, found in the mask before a cast), as
-    ``masked_fill``'s backward; ``s`` as it is without it (False)."""
+    """``s`` (the scores with ``mask`` added) taking the fill, a constant, at the entries a bool mask combined into
+    ``mask`` filled (``fill_in_mask``: True, where the mask holds ``fill``; or those entries as a bool tensor, found
+    in the mask before a cast), as ``masked_fill`` replaces them (a fill the scores do not vanish into too) and
+    passes them no gradient; ``s`` as it is without it (False)."""
     if fill_in_mask is False:
         return s
-    return torch.where(filled(mask, fill) if fill_in_mask is True else fill_in_mask, s.detach(), s)
+    return torch.where(filled(mask, fill) if fill_in_mask is True else fill_in_mask, fill_as(fill, mask.dtype), s)
 
 
 def add_mask(s: torch.Tensor, mask: torch.Tensor, add_dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -333,6 +333,16 @@ def _fa_cases(quick: bool):
         for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
             out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": True},
                             {"mask": ((1, shape[1], shape[2], shape[2]), dt)}))
+    # a bias and a keep-mask combined into one additive mask whose filled entries replace the scores (fill_in_mask:
+    # MPT's ALiBi then its fill; a bias then masked_fill(-1e9))
+    selected = [((2, 4, 129, 64), "float32", "float32")]
+    if not quick:
+        selected += [((1, 16, 1024, 128), "float16", "float32"), ((4, 8, 512, 64), "bfloat16", "bfloat16")]
+    for i, (shape, dt, mdt) in enumerate(selected):
+        for d in (DEVICES if not quick else DEVICES[i % 3:i % 3 + 1]):
+            out.append(Case("flash_attention", [(shape, dt)] * 3, d, {"causal": False, "fill": -1e4,
+                                                                      "fill_in_mask": True},
+                            {"mask": ((shape[0], shape[1], shape[2], shape[2]), mdt)}))
     # dropout on the probabilities (a keep bit per score, FlashAttentionScore's drop_mask), and its generator
     drops = [((2, 4, 256, 64), True, "float16"), ((1, 2, 100, 64), False, "float32")]
     if not quick:
@@ -403,7 +413,9 @@ def _fag_cases(quick: bool):
                ((4, 16, 16, 256, 256, 128, 128), f16, {}, ()), ((2, 8, 8, 1000, 1000, 64, 64), bf16, {}, ("mask",)),
                ((2, 8, 8, 512, 512, 64, 64), f16, {"causal": True}, ("drop",)),
                ((1, 4, 4, 4096, 4096, 128, 128), f16, {"causal": True}, ()), ((8, 8, 8, 128, 128, 64, 64), f32, {}, ()),
-               ((2, 4, 4, 256, 256, 64, 64), f16, {}, ("addmask",))]
+               ((2, 4, 4, 256, 256, 64, 64), f16, {}, ("addmask",)),
+               ((1, 16, 16, 1024, 1024, 128, 128), f16, {"fill": -1e4, "fill_in_mask": True}, ("addmask", "stats"))]
+    cs += [((2, 4, 4, 129, 129, 64, 64), f32, {"fill": -1e4, "fill_in_mask": True}, ("addmask",))]
     # logit soft-capping (Gemma 2: head dim 256, GQA, causal; with and without the forward's statistics), and
     # the same head dim without the cap
     cs += [((2, 4, 2, 129, 129, 64, 64), f32, {"softcap": 50.0}, ())]

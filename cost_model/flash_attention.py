@@ -191,26 +191,32 @@ LOGITS_ROUND_PASSES = 4
 
 
 def mask_passes(mask) -> int:
-    """Vector passes per score that apply ``mask``, its spec ``(shape, dtype)`` or ``(shape, dtype, add dtype)``
-    (None: no mask), restated from the kernel: a bool select or an fp32 add, 1; a 16-bit additive mask added in
-    fp32, 2 (its cast up, the add); added in its own dtype (``mask_add_dtype``), 3 (the scores cast down, the add,
-    the sum cast back up)."""
+    """Vector passes per score that apply ``mask``, its spec ``(shape, dtype)``, ``(shape, dtype, add dtype)`` or
+    ``(shape, dtype, add dtype, fill select)`` (None: no mask), restated from the kernel: a bool select or an fp32
+    add, 1; a 16-bit additive mask added in fp32, 2 (its cast up, the add); added in its own dtype
+    (``mask_add_dtype``), 3 (the scores cast down, the add, the sum cast back up); an additive mask whose filled
+    entries replace the scores (``fill_in_mask``), a compare and a select more."""
     if mask is None:
         return 0
     if mask[1] in ("bool", F32):
-        return 1
-    return 3 if len(mask) > 2 and mask[2] else 2
+        n = 1
+    else:
+        n = 3 if len(mask) > 2 and mask[2] else 2
+    return n + (2 if len(mask) > 3 and mask[3] and mask[1] != "bool" else 0)
 
 
-def with_add_dtype(mask, add_dtype, kernel: str):
+def with_add_dtype(mask, add_dtype, kernel: str, fill_select: bool = False):
     """The mask spec the models take: ``(shape, dtype)``, with ``add_dtype`` (a 16-bit additive mask added in its
-    dtype) ``(shape, dtype, add_dtype)``; the kernel's check of the pair restated."""
-    if add_dtype is None:
-        return mask if mask is None else (tuple(mask[0]), mask[1])
-    if add_dtype not in ("float16", "bfloat16") or mask is None or mask[1] != add_dtype:
+    dtype) ``(shape, dtype, add_dtype)``; the kernel's check of the pair restated. ``fill_select`` (an additive
+    mask, ``fill_in_mask``): ``(shape, dtype, add_dtype or None, True)``."""
+    if add_dtype is not None and (add_dtype not in ("float16", "bfloat16") or mask is None or mask[1] != add_dtype):
         raise ValueError(f"{kernel}: mask_add_dtype={add_dtype!r} needs an additive {add_dtype} mask, got "
                          f"{'no mask' if mask is None else mask[1]}")
-    return tuple(mask[0]), mask[1], add_dtype
+    if mask is None:
+        return None
+    if fill_select and mask[1] != "bool":
+        return tuple(mask[0]), mask[1], add_dtype, True
+    return (tuple(mask[0]), mask[1]) if add_dtype is None else (tuple(mask[0]), mask[1], add_dtype)
 
 
 @cached
@@ -1295,7 +1301,7 @@ def _search(device, specs, mask, causal, return_probs, drop=False, return_stats=
 def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                              fill=float("-inf"), empty_rows="zero", drop_mask=None, keep_prob=1.0, return_stats=False,
                              softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None,
-                             head_scale_dtype=None, logits_dtype=None):
+                             head_scale_dtype=None, logits_dtype=None, fill_in_mask=False):
     """``fill`` and ``empty_rows`` change values, not the work: the masked select writes ``fill`` instead of
     ``-inf`` and the final 1/l picks 0 or NaN for empty rows, in the same passes. ``drop_mask`` (its spec):
     dropout on the probabilities, one keep bit per score read and one select pass (``keep_prob`` only
@@ -1309,7 +1315,8 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     ``head_scale``: a per-head factor, the same multiply as the scale (N values loaded: not counted);
     ``head_scale_dtype``: that product in 16 bits, the scores and the product rounded (four passes per score more).
     ``logits_dtype``: eager's 16-bit scores and its 16-bit logits before the softmax, each rounded (four passes per
-    score more)."""
+    score more). ``fill_in_mask`` (an additive mask): its filled entries take the fill, a compare and a select per
+    score more."""
     window = int(window or 0)
     drop = drop_mask is not None
     extra = (SOFTCAP_PASSES if softcap is not None else 0) + (HEAD_ROUND_PASSES if head_scale_dtype is not None else 0)
@@ -1317,7 +1324,7 @@ def estimate_flash_attention(dev, specs, mask=None, scale=None, causal=False, re
     specs = tuple(specs[:3])
     if len(specs) > 3 and mask is None:
         mask = specs[3]
-    mask = with_add_dtype(mask, mask_add_dtype, "flash_attention")
+    mask = with_add_dtype(mask, mask_add_dtype, "flash_attention", bool(fill_in_mask))
     if tiling is None:
         sinks = None if sinks is None else (tuple(sinks[0]), sinks[1])
         t, res = _search(dev.name, specs, mask, bool(causal), bool(return_probs), bool(drop), bool(return_stats),

@@ -1243,15 +1243,16 @@ def estimate_flash_attention_grad(dev, specs, mask=None, drop_mask=None, softmax
                                   scale=None, causal=False, keep_prob=1.0, fill=float("-inf"), empty_rows="zero",
                                   tiling=None, softcap=None, window=0, mask_add_dtype=None, fill_in_mask=False):
     """``specs``: q, k, v, out, dout. ``mask``/``drop_mask``: their specs; ``softmax_max`` given: no statistics
-    sweep. ``fill``/``empty_rows``/``scale``/``keep_prob``/``fill_in_mask`` change values, not the work (a finite
-    bool fill, or ``fill_in_mask``, adds the select that zeroes dS). ``softcap``: the cap's passes in both phases,
+    sweep. ``fill``/``empty_rows``/``scale``/``keep_prob`` change values, not the work (a finite bool fill adds
+    the select that zeroes dS); ``fill_in_mask`` (an additive mask): its filled entries take the fill in both
+    phases' recompute, a compare and a select per score more. ``softcap``: the cap's passes in both phases,
     its derivative's three in phase 2 and the tanh tile; its value changes values only. ``window`` (with
     ``causal``): a sliding window, the band's (query block, KV block) pairs only, those crossing its left edge with a
     compare and a select more. ``mask_add_dtype``: a 16-bit additive mask added in its dtype, as the forward adds it
     (one Vector pass per score more in both phases: the scores cast down, the add, the sum cast back up)."""
     window = int(window or 0)
     specs = tuple(specs[:5])
-    mask = with_add_dtype(mask, mask_add_dtype, "flash_attention_grad")
+    mask = with_add_dtype(mask, mask_add_dtype, "flash_attention_grad", bool(fill_in_mask))
     drop = drop_mask is not None
     stats = softmax_max is None
     cap = softcap is not None

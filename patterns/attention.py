@@ -22,8 +22,10 @@ is eager's sum entry for entry), and ``params["causal_value"]`` with ``params["c
 input) let the fused op run the causal kernel reading the bias alone in the kept tiles, where run-time bounds on the
 scores and on the bias (``score_bound``, ``bias_bound``) prove it exact
 (:func:`autofuse.ops.causal_bias_skip_is_exact`).
-Additive masks added *before* a ``masked_fill`` whose fill absorbs any score (fp32 ``finfo.min``: MPT's ALiBi
-bias, then its causal fill) are one additive mask ``where(keep, sum, fill)`` (``params["fill_last"]``).
+Additive masks added *before* a ``masked_fill`` with a finite fill (MPT's ALiBi bias, then its causal fill; a bias,
+then ``masked_fill(~keep, -1e9)``) are one additive mask ``where(keep, sum, fill)`` (``params["fill_last"]``), whose
+entries equal to the fill the kernel selects in place of the score (``fill_in_mask``), as ``masked_fill`` replaces
+it.
 ``params["mask_add_dtype"]``: the 16-bit dtype eager adds the additive mask in (scores and mask of that dtype), which
 the kernel then adds it in too, so that a score the mask absorbs takes its value (:func:`_mask_add_dtype`); None: an
 fp32 add (fp32 models, SDPA, whose CPU kernel adds in fp32, and a proven causal mask).
@@ -281,17 +283,11 @@ def _walk_scores(x, below: _Below, chain: set | None = None) -> _Scores | None:
         elif _added(x):
             if below.tensor_scale:
                 return None
-            fills = [f for _, kind, _, f in masks if kind == "bool" and f != -math.inf and f > ABSORBING_FILL]
-            if fills:                   # an additive mask, then a finite fill the kernel cannot reproduce by adding
-                below.why = (f"an additive mask, then a bool mask's fill {fills[0]:g}, which does not absorb the "
-                             f"{str(val(x).dtype).replace('torch.', '')} scores it replaces (s + fill != fill): on a "
-                             f"row every key of which is masked eager's softmax is uniform over the filled keys, the "
-                             f"kernel's, adding one mask, would not be")
-                return None
             if any(kind == "bool" and f != -math.inf for _, kind, _, f in masks):
-                # an additive mask, then a fill that absorbs any finite score (MPT: ALiBi, then
-                # masked_fill(causal, finfo.min)): one additive mask where(keep, sum, fill) says it exactly, a row
-                # the bias masks entirely attending to the filled keys as in eager
+                # an additive mask, then a finite fill (MPT: ALiBi, then masked_fill(causal, finfo.min); a bias, then
+                # masked_fill(~keep, -1e9)): one additive mask where(keep, sum, fill), whose entries equal to the fill
+                # the kernel selects in place of the score (fill_in_mask), says it exactly, a row the keep-mask
+                # masks entirely attending to the filled keys as in eager
                 below.fill_last = True
             for up, m, sign in _added(x):
                 if not val(m).is_floating_point() or shape(x) != shape(up):
@@ -674,6 +670,17 @@ def _finish(inputs, masks, core, anchor, scale, causal, q, k, v, rep, probs, emp
     if fill_last and any(kind == "additive" and float(torch.tensor(fill, dtype=val(m).dtype)) != fill
                          for m, kind, _, _ in terms if isinstance(m, fx.Node)):
         return _unsupported(inputs, core, anchor, q, "a fill the additive mask's dtype cannot hold")
+    if fill_last and fill > ABSORBING_FILL:
+        # the kernel marks a filled score by the fill's value in the one mask: an additive term that itself holds
+        # that value (a padding mask of -1e4 under a causal fill of -1e4) would be read as filled, which eager's
+        # s + fill is not on a row every key of which is masked
+        held = next((w for m, kind, factor, _ in terms if kind == "additive" and isinstance(m, fx.Node)
+                     for w in [_may_hold(m, fill, factor)] if w), None)
+        if held:
+            return _unsupported(inputs, core, anchor, q, (
+                f"an additive mask that may hold the fill {fill:g} itself ({held}), then that fill: the kernel, "
+                f"which selects the fill where the one mask holds it, would read such an entry as filled, and on a "
+                f"row every key of which is masked eager's softmax weighs s + fill there, not the fill"))
     guarded = guarded if len(terms) == 1 and not causal else None
     if causal and fill != -math.inf and (terms or fill > ABSORBING_FILL):
         # the kernel skips tiles above the diagonal; with a finite fill that is exact only when every row keeps
@@ -799,6 +806,54 @@ def _mask_add_dtype(terms, adds) -> torch.dtype | None:
                for m, factor in additive):
         return None
     return d
+
+
+#: ops whose output is computed from activations (a product over a dimension): a value equal to a fill after them
+#: is a coincidence, so :func:`_may_hold` does not look above them
+_COMPUTED = (aten.matmul.default, aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+             aten.linear.default, aten.einsum.default, aten.convolution.default)
+_HOLD_WALK = 2000       # nodes :func:`_may_hold` reads before it says "may" (a term it cannot see the end of)
+
+
+def _may_hold(m: fx.Node, fill: float, factor: float) -> str | None:
+    """Why the additive mask ``m`` (added with ``factor``) may hold ``fill`` at the softmax input, or None: it is
+    given as a floating-point input of the model, or built from a constant of that value (``(1 - keep) * -1e4``,
+    ``full(..., -1e4)``, ``masked_fill(..., -1e4)``), or reads a parameter or buffer that holds it now (an additive
+    mask kept as a buffer). A term computed from activations by a product (ALiBi from ``arange``, a position bias
+    from an embedding, ``q·posᵀ``) holds it only by coincidence."""
+    targets = {float(fill), float(fill) / factor if factor else float(fill)}
+
+    def close(x) -> bool:
+        return is_number(x) and not isinstance(x, bool) and any(
+            math.isclose(float(x), t, rel_tol=1e-3) for t in targets)
+
+    seen, todo = set(), [m]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > _HOLD_WALK:
+            return f"its computation is longer than {_HOLD_WALK} ops"
+        if n.op == "placeholder":
+            v = val(n)
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return f"it is the model's input {n.name}"
+            continue
+        if n.op == "get_attr":
+            t = getattr(n.graph.owning_module, n.target, None) if n.graph.owning_module is not None else None
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and any(
+                    bool(torch.isclose(t.detach().float(), torch.tensor(x), rtol=1e-3, atol=0.0).any())
+                    for x in targets):
+                return f"{n.target} holds it"
+            continue
+        if any(close(a) for a in (*n.args, *n.kwargs.values())) or \
+                any(close(a) for a in n.args if isinstance(a, (list, tuple)) for a in a):
+            return f"{n.name} is built from it"
+        if is_call(n, *_COMPUTED):
+            continue
+        todo.extend(n.all_input_nodes)
+    return None
 
 
 def _unsupported(inputs, core, anchor, q, why) -> Match:

@@ -20,7 +20,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                   out_order: list[int] | None = None, mask_keeps_nan: bool = False, softcap: float | None = None,
                   sinks: torch.Tensor | None = None,
                   mask_add_dtype: torch.dtype | None = None,
-                  fill_in_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:   # (a backward flag)
+                  fill_in_mask: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -34,6 +34,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         s = (torch.where(mask, s, s + f) if mask_keeps_nan else s.masked_fill(~mask, f)) \
             if mask.dtype == torch.bool else (s + mask.float() if mask_add_dtype is None else
                                               (s.to(mask_add_dtype) + mask.to(mask_add_dtype)).float())
+        if fill_in_mask and mask.dtype != torch.bool:    # the mask's entries equal to the fill replace the score
+            f = float(torch.tensor(f, dtype=mask.dtype))
+            s = torch.where(mask == f, f, s)
     if causal:
         s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
     if sinks is not None:

@@ -1,5 +1,6 @@
 """The attention family: every spelling the variant generator knows is matched once and the rewrite
 equals eager; near-misses are rejected, each in its own test."""
+import copy
 import dataclasses
 import math
 import random
@@ -730,13 +731,92 @@ def test_a_16_bit_bias_then_a_keep_mask_is_priced_as_the_mask_the_kernel_reads(d
     assert ok, (err, tol)
 
 
-def test_near_miss_additive_mask_then_a_fill_that_does_not_absorb():
-    # -1e4 added to a score is not -1e4: the fill cannot be written as an additive mask; the block is reported
-    q, k, v = _args(AttentionVariant())
-    bias = torch.randn(1, N, 1, S)
-    found = find_attention(canonicalize(capture(AddThenFill(-1e4), (q, k, v, bias)).graph_module))
-    assert [m.params.get("unsupported", "")[:55] for m in found] == \
-        ["an additive mask, then a bool mask's fill -10000, which"]
+class LearnedBiasThenKeep(nn.Module):
+    """A learned position bias (a parameter), then ``masked_fill(~keep, fill)``: a hand-written model's order."""
+
+    def __init__(self, fill, heads=N, seq=S):
+        super().__init__()
+        self.fill = fill
+        self.bias = nn.Parameter(torch.randn(1, heads, seq, seq, generator=torch.Generator().manual_seed(8)))
+
+    def forward(self, q, k, v, keep):
+        s = (q @ k.transpose(-2, -1)) * 0.25 + self.bias
+        return torch.softmax(s.masked_fill(~keep, self.fill), -1) @ v
+
+
+@pytest.mark.parametrize("fill", [-1e4, -1e9])
+def test_a_learned_bias_then_a_fill_that_does_not_absorb_trains_as_eager_on_rows_that_see_no_key(fill):
+    """-1e4 added to a score is not -1e4: the one mask ``where(keep, bias, fill)`` is read with ``fill_in_mask``, the
+    kernel selecting the fill where the mask holds it (such a block was reported unsupported before: the kernel only
+    added). A left-padded row sees no key and is uniform over the filled keys, as eager's; the output and the
+    gradients of q, k, v and the bias within the verifier's bound of float64."""
+    from autofuse import AutoFusionEngine
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, N, S, 16, generator=g) for _ in range(3))
+    keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S).clone()
+    keep[1, :, :, :3] = False                       # sequence 1 left-padded by three: queries 0-2 see no key
+    model = LearnedBiasThenKeep(fill).train()
+    with torch.enable_grad():
+        fused = AutoFusionEngine.fuse(model, ((q, k, v, keep), {}))
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert d.applied and d.params["fill_last"] and d.params["fill"] == fill, fused.report.summary()
+    calls = [n for p in fused.plans.values() for n in p.graph_module.graph.nodes
+             if n.target is torch.ops.autofuse.flash_attention.default]
+    assert len(calls) == 1 and calls[0].kwargs.get("fill_in_mask") is True
+    runs = []
+    for f, dt in ((fused, torch.float32), (model, torch.float32), (model, torch.float64)):
+        m = model if dt == torch.float32 else copy.deepcopy(model).double()
+        m.zero_grad()
+        xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        out = (fused if f is fused else m)(*xs, keep)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dt)
+        (out * w).sum().backward()
+        runs.append([out.detach()] + [x.grad for x in xs] + [m.bias.grad.clone()])
+    uniform = v[1].mean(-2, keepdim=True).expand(N, 3, 16)        # every key filled: eager's weights are uniform
+    assert torch.allclose(runs[1][0][1, :, :3], uniform, atol=1e-6), "the test needs rows that see no key"
+    for name, got, want, exact in zip(("out", "dq", "dk", "dv", "dbias"), *runs):
+        ok, err, tol = compare(want, exact, got)
+        assert ok, (name, err, tol)
+
+
+class InputMaskThenFill(nn.Module):
+    """An additive mask, then a causal fill of the same value: as an input, built from that constant, or a buffer."""
+
+    def __init__(self, kind, fill=-1e4):
+        super().__init__()
+        self.kind, self.fill = kind, fill
+        self.register_buffer("pad", torch.zeros(1, 1, 1, S).index_fill(-1, torch.tensor([0, 1]), fill))
+
+    def forward(self, q, k, v, m):
+        if self.kind == "built":
+            m = (1.0 - m) * self.fill                   # a 0/1 keep mask made additive: -1e4 where it masks
+        elif self.kind == "buffer":
+            m = self.pad
+        s = (q @ k.transpose(-2, -1)) * 0.25 + m
+        return torch.softmax(s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), self.fill), -1) @ v
+
+
+@pytest.mark.parametrize("kind", ["input", "built", "buffer"])
+def test_near_miss_an_additive_mask_that_may_hold_the_fill_then_that_fill(kind):
+    """The kernel marks a filled score by the fill's value in the one mask; an additive mask of that same value
+    (a padding mask of -1e4 under a causal fill of -1e4) would be read as filled, and a left-padded row, every key
+    of which is masked, is eager's softmax of s + fill there, not uniform. Reported unsupported, naming why; the
+    model's output is eager's on such rows."""
+    from autofuse import AutoFusionEngine
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, N, S, 16, generator=g) for _ in range(3))
+    keep = torch.ones(B, 1, 1, S)
+    keep[1, ..., :2] = 0                            # sequence 1 left-padded by two
+    m = keep if kind == "built" else (1.0 - keep) * -1e4
+    model = InputMaskThenFill(kind).eval()
+    fused = AutoFusionEngine.fuse(model, ((q, k, v, m), {}))
+    (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
+    assert d.reason_code == "unsupported" and "may hold the fill -10000 itself" in d.reason, fused.report.summary()
+    with torch.no_grad():
+        want, got = model(q, k, v, m), fused(q, k, v, m)
+        exact = model.double()(*(t.double() for t in (q, k, v, m)))
+    ok, err, tol = compare(want, exact, got)
+    assert ok, (err, tol)
 
 
 class FillThenBias(nn.Module):
@@ -782,8 +862,9 @@ def test_near_miss_a_finite_fill_then_a_bias_is_reported_unsupported(fill):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_alibi_and_fill_last_forms_in_low_precision(ref_op, dtype):
-    """BLOOM's baddbmm bias in bf16 and fp16, and MPT's bias-then-fill in bf16 (its finfo.min absorbs a score;
-    fp16's -65504 does not, so that form is left unmatched there): within the verifier's bound of float64."""
+    """BLOOM's baddbmm bias in bf16 and fp16, and MPT's bias-then-fill in bf16 (its finfo.min absorbs a score; in
+    fp16 -65504 does not, and the bias, an input here, may hold it, so that form is left unfused there): within the
+    verifier's bound of float64."""
     q, k, v = (t.to(dtype) for t in _args(AttentionVariant()))
     slopes = 2.0 ** -torch.arange(1, N + 1, dtype=torch.float32)
     alibi = (slopes[:, None] * torch.arange(S)[None, :]).repeat(B, 1)[:, None, :].to(dtype)

@@ -498,11 +498,13 @@ def test_phimoe_trains_fused_with_its_router_function_kept(route):
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_fp16_mpt_attention_is_reported_with_the_reason_and_its_softmax_fused():
+def test_fp16_mpt_attention_fuses_with_the_kernel_selecting_its_fill():
     """MPT in fp16 adds its fp32 ALiBi bias to fp16 scores (fp32 logits) and fills the masked ones with fp16's
     ``finfo.min``, -65504, which a fp32 score added to it does not vanish into: a left-padded query's row, every key
-    masked, is uniform in eager and would not be in the kernel, which adds one mask. The report says so for each
-    block; the softmax with its masks fuses alone (its program selects the fill), and the output is eager's."""
+    masked, is uniform in eager. The kernel reads one mask ``where(keep, bias, fill)`` and selects the fill where
+    the mask holds it (``fill_in_mask``), so every block fuses as attention (before that select each was reported
+    unsupported and only its softmax fused), and the output is eager's within the verifier's bound, the padded rows
+    included."""
     torch.manual_seed(0)
     model, (ids,), kwargs = _mpt()
     model = model.to(torch.float16).eval()
@@ -511,9 +513,10 @@ def test_fp16_mpt_attention_is_reported_with_the_reason_and_its_softmax_fused():
     kwargs = dict(kwargs, attention_mask=mask)
     fused = AutoFusionEngine.fuse(model, ((ids,), kwargs))
     attention = fused.report.of("attention")
-    assert [d.reason_code for d in attention] == ["unsupported"] * LAYERS, fused.report.summary()
-    assert all("does not absorb the float32 scores" in d.reason for d in attention)
-    assert [d.reason_code for d in fused.report.of("softmax")] == ["fused"] * LAYERS, fused.report.summary()
+    assert [d.reason_code for d in attention] == ["fused"] * LAYERS, fused.report.summary()
+    calls = [n for p in fused.plans.values() for n in p.graph_module.graph.nodes
+             if n.target is torch.ops.autofuse.flash_attention.default]
+    assert len(calls) == LAYERS and all(n.kwargs.get("fill_in_mask") for n in calls)
     with torch.no_grad():
         want, got = main_output(model(ids, **kwargs)), main_output(fused(ids, **kwargs))
         ref = main_output(copy.deepcopy(model).double()(ids, **kwargs))

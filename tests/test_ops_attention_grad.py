@@ -257,13 +257,15 @@ def _bias_then_fill64(q, k, v, bias, keep, fill):
 
 
 @pytest.mark.parametrize("device", ["ascend910", "ascend910b", "ascend310p"])
-@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf")])
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, float("-inf"), -1e4, -1e9])
 @pytest.mark.parametrize("host", [False, True])
 def test_a_bool_mask_combined_with_a_bias_passes_no_gradient_through_its_filled_scores(device, fill, host):
     """A bool and an additive mask combined into one (``where(keep, bias, fill)``, ``fill_in_mask``): the filled
     scores are constants, as ``masked_fill``'s backward makes them. On a row whose every key is masked (a left-padded
     query) P is not 0 there (uniform with a finite fill), so without the flag dq of that row and every dk would get
-    a gradient eager does not give. The kernel and the host recompute (a bias that requires grad) both."""
+    a gradient eager does not give. The kernel and the host recompute (a bias that requires grad) both. A fill the
+    scores do not vanish into (-1e4, -1e9: ``s + fill != fill``) is selected in place of the score, in the forward
+    and in the backward's recompute: the output too is eager's."""
     q, k, v = _qkv(1, 2, 2, 24, 16, torch.float32, seed=6)
     g = torch.Generator().manual_seed(7)
     bias = torch.randn(1, 2, 24, 24, generator=g).requires_grad_(host)
@@ -272,11 +274,13 @@ def test_a_bool_mask_combined_with_a_bias_passes_no_gradient_through_its_filled_
     combined = torch.where(keep, bias, fill)
     go = torch.randn(1, 2, 24, 16, generator=g)
     with recording() as log:
-        flash_attention(q, k, v, mask=combined, fill=fill, fill_in_mask=True, device=device,
-                        empty_rows="nan").backward(go)          # eager softmax: a row of -inf is NaN
+        out = flash_attention(q, k, v, mask=combined, fill=fill, fill_in_mask=True, device=device,
+                              empty_rows="nan")                 # eager softmax: a row of -inf is NaN
+        out.backward(go)
     assert ("flash_attention_grad" in [name for name, _ in log]) != host
-    want = torch.autograd.grad(_bias_then_fill64(q, k, v, bias, keep, fill), (q, k, v), go.double(),
-                               allow_unused=True)
+    out64 = _bias_then_fill64(q, k, v, bias, keep, fill)
+    torch.testing.assert_close(out.detach().double().nan_to_num(), out64.detach().nan_to_num(), atol=1e-5, rtol=1e-4)
+    want = torch.autograd.grad(out64, (q, k, v), go.double(), allow_unused=True)
     assert bool(torch.isfinite(want[0]).all()) and not bool(want[0][:, :, :3].any()), "the test needs such rows"
     for name, a, b in zip("qkv", (q.grad, k.grad, v.grad), want):
         if fill == float("-inf") and name == "v":

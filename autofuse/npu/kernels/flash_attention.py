@@ -85,8 +85,9 @@ with no key give 0 probabilities (NaN with ``empty_rows="nan"``).
 Vector work counted per S element: scale, max, sub, exp, sum, cast (six fp32 passes; fp32 operands
 skip the cast), eight more with ``softcap`` (``1/c``, tanh's six, ``c``), plus :func:`mask_passes` for a mask
 (a bool select or an fp32 add: one; an fp16/bf16 additive mask: cast and add, two; added in its dtype: cast down,
-add, cast up, three), two on causal diagonal tiles (an index compare and a select), one for dropout (a select by the
-keep bits); per tile the O update costs two passes over ``[rows, Dv]``.
+add, cast up, three; ``fill_in_mask``, the filled entries' compare and select, two more), two on causal diagonal
+tiles (an index compare and a select), one for dropout (a select by the keep bits); per tile the O update costs two
+passes over ``[rows, Dv]``.
 
 Dropout (``drop_mask``, FlashAttentionScore's ``drop_mask`` input with ``keep_prob``): the keep bits of each
 row block are loaded with its S (``rows x kv / 8`` bytes), and after the row sum (the softmax denominator is
@@ -166,15 +167,25 @@ def round_to(x: np.ndarray, dtype: str, out: np.ndarray, tmp: np.ndarray, nonneg
         np.copyto(out, np.copysign(np.float32(np.inf), x), where=np.abs(out) > _FP16_MAX)
 
 
-def mask_passes(mask_dtype: str | None, add_dtype: str | None = None) -> int:
+def mask_passes(mask_dtype: str | None, add_dtype: str | None = None, fill_select: bool = False) -> int:
     """Vector passes per score that apply a mask of ``mask_dtype`` (None: no mask): a bool select or an fp32 add,
     1; a 16-bit additive mask added in fp32, 2 (its cast up, the add); added in its own dtype (``add_dtype``), 3
-    (the scores cast down, the add, the sum cast back up)."""
+    (the scores cast down, the add, the sum cast back up). ``fill_select`` (an additive mask's entries equal to the
+    fill replace the score, ``fill_in_mask``): a compare and a select more."""
     if mask_dtype is None:
         return 0
     if mask_dtype in ("bool", "float32"):
-        return 1
-    return 3 if add_dtype is not None else 2
+        n = 1
+    else:
+        n = 3 if add_dtype is not None else 2
+    return n + (2 if fill_select and mask_dtype != "bool" else 0)
+
+
+def filled_value(fill, mask_dtype: str):
+    """The value an additive mask of ``mask_dtype`` holds where a bool mask combined into it filled (``fill`` as
+    that dtype rounds it: ``finfo(float32).min`` in a 16-bit mask is -inf, as torch rounds it)."""
+    with np.errstate(over="ignore"):
+        return np.float32(to_dtype(np.float32(fill), mask_dtype))
 
 
 def check_mask_add(kernel: str, mask, add_dtype) -> str | None:
@@ -436,7 +447,7 @@ def _mask_view(mask: GMTensor, B, N, Sq, Skv):
 def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return_probs=False, tiling=None,
                     fill=float("-inf"), empty_rows="zero", mask_keeps_nan=False, drop_mask=None, keep_prob=1.0,
                     return_stats=False, softcap=None, sinks=None, window=0, mask_add_dtype=None, head_scale=None,
-                    head_scale_dtype=None, logits_dtype=None):
+                    head_scale_dtype=None, logits_dtype=None, fill_in_mask=False):
     """Fused attention (see the module docstring). Returns ``out`` in q's dtype, then ``probs`` (q's dtype)
     with ``return_probs``, then ``softmax_max`` and ``softmax_sum`` (fp32 ``[B, N, Sq]``) with ``return_stats``.
 
@@ -459,6 +470,11 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     before the multiply and the product after it (four passes more: each rounding a cast down and up).
     ``logits_dtype`` (q's 16-bit dtype): the scores rounded to it as eager's matmul returns them, and the scaled,
     masked logits rounded to it before the softmax (module docstring; four passes more).
+    ``fill_in_mask`` (an additive mask that is a bool mask and additive terms combined, ``where(keep, terms,
+    fill)``): the mask's entries equal to ``fill`` (as the mask's dtype holds it) are scores the bool mask filled,
+    which take ``fill`` in place of ``score + fill``, as ``masked_fill`` replaces them (a fill the scores do not
+    vanish into, -1e4, -1e9 or fp16's -65504 in fp32 scores: a row every key of which is filled is uniform, as
+    eager's): a compare and a select per score more.
     """
     dev = launch.device
     check_operands("flash_attention", (("q", q), ("k", k), ("v", v)))
@@ -500,6 +516,8 @@ def flash_attention(launch, q, k, v, mask=None, scale=None, causal=False, return
     prog.mask_add = mask_add_dtype
     if mask_add_dtype is not None:          # numpy scratch of the add's casts (the hardware casts in place)
         prog.tmp2 = np.empty_like(prog.tmp)
+    if fill_in_mask and mask is not None and mask.dtype != "bool":
+        prog.fill_in_mask = filled_value(fill, mask.dtype)
     if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"flash_attention: softcap={softcap}; it must be a positive finite number or None")
     prog.softcap = None if softcap is None else np.float32(softcap)
@@ -762,6 +780,7 @@ class _Program:
         self.stats_end = np.zeros(self.nv)
         self.drop, self.inv_keep = None, np.float32(1.0)       # dropout keep-mask, set by the caller
         self.mask_add = None            # the 16-bit dtype an additive mask is added in (None: fp32), set by the caller
+        self.fill_in_mask = None        # an additive mask's value marking a bool-filled score (the caller's)
         self.return_stats = return_stats
 
     # ---------------------------------------------------------------- helpers
@@ -1011,7 +1030,8 @@ class _Program:
                  slice(ql[c] + ol[c], ql[c] + ol[c] + rl[c]) if mr != 1 else slice(0, 1),
                  slice(kl0[c], kl0[c] + kl[c]) if mc != 1 else slice(0, 1)) if ract[c] else None
                 for c in range(self.nv)]), name="load mask")
-            passes += mask_passes(self.mask.dtype, self.mask_add)   # select / (cast and) add / cast, add, cast
+            passes += mask_passes(self.mask.dtype, self.mask_add, self.fill_in_mask is not None)
+            #                         select / (cast and) add / cast, add, cast; the filled entries' compare, select
             reads.append(mt)
         if dt_ is not None:
             passes += 1                                     # select by the keep bits
@@ -1058,6 +1078,8 @@ class _Program:
                     add_in_dtype(x, mt.data[cs], self.mask_add, tmp[cs], self.tmp2[cs])
                 else:
                     np.add(x, mt.data[cs], out=x)
+                if self.fill_in_mask is not None:   # a filled score is the fill, as masked_fill makes it
+                    np.copyto(x, self.fill_in_mask, where=mt.data[cs] == self.fill_in_mask)
             if self.logits_round is not None:       # the logits cast down once before the softmax, as eager's
                 round_in_place(x, self.logits_round, tmp[cs], self.tmp2[cs])
             if padcols:                   # key columns past the end of K (zero-padded tile): after the mask,

@@ -62,8 +62,8 @@ blocks as the forward does.
 
 Vector passes per score (fp32, 64 lanes a repeat, per-row repeats): scale, sub m, exp, mul 1/l, sub Dr,
 mul P, mul scale (7), + mask (bool select, fp32 add: 1; fp16/bf16 additive: cast and add, 2; added in its
-dtype: cast down, add, cast up, 3; a bool mask with a finite fill, or ``fill_in_mask``: 1 more, the select that zeroes
-dS), + causal diagonal
+dtype: cast down, add, cast up, 3; ``fill_in_mask``: 2 more, the compare and the select that give a filled score the
+fill; a bool mask with a finite fill, or ``fill_in_mask``: 1 more, the select that zeroes dS), + causal diagonal
 tiles (compare, select: 2), + dropout (select and scale on P and on dP: 4), + casts of Pd and dS (2,
 fp16/bf16). Phase 1 as the forward's first sweep: scale, [mask], [causal], max, sub, exp, sum.
 
@@ -81,12 +81,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from autofuse.npu.dtypes import itemsize, to_dtype
+from autofuse.npu.dtypes import itemsize
 from autofuse.npu.kernels.dropout import unpack_keep
 from autofuse.npu.kernels.flash_attention import (SOFTCAP_PASSES, _as_f32, _check_drop, _counts, _schedule,
                                                   add_in_dtype, band_edge, check_fill, check_mask_add, check_operands, check_window,
-                                                  core_groups, fitted_counts, mask_outside_band, mask_passes,
-                                                  mask_with_spec, round_to, window_tiles)
+                                                  core_groups, filled_value, fitted_counts, mask_outside_band,
+                                                  mask_passes, mask_with_spec, round_to, window_tiles)
 from autofuse.npu.kernels.moe_routing import _AtomicAdd
 from autofuse.npu.run import kernel
 
@@ -325,8 +325,7 @@ def flash_attention_grad(launch, q, k, v, out, dout, mask=None, drop_mask=None, 
     prog.mask_add = mask_add_dtype
     prog.fill_in_mask = None
     if fill_in_mask and mask is not None and mask.dtype != "bool":
-        with np.errstate(over="ignore"):           # finfo(float32).min in a 16-bit mask: -inf, as torch rounds it
-            prog.fill_in_mask = np.float32(to_dtype(np.float32(fill), mask.dtype))
+        prog.fill_in_mask = filled_value(fill, mask.dtype)
     return prog.run()
 
 
@@ -563,6 +562,8 @@ class _Program:
                 add_in_dtype(x, mt.data[cs], self.mask_add, np.empty_like(x), np.empty_like(x))
             else:
                 np.add(x, mt.data[cs], out=x)
+            if self.fill_in_mask is not None:   # a filled score is the fill, as the forward makes it
+                np.copyto(x, self.fill_in_mask, where=mt.data[cs] == self.fill_in_mask)
         np.copyto(x, _NEG_INF, where=self.col[None, None, :] >= kext[cs, None, None])
         mask_outside_band(x, vq0[cs], k0[cs], self.rowi, self.col, causal_rows, self.window if band else 0)
 
@@ -581,7 +582,7 @@ class _Program:
         rr = vg.row_repeats(rows, kext, F32) * ract
         passes = base + (SOFTCAP_PASSES if self.softcap is not None else 0)
         if self.mask is not None:
-            passes += mask_passes(self.mask.dtype, self.mask_add)
+            passes += mask_passes(self.mask.dtype, self.mask_add, self.fill_in_mask is not None)
         return rr * passes + rr * partial * 2 + rr * edge * 2
 
     def _online_stats(self, S, st, s, qext, kext, work, q0, k0):
