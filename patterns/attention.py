@@ -841,11 +841,12 @@ def _may_hold(m: fx.Node, fill: float, factor: float) -> str | None:
                 return f"it is the model's input {n.name}"
             continue
         if n.op == "get_attr":
-            t = getattr(n.graph.owning_module, n.target, None) if n.graph.owning_module is not None else None
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and any(
-                    bool(torch.isclose(t.detach().float(), torch.tensor(x), rtol=1e-3, atol=0.0).any())
-                    for x in targets):
-                return f"{n.target} holds it"
+            t = _attribute(n)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                if t.device.type == "meta":
+                    return f"{n.target}'s values are not known when planning (meta)"
+                if _holds(t.detach(), targets):
+                    return f"{n.target} holds it"
             continue
         if any(close(a) for a in (*n.args, *n.kwargs.values())) or \
                 any(close(a) for a in n.args if isinstance(a, (list, tuple)) for a in a):
@@ -854,6 +855,25 @@ def _may_hold(m: fx.Node, fill: float, factor: float) -> str | None:
             continue
         todo.extend(n.all_input_nodes)
     return None
+
+
+def _attribute(n: fx.Node):
+    """The module attribute a ``get_attr`` node reads (a dotted path), or None."""
+    obj = n.graph.owning_module
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _holds(t: torch.Tensor, targets) -> bool:
+    """Whether ``t`` holds a value within 0.1 % of one of ``targets``, read in blocks (an embedding table may be
+    large)."""
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), PROOF_CHUNK):
+        block = flat[i:i + PROOF_CHUNK].float()
+        if any(bool(torch.isclose(block, torch.tensor(x), rtol=1e-3, atol=0.0).any()) for x in targets):
+            return True
+    return False
 
 
 def _unsupported(inputs, core, anchor, q, why) -> Match:

@@ -785,13 +785,14 @@ class InputMaskThenFill(nn.Module):
     def __init__(self, kind, fill=-1e4):
         super().__init__()
         self.kind, self.fill = kind, fill
-        self.register_buffer("pad", torch.zeros(1, 1, 1, S).index_fill(-1, torch.tensor([0, 1]), fill))
+        self.holder = nn.Module()                       # a buffer of a submodule: a dotted attribute
+        self.holder.register_buffer("pad", torch.zeros(1, 1, 1, S).index_fill(-1, torch.tensor([0, 1]), fill))
 
     def forward(self, q, k, v, m):
         if self.kind == "built":
             m = (1.0 - m) * self.fill                   # a 0/1 keep mask made additive: -1e4 where it masks
         elif self.kind == "buffer":
-            m = self.pad
+            m = self.holder.pad
         s = (q @ k.transpose(-2, -1)) * 0.25 + m
         return torch.softmax(s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), self.fill), -1) @ v
 
@@ -811,7 +812,9 @@ def test_near_miss_an_additive_mask_that_may_hold_the_fill_then_that_fill(kind):
     model = InputMaskThenFill(kind).eval()
     fused = AutoFusionEngine.fuse(model, ((q, k, v, m), {}))
     (d,) = [d for d in fused.report.decisions if d.pattern == "attention"]
-    assert d.reason_code == "unsupported" and "may hold the fill -10000 itself" in d.reason, fused.report.summary()
+    why = {"input": "it is the model's input", "built": "is built from it", "buffer": "holder.pad holds it"}[kind]
+    assert d.reason_code == "unsupported" and "may hold the fill -10000 itself" in d.reason and why in d.reason, \
+        fused.report.summary()
     with torch.no_grad():
         want, got = model(q, k, v, m), fused(q, k, v, m)
         exact = model.double()(*(t.double() for t in (q, k, v, m)))
