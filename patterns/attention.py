@@ -89,6 +89,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from autofuse.canonicalize import LARGEST_CONSTANT, evaluate_constant
 from autofuse.graph import arg, is_call, is_number, keep_mask_order, last_dim_slice, shape, val
@@ -818,9 +819,9 @@ _HOLD_WALK = 2000       # nodes :func:`_may_hold` reads before it says "may" (a 
 def _may_hold(m: fx.Node, fill: float, factor: float) -> str | None:
     """Why the additive mask ``m`` (added with ``factor``) may hold ``fill`` at the softmax input, or None: it is
     given as a floating-point input of the model, or built from a constant of that value (``(1 - keep) * -1e4``,
-    ``full(..., -1e4)``, ``masked_fill(..., -1e4)``), or reads a parameter or buffer that holds it now (an additive
-    mask kept as a buffer). A term computed from activations by a product (ALiBi from ``arange``, a position bias
-    from an embedding, ``q·posᵀ``) holds it only by coincidence."""
+    ``full(..., -1e4)``, ``masked_fill(..., -1e4)``), or reads a parameter or buffer (a value the user may set to it
+    after planning: read when planning, it would be baked into the plan). A term computed by a product (ALiBi's
+    distances times slopes from ``arange``, ``q·posᵀ``) holds it only by coincidence."""
     targets = {float(fill), float(fill) / factor if factor else float(fill)}
 
     def close(x) -> bool:
@@ -835,45 +836,19 @@ def _may_hold(m: fx.Node, fill: float, factor: float) -> str | None:
         seen.add(n)
         if len(seen) > _HOLD_WALK:
             return f"its computation is longer than {_HOLD_WALK} ops"
+        if n.op == "get_attr":
+            return f"it reads {n.target}, a parameter or buffer the model may set to it"
         if n.op == "placeholder":
             v = val(n)
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 return f"it is the model's input {n.name}"
             continue
-        if n.op == "get_attr":
-            t = _attribute(n)
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                if t.device.type == "meta":
-                    return f"{n.target}'s values are not known when planning (meta)"
-                if _holds(t.detach(), targets):
-                    return f"{n.target} holds it"
-            continue
-        if any(close(a) for a in (*n.args, *n.kwargs.values())) or \
-                any(close(a) for a in n.args if isinstance(a, (list, tuple)) for a in a):
+        if any(close(a) for a in pytree.tree_leaves((n.args, n.kwargs))):
             return f"{n.name} is built from it"
         if is_call(n, *_COMPUTED):
             continue
         todo.extend(n.all_input_nodes)
     return None
-
-
-def _attribute(n: fx.Node):
-    """The module attribute a ``get_attr`` node reads (a dotted path), or None."""
-    obj = n.graph.owning_module
-    for part in str(n.target).split("."):
-        obj = getattr(obj, part, None)
-    return obj
-
-
-def _holds(t: torch.Tensor, targets) -> bool:
-    """Whether ``t`` holds a value within 0.1 % of one of ``targets``, read in blocks (an embedding table may be
-    large)."""
-    flat = t.reshape(-1)
-    for i in range(0, flat.numel(), PROOF_CHUNK):
-        block = flat[i:i + PROOF_CHUNK].float()
-        if any(bool(torch.isclose(block, torch.tensor(x), rtol=1e-3, atol=0.0).any()) for x in targets):
-            return True
-    return False
 
 
 def _unsupported(inputs, core, anchor, q, why) -> Match:
